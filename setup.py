@@ -1,0 +1,42 @@
+"""megatron-fp4: Megatron-style FP4 MoE training with MoEResQ, for RL post-training."""
+from setuptools import find_packages, setup
+
+# torch is a range, not a pin: GPU users bring their own CUDA build. The README and .ci/run
+# install torch==2.13.0 (the CPU build) first so that pip never pulls a CUDA wheel here.
+INSTALL_REQUIRES = [
+    "torch>=2.9,<2.15",
+    "numpy>=1.24",
+    "pyyaml>=6.0",
+    "safetensors>=0.4",
+    "tensorboard>=2.14",
+    "tqdm>=4.60",
+    "matplotlib>=3.7",
+]
+
+EXTRAS = {
+    "hf": ["transformers>=4.51"],
+    "verl": ["verl>=0.5", "fastapi", "uvicorn"],
+    "megatron": ["megatron-core>=0.12"],
+}
+EXTRAS["test"] = ["pytest>=7", "pytest-timeout"] + EXTRAS["hf"] + EXTRAS["verl"]
+
+setup(
+    name="megatron-fp4",
+    version="0.1.0",
+    description="FP4 MoE training (MoEResQ, interleaved 1F1B, ZeRO, GC-MoE) with a verl rollout bridge",
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    license="Apache-2.0",
+    python_requires=">=3.10",
+    packages=find_packages(include=["megatron_fp4", "megatron_fp4.*"]),
+    package_data={"megatron_fp4": ["configs/*.yaml"]},
+    install_requires=INSTALL_REQUIRES,
+    extras_require=EXTRAS,
+    entry_points={
+        "console_scripts": [
+            "megatron-fp4-train=megatron_fp4.train:main",
+            "megatron-fp4-demo=megatron_fp4.fp4.demo:main",
+        ]
+    },
+    classifiers=["License :: OSI Approved :: Apache Software License", "Programming Language :: Python :: 3"],
+)
