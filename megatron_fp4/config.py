@@ -1,0 +1,235 @@
+"""Typed configuration: dataclasses, YAML loading, dotted overrides and one `validate()`.
+
+Every field a user can set lives here. Unknown keys are errors (a typo must never be silently
+ignored) and `validate()` runs before any process group or tensor exists, naming the field, the
+value and the fix.
+
+    cfg = load_config("examples/configs/tiny_moe.yaml", overrides=["model.num_layers=4"])
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional, get_type_hints
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A user-facing configuration mistake; the message names the field and the fix."""
+
+
+@dataclass
+class ModelConfig:
+    vocab_size: int = 32
+    hidden_size: int = 64
+    num_layers: int = 4
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    head_dim: int = 16
+    max_seq_len: int = 256
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-6
+    # MoE
+    num_experts: int = 8
+    top_k: int = 2
+    moe_ffn_hidden_size: int = 64
+    norm_topk_prob: bool = True
+    num_shared_experts: int = 0
+    shared_expert_ffn_hidden_size: int = 64
+    # Layers given here are dense SwiGLU MLPs instead of MoE (e.g. [0] for a dense first layer).
+    dense_layers: list = field(default_factory=list)
+    dense_ffn_hidden_size: int = 128
+    router_aux_loss_coef: float = 0.01
+    router_z_loss_coef: float = 0.001
+    tie_embeddings: bool = False
+    init_std: float = 0.02
+
+
+@dataclass
+class FP4Config:
+    # Which linears are FP4: "experts" (expert fc1/fc2 and shared experts), "experts+attention"
+    # (adds q/k/v/o) or "none". Router, embeddings, norms and LM head are never quantized.
+    scope: str = "experts"
+    format: str = "nvfp4"  # nvfp4 | mxfp4
+    train_mode: str = "fp4_resq"  # bf16 | fp4 | fp4_resq
+    rollout_mode: str = "fp4_resq"
+    quantize_backward: bool = True
+    grad_rounding: str = "nearest"  # nearest | stochastic
+    seed: int = 0
+
+
+@dataclass
+class ParallelConfig:
+    pp: int = 1
+    dp: int = -1  # -1: whatever the world size leaves
+    ep: int = 1
+    tp: int = 1
+    virtual_stages: int = 1
+    schedule: str = "1f1b"  # gpipe | 1f1b | interleaved_1f1b
+    zero_stage: int = 1  # 0 (plain DDP-style all-reduce), 1 or 2
+    bucket_size_mb: float = 4.0
+    expert_dispatcher: str = "alltoall"  # alltoall | gcmoe
+    gcmoe_chunk_tokens: int = 64
+    gcmoe_transfer_sms: int = 20  # CUDA green-context split; ignored on CPU
+
+
+@dataclass
+class OptimizerConfig:
+    lr: float = 3e-3
+    min_lr: float = 3e-4
+    weight_decay: float = 0.01
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    clip_grad: float = 1.0
+
+
+@dataclass
+class ScheduleConfig:
+    train_steps: int = 200
+    warmup_steps: int = 20
+    global_batch_size: int = 16
+    micro_batch_size: int = 4
+    seq_len: int = 64
+    seed: int = 1234
+    nan_policy: str = "stop"  # stop | skip
+
+
+@dataclass
+class DataConfig:
+    kind: str = "arithmetic"  # arithmetic | megatron | numpy
+    path: Optional[str] = None
+    num_samples: int = 20000
+    max_operand: int = 99
+
+
+@dataclass
+class CheckpointConfig:
+    dir: Optional[str] = None
+    save_interval: int = 0  # 0: only at the end (when dir is set)
+    load: Optional[str] = None  # a checkpoint directory, or "auto" for the latest in `dir`
+
+
+@dataclass
+class LoggingConfig:
+    tensorboard_dir: Optional[str] = "runs/tiny_moe"
+    log_interval: int = 10
+    progress: bool = True
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    fp4: FP4Config = field(default_factory=FP4Config)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    device: str = "auto"  # auto | cpu | cuda
+    dtype: str = "fp32"  # fp32 | bf16 (bf16 = autocast on CUDA, bf16 params on CPU)
+
+    def validate(self, world_size: int = 1) -> "Config":
+        from megatron_fp4.config_validate import validate_config
+
+        validate_config(self, world_size)
+        return self
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def _coerce(value: Any, hint: Any, where: str) -> Any:
+    """Convert a YAML/CLI value to the annotated type, with an error naming the field."""
+    text_hint = str(hint)
+    if dataclasses.is_dataclass(hint):
+        if not isinstance(value, dict):
+            raise ConfigError(f"{where}: expected a mapping of fields, got {value!r}")
+        return _from_dict(hint, value, where)
+    if value is None:
+        if "Optional" in text_hint or "None" in text_hint:
+            return None
+        raise ConfigError(f"{where}: null is not allowed here; give a value of type {text_hint}")
+    base = hint
+    if "Optional[str]" in text_hint:
+        base = str
+    try:
+        if base is bool:
+            if isinstance(value, str) and value.lower() in ("true", "false", "1", "0"):
+                return value.lower() in ("true", "1")
+            if not isinstance(value, bool):
+                raise TypeError
+            return value
+        if base is int:
+            if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
+                raise TypeError
+            return int(value)
+        if base is float:
+            if isinstance(value, bool):
+                raise TypeError
+            return float(value)
+        if base is str:
+            return str(value)
+        if base is list:
+            if not isinstance(value, (list, tuple)):
+                raise TypeError
+            return list(value)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{where}={value!r}: expected {getattr(base, '__name__', text_hint)}") from None
+    return value
+
+
+def _from_dict(cls, data: dict, prefix: str = ""):
+    hints = get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - names)
+    if unknown:
+        where = f"{prefix}." if prefix else ""
+        raise ConfigError(
+            f"unknown config key(s) {[where + k for k in unknown]}; valid keys under "
+            f"'{prefix or '<top level>'}' are {sorted(names)} (check the spelling)"
+        )
+    kwargs = {k: _coerce(v, hints[k], f"{prefix}.{k}" if prefix else k) for k, v in data.items()}
+    return cls(**kwargs)
+
+
+def config_from_dict(data: dict) -> Config:
+    return _from_dict(Config, data or {})
+
+
+def apply_overrides(data: dict, overrides: list[str]) -> dict:
+    """Apply ``a.b.c=value`` overrides (value parsed as YAML) to a nested dict, in place."""
+    for item in overrides or []:
+        if "=" not in item:
+            raise ConfigError(f"override {item!r} must look like section.field=value, e.g. model.num_layers=4")
+        key, raw = item.split("=", 1)
+        parts = key.strip().split(".")
+        node = data
+        for part in parts[:-1]:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"override {item!r}: {part!r} is a value, not a section")
+        node[parts[-1]] = yaml.safe_load(raw) if raw.strip() != "" else None
+    return data
+
+
+def load_config(path: Optional[str | Path] = None, overrides: Optional[list[str]] = None) -> Config:
+    """Load a YAML config (or the defaults when path is None) and apply dotted overrides."""
+    data: dict = {}
+    if path is not None:
+        path = Path(path)
+        if not path.exists():
+            raise ConfigError(f"config file {str(path)!r} does not exist; pass an existing YAML file")
+        data = yaml.safe_load(path.read_text()) or {}
+        if not isinstance(data, dict):
+            raise ConfigError(f"config file {str(path)!r} must hold a mapping of sections at the top level")
+    apply_overrides(data, overrides or [])
+    return config_from_dict(data)
+
+
+def default_config_path() -> Path:
+    """The embedded default: the tiny FP4 MoE that trains on a laptop in minutes."""
+    return Path(__file__).parent / "configs" / "tiny_moe.yaml"

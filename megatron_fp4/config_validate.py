@@ -1,0 +1,154 @@
+"""`Config.validate()`: every check that can be made before a process group or tensor exists.
+
+Each error names the field, the value it has and what to do instead.
+"""
+from __future__ import annotations
+
+from megatron_fp4.config import Config, ConfigError
+
+_CHOICES = {
+    "fp4.scope": ("experts", "experts+attention", "none"),
+    "fp4.format": ("nvfp4", "mxfp4"),
+    "fp4.train_mode": ("bf16", "fp4", "fp4_resq"),
+    "fp4.rollout_mode": ("bf16", "fp4", "fp4_resq"),
+    "fp4.grad_rounding": ("nearest", "stochastic"),
+    "parallel.schedule": ("gpipe", "1f1b", "interleaved_1f1b"),
+    "parallel.zero_stage": (0, 1, 2),
+    "parallel.expert_dispatcher": ("alltoall", "gcmoe"),
+    "schedule.nan_policy": ("stop", "skip"),
+    "data.kind": ("arithmetic", "megatron", "numpy"),
+    "device": ("auto", "cpu", "cuda"),
+    "dtype": ("fp32", "bf16"),
+}
+
+
+def _get(cfg: Config, dotted: str):
+    node = cfg
+    for part in dotted.split("."):
+        node = getattr(node, part)
+    return node
+
+
+def _require(cond: bool, field: str, value, fix: str) -> None:
+    if not cond:
+        raise ConfigError(f"{field}={value!r}: {fix}")
+
+
+def resolve_dp(cfg: Config, world_size: int) -> int:
+    """Data-parallel size: explicit, or what the world leaves after pp and tp."""
+    p = cfg.parallel
+    if p.dp == -1:
+        _require(
+            world_size % (p.pp * p.tp) == 0, "parallel.pp", p.pp,
+            f"world size {world_size} is not divisible by pp×tp={p.pp * p.tp}; choose pp dividing the number of processes",
+        )
+        return world_size // (p.pp * p.tp)
+    return p.dp
+
+
+def validate_config(cfg: Config, world_size: int = 1) -> None:
+    for dotted, allowed in _CHOICES.items():
+        value = _get(cfg, dotted)
+        _require(value in allowed, dotted, value, f"must be one of {list(allowed)}")
+
+    m = cfg.model
+    for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
+                 "num_experts", "top_k", "moe_ffn_hidden_size", "max_seq_len"):
+        _require(getattr(m, name) > 0, f"model.{name}", getattr(m, name), "must be a positive integer")
+    _require(m.hidden_size % m.num_heads == 0, "model.hidden_size", m.hidden_size,
+             f"must be divisible by model.num_heads={m.num_heads}; change one of them")
+    _require(m.num_heads % m.num_kv_heads == 0, "model.num_kv_heads", m.num_kv_heads,
+             f"must divide model.num_heads={m.num_heads} (grouped-query attention shares each KV head)")
+    _require(m.head_dim % 2 == 0, "model.head_dim", m.head_dim, "must be even (rotary embeddings rotate pairs)")
+    _require(m.top_k <= m.num_experts, "model.top_k", m.top_k,
+             f"cannot exceed model.num_experts={m.num_experts}; lower top_k or add experts")
+    for layer in m.dense_layers:
+        _require(isinstance(layer, int) and 0 <= layer < m.num_layers, "model.dense_layers", m.dense_layers,
+                 f"entries must be layer indices in [0, {m.num_layers})")
+    _require(m.router_aux_loss_coef >= 0, "model.router_aux_loss_coef", m.router_aux_loss_coef, "must be >= 0")
+    _require(m.router_z_loss_coef >= 0, "model.router_z_loss_coef", m.router_z_loss_coef, "must be >= 0")
+    if cfg.data.kind == "arithmetic":
+        from megatron_fp4.training.data import ArithmeticTokenizer
+
+        need = ArithmeticTokenizer().vocab_size
+        _require(m.vocab_size >= need, "model.vocab_size", m.vocab_size,
+                 f"the embedded arithmetic tokenizer needs at least {need} tokens")
+
+    _validate_fp4_shapes(cfg)
+
+    s = cfg.schedule
+    _require(s.seq_len <= m.max_seq_len, "schedule.seq_len", s.seq_len,
+             f"exceeds model.max_seq_len={m.max_seq_len}; raise max_seq_len or shorten seq_len")
+    for name in ("train_steps", "global_batch_size", "micro_batch_size", "seq_len"):
+        _require(getattr(s, name) > 0, f"schedule.{name}", getattr(s, name), "must be a positive integer")
+    _require(0 <= s.warmup_steps <= s.train_steps, "schedule.warmup_steps", s.warmup_steps,
+             f"must be in [0, schedule.train_steps={s.train_steps}]")
+
+    o = cfg.optimizer
+    _require(o.lr > 0, "optimizer.lr", o.lr, "must be > 0")
+    _require(0 <= o.min_lr <= o.lr, "optimizer.min_lr", o.min_lr, f"must be in [0, optimizer.lr={o.lr}]")
+    _require(0 <= o.beta1 < 1 and 0 <= o.beta2 < 1, "optimizer.beta1/beta2", (o.beta1, o.beta2), "must be in [0, 1)")
+    _require(o.clip_grad >= 0, "optimizer.clip_grad", o.clip_grad, "must be >= 0 (0 disables clipping)")
+
+    _validate_parallel(cfg, world_size)
+
+    d = cfg.data
+    if d.kind in ("megatron", "numpy"):
+        _require(bool(d.path), "data.path", d.path,
+                 f"data.kind={d.kind!r} reads a file: set data.path (a .bin/.idx prefix or a .npy file)")
+    c = cfg.checkpoint
+    _require(c.save_interval >= 0, "checkpoint.save_interval", c.save_interval, "must be >= 0")
+    _require(c.load != "auto" or bool(c.dir), "checkpoint.load", c.load, "'auto' needs checkpoint.dir to look in")
+
+
+def _validate_fp4_shapes(cfg: Config) -> None:
+    m, f = cfg.model, cfg.fp4
+    if f.scope == "none":
+        return
+    block = 16 if f.format == "nvfp4" else 32
+    # (field, size): every dimension an FP4 operand is blocked along. Inputs are blocked along the
+    # last dim; weights in 16×16 tiles (NVFP4) so their output dim must be a multiple too.
+    dims = [("model.hidden_size", m.hidden_size), ("model.moe_ffn_hidden_size", m.moe_ffn_hidden_size)]
+    if m.num_shared_experts:
+        dims.append(("model.shared_expert_ffn_hidden_size", m.shared_expert_ffn_hidden_size))
+    if f.scope == "experts+attention":
+        dims.append(("model.num_heads*model.head_dim", m.num_heads * m.head_dim))
+        dims.append(("model.num_kv_heads*model.head_dim", m.num_kv_heads * m.head_dim))
+    for name, size in dims:
+        _require(size % block == 0, name, size,
+                 f"FP4 format {f.format} quantizes in blocks of {block}: make it a multiple of {block} "
+                 f"or set fp4.scope=none")
+
+
+def _validate_parallel(cfg: Config, world_size: int) -> None:
+    p, m, s = cfg.parallel, cfg.model, cfg.schedule
+    for name in ("pp", "ep", "tp", "virtual_stages"):
+        _require(getattr(p, name) >= 1, f"parallel.{name}", getattr(p, name), "must be >= 1")
+    _require(p.tp == 1, "parallel.tp", p.tp, "tensor parallelism is not implemented yet; use tp=1")
+    _require(p.dp == -1 or p.dp >= 1, "parallel.dp", p.dp, "must be >= 1, or -1 to infer it from the world size")
+    dp = resolve_dp(cfg, world_size)
+    _require(dp * p.pp * p.tp == world_size, "parallel.dp", p.dp,
+             f"dp×pp×tp = {dp}×{p.pp}×{p.tp} must equal the world size {world_size}; set parallel.dp=-1 to infer it")
+    _require(dp % p.ep == 0, "parallel.ep", p.ep,
+             f"expert parallel groups are carved out of the data-parallel ranks: ep must divide dp={dp}")
+    _require(m.num_experts % p.ep == 0, "parallel.ep", p.ep,
+             f"model.num_experts={m.num_experts} must be divisible by ep so every rank owns the same number of experts")
+    num_chunks = p.pp * p.virtual_stages
+    _require(m.num_layers >= num_chunks, "parallel.virtual_stages", p.virtual_stages,
+             f"pp×virtual_stages={num_chunks} model chunks but only model.num_layers={m.num_layers} layers; "
+             f"every chunk needs at least one layer")
+    _require(s.global_batch_size % (s.micro_batch_size * dp) == 0, "schedule.global_batch_size",
+             s.global_batch_size,
+             f"must be a multiple of micro_batch_size×dp = {s.micro_batch_size}×{dp}")
+    num_microbatches = s.global_batch_size // (s.micro_batch_size * dp)
+    if p.schedule == "interleaved_1f1b":
+        _require(p.virtual_stages > 1, "parallel.virtual_stages", p.virtual_stages,
+                 "schedule interleaved_1f1b needs virtual_stages >= 2 (or use schedule=1f1b)")
+        _require(num_microbatches % p.pp == 0, "schedule.global_batch_size", s.global_batch_size,
+                 f"interleaved 1F1B needs the number of micro-batches ({num_microbatches}) to be a multiple of "
+                 f"pp={p.pp}; adjust global_batch_size or micro_batch_size")
+    elif p.virtual_stages > 1:
+        _require(False, "parallel.schedule", p.schedule,
+                 f"virtual_stages={p.virtual_stages} needs schedule=interleaved_1f1b")
+    _require(p.bucket_size_mb > 0, "parallel.bucket_size_mb", p.bucket_size_mb, "must be > 0")
+    _require(p.gcmoe_chunk_tokens > 0, "parallel.gcmoe_chunk_tokens", p.gcmoe_chunk_tokens, "must be > 0")

@@ -1,0 +1,142 @@
+"""Decoder building blocks of the Qwen3-MoE family: RMSNorm, RoPE, GQA attention with q/k-norm,
+SwiGLU MLP. Knows nothing about parallelism; FP4 enters only through `MoEResQLinear`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megatron_fp4.fp4 import MoEResQLinear, Recipe
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm computed in fp32 (as HF Qwen3 does) and cast back to the input dtype."""
+
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype):
+    """cos/sin for integer positions [..., T] -> [..., T, head_dim] (HF's rotate_half layout)."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device=positions.device).float() / head_dim))
+    freqs = positions.float()[..., None] * inv_freq
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # x: [B, H, T, D]; cos/sin: [B, T, D]
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    return x * cos + _rotate_half(x) * sin
+
+
+@dataclass
+class LayerCache:
+    """Per-layer KV cache of one generation batch: keys/values [B, kv_heads, T_cached, D]."""
+
+    k: Optional[torch.Tensor] = None
+    v: Optional[torch.Tensor] = None
+
+    def append(self, k: torch.Tensor, v: torch.Tensor):
+        self.k = k if self.k is None else torch.cat([self.k, k], dim=2)
+        self.v = v if self.v is None else torch.cat([self.v, v], dim=2)
+        return self.k, self.v
+
+    @property
+    def length(self) -> int:
+        return 0 if self.k is None else self.k.shape[2]
+
+
+@dataclass
+class KVCache:
+    layers: list = field(default_factory=list)
+
+    @classmethod
+    def empty(cls, num_layers: int) -> "KVCache":
+        return cls([LayerCache() for _ in range(num_layers)])
+
+    @property
+    def length(self) -> int:
+        return self.layers[0].length if self.layers else 0
+
+
+def _linear(in_f: int, out_f: int, recipe: Optional[Recipe]) -> nn.Module:
+    """An FP4 MoEResQ linear when a recipe is given, a plain bias-free linear otherwise."""
+    if recipe is None:
+        return nn.Linear(in_f, out_f, bias=False)
+    return MoEResQLinear(in_f, out_f, bias=False, recipe=recipe)
+
+
+class Attention(nn.Module):
+    """Grouped-query attention with per-head RMSNorm on q and k (Qwen3), rotary positions."""
+
+    def __init__(self, hidden: int, num_heads: int, num_kv_heads: int, head_dim: int, eps: float,
+                 rope_theta: float, recipe: Optional[Recipe] = None):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.rope_theta = rope_theta
+        self.q_proj = _linear(hidden, num_heads * head_dim, recipe)
+        self.k_proj = _linear(hidden, num_kv_heads * head_dim, recipe)
+        self.v_proj = _linear(hidden, num_kv_heads * head_dim, recipe)
+        self.o_proj = _linear(num_heads * head_dim, hidden, recipe)
+        self.q_norm = RMSNorm(head_dim, eps)
+        self.k_norm = RMSNorm(head_dim, eps)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
+                cache: Optional[LayerCache] = None) -> torch.Tensor:
+        """x [B, T, H]; positions [B, T]; attention_mask [B, T_total] (1 = real token, 0 = padding)
+        covering cached + new tokens; cache is appended to in place."""
+        B, T, _ = x.shape
+        q = self.q_norm(self.q_proj(x).view(B, T, self.num_heads, self.head_dim)).transpose(1, 2)
+        k = self.k_norm(self.k_proj(x).view(B, T, self.num_kv_heads, self.head_dim)).transpose(1, 2)
+        v = self.v_proj(x).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        cos, sin = rope_cos_sin(positions, self.head_dim, self.rope_theta, q.dtype)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        past = 0
+        if cache is not None:
+            past = cache.length
+            k, v = cache.append(k, v)
+        T_total = k.shape[2]
+        rep = self.num_heads // self.num_kv_heads
+        k = k.repeat_interleave(rep, dim=1)
+        v = v.repeat_interleave(rep, dim=1)
+        # Causal mask offset by the cached length, combined with the key padding mask.
+        q_idx = torch.arange(past, past + T, device=x.device)[:, None]
+        k_idx = torch.arange(T_total, device=x.device)[None, :]
+        mask = (k_idx <= q_idx)[None, None]
+        if attention_mask is not None:
+            mask = mask & attention_mask[:, None, None, :T_total].bool()
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        # A fully masked row (a padding query) gives NaN in SDPA; zero it, it is never read.
+        out = torch.nan_to_num(out, nan=0.0)
+        return self.o_proj(out.transpose(1, 2).reshape(B, T, self.num_heads * self.head_dim))
+
+
+class SwiGLU(nn.Module):
+    """Dense SwiGLU MLP: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, hidden: int, ffn: int, recipe: Optional[Recipe] = None):
+        super().__init__()
+        self.gate_proj = _linear(hidden, ffn, recipe)
+        self.up_proj = _linear(hidden, ffn, recipe)
+        self.down_proj = _linear(ffn, hidden, recipe)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))

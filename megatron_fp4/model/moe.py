@@ -1,0 +1,174 @@
+"""The MoE feed-forward: an fp32 router, grouped SwiGLU experts in FP4 (MoEResQ), auxiliary losses.
+
+Token movement is delegated to a *dispatcher* (`LocalDispatcher` here; `parallel/expert_parallel.py`
+supplies the expert-parallel ones) so the model knows nothing about process groups. Every
+dispatcher ends with `combine_expert_outputs`, which sums a token's k expert outputs in ascending
+expert-index order — never arrival order — so all layouts give the same bits.
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megatron_fp4.fp4 import Recipe, moeresq_linear
+from megatron_fp4.model.layers import SwiGLU
+
+
+class AuxLossAutoScaler(torch.autograd.Function):
+    """Megatron's trick: return `output` unchanged, and in backward inject d(aux)/d(aux) = scale.
+
+    The auxiliary loss then reaches the router gradients from whichever pipeline stage computed
+    it, without being threaded through the stage outputs to the loss function.
+    """
+
+    @staticmethod
+    def forward(ctx, output: torch.Tensor, aux_loss: torch.Tensor, scale: float):
+        ctx.save_for_backward(aux_loss)
+        ctx.scale = scale
+        return output
+
+    @staticmethod
+    def backward(ctx, grad_output: torch.Tensor):
+        (aux_loss,) = ctx.saved_tensors
+        return grad_output, torch.full_like(aux_loss, ctx.scale), None
+
+
+class Router(nn.Module):
+    """Top-k softmax router computed in fp32 from a fp32 weight; never quantized."""
+
+    def __init__(self, hidden: int, num_experts: int, top_k: int, norm_topk_prob: bool):
+        super().__init__()
+        self.num_experts, self.top_k, self.norm_topk_prob = num_experts, top_k, norm_topk_prob
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden))
+
+    def forward(self, x: torch.Tensor):
+        """x [T, H] -> (logits fp32 [T, E], probs fp32 [T, E], topk_idx [T, k], topk_w fp32 [T, k])."""
+        logits = F.linear(x.float(), self.weight.float())
+        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+        topk_w, topk_idx = torch.topk(probs, self.top_k, dim=-1)
+        if self.norm_topk_prob:
+            topk_w = topk_w / topk_w.sum(dim=-1, keepdim=True)
+        return logits, probs, topk_idx, topk_w
+
+
+class GroupedExperts(nn.Module):
+    """`num_experts` SwiGLU experts with stacked weights: w13 [E, 2F, H] (gate rows, then up rows)
+    and w2 [E, H, F]. Each expert GEMM is the MoEResQ linear with `recipe`."""
+
+    def __init__(self, num_experts: int, hidden: int, ffn: int, recipe: Recipe):
+        super().__init__()
+        self.num_experts, self.hidden, self.ffn = num_experts, hidden, ffn
+        self.recipe = recipe
+        self.w13 = nn.Parameter(torch.empty(num_experts, 2 * ffn, hidden))
+        self.w2 = nn.Parameter(torch.empty(num_experts, hidden, ffn))
+
+    def expert_forward(self, e: int, x: torch.Tensor) -> torch.Tensor:
+        h = moeresq_linear(x, self.w13[e], recipe=self.recipe)
+        gate, up = h.split(self.ffn, dim=-1)
+        return moeresq_linear(F.silu(gate) * up, self.w2[e], recipe=self.recipe)
+
+    def forward(self, x_sorted: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """x_sorted [N, H]: tokens grouped by local expert, `counts[e]` rows for expert e."""
+        assert len(counts) == self.num_experts and sum(counts) == x_sorted.shape[0]
+        outs = [self.expert_forward(e, chunk) for e, chunk in enumerate(x_sorted.split(counts)) if chunk.shape[0]]
+        if not outs:  # no tokens at all: keep the graph connected so backward still visits the params
+            return x_sorted.new_zeros(0, self.hidden) + 0 * (self.w13.sum() + self.w2.sum())
+        return torch.cat(outs, dim=0)
+
+
+def combine_expert_outputs(y_slots: torch.Tensor, topk_idx: torch.Tensor, topk_w: torch.Tensor) -> torch.Tensor:
+    """y_slots [T, k, H] (slot j = output of expert topk_idx[:, j]) -> weighted sum [T, H], adding
+    the k terms in ascending expert index order (a fixed order, whatever the arrival order)."""
+    order = torch.argsort(topk_idx, dim=1, stable=True)
+    y = torch.gather(y_slots, 1, order[..., None].expand_as(y_slots))
+    w = torch.gather(topk_w, 1, order).to(y_slots.dtype)
+    out = y[:, 0] * w[:, 0, None]
+    for j in range(1, y.shape[1]):
+        out = out + y[:, j] * w[:, j, None]
+    return out
+
+
+def permute_by_expert(topk_idx: torch.Tensor, num_experts: int):
+    """Stable sort of the T·k (token, slot) pairs by expert. Returns (order, token_of_row, counts)."""
+    flat = topk_idx.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=num_experts)
+    return order, order // topk_idx.shape[1], counts
+
+
+class LocalDispatcher:
+    """All experts on this process: permute, run grouped experts, un-permute, combine."""
+
+    def __call__(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_w: torch.Tensor,
+                 experts: GroupedExperts) -> torch.Tensor:
+        T, k = topk_idx.shape
+        order, token_of_row, counts = permute_by_expert(topk_idx, experts.num_experts)
+        y_sorted = experts(x[token_of_row], counts.tolist())
+        y_slots = torch.empty(T * k, x.shape[-1], dtype=y_sorted.dtype, device=x.device)
+        y_slots = y_slots.index_copy(0, order, y_sorted)
+        return combine_expert_outputs(y_slots.view(T, k, -1), topk_idx, topk_w)
+
+
+class MoELayer(nn.Module):
+    """Router + experts (+ optional shared expert). Records per-step statistics for logging."""
+
+    def __init__(self, hidden: int, num_experts: int, top_k: int, ffn: int, recipe: Recipe,
+                 norm_topk_prob: bool = True, aux_loss_coef: float = 0.0, z_loss_coef: float = 0.0,
+                 num_shared_experts: int = 0, shared_ffn: int = 0):
+        super().__init__()
+        self.num_experts, self.top_k = num_experts, top_k
+        self.aux_loss_coef, self.z_loss_coef = aux_loss_coef, z_loss_coef
+        self.router = Router(hidden, num_experts, top_k, norm_topk_prob)
+        self.experts = GroupedExperts(num_experts, hidden, ffn, recipe)
+        self.shared_expert = SwiGLU(hidden, shared_ffn * num_shared_experts, recipe) if num_shared_experts else None
+        self.dispatcher = LocalDispatcher()
+        # Gradient scale of the auxiliary losses (1/num_microbatches, set by the trainer).
+        self.aux_loss_scale = 1.0
+        self.stats: list[dict] = []  # appended each training forward; drained by the trainer
+        self.record_stats = False
+
+    def aux_losses(self, logits: torch.Tensor, probs: torch.Tensor, topk_idx: torch.Tensor):
+        """Switch-style load balancing E·Σ f_e·P_e and the router z-loss mean(logsumexp²)."""
+        T = logits.shape[0]
+        counts = torch.bincount(topk_idx.reshape(-1), minlength=self.num_experts)
+        f = counts.float() / max(T * self.top_k, 1)
+        p = probs.mean(dim=0)
+        balance = self.num_experts * (f * p).sum()
+        z = torch.logsumexp(logits, dim=-1).pow(2).mean()
+        return balance, z, counts
+
+    def forward(self, x: torch.Tensor, routing_out: Optional[list] = None) -> torch.Tensor:
+        shape = x.shape
+        x2 = x.reshape(-1, shape[-1])
+        logits, probs, topk_idx, topk_w = self.router(x2)
+        out = self.dispatcher(x2, topk_idx, topk_w, self.experts)
+        if self.shared_expert is not None:
+            out = out + self.shared_expert(x2)
+        out = out.view(shape)
+        if routing_out is not None:
+            routing_out.append(topk_idx.view(*shape[:-1], self.top_k))
+        if self.training and x2.shape[0] > 0:
+            balance, z, counts = self.aux_losses(logits, probs, topk_idx)
+            aux = self.aux_loss_coef * balance + self.z_loss_coef * z
+            if torch.is_grad_enabled() and aux.requires_grad:
+                out = AuxLossAutoScaler.apply(out, aux, self.aux_loss_scale)
+            if self.record_stats:
+                self.stats.append({"aux_loss": balance.detach(), "z_loss": z.detach(), "counts": counts.detach()})
+        return out
+
+
+def init_moe_params(layer: MoELayer, std: float, out_std: float, generator: torch.Generator) -> None:
+    with torch.no_grad():
+        layer.router.weight.normal_(0, std, generator=generator)
+        layer.experts.w13.normal_(0, std, generator=generator)
+        layer.experts.w2.normal_(0, out_std, generator=generator)
+
+
+def expert_load_imbalance(counts: torch.Tensor) -> float:
+    """max/mean tokens per expert (1.0 = perfectly balanced)."""
+    mean = counts.float().mean().item()
+    return float(counts.max().item() / mean) if mean > 0 else math.nan

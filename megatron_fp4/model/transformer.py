@@ -1,0 +1,152 @@
+"""The Qwen3-MoE-family decoder: embedding → N × (attention, MoE or dense MLP) → norm → LM head.
+
+The model is split into `embed` / `layers` / `head` so `parallel/pipeline.py` can cut it into
+stages without the model knowing about pipelines.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megatron_fp4.fp4 import MoEResQLinear, Recipe
+from megatron_fp4.model.layers import Attention, KVCache, LayerCache, RMSNorm, SwiGLU
+from megatron_fp4.model.moe import GroupedExperts, MoELayer
+from megatron_fp4.model.specs import attention_recipe, expert_recipe
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg, fp4_cfg, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
+        self.self_attn = Attention(cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.norm_eps,
+                                   cfg.rope_theta, attention_recipe(fp4_cfg))
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
+        self.is_moe = layer_idx not in cfg.dense_layers
+        recipe = expert_recipe(fp4_cfg)
+        if self.is_moe:
+            self.mlp = MoELayer(cfg.hidden_size, cfg.num_experts, cfg.top_k, cfg.moe_ffn_hidden_size,
+                                recipe or Recipe(mode="bf16"), cfg.norm_topk_prob, cfg.router_aux_loss_coef,
+                                cfg.router_z_loss_coef, cfg.num_shared_experts, cfg.shared_expert_ffn_hidden_size)
+        else:
+            self.mlp = SwiGLU(cfg.hidden_size, cfg.dense_ffn_hidden_size, recipe)
+
+    def forward(self, h: torch.Tensor, positions: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
+                cache: Optional[LayerCache] = None, routing_out: Optional[list] = None) -> torch.Tensor:
+        h = h + self.self_attn(self.input_layernorm(h), positions, attention_mask, cache)
+        x = self.post_attention_layernorm(h)
+        if self.is_moe:
+            return h + self.mlp(x, routing_out)
+        if routing_out is not None:
+            routing_out.append(None)
+        return h + self.mlp(x)
+
+
+@dataclass
+class ModelOutput:
+    logits: torch.Tensor
+    routing: Optional[list] = None  # per layer: expert indices [B, T, k] (None for dense layers)
+
+
+class MoETransformer(nn.Module):
+    def __init__(self, cfg, fp4_cfg):
+        super().__init__()
+        self.cfg, self.fp4_cfg = cfg, fp4_cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList([DecoderLayer(cfg, fp4_cfg, i) for i in range(cfg.num_layers)])
+        self.norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
+        self.lm_head = None if cfg.tie_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+
+    # -- pieces used by the pipeline splitter ---------------------------------------------------
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens(tokens)
+
+    def head(self, h: torch.Tensor) -> torch.Tensor:
+        h = self.norm(h)
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(h, weight)
+
+    # -- full forward ---------------------------------------------------------------------------
+    def forward(self, tokens: torch.Tensor, positions: Optional[torch.Tensor] = None,
+                attention_mask: Optional[torch.Tensor] = None, kv_cache: Optional[KVCache] = None,
+                return_routing: bool = False) -> ModelOutput:
+        """tokens [B, T]. positions default to past_len + arange(T). attention_mask [B, T_total]
+        marks real tokens (for left-padded batched generation); kv_cache is extended in place."""
+        B, T = tokens.shape
+        if positions is None:
+            past = kv_cache.length if kv_cache is not None else 0
+            positions = torch.arange(past, past + T, device=tokens.device).expand(B, T)
+        routing = [] if return_routing else None
+        h = self.embed(tokens)
+        for i, layer in enumerate(self.layers):
+            cache = kv_cache.layers[i] if kv_cache is not None else None
+            h = layer(h, positions, attention_mask, cache, routing)
+        return ModelOutput(self.head(h), routing)
+
+    # -- FP4 and MoE controls -------------------------------------------------------------------
+    def fp4_modules(self):
+        """Every module whose recipe the FP4 config controls (scope-dependent)."""
+        for m in self.modules():
+            if isinstance(m, (MoEResQLinear, GroupedExperts)) and (self.fp4_cfg.scope != "none"):
+                yield m
+
+    def set_fp4_mode(self, mode: str) -> None:
+        """Switch every FP4 linear to `mode` (bf16 | fp4 | fp4_resq): train vs rollout forward."""
+        for m in self.fp4_modules():
+            m.recipe = m.recipe.with_mode(mode)
+
+    @property
+    def fp4_mode(self) -> Optional[str]:
+        modes = {m.recipe.mode for m in self.fp4_modules()}
+        assert len(modes) <= 1, modes
+        return modes.pop() if modes else None
+
+    def moe_layers(self):
+        return [layer.mlp for layer in self.layers if layer.is_moe]
+
+    def set_aux_loss_scale(self, scale: float) -> None:
+        for moe in self.moe_layers():
+            moe.aux_loss_scale = scale
+
+    def set_record_stats(self, on: bool) -> None:
+        for moe in self.moe_layers():
+            moe.record_stats = on
+            moe.stats.clear()
+
+
+def lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross entropy in fp32 over labels != -100."""
+    return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=-100)
+
+
+def init_weights(model: MoETransformer, seed: int) -> None:
+    """Deterministic init from `seed` alone (same on every rank, so any layout starts equal):
+    N(0, std) everywhere, output projections scaled by 1/sqrt(2·num_layers) as in Megatron."""
+    from megatron_fp4.model.moe import init_moe_params
+
+    cfg = model.cfg
+    g = torch.Generator().manual_seed(seed)
+    std, out_std = cfg.init_std, cfg.init_std / (2 * cfg.num_layers) ** 0.5
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight") or "layernorm" in name:
+                p.fill_(1.0)
+            elif ".mlp." in name and (".experts." in name or ".router." in name):
+                continue  # below, in a fixed order
+            elif name.endswith(("o_proj.weight", "down_proj.weight")):
+                p.copy_(torch.randn(p.shape, generator=g) * out_std)
+            else:
+                p.copy_(torch.randn(p.shape, generator=g) * std)
+        for moe in model.moe_layers():
+            init_moe_params(moe, std, out_std, g)
+
+
+def build_model(cfg, seed: Optional[int] = None) -> MoETransformer:
+    """Build and initialise the model of `cfg` (a full `Config`) on CPU in fp32."""
+    model = MoETransformer(cfg.model, cfg.fp4)
+    init_weights(model, cfg.schedule.seed if seed is None else seed)
+    return model
