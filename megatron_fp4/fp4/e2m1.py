@@ -1,0 +1,81 @@
+"""The E2M1 element format (FP4) shared by NVFP4 and MXFP4: rounding, codes, packing.
+
+E2M1 magnitudes are 0, 0.5, 1, 1.5, 2, 3, 4, 6 (codes 0..7); bit 3 of a code is the sign, so
+one code is a 4-bit value in a uint8. Rounding works on fp32 values that the caller has already
+scaled and clamped to [-6, 6]:
+
+- nearest: round-to-nearest-even on the E2M1 grid (ties 0.25→0, 0.75→1, 1.25→1, 1.75→2, 2.5→2,
+  3.5→4, 5→4). The grid spacing is 0.5 below 2, 1 in [2, 4), 2 in [4, 6], so RNE is
+  ``round(a / step) * step`` with torch's (half-to-even) ``round``; all steps are exact in fp32.
+- stochastic: round up to the next grid point with probability (a − lo) / step, so
+  E[Q(a)] = a for |a| ≤ 6. The uniform draws come from the caller's ``torch.Generator``.
+
+Signs are kept with ``copysign``, so a negative value that rounds to zero becomes −0 (code 8), as
+the hardware conversion does.
+
+Packing follows ``torch.float4_e2m1fn_x2``: two codes a byte, the even element in the low nibble.
+"""
+from __future__ import annotations
+
+import torch
+
+E2M1_MAX = 6.0
+E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+
+
+def _grid_step(a: torch.Tensor) -> torch.Tensor:
+    """Spacing of the E2M1 grid at magnitude ``a`` (0.5 below 2, 1 below 4, else 2)."""
+    return torch.where(a < 2.0, 0.5, torch.where(a < 4.0, 1.0, 2.0))
+
+
+def round_e2m1(y: torch.Tensor) -> torch.Tensor:
+    """RNE of fp32 ``y`` (already clamped to [-6, 6]) onto the signed E2M1 grid, as fp32 values."""
+    step = _grid_step(y.abs())
+    return torch.round(y / step).mul_(step)
+
+
+def stochastic_round_e2m1(y: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+    """Unbiased stochastic rounding of fp32 ``y`` (clamped to [-6, 6]) onto the E2M1 grid."""
+    a = y.abs()
+    step = _grid_step(a)
+    lo = torch.floor(a / step).mul_(step)
+    frac = (a - lo).div_(step)  # in [0, 1): probability of rounding up
+    u = torch.rand(a.shape, generator=generator, device=a.device, dtype=torch.float32)
+    up = (u < frac).to(torch.float32)
+    return torch.copysign(lo.add_(up.mul_(step)), y)
+
+
+def values_to_codes(v: torch.Tensor) -> torch.Tensor:
+    """Signed E2M1 grid values (fp32) to 4-bit codes in uint8, sign in bit 3."""
+    mag = v.abs()
+    code = torch.where(mag <= 2.0, mag * 2.0, torch.where(mag <= 4.0, mag + 2.0, 7.0)).to(torch.uint8)
+    return code | (torch.signbit(v).to(torch.uint8) << 3)
+
+
+_VALUE_TABLE = torch.tensor(list(E2M1_VALUES) + [-v for v in E2M1_VALUES], dtype=torch.float32)
+
+
+def codes_to_values(codes: torch.Tensor) -> torch.Tensor:
+    """4-bit codes (uint8) to fp32 values; code 8 decodes to −0."""
+    if codes.dtype != torch.uint8:
+        raise ValueError(f"E2M1 codes must be uint8, got {codes.dtype}")
+    table = _VALUE_TABLE.to(codes.device)
+    return table[(codes & 0xF).long()]
+
+
+def pack_codes(codes: torch.Tensor) -> torch.Tensor:
+    """Pack uint8 codes (last dim even) into ``torch.float4_e2m1fn_x2``, even element low nibble."""
+    if codes.shape[-1] % 2:
+        raise ValueError(f"packing FP4 needs an even last dim, got {codes.shape[-1]}")
+    pairs = codes.reshape(*codes.shape[:-1], codes.shape[-1] // 2, 2)
+    byte = (pairs[..., 0] & 0xF) | ((pairs[..., 1] & 0xF) << 4)
+    return byte.contiguous().view(torch.float4_e2m1fn_x2)
+
+
+def unpack_fp4(packed: torch.Tensor) -> torch.Tensor:
+    """Inverse of :func:`pack_codes`: ``float4_e2m1fn_x2`` (or uint8) to uint8 codes, last dim ×2."""
+    if packed.dtype not in (torch.float4_e2m1fn_x2, torch.uint8):
+        raise ValueError(f"unpack_fp4 expects float4_e2m1fn_x2 or uint8, got {packed.dtype}")
+    byte = packed.contiguous().view(torch.uint8)
+    codes = torch.stack((byte & 0xF, byte >> 4), dim=-1)
+    return codes.reshape(*byte.shape[:-1], byte.shape[-1] * 2)

@@ -1,0 +1,122 @@
+"""FP4 block formats: the quantized-tensor value and the checks shared by NVFP4 and MXFP4.
+
+The quantizers themselves live in ``nvfp4.py`` (two-level scaling, E4M3 block scales) and
+``mxfp4.py`` (OCP MX, E8M0 block scales); both return an :class:`FP4Tensor`.
+
+Behaviour on bad input (the same for both formats):
+
+- Non-finite input (NaN, ±Inf) raises ``ValueError`` naming the tensor and the number of
+  non-finite elements. A block format cannot carry them (an Inf would silently become the
+  per-tensor/per-row amax and zero every other block), and the training loop checks for NaN in
+  high precision before quantization anyway. The check costs nothing extra on the happy path: the
+  quantizer reduces to block amaxes anyway and only looks at those.
+- A last dim that is not a multiple of the block size (16 NVFP4, 32 MXFP4), or, for NVFP4
+  ``block='2d'``, a second-to-last dim that is not a multiple of 16, raises ``ValueError`` naming
+  the dim, its size and the multiple required. Callers pad (the MoEResQ wgrad path pads tokens).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from megatron_fp4.fp4.e2m1 import codes_to_values, pack_codes, unpack_fp4
+
+FLT_MAX = torch.finfo(torch.float32).max
+
+
+@dataclass
+class FP4Tensor:
+    """A tensor quantized to FP4 with block scales.
+
+    codes: uint8, one unpacked E2M1 code per element, same shape as the input, sign in bit 3.
+    block_scales: ``float8_e4m3fn`` (NVFP4) or ``float8_e8m0fnu`` (MXFP4). Shape
+        ``shape[:-1] + (n // bs,)`` for 1-D blocks, ``shape[:-2] + (m // 16, n // 16)`` for 2-D.
+    global_scale: NVFP4 only, fp32 *decode* scale ``S_dec`` (value = code · block_scale ·
+        global_scale); shape ``shape[:-1]`` for per-row scale, ``()`` for per-tensor. None for MX.
+    """
+
+    codes: torch.Tensor
+    block_scales: torch.Tensor
+    global_scale: torch.Tensor | None
+    format: str  # "nvfp4" | "mxfp4"
+    block: str = "1d"  # "1d" | "2d"
+
+    @property
+    def block_size(self) -> int:
+        return 16 if self.format == "nvfp4" else 32
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.codes.shape
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """code value · block scale (· global scale), computed left to right in fp32."""
+        values = codes_to_values(self.codes)
+        scales = block_scales_fp32(self.block_scales)
+        shape = self.codes.shape
+        bs = self.block_size
+        if self.block == "2d":
+            m, n = shape[-2], shape[-1]
+            v = values.reshape(-1, m // 16, 16, n // 16, 16) * scales.reshape(-1, m // 16, 1, n // 16, 1)
+        else:
+            v = values.reshape(-1, shape[-1] // bs, bs) * scales.reshape(-1, shape[-1] // bs, 1)
+        if self.global_scale is not None:
+            g = self.global_scale
+            v = v * (g.reshape(-1, 1, 1) if g.dim() > 0 else g)
+        return v.reshape(shape).to(dtype)
+
+    def pack(self) -> torch.Tensor:
+        """Codes as ``torch.float4_e2m1fn_x2`` (last dim halved, even element in the low nibble)."""
+        return pack_codes(self.codes)
+
+    @classmethod
+    def from_packed(cls, packed, block_scales, global_scale=None, *, format=None, block="1d") -> "FP4Tensor":
+        """Rebuild from :meth:`pack` output and the scales; format inferred from the scale dtype."""
+        if format is None:
+            format = "mxfp4" if block_scales.dtype == torch.float8_e8m0fnu else "nvfp4"
+        return cls(unpack_fp4(packed), block_scales, global_scale, format, block)
+
+
+def block_scales_fp32(scales: torch.Tensor) -> torch.Tensor:
+    """Block scales (E4M3 or E8M0) as exact fp32 values."""
+    if scales.dtype == torch.float8_e8m0fnu:
+        return e8m0_to_fp32(scales.view(torch.uint8))
+    return scales.to(torch.float32)
+
+
+def e8m0_to_fp32(biased: torch.Tensor) -> torch.Tensor:
+    """Biased E8M0 exponents (uint8, 255 = NaN) to fp32 powers of two; 0 gives 2^-127 (subnormal)."""
+    e = biased.to(torch.float64) - 127.0
+    out = torch.pow(2.0, e).to(torch.float32)  # exact: integer powers of two within fp32 range
+    return torch.where(biased == 255, torch.nan, out)
+
+
+def to_fp32_rows(x: torch.Tensor, name: str) -> torch.Tensor:
+    """Validate and convert the quantizer input to fp32 (a new or the same tensor, never modified)."""
+    if not isinstance(x, torch.Tensor):
+        raise ValueError(f"{name}: expected a torch.Tensor, got {type(x).__name__}")
+    if not x.is_floating_point() or x.dtype.itemsize < 2:
+        raise ValueError(f"{name}: FP4 quantization takes fp32/bf16/fp16 input, got {x.dtype}")
+    if x.dim() == 0:
+        raise ValueError(f"{name}: FP4 quantization needs at least one dim, got a scalar")
+    return x.to(torch.float32)
+
+
+def check_multiple(x: torch.Tensor, dim: int, multiple: int, name: str, what: str) -> None:
+    size = x.shape[dim]
+    if size % multiple:
+        raise ValueError(
+            f"{what}: dim {dim % x.dim()} of '{name}' (shape {tuple(x.shape)}) has size {size}, "
+            f"which is not a multiple of {multiple}; pad it to a multiple of {multiple}"
+        )
+
+
+def check_finite(x: torch.Tensor, block_amax: torch.Tensor, name: str, what: str) -> None:
+    """Raise if ``x`` has NaN/Inf; ``block_amax`` (a reduction of |x|) is checked first, cheaply."""
+    if not bool(torch.isfinite(block_amax).all()):
+        bad = int((~torch.isfinite(x)).sum())
+        raise ValueError(
+            f"{what}: tensor '{name}' has {bad} non-finite element(s) (NaN/Inf) out of {x.numel()}; "
+            "FP4 block scales cannot represent them (check the producer of this tensor)"
+        )

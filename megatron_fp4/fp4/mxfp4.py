@@ -1,0 +1,87 @@
+"""MXFP4 (OCP Microscaling v1.0): E2M1 elements, one E8M0 power-of-two scale per 32 elements.
+
+Shared exponent of a block with absolute maximum ``amax`` (as torchao computes it, in fp32):
+
+- ``floor`` (OCP): ``e = floor(log2(amax)) − 2`` (2 = emax of E2M1). Elements up to 8·2^e then
+  saturate to ±6, as the spec allows.
+- ``rceil``: ``e = ceil(log2(fp32(amax / 6)))``, so no element saturates beyond rounding.
+
+``e`` is clamped to the E8M0 range [−127, 127]; an all-zero block gets the smallest scale 2^−127
+(biased exponent 0, torchao's behaviour) and codes 0. Both log2 are taken exactly from the fp32
+exponent (``frexp``), not from an approximate ``log2``. Elements are E2M1 rounding of
+``x / 2^e`` (exact in fp32: a power-of-two scaling) with saturation at ±6. Non-finite input and a
+last dim not a multiple of 32 raise ``ValueError`` (see ``formats.py``).
+"""
+from __future__ import annotations
+
+import torch
+
+from megatron_fp4.fp4.e2m1 import round_e2m1, stochastic_round_e2m1, values_to_codes
+from megatron_fp4.fp4.formats import FP4Tensor, check_finite, check_multiple, to_fp32_rows
+
+MX_BLOCK = 32
+E2M1_EMAX = 2
+E8M0_BIAS = 127
+
+
+def _shared_exponent(amax: torch.Tensor, scale_mode: str) -> torch.Tensor:
+    """Unbiased E8M0 exponent (int32) per block."""
+    if scale_mode == "floor":
+        mant, exp = torch.frexp(amax)  # amax = mant · 2^exp, mant in [0.5, 1): floor(log2) = exp − 1
+        e = exp - 1 - E2M1_EMAX
+    else:
+        mant, exp = torch.frexp(amax / 6.0)
+        e = torch.where(mant == 0.5, exp - 1, exp)  # exact power of two: ceil(log2) = exp − 1
+    e = torch.where(mant == 0, -E8M0_BIAS, e)  # zero block (or amax/6 underflowing to 0)
+    return e.clamp_(-E8M0_BIAS, E8M0_BIAS)
+
+
+def _pow2(e: torch.Tensor) -> torch.Tensor:
+    """2^e as fp32 for integer e in [−127, 127] (2^−127 is an exact fp32 subnormal)."""
+    return torch.pow(2.0, e.to(torch.float64)).to(torch.float32)
+
+
+def mxfp4_core(x: torch.Tensor, scale_mode: str, rounding: str, generator, name: str):
+    """Returns (rounded signed E2M1 values (rows, nblk, 32) fp32, unbiased exponent (rows, nblk, 1))."""
+    what = "quantize_mxfp4"
+    if scale_mode not in ("floor", "rceil"):
+        raise ValueError(f"{what}: scale_mode={scale_mode!r} is not one of ('floor', 'rceil')")
+    if rounding not in ("nearest", "stochastic"):
+        raise ValueError(f"{what}: rounding={rounding!r} is not one of ('nearest', 'stochastic')")
+    check_multiple(x, -1, MX_BLOCK, name, what)
+    xb = to_fp32_rows(x, name).reshape(-1, x.shape[-1] // MX_BLOCK, MX_BLOCK)
+    block_amax = xb.abs().amax(dim=-1, keepdim=True)
+    check_finite(x, block_amax, name, what)
+    e = _shared_exponent(block_amax, scale_mode)
+    y = (xb * _pow2(-e)).clamp_(-6.0, 6.0)  # multiply by 2^-e == divide by 2^e, exactly
+    q = round_e2m1(y) if rounding == "nearest" else stochastic_round_e2m1(y, generator)
+    return q, e
+
+
+def quantize_mxfp4(
+    x: torch.Tensor,
+    *,
+    scale_mode: str = "floor",
+    rounding: str = "nearest",
+    generator: torch.Generator | None = None,
+    name: str = "x",
+) -> FP4Tensor:
+    """Quantize ``x`` (fp32/bf16/fp16, any shape, any strides) to MXFP4; see the module docstring."""
+    q, e = mxfp4_core(x, scale_mode, rounding, generator, name)
+    codes = values_to_codes(q).reshape(x.shape)
+    biased = (e + E8M0_BIAS).to(torch.uint8).reshape(*x.shape[:-1], x.shape[-1] // MX_BLOCK)
+    return FP4Tensor(codes, biased.view(torch.float8_e8m0fnu), None, "mxfp4", "1d")
+
+
+def fake_quantize_mxfp4(
+    x: torch.Tensor,
+    *,
+    scale_mode: str = "floor",
+    rounding: str = "nearest",
+    generator: torch.Generator | None = None,
+    name: str = "x",
+    dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """``quantize_mxfp4(x).dequantize()`` without building codes (same bits)."""
+    q, e = mxfp4_core(x, scale_mode, rounding, generator, name)
+    return q.mul_(_pow2(e)).reshape(x.shape).to(dtype or x.dtype)

@@ -1,0 +1,112 @@
+"""NVFP4: E2M1 elements, E4M3 scale per 16-element block, fp32 global scale.
+
+The arithmetic is Transformer Engine's NVFP4 recipe, every step in fp32:
+
+    S_enc = min(448·6 / amax, FLT_MAX)   (1 when amax == 0; amax over the tensor or each row)
+    S_dec = 1 / S_enc
+    s_blk = e4m3_rne_satfinite(block_amax · (S_enc · fp32(1/6)))
+    code  = e2m1_round(clamp(x · min(1 / (fp32(s_blk) · S_dec), FLT_MAX), −6, 6))
+    value = code_value · fp32(s_blk) · S_dec
+
+Blocks are 16 consecutive elements of the last dim (``block='1d'``) or 16×16 tiles of the last
+two dims (``block='2d'``, per-tensor global scale only: a tile spans 16 rows, so a per-row global
+scale would not give one scale per tile). All-zero blocks get scale 0 and codes 0. Leading dims
+are flattened into rows, so with ``scale='row'`` a row quantizes to the same bits alone or inside
+any batch. See ``formats.py`` for the non-finite and shape errors.
+"""
+from __future__ import annotations
+
+import torch
+
+from megatron_fp4.fp4.e2m1 import round_e2m1, stochastic_round_e2m1, values_to_codes
+from megatron_fp4.fp4.formats import FLT_MAX, FP4Tensor, check_finite, check_multiple, to_fp32_rows
+
+E4M3_MAX = 448.0
+_ONE_SIXTH_F32 = torch.tensor(1.0 / 6.0, dtype=torch.float32)
+
+
+def _check_options(scale: str, block: str, rounding: str) -> None:
+    if scale not in ("row", "tensor"):
+        raise ValueError(f"quantize_nvfp4: scale={scale!r} is not one of ('row', 'tensor')")
+    if block not in ("1d", "2d"):
+        raise ValueError(f"quantize_nvfp4: block={block!r} is not one of ('1d', '2d')")
+    if rounding not in ("nearest", "stochastic"):
+        raise ValueError(f"quantize_nvfp4: rounding={rounding!r} is not one of ('nearest', 'stochastic')")
+    if block == "2d" and scale != "tensor":
+        raise ValueError("quantize_nvfp4: block='2d' needs scale='tensor' (a 16x16 tile spans 16 rows)")
+
+
+def _blocked(x: torch.Tensor, block: str, name: str) -> torch.Tensor:
+    """fp32 view of ``x`` in block layout: (rows, nblk, 16) for 1d, (B, mt, 16, nt, 16) for 2d."""
+    what = "quantize_nvfp4"
+    check_multiple(x, -1, 16, name, what)
+    xf = to_fp32_rows(x, name)
+    n = x.shape[-1]
+    if block == "1d":
+        return xf.reshape(-1, n // 16, 16)
+    if x.dim() < 2:
+        raise ValueError(f"{what}: block='2d' needs at least 2 dims, '{name}' has shape {tuple(x.shape)}")
+    check_multiple(x, -2, 16, name, what)
+    m = x.shape[-2]
+    return xf.reshape(-1, m // 16, 16, n // 16, 16)
+
+
+def nvfp4_core(x: torch.Tensor, scale: str, block: str, rounding: str, generator, name: str):
+    """Shared by the quantizer and the fake-quant path.
+
+    Returns (rounded signed E2M1 values in block layout (fp32), s_blk (e4m3, block layout with
+    singleton element dims), S_dec (fp32, broadcastable to the block layout)).
+    """
+    _check_options(scale, block, rounding)
+    xb = _blocked(x, block, name)
+    elem_dims = (-1,) if block == "1d" else (2, 4)
+    block_amax = xb.abs().amax(dim=elem_dims, keepdim=True)
+    check_finite(x, block_amax, name, "quantize_nvfp4")
+    if scale == "row":
+        amax = block_amax.amax(dim=-2, keepdim=True)  # (rows, 1, 1)
+    else:
+        amax = block_amax.amax()
+    s_enc = torch.clamp(torch.tensor(E4M3_MAX * 6.0) / amax, max=FLT_MAX)  # amax=0 gives inf→FLT_MAX
+    s_enc = torch.where(amax == 0, torch.ones_like(s_enc), s_enc)
+    s_dec = 1.0 / s_enc
+    s_blk = (block_amax * (s_enc * _ONE_SIXTH_F32)).clamp_(max=E4M3_MAX).to(torch.float8_e4m3fn)
+    enc_blk = torch.clamp(1.0 / (s_blk.to(torch.float32) * s_dec), max=FLT_MAX)
+    y = (xb * enc_blk).clamp_(-6.0, 6.0)
+    q = round_e2m1(y) if rounding == "nearest" else stochastic_round_e2m1(y, generator)
+    return q, s_blk, s_dec
+
+
+def quantize_nvfp4(
+    x: torch.Tensor,
+    *,
+    scale: str = "row",
+    block: str = "1d",
+    rounding: str = "nearest",
+    generator: torch.Generator | None = None,
+    name: str = "x",
+) -> FP4Tensor:
+    """Quantize ``x`` (fp32/bf16/fp16, any shape, any strides) to NVFP4; see the module docstring."""
+    q, s_blk, s_dec = nvfp4_core(x, scale, block, rounding, generator, name)
+    codes = values_to_codes(q).reshape(x.shape)
+    if block == "1d":
+        block_scales = s_blk.reshape(*x.shape[:-1], x.shape[-1] // 16)
+    else:
+        block_scales = s_blk.reshape(*x.shape[:-2], x.shape[-2] // 16, x.shape[-1] // 16)
+    global_scale = s_dec.reshape(x.shape[:-1]) if scale == "row" else s_dec.reshape(())
+    return FP4Tensor(codes, block_scales, global_scale, "nvfp4", block)
+
+
+def fake_quantize_nvfp4(
+    x: torch.Tensor,
+    *,
+    scale: str = "row",
+    block: str = "1d",
+    rounding: str = "nearest",
+    generator: torch.Generator | None = None,
+    name: str = "x",
+    dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """``quantize_nvfp4(x).dequantize()`` without building codes (same bits, fewer passes)."""
+    q, s_blk, s_dec = nvfp4_core(x, scale, block, rounding, generator, name)
+    out = q.mul_(s_blk.to(torch.float32)).mul_(s_dec)  # (code · s_blk) · S_dec, left to right
+    return out.reshape(x.shape).to(dtype or x.dtype)
