@@ -1,0 +1,134 @@
+"""The parallel layout as a value: named axes ``pp``, ``dp``, ``ep`` (``tp`` reserved) and their groups.
+
+Rank order follows Megatron (tp fastest, then dp, then pp): ``rank = (pp_rank·dp + dp_rank)·tp + tp_rank``.
+Expert-parallel groups are carved out of the data-parallel ranks: within one pipeline stage the dp
+ranks form a grid ``edp × ep`` with ``ep`` fastest, so
+
+- ``ep_group``:  ranks that hold different experts of the same MoE layer (all-to-all partners);
+- ``edp_group``: ranks that hold the *same* experts (the data-parallel group of expert params).
+
+Nothing here is global: build a `ParallelMesh` once and pass it to whoever needs a group.
+Device and backend are decided in one place (`resolve_device`): gloo on CPU, NCCL on CUDA.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+
+def resolve_device(preference: str = "auto") -> torch.device:
+    """`auto` → CUDA (this process's LOCAL_RANK) when available, else CPU."""
+    if preference not in ("auto", "cpu", "cuda"):
+        raise ValueError(f"device={preference!r} must be one of auto, cpu, cuda")
+    if preference == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device='cuda' but no CUDA device is visible; use device=auto or cpu")
+    if preference != "cpu" and torch.cuda.is_available():
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    return torch.device("cpu")
+
+
+def backend_for(device: torch.device) -> str:
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+def layout_coords(rank: int, pp: int, dp: int, ep: int, tp: int = 1) -> dict:
+    """Pure: this rank's coordinate on every axis."""
+    tp_rank = rank % tp
+    dp_rank = (rank // tp) % dp
+    pp_rank = rank // (tp * dp)
+    return {"pp": pp_rank, "dp": dp_rank, "tp": tp_rank, "ep": dp_rank % ep, "edp": dp_rank // ep}
+
+
+def layout_groups(pp: int, dp: int, ep: int, tp: int = 1) -> dict[str, list[list[int]]]:
+    """Pure: every group of every axis as lists of global ranks (what `new_group` is called with)."""
+    def rank_of(p, d, t=0):
+        return (p * dp + d) * tp + t
+
+    groups: dict[str, list[list[int]]] = {"pp": [], "dp": [], "ep": [], "edp": [], "tp": []}
+    for d in range(dp):
+        for t in range(tp):
+            groups["pp"].append([rank_of(p, d, t) for p in range(pp)])
+    for p in range(pp):
+        for t in range(tp):
+            groups["dp"].append([rank_of(p, d, t) for d in range(dp)])
+            for e_dp in range(dp // ep):
+                groups["ep"].append([rank_of(p, e_dp * ep + e, t) for e in range(ep)])
+            for e in range(ep):
+                groups["edp"].append([rank_of(p, e_dp * ep + e, t) for e_dp in range(dp // ep)])
+        for d in range(dp):
+            groups["tp"].append([rank_of(p, d, t) for t in range(tp)])
+    return groups
+
+
+@dataclass
+class ParallelMesh:
+    pp: int = 1
+    dp: int = 1
+    ep: int = 1
+    tp: int = 1
+    rank: int = 0
+    world_size: int = 1
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    groups: dict = field(default_factory=dict)  # axis -> ProcessGroup (None when single process)
+    ranks: dict = field(default_factory=dict)  # axis -> list of global ranks in this rank's group
+
+    @property
+    def backend(self) -> str:
+        return backend_for(self.device)
+
+    def coord(self, axis: str) -> int:
+        return layout_coords(self.rank, self.pp, self.dp, self.ep, self.tp)[axis]
+
+    def size(self, axis: str) -> int:
+        return {"pp": self.pp, "dp": self.dp, "ep": self.ep, "tp": self.tp, "edp": self.dp // self.ep}[axis]
+
+    def group(self, axis: str):
+        return self.groups.get(axis)
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.coord("pp") == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.coord("pp") == self.pp - 1
+
+    @classmethod
+    def single(cls, device: Optional[torch.device] = None) -> "ParallelMesh":
+        return cls(device=device or torch.device("cpu"))
+
+    @classmethod
+    def build(cls, pp: int, dp: int, ep: int = 1, tp: int = 1, device: Optional[torch.device] = None,
+              timeout_s: float = 300.0) -> "ParallelMesh":
+        """Create (or join) the default process group and this rank's group on every axis.
+
+        Every rank calls `new_group` for every group in the same order, as torch requires."""
+        device = device or resolve_device("auto")
+        if not dist.is_initialized():
+            if "RANK" not in os.environ:
+                if pp * dp * tp != 1:
+                    raise ValueError("a multi-process layout needs torchrun (RANK/WORLD_SIZE are not set)")
+                return cls.single(device)
+            dist.init_process_group(backend_for(device), timeout=timedelta(seconds=timeout_s))
+        world, rank = dist.get_world_size(), dist.get_rank()
+        if pp * dp * tp != world:
+            raise ValueError(f"pp×dp×tp = {pp}×{dp}×{tp} != world size {world}; fix parallel.* or the process count")
+        if dp % ep:
+            raise ValueError(f"ep={ep} must divide dp={dp}")
+        mesh = cls(pp=pp, dp=dp, ep=ep, tp=tp, rank=rank, world_size=world, device=device)
+        for axis, lists in layout_groups(pp, dp, ep, tp).items():
+            for ranks in lists:
+                group = dist.new_group(ranks)
+                if rank in ranks:
+                    mesh.groups[axis], mesh.ranks[axis] = group, ranks
+        return mesh
+
+    def stage_peer(self, offset: int) -> int:
+        """Global rank of the pipeline stage `offset` away (wrapping), same dp/tp coordinates."""
+        ranks = self.ranks.get("pp", [self.rank])
+        return ranks[(self.coord("pp") + offset) % self.pp]
