@@ -292,6 +292,13 @@ def test_build_dataset_missing_file_names_path_and_field(tmp_path, kind, suffix)
         build_dataset(SimpleNamespace(kind=kind, path=None, num_samples=1, max_operand=9), 8, 0)
 
 
+def test_build_dataset_reads_the_project_data_config():
+    from megatron_fp4.config import DataConfig
+
+    ds = build_dataset(DataConfig(kind="arithmetic", num_samples=6, max_operand=5), 12, seed=2)
+    assert len(ds) == 6 and ds.max_operand == 5 and ds[5].shape == (13,)
+
+
 def test_build_dataset_unknown_kind():
     with pytest.raises(ValueError, match=r"data\.kind='text'"):
         build_dataset(SimpleNamespace(kind="text", path=None, num_samples=1, max_operand=9), 8, 0)
