@@ -1,0 +1,64 @@
+"""Run a function on N gloo processes on CPU and collect what each rank returns.
+
+    results = run_distributed(fn, world_size=2, args=(cfg_dict,))   # fn(rank, world_size, *args)
+
+Each child gets MASTER_ADDR/MASTER_PORT/RANK/WORLD_SIZE/LOCAL_RANK set, one intra-op thread (the CI
+machine has 2 cores), and the default process group initialised on gloo. A child's exception is
+re-raised in the parent with the child's traceback.
+"""
+from __future__ import annotations
+
+import os
+import socket
+import traceback
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _child(rank, world_size, port, fn, args, queue):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+        result = fn(rank, world_size, *args)
+        queue.put((rank, "ok", result))
+    except BaseException:  # report everything, including assertion failures
+        queue.put((rank, "error", traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_distributed(fn, world_size: int, args: tuple = (), timeout_s: float = 300.0) -> list:
+    """Spawn `world_size` processes running fn(rank, world_size, *args); return results by rank."""
+    ctx = mp.get_context("spawn")
+    queue = ctx.SimpleQueue()
+    port = free_port()
+    procs = [ctx.Process(target=_child, args=(r, world_size, port, fn, args, queue), daemon=False)
+             for r in range(world_size)]
+    for p in procs:
+        p.start()
+    results, errors = [None] * world_size, []
+    for _ in range(world_size):
+        rank, status, payload = queue.get()
+        if status == "ok":
+            results[rank] = payload
+        else:
+            errors.append(f"--- rank {rank} ---\n{payload}")
+            break  # the other ranks may now hang in a collective; stop them below
+    for p in procs:
+        p.join(timeout=5 if errors else timeout_s)
+        if p.is_alive():
+            p.kill()
+    if errors:
+        raise RuntimeError("distributed test failed:\n" + "\n".join(errors))
+    return results
