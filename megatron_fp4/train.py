@@ -1,0 +1,65 @@
+"""Command-line entry: ``python -m megatron_fp4.train [--config FILE] [--set section.field=value ...]``.
+
+Without --config it trains the embedded default (`megatron_fp4/configs/tiny_moe.yaml`). Under
+torchrun the same command runs every rank of the configured parallel layout.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from megatron_fp4.config import ConfigError, default_config_path, load_config
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(prog="megatron-fp4-train", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", default=None, help="YAML config (default: the embedded tiny_moe.yaml)")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                        help="dotted override, e.g. --set model.num_layers=2 (repeatable)")
+    parser.add_argument("--steps", type=int, default=None, help="shorthand for --set schedule.train_steps=N")
+    return parser.parse_args(argv)
+
+
+def run(cfg) -> list[dict]:
+    """Build the layout of `cfg` for this process (torchrun or single) and train."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world > 1 or cfg.parallel.pp > 1 or cfg.parallel.ep > 1:
+        from megatron_fp4.training.parallel_trainer import build_trainer
+
+        trainer = build_trainer(cfg)
+    else:
+        from megatron_fp4.training.trainer import Trainer
+
+        trainer = Trainer(cfg)
+    if cfg.checkpoint.load:
+        path = cfg.checkpoint.dir if cfg.checkpoint.load == "auto" else cfg.checkpoint.load
+        from megatron_fp4.training.checkpoint import latest_step
+
+        if cfg.checkpoint.load != "auto" or latest_step(path) is not None:
+            step = trainer.load_checkpoint(path)
+            print(f"resumed from {path} at step {step}", file=sys.stderr)
+    history = trainer.train()
+    if history and trainer.mesh.rank == trainer.mesh.world_size - 1:
+        first = sum(h["loss"] for h in history[:10]) / min(10, len(history))
+        last = sum(h["loss"] for h in history[-10:]) / min(10, len(history))
+        print(f"trained {len(history)} steps: loss {first:.4f} (first 10 avg) -> {last:.4f} (last 10 avg)")
+    return history
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    overrides = list(args.overrides) + ([f"schedule.train_steps={args.steps}"] if args.steps is not None else [])
+    try:
+        cfg = load_config(args.config or default_config_path(), overrides)
+        cfg.validate(int(os.environ.get("WORLD_SIZE", "1")))
+    except ConfigError as err:
+        print(f"config error: {err}", file=sys.stderr)
+        return 2
+    run(cfg)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

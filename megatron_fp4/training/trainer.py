@@ -1,0 +1,211 @@
+"""The training loop: micro-batched forward/backward, NaN guard, clipping, AdamW, LR schedule,
+logging, checkpoints.
+
+    trainer = Trainer(load_config("examples/configs/tiny_moe.yaml"))
+    history = trainer.train()
+
+`train_step_with_loss(micro_batches, loss_fn)` is the one step every caller goes through (the LM
+objective here, the GRPO policy loss in the RL example, verl's engine adapter).
+"""
+from __future__ import annotations
+
+import math
+import time
+from contextlib import nullcontext
+from typing import Callable, Optional
+
+import torch
+
+from megatron_fp4.config import Config
+from megatron_fp4.model import build_model, lm_loss
+from megatron_fp4.parallel.mesh import ParallelMesh, resolve_device
+from megatron_fp4.training import checkpoint as ckpt
+from megatron_fp4.training.data import ResumableSampler, build_dataset, get_batch
+from megatron_fp4.training.metrics import MetricsLogger
+from megatron_fp4.training.optim import MasterWeightAdamW, clip_coefficient, lr_at
+
+LossFn = Callable[[torch.nn.Module, dict], tuple]
+
+
+class NonFiniteError(RuntimeError):
+    """Loss or gradient norm was NaN/Inf; the step was refused before touching the weights."""
+
+
+def lm_loss_fn(model, micro_batch: dict):
+    """Next-token cross entropy of one micro-batch ({'tokens', 'labels'})."""
+    logits = model(micro_batch["tokens"]).logits
+    loss = lm_loss(logits, micro_batch["labels"])
+    return loss, {}
+
+
+class Trainer:
+    def __init__(self, cfg: Config, mesh: Optional[ParallelMesh] = None, build_data: bool = True):
+        cfg.validate(world_size=1 if mesh is None else mesh.world_size)
+        if (mesh is None or mesh.world_size == 1) and (cfg.parallel.pp > 1 or cfg.parallel.ep > 1):
+            raise ValueError("parallel.pp/ep > 1 need several processes: launch with torchrun "
+                             "(see the README) or set them to 1")
+        self.cfg = cfg
+        self.mesh = mesh or ParallelMesh.single(resolve_device(cfg.device))
+        self.device = self.mesh.device
+        torch.manual_seed(cfg.schedule.seed)
+        self.model = build_model(cfg).to(self.device)
+        if cfg.dtype == "bf16" and self.device.type == "cpu":
+            self.model.to(torch.bfloat16)
+        self.model.set_fp4_mode(cfg.fp4.train_mode)
+        self.optimizer = MasterWeightAdamW(self.model.named_parameters(), cfg.optimizer)
+        self.step = 0
+        self.dataset = self.sampler = None
+        if build_data:
+            self.dataset = build_dataset(cfg.data, cfg.schedule.seq_len, cfg.schedule.seed)
+            self.sampler = ResumableSampler(len(self.dataset), cfg.schedule.global_batch_size, cfg.schedule.seed,
+                                            dp_rank=self.mesh.coord("dp"), dp_size=self.mesh.dp)
+        self._sqnr = None
+
+    # -- data -------------------------------------------------------------------------------------
+    def next_micro_batches(self) -> list[dict]:
+        """This rank's share of the next global batch, cut into micro-batches."""
+        tokens, labels = get_batch(self.dataset, self.sampler.next_batch())
+        mbs = self.cfg.schedule.micro_batch_size
+        return [{"tokens": t.to(self.device), "labels": l.to(self.device)}
+                for t, l in zip(tokens.split(mbs), labels.split(mbs))]
+
+    def autocast(self):
+        if self.cfg.dtype == "bf16" and self.device.type == "cuda":
+            return torch.autocast("cuda", dtype=torch.bfloat16)
+        return nullcontext()
+
+    # -- one step ---------------------------------------------------------------------------------
+    def forward_backward(self, micro_batches: list[dict], loss_fn: LossFn) -> tuple[float, dict]:
+        """Gradient accumulation: each micro-batch loss is scaled by 1/num_micro_batches (and so
+        is the MoE auxiliary loss, through the auto-scaler). Returns (mean loss, mean metrics)."""
+        n = len(micro_batches)
+        self.model.set_aux_loss_scale(1.0 / n)
+        total, metrics = 0.0, {}
+        for mb in micro_batches:
+            with self.autocast():
+                loss, extra = loss_fn(self.model, mb)
+            (loss / n).backward()
+            total += loss.detach().float().item() / n
+            for key, value in extra.items():
+                metrics[key] = metrics.get(key, 0.0) + float(value) / n
+        return total, metrics
+
+    def train_step_with_loss(self, micro_batches: list[dict], loss_fn: LossFn = lm_loss_fn) -> dict:
+        """Forward/backward over the micro-batches, then clip and step unless loss or grad norm is
+        non-finite (`schedule.nan_policy`: stop raises `NonFiniteError`, skip drops the step)."""
+        self.model.train()
+        self.optimizer.zero_grad()
+        start = time.perf_counter()
+        loss, metrics = self.forward_backward(micro_batches, loss_fn)
+        self.optimizer.finish_grad_sync()
+        grad_norm = self.optimizer.grad_norm()
+        lr = lr_at(self.step, self.cfg.optimizer, self.cfg.schedule)
+        result = {"loss": loss, "grad_norm": grad_norm, "lr": lr, "skipped": False, **metrics}
+        if not (math.isfinite(loss) and math.isfinite(grad_norm)):
+            what = "loss" if not math.isfinite(loss) else "gradient norm"
+            message = (f"step {self.step}: {what} is not finite (loss={loss}, grad_norm={grad_norm}); the optimizer "
+                       f"step was refused and the weights are unchanged. Lower optimizer.lr, check the data, "
+                       f"or set schedule.nan_policy=skip to drop such steps")
+            self.optimizer.zero_grad()
+            if self.cfg.schedule.nan_policy == "stop":
+                raise NonFiniteError(message)
+            result.update(skipped=True, message=message)
+        else:
+            self.optimizer.step(lr, clip_coefficient(grad_norm, self.cfg.optimizer.clip_grad))
+        self.step += 1
+        tokens = sum(mb["tokens"].numel() for mb in micro_batches if "tokens" in mb)
+        elapsed = time.perf_counter() - start
+        result["tokens_per_s"] = tokens / elapsed if elapsed > 0 else float("nan")
+        return result
+
+    def train_step(self) -> dict:
+        return self.train_step_with_loss(self.next_micro_batches(), lm_loss_fn)
+
+    # -- statistics -------------------------------------------------------------------------------
+    def _moe_stats(self) -> dict:
+        """Aux/z loss and expert load imbalance over the step's micro-batches (all MoE layers)."""
+        aux, z, imbalance = [], [], []
+        for moe in self.model.moe_layers():
+            if moe.stats:
+                aux += [s["aux_loss"].item() for s in moe.stats]
+                z += [s["z_loss"].item() for s in moe.stats]
+                counts = torch.stack([s["counts"] for s in moe.stats]).sum(0).float()
+                imbalance.append((counts.max() / counts.mean()).item() if counts.mean() > 0 else math.nan)
+            moe.stats.clear()
+        if not aux:
+            return {}
+        return {"moe/aux_loss": sum(aux) / len(aux), "moe/z_loss": sum(z) / len(z),
+                "moe/load_imbalance": sum(imbalance) / len(imbalance)}
+
+    def _install_sqnr_probe(self):
+        """On logging steps, measure the FP4 SQNR of the first MoE layer's expert inputs."""
+        from megatron_fp4.fp4 import sqnr_db
+
+        moes = self.model.moe_layers()
+        if not moes or self.cfg.fp4.scope == "none":
+            return None
+
+        def hook(module, args):
+            if self._sqnr is None and args[0].shape[0] > 0:
+                self._sqnr = sqnr_db(args[0].detach(), module.recipe.input)
+
+        return moes[0].experts.register_forward_pre_hook(hook)
+
+    # -- the loop ---------------------------------------------------------------------------------
+    def train(self, num_steps: Optional[int] = None, logger: Optional[MetricsLogger] = None) -> list[dict]:
+        cfg = self.cfg
+        end = cfg.schedule.train_steps if num_steps is None else self.step + num_steps
+        is_logging_rank = self.mesh.rank == self.mesh.world_size - 1  # the last stage holds the loss
+        own_logger = logger is None
+        logger = logger or MetricsLogger(cfg.logging.tensorboard_dir, end, self.step, cfg.logging.progress,
+                                         enabled=is_logging_rank)
+        history = []
+        try:
+            while self.step < end:
+                log_now = cfg.logging.log_interval > 0 and (self.step + 1) % cfg.logging.log_interval == 0
+                self.model.set_record_stats(log_now)
+                probe = self._install_sqnr_probe() if log_now else None
+                self._sqnr = None
+                result = self.train_step()
+                if probe is not None:
+                    probe.remove()
+                if log_now:
+                    result.update(self._moe_stats())
+                    if self._sqnr is not None:
+                        result["fp4/expert_input_sqnr_db"] = self._sqnr
+                history.append(result)
+                if result["skipped"]:
+                    logger.write(result["message"])
+                logger.log(self.step, {k: v for k, v in result.items() if k != "skipped"})
+                logger.advance(result["loss"], {"lr": f"{result['lr']:.2e}"})
+                if cfg.checkpoint.dir and cfg.checkpoint.save_interval and self.step % cfg.checkpoint.save_interval == 0:
+                    self.save_checkpoint(cfg.checkpoint.dir)
+            if cfg.checkpoint.dir and (not history or not cfg.checkpoint.save_interval
+                                       or self.step % cfg.checkpoint.save_interval):
+                self.save_checkpoint(cfg.checkpoint.dir)
+        finally:
+            self.model.set_record_stats(False)
+            if own_logger:
+                logger.close()
+        return history
+
+    # -- checkpoints ------------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(), "step": self.step,
+                "sampler": self.sampler.state_dict() if self.sampler else None, "rng": ckpt.rng_state()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.step = state["step"]
+        if self.sampler is not None and state.get("sampler") is not None:
+            self.sampler.load_state_dict(state["sampler"])
+        ckpt.set_rng_state(state["rng"])
+
+    def save_checkpoint(self, root: str):
+        return ckpt.save_checkpoint(root, self.step, self.state_dict(), self.cfg.to_dict())
+
+    def load_checkpoint(self, path: str) -> int:
+        state, _ = ckpt.load_checkpoint(path, self.cfg.model)
+        self.load_state_dict(state)
+        return self.step
