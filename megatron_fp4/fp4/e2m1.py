@@ -23,14 +23,19 @@ E2M1_MAX = 6.0
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 
 
-def _grid_step(a: torch.Tensor) -> torch.Tensor:
-    """Spacing of the E2M1 grid at magnitude ``a`` (0.5 below 2, 1 below 4, else 2)."""
-    return torch.where(a < 2.0, 0.5, torch.where(a < 4.0, 1.0, 2.0))
+def _grid_step(y: torch.Tensor) -> torch.Tensor:
+    """Spacing of the E2M1 grid at fp32 ``y`` with |y| ≤ 6: 0.5 below 2, 1 below 4, else 2.
+
+    That is 2^(max(exponent(|y|), 0) − 1): read the exponent bits (sign masked off), clamp them at
+    the exponent of 1.0 and subtract one; three integer passes, cheaper than nested ``where``.
+    """
+    bits = y.contiguous().view(torch.int32) & 0x7F800000
+    return bits.clamp_(min=127 << 23).sub_(1 << 23).view(torch.float32)
 
 
 def round_e2m1(y: torch.Tensor) -> torch.Tensor:
     """RNE of fp32 ``y`` (already clamped to [-6, 6]) onto the signed E2M1 grid, as fp32 values."""
-    step = _grid_step(y.abs())
+    step = _grid_step(y)
     return torch.round(y / step).mul_(step)
 
 
