@@ -1,0 +1,129 @@
+"""Hugging Face Qwen3-MoE checkpoints on disk: `config.json` + safetensors.
+
+    save_hf_checkpoint(model, cfg, "out/qwen3_moe_hf")       # loadable by Qwen3MoeForCausalLM.from_pretrained
+    model_cfg, sd = load_hf_checkpoint("out/qwen3_moe_hf")   # our ModelConfig + HF tensors
+    model = build_model_from_hf("out/qwen3_moe_hf", fp4_cfg)  # our MoETransformer with those weights
+
+Writing is atomic: everything goes to a temporary sibling directory that is renamed into place
+only when complete, so an interrupted save never leaves a half-written checkpoint under `out_dir`.
+Saving writes one `model.safetensors` in the per-expert ("checkpoint") layout; loading also reads
+Hub-style sharded checkpoints (`model.safetensors.index.json`) and the fused layout.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+import uuid
+from pathlib import Path
+from typing import Optional
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from megatron_fp4.config import Config, FP4Config, ModelConfig
+from megatron_fp4.integrations.hf.qwen3_moe import (from_hf_state_dict, hf_config_from_ours, ours_config_from_hf,
+                                                    to_hf_state_dict)
+
+CONFIG_FILE = "config.json"
+WEIGHTS_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+
+
+def _model_config(cfg) -> ModelConfig:
+    if isinstance(cfg, ModelConfig):
+        return cfg
+    if isinstance(cfg, Config):
+        return cfg.model
+    raise ValueError(f"cfg must be a megatron_fp4 Config or ModelConfig, got {type(cfg).__name__}")
+
+
+def save_hf_checkpoint(model, cfg, out_dir, dtype: Optional[torch.dtype] = None, overwrite: bool = False) -> Path:
+    """Write `model` as a Hugging Face Qwen3-MoE checkpoint (`config.json` + `model.safetensors`,
+    per-expert layout) to `out_dir`, atomically. `cfg` is our Config or ModelConfig; `dtype`
+    casts the tensors (default: as they are). An existing non-empty `out_dir` is replaced only
+    with overwrite=True. Returns the directory."""
+    model_cfg = _model_config(cfg)
+    out_dir = Path(out_dir)
+    if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())) and not overwrite:
+        raise ValueError(f"{str(out_dir)!r} already exists and is not an empty directory; pass overwrite=True "
+                         f"to replace it or choose a new out_dir")
+    hf_cfg = hf_config_from_ours(model_cfg)
+    tensors = {}
+    for key, t in to_hf_state_dict(model).items():
+        t = t.to(dtype) if dtype is not None else t
+        # Per-expert tensors are views into w13/w2; safetensors needs separate contiguous storage.
+        tensors[key] = t.detach().to("cpu").contiguous().clone()
+    saved_dtypes = {t.dtype for t in tensors.values()}
+    if len(saved_dtypes) == 1:
+        hf_cfg["dtype"] = hf_cfg["torch_dtype"] = str(saved_dtypes.pop()).replace("torch.", "")
+
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
+    try:
+        save_file(tensors, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
+        (tmp / CONFIG_FILE).write_text(json.dumps(hf_cfg, indent=2, sort_keys=True) + "\n")
+        old = None
+        if out_dir.exists():
+            old = out_dir.parent / f".{out_dir.name}.old-{uuid.uuid4().hex[:8]}"
+            os.replace(out_dir, old)
+        os.replace(tmp, out_dir)
+        if old is not None:
+            shutil.rmtree(old) if old.is_dir() else old.unlink()
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out_dir
+
+
+def _weight_files(path: Path) -> list[Path]:
+    index = path / INDEX_FILE
+    if index.exists():
+        weight_map = json.loads(index.read_text()).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise ValueError(f"{str(index)!r} has no 'weight_map' mapping; it is not a safetensors shard index")
+        files = [path / name for name in sorted(set(weight_map.values()))]
+    elif (path / WEIGHTS_FILE).exists():
+        files = [path / WEIGHTS_FILE]
+    else:
+        others = sorted(p.name for p in path.glob("*.bin")) + sorted(p.name for p in path.glob("*.pt"))
+        hint = f" (found {others}: convert them to safetensors first)" if others else ""
+        raise ValueError(f"{str(path)!r} has neither {WEIGHTS_FILE} nor {INDEX_FILE}{hint}")
+    absent = [str(f) for f in files if not f.exists()]
+    if absent:
+        raise ValueError(f"checkpoint shards listed in {INDEX_FILE} are missing: {absent}")
+    return files
+
+
+def load_hf_checkpoint(path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    """Read a Qwen3-MoE checkpoint directory: (our ModelConfig, HF-named CPU tensors). Accepts a
+    single `model.safetensors` or Hub-style shards with `model.safetensors.index.json`."""
+    path = Path(path)
+    if not (path / CONFIG_FILE).is_file():
+        raise ValueError(f"{str(path)!r} is not a Hugging Face checkpoint directory: {CONFIG_FILE} not found")
+    model_cfg = ours_config_from_hf(json.loads((path / CONFIG_FILE).read_text()))
+    sd: dict[str, torch.Tensor] = {}
+    for file in _weight_files(path):
+        with safe_open(str(file), framework="pt", device="cpu") as f:
+            for key in f.keys():
+                if key in sd:
+                    raise ValueError(f"tensor {key!r} appears in more than one shard of {str(path)!r}")
+                sd[key] = f.get_tensor(key)
+    return model_cfg, sd
+
+
+def build_model_from_hf(path, fp4_cfg: Optional[FP4Config] = None):
+    """Our `MoETransformer` (fp32 parameters, on CPU) built from the checkpoint's config and
+    loaded with its weights (strict). `fp4_cfg` None means the project default `FP4Config()`
+    (experts in FP4, MoEResQ); pass `FP4Config(scope="none")` for the exact HF numerics."""
+    from megatron_fp4.config_validate import _validate_fp4_shapes
+    from megatron_fp4.model import MoETransformer
+
+    model_cfg, sd = load_hf_checkpoint(path)
+    fp4_cfg = FP4Config() if fp4_cfg is None else fp4_cfg
+    _validate_fp4_shapes(Config(model=model_cfg, fp4=fp4_cfg))  # FP4 block sizes must divide the dims
+    model = MoETransformer(model_cfg, fp4_cfg)
+    from_hf_state_dict(model, sd)
+    return model

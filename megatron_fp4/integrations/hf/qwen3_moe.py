@@ -1,0 +1,310 @@
+"""Hugging Face Qwen3-MoE <-> megatron-fp4: config fields and weight names.
+
+Our `MoETransformer` is the Qwen3-MoE decoder, so the mapping is a renaming plus one reshaping:
+
+    ours                                   HF (``Qwen3MoeForCausalLM``)
+    embed_tokens.weight                    model.embed_tokens.weight
+    layers.{i}.<attention / norms>         model.layers.{i}.<same name>
+    layers.{i}.mlp.{gate,up,down}_proj     model.layers.{i}.mlp.{gate,up,down}_proj.weight   (dense layers)
+    layers.{i}.mlp.router.weight [E, H]    model.layers.{i}.mlp.gate.weight
+    layers.{i}.mlp.experts.w13 [E, 2F, H]  "checkpoint": mlp.experts.{e}.gate_proj.weight = w13[e, :F],
+                                                        mlp.experts.{e}.up_proj.weight   = w13[e, F:]
+                                           "fused":      mlp.experts.gate_up_proj (the same tensor)
+    layers.{i}.mlp.experts.w2 [E, H, F]    "checkpoint": mlp.experts.{e}.down_proj.weight = w2[e]
+                                           "fused":      mlp.experts.down_proj (the same tensor)
+    norm.weight, lm_head.weight            model.norm.weight, lm_head.weight (absent when tied)
+
+Two HF layouts exist for the experts. "checkpoint" (per-expert tensors) is what safetensors files
+on the Hub hold and what transformers 5.x `save_pretrained` writes; "fused" is the module layout of
+transformers >= 5 (`Qwen3MoeExperts.gate_up_proj` / `down_proj`, i.e. `model.state_dict()`), whose
+loader concatenates gate then up per expert, exactly our w13. `to_hf_state_dict` writes
+"checkpoint" by default; `from_hf_state_dict` accepts either, per layer.
+"""
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+import torch
+
+from megatron_fp4.config import ModelConfig
+
+HF_MODEL_TYPE = "qwen3_moe"
+HF_ARCHITECTURE = "Qwen3MoeForCausalLM"
+LAYOUTS = ("checkpoint", "fused")
+
+# Qwen3MoeConfig's defaults (transformers 5.10) for optional fields a config.json may omit, so a
+# sparse config.json means here what it means to transformers.
+_HF_DEFAULTS = {
+    "intermediate_size": 6144, "max_position_embeddings": 32768, "rms_norm_eps": 1e-6, "norm_topk_prob": False,
+    "router_aux_loss_coef": 0.001, "tie_word_embeddings": False, "initializer_range": 0.02, "rope_theta": 10000.0,
+    "decoder_sparse_step": 1,
+}
+_REQUIRED = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "moe_intermediate_size",
+             "num_experts_per_tok")
+_MAX_LISTED = 20  # keys listed per category in a mismatch error
+
+
+# ---------------------------------------------------------------------------------------------
+# config
+# ---------------------------------------------------------------------------------------------
+def hf_config_from_ours(model_cfg: ModelConfig) -> dict:
+    """The `transformers.Qwen3MoeConfig` fields (a config.json dict) for our `ModelConfig`.
+
+    RoPE is written both as transformers-5 `rope_parameters` and as the legacy top-level
+    `rope_theta` that 4.x readers (and vLLM) use; transformers 5 prefers `rope_parameters`.
+    Experts are counted under `num_experts` (the Hub spelling; 5.x maps it to num_local_experts).
+    Our router z-loss has no HF counterpart and is not written.
+    """
+    m = model_cfg
+    if m.num_shared_experts:
+        raise ValueError(f"model.num_shared_experts={m.num_shared_experts}: Qwen3-MoE has no shared expert, so "
+                         f"this model cannot be exported as Qwen3-MoE; set num_shared_experts=0")
+    theta = float(m.rope_theta)
+    return {
+        "model_type": HF_MODEL_TYPE,
+        "architectures": [HF_ARCHITECTURE],
+        "vocab_size": m.vocab_size,
+        "hidden_size": m.hidden_size,
+        "num_hidden_layers": m.num_layers,
+        "num_attention_heads": m.num_heads,
+        "num_key_value_heads": m.num_kv_heads,
+        "head_dim": m.head_dim,
+        "hidden_act": "silu",
+        "intermediate_size": m.dense_ffn_hidden_size,
+        "moe_intermediate_size": m.moe_ffn_hidden_size,
+        "num_experts": m.num_experts,
+        "num_experts_per_tok": m.top_k,
+        "norm_topk_prob": bool(m.norm_topk_prob),
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": sorted(int(i) for i in m.dense_layers),
+        "rms_norm_eps": float(m.norm_eps),
+        "rope_theta": theta,
+        "rope_parameters": {"rope_type": "default", "rope_theta": theta},
+        "max_position_embeddings": m.max_seq_len,
+        "tie_word_embeddings": bool(m.tie_embeddings),
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "use_sliding_window": False,
+        "sliding_window": None,
+        "router_aux_loss_coef": float(m.router_aux_loss_coef),
+        "initializer_range": float(m.init_std),
+    }
+
+
+def _rope_theta(d: Mapping[str, Any]) -> float:
+    """RoPE base from either spelling; only plain (default) RoPE is supported."""
+    theta = d.get("rope_theta")
+    for key in ("rope_parameters", "rope_scaling"):
+        params = d.get(key)
+        if not params:
+            continue
+        if not isinstance(params, Mapping):
+            raise ValueError(f"HF config {key}={params!r}: expected a mapping like "
+                             f"{{'rope_type': 'default', 'rope_theta': 1000000.0}}")
+        rope_type = params.get("rope_type", params.get("type", "default"))
+        if rope_type != "default":
+            raise ValueError(f"HF config {key}.rope_type={rope_type!r}: only default RoPE is supported by our "
+                             f"attention (no yarn/linear/dynamic scaling); use a checkpoint without RoPE scaling")
+        theta = params.get("rope_theta", theta)
+    return float(_HF_DEFAULTS["rope_theta"] if theta is None else theta)
+
+
+def ours_config_from_hf(hf_cfg) -> ModelConfig:
+    """Our `ModelConfig` from a Qwen3-MoE config (a config.json dict or a `PretrainedConfig`).
+
+    Absent optional fields take Qwen3MoeConfig's defaults. `mlp_only_layers` and
+    `decoder_sparse_step` both become `dense_layers` (HF's rule: layer i is dense when it is in
+    mlp_only_layers or (i+1) % decoder_sparse_step != 0). Fields with no HF counterpart
+    (router_z_loss_coef, num_shared_experts=0) keep our defaults. Features our decoder does not
+    implement raise ValueError naming the field.
+    """
+    d = dict(hf_cfg.to_dict() if hasattr(hf_cfg, "to_dict") else hf_cfg)
+    model_type = d.get("model_type", HF_MODEL_TYPE)
+    if model_type != HF_MODEL_TYPE:
+        raise ValueError(f"HF config model_type={model_type!r}: only {HF_MODEL_TYPE!r} (Qwen3-MoE) is supported")
+    missing = [k for k in _REQUIRED if d.get(k) is None]
+    if missing:
+        raise ValueError(f"HF config lacks required field(s) {missing}; pass a complete Qwen3-MoE config.json")
+    unsupported = {
+        "attention_bias": (bool(d.get("attention_bias")), "our q/k/v/o projections have no bias"),
+        "use_sliding_window": (bool(d.get("use_sliding_window")), "our attention is full causal attention"),
+        "layer_types": (any(t != "full_attention" for t in d.get("layer_types") or []),
+                        "only full_attention layers are implemented"),
+        "hidden_act": (d.get("hidden_act", "silu") != "silu", "our MLPs are SwiGLU (silu)"),
+        "quantization_config": (bool(d.get("quantization_config")),
+                                "pre-quantized (e.g. FP8) checkpoints are not read; use the bf16 checkpoint"),
+    }
+    for name, (bad, why) in unsupported.items():
+        if bad:
+            raise ValueError(f"HF config {name}={d.get(name)!r} is not supported: {why}")
+    num_experts = d.get("num_experts", d.get("num_local_experts"))
+    num_layers = int(d["num_hidden_layers"])
+    step = int(d.get("decoder_sparse_step") or _HF_DEFAULTS["decoder_sparse_step"])
+    if step < 1:
+        raise ValueError(f"HF config decoder_sparse_step={step}: must be >= 1")
+    mlp_only = set(int(i) for i in d.get("mlp_only_layers") or [])
+    dense_layers = [i for i in range(num_layers) if i in mlp_only or (i + 1) % step != 0]
+    if not num_experts or len(dense_layers) == num_layers:
+        raise ValueError(f"HF config num_experts={num_experts}, mlp_only_layers={sorted(mlp_only)}, "
+                         f"decoder_sparse_step={step}: no layer is MoE; this is a dense model, not Qwen3-MoE")
+    num_heads = int(d["num_attention_heads"])
+    num_kv_heads = int(d.get("num_key_value_heads") or num_heads)
+    head_dim = int(d.get("head_dim") or int(d["hidden_size"]) // num_heads)
+    if num_heads % num_kv_heads:
+        raise ValueError(f"HF config num_key_value_heads={num_kv_heads} must divide num_attention_heads={num_heads}")
+    if head_dim % 2:
+        raise ValueError(f"HF config head_dim={head_dim} must be even (rotary embeddings rotate pairs)")
+
+    def get(key):
+        value = d.get(key)
+        return _HF_DEFAULTS[key] if value is None else value
+
+    return ModelConfig(
+        vocab_size=int(d["vocab_size"]), hidden_size=int(d["hidden_size"]), num_layers=num_layers,
+        num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
+        max_seq_len=int(get("max_position_embeddings")), rope_theta=_rope_theta(d), norm_eps=float(get("rms_norm_eps")),
+        num_experts=int(num_experts), top_k=int(d["num_experts_per_tok"]),
+        moe_ffn_hidden_size=int(d["moe_intermediate_size"]), norm_topk_prob=bool(get("norm_topk_prob")),
+        num_shared_experts=0, dense_layers=dense_layers, dense_ffn_hidden_size=int(get("intermediate_size")),
+        router_aux_loss_coef=float(get("router_aux_loss_coef")), tie_embeddings=bool(get("tie_word_embeddings")),
+        init_std=float(get("initializer_range")),
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# weights
+# ---------------------------------------------------------------------------------------------
+def _check_layout(layout: str) -> None:
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout={layout!r}: must be one of {list(LAYOUTS)} ('checkpoint' = per-expert tensors "
+                         f"as in Hub safetensors files, 'fused' = transformers>=5 module state_dict)")
+
+
+def _check_no_shared_experts(model) -> None:
+    if getattr(model.cfg, "num_shared_experts", 0):
+        raise ValueError(f"model.num_shared_experts={model.cfg.num_shared_experts}: Qwen3-MoE has no shared "
+                         f"expert; this model has no HF Qwen3-MoE equivalent")
+
+
+def to_hf_state_dict(model, layout: str = "checkpoint") -> dict[str, torch.Tensor]:
+    """HF Qwen3-MoE tensors of `model` (detached; they may be views of our parameters, so clone
+    before modifying them). `layout` "checkpoint" (default) gives per-expert tensors as in Hub
+    safetensors files; "fused" gives `Qwen3MoeForCausalLM.state_dict()` names of transformers 5.x."""
+    _check_layout(layout)
+    _check_no_shared_experts(model)
+    out: dict[str, torch.Tensor] = {}
+    for name, param in model.named_parameters():
+        t = param.detach()
+        if name == "lm_head.weight":
+            out[name] = t
+        elif name.endswith(".mlp.router.weight"):
+            out["model." + name[: -len("router.weight")] + "gate.weight"] = t
+        elif name.endswith(".mlp.experts.w13"):
+            base, ffn = "model." + name[: -len("w13")], t.shape[1] // 2
+            if layout == "fused":
+                out[base + "gate_up_proj"] = t
+            else:
+                for e in range(t.shape[0]):
+                    out[f"{base}{e}.gate_proj.weight"] = t[e, :ffn]
+                    out[f"{base}{e}.up_proj.weight"] = t[e, ffn:]
+        elif name.endswith(".mlp.experts.w2"):
+            base = "model." + name[: -len("w2")]
+            if layout == "fused":
+                out[base + "down_proj"] = t
+            else:
+                for e in range(t.shape[0]):
+                    out[f"{base}{e}.down_proj.weight"] = t[e]
+        else:
+            out["model." + name] = t
+    return out
+
+
+class _Collector:
+    """Gathers checkpoint tensors for our parameters, recording every problem instead of stopping
+    at the first, so one error lists them all."""
+
+    def __init__(self, sd: Mapping[str, torch.Tensor]):
+        self.sd, self.used = sd, set()
+        self.missing: list[str] = []
+        self.bad_shape: list[str] = []
+
+    def take(self, key: str, shape) -> torch.Tensor | None:
+        if key not in self.sd:
+            self.missing.append(key)
+            return None
+        self.used.add(key)
+        t = self.sd[key]
+        if tuple(t.shape) != tuple(shape):
+            self.bad_shape.append(f"{key}: checkpoint {list(t.shape)} vs model {list(shape)}")
+            return None
+        return t
+
+    def take_experts(self, base: str, suffixes: tuple, shape, num_experts: int) -> torch.Tensor | None:
+        """Per-expert tensors `base{e}.{suffix}.weight`, concatenated over suffixes, stacked over e."""
+        parts = [[self.take(f"{base}{e}.{s}.weight", shape) for s in suffixes] for e in range(num_experts)]
+        if any(p is None for row in parts for p in row):
+            return None
+        return torch.stack([torch.cat(row, dim=0) for row in parts])
+
+
+def _collect(model, sd: Mapping[str, torch.Tensor]) -> tuple[dict, _Collector]:
+    """Our parameter name -> checkpoint tensor (in our layout), plus the bookkeeping."""
+    col, found = _Collector(sd), {}
+    for name, param in model.named_parameters():
+        shape = tuple(param.shape)
+        if name.endswith(".mlp.experts.w13") or name.endswith(".mlp.experts.w2"):
+            is_w13 = name.endswith("w13")
+            base = "model." + name[: -len("w13" if is_w13 else "w2")]
+            fused = base + ("gate_up_proj" if is_w13 else "down_proj")
+            if fused in sd:
+                t = col.take(fused, shape)
+            else:
+                E = shape[0]
+                per_expert = (shape[1] // 2, shape[2]) if is_w13 else shape[1:]
+                t = col.take_experts(base, ("gate_proj", "up_proj") if is_w13 else ("down_proj",), per_expert, E)
+        elif name.endswith(".mlp.router.weight"):
+            t = col.take("model." + name[: -len("router.weight")] + "gate.weight", shape)
+        elif name == "lm_head.weight":
+            t = col.take(name, shape)
+        else:
+            t = col.take("model." + name, shape)
+        if t is not None:
+            found[name] = t
+    if model.lm_head is None and "lm_head.weight" in sd:  # tied: a copy of the embedding may be stored
+        col.used.add("lm_head.weight")
+        embed = found.get("embed_tokens.weight")
+        lm_head = sd["lm_head.weight"]
+        if embed is not None and (lm_head.shape != embed.shape or not torch.equal(lm_head, embed)):
+            col.bad_shape.append("lm_head.weight: differs from model.embed_tokens.weight, but the config ties "
+                                 "them (tie_word_embeddings=True); use a config with tie_word_embeddings=False")
+    return found, col
+
+
+def _listed(keys: list[str]) -> str:
+    shown = ", ".join(keys[:_MAX_LISTED])
+    return shown + (f", ... ({len(keys) - _MAX_LISTED} more)" if len(keys) > _MAX_LISTED else "")
+
+
+def from_hf_state_dict(model, sd: Mapping[str, torch.Tensor]) -> None:
+    """Load HF Qwen3-MoE tensors into `model` in place (strict). Experts may come per layer in the
+    "checkpoint" (per-expert) or "fused" layout. Missing keys, unexpected keys or shape mismatches
+    raise one ValueError listing them all, before any parameter is modified. Values are cast to the
+    parameter dtype (e.g. a bf16 checkpoint into an fp32 model)."""
+    _check_no_shared_experts(model)
+    found, col = _collect(model, sd)
+    unexpected = sorted(set(sd) - col.used)
+    if col.missing or unexpected or col.bad_shape:
+        problems = []
+        if col.missing:
+            problems.append(f"missing keys ({len(col.missing)}): {_listed(col.missing)}")
+        if unexpected:
+            problems.append(f"unexpected keys ({len(unexpected)}): {_listed(unexpected)}")
+        if col.bad_shape:
+            problems.append(f"mismatched tensors ({len(col.bad_shape)}): {_listed(col.bad_shape)}")
+        raise ValueError("HF Qwen3-MoE state dict does not match the model: " + "; ".join(problems)
+                         + ". Build the model from the checkpoint's own config (ours_config_from_hf) and pass "
+                           "a Qwen3MoeForCausalLM state dict (keys start with 'model.' or 'lm_head.').")
+    params = dict(model.named_parameters())
+    with torch.no_grad():
+        for name, t in found.items():
+            params[name].copy_(t)
