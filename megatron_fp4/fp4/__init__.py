@@ -1,6 +1,6 @@
 """FP4 numerics: the one definition of NVFP4/MXFP4 and the MoEResQ linear used everywhere."""
 from megatron_fp4.fp4.e2m1 import E2M1_VALUES, pack_codes, unpack_fp4
-from megatron_fp4.fp4.formats import FP4Tensor
+from megatron_fp4.fp4.formats import FP4Tensor, NonFiniteInputError
 from megatron_fp4.fp4.moeresq import MoEResQLinear, fake_quantize, moeresq_linear, resq_quantize, sqnr_db
 from megatron_fp4.fp4.mxfp4 import fake_quantize_mxfp4, quantize_mxfp4
 from megatron_fp4.fp4.nvfp4 import fake_quantize_nvfp4, quantize_nvfp4
@@ -9,6 +9,7 @@ from megatron_fp4.fp4.recipe import FORMATS, MODES, OperandFormat, Recipe
 from_packed = FP4Tensor.from_packed
 
 __all__ = [
+    "NonFiniteInputError",
     "FORMATS", "MODES", "OperandFormat", "Recipe",
     "MoEResQLinear", "moeresq_linear", "fake_quantize", "resq_quantize", "sqnr_db",
     "FP4Tensor", "quantize_nvfp4", "quantize_mxfp4", "fake_quantize_nvfp4", "fake_quantize_mxfp4",

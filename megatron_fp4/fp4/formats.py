@@ -112,11 +112,15 @@ def check_multiple(x: torch.Tensor, dim: int, multiple: int, name: str, what: st
         )
 
 
+class NonFiniteInputError(ValueError):
+    """An FP4 operand holds NaN/Inf (the trainer turns this into its NaN policy: stop or skip)."""
+
+
 def check_finite(x: torch.Tensor, block_amax: torch.Tensor, name: str, what: str) -> None:
     """Raise if ``x`` has NaN/Inf; ``block_amax`` (a reduction of |x|) is checked first, cheaply."""
     if not bool(torch.isfinite(block_amax).all()):
         bad = int((~torch.isfinite(x)).sum())
-        raise ValueError(
+        raise NonFiniteInputError(
             f"{what}: tensor '{name}' has {bad} non-finite element(s) (NaN/Inf) out of {x.numel()}; "
             "FP4 block scales cannot represent them (check the producer of this tensor)"
         )

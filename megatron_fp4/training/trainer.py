@@ -17,6 +17,7 @@ from typing import Callable, Optional
 import torch
 
 from megatron_fp4.config import Config
+from megatron_fp4.fp4 import NonFiniteInputError
 from megatron_fp4.model import build_model, lm_loss
 from megatron_fp4.parallel.mesh import ParallelMesh, resolve_device
 from megatron_fp4.training import checkpoint as ckpt
@@ -82,9 +83,13 @@ class Trainer:
         self.model.set_aux_loss_scale(1.0 / n)
         total, metrics = 0.0, {}
         for mb in micro_batches:
-            with self.autocast():
-                loss, extra = loss_fn(self.model, mb)
-            (loss / n).backward()
+            try:
+                with self.autocast():
+                    loss, extra = loss_fn(self.model, mb)
+                (loss / n).backward()
+            except NonFiniteInputError as err:
+                # NaN/Inf reached an FP4 operand (forward or backward): same policy as a NaN loss.
+                return math.nan, {"nonfinite_where": str(err)}
             total += loss.detach().float().item() / n
             for key, value in extra.items():
                 metrics[key] = metrics.get(key, 0.0) + float(value) / n
@@ -100,9 +105,12 @@ class Trainer:
         self.optimizer.finish_grad_sync()
         grad_norm = self.optimizer.grad_norm()
         lr = lr_at(self.step, self.cfg.optimizer, self.cfg.schedule)
+        where = metrics.pop("nonfinite_where", None)
         result = {"loss": loss, "grad_norm": grad_norm, "lr": lr, "skipped": False, **metrics}
         if not (math.isfinite(loss) and math.isfinite(grad_norm)):
             what = "loss" if not math.isfinite(loss) else "gradient norm"
+            if where:
+                what = f"an FP4 operand ({where})"
             message = (f"step {self.step}: {what} is not finite (loss={loss}, grad_norm={grad_norm}); the optimizer "
                        f"step was refused and the weights are unchanged. Lower optimizer.lr, check the data, "
                        f"or set schedule.nan_policy=skip to drop such steps")

@@ -1,0 +1,87 @@
+"""Config loading, overrides and validation errors (each names the field and the fix)."""
+import pytest
+
+from megatron_fp4.config import Config, ConfigError, default_config_path, load_config
+
+
+def test_default_config_loads_and_validates():
+    cfg = load_config(default_config_path())
+    cfg.validate()
+    assert cfg.fp4.train_mode == "fp4_resq" and cfg.fp4.scope == "experts"
+
+
+def test_dotted_overrides_are_typed():
+    cfg = load_config(default_config_path(), ["model.num_layers=2", "fp4.scope=none", "optimizer.lr=1e-3",
+                                              "model.dense_layers=[0]", "checkpoint.dir=null"])
+    assert cfg.model.num_layers == 2 and cfg.fp4.scope == "none" and cfg.optimizer.lr == 1e-3
+    assert cfg.model.dense_layers == [0] and cfg.checkpoint.dir is None
+
+
+@pytest.mark.parametrize("override, needle", [
+    ("model.num_layrs=2", "model.num_layrs"),          # typo: unknown keys are never ignored
+    ("modle.num_layers=2", "modle"),
+    ("model.num_layers=two", "model.num_layers='two': expected int"),
+])
+def test_unknown_or_mistyped_keys_are_rejected(override, needle):
+    with pytest.raises(ConfigError) as err:
+        load_config(default_config_path(), [override])
+    assert needle in str(err.value)
+
+
+@pytest.mark.parametrize("overrides, field", [
+    (["model.top_k=9"], "model.top_k"),
+    (["model.hidden_size=66"], "model.hidden_size"),
+    (["model.num_kv_heads=3"], "model.num_kv_heads"),
+    (["model.moe_ffn_hidden_size=40"], "model.moe_ffn_hidden_size"),   # not a multiple of the NVFP4 block
+    (["fp4.format=mxfp4", "model.moe_ffn_hidden_size=48"], "model.moe_ffn_hidden_size"),  # MX blocks are 32
+    (["fp4.train_mode=fp8"], "fp4.train_mode"),
+    (["schedule.seq_len=4096"], "schedule.seq_len"),
+    (["schedule.global_batch_size=10"], "schedule.global_batch_size"),
+    (["optimizer.min_lr=1.0"], "optimizer.min_lr"),
+    (["model.vocab_size=8"], "model.vocab_size"),
+    (["parallel.virtual_stages=2"], "parallel.schedule"),
+    (["parallel.tp=2"], "parallel.tp"),
+    (["data.kind=megatron"], "data.path"),
+])
+def test_validation_names_the_field(overrides, field):
+    cfg = load_config(default_config_path(), overrides)
+    with pytest.raises(ConfigError) as err:
+        cfg.validate()
+    assert str(err.value).startswith(field), str(err.value)
+
+
+def test_parallel_layout_checked_against_world_size():
+    cfg = load_config(default_config_path(), ["parallel.pp=3"])
+    with pytest.raises(ConfigError, match="world size 4"):
+        cfg.validate(world_size=4)
+    cfg = load_config(default_config_path(), ["parallel.pp=2", "parallel.ep=4"])
+    with pytest.raises(ConfigError, match="ep must divide dp=2"):
+        cfg.validate(world_size=4)
+    cfg = load_config(default_config_path(), ["parallel.pp=2", "parallel.virtual_stages=4",
+                                              "parallel.schedule=interleaved_1f1b"])
+    with pytest.raises(ConfigError, match="model chunks"):
+        cfg.validate(world_size=2)
+    cfg = load_config(default_config_path(), ["parallel.pp=2", "parallel.virtual_stages=2",
+                                              "parallel.schedule=interleaved_1f1b", "schedule.micro_batch_size=16"])
+    with pytest.raises(ConfigError, match="multiple of pp"):
+        cfg.validate(world_size=2)
+    load_config(default_config_path(), ["parallel.pp=2", "parallel.virtual_stages=2",
+                                        "parallel.schedule=interleaved_1f1b",
+                                        "schedule.micro_batch_size=4"]).validate(world_size=4)
+
+
+def test_missing_file_and_bad_override_syntax():
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config("/nonexistent/cfg.yaml")
+    with pytest.raises(ConfigError, match="section.field=value"):
+        load_config(None, ["model.num_layers"])
+
+
+def test_example_configs_validate():
+    import pathlib
+    for path in sorted(pathlib.Path(__file__).resolve().parents[2].joinpath("examples", "configs").glob("*.yaml")):
+        cfg = load_config(path)
+        world = cfg.parallel.pp * max(cfg.parallel.dp, 1) * cfg.parallel.ep if cfg.parallel.dp == -1 else \
+            cfg.parallel.pp * cfg.parallel.dp
+        cfg.validate(world_size=max(world, cfg.parallel.pp * cfg.parallel.ep))
+    assert Config().validate()
