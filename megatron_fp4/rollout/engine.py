@@ -1,0 +1,255 @@
+"""The rollout engine: batched KV-cache generation with the training model's own code and numerics.
+
+    engine = RolloutEngine(model, mode=cfg.fp4.rollout_mode, pad_id=tok.pad_id)
+    out = engine.generate([tok.encode("12+7=", add_eos=False)], SamplingParams(temperature=0))
+
+Prompts are left-padded; the attention mask marks real tokens and positions are ``cumsum(mask) - 1``
+so a prompt gets the same positions (and, with per-row FP4 activation scales, the same numerics)
+alone or in any batch. Each request samples from its own seeded `torch.Generator`.
+
+Weights change only through `load_weights`, which swaps a fully staged set under the write side of
+a reader/writer lock; `generate` holds the read side, so a request sees one version, whole.
+"""
+from __future__ import annotations
+
+import contextlib
+import threading
+from dataclasses import dataclass
+from typing import Optional, Sequence, Union
+
+import torch
+
+from megatron_fp4.model import KVCache
+from megatron_fp4.rollout.sampling import SamplingParams, sample_token, sampling_log_probs
+
+
+class RWLock:
+    """Many readers or one writer; a waiting writer blocks new readers (no writer starvation)."""
+
+    def __init__(self):
+        self._cond = threading.Condition()
+        self._readers = 0
+        self._writer = False
+        self._writers_waiting = 0
+
+    @contextlib.contextmanager
+    def read(self):
+        with self._cond:
+            while self._writer or self._writers_waiting:
+                self._cond.wait()
+            self._readers += 1
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._readers -= 1
+                self._cond.notify_all()
+
+    @contextlib.contextmanager
+    def write(self):
+        with self._cond:
+            self._writers_waiting += 1
+            while self._writer or self._readers:
+                self._cond.wait()
+            self._writers_waiting -= 1
+            self._writer = True
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._writer = False
+                self._cond.notify_all()
+
+
+@dataclass
+class GenerationOutput:
+    """One entry per request, in request order. Per generated token t:
+
+    log_probs[i][t]: log p(token) under the raw model distribution (temperature 1, no filtering),
+        what the trainer recomputes. sampled_log_probs[i][t]: under the distribution sampled from
+        (after temperature/top-k/top-p; 0 for greedy).
+    routing[i]: [L, num_moe_layers, k] expert ids of the forward position that produced token t
+        (the position before it), i.e. the routing behind log_probs[i][t]. None unless requested.
+    distributions[i]: [L, V] raw log-softmax rows (for exact KL), None unless requested.
+    """
+
+    prompt_ids: list
+    response_ids: list
+    log_probs: list
+    sampled_log_probs: list
+    finish_reasons: list
+    version: int
+    routing: Optional[list] = None
+    distributions: Optional[list] = None
+
+
+def left_pad(seqs: Sequence[Sequence[int]], pad_id: int):
+    """-> (tokens [B, P], mask [B, P]) with each sequence right-aligned."""
+    width = max(len(s) for s in seqs)
+    tokens = torch.full((len(seqs), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(seqs), width), dtype=torch.long)
+    for i, s in enumerate(seqs):
+        if len(s):
+            tokens[i, width - len(s):] = torch.as_tensor(list(s), dtype=torch.long)
+            mask[i, width - len(s):] = 1
+    return tokens, mask
+
+
+def positions_from_mask(mask: torch.Tensor) -> torch.Tensor:
+    """Positions of real tokens counted from each row's first real token (padding gets 0)."""
+    return (mask.long().cumsum(-1) - 1).clamp(min=0)
+
+
+def pad_prompt_response(prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]], pad_id: int):
+    """verl's layout: prompts left-padded to P, responses right-padded to R, concatenated.
+    Returns dict(input_ids [B, P+R], attention_mask, response_mask [B, P+R], prompt_len=P)."""
+    p_tok, p_mask = left_pad(prompts, pad_id)
+    width = max(max(len(r) for r in responses), 1)
+    r_tok = torch.full((len(responses), width), pad_id, dtype=torch.long)
+    r_mask = torch.zeros_like(r_tok)
+    for i, r in enumerate(responses):
+        r_tok[i, :len(r)] = torch.as_tensor(list(r), dtype=torch.long)
+        r_mask[i, :len(r)] = 1
+    attention_mask = torch.cat([p_mask, r_mask], dim=1)
+    response_mask = torch.cat([torch.zeros_like(p_mask), r_mask], dim=1)
+    return {"input_ids": torch.cat([p_tok, r_tok], dim=1), "attention_mask": attention_mask,
+            "response_mask": response_mask, "prompt_len": p_tok.shape[1]}
+
+
+@contextlib.contextmanager
+def fp4_mode(model, mode: Optional[str]):
+    """Run `model` in FP4 `mode` and restore its previous mode afterwards (None: leave as is)."""
+    previous = model.fp4_mode
+    if mode is not None and previous is not None:
+        model.set_fp4_mode(mode)
+    try:
+        yield
+    finally:
+        if mode is not None and previous is not None:
+            model.set_fp4_mode(previous)
+
+
+class RolloutEngine:
+    """Generation with a `MoETransformer` in the rollout-side FP4 mode.
+
+    The engine owns `model` (give it its own copy when the trainer keeps training: weights reach
+    it through `load_weights`, normally driven by `weight_sync.WeightReceiver`).
+    """
+
+    def __init__(self, model, mode: Optional[str] = None, pad_id: int = 0, seed: int = 0, name: str = "rollout0"):
+        self.model = model.eval()
+        self.mode = mode if mode is not None else getattr(model.fp4_cfg, "rollout_mode", None)
+        self.pad_id = int(pad_id)
+        self.name = name
+        self.version = 0
+        self.lock = RWLock()
+        self._seed_stream = torch.Generator().manual_seed(seed)
+        self._seed_lock = threading.Lock()
+        self._moe_layer_ids = [i for i, layer in enumerate(model.layers) if layer.is_moe]
+
+    # -- weights --------------------------------------------------------------------------------
+    def weight_meta(self) -> dict:
+        """name -> (shape, dtype) of every tensor `load_weights` accepts."""
+        return {n: (tuple(t.shape), t.dtype) for n, t in self.model.state_dict().items()}
+
+    def check_weights(self, meta: dict) -> None:
+        """Raise ValueError naming every name/shape/dtype mismatch of `meta` (name -> (shape, dtype))."""
+        expected = self.weight_meta()
+        problems = [f"unknown tensor {n!r}" for n in meta if n not in expected]
+        problems += [f"missing tensor {n!r}" for n in expected if n not in meta]
+        for n, (shape, dtype) in meta.items():
+            if n in expected and (tuple(shape), dtype) != expected[n]:
+                problems.append(f"{n!r}: got shape {tuple(shape)} dtype {dtype}, expected "
+                                f"shape {expected[n][0]} dtype {expected[n][1]}")
+        if problems:
+            raise ValueError(f"rollout {self.name!r} rejects the weights: " + "; ".join(problems[:8])
+                             + ("; ..." if len(problems) > 8 else "")
+                             + " (publish the state_dict of the same model config the rollout was built with)")
+
+    def load_weights(self, named_tensors: dict, version: int) -> None:
+        """Validate everything, then swap all tensors in under the write lock (one whole version)."""
+        self.check_weights({n: (tuple(t.shape), t.dtype) for n, t in named_tensors.items()})
+        state = self.model.state_dict()
+        with self.lock.write(), torch.no_grad():
+            for n, t in named_tensors.items():
+                state[n].copy_(t)
+            self.version = int(version)
+
+    # -- generation -----------------------------------------------------------------------------
+    def _next_seed(self) -> int:
+        with self._seed_lock:
+            return int(torch.randint(0, 2**62, (1,), generator=self._seed_stream))
+
+    def generate(self, prompts: Sequence[Sequence[int]],
+                 params: Union[SamplingParams, Sequence[SamplingParams]] = SamplingParams(),
+                 return_routing: bool = False, return_distributions: bool = False) -> GenerationOutput:
+        """Generate for every prompt (lists of token ids) with one or per-request `SamplingParams`."""
+        if not prompts or any(len(p) == 0 for p in prompts):
+            raise ValueError("generate() needs at least one prompt and every prompt needs >= 1 token "
+                             "(encode prompts with a bos token)")
+        params = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts; pass one, or one per prompt")
+        max_new = max(p.max_new_tokens for p in params)
+        limit = self.model.cfg.max_seq_len
+        if max(len(p) for p in prompts) + max_new > limit:
+            raise ValueError(f"prompt length + max_new_tokens exceeds model.max_seq_len={limit}; "
+                             "shorten the prompt or lower max_new_tokens")
+        gens = [torch.Generator().manual_seed(p.seed if p.seed is not None else self._next_seed()) for p in params]
+        with self.lock.read(), torch.no_grad(), fp4_mode(self.model, self.mode):
+            version = self.version
+            out = self._decode(prompts, params, gens, max_new, return_routing, return_distributions)
+        return GenerationOutput(version=version, prompt_ids=[list(p) for p in prompts], **out)
+
+    def _decode(self, prompts, params, gens, max_new, return_routing, return_distributions) -> dict:
+        B = len(prompts)
+        tokens, mask = left_pad(prompts, self.pad_id)
+        positions = positions_from_mask(mask)
+        cache = KVCache.empty(len(self.model.layers))
+        res = {"response_ids": [[] for _ in range(B)], "log_probs": [[] for _ in range(B)],
+               "sampled_log_probs": [[] for _ in range(B)], "finish_reasons": [None] * B}
+        routes = [[] for _ in range(B)]
+        dists = [[] for _ in range(B)]
+        out = self.model(tokens, positions, mask, cache, return_routing=return_routing)
+        next_pos = positions[:, -1] + 1
+        for _ in range(max_new):
+            logits = out.logits[:, -1].float()
+            raw = torch.log_softmax(logits, dim=-1)
+            step_routing = self._last_routing(out.routing) if return_routing else None
+            new_tokens = torch.full((B, 1), self.pad_id, dtype=torch.long)
+            for i in range(B):
+                if res["finish_reasons"][i] is not None:
+                    continue
+                slp = sampling_log_probs(logits[i], params[i])
+                tok = sample_token(slp, params[i], gens[i])
+                new_tokens[i, 0] = tok
+                res["response_ids"][i].append(tok)
+                res["log_probs"][i].append(float(raw[i, tok]))
+                res["sampled_log_probs"][i].append(float(slp[tok]))
+                if return_routing:
+                    routes[i].append(step_routing[i])
+                if return_distributions:
+                    dists[i].append(raw[i])
+                if tok in params[i].stop_token_ids:
+                    res["finish_reasons"][i] = "stop"
+                elif len(res["response_ids"][i]) >= params[i].max_new_tokens:
+                    res["finish_reasons"][i] = "length"
+            if all(r is not None for r in res["finish_reasons"]):
+                break
+            # Finished rows keep feeding pad (masked out) so the batch stays rectangular; their
+            # outputs are never read and, being separate rows, cannot affect the others.
+            active = torch.tensor([[r is None] for r in res["finish_reasons"]], dtype=torch.long)
+            mask = torch.cat([mask, active], dim=1)
+            out = self.model(new_tokens, next_pos[:, None], mask, cache, return_routing=return_routing)
+            next_pos = next_pos + 1
+        res["log_probs"] = [torch.tensor(x, dtype=torch.float32) for x in res["log_probs"]]
+        res["sampled_log_probs"] = [torch.tensor(x, dtype=torch.float32) for x in res["sampled_log_probs"]]
+        if return_routing:
+            res["routing"] = [torch.stack(r) for r in routes]
+        if return_distributions:
+            res["distributions"] = [torch.stack(d) for d in dists]
+        return res
+
+    def _last_routing(self, routing: list) -> torch.Tensor:
+        """Per-layer [B, T, k] routing -> [B, num_moe_layers, k] of the last position."""
+        return torch.stack([routing[i][:, -1] for i in self._moe_layer_ids], dim=1)

@@ -1,0 +1,71 @@
+"""Trainer-side recomputation of token log-probs and routing: one full-sequence forward.
+
+Shared by the RL example, the verl training engine and the consistency report, so the training
+side always scores exactly the way the rollout engine's numbers are compared against.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from megatron_fp4.rollout.engine import fp4_mode, positions_from_mask
+
+
+@dataclass
+class ScoreOutput:
+    """log_probs [B, T]: position t holds log p(tokens[:, t] | tokens[:, :t]) (0 at t=0 and where
+    the response mask is 0). routing [B, T, num_moe_layers, k]: the experts of the position that
+    predicts token t (position t-1; row t=0 repeats nothing and is zero). distributions [B, T, V]:
+    the raw log-softmax rows behind log_probs, same alignment."""
+
+    log_probs: torch.Tensor
+    routing: Optional[torch.Tensor] = None
+    distributions: Optional[torch.Tensor] = None
+
+
+def compute_log_probs(model, tokens: torch.Tensor, attention_mask: torch.Tensor,
+                      response_mask: Optional[torch.Tensor] = None, mode: Optional[str] = None,
+                      return_routing: bool = False, return_distributions: bool = False) -> ScoreOutput:
+    """Score `tokens` [B, T] (verl layout: left-padded prompt, right-padded response) in one
+    forward, in FP4 `mode` (default: the model's current mode, i.e. the training-side one).
+    Differentiable: call under torch.no_grad() when only the numbers are needed."""
+    if tokens.shape != attention_mask.shape:
+        raise ValueError(f"tokens {tuple(tokens.shape)} and attention_mask {tuple(attention_mask.shape)} "
+                         "must have the same [batch, seq] shape")
+    with fp4_mode(model, mode):
+        out = model(tokens, positions_from_mask(attention_mask), attention_mask, return_routing=return_routing)
+    logp_all = torch.log_softmax(out.logits[:, :-1].float(), dim=-1)
+    picked = logp_all.gather(-1, tokens[:, 1:, None]).squeeze(-1)
+    log_probs = torch.cat([picked.new_zeros(tokens.shape[0], 1), picked], dim=1)
+    keep = attention_mask if response_mask is None else response_mask
+    log_probs = log_probs * keep.to(log_probs.dtype)
+    routing = dists = None
+    if return_routing:
+        moe = [r for r in out.routing if r is not None]
+        stacked = torch.stack(moe, dim=2)  # [B, T, L_moe, k]
+        routing = torch.cat([torch.zeros_like(stacked[:, :1]), stacked[:, :-1]], dim=1)
+    if return_distributions:
+        dists = torch.cat([logp_all.new_zeros(logp_all[:, :1].shape), logp_all], dim=1)
+    return ScoreOutput(log_probs, routing, dists)
+
+
+def score(model, prompts, responses, pad_id: int = 0, mode: Optional[str] = None,
+          return_routing: bool = False, return_distributions: bool = False):
+    """Convenience over `compute_log_probs` for token-id lists: returns per-request tensors
+    (log_probs [L], routing [L, num_moe_layers, k], distributions [L, V]) in the engine's format."""
+    from megatron_fp4.rollout.engine import pad_prompt_response
+
+    batch = pad_prompt_response(prompts, responses, pad_id)
+    with torch.no_grad():
+        out = compute_log_probs(model, batch["input_ids"], batch["attention_mask"], batch["response_mask"], mode,
+                                return_routing, return_distributions)
+    P = batch["prompt_len"]
+    per = {"log_probs": [], "routing": [], "distributions": []}
+    for i, r in enumerate(responses):
+        sl = slice(P, P + len(r))
+        per["log_probs"].append(out.log_probs[i, sl])
+        per["routing"].append(out.routing[i, sl] if return_routing else None)
+        per["distributions"].append(out.distributions[i, sl] if return_distributions else None)
+    return per

@@ -1,0 +1,158 @@
+"""Weight sync in one process: bucket format, two completion points, no overlap, whole versions,
+faults (rollout raises / is gone, mismatched manifest) leave the rollout on its previous version."""
+import threading
+import time
+
+import pytest
+import torch
+
+from megatron_fp4.config import Config
+from megatron_fp4.model import build_model
+from megatron_fp4.rollout import (InProcessTransport, RolloutEngine, SamplingParams, WeightPublisher, WeightReceiver,
+                                  WeightSyncError)
+from megatron_fp4.rollout.buckets import pack_buckets, unpack_buckets
+
+
+def models():
+    cfg = Config()
+    cfg.model.vocab_size = 18
+    return build_model(cfg, seed=1), build_model(cfg, seed=2)
+
+
+def bump(model, delta=0.01):
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(delta)
+
+
+def same_weights(a, b):
+    return all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values()))
+
+
+@pytest.mark.parametrize("bucket_bytes", [1, 100, 4096, 1 << 30])
+def test_buckets_roundtrip_and_respect_size(bucket_bytes):
+    named = [("a", torch.randn(7, 5)), ("b", torch.arange(3, dtype=torch.int64)), ("e", torch.empty(0)),
+             ("h", torch.randn(4, 3).to(torch.bfloat16))]
+    buckets = pack_buckets(named, bucket_bytes)
+    assert all(b.buffer.numel() <= bucket_bytes for b in buckets)
+    out = unpack_buckets(buckets)
+    for n, t in named:
+        assert out[n].dtype == t.dtype and torch.equal(out[n], t)
+    with pytest.raises(ValueError, match="bucket_bytes"):
+        pack_buckets(named, 0)
+
+
+def test_two_completion_points_and_snapshot_is_immutable():
+    trainer, rollout = models()
+    engine = RolloutEngine(rollout, mode="bf16")
+    receiver = WeightReceiver(engine)
+    gate = threading.Event()
+    real_stage = receiver.stage
+    receiver.stage = lambda buckets: (gate.wait(10), real_stage(buckets))[1]  # hold the load
+    pub = WeightPublisher(trainer, [InProcessTransport(receiver)], bucket_bytes=8192)
+    expected = {k: v.clone() for k, v in trainer.state_dict().items()}
+    h = pub.publish(1)
+    assert h.snapshot_ready.is_set() and not h.loaded.is_set()  # first completion point only
+    bump(trainer)  # training continues at once: must not leak into version 1
+    assert engine.version == 0
+    gate.set()
+    h.wait_loaded(10)
+    assert engine.version == 1 and h.ok and h.num_buckets > 1
+    assert all(torch.equal(rollout.state_dict()[k], v) for k, v in expected.items())
+    assert h.snapshot_s >= 0 and h.load_s >= 0
+
+
+def test_publish_waits_for_previous_load_and_generation_sees_whole_versions():
+    trainer, rollout = models()
+    engine = RolloutEngine(rollout, mode="bf16")
+    receiver = WeightReceiver(engine)
+    order = []
+    real_load = engine.load_weights
+
+    def slow_load(tensors, version):
+        order.append(("start", version))
+        time.sleep(0.05)
+        real_load(tensors, version)
+        order.append(("end", version))
+    engine.load_weights = slow_load
+    pub = WeightPublisher(trainer, [InProcessTransport(receiver)])
+    seen, stop = [], threading.Event()
+
+    def generate_loop():  # concurrent requests: each sees one version whose weights match it
+        while not stop.is_set():
+            with engine.lock.read():
+                seen.append((engine.version, float(rollout.embed_tokens.weight[0, 0].detach())))
+    th = threading.Thread(target=generate_loop)
+    th.start()
+    marks = {}
+    for v in range(1, 4):
+        with torch.no_grad():
+            trainer.embed_tokens.weight[0, 0] = float(v)
+        marks[v] = float(v)
+        pub.publish(v)
+    pub.wait(10)
+    stop.set()
+    th.join()
+    assert order == [("start", 1), ("end", 1), ("start", 2), ("end", 2), ("start", 3), ("end", 3)]
+    assert engine.version == 3
+    for version, value in seen:  # version and weights always agree (never half-loaded)
+        assert version == 0 or value == marks[version]
+    engine.generate([[1, 4, 5]], SamplingParams(max_new_tokens=2, temperature=0))
+
+
+def test_rollout_that_raises_keeps_previous_version_and_publisher_gets_error():
+    trainer, rollout = models()
+    engine = RolloutEngine(rollout, mode="bf16", name="r-bad")
+    ok_engine = RolloutEngine(models()[1], mode="bf16", name="r-ok")
+    bad = WeightReceiver(engine)
+    bad.stage = lambda buckets: (_ for _ in ()).throw(RuntimeError("injected loader crash"))
+    pub = WeightPublisher(trainer, [InProcessTransport(bad), InProcessTransport(WeightReceiver(ok_engine))])
+    before = {k: v.clone() for k, v in rollout.state_dict().items()}
+    h = pub.publish(5)
+    with pytest.raises(WeightSyncError, match=r"version 5.*'r-bad'.*injected loader crash") as err:
+        h.wait_loaded(10)
+    assert set(err.value.failures) == {"r-bad"} and err.value.version == 5
+    assert engine.version == 0 and all(torch.equal(rollout.state_dict()[k], v) for k, v in before.items())
+    assert ok_engine.version == 5 and same_weights(ok_engine.model, trainer)
+    engine.generate([[1, 4]], SamplingParams(max_new_tokens=2, temperature=0))  # still serving v0
+
+
+def test_dead_rollout_is_reported():
+    trainer, rollout = models()
+    engine = RolloutEngine(rollout, mode="bf16", name="r-dead")
+    receiver = WeightReceiver(engine)
+    receiver.close()
+    h = WeightPublisher(trainer, [InProcessTransport(receiver)]).publish(2)
+    with pytest.raises(WeightSyncError, match="r-dead.*shut down"):
+        h.wait_loaded(10)
+    assert engine.version == 0
+
+
+def test_mismatch_rejected_before_any_tensor_is_overwritten():
+    trainer, rollout = models()
+    engine = RolloutEngine(rollout, mode="bf16", name="r0")
+    receiver = WeightReceiver(engine)
+    staged = []
+    real_stage = receiver.stage
+    receiver.stage = lambda b: staged.append(1) or real_stage(b)
+    before = {k: v.clone() for k, v in rollout.state_dict().items()}
+    sd = dict(trainer.state_dict())
+    sd["layers.0.self_attn.q_proj.weight"] = torch.zeros(3, 3)  # wrong shape
+    sd["norm.weight"] = sd["norm.weight"].double()  # wrong dtype
+    sd["extra.weight"] = torch.zeros(1)  # unknown name
+    h = WeightPublisher(lambda: sd.items(), [InProcessTransport(receiver)]).publish(1)
+    with pytest.raises(WeightSyncError, match="'r0'.*rejects the weights") as err:
+        h.wait_loaded(10)
+    for needle in ["unknown tensor 'extra.weight'", "q_proj.weight': got shape (3, 3)", "torch.float64"]:
+        assert needle in str(err.value)
+    assert not staged and engine.version == 0
+    assert all(torch.equal(rollout.state_dict()[k], v) for k, v in before.items())
+
+
+def test_publisher_validates_arguments():
+    trainer, rollout = models()
+    with pytest.raises(ValueError, match="at least one transport"):
+        WeightPublisher(trainer, [])
+    r = WeightReceiver(RolloutEngine(rollout))
+    with pytest.raises(ValueError, match="unique"):
+        WeightPublisher(trainer, [InProcessTransport(r), InProcessTransport(r)])
