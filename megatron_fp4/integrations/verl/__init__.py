@@ -1,1 +1,22 @@
-"""verl."""
+"""verl adapters: checkpoint engine "megatron_fp4", a rollout (BaseRollout) over `RolloutEngine`,
+a training engine (BaseEngine, backend "megatron_fp4") and the truncated-IS policy loss.
+
+Importing this package needs verl (`pip install megatron-fp4[verl]`); nothing else in
+megatron_fp4 imports it.
+"""
+try:
+    import verl  # noqa: F401
+except ImportError as err:  # pragma: no cover - exercised only without verl
+    raise ImportError("megatron_fp4.integrations.verl needs verl; install it with "
+                      "`pip install megatron-fp4[verl]` (or `pip install verl`)") from err
+
+from megatron_fp4.integrations.verl.checkpoint_engine import MegatronFP4CheckpointEngine, WeightStream
+from megatron_fp4.integrations.verl.engine import MegatronFP4Engine
+from megatron_fp4.integrations.verl.losses import make_policy_loss_fn
+from megatron_fp4.integrations.verl.rollout import MegatronFP4Rollout
+from megatron_fp4.rollout.is_correction import policy_loss, truncated_is_weights
+
+BACKEND = "megatron_fp4"
+
+__all__ = ["BACKEND", "MegatronFP4CheckpointEngine", "WeightStream", "MegatronFP4Engine", "MegatronFP4Rollout",
+           "make_policy_loss_fn", "truncated_is_weights", "policy_loss"]
