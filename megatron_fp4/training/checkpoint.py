@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Optional
 
 import torch
+import yaml
 
 FORMAT_VERSION = 1
 STATE_FILE, META_FILE, LATEST_FILE = "state.pt", "meta.json", "latest"
@@ -65,8 +66,12 @@ def set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def save_checkpoint(root: str | Path, step: int, state: dict, config: dict) -> Path:
-    """Write `state` (tensors and plain Python values) as step `step` under `root`, atomically."""
+def save_checkpoint(root: str | Path, step: int, state: dict, config: dict, kind: str = "single") -> Path:
+    """Write `state` (tensors and plain Python values) as step `step` under `root`, atomically.
+
+    kind: "single" (a full training state) or "weights" (model only, e.g. converted from HF: the
+    trainer starts from these weights at step 0). The config is also written as `config.yaml`, a
+    file that `--config` accepts."""
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
     final = root / step_dir_name(step)
@@ -75,8 +80,9 @@ def save_checkpoint(root: str | Path, step: int, state: dict, config: dict) -> P
         shutil.rmtree(tmp)
     tmp.mkdir()
     torch.save(state, tmp / STATE_FILE)
-    meta = {"format_version": FORMAT_VERSION, "step": step, "kind": "single", "config": config}
+    meta = {"format_version": FORMAT_VERSION, "step": step, "kind": kind, "config": config}
     (tmp / META_FILE).write_text(json.dumps(meta, indent=2, default=str))
+    (tmp / "config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
     commit_step_dir(tmp, final, root)
     return final
 
@@ -120,7 +126,7 @@ def load_checkpoint(path: str | Path, model_cfg=None) -> tuple[dict, dict]:
     meta = read_meta(step_dir)
     if model_cfg is not None:
         check_compatible(meta, model_cfg, step_dir)
-    if meta.get("kind") != "single":
+    if meta.get("kind") not in ("single", "weights"):
         raise CheckpointError(f"{step_dir} is a sharded ({meta.get('kind')}) checkpoint; load it with the parallel "
                               f"trainer (or convert it with tools/convert_checkpoint.py)")
     state = torch.load(step_dir / STATE_FILE, map_location="cpu", weights_only=False)

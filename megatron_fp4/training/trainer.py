@@ -214,6 +214,11 @@ class Trainer:
         return ckpt.save_checkpoint(root, self.step, self.state_dict(), self.cfg.to_dict())
 
     def load_checkpoint(self, path: str) -> int:
-        state, _ = ckpt.load_checkpoint(path, self.cfg.model)
+        """Resume a training checkpoint, or start from a weights-only one (step 0, fresh optimizer)."""
+        state, meta = ckpt.load_checkpoint(path, self.cfg.model)
+        if meta["kind"] == "weights":
+            self.model.load_state_dict(state["model"])
+            self.optimizer = MasterWeightAdamW(self.model.named_parameters(), self.cfg.optimizer)
+            return self.step
         self.load_state_dict(state)
         return self.step
