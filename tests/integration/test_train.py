@@ -87,3 +87,23 @@ def test_interrupted_save_leaves_latest_loadable(tmp_path, monkeypatch):
 def test_cli_reports_config_errors(capsys):
     assert main(["--set", "model.top_k=99", "--steps", "1"]) == 2
     assert "model.top_k=99" in capsys.readouterr().err
+
+
+def test_trains_on_megatron_indexed_and_numpy_files(tmp_path):
+    import numpy as np
+
+    from megatron_fp4.training.data import IndexedDatasetWriter
+
+    rng = np.random.default_rng(0)
+    with IndexedDatasetWriter(str(tmp_path / "corpus"), dtype=np.uint16) as writer:
+        for _ in range(40):
+            writer.add_document(rng.integers(0, 32, size=int(rng.integers(20, 60))))
+    np.save(tmp_path / "tokens.npy", rng.integers(0, 32, size=3000).astype(np.int32))
+    for kind, path in [("megatron", tmp_path / "corpus"), ("numpy", tmp_path / "tokens.npy")]:
+        cfg = small_cfg(tmp_path, f"data.kind={kind}", f"data.path={path}", "schedule.train_steps=2",
+                        "schedule.warmup_steps=0", "checkpoint.dir=null")
+        history = Trainer(cfg).train()
+        assert len(history) == 2 and all(math.isfinite(h["loss"]) for h in history)
+    cfg = small_cfg(tmp_path, "data.kind=numpy", f"data.path={tmp_path / 'missing.npy'}")
+    with pytest.raises(ValueError, match="data.path"):
+        Trainer(cfg)
