@@ -39,26 +39,44 @@ def _child(rank, world_size, port, fn, args, queue):
 
 
 def run_distributed(fn, world_size: int, args: tuple = (), timeout_s: float = 300.0) -> list:
-    """Spawn `world_size` processes running fn(rank, world_size, *args); return results by rank."""
+    """Spawn `world_size` processes running fn(rank, world_size, *args); return results by rank.
+
+    Fails (instead of hanging) when a child raises, dies without reporting (e.g. killed), or the
+    whole run exceeds `timeout_s`."""
+    import queue as queue_mod
+    import time
+
     ctx = mp.get_context("spawn")
-    queue = ctx.SimpleQueue()
+    results_q = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_child, args=(r, world_size, port, fn, args, queue), daemon=False)
+    procs = [ctx.Process(target=_child, args=(r, world_size, port, fn, args, results_q), daemon=False)
              for r in range(world_size)]
     for p in procs:
         p.start()
-    results, errors = [None] * world_size, []
-    for _ in range(world_size):
-        rank, status, payload = queue.get()
+    results, errors, reported = [None] * world_size, [], set()
+    deadline = time.monotonic() + timeout_s
+    while len(reported) < world_size and not errors:
+        try:
+            rank, status, payload = results_q.get(timeout=0.5)
+        except queue_mod.Empty:
+            dead = [r for r, p in enumerate(procs) if r not in reported and p.exitcode not in (None, 0)]
+            if dead:
+                errors.append(f"rank(s) {dead} died without reporting (exit codes "
+                              f"{[procs[r].exitcode for r in dead]})")
+            elif time.monotonic() > deadline:
+                errors.append(f"timed out after {timeout_s:.0f}s waiting for ranks "
+                              f"{sorted(set(range(world_size)) - reported)}")
+            continue
+        reported.add(rank)
         if status == "ok":
             results[rank] = payload
         else:
             errors.append(f"--- rank {rank} ---\n{payload}")
-            break  # the other ranks may now hang in a collective; stop them below
     for p in procs:
-        p.join(timeout=5 if errors else timeout_s)
+        p.join(timeout=5 if errors else 30)
         if p.is_alive():
             p.kill()
+            p.join()
     if errors:
         raise RuntimeError("distributed test failed:\n" + "\n".join(errors))
     return results

@@ -22,3 +22,15 @@ def test_all_reduce_two_ranks():
 def test_child_error_is_reported():
     with pytest.raises(RuntimeError, match="boom on"):
         run_distributed(_boom, 2)
+
+
+def _die(rank, world_size):
+    import os
+    if rank == 1:
+        os._exit(3)  # dies without reporting
+    dist.barrier()  # would hang forever without the launcher's liveness check
+
+
+def test_dead_child_is_reported_not_hung():
+    with pytest.raises(RuntimeError, match="died without reporting|Connection reset"):
+        run_distributed(_die, 2, timeout_s=60)
