@@ -1,0 +1,349 @@
+"""ZeRO-sharded AdamW in the spirit of Megatron-Core's distributed optimizer.
+
+Megatron-Core's distributed optimizer needs CUDA (its buffers, streams and NCCL calls), so it cannot
+run on the CPU/gloo path this project is developed on; this is a small portable equivalent with the
+interface of `training.optim.MasterWeightAdamW`.
+
+Layout. Parameters are grouped by (dtype, reduction axis, weight decay). Each group is one
+`FlatBuffer`: the params' data and ``.grad`` are views into two contiguous flat tensors, laid out in
+reverse model order (the order backward produces them) and cut into buckets of about
+``bucket_size_mb``, each padded to a multiple of the group size. The reduction axis is a property of
+the buffer: ``dp`` for ordinary params, ``edp`` for expert params (``param.is_expert``), so expert
+parallelism is not a special case anywhere else.
+
+Sharding. Rank r of a buffer's group *owns* the r-th slice of every bucket. ZeRO stage
+
+- 0: buckets are all-reduced; every rank keeps fp32 masters + Adam state of the whole buffer;
+- 1: buckets are all-reduced; masters + Adam state exist only for the owned slices (1/dp);
+- 2: buckets are reduce-scattered (gloo supports ``reduce_scatter_tensor``), each rank keeps only
+  its reduced grad shard (``p.grad`` outside the owned slice then holds un-reduced local values).
+  As in Megatron the full-size grad buffer stays, as the accumulation target of the micro-batches.
+
+After the step the owned master slices are all-gathered back into the param buffer. Adam itself is
+`torch.optim.AdamW` on the flat master shard (one param per buffer, uniform weight decay), so its
+math is the library's, element for element.
+
+Overlap. ``prepare_grad_sync(num_microbatches)`` arms post-accumulate-grad hooks: when every param of
+a bucket has accumulated its last micro-batch's gradient, the bucket's collective starts
+asynchronously while backward continues; `finish_grad_sync` waits for them (and reduces any bucket
+the hooks did not launch, so correctness never depends on the hooks).
+
+Gradient norm: squares of the owned slices, all-reduced over dp then pp. Owned slices are disjoint
+across dp (ordinary params) and across edp×ep = dp (expert params), and stages are disjoint across
+pp, so nothing is counted twice.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from megatron_fp4.training.optim import no_weight_decay
+
+
+def _reduce_scatter(out, inp, group, async_op):
+    fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    return fn(out, inp, group=group, async_op=async_op)
+
+
+def _all_gather(out, inp, group, async_op):
+    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    return fn(out, inp, group=group, async_op=async_op)
+
+
+def plan_buckets(numels: list[int], bucket_numel: int, group_size: int) -> tuple[list[int], list[tuple[int, int]]]:
+    """Pure: (offset of every param, [(start, end)] of every bucket) for params laid out in order.
+
+    A bucket closes once it holds >= bucket_numel elements; its end is padded to a multiple of
+    group_size so every rank owns an equal slice."""
+    offsets, buckets, start, pos = [], [], 0, 0
+    for i, n in enumerate(numels):
+        offsets.append(pos)
+        pos += n
+        if pos - start >= bucket_numel or i == len(numels) - 1:
+            pos = start + math.ceil((pos - start) / group_size) * group_size
+            buckets.append((start, pos))
+            start = pos
+    return offsets, buckets
+
+
+def owned_ranges(buckets: list[tuple[int, int]], group_size: int, group_rank: int) -> list[tuple[int, int]]:
+    """Pure: the buffer ranges rank `group_rank` owns (its slice of every bucket)."""
+    out = []
+    for start, end in buckets:
+        size = (end - start) // group_size
+        out.append((start + group_rank * size, start + (group_rank + 1) * size))
+    return out
+
+
+@dataclass
+class Bucket:
+    start: int
+    end: int
+    params: list
+    pending: int = 0
+    work: Optional[object] = None
+
+
+@dataclass
+class FlatBuffer:
+    """Params of one (dtype, axis, weight decay) group with their grad buffer, buckets and shard."""
+
+    axis: str
+    group: Optional[object]
+    group_size: int
+    group_rank: int
+    weight_decay: float
+    names: list
+    params: list
+    offsets: list
+    buckets: list
+    data: torch.Tensor
+    grad: torch.Tensor
+    owned: list  # [(lo, hi)] buffer ranges this rank owns
+    state_ranges: list = field(default_factory=list)  # buffer ranges this rank keeps Adam state for
+
+    @property
+    def numel(self) -> int:
+        return self.data.numel()
+
+    def param_view(self, i: int, flat: torch.Tensor) -> torch.Tensor:
+        p = self.params[i]
+        return flat[self.offsets[i]:self.offsets[i] + p.numel()].view_as(p)
+
+    def gather_ranges(self, flat: torch.Tensor, ranges) -> torch.Tensor:
+        return torch.cat([flat[lo:hi] for lo, hi in ranges]) if len(ranges) > 1 else flat[ranges[0][0]:ranges[0][1]]
+
+    def pieces(self):
+        """(param index, param element lo, hi, state offset) of every param part in the state ranges."""
+        out, state_pos = [], 0
+        for lo, hi in self.state_ranges:
+            for i, p in enumerate(self.params):
+                a, b = max(lo, self.offsets[i]), min(hi, self.offsets[i] + p.numel())
+                if a < b:
+                    out.append((i, a - self.offsets[i], b - self.offsets[i], state_pos + a - lo))
+            state_pos += hi - lo
+        return out
+
+
+class ZeroAdamW:
+    """AdamW with fp32 master weights and optimizer state sharded over each buffer's group."""
+
+    def __init__(self, named_params, opt_cfg, mesh, zero_stage: int = 1, bucket_size_mb: float = 4.0):
+        if zero_stage not in (0, 1, 2):
+            raise ValueError(f"parallel.zero_stage={zero_stage!r} must be 0, 1 or 2")
+        self.opt_cfg, self.mesh, self.zero_stage = opt_cfg, mesh, zero_stage
+        groups: dict[tuple, list] = {}
+        for name, p in named_params:
+            if not p.requires_grad:
+                continue
+            axis = getattr(p, "expert_group", "edp") if getattr(p, "is_expert", False) else "dp"
+            wd = 0.0 if no_weight_decay(name, p) else opt_cfg.weight_decay
+            groups.setdefault((p.dtype, axis, wd), []).append((name, p))
+        self.buffers: list[FlatBuffer] = []
+        for (dtype, axis, wd), items in groups.items():
+            items = items[::-1]  # backward order: the last layers' grads are ready first
+            bucket_numel = max(1, int(bucket_size_mb * 2**20 / torch.finfo(dtype).bits * 8))
+            self.buffers.append(self._make_buffer(dtype, axis, wd, items, bucket_numel))
+        self.optimizers, self.masters, self.grad_shards = [], [], []
+        for buf in self.buffers:
+            buf.state_ranges = [(0, buf.numel)] if zero_stage == 0 else buf.owned
+            if zero_stage == 0 and buf.data.dtype == torch.float32:
+                master = nn.Parameter(buf.data)  # shares storage: the param buffer is the master
+            else:
+                master = nn.Parameter(buf.gather_ranges(buf.data, buf.state_ranges).detach().float().clone())
+            self.masters.append(master)
+            self.grad_shards.append(torch.zeros(master.numel(), dtype=buf.data.dtype, device=buf.data.device)
+                                    if zero_stage == 2 else None)
+            self.optimizers.append(torch.optim.AdamW([master], lr=opt_cfg.lr, betas=(opt_cfg.beta1, opt_cfg.beta2),
+                                                     eps=opt_cfg.eps, weight_decay=buf.weight_decay))
+        self._hooks = []
+        self._armed = False
+        for buf in self.buffers:
+            for b in buf.buckets:
+                for p in b.params:
+                    self._hooks.append(p.register_post_accumulate_grad_hook(self._make_hook(buf, b)))
+
+    def _make_buffer(self, dtype, axis, wd, items, bucket_numel) -> FlatBuffer:
+        group = self.mesh.group(axis) if self.mesh.world_size > 1 else None
+        size = self.mesh.size(axis) if group is not None else 1
+        rank = dist.get_rank(group) if group is not None else 0
+        names, params = [n for n, _ in items], [p for _, p in items]
+        offsets, spans = plan_buckets([p.numel() for p in params], bucket_numel, size)
+        device = params[0].device
+        data = torch.zeros(spans[-1][1], dtype=dtype, device=device)
+        grad = torch.zeros_like(data)
+        buf = FlatBuffer(axis, group, size, rank, wd, names, params, offsets, [], data, grad,
+                         owned_ranges(spans, size, rank))
+        for i, p in enumerate(params):
+            view = buf.param_view(i, data)
+            view.copy_(p.detach())
+            p.data = view
+            p.grad = buf.param_view(i, grad)
+        for start, end in spans:
+            members = [p for i, p in enumerate(params) if start <= offsets[i] < end]
+            buf.buckets.append(Bucket(start, end, members))
+        return buf
+
+    # -- gradient synchronisation -------------------------------------------------------------------
+    def _make_hook(self, buf: FlatBuffer, bucket: Bucket):
+        def hook(param):
+            if not self._armed:
+                return
+            bucket.pending -= 1
+            if bucket.pending == 0:
+                self._launch(buf, bucket)
+        return hook
+
+    def prepare_grad_sync(self, num_microbatches: int) -> None:
+        """Arm the hooks: a bucket's collective starts when each of its params has accumulated
+        `num_microbatches` gradients."""
+        self._armed = True
+        for buf in self.buffers:
+            for b in buf.buckets:
+                b.pending, b.work = len(b.params) * num_microbatches, None
+
+    def _shard_slice(self, buf: FlatBuffer, bucket: Bucket) -> slice:
+        """Where this bucket's owned slice sits in the flat shard (stage 2 grad shard)."""
+        size = (bucket.end - bucket.start) // buf.group_size
+        index = buf.buckets.index(bucket)
+        start = sum((b.end - b.start) // buf.group_size for b in buf.buckets[:index])
+        return slice(start, start + size)
+
+    def _launch(self, buf: FlatBuffer, bucket: Bucket) -> None:
+        chunk = buf.grad[bucket.start:bucket.end]
+        if buf.group is None or buf.group_size == 1:
+            if self.zero_stage == 2:
+                self.grad_shards[self.buffers.index(buf)][self._shard_slice(buf, bucket)].copy_(chunk)
+            bucket.work = True
+            return
+        if self.zero_stage == 2:
+            shard = self.grad_shards[self.buffers.index(buf)][self._shard_slice(buf, bucket)]
+            bucket.work = _reduce_scatter(shard, chunk, buf.group, async_op=True)
+        else:
+            bucket.work = dist.all_reduce(chunk, group=buf.group, async_op=True)
+
+    def finish_grad_sync(self) -> None:
+        """Wait for (or start) every bucket's reduction and average over the group."""
+        for k, buf in enumerate(self.buffers):
+            for b in buf.buckets:
+                if b.work is None:
+                    self._launch(buf, b)
+            for b in buf.buckets:
+                if b.work is not True:
+                    b.work.wait()
+                b.work = None
+            if buf.group_size > 1:  # SUM → mean over the data-parallel replicas (1/size exact for 2^k)
+                (self.grad_shards[k] if self.zero_stage == 2 else buf.grad).mul_(1.0 / buf.group_size)
+        self._armed = False
+
+    def _local_grad(self, k: int) -> torch.Tensor:
+        """The reduced gradient matching master k's elements."""
+        buf = self.buffers[k]
+        if self.zero_stage == 2:
+            return self.grad_shards[k]
+        return buf.gather_ranges(buf.grad, buf.state_ranges)
+
+    def zero_grad(self) -> None:
+        for k, buf in enumerate(self.buffers):
+            buf.grad.zero_()
+            if self.grad_shards[k] is not None:
+                self.grad_shards[k].zero_()
+            for i, p in enumerate(buf.params):
+                p.grad = buf.param_view(i, buf.grad)
+        self._armed = False
+
+    # -- norm and step -----------------------------------------------------------------------------
+    def grad_norm(self) -> float:
+        """Global L2 norm over every shard and every pipeline stage; inf/nan propagate."""
+        sq = torch.zeros((), dtype=torch.float32, device=self.mesh.device)
+        for k, buf in enumerate(self.buffers):
+            if self.zero_stage == 2:
+                sq += self.grad_shards[k].float().pow(2).sum()
+            else:
+                for lo, hi in buf.owned:
+                    sq += buf.grad[lo:hi].float().pow(2).sum()
+        if self.mesh.world_size > 1:
+            for axis in ("dp", "pp"):
+                if self.mesh.size(axis) > 1:
+                    dist.all_reduce(sq, group=self.mesh.group(axis))
+        return float(sq.sqrt())
+
+    @torch.no_grad()
+    def step(self, lr: float, clip_coef: float = 1.0) -> None:
+        for k, (buf, master, opt) in enumerate(zip(self.buffers, self.masters, self.optimizers)):
+            grad = self._local_grad(k).float()
+            if clip_coef != 1.0:  # out of place: p.grad keeps the reduced, unclipped gradient
+                grad = grad * clip_coef
+            master.grad = grad
+            for group in opt.param_groups:
+                group["lr"] = lr
+            opt.step()
+            master.grad = None
+            self._write_back(buf, master)
+
+    def _write_back(self, buf: FlatBuffer, master: torch.Tensor) -> None:
+        """Copy updated masters into the param buffer and all-gather the owned slices."""
+        if self.zero_stage == 0:
+            if master.data_ptr() != buf.data.data_ptr():
+                buf.data.copy_(master)
+            return
+        pos, works = 0, []
+        for (lo, hi), bucket in zip(buf.owned, buf.buckets):
+            piece = master[pos:pos + hi - lo].to(buf.data.dtype)
+            pos += hi - lo
+            if buf.group is None or buf.group_size == 1:
+                buf.data[lo:hi].copy_(piece)
+            else:
+                works.append(_all_gather(buf.data[bucket.start:bucket.end], piece, buf.group, async_op=True))
+        for w in works:
+            w.wait()
+
+    # -- state ---------------------------------------------------------------------------------------
+    def state_bytes(self) -> dict:
+        """Bytes of fp32 masters and Adam moments held by this rank (what ZeRO shards)."""
+        masters = sum(m.numel() * m.element_size() for m in self.masters)
+        moments = 0
+        for opt, m in zip(self.optimizers, self.masters):
+            st = opt.state.get(m, {})
+            moments += sum(t.numel() * t.element_size() for key, t in st.items() if key != "step")
+        return {"masters": masters, "moments": moments}
+
+    def adam_state(self, k: int) -> dict:
+        """Flat tensors of buffer k's state: master, exp_avg, exp_avg_sq (zeros before the first step)."""
+        master = self.masters[k]
+        st = self.optimizers[k].state.get(master, {})
+        zeros = torch.zeros_like(master, dtype=torch.float32)
+        return {"master": master.detach(), "exp_avg": st.get("exp_avg", zeros),
+                "exp_avg_sq": st.get("exp_avg_sq", zeros), "step": float(st.get("step", 0.0))}
+
+    def set_adam_state(self, k: int, master: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
+                       step: float) -> None:
+        buf, m, opt = self.buffers[k], self.masters[k], self.optimizers[k]
+        with torch.no_grad():
+            m.copy_(master)
+            if step > 0:
+                opt.state[m] = {"step": torch.tensor(float(step)), "exp_avg": exp_avg.clone().float(),
+                                "exp_avg_sq": exp_avg_sq.clone().float()}
+            else:
+                opt.state.pop(m, None)
+            self._write_back(buf, m)
+
+    def state_dict(self) -> dict:
+        return {"zero_stage": self.zero_stage, "buffers": [self.adam_state(k) for k in range(len(self.buffers))]}
+
+    def load_state_dict(self, state: dict) -> None:
+        if len(state["buffers"]) != len(self.buffers):
+            raise ValueError("optimizer state was saved with a different parameter grouping; load the sharded "
+                             "(dcp) checkpoint instead, which reshards by parameter name")
+        for k, s in enumerate(state["buffers"]):
+            self.set_adam_state(k, s["master"], s["exp_avg"], s["exp_avg_sq"], s["step"])
+
+    def remove_hooks(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
