@@ -73,3 +73,19 @@ def test_te_matches_portable_quantizer(dtype):
     x = (torch.randn(256, 512, generator=torch.Generator().manual_seed(1)) * 4).to(dtype).cuda()
     report = compare_with_portable(x)
     assert report["equal"], report
+
+
+def test_gpu_check_script_runs_here(capsys):
+    """tools/gpu_check.py imports and exits cleanly without CUDA; its CPU dry run passes."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "tools" / "gpu_check.py"
+    spec = importlib.util.spec_from_file_location("gpu_check", path)
+    gpu_check = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gpu_check)
+    if not torch.cuda.is_available():
+        assert gpu_check.main([]) == 0
+        assert "no CUDA device" in capsys.readouterr().out
+    assert gpu_check.main(["--device", "cpu", "--quick"]) == 0
+    assert "0 failed" in capsys.readouterr().out
