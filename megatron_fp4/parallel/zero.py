@@ -118,10 +118,11 @@ class FlatBuffer:
     def gather_ranges(self, flat: torch.Tensor, ranges) -> torch.Tensor:
         return torch.cat([flat[lo:hi] for lo, hi in ranges]) if len(ranges) > 1 else flat[ranges[0][0]:ranges[0][1]]
 
-    def pieces(self):
-        """(param index, param element lo, hi, state offset) of every param part in the state ranges."""
+    def pieces(self, ranges=None):
+        """(param index, param element lo, hi, offset in the concatenated ranges) of every param part
+        inside `ranges` (default: the ranges this rank keeps Adam state for)."""
         out, state_pos = [], 0
-        for lo, hi in self.state_ranges:
+        for lo, hi in self.state_ranges if ranges is None else ranges:
             for i, p in enumerate(self.params):
                 a, b = max(lo, self.offsets[i]), min(hi, self.offsets[i] + p.numel())
                 if a < b:

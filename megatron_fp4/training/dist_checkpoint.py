@@ -1,9 +1,206 @@
-"""Sharded (DCP) checkpoints of the parallel trainer — being written."""
+"""Sharded checkpoints of the parallel trainer with torch.distributed.checkpoint (DCP), reshardable.
+
+Same directory layout and atomicity as `training/checkpoint.py` (temp dir, rename, ``latest``;
+``meta.json`` with ``kind: "dcp"``). What DCP stores, all by *global* names, so a checkpoint loads
+into any pp / dp (and ZeRO stage) layout:
+
+- ``model/<param name>``: the full parameter (replicated across dp; DCP writes it once). Expert
+  weights under expert parallelism are stored per global expert, ``model/<name>/expert<e>``;
+- ``optim/<param name>/<master|exp_avg|exp_avg_sq>/<offset>``: the part of that parameter's
+  (flattened, fp32) AdamW state a rank holds, starting at element ``offset`` of the *global*
+  parameter. Each rank writes only its own ZeRO shard — nothing is gathered on save — and on load
+  each rank reads the saved pieces overlapping its new shard and copies the overlaps. Plain 1-D
+  tensors under unique keys, so DCP's default planner does all of it (no DTensor needed);
+- ``rng/<rank>``: each rank's torch RNG state (restored where the rank exists in the new layout).
+
+Step, sampler position (counted in global samples) and the Adam step count live in meta.json.
+"""
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+
+from megatron_fp4.training import checkpoint as ckpt
+
+KINDS = ("master", "exp_avg", "exp_avg_sq")
+_OPTIM_KEY = re.compile(r"^optim/(?P<name>.+)/(?P<kind>master|exp_avg|exp_avg_sq)/(?P<offset>\d+)$")
 
 
-def save(root, trainer):
-    raise NotImplementedError("sharded checkpoints are not implemented yet")
+def _is_dist() -> bool:
+    return dist.is_available() and dist.is_initialized()
 
 
-def load(path, trainer):
-    raise NotImplementedError("sharded checkpoints are not implemented yet")
+def _barrier() -> None:
+    if _is_dist():
+        dist.barrier()
+
+
+def _rank() -> int:
+    return dist.get_rank() if _is_dist() else 0
+
+
+def _expert_info(model) -> dict:
+    """id(param) -> (expert_offset, num_local_experts) for expert weights."""
+    info = {}
+    for moe in model.moe_layers():
+        experts = moe.experts
+        for p in experts.parameters():
+            info[id(p)] = (getattr(experts, "expert_offset", 0), p.shape[0])
+    return info
+
+
+def _global_offset(param, info: dict) -> int:
+    """Element offset of this rank's copy of `param` inside the global (all experts) parameter."""
+    offset, local = info.get(id(param), (0, None))
+    return offset * (param.numel() // local) if local else 0
+
+
+def _model_entries(model, ep: int) -> dict:
+    info = _expert_info(model) if ep > 1 else {}
+    out = {}
+    for name, p in model.named_parameters():
+        if id(p) in info:
+            offset, _ = info[id(p)]
+            for e in range(p.shape[0]):
+                out[f"model/{name}/expert{offset + e}"] = p.data[e]
+        else:
+            out[f"model/{name}"] = p.data
+    return out
+
+
+def _optim_entries(trainer) -> dict:
+    """This rank's owned pieces of every parameter's AdamW state (disjoint across ranks, also under
+    ZeRO-0 where every rank holds everything)."""
+    opt, info = trainer.optimizer, _expert_info(trainer.model)
+    out = {}
+    for k, buf in enumerate(opt.buffers):
+        state = opt.adam_state(k)
+        for i, lo, hi, _ in buf.pieces(buf.owned):
+            start = _state_index(buf, buf.offsets[i] + lo)
+            for kind in KINDS:
+                piece = state[kind][start:start + hi - lo]
+                out[f"optim/{buf.names[i]}/{kind}/{_global_offset(buf.params[i], info) + lo}"] = piece.float().clone()
+    return out
+
+
+def _state_index(buf, buffer_pos: int) -> int:
+    """Position in the flat state (master/moments) of buffer element `buffer_pos`."""
+    pos = 0
+    for lo, hi in buf.state_ranges:
+        if lo <= buffer_pos < hi:
+            return pos + buffer_pos - lo
+        pos += hi - lo
+    raise AssertionError(f"buffer element {buffer_pos} is not in this rank's state")
+
+
+def save(root: str | Path, trainer) -> Path:
+    """Collective: every rank writes its shard of step `trainer.step` under `root`, atomically."""
+    root = Path(root)
+    final = root / ckpt.step_dir_name(trainer.step)
+    tmp = root / f".tmp-{final.name}"
+    if _rank() == 0:
+        root.mkdir(parents=True, exist_ok=True)
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        tmp.mkdir()
+    _barrier()
+    state = {**_model_entries(trainer.model, trainer.mesh.ep), **_optim_entries(trainer),
+             f"rng/{_rank()}": torch.get_rng_state()}
+    dcp.save(state, checkpoint_id=str(tmp), no_dist=not _is_dist())
+    _barrier()
+    if _rank() == 0:
+        p = trainer.cfg.parallel
+        meta = {"format_version": ckpt.FORMAT_VERSION, "step": trainer.step, "kind": "dcp",
+                "adam_step": trainer.optimizer.adam_state(0)["step"] if trainer.optimizer.buffers else 0.0,
+                "sampler": trainer.sampler.state_dict() if trainer.sampler else None,
+                "layout": {"pp": trainer.mesh.pp, "dp": trainer.mesh.dp, "ep": trainer.mesh.ep,
+                           "virtual_stages": p.virtual_stages, "zero_stage": p.zero_stage},
+                "config": trainer.cfg.to_dict()}
+        (tmp / ckpt.META_FILE).write_text(json.dumps(meta, indent=2, default=str))
+        ckpt.commit_step_dir(tmp, final, root)
+    _barrier()
+    return final
+
+
+def _saved_pieces(metadata) -> dict:
+    """(name, kind) -> sorted [(offset, numel, key)] of the optimizer pieces in a checkpoint."""
+    pieces: dict = {}
+    for key, md in metadata.state_dict_metadata.items():
+        m = _OPTIM_KEY.match(key)
+        if m:
+            pieces.setdefault((m["name"], m["kind"]), []).append((int(m["offset"]), md.size.numel(), key))
+    for v in pieces.values():
+        v.sort()
+    return pieces
+
+
+def load(path: str | Path, trainer) -> dict:
+    """Collective: restore model, ZeRO shards, RNG, step and sampler from a dcp checkpoint."""
+    step_dir = ckpt.resolve_checkpoint(path)
+    meta = ckpt.read_meta(step_dir)
+    ckpt.check_compatible(meta, trainer.cfg.model, step_dir)
+    if meta.get("kind") != "dcp":
+        raise ckpt.CheckpointError(f"{step_dir} is a {meta.get('kind')!r} checkpoint; the parallel trainer loads "
+                                   f"sharded ('dcp') checkpoints written by a parallel run")
+    metadata = dcp.FileSystemReader(str(step_dir)).read_metadata()
+    saved = _saved_pieces(metadata)
+    request = _model_entries(trainer.model, trainer.mesh.ep)
+    missing = [k for k in request if k not in metadata.state_dict_metadata]
+    if missing:
+        raise ckpt.CheckpointError(f"{step_dir} lacks {len(missing)} parameter(s), e.g. {missing[:3]}; it was "
+                                   f"written for a different model")
+    rng_key = f"rng/{_rank()}"
+    if rng_key in metadata.state_dict_metadata:
+        request[rng_key] = torch.empty_like(torch.get_rng_state())
+    opt, info = trainer.optimizer, _expert_info(trainer.model)
+    has_state = meta.get("adam_step", 0) > 0
+    plans = []  # (buffer k, kind, dst in flat state, key, src in saved piece, numel)
+    for k, buf in enumerate(opt.buffers):
+        for i, lo, hi, state_pos in buf.pieces():
+            name, goff = buf.names[i], _global_offset(buf.params[i], info)
+            for kind in KINDS if has_state else ():
+                for off, numel, key in saved.get((name, kind), []):
+                    a, b = max(goff + lo, off), min(goff + hi, off + numel)
+                    if a < b:
+                        if key not in request:
+                            request[key] = torch.empty(numel)
+                        plans.append((k, kind, state_pos + a - goff - lo, key, a - off, b - a))
+    with torch.no_grad():
+        dcp.load(request, checkpoint_id=str(step_dir), no_dist=not _is_dist())
+    if rng_key in request:
+        torch.set_rng_state(request[rng_key])
+    for k, buf in enumerate(opt.buffers):
+        current = opt.adam_state(k)
+        flats = {kind: torch.zeros_like(current["master"], dtype=torch.float32) for kind in KINDS}
+        if not has_state:  # masters start from the loaded params
+            flats["master"] = buf.gather_ranges(buf.data, buf.state_ranges).float().clone()
+        filled = torch.zeros(flats["master"].numel(), dtype=torch.int32)
+        for kk, kind, dst, key, src, n in plans:
+            if kk == k:
+                flats[kind][dst:dst + n] = request[key][src:src + n]
+                if kind == "master":
+                    filled[dst:dst + n] += 1
+        if has_state:
+            _check_filled(buf, filled, step_dir)
+        opt.set_adam_state(k, flats["master"], flats["exp_avg"], flats["exp_avg_sq"], meta.get("adam_step", 0))
+    trainer.step = meta["step"]
+    if trainer.sampler is not None and meta.get("sampler") is not None:
+        trainer.sampler.load_state_dict(meta["sampler"])
+    _barrier()
+    return meta
+
+
+def _check_filled(buf, filled: torch.Tensor, where) -> None:
+    """Every real (non-padding) element of this rank's state must come from exactly one saved piece."""
+    need = torch.zeros_like(filled)
+    for _, plo, phi, state_pos in buf.pieces():
+        need[state_pos:state_pos + phi - plo] = 1
+    if not torch.equal(filled, need):
+        raise ckpt.CheckpointError(f"{where}: the saved optimizer state does not cover this rank's shard "
+                                   f"({int((filled != need).sum())} elements differ); the checkpoint is incomplete")
