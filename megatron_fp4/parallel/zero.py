@@ -238,8 +238,12 @@ class ZeroAdamW:
                 if b.work is not True:
                     b.work.wait()
                 b.work = None
-            if buf.group_size > 1:  # SUM → mean over the data-parallel replicas (1/size exact for 2^k)
-                (self.grad_shards[k] if self.zero_stage == 2 else buf.grad).mul_(1.0 / buf.group_size)
+            # SUM → mean over all dp ranks' micro-batches. 1/dp also for expert buffers reduced over
+            # edp = dp/ep: their grads already hold the tokens of the ep peers (through the all-to-all
+            # backward), so edp × ep = dp ranks' contributions are in the sum (Megatron's scaling).
+            num_replicas = self.mesh.dp if self.mesh.world_size > 1 else 1
+            if num_replicas > 1:
+                (self.grad_shards[k] if self.zero_stage == 2 else buf.grad).mul_(1.0 / num_replicas)
         self._armed = False
 
     def _local_grad(self, k: int) -> torch.Tensor:

@@ -97,7 +97,7 @@ def _reference(spec: dict):
     from megatron_fp4.training.trainer import Trainer, lm_loss_fn
 
     cfg = layout_cfg(spec)
-    cfg.parallel.pp, cfg.parallel.virtual_stages, cfg.parallel.schedule = 1, 1, "1f1b"
+    cfg.parallel.pp, cfg.parallel.ep, cfg.parallel.virtual_stages, cfg.parallel.schedule = 1, 1, 1, "1f1b"
     trainer = Trainer(cfg)
     trainer.model.train()
     trainer.optimizer.zero_grad()
