@@ -142,7 +142,7 @@ class PipelineRunner:
     number of micro-batches for the gradients and reports the true mean (same on every pp rank)."""
 
     def __init__(self, model: nn.Module, mesh, schedule: str, virtual_stages: int, num_microbatches: int,
-                 loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]):
+                 loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], micro_batch_shape: tuple[int, int]):
         from torch.distributed.pipelining import PipelineStage
 
         self.model, self.mesh, self.num_microbatches = model, mesh, num_microbatches
@@ -150,7 +150,19 @@ class PipelineRunner:
         self.group = mesh.group("pp")
         self.chunks = build_chunks(model, self.pp, self.pp_rank, virtual_stages)
         num_stages = self.pp * virtual_stages
-        self.stages = [PipelineStage(chunk, c, num_stages, mesh.device, group=self.group)
+        # Static shapes given up front: without them the library infers them by running each
+        # stage on uninitialised inputs, which FP4's non-finite-input check rightly refuses.
+        mbs, seq_len = micro_batch_shape
+        dtype = next(model.parameters()).dtype
+        hidden = torch.zeros(mbs, seq_len, model.cfg.hidden_size, dtype=dtype, device=mesh.device)
+        tokens = torch.zeros(mbs, seq_len, dtype=torch.long, device=mesh.device)
+        logits = torch.zeros(mbs, seq_len, model.cfg.vocab_size, dtype=dtype, device=mesh.device)
+        hidden_in = hidden.clone().requires_grad_()  # received activations need their gradient
+        self.stages = [PipelineStage(chunk, c, num_stages, mesh.device, group=self.group,
+                                     input_args=(tokens if chunk.is_first else hidden_in,),
+                                     output_args=(logits if chunk.is_last else hidden,),
+                                     input_grads=(None if chunk.is_first else hidden,),
+                                     output_grads=(None if chunk.is_last else hidden,))
                        for c, chunk in self.chunks]
         self.has_first = any(chunk.is_first for _, chunk in self.chunks)
         self.has_last = any(chunk.is_last for _, chunk in self.chunks)

@@ -57,7 +57,7 @@ class ParallelTrainer(Trainer):
         self.pipeline = None
         if mesh.pp > 1:
             self.pipeline = PipelineRunner(model, mesh, p.schedule, p.virtual_stages, self.num_microbatches,
-                                           lm_loss)
+                                           lm_loss, (s.micro_batch_size, s.seq_len))
         self.model = model
         self.optimizer = ZeroAdamW(model.named_parameters(), cfg.optimizer, mesh, p.zero_stage, p.bucket_size_mb)
         self.step = 0
