@@ -1,0 +1,172 @@
+"""Expert parallelism: split every MoE layer's experts over the ``ep`` group and plug in a dispatcher.
+
+Usage (after building the full, identically-initialised model on every rank)::
+
+    mesh = ParallelMesh.build(pp=1, dp=4, ep=2)
+    model = apply_expert_parallel(model, mesh, dispatcher="gcmoe", chunk_tokens=64)
+    ...
+    full = gather_expert_params(model, mesh)   # {param name: full [E, ...] tensor}, for export
+
+What `apply_expert_parallel` changes, per `MoELayer` found in `model.modules()`:
+
+- ``moe.experts`` becomes a `GroupedExperts` with this rank's contiguous block of
+  ``num_experts // ep`` experts (rows ``[offset, offset + El)`` of the full w13/w2), with extra
+  attributes ``expert_offset`` and ``num_global_experts``;
+- its parameters carry ``param.is_expert = True`` and ``param.expert_group = 'edp'``: the ZeRO
+  optimizer / grad reducer must reduce them over ``mesh.group('edp')`` (ranks holding the same
+  experts), not over ``dp``. `is_expert_param(p)` is the predicate to use;
+- ``moe.dispatcher`` becomes an `AllToAllDispatcher` or a `GCMoEDispatcher` (see gcmoe.py).
+
+The router stays replicated (a dp parameter). Aux losses stay per-rank statistics of local tokens.
+With ``ep == 1`` the experts are only marked (edp == dp then) and the local dispatcher is kept.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from megatron_fp4.model.moe import GroupedExperts, MoELayer
+from megatron_fp4.parallel.ep_alltoall import AllToAll, AllToAllDispatcher, DispatchPlan
+from megatron_fp4.parallel.gcmoe import GCMoEDispatcher, TransferChannel
+from megatron_fp4.parallel.mesh import ParallelMesh, layout_groups
+
+__all__ = [
+    "expert_placement", "expert_owner", "local_expert_range", "apply_expert_parallel",
+    "gather_expert_params", "is_expert_param", "moe_layers_of", "AllToAllDispatcher",
+    "GCMoEDispatcher", "DispatchPlan", "AllToAll", "DISPATCHERS",
+]
+
+DISPATCHERS = ("alltoall", "gcmoe")
+
+
+# -- placement (pure) --------------------------------------------------------------------------
+def expert_placement(num_experts: int, ep: int) -> list[list[int]]:
+    """Global expert ids held by each ep rank: contiguous blocks, ``[[0..El-1], [El..2El-1], ...]``."""
+    if ep < 1:
+        raise ValueError(f"parallel.ep={ep} must be >= 1")
+    if num_experts < 1:
+        raise ValueError(f"model.num_experts={num_experts} must be >= 1")
+    if num_experts % ep:
+        raise ValueError(f"model.num_experts={num_experts} is not divisible by parallel.ep={ep}; "
+                         f"choose ep among the divisors of num_experts")
+    per_rank = num_experts // ep
+    return [list(range(r * per_rank, (r + 1) * per_rank)) for r in range(ep)]
+
+
+def local_expert_range(num_experts: int, ep: int, ep_rank: int) -> tuple[int, int]:
+    """[first, last + 1) global expert ids held by `ep_rank`."""
+    if not 0 <= ep_rank < ep:
+        raise ValueError(f"ep_rank={ep_rank} must be in [0, {ep})")
+    block = expert_placement(num_experts, ep)[ep_rank]
+    return block[0], block[-1] + 1
+
+
+def expert_owner(expert: int, num_experts: int, ep: int) -> int:
+    """The ep rank holding global expert `expert`."""
+    expert_placement(num_experts, ep)  # validates
+    if not 0 <= expert < num_experts:
+        raise ValueError(f"expert={expert} must be in [0, {num_experts})")
+    return expert // (num_experts // ep)
+
+
+# -- model surgery ------------------------------------------------------------------------------
+def moe_layers_of(model: nn.Module) -> list[MoELayer]:
+    """Every MoELayer inside `model` (works for a full model, a pipeline chunk or a bare layer)."""
+    return [m for m in model.modules() if isinstance(m, MoELayer)]
+
+
+def is_expert_param(param: torch.Tensor) -> bool:
+    """True for expert weights: reduce their grads over `mesh.group(param.expert_group)` ('edp')."""
+    return bool(getattr(param, "is_expert", False))
+
+
+def _mark_expert_params(experts: GroupedExperts) -> None:
+    for p in experts.parameters():
+        p.is_expert = True
+        p.expert_group = "edp"
+
+
+def _local_experts(full: GroupedExperts, lo: int, hi: int) -> GroupedExperts:
+    local = GroupedExperts(hi - lo, full.hidden, full.ffn, full.recipe)
+    with torch.no_grad():
+        local.w13.copy_(full.w13[lo:hi])
+        local.w2.copy_(full.w2[lo:hi])
+    local.w13.requires_grad_(full.w13.requires_grad)
+    local.w2.requires_grad_(full.w2.requires_grad)
+    local.to(full.w13.device)
+    local.expert_offset, local.num_global_experts = lo, full.num_experts
+    return local
+
+
+def _transfer_group(mesh: ParallelMesh):
+    """A second process group over this rank's ep ranks, for GC-MoE's transfer thread (gloo is not
+    safe with two threads on one group). `new_group` is collective: every rank creates every ep
+    group in the same order and keeps its own."""
+    mine = None
+    for ranks in layout_groups(mesh.pp, mesh.dp, mesh.ep, mesh.tp)["ep"]:
+        group = dist.new_group(ranks)
+        if mesh.rank in ranks:
+            mine = group
+    return mine
+
+
+def apply_expert_parallel(model: nn.Module, mesh: ParallelMesh, dispatcher: str = "alltoall",
+                          chunk_tokens: int = 64, transfer_sms: int = 20, gcmoe_compute: str = "expert") -> nn.Module:
+    """Keep only this rank's experts in every MoE layer of `model` and install the EP dispatcher.
+
+    Must be called on every rank (GC-MoE creates a process group collectively). `model` must be
+    the full model initialised identically on every rank. Returns `model` (modified in place).
+    `chunk_tokens`, `transfer_sms` and `gcmoe_compute` ("expert" | "chunk") only matter for "gcmoe".
+    From a config: ``apply_expert_parallel(model, mesh, cfg.parallel.expert_dispatcher,
+    cfg.parallel.gcmoe_chunk_tokens, cfg.parallel.gcmoe_transfer_sms)``.
+    """
+    if dispatcher not in DISPATCHERS:
+        raise ValueError(f"parallel.expert_dispatcher={dispatcher!r} must be one of {DISPATCHERS}")
+    if chunk_tokens < 1:
+        raise ValueError(f"parallel.gcmoe_chunk_tokens={chunk_tokens} must be >= 1")
+    if transfer_sms < 0:
+        raise ValueError(f"parallel.gcmoe_transfer_sms={transfer_sms} must be >= 0")
+    layers = moe_layers_of(model)
+    ep = mesh.ep
+    if ep == 1:
+        for moe in layers:
+            _mark_expert_params(moe.experts)
+            moe.experts.expert_offset, moe.experts.num_global_experts = 0, moe.experts.num_experts
+        return model
+    ep_rank, group = mesh.coord("ep"), mesh.group("ep")
+    channel = None
+    if dispatcher == "gcmoe":  # one transfer group/thread model shared by all layers of this rank
+        channel = TransferChannel(_transfer_group(mesh), mesh.ranks["ep"], mesh.device, transfer_sms)
+    for moe in layers:
+        full = moe.experts
+        if getattr(full, "num_global_experts", full.num_experts) != full.num_experts:
+            raise ValueError("apply_expert_parallel was already applied to this model; apply it once")
+        lo, hi = local_expert_range(full.num_experts, ep, ep_rank)
+        moe.experts = _local_experts(full, lo, hi)
+        _mark_expert_params(moe.experts)
+        if dispatcher == "alltoall":
+            moe.dispatcher = AllToAllDispatcher(group, ep, full.num_experts)
+        else:
+            moe.dispatcher = GCMoEDispatcher(group, ep, full.num_experts, channel, chunk_tokens,
+                                             gcmoe_compute)
+    return model
+
+
+def gather_expert_params(model: nn.Module, mesh: ParallelMesh) -> dict[str, torch.Tensor]:
+    """Full expert weights {name: [E, ...]} (names as in the unsplit model), on every ep rank.
+
+    Collective over the ep group: call it on every rank. Tensors are detached copies."""
+    full: dict[str, torch.Tensor] = {}
+    for name, module in model.named_modules():
+        if not (isinstance(module, MoELayer)):
+            continue
+        prefix = f"{name}.experts." if name else "experts."
+        for pname, p in module.experts.named_parameters():
+            local = p.detach().contiguous()
+            if mesh.ep > 1:
+                parts = [torch.empty_like(local) for _ in range(mesh.ep)]
+                dist.all_gather(parts, local, group=mesh.group("ep"))
+                local = torch.cat(parts, dim=0)
+            full[prefix + pname] = local.clone()
+    return full
