@@ -258,7 +258,8 @@ class GCMoEDispatcher:
     """Expert-parallel dispatcher overlapping chunked token transfer with expert compute.
 
     Same call signature and bits as `AllToAllDispatcher`. ``round`` counts calls; ``counters`` are
-    the two receive-counter sets (round i uses ``counters[i % 2]``). ``test_hook`` (tests only) may
+    the two receive-counter sets (round i uses ``counters[i % 2]``). ``chunk_tokens`` must be the same
+    on every ep rank (it is a config value): both ends derive the chunk boundaries from it. ``test_hook`` (tests only) may
     define ``delay(event, peer, chunk)`` (called on the transfer thread) and ``order(list)``
     (permutes the order in which chunks from different sources are awaited and marked ready).
     """
