@@ -35,8 +35,29 @@ def _grid_step(y: torch.Tensor) -> torch.Tensor:
 
 def round_e2m1(y: torch.Tensor) -> torch.Tensor:
     """RNE of fp32 ``y`` (already clamped to [-6, 6]) onto the signed E2M1 grid, as fp32 values."""
+    return round_e2m1_(y.clone())
+
+
+def round_e2m1_(y: torch.Tensor) -> torch.Tensor:
+    """:func:`round_e2m1` in place on contiguous fp32 ``y`` (returns ``y``): six passes, one buffer.
+
+    ``y / step`` is exact (step is a power of two), so rounding it with torch's half-to-even
+    ``round`` and scaling back is RNE on the grid; −0 survives (round(−0.2) = −0).
+    """
     step = _grid_step(y)
-    return torch.round(y / step).mul_(step)
+    return y.div_(step).round_().mul_(step)
+
+
+def round_e2m1_select(y: torch.Tensor) -> torch.Tensor:
+    """Same values and bits as :func:`round_e2m1`, with the step chosen by two compares.
+
+    For traced/compiled code: inductor's C++ backend vectorizes compares and selects but lowers a
+    float↔int32 bit view to a scalar loop. Equal to ``_grid_step`` for every |y| ≤ 6 (0.5 below 2,
+    1 below 4, else 2); tests check the two against each other.
+    """
+    a = y.abs()
+    step = torch.where(a < 2.0, 0.5, torch.where(a < 4.0, 1.0, 2.0))
+    return torch.round(y / step) * step
 
 
 def stochastic_round_e2m1(y: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:

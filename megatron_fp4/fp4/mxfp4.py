@@ -16,45 +16,57 @@ from __future__ import annotations
 
 import torch
 
-from megatron_fp4.fp4.e2m1 import round_e2m1, stochastic_round_e2m1, values_to_codes
-from megatron_fp4.fp4.formats import FP4Tensor, check_finite, check_multiple, to_fp32_rows
+from megatron_fp4.fp4 import fused
+from megatron_fp4.fp4.e2m1 import round_e2m1_, stochastic_round_e2m1, values_to_codes
+from megatron_fp4.fp4.formats import (
+    FP4Tensor, abs_block_max, check_finite, check_input, check_multiple, pow2_fp32, raise_non_finite,
+    to_fp32_rows,
+)
 
 MX_BLOCK = 32
 E2M1_EMAX = 2
 E8M0_BIAS = 127
+_SIX_F32 = torch.tensor(6.0, dtype=torch.float32)
 
 
-def _shared_exponent(amax: torch.Tensor, scale_mode: str) -> torch.Tensor:
+def shared_exponent(amax: torch.Tensor, scale_mode: str) -> torch.Tensor:
     """Unbiased E8M0 exponent (int32) per block."""
     if scale_mode == "floor":
         mant, exp = torch.frexp(amax)  # amax = mant · 2^exp, mant in [0.5, 1): floor(log2) = exp − 1
         e = exp - 1 - E2M1_EMAX
     else:
-        mant, exp = torch.frexp(amax / 6.0)
+        mant, exp = torch.frexp(amax / _SIX_F32.to(amax.device))  # a tensor: see nvfp4_scales
         e = torch.where(mant == 0.5, exp - 1, exp)  # exact power of two: ceil(log2) = exp − 1
     e = torch.where(mant == 0, -E8M0_BIAS, e)  # zero block (or amax/6 underflowing to 0)
     return e.clamp_(-E8M0_BIAS, E8M0_BIAS)
 
 
-def _pow2(e: torch.Tensor) -> torch.Tensor:
-    """2^e as fp32 for integer e in [−127, 127] (2^−127 is an exact fp32 subnormal)."""
-    return torch.pow(2.0, e.to(torch.float64)).to(torch.float32)
-
-
-def mxfp4_core(x: torch.Tensor, scale_mode: str, rounding: str, generator, name: str):
-    """Returns (rounded signed E2M1 values (rows, nblk, 32) fp32, unbiased exponent (rows, nblk, 1))."""
+def _check_options(scale_mode: str, rounding: str) -> None:
     what = "quantize_mxfp4"
     if scale_mode not in ("floor", "rceil"):
         raise ValueError(f"{what}: scale_mode={scale_mode!r} is not one of ('floor', 'rceil')")
     if rounding not in ("nearest", "stochastic"):
         raise ValueError(f"{what}: rounding={rounding!r} is not one of ('nearest', 'stochastic')")
+
+
+def mxfp4_core(x: torch.Tensor, scale_mode: str, rounding: str, generator, name: str):
+    """Returns (rounded signed E2M1 values (rows, nblk, 32) fp32, unbiased exponent (rows, nblk, 1))."""
+    what = "quantize_mxfp4"
+    _check_options(scale_mode, rounding)
     check_multiple(x, -1, MX_BLOCK, name, what)
-    xb = to_fp32_rows(x, name).reshape(-1, x.shape[-1] // MX_BLOCK, MX_BLOCK)
-    block_amax = xb.abs().amax(dim=-1, keepdim=True)
-    check_finite(x, block_amax, name, what)
-    e = _shared_exponent(block_amax, scale_mode)
-    y = (xb * _pow2(-e)).clamp_(-6.0, 6.0)  # multiply by 2^-e == divide by 2^e, exactly
-    q = round_e2m1(y) if rounding == "nearest" else stochastic_round_e2m1(y, generator)
+    xf = to_fp32_rows(x, name)  # contiguous fp32 (x itself when it already is)
+    a, pooled = abs_block_max(xf, MX_BLOCK)  # |x| (fresh buffer, reused for y below), block maxima
+    nblk = x.shape[-1] // MX_BLOCK
+    block_amax = pooled.view(-1, nblk, 1)
+    check_finite(x, block_amax.amax(), name, what)  # amax propagates NaN/Inf
+    e = shared_exponent(block_amax, scale_mode)
+    xb = xf.view(-1, nblk, MX_BLOCK)
+    inv = pow2_fp32(-e)  # multiply by 2^-e == divide by 2^e, exactly
+    if torch.is_grad_enabled() and xb.requires_grad:  # out= is not differentiable
+        y = (xb * inv).clamp_(-6.0, 6.0)
+    else:  # reuse the |x| buffer
+        y = torch.mul(xb, inv, out=a.view(-1, nblk, MX_BLOCK)).clamp_(-6.0, 6.0)
+    q = round_e2m1_(y) if rounding == "nearest" else stochastic_round_e2m1(y, generator)
     return q, e
 
 
@@ -82,6 +94,20 @@ def fake_quantize_mxfp4(
     name: str = "x",
     dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
-    """``quantize_mxfp4(x).dequantize()`` without building codes (same bits)."""
+    """``quantize_mxfp4(x).dequantize()`` without building codes (same bits).
+
+    With the compiled path switched on (``fused.py``), nearest rounding runs as one fused kernel.
+    """
+    if fused.use_fused(x, rounding):
+        what = "quantize_mxfp4"
+        _check_options(scale_mode, rounding)
+        check_multiple(x, -1, MX_BLOCK, name, what)
+        check_input(x, name)
+        res = fused.fake_quantize_mxfp4_fused(x, scale_mode, dtype or x.dtype)
+        if res is not None:
+            out, finite = res
+            if not bool(finite):
+                raise_non_finite(x, name, what)
+            return out
     q, e = mxfp4_core(x, scale_mode, rounding, generator, name)
-    return q.mul_(_pow2(e)).reshape(x.shape).to(dtype or x.dtype)
+    return q.mul_(pow2_fp32(e)).reshape(x.shape).to(dtype or x.dtype)

@@ -18,8 +18,11 @@ from __future__ import annotations
 
 import torch
 
-from megatron_fp4.fp4.e2m1 import round_e2m1, stochastic_round_e2m1, values_to_codes
-from megatron_fp4.fp4.formats import FLT_MAX, FP4Tensor, check_finite, check_multiple, to_fp32_rows
+from megatron_fp4.fp4 import fused
+from megatron_fp4.fp4.e2m1 import round_e2m1_, stochastic_round_e2m1, values_to_codes
+from megatron_fp4.fp4.formats import (
+    FLT_MAX, FP4Tensor, abs_block_max, check_finite, check_input, check_multiple, raise_non_finite, to_fp32_rows,
+)
 
 E4M3_MAX = 448.0
 _ONE_SIXTH_F32 = torch.tensor(1.0 / 6.0, dtype=torch.float32)
@@ -36,44 +39,74 @@ def _check_options(scale: str, block: str, rounding: str) -> None:
         raise ValueError("quantize_nvfp4: block='2d' needs scale='tensor' (a 16x16 tile spans 16 rows)")
 
 
-def _blocked(x: torch.Tensor, block: str, name: str) -> torch.Tensor:
-    """fp32 view of ``x`` in block layout: (rows, nblk, 16) for 1d, (B, mt, 16, nt, 16) for 2d."""
+def _check_input(x: torch.Tensor, block: str, name: str) -> None:
+    """Shape/dtype checks of the input, in the order the errors are documented."""
     what = "quantize_nvfp4"
     check_multiple(x, -1, 16, name, what)
-    xf = to_fp32_rows(x, name)
-    n = x.shape[-1]
+    check_input(x, name)
+    if block == "2d":
+        if x.dim() < 2:
+            raise ValueError(f"{what}: block='2d' needs at least 2 dims, '{name}' has shape {tuple(x.shape)}")
+        check_multiple(x, -2, 16, name, what)
+
+
+def _block_view(t: torch.Tensor, block: str) -> torch.Tensor:
+    """Block layout of a contiguous tensor: (rows, nblk, 16) for 1d, (B, mt, 16, nt, 16) for 2d."""
+    n = t.shape[-1]
     if block == "1d":
-        return xf.reshape(-1, n // 16, 16)
-    if x.dim() < 2:
-        raise ValueError(f"{what}: block='2d' needs at least 2 dims, '{name}' has shape {tuple(x.shape)}")
-    check_multiple(x, -2, 16, name, what)
-    m = x.shape[-2]
-    return xf.reshape(-1, m // 16, 16, n // 16, 16)
+        return t.view(-1, n // 16, 16)
+    m = t.shape[-2]
+    return t.view(-1, m // 16, 16, n // 16, 16)
+
+
+def nvfp4_scales(block_amax: torch.Tensor, scale: str):
+    """(amax, s_blk (e4m3), s_blk as fp32, S_dec, per-block encode scale) from the block amaxes.
+
+    ``block_amax`` is in block layout with singleton element dims; the row amax is its max over
+    dim −2 (the block index along the last dim), the tensor amax its max over everything (both
+    propagate NaN/Inf, so the non-finite check looks at ``amax`` only). Shared by the eager and the
+    compiled path; the numerator is a tensor because inductor turns ``scalar / t`` into
+    ``scalar * (1 / t)`` (two roundings).
+    """
+    if scale == "row":
+        amax = block_amax.amax(dim=-2, keepdim=True)  # (rows, 1, 1)
+    else:
+        amax = block_amax.amax()
+    s_enc = torch.clamp(torch.full((), E4M3_MAX * 6.0, dtype=torch.float32, device=amax.device) / amax,
+                        max=FLT_MAX)  # amax=0 gives inf→FLT_MAX
+    s_enc = torch.where(amax == 0, torch.ones_like(s_enc), s_enc)
+    s_dec = 1.0 / s_enc
+    s_blk = (block_amax * (s_enc * _ONE_SIXTH_F32.to(amax.device))).clamp_(max=E4M3_MAX).to(torch.float8_e4m3fn)
+    s_blk32 = s_blk.to(torch.float32)  # one cast (fp8 casts are scalar loops on CPU)
+    enc_blk = torch.clamp(1.0 / (s_blk32 * s_dec), max=FLT_MAX)
+    return amax, s_blk, s_blk32, s_dec, enc_blk
 
 
 def nvfp4_core(x: torch.Tensor, scale: str, block: str, rounding: str, generator, name: str):
     """Shared by the quantizer and the fake-quant path.
 
-    Returns (rounded signed E2M1 values in block layout (fp32), s_blk (e4m3, block layout with
-    singleton element dims), S_dec (fp32, broadcastable to the block layout)).
+    Returns (rounded signed E2M1 values in block layout (fp32, a fresh buffer), s_blk (e4m3, block
+    layout with singleton element dims), s_blk as fp32, S_dec (fp32, broadcastable to the block
+    layout)).
     """
     _check_options(scale, block, rounding)
-    xb = _blocked(x, block, name)
-    elem_dims = (-1,) if block == "1d" else (2, 4)
-    block_amax = xb.abs().amax(dim=elem_dims, keepdim=True)
-    check_finite(x, block_amax, name, "quantize_nvfp4")
-    if scale == "row":
-        amax = block_amax.amax(dim=-2, keepdim=True)  # (rows, 1, 1)
-    else:
-        amax = block_amax.amax()
-    s_enc = torch.clamp(torch.tensor(E4M3_MAX * 6.0) / amax, max=FLT_MAX)  # amax=0 gives inf→FLT_MAX
-    s_enc = torch.where(amax == 0, torch.ones_like(s_enc), s_enc)
-    s_dec = 1.0 / s_enc
-    s_blk = (block_amax * (s_enc * _ONE_SIXTH_F32)).clamp_(max=E4M3_MAX).to(torch.float8_e4m3fn)
-    enc_blk = torch.clamp(1.0 / (s_blk.to(torch.float32) * s_dec), max=FLT_MAX)
-    y = (xb * enc_blk).clamp_(-6.0, 6.0)
-    q = round_e2m1(y) if rounding == "nearest" else stochastic_round_e2m1(y, generator)
-    return q, s_blk, s_dec
+    _check_input(x, block, name)
+    xf = to_fp32_rows(x, name)  # contiguous fp32 (x itself when it already is)
+    a, pooled = abs_block_max(xf, 16)  # |x| (fresh buffer, reused for y below), 1x16 maxima
+    if block == "1d":
+        block_amax = pooled.view(-1, pooled.shape[-1], 1)
+    else:  # 16x16 tile max = max over 16 rows of the 1x16 maxima (a vectorized, non-trailing reduction)
+        m, nt = x.shape[-2], pooled.shape[-1]
+        block_amax = pooled.view(-1, m // 16, 16, nt).amax(dim=2).view(-1, m // 16, 1, nt, 1)
+    amax, s_blk, s_blk32, s_dec, enc_blk = nvfp4_scales(block_amax, scale)
+    check_finite(x, amax, name, "quantize_nvfp4")
+    xb = _block_view(xf, block)
+    if torch.is_grad_enabled() and xb.requires_grad:  # out= is not differentiable
+        y = (xb * enc_blk).clamp_(-6.0, 6.0)
+    else:  # reuse the |x| buffer
+        y = torch.mul(xb, enc_blk, out=_block_view(a, block)).clamp_(-6.0, 6.0)
+    q = round_e2m1_(y) if rounding == "nearest" else stochastic_round_e2m1(y, generator)
+    return q, s_blk, s_blk32, s_dec
 
 
 def quantize_nvfp4(
@@ -86,7 +119,7 @@ def quantize_nvfp4(
     name: str = "x",
 ) -> FP4Tensor:
     """Quantize ``x`` (fp32/bf16/fp16, any shape, any strides) to NVFP4; see the module docstring."""
-    q, s_blk, s_dec = nvfp4_core(x, scale, block, rounding, generator, name)
+    q, s_blk, _, s_dec = nvfp4_core(x, scale, block, rounding, generator, name)
     codes = values_to_codes(q).reshape(x.shape)
     if block == "1d":
         block_scales = s_blk.reshape(*x.shape[:-1], x.shape[-1] // 16)
@@ -106,7 +139,19 @@ def fake_quantize_nvfp4(
     name: str = "x",
     dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
-    """``quantize_nvfp4(x).dequantize()`` without building codes (same bits, fewer passes)."""
-    q, s_blk, s_dec = nvfp4_core(x, scale, block, rounding, generator, name)
-    out = q.mul_(s_blk.to(torch.float32)).mul_(s_dec)  # (code · s_blk) · S_dec, left to right
+    """``quantize_nvfp4(x).dequantize()`` without building codes (same bits, fewer passes).
+
+    With the compiled path switched on (``fused.py``), nearest rounding runs as one fused kernel.
+    """
+    if fused.use_fused(x, rounding):
+        _check_options(scale, block, rounding)
+        _check_input(x, block, name)
+        res = fused.fake_quantize_nvfp4_fused(x, scale, block, dtype or x.dtype)
+        if res is not None:
+            out, finite = res
+            if not bool(finite):
+                raise_non_finite(x, name, "quantize_nvfp4")
+            return out
+    q, _, s_blk32, s_dec = nvfp4_core(x, scale, block, rounding, generator, name)
+    out = q.mul_(s_blk32).mul_(s_dec)  # (code · s_blk) · S_dec, left to right
     return out.reshape(x.shape).to(dtype or x.dtype)
