@@ -53,9 +53,13 @@ def main(argv=None) -> int:
     overrides = list(args.overrides) + ([f"schedule.train_steps={args.steps}"] if args.steps is not None else [])
     try:
         cfg = load_config(args.config or default_config_path(), overrides)
+        if args.steps is not None and cfg.schedule.warmup_steps > args.steps:
+            # --steps is a quick-run shorthand: shrink the warmup with it rather than refuse.
+            cfg.schedule.warmup_steps = args.steps // 10
         cfg.validate(int(os.environ.get("WORLD_SIZE", "1")))
     except ConfigError as err:
-        print(f"config error: {err}", file=sys.stderr)
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(f"config error: {err}", file=sys.stderr)
         return 2
     run(cfg)
     return 0

@@ -204,3 +204,29 @@ def _check_filled(buf, filled: torch.Tensor, where) -> None:
     if not torch.equal(filled, need):
         raise ckpt.CheckpointError(f"{where}: the saved optimizer state does not cover this rank's shard "
                                    f"({int((filled != need).sum())} elements differ); the checkpoint is incomplete")
+
+
+def load_full_model_state(path: str | Path) -> dict:
+    """The full (unsharded) model state dict of a DCP checkpoint, in one process, no process group:
+    used by tools/convert_checkpoint.py. Expert weights saved per global expert are stacked back."""
+    step_dir = ckpt.resolve_checkpoint(path)
+    metadata = dcp.FileSystemReader(str(step_dir)).read_metadata()
+    state = {}
+    for key, md in metadata.state_dict_metadata.items():
+        if key.startswith("model/"):
+            state[key] = torch.empty(tuple(md.size), dtype=md.properties.dtype)
+    dcp.load(state, checkpoint_id=str(step_dir), no_dist=True)
+    full, experts = {}, {}
+    for key, tensor in state.items():
+        name = key[len("model/"):]
+        m = re.match(r"^(?P<name>.+)/expert(?P<e>\d+)$", name)
+        if m:
+            experts.setdefault(m["name"], {})[int(m["e"])] = tensor
+        else:
+            full[name] = tensor
+    for name, by_expert in experts.items():
+        if sorted(by_expert) != list(range(len(by_expert))):
+            raise ckpt.CheckpointError(f"{step_dir}: expert slices of {name} are incomplete "
+                                       f"(have {sorted(by_expert)}); the checkpoint was not fully written")
+        full[name] = torch.stack([by_expert[e] for e in range(len(by_expert))])
+    return full

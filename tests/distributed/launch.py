@@ -9,6 +9,7 @@ re-raised in the parent with the child's traceback.
 from __future__ import annotations
 
 import os
+import pickle
 import socket
 import traceback
 
@@ -30,7 +31,9 @@ def _child(rank, world_size, port, fn, args, queue):
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world_size)
         result = fn(rank, world_size, *args)
-        queue.put((rank, "ok", result))
+        # Plain pickle (bytes), not the queue's shared-memory tensor sharing: a child's tensors must
+        # outlive the child.
+        queue.put((rank, "ok", pickle.dumps(result)))
     except BaseException:  # report everything, including assertion failures
         queue.put((rank, "error", traceback.format_exc()))
     finally:
@@ -69,7 +72,7 @@ def run_distributed(fn, world_size: int, args: tuple = (), timeout_s: float = 30
             continue
         reported.add(rank)
         if status == "ok":
-            results[rank] = payload
+            results[rank] = pickle.loads(payload)
         else:
             errors.append(f"--- rank {rank} ---\n{payload}")
     for p in procs:
