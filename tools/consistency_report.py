@@ -1,7 +1,7 @@
 """Rollout-vs-training consistency ablation (the MoEResQ paper's table, on our tiny model).
 
-    python tools/consistency_report.py --out outputs/consistency            # quick LM warm-up first
-    python tools/consistency_report.py --checkpoint outputs/tiny_moe/checkpoints/step_300 --out ...
+    python tools/consistency_report.py --out outputs/consistency            # main-job LM training first
+    python tools/consistency_report.py --checkpoint outputs/tiny_moe/checkpoints/step_00000300 --out ...
 
 For each FP4 scope (experts, experts+attention) and each (train_mode, rollout_mode) setting:
 
@@ -10,7 +10,27 @@ For each FP4 scope (experts, experts+attention) and each (train_mode, rollout_mo
 the rollout side generates answers to arithmetic prompts with KV-cache decoding, batched one way;
 the training side re-scores the rollout's own tokens with one full-sequence forward, batched
 another way (reversed order, smaller micro-batches, so other padding). Same weights on both sides.
-Prints a markdown table and writes table.md, results.json and consistency.png under --out.
+
+The engine gap. Run on identical code the two sides differ only by fp32 summation order (~1e-7),
+which is not what RL sees: the rollout is another engine (vLLM/SGLang: bf16 activations, other
+kernels) than the trainer. The rollout side here therefore models that engine:
+
+- ``--rollout-dtype bf16`` (default): the rollout engine runs a bf16 copy of the model
+  (`RolloutEngine(dtype=torch.bfloat16)`: weights, activations, KV cache and logits in bf16; the
+  router weight stays fp32 and the router computes in fp32, as on the trainer). The trainer stays
+  fp32. This is a real mechanism of the engine gap, of realistic size (bf16 rounding, 2^-9 relative).
+- ``--bf16-weights``: round the weights to bf16 on both sides first, as when both engines load one
+  bf16 checkpoint: their FP4 weight codes then agree and the gap is in the activations only. By
+  default the trainer keeps its fp32 weights and only the rollout copy is rounded (this project's
+  weight sync), so some FP4 *weight* codes differ too, which no activation compensation can undo.
+- ``--engine-noise EPS``: additionally add Gaussian noise of relative size EPS (per token,
+  EPS · rms(h) · N(0, 1) per element) to the rollout's hidden state at every decoder-layer input.
+  A *synthetic* stand-in for kernel differences (accumulation order, fused ops), to dial the gap.
+
+The report always also runs the no-gap table (fp32 on both sides, no noise) unless
+``--no-baseline``. It prints the tables, a routing-sharpness line (how close the router's k-th
+and (k+1)-th experts are: the margin a tiny input difference must cross to flip an expert), and
+writes table.md, results.json and consistency.png under --out.
 """
 from __future__ import annotations
 
@@ -20,6 +40,7 @@ import json
 import os
 import random
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -27,7 +48,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from megatron_fp4.config import default_config_path, load_config  # noqa: E402
-from megatron_fp4.model import build_model  # noqa: E402
+from megatron_fp4.model import Router, build_model  # noqa: E402
 from megatron_fp4.rollout import RolloutEngine, SamplingParams  # noqa: E402
 from megatron_fp4.rollout.consistency import consistency_metrics  # noqa: E402
 from megatron_fp4.rollout.scoring import score  # noqa: E402
@@ -37,6 +58,27 @@ SETTINGS = [("BF16 both", "bf16", "bf16"), ("FP4 both, no compensation", "fp4", 
             ("FP4, rollout-only compensation", "fp4", "fp4_resq"), ("MoEResQ (both compensated)", "fp4_resq", "fp4_resq")]
 SCOPES = ["experts", "experts+attention"]
 COLUMNS = ["pearson", "mean_abs_diff", "max_abs_diff", "expert_agreement", "kl"]
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+@dataclass(frozen=True)
+class Gap:
+    """What separates the rollout engine from the trainer (the trainer is always fp32)."""
+
+    rollout_dtype: str = "bf16"
+    noise: float = 0.0
+    bf16_weights: bool = False  # both sides start from bf16-rounded weights (same FP4 weight codes)
+
+    @property
+    def label(self) -> str:
+        weights = "; bf16 weights on both sides" if self.bf16_weights else ""
+        if self.rollout_dtype == "fp32" and self.noise == 0:
+            return f"no engine gap (fp32 rollout, fp32 trainer{weights})"
+        noise = f" + hidden-state noise {self.noise:g}" if self.noise else ""
+        return f"{self.rollout_dtype} rollout{noise}, fp32 trainer{weights}"
+
+
+NO_GAP = Gap("fp32", 0.0)
 
 
 def base_config(args):
@@ -48,16 +90,18 @@ def base_config(args):
 
 
 def trained_weights(cfg, args) -> dict:
-    """Weights to compare with: a checkpoint, a short LM warm-up with the Trainer, or the init."""
-    if args.checkpoint or args.train_steps > 0:
+    """Weights to compare with: a checkpoint, the main job's LM training run in-process with the
+    Trainer (same config, same seed), or the init."""
+    steps = cfg.schedule.train_steps if args.train_steps is None else args.train_steps
+    if args.checkpoint or steps > 0:
         from megatron_fp4.training.trainer import Trainer
         trainer = Trainer(cfg, build_data=args.checkpoint is None)
         if args.checkpoint:
             trainer.load_checkpoint(args.checkpoint)
-        for step in range(0 if args.checkpoint else args.train_steps):
+        for step in range(0 if args.checkpoint else steps):
             out = trainer.train_step()
-            if step % 25 == 0 or step == args.train_steps - 1:
-                print(f"warm-up step {step}: loss {out['loss']:.3f}", file=sys.stderr)
+            if step % 50 == 0 or step == steps - 1:
+                print(f"LM training step {step}: loss {out['loss']:.3f}", file=sys.stderr)
         return {k: v.detach().float().clone() for k, v in trainer.model.state_dict().items()}
     return build_model(cfg).state_dict()
 
@@ -67,99 +111,229 @@ def prompts(n: int, seed: int, tok) -> list:
     return [tok.encode(make_problem(rng)[0], add_eos=False) for _ in range(n)]
 
 
-def measure(cfg, weights, scope, train_mode, rollout_mode, args, tok) -> dict:
+def add_engine_noise(model, eps: float, seed: int) -> list:
+    """Forward pre-hooks adding EPS · rms(h) · N(0, 1) (seeded) to every decoder layer's input h.
+    Synthetic: a stand-in for kernel/accumulation-order differences between engines."""
+    gen = torch.Generator().manual_seed(seed)
+
+    def hook(_module, inputs):
+        h = inputs[0]
+        rms = h.float().pow(2).mean(-1, keepdim=True).sqrt()
+        noise = torch.randn(h.shape, generator=gen) * rms * eps
+        return (h + noise.to(h.dtype),) + tuple(inputs[1:])
+
+    return [layer.register_forward_pre_hook(hook) for layer in model.layers]
+
+
+def measure(cfg, weights, scope, train_mode, rollout_mode, tok, gap: Gap = NO_GAP, num_prompts: int = 64,
+            max_new_tokens: int = 8, rollout_batch: int = 16, train_batch: int = 6, seed: int = 0) -> dict:
+    """Rollout (engine with `gap`) generates, the fp32 trainer re-scores; metrics over all tokens."""
     cfg = copy.deepcopy(cfg)
     cfg.fp4.scope = scope
     train_model = build_model(cfg)
+    if gap.bf16_weights:
+        weights = {k: v.to(torch.bfloat16).to(v.dtype) if v.is_floating_point() else v for k, v in weights.items()}
     train_model.load_state_dict(weights)
-    engine = RolloutEngine(copy.deepcopy(train_model), mode=rollout_mode, pad_id=tok.pad_id)
-    ps = prompts(args.num_prompts, args.seed, tok)
-    params = [SamplingParams(max_new_tokens=args.max_new_tokens, temperature=1.0, seed=args.seed * 100_003 + i,
+    dtype = DTYPES[gap.rollout_dtype]
+    engine = RolloutEngine(copy.deepcopy(train_model), mode=rollout_mode, pad_id=tok.pad_id,
+                           dtype=None if dtype == torch.float32 else dtype)
+    hooks = add_engine_noise(engine.model, gap.noise, seed) if gap.noise else []
+    ps = prompts(num_prompts, seed, tok)
+    params = [SamplingParams(max_new_tokens=max_new_tokens, temperature=1.0, seed=seed * 100_003 + i,
                              stop_token_ids=(tok.eos_id,)) for i in range(len(ps))]
     gens = []  # rollout: batches of `rollout_batch` in prompt order
-    for s in range(0, len(ps), args.rollout_batch):
-        gens.append(engine.generate(ps[s:s + args.rollout_batch], params[s:s + args.rollout_batch],
+    for s in range(0, len(ps), rollout_batch):
+        gens.append(engine.generate(ps[s:s + rollout_batch], params[s:s + rollout_batch],
                                     return_routing=True, return_distributions=True))
+    for h in hooks:
+        h.remove()
     flat = {k: [x for g in gens for x in getattr(g, k)] for k in
             ("prompt_ids", "response_ids", "log_probs", "routing", "distributions")}
     order = list(range(len(ps)))[::-1]  # training side: other batch composition and padding
     train = {"log_probs": [None] * len(ps), "routing": [None] * len(ps), "distributions": [None] * len(ps)}
-    for s in range(0, len(order), args.train_batch):
-        idx = order[s:s + args.train_batch]
+    for s in range(0, len(order), train_batch):
+        idx = order[s:s + train_batch]
         out = score(train_model, [flat["prompt_ids"][i] for i in idx], [flat["response_ids"][i] for i in idx],
                     tok.pad_id, train_mode, return_routing=True, return_distributions=True)
         for j, i in enumerate(idx):
             for k in train:
                 train[k][i] = out[k][j]
-    cat = lambda xs: torch.cat(list(xs))  # noqa: E731
-    return consistency_metrics(cat(flat["log_probs"]), cat(train["log_probs"]), cat(flat["routing"]),
-                               cat(train["routing"]), cat(flat["distributions"]), cat(train["distributions"]))
+    cat = lambda xs: torch.cat([x.float() for x in xs])  # noqa: E731
+    routing_cat = lambda xs: torch.cat(list(xs))  # noqa: E731
+    return consistency_metrics(cat(flat["log_probs"]), cat(train["log_probs"]), routing_cat(flat["routing"]),
+                               routing_cat(train["routing"]), cat(flat["distributions"]), cat(train["distributions"]))
+
+
+def ablation(cfg, weights, tok, gap: Gap = NO_GAP, scopes=SCOPES, settings=SETTINGS, **kwargs) -> list:
+    """One table: a row per (scope, setting) under `gap`. kwargs go to `measure`."""
+    rows = []
+    for scope in scopes:
+        for name, train_mode, rollout_mode in settings:
+            m = measure(cfg, weights, scope, train_mode, rollout_mode, tok, gap, **kwargs)
+            rows.append({"gap": gap.label, "rollout_dtype": gap.rollout_dtype, "engine_noise": gap.noise,
+                         "bf16_weights": gap.bf16_weights,
+                         "scope": scope, "setting": name, "train_mode": train_mode, "rollout_mode": rollout_mode, **m})
+    return rows
+
+
+def routing_sharpness(cfg, weights, tok, num: int = 64, seed: int = 0) -> dict:
+    """Router statistics (fp32, bf16-mode forward) over `num` full problems (prompt, answer, eos):
+    normalized entropy (1 = uniform) and the margin p_(k) - p_(k+1) between the last chosen and the
+    first rejected expert; a tiny input change flips the choice only when the margin is tiny."""
+    model = build_model(cfg)
+    model.load_state_dict(weights)
+    model.set_fp4_mode("bf16")
+    rng = random.Random(f"routing:{seed}")
+    seqs = [tok.encode("".join(make_problem(rng)), add_eos=True) for _ in range(num)]
+    probs = []
+    hooks = [m.register_forward_hook(lambda _m, _i, out: probs.append(out[1])) for m in model.modules()
+             if isinstance(m, Router)]
+    with torch.no_grad():
+        for s in seqs:
+            model(torch.tensor([s]))
+    for h in hooks:
+        h.remove()
+    p = torch.cat(probs).double()  # [tokens * layers, E]
+    k = cfg.model.top_k
+    top = p.sort(-1, descending=True).values
+    margin = top[:, k - 1] - top[:, k]
+    entropy = -(p * p.clamp_min(1e-30).log()).sum(-1) / torch.log(torch.tensor(float(p.shape[-1])))
+    return {"num_router_rows": int(p.shape[0]), "normalized_entropy": float(entropy.mean()),
+            "topk_mass": float(top[:, :k].sum(-1).mean()), "median_margin": float(margin.median()),
+            "frac_margin_lt_1e-2": float((margin < 1e-2).double().mean()),
+            "frac_margin_lt_1e-3": float((margin < 1e-3).double().mean())}
 
 
 def markdown(rows) -> str:
-    head = "| scope | setting | train | rollout | " + " | ".join(COLUMNS) + " | tokens |"
-    lines = [head, "|" + "---|" * (len(COLUMNS) + 5)]
-    for r in rows:
-        vals = " | ".join(f"{r[c]:.8f}" if c in ("pearson", "expert_agreement") else f"{r[c]:.2e}" for c in COLUMNS)
-        lines.append(f"| {r['scope']} | {r['setting']} | {r['train_mode']} | {r['rollout_mode']} | {vals} | {r['num_tokens']} |")
-    return "\n".join(lines)
+    """Markdown tables, one per engine gap (in order of appearance)."""
+    out = []
+    for gap in dict.fromkeys(r["gap"] for r in rows):
+        out += [f"### {gap}", "", "| scope | setting | train | rollout | " + " | ".join(COLUMNS) + " | tokens |",
+                "|" + "---|" * (len(COLUMNS) + 5)]
+        for r in (r for r in rows if r["gap"] == gap):
+            vals = " | ".join(f"{r[c]:.6f}" if c in ("pearson", "expert_agreement") else f"{r[c]:.2e}" for c in COLUMNS)
+            out.append(f"| {r['scope']} | {r['setting']} | {r['train_mode']} | {r['rollout_mode']} | {vals} "
+                       f"| {r['num_tokens']} |")
+        out.append("")
+    return "\n".join(out)
+
+
+def ordering(rows) -> list:
+    """Per (gap, scope): the settings ranked by mean |Δ log-prob| (closest first)."""
+    lines = []
+    for gap in dict.fromkeys(r["gap"] for r in rows):
+        for scope in dict.fromkeys(r["scope"] for r in rows):
+            rs = sorted((r for r in rows if r["gap"] == gap and r["scope"] == scope), key=lambda r: r["mean_abs_diff"])
+            lines.append(f"{gap} | {scope}: " + " < ".join(f"{r['setting']} ({r['mean_abs_diff']:.1e})" for r in rs))
+    return lines
+
+
+PLOT_METRICS = [("pearson", "1 − Pearson r (token log-prob)", lambda v: 1.0 - v),
+                ("expert_agreement", "1 − top-k expert-set agreement", lambda v: 1.0 - v),
+                ("mean_abs_diff", "mean |Δ log-prob|", lambda v: v),
+                ("kl", "KL(rollout ‖ train) per token", lambda v: v)]
+FLOOR = 1e-9  # log axes: exact agreement (0), values below it and fp32-noise negatives of KL sit here
 
 
 def plot(rows, path: Path) -> None:
+    """Grid: one row of panels per engine gap, one panel per metric (all 'lower = more consistent',
+    log scale); in each panel the four settings, one bar per FP4 scope."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
-    for ax, metric, title in zip(axes, ["pearson", "expert_agreement", "mean_abs_diff"],
-                                 ["token log-prob Pearson r", "top-k expert-set agreement", "mean |Δ log-prob|"]):
-        width = 0.8 / len(SCOPES)
-        for j, scope in enumerate(SCOPES):
-            vals = [r[metric] for r in rows if r["scope"] == scope]
-            ax.bar([i + j * width for i in range(len(vals))], vals, width, label=scope)
-        ax.set_xticks([i + width / 2 for i in range(len(SETTINGS))])
-        ax.set_xticklabels([s[0].replace(", ", ",\n").replace(" (", "\n(") for s in SETTINGS], fontsize=7)
-        ax.set_title(title)
-        if metric != "mean_abs_diff":
-            lo = min(r[metric] for r in rows)
-            ax.set_ylim(max(0.0, lo - (1 - lo) * 0.5 - 1e-4), 1.0 + 1e-5)
-    axes[0].legend(fontsize=8)
+    gaps = list(dict.fromkeys(r["gap"] for r in rows))
+    scopes = list(dict.fromkeys(r["scope"] for r in rows))
+    settings = list(dict.fromkeys(r["setting"] for r in rows))
+    fig, axes = plt.subplots(len(gaps), len(PLOT_METRICS), figsize=(4.4 * len(PLOT_METRICS), 3.9 * len(gaps)),
+                             squeeze=False)
+    width = 0.8 / len(scopes)
+    colors = ["tab:blue", "tab:orange", "tab:green", "tab:red"]
+    short = {"BF16 both": "BF16\nboth", "FP4 both, no compensation": "FP4 both\nno comp.",
+             "FP4, rollout-only compensation": "FP4 rollout-\nonly comp.",
+             "MoEResQ (both compensated)": "MoEResQ\nboth"}
+    for gi, gap in enumerate(gaps):
+        for mi, (metric, title, f) in enumerate(PLOT_METRICS):
+            ax = axes[gi][mi]
+            panel = []
+            for j, scope in enumerate(scopes):
+                vals = [max(f(r[metric]), FLOOR) for s in settings for r in rows
+                        if r["gap"] == gap and r["scope"] == scope and r["setting"] == s]
+                xs = [i + (j - (len(scopes) - 1) / 2) * width for i in range(len(vals))]
+                ax.bar(xs, vals, width, label=scope, color=colors[j % len(colors)])
+                for x, v in zip(xs, vals):
+                    ax.text(x, v * 1.15, f"≤{FLOOR:g}" if v <= FLOOR else f"{v:.1e}", ha="center", va="bottom",
+                            fontsize=6, rotation=90)
+                panel += vals
+            ax.set_yscale("log")
+            ax.set_ylim(min(panel) / 4, max(panel) * 40)  # room for the value labels
+            ax.set_xticks(range(len(settings)))
+            ax.set_xticklabels([short.get(s, s) for s in settings], fontsize=8)
+            ax.grid(axis="y", which="major", alpha=0.3)
+            ax.set_title(title, fontsize=10)
+            if mi == 0:
+                ax.set_ylabel(gap.replace(", ", ",\n"), fontsize=9)
+    axes[0][0].legend(fontsize=8, title="FP4 scope", title_fontsize=8, loc="upper left")
+    fig.suptitle("Rollout vs trainer consistency (lower = more consistent; log scale per panel; "
+                 f"'≤{FLOOR:g}': exact agreement, KL ≤ 0 or below {FLOOR:g}, drawn at {FLOOR:g})", fontsize=11)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def main(argv=None) -> list:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--checkpoint", help="trainer checkpoint directory (default: random init + --train-steps warm-up)")
+    ap.add_argument("--checkpoint", help="trainer checkpoint directory (default: train in-process, see --train-steps)")
     ap.add_argument("--config", help="YAML config (default examples/configs/tiny_moe.yaml, else Config())")
     ap.add_argument("--override", action="append", help="dotted config override, e.g. model.init_std=0.1")
-    ap.add_argument("--train-steps", type=int, default=100, help="LM warm-up steps when no --checkpoint (0: random)")
-    ap.add_argument("--num-prompts", type=int, default=64)
+    ap.add_argument("--train-steps", type=int, default=None,
+                    help="LM training steps when no --checkpoint (default: the config's schedule.train_steps, "
+                         "i.e. the main job; 0: random init)")
+    ap.add_argument("--rollout-dtype", choices=sorted(DTYPES), default="bf16",
+                    help="rollout engine's dtype (trainer stays fp32); bf16 = the realistic engine gap")
+    ap.add_argument("--engine-noise", type=float, default=0.0,
+                    help="synthetic relative noise on the rollout's hidden state at every layer input (0: off)")
+    ap.add_argument("--bf16-weights", action="store_true",
+                    help="round the weights to bf16 for both sides (both engines load one bf16 checkpoint, so their "
+                         "FP4 weight codes agree); default: the trainer keeps fp32 weights and only the rollout's "
+                         "copy is rounded, as this project's weight sync does")
+    ap.add_argument("--no-baseline", action="store_true", help="skip the no-gap (fp32 both sides) table")
+    ap.add_argument("--num-prompts", type=int, default=128)
     ap.add_argument("--max-new-tokens", type=int, default=8)
     ap.add_argument("--rollout-batch", type=int, default=16)
     ap.add_argument("--train-batch", type=int, default=6)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default="outputs/consistency", help="directory for table.md, results.json, consistency.png")
     args = ap.parse_args(argv)
+    if args.engine_noise < 0:
+        raise ValueError(f"--engine-noise must be >= 0, got {args.engine_noise}")
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     tok = ArithmeticTokenizer()
     cfg = base_config(args)
     if cfg.model.vocab_size < tok.vocab_size:
         raise ValueError(f"model.vocab_size={cfg.model.vocab_size} < tokenizer vocab {tok.vocab_size}; raise it")
     weights = trained_weights(cfg, args)
-    rows = []
-    for scope in SCOPES:
-        for name, train_mode, rollout_mode in SETTINGS:
-            m = measure(cfg, weights, scope, train_mode, rollout_mode, args, tok)
-            rows.append({"scope": scope, "setting": name, "train_mode": train_mode, "rollout_mode": rollout_mode, **m})
+    sharp = routing_sharpness(cfg, weights, tok, seed=args.seed)
+    gaps = [Gap(args.rollout_dtype, args.engine_noise, args.bf16_weights)]
+    baseline = Gap("fp32", 0.0, args.bf16_weights)
+    if not args.no_baseline and gaps[0] != baseline:
+        gaps.append(baseline)
+    kw = dict(num_prompts=args.num_prompts, max_new_tokens=args.max_new_tokens, rollout_batch=args.rollout_batch,
+              train_batch=args.train_batch, seed=args.seed)
+    rows = [r for gap in gaps for r in ablation(cfg, weights, tok, gap, **kw)]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    table = markdown(rows)
-    print(table)
-    (out / "table.md").write_text(table + "\n")
-    (out / "results.json").write_text(json.dumps(rows, indent=2))
+    sharp_line = (f"routing (trained router, {sharp['num_router_rows']} token-layer rows): normalized entropy "
+                  f"{sharp['normalized_entropy']:.3f} (1 = uniform), top-k mass {sharp['topk_mass']:.3f}, median "
+                  f"margin p_k - p_k+1 {sharp['median_margin']:.3e}, margin < 1e-2: {sharp['frac_margin_lt_1e-2']:.1%},"
+                  f" < 1e-3: {sharp['frac_margin_lt_1e-3']:.1%}")
+    text = markdown(rows) + "\n" + sharp_line + "\n\nranked by mean |Δ log-prob| (closest first):\n" + \
+        "\n".join("- " + line for line in ordering(rows)) + "\n"
+    print(text)
+    (out / "table.md").write_text(text)
+    (out / "results.json").write_text(json.dumps({"routing": sharp, "rows": rows}, indent=2))
     plot(rows, out / "consistency.png")
-    print(f"\nwrote {out / 'table.md'}, {out / 'results.json'}, {out / 'consistency.png'}")
+    print(f"wrote {out / 'table.md'}, {out / 'results.json'}, {out / 'consistency.png'}")
     return rows
 
 

@@ -7,6 +7,11 @@ Prompts are left-padded; the attention mask marks real tokens and positions are 
 so a prompt gets the same positions (and, with per-row FP4 activation scales, the same numerics)
 alone or in any batch. Each request samples from its own seeded `torch.Generator`.
 
+``dtype=torch.bfloat16`` runs the engine the way inference engines do: the engine's model becomes a
+bf16 copy (activations, KV cache and logits in bf16) while every MoE router weight stays fp32 (the
+router computes in fp32 either way, `model.moe.Router`); `load_weights` then accepts the trainer's
+fp32 tensors and rounds them on copy. The default (None) keeps the model's own dtype.
+
 Weights change only through `load_weights`, which swaps a fully staged set under the write side of
 a reader/writer lock; `generate` holds the read side, so a request sees one version, whole.
 """
@@ -19,7 +24,7 @@ from typing import Optional, Sequence, Union
 
 import torch
 
-from megatron_fp4.model import KVCache
+from megatron_fp4.model import KVCache, Router
 from megatron_fp4.rollout.sampling import SamplingParams, sample_token, sampling_log_probs
 
 
@@ -129,14 +134,29 @@ def fp4_mode(model, mode: Optional[str]):
             model.set_fp4_mode(previous)
 
 
+def cast_for_inference(model, dtype: torch.dtype):
+    """Cast `model` in place to `dtype` (e.g. bf16, an inference engine's copy), keeping every MoE
+    router weight in fp32. Returns the model."""
+    model.to(dtype)
+    for m in model.modules():
+        if isinstance(m, Router):
+            m.float()
+    return model
+
+
 class RolloutEngine:
     """Generation with a `MoETransformer` in the rollout-side FP4 mode.
 
     The engine owns `model` (give it its own copy when the trainer keeps training: weights reach
-    it through `load_weights`, normally driven by `weight_sync.WeightReceiver`).
+    it through `load_weights`, normally driven by `weight_sync.WeightReceiver`). With `dtype`
+    given, the model is cast in place by `cast_for_inference` (see the module docstring).
     """
 
-    def __init__(self, model, mode: Optional[str] = None, pad_id: int = 0, seed: int = 0, name: str = "rollout0"):
+    def __init__(self, model, mode: Optional[str] = None, pad_id: int = 0, seed: int = 0, name: str = "rollout0",
+                 dtype: Optional[torch.dtype] = None):
+        self.dtype = dtype
+        if dtype is not None:
+            cast_for_inference(model, dtype)
         self.model = model.eval()
         self.mode = mode if mode is not None else getattr(model.fp4_cfg, "rollout_mode", None)
         self.pad_id = int(pad_id)
@@ -158,13 +178,18 @@ class RolloutEngine:
         problems = [f"unknown tensor {n!r}" for n in meta if n not in expected]
         problems += [f"missing tensor {n!r}" for n in expected if n not in meta]
         for n, (shape, dtype) in meta.items():
-            if n in expected and (tuple(shape), dtype) != expected[n]:
+            if n in expected and (tuple(shape), dtype) != expected[n] and not (
+                    tuple(shape) == expected[n][0] and self._rounds_on_copy(dtype, expected[n][1])):
                 problems.append(f"{n!r}: got shape {tuple(shape)} dtype {dtype}, expected "
                                 f"shape {expected[n][0]} dtype {expected[n][1]}")
         if problems:
             raise ValueError(f"rollout {self.name!r} rejects the weights: " + "; ".join(problems[:8])
                              + ("; ..." if len(problems) > 8 else "")
                              + " (publish the state_dict of the same model config the rollout was built with)")
+
+    def _rounds_on_copy(self, got: torch.dtype, expected: torch.dtype) -> bool:
+        """An engine built with `dtype` takes any floating tensor for a floating one (cast on copy)."""
+        return self.dtype is not None and got.is_floating_point and expected.is_floating_point
 
     def load_weights(self, named_tensors: dict, version: int) -> None:
         """Validate everything, then swap all tensors in under the write lock (one whole version)."""
