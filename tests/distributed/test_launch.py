@@ -28,9 +28,10 @@ def _die(rank, world_size):
     import os
     if rank == 1:
         os._exit(3)  # dies without reporting
-    dist.barrier()  # would hang forever without the launcher's liveness check
+    import time
+    time.sleep(120)  # rank 0 never reports in time: only the launcher's liveness check can end this
 
 
 def test_dead_child_is_reported_not_hung():
-    with pytest.raises(RuntimeError, match="died without reporting|Connection reset"):
+    with pytest.raises(RuntimeError, match="died without reporting"):
         run_distributed(_die, 2, timeout_s=60)
