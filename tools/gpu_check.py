@@ -26,7 +26,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from megatron_fp4.fp4 import OperandFormat, Recipe, moeresq_linear, quantize_mxfp4, quantize_nvfp4  # noqa: E402
+from megatron_fp4.fp4 import Recipe, moeresq_linear, quantize_mxfp4, quantize_nvfp4  # noqa: E402
 from megatron_fp4.fp4.moeresq import resq_quantize  # noqa: E402
 
 RESULTS: list[dict] = []

@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import uuid
 from pathlib import Path
 from typing import Optional
 
@@ -45,11 +46,21 @@ def write_atomic_text(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
+def replace_dir(src: Path, dst: Path) -> None:
+    """Put the completely written directory `src` at `dst`. An existing `dst` is first renamed
+    aside, so at every instant `dst` is either the old complete tree or the new one."""
+    old = None
+    if dst.exists():
+        old = dst.parent / f".{dst.name}.old-{uuid.uuid4().hex[:8]}"
+        os.replace(dst, old)
+    os.replace(src, dst)
+    if old is not None:
+        shutil.rmtree(old) if old.is_dir() else old.unlink()
+
+
 def commit_step_dir(tmp_dir: Path, final_dir: Path, root: Path) -> None:
     """Rename a completely written temp dir into place and point `latest` at it."""
-    if final_dir.exists():
-        shutil.rmtree(final_dir)
-    os.replace(tmp_dir, final_dir)
+    replace_dir(tmp_dir, final_dir)
     write_atomic_text(root / LATEST_FILE, final_dir.name + "\n")
 
 

@@ -15,9 +15,7 @@ suite within a few minutes on 2 cores. Tolerances (3 steps, AdamW, clipping on):
   its magnitude), so params are checked at 1e-3 relative (measured 1.2e-4 after 3 steps) and
   losses at 1e-5 (measured 9e-8).
 """
-import copy
 
-import numpy as np
 import pytest
 import torch
 

@@ -7,7 +7,6 @@ matmul result can differ in the last ulp with the number of rows the BLAS kernel
 AdamW passes those ulps on: measured just above 1e-6 (o_proj, 1.03e-6).
 """
 import pytest
-import torch
 
 pytest.importorskip("megatron_fp4.parallel.expert_parallel")
 

@@ -3,7 +3,6 @@ import pytest
 import torch
 
 from megatron_fp4.config import load_config
-from megatron_fp4.model import build_model
 from megatron_fp4.training.trainer import Trainer
 from tests.integration.test_train import small_cfg
 from tools.convert_checkpoint import main

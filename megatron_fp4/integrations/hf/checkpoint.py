@@ -12,10 +12,8 @@ Hub-style sharded checkpoints (`model.safetensors.index.json`) and the fused lay
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import tempfile
-import uuid
 from pathlib import Path
 from typing import Optional
 
@@ -23,6 +21,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from megatron_fp4.training.checkpoint import replace_dir
 from megatron_fp4.config import Config, FP4Config, ModelConfig
 from megatron_fp4.integrations.hf.qwen3_moe import (from_hf_state_dict, hf_config_from_ours, ours_config_from_hf,
                                                     to_hf_state_dict)
@@ -65,13 +64,7 @@ def save_hf_checkpoint(model, cfg, out_dir, dtype: Optional[torch.dtype] = None,
     try:
         save_file(tensors, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
         (tmp / CONFIG_FILE).write_text(json.dumps(hf_cfg, indent=2, sort_keys=True) + "\n")
-        old = None
-        if out_dir.exists():
-            old = out_dir.parent / f".{out_dir.name}.old-{uuid.uuid4().hex[:8]}"
-            os.replace(out_dir, old)
-        os.replace(tmp, out_dir)
-        if old is not None:
-            shutil.rmtree(old) if old.is_dir() else old.unlink()
+        replace_dir(tmp, out_dir)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

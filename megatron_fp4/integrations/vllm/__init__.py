@@ -20,16 +20,15 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import shutil
 import tempfile
-import uuid
 import warnings
 from pathlib import Path
 from typing import NamedTuple, Optional
 
 import torch
 
+from megatron_fp4.training.checkpoint import replace_dir
 from megatron_fp4.config import Config
 from megatron_fp4.fp4 import OperandFormat, Recipe
 from megatron_fp4.model.specs import recipe_from_config
@@ -144,13 +143,7 @@ def export_for_vllm(model, cfg: Config, out_dir, dtype: Optional[torch.dtype] = 
     try:
         export = save_hf_checkpoint(model, cfg, staging / "export", dtype=dtype)
         (export / SIDECAR_FILE).write_text(json.dumps(sidecar, indent=2, sort_keys=True) + "\n")
-        old = None
-        if out_dir.exists():
-            old = out_dir.parent / f".{out_dir.name}.old-{uuid.uuid4().hex[:8]}"
-            os.replace(out_dir, old)
-        os.replace(export, out_dir)
-        if old is not None:
-            shutil.rmtree(old) if old.is_dir() else old.unlink()
+        replace_dir(export, out_dir)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return out_dir
