@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from megatron_fp4.config import Config, ConfigError
 
+ARITHMETIC_VOCAB_SIZE = 18  # pad, bos, eos, 0-9, + - * = and space
+
 _CHOICES = {
     "fp4.scope": ("experts", "experts+attention", "none"),
     "fp4.format": ("nvfp4", "mxfp4"),
@@ -68,11 +70,10 @@ def validate_config(cfg: Config, world_size: int = 1) -> None:
     _require(m.router_aux_loss_coef >= 0, "model.router_aux_loss_coef", m.router_aux_loss_coef, "must be >= 0")
     _require(m.router_z_loss_coef >= 0, "model.router_z_loss_coef", m.router_z_loss_coef, "must be >= 0")
     if cfg.data.kind == "arithmetic":
-        from megatron_fp4.training.data import ArithmeticTokenizer
-
-        need = ArithmeticTokenizer().vocab_size
-        _require(m.vocab_size >= need, "model.vocab_size", m.vocab_size,
-                 f"the embedded arithmetic tokenizer needs at least {need} tokens")
+        # The embedded tokenizer's size, as a constant: config sits above training/ in the layer
+        # order and must not import it (tests/unit/test_data.py pins the two together).
+        _require(m.vocab_size >= ARITHMETIC_VOCAB_SIZE, "model.vocab_size", m.vocab_size,
+                 f"the embedded arithmetic tokenizer needs at least {ARITHMETIC_VOCAB_SIZE} tokens")
 
     _validate_fp4_shapes(cfg)
 

@@ -394,3 +394,9 @@ def test_get_batch_shifts_and_masks_padding():
     assert get_batch(unmasked, [0])[1].tolist() == [[1, 0, 2, 0]]  # file data: token 0 is a real token
     with pytest.raises(ValueError, match="at least one"):
         get_batch(ds, [])
+
+
+def test_config_knows_the_arithmetic_vocab_size():
+    from megatron_fp4.config_validate import ARITHMETIC_VOCAB_SIZE
+
+    assert ArithmeticTokenizer().vocab_size == ARITHMETIC_VOCAB_SIZE
