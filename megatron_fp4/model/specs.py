@@ -28,4 +28,9 @@ def attention_recipe(fp4_cfg, mode: Optional[str] = None) -> Optional[Recipe]:
     return recipe_from_config(fp4_cfg, mode) if fp4_cfg.scope == "experts+attention" else None
 
 
-__all__ = ["recipe_from_config", "expert_recipe", "attention_recipe", "OperandFormat"]
+def no_weight_decay(name: str, param) -> bool:
+    """Biases, norm gains and 1-D params get no weight decay (Megatron's rule)."""
+    return param.ndim < 2 or name.endswith(".bias") or "norm" in name
+
+
+__all__ = ["no_weight_decay", "recipe_from_config", "expert_recipe", "attention_recipe", "OperandFormat"]

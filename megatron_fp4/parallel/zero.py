@@ -42,7 +42,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from megatron_fp4.training.optim import no_weight_decay
+from megatron_fp4.model.specs import no_weight_decay
 
 
 def _reduce_scatter(out, inp, group, async_op):

@@ -11,6 +11,8 @@ import math
 import torch
 from torch import nn
 
+from megatron_fp4.model.specs import no_weight_decay
+
 
 def lr_at(step: int, opt_cfg, sched_cfg) -> float:
     """Linear warmup over `warmup_steps` (reaching lr at step warmup), then cosine decay to min_lr
@@ -22,11 +24,6 @@ def lr_at(step: int, opt_cfg, sched_cfg) -> float:
         return opt_cfg.lr
     progress = min(1.0, (step - warmup) / max(1, total - warmup))
     return opt_cfg.min_lr + 0.5 * (opt_cfg.lr - opt_cfg.min_lr) * (1 + math.cos(math.pi * progress))
-
-
-def no_weight_decay(name: str, param: torch.Tensor) -> bool:
-    """Biases, norm gains and 1-D params get no weight decay (Megatron's rule)."""
-    return param.ndim < 2 or name.endswith(".bias") or "norm" in name
 
 
 def clip_coefficient(grad_norm: float, clip_grad: float) -> float:
