@@ -41,11 +41,13 @@ def _child(rank, world_size, port, fn, args, queue):
             dist.destroy_process_group()
 
 
-def run_distributed(fn, world_size: int, args: tuple = (), timeout_s: float = 300.0) -> list:
+def run_distributed(fn, world_size: int, args: tuple = (), timeout_s: float = 300.0,
+                    may_die: frozenset = frozenset()) -> list:
     """Spawn `world_size` processes running fn(rank, world_size, *args); return results by rank.
 
     Fails (instead of hanging) when a child raises, dies without reporting (e.g. killed), or the
-    whole run exceeds `timeout_s`."""
+    whole run exceeds `timeout_s`. Ranks in `may_die` are fault-injection victims: their death is
+    expected and their result is None."""
     import queue as queue_mod
     import time
 
@@ -63,6 +65,8 @@ def run_distributed(fn, world_size: int, args: tuple = (), timeout_s: float = 30
             rank, status, payload = results_q.get(timeout=0.5)
         except queue_mod.Empty:
             dead = [r for r, p in enumerate(procs) if r not in reported and p.exitcode not in (None, 0)]
+            reported.update(r for r in dead if r in may_die)
+            dead = [r for r in dead if r not in may_die]
             if dead:
                 errors.append(f"rank(s) {dead} died without reporting (exit codes "
                               f"{[procs[r].exitcode for r in dead]})")
