@@ -1,6 +1,6 @@
 """One MoE layer's dispatch at ep2 on CPU/gloo: all-to-all baseline vs GC-MoE (overlapped).
 
-    OMP_NUM_THREADS=1 python benchmarks/bench_moe_dispatch.py --tokens 256 1024 --chunks 32 128
+    OMP_NUM_THREADS=1 python benchmarks/bench_moe_dispatch.py --tokens 256 1024 --chunks 32 128 --ring-slots 8
 
 Spawns 2 processes itself. For each (tokens per rank, chunk_tokens) it times, as the max over
 ranks of the median over `--reps` calls of the dispatcher (router output precomputed):
@@ -13,6 +13,8 @@ ranks of the median over `--reps` calls of the dispatcher (router output precomp
   baseline by overlapping it (≤ 0: its threads/bookkeeping cost more than the overlap won). Both
   dispatchers pay the same permute/combine, so their difference isolates the overlap. On a CPU
   with fewer free cores than 2 ranks × (compute + transfer thread) there is nothing to overlap on.
+GC-MoE receives through a ring of ``--ring-slots`` slots × chunk rows (``ring`` column: slots,
+then the high-water mark of slots in use and the receives posted, from the last call on rank 0).
 Wall-clock ratios only; nothing here is asserted.
 """
 from __future__ import annotations
@@ -52,7 +54,8 @@ def _timed(fn, reps, group=None):
 def _layer(args, mesh, dispatcher, compute="expert", chunk=64):
     layer = MoELayer(args.hidden, args.experts, args.top_k, args.ffn, Recipe(mode=args.mode))
     init_moe_params(layer, 0.05, 0.05, torch.Generator().manual_seed(0))
-    return apply_expert_parallel(layer, mesh, dispatcher, chunk_tokens=chunk, gcmoe_compute=compute)
+    return apply_expert_parallel(layer, mesh, dispatcher, chunk_tokens=chunk, gcmoe_compute=compute,
+                                 ring_slots=args.ring_slots)
 
 
 def _worker(rank, world, port, args, queue):
@@ -98,7 +101,9 @@ def _worker(rank, world, port, args, queue):
             for comp, layer in gcs.items():
                 layer.dispatcher.chunk_tokens = chunk
                 t_gc, t_gc_fb = _timed(fwd(layer), args.reps), _timed(fwd_bwd(layer), args.reps)
-                rows.append((tokens, chunk, comp, t_tr, t_comp, t_a2a, t_gc, t_a2a_fb, t_gc_fb))
+                st = layer.dispatcher.last_ring_stats
+                ring = f"{st['slots']}/{st['high_water']}/{st['acquired']}"
+                rows.append((tokens, chunk, comp, ring, t_tr, t_comp, t_a2a, t_gc, t_a2a_fb, t_gc_fb))
     if rank == 0:
         queue.put(rows)
     dist.destroy_process_group()
@@ -113,6 +118,7 @@ def main():
     ap.add_argument("--experts", type=int, default=8)
     ap.add_argument("--top-k", type=int, default=2)
     ap.add_argument("--mode", default="bf16", help="Recipe mode of the experts: bf16 | fp4 | fp4_resq")
+    ap.add_argument("--ring-slots", type=int, default=8, help="GC-MoE receive ring slots (gcmoe_ring_slots)")
     ap.add_argument("--reps", type=int, default=5)
     args = ap.parse_args()
     with socket.socket() as s:
@@ -128,14 +134,14 @@ def main():
         p.join()
     print(f"ep=2 gloo CPU, hidden={args.hidden} ffn={args.ffn} experts={args.experts} top_k={args.top_k} "
           f"mode={args.mode}; ms = max over ranks of the median of {args.reps}")
-    head = ("tokens", "chunk", "gc", "transfer", "compute", "a2a fwd", "gc fwd", "gc/a2a", "hidden",
+    head = ("tokens", "chunk", "gc", "ring", "transfer", "compute", "a2a fwd", "gc fwd", "gc/a2a", "hidden",
             "a2a f+b", "gc f+b", "gc/a2a")
-    print("".join(f"{h:>9}" for h in head))
-    for tokens, chunk, comp, tr, cp, a2a, gc, a2a_fb, gc_fb in rows:
+    print("".join(f"{h:>10}" for h in head))
+    for tokens, chunk, comp, ring, tr, cp, a2a, gc, a2a_fb, gc_fb in rows:
         hidden = (a2a - gc) / tr if tr > 0 else float("nan")
-        vals = (tokens, chunk, comp, f"{tr * 1e3:.2f}", f"{cp * 1e3:.2f}", f"{a2a * 1e3:.2f}", f"{gc * 1e3:.2f}",
+        vals = (tokens, chunk, comp, ring, f"{tr * 1e3:.2f}", f"{cp * 1e3:.2f}", f"{a2a * 1e3:.2f}", f"{gc * 1e3:.2f}",
                 f"{gc / a2a:.2f}", f"{hidden:+.2f}", f"{a2a_fb * 1e3:.2f}", f"{gc_fb * 1e3:.2f}", f"{gc_fb / a2a_fb:.2f}")
-        print("".join(f"{v:>9}" for v in vals))
+        print("".join(f"{v:>10}" for v in vals))
 
 
 if __name__ == "__main__":

@@ -72,6 +72,7 @@ class ParallelConfig:
     bucket_size_mb: float = 4.0
     expert_dispatcher: str = "alltoall"  # alltoall | gcmoe
     gcmoe_chunk_tokens: int = 64
+    gcmoe_ring_slots: int = 8  # receive ring: ring_slots × chunk_tokens × hidden elements per rank
     gcmoe_transfer_sms: int = 20  # CUDA green-context split; ignored on CPU
 
 

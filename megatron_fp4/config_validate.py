@@ -153,3 +153,4 @@ def _validate_parallel(cfg: Config, world_size: int) -> None:
                  f"virtual_stages={p.virtual_stages} needs schedule=interleaved_1f1b")
     _require(p.bucket_size_mb > 0, "parallel.bucket_size_mb", p.bucket_size_mb, "must be > 0")
     _require(p.gcmoe_chunk_tokens > 0, "parallel.gcmoe_chunk_tokens", p.gcmoe_chunk_tokens, "must be > 0")
+    _require(p.gcmoe_ring_slots > 0, "parallel.gcmoe_ring_slots", p.gcmoe_ring_slots, "must be > 0")

@@ -3,7 +3,7 @@
 Usage (after building the full, identically-initialised model on every rank)::
 
     mesh = ParallelMesh.build(pp=1, dp=4, ep=2)
-    model = apply_expert_parallel(model, mesh, dispatcher="gcmoe", chunk_tokens=64)
+    model = apply_expert_parallel(model, mesh, dispatcher="gcmoe", chunk_tokens=64, ring_slots=8)
     ...
     full = gather_expert_params(model, mesh)   # {param name: full [E, ...] tensor}, for export
 
@@ -111,20 +111,48 @@ def _transfer_group(mesh: ParallelMesh):
     return mine
 
 
+def _check_ep_agreement(mesh: ParallelMesh, dispatcher: str, chunk_tokens: int, ring_slots: int) -> None:
+    """Every ep rank must use the same dispatcher, and for GC-MoE the same chunk size and ring
+    (both ends derive chunk boundaries and tags from them; a mismatch would hang or corrupt).
+    One tiny all_gather on the ep group; every rank sees the same values, so all raise together."""
+    mine = torch.tensor([DISPATCHERS.index(dispatcher), chunk_tokens, ring_slots], dtype=torch.int64,
+                        device=mesh.device)
+    parts = [torch.empty_like(mine) for _ in range(mesh.ep)]
+    dist.all_gather(parts, mine, group=mesh.group("ep"))
+    values = torch.stack(parts).cpu().tolist()
+    ranks = mesh.ranks["ep"]
+    fields = [("parallel.expert_dispatcher", lambda v: DISPATCHERS[v]), ("parallel.gcmoe_chunk_tokens", int),
+              ("parallel.gcmoe_ring_slots", int)]
+    for i, (name, show) in enumerate(fields):
+        if i > 0 and dispatcher != "gcmoe":
+            break
+        seen = [show(v[i]) for v in values]
+        if len(set(seen)) > 1:
+            per_rank = ", ".join(f"rank {r}: {v!r}" for r, v in zip(ranks, seen))
+            raise ValueError(f"{name} differs across the expert-parallel group ({per_rank}); it must be "
+                             f"the same on every rank: set it once in the config, not per rank")
+
+
 def apply_expert_parallel(model: nn.Module, mesh: ParallelMesh, dispatcher: str = "alltoall",
-                          chunk_tokens: int = 64, transfer_sms: int = 20, gcmoe_compute: str = "expert") -> nn.Module:
+                          chunk_tokens: int = 64, transfer_sms: int = 20, gcmoe_compute: str = "expert",
+                          ring_slots: int = 8) -> nn.Module:
     """Keep only this rank's experts in every MoE layer of `model` and install the EP dispatcher.
 
-    Must be called on every rank (GC-MoE creates a process group collectively). `model` must be
-    the full model initialised identically on every rank. Returns `model` (modified in place).
-    `chunk_tokens`, `transfer_sms` and `gcmoe_compute` ("expert" | "chunk") only matter for "gcmoe".
-    From a config: ``apply_expert_parallel(model, mesh, cfg.parallel.expert_dispatcher,
-    cfg.parallel.gcmoe_chunk_tokens, cfg.parallel.gcmoe_transfer_sms)``.
+    Must be called on every rank (it checks collectively that every ep rank passed the same
+    dispatcher, `chunk_tokens` and `ring_slots`, and GC-MoE creates a process group collectively).
+    `model` must be the full model initialised identically on every rank. Returns `model` (modified
+    in place). `chunk_tokens`, `ring_slots` (receive ring: ``ring_slots × chunk_tokens × hidden``
+    elements per rank), `transfer_sms` and `gcmoe_compute` ("expert" | "chunk") only matter for
+    "gcmoe". From a config: ``apply_expert_parallel(model, mesh, cfg.parallel.expert_dispatcher,
+    cfg.parallel.gcmoe_chunk_tokens, cfg.parallel.gcmoe_transfer_sms,
+    ring_slots=cfg.parallel.gcmoe_ring_slots)``.
     """
     if dispatcher not in DISPATCHERS:
         raise ValueError(f"parallel.expert_dispatcher={dispatcher!r} must be one of {DISPATCHERS}")
     if chunk_tokens < 1:
         raise ValueError(f"parallel.gcmoe_chunk_tokens={chunk_tokens} must be >= 1")
+    if ring_slots < 1:
+        raise ValueError(f"parallel.gcmoe_ring_slots={ring_slots} must be >= 1")
     if transfer_sms < 0:
         raise ValueError(f"parallel.gcmoe_transfer_sms={transfer_sms} must be >= 0")
     layers = moe_layers_of(model)
@@ -134,6 +162,7 @@ def apply_expert_parallel(model: nn.Module, mesh: ParallelMesh, dispatcher: str 
             _mark_expert_params(moe.experts)
             moe.experts.expert_offset, moe.experts.num_global_experts = 0, moe.experts.num_experts
         return model
+    _check_ep_agreement(mesh, dispatcher, chunk_tokens, ring_slots)
     ep_rank, group = mesh.coord("ep"), mesh.group("ep")
     channel = None
     if dispatcher == "gcmoe":  # one transfer group/thread model shared by all layers of this rank
@@ -149,7 +178,7 @@ def apply_expert_parallel(model: nn.Module, mesh: ParallelMesh, dispatcher: str 
             moe.dispatcher = AllToAllDispatcher(group, ep, full.num_experts)
         else:
             moe.dispatcher = GCMoEDispatcher(group, ep, full.num_experts, channel, chunk_tokens,
-                                             gcmoe_compute)
+                                             gcmoe_compute, ring_slots)
     return model
 
 

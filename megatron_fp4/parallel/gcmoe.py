@@ -4,23 +4,41 @@ One dispatcher call (a *round*) on ep rank r:
 
 1. Counts are exchanged (`DispatchPlan.exchange`, one small all-to-all on the ep group).
 2. A transfer worker (`TransferChannel.run_round`, its own Python thread and its own process
-   group) posts every receive, then sends this rank's rows to each destination in chunks of
-   ``chunk_tokens`` rows (tag = counter set, direction, chunk index). Each chunk lands in the
-   round's receive buffer, a chunk-slotted buffer laid out src-major; when its receive completes
-   (`work.wait()`) the worker marks it ready: it bumps ``counters[round % 2][src]`` and queues
-   ``src`` on the ready list.
-3. The compute side (the caller's thread) takes ready chunks in arrival order and runs the local
+   group) sends this rank's rows to each destination in chunks of ``chunk_tokens`` rows
+   (tag = counter set, direction, chunk index), all posted at once, read straight from the
+   layer's own send-order rows. Incoming chunks land in a bounded **receive ring** (`RecvRing`):
+   ``ring_slots`` slots of ``chunk_tokens`` rows each. Flow control is credit-based and lives on
+   the receiver: a slot is written only by a receive the worker posted into it, the worker keeps
+   at most ``ring_slots`` receives posted-or-unconsumed, and reposts into a slot only after the
+   compute side releases it. A sender's chunk with no receive posted yet simply waits on the
+   sender's side (send/recv is a rendezvous on gloo and NCCL), so no sender can overwrite a slot
+   the receiver has not consumed. Tags carry the chunk index, so receives may be posted (and
+   complete) in any order across and within sources; the worker waits on them in posting order.
+   When a receive completes the worker marks the chunk ready: it bumps
+   ``counters[round % 2][src]`` and queues ``(src, chunk, slot)`` on the ready list.
+3. The compute side (the caller's thread) takes ready chunks in arrival order, copies each chunk's
+   rows from its slot into the staging batch (grouped order: local expert, then source; the
+   experts' input, also kept for backward) and releases the slot at once, then runs the local
    experts while later chunks are in flight. Granularity (``compute=``):
    - ``"expert"`` (default, bit-exact by construction): an expert runs as soon as *all* its rows
-     (from every source) are in, on exactly the batch `AllToAllDispatcher` gives it. Rows are sent
-     sorted by local expert, so expert 0 runs while the rows of experts 1.. are still arriving.
+     (from every source) are staged, on exactly the batch `AllToAllDispatcher` gives it. Rows are
+     sent sorted by local expert, so expert 0 runs while the rows of experts 1.. are arriving.
+     An expert's rows may span far more than the ring: the ring only carries them to staging.
    - ``"chunk"``: each chunk's rows run at once, split at local-expert boundaries (finest overlap).
      Bitwise only where the GEMM library is row-invariant for the segment sizes; MKL on CPU takes
      other kernels for tiny M (1–2 rows, up to ~10 for some shapes), giving ~1e-6 relative
      differences (measured; see tests/distributed/test_expert_parallel_gcmoe.py).
    Finished output chunks go back to the worker, which sends them to their source at once.
-4. When the worker has received every output chunk, the rows are un-permuted and combined with
+4. When the worker has received every output chunk (straight into the caller's send-order result)
+   and every slot is released, the rows are un-permuted and combined with
    `combine_expert_outputs` (ascending expert index, never arrival order).
+
+Memory bound of the receive ring: ``ring_slots × chunk_tokens × hidden`` elements **per rank in
+total**, shared by all peers (sources compete for the same slots) and by all MoE layers of the rank
+(one ring per `TransferChannel`, reused round after round), and independent of the number of
+tokens received. What is not bounded by it is what the baseline holds too: the staging batch
+(the experts' input, saved for backward), the experts' outputs and the layer's result, each
+[rows, hidden].
 
 Receive counters are double-buffered: round i resets and uses set ``i % 2``, leaving set
 ``(i+1) % 2`` (the previous round's, possibly still read by a slow peer on a GPU) untouched, so a
@@ -29,19 +47,21 @@ consecutive rounds cannot be confused either.
 
 Numerics: with ``compute="expert"`` every expert GEMM gets the same rows in the same order as the
 baseline, so the output is bit-identical to `AllToAllDispatcher` and the single-process layer
-whatever the arrival order (tested with injected delays and shuffled arrival orders). With
-``compute="chunk"`` FP4 activation quantization is still per-row (batch invariant with the default
-``scale='row'``; stochastic rounding of forward activations draws per call and is not).
-Backward does NOT run per chunk: wgrad sums over tokens (and FP4 wgrad quantizes along the token
-dim), so per-chunk partial sums would change the bits. The received rows are kept in grouped order
-and backward recomputes the experts' forward on the whole batch and differentiates it (expert-level
-activation recompute), with the gradient exchange on the baseline variable-split all-to-all of the
-ep group. Gradients are therefore bitwise those of `AllToAllDispatcher`.
+whatever the arrival order (tested with injected delays, shuffled arrival orders and a ring far
+smaller than the traffic). With ``compute="chunk"`` FP4 activation quantization is still per-row
+(batch invariant with the default ``scale='row'``; stochastic rounding of forward activations
+draws per call and is not). Backward does NOT run per chunk: wgrad sums over tokens (and FP4
+wgrad quantizes along the token dim), so per-chunk partial sums would change the bits. The staged
+rows are kept in grouped order and backward recomputes the experts' forward on the whole batch and
+differentiates it (expert-level activation recompute), with the gradient exchange on the baseline
+variable-split all-to-all of the ep group. Gradients are therefore bitwise those of
+`AllToAllDispatcher`.
 
 Device mechanism: on CPU (the tested reference) the worker is a thread doing gloo isend/irecv on a
 dedicated group (gloo is unsafe with two threads on one group). On CUDA (guarded, untested here) the
 worker issues the same ops under a transfer stream; readiness crosses threads as CUDA events
-(compute stream waits on the event recorded after the receive), and when
+(compute stream waits on the event recorded after the receive; the transfer stream waits on the
+event recorded after a slot's rows were copied out before reposting into it), and when
 `torch.cuda.green_contexts` is supported the transfer and compute streams come from green contexts
 with ``transfer_sms`` and ``num_sms - transfer_sms`` SMs.
 """
@@ -90,20 +110,69 @@ def _green_streams(device: torch.device, transfer_sms: int):
         return None
 
 
+class _Aborted(Exception):
+    """The compute side failed; the transfer worker stops posting and returns."""
+
+
+class RecvRing:
+    """One round's view of the receive ring: ``num_slots`` slots of ``chunk_tokens`` rows.
+
+    Only the transfer worker acquires (posts a receive into a free slot) and frees slots (when it
+    processes the compute side's release message), so no lock is needed. ``in_use`` counts slots
+    posted, filled or being consumed; ``high_water`` is its maximum over the round and
+    ``acquired`` the number of receives posted (> num_slots: slots were reused)."""
+
+    def __init__(self, storage: torch.Tensor):
+        self.storage, self.num_slots = storage, storage.shape[0]
+        self.free = collections.deque(range(self.num_slots))
+        self.in_use = self.high_water = self.acquired = 0
+
+    def acquire(self) -> int:
+        slot = self.free.popleft()
+        self.in_use += 1
+        self.acquired += 1
+        self.high_water = max(self.high_water, self.in_use)
+        assert self.in_use <= self.num_slots
+        return slot
+
+    def release(self, slot: int) -> None:
+        assert slot not in self.free and self.in_use > 0, f"slot {slot} released twice"
+        self.free.append(slot)
+        self.in_use -= 1
+
+    def view(self, slot: int, rows: int) -> torch.Tensor:
+        return self.storage[slot, :rows]
+
+    def stats(self) -> dict:
+        return {"slots": self.num_slots, "high_water": self.high_water, "acquired": self.acquired}
+
+
 class TransferChannel:
-    """The transfer worker's process group and (on CUDA) streams; shared by all MoE layers of a rank."""
+    """The transfer worker's process group, (on CUDA) streams and the rank's receive ring storage;
+    shared by all MoE layers of a rank (their rounds run one after another)."""
 
     def __init__(self, group, ep_ranks: list[int], device: torch.device, transfer_sms: int = 20):
         self.group, self.ep_ranks, self.device = group, list(ep_ranks), device
         self.ep_rank = self.ep_ranks.index(dist.get_rank())
         self.transfer_stream = self.compute_stream = None
         self._green = None
+        self._ring_storage = None
+        self._busy = False
         if device.type == "cuda":  # GPU-only path, guarded: plain side streams if no green contexts
             split = _green_streams(device, transfer_sms)
             if split is not None:
                 self.transfer_stream, self.compute_stream, self._green = split
             else:
                 self.transfer_stream = torch.cuda.Stream(device)
+
+    def ring(self, num_slots: int, chunk_tokens: int, hidden: int, like: torch.Tensor) -> RecvRing:
+        """The ring for one round: storage [num_slots, chunk_tokens, hidden], allocated once and
+        reused (reallocated only if the shape/dtype/device changes)."""
+        shape = (num_slots, chunk_tokens, hidden)
+        st = self._ring_storage
+        if st is None or tuple(st.shape) != shape or st.dtype != like.dtype or st.device != like.device:
+            self._ring_storage = like.new_empty(shape)
+        return RecvRing(self._ring_storage)
 
     # -- CUDA readiness helpers (no-ops on CPU) -------------------------------------------------
     def _event(self):
@@ -126,20 +195,39 @@ class TransferChannel:
         try:
             with self._stream_ctx(self.transfer_stream):
                 self._transfer(rnd)
+        except _Aborted:
+            pass
         except BaseException as exc:  # surfaced by the compute side
             with rnd.cond:
                 rnd.error = exc
                 rnd.cond.notify_all()
 
     def _transfer(self, rnd: "_Round") -> None:
-        me, g, hook = self.ep_rank, self.group, rnd.hook
+        me, g, hook, ring = self.ep_rank, self.group, rnd.hook, rnd.ring
         peers = [p for p in range(len(self.ep_ranks)) if p != me]
-        recv_works = {src: [dist.irecv(rnd.recv_chunk(src, c), self.ep_ranks[src], group=g,
-                                       tag=chunk_tag(rnd.counter_set, _IN, c))
-                            for c in range(len(rnd.recv_bounds[src]))] for src in peers}
+        # Outputs come back straight into the caller's result (send order): no ring needed there.
         back_works = [dist.irecv(rnd.back_chunk(dst, c), self.ep_ranks[dst], group=g,
                                  tag=chunk_tag(rnd.counter_set, _OUT, c))
                       for dst in peers for c in range(len(rnd.send_bounds[dst]))]
+        # Receive (posting) order: chunk-major over sources; the test hook may permute it freely.
+        pending = [(src, c) for c in range(max([len(rnd.recv_bounds[s]) for s in peers] + [0]))
+                   for src in peers if c < len(rnd.recv_bounds[src])]
+        if hook is not None and hasattr(hook, "order"):
+            pending = list(hook.order(pending))
+        num_out = len(pending)
+        pending = collections.deque(pending)
+        posted = collections.deque()
+
+        def post():  # credits: one receive per free slot
+            while ring.free and pending:
+                src, c = pending.popleft()
+                slot = ring.acquire()
+                a, b = rnd.recv_bounds[src][c]
+                work = dist.irecv(ring.view(slot, b - a), self.ep_ranks[src], group=g,
+                                  tag=chunk_tag(rnd.counter_set, _IN, c))
+                posted.append((src, c, slot, work))
+
+        post()
         send_works = []
         num_send = max([len(rnd.send_bounds[d]) for d in peers] + [0])
         for c in range(num_send):  # chunk-major over destinations so every peer starts early
@@ -148,33 +236,39 @@ class TransferChannel:
                     _delay(hook, "send", dst, c)
                     send_works.append(dist.isend(rnd.send_chunk(dst, c), self.ep_ranks[dst], group=g,
                                                  tag=chunk_tag(rnd.counter_set, _IN, c)))
-        arrivals = [src for c in range(max([len(w) for w in recv_works.values()] + [0]))
-                    for src in peers if c < len(recv_works[src])]
-        if hook is not None and hasattr(hook, "order"):
-            arrivals = list(hook.order(arrivals))
-        num_out = sum(len(w) for w in recv_works.values())
-        sent_out, next_chunk = 0, collections.Counter()
-        for src in arrivals:
-            c = next_chunk[src]
-            next_chunk[src] += 1
-            recv_works[src][c].wait()
-            _delay(hook, "recv", src, c)
-            rnd.mark_ready(src, self._event())
-            sent_out += self._send_outputs(rnd, send_works, block=False)
-        while sent_out < num_out:
-            sent_out += self._send_outputs(rnd, send_works, block=True)
+        sent_out = 0
+        while posted or pending or sent_out < num_out or ring.in_use:
+            if posted:
+                src, c, slot, work = posted.popleft()
+                work.wait()
+                _delay(hook, "recv", src, c)
+                rnd.mark_ready(src, c, slot, self._event())
+            # Nothing posted: every used slot is filled and waits for the compute side, which
+            # will release it (or finish an output chunk): block for that.
+            sent_out += self._drain(rnd, send_works, block=not posted)
+            post()
         for w in back_works + send_works:
             w.wait()
         rnd.done_event = self._event()
 
-    def _send_outputs(self, rnd: "_Round", send_works: list, block: bool) -> int:
+    def _drain(self, rnd: "_Round", send_works: list, block: bool) -> int:
+        """Handle the compute side's messages: slot releases and finished output chunks."""
         sent = 0
         while True:
             try:
-                src, c, ev = rnd.outbound.get(block=block and sent == 0)
+                msg = rnd.outbound.get(block=block, timeout=rnd.timeout_s if block else None)
             except queue.Empty:
+                if block:
+                    raise RuntimeError(f"GC-MoE: compute side idle for {rnd.timeout_s}s") from None
                 return sent
-            self._wait(ev)
+            block = False
+            if msg[0] == "abort":
+                raise _Aborted
+            self._wait(msg[-1])  # the copy out of the slot / the output chunk is done
+            if msg[0] == "free":
+                rnd.ring.release(msg[1])
+                continue
+            _, src, c, _ = msg
             _delay(rnd.hook, "send_back", src, c)
             send_works.append(dist.isend(rnd.out_chunk(src, c), self.ep_ranks[src], group=self.group,
                                          tag=chunk_tag(rnd.counter_set, _OUT, c)))
@@ -200,8 +294,9 @@ class _Round:
 
     counter_set: int
     counters: torch.Tensor       # [ep] chunks marked ready per source (this round's set)
+    ring: RecvRing               # bounded receive slots (transfer buffer)
     x_send: torch.Tensor         # [N_send, H] send order
-    x_recv: torch.Tensor         # [N_recv, H] receive buffer, chunk-slotted, src-major
+    x_grouped: torch.Tensor      # [N_recv, H] staging: received rows in grouped order (experts' input)
     y_recv: torch.Tensor         # [N_recv, H] expert outputs in receive order
     y_send: torch.Tensor         # [N_send, H] outputs back, send order
     send_off: list[int]
@@ -209,6 +304,7 @@ class _Round:
     send_bounds: list[list[tuple[int, int]]]
     recv_bounds: list[list[tuple[int, int]]]
     hook: object = None
+    timeout_s: float = 300.0
     cond: threading.Condition = field(default_factory=threading.Condition)
     ready: collections.deque = field(default_factory=collections.deque)
     outbound: queue.Queue = field(default_factory=queue.Queue)
@@ -223,27 +319,23 @@ class _Round:
         a, b = self.send_bounds[dst][c]
         return self.y_send[self.send_off[dst] + a:self.send_off[dst] + b]
 
-    def recv_chunk(self, src, c):
-        a, b = self.recv_bounds[src][c]
-        return self.x_recv[self.recv_off[src] + a:self.recv_off[src] + b]
-
     def out_chunk(self, src, c):
         a, b = self.recv_bounds[src][c]
         return self.y_recv[self.recv_off[src] + a:self.recv_off[src] + b]
 
-    def mark_ready(self, src: int, event) -> None:
+    def mark_ready(self, src: int, c: int, slot, event) -> None:
         with self.cond:
             self.counters[src] += 1
-            self.ready.append((src, event))
+            self.ready.append((src, c, slot, event))
             self.cond.notify_all()
 
-    def next_ready(self, timeout_s: float):
+    def next_ready(self):
         with self.cond:
             while not self.ready:
                 if self.error is not None:
                     raise RuntimeError("GC-MoE transfer worker failed") from self.error
-                if not self.cond.wait(timeout=timeout_s):
-                    raise RuntimeError(f"GC-MoE: no chunk arrived within {timeout_s}s (peer hung?)")
+                if not self.cond.wait(timeout=self.timeout_s):
+                    raise RuntimeError(f"GC-MoE: no chunk arrived within {self.timeout_s}s (peer hung?)")
             return self.ready.popleft()
 
 
@@ -258,25 +350,33 @@ class GCMoEDispatcher:
     """Expert-parallel dispatcher overlapping chunked token transfer with expert compute.
 
     Same call signature and bits as `AllToAllDispatcher`. ``round`` counts calls; ``counters`` are
-    the two receive-counter sets (round i uses ``counters[i % 2]``). ``chunk_tokens`` must be the same
-    on every ep rank (it is a config value): both ends derive the chunk boundaries from it. ``test_hook`` (tests only) may
+    the two receive-counter sets (round i uses ``counters[i % 2]``). ``chunk_tokens`` and
+    ``ring_slots`` must be the same on every ep rank (config values, checked by
+    `apply_expert_parallel`): both ends derive the chunk boundaries from them. After each round
+    ``last_ring_stats`` holds the ring's ``slots``, ``high_water`` and ``acquired`` (receives
+    posted); ``ring_high_water`` is the maximum over all rounds. ``test_hook`` (tests only) may
     define ``delay(event, peer, chunk)`` (called on the transfer thread) and ``order(list)``
-    (permutes the order in which chunks from different sources are awaited and marked ready).
+    (permutes the ``(src, chunk)`` order in which receives are posted, awaited and marked ready).
     """
 
     timeout_s = 300.0
 
     def __init__(self, group, ep: int, num_experts: int, channel: TransferChannel, chunk_tokens: int = 64,
-                 compute: str = "expert"):
+                 compute: str = "expert", ring_slots: int = 8):
         if chunk_tokens < 1:
             raise ValueError(f"parallel.gcmoe_chunk_tokens={chunk_tokens} must be >= 1")
+        if ring_slots < 1:
+            raise ValueError(f"parallel.gcmoe_ring_slots={ring_slots} must be >= 1")
         if compute not in COMPUTE_GRANULARITIES:
             raise ValueError(f"GCMoEDispatcher compute={compute!r} must be one of {COMPUTE_GRANULARITIES}")
         self.group, self.ep, self.num_experts = group, ep, num_experts
         self.channel, self.chunk_tokens, self.compute = channel, chunk_tokens, compute
+        self.ring_slots = ring_slots
         self.round = 0
         self.counters = [torch.zeros(ep, dtype=torch.int64), torch.zeros(ep, dtype=torch.int64)]
         self.last_counter_set = None
+        self.last_ring_stats = None
+        self.ring_high_water = 0
         self.test_hook = None
 
     def __call__(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_w: torch.Tensor,
@@ -293,48 +393,60 @@ class GCMoEDispatcher:
         self.last_counter_set = s
         counters = self.counters[s]
         counters.zero_()  # last used two rounds ago: every peer is past it
-        me, C = self.channel.ep_rank, self.chunk_tokens
+        me, C, channel = self.channel.ep_rank, self.chunk_tokens, self.channel
         in_splits, out_splits = plan.in_splits, plan.out_splits
         H = x_send.shape[-1]
-        rnd = _Round(s, counters, x_send.contiguous(), x_send.new_empty(sum(out_splits), H),
-                     x_send.new_empty(sum(out_splits), H), x_send.new_empty(sum(in_splits), H),
-                     _offsets(in_splits), _offsets(out_splits),
+        assert not channel._busy, "GC-MoE rounds of one rank must not overlap (one ring per rank)"
+        rnd = _Round(s, counters, channel.ring(self.ring_slots, C, H, x_send), x_send.contiguous(),
+                     x_send.new_empty(sum(out_splits), H), x_send.new_empty(sum(out_splits), H),
+                     x_send.new_empty(sum(in_splits), H), _offsets(in_splits), _offsets(out_splits),
                      [chunk_bounds(n, C) for n in in_splits], [chunk_bounds(n, C) for n in out_splits],
-                     hook=self.test_hook)
-        # Rows for my own experts need no transfer: ready at once.
-        own = slice(rnd.send_off[me], rnd.send_off[me] + in_splits[me])
-        rnd.x_recv[rnd.recv_off[me]:rnd.recv_off[me] + out_splits[me]] = rnd.x_send[own]
-        for _ in rnd.recv_bounds[me]:
-            rnd.mark_ready(me, None)
-        worker = threading.Thread(target=self.channel.run_round, args=(rnd,), daemon=True,
+                     hook=self.test_hook, timeout_s=self.timeout_s)
+        # Rows for my own experts need no transfer (nor a slot): ready at once, read from x_send.
+        for c in range(len(rnd.recv_bounds[me])):
+            rnd.mark_ready(me, c, None, None)
+        worker = threading.Thread(target=channel.run_round, args=(rnd,), daemon=True,
                                   name=f"gcmoe-transfer-r{self.round - 1}")
+        channel._busy = True
         worker.start()
         try:
-            with self.channel._stream_ctx(self.channel.compute_stream):
+            with channel._stream_ctx(channel.compute_stream):
                 self._compute(rnd, experts, plan)
+        except BaseException:
+            rnd.outbound.put(("abort",))
+            raise
         finally:
             worker.join(timeout=self.timeout_s)
+            channel._busy = worker.is_alive()
         if rnd.error is not None:
             raise RuntimeError("GC-MoE transfer worker failed") from rnd.error
         assert not worker.is_alive(), "GC-MoE transfer worker did not finish"
-        self.channel._wait(rnd.done_event)
+        assert rnd.ring.in_use == 0, "GC-MoE round ended with receive slots still held"
+        self.last_ring_stats = rnd.ring.stats()
+        self.ring_high_water = max(self.ring_high_water, rnd.ring.high_water)
+        channel._wait(rnd.done_event)
+        own = slice(rnd.send_off[me], rnd.send_off[me] + in_splits[me])
         rnd.y_send[own] = rnd.y_recv[rnd.recv_off[me]:rnd.recv_off[me] + out_splits[me]]
-        return rnd.y_send, rnd.x_recv[plan.perm]
+        return rnd.y_send, rnd.x_grouped
 
     def _compute(self, rnd: _Round, experts: GroupedExperts, plan: DispatchPlan) -> None:
-        """Consume ready chunks in arrival order; hand finished output chunks to the worker."""
+        """Consume ready chunks in arrival order: stage the rows, free the slot, run experts, and
+        hand finished output chunks to the worker."""
         me, num_local = self.channel.ep_rank, experts.num_experts
-        starts = [_offsets(plan.recv_counts[src].tolist()) + [int(plan.recv_counts[src].sum())]
-                  for src in range(self.ep)]
+        counts = plan.recv_counts.tolist()  # [src][local expert]
+        starts = [_offsets(counts[src]) + [sum(counts[src])] for src in range(self.ep)]
+        group_start = _offsets(plan.local_counts)
+        # grouped position of the first row src sends for local expert le
+        base = [[group_start[le] + sum(counts[s][le] for s in range(src)) for le in range(num_local)]
+                for src in range(self.ep)]
 
         def segments(src, c):  # (local expert, lo, hi) row ranges of chunk c inside src's block
             a, b = rnd.recv_bounds[src][c]
             return [(le, max(a, starts[src][le]), min(b, starts[src][le + 1])) for le in range(num_local)
                     if max(a, starts[src][le]) < min(b, starts[src][le + 1])]
 
-        # "expert" granularity: an expert runs once all its rows are in, on its whole batch.
+        # "expert" granularity: an expert runs once all its rows are staged, on its whole batch.
         missing = list(plan.local_counts)
-        group_start = _offsets(plan.local_counts)
         chunks_of_expert = collections.defaultdict(list)
         waiting = {}
         for src in range(self.ep):
@@ -343,29 +455,39 @@ class GCMoEDispatcher:
                 waiting[(src, c)] = len(segs)
                 for le, _, _ in segs:
                     chunks_of_expert[le].append((src, c))
-        consumed = [0] * self.ep
         for _ in range(len(waiting)):
-            src, event = rnd.next_ready(self.timeout_s)
-            c = consumed[src]
-            consumed[src] += 1
+            src, c, slot, event = rnd.next_ready()
             self.channel._wait(event)
+            a, b = rnd.recv_bounds[src][c]
+            if slot is None:  # own rows
+                rows = rnd.x_send[rnd.send_off[me] + a:rnd.send_off[me] + b]
+            else:
+                rows = rnd.ring.view(slot, b - a)
+            segs = segments(src, c)
+            with torch.no_grad():
+                for le, lo, hi in segs:
+                    g0 = base[src][le] + lo - starts[src][le]
+                    rnd.x_grouped[g0:g0 + hi - lo] = rows[lo - a:hi - a]
+            if slot is not None:  # the slot's rows are staged: give the credit back at once
+                rnd.outbound.put(("free", slot, self.channel._event()))
             finished = []
             with torch.no_grad():
-                for le, lo, hi in segments(src, c):
+                for le, lo, hi in segs:
                     if self.compute == "chunk":
-                        rows = slice(rnd.recv_off[src] + lo, rnd.recv_off[src] + hi)
-                        rnd.y_recv[rows] = experts.expert_forward(le, rnd.x_recv[rows])
+                        g0 = base[src][le] + lo - starts[src][le]
+                        out = slice(rnd.recv_off[src] + lo, rnd.recv_off[src] + hi)
+                        rnd.y_recv[out] = experts.expert_forward(le, rnd.x_grouped[g0:g0 + hi - lo])
                         finished.append((src, c))
                         continue
                     missing[le] -= hi - lo
                     if missing[le] == 0:
-                        idx = plan.perm[group_start[le]:group_start[le] + plan.local_counts[le]]
-                        rnd.y_recv[idx] = experts.expert_forward(le, rnd.x_recv[idx])
+                        g = slice(group_start[le], group_start[le] + plan.local_counts[le])
+                        rnd.y_recv[plan.perm[g]] = experts.expert_forward(le, rnd.x_grouped[g])
                         finished.extend(chunks_of_expert[le])
             for key in finished:
                 waiting[key] -= 1
                 if waiting[key] == 0 and key[0] != me:
-                    rnd.outbound.put((key[0], key[1], self.channel._event()))
+                    rnd.outbound.put(("out", key[0], key[1], self.channel._event()))
 
 
 class _GCMoEFunction(torch.autograd.Function):

@@ -37,7 +37,7 @@ def _apply_expert_parallel(model, cfg: Config, mesh: ParallelMesh):
                                   "available in this checkout; set parallel.ep=1") from err
     p = cfg.parallel
     return apply_expert_parallel(model, mesh, dispatcher=p.expert_dispatcher, chunk_tokens=p.gcmoe_chunk_tokens,
-                                 transfer_sms=p.gcmoe_transfer_sms)
+                                 transfer_sms=p.gcmoe_transfer_sms, ring_slots=p.gcmoe_ring_slots)
 
 
 class ParallelTrainer(Trainer):

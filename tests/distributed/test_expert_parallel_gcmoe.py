@@ -3,12 +3,16 @@ shuffled arrival orders injected into the transfer thread, chunk sizes below / e
 token count. ``compute="expert"`` must be bitwise equal in output and every gradient;
 ``compute="chunk"`` differs only by the CPU GEMM's small-M kernels (see gcmoe.py), bound 1e-5
 relative to the output scale (observed ~1e-6: a different fp32 summation order over K <= 64).
+A receive ring of 2 slots × 4 rows carrying ~150 rows per round (random delays, shuffled posting
+order) must also be bitwise equal, with the ring's high-water mark never above its slot count; and
+`apply_expert_parallel` must reject ep ranks that disagree on chunk size, ring or dispatcher.
 """
 from __future__ import annotations
 
 import random
 import time
 
+import pytest
 import torch
 
 from megatron_fp4.parallel.expert_parallel import apply_expert_parallel
@@ -96,3 +100,69 @@ def test_gcmoe_bitwise_equal_to_alltoall_ep2_many_seeds():
 
 def test_gcmoe_bitwise_equal_to_alltoall_ep4():
     _check(run_distributed(_worker_many_seeds, 4, (6,)), 6)
+
+
+# -- bounded receive ring -------------------------------------------------------------------------
+RING_SLOTS, RING_CHUNK = 2, 4
+
+
+def _worker_small_ring(rank, world, num_seeds):
+    """A ring of 2 slots × 4 rows against hundreds of incoming rows per round."""
+    mesh = ParallelMesh.build(pp=1, dp=world, ep=world)
+    E = 2 * world
+    base = apply_expert_parallel(make_layer(E, 2, seed=0), mesh, "alltoall")
+    gc = apply_expert_parallel(make_layer(E, 2, seed=0), mesh, "gcmoe", chunk_tokens=RING_CHUNK,
+                               ring_slots=RING_SLOTS)
+    out = {"diffs": [], "stats": [], "recv_rows": []}
+    for seed in range(num_seeds):
+        x, gy, tokens = make_batch(world, [150 + 20 * r for r in range(world)], seed)
+        lo = sum(tokens[:rank])
+        xs, gys = x[lo:lo + tokens[rank]], gy[lo:lo + tokens[rank]]
+        gc.dispatcher.test_hook = RandomTiming(seed * 31 + rank, max_s=0.0005)
+        want = run_layer(base, xs, gys) + tuple(t.clone() for t in _grads(base))
+        got = run_layer(gc, xs, gys) + tuple(t.clone() for t in _grads(gc))
+        out["diffs"].append([max_diff(a, b) for a, b in zip(got, want)])
+        out["stats"].append(dict(gc.dispatcher.last_ring_stats))
+    out["high_water"] = gc.dispatcher.ring_high_water
+    out["ring_shape"] = tuple(gc.dispatcher.channel._ring_storage.shape)
+    out["mismatch"] = _mismatch_errors(rank, mesh)  # same spawn: saves a process start
+    return out
+
+
+@pytest.fixture(scope="module")
+def small_ring_results():
+    return run_distributed(_worker_small_ring, 2, (3,))
+
+
+def test_small_ring_many_chunks_bitwise_and_bounded(small_ring_results):
+    for rank, r in enumerate(small_ring_results):
+        for seed, diffs in enumerate(r["diffs"]):
+            assert all(d == 0.0 for d in diffs), f"rank {rank} seed {seed}: y, dx, dw13, dw2, drouter {diffs}"
+        assert r["ring_shape"] == (RING_SLOTS, RING_CHUNK, 32)
+        for st in r["stats"]:
+            assert st["slots"] == RING_SLOTS and st["high_water"] == RING_SLOTS, st
+            # ~150 rows in 4-row chunks from the peer: every slot was reused dozens of times
+            assert st["acquired"] >= 10 * RING_SLOTS, st
+        assert r["high_water"] <= RING_SLOTS
+
+
+# -- config agreement across the ep group ---------------------------------------------------------
+def _mismatch_errors(rank, mesh):
+    errors = {}
+    for name, kwargs in [("chunk", dict(chunk_tokens=8 + rank)), ("slots", dict(ring_slots=2 + rank)),
+                         ("dispatcher", dict())]:
+        disp = ("alltoall", "gcmoe")[rank] if name == "dispatcher" else "gcmoe"
+        try:
+            apply_expert_parallel(make_layer(4, 2), mesh, disp, **kwargs)
+            errors[name] = None
+        except ValueError as err:
+            errors[name] = str(err)
+    apply_expert_parallel(make_layer(4, 2), mesh, "alltoall", chunk_tokens=8 + rank)  # irrelevant there
+    return errors
+
+
+def test_chunk_tokens_and_ring_slots_must_agree_across_ep(small_ring_results):
+    for r in (res["mismatch"] for res in small_ring_results):
+        assert "parallel.gcmoe_chunk_tokens" in r["chunk"] and "rank 0: 8, rank 1: 9" in r["chunk"], r
+        assert "parallel.gcmoe_ring_slots" in r["slots"] and "rank 0: 2, rank 1: 3" in r["slots"], r
+        assert "parallel.expert_dispatcher" in r["dispatcher"] and "'gcmoe'" in r["dispatcher"], r
