@@ -67,7 +67,9 @@ class ParallelConfig:
     ep: int = 1
     tp: int = 1
     virtual_stages: int = 1
-    schedule: str = "1f1b"  # gpipe | 1f1b | interleaved_1f1b
+    # gpipe | 1f1b | interleaved_1f1b | interleaved_zero_bubble (ZB1P, virtual_stages >= 2) | zbv (ZB-V,
+    # virtual_stages = 2, V placement); the zero-bubble ones split backward into input- and weight-grad
+    schedule: str = "1f1b"
     zero_stage: int = 1  # 0 (plain DDP-style all-reduce), 1 or 2
     bucket_size_mb: float = 4.0
     expert_dispatcher: str = "alltoall"  # alltoall | gcmoe

@@ -14,7 +14,7 @@ _CHOICES = {
     "fp4.train_mode": ("bf16", "fp4", "fp4_resq"),
     "fp4.rollout_mode": ("bf16", "fp4", "fp4_resq"),
     "fp4.grad_rounding": ("nearest", "stochastic"),
-    "parallel.schedule": ("gpipe", "1f1b", "interleaved_1f1b"),
+    "parallel.schedule": ("gpipe", "1f1b", "interleaved_1f1b", "interleaved_zero_bubble", "zbv"),
     "parallel.zero_stage": (0, 1, 2),
     "parallel.expert_dispatcher": ("alltoall", "gcmoe"),
     "schedule.nan_policy": ("stop", "skip"),
@@ -142,15 +142,19 @@ def _validate_parallel(cfg: Config, world_size: int) -> None:
              s.global_batch_size,
              f"must be a multiple of micro_batch_size×dp = {s.micro_batch_size}×{dp}")
     num_microbatches = s.global_batch_size // (s.micro_batch_size * dp)
-    if p.schedule == "interleaved_1f1b":
+    if p.schedule in ("interleaved_1f1b", "interleaved_zero_bubble"):
         _require(p.virtual_stages > 1, "parallel.virtual_stages", p.virtual_stages,
-                 "schedule interleaved_1f1b needs virtual_stages >= 2 (or use schedule=1f1b)")
+                 f"schedule {p.schedule} needs virtual_stages >= 2 (or use schedule=1f1b)")
         _require(num_microbatches % p.pp == 0, "schedule.global_batch_size", s.global_batch_size,
-                 f"interleaved 1F1B needs the number of micro-batches ({num_microbatches}) to be a multiple of "
-                 f"pp={p.pp}; adjust global_batch_size or micro_batch_size")
+                 f"schedule {p.schedule} needs the number of micro-batches ({num_microbatches}) to be a multiple "
+                 f"of pp={p.pp}; adjust global_batch_size or micro_batch_size")
+    elif p.schedule == "zbv":
+        _require(p.virtual_stages == 2, "parallel.virtual_stages", p.virtual_stages,
+                 "schedule zbv places exactly 2 model chunks per pipeline rank (a V); set virtual_stages=2")
     elif p.virtual_stages > 1:
         _require(False, "parallel.schedule", p.schedule,
-                 f"virtual_stages={p.virtual_stages} needs schedule=interleaved_1f1b")
+                 f"virtual_stages={p.virtual_stages} needs a multi-chunk schedule "
+                 f"(interleaved_1f1b, interleaved_zero_bubble or zbv)")
     _require(p.bucket_size_mb > 0, "parallel.bucket_size_mb", p.bucket_size_mb, "must be > 0")
     _require(p.gcmoe_chunk_tokens > 0, "parallel.gcmoe_chunk_tokens", p.gcmoe_chunk_tokens, "must be > 0")
     _require(p.gcmoe_ring_slots > 0, "parallel.gcmoe_ring_slots", p.gcmoe_ring_slots, "must be > 0")

@@ -26,8 +26,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "interleaved_zb")
-MULTI_CHUNK_SCHEDULES = ("interleaved_1f1b", "interleaved_zb")
+SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "interleaved_zero_bubble", "zbv")
+MULTI_CHUNK_SCHEDULES = ("interleaved_1f1b", "interleaved_zero_bubble", "zbv")
+# Chunk placement each schedule expects: "loop" puts chunk c on rank c % pp (Megatron interleaving);
+# "v" (ZB-V) folds the chunks back, rank r holding r and 2·pp−1−r, so the last chunk sits next to
+# the first and the loss is computed where the backward starts.
+PLACEMENT = {"zbv": "v"}
 
 
 # -- pure layout functions --------------------------------------------------------------------------
@@ -50,13 +54,22 @@ def split_layers(num_layers: int, pp: int, virtual_stages: int = 1) -> list[rang
     return ranges
 
 
-def chunk_to_rank(chunk: int, pp: int) -> int:
-    """Pipeline rank holding model chunk `chunk` (interleaved placement)."""
+def chunk_to_rank(chunk: int, pp: int, style: str = "loop") -> int:
+    """Pipeline rank holding model chunk `chunk` (``style`` "loop": interleaved, "v": ZB-V)."""
+    if style == "v":
+        assert 0 <= chunk < 2 * pp, (chunk, pp)
+        return chunk if chunk < pp else 2 * pp - 1 - chunk
     return chunk % pp
 
 
-def rank_chunks(pp_rank: int, pp: int, virtual_stages: int = 1) -> list[int]:
-    """Model chunks held by pipeline rank `pp_rank`: r, r+pp, r+2·pp, …"""
+def rank_chunks(pp_rank: int, pp: int, virtual_stages: int = 1, style: str = "loop") -> list[int]:
+    """Model chunks held by pipeline rank `pp_rank`, ascending: r, r+pp, r+2·pp, … ("loop"), or
+    r, 2·pp−1−r ("v", exactly two chunks per rank)."""
+    if style == "v":
+        if virtual_stages != 2:
+            raise ValueError(f"parallel.virtual_stages={virtual_stages}: the V placement (schedule zbv) holds "
+                             f"exactly 2 chunks per rank; set virtual_stages=2")
+        return [pp_rank, 2 * pp - 1 - pp_rank]
     return [pp_rank + v * pp for v in range(virtual_stages)]
 
 
@@ -112,10 +125,11 @@ def strip_to_local(model: nn.Module, local_layers: set[int], has_first: bool, ha
         model.lm_head = None
 
 
-def build_chunks(model: nn.Module, pp: int, pp_rank: int, virtual_stages: int = 1) -> list[tuple[int, PipelineChunk]]:
+def build_chunks(model: nn.Module, pp: int, pp_rank: int, virtual_stages: int = 1,
+                 style: str = "loop") -> list[tuple[int, PipelineChunk]]:
     """Strip `model` to this rank's chunks and return [(chunk index, chunk module)] in chunk order."""
     ranges = split_layers(len(model.layers), pp, virtual_stages)
-    mine = rank_chunks(pp_rank, pp, virtual_stages)
+    mine = rank_chunks(pp_rank, pp, virtual_stages, style)
     last = len(ranges) - 1
     local = {i for c in mine for i in ranges[c]}
     chunks = [(c, PipelineChunk(model, ranges[c], c == 0, c == last)) for c in mine]
@@ -126,10 +140,10 @@ def build_chunks(model: nn.Module, pp: int, pp_rank: int, virtual_stages: int = 
 # -- the runner -------------------------------------------------------------------------------------
 def schedule_class(name: str):
     from torch.distributed.pipelining import (Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B,
-                                              ScheduleInterleavedZeroBubble)
+                                              ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble)
 
     classes = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved_1f1b": ScheduleInterleaved1F1B,
-               "interleaved_zb": ScheduleInterleavedZeroBubble}
+               "interleaved_zero_bubble": ScheduleInterleavedZeroBubble, "zbv": ScheduleZBVZeroBubble}
     if name not in classes:
         raise ValueError(f"parallel.schedule={name!r} must be one of {list(classes)}")
     return classes[name]
@@ -148,8 +162,10 @@ class PipelineRunner:
         self.model, self.mesh, self.num_microbatches = model, mesh, num_microbatches
         self.pp, self.pp_rank = mesh.pp, mesh.coord("pp")
         self.group = mesh.group("pp")
-        self.chunks = build_chunks(model, self.pp, self.pp_rank, virtual_stages)
+        style = PLACEMENT.get(schedule, "loop")
+        self.chunks = build_chunks(model, self.pp, self.pp_rank, virtual_stages, style)
         num_stages = self.pp * virtual_stages
+        self.last_stage_rank = chunk_to_rank(num_stages - 1, self.pp, style)  # reports the loss
         # Static shapes given up front: without them the library infers them by running each
         # stage on uninitialised inputs, which FP4's non-finite-input check rightly refuses.
         mbs, seq_len = micro_batch_shape
@@ -192,6 +208,6 @@ class PipelineRunner:
             # The same sum as the single-process trainer: Σ float(loss_i) / n in float64.
             total.fill_(sum(float(l.unscaled) / self.num_microbatches for l in losses))
         if self.pp > 1:
-            dist.broadcast(total, src=self.mesh.ranks["pp"][-1], group=self.group)
+            dist.broadcast(total, src=self.mesh.ranks["pp"][self.last_stage_rank], group=self.group)
         return float(total)
 

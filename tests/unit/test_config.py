@@ -70,6 +70,25 @@ def test_parallel_layout_checked_against_world_size():
                                         "schedule.micro_batch_size=4"]).validate(world_size=4)
 
 
+
+@pytest.mark.parametrize("overrides, field, needle", [
+    (["parallel.schedule=interleaved_zero_bubble"], "parallel.virtual_stages", "virtual_stages >= 2"),
+    (["parallel.schedule=interleaved_zero_bubble", "parallel.virtual_stages=2", "schedule.micro_batch_size=16"],
+     "schedule.global_batch_size", "multiple of pp"),
+    (["parallel.schedule=zbv", "parallel.virtual_stages=3", "model.num_layers=6"], "parallel.virtual_stages",
+     "exactly 2 model chunks"),
+    (["parallel.schedule=zb"], "parallel.schedule", "interleaved_zero_bubble"),
+])
+def test_zero_bubble_schedule_constraints(overrides, field, needle):
+    cfg = load_config(default_config_path(), ["parallel.pp=2", *overrides])
+    with pytest.raises(ConfigError) as err:
+        cfg.validate(world_size=2)
+    assert str(err.value).startswith(field) and needle in str(err.value), str(err.value)
+    for schedule in ("interleaved_zero_bubble", "zbv"):
+        load_config(default_config_path(), ["parallel.pp=2", "parallel.virtual_stages=2",
+                                            f"parallel.schedule={schedule}"]).validate(world_size=2)
+
+
 def test_missing_file_and_bad_override_syntax():
     with pytest.raises(ConfigError, match="does not exist"):
         load_config("/nonexistent/cfg.yaml")
