@@ -139,8 +139,8 @@ def main():
     print("".join(f"{h:>10}" for h in head))
     for tokens, chunk, comp, ring, tr, cp, a2a, gc, a2a_fb, gc_fb in rows:
         hidden = (a2a - gc) / tr if tr > 0 else float("nan")
-        vals = (tokens, chunk, comp, ring, f"{tr * 1e3:.2f}", f"{cp * 1e3:.2f}", f"{a2a * 1e3:.2f}", f"{gc * 1e3:.2f}",
-                f"{gc / a2a:.2f}", f"{hidden:+.2f}", f"{a2a_fb * 1e3:.2f}", f"{gc_fb * 1e3:.2f}", f"{gc_fb / a2a_fb:.2f}")
+        vals = (tokens, chunk, comp, ring, f"{tr * 1e3:.2f}", f"{cp * 1e3:.2f}", f"{a2a * 1e3:.2f}",
+                f"{gc * 1e3:.2f}", f"{gc / a2a:.2f}", f"{hidden:+.2f}", f"{a2a_fb * 1e3:.2f}", f"{gc_fb * 1e3:.2f}", f"{gc_fb / a2a_fb:.2f}")
         print("".join(f"{v:>10}" for v in vals))
 
 
