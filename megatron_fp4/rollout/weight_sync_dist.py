@@ -6,7 +6,9 @@
     DistributedReceiver(WeightReceiver(engine), group, src=0).start()   # background thread
 
 One update, all on `group` (created by the caller with `dist.new_group`, so it never collides with
-training collectives):
+training collectives; or any object with `rank()`, `size()`, `broadcast(tensor, src)`,
+`broadcast_object(obj, src)` and `gather_object(obj, dst)` — a group of its own outside
+torch.distributed's registry, ranks being its group ranks, e.g. verl's `integrations.verl.topology.PeerGroup`):
   1. broadcast the header: version, manifest {name: (shape, dtype)}, bucket layout (metas, bytes)
   2. gather every rollout's verdict on the manifest; broadcast go / no-go. A mismatch stops the
      update here: no bucket is sent and nothing is overwritten.
@@ -26,7 +28,13 @@ from megatron_fp4.rollout.buckets import Bucket, bucket_layout
 from megatron_fp4.rollout.weight_sync import WeightSyncError
 
 
+def _is_peer_group(group) -> bool:
+    return hasattr(group, "broadcast_object")
+
+
 def _gather_verdicts(verdict, src: int, group) -> Optional[list]:
+    if _is_peer_group(group):
+        return group.gather_object(verdict, src)
     is_src = dist.get_rank() == src
     out = [None] * dist.get_world_size(group) if is_src else None
     dist.gather_object(verdict, out, dst=src, group=group)
@@ -34,9 +42,18 @@ def _gather_verdicts(verdict, src: int, group) -> Optional[list]:
 
 
 def _broadcast_object(obj, src: int, group):
+    if _is_peer_group(group):
+        return group.broadcast_object(obj, src)
     box = [obj]
     dist.broadcast_object_list(box, src=src, group=group)
     return box[0]
+
+
+def _broadcast_tensor(tensor: torch.Tensor, src: int, group) -> None:
+    if _is_peer_group(group):
+        group.broadcast(tensor, src)
+    else:
+        dist.broadcast(tensor, src=src, group=group)
 
 
 class DistributedTransport:
@@ -45,7 +62,8 @@ class DistributedTransport:
     def __init__(self, group, src: int = 0, device: Optional[torch.device] = None, name: Optional[str] = None):
         self.group, self.src = group, src
         self.device = device or torch.device("cpu")
-        self.name = name or f"dist-group-ranks{sorted(dist.get_process_group_ranks(group))}"
+        self.name = name or (getattr(group, "name", "peer-group") if _is_peer_group(group)
+                             else f"dist-group-ranks{sorted(dist.get_process_group_ranks(group))}")
 
     def _failures(self, verdicts: list) -> dict:
         return {v[0]: v[1] for v in verdicts if v is not None and v[1] is not None}
@@ -60,7 +78,7 @@ class DistributedTransport:
                 raise WeightSyncError(failures, version)
             for b in buckets:
                 if b.buffer.numel():
-                    dist.broadcast(b.buffer.to(self.device), src=self.src, group=self.group)
+                    _broadcast_tensor(b.buffer.to(self.device), self.src, self.group)
             failures = self._failures(_gather_verdicts(None, self.src, self.group))
         except WeightSyncError:
             raise
@@ -82,6 +100,7 @@ class DistributedReceiver:
         self.device = device or torch.device("cpu")
         self.versions: list = []
         self.errors: list = []
+        self.current_version: Optional[int] = None
         self._thread: Optional[threading.Thread] = None
 
     def serve_one(self) -> bool:
@@ -90,6 +109,7 @@ class DistributedReceiver:
         if header is None:
             return False
         version, manifest = header["version"], header["manifest"]
+        self.current_version = version  # for a receiver that wants to know it at validate()
         verdict = None
         try:
             self.receiver.validate(manifest)
@@ -103,7 +123,7 @@ class DistributedReceiver:
         for metas, nbytes in header["layout"]:
             buf = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
             if nbytes:
-                dist.broadcast(buf, src=self.src, group=self.group)
+                _broadcast_tensor(buf, self.src, self.group)
             buckets.append(Bucket(metas, buf.cpu()))
         verdict = None
         try:

@@ -1,14 +1,24 @@
 """verl checkpoint-engine backend "megatron_fp4": our bucket format and two completion points.
 
 The actor side (`send_weights`) snapshots the weights into (name, shape, dtype, bytes) buckets
-(`rollout.buckets`) and returns at the first completion point from `publish`; `send_weights`
-also waits for the second (rollout loaded). The rollout side (`receive_weights`) yields the
-reassembled (name, tensor) pairs as a `WeightStream`; `MegatronFP4Rollout` acknowledges after it
-has swapped them in (or with the error), any other consumer acknowledges by draining the stream.
-Version n+1 is not published before version n is acknowledged.
+(`rollout.buckets`); `publish` returns at the first completion point (the immutable snapshot
+exists: the trainer may change its weights; `on_snapshot` is called and `last_handle` is set
+then), `send_weights` also waits for the second (every rollout loaded, else `WeightSyncError`
+naming the rollout and the version). Version n+1 is not published before version n is loaded.
+The rollout side (`receive_weights`) yields the reassembled (name, tensor) pairs of one whole
+version as a `WeightStream`; `MegatronFP4Rollout.update_weights` swaps them in under the
+engine's write lock and acknowledges after the swap (or with the error), any other consumer
+acknowledges by draining the stream. A name/shape/dtype mismatch is rejected before any weight is
+overwritten: by the rollout engine's `load_weights`, or, with `validator=` (e.g.
+`RolloutEngine.check_weights`), from the manifest before a single bucket is sent.
 
-Transport: an in-process channel (actor and rollout engines colocated in one process, as in the
-tests and the CPU example); `rollout.weight_sync_dist` carries the same buckets across processes.
+Topology and transport (`topology.py`): actor rank 0 is the only sender, other actor ranks drain
+their generator; rollout workers are ranks 1..N. Workers that all live in one process use an
+in-process channel; otherwise (verl's deployment) `init_process_group` builds a dedicated
+TCPStore + ProcessGroupGloo/NCCL group (`PeerGroup`, never the default group) and the buckets
+travel by `rollout.weight_sync_dist`'s protocol (header, go/no-go, bucket broadcasts, load
+verdicts). verl rebuilds the group for every update (prepare → init_process_group → send/receive
+→ finalize), so `finalize` waits for the in-flight version and tears the group down.
 """
 from __future__ import annotations
 
@@ -16,12 +26,15 @@ import asyncio
 import queue
 import threading
 import time
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from verl.checkpoint_engine.base import CheckpointEngine, CheckpointEngineRegistry
 
+from megatron_fp4.integrations.verl.topology import PeerGroup, assign_ranks, host_address, process_id, reserve_port
+from megatron_fp4.parallel.mesh import resolve_device
 from megatron_fp4.rollout.buckets import manifest_of, pack_buckets, unpack_buckets
 from megatron_fp4.rollout.weight_sync import PublishHandle, WeightSyncError
+from megatron_fp4.rollout.weight_sync_dist import DistributedReceiver, DistributedTransport
 
 _CHANNELS: dict = {}
 _CHANNELS_LOCK = threading.Lock()
@@ -68,35 +81,179 @@ class WeightStream:
         return self._agen()
 
 
+class RolloutLoadError(RuntimeError):
+    """The rollout's consumer acknowledged a version with an error (reported to the actor)."""
+
+
+class _DistStream(WeightStream):
+    """`WeightStream` of the "dist" mode. Serving one update of the weight-sync protocol runs on a
+    background thread from `receive_weights` on; this object is the bridge: `DistributedReceiver`
+    calls `validate` (header arrived) and `load` (buckets arrived; blocks until the consumer acks,
+    so the load verdict the actor gathers is the consumer's)."""
+
+    def __init__(self, engine: "MegatronFP4CheckpointEngine", name: str):
+        self.name, self._validator, self._timeout_s = name, engine.validator, engine.timeout_s
+        self.manifest = self.buckets = None
+        self._version: Optional[int] = None
+        self._manual = self._acked = False
+        self._header, self._arrived = threading.Event(), threading.Event()
+        self._acks: queue.Queue = queue.Queue()
+        self._failure: Optional[BaseException] = None
+        self._server = DistributedReceiver(self, engine._group, src=0, device=engine.device)
+        self._thread = threading.Thread(target=self._serve, name=f"ce-recv-{name}", daemon=True)
+        self._thread.start()
+
+    # -- protocol side (background thread) ------------------------------------------------------
+    def _serve(self) -> None:
+        try:
+            if not self._server.serve_one():
+                self._failure = RuntimeError("the actor closed the weight-sync group")
+            elif not self._server.versions and not self._arrived.is_set():  # no-go from the manifest
+                version, why = self._server.errors[-1]
+                self._failure = WeightSyncError({self.name: why}, version)
+        except BaseException as err:  # noqa: BLE001 - the group broke (actor gone): tell the consumer
+            self._failure = err
+        finally:
+            self._header.set()
+            self._arrived.set()
+
+    def validate(self, manifest: dict) -> None:
+        self.manifest = manifest
+        self._version = self._server.current_version
+        self._header.set()
+        if self._validator is not None:
+            self._validator(manifest)
+
+    def load(self, version: int, manifest: dict, buckets: list) -> None:
+        self._version, self.buckets = version, buckets
+        self._arrived.set()
+        try:
+            _, error = self._acks.get(timeout=self._timeout_s)
+        except queue.Empty:
+            raise RolloutLoadError(f"the rollout did not acknowledge within {self._timeout_s}s") from None
+        if error is not None:
+            raise RolloutLoadError(error)
+
+    # -- consumer side ---------------------------------------------------------------------------
+    @property
+    def version(self) -> Optional[int]:
+        """The version being delivered (waits for the header, which follows the actor's snapshot)."""
+        self._header.wait(self._timeout_s)
+        return self._version
+
+    def ack(self, error: Optional[str] = None) -> None:
+        if not self._acked:
+            self._acked = True
+            self._acks.put((self._version, error))
+
+    def wait(self) -> None:
+        """Block until the serving thread is done (after the ack)."""
+        self._thread.join(self._timeout_s)
+
+    def _take(self) -> list:
+        if not self._arrived.wait(self._timeout_s):
+            raise TimeoutError(f"no weights arrived within {self._timeout_s}s; is the actor's send_weights running?")
+        if self._failure is not None:
+            raise self._failure
+        return self.buckets
+
+    def __iter__(self):
+        yield from unpack_buckets(self._take()).items()
+        if not self._manual:
+            self.ack()
+
+    async def _agen(self):
+        buckets = await asyncio.to_thread(self._take)
+        for item in unpack_buckets(buckets).items():
+            yield item
+        if not self._manual:
+            self.ack()
+
+
 @CheckpointEngineRegistry.register("megatron_fp4")
 class MegatronFP4CheckpointEngine(CheckpointEngine):
+    """Args (verl passes `bucket_size`, `is_master` and `engine_kwargs`):
+        bucket_size: bytes per bucket.
+        channel: the in-process channel's name (workers of one process that share it talk).
+        timeout_s: how long a step may wait for the peer (group timeout, ack wait).
+        rollout_name: the rollout's name in `WeightSyncError`s (default `rollout<rank-1>` /
+            `rollout0` in-process).
+        master_addr: address the rollouts reach actor rank 0 at (default: Ray's node IP, else 127.0.0.1).
+        device: "auto" | "cpu" | "cuda": where buckets travel (gloo on CPU, NCCL on CUDA).
+        validator: optional manifest check on a rollout rank (raises on mismatch), so a mismatch
+            stops the update before any bucket is sent ("dist" mode; in-process the rollout
+            engine's `load_weights` rejects it, before any weight is overwritten, either way).
+        on_snapshot: optional callback(PublishHandle) at the first completion point.
+    """
+
     def __init__(self, bucket_size: int = 4 << 20, is_master: bool = False, channel: str = "default",
-                 timeout_s: float = 600.0, rollout_name: str = "rollout0"):
+                 timeout_s: float = 600.0, rollout_name: Optional[str] = None, master_addr: Optional[str] = None,
+                 device: str = "cpu", validator: Optional[Callable[[dict], None]] = None,
+                 on_snapshot: Optional[Callable[[PublishHandle], None]] = None):
         self.bucket_size, self.is_master = int(bucket_size), is_master
         self.channel_name, self.timeout_s, self.rollout_name = channel, timeout_s, rollout_name
+        self.master_addr, self.device = master_addr, resolve_device(device)
+        self.validator, self.on_snapshot = validator, on_snapshot
         self._channel: Optional[_Channel] = None
+        self._group: Optional[PeerGroup] = None
+        self._transport: Optional[DistributedTransport] = None
+        self._listen = None
         self._inflight: Optional[PublishHandle] = None
-        self.rank = 0
+        self.last_handle: Optional[PublishHandle] = None
+        self._last_stream: Optional[_DistStream] = None
+        self.rank, self.world_size, self.mode = 0, 1, "inprocess"
+        self._next_version = 1
 
-    # -- topology (a single in-process rendezvous: every worker joins the same channel) ------------
+    # -- topology --------------------------------------------------------------------------------
     def prepare(self) -> dict[str, Any]:
-        return {"channel": self.channel_name, "bucket_size": self.bucket_size}
+        """Every worker reports its process and a reserved port; actor rank 0's become the master's."""
+        self._close_listen()
+        self._listen = reserve_port()
+        return {"process": process_id(), "addr": self.master_addr or host_address(),
+                "port": self._listen.getsockname()[1], "channel": self.channel_name, "bucket_size": self.bucket_size}
 
     @classmethod
     def build_topology(cls, actor_wg_world_size: int, rollout_world_size: int, metadata: list):
-        channel = metadata[0]["channel"]
-        actor = {"rank": list(range(actor_wg_world_size)), "channel": [channel] * actor_wg_world_size}
-        rollout = {"rank": [actor_wg_world_size + i for i in range(rollout_world_size)],
-                   "channel": [channel] * rollout_world_size}
-        return actor, rollout
+        return assign_ranks(actor_wg_world_size, rollout_world_size, metadata)
 
-    def init_process_group(self, rank: int = 0, channel: Optional[str] = None, **kwargs):
-        self.rank = rank
+    def init_process_group(self, rank: int = 0, world_size: int = 2, master_metadata: Optional[dict] = None,
+                           mode: str = "inprocess", channel: Optional[str] = None, **kwargs):
+        if mode not in ("inprocess", "dist"):
+            raise ValueError(f"mode={mode!r}: use 'inprocess' or 'dist' (build_topology chooses it)")
+        self.rank, self.world_size, self.mode = rank, world_size, mode
         self.channel_name = channel or self.channel_name
-        self._channel = _channel(self.channel_name)
+        listen, self._listen = self._listen, None
+        if mode == "inprocess" or rank < 0:
+            if listen is not None:
+                listen.close()
+            if mode == "inprocess":
+                self._channel = _channel(self.channel_name)
+            return
+        if master_metadata is None:
+            raise ValueError("init_process_group(mode='dist') needs master_metadata (actor rank 0's prepare())")
+        self._group = PeerGroup(master_metadata["addr"], master_metadata["port"], rank, world_size, self.device,
+                                self.timeout_s, listen_socket=listen if rank == 0 else None)
+        if rank != 0 and listen is not None:
+            listen.close()
+        if rank == 0:
+            self._transport = DistributedTransport(self._group, src=0, device=self.device)
 
     def finalize(self):
-        self._channel = None
+        """Wait for the in-flight version (if any), then drop the group / channel."""
+        if self._inflight is not None:
+            self._inflight.loaded.wait(self.timeout_s)
+        if self._last_stream is not None:
+            self._last_stream.wait()
+            self._last_stream = None
+        if self._group is not None:
+            self._group.close()
+        self._group = self._transport = self._channel = None
+        self._close_listen()
+
+    def _close_listen(self) -> None:
+        if self._listen is not None:
+            self._listen.close()
+            self._listen = None
 
     def _chan(self) -> _Channel:
         if self._channel is None:
@@ -105,27 +262,56 @@ class MegatronFP4CheckpointEngine(CheckpointEngine):
 
     # -- actor side ------------------------------------------------------------------------------
     async def publish(self, weights, global_steps: Optional[int] = None) -> PublishHandle:
-        """First completion point: returns once the immutable snapshot is in the channel."""
-        if self._inflight is not None:
-            await self.wait_loaded(self._inflight)  # never overlap updates
+        """First completion point: returns once the immutable snapshot exists (and, in-process, is in
+        the channel; across processes, its delivery runs on a background thread)."""
+        if self.mode == "dist" and self._transport is None:
+            raise RuntimeError(f"send_weights on checkpoint-engine rank {self.rank}: only actor rank 0 sends "
+                               "(build_topology/init_process_group first)")
+        if self._inflight is not None:  # never overlap updates: n must be done before n+1
+            try:
+                await self.wait_loaded(self._inflight)
+            except WeightSyncError:
+                pass  # reported to whoever waited on n (and kept on its handle); n+1 is a new try
         t0 = time.perf_counter()
         if hasattr(weights, "__aiter__"):
             named = [(n, t) async for n, t in weights]
         else:
             named = list(weights)
-        handle = PublishHandle(int(global_steps or 0))
+        version = int(global_steps) if global_steps is not None else self._next_version
+        self._next_version = version + 1
+        handle = PublishHandle(version)
+        manifest = manifest_of(named)
         buckets = pack_buckets(named, self.bucket_size)
         handle.num_buckets, handle.num_bytes = len(buckets), sum(int(b.buffer.numel()) for b in buckets)
-        self._chan().updates.put((handle.version, manifest_of(named), buckets))
+        if self.mode == "inprocess":
+            self._chan().updates.put((handle.version, manifest, buckets))
         handle.snapshot_s = time.perf_counter() - t0
         handle._t_ready = time.perf_counter()
         handle.snapshot_ready.set()
-        self._inflight = handle
+        self._inflight = self.last_handle = handle
+        if self.mode == "dist":
+            threading.Thread(target=self._deliver, args=(handle, manifest, buckets), daemon=True,
+                             name=f"ce-send-v{version}").start()
+        if self.on_snapshot is not None:
+            self.on_snapshot(handle)
         return handle
 
+    def _deliver(self, handle: PublishHandle, manifest: dict, buckets: list) -> None:
+        try:
+            self._transport.send(handle.version, manifest, buckets)
+        except WeightSyncError as err:
+            handle.error = err
+        except BaseException as err:  # noqa: BLE001 - every failure must reach the publisher
+            handle.error = WeightSyncError({self._transport.name: f"{type(err).__name__}: {err}"}, handle.version)
+        handle.load_s = time.perf_counter() - handle._t_ready
+        handle.loaded.set()
+
     async def wait_loaded(self, handle: PublishHandle) -> PublishHandle:
-        """Second completion point: the rollout acknowledged (raises WeightSyncError on failure)."""
-        if not handle.loaded.is_set():
+        """Second completion point: every rollout loaded (raises WeightSyncError on failure)."""
+        if self.mode == "dist":
+            if not await asyncio.to_thread(handle.loaded.wait, self.timeout_s + 60):
+                raise WeightSyncError({self._transport.name: "delivery did not finish"}, handle.version)
+        elif not handle.loaded.is_set():
             try:
                 version, error = await asyncio.to_thread(self._chan().acks.get, True, self.timeout_s)
             except queue.Empty:
@@ -133,19 +319,37 @@ class MegatronFP4CheckpointEngine(CheckpointEngine):
             assert version == handle.version, (version, handle.version)
             handle.load_s = time.perf_counter() - handle._t_ready
             if error is not None:
-                handle.error = WeightSyncError({self.rollout_name: error}, handle.version)
+                handle.error = WeightSyncError({self.rollout_name or "rollout0": error}, handle.version)
             handle.loaded.set()
         if handle.error is not None:
             raise handle.error
         return handle
 
     async def send_weights(self, weights, global_steps: Optional[int] = None):
+        if self.rank < 0:  # not a sender: producing each weight may be collective over the actor group
+            if hasattr(weights, "__aiter__"):
+                async for _ in weights:
+                    pass
+            else:
+                for _ in weights:
+                    pass
+            return {}
         handle = await self.publish(weights, global_steps)
         await self.wait_loaded(handle)
-        return {"weight_sync/snapshot_s": handle.snapshot_s, "weight_sync/load_s": handle.load_s}
+        return {"weight_sync/snapshot_s": handle.snapshot_s, "weight_sync/load_s": handle.load_s,
+                "weight_sync/bytes": handle.num_bytes}
 
     # -- rollout side ----------------------------------------------------------------------------
     def receive_weights(self, global_steps: Optional[int] = None) -> WeightStream:
+        """The next whole version as a stream of (name, tensor); acknowledge after the swap."""
+        if self.mode == "dist":
+            if self._group is None or self.rank < 1:
+                raise RuntimeError(f"receive_weights on checkpoint-engine rank {self.rank}: only rollout ranks "
+                                   "(1..N) receive (build_topology/init_process_group first)")
+            if self._last_stream is not None:
+                self._last_stream.wait()  # its load verdict must be on the wire before the next header
+            self._last_stream = _DistStream(self, self.rollout_name or f"rollout{self.rank - 1}")
+            return self._last_stream
         try:
             version, manifest, buckets = self._chan().updates.get(timeout=self.timeout_s)
         except queue.Empty:
