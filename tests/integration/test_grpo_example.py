@@ -30,7 +30,8 @@ def test_grpo_advantages_reference():
 def test_grpo_example_mechanics(tmp_path):
     ex = load_example()
     args = ex.parse_args(["--steps", "3", "--sft-steps", "0", "--num-prompts", "3", "--group-size", "3",
-                          "--max-new-tokens", "4", "--logdir", str(tmp_path / "tb")])
+                          "--max-new-tokens", "4", "--eval-size", "10", "--eval-every", "2",
+                          "--logdir", str(tmp_path / "tb")])
     history = ex.run(args)
     assert [h["rollout_version"] for h in history] == [0, 1, 2]
     assert [h["published_version"] for h in history] == [1, 2, 3] and history[-1]["final_rollout_version"] == 3
@@ -42,4 +43,9 @@ def test_grpo_example_mechanics(tmp_path):
     for h in history:
         assert h["rewards"] == [float(check_answer(t, c)) for t, c in zip(h["texts"], h["completions"])]
         assert h["weight_sync/snapshot_s"] > 0 and h["weight_sync/load_s"] > 0
-    assert any((tmp_path / "tb").iterdir())
+    assert any(p.name.startswith("events.out.tfevents") for p in (tmp_path / "tb").iterdir())
+    assert (tmp_path / "tb" / "reward_curve.png").stat().st_size > 0
+    # greedy eval before RL, after step 1 (--eval-every 2) and after the last step
+    assert [("eval_acc" in h) for h in history] == [False, True, True]
+    assert all(0.0 <= h["eval_acc"] <= 1.0 for h in history if "eval_acc" in h)
+    assert 0.0 <= history[-1]["eval_before"] <= 1.0
