@@ -134,6 +134,22 @@ def plot_curves(history: list, eval_before: float, path: Path) -> None:
     plt.close(fig)
 
 
+def configure_rl(trainer, args) -> None:
+    """Switch the trainer from SFT to RL: constant --lr, weight decay --rl-weight-decay, a fresh
+    Adam, router aux/z losses scaled by --rl-aux-coef (0: off, no auxiliary gradient at all).
+    With every advantage 0 a step then leaves the weights bit-identical
+    (tests/unit/test_rl_policy_loss.py)."""
+    o = trainer.cfg.optimizer
+    o.lr = o.min_lr = args.lr
+    # AdamW's decay moves the weights even when the policy gradient is exactly 0 (all advantages 0).
+    o.weight_decay = args.rl_weight_decay
+    # A fresh Adam for RL: SFT's momentum would otherwise keep pushing the LM direction for the
+    # first RL steps (measured: greedy accuracy drifts down even with all advantages zeroed).
+    trainer.optimizer = MasterWeightAdamW(trainer.model.named_parameters(), o)
+    for moe in trainer.model.moe_layers():  # see --rl-aux-coef
+        moe.aux_loss_coef, moe.z_loss_coef = args.rl_aux_coef, args.rl_aux_coef * 0.1
+
+
 def run(args) -> list:
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     start = time.perf_counter()
@@ -146,12 +162,7 @@ def run(args) -> list:
     s.train_steps, s.warmup_steps = max(args.sft_steps, 1), min(s.warmup_steps, args.sft_steps)
     trainer = Trainer(cfg, build_data=False)
     sft_warmup(trainer, args)
-    o.lr = o.min_lr = args.lr
-    # A fresh Adam for RL: SFT's momentum would otherwise keep pushing the LM direction for the
-    # first RL steps (measured: greedy accuracy drifts down even with all advantages zeroed).
-    trainer.optimizer = MasterWeightAdamW(trainer.model.named_parameters(), o)
-    for moe in trainer.model.moe_layers():  # see --rl-aux-coef
-        moe.aux_loss_coef, moe.z_loss_coef = args.rl_aux_coef, args.rl_aux_coef * 0.1
+    configure_rl(trainer, args)
     engine = RolloutEngine(copy.deepcopy(trainer.model), mode=cfg.fp4.rollout_mode, pad_id=TOK.pad_id)
     publisher = WeightPublisher(trainer.model, [InProcessTransport(WeightReceiver(engine))], args.bucket_mb << 20)
     publisher.publish(0).wait_loaded()
@@ -249,6 +260,8 @@ def parse_args(argv=None):
                     help="router balance-loss coefficient during RL (z-loss: a tenth of it). 0 by default: on "
                          "short padded RL batches its Adam-normalised gradient outweighs the policy gradient "
                          "and moves the routers away from what SFT learned")
+    ap.add_argument("--rl-weight-decay", type=float, default=0.0,
+                    help="AdamW weight decay during RL (SFT keeps the config's); 0: zero advantages = no update")
     ap.add_argument("--eval-size", type=int, default=100, help="fixed greedy-eval problems (never RL prompts)")
     ap.add_argument("--eval-every", type=int, default=10, help="greedy eval every N steps (0: only the last)")
     ap.add_argument("--bucket-mb", type=int, default=1)

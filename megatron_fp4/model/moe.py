@@ -154,7 +154,8 @@ class MoELayer(nn.Module):
         if self.training and x2.shape[0] > 0:
             balance, z, counts = self.aux_losses(logits, probs, topk_idx)
             aux = self.aux_loss_coef * balance + self.z_loss_coef * z
-            if torch.is_grad_enabled() and aux.requires_grad:
+            # Both coefficients 0 (e.g. RL): no auxiliary gradient at all, not even 0·NaN.
+            if torch.is_grad_enabled() and aux.requires_grad and (self.aux_loss_coef or self.z_loss_coef):
                 out = AuxLossAutoScaler.apply(out, aux, self.aux_loss_scale)
             if self.record_stats:
                 self.stats.append({"aux_loss": balance.detach(), "z_loss": z.detach(), "counts": counts.detach()})
