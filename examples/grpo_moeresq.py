@@ -16,6 +16,12 @@ takes one clipped policy-gradient step with truncated IS (rollout vs old log-pro
 new weights are published to the rollout (two completion points: training resumes at snapshot,
 the next rollout waits for the load). Reward, consistency and weight-sync latency go to TensorBoard.
 `--sft-steps` first trains the LM objective so the policy has something to reinforce.
+
+Measured (2 cores, seeds 0/1, defaults: 200 SFT steps, lr 5e-5, k3 KL 0.1 to the SFT policy, 2 PPO
+epochs x 2 minibatches): sampled reward on the RL prompts rises (first/last 10 steps 0.94 -> 0.95,
+0.64 -> 0.70) but greedy accuracy on the held-out half does not (1.00 -> 1.00, 0.88 -> 0.70): with
+operands 0..9 the task is a 100-entry table the model memorises, and RL on one half of it does not
+transfer to the other. Zero advantages leave the weights bit-identical (no weight decay in RL).
 """
 from __future__ import annotations
 
@@ -49,12 +55,16 @@ def grpo_advantages(rewards: torch.Tensor, group_size: int, eps: float = 1e-6) -
     return ((r - r.mean(1, keepdim=True)) / (r.std(1, unbiased=False, keepdim=True) + eps)).view(-1).float()
 
 
-def make_batch(gen, rewards, group_size: int, trainer_model) -> dict:
-    """Padded training batch with old (trainer-recomputed) and rollout log-probs at response positions."""
+def make_batch(gen, rewards, group_size: int, trainer_model, ref_model=None) -> dict:
+    """Padded training batch with old (trainer-recomputed) and rollout log-probs at response positions
+    (and the frozen reference policy's, for the KL penalty, when `ref_model` is given)."""
     batch = pad_prompt_response(gen.prompt_ids, gen.response_ids, TOK.pad_id)
     with torch.no_grad():
         old = compute_log_probs(trainer_model, batch["input_ids"], batch["attention_mask"], batch["response_mask"],
                                 return_routing=True)
+        if ref_model is not None:
+            batch["ref_log_probs"] = compute_log_probs(ref_model, batch["input_ids"], batch["attention_mask"],
+                                                       batch["response_mask"]).log_probs
     rollout_lp = torch.zeros_like(old.log_probs)
     P = batch["prompt_len"]
     for i, lp in enumerate(gen.log_probs):
@@ -71,17 +81,50 @@ def consistency(gen, batch) -> dict:
     return consistency_metrics(torch.cat(gen.log_probs), train_lp, torch.cat(gen.routing), train_rt)
 
 
-def policy_update(trainer, batch: dict, micro_batch_size: int, clip_eps: float, tis_cap) -> dict:
-    """One optimizer step on the GRPO loss through the trainer (clipping, NaN guard, LR schedule)."""
-    keys = ("input_ids", "attention_mask", "response_mask", "old_log_probs", "rollout_log_probs", "advantages")
+def kl_k3(log_probs: torch.Tensor, ref_log_probs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Token-mean k3 estimator of KL(pi || pi_ref) on the sampled tokens: exp(d) - d - 1, d = ref - lp."""
+    d = (ref_log_probs - log_probs).clamp(-20.0, 20.0)
+    k3 = d.exp() - d - 1
+    m = mask.to(k3.dtype)
+    return (k3 * m).sum() / m.sum().clamp(min=1.0)
+
+
+def policy_update(trainer, batch: dict, micro_batch_size: int, clip_eps: float, tis_cap, kl_coef: float = 0.0) -> dict:
+    """One optimizer step on the GRPO loss (+ kl_coef * k3 KL to the reference) through the trainer
+    (clipping, NaN guard, LR schedule)."""
+    keys = ["input_ids", "attention_mask", "response_mask", "old_log_probs", "rollout_log_probs", "advantages"]
+    if kl_coef:
+        keys.append("ref_log_probs")
     B = batch["input_ids"].shape[0]
     micro = [{k: batch[k][s:s + micro_batch_size] for k in keys} for s in range(0, B, micro_batch_size)]
 
     def loss_fn(model, mb):
         lp = compute_log_probs(model, mb["input_ids"], mb["attention_mask"], mb["response_mask"]).log_probs
-        return policy_loss(lp, mb["old_log_probs"], mb["advantages"][:, None], mb["response_mask"], clip_eps,
-                           mb["rollout_log_probs"], tis_cap)
+        loss, metrics = policy_loss(lp, mb["old_log_probs"], mb["advantages"][:, None], mb["response_mask"], clip_eps,
+                                    mb["rollout_log_probs"], tis_cap)
+        if kl_coef:
+            kl = kl_k3(lp, mb["ref_log_probs"], mb["response_mask"])
+            loss, metrics = loss + kl_coef * kl, {**metrics, "kl": float(kl.detach())}
+        return loss, metrics
     return trainer.train_step_with_loss(micro, loss_fn)
+
+
+def ppo_updates(trainer, batch: dict, args, rng: random.Random) -> dict:
+    """--ppo-epochs passes over the rollout batch, each cut into --minibatches shuffled minibatches
+    (one optimizer step each); the ratio to the old log-probs is what the clip then bounds.
+    Returns the first step's result (loss of the policy that sampled) with the last step's kl."""
+    B = batch["input_ids"].shape[0]
+    per_sample = [k for k, v in batch.items() if torch.is_tensor(v) and v.shape[:1] == (B,)]
+    results = []
+    for _ in range(args.ppo_epochs):
+        order = list(range(B))
+        rng.shuffle(order)
+        for chunk in (order[i::args.minibatches] for i in range(args.minibatches)):
+            idx = torch.tensor(sorted(chunk))
+            mini = {k: batch[k][idx] for k in per_sample}
+            results.append(policy_update(trainer, mini, args.micro_batch_size, args.clip_eps, args.tis_cap,
+                                         args.kl_coef))
+    return {**results[0], "kl": results[-1].get("kl", 0.0), "num_updates": len(results)}
 
 
 def eval_problems(num: int, max_operand: int, ops: str) -> list[tuple[str, str]]:
@@ -163,6 +206,7 @@ def run(args) -> list:
     trainer = Trainer(cfg, build_data=False)
     sft_warmup(trainer, args)
     configure_rl(trainer, args)
+    ref_model = copy.deepcopy(trainer.model).eval() if args.kl_coef else None  # the SFT policy, frozen
     engine = RolloutEngine(copy.deepcopy(trainer.model), mode=cfg.fp4.rollout_mode, pad_id=TOK.pad_id)
     publisher = WeightPublisher(trainer.model, [InProcessTransport(WeightReceiver(engine))], args.bucket_mb << 20)
     publisher.publish(0).wait_loaded()
@@ -176,7 +220,7 @@ def run(args) -> list:
     if args.logdir:
         from torch.utils.tensorboard import SummaryWriter
         writer = SummaryWriter(args.logdir)
-    rng = random.Random(f"grpo:{args.seed}")
+    rng, shuffle_rng = random.Random(f"grpo:{args.seed}"), random.Random(f"grpo-minibatches:{args.seed}")
     history, handle = [], None
     print(f"{'step':>4} {'reward':>7} {'eval':>6} {'pearson':>9} {'experts':>8} {'sync ms':>8} {'loss':>8}", flush=True)
     for step in range(args.steps):
@@ -194,12 +238,13 @@ def run(args) -> list:
         gen = engine.generate([TOK.encode(t, add_eos=False) for t in texts], params, return_routing=True)
         completions = [TOK.decode(r, stop_at_eos=True) for r in gen.response_ids]
         rewards = torch.tensor([float(check_answer(t, c)) for t, c in zip(texts, completions)])
-        batch = make_batch(gen, rewards, args.group_size, trainer.model)
+        batch = make_batch(gen, rewards, args.group_size, trainer.model, ref_model)
         cons = consistency(gen, batch)
-        result = policy_update(trainer, batch, args.micro_batch_size, args.clip_eps, args.tis_cap)
+        result = ppo_updates(trainer, batch, args, shuffle_rng)
         handle = publisher.publish(step + 1)  # returns at snapshot: training could go on right now
         record = {"step": step, "rollout_version": gen.version, "published_version": handle.version,
                   "reward": float(rewards.mean()), "loss": result["loss"], "grad_norm": result["grad_norm"],
+                  "kl": result["kl"], "num_updates": result["num_updates"],
                   "temperature": args.temperature,
                   "weight_sync/snapshot_s": handle.snapshot_s, "texts": texts, "completions": completions,
                   "rewards": rewards.tolist(), **{f"consistency/{k}": v for k, v in cons.items() if k != "kl_method"}}
@@ -244,7 +289,7 @@ def parse_args(argv=None):
     ap.add_argument("--config", default=str(Path(__file__).resolve().parent / "configs" / "tiny_moe.yaml"))
     ap.add_argument("--override", action="append", help="dotted config override, e.g. fp4.scope=experts+attention")
     ap.add_argument("--steps", type=int, default=120, help="GRPO steps")
-    ap.add_argument("--sft-steps", type=int, default=80, help="LM warm-up steps before RL (0 = from scratch)")
+    ap.add_argument("--sft-steps", type=int, default=200, help="LM warm-up steps before RL (0 = from scratch)")
     ap.add_argument("--sft-lr", type=float, default=1e-2)
     ap.add_argument("--max-operand", type=int, default=9, help="operands are drawn from 0..max-operand")
     ap.add_argument("--ops", default="+", help="operators to draw from, a subset of '+-*'")
@@ -253,9 +298,12 @@ def parse_args(argv=None):
     ap.add_argument("--max-new-tokens", type=int, default=4)
     ap.add_argument("--temperature", type=float, default=1.0)
     ap.add_argument("--micro-batch-size", type=int, default=32)
-    ap.add_argument("--lr", type=float, default=2e-4, help="GRPO learning rate (constant)")
+    ap.add_argument("--lr", type=float, default=5e-5, help="GRPO learning rate (constant)")
     ap.add_argument("--clip-eps", type=float, default=0.2)
     ap.add_argument("--tis-cap", type=float, default=2.0, help="truncated IS clip C (rollout vs old log-probs)")
+    ap.add_argument("--kl-coef", type=float, default=0.1, help="k3 KL penalty to the frozen SFT policy (0: off)")
+    ap.add_argument("--ppo-epochs", type=int, default=2, help="passes over each rollout batch")
+    ap.add_argument("--minibatches", type=int, default=2, help="optimizer steps per pass (shuffled split)")
     ap.add_argument("--rl-aux-coef", type=float, default=0.0,
                     help="router balance-loss coefficient during RL (z-loss: a tenth of it). 0 by default: on "
                          "short padded RL batches its Adam-normalised gradient outweighs the policy gradient "

@@ -31,6 +31,7 @@ def test_grpo_example_mechanics(tmp_path):
     ex = load_example()
     args = ex.parse_args(["--steps", "3", "--sft-steps", "0", "--num-prompts", "3", "--group-size", "3",
                           "--max-new-tokens", "4", "--eval-size", "10", "--eval-every", "2",
+                          "--kl-coef", "0.05", "--ppo-epochs", "2", "--minibatches", "2",
                           "--logdir", str(tmp_path / "tb")])
     history = ex.run(args)
     assert [h["rollout_version"] for h in history] == [0, 1, 2]
@@ -49,3 +50,5 @@ def test_grpo_example_mechanics(tmp_path):
     assert [("eval_acc" in h) for h in history] == [False, True, True]
     assert all(0.0 <= h["eval_acc"] <= 1.0 for h in history if "eval_acc" in h)
     assert 0.0 <= history[-1]["eval_before"] <= 1.0
+    # PPO: 2 epochs x 2 minibatches = 4 optimizer steps per rollout batch, k3 KL to the SFT policy >= 0
+    assert all(h["num_updates"] == 4 and h["kl"] >= 0.0 for h in history)
