@@ -20,12 +20,11 @@ import torch.distributed as dist
 
 from megatron_fp4.config import Config
 from megatron_fp4.config_validate import resolve_dp
-from megatron_fp4.model import build_model, lm_loss
+from megatron_fp4.model import lm_loss
 from megatron_fp4.parallel.mesh import ParallelMesh, resolve_device
 from megatron_fp4.parallel.pipeline import PipelineRunner
 from megatron_fp4.parallel.zero import ZeroAdamW
 from megatron_fp4.training import dist_checkpoint as dcp_ckpt
-from megatron_fp4.training.data import ResumableSampler, build_dataset
 from megatron_fp4.training.trainer import LossFn, Trainer, lm_loss_fn
 
 
@@ -47,10 +46,7 @@ class ParallelTrainer(Trainer):
         self.cfg, self.mesh, self.device = cfg, mesh, mesh.device
         p, s = cfg.parallel, cfg.schedule
         torch.manual_seed(s.seed)
-        model = build_model(cfg).to(self.device)
-        if cfg.dtype == "bf16" and self.device.type == "cpu":
-            model.to(torch.bfloat16)
-        model.set_fp4_mode(cfg.fp4.train_mode)
+        model = self._build_model()
         if p.ep > 1:
             _apply_expert_parallel(model, cfg, mesh)
         self.num_microbatches = s.global_batch_size // (s.micro_batch_size * mesh.dp)
@@ -61,11 +57,7 @@ class ParallelTrainer(Trainer):
         self.model = model
         self.optimizer = ZeroAdamW(model.named_parameters(), cfg.optimizer, mesh, p.zero_stage, p.bucket_size_mb)
         self.step = 0
-        self.dataset = self.sampler = None
-        if build_data:
-            self.dataset = build_dataset(cfg.data, s.seq_len, s.seed)
-            self.sampler = ResumableSampler(len(self.dataset), s.global_batch_size, s.seed,
-                                            dp_rank=mesh.coord("dp"), dp_size=mesh.dp)
+        self._build_data(build_data)
         self._sqnr = None
 
     def forward_backward(self, micro_batches: list[dict], loss_fn: LossFn) -> tuple[float, dict]:

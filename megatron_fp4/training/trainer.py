@@ -49,18 +49,29 @@ class Trainer:
         self.mesh = mesh or ParallelMesh.single(resolve_device(cfg.device))
         self.device = self.mesh.device
         torch.manual_seed(cfg.schedule.seed)
-        self.model = build_model(cfg).to(self.device)
-        if cfg.dtype == "bf16" and self.device.type == "cpu":
-            self.model.to(torch.bfloat16)
-        self.model.set_fp4_mode(cfg.fp4.train_mode)
+        self.model = self._build_model()
         self.optimizer = MasterWeightAdamW(self.model.named_parameters(), cfg.optimizer)
         self.step = 0
+        self._build_data(build_data)
+        self._sqnr = None
+
+    def _build_model(self):
+        """The full model of the config on this device, in the training-side FP4 mode (every rank of
+        every layout builds exactly this first, so all layouts start from the same weights)."""
+        model = build_model(self.cfg).to(self.device)
+        if self.cfg.dtype == "bf16" and self.device.type == "cpu":
+            model.to(torch.bfloat16)
+        model.set_fp4_mode(self.cfg.fp4.train_mode)
+        return model
+
+    def _build_data(self, build_data: bool) -> None:
+        """Dataset and this dp rank's sampler (the global batch is the same for every layout)."""
         self.dataset = self.sampler = None
         if build_data:
-            self.dataset = build_dataset(cfg.data, cfg.schedule.seq_len, cfg.schedule.seed)
-            self.sampler = ResumableSampler(len(self.dataset), cfg.schedule.global_batch_size, cfg.schedule.seed,
+            s = self.cfg.schedule
+            self.dataset = build_dataset(self.cfg.data, s.seq_len, s.seed)
+            self.sampler = ResumableSampler(len(self.dataset), s.global_batch_size, s.seed,
                                             dp_rank=self.mesh.coord("dp"), dp_size=self.mesh.dp)
-        self._sqnr = None
 
     # -- data -------------------------------------------------------------------------------------
     def next_micro_batches(self) -> list[dict]:
