@@ -152,6 +152,16 @@ def check_answer(prompt: str, completion_text: str) -> bool:
     return int(answer.group(1)) == _apply(a, op, b)
 
 
+def sample_index(index: int, num_samples: int, dataset: str) -> int:
+    """Python-style index (negatives count from the end) checked against `num_samples`."""
+    index = int(index)
+    if index < 0:
+        index += num_samples
+    if not 0 <= index < num_samples:
+        raise IndexError(f"sample {index} out of range for {dataset} of {num_samples}")
+    return index
+
+
 class ArithmeticDataset(torch.utils.data.Dataset):
     """``num_samples`` packed sequences of ``seq_len + 1`` tokens of arithmetic problems.
 
@@ -186,11 +196,7 @@ class ArithmeticDataset(torch.utils.data.Dataset):
         return self.num_samples
 
     def __getitem__(self, index: int) -> torch.Tensor:
-        index = int(index)
-        if index < 0:
-            index += self.num_samples
-        if not 0 <= index < self.num_samples:
-            raise IndexError(f"sample {index} out of range for ArithmeticDataset of {self.num_samples}")
+        index = sample_index(index, self.num_samples, "ArithmeticDataset")
         rng = random.Random(f"megatron_fp4.arithmetic:{self.seed}:{index}")
         needed = self.seq_len + 1
         parts, total = [], 0

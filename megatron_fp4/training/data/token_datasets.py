@@ -13,7 +13,7 @@ from collections.abc import Mapping
 import numpy as np
 import torch
 
-from megatron_fp4.training.data.arithmetic import DEFAULT_OPS, ArithmeticDataset
+from megatron_fp4.training.data.arithmetic import DEFAULT_OPS, ArithmeticDataset, sample_index
 from megatron_fp4.training.data.indexed import IndexedDataset, split_prefix
 
 DATA_KINDS = ("arithmetic", "megatron", "numpy")
@@ -72,11 +72,7 @@ class TokenSequenceDataset(torch.utils.data.Dataset):
         return self.num_samples
 
     def __getitem__(self, index: int) -> torch.Tensor:
-        index = int(index)
-        if index < 0:
-            index += self.num_samples
-        if not 0 <= index < self.num_samples:
-            raise IndexError(f"sample {index} out of range for TokenSequenceDataset of {self.num_samples}")
+        index = sample_index(index, self.num_samples, "TokenSequenceDataset")
         start = index * self.seq_len
         return torch.from_numpy(np.array(self.tokens[start : start + self.seq_len + 1], dtype=np.int64))
 
