@@ -133,7 +133,7 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     device: str = "auto"  # auto | cpu | cuda
-    dtype: str = "fp32"  # fp32 | bf16 (bf16 = autocast on CUDA, bf16 params on CPU)
+    dtype: str = "fp32"  # fp32 | bf16 (autocast on CUDA, bf16 params on CPU) | fp64 (verification: all in float64)
 
     def validate(self, world_size: int = 1) -> "Config":
         from megatron_fp4.config_validate import validate_config

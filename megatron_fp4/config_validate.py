@@ -20,7 +20,7 @@ _CHOICES = {
     "schedule.nan_policy": ("stop", "skip"),
     "data.kind": ("arithmetic", "megatron", "numpy"),
     "device": ("auto", "cpu", "cuda"),
-    "dtype": ("fp32", "bf16"),
+    "dtype": ("fp32", "bf16", "fp64"),
 }
 
 

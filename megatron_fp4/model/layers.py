@@ -13,6 +13,17 @@ from torch import nn
 from megatron_fp4.fp4 import MoEResQLinear, Recipe
 
 
+def wide_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The precision of norms, router, loss and optimizer masters: fp32, or fp64 for an fp64 model
+    (``dtype: fp64``, the verification mode whose rounding is ~1e-16 on any CPU)."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def upcast(x: torch.Tensor) -> torch.Tensor:
+    """``x`` in :func:`wide_dtype` (never narrows an fp64 tensor to fp32)."""
+    return x.to(wide_dtype(x.dtype))
+
+
 class RMSNorm(nn.Module):
     """RMSNorm computed in fp32 (as HF Qwen3 does) and cast back to the input dtype."""
 
@@ -23,15 +34,16 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
-        x = x.float()
+        x = upcast(x)
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x.to(dtype)
 
 
 def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype):
     """cos/sin for integer positions [..., T] -> [..., T, head_dim] (HF's rotate_half layout)."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device=positions.device).float() / head_dim))
-    freqs = positions.float()[..., None] * inv_freq
+    wide = wide_dtype(dtype)
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device=positions.device).to(wide) / head_dim))
+    freqs = positions.to(wide)[..., None] * inv_freq
     emb = torch.cat((freqs, freqs), dim=-1)
     return emb.cos().to(dtype), emb.sin().to(dtype)
 

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megatron_fp4.fp4 import Recipe, moeresq_linear
-from megatron_fp4.model.layers import SwiGLU
+from megatron_fp4.model.layers import SwiGLU, upcast
 
 
 class AuxLossAutoScaler(torch.autograd.Function):
@@ -38,7 +38,7 @@ class AuxLossAutoScaler(torch.autograd.Function):
 
 
 class Router(nn.Module):
-    """Top-k softmax router computed in fp32 from a fp32 weight; never quantized."""
+    """Top-k softmax router computed in fp32 (fp64 for an fp64 model) from an fp32 weight; never quantized."""
 
     def __init__(self, hidden: int, num_experts: int, top_k: int, norm_topk_prob: bool):
         super().__init__()
@@ -47,8 +47,8 @@ class Router(nn.Module):
 
     def forward(self, x: torch.Tensor):
         """x [T, H] -> (logits fp32 [T, E], probs fp32 [T, E], topk_idx [T, k], topk_w fp32 [T, k])."""
-        logits = F.linear(x.float(), self.weight.float())
-        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+        logits = F.linear(upcast(x), upcast(self.weight))
+        probs = torch.softmax(logits, dim=-1, dtype=logits.dtype)
         topk_w, topk_idx = torch.topk(probs, self.top_k, dim=-1)
         if self.norm_topk_prob:
             topk_w = topk_w / topk_w.sum(dim=-1, keepdim=True)

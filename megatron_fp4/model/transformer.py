@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megatron_fp4.fp4 import MoEResQLinear, Recipe
-from megatron_fp4.model.layers import Attention, KVCache, LayerCache, RMSNorm, SwiGLU
+from megatron_fp4.model.layers import Attention, KVCache, LayerCache, RMSNorm, SwiGLU, upcast
 from megatron_fp4.model.moe import GroupedExperts, MoELayer
 from megatron_fp4.model.specs import attention_recipe, expert_recipe
 
@@ -119,8 +119,8 @@ class MoETransformer(nn.Module):
 
 
 def lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Mean next-token cross entropy in fp32 over labels != -100."""
-    return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=-100)
+    """Mean next-token cross entropy in fp32 (fp64 for an fp64 model) over labels != -100."""
+    return F.cross_entropy(upcast(logits).reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=-100)
 
 
 def init_weights(model: MoETransformer, seed: int) -> None:

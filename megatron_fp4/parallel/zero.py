@@ -42,6 +42,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from megatron_fp4.model.layers import wide_dtype
 from megatron_fp4.model.specs import no_weight_decay
 
 
@@ -153,10 +154,10 @@ class ZeroAdamW:
         self.optimizers, self.masters, self.grad_shards = [], [], []
         for buf in self.buffers:
             buf.state_ranges = [(0, buf.numel)] if zero_stage == 0 else buf.owned
-            if zero_stage == 0 and buf.data.dtype == torch.float32:
+            if zero_stage == 0 and buf.data.dtype == wide_dtype(buf.data.dtype):
                 master = nn.Parameter(buf.data)  # shares storage: the param buffer is the master
             else:
-                master = nn.Parameter(buf.gather_ranges(buf.data, buf.state_ranges).detach().float().clone())
+                master = nn.Parameter(buf.gather_ranges(buf.data, buf.state_ranges).detach().to(wide_dtype(dtype)).clone())
             self.masters.append(master)
             self.grad_shards.append(torch.zeros(master.numel(), dtype=buf.data.dtype, device=buf.data.device)
                                     if zero_stage == 2 else None)
@@ -265,13 +266,14 @@ class ZeroAdamW:
     # -- norm and step -----------------------------------------------------------------------------
     def grad_norm(self) -> float:
         """Global L2 norm over every shard and every pipeline stage; inf/nan propagate."""
-        sq = torch.zeros((), dtype=torch.float32, device=self.mesh.device)
+        wide = max((wide_dtype(b.data.dtype) for b in self.buffers), key=lambda d: d.itemsize, default=torch.float32)
+        sq = torch.zeros((), dtype=wide, device=self.mesh.device)
         for k, buf in enumerate(self.buffers):
             if self.zero_stage == 2:
-                sq += self.grad_shards[k].float().pow(2).sum()
+                sq += self.grad_shards[k].to(wide).pow(2).sum()
             else:
                 for lo, hi in buf.owned:
-                    sq += buf.grad[lo:hi].float().pow(2).sum()
+                    sq += buf.grad[lo:hi].to(wide).pow(2).sum()
         if self.mesh.world_size > 1:
             for axis in ("dp", "pp"):
                 if self.mesh.size(axis) > 1:
@@ -281,7 +283,7 @@ class ZeroAdamW:
     @torch.no_grad()
     def step(self, lr: float, clip_coef: float = 1.0) -> None:
         for k, (buf, master, opt) in enumerate(zip(self.buffers, self.masters, self.optimizers)):
-            grad = self._local_grad(k).float()
+            grad = self._local_grad(k).to(master.dtype)
             if clip_coef != 1.0:  # out of place: p.grad keeps the reduced, unclipped gradient
                 grad = grad * clip_coef
             master.grad = grad
@@ -322,7 +324,7 @@ class ZeroAdamW:
         """Flat tensors of buffer k's state: master, exp_avg, exp_avg_sq (zeros before the first step)."""
         master = self.masters[k]
         st = self.optimizers[k].state.get(master, {})
-        zeros = torch.zeros_like(master, dtype=torch.float32)
+        zeros = torch.zeros_like(master)
         return {"master": master.detach(), "exp_avg": st.get("exp_avg", zeros),
                 "exp_avg_sq": st.get("exp_avg_sq", zeros), "step": float(st.get("step", 0.0))}
 
@@ -332,8 +334,8 @@ class ZeroAdamW:
         with torch.no_grad():
             m.copy_(master)
             if step > 0:
-                opt.state[m] = {"step": torch.tensor(float(step)), "exp_avg": exp_avg.clone().float(),
-                                "exp_avg_sq": exp_avg_sq.clone().float()}
+                opt.state[m] = {"step": torch.tensor(float(step)), "exp_avg": exp_avg.clone().to(m.dtype),
+                                "exp_avg_sq": exp_avg_sq.clone().to(m.dtype)}
             else:
                 opt.state.pop(m, None)
             self._write_back(buf, m)

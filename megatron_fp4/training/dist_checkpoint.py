@@ -85,7 +85,7 @@ def _optim_entries(trainer) -> dict:
             start = _state_index(buf, buf.offsets[i] + lo)
             for kind in KINDS:
                 piece = state[kind][start:start + hi - lo]
-                out[f"optim/{buf.names[i]}/{kind}/{_global_offset(buf.params[i], info) + lo}"] = piece.float().clone()
+                out[f"optim/{buf.names[i]}/{kind}/{_global_offset(buf.params[i], info) + lo}"] = piece.clone()
     return out
 
 
@@ -169,7 +169,8 @@ def load(path: str | Path, trainer) -> dict:
                     a, b = max(goff + lo, off), min(goff + hi, off + numel)
                     if a < b:
                         if key not in request:
-                            request[key] = torch.empty(numel)
+                            request[key] = torch.empty(numel, dtype=buf.data.dtype if buf.data.dtype == torch.float64
+                                                       else torch.float32)
                         plans.append((k, kind, state_pos + a - goff - lo, key, a - off, b - a))
     with torch.no_grad():
         dcp.load(request, checkpoint_id=str(step_dir), no_dist=not _is_dist())
@@ -177,9 +178,9 @@ def load(path: str | Path, trainer) -> dict:
         torch.set_rng_state(request[rng_key])
     for k, buf in enumerate(opt.buffers):
         current = opt.adam_state(k)
-        flats = {kind: torch.zeros_like(current["master"], dtype=torch.float32) for kind in KINDS}
+        flats = {kind: torch.zeros_like(current["master"]) for kind in KINDS}
         if not has_state:  # masters start from the loaded params
-            flats["master"] = buf.gather_ranges(buf.data, buf.state_ranges).float().clone()
+            flats["master"] = buf.gather_ranges(buf.data, buf.state_ranges).to(current["master"].dtype).clone()
         filled = torch.zeros(flats["master"].numel(), dtype=torch.int32)
         for kk, kind, dst, key, src, n in plans:
             if kk == k:

@@ -11,6 +11,7 @@ import math
 import torch
 from torch import nn
 
+from megatron_fp4.model.layers import upcast, wide_dtype
 from megatron_fp4.model.specs import no_weight_decay
 
 
@@ -46,7 +47,8 @@ class MasterWeightAdamW:
         for name, p in named_params:
             if not p.requires_grad:
                 continue
-            master = p if p.dtype == torch.float32 else nn.Parameter(p.detach().float().clone())
+            wide = wide_dtype(p.dtype)
+            master = p if p.dtype == wide else nn.Parameter(p.detach().to(wide).clone())
             self.params.append(p)
             self.masters.append(master)
             self.names.append(name)
@@ -69,7 +71,7 @@ class MasterWeightAdamW:
         grads = [p.grad for p in self.params if p.grad is not None]
         if not grads:
             return 0.0
-        return torch.linalg.vector_norm(torch.stack([g.float().norm() for g in grads])).item()
+        return torch.linalg.vector_norm(torch.stack([upcast(g).norm() for g in grads])).item()
 
     @torch.no_grad()
     def step(self, lr: float, clip_coef: float = 1.0) -> None:
@@ -77,7 +79,7 @@ class MasterWeightAdamW:
             if p.grad is None:
                 m.grad = torch.zeros_like(m)
             elif m is not p:
-                m.grad = p.grad.float()
+                m.grad = p.grad.to(m.dtype)
             if clip_coef != 1.0:
                 m.grad.mul_(clip_coef)
         for group in self.optimizer.param_groups:

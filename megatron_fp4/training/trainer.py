@@ -61,6 +61,8 @@ class Trainer:
         model = build_model(self.cfg).to(self.device)
         if self.cfg.dtype == "bf16" and self.device.type == "cpu":
             model.to(torch.bfloat16)
+        elif self.cfg.dtype == "fp64":  # FP4 operands are still quantized from fp32, as defined
+            model.to(torch.float64)
         model.set_fp4_mode(self.cfg.fp4.train_mode)
         return model
 
@@ -101,7 +103,7 @@ class Trainer:
             except NonFiniteInputError as err:
                 # NaN/Inf reached an FP4 operand (forward or backward): same policy as a NaN loss.
                 return math.nan, {"nonfinite_where": str(err)}
-            total += loss.detach().float().item() / n
+            total += loss.detach().item() / n
             for key, value in extra.items():
                 metrics[key] = metrics.get(key, 0.0) + float(value) / n
         return total, metrics
