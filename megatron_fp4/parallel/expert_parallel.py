@@ -88,7 +88,7 @@ def _mark_expert_params(experts: GroupedExperts) -> None:
 
 
 def _local_experts(full: GroupedExperts, lo: int, hi: int) -> GroupedExperts:
-    local = GroupedExperts(hi - lo, full.hidden, full.ffn, full.recipe)
+    local = GroupedExperts(hi - lo, full.hidden, full.ffn, full.recipe).to(full.w13.dtype)
     with torch.no_grad():
         local.w13.copy_(full.w13[lo:hi])
         local.w2.copy_(full.w2[lo:hi])
