@@ -196,7 +196,7 @@ def step_candidates(path: str | Path) -> list[Path]:
     latest = path / LATEST_FILE
     named = latest.read_text(errors="replace").strip() if latest.is_file() else None
     if complete and named != complete[0].name:
-        what = "is empty" if not named else f"names {named!r}, which is not the newest complete step"
+        what = {None: "is missing", "": "is empty"}.get(named, f"names {named!r}, not the newest complete step")
         warnings.warn(f"{latest} {what}; using {complete[0]}", stacklevel=3)
     if not complete and (steps or named is not None):
         raise CheckpointError(f"{path} holds no complete checkpoint ({LATEST_FILE} names {named!r}; step dirs "

@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 
 from megatron_fp4.training import checkpoint as ckpt
 from megatron_fp4.training import checkpoint_files as files
@@ -201,9 +202,10 @@ def _read_shards(state: dict, step_dir: Path, no_dist: bool) -> None:
             dcp.load(state, storage_reader=SafeFileSystemReader(str(step_dir)), no_dist=no_dist)
     except ckpt.CheckpointError:
         raise
-    except Exception as err:  # DCP wraps per-rank failures (truncated shard, short read) in CheckpointException
-        first = str(err).strip().splitlines()[0] if str(err).strip() else ""
-        raise ckpt.CorruptCheckpointError(f"{step_dir}: reading the shards failed ({type(err).__name__}: {first}); "
+    except (Exception, CheckpointException) as err:  # DCP wraps per-rank failures (a truncated shard...)
+        cause = next(iter(getattr(err, "failures", {}).values()), err)
+        first = str(cause).strip().splitlines()[0] if str(cause).strip() else ""
+        raise ckpt.CorruptCheckpointError(f"{step_dir}: reading the shards failed ({type(cause).__name__}: {first}); "
                                           f"the checkpoint is damaged or truncated") from None
 
 
