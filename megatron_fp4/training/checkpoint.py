@@ -250,15 +250,20 @@ def load_state_file(path: Path) -> dict:
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as err:
-        reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        lines = str(err).splitlines()
+        reason = next((line for line in lines if "GLOBAL" in line), first_line(err))  # torch names the global
         raise CheckpointError(f"{path} holds objects other than tensors and plain values; refused to load it "
                               f"(nothing in a checkpoint is executed): {reason}") from None
     except FileNotFoundError:
         raise CorruptCheckpointError(f"{path} is missing: the step directory is incomplete") from None
     except (RuntimeError, EOFError, OSError, ValueError) as err:
-        raise CorruptCheckpointError(f"{path} cannot be read ({type(err).__name__}: "
-                                     f"{str(err).strip().splitlines()[0] if str(err).strip() else ''}): "
+        raise CorruptCheckpointError(f"{path} cannot be read ({type(err).__name__}: {first_line(err)}): "
                                      f"the file is damaged or truncated") from None
+
+
+def first_line(err: BaseException) -> str:
+    text = str(err).strip()
+    return text.splitlines()[0] if text else type(err).__name__
 
 
 def load_step(step_dir: Path, model_cfg=None) -> tuple[dict, dict]:

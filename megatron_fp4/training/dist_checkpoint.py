@@ -203,10 +203,10 @@ def _read_shards(state: dict, step_dir: Path, no_dist: bool) -> None:
     except ckpt.CheckpointError:
         raise
     except (Exception, CheckpointException) as err:  # DCP wraps per-rank failures (a truncated shard...)
-        cause = next(iter(getattr(err, "failures", {}).values()), err)
-        first = str(cause).strip().splitlines()[0] if str(cause).strip() else ""
-        raise ckpt.CorruptCheckpointError(f"{step_dir}: reading the shards failed ({type(cause).__name__}: {first}); "
-                                          f"the checkpoint is damaged or truncated") from None
+        cause = next(iter(getattr(err, "failures", {}).values()), err)  # rank -> (exception, traceback)
+        cause = cause[0] if isinstance(cause, tuple) else cause
+        raise ckpt.CorruptCheckpointError(f"{step_dir}: reading the shards failed ({type(cause).__name__}: "
+                                          f"{ckpt.first_line(cause)}); the checkpoint is damaged or truncated") from None
 
 
 def load(path: str | Path, trainer) -> dict:
