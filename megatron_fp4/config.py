@@ -111,8 +111,9 @@ class DataConfig:
 @dataclass
 class CheckpointConfig:
     dir: Optional[str] = None
-    save_interval: int = 0  # 0: only at the end (when dir is set)
+    save_interval: int = 100  # steps between saves (and always at the end, when dir is set); 0: only at the end
     load: Optional[str] = None  # a checkpoint directory, or "auto" for the latest in `dir`
+    keep_last: int = 3  # newest step directories kept in `dir` (older ones are deleted); 0 keeps all
 
 
 @dataclass

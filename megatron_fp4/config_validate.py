@@ -100,6 +100,8 @@ def validate_config(cfg: Config, world_size: int = 1) -> None:
     c = cfg.checkpoint
     _require(c.save_interval >= 0, "checkpoint.save_interval", c.save_interval, "must be >= 0")
     _require(c.load != "auto" or bool(c.dir), "checkpoint.load", c.load, "'auto' needs checkpoint.dir to look in")
+    _require(c.keep_last >= 0, "checkpoint.keep_last", c.keep_last,
+             "must be >= 0 (the number of newest step directories kept; 0 keeps all)")
 
 
 def _validate_fp4_shapes(cfg: Config) -> None:

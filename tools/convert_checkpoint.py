@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 import torch
 
@@ -23,26 +24,47 @@ from megatron_fp4.training import checkpoint as ckpt
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def load_model_state(path: str) -> tuple[dict, dict]:
-    """(model state dict with global names, meta) of any of our checkpoint kinds."""
-    step_dir = ckpt.resolve_checkpoint(path)
-    meta = ckpt.read_meta(step_dir)
-    if meta["kind"] in ("single", "weights"):
-        state, meta = ckpt.load_checkpoint(step_dir)
-        return state["model"], meta
-    from megatron_fp4.training.dist_checkpoint import load_full_model_state
+def load_model_state(path: str) -> tuple[dict, dict, Path]:
+    """(model state dict with global names, meta, step dir) of any of our checkpoint kinds; for a
+    root, the newest intact step (damaged ones are skipped with a warning)."""
+    def load_one(step_dir: Path):
+        meta = ckpt.read_meta(step_dir)
+        kind = meta.get("kind")
+        if kind in ("single", "weights"):
+            state, meta = ckpt.load_step(step_dir)
+            if not isinstance(state, dict) or not isinstance(state.get("model"), dict):
+                raise ckpt.CheckpointError(f"{step_dir / ckpt.STATE_FILE} has no 'model' state dict; it was not "
+                                           f"written by megatron-fp4")
+            return state["model"], meta, step_dir
+        if kind == "dcp":
+            from megatron_fp4.training.dist_checkpoint import read_full_model_state
 
-    return load_full_model_state(step_dir), meta
+            return read_full_model_state(step_dir, meta), meta, step_dir
+        raise ckpt.CheckpointError(f"{step_dir / ckpt.META_FILE}: unknown checkpoint kind {kind!r} (expected "
+                                   f"'single', 'weights' or 'dcp')")
+
+    return ckpt.with_fallback(path, load_one)
+
+
+def saved_config(meta: dict, step_dir: Path) -> dict:
+    """The config section of meta.json, with the sections `inspect` and `to-hf` read checked."""
+    cfg = meta.get("config")
+    missing = [key for key in ("model",) if not isinstance(cfg, dict) or not isinstance(cfg.get(key), dict)]
+    if missing:
+        raise ckpt.CheckpointError(f"{step_dir / ckpt.META_FILE} has no config.{missing[0]} section; it was not "
+                                   f"written by megatron-fp4 (or was edited): restore it from the run's config.yaml")
+    return cfg
 
 
 def cmd_inspect(args) -> int:
-    state, meta = load_model_state(args.checkpoint)
-    cfg = meta["config"]
-    print(f"checkpoint: {ckpt.resolve_checkpoint(args.checkpoint)}")
-    print(f"kind: {meta['kind']}  step: {meta['step']}  format: {meta['format_version']}")
-    print(f"model: {cfg['model']['num_layers']} layers, hidden {cfg['model']['hidden_size']}, "
-          f"{cfg['model']['num_experts']} experts top-{cfg['model']['top_k']}; fp4: {cfg['fp4']}")
-    print(f"parallel layout it was saved from: {cfg['parallel']}")
+    state, meta, step_dir = load_model_state(args.checkpoint)
+    cfg = saved_config(meta, step_dir)
+    model = cfg["model"]
+    print(f"checkpoint: {step_dir}")
+    print(f"kind: {meta.get('kind')}  step: {meta.get('step')}  format: {meta.get('format_version')}")
+    print(f"model: {model.get('num_layers', '?')} layers, hidden {model.get('hidden_size', '?')}, "
+          f"{model.get('num_experts', '?')} experts top-{model.get('top_k', '?')}; fp4: {cfg.get('fp4', '?')}")
+    print(f"parallel layout it was saved from: {cfg.get('parallel', '?')}")
     total = sum(t.numel() for t in state.values())
     print(f"tensors: {len(state)}  parameters: {total:,}")
     return 0
@@ -50,9 +72,11 @@ def cmd_inspect(args) -> int:
 
 def cmd_to_hf(args) -> int:
     from megatron_fp4.integrations.hf import save_hf_checkpoint
+    from megatron_fp4.integrations.hf.checkpoint import check_out_dir
 
-    state, meta = load_model_state(args.checkpoint)
-    cfg = config_from_dict(meta["config"])
+    check_out_dir(args.out, args.overwrite, flag="--overwrite")
+    state, meta, step_dir = load_model_state(args.checkpoint)
+    cfg = config_from_dict(saved_config(meta, step_dir))
     model = build_model(cfg)
     model.load_state_dict(state)
     out = save_hf_checkpoint(model, cfg, args.out, dtype=DTYPES[args.dtype], overwrite=args.overwrite)
@@ -63,6 +87,9 @@ def cmd_to_hf(args) -> int:
 def cmd_from_hf(args) -> int:
     from megatron_fp4.integrations.hf import from_hf_state_dict, load_hf_checkpoint
 
+    if (Path(args.out) / ckpt.step_dir_name(0)).exists():
+        raise ValueError(f"{Path(args.out) / ckpt.step_dir_name(0)} already exists; from-hf never overwrites a "
+                         f"checkpoint: choose a new output directory or remove that one")
     model_cfg, hf_state = load_hf_checkpoint(args.hf)
     data = {"model": {k: getattr(model_cfg, k) for k in model_cfg.__dataclass_fields__}}
     cfg = config_from_dict(apply_overrides(data, args.overrides))

@@ -1,54 +1,63 @@
-"""Single-process checkpoints, written atomically.
+"""Single-process checkpoints: atomic, checksummed, loaded as data only.
 
 Layout::
 
-    <dir>/step_00000100/state.pt    model, optimizer, step, sampler position, RNG states
-    <dir>/step_00000100/meta.json   step, format version, the config that wrote it
-    <dir>/latest                    name of the newest complete step directory
+    <dir>/step_00000100/state.pt     model, optimizer, step, sampler position, RNG states
+    <dir>/step_00000100/config.yaml  the config that wrote it (a file `--config` accepts)
+    <dir>/step_00000100/meta.json    step, kind, format version, config, sha256 of every other file
+    <dir>/latest                     name of the newest complete step directory (a hint)
 
-A step directory is written under a temporary name and renamed into place only when complete, and
-`latest` is replaced with `os.replace`, so a crash mid-save never leaves a checkpoint that loads
-half-written state. (The sharded, reshardable DCP checkpoint of the parallel trainer lives beside
-this one and uses the same directory layout.)
+The crash-safety rules (temp dir + fsync + one rename, never replacing a complete step, stale temp
+cleanup, `checkpoint.keep_last` retention) live in `checkpoint_files.py`. Loading a root directory
+(`checkpoint.load=auto` or the `checkpoint.dir`) takes the newest step that is complete and passes
+its checksums, warning about every step it skips; an explicitly named step directory must be
+intact. `state.pt` is read with ``torch.load(weights_only=True)``: tensors and plain Python values
+only, nothing in a checkpoint file is executed. (The sharded DCP checkpoint of the parallel trainer,
+`dist_checkpoint.py`, uses the same layout and rules.)
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import pickle
 import shutil
 import uuid
+import warnings
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional, TypeVar
 
 import torch
 import yaml
 
+from megatron_fp4.training import checkpoint_files as files
+
 FORMAT_VERSION = 1
-STATE_FILE, META_FILE, LATEST_FILE = "state.pt", "meta.json", "latest"
+STATE_FILE, META_FILE, LATEST_FILE, CONFIG_FILE = "state.pt", "meta.json", "latest", "config.yaml"
 
 # Model fields that must match between a checkpoint and the config resuming from it.
 SHAPE_FIELDS = ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim", "num_experts",
                 "top_k", "moe_ffn_hidden_size", "num_shared_experts", "shared_expert_ffn_hidden_size",
                 "dense_layers", "dense_ffn_hidden_size", "tie_embeddings")
+T = TypeVar("T")
 
 
 class CheckpointError(ValueError):
     """A checkpoint that cannot be used; the message names the path and what to do."""
 
 
+class CorruptCheckpointError(CheckpointError):
+    """A step directory that is incomplete or damaged (loading a root falls back past it)."""
+
+
 def step_dir_name(step: int) -> str:
     return f"step_{step:08d}"
 
 
-def write_atomic_text(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(text)
-    os.replace(tmp, path)
-
-
 def replace_dir(src: Path, dst: Path) -> None:
-    """Put the completely written directory `src` at `dst`. An existing `dst` is first renamed
-    aside, so at every instant `dst` is either the old complete tree or the new one."""
+    """Put the completely written directory `src` at `dst` (an export the user asked to overwrite).
+    An existing `dst` is first renamed aside. Step directories never go through here: see
+    `commit_step_dir`."""
     old = None
     if dst.exists():
         old = dst.parent / f".{dst.name}.old-{uuid.uuid4().hex[:8]}"
@@ -58,10 +67,230 @@ def replace_dir(src: Path, dst: Path) -> None:
         shutil.rmtree(old) if old.is_dir() else old.unlink()
 
 
-def commit_step_dir(tmp_dir: Path, final_dir: Path, root: Path) -> None:
-    """Rename a completely written temp dir into place and point `latest` at it."""
-    replace_dir(tmp_dir, final_dir)
-    write_atomic_text(root / LATEST_FILE, final_dir.name + "\n")
+# -- meta.json ------------------------------------------------------------------------------------
+def _meta_digest(meta: dict) -> str:
+    body = {k: v for k, v in meta.items() if k != "meta_sha256"}
+    return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
+
+
+def write_meta(step_dir: Path, meta: dict, sums: dict) -> None:
+    """Write meta.json with the sha256 of every data file (`sums`) and of itself, durably."""
+    meta = json.loads(json.dumps({**meta, "files": sums}, default=str))
+    meta["meta_sha256"] = _meta_digest(meta)
+    files.write_durable_text(step_dir / META_FILE, json.dumps(meta, indent=2) + "\n")
+
+
+def read_meta(step_dir: Path) -> dict:
+    path = Path(step_dir) / META_FILE
+    try:
+        meta = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise CorruptCheckpointError(f"{path} is missing: the step directory is incomplete") from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise CorruptCheckpointError(f"{path} is not valid JSON ({err}): the file is damaged or truncated") from None
+    if not isinstance(meta, dict):
+        raise CorruptCheckpointError(f"{path} holds a JSON {type(meta).__name__}, not an object: it is damaged")
+    if "meta_sha256" in meta and meta["meta_sha256"] != _meta_digest(meta):
+        raise CorruptCheckpointError(f"{path} fails its sha256 check: the file is damaged")
+    if meta.get("format_version") != FORMAT_VERSION:
+        raise CheckpointError(f"{path.parent}: checkpoint format {meta.get('format_version')!r} is not supported "
+                              f"(this version reads {FORMAT_VERSION})")
+    return meta
+
+
+def expected_files(step_dir: Path, meta: dict) -> dict:
+    """name -> sha256 recorded in meta.json ({} for checkpoints of older versions, with a warning)."""
+    sums = meta.get("files")
+    if sums is None:
+        warnings.warn(f"{step_dir} was written without checksums (an older version); its files are not verified",
+                      stacklevel=3)
+        return {}
+    if not isinstance(sums, dict):
+        raise CorruptCheckpointError(f"{step_dir}/{META_FILE}: 'files' is not a mapping; the file is damaged")
+    return sums
+
+
+def verify_files(step_dir: Path, meta: dict, names=None) -> None:
+    """Raise CorruptCheckpointError unless each of `names` (default: all listed) matches its sha256."""
+    sums = expected_files(step_dir, meta)
+    problems = files.check_files(step_dir, sums, sorted(sums) if names is None else names)
+    if problems:
+        raise CorruptCheckpointError(f"{step_dir}: " + "; ".join(problems))
+
+
+def step_problem(step_dir: Path) -> Optional[str]:
+    """Why `step_dir` is not an intact checkpoint, or None when it is."""
+    try:
+        verify_files(step_dir, read_meta(step_dir))
+    except CheckpointError as err:
+        return str(err)
+    return None
+
+
+# -- saving ---------------------------------------------------------------------------------------
+def keep_last_of(config: dict) -> int:
+    return int((config.get("checkpoint") or {}).get("keep_last", 0) or 0)
+
+
+def begin_save(root: Path, final: Path) -> bool:
+    """Clean stale temp entries; False (with a warning) when `final` already holds an intact
+    checkpoint, which is never overwritten (e.g. a finished job run again with load=auto)."""
+    files.clean_stale(root)
+    if final.exists() and step_problem(final) is None:
+        warnings.warn(f"{final} already holds a complete checkpoint; kept it and did not write this "
+                      f"step again (use a new checkpoint.dir to keep both runs)", stacklevel=3)
+        return False
+    return True
+
+
+def commit_step_dir(tmp_dir: Path, final_dir: Path, root: Path, keep_last: int = 0) -> None:
+    """Rename a completely written (and fsynced) temp dir into place, point `latest` at it and
+    apply retention. A damaged step dir in the way is set aside first, never replaced in place."""
+    files.fsync_dir(tmp_dir)
+    if final_dir.exists():
+        files.remove_step_dir(final_dir)
+    os.replace(tmp_dir, final_dir)
+    files.fsync_dir(root)
+    files.write_durable_text(root / LATEST_FILE, final_dir.name + "\n")
+    files.prune(root, keep_last, keep=final_dir)
+
+
+def save_checkpoint(root: str | Path, step: int, state: dict, config: dict, kind: str = "single") -> Path:
+    """Write `state` (tensors and plain Python values) as step `step` under `root`, atomically.
+
+    kind: "single" (a full training state) or "weights" (model only, e.g. converted from HF: the
+    trainer starts from these weights at step 0). Keeps the newest `config["checkpoint"]["keep_last"]`
+    steps (0 or absent: all)."""
+    root = Path(root)
+    root.mkdir(parents=True, exist_ok=True)
+    final = root / step_dir_name(step)
+    if not begin_save(root, final):
+        return final
+    tmp = root / files.temp_name(final.name)
+    tmp.mkdir()
+    torch.save(state, tmp / STATE_FILE)
+    (tmp / CONFIG_FILE).write_text(yaml.safe_dump(config, sort_keys=False))
+    sums = {name: files.file_digest(tmp / name, sync=True) for name in files.data_files(tmp)}
+    write_meta(tmp, {"format_version": FORMAT_VERSION, "step": step, "kind": kind, "config": config}, sums)
+    commit_step_dir(tmp, final, root, keep_last_of(config))
+    return final
+
+
+# -- finding and loading --------------------------------------------------------------------------
+def step_candidates(path: str | Path) -> list[Path]:
+    """The step directories to try for `path`, best first: `path` itself when it is a step dir,
+    else the complete step dirs of the root `path`, newest first. [] when `path` holds no trace of
+    a checkpoint; CheckpointError when it does but none is complete."""
+    path = Path(path)
+    if (path / META_FILE).exists():
+        return [path]
+    if files.step_of(path.name) is not None and path.is_dir():
+        raise CorruptCheckpointError(f"{path} has no {META_FILE}: the step directory is incomplete; pass a "
+                                     f"complete step_* directory or the checkpoint.dir holding them")
+    try:
+        files.recover_old_copies(path)
+    except OSError:
+        pass  # a read-only checkpoint dir: the copies stay hidden, the other steps still load
+    steps = files.step_dirs(path)
+    complete = [d for _, d in steps if (d / META_FILE).exists()]
+    latest = path / LATEST_FILE
+    named = latest.read_text(errors="replace").strip() if latest.is_file() else None
+    if complete and named != complete[0].name:
+        what = {None: "is missing", "": "is empty"}.get(named, f"names {named!r}, not the newest complete step")
+        warnings.warn(f"{latest} {what}; using {complete[0]}", stacklevel=3)
+    if not complete and (steps or named is not None):
+        raise CheckpointError(f"{path} holds no complete checkpoint ({LATEST_FILE} names {named!r}; step dirs "
+                              f"without {META_FILE}: {[d.name for _, d in steps]}); refusing to start over in it: "
+                              f"pass a complete checkpoint or a new checkpoint.dir")
+    return complete
+
+
+def _candidates_or_raise(path: str | Path) -> list[Path]:
+    found = step_candidates(path)
+    if not found:
+        raise CheckpointError(f"{path} is not a megatron-fp4 checkpoint (no {META_FILE}, no {LATEST_FILE}, no "
+                              f"step_* directories); pass a step_* directory or the checkpoint.dir that holds them")
+    return found
+
+
+def resolve_checkpoint(path: str | Path) -> Path:
+    """A step directory, or a root holding step directories → the step directory to try first."""
+    return _candidates_or_raise(path)[0]
+
+
+def with_fallback(path: str | Path, load_one: Callable[[Path], T]) -> T:
+    """`load_one(step_dir)` on the best step of `path`. For a root, a step that turns out damaged
+    (CorruptCheckpointError) is skipped with a warning and the previous complete one is tried."""
+    found = _candidates_or_raise(path)
+    if found == [Path(path)]:
+        return load_one(found[0])
+    problems = []
+    for step_dir in found:
+        try:
+            return load_one(step_dir)
+        except CorruptCheckpointError as err:
+            problems.append(str(err))
+            warnings.warn(f"skipping damaged checkpoint: {err}; trying the previous complete step", stacklevel=2)
+    raise CorruptCheckpointError(f"no intact checkpoint in {path}: " + " | ".join(problems))
+
+
+def check_compatible(meta: dict, model_cfg, where: Path) -> None:
+    """Refuse to load a checkpoint of a differently shaped model, naming every differing field."""
+    saved = (meta.get("config") or {}).get("model") or {}
+    diffs = [f"model.{k}: checkpoint {saved.get(k)!r} vs config {getattr(model_cfg, k)!r}"
+             for k in SHAPE_FIELDS if k in saved and saved[k] != getattr(model_cfg, k)]
+    if diffs:
+        raise CheckpointError(f"checkpoint {where} was written for a different model; " + "; ".join(diffs)
+                              + ". Use the config it was trained with (see its meta.json)")
+
+
+def load_state_file(path: Path) -> dict:
+    """`torch.load(weights_only=True)`: tensors and plain values only; a file holding anything else
+    (e.g. a crafted pickle) is refused, never executed."""
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as err:
+        lines = str(err).splitlines()
+        reason = next((line for line in lines if "GLOBAL" in line), first_line(err))  # torch names the global
+        raise CheckpointError(f"{path} holds objects other than tensors and plain values; refused to load it "
+                              f"(nothing in a checkpoint is executed): {reason}") from None
+    except FileNotFoundError:
+        raise CorruptCheckpointError(f"{path} is missing: the step directory is incomplete") from None
+    except (RuntimeError, EOFError, OSError, ValueError) as err:
+        raise CorruptCheckpointError(f"{path} cannot be read ({type(err).__name__}: {first_line(err)}): "
+                                     f"the file is damaged or truncated") from None
+
+
+def first_line(err: BaseException) -> str:
+    text = str(err).strip()
+    return text.splitlines()[0] if text else type(err).__name__
+
+
+def load_step(step_dir: Path, model_cfg=None) -> tuple[dict, dict]:
+    """(state, meta) of one single-process step directory, verified."""
+    meta = read_meta(step_dir)
+    if model_cfg is not None:
+        check_compatible(meta, model_cfg, step_dir)
+    if meta.get("kind") not in ("single", "weights"):
+        raise CheckpointError(f"{step_dir} is a sharded ({meta.get('kind')}) checkpoint; load it with the parallel "
+                              f"trainer (or convert it with tools/convert_checkpoint.py)")
+    verify_files(step_dir, meta)
+    return load_state_file(step_dir / STATE_FILE), meta
+
+
+def load_checkpoint(path: str | Path, model_cfg=None) -> tuple[dict, dict]:
+    """Return (state, meta) of the checkpoint at `path` (a step dir, or a root: newest intact step)."""
+    return with_fallback(path, lambda step_dir: load_step(step_dir, model_cfg))
+
+
+def latest_step(root: str | Path) -> Optional[int]:
+    """Step of the newest complete checkpoint under `root`; None when `root` holds none at all
+    (a fresh start). Raises CheckpointError when there are traces of checkpoints but none complete."""
+    found = step_candidates(root)
+    if not found:
+        return None
+    step = files.step_of(found[0].name)
+    return step if step is not None else read_meta(found[0])["step"]
 
 
 def rng_state() -> dict:
@@ -75,77 +304,3 @@ def set_rng_state(state: dict) -> None:
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
-
-
-def save_checkpoint(root: str | Path, step: int, state: dict, config: dict, kind: str = "single") -> Path:
-    """Write `state` (tensors and plain Python values) as step `step` under `root`, atomically.
-
-    kind: "single" (a full training state) or "weights" (model only, e.g. converted from HF: the
-    trainer starts from these weights at step 0). The config is also written as `config.yaml`, a
-    file that `--config` accepts."""
-    root = Path(root)
-    root.mkdir(parents=True, exist_ok=True)
-    final = root / step_dir_name(step)
-    tmp = root / f".tmp-{final.name}-{os.getpid()}"
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir()
-    torch.save(state, tmp / STATE_FILE)
-    meta = {"format_version": FORMAT_VERSION, "step": step, "kind": kind, "config": config}
-    (tmp / META_FILE).write_text(json.dumps(meta, indent=2, default=str))
-    (tmp / "config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
-    commit_step_dir(tmp, final, root)
-    return final
-
-
-def resolve_checkpoint(path: str | Path) -> Path:
-    """A step directory, or a root holding `latest` → the step directory to load."""
-    path = Path(path)
-    if (path / META_FILE).exists():
-        return path
-    if (path / LATEST_FILE).exists():
-        step = path / (path / LATEST_FILE).read_text().strip()
-        if not (step / META_FILE).exists():
-            raise CheckpointError(f"{path}/latest points at {step.name}, which is incomplete or missing; "
-                                  f"pass one of the step_* directories in {path} explicitly")
-        return step
-    raise CheckpointError(f"{path} is not a megatron-fp4 checkpoint (no {META_FILE} and no {LATEST_FILE}); "
-                          f"pass a step_* directory or the checkpoint.dir that holds them")
-
-
-def read_meta(step_dir: Path) -> dict:
-    meta = json.loads((step_dir / META_FILE).read_text())
-    if meta.get("format_version") != FORMAT_VERSION:
-        raise CheckpointError(f"{step_dir}: checkpoint format {meta.get('format_version')} is not supported "
-                              f"(this version reads {FORMAT_VERSION})")
-    return meta
-
-
-def check_compatible(meta: dict, model_cfg, where: Path) -> None:
-    """Refuse to load a checkpoint of a differently shaped model, naming every differing field."""
-    saved = meta.get("config", {}).get("model", {})
-    diffs = [f"model.{k}: checkpoint {saved.get(k)!r} vs config {getattr(model_cfg, k)!r}"
-             for k in SHAPE_FIELDS if k in saved and saved[k] != getattr(model_cfg, k)]
-    if diffs:
-        raise CheckpointError(f"checkpoint {where} was written for a different model; " + "; ".join(diffs)
-                              + ". Use the config it was trained with (see its meta.json)")
-
-
-def load_checkpoint(path: str | Path, model_cfg=None) -> tuple[dict, dict]:
-    """Return (state, meta) of the checkpoint at `path` after validating it."""
-    step_dir = resolve_checkpoint(path)
-    meta = read_meta(step_dir)
-    if model_cfg is not None:
-        check_compatible(meta, model_cfg, step_dir)
-    if meta.get("kind") not in ("single", "weights"):
-        raise CheckpointError(f"{step_dir} is a sharded ({meta.get('kind')}) checkpoint; load it with the parallel "
-                              f"trainer (or convert it with tools/convert_checkpoint.py)")
-    state = torch.load(step_dir / STATE_FILE, map_location="cpu", weights_only=False)
-    return state, meta
-
-
-def latest_step(root: str | Path) -> Optional[int]:
-    try:
-        return read_meta(resolve_checkpoint(root))["step"]
-    except (CheckpointError, FileNotFoundError):
-        return None

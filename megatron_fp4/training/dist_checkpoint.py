@@ -13,20 +13,25 @@ into any pp / dp (and ZeRO stage) layout:
   tensors under unique keys, so DCP's default planner does all of it (no DTensor needed);
 - ``rng/<rank>``: each rank's torch RNG state (restored where the rank exists in the new layout).
 
-Step, sampler position (counted in global samples) and the Adam step count live in meta.json.
+Step, sampler position (counted in global samples) and the Adam step count live in meta.json,
+with the sha256 of every file (each rank hashes and fsyncs a share of them on save and checks the
+same share on load; the verdict is all-reduced, so every rank accepts or skips a step together).
+DCP's `.metadata` is only ever read through `dcp_metadata.SafeFileSystemReader` (no plain pickle).
 """
 from __future__ import annotations
 
 import json
 import re
-import shutil
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 
 from megatron_fp4.training import checkpoint as ckpt
+from megatron_fp4.training import checkpoint_files as files
+from megatron_fp4.training.dcp_metadata import SafeFileSystemReader
 
 KINDS = ("master", "exp_avg", "exp_avg_sq")
 _OPTIM_KEY = re.compile(r"^optim/(?P<name>.+)/(?P<kind>master|exp_avg|exp_avg_sq)/(?P<offset>\d+)$")
@@ -43,6 +48,51 @@ def _barrier() -> None:
 
 def _rank() -> int:
     return dist.get_rank() if _is_dist() else 0
+
+
+def _world() -> int:
+    return dist.get_world_size() if _is_dist() else 1
+
+
+def _broadcast_text(text: str, device) -> str:
+    """Rank 0's `text` on every rank (a tensor broadcast: no pickle between processes)."""
+    if not _is_dist():
+        return text
+    data = torch.tensor(list(text.encode()), dtype=torch.int32, device=device)
+    size = torch.tensor([data.numel()], dtype=torch.int64, device=device)
+    dist.broadcast(size, 0)
+    if int(size) == 0:
+        return ""
+    if _rank() != 0:
+        data = torch.zeros(int(size), dtype=torch.int32, device=device)
+    dist.broadcast(data, 0)
+    return bytes(data.cpu().tolist()).decode()
+
+
+def _shared_checksums(step_dir: Path, device) -> dict:
+    """sha256 of every file DCP wrote (rank 0 lists them; each rank hashes and fsyncs its share)."""
+    names = json.loads(_broadcast_text(json.dumps(files.data_files(step_dir)) if _rank() == 0 else "", device))
+    digests = torch.zeros(len(names), 32, dtype=torch.int64, device=device)
+    for i in range(_rank(), len(names), _world()):
+        digests[i] = torch.tensor(list(bytes.fromhex(files.file_digest(step_dir / names[i], sync=True))))
+    if _is_dist():
+        dist.all_reduce(digests)  # each row is filled by exactly one rank
+    return {name: bytes(d.tolist()).hex() for name, d in zip(names, digests.cpu())}
+
+
+def _verify_shared(step_dir: Path, meta: dict, device) -> None:
+    """Each rank checks its share of the files against meta.json; all raise if any share fails."""
+    sums = ckpt.expected_files(step_dir, meta)
+    names = sorted(sums)
+    bad = torch.zeros(len(names), dtype=torch.int64, device=device)
+    for i in range(_rank(), len(names), _world()):
+        bad[i] = int(bool(files.check_files(step_dir, sums, [names[i]])))
+    if _is_dist():
+        dist.all_reduce(bad)
+    failed = [name for name, b in zip(names, bad.cpu().tolist()) if b]
+    if failed:
+        raise ckpt.CorruptCheckpointError(f"{step_dir}: {failed} missing or failing their sha256 check "
+                                          f"(damaged or truncated)")
 
 
 def _expert_info(model) -> dict:
@@ -101,19 +151,24 @@ def _state_index(buf, buffer_pos: int) -> int:
 
 def save(root: str | Path, trainer) -> Path:
     """Collective: every rank writes its shard of step `trainer.step` under `root`, atomically."""
-    root = Path(root)
+    root, device = Path(root), trainer.mesh.device
     final = root / ckpt.step_dir_name(trainer.step)
-    tmp = root / f".tmp-{final.name}"
+    tmp_name = ""
     if _rank() == 0:
         root.mkdir(parents=True, exist_ok=True)
-        if tmp.exists():
-            shutil.rmtree(tmp)
-        tmp.mkdir()
+        if ckpt.begin_save(root, final):  # else an intact step of that number is kept, never replaced
+            tmp_name = files.temp_name(final.name)
+            (root / tmp_name).mkdir()
+    tmp_name = _broadcast_text(tmp_name, device)
+    if not tmp_name:
+        return final
+    tmp = root / tmp_name
     _barrier()
     state = {**_model_entries(trainer.model, trainer.mesh.ep), **_optim_entries(trainer),
              f"rng/{_rank()}": torch.get_rng_state()}
     dcp.save(state, checkpoint_id=str(tmp), no_dist=not _is_dist())
     _barrier()
+    sums = _shared_checksums(tmp, device)
     if _rank() == 0:
         p = trainer.cfg.parallel
         meta = {"format_version": ckpt.FORMAT_VERSION, "step": trainer.step, "kind": "dcp",
@@ -122,8 +177,8 @@ def save(root: str | Path, trainer) -> Path:
                 "layout": {"pp": trainer.mesh.pp, "dp": trainer.mesh.dp, "ep": trainer.mesh.ep,
                            "virtual_stages": p.virtual_stages, "zero_stage": p.zero_stage},
                 "config": trainer.cfg.to_dict()}
-        (tmp / ckpt.META_FILE).write_text(json.dumps(meta, indent=2, default=str))
-        ckpt.commit_step_dir(tmp, final, root)
+        ckpt.write_meta(tmp, meta, sums)
+        ckpt.commit_step_dir(tmp, final, root, trainer.cfg.checkpoint.keep_last)
     _barrier()
     return final
 
@@ -140,15 +195,34 @@ def _saved_pieces(metadata) -> dict:
     return pieces
 
 
+def _read_shards(state: dict, step_dir: Path, no_dist: bool) -> None:
+    """dcp.load into `state` through the safe reader; a failure to read a shard is a damaged step."""
+    try:
+        with torch.no_grad():
+            dcp.load(state, storage_reader=SafeFileSystemReader(str(step_dir)), no_dist=no_dist)
+    except ckpt.CheckpointError:
+        raise
+    except (Exception, CheckpointException) as err:  # DCP wraps per-rank failures (a truncated shard...)
+        cause = next(iter(getattr(err, "failures", {}).values()), err)  # rank -> (exception, traceback)
+        cause = cause[0] if isinstance(cause, tuple) else cause
+        raise ckpt.CorruptCheckpointError(f"{step_dir}: reading the shards failed ({type(cause).__name__}: "
+                                          f"{ckpt.first_line(cause)}); the checkpoint is damaged or truncated") from None
+
+
 def load(path: str | Path, trainer) -> dict:
-    """Collective: restore model, ZeRO shards, RNG, step and sampler from a dcp checkpoint."""
-    step_dir = ckpt.resolve_checkpoint(path)
+    """Collective: restore model, ZeRO shards, RNG, step and sampler from a dcp checkpoint (for a
+    root, the newest step that every rank finds intact)."""
+    return ckpt.with_fallback(path, lambda step_dir: _load_step(step_dir, trainer))
+
+
+def _load_step(step_dir: Path, trainer) -> dict:
     meta = ckpt.read_meta(step_dir)
     ckpt.check_compatible(meta, trainer.cfg.model, step_dir)
     if meta.get("kind") != "dcp":
         raise ckpt.CheckpointError(f"{step_dir} is a {meta.get('kind')!r} checkpoint; the parallel trainer loads "
                                    f"sharded ('dcp') checkpoints written by a parallel run")
-    metadata = dcp.FileSystemReader(str(step_dir)).read_metadata()
+    _verify_shared(step_dir, meta, trainer.mesh.device)
+    metadata = SafeFileSystemReader(str(step_dir)).read_metadata()
     saved = _saved_pieces(metadata)
     request = _model_entries(trainer.model, trainer.mesh.ep)
     missing = [k for k in request if k not in metadata.state_dict_metadata]
@@ -172,8 +246,7 @@ def load(path: str | Path, trainer) -> dict:
                             request[key] = torch.empty(numel, dtype=buf.data.dtype if buf.data.dtype == torch.float64
                                                        else torch.float32)
                         plans.append((k, kind, state_pos + a - goff - lo, key, a - off, b - a))
-    with torch.no_grad():
-        dcp.load(request, checkpoint_id=str(step_dir), no_dist=not _is_dist())
+    _read_shards(request, step_dir, no_dist=not _is_dist())
     if rng_key in request:
         torch.set_rng_state(request[rng_key])
     for k, buf in enumerate(opt.buffers):
@@ -208,15 +281,20 @@ def _check_filled(buf, filled: torch.Tensor, where) -> None:
 
 
 def load_full_model_state(path: str | Path) -> dict:
-    """The full (unsharded) model state dict of a DCP checkpoint, in one process, no process group:
-    used by tools/convert_checkpoint.py. Expert weights saved per global expert are stacked back."""
-    step_dir = ckpt.resolve_checkpoint(path)
-    metadata = dcp.FileSystemReader(str(step_dir)).read_metadata()
+    """The full (unsharded) model state dict of a DCP checkpoint, in one process, no process group.
+    Expert weights saved per global expert are stacked back."""
+    return ckpt.with_fallback(path, lambda step_dir: read_full_model_state(step_dir, ckpt.read_meta(step_dir)))
+
+
+def read_full_model_state(step_dir: Path, meta: dict) -> dict:
+    """`load_full_model_state` of one step directory with its meta (used by tools/convert_checkpoint.py)."""
+    ckpt.verify_files(step_dir, meta)
+    metadata = SafeFileSystemReader(str(step_dir)).read_metadata()
     state = {}
     for key, md in metadata.state_dict_metadata.items():
         if key.startswith("model/"):
             state[key] = torch.empty(tuple(md.size), dtype=md.properties.dtype)
-    dcp.load(state, checkpoint_id=str(step_dir), no_dist=True)
+    _read_shards(state, step_dir, no_dist=True)
     full, experts = {}, {}
     for key, tensor in state.items():
         name = key[len("model/"):]

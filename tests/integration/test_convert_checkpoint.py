@@ -34,3 +34,38 @@ def test_roundtrip_through_hf(tmp_path, capsys):
 def test_errors_are_reported_not_raised(tmp_path, capsys):
     assert main(["inspect", str(tmp_path)]) == 2
     assert "not a megatron-fp4 checkpoint" in capsys.readouterr().err
+
+
+def test_crafted_checkpoints_are_refused_by_inspect(tmp_path, capsys):
+    from tests.unit.test_checkpoint_safety import RunsCode, dcp_step, save
+
+    marker = tmp_path / "pwned"
+    save(tmp_path / "single", 1, payload=RunsCode(marker))
+    assert main(["inspect", str(tmp_path / "single")]) == 2
+    assert "holds objects other than tensors" in capsys.readouterr().err
+    import pickle
+    dcp_step(tmp_path / "dcp", 1, metadata=pickle.dumps(RunsCode(marker)))
+    assert main(["inspect", str(tmp_path / "dcp")]) == 2
+    assert "system, which DCP metadata never holds" in capsys.readouterr().err
+    assert not marker.exists()
+
+
+def test_meta_without_model_section_is_a_clear_error(tmp_path, capsys):
+    from megatron_fp4.training import checkpoint as ckpt
+    from tests.unit.test_checkpoint_safety import save
+
+    step_dir = save(tmp_path, 1)
+    meta = ckpt.read_meta(step_dir)
+    ckpt.write_meta(step_dir, {k: v for k, v in meta.items() if k not in ("files", "meta_sha256", "config")},
+                    meta["files"])
+    assert main(["inspect", str(tmp_path)]) == 2
+    assert "has no config.model section" in capsys.readouterr().err
+
+
+def test_overwrite_message_names_the_cli_flag(tmp_path, capsys):
+    (tmp_path / "hf").mkdir()
+    (tmp_path / "hf" / "keep.txt").write_text("x")
+    assert main(["to-hf", str(tmp_path / "missing"), str(tmp_path / "hf")]) == 2
+    err = capsys.readouterr().err
+    assert "pass --overwrite" in err and "overwrite=True" not in err
+    assert (tmp_path / "hf" / "keep.txt").exists()

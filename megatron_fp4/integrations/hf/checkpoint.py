@@ -39,6 +39,15 @@ def _model_config(cfg) -> ModelConfig:
     raise ValueError(f"cfg must be a megatron_fp4 Config or ModelConfig, got {type(cfg).__name__}")
 
 
+def check_out_dir(out_dir, overwrite: bool, flag: str = "overwrite=True") -> None:
+    """Refuse an existing non-empty `out_dir` unless `overwrite`; `flag` is how the caller's
+    interface spells the option (``--overwrite`` on the command line)."""
+    out_dir = Path(out_dir)
+    if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())) and not overwrite:
+        raise ValueError(f"{str(out_dir)!r} already exists and is not an empty directory; pass {flag} "
+                         f"to replace it or choose a new output directory")
+
+
 def save_hf_checkpoint(model, cfg, out_dir, dtype: Optional[torch.dtype] = None, overwrite: bool = False) -> Path:
     """Write `model` as a Hugging Face Qwen3-MoE checkpoint (`config.json` + `model.safetensors`,
     per-expert layout) to `out_dir`, atomically. `cfg` is our Config or ModelConfig; `dtype`
@@ -46,9 +55,7 @@ def save_hf_checkpoint(model, cfg, out_dir, dtype: Optional[torch.dtype] = None,
     with overwrite=True. Returns the directory."""
     model_cfg = _model_config(cfg)
     out_dir = Path(out_dir)
-    if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())) and not overwrite:
-        raise ValueError(f"{str(out_dir)!r} already exists and is not an empty directory; pass overwrite=True "
-                         f"to replace it or choose a new out_dir")
+    check_out_dir(out_dir, overwrite)
     hf_cfg = hf_config_from_ours(model_cfg)
     tensors = {}
     for key, t in to_hf_state_dict(model).items():

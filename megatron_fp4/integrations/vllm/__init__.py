@@ -129,14 +129,13 @@ def export_for_vllm(model, cfg: Config, out_dir, dtype: Optional[torch.dtype] = 
     (both files appear together or not at all). `dtype` casts the weights (default bf16, what
     vLLM serves; None keeps them). Returns the directory."""
     from megatron_fp4.integrations.hf import save_hf_checkpoint
+    from megatron_fp4.integrations.hf.checkpoint import check_out_dir
 
     if not isinstance(cfg, Config):
         raise ValueError(f"cfg must be a megatron_fp4 Config (its fp4 section goes into the sidecar), "
                          f"got {type(cfg).__name__}")
     out_dir = Path(out_dir)
-    if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())) and not overwrite:
-        raise ValueError(f"{str(out_dir)!r} already exists and is not an empty directory; pass overwrite=True "
-                         f"to replace it or choose a new out_dir")
+    check_out_dir(out_dir, overwrite)
     sidecar = quant_sidecar(cfg)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.vllm-", dir=out_dir.parent))
