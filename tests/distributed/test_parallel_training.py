@@ -62,7 +62,10 @@ LAYOUTS_2 = {
     "fp4_pp2": dict(pp=2, fp4=True),
     "fp4_pp2_zero_bubble": dict(pp=2, virtual_stages=2, schedule="interleaved_zero_bubble", fp4=True),
     "fp4_dp2_zero1": dict(zero_stage=1, fp4=True),
-    # fp32, the production precision: bitwise for the pipeline, the sum-order bound for dp.
+}
+# fp32, the production precision: bitwise for the pipeline, the sum-order bound for dp. A spawn of
+# their own, so that tools/check_portability.sh can rerun just these under every kernel set.
+LAYOUTS_2_FP32 = {
     "fp32_pp2_interleaved": dict(pp=2, virtual_stages=2, schedule="interleaved_1f1b", dtype="fp32"),
     "fp32_pp2_zero_bubble": dict(pp=2, virtual_stages=2, schedule="interleaved_zero_bubble", dtype="fp32"),
     "fp32_fp4_pp2": dict(pp=2, fp4=True, dtype="fp32"),
@@ -196,15 +199,25 @@ def test_two_process_layout_matches_single_process(results_2, name):
     check_layout(name, LAYOUTS_2[name], results_2)
 
 
+@pytest.fixture(scope="module")
+def results_2_fp32():
+    return run_distributed(_train_layouts, 2, (LAYOUTS_2_FP32,), timeout_s=600)
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS_2_FP32))
+def test_fp32_layout_matches_single_process(results_2_fp32, name):
+    check_layout(name, LAYOUTS_2_FP32[name], results_2_fp32)
+
+
 @pytest.mark.parametrize("name", list(LAYOUTS_4))
 def test_four_process_layout_matches_single_process(results_4, name):
     check_layout(name, LAYOUTS_4[name], results_4)
 
 
 @pytest.mark.parametrize("name,bytes_per_param", [("dp2_zero1", 24), ("dp2_zero2", 24), ("fp32_dp2_zero1", 12)])
-def test_zero_shards_masters_and_adam_state(results_2, name, bytes_per_param):
+def test_zero_shards_masters_and_adam_state(results_2, results_2_fp32, name, bytes_per_param):
     """master + exp_avg + exp_avg_sq (fp32: 12 bytes per parameter, fp64: 24) unsharded, 1/dp of it per rank."""
-    for res in results_2:
+    for res in (results_2_fp32 if name.startswith("fp32") else results_2):
         r = res[name]
         unsharded = bytes_per_param * r["numel"]
         held = r["zero_bytes"]["masters"] + r["zero_bytes"]["moments"]
