@@ -83,6 +83,12 @@ def _generator(recipe: Recipe, device, formats) -> torch.Generator | None:
     return torch.Generator(device=device).manual_seed(recipe.seed)
 
 
+def _accumulate_dtype(dtype: torch.dtype) -> torch.dtype:
+    """GEMM accumulation: fp32 (what FP4 tensor cores do), fp64 for fp64 inputs (the verification
+    mode, where every op's rounding is ~1e-16 so layouts and batch shapes agree on any CPU)."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
 def _col_quantize(a: torch.Tensor, fmt: OperandFormat, compensated: bool, generator, name):
     """Q̃ of ``a`` (tokens, features) in blocks along tokens; returns (features, padded tokens)."""
     bs = fmt.block_size
@@ -99,7 +105,8 @@ class _MoEResQFunction(torch.autograd.Function):
         gen = _generator(recipe, x.device, (recipe.input, recipe.weight))
         wq = _fq32(weight, recipe.weight, gen, "weight")
         xq = resq_quantize(x2, recipe.input, recipe.compensated, gen, "input")
-        y = F.linear(xq, wq, None if bias is None else bias.to(torch.float32))
+        acc = _accumulate_dtype(x.dtype)
+        y = F.linear(xq.to(acc), wq.to(acc), None if bias is None else bias.to(acc))
         ctx.save_for_backward(x2, wq)
         ctx.recipe = recipe
         ctx.meta = (x.shape, x.dtype, weight.dtype, None if bias is None else bias.dtype)
@@ -110,7 +117,9 @@ class _MoEResQFunction(torch.autograd.Function):
         x2, wq = ctx.saved_tensors
         recipe: Recipe = ctx.recipe
         x_shape, x_dtype, w_dtype, b_dtype = ctx.meta
-        dy2 = dy.reshape(-1, dy.shape[-1]).to(torch.float32)
+        acc = _accumulate_dtype(dy.dtype)
+        dy2 = dy.reshape(-1, dy.shape[-1]).to(acc)  # quantizers read it as fp32, as the formats define
+        wq = wq.to(acc)
         need_dx, need_dw, need_db = ctx.needs_input_grad[:3]
         dx = dw = db = None
         if recipe.quantize_backward:
@@ -118,16 +127,16 @@ class _MoEResQFunction(torch.autograd.Function):
             gen = _generator(recipe, dy.device, (recipe.input, recipe.grad_output))
             if need_dx:
                 dyq = resq_quantize(dy2, recipe.grad_output, comp, gen, "grad_output")
-                dx = dyq @ wq
+                dx = dyq.to(acc) @ wq
             if need_dw:
                 dyt = _col_quantize(dy2, recipe.grad_output, comp, gen, "grad_output")
                 xt = _col_quantize(x2, recipe.input, comp, gen, "input")
-                dw = dyt @ xt.t()
+                dw = dyt.to(acc) @ xt.t().to(acc)
         else:
             if need_dx:
                 dx = dy2 @ wq
             if need_dw:
-                dw = dy2.t() @ x2.to(torch.float32)
+                dw = dy2.t() @ x2.to(acc)
         if dx is not None:
             dx = dx.to(x_dtype).reshape(x_shape)
         if dw is not None:

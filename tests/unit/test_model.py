@@ -1,6 +1,8 @@
 """The MoE decoder against independent references: routing, combine, aux losses, KV cache, FP4 scope."""
 import pytest
 import torch
+
+from tests.numerics import FP64_REL
 import torch.nn.functional as F
 
 from megatron_fp4.config import Config
@@ -88,28 +90,38 @@ def test_aux_losses_match_formula_and_reach_router_grads():
     assert torch.allclose(layer.stats[-1]["aux_loss"], balance) and torch.allclose(layer.stats[-1]["z_loss"], z)
 
 
-@pytest.mark.parametrize("mode", ["bf16", "fp4_resq"])
+@pytest.mark.parametrize("mode", ["bf16", "fp4", "fp4_resq"])
 def test_kv_cache_decoding_equals_full_forward(mode):
+    """KV-cache decoding (a 7-token prefill, then one token at a time) equals the full-sequence
+    forward, checked in the float64 verification mode, on any CPU.
+
+    Why float64: the two paths run GEMMs and attention over different numbers of rows, and the CPU
+    kernels (MKL's AVX-512 path on AMD differs from Intel's, ``ATEN_CPU_CAPABILITY``) sum them in
+    orders that depend on the row count. In fp32 that is a last-ulp difference per op, and in FP4
+    modes a 1-ulp difference that lands on an E2M1 or scale rounding boundary flips a code; the KV
+    cache then carries the flip to every later token of that sequence: on one AMD EPYC machine 27 %
+    of positions differed by more than 2e-6 in ``fp4_resq``, 0-12 % on others. So nothing tight
+    holds in fp32 on every machine (decode == full bitwise needs batch-invariant kernels and exact
+    FP4 GEMMs: the bitwise-parity issue). In float64 every op's rounding is ~1e-16 relative, FP4
+    operands are still quantized from fp32 (a ~1e-16 input difference changes the fp32 value, and
+    then a code, with probability ~1e-9 per element) and the FP4 GEMMs accumulate in float64, so the
+    paths agree to ~1e-15 (measured 3e-16 under every kernel set); ``FP64_REL`` (1e-10) of the logit
+    scale is a bound, while a real bug (wrong positions, a padding leak, a stale cache) moves logits
+    by > 1e-3 of their scale.
+    """
     cfg = tiny_cfg()
     cfg.fp4.scope = "experts+attention"
-    model = build_model(cfg).eval()
+    torch.manual_seed(0)
+    model = build_model(cfg).eval().double()
     model.set_fp4_mode(mode)
-    tokens = torch.randint(0, cfg.model.vocab_size, (3, 20))
+    tokens = torch.randint(0, cfg.model.vocab_size, (3, 20), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         full = model(tokens).logits
         cache = KVCache.empty(cfg.model.num_layers)
         steps = [model(tokens[:, :7], kv_cache=cache).logits]
         steps += [model(tokens[:, t:t + 1], kv_cache=cache).logits for t in range(7, 20)]
-    # Attention over a different number of query rows changes fp32 summation order only (≤ ~2 ulp).
-    # FP4 activations are quantized per row, so batching never changes a token's bits by itself, but
-    # a 1-ulp difference in an attention output can land on an E2M1 rounding boundary and flip one
-    # code (measured over 10 seeds: 1 flip, |Δlogit| 6e-5). Hence: bf16 tight; FP4 tight on ≥ 90%
-    # of positions and bounded by one code step everywhere.
-    diff = (torch.cat(steps, 1) - full).abs().amax(-1)
-    if mode == "bf16":
-        assert diff.max() < 2e-6
-    else:
-        assert (diff > 2e-6).float().mean() <= 0.1 and diff.max() < 1e-3
+    diff = (torch.cat(steps, 1) - full).abs().max()
+    assert diff <= FP64_REL * full.abs().max(), diff
 
 
 def test_fp4_scope_decides_which_linears_are_quantized():
