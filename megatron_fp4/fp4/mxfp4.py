@@ -98,6 +98,7 @@ def fake_quantize_mxfp4(
     """``quantize_mxfp4(x).dequantize()`` without building codes (same bits).
 
     With the compiled path switched on (``fused.py``), nearest rounding runs as one fused kernel.
+    ``nonfinite``: a ``NonFiniteFlags`` to record the NaN/Inf check in (no host sync) instead of raising.
     """
     if fused.use_fused(x, rounding):
         what = "quantize_mxfp4"

@@ -143,6 +143,7 @@ def fake_quantize_nvfp4(
     """``quantize_nvfp4(x).dequantize()`` without building codes (same bits, fewer passes).
 
     With the compiled path switched on (``fused.py``), nearest rounding runs as one fused kernel.
+    ``nonfinite``: a ``NonFiniteFlags`` to record the NaN/Inf check in (no host sync) instead of raising.
     """
     if fused.use_fused(x, rounding):
         _check_options(scale, block, rounding)

@@ -152,3 +152,27 @@ def test_model_names_are_global_and_experts_keyed_by_global_id(monkeypatch):
 def test_context_validates(bad):
     with pytest.raises(ValueError, match="must be a non-negative int"):
         training_step(**bad)
+
+
+def test_resumed_run_draws_the_uninterrupted_streams():
+    """Seeds come from the trainer's step (restored from the checkpoint), not a process counter."""
+    import copy
+
+    from megatron_fp4.config import Config
+    from megatron_fp4.training.trainer import Trainer
+
+    cfg = Config()
+    cfg.model.num_layers = 1
+    s = cfg.schedule
+    s.global_batch_size, s.micro_batch_size, s.seq_len = 4, 2, 16
+    cfg.data.num_samples = 40
+    cfg.logging.tensorboard_dir, cfg.logging.progress = None, False
+    cfg.fp4.grad_rounding = "stochastic"
+    straight = Trainer(cfg)
+    losses = [straight.train_step()["loss"] for _ in range(2)]
+    first = Trainer(cfg)
+    first.train_step()
+    resumed = Trainer(cfg)
+    resumed.load_state_dict(copy.deepcopy(first.state_dict()))
+    assert resumed.train_step()["loss"] == losses[1]
+    assert all(torch.equal(p, q) for p, q in zip(resumed.model.parameters(), straight.model.parameters()))
