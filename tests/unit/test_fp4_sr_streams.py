@@ -144,6 +144,12 @@ def test_model_names_are_global_and_experts_keyed_by_global_id(monkeypatch):
     assert any(name.startswith("layers.0.mlp.experts.") and name.endswith(".w13") for name in layers)
     assert {key[2:4] for key in seen} == {(7, 5)}
     assert {key[4] for key in seen} == {"grad_output"} | {"grad_output (columnwise)"}
+    experts = model.layers[0].mlp.experts
+    experts.expert_offset = 4  # as expert parallelism sets it on a rank's local experts
+    seen.clear()
+    with training_step(0):
+        experts.expert_forward(0, torch.randn(3, cfg.model.hidden_size, requires_grad=True)).sum().backward()
+    assert {key[1] for key in seen} == {"layers.0.mlp.experts.4.w13", "layers.0.mlp.experts.4.w2"}
     name_quant_sites(model)  # idempotent
     assert model.layers[0].self_attn.q_proj.quant_name == "layers.0.self_attn.q_proj"
 
