@@ -90,16 +90,10 @@ def test_default_defers_on_accelerators_only():
 
 def test_trainer_reports_deferred_fp4_nonfinite_as_nan_step():
     """The trainer's hook: a deferred flag turns the step into its NaN policy, naming the tensor."""
-    from megatron_fp4.config import Config
     from megatron_fp4.training.trainer import Trainer, lm_loss_fn
+    from tests.unit.test_fp4_sr_streams import tiny_trainer_cfg
 
-    cfg = Config()
-    cfg.model.num_layers = 1
-    s = cfg.schedule
-    s.global_batch_size, s.micro_batch_size, s.seq_len = 4, 2, 16
-    cfg.data.num_samples = 40
-    cfg.logging.tensorboard_dir, cfg.logging.progress = None, False
-    trainer = Trainer(cfg)
+    trainer = Trainer(tiny_trainer_cfg())
     with torch.no_grad():  # NaN before the router/experts: the expert inputs are non-finite
         trainer.model.layers[0].self_attn.o_proj.weight[0, 0] = math.nan
     with training_step(0, defer_nonfinite=True):

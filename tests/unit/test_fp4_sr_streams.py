@@ -160,12 +160,9 @@ def test_context_validates(bad):
         training_step(**bad)
 
 
-def test_resumed_run_draws_the_uninterrupted_streams():
-    """Seeds come from the trainer's step (restored from the checkpoint), not a process counter."""
-    import copy
-
+def tiny_trainer_cfg():
+    """One decoder layer, 2 micro-batches of 2 × 16 tokens (shared with the non-finite tests)."""
     from megatron_fp4.config import Config
-    from megatron_fp4.training.trainer import Trainer
 
     cfg = Config()
     cfg.model.num_layers = 1
@@ -173,6 +170,16 @@ def test_resumed_run_draws_the_uninterrupted_streams():
     s.global_batch_size, s.micro_batch_size, s.seq_len = 4, 2, 16
     cfg.data.num_samples = 40
     cfg.logging.tensorboard_dir, cfg.logging.progress = None, False
+    return cfg
+
+
+def test_resumed_run_draws_the_uninterrupted_streams():
+    """Seeds come from the trainer's step (restored from the checkpoint), not a process counter."""
+    import copy
+
+    from megatron_fp4.training.trainer import Trainer
+
+    cfg = tiny_trainer_cfg()
     cfg.fp4.grad_rounding = "stochastic"
     straight = Trainer(cfg)
     losses = [straight.train_step()["loss"] for _ in range(2)]
