@@ -6,7 +6,8 @@ The quantizers themselves live in ``nvfp4.py`` (two-level scaling, E4M3 block sc
 Behaviour on bad input (the same for both formats):
 
 - Non-finite input (NaN, ±Inf) raises ``ValueError`` naming the tensor and the number of
-  non-finite elements. A block format cannot carry them (an Inf would silently become the
+  non-finite elements (or, given ``nonfinite=`` flags, records a device-side flag that the step
+  reads once: see ``nonfinite.py``). A block format cannot carry them (an Inf would silently become the
   per-tensor/per-row amax and zero every other block), and the training loop checks for NaN in
   high precision before quantization anyway. The check costs nothing extra on the happy path: the
   quantizer reduces to block amaxes anyway and only looks at those.
@@ -147,9 +148,19 @@ class NonFiniteInputError(ValueError):
     """An FP4 operand holds NaN/Inf (the trainer turns this into its NaN policy: stop or skip)."""
 
 
-def check_finite(x: torch.Tensor, block_amax: torch.Tensor, name: str, what: str) -> None:
-    """Raise if ``x`` has NaN/Inf; ``block_amax`` (a reduction of |x|) is checked first, cheaply."""
-    if not bool(torch.isfinite(block_amax).all()):
+def check_finite(x: torch.Tensor, block_amax: torch.Tensor, name: str, what: str, nonfinite=None) -> None:
+    """Raise if ``x`` has NaN/Inf; ``block_amax`` (a reduction of |x|) is checked first, cheaply.
+
+    With ``nonfinite`` (a ``NonFiniteFlags``) the flag is only recorded on the device (no host
+    sync); the caller reads it once per step."""
+    check_finite_flag(x, torch.isfinite(block_amax).all(), name, what, nonfinite)
+
+
+def check_finite_flag(x: torch.Tensor, finite: torch.Tensor, name: str, what: str, nonfinite=None) -> None:
+    """:func:`check_finite` from an already reduced 0-dim bool ``finite``."""
+    if nonfinite is not None:
+        nonfinite.record(name, what, finite)
+    elif not bool(finite):
         raise_non_finite(x, name, what)
 
 

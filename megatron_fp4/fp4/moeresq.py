@@ -23,33 +23,49 @@ Notation: ``Q`` is quantize-then-dequantize in the operand's format (fp32 result
   zero-padded to the block size (zeros add nothing to the GEMM and do not change any amax). Its
   scales depend on the other tokens in the batch: wgrad is *not* batch invariant, by design.
 - ``recipe.grad_output`` formats ``dY`` (both directions); ``recipe.input`` formats ``X`` (both).
-  Stochastic rounding draws from one ``torch.Generator`` seeded with ``recipe.seed`` at each
-  call, in a fixed order (forward: X; backward: dY row, dY col, X col; each Q before its
-  residual's Q), so the same inputs and seed give the same bits. Callers fold the step and layer
-  into ``recipe.seed`` when they want fresh noise.
+- Stochastic rounding: every operand draws from its own ``torch.Generator``, seeded by
+  ``sr_seed(recipe.seed, layer, step, micro-batch, operand)`` (``context.py``) with operands
+  ``weight``, ``input``, ``grad_output``, ``grad_output (columnwise)``, ``input (columnwise)``
+  (each Q before its residual's Q on one stream). ``layer`` is the module's global name
+  (``quant_name``), step and micro-batch come from the step context captured in forward, so
+  every layer, micro-batch and step draws fresh, reproducible noise.
 - ``recipe.quantize_backward=False``: dgrad ``dY · Q(W)`` and wgrad ``dYᵀ · X`` in fp32
   (the straight-through gradient of the quantized forward).
 - ``bf16`` mode is exactly ``F.linear(x, weight, bias)``.
+
+Autograd layout (why three Functions): zero-bubble pipeline schedules run backward as an
+input-grad pass (``torch.autograd.grad`` w.r.t. the stage inputs) and a later weight-grad pass
+started from the node where the two paths meet. With one node holding both GEMMs each pass re-ran
+its whole backward (dgrad and wgrad twice). Here ``_ForwardGemm`` (the forward GEMM) only hands
+``dY`` to two halves, ``_DgradHalf`` (edge to ``x``; holds ``Q(W)``) and ``_WgradHalf`` (edges to
+``weight``/``bias``; holds ``X``), so the input pass runs only dgrad and the weight pass only
+wgrad, each once; a plain ``backward()`` runs both, with the same bits as one node.
 """
 from __future__ import annotations
 
+import contextvars
 import math
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from megatron_fp4.fp4.context import current, sr_seed
 from megatron_fp4.fp4.mxfp4 import fake_quantize_mxfp4
+from megatron_fp4.fp4.nonfinite import NonFiniteFlags
 from megatron_fp4.fp4.nvfp4 import fake_quantize_nvfp4
 from megatron_fp4.fp4.recipe import OperandFormat, Recipe
 
 
-def _fq32(x, fmt: OperandFormat, generator=None, name: str = "x") -> torch.Tensor:
+def _fq32(x, fmt: OperandFormat, generator=None, name: str = "x", nonfinite=None) -> torch.Tensor:
     if fmt.format == "nvfp4":
         return fake_quantize_nvfp4(x, scale=fmt.scale, block=fmt.block, rounding=fmt.rounding,
-                                   generator=generator, name=name, dtype=torch.float32)
+                                   generator=generator, name=name, dtype=torch.float32, nonfinite=nonfinite)
     return fake_quantize_mxfp4(x, scale_mode=fmt.mx_scale_mode, rounding=fmt.rounding,
-                               generator=generator, name=name, dtype=torch.float32)
+                               generator=generator, name=name, dtype=torch.float32, nonfinite=nonfinite)
 
 
 def fake_quantize(x: torch.Tensor, fmt: OperandFormat, generator=None, name: str = "x") -> torch.Tensor:
@@ -58,13 +74,13 @@ def fake_quantize(x: torch.Tensor, fmt: OperandFormat, generator=None, name: str
 
 
 def resq_quantize(x: torch.Tensor, fmt: OperandFormat, compensated: bool = True, generator=None,
-                  name: str = "x") -> torch.Tensor:
+                  name: str = "x", nonfinite=None) -> torch.Tensor:
     """``Q(x) + Q(x − Q(x))`` (or ``Q(x)`` when not compensated) in fp32."""
     xf = x.to(torch.float32)
-    q = _fq32(xf, fmt, generator, name)
+    q = _fq32(xf, fmt, generator, name, nonfinite)
     if not compensated:
         return q
-    return q + _fq32(xf - q, fmt, generator, name + " residual")
+    return q + _fq32(xf - q, fmt, generator, name + " residual", nonfinite)
 
 
 def sqnr_db(x: torch.Tensor, fmt: OperandFormat) -> float:
@@ -77,85 +93,192 @@ def sqnr_db(x: torch.Tensor, fmt: OperandFormat) -> float:
     return 10.0 * math.log10(signal / noise)
 
 
-def _generator(recipe: Recipe, device, formats) -> torch.Generator | None:
-    if not any(f.rounding == "stochastic" for f in formats):
-        return None
-    return torch.Generator(device=device).manual_seed(recipe.seed)
+@dataclass(frozen=True)
+class _Site:
+    """One call of the linear: its layer name, recipe and training position (captured in forward)."""
+
+    recipe: Recipe
+    layer: str
+    step: int
+    micro_batch: int
+    nonfinite: Optional[NonFiniteFlags]
+
+    def quantize(self, a: torch.Tensor, fmt: OperandFormat, operand: str, compensated: bool) -> torch.Tensor:
+        """Q̃ of one operand on its own stochastic-rounding stream (none for nearest rounding)."""
+        gen = None
+        if fmt.rounding == "stochastic":
+            seed = sr_seed(self.recipe.seed, self.layer, self.step, self.micro_batch, operand)
+            gen = torch.Generator(device=a.device).manual_seed(seed)
+        name = f"{self.layer}:{operand}" if self.layer else operand
+        return resq_quantize(a, fmt, compensated, gen, name, self.nonfinite)
 
 
-def _accumulate_dtype(dtype: torch.dtype) -> torch.dtype:
-    """GEMM accumulation: fp32 (what FP4 tensor cores do), fp64 for fp64 inputs (the verification
-    mode, where every op's rounding is ~1e-16 so layouts and batch shapes agree on any CPU)."""
-    return torch.float64 if dtype == torch.float64 else torch.float32
-
-
-def _col_quantize(a: torch.Tensor, fmt: OperandFormat, compensated: bool, generator, name):
+def _col_quantize(site: _Site, a: torch.Tensor, fmt: OperandFormat, operand: str) -> torch.Tensor:
     """Q̃ of ``a`` (tokens, features) in blocks along tokens; returns (features, padded tokens)."""
     bs = fmt.block_size
     pad = (-a.shape[0]) % bs
     at = F.pad(a.t(), (0, pad)) if pad else a.t()
     at = at.contiguous()  # one transposing copy; strided x − Q(x) on a transposed view is ~10x slower
-    return resq_quantize(at, fmt, compensated, generator, name + " (columnwise)")
+    return site.quantize(at, fmt, operand + " (columnwise)", site.recipe.compensated)
 
 
-class _MoEResQFunction(torch.autograd.Function):
+# -- the GEMMs, shared by the split and the one-node layout -------------------------------------------
+def _forward_operands(site: _Site, x2: torch.Tensor, weight: torch.Tensor):
+    """(Q̃_row(X), Q(W)) in fp32."""
+    r = site.recipe
+    wq = site.quantize(weight, r.weight, "weight", compensated=False)
+    return site.quantize(x2, r.input, "input", r.compensated), wq
+
+
+def _accumulate_dtype(dtype: torch.dtype) -> torch.dtype:
+    """GEMM accumulation: fp32 (what FP4 tensor cores do), fp64 for fp64 inputs (the verification
+    mode, where every op's rounding is ~1e-16 so layouts and batch shapes agree on any CPU).
+    Quantizers always read their operand as fp32, as the formats define."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _gemm(xq, wq, bias32, out_shape, out_dtype) -> torch.Tensor:
+    acc = _accumulate_dtype(out_dtype)
+    bias = None if bias32 is None else bias32.to(acc)
+    return F.linear(xq.to(acc), wq.to(acc), bias).to(out_dtype).reshape(out_shape)
+
+
+def _rows32(dy: torch.Tensor) -> torch.Tensor:
+    """dY as rows in its accumulation dtype (fp32; fp64 in the verification mode)."""
+    return dy.reshape(-1, dy.shape[-1]).to(_accumulate_dtype(dy.dtype))
+
+
+def _dgrad(site: _Site, dy: torch.Tensor, wq: torch.Tensor, x_shape, x_dtype) -> torch.Tensor:
+    """dX = Q̃_row(dY) · Q(W) (dY · Q(W) without backward quantization)."""
+    dy2 = _rows32(dy)
+    if site.recipe.quantize_backward:
+        dy2 = site.quantize(dy2, site.recipe.grad_output, "grad_output", site.recipe.compensated)
+    acc = _accumulate_dtype(x_dtype)
+    return (dy2.to(acc) @ wq.to(acc)).to(x_dtype).reshape(x_shape)
+
+
+def _wgrad(site: _Site, dy: torch.Tensor, x2: torch.Tensor, w_dtype) -> torch.Tensor:
+    """dW = Q̃_col(dY)ᵀ · Q̃_col(X) (dYᵀ · X without backward quantization)."""
+    dy2, r = _rows32(dy), site.recipe
+    if not r.quantize_backward:
+        return (dy2.t() @ x2.to(dy2.dtype)).to(w_dtype)
+    dyt = _col_quantize(site, dy2, r.grad_output, "grad_output")
+    xt = _col_quantize(site, x2, r.input, "input")
+    return (dyt.to(dy2.dtype) @ xt.t().to(dy2.dtype)).to(w_dtype)
+
+
+def _bgrad(dy: torch.Tensor, b_dtype) -> torch.Tensor:
+    return _rows32(dy).sum(0).to(b_dtype)
+
+
+def _link(out_shape, dtype, device) -> torch.Tensor:
+    """A value-less carrier of dY's shape (zero strides: one element of storage)."""
+    return torch.zeros((), dtype=dtype, device=device).expand(out_shape)
+
+
+# -- split layout: the forward GEMM node and its dgrad / wgrad halves ---------------------------------
+class _ForwardGemm(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, recipe: Recipe):
-        x2 = x.reshape(-1, x.shape[-1])
-        gen = _generator(recipe, x.device, (recipe.input, recipe.weight))
-        wq = _fq32(weight, recipe.weight, gen, "weight")
-        xq = resq_quantize(x2, recipe.input, recipe.compensated, gen, "input")
-        acc = _accumulate_dtype(x.dtype)
-        y = F.linear(xq.to(acc), wq.to(acc), None if bias is None else bias.to(acc))
+    def forward(ctx, dgrad_link, wgrad_link, xq, wq, bias32, out_shape, out_dtype):
+        return _gemm(xq, wq, bias32, out_shape, out_dtype)
+
+    @staticmethod
+    def backward(ctx, dy):
+        need_d, need_w = ctx.needs_input_grad[:2]
+        return dy if need_d else None, dy if need_w else None, None, None, None, None, None
+
+
+class _DgradHalf(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, wq, site: _Site, out_shape):
+        ctx.save_for_backward(wq)
+        ctx.site, ctx.x_meta = site, (x.shape, x.dtype)
+        return _link(out_shape, x.dtype, x.device)
+
+    @staticmethod
+    def backward(ctx, dy):
+        (wq,) = ctx.saved_tensors
+        return _dgrad(ctx.site, dy, wq, *ctx.x_meta), None, None, None
+
+
+class _WgradHalf(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, weight, bias, x2, site: _Site, out_shape, out_dtype):
+        ctx.save_for_backward(x2)
+        ctx.site, ctx.dtypes = site, (weight.dtype, None if bias is None else bias.dtype)
+        return _link(out_shape, out_dtype, x2.device)
+
+    @staticmethod
+    def backward(ctx, dy):
+        (x2,) = ctx.saved_tensors
+        need_dw, need_db = ctx.needs_input_grad[:2]
+        w_dtype, b_dtype = ctx.dtypes
+        dw = _wgrad(ctx.site, dy, x2, w_dtype) if need_dw else None
+        db = _bgrad(dy, b_dtype) if need_db and b_dtype is not None else None
+        return dw, db, None, None, None, None
+
+
+# -- one-node layout: the pre-split graph, kept as the benchmark's "before" ---------------------------
+class _OneNode(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, xq, wq, x2, site: _Site, out_shape):
         ctx.save_for_backward(x2, wq)
-        ctx.recipe = recipe
+        ctx.site = site
         ctx.meta = (x.shape, x.dtype, weight.dtype, None if bias is None else bias.dtype)
-        return y.to(x.dtype).reshape(*x.shape[:-1], weight.shape[0])
+        return _gemm(xq, wq, None if bias is None else bias.to(_accumulate_dtype(x.dtype)), out_shape, x.dtype)
 
     @staticmethod
     def backward(ctx, dy):
         x2, wq = ctx.saved_tensors
-        recipe: Recipe = ctx.recipe
         x_shape, x_dtype, w_dtype, b_dtype = ctx.meta
-        acc = _accumulate_dtype(dy.dtype)
-        dy2 = dy.reshape(-1, dy.shape[-1]).to(acc)  # quantizers read it as fp32, as the formats define
-        wq = wq.to(acc)
         need_dx, need_dw, need_db = ctx.needs_input_grad[:3]
-        dx = dw = db = None
-        if recipe.quantize_backward:
-            comp = recipe.compensated
-            gen = _generator(recipe, dy.device, (recipe.input, recipe.grad_output))
-            if need_dx:
-                dyq = resq_quantize(dy2, recipe.grad_output, comp, gen, "grad_output")
-                dx = dyq.to(acc) @ wq
-            if need_dw:
-                dyt = _col_quantize(dy2, recipe.grad_output, comp, gen, "grad_output")
-                xt = _col_quantize(x2, recipe.input, comp, gen, "input")
-                dw = dyt.to(acc) @ xt.t().to(acc)
-        else:
-            if need_dx:
-                dx = dy2 @ wq
-            if need_dw:
-                dw = dy2.t() @ x2.to(acc)
-        if dx is not None:
-            dx = dx.to(x_dtype).reshape(x_shape)
-        if dw is not None:
-            dw = dw.to(w_dtype)
-        if need_db and b_dtype is not None:
-            db = dy2.sum(0).to(b_dtype)
-        return dx, dw, db, None
+        dx = _dgrad(ctx.site, dy, wq, x_shape, x_dtype) if need_dx else None
+        dw = _wgrad(ctx.site, dy, x2, w_dtype) if need_dw else None
+        db = _bgrad(dy, b_dtype) if need_db and b_dtype is not None else None
+        return dx, dw, db, None, None, None, None, None
+
+
+_ONE_NODE = contextvars.ContextVar("moeresq_one_node_backward", default=False)
+
+
+@contextmanager
+def one_node_backward():
+    """Build MoEResQ graphs as one autograd node (the layout before the dgrad/wgrad split; same
+    bits). Only for measuring what the split saves: zero-bubble schedules re-run this node's
+    whole backward in both their input-grad and weight-grad passes."""
+    token = _ONE_NODE.set(True)
+    try:
+        yield
+    finally:
+        _ONE_NODE.reset(token)
 
 
 def moeresq_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
-                   recipe: Recipe) -> torch.Tensor:
-    """``x`` (…, in) · ``weight`` (out, in)ᵀ under ``recipe`` (see the module docstring)."""
+                   recipe: Recipe, name: str = "") -> torch.Tensor:
+    """``x`` (…, in) · ``weight`` (out, in)ᵀ under ``recipe`` (see the module docstring).
+
+    ``name``: the layer's global name, which keys its stochastic-rounding streams and names it in
+    non-finite errors (unnamed layers share streams)."""
     if not isinstance(recipe, Recipe):
         raise ValueError(f"moeresq_linear: recipe must be a Recipe, got {type(recipe).__name__}")
     if x.shape[-1] != weight.shape[-1]:
         raise ValueError(f"moeresq_linear: input last dim {x.shape[-1]} != weight in_features {weight.shape[-1]}")
     if recipe.mode == "bf16":
         return F.linear(x, weight, bias)
-    return _MoEResQFunction.apply(x, weight, bias, recipe)
+    now = current()
+    site = _Site(recipe, name, now.step, now.micro_batch, now.nonfinite_flags_for(x.device))
+    out_shape = (*x.shape[:-1], weight.shape[0])
+    x2 = x.reshape(-1, x.shape[-1])
+    with torch.no_grad():
+        xq, wq = _forward_operands(site, x2, weight)
+    bias32 = None if bias is None else bias.detach().to(_accumulate_dtype(x.dtype))
+    if not (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weight, bias))):
+        return _gemm(xq, wq, bias32, out_shape, x.dtype)
+    if _ONE_NODE.get():
+        return _OneNode.apply(x, weight, bias, xq, wq, x2.detach(), site, out_shape)
+    dgrad_link = _DgradHalf.apply(x, wq, site, out_shape)
+    wgrad_link = _WgradHalf.apply(weight, bias, x2.detach(), site, out_shape, x.dtype)
+    return _ForwardGemm.apply(dgrad_link, wgrad_link, xq, wq, bias32, out_shape, x.dtype)
 
 
 class MoEResQLinear(nn.Module):
@@ -169,9 +292,10 @@ class MoEResQLinear(nn.Module):
         self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype, device=device))
         self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype, device=device)) if bias else None
         nn.init.kaiming_uniform_(self.weight, a=math.sqrt(5))
+        self.quant_name = ""  # global module name, set by `name_quant_sites` on the full model
 
     def forward(self, x):
-        return moeresq_linear(x, self.weight, self.bias, recipe=self.recipe)
+        return moeresq_linear(x, self.weight, self.bias, recipe=self.recipe, name=self.quant_name)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "

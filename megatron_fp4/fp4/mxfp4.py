@@ -19,7 +19,7 @@ import torch
 from megatron_fp4.fp4 import fused
 from megatron_fp4.fp4.e2m1 import round_e2m1_, stochastic_round_e2m1, values_to_codes
 from megatron_fp4.fp4.formats import (
-    FP4Tensor, abs_block_max, check_finite, check_input, check_multiple, pow2_fp32, raise_non_finite,
+    FP4Tensor, abs_block_max, check_finite, check_input, check_multiple, pow2_fp32, check_finite_flag,
     to_fp32_rows,
 )
 
@@ -49,7 +49,7 @@ def _check_options(scale_mode: str, rounding: str) -> None:
         raise ValueError(f"{what}: rounding={rounding!r} is not one of ('nearest', 'stochastic')")
 
 
-def mxfp4_core(x: torch.Tensor, scale_mode: str, rounding: str, generator, name: str):
+def mxfp4_core(x: torch.Tensor, scale_mode: str, rounding: str, generator, name: str, nonfinite=None):
     """Returns (rounded signed E2M1 values (rows, nblk, 32) fp32, unbiased exponent (rows, nblk, 1))."""
     what = "quantize_mxfp4"
     _check_options(scale_mode, rounding)
@@ -58,7 +58,7 @@ def mxfp4_core(x: torch.Tensor, scale_mode: str, rounding: str, generator, name:
     a, pooled = abs_block_max(xf, MX_BLOCK)  # |x| (fresh buffer, reused for y below), block maxima
     nblk = x.shape[-1] // MX_BLOCK
     block_amax = pooled.view(-1, nblk, 1)
-    check_finite(x, block_amax.amax(), name, what)  # amax propagates NaN/Inf
+    check_finite(x, block_amax.amax(), name, what, nonfinite)  # amax propagates NaN/Inf
     e = shared_exponent(block_amax, scale_mode)
     xb = xf.view(-1, nblk, MX_BLOCK)
     inv = pow2_fp32(-e)  # multiply by 2^-e == divide by 2^e, exactly
@@ -93,10 +93,12 @@ def fake_quantize_mxfp4(
     generator: torch.Generator | None = None,
     name: str = "x",
     dtype: torch.dtype | None = None,
+    nonfinite=None,
 ) -> torch.Tensor:
     """``quantize_mxfp4(x).dequantize()`` without building codes (same bits).
 
     With the compiled path switched on (``fused.py``), nearest rounding runs as one fused kernel.
+    ``nonfinite``: a ``NonFiniteFlags`` to record the NaN/Inf check in (no host sync) instead of raising.
     """
     if fused.use_fused(x, rounding):
         what = "quantize_mxfp4"
@@ -106,8 +108,7 @@ def fake_quantize_mxfp4(
         res = fused.fake_quantize_mxfp4_fused(x, scale_mode, dtype or x.dtype)
         if res is not None:
             out, finite = res
-            if not bool(finite):
-                raise_non_finite(x, name, what)
+            check_finite_flag(x, finite, name, what, nonfinite)
             return out
-    q, e = mxfp4_core(x, scale_mode, rounding, generator, name)
+    q, e = mxfp4_core(x, scale_mode, rounding, generator, name, nonfinite)
     return q.mul_(pow2_fp32(e)).reshape(x.shape).to(dtype or x.dtype)

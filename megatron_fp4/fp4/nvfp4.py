@@ -21,7 +21,7 @@ import torch
 from megatron_fp4.fp4 import fused
 from megatron_fp4.fp4.e2m1 import round_e2m1_, stochastic_round_e2m1, values_to_codes
 from megatron_fp4.fp4.formats import (
-    FLT_MAX, FP4Tensor, abs_block_max, check_finite, check_input, check_multiple, raise_non_finite, to_fp32_rows,
+    FLT_MAX, FP4Tensor, abs_block_max, check_finite, check_input, check_multiple, check_finite_flag, to_fp32_rows,
 )
 
 E4M3_MAX = 448.0
@@ -82,7 +82,7 @@ def nvfp4_scales(block_amax: torch.Tensor, scale: str):
     return amax, s_blk, s_blk32, s_dec, enc_blk
 
 
-def nvfp4_core(x: torch.Tensor, scale: str, block: str, rounding: str, generator, name: str):
+def nvfp4_core(x: torch.Tensor, scale: str, block: str, rounding: str, generator, name: str, nonfinite=None):
     """Shared by the quantizer and the fake-quant path.
 
     Returns (rounded signed E2M1 values in block layout (fp32, a fresh buffer), s_blk (e4m3, block
@@ -99,7 +99,7 @@ def nvfp4_core(x: torch.Tensor, scale: str, block: str, rounding: str, generator
         m, nt = x.shape[-2], pooled.shape[-1]
         block_amax = pooled.view(-1, m // 16, 16, nt).amax(dim=2).view(-1, m // 16, 1, nt, 1)
     amax, s_blk, s_blk32, s_dec, enc_blk = nvfp4_scales(block_amax, scale)
-    check_finite(x, amax, name, "quantize_nvfp4")
+    check_finite(x, amax, name, "quantize_nvfp4", nonfinite)
     xb = _block_view(xf, block)
     if torch.is_grad_enabled() and xb.requires_grad:  # out= is not differentiable
         y = (xb * enc_blk).clamp_(-6.0, 6.0)
@@ -138,10 +138,12 @@ def fake_quantize_nvfp4(
     generator: torch.Generator | None = None,
     name: str = "x",
     dtype: torch.dtype | None = None,
+    nonfinite=None,
 ) -> torch.Tensor:
     """``quantize_nvfp4(x).dequantize()`` without building codes (same bits, fewer passes).
 
     With the compiled path switched on (``fused.py``), nearest rounding runs as one fused kernel.
+    ``nonfinite``: a ``NonFiniteFlags`` to record the NaN/Inf check in (no host sync) instead of raising.
     """
     if fused.use_fused(x, rounding):
         _check_options(scale, block, rounding)
@@ -149,9 +151,8 @@ def fake_quantize_nvfp4(
         res = fused.fake_quantize_nvfp4_fused(x, scale, block, dtype or x.dtype)
         if res is not None:
             out, finite = res
-            if not bool(finite):
-                raise_non_finite(x, name, "quantize_nvfp4")
+            check_finite_flag(x, finite, name, "quantize_nvfp4", nonfinite)
             return out
-    q, _, s_blk32, s_dec = nvfp4_core(x, scale, block, rounding, generator, name)
+    q, _, s_blk32, s_dec = nvfp4_core(x, scale, block, rounding, generator, name, nonfinite)
     out = q.mul_(s_blk32).mul_(s_dec)  # (code · s_blk) · S_dec, left to right
     return out.reshape(x.shape).to(dtype or x.dtype)

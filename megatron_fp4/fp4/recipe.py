@@ -68,7 +68,8 @@ class Recipe:
     grad_output: OperandFormat = field(default_factory=OperandFormat)
     # Quantize dgrad/wgrad operands too (FP4 backward). False keeps backward GEMMs in high precision.
     quantize_backward: bool = True
-    # Seed for stochastic rounding of gradients; combined with a per-call counter by the caller.
+    # Base seed of stochastic rounding; each draw's stream is keyed by (seed, layer, step, micro-batch,
+    # operand), see context.py.
     seed: int = 0
 
     def __post_init__(self):

@@ -65,11 +65,13 @@ class GroupedExperts(nn.Module):
         self.recipe = recipe
         self.w13 = nn.Parameter(torch.empty(num_experts, 2 * ffn, hidden))
         self.w2 = nn.Parameter(torch.empty(num_experts, hidden, ffn))
+        self.quant_name = ""  # global module name (fp4 `name_quant_sites`); keys SR streams per expert
 
     def expert_forward(self, e: int, x: torch.Tensor) -> torch.Tensor:
-        h = moeresq_linear(x, self.w13[e], recipe=self.recipe)
+        name = f"{self.quant_name}.{getattr(self, 'expert_offset', 0) + e}"  # global expert id
+        h = moeresq_linear(x, self.w13[e], recipe=self.recipe, name=name + ".w13")
         gate, up = h.split(self.ffn, dim=-1)
-        return moeresq_linear(F.silu(gate) * up, self.w2[e], recipe=self.recipe)
+        return moeresq_linear(F.silu(gate) * up, self.w2[e], recipe=self.recipe, name=name + ".w2")
 
     def forward(self, x_sorted: torch.Tensor, counts: list[int]) -> torch.Tensor:
         """x_sorted [N, H]: tokens grouped by local expert, `counts[e]` rows for expert e."""

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from megatron_fp4.fp4 import MoEResQLinear, Recipe
+from megatron_fp4.fp4 import MoEResQLinear, Recipe, name_quant_sites
 from megatron_fp4.model.layers import Attention, KVCache, LayerCache, RMSNorm, SwiGLU, upcast
 from megatron_fp4.model.moe import GroupedExperts, MoELayer
 from megatron_fp4.model.specs import attention_recipe, expert_recipe
@@ -60,6 +60,7 @@ class MoETransformer(nn.Module):
         self.layers = nn.ModuleList([DecoderLayer(cfg, fp4_cfg, i) for i in range(cfg.num_layers)])
         self.norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
         self.lm_head = None if cfg.tie_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        name_quant_sites(self)  # global names for FP4 SR streams and errors, kept by pp/ep splitting
 
     # -- pieces used by the pipeline splitter ---------------------------------------------------
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:

@@ -96,6 +96,7 @@ def _local_experts(full: GroupedExperts, lo: int, hi: int) -> GroupedExperts:
     local.w2.requires_grad_(full.w2.requires_grad)
     local.to(full.w13.device)
     local.expert_offset, local.num_global_experts = lo, full.num_experts
+    local.quant_name = full.quant_name  # fp4 SR streams are keyed by the global name + expert id
     return local
 
 

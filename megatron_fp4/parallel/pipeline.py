@@ -26,6 +26,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from megatron_fp4.fp4 import micro_batch as fp4_micro_batch
+
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "interleaved_zero_bubble", "zbv")
 MULTI_CHUNK_SCHEDULES = ("interleaved_1f1b", "interleaved_zero_bubble", "zbv")
 # Chunk placement each schedule expects: "loop" puts chunk c on rank c % pp (Megatron interleaving);
@@ -137,6 +139,18 @@ def build_chunks(model: nn.Module, pp: int, pp_rank: int, virtual_stages: int = 
     return chunks
 
 
+# -- FP4 micro-batch context (fp4-followups) --------------------------------------------------------
+def run_chunks_in_fp4_micro_batch(stage) -> None:
+    """Run each forward/backward call of `stage` inside the FP4 context of its micro-batch (the
+    schedule's chunk id, the first positional argument), so FP4 stochastic rounding draws the same
+    streams as the single-process trainer, whatever the schedule's order."""
+    for method in ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk"):
+        def in_micro_batch(chunk_id, *args, _original=getattr(stage, method), **kwargs):
+            with fp4_micro_batch(chunk_id):
+                return _original(chunk_id, *args, **kwargs)
+        setattr(stage, method, in_micro_batch)
+
+
 # -- the runner -------------------------------------------------------------------------------------
 def schedule_class(name: str):
     from torch.distributed.pipelining import (Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B,
@@ -180,6 +194,8 @@ class PipelineRunner:
                                      input_grads=(None if chunk.is_first else hidden,),
                                      output_grads=(None if chunk.is_last else hidden,))
                        for c, chunk in self.chunks]
+        for stage in self.stages:  # fp4-followups: FP4 SR streams keyed by micro-batch
+            run_chunks_in_fp4_micro_batch(stage)
         self.has_first = any(chunk.is_first for _, chunk in self.chunks)
         self.has_last = any(chunk.is_last for _, chunk in self.chunks)
         self._loss_fn = loss_fn

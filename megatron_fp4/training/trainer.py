@@ -18,6 +18,7 @@ import torch
 
 from megatron_fp4.config import Config
 from megatron_fp4.fp4 import NonFiniteInputError
+from megatron_fp4.fp4 import current as fp4_current, micro_batch as fp4_micro_batch, training_step as fp4_training_step
 from megatron_fp4.model import build_model, lm_loss
 from megatron_fp4.parallel.mesh import ParallelMesh, resolve_device
 from megatron_fp4.training import checkpoint as ckpt
@@ -95,17 +96,21 @@ class Trainer:
         n = len(micro_batches)
         self.model.set_aux_loss_scale(1.0 / n)
         total, metrics = 0.0, {}
-        for mb in micro_batches:
+        for i, mb in enumerate(micro_batches):
             try:
-                with self.autocast():
-                    loss, extra = loss_fn(self.model, mb)
-                (loss / n).backward()
+                with fp4_micro_batch(i):  # fp4-followups: FP4 SR streams keyed by micro-batch
+                    with self.autocast():
+                        loss, extra = loss_fn(self.model, mb)
+                    (loss / n).backward()
             except NonFiniteInputError as err:
                 # NaN/Inf reached an FP4 operand (forward or backward): same policy as a NaN loss.
                 return math.nan, {"nonfinite_where": str(err)}
             total += loss.detach().item() / n
             for key, value in extra.items():
                 metrics[key] = metrics.get(key, 0.0) + float(value) / n
+        deferred = fp4_current().nonfinite_error()  # fp4-followups: the step's deferred FP4 NaN/Inf flags, one sync
+        if deferred is not None:
+            return math.nan, {"nonfinite_where": str(deferred)}
         return total, metrics
 
     def train_step_with_loss(self, micro_batches: list[dict], loss_fn: LossFn = lm_loss_fn) -> dict:
@@ -114,7 +119,9 @@ class Trainer:
         self.model.train()
         self.optimizer.zero_grad()
         start = time.perf_counter()
-        loss, metrics = self.forward_backward(micro_batches, loss_fn)
+        # fp4-followups: FP4 step context (SR seeds by step and global micro-batch; deferred NaN/Inf flags)
+        with fp4_training_step(self.step, first_micro_batch=self.mesh.coord("dp") * len(micro_batches)):
+            loss, metrics = self.forward_backward(micro_batches, loss_fn)
         self.optimizer.finish_grad_sync()
         grad_norm = self.optimizer.grad_norm()
         lr = lr_at(self.step, self.cfg.optimizer, self.cfg.schedule)
