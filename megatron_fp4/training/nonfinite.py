@@ -26,22 +26,17 @@ class NonFiniteError(RuntimeError):
     """Loss, gradients or weights were NaN/Inf; the run stops (the message says what was kept)."""
 
 
-class _Gate(torch.autograd.Function):
-    """Identity for finite tensors in both directions; a non-finite one trips the gate and is zeroed."""
-
-    @staticmethod
-    def forward(ctx, x, gate: "LayerGate", where: str):
-        ctx.gate, ctx.where = gate, where
-        return gate.clean(x, where).view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return ctx.gate.clean(grad, f"gradient of the {ctx.where}"), None, None
-
-
 class LayerGate:
     """Watches the decoder layers of one model during a step (`watching`); `where` names the first
-    place a non-finite value was seen on this rank (None: nothing seen)."""
+    place a non-finite value was seen on this rank (None: nothing seen).
+
+    Forward: each layer's input is checked (that covers the embedding's output, activations
+    received from another pipeline stage and every layer's output but the last, whose output only
+    feeds the un-quantized norm and LM head and so the loss, which is checked). Backward: the
+    gradient of each layer's output is checked by a hook on that output tensor, before it enters
+    the layer's backward (that covers gradients from the loss, from the next layer and from the
+    next stage). Finite tensors pass through untouched: no copy, no new autograd node, no view (the
+    pipeline schedules detach stage outputs in place, which a view would forbid)."""
 
     def __init__(self):
         self.where: Optional[str] = None
@@ -57,32 +52,36 @@ class LayerGate:
         if self.where is None:
             self.where = where
 
-    def clean(self, x: torch.Tensor, where: str) -> torch.Tensor:
-        if x is None or bool(torch.isfinite(x).all()):
-            return x
+    def clean(self, x: torch.Tensor, where: str) -> Optional[torch.Tensor]:
+        """None when `x` is finite, else `x` with NaN/Inf replaced by zeros (and the gate tripped)."""
+        if bool(torch.isfinite(x).all()):
+            return None
         self.trip(where)
         return torch.nan_to_num(x, nan=0.0, posinf=0.0, neginf=0.0)
 
-    def _gate(self, x, where: str):
-        if isinstance(x, torch.Tensor) and x.is_floating_point():
-            return _Gate.apply(x, self, where)
-        return x
-
     @contextmanager
     def watching(self, layers):
-        """Gate the input and the output of every layer in `layers` (absent pipeline placeholders
-        are never called, so their hooks never run)."""
+        """Gate every layer in `layers` (absent pipeline placeholders are never called)."""
+        def is_float(x):
+            return isinstance(x, torch.Tensor) and x.is_floating_point()
+
+        def pre(module, args, i):
+            if args and is_float(args[0]):
+                cleaned = self.clean(args[0], f"input of model.layers.{i}")
+                return None if cleaned is None else (cleaned,) + tuple(args[1:])
+            return None
+
+        def post(module, args, output, i):
+            h = output[0] if isinstance(output, tuple) else output
+            if is_float(h) and h.requires_grad:
+                where = f"gradient of the output of model.layers.{i}"
+                h.register_hook(lambda grad: self.clean(grad, where))
+            return None
+
         handles = []
         for i, layer in enumerate(layers):
-            def pre(module, args, i=i):
-                return (self._gate(args[0], f"input of model.layers.{i}"),) + tuple(args[1:]) if args else None
-
-            def post(module, args, output, i=i):
-                if isinstance(output, tuple):
-                    return (self._gate(output[0], f"output of model.layers.{i}"),) + output[1:]
-                return self._gate(output, f"output of model.layers.{i}")
-
-            handles += [layer.register_forward_pre_hook(pre), layer.register_forward_hook(post)]
+            handles.append(layer.register_forward_pre_hook(lambda m, a, i=i: pre(m, a, i)))
+            handles.append(layer.register_forward_hook(lambda m, a, o, i=i: post(m, a, o, i)))
         try:
             yield self
         finally:

@@ -1,7 +1,7 @@
 """Row 4/8 of issue 10: a NaN on ONE rank ends or skips the step identically on every rank.
 
 Two gloo processes, tiny FP4 MoE (experts in NVFP4, so the quantizers' non-finite checks are on
-the path), dp2 and pp2. On one rank only we inject NaN activations into a layer (forward) or a NaN
+the path), dp2, pp2 (1F1B) and pp2 with the interleaved zero-bubble schedule. On one rank only we inject NaN activations into a layer (forward) or a NaN
 gradient out of a layer (backward, which under pp2 crosses to the other stage), with
 nan_policy=skip and stop. Every rank must take the same decision, parameters and Adam state must be
 bitwise unchanged by a refused step, the next clean step must run (collectives still in step), and
@@ -18,10 +18,14 @@ from tests.faults._nan_worker import nan_guard_worker
 pytestmark = [pytest.mark.faults, pytest.mark.distributed]
 
 
-@pytest.mark.parametrize("layout,pp,victim", [("dp2", 1, 0), ("pp2", 2, 1)])
-def test_nan_on_one_rank_is_decided_the_same_on_every_rank(layout, pp, victim):
+ZERO_BUBBLE = dict(virtual_stages=2, schedule="interleaved_zero_bubble")  # backward split into input/weight passes
+
+
+@pytest.mark.parametrize("layout,pp,victim,parallel", [("dp2", 1, 0, {}), ("pp2", 2, 1, {}),
+                                                      ("pp2_zero_bubble", 2, 1, ZERO_BUBBLE)])
+def test_nan_on_one_rank_is_decided_the_same_on_every_rank(layout, pp, victim, parallel):
     max_skips = 2
-    results = run_distributed(nan_guard_worker, 2, args=(pp, victim, max_skips), timeout_s=240)
+    results = run_distributed(nan_guard_worker, 2, args=(pp, victim, max_skips, parallel), timeout_s=240)
     for policy, mode in [("skip", "act"), ("skip", "grad"), ("stop", "act"), ("stop", "grad")]:
         cases = [r["cases"][(policy, mode)] for r in results]
         want = "skipped" if policy == "skip" else "stopped"
