@@ -108,8 +108,9 @@ class Trainer:
                     loss, extra = loss_fn(self.model, mb)
                 (loss / n).backward()
             except NonFiniteInputError as err:
-                # Inside a layer despite the gate (e.g. an overflow within it): same policy as a NaN
-                # loss. Only reached without peers in the step (the gate keeps layouts out of here).
+                # Non-finite inside a layer despite the gate (finite inputs overflowing within it, or
+                # non-finite weights, which the guard never commits): same policy as a NaN loss. On
+                # one rank of a multi-rank step this early return can still leave collectives short.
                 self.gate.trip(f"an FP4 operand ({err})")
                 return math.nan, {}
             total += loss.detach().float().item() / n
