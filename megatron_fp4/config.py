@@ -76,6 +76,9 @@ class ParallelConfig:
     gcmoe_chunk_tokens: int = 64
     gcmoe_ring_slots: int = 8  # receive ring: ring_slots × chunk_tokens × hidden elements per rank
     gcmoe_transfer_sms: int = 20  # CUDA green-context split; ignored on CPU
+    # Seconds any collective of any group the mesh creates may wait for a peer before the job ends
+    # with an error (a hung or stopped rank must not block the others forever).
+    timeout_s: float = 300.0
 
 
 @dataclass
@@ -98,6 +101,7 @@ class ScheduleConfig:
     seq_len: int = 64
     seed: int = 1234
     nan_policy: str = "stop"  # stop | skip
+    max_consecutive_skips: int = 10  # with nan_policy=skip: stop after this many non-finite steps in a row
 
 
 @dataclass

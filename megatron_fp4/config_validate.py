@@ -4,6 +4,9 @@ Each error names the field, the value it has and what to do instead.
 """
 from __future__ import annotations
 
+import dataclasses
+import math
+
 from megatron_fp4.config import Config, ConfigError
 
 ARITHMETIC_VOCAB_SIZE = 18  # pad, bos, eos, 0-9, + - * = and space
@@ -48,7 +51,18 @@ def resolve_dp(cfg: Config, world_size: int) -> int:
     return p.dp
 
 
+def _check_finite_floats(node, prefix: str = "") -> None:
+    """Every float field of every section must be a real number: NaN/Inf would reach the weights."""
+    for f in dataclasses.fields(node):
+        value, name = getattr(node, f.name), f"{prefix}{f.name}"
+        if dataclasses.is_dataclass(value):
+            _check_finite_floats(value, name + ".")
+        elif isinstance(value, float) and not math.isfinite(value):
+            raise ConfigError(f"{name}={value!r}: must be a finite number (NaN and Inf are not allowed)")
+
+
 def validate_config(cfg: Config, world_size: int = 1) -> None:
+    _check_finite_floats(cfg)
     for dotted, allowed in _CHOICES.items():
         value = _get(cfg, dotted)
         _require(value in allowed, dotted, value, f"must be one of {list(allowed)}")
@@ -69,6 +83,10 @@ def validate_config(cfg: Config, world_size: int = 1) -> None:
                  f"entries must be layer indices in [0, {m.num_layers})")
     _require(m.router_aux_loss_coef >= 0, "model.router_aux_loss_coef", m.router_aux_loss_coef, "must be >= 0")
     _require(m.router_z_loss_coef >= 0, "model.router_z_loss_coef", m.router_z_loss_coef, "must be >= 0")
+    _require(m.init_std > 0, "model.init_std", m.init_std, "must be > 0 (the std of the initial weights, e.g. 0.02)")
+    _require(m.rope_theta > 0, "model.rope_theta", m.rope_theta,
+             "must be > 0 (the rotary base, e.g. 10000; 0 makes every rotary frequency NaN)")
+    _require(m.norm_eps > 0, "model.norm_eps", m.norm_eps, "must be > 0 (RMSNorm's epsilon, e.g. 1e-6)")
     if cfg.data.kind == "arithmetic":
         # The embedded tokenizer's size, as a constant: config sits above training/ in the layer
         # order and must not import it (tests/unit/test_data.py pins the two together).
@@ -80,7 +98,7 @@ def validate_config(cfg: Config, world_size: int = 1) -> None:
     s = cfg.schedule
     _require(s.seq_len <= m.max_seq_len, "schedule.seq_len", s.seq_len,
              f"exceeds model.max_seq_len={m.max_seq_len}; raise max_seq_len or shorten seq_len")
-    for name in ("train_steps", "global_batch_size", "micro_batch_size", "seq_len"):
+    for name in ("train_steps", "global_batch_size", "micro_batch_size", "seq_len", "max_consecutive_skips"):
         _require(getattr(s, name) > 0, f"schedule.{name}", getattr(s, name), "must be a positive integer")
     _require(0 <= s.warmup_steps <= s.train_steps, "schedule.warmup_steps", s.warmup_steps,
              f"must be in [0, schedule.train_steps={s.train_steps}]")
@@ -90,6 +108,8 @@ def validate_config(cfg: Config, world_size: int = 1) -> None:
     _require(0 <= o.min_lr <= o.lr, "optimizer.min_lr", o.min_lr, f"must be in [0, optimizer.lr={o.lr}]")
     _require(0 <= o.beta1 < 1 and 0 <= o.beta2 < 1, "optimizer.beta1/beta2", (o.beta1, o.beta2), "must be in [0, 1)")
     _require(o.clip_grad >= 0, "optimizer.clip_grad", o.clip_grad, "must be >= 0 (0 disables clipping)")
+    _require(o.eps > 0, "optimizer.eps", o.eps, "must be > 0 (Adam's denominator epsilon, e.g. 1e-8)")
+    _require(o.weight_decay >= 0, "optimizer.weight_decay", o.weight_decay, "must be >= 0 (0 disables decay)")
 
     _validate_parallel(cfg, world_size)
 
@@ -102,6 +122,8 @@ def validate_config(cfg: Config, world_size: int = 1) -> None:
     _require(c.load != "auto" or bool(c.dir), "checkpoint.load", c.load, "'auto' needs checkpoint.dir to look in")
     _require(c.keep_last >= 0, "checkpoint.keep_last", c.keep_last,
              "must be >= 0 (the number of newest step directories kept; 0 keeps all)")
+    _require(cfg.logging.log_interval >= 0, "logging.log_interval", cfg.logging.log_interval,
+             "must be >= 0 (0 turns the periodic statistics off)")
 
 
 def _validate_fp4_shapes(cfg: Config) -> None:
@@ -157,6 +179,8 @@ def _validate_parallel(cfg: Config, world_size: int) -> None:
         _require(False, "parallel.schedule", p.schedule,
                  f"virtual_stages={p.virtual_stages} needs a multi-chunk schedule "
                  f"(interleaved_1f1b, interleaved_zero_bubble or zbv)")
+    _require(p.timeout_s > 0, "parallel.timeout_s", p.timeout_s,
+             "must be > 0 seconds (how long a collective waits for a hung peer before the job ends)")
     _require(p.bucket_size_mb > 0, "parallel.bucket_size_mb", p.bucket_size_mb, "must be > 0")
     _require(p.gcmoe_chunk_tokens > 0, "parallel.gcmoe_chunk_tokens", p.gcmoe_chunk_tokens, "must be > 0")
     _require(p.gcmoe_ring_slots > 0, "parallel.gcmoe_ring_slots", p.gcmoe_ring_slots, "must be > 0")

@@ -2,6 +2,9 @@
 
 Without --config it trains the embedded default (`megatron_fp4/configs/tiny_moe.yaml`). Under
 torchrun the same command runs every rank of the configured parallel layout.
+
+A mistake in what the user pointed us at (config field, YAML syntax, checkpoint, data file) is one
+line on stderr and exit code 2; a run the NaN guard stopped is one line and exit code 3.
 """
 from __future__ import annotations
 
@@ -9,7 +12,11 @@ import argparse
 import os
 import sys
 
+import yaml
+
 from megatron_fp4.config import ConfigError, default_config_path, load_config
+
+EXIT_USER_ERROR, EXIT_NON_FINITE = 2, 3
 
 
 def parse_args(argv=None):
@@ -48,7 +55,17 @@ def run(cfg) -> list[dict]:
     return history
 
 
+def _one_line(kind: str, err: BaseException) -> str:
+    text = " ".join(str(err).split())  # YAML errors span several lines
+    rank = f"rank {os.environ['RANK']}: " if int(os.environ.get("WORLD_SIZE", "1")) > 1 else ""
+    return f"{rank}{kind} error: {text}"
+
+
 def main(argv=None) -> int:
+    from megatron_fp4.training.checkpoint import CheckpointError
+    from megatron_fp4.training.data import DataError
+    from megatron_fp4.training.trainer import NonFiniteError
+
     args = parse_args(argv)
     overrides = list(args.overrides) + ([f"schedule.train_steps={args.steps}"] if args.steps is not None else [])
     try:
@@ -60,8 +77,21 @@ def main(argv=None) -> int:
     except ConfigError as err:
         if int(os.environ.get("RANK", "0")) == 0:
             print(f"config error: {err}", file=sys.stderr)
-        return 2
-    run(cfg)
+        return EXIT_USER_ERROR
+    except yaml.YAMLError as err:
+        if int(os.environ.get("RANK", "0")) == 0:
+            where = args.config or "a --set value"
+            print(_one_line("YAML", err) + f" (in {where}; fix the syntax there)", file=sys.stderr)
+        return EXIT_USER_ERROR
+    try:
+        run(cfg)
+    except (CheckpointError, DataError, ConfigError) as err:
+        kind = "checkpoint" if isinstance(err, CheckpointError) else "data" if isinstance(err, DataError) else "config"
+        print(_one_line(kind, err), file=sys.stderr)
+        return EXIT_USER_ERROR
+    except NonFiniteError as err:
+        print(_one_line("non-finite", err), file=sys.stderr)
+        return EXIT_NON_FINITE
     return 0
 
 

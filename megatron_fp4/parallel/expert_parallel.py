@@ -106,7 +106,7 @@ def _transfer_group(mesh: ParallelMesh):
     group in the same order and keeps its own."""
     mine = None
     for ranks in layout_groups(mesh.pp, mesh.dp, mesh.ep, mesh.tp)["ep"]:
-        group = dist.new_group(ranks)
+        group = mesh.new_group(ranks)  # with the mesh's timeout, like every group
         if mesh.rank in ranks:
             mine = group
     return mine
@@ -180,6 +180,7 @@ def apply_expert_parallel(model: nn.Module, mesh: ParallelMesh, dispatcher: str 
         else:
             moe.dispatcher = GCMoEDispatcher(group, ep, full.num_experts, channel, chunk_tokens,
                                              gcmoe_compute, ring_slots)
+            moe.dispatcher.timeout_s = mesh.timeout_s  # its waits end with the groups' timeout
     return model
 
 

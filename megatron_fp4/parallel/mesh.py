@@ -9,6 +9,11 @@ ranks form a grid ``edp × ep`` with ``ep`` fastest, so
 
 Nothing here is global: build a `ParallelMesh` once and pass it to whoever needs a group.
 Device and backend are decided in one place (`resolve_device`): gloo on CPU, NCCL on CUDA.
+
+Every group the mesh creates (each axis, plus ``world`` for whole-mesh decisions such as the NaN
+guard's) gets the same timeout, ``parallel.timeout_s``: a hung or stopped peer makes the waiting
+collectives fail after that long instead of blocking for torch's default of 30 minutes, and
+`peer_failure` turns that failure into a message naming this rank and its groups.
 """
 from __future__ import annotations
 
@@ -34,6 +39,15 @@ def resolve_device(preference: str = "auto") -> torch.device:
 
 def backend_for(device: torch.device) -> str:
     return "nccl" if device.type == "cuda" else "gloo"
+
+
+class PeerFailureError(RuntimeError):
+    """A collective failed because a peer rank hung, stopped or died (timeout or lost connection)."""
+
+
+# How the backends word a lost peer: gloo "Timed out waiting ...ms for recv", "Connection closed by
+# peer", "Connection reset"; NCCL's watchdog "Watchdog caught collective operation timeout".
+_PEER_FAILURE_WORDS = ("timed out", "timeout", "connection closed", "connection reset", "broken pipe")
 
 
 def layout_coords(rank: int, pp: int, dp: int, ep: int, tp: int = 1) -> dict:
@@ -76,6 +90,7 @@ class ParallelMesh:
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     groups: dict = field(default_factory=dict)  # axis -> ProcessGroup (None when single process)
     ranks: dict = field(default_factory=dict)  # axis -> list of global ranks in this rank's group
+    timeout_s: float = 300.0  # of every group above
 
     @property
     def backend(self) -> str:
@@ -85,7 +100,8 @@ class ParallelMesh:
         return layout_coords(self.rank, self.pp, self.dp, self.ep, self.tp)[axis]
 
     def size(self, axis: str) -> int:
-        return {"pp": self.pp, "dp": self.dp, "ep": self.ep, "tp": self.tp, "edp": self.dp // self.ep}[axis]
+        return {"pp": self.pp, "dp": self.dp, "ep": self.ep, "tp": self.tp, "edp": self.dp // self.ep,
+                "world": self.world_size}[axis]
 
     def group(self, axis: str):
         return self.groups.get(axis)
@@ -120,13 +136,45 @@ class ParallelMesh:
             raise ValueError(f"pp×dp×tp = {pp}×{dp}×{tp} != world size {world}; fix parallel.* or the process count")
         if dp % ep:
             raise ValueError(f"ep={ep} must divide dp={dp}")
-        mesh = cls(pp=pp, dp=dp, ep=ep, tp=tp, rank=rank, world_size=world, device=device)
-        for axis, lists in layout_groups(pp, dp, ep, tp).items():
+        mesh = cls(pp=pp, dp=dp, ep=ep, tp=tp, rank=rank, world_size=world, device=device, timeout_s=timeout_s)
+        lists_by_axis = {**layout_groups(pp, dp, ep, tp), "world": [list(range(world))]}
+        for axis, lists in lists_by_axis.items():
             for ranks in lists:
-                group = dist.new_group(ranks)
+                group = mesh.new_group(ranks)
                 if rank in ranks:
                     mesh.groups[axis], mesh.ranks[axis] = group, ranks
         return mesh
+
+    def new_group(self, ranks: list[int]):
+        """A process group over `ranks` with the mesh's timeout (collective: every rank calls it for
+        every group, in the same order). Whoever needs an extra group asks the mesh for it."""
+        return dist.new_group(ranks, timeout=timedelta(seconds=self.timeout_s))
+
+    def ranks_with(self, flag: bool) -> list[int]:
+        """Global ranks whose `flag` is True: one all-reduce over the whole mesh, so every rank gets
+        the same list and takes the same decision (the NaN guard's skip or stop)."""
+        if self.world_size == 1 or self.group("world") is None:
+            return [self.rank] if flag else []
+        flags = torch.zeros(self.world_size, dtype=torch.float32, device=self.device)
+        flags[self.rank] = float(flag)
+        try:
+            dist.all_reduce(flags, group=self.group("world"))
+        except RuntimeError as err:
+            raise (self.peer_failure(err) or err) from err
+        return [r for r, v in enumerate(flags.tolist()) if v > 0]
+
+    def peer_failure(self, err: BaseException) -> Optional[PeerFailureError]:
+        """A clear error for a collective that failed because a peer hung or died, else None."""
+        text = str(err)
+        if not any(word in text.lower() for word in _PEER_FAILURE_WORDS):
+            return None
+        groups = ", ".join(f"{axis} {ranks}" for axis, ranks in self.ranks.items() if axis != "world" and len(ranks) > 1)
+        first = text.strip().splitlines()[0] if text.strip() else type(err).__name__
+        return PeerFailureError(
+            f"rank {self.rank}: a collective did not complete within parallel.timeout_s={self.timeout_s:g}s or lost "
+            f"its peer: another rank of this job hung, was stopped or died (this rank's groups: {groups or 'none'}). "
+            f"Check the other ranks' logs; raise parallel.timeout_s if steps legitimately take longer. "
+            f"Backend said: {first}")
 
     def stage_peer(self, offset: int) -> int:
         """Global rank of the pipeline stage `offset` away (wrapping), same dp/tp coordinates."""

@@ -9,7 +9,8 @@ forward/backward is. Every rank builds the full model from the same seed, then k
 chunks (global parameter names kept) and its experts, so every layout starts from the weights of
 the single-process run. The sampler gets (dp_rank, dp_size): each dp rank reads its contiguous part
 of the same global batch, and the reported loss is the mean over all micro-batches of all dp ranks,
-identical on every rank (so the NaN guard decides the same everywhere).
+identical on every rank. The NaN guard's decision does not rely on that: it is a vote over the
+whole mesh (see `training/nonfinite.py`), and the gate keeps every rank's collectives in step.
 """
 from __future__ import annotations
 
@@ -58,7 +59,7 @@ class ParallelTrainer(Trainer):
         self.optimizer = ZeroAdamW(model.named_parameters(), cfg.optimizer, mesh, p.zero_stage, p.bucket_size_mb)
         self.step = 0
         self._build_data(build_data)
-        self._sqnr = None
+        self._init_guard()
 
     def forward_backward(self, micro_batches: list[dict], loss_fn: LossFn) -> tuple[float, dict]:
         n = len(micro_batches)
@@ -83,10 +84,12 @@ class ParallelTrainer(Trainer):
 
     # -- checkpoints: sharded (DCP), reshardable across dp and pp -------------------------------------
     def save_checkpoint(self, root: str):
+        self.refuse_nonfinite_save(root)
         return dcp_ckpt.save(root, self)
 
     def load_checkpoint(self, path: str) -> int:
         dcp_ckpt.load(path, self)
+        self.refuse_nonfinite_load(path)
         return self.step
 
 
@@ -97,5 +100,6 @@ def build_trainer(cfg: Config) -> ParallelTrainer:
     device = resolve_device(cfg.device)
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    mesh = ParallelMesh.build(cfg.parallel.pp, resolve_dp(cfg, world), cfg.parallel.ep, device=device)
+    mesh = ParallelMesh.build(cfg.parallel.pp, resolve_dp(cfg, world), cfg.parallel.ep, device=device,
+                              timeout_s=cfg.parallel.timeout_s)
     return ParallelTrainer(cfg, mesh)

@@ -6,6 +6,12 @@ logging, checkpoints.
 
 `train_step_with_loss(micro_batches, loss_fn)` is the one step every caller goes through (the LM
 objective here, the GRPO policy loss in the RL example, verl's engine adapter).
+
+The NaN guard (`schedule.nan_policy`, from step 0): a `LayerGate` catches non-finite activations
+and gradients at every layer boundary without breaking the step's collectives; after backward
+every rank votes (one all-reduce over the whole mesh) on "anything non-finite here: gate, loss or
+gradient norm", so all ranks skip or stop the same step with weights and optimizer state untouched.
+After an update the new weights are checked too, and non-finite weights are never saved.
 """
 from __future__ import annotations
 
@@ -24,13 +30,11 @@ from megatron_fp4.parallel.mesh import ParallelMesh, resolve_device
 from megatron_fp4.training import checkpoint as ckpt
 from megatron_fp4.training.data import ResumableSampler, build_dataset, get_batch
 from megatron_fp4.training.metrics import MetricsLogger
+from megatron_fp4.training.nonfinite import LayerGate, NonFiniteError, all_finite
 from megatron_fp4.training.optim import MasterWeightAdamW, clip_coefficient, lr_at
 
 LossFn = Callable[[torch.nn.Module, dict], tuple]
-
-
-class NonFiniteError(RuntimeError):
-    """Loss or gradient norm was NaN/Inf; the step was refused before touching the weights."""
+__all__ = ["Trainer", "NonFiniteError", "lm_loss_fn", "LossFn"]
 
 
 def lm_loss_fn(model, micro_batch: dict):
@@ -54,7 +58,12 @@ class Trainer:
         self.optimizer = MasterWeightAdamW(self.model.named_parameters(), cfg.optimizer)
         self.step = 0
         self._build_data(build_data)
+        self._init_guard()
+
+    def _init_guard(self) -> None:
         self._sqnr = None
+        self.gate = LayerGate()
+        self.consecutive_skips = 0
 
     def _build_model(self):
         """The full model of the config on this device, in the training-side FP4 mode (every rank of
@@ -72,7 +81,7 @@ class Trainer:
         self.dataset = self.sampler = None
         if build_data:
             s = self.cfg.schedule
-            self.dataset = build_dataset(self.cfg.data, s.seq_len, s.seed)
+            self.dataset = build_dataset(self.cfg.data, s.seq_len, s.seed, self.cfg.model.vocab_size)
             self.sampler = ResumableSampler(len(self.dataset), s.global_batch_size, s.seed,
                                             dp_rank=self.mesh.coord("dp"), dp_size=self.mesh.dp)
 
@@ -103,43 +112,48 @@ class Trainer:
                         loss, extra = loss_fn(self.model, mb)
                     (loss / n).backward()
             except NonFiniteInputError as err:
-                # NaN/Inf reached an FP4 operand (forward or backward): same policy as a NaN loss.
-                return math.nan, {"nonfinite_where": str(err)}
+                # Non-finite inside a layer despite the gate (finite inputs overflowing within it, or
+                # non-finite weights, which the guard never commits): same policy as a NaN loss. On
+                # one rank of a multi-rank step this early return can still leave collectives short.
+                self.gate.trip(f"an FP4 operand ({err})")
+                return math.nan, {}
             total += loss.detach().item() / n
             for key, value in extra.items():
                 metrics[key] = metrics.get(key, 0.0) + float(value) / n
-        deferred = fp4_current().nonfinite_error()  # fp4-followups: the step's deferred FP4 NaN/Inf flags, one sync
+        deferred = fp4_current().nonfinite_error()  # the step's deferred FP4 NaN/Inf flags: one sync
         if deferred is not None:
-            return math.nan, {"nonfinite_where": str(deferred)}
+            self.gate.trip(f"an FP4 operand ({deferred})")
+            return math.nan, {}
         return total, metrics
 
     def train_step_with_loss(self, micro_batches: list[dict], loss_fn: LossFn = lm_loss_fn) -> dict:
-        """Forward/backward over the micro-batches, then clip and step unless loss or grad norm is
-        non-finite (`schedule.nan_policy`: stop raises `NonFiniteError`, skip drops the step)."""
+        """Forward/backward over the micro-batches, then clip and step unless anything was non-finite
+        on any rank (`schedule.nan_policy`: stop raises `NonFiniteError` on every rank, skip drops
+        the step on every rank, up to `schedule.max_consecutive_skips` in a row)."""
         self.model.train()
         self.optimizer.zero_grad()
         start = time.perf_counter()
-        # fp4-followups: FP4 step context (SR seeds by step and global micro-batch; deferred NaN/Inf flags)
-        with fp4_training_step(self.step, first_micro_batch=self.mesh.coord("dp") * len(micro_batches)):
+        self.gate.reset()
+        # FP4 step context: SR seeds by step and global micro-batch; deferred NaN/Inf flags.
+        with fp4_training_step(self.step, first_micro_batch=self.mesh.coord("dp") * len(micro_batches)), \
+                self.gate.watching(self.model.layers):
             loss, metrics = self.forward_backward(micro_batches, loss_fn)
-        self.optimizer.finish_grad_sync()
+        self.optimizer.finish_grad_sync()  # always: the same collectives on every rank
         grad_norm = self.optimizer.grad_norm()
         lr = lr_at(self.step, self.cfg.optimizer, self.cfg.schedule)
-        where = metrics.pop("nonfinite_where", None)
         result = {"loss": loss, "grad_norm": grad_norm, "lr": lr, "skipped": False, **metrics}
-        if not (math.isfinite(loss) and math.isfinite(grad_norm)):
-            what = "loss" if not math.isfinite(loss) else "gradient norm"
-            if where:
-                what = f"an FP4 operand ({where})"
-            message = (f"step {self.step}: {what} is not finite (loss={loss}, grad_norm={grad_norm}); the optimizer "
-                       f"step was refused and the weights are unchanged. Lower optimizer.lr, check the data, "
-                       f"or set schedule.nan_policy=skip to drop such steps")
+        if not math.isfinite(loss) or not math.isfinite(grad_norm):
+            self.gate.trip("loss" if not math.isfinite(loss) else "gradient norm")
+        bad_ranks = self.mesh.ranks_with(self.gate.tripped)
+        if bad_ranks:
             self.optimizer.zero_grad()
-            if self.cfg.schedule.nan_policy == "stop":
-                raise NonFiniteError(message)
-            result.update(skipped=True, message=message)
+            result.update(skipped=True, message=self._refuse_step(bad_ranks, loss, grad_norm))
         else:
             self.optimizer.step(lr, clip_coefficient(grad_norm, self.cfg.optimizer.clip_grad))
+            self.consecutive_skips = 0
+            self.require_finite_weights(f"step {self.step}: the optimizer update (lr={lr:g}) made weights "
+                                        f"non-finite", "the run stops; nothing was saved and the last checkpoint "
+                                        "is intact. Lower optimizer.lr or raise optimizer.eps")
         self.step += 1
         tokens = sum(mb["tokens"].numel() for mb in micro_batches if "tokens" in mb)
         elapsed = time.perf_counter() - start
@@ -148,6 +162,30 @@ class Trainer:
 
     def train_step(self) -> dict:
         return self.train_step_with_loss(self.next_micro_batches(), lm_loss_fn)
+
+    def _refuse_step(self, bad_ranks: list[int], loss: float, grad_norm: float) -> str:
+        """The message of a refused step; raises `NonFiniteError` when the policy says stop."""
+        s = self.cfg.schedule
+        where = f" (here: {self.gate.where})" if self.gate.where else ""
+        ranks = f" on rank(s) {bad_ranks}" if self.mesh.world_size > 1 else ""
+        message = (f"step {self.step}: non-finite values{ranks}{where}, loss={loss}, grad_norm={grad_norm}; the "
+                   f"optimizer step was refused on every rank and the weights are unchanged. Lower optimizer.lr, "
+                   f"check the data, or set schedule.nan_policy=skip to drop such steps")
+        if s.nan_policy == "stop":
+            raise NonFiniteError(message)
+        self.consecutive_skips += 1
+        if self.consecutive_skips > s.max_consecutive_skips:
+            raise NonFiniteError(f"{self.consecutive_skips} steps in a row were non-finite, more than "
+                                 f"schedule.max_consecutive_skips={s.max_consecutive_skips}: stopping. The weights "
+                                 f"are those before the skipped steps. Last one: {message}")
+        return message
+
+    def require_finite_weights(self, what: str, consequence: str, error=NonFiniteError) -> None:
+        """Raise `error` on every rank unless every rank's weights are finite (a mesh-wide vote)."""
+        bad = self.mesh.ranks_with(not all_finite(p.detach() for p in self.model.parameters()))
+        if bad:
+            ranks = f" on rank(s) {bad}" if self.mesh.world_size > 1 else ""
+            raise error(f"{what}{ranks}; {consequence}")
 
     # -- statistics -------------------------------------------------------------------------------
     def _moe_stats(self) -> dict:
@@ -194,7 +232,7 @@ class Trainer:
                 self.model.set_record_stats(log_now)
                 probe = self._install_sqnr_probe() if log_now else None
                 self._sqnr = None
-                result = self.train_step()
+                result = self._train_step_or_peer_failure()
                 if probe is not None:
                     probe.remove()
                 if log_now:
@@ -217,6 +255,16 @@ class Trainer:
                 logger.close()
         return history
 
+    def _train_step_or_peer_failure(self) -> dict:
+        """`train_step`, with a collective that timed out or lost its peer reported as such."""
+        try:
+            return self.train_step()
+        except RuntimeError as err:
+            failure = None if isinstance(err, NonFiniteError) else self.mesh.peer_failure(err)
+            if failure is None or self.mesh.world_size == 1:
+                raise
+            raise failure from err
+
     # -- checkpoints ------------------------------------------------------------------------------
     def state_dict(self) -> dict:
         return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(), "step": self.step,
@@ -231,7 +279,12 @@ class Trainer:
         ckpt.set_rng_state(state["rng"])
 
     def save_checkpoint(self, root: str):
+        self.refuse_nonfinite_save(root)
         return ckpt.save_checkpoint(root, self.step, self.state_dict(), self.cfg.to_dict())
+
+    def refuse_nonfinite_save(self, root: str) -> None:
+        self.require_finite_weights(f"refusing to save step {self.step} to {root}: the weights are not finite",
+                                    "the last checkpoint there is kept as it is")
 
     def load_checkpoint(self, path: str) -> int:
         """Resume a training checkpoint, or start from a weights-only one (step 0, fresh optimizer)."""
@@ -239,6 +292,11 @@ class Trainer:
         if meta["kind"] == "weights":
             self.model.load_state_dict(state["model"])
             self.optimizer = MasterWeightAdamW(self.model.named_parameters(), self.cfg.optimizer)
-            return self.step
-        self.load_state_dict(state)
+        else:
+            self.load_state_dict(state)
+        self.refuse_nonfinite_load(path)
         return self.step
+
+    def refuse_nonfinite_load(self, path: str) -> None:
+        self.require_finite_weights(f"checkpoint {path} holds non-finite weights", "load an earlier step",
+                                    error=ckpt.CheckpointError)

@@ -2,7 +2,7 @@
 
 - `arithmetic`: `ArithmeticTokenizer`, `make_problem`, `check_answer`, `ArithmeticDataset`
 - `indexed`: Megatron ``.bin``/``.idx`` `IndexedDataset` and `IndexedDatasetWriter`
-- `token_datasets`: `NumpyTokenDataset`, `TokenSequenceDataset`, `build_dataset`
+- `token_datasets`: `NumpyTokenDataset`, `TokenSequenceDataset`, `build_dataset`, `DataError`
 - `sampler`: `ResumableSampler`, `get_batch`
 """
 from megatron_fp4.training.data.arithmetic import (
@@ -15,6 +15,7 @@ from megatron_fp4.training.data.indexed import INDEX_MAGIC, IndexedDataset, Inde
 from megatron_fp4.training.data.sampler import IGNORE_INDEX, ResumableSampler, get_batch
 from megatron_fp4.training.data.token_datasets import (
     DATA_KINDS,
+    DataError,
     NumpyTokenDataset,
     TokenSequenceDataset,
     build_dataset,
@@ -32,6 +33,7 @@ __all__ = [
     "ResumableSampler",
     "get_batch",
     "DATA_KINDS",
+    "DataError",
     "NumpyTokenDataset",
     "TokenSequenceDataset",
     "build_dataset",

@@ -17,6 +17,26 @@ from megatron_fp4.training.data.arithmetic import DEFAULT_OPS, ArithmeticDataset
 from megatron_fp4.training.data.indexed import IndexedDataset, split_prefix
 
 DATA_KINDS = ("arithmetic", "megatron", "numpy")
+RANGE_CHECK_CHUNK = 1 << 24  # tokens per min/max pass: bounded memory on any corpus size
+
+
+class DataError(ValueError):
+    """A data file that cannot train this model (e.g. token ids outside the vocabulary)."""
+
+
+def check_token_range(tokens, vocab_size: int, path: str, chunk: int = RANGE_CHECK_CHUNK) -> None:
+    """Every token id must be in ``[0, vocab_size)``: an id outside would fail deep inside the
+    embedding at the first step. One chunked min/max pass over the (memory-mapped) stream."""
+    lo, hi = None, None
+    for start in range(0, int(tokens.shape[0]), chunk):
+        part = np.asarray(tokens[start:start + chunk])
+        if part.size:
+            a, b = int(part.min()), int(part.max())
+            lo, hi = a if lo is None else min(lo, a), b if hi is None else max(hi, b)
+    if lo is not None and (lo < 0 or hi >= vocab_size):
+        raise DataError(f"data.path={path!r} holds token ids in [{lo}, {hi}] but model.vocab_size={vocab_size} "
+                        f"allows only [0, {vocab_size - 1}]; set model.vocab_size to at least {hi + 1} "
+                        f"or re-tokenize the data with the model's tokenizer")
 
 
 class NumpyTokenDataset:
@@ -88,11 +108,12 @@ def _require_file(cfg_path: str, path: str, what: str, fix: str) -> None:
         raise ValueError(f"data.path={cfg_path!r}: {what} {path!r} does not exist; {fix}")
 
 
-def build_dataset(data_cfg, seq_len: int, seed: int) -> torch.utils.data.Dataset:
+def build_dataset(data_cfg, seq_len: int, seed: int, vocab_size: int | None = None) -> torch.utils.data.Dataset:
     """The training dataset a data config describes (duck-typed: reads ``kind``, ``path``,
     ``num_samples``, ``max_operand`` and optionally ``ops``; a dict works too).
 
     ``seed`` only shapes the generated arithmetic corpus; file datasets are shuffled by the sampler.
+    With ``vocab_size`` the token ids of a file are checked against it (`DataError`).
     """
     kind = _field(data_cfg, "kind", "arithmetic")
     if kind == "arithmetic":
@@ -109,11 +130,20 @@ def build_dataset(data_cfg, seq_len: int, seed: int) -> torch.utils.data.Dataset
     if not path:
         raise ValueError(f"data.kind={kind!r} reads a file, but data.path is not set; set data.path")
     path = os.fspath(path)
-    if kind == "megatron":
-        prefix = split_prefix(path)
-        fix = "set data.path to the prefix shared by the .bin and .idx files"
-        _require_file(path, prefix + ".idx", "Megatron index file", fix)
-        _require_file(path, prefix + ".bin", "Megatron data file", fix)
-        return TokenSequenceDataset(IndexedDataset(prefix), seq_len)
-    _require_file(path, path, "numpy token file", "set data.path to a 1-D .npy file of token ids")
-    return TokenSequenceDataset(NumpyTokenDataset(path), seq_len)
+    try:  # every problem with the file is a DataError (one line at the CLI), naming the file
+        if kind == "megatron":
+            prefix = split_prefix(path)
+            fix = "set data.path to the prefix shared by the .bin and .idx files"
+            _require_file(path, prefix + ".idx", "Megatron index file", fix)
+            _require_file(path, prefix + ".bin", "Megatron data file", fix)
+            source = IndexedDataset(prefix)
+        else:
+            _require_file(path, path, "numpy token file", "set data.path to a 1-D .npy file of token ids")
+            source = NumpyTokenDataset(path)
+        if vocab_size is not None:
+            check_token_range(source.tokens, vocab_size, path)
+        return TokenSequenceDataset(source, seq_len)
+    except DataError:
+        raise
+    except ValueError as err:
+        raise DataError(str(err)) from err
