@@ -1,5 +1,6 @@
 """Weight sync in one process: bucket format, two completion points, no overlap, whole versions,
 faults (rollout raises / is gone, mismatched manifest) leave the rollout on its previous version."""
+import json
 import threading
 import time
 
@@ -156,3 +157,62 @@ def test_publisher_validates_arguments():
     r = WeightReceiver(RolloutEngine(rollout))
     with pytest.raises(ValueError, match="unique"):
         WeightPublisher(trainer, [InProcessTransport(r), InProcessTransport(r)])
+
+
+def _damaged_buckets(kind):
+    """Buckets of one 64-byte tensor in 16-byte pieces, damaged the way `kind` says."""
+    from megatron_fp4.rollout.buckets import Bucket, TensorMeta
+    buckets = pack_buckets([("w", torch.arange(16, dtype=torch.float32))], 16)
+    if kind == "out_of_order":
+        return [buckets[1], buckets[0]] + buckets[2:]
+    if kind == "incomplete":
+        return buckets[:-1]
+    m = buckets[0].metas[0]  # "overflow": a chunk that claims more bytes than its bucket holds
+    return [Bucket([TensorMeta(m.name, m.shape, m.dtype, 0, 32, 0)], buckets[0].buffer)]
+
+
+@pytest.mark.parametrize("kind,needle", [("out_of_order", "out of order"), ("incomplete", "incomplete"),
+                                         ("overflow", "bucket")])
+def test_damaged_buckets_raise_clear_errors(kind, needle):
+    from megatron_fp4.rollout.buckets import BucketError
+    with pytest.raises(BucketError, match=needle):
+        unpack_buckets(_damaged_buckets(kind))
+
+
+def test_bucket_checks_survive_python_O():
+    """`python -O` strips asserts: the integrity checks must be real ones."""
+    import os
+    import subprocess
+    import sys
+    code = ("from tests.unit.test_weight_sync import _damaged_buckets\n"
+            "from megatron_fp4.rollout.buckets import unpack_buckets\n"
+            "assert False, 'asserts must be stripped in this run'\n"
+            "for kind in ('out_of_order', 'incomplete', 'overflow'):\n"
+            "    try:\n"
+            "        unpack_buckets(_damaged_buckets(kind))\n"
+            "        print(kind, 'ACCEPTED')\n"
+            "    except ValueError as err:\n"
+            "        print(kind, 'REFUSED', type(err).__name__)\n")
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
+    out = subprocess.run([sys.executable, "-O", "-c", code], capture_output=True, text=True, env=env, cwd=root,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split("\n")[:3] == [f"{k} REFUSED BucketError" for k in ("out_of_order", "incomplete",
+                                                                                "overflow")], out.stdout
+
+
+def test_json_header_roundtrip_and_refusals():
+    from megatron_fp4.rollout.buckets import (BucketError, bucket_layout, layout_from_json, layout_to_json,
+                                              manifest_from_json, manifest_of, manifest_to_json)
+    named = [("a", torch.randn(7, 5)), ("h", torch.randn(4, 3).to(torch.bfloat16)), ("e", torch.empty(0))]
+    buckets = pack_buckets(named, 50)
+    layout = bucket_layout(buckets)
+    assert layout_from_json(json.loads(json.dumps(layout_to_json(layout)))) == layout
+    manifest = manifest_of(named)
+    assert manifest_from_json(json.loads(json.dumps(manifest_to_json(manifest)))) == manifest
+    for bad in ([["a", [2], "os.system"]], [["a", [-1], "float32"]], [["a", [True], "float32"]], {"a": 1}):
+        with pytest.raises(BucketError):
+            manifest_from_json(bad)
+    with pytest.raises(BucketError, match="ends at byte"):
+        layout_from_json([[[["a", [2], "float32", 0, 8, 4]], 8]])
