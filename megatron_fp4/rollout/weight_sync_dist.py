@@ -43,6 +43,10 @@ class ProtocolError(RuntimeError):
     """A weight-sync message is not what the protocol allows (not JSON, wrong form, too large)."""
 
 
+class MalformedMessage(ProtocolError):
+    """A message arrived whole but is not JSON of the expected form (the exchange can go on)."""
+
+
 def _is_peer_group(group) -> bool:
     return group is not None and not isinstance(group, dist.ProcessGroup)
 
@@ -79,7 +83,7 @@ def _decode(payload: torch.Tensor, sender: str):
     try:
         return json.loads(payload.cpu().numpy().tobytes().decode("utf-8"))
     except (UnicodeDecodeError, ValueError, RecursionError) as err:
-        raise ProtocolError(f"{sender} sent a message that is not JSON ({type(err).__name__}); it was not "
+        raise MalformedMessage(f"{sender} sent a message that is not JSON ({type(err).__name__}); it was not "
                             "used (weight-sync messages are JSON, never pickle)") from None
 
 
@@ -137,11 +141,11 @@ def _check_verdict(verdict, rank: int) -> tuple:
 
 def _decode_header(obj) -> tuple:
     if not isinstance(obj, dict) or set(obj) != {"version", "manifest", "layout"} or type(obj["version"]) is not int:
-        raise ProtocolError("the publisher's header is not {'version': int, 'manifest': ..., 'layout': ...}")
+        raise MalformedMessage("the publisher's header is not {'version': int, 'manifest': ..., 'layout': ...}")
     try:
         return obj["version"], manifest_from_json(obj["manifest"]), layout_from_json(obj["layout"])
     except BucketError as err:
-        raise ProtocolError(f"the publisher's header for version {obj['version']} is malformed: {err}") from None
+        raise MalformedMessage(f"the publisher's header for version {obj['version']} is malformed: {err}") from None
 
 
 class DistributedTransport:
@@ -201,12 +205,17 @@ class DistributedReceiver:
 
     def serve_one(self) -> bool:
         """Take part in one update; False once the trainer said stop."""
-        header = _broadcast_json(None, self.src, self.group, self.device)
+        try:
+            header = _broadcast_json(None, self.src, self.group, self.device)
+        except MalformedMessage as err:
+            header = err
         if header is None:
             return False
         try:
+            if isinstance(header, MalformedMessage):
+                raise header
             version, manifest, layout = _decode_header(header)
-        except ProtocolError as err:  # answered with a failing verdict: the publisher says no-go
+        except MalformedMessage as err:  # answered with a failing verdict: the publisher says no-go
             version, verdict, layout = None, str(err), None
         else:
             self.current_version = version  # for a receiver that wants to know it at validate()
