@@ -216,3 +216,74 @@ def test_json_header_roundtrip_and_refusals():
             manifest_from_json(bad)
     with pytest.raises(BucketError, match="ends at byte"):
         layout_from_json([[[["a", [2], "float32", 0, 8, 4]], 8]])
+
+
+def test_a_request_that_never_returns_fails_the_update_instead_of_hanging_it():
+    """A reader holds the engine lock forever: the update fails with an error naming the lock and
+    its setting, publish(2) returns, and requests are still served (before: all hung forever)."""
+    trainer, rollout = models()
+    engine = RolloutEngine(rollout, mode="bf16", name="r-stuck", lock_timeout_s=0.3)
+    held, release = threading.Event(), threading.Event()
+
+    def stuck_request():
+        with engine.lock.read():
+            held.set()
+            release.wait()
+    threading.Thread(target=stuck_request, daemon=True).start()
+    assert held.wait(30)
+    pub = WeightPublisher(trainer, [InProcessTransport(WeightReceiver(engine))], timeout_s=60)
+    results = []
+
+    def two_updates():
+        for v in (1, 2):
+            try:
+                pub.publish(v).wait_loaded(60)
+                results.append((v, None))
+            except (WeightSyncError, TimeoutError) as err:
+                results.append((v, err))
+    th = threading.Thread(target=two_updates, daemon=True)
+    th.start()
+    th.join(120)
+    assert [v for v, _ in results] == [1, 2], results  # publish(2) returned
+    for _, err in results:
+        assert isinstance(err, WeightSyncError) and "'r-stuck'" in str(err) and "LockTimeout" in str(err)
+        assert "RolloutEngine(lock_timeout_s=...)" in str(err) and "held the read lock" in str(err)
+    out = engine.generate([[1, 4]], SamplingParams(max_new_tokens=1, temperature=0))
+    assert out.version == 0  # still serving the previous version
+    release.set()
+
+
+def test_publish_times_out_when_the_previous_version_never_finishes():
+    trainer, _ = models()
+
+    class StuckTransport:
+        name = "r-hung"
+
+        def __init__(self):
+            self.release = threading.Event()
+
+        def send(self, version, manifest, buckets):
+            self.release.wait()
+    transport = StuckTransport()
+    pub = WeightPublisher(trainer, [transport], timeout_s=0.3)
+    pub.publish(1)
+    box = []
+    th = threading.Thread(target=lambda: box.append(_raises(lambda: pub.publish(2))), daemon=True)
+    th.start()
+    th.join(60)
+    assert box and isinstance(box[0], TimeoutError), box
+    for needle in ("publish(2)", "version 1", "WeightPublisher(timeout_s=...)", "'r-hung'", "Nothing was published"):
+        assert needle in str(box[0])
+    assert [h.version for h in pub.history] == [1]
+    transport.release.set()
+    pub.wait(30)
+    pub.publish(3).wait_loaded(30)  # recovers once the rollout does
+    with pytest.raises(ValueError, match="timeout_s"):
+        WeightPublisher(trainer, [transport], timeout_s=0)
+
+
+def _raises(fn):
+    try:
+        return fn()
+    except Exception as err:  # noqa: BLE001 - returned for the test to inspect
+        return err
