@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import time
 from dataclasses import dataclass
 from typing import Optional, Sequence, Union
 
@@ -39,7 +40,9 @@ class RWLock:
 
     Every wait is bounded by `timeout_s` (None: unbounded): a writer that cannot get the lock gives
     up with `LockTimeout` (and stops blocking new readers), so a reader that never releases cannot
-    stall weight updates or the requests queued behind them forever. `owner` and `setting` name the
+    stall weight updates or the requests queued behind them forever. A reader fails only when a
+    writer *holds* the lock past the reader's deadline; behind a queued writer it waits until that
+    writer gets the lock or gives up. `owner` and `setting` name the
     lock and the knob in the error."""
 
     def __init__(self, timeout_s: Optional[float] = None, owner: str = "RWLock", setting: str = "timeout_s"):
@@ -52,10 +55,16 @@ class RWLock:
     @contextlib.contextmanager
     def read(self):
         with self._cond:
-            if not self._cond.wait_for(lambda: not (self._writer or self._writers_waiting), self.timeout_s):
-                raise LockTimeout(f"{self.owner}: a request waited longer than {self.timeout_s}s ({self.setting}) "
-                                  "for the read lock while a weight swap held or awaited the write lock; raise it "
-                                  "if swaps legitimately take longer")
+            deadline = None if self.timeout_s is None else time.monotonic() + self.timeout_s
+            while self._writer or self._writers_waiting:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    if self._writer:
+                        raise LockTimeout(f"{self.owner}: a request waited longer than {self.timeout_s}s "
+                                          f"({self.setting}) for the read lock while a weight swap held the write "
+                                          "lock; raise it if swaps legitimately take longer")
+                    left = self.timeout_s  # a queued swap gives up within its own timeout: wait for that
+                self._cond.wait(left)
             self._readers += 1
         try:
             yield
