@@ -287,3 +287,15 @@ def _raises(fn):
         return fn()
     except Exception as err:  # noqa: BLE001 - returned for the test to inspect
         return err
+
+
+def test_sync_modules_never_unpickle():
+    """No pickle and no object collectives (they pickle) on the weight-sync path."""
+    import pathlib
+    import re
+    root = pathlib.Path(__file__).resolve().parents[2] / "megatron_fp4"
+    for rel in ("rollout/weight_sync_dist.py", "rollout/weight_sync.py", "rollout/buckets.py",
+                "integrations/verl/topology.py", "integrations/verl/checkpoint_engine.py"):
+        text = (root / rel).read_text()
+        found = re.findall(r"import pickle|pickle\.(?:loads?|dumps?|Unpickler)|_object_list\(|gather_object\(|broadcast_object\(|torch\.load\(", text)
+        assert not found, (rel, found)
