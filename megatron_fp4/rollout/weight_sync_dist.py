@@ -110,7 +110,7 @@ def _gather_json(obj, src: int, group, device: torch.device) -> Optional[list]:
     lengths = [int(n.item()) for n in _all_gather_tensor(
         torch.tensor([payload.numel()], dtype=torch.int64, device=device), group)]
     fits = [0 < n <= MAX_VERDICT_BYTES for n in lengths]
-    padded = torch.zeros(max(n if ok else 0 for n, ok in zip(lengths, fits)), dtype=torch.uint8, device=device)
+    padded = torch.zeros(max([1] + [n for n, ok in zip(lengths, fits) if ok]), dtype=torch.uint8, device=device)
     if fits[_group_rank(group)]:
         padded[:payload.numel()] = payload
     parts = _all_gather_tensor(padded, group)  # every rank takes the same sizes: no rank skips it

@@ -297,5 +297,6 @@ def test_sync_modules_never_unpickle():
     for rel in ("rollout/weight_sync_dist.py", "rollout/weight_sync.py", "rollout/buckets.py",
                 "integrations/verl/topology.py", "integrations/verl/checkpoint_engine.py"):
         text = (root / rel).read_text()
-        found = re.findall(r"import pickle|pickle\.(?:loads?|dumps?|Unpickler)|_object_list\(|gather_object\(|broadcast_object\(|torch\.load\(", text)
+        found = re.findall(r"import pickle|pickle\.(?:loads?|dumps?|Unpickler)|_object_list\(|gather_object\("
+                           r"|broadcast_object\(|torch\.load\(", text)
         assert not found, (rel, found)

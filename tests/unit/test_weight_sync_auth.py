@@ -129,3 +129,26 @@ def test_token_from_the_environment(monkeypatch):
     with pytest.raises(ValueError, match=f"{TOKEN_ENV} has 5 characters"):
         ce.prepare()
     ce.finalize()
+
+
+class _DictStore:
+    """The two TCPStore calls `authenticate` makes, over a dict (a peer's writes pre-filled)."""
+
+    def __init__(self, **values):
+        self.values = {k.replace("__", "/"): v for k, v in values.items()}
+
+    def set(self, key, value):
+        self.values[key] = value.encode() if isinstance(value, str) else value
+
+    def get(self, key):
+        return self.values[key]
+
+
+@pytest.mark.parametrize("claim", [b"\x80\x04\x95 not json", b'{"nonce": "n", "proof": "\\u00e9\\u00e9"}',
+                                   b'{"nonce": 1, "proof": []}', b"[1, 2]"])
+def test_a_malformed_claim_is_refused_cleanly(claim):
+    from megatron_fp4.integrations.verl.topology import authenticate
+    store = _DictStore(auth__claim__1=claim)
+    with pytest.raises(PermissionError, match=f"refused rank\\(s\\) \\[1\\].*{TOKEN_ENV}"):
+        authenticate(store, 0, 2, TOKEN, "test-group")
+    assert b'"ok": false' in store.values["auth/reply/1"]

@@ -105,6 +105,11 @@ def _mac(token: str, role: str, rank: int, nonce: str, peer_nonce: str) -> str:
                     hashlib.sha256).hexdigest()
 
 
+def _same(got, expected: str) -> bool:
+    """Constant-time comparison of a peer's proof (any string: compared as bytes)."""
+    return isinstance(got, str) and hmac.compare_digest(got.encode("utf-8", "replace"), expected.encode())
+
+
 def _read_json(store, key: str) -> Optional[dict]:
     """A dict of strings/bools from the store (written by a peer: anything else is None)."""
     try:
@@ -129,8 +134,7 @@ def authenticate(store, rank: int, world_size: int, token: str, name: str) -> No
         for r in range(1, world_size):
             claim = _read_json(store, f"auth/claim/{r}")
             peer_nonce = claim.get("nonce") if claim else None
-            ok = isinstance(peer_nonce, str) and isinstance(claim.get("proof"), str) and hmac.compare_digest(
-                claim["proof"], _mac(token, "rollout", r, nonce, peer_nonce))
+            ok = isinstance(peer_nonce, str) and _same(claim.get("proof"), _mac(token, "rollout", r, nonce, peer_nonce))
             proof = _mac(token, "publisher", r, nonce, peer_nonce) if ok else ""
             store.set(f"auth/reply/{r}", json.dumps({"ok": ok, "proof": proof}))
             if not ok:
@@ -147,8 +151,7 @@ def authenticate(store, rank: int, world_size: int, token: str, name: str) -> No
     if reply.get("ok") is not True:
         raise PermissionError(f"{name}: the publisher (rank 0) refused this rank: its {TOKEN_ENV} differs. "
                               f"Fix: {_MISMATCH}")
-    if not isinstance(reply.get("proof"), str) or not hmac.compare_digest(
-            reply["proof"], _mac(token, "publisher", rank, nonce, mine)):
+    if not _same(reply.get("proof"), _mac(token, "publisher", rank, nonce, mine)):
         raise PermissionError(f"{name}: the peer serving rank 0 does not hold this worker's {TOKEN_ENV}; refusing "
                               f"to receive weights from it. Fix: {_MISMATCH}")
     result = _read_json(store, "auth/result") or {}
