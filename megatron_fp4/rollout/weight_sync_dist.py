@@ -83,8 +83,8 @@ def _decode(payload: torch.Tensor, sender: str):
     try:
         return json.loads(payload.cpu().numpy().tobytes().decode("utf-8"))
     except (UnicodeDecodeError, ValueError, RecursionError) as err:
-        raise MalformedMessage(f"{sender} sent a message that is not JSON ({type(err).__name__}); it was not "
-                            "used (weight-sync messages are JSON, never pickle)") from None
+        raise MalformedMessage(f"{sender} sent a message that is not JSON ({type(err).__name__}); it was "
+                               "not used (weight-sync messages are JSON, never pickle)") from None
 
 
 def _broadcast_json(obj, src: int, group, device: torch.device):
@@ -201,6 +201,8 @@ class DistributedReceiver:
         self._thread: Optional[threading.Thread] = None
 
     def _verdict(self, error: Optional[str]) -> None:
+        if error is not None and len(error) > MAX_VERDICT_BYTES // 16:  # JSON escapes may grow it up to 6x
+            error = error[:MAX_VERDICT_BYTES // 16] + " ..."
         _gather_json({"rollout": self.receiver.name, "error": error}, self.src, self.group, self.device)
 
     def serve_one(self) -> bool:
