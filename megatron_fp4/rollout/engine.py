@@ -13,12 +13,15 @@ router computes in fp32 either way, `model.moe.Router`); `load_weights` then acc
 fp32 tensors and rounds them on copy. The default (None) keeps the model's own dtype.
 
 Weights change only through `load_weights`, which swaps a fully staged set under the write side of
-a reader/writer lock; `generate` holds the read side, so a request sees one version, whole.
+a reader/writer lock; `generate` holds the read side, so a request sees one version, whole. Waits
+for the lock are bounded (`lock_timeout_s`): a request that never returns fails the swap with
+`LockTimeout` instead of stalling every update and every request queued behind it.
 """
 from __future__ import annotations
 
 import contextlib
 import threading
+import time
 from dataclasses import dataclass
 from typing import Optional, Sequence, Union
 
@@ -28,10 +31,22 @@ from megatron_fp4.model import KVCache, Router
 from megatron_fp4.rollout.sampling import SamplingParams, sample_token, sampling_log_probs
 
 
-class RWLock:
-    """Many readers or one writer; a waiting writer blocks new readers (no writer starvation)."""
+class LockTimeout(TimeoutError):
+    """A wait for the engine's reader/writer lock ran past its timeout (see `RWLock`)."""
 
-    def __init__(self):
+
+class RWLock:
+    """Many readers or one writer; a waiting writer blocks new readers (no writer starvation).
+
+    Every wait is bounded by `timeout_s` (None: unbounded): a writer that cannot get the lock gives
+    up with `LockTimeout` (and stops blocking new readers), so a reader that never releases cannot
+    stall weight updates or the requests queued behind them forever. A reader fails only when a
+    writer *holds* the lock past the reader's deadline; behind a queued writer it waits until that
+    writer gets the lock or gives up. `owner` and `setting` name the
+    lock and the knob in the error."""
+
+    def __init__(self, timeout_s: Optional[float] = None, owner: str = "RWLock", setting: str = "timeout_s"):
+        self.timeout_s, self.owner, self.setting = timeout_s, owner, setting
         self._cond = threading.Condition()
         self._readers = 0
         self._writer = False
@@ -40,8 +55,16 @@ class RWLock:
     @contextlib.contextmanager
     def read(self):
         with self._cond:
+            deadline = None if self.timeout_s is None else time.monotonic() + self.timeout_s
             while self._writer or self._writers_waiting:
-                self._cond.wait()
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    if self._writer:
+                        raise LockTimeout(f"{self.owner}: a request waited longer than {self.timeout_s}s "
+                                          f"({self.setting}) for the read lock while a weight swap held the write "
+                                          "lock; raise it if swaps legitimately take longer")
+                    left = self.timeout_s  # a queued swap gives up within its own timeout: wait for that
+                self._cond.wait(left)
             self._readers += 1
         try:
             yield
@@ -54,9 +77,19 @@ class RWLock:
     def write(self):
         with self._cond:
             self._writers_waiting += 1
-            while self._writer or self._readers:
-                self._cond.wait()
-            self._writers_waiting -= 1
+            acquired = False
+            try:
+                acquired = self._cond.wait_for(lambda: not (self._writer or self._readers), self.timeout_s)
+            finally:
+                self._writers_waiting -= 1
+                if not acquired:
+                    self._cond.notify_all()  # requests queued behind this writer may go on
+            if not acquired:
+                held = f"{self._readers} generate() request(s) held the read lock" if self._readers else \
+                    "another weight swap held the write lock"
+                raise LockTimeout(f"{self.owner}: a weight swap waited longer than {self.timeout_s}s ({self.setting}) "
+                                  f"for the write lock: {held}; the engine keeps its current weights. Raise it if "
+                                  "requests legitimately run longer, else find the request that never returns")
             self._writer = True
         try:
             yield
@@ -150,10 +183,15 @@ class RolloutEngine:
     The engine owns `model` (give it its own copy when the trainer keeps training: weights reach
     it through `load_weights`, normally driven by `weight_sync.WeightReceiver`). With `dtype`
     given, the model is cast in place by `cast_for_inference` (see the module docstring).
+    `lock_timeout_s` bounds every wait for the weights lock (`RWLock`): a swap blocked that long by
+    a request fails with `LockTimeout` and the engine keeps its weights.
     """
 
     def __init__(self, model, mode: Optional[str] = None, pad_id: int = 0, seed: int = 0, name: str = "rollout0",
-                 dtype: Optional[torch.dtype] = None):
+                 dtype: Optional[torch.dtype] = None, lock_timeout_s: Optional[float] = 600.0):
+        if lock_timeout_s is not None and not (0 < lock_timeout_s < float("inf")):
+            raise ValueError(f"lock_timeout_s={lock_timeout_s!r} must be a positive number of seconds (or None to "
+                             "wait forever): how long a weight swap or a request may wait for the engine's lock")
         self.dtype = dtype
         if dtype is not None:
             cast_for_inference(model, dtype)
@@ -162,7 +200,7 @@ class RolloutEngine:
         self.pad_id = int(pad_id)
         self.name = name
         self.version = 0
-        self.lock = RWLock()
+        self.lock = RWLock(lock_timeout_s, owner=f"rollout {name!r}", setting="RolloutEngine(lock_timeout_s=...)")
         self._seed_stream = torch.Generator().manual_seed(seed)
         self._seed_lock = threading.Lock()
         self._moe_layer_ids = [i for i, layer in enumerate(model.layers) if layer.is_moe]

@@ -12,7 +12,9 @@
    (`WeightReceiver`) while generation continues; the swap takes the engine's write lock, so a
    request sees version n or n+1, whole.
 
-`publish(n+1)` first waits until version n has finished loading: updates never overlap. A rollout
+`publish(n+1)` first waits until version n has finished loading: updates never overlap (the wait
+is bounded by `WeightPublisher(timeout_s=...)`, and the engine's lock waits by
+`RolloutEngine(lock_timeout_s=...)`, so a stuck request fails an update instead of hanging it). A rollout
 that fails keeps serving its previous version; the failure surfaces as `WeightSyncError` naming the
 rollout and the version (`handle.wait_loaded()`, `handle.error`). Name/shape/dtype mismatches are
 rejected from the manifest, before any byte is staged or any weight overwritten.
@@ -122,7 +124,10 @@ class WeightPublisher:
     """Trainer side. `source` is a module (its state_dict is published) or a callable returning
     `(name, tensor)` pairs; `transports` reach one rollout each (in-process or distributed)."""
 
-    def __init__(self, source, transports: Sequence, bucket_bytes: int = 4 << 20):
+    def __init__(self, source, transports: Sequence, bucket_bytes: int = 4 << 20, timeout_s: Optional[float] = 600.0):
+        if timeout_s is not None and not (0 < timeout_s < float("inf")):
+            raise ValueError(f"timeout_s={timeout_s!r} must be a positive number of seconds (or None to wait "
+                             "forever): how long publish() waits for the previous version to finish loading")
         if not transports:
             raise ValueError("WeightPublisher needs at least one transport (one per rollout engine)")
         names = [t.name for t in transports]
@@ -131,16 +136,23 @@ class WeightPublisher:
         self._named: Callable = source if callable(source) and not hasattr(source, "state_dict") \
             else (lambda: source.state_dict().items())
         self.transports = list(transports)
-        self.bucket_bytes = bucket_bytes
+        self.bucket_bytes, self.timeout_s = bucket_bytes, timeout_s
         self._lock = threading.Lock()
         self._inflight: Optional[PublishHandle] = None
         self.history: list = []
 
     def publish(self, version: int) -> PublishHandle:
-        """Snapshot the weights and start delivering them; returns at the first completion point."""
+        """Snapshot the weights and start delivering them; returns at the first completion point.
+        Raises TimeoutError (nothing published) if the previous version is still loading after
+        `timeout_s`."""
         with self._lock:
-            if self._inflight is not None:
-                self._inflight.loaded.wait()  # updates never overlap: n must be loaded before n+1
+            previous = self._inflight
+            if previous is not None and not previous.loaded.wait(self.timeout_s):  # n loads before n+1
+                stuck = [t.name for t in self.transports if t.name not in previous.per_rollout_s]
+                raise TimeoutError(f"publish({version}): version {previous.version} is still being delivered after "
+                                   f"{self.timeout_s}s (WeightPublisher(timeout_s=...)); not finished: rollout(s) "
+                                   f"{stuck} (e.g. a request holding the engine's lock; see RolloutEngine("
+                                   "lock_timeout_s=...)). Nothing was published; publish again once they recover")
             handle = PublishHandle(int(version))
             t0 = time.perf_counter()
             named = list(self._named())

@@ -6,47 +6,58 @@
     DistributedReceiver(WeightReceiver(engine), group, src=0).start()   # background thread
 
 One update, all on `group` (created by the caller with `dist.new_group`, so it never collides with
-training collectives; or any object with `rank()`, `size()`, `broadcast(tensor, src)`,
-`broadcast_object(obj, src)` and `gather_object(obj, dst)` — a group of its own outside
-torch.distributed's registry, ranks being its group ranks, e.g. verl's `integrations.verl.topology.PeerGroup`):
+training collectives; or any object with `rank()`, `size()`, `broadcast(tensor, src)` and
+`all_gather(tensor) -> list` — a group of its own outside torch.distributed's registry, ranks being
+its group ranks, e.g. verl's `integrations.verl.topology.PeerGroup`, which checks a shared token on
+join):
   1. broadcast the header: version, manifest {name: (shape, dtype)}, bucket layout (metas, bytes)
   2. gather every rollout's verdict on the manifest; broadcast go / no-go. A mismatch stops the
      update here: no bucket is sent and nothing is overwritten.
   3. broadcast the buckets one by one into fresh receive buffers (the rollout's staging copy)
   4. every rollout swaps them in (engine write lock) and the verdicts are gathered again.
-A `None` header tells the receivers to stop.
+A `null` header tells the receivers to stop.
+
+Every message but the buckets is JSON in a uint8 tensor behind an int64 length (never pickle, so
+never `broadcast_object_list` / `gather_object`): what a peer sends is parsed as data, checked for
+its form (`buckets.manifest_from_json` / `layout_from_json`) and size (`MAX_HEADER_BYTES`,
+`MAX_VERDICT_BYTES`), and a malformed message is a failure naming the sender, never code.
 """
 from __future__ import annotations
 
+import json
 import threading
 from typing import Optional
 
 import torch
 import torch.distributed as dist
 
-from megatron_fp4.rollout.buckets import Bucket, bucket_layout
+from megatron_fp4.rollout.buckets import (Bucket, BucketError, bucket_layout, layout_from_json, layout_to_json,
+                                          manifest_from_json, manifest_to_json)
 from megatron_fp4.rollout.weight_sync import WeightSyncError
+
+MAX_HEADER_BYTES = 1 << 30  # a manifest + layout of ~10^6 chunks; more is not a header
+MAX_VERDICT_BYTES = 1 << 20  # a verdict is a rollout name and an error message
+
+
+class ProtocolError(RuntimeError):
+    """A weight-sync message is not what the protocol allows (not JSON, wrong form, too large)."""
+
+
+class MalformedMessage(ProtocolError):
+    """A message arrived whole but is not JSON of the expected form (the exchange can go on)."""
 
 
 def _is_peer_group(group) -> bool:
-    return hasattr(group, "broadcast_object")
+    return group is not None and not isinstance(group, dist.ProcessGroup)
 
 
-def _gather_verdicts(verdict, src: int, group) -> Optional[list]:
-    if _is_peer_group(group):
-        return group.gather_object(verdict, src)
-    is_src = dist.get_rank() == src
-    out = [None] * dist.get_world_size(group) if is_src else None
-    dist.gather_object(verdict, out, dst=src, group=group)
-    return out
+def _group_rank(group) -> int:
+    return group.rank() if _is_peer_group(group) else dist.get_rank(group)
 
 
-def _broadcast_object(obj, src: int, group):
-    if _is_peer_group(group):
-        return group.broadcast_object(obj, src)
-    box = [obj]
-    dist.broadcast_object_list(box, src=src, group=group)
-    return box[0]
+def _is_src(src: int, group) -> bool:
+    """`src` is a group rank for a peer group, a global rank for a torch.distributed group."""
+    return (group.rank() if _is_peer_group(group) else dist.get_rank()) == src
 
 
 def _broadcast_tensor(tensor: torch.Tensor, src: int, group) -> None:
@@ -56,8 +67,90 @@ def _broadcast_tensor(tensor: torch.Tensor, src: int, group) -> None:
         dist.broadcast(tensor, src=src, group=group)
 
 
+def _all_gather_tensor(tensor: torch.Tensor, group) -> list:
+    if _is_peer_group(group):
+        return group.all_gather(tensor)
+    out = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(out, tensor, group=group)
+    return out
+
+
+def _encode(obj, device: torch.device) -> torch.Tensor:
+    return torch.frombuffer(bytearray(json.dumps(obj).encode()), dtype=torch.uint8).to(device)
+
+
+def _decode(payload: torch.Tensor, sender: str):
+    try:
+        return json.loads(payload.cpu().numpy().tobytes().decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError) as err:
+        raise MalformedMessage(f"{sender} sent a message that is not JSON ({type(err).__name__}); it was "
+                               "not used (weight-sync messages are JSON, never pickle)") from None
+
+
+def _broadcast_json(obj, src: int, group, device: torch.device):
+    """`obj` from `src`, parsed as JSON everywhere else."""
+    is_src = _is_src(src, group)
+    payload = _encode(obj, device) if is_src else None
+    length = torch.tensor([payload.numel() if is_src else 0], dtype=torch.int64, device=device)
+    _broadcast_tensor(length, src, group)
+    n = int(length.item())
+    if not 0 < n <= MAX_HEADER_BYTES:
+        raise ProtocolError(f"rank {src} announced a {n}-byte message (allowed: 1..{MAX_HEADER_BYTES})")
+    if payload is None:
+        payload = torch.empty(n, dtype=torch.uint8, device=device)
+    _broadcast_tensor(payload, src, group)
+    return obj if is_src else _decode(payload, f"rank {src} (the publisher)")
+
+
+def _gather_json(obj, src: int, group, device: torch.device) -> Optional[list]:
+    """Every group rank's `obj` on `src` (None elsewhere), in group-rank order; an entry is a
+    `ProtocolError` where that rank's message was not JSON or too large. An allgather: the verdicts
+    are small and gloo's gather needs equal sizes anyway."""
+    payload = _encode(obj, device)
+    lengths = [int(n.item()) for n in _all_gather_tensor(
+        torch.tensor([payload.numel()], dtype=torch.int64, device=device), group)]
+    fits = [0 < n <= MAX_VERDICT_BYTES for n in lengths]
+    padded = torch.zeros(max([1] + [n for n, ok in zip(lengths, fits) if ok]), dtype=torch.uint8, device=device)
+    if fits[_group_rank(group)]:
+        padded[:payload.numel()] = payload
+    parts = _all_gather_tensor(padded, group)  # every rank takes the same sizes: no rank skips it
+    if not _is_src(src, group):
+        return None
+    out = []
+    for rank, (part, n, ok) in enumerate(zip(parts, lengths, fits)):
+        try:
+            if not ok:
+                raise ProtocolError(f"group rank {rank} announced a {n}-byte verdict "
+                                    f"(allowed: 1..{MAX_VERDICT_BYTES}); it was not read")
+            out.append(_decode(part[:n], f"group rank {rank}"))
+        except ProtocolError as err:
+            out.append(err)
+    return out
+
+
+def _check_verdict(verdict, rank: int) -> tuple:
+    """A rollout's verdict must be {"rollout": name, "error": message-or-null}."""
+    if isinstance(verdict, ProtocolError):
+        return f"group rank {rank}", str(verdict)
+    if (not isinstance(verdict, dict) or set(verdict) != {"rollout", "error"}
+            or not isinstance(verdict["rollout"], str) or not isinstance(verdict["error"], (str, type(None)))):
+        return f"group rank {rank}", (f"sent a malformed verdict (expected {{'rollout': name, 'error': message "
+                                      "or null}); it was not used")
+    return verdict["rollout"], verdict["error"]
+
+
+def _decode_header(obj) -> tuple:
+    if not isinstance(obj, dict) or set(obj) != {"version", "manifest", "layout"} or type(obj["version"]) is not int:
+        raise MalformedMessage("the publisher's header is not {'version': int, 'manifest': ..., 'layout': ...}")
+    try:
+        return obj["version"], manifest_from_json(obj["manifest"]), layout_from_json(obj["layout"])
+    except BucketError as err:
+        raise MalformedMessage(f"the publisher's header for version {obj['version']} is malformed: {err}") from None
+
+
 class DistributedTransport:
-    """Trainer side of the cross-process sync (this process is global rank `src`)."""
+    """Trainer side of the cross-process sync (this process is rank `src`: global for a
+    torch.distributed group, a group rank for a peer group)."""
 
     def __init__(self, group, src: int = 0, device: Optional[torch.device] = None, name: Optional[str] = None):
         self.group, self.src = group, src
@@ -65,21 +158,25 @@ class DistributedTransport:
         self.name = name or (getattr(group, "name", "peer-group") if _is_peer_group(group)
                              else f"dist-group-ranks{sorted(dist.get_process_group_ranks(group))}")
 
-    def _failures(self, verdicts: list) -> dict:
-        return {v[0]: v[1] for v in verdicts if v is not None and v[1] is not None}
+    def _failures(self) -> dict:
+        verdicts = _gather_json(None, self.src, self.group, self.device)
+        me = _group_rank(self.group)
+        checked = [_check_verdict(v, r) for r, v in enumerate(verdicts) if r != me]
+        return {name: error for name, error in checked if error is not None}
 
     def send(self, version: int, manifest: dict, buckets: list) -> None:
-        header = {"version": version, "manifest": manifest, "layout": bucket_layout(buckets)}
+        header = {"version": int(version), "manifest": manifest_to_json(manifest),
+                  "layout": layout_to_json(bucket_layout(buckets))}
         try:
-            _broadcast_object(header, self.src, self.group)
-            failures = self._failures(_gather_verdicts(None, self.src, self.group))
-            _broadcast_object(not failures, self.src, self.group)
+            _broadcast_json(header, self.src, self.group, self.device)
+            failures = self._failures()
+            _broadcast_json(not failures, self.src, self.group, self.device)
             if failures:
                 raise WeightSyncError(failures, version)
             for b in buckets:
                 if b.buffer.numel():
                     _broadcast_tensor(b.buffer.to(self.device), self.src, self.group)
-            failures = self._failures(_gather_verdicts(None, self.src, self.group))
+            failures = self._failures()
         except WeightSyncError:
             raise
         except Exception as err:  # a peer died or the group broke: name the group and the version
@@ -89,7 +186,7 @@ class DistributedTransport:
 
     def close(self) -> None:
         """Tell every receiver of the group to stop serving."""
-        _broadcast_object(None, self.src, self.group)
+        _broadcast_json(None, self.src, self.group, self.device)
 
 
 class DistributedReceiver:
@@ -103,24 +200,42 @@ class DistributedReceiver:
         self.current_version: Optional[int] = None
         self._thread: Optional[threading.Thread] = None
 
+    def _verdict(self, error: Optional[str]) -> None:
+        if error is not None and len(error) > MAX_VERDICT_BYTES // 16:  # JSON escapes may grow it up to 6x
+            error = error[:MAX_VERDICT_BYTES // 16] + " ..."
+        _gather_json({"rollout": self.receiver.name, "error": error}, self.src, self.group, self.device)
+
     def serve_one(self) -> bool:
         """Take part in one update; False once the trainer said stop."""
-        header = _broadcast_object(None, self.src, self.group)
+        try:
+            header = _broadcast_json(None, self.src, self.group, self.device)
+        except MalformedMessage as err:
+            header = err
         if header is None:
             return False
-        version, manifest = header["version"], header["manifest"]
-        self.current_version = version  # for a receiver that wants to know it at validate()
-        verdict = None
         try:
-            self.receiver.validate(manifest)
-        except Exception as err:  # noqa: BLE001 - reported to the trainer, engine untouched
-            verdict = f"{type(err).__name__}: {err}"
-        _gather_verdicts((self.receiver.name, verdict), self.src, self.group)
-        if not _broadcast_object(None, self.src, self.group):
+            if isinstance(header, MalformedMessage):
+                raise header
+            version, manifest, layout = _decode_header(header)
+        except MalformedMessage as err:  # answered with a failing verdict: the publisher says no-go
+            version, verdict, layout = None, str(err), None
+        else:
+            self.current_version = version  # for a receiver that wants to know it at validate()
+            verdict = None
+            try:
+                self.receiver.validate(manifest)
+            except Exception as err:  # noqa: BLE001 - reported to the trainer, engine untouched
+                verdict = f"{type(err).__name__}: {err}"
+        self._verdict(verdict)
+        go = _broadcast_json(None, self.src, self.group, self.device)
+        if not isinstance(go, bool) or (go and layout is None):
+            raise ProtocolError(f"the publisher's go/no-go for version {version} is {go!r} after this rollout's "
+                                f"verdict {verdict!r}")
+        if not go:
             self.errors.append((version, verdict or "another rollout rejected the manifest"))
             return True
         buckets = []
-        for metas, nbytes in header["layout"]:
+        for metas, nbytes in layout:
             buf = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
             if nbytes:
                 _broadcast_tensor(buf, self.src, self.group)
@@ -132,7 +247,7 @@ class DistributedReceiver:
         except Exception as err:  # noqa: BLE001 - the previous version keeps serving
             verdict = f"{type(err).__name__}: {err}"
             self.errors.append((version, verdict))
-        _gather_verdicts((self.receiver.name, verdict), self.src, self.group)
+        self._verdict(verdict)
         return True
 
     def serve_forever(self) -> None:

@@ -46,6 +46,8 @@ def _digest(named) -> str:
 def _join(engine, rank, num_rollouts):
     """verl's CheckpointEngineManager.build_process_group, with the default group as the controller."""
     metadata = [None] * dist.get_world_size()
+    # verl's controller moves prepare()'s dicts over Ray (the trusted launcher); emulated here on the
+    # test's own default group. The weight sync itself never uses object collectives.
     dist.all_gather_object(metadata, engine.prepare())
     actor_kw, rollout_kw = type(engine).build_topology(1, num_rollouts, metadata)
     kw, i = (actor_kw, 0) if rank == 0 else (rollout_kw, rank - 1)

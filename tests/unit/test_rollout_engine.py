@@ -14,6 +14,8 @@ fp4_resq reaches 13-19% (max 3.6e-2). FP4 tests therefore require >= 90% of toke
 and a median |diff| <= 1e-6 (a real bug — wrong positions, a padding leak, a stale cache — moves
 every token by >> 1e-3), and bf16 mode must meet ATOL on every token.
 """
+import time
+
 import pytest
 import torch
 
@@ -145,3 +147,82 @@ def test_bad_requests_raise_clear_errors():
         engine.generate(enc(PROMPTS), [SamplingParams()] * 2)
     with pytest.raises(ValueError, match="top_p"):
         SamplingParams(top_p=0.0)
+
+
+def _in_thread(fn):
+    """Run fn in a daemon thread; -> (thread, box) where box gets ("ok", result) or ("err", exception)."""
+    import threading
+    box = []
+
+    def run():
+        try:
+            box.append(("ok", fn()))
+        except Exception as err:  # noqa: BLE001 - inspected by the test
+            box.append(("err", err))
+    th = threading.Thread(target=run, daemon=True)
+    th.start()
+    return th, box
+
+
+def _hold_read_forever(lock):
+    """A reader that never releases (until the returned event is set)."""
+    import threading
+    held, release = threading.Event(), threading.Event()
+
+    def reader():
+        with lock.read():
+            held.set()
+            release.wait()
+    threading.Thread(target=reader, daemon=True).start()
+    assert held.wait(30)
+    return release
+
+
+def test_rwlock_a_reader_that_never_releases_fails_the_writer_and_blocks_nobody():
+    from megatron_fp4.rollout.engine import LockTimeout, RWLock
+    lock = RWLock(timeout_s=0.5, owner="rollout 'r0'", setting="RolloutEngine(lock_timeout_s=...)")
+    release = _hold_read_forever(lock)
+    holders = []  # entered context managers stay referenced (a collected one would release)
+    writer, wbox = _in_thread(lambda: holders.append(lock.write()) or holders[-1].__enter__())
+    while not lock._writers_waiting and writer.is_alive():  # a writer is now queued: new readers wait
+        time.sleep(0.001)
+    reader, rbox = _in_thread(lambda: holders.append(lock.read()) or holders[-1].__enter__())
+    writer.join(30)
+    reader.join(30)  # served once the writer gave up (before: blocked forever behind it)
+    assert wbox and wbox[0][0] == "err" and isinstance(wbox[0][1], LockTimeout), wbox
+    msg = str(wbox[0][1])
+    assert "rollout 'r0'" in msg and "generate() request(s) held the read lock" in msg
+    assert "RolloutEngine(lock_timeout_s=...)" in msg and "keeps its current weights" in msg
+    assert rbox and rbox[0][0] == "ok", rbox
+    release.set()
+
+
+def test_rwlock_a_reader_waiting_behind_a_stuck_writer_times_out():
+    from megatron_fp4.rollout.engine import LockTimeout, RWLock
+    lock = RWLock(timeout_s=0.3, owner="rollout 'r0'", setting="RolloutEngine(lock_timeout_s=...)")
+    swap = lock.write()  # a swap that never finishes (kept referenced: no GC release)
+    swap.__enter__()
+    reader, box = _in_thread(lambda: lock.read().__enter__())
+    reader.join(30)
+    swap.__exit__(None, None, None)
+    assert box and box[0][0] == "err" and isinstance(box[0][1], LockTimeout), box
+    assert "read lock" in str(box[0][1]) and "lock_timeout_s" in str(box[0][1])
+
+
+def test_engine_lock_timeout_is_validated_and_bounds_load_weights():
+    from megatron_fp4.rollout.engine import LockTimeout
+    for bad in (0, -1, float("inf")):
+        with pytest.raises(ValueError, match="lock_timeout_s"):
+            RolloutEngine(make(), lock_timeout_s=bad)
+    engine = RolloutEngine(make(), mode="bf16", name="r-stuck", lock_timeout_s=0.3)
+    before = {k: v.clone() for k, v in engine.model.state_dict().items()}
+    release = _hold_read_forever(engine.lock)
+    new = {k: v + 1 for k, v in before.items()}
+    with pytest.raises(LockTimeout, match="'r-stuck'.*1 generate"):
+        engine.load_weights(new, 1)
+    assert engine.version == 0 and all(torch.equal(engine.model.state_dict()[k], v) for k, v in before.items())
+    out = engine.generate(enc(["7="]), SamplingParams(max_new_tokens=1, temperature=0))  # still serving
+    assert out.version == 0
+    release.set()
+    engine.load_weights(new, 1)
+    assert engine.version == 1

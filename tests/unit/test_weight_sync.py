@@ -1,5 +1,6 @@
 """Weight sync in one process: bucket format, two completion points, no overlap, whole versions,
 faults (rollout raises / is gone, mismatched manifest) leave the rollout on its previous version."""
+import json
 import threading
 import time
 
@@ -156,3 +157,146 @@ def test_publisher_validates_arguments():
     r = WeightReceiver(RolloutEngine(rollout))
     with pytest.raises(ValueError, match="unique"):
         WeightPublisher(trainer, [InProcessTransport(r), InProcessTransport(r)])
+
+
+def _damaged_buckets(kind):
+    """Buckets of one 64-byte tensor in 16-byte pieces, damaged the way `kind` says."""
+    from megatron_fp4.rollout.buckets import Bucket, TensorMeta
+    buckets = pack_buckets([("w", torch.arange(16, dtype=torch.float32))], 16)
+    if kind == "out_of_order":
+        return [buckets[1], buckets[0]] + buckets[2:]
+    if kind == "incomplete":
+        return buckets[:-1]
+    m = buckets[0].metas[0]  # "overflow": a chunk that claims more bytes than its bucket holds
+    return [Bucket([TensorMeta(m.name, m.shape, m.dtype, 0, 32, 0)], buckets[0].buffer)]
+
+
+@pytest.mark.parametrize("kind,needle", [("out_of_order", "out of order"), ("incomplete", "incomplete"),
+                                         ("overflow", "bucket")])
+def test_damaged_buckets_raise_clear_errors(kind, needle):
+    from megatron_fp4.rollout.buckets import BucketError
+    with pytest.raises(BucketError, match=needle):
+        unpack_buckets(_damaged_buckets(kind))
+
+
+def test_bucket_checks_survive_python_O():
+    """`python -O` strips asserts: the integrity checks must be real ones."""
+    import os
+    import subprocess
+    import sys
+    code = ("from tests.unit.test_weight_sync import _damaged_buckets\n"
+            "from megatron_fp4.rollout.buckets import unpack_buckets\n"
+            "assert False, 'asserts must be stripped in this run'\n"
+            "for kind in ('out_of_order', 'incomplete', 'overflow'):\n"
+            "    try:\n"
+            "        unpack_buckets(_damaged_buckets(kind))\n"
+            "        print(kind, 'ACCEPTED')\n"
+            "    except ValueError as err:\n"
+            "        print(kind, 'REFUSED', type(err).__name__)\n")
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
+    out = subprocess.run([sys.executable, "-O", "-c", code], capture_output=True, text=True, env=env, cwd=root,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split("\n")[:3] == [f"{k} REFUSED BucketError" for k in ("out_of_order", "incomplete",
+                                                                                "overflow")], out.stdout
+
+
+def test_json_header_roundtrip_and_refusals():
+    from megatron_fp4.rollout.buckets import (BucketError, bucket_layout, layout_from_json, layout_to_json,
+                                              manifest_from_json, manifest_of, manifest_to_json)
+    named = [("a", torch.randn(7, 5)), ("h", torch.randn(4, 3).to(torch.bfloat16)), ("e", torch.empty(0))]
+    buckets = pack_buckets(named, 50)
+    layout = bucket_layout(buckets)
+    assert layout_from_json(json.loads(json.dumps(layout_to_json(layout)))) == layout
+    manifest = manifest_of(named)
+    assert manifest_from_json(json.loads(json.dumps(manifest_to_json(manifest)))) == manifest
+    for bad in ([["a", [2], "os.system"]], [["a", [-1], "float32"]], [["a", [True], "float32"]], {"a": 1}):
+        with pytest.raises(BucketError):
+            manifest_from_json(bad)
+    with pytest.raises(BucketError, match="ends at byte"):
+        layout_from_json([[[["a", [2], "float32", 0, 8, 4]], 8]])
+
+
+def test_a_request_that_never_returns_fails_the_update_instead_of_hanging_it():
+    """A reader holds the engine lock forever: the update fails with an error naming the lock and
+    its setting, publish(2) returns, and requests are still served (before: all hung forever)."""
+    trainer, rollout = models()
+    engine = RolloutEngine(rollout, mode="bf16", name="r-stuck", lock_timeout_s=0.3)
+    held, release = threading.Event(), threading.Event()
+
+    def stuck_request():
+        with engine.lock.read():
+            held.set()
+            release.wait()
+    threading.Thread(target=stuck_request, daemon=True).start()
+    assert held.wait(30)
+    pub = WeightPublisher(trainer, [InProcessTransport(WeightReceiver(engine))], timeout_s=60)
+    results = []
+
+    def two_updates():
+        for v in (1, 2):
+            try:
+                pub.publish(v).wait_loaded(60)
+                results.append((v, None))
+            except (WeightSyncError, TimeoutError) as err:
+                results.append((v, err))
+    th = threading.Thread(target=two_updates, daemon=True)
+    th.start()
+    th.join(120)
+    assert [v for v, _ in results] == [1, 2], results  # publish(2) returned
+    for _, err in results:
+        assert isinstance(err, WeightSyncError) and "'r-stuck'" in str(err) and "LockTimeout" in str(err)
+        assert "RolloutEngine(lock_timeout_s=...)" in str(err) and "held the read lock" in str(err)
+    out = engine.generate([[1, 4]], SamplingParams(max_new_tokens=1, temperature=0))
+    assert out.version == 0  # still serving the previous version
+    release.set()
+
+
+def test_publish_times_out_when_the_previous_version_never_finishes():
+    trainer, _ = models()
+
+    class StuckTransport:
+        name = "r-hung"
+
+        def __init__(self):
+            self.release = threading.Event()
+
+        def send(self, version, manifest, buckets):
+            self.release.wait()
+    transport = StuckTransport()
+    pub = WeightPublisher(trainer, [transport], timeout_s=0.3)
+    pub.publish(1)
+    box = []
+    th = threading.Thread(target=lambda: box.append(_raises(lambda: pub.publish(2))), daemon=True)
+    th.start()
+    th.join(60)
+    assert box and isinstance(box[0], TimeoutError), box
+    for needle in ("publish(2)", "version 1", "WeightPublisher(timeout_s=...)", "'r-hung'", "Nothing was published"):
+        assert needle in str(box[0])
+    assert [h.version for h in pub.history] == [1]
+    transport.release.set()
+    pub.wait(30)
+    pub.publish(3).wait_loaded(30)  # recovers once the rollout does
+    with pytest.raises(ValueError, match="timeout_s"):
+        WeightPublisher(trainer, [transport], timeout_s=0)
+
+
+def _raises(fn):
+    try:
+        return fn()
+    except Exception as err:  # noqa: BLE001 - returned for the test to inspect
+        return err
+
+
+def test_sync_modules_never_unpickle():
+    """No pickle and no object collectives (they pickle) on the weight-sync path."""
+    import pathlib
+    import re
+    root = pathlib.Path(__file__).resolve().parents[2] / "megatron_fp4"
+    for rel in ("rollout/weight_sync_dist.py", "rollout/weight_sync.py", "rollout/buckets.py",
+                "integrations/verl/topology.py", "integrations/verl/checkpoint_engine.py"):
+        text = (root / rel).read_text()
+        found = re.findall(r"import pickle|pickle\.(?:loads?|dumps?|Unpickler)|_object_list\(|gather_object\("
+                           r"|broadcast_object\(|torch\.load\(", text)
+        assert not found, (rel, found)

@@ -15,7 +15,8 @@ overwritten: by the rollout engine's `load_weights`, or, with `validator=` (e.g.
 Topology and transport (`topology.py`): actor rank 0 is the only sender, other actor ranks drain
 their generator; rollout workers are ranks 1..N. Workers that all live in one process use an
 in-process channel; otherwise (verl's deployment) `init_process_group` builds a dedicated
-TCPStore + ProcessGroupGloo/NCCL group (`PeerGroup`, never the default group) and the buckets
+TCPStore + ProcessGroupGloo/NCCL group (`PeerGroup`, never the default group; listening only on
+the advertised address, joined only with the shared token, see SECURITY.md) and the buckets
 travel by `rollout.weight_sync_dist`'s protocol (header, go/no-go, bucket broadcasts, load
 verdicts). verl rebuilds the group for every update (prepare → init_process_group → send/receive
 → finalize), so `finalize` waits for the in-flight version and tears the group down.
@@ -30,7 +31,8 @@ from typing import Any, Callable, Optional
 
 from verl.checkpoint_engine.base import CheckpointEngine, CheckpointEngineRegistry
 
-from megatron_fp4.integrations.verl.topology import PeerGroup, assign_ranks, host_address, process_id, reserve_port
+from megatron_fp4.integrations.verl.topology import (TOKEN_ENV, PeerGroup, assign_ranks, host_address, new_sync_token,
+                                                     process_id, reserve_port, sync_token_from_env)
 from megatron_fp4.parallel.mesh import resolve_device
 from megatron_fp4.rollout.buckets import manifest_of, pack_buckets, unpack_buckets
 from megatron_fp4.rollout.weight_sync import PublishHandle, WeightSyncError
@@ -178,7 +180,8 @@ class MegatronFP4CheckpointEngine(CheckpointEngine):
         timeout_s: how long a step may wait for the peer (group timeout, ack wait).
         rollout_name: the rollout's name in `WeightSyncError`s (default `rollout<rank-1>` /
             `rollout0` in-process).
-        master_addr: address the rollouts reach actor rank 0 at (default: Ray's node IP, else 127.0.0.1).
+        master_addr: address the rollouts reach actor rank 0 at, and the only one its listener binds
+            (default: Ray's node IP, else 127.0.0.1).
         device: "auto" | "cpu" | "cuda": where buckets travel (gloo on CPU, NCCL on CUDA).
         validator: optional manifest check on a rollout rank (raises on mismatch), so a mismatch
             stops the update before any bucket is sent ("dist" mode; in-process the rollout
@@ -198,6 +201,7 @@ class MegatronFP4CheckpointEngine(CheckpointEngine):
         self._group: Optional[PeerGroup] = None
         self._transport: Optional[DistributedTransport] = None
         self._listen = None
+        self._bind_error: Optional[str] = None
         self._inflight: Optional[PublishHandle] = None
         self.last_handle: Optional[PublishHandle] = None
         self._last_stream: Optional[_DistStream] = None
@@ -206,11 +210,21 @@ class MegatronFP4CheckpointEngine(CheckpointEngine):
 
     # -- topology --------------------------------------------------------------------------------
     def prepare(self) -> dict[str, Any]:
-        """Every worker reports its process and a reserved port; actor rank 0's become the master's."""
+        """Every worker reports its process and a port reserved on the address it advertises; actor
+        rank 0's become the master's. Without `MEGATRON_FP4_SYNC_TOKEN` in the environment each
+        worker also reports a fresh token: the master's is the group's (verl's controller hands it
+        to the rollouts with `master_metadata`, the path the address and port take)."""
         self._close_listen()
-        self._listen = reserve_port()
-        return {"process": process_id(), "addr": self.master_addr or host_address(),
-                "port": self._listen.getsockname()[1], "channel": self.channel_name, "bucket_size": self.bucket_size}
+        addr = self.master_addr or host_address()
+        try:
+            self._listen, self._bind_error = reserve_port(addr), None
+        except OSError as err:  # only fatal on the worker that turns out to be rank 0 (not known yet)
+            self._bind_error = f"cannot listen on master_addr={addr!r} ({err}): give actor rank 0's own address"
+        meta = {"process": process_id(), "addr": addr, "port": self._listen.getsockname()[1] if self._listen else None,
+                "channel": self.channel_name, "bucket_size": self.bucket_size}
+        if sync_token_from_env() is None:
+            meta["token"] = new_sync_token()
+        return meta
 
     @classmethod
     def build_topology(cls, actor_wg_world_size: int, rollout_world_size: int, metadata: list):
@@ -231,10 +245,16 @@ class MegatronFP4CheckpointEngine(CheckpointEngine):
             return
         if master_metadata is None:
             raise ValueError("init_process_group(mode='dist') needs master_metadata (actor rank 0's prepare())")
-        self._group = PeerGroup(master_metadata["addr"], master_metadata["port"], rank, world_size, self.device,
-                                self.timeout_s, listen_socket=listen if rank == 0 else None)
         if rank != 0 and listen is not None:
             listen.close()
+        if rank == 0 and listen is None:
+            raise ValueError(self._bind_error or "init_process_group(rank=0) needs this engine's prepare() first")
+        token = sync_token_from_env() or master_metadata.get("token")
+        if not token:
+            raise ValueError(f"{TOKEN_ENV} is not set in this worker's environment but the publisher (actor rank 0) "
+                             f"uses it: set the same {TOKEN_ENV} in every actor and rollout worker's environment")
+        self._group = PeerGroup(master_metadata["addr"], master_metadata["port"], rank, world_size, self.device,
+                                self.timeout_s, listen_socket=listen if rank == 0 else None, token=token)
         if rank == 0:
             self._transport = DistributedTransport(self._group, src=0, device=self.device)
 

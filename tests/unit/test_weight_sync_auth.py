@@ -1,0 +1,154 @@
+"""The "dist" weight-sync group's exposure: its listeners bind exactly the advertised address, and
+a peer without the shared token (MEGATRON_FP4_SYNC_TOKEN) is refused on join, on both sides.
+
+Groups are built in threads of this process (the token check runs through the store before any
+process group exists), so no processes are spawned."""
+import os
+import socket
+import threading
+
+import pytest
+import torch
+
+pytest.importorskip("verl")
+from megatron_fp4.integrations.verl.topology import TOKEN_ENV, PeerGroup, reserve_port  # noqa: E402
+
+ADDR = "127.0.0.1"
+TOKEN = "a" * 64
+
+
+def _listening_addresses() -> set:
+    """(ip, port) of every TCP socket this process listens on (Linux /proc)."""
+    inodes = set()
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            link = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if link.startswith("socket:["):
+            inodes.add(link[len("socket:["):-1])
+    out = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        if not os.path.exists(table):
+            continue
+        for line in open(table).read().splitlines()[1:]:
+            fields = line.split()
+            if fields[3] == "0A" and fields[9] in inodes:  # 0A: LISTEN
+                ip_hex, port_hex = fields[1].split(":")
+                raw = bytes.fromhex(ip_hex)
+                family = socket.AF_INET if len(raw) == 4 else socket.AF_INET6
+                words = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))  # little-endian words
+                out.add((socket.inet_ntop(family, words), int(port_hex, 16)))
+    return out
+
+
+needs_proc = pytest.mark.skipif(not os.path.exists("/proc/net/tcp"), reason="reads Linux /proc/net/tcp")
+
+
+def _build(ranks_tokens, port):
+    """PeerGroups of len(ranks_tokens) ranks in threads; -> {rank: group or exception}."""
+    out = {}
+
+    def one(rank, token):
+        try:
+            out[rank] = PeerGroup(ADDR, port, rank, len(ranks_tokens), torch.device("cpu"), timeout_s=30,
+                                  listen_socket=reserve_port(ADDR, port) if rank == 0 else None, token=token)
+        except Exception as err:  # noqa: BLE001 - inspected by the test
+            out[rank] = err
+    threads = [threading.Thread(target=one, args=(r, t), daemon=True) for r, t in enumerate(ranks_tokens)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(60)
+    return out
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind((ADDR, 0))
+        return s.getsockname()[1]
+
+
+def test_prepare_listens_on_the_advertised_address_only():
+    from megatron_fp4.integrations.verl import MegatronFP4CheckpointEngine
+    ce = MegatronFP4CheckpointEngine(master_addr=ADDR)
+    meta = ce.prepare()
+    try:
+        assert ce._listen.getsockname()[:2] == (meta["addr"], meta["port"])  # not 0.0.0.0
+    finally:
+        ce.finalize()
+
+
+@needs_proc
+def test_every_listener_of_the_group_binds_the_advertised_address():
+    before = _listening_addresses()
+    group = _build([TOKEN], _free_port())[0]
+    assert isinstance(group, PeerGroup), group
+    opened = _listening_addresses() - before  # the store's and gloo's listeners
+    assert opened and {ip for ip, _ in opened} == {ADDR}, opened
+    group.close()
+
+
+def test_wrong_token_is_refused_on_both_sides():
+    out = _build([TOKEN, "b" * 64], _free_port())
+    for rank in (0, 1):
+        assert isinstance(out[rank], PermissionError), out[rank]
+        assert TOKEN_ENV in str(out[rank])
+    assert "refused rank(s) [1]" in str(out[0]) and "refused this rank" in str(out[1])
+
+
+def test_same_token_joins_and_the_group_works():
+    out = _build([TOKEN, TOKEN], _free_port())
+    assert all(isinstance(g, PeerGroup) for g in out.values()), out
+    got = {}
+
+    def bcast(rank):
+        t = torch.tensor([7.0]) if rank == 0 else torch.zeros(1)
+        out[rank].broadcast(t, 0)
+        got[rank] = float(t)
+    threads = [threading.Thread(target=bcast, args=(r,), daemon=True) for r in (0, 1)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(60)
+    assert got == {0: 7.0, 1: 7.0}
+
+
+def test_token_from_the_environment(monkeypatch):
+    from megatron_fp4.integrations.verl import MegatronFP4CheckpointEngine
+    ce = MegatronFP4CheckpointEngine(master_addr=ADDR)
+    monkeypatch.delenv(TOKEN_ENV, raising=False)
+    meta = ce.prepare()  # no token in the environment: the publisher generates one for its rollouts
+    assert len(meta["token"]) >= 32 and meta["token"] != ce.prepare()["token"]
+    monkeypatch.setenv(TOKEN_ENV, TOKEN)
+    assert "token" not in ce.prepare()  # the launcher's token is not sent around
+    monkeypatch.delenv(TOKEN_ENV)  # a rollout without it, while the publisher uses one: a clear error
+    with pytest.raises(ValueError, match=f"{TOKEN_ENV} is not set in this worker's environment"):
+        ce.init_process_group(rank=1, world_size=2, master_metadata={"addr": ADDR, "port": 1}, mode="dist")
+    monkeypatch.setenv(TOKEN_ENV, "short")
+    with pytest.raises(ValueError, match=f"{TOKEN_ENV} has 5 characters"):
+        ce.prepare()
+    ce.finalize()
+
+
+class _DictStore:
+    """The two TCPStore calls `authenticate` makes, over a dict (a peer's writes pre-filled)."""
+
+    def __init__(self, **values):
+        self.values = {k.replace("__", "/"): v for k, v in values.items()}
+
+    def set(self, key, value):
+        self.values[key] = value.encode() if isinstance(value, str) else value
+
+    def get(self, key):
+        return self.values[key]
+
+
+@pytest.mark.parametrize("claim", [b"\x80\x04\x95 not json", b'{"nonce": "n", "proof": "\\u00e9\\u00e9"}',
+                                   b'{"nonce": 1, "proof": []}', b"[1, 2]"])
+def test_a_malformed_claim_is_refused_cleanly(claim):
+    from megatron_fp4.integrations.verl.topology import authenticate
+    store = _DictStore(auth__claim__1=claim)
+    with pytest.raises(PermissionError, match=f"refused rank\\(s\\) \\[1\\].*{TOKEN_ENV}"):
+        authenticate(store, 0, 2, TOKEN, "test-group")
+    assert b'"ok": false' in store.values["auth/reply/1"]
