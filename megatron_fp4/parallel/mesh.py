@@ -107,6 +107,11 @@ class ParallelMesh:
         return self.groups.get(axis)
 
     @property
+    def is_distributed(self) -> bool:
+        """Built over a torch.distributed process group (any size), not `single()`."""
+        return bool(self.groups)
+
+    @property
     def is_first_stage(self) -> bool:
         return self.coord("pp") == 0
 
