@@ -28,7 +28,7 @@ from benchmarks.bench_pipeline import bench_cfg
 def _child(rank, world_size, cfg, one_node: bool, steps: int):
     import megatron_fp4.fp4.moeresq as moeresq
     from megatron_fp4.parallel.mesh import ParallelMesh
-    from megatron_fp4.training.parallel_trainer import ParallelTrainer
+    from megatron_fp4.training.trainer import Trainer, lm_loss_fn
 
     calls = {"dgrad": 0, "wgrad": 0}
     for key in calls:
@@ -39,7 +39,7 @@ def _child(rank, world_size, cfg, one_node: bool, steps: int):
             return _original(*args)
         setattr(moeresq, "_" + key, counted)
     with moeresq.one_node_backward() if one_node else nullcontext():
-        trainer = ParallelTrainer(cfg, ParallelMesh.build(cfg.parallel.pp, 1, 1))
+        trainer = Trainer(cfg, ParallelMesh.build(cfg.parallel.pp, 1, 1))
         for _ in range(2):  # warm-up (allocations, shape set-up)
             trainer.train_step()
         times = []
@@ -49,7 +49,7 @@ def _child(rank, world_size, cfg, one_node: bool, steps: int):
             for key in calls:
                 calls[key] = 0
             start = time.perf_counter()
-            trainer.pipeline.run(batch)
+            trainer.pipeline.run(batch, lm_loss_fn)
             times.append(time.perf_counter() - start)
             torch.distributed.barrier()
     return {"times": times, "calls": dict(calls)}

@@ -40,9 +40,9 @@ def bench_cfg(pp: int, v: int, layers: int, microbatches: int, schedule: str | N
 
 def _timed_step(rank, world_size, cfg):
     from megatron_fp4.parallel.mesh import ParallelMesh
-    from megatron_fp4.training.parallel_trainer import ParallelTrainer
+    from megatron_fp4.training.trainer import Trainer, lm_loss_fn
 
-    trainer = ParallelTrainer(cfg, ParallelMesh.build(cfg.parallel.pp, 1, 1))
+    trainer = Trainer(cfg, ParallelMesh.build(cfg.parallel.pp, 1, 1))
     events = []
     for stage in trainer.pipeline.stages:
         for method, kind in (("forward_one_chunk", "F"), ("backward_one_chunk", "B"),
@@ -60,7 +60,7 @@ def _timed_step(rank, world_size, cfg):
     torch.distributed.barrier()
     events.clear()
     start = time.perf_counter()
-    trainer.pipeline.run(trainer.next_micro_batches())
+    trainer.pipeline.run(trainer.next_micro_batches(), lm_loss_fn)
     end = time.perf_counter()
     return {"events": [(k, c, a - start, b - start) for k, c, a, b in events], "wall": end - start}
 

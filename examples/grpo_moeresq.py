@@ -39,11 +39,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from megatron_fp4.config import load_config  # noqa: E402
 from megatron_fp4.rollout import (InProcessTransport, RolloutEngine, SamplingParams, WeightPublisher,  # noqa: E402
-                                  WeightReceiver, compute_log_probs, consistency_metrics, pad_prompt_response,
-                                  policy_loss)
+                                  WeightReceiver, compute_log_probs, consistency_metrics, pad_prompt_response)
+from megatron_fp4.rollout.policy_step import PolicyLoss  # noqa: E402
 from megatron_fp4.training.data import (ArithmeticDataset, ArithmeticTokenizer, ResumableSampler,  # noqa: E402
                                         check_answer, make_problem)
-from megatron_fp4.training.optim import MasterWeightAdamW  # noqa: E402
 from megatron_fp4.training.trainer import Trainer  # noqa: E402
 
 TOK = ArithmeticTokenizer()
@@ -81,32 +80,13 @@ def consistency(gen, batch) -> dict:
     return consistency_metrics(torch.cat(gen.log_probs), train_lp, torch.cat(gen.routing), train_rt)
 
 
-def kl_k3(log_probs: torch.Tensor, ref_log_probs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Token-mean k3 estimator of KL(pi || pi_ref) on the sampled tokens: exp(d) - d - 1, d = ref - lp."""
-    d = (ref_log_probs - log_probs).clamp(-20.0, 20.0)
-    k3 = d.exp() - d - 1
-    m = mask.to(k3.dtype)
-    return (k3 * m).sum() / m.sum().clamp(min=1.0)
-
-
 def policy_update(trainer, batch: dict, micro_batch_size: int, clip_eps: float, tis_cap, kl_coef: float = 0.0) -> dict:
     """One optimizer step on the GRPO loss (+ kl_coef * k3 KL to the reference) through the trainer
-    (clipping, NaN guard, LR schedule)."""
-    keys = ["input_ids", "attention_mask", "response_mask", "old_log_probs", "rollout_log_probs", "advantages"]
-    if kl_coef:
-        keys.append("ref_log_probs")
+    (clipping, NaN guard, LR schedule; the pipeline schedule when the trainer has one)."""
+    loss = PolicyLoss(clip_eps, tis_cap, kl_coef)
     B = batch["input_ids"].shape[0]
-    micro = [{k: batch[k][s:s + micro_batch_size] for k in keys} for s in range(0, B, micro_batch_size)]
-
-    def loss_fn(model, mb):
-        lp = compute_log_probs(model, mb["input_ids"], mb["attention_mask"], mb["response_mask"]).log_probs
-        loss, metrics = policy_loss(lp, mb["old_log_probs"], mb["advantages"][:, None], mb["response_mask"], clip_eps,
-                                    mb["rollout_log_probs"], tis_cap)
-        if kl_coef:
-            kl = kl_k3(lp, mb["ref_log_probs"], mb["response_mask"])
-            loss, metrics = loss + kl_coef * kl, {**metrics, "kl": float(kl.detach())}
-        return loss, metrics
-    return trainer.train_step_with_loss(micro, loss_fn)
+    micro = [{k: batch[k][s:s + micro_batch_size] for k in loss.batch_keys} for s in range(0, B, micro_batch_size)]
+    return trainer.train_step_with_loss(micro, loss)
 
 
 def ppo_updates(trainer, batch: dict, args, rng: random.Random) -> dict:
@@ -188,7 +168,7 @@ def configure_rl(trainer, args) -> None:
     o.weight_decay = args.rl_weight_decay
     # A fresh Adam for RL: SFT's momentum would otherwise keep pushing the LM direction for the
     # first RL steps (measured: greedy accuracy drifts down even with all advantages zeroed).
-    trainer.optimizer = MasterWeightAdamW(trainer.model.named_parameters(), o)
+    trainer.optimizer = trainer.build_optimizer()
     for moe in trainer.model.moe_layers():  # see --rl-aux-coef
         moe.aux_loss_coef, moe.z_loss_coef = args.rl_aux_coef, args.rl_aux_coef * 0.1
 

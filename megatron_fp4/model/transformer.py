@@ -1,7 +1,9 @@
 """The Qwen3-MoE-family decoder: embedding → N × (attention, MoE or dense MLP) → norm → LM head.
 
-The model is split into `embed` / `layers` / `head` so `parallel/pipeline.py` can cut it into
-stages without the model knowing about pipelines.
+The forward is three pieces, `embed` / `run_layers` / `head`, and `forward` is nothing but them in
+a row: `parallel/pipeline.py` runs the same pieces on its stages (the first stage embeds, every
+stage runs its own layers, the last applies the head), so every layout shares this one forward and
+the model knows nothing about pipelines.
 """
 from __future__ import annotations
 
@@ -62,14 +64,29 @@ class MoETransformer(nn.Module):
         self.lm_head = None if cfg.tie_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         name_quant_sites(self)  # global names for FP4 SR streams and errors, kept by pp/ep splitting
 
-    # -- pieces used by the pipeline splitter ---------------------------------------------------
+    # -- the forward's pieces (the pipeline's stages call them too) -----------------------------
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
         return self.embed_tokens(tokens)
 
+    def run_layers(self, h: torch.Tensor, positions: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
+                   layers: Optional[range] = None, kv_cache: Optional[KVCache] = None,
+                   routing_out: Optional[list] = None) -> torch.Tensor:
+        """Decoder layers `layers` (default: all) in order, on hidden states h [B, T, hidden]."""
+        for i in range(len(self.layers)) if layers is None else layers:
+            cache = kv_cache.layers[i] if kv_cache is not None else None
+            h = self.layers[i](h, positions, attention_mask, cache, routing_out)
+        return h
+
     def head(self, h: torch.Tensor) -> torch.Tensor:
+        """Final norm and LM head (the embedding matrix when the embeddings are tied)."""
         h = self.norm(h)
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return F.linear(h, weight)
+
+    @staticmethod
+    def default_positions(tokens: torch.Tensor, past: int = 0) -> torch.Tensor:
+        B, T = tokens.shape[:2]
+        return torch.arange(past, past + T, device=tokens.device).expand(B, T)
 
     # -- full forward ---------------------------------------------------------------------------
     def forward(self, tokens: torch.Tensor, positions: Optional[torch.Tensor] = None,
@@ -77,15 +94,10 @@ class MoETransformer(nn.Module):
                 return_routing: bool = False) -> ModelOutput:
         """tokens [B, T]. positions default to past_len + arange(T). attention_mask [B, T_total]
         marks real tokens (for left-padded batched generation); kv_cache is extended in place."""
-        B, T = tokens.shape
         if positions is None:
-            past = kv_cache.length if kv_cache is not None else 0
-            positions = torch.arange(past, past + T, device=tokens.device).expand(B, T)
+            positions = self.default_positions(tokens, kv_cache.length if kv_cache is not None else 0)
         routing = [] if return_routing else None
-        h = self.embed(tokens)
-        for i, layer in enumerate(self.layers):
-            cache = kv_cache.layers[i] if kv_cache is not None else None
-            h = layer(h, positions, attention_mask, cache, routing)
+        h = self.run_layers(self.embed(tokens), positions, attention_mask, kv_cache=kv_cache, routing_out=routing)
         return ModelOutput(self.head(h), routing)
 
     # -- FP4 and MoE controls -------------------------------------------------------------------

@@ -107,6 +107,11 @@ class ParallelMesh:
         return self.groups.get(axis)
 
     @property
+    def is_distributed(self) -> bool:
+        """Built over a torch.distributed process group (any size), not `single()`."""
+        return bool(self.groups)
+
+    @property
     def is_first_stage(self) -> bool:
         return self.coord("pp") == 0
 
@@ -175,8 +180,3 @@ class ParallelMesh:
             f"its peer: another rank of this job hung, was stopped or died (this rank's groups: {groups or 'none'}). "
             f"Check the other ranks' logs; raise parallel.timeout_s if steps legitimately take longer. "
             f"Backend said: {first}")
-
-    def stage_peer(self, offset: int) -> int:
-        """Global rank of the pipeline stage `offset` away (wrapping), same dp/tp coordinates."""
-        ranks = self.ranks.get("pp", [self.rank])
-        return ranks[(self.coord("pp") + offset) % self.pp]

@@ -8,18 +8,24 @@ Why the library: its schedules are maintained upstream, run on gloo (CPU) and NC
   decoder layers (embedding with chunk 0, final norm + LM head with the last chunk), and chunk
   ``c`` lives on pipeline rank ``c % pp`` (Megatron's interleaving: rank r holds r, r+pp, …);
 - the *stage modules*: every rank builds the full, identically initialised model, then
-  `strip_to_local` removes what other ranks own. The model object is kept, so
+  `strip_to_local` removes what other ranks own. A stage runs the model's own forward pieces
+  (`embed`, `run_layers`, `head`), never a copy of them. The model object is kept, so
   ``model.named_parameters()`` yields this rank's parameters under their *global* names (what
   ZeRO shards and checkpoints key on) and `model.moe_layers()` lists the local MoE layers;
-- the *loss contract*: the schedule's loss_fn returns ``loss / num_microbatches`` and the schedule
+- the *loss contract*: the step's loss (a `StepLoss`: model inputs + loss of the logits) runs on
+  the last stage with the whole micro-batch dict — the schedule's target is the micro-batch
+  index, so labels, masks, advantages and old log-probs all reach it; its result, returned as
+  ``loss / num_microbatches``, feeds a schedule
   is built with ``scale_grads=False``, so gradients accumulate exactly as in the single-process
   trainer, and the MoE auxiliary losses (``AuxLossAutoScaler`` with scale 1/num_microbatches,
   set by the caller) reach the routers of every stage through the stage's own backward.
 
-Micro-batch shapes are static (packed fixed-length data), which the p2p buffers need.
+Micro-batch shapes are static within a step (the p2p buffers need it); stages and schedule are
+built once per (micro-batch count, shape), so RL batches of varying length work.
 """
 from __future__ import annotations
 
+import json
 from typing import Callable
 
 import torch
@@ -91,25 +97,30 @@ class _Absent(nn.Module):
 
 
 class PipelineChunk(nn.Module):
-    """One model chunk: (embedding) → layers[lo:hi] → (norm + LM head). Shares the model's modules."""
+    """One model chunk: the model's own `embed` (first chunk), `run_layers` over its layer range,
+    `head` (last chunk). It registers the modules it runs (what the stage's parameters are) and
+    calls the model's pieces, so there is one forward for every layout. `inputs()` gives the
+    current micro-batch's ``positions`` / ``attention_mask`` (None: default positions, no mask)."""
 
-    def __init__(self, model: nn.Module, layers: range, is_first: bool, is_last: bool):
+    def __init__(self, model: nn.Module, layers: range, is_first: bool, is_last: bool,
+                 inputs: Callable[[], dict] = dict):
         super().__init__()
         self.layer_range, self.is_first, self.is_last = layers, is_first, is_last
         self.embed_tokens = model.embed_tokens if is_first else None
         self.layers = nn.ModuleList([model.layers[i] for i in layers])
         self.norm = model.norm if is_last else None
         self.lm_head = model.lm_head if is_last else None
+        self._pieces = (model, inputs)  # a tuple: not registered as a submodule
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.embed_tokens(x) if self.is_first else x
-        B, T = h.shape[:2]
-        positions = torch.arange(T, device=h.device).expand(B, T)
-        for layer in self.layers:
-            h = layer(h, positions)
-        if self.is_last:
-            h = self.lm_head(self.norm(h))
-        return h
+        model, inputs = self._pieces
+        extra = inputs()
+        h = model.embed(x) if self.is_first else x
+        positions = extra.get("positions")
+        if positions is None:
+            positions = model.default_positions(h)
+        h = model.run_layers(h, positions, extra.get("attention_mask"), self.layer_range)
+        return model.head(h) if self.is_last else h
 
 
 def strip_to_local(model: nn.Module, local_layers: set[int], has_first: bool, has_last: bool) -> None:
@@ -127,14 +138,14 @@ def strip_to_local(model: nn.Module, local_layers: set[int], has_first: bool, ha
         model.lm_head = None
 
 
-def build_chunks(model: nn.Module, pp: int, pp_rank: int, virtual_stages: int = 1,
-                 style: str = "loop") -> list[tuple[int, PipelineChunk]]:
+def build_chunks(model: nn.Module, pp: int, pp_rank: int, virtual_stages: int = 1, style: str = "loop",
+                 inputs: Callable[[], dict] = dict) -> list[tuple[int, PipelineChunk]]:
     """Strip `model` to this rank's chunks and return [(chunk index, chunk module)] in chunk order."""
     ranges = split_layers(len(model.layers), pp, virtual_stages)
     mine = rank_chunks(pp_rank, pp, virtual_stages, style)
     last = len(ranges) - 1
     local = {i for c in mine for i in ranges[c]}
-    chunks = [(c, PipelineChunk(model, ranges[c], c == 0, c == last)) for c in mine]
+    chunks = [(c, PipelineChunk(model, ranges[c], c == 0, c == last, inputs)) for c in mine]
     strip_to_local(model, local, 0 in mine, last in mine)
     return chunks
 
@@ -164,22 +175,48 @@ def schedule_class(name: str):
 
 
 class PipelineRunner:
-    """This rank's stages and schedule; `run` does forward+backward of one step's micro-batches.
+    """This rank's stages; `run(micro_batches, step_loss)` does forward+backward of one step.
 
-    `loss_fn(logits, labels) -> loss` is the per-micro-batch mean loss; the runner divides it by the
-    number of micro-batches for the gradients and reports the true mean (same on every pp rank)."""
+    `step_loss` is a `training.step_loss.StepLoss`-like object: `model_inputs(mb)` (tokens, optional
+    positions / attention_mask) and `loss(logits, mb) -> (loss, metrics)`, the micro-batch's mean
+    loss, computed on the last stage with the whole micro-batch dict. The runner divides it by the
+    number of micro-batches for the gradients and reports the true means (same on every pp rank).
+    Stages and schedule are built per micro-batch count and shape (the p2p buffers are static)."""
 
-    def __init__(self, model: nn.Module, mesh, schedule: str, virtual_stages: int, num_microbatches: int,
-                 loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], micro_batch_shape: tuple[int, int]):
-        from torch.distributed.pipelining import PipelineStage
-
-        self.model, self.mesh, self.num_microbatches = model, mesh, num_microbatches
+    def __init__(self, model: nn.Module, mesh, schedule: str, virtual_stages: int):
+        self.model, self.mesh, self.schedule_name = model, mesh, schedule
         self.pp, self.pp_rank = mesh.pp, mesh.coord("pp")
         self.group = mesh.group("pp")
         style = PLACEMENT.get(schedule, "loop")
-        self.chunks = build_chunks(model, self.pp, self.pp_rank, virtual_stages, style)
-        num_stages = self.pp * virtual_stages
-        self.last_stage_rank = chunk_to_rank(num_stages - 1, self.pp, style)  # reports the loss
+        schedule_class(schedule)  # a bad name fails here, before the model is cut
+        self.chunks = build_chunks(model, self.pp, self.pp_rank, virtual_stages, style, self._current_inputs)
+        if schedule not in MULTI_CHUNK_SCHEDULES and len(self.chunks) != 1:
+            raise ValueError(f"parallel.virtual_stages={virtual_stages} needs an interleaved schedule, not "
+                             f"parallel.schedule={schedule!r}; use one of {list(MULTI_CHUNK_SCHEDULES)}")
+        self.num_stages = self.pp * virtual_stages
+        self.last_stage_rank = chunk_to_rank(self.num_stages - 1, self.pp, style)  # reports the loss
+        self.has_first = any(chunk.is_first for _, chunk in self.chunks)
+        self.has_last = any(chunk.is_last for _, chunk in self.chunks)
+        self._built: dict = {}
+        self.stages = self.schedule = None
+        self._inputs, self._current = [], 0
+        self._step_loss, self._batch, self._metrics = None, [], {}
+
+    def _current_inputs(self) -> dict:
+        return self._inputs[self._current] if self._inputs else {}
+
+    def prepare(self, num_microbatches: int, micro_batch_shape: tuple[int, int]) -> None:
+        """Build (or reuse) the stages and schedule for this micro-batch count and [batch, seq] shape."""
+        key = (num_microbatches, tuple(micro_batch_shape))
+        if key not in self._built:
+            self._built[key] = self._build(num_microbatches, micro_batch_shape)
+        self.num_microbatches = num_microbatches
+        self.stages, self.schedule = self._built[key]
+
+    def _build(self, num_microbatches: int, micro_batch_shape: tuple[int, int]):
+        from torch.distributed.pipelining import PipelineStage
+
+        mesh, model = self.mesh, self.model
         # Static shapes given up front: without them the library infers them by running each
         # stage on uninitialised inputs, which FP4's non-finite-input check rightly refuses.
         mbs, seq_len = micro_batch_shape
@@ -188,42 +225,80 @@ class PipelineRunner:
         tokens = torch.zeros(mbs, seq_len, dtype=torch.long, device=mesh.device)
         logits = torch.zeros(mbs, seq_len, model.cfg.vocab_size, dtype=dtype, device=mesh.device)
         hidden_in = hidden.clone().requires_grad_()  # received activations need their gradient
-        self.stages = [PipelineStage(chunk, c, num_stages, mesh.device, group=self.group,
-                                     input_args=(tokens if chunk.is_first else hidden_in,),
-                                     output_args=(logits if chunk.is_last else hidden,),
-                                     input_grads=(None if chunk.is_first else hidden,),
-                                     output_grads=(None if chunk.is_last else hidden,))
-                       for c, chunk in self.chunks]
-        for stage in self.stages:  # fp4-followups: FP4 SR streams keyed by micro-batch
-            run_chunks_in_fp4_micro_batch(stage)
-        self.has_first = any(chunk.is_first for _, chunk in self.chunks)
-        self.has_last = any(chunk.is_last for _, chunk in self.chunks)
-        self._loss_fn = loss_fn
-        cls = schedule_class(schedule)
-        stages = self.stages if schedule in MULTI_CHUNK_SCHEDULES else self.stages[0]
-        if schedule not in MULTI_CHUNK_SCHEDULES:
-            assert len(self.stages) == 1, "virtual_stages > 1 needs an interleaved schedule"
-        self.schedule = cls(stages, n_microbatches=num_microbatches, loss_fn=self._scaled_loss, scale_grads=False)
+        stages = [PipelineStage(chunk, c, self.num_stages, mesh.device, group=self.group,
+                                input_args=(tokens if chunk.is_first else hidden_in,),
+                                output_args=(logits if chunk.is_last else hidden,),
+                                input_grads=(None if chunk.is_first else hidden,),
+                                output_grads=(None if chunk.is_last else hidden,))
+                  for c, chunk in self.chunks]
+        for stage in stages:
+            run_chunks_in_fp4_micro_batch(stage)  # fp4-followups: FP4 SR streams keyed by micro-batch
+            self._track_micro_batch(stage)
+        cls = schedule_class(self.schedule_name)
+        stage_arg = stages if self.schedule_name in MULTI_CHUNK_SCHEDULES else stages[0]
+        return stages, cls(stage_arg, n_microbatches=num_microbatches, loss_fn=self._scaled_loss, scale_grads=False)
 
-    def _scaled_loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        loss = self._loss_fn(logits, labels)
+    def _track_micro_batch(self, stage) -> None:
+        """Let the chunks see which micro-batch a forward call runs (its positions and mask)."""
+        original = stage.forward_one_chunk
+
+        def forward_one_chunk(chunk_id, *args, **kwargs):
+            self._current = chunk_id
+            return original(chunk_id, *args, **kwargs)
+        stage.forward_one_chunk = forward_one_chunk
+
+    def _scaled_loss(self, logits: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+        """The schedule's loss: `index` is the micro-batch number (the target we hand the schedule)."""
+        i = int(index.reshape(-1)[0])
+        loss, metrics = self._step_loss.loss(logits, self._batch[i])
+        self._metrics[i] = metrics
         scaled = loss / self.num_microbatches
         scaled.unscaled = loss.detach()  # for the report; the schedule may call loss_fn for shape inference
         return scaled
 
-    def run(self, micro_batches: list[dict]) -> float:
-        """Forward and backward of every micro-batch; returns the mean loss (broadcast from the last stage)."""
-        assert len(micro_batches) == self.num_microbatches, (len(micro_batches), self.num_microbatches)
-        args = (torch.cat([mb["tokens"] for mb in micro_batches]),) if self.has_first else ()
-        target = torch.cat([mb["labels"] for mb in micro_batches]) if self.has_last else None
+    def run(self, micro_batches: list[dict], step_loss) -> tuple[float, dict]:
+        """Forward and backward of every micro-batch; returns the mean loss and metrics (broadcast
+        from the last stage, so every pp rank returns the same)."""
+        n = len(micro_batches)
+        self._inputs = [step_loss.model_inputs(mb) for mb in micro_batches]
+        shapes = {tuple(inp["tokens"].shape) for inp in self._inputs}
+        if len(shapes) != 1:
+            raise ValueError(f"the micro-batches of a pipelined step have different [batch, seq] shapes {sorted(shapes)}; "
+                             "pad them to one shape (the pipeline's p2p buffers are static)")
+        self.prepare(n, shapes.pop())
+        self._step_loss, self._batch, self._metrics = step_loss, micro_batches, {}
+        args = (torch.cat([inp["tokens"] for inp in self._inputs]),) if self.has_first else ()
+        target = torch.arange(n, device=self.mesh.device) if self.has_last else None
         losses = [] if self.has_last else None
-        self.schedule.step(*args, target=target, losses=losses, return_outputs=False)
-        total = torch.zeros((), dtype=torch.float64, device=self.mesh.device)
+        try:
+            self.schedule.step(*args, target=target, losses=losses, return_outputs=False)
+        finally:
+            self._inputs, self._batch, self._step_loss = [], [], None
+        loss, metrics = 0.0, {}
         if self.has_last:
-            assert len(losses) == self.num_microbatches, len(losses)
-            # The same sum as the single-process trainer: Σ float(loss_i) / n in float64.
-            total.fill_(sum(float(l.unscaled) / self.num_microbatches for l in losses))
+            assert len(losses) == n, len(losses)
+            # The same sums as the single-process trainer: Σ float(x_i) / n in micro-batch order.
+            loss = sum(float(l.unscaled) / n for l in losses)
+            for i in range(n):
+                for key, value in self._metrics[i].items():
+                    metrics[key] = metrics.get(key, 0.0) + float(value) / n
         if self.pp > 1:
-            dist.broadcast(total, src=self.mesh.ranks["pp"][self.last_stage_rank], group=self.group)
-        return float(total)
+            loss, metrics = self._broadcast_report(loss, metrics)
+        return loss, metrics
 
+    def _broadcast_report(self, loss: float, metrics: dict) -> tuple[float, dict]:
+        """The last stage's loss and metrics to every pp rank (names as JSON bytes, never pickle)."""
+        src = self.mesh.ranks["pp"][self.last_stage_rank]
+        device = self.mesh.device
+        names = json.dumps(list(metrics)).encode() if self.has_last else b""
+        sizes = torch.tensor([len(names), len(metrics)], dtype=torch.int64, device=device)
+        dist.broadcast(sizes, src=src, group=self.group)
+        raw = torch.frombuffer(bytearray(names), dtype=torch.uint8).to(device) if self.has_last \
+            else torch.empty(int(sizes[0]), dtype=torch.uint8, device=device)
+        values = torch.tensor([loss, *metrics.values()], dtype=torch.float64, device=device) if self.has_last \
+            else torch.empty(1 + int(sizes[1]), dtype=torch.float64, device=device)
+        if raw.numel():
+            dist.broadcast(raw, src=src, group=self.group)
+        dist.broadcast(values, src=src, group=self.group)
+        keys = json.loads(bytes(raw.cpu().tolist()).decode()) if raw.numel() else []
+        return float(values[0]), dict(zip(keys, values[1:].tolist()))

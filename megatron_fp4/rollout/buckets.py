@@ -55,36 +55,42 @@ def _bytes_of(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.uint8) if t.numel() else torch.empty(0, dtype=torch.uint8)
 
 
+def plan_buckets(manifest: dict, bucket_bytes: int) -> list:
+    """Where every byte of the tensors `manifest` (name -> (shape, dtype), in order) goes: per bucket
+    (metas, nbytes), buckets of at most `bucket_bytes` bytes (the last may be smaller). Needs no
+    data, so every rank of a sharded trainer computes the same plan from the manifest alone."""
+    if not isinstance(bucket_bytes, int) or bucket_bytes < 1:
+        raise ValueError(f"bucket_bytes={bucket_bytes!r} must be a positive integer (e.g. 4 << 20 for 4 MiB)")
+    plan, metas, used = [], [], 0
+    for name, (shape, dtype) in manifest.items():
+        meta = TensorMeta(name, tuple(shape), dtype, 0, 0, used)
+        if meta.nbytes == 0:
+            metas.append(meta)
+            continue
+        start = 0
+        while start < meta.nbytes:
+            if used == bucket_bytes:
+                plan.append((metas, used))
+                metas, used = [], 0
+            size = min(bucket_bytes - used, meta.nbytes - start)
+            metas.append(TensorMeta(name, tuple(shape), dtype, start, size, used))
+            used += size
+            start += size
+    if metas:
+        plan.append((metas, used))
+    return plan
+
+
 def pack_buckets(named_tensors: Iterable, bucket_bytes: int) -> list:
     """Copy `(name, tensor)` pairs into buckets of at most `bucket_bytes` bytes (the last may be
     smaller). Returns a list of `Bucket` whose buffers share no memory with the inputs."""
-    if not isinstance(bucket_bytes, int) or bucket_bytes < 1:
-        raise ValueError(f"bucket_bytes={bucket_bytes!r} must be a positive integer (e.g. 4 << 20 for 4 MiB)")
-    buckets, metas, parts, used = [], [], [], 0
-
-    def flush():
-        nonlocal metas, parts, used
-        if metas:
-            # torch.cat always allocates: the bucket owns its bytes (the snapshot).
-            buckets.append(Bucket(metas, torch.cat(parts) if parts else torch.empty(0, dtype=torch.uint8)))
-        metas, parts, used = [], [], 0
-
-    for name, tensor in named_tensors:
-        raw = _bytes_of(tensor)
-        shape, dtype = tuple(tensor.shape), tensor.dtype
-        if raw.numel() == 0:
-            metas.append(TensorMeta(name, shape, dtype, 0, 0, used))
-            continue
-        start = 0
-        while start < raw.numel():
-            if used == bucket_bytes:
-                flush()
-            size = min(bucket_bytes - used, raw.numel() - start)
-            metas.append(TensorMeta(name, shape, dtype, start, size, used))
-            parts.append(raw[start:start + size])
-            used += size
-            start += size
-    flush()
+    named = dict(named_tensors)
+    buckets = []
+    for metas, nbytes in plan_buckets(manifest_of(named.items()), bucket_bytes):
+        buffer = torch.empty(nbytes, dtype=torch.uint8)  # fresh: the bucket owns its bytes (the snapshot)
+        for m in metas:
+            buffer[m.offset:m.offset + m.chunk_size] = _bytes_of(named[m.name])[m.chunk_offset:m.chunk_offset + m.chunk_size]
+        buckets.append(Bucket(metas, buffer))
     return buckets
 
 
@@ -128,8 +134,11 @@ def unpack_buckets(buckets: Iterable) -> dict:
 
 
 def bucket_layout(buckets: list) -> list:
-    """Per bucket (metas, nbytes): everything but the bytes, for a receiver to allocate buffers."""
-    return [(b.metas, int(b.buffer.numel())) for b in buckets]
+    """Per bucket (metas, nbytes): everything but the bytes, for a receiver to allocate buffers.
+    Lazily gathered buckets (a sharded publisher's) give it without materialising any."""
+    if hasattr(buckets, "layout"):
+        return buckets.layout()
+    return [(b.metas, int(b.nbytes if hasattr(b, "nbytes") else b.buffer.numel())) for b in buckets]
 
 
 # -- JSON forms (what crosses a process boundary) ---------------------------------------------------

@@ -25,6 +25,16 @@ class ScoreOutput:
     distributions: Optional[torch.Tensor] = None
 
 
+def log_probs_from_logits(logits: torch.Tensor, tokens: torch.Tensor, keep: torch.Tensor) -> tuple:
+    """(log_probs [B, T], log-softmax rows [B, T-1, V]) of `tokens` under `logits` [B, T, V]: position
+    t holds log p(tokens[:, t] | tokens[:, :t]), 0 at t=0 and where `keep` is 0. The one definition
+    both the scoring forward and the pipelined policy loss (on the last stage) use."""
+    logp_all = torch.log_softmax(logits[:, :-1].float(), dim=-1)
+    picked = logp_all.gather(-1, tokens[:, 1:, None]).squeeze(-1)
+    log_probs = torch.cat([picked.new_zeros(tokens.shape[0], 1), picked], dim=1)
+    return log_probs * keep.to(log_probs.dtype), logp_all
+
+
 def compute_log_probs(model, tokens: torch.Tensor, attention_mask: torch.Tensor,
                       response_mask: Optional[torch.Tensor] = None, mode: Optional[str] = None,
                       return_routing: bool = False, return_distributions: bool = False) -> ScoreOutput:
@@ -36,11 +46,8 @@ def compute_log_probs(model, tokens: torch.Tensor, attention_mask: torch.Tensor,
                          "must have the same [batch, seq] shape")
     with fp4_mode(model, mode):
         out = model(tokens, positions_from_mask(attention_mask), attention_mask, return_routing=return_routing)
-    logp_all = torch.log_softmax(out.logits[:, :-1].float(), dim=-1)
-    picked = logp_all.gather(-1, tokens[:, 1:, None]).squeeze(-1)
-    log_probs = torch.cat([picked.new_zeros(tokens.shape[0], 1), picked], dim=1)
-    keep = attention_mask if response_mask is None else response_mask
-    log_probs = log_probs * keep.to(log_probs.dtype)
+    log_probs, logp_all = log_probs_from_logits(out.logits, tokens, attention_mask if response_mask is None
+                                                else response_mask)
     routing = dists = None
     if return_routing:
         moe = [r for r in out.routing if r is not None]

@@ -27,7 +27,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
 
-from megatron_fp4.rollout.buckets import manifest_of, pack_buckets, unpack_buckets
+from megatron_fp4.rollout.buckets import bucket_layout, manifest_of, pack_buckets, unpack_buckets
 
 
 class WeightSyncError(RuntimeError):
@@ -155,11 +155,9 @@ class WeightPublisher:
                                    "lock_timeout_s=...)). Nothing was published; publish again once they recover")
             handle = PublishHandle(int(version))
             t0 = time.perf_counter()
-            named = list(self._named())
-            manifest = manifest_of(named)
-            buckets = pack_buckets(named, self.bucket_bytes)
+            manifest, buckets = self._snapshot()
             handle.num_buckets = len(buckets)
-            handle.num_bytes = sum(int(b.buffer.numel()) for b in buckets)
+            handle.num_bytes = sum(nbytes for _, nbytes in bucket_layout(buckets))
             handle.snapshot_s = time.perf_counter() - t0
             handle.snapshot_ready.set()
             self._inflight = handle
@@ -167,6 +165,11 @@ class WeightPublisher:
             threading.Thread(target=self._deliver, args=(handle, manifest, buckets, time.perf_counter()),
                              name=f"weight-publish-v{version}", daemon=True).start()
             return handle
+
+    def _snapshot(self) -> tuple[dict, list]:
+        """(manifest, buckets) of the weights now: a copy the trainer may overwrite at once."""
+        named = list(self._named())
+        return manifest_of(named), pack_buckets(named, self.bucket_bytes)
 
     def _deliver(self, handle: PublishHandle, manifest: dict, buckets: list, t_ready: float) -> None:
         failures: dict = {}

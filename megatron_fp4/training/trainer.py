@@ -1,11 +1,20 @@
-"""The training loop: micro-batched forward/backward, NaN guard, clipping, AdamW, LR schedule,
-logging, checkpoints.
+"""The one trainer, for every layout: micro-batched forward/backward (or the pipeline schedule),
+NaN guard, clipping, AdamW (ZeRO-sharded over dp), LR schedule, logging, checkpoints.
 
-    trainer = Trainer(load_config("examples/configs/tiny_moe.yaml"))
+    trainer = Trainer(load_config("examples/configs/tiny_moe.yaml"))          # one process
+    trainer = Trainer(cfg, ParallelMesh.build(pp, dp, ep))                     # under torchrun
     history = trainer.train()
 
+A single process is a mesh of size 1. The layout only changes how the model is cut (pipeline
+chunks with global parameter names, local experts) and what one forward/backward is: with
+``pp > 1`` the pipeline schedule runs the model's own forward pieces and the step's loss on the
+last stage. Every rank builds the full model from the same seed before cutting it, so every layout
+starts from the single-process weights. Each dp rank reads its contiguous part of the same global
+batch, and the reported loss and metrics are the means over all micro-batches of all dp ranks.
+
 `train_step_with_loss(micro_batches, loss_fn)` is the one step every caller goes through (the LM
-objective here, the GRPO policy loss in the RL example, verl's engine adapter).
+objective here, the GRPO policy loss in the RL example, verl's engine adapter); the loss is a
+`training.step_loss.StepLoss` (any layout) or a plain ``loss_fn(model, mb)`` (no pipeline).
 
 The NaN guard (`schedule.nan_policy`, from step 0): a `LayerGate` catches non-finite activations
 and gradients at every layer boundary without breaking the step's collectives; after backward
@@ -18,30 +27,27 @@ from __future__ import annotations
 import math
 import time
 from contextlib import nullcontext
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
+import torch.distributed as dist
 
 from megatron_fp4.config import Config
 from megatron_fp4.fp4 import NonFiniteInputError
 from megatron_fp4.fp4 import current as fp4_current, micro_batch as fp4_micro_batch, training_step as fp4_training_step
-from megatron_fp4.model import build_model, lm_loss
+from megatron_fp4.model import build_model
 from megatron_fp4.parallel.mesh import ParallelMesh, resolve_device
+from megatron_fp4.parallel.pipeline import PipelineRunner
+from megatron_fp4.parallel.zero import ZeroAdamW
 from megatron_fp4.training import checkpoint as ckpt
+from megatron_fp4.training import dist_checkpoint as dcp_ckpt
 from megatron_fp4.training.data import ResumableSampler, build_dataset, get_batch
 from megatron_fp4.training.metrics import MetricsLogger
 from megatron_fp4.training.nonfinite import LayerGate, NonFiniteError, all_finite
 from megatron_fp4.training.optim import MasterWeightAdamW, clip_coefficient, lr_at
+from megatron_fp4.training.step_loss import LossFn, StepLoss, lm_loss_fn, require_step_loss
 
-LossFn = Callable[[torch.nn.Module, dict], tuple]
-__all__ = ["Trainer", "NonFiniteError", "lm_loss_fn", "LossFn"]
-
-
-def lm_loss_fn(model, micro_batch: dict):
-    """Next-token cross entropy of one micro-batch ({'tokens', 'labels'})."""
-    logits = model(micro_batch["tokens"]).logits
-    loss = lm_loss(logits, micro_batch["labels"])
-    return loss, {}
+__all__ = ["Trainer", "NonFiniteError", "lm_loss_fn", "LossFn", "StepLoss"]
 
 
 class Trainer:
@@ -53,12 +59,40 @@ class Trainer:
         self.cfg = cfg
         self.mesh = mesh or ParallelMesh.single(resolve_device(cfg.device))
         self.device = self.mesh.device
-        torch.manual_seed(cfg.schedule.seed)
+        p, s = cfg.parallel, cfg.schedule
+        torch.manual_seed(s.seed)
         self.model = self._build_model()
-        self.optimizer = MasterWeightAdamW(self.model.named_parameters(), cfg.optimizer)
+        if self.mesh.ep > 1:
+            self._apply_expert_parallel()
+        self.num_microbatches = s.global_batch_size // (s.micro_batch_size * self.mesh.dp)
+        self.pipeline = None
+        if self.mesh.pp > 1:
+            self.pipeline = PipelineRunner(self.model, self.mesh, p.schedule, p.virtual_stages)
+            self.pipeline.prepare(self.num_microbatches, (s.micro_batch_size, s.seq_len))
+        self.optimizer = self.build_optimizer()
         self.step = 0
         self._build_data(build_data)
         self._init_guard()
+
+    @property
+    def sharded(self) -> bool:
+        """A mesh over a process group (torchrun, any size): ZeRO optimizer, DCP checkpoints
+        (reshardable across dp and pp). A mesh of size 1 without one: AdamW, one checkpoint file."""
+        return self.mesh.is_distributed
+
+    def build_optimizer(self):
+        """A fresh optimizer over this rank's parameters (ZeRO-sharded over dp when sharded)."""
+        if not self.sharded:
+            return MasterWeightAdamW(self.model.named_parameters(), self.cfg.optimizer)
+        p = self.cfg.parallel
+        return ZeroAdamW(self.model.named_parameters(), self.cfg.optimizer, self.mesh, p.zero_stage, p.bucket_size_mb)
+
+    def _apply_expert_parallel(self) -> None:
+        from megatron_fp4.parallel.expert_parallel import apply_expert_parallel
+
+        p = self.cfg.parallel
+        apply_expert_parallel(self.model, self.mesh, dispatcher=p.expert_dispatcher, chunk_tokens=p.gcmoe_chunk_tokens,
+                              transfer_sms=p.gcmoe_transfer_sms, ring_slots=p.gcmoe_ring_slots)
 
     def _init_guard(self) -> None:
         self._sqnr = None
@@ -101,9 +135,25 @@ class Trainer:
     # -- one step ---------------------------------------------------------------------------------
     def forward_backward(self, micro_batches: list[dict], loss_fn: LossFn) -> tuple[float, dict]:
         """Gradient accumulation: each micro-batch loss is scaled by 1/num_micro_batches (and so
-        is the MoE auxiliary loss, through the auto-scaler). Returns (mean loss, mean metrics)."""
+        is the MoE auxiliary loss, through the auto-scaler); with pp > 1 the pipeline schedule runs
+        them. Returns (mean loss, mean metrics) over every micro-batch of every dp rank."""
         n = len(micro_batches)
         self.model.set_aux_loss_scale(1.0 / n)
+        if isinstance(self.optimizer, ZeroAdamW):
+            self.optimizer.prepare_grad_sync(n)
+        if self.pipeline is not None:
+            loss, metrics = self.pipeline.run(micro_batches, require_step_loss(loss_fn))
+        else:
+            loss, metrics = self._local_forward_backward(micro_batches, loss_fn)
+        if self.mesh.dp > 1:  # the global mean: every dp rank ran the same number of micro-batches
+            values = torch.tensor([loss] + list(metrics.values()), dtype=torch.float64, device=self.device)
+            dist.all_reduce(values, group=self.mesh.group("dp"))
+            values /= self.mesh.dp
+            loss, metrics = float(values[0]), dict(zip(metrics, values[1:].tolist()))
+        return loss, metrics
+
+    def _local_forward_backward(self, micro_batches: list[dict], loss_fn: LossFn) -> tuple[float, dict]:
+        n = len(micro_batches)
         total, metrics = 0.0, {}
         for i, mb in enumerate(micro_batches):
             try:
@@ -279,7 +329,10 @@ class Trainer:
         ckpt.set_rng_state(state["rng"])
 
     def save_checkpoint(self, root: str):
+        """Single process: one atomic file set; sharded: DCP, reshardable across dp and pp."""
         self.refuse_nonfinite_save(root)
+        if self.sharded:
+            return dcp_ckpt.save(root, self)
         return ckpt.save_checkpoint(root, self.step, self.state_dict(), self.cfg.to_dict())
 
     def refuse_nonfinite_save(self, root: str) -> None:
@@ -288,10 +341,14 @@ class Trainer:
 
     def load_checkpoint(self, path: str) -> int:
         """Resume a training checkpoint, or start from a weights-only one (step 0, fresh optimizer)."""
+        if self.sharded:
+            dcp_ckpt.load(path, self)
+            self.refuse_nonfinite_load(path)
+            return self.step
         state, meta = ckpt.load_checkpoint(path, self.cfg.model)
         if meta["kind"] == "weights":
             self.model.load_state_dict(state["model"])
-            self.optimizer = MasterWeightAdamW(self.model.named_parameters(), self.cfg.optimizer)
+            self.optimizer = self.build_optimizer()
         else:
             self.load_state_dict(state)
         self.refuse_nonfinite_load(path)

@@ -66,3 +66,27 @@ def test_chunks_keep_global_names_and_compose_to_the_full_model():
     assert torch.equal(h, want)
     assert "embed_tokens.weight" in {n for n, _ in chunks[0].named_parameters()}
     assert "lm_head.weight" in {n for n, _ in chunks[3].named_parameters()}
+
+
+def test_chunks_run_the_models_own_forward_pieces():
+    """A stage calls the model's `embed` / `run_layers` / `head` (one forward for every layout):
+    a change to a piece shows up in the chunks, and the chunk passes the micro-batch's positions
+    and padding mask to the layers."""
+    cfg = Config()
+    cfg.fp4.scope, cfg.fp4.train_mode = "none", "bf16"
+    model = build_model(cfg).eval()
+    tokens = torch.randint(0, cfg.model.vocab_size, (2, 8))
+    mask = torch.ones(2, 8, dtype=torch.long)
+    mask[1, :3] = 0
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    extra = {"positions": positions, "attention_mask": mask}
+    want = model(tokens, positions, mask).logits
+    calls = []
+    for piece in ("embed", "run_layers", "head"):
+        def traced(*args, _piece=piece, _original=getattr(model, piece), **kwargs):
+            calls.append(_piece)
+            return _original(*args, **kwargs)
+        setattr(model, piece, traced)
+    [(_, chunk)] = build_chunks(model, pp=1, pp_rank=0, inputs=lambda: extra)
+    assert torch.equal(chunk(tokens), want)
+    assert calls == ["embed", "run_layers", "head"]

@@ -1,0 +1,56 @@
+"""The GRPO/PPO policy loss as a training step's loss (`training.step_loss.StepLoss`), so it runs in
+every layout: the model reads the micro-batch's tokens, positions and padding mask; the loss, on
+the last pipeline stage when there is a pipeline, turns the logits into per-token log-probs and
+applies the clipped surrogate with truncated IS (`is_correction.policy_loss`) and, optionally, the
+k3 KL penalty to a frozen reference policy.
+
+A micro-batch is a dict of [B, T] tensors in verl's layout: ``input_ids``, ``attention_mask``,
+``response_mask``, ``old_log_probs``, ``rollout_log_probs``, ``advantages`` [B] (and
+``ref_log_probs`` when ``kl_coef`` is set).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from megatron_fp4.rollout.engine import positions_from_mask
+from megatron_fp4.rollout.is_correction import policy_loss
+from megatron_fp4.rollout.scoring import log_probs_from_logits
+from megatron_fp4.training.step_loss import StepLoss
+
+BATCH_KEYS = ("input_ids", "attention_mask", "response_mask", "old_log_probs", "rollout_log_probs", "advantages")
+
+
+def kl_k3(log_probs: torch.Tensor, ref_log_probs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Token-mean k3 estimator of KL(pi || pi_ref) on the sampled tokens: exp(d) - d - 1, d = ref - lp."""
+    d = (ref_log_probs - log_probs).clamp(-20.0, 20.0)
+    k3 = d.exp() - d - 1
+    m = mask.to(k3.dtype)
+    return (k3 * m).sum() / m.sum().clamp(min=1.0)
+
+
+@dataclass
+class PolicyLoss(StepLoss):
+    clip_eps: float = 0.2
+    tis_cap: Optional[float] = 2.0
+    kl_coef: float = 0.0
+
+    @property
+    def batch_keys(self) -> tuple:
+        """The per-sample tensors a micro-batch must carry."""
+        return BATCH_KEYS + (("ref_log_probs",) if self.kl_coef else ())
+
+    def model_inputs(self, mb: dict) -> dict:
+        am = mb["attention_mask"]
+        return {"tokens": mb["input_ids"], "positions": positions_from_mask(am), "attention_mask": am}
+
+    def loss(self, logits: torch.Tensor, mb: dict) -> tuple[torch.Tensor, dict]:
+        lp, _ = log_probs_from_logits(logits, mb["input_ids"], mb["response_mask"])
+        loss, metrics = policy_loss(lp, mb["old_log_probs"], mb["advantages"][:, None], mb["response_mask"],
+                                    self.clip_eps, mb["rollout_log_probs"], self.tis_cap)
+        if self.kl_coef:
+            kl = kl_k3(lp, mb["ref_log_probs"], mb["response_mask"])
+            loss, metrics = loss + self.kl_coef * kl, {**metrics, "kl": float(kl.detach())}
+        return loss, metrics

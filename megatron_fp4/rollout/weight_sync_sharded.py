@@ -1,0 +1,165 @@
+"""Publishing from a sharded trainer: pipeline stages and expert shards gathered bucket by bucket.
+
+    publisher = ShardedWeightPublisher(lambda: local_hf_state_dict(trainer.model), trainer.mesh,
+                                       transports if rank == 0 else [], bucket_bytes=4 << 20)
+    handle = publisher.publish(version)     # every trainer rank calls it (collective)
+
+No rank ever holds the whole model. Every trainer rank calls `publish` with the same version:
+
+1. *snapshot* (the first completion point, on every rank): a rank copies the tensors it *owns* —
+   of its local tensors, those no lower rank also holds (dp and expert-dp replicas send once) —
+   and returns; its share of the weights is all it copies.
+2. *delivery*, in the background: the source rank (`src`, rank 0 of the mesh) walks the bucket plan
+   (`buckets.plan_buckets`, computed on every rank from the same global manifest) and materialises
+   one bucket at a time, receiving each chunk from its owner over a process group of its own;
+   the owners' background threads send their chunks in the same order. Each bucket goes through
+   the source's transports (in-process or `DistributedTransport`) as soon as it is complete and is
+   then dropped, so the source holds its own share plus at most two buckets (the one being sent,
+   still referenced by the consumer's loop, and the next one being gathered). `wait_loaded()` on the source
+   is the second completion point (the rollouts loaded); on the other ranks it means "sent".
+
+Which names and shapes exist is agreed once, at construction (collective): every rank's local
+(name, shape, dtype) list goes round as JSON in a uint8 tensor (never pickle).
+"""
+from __future__ import annotations
+
+import json
+import threading
+import weakref
+from typing import Callable, Sequence
+
+import torch
+import torch.distributed as dist
+
+from megatron_fp4.rollout.buckets import Bucket, _bytes_of, dtype_from_name, dtype_name, plan_buckets
+from megatron_fp4.rollout.weight_sync import PublishHandle, WeightPublisher
+
+
+def _all_gather_json(obj, group) -> list:
+    raw = torch.frombuffer(bytearray(json.dumps(obj).encode()), dtype=torch.uint8)
+    sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(sizes, torch.tensor([raw.numel()], dtype=torch.int64), group=group)
+    longest = max(int(s) for s in sizes)
+    padded = torch.zeros(longest, dtype=torch.uint8)
+    padded[:raw.numel()] = raw
+    parts = [torch.empty(longest, dtype=torch.uint8) for _ in sizes]
+    dist.all_gather(parts, padded, group=group)
+    return [json.loads(bytes(p[:int(n)].tolist()).decode()) for p, n in zip(parts, sizes)]
+
+
+def agree_on_owners(local: dict, group) -> tuple[dict, dict]:
+    """(global manifest name -> (shape, dtype) in rank-then-local order, owner group rank of each
+    name: the lowest rank holding it). Collective over `group`; refuses ranks that disagree."""
+    entries = [[name, list(t.shape), dtype_name(t.dtype)] for name, t in local.items()]
+    manifest, owners = {}, {}
+    for rank, theirs in enumerate(_all_gather_json(entries, group)):
+        for name, shape, dtype in theirs:
+            spec = (tuple(shape), dtype_from_name(dtype))
+            if name in manifest and manifest[name] != spec:
+                raise ValueError(f"rank {rank} holds {name!r} as {spec}, rank {owners[name]} as {manifest[name]}: "
+                                 "replicas of one tensor must agree")
+            if name not in manifest:
+                manifest[name], owners[name] = spec, rank
+    return manifest, owners
+
+
+class _GatheredBuckets:
+    """The source's buckets, each received from its owners when the transport reaches it."""
+
+    def __init__(self, plan: list, owners: dict, snapshot: dict, group, me: int):
+        self.plan, self.owners, self.snapshot, self.group, self.me = plan, owners, snapshot, group, me
+        self.live_bytes = self.max_live_bytes = 0  # gathered buffers alive at once (the memory claim)
+
+    def __len__(self) -> int:
+        return len(self.plan)
+
+    def layout(self) -> list:
+        """(metas, nbytes) per bucket, without gathering anything."""
+        return list(self.plan)
+
+    def __iter__(self):
+        for metas, nbytes in self.plan:
+            yield self._gather(metas, nbytes)
+
+    def _gather(self, metas: list, nbytes: int) -> Bucket:
+        buffer = torch.empty(nbytes, dtype=torch.uint8)
+        self.live_bytes += nbytes
+        self.max_live_bytes = max(self.max_live_bytes, self.live_bytes)
+        weakref.finalize(buffer, self._release, nbytes)
+        for m in metas:
+            if not m.chunk_size:
+                continue
+            piece = buffer[m.offset:m.offset + m.chunk_size]
+            owner = self.owners[m.name]
+            if owner == self.me:
+                piece.copy_(_bytes_of(self.snapshot[m.name])[m.chunk_offset:m.chunk_offset + m.chunk_size])
+            else:
+                dist.recv(piece, group=self.group, group_src=owner)
+        return Bucket(metas, buffer)
+
+    def _release(self, nbytes: int) -> None:
+        self.live_bytes -= nbytes
+
+
+class _Plan:
+    """The bucket layout for `WeightPublisher`'s header without any bytes (`bucket_layout` reads
+    `metas` and `nbytes`)."""
+
+    def __init__(self, metas, nbytes):
+        self.metas, self.nbytes = metas, nbytes
+
+
+class ShardedWeightPublisher(WeightPublisher):
+    """`WeightPublisher` over the shards of a mesh. `local_named()` returns this rank's tensors
+    under global names (e.g. `integrations.hf.sharded.local_hf_state_dict(model)`); `transports`
+    are given on the source rank only. Collective at construction and at every `publish`."""
+
+    def __init__(self, local_named: Callable[[], dict], mesh, transports: Sequence = (), bucket_bytes: int = 4 << 20,
+                 timeout_s: float = 600.0, src: int = 0):
+        self.mesh, self.src = mesh, src
+        self.group = mesh.new_group(list(range(mesh.world_size)))  # the gather's own group (a thread uses it)
+        self.me = dist.get_rank(self.group)
+        self.is_src = self.me == src
+        if self.is_src and not transports:
+            raise ValueError("the source rank of a ShardedWeightPublisher needs at least one transport")
+        if not self.is_src and transports:
+            raise ValueError(f"transports go to the source rank ({src}) only; rank {self.me} got {len(transports)}")
+        super().__init__(local_named, list(transports) or [_NoTransport()], bucket_bytes, timeout_s)
+        self.manifest, self.owners = agree_on_owners(local_named(), self.group)
+        self.plan = plan_buckets(self.manifest, bucket_bytes)
+        self.snapshot_bytes = 0
+        self.gathered: list = []  # the source's _GatheredBuckets of each version (memory checks)
+
+    def _snapshot(self) -> tuple[dict, list]:
+        local = self._named()
+        snapshot = {name: t.detach().clone() for name, t in local.items() if self.owners[name] == self.me}
+        self.snapshot_bytes = sum(t.numel() * t.element_size() for t in snapshot.values())
+        if self.is_src:
+            buckets = _GatheredBuckets(self.plan, self.owners, snapshot, self.group, self.me)
+            self.gathered.append(buckets)
+            return self.manifest, buckets
+        self._owned = snapshot
+        return self.manifest, [_Plan(metas, nbytes) for metas, nbytes in self.plan]
+
+    def _deliver(self, handle: PublishHandle, manifest: dict, buckets, t_ready: float) -> None:
+        if self.is_src:
+            return super()._deliver(handle, manifest, buckets, t_ready)
+        try:  # an owner: send my chunks in plan order
+            for metas, _ in self.plan:
+                for m in metas:
+                    if m.chunk_size and self.owners[m.name] == self.me:
+                        piece = _bytes_of(self._owned[m.name])[m.chunk_offset:m.chunk_offset + m.chunk_size]
+                        dist.send(piece.clone(), group=self.group, group_dst=self.src)
+        finally:
+            self._owned = {}
+            handle.loaded.set()
+
+
+class _NoTransport:
+    """Placeholder on ranks that only send their shards to the source."""
+
+    name = "shards-to-source"
+
+    def send(self, version, manifest, buckets) -> None:  # pragma: no cover - never called
+        raise AssertionError("a non-source rank delivers through _deliver")
+

@@ -1,0 +1,56 @@
+"""The loss handed to one training step, split the way a pipeline needs it.
+
+Megatron-Core's schedules take a `forward_step_func` that returns the model output and a loss
+function for it; here a `StepLoss` says two things about a micro-batch (a dict of tensors):
+
+- `model_inputs(mb)`: what the model reads — ``tokens`` [B, T] and, optionally, ``positions`` and
+  ``attention_mask`` (left-padded RL batches);
+- `loss(logits, mb)`: the micro-batch's mean loss from the logits, and a dict of float metrics.
+
+Without a pipeline the trainer calls ``loss(model(**model_inputs(mb)).logits, mb)`` (which is also
+what calling the object as ``loss_fn(model, mb)`` does); with one, the first stage embeds the tokens,
+every stage runs its layers with the micro-batch's positions and mask, and `loss` runs on the last
+stage with the whole micro-batch dict (labels, masks, advantages, old log-probs...). The LM loss is
+`lm_loss_fn`; the GRPO/PPO policy loss is `megatron_fp4.rollout.policy_step.PolicyLoss`.
+
+A plain callable ``loss_fn(model, mb) -> (loss, metrics)`` still works without a pipeline: it runs
+the model itself, which a pipeline stage cannot do.
+"""
+from __future__ import annotations
+
+from typing import Callable, Union
+
+import torch
+
+from megatron_fp4.model import lm_loss
+
+
+class StepLoss:
+    def model_inputs(self, micro_batch: dict) -> dict:
+        return {"tokens": micro_batch["tokens"]}
+
+    def loss(self, logits: torch.Tensor, micro_batch: dict) -> tuple[torch.Tensor, dict]:
+        raise NotImplementedError
+
+    def __call__(self, model, micro_batch: dict) -> tuple[torch.Tensor, dict]:
+        return self.loss(model(**self.model_inputs(micro_batch)).logits, micro_batch)
+
+
+class LMLoss(StepLoss):
+    """Next-token cross entropy of one micro-batch ({'tokens', 'labels'})."""
+
+    def loss(self, logits, micro_batch):
+        return lm_loss(logits, micro_batch["labels"]), {}
+
+
+lm_loss_fn = LMLoss()
+LossFn = Union[StepLoss, Callable[[torch.nn.Module, dict], tuple]]
+
+
+def require_step_loss(loss_fn: LossFn) -> StepLoss:
+    """`loss_fn` as a StepLoss, or a ValueError saying how to write one (a pipeline needs it)."""
+    if not isinstance(loss_fn, StepLoss):
+        raise ValueError(f"with parallel.pp > 1 the loss runs on the last pipeline stage, so it must be a "
+                         f"megatron_fp4.training.step_loss.StepLoss (model_inputs(mb) and loss(logits, mb)), not "
+                         f"{type(loss_fn).__name__}; see lm_loss_fn and rollout.policy_step.PolicyLoss")
+    return loss_fn
