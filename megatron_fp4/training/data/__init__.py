@@ -4,6 +4,9 @@
 - `indexed`: Megatron ``.bin``/``.idx`` `IndexedDataset` and `IndexedDatasetWriter`
 - `token_datasets`: `NumpyTokenDataset`, `TokenSequenceDataset`, `build_dataset`, `DataError`
 - `sampler`: `ResumableSampler`, `get_batch`
+- `tokenizer`: `HFTokenizer` (an HF model directory's tokenizer and chat template), `build_bpe_tokenizer`;
+  `chat`: `render_chat_template` (as transformers renders it). Both need the ``rl`` extra and are
+  imported from their modules, so the core package does not need `tokenizers`/`jinja2`.
 """
 from megatron_fp4.training.data.arithmetic import (
     ArithmeticDataset,
