@@ -78,6 +78,7 @@ def make_config(args, tok, seed: int, train_mode: str, rollout_mode: str, lr: fl
                  f"fp4.scope={args.scope}", f"fp4.train_mode={train_mode}", f"fp4.rollout_mode={rollout_mode}",
                  f"optimizer.lr={lr}", f"schedule.train_steps={max(steps, 1)}"]
     cfg = load_config(args.config, overrides + list(args.override or []))
+    cfg.schedule.warmup_steps = min(cfg.schedule.warmup_steps, steps)
     return cfg
 
 
