@@ -17,9 +17,12 @@ EXTRAS = {
     "hf": ["transformers>=4.51"],
     "verl": ["verl>=0.5", "fastapi", "uvicorn"],
     "megatron": ["megatron-core>=0.16"],
+    # HF tokenizer directories, chat templates and verl-format parquet data (training/data); math-verify
+    # judges answer equivalence in training/rewards.py (a plain normalized comparison without it).
+    "rl": ["tokenizers>=0.19", "jinja2>=3.1", "pyarrow>=14", "math-verify>=0.7"],
 }
 # The test extra pins the megatron-core release checked on CPU (its config/model build runs there).
-EXTRAS["test"] = ["pytest>=7", "pytest-timeout", "megatron-core>=0.16,<0.17"] + EXTRAS["hf"] + EXTRAS["verl"]
+EXTRAS["test"] = ["pytest>=7", "pytest-timeout", "megatron-core>=0.16,<0.17"] + EXTRAS["hf"] + EXTRAS["verl"] + EXTRAS["rl"]
 
 setup(
     name="megatron-fp4",
