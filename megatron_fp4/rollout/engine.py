@@ -190,7 +190,8 @@ class RolloutEngine:
     it through `load_weights`, normally driven by `weight_sync.WeightReceiver`). With `dtype`
     given, the model is cast in place by `cast_for_inference` (see the module docstring).
     `lock_timeout_s` bounds every wait for the weights lock (`RWLock`): a swap blocked that long by
-    a request fails with `LockTimeout` and the engine keeps its weights.
+    a request fails with `LockTimeout` and the engine keeps its weights. `batch_invariant` (default
+    True, the config's `numerics.batch_invariant`) decodes in the batch-invariant numerics mode.
     """
 
     def __init__(self, model, mode: Optional[str] = None, pad_id: int = 0, seed: int = 0, name: str = "rollout0",

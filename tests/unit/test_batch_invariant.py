@@ -131,3 +131,12 @@ def test_batch_invariant_mode_is_off_by_default_and_off_for_float64():
             assert not invariant.enabled(x)
     w = torch.randn(8, 32)
     assert torch.equal(invariant.linear(x, w), F.linear(x, w))
+
+
+def test_batch_invariant_config_field_defaults_on_and_overrides():
+    from megatron_fp4.config import ConfigError, load_config
+
+    assert Config().numerics.batch_invariant is True
+    assert load_config(overrides=["numerics.batch_invariant=false"]).validate().numerics.batch_invariant is False
+    with pytest.raises(ConfigError, match="numerics.batch_invariant"):
+        load_config(overrides=["numerics.batch_invariant=maybe"])
