@@ -187,7 +187,8 @@ def run(args) -> list:
     sft_warmup(trainer, args)
     configure_rl(trainer, args)
     ref_model = copy.deepcopy(trainer.model).eval() if args.kl_coef else None  # the SFT policy, frozen
-    engine = RolloutEngine(copy.deepcopy(trainer.model), mode=cfg.fp4.rollout_mode, pad_id=TOK.pad_id)
+    engine = RolloutEngine(copy.deepcopy(trainer.model), mode=cfg.fp4.rollout_mode, pad_id=TOK.pad_id,
+                           batch_invariant=cfg.numerics.batch_invariant)
     publisher = WeightPublisher(trainer.model, [InProcessTransport(WeightReceiver(engine))], args.bucket_mb << 20)
     publisher.publish(0).wait_loaded()
     held_out = eval_problems(args.eval_size, args.max_operand, args.ops)

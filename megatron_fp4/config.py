@@ -128,6 +128,15 @@ class LoggingConfig:
 
 
 @dataclass
+class NumericsConfig:
+    # Batch-invariant numerics (megatron_fp4/fp4/invariant.py) in the rollout engine and the trainer's
+    # no-grad log-prob scoring: a token's log-prob and experts do not depend on the batch, padding or KV
+    # cache, so rollout and trainer agree bit for bit (KL exactly 0). FP4 GEMMs are summed exactly.
+    # Cost: see benchmarks/bench_batch_invariant.py. false: the standard (faster, batch-variant) kernels.
+    batch_invariant: bool = True
+
+
+@dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     fp4: FP4Config = field(default_factory=FP4Config)
@@ -137,6 +146,7 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    numerics: NumericsConfig = field(default_factory=NumericsConfig)
     device: str = "auto"  # auto | cpu | cuda
     dtype: str = "fp32"  # fp32 | bf16 (autocast on CUDA, bf16 params on CPU) | fp64 (verification: all in float64)
 

@@ -14,7 +14,8 @@ if [ "$#" -eq 0 ]; then
   # Bitwise claims and derived fp32 bounds: the tests whose results depend on the kernels.
   # The native kernel set with MKL's default is the README's test run itself, so it is skipped here.
   set -- tests/distributed/test_parallel_training.py tests/distributed/test_expert_parallel.py \
-         tests/unit/test_model.py tests/unit/test_fp4_moeresq.py -q -p no:cacheprovider \
+         tests/unit/test_model.py tests/unit/test_fp4_moeresq.py tests/unit/test_batch_invariant.py \
+         tests/unit/test_fp4_exact_gemm.py -q -p no:cacheprovider \
          -k "fp32_layout or ep2_matches or kv_cache or batch_invariant or float64"
   SKIP_NATIVE_DEFAULT=1
 fi

@@ -1,7 +1,9 @@
 """FP4 numerics: the one definition of NVFP4/MXFP4 and the MoEResQ linear used everywhere."""
 from megatron_fp4.fp4.context import QuantStep, current, micro_batch, name_quant_sites, sr_seed, training_step
 from megatron_fp4.fp4.e2m1 import E2M1_VALUES, pack_codes, unpack_fp4
+from megatron_fp4.fp4 import invariant
 from megatron_fp4.fp4.formats import FP4Tensor, NonFiniteInputError
+from megatron_fp4.fp4.invariant import batch_invariant
 from megatron_fp4.fp4.moeresq import (
     MoEResQLinear, fake_quantize, moeresq_linear, one_node_backward, resq_quantize, sqnr_db,
 )
@@ -13,7 +15,7 @@ from megatron_fp4.fp4.recipe import FORMATS, MODES, OperandFormat, Recipe
 from_packed = FP4Tensor.from_packed
 
 __all__ = [
-    "NonFiniteInputError", "NonFiniteFlags",
+    "NonFiniteInputError", "NonFiniteFlags", "batch_invariant", "invariant",
     "QuantStep", "current", "micro_batch", "training_step", "sr_seed", "name_quant_sites", "one_node_backward",
     "FORMATS", "MODES", "OperandFormat", "Recipe",
     "MoEResQLinear", "moeresq_linear", "fake_quantize", "resq_quantize", "sqnr_db",

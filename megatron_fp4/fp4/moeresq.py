@@ -31,7 +31,13 @@ Notation: ``Q`` is quantize-then-dequantize in the operand's format (fp32 result
   every layer, micro-batch and step draws fresh, reproducible noise.
 - ``recipe.quantize_backward=False``: dgrad ``dY · Q(W)`` and wgrad ``dYᵀ · X`` in fp32
   (the straight-through gradient of the quantized forward).
-- ``bf16`` mode is exactly ``F.linear(x, weight, bias)``.
+- ``bf16`` mode is exactly ``F.linear(x, weight, bias)`` (``invariant.linear`` in the
+  batch-invariant mode).
+- Batch-invariant mode (``invariant.batch_invariant()``): the forward GEMM is formed exactly from
+  the same quantized operands, ``Q(x)·Q(W)ᵀ`` and ``Q(x − Q(x))·Q(W)ᵀ`` as two exact sums with
+  the global scales factored out, then rounded once (``exact_gemm.py`` states the bound). Its bits
+  then depend on nothing but the row and ``W``. Backward is unchanged. Off (the default), the bits
+  are the fp32-GEMM ones above.
 
 Autograd layout (why three Functions): zero-bubble pipeline schedules run backward as an
 input-grad pass (``torch.autograd.grad`` w.r.t. the stage inputs) and a later weight-grad pass
@@ -53,7 +59,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from megatron_fp4.fp4 import invariant
 from megatron_fp4.fp4.context import current, sr_seed
+from megatron_fp4.fp4.exact_gemm import exact_fp4_gemm, split_fp4
 from megatron_fp4.fp4.mxfp4 import fake_quantize_mxfp4
 from megatron_fp4.fp4.nonfinite import NonFiniteFlags
 from megatron_fp4.fp4.nvfp4 import fake_quantize_nvfp4
@@ -103,14 +111,27 @@ class _Site:
     micro_batch: int
     nonfinite: Optional[NonFiniteFlags]
 
-    def quantize(self, a: torch.Tensor, fmt: OperandFormat, operand: str, compensated: bool) -> torch.Tensor:
-        """Q̃ of one operand on its own stochastic-rounding stream (none for nearest rounding)."""
+    def _stream(self, a: torch.Tensor, fmt: OperandFormat, operand: str):
+        """(generator, name) of one operand's quantization (no generator for nearest rounding)."""
         gen = None
         if fmt.rounding == "stochastic":
             seed = sr_seed(self.recipe.seed, self.layer, self.step, self.micro_batch, operand)
             gen = torch.Generator(device=a.device).manual_seed(seed)
-        name = f"{self.layer}:{operand}" if self.layer else operand
+        return gen, (f"{self.layer}:{operand}" if self.layer else operand)
+
+    def quantize(self, a: torch.Tensor, fmt: OperandFormat, operand: str, compensated: bool) -> torch.Tensor:
+        """Q̃ of one operand on its own stochastic-rounding stream (none for nearest rounding)."""
+        gen, name = self._stream(a, fmt, operand)
         return resq_quantize(a, fmt, compensated, gen, name, self.nonfinite)
+
+    def split(self, a: torch.Tensor, fmt: OperandFormat, operand: str, compensated: bool) -> list:
+        """The terms of Q̃ as exact-GEMM splits (same codes and draws as :meth:`quantize`)."""
+        gen, name = self._stream(a, fmt, operand)
+        af = a.to(torch.float32)
+        first = split_fp4(af, fmt, gen, name, self.nonfinite)
+        if not compensated:
+            return [first]
+        return [first, split_fp4(af - first.deq, fmt, gen, name + " residual", self.nonfinite)]
 
 
 def _col_quantize(site: _Site, a: torch.Tensor, fmt: OperandFormat, operand: str) -> torch.Tensor:
@@ -179,13 +200,13 @@ def _link(out_shape, dtype, device) -> torch.Tensor:
 # -- split layout: the forward GEMM node and its dgrad / wgrad halves ---------------------------------
 class _ForwardGemm(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, dgrad_link, wgrad_link, xq, wq, bias32, out_shape, out_dtype):
-        return _gemm(xq, wq, bias32, out_shape, out_dtype)
+    def forward(ctx, dgrad_link, wgrad_link, gemm):
+        return gemm()
 
     @staticmethod
     def backward(ctx, dy):
         need_d, need_w = ctx.needs_input_grad[:2]
-        return dy if need_d else None, dy if need_w else None, None, None, None, None, None
+        return dy if need_d else None, dy if need_w else None, None
 
 
 class _DgradHalf(torch.autograd.Function):
@@ -221,11 +242,11 @@ class _WgradHalf(torch.autograd.Function):
 # -- one-node layout: the pre-split graph, kept as the benchmark's "before" ---------------------------
 class _OneNode(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, xq, wq, x2, site: _Site, out_shape):
+    def forward(ctx, x, weight, bias, gemm, wq, x2, site: _Site):
         ctx.save_for_backward(x2, wq)
         ctx.site = site
         ctx.meta = (x.shape, x.dtype, weight.dtype, None if bias is None else bias.dtype)
-        return _gemm(xq, wq, None if bias is None else bias.to(_accumulate_dtype(x.dtype)), out_shape, x.dtype)
+        return gemm()
 
     @staticmethod
     def backward(ctx, dy):
@@ -235,7 +256,7 @@ class _OneNode(torch.autograd.Function):
         dx = _dgrad(ctx.site, dy, wq, x_shape, x_dtype) if need_dx else None
         dw = _wgrad(ctx.site, dy, x2, w_dtype) if need_dw else None
         db = _bgrad(dy, b_dtype) if need_db and b_dtype is not None else None
-        return dx, dw, db, None, None, None, None, None
+        return dx, dw, db, None, None, None, None
 
 
 _ONE_NODE = contextvars.ContextVar("moeresq_one_node_backward", default=False)
@@ -264,21 +285,34 @@ def moeresq_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     if x.shape[-1] != weight.shape[-1]:
         raise ValueError(f"moeresq_linear: input last dim {x.shape[-1]} != weight in_features {weight.shape[-1]}")
     if recipe.mode == "bf16":
-        return F.linear(x, weight, bias)
+        return invariant.linear(x, weight, bias)
     now = current()
     site = _Site(recipe, name, now.step, now.micro_batch, now.nonfinite_flags_for(x.device))
     out_shape = (*x.shape[:-1], weight.shape[0])
     x2 = x.reshape(-1, x.shape[-1])
-    with torch.no_grad():
-        xq, wq = _forward_operands(site, x2, weight)
     bias32 = None if bias is None else bias.detach().to(_accumulate_dtype(x.dtype))
+    with torch.no_grad():
+        if invariant.enabled():
+            r = recipe
+            x_terms = site.split(x2, r.input, "input", r.compensated)
+            w_split = site.split(weight.reshape(-1, weight.shape[-1]), r.weight, "weight", False)[0]
+            wq = w_split.deq.reshape(weight.shape)
+            b = None if bias is None else bias.detach()
+
+            def gemm():
+                return exact_fp4_gemm(x_terms, w_split, b, x.dtype).reshape(out_shape)
+        else:
+            xq, wq = _forward_operands(site, x2, weight)
+
+            def gemm():
+                return _gemm(xq, wq, bias32, out_shape, x.dtype)
     if not (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weight, bias))):
-        return _gemm(xq, wq, bias32, out_shape, x.dtype)
+        return gemm()
     if _ONE_NODE.get():
-        return _OneNode.apply(x, weight, bias, xq, wq, x2.detach(), site, out_shape)
+        return _OneNode.apply(x, weight, bias, gemm, wq, x2.detach(), site)
     dgrad_link = _DgradHalf.apply(x, wq, site, out_shape)
     wgrad_link = _WgradHalf.apply(weight, bias, x2.detach(), site, out_shape, x.dtype)
-    return _ForwardGemm.apply(dgrad_link, wgrad_link, xq, wq, bias32, out_shape, x.dtype)
+    return _ForwardGemm.apply(dgrad_link, wgrad_link, gemm)
 
 
 class MoEResQLinear(nn.Module):

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from megatron_fp4.fp4 import MoEResQLinear, Recipe
+from megatron_fp4.fp4 import MoEResQLinear, Recipe, invariant
 
 
 def wide_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -35,7 +35,7 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
         x = upcast(x)
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        x = x * torch.rsqrt(invariant.mean_square(x) + self.eps)
         return self.weight * x.to(dtype)
 
 
@@ -89,10 +89,17 @@ class KVCache:
         return self.layers[0].length if self.layers else 0
 
 
+class Linear(nn.Linear):
+    """``nn.Linear`` that is batch invariant under ``invariant.batch_invariant()`` (same state dict)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return invariant.linear(x, self.weight, self.bias)
+
+
 def _linear(in_f: int, out_f: int, recipe: Optional[Recipe]) -> nn.Module:
     """An FP4 MoEResQ linear when a recipe is given, a plain bias-free linear otherwise."""
     if recipe is None:
-        return nn.Linear(in_f, out_f, bias=False)
+        return Linear(in_f, out_f, bias=False)
     return MoEResQLinear(in_f, out_f, bias=False, recipe=recipe)
 
 
@@ -129,6 +136,9 @@ class Attention(nn.Module):
         rep = self.num_heads // self.num_kv_heads
         k = k.repeat_interleave(rep, dim=1)
         v = v.repeat_interleave(rep, dim=1)
+        if invariant.enabled(q):  # keys by position, fixed reduction trees (see fp4/invariant.py)
+            out = invariant.attention(q, k, v, positions, invariant.leading_pad(attention_mask, B, x.device))
+            return self.o_proj(out.transpose(1, 2).reshape(B, T, self.num_heads * self.head_dim))
         # Causal mask offset by the cached length, combined with the key padding mask.
         q_idx = torch.arange(past, past + T, device=x.device)[:, None]
         k_idx = torch.arange(T_total, device=x.device)[None, :]
@@ -151,4 +161,4 @@ class SwiGLU(nn.Module):
         self.down_proj = _linear(ffn, hidden, recipe)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(invariant.silu(self.gate_proj(x)) * self.up_proj(x))

@@ -11,10 +11,9 @@ import math
 from typing import Optional
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from megatron_fp4.fp4 import Recipe, moeresq_linear
+from megatron_fp4.fp4 import Recipe, invariant, moeresq_linear
 from megatron_fp4.model.layers import SwiGLU, upcast
 
 
@@ -47,11 +46,13 @@ class Router(nn.Module):
 
     def forward(self, x: torch.Tensor):
         """x [T, H] -> (logits fp32 [T, E], probs fp32 [T, E], topk_idx [T, k], topk_w fp32 [T, k])."""
-        logits = F.linear(upcast(x), upcast(self.weight))
-        probs = torch.softmax(logits, dim=-1, dtype=logits.dtype)
+        logits = invariant.linear(upcast(x), upcast(self.weight))
+        probs = invariant.softmax(logits)
         topk_w, topk_idx = torch.topk(probs, self.top_k, dim=-1)
         if self.norm_topk_prob:
-            topk_w = topk_w / topk_w.sum(dim=-1, keepdim=True)
+            denom = invariant.tree_sum(topk_w, -1, keepdim=True) if invariant.enabled(topk_w) else \
+                topk_w.sum(dim=-1, keepdim=True)
+            topk_w = topk_w / denom
         return logits, probs, topk_idx, topk_w
 
 
@@ -71,7 +72,7 @@ class GroupedExperts(nn.Module):
         name = f"{self.quant_name}.{getattr(self, 'expert_offset', 0) + e}"  # global expert id
         h = moeresq_linear(x, self.w13[e], recipe=self.recipe, name=name + ".w13")
         gate, up = h.split(self.ffn, dim=-1)
-        return moeresq_linear(F.silu(gate) * up, self.w2[e], recipe=self.recipe, name=name + ".w2")
+        return moeresq_linear(invariant.silu(gate) * up, self.w2[e], recipe=self.recipe, name=name + ".w2")
 
     def forward(self, x_sorted: torch.Tensor, counts: list[int]) -> torch.Tensor:
         """x_sorted [N, H]: tokens grouped by local expert, `counts[e]` rows for expert e."""

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from megatron_fp4.fp4 import MoEResQLinear, Recipe, name_quant_sites
+from megatron_fp4.fp4 import MoEResQLinear, Recipe, invariant, name_quant_sites
 from megatron_fp4.model.layers import Attention, KVCache, LayerCache, RMSNorm, SwiGLU, upcast
 from megatron_fp4.model.moe import GroupedExperts, MoELayer
 from megatron_fp4.model.specs import attention_recipe, expert_recipe
@@ -81,7 +81,7 @@ class MoETransformer(nn.Module):
         """Final norm and LM head (the embedding matrix when the embeddings are tied)."""
         h = self.norm(h)
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(h, weight)
+        return invariant.linear(h, weight)
 
     @staticmethod
     def default_positions(tokens: torch.Tensor, past: int = 0) -> torch.Tensor:

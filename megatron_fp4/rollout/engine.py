@@ -12,6 +12,11 @@ bf16 copy (activations, KV cache and logits in bf16) while every MoE router weig
 router computes in fp32 either way, `model.moe.Router`); `load_weights` then accepts the trainer's
 fp32 tensors and rounds them on copy. The default (None) keeps the model's own dtype.
 
+Numerics: by default the engine decodes in the batch-invariant mode (``fp4/invariant.py``,
+``numerics.batch_invariant`` in the config): a token's log-prob and experts then do not depend on
+the batch, its padding or the KV cache, and equal bit for bit what ``rollout.scoring`` computes
+for the same tokens in a full forward. ``batch_invariant=False`` runs the standard kernels.
+
 Weights change only through `load_weights`, which swaps a fully staged set under the write side of
 a reader/writer lock; `generate` holds the read side, so a request sees one version, whole. Waits
 for the lock are bounded (`lock_timeout_s`): a request that never returns fails the swap with
@@ -27,6 +32,7 @@ from typing import Optional, Sequence, Union
 
 import torch
 
+from megatron_fp4.fp4 import invariant
 from megatron_fp4.model import KVCache, Router
 from megatron_fp4.rollout.sampling import SamplingParams, sample_token, sampling_log_probs
 
@@ -184,15 +190,18 @@ class RolloutEngine:
     it through `load_weights`, normally driven by `weight_sync.WeightReceiver`). With `dtype`
     given, the model is cast in place by `cast_for_inference` (see the module docstring).
     `lock_timeout_s` bounds every wait for the weights lock (`RWLock`): a swap blocked that long by
-    a request fails with `LockTimeout` and the engine keeps its weights.
+    a request fails with `LockTimeout` and the engine keeps its weights. `batch_invariant` (default
+    True, the config's `numerics.batch_invariant`) decodes in the batch-invariant numerics mode.
     """
 
     def __init__(self, model, mode: Optional[str] = None, pad_id: int = 0, seed: int = 0, name: str = "rollout0",
-                 dtype: Optional[torch.dtype] = None, lock_timeout_s: Optional[float] = 600.0):
+                 dtype: Optional[torch.dtype] = None, lock_timeout_s: Optional[float] = 600.0,
+                 batch_invariant: bool = True):
         if lock_timeout_s is not None and not (0 < lock_timeout_s < float("inf")):
             raise ValueError(f"lock_timeout_s={lock_timeout_s!r} must be a positive number of seconds (or None to "
                              "wait forever): how long a weight swap or a request may wait for the engine's lock")
         self.dtype = dtype
+        self.batch_invariant = bool(batch_invariant)
         if dtype is not None:
             cast_for_inference(model, dtype)
         self.model = model.eval()
@@ -259,7 +268,8 @@ class RolloutEngine:
             raise ValueError(f"prompt length + max_new_tokens exceeds model.max_seq_len={limit}; "
                              "shorten the prompt or lower max_new_tokens")
         gens = [torch.Generator().manual_seed(p.seed if p.seed is not None else self._next_seed()) for p in params]
-        with self.lock.read(), torch.no_grad(), fp4_mode(self.model, self.mode):
+        with self.lock.read(), torch.no_grad(), fp4_mode(self.model, self.mode), \
+                invariant.batch_invariant(self.batch_invariant):
             version = self.version
             out = self._decode(prompts, params, gens, max_new, return_routing, return_distributions)
         return GenerationOutput(version=version, prompt_ids=[list(p) for p in prompts], **out)
@@ -277,7 +287,7 @@ class RolloutEngine:
         next_pos = positions[:, -1] + 1
         for _ in range(max_new):
             logits = out.logits[:, -1].float()
-            raw = torch.log_softmax(logits, dim=-1)
+            raw = invariant.log_softmax(logits)
             step_routing = self._last_routing(out.routing) if return_routing else None
             new_tokens = torch.full((B, 1), self.pad_id, dtype=torch.long)
             for i in range(B):

@@ -2,6 +2,11 @@
 
 Shared by the RL example, the verl training engine and the consistency report, so the training
 side always scores exactly the way the rollout engine's numbers are compared against.
+
+Scoring (no autograd) runs in the batch-invariant numerics mode by default (``fp4/invariant.py``),
+like the rollout engine: a token's log-prob then has the same bits as the engine's KV-cache
+decode gave it, in any batch, padding or split. A differentiable call (the training forward) runs
+the standard kernels unless it opts in with ``batch_invariant=True``.
 """
 from __future__ import annotations
 
@@ -10,6 +15,7 @@ from typing import Optional
 
 import torch
 
+from megatron_fp4.fp4 import invariant
 from megatron_fp4.rollout.engine import fp4_mode, positions_from_mask
 
 
@@ -29,7 +35,7 @@ def log_probs_from_logits(logits: torch.Tensor, tokens: torch.Tensor, keep: torc
     """(log_probs [B, T], log-softmax rows [B, T-1, V]) of `tokens` under `logits` [B, T, V]: position
     t holds log p(tokens[:, t] | tokens[:, :t]), 0 at t=0 and where `keep` is 0. The one definition
     both the scoring forward and the pipelined policy loss (on the last stage) use."""
-    logp_all = torch.log_softmax(logits[:, :-1].float(), dim=-1)
+    logp_all = invariant.log_softmax(logits[:, :-1].float())  # fixed per-row order in the invariant mode
     picked = logp_all.gather(-1, tokens[:, 1:, None]).squeeze(-1)
     log_probs = torch.cat([picked.new_zeros(tokens.shape[0], 1), picked], dim=1)
     return log_probs * keep.to(log_probs.dtype), logp_all
@@ -37,17 +43,20 @@ def log_probs_from_logits(logits: torch.Tensor, tokens: torch.Tensor, keep: torc
 
 def compute_log_probs(model, tokens: torch.Tensor, attention_mask: torch.Tensor,
                       response_mask: Optional[torch.Tensor] = None, mode: Optional[str] = None,
-                      return_routing: bool = False, return_distributions: bool = False) -> ScoreOutput:
+                      return_routing: bool = False, return_distributions: bool = False,
+                      batch_invariant: Optional[bool] = None) -> ScoreOutput:
     """Score `tokens` [B, T] (verl layout: left-padded prompt, right-padded response) in one
     forward, in FP4 `mode` (default: the model's current mode, i.e. the training-side one).
-    Differentiable: call under torch.no_grad() when only the numbers are needed."""
+    Differentiable: call under torch.no_grad() when only the numbers are needed.
+    `batch_invariant`: the numerics mode (None: on without autograd, off with it; module doc)."""
     if tokens.shape != attention_mask.shape:
         raise ValueError(f"tokens {tuple(tokens.shape)} and attention_mask {tuple(attention_mask.shape)} "
                          "must have the same [batch, seq] shape")
-    with fp4_mode(model, mode):
+    on = not torch.is_grad_enabled() if batch_invariant is None else batch_invariant
+    with fp4_mode(model, mode), invariant.batch_invariant(on):
         out = model(tokens, positions_from_mask(attention_mask), attention_mask, return_routing=return_routing)
-    log_probs, logp_all = log_probs_from_logits(out.logits, tokens, attention_mask if response_mask is None
-                                                else response_mask)
+        log_probs, logp_all = log_probs_from_logits(out.logits, tokens, attention_mask if response_mask is None
+                                                    else response_mask)
     routing = dists = None
     if return_routing:
         moe = [r for r in out.routing if r is not None]
@@ -59,7 +68,7 @@ def compute_log_probs(model, tokens: torch.Tensor, attention_mask: torch.Tensor,
 
 
 def score(model, prompts, responses, pad_id: int = 0, mode: Optional[str] = None,
-          return_routing: bool = False, return_distributions: bool = False):
+          return_routing: bool = False, return_distributions: bool = False, batch_invariant: bool = True):
     """Convenience over `compute_log_probs` for token-id lists: returns per-request tensors
     (log_probs [L], routing [L, num_moe_layers, k], distributions [L, V]) in the engine's format."""
     from megatron_fp4.rollout.engine import pad_prompt_response
@@ -67,7 +76,7 @@ def score(model, prompts, responses, pad_id: int = 0, mode: Optional[str] = None
     batch = pad_prompt_response(prompts, responses, pad_id)
     with torch.no_grad():
         out = compute_log_probs(model, batch["input_ids"], batch["attention_mask"], batch["response_mask"], mode,
-                                return_routing, return_distributions)
+                                return_routing, return_distributions, batch_invariant)
     P = batch["prompt_len"]
     per = {"log_probs": [], "routing": [], "distributions": []}
     for i, r in enumerate(responses):

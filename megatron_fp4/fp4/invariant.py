@@ -1,0 +1,152 @@
+"""Batch-invariant numerics: every row's result depends only on that row (and its prefix).
+
+    with batch_invariant():          # what the rollout engine and the log-prob scoring run under
+        out = model(tokens, ...)
+
+Inside the context the model's ops switch to versions whose reduction order per row is fixed by
+construction, independent of the batch size, the row's position in the batch, padding, micro-batch
+split, KV cache vs full forward, or layout:
+
+- GEMMs: FP4 ones are summed exactly (``exact_gemm.exact_fp4_gemm``), the others (``linear``:
+  attention projections, router, LM head, bf16-mode experts) by three exact float64 GEMMs on
+  24-bit fixed-point limbs (``exact_gemm.exact_linear``). Exact sums have no order.
+- Row reductions (RMSNorm's mean square, softmax/log-softmax sums, attention's dot products and
+  its sums over keys) are :func:`tree_sum`: an adjacent-pair tree over absolute indices built from
+  elementwise IEEE additions, so its order depends only on the index, and trailing zeros
+  (masked keys, a longer padded row) do not change a nonzero result.
+- Attention (:func:`attention`) indexes keys by *position* (each row's keys shifted left past its
+  padding), so a query at position p sums the same keys in the same tree in a KV-cache decode step
+  and in a causal full forward, whatever the batch's padding.
+- Elementwise transcendentals: ATen's ``exp``, ``log``, ``rsqrt``, ``cos``, ``sin`` give the same
+  bits for an element whatever its position in the tensor (their vector kernels handle the tail);
+  ``silu``/``sigmoid`` do not (a scalar tail loop rounds differently on AVX2/AVX-512), so
+  :func:`silu` is ``x / (1 + exp(−x))``. ``tests/unit/test_batch_invariant.py`` checks all of them.
+
+The mode is a ``contextvars.ContextVar`` like the FP4 step context. float64 models (the
+verification mode) keep the standard kernels: the fixed-point GEMM would round their inputs.
+Training through the mode works (every op here is differentiable; ``linear``'s backward is the
+plain one) but is slower; see ``benchmarks/bench_batch_invariant.py`` for the cost.
+"""
+from __future__ import annotations
+
+import contextvars
+from contextlib import contextmanager
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from megatron_fp4.fp4.exact_gemm import exact_linear
+
+_ON = contextvars.ContextVar("megatron_fp4_batch_invariant", default=False)
+
+
+@contextmanager
+def batch_invariant(on: bool = True):
+    """Run the block with batch-invariant numerics on (or, with ``on=False``, off)."""
+    token = _ON.set(bool(on))
+    try:
+        yield
+    finally:
+        _ON.reset(token)
+
+
+def enabled(x: Optional[torch.Tensor] = None) -> bool:
+    """Whether the mode is on (and applies to ``x``'s dtype: never to float64)."""
+    return _ON.get() and (x is None or x.dtype != torch.float64)
+
+
+def tree_sum(t: torch.Tensor, dim: int = -1, keepdim: bool = False) -> torch.Tensor:
+    """Sum over ``dim`` by an adjacent-pair tree: level by level ``t[2i] + t[2i+1]`` (a +0 appended
+    to an odd length). Node i of level L always covers indices [i·2^L, (i+1)·2^L), so appending
+    zeros never changes a nonzero result; ``+ 0.0`` at the end makes a zero result +0."""
+    t = t.movedim(dim, -1)
+    while t.shape[-1] > 1:
+        if t.shape[-1] % 2:
+            t = F.pad(t, (0, 1))
+        t = t[..., 0::2] + t[..., 1::2]
+    out = t.squeeze(-1) + 0.0 if t.shape[-1] == 1 else t.new_zeros(t.shape[:-1])
+    return out.unsqueeze(dim) if keepdim else out
+
+
+class _ExactLinear(torch.autograd.Function):
+    """Forward: the exact batch-invariant GEMM; backward: the plain ``F.linear`` gradients."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias):
+        ctx.save_for_backward(x, weight)
+        ctx.has_bias = bias is not None
+        return exact_linear(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight = ctx.saved_tensors
+        dx = dy @ weight if ctx.needs_input_grad[0] else None
+        dw = dy.reshape(-1, dy.shape[-1]).t() @ x.reshape(-1, x.shape[-1]) if ctx.needs_input_grad[1] else None
+        db = dy.reshape(-1, dy.shape[-1]).sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        return dx, dw, db
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``F.linear``, batch invariant when the mode is on."""
+    if not enabled(x):
+        return F.linear(x, weight, bias)
+    return _ExactLinear.apply(x, weight, bias)
+
+
+def silu(x: torch.Tensor) -> torch.Tensor:
+    """SiLU; in the mode ``x / (1 + exp(−x))`` (position-independent bits, see the module doc)."""
+    if not enabled(x):
+        return F.silu(x)
+    return x / (1.0 + torch.exp(-x))
+
+
+def softmax(x: torch.Tensor) -> torch.Tensor:
+    """Softmax over the last dim (in x's dtype); in the mode with a :func:`tree_sum` denominator."""
+    if not enabled(x):
+        return torch.softmax(x, dim=-1, dtype=x.dtype)
+    e = torch.exp(x - x.amax(-1, keepdim=True))
+    return e / tree_sum(e, -1, keepdim=True)
+
+
+def log_softmax(x: torch.Tensor) -> torch.Tensor:
+    """Log-softmax over the last dim; in the mode ``(x − max) − log(tree_sum(exp(x − max)))``."""
+    if not enabled(x):
+        return torch.log_softmax(x, dim=-1)
+    shifted = x - x.amax(-1, keepdim=True)
+    return shifted - torch.log(tree_sum(torch.exp(shifted), -1, keepdim=True))
+
+
+def mean_square(x: torch.Tensor) -> torch.Tensor:
+    """``x.pow(2).mean(-1, keepdim=True)``; in the mode a :func:`tree_sum` divided by the size."""
+    if not enabled(x):
+        return x.pow(2).mean(-1, keepdim=True)
+    return tree_sum(x * x, -1, keepdim=True) / x.shape[-1]
+
+
+def leading_pad(attention_mask: Optional[torch.Tensor], batch: int, device) -> torch.Tensor:
+    """Number of padding slots before each row's first real token (0 without a mask)."""
+    if attention_mask is None:
+        return torch.zeros(batch, dtype=torch.long, device=device)
+    return (attention_mask.long().cumsum(-1) == 0).sum(-1)
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
+              pad: torch.Tensor) -> torch.Tensor:
+    """Causal attention by position. q [B, H, Tq, D]; k, v [B, H, Tk, D] in slot order with
+    ``pad[b]`` padding slots before row b's first real key; positions [B, Tq] of the queries.
+
+    Keys are shifted left by ``pad`` so key index = position; a query at position p attends to
+    indices ≤ p. Scores, the softmax denominator and the weighted sum of values are
+    :func:`tree_sum` reductions over a fixed index tree, so a KV-cache step and a full forward give
+    the query the same bits."""
+    B, H, Tk, D = k.shape
+    idx = (pad[:, None] + torch.arange(Tk, device=k.device)[None, :]).clamp(max=Tk - 1)  # [B, Tk]
+    gather = idx[:, None, :, None].expand(B, H, Tk, D)
+    k, v = torch.gather(k, 2, gather), torch.gather(v, 2, gather)
+    scores = tree_sum(q[:, :, :, None, :] * k[:, :, None, :, :], -1) * (D ** -0.5)  # [B, H, Tq, Tk]
+    future = torch.arange(Tk, device=k.device)[None, None, None, :] > positions[:, None, :, None]
+    scores = scores.masked_fill(future, float("-inf"))
+    e = torch.exp(scores - scores.amax(-1, keepdim=True))
+    out = tree_sum(e[..., None] * v[:, :, None, :, :], -2)  # [B, H, Tq, D]
+    return out / tree_sum(e, -1, keepdim=True)
