@@ -16,6 +16,7 @@ from typing import Optional
 import torch
 
 from megatron_fp4.fp4 import invariant
+from megatron_fp4.model.layers import upcast
 from megatron_fp4.rollout.engine import fp4_mode, positions_from_mask
 
 
@@ -35,7 +36,7 @@ def log_probs_from_logits(logits: torch.Tensor, tokens: torch.Tensor, keep: torc
     """(log_probs [B, T], log-softmax rows [B, T-1, V]) of `tokens` under `logits` [B, T, V]: position
     t holds log p(tokens[:, t] | tokens[:, :t]), 0 at t=0 and where `keep` is 0. The one definition
     both the scoring forward and the pipelined policy loss (on the last stage) use."""
-    logp_all = invariant.log_softmax(logits[:, :-1].float())  # fixed per-row order in the invariant mode
+    logp_all = invariant.log_softmax(upcast(logits[:, :-1]))  # fixed per-row order in the invariant mode
     picked = logp_all.gather(-1, tokens[:, 1:, None]).squeeze(-1)
     log_probs = torch.cat([picked.new_zeros(tokens.shape[0], 1), picked], dim=1)
     return log_probs * keep.to(log_probs.dtype), logp_all
