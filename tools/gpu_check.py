@@ -10,6 +10,16 @@
    (K ≤ 1024 here gives ≈ 6e-5 worst case, far less typically).
 3. Transformer Engine NVFP4 quantizer vs ours (`integrations.transformer_engine`), when TE with
    NVFP4 (sm_100+) is available; otherwise reported as skipped with the reason.
+4. MoEResQ under ``torch.autocast(dtype=bfloat16)`` on the device: forward and grads bit-equal to
+   no autocast (the simulation keeps its fp32 GEMMs).
+5. GC-MoE's SM split: one green context for compute (``num_sms - transfer_sms`` SMs) whose stream
+   runs a GEMM (within the GEMM tolerance of 2.; cuBLAS may pick other kernels for fewer SMs), or
+   skipped with the reason (torch without green contexts, CUDA < 12.8).
+6. The main job (`python -m megatron_fp4.train`, tiny model) for 50 steps on the device, in fp32
+   and in bf16 (autocast): exits 0 with a finite last loss.
+7. Megatron-Core GPTModel with `get_moeresq_layer_spec` on the device: forward and backward, logits
+   finite with finite expert grads, and in bf16 mode within the GEMM tolerance of the plain local spec
+   (needs megatron-core; subprocess, since its parallel state is process-global).
 
 Exit status 0 when nothing failed (skips are fine), 1 otherwise; 0 with "no CUDA device" on a
 machine without CUDA. Sized for well under 5 minutes on one H200 (seconds in practice).
@@ -129,6 +139,117 @@ def check_te(shapes) -> None:
                 record(label, "FAIL", f"{type(e).__name__}: {e}")
 
 
+def check_autocast(dev: torch.device) -> None:
+    gen = torch.Generator().manual_seed(3)
+    x0, w0, gy = torch.randn(32, 256, generator=gen), torch.randn(128, 256, generator=gen), torch.randn(32, 128, generator=gen)
+    outs = []
+    for enabled in (False, True):
+        x, w = x0.to(dev).requires_grad_(True), w0.to(dev).requires_grad_(True)
+        with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=enabled):
+            y = moeresq_linear(x, w, recipe=Recipe(mode="fp4_resq"))
+            y.backward(gy.to(dev))
+        outs.append((y, x.grad, w.grad))
+    bad = [n for n, a, b in zip(("y", "dx", "dw"), *outs) if not _same(a, b)]
+    record(f"moeresq under autocast bf16 on {dev.type} == without", "FAIL" if bad else "PASS",
+           f"differs in {bad}" if bad else "bit-equal")
+
+
+def check_green_context(dev: torch.device) -> None:
+    if dev.type != "cuda":
+        record("gcmoe green-context SM split", "SKIP", "needs CUDA")
+        return
+    from megatron_fp4.parallel.gcmoe_transfer import _green_streams
+
+    split = _green_streams(dev, 20)
+    if split is None:
+        record("gcmoe green-context SM split", "SKIP", "torch.cuda.green_contexts unsupported here (CUDA >= 12.8 build "
+               "and driver needed); GC-MoE falls back to a plain side stream")
+        return
+    _, compute, _ = split
+    a = torch.randn(1024, 1024, device=dev)
+    ref = a @ a
+    with torch.cuda.stream(compute):
+        got = a @ a
+    torch.cuda.synchronize()
+    err = _rel_err(got, ref.cpu())
+    total = torch.cuda.get_device_properties(dev).multi_processor_count
+    record(f"gcmoe compute green context ({total - 20} of {total} SMs) runs a GEMM", "PASS" if err <= 1e-4 else "FAIL",
+           f"max|Δ|/max|ref| = {err:.2e}")
+
+
+def _subprocess(args: list[str], timeout: int) -> tuple[int, str]:
+    import subprocess
+    env = dict(__import__("os").environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]))
+    try:
+        p = subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=timeout, env=env)
+        return p.returncode, p.stdout + p.stderr
+    except subprocess.TimeoutExpired:
+        return 124, f"timed out after {timeout}s"
+
+
+def check_train(dev: torch.device, steps: int) -> None:
+    import re
+    for dtype in ("fp32", "bf16"):
+        label = f"main job {steps} steps on {dev.type} ({dtype})"
+        rc, out = _subprocess(["-m", "megatron_fp4.train", "--steps", str(steps), "--set", f"device={dev.type}",
+                               "--set", f"dtype={dtype}"], timeout=240)
+        losses = [float(v) for v in re.findall(r"(?:loss|->) ([-+0-9.eE]+|nan|inf)", out)]
+        ok = rc == 0 and losses and all(map(lambda v: v == v and abs(v) != float("inf"), losses[-1:]))
+        record(label, "PASS" if ok else "FAIL", f"rc={rc}, last loss {losses[-1] if losses else None}"
+               + ("" if ok else f"; tail: {out[-300:]!r}"))
+
+
+_MCORE_SCRIPT = """
+import json, os, sys, torch, torch.distributed as dist
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="29611")
+dist.init_process_group("nccl", rank=0, world_size=1); torch.cuda.set_device(0)
+from megatron.core import parallel_state, tensor_parallel
+parallel_state.initialize_model_parallel(); tensor_parallel.model_parallel_cuda_manual_seed(0)
+from megatron.core.models.gpt import GPTModel
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+from megatron_fp4.config import Config
+from megatron_fp4.integrations.megatron_core import (build_transformer_config, get_moeresq_layer_spec,
+    name_moeresq_linears, split_megatron_kwargs, to_megatron_transformer_config)
+res = {}
+for mode in ("fp4_resq", "bf16"):
+    cfg = Config(); cfg.model.num_layers, cfg.model.dense_layers = 3, [0]; cfg.fp4.train_mode = mode
+    tc = build_transformer_config(cfg, use_cpu_initialization=True, moe_token_dispatcher_type="allgather",
+                                  attention_dropout=0.0, hidden_dropout=0.0)
+    _, kw = split_megatron_kwargs(to_megatron_transformer_config(cfg))
+    torch.manual_seed(0); gpt = GPTModel(config=tc, transformer_layer_spec=get_moeresq_layer_spec(tc, cfg), **kw)
+    torch.manual_seed(0); plain = GPTModel(config=tc, transformer_layer_spec=get_gpt_decoder_block_spec(tc, False), **kw)
+    name_moeresq_linears(gpt); gpt.cuda(); plain.cuda()
+    tok = torch.randint(0, cfg.model.vocab_size, (2, 16), generator=torch.Generator().manual_seed(1)).cuda()
+    pos = torch.arange(16, device="cuda").expand(2, 16)
+    mask = torch.triu(torch.ones(1, 1, 16, 16, dtype=torch.bool, device="cuda"), 1)
+    logits = gpt(tok, pos, mask); logits.float().logsumexp(-1).mean().backward()
+    g = [p.grad for n, p in gpt.named_parameters() if "local_experts" in n and p.grad is not None]
+    res[mode] = dict(finite=bool(torch.isfinite(logits).all()), grads=len(g) > 0 and all(bool(torch.isfinite(x).all()) for x in g),
+                     rel_vs_plain=float((logits - plain(tok, pos, mask)).abs().max() / logits.abs().max()))
+print("RESULT " + json.dumps(res))
+"""
+
+
+def check_megatron_spec(dev: torch.device) -> None:
+    import importlib.util
+    if dev.type != "cuda":
+        record("megatron-core GPTModel with MoEResQ experts", "SKIP", "needs CUDA (CPU: tests/unit/test_integration_megatron_core_spec.py)")
+        return
+    if importlib.util.find_spec("megatron") is None:
+        record("megatron-core GPTModel with MoEResQ experts", "SKIP", "megatron-core not installed")
+        return
+    rc, out = _subprocess(["-c", _MCORE_SCRIPT], timeout=240)
+    lines = [ln for ln in out.splitlines() if ln.startswith("RESULT ")]
+    if rc != 0 or not lines:
+        record("megatron-core GPTModel with MoEResQ experts", "FAIL", f"rc={rc}; tail: {out[-400:]!r}")
+        return
+    res = json.loads(lines[-1][7:])
+    for mode, r in res.items():
+        # bf16 mode is F.linear where mcore calls matmul: same GEMM up to cuBLAS kernel choice (tolerance of 2.)
+        ok = r["finite"] and r["grads"] and (mode != "bf16" or r["rel_vs_plain"] <= 1e-4)
+        record(f"megatron-core GPTModel MoEResQ spec fwd/bwd on cuda ({mode})", "PASS" if ok else "FAIL", json.dumps(r))
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--json", help="also write the results to this JSON file")
@@ -151,6 +272,10 @@ def main(argv=None) -> int:
     check_quantizers(dev, shapes)
     check_moeresq(dev, *((64, 256, 128) if args.quick else (256, 1024, 512)))
     check_te(shapes)
+    check_autocast(dev)
+    check_green_context(dev)
+    check_megatron_spec(dev)
+    check_train(dev, 5 if args.quick else 50)
     counts = {s: sum(r["status"] == s for r in RESULTS) for s in ("PASS", "FAIL", "SKIP")}
     print(f"\nsummary: {counts['PASS']} passed, {counts['FAIL']} failed, {counts['SKIP']} skipped "
           f"in {time.time() - start:.1f}s")

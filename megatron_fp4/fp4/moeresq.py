@@ -50,8 +50,9 @@ wgrad, each once; a plain ``backward()`` runs both, with the same bits as one no
 from __future__ import annotations
 
 import contextvars
+import functools
 import math
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from typing import Optional
 
@@ -144,6 +145,19 @@ def _col_quantize(site: _Site, a: torch.Tensor, fmt: OperandFormat, operand: str
 
 
 # -- the GEMMs, shared by the split and the one-node layout -------------------------------------------
+def _no_autocast(fn):
+    """Run a numeric step with autocast off: the simulation fixes its own dtypes (fp32 / fp64
+    GEMMs, see the module docstring), which torch.autocast would silently lower to bf16."""
+    @functools.wraps(fn)
+    def run(*args, **kwargs):
+        with ExitStack() as stack:
+            for dev in ("cpu", "cuda") if torch.cuda.is_available() else ("cpu",):
+                stack.enter_context(torch.autocast(dev, enabled=False))
+            return fn(*args, **kwargs)
+    return run
+
+
+@_no_autocast
 def _forward_operands(site: _Site, x2: torch.Tensor, weight: torch.Tensor):
     """(Q̃_row(X), Q(W)) in fp32."""
     r = site.recipe
@@ -158,6 +172,7 @@ def _accumulate_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
+@_no_autocast
 def _gemm(xq, wq, bias32, out_shape, out_dtype) -> torch.Tensor:
     acc = _accumulate_dtype(out_dtype)
     bias = None if bias32 is None else bias32.to(acc)
@@ -169,6 +184,7 @@ def _rows32(dy: torch.Tensor) -> torch.Tensor:
     return dy.reshape(-1, dy.shape[-1]).to(_accumulate_dtype(dy.dtype))
 
 
+@_no_autocast
 def _dgrad(site: _Site, dy: torch.Tensor, wq: torch.Tensor, x_shape, x_dtype) -> torch.Tensor:
     """dX = Q̃_row(dY) · Q(W) (dY · Q(W) without backward quantization)."""
     dy2 = _rows32(dy)
@@ -178,6 +194,7 @@ def _dgrad(site: _Site, dy: torch.Tensor, wq: torch.Tensor, x_shape, x_dtype) ->
     return (dy2.to(acc) @ wq.to(acc)).to(x_dtype).reshape(x_shape)
 
 
+@_no_autocast
 def _wgrad(site: _Site, dy: torch.Tensor, x2: torch.Tensor, w_dtype) -> torch.Tensor:
     """dW = Q̃_col(dY)ᵀ · Q̃_col(X) (dYᵀ · X without backward quantization)."""
     dy2, r = _rows32(dy), site.recipe
@@ -188,6 +205,7 @@ def _wgrad(site: _Site, dy: torch.Tensor, x2: torch.Tensor, w_dtype) -> torch.Te
     return (dyt.to(dy2.dtype) @ xt.t().to(dy2.dtype)).to(w_dtype)
 
 
+@_no_autocast
 def _bgrad(dy: torch.Tensor, b_dtype) -> torch.Tensor:
     return _rows32(dy).sum(0).to(b_dtype)
 

@@ -4,16 +4,18 @@ One dispatcher call (a *round*) on ep rank r:
 
 1. Counts are exchanged (`DispatchPlan.exchange`, one small all-to-all on the ep group).
 2. A transfer worker (`TransferChannel.run_round`, its own Python thread and its own process
-   group) sends this rank's rows to each destination in chunks of ``chunk_tokens`` rows
-   (tag = counter set, direction, chunk index), all posted at once, read straight from the
-   layer's own send-order rows. Incoming chunks land in a bounded **receive ring** (`RecvRing`):
-   ``ring_slots`` slots of ``chunk_tokens`` rows each. Flow control is credit-based and lives on
-   the receiver: a slot is written only by a receive the worker posted into it, the worker keeps
-   at most ``ring_slots`` receives posted-or-unconsumed, and reposts into a slot only after the
-   compute side releases it. A sender's chunk with no receive posted yet simply waits on the
-   sender's side (send/recv is a rendezvous on gloo and NCCL), so no sender can overwrite a slot
-   the receiver has not consumed. Tags carry the chunk index, so receives may be posted (and
-   complete) in any order across and within sources; the worker waits on them in posting order.
+   group) exchanges rows with each peer in chunks of ``chunk_tokens`` rows, in *steps* that both
+   ends derive from the plan (`exchange_step`, tag 0 throughout: NCCL ignores tags and matches a
+   pair's messages in issue order, see gcmoe_transfer.py): dispatch step k sends my chunk k to
+   every peer and receives every peer's chunk k, read straight from the layer's own send-order
+   rows. Incoming chunks land in a bounded **receive ring** (`RecvRing`): ``ring_slots`` slots of
+   ``chunk_tokens`` rows each (at least one per peer: a step receives from every peer). Flow
+   control is credit-based and lives on the receiver: a slot is written only by a receive the
+   worker posted into it, and a step is issued only when the ring has a free slot for each of its
+   receives, reposting into a slot only after the compute side releases it. A sender's chunk with
+   no receive posted yet simply waits on the sender's side (send/recv is a rendezvous on gloo and
+   NCCL), so no sender can overwrite a slot the receiver has not consumed. The worker waits on
+   receives in posting order (tests permute the peers within a step).
    When a receive completes the worker marks the chunk ready: it bumps
    ``counters[round % 2][src]`` and queues ``(src, chunk, slot)`` on the ready list.
 3. The compute side (the caller's thread) takes ready chunks in arrival order, copies each chunk's
@@ -28,7 +30,9 @@ One dispatcher call (a *round*) on ep rank r:
      Bitwise only where the GEMM library is row-invariant for the segment sizes; MKL on CPU takes
      other kernels for tiny M (1–2 rows, up to ~10 for some shapes), giving ~1e-6 relative
      differences (measured; see tests/distributed/test_expert_parallel_gcmoe.py).
-   Finished output chunks go back to the worker, which sends them to their source at once.
+   Finished output chunks go back to the worker, which runs combine step k (my outputs for every
+   peer's chunk k out, every peer's outputs for my chunk k in) once all dispatch steps are issued
+   and its outputs for chunk k are finished.
 4. When the worker has received every output chunk (straight into the caller's send-order result)
    and every slot is released, the rows are un-permuted and combined with
    `combine_expert_outputs` (ascending expert index, never arrival order).
@@ -40,10 +44,20 @@ tokens received. What is not bounded by it is what the baseline holds too: the s
 (the experts' input, saved for backward), the experts' outputs and the layer's result, each
 [rows, hidden].
 
-Receive counters are double-buffered: round i resets and uses set ``i % 2``, leaving set
-``(i+1) % 2`` (the previous round's, possibly still read by a slow peer on a GPU) untouched, so a
-round never waits on other ranks just to reset a counter. Tags carry the set, so the messages of
-consecutive rounds cannot be confused either.
+Receive counters (the per-chunk ready signals, one per source) are double-buffered: round i uses
+set ``i % 2`` and leaves set ``(i+1) % 2``, the previous round's, untouched and readable while
+round i runs; at the end of a round the worker's counts are checked against the plan. In the
+GC-MoE paper the counters live in the receiver's memory and are *written by the senders*
+(one-sided signals), so reusing a counter would need a cross-rank wait (no fast peer's next-round
+signal may land before the reset); double buffering saves that wait, because a peer can only
+signal set s again in round i+2 after round i+1, which this rank only enters after finishing round
+i. On this transport (two-sided send/recv on gloo and NCCL) a counter is written only by its own
+rank's worker when a matched receive completes, so that hazard cannot arise and there is no
+cross-rank wait to save: resetting the set at the start of its round is race-free with or without
+the second set. The second set is kept for its local use (the finished round's counts stay
+readable) and so that a one-sided transport (NVSHMEM-style puts) could drop in without the wait.
+Messages of consecutive rounds cannot be confused either: a pair issues round i+1's operations
+after round i's on both ends, and matching is by position.
 
 Numerics: with ``compute="expert"`` every expert GEMM gets the same rows in the same order as the
 baseline, so the output is bit-identical to `AllToAllDispatcher` and the single-process layer
@@ -59,11 +73,12 @@ variable-split all-to-all of the ep group. Gradients are therefore bitwise those
 
 Device mechanism: on CPU (the tested reference) the worker is a thread doing gloo isend/irecv on a
 dedicated group (gloo is unsafe with two threads on one group). On CUDA (guarded, untested here) the
-worker issues the same ops under a transfer stream; readiness crosses threads as CUDA events
-(compute stream waits on the event recorded after the receive; the transfer stream waits on the
-event recorded after a slot's rows were copied out before reposting into it), and when
-`torch.cuda.green_contexts` is supported the transfer and compute streams come from green contexts
-with ``transfer_sms`` and ``num_sms - transfer_sms`` SMs.
+worker issues each step as one `batch_isend_irecv` (an NCCL group) under a transfer stream;
+readiness crosses threads as CUDA events (compute stream waits on the event recorded after the
+receive; the transfer stream, which ProcessGroupNCCL's internal stream waits on at issue, waits on
+the event recorded after a slot's rows were copied out before reposting into it), and when
+`torch.cuda.green_contexts` is supported the compute stream comes from one green context with
+``num_sms - transfer_sms`` SMs (why not two: gcmoe_transfer.py).
 """
 from __future__ import annotations
 
@@ -77,7 +92,7 @@ import torch
 from megatron_fp4.model.moe import GroupedExperts
 from megatron_fp4.parallel.ep_alltoall import DispatchPlan, all_to_all_rows, finish_combine, scatter_rows
 from megatron_fp4.parallel.gcmoe_transfer import (COMPUTE_GRANULARITIES, RecvRing,  # noqa: F401
-                                                  TransferChannel, chunk_bounds, chunk_tag)
+                                                  TransferChannel, chunk_bounds, exchange_step)
 
 
 
@@ -158,8 +173,9 @@ class GCMoEDispatcher:
                  compute: str = "expert", ring_slots: int = 8):
         if chunk_tokens < 1:
             raise ValueError(f"parallel.gcmoe_chunk_tokens={chunk_tokens} must be >= 1")
-        if ring_slots < 1:
-            raise ValueError(f"parallel.gcmoe_ring_slots={ring_slots} must be >= 1")
+        if ring_slots < max(1, ep - 1):
+            raise ValueError(f"parallel.gcmoe_ring_slots={ring_slots} must be >= max(1, ep - 1) = "
+                             f"{max(1, ep - 1)}: a transfer step receives one chunk from every peer")
         if compute not in COMPUTE_GRANULARITIES:
             raise ValueError(f"GCMoEDispatcher compute={compute!r} must be one of {COMPUTE_GRANULARITIES}")
         self.group, self.ep, self.num_experts = group, ep, num_experts
@@ -215,6 +231,8 @@ class GCMoEDispatcher:
             raise RuntimeError("GC-MoE transfer worker failed") from rnd.error
         assert not worker.is_alive(), "GC-MoE transfer worker did not finish"
         assert rnd.ring.in_use == 0, "GC-MoE round ended with receive slots still held"
+        want = [len(b) for b in rnd.recv_bounds]
+        assert counters.tolist() == want, f"ready signals {counters.tolist()} != chunks per source {want}"
         self.last_ring_stats = rnd.ring.stats()
         self.ring_high_water = max(self.ring_high_water, rnd.ring.high_water)
         channel._wait(rnd.done_event)

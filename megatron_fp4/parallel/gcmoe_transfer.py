@@ -1,8 +1,35 @@
 """GC-MoE transfer side: the bounded receive ring and the transfer worker (thread + own group).
 
-Split from `gcmoe.py` (the dispatcher and its autograd Function), which documents the protocol:
-chunked sends tagged by (counter set, direction, chunk), a ring of `ring_slots` receive slots with
-credit-based reposting, per-chunk ready signals, double-buffered receive counters.
+Split from `gcmoe.py` (the dispatcher and its autograd Function), which documents the protocol.
+
+Tag-free by design. NCCL ignores p2p tags (pytorch#94819) and matches a pair's sends and receives
+in issue order; its p2p kernels run serially on one stream per pair (single ops) or per process
+group (`batch_isend_irecv`, or any op once the group is bound to a device). The transfer therefore
+uses tag 0 for everything and issues a round as a fixed sequence of *steps* that both ends of every
+pair derive from the plan alone (`exchange_step`):
+
+- dispatch steps k = 0, 1, ...: with every peer p, send my chunk k to p and receive p's chunk k
+  (into a ring slot); then
+- combine steps k = 0, 1, ...: send back my outputs for p's chunk k and receive p's outputs for my
+  chunk k (straight into the caller's result).
+
+Within a step and pair the lower rank sends first and the higher rank receives first, so the two
+ends issue a pair's operations in the same order; every message matches its partner by position,
+and a step's operations only wait on the same step of the peers, so no serial execution order can
+deadlock (induction over (phase, step)). A step is issued as one `batch_isend_irecv` on CUDA (an
+NCCL group) and as the same ops in the same order on gloo. The tests force tag 0 on gloo and check
+the mirrored order pair by pair.
+
+SM split (CUDA only, untested here): torch's `GreenContext.create(num_sms=n)` splits the *whole*
+device and keeps the first group of n SMs (`cuDevSmResourceSplitByCount` with one group; the
+remainder is dropped), so two independent creations overlap instead of partitioning. And NCCL's
+kernels run on ProcessGroupNCCL's internal streams in the primary context, so a green context on
+the transfer stream would not confine them anyway (only event waits run on that stream). What
+this module does instead: one green context for the *compute* stream with ``num_sms -
+transfer_sms`` SMs; the transfer stream is a plain stream, and the NCCL kernels it orders keep at
+least ``transfer_sms`` SMs that GC-MoE's expert GEMMs never occupy. Capping NCCL itself to those
+SMs takes the group's NCCL config (``ProcessGroupNCCL.Options().config.max_ctas``, one CTA per SM)
+when the transfer group is created; see `nccl_transfer_options`.
 """
 from __future__ import annotations
 
@@ -16,10 +43,7 @@ import torch.distributed as dist
 if TYPE_CHECKING:
     from megatron_fp4.parallel.gcmoe import _Round
 
-_IN, _OUT = 0, 1  # tag directions: tokens in, expert outputs back
-
 COMPUTE_GRANULARITIES = ("expert", "chunk")
-_CHUNK_BITS = 20
 
 
 def chunk_bounds(num_rows: int, chunk_tokens: int) -> list[tuple[int, int]]:
@@ -27,24 +51,53 @@ def chunk_bounds(num_rows: int, chunk_tokens: int) -> list[tuple[int, int]]:
     return [(a, min(a + chunk_tokens, num_rows)) for a in range(0, num_rows, chunk_tokens)]
 
 
-def chunk_tag(counter_set: int, direction: int, chunk: int) -> int:
-    assert chunk < (1 << _CHUNK_BITS), "too many chunks in one round; raise gcmoe_chunk_tokens"
-    return ((counter_set * 2 + direction) << _CHUNK_BITS) | chunk
+def exchange_step(me: int, peers: list[int], num_send: list[int], num_recv: list[int],
+                  k: int) -> list[tuple[str, int]]:
+    """Pure: the operations of step `k` on rank `me`, in issue order, as ("send" | "recv", peer).
+
+    ``num_send[p]`` / ``num_recv[p]`` are the chunks this rank sends to / receives from p in the
+    phase; the chunk of step k is chunk k. With every peer the lower rank sends first, so rank a's
+    list for peer b is rank b's list for peer a with send and recv swapped (same order)."""
+    ops = []
+    for p in peers:
+        pair = [("send", p)] if k < num_send[p] else []
+        recv = [("recv", p)] if k < num_recv[p] else []
+        ops += pair + recv if me < p else recv + pair
+    return ops
+
+
+def compute_sms_split(total_sms: int, transfer_sms: int) -> int | None:
+    """Pure: SMs of the compute green context leaving `transfer_sms` free, or None (no split)."""
+    if transfer_sms <= 0 or transfer_sms >= total_sms:
+        return None
+    return total_sms - transfer_sms
+
+
+def nccl_transfer_options(transfer_sms: int):
+    """ProcessGroupNCCL options capping the transfer group's kernels at `transfer_sms` CTAs (one SM
+    each), for whoever creates that group on CUDA; None where torch or NCCL lacks the knob."""
+    try:
+        opts = dist.ProcessGroupNCCL.Options()
+        opts.config.max_ctas = max(1, transfer_sms)
+        return opts
+    except (AttributeError, RuntimeError):
+        return None
 
 
 def _green_streams(device: torch.device, transfer_sms: int):
-    """(transfer_stream, compute_stream) on SM partitions, or None where unsupported. GPU-only."""
+    """(transfer_stream, compute_stream, keep-alive) or None where unsupported. GPU-only.
+
+    One green context (compute) only: see the module docstring for why two creations overlap."""
     try:
         from torch.cuda import green_contexts
-        if not green_contexts.SUPPORTED or transfer_sms <= 0:
+        if not green_contexts.SUPPORTED:
             return None
         total = torch.cuda.get_device_properties(device).multi_processor_count
-        if transfer_sms >= total:
+        compute_sms = compute_sms_split(total, transfer_sms)
+        if compute_sms is None:
             return None
-        make = green_contexts.GreenContext.create
-        transfer = make(num_sms=transfer_sms, device_id=device.index)
-        compute = make(num_sms=total - transfer_sms, device_id=device.index)
-        return transfer.Stream(), compute.Stream(), (transfer, compute)
+        compute = green_contexts.GreenContext.create(num_sms=compute_sms, device_id=device.index)
+        return torch.cuda.Stream(device), compute.Stream(), compute
     except (ImportError, RuntimeError, AttributeError):
         return None
 
@@ -103,6 +156,9 @@ class TransferChannel:
                 self.transfer_stream, self.compute_stream, self._green = split
             else:
                 self.transfer_stream = torch.cuda.Stream(device)
+            # Create the NCCL communicator now, with every rank: a batched p2p op must not be a
+            # group's first call unless every rank of the group takes part.
+            dist.all_reduce(torch.zeros(1, device=device), group=group)
 
     def ring(self, num_slots: int, chunk_tokens: int, hidden: int, like: torch.Tensor) -> RecvRing:
         """The ring for one round: storage [num_slots, chunk_tokens, hidden], allocated once and
@@ -141,77 +197,92 @@ class TransferChannel:
                 rnd.error = exc
                 rnd.cond.notify_all()
 
+    def _issue(self, ops: list[tuple[str, int, torch.Tensor]]) -> list:
+        """One step: ("send" | "recv", ep peer, tensor) in order, tag 0 (what NCCL honours)."""
+        if self.device.type == "cuda" and ops:  # one NCCL group: the step's ops run concurrently
+            return dist.batch_isend_irecv([dist.P2POp(dist.isend if kind == "send" else dist.irecv, t,
+                                                      self.ep_ranks[peer], self.group) for kind, peer, t in ops])
+        fns = {"send": dist.isend, "recv": dist.irecv}
+        return [fns[kind](t, self.ep_ranks[peer], group=self.group) for kind, peer, t in ops]
+
     def _transfer(self, rnd: "_Round") -> None:
-        me, g, hook, ring = self.ep_rank, self.group, rnd.hook, rnd.ring
+        """Dispatch steps as ring credits allow, then combine steps as outputs finish (module doc).
+        Receives are awaited in posting order; each completion marks its chunk ready."""
+        me, hook, ring = self.ep_rank, rnd.hook, rnd.ring
         peers = [p for p in range(len(self.ep_ranks)) if p != me]
-        # Outputs come back straight into the caller's result (send order): no ring needed there.
-        back_works = [dist.irecv(rnd.back_chunk(dst, c), self.ep_ranks[dst], group=g,
-                                 tag=chunk_tag(rnd.counter_set, _OUT, c))
-                      for dst in peers for c in range(len(rnd.send_bounds[dst]))]
-        # Receive (posting) order: chunk-major over sources; the test hook may permute it freely.
-        pending = [(src, c) for c in range(max([len(rnd.recv_bounds[s]) for s in peers] + [0]))
-                   for src in peers if c < len(rnd.recv_bounds[src])]
-        if hook is not None and hasattr(hook, "order"):
-            pending = list(hook.order(pending))
-        num_out = len(pending)
-        pending = collections.deque(pending)
-        posted = collections.deque()
+        n_send = [len(b) for b in rnd.send_bounds]  # my chunks to p (and p's outputs back)
+        n_recv = [len(b) for b in rnd.recv_bounds]  # p's chunks to me (and my outputs for them)
+        n_recv[me] = n_send[me] = 0
+        num_steps = max(n_send + n_recv)  # both phases: the same pairs' chunk counts, swapped
+        assert max(n_recv) == 0 or len(peers) <= ring.num_slots, "a step needs one slot per peer"
+        posted, send_works, back_works = collections.deque(), [], []
+        k_in = k_out = 0
+        finished = set()  # (src, chunk) output chunks the compute side finished
 
-        def post():  # credits: one receive per free slot
-            while ring.free and pending:
-                src, c = pending.popleft()
-                slot = ring.acquire()
-                a, b = rnd.recv_bounds[src][c]
-                work = dist.irecv(ring.view(slot, b - a), self.ep_ranks[src], group=g,
-                                  tag=chunk_tag(rnd.counter_set, _IN, c))
-                posted.append((src, c, slot, work))
+        def order(ops):  # tests may permute a step's pairs (independent under NCCL semantics)
+            return list(hook.order(ops)) if hook is not None and hasattr(hook, "order") else ops
 
-        post()
-        send_works = []
-        num_send = max([len(rnd.send_bounds[d]) for d in peers] + [0])
-        for c in range(num_send):  # chunk-major over destinations so every peer starts early
-            for dst in peers:
-                if c < len(rnd.send_bounds[dst]):
-                    _delay(hook, "send", dst, c)
-                    send_works.append(dist.isend(rnd.send_chunk(dst, c), self.ep_ranks[dst], group=g,
-                                                 tag=chunk_tag(rnd.counter_set, _IN, c)))
-        sent_out = 0
-        while posted or pending or sent_out < num_out or ring.in_use:
+        while True:
+            while k_in < num_steps and len(ring.free) >= sum(k_in < n_recv[p] for p in peers):
+                ops, slots = [], []
+                for kind, p in exchange_step(me, order(peers), n_send, n_recv, k_in):
+                    if kind == "send":
+                        _delay(hook, "send", p, k_in)
+                        ops.append(("send", p, rnd.send_chunk(p, k_in)))
+                        slots.append(None)
+                    else:
+                        slots.append(ring.acquire())
+                        a, b = rnd.recv_bounds[p][k_in]
+                        ops.append(("recv", p, ring.view(slots[-1], b - a)))
+                for (kind, p, _), slot, work in zip(ops, slots, self._issue(ops)):
+                    if kind == "send":
+                        send_works.append(work)
+                    else:
+                        posted.append((p, k_in, slot, work))
+                k_in += 1
+            while (k_in == num_steps and k_out < num_steps
+                   and all((p, k_out) in finished for p in peers if k_out < n_recv[p])):
+                ops = []
+                for kind, p in exchange_step(me, order(peers), n_recv, n_send, k_out):
+                    if kind == "send":
+                        _delay(hook, "send_back", p, k_out)
+                        ops.append(("send", p, rnd.out_chunk(p, k_out)))
+                    else:
+                        ops.append(("recv", p, rnd.back_chunk(p, k_out)))
+                back_works += self._issue(ops)
+                k_out += 1
+            if k_in == num_steps and k_out == num_steps and not posted and ring.in_use == 0:
+                break
             if posted:
                 src, c, slot, work = posted.popleft()
                 work.wait()
                 _delay(hook, "recv", src, c)
                 rnd.mark_ready(src, c, slot, self._event())
-            # Nothing posted: every used slot is filled and waits for the compute side, which
-            # will release it (or finish an output chunk): block for that.
-            sent_out += self._drain(rnd, send_works, block=not posted)
-            post()
+            # Nothing posted: every used slot waits for the compute side, which will release it
+            # (or finish an output chunk): block for that.
+            finished |= self._drain(rnd, block=not posted)
         for w in back_works + send_works:
             w.wait()
         rnd.done_event = self._event()
 
-    def _drain(self, rnd: "_Round", send_works: list, block: bool) -> int:
+    def _drain(self, rnd: "_Round", block: bool) -> set:
         """Handle the compute side's messages: slot releases and finished output chunks."""
-        sent = 0
+        done = set()
         while True:
             try:
                 msg = rnd.outbound.get(block=block, timeout=rnd.timeout_s if block else None)
             except queue.Empty:
                 if block:
                     raise RuntimeError(f"GC-MoE: compute side idle for {rnd.timeout_s}s") from None
-                return sent
+                return done
             block = False
             if msg[0] == "abort":
                 raise _Aborted
             self._wait(msg[-1])  # the copy out of the slot / the output chunk is done
             if msg[0] == "free":
                 rnd.ring.release(msg[1])
-                continue
-            _, src, c, _ = msg
-            _delay(rnd.hook, "send_back", src, c)
-            send_works.append(dist.isend(rnd.out_chunk(src, c), self.ep_ranks[src], group=self.group,
-                                         tag=chunk_tag(rnd.counter_set, _OUT, c)))
-            sent += 1
+            else:
+                done.add((msg[1], msg[2]))
 
 
 class _nullctx:

@@ -9,6 +9,11 @@ any dtype (same rows, same kernels).
 A receive ring of 2 slots × 4 rows carrying ~150 rows per round (random delays, shuffled posting
 order) must also be bitwise equal, with the ring's high-water mark never above its slot count; and
 `apply_expert_parallel` must reject ep ranks that disagree on chunk size, ring or dispatcher.
+
+NCCL semantics on gloo: every worker runs under `TagZero`, which forces every p2p tag to 0 (gloo
+then matches a pair's messages in issue order, as NCCL does) and logs each rank's p2p operations
+per peer; the parent checks that both ends of every pair issued the same sequence (send <-> recv,
+same sizes, same order), which is what NCCL's serial per-pair (or per-group) stream requires.
 """
 from __future__ import annotations
 
@@ -17,6 +22,7 @@ import time
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from megatron_fp4.parallel.expert_parallel import apply_expert_parallel
 from megatron_fp4.parallel.mesh import ParallelMesh
@@ -41,11 +47,40 @@ class RandomTiming:
         return arrivals
 
 
+class TagZero:
+    """Forces tag 0 on every dist.isend/irecv of this process and logs (op, numel) per peer."""
+
+    def __init__(self):
+        self.log = {}
+        self._orig = dist.isend, dist.irecv
+        dist.isend, dist.irecv = self._wrap("send", dist.isend), self._wrap("recv", dist.irecv)
+
+    def _wrap(self, kind, fn):
+        def call(tensor, peer=None, group=None, tag=0, **kw):
+            self.log.setdefault(peer, []).append((kind, tensor.numel()))
+            return fn(tensor, peer, group=group, tag=0, **kw)
+        return call
+
+    def close(self):
+        dist.isend, dist.irecv = self._orig
+        return self.log
+
+
+def check_pairs_mirror(logs):
+    """Both ends of every pair issued the same operations in the same order."""
+    swap = {"send": "recv", "recv": "send"}
+    for a, log in enumerate(logs):
+        for b, ops in log.items():
+            assert ops == [(swap[kind], n) for kind, n in logs[b].get(a, [])], f"pair {a}-{b} out of order"
+    assert any(logs), "no p2p operation was logged"
+
+
 def _grads(layer):
     return [layer.experts.w13.grad, layer.experts.w2.grad, layer.router.weight.grad]
 
 
 def _worker_many_seeds(rank, world, num_seeds):
+    tags = TagZero()
     mesh = ParallelMesh.build(pp=1, dp=world, ep=world)
     E = 2 * world
     layers = {name: apply_expert_parallel(make_layer(E, 2, seed=0).double(), mesh, disp, gcmoe_compute=comp)
@@ -85,10 +120,12 @@ def _worker_many_seeds(rank, world, num_seeds):
         scale = base[0].abs().max().item() if base[0].numel() else 1.0
         out["chunk_rel"] = max(out["chunk_rel"], max_diff(results["gc_chunk"][0], base[0]) / scale)
     out["round"] = gc.round
+    out["p2p"] = tags.close()
     return out
 
 
 def _check(results, num_seeds):
+    check_pairs_mirror([r["p2p"] for r in results])
     for rank, r in enumerate(results):
         for seed, diffs in enumerate(r["exact"]):
             assert all(d == 0.0 for d in diffs), f"rank {rank} seed {seed}: y, dx, dw13, dw2, drouter diffs {diffs}"
@@ -113,6 +150,7 @@ RING_SLOTS, RING_CHUNK = 2, 4
 
 def _worker_small_ring(rank, world, num_seeds):
     """A ring of 2 slots × 4 rows against hundreds of incoming rows per round."""
+    tags = TagZero()
     mesh = ParallelMesh.build(pp=1, dp=world, ep=world)
     E = 2 * world
     base = apply_expert_parallel(make_layer(E, 2, seed=0), mesh, "alltoall")
@@ -131,6 +169,7 @@ def _worker_small_ring(rank, world, num_seeds):
     out["high_water"] = gc.dispatcher.ring_high_water
     out["ring_shape"] = tuple(gc.dispatcher.channel._ring_storage.shape)
     out["mismatch"] = _mismatch_errors(rank, mesh)  # same spawn: saves a process start
+    out["p2p"] = tags.close()
     return out
 
 
@@ -140,6 +179,7 @@ def small_ring_results():
 
 
 def test_small_ring_many_chunks_bitwise_and_bounded(small_ring_results):
+    check_pairs_mirror([r["p2p"] for r in small_ring_results])
     for rank, r in enumerate(small_ring_results):
         for seed, diffs in enumerate(r["diffs"]):
             assert all(d == 0.0 for d in diffs), f"rank {rank} seed {seed}: y, dx, dw13, dw2, drouter {diffs}"

@@ -3,7 +3,7 @@ import torch
 
 from megatron_fp4.parallel.ep_alltoall import grouping_permutation
 from megatron_fp4.parallel.expert_parallel import expert_owner, expert_placement, local_expert_range
-from megatron_fp4.parallel.gcmoe import chunk_bounds, chunk_tag
+from megatron_fp4.parallel.gcmoe import chunk_bounds, exchange_step
 
 
 def test_contiguous_blocks():
@@ -49,10 +49,31 @@ def test_grouping_permutation_is_expert_major_then_source():
     assert grouping_permutation(torch.zeros(3, 2, dtype=torch.int64)).tolist() == []
 
 
-def test_chunk_bounds_and_tags():
+def test_chunk_bounds():
     assert chunk_bounds(0, 4) == []
     assert chunk_bounds(4, 4) == [(0, 4)]
     assert chunk_bounds(10, 4) == [(0, 4), (4, 8), (8, 10)]
     assert chunk_bounds(3, 100) == [(0, 3)]
-    tags = {chunk_tag(s, d, c) for s in (0, 1) for d in (0, 1) for c in range(50)}
-    assert len(tags) == 200  # counter set, direction and chunk never collide
+
+
+def test_exchange_steps_mirror_pair_by_pair():
+    """Tag-free matching: rank a's operations with b, step after step, are rank b's with a with
+    send and recv swapped, in the same order; every chunk sent is received exactly once."""
+    g = torch.Generator().manual_seed(0)
+    swap = {"send": "recv", "recv": "send"}
+    for ep in (2, 3, 4):
+        for _ in range(20):
+            chunks = torch.randint(0, 4, (ep, ep), generator=g).tolist()  # chunks[a][b]: a sends b
+            for a in range(ep):
+                chunks[a][a] = 0
+            logs = [{p: [] for p in range(ep)} for _ in range(ep)]
+            for k in range(4):
+                for me in range(ep):
+                    peers = [p for p in range(ep) if p != me]
+                    recv = [chunks[p][me] for p in range(ep)]
+                    for kind, p in exchange_step(me, peers, chunks[me], recv, k):
+                        logs[me][p].append((kind, k))
+            for a in range(ep):
+                for b in range(ep):
+                    assert logs[a][b] == [(swap[kind], k) for kind, k in logs[b][a]], (chunks, a, b)
+                    assert [k for kind, k in logs[a][b] if kind == "send"] == list(range(chunks[a][b]))
