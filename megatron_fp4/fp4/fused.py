@@ -92,14 +92,55 @@ def _get(key, body):
     return fn
 
 
+_verified: set = set()
+
+
+def _probe_like(xb: torch.Tensor) -> torch.Tensor:
+    """Hard inputs in ``xb``'s block layout: E2M1 ties and grid points, saturation, and the same
+    block at scales from 2^-133 to 2^17 (subnormal fp32 values and subnormal / zero E4M3 scales)."""
+    base = torch.tensor([0.0, 0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0, -0.25, -0.75, -2.5, -5.0, -6.0, 0.1, 7.0])
+    rows = torch.stack([base * 2.0 ** k for k in range(-133, 20, 3)])  # [51, 16]
+    width = xb.shape[-1] if xb.dim() == 3 else 16
+    flat = rows.repeat(1, max(1, width // 16))[:, :width]
+    if xb.dim() == 3:  # (rows, blocks, block): one block per row
+        probe = flat[:, None, :].expand(-1, xb.shape[1], -1)
+    else:  # (batch, 16-row tiles, 16, 16-col tiles, 16): the rows stacked into 16×16 tiles
+        tiles = flat[:48].reshape(3, 1, 16, 1, 16)
+        probe = tiles.expand(-1, xb.shape[1], -1, xb.shape[3], -1)
+    return probe.to(xb.dtype).contiguous()
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(a.view(-1).view(torch.uint8),
+                                                                     b.view(-1).view(torch.uint8))
+
+
+def _disable(reason: str) -> None:
+    _state["broken"] = reason
+    warnings.warn(f"megatron_fp4: compiled FP4 fake-quant disabled, using the eager path ({reason})",
+                  RuntimeWarning, stacklevel=4)
+
+
 def _run(key, body, args):
-    """The compiled result, or None when compilation failed (then the caller runs eager)."""
+    """The compiled result, or None when compilation failed (then the caller runs eager).
+
+    The first call of each variant also runs the uncompiled body on the same input and on hard
+    probe inputs and requires the same bits: the C++ inductor generates depends on the machine's
+    vector unit (``ATEN_CPU_CAPABILITY``), and a kernel that is not bit-exact there is not used."""
     try:
-        return _get(key, body)(*args)
+        fn = _get(key, body)
+        out = fn(*args)
+        if key not in _verified:
+            for xb in (args[0], _probe_like(args[0])):
+                got, want = (out if xb is args[0] else fn(xb, *args[1:])), body(xb, *args[1:])
+                if not _same_bits(got[0], want[0]):
+                    _disable(f"the compiled {key[0]} kernel is not bit-exact on this CPU's kernel set "
+                             f"({torch.backends.cpu.get_cpu_capability()})")
+                    return None
+            _verified.add(key)
+        return out
     except Exception as err:  # a backend failure, never an input error: inputs are validated first
-        _state["broken"] = f"{type(err).__name__}: {err}"
-        warnings.warn(f"megatron_fp4: compiled FP4 fake-quant disabled, using the eager path ({_state['broken']})",
-                      RuntimeWarning, stacklevel=3)
+        _disable(f"{type(err).__name__}: {err}")
         return None
 
 
