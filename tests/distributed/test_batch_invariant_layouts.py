@@ -1,0 +1,116 @@
+"""Batch-invariant parity across layouts: the rollout engine's log-probs (single process, KV-cache
+decode, one left-padded batch) == the trainer side's full-forward scores with the model split over
+ep2 (all-to-all and GC-MoE dispatch) or pp2 (the pipeline chunks' own forward pieces), bitwise, with
+identical expert choices.
+
+Why bitwise holds by construction (see tests/unit/test_batch_invariant.py and fp4/invariant.py):
+in the mode every row's reduction order is fixed (exact FP4 GEMMs, fixed per-row trees), so it does
+not matter that under ep an expert's GEMM runs on the tokens of both ranks in arrival order, or that
+under pp the layers run in two processes with the hidden state sent between them. Each rank scores
+another subset of the rows (other batch, other padding) than the engine generated together.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from tests.distributed.launch import run_distributed
+from tests.unit.test_batch_invariant import bits, prompts, tiny_model
+
+SEED = 3
+MODES = ("bf16", "fp4_resq")
+
+
+def _rollouts(mode: str):
+    from megatron_fp4.rollout import RolloutEngine, SamplingParams
+
+    model = tiny_model(SEED, "experts+attention")
+    out = RolloutEngine(model, mode=mode).generate(prompts(SEED, 6), SamplingParams(max_new_tokens=5, temperature=1.0,
+                                                                                   seed=SEED), return_routing=True)
+    return out.prompt_ids, out.response_ids, out.log_probs, out.routing
+
+
+def _score_rows(model, rows, prompt_ids, response_ids, mode, forward=None):
+    """Score `rows` in one batch (this rank's subset) -> {row: (log_probs, routing)}."""
+    from megatron_fp4.fp4 import batch_invariant
+    from megatron_fp4.rollout import score
+
+    if forward is None:
+        sc = score(model, [prompt_ids[i] for i in rows], [response_ids[i] for i in rows], mode=mode, return_routing=True)
+        return {i: (sc["log_probs"][j], sc["routing"][j]) for j, i in enumerate(rows)}
+    with batch_invariant():
+        return forward(rows)
+
+
+def _worker(rank, world, rollouts):
+    from megatron_fp4.parallel.expert_parallel import apply_expert_parallel
+    from megatron_fp4.parallel.mesh import ParallelMesh
+
+    torch.set_num_threads(1)
+    out = {}
+    mesh = ParallelMesh.build(pp=1, dp=world, ep=world)
+    for mode in MODES:
+        prompt_ids, response_ids, _, _ = rollouts[mode]
+        rows = list(range(rank, len(prompt_ids), world))[::-1]  # another subset, order and padding
+        for dispatcher in ("alltoall", "gcmoe"):
+            model = tiny_model(SEED, "experts+attention")
+            apply_expert_parallel(model, mesh, dispatcher, chunk_tokens=4, ring_slots=2)
+            out[(mode, dispatcher)] = _score_rows(model, rows, prompt_ids, response_ids, mode)
+    return out
+
+
+def _pp_worker(rank, world, rollouts):
+    """pp2: rank 0 runs embed + its layers, sends the hidden state; rank 1 runs the rest + head."""
+    from megatron_fp4.fp4 import batch_invariant
+    from megatron_fp4.parallel.pipeline import build_chunks
+    from megatron_fp4.rollout.engine import fp4_mode, pad_prompt_response, positions_from_mask
+    from megatron_fp4.rollout.scoring import log_probs_from_logits
+    from megatron_fp4.training.data import ArithmeticTokenizer
+
+    torch.set_num_threads(1)
+    out = {}
+    for mode in MODES:
+        prompt_ids, response_ids, _, _ = rollouts[mode]
+        model = tiny_model(SEED, "experts+attention")
+        [(_, chunk)] = build_chunks(model, pp=2, pp_rank=rank)
+        batch = pad_prompt_response(prompt_ids, response_ids, ArithmeticTokenizer().pad_id)
+        tokens, mask = batch["input_ids"], batch["attention_mask"]
+        positions = positions_from_mask(mask)
+        with torch.no_grad(), fp4_mode(model, mode), batch_invariant():
+            if rank == 0:
+                h = model.run_layers(model.embed(tokens), positions, mask, chunk.layer_range)
+                dist.send(h.contiguous(), dst=1)
+            else:
+                h = torch.empty(*tokens.shape, model.cfg.hidden_size)
+                dist.recv(h, src=0)
+                h = model.run_layers(h, positions, mask, chunk.layer_range)
+                log_probs, _ = log_probs_from_logits(model.head(h), tokens, batch["response_mask"])
+                P = batch["prompt_len"]
+                out[mode] = [log_probs[i, P:P + len(r)] for i, r in enumerate(response_ids)]
+    return out
+
+
+@pytest.fixture(scope="module")
+def rollouts():
+    return {mode: _rollouts(mode) for mode in MODES}
+
+
+def test_ep2_alltoall_and_gcmoe_scores_equal_rollout_bitwise(rollouts):
+    results = run_distributed(_worker, 2, (rollouts,), timeout_s=600)
+    seen = set()
+    for res in results:
+        for (mode, dispatcher), rows in res.items():
+            _, _, log_probs, routing = rollouts[mode]
+            for i, (lp, rt) in rows.items():
+                assert torch.equal(bits(lp), bits(log_probs[i])), (mode, dispatcher, i, lp, log_probs[i])
+                assert torch.equal(rt.sort(-1).values, routing[i].sort(-1).values), (mode, dispatcher, i)
+                seen.add((mode, dispatcher, i))
+    assert len(seen) == len(MODES) * 2 * len(rollouts["bf16"][0])
+
+
+def test_pp2_scores_equal_rollout_bitwise(rollouts):
+    last = run_distributed(_pp_worker, 2, (rollouts,), timeout_s=600)[1]
+    for mode in MODES:
+        for i, lp in enumerate(last[mode]):
+            assert torch.equal(bits(lp), bits(rollouts[mode][2][i])), (mode, i, lp, rollouts[mode][2][i])
