@@ -68,14 +68,16 @@ class Gap:
     rollout_dtype: str = "bf16"
     noise: float = 0.0
     bf16_weights: bool = False  # both sides start from bf16-rounded weights (same FP4 weight codes)
+    batch_invariant: bool = True  # the numerics mode of both sides (fp4/invariant.py)
 
     @property
     def label(self) -> str:
         weights = "; bf16 weights on both sides" if self.bf16_weights else ""
+        kernels = "" if self.batch_invariant else "; standard kernels (batch-invariant mode off)"
         if self.rollout_dtype == "fp32" and self.noise == 0:
-            return f"no engine gap (fp32 rollout, fp32 trainer{weights})"
+            return f"no engine gap (fp32 rollout, fp32 trainer{weights}{kernels})"
         noise = f" + hidden-state noise {self.noise:g}" if self.noise else ""
-        return f"{self.rollout_dtype} rollout{noise}, fp32 trainer{weights}"
+        return f"{self.rollout_dtype} rollout{noise}, fp32 trainer{weights}{kernels}"
 
 
 NO_GAP = Gap("fp32", 0.0)
@@ -136,7 +138,7 @@ def measure(cfg, weights, scope, train_mode, rollout_mode, tok, gap: Gap = NO_GA
     train_model.load_state_dict(weights)
     dtype = DTYPES[gap.rollout_dtype]
     engine = RolloutEngine(copy.deepcopy(train_model), mode=rollout_mode, pad_id=tok.pad_id,
-                           dtype=None if dtype == torch.float32 else dtype)
+                           dtype=None if dtype == torch.float32 else dtype, batch_invariant=gap.batch_invariant)
     hooks = add_engine_noise(engine.model, gap.noise, seed) if gap.noise else []
     ps = prompts(num_prompts, seed, tok)
     params = [SamplingParams(max_new_tokens=max_new_tokens, temperature=1.0, seed=seed * 100_003 + i,
@@ -154,7 +156,8 @@ def measure(cfg, weights, scope, train_mode, rollout_mode, tok, gap: Gap = NO_GA
     for s in range(0, len(order), train_batch):
         idx = order[s:s + train_batch]
         out = score(train_model, [flat["prompt_ids"][i] for i in idx], [flat["response_ids"][i] for i in idx],
-                    tok.pad_id, train_mode, return_routing=True, return_distributions=True)
+                    tok.pad_id, train_mode, return_routing=True, return_distributions=True,
+                    batch_invariant=gap.batch_invariant)
         for j, i in enumerate(idx):
             for k in train:
                 train[k][i] = out[k][j]
@@ -171,7 +174,7 @@ def ablation(cfg, weights, tok, gap: Gap = NO_GAP, scopes=SCOPES, settings=SETTI
         for name, train_mode, rollout_mode in settings:
             m = measure(cfg, weights, scope, train_mode, rollout_mode, tok, gap, **kwargs)
             rows.append({"gap": gap.label, "rollout_dtype": gap.rollout_dtype, "engine_noise": gap.noise,
-                         "bf16_weights": gap.bf16_weights,
+                         "bf16_weights": gap.bf16_weights, "batch_invariant": gap.batch_invariant,
                          "scope": scope, "setting": name, "train_mode": train_mode, "rollout_mode": rollout_mode, **m})
     return rows
 
@@ -318,6 +321,8 @@ def main(argv=None) -> list:
     baseline = Gap("fp32", 0.0, args.bf16_weights)
     if not args.no_baseline and gaps[0] != baseline:
         gaps.append(baseline)
+    if not args.no_baseline:  # the same without the batch-invariant mode: what it removes
+        gaps.append(Gap("fp32", 0.0, args.bf16_weights, batch_invariant=False))
     kw = dict(num_prompts=args.num_prompts, max_new_tokens=args.max_new_tokens, rollout_batch=args.rollout_batch,
               train_batch=args.train_batch, seed=args.seed)
     rows = [r for gap in gaps for r in ablation(cfg, weights, tok, gap, **kw)]
