@@ -4,7 +4,9 @@ Without --config it trains the embedded default (`megatron_fp4/configs/tiny_moe.
 torchrun the same command runs every rank of the configured parallel layout.
 
 A mistake in what the user pointed us at (config field, YAML syntax, checkpoint, data file) is one
-line on stderr and exit code 2; a run the NaN guard stopped is one line and exit code 3.
+line on stderr and exit code 2; a run the NaN guard stopped is one line and exit code 3; a run
+stopped by SIGTERM or SIGUSR1 (preemption, `scancel`, torchrun's agent) saves the step it finished
+on every rank, prints one line and exits with code 4 (`training/preemption.py`).
 """
 from __future__ import annotations
 
@@ -15,6 +17,8 @@ import sys
 import yaml
 
 from megatron_fp4.config import ConfigError, default_config_path, load_config
+
+from megatron_fp4.training.preemption import EXIT_PREEMPTED, Preempted, PreemptionHandler
 
 EXIT_USER_ERROR, EXIT_NON_FINITE = 2, 3
 
@@ -30,7 +34,13 @@ def parse_args(argv=None):
 
 
 def run(cfg) -> list[dict]:
-    """Build the layout of `cfg` for this process (torchrun or single) and train."""
+    """Build the layout of `cfg` for this process (torchrun or single) and train; SIGTERM/SIGUSR1
+    stop it after a step with a checkpoint (`Preempted`)."""
+    with PreemptionHandler():
+        return _run(cfg)
+
+
+def _run(cfg) -> list[dict]:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world > 1 or cfg.parallel.pp > 1 or cfg.parallel.ep > 1:
         from megatron_fp4.training.parallel_trainer import build_trainer
@@ -92,6 +102,10 @@ def main(argv=None) -> int:
     except NonFiniteError as err:
         print(_one_line("non-finite", err), file=sys.stderr)
         return EXIT_NON_FINITE
+    except Preempted as err:
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(str(err), file=sys.stderr)
+        return EXIT_PREEMPTED
     return 0
 
 

@@ -5,13 +5,15 @@
 - ``FAULT=kill:<rank>:<step>``: on the first attempt (TORCHELASTIC_RESTART_COUNT=0) that rank
   SIGKILLs itself before running `step`. ``FAULT=signal:<rank>:<step>:<SIG>[:agent]``: that rank
   sends SIG to itself (or, with ``agent``, to its torchrun agent, which forwards it to every
-  worker) right after `step` finished. Step counts make both deterministic; nothing here is timed.
+  worker, and waits for that forwarded copy) right after `step` finished. Step counts make both deterministic; nothing here is timed.
 """
 import os
 import signal
 import sys
+import time
 
 from megatron_fp4.train import main
+from megatron_fp4.training import preemption
 from megatron_fp4.training.trainer import Trainer
 
 _train_step = Trainer.train_step
@@ -28,6 +30,9 @@ def _hooked_train_step(self):
             f.write(f"{self.step - 1} {float(result['loss']).hex()}\n")
     if FIRST_ATTEMPT and FAULT[0] == "signal" and self.mesh.rank == int(FAULT[1]) and self.step - 1 == int(FAULT[2]):
         os.kill(os.getppid() if FAULT[4:] == ["agent"] else os.getpid(), getattr(signal, FAULT[3]))
+        deadline = time.monotonic() + 60  # the agent's forwarded copy: wait for it (a bound, not a timing)
+        while FAULT[4:] == ["agent"] and preemption._active.received is None and time.monotonic() < deadline:
+            time.sleep(0.01)
     return result
 
 

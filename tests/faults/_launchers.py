@@ -34,3 +34,11 @@ def read_losses(path: Path) -> dict:
         step, value = line.split()
         assert losses.setdefault(int(step), value) == value, f"step {step} recomputed as {value}, was {losses[int(step)]}"
     return losses
+
+
+def reference_losses(workdir: Path) -> dict:
+    """The uninterrupted run of the tiny job (what every interrupted run must end with)."""
+    proc, losses = train_sh(workdir, "reference")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert sorted(losses) == list(range(8))
+    return losses

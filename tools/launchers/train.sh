@@ -15,7 +15,7 @@
 # - `--set checkpoint.load=auto` comes first, so a restarted or re-run job resumes from the newest
 #   complete checkpoint in checkpoint.dir (a finished job run again trains nothing; use a new
 #   checkpoint.dir or `--set checkpoint.load=null` to start over).
-# - torchrun forwards SIGUSR1 too (TORCHELASTIC_SIGNALS_TO_HANDLE): SIGTERM or SIGUSR1 make every
+# - torchrun forwards SIGUSR1 too (PET_SIGNALS_TO_HANDLE, torchrun's --signals-to-handle): SIGTERM or SIGUSR1 make every
 #   worker finish its step, save a checkpoint and exit with code 4 (megatron_fp4/training/preemption.py);
 #   torchrun waits TORCH_ELASTIC_SHUTDOWN_TIMEOUT seconds (here 120, torch's default is 30) for that.
 # - `--standalone` (a local rendezvous) unless you pass --nnodes or --rdzv-* options.
@@ -37,7 +37,7 @@ for arg in "${TORCHRUN_ARGS[@]+"${TORCHRUN_ARGS[@]}"}"; do
   [[ "$arg" == --nnodes* || "$arg" == --rdzv* || "$arg" == --standalone ]] && RDZV=()
 done
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
-export TORCHELASTIC_SIGNALS_TO_HANDLE="${TORCHELASTIC_SIGNALS_TO_HANDLE:-SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1}"
+export PET_SIGNALS_TO_HANDLE="${PET_SIGNALS_TO_HANDLE:-SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1}"
 export TORCH_ELASTIC_SHUTDOWN_TIMEOUT="${TORCH_ELASTIC_SHUTDOWN_TIMEOUT:-120}"
 exec torchrun "${RDZV[@]+"${RDZV[@]}"}" --nproc-per-node "$NPROC" "${TORCHRUN_ARGS[@]+"${TORCHRUN_ARGS[@]}"}" \
   -m "${TRAIN_MODULE:-megatron_fp4.train}" --set checkpoint.load=auto "$@"
