@@ -86,7 +86,11 @@ def main(argv=None) -> int:
         cfg.validate(int(os.environ.get("WORLD_SIZE", "1")))
     except ConfigError as err:
         if int(os.environ.get("RANK", "0")) == 0:
-            print(f"config error: {err}", file=sys.stderr)
+            world = int(os.environ.get("WORLD_SIZE", "1"))
+            launched = (f" (this job started {world} processes: the launcher's process count, torchrun "
+                        f"--nproc-per-node × nodes or the sbatch's NPROC_PER_NODE, is part of the layout and may be "
+                        f"what to change)") if world > 1 else ""
+            print(f"config error: {err}{launched}", file=sys.stderr)
         return EXIT_USER_ERROR
     except yaml.YAMLError as err:
         if int(os.environ.get("RANK", "0")) == 0:
