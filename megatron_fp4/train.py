@@ -41,8 +41,19 @@ def run(cfg) -> list[dict]:
 
 
 def _run(cfg) -> list[dict]:
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world > 1 or cfg.parallel.pp > 1 or cfg.parallel.ep > 1:
+    rank = int(os.environ.get("RANK", "0"))
+    lock = lock_checkpoint_dir(cfg.checkpoint.dir) if rank == 0 and cfg.checkpoint.dir else None
+    try:
+        return _build_and_train(cfg, rank)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _build_and_train(cfg, rank: int) -> list[dict]:
+    from megatron_fp4.training.metrics import outputs_pointer, start_banner
+
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1 or cfg.parallel.pp > 1 or cfg.parallel.ep > 1:
         from megatron_fp4.training.parallel_trainer import build_trainer
 
         trainer = build_trainer(cfg)
@@ -50,19 +61,72 @@ def _run(cfg) -> list[dict]:
         from megatron_fp4.training.trainer import Trainer
 
         trainer = Trainer(cfg)
+    if rank == 0:
+        print(start_banner(cfg, trainer.mesh), flush=True)
     if cfg.checkpoint.load:
         path = cfg.checkpoint.dir if cfg.checkpoint.load == "auto" else cfg.checkpoint.load
         from megatron_fp4.training.checkpoint import latest_step
 
         if cfg.checkpoint.load != "auto" or latest_step(path) is not None:
             step = trainer.load_checkpoint(path)
-            print(f"resumed from {path} at step {step}", file=sys.stderr)
-    history = trainer.train()
-    if history and trainer.mesh.rank == trainer.mesh.world_size - 1:
-        first = sum(h["loss"] for h in history[:10]) / min(10, len(history))
-        last = sum(h["loss"] for h in history[-10:]) / min(10, len(history))
-        print(f"trained {len(history)} steps: loss {first:.4f} (first 10 avg) -> {last:.4f} (last 10 avg)")
+            if rank == 0:
+                print(f"resumed from {path} at step {step}", file=sys.stderr, flush=True)
+    try:
+        history = trainer.train()
+    except Preempted:
+        if rank == 0:
+            print(outputs_pointer(cfg), flush=True)
+        raise
+    if trainer.mesh.rank == trainer.mesh.world_size - 1:
+        if history:
+            n = min(10, len(history))
+            first, last = (sum(h["loss"] for h in part) / n for part in (history[:n], history[-n:]))
+            print(f"trained {len(history)} steps: loss {first:.4f} (first {n} avg) -> {last:.4f} (last {n} avg)")
+        print(outputs_pointer(cfg), flush=True)
     return history
+
+
+def lock_checkpoint_dir(root: str):
+    """Rank 0 holds an exclusive flock on the checkpoint directory itself for the whole run, so two
+    jobs never write the same checkpoint.dir (their saves would interleave and their resumes would
+    cross); nothing is written into the directory. The kernel drops the lock when the process ends,
+    even by SIGKILL: a restarted, requeued or resubmitted job takes it over, nothing stale remains.
+    Where the filesystem cannot lock a directory (some NFS setups) the run warns and goes on."""
+    import errno
+    import fcntl
+    import warnings
+
+    from megatron_fp4.training.checkpoint import CheckpointError
+
+    try:
+        os.makedirs(root, exist_ok=True)
+        fd = os.open(root, os.O_RDONLY)
+    except OSError as err:
+        raise CheckpointError(f"cannot open checkpoint.dir={root!r} ({err.strerror}); it must be a writable "
+                              f"directory") from None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as err:
+        os.close(fd)
+        if err.errno in (errno.EAGAIN, errno.EWOULDBLOCK, errno.EACCES):
+            raise CheckpointError(f"checkpoint.dir={root!r} is in use by another run (it holds the directory's "
+                                  f"lock); give this run its own checkpoint.dir, or wait for that run to end") from None
+        warnings.warn(f"cannot lock checkpoint.dir={root!r} ({err.strerror}): two runs sharing it would not be "
+                      f"detected", stacklevel=2)
+        return None
+    return _DirLock(fd)
+
+
+class _DirLock:
+    def __init__(self, fd: int):
+        self.fd = fd
+
+    def release(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)  # closing the descriptor (or this process ending) drops the lock
+            self.fd = None
+
+    __del__ = release
 
 
 def _one_line(kind: str, err: BaseException) -> str:

@@ -17,6 +17,7 @@ SCRIPT = Path(__file__).resolve().parents[2] / "tools" / "slurm_local_test.sh"
 @pytest.mark.skipif(not (shutil.which("slurmctld") and shutil.which("slurmd") and shutil.which("munged")),
                     reason="Slurm (slurm-wlm) and munge are not installed")
 @pytest.mark.skipif(os.geteuid() != 0, reason="slurmd and munged need root")
+@pytest.mark.timeout(900)
 def test_sbatch_completes_requeues_and_resumes_under_real_slurm(tmp_path):
     proc = subprocess.run(["bash", str(SCRIPT), str(tmp_path / "slurm")], capture_output=True, text=True,
                           timeout=900, env={**os.environ, "SLURM_NO_INSTALL": "1"})
