@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 from pathlib import Path
 
@@ -23,8 +24,16 @@ def train_sh(workdir: Path, name: str, torchrun_args=(), extra=(), fault: str = 
            "OMP_NUM_THREADS": "1"}
     sets = [a for kv in [*TINY, f"checkpoint.dir={workdir / name}", *extra] for a in ("--set", kv)]
     argv = ["bash", str(TRAIN_SH), str(nproc), *([*torchrun_args, "--"] if torchrun_args else []), *sets]
-    proc = subprocess.run(argv, env=env, cwd=workdir, capture_output=True, text=True, timeout=timeout_s)
-    return proc, read_losses(log)
+    # Own session: on a timeout (a hung restart) torchrun *and* its workers are killed, not orphaned.
+    with subprocess.Popen(argv, env=env, cwd=workdir, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                          start_new_session=True) as child:
+        try:
+            out, err = child.communicate(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(child.pid, signal.SIGKILL)
+            out, err = child.communicate()
+            raise AssertionError(f"{name}: no result within {timeout_s:.0f}s (hung?):\n{err[-3000:]}") from None
+    return subprocess.CompletedProcess(argv, child.returncode, out, err), read_losses(log)
 
 
 def read_losses(path: Path) -> dict:
