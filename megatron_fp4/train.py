@@ -4,7 +4,9 @@ Without --config it trains the embedded default (`megatron_fp4/configs/tiny_moe.
 torchrun the same command runs every rank of the configured parallel layout.
 
 A mistake in what the user pointed us at (config field, YAML syntax, checkpoint, data file) is one
-line on stderr and exit code 2; a run the NaN guard stopped is one line and exit code 3.
+line on stderr and exit code 2; a run the NaN guard stopped is one line and exit code 3; a run
+stopped by SIGTERM or SIGUSR1 (preemption, `scancel`, torchrun's agent) saves the step it finished
+on every rank, prints one line and exits with code 4 (`training/preemption.py`).
 """
 from __future__ import annotations
 
@@ -15,6 +17,8 @@ import sys
 import yaml
 
 from megatron_fp4.config import ConfigError, default_config_path, load_config
+
+from megatron_fp4.training.preemption import EXIT_PREEMPTED, Preempted, PreemptionHandler
 
 EXIT_USER_ERROR, EXIT_NON_FINITE = 2, 3
 
@@ -30,9 +34,26 @@ def parse_args(argv=None):
 
 
 def run(cfg) -> list[dict]:
-    """Build the layout of `cfg` for this process (torchrun or single) and train."""
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world > 1 or cfg.parallel.pp > 1 or cfg.parallel.ep > 1:
+    """Build the layout of `cfg` for this process (torchrun or single) and train; SIGTERM/SIGUSR1
+    stop it after a step with a checkpoint (`Preempted`)."""
+    with PreemptionHandler():
+        return _run(cfg)
+
+
+def _run(cfg) -> list[dict]:
+    rank = int(os.environ.get("RANK", "0"))
+    lock = lock_checkpoint_dir(cfg.checkpoint.dir) if rank == 0 and cfg.checkpoint.dir else None
+    try:
+        return _build_and_train(cfg, rank)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _build_and_train(cfg, rank: int) -> list[dict]:
+    from megatron_fp4.training.metrics import outputs_pointer, start_banner
+
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1 or cfg.parallel.pp > 1 or cfg.parallel.ep > 1:
         from megatron_fp4.training.parallel_trainer import build_trainer
 
         trainer = build_trainer(cfg)
@@ -40,19 +61,72 @@ def run(cfg) -> list[dict]:
         from megatron_fp4.training.trainer import Trainer
 
         trainer = Trainer(cfg)
+    if rank == 0:
+        print(start_banner(cfg, trainer.mesh), flush=True)
     if cfg.checkpoint.load:
         path = cfg.checkpoint.dir if cfg.checkpoint.load == "auto" else cfg.checkpoint.load
         from megatron_fp4.training.checkpoint import latest_step
 
         if cfg.checkpoint.load != "auto" or latest_step(path) is not None:
             step = trainer.load_checkpoint(path)
-            print(f"resumed from {path} at step {step}", file=sys.stderr)
-    history = trainer.train()
-    if history and trainer.mesh.rank == trainer.mesh.world_size - 1:
-        first = sum(h["loss"] for h in history[:10]) / min(10, len(history))
-        last = sum(h["loss"] for h in history[-10:]) / min(10, len(history))
-        print(f"trained {len(history)} steps: loss {first:.4f} (first 10 avg) -> {last:.4f} (last 10 avg)")
+            if rank == 0:
+                print(f"resumed from {path} at step {step}", file=sys.stderr, flush=True)
+    try:
+        history = trainer.train()
+    except Preempted:
+        if rank == 0:
+            print(outputs_pointer(cfg), flush=True)
+        raise
+    if trainer.mesh.rank == trainer.mesh.world_size - 1:
+        if history:
+            n = min(10, len(history))
+            first, last = (sum(h["loss"] for h in part) / n for part in (history[:n], history[-n:]))
+            print(f"trained {len(history)} steps: loss {first:.4f} (first {n} avg) -> {last:.4f} (last {n} avg)")
+        print(outputs_pointer(cfg), flush=True)
     return history
+
+
+def lock_checkpoint_dir(root: str):
+    """Rank 0 holds an exclusive flock on the checkpoint directory itself for the whole run, so two
+    jobs never write the same checkpoint.dir (their saves would interleave and their resumes would
+    cross); nothing is written into the directory. The kernel drops the lock when the process ends,
+    even by SIGKILL: a restarted, requeued or resubmitted job takes it over, nothing stale remains.
+    Where the filesystem cannot lock a directory (some NFS setups) the run warns and goes on."""
+    import errno
+    import fcntl
+    import warnings
+
+    from megatron_fp4.training.checkpoint import CheckpointError
+
+    try:
+        os.makedirs(root, exist_ok=True)
+        fd = os.open(root, os.O_RDONLY)
+    except OSError as err:
+        raise CheckpointError(f"cannot open checkpoint.dir={root!r} ({err.strerror}); it must be a writable "
+                              f"directory") from None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as err:
+        os.close(fd)
+        if err.errno in (errno.EAGAIN, errno.EWOULDBLOCK, errno.EACCES):
+            raise CheckpointError(f"checkpoint.dir={root!r} is in use by another run (it holds the directory's "
+                                  f"lock); give this run its own checkpoint.dir, or wait for that run to end") from None
+        warnings.warn(f"cannot lock checkpoint.dir={root!r} ({err.strerror}): two runs sharing it would not be "
+                      f"detected", stacklevel=2)
+        return None
+    return _DirLock(fd)
+
+
+class _DirLock:
+    def __init__(self, fd: int):
+        self.fd = fd
+
+    def release(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)  # closing the descriptor (or this process ending) drops the lock
+            self.fd = None
+
+    __del__ = release
 
 
 def _one_line(kind: str, err: BaseException) -> str:
@@ -76,7 +150,11 @@ def main(argv=None) -> int:
         cfg.validate(int(os.environ.get("WORLD_SIZE", "1")))
     except ConfigError as err:
         if int(os.environ.get("RANK", "0")) == 0:
-            print(f"config error: {err}", file=sys.stderr)
+            world = int(os.environ.get("WORLD_SIZE", "1"))
+            launched = (f" (this job started {world} processes: the launcher's process count, torchrun "
+                        f"--nproc-per-node × nodes or the sbatch's NPROC_PER_NODE, is part of the layout and may be "
+                        f"what to change)") if world > 1 else ""
+            print(f"config error: {err}{launched}", file=sys.stderr)
         return EXIT_USER_ERROR
     except yaml.YAMLError as err:
         if int(os.environ.get("RANK", "0")) == 0:
@@ -92,6 +170,10 @@ def main(argv=None) -> int:
     except NonFiniteError as err:
         print(_one_line("non-finite", err), file=sys.stderr)
         return EXIT_NON_FINITE
+    except Preempted as err:
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(str(err), file=sys.stderr)
+        return EXIT_PREEMPTED
     return 0
 
 

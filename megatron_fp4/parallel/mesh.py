@@ -14,6 +14,13 @@ Every group the mesh creates (each axis, plus ``world`` for whole-mesh decisions
 guard's) gets the same timeout, ``parallel.timeout_s``: a hung or stopped peer makes the waiting
 collectives fail after that long instead of blocking for torch's default of 30 minutes, and
 `peer_failure` turns that failure into a message naming this rank and its groups.
+
+Elastic restarts (``torchrun --max-restarts N``): torchrun's agent hosts one TCPStore for the whole
+job and, by default, hands it to every attempt's workers (TORCHELASTIC_USE_AGENT_STORE=True). torch
+keys each group by a counter ("default_pg/0/...", "default_pg/1/..."), the same in every attempt,
+so after a restart gloo's connectFullMesh can read the address a dead worker of the previous
+attempt published ("Connection refused", or a hang). `_restart_store` gives each attempt its own
+key prefix, ``megatron_fp4/attempt_<TORCHELASTIC_RESTART_COUNT>/``, on that same store.
 """
 from __future__ import annotations
 
@@ -79,6 +86,17 @@ def layout_groups(pp: int, dp: int, ep: int, tp: int = 1) -> dict[str, list[list
     return groups
 
 
+def _restart_store(timeout_s: float):
+    """Under torchrun's shared agent store: a client of it whose keys are prefixed by this restart
+    attempt (see the module docstring). None otherwise (plain env:// rendezvous: rank 0 hosts a
+    fresh store every attempt, nothing stale to read)."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                          int(os.environ["WORLD_SIZE"]), is_master=False, timeout=timedelta(seconds=timeout_s))
+    return dist.PrefixStore(f"megatron_fp4/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
+
+
 @dataclass
 class ParallelMesh:
     pp: int = 1
@@ -135,7 +153,12 @@ class ParallelMesh:
                 if pp * dp * tp != 1:
                     raise ValueError("a multi-process layout needs torchrun (RANK/WORLD_SIZE are not set)")
                 return cls.single(device)
-            dist.init_process_group(backend_for(device), timeout=timedelta(seconds=timeout_s))
+            store = _restart_store(timeout_s)
+            if store is None:
+                dist.init_process_group(backend_for(device), timeout=timedelta(seconds=timeout_s))
+            else:
+                dist.init_process_group(backend_for(device), timeout=timedelta(seconds=timeout_s), store=store,
+                                        rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
         world, rank = dist.get_world_size(), dist.get_rank()
         if pp * dp * tp != world:
             raise ValueError(f"pp×dp×tp = {pp}×{dp}×{tp} != world size {world}; fix parallel.* or the process count")

@@ -39,7 +39,7 @@ from megatron_fp4.model import build_model
 from megatron_fp4.parallel.mesh import ParallelMesh, resolve_device
 from megatron_fp4.parallel.pipeline import PipelineRunner
 from megatron_fp4.parallel.zero import ZeroAdamW
-from megatron_fp4.training import checkpoint as ckpt
+from megatron_fp4.training import checkpoint as ckpt, preemption
 from megatron_fp4.training import dist_checkpoint as dcp_ckpt
 from megatron_fp4.training.data import ResumableSampler, build_dataset, get_batch
 from megatron_fp4.training.metrics import MetricsLogger
@@ -294,8 +294,11 @@ class Trainer:
                     logger.write(result["message"])
                 logger.log(self.step, {k: v for k, v in result.items() if k != "skipped"})
                 logger.advance(result["loss"], {"lr": f"{result['lr']:.2e}"})
-                if cfg.checkpoint.dir and cfg.checkpoint.save_interval and self.step % cfg.checkpoint.save_interval == 0:
+                saved = bool(cfg.checkpoint.dir and cfg.checkpoint.save_interval
+                             and self.step % cfg.checkpoint.save_interval == 0)
+                if saved:
                     self.save_checkpoint(cfg.checkpoint.dir)
+                preemption.stop_if_requested(self, saved)  # SIGTERM/SIGUSR1: all ranks save this step, stop
             if cfg.checkpoint.dir and (not history or not cfg.checkpoint.save_interval
                                        or self.step % cfg.checkpoint.save_interval):
                 self.save_checkpoint(cfg.checkpoint.dir)
