@@ -117,3 +117,23 @@ def test_verl_ppo_loss_and_metrics_through_train_batch(hf_dir):
     assert isinstance(m["actor/pg_loss"], Metric) and len(m["actor/pg_loss"].values) == 2
     assert m["grad_norm"] > 0 and len(out["loss"]) == 2
     assert any(not torch.equal(a, p) for a, p in zip(before, engine.model.parameters()))
+
+
+def test_get_per_tensor_param_yields_the_hf_exporters_names_and_the_rollout_loads_them(hf_dir):
+    path, source = hf_dir
+    engine = verl_engine(path)
+    named, peft = engine.get_per_tensor_param()
+    named = dict(named)
+    assert peft is None
+    ref = to_hf_state_dict(source)  # the HF exporter's names: model.layers.0.mlp.experts.0.gate_proj.weight, ...
+    assert named.keys() == ref.keys() and all(torch.equal(named[k], ref[k]) for k in ref)
+    assert "model.layers.0.mlp.experts.0.gate_proj.weight" in named
+    rollout = MegatronFP4Rollout(engine=RolloutEngine(build_model(tiny_cfg(), seed=1), name="r0"))
+    asyncio.run(rollout.update_weights(iter(named.items()), global_steps=5))
+    assert rollout.engine.version == 5
+    for a, b in zip(engine.model.state_dict().values(), rollout.engine.model.state_dict().values()):
+        assert torch.equal(a, b)
+    bad = {k: v for k, v in named.items() if "experts.0." not in k}
+    with pytest.raises(ValueError, match="rejects the weights.*missing keys"):
+        asyncio.run(rollout.update_weights(iter(bad.items()), global_steps=6))
+    assert rollout.engine.version == 5

@@ -197,7 +197,12 @@ class MegatronFP4Engine(BaseEngine):
 
     # -- weights and layout --------------------------------------------------------------------------
     def get_per_tensor_param(self, **kwargs):
-        return ((n, t.detach()) for n, t in self.model.state_dict().items()), None
+        """(name, tensor) of this rank's weights under HF Qwen3-MoE names, per-expert tensors (the HF
+        exporter's mapping: what vLLM/SGLang and verl's server adapters load; an expert-parallel rank
+        yields its experts under their global indices), and no PEFT config."""
+        from megatron_fp4.integrations.hf.sharded import local_hf_state_dict
+
+        return ((n, t.detach()) for n, t in local_hf_state_dict(self.model).items()), None
 
     def get_data_parallel_size(self):
         return self.trainer.mesh.dp if self.trainer is not None else 1

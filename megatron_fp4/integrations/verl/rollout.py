@@ -14,8 +14,12 @@ import torch
 from verl import DataProto
 from verl.workers.rollout.base import BaseRollout
 
+from megatron_fp4.integrations.hf.qwen3_moe import ours_from_hf_state_dict
 from megatron_fp4.rollout.engine import RolloutEngine, positions_from_mask
 from megatron_fp4.rollout.sampling import SamplingParams
+
+
+HF_PREFIX = "model."  # every HF Qwen3-MoE name but lm_head.weight; none of ours
 
 
 class MegatronFP4Rollout(BaseRollout):
@@ -51,13 +55,23 @@ class MegatronFP4Rollout(BaseRollout):
                 staged = {n: t.clone() async for n, t in weights}
             else:
                 staged = {n: t.clone() for n, t in weights}
-            self.engine.load_weights(staged, version)
+            self.engine.load_weights(self._our_names(staged), version)
         except Exception as err:
             if hasattr(weights, "ack"):
                 weights.ack(f"{type(err).__name__}: {err}")
             raise
         if hasattr(weights, "ack"):
             weights.ack(None)
+
+    def _our_names(self, staged: dict) -> dict:
+        """HF Qwen3-MoE names (what verl engines publish, `MegatronFP4Engine` included) -> the
+        engine's own parameter names; tensors already under our names pass through."""
+        if not any(n.startswith(HF_PREFIX) for n in staged):
+            return staged
+        try:
+            return ours_from_hf_state_dict(self.engine.model, staged)
+        except ValueError as err:
+            raise ValueError(f"rollout {self.engine.name!r} rejects the weights: {err}") from err
 
     def generate_sequences(self, prompts: DataProto) -> DataProto:
         if "weights" not in self.resident:
