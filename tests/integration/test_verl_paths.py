@@ -137,3 +137,28 @@ def test_get_per_tensor_param_yields_the_hf_exporters_names_and_the_rollout_load
     with pytest.raises(ValueError, match="rejects the weights.*missing keys"):
         asyncio.run(rollout.update_weights(iter(bad.items()), global_steps=6))
     assert rollout.engine.version == 5
+
+
+def test_rollout_from_verls_registry_and_constructor_honours_eos_and_pad(hf_dir):
+    from verl import DataProto
+    from verl.workers.config import RolloutConfig
+    from verl.workers.rollout.base import get_rollout_class
+
+    path, source = hf_dir
+    cls = get_rollout_class("megatron_fp4", "async")
+    assert cls is MegatronFP4Rollout
+    rollout = cls(config=RolloutConfig(name="megatron_fp4", response_length=4, do_sample=False),
+                  model_config=HFModelConfig(path=str(path), load_tokenizer=False), device_mesh=None)
+    for a, b in zip(rollout.engine.model.state_dict().values(), source.state_dict().values()):
+        assert torch.equal(a, b)
+    ids, mask = left_pad([TOK.encode(t, add_eos=False) for t in ["12+7=", "3*4="]], TOK.pad_id)
+
+    def generate(**meta):
+        return rollout.generate_sequences(DataProto.from_dict(tensors={"input_ids": ids, "attention_mask": mask},
+                                                              meta_info=meta)).batch
+    free = generate(eos_token_id=[], pad_token_id=TOK.pad_id)  # greedy (config do_sample=False), 4 tokens
+    assert free["responses"].shape == (2, 4) and free["response_mask"].sum() == 8
+    eos = int(free["responses"][0, 0])
+    out = generate(eos_token_id=eos, pad_token_id=TOK.vocab_size - 1)
+    assert out["response_mask"][0].tolist() == [1, 0, 0, 0] and out["responses"][0, 0] == eos
+    assert torch.all(out["responses"][0, 1:] == TOK.vocab_size - 1)

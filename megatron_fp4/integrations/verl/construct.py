@@ -40,7 +40,8 @@ def model_dir(model_config) -> Path:
     return Path(path)
 
 
-def _fp4_config(path: Path, engine_config) -> FP4Config:
+def fp4_config_for(path: Path, engine_config=None) -> FP4Config:
+    """`engine_config.fp4` if given, else the checkpoint's sidecar, else the project default."""
     from megatron_fp4.integrations.vllm import SIDECAR_FILE, load_quant_sidecar
 
     fields = dict(getattr(engine_config, "fp4", None) or {})
@@ -54,7 +55,7 @@ def config_from_verl(model_config, engine_config=None, optimizer_config=None) ->
     """Our Config for verl's (model_config, engine_config, optimizer_config)."""
     path = model_dir(model_config)
     cfg = Config(model=ours_config_from_hf(json.loads((path / CONFIG_FILE).read_text())))
-    cfg.fp4 = _fp4_config(path, engine_config)
+    cfg.fp4 = fp4_config_for(path, engine_config)
     cfg.dtype = str(getattr(engine_config, "dtype", None) or "fp32")
     cfg.logging.tensorboard_dir = None
     seed = getattr(engine_config, "seed", None)
