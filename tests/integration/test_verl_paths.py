@@ -162,3 +162,29 @@ def test_rollout_from_verls_registry_and_constructor_honours_eos_and_pad(hf_dir)
     out = generate(eos_token_id=eos, pad_token_id=TOK.vocab_size - 1)
     assert out["response_mask"][0].tolist() == [1, 0, 0, 0] and out["responses"][0, 0] == eos
     assert torch.all(out["responses"][0, 1:] == TOK.vocab_size - 1)
+
+
+def test_receive_weights_returns_at_once_and_the_stream_awaits_the_version(hf_dir):
+    """verl's rollout worker calls `receive_weights` without awaiting and hands the stream to the
+    rollout's async `update_weights`, on the same event loop as everything else: the call must not
+    block until the actor publishes."""
+    from megatron_fp4.integrations.verl import MegatronFP4CheckpointEngine
+
+    engine = verl_engine(hf_dir[0])
+    actor_ce = MegatronFP4CheckpointEngine(bucket_size=4096, channel="test-async", timeout_s=5)
+    rollout_ce = MegatronFP4CheckpointEngine(bucket_size=4096, channel="test-async", timeout_s=5)
+    kw_a, kw_r = MegatronFP4CheckpointEngine.build_topology(1, 1, [actor_ce.prepare(), rollout_ce.prepare()])
+    actor_ce.init_process_group(**{k: v[0] for k, v in kw_a.items()})
+    rollout_ce.init_process_group(**{k: v[0] for k, v in kw_r.items()})
+    rollout = MegatronFP4Rollout(engine=RolloutEngine(build_model(tiny_cfg(), seed=3), name="r-async"))
+
+    async def step():
+        stream = rollout_ce.receive_weights(global_steps=2)  # before anything is published, on the loop
+        return await asyncio.gather(actor_ce.send_weights(engine.get_per_tensor_param()[0], global_steps=2),
+                                    rollout.update_weights(stream, global_steps=2))
+    metrics, _ = asyncio.run(step())
+    assert rollout.engine.version == 2 and metrics["weight_sync/bytes"] > 0
+    for a, b in zip(engine.model.state_dict().values(), rollout.engine.model.state_dict().values()):
+        assert torch.equal(a, b)
+    for ce in (actor_ce, rollout_ce):
+        ce.finalize()

@@ -79,13 +79,14 @@ class MegatronFP4Rollout(BaseRollout):
                                       "use checkpoint_engine.backend='megatron_fp4' or another full-tensor backend")
         if hasattr(weights, "claim_ack"):
             weights.claim_ack()
-        version = getattr(weights, "version", None)
-        version = version if version is not None else (global_steps if global_steps is not None else self.engine.version + 1)
         try:
             if hasattr(weights, "__aiter__"):
                 staged = {n: t.clone() async for n, t in weights}
             else:
                 staged = {n: t.clone() for n, t in weights}
+            version = getattr(weights, "version", None)  # known once a stream's version has arrived
+            version = version if version is not None else (global_steps if global_steps is not None
+                                                           else self.engine.version + 1)
             self.engine.load_weights(self._our_names(staged), version)
         except Exception as err:
             if hasattr(weights, "ack"):
