@@ -65,7 +65,7 @@ def _engines(channel):
 
 
 def test_checkpoint_engine_delivers_whole_versions_and_reports_failures():
-    trainer = MegatronFP4Engine(cfg()).initialize()
+    trainer = MegatronFP4Engine(cfg=cfg()).initialize()
     rollout = MegatronFP4Rollout(engine=RolloutEngine(build_model(cfg(), seed=99), name="r0"))
     actor_ce, rollout_ce = _engines("test-ok")
     metrics = _sync(actor_ce, rollout_ce, rollout, trainer.get_per_tensor_param()[0], 3)
@@ -86,7 +86,7 @@ def test_checkpoint_engine_delivers_whole_versions_and_reports_failures():
 
 def test_rollout_generate_sequences_and_engine_log_probs_agree():
     c = cfg()
-    trainer = MegatronFP4Engine(c, micro_batch_size=2).initialize()
+    trainer = MegatronFP4Engine(cfg=c, micro_batch_size=2).initialize()
     rollout = MegatronFP4Rollout(engine=RolloutEngine(copy.deepcopy(trainer.model), mode=c.fp4.rollout_mode),
                                  stop_token_ids=(TOK.eos_id,))
     asyncio.run(rollout.resume(["weights", "kv_cache"]))
@@ -108,7 +108,7 @@ def test_rollout_generate_sequences_and_engine_log_probs_agree():
 
 def test_training_engine_update_with_truncated_is():
     c = cfg()
-    trainer = MegatronFP4Engine(c, micro_batch_size=2).initialize()
+    trainer = MegatronFP4Engine(cfg=c, micro_batch_size=2).initialize()
     rollout = MegatronFP4Rollout(engine=RolloutEngine(copy.deepcopy(trainer.model)))
     b = rollout.generate_sequences(prompts_proto(["12+7=", "3*4=", "5+5=", "9*9="])).batch
     with trainer.eval_mode():

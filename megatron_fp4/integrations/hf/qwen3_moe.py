@@ -290,6 +290,16 @@ def from_hf_state_dict(model, sd: Mapping[str, torch.Tensor]) -> None:
     "checkpoint" (per-expert) or "fused" layout. Missing keys, unexpected keys or shape mismatches
     raise one ValueError listing them all, before any parameter is modified. Values are cast to the
     parameter dtype (e.g. a bf16 checkpoint into an fp32 model)."""
+    found = ours_from_hf_state_dict(model, sd)
+    params = dict(model.named_parameters())
+    with torch.no_grad():
+        for name, t in found.items():
+            params[name].copy_(t)
+
+
+def ours_from_hf_state_dict(model, sd: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """`model`'s parameter names -> the HF tensors in our layout (experts stacked), checked as
+    strictly as `from_hf_state_dict` (one ValueError listing every problem); `model` is not touched."""
     _check_no_shared_experts(model)
     found, col = _collect(model, sd)
     unexpected = sorted(set(sd) - col.used)
@@ -304,7 +314,4 @@ def from_hf_state_dict(model, sd: Mapping[str, torch.Tensor]) -> None:
         raise ValueError("HF Qwen3-MoE state dict does not match the model: " + "; ".join(problems)
                          + ". Build the model from the checkpoint's own config (ours_config_from_hf) and pass "
                            "a Qwen3MoeForCausalLM state dict (keys start with 'model.' or 'lm_head.').")
-    params = dict(model.named_parameters())
-    with torch.no_grad():
-        for name, t in found.items():
-            params[name].copy_(t)
+    return found

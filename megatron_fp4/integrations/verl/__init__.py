@@ -1,5 +1,9 @@
-"""verl adapters: checkpoint engine "megatron_fp4", a rollout (BaseRollout) over `RolloutEngine`,
-a training engine (BaseEngine, backend "megatron_fp4") and the truncated-IS policy loss.
+"""verl adapters: checkpoint engine "megatron_fp4", a rollout (BaseRollout, verl rollout registry
+name "megatron_fp4") over `RolloutEngine`, a training engine (BaseEngine, EngineRegistry backend
+"megatron_fp4", engine config `MegatronFP4EngineConfig`) and the truncated-IS policy loss.
+
+verl looks these up by name in its registries, which this package fills when imported: a verl
+run imports it first (e.g. `checkpoint_engine.custom_backend_module: megatron_fp4.integrations.verl`).
 
 Importing this package needs verl (`pip install megatron-fp4[verl]`); nothing else in
 megatron_fp4 imports it.
@@ -11,6 +15,7 @@ except ImportError as err:  # pragma: no cover - exercised only without verl
                       "`pip install megatron-fp4[verl]` (or `pip install verl`)") from err
 
 from megatron_fp4.integrations.verl.checkpoint_engine import MegatronFP4CheckpointEngine, WeightStream
+from megatron_fp4.integrations.verl.construct import MegatronFP4EngineConfig, config_from_verl
 from megatron_fp4.integrations.verl.engine import MegatronFP4Engine
 from megatron_fp4.integrations.verl.losses import make_policy_loss_fn
 from megatron_fp4.integrations.verl.rollout import MegatronFP4Rollout
@@ -18,5 +23,6 @@ from megatron_fp4.rollout.is_correction import policy_loss, truncated_is_weights
 
 BACKEND = "megatron_fp4"
 
-__all__ = ["BACKEND", "MegatronFP4CheckpointEngine", "WeightStream", "MegatronFP4Engine", "MegatronFP4Rollout",
+__all__ = ["BACKEND", "MegatronFP4CheckpointEngine", "WeightStream", "MegatronFP4Engine", "MegatronFP4EngineConfig",
+           "config_from_verl", "MegatronFP4Rollout",
            "make_policy_loss_fn", "truncated_is_weights", "policy_loss"]

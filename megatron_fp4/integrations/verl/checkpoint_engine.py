@@ -83,6 +83,38 @@ class WeightStream:
         return self._agen()
 
 
+class _PendingStream(WeightStream):
+    """In-process `receive_weights`: returned at once, since verl calls `receive_weights` without
+    awaiting and hands the result to the rollout's async `update_weights`; the next version is
+    awaited off the event loop when the stream is iterated (blocking only a plain `for`)."""
+
+    def __init__(self, channel: _Channel, channel_name: str, timeout_s: float):
+        super().__init__(channel, None, None, None)
+        self._channel_name, self._timeout_s = channel_name, timeout_s
+
+    def _arrive(self) -> None:
+        if self.buckets is not None:
+            return
+        try:
+            self.version, self.manifest, self.buckets = self.channel.updates.get(timeout=self._timeout_s)
+        except queue.Empty:
+            raise TimeoutError(f"no weights published on channel {self._channel_name!r} within "
+                               f"{self._timeout_s}s; call send_weights on the actor side first") from None
+
+    def ack(self, error: Optional[str] = None) -> None:
+        if self.buckets is not None:  # nothing arrived: no actor waits for this verdict
+            super().ack(error)
+
+    def __iter__(self):
+        self._arrive()
+        yield from super().__iter__()
+
+    async def _agen(self):
+        await asyncio.to_thread(self._arrive)
+        for item in self:
+            yield item
+
+
 class RolloutLoadError(RuntimeError):
     """The rollout's consumer acknowledged a version with an error (reported to the actor)."""
 
@@ -370,9 +402,4 @@ class MegatronFP4CheckpointEngine(CheckpointEngine):
                 self._last_stream.wait()  # its load verdict must be on the wire before the next header
             self._last_stream = _DistStream(self, self.rollout_name or f"rollout{self.rank - 1}")
             return self._last_stream
-        try:
-            version, manifest, buckets = self._chan().updates.get(timeout=self.timeout_s)
-        except queue.Empty:
-            raise TimeoutError(f"no weights published on channel {self.channel_name!r} within "
-                               f"{self.timeout_s}s; call send_weights on the actor side first") from None
-        return WeightStream(self._chan(), version, manifest, buckets)
+        return _PendingStream(self._chan(), self.channel_name, self.timeout_s)

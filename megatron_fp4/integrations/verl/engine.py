@@ -1,10 +1,20 @@
 """verl training engine (BaseEngine, EngineRegistry backend "megatron_fp4") over our `Trainer`.
 
-Batches are verl's padded layout (TensorDict or DataProto.batch): `input_ids`/`attention_mask`
-[B, P+R] (left-padded prompts, right-padded responses), `responses` [B, R], `response_mask` [B, R].
-The model output handed to `loss_function(model_output, data, dp_group)` is
-{"log_probs": [B, R]} computed with the training-side FP4 mode (`cfg.fp4.train_mode`), the same
-forward the trainer uses for its LM loss.
+Constructed as verl's `TrainingWorker` constructs engines::
+
+    EngineRegistry.new(model_type="language_model", backend="megatron_fp4", model_config=HFModelConfig(path=...),
+                       engine_config=MegatronFP4EngineConfig(...), optimizer_config=..., checkpoint_config=...)
+
+builds the Qwen3-MoE model at `model_config.path` (config.json + safetensors, through this project's HF
+loader) and loads its weights at `initialize()`; `MegatronFP4Engine(cfg=Config)` builds our own
+config's model (randomly initialised) instead.
+
+Batches come in either of verl's layouts (see `batches`): padded (TensorDict or DataProto.batch)
+or no-padding (nested `input_ids`, after `left_right_2_no_padding`, what verl's trainer sends). The
+model output handed to `loss_function(model_output, data, dp_group)` is {"log_probs", "entropy" when
+`calculate_entropy`} in the batch's layout, computed with the training-side FP4 mode; verl's own
+`ppo_loss` and its `Metric` objects work unchanged (no-padding batches go through verl's
+`prepare_micro_batches` / `postprocess_batch_func`, as verl's FSDP engine does).
 """
 from __future__ import annotations
 
@@ -15,22 +25,62 @@ from typing import Callable, Optional
 import torch
 from verl.workers.engine.base import BaseEngine, EngineRegistry
 
+from verl.utils.metric import Metric
+from verl.utils.py_functional import append_to_dict
+
 from megatron_fp4.config import Config
-from megatron_fp4.rollout.scoring import compute_log_probs
+from megatron_fp4.integrations.verl.batches import score_nested, score_padded
+from megatron_fp4.integrations.verl.construct import config_from_verl, model_dir
+
+
+def _non_tensor(data, key: str, default):
+    try:
+        return data[key] if key in data.keys() else default
+    except (KeyError, TypeError):
+        return default
+
+
+def _reduce(values: list):
+    """Per-micro-batch metric values -> one number (verl `Metric`s aggregate by their own rule)."""
+    if isinstance(values, Metric):
+        return float(values.aggregate())
+    return float(sum(float(v) for v in values) / len(values))
 
 
 @EngineRegistry.register(model_type="language_model", backend="megatron_fp4", device=["cpu", "cuda"])
 class MegatronFP4Engine(BaseEngine):
-    def __init__(self, cfg: Optional[Config] = None, micro_batch_size: Optional[int] = None, trainer=None, **kwargs):
+    def __init__(self, model_config=None, engine_config=None, optimizer_config=None, checkpoint_config=None, *,
+                 cfg: Optional[Config] = None, micro_batch_size: Optional[int] = None, trainer=None, mesh=None):
+        self.model_config, self.engine_config = model_config, engine_config
+        self.optimizer_config, self.checkpoint_config = optimizer_config, checkpoint_config
+        if isinstance(model_config, Config):
+            raise ValueError("MegatronFP4Engine(model_config=...) takes verl's HFModelConfig; pass a megatron_fp4 "
+                             "Config as cfg=...")
+        if model_config is not None and cfg is not None:
+            raise ValueError("pass either model_config (verl: the HF checkpoint at model_config.path) or cfg "
+                             "(a megatron_fp4 Config), not both")
+        if model_config is not None:
+            cfg = config_from_verl(model_config, engine_config, optimizer_config)
         self.cfg = cfg if cfg is not None else (trainer.cfg if trainer is not None else Config())
-        self.micro_batch_size = micro_batch_size
+        self.micro_batch_size = micro_batch_size or getattr(engine_config, "micro_batch_size_per_gpu", None)
         self.trainer = trainer
+        self.mesh = mesh
         self.mode = None
 
     def initialize(self):
+        """Build the trainer (model, optimizer); with a model_config, load the HF checkpoint's weights."""
         if self.trainer is None:
             from megatron_fp4.training.trainer import Trainer
-            self.trainer = Trainer(self.cfg, build_data=False)
+            self.trainer = Trainer(self.cfg, self.mesh, build_data=False)
+        if self.model_config is not None:
+            from megatron_fp4.integrations.hf import from_hf_state_dict, load_hf_checkpoint
+
+            if self.trainer.mesh.world_size > 1:
+                raise ValueError("loading model_config.path into a sharded trainer is not supported yet; "
+                                 "run the megatron_fp4 verl engine with one process per model replica")
+            _, sd = load_hf_checkpoint(model_dir(self.model_config))
+            from_hf_state_dict(self.trainer.model, sd)
+            self.trainer.optimizer = self.trainer.build_optimizer()  # masters from the loaded weights
         return self
 
     @property
@@ -86,45 +136,84 @@ class MegatronFP4Engine(BaseEngine):
 
     # -- forward / backward ------------------------------------------------------------------------
     def response_log_probs(self, micro_batch) -> torch.Tensor:
-        R = micro_batch["responses"].shape[1]
-        lp = compute_log_probs(self.model, micro_batch["input_ids"], micro_batch["attention_mask"]).log_probs[:, -R:]
-        if "response_mask" in micro_batch.keys():
-            lp = lp * micro_batch["response_mask"].to(lp.dtype)
-        return lp
+        """[B, R] response log-probs of a padded-layout micro-batch (0 where response_mask is 0)."""
+        return score_padded(self.model, micro_batch)["log_probs"]
 
     def forward_backward_batch(self, data, loss_function: Optional[Callable], forward_only=False) -> dict:
+        if data["input_ids"].is_nested:
+            return self._forward_backward_no_padding(data, loss_function, forward_only)
+        return self._forward_backward_padded(data, loss_function, forward_only)
+
+    def _step(self, mb, model_output, loss_function, forward_only, weight: float = 1.0):
+        if loss_function is not None:
+            loss, metrics = loss_function(model_output=model_output, data=mb, dp_group=self.get_data_parallel_group())
+        else:
+            if not forward_only:
+                raise ValueError("loss_function is required unless forward_only=True")
+            loss, metrics = torch.zeros(()), {}
+        if not forward_only:
+            (loss * weight).backward()
+        return float(loss.detach()), metrics
+
+    def _forward_backward_padded(self, data, loss_function, forward_only) -> dict:
         B = data["input_ids"].shape[0]
         mbs = self.micro_batch_size or B
-        log_probs, losses, metrics = [], [], {}
+        entropy = bool(_non_tensor(data, "calculate_entropy", False))
+        outputs, losses, metrics = {}, [], {}
         for start in range(0, B, mbs):
             mb = data[start:start + mbs]
-            weight = mb["input_ids"].shape[0] / B
-            lp = self.response_log_probs(mb)
-            if loss_function is not None:
-                loss, extra = loss_function(model_output={"log_probs": lp}, data=mb, dp_group=None)
-            else:
-                assert forward_only, "loss_function is required unless forward_only=True"
-                loss, extra = lp.new_zeros(()), {}
-            if not forward_only:
-                (loss * weight).backward()
-            log_probs.append(lp.detach())
-            losses.append(float(loss.detach()))
-            for k, v in extra.items():
-                metrics[k] = metrics.get(k, 0.0) + float(v) * weight
-        return {"model_output": {"log_probs": torch.cat(log_probs)}, "loss": losses, "metrics": metrics}
+            out = score_padded(self.model, mb, entropy)
+            loss, extra = self._step(mb, out, loss_function, forward_only, mb["input_ids"].shape[0] / B)
+            losses.append(loss)
+            for k, v in out.items():
+                outputs.setdefault(k, []).append(v.detach())
+            append_to_dict(metrics, extra)
+        return {"model_output": {k: torch.cat(v) for k, v in outputs.items()}, "loss": losses,
+                "metrics": {k: _reduce(v) for k, v in metrics.items()}}
+
+    def _forward_backward_no_padding(self, data, loss_function, forward_only) -> dict:
+        """verl's no-padding path, as its FSDP engine runs it: global token count and dp size for the
+        loss normalisation, verl's micro-batching and its re-assembly of the nested outputs."""
+        from verl.utils import tensordict_utils as tu
+        from verl.workers.engine.utils import postprocess_batch_func, prepare_micro_batches
+
+        defaults = {"use_dynamic_bsz": False, "micro_batch_size_per_gpu": self.micro_batch_size or len(data),
+                    "global_batch_size": None}
+        tu.assign_non_tensor(data, **{k: v for k, v in defaults.items() if k not in data.keys()})
+        num_tokens = data["loss_mask"].sum().to(self.trainer.device)
+        group = self.get_data_parallel_group()
+        if group is not None:
+            torch.distributed.all_reduce(num_tokens, group=group)
+        tu.assign_non_tensor(data, batch_num_tokens=int(num_tokens.item()), dp_size=self.get_data_parallel_size())
+        entropy = bool(_non_tensor(data, "calculate_entropy", False))
+        micro_batches, indices = prepare_micro_batches(data=data, dp_group=group, same_micro_num_in_dp=True)
+        output_lst = []
+        for mb in micro_batches:
+            out = score_nested(self.model, mb, entropy)
+            loss, metrics = self._step(mb, out, loss_function, forward_only)
+            output_lst.append({"model_output": {k: v.detach() for k, v in out.items()}, "loss": loss,
+                               "metrics": metrics})
+        return postprocess_batch_func(output_lst=output_lst, indices=indices, data=data)
 
     # -- weights and layout --------------------------------------------------------------------------
     def get_per_tensor_param(self, **kwargs):
-        return ((n, t.detach()) for n, t in self.model.state_dict().items()), None
+        """(name, tensor) of this rank's weights under HF Qwen3-MoE names, per-expert tensors (the HF
+        exporter's mapping: what vLLM/SGLang and verl's server adapters load; an expert-parallel rank
+        yields its experts under their global indices), and no PEFT config."""
+        from megatron_fp4.integrations.hf.sharded import local_hf_state_dict
+
+        return ((n, t.detach()) for n, t in local_hf_state_dict(self.model).items()), None
 
     def get_data_parallel_size(self):
-        return 1
+        return self.trainer.mesh.dp if self.trainer is not None else 1
 
     def get_data_parallel_rank(self):
-        return 0
+        return self.trainer.mesh.coord("dp") if self.trainer is not None else 0
 
     def get_data_parallel_group(self):
-        return None
+        if self.trainer is None or self.trainer.mesh.dp == 1:
+            return None
+        return self.trainer.mesh.group("dp")
 
     def is_mp_src_rank_with_outputs(self):
         return True

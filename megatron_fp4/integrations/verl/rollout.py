@@ -12,20 +12,55 @@ from typing import Optional
 
 import torch
 from verl import DataProto
-from verl.workers.rollout.base import BaseRollout
+from verl.workers.rollout.base import _ROLLOUT_REGISTRY, BaseRollout
 
+from megatron_fp4.integrations.hf.qwen3_moe import ours_from_hf_state_dict
 from megatron_fp4.rollout.engine import RolloutEngine, positions_from_mask
 from megatron_fp4.rollout.sampling import SamplingParams
 
 
+HF_PREFIX = "model."  # every HF Qwen3-MoE name but lm_head.weight; none of ours
+
+
+def _token_ids(value) -> tuple:
+    if value is None:
+        return ()
+    if isinstance(value, torch.Tensor):
+        value = value.tolist()
+    return tuple(int(v) for v in value) if isinstance(value, (list, tuple)) else (int(value),)
+
+
 class MegatronFP4Rollout(BaseRollout):
-    def __init__(self, config=None, model_config=None, device_mesh=None, *args, engine: RolloutEngine,
+    """Constructed as verl constructs rollouts, `MegatronFP4Rollout(config=RolloutConfig,
+    model_config=HFModelConfig, device_mesh=...)` (the model at model_config.path, FP4 recipe from its
+    `megatron_fp4_quant.json` sidecar), or over an existing engine with `engine=RolloutEngine(...)`."""
+
+    def __init__(self, config=None, model_config=None, device_mesh=None, *args, engine: Optional[RolloutEngine] = None,
                  response_length: int = 16, stop_token_ids: tuple = (), **kwargs):
         super().__init__(config, model_config, device_mesh)
+        hf_config = getattr(self.model_config, "hf_config", None)
+        if engine is None:
+            engine = self._engine_from_model_config(getattr(hf_config, "pad_token_id", None))
         self.engine = engine
         self.response_length = int(getattr(self.config, "response_length", None) or response_length)
-        self.stop_token_ids = tuple(stop_token_ids)
+        self.stop_token_ids = tuple(stop_token_ids) or _token_ids(getattr(hf_config, "eos_token_id", None))
         self.resident = {"weights", "kv_cache"}
+
+    def _engine_from_model_config(self, pad_id) -> RolloutEngine:
+        from megatron_fp4.integrations.hf import build_model_from_hf
+        from megatron_fp4.integrations.verl.construct import fp4_config_for, model_dir
+
+        if self.model_config is None:
+            raise ValueError("MegatronFP4Rollout needs model_config (verl's HFModelConfig of a Qwen3-MoE checkpoint) "
+                             "or engine=RolloutEngine(...)")
+        path = model_dir(self.model_config)
+        fp4 = fp4_config_for(path)
+        return RolloutEngine(build_model_from_hf(path, fp4), mode=fp4.rollout_mode, pad_id=int(pad_id or 0),
+                             seed=int(getattr(self.config, "seed", 0) or 0))
+
+    def _sampling(self, meta: dict, key: str, default):
+        value = meta.get(key, None)
+        return getattr(self.config, key, default) if value is None else value
 
     async def resume(self, tags: list[str]):
         unknown = set(tags) - {"weights", "kv_cache"}
@@ -44,14 +79,15 @@ class MegatronFP4Rollout(BaseRollout):
                                       "use checkpoint_engine.backend='megatron_fp4' or another full-tensor backend")
         if hasattr(weights, "claim_ack"):
             weights.claim_ack()
-        version = getattr(weights, "version", None)
-        version = version if version is not None else (global_steps if global_steps is not None else self.engine.version + 1)
         try:
             if hasattr(weights, "__aiter__"):
                 staged = {n: t.clone() async for n, t in weights}
             else:
                 staged = {n: t.clone() for n, t in weights}
-            self.engine.load_weights(staged, version)
+            version = getattr(weights, "version", None)  # known once a stream's version has arrived
+            version = version if version is not None else (global_steps if global_steps is not None
+                                                           else self.engine.version + 1)
+            self.engine.load_weights(self._our_names(staged), version)
         except Exception as err:
             if hasattr(weights, "ack"):
                 weights.ack(f"{type(err).__name__}: {err}")
@@ -59,22 +95,36 @@ class MegatronFP4Rollout(BaseRollout):
         if hasattr(weights, "ack"):
             weights.ack(None)
 
+    def _our_names(self, staged: dict) -> dict:
+        """HF Qwen3-MoE names (what verl engines publish, `MegatronFP4Engine` included) -> the
+        engine's own parameter names; tensors already under our names pass through."""
+        if not any(n.startswith(HF_PREFIX) for n in staged):
+            return staged
+        try:
+            return ours_from_hf_state_dict(self.engine.model, staged)
+        except ValueError as err:
+            raise ValueError(f"rollout {self.engine.name!r} rejects the weights: {err}") from err
+
     def generate_sequences(self, prompts: DataProto) -> DataProto:
         if "weights" not in self.resident:
             raise RuntimeError("weights are released; call resume(['weights']) before generate_sequences")
         ids, mask = prompts.batch["input_ids"], prompts.batch["attention_mask"]
         meta = prompts.meta_info
-        greedy = not meta.get("do_sample", True)
+        greedy = not self._sampling(meta, "do_sample", True)
         length = int(meta.get("response_length", self.response_length))
         seeds = meta.get("seeds")
+        stop = _token_ids(meta.get("eos_token_id")) or self.stop_token_ids
+        pad = meta.get("pad_token_id")
+        pad = self.engine.pad_id if pad is None else int(pad)
+        temperature = 0.0 if greedy else float(self._sampling(meta, "temperature", 1.0))
+        top_k, top_p = max(0, int(self._sampling(meta, "top_k", 0) or 0)), float(self._sampling(meta, "top_p", 1.0))
         requests = [ids[i][mask[i].bool()].tolist() for i in range(ids.shape[0])]
-        params = [SamplingParams(max_new_tokens=length, temperature=0.0 if greedy else float(meta.get("temperature", 1.0)),
-                                 top_k=int(meta.get("top_k", 0) or 0), top_p=float(meta.get("top_p", 1.0)),
-                                 stop_token_ids=self.stop_token_ids, seed=None if seeds is None else int(seeds[i]))
+        params = [SamplingParams(max_new_tokens=length, temperature=temperature, top_k=top_k, top_p=top_p,
+                                 stop_token_ids=stop, seed=None if seeds is None else int(seeds[i]))
                   for i in range(len(requests))]
         routing = bool(meta.get("return_routing", False))
         out = self.engine.generate(requests, params, return_routing=routing)
-        B, pad = len(requests), self.engine.pad_id
+        B = len(requests)
         responses = torch.full((B, length), pad, dtype=torch.long)
         response_mask = torch.zeros((B, length), dtype=torch.long)
         log_probs = torch.zeros((B, length), dtype=torch.float32)
@@ -94,3 +144,6 @@ class MegatronFP4Rollout(BaseRollout):
         if routed is not None:
             batch["routed_experts"] = routed
         return DataProto.from_dict(tensors=batch, meta_info={"weight_version": out.version})
+
+
+_ROLLOUT_REGISTRY[("megatron_fp4", "async")] = f"{__name__}.MegatronFP4Rollout"  # rollout.name: megatron_fp4

@@ -1,0 +1,78 @@
+"""Build our `Config` from what verl's `TrainingWorker` hands `EngineRegistry.new`: an
+`HFModelConfig` (a Qwen3-MoE checkpoint directory: config.json + safetensors), the engine config
+(`MegatronFP4EngineConfig`, strategy "megatron_fp4", or any verl `EngineConfig`), the optimizer
+config and the checkpoint config.
+
+The FP4 recipe comes from `engine_config.fp4` (a dict of `FP4Config` fields) if given, else from the
+model's `megatron_fp4_quant.json` sidecar (written by `export_for_vllm`), else the project default.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+from verl.workers.config.engine import EngineConfig
+
+from megatron_fp4.config import Config, FP4Config, _from_dict
+from megatron_fp4.integrations.hf.checkpoint import CONFIG_FILE
+from megatron_fp4.integrations.hf.qwen3_moe import ours_config_from_hf
+
+SIDECAR_FP4_FIELDS = ("scope", "format", "train_mode", "rollout_mode")
+
+
+@dataclass
+class MegatronFP4EngineConfig(EngineConfig):
+    """verl engine config for backend "megatron_fp4": `fp4` holds `FP4Config` fields (e.g.
+    {"train_mode": "fp4_resq"}); `dtype` is our Config.dtype (fp32 | bf16)."""
+
+    strategy: str = "megatron_fp4"
+    fp4: dict = field(default_factory=dict)
+    dtype: str = "fp32"
+
+
+def model_dir(model_config) -> Path:
+    path = getattr(model_config, "local_path", None) or getattr(model_config, "path", None)
+    if not path or not (Path(path) / CONFIG_FILE).is_file():
+        raise ValueError(f"model_config.path={path!r} is not a Hugging Face checkpoint directory ({CONFIG_FILE} "
+                         "not found); point actor_rollout_ref.model.path at a Qwen3-MoE checkpoint")
+    return Path(path)
+
+
+def fp4_config_for(path: Path, engine_config=None) -> FP4Config:
+    """`engine_config.fp4` if given, else the checkpoint's sidecar, else the project default."""
+    from megatron_fp4.integrations.vllm import SIDECAR_FILE, load_quant_sidecar
+
+    fields = dict(getattr(engine_config, "fp4", None) or {})
+    if not fields and (path / SIDECAR_FILE).is_file():
+        sidecar = load_quant_sidecar(path)
+        fields = {k: sidecar[k] for k in SIDECAR_FP4_FIELDS if k in sidecar}
+    return _from_dict(FP4Config, fields, "engine_config.fp4")
+
+
+def config_from_verl(model_config, engine_config=None, optimizer_config=None) -> Config:
+    """Our Config for verl's (model_config, engine_config, optimizer_config)."""
+    path = model_dir(model_config)
+    cfg = Config(model=ours_config_from_hf(json.loads((path / CONFIG_FILE).read_text())))
+    cfg.fp4 = fp4_config_for(path, engine_config)
+    cfg.dtype = str(getattr(engine_config, "dtype", None) or "fp32")
+    cfg.logging.tensorboard_dir = None
+    seed = getattr(engine_config, "seed", None)
+    if seed is not None:
+        cfg.schedule.seed = int(seed)
+    o = optimizer_config
+    if o is not None:
+        cfg.optimizer.lr = float(o.lr)
+        cfg.optimizer.weight_decay = float(o.weight_decay)
+        cfg.optimizer.beta1, cfg.optimizer.beta2 = (float(b) for b in o.betas)
+        cfg.optimizer.clip_grad = float(o.clip_grad)
+        ratio = getattr(o, "min_lr_ratio", None)
+        cfg.optimizer.min_lr = cfg.optimizer.lr * (1.0 if ratio is None else float(ratio))
+        warmup: Optional[int] = getattr(o, "lr_warmup_steps", None)
+        total = int(getattr(o, "total_training_steps", -1) or -1)
+        if (warmup is None or warmup < 0) and total > 0:
+            warmup = int(float(getattr(o, "lr_warmup_steps_ratio", 0.0) or 0.0) * total)
+        cfg.schedule.warmup_steps = max(0, int(warmup or 0))
+        cfg.schedule.train_steps = total if total > 0 else max(1, cfg.schedule.warmup_steps)  # constant lr after warmup
+    return cfg
