@@ -51,7 +51,9 @@ more accurate than an fp32 GEMM (float64 combination of the exactly formed sums)
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+import contextvars
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
 import torch
@@ -65,6 +67,40 @@ _TWO53 = 2.0 ** 53
 NVFP4_UNIT_EXP = -10  # E2M1 (multiples of 1/2) × E4M3 (multiples of 2^-9)
 
 
+_WEIGHT_CACHE = contextvars.ContextVar("megatron_fp4_weight_cache", default=None)
+
+
+@contextmanager
+def cached_weights():
+    """Inside the block, GEMMs reuse what they derive from a weight alone (``Q(W)``, its
+    exact-GEMM split, :func:`exact_linear`'s fixed-point limbs) across calls: the same bits, computed
+    once instead of at every decode step. Entries are keyed by the weight's memory and guarded by
+    its version counter (``tensor._version``, bumped by every in-place op on it or its base), and
+    dropped when the block ends. Writes through ``.data`` do not bump the counter, so hold the block
+    only where weights cannot change that way (the rollout engine: one ``generate`` call, under its
+    weights lock)."""
+    token = _WEIGHT_CACHE.set({})
+    try:
+        yield
+    finally:
+        _WEIGHT_CACHE.reset(token)
+
+
+def cached_for_weight(weight: torch.Tensor, tag, compute):
+    """``compute()``, a function of ``weight``'s values and ``tag`` alone (no graph through it),
+    reused inside :func:`cached_weights`."""
+    cache = _WEIGHT_CACHE.get()
+    if cache is None:
+        return compute()
+    key = (weight.data_ptr(), tuple(weight.shape), weight.stride(), weight.dtype, weight.device, tag)
+    hit = cache.get(key)
+    if hit is not None and hit[1] == weight._version:
+        return hit[2]
+    value = compute()
+    cache[key] = (weight, weight._version, value)  # holding `weight` keeps its memory from being reused
+    return value
+
+
 @dataclass
 class Split:
     """``value[r, k] = ints[r, k] · 2^exp[r] · (scale[r] if scale is not None else 1)``."""
@@ -73,6 +109,13 @@ class Split:
     exp: torch.Tensor  # (rows,) int64
     scale: Optional[torch.Tensor]  # (rows,) fp32 global decode scale, or None
     deq: torch.Tensor  # (rows, K) fp32: the dequantized operand (same bits as fake_quantize)
+    _amax: Optional[torch.Tensor] = field(default=None, repr=False)  # memo of :meth:`abs_max`
+
+    def abs_max(self) -> torch.Tensor:
+        """max |ints| over the whole split (memoized: a cached weight split computes it once)."""
+        if self._amax is None:
+            self._amax = self.ints.abs().amax()
+        return self._amax
 
     @property
     def max_int(self) -> torch.Tensor:
@@ -116,14 +159,17 @@ def _python_rows(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return torch.tensor(out, dtype=torch.float64, device=a.device).reshape(a.shape[0], b.shape[0])
 
 
-def exact_sum_products(a: torch.Tensor, b: torch.Tensor, chunk: int = CHUNK) -> torch.Tensor:
-    """``fl64(a · bᵀ)`` for integer-valued float64 ``a`` (M, K), ``b`` (N, K), exactly (module doc)."""
+def exact_sum_products(a: torch.Tensor, b: torch.Tensor, chunk: int = CHUNK,
+                       b_amax: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``fl64(a · bᵀ)`` for integer-valued float64 ``a`` (M, K), ``b`` (N, K), exactly (module doc).
+    ``b_amax``: ``b.abs().amax()`` if already known."""
     M, K = a.shape
     c = max(1, min(chunk, K))
     assert -(-K // c) <= 1024, "exact_sum_products: K/chunk > 1024 chunks could overflow int64"
     if K == 0:
         return a.new_zeros(M, b.shape[0])
-    ok = ~(a.abs().amax(-1) * b.abs().amax() * c > _TWO53)  # NaN rows stay on the GEMM path (NaN out)
+    b_amax = b.abs().amax() if b_amax is None else b_amax
+    ok = ~(a.abs().amax(-1) * b_amax * c > _TWO53)  # NaN rows stay on the GEMM path (NaN out)
     out = a.new_zeros(M, b.shape[0])
     rows = ok.nonzero().squeeze(-1)
     if rows.numel():
@@ -147,7 +193,7 @@ def exact_sum_products(a: torch.Tensor, b: torch.Tensor, chunk: int = CHUNK) -> 
 
 def exact_dot(a: Split, b: Split, chunk: int = CHUNK) -> torch.Tensor:
     """``fl64(S) · 2^(a.exp + b.exp)`` (M, N) float64, ``S = a.ints · b.intsᵀ`` exactly."""
-    s = exact_sum_products(a.ints, b.ints, chunk)
+    s = exact_sum_products(a.ints, b.ints, chunk, b.abs_max() if b.ints.numel() else None)
     return s * pow2_f64(a.exp[:, None] + b.exp[None, :])
 
 
@@ -188,13 +234,18 @@ def _fixed_point_limbs(x: torch.Tensor):
     return hi, lo, exp
 
 
+def _weight_limbs(weight: torch.Tensor):
+    hi, lo, exp = _fixed_point_limbs(weight)
+    return hi, lo, exp, torch.cat([lo, hi], 1)
+
+
 def exact_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Batch-invariant ``F.linear`` (module docstring, "Non-FP4 rows"): (…, K) → (…, N) in x's dtype."""
     x2 = x.reshape(-1, x.shape[-1])
     xh, xl, xe = _fixed_point_limbs(x2)
-    wh, wl, we = _fixed_point_limbs(weight)
+    wh, wl, we, w_cross = cached_for_weight(weight, "fixed-point limbs", lambda: _weight_limbs(weight))
     hh = xh @ wh.t()
-    cross = torch.cat([xh, xl], 1) @ torch.cat([wl, wh], 1).t()
+    cross = torch.cat([xh, xl], 1) @ w_cross.t()
     ll = xl @ wl.t()
     s = (hh * 2.0 ** 24 + cross * 2.0 ** 12) + ll
     y = s * pow2_f64(xe[:, None] + we[None, :])

@@ -62,7 +62,7 @@ from torch import nn
 
 from megatron_fp4.fp4 import invariant
 from megatron_fp4.fp4.context import current, sr_seed
-from megatron_fp4.fp4.exact_gemm import exact_fp4_gemm, split_fp4
+from megatron_fp4.fp4.exact_gemm import cached_for_weight, exact_fp4_gemm, split_fp4
 from megatron_fp4.fp4.mxfp4 import fake_quantize_mxfp4
 from megatron_fp4.fp4.nonfinite import NonFiniteFlags
 from megatron_fp4.fp4.nvfp4 import fake_quantize_nvfp4
@@ -157,11 +157,22 @@ def _no_autocast(fn):
     return run
 
 
+def _cached_weight(site: _Site, weight: torch.Tensor, exact: bool, compute):
+    """``compute()`` (``Q(W)``, or its exact-GEMM split when ``exact``), reused inside
+    ``exact_gemm.cached_weights`` (never while deferring non-finite flags: a hit records none)."""
+    if site.nonfinite is not None:
+        return compute()
+    fmt = site.recipe.weight
+    seed = sr_seed(site.recipe.seed, site.layer, site.step, site.micro_batch, "weight") \
+        if fmt.rounding == "stochastic" else None
+    return cached_for_weight(weight, (fmt, exact, seed), compute)
+
+
 @_no_autocast
 def _forward_operands(site: _Site, x2: torch.Tensor, weight: torch.Tensor):
     """(Q̃_row(X), Q(W)) in fp32."""
     r = site.recipe
-    wq = site.quantize(weight, r.weight, "weight", compensated=False)
+    wq = _cached_weight(site, weight, False, lambda: site.quantize(weight, r.weight, "weight", compensated=False))
     return site.quantize(x2, r.input, "input", r.compensated), wq
 
 
@@ -313,7 +324,8 @@ def moeresq_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
         if invariant.enabled():
             r = recipe
             x_terms = site.split(x2, r.input, "input", r.compensated)
-            w_split = site.split(weight.reshape(-1, weight.shape[-1]), r.weight, "weight", False)[0]
+            w_split = _cached_weight(site, weight, True, lambda: site.split(
+                weight.reshape(-1, weight.shape[-1]), r.weight, "weight", False)[0])
             wq = w_split.deq.reshape(weight.shape)
             b = None if bias is None else bias.detach()
 

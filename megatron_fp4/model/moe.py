@@ -58,7 +58,15 @@ class Router(nn.Module):
 
 class GroupedExperts(nn.Module):
     """`num_experts` SwiGLU experts with stacked weights: w13 [E, 2F, H] (gate rows, then up rows)
-    and w2 [E, H, F]. Each expert GEMM is the MoEResQ linear with `recipe`."""
+    and w2 [E, H, F]. Each expert GEMM is the MoEResQ linear with `recipe`.
+
+    `forward` takes the experts' weights as `unbind` views: backward then writes every expert's
+    gradient into one stacked buffer per weight. Indexing `w13[e]` per expert (`select_per_expert`,
+    kept only as the benchmark's "before") makes each expert's backward allocate a zeroed
+    full-size [E, ...] gradient that autograd then sums: the same values, E times the memory traffic.
+    """
+
+    select_per_expert = False
 
     def __init__(self, num_experts: int, hidden: int, ffn: int, recipe: Recipe):
         super().__init__()
@@ -68,16 +76,25 @@ class GroupedExperts(nn.Module):
         self.w2 = nn.Parameter(torch.empty(num_experts, hidden, ffn))
         self.quant_name = ""  # global module name (fp4 `name_quant_sites`); keys SR streams per expert
 
-    def expert_forward(self, e: int, x: torch.Tensor) -> torch.Tensor:
+    def expert_forward(self, e: int, x: torch.Tensor, w13: Optional[torch.Tensor] = None,
+                       w2: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Expert `e` on its tokens `x`; `w13`/`w2`: its weights as views (default `self.w13[e]`, ...)."""
         name = f"{self.quant_name}.{getattr(self, 'expert_offset', 0) + e}"  # global expert id
-        h = moeresq_linear(x, self.w13[e], recipe=self.recipe, name=name + ".w13")
+        w13 = self.w13[e] if w13 is None else w13
+        w2 = self.w2[e] if w2 is None else w2
+        h = moeresq_linear(x, w13, recipe=self.recipe, name=name + ".w13")
         gate, up = h.split(self.ffn, dim=-1)
-        return moeresq_linear(invariant.silu(gate) * up, self.w2[e], recipe=self.recipe, name=name + ".w2")
+        return moeresq_linear(invariant.silu(gate) * up, w2, recipe=self.recipe, name=name + ".w2")
 
     def forward(self, x_sorted: torch.Tensor, counts: list[int]) -> torch.Tensor:
         """x_sorted [N, H]: tokens grouped by local expert, `counts[e]` rows for expert e."""
         assert len(counts) == self.num_experts and sum(counts) == x_sorted.shape[0]
-        outs = [self.expert_forward(e, chunk) for e, chunk in enumerate(x_sorted.split(counts)) if chunk.shape[0]]
+        if self.select_per_expert:
+            w13s = w2s = [None] * self.num_experts
+        else:
+            w13s, w2s = self.w13.unbind(0), self.w2.unbind(0)
+        outs = [self.expert_forward(e, chunk, w13s[e], w2s[e])
+                for e, chunk in enumerate(x_sorted.split(counts)) if chunk.shape[0]]
         if not outs:  # no tokens at all: keep the graph connected so backward still visits the params
             return x_sorted.new_zeros(0, self.hidden) + 0 * (self.w13.sum() + self.w2.sum())
         return torch.cat(outs, dim=0)

@@ -33,6 +33,7 @@ from typing import Optional, Sequence, Union
 import torch
 
 from megatron_fp4.fp4 import invariant
+from megatron_fp4.fp4.exact_gemm import cached_weights
 from megatron_fp4.model import KVCache, Router
 from megatron_fp4.rollout.sampling import SamplingParams, sample_token, sampling_log_probs
 
@@ -192,16 +193,20 @@ class RolloutEngine:
     `lock_timeout_s` bounds every wait for the weights lock (`RWLock`): a swap blocked that long by
     a request fails with `LockTimeout` and the engine keeps its weights. `batch_invariant` (default
     True, the config's `numerics.batch_invariant`) decodes in the batch-invariant numerics mode.
+    `cache_quantized_weights` (default True) derives each weight's quantization / exact-GEMM split
+    once per `generate` call instead of at every decode step (`exact_gemm.cached_weights`; the
+    same bits).
     """
 
     def __init__(self, model, mode: Optional[str] = None, pad_id: int = 0, seed: int = 0, name: str = "rollout0",
                  dtype: Optional[torch.dtype] = None, lock_timeout_s: Optional[float] = 600.0,
-                 batch_invariant: bool = True):
+                 batch_invariant: bool = True, cache_quantized_weights: bool = True):
         if lock_timeout_s is not None and not (0 < lock_timeout_s < float("inf")):
             raise ValueError(f"lock_timeout_s={lock_timeout_s!r} must be a positive number of seconds (or None to "
                              "wait forever): how long a weight swap or a request may wait for the engine's lock")
         self.dtype = dtype
         self.batch_invariant = bool(batch_invariant)
+        self.cache_quantized_weights = bool(cache_quantized_weights)
         if dtype is not None:
             cast_for_inference(model, dtype)
         self.model = model.eval()
@@ -269,7 +274,8 @@ class RolloutEngine:
                              "shorten the prompt or lower max_new_tokens")
         gens = [torch.Generator().manual_seed(p.seed if p.seed is not None else self._next_seed()) for p in params]
         with self.lock.read(), torch.no_grad(), fp4_mode(self.model, self.mode), \
-                invariant.batch_invariant(self.batch_invariant):
+                invariant.batch_invariant(self.batch_invariant), \
+                cached_weights() if self.cache_quantized_weights else contextlib.nullcontext():
             version = self.version
             out = self._decode(prompts, params, gens, max_new, return_routing, return_distributions)
         return GenerationOutput(version=version, prompt_ids=[list(p) for p in prompts], **out)
