@@ -2,7 +2,11 @@
 
 Each rank runs the single-process reference on the global batch (the ranks' batches concatenated in
 rank order) and its EP layer on its own slice. Expert GEMMs then see the same rows in the same
-order, so outputs, input grads and expert weight grads are compared bitwise. The router grad is a
+order, but not the same memory: the EP side reads a received buffer, the reference a slice of the
+gathered batch, and MKL may take another code path for other alignments (seen with
+``MKL_CBWR=COMPATIBLE`` under ``ATEN_CPU_CAPABILITY=default``: 5e-6 in fp32). So the layers run in
+float64 and outputs, input grads and expert weight grads must agree within ``FP64_REL`` of their
+scale (tests/numerics.py); FP4 operands are still quantized from fp32. The router grad is a
 per-rank partial sum (all-reduced over ep here, as the dp grad reduction would): the same T products
 dl·x summed in another order, so every element lies within 2·γ_T·Σ_t |dl_t|·|x_t| of the reference
 (``sum_order_bound``, tests/numerics.py), with dl the router-logit gradient captured from the reference.
@@ -17,7 +21,7 @@ from megatron_fp4.model.moe import MoELayer, init_moe_params
 from megatron_fp4.parallel.expert_parallel import apply_expert_parallel, gather_expert_params, is_expert_param
 from megatron_fp4.parallel.mesh import ParallelMesh
 from tests.distributed.launch import run_distributed
-from tests.numerics import sum_order_bound
+from tests.numerics import FP64_REL, sum_order_bound
 
 HIDDEN, FFN = 32, 32
 
@@ -71,11 +75,12 @@ def compare_case(rank, world, mesh, case):
     """One case -> dict of diffs (0.0 == bitwise) for this rank."""
     E, k, mode, seed = case["experts"], case["top_k"], case.get("mode", "bf16"), case["seed"]
     force = case.get("force_expert")
-    ref = make_layer(E, k, mode, seed, force)
+    ref = make_layer(E, k, mode, seed, force).double()
     seen = _capture_router_terms(ref.router)
-    ep_layer = apply_expert_parallel(make_layer(E, k, mode, seed, force), mesh, case["dispatcher"],
+    ep_layer = apply_expert_parallel(make_layer(E, k, mode, seed, force).double(), mesh, case["dispatcher"],
                                      chunk_tokens=case.get("chunk", 64))
     x, gy, tokens = make_batch(world, case["tokens"], seed, positive=force is not None)
+    x, gy = x.double(), gy.double()
     y_ref, dx_ref = run_layer(ref, x, gy)
     lo = sum(tokens[:rank])
     sl = slice(lo, lo + tokens[rank])
@@ -85,11 +90,14 @@ def compare_case(rank, world, mesh, case):
     router_grad = ep_layer.router.weight.grad.clone()
     dist.all_reduce(router_grad, group=mesh.group("ep"))
     x_r, dl = seen["x"], seen["dl"]
-    bound = sum_order_bound(dl.abs().t() @ x_r.abs(), x_r.shape[0] + 1)
+    bound = sum_order_bound(dl.abs().t() @ x_r.abs(), x_r.shape[0] + 1, dl.dtype)
+    def scaled(a, b):  # max |a − b| relative to b's scale (0 for empty or all-zero b that a matches)
+        d = max_diff(a, b)
+        return d / max(b.abs().max().item(), 1e-300) if d else 0.0
     return {
-        "y": max_diff(y, y_ref[sl]), "dx": max_diff(dx, dx_ref[sl]),
-        "w13": max_diff(ep_layer.experts.w13.grad, ref.experts.w13.grad[e_sl]),
-        "w2": max_diff(ep_layer.experts.w2.grad, ref.experts.w2.grad[e_sl]),
+        "y": scaled(y, y_ref[sl]), "dx": scaled(dx, dx_ref[sl]),
+        "w13": scaled(ep_layer.experts.w13.grad, ref.experts.w13.grad[e_sl]),
+        "w2": scaled(ep_layer.experts.w2.grad, ref.experts.w2.grad[e_sl]),
         "router_excess": float(((router_grad - ref.router.weight.grad).abs().double() - bound).max()),
     }
 
@@ -121,8 +129,8 @@ def _assert_cases(cases, results):
     for rank, per_rank in enumerate(results):
         for case, diffs in zip(cases, per_rank):
             msg = f"rank {rank} case {case}: {diffs}"
-            assert diffs["y"] == 0.0 and diffs["dx"] == 0.0, msg
-            assert diffs["w13"] == 0.0 and diffs["w2"] == 0.0, msg
+            assert diffs["y"] <= FP64_REL and diffs["dx"] <= FP64_REL, msg
+            assert diffs["w13"] <= FP64_REL and diffs["w2"] <= FP64_REL, msg
             assert diffs["router_excess"] <= 0, msg
 
 
