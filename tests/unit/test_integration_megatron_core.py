@@ -276,17 +276,22 @@ _GPT_SCRIPT = textwrap.dedent("""
 """)
 
 
+def run_result_script(path, source: str, base_port: int) -> dict:
+    """Run `source` as a fresh CPU-only Python process (megatron-core initialises torch.distributed
+    and CUDA state globally) with a master port argument; return the JSON of its last RESULT line."""
+    path.write_text(source)
+    env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+               CUDA_VISIBLE_DEVICES="")
+    port = str(base_port + os.getpid() % 500)
+    proc = subprocess.run([sys.executable, str(path), port], capture_output=True, text=True, timeout=300, env=env)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, proc.stderr[-3000:]
+    return json.loads(lines[-1][len("RESULT "):])
+
+
 @needs_mcore
 def test_names_match_a_real_megatron_gpt_model(tmp_path):
     """Build Megatron-Core's GPTModel (local spec) on CPU: our names/shapes are exactly its state
     dict, it loads them strictly, and reading its state dict back gives our tensors bitwise."""
-    script = tmp_path / "build_gpt.py"
-    script.write_text(_GPT_SCRIPT)
-    env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""),
-               CUDA_VISIBLE_DEVICES="")
-    port = str(29400 + os.getpid() % 500)
-    proc = subprocess.run([sys.executable, str(script), port], capture_output=True, text=True, timeout=300, env=env)
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
-    assert proc.returncode == 0 and lines, proc.stderr[-3000:]
-    result = json.loads(lines[-1][len("RESULT "):])
+    result = run_result_script(tmp_path / "build_gpt.py", _GPT_SCRIPT, base_port=29400)
     assert result == {"missing": [], "unexpected": [], "shape_mismatch": [], "load_missing": [], "bitwise": True}

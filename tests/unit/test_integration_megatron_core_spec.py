@@ -11,13 +11,9 @@ CPU inside the subprocess (`torch.cuda.current_device`, the CUDA dropout-RNG tra
 """
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 import textwrap
 
-from tests.unit.test_integration_megatron_core import REPO, needs_mcore
+from tests.unit.test_integration_megatron_core import needs_mcore, run_result_script
 
 _SCRIPT = textwrap.dedent("""
     import json, os, re, sys, warnings
@@ -94,15 +90,7 @@ _SCRIPT = textwrap.dedent("""
 
 @needs_mcore
 def test_moeresq_spec_builds_a_real_gpt_model(tmp_path):
-    script = tmp_path / "build_gpt_moeresq.py"
-    script.write_text(_SCRIPT)
-    env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""),
-               CUDA_VISIBLE_DEVICES="")
-    port = str(29900 + os.getpid() % 500)
-    proc = subprocess.run([sys.executable, str(script), port], capture_output=True, text=True, timeout=300, env=env)
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
-    assert proc.returncode == 0 and lines, proc.stderr[-3000:]
-    result = json.loads(lines[-1][len("RESULT "):])
+    result = run_result_script(tmp_path / "build_gpt_moeresq.py", _SCRIPT, base_port=29900)
     for mode, r in result.items():
         # every local expert's fc1/fc2 (+ shared experts, dense MLP) and nothing else
         collapsed = sorted({n.split(".local_experts.")[0] + ".linear_fc" + n[-1] if ".local_experts." in n else n
