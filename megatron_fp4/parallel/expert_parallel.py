@@ -29,7 +29,9 @@ from torch import nn
 from megatron_fp4.model.moe import GroupedExperts, MoELayer
 from megatron_fp4.parallel.ep_alltoall import AllToAll, AllToAllDispatcher, DispatchPlan
 from megatron_fp4.parallel.gcmoe import GCMoEDispatcher, TransferChannel
-from megatron_fp4.parallel.mesh import ParallelMesh, layout_groups
+from megatron_fp4.parallel.gcmoe_decode import DecodeBuffers, GCMoEDecodeDispatcher
+from megatron_fp4.parallel.gcmoe_transfer import transfer_group
+from megatron_fp4.parallel.mesh import ParallelMesh
 
 __all__ = [
     "expert_placement", "expert_owner", "local_expert_range", "apply_expert_parallel",
@@ -37,7 +39,7 @@ __all__ = [
     "GCMoEDispatcher", "DispatchPlan", "AllToAll", "DISPATCHERS",
 ]
 
-DISPATCHERS = ("alltoall", "gcmoe")
+DISPATCHERS = ("alltoall", "gcmoe", "gcmoe_decode")  # gcmoe_decode: forward-only (gcmoe_decode.py)
 
 
 # -- placement (pure) --------------------------------------------------------------------------
@@ -100,33 +102,23 @@ def _local_experts(full: GroupedExperts, lo: int, hi: int) -> GroupedExperts:
     return local
 
 
-def _transfer_group(mesh: ParallelMesh):
-    """A second process group over this rank's ep ranks, for GC-MoE's transfer thread (gloo is not
-    safe with two threads on one group). `new_group` is collective: every rank creates every ep
-    group in the same order and keeps its own."""
-    mine = None
-    for ranks in layout_groups(mesh.pp, mesh.dp, mesh.ep, mesh.tp)["ep"]:
-        group = mesh.new_group(ranks)  # with the mesh's timeout, like every group
-        if mesh.rank in ranks:
-            mine = group
-    return mine
-
-
-def _check_ep_agreement(mesh: ParallelMesh, dispatcher: str, chunk_tokens: int, ring_slots: int) -> None:
+def _check_ep_agreement(mesh: ParallelMesh, dispatcher: str, chunk_tokens: int, ring_slots: int,
+                        decode_tokens: int = 8) -> None:
     """Every ep rank must use the same dispatcher, and for GC-MoE the same chunk size and ring
     (both ends derive chunk boundaries and tags from them; a mismatch would hang or corrupt).
     One tiny all_gather on the ep group; every rank sees the same values, so all raise together."""
-    mine = torch.tensor([DISPATCHERS.index(dispatcher), chunk_tokens, ring_slots], dtype=torch.int64,
+    mine = torch.tensor([DISPATCHERS.index(dispatcher), chunk_tokens, ring_slots, decode_tokens], dtype=torch.int64,
                         device=mesh.device)
     parts = [torch.empty_like(mine) for _ in range(mesh.ep)]
     dist.all_gather(parts, mine, group=mesh.group("ep"))
     values = torch.stack(parts).cpu().tolist()
     ranks = mesh.ranks["ep"]
     fields = [("parallel.expert_dispatcher", lambda v: DISPATCHERS[v]), ("parallel.gcmoe_chunk_tokens", int),
-              ("parallel.gcmoe_ring_slots", int)]
+              ("parallel.gcmoe_ring_slots", int), ("apply_expert_parallel(decode_tokens=...)", int)]
+    used = {"alltoall": (0,), "gcmoe": (0, 1, 2), "gcmoe_decode": (0, 3)}[dispatcher]  # decode: message size
     for i, (name, show) in enumerate(fields):
-        if i > 0 and dispatcher != "gcmoe":
-            break
+        if i not in used:
+            continue
         seen = [show(v[i]) for v in values]
         if len(set(seen)) > 1:
             per_rank = ", ".join(f"rank {r}: {v!r}" for r, v in zip(ranks, seen))
@@ -136,7 +128,7 @@ def _check_ep_agreement(mesh: ParallelMesh, dispatcher: str, chunk_tokens: int, 
 
 def apply_expert_parallel(model: nn.Module, mesh: ParallelMesh, dispatcher: str = "alltoall",
                           chunk_tokens: int = 64, transfer_sms: int = 20, gcmoe_compute: str = "expert",
-                          ring_slots: int = 8) -> nn.Module:
+                          ring_slots: int = 8, decode_tokens: int = 8) -> nn.Module:
     """Keep only this rank's experts in every MoE layer of `model` and install the EP dispatcher.
 
     Must be called on every rank (it checks collectively that every ep rank passed the same
@@ -146,7 +138,8 @@ def apply_expert_parallel(model: nn.Module, mesh: ParallelMesh, dispatcher: str 
     elements per rank), `transfer_sms` and `gcmoe_compute` ("expert" | "chunk") only matter for
     "gcmoe". From a config: ``apply_expert_parallel(model, mesh, cfg.parallel.expert_dispatcher,
     cfg.parallel.gcmoe_chunk_tokens, cfg.parallel.gcmoe_transfer_sms,
-    ring_slots=cfg.parallel.gcmoe_ring_slots)``.
+    ring_slots=cfg.parallel.gcmoe_ring_slots)``. "gcmoe_decode" (inference only, gcmoe_decode.py)
+    carries up to `decode_tokens` tokens per rank per round in fixed-size messages.
     """
     if dispatcher not in DISPATCHERS:
         raise ValueError(f"parallel.expert_dispatcher={dispatcher!r} must be one of {DISPATCHERS}")
@@ -156,6 +149,8 @@ def apply_expert_parallel(model: nn.Module, mesh: ParallelMesh, dispatcher: str 
         raise ValueError(f"parallel.gcmoe_ring_slots={ring_slots} must be >= 1")
     if transfer_sms < 0:
         raise ValueError(f"parallel.gcmoe_transfer_sms={transfer_sms} must be >= 0")
+    if decode_tokens < 1:
+        raise ValueError(f"decode_tokens={decode_tokens} must be >= 1 (tokens per rank per decode round)")
     layers = moe_layers_of(model)
     ep = mesh.ep
     if ep == 1:
@@ -163,11 +158,12 @@ def apply_expert_parallel(model: nn.Module, mesh: ParallelMesh, dispatcher: str 
             _mark_expert_params(moe.experts)
             moe.experts.expert_offset, moe.experts.num_global_experts = 0, moe.experts.num_experts
         return model
-    _check_ep_agreement(mesh, dispatcher, chunk_tokens, ring_slots)
+    _check_ep_agreement(mesh, dispatcher, chunk_tokens, ring_slots, decode_tokens)
     ep_rank, group = mesh.coord("ep"), mesh.group("ep")
     channel = None
     if dispatcher == "gcmoe":  # one transfer group/thread model shared by all layers of this rank
-        channel = TransferChannel(_transfer_group(mesh), mesh.ranks["ep"], mesh.device, transfer_sms)
+        channel = TransferChannel(transfer_group(mesh, transfer_sms), mesh.ranks["ep"], mesh.device, transfer_sms)
+    buffers = DecodeBuffers(decode_tokens) if dispatcher == "gcmoe_decode" else None  # shared by all layers
     for moe in layers:
         full = moe.experts
         if getattr(full, "num_global_experts", full.num_experts) != full.num_experts:
@@ -177,6 +173,8 @@ def apply_expert_parallel(model: nn.Module, mesh: ParallelMesh, dispatcher: str 
         _mark_expert_params(moe.experts)
         if dispatcher == "alltoall":
             moe.dispatcher = AllToAllDispatcher(group, ep, full.num_experts)
+        elif dispatcher == "gcmoe_decode":
+            moe.dispatcher = GCMoEDecodeDispatcher(group, ep, full.num_experts, ep_rank, mesh.ranks["ep"], buffers)
         else:
             moe.dispatcher = GCMoEDispatcher(group, ep, full.num_experts, channel, chunk_tokens,
                                              gcmoe_compute, ring_slots)

@@ -35,10 +35,13 @@ from __future__ import annotations
 
 import collections
 import queue
+from datetime import timedelta
 from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
+
+from megatron_fp4.parallel.mesh import layout_groups
 
 if TYPE_CHECKING:
     from megatron_fp4.parallel.gcmoe import _Round
@@ -66,6 +69,16 @@ def exchange_step(me: int, peers: list[int], num_send: list[int], num_recv: list
     return ops
 
 
+def issue_step(ops: list[tuple[str, int, torch.Tensor]], group, ep_ranks: list[int], device: torch.device) -> list:
+    """Issue one step: ("send" | "recv", ep peer, tensor) in order, tag 0 (what NCCL honours).
+    Returns the works to wait on. On CUDA the step is one NCCL group (its ops run concurrently)."""
+    if device.type == "cuda" and ops:
+        return dist.batch_isend_irecv([dist.P2POp(dist.isend if kind == "send" else dist.irecv, t,
+                                                  ep_ranks[peer], group) for kind, peer, t in ops])
+    fns = {"send": dist.isend, "recv": dist.irecv}  # looked up per call: tests wrap them (tag 0)
+    return [fns[kind](t, ep_ranks[peer], group=group) for kind, peer, t in ops]
+
+
 def compute_sms_split(total_sms: int, transfer_sms: int) -> int | None:
     """Pure: SMs of the compute green context leaving `transfer_sms` free, or None (no split)."""
     if transfer_sms <= 0 or transfer_sms >= total_sms:
@@ -82,6 +95,27 @@ def nccl_transfer_options(transfer_sms: int):
         return opts
     except (AttributeError, RuntimeError):
         return None
+
+
+def transfer_group(mesh, transfer_sms: int):
+    """This rank's transfer group: a second group over its ep ranks (gloo is not safe with two
+    threads on one group). Collective: every rank creates every ep group in the same order.
+
+    On CUDA the group is created with `nccl_transfer_options` (NCCL's CTA cap, one SM per CTA),
+    so the transfer kernels stay within ``transfer_sms`` SMs while the compute green context
+    holds the rest. `ParallelMesh.new_group` takes no backend options, so that case calls
+    `dist.new_group` with the mesh's timeout itself; on CPU (and where the cap is unavailable)
+    the mesh creates the group as before."""
+    opts = nccl_transfer_options(transfer_sms) if mesh.device.type == "cuda" else None
+    mine = None
+    for ranks in layout_groups(mesh.pp, mesh.dp, mesh.ep, mesh.tp)["ep"]:
+        if opts is None:
+            group = mesh.new_group(ranks)
+        else:
+            group = dist.new_group(ranks, timeout=timedelta(seconds=mesh.timeout_s), pg_options=opts)
+        if mesh.rank in ranks:
+            mine = group
+    return mine
 
 
 def _green_streams(device: torch.device, transfer_sms: int):
@@ -198,12 +232,7 @@ class TransferChannel:
                 rnd.cond.notify_all()
 
     def _issue(self, ops: list[tuple[str, int, torch.Tensor]]) -> list:
-        """One step: ("send" | "recv", ep peer, tensor) in order, tag 0 (what NCCL honours)."""
-        if self.device.type == "cuda" and ops:  # one NCCL group: the step's ops run concurrently
-            return dist.batch_isend_irecv([dist.P2POp(dist.isend if kind == "send" else dist.irecv, t,
-                                                      self.ep_ranks[peer], self.group) for kind, peer, t in ops])
-        fns = {"send": dist.isend, "recv": dist.irecv}
-        return [fns[kind](t, self.ep_ranks[peer], group=self.group) for kind, peer, t in ops]
+        return issue_step(ops, self.group, self.ep_ranks, self.device)
 
     def _transfer(self, rnd: "_Round") -> None:
         """Dispatch steps as ring credits allow, then combine steps as outputs finish (module doc).
