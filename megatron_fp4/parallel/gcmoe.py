@@ -71,6 +71,9 @@ differentiates it (expert-level activation recompute), with the gradient exchang
 variable-split all-to-all of the ep group. Gradients are therefore bitwise those of
 `AllToAllDispatcher`.
 
+Decode (a few tokens per rank per step) has its own path without the count exchange or the
+thread: `gcmoe_decode.GCMoEDecodeDispatcher` (dispatcher "gcmoe_decode", inference only).
+
 Device mechanism: on CPU (the tested reference) the worker is a thread doing gloo isend/irecv on a
 dedicated group (gloo is unsafe with two threads on one group). On CUDA (guarded, untested here) the
 worker issues each step as one `batch_isend_irecv` (an NCCL group) under a transfer stream;

@@ -20,9 +20,14 @@ neither:
   reading for round i: the same argument as GC-MoE's double-buffered counters, which are exactly
   these headers' sequence numbers. The sequence number lives in a device tensor bumped in place,
   so a CUDA-Graph replay writes fresh numbers.
-- **Tag-free**: one `exchange_step` per direction (gcmoe_transfer.py): with every peer the lower
-  rank sends first, so both ends issue a pair's operations in the same order (what NCCL, which
-  ignores tags, needs); one `batch_isend_irecv` NCCL group on CUDA.
+- **Tag-free transport**, one exchange per direction (``transport=``):
+  ``"alltoall"`` (default): one `all_to_all_single` with equal, fixed splits over the ``[ep,
+  bytes]`` message buffers: a collective, so no tags at all; on NCCL it is one group of a send and
+  a receive per peer, and static-shaped. ``"p2p"``: GC-MoE's pair protocol, one `exchange_step`
+  (gcmoe_transfer.py: with every peer the lower rank sends first, so both ends issue a pair's
+  operations in the same order, what NCCL needs as it ignores tags; one `batch_isend_irecv` NCCL
+  group on CUDA). Both move the same bytes; gloo's isend/irecv cost ~1 ms of latency each on
+  CPU (measured in benchmarks/bench_gcmoe_decode.py), its fixed-split all-to-all far less.
 
 Expert compute (``static=``):
 
@@ -39,13 +44,16 @@ Expert compute (``static=``):
   fp4/invariant.py, makes every GEMM so: bitwise, tested) and otherwise differ only by BLAS
   blocking (fp64: within FP64_REL, tested).
 
-What a CUDA Graph of one decode step captures (static mode, one round, T ≤ max_tokens, buffers
-allocated by a warm-up call before capture): the packing (argsort, scatter_add, cumsum, index_put
-into the send set), the in-place sequence bump, the dispatch NCCL group, the padded gather, the El
-expert forwards, the scatter into the return set, the combine NCCL group, the gather and the
-weighted sum. Outside the graph: allocation and the host's parity choice (fixed per layer
-position, the same on every rank at capture and replay). On the CUDA path nothing in the step
-reads device memory on the host; the header checks run only on CPU.
+What a CUDA Graph of one decode step would capture (static mode, one round, T ≤ max_tokens,
+buffers allocated by a warm-up call before capture): the packing (argsort, scatter_add, cumsum,
+index_put into the send set), the header writes and the in-place sequence bump, the dispatch
+exchange, the padded gather, the El expert forwards, the scatter into the return set, the combine
+exchange, the gather and the weighted sum. Outside the graph: allocation and the host's parity
+choice (fixed per layer position, the same on every rank at capture and replay). Nothing in the
+static step reads device memory on the host (tested on CPU by running it on the meta device,
+where any such read raises); FP4 experts need their non-finite operand checks deferred
+(``fp4.context.training_step(..., defer_nonfinite=True)``, the default on accelerators inside a
+step), else each quantization syncs. The header checks run on CPU only. Not run on a GPU here.
 
 Larger batches (prefill through the same model): eager mode loops rounds of ``max_tokens`` tokens
 while any rank's header says more follow, so every rank runs the same number of rounds without an
@@ -59,7 +67,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_fp4.model.moe import GroupedExperts, combine_expert_outputs
-from megatron_fp4.parallel.ep_alltoall import grouping_permutation, scatter_rows
+from megatron_fp4.parallel.ep_alltoall import scatter_rows
 from megatron_fp4.parallel.gcmoe_transfer import exchange_step, issue_step
 
 # header (int32): sequence number, rows used, more rounds follow, reserved, then rows per local expert
@@ -120,10 +128,15 @@ class GCMoEDecodeDispatcher:
     ``static`` None picks the capturable path on CUDA and the exact one elsewhere. ``test_hook``
     (tests only) may define ``delay(event, peer, round)`` and ``order(peers)``."""
 
+    TRANSPORTS = ("alltoall", "p2p")
+
     def __init__(self, group, ep: int, num_experts: int, ep_rank: int, ep_ranks: list[int],
-                 buffers: DecodeBuffers, static: bool | None = None):
+                 buffers: DecodeBuffers, static: bool | None = None, transport: str = "alltoall"):
         if num_experts % ep:
             raise ValueError(f"model.num_experts={num_experts} is not divisible by parallel.ep={ep}")
+        if transport not in self.TRANSPORTS:
+            raise ValueError(f"GC-MoE decode transport={transport!r} must be one of {self.TRANSPORTS}")
+        self.transport = transport
         self.group, self.ep, self.num_experts = group, ep, num_experts
         self.ep_rank, self.ep_ranks, self.buffers, self.static = ep_rank, list(ep_ranks), buffers, static
         self.test_hook = None
@@ -178,7 +191,7 @@ class GCMoEDecodeDispatcher:
         hdr[:, FIXED_INTS:FIXED_INTS + El] = counts
         self._exchange(bufs["send"], bufs["recv"], "dispatch")
         recv_hdr = B.header(bufs["recv"])
-        check = x.device.type != "cuda"
+        check = x.device.type == "cpu"  # a host read: never on an accelerator
         if check:
             self._check(recv_hdr, cap, El, B.seq, "dispatch")
         # -- experts: fill the return rows at the positions the rows came in
@@ -198,28 +211,31 @@ class GCMoEDecodeDispatcher:
         y_slots = scatter_rows(y_send, order, T * k)
         return combine_expert_outputs(y_slots.view(T, k, H), topk_idx, topk_w), any_more
 
+    def _grouped_slots(self, recv_counts: torch.Tensor, device):
+        """(src, slot, valid), each [El, ep, max_tokens]: entry (le, s, j) is the j-th row source s
+        sent for local expert le (a token reaches an expert at most once per source, so j <
+        max_tokens). Flattened, this is the grouped order: local expert, then source, then the
+        source's send order, the order `AllToAllDispatcher` feeds `GroupedExperts`."""
+        ep, m = recv_counts.shape[0], self.buffers.max_tokens
+        counts = recv_counts.to(torch.int64).t()                      # [le, src]
+        start = torch.cumsum(recv_counts.to(torch.int64), 1).t() - counts  # first slot of (le, src)
+        j = torch.arange(m, device=device)
+        valid = j < counts[..., None]
+        slot = torch.where(valid, start[..., None] + j, 0)
+        return torch.arange(ep, device=device)[None, :, None].expand_as(slot), slot, valid
+
     def _experts_exact(self, recv_rows, back_rows, recv_counts, experts):
         """The all-to-all's grouped batch, through `GroupedExperts` (bitwise by construction)."""
-        counts = recv_counts.to(torch.int64).cpu()
-        src = torch.repeat_interleave(torch.arange(self.ep), counts.sum(1))
-        within = torch.cat([torch.arange(int(n)) for n in counts.sum(1)]) if counts.sum() else src
-        perm = grouping_permutation(counts)  # grouped row -> receive-order row
-        src_g, slot_g = src[perm].to(recv_rows.device), within[perm].to(recv_rows.device)
-        y = experts(recv_rows[src_g, slot_g], counts.sum(0).tolist())
-        back_rows[src_g, slot_g] = y
+        src, slot, valid = self._grouped_slots(recv_counts, recv_rows.device)
+        src, slot = src[valid], slot[valid]  # a host sync (nonzero): the exact path is not capturable
+        back_rows[src, slot] = experts(recv_rows[src, slot], recv_counts.sum(0).tolist())
 
     def _experts_static(self, recv_rows, back_rows, recv_counts, experts):
         """Every local expert on a fixed [ep · max_tokens, H] batch; no host read."""
         ep, cap, H = recv_rows.shape
         El, m = recv_counts.shape[1], self.buffers.max_tokens
-        dev = recv_rows.device
-        counts = recv_counts.to(torch.int64)
-        start = torch.cumsum(counts, 1) - counts                       # [src, le] first slot
-        j = torch.arange(m, device=dev)
-        valid = j[None, None, :] < counts.t()[:, :, None]              # [le, src, j]
-        slot = torch.where(valid, start.t()[:, :, None] + j, 0)
-        src = torch.arange(ep, device=dev)[None, :, None].expand_as(slot)
-        xb = torch.where(valid[..., None], recv_rows[src, slot], 0).reshape(El, ep * m, H).contiguous()
+        src, slot, valid = self._grouped_slots(recv_counts, recv_rows.device)
+        xb = torch.where(valid[..., None], recv_rows[src, slot], 0).reshape(El, ep * m, H)
         yb = torch.stack([experts.expert_forward(le, xb[le]) for le in range(El)])
         flat = torch.where(valid, src * cap + slot, ep * cap).reshape(-1)  # invalid -> trash row
         scratch = recv_rows.new_zeros(ep * cap + 1, H)
@@ -237,6 +253,9 @@ class GCMoEDecodeDispatcher:
         if hook is not None and hasattr(hook, "delay"):
             for p in peers:
                 hook.delay(phase, p, self.buffers.round)
+        if self.transport == "alltoall":  # equal fixed splits: my block p goes to p, p's block lands at p
+            dist.all_to_all_single(recv, send, group=self.group)
+            return
         works = issue_step(ops, self.group, self.ep_ranks, send.device)
         recv[me].copy_(send[me])  # own rows: no transfer
         for w in works:

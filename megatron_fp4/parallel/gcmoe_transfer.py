@@ -27,9 +27,9 @@ kernels run on ProcessGroupNCCL's internal streams in the primary context, so a 
 the transfer stream would not confine them anyway (only event waits run on that stream). What
 this module does instead: one green context for the *compute* stream with ``num_sms -
 transfer_sms`` SMs; the transfer stream is a plain stream, and the NCCL kernels it orders keep at
-least ``transfer_sms`` SMs that GC-MoE's expert GEMMs never occupy. Capping NCCL itself to those
-SMs takes the group's NCCL config (``ProcessGroupNCCL.Options().config.max_ctas``, one CTA per SM)
-when the transfer group is created; see `nccl_transfer_options`.
+least ``transfer_sms`` SMs that GC-MoE's expert GEMMs never occupy. NCCL itself is capped to those
+SMs by the group's NCCL config (``ProcessGroupNCCL.Options().config.max_ctas``, one CTA per SM),
+set when `transfer_group` creates the transfer group on CUDA (`nccl_transfer_options`).
 """
 from __future__ import annotations
 

@@ -1,6 +1,7 @@
 """GC-MoE decode dispatcher (parallel/gcmoe_decode.py) against the all-to-all dispatcher and the
 single-process layer, at ep2 and ep4, 1–8 tokens per rank, many seeds, random delays and shuffled
-peer order, every p2p tag forced to 0 (`TagZero`: NCCL's ordered matching on gloo; both ends of
+peer order, both transports: the fixed-split all-to-all (a collective: no tags) and the pair
+protocol with every p2p tag forced to 0 (`TagZero`: NCCL's ordered matching on gloo; both ends of
 every pair must issue the same operations in the same order).
 
 Claims and tolerances:
@@ -79,12 +80,15 @@ def _worker(rank, world, num_seeds):
             sl = slice(lo, lo + tokens[rank])
             d.test_hook = RandomTiming(seed * 97 + rank)
             y_base = base.dispatcher(x[sl], idx[sl], w[sl], experts)
-            d.static = False
+            d.static, d.transport = False, "alltoall"
             y_exact = d(x[sl], idx[sl], w[sl], experts)
-            d.static = True
+            d.transport = "p2p"
+            y_exact_p2p = d(x[sl], idx[sl], w[sl], experts)
+            d.static, d.transport = True, ("alltoall", "p2p")[seed % 2]
             y_static = d(x[sl], idx[sl], w[sl], experts)
             y_ref = full.dispatcher(x, idx, w, full.experts)[sl]
-            out["exact"].append((y_exact - y_base).abs().max().item())
+            out["exact"].append(max((y - y_base).abs().max().item() if y.numel() else 0.0
+                                    for y in (y_exact, y_exact_p2p)))
             out["static"].append(_rel(y_static, y_base))
             out["ref"].append(_rel(y_exact, y_ref))
             if kind == 2:  # the destination's message from me holds cap rows

@@ -43,3 +43,84 @@ def test_one_green_context_for_compute_transfer_on_plain_stream(monkeypatch):
     assert created == [(112, 0)]
     assert compute == ("green", 112) and transfer[0] == "plain"
     assert gcmoe_transfer._green_streams(torch.device("cuda", 0), 0) is None
+
+
+# -- the transfer group's NCCL options (CUDA branch with torch's NCCL classes faked) ----------------
+class _FakeNCCL:
+    class Options:
+        def __init__(self):
+            self.config = types.SimpleNamespace(max_ctas=None)
+
+
+def _fake_mesh(device, created):
+    return types.SimpleNamespace(device=torch.device(device), pp=1, dp=4, ep=2, tp=1, rank=3, timeout_s=42.0,
+                                 new_group=lambda ranks: created.append(("mesh", ranks)) or ("mesh", tuple(ranks)))
+
+
+def test_nccl_transfer_options_caps_ctas(monkeypatch):
+    monkeypatch.delattr(gcmoe_transfer.dist, "ProcessGroupNCCL", raising=False)
+    assert gcmoe_transfer.nccl_transfer_options(20) is None  # a CPU-only torch has no NCCL options
+    monkeypatch.setattr(gcmoe_transfer.dist, "ProcessGroupNCCL", _FakeNCCL, raising=False)
+    assert gcmoe_transfer.nccl_transfer_options(20).config.max_ctas == 20
+    assert gcmoe_transfer.nccl_transfer_options(0).config.max_ctas == 1
+
+
+def test_transfer_group_passes_nccl_options_on_cuda_only(monkeypatch):
+    from datetime import timedelta
+    monkeypatch.setattr(gcmoe_transfer.dist, "ProcessGroupNCCL", _FakeNCCL, raising=False)
+    created = []
+
+    def new_group(ranks, timeout=None, pg_options=None):
+        created.append(("dist", ranks, timeout, pg_options.config.max_ctas))
+        return ("dist", tuple(ranks))
+
+    monkeypatch.setattr(gcmoe_transfer.dist, "new_group", new_group)
+    # every ep group is created by every rank, in order; rank 3 keeps [2, 3]
+    assert gcmoe_transfer.transfer_group(_fake_mesh("cuda", created), 16) == ("dist", (2, 3))
+    assert created == [("dist", [0, 1], timedelta(seconds=42), 16), ("dist", [2, 3], timedelta(seconds=42), 16)]
+    created.clear()
+    assert gcmoe_transfer.transfer_group(_fake_mesh("cpu", created), 16) == ("mesh", (2, 3))
+    assert created == [("mesh", [0, 1]), ("mesh", [2, 3])]  # CPU: the mesh's own groups, no options
+
+
+# -- GC-MoE decode: the static (CUDA-Graph) path reads nothing back to the host ---------------------
+def _meta_decode(mode, static):
+    """One ep2 decode round on the meta device (tensors without data: any .item(), .tolist(),
+    bool() or copy to the host raises), the peer exchange replaced by a local copy."""
+    from megatron_fp4.fp4 import Recipe
+    from megatron_fp4.fp4.context import training_step
+    from megatron_fp4.model.moe import GroupedExperts
+    from megatron_fp4.parallel.gcmoe_decode import DecodeBuffers, GCMoEDecodeDispatcher
+    H, E, T = 32, 4, 3
+    experts = GroupedExperts(E // 2, H, H, Recipe(mode=mode)).to("meta")
+    d = GCMoEDecodeDispatcher(None, 2, E, 0, [0, 1], DecodeBuffers(4), static=static)
+    d._exchange = lambda send, recv, phase: recv.copy_(send)
+    x = torch.empty(T, H, device="meta")
+    idx = torch.empty(T, 2, dtype=torch.long, device="meta")
+    # FP4 quantizers check operands for NaN/Inf on the host unless the check is deferred (a captured
+    # GPU step defers it, as the trainer does on accelerators)
+    with torch.no_grad(), training_step(0, defer_nonfinite=True):
+        return d(x, idx, torch.empty(T, 2, device="meta"), experts)
+
+
+@pytest.mark.parametrize("mode", ["bf16", "fp4_resq"])
+def test_decode_static_path_has_no_host_reads(mode):
+    y = _meta_decode(mode, static=True)
+    assert y.shape == (3, 32) and y.is_meta
+    with pytest.raises((RuntimeError, NotImplementedError)):  # the exact path reads the counts
+        _meta_decode(mode, static=False)
+
+
+def test_decode_buffers_header_and_rows_do_not_overlap():
+    from megatron_fp4.parallel.gcmoe_decode import DecodeBuffers, header_ints
+    B = DecodeBuffers(4)
+    sets = B.get(ep=2, cap=8, num_local=5, hidden=3, dtype=torch.float64, device="cpu")
+    assert header_ints(5) == 12 and len(sets) == 2 and B.allocations == 1
+    buf = sets[0]["send"]
+    B.rows(buf).fill_(-1.5)
+    assert (B.header(buf) == 0).all()  # rows start after the 48-byte header
+    B.header(buf).fill_(7)
+    assert (B.rows(buf) == -1.5).all() and B.rows(buf).shape == (2, 8, 3)
+    assert B.get(2, 8, 5, 3, torch.float64, "cpu") is sets and B.allocations == 1  # reused
+    with pytest.raises(ValueError, match="decode_tokens=0 must be >= 1"):
+        DecodeBuffers(0)
