@@ -106,9 +106,10 @@ class DecodeBuffers:
             hdr = header_ints(num_local)
             nbytes = hdr * 4 + cap * hidden * torch.empty((), dtype=dtype).element_size()
             nbytes = -(-nbytes // 16) * 16
-            self.sets = [{name: torch.zeros(ep, nbytes, dtype=torch.uint8, device=device)
-                          for name in ("send", "recv", "back_send", "back_recv")} for _ in range(2)]
-            self.seq = torch.ones(1, dtype=torch.int32, device=device)
+            with torch.inference_mode(False):  # normal tensors: writable in and outside inference mode
+                self.sets = [{name: torch.zeros(ep, nbytes, dtype=torch.uint8, device=device)
+                              for name in ("send", "recv", "back_send", "back_recv")} for _ in range(2)]
+                self.seq = torch.ones(1, dtype=torch.int32, device=device)
             self._key, self._hdr, self._cap, self._dtype, self._hidden = key, hdr, cap, dtype, hidden
             self.allocations += 1
         return self.sets

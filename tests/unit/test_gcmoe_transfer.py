@@ -114,13 +114,15 @@ def test_decode_static_path_has_no_host_reads(mode):
 def test_decode_buffers_header_and_rows_do_not_overlap():
     from megatron_fp4.parallel.gcmoe_decode import DecodeBuffers, header_ints
     B = DecodeBuffers(4)
-    sets = B.get(ep=2, cap=8, num_local=5, hidden=3, dtype=torch.float64, device="cpu")
+    with torch.inference_mode():  # first call under inference mode, later ones under no_grad
+        sets = B.get(ep=2, cap=8, num_local=5, hidden=3, dtype=torch.float64, device="cpu")
     assert header_ints(5) == 12 and len(sets) == 2 and B.allocations == 1
     buf = sets[0]["send"]
     B.rows(buf).fill_(-1.5)
     assert (B.header(buf) == 0).all()  # rows start after the 48-byte header
     B.header(buf).fill_(7)
     assert (B.rows(buf) == -1.5).all() and B.rows(buf).shape == (2, 8, 3)
+    B.seq += 1
     assert B.get(2, 8, 5, 3, torch.float64, "cpu") is sets and B.allocations == 1  # reused
     with pytest.raises(ValueError, match="decode_tokens=0 must be >= 1"):
         DecodeBuffers(0)
