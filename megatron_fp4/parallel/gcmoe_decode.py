@@ -31,12 +31,13 @@ neither:
 
 Expert compute (``static=``):
 
-- ``False`` (default on CPU, *exact*): the received rows are gathered in grouped order (local
+- ``False`` (default, *exact*): the received rows are gathered in grouped order (local
   expert, then source rank, then the source's send order), exactly the batch
   `AllToAllDispatcher` gives `GroupedExperts`, and run through it: **bitwise equal to the
   all-to-all dispatcher by construction** for up to ``max_tokens`` tokens per rank. The counts are
-  read on the host (a sync on CUDA).
-- ``True`` (default on CUDA, *capturable*): no host read at all. Every local expert runs on a
+  read on the host (a sync on CUDA), and any number of tokens works (rounds, below).
+- ``True`` (*capturable*, opt-in: set it on every rank for the decode step captured in a CUDA
+  Graph, where every rank holds at most ``max_tokens`` tokens): no host read at all. Every local expert runs on a
   fixed ``[ep · max_tokens, H]`` batch (a token reaches an expert at most once per source), rows
   gathered with device-side indices from the headers and zero padding; outputs are scattered back
   through a trash row. The GEMMs see extra zero rows, so results equal the exact path where the
@@ -126,13 +127,13 @@ class DecodeBuffers:
 class GCMoEDecodeDispatcher:
     """Decode-time expert-parallel dispatcher (module docstring): same call signature as
     `AllToAllDispatcher`, forward only. ``buffers`` is the rank's shared `DecodeBuffers`;
-    ``static`` None picks the capturable path on CUDA and the exact one elsewhere. ``test_hook``
+    ``static`` selects the capturable path (the same on every ep rank). ``test_hook``
     (tests only) may define ``delay(event, peer, round)`` and ``order(peers)``."""
 
     TRANSPORTS = ("alltoall", "p2p")
 
     def __init__(self, group, ep: int, num_experts: int, ep_rank: int, ep_ranks: list[int],
-                 buffers: DecodeBuffers, static: bool | None = None, transport: str = "alltoall"):
+                 buffers: DecodeBuffers, static: bool = False, transport: str = "alltoall"):
         if num_experts % ep:
             raise ValueError(f"model.num_experts={num_experts} is not divisible by parallel.ep={ep}")
         if transport not in self.TRANSPORTS:
@@ -150,7 +151,7 @@ class GCMoEDecodeDispatcher:
             raise ValueError("parallel.expert_dispatcher='gcmoe_decode' is forward-only (inference): call the "
                              "model under torch.no_grad() (the rollout engine does), or use 'alltoall'/'gcmoe' "
                              "for training")
-        static = x.device.type == "cuda" if self.static is None else self.static
+        static = self.static
         T, m = x.shape[0], self.buffers.max_tokens
         if static and T > m:
             raise ValueError(f"{T} tokens on this rank exceed decode_tokens={m}, the static "
@@ -194,7 +195,7 @@ class GCMoEDecodeDispatcher:
         recv_hdr = B.header(bufs["recv"])
         check = x.device.type == "cpu"  # a host read: never on an accelerator
         if check:
-            self._check(recv_hdr, cap, El, B.seq, "dispatch")
+            self._check(recv_hdr, cap, El, B.seq, "dispatch", static)
         # -- experts: fill the return rows at the positions the rows came in
         recv_counts = recv_hdr[:, FIXED_INTS:FIXED_INTS + El]  # [src, local expert]
         if static:
@@ -204,7 +205,7 @@ class GCMoEDecodeDispatcher:
         B.header(bufs["back_send"])[:, SEQ] = B.seq
         self._exchange(bufs["back_send"], bufs["back_recv"], "combine")
         if check:
-            self._check(B.header(bufs["back_recv"]), cap, El, B.seq, "combine")
+            self._check(B.header(bufs["back_recv"]), cap, El, B.seq, "combine", static)
         any_more = more if static else bool(recv_hdr[:, MORE].any())  # eager only: a host read
         B.seq += 1
         # -- combine: send-order outputs -> (token, slot) -> ascending-expert weighted sum
@@ -262,13 +263,16 @@ class GCMoEDecodeDispatcher:
         for w in works:
             w.wait()
 
-    def _check(self, hdr: torch.Tensor, cap: int, El: int, seq: torch.Tensor, phase: str) -> None:
+    def _check(self, hdr: torch.Tensor, cap: int, El: int, seq: torch.Tensor, phase: str, static: bool) -> None:
         """CPU only (a host read): the headers belong to this round and fit the slots."""
         h = hdr.cpu()
         want = int(seq)
         if (h[:, SEQ] != want).any():
             raise RuntimeError(f"GC-MoE decode {phase}: sequence numbers {h[:, SEQ].tolist()} from ranks "
                                f"{self.ep_ranks}, expected {want} (ranks ran different numbers of MoE rounds)")
+        if phase == "dispatch" and static and h[:, MORE].any():
+            raise RuntimeError(f"GC-MoE decode: ranks {self.ep_ranks} sent more-rounds flags {h[:, MORE].tolist()} "
+                               f"while this rank runs the static (one-round) path: set static the same on every rank")
         if phase == "dispatch":
             rows = h[:, FIXED_INTS:FIXED_INTS + El].sum(1)
             assert torch.equal(rows, h[:, ROWS].to(rows.dtype)) and int(rows.max()) <= cap, h.tolist()
