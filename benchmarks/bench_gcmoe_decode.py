@@ -7,9 +7,9 @@ dispatcher + experts, under no_grad, as a decode step does) with four dispatcher
 local experts, alternating them call by call (a2a, decode exact, decode static, decode exact over
 the p2p transport, a2a, ...) so load changes on a shared machine hit all alike; every call starts
 after a barrier. Columns: the max over ranks of each dispatcher's median (ms), and the ratios
-decode/a2a (< 1: the decode path is faster). The all-to-all pays a count exchange plus two variable-split exchanges and the plan's
-host work; the decode path one fixed-size message per pair and direction (`decode_tokens`
-capacity, by default the row's tokens per rank). Wall-clock ratios only; nothing here is asserted.
+decode/a2a (< 1: the decode path is faster). The all-to-all pays a count exchange plus two
+variable-split exchanges and the plan's host work; the decode path one fixed-size message per
+pair and direction (`decode_tokens` capacity, by default the row's tokens per rank). Wall-clock ratios only; nothing here is asserted.
 """
 from __future__ import annotations
 

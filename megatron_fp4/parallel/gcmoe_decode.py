@@ -26,8 +26,8 @@ neither:
   a receive per peer, and static-shaped. ``"p2p"``: GC-MoE's pair protocol, one `exchange_step`
   (gcmoe_transfer.py: with every peer the lower rank sends first, so both ends issue a pair's
   operations in the same order, what NCCL needs as it ignores tags; one `batch_isend_irecv` NCCL
-  group on CUDA). Both move the same bytes; gloo's isend/irecv cost ~1 ms of latency each on
-  CPU (measured in benchmarks/bench_gcmoe_decode.py), its fixed-split all-to-all far less.
+  group on CUDA). Both move the same bytes; on gloo the p2p transport makes a decode step about
+  twice as slow (isend/irecv latency; benchmarks/bench_gcmoe_decode.py).
 
 Expert compute (``static=``):
 
@@ -37,13 +37,14 @@ Expert compute (``static=``):
   all-to-all dispatcher by construction** for up to ``max_tokens`` tokens per rank. The counts are
   read on the host (a sync on CUDA), and any number of tokens works (rounds, below).
 - ``True`` (*capturable*, opt-in: set it on every rank for the decode step captured in a CUDA
-  Graph, where every rank holds at most ``max_tokens`` tokens): no host read at all. Every local expert runs on a
-  fixed ``[ep · max_tokens, H]`` batch (a token reaches an expert at most once per source), rows
-  gathered with device-side indices from the headers and zero padding; outputs are scattered back
-  through a trash row. The GEMMs see extra zero rows, so results equal the exact path where the
-  GEMM is row-invariant (FP4 activation scales are per row; the batch-invariant mode,
-  fp4/invariant.py, makes every GEMM so: bitwise, tested) and otherwise differ only by BLAS
-  blocking (fp64: within FP64_REL, tested).
+  Graph, where every rank holds at most ``max_tokens`` tokens): no host read at all. Every local
+  expert runs on a fixed ``[ep · max_tokens, H]`` batch (a token reaches an expert at most once
+  per source), rows gathered with device-side indices from the headers and zero padding; outputs
+  are scattered back through a trash row. On CPU that padded work costs (every local expert runs,
+  with or without rows); it is meant for GPUs, where a graph replay saves the launches. The GEMMs
+  see extra zero rows, so results equal the exact path where the GEMM is row-invariant (FP4
+  activation scales are per row; the batch-invariant mode, fp4/invariant.py, makes every GEMM
+  so: bitwise, tested) and otherwise differ only by BLAS blocking (fp64: within FP64_REL, tested).
 
 What a CUDA Graph of one decode step would capture (static mode, one round, T ≤ max_tokens,
 buffers allocated by a warm-up call before capture): the packing (argsort, scatter_add, cumsum,
@@ -271,8 +272,9 @@ class GCMoEDecodeDispatcher:
             raise RuntimeError(f"GC-MoE decode {phase}: sequence numbers {h[:, SEQ].tolist()} from ranks "
                                f"{self.ep_ranks}, expected {want} (ranks ran different numbers of MoE rounds)")
         if phase == "dispatch" and static and h[:, MORE].any():
-            raise RuntimeError(f"GC-MoE decode: ranks {self.ep_ranks} sent more-rounds flags {h[:, MORE].tolist()} "
-                               f"while this rank runs the static (one-round) path: set static the same on every rank")
+            raise RuntimeError(f"GC-MoE decode: ranks {self.ep_ranks} sent more-rounds flags "
+                               f"{h[:, MORE].tolist()} while this rank runs the static (one-round) path: "
+                               f"set static the same on every rank")
         if phase == "dispatch":
             rows = h[:, FIXED_INTS:FIXED_INTS + El].sum(1)
             assert torch.equal(rows, h[:, ROWS].to(rows.dtype)) and int(rows.max()) <= cap, h.tolist()
