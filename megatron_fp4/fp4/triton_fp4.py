@@ -1,0 +1,217 @@
+"""Triton fake-quantization on CUDA: NVFP4/MXFP4 ``Q(x)`` and the MoEResQ operand ``Q(x) + Q(x − Q(x))``.
+
+The kernels (``triton_kernels.py``) reproduce the portable quantizers (``nvfp4.py``, ``mxfp4.py``)
+bit for bit: same formats, options, stochastic-rounding draws (``torch.rand`` on the caller's
+generator, the same shapes and order as the reference: ``Q(x)`` first, then its residual), error
+messages and deferred non-finite flags. What they save is passes over memory: the reference runs
+~15 eager ops per ``Q``; here an NVFP4 operand is two or three kernels (row amax of x, of the
+residual, then the output) and an MXFP4 operand one.
+
+Where it runs (:func:`use_triton`):
+
+- ``auto`` (default): CUDA tensors when ``triton`` imports; CPU tensors take the portable path.
+- ``off``: never (``MEGATRON_FP4_TRITON=0``, or :func:`set_triton_mode`, or inside :func:`portable`).
+- ``interpret``: CUDA and CPU tensors; CPU tensors run under Triton's interpreter (slow: tests).
+
+Each variant (format, options, dtypes, layout) is checked once against the portable path on its
+first real input; a mismatch or a launch failure warns once and switches that variant — or, for a
+failure, the whole Triton path — back to the portable code (the reference stays the definition).
+"""
+from __future__ import annotations
+
+import contextvars
+import math
+import os
+import warnings
+from contextlib import contextmanager
+
+import torch
+
+from megatron_fp4.fp4.formats import check_finite_flag, check_input, check_multiple
+from megatron_fp4.fp4.recipe import OperandFormat
+
+_ENV = "MEGATRON_FP4_TRITON"
+MODES = ("auto", "off", "interpret")
+
+
+def _env_mode() -> str:
+    raw = os.environ.get(_ENV, "auto").strip().lower()
+    return {"0": "off", "false": "off", "no": "off", "1": "auto", "true": "auto", "": "auto"}.get(raw, raw)
+
+
+_state = {"mode": _env_mode(), "broken": None, "verified": set(), "rejected": set()}
+_OFF = contextvars.ContextVar("megatron_fp4_triton_off", default=False)
+
+
+def set_triton_mode(mode: str) -> None:
+    """``auto`` | ``off`` | ``interpret`` for this process (overrides ``MEGATRON_FP4_TRITON``)."""
+    if mode not in MODES:
+        raise ValueError(f"set_triton_mode: mode={mode!r} is not one of {MODES}")
+    _state["mode"] = mode
+
+
+@contextmanager
+def portable():
+    """Run the block on the portable quantizers even where Triton would be used."""
+    token = _OFF.set(True)
+    try:
+        yield
+    finally:
+        _OFF.reset(token)
+
+
+def triton_importable() -> tuple[bool, str]:
+    """(whether ``import triton`` works, why not)."""
+    try:
+        import triton  # noqa: F401
+    except Exception as err:  # ImportError, or a broken install raising anything
+        return False, f"triton is not importable ({type(err).__name__}: {err})"
+    return True, ""
+
+
+def use_triton(x: torch.Tensor) -> bool:
+    """Whether the quantizer entry points hand ``x`` to the Triton kernels (see the module docstring)."""
+    mode = _state["mode"]
+    if mode == "off" or _OFF.get() or _state["broken"] is not None:
+        return False
+    if x.device.type != "cuda" and not (mode == "interpret" and x.device.type == "cpu" and interpreting()):
+        return False
+    if torch.is_grad_enabled() and x.requires_grad:  # the kernels are not differentiable
+        return False
+    return triton_importable()[0]
+
+
+def interpreting() -> bool:
+    """Whether Triton runs kernels under its interpreter (``TRITON_INTERPRET=1`` when triton was imported)."""
+    import triton
+    return bool(triton.knobs.runtime.interpret)
+
+
+def kernels():
+    """The kernel module (compiled, or interpreted when :func:`interpreting`)."""
+    from megatron_fp4.fp4 import triton_kernels
+    return triton_kernels
+
+
+def _validate(shape, dtype, fmt: OperandFormat, name: str) -> None:
+    """The reference's option and input errors, in its order, for an operand of ``shape``/``dtype``."""
+    meta = torch.empty(shape, dtype=dtype, device="meta")
+    if fmt.format == "nvfp4":
+        from megatron_fp4.fp4 import nvfp4
+        nvfp4._check_options(fmt.scale, fmt.block, fmt.rounding)
+        nvfp4._check_input(meta, fmt.block, name)
+    else:
+        from megatron_fp4.fp4 import mxfp4
+        mxfp4._check_options(fmt.mx_scale_mode, fmt.rounding)
+        check_multiple(meta, -1, 32, name, "quantize_mxfp4")
+        check_input(meta, name)
+
+
+def _draw_shape(shape, fmt: OperandFormat):
+    """The shape the reference draws its uniforms in (its block layout): same numel and order."""
+    n, numel = shape[-1], math.prod(shape)
+    if fmt.format == "mxfp4":
+        return (numel // n, n // 32, 32)
+    if fmt.block == "1d":
+        return (numel // n, n // 16, 16)
+    m = shape[-2]
+    return (numel // (m * n), m // 16, 16, n // 16, 16)
+
+
+def _pow2_at_least(n: int, lo: int) -> int:
+    return max(lo, 1 << max(0, (n - 1).bit_length()))
+
+
+def quantize(x: torch.Tensor, fmt: OperandFormat, *, compensated: bool = False, generator=None, name: str = "x",
+             nonfinite=None, out_dtype: torch.dtype = torch.float32, columns: bool = False) -> torch.Tensor:
+    """``Q(x)`` (or ``Q(x) + Q(x − Q(x))`` when ``compensated``) in ``fmt`` by the Triton kernels.
+
+    Same contract as the portable ``fake_quantize_nvfp4`` / ``fake_quantize_mxfp4`` (and
+    ``moeresq.resq_quantize`` when compensated), including errors and SR draws. ``columns``: ``x``
+    is 2-D (tokens, features) and is quantized transposed, in blocks of consecutive tokens with the
+    token dim zero-padded to the block size, returning (features, padded tokens) like
+    ``moeresq._col_quantize`` (read through strides: no transposing copy). CPU tensors run under
+    Triton's interpreter. No dispatch checks and no fallback: :func:`use_triton` and
+    :func:`checked_quantize` do those."""
+    check_input(x, name)
+    bs = fmt.block_size
+    if columns:
+        if x.dim() != 2:
+            raise ValueError(f"columnwise quantization of '{name}' needs a 2-D (tokens, features) tensor, "
+                             f"got shape {tuple(x.shape)}")
+        n_rows, c_valid = x.shape[1], x.shape[0]
+        n_cols = c_valid + (-c_valid) % bs
+        sxr, sxc = x.stride(1), x.stride(0)
+        shape = (n_rows, n_cols)
+    else:
+        shape = tuple(x.shape)
+        x = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])  # a view when the strides allow
+    _validate(shape, x.dtype, fmt, name)
+    if not columns:
+        n_rows, n_cols = x.shape
+        c_valid, (sxr, sxc) = n_cols, x.stride()
+    interpret = x.device.type == "cpu"
+    if interpret and not interpreting():
+        raise ValueError(f"Triton FP4 kernels on a CPU tensor ('{name}') need Triton's interpreter: set "
+                         "TRITON_INTERPRET=1 before triton is imported, or use the portable quantizers")
+    k = kernels()
+    mx, sr = fmt.format == "mxfp4", fmt.rounding == "stochastic"
+    tile_r = 16 if (not mx and fmt.block == "2d") else 1
+    in_bf16 = x.dtype == torch.bfloat16
+    xk = x.view(torch.int16) if in_bf16 else x
+    out_bf16 = out_dtype == torch.bfloat16
+    out = torch.empty(shape, dtype=torch.bfloat16 if out_bf16 else torch.float32, device=x.device)
+    dev = x.device
+    u1 = u2 = None
+    if sr:
+        u1 = torch.rand(_draw_shape(shape, fmt), generator=generator, device=dev, dtype=torch.float32)
+        if compensated:
+            u2 = torch.rand(_draw_shape(shape, fmt), generator=generator, device=dev, dtype=torch.float32)
+    if interpret:
+        block_r, block_c = max(tile_r, min(64, _pow2_at_least(n_rows, 1))), min(256, _pow2_at_least(n_cols, bs))
+    else:
+        block_r, block_c = max(tile_r, 32), min(128, _pow2_at_least(n_cols, bs))
+    grid_r, grid_c = -(-n_rows // block_r), -(-n_cols // block_c)
+    launch = dict(BLOCK_R=block_r, BLOCK_C=block_c, enable_fp_fusion=False)  # no FMA contraction
+    what = "quantize_mxfp4" if mx else "quantize_nvfp4"
+    dummy = out  # unused pointer arguments
+    amax1 = amax2 = dummy
+    s_amax = 1
+    if not mx:
+        amax1, bad1 = _row_amax(k, xk, None, None, (n_rows, n_cols, c_valid, sxr, sxc, 1), tile_r, sr, in_bf16,
+                                grid_r, launch)
+        if fmt.scale == "tensor":
+            amax1, s_amax = amax1.amax(), 0
+        check_finite_flag(x, torch.logical_not(bad1.any()), name, what, nonfinite)
+        if compensated:
+            amax2, bad2 = _row_amax(k, xk, amax1, u1, (n_rows, n_cols, c_valid, sxr, sxc, s_amax), tile_r, sr,
+                                    in_bf16, grid_r, launch)
+            if fmt.scale == "tensor":
+                amax2 = amax2.amax()
+            check_finite_flag(x, torch.logical_not(bad2.any()), name + " residual", what, nonfinite)
+    bad = torch.zeros((grid_r, grid_c, 2), dtype=torch.int32, device=dev) if mx else dummy
+    k.fake_quant_kernel[(grid_r, grid_c)](
+        xk, out.view(torch.int16) if out_bf16 else out, amax1, amax2,
+        dummy if u1 is None else u1, dummy if u2 is None else u2, bad,
+        n_rows, n_cols, c_valid, sxr, sxc, s_amax,
+        MX=mx, BS=bs, TILE_R=tile_r, SR=sr, RCEIL=mx and fmt.mx_scale_mode == "rceil", RESQ=compensated,
+        CHECK=mx, IN_BF16=in_bf16, OUT_BF16=out_bf16, **launch)
+    if mx:
+        flags = bad.view(-1, 2).any(dim=0)
+        check_finite_flag(x, torch.logical_not(flags[0]), name, what, nonfinite)
+        if compensated:
+            check_finite_flag(x, torch.logical_not(flags[1]), name + " residual", what, nonfinite)
+    if out_dtype not in (torch.float32, torch.bfloat16):
+        out = out.to(out_dtype)
+    return out
+
+
+def _row_amax(k, xk, amax1, u1, dims, tile_r, sr, in_bf16, grid_r, launch):
+    """Per-row max |x| (``amax1`` None) or max |x − Q(x)| (NVFP4), and per-row non-finite flags."""
+    n_rows = dims[0]
+    out = torch.empty(n_rows, dtype=torch.float32, device=xk.device)
+    bad = torch.empty(n_rows, dtype=torch.int32, device=xk.device)
+    residual = amax1 is not None
+    k.row_amax_kernel[(grid_r,)](xk, amax1 if residual else out, u1 if u1 is not None else out, out, bad, *dims,
+                                 RESIDUAL=residual, SR=sr and residual, TILE_R=tile_r, IN_BF16=in_bf16, **launch)
+    return out, bad.bool()
