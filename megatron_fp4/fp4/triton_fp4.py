@@ -20,6 +20,7 @@ failure, the whole Triton path — back to the portable code (the reference stay
 from __future__ import annotations
 
 import contextvars
+import functools
 import math
 import os
 import warnings
@@ -31,6 +32,7 @@ from megatron_fp4.fp4.formats import check_finite_flag, check_input, check_multi
 from megatron_fp4.fp4.recipe import OperandFormat
 
 _ENV = "MEGATRON_FP4_TRITON"
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 MODES = ("auto", "off", "interpret")
 
 
@@ -39,7 +41,7 @@ def _env_mode() -> str:
     return {"0": "off", "false": "off", "no": "off", "1": "auto", "true": "auto", "": "auto"}.get(raw, raw)
 
 
-_state = {"mode": _env_mode(), "broken": None, "verified": set(), "rejected": set()}
+_state = {"mode": _env_mode(), "broken": None, "verified": set(), "rejected": set(), "served": 0}
 _OFF = contextvars.ContextVar("megatron_fp4_triton_off", default=False)
 
 
@@ -60,6 +62,7 @@ def portable():
         _OFF.reset(token)
 
 
+@functools.lru_cache(maxsize=None)
 def triton_importable() -> tuple[bool, str]:
     """(whether ``import triton`` works, why not)."""
     try:
@@ -76,7 +79,7 @@ def use_triton(x: torch.Tensor) -> bool:
         return False
     if x.device.type != "cuda" and not (mode == "interpret" and x.device.type == "cpu" and interpreting()):
         return False
-    if torch.is_grad_enabled() and x.requires_grad:  # the kernels are not differentiable
+    if (torch.is_grad_enabled() and x.requires_grad) or torch.compiler.is_compiling():  # not differentiable
         return False
     return triton_importable()[0]
 
@@ -167,10 +170,10 @@ def quantize(x: torch.Tensor, fmt: OperandFormat, *, compensated: bool = False, 
         u1 = torch.rand(_draw_shape(shape, fmt), generator=generator, device=dev, dtype=torch.float32)
         if compensated:
             u2 = torch.rand(_draw_shape(shape, fmt), generator=generator, device=dev, dtype=torch.float32)
-    if interpret:
+    if interpret:  # few, large programs: the interpreter pays per program, not per element
         block_r, block_c = max(tile_r, min(64, _pow2_at_least(n_rows, 1))), min(256, _pow2_at_least(n_cols, bs))
-    else:
-        block_r, block_c = max(tile_r, 32), min(128, _pow2_at_least(n_cols, bs))
+    else:  # fixed tiles: one compiled variant per option set, whatever the shape
+        block_r, block_c = 32, 128
     grid_r, grid_c = -(-n_rows // block_r), -(-n_cols // block_c)
     launch = dict(BLOCK_R=block_r, BLOCK_C=block_c, enable_fp_fusion=False)  # no FMA contraction
     what = "quantize_mxfp4" if mx else "quantize_nvfp4"
@@ -215,3 +218,72 @@ def _row_amax(k, xk, amax1, u1, dims, tile_r, sr, in_bf16, grid_r, launch):
     k.row_amax_kernel[(grid_r,)](xk, amax1 if residual else out, u1 if u1 is not None else out, out, bad, *dims,
                                  RESIDUAL=residual, SR=sr and residual, TILE_R=tile_r, IN_BF16=in_bf16, **launch)
     return out, bad.bool()
+
+
+def dispatch(x: torch.Tensor, fmt: OperandFormat, compensated: bool, generator=None, name: str = "x",
+             nonfinite=None, columns: bool = False):
+    """The hook of the portable entry points: ``Q̃(x)`` (fp32) from the Triton kernels, or None when
+    the caller should run the portable path (not wanted here, variant rejected, launch failure).
+
+    The first input of each variant is also quantized by the portable path (same generator state)
+    and must give the same bits; a variant that does not is rejected with a warning. Input errors
+    (shapes, dtypes, non-finite values) raise exactly as the portable quantizers do."""
+    if x.dtype not in _DTYPES or not use_triton(x):
+        return None
+    key = (fmt, compensated, columns, x.dtype, x.device.type)
+    if key in _state["rejected"]:
+        return None
+    saved = generator.get_state() if generator is not None else None
+    try:
+        out = quantize(x, fmt, compensated=compensated, generator=generator, name=name, nonfinite=nonfinite,
+                       columns=columns)
+    except ValueError:  # the user's input (same errors as the portable path)
+        raise
+    except Exception as err:  # a compiler / driver failure: never again in this process
+        _state["broken"] = f"{type(err).__name__}: {err}"
+        _warn(f"Triton FP4 kernels disabled, using the portable quantizers ({_state['broken']})")
+        if saved is not None:
+            generator.set_state(saved)
+        return None
+    if key not in _state["verified"] and bool(torch.isfinite(x).all()):
+        ref = _portable(x, fmt, compensated, _replay(generator, saved), name, columns)
+        if not _same_bits(out, ref):
+            _state["rejected"].add(key)
+            _warn(f"Triton FP4 kernel {key[:4]} is not bit-exact with the portable quantizers on this device; "
+                  "using the portable path for it")
+            return ref
+        _state["verified"].add(key)
+    _state["served"] += 1
+    return out
+
+
+def served() -> int:
+    """How many operands :func:`dispatch` has served from the Triton kernels in this process."""
+    return _state["served"]
+
+
+def _replay(generator, state):
+    if generator is None:
+        return None
+    g = torch.Generator(device=generator.device)
+    g.set_state(state)
+    return g
+
+
+def _portable(x, fmt, compensated, generator, name, columns):
+    from megatron_fp4.fp4 import moeresq  # the reference (imports this module: no import at load time)
+
+    if columns:
+        pad = (-x.shape[0]) % fmt.block_size
+        x = torch.nn.functional.pad(x.t(), (0, pad)).contiguous()
+    with portable():
+        return moeresq.resq_quantize(x, fmt, compensated, generator, name)
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(a.contiguous().view(torch.int32),
+                                                                     b.contiguous().view(torch.int32))
+
+
+def _warn(msg: str) -> None:
+    warnings.warn("megatron_fp4: " + msg, RuntimeWarning, stacklevel=3)

@@ -151,20 +151,20 @@ def _nonfinite(x):
     return ((_i32(x) & 0x7F800000) == 0x7F800000).to(tl.int32)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_rows", "c_valid"])  # token counts vary per expert and step
 def row_amax_kernel(x_ptr, amax1_ptr, u1_ptr, out_ptr, bad_ptr, n_rows, n_cols, c_valid, sxr, sxc, s_amax,
                     RESIDUAL: tl.constexpr, SR: tl.constexpr, TILE_R: tl.constexpr, IN_BF16: tl.constexpr,
                     BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
     """Per row: max |x| (or max |x − Q(x)| with RESIDUAL, NVFP4 with amax1) and a non-finite flag."""
     pid = tl.program_id(0)
-    rows, _ = _tile_index(pid, 0, BLOCK_R, TILE_R, BLOCK_C, 16)
+    rows, cols0 = _tile_index(pid, 0, BLOCK_R, TILE_R, BLOCK_C, 16)
     row_ok = rows < n_rows
     if RESIDUAL:
         amax1 = tl.load(amax1_ptr + rows * s_amax, mask=row_ok, other=1.0)
     acc = tl.zeros((BLOCK_R // TILE_R, TILE_R, 1, 1), tl.float32)
     bad = tl.zeros((BLOCK_R // TILE_R, TILE_R, 1, 1), tl.int32)
     for c0 in range(0, n_cols, BLOCK_C):
-        _, cols = _tile_index(pid, c0, BLOCK_R, TILE_R, BLOCK_C, 16)
+        cols = cols0 + c0
         v = _load_x(x_ptr, rows, cols, n_rows, c_valid, sxr, sxc, IN_BF16)
         if RESIDUAL:
             u = v
@@ -177,7 +177,7 @@ def row_amax_kernel(x_ptr, amax1_ptr, u1_ptr, out_ptr, bad_ptr, n_rows, n_cols, 
     tl.store(bad_ptr + rows, bad, mask=row_ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_rows", "c_valid"])
 def fake_quant_kernel(x_ptr, out_ptr, amax1_ptr, amax2_ptr, u1_ptr, u2_ptr, bad_ptr,
                       n_rows, n_cols, c_valid, sxr, sxc, s_amax,
                       MX: tl.constexpr, BS: tl.constexpr, TILE_R: tl.constexpr, SR: tl.constexpr,
@@ -186,7 +186,8 @@ def fake_quant_kernel(x_ptr, out_ptr, amax1_ptr, amax2_ptr, u1_ptr, u2_ptr, bad_
     """out = Q(x), or Q(x) + Q(x − Q(x)) with RESQ, into a contiguous (n_rows, n_cols) output.
 
     NVFP4 reads the per-row amax of x (amax1) and of the residual (amax2) at stride ``s_amax``
-    (0: one per-tensor value). CHECK writes one non-finite flag per program (MXFP4 has no amax pass)."""
+    (0: one per-tensor value). CHECK writes two non-finite flags per program, of x and of x − Q(x)
+    (MXFP4 has no amax pass)."""
     pid_r = tl.program_id(0)
     pid_c = tl.program_id(1)
     rows, cols = _tile_index(pid_r, pid_c * BLOCK_C, BLOCK_R, TILE_R, BLOCK_C, BS)
@@ -206,10 +207,14 @@ def fake_quant_kernel(x_ptr, out_ptr, amax1_ptr, amax2_ptr, u1_ptr, u2_ptr, bad_
         if RESQ:
             u2 = tl.load(u2_ptr + flat, mask=inside, other=0.0)
     q = _fq(x, amax1, u1, MX, SR, RCEIL, TILE_R)
+    if CHECK:  # flags of x and of its residual, as the portable path checks each quantizer input
+        flag = bad_ptr + 2 * (pid_r * tl.num_programs(1) + pid_c)
+        tl.store(flag, tl.max(_nonfinite(x)))
     if RESQ:
-        q = q + _fq(x - q, amax2, u2, MX, SR, RCEIL, TILE_R)
-    if CHECK:
-        tl.store(bad_ptr + pid_r * tl.num_programs(1) + pid_c, tl.max(_nonfinite(x)))
+        r = x - q
+        if CHECK:
+            tl.store(flag + 1, tl.max(_nonfinite(r)))
+        q = q + _fq(r, amax2, u2, MX, SR, RCEIL, TILE_R)
     if OUT_BF16:  # torch's fp32 -> bf16 round-to-nearest-even on the bits (finite values)
         b = _i32(q)
         tl.store(out_ptr + flat, ((b + 0x7FFF + ((b >> 16) & 1)) >> 16).to(tl.int16), mask=inside)
