@@ -87,7 +87,8 @@ def use_triton(x: torch.Tensor) -> bool:
 def interpreting() -> bool:
     """Whether Triton runs kernels under its interpreter (``TRITON_INTERPRET=1`` when triton was imported)."""
     import triton
-    return bool(triton.knobs.runtime.interpret)
+    knobs = getattr(triton, "knobs", None)  # triton < 3.4 reads the environment variable only
+    return bool(knobs.runtime.interpret) if knobs is not None else os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def kernels():
@@ -233,7 +234,11 @@ def dispatch(x: torch.Tensor, fmt: OperandFormat, compensated: bool, generator=N
     key = (fmt, compensated, columns, x.dtype, x.device.type)
     if key in _state["rejected"]:
         return None
-    saved = generator.get_state() if generator is not None else None
+    stream = generator
+    if stream is None and fmt.rounding == "stochastic":  # the draws come from the device's default generator
+        stream = torch.default_generator if x.device.type == "cpu" else \
+            torch.cuda.default_generators[x.device.index if x.device.index is not None else torch.cuda.current_device()]
+    saved = stream.get_state() if stream is not None else None
     try:
         out = quantize(x, fmt, compensated=compensated, generator=generator, name=name, nonfinite=nonfinite,
                        columns=columns)
@@ -243,10 +248,10 @@ def dispatch(x: torch.Tensor, fmt: OperandFormat, compensated: bool, generator=N
         _state["broken"] = f"{type(err).__name__}: {err}"
         _warn(f"Triton FP4 kernels disabled, using the portable quantizers ({_state['broken']})")
         if saved is not None:
-            generator.set_state(saved)
+            stream.set_state(saved)
         return None
     if key not in _state["verified"] and bool(torch.isfinite(x).all()):
-        ref = _portable(x, fmt, compensated, _replay(generator, saved), name, columns)
+        ref = _portable(x, fmt, compensated, _replay(stream, saved), name, columns)
         if not _same_bits(out, ref):
             _state["rejected"].add(key)
             _warn(f"Triton FP4 kernel {key[:4]} is not bit-exact with the portable quantizers on this device; "

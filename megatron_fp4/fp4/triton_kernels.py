@@ -138,7 +138,7 @@ def _tile_index(pid_r, c0, BLOCK_R: tl.constexpr, TILE_R: tl.constexpr, BLOCK_C:
 @triton.jit
 def _load_x(x_ptr, rows, cols, n_rows, c_valid, sxr, sxc, IN_BF16: tl.constexpr):
     mask = (rows < n_rows) & (cols < c_valid)
-    ptrs = x_ptr + rows * sxr + cols * sxc
+    ptrs = x_ptr + rows * sxr + cols.to(tl.int64) * sxc  # int64: a transposed read spans the whole tensor
     if IN_BF16:  # int16 view of bf16: the value is the bits shifted up (exact)
         return _f32((tl.load(ptrs, mask=mask, other=0).to(tl.int32) & 0xFFFF) << 16)
     else:

@@ -51,6 +51,16 @@ x = torch.randn(32, 64, generator=torch.Generator().manual_seed(9))
 fmt = OperandFormat(rounding="stochastic")
 with triton_fp4.portable():
     want = moeresq.resq_quantize(x, fmt, True, torch.Generator().manual_seed(1))
+torch.manual_seed(3)
+served = triton_fp4.served()
+got = moeresq.resq_quantize(x, fmt, True)  # stochastic rounding from the default generator
+torch.manual_seed(3)
+with triton_fp4.portable():
+    want_default = moeresq.resq_quantize(x, fmt, True)
+record("fallback: none for SR on the default generator (checked, served)", "PASS" if (
+    torch.equal(got.view(torch.int32), want_default.view(torch.int32)) and triton_fp4.served() == served + 1
+    and not triton_fp4._state["rejected"]) else "FAIL", str(triton_fp4._state["rejected"]))
+triton_fp4._state["verified"].clear()
 real = triton_fp4.quantize
 
 def off_by_one_ulp(*a, **k):
@@ -131,7 +141,7 @@ def test_moeresq_hook_serves_operands_bitwise(interpreted):
 def test_hook_fallbacks(interpreted):
     picked, bad = _failed(interpreted, r"^fallback")
     assert not bad, bad
-    assert len(picked) == 2
+    assert len(picked) == 3
 
 
 def test_portable_path_on_cpu_by_default(monkeypatch):
