@@ -11,7 +11,8 @@ Where it runs (:func:`use_triton`):
 
 - ``auto`` (default): CUDA tensors when ``triton`` imports; CPU tensors take the portable path.
 - ``off``: never (``MEGATRON_FP4_TRITON=0``, or :func:`set_triton_mode`, or inside :func:`portable`).
-- ``interpret``: CUDA and CPU tensors; CPU tensors run under Triton's interpreter (slow: tests).
+- ``interpret``: CUDA and CPU tensors; CPU tensors run under Triton's interpreter (slow: tests), which
+  needs ``TRITON_INTERPRET=1`` in the environment before triton is imported.
 
 Each variant (format, options, dtypes, layout) is checked once against the portable path on its
 first real input; a mismatch or a launch failure warns once and switches that variant — or, for a
@@ -19,12 +20,12 @@ failure, the whole Triton path — back to the portable code (the reference stay
 """
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import functools
 import math
 import os
 import warnings
-from contextlib import contextmanager
 
 import torch
 
@@ -38,21 +39,27 @@ MODES = ("auto", "off", "interpret")
 
 def _env_mode() -> str:
     raw = os.environ.get(_ENV, "auto").strip().lower()
-    return {"0": "off", "false": "off", "no": "off", "1": "auto", "true": "auto", "": "auto"}.get(raw, raw)
+    mode = {"0": "off", "false": "off", "no": "off", "1": "auto", "true": "auto", "": "auto"}.get(raw, raw)
+    if mode not in MODES:
+        warnings.warn(f"megatron_fp4: {_ENV}={raw!r} is not one of {MODES} (or 0/1); using 'auto'", RuntimeWarning)
+        return "auto"
+    return mode
 
 
 _state = {"mode": _env_mode(), "broken": None, "verified": set(), "rejected": set(), "served": 0}
 _OFF = contextvars.ContextVar("megatron_fp4_triton_off", default=False)
 
 
-def set_triton_mode(mode: str) -> None:
-    """``auto`` | ``off`` | ``interpret`` for this process (overrides ``MEGATRON_FP4_TRITON``)."""
+def set_triton_mode(mode: str) -> str:
+    """``auto`` | ``off`` | ``interpret`` for this process (overrides ``MEGATRON_FP4_TRITON``);
+    returns the mode it replaces."""
     if mode not in MODES:
         raise ValueError(f"set_triton_mode: mode={mode!r} is not one of {MODES}")
-    _state["mode"] = mode
+    before, _state["mode"] = _state["mode"], mode
+    return before
 
 
-@contextmanager
+@contextlib.contextmanager
 def portable():
     """Run the block on the portable quantizers even where Triton would be used."""
     token = _OFF.set(True)
@@ -135,8 +142,12 @@ def quantize(x: torch.Tensor, fmt: OperandFormat, *, compensated: bool = False, 
     is 2-D (tokens, features) and is quantized transposed, in blocks of consecutive tokens with the
     token dim zero-padded to the block size, returning (features, padded tokens) like
     ``moeresq._col_quantize`` (read through strides: no transposing copy). CPU tensors run under
-    Triton's interpreter. No dispatch checks and no fallback: :func:`use_triton` and
-    :func:`checked_quantize` do those."""
+    Triton's interpreter. No dispatch checks and no fallback: :func:`dispatch` does those."""
+    with torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext():  # launch on x's GPU
+        return _quantize(x, fmt, compensated, generator, name, nonfinite, out_dtype, columns)
+
+
+def _quantize(x, fmt, compensated, generator, name, nonfinite, out_dtype, columns):
     check_input(x, name)
     bs = fmt.block_size
     if columns:

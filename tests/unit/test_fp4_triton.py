@@ -154,6 +154,9 @@ def test_portable_path_on_cpu_by_default(monkeypatch):
     for raw, mode in (("0", "off"), ("off", "off"), ("1", "auto"), ("interpret", "interpret")):
         monkeypatch.setenv("MEGATRON_FP4_TRITON", raw)
         assert triton_fp4._env_mode() == mode
+    monkeypatch.setenv("MEGATRON_FP4_TRITON", "fast")
+    with pytest.warns(RuntimeWarning, match="not one of"):
+        assert triton_fp4._env_mode() == "auto"
 
 
 @needs_triton
