@@ -147,8 +147,10 @@ def quantize(x: torch.Tensor, fmt: OperandFormat, *, compensated: bool = False, 
         return _quantize(x, fmt, compensated, generator, name, nonfinite, out_dtype, columns)
 
 
-def _quantize(x, fmt, compensated, generator, name, nonfinite, out_dtype, columns):
-    check_input(x, name)
+def _quantize(x_in, fmt, compensated, generator, name, nonfinite, out_dtype, columns):
+    check_input(x_in, name)
+    # fp16 / fp64 become fp32 first, as the portable path reads them (one kernel variant fewer each)
+    x = x_in if x_in.dtype in (torch.float32, torch.bfloat16) else x_in.to(torch.float32)
     bs = fmt.block_size
     if columns:
         if x.dim() != 2:
@@ -197,13 +199,13 @@ def _quantize(x, fmt, compensated, generator, name, nonfinite, out_dtype, column
                                 grid_r, launch)
         if fmt.scale == "tensor":
             amax1, s_amax = amax1.amax(), 0
-        check_finite_flag(x, torch.logical_not(bad1.any()), name, what, nonfinite)
+        check_finite_flag(x_in, torch.logical_not(bad1.any()), name, what, nonfinite)
         if compensated:
             amax2, bad2 = _row_amax(k, xk, amax1, u1, (n_rows, n_cols, c_valid, sxr, sxc, s_amax), tile_r, sr,
                                     in_bf16, grid_r, launch)
             if fmt.scale == "tensor":
                 amax2 = amax2.amax()
-            check_finite_flag(x, torch.logical_not(bad2.any()), name + " residual", what, nonfinite)
+            check_finite_flag(x_in, torch.logical_not(bad2.any()), name + " residual", what, nonfinite)
     bad = torch.zeros((grid_r, grid_c, 2), dtype=torch.int32, device=dev) if mx else dummy
     k.fake_quant_kernel[(grid_r, grid_c)](
         xk, out.view(torch.int16) if out_bf16 else out, amax1, amax2,
@@ -213,9 +215,9 @@ def _quantize(x, fmt, compensated, generator, name, nonfinite, out_dtype, column
         CHECK=mx, IN_BF16=in_bf16, OUT_BF16=out_bf16, **launch)
     if mx:
         flags = bad.view(-1, 2).any(dim=0)
-        check_finite_flag(x, torch.logical_not(flags[0]), name, what, nonfinite)
+        check_finite_flag(x_in, torch.logical_not(flags[0]), name, what, nonfinite)
         if compensated:
-            check_finite_flag(x, torch.logical_not(flags[1]), name + " residual", what, nonfinite)
+            check_finite_flag(x_in, torch.logical_not(flags[1]), name + " residual", what, nonfinite)
     if out_dtype not in (torch.float32, torch.bfloat16):
         out = out.to(out_dtype)
     return out

@@ -151,7 +151,7 @@ def _nonfinite(x):
     return ((_i32(x) & 0x7F800000) == 0x7F800000).to(tl.int32)
 
 
-@triton.jit(do_not_specialize=["n_rows", "c_valid"])  # token counts vary per expert and step
+@triton.jit(do_not_specialize=["n_rows", "c_valid", "s_amax"])  # token counts vary per expert and step
 def row_amax_kernel(x_ptr, amax1_ptr, u1_ptr, out_ptr, bad_ptr, n_rows, n_cols, c_valid, sxr, sxc, s_amax,
                     RESIDUAL: tl.constexpr, SR: tl.constexpr, TILE_R: tl.constexpr, IN_BF16: tl.constexpr,
                     BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
@@ -177,7 +177,7 @@ def row_amax_kernel(x_ptr, amax1_ptr, u1_ptr, out_ptr, bad_ptr, n_rows, n_cols, 
     tl.store(bad_ptr + rows, bad, mask=row_ok)
 
 
-@triton.jit(do_not_specialize=["n_rows", "c_valid"])
+@triton.jit(do_not_specialize=["n_rows", "c_valid", "s_amax"])
 def fake_quant_kernel(x_ptr, out_ptr, amax1_ptr, amax2_ptr, u1_ptr, u2_ptr, bad_ptr,
                       n_rows, n_cols, c_valid, sxr, sxc, s_amax,
                       MX: tl.constexpr, BS: tl.constexpr, TILE_R: tl.constexpr, SR: tl.constexpr,
