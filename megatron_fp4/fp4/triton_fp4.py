@@ -242,7 +242,7 @@ def dispatch(x: torch.Tensor, fmt: OperandFormat, compensated: bool, generator=N
     The first input of each variant is also quantized by the portable path (same generator state)
     and must give the same bits; a variant that does not is rejected with a warning. Input errors
     (shapes, dtypes, non-finite values) raise exactly as the portable quantizers do."""
-    if x.dtype not in _DTYPES or not use_triton(x):
+    if x.dtype not in _DTYPES or x.numel() == 0 or not use_triton(x):  # empty: an expert without tokens
         return None
     key = (fmt, compensated, columns, x.dtype, x.device.type)
     if key in _state["rejected"]:

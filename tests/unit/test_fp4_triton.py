@@ -61,6 +61,10 @@ record("fallback: none for SR on the default generator (checked, served)", "PASS
     torch.equal(got.view(torch.int32), want_default.view(torch.int32)) and triton_fp4.served() == served + 1
     and not triton_fp4._state["rejected"]) else "FAIL", str(triton_fp4._state["rejected"]))
 triton_fp4._state["verified"].clear()
+empty = torch.empty(0, 64)
+record("fallback: none for an empty operand (portable path)", "PASS" if (
+    triton_fp4.dispatch(empty, fmt, True) is None and moeresq.resq_quantize(empty, fmt, True).shape == (0, 64))
+    else "FAIL")
 real = triton_fp4.quantize
 
 def off_by_one_ulp(*a, **k):
@@ -141,7 +145,7 @@ def test_moeresq_hook_serves_operands_bitwise(interpreted):
 def test_hook_fallbacks(interpreted):
     picked, bad = _failed(interpreted, r"^fallback")
     assert not bad, bad
-    assert len(picked) == 3
+    assert len(picked) == 4
 
 
 def test_portable_path_on_cpu_by_default(monkeypatch):
