@@ -142,6 +142,14 @@ def test_moeresq_hook_serves_operands_bitwise(interpreted):
 
 
 @needs_triton
+def test_gpu_check_speed_section_runs(interpreted):
+    """The speed table's code path (timed on CUDA; here once, for the script's sake)."""
+    picked, bad = _failed(interpreted, r"^triton speed")
+    assert not bad, bad
+    assert len(picked) == 6 and all("kernel/copy" in d for _, d in picked.values())
+
+
+@needs_triton
 def test_hook_fallbacks(interpreted):
     picked, bad = _failed(interpreted, r"^fallback")
     assert not bad, bad
