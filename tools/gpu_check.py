@@ -20,6 +20,12 @@
 7. Megatron-Core GPTModel with `get_moeresq_layer_spec` on the device: forward and backward, logits
    finite with finite expert grads, and in bf16 mode within the GEMM tolerance of the plain local spec
    (needs megatron-core; subprocess, since its parallel state is process-global).
+8. Triton FP4 kernels (`fp4/triton_fp4.py`, `tools/gpu_check_triton.py`): every format, rounding,
+   layout (rows, strided, columnwise, 16x16 tiles) and input dtype **bit-equal** to the portable
+   quantizers; the same errors and deferred NaN flags; moeresq_linear through the dispatch hook
+   bit-equal to the portable path; kernel time vs a copy of the same bytes. With ``--device cpu``
+   they run under Triton's interpreter if ``TRITON_INTERPRET=1`` is set, else are skipped. (Sections
+   2 and 4 run through the hook too: on CUDA the MoEResQ operands come from the kernels.)
 
 Exit status 0 when nothing failed (skips are fine), 1 otherwise; 0 with "no CUDA device" on a
 machine without CUDA. Sized for well under 5 minutes on one H200 (seconds in practice).
@@ -38,6 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from megatron_fp4.fp4 import Recipe, moeresq_linear, quantize_mxfp4, quantize_nvfp4  # noqa: E402
 from megatron_fp4.fp4.moeresq import resq_quantize  # noqa: E402
+from tools.gpu_check_triton import run as check_triton  # noqa: E402
 
 RESULTS: list[dict] = []
 
@@ -271,6 +278,7 @@ def main(argv=None) -> int:
     shapes = [(64, 256)] if args.quick else [(64, 256), (512, 1024)]
     check_quantizers(dev, shapes)
     check_moeresq(dev, *((64, 256, 128) if args.quick else (256, 1024, 512)))
+    check_triton(dev, record, args.quick)
     check_te(shapes)
     check_autocast(dev)
     check_green_context(dev)

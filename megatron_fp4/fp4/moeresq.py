@@ -60,7 +60,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from megatron_fp4.fp4 import invariant
+from megatron_fp4.fp4 import invariant, triton_fp4
 from megatron_fp4.fp4.context import current, sr_seed
 from megatron_fp4.fp4.exact_gemm import cached_for_weight, exact_fp4_gemm, split_fp4
 from megatron_fp4.fp4.mxfp4 import fake_quantize_mxfp4
@@ -85,6 +85,9 @@ def fake_quantize(x: torch.Tensor, fmt: OperandFormat, generator=None, name: str
 def resq_quantize(x: torch.Tensor, fmt: OperandFormat, compensated: bool = True, generator=None,
                   name: str = "x", nonfinite=None) -> torch.Tensor:
     """``Q(x) + Q(x − Q(x))`` (or ``Q(x)`` when not compensated) in fp32."""
+    out = triton_fp4.dispatch(x, fmt, compensated, generator, name, nonfinite)  # CUDA: same bits, one pass
+    if out is not None:
+        return out
     xf = x.to(torch.float32)
     q = _fq32(xf, fmt, generator, name, nonfinite)
     if not compensated:
@@ -137,6 +140,11 @@ class _Site:
 
 def _col_quantize(site: _Site, a: torch.Tensor, fmt: OperandFormat, operand: str) -> torch.Tensor:
     """Q̃ of ``a`` (tokens, features) in blocks along tokens; returns (features, padded tokens)."""
+    if triton_fp4.use_triton(a):  # the kernel reads ``a`` transposed and zero-pads as it goes (no copy)
+        out = triton_fp4.dispatch(a, fmt, site.recipe.compensated, *site._stream(a, fmt, operand + " (columnwise)"),
+                                  site.nonfinite, columns=True)
+        if out is not None:
+            return out
     bs = fmt.block_size
     pad = (-a.shape[0]) % bs
     at = F.pad(a.t(), (0, pad)) if pad else a.t()
