@@ -73,6 +73,12 @@ def policy_update(trainer, batch: dict, loss: PolicyLoss, micro_batch_size: int)
     """One optimizer step on the policy loss over `batch` (every rank passes the whole minibatch)."""
     rows = dp_share(trainer, batch["input_ids"].shape[0])
     start, stop = rows.start, rows.stop
+    share = stop - start
+    if trainer.pipeline is not None and (share % micro_batch_size or share // micro_batch_size < trainer.mesh.pp):
+        raise ValueError(f"with parallel.pp={trainer.mesh.pp} each data-parallel share of a minibatch ({share} rows) "
+                         f"must be at least pp micro-batches of the same size; micro_batch_size={micro_batch_size} "
+                         f"is not (the pipeline's buffers are static): use a divisor of {share} of at most "
+                         f"{share // trainer.mesh.pp}, or more rows per minibatch")
     micro = [{k: batch[k][s:min(s + micro_batch_size, stop)].to(trainer.device) for k in loss.batch_keys}
              for s in range(start, stop, micro_batch_size)]
     return trainer.train_step_with_loss(micro, loss)

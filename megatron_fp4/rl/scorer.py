@@ -86,9 +86,8 @@ class PolicyScorer:
         if t.pipeline is None:
             res = compute_log_probs(t.model, ids, am, rm, return_routing=routing)
             return res.log_probs.cpu(), None if res.routing is None else res.routing.cpu()
-        B = ids.shape[0]
-        share, dp_rank = self._share(B), t.mesh.coord("dp")
-        mbs = min(self.micro_batch_size, share)
+        share, mbs = self._split(ids.shape[0])
+        dp_rank = t.mesh.coord("dp")
         dtype = wide_dtype(next(t.model.parameters()).dtype)
         full = torch.zeros(ids.shape, dtype=dtype, device=t.device)
         micro = [{"input_ids": ids[s:s + mbs], "attention_mask": am[s:s + mbs], "response_mask": rm[s:s + mbs],
@@ -98,12 +97,15 @@ class PolicyScorer:
         dist.all_reduce(full, group=t.mesh.group("world"))
         return full.cpu(), None
 
-    def _share(self, num_rows: int) -> int:
-        dp = self.trainer.mesh.dp
+    def _split(self, num_rows: int) -> tuple[int, int]:
+        """(rows per dp replica, rows per micro-batch): at most `micro_batch_size`, dividing the share,
+        and at least pp micro-batches (the schedules need them). Scoring's micro-batches may be cut
+        freely: a row's log-probs do not depend on its batch (batch-invariant mode)."""
+        dp, pp = self.trainer.mesh.dp, self.trainer.mesh.pp
         share = num_rows // dp
-        mbs = min(self.micro_batch_size, share)
-        if num_rows % dp or share % mbs:
+        if num_rows % dp or share < pp:
             raise ValueError(f"an RL batch of {num_rows} rows does not split into {dp} equal data-parallel shares of "
-                             f"whole micro-batches of {self.micro_batch_size} rows (the pipeline's buffers are "
-                             f"static); make num_prompts × group_size a multiple of dp × micro_batch_size")
-        return share
+                             f"at least pp={pp} rows (one per pipeline micro-batch); make num_prompts × group_size "
+                             f"a multiple of dp × pp = {dp * pp}")
+        bound = min(self.micro_batch_size, share // pp)
+        return share, max(d for d in range(1, bound + 1) if share % d == 0)
