@@ -259,7 +259,7 @@ def grpo_loop(trainer, task, rollout, scorer, loss, args, say, start: float):
                   "reward": float(rewards.mean()), "loss": result["loss"], "grad_norm": result["grad_norm"],
                   "kl": result["kl"], "num_updates": result["num_updates"], "temperature": args.temperature,
                   "weight_sync/snapshot_s": handle.snapshot_s, "texts": texts, "completions": completions,
-                  "rewards": rewards.tolist(), **{f"consistency/{k}": v for k, v in cons.items() if k != "kl_method"}}
+                  "rewards": rewards.tolist(), "references": [it[2] for it in items], **{f"consistency/{k}": v for k, v in cons.items() if k != "kl_method"}}
         if step == 0:  # before any update: rollout vs trainer log-probs of the same weights
             P = batch["prompt_len"]
             record["lp_diffs"] = torch.cat([(batch["old_log_probs"][i, P:P + len(r)] - gen.log_probs[i]).abs()
