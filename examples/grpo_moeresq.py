@@ -1,6 +1,16 @@
 """GRPO with MoEResQ on the embedded arithmetic task, on CPU in minutes.
 
     python examples/grpo_moeresq.py        # SFT warm-up, then GRPO; a few minutes on 2 cores
+    torchrun --nproc-per-node 4 examples/grpo_moeresq.py --set parallel.pp=2 --set parallel.ep=2
+    python examples/grpo_moeresq.py --tokenizer DIR --train-data train.parquet --max-new-tokens 64
+
+The loop is `megatron_fp4.rl` on the one `Trainer`: a single process keeps the rollout engine in
+process (as always); under torchrun the trainer is sharded (pipeline stages, expert shards, ZeRO)
+and trainer rank 0 starts the rollout engine as a process of its own (`rl.RemoteRollout`: weights
+gathered from every shard under HF names through a token-authenticated channel, generations
+broadcast to every trainer rank), and the policy loss runs through the pipeline schedule.
+With `--train-data` (verl-format parquet, prompts rendered by `--tokenizer`'s chat template) the
+rewards come from the data_source registry (`training.rewards`) instead of the arithmetic task.
 
 The default task is easy on purpose ('+' only, operands 0..9, `--ops`/`--max-operand` widen it):
 the SFT warm-up trains the LM objective on exactly this distribution, far enough that the policy
@@ -9,7 +19,7 @@ from. Greedy accuracy on a fixed eval set (problems never used as RL prompts) is
 and after every step, with reward, consistency and weight-sync time; the curves go to TensorBoard
 and to ``<logdir>/reward_curve.png``.
 
-Each step: the rollout engine (its own model copy, `fp4.rollout_mode`) samples `group_size`
+Each step: the rollout engine (its own model, `fp4.rollout_mode`) samples `group_size`
 answers per prompt; the reward is `check_answer`; advantages are group-normalised (GRPO); the
 trainer recomputes old log-probs with `fp4.train_mode`, logs rollout-vs-train consistency, and
 takes one clipped policy-gradient step with truncated IS (rollout vs old log-probs); then the
@@ -176,6 +186,13 @@ def plot_curves(history: list, eval_before: float, path: Path) -> None:
     plt.close(fig)
 
 
+def default_micro_batch_size(args, mesh) -> int:
+    """32 rows, or the largest divisor of a dp share of a minibatch that leaves >= pp micro-batches."""
+    share = args.num_prompts * args.group_size // args.minibatches // mesh.dp
+    bound = min(32, share // mesh.pp) if mesh.pp > 1 else 32
+    return max([d for d in range(1, bound + 1) if share % d == 0] or [1]) if mesh.pp > 1 else bound
+
+
 def build(args):
     """(trainer after the SFT warm-up and switched to RL, task): the one `Trainer` on this process's
     mesh (size 1 without torchrun)."""
@@ -193,6 +210,8 @@ def build(args):
     o.lr, o.min_lr = args.sft_lr, args.sft_lr / 10
     s.train_steps, s.warmup_steps = max(args.sft_steps, 1), min(s.warmup_steps, args.sft_steps)
     trainer = build_trainer(cfg, build_data=False)
+    if args.micro_batch_size is None:
+        args.micro_batch_size = default_micro_batch_size(args, trainer.mesh)
     sft_warmup(trainer, args)
     switch_to_rl(trainer, args.lr, args.rl_weight_decay, args.rl_aux_coef)
     return trainer, task
@@ -313,7 +332,9 @@ def parse_args(argv=None):
     ap.add_argument("--group-size", type=int, default=8)
     ap.add_argument("--max-new-tokens", type=int, default=4)
     ap.add_argument("--temperature", type=float, default=1.0)
-    ap.add_argument("--micro-batch-size", type=int, default=32)
+    ap.add_argument("--micro-batch-size", type=int, default=None,
+                    help="rows per micro-batch of a policy update (default 32, fewer with parallel.pp > 1 so that "
+                         "each data-parallel share of a minibatch makes at least pp micro-batches)")
     ap.add_argument("--lr", type=float, default=5e-5, help="GRPO learning rate (constant)")
     ap.add_argument("--clip-eps", type=float, default=0.2)
     ap.add_argument("--tis-cap", type=float, default=2.0, help="truncated IS clip C (rollout vs old log-probs)")

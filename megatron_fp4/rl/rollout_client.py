@@ -24,6 +24,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 from pathlib import Path
 from typing import Optional, Sequence
 
@@ -89,14 +90,35 @@ class RemoteRollout:
                     "name": name, "timeout_s": self.timeout_s, "threads": int(threads)}
             self.proc = subprocess.Popen([sys.executable, "-m", "megatron_fp4.rl.rollout_worker", json.dumps(spec)],
                                          env=_worker_env(token))
-            self.weights = PeerGroup(addr, spec["weights_port"], 0, 2, self._device, self.timeout_s, weights_socket,
-                                     token=token)
-            self.control = PeerGroup(addr, spec["control_port"], 0, 2, self._device, self.timeout_s, control_socket,
-                                     token=token)
+            self.weights, self.control = self._join(lambda: (
+                PeerGroup(addr, spec["weights_port"], 0, 2, self._device, self.timeout_s, weights_socket, token=token),
+                PeerGroup(addr, spec["control_port"], 0, 2, self._device, self.timeout_s, control_socket, token=token)))
             self.transport = DistributedTransport(self.weights, src=0, name=name)
             transports = [self.transport]
         self.publisher = ShardedWeightPublisher(lambda: local_hf_state_dict(trainer.model), self.mesh, transports,
                                                 bucket_bytes, self.timeout_s)
+
+    def _join(self, build):
+        """`build()` (the groups' join, which blocks until the rollout process joins), failing fast
+        with its exit code if the rollout process dies first instead of waiting for the timeout."""
+        result = {}
+
+        def target():
+            try:
+                result["value"] = build()
+            except BaseException as err:  # noqa: BLE001 - re-raised on the caller's thread
+                result["error"] = err
+        thread = threading.Thread(target=target, name="rollout-join", daemon=True)
+        thread.start()
+        while thread.is_alive():
+            thread.join(0.2)
+            if thread.is_alive() and self.proc.poll() is not None:
+                raise RuntimeError(f"the rollout process exited with code {self.proc.returncode} before joining the "
+                                   "trainer (its error is printed above)")
+        if "error" in result:
+            self.proc.kill()
+            raise result["error"]
+        return result["value"]
 
     def publish(self, version: int):
         return self.publisher.publish(version)

@@ -133,3 +133,22 @@ def test_rl_modules_never_unpickle():
         found = re.findall(r"import pickle|pickle\.(?:loads?|dumps?|Unpickler)|_object_list\(|gather_object\("
                            r"|broadcast_object\(|torch\.load\(|multiprocessing", path.read_text())
         assert not found, (path.name, found)
+
+
+def test_trainer_fails_fast_when_the_rollout_process_dies(monkeypatch):
+    import subprocess
+    import sys
+    import time
+
+    from megatron_fp4.rl.rollout_client import RemoteRollout
+    from megatron_fp4.rl.rollout_worker import main
+
+    client = RemoteRollout.__new__(RemoteRollout)
+    client.proc = subprocess.Popen([sys.executable, "-c", "raise SystemExit(3)"])
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match="exited with code 3 before joining"):
+        client._join(lambda: time.sleep(60))  # a join that would wait for the group's timeout
+    assert time.monotonic() - start < 30
+    monkeypatch.delenv("MEGATRON_FP4_SYNC_TOKEN", raising=False)
+    with pytest.raises(SystemExit, match="MEGATRON_FP4_SYNC_TOKEN"):
+        main(["{}"])
