@@ -143,7 +143,8 @@ class RemoteRollout:
 
     def served_version(self) -> int:
         """The version the rollout process serves now (collective: asked by rank 0, sent to all)."""
-        version = torch.tensor([self._request({"op": "version"})["version"] if self.is_source else 0])
+        version = torch.tensor([self._request({"op": "version"})["version"] if self.is_source else 0],
+                               device=self.mesh.device)
         dist.broadcast(version, src=0, group=self.mesh.group("world"))
         return int(version)
 

@@ -6,8 +6,8 @@ compute_log_probs`, the single process's call; with expert parallelism the ep ra
 lockstep). With one, each dp replica scores its contiguous share of the rows through the pipeline
 schedule in forward-only mode; the last stage's log-probs are summed over the whole mesh, where
 every row is written by exactly one rank (one last stage per dp replica) and zero elsewhere, so
-the sum is exact and every rank gets the same bits. Routing comes back only without a pipeline
-(with one, no rank sees every layer's experts).
+the sum is exact and every rank gets the same bits. The routing (for the expert-agreement metric)
+is gathered the same way: each stage's routers report their picks, summed over the mesh.
 
 The reference policy is a copy of this rank's parameters taken when the scorer is built (only
 its own shard: a pipeline chunk, its local experts); scoring it swaps those values in and the
@@ -45,6 +45,42 @@ class _CaptureLogProbs(StepLoss):
         return lp.new_zeros(()), {}
 
 
+class _RoutingCapture:
+    """The experts each local MoE router picks, per micro-batch, at their global MoE-layer index:
+    `out` [B, T, num_moe_layers, k] holds this rank's (row, layer) entries and zeros elsewhere (one
+    stage owns a layer, one dp replica a row: summed over the mesh, every entry is written once)."""
+
+    def __init__(self, model, shape, row_starts: list, rows_per_micro_batch: int, device: torch.device):
+        moe_ids = [i for i in range(len(model.layers)) if i not in model.cfg.dense_layers]
+        self.out = torch.zeros(*shape, len(moe_ids), model.cfg.top_k, dtype=torch.int64, device=device)
+        self.row_starts, self.rows = row_starts, rows_per_micro_batch
+        self.seen, self.hooks = {}, []
+        for i, layer in enumerate(model.layers):
+            if getattr(layer, "is_moe", False):  # layers of other stages are absent here
+                self.seen[i] = 0
+                self.hooks.append(layer.mlp.router.register_forward_hook(self._hook(i, moe_ids.index(i))))
+
+    def _hook(self, layer: int, slot: int):
+        def hook(_module, _args, output):
+            # A stage runs its micro-batches' forwards in order (no shape-inference runs: the
+            # pipeline's shapes are static), so the n-th call is micro-batch n.
+            n = self.seen[layer]
+            assert n < len(self.row_starts), (layer, n)
+            start = self.row_starts[n]
+            self.out[start:start + self.rows, :, slot] = output[2].view(self.rows, self.out.shape[1], -1)
+            self.seen[layer] = n + 1
+        return hook
+
+    def remove(self) -> None:
+        for h in self.hooks:
+            h.remove()
+
+    def shifted(self) -> torch.Tensor:
+        """compute_log_probs' alignment: row t holds the routing of position t-1 (which predicts token t)."""
+        assert all(n == len(self.row_starts) for n in self.seen.values()), self.seen
+        return torch.cat([torch.zeros_like(self.out[:, :1]), self.out[:, :-1]], dim=1)
+
+
 @contextlib.contextmanager
 def swapped_parameters(model, values: dict):
     """`model`'s parameters hold `values` inside the block and their own values again after it."""
@@ -62,8 +98,8 @@ def swapped_parameters(model, values: dict):
 
 
 class PolicyScorer:
-    """`score(batch)` -> old log-probs (+ routing without a pipeline, + the reference policy's
-    when `keep_reference`), each [B, T], the same on every rank. `micro_batch_size`: rows per
+    """`score(batch)` -> old log-probs [B, T] and routing [B, T, num_moe_layers, k] (+ the reference
+    policy's log-probs when `keep_reference`), the same on every rank. `micro_batch_size`: rows per
     pipeline micro-batch (each dp replica's share of the rows must be a multiple of it)."""
 
     def __init__(self, trainer, micro_batch_size: int, keep_reference: bool):
@@ -92,10 +128,19 @@ class PolicyScorer:
         full = torch.zeros(ids.shape, dtype=dtype, device=t.device)
         micro = [{"input_ids": ids[s:s + mbs], "attention_mask": am[s:s + mbs], "response_mask": rm[s:s + mbs],
                   "row_start": s} for s in range(dp_rank * share, (dp_rank + 1) * share, mbs)]
-        with invariant.batch_invariant(True):  # as compute_log_probs without autograd
-            t.pipeline.run(micro, _CaptureLogProbs(full), forward_only=True)
+        routes = _RoutingCapture(t.model, ids.shape, [mb["row_start"] for mb in micro], mbs, t.device) \
+            if routing else None
+        try:
+            with invariant.batch_invariant(True):  # as compute_log_probs without autograd
+                t.pipeline.run(micro, _CaptureLogProbs(full), forward_only=True)
+        finally:
+            if routes is not None:
+                routes.remove()
         dist.all_reduce(full, group=t.mesh.group("world"))
-        return full.cpu(), None
+        if routes is None:
+            return full.cpu(), None
+        dist.all_reduce(routes.out, group=t.mesh.group("world"))
+        return full.cpu(), routes.shifted().cpu()
 
     def _split(self, num_rows: int) -> tuple[int, int]:
         """(rows per dp replica, rows per micro-batch): at most `micro_batch_size`, dividing the share,

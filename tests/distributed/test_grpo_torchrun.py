@@ -11,7 +11,8 @@ frozen initial policy), float64 (``dtype: fp64``), FP4 MoEResQ experts.
   publisher only moves their bytes, and both engines run the same kernels on the same shapes with
   one thread;
 - old/reference log-probs, losses and the weights after the update: within ``FP64_REL`` (only the
-  order of fp64 sums differs between layouts; tests/numerics.py);
+  order of fp64 sums differs between layouts; tests/numerics.py); the trainer-side routing
+  (gathered from every stage) picks the same experts;
 - the rollout process serves what the trainer holds after the update: the SHA-256 of each of its
   weights under HF names equals that of the trainer's shard owning it (bitwise), and the next
   rollout ran on the published version.
@@ -69,7 +70,8 @@ def grpo_step(trainer, rollout) -> dict:
     handle.wait_loaded()
     again = rollout.generate(prompts[:2], params[:2], min_version=1)
     return dict(response_ids=gen.response_ids, log_probs=gen.log_probs, version=gen.version, rewards=rewards,
-                old=batch["old_log_probs"], ref=batch["ref_log_probs"], again_version=again.version,
+                old=batch["old_log_probs"], ref=batch["ref_log_probs"], routing=batch["train_routing"],
+                again_version=again.version,
                 result={k: v for k, v in result.items() if k != "tokens_per_s"})
 
 
@@ -136,6 +138,11 @@ def test_first_update_matches_single_process(reference, sharded):
     for rank, got in enumerate(sharded):
         for key in ("old", "ref"):
             assert rel(got[key], reference[key]) <= FP64_REL, (rank, key)
+        # Routing gathered from both stages and both dp replicas: the same picks (a pick flips only where
+        # two router probabilities are within ~1e-16; a misplaced row, layer or shift agrees ~1/28)
+        assert got["routing"].shape == reference["routing"].shape
+        agree = (got["routing"] == reference["routing"]).all(-1)[reference["old"] != 0]
+        assert agree.double().mean() >= 0.99, rank
         for key in ("loss", "grad_norm", "kl", "pg_loss", "clipfrac"):
             assert abs(got["result"][key] - want[key]) <= FP64_REL * abs(want[key]), (rank, key)
     seen = set()
