@@ -1,6 +1,16 @@
 """GRPO with MoEResQ on the embedded arithmetic task, on CPU in minutes.
 
     python examples/grpo_moeresq.py        # SFT warm-up, then GRPO; a few minutes on 2 cores
+    torchrun --nproc-per-node 4 examples/grpo_moeresq.py --set parallel.pp=2 --set parallel.ep=2
+    python examples/grpo_moeresq.py --tokenizer DIR --train-data train.parquet --max-new-tokens 64
+
+The loop is `megatron_fp4.rl` on the one `Trainer`: a single process keeps the rollout engine in
+process (as always); under torchrun the trainer is sharded (pipeline stages, expert shards, ZeRO)
+and trainer rank 0 starts the rollout engine as a process of its own (`rl.RemoteRollout`: weights
+gathered from every shard under HF names through a token-authenticated channel, generations
+broadcast to every trainer rank), and the policy loss runs through the pipeline schedule.
+With `--train-data` (verl-format parquet, prompts rendered by `--tokenizer`'s chat template) the
+rewards come from the data_source registry (`training.rewards`) instead of the arithmetic task.
 
 The default task is easy on purpose ('+' only, operands 0..9, `--ops`/`--max-operand` widen it):
 the SFT warm-up trains the LM objective on exactly this distribution, far enough that the policy
@@ -9,7 +19,7 @@ from. Greedy accuracy on a fixed eval set (problems never used as RL prompts) is
 and after every step, with reward, consistency and weight-sync time; the curves go to TensorBoard
 and to ``<logdir>/reward_curve.png``.
 
-Each step: the rollout engine (its own model copy, `fp4.rollout_mode`) samples `group_size`
+Each step: the rollout engine (its own model, `fp4.rollout_mode`) samples `group_size`
 answers per prompt; the reward is `check_answer`; advantages are group-normalised (GRPO); the
 trainer recomputes old log-probs with `fp4.train_mode`, logs rollout-vs-train consistency, and
 takes one clipped policy-gradient step with truncated IS (rollout vs old log-probs); then the
@@ -26,7 +36,6 @@ transfer to the other. Zero advantages leave the weights bit-identical (no weigh
 from __future__ import annotations
 
 import argparse
-import copy
 import os
 import random
 import sys
@@ -38,73 +47,91 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from megatron_fp4.config import load_config  # noqa: E402
-from megatron_fp4.rollout import (InProcessTransport, RolloutEngine, SamplingParams, WeightPublisher,  # noqa: E402
-                                  WeightReceiver, compute_log_probs, consistency_metrics, pad_prompt_response)
+from megatron_fp4.rl import (PolicyScorer, build_rl_batch, consistency, grpo_advantages, make_rollout,  # noqa: E402,F401
+                             ppo_updates, switch_to_rl)
+from megatron_fp4.rollout import SamplingParams  # noqa: E402
 from megatron_fp4.rollout.policy_step import PolicyLoss  # noqa: E402
 from megatron_fp4.training.data import (ArithmeticDataset, ArithmeticTokenizer, ResumableSampler,  # noqa: E402
                                         check_answer, make_problem)
-from megatron_fp4.training.trainer import Trainer  # noqa: E402
+from megatron_fp4.training.parallel_trainer import build_trainer  # noqa: E402
 
 TOK = ArithmeticTokenizer()
 
 
-def grpo_advantages(rewards: torch.Tensor, group_size: int, eps: float = 1e-6) -> torch.Tensor:
-    """rewards [num_prompts * group_size] (groups contiguous) -> (r - group mean) / (group std + eps)."""
-    r = rewards.view(-1, group_size).double()
-    return ((r - r.mean(1, keepdim=True)) / (r.std(1, unbiased=False, keepdim=True) + eps)).view(-1).float()
+class ArithmeticTask:
+    """The embedded task: `a+b=` prompts, reward `check_answer`, a fixed held-out greedy-eval set."""
+
+    def __init__(self, args):
+        self.args, self.tok = args, TOK
+        self.stop_token_ids = (TOK.eos_id,)
+        self.held_out = eval_problems(args.eval_size, args.max_operand, args.ops)
+        self._held_out_prompts = {p for p, _ in self.held_out}
+        self.rng = random.Random(f"grpo:{args.seed}")
+        self.eval_tokens = len(str(2 * args.max_operand if "*" not in args.ops else args.max_operand ** 2)) + 1
+        self.description = f"{len(self.held_out)} problems ({args.ops!r}, operands 0..{args.max_operand})"
+
+    def sample(self, num: int) -> list:
+        """`num` RL prompts (never an eval problem) as (prompt ids, text, ground truth)."""
+        problems = []
+        while len(problems) < num:
+            problem = make_problem(self.rng, self.args.max_operand, self.args.ops)
+            if problem[0] not in self._held_out_prompts:
+                problems.append(problem)
+        return [(TOK.encode(p, add_eos=False), p, None) for p, _ in problems]
+
+    def eval_items(self) -> list:
+        return [(TOK.encode(p, add_eos=False), p, None) for p, _ in self.held_out]
+
+    def reward(self, item, completion: str) -> float:
+        return float(check_answer(item[1], completion))
 
 
-def make_batch(gen, rewards, group_size: int, trainer_model, ref_model=None) -> dict:
-    """Padded training batch with old (trainer-recomputed) and rollout log-probs at response positions
-    (and the frozen reference policy's, for the KL penalty, when `ref_model` is given)."""
-    batch = pad_prompt_response(gen.prompt_ids, gen.response_ids, TOK.pad_id)
-    with torch.no_grad():
-        old = compute_log_probs(trainer_model, batch["input_ids"], batch["attention_mask"], batch["response_mask"],
-                                return_routing=True)
-        if ref_model is not None:
-            batch["ref_log_probs"] = compute_log_probs(ref_model, batch["input_ids"], batch["attention_mask"],
-                                                       batch["response_mask"]).log_probs
-    rollout_lp = torch.zeros_like(old.log_probs)
-    P = batch["prompt_len"]
-    for i, lp in enumerate(gen.log_probs):
-        rollout_lp[i, P:P + len(lp)] = lp
-    batch.update(old_log_probs=old.log_probs, rollout_log_probs=rollout_lp, train_routing=old.routing,
-                 advantages=grpo_advantages(rewards, group_size))
-    return batch
+class DatasetTask:
+    """verl-format prompts (`RLDataset`, rendered by an HF tokenizer's chat template) and rewards by
+    data_source (`training.rewards`); the first --eval-size rows are the greedy-eval set (never RL
+    prompts) unless --test-data gives one."""
 
+    def __init__(self, args):
+        from megatron_fp4.training.data.rl_dataset import RLDataset
+        from megatron_fp4.training.data.tokenizer import HFTokenizer
 
-def consistency(gen, batch) -> dict:
-    P = batch["prompt_len"]
-    train_lp = torch.cat([batch["old_log_probs"][i, P:P + len(r)] for i, r in enumerate(gen.response_ids)])
-    train_rt = torch.cat([batch["train_routing"][i, P:P + len(r)] for i, r in enumerate(gen.response_ids)])
-    return consistency_metrics(torch.cat(gen.log_probs), train_lp, torch.cat(gen.routing), train_rt)
+        if not args.tokenizer:
+            raise ValueError("--train-data needs --tokenizer DIR (the HF tokenizer directory its prompts are for)")
+        self.tok = HFTokenizer.from_dir(args.tokenizer)
+        if not self.tok.stop_token_ids:
+            raise ValueError(f"{self.tok.name} has no eos_token: the rollout needs it to stop (tokenizer_config.json)")
+        self.stop_token_ids = self.tok.stop_token_ids
+        kw = dict(max_prompt_length=args.max_prompt_length)
+        self.train = RLDataset(args.train_data, self.tok, **kw)
+        if args.test_data:
+            self.test, self.pool = RLDataset(args.test_data, self.tok, max_samples=args.eval_size, **kw), \
+                list(range(len(self.train)))
+            self.eval_rows = list(range(len(self.test)))
+        else:
+            if len(self.train) <= args.eval_size:
+                raise ValueError(f"--train-data has {len(self.train)} prompts, not more than --eval-size="
+                                 f"{args.eval_size} held out for the greedy eval; lower --eval-size or pass --test-data")
+            self.test, self.eval_rows = self.train, list(range(args.eval_size))
+            self.pool = list(range(args.eval_size, len(self.train)))
+        self.rng = random.Random(f"grpo:{args.seed}")
+        self.eval_tokens = args.max_new_tokens
+        self.description = f"{len(self.eval_rows)} held-out prompts of {args.test_data or args.train_data}"
 
+    def _item(self, dataset, i: int):
+        row = dataset[i]
+        return row["prompt_ids"], self.tok.decode(row["prompt_ids"]), (row["data_source"], dataset.ground_truth(i))
 
-def policy_update(trainer, batch: dict, micro_batch_size: int, clip_eps: float, tis_cap, kl_coef: float = 0.0) -> dict:
-    """One optimizer step on the GRPO loss (+ kl_coef * k3 KL to the reference) through the trainer
-    (clipping, NaN guard, LR schedule; the pipeline schedule when the trainer has one)."""
-    loss = PolicyLoss(clip_eps, tis_cap, kl_coef)
-    B = batch["input_ids"].shape[0]
-    micro = [{k: batch[k][s:s + micro_batch_size] for k in loss.batch_keys} for s in range(0, B, micro_batch_size)]
-    return trainer.train_step_with_loss(micro, loss)
+    def sample(self, num: int) -> list:
+        return [self._item(self.train, self.rng.choice(self.pool)) for _ in range(num)]
 
+    def eval_items(self) -> list:
+        return [self._item(self.test, i) for i in self.eval_rows]
 
-def ppo_updates(trainer, batch: dict, args, rng: random.Random) -> dict:
-    """--ppo-epochs passes over the rollout batch, each cut into --minibatches shuffled minibatches
-    (one optimizer step each); the ratio to the old log-probs is what the clip then bounds.
-    Returns the first step's result (loss of the policy that sampled) with the last step's kl."""
-    B = batch["input_ids"].shape[0]
-    per_sample = [k for k, v in batch.items() if torch.is_tensor(v) and v.shape[:1] == (B,)]
-    results = []
-    for _ in range(args.ppo_epochs):
-        order = list(range(B))
-        rng.shuffle(order)
-        for chunk in (order[i::args.minibatches] for i in range(args.minibatches)):
-            idx = torch.tensor(sorted(chunk))
-            mini = {k: batch[k][idx] for k in per_sample}
-            results.append(policy_update(trainer, mini, args.micro_batch_size, args.clip_eps, args.tis_cap,
-                                         args.kl_coef))
-    return {**results[0], "kl": results[-1].get("kl", 0.0), "num_updates": len(results)}
+    def reward(self, item, completion: str) -> float:
+        from megatron_fp4.training import rewards
+
+        data_source, ground_truth = item[2]
+        return float(rewards.compute_score(data_source, completion, ground_truth))
 
 
 def eval_problems(num: int, max_operand: int, ops: str) -> list[tuple[str, str]]:
@@ -117,12 +144,13 @@ def eval_problems(num: int, max_operand: int, ops: str) -> list[tuple[str, str]]
     return list(seen.items())
 
 
-def greedy_accuracy(engine, problems, max_new_tokens: int) -> float:
-    """Fraction of `problems` the rollout engine answers right with greedy decoding."""
-    params = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0, stop_token_ids=(TOK.eos_id,))
-    gen = engine.generate([TOK.encode(p, add_eos=False) for p, _ in problems], params)
-    return sum(check_answer(p, TOK.decode(r, stop_at_eos=True)) for (p, _), r in zip(problems, gen.response_ids)) \
-        / len(problems)
+def greedy_accuracy(rollout, task, min_version: int) -> float:
+    """Fraction of the task's eval prompts the rollout answers right (reward > 0) with greedy decoding."""
+    items = task.eval_items()
+    params = SamplingParams(max_new_tokens=task.eval_tokens, temperature=0.0, stop_token_ids=task.stop_token_ids)
+    gen = rollout.generate([ids for ids, _, _ in items], [params] * len(items), min_version=min_version)
+    return sum(task.reward(it, task.tok.decode(r, stop_at_eos=True)) > 0
+               for it, r in zip(items, gen.response_ids)) / len(items)
 
 
 def sft_warmup(trainer, args) -> None:
@@ -130,7 +158,8 @@ def sft_warmup(trainer, args) -> None:
     cfg = trainer.cfg
     trainer.dataset = ArithmeticDataset(cfg.data.num_samples, cfg.schedule.seq_len, cfg.schedule.seed,
                                         args.max_operand, args.ops)
-    trainer.sampler = ResumableSampler(len(trainer.dataset), cfg.schedule.global_batch_size, cfg.schedule.seed)
+    trainer.sampler = ResumableSampler(len(trainer.dataset), cfg.schedule.global_batch_size, cfg.schedule.seed,
+                                       dp_rank=trainer.mesh.coord("dp"), dp_size=trainer.mesh.dp)
     for _ in range(args.sft_steps):
         trainer.train_step()
 
@@ -157,78 +186,99 @@ def plot_curves(history: list, eval_before: float, path: Path) -> None:
     plt.close(fig)
 
 
-def configure_rl(trainer, args) -> None:
-    """Switch the trainer from SFT to RL: constant --lr, weight decay --rl-weight-decay, a fresh
-    Adam, router aux/z losses scaled by --rl-aux-coef (0: off, no auxiliary gradient at all).
-    With every advantage 0 a step then leaves the weights bit-identical
-    (tests/unit/test_rl_policy_loss.py)."""
-    o = trainer.cfg.optimizer
-    o.lr = o.min_lr = args.lr
-    # AdamW's decay moves the weights even when the policy gradient is exactly 0 (all advantages 0).
-    o.weight_decay = args.rl_weight_decay
-    # A fresh Adam for RL: SFT's momentum would otherwise keep pushing the LM direction for the
-    # first RL steps (measured: greedy accuracy drifts down even with all advantages zeroed).
-    trainer.optimizer = trainer.build_optimizer()
-    for moe in trainer.model.moe_layers():  # see --rl-aux-coef
-        moe.aux_loss_coef, moe.z_loss_coef = args.rl_aux_coef, args.rl_aux_coef * 0.1
+def default_micro_batch_size(args, mesh) -> int:
+    """32 rows, or the largest divisor of a dp share of a minibatch that leaves >= pp micro-batches."""
+    share = args.num_prompts * args.group_size // args.minibatches // mesh.dp
+    bound = min(32, share // mesh.pp) if mesh.pp > 1 else 32
+    return max([d for d in range(1, bound + 1) if share % d == 0] or [1]) if mesh.pp > 1 else bound
+
+
+def build(args):
+    """(trainer after the SFT warm-up and switched to RL, task): the one `Trainer` on this process's
+    mesh (size 1 without torchrun)."""
+    task = DatasetTask(args) if args.train_data else ArithmeticTask(args)
+    if args.sft_steps is None:
+        args.sft_steps = 0 if args.train_data else 200
+    if args.train_data and args.sft_steps:
+        raise ValueError("--sft-steps trains the LM objective on the embedded arithmetic corpus; with --train-data "
+                         "set --sft-steps 0")
+    overrides = ["logging.tensorboard_dir=null", "checkpoint.dir=null", f"schedule.seed={args.seed}",
+                 f"model.vocab_size={task.tok.vocab_size}"]  # no unused ids the decoder could not print
+    cfg = load_config(args.config, overrides + list(args.override or []))
+    # SFT: warm-up then cosine from --sft-lr; RL: constant --lr (switch_to_rl, a fresh Adam).
+    o, s = cfg.optimizer, cfg.schedule
+    o.lr, o.min_lr = args.sft_lr, args.sft_lr / 10
+    s.train_steps, s.warmup_steps = max(args.sft_steps, 1), min(s.warmup_steps, args.sft_steps)
+    trainer = build_trainer(cfg, build_data=False)
+    if args.micro_batch_size is None:
+        args.micro_batch_size = default_micro_batch_size(args, trainer.mesh)
+    sft_warmup(trainer, args)
+    switch_to_rl(trainer, args.lr, args.rl_weight_decay, args.rl_aux_coef)
+    return trainer, task
 
 
 def run(args) -> list:
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     start = time.perf_counter()
-    overrides = ["logging.tensorboard_dir=null", "checkpoint.dir=null", f"schedule.seed={args.seed}",
-                 f"model.vocab_size={TOK.vocab_size}"]  # no unused ids the decoder could not print
-    cfg = load_config(args.config, overrides + list(args.override or []))
-    # SFT: warm-up then cosine from --sft-lr; RL: constant --lr (same optimizer, Adam state kept).
-    o, s = cfg.optimizer, cfg.schedule
-    o.lr, o.min_lr = args.sft_lr, args.sft_lr / 10
-    s.train_steps, s.warmup_steps = max(args.sft_steps, 1), min(s.warmup_steps, args.sft_steps)
-    trainer = Trainer(cfg, build_data=False)
-    sft_warmup(trainer, args)
-    configure_rl(trainer, args)
-    ref_model = copy.deepcopy(trainer.model).eval() if args.kl_coef else None  # the SFT policy, frozen
-    engine = RolloutEngine(copy.deepcopy(trainer.model), mode=cfg.fp4.rollout_mode, pad_id=TOK.pad_id,
-                           batch_invariant=cfg.numerics.batch_invariant)
-    publisher = WeightPublisher(trainer.model, [InProcessTransport(WeightReceiver(engine))], args.bucket_mb << 20)
-    publisher.publish(0).wait_loaded()
-    held_out = eval_problems(args.eval_size, args.max_operand, args.ops)
-    held_out_prompts = {p for p, _ in held_out}
-    answer_tokens = len(str(2 * args.max_operand if "*" not in args.ops else args.max_operand ** 2)) + 1
-    eval_before = greedy_accuracy(engine, held_out, answer_tokens)
-    print(f"SFT: {args.sft_steps} steps in {time.perf_counter() - start:.0f} s; greedy eval accuracy "
-          f"{eval_before:.3f} on {len(held_out)} problems ({args.ops!r}, operands 0..{args.max_operand})", flush=True)
-    writer = None
-    if args.logdir:
-        from torch.utils.tensorboard import SummaryWriter
-        writer = SummaryWriter(args.logdir)
-    rng, shuffle_rng = random.Random(f"grpo:{args.seed}"), random.Random(f"grpo-minibatches:{args.seed}")
+    trainer, task = build(args)
+    main = trainer.mesh.rank == 0
+    say = print if main else (lambda *a, **k: None)
+    scorer = PolicyScorer(trainer, args.micro_batch_size, keep_reference=bool(args.kl_coef))  # the SFT policy, frozen
+    rollout = make_rollout(trainer, task.tok.pad_id, args.bucket_mb << 20, addr=args.rollout_addr)
+    loss = PolicyLoss(args.clip_eps, args.tis_cap, args.kl_coef)
+    try:
+        history, eval_before = grpo_loop(trainer, task, rollout, scorer, loss, args, say, start)
+        served = rollout.served_version()
+    finally:
+        rollout.close()
+    for record, h in zip(history, rollout.publisher.history[1:]):
+        record["weight_sync/load_s"] = h.load_s
+    k = max(1, min(5, len(history) // 3))
+    first, final = (sum(h["reward"] for h in part) / len(part) for part in (history[:k], history[-k:]))
+    say(f"reward (mean of first/last {k} steps): {first:.3f} -> {final:.3f}; greedy eval accuracy: "
+        f"{eval_before:.3f} (after SFT) -> {history[-1]['eval_acc']:.3f} (after {len(history)} GRPO steps); "
+        f"{time.perf_counter() - start:.0f} s in all", flush=True)
+    sync = [(h["weight_sync/snapshot_s"], h["weight_sync/load_s"]) for h in history]
+    say(f"weight sync (median): publish returns after {sorted(s for s, _ in sync)[len(sync) // 2] * 1e3:.1f} ms "
+        f"(snapshot), loaded {sorted(l for _, l in sync)[len(sync) // 2] * 1e3:.1f} ms later "
+        f"({rollout.publisher.history[-1].num_bytes / 2**20:.2f} MiB in {rollout.publisher.history[-1].num_buckets} "
+        f"buckets)", flush=True)
+    history[-1].update(eval_before=eval_before, reward_first=first, reward_last=final,
+                       final_rollout_version=served)
+    if args.logdir and main:
+        write_logs(history, eval_before, Path(args.logdir))
+    return history
+
+
+def grpo_loop(trainer, task, rollout, scorer, loss, args, say, start: float):
+    rollout.publish(0).wait_loaded()
+    eval_before = greedy_accuracy(rollout, task, 0)
+    say(f"SFT: {args.sft_steps} steps in {time.perf_counter() - start:.0f} s; greedy eval accuracy "
+        f"{eval_before:.3f} on {task.description}; rollout: {type(rollout).__name__}", flush=True)
+    shuffle_rng = random.Random(f"grpo-minibatches:{args.seed}")
     history, handle = [], None
-    print(f"{'step':>4} {'reward':>7} {'eval':>6} {'pearson':>9} {'experts':>8} {'sync ms':>8} {'loss':>8}", flush=True)
+    say(f"{'step':>4} {'reward':>7} {'eval':>6} {'pearson':>9} {'experts':>8} {'sync ms':>8} {'loss':>8}", flush=True)
     for step in range(args.steps):
         if handle is not None:
             handle.wait_loaded()  # the rollout must serve the newest policy (raises WeightSyncError)
-        problems = []
-        while len(problems) < args.num_prompts:  # RL never trains on the eval problems
-            problem = make_problem(rng, args.max_operand, args.ops)
-            if problem[0] not in held_out_prompts:
-                problems.append(problem)
-        texts = [p for p, _ in problems for _ in range(args.group_size)]
+        items = [it for it in task.sample(args.num_prompts) for _ in range(args.group_size)]
         params = [SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                                 stop_token_ids=(TOK.eos_id,), seed=args.seed * 1_000_003 + step * 10_007 + i)
-                  for i in range(len(texts))]
-        gen = engine.generate([TOK.encode(t, add_eos=False) for t in texts], params, return_routing=True)
-        completions = [TOK.decode(r, stop_at_eos=True) for r in gen.response_ids]
-        rewards = torch.tensor([float(check_answer(t, c)) for t, c in zip(texts, completions)])
-        batch = make_batch(gen, rewards, args.group_size, trainer.model, ref_model)
+                                 stop_token_ids=task.stop_token_ids, seed=args.seed * 1_000_003 + step * 10_007 + i)
+                  for i in range(len(items))]
+        gen = rollout.generate([ids for ids, _, _ in items], params, return_routing=True, min_version=step)
+        completions = [task.tok.decode(r, stop_at_eos=True) for r in gen.response_ids]
+        rewards = torch.tensor([task.reward(it, c) for it, c in zip(items, completions)])
+        batch = build_rl_batch(gen, rewards, args.group_size, scorer, task.tok.pad_id)
         cons = consistency(gen, batch)
-        result = ppo_updates(trainer, batch, args, shuffle_rng)
-        handle = publisher.publish(step + 1)  # returns at snapshot: training could go on right now
+        result = ppo_updates(trainer, batch, loss, args.micro_batch_size, args.ppo_epochs, args.minibatches,
+                             shuffle_rng)
+        handle = rollout.publish(step + 1)  # returns at snapshot: training could go on right now
+        texts = [it[1] for it in items]
         record = {"step": step, "rollout_version": gen.version, "published_version": handle.version,
                   "reward": float(rewards.mean()), "loss": result["loss"], "grad_norm": result["grad_norm"],
-                  "kl": result["kl"], "num_updates": result["num_updates"],
-                  "temperature": args.temperature,
+                  "kl": result["kl"], "num_updates": result["num_updates"], "temperature": args.temperature,
                   "weight_sync/snapshot_s": handle.snapshot_s, "texts": texts, "completions": completions,
-                  "rewards": rewards.tolist(), **{f"consistency/{k}": v for k, v in cons.items() if k != "kl_method"}}
+                  "rewards": rewards.tolist(), "references": [it[2] for it in items], **{f"consistency/{k}": v for k, v in cons.items() if k != "kl_method"}}
         if step == 0:  # before any update: rollout vs trainer log-probs of the same weights
             P = batch["prompt_len"]
             record["lp_diffs"] = torch.cat([(batch["old_log_probs"][i, P:P + len(r)] - gen.log_probs[i]).abs()
@@ -236,49 +286,55 @@ def run(args) -> list:
         last = step == args.steps - 1
         if last or (args.eval_every and (step + 1) % args.eval_every == 0):
             handle.wait_loaded()  # evaluate the policy this step produced
-            record["eval_acc"] = greedy_accuracy(engine, held_out, answer_tokens)
+            record["eval_acc"] = greedy_accuracy(rollout, task, step + 1)
         history.append(record)
-        print(f"{step:>4} {record['reward']:>7.3f} {record.get('eval_acc', float('nan')):>6.3f} "
-              f"{cons['pearson']:>9.6f} {cons.get('expert_agreement', float('nan')):>8.4f} "
-              f"{handle.snapshot_s * 1e3:>8.1f} {result['loss']:>+8.4f}", flush=True)
+        say(f"{step:>4} {record['reward']:>7.3f} {record.get('eval_acc', float('nan')):>6.3f} "
+            f"{cons['pearson']:>9.6f} {cons.get('expert_agreement', float('nan')):>8.4f} "
+            f"{handle.snapshot_s * 1e3:>8.1f} {result['loss']:>+8.4f}", flush=True)
     handle.wait_loaded()
-    for record, h in zip(history, publisher.history[1:]):
-        record["weight_sync/load_s"] = h.load_s
-    k = max(1, min(5, len(history) // 3))
-    first, final = (sum(h["reward"] for h in part) / len(part) for part in (history[:k], history[-k:]))
-    print(f"reward (mean of first/last {k} steps): {first:.3f} -> {final:.3f}; greedy eval accuracy: "
-          f"{eval_before:.3f} (after SFT) -> {history[-1]['eval_acc']:.3f} (after {len(history)} GRPO steps); "
-          f"{time.perf_counter() - start:.0f} s in all", flush=True)
-    history[-1].update(eval_before=eval_before, reward_first=first, reward_last=final)
-    if args.logdir:
-        if writer is not None:
-            writer.add_scalar("grpo/eval_acc", eval_before, -1)
-            for r in history:
-                for key, v in r.items():
-                    if isinstance(v, float) and key not in ("step", "temperature"):
-                        writer.add_scalar(key if "/" in key else f"grpo/{key}", v, r["step"])
-            writer.close()
-        png = Path(args.logdir) / "reward_curve.png"
-        plot_curves(history, eval_before, png)
-        print(f"curves: {png} and TensorBoard in {args.logdir}")
-    history[-1]["final_rollout_version"] = engine.version
-    return history
+    return history, eval_before
+
+
+def write_logs(history: list, eval_before: float, logdir: Path) -> None:
+    from torch.utils.tensorboard import SummaryWriter
+
+    writer = SummaryWriter(str(logdir))
+    writer.add_scalar("grpo/eval_acc", eval_before, -1)
+    for r in history:
+        for key, v in r.items():
+            if isinstance(v, float) and key not in ("step", "temperature"):
+                writer.add_scalar(key if "/" in key else f"grpo/{key}", v, r["step"])
+    writer.close()
+    png = logdir / "reward_curve.png"
+    plot_curves(history, eval_before, png)
+    print(f"curves: {png} and TensorBoard in {logdir}")
 
 
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--config", default=str(Path(__file__).resolve().parent / "configs" / "tiny_moe.yaml"))
-    ap.add_argument("--override", action="append", help="dotted config override, e.g. fp4.scope=experts+attention")
+    ap.add_argument("--override", "--set", action="append", dest="override",
+                    help="dotted config override, e.g. fp4.scope=experts+attention or parallel.pp=2")
     ap.add_argument("--steps", type=int, default=120, help="GRPO steps")
-    ap.add_argument("--sft-steps", type=int, default=200, help="LM warm-up steps before RL (0 = from scratch)")
+    ap.add_argument("--sft-steps", type=int, default=None,
+                    help="LM warm-up steps on the arithmetic corpus before RL (default 200; 0 = from scratch; "
+                         "0 with --train-data)")
     ap.add_argument("--sft-lr", type=float, default=1e-2)
     ap.add_argument("--max-operand", type=int, default=9, help="operands are drawn from 0..max-operand")
     ap.add_argument("--ops", default="+", help="operators to draw from, a subset of '+-*'")
+    ap.add_argument("--tokenizer", help="HF tokenizer directory (with --train-data; default: the arithmetic task's)")
+    ap.add_argument("--train-data", help="verl-format parquet/json of RL prompts (rewards by data_source); "
+                                         "default: the embedded arithmetic task")
+    ap.add_argument("--test-data", help="held-out verl-format prompts for the greedy eval (default: the first "
+                                        "--eval-size rows of --train-data, then never RL prompts)")
+    ap.add_argument("--max-prompt-length", type=int, default=256)
     ap.add_argument("--num-prompts", type=int, default=8)
     ap.add_argument("--group-size", type=int, default=8)
     ap.add_argument("--max-new-tokens", type=int, default=4)
     ap.add_argument("--temperature", type=float, default=1.0)
-    ap.add_argument("--micro-batch-size", type=int, default=32)
+    ap.add_argument("--micro-batch-size", type=int, default=None,
+                    help="rows per micro-batch of a policy update (default 32, fewer with parallel.pp > 1 so that "
+                         "each data-parallel share of a minibatch makes at least pp micro-batches)")
     ap.add_argument("--lr", type=float, default=5e-5, help="GRPO learning rate (constant)")
     ap.add_argument("--clip-eps", type=float, default=0.2)
     ap.add_argument("--tis-cap", type=float, default=2.0, help="truncated IS clip C (rollout vs old log-probs)")
@@ -294,6 +350,8 @@ def parse_args(argv=None):
     ap.add_argument("--eval-size", type=int, default=100, help="fixed greedy-eval problems (never RL prompts)")
     ap.add_argument("--eval-every", type=int, default=10, help="greedy eval every N steps (0: only the last)")
     ap.add_argument("--bucket-mb", type=int, default=1)
+    ap.add_argument("--rollout-addr", default="127.0.0.1",
+                    help="under torchrun: the address trainer rank 0 serves the rollout process's channels on")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--logdir", default="outputs/grpo/tensorboard")
     return ap.parse_args(argv)

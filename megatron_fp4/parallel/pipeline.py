@@ -256,9 +256,10 @@ class PipelineRunner:
         scaled.unscaled = loss.detach()  # for the report; the schedule may call loss_fn for shape inference
         return scaled
 
-    def run(self, micro_batches: list[dict], step_loss) -> tuple[float, dict]:
-        """Forward and backward of every micro-batch; returns the mean loss and metrics (broadcast
-        from the last stage, so every pp rank returns the same)."""
+    def run(self, micro_batches: list[dict], step_loss, forward_only: bool = False) -> tuple[float, dict]:
+        """Forward and backward of every micro-batch (`forward_only`: forward and loss only, e.g. to
+        score an RL batch under torch.no_grad()); returns the mean loss and metrics (broadcast from
+        the last stage, so every pp rank returns the same)."""
         n = len(micro_batches)
         self._inputs = [step_loss.model_inputs(mb) for mb in micro_batches]
         shapes = {tuple(inp["tokens"].shape) for inp in self._inputs}
@@ -271,7 +272,8 @@ class PipelineRunner:
         target = torch.arange(n, device=self.mesh.device) if self.has_last else None
         losses = [] if self.has_last else None
         try:
-            self.schedule.step(*args, target=target, losses=losses, return_outputs=False)
+            (self.schedule.eval if forward_only else self.schedule.step)(*args, target=target, losses=losses,
+                                                                         return_outputs=False)
         finally:
             self._inputs, self._batch, self._step_loss = [], [], None
         loss, metrics = 0.0, {}

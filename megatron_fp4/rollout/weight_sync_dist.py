@@ -102,6 +102,12 @@ def _broadcast_json(obj, src: int, group, device: torch.device):
     return obj if is_src else _decode(payload, f"rank {src} (the publisher)")
 
 
+# Public names for other JSON/tensor exchanges over the same kinds of group (e.g. rollout requests
+# and results between a trainer and a rollout process, `megatron_fp4.rl.wire`).
+broadcast_json = _broadcast_json
+broadcast_tensor = _broadcast_tensor
+
+
 def _gather_json(obj, src: int, group, device: torch.device) -> Optional[list]:
     """Every group rank's `obj` on `src` (None elsewhere), in group-rank order; an entry is a
     `ProtocolError` where that rank's message was not JSON or too large. An allgather: the verdicts

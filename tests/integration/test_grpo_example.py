@@ -3,6 +3,7 @@ the first update, rewards are check_answer of the decoded completions, TensorBoa
 import importlib.util
 from pathlib import Path
 
+import pytest
 import torch
 
 from megatron_fp4.training.data import check_answer
@@ -52,3 +53,32 @@ def test_grpo_example_mechanics(tmp_path):
     assert 0.0 <= history[-1]["eval_before"] <= 1.0
     # PPO: 2 epochs x 2 minibatches = 4 optimizer steps per rollout batch, k3 KL to the SFT policy >= 0
     assert all(h["num_updates"] == 4 and h["kl"] >= 0.0 for h in history)
+
+
+def test_grpo_example_on_verl_parquet_with_an_hf_tokenizer(tmp_path):
+    """--tokenizer DIR --train-data FILE.parquet: prompts rendered by the tokenizer's chat template,
+    rewards by data_source (training.rewards), the first --eval-size rows held out of RL."""
+    from megatron_fp4.training import rewards
+    from megatron_fp4.training.data.math_task import build_math_tokenizer, write_math_dataset
+    from megatron_fp4.training.data.rl_dataset import RLDataset
+
+    tok = build_math_tokenizer(tmp_path / "tok", max_operand=5)
+    paths = write_math_dataset(tmp_path / "data", num_train=12, num_test=2, max_operand=5)
+    ex = load_example()
+    args = ex.parse_args(["--tokenizer", str(tmp_path / "tok"), "--train-data", str(paths["train"]), "--steps", "2",
+                          "--num-prompts", "2", "--group-size", "3", "--max-new-tokens", "6", "--eval-size", "4",
+                          "--eval-every", "0", "--micro-batch-size", "3", "--logdir", ""])
+    history = ex.run(args)
+    assert args.sft_steps == 0 and [h["rollout_version"] for h in history] == [0, 1]
+    data = RLDataset(str(paths["train"]), tok, max_prompt_length=256)
+    held_out = {tok.decode(data[i]["prompt_ids"]) for i in range(4)}
+    sources = {data[i]["data_source"] for i in range(len(data))}
+    for h in history:
+        assert not held_out & set(h["texts"])  # RL never samples the eval rows
+        assert h["rewards"] == [rewards.compute_score(source, c, truth)
+                                for (source, truth), c in zip(h["references"], h["completions"])]
+        assert {source for source, _ in h["references"]} <= sources
+    assert 0.0 <= history[-1]["eval_acc"] <= 1.0
+    with pytest.raises(ValueError, match="--sft-steps 0"):
+        ex.run(ex.parse_args(["--tokenizer", str(tmp_path / "tok"), "--train-data", str(paths["train"]),
+                              "--sft-steps", "5", "--eval-size", "4"]))

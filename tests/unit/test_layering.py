@@ -1,13 +1,14 @@
 """DESIGN.md's layer rule: a module imports only from layers above it, never from below.
 
-Order (top first): config → fp4 → model → parallel → training → rollout → integrations.
+Order (top first): config → fp4 → model → parallel → training → rollout → integrations → rl.
+`rl` (GRPO on the one trainer, the rollout process) joins training, rollout and integrations.
 `fp4` imports nothing of ours; the CLI (`megatron_fp4/train.py`) sits on top of everything.
 """
 import ast
 import pathlib
 
 ROOT = pathlib.Path(__file__).resolve().parents[2] / "megatron_fp4"
-ORDER = ["config", "config_validate", "fp4", "model", "parallel", "training", "rollout", "integrations"]
+ORDER = ["config", "config_validate", "fp4", "model", "parallel", "training", "rollout", "integrations", "rl"]
 RANK = {name: i for i, name in enumerate(ORDER)}
 RANK["config_validate"] = RANK["config"]
 

@@ -1,0 +1,17 @@
+"""RL post-training on the one `Trainer`, for every layout (a layer on top of training, rollout and
+integrations: it joins them).
+
+- `grpo`: group advantages, the RL batch (old/rollout/reference log-probs), PPO minibatch updates
+  through the pipeline or not, `switch_to_rl`
+- `scorer`: `PolicyScorer`, the trainer's log-probs of an RL batch on any layout
+- `rollout_client`: `InProcessRollout`, `RemoteRollout` (a separate rollout process fed by the
+  sharded publisher), `make_rollout`
+- `rollout_worker`: the rollout process; `wire`: generations as JSON + tensors between processes
+"""
+from megatron_fp4.rl.grpo import (build_rl_batch, consistency, grpo_advantages, policy_update, ppo_updates,
+                                  response_values, switch_to_rl)
+from megatron_fp4.rl.rollout_client import InProcessRollout, RemoteRollout, make_rollout
+from megatron_fp4.rl.scorer import PolicyScorer
+
+__all__ = ["grpo_advantages", "build_rl_batch", "consistency", "policy_update", "ppo_updates", "response_values",
+           "switch_to_rl", "PolicyScorer", "InProcessRollout", "RemoteRollout", "make_rollout"]

@@ -1,0 +1,92 @@
+"""Rollout requests and results between processes: JSON headers and plain tensors, never pickle.
+
+A `GenerationOutput` travels as a JSON header (version, token ids, finish reasons, shapes) and
+flat tensors (log-probs as float32, what the engine produces, and routing as int64), so the
+receiver parses data and checks its form; nothing it receives can execute. The same codec
+carries a generation from the rollout process to trainer rank 0 (a `PeerGroup`) and from rank 0
+to every trainer rank (the default process group), using `rollout.weight_sync_dist`'s JSON and
+tensor broadcasts, which work on both.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from megatron_fp4.rollout.engine import GenerationOutput
+from megatron_fp4.rollout.sampling import SamplingParams
+from megatron_fp4.rollout.weight_sync_dist import ProtocolError, broadcast_json, broadcast_tensor
+
+MAX_TOKENS = 1 << 28  # generated tokens in one result; more is not a rollout batch
+SAMPLING_FIELDS = ("max_new_tokens", "temperature", "top_k", "top_p", "stop_token_ids", "seed")
+
+
+def params_to_json(params: SamplingParams) -> dict:
+    return {k: (list(v) if isinstance(v, tuple) else v) for k, v in
+            ((f, getattr(params, f)) for f in SAMPLING_FIELDS if hasattr(params, f))}
+
+
+def params_from_json(obj) -> SamplingParams:
+    if not isinstance(obj, dict) or not set(obj) <= set(SAMPLING_FIELDS):
+        raise ProtocolError(f"sampling parameters must be a dict of {SAMPLING_FIELDS}, got {str(obj)[:200]}")
+    if "stop_token_ids" in obj:
+        obj = {**obj, "stop_token_ids": tuple(int(t) for t in obj["stop_token_ids"])}
+    return SamplingParams(**obj)
+
+
+def _int_lists(obj, what: str) -> list:
+    if not isinstance(obj, list) or not all(isinstance(r, list) and all(type(t) is int for t in r) for r in obj):
+        raise ProtocolError(f"{what} must be a list of lists of token ids")
+    return obj
+
+
+def _header(gen: GenerationOutput) -> dict:
+    routing = None if gen.routing is None else list(gen.routing[0].shape[1:]) if gen.routing else [0, 0]
+    return {"version": int(gen.version), "prompt_ids": [list(map(int, p)) for p in gen.prompt_ids],
+            "response_ids": [list(map(int, r)) for r in gen.response_ids],
+            "finish_reasons": list(gen.finish_reasons), "routing": routing}
+
+
+def _check_header(h) -> tuple:
+    if not isinstance(h, dict) or set(h) != {"version", "prompt_ids", "response_ids", "finish_reasons", "routing"} \
+            or type(h["version"]) is not int:
+        raise ProtocolError("a generation header must be {version, prompt_ids, response_ids, finish_reasons, routing}")
+    prompts, responses = _int_lists(h["prompt_ids"], "prompt_ids"), _int_lists(h["response_ids"], "response_ids")
+    reasons, routing = h["finish_reasons"], h["routing"]
+    if len(prompts) != len(responses) or not isinstance(reasons, list) or len(reasons) != len(responses):
+        raise ProtocolError("prompt_ids, response_ids and finish_reasons must have one entry per request")
+    if routing is not None and not (isinstance(routing, list) and len(routing) == 2
+                                    and all(type(n) is int and 0 <= n < 1 << 16 for n in routing)):
+        raise ProtocolError("routing must be null or [num_moe_layers, top_k]")
+    n = sum(len(r) for r in responses)
+    if n > MAX_TOKENS:
+        raise ProtocolError(f"a generation of {n} tokens (allowed: {MAX_TOKENS})")
+    return prompts, responses, reasons, routing, n
+
+
+def broadcast_generation(gen: Optional[GenerationOutput], src: int, group, device=None) -> GenerationOutput:
+    """`gen` from `src` of `group` (a torch.distributed group, None: the default one, or a
+    `PeerGroup`); every other rank passes None and gets the same generation back."""
+    device = device or torch.device("cpu")
+    header = broadcast_json(None if gen is None else _header(gen), src, group, device)
+    prompts, responses, reasons, routing, n = _check_header(header)
+    lengths = [len(r) for r in responses]
+    flat = {}
+    for key in ("log_probs", "sampled_log_probs"):
+        t = torch.cat([torch.as_tensor(x, dtype=torch.float32) for x in getattr(gen, key)]) if gen is not None \
+            else torch.empty(n, dtype=torch.float32)
+        if n:
+            t = t.to(device)
+            broadcast_tensor(t, src, group)
+        flat[key] = list(t.cpu().split(lengths))
+    rt = None
+    if routing is not None:
+        shape = (n, *routing)
+        t = torch.cat(gen.routing).to(torch.int64) if gen is not None else torch.empty(shape, dtype=torch.int64)
+        if t.numel():
+            t = t.to(device)
+            broadcast_tensor(t, src, group)
+        rt = list(t.cpu().split(lengths))
+    return GenerationOutput(prompt_ids=prompts, response_ids=responses, log_probs=flat["log_probs"],
+                            sampled_log_probs=flat["sampled_log_probs"], finish_reasons=reasons,
+                            version=header["version"], routing=rt)

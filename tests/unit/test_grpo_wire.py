@@ -1,0 +1,154 @@
+"""The rollout process's boundary (megatron_fp4/rl): generations travel as JSON + tensors and come
+back exactly; malformed messages are refused as data errors; weights under HF names are checked
+in full before anything is loaded; nothing on the path unpickles."""
+import collections
+import pathlib
+import re
+
+import pytest
+import torch
+
+from megatron_fp4.rollout import RolloutEngine, SamplingParams
+from megatron_fp4.rollout.weight_sync_dist import ProtocolError
+
+
+class Loopback:
+    """Both ends of a 2-rank peer group in one process: the sender's broadcasts are queued, the
+    receiver's take them in order (`rollout.weight_sync_dist` accepts any object with this API)."""
+
+    def __init__(self, rank: int, queue: collections.deque):
+        self._rank, self.queue = rank, queue
+
+    def rank(self) -> int:
+        return self._rank
+
+    def size(self) -> int:
+        return 2
+
+    def broadcast(self, tensor, src):
+        if src == self._rank:
+            self.queue.append(tensor.clone())
+        else:
+            tensor.copy_(self.queue.popleft())
+
+
+def pair():
+    q = collections.deque()
+    return Loopback(0, q), Loopback(1, q)
+
+
+@pytest.fixture(scope="module")
+def engine():
+    from megatron_fp4.config import Config
+    from megatron_fp4.rl.rollout_worker import build_engine
+
+    cfg = Config()
+    cfg.model.num_layers, cfg.model.vocab_size = 2, 32
+    return build_engine(cfg, pad_id=0, name="r0")
+
+
+def test_generation_round_trip_is_exact(engine):
+    from megatron_fp4.rl.wire import broadcast_generation
+
+    params = [SamplingParams(max_new_tokens=4, seed=i, stop_token_ids=(3,)) for i in range(3)]
+    gen = engine.generate([[1, 5, 7], [2], [4, 4, 4, 4]], params, return_routing=True)
+    src, dst = pair()
+    assert broadcast_generation(gen, 0, src) is not None
+    got = broadcast_generation(None, 0, dst)
+    assert not src.queue  # every message consumed
+    assert (got.prompt_ids, got.response_ids, got.finish_reasons, got.version) == \
+        (gen.prompt_ids, gen.response_ids, gen.finish_reasons, gen.version)
+    for a, b in zip(got.log_probs + got.sampled_log_probs + got.routing,
+                    gen.log_probs + gen.sampled_log_probs + gen.routing):
+        assert a.dtype == b.dtype and torch.equal(a, b)
+
+
+@pytest.mark.parametrize("header, words", [
+    ({"version": 0, "prompt_ids": [[1]], "response_ids": [["x"]], "finish_reasons": ["stop"], "routing": None},
+     "list of lists of token ids"),
+    ({"version": 0, "prompt_ids": [[1], [2]], "response_ids": [[1]], "finish_reasons": ["stop"], "routing": None},
+     "one entry per request"),
+    ({"version": "0", "prompt_ids": [], "response_ids": [], "finish_reasons": [], "routing": None}, "header must be"),
+    ({"version": 0, "prompt_ids": [[1]], "response_ids": [[1]], "finish_reasons": ["stop"], "routing": [2]},
+     "routing must be"),
+])
+def test_malformed_generation_is_refused(header, words):
+    from megatron_fp4.rl.wire import broadcast_generation
+    from megatron_fp4.rollout.weight_sync_dist import broadcast_json
+
+    src, dst = pair()
+    broadcast_json(header, 0, src, torch.device("cpu"))
+    with pytest.raises(ProtocolError, match=words):
+        broadcast_generation(None, 0, dst)
+
+
+def test_sampling_params_round_trip_and_refusal():
+    from megatron_fp4.rl.wire import params_from_json, params_to_json
+
+    p = SamplingParams(max_new_tokens=7, temperature=0.5, top_k=3, top_p=0.9, stop_token_ids=(2, 5), seed=11)
+    assert params_from_json(params_to_json(p)) == p
+    with pytest.raises(ProtocolError, match="sampling parameters"):
+        params_from_json({"max_new_tokens": 2, "__class__": "os.system"})
+
+
+def test_hf_receiver_checks_everything_before_loading(engine):
+    from megatron_fp4.integrations.hf import to_hf_state_dict
+    from megatron_fp4.rl.rollout_worker import HFWeightReceiver, weight_digests
+    from megatron_fp4.rollout.buckets import manifest_of, pack_buckets
+
+    receiver = HFWeightReceiver(engine)
+    before = {n: t.clone() for n, t in engine.model.state_dict().items()}
+    new = {n: t + 1 for n, t in to_hf_state_dict(engine.model).items()}
+    bad = dict(new)
+    bad.pop(next(n for n in bad if ".experts." in n))  # one expert's tensor missing
+    with pytest.raises(ValueError, match="rejects the weights.*missing keys"):
+        receiver.validate(manifest_of(bad.items()))
+    assert all(torch.equal(t, before[n]) for n, t in engine.model.state_dict().items())
+    receiver.load(5, manifest_of(new.items()), pack_buckets(list(new.items()), 1 << 16))
+    assert engine.version == 5
+    digests = weight_digests(engine.model)
+    assert set(digests) == set(new)
+    for name, t in to_hf_state_dict(engine.model).items():
+        assert torch.equal(t, new[name]), name
+
+
+def test_worker_requests(engine):
+    from megatron_fp4.rl.rollout_worker import handle, parse_spec
+
+    with pytest.raises(ProtocolError, match="unknown op"):
+        handle(engine, {"op": "exec"})
+    with pytest.raises(RuntimeError, match="wait for the load"):
+        handle(engine, {"op": "generate", "prompts": [[1]], "params": [{"max_new_tokens": 1}],
+                        "min_version": engine.version + 1})
+    status, gen = handle(engine, {"op": "generate", "prompts": [[1, 2]], "params": [{"max_new_tokens": 2, "seed": 1}]})
+    assert status == {"error": None, "version": engine.version} and len(gen.response_ids[0]) == 2
+    with pytest.raises(ValueError, match="JSON object with keys"):
+        parse_spec('{"config": {}}')
+
+
+def test_rl_modules_never_unpickle():
+    root = pathlib.Path(__file__).resolve().parents[2] / "megatron_fp4"
+    files = sorted((root / "rl").glob("*.py")) + [root / "rollout" / "peer_group.py"]
+    for path in files:
+        found = re.findall(r"import pickle|pickle\.(?:loads?|dumps?|Unpickler)|_object_list\(|gather_object\("
+                           r"|broadcast_object\(|torch\.load\(|multiprocessing", path.read_text())
+        assert not found, (path.name, found)
+
+
+def test_trainer_fails_fast_when_the_rollout_process_dies(monkeypatch):
+    import subprocess
+    import sys
+    import time
+
+    from megatron_fp4.rl.rollout_client import RemoteRollout
+    from megatron_fp4.rl.rollout_worker import main
+
+    client = RemoteRollout.__new__(RemoteRollout)
+    client.proc = subprocess.Popen([sys.executable, "-c", "raise SystemExit(3)"])
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match="exited with code 3 before joining"):
+        client._join(lambda: time.sleep(60))  # a join that would wait for the group's timeout
+    assert time.monotonic() - start < 30
+    monkeypatch.delenv("MEGATRON_FP4_SYNC_TOKEN", raising=False)
+    with pytest.raises(SystemExit, match="MEGATRON_FP4_SYNC_TOKEN"):
+        main(["{}"])
