@@ -14,6 +14,8 @@ except ImportError as err:  # pragma: no cover - exercised only without verl
     raise ImportError("megatron_fp4.integrations.verl needs verl; install it with "
                       "`pip install megatron-fp4[verl]` (or `pip install verl`)") from err
 
+# first: verl's engine modules resolve the platform when imported (VERL_PLATFORM=cpu needs it registered)
+from megatron_fp4.integrations.verl.platform import PlatformCPU  # noqa: I001
 from megatron_fp4.integrations.verl.checkpoint_engine import MegatronFP4CheckpointEngine, WeightStream
 from megatron_fp4.integrations.verl.construct import MegatronFP4EngineConfig, config_from_verl
 from megatron_fp4.integrations.verl.engine import MegatronFP4Engine
