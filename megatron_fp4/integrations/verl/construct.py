@@ -89,14 +89,20 @@ def config_from_verl(model_config, engine_config=None, optimizer_config=None) ->
         cfg.optimizer.weight_decay = float(o.weight_decay)
         cfg.optimizer.beta1, cfg.optimizer.beta2 = (float(b) for b in o.betas)
         cfg.optimizer.clip_grad = float(o.clip_grad)
-        ratio = getattr(o, "min_lr_ratio", None)
-        cfg.optimizer.min_lr = cfg.optimizer.lr * (1.0 if ratio is None else float(ratio))
         warmup: Optional[int] = getattr(o, "lr_warmup_steps", None)
         total = int(getattr(o, "total_training_steps", -1) or -1)
         if (warmup is None or warmup < 0) and total > 0:
             warmup = int(float(getattr(o, "lr_warmup_steps_ratio", 0.0) or 0.0) * total)
         cfg.schedule.warmup_steps = max(0, int(warmup or 0))
-        cfg.schedule.train_steps = total if total > 0 else max(1, cfg.schedule.warmup_steps)  # constant lr after warmup
+        cfg.schedule.train_steps = total if total > 0 else max(1, cfg.schedule.warmup_steps)
+        # verl's "constant" scheduler (its default) ignores min_lr_ratio: lr stays at lr after warmup;
+        # "cosine" decays to lr * min_lr_ratio at total_training_steps
+        kind = str(getattr(o, "lr_scheduler_type", None) or getattr(o, "warmup_style", None) or "constant")
+        if kind not in ("constant", "cosine"):
+            raise ValueError(f"optim.lr_scheduler_type={kind!r}: the megatron_fp4 engine supports constant and cosine")
+        ratio = getattr(o, "min_lr_ratio", None)
+        cosine = kind == "cosine" and total > 0
+        cfg.optimizer.min_lr = cfg.optimizer.lr * (float(ratio or 0.0) if cosine else 1.0)
     return cfg
 
 
