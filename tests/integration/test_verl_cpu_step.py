@@ -41,3 +41,21 @@ def test_cpu_step_asks_for_the_platform_switch(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "megatron_fp4.integrations.verl.cpu_step"], env=env,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode != 0 and "VERL_PLATFORM=cpu" in proc.stderr
+
+
+def test_verl_imports_the_adapters_itself_from_its_environment_switch():
+    """VERL_USE_EXTERNAL_MODULES (docs/verl.md): `import verl` registers everything, in any process
+    that inherits the environment (Ray workers), before verl's engine modules resolve the platform."""
+    code = ("from verl.utils.device import get_device_name\n"
+            "from verl.workers.engine.base import EngineRegistry\n"
+            "from verl.workers.rollout.base import get_rollout_class\n"
+            "from verl.workers.rollout.replica import get_rollout_replica_class\n"
+            "from verl.checkpoint_engine.base import CheckpointEngineRegistry\n"
+            "print(get_device_name(), EngineRegistry.get_engine_cls('language_model', 'megatron_fp4').__name__,\n"
+            "      get_rollout_class('megatron_fp4', 'async').__name__, get_rollout_replica_class('megatron_fp4').__name__,\n"
+            "      CheckpointEngineRegistry.get('megatron_fp4').__name__)\n")
+    env = {**os.environ, "VERL_PLATFORM": "cpu", "VERL_USE_EXTERNAL_MODULES": "megatron_fp4.integrations.verl"}
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.split() == ["cpu", "MegatronFP4Engine", "MegatronFP4Rollout", "MegatronFP4Replica",
+                                   "MegatronFP4CheckpointEngine"]

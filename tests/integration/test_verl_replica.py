@@ -71,7 +71,12 @@ def test_server_generate_is_the_rollouts_generation_with_verls_sampling_params(s
     assert out.token_ids == ref["responses"][0, :n].tolist()
     assert out.log_probs == ref["rollout_log_probs"][0, :n].tolist()  # same request, same engine: same bits
 
-    # top_k=1 at temperature 1 keeps only the argmax: the greedy answer, whatever the seed
+    # verl's batch path takes the same knobs from meta_info (else the RolloutConfig): top_k=1 sampling
+    # at temperature 1 keeps only the argmax, so it reproduces the greedy answer whatever the seed
+    sampled = rollout.generate_sequences(DataProto.from_dict(
+        tensors={"input_ids": ids, "attention_mask": torch.ones_like(ids)},
+        meta_info={"eos_token_id": [], "do_sample": True, "temperature": 1.0, "top_k": 1, "seeds": [7]})).batch
+    assert torch.equal(sampled["responses"], ref["responses"])
     top1 = asyncio.run(server.generate(prompt_ids=prompt, request_id="r1",
                                        sampling_params={**greedy, "temperature": 1.0, "top_k": 1, "seed": 3}))
     assert top1.token_ids == out.token_ids
