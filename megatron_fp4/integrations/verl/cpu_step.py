@@ -162,20 +162,24 @@ def _number(value):
     return float(value) if isinstance(value, (int, float)) else None
 
 
+def require_cpu_platform() -> None:
+    import megatron_fp4.integrations.verl  # noqa: F401  registers platform, engine, rollout, checkpoint engine
+    from verl.utils.device import get_device_name
+
+    if get_device_name() != "cpu":
+        raise SystemExit(f"verl resolved its platform to {get_device_name()!r}; run with VERL_PLATFORM=cpu "
+                         "(set before verl's engine modules are imported, i.e. in the environment)")
+
+
 def main(argv=None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model-path", help="a Qwen3-MoE HF checkpoint directory (default: a tiny random one)")
     parser.add_argument("--steps", type=int, default=1)
     parser.add_argument("--out", help="write the metrics (a JSON list) here")
     args = parser.parse_args(argv)
-    import megatron_fp4.integrations.verl  # noqa: F401  registers platform, engine, rollout, checkpoint engine
-    from verl.utils.device import get_device_name
-
     from megatron_fp4.training.data import ArithmeticTokenizer
 
-    if get_device_name() != "cpu":
-        raise SystemExit(f"verl resolved its platform to {get_device_name()!r}; run with VERL_PLATFORM=cpu "
-                         "(set before verl's engine modules are imported, i.e. in the environment)")
+    require_cpu_platform()
 
     with tempfile.TemporaryDirectory() as tmp:
         path = args.model_path or _tiny_checkpoint(Path(tmp))
