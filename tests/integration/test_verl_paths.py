@@ -188,3 +188,41 @@ def test_receive_weights_returns_at_once_and_the_stream_awaits_the_version(hf_di
         assert torch.equal(a, b)
     for ce in (actor_ce, rollout_ce):
         ce.finalize()
+
+
+def test_verls_default_actor_tree_configures_the_engine(hf_dir):
+    """What `actor.strategy=megatron_fp4` hands the engine with verl's default actor config: an
+    FSDPEngineConfig (dtype named as torch names it) and FSDPOptimizerConfig. The lr follows verl's
+    own schedulers (the reference: verl's LambdaLRs over a dummy optimizer)."""
+    from verl.utils.torch_functional import get_constant_schedule_with_warmup, get_cosine_schedule_with_warmup
+    from verl.workers.config import FSDPEngineConfig, FSDPOptimizerConfig
+
+    from megatron_fp4.integrations.verl import config_from_verl
+    from megatron_fp4.training.optim import lr_at
+
+    def actor(dtype="bfloat16", **optim):
+        optim.setdefault("lr", 1e-3)  # verl's path: the actor config's engine is its fsdp_config
+        a = FSDPActorConfig(strategy="megatron_fp4", ppo_mini_batch_size=4, ppo_micro_batch_size_per_gpu=2,
+                            rollout_n=1, fsdp_config=FSDPEngineConfig(dtype=dtype), optim=FSDPOptimizerConfig(**optim))
+        assert a.engine.strategy == "megatron_fp4"
+        return a.engine, a.optim
+
+    model_config = HFModelConfig(path=str(hf_dir[0]), load_tokenizer=False)
+    total = 6
+    for kind, ratio, make in (("constant", 0.0, lambda o: get_constant_schedule_with_warmup(o, 0)),
+                              ("cosine", 0.1, lambda o: get_cosine_schedule_with_warmup(o, 0, total, min_lr_ratio=0.1))):
+        cfg = config_from_verl(model_config, *actor(lr=1e-3, lr_scheduler_type=kind, min_lr_ratio=ratio,
+                                                    total_training_steps=total))
+        assert cfg.dtype == "bf16" and cfg.model.router_aux_loss_coef == cfg.model.router_z_loss_coef == 0.0
+        dummy = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1e-3)
+        sched = make(dummy)
+        for step in range(total + 1):
+            assert lr_at(step, cfg.optimizer, cfg.schedule) == pytest.approx(dummy.param_groups[0]["lr"], rel=1e-12), (kind, step)
+            dummy.step()
+            sched.step()
+    with pytest.raises(ValueError, match="lr_scheduler_type"):
+        # verl's own optimizer configs allow only constant|cosine; another config class may carry more
+        config_from_verl(model_config, actor()[0], SimpleNamespace(lr=1e-3, weight_decay=0.0, betas=(0.9, 0.999),
+                                                                  clip_grad=1.0, lr_scheduler_type="linear"))
+    with pytest.raises(ValueError, match="dtype='float16'"):
+        config_from_verl(model_config, actor(dtype="float16")[0])

@@ -22,7 +22,9 @@ from megatron_fp4.rollout.scoring import compute_log_probs
 
 
 def _temperature(data) -> float:
-    t = data.get("temperature", None) if hasattr(data, "get") else None
+    # data["temperature"] unwraps a non-tensor entry (verl's trainer puts meta_info["temperature"]
+    # there as NonTensorData); .get() would hand back the wrapper
+    t = data["temperature"] if "temperature" in data.keys() else None
     if t is None:
         return 1.0
     if isinstance(t, torch.Tensor):

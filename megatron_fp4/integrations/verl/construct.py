@@ -13,11 +13,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
+import torch.distributed as dist
 from verl.workers.config.engine import EngineConfig
 
 from megatron_fp4.config import Config, FP4Config, _from_dict
 from megatron_fp4.integrations.hf.checkpoint import CONFIG_FILE
 from megatron_fp4.integrations.hf.qwen3_moe import ours_config_from_hf
+from megatron_fp4.parallel.mesh import ParallelMesh, resolve_device
 
 SIDECAR_FP4_FIELDS = ("scope", "format", "train_mode", "rollout_mode")
 
@@ -25,11 +27,27 @@ SIDECAR_FP4_FIELDS = ("scope", "format", "train_mode", "rollout_mode")
 @dataclass
 class MegatronFP4EngineConfig(EngineConfig):
     """verl engine config for backend "megatron_fp4": `fp4` holds `FP4Config` fields (e.g.
-    {"train_mode": "fp4_resq"}); `dtype` is our Config.dtype (fp32 | bf16)."""
+    {"train_mode": "fp4_resq"}); `dtype` is our Config.dtype (fp32 | bf16 | fp64, or verl's torch
+    names float32 | bfloat16 | float64). Any other verl `EngineConfig` (e.g. the FSDPEngineConfig of
+    verl's default actor tree with `strategy: megatron_fp4`) works too: its `dtype` is read the same
+    way and the FP4 recipe comes from the checkpoint's sidecar."""
 
     strategy: str = "megatron_fp4"
     fp4: dict = field(default_factory=dict)
     dtype: str = "fp32"
+
+
+# verl's engine configs name dtypes as torch does (FSDPEngineConfig.dtype defaults to "bfloat16")
+_DTYPES = {"fp32": "fp32", "float32": "fp32", "bf16": "bf16", "bfloat16": "bf16", "fp64": "fp64", "float64": "fp64"}
+
+
+def _dtype(name) -> str:
+    if name is None:
+        return "fp32"
+    if str(name) not in _DTYPES:
+        raise ValueError(f"engine dtype={name!r} is not supported by the megatron_fp4 engine; use one of "
+                         f"{sorted(_DTYPES)} (e.g. actor_rollout_ref.actor.fsdp_config.dtype=float32)")
+    return _DTYPES[str(name)]
 
 
 def model_dir(model_config) -> Path:
@@ -56,7 +74,11 @@ def config_from_verl(model_config, engine_config=None, optimizer_config=None) ->
     path = model_dir(model_config)
     cfg = Config(model=ours_config_from_hf(json.loads((path / CONFIG_FILE).read_text())))
     cfg.fp4 = fp4_config_for(path, engine_config)
-    cfg.dtype = str(getattr(engine_config, "dtype", None) or "fp32")
+    # The gradient is verl's loss_function's alone, as in verl's FSDP/Megatron engines (HF Qwen3-MoE adds
+    # its router aux loss only to its own LM loss). A per-micro-batch aux term would also make the
+    # update depend on how verl splits the batch over dp ranks and micro-batches.
+    cfg.model.router_aux_loss_coef = cfg.model.router_z_loss_coef = 0.0
+    cfg.dtype = _dtype(getattr(engine_config, "dtype", None))
     cfg.logging.tensorboard_dir = None
     seed = getattr(engine_config, "seed", None)
     if seed is not None:
@@ -67,12 +89,31 @@ def config_from_verl(model_config, engine_config=None, optimizer_config=None) ->
         cfg.optimizer.weight_decay = float(o.weight_decay)
         cfg.optimizer.beta1, cfg.optimizer.beta2 = (float(b) for b in o.betas)
         cfg.optimizer.clip_grad = float(o.clip_grad)
-        ratio = getattr(o, "min_lr_ratio", None)
-        cfg.optimizer.min_lr = cfg.optimizer.lr * (1.0 if ratio is None else float(ratio))
         warmup: Optional[int] = getattr(o, "lr_warmup_steps", None)
         total = int(getattr(o, "total_training_steps", -1) or -1)
         if (warmup is None or warmup < 0) and total > 0:
             warmup = int(float(getattr(o, "lr_warmup_steps_ratio", 0.0) or 0.0) * total)
         cfg.schedule.warmup_steps = max(0, int(warmup or 0))
-        cfg.schedule.train_steps = total if total > 0 else max(1, cfg.schedule.warmup_steps)  # constant lr after warmup
+        cfg.schedule.train_steps = total if total > 0 else max(1, cfg.schedule.warmup_steps)
+        # verl's "constant" scheduler (its default) ignores min_lr_ratio: lr stays at lr after warmup;
+        # "cosine" decays to lr * min_lr_ratio at total_training_steps
+        kind = str(getattr(o, "lr_scheduler_type", None) or getattr(o, "warmup_style", None) or "constant")
+        if kind not in ("constant", "cosine"):
+            raise ValueError(f"optim.lr_scheduler_type={kind!r}: the megatron_fp4 engine supports constant and cosine")
+        ratio = getattr(o, "min_lr_ratio", None)
+        cosine = kind == "cosine" and total > 0
+        cfg.optimizer.min_lr = cfg.optimizer.lr * (float(ratio or 0.0) if cosine else 1.0)
     return cfg
+
+
+def data_parallel_mesh(cfg: Config):
+    """The mesh of a verl worker rank: every process of torch.distributed's default group is one
+    data-parallel rank (a full model replica), so dp size and rank are the group's; None (a single
+    process) when torch.distributed is not initialised or has one rank. Sets `cfg.parallel.dp` and a
+    schedule that validates for it (the trainer's own data loader is not used under verl)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return None
+    world = dist.get_world_size()
+    cfg.parallel.dp, cfg.parallel.pp, cfg.parallel.ep = world, 1, 1
+    cfg.schedule.global_batch_size = cfg.schedule.micro_batch_size * world
+    return ParallelMesh.build(pp=1, dp=world, device=resolve_device(cfg.device), timeout_s=cfg.parallel.timeout_s)

@@ -30,7 +30,8 @@ from verl.utils.py_functional import append_to_dict
 
 from megatron_fp4.config import Config
 from megatron_fp4.integrations.verl.batches import score_nested, score_padded
-from megatron_fp4.integrations.verl.construct import config_from_verl, model_dir
+from megatron_fp4.integrations.verl.construct import config_from_verl, data_parallel_mesh, model_dir
+from megatron_fp4.parallel.mesh import ParallelMesh
 
 
 def _non_tensor(data, key: str, default):
@@ -61,6 +62,8 @@ class MegatronFP4Engine(BaseEngine):
                              "(a megatron_fp4 Config), not both")
         if model_config is not None:
             cfg = config_from_verl(model_config, engine_config, optimizer_config)
+            if mesh is None:  # verl's workers: one process per rank, torch.distributed already up
+                mesh = data_parallel_mesh(cfg)
         self.cfg = cfg if cfg is not None else (trainer.cfg if trainer is not None else Config())
         self.micro_batch_size = micro_batch_size or getattr(engine_config, "micro_batch_size_per_gpu", None)
         self.trainer = trainer
@@ -75,11 +78,15 @@ class MegatronFP4Engine(BaseEngine):
         if self.model_config is not None:
             from megatron_fp4.integrations.hf import from_hf_state_dict, load_hf_checkpoint
 
-            if self.trainer.mesh.world_size > 1:
-                raise ValueError("loading model_config.path into a sharded trainer is not supported yet; "
-                                 "run the megatron_fp4 verl engine with one process per model replica")
-            _, sd = load_hf_checkpoint(model_dir(self.model_config))
+            mesh = self.trainer.mesh
+            if mesh.pp > 1 or mesh.ep > 1:
+                raise ValueError("loading model_config.path into a pipeline- or expert-parallel trainer is not "
+                                 "supported yet; the verl engine runs data-parallel ranks (each a full replica)")
+            _, sd = load_hf_checkpoint(model_dir(self.model_config))  # every dp rank: the same full weights
             from_hf_state_dict(self.trainer.model, sd)
+            remove_hooks = getattr(self.trainer.optimizer, "remove_hooks", None)  # ZeRO's grad-sync hooks
+            if remove_hooks is not None:
+                remove_hooks()
             self.trainer.optimizer = self.trainer.build_optimizer()  # masters from the loaded weights
         return self
 
@@ -204,16 +211,22 @@ class MegatronFP4Engine(BaseEngine):
 
         return ((n, t.detach()) for n, t in local_hf_state_dict(self.model).items()), None
 
+    def _mesh(self):
+        """The trainer's mesh once built; before `initialize()` (verl's `TrainingWorker` asks for the dp
+        rank in its constructor) the one the trainer will be built on."""
+        if self.trainer is not None:
+            return self.trainer.mesh
+        return self.mesh if self.mesh is not None else ParallelMesh.single()
+
     def get_data_parallel_size(self):
-        return self.trainer.mesh.dp if self.trainer is not None else 1
+        return self._mesh().dp
 
     def get_data_parallel_rank(self):
-        return self.trainer.mesh.coord("dp") if self.trainer is not None else 0
+        return self._mesh().coord("dp")
 
     def get_data_parallel_group(self):
-        if self.trainer is None or self.trainer.mesh.dp == 1:
-            return None
-        return self.trainer.mesh.group("dp")
+        mesh = self._mesh()
+        return None if mesh.dp == 1 else mesh.group("dp")
 
     def is_mp_src_rank_with_outputs(self):
         return True

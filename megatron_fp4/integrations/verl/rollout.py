@@ -105,6 +105,20 @@ class MegatronFP4Rollout(BaseRollout):
         except ValueError as err:
             raise ValueError(f"rollout {self.engine.name!r} rejects the weights: {err}") from err
 
+    def generate_tokens(self, prompt_ids: list[int], sampling_params: dict, seed: Optional[int] = None):
+        """One request in token-in/token-out form, as verl's agent loop sends it to a rollout server
+        (`MegatronFP4Server.generate`): verl's sampling dict in, verl's `TokenOutput` out."""
+        from verl.workers.rollout.replica import TokenOutput
+
+        from megatron_fp4.integrations.verl.sampling import sampling_from_verl
+
+        if "weights" not in self.resident:
+            raise RuntimeError("weights are released; call resume(['weights']) before generating")
+        params = sampling_from_verl(sampling_params, self.response_length, self.stop_token_ids, seed)
+        out = self.engine.generate([list(prompt_ids)], params)
+        return TokenOutput(token_ids=list(out.response_ids[0]), log_probs=[float(x) for x in out.log_probs[0]],
+                           stop_reason="completed", extra_fields={"global_steps": out.version})
+
     def generate_sequences(self, prompts: DataProto) -> DataProto:
         if "weights" not in self.resident:
             raise RuntimeError("weights are released; call resume(['weights']) before generate_sequences")
