@@ -23,7 +23,7 @@ EXTRAS = {
 }
 # The test extra pins the megatron-core and verl releases checked on CPU (the verl adapters are tested
 # through verl 0.9's own registries, batch helpers and losses).
-EXTRAS["test"] = (["pytest>=7", "pytest-timeout", "megatron-core>=0.16,<0.17", "verl>=0.9.1,<0.10", "fastapi", "uvicorn",
+EXTRAS["test"] = (["pytest>=7", "pytest-timeout", "megatron-core>=0.16,<0.17", "verl>=0.9.1,<0.10", "cachetools", "fastapi", "uvicorn",
                    "triton>=3.4; platform_system == 'Linux' and platform_machine == 'x86_64'"]
                   + EXTRAS["hf"] + EXTRAS["rl"])
 
