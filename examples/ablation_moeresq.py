@@ -44,7 +44,7 @@ from megatron_fp4.config import load_config  # noqa: E402
 from megatron_fp4.rollout import (RolloutEngine, SamplingParams, compute_log_probs, consistency_metrics,  # noqa: E402
                                   pad_prompt_response, policy_loss)
 from megatron_fp4.training import rewards  # noqa: E402
-from megatron_fp4.training.data.math_task import build_math_tokenizer, sft_text, write_math_dataset  # noqa: E402
+from megatron_fp4.training.data import carry_task, math_task  # noqa: E402
 from megatron_fp4.training.data.rl_dataset import RLDataset  # noqa: E402
 from megatron_fp4.training.data.tokenizer import HFTokenizer  # noqa: E402
 from megatron_fp4.training.trainer import Trainer  # noqa: E402
@@ -59,10 +59,17 @@ def prepare_data(args):
     out = Path(args.out)
     if args.tokenizer:
         tok = HFTokenizer.from_dir(args.tokenizer)
+    elif args.task == "carry":
+        tok = carry_task.build_carry_tokenizer(out / "tokenizer", num_digits=args.num_digits)
     else:
-        tok = build_math_tokenizer(out / "tokenizer", max_operand=args.max_operand)
+        tok = math_task.build_math_tokenizer(out / "tokenizer", max_operand=args.max_operand)
     if not args.train_data:
-        paths = write_math_dataset(out / "data", args.num_train, args.num_test, max_operand=args.max_operand)
+        if args.task == "carry":
+            paths = carry_task.write_carry_dataset(out / "data", args.num_train, args.num_test,
+                                                   num_digits=args.num_digits)
+        else:
+            paths = math_task.write_math_dataset(out / "data", args.num_train, args.num_test,
+                                                 max_operand=args.max_operand)
         args.train_data, args.test_data = str(paths["train"]), str(paths["test"])
     if not args.test_data:
         raise ValueError("--train-data needs --test-data (held-out prompts for the accuracy curve)")
@@ -94,15 +101,26 @@ def micro_batches(batch: dict, keys, size: int) -> list:
     return [{k: batch[k][s:s + size] for k in keys} for s in range(0, n, size)]
 
 
+def sft_pair(row: dict, tok, args, rng: random.Random) -> tuple:
+    """(prompt ids, target ids) of one SFT example: the reference solution, or for the carry task
+    the sloppy teacher's (forgets each carry with probability --drop-carry; carry_task module doc)."""
+    prompt, target = math_task.sft_text(row, tok)
+    if row["data_source"] == carry_task.DATA_SOURCE:
+        info = row["extra_info"]
+        text = carry_task.teacher_solution({"a": info["a"], "b": info["b"]}, args.drop_carry, rng)
+        target = tok.encode(text, add_special_tokens=False) + [tok.eos_id]
+    return prompt, target
+
+
 def sft(args, tok, train, seed: int) -> dict:
-    """The shared checkpoint: --sft-steps of response-only NLL on reference solutions (high precision)."""
+    """The shared checkpoint: --sft-steps of response-only NLL on the teacher's solutions (high precision)."""
     cfg = make_config(args, tok, seed, "bf16", "bf16", args.sft_lr, args.sft_steps)
     cfg.optimizer.min_lr = args.sft_lr / 10
     trainer = Trainer(cfg, build_data=False)
     rng = random.Random(f"ablation-sft:{seed}")
     for _ in range(args.sft_steps):
         rows = [train.rows[rng.randrange(len(train))] for _ in range(args.sft_batch)]
-        pairs = [sft_text(r, tok) for r in rows]
+        pairs = [sft_pair(r, tok, args, rng) for r in rows]
         batch = pad_prompt_response([p for p, _ in pairs], [r for _, r in pairs], tok.pad_id)
         trainer.train_step_with_loss(micro_batches(batch, ("input_ids", "attention_mask", "response_mask"),
                                                    args.micro_batch_size), response_nll)
@@ -136,7 +154,7 @@ def rl_step(trainer, engine, tok, train, args, rng, step: int, seed: int) -> dic
     batch = pad_prompt_response(gen.prompt_ids, gen.response_ids, tok.pad_id)
     with torch.no_grad():
         old = compute_log_probs(trainer.model, batch["input_ids"], batch["attention_mask"], batch["response_mask"],
-                                return_routing=True)
+                                return_routing=True, batch_invariant=args.batch_invariant)
     P = batch["prompt_len"]
     rollout_lp = torch.zeros_like(old.log_probs)
     for i, lp in enumerate(gen.log_probs):
@@ -167,7 +185,8 @@ def run_setting(args, tok, train, test, sft_state, seed: int, setting) -> dict:
     trainer = Trainer(cfg, build_data=False)
     trainer.model.load_state_dict(sft_state)
     dtype = torch.bfloat16 if args.rollout_dtype == "bf16" else None
-    engine = RolloutEngine(copy.deepcopy(trainer.model), mode=rollout_mode, pad_id=tok.pad_id, dtype=dtype)
+    engine = RolloutEngine(copy.deepcopy(trainer.model), mode=rollout_mode, pad_id=tok.pad_id, dtype=dtype,
+                           batch_invariant=args.batch_invariant)
     engine.load_weights(trainer.model.state_dict(), version=0)
     rng = random.Random(f"ablation-rl:{seed}")  # the same prompts in every setting
     evals = [(0, greedy_accuracy(engine, tok, test, args.max_new_tokens))]
@@ -176,6 +195,9 @@ def run_setting(args, tok, train, test, sft_state, seed: int, setting) -> dict:
         history.append(rl_step(trainer, engine, tok, train, args, rng, step, seed))
         if (step + 1) % args.eval_every == 0 or step + 1 == args.steps:
             evals.append((step + 1, greedy_accuracy(engine, tok, test, args.max_new_tokens)))
+            recent = statistics.fmean(h["reward"] for h in history[-args.eval_every:])
+            print(f"    {name} seed {seed} step {step + 1}: held-out acc {evals[-1][1]:.3f}, "
+                  f"train reward {recent:.3f}", flush=True)
     return {"setting": name, "train_mode": train_mode, "rollout_mode": rollout_mode, "seed": seed,
             "history": history, "evals": evals}
 
@@ -278,25 +300,32 @@ def parse_args(argv=None):
     ap.add_argument("--tokenizer", help="HF tokenizer directory (default: a BPE trained on the generated set)")
     ap.add_argument("--train-data", help="verl-format parquet/json of RL prompts (default: generated)")
     ap.add_argument("--test-data", help="verl-format held-out prompts for the greedy accuracy")
+    ap.add_argument("--task", default="carry", choices=["carry", "word"],
+                    help="generated task: column addition with carries (carry_task) or word problems (math_task)")
+    ap.add_argument("--num-digits", type=int, default=2, help="carry task: digits per operand")
+    ap.add_argument("--drop-carry", type=float, default=0.6,
+                    help="carry task: probability that the SFT teacher forgets a carry")
     ap.add_argument("--num-train", type=int, default=2000)
     ap.add_argument("--num-test", type=int, default=200)
     ap.add_argument("--max-operand", type=int, default=20)
-    ap.add_argument("--eval-size", type=int, default=64)
+    ap.add_argument("--eval-size", type=int, default=128)
     ap.add_argument("--max-prompt-length", type=int, default=96)
     ap.add_argument("--max-seq-len", type=int, default=128)
     ap.add_argument("--scope", default="experts+attention", help="fp4.scope: experts | experts+attention")
     ap.add_argument("--rollout-dtype", default="bf16", choices=["bf16", "fp32"],
                     help="the rollout engine's copy (bf16: the engine gap; fp32: the same numerics as the trainer)")
+    ap.add_argument("--batch-invariant", action="store_true",
+                    help="batch-invariant numerics in the engine and the trainer's scoring (default off, as real stacks)")
     ap.add_argument("--settings", nargs="*", help="subset of the setting names (default: all four)")
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    ap.add_argument("--sft-steps", type=int, default=150)
+    ap.add_argument("--sft-steps", type=int, default=800)
     ap.add_argument("--sft-batch", type=int, default=32)
     ap.add_argument("--sft-lr", type=float, default=3e-3)
     ap.add_argument("--steps", type=int, default=20, help="GRPO steps per setting")
     ap.add_argument("--lr", type=float, default=3e-4, help="GRPO learning rate (constant)")
     ap.add_argument("--num-prompts", type=int, default=8)
     ap.add_argument("--group-size", type=int, default=8)
-    ap.add_argument("--max-new-tokens", type=int, default=16)
+    ap.add_argument("--max-new-tokens", type=int, default=24)
     ap.add_argument("--temperature", type=float, default=1.0)
     ap.add_argument("--micro-batch-size", type=int, default=32)
     ap.add_argument("--clip-eps", type=float, default=0.2)
