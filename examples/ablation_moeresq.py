@@ -5,8 +5,12 @@
 
 Data: verl-format parquet (`RLDataset`: chat prompt rendered by the tokenizer's template), rewards
 from the data_source registry (`training.rewards`), an HF tokenizer directory (`HFTokenizer`: pad,
-eos and stop ids from it). Without paths, a GSM8K-style word-problem set and a BPE tokenizer are
-generated under --out (nothing is downloaded).
+eos and stop ids from it). Without paths, a task and a BPE tokenizer are generated under --out
+(nothing is downloaded): ``--task carry`` (default), column addition with explicit carries whose
+SFT target comes from a teacher that forgets each carry with probability ``--drop-carry``
+(`training/data/carry_task.py`: the SFT policy samples the carry sometimes but greedy decoding
+drops it, so GRPO has a rule to learn that carries over to held-out problems), or ``--task word``,
+GSM8K-style word problems (`math_task.py`).
 
 Per seed: SFT (response-only NLL, high precision) gives one checkpoint; then for each setting
 
@@ -19,8 +23,10 @@ docs/consistency.md) samples. Each GRPO step: sample ``group_size`` answers per 
 group-normalise the rewards, recompute the old log-probs on the trainer, log rollout-vs-trainer
 consistency (Pearson, KL, expert agreement on the sampled tokens), one clipped policy-gradient step
 with truncated IS through `Trainer.train_step_with_loss`, and load the new weights into the engine.
-Held-out greedy accuracy (test split, never an RL prompt) is measured before RL and every
-``--eval-every`` steps. The table (mean ± std over seeds) goes to stdout and ``<out>/table.md``, the
+Held-out greedy accuracy (test split, never an RL prompt; exact match of the final answer) is
+measured before RL and every ``--eval-every`` steps. Numerics: the engine is a bf16 copy
+(``--rollout-dtype``) and batch-invariant mode is off (``--batch-invariant`` turns it on), as in
+real stacks. The table (mean ± std over seeds) goes to stdout and ``<out>/table.md``, the
 curves to ``<out>/ablation.png``, everything to ``<out>/results.json``. docs/ablation.md has a run.
 """
 from __future__ import annotations

@@ -26,6 +26,7 @@ from __future__ import annotations
 import random
 from pathlib import Path
 
+from megatron_fp4.training.data.math_task import disjoint_splits
 from megatron_fp4.training.data.rl_dataset import write_parquet
 
 __all__ = ["DATA_SOURCE", "INSTRUCTION", "make_carry_problem", "column_solution", "teacher_solution",
@@ -101,19 +102,8 @@ def carry_rows(num_train: int, num_test: int, seed: int = 0, num_digits: int = 2
     if num_train + num_test > size * size // 2:
         raise ValueError(f"{num_train}+{num_test} problems is too many for num_digits={num_digits} "
                          f"({size * size} distinct pairs); raise num_digits or ask for fewer")
-    seen = set()
-
-    def draw(split: str, num: int) -> list:
-        rng, rows = random.Random(f"megatron_fp4.carry_task:{seed}:{split}"), []
-        while len(rows) < num:
-            problem = make_carry_problem(rng, num_digits)
-            if problem["question"] not in seen:
-                seen.add(problem["question"])
-                rows.append(_row(problem, split, len(rows)))
-        return rows
-
-    test = draw("test", num_test)
-    return draw("train", num_train), test
+    return disjoint_splits(lambda rng: make_carry_problem(rng, num_digits), _row, num_train, num_test,
+                           f"megatron_fp4.carry_task:{seed}")
 
 
 def write_carry_dataset(out_dir, num_train: int = 2000, num_test: int = 200, seed: int = 0,
