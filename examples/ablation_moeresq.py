@@ -142,11 +142,19 @@ def score_texts(dataset, items, texts) -> list:
     return [rewards.compute_score(dataset.rows[i]["data_source"], t, dataset.ground_truth(i)) for i, t in zip(items, texts)]
 
 
-def greedy_accuracy(engine, tok, test, max_new: int) -> float:
+def greedy_eval(engine, tok, test, max_new: int) -> tuple[float, dict]:
+    """(held-out greedy accuracy, accuracy per problem group): for the carry task the groups are
+    problems with and without a carry (the SFT policy solves only the latter; carry_task doc)."""
     params = SamplingParams(max_new_tokens=max_new, temperature=0.0, stop_token_ids=tok.stop_token_ids)
     gen = engine.generate([test[i]["prompt_ids"] for i in range(len(test))], params)
     texts = [tok.decode(r, stop_at_eos=True) for r in gen.response_ids]
-    return sum(s > 0 for s in score_texts(test, range(len(test)), texts)) / len(test)
+    right = [s > 0 for s in score_texts(test, range(len(test)), texts)]
+    groups = {}
+    for i, ok in enumerate(right):
+        carries = (test.rows[i].get("extra_info") or {}).get("carries")
+        if carries is not None:
+            groups.setdefault("carry" if carries else "no carry", []).append(ok)
+    return sum(right) / len(right), {g: sum(v) / len(v) for g, v in sorted(groups.items())}
 
 
 def rl_step(trainer, engine, tok, train, args, rng, step: int, seed: int) -> dict:
@@ -195,17 +203,19 @@ def run_setting(args, tok, train, test, sft_state, seed: int, setting) -> dict:
                            batch_invariant=args.batch_invariant)
     engine.load_weights(trainer.model.state_dict(), version=0)
     rng = random.Random(f"ablation-rl:{seed}")  # the same prompts in every setting
-    evals = [(0, greedy_accuracy(engine, tok, test, args.max_new_tokens))]
-    history = []
+    acc, groups = greedy_eval(engine, tok, test, args.max_new_tokens)
+    evals, eval_groups, history = [(0, acc)], [(0, groups)], []
     for step in range(args.steps):
         history.append(rl_step(trainer, engine, tok, train, args, rng, step, seed))
         if (step + 1) % args.eval_every == 0 or step + 1 == args.steps:
-            evals.append((step + 1, greedy_accuracy(engine, tok, test, args.max_new_tokens)))
+            acc, groups = greedy_eval(engine, tok, test, args.max_new_tokens)
+            evals.append((step + 1, acc))
+            eval_groups.append((step + 1, groups))
             recent = statistics.fmean(h["reward"] for h in history[-args.eval_every:])
-            print(f"    {name} seed {seed} step {step + 1}: held-out acc {evals[-1][1]:.3f}, "
-                  f"train reward {recent:.3f}", flush=True)
+            print(f"    {name} seed {seed} step {step + 1}: held-out acc {acc:.3f} "
+                  f"{ {g: round(a, 3) for g, a in groups.items()} }, train reward {recent:.3f}", flush=True)
     return {"setting": name, "train_mode": train_mode, "rollout_mode": rollout_mode, "seed": seed,
-            "history": history, "evals": evals}
+            "history": history, "evals": evals, "eval_groups": eval_groups}
 
 
 def _mean_std(xs) -> str:
@@ -225,6 +235,8 @@ def summarize(runs: list) -> list:
         row = {"setting": name, "train": train_mode, "rollout": rollout_mode, "seeds": len(mine),
                "acc_sft": _mean_std([r["evals"][0][1] for r in mine]),
                "acc_rl": _mean_std([r["evals"][-1][1] for r in mine]),
+               **{f"acc_rl_{g.replace(' ', '_')}": _mean_std([r["eval_groups"][-1][1][g] for r in mine])
+                  for g in mine[0]["eval_groups"][-1][1]},
                "reward_last": _mean_std([statistics.fmean(h["reward"] for h in r["history"][-5:]) for r in mine])}
         for key in CONSISTENCY:
             row[key] = _mean_std([statistics.fmean(h[key] for h in r["history"]) for r in mine])
@@ -313,7 +325,7 @@ def parse_args(argv=None):
                     help="carry task: probability that the SFT teacher forgets a carry")
     ap.add_argument("--num-train", type=int, default=2000)
     ap.add_argument("--num-test", type=int, default=200)
-    ap.add_argument("--max-operand", type=int, default=20)
+    ap.add_argument("--max-operand", type=int, default=20, help="word task: operands 0..N")
     ap.add_argument("--eval-size", type=int, default=128)
     ap.add_argument("--max-prompt-length", type=int, default=96)
     ap.add_argument("--max-seq-len", type=int, default=128)
