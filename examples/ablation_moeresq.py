@@ -5,8 +5,12 @@
 
 Data: verl-format parquet (`RLDataset`: chat prompt rendered by the tokenizer's template), rewards
 from the data_source registry (`training.rewards`), an HF tokenizer directory (`HFTokenizer`: pad,
-eos and stop ids from it). Without paths, a GSM8K-style word-problem set and a BPE tokenizer are
-generated under --out (nothing is downloaded).
+eos and stop ids from it). Without paths, a task and a BPE tokenizer are generated under --out
+(nothing is downloaded): ``--task carry`` (default), column addition with explicit carries whose
+SFT target comes from a teacher that forgets each carry with probability ``--drop-carry``
+(`training/data/carry_task.py`: the SFT policy samples the carry sometimes but greedy decoding
+drops it, so GRPO has a rule to learn that carries over to held-out problems), or ``--task word``,
+GSM8K-style word problems (`math_task.py`).
 
 Per seed: SFT (response-only NLL, high precision) gives one checkpoint; then for each setting
 
@@ -19,8 +23,10 @@ docs/consistency.md) samples. Each GRPO step: sample ``group_size`` answers per 
 group-normalise the rewards, recompute the old log-probs on the trainer, log rollout-vs-trainer
 consistency (Pearson, KL, expert agreement on the sampled tokens), one clipped policy-gradient step
 with truncated IS through `Trainer.train_step_with_loss`, and load the new weights into the engine.
-Held-out greedy accuracy (test split, never an RL prompt) is measured before RL and every
-``--eval-every`` steps. The table (mean ± std over seeds) goes to stdout and ``<out>/table.md``, the
+Held-out greedy accuracy (test split, never an RL prompt; exact match of the final answer) is
+measured before RL and every ``--eval-every`` steps. Numerics: the engine is a bf16 copy
+(``--rollout-dtype``) and batch-invariant mode is off (``--batch-invariant`` turns it on), as in
+real stacks. The table (mean ± std over seeds) goes to stdout and ``<out>/table.md``, the
 curves to ``<out>/ablation.png``, everything to ``<out>/results.json``. docs/ablation.md has a run.
 """
 from __future__ import annotations
@@ -44,7 +50,7 @@ from megatron_fp4.config import load_config  # noqa: E402
 from megatron_fp4.rollout import (RolloutEngine, SamplingParams, compute_log_probs, consistency_metrics,  # noqa: E402
                                   pad_prompt_response, policy_loss)
 from megatron_fp4.training import rewards  # noqa: E402
-from megatron_fp4.training.data.math_task import build_math_tokenizer, sft_text, write_math_dataset  # noqa: E402
+from megatron_fp4.training.data import carry_task, math_task  # noqa: E402
 from megatron_fp4.training.data.rl_dataset import RLDataset  # noqa: E402
 from megatron_fp4.training.data.tokenizer import HFTokenizer  # noqa: E402
 from megatron_fp4.training.trainer import Trainer  # noqa: E402
@@ -59,10 +65,17 @@ def prepare_data(args):
     out = Path(args.out)
     if args.tokenizer:
         tok = HFTokenizer.from_dir(args.tokenizer)
+    elif args.task == "carry":
+        tok = carry_task.build_carry_tokenizer(out / "tokenizer", num_digits=args.num_digits)
     else:
-        tok = build_math_tokenizer(out / "tokenizer", max_operand=args.max_operand)
+        tok = math_task.build_math_tokenizer(out / "tokenizer", max_operand=args.max_operand)
     if not args.train_data:
-        paths = write_math_dataset(out / "data", args.num_train, args.num_test, max_operand=args.max_operand)
+        if args.task == "carry":
+            paths = carry_task.write_carry_dataset(out / "data", args.num_train, args.num_test,
+                                                   num_digits=args.num_digits)
+        else:
+            paths = math_task.write_math_dataset(out / "data", args.num_train, args.num_test,
+                                                 max_operand=args.max_operand)
         args.train_data, args.test_data = str(paths["train"]), str(paths["test"])
     if not args.test_data:
         raise ValueError("--train-data needs --test-data (held-out prompts for the accuracy curve)")
@@ -94,15 +107,26 @@ def micro_batches(batch: dict, keys, size: int) -> list:
     return [{k: batch[k][s:s + size] for k in keys} for s in range(0, n, size)]
 
 
+def sft_pair(row: dict, tok, args, rng: random.Random) -> tuple:
+    """(prompt ids, target ids) of one SFT example: the reference solution, or for the carry task
+    the sloppy teacher's (forgets each carry with probability --drop-carry; carry_task module doc)."""
+    prompt, target = math_task.sft_text(row, tok)
+    if row["data_source"] == carry_task.DATA_SOURCE:
+        info = row["extra_info"]
+        text = carry_task.teacher_solution({"a": info["a"], "b": info["b"]}, args.drop_carry, rng)
+        target = tok.encode(text, add_special_tokens=False) + [tok.eos_id]
+    return prompt, target
+
+
 def sft(args, tok, train, seed: int) -> dict:
-    """The shared checkpoint: --sft-steps of response-only NLL on reference solutions (high precision)."""
+    """The shared checkpoint: --sft-steps of response-only NLL on the teacher's solutions (high precision)."""
     cfg = make_config(args, tok, seed, "bf16", "bf16", args.sft_lr, args.sft_steps)
     cfg.optimizer.min_lr = args.sft_lr / 10
     trainer = Trainer(cfg, build_data=False)
     rng = random.Random(f"ablation-sft:{seed}")
     for _ in range(args.sft_steps):
         rows = [train.rows[rng.randrange(len(train))] for _ in range(args.sft_batch)]
-        pairs = [sft_text(r, tok) for r in rows]
+        pairs = [sft_pair(r, tok, args, rng) for r in rows]
         batch = pad_prompt_response([p for p, _ in pairs], [r for _, r in pairs], tok.pad_id)
         trainer.train_step_with_loss(micro_batches(batch, ("input_ids", "attention_mask", "response_mask"),
                                                    args.micro_batch_size), response_nll)
@@ -118,11 +142,19 @@ def score_texts(dataset, items, texts) -> list:
     return [rewards.compute_score(dataset.rows[i]["data_source"], t, dataset.ground_truth(i)) for i, t in zip(items, texts)]
 
 
-def greedy_accuracy(engine, tok, test, max_new: int) -> float:
+def greedy_eval(engine, tok, test, max_new: int) -> tuple[float, dict]:
+    """(held-out greedy accuracy, accuracy per problem group): for the carry task the groups are
+    problems with and without a carry (the SFT policy solves only the latter; carry_task doc)."""
     params = SamplingParams(max_new_tokens=max_new, temperature=0.0, stop_token_ids=tok.stop_token_ids)
     gen = engine.generate([test[i]["prompt_ids"] for i in range(len(test))], params)
     texts = [tok.decode(r, stop_at_eos=True) for r in gen.response_ids]
-    return sum(s > 0 for s in score_texts(test, range(len(test)), texts)) / len(test)
+    right = [s > 0 for s in score_texts(test, range(len(test)), texts)]
+    groups = {}
+    for i, ok in enumerate(right):
+        carries = (test.rows[i].get("extra_info") or {}).get("carries")
+        if carries is not None:
+            groups.setdefault("carry" if carries else "no carry", []).append(ok)
+    return sum(right) / len(right), {g: sum(v) / len(v) for g, v in sorted(groups.items())}
 
 
 def rl_step(trainer, engine, tok, train, args, rng, step: int, seed: int) -> dict:
@@ -136,7 +168,7 @@ def rl_step(trainer, engine, tok, train, args, rng, step: int, seed: int) -> dic
     batch = pad_prompt_response(gen.prompt_ids, gen.response_ids, tok.pad_id)
     with torch.no_grad():
         old = compute_log_probs(trainer.model, batch["input_ids"], batch["attention_mask"], batch["response_mask"],
-                                return_routing=True)
+                                return_routing=True, batch_invariant=args.batch_invariant)
     P = batch["prompt_len"]
     rollout_lp = torch.zeros_like(old.log_probs)
     for i, lp in enumerate(gen.log_probs):
@@ -167,17 +199,23 @@ def run_setting(args, tok, train, test, sft_state, seed: int, setting) -> dict:
     trainer = Trainer(cfg, build_data=False)
     trainer.model.load_state_dict(sft_state)
     dtype = torch.bfloat16 if args.rollout_dtype == "bf16" else None
-    engine = RolloutEngine(copy.deepcopy(trainer.model), mode=rollout_mode, pad_id=tok.pad_id, dtype=dtype)
+    engine = RolloutEngine(copy.deepcopy(trainer.model), mode=rollout_mode, pad_id=tok.pad_id, dtype=dtype,
+                           batch_invariant=args.batch_invariant)
     engine.load_weights(trainer.model.state_dict(), version=0)
     rng = random.Random(f"ablation-rl:{seed}")  # the same prompts in every setting
-    evals = [(0, greedy_accuracy(engine, tok, test, args.max_new_tokens))]
-    history = []
+    acc, groups = greedy_eval(engine, tok, test, args.max_new_tokens)
+    evals, eval_groups, history = [(0, acc)], [(0, groups)], []
     for step in range(args.steps):
         history.append(rl_step(trainer, engine, tok, train, args, rng, step, seed))
         if (step + 1) % args.eval_every == 0 or step + 1 == args.steps:
-            evals.append((step + 1, greedy_accuracy(engine, tok, test, args.max_new_tokens)))
+            acc, groups = greedy_eval(engine, tok, test, args.max_new_tokens)
+            evals.append((step + 1, acc))
+            eval_groups.append((step + 1, groups))
+            recent = statistics.fmean(h["reward"] for h in history[-args.eval_every:])
+            print(f"    {name} seed {seed} step {step + 1}: held-out acc {acc:.3f} "
+                  f"{ {g: round(a, 3) for g, a in groups.items()} }, train reward {recent:.3f}", flush=True)
     return {"setting": name, "train_mode": train_mode, "rollout_mode": rollout_mode, "seed": seed,
-            "history": history, "evals": evals}
+            "history": history, "evals": evals, "eval_groups": eval_groups}
 
 
 def _mean_std(xs) -> str:
@@ -197,6 +235,8 @@ def summarize(runs: list) -> list:
         row = {"setting": name, "train": train_mode, "rollout": rollout_mode, "seeds": len(mine),
                "acc_sft": _mean_std([r["evals"][0][1] for r in mine]),
                "acc_rl": _mean_std([r["evals"][-1][1] for r in mine]),
+               **{f"acc_rl_{g.replace(' ', '_')}": _mean_std([r["eval_groups"][-1][1][g] for r in mine])
+                  for g in mine[0]["eval_groups"][-1][1]},
                "reward_last": _mean_std([statistics.fmean(h["reward"] for h in r["history"][-5:]) for r in mine])}
         for key in CONSISTENCY:
             row[key] = _mean_std([statistics.fmean(h[key] for h in r["history"]) for r in mine])
@@ -278,25 +318,32 @@ def parse_args(argv=None):
     ap.add_argument("--tokenizer", help="HF tokenizer directory (default: a BPE trained on the generated set)")
     ap.add_argument("--train-data", help="verl-format parquet/json of RL prompts (default: generated)")
     ap.add_argument("--test-data", help="verl-format held-out prompts for the greedy accuracy")
+    ap.add_argument("--task", default="carry", choices=["carry", "word"],
+                    help="generated task: column addition with carries (carry_task) or word problems (math_task)")
+    ap.add_argument("--num-digits", type=int, default=2, help="carry task: digits per operand")
+    ap.add_argument("--drop-carry", type=float, default=0.6,
+                    help="carry task: probability that the SFT teacher forgets a carry")
     ap.add_argument("--num-train", type=int, default=2000)
     ap.add_argument("--num-test", type=int, default=200)
-    ap.add_argument("--max-operand", type=int, default=20)
-    ap.add_argument("--eval-size", type=int, default=64)
+    ap.add_argument("--max-operand", type=int, default=20, help="word task: operands 0..N")
+    ap.add_argument("--eval-size", type=int, default=128)
     ap.add_argument("--max-prompt-length", type=int, default=96)
     ap.add_argument("--max-seq-len", type=int, default=128)
     ap.add_argument("--scope", default="experts+attention", help="fp4.scope: experts | experts+attention")
     ap.add_argument("--rollout-dtype", default="bf16", choices=["bf16", "fp32"],
                     help="the rollout engine's copy (bf16: the engine gap; fp32: the same numerics as the trainer)")
+    ap.add_argument("--batch-invariant", action="store_true",
+                    help="batch-invariant numerics in the engine and the trainer's scoring (default off, as real stacks)")
     ap.add_argument("--settings", nargs="*", help="subset of the setting names (default: all four)")
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    ap.add_argument("--sft-steps", type=int, default=150)
+    ap.add_argument("--sft-steps", type=int, default=800)
     ap.add_argument("--sft-batch", type=int, default=32)
     ap.add_argument("--sft-lr", type=float, default=3e-3)
     ap.add_argument("--steps", type=int, default=20, help="GRPO steps per setting")
     ap.add_argument("--lr", type=float, default=3e-4, help="GRPO learning rate (constant)")
     ap.add_argument("--num-prompts", type=int, default=8)
     ap.add_argument("--group-size", type=int, default=8)
-    ap.add_argument("--max-new-tokens", type=int, default=16)
+    ap.add_argument("--max-new-tokens", type=int, default=24)
     ap.add_argument("--temperature", type=float, default=1.0)
     ap.add_argument("--micro-batch-size", type=int, default=32)
     ap.add_argument("--clip-eps", type=float, default=0.2)

@@ -11,7 +11,8 @@ Scorers (1.0 right, 0.0 wrong; verl's DAPO scorer gives -1 for wrong, ours 0, se
   (Minerva), equivalent to the ground truth: by the ``math-verify`` library where installed
   (``1/2`` = ``0.5`` = ``\\frac{1}{2}``), else by the Minerva/DAPO normalisation and exact match.
 
-Registry: ``openai/gsm8k`` and our generated set (`math_task.DATA_SOURCE`) use `gsm8k_score`;
+Registry: ``openai/gsm8k`` and our generated sets (`math_task.DATA_SOURCE`, `carry_task.DATA_SOURCE`) use
+`gsm8k_score`;
 MATH/DAPO/AIME sources use `boxed_score`. `register` adds a source; an unknown source is a
 ValueError that lists the known ones.
 """
@@ -156,7 +157,7 @@ def compute_score(data_source: str, solution: str, ground_truth, extra_info: Opt
     return float(scorer(solution, str(ground_truth)))
 
 
-for _source in ("openai/gsm8k", "megatron_fp4/arith_gsm8k"):
+for _source in ("openai/gsm8k", "megatron_fp4/arith_gsm8k", "megatron_fp4/carry_add"):
     register(_source, gsm8k_score)
 for _source in ("lighteval/MATH", "DigitalLearningGmbH/MATH-lighteval", "HuggingFaceH4/MATH-500", "math_dapo", "math",
                 "math_dapo_reasoning", "BytedTsinghua-SIA/DAPO-Math-17k"):

@@ -14,6 +14,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
 
 import ablation_moeresq as ablation  # noqa: E402
 
+from megatron_fp4.training.data.rl_dataset import read_rows  # noqa: E402
+
 
 def test_ablation_runs_and_sides_use_their_own_modes(tmp_path):
     args = ablation.parse_args([
@@ -22,11 +24,17 @@ def test_ablation_runs_and_sides_use_their_own_modes(tmp_path):
         "--group-size", "4", "--max-new-tokens", "6", "--eval-size", "8", "--num-train", "40", "--num-test", "8",
         "--rollout-dtype", "fp32", "--override", "model.num_layers=1"])
     out = ablation.run(args)
+    test_rows = read_rows(tmp_path / "data" / "test.parquet")
+    carrying = sum(row["extra_info"]["carries"] > 0 for row in test_rows)
     runs = {r["setting"]: r for r in out["runs"]}
     assert set(runs) == {"BF16", "rollout-only compensation"}
     for r in runs.values():
         assert [s for s, _ in r["evals"]] == [0, 1, 2] and len(r["history"]) == 2
         assert all(0.0 <= acc <= 1.0 for _, acc in r["evals"])
+        for (_, acc), (_, groups) in zip(r["evals"], r["eval_groups"]):  # the groups partition the test set
+            sizes = {"carry": carrying, "no carry": 8 - carrying}
+            assert set(groups) == {g for g, n in sizes.items() if n} and \
+                abs(sum(groups[g] * sizes[g] for g in groups) / 8 - acc) < 1e-12
     bf16_kl = max(h["kl"] for h in runs["BF16"]["history"])
     split_kl = min(h["kl"] for h in runs["rollout-only compensation"]["history"])
     assert split_kl > 100 * max(bf16_kl, 1e-9), (bf16_kl, split_kl)

@@ -8,7 +8,8 @@
   `chat`: `render_chat_template` (as transformers renders it). Both need the ``rl`` extra and are
   imported from their modules, so the core package does not need `tokenizers`/`jinja2`.
 - `rl_dataset`: `RLDataset` (verl-format parquet/json rows, as verl's RLHFDataset reads them),
-  `write_parquet`; `math_task`: a generated GSM8K-style set in that format and its tokenizer
+  `write_parquet`; `math_task`: a generated GSM8K-style set in that format and its tokenizer;
+  `carry_task`: column addition with carries and a sloppy SFT teacher (the RL task of docs/ablation.md)
 - rewards (rule-based math verifiers, registry by data_source) live in `megatron_fp4.training.rewards`
 """
 from megatron_fp4.training.data.arithmetic import (

@@ -19,7 +19,7 @@ from pathlib import Path
 from megatron_fp4.training.data.rl_dataset import write_parquet
 
 __all__ = ["DATA_SOURCE", "INSTRUCTION", "make_math_problem", "math_rows", "write_math_dataset",
-           "build_math_tokenizer", "sft_text"]
+           "build_math_tokenizer", "sft_text", "disjoint_splits"]
 
 DATA_SOURCE = "megatron_fp4/arith_gsm8k"
 INSTRUCTION = ' Give the final answer after "####".'
@@ -62,15 +62,23 @@ def math_rows(num_train: int, num_test: int, seed: int = 0, max_operand: int = 2
     if num_train + num_test > space // 2:
         raise ValueError(f"{num_train}+{num_test} problems is too many for max_operand={max_operand} "
                          f"(~{space} distinct questions); raise max_operand or ask for fewer")
+    return disjoint_splits(lambda rng: make_math_problem(rng, max_operand), _row, num_train, num_test,
+                           f"megatron_fp4.math_task:{seed}")
+
+
+def disjoint_splits(make_problem, make_row, num_train: int, num_test: int, stream: str) -> tuple[list, list]:
+    """(train rows, test rows) of distinct questions: ``make_problem(rng)`` draws from a
+    ``random.Random`` seeded by ``f"{stream}:{split}"``; the test split is drawn first, so it does not
+    depend on num_train, and the train split skips its questions."""
     seen = set()
 
     def draw(split: str, num: int) -> list:
-        rng, rows = random.Random(f"megatron_fp4.math_task:{seed}:{split}"), []
+        rng, rows = random.Random(f"{stream}:{split}"), []
         while len(rows) < num:
-            problem = make_math_problem(rng, max_operand)
+            problem = make_problem(rng)
             if problem["question"] not in seen:
                 seen.add(problem["question"])
-                rows.append(_row(problem, split, len(rows)))
+                rows.append(make_row(problem, split, len(rows)))
         return rows
 
     test = draw("test", num_test)
