@@ -165,9 +165,9 @@ def init_weights(model: MoETransformer, seed: int) -> None:
             if prefix in offsets:  # stacked experts [E_local, ...]: one stream per global expert
                 for e in range(p.shape[0]):
                     g = param_generator(seed, name, offsets[prefix] + e)
-                    p[e].copy_(torch.randn(p.shape[1:], generator=g) * scale)
+                    p[e].copy_(torch.randn(p.shape[1:], generator=g, device="cpu") * scale)
             else:
-                p.copy_(torch.randn(p.shape, generator=param_generator(seed, name)) * scale)
+                p.copy_(torch.randn(p.shape, generator=param_generator(seed, name), device="cpu") * scale)
 
 
 def materialize(model: nn.Module, device, seed: int) -> nn.Module:
@@ -191,9 +191,11 @@ def materialize(model: nn.Module, device, seed: int) -> nn.Module:
     return model
 
 
-def build_model(cfg, seed: Optional[int] = None, device="cpu") -> MoETransformer:
-    """Build and initialise the model of `cfg` (a full `Config`) in fp32 on `device` (constructed on
-    the meta device, then materialised: the same bits as any sharded build)."""
+def build_model(cfg, seed: Optional[int] = None, device=None) -> MoETransformer:
+    """Build and initialise the model of `cfg` (a full `Config`) in fp32 on `device` (default: torch's
+    default device, CPU; under ``with torch.device("meta")`` shapes only, nothing initialised).
+    Constructed on the meta device, then materialised: the same bits as any sharded build."""
+    device = torch.device(device) if device is not None else torch.get_default_device()
     with torch.device("meta"):
         model = MoETransformer(cfg.model, cfg.fp4)
-    return materialize(model, device, cfg.schedule.seed if seed is None else seed)
+    return model if device.type == "meta" else materialize(model, device, cfg.schedule.seed if seed is None else seed)

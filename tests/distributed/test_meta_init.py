@@ -31,7 +31,9 @@ def _cfg(spec: dict):
 
 
 class _CountAllocations(torch.utils._python_dispatch.TorchDispatchMode):
-    """The largest tensor (bytes) any op outputs on a real device inside the block."""
+    """The largest tensor (bytes) any op allocates on a real device inside the block. Outputs that
+    alias an input (views, in-place ops, safetensors' view of its memory-mapped file, whose pages
+    are read only where a slice is copied) allocate nothing and are not counted."""
 
     def __init__(self):
         super().__init__()
@@ -39,8 +41,9 @@ class _CountAllocations(torch.utils._python_dispatch.TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        for t in out if isinstance(out, (tuple, list)) else (out,):
-            if isinstance(t, torch.Tensor) and not t.is_meta:
+        outs = out if isinstance(out, (tuple, list)) else (out,)
+        for t, ret in zip(outs, func._schema.returns):
+            if isinstance(t, torch.Tensor) and not t.is_meta and ret.alias_info is None:
                 self.largest = max(self.largest, t.numel() * t.element_size())
         return out
 
@@ -172,3 +175,88 @@ def test_tied_embeddings_with_pp_match_single_process():
 
 def test_tied_embeddings_with_pp_and_dp_match_single_process():
     _check_tied(TIED_4, run_distributed(_train_tied, 4, (TIED_4,), timeout_s=600))
+
+
+# -- sharded loading: HF safetensors and DCP ----------------------------------------------------------
+LOADS = {"pp2": dict(pp=2), "ep2": dict(ep=2)}
+
+
+def _load_shards(rank, world_size, hf_dirs, dcp_root):
+    from megatron_fp4.integrations.hf import load_hf_shard
+    from megatron_fp4.parallel.mesh import ParallelMesh
+    from megatron_fp4.training.trainer import Trainer
+
+    out = {}
+    for name, spec in LOADS.items():
+        cfg = _cfg(dict(spec, dtype="fp32"))
+        mesh = ParallelMesh.build(cfg.parallel.pp, world_size // cfg.parallel.pp, cfg.parallel.ep)
+        t = Trainer(cfg, mesh, build_data=False)
+        largest_owned = max(p.numel() * p.element_size() for p in t.model.parameters())
+        res = {"largest_owned": largest_owned}
+        for layout, path in hf_dirs.items():
+            with _CountAllocations() as mode:
+                load_hf_shard(t.model, path)
+            res[f"hf_{layout}"] = _local_params(t)
+            res[f"hf_{layout}_largest_alloc"] = mode.largest
+        t.save_checkpoint(f"{dcp_root}/{name}")
+        cfg.schedule.seed += 1  # another init: what is compared below can only come from the checkpoint
+        fresh = Trainer(cfg, ParallelMesh.build(cfg.parallel.pp, world_size // cfg.parallel.pp, cfg.parallel.ep),
+                        build_data=False)
+        fresh.load_checkpoint(f"{dcp_root}/{name}")
+        res["dcp"] = _local_params(fresh)
+        res["storage_bytes"] = sum({p.untyped_storage().data_ptr(): p.untyped_storage().nbytes()
+                                    for p in fresh.model.parameters()}.values())
+        out[name] = res
+        t.optimizer.remove_hooks(), fresh.optimizer.remove_hooks()
+    return out
+
+
+def _local_params(trainer) -> dict:
+    offsets = {id(p): m.experts.expert_offset for m in trainer.model.moe_layers()
+               for p in (m.experts.w13, m.experts.w2) if hasattr(m.experts, "expert_offset")}
+    return {n: (offsets.get(id(p), 0), p.detach().clone()) for n, p in trainer.model.named_parameters()}
+
+
+def _slice_equal(local: dict, full: dict, where) -> int:
+    nbytes = 0
+    for pname, (offset, value) in local.items():
+        want = full[pname].detach()
+        if value.shape != want.shape:
+            want = want[offset:offset + value.shape[0]]
+        assert torch.equal(value, want.to(value.dtype)), (where, pname)
+        nbytes += value.numel() * value.element_size()
+    return nbytes
+
+
+def test_ranks_load_only_their_shards_from_hf_and_dcp(tmp_path):
+    import json
+
+    from safetensors.torch import save_file
+
+    from megatron_fp4.integrations.hf import build_model_from_hf, save_hf_checkpoint, to_hf_state_dict
+    from megatron_fp4.model import build_model
+    from megatron_fp4.training.dist_checkpoint import load_full_model_state
+
+    cfg = _cfg(dict(dtype="fp32"))
+    source = build_model(cfg, seed=cfg.schedule.seed + 7)  # not the trainers' init
+    hf_dirs = {"checkpoint": str(save_hf_checkpoint(source, cfg, tmp_path / "hf"))}
+    fused = tmp_path / "hf_fused"  # transformers>=5 module layout: one [E, ...] tensor per layer and weight
+    fused.mkdir()
+    (fused / "config.json").write_text((tmp_path / "hf" / "config.json").read_text())
+    save_file({k: v.contiguous() for k, v in to_hf_state_dict(source, "fused").items()}, str(fused / "model.safetensors"))
+    hf_dirs["fused"] = str(fused)
+    assert json.loads((fused / "config.json").read_text())["num_experts"] == cfg.model.num_experts
+
+    results = run_distributed(_load_shards, 2, (hf_dirs, str(tmp_path / "dcp")), timeout_s=600)
+    reference = dict(build_model_from_hf(hf_dirs["checkpoint"], cfg.fp4).named_parameters())  # single process
+    for name in LOADS:
+        full_dcp = load_full_model_state(tmp_path / "dcp" / name)
+        for rank, res in enumerate(results):
+            r = res[name]
+            for layout in hf_dirs:
+                _slice_equal(r[f"hf_{layout}"], reference, (name, rank, layout))
+                # Never a full stacked expert weight or another stage's tensor in memory at once.
+                assert r[f"hf_{layout}_largest_alloc"] <= r["largest_owned"], (name, rank, layout)
+            owned = _slice_equal(r["dcp"], full_dcp, (name, rank, "dcp"))
+            _slice_equal(r["dcp"], reference, (name, rank, "dcp vs hf"))
+            assert r["storage_bytes"] == owned, (name, rank)
