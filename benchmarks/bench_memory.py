@@ -4,11 +4,12 @@
     python benchmarks/bench_memory.py --set model.num_layers=8 --layouts pp1,pp2
 
 Each layout runs in fresh gloo processes on CPU (peak RSS is per process, so nothing is shared between
-layouts). A rank reports ``ru_maxrss`` (peak RSS) before building anything (imports, process group)
+layouts). A rank reports ``ru_maxrss`` (peak RSS) before building anything (imports, process group, the
+one-time import of torch's meta kernels)
 and after building the model, the difference ("model ΔRSS"), the bytes of the parameters it holds,
 and (meta build) the peak after building the whole `Trainer` on top (ZeRO-1 flat buffers, grads and
-masters; pp1 is a mesh of size 1, i.e. plain AdamW, so that column is not like for like). Two
-builds per layout:
+fp32 masters; pp1 also runs as a process group of one, so it has the same optimizer). Two builds
+per layout:
 
 - ``meta``: what the trainer does — the model constructed on the meta device, cut to this rank's
   pipeline chunks and experts, then materialised (only owned parameters are ever allocated);
@@ -74,11 +75,15 @@ def _rank_main(rank, world, port, spec, overrides, build, queue):
 
     cfg = load_config(default_config_path(), DEFAULTS + overrides + [f"parallel.pp={spec['pp']}",
                                                                      f"parallel.ep={spec['ep']}"])
-    if world > 1:
-        dist.init_process_group("gloo", rank=rank, world_size=world)
-        mesh = ParallelMesh.build(spec["pp"], world // spec["pp"], spec["ep"], device=torch.device("cpu"))
-    else:
-        mesh = ParallelMesh.single(torch.device("cpu"))
+    # pp1 too is a process group (of one): the same ZeRO optimizer as the other layouts, like for like.
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    mesh = ParallelMesh.build(spec["pp"], world // spec["pp"], spec["ep"], device=torch.device("cpu"))
+    # The first construction on the meta device imports torch's meta kernels (sympy, ~150 MB RSS,
+    # once per process, whatever the model size): paid before the baseline, by a 1-layer model.
+    from megatron_fp4.model import MoETransformer
+    warm = load_config(default_config_path(), ["model.num_layers=1"])
+    with torch.device("meta"):
+        MoETransformer(warm.model, warm.fp4)
     before = _peak_mb()
     if build == "meta":  # the trainer's own model build (no optimizer yet), as in Trainer.__init__
         shell = Trainer.__new__(Trainer)
@@ -95,9 +100,8 @@ def _rank_main(rank, world, port, spec, overrides, build, queue):
         Trainer(cfg, mesh, build_data=False)
         trainer_peak = _peak_mb() - before
     queue.put((rank, dict(before=before, after=after, params=params, experts=experts, trainer=trainer_peak)))
-    if world > 1:
-        dist.barrier()
-        dist.destroy_process_group()
+    dist.barrier()
+    dist.destroy_process_group()
 
 
 def run_layout(spec: dict, overrides: list, build: str) -> list[dict]:

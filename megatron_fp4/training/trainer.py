@@ -33,7 +33,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from megatron_fp4.config import Config
+from megatron_fp4.config import Config, ConfigError
 from megatron_fp4.fp4 import NonFiniteInputError
 from megatron_fp4.fp4 import current as fp4_current, micro_batch as fp4_micro_batch, training_step as fp4_training_step
 from megatron_fp4.model import MoETransformer, materialize
@@ -56,11 +56,11 @@ class Trainer:
     def __init__(self, cfg: Config, mesh: Optional[ParallelMesh] = None, build_data: bool = True):
         # The one place a run's config is validated: every entry point (CLI, torchrun, examples,
         # verl's engine, tests) builds this trainer, against the world it will run on.
-        cfg.validate(world_size=world_size_from_env() if mesh is None else mesh.world_size)
-        if (mesh is None and world_size_from_env() == 1 or mesh is not None and mesh.world_size == 1) \
-                and (cfg.parallel.pp > 1 or cfg.parallel.ep > 1):
-            raise ValueError("parallel.pp/ep > 1 need several processes: launch with torchrun "
-                             "(see the README) or set them to 1")
+        world = world_size_from_env() if mesh is None else mesh.world_size
+        if world == 1 and (cfg.parallel.pp > 1 or cfg.parallel.ep > 1):
+            raise ConfigError(f"parallel.pp={cfg.parallel.pp}, parallel.ep={cfg.parallel.ep}: pp/ep > 1 need several "
+                              f"processes: launch with torchrun (see the README) or set them to 1")
+        cfg.validate(world_size=world)
         self.cfg = cfg
         self.mesh = mesh or ParallelMesh.from_env(cfg)
         self.device = self.mesh.device
