@@ -8,8 +8,8 @@ Why the library: its schedules are maintained upstream, run on gloo (CPU) and NC
   decoder layers (embedding with chunk 0, final norm + LM head with the last chunk), and chunk
   ``c`` lives on pipeline rank ``c % pp`` (Megatron's interleaving: rank r holds r, r+pp, …);
 - the *stage modules*: `strip_to_local` removes from the model what other ranks own (on the
-  meta device before anything is allocated, in the trainer; or from a full model). A stage runs the model's own forward pieces
-  (`embed`, `run_layers`, `head`), never a copy of them. The model object is kept, so
+  meta device before anything is allocated, in the trainer; or from a full model). A stage runs
+  the model's own forward pieces (`embed`, `run_layers`, `head`), never a copy of them. The model object is kept, so
   ``model.named_parameters()`` yields this rank's parameters under their *global* names (what
   ZeRO shards and checkpoints key on) and `model.moe_layers()` lists the local MoE layers;
 - the *loss contract*: the step's loss (a `StepLoss`: model inputs + loss of the logits) runs on
