@@ -13,6 +13,9 @@ across pipeline stages train like the single process.
   parameter within ``FP64_REL`` of the single process (the bound of tests/numerics.py), and the
   first and the last stage's copies of the embedding identical after the updates.
 """
+import functools
+
+import pytest
 import torch
 
 from tests.distributed.launch import run_distributed
@@ -109,14 +112,58 @@ def _check_builds(builds, results):
         assert set(covered) == set(full), (name, set(full) - set(covered))
 
 
-def test_two_process_builds_are_slices_of_the_single_process_model():
-    builds = run_distributed(_build, 2, (BUILDS_2,), timeout_s=600)
-    _check_builds(BUILDS_2, builds)
+def _two_processes(rank, world_size, hf_dirs, dcp_root):
+    """Everything this file checks on 2 processes, in one spawn (process start-up dominates)."""
+    return dict(builds=_build(rank, world_size, BUILDS_2), tied=_train_tied(rank, world_size, TIED),
+                loads=_load_shards(rank, world_size, hf_dirs, dcp_root))
 
 
-def test_pp2_ep2_build_is_a_slice_of_the_single_process_model():
-    builds = run_distributed(_build, 4, (BUILDS_4,), timeout_s=600)
-    _check_builds(BUILDS_4, builds)
+def _four_processes(rank, world_size):
+    return dict(builds=_build(rank, world_size, BUILDS_4), tied=_train_tied(rank, world_size, TIED_4))
+
+
+@pytest.fixture(scope="module")
+def hf_dirs(tmp_path_factory):
+    """The single-process model (another seed than the trainers') as HF checkpoints, per-expert
+    ("checkpoint", what Hub files hold) and fused (transformers>=5 module layout) experts."""
+    from safetensors.torch import save_file
+
+    from megatron_fp4.integrations.hf import save_hf_checkpoint, to_hf_state_dict
+    from megatron_fp4.model import build_model
+
+    root = tmp_path_factory.mktemp("hf")
+    cfg = _cfg(dict(dtype="fp32"))
+    source = build_model(cfg, seed=cfg.schedule.seed + 7)
+    dirs = {"checkpoint": str(save_hf_checkpoint(source, cfg, root / "checkpoint"))}
+    (root / "fused").mkdir()
+    (root / "fused" / "config.json").write_text((root / "checkpoint" / "config.json").read_text())
+    save_file({k: v.contiguous() for k, v in to_hf_state_dict(source, "fused").items()},
+              str(root / "fused" / "model.safetensors"))
+    dirs["fused"] = str(root / "fused")
+    return dirs
+
+
+@pytest.fixture(scope="module")
+def dcp_root(tmp_path_factory):
+    return tmp_path_factory.mktemp("dcp")
+
+
+@pytest.fixture(scope="module")
+def results_2(hf_dirs, dcp_root):
+    return run_distributed(_two_processes, 2, (hf_dirs, str(dcp_root)), timeout_s=600)
+
+
+@pytest.fixture(scope="module")
+def results_4():
+    return run_distributed(_four_processes, 4, timeout_s=600)
+
+
+def test_two_process_builds_are_slices_of_the_single_process_model(results_2):
+    _check_builds(BUILDS_2, [r["builds"] for r in results_2])
+
+
+def test_pp2_ep2_build_is_a_slice_of_the_single_process_model(results_4):
+    _check_builds(BUILDS_4, [r["builds"] for r in results_4])
 
 
 # -- tied embeddings with pp --------------------------------------------------------------------------
@@ -140,7 +187,9 @@ def _train_tied(rank, world_size, layouts):
     return out
 
 
-def _tied_reference(spec: dict):
+@functools.lru_cache(maxsize=1)
+def _tied_reference():
+    """The single process (pp1) with tied embeddings: the reference of every tied layout."""
     from megatron_fp4.training.trainer import Trainer
 
     cfg = tiny_cfg()
@@ -153,7 +202,7 @@ def _tied_reference(spec: dict):
 
 def _check_tied(layouts, results):
     for name, spec in layouts.items():
-        ref_losses, ref_params = _tied_reference(spec)
+        ref_losses, ref_params = _tied_reference()
         seen, embeds = set(), []
         for r in (res[name] for res in results):
             for got, want in zip(r["losses"], ref_losses):
@@ -169,12 +218,12 @@ def _check_tied(layouts, results):
         assert len(embeds) == len(results) and all(torch.equal(e, embeds[0]) for e in embeds)
 
 
-def test_tied_embeddings_with_pp_match_single_process():
-    _check_tied(TIED, run_distributed(_train_tied, 2, (TIED,), timeout_s=600))
+def test_tied_embeddings_with_pp_match_single_process(results_2):
+    _check_tied(TIED, [r["tied"] for r in results_2])
 
 
-def test_tied_embeddings_with_pp_and_dp_match_single_process():
-    _check_tied(TIED_4, run_distributed(_train_tied, 4, (TIED_4,), timeout_s=600))
+def test_tied_embeddings_with_pp_and_dp_match_single_process(results_4):
+    _check_tied(TIED_4, [r["tied"] for r in results_4])
 
 
 # -- sharded loading: HF safetensors and DCP ----------------------------------------------------------
@@ -228,31 +277,16 @@ def _slice_equal(local: dict, full: dict, where) -> int:
     return nbytes
 
 
-def test_ranks_load_only_their_shards_from_hf_and_dcp(tmp_path):
-    import json
-
-    from safetensors.torch import save_file
-
-    from megatron_fp4.integrations.hf import build_model_from_hf, save_hf_checkpoint, to_hf_state_dict
-    from megatron_fp4.model import build_model
+def test_ranks_load_only_their_shards_from_hf_and_dcp(results_2, hf_dirs, dcp_root):
+    from megatron_fp4.integrations.hf import build_model_from_hf
     from megatron_fp4.training.dist_checkpoint import load_full_model_state
 
     cfg = _cfg(dict(dtype="fp32"))
-    source = build_model(cfg, seed=cfg.schedule.seed + 7)  # not the trainers' init
-    hf_dirs = {"checkpoint": str(save_hf_checkpoint(source, cfg, tmp_path / "hf"))}
-    fused = tmp_path / "hf_fused"  # transformers>=5 module layout: one [E, ...] tensor per layer and weight
-    fused.mkdir()
-    (fused / "config.json").write_text((tmp_path / "hf" / "config.json").read_text())
-    save_file({k: v.contiguous() for k, v in to_hf_state_dict(source, "fused").items()}, str(fused / "model.safetensors"))
-    hf_dirs["fused"] = str(fused)
-    assert json.loads((fused / "config.json").read_text())["num_experts"] == cfg.model.num_experts
-
-    results = run_distributed(_load_shards, 2, (hf_dirs, str(tmp_path / "dcp")), timeout_s=600)
     reference = dict(build_model_from_hf(hf_dirs["checkpoint"], cfg.fp4).named_parameters())  # single process
     for name in LOADS:
-        full_dcp = load_full_model_state(tmp_path / "dcp" / name)
-        for rank, res in enumerate(results):
-            r = res[name]
+        full_dcp = load_full_model_state(dcp_root / name)
+        for rank, res in enumerate(results_2):
+            r = res["loads"][name]
             for layout in hf_dirs:
                 _slice_equal(r[f"hf_{layout}"], reference, (name, rank, layout))
                 # Never a full stacked expert weight or another stage's tensor in memory at once.
