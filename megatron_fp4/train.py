@@ -53,14 +53,9 @@ def _run(cfg) -> list[dict]:
 def _build_and_train(cfg, rank: int) -> list[dict]:
     from megatron_fp4.training.metrics import outputs_pointer, start_banner
 
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1 or cfg.parallel.pp > 1 or cfg.parallel.ep > 1:
-        from megatron_fp4.training.parallel_trainer import build_trainer
+    from megatron_fp4.training.trainer import Trainer
 
-        trainer = build_trainer(cfg)
-    else:
-        from megatron_fp4.training.trainer import Trainer
-
-        trainer = Trainer(cfg)
+    trainer = Trainer(cfg)  # validates cfg (once) and builds this process's mesh (ParallelMesh.from_env)
     if rank == 0:
         print(start_banner(cfg, trainer.mesh), flush=True)
     if cfg.checkpoint.load:
@@ -135,6 +130,18 @@ def _one_line(kind: str, err: BaseException) -> str:
     return f"{rank}{kind} error: {text}"
 
 
+def _config_error(err) -> int:
+    """One line on rank 0 (every rank sees the same config): the field, the fix, and under a
+    multi-process launch a hint that the process count is part of the layout."""
+    if int(os.environ.get("RANK", "0")) == 0:
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        launched = (f" (this job started {world} processes: the launcher's process count, torchrun "
+                    f"--nproc-per-node × nodes or the sbatch's NPROC_PER_NODE, is part of the layout and may be "
+                    f"what to change)") if world > 1 else ""
+        print(f"config error: {' '.join(str(err).split())}{launched}", file=sys.stderr)
+    return EXIT_USER_ERROR
+
+
 def main(argv=None) -> int:
     from megatron_fp4.training.checkpoint import CheckpointError
     from megatron_fp4.training.data import DataError
@@ -147,15 +154,8 @@ def main(argv=None) -> int:
         if args.steps is not None and cfg.schedule.warmup_steps > args.steps:
             # --steps is a quick-run shorthand: shrink the warmup with it rather than refuse.
             cfg.schedule.warmup_steps = args.steps // 10
-        cfg.validate(int(os.environ.get("WORLD_SIZE", "1")))
     except ConfigError as err:
-        if int(os.environ.get("RANK", "0")) == 0:
-            world = int(os.environ.get("WORLD_SIZE", "1"))
-            launched = (f" (this job started {world} processes: the launcher's process count, torchrun "
-                        f"--nproc-per-node × nodes or the sbatch's NPROC_PER_NODE, is part of the layout and may be "
-                        f"what to change)") if world > 1 else ""
-            print(f"config error: {err}{launched}", file=sys.stderr)
-        return EXIT_USER_ERROR
+        return _config_error(err)
     except yaml.YAMLError as err:
         if int(os.environ.get("RANK", "0")) == 0:
             where = args.config or "a --set value"
@@ -163,8 +163,10 @@ def main(argv=None) -> int:
         return EXIT_USER_ERROR
     try:
         run(cfg)
-    except (CheckpointError, DataError, ConfigError) as err:
-        kind = "checkpoint" if isinstance(err, CheckpointError) else "data" if isinstance(err, DataError) else "config"
+    except ConfigError as err:  # the Trainer validates the config against this job's world size
+        return _config_error(err)
+    except (CheckpointError, DataError) as err:
+        kind = "checkpoint" if isinstance(err, CheckpointError) else "data"
         print(_one_line(kind, err), file=sys.stderr)
         return EXIT_USER_ERROR
     except NonFiniteError as err:

@@ -7,7 +7,6 @@ expert-index order — never arrival order — so all layouts give the same bits
 """
 from __future__ import annotations
 
-import math
 from typing import Optional
 
 import torch
@@ -183,13 +182,9 @@ class MoELayer(nn.Module):
 
 
 def init_moe_params(layer: MoELayer, std: float, out_std: float, generator: torch.Generator) -> None:
+    """A bare layer's init from one generator (tests and benchmarks of a single MoE layer; the
+    model's own init is `transformer.init_weights`)."""
     with torch.no_grad():
         layer.router.weight.normal_(0, std, generator=generator)
         layer.experts.w13.normal_(0, std, generator=generator)
         layer.experts.w2.normal_(0, out_std, generator=generator)
-
-
-def expert_load_imbalance(counts: torch.Tensor) -> float:
-    """max/mean tokens per expert (1.0 = perfectly balanced)."""
-    mean = counts.float().mean().item()
-    return float(counts.max().item() / mean) if mean > 0 else math.nan

@@ -7,6 +7,7 @@ the model knows nothing about pipelines.
 """
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 from typing import Optional
 
@@ -136,30 +137,65 @@ def lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(upcast(logits).reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=-100)
 
 
-def init_weights(model: MoETransformer, seed: int) -> None:
-    """Deterministic init from `seed` alone (same on every rank, so any layout starts equal):
-    N(0, std) everywhere, output projections scaled by 1/sqrt(2·num_layers) as in Megatron."""
-    from megatron_fp4.model.moe import init_moe_params
+def param_generator(seed: int, name: str, expert: Optional[int] = None) -> torch.Generator:
+    """The CPU generator of one parameter (or one expert's slice of a stacked expert weight), seeded
+    from (seed, global parameter name, global expert index) alone: a shard draws the same bits
+    whichever rank builds it and whatever else that rank holds (sha256, not Python's salted hash)."""
+    key = f"{seed}/{name}" if expert is None else f"{seed}/{name}/{expert}"
+    return torch.Generator().manual_seed(int.from_bytes(hashlib.sha256(key.encode()).digest()[:8], "little") >> 1)
 
+
+def init_weights(model: MoETransformer, seed: int) -> None:
+    """Deterministic init of whatever part of the model this process holds (a full model, pipeline
+    chunks, local experts): N(0, std), output projections (o_proj, down_proj, experts' w2) scaled
+    by 1/sqrt(2·num_layers) as in Megatron, norms 1. Every parameter, and every expert of a
+    stacked expert weight (global id ``expert_offset + e``), draws from its own `param_generator`,
+    so each rank's shard equals the same slice of the single-process model bit for bit."""
     cfg = model.cfg
-    g = torch.Generator().manual_seed(seed)
     std, out_std = cfg.init_std, cfg.init_std / (2 * cfg.num_layers) ** 0.5
+    offsets = {f"{name}.": getattr(m, "expert_offset", 0) for name, m in model.named_modules()
+               if isinstance(m, GroupedExperts)}
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("norm.weight") or "layernorm" in name:
                 p.fill_(1.0)
-            elif ".mlp." in name and (".experts." in name or ".router." in name):
-                continue  # below, in a fixed order
-            elif name.endswith(("o_proj.weight", "down_proj.weight")):
-                p.copy_(torch.randn(p.shape, generator=g) * out_std)
+                continue
+            scale = out_std if name.endswith(("o_proj.weight", "down_proj.weight", ".experts.w2")) else std
+            prefix = name[:name.rindex(".") + 1]
+            if prefix in offsets:  # stacked experts [E_local, ...]: one stream per global expert
+                for e in range(p.shape[0]):
+                    g = param_generator(seed, name, offsets[prefix] + e)
+                    p[e].copy_(torch.randn(p.shape[1:], generator=g, device="cpu") * scale)
             else:
-                p.copy_(torch.randn(p.shape, generator=g) * std)
-        for moe in model.moe_layers():
-            init_moe_params(moe, std, out_std, g)
+                p.copy_(torch.randn(p.shape, generator=param_generator(seed, name), device="cpu") * scale)
 
 
-def build_model(cfg, seed: Optional[int] = None) -> MoETransformer:
-    """Build and initialise the model of `cfg` (a full `Config`) on CPU in fp32."""
-    model = MoETransformer(cfg.model, cfg.fp4)
-    init_weights(model, cfg.schedule.seed if seed is None else seed)
+def materialize(model: nn.Module, device, seed: int) -> nn.Module:
+    """Give a model built on ``torch.device("meta")`` (and cut to what this process holds) real
+    storage on `device` and `init_weights` it: only the parameters still in the model are ever
+    allocated. Parameters are replaced by new ones that keep their Python attributes (e.g. the
+    ``is_expert`` marks expert parallelism set)."""
+    new: dict[int, nn.Parameter] = {}
+    for module in model.modules():
+        for key, p in module._parameters.items():
+            if p is None:
+                continue
+            if id(p) not in new:
+                q = nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device=device), requires_grad=p.requires_grad)
+                q.__dict__.update(p.__dict__)
+                new[id(p)] = q
+            module._parameters[key] = new[id(p)]
+        for key, b in module._buffers.items():
+            assert b is None or not b.is_meta, f"buffer {key} would be left uninitialised"
+    init_weights(model, seed)
     return model
+
+
+def build_model(cfg, seed: Optional[int] = None, device=None) -> MoETransformer:
+    """Build and initialise the model of `cfg` (a full `Config`) in fp32 on `device` (default: torch's
+    default device, CPU; under ``with torch.device("meta")`` shapes only, nothing initialised).
+    Constructed on the meta device, then materialised: the same bits as any sharded build."""
+    device = torch.device(device) if device is not None else torch.get_default_device()
+    with torch.device("meta"):
+        model = MoETransformer(cfg.model, cfg.fp4)
+    return model if device.type == "meta" else materialize(model, device, cfg.schedule.seed if seed is None else seed)

@@ -1,6 +1,7 @@
 """Expert parallelism: split every MoE layer's experts over the ``ep`` group and plug in a dispatcher.
 
-Usage (after building the full, identically-initialised model on every rank)::
+Usage (on a full model, or on one still on the meta device, which is then materialised with only
+this rank's experts)::
 
     mesh = ParallelMesh.build(pp=1, dp=4, ep=2)
     model = apply_expert_parallel(model, mesh, dispatcher="gcmoe", chunk_tokens=64, ring_slots=8)
@@ -90,13 +91,17 @@ def _mark_expert_params(experts: GroupedExperts) -> None:
 
 
 def _local_experts(full: GroupedExperts, lo: int, hi: int) -> GroupedExperts:
-    local = GroupedExperts(hi - lo, full.hidden, full.ffn, full.recipe).to(full.w13.dtype)
-    with torch.no_grad():
-        local.w13.copy_(full.w13[lo:hi])
-        local.w2.copy_(full.w2[lo:hi])
+    """Experts [lo, hi) of `full` as a module of their own. On the meta device (a model not yet
+    materialised) nothing is allocated or copied: the local slice is initialised later by the
+    model's per-expert init, to the same bits."""
+    with torch.device(full.w13.device):
+        local = GroupedExperts(hi - lo, full.hidden, full.ffn, full.recipe).to(full.w13.dtype)
+    if not full.w13.is_meta:
+        with torch.no_grad():
+            local.w13.copy_(full.w13[lo:hi])
+            local.w2.copy_(full.w2[lo:hi])
     local.w13.requires_grad_(full.w13.requires_grad)
     local.w2.requires_grad_(full.w2.requires_grad)
-    local.to(full.w13.device)
     local.expert_offset, local.num_global_experts = lo, full.num_experts
     local.quant_name = full.quant_name  # fp4 SR streams are keyed by the global name + expert id
     return local
@@ -133,7 +138,8 @@ def apply_expert_parallel(model: nn.Module, mesh: ParallelMesh, dispatcher: str 
 
     Must be called on every rank (it checks collectively that every ep rank passed the same
     dispatcher, `chunk_tokens` and `ring_slots`, and GC-MoE creates a process group collectively).
-    `model` must be the full model initialised identically on every rank. Returns `model` (modified
+    `model` is the full model, initialised identically on every rank or still on the meta device
+    (then only the local experts are ever allocated, by `model.materialize`). Returns `model` (modified
     in place). `chunk_tokens`, `ring_slots` (receive ring: ``ring_slots × chunk_tokens × hidden``
     elements per rank), `transfer_sms` and `gcmoe_compute` ("expert" | "chunk") only matter for
     "gcmoe". From a config: ``apply_expert_parallel(model, mesh, cfg.parallel.expert_dispatcher,

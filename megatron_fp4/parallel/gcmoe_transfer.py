@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import collections
 import queue
-from datetime import timedelta
 from typing import TYPE_CHECKING
 
 import torch
@@ -98,24 +97,14 @@ def nccl_transfer_options(transfer_sms: int):
 
 
 def transfer_group(mesh, transfer_sms: int):
-    """This rank's transfer group: a second group over its ep ranks (gloo is not safe with two
-    threads on one group). Collective: every rank creates every ep group in the same order.
+    """This rank's transfer group: the mesh's second group over its ep ranks (gloo is not safe with
+    two threads on one group). Collective the first time: every rank creates every ep group.
 
-    On CUDA the group is created with `nccl_transfer_options` (NCCL's CTA cap, one SM per CTA),
-    so the transfer kernels stay within ``transfer_sms`` SMs while the compute green context
-    holds the rest. `ParallelMesh.new_group` takes no backend options, so that case calls
-    `dist.new_group` with the mesh's timeout itself; on CPU (and where the cap is unavailable)
-    the mesh creates the group as before."""
+    On CUDA the group is created with `nccl_transfer_options` (NCCL's CTA cap, one SM per CTA), so
+    the transfer kernels stay within ``transfer_sms`` SMs while the compute green context holds
+    the rest; on CPU (and where the cap is unavailable) it is a plain group."""
     opts = nccl_transfer_options(transfer_sms) if mesh.device.type == "cuda" else None
-    mine = None
-    for ranks in layout_groups(mesh.pp, mesh.dp, mesh.ep, mesh.tp)["ep"]:
-        if opts is None:
-            group = mesh.new_group(ranks)
-        else:
-            group = dist.new_group(ranks, timeout=timedelta(seconds=mesh.timeout_s), pg_options=opts)
-        if mesh.rank in ranks:
-            mine = group
-    return mine
+    return mesh.second_group("ep", pg_options=opts)
 
 
 def _green_streams(device: torch.device, transfer_sms: int):

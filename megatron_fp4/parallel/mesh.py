@@ -5,7 +5,9 @@ Expert-parallel groups are carved out of the data-parallel ranks: within one pip
 ranks form a grid ``edp × ep`` with ``ep`` fastest, so
 
 - ``ep_group``:  ranks that hold different experts of the same MoE layer (all-to-all partners);
-- ``edp_group``: ranks that hold the *same* experts (the data-parallel group of expert params).
+- ``edp_group``: ranks that hold the *same* experts (the data-parallel group of expert params);
+- ``embed``: (pp > 1) the dp ranks of the first and of the last stage, which hold the two copies of
+  tied embeddings (Megatron's embedding group): their gradients are reduced over it.
 
 Nothing here is global: build a `ParallelMesh` once and pass it to whoever needs a group.
 Device and backend are decided in one place (`resolve_device`): gloo on CPU, NCCL on CUDA.
@@ -32,6 +34,8 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from megatron_fp4.config_validate import resolve_dp
+
 
 def resolve_device(preference: str = "auto") -> torch.device:
     """`auto` → CUDA (this process's LOCAL_RANK) when available, else CPU."""
@@ -57,6 +61,11 @@ class PeerFailureError(RuntimeError):
 _PEER_FAILURE_WORDS = ("timed out", "timeout", "connection closed", "connection reset", "broken pipe")
 
 
+def world_size_from_env() -> int:
+    """The number of processes of this job (torchrun's WORLD_SIZE; 1 without torchrun)."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
 def layout_coords(rank: int, pp: int, dp: int, ep: int, tp: int = 1) -> dict:
     """Pure: this rank's coordinate on every axis."""
     tp_rank = rank % tp
@@ -70,7 +79,7 @@ def layout_groups(pp: int, dp: int, ep: int, tp: int = 1) -> dict[str, list[list
     def rank_of(p, d, t=0):
         return (p * dp + d) * tp + t
 
-    groups: dict[str, list[list[int]]] = {"pp": [], "dp": [], "ep": [], "edp": [], "tp": []}
+    groups: dict[str, list[list[int]]] = {"pp": [], "dp": [], "ep": [], "edp": [], "tp": [], "embed": []}
     for d in range(dp):
         for t in range(tp):
             groups["pp"].append([rank_of(p, d, t) for p in range(pp)])
@@ -83,6 +92,9 @@ def layout_groups(pp: int, dp: int, ep: int, tp: int = 1) -> dict[str, list[list
                 groups["edp"].append([rank_of(p, e_dp * ep + e, t) for e_dp in range(dp // ep)])
         for d in range(dp):
             groups["tp"].append([rank_of(p, d, t) for t in range(tp)])
+    if pp > 1:  # tied embeddings: the first stage's embedding and the last stage's head, all dp ranks
+        for t in range(tp):
+            groups["embed"].append([rank_of(p, d, t) for p in (0, pp - 1) for d in range(dp)])
     return groups
 
 
@@ -119,7 +131,7 @@ class ParallelMesh:
 
     def size(self, axis: str) -> int:
         return {"pp": self.pp, "dp": self.dp, "ep": self.ep, "tp": self.tp, "edp": self.dp // self.ep,
-                "world": self.world_size}[axis]
+                "embed": 2 * self.dp if self.pp > 1 else self.dp, "world": self.world_size}[axis]
 
     def group(self, axis: str):
         return self.groups.get(axis)
@@ -140,6 +152,22 @@ class ParallelMesh:
     @classmethod
     def single(cls, device: Optional[torch.device] = None) -> "ParallelMesh":
         return cls(device=device or torch.device("cpu"))
+
+    @classmethod
+    def from_env(cls, cfg) -> "ParallelMesh":
+        """The mesh of `cfg` for this process: torchrun's WORLD_SIZE, the layout of ``cfg.parallel``
+        (dp = -1: what the world leaves after pp and tp), ``cfg.device`` and ``parallel.timeout_s``;
+        a mesh of size 1 for one process. `cfg` must be validated for this world size
+        (`Trainer` does it, once)."""
+        world = world_size_from_env()
+        p = cfg.parallel
+        pp, dp, ep, tp = p.pp, resolve_dp(cfg, world), p.ep, p.tp
+        device = resolve_device(cfg.device)
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        if world == 1 and not dist.is_initialized():
+            return cls.single(device)
+        return cls.build(pp, dp, ep, tp, device=device, timeout_s=p.timeout_s)
 
     @classmethod
     def build(cls, pp: int, dp: int, ep: int = 1, tp: int = 1, device: Optional[torch.device] = None,
@@ -173,10 +201,23 @@ class ParallelMesh:
                     mesh.groups[axis], mesh.ranks[axis] = group, ranks
         return mesh
 
-    def new_group(self, ranks: list[int]):
+    def new_group(self, ranks: list[int], pg_options=None):
         """A process group over `ranks` with the mesh's timeout (collective: every rank calls it for
-        every group, in the same order). Whoever needs an extra group asks the mesh for it."""
-        return dist.new_group(ranks, timeout=timedelta(seconds=self.timeout_s))
+        every group, in the same order). Whoever needs an extra group asks the mesh for it;
+        `pg_options` are backend options (e.g. NCCL's CTA cap for GC-MoE's transfer group)."""
+        return dist.new_group(ranks, timeout=timedelta(seconds=self.timeout_s), pg_options=pg_options)
+
+    def second_group(self, axis: str, pg_options=None):
+        """A second process group over this rank's `axis` ranks (for a thread that runs collectives
+        beside the main one: gloo is not safe with two threads on one group). Collective the first
+        time: every rank creates every group of the axis, in the same order; cached afterwards."""
+        key = f"{axis}#2"
+        if key not in self.groups and self.is_distributed:
+            for ranks in layout_groups(self.pp, self.dp, self.ep, self.tp)[axis]:
+                group = self.new_group(ranks, pg_options)
+                if self.rank in ranks:
+                    self.groups[key] = group
+        return self.groups.get(key)
 
     def ranks_with(self, flag: bool) -> list[int]:
         """Global ranks whose `flag` is True: one all-reduce over the whole mesh, so every rank gets

@@ -7,9 +7,9 @@ Why the library: its schedules are maintained upstream, run on gloo (CPU) and NC
 - the *split* (pure, unit-tested): `split_layers` gives each chunk a balanced, contiguous range of
   decoder layers (embedding with chunk 0, final norm + LM head with the last chunk), and chunk
   ``c`` lives on pipeline rank ``c % pp`` (Megatron's interleaving: rank r holds r, r+pp, …);
-- the *stage modules*: every rank builds the full, identically initialised model, then
-  `strip_to_local` removes what other ranks own. A stage runs the model's own forward pieces
-  (`embed`, `run_layers`, `head`), never a copy of them. The model object is kept, so
+- the *stage modules*: `strip_to_local` removes from the model what other ranks own (on the
+  meta device before anything is allocated, in the trainer; or from a full model). A stage runs
+  the model's own forward pieces (`embed`, `run_layers`, `head`), never a copy of them. The model object is kept, so
   ``model.named_parameters()`` yields this rank's parameters under their *global* names (what
   ZeRO shards and checkpoints key on) and `model.moe_layers()` lists the local MoE layers;
 - the *loss contract*: the step's loss (a `StepLoss`: model inputs + loss of the logits) runs on
@@ -106,7 +106,8 @@ class PipelineChunk(nn.Module):
                  inputs: Callable[[], dict] = dict):
         super().__init__()
         self.layer_range, self.is_first, self.is_last = layers, is_first, is_last
-        self.embed_tokens = model.embed_tokens if is_first else None
+        # The last chunk registers the embedding too when it is the tied head's weight.
+        self.embed_tokens = model.embed_tokens if is_first or (is_last and model.lm_head is None) else None
         self.layers = nn.ModuleList([model.layers[i] for i in layers])
         self.norm = model.norm if is_last else None
         self.lm_head = model.lm_head if is_last else None
@@ -124,15 +125,21 @@ class PipelineChunk(nn.Module):
 
 
 def strip_to_local(model: nn.Module, local_layers: set[int], has_first: bool, has_last: bool) -> None:
-    """Drop (in place) every module this rank's chunks do not hold; names of the rest stay global."""
-    if model.lm_head is None and (has_first != has_last):
-        raise ValueError("model.tie_embeddings=True is not supported with pipeline parallelism (the embedding "
-                         "and the LM head live on different stages); set model.tie_embeddings=false")
+    """Drop (in place) every module this rank's chunks do not hold; names of the rest stay global.
+
+    Tied embeddings (``model.lm_head is None``) split over two ranks work as in Megatron: the last
+    stage keeps its own copy of ``embed_tokens`` for the head, initialised to the same bits (same
+    name, same seed), and both copies are marked ``grad_axis = "embed"`` so their gradients are
+    reduced over the mesh's embedding group (first and last stage): the two copies get the sum of
+    both uses and stay equal through every update."""
+    tied = model.lm_head is None
     for i in range(len(model.layers)):
         if i not in local_layers:
             model.layers[i] = _Absent()
-    if not has_first:
+    if not has_first and not (tied and has_last):
         model.embed_tokens = None
+    elif tied and has_first != has_last:
+        model.embed_tokens.weight.grad_axis = "embed"
     if not has_last:
         model.norm = None
         model.lm_head = None

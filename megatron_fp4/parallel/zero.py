@@ -8,8 +8,9 @@ Layout. Parameters are grouped by (dtype, reduction axis, weight decay). Each gr
 `FlatBuffer`: the params' data and ``.grad`` are views into two contiguous flat tensors, laid out in
 reverse model order (the order backward produces them) and cut into buckets of about
 ``bucket_size_mb``, each padded to a multiple of the group size. The reduction axis is a property of
-the buffer: ``dp`` for ordinary params, ``edp`` for expert params (``param.is_expert``), so expert
-parallelism is not a special case anywhere else.
+the buffer: ``dp`` for ordinary params, ``edp`` for expert params (``param.is_expert``), or the
+param's own ``grad_axis`` (``embed`` for tied embeddings split over pipeline stages), so expert
+parallelism and tied embeddings are not special cases anywhere else.
 
 Sharding. Rank r of a buffer's group *owns* the r-th slice of every bucket. ZeRO stage
 
@@ -143,7 +144,8 @@ class ZeroAdamW:
         for name, p in named_params:
             if not p.requires_grad:
                 continue
-            axis = getattr(p, "expert_group", "edp") if getattr(p, "is_expert", False) else "dp"
+            axis = getattr(p, "grad_axis", None) or (getattr(p, "expert_group", "edp") if getattr(p, "is_expert", False)
+                                                      else "dp")
             wd = 0.0 if no_weight_decay(name, p) else opt_cfg.weight_decay
             groups.setdefault((p.dtype, axis, wd), []).append((name, p))
         self.buffers: list[FlatBuffer] = []

@@ -8,8 +8,9 @@ NaN guard, clipping, AdamW (ZeRO-sharded over dp), LR schedule, logging, checkpo
 A single process is a mesh of size 1. The layout only changes how the model is cut (pipeline
 chunks with global parameter names, local experts) and what one forward/backward is: with
 ``pp > 1`` the pipeline schedule runs the model's own forward pieces and the step's loss on the
-last stage. Every rank builds the full model from the same seed before cutting it, so every layout
-starts from the single-process weights. Each dp rank reads its contiguous part of the same global
+last stage. Every rank builds only its part of the model (on the meta device, then materialised), each
+parameter and expert drawn from its own seeded stream, so every layout starts from the
+single-process weights. Each dp rank reads its contiguous part of the same global
 batch, and the reported loss and metrics are the means over all micro-batches of all dp ranks.
 
 `train_step_with_loss(micro_batches, loss_fn)` is the one step every caller goes through (the LM
@@ -32,11 +33,12 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from megatron_fp4.config import Config
+from megatron_fp4.config import Config, ConfigError
 from megatron_fp4.fp4 import NonFiniteInputError
 from megatron_fp4.fp4 import current as fp4_current, micro_batch as fp4_micro_batch, training_step as fp4_training_step
-from megatron_fp4.model import build_model
-from megatron_fp4.parallel.mesh import ParallelMesh, resolve_device
+from megatron_fp4.model import MoETransformer, materialize
+from megatron_fp4.parallel.expert_parallel import apply_expert_parallel
+from megatron_fp4.parallel.mesh import ParallelMesh, world_size_from_env
 from megatron_fp4.parallel.pipeline import PipelineRunner
 from megatron_fp4.parallel.zero import ZeroAdamW
 from megatron_fp4.training import checkpoint as ckpt, preemption
@@ -52,22 +54,21 @@ __all__ = ["Trainer", "NonFiniteError", "lm_loss_fn", "LossFn", "StepLoss"]
 
 class Trainer:
     def __init__(self, cfg: Config, mesh: Optional[ParallelMesh] = None, build_data: bool = True):
-        cfg.validate(world_size=1 if mesh is None else mesh.world_size)
-        if (mesh is None or mesh.world_size == 1) and (cfg.parallel.pp > 1 or cfg.parallel.ep > 1):
-            raise ValueError("parallel.pp/ep > 1 need several processes: launch with torchrun "
-                             "(see the README) or set them to 1")
+        # The one place a run's config is validated: every entry point (CLI, torchrun, examples,
+        # verl's engine, tests) builds this trainer, against the world it will run on.
+        world = world_size_from_env() if mesh is None else mesh.world_size
+        if world == 1 and (cfg.parallel.pp > 1 or cfg.parallel.ep > 1):
+            raise ConfigError(f"parallel.pp={cfg.parallel.pp}, parallel.ep={cfg.parallel.ep}: pp/ep > 1 need several "
+                              f"processes: launch with torchrun (see the README) or set them to 1")
+        cfg.validate(world_size=world)
         self.cfg = cfg
-        self.mesh = mesh or ParallelMesh.single(resolve_device(cfg.device))
+        self.mesh = mesh or ParallelMesh.from_env(cfg)
         self.device = self.mesh.device
-        p, s = cfg.parallel, cfg.schedule
+        s = cfg.schedule
         torch.manual_seed(s.seed)
-        self.model = self._build_model()
-        if self.mesh.ep > 1:
-            self._apply_expert_parallel()
         self.num_microbatches = s.global_batch_size // (s.micro_batch_size * self.mesh.dp)
-        self.pipeline = None
-        if self.mesh.pp > 1:
-            self.pipeline = PipelineRunner(self.model, self.mesh, p.schedule, p.virtual_stages)
+        self.model, self.pipeline = self._build_model()
+        if self.pipeline is not None:
             self.pipeline.prepare(self.num_microbatches, (s.micro_batch_size, s.seq_len))
         self.optimizer = self.build_optimizer()
         self.step = 0
@@ -87,28 +88,33 @@ class Trainer:
         p = self.cfg.parallel
         return ZeroAdamW(self.model.named_parameters(), self.cfg.optimizer, self.mesh, p.zero_stage, p.bucket_size_mb)
 
-    def _apply_expert_parallel(self) -> None:
-        from megatron_fp4.parallel.expert_parallel import apply_expert_parallel
-
-        p = self.cfg.parallel
-        apply_expert_parallel(self.model, self.mesh, dispatcher=p.expert_dispatcher, chunk_tokens=p.gcmoe_chunk_tokens,
-                              transfer_sms=p.gcmoe_transfer_sms, ring_slots=p.gcmoe_ring_slots)
-
     def _init_guard(self) -> None:
         self._sqnr = None
         self.gate = LayerGate()
         self.consecutive_skips = 0
 
     def _build_model(self):
-        """The full model of the config on this device, in the training-side FP4 mode (every rank of
-        every layout builds exactly this first, so all layouts start from the same weights)."""
-        model = build_model(self.cfg).to(self.device)
-        if self.cfg.dtype == "bf16" and self.device.type == "cpu":
+        """This rank's part of the model of the config, and its pipeline runner (None without pp).
+
+        The model is constructed on the meta device, cut to this rank's experts and pipeline
+        chunks, and only then materialised and initialised (`model.materialize`: each parameter
+        and each expert from its own seeded stream), so a rank never allocates what it does not
+        own and every shard equals the same slice of the single-process model bit for bit. Then
+        the dtype of the config and the training-side FP4 mode."""
+        cfg, mesh, p = self.cfg, self.mesh, self.cfg.parallel
+        with torch.device("meta"):
+            model = MoETransformer(cfg.model, cfg.fp4)
+        if mesh.ep > 1:
+            apply_expert_parallel(model, mesh, dispatcher=p.expert_dispatcher, chunk_tokens=p.gcmoe_chunk_tokens,
+                                  transfer_sms=p.gcmoe_transfer_sms, ring_slots=p.gcmoe_ring_slots)
+        pipeline = PipelineRunner(model, mesh, p.schedule, p.virtual_stages) if mesh.pp > 1 else None
+        materialize(model, self.device, cfg.schedule.seed)
+        if cfg.dtype == "bf16" and self.device.type == "cpu":
             model.to(torch.bfloat16)
-        elif self.cfg.dtype == "fp64":  # FP4 operands are still quantized from fp32, as defined
+        elif cfg.dtype == "fp64":  # FP4 operands are still quantized from fp32, as defined
             model.to(torch.float64)
-        model.set_fp4_mode(self.cfg.fp4.train_mode)
-        return model
+        model.set_fp4_mode(cfg.fp4.train_mode)
+        return model, pipeline
 
     def _build_data(self, build_data: bool) -> None:
         """Dataset and this dp rank's sampler (the global batch is the same for every layout)."""

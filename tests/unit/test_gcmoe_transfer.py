@@ -52,9 +52,12 @@ class _FakeNCCL:
             self.config = types.SimpleNamespace(max_ctas=None)
 
 
-def _fake_mesh(device, created):
-    return types.SimpleNamespace(device=torch.device(device), pp=1, dp=4, ep=2, tp=1, rank=3, timeout_s=42.0,
-                                 new_group=lambda ranks: created.append(("mesh", ranks)) or ("mesh", tuple(ranks)))
+def _mesh(device):
+    """Rank 3 of a dp4 × ep2 mesh (ep groups [0, 1], [2, 3]) that believes it is distributed; the
+    groups it creates come from the patched `dist.new_group`."""
+    from megatron_fp4.parallel.mesh import ParallelMesh
+    return ParallelMesh(pp=1, dp=4, ep=2, rank=3, world_size=4, device=torch.device(device),
+                        groups={"world": object()}, timeout_s=42.0)
 
 
 def test_nccl_transfer_options_caps_ctas(monkeypatch):
@@ -71,16 +74,18 @@ def test_transfer_group_passes_nccl_options_on_cuda_only(monkeypatch):
     created = []
 
     def new_group(ranks, timeout=None, pg_options=None):
-        created.append(("dist", ranks, timeout, pg_options.config.max_ctas))
-        return ("dist", tuple(ranks))
+        created.append((ranks, timeout, pg_options and pg_options.config.max_ctas))
+        return tuple(ranks)
 
-    monkeypatch.setattr(gcmoe_transfer.dist, "new_group", new_group)
-    # every ep group is created by every rank, in order; rank 3 keeps [2, 3]
-    assert gcmoe_transfer.transfer_group(_fake_mesh("cuda", created), 16) == ("dist", (2, 3))
-    assert created == [("dist", [0, 1], timedelta(seconds=42), 16), ("dist", [2, 3], timedelta(seconds=42), 16)]
+    monkeypatch.setattr("torch.distributed.new_group", new_group)
+    # every ep group is created by every rank, in order, through the mesh; rank 3 keeps [2, 3]
+    mesh = _mesh("cuda")
+    assert gcmoe_transfer.transfer_group(mesh, 16) == (2, 3)
+    assert created == [([0, 1], timedelta(seconds=42), 16), ([2, 3], timedelta(seconds=42), 16)]
+    assert gcmoe_transfer.transfer_group(mesh, 16) == (2, 3) and len(created) == 2  # cached by the mesh
     created.clear()
-    assert gcmoe_transfer.transfer_group(_fake_mesh("cpu", created), 16) == ("mesh", (2, 3))
-    assert created == [("mesh", [0, 1]), ("mesh", [2, 3])]  # CPU: the mesh's own groups, no options
+    assert gcmoe_transfer.transfer_group(_mesh("cpu"), 16) == (2, 3)
+    assert created == [([0, 1], timedelta(seconds=42), None), ([2, 3], timedelta(seconds=42), None)]  # CPU: no options
 
 
 # -- GC-MoE decode: the static (CUDA-Graph) path reads nothing back to the host ---------------------

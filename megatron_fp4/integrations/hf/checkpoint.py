@@ -3,6 +3,7 @@
     save_hf_checkpoint(model, cfg, "out/qwen3_moe_hf")       # loadable by Qwen3MoeForCausalLM.from_pretrained
     model_cfg, sd = load_hf_checkpoint("out/qwen3_moe_hf")   # our ModelConfig + HF tensors
     model = build_model_from_hf("out/qwen3_moe_hf", fp4_cfg)  # our MoETransformer with those weights
+    load_hf_shard(trainer.model, "out/qwen3_moe_hf")          # a sharded rank: only its own tensors
 
 Writing is atomic: everything goes to a temporary sibling directory that is renamed into place
 only when complete, so an interrupted save never leaves a half-written checkpoint under `out_dir`.
@@ -15,7 +16,7 @@ import json
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Optional
+from typing import Mapping, Optional
 
 import torch
 from safetensors import safe_open
@@ -97,6 +98,64 @@ def _weight_files(path: Path) -> list[Path]:
     return files
 
 
+class SafetensorsTensors(Mapping):
+    """The tensors of a checkpoint's safetensors files by HF name, read lazily: a key's tensor is
+    read from its file only when asked for (``sd[key]``), ``shape(key)`` reads the header alone and
+    ``rows(key, lo, hi)`` only rows [lo, hi) (an expert-parallel rank's experts of a fused tensor).
+    Nothing else is ever in memory, so a rank loading its shard never holds the full model."""
+
+    def __init__(self, files: list[Path]):
+        self._file: dict[str, Path] = {}
+        for file in files:
+            with safe_open(str(file), framework="pt", device="cpu") as f:
+                for key in f.keys():
+                    if key in self._file:
+                        raise ValueError(f"tensor {key!r} appears in more than one shard of {str(file.parent)!r} "
+                                         f"({self._file[key].name}, {file.name})")
+                    self._file[key] = file
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        with safe_open(str(self._file[key]), framework="pt", device="cpu") as f:
+            return f.get_tensor(key)
+
+    def __iter__(self):
+        return iter(self._file)
+
+    def __len__(self) -> int:
+        return len(self._file)
+
+    def __contains__(self, key) -> bool:
+        return key in self._file
+
+    def shape(self, key: str) -> tuple:
+        with safe_open(str(self._file[key]), framework="pt", device="cpu") as f:
+            return tuple(f.get_slice(key).get_shape())
+
+    def rows(self, key: str, lo: int, hi: int) -> torch.Tensor:
+        with safe_open(str(self._file[key]), framework="pt", device="cpu") as f:
+            return f.get_slice(key)[lo:hi]
+
+
+def load_hf_shard(model, path) -> None:
+    """Load into `model` — one rank's part of it (pipeline chunks, local experts) or all of it —
+    exactly the tensors it holds from the Hugging Face checkpoint at `path` (one file or Hub-style
+    shards, either expert layout), reading each tensor or expert slice from safetensors on its own.
+    The checkpoint's config must match ``model.cfg`` (the fields that shape the weights)."""
+    path = Path(path)
+    if not (path / CONFIG_FILE).is_file():
+        raise ValueError(f"{str(path)!r} is not a Hugging Face checkpoint directory: {CONFIG_FILE} not found")
+    theirs = ours_config_from_hf(json.loads((path / CONFIG_FILE).read_text()))
+    fields = ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim", "num_experts",
+              "moe_ffn_hidden_size", "dense_layers", "tie_embeddings") + (("dense_ffn_hidden_size",)
+                                                                          if model.cfg.dense_layers else ())
+    differ = [f"model.{f}: ours {getattr(model.cfg, f)!r}, checkpoint {getattr(theirs, f)!r}"
+              for f in fields if getattr(model.cfg, f) != getattr(theirs, f)]
+    if differ:
+        raise ValueError(f"{str(path)!r} holds another model ({'; '.join(differ)}); build the model from the "
+                         f"checkpoint's own config (ours_config_from_hf)")
+    from_hf_state_dict(model, SafetensorsTensors(_weight_files(path)), shard=True)
+
+
 def load_hf_checkpoint(path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     """Read a Qwen3-MoE checkpoint directory: (our ModelConfig, HF-named CPU tensors). Accepts a
     single `model.safetensors` or Hub-style shards with `model.safetensors.index.json`."""
@@ -104,14 +163,8 @@ def load_hf_checkpoint(path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     if not (path / CONFIG_FILE).is_file():
         raise ValueError(f"{str(path)!r} is not a Hugging Face checkpoint directory: {CONFIG_FILE} not found")
     model_cfg = ours_config_from_hf(json.loads((path / CONFIG_FILE).read_text()))
-    sd: dict[str, torch.Tensor] = {}
-    for file in _weight_files(path):
-        with safe_open(str(file), framework="pt", device="cpu") as f:
-            for key in f.keys():
-                if key in sd:
-                    raise ValueError(f"tensor {key!r} appears in more than one shard of {str(path)!r}")
-                sd[key] = f.get_tensor(key)
-    return model_cfg, sd
+    tensors = SafetensorsTensors(_weight_files(path))
+    return model_cfg, {key: tensors[key] for key in tensors}
 
 
 def build_model_from_hf(path, fp4_cfg: Optional[FP4Config] = None):

@@ -22,7 +22,7 @@ loader concatenates gate then up per expert, exactly our w13. `to_hf_state_dict`
 """
 from __future__ import annotations
 
-from typing import Any, Mapping
+from typing import Any, Mapping, Optional
 
 import torch
 
@@ -221,47 +221,68 @@ def to_hf_state_dict(model, layout: str = "checkpoint") -> dict[str, torch.Tenso
 
 class _Collector:
     """Gathers checkpoint tensors for our parameters, recording every problem instead of stopping
-    at the first, so one error lists them all."""
+    at the first, so one error lists them all. `sd` is a mapping of HF names to tensors; a lazy one
+    (`checkpoint.SafetensorsTensors`) also offers ``shape(key)`` and ``rows(key, lo, hi)``, so a
+    rank reads only its experts' rows of a fused tensor."""
 
     def __init__(self, sd: Mapping[str, torch.Tensor]):
         self.sd, self.used = sd, set()
         self.missing: list[str] = []
         self.bad_shape: list[str] = []
 
-    def take(self, key: str, shape) -> torch.Tensor | None:
+    def take(self, key: str, shape, rows: Optional[tuple[int, int]] = None) -> torch.Tensor | None:
+        """The tensor `key` (rows [lo, hi) of it when `rows` is given), checked to have `shape`
+        (the full tensor's shape)."""
         if key not in self.sd:
             self.missing.append(key)
             return None
         self.used.add(key)
-        t = self.sd[key]
-        if tuple(t.shape) != tuple(shape):
-            self.bad_shape.append(f"{key}: checkpoint {list(t.shape)} vs model {list(shape)}")
+        lazy = hasattr(self.sd, "rows")
+        t = None if lazy else self.sd[key]
+        have = tuple(self.sd.shape(key)) if lazy else tuple(t.shape)
+        if have != tuple(shape):
+            self.bad_shape.append(f"{key}: checkpoint {list(have)} vs model {list(shape)}")
             return None
-        return t
+        if rows is None:
+            return self.sd[key] if lazy else t
+        return self.sd.rows(key, *rows) if lazy else t[rows[0]:rows[1]]
 
-    def take_experts(self, base: str, suffixes: tuple, shape, num_experts: int) -> torch.Tensor | None:
-        """Per-expert tensors `base{e}.{suffix}.weight`, concatenated over suffixes, stacked over e."""
-        parts = [[self.take(f"{base}{e}.{s}.weight", shape) for s in suffixes] for e in range(num_experts)]
+    def take_experts(self, base: str, suffixes: tuple, shape, experts: range) -> torch.Tensor | None:
+        """Per-expert tensors `base{e}.{suffix}.weight` for e in `experts`, concatenated over
+        suffixes, stacked over e."""
+        parts = [[self.take(f"{base}{e}.{s}.weight", shape) for s in suffixes] for e in experts]
         if any(p is None for row in parts for p in row):
             return None
         return torch.stack([torch.cat(row, dim=0) for row in parts])
 
 
+def _expert_offsets(model) -> dict[str, int]:
+    """Parameter-name prefix of every experts module -> global id of its first expert (an expert-
+    parallel rank holds experts [offset, offset + E_local))."""
+    return {f"{name}.": getattr(m, "expert_offset", 0) for name, m in model.named_modules()
+            if hasattr(m, "w13") and hasattr(m, "w2")}
+
+
 def _collect(model, sd: Mapping[str, torch.Tensor]) -> tuple[dict, _Collector]:
-    """Our parameter name -> checkpoint tensor (in our layout), plus the bookkeeping."""
+    """Our parameter name -> checkpoint tensor (in our layout), plus the bookkeeping. `model` may be
+    one rank's shard (pipeline chunks, local experts): only its parameters are read."""
     col, found = _Collector(sd), {}
+    offsets = _expert_offsets(model)
     for name, param in model.named_parameters():
         shape = tuple(param.shape)
         if name.endswith(".mlp.experts.w13") or name.endswith(".mlp.experts.w2"):
             is_w13 = name.endswith("w13")
             base = "model." + name[: -len("w13" if is_w13 else "w2")]
             fused = base + ("gate_up_proj" if is_w13 else "down_proj")
+            lo = offsets.get(name[: name.rindex(".") + 1], 0)
+            experts = range(lo, lo + shape[0])
             if fused in sd:
-                t = col.take(fused, shape)
+                num_global = getattr(model.cfg, "num_experts", shape[0])
+                t = col.take(fused, (num_global, *shape[1:]), rows=(experts.start, experts.stop))
             else:
-                E = shape[0]
                 per_expert = (shape[1] // 2, shape[2]) if is_w13 else shape[1:]
-                t = col.take_experts(base, ("gate_proj", "up_proj") if is_w13 else ("down_proj",), per_expert, E)
+                t = col.take_experts(base, ("gate_proj", "up_proj") if is_w13 else ("down_proj",), per_expert,
+                                     experts)
         elif name.endswith(".mlp.router.weight"):
             t = col.take("model." + name[: -len("router.weight")] + "gate.weight", shape)
         elif name == "lm_head.weight":
@@ -270,13 +291,14 @@ def _collect(model, sd: Mapping[str, torch.Tensor]) -> tuple[dict, _Collector]:
             t = col.take("model." + name, shape)
         if t is not None:
             found[name] = t
-    if model.lm_head is None and "lm_head.weight" in sd:  # tied: a copy of the embedding may be stored
+    embed = found.get("embed_tokens.weight")
+    if model.cfg.tie_embeddings and "lm_head.weight" in sd:  # tied: a copy of the embedding may be stored
         col.used.add("lm_head.weight")
-        embed = found.get("embed_tokens.weight")
-        lm_head = sd["lm_head.weight"]
-        if embed is not None and (lm_head.shape != embed.shape or not torch.equal(lm_head, embed)):
-            col.bad_shape.append("lm_head.weight: differs from model.embed_tokens.weight, but the config ties "
-                                 "them (tie_word_embeddings=True); use a config with tie_word_embeddings=False")
+        if embed is not None:
+            lm_head = sd["lm_head.weight"]
+            if lm_head.shape != embed.shape or not torch.equal(lm_head, embed):
+                col.bad_shape.append("lm_head.weight: differs from model.embed_tokens.weight, but the config ties "
+                                     "them (tie_word_embeddings=True); use a config with tie_word_embeddings=False")
     return found, col
 
 
@@ -285,24 +307,26 @@ def _listed(keys: list[str]) -> str:
     return shown + (f", ... ({len(keys) - _MAX_LISTED} more)" if len(keys) > _MAX_LISTED else "")
 
 
-def from_hf_state_dict(model, sd: Mapping[str, torch.Tensor]) -> None:
+def from_hf_state_dict(model, sd: Mapping[str, torch.Tensor], shard: bool = False) -> None:
     """Load HF Qwen3-MoE tensors into `model` in place (strict). Experts may come per layer in the
     "checkpoint" (per-expert) or "fused" layout. Missing keys, unexpected keys or shape mismatches
     raise one ValueError listing them all, before any parameter is modified. Values are cast to the
-    parameter dtype (e.g. a bf16 checkpoint into an fp32 model)."""
-    found = ours_from_hf_state_dict(model, sd)
+    parameter dtype (e.g. a bf16 checkpoint into an fp32 model). ``shard=True``: `model` is one
+    rank's part (pipeline chunks, local experts) and `sd` may hold the others' tensors too, so
+    only missing and mismatched tensors are errors."""
+    found = ours_from_hf_state_dict(model, sd, shard)
     params = dict(model.named_parameters())
     with torch.no_grad():
         for name, t in found.items():
             params[name].copy_(t)
 
 
-def ours_from_hf_state_dict(model, sd: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def ours_from_hf_state_dict(model, sd: Mapping[str, torch.Tensor], shard: bool = False) -> dict[str, torch.Tensor]:
     """`model`'s parameter names -> the HF tensors in our layout (experts stacked), checked as
     strictly as `from_hf_state_dict` (one ValueError listing every problem); `model` is not touched."""
     _check_no_shared_experts(model)
     found, col = _collect(model, sd)
-    unexpected = sorted(set(sd) - col.used)
+    unexpected = [] if shard else sorted(set(sd) - col.used)
     if col.missing or unexpected or col.bad_shape:
         problems = []
         if col.missing:
