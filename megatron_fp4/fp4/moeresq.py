@@ -69,27 +69,31 @@ from megatron_fp4.fp4.nvfp4 import fake_quantize_nvfp4
 from megatron_fp4.fp4.recipe import OperandFormat, Recipe
 
 
-def _fq32(x, fmt: OperandFormat, generator=None, name: str = "x", nonfinite=None) -> torch.Tensor:
+def _fq32(x, fmt: OperandFormat, generator=None, name: str = "x", nonfinite=None, compile=None) -> torch.Tensor:
     if fmt.format == "nvfp4":
-        return fake_quantize_nvfp4(x, scale=fmt.scale, block=fmt.block, rounding=fmt.rounding,
-                                   generator=generator, name=name, dtype=torch.float32, nonfinite=nonfinite)
-    return fake_quantize_mxfp4(x, scale_mode=fmt.mx_scale_mode, rounding=fmt.rounding,
-                               generator=generator, name=name, dtype=torch.float32, nonfinite=nonfinite)
+        return fake_quantize_nvfp4(x, scale=fmt.scale, block=fmt.block, rounding=fmt.rounding, generator=generator,
+                                   name=name, dtype=torch.float32, nonfinite=nonfinite, compile=compile)
+    return fake_quantize_mxfp4(x, scale_mode=fmt.mx_scale_mode, rounding=fmt.rounding, generator=generator,
+                               name=name, dtype=torch.float32, nonfinite=nonfinite, compile=compile)
 
 
-def fake_quantize(x: torch.Tensor, fmt: OperandFormat, generator=None, name: str = "x") -> torch.Tensor:
-    """Quantize-dequantize ``x`` in ``fmt``; returns ``x.dtype``."""
-    return _fq32(x, fmt, generator, name).to(x.dtype)
+def fake_quantize(x: torch.Tensor, fmt: OperandFormat, generator=None, name: str = "x",
+                  compile: str | None = None) -> torch.Tensor:
+    """Quantize-dequantize ``x`` in ``fmt``; returns ``x.dtype`` (``compile``: see ``Recipe.compile``)."""
+    return _fq32(x, fmt, generator, name, compile=compile).to(x.dtype)
 
 
 def resq_quantize(x: torch.Tensor, fmt: OperandFormat, compensated: bool = True, generator=None,
-                  name: str = "x", nonfinite=None) -> torch.Tensor:
+                  name: str = "x", nonfinite=None, compile: str | None = None) -> torch.Tensor:
     """``Q(x) + Q(x − Q(x))`` (or ``Q(x)`` when not compensated) in fp32."""
     xf = x.to(torch.float32)
-    q = _fq32(xf, fmt, generator, name, nonfinite)
+    q = _fq32(xf, fmt, generator, name, nonfinite, compile)
     if not compensated:
         return q
-    return q + _fq32(xf - q, fmt, generator, name + " residual", nonfinite)
+    if q.requires_grad:  # in-place ops below would break autograd's saved tensors
+        return q + _fq32(xf - q, fmt, generator, name + " residual", nonfinite, compile)
+    r = torch.sub(xf, q, out=xf) if xf is not x else xf - q  # reuse x's own fp32 copy: no fresh buffer
+    return q.add_(_fq32(r, fmt, generator, name + " residual", nonfinite, compile))
 
 
 def sqnr_db(x: torch.Tensor, fmt: OperandFormat) -> float:
@@ -123,7 +127,7 @@ class _Site:
     def quantize(self, a: torch.Tensor, fmt: OperandFormat, operand: str, compensated: bool) -> torch.Tensor:
         """Q̃ of one operand on its own stochastic-rounding stream (none for nearest rounding)."""
         gen, name = self._stream(a, fmt, operand)
-        return resq_quantize(a, fmt, compensated, gen, name, self.nonfinite)
+        return resq_quantize(a, fmt, compensated, gen, name, self.nonfinite, self.recipe.compile)
 
     def split(self, a: torch.Tensor, fmt: OperandFormat, operand: str, compensated: bool) -> list:
         """The terms of Q̃ as exact-GEMM splits (same codes and draws as :meth:`quantize`)."""
