@@ -84,7 +84,7 @@ def _bench_moeresq(a, timer) -> None:
     for mode, fmt in (("fp4", "nvfp4"), ("fp4_resq", "nvfp4"), ("fp4_resq", "mxfp4")):
         _moeresq_step(xb, wb, dyb, mode, fmt, "on")()  # compile and check this layer's variants
         fns = {"bf16": ref, "plain": _moeresq_step(xb, wb, dyb, mode, fmt, "off"),
-               "default": _moeresq_step(xb, wb, dyb, mode, fmt, None)}
+               "default": _moeresq_step(xb, wb, dyb, mode, fmt, "auto")}
         s = _side_by_side(fns, a.min_run_time, a.rounds, timer)
         print(f"{mode + ' ' + fmt:<32} {s['bf16'] * 1e3:9.1f} {s['plain'] * 1e3:9.1f} {s['plain'] / s['bf16']:8.2f} "
               f"{s['default'] * 1e3:10.1f} {s['default'] / s['bf16']:8.2f}")

@@ -177,6 +177,10 @@ def test_auto_compiles_in_the_background_then_uses_the_kernels(monkeypatch, comp
     assert len(fused._threads) == 1
     fused.wait_compiled()
     (variant,) = fused._variants.values()
+    if variant.state == "refused":  # not bit-exact on a kernel set forced below the machine's own
+        assert os.environ.get("ATEN_CPU_CAPABILITY")
+        assert torch.equal(_bits(fake_quantize_mxfp4(x)), _bits(ref))
+        return
     assert variant.state == "ready" and fused.compiled_ready("mxfp4")
     calls = []
     run = variant.run
