@@ -14,7 +14,7 @@ Candidates are interleaved for ``--rounds`` rounds and each keeps its best media
 (torch.utils.benchmark). With one thread the timer is the thread's CPU time, so on a shared machine
 the other processes' load does not land in the numbers (a background compile thread does not either).
 
-Usage: ``python benchmarks/bench_fp4.py [--small] [--threads N] [--no-first-call]``.
+Usage: ``python benchmarks/bench_fp4.py [--small] [--threads N] [--only fake-quant|moeresq|first-call]``.
 """
 from __future__ import annotations
 
@@ -119,7 +119,7 @@ def _first_call_probe(compile_mode: str, tokens: int, d_in: int, d_out: int) -> 
             "steady_step_eager": median(_moeresq_step(xg, w, dy, "fp4_resq", "nvfp4", "off"))}
 
 
-def _bench_first_call(a) -> None:
+def _bench_first_call(a, timer=None) -> None:
     print(f"\n3) first call in a fresh process (1 thread; fake-quant {a.tokens}x{a.in_features} nvfp4, "
           f"fp4_resq step {a.tokens}x{a.in_features}->{a.out_features} fp32)")
     print(f"{'setting':<34} {'1st fake-quant s':>16} {'x steady':>8} {'1st step s':>10} {'x steady':>8}")
@@ -145,8 +145,7 @@ def main(argv=None) -> None:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--min-run-time", type=float, default=0.5)
     p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--no-first-call", action="store_true", help="skip the fresh-process latency rows")
-    p.add_argument("--no-moeresq", action="store_true", help="skip the MoEResQ rows")
+    p.add_argument("--only", choices=("fake-quant", "moeresq", "first-call"), help="run one section")
     p.add_argument("--first-call-probe", default=None, help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     if a.small:
@@ -158,11 +157,10 @@ def main(argv=None) -> None:
     timer = time.thread_time if a.threads == 1 else time.perf_counter
     print(f"device cpu, {a.threads} thread(s), {'thread CPU' if a.threads == 1 else 'wall'} time, best median "
           f"of {a.rounds} interleaved rounds; compile setting {fused.resolve_compile(None)}")
-    _bench_fake_quant(a, timer)
-    if not a.no_moeresq:
-        _bench_moeresq(a, timer)
-    if not a.no_first_call:
-        _bench_first_call(a)
+    for name, section in (("fake-quant", _bench_fake_quant), ("moeresq", _bench_moeresq),
+                          ("first-call", _bench_first_call)):
+        if a.only in (None, name):
+            section(a, timer)
 
 
 if __name__ == "__main__":

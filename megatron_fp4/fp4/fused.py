@@ -44,6 +44,7 @@ MoE experts reuse one kernel.
 from __future__ import annotations
 
 import atexit
+import math
 import os
 import threading
 import types
@@ -132,24 +133,23 @@ def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
                                                                      b.reshape(-1).view(torch.uint8))
 
 
-def _probe_like(xb: torch.Tensor) -> torch.Tensor:
-    """Hard inputs in ``xb``'s block layout (every dim ≥ 2): E2M1 ties and grid points, saturation,
-    and the same block at scales from 2^-133 to 2^17 (subnormal fp32 values, subnormal / zero E4M3
-    scales)."""
+def _probe_like(blocks, dtype) -> torch.Tensor:
+    """Hard inputs in the block layout ``blocks`` (every dim ≥ 2): E2M1 ties and grid points,
+    saturation, and the same block at scales from 2^-133 to 2^17 (subnormal fp32 values, subnormal /
+    zero E4M3 scales)."""
     base = torch.tensor([0.0, 0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0, -0.25, -0.75, -2.5, -5.0, -6.0, 0.1, 7.0])
     rows = torch.stack([base * 2.0 ** k for k in range(-133, 20, 3)])  # [51, 16]
-    if xb.dim() == 3:  # (rows, blocks, block): one probe row per row, repeated over its blocks
-        bs, nblk = xb.shape[2], max(2, xb.shape[1])
-        probe = rows.repeat(1, bs // 16)[:, None, :].expand(-1, nblk, -1)
+    if len(blocks) == 3:  # (rows, blocks, block): one probe row per row, repeated over its blocks
+        probe = rows.repeat(1, blocks[2] // 16)[:, None, :].expand(-1, max(2, blocks[1]), -1)
     else:  # (16-row tiles, 16, 16-col tiles, 16): the rows stacked into 16×16 tiles
-        probe = rows[:48].reshape(3, 16, 1, 16).expand(-1, -1, max(2, xb.shape[2]), -1)
-    return probe.to(xb.dtype).contiguous()
+        probe = rows[:48].reshape(3, 16, 1, 16).expand(-1, -1, max(2, blocks[2]), -1)
+    return probe.to(dtype).contiguous()
 
 
-def _random_like(xb: torch.Tensor) -> torch.Tensor:
+def _random_like(blocks, dtype) -> torch.Tensor:
     g = torch.Generator().manual_seed(0)
-    shape = [4] + [max(2, s) for s in xb.shape[1:]]
-    return (torch.randn(shape, generator=g) * torch.logspace(-20, 20, shape[-1])).to(xb.dtype)
+    shape = [4] + [max(2, s) for s in blocks[1:]]
+    return (torch.randn(shape, generator=g) * torch.logspace(-20, 20, shape[-1])).to(dtype)
 
 
 def _warn(reason: str) -> None:
@@ -195,22 +195,29 @@ class _Variant:
             return
         self.fns, self.state = fns, "ready"
 
-    def __call__(self, xb, mode: str):
+    def __call__(self, x, shape, mode: str):
+        """(output, finite flag) of the compiled kernels on ``x`` viewed as ``shape``, or None."""
+        if self.state in ("new", "compiling") and mode == "auto":  # count only: no dynamo import here
+            self.seen += x.numel()
+            if self.state == "compiling" or self.seen < AUTO_MIN_ELEMENTS:
+                return None
+        if self.state == "refused":
+            return None
+        blocks = (x.numel() // math.prod(shape[1:]), *shape[1:])
+        samples = [_probe_like(blocks, x.dtype), _random_like(blocks, x.dtype)]  # never the caller's tensor
         if self.state == "new" and mode == "on":
             self.state = "compiling"
-            own = [xb] if min(xb.shape) >= 2 else []  # a size-1 dim would specialize the kernel
-            self.build([_probe_like(xb), _random_like(xb)] + own, loud=True)
-        elif self.state == "new":
-            self.seen += xb.numel()
-            if self.seen >= AUTO_MIN_ELEMENTS:
-                self.state = "compiling"
-                samples = [_probe_like(xb), _random_like(xb)]  # not the caller's tensor: it may change
-                t = threading.Thread(target=self.build, args=(samples, False), daemon=True,
-                                     name=f"megatron-fp4-compile-{self.key[0]}")
-                _threads.append(t)
-                t.start()
-        if self.state != "ready" or min(xb.shape) < 2:
+            own = [_blocked(x, shape)] if min(blocks) >= 2 else []  # a size-1 dim would specialize the kernel
+            self.build(samples + own, loud=True)
+        elif self.state == "new":  # auto, past the threshold: compile off the caller's path
+            self.state = "compiling"
+            t = threading.Thread(target=self.build, args=(samples, False), daemon=True,
+                                 name=f"megatron-fp4-compile-{self.key[0]}")
+            _threads.append(t)
+            t.start()
+        if self.state != "ready" or min(blocks) < 2:
             return None
+        xb = _blocked(x, shape)
         try:
             with torch.no_grad(), torch.compiler.set_stance("fail_on_recompile"):
                 return self.run(self.fns, xb)
@@ -268,18 +275,15 @@ def fake_quantize_nvfp4_fused(x: torch.Tensor, scale: str, block: str, out_dtype
     """Compiled ``fake_quantize_nvfp4`` of a validated ``x``: (output, all-finite flag), or None
     (not compiled yet / not for this input: the caller runs eager)."""
     n = x.shape[-1]
-    if block == "1d":
-        xb = _blocked(x, (-1, n // 16, 16))
-    else:
-        xb = _blocked(x, (-1, 16, n // 16, 16))  # 16x16 tiles: row tiles of all batches in dim 0
+    shape = (-1, n // 16, 16) if block == "1d" else (-1, 16, n // 16, 16)  # 2d: row tiles of all batches in dim 0
     key = ("nvfp4", scale, block, x.dtype, out_dtype)
-    res = _variant(key, _nvfp4_scales, _apply2, (scale, block == "2d"), out_dtype)(xb, resolve_compile(mode))
+    res = _variant(key, _nvfp4_scales, _apply2, (scale, block == "2d"), out_dtype)(x, shape, resolve_compile(mode))
     return None if res is None else (res[0].view(x.shape), res[1])
 
 
 def fake_quantize_mxfp4_fused(x: torch.Tensor, scale_mode: str, out_dtype: torch.dtype, mode: str | None = None):
     """Compiled ``fake_quantize_mxfp4`` of a validated ``x``: (output, all-finite flag) or None."""
-    xb = _blocked(x, (-1, x.shape[-1] // 32, 32))
     key = ("mxfp4", scale_mode, x.dtype, out_dtype)
-    res = _variant(key, _mxfp4_scales, _apply1, (scale_mode,), out_dtype)(xb, resolve_compile(mode))
+    res = _variant(key, _mxfp4_scales, _apply1, (scale_mode,), out_dtype)(x, (-1, x.shape[-1] // 32, 32),
+                                                                          resolve_compile(mode))
     return None if res is None else (res[0].view(x.shape), res[1])
