@@ -204,7 +204,8 @@ class _Variant:
         if self.state == "refused":
             return None
         blocks = (x.numel() // math.prod(shape[1:]), *shape[1:])
-        samples = [_probe_like(blocks, x.dtype), _random_like(blocks, x.dtype)]  # never the caller's tensor
+        if self.state == "new":
+            samples = [_probe_like(blocks, x.dtype), _random_like(blocks, x.dtype)]  # never the caller's tensor
         if self.state == "new" and mode == "on":
             self.state = "compiling"
             own = [_blocked(x, shape)] if min(blocks) >= 2 else []  # a size-1 dim would specialize the kernel

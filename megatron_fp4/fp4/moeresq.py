@@ -84,15 +84,19 @@ def fake_quantize(x: torch.Tensor, fmt: OperandFormat, generator=None, name: str
 
 
 def resq_quantize(x: torch.Tensor, fmt: OperandFormat, compensated: bool = True, generator=None,
-                  name: str = "x", nonfinite=None, compile: str | None = None) -> torch.Tensor:
-    """``Q(x) + Q(x − Q(x))`` (or ``Q(x)`` when not compensated) in fp32."""
+                  name: str = "x", nonfinite=None, compile: str | None = None, scratch: bool = False) -> torch.Tensor:
+    """``Q(x) + Q(x − Q(x))`` (or ``Q(x)`` when not compensated) in fp32.
+
+    ``scratch``: the caller hands over ``x`` (a buffer of its own, unused afterwards), which may then
+    hold the residual: a fresh tensor of this size costs about a pass of its own (page faults)."""
     xf = x.to(torch.float32)
     q = _fq32(xf, fmt, generator, name, nonfinite, compile)
     if not compensated:
         return q
-    if q.requires_grad:  # in-place ops below would break autograd's saved tensors
+    if q.requires_grad or xf.requires_grad:  # in-place ops below would break autograd's saved tensors
         return q + _fq32(xf - q, fmt, generator, name + " residual", nonfinite, compile)
-    r = torch.sub(xf, q, out=xf) if xf is not x else xf - q  # reuse x's own fp32 copy: no fresh buffer
+    reuse = (xf is not x or scratch) and xf.is_contiguous()
+    r = torch.sub(xf, q, out=xf) if reuse else xf - q
     return q.add_(_fq32(r, fmt, generator, name + " residual", nonfinite, compile))
 
 
@@ -124,10 +128,11 @@ class _Site:
             gen = torch.Generator(device=a.device).manual_seed(seed)
         return gen, (f"{self.layer}:{operand}" if self.layer else operand)
 
-    def quantize(self, a: torch.Tensor, fmt: OperandFormat, operand: str, compensated: bool) -> torch.Tensor:
+    def quantize(self, a: torch.Tensor, fmt: OperandFormat, operand: str, compensated: bool,
+                 scratch: bool = False) -> torch.Tensor:
         """Q̃ of one operand on its own stochastic-rounding stream (none for nearest rounding)."""
         gen, name = self._stream(a, fmt, operand)
-        return resq_quantize(a, fmt, compensated, gen, name, self.nonfinite, self.recipe.compile)
+        return resq_quantize(a, fmt, compensated, gen, name, self.nonfinite, self.recipe.compile, scratch)
 
     def split(self, a: torch.Tensor, fmt: OperandFormat, operand: str, compensated: bool) -> list:
         """The terms of Q̃ as exact-GEMM splits (same codes and draws as :meth:`quantize`)."""
@@ -145,7 +150,8 @@ def _col_quantize(site: _Site, a: torch.Tensor, fmt: OperandFormat, operand: str
     pad = (-a.shape[0]) % bs
     at = F.pad(a.t(), (0, pad)) if pad else a.t()
     at = at.contiguous()  # one transposing copy; strided x − Q(x) on a transposed view is ~10x slower
-    return site.quantize(at, fmt, operand + " (columnwise)", site.recipe.compensated)
+    own = at.untyped_storage().data_ptr() != a.untyped_storage().data_ptr()  # a copy: may hold the residual
+    return site.quantize(at, fmt, operand + " (columnwise)", site.recipe.compensated, scratch=own)
 
 
 # -- the GEMMs, shared by the split and the one-node layout -------------------------------------------
@@ -203,8 +209,9 @@ def _rows32(dy: torch.Tensor) -> torch.Tensor:
 def _dgrad(site: _Site, dy: torch.Tensor, wq: torch.Tensor, x_shape, x_dtype) -> torch.Tensor:
     """dX = Q̃_row(dY) · Q(W) (dY · Q(W) without backward quantization)."""
     dy2 = _rows32(dy)
-    if site.recipe.quantize_backward:
-        dy2 = site.quantize(dy2, site.recipe.grad_output, "grad_output", site.recipe.compensated)
+    if site.recipe.quantize_backward:  # a converted dY is this function's own buffer: it may hold the residual
+        own = dy2.untyped_storage().data_ptr() != dy.untyped_storage().data_ptr()
+        dy2 = site.quantize(dy2, site.recipe.grad_output, "grad_output", site.recipe.compensated, scratch=own)
     acc = _accumulate_dtype(x_dtype)
     return (dy2.to(acc) @ wq.to(acc)).to(x_dtype).reshape(x_shape)
 
