@@ -204,14 +204,14 @@ class _Variant:
         if self.state == "refused":
             return None
         blocks = (x.numel() // math.prod(shape[1:]), *shape[1:])
-        if self.state == "new":
+        with _lock:  # one compile per variant, whichever thread gets here first
+            start, self.state = self.state == "new", ("compiling" if self.state == "new" else self.state)
+        if start:
             samples = [_probe_like(blocks, x.dtype), _random_like(blocks, x.dtype)]  # never the caller's tensor
-        if self.state == "new" and mode == "on":
-            self.state = "compiling"
+        if start and mode == "on":
             own = [_blocked(x, shape)] if min(blocks) >= 2 else []  # a size-1 dim would specialize the kernel
             self.build(samples + own, loud=True)
-        elif self.state == "new":  # auto, past the threshold: compile off the caller's path
-            self.state = "compiling"
+        elif start:  # auto, past the threshold: compile off the caller's path
             t = threading.Thread(target=self.build, args=(samples, False), daemon=True,
                                  name=f"megatron-fp4-compile-{self.key[0]}")
             _threads.append(t)
