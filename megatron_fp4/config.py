@@ -58,6 +58,7 @@ class FP4Config:
     quantize_backward: bool = True
     grad_rounding: str = "nearest"  # nearest | stochastic
     seed: int = 0
+    compile: str = "auto"  # auto | on | off: compiled fake-quant kernels (fp4/fused.py; MEGATRON_FP4_COMPILE overrides)
 
 
 @dataclass

@@ -17,6 +17,7 @@ _CHOICES = {
     "fp4.train_mode": ("bf16", "fp4", "fp4_resq"),
     "fp4.rollout_mode": ("bf16", "fp4", "fp4_resq"),
     "fp4.grad_rounding": ("nearest", "stochastic"),
+    "fp4.compile": ("auto", "on", "off"),
     "parallel.schedule": ("gpipe", "1f1b", "interleaved_1f1b", "interleaved_zero_bubble", "zbv"),
     "parallel.zero_stage": (0, 1, 2),
     "parallel.expert_dispatcher": ("alltoall", "gcmoe"),

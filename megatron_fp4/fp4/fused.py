@@ -1,18 +1,33 @@
-"""Optional ``torch.compile``d fake-quantization: the NVFP4/MXFP4 quantize-dequantize in one fused pass.
+"""Compiled fake-quantization: the NVFP4/MXFP4 quantize-dequantize as two ``torch.compile``d kernels.
 
 The eager path (``nvfp4.py``, ``mxfp4.py``) is the reference: a dozen elementwise passes over the
-tensor. Here the same arithmetic, written once more as one traced function, is compiled by inductor
-into a kernel that reads the input twice (block amaxes, then the elements) and writes the output
-once. It is used by ``fake_quantize_nvfp4`` / ``fake_quantize_mxfp4`` (nearest rounding only;
-stochastic rounding and ``quantize_*`` stay eager) when
+tensor. Here the same arithmetic, written once more as traced functions, is compiled by inductor
+into two kernels: one reads the input and writes the per-block factors (block amaxes, row/tensor
+amax, E4M3 or E8M0 scales, all vectorized across blocks), the other reads the input again and
+writes the output. One kernel for both (the earlier layout) computed the block scales per block in
+scalar code inside the element loop and was ~1.3x slower.
 
-- switched on: ``MEGATRON_FP4_COMPILE=1`` in the environment, or :func:`set_fp4_compile` (True),
-- the tensor lives on the CPU (inductor's C++ backend is the one whose bits are tested against the
-  eager path; on other devices the eager path runs),
-- autograd is not recording through the input (fake-quant inside MoEResQ runs under no-grad).
+When it runs (``fake_quantize_nvfp4`` / ``fake_quantize_mxfp4``, nearest rounding, CPU tensors,
+autograd not recording through the input; stochastic rounding and ``quantize_*`` stay eager) is
+the ``compile`` setting: the FP4 recipe's ``compile`` field (config ``fp4.compile``), passed by the
+caller, overridden for the whole process by ``MEGATRON_FP4_COMPILE`` when that is set:
 
-It is off by default: the first call of each variant (format, scale mode, block shape, dtypes)
-compiles for seconds, which training amortizes and short jobs or test suites do not.
+- ``auto`` (default): eager at first; once a variant (format, options, dtypes) has quantized
+  :data:`AUTO_MIN_ELEMENTS` elements, it is compiled and checked in a background thread while the
+  eager path keeps serving calls, and used from the call after it is ready. Short jobs and test
+  suites never pause for (or pay) a compile; long ones switch over without a pause.
+- ``on``: compile on the first call of each variant, in the caller (seconds).
+- ``off``: always eager.
+
+Every variant is checked before use: the compiled kernels and the uncompiled bodies run on hard
+probe inputs (E2M1 ties, saturation, subnormal values and scales) and on a random tensor (and, with
+``on``, on the caller's first input) and must give the same bits; the C++ inductor generates
+depends on the machine's vector unit (``ATEN_CPU_CAPABILITY``), and a kernel that is not bit-exact
+there is not used (warning, eager from then on). If compilation fails (no C++ compiler, inductor
+cannot build for ``ATEN_CPU_CAPABILITY=default``), ``on`` warns once and ``auto`` stays eager
+quietly. A call that would recompile in the caller's thread (a size-1 dim, another global torch
+state) runs eager instead (``fail_on_recompile`` stance): compiles never happen on the caller's
+critical path in ``auto``.
 
 Bit-exactness notes (each pinned by ``tests/unit/test_fp4_fused.py`` against the eager path):
 
@@ -23,128 +38,220 @@ Bit-exactness notes (each pinned by ``tests/unit/test_fp4_fused.py`` against the
 - The compiled C++ keeps IEEE semantics that matter here (``-ffp-contract=off``, no unsafe math);
   reductions are maxima, exact in any order.
 
-Compilation uses ``dynamic=True`` so the varying token counts of MoE experts reuse one kernel. If
-compilation fails (no C++ compiler, an inductor error), a warning is issued once and the eager
-path is used from then on.
+Compilation uses ``dynamic=True`` (sample sizes ≥ 2 in every dim) so the varying token counts of
+MoE experts reuse one kernel.
 """
 from __future__ import annotations
 
+import atexit
+import math
 import os
+import threading
 import types
 import warnings
 
 import torch
 
+COMPILE_MODES = ("auto", "on", "off")
 _ENV = "MEGATRON_FP4_COMPILE"
-_state = {"enabled": os.environ.get(_ENV, "0").strip().lower() in ("1", "true", "yes", "on"), "broken": None}
-_compiled: dict = {}
+_ENV_VALUES = {"1": "on", "true": "on", "yes": "on", "on": "on", "0": "off", "false": "off", "no": "off",
+               "off": "off", "auto": "auto", "": None}
+# In ``auto``, a variant is compiled once it has quantized this many elements eagerly (~100 calls of a
+# 4096x1024 activation): by then the job has shown it is long enough to repay a compile of seconds.
+AUTO_MIN_ELEMENTS = 1 << 28
+
+_broken: dict = {"reason": None}  # a backend failure (no compiler, ...): no variant compiles any more
+_variants: dict = {}
+_lock = threading.Lock()
+_threads: list = []
 
 
-def set_fp4_compile(enabled: bool) -> None:
-    """Switch the compiled fake-quant path on or off for this process (overrides the env var)."""
-    _state["enabled"] = bool(enabled)
+def resolve_compile(mode: str | None) -> str:
+    """The effective setting: ``MEGATRON_FP4_COMPILE`` when set, else ``mode`` (None → ``auto``)."""
+    env = os.environ.get(_ENV)
+    if env is not None:
+        if env.strip().lower() not in _ENV_VALUES:
+            raise ValueError(f"{_ENV}={env!r} is not one of auto/on/off (or 1/0); unset it or pick one")
+        mode = _ENV_VALUES[env.strip().lower()] or mode
+    mode = "auto" if mode is None else mode
+    if mode not in COMPILE_MODES:
+        raise ValueError(f"FP4 compile={mode!r} is not one of {COMPILE_MODES}")
+    return mode
 
 
-def fp4_compile_enabled() -> bool:
-    """Whether fake-quant calls try the compiled path (switched on and not disabled by a failure)."""
-    return _state["enabled"] and _state["broken"] is None
+def use_fused(x: torch.Tensor, rounding: str, mode: str | None = None) -> bool:
+    """Whether ``x`` may take the compiled path at all (the variant decides if it is ready)."""
+    return (x.device.type == "cpu" and rounding == "nearest" and _broken["reason"] is None
+            and not (torch.is_grad_enabled() and x.requires_grad) and not torch.compiler.is_compiling()
+            and resolve_compile(mode) != "off")
 
 
-def use_fused(x: torch.Tensor, rounding: str) -> bool:
-    return (fp4_compile_enabled() and rounding == "nearest" and x.device.type == "cpu"
-            and not (torch.is_grad_enabled() and x.requires_grad) and not torch.compiler.is_compiling())
-
-
-def _nvfp4_body(xb: torch.Tensor, scale: str, two_d: bool, out_dtype: torch.dtype):
-    from megatron_fp4.fp4.e2m1 import round_e2m1_select
+# -- the traced bodies (run uncompiled they are the reference the compiled kernels must match) --------
+def _nvfp4_scales(xb: torch.Tensor, scale: str, two_d: bool):
     from megatron_fp4.fp4.nvfp4 import nvfp4_scales
 
-    xf = xb.to(torch.float32)
-    block_amax = xf.abs().amax(dim=(2, 4) if two_d else (-1,), keepdim=True)
+    block_amax = xb.to(torch.float32).abs().amax(dim=(1, 3) if two_d else (-1,), keepdim=True)
     amax, _, s_blk32, s_dec, enc_blk = nvfp4_scales(block_amax, scale)
-    y = (xf * enc_blk).clamp(-6.0, 6.0)
-    out = round_e2m1_select(y) * s_blk32 * s_dec  # (code · s_blk) · S_dec, left to right
-    return out.to(out_dtype), torch.isfinite(amax).all()
+    return enc_blk, s_blk32, s_dec, torch.isfinite(amax).all()
 
 
-def _mxfp4_body(xb: torch.Tensor, scale_mode: str, out_dtype: torch.dtype):
-    from megatron_fp4.fp4.e2m1 import round_e2m1_select
+def _mxfp4_scales(xb: torch.Tensor, scale_mode: str):
     from megatron_fp4.fp4.formats import pow2_fp32
     from megatron_fp4.fp4.mxfp4 import shared_exponent
 
-    xf = xb.to(torch.float32)
-    block_amax = xf.abs().amax(dim=-1, keepdim=True)
+    block_amax = xb.to(torch.float32).abs().amax(dim=-1, keepdim=True)
     e = shared_exponent(block_amax, scale_mode)
-    y = (xf * pow2_fp32(-e)).clamp(-6.0, 6.0)
-    out = round_e2m1_select(y) * pow2_fp32(e)
-    return out.to(out_dtype), torch.isfinite(block_amax.amax())
+    return pow2_fp32(-e), pow2_fp32(e), torch.isfinite(block_amax.amax())
 
 
-def _get(key, body):
-    fn = _compiled.get(key)
-    if fn is None:
-        # One code object per variant (format, options, dtypes): dynamo keeps its cache of compiled
-        # graphs on the code object, and all variants in one cache would pass its recompile limit.
-        tag = "_".join(str(k).replace("torch.", "") for k in key)
-        code = body.__code__.replace(co_name=f"{body.__name__}_{tag}", co_qualname=f"{body.__name__}_{tag}")
-        fresh = types.FunctionType(code, body.__globals__, code.co_name, body.__defaults__, body.__closure__)
-        fn = _compiled[key] = torch.compile(fresh, dynamic=True)
-    return fn
+def _apply2(xb, enc, s1, s2, out_dtype):
+    """NVFP4: ``round(clamp(x · enc)) · s_blk · S_dec``, left to right."""
+    from megatron_fp4.fp4.e2m1 import round_e2m1_select
+
+    y = (xb.to(torch.float32) * enc).clamp(-6.0, 6.0)
+    return (round_e2m1_select(y) * s1 * s2).to(out_dtype)
 
 
-_verified: set = set()
+def _apply1(xb, enc, s1, out_dtype):
+    """MXFP4: ``round(clamp(x · 2^-e)) · 2^e``."""
+    from megatron_fp4.fp4.e2m1 import round_e2m1_select
+
+    y = (xb.to(torch.float32) * enc).clamp(-6.0, 6.0)
+    return (round_e2m1_select(y) * s1).to(out_dtype)
 
 
-def _probe_like(xb: torch.Tensor) -> torch.Tensor:
-    """Hard inputs in ``xb``'s block layout: E2M1 ties and grid points, saturation, and the same
-    block at scales from 2^-133 to 2^17 (subnormal fp32 values and subnormal / zero E4M3 scales)."""
-    base = torch.tensor([0.0, 0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0, -0.25, -0.75, -2.5, -5.0, -6.0, 0.1, 7.0])
-    rows = torch.stack([base * 2.0 ** k for k in range(-133, 20, 3)])  # [51, 16]
-    width = xb.shape[-1] if xb.dim() == 3 else 16
-    flat = rows.repeat(1, max(1, width // 16))[:, :width]
-    if xb.dim() == 3:  # (rows, blocks, block): one block per row
-        probe = flat[:, None, :].expand(-1, xb.shape[1], -1)
-    else:  # (batch, 16-row tiles, 16, 16-col tiles, 16): the rows stacked into 16×16 tiles
-        tiles = flat[:48].reshape(3, 1, 16, 1, 16)
-        probe = tiles.expand(-1, xb.shape[1], -1, xb.shape[3], -1)
-    return probe.to(xb.dtype).contiguous()
+def _compiled_copy(body, tag: str):
+    # One code object per variant: dynamo keeps its cache of compiled graphs on the code object, and
+    # all variants in one cache would pass its recompile limit.
+    code = body.__code__.replace(co_name=f"{body.__name__}_{tag}", co_qualname=f"{body.__name__}_{tag}")
+    fresh = types.FunctionType(code, body.__globals__, code.co_name, body.__defaults__, body.__closure__)
+    return torch.compile(fresh, dynamic=True)
 
 
 def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(a.view(-1).view(torch.uint8),
-                                                                     b.view(-1).view(torch.uint8))
+    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(a.reshape(-1).view(torch.uint8),
+                                                                     b.reshape(-1).view(torch.uint8))
 
 
-def _disable(reason: str) -> None:
-    _state["broken"] = reason
+def _probe_like(blocks, dtype) -> torch.Tensor:
+    """Hard inputs in the block layout ``blocks`` (every dim ≥ 2): E2M1 ties and grid points,
+    saturation, and the same block at scales from 2^-133 to 2^17 (subnormal fp32 values, subnormal /
+    zero E4M3 scales)."""
+    base = torch.tensor([0.0, 0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0, -0.25, -0.75, -2.5, -5.0, -6.0, 0.1, 7.0])
+    rows = torch.stack([base * 2.0 ** k for k in range(-133, 20, 3)])  # [51, 16]
+    if len(blocks) == 3:  # (rows, blocks, block): one probe row per row, repeated over its blocks
+        probe = rows.repeat(1, blocks[2] // 16)[:, None, :].expand(-1, max(2, blocks[1]), -1)
+    else:  # (16-row tiles, 16, 16-col tiles, 16): the rows stacked into 16×16 tiles
+        probe = rows[:48].reshape(3, 16, 1, 16).expand(-1, -1, max(2, blocks[2]), -1)
+    return probe.to(dtype).contiguous()
+
+
+def _random_like(blocks, dtype) -> torch.Tensor:
+    g = torch.Generator().manual_seed(0)
+    shape = [4] + [max(2, s) for s in blocks[1:]]
+    return (torch.randn(shape, generator=g) * torch.logspace(-20, 20, shape[-1])).to(dtype)
+
+
+def _warn(reason: str) -> None:
     warnings.warn(f"megatron_fp4: compiled FP4 fake-quant disabled, using the eager path ({reason})",
-                  RuntimeWarning, stacklevel=4)
+                  RuntimeWarning, stacklevel=5)
 
 
-def _run(key, body, args):
-    """The compiled result, or None when compilation failed (then the caller runs eager).
+class _Variant:
+    """One (format, options, dtypes): its compiled kernels, state and the eager work seen so far."""
 
-    The first call of each variant also runs the uncompiled body on the same input and on hard
-    probe inputs and requires the same bits: the C++ inductor generates depends on the machine's
-    vector unit (``ATEN_CPU_CAPABILITY``), and a kernel that is not bit-exact there is not used."""
-    try:
-        fn = _get(key, body)
-        out = fn(*args)
-        if key not in _verified:
-            for xb in (args[0], _probe_like(args[0])):
-                got, want = (out if xb is args[0] else fn(xb, *args[1:])), body(xb, *args[1:])
-                if not _same_bits(got[0], want[0]):
-                    _disable(f"the compiled {key[0]} kernel is not bit-exact on this CPU's kernel set "
-                             f"({torch.backends.cpu.get_cpu_capability()})")
-                    return None
-            _verified.add(key)
-        return out
-    except Exception as err:  # a backend failure, never an input error: inputs are validated first
-        _disable(f"{type(err).__name__}: {err}")
-        return None
+    def __init__(self, key, scales_body, apply_body, scales_args, out_dtype):
+        self.key, self.scales_body, self.apply_body = key, scales_body, apply_body
+        self.scales_args, self.out_dtype = scales_args, out_dtype
+        self.state = "new"  # new | compiling | ready | refused
+        self.seen = 0
+        self.fns = None
+
+    def run(self, fns, xb):
+        scales, apply = fns
+        *factors, finite = scales(xb, *self.scales_args)
+        return apply(xb, *factors, self.out_dtype), finite
+
+    def build(self, samples, loud: bool) -> None:
+        """Compile, check against the uncompiled bodies on ``samples``, then publish (or refuse)."""
+        tag = "_".join(str(k).replace("torch.", "") for k in self.key)
+        try:
+            with torch.no_grad():
+                fns = (_compiled_copy(self.scales_body, tag), _compiled_copy(self.apply_body, tag))
+                for xb in samples:
+                    _mark_static_elements(xb)
+                    got, want = self.run(fns, xb), self.run((self.scales_body, self.apply_body), xb)
+                    if not (_same_bits(got[0], want[0]) and bool(got[1]) == bool(want[1])):
+                        self.state = "refused"
+                        if loud:
+                            _warn(f"the compiled {self.key[0]} kernel is not bit-exact on this CPU's kernel set "
+                                  f"({torch.backends.cpu.get_cpu_capability()})")
+                        return
+        except Exception as err:  # a backend failure, never an input error: inputs are validated first
+            self.state = "refused"
+            _broken["reason"] = f"{type(err).__name__}: {err}"
+            if loud:
+                _warn(_broken["reason"])
+            return
+        self.fns, self.state = fns, "ready"
+
+    def __call__(self, x, shape, mode: str):
+        """(output, finite flag) of the compiled kernels on ``x`` viewed as ``shape``, or None."""
+        if self.state in ("new", "compiling") and mode == "auto":  # count only: no dynamo import here
+            self.seen += x.numel()
+            if self.state == "compiling" or self.seen < AUTO_MIN_ELEMENTS:
+                return None
+        if self.state == "refused":
+            return None
+        blocks = (x.numel() // math.prod(shape[1:]), *shape[1:])
+        with _lock:  # one compile per variant, whichever thread gets here first
+            start, self.state = self.state == "new", ("compiling" if self.state == "new" else self.state)
+        if start:
+            samples = [_probe_like(blocks, x.dtype), _random_like(blocks, x.dtype)]  # never the caller's tensor
+        if start and mode == "on":
+            own = [_blocked(x, shape)] if min(blocks) >= 2 else []  # a size-1 dim would specialize the kernel
+            self.build(samples + own, loud=True)
+        elif start:  # auto, past the threshold: compile off the caller's path
+            t = threading.Thread(target=self.build, args=(samples, False), daemon=True,
+                                 name=f"megatron-fp4-compile-{self.key[0]}")
+            _threads.append(t)
+            t.start()
+        if self.state != "ready" or min(blocks) < 2:
+            return None
+        xb = _blocked(x, shape)
+        try:
+            with torch.no_grad(), torch.compiler.set_stance("fail_on_recompile"):
+                return self.run(self.fns, xb)
+        except RuntimeError as err:
+            if "fail_on_recompile" in str(err):  # another size class / global state: eager, no pause
+                return None
+            raise
 
 
-def _blocked(x: torch.Tensor, shape, static_dims) -> torch.Tensor:
+def _variant(key, *args) -> _Variant:
+    v = _variants.get(key)
+    if v is None:
+        with _lock:
+            v = _variants.setdefault(key, _Variant(key, *args))
+    return v
+
+
+def wait_compiled(timeout: float | None = None) -> None:
+    """Block until background compiles started so far have finished (benchmarks, process exit)."""
+    for t in list(_threads):
+        t.join(timeout)
+
+
+def compiled_ready(fmt: str) -> bool:
+    """Whether some variant of ``fmt`` ("nvfp4" / "mxfp4") has compiled kernels in use."""
+    return any(v.state == "ready" for k, v in list(_variants.items()) if k[0] == fmt)
+
+
+# A daemon thread still compiling when the interpreter shuts down can abort it; let it finish.
+atexit.register(wait_compiled, 120.0)
+
+
+def _blocked(x: torch.Tensor, shape) -> torch.Tensor:
     """Contiguous block-layout alias (or copy) of ``x`` for the compiled function, guarded lightly:
 
     - not a view (``detach``): dynamo guards a view input on its base's sizes and strides;
@@ -155,26 +262,29 @@ def _blocked(x: torch.Tensor, shape, static_dims) -> torch.Tensor:
     xb = x.reshape(shape)
     if not xb.is_contiguous():
         xb = xb.contiguous()
-    xb = xb.detach()
-    for d in static_dims:
+    return _mark_static_elements(xb.detach())
+
+
+def _mark_static_elements(xb: torch.Tensor) -> torch.Tensor:
+    for d in ((1, 3) if xb.dim() == 4 else (2,)):
         torch._dynamo.mark_static(xb, d)
     return xb
 
 
-def fake_quantize_nvfp4_fused(x: torch.Tensor, scale: str, block: str, out_dtype: torch.dtype):
-    """Compiled ``fake_quantize_nvfp4`` of a validated ``x``: (output, all-finite flag) or None."""
+def fake_quantize_nvfp4_fused(x: torch.Tensor, scale: str, block: str, out_dtype: torch.dtype,
+                              mode: str | None = None):
+    """Compiled ``fake_quantize_nvfp4`` of a validated ``x``: (output, all-finite flag), or None
+    (not compiled yet / not for this input: the caller runs eager)."""
     n = x.shape[-1]
-    if block == "1d":
-        xb = _blocked(x, (-1, n // 16, 16), (2,))
-    else:
-        m = x.shape[-2]
-        xb = _blocked(x, (-1, m // 16, 16, n // 16, 16), (2, 4))
-    res = _run(("nvfp4", scale, block, x.dtype, out_dtype), _nvfp4_body, (xb, scale, block == "2d", out_dtype))
+    shape = (-1, n // 16, 16) if block == "1d" else (-1, 16, n // 16, 16)  # 2d: row tiles of all batches in dim 0
+    key = ("nvfp4", scale, block, x.dtype, out_dtype)
+    res = _variant(key, _nvfp4_scales, _apply2, (scale, block == "2d"), out_dtype)(x, shape, resolve_compile(mode))
     return None if res is None else (res[0].view(x.shape), res[1])
 
 
-def fake_quantize_mxfp4_fused(x: torch.Tensor, scale_mode: str, out_dtype: torch.dtype):
+def fake_quantize_mxfp4_fused(x: torch.Tensor, scale_mode: str, out_dtype: torch.dtype, mode: str | None = None):
     """Compiled ``fake_quantize_mxfp4`` of a validated ``x``: (output, all-finite flag) or None."""
-    xb = _blocked(x, (-1, x.shape[-1] // 32, 32), (2,))
-    res = _run(("mxfp4", scale_mode, x.dtype, out_dtype), _mxfp4_body, (xb, scale_mode, out_dtype))
+    key = ("mxfp4", scale_mode, x.dtype, out_dtype)
+    res = _variant(key, _mxfp4_scales, _apply1, (scale_mode,), out_dtype)(x, (-1, x.shape[-1] // 32, 32),
+                                                                          resolve_compile(mode))
     return None if res is None else (res[0].view(x.shape), res[1])

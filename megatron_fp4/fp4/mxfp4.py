@@ -94,18 +94,20 @@ def fake_quantize_mxfp4(
     name: str = "x",
     dtype: torch.dtype | None = None,
     nonfinite=None,
+    compile: str | None = None,
 ) -> torch.Tensor:
     """``quantize_mxfp4(x).dequantize()`` without building codes (same bits).
 
-    With the compiled path switched on (``fused.py``), nearest rounding runs as one fused kernel.
+    ``compile``: ``auto`` (None), ``on`` or ``off``, when nearest rounding runs as compiled kernels
+    (``fused.py``; ``MEGATRON_FP4_COMPILE`` overrides it).
     ``nonfinite``: a ``NonFiniteFlags`` to record the NaN/Inf check in (no host sync) instead of raising.
     """
-    if fused.use_fused(x, rounding):
+    if fused.use_fused(x, rounding, compile):
         what = "quantize_mxfp4"
         _check_options(scale_mode, rounding)
         check_multiple(x, -1, MX_BLOCK, name, what)
         check_input(x, name)
-        res = fused.fake_quantize_mxfp4_fused(x, scale_mode, dtype or x.dtype)
+        res = fused.fake_quantize_mxfp4_fused(x, scale_mode, dtype or x.dtype, compile)
         if res is not None:
             out, finite = res
             check_finite_flag(x, finite, name, what, nonfinite)

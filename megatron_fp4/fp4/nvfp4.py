@@ -139,16 +139,18 @@ def fake_quantize_nvfp4(
     name: str = "x",
     dtype: torch.dtype | None = None,
     nonfinite=None,
+    compile: str | None = None,
 ) -> torch.Tensor:
     """``quantize_nvfp4(x).dequantize()`` without building codes (same bits, fewer passes).
 
-    With the compiled path switched on (``fused.py``), nearest rounding runs as one fused kernel.
+    ``compile``: ``auto`` (None), ``on`` or ``off``, when nearest rounding runs as compiled kernels
+    (``fused.py``; ``MEGATRON_FP4_COMPILE`` overrides it).
     ``nonfinite``: a ``NonFiniteFlags`` to record the NaN/Inf check in (no host sync) instead of raising.
     """
-    if fused.use_fused(x, rounding):
+    if fused.use_fused(x, rounding, compile):
         _check_options(scale, block, rounding)
         _check_input(x, block, name)
-        res = fused.fake_quantize_nvfp4_fused(x, scale, block, dtype or x.dtype)
+        res = fused.fake_quantize_nvfp4_fused(x, scale, block, dtype or x.dtype, compile)
         if res is not None:
             out, finite = res
             check_finite_flag(x, finite, name, "quantize_nvfp4", nonfinite)

@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 MODES = ("bf16", "fp4", "fp4_resq")
+COMPILE_MODES = ("auto", "on", "off")  # the same tuple as fused.COMPILE_MODES (checked by a test)
 FORMATS = ("nvfp4", "mxfp4")
 
 
@@ -71,10 +72,16 @@ class Recipe:
     # Base seed of stochastic rounding; each draw's stream is keyed by (seed, layer, step, micro-batch,
     # operand), see context.py.
     seed: int = 0
+    # When fake-quant runs as compiled kernels (fused.py): auto | on | off. Not part of equality: the
+    # bits are the same either way, so a training and a rollout recipe differing only here agree.
+    compile: str = field(default="auto", compare=False)
 
     def __post_init__(self):
         if self.mode not in MODES:
             raise ValueError(f"Recipe.mode={self.mode!r} is not one of {MODES}")
+        if self.compile not in COMPILE_MODES:
+            raise ValueError(f"Recipe.compile={self.compile!r} is not one of {COMPILE_MODES} "
+                             "(auto: compile in the background once a job has quantized enough)")
 
     @property
     def quantized(self) -> bool:

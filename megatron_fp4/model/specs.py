@@ -14,7 +14,8 @@ from megatron_fp4.fp4 import OperandFormat, Recipe
 def recipe_from_config(fp4_cfg, mode: Optional[str] = None) -> Recipe:
     """The `Recipe` for FP4 linears under `fp4_cfg`, in `mode` (default: the training mode)."""
     recipe = Recipe.for_format(mode or fp4_cfg.train_mode, fp4_cfg.format,
-                               quantize_backward=fp4_cfg.quantize_backward, seed=fp4_cfg.seed)
+                               quantize_backward=fp4_cfg.quantize_backward, seed=fp4_cfg.seed,
+                               compile=fp4_cfg.compile)
     if fp4_cfg.grad_rounding != recipe.grad_output.rounding:
         recipe = replace(recipe, grad_output=replace(recipe.grad_output, rounding=fp4_cfg.grad_rounding))
     return recipe

@@ -1,11 +1,13 @@
 """The compiled fake-quant path (``fp4/fused.py``) gives the eager path's bits, tolerance 0.
 
 The eager path is itself bit-exact against the spec reference (``test_fp4_formats.py``), so equality
-here carries that over. Compiles are few and small (three variants, a few seconds each): each test
-flips the switch with ``set_fp4_compile`` and restores it.
+here carries that over; one test also compares the compiled kernels with that reference directly.
+Compiles are few and small (a few variants, seconds each; inductor's on-disk cache makes reruns
+faster): tests ask for them with ``compile="on"`` per call, nothing process-wide is switched.
 """
 from __future__ import annotations
 
+import math
 import os
 import shutil
 import warnings
@@ -13,10 +15,10 @@ import warnings
 import pytest
 import torch
 
-from megatron_fp4.fp4 import fake_quantize_mxfp4, fake_quantize_nvfp4, fused
+from megatron_fp4.fp4 import Recipe, fake_quantize_mxfp4, fake_quantize_nvfp4, fused, recipe
 from megatron_fp4.fp4.e2m1 import E2M1_VALUES, round_e2m1, round_e2m1_select
 
-from tests.unit.test_fp4_formats import tricky_rows
+from tests.unit.test_fp4_formats import f32, ref_mxfp4, ref_nvfp4, tricky_rows, E2M1
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
@@ -46,20 +48,18 @@ needs_inductor = pytest.mark.skipif(_PROBLEM is not None, reason=str(_PROBLEM))
 
 @pytest.fixture
 def compiled():
-    before = dict(fused._state)
-    fused._state["broken"] = None  # each test starts from a working switch (an earlier refusal is per process)
-    fused.set_fp4_compile(True)
+    """A working backend for the test (an earlier refusal is per process), restored afterwards."""
+    before = dict(fused._broken)
+    fused._broken["reason"] = None
     yield
-    fused._state.update(before)
+    fused._broken.update(before)
 
 
 def _same_both_ways(fn, x, **kw):
-    fused.set_fp4_compile(False)
-    ref = fn(x, **kw)
-    fused.set_fp4_compile(True)
+    ref = fn(x, compile="off", **kw)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", RuntimeWarning)
-        out = fn(x, **kw)
+        out = fn(x, compile="on", **kw)
     fallbacks = [str(w.message) for w in caught if "compiled FP4 fake-quant disabled" in str(w.message)]
     if fallbacks:
         # The self-check refused a kernel that is not bit-exact: acceptable only on a kernel set
@@ -102,36 +102,113 @@ def test_mxfp4_rceil_matches_eager_and_raises_on_non_finite(compiled):
     x = torch.randn(4, 64)
     x[1, 3], x[2, 40] = float("nan"), float("inf")
     with pytest.raises(ValueError, match=r"'act' has 2 non-finite element"):
-        fake_quantize_mxfp4(x, scale_mode="rceil", name="act")
+        fake_quantize_mxfp4(x, scale_mode="rceil", name="act", compile="on")
+
+
+@needs_inductor
+def test_compiled_kernels_match_the_definition_reference(compiled):
+    """Against the pure-Python reference written from the definitions (test_fp4_formats.py), not only
+    against the eager path: both kernels of each format, on the rows that cover the definition."""
+    x = tricky_rows()
+    for scale in ("row", "tensor"):
+        assert fake_quantize_nvfp4(x, scale=scale, compile="on").tolist() == ref_nvfp4(x, scale, "1d")[3]
+    x2 = torch.cat([tricky_rows(), tricky_rows().flip(0) * 3]).reshape(32, 32)
+    out = fake_quantize_nvfp4(x2, scale="tensor", block="2d", compile="on")
+    assert out.tolist() == ref_nvfp4(x2, "tensor", "2d")[3]
+    for mode in ("floor", "rceil"):
+        codes, exps = ref_mxfp4(x, mode)
+        want = [[f32(math.copysign(E2M1[c & 7], -1.0 if c & 8 else 1.0) * 2.0 ** erow[i // 32])
+                 for i, c in enumerate(crow)] for crow, erow in zip(codes, exps)]
+        assert fake_quantize_mxfp4(x, scale_mode=mode, compile="on").tolist() == want
 
 
 def test_errors_and_fallbacks_do_not_compile(compiled):
-    """Bad input fails before compiling; stochastic rounding and grad-recording inputs stay eager."""
+    """Bad input fails before compiling; stochastic rounding, grad-recording inputs and ``off`` stay eager."""
     with pytest.raises(ValueError, match="not a multiple of 16"):
-        fake_quantize_nvfp4(torch.randn(2, 40))
+        fake_quantize_nvfp4(torch.randn(2, 40), compile="on")
     with pytest.raises(ValueError, match="not one of"):
-        fake_quantize_mxfp4(torch.randn(2, 64), scale_mode="up")
+        fake_quantize_mxfp4(torch.randn(2, 64), scale_mode="up", compile="on")
+    with pytest.raises(ValueError, match="compile='yes' is not one of"):
+        fake_quantize_nvfp4(torch.randn(2, 64), compile="yes")
     x = torch.randn(4, 64, requires_grad=True)
-    assert not fused.use_fused(x, "nearest") and not fused.use_fused(x.detach(), "stochastic")
-    assert fused.use_fused(x.detach(), "nearest")
+    assert not fused.use_fused(x, "nearest", "on") and not fused.use_fused(x.detach(), "stochastic", "on")
+    assert fused.use_fused(x.detach(), "nearest", "on") and not fused.use_fused(x.detach(), "nearest", "off")
 
 
-def test_a_kernel_that_is_not_bit_exact_is_refused(monkeypatch):
-    """The first call of a variant checks the compiled kernel against the uncompiled body (on the
-    input and on hard probes); a kernel with other bits is not used, and the result is eager's."""
+def test_compile_setting_recipe_field_and_env_override(monkeypatch):
+    assert recipe.COMPILE_MODES == fused.COMPILE_MODES
+    assert Recipe().compile == "auto" and Recipe(compile="off") == Recipe(compile="on")  # not part of the numerics
+    with pytest.raises(ValueError, match=r"Recipe.compile='always' is not one of"):
+        Recipe(compile="always")
+    monkeypatch.delenv("MEGATRON_FP4_COMPILE", raising=False)
+    assert fused.resolve_compile(None) == "auto" and fused.resolve_compile("on") == "on"
+    for env, want in (("0", "off"), ("1", "on"), ("auto", "auto"), ("OFF", "off"), ("", "on")):
+        monkeypatch.setenv("MEGATRON_FP4_COMPILE", env)
+        assert fused.resolve_compile("on") == want, env
+    monkeypatch.setenv("MEGATRON_FP4_COMPILE", "maybe")
+    with pytest.raises(ValueError, match="MEGATRON_FP4_COMPILE='maybe' is not one of auto/on/off"):
+        fused.resolve_compile(None)
+
+
+def test_auto_stays_eager_below_the_threshold(monkeypatch, compiled):
+    """``auto`` never compiles for a small job: no thread, no compiled kernels, eager's bits."""
+    monkeypatch.delenv("MEGATRON_FP4_COMPILE", raising=False)
+    monkeypatch.setattr(fused, "_variants", {})
+    monkeypatch.setattr(fused, "_threads", [])
+    x = torch.randn(64, 128)
+    out = fake_quantize_nvfp4(x)
+    assert torch.equal(_bits(out), _bits(fake_quantize_nvfp4(x, compile="off")))
+    (variant,) = fused._variants.values()
+    assert variant.state == "new" and variant.seen == x.numel() and not fused._threads
+
+
+@needs_inductor
+def test_auto_compiles_in_the_background_then_uses_the_kernels(monkeypatch, compiled):
+    """Past the threshold ``auto`` starts one background compile and returns eager results meanwhile;
+    once the kernels are checked and ready, calls run them (counted) with the same bits, and a call
+    that would recompile in the caller (a size-1 dim) runs eager."""
+    monkeypatch.delenv("MEGATRON_FP4_COMPILE", raising=False)
+    monkeypatch.setattr(fused, "_variants", {})
+    monkeypatch.setattr(fused, "_threads", [])
+    monkeypatch.setattr(fused, "AUTO_MIN_ELEMENTS", 1000)
+    x = torch.randn(48, 64) * torch.logspace(-3, 3, 64)
+    ref = fake_quantize_mxfp4(x, compile="off")
+    assert torch.equal(_bits(fake_quantize_mxfp4(x)), _bits(ref))  # eager while the compile runs
+    assert len(fused._threads) == 1
+    fused.wait_compiled()
+    (variant,) = fused._variants.values()
+    if variant.state == "refused":  # not bit-exact on a kernel set forced below the machine's own
+        assert os.environ.get("ATEN_CPU_CAPABILITY")
+        assert torch.equal(_bits(fake_quantize_mxfp4(x)), _bits(ref))
+        return
+    assert variant.state == "ready" and fused.compiled_ready("mxfp4")
+    calls = []
+    run = variant.run
+    monkeypatch.setattr(variant, "run", lambda fns, xb: calls.append(xb.shape) or run(fns, xb))
+    assert torch.equal(_bits(fake_quantize_mxfp4(x)), _bits(ref)) and calls == [(48, 2, 32)]
+    one = x[:1].contiguous()  # a size-1 dim: dynamo would specialize and recompile
+    assert torch.equal(_bits(fake_quantize_mxfp4(one)), _bits(fake_quantize_mxfp4(one, compile="off")))
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # other global state: the guard fails, eager runs
+        assert torch.equal(_bits(fake_quantize_mxfp4(x)), _bits(ref))
+    assert len(fused._threads) == 1 and variant.state == "ready"
+
+
+def test_a_kernel_that_is_not_bit_exact_is_refused(monkeypatch, compiled):
+    """A variant's first compile checks the compiled kernels against the uncompiled bodies (on hard
+    probes, random data and the input); kernels with other bits are not used, and the result is eager's."""
     x = torch.randn(8, 64)
-    ref = fake_quantize_nvfp4(x)
-    wrong = lambda xb, *rest: (xb.to(torch.float32).to(rest[-1]), torch.tensor(True))  # noqa: E731
-    monkeypatch.setitem(fused._state, "broken", None)
-    monkeypatch.setattr(fused, "_verified", set())
-    monkeypatch.setattr(fused, "_get", lambda key, body: wrong)
-    fused.set_fp4_compile(True)
-    try:
-        with pytest.warns(RuntimeWarning, match="not bit-exact"):
-            out = fake_quantize_nvfp4(x)
-        assert torch.equal(_bits(out), _bits(ref)) and not fused.fp4_compile_enabled()
-    finally:
-        fused.set_fp4_compile(False)
+    ref = fake_quantize_nvfp4(x, compile="off")
+
+    def wrong_apply(xb, enc, s1, s2, out_dtype):
+        return xb.to(torch.float32).to(out_dtype)
+
+    monkeypatch.setattr(fused, "_variants", {})
+    monkeypatch.setattr(fused, "_compiled_copy", lambda body, tag: wrong_apply if body is fused._apply2 else body)
+    with pytest.warns(RuntimeWarning, match="not bit-exact"):
+        out = fake_quantize_nvfp4(x, compile="on")
+    assert torch.equal(_bits(out), _bits(ref))
+    (variant,) = fused._variants.values()
+    assert variant.state == "refused" and not fused.compiled_ready("nvfp4")
 
 
 def test_select_step_rounding_equals_bit_step_rounding():
@@ -146,3 +223,13 @@ def test_select_step_rounding_equals_bit_step_rounding():
                    torch.tensor([1e-45, -1e-45, 1e-39, 0.0, -0.0])])
     y = y[y.isfinite()].clamp(-6.0, 6.0)
     assert torch.equal(_bits(round_e2m1(y)), _bits(round_e2m1_select(y)))
+
+
+def test_config_field_is_validated():
+    from megatron_fp4.config import Config, ConfigError
+
+    cfg = Config()
+    assert cfg.fp4.compile == "auto"
+    cfg.fp4.compile = "sometimes"
+    with pytest.raises(ConfigError, match=r"fp4.compile='sometimes'"):
+        cfg.validate()

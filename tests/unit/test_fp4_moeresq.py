@@ -154,3 +154,18 @@ def test_module_switches_modes_and_validates():
     bad[1, 7] = float("inf")
     with pytest.raises(ValueError, match="'input' has 1 non-finite"):
         moeresq_linear(bad, layer.weight, recipe=Recipe())
+
+
+def test_resq_reuses_only_buffers_it_owns_with_the_same_bits():
+    """The residual may overwrite the fp32 copy resq_quantize made itself, or a buffer the caller hands
+    over (``scratch``); never the caller's fp32 input otherwise. Bits equal the out-of-place formula."""
+    x = data()[0]
+    x0 = x.clone()
+    for fmt in (OperandFormat(), OperandFormat(format="mxfp4", scale="tensor")):
+        for src in (x, x.bfloat16()):
+            q = fake_quantize(src.float(), fmt)
+            want = q + fake_quantize(src.float() - q, fmt)
+            assert torch.equal(resq_quantize(src, fmt), want)
+            buf = src.float().clone()
+            assert torch.equal(resq_quantize(buf, fmt, scratch=True), want)
+        assert torch.equal(x, x0)

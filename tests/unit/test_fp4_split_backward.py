@@ -100,9 +100,9 @@ def counting(monkeypatch):
         monkeypatch.setattr(moeresq, fn, counted)
     quantize = moeresq._Site.quantize
 
-    def counted_quantize(site, a, fmt, operand, compensated):
+    def counted_quantize(site, a, fmt, operand, compensated, **kw):
         calls["quantized"].append(operand)
-        return quantize(site, a, fmt, operand, compensated)
+        return quantize(site, a, fmt, operand, compensated, **kw)
     monkeypatch.setattr(moeresq._Site, "quantize", counted_quantize)
     return calls
 
