@@ -233,3 +233,17 @@ def test_config_field_is_validated():
     cfg.fp4.compile = "sometimes"
     with pytest.raises(ConfigError, match=r"fp4.compile='sometimes'"):
         cfg.validate()
+
+
+@pytest.mark.parametrize("mode", ["on", "off"])
+def test_config_field_reaches_the_layers(mode):
+    """`fp4.compile` is carried by every FP4 layer's recipe (the layers choose kernels from it)."""
+    from megatron_fp4.config import Config
+    from megatron_fp4.model.specs import attention_recipe, expert_recipe
+
+    cfg = Config()
+    cfg.fp4.compile = mode
+    cfg.fp4.scope = "experts+attention"
+    for mode_name in ("fp4", "fp4_resq"):
+        assert expert_recipe(cfg.fp4, mode_name).compile == mode
+        assert attention_recipe(cfg.fp4, mode_name).compile == mode
