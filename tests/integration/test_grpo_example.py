@@ -89,7 +89,8 @@ def test_grpo_example_on_verl_parquet_with_an_hf_tokenizer(tmp_path):
 def carry_args(ex, *extra):
     return ex.parse_args(["--sft-batch", "4", "--num-prompts", "2", "--group-size", "2", "--max-new-tokens", "8",
                           "--eval-size", "4", "--num-train", "24", "--num-test", "4", "--set", "model.num_layers=1",
-                          "--set", "model.hidden_size=32", "--set", "model.num_heads=2", "--set", "model.num_kv_heads=1",
+                          "--set", "model.hidden_size=32", "--set", "model.num_heads=2",
+                          "--set", "model.num_kv_heads=1",
                           "--logdir", "", *extra])
 
 
@@ -163,6 +164,7 @@ def test_response_nll_matches_float64_reference():
     ref = -lp[keep].mean()
     n, u = int(keep.sum()), torch.finfo(torch.float32).eps / 2
     assert n == sum(len(r) for r in responses)
-    tol = 16 * u * (float(logits.abs().max()) + math.log(logits.shape[-1])) + 2 * gamma(n) * float(lp[keep].abs().mean())
+    tol = (16 * u * (float(logits.abs().max()) + math.log(logits.shape[-1]))
+           + 2 * gamma(n) * float(lp[keep].abs().mean()))
     loss = float(loss.detach())
     assert abs(loss - float(ref)) <= tol, (loss, float(ref), tol)
