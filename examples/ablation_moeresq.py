@@ -47,8 +47,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from megatron_fp4.config import load_config  # noqa: E402
-from megatron_fp4.rollout import (RolloutEngine, SamplingParams, compute_log_probs, consistency_metrics,  # noqa: E402
-                                  pad_prompt_response, policy_loss)
+from megatron_fp4.rl import PolicyScorer, build_rl_batch, consistency, policy_update, sft_step  # noqa: E402
+from megatron_fp4.rollout import RolloutEngine, SamplingParams  # noqa: E402
+from megatron_fp4.rollout.policy_step import PolicyLoss  # noqa: E402
 from megatron_fp4.training import rewards  # noqa: E402
 from megatron_fp4.training.data import carry_task, math_task  # noqa: E402
 from megatron_fp4.training.data.rl_dataset import RLDataset  # noqa: E402
@@ -95,29 +96,6 @@ def make_config(args, tok, seed: int, train_mode: str, rollout_mode: str, lr: fl
     return cfg
 
 
-def response_nll(model, mb):
-    """Mean negative log-likelihood of the response tokens (the SFT loss)."""
-    lp = compute_log_probs(model, mb["input_ids"], mb["attention_mask"], mb["response_mask"]).log_probs
-    mask = mb["response_mask"].to(lp.dtype)
-    return -(lp * mask).sum() / mask.sum(), {}
-
-
-def micro_batches(batch: dict, keys, size: int) -> list:
-    n = batch["input_ids"].shape[0]
-    return [{k: batch[k][s:s + size] for k in keys} for s in range(0, n, size)]
-
-
-def sft_pair(row: dict, tok, args, rng: random.Random) -> tuple:
-    """(prompt ids, target ids) of one SFT example: the reference solution, or for the carry task
-    the sloppy teacher's (forgets each carry with probability --drop-carry; carry_task module doc)."""
-    prompt, target = math_task.sft_text(row, tok)
-    if row["data_source"] == carry_task.DATA_SOURCE:
-        info = row["extra_info"]
-        text = carry_task.teacher_solution({"a": info["a"], "b": info["b"]}, args.drop_carry, rng)
-        target = tok.encode(text, add_special_tokens=False) + [tok.eos_id]
-    return prompt, target
-
-
 def sft(args, tok, train, seed: int) -> dict:
     """The shared checkpoint: --sft-steps of response-only NLL on the teacher's solutions (high precision)."""
     cfg = make_config(args, tok, seed, "bf16", "bf16", args.sft_lr, args.sft_steps)
@@ -125,17 +103,8 @@ def sft(args, tok, train, seed: int) -> dict:
     trainer = Trainer(cfg, build_data=False)
     rng = random.Random(f"ablation-sft:{seed}")
     for _ in range(args.sft_steps):
-        rows = [train.rows[rng.randrange(len(train))] for _ in range(args.sft_batch)]
-        pairs = [sft_pair(r, tok, args, rng) for r in rows]
-        batch = pad_prompt_response([p for p, _ in pairs], [r for _, r in pairs], tok.pad_id)
-        trainer.train_step_with_loss(micro_batches(batch, ("input_ids", "attention_mask", "response_mask"),
-                                                   args.micro_batch_size), response_nll)
+        sft_step(trainer, train.rows, tok, args.sft_batch, args.micro_batch_size, args.drop_carry, rng)
     return {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
-
-
-def grpo_advantages(rewards_: torch.Tensor, group_size: int, eps: float = 1e-6) -> torch.Tensor:
-    r = rewards_.view(-1, group_size).double()
-    return ((r - r.mean(1, keepdim=True)) / (r.std(1, unbiased=False, keepdim=True) + eps)).view(-1).float()
 
 
 def score_texts(dataset, items, texts) -> list:
@@ -165,27 +134,11 @@ def rl_step(trainer, engine, tok, train, args, rng, step: int, seed: int) -> dic
               for j in range(len(items))]
     gen = engine.generate([train[i]["prompt_ids"] for i in items], params, return_routing=True)
     reward = torch.tensor(score_texts(train, items, [tok.decode(r, stop_at_eos=True) for r in gen.response_ids]))
-    batch = pad_prompt_response(gen.prompt_ids, gen.response_ids, tok.pad_id)
-    with torch.no_grad():
-        old = compute_log_probs(trainer.model, batch["input_ids"], batch["attention_mask"], batch["response_mask"],
-                                return_routing=True, batch_invariant=args.batch_invariant)
-    P = batch["prompt_len"]
-    rollout_lp = torch.zeros_like(old.log_probs)
-    for i, lp in enumerate(gen.log_probs):
-        rollout_lp[i, P:P + len(lp)] = lp
-    spans = [slice(P, P + len(r)) for r in gen.response_ids]
-    cons = consistency_metrics(torch.cat(gen.log_probs), torch.cat([old.log_probs[i, s] for i, s in enumerate(spans)]),
-                               torch.cat(gen.routing), torch.cat([old.routing[i, s] for i, s in enumerate(spans)]))
-    batch.update(old_log_probs=old.log_probs, rollout_log_probs=rollout_lp,
-                 advantages=grpo_advantages(reward, args.group_size))
-
-    def loss_fn(model, mb):
-        lp = compute_log_probs(model, mb["input_ids"], mb["attention_mask"], mb["response_mask"]).log_probs
-        return policy_loss(lp, mb["old_log_probs"], mb["advantages"][:, None], mb["response_mask"], args.clip_eps,
-                           mb["rollout_log_probs"], args.tis_cap)
-
-    keys = ("input_ids", "attention_mask", "response_mask", "old_log_probs", "rollout_log_probs", "advantages")
-    result = trainer.train_step_with_loss(micro_batches(batch, keys, args.micro_batch_size), loss_fn)
+    # One policy step per rollout batch, no KL term; old log-probs in the trainer's numerics mode.
+    scorer = PolicyScorer(trainer, args.micro_batch_size, keep_reference=False, batch_invariant=args.batch_invariant)
+    batch = build_rl_batch(gen, reward, args.group_size, scorer, tok.pad_id)
+    cons = consistency(gen, batch)
+    result = policy_update(trainer, batch, PolicyLoss(args.clip_eps, args.tis_cap), args.micro_batch_size)
     engine.load_weights(trainer.model.state_dict(), version=step + 1)
     return {"step": step, "reward": float(reward.mean()), "loss": result["loss"],
             **{k: cons[k] for k in CONSISTENCY}}

@@ -6,12 +6,15 @@ integrations: it joins them).
 - `scorer`: `PolicyScorer`, the trainer's log-probs of an RL batch on any layout
 - `rollout_client`: `InProcessRollout`, `RemoteRollout` (a separate rollout process fed by the
   sharded publisher), `make_rollout`
+- `sft`: the supervised warm-up (`ResponseNLL`, the carry task's sloppy teacher) on any layout
 - `rollout_worker`: the rollout process; `wire`: generations as JSON + tensors between processes
 """
 from megatron_fp4.rl.grpo import (build_rl_batch, consistency, grpo_advantages, policy_update, ppo_updates,
                                   response_values, switch_to_rl)
 from megatron_fp4.rl.rollout_client import InProcessRollout, RemoteRollout, make_rollout
 from megatron_fp4.rl.scorer import PolicyScorer
+from megatron_fp4.rl.sft import ResponseNLL, sft_pair, sft_step
 
 __all__ = ["grpo_advantages", "build_rl_batch", "consistency", "policy_update", "ppo_updates", "response_values",
-           "switch_to_rl", "PolicyScorer", "InProcessRollout", "RemoteRollout", "make_rollout"]
+           "switch_to_rl", "PolicyScorer", "InProcessRollout", "RemoteRollout", "make_rollout",
+           "ResponseNLL", "sft_pair", "sft_step"]

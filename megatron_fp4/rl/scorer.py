@@ -100,10 +100,13 @@ def swapped_parameters(model, values: dict):
 class PolicyScorer:
     """`score(batch)` -> old log-probs [B, T] and routing [B, T, num_moe_layers, k] (+ the reference
     policy's log-probs when `keep_reference`), the same on every rank. `micro_batch_size`: rows per
-    pipeline micro-batch (each dp replica's share of the rows must be a multiple of it)."""
+    pipeline micro-batch (each dp replica's share of the rows must be a multiple of it).
+    `batch_invariant`: the numerics of a forward without a pipeline (`compute_log_probs`' argument;
+    None: on, as the rollout engine decodes by default); the pipeline always scores in it."""
 
-    def __init__(self, trainer, micro_batch_size: int, keep_reference: bool):
+    def __init__(self, trainer, micro_batch_size: int, keep_reference: bool, batch_invariant: Optional[bool] = None):
         self.trainer, self.micro_batch_size = trainer, int(micro_batch_size)
+        self.batch_invariant = batch_invariant
         self.reference = ({n: p.detach().clone() for n, p in trainer.model.named_parameters()}
                           if keep_reference else None)
 
@@ -120,7 +123,7 @@ class PolicyScorer:
         t = self.trainer
         ids, am, rm = (batch[k].to(t.device) for k in ("input_ids", "attention_mask", "response_mask"))
         if t.pipeline is None:
-            res = compute_log_probs(t.model, ids, am, rm, return_routing=routing)
+            res = compute_log_probs(t.model, ids, am, rm, return_routing=routing, batch_invariant=self.batch_invariant)
             return res.log_probs.cpu(), None if res.routing is None else res.routing.cpu()
         share, mbs = self._split(ids.shape[0])
         dp_rank = t.mesh.coord("dp")

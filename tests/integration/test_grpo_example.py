@@ -1,6 +1,8 @@
 """The GRPO example runs a few steps: versions advance, rollout and trainer log-probs agree before
-the first update, rewards are check_answer of the decoded completions, TensorBoard gets scalars."""
+the first update, rewards are check_answer (arithmetic) or the data_source scorer (carry task, verl
+parquet) of the decoded completions, TensorBoard gets scalars; the SFT loss against float64."""
 import importlib.util
+import math
 from pathlib import Path
 
 import pytest
@@ -30,7 +32,7 @@ def test_grpo_advantages_reference():
 
 def test_grpo_example_mechanics(tmp_path):
     ex = load_example()
-    args = ex.parse_args(["--steps", "3", "--sft-steps", "0", "--num-prompts", "3", "--group-size", "3",
+    args = ex.parse_args(["--task", "arithmetic", "--steps", "3", "--sft-steps", "0", "--num-prompts", "3", "--group-size", "3",
                           "--max-new-tokens", "4", "--eval-size", "10", "--eval-every", "2",
                           "--kl-coef", "0.05", "--ppo-epochs", "2", "--minibatches", "2",
                           "--logdir", str(tmp_path / "tb")])
@@ -82,3 +84,87 @@ def test_grpo_example_on_verl_parquet_with_an_hf_tokenizer(tmp_path):
     with pytest.raises(ValueError, match="--sft-steps 0"):
         ex.run(ex.parse_args(["--tokenizer", str(tmp_path / "tok"), "--train-data", str(paths["train"]),
                               "--sft-steps", "5", "--eval-size", "4"]))
+
+
+def carry_args(ex, *extra):
+    return ex.parse_args(["--sft-batch", "4", "--num-prompts", "2", "--group-size", "2", "--max-new-tokens", "8",
+                          "--eval-size", "4", "--num-train", "24", "--num-test", "4", "--set", "model.num_layers=1",
+                          "--set", "model.hidden_size=32", "--set", "model.num_heads=2",
+                          "--set", "model.num_kv_heads=1",
+                          "--logdir", "", *extra])
+
+
+def test_carry_task_is_the_default_and_runs_end_to_end():
+    """`--task carry` (the default): SFT on the sloppy teacher in high precision, GRPO steps with
+    the carry scorer's rewards on train prompts only, held-out greedy accuracy before and after."""
+    from megatron_fp4.training import rewards
+    from megatron_fp4.training.data import carry_task
+
+    ex = load_example()
+    defaults = ex.parse_args([])
+    assert defaults.task == "carry" and (defaults.steps, defaults.sft_steps, defaults.lr, defaults.kl_coef) == \
+        (20, 800, 3e-4, 0.0)
+    assert ex.parse_args(["--task", "arithmetic"]).sft_steps == 200
+    args = carry_args(ex, "--sft-steps", "2", "--steps", "2", "--eval-every", "1")
+    history = ex.run(args)
+    assert [h["rollout_version"] for h in history] == [0, 1] and history[-1]["final_rollout_version"] == 2
+    _, test_rows = carry_task.carry_rows(24, 4)
+    held_out = {row["prompt"][0]["content"] for row in test_rows}
+    for h in history:
+        assert not any(q in t for q in held_out for t in h["texts"])  # RL never samples the eval problems
+        assert all(source == carry_task.DATA_SOURCE for source, _ in h["references"])
+        assert h["rewards"] == [rewards.compute_score(source, c, truth)
+                                for (source, truth), c in zip(h["references"], h["completions"])]
+        assert "eval_acc" in h and 0.0 <= h["eval_acc"] <= 1.0
+    assert 0.0 <= history[-1]["eval_before"] <= 1.0
+
+
+def test_carry_sft_learns_the_teacher_in_high_precision():
+    """The warm-up runs response NLL with fp4 off, then hands RL the config's train mode; on the
+    teacher's solutions (a handful of token patterns) the loss falls well below its start."""
+    ex = load_example()
+    args = carry_args(ex, "--sft-steps", "40", "--sft-batch", "8", "--sft-lr", "1e-2")
+    seen = []
+    real = ex.sft_step
+
+    def spy(trainer, *a, **k):
+        seen.append(trainer.model.fp4_mode)
+        return real(trainer, *a, **k)
+    ex.sft_step = spy
+    trainer, task = ex.build(args)
+    assert seen == ["bf16"] * 40 and trainer.model.fp4_mode == trainer.cfg.fp4.train_mode == "fp4_resq"
+    assert len(trainer.model.layers) == 1
+    losses = task.sft_losses
+    assert sum(losses[-5:]) / 5 < 0.5 * sum(losses[:5]) / 5, losses
+
+
+def test_response_nll_matches_float64_reference():
+    """`rl.ResponseNLL` (the SFT loss) = mean over response tokens of -log softmax, by hand in float64
+    from the same logits. Tolerance: fp32 log-softmax is within a few units of roundoff of
+    (|logit| + log V) per token, and the mean's fp32 sum within γ_N of Σ|log p| (tests/numerics.py)."""
+    from megatron_fp4.config import load_config
+    from megatron_fp4.model import build_model
+    from megatron_fp4.rl import ResponseNLL
+    from megatron_fp4.rollout.engine import pad_prompt_response, positions_from_mask
+    from tests.numerics import gamma
+
+    cfg = load_config(str(ROOT / "examples" / "configs" / "tiny_moe.yaml"),
+                      ["logging.tensorboard_dir=null", "checkpoint.dir=null", "model.num_layers=1"])
+    torch.manual_seed(0)
+    model = build_model(cfg)
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, 30, (n,), generator=g).tolist() for n in (3, 5, 4)]
+    responses = [torch.randint(3, 30, (n,), generator=g).tolist() for n in (4, 1, 6)]
+    mb = pad_prompt_response(prompts, responses, 0)
+    loss, _ = ResponseNLL()(model, mb)
+    with torch.no_grad():
+        logits = model(mb["input_ids"], positions_from_mask(mb["attention_mask"]), mb["attention_mask"]).logits
+    lp = torch.log_softmax(logits.double()[:, :-1], -1).gather(-1, mb["input_ids"][:, 1:, None]).squeeze(-1)
+    keep = mb["response_mask"][:, 1:].bool()
+    ref = -lp[keep].mean()
+    n, u = int(keep.sum()), torch.finfo(torch.float32).eps / 2
+    assert n == sum(len(r) for r in responses)
+    tol = (16 * u * (float(logits.abs().max()) + math.log(logits.shape[-1]))
+           + 2 * gamma(n) * float(lp[keep].abs().mean()))
+    loss = float(loss.detach())
+    assert abs(loss - float(ref)) <= tol, (loss, float(ref), tol)
