@@ -1,7 +1,6 @@
 """The RL update: zero advantages move nothing, and the policy-loss gradient matches a float64
 PPO-clip / REINFORCE reference (token mean over the response mask, truncated IS, log-prob of token t
 taken from position t-1's logits)."""
-import importlib.util
 import random
 from pathlib import Path
 
@@ -9,59 +8,54 @@ import torch
 
 from megatron_fp4.config import load_config
 from megatron_fp4.model.transformer import ModelOutput
+from megatron_fp4.rl import PolicyScorer, build_rl_batch, policy_update, switch_to_rl
 from megatron_fp4.rollout import compute_log_probs, pad_prompt_response, policy_loss
+from megatron_fp4.rollout.policy_step import PolicyLoss
+from megatron_fp4.training.data import ArithmeticTokenizer, make_problem
 from megatron_fp4.training.trainer import Trainer
 
 ROOT = Path(__file__).resolve().parents[2]
+TOK = ArithmeticTokenizer()
+LOSS = PolicyLoss(clip_eps=0.2, tis_cap=2.0, kl_coef=0.0)
 
 
-def load_example():
-    spec = importlib.util.spec_from_file_location("grpo_moeresq", ROOT / "examples" / "grpo_moeresq.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-def tiny_trainer(ex):
+def tiny_trainer():
     cfg = load_config(str(ROOT / "examples" / "configs" / "tiny_moe.yaml"),
                       ["logging.tensorboard_dir=null", "checkpoint.dir=null", "model.num_layers=2",
-                       f"model.vocab_size={ex.TOK.vocab_size}", "model.hidden_size=32", "model.num_heads=2",
+                       f"model.vocab_size={TOK.vocab_size}", "model.hidden_size=32", "model.num_heads=2",
                        "model.num_kv_heads=1", "model.moe_ffn_hidden_size=32", "model.num_experts=4"])
     return Trainer(cfg, build_data=False)
 
 
-def rl_batch(ex, trainer, advantages):
+def rl_batch(trainer, advantages):
     rng = random.Random(0)
-    prompts = [ex.TOK.encode(ex.make_problem(rng, 9, "+")[0], add_eos=False) for _ in range(4)]
-    responses = [[5, 7, ex.TOK.eos_id], [6], [3, 4], [8, 9, 10, 11, ex.TOK.eos_id]]
+    prompts = [TOK.encode(make_problem(rng, 9, "+")[0], add_eos=False) for _ in range(4)]
+    responses = [[5, 7, TOK.eos_id], [6], [3, 4], [8, 9, 10, 11, TOK.eos_id]]
     gen = type("Gen", (), {"prompt_ids": prompts, "response_ids": responses,
                            "log_probs": [torch.full((len(r),), -1.5) for r in responses]})()
-    batch = ex.make_batch(gen, torch.tensor([1.0, 0.0, 1.0, 0.0]), 2, trainer.model)
+    scorer = PolicyScorer(trainer, micro_batch_size=2, keep_reference=False)
+    batch = build_rl_batch(gen, torch.tensor([1.0, 0.0, 1.0, 0.0]), 2, scorer, TOK.pad_id)
     batch["advantages"] = advantages
     return batch
 
 
 def test_zero_advantages_leave_weights_bit_identical():
-    ex = load_example()
-    args = ex.parse_args(["--logdir", ""])
     for weight_decay, expect_identical in ((0.0, True), (0.1, False)):
-        trainer = tiny_trainer(ex)
+        trainer = tiny_trainer()
         for _ in range(2):  # a few SFT steps: Adam state, non-trivial weights
             trainer.train_step_with_loss([{"tokens": torch.randint(3, 18, (2, 16)),
                                            "labels": torch.randint(3, 18, (2, 16))}])
-        args.rl_weight_decay = weight_decay
-        ex.configure_rl(trainer, args)
+        switch_to_rl(trainer, lr=1e-3, weight_decay=weight_decay, aux_coef=0.0)
         before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
-        batch = rl_batch(ex, trainer, torch.zeros(4))
+        batch = rl_batch(trainer, torch.zeros(4))
         for _ in range(3):
-            result = ex.policy_update(trainer, batch, 2, args.clip_eps, args.tis_cap)
+            result = policy_update(trainer, batch, LOSS, 2)
             assert result["grad_norm"] == 0.0 and not result["skipped"]
             assert all(p.grad is None or not p.grad.any() for p in trainer.model.parameters())
         same = all(torch.equal(p.detach(), before[n]) for n, p in trainer.model.named_parameters())
         assert same == expect_identical, f"weight_decay={weight_decay}"
         if expect_identical:  # and nonzero advantages do move them
-            ex.policy_update(trainer, rl_batch(ex, trainer, torch.tensor([1.0, -1.0, 1.0, -1.0])), 2,
-                             args.clip_eps, args.tis_cap)
+            policy_update(trainer, rl_batch(trainer, torch.tensor([1.0, -1.0, 1.0, -1.0])), LOSS, 2)
             assert any(not torch.equal(p.detach(), before[n]) for n, p in trainer.model.named_parameters())
 
 
