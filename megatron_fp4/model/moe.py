@@ -11,6 +11,7 @@ import math
 from typing import Optional
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from megatron_fp4.fp4 import Recipe, invariant, moeresq_linear
@@ -64,9 +65,16 @@ class GroupedExperts(nn.Module):
     gradient into one stacked buffer per weight. Indexing `w13[e]` per expert (`select_per_expert`,
     kept only as the benchmark's "before") makes each expert's backward allocate a zeroed
     full-size [E, ...] gradient that autograd then sums: the same values, E times the memory traffic.
+
+    With FP4 off, outside the batch-invariant mode, the experts run as two grouped GEMMs over all
+    local experts (`grouped_forward`, `can_group`) instead of the loop: per expert the same GEMM on
+    the same rows, one kernel launch and no Python loop. Its SiLU runs over all rows at once, and
+    ATen's SiLU rounds its vector tail differently from its body, so the result equals the loop's
+    within fp32 rounding (the same bits where the kernels do; `grouped = False` forces the loop).
     """
 
     select_per_expert = False
+    grouped = True  # one grouped GEMM over all experts where `can_group` allows; False: the loop
 
     def __init__(self, num_experts: int, hidden: int, ffn: int, recipe: Recipe):
         super().__init__()
@@ -89,6 +97,8 @@ class GroupedExperts(nn.Module):
     def forward(self, x_sorted: torch.Tensor, counts: list[int]) -> torch.Tensor:
         """x_sorted [N, H]: tokens grouped by local expert, `counts[e]` rows for expert e."""
         assert len(counts) == self.num_experts and sum(counts) == x_sorted.shape[0]
+        if self.grouped and not self.select_per_expert and x_sorted.shape[0] and can_group(self.recipe, x_sorted):
+            return self.grouped_forward(x_sorted, counts)
         if self.select_per_expert:
             w13s = w2s = [None] * self.num_experts
         else:
@@ -98,6 +108,50 @@ class GroupedExperts(nn.Module):
         if not outs:  # no tokens at all: keep the graph connected so backward still visits the params
             return x_sorted.new_zeros(0, self.hidden) + 0 * (self.w13.sum() + self.w2.sum())
         return torch.cat(outs, dim=0)
+
+    def grouped_forward(self, x_sorted: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """All experts in two grouped GEMMs (`F.grouped_mm`: per group the GEMM the loop runs, on
+        the same rows) and one SiLU over every row; FP-off mode only (see `can_group`)."""
+        offs = torch.tensor(counts, device=x_sorted.device).cumsum(0).to(torch.int32)
+        h = _grouped_linear(x_sorted, self.w13, offs)
+        gate, up = h.split(self.ffn, dim=-1)
+        return _grouped_linear(invariant.silu(gate) * up, self.w2, offs)
+
+
+_GROUPED_MM = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
+
+
+def can_group(recipe: Recipe, x: torch.Tensor) -> bool:
+    """Whether `GroupedExperts` may run one grouped GEMM instead of its per-expert loop.
+
+    Only with FP4 off (an FP4 expert is a MoEResQ linear whose stochastic-rounding stream is keyed
+    by the expert), outside the batch-invariant mode (its per-row exact GEMM is `invariant.linear`,
+    run per expert), where torch has a grouped GEMM for the dtype (fp32/bf16/fp16 on CPU, bf16 on
+    CUDA; fp64, the verification mode, keeps the loop), and outside `torch.autocast`, which would
+    lower the loop's `F.linear` but not `grouped_mm`."""
+    if _GROUPED_MM is None or recipe.mode != "bf16" or invariant.enabled(x) or torch.is_autocast_enabled(x.device.type):
+        return False
+    if x.device.type == "cpu":
+        return x.dtype in (torch.float32, torch.bfloat16, torch.float16)
+    return x.device.type == "cuda" and x.dtype == torch.bfloat16
+
+
+class _ContiguousGrad(torch.autograd.Function):
+    """Identity whose backward makes the gradient dense: `grouped_mm`'s backward rejects an expanded
+    (zero-stride) gradient such as `y.sum()` produces."""
+
+    @staticmethod
+    def forward(ctx, y):
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        return dy.contiguous()
+
+
+def _grouped_linear(x: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """Rows offs[e-1]:offs[e] of x [N, in] times weight[e]ᵀ (weight [E, out, in]) -> [N, out]."""
+    return _ContiguousGrad.apply(_GROUPED_MM(x, weight.transpose(1, 2), offs=offs))
 
 
 def combine_expert_outputs(y_slots: torch.Tensor, topk_idx: torch.Tensor, topk_w: torch.Tensor) -> torch.Tensor:
