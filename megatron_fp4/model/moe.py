@@ -151,7 +151,8 @@ class _ContiguousGrad(torch.autograd.Function):
 
 def _grouped_linear(x: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
     """Rows offs[e-1]:offs[e] of x [N, in] times weight[e]ᵀ (weight [E, out, in]) -> [N, out]."""
-    return _ContiguousGrad.apply(_GROUPED_MM(x, weight.transpose(1, 2), offs=offs))
+    y = _GROUPED_MM(x, weight.transpose(1, 2), offs=offs)
+    return _ContiguousGrad.apply(y) if y.requires_grad else y
 
 
 def combine_expert_outputs(y_slots: torch.Tensor, topk_idx: torch.Tensor, topk_w: torch.Tensor) -> torch.Tensor:
