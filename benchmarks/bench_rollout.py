@@ -146,6 +146,9 @@ def main(argv=None):
     p.add_argument("--modes", default="fp4_resq,fp4", help="--cache-ablation: FP4 modes")
     p.add_argument("--no-batch-invariant", action="store_true", help="--cache-ablation: standard kernels")
     p.add_argument("--sweep", action="store_true", help="tokens/s and peak memory vs length, experts, batch")
+    p.add_argument("--sweep-runners", help="--sweep: comma list (default bf16,fp4_resq,hf)")
+    p.add_argument("--sweep-axes", help="--sweep: e.g. 'batch=1,2,4;experts=8,64' (default: every axis)")
+    p.add_argument("--point-timeout", type=float, default=600.0, help="--sweep: seconds per point")
     p.add_argument("--point", help=argparse.SUPPRESS)  # one sweep point (JSON), run in a subprocess
     args = p.parse_args(argv)
     if args.point or args.sweep:

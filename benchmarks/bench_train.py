@@ -127,6 +127,9 @@ def main(argv=None):
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--hf", action="store_true", help="compare with HF Qwen3MoeForCausalLM and the bare model")
     parser.add_argument("--sweep", action="store_true", help="tokens/s and peak memory vs seq len, experts, batch")
+    parser.add_argument("--sweep-runners", help="--sweep: comma list (default bf16,fp4_resq,hf)")
+    parser.add_argument("--sweep-axes", help="--sweep: e.g. 'batch=1,2,4;experts=8,64' (default: every axis)")
+    parser.add_argument("--point-timeout", type=float, default=600.0, help="--sweep: seconds per point")
     parser.add_argument("--point", help=argparse.SUPPRESS)  # one sweep point (JSON), run in a subprocess
     args = parser.parse_args(argv)
     if args.point or args.sweep:

@@ -109,8 +109,30 @@ def rollout_sweep(args) -> None:
 
 
 # -- driver ----------------------------------------------------------------------------------------
+def _axes(args, default: dict) -> dict:
+    if not getattr(args, "sweep_axes", None):
+        return default
+    axes = {}
+    for part in args.sweep_axes.split(";"):
+        name, _, values = part.partition("=")
+        if name not in default:
+            raise ValueError(f"--sweep-axes: unknown axis {name!r}; choose from {sorted(default)}")
+        axes[name] = [int(v) for v in values.split(",")]
+    return axes
+
+
 def _sweep(args, kind: str, runners, base: dict, axes: dict, script: str) -> None:
-    passthrough = [a for a in sys.argv[1:] if a not in ("--sweep",)]
+    axes = _axes(args, axes)
+    skip = {"--sweep", "--sweep-runners", "--sweep-axes"}
+    passthrough, argv = [], sys.argv[1:]
+    i = 0
+    while i < len(argv):  # drop the sweep's own flags (and their values) from what each point gets
+        a = argv[i]
+        if a.split("=")[0] in skip:
+            i += 1 if "=" in a or a == "--sweep" else 2
+            continue
+        passthrough.append(a)
+        i += 1
     results = []
     for axis, values in axes.items():
         for runner in runners:

@@ -14,7 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from megatron_fp4.fp4 import Recipe, invariant, moeresq_linear
+from megatron_fp4.fp4 import Recipe, current, invariant, moeresq_linear, resq_quantize
+from megatron_fp4.fp4.exact_gemm import cached_for_weight
 from megatron_fp4.model.layers import SwiGLU, upcast
 
 
@@ -97,8 +98,11 @@ class GroupedExperts(nn.Module):
     def forward(self, x_sorted: torch.Tensor, counts: list[int]) -> torch.Tensor:
         """x_sorted [N, H]: tokens grouped by local expert, `counts[e]` rows for expert e."""
         assert len(counts) == self.num_experts and sum(counts) == x_sorted.shape[0]
-        if self.grouped and not self.select_per_expert and x_sorted.shape[0] and can_group(self.recipe, x_sorted):
-            return self.grouped_forward(x_sorted, counts)
+        if self.grouped and not self.select_per_expert and x_sorted.shape[0]:
+            if can_group(self.recipe, x_sorted):
+                return self.grouped_forward(x_sorted, counts)
+            if can_group_fp4(self.recipe, x_sorted, (self.w13, self.w2)):
+                return self.grouped_fp4_forward(x_sorted, counts)
         if self.select_per_expert:
             w13s = w2s = [None] * self.num_experts
         else:
@@ -116,6 +120,49 @@ class GroupedExperts(nn.Module):
         h = _grouped_linear(x_sorted, self.w13, offs)
         gate, up = h.split(self.ffn, dim=-1)
         return _grouped_linear(invariant.silu(gate) * up, self.w2, offs)
+
+    def grouped_fp4_forward(self, x_sorted: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """FP4 experts without autograd (`can_group_fp4`): MoEResQ's forward ``Q̃(X)·Q(W)ᵀ`` in
+        fp32 with ``Q̃`` applied once to all rows (each row quantizes alone: its codes do not depend
+        on which expert's batch it is in) and each expert's ``Q(W)`` computed per expert as
+        `moeresq_linear` does, stacked (once per weight version inside `exact_gemm.cached_weights`),
+        then the per-expert GEMMs as one grouped GEMM."""
+        offs = torch.tensor(counts, device=x_sorted.device).cumsum(0).to(torch.int32)
+        h = self._fp4_grouped_linear(x_sorted, self.w13, offs, "w13")
+        gate, up = h.split(self.ffn, dim=-1)
+        return self._fp4_grouped_linear(invariant.silu(gate) * up, self.w2, offs, "w2")
+
+    def _fp4_grouped_linear(self, x: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor, which: str):
+        r = self.recipe
+        name = f"{self.quant_name}.<grouped>.{which}"
+        wq = cached_for_weight(weight, ("grouped Q(W)", r.weight), lambda: torch.stack([
+            resq_quantize(w, r.weight, compensated=False, name=f"{self.quant_name}.{e}.{which}:weight")
+            for e, w in enumerate(weight.detach().unbind(0))]))
+        xq = resq_quantize(x, r.input, r.compensated, name=f"{name}:input")
+        return _GROUPED_MM(xq, wq.transpose(1, 2), offs=offs).to(x.dtype)
+
+
+def _row_local(fmt) -> bool:
+    """Whether a quantized row depends on that row alone (nearest rounding, per-row blocks/scales)."""
+    if fmt.rounding != "nearest":
+        return False
+    return fmt.format == "mxfp4" or (fmt.scale == "row" and fmt.block == "1d")
+
+
+def can_group_fp4(recipe: Recipe, x: torch.Tensor, weights) -> bool:
+    """Whether FP4 experts may run `GroupedExperts.grouped_fp4_forward`: no autograd (the backward's
+    columnwise blocks run along each expert's tokens), outside the batch-invariant mode (exact
+    GEMMs), nearest rounding (stochastic streams are keyed by expert), row-local input quantization,
+    eager non-finite checks, fp32/bf16 on CPU (fp32 GEMM operands, which CPU `grouped_mm` takes)."""
+    if _GROUPED_MM is None or recipe.mode not in ("fp4", "fp4_resq") or invariant.enabled(x):
+        return False
+    if torch.is_grad_enabled() and (x.requires_grad or any(w.requires_grad for w in weights)):
+        return False
+    if x.device.type != "cpu" or x.dtype not in (torch.float32, torch.bfloat16):
+        return False
+    if torch.is_autocast_enabled(x.device.type) or current().nonfinite_flags_for(x.device) is not None:
+        return False
+    return _row_local(recipe.input) and recipe.weight.rounding == "nearest"
 
 
 _GROUPED_MM = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)

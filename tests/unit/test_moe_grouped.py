@@ -143,3 +143,68 @@ def test_model_logits_grouped_equal_loop_within_fp32_bound():
     err = ((out[True] - out[False]).abs().max() / out[False].abs().max()).item()
     assert err <= 1e-5, err
     assert F.mse_loss(out[True], out[False]).item() < 1e-10
+
+
+# -- FP4 experts without autograd (rollout / scoring outside the batch-invariant mode) -------------
+def _fp4_experts(mode, fmt="nvfp4"):
+    torch.manual_seed(0)
+    recipe = Recipe(mode=mode) if fmt == "nvfp4" else Recipe.for_format(mode, "mxfp4")
+    ex = GroupedExperts(6, 64, 32, recipe)
+    ex.quant_name = "layers.0.mlp.experts"
+    with torch.no_grad():
+        ex.w13.normal_(0, 0.1)
+        ex.w2.normal_(0, 0.1)
+    return ex
+
+
+def test_fp4_input_rows_quantize_alone_so_batching_over_experts_keeps_their_codes():
+    """The premise of the grouped FP4 path, by construction for row scales, 1-D blocks, nearest."""
+    from megatron_fp4.fp4 import resq_quantize
+    ex = _fp4_experts("fp4_resq")
+    x, counts = torch.randn(20, 64), [3, 0, 7, 1, 0, 9]
+    whole = resq_quantize(x, ex.recipe.input, True)
+    per = torch.cat([resq_quantize(c, ex.recipe.input, True) for c in x.split(counts) if c.shape[0]])
+    assert torch.equal(whole.view(torch.int32), per.view(torch.int32))
+
+
+@pytest.mark.parametrize("mode,fmt", [("fp4", "nvfp4"), ("fp4_resq", "nvfp4"), ("fp4_resq", "mxfp4")])
+def test_grouped_fp4_forward_matches_the_per_expert_moeresq_loop(mode, fmt):
+    """Same quantized operands (above), per expert the same fp32 GEMM: the loop's result up to the
+    GEMM kernel's and SiLU's rounding, which an FP4 code downstream can amplify by one quantization
+    step on a few elements (test_rollout_engine.py's FP4 rule: >= 90% within 1e-5, median <= 1e-6)."""
+    from megatron_fp4.fp4.exact_gemm import cached_weights
+    ex = _fp4_experts(mode, fmt)
+    x, counts = torch.randn(40, 64), [5, 0, 17, 1, 0, 17]
+    with torch.no_grad(), cached_weights():
+        ex.grouped = True
+        assert can_group_fp4_for(ex, x)
+        got = ex(x, counts)
+        again = ex(x, counts)  # Q(W) from the cache: the same bits
+        ex.grouped = False
+        want = ex(x, counts)
+    assert torch.equal(got, again)
+    d = ((got - want).abs() / want.abs().max()).flatten()
+    assert (d <= 1e-5).double().mean() >= 0.9 and d.median() <= 1e-6, d.max()
+
+
+def can_group_fp4_for(ex, x):
+    from megatron_fp4.model.moe import can_group_fp4
+    return can_group_fp4(ex.recipe, x, (ex.w13, ex.w2))
+
+
+def test_grouped_fp4_path_only_where_rows_quantize_alone_and_nothing_needs_gradients():
+    from dataclasses import replace
+    from megatron_fp4.model.moe import can_group_fp4
+    ex = _fp4_experts("fp4_resq")
+    x, w = torch.randn(4, 64), (ex.w13, ex.w2)
+    assert not can_group_fp4(ex.recipe, x, w)  # grad mode with trainable weights: the per-expert autograd path
+    with torch.no_grad():
+        assert can_group_fp4(ex.recipe, x, w)
+        assert not can_group_fp4(Recipe(mode="bf16"), x, w)
+        assert not can_group_fp4(ex.recipe, x.double(), w)
+        sr = replace(ex.recipe, input=replace(ex.recipe.input, rounding="stochastic"))
+        assert not can_group_fp4(sr, x, w)  # SR streams are keyed by expert
+        tensor_scale = replace(ex.recipe, input=replace(ex.recipe.input, scale="tensor"))
+        assert not can_group_fp4(tensor_scale, x, w)  # one amax over every expert's rows
+        with batch_invariant():
+            assert not can_group_fp4(ex.recipe, x, w)  # exact GEMMs per expert
