@@ -134,9 +134,9 @@ class GroupedExperts(nn.Module):
 
     def _fp4_grouped_linear(self, x: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor, which: str):
         r = self.recipe
-        name = f"{self.quant_name}.<grouped>.{which}"
+        name, first = f"{self.quant_name}.<grouped>.{which}", getattr(self, "expert_offset", 0)
         wq = cached_for_weight(weight, ("grouped Q(W)", r.weight), lambda: torch.stack([
-            resq_quantize(w, r.weight, compensated=False, name=f"{self.quant_name}.{e}.{which}:weight")
+            resq_quantize(w, r.weight, compensated=False, name=f"{self.quant_name}.{first + e}.{which}:weight")
             for e, w in enumerate(weight.detach().unbind(0))]))
         xq = resq_quantize(x, r.input, r.compensated, name=f"{name}:input")
         return _GROUPED_MM(xq, wq.transpose(1, 2), offs=offs).to(x.dtype)

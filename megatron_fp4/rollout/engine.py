@@ -195,7 +195,8 @@ class RolloutEngine:
     True, the config's `numerics.batch_invariant`) decodes in the batch-invariant numerics mode.
     `cache_quantized_weights` (default True) derives each weight's quantization / exact-GEMM split
     once per `generate` call instead of at every decode step (`exact_gemm.cached_weights`; the
-    same bits).
+    same bits). Decoding allocates its KV cache (static, prompt + max_new_tokens positions) and
+    attention mask once per call and keeps the per-row state as tensors (`_StepState`).
     """
 
     def __init__(self, model, mode: Optional[str] = None, pad_id: int = 0, seed: int = 0, name: str = "rollout0",
