@@ -148,6 +148,7 @@ def main(argv=None):
     p.add_argument("--sweep", action="store_true", help="tokens/s and peak memory vs length, experts, batch")
     p.add_argument("--sweep-runners", help="--sweep: comma list (default bf16,fp4_resq,hf)")
     p.add_argument("--sweep-axes", help="--sweep: e.g. 'batch=1,2,4;experts=8,64' (default: every axis)")
+    p.add_argument("--sweep-repeats", type=int, default=1, help="--sweep: timed calls per point")
     p.add_argument("--point-timeout", type=float, default=600.0, help="--sweep: seconds per point")
     p.add_argument("--point", help=argparse.SUPPRESS)  # one sweep point (JSON), run in a subprocess
     args = p.parse_args(argv)

@@ -12,8 +12,9 @@ to bf16 (higher is faster).
 ``--hf`` (hidden 256, 4 layers, 8 experts top-2, vocab 2048, fp32 unless overridden): this
 trainer in bf16 mode (FP4 off) and in fp4_resq; the same model as a *bare* step (model forward,
 `lm_loss`, backward, clipping, `torch.optim.AdamW`: no trainer around it) in both modes; and HF
-`Qwen3MoeForCausalLM` with the same weights (`hf_peer.py`) doing forward + backward + AdamW. Every
-round feeds all of them the same micro-batches, in alternating order. Prints tokens/s, the ratio to
+`Qwen3MoeForCausalLM` with the same weights (`hf_peer.py`, reloaded from the bf16 trainer before
+every round so its experts are loaded alike) doing forward + backward + AdamW. Every round feeds
+all of them the same micro-batches, in alternating order. Prints tokens/s, the ratio to
 HF (FP4 off) and the trainer's overhead over the bare step of its mode.
 
 ``--sweep``: one subprocess per point (so each point's peak RSS is its own), the trainer in each
@@ -47,11 +48,12 @@ def build_trainer(args, mode: str, extra=()) -> Trainer:
 
 
 class BareStep:
-    """The model's own forward + `lm_loss` + backward + clip + `torch.optim.AdamW`, nothing else."""
+    """The model's own forward + `lm_loss` + backward + clip + `torch.optim.AdamW`, nothing else.
+    It steps the trainer's own model (its own optimizer state), so both run on the same weights and
+    route tokens alike: separate copies drift apart and load their experts differently."""
 
     def __init__(self, trainer: Trainer):
-        import copy
-        self.model = copy.deepcopy(trainer.model).train()
+        self.model = trainer.model
         o = trainer.cfg.optimizer
         self.clip = o.clip_grad
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps,
@@ -70,12 +72,15 @@ class BareStep:
         return total
 
 
-def timed_rounds(runners: dict, batches, warmup: int, steps: int) -> dict:
+def timed_rounds(runners: dict, batches, warmup: int, steps: int, before_round=None) -> dict:
     """Median seconds per step of each runner; every round gives all runners the same batches and
-    alternates the order (forward, then reversed) so slow spells of the machine hit all alike."""
+    alternates the order (forward, then reversed) so slow spells of the machine hit all alike.
+    `before_round` (untimed) runs first in every round."""
     times = {k: [] for k in runners}
     names = list(runners)
     for i in range(warmup + steps):
+        if before_round is not None:
+            before_round()
         mbs = batches()
         for name in (names if i % 2 == 0 else names[::-1]):
             start = time.perf_counter()
@@ -107,7 +112,9 @@ def compare_hf(args):
         runners[f"trainer {mode}"] = lambda mbs, t=t: t.train_step_with_loss(mbs)
         runners[f"bare {mode}"] = BareStep(t)
     tokens = cfg.schedule.global_batch_size * cfg.schedule.seq_len
-    med = timed_rounds(runners, trainers["bf16"].next_micro_batches, args.warmup, args.steps)
+    # HF starts every round from the bf16 trainer's weights: the same routing, so the same expert loads
+    sync = lambda: runners["hf"].load_from(trainers["bf16"].model)  # noqa: E731
+    med = timed_rounds(runners, trainers["bf16"].next_micro_batches, args.warmup, args.steps, sync)
     m = cfg.model
     print(f"threads={torch.get_num_threads()} hidden={m.hidden_size} layers={m.num_layers} experts={m.num_experts} "
           f"top_k={m.top_k} vocab={m.vocab_size} tokens/step={tokens} (micro-batch {cfg.schedule.micro_batch_size} x "
@@ -129,6 +136,7 @@ def main(argv=None):
     parser.add_argument("--sweep", action="store_true", help="tokens/s and peak memory vs seq len, experts, batch")
     parser.add_argument("--sweep-runners", help="--sweep: comma list (default bf16,fp4_resq,hf)")
     parser.add_argument("--sweep-axes", help="--sweep: e.g. 'batch=1,2,4;experts=8,64' (default: every axis)")
+    parser.add_argument("--sweep-repeats", type=int, default=1, help="--sweep: timed calls per point")
     parser.add_argument("--point-timeout", type=float, default=600.0, help="--sweep: seconds per point")
     parser.add_argument("--point", help=argparse.SUPPRESS)  # one sweep point (JSON), run in a subprocess
     args = parser.parse_args(argv)

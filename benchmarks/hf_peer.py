@@ -45,6 +45,15 @@ class HFTrainStep:
         self.opt = torch.optim.AdamW(hf.parameters(), lr=opt_cfg.lr, betas=(opt_cfg.beta1, opt_cfg.beta2),
                                      eps=opt_cfg.eps, weight_decay=opt_cfg.weight_decay)
 
+    def load_from(self, model) -> None:
+        """Copy `model`'s current weights in (optimizer state kept)."""
+        from megatron_fp4.integrations.hf import to_hf_state_dict
+        with torch.no_grad():
+            params = dict(self.hf.named_parameters())
+            for k, v in to_hf_state_dict(model, layout="fused").items():
+                if k in params:
+                    params[k].copy_(v)
+
     def __call__(self, micro_batches) -> float:
         self.opt.zero_grad(set_to_none=True)
         total = 0.0

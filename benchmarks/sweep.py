@@ -4,7 +4,9 @@ for `bench_train.py --sweep` and `bench_rollout.py --sweep`.
 Every point runs in its own subprocess (`--point <json>`), so its peak resident memory is its own:
 reported as the high-water mark (`VmHWM`) above the resident size once the model is built, i.e.
 what the step or the generation itself allocates (activations, gradients, optimizer state, KV
-cache). A series stops at the first point that fails or runs past `--point-timeout` seconds (the
+cache). Rollout tokens/s counts generated tokens over the whole `generate` call (prefill
+included); training tokens/s counts the step's tokens. Each point times `--sweep-repeats` calls
+(default 1: a sweep is long; take the median of more on a quiet machine). A series stops at the first point that fails or runs past `--point-timeout` seconds (the
 larger ones would too). Writes outputs/bench_<kind>_sweep.md (the table) and .png (the plot).
 """
 from __future__ import annotations
@@ -58,7 +60,7 @@ def train_point(args) -> None:
     mbs = trainer.next_micro_batches()
     base = _status_mib("VmRSS")
     times = []
-    for i in range(1 + args.steps):
+    for i in range(1 + args.sweep_repeats):
         start = time.perf_counter()
         step(mbs)
         if i:
@@ -97,9 +99,12 @@ def rollout_point(args) -> None:
         gen = lambda n: eng.generate(prompts.tolist(), SamplingParams(temperature=0.0, max_new_tokens=n))  # noqa: E731
     base = _status_mib("VmRSS")
     gen(2)  # warm-up
-    start = time.perf_counter()
-    gen(args.new_tokens)
-    t = time.perf_counter() - start
+    times = []
+    for _ in range(args.sweep_repeats):
+        start = time.perf_counter()
+        gen(args.new_tokens)
+        times.append(time.perf_counter() - start)
+    t = statistics.median(times)
     _emit({**pt, "tokens_per_s": args.batch * args.new_tokens / t, "peak_mib": _status_mib("VmHWM") - base})
 
 

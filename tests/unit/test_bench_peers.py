@@ -29,6 +29,11 @@ def test_hf_peer_computes_our_function_and_generates_our_greedy_tokens():
     assert ((ours - theirs).abs().max() / theirs.abs().max()).item() <= 1e-5
     out = RolloutEngine(model, mode="bf16", batch_invariant=False).generate(
         tokens.tolist(), SamplingParams(temperature=0.0, max_new_tokens=6))
+    step = hf_peer.HFTrainStep(hf, cfg.optimizer)
+    step([{"tokens": tokens, "labels": tokens}])  # one AdamW step moves HF's weights away from ours
+    step.load_from(model)  # ... and load_from brings ours back in
+    with torch.no_grad():
+        assert ((hf.eval()(input_ids=tokens).logits - ours).abs().max() / ours.abs().max()).item() <= 1e-5
     ref = hf_peer.hf_generate(hf, tokens, 6)
     assert ref.shape == (3, 6)
     # a greedy token can differ only at a near tie of the two largest logits (within fp32 noise)
