@@ -140,20 +140,25 @@ def _sweep(args, kind: str, runners, base: dict, axes: dict, script: str) -> Non
         i += 1
     results = []
     for axis, values in axes.items():
-        for runner in runners:
-            for v in values:
+        stopped = set()
+        for v in values:  # runners side by side per point, so each point's ratios see one machine state
+            for runner in runners:
+                if runner in stopped:
+                    continue
                 pt = {**base, axis: v, "runner": runner, "axis": axis}
                 cmd = [sys.executable, script, *passthrough, "--point", json.dumps(pt)]
                 try:
                     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.point_timeout)
                 except subprocess.TimeoutExpired:
                     print(f"{kind} {runner} {axis}={v}: over {args.point_timeout}s, series stopped", flush=True)
-                    break
+                    stopped.add(runner)
+                    continue
                 line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("POINT ")), None)
                 if proc.returncode or line is None:
                     why = (proc.stderr.strip().splitlines() or ["no output"])[-1]
                     print(f"{kind} {runner} {axis}={v}: failed ({why}), series stopped", flush=True)
-                    break
+                    stopped.add(runner)
+                    continue
                 r = json.loads(line[6:])
                 results.append(r)
                 print(f"{kind} {runner:<10} {axis}={v:<5} {r['tokens_per_s']:>9.1f} tok/s {r['peak_mib']:>8.1f} MiB",
