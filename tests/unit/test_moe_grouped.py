@@ -208,3 +208,9 @@ def test_grouped_fp4_path_only_where_rows_quantize_alone_and_nothing_needs_gradi
         assert not can_group_fp4(tensor_scale, x, w)  # one amax over every expert's rows
         with batch_invariant():
             assert not can_group_fp4(ex.recipe, x, w)  # exact GEMMs per expert
+
+
+def test_many_rows_per_expert_keep_the_loop_where_it_is_as_fast():
+    ex = _experts(E=2)
+    y = ex(torch.randn(2 * ex.max_group_rows + 2, ex.hidden), [ex.max_group_rows + 1] * 2)
+    assert _nodes(y.grad_fn).count("MmBackward0") == 4  # two linears per expert
