@@ -31,6 +31,7 @@ def build(args, mode: str, select: bool) -> Trainer:
     for m in trainer.model.modules():
         if isinstance(m, GroupedExperts):
             m.select_per_expert = select
+            m.grouped = False  # both sides run the per-expert loop: this compares its weight layouts
     return trainer
 
 

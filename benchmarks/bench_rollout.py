@@ -1,26 +1,37 @@
-"""Rollout greedy-generation throughput: quantized-weight cache on vs off, side by side in one run.
+"""Rollout greedy generation side by side: this engine vs HF transformers' `generate()`.
 
-    python benchmarks/bench_rollout.py                      # hidden 256, 4 layers, 8 experts, batch 8, 32+64 tokens
-    python benchmarks/bench_rollout.py --modes fp4_resq --repeats 5 --no-batch-invariant
+    python benchmarks/bench_rollout.py                  # hidden 256, 4 layers, 8 experts, batch 8, 32+64 tokens
+    python benchmarks/bench_rollout.py --repeats 5 --engines bf16,bf16-bi,fp4_resq-bi
+    python benchmarks/bench_rollout.py --cache-ablation --modes fp4_resq   # weight cache on vs off
+    python benchmarks/bench_rollout.py --sweep          # tokens/s and peak memory vs length / experts / batch
 
-For each FP4 mode, two engines run copies of one model: the default (what GEMMs derive from a weight
-alone, computed once per `generate` call, `exact_gemm.cached_weights`) and `cache_quantized_weights=False`
-(re-quantized at every decode step, the behaviour before the cache). Timed calls alternate between
-them so machine noise hits both alike; the outputs are checked equal token for token and log-prob
-for log-prob (bitwise) before anything is printed. Prints generated tokens/s and the ratio.
+One model (fp32, FP4 scope `--scope`) is copied into one `RolloutEngine` per entry of `--engines`
+(``<mode>`` = standard kernels, ``<mode>-bi`` = the batch-invariant mode, the engine's default)
+and loaded into HF `Qwen3MoeForCausalLM` through the project's HF exporter (`hf_peer.py`). All get
+the same prompts (one batch, no padding), greedy, exactly `--new-tokens` new tokens, KV cache (HF:
+its default dynamic cache). Timed calls alternate between all of them (order reversed every
+round); medians. Prints generated tokens/s, the ratio to HF, and the share of tokens equal to
+HF's (FP4 off: the same function, so 100% unless fp32 rounding flips a near tie).
+
+``--cache-ablation``: per FP4 mode, the weight-derived GEMM terms cached per `generate` call
+(`exact_gemm.cached_weights`, the default) vs re-derived every decode step; outputs checked
+bitwise equal.
 """
 from __future__ import annotations
 
 import argparse
 import copy
+import os
 import statistics
+import sys
 import time
 
 import torch
 
-from megatron_fp4.config import Config
-from megatron_fp4.model import build_model
-from megatron_fp4.rollout import RolloutEngine, SamplingParams
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from megatron_fp4.config import Config  # noqa: E402
+from megatron_fp4.model import build_model  # noqa: E402
+from megatron_fp4.rollout import RolloutEngine, SamplingParams  # noqa: E402
 
 
 def build(args, scope: str):
@@ -34,9 +45,14 @@ def build(args, scope: str):
     return build_model(cfg, seed=0)
 
 
-def run(engine, prompts, params):
+def engine_for(model, spec: str) -> RolloutEngine:
+    mode, _, bi = spec.partition("-")
+    return RolloutEngine(copy.deepcopy(model), mode=mode, batch_invariant=bi == "bi")
+
+
+def run(fn):
     start = time.perf_counter()
-    out = engine.generate(prompts, params)
+    out = fn()
     return time.perf_counter() - start, out
 
 
@@ -45,8 +61,7 @@ def same(a, b) -> bool:
         torch.equal(x.view(torch.int32), y.view(torch.int32)) for x, y in zip(a.log_probs, b.log_probs))
 
 
-def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_model_args(p):
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--ffn", type=int, default=256)
     p.add_argument("--layers", type=int, default=4)
@@ -55,11 +70,47 @@ def main(argv=None):
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--prompt-len", type=int, default=32)
     p.add_argument("--new-tokens", type=int, default=64)
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--modes", default="fp4_resq,fp4")
     p.add_argument("--scope", default="experts")
-    p.add_argument("--no-batch-invariant", action="store_true")
-    args = p.parse_args(argv)
+
+
+def compare_hf(args):
+    from hf_peer import hf_generate, hf_model_like
+
+    torch.manual_seed(0)
+    model = build(args, args.scope)
+    prompts = torch.randint(1, args.vocab, (args.batch, args.prompt_len))
+    params = SamplingParams(temperature=0.0, max_new_tokens=args.new_tokens)
+    hf = hf_model_like(model)
+    runners = {"HF generate": lambda: hf_generate(hf, prompts, args.new_tokens)}
+    for spec in args.engines.split(","):
+        eng = engine_for(model, spec)
+        runners[spec] = lambda eng=eng: eng.generate(prompts.tolist(), params)
+    times = {k: [] for k in runners}
+    outs = {}
+    names = list(runners)
+    for i in range(args.repeats + 1):  # round 0 warms up
+        for name in (names if i % 2 == 0 else names[::-1]):
+            dt, outs[name] = run(runners[name])
+            if i:
+                times[name].append(dt)
+    tokens = args.batch * args.new_tokens
+    ref = outs["HF generate"].tolist()
+    print(f"threads={torch.get_num_threads()} hidden={args.hidden} layers={args.layers} experts={args.experts} "
+          f"vocab={args.vocab} batch={args.batch} tokens={args.prompt_len}+{args.new_tokens} scope={args.scope} "
+          f"repeats={args.repeats}")
+    print(f"{'runner':<16} {'median s':>9} {'tokens/s':>9} {'vs HF':>7} {'tokens = HF':>12}")
+    t_hf = statistics.median(times["HF generate"])
+    for name in names:
+        t = statistics.median(times[name])
+        if name == "HF generate":
+            agree = "-"
+        else:
+            hits = sum(a == b for r, h in zip(outs[name].response_ids, ref) for a, b in zip(r, h))
+            agree = f"{hits / tokens:.0%}"
+        print(f"{name:<16} {t:>9.3f} {tokens / t:>9.1f} {t_hf / t:>6.2f}x {agree:>12}")
+
+
+def cache_ablation(args):
     torch.manual_seed(0)
     prompts = torch.randint(1, args.vocab, (args.batch, args.prompt_len)).tolist()
     params = SamplingParams(temperature=0.0, max_new_tokens=args.new_tokens)
@@ -76,7 +127,7 @@ def main(argv=None):
         for i in range(args.repeats + 1):  # the first round is a warm-up
             outs = {}
             for name, engine in (("uncached", uncached), ("cached", cached)):
-                dt, out = run(engine, prompts, params)
+                dt, out = run(lambda: engine.generate(prompts, params))
                 if i:
                     times[name].append(dt)
                 outs[name] = out
@@ -84,6 +135,27 @@ def main(argv=None):
                 raise SystemExit(f"{mode}: cached and uncached generations differ")
         t_u, t_c = statistics.median(times["uncached"]), statistics.median(times["cached"])
         print(f"{mode:<10} {tokens / t_u:>15.1f} {tokens / t_c:>13.1f} {t_u / t_c:>8.2f}x")
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_model_args(p)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--engines", default="bf16,bf16-bi,fp4_resq,fp4_resq-bi")
+    p.add_argument("--cache-ablation", action="store_true")
+    p.add_argument("--modes", default="fp4_resq,fp4", help="--cache-ablation: FP4 modes")
+    p.add_argument("--no-batch-invariant", action="store_true", help="--cache-ablation: standard kernels")
+    p.add_argument("--sweep", action="store_true", help="tokens/s and peak memory vs length, experts, batch")
+    p.add_argument("--sweep-runners", help="--sweep: comma list (default bf16,fp4_resq,hf)")
+    p.add_argument("--sweep-axes", help="--sweep: e.g. 'batch=1,2,4;experts=8,64' (default: every axis)")
+    p.add_argument("--sweep-repeats", type=int, default=1, help="--sweep: timed calls per point")
+    p.add_argument("--point-timeout", type=float, default=600.0, help="--sweep: seconds per point")
+    p.add_argument("--point", help=argparse.SUPPRESS)  # one sweep point (JSON), run in a subprocess
+    args = p.parse_args(argv)
+    if args.point or args.sweep:
+        from sweep import rollout_point, rollout_sweep
+        return rollout_point(args) if args.point else rollout_sweep(args)
+    return cache_ablation(args) if args.cache_ablation else compare_hf(args)
 
 
 if __name__ == "__main__":

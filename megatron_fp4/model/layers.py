@@ -61,18 +61,40 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 @dataclass
 class LayerCache:
-    """Per-layer KV cache of one generation batch: keys/values [B, kv_heads, T_cached, D]."""
+    """Per-layer KV cache of one generation batch: keys/values [B, kv_heads, T_cached, D].
+
+    With ``capacity`` > 0 the cache is static: the first `append` allocates [B, kv_heads,
+    capacity, D] buffers and every later one writes its keys in place and returns views of the
+    filled prefix (no per-step reallocation and copy of the whole cache). Attention reads the same
+    values either way. ``capacity`` 0 grows the tensors by concatenation."""
 
     k: Optional[torch.Tensor] = None
     v: Optional[torch.Tensor] = None
+    capacity: int = 0
+    filled: int = 0
 
     def append(self, k: torch.Tensor, v: torch.Tensor):
-        self.k = k if self.k is None else torch.cat([self.k, k], dim=2)
-        self.v = v if self.v is None else torch.cat([self.v, v], dim=2)
-        return self.k, self.v
+        if not self.capacity:
+            self.k = k if self.k is None else torch.cat([self.k, k], dim=2)
+            self.v = v if self.v is None else torch.cat([self.v, v], dim=2)
+            return self.k, self.v
+        end = self.filled + k.shape[2]
+        if end > self.capacity:
+            raise ValueError(f"KV cache of capacity {self.capacity} cannot take {end} positions; build it with "
+                             "KVCache.empty(num_layers, capacity=prompt length + max new tokens)")
+        if self.k is None:
+            B, H, _, D = k.shape
+            self.k = k.new_empty(B, H, self.capacity, D)
+            self.v = v.new_empty(B, H, self.capacity, D)
+        self.k[:, :, self.filled:end] = k
+        self.v[:, :, self.filled:end] = v
+        self.filled = end
+        return self.k[:, :, :end], self.v[:, :, :end]
 
     @property
     def length(self) -> int:
+        if self.capacity:
+            return self.filled
         return 0 if self.k is None else self.k.shape[2]
 
 
@@ -81,8 +103,9 @@ class KVCache:
     layers: list = field(default_factory=list)
 
     @classmethod
-    def empty(cls, num_layers: int) -> "KVCache":
-        return cls([LayerCache() for _ in range(num_layers)])
+    def empty(cls, num_layers: int, capacity: int = 0) -> "KVCache":
+        """An empty cache; ``capacity`` > 0: static, preallocated for that many positions (`LayerCache`)."""
+        return cls([LayerCache(capacity=capacity) for _ in range(num_layers)])
 
     @property
     def length(self) -> int:
@@ -134,18 +157,22 @@ class Attention(nn.Module):
             k, v = cache.append(k, v)
         T_total = k.shape[2]
         rep = self.num_heads // self.num_kv_heads
-        k = k.repeat_interleave(rep, dim=1)
-        v = v.repeat_interleave(rep, dim=1)
         if invariant.enabled(q):  # keys by position, fixed reduction trees (see fp4/invariant.py)
+            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
             out = invariant.attention(q, k, v, positions, invariant.leading_pad(attention_mask, B, x.device))
             return self.o_proj(out.transpose(1, 2).reshape(B, T, self.num_heads * self.head_dim))
+        # Decoding: SDPA maps query heads to their kv head itself (enable_gqa) instead of copying
+        # the whole cache rep times per step; each head attends to the same values either way.
+        gqa = cache is not None and rep > 1
+        if not gqa:
+            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
         # Causal mask offset by the cached length, combined with the key padding mask.
         q_idx = torch.arange(past, past + T, device=x.device)[:, None]
         k_idx = torch.arange(T_total, device=x.device)[None, :]
         mask = (k_idx <= q_idx)[None, None]
         if attention_mask is not None:
             mask = mask & attention_mask[:, None, None, :T_total].bool()
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
         # A fully masked row (a padding query) gives NaN in SDPA; zero it, it is never read.
         out = torch.nan_to_num(out, nan=0.0)
         return self.o_proj(out.transpose(1, 2).reshape(B, T, self.num_heads * self.head_dim))

@@ -10,9 +10,11 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
-from megatron_fp4.fp4 import Recipe, invariant, moeresq_linear
+from megatron_fp4.fp4 import Recipe, current, invariant, moeresq_linear, resq_quantize
+from megatron_fp4.fp4.exact_gemm import cached_for_weight
 from megatron_fp4.model.layers import SwiGLU, upcast
 
 
@@ -63,9 +65,19 @@ class GroupedExperts(nn.Module):
     gradient into one stacked buffer per weight. Indexing `w13[e]` per expert (`select_per_expert`,
     kept only as the benchmark's "before") makes each expert's backward allocate a zeroed
     full-size [E, ...] gradient that autograd then sums: the same values, E times the memory traffic.
+
+    With FP4 off, outside the batch-invariant mode, the experts run as two grouped GEMMs over all
+    local experts (`grouped_forward`, `can_group`) instead of the loop: per expert the same GEMM on
+    the same rows, one kernel launch and no Python loop. Its SiLU runs over all rows at once, and
+    ATen's SiLU rounds its vector tail differently from its body, so the result equals the loop's
+    within fp32 rounding (the same bits where the kernels do; `grouped = False` forces the loop).
     """
 
     select_per_expert = False
+    grouped = True  # one grouped GEMM over all experts where `can_group` allows; False: the loop
+    # FP4 off: above this many rows per expert on average the loop is as fast (its per-expert SiLU
+    # and products stay in cache; bench_moe_grouped.py: 0.9x at 8 experts x 256 rows, 1.3-1.5x at 64-128)
+    max_group_rows = 128
 
     def __init__(self, num_experts: int, hidden: int, ffn: int, recipe: Recipe):
         super().__init__()
@@ -88,6 +100,11 @@ class GroupedExperts(nn.Module):
     def forward(self, x_sorted: torch.Tensor, counts: list[int]) -> torch.Tensor:
         """x_sorted [N, H]: tokens grouped by local expert, `counts[e]` rows for expert e."""
         assert len(counts) == self.num_experts and sum(counts) == x_sorted.shape[0]
+        if self.grouped and not self.select_per_expert and x_sorted.shape[0]:
+            if can_group(self.recipe, x_sorted) and x_sorted.shape[0] <= self.max_group_rows * self.num_experts:
+                return self.grouped_forward(x_sorted, counts)
+            if can_group_fp4(self.recipe, x_sorted, (self.w13, self.w2)):
+                return self.grouped_fp4_forward(x_sorted, counts)
         if self.select_per_expert:
             w13s = w2s = [None] * self.num_experts
         else:
@@ -97,6 +114,94 @@ class GroupedExperts(nn.Module):
         if not outs:  # no tokens at all: keep the graph connected so backward still visits the params
             return x_sorted.new_zeros(0, self.hidden) + 0 * (self.w13.sum() + self.w2.sum())
         return torch.cat(outs, dim=0)
+
+    def grouped_forward(self, x_sorted: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """All experts in two grouped GEMMs (`F.grouped_mm`: per group the GEMM the loop runs, on
+        the same rows) and one SiLU over every row; FP-off mode only (see `can_group`)."""
+        offs = torch.tensor(counts, device=x_sorted.device).cumsum(0).to(torch.int32)
+        h = _grouped_linear(x_sorted, self.w13, offs)
+        gate, up = h.split(self.ffn, dim=-1)
+        return _grouped_linear(invariant.silu(gate) * up, self.w2, offs)
+
+    def grouped_fp4_forward(self, x_sorted: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """FP4 experts without autograd (`can_group_fp4`): MoEResQ's forward ``Q̃(X)·Q(W)ᵀ`` in
+        fp32 with ``Q̃`` applied once to all rows (each row quantizes alone: its codes do not depend
+        on which expert's batch it is in) and each expert's ``Q(W)`` computed per expert as
+        `moeresq_linear` does, stacked (once per weight version inside `exact_gemm.cached_weights`),
+        then the per-expert GEMMs as one grouped GEMM."""
+        offs = torch.tensor(counts, device=x_sorted.device).cumsum(0).to(torch.int32)
+        h = self._fp4_grouped_linear(x_sorted, self.w13, offs, "w13")
+        gate, up = h.split(self.ffn, dim=-1)
+        return self._fp4_grouped_linear(invariant.silu(gate) * up, self.w2, offs, "w2")
+
+    def _fp4_grouped_linear(self, x: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor, which: str):
+        r = self.recipe
+        name, first = f"{self.quant_name}.<grouped>.{which}", getattr(self, "expert_offset", 0)
+        wq = cached_for_weight(weight, ("grouped Q(W)", r.weight), lambda: torch.stack([
+            resq_quantize(w, r.weight, compensated=False, name=f"{self.quant_name}.{first + e}.{which}:weight")
+            for e, w in enumerate(weight.detach().unbind(0))]))
+        xq = resq_quantize(x, r.input, r.compensated, name=f"{name}:input")
+        return _GROUPED_MM(xq, wq.transpose(1, 2), offs=offs).to(x.dtype)
+
+
+def _row_local(fmt) -> bool:
+    """Whether a quantized row depends on that row alone (nearest rounding, per-row blocks/scales)."""
+    if fmt.rounding != "nearest":
+        return False
+    return fmt.format == "mxfp4" or (fmt.scale == "row" and fmt.block == "1d")
+
+
+def can_group_fp4(recipe: Recipe, x: torch.Tensor, weights) -> bool:
+    """Whether FP4 experts may run `GroupedExperts.grouped_fp4_forward`: no autograd (the backward's
+    columnwise blocks run along each expert's tokens), outside the batch-invariant mode (exact
+    GEMMs), nearest rounding (stochastic streams are keyed by expert), row-local input quantization,
+    eager non-finite checks, fp32/bf16 on CPU (fp32 GEMM operands, which CPU `grouped_mm` takes)."""
+    if _GROUPED_MM is None or recipe.mode not in ("fp4", "fp4_resq") or invariant.enabled(x):
+        return False
+    if torch.is_grad_enabled() and (x.requires_grad or any(w.requires_grad for w in weights)):
+        return False
+    if x.device.type != "cpu" or x.dtype not in (torch.float32, torch.bfloat16):
+        return False
+    if torch.is_autocast_enabled(x.device.type) or current().nonfinite_flags_for(x.device) is not None:
+        return False
+    return _row_local(recipe.input) and recipe.weight.rounding == "nearest"
+
+
+_GROUPED_MM = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
+
+
+def can_group(recipe: Recipe, x: torch.Tensor) -> bool:
+    """Whether `GroupedExperts` may run one grouped GEMM instead of its per-expert loop.
+
+    Only with FP4 off (an FP4 expert is a MoEResQ linear whose stochastic-rounding stream is keyed
+    by the expert), outside the batch-invariant mode (its per-row exact GEMM is `invariant.linear`,
+    run per expert), where torch has a grouped GEMM for the dtype (fp32/bf16/fp16 on CPU, bf16 on
+    CUDA; fp64, the verification mode, keeps the loop), and outside `torch.autocast`, which would
+    lower the loop's `F.linear` but not `grouped_mm`."""
+    if _GROUPED_MM is None or recipe.mode != "bf16" or invariant.enabled(x) or torch.is_autocast_enabled(x.device.type):
+        return False
+    if x.device.type == "cpu":
+        return x.dtype in (torch.float32, torch.bfloat16, torch.float16)
+    return x.device.type == "cuda" and x.dtype == torch.bfloat16
+
+
+class _ContiguousGrad(torch.autograd.Function):
+    """Identity whose backward makes the gradient dense: `grouped_mm`'s backward rejects an expanded
+    (zero-stride) gradient such as `y.sum()` produces."""
+
+    @staticmethod
+    def forward(ctx, y):
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        return dy.contiguous()
+
+
+def _grouped_linear(x: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """Rows offs[e-1]:offs[e] of x [N, in] times weight[e]ᵀ (weight [E, out, in]) -> [N, out]."""
+    y = _GROUPED_MM(x, weight.transpose(1, 2), offs=offs)
+    return _ContiguousGrad.apply(y) if y.requires_grad else y
 
 
 def combine_expert_outputs(y_slots: torch.Tensor, topk_idx: torch.Tensor, topk_w: torch.Tensor) -> torch.Tensor:

@@ -195,7 +195,8 @@ class RolloutEngine:
     True, the config's `numerics.batch_invariant`) decodes in the batch-invariant numerics mode.
     `cache_quantized_weights` (default True) derives each weight's quantization / exact-GEMM split
     once per `generate` call instead of at every decode step (`exact_gemm.cached_weights`; the
-    same bits).
+    same bits). Decoding allocates its KV cache (static, prompt + max_new_tokens positions) and
+    attention mask once per call and keeps the per-row state as tensors (`_StepState`).
     """
 
     def __init__(self, model, mode: Optional[str] = None, pad_id: int = 0, seed: int = 0, name: str = "rollout0",
@@ -281,54 +282,103 @@ class RolloutEngine:
         return GenerationOutput(version=version, prompt_ids=[list(p) for p in prompts], **out)
 
     def _decode(self, prompts, params, gens, max_new, return_routing, return_distributions) -> dict:
+        """Prefill, then one batched decode step per new token over a static KV cache and a
+        preallocated attention mask. Per step the bookkeeping is batched (`_StepState`); only rows
+        that sample (temperature > 0) visit Python, each with its own generator."""
         B = len(prompts)
-        tokens, mask = left_pad(prompts, self.pad_id)
-        positions = positions_from_mask(mask)
-        cache = KVCache.empty(len(self.model.layers))
-        res = {"response_ids": [[] for _ in range(B)], "log_probs": [[] for _ in range(B)],
-               "sampled_log_probs": [[] for _ in range(B)], "finish_reasons": [None] * B}
-        routes = [[] for _ in range(B)]
-        dists = [[] for _ in range(B)]
-        out = self.model(tokens, positions, mask, cache, return_routing=return_routing)
-        next_pos = positions[:, -1] + 1
-        for _ in range(max_new):
+        tokens, prompt_mask = left_pad(prompts, self.pad_id)
+        P = tokens.shape[1]
+        positions = positions_from_mask(prompt_mask)
+        cache = KVCache.empty(len(self.model.layers), capacity=P + max_new)
+        mask = torch.zeros((B, P + max_new), dtype=torch.long)
+        mask[:, :P] = prompt_mask
+        state = _StepState(params, max_new, self.pad_id)
+        routes, dists = [], []
+        out = self.model(tokens, positions, prompt_mask, cache, return_routing=return_routing)
+        next_pos = positions[:, -1:] + 1
+        for step in range(max_new):
             logits = out.logits[:, -1].float()
             raw = invariant.log_softmax(logits)
-            step_routing = self._last_routing(out.routing) if return_routing else None
-            new_tokens = torch.full((B, 1), self.pad_id, dtype=torch.long)
-            for i in range(B):
-                if res["finish_reasons"][i] is not None:
-                    continue
-                slp = sampling_log_probs(logits[i], params[i])
-                tok = sample_token(slp, params[i], gens[i])
-                new_tokens[i, 0] = tok
-                res["response_ids"][i].append(tok)
-                res["log_probs"][i].append(float(raw[i, tok]))
-                res["sampled_log_probs"][i].append(float(slp[tok]))
-                if return_routing:
-                    routes[i].append(step_routing[i])
-                if return_distributions:
-                    dists[i].append(raw[i])
-                if tok in params[i].stop_token_ids:
-                    res["finish_reasons"][i] = "stop"
-                elif len(res["response_ids"][i]) >= params[i].max_new_tokens:
-                    res["finish_reasons"][i] = "length"
-            if all(r is not None for r in res["finish_reasons"]):
+            toks = state.choose(logits, gens)
+            state.record(step, toks, raw)
+            if return_routing:
+                routes.append(self._last_routing(out.routing))
+            if return_distributions:
+                dists.append(raw)
+            if state.all_finished():
                 break
-            # Finished rows keep feeding pad (masked out) so the batch stays rectangular; their
+            # Finished rows keep feeding a token (masked out) so the batch stays rectangular; their
             # outputs are never read and, being separate rows, cannot affect the others.
-            active = torch.tensor([[r is None] for r in res["finish_reasons"]], dtype=torch.long)
-            mask = torch.cat([mask, active], dim=1)
-            out = self.model(new_tokens, next_pos[:, None], mask, cache, return_routing=return_routing)
+            mask[:, P + step] = state.active
+            out = self.model(state.feed[:, None], next_pos, mask[:, :P + step + 1], cache,
+                             return_routing=return_routing)
             next_pos = next_pos + 1
-        res["log_probs"] = [torch.tensor(x, dtype=torch.float32) for x in res["log_probs"]]
-        res["sampled_log_probs"] = [torch.tensor(x, dtype=torch.float32) for x in res["sampled_log_probs"]]
-        if return_routing:
-            res["routing"] = [torch.stack(r) for r in routes]
-        if return_distributions:
-            res["distributions"] = [torch.stack(d) for d in dists]
-        return res
+        return state.result(routes if return_routing else None, dists if return_distributions else None)
 
     def _last_routing(self, routing: list) -> torch.Tensor:
         """Per-layer [B, T, k] routing -> [B, num_moe_layers, k] of the last position."""
         return torch.stack([routing[i][:, -1] for i in self._moe_layer_ids], dim=1)
+
+
+class _StepState:
+    """The per-row decoding state of one `generate` call as tensors: chosen tokens, their log-probs
+    and which rows still run. Greedy rows take the argmax of the whole batch at once (exact: the
+    first maximum of the row, what `sample_token` returns for the point mass); sampling rows go
+    through `sampling_log_probs` / `sample_token` one by one, each with its own generator, so
+    their draws depend only on the row."""
+
+    def __init__(self, params, max_new: int, pad_id: int):
+        B = len(params)
+        self.params, self.pad_id = params, pad_id
+        self.sampled_rows = [i for i, p in enumerate(params) if not p.greedy]
+        self.limit = torch.tensor([p.max_new_tokens for p in params])
+        width = max([len(p.stop_token_ids) for p in params] + [1])
+        self.stops = torch.full((B, width), -1, dtype=torch.long)
+        for i, p in enumerate(params):
+            self.stops[i, :len(p.stop_token_ids)] = torch.tensor(p.stop_token_ids, dtype=torch.long)
+        self.ids = torch.full((B, max_new), pad_id, dtype=torch.long)
+        self.log_probs = torch.zeros((B, max_new), dtype=torch.float32)
+        self.sampled_log_probs = torch.zeros((B, max_new), dtype=torch.float32)
+        self.lengths = torch.zeros(B, dtype=torch.long)
+        self.active = torch.ones(B, dtype=torch.long)
+        self.stopped = torch.zeros(B, dtype=torch.bool)
+        self.feed = torch.full((B,), pad_id, dtype=torch.long)
+
+    def choose(self, logits: torch.Tensor, gens) -> torch.Tensor:
+        toks = logits.argmax(-1)
+        self._slp = torch.zeros(logits.shape[0], dtype=torch.float32)
+        running = self.active.tolist()
+        for i in self.sampled_rows:
+            if running[i]:
+                slp = sampling_log_probs(logits[i], self.params[i])
+                tok = sample_token(slp, self.params[i], gens[i])
+                toks[i], self._slp[i] = tok, slp[tok]
+        return toks
+
+    def record(self, step: int, toks: torch.Tensor, raw: torch.Tensor) -> None:
+        run = self.active.bool()
+        self.ids[:, step] = torch.where(run, toks, self.ids[:, step])
+        self.log_probs[:, step] = torch.where(run, raw.gather(1, toks[:, None])[:, 0], self.log_probs[:, step])
+        self.sampled_log_probs[:, step] = torch.where(run, self._slp, self.sampled_log_probs[:, step])
+        self.lengths += run.long()
+        stop = (toks[:, None] == self.stops).any(1) & run
+        self.stopped |= stop
+        self.feed = torch.where(run, toks, torch.full_like(toks, self.pad_id))
+        self.active = (run & ~stop & (self.lengths < self.limit)).long()
+
+    def all_finished(self) -> bool:
+        return not bool(self.active.any())
+
+    def result(self, routes: Optional[list], dists: Optional[list]) -> dict:
+        lengths = self.lengths.tolist()
+        res = {"response_ids": [self.ids[i, :n].tolist() for i, n in enumerate(lengths)],
+               "log_probs": [self.log_probs[i, :n].clone() for i, n in enumerate(lengths)],
+               "sampled_log_probs": [self.sampled_log_probs[i, :n].clone() for i, n in enumerate(lengths)],
+               "finish_reasons": ["stop" if s else "length" for s in self.stopped.tolist()]}
+        if routes is not None:
+            stacked = torch.stack(routes, dim=1)  # [B, steps, L_moe, k]
+            res["routing"] = [stacked[i, :n] for i, n in enumerate(lengths)]
+        if dists is not None:
+            stacked = torch.stack(dists, dim=1)  # [B, steps, V]
+            res["distributions"] = [stacked[i, :n] for i, n in enumerate(lengths)]
+        return res

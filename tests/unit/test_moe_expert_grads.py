@@ -1,5 +1,6 @@
 """Grouped experts' weight gradients: produced once through `unbind` views (one stacked buffer per
-weight) with the values of per-expert indexing (`select_per_expert`, the layout before)."""
+weight) with the values of per-expert indexing (`select_per_expert`, the layout before). Both run
+the per-expert loop (`grouped = False`); the grouped GEMM path is `test_moe_grouped.py`."""
 import pytest
 import torch
 
@@ -10,6 +11,7 @@ from megatron_fp4.model.moe import GroupedExperts
 def _make(mode):
     torch.manual_seed(0)
     ex = GroupedExperts(4, 32, 16, Recipe(mode=mode))
+    ex.grouped = False
     with torch.no_grad():
         ex.w13.normal_(0, 0.1)
         ex.w2.normal_(0, 0.1)
