@@ -334,6 +334,8 @@ def moeresq_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
         raise ValueError(f"moeresq_linear: input last dim {x.shape[-1]} != weight in_features {weight.shape[-1]}")
     if recipe.mode == "bf16":
         return invariant.linear(x, weight, bias)
+    if x.numel() == 0:  # no rows (an expert that received no tokens): nothing to quantize, zero grads
+        return F.linear(x, weight.to(x.dtype), None if bias is None else bias.to(x.dtype))
     now = current()
     site = _Site(recipe, name, now.step, now.micro_batch, now.nonfinite_flags_for(x.device))
     out_shape = (*x.shape[:-1], weight.shape[0])

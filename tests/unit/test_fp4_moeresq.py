@@ -169,3 +169,19 @@ def test_resq_reuses_only_buffers_it_owns_with_the_same_bits():
             buf = src.float().clone()
             assert torch.equal(resq_quantize(buf, fmt, scratch=True), want)
         assert torch.equal(x, x0)
+
+
+@pytest.mark.parametrize("mode", ["fp4", "fp4_resq"])
+def test_zero_rows_give_an_empty_output_and_zero_grads(mode):
+    """An expert that received no tokens calls the layer with 0 rows: an empty output, a zero weight
+    gradient (the empty sum), and no error (it used to fail computing block maxima of nothing)."""
+    from megatron_fp4.fp4 import Recipe
+    x = torch.zeros(0, 32, requires_grad=True)
+    w = torch.randn(16, 32, requires_grad=True)
+    b = torch.randn(16, requires_grad=True)
+    y = moeresq_linear(x, w, b, recipe=Recipe.for_format(mode))
+    assert y.shape == (0, 16) and y.dtype == x.dtype
+    y.sum().backward()
+    assert x.grad.shape == (0, 32) and torch.equal(w.grad, torch.zeros_like(w)) and torch.equal(b.grad, torch.zeros_like(b))
+    with torch.no_grad():
+        assert moeresq_linear(torch.zeros(2, 0, 32), w, recipe=Recipe.for_format(mode)).shape == (2, 0, 16)

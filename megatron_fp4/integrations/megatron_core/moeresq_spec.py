@@ -47,8 +47,6 @@ class _MoEResQLinearMixin:
         self.quant_name = ""  # global module name: `name_moeresq_linears`
 
     def _forward_impl(self, input, weight, bias=None, *args, **kwargs):
-        if input.numel() == 0:  # an expert no token was routed to (SequentialMLP still calls it)
-            return torch.nn.functional.linear(input, weight, bias)
         return moeresq_linear(input, weight, bias, recipe=self.recipe, name=self.quant_name)
 
 
