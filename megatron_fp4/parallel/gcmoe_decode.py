@@ -171,7 +171,7 @@ class GCMoEDecodeDispatcher:
 
     # -- one round ------------------------------------------------------------------------------
     def _round(self, x, topk_idx, topk_w, experts, more: bool, static: bool):
-        ep, me, El, H = self.ep, self.ep_rank, self.num_experts // self.ep, x.shape[-1]
+        ep, El, H = self.ep, self.num_experts // self.ep, x.shape[-1]
         T, k = topk_idx.shape
         B = self.buffers
         cap = pair_capacity(B.max_tokens, k, El)

@@ -40,7 +40,6 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from megatron_fp4.parallel.mesh import layout_groups
 
 if TYPE_CHECKING:
     from megatron_fp4.parallel.gcmoe import _Round

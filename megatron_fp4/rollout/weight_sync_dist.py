@@ -140,7 +140,7 @@ def _check_verdict(verdict, rank: int) -> tuple:
         return f"group rank {rank}", str(verdict)
     if (not isinstance(verdict, dict) or set(verdict) != {"rollout", "error"}
             or not isinstance(verdict["rollout"], str) or not isinstance(verdict["error"], (str, type(None)))):
-        return f"group rank {rank}", (f"sent a malformed verdict (expected {{'rollout': name, 'error': message "
+        return f"group rank {rank}", ("sent a malformed verdict (expected {'rollout': name, 'error': message "
                                       "or null}); it was not used")
     return verdict["rollout"], verdict["error"]
 

@@ -24,7 +24,6 @@ Which names and shapes exist is agreed once, at construction (collective): every
 from __future__ import annotations
 
 import json
-import threading
 import weakref
 from typing import Callable, Sequence
 

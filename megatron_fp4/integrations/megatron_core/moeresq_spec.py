@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import copy
 
-import torch
 
 from megatron_fp4.fp4 import Recipe
 from megatron_fp4.fp4.moeresq import moeresq_linear
