@@ -17,6 +17,7 @@ from megatron_fp4.model import build_model
 from megatron_fp4.config import Config
 from megatron_fp4.model.moe import GroupedExperts, can_group
 from tests.numerics import gamma
+from tests.unit.test_moe_expert_grads import _nodes  # autograd node names reachable from a grad_fn
 
 U = 2.0 ** -24
 
@@ -104,17 +105,6 @@ def test_grouped_path_runs_only_where_it_keeps_the_numerics():
         assert not can_group(Recipe(mode="bf16"), x)  # per-row exact GEMMs, per expert
     with torch.autocast("cpu", dtype=torch.bfloat16):
         assert not can_group(Recipe(mode="bf16"), x)
-
-
-def _nodes(fn):
-    seen, stack = set(), [fn]
-    while stack:
-        f = stack.pop()
-        if f is None or f in seen:
-            continue
-        seen.add(f)
-        stack.extend(n for n, _ in f.next_functions)
-    return [type(f).__name__ for f in seen]
 
 
 def test_grouped_graph_has_no_per_expert_nodes():

@@ -26,7 +26,7 @@ from __future__ import annotations
 import random
 from pathlib import Path
 
-from megatron_fp4.training.data.math_task import disjoint_splits
+from megatron_fp4.training.data.math_task import disjoint_splits, verl_row
 from megatron_fp4.training.data.rl_dataset import write_parquet
 
 __all__ = ["DATA_SOURCE", "INSTRUCTION", "make_carry_problem", "column_solution", "teacher_solution",
@@ -86,13 +86,8 @@ def make_carry_problem(rng: random.Random, num_digits: int = 2) -> dict:
 
 
 def _row(problem: dict, split: str, index: int) -> dict:
-    return {"data_source": DATA_SOURCE,
-            "prompt": [{"role": "user", "content": problem["question"] + INSTRUCTION}],
-            "ability": "math",
-            "reward_model": {"style": "rule", "ground_truth": problem["answer"]},
-            "extra_info": {"split": split, "index": index, "answer": problem["solution"],
-                           "question": problem["question"], "a": problem["a"], "b": problem["b"],
-                           "carries": num_carries(problem["a"], problem["b"])}}
+    return verl_row(DATA_SOURCE, INSTRUCTION, problem, split, index, a=problem["a"], b=problem["b"],
+                    carries=num_carries(problem["a"], problem["b"]))
 
 
 def carry_rows(num_train: int, num_test: int, seed: int = 0, num_digits: int = 2) -> tuple[list, list]:

@@ -47,13 +47,18 @@ def make_math_problem(rng: random.Random, max_operand: int = 20) -> dict:
     return {"question": question, "answer": str(answer), "solution": f"{a}{op}{b}={answer}\n#### {answer}"}
 
 
-def _row(problem: dict, split: str, index: int) -> dict:
-    return {"data_source": DATA_SOURCE,
-            "prompt": [{"role": "user", "content": problem["question"] + INSTRUCTION}],
+def verl_row(data_source: str, instruction: str, problem: dict, split: str, index: int, **extra) -> dict:
+    """A verl RL row (chat prompt, rule-based ground truth, `extra_info`) of a generated problem."""
+    return {"data_source": data_source,
+            "prompt": [{"role": "user", "content": problem["question"] + instruction}],
             "ability": "math",
             "reward_model": {"style": "rule", "ground_truth": problem["answer"]},
             "extra_info": {"split": split, "index": index, "answer": problem["solution"],
-                           "question": problem["question"]}}
+                           "question": problem["question"], **extra}}
+
+
+def _row(problem: dict, split: str, index: int) -> dict:
+    return verl_row(DATA_SOURCE, INSTRUCTION, problem, split, index)
 
 
 def math_rows(num_train: int, num_test: int, seed: int = 0, max_operand: int = 20) -> tuple[list, list]:
