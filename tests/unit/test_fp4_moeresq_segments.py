@@ -59,6 +59,13 @@ def test_one_nonempty_run_is_the_plain_call_bitwise():
         assert all(torch.equal(a, b) for a, b in zip(_call(x, w, dy, Recipe(), segments), plain))
 
 
+def test_one_node_layout_gives_the_split_layouts_bits():
+    x, w, dy = _data(torch.float32)
+    split = _call(x, w, dy, Recipe(), RUNS)
+    with moeresq.one_node_backward():
+        assert all(torch.equal(a, b) for a, b in zip(_call(x, w, dy, Recipe(), RUNS), split))
+
+
 def test_without_backward_quantization_segments_change_nothing():
     x, w, dy = _data()
     r = Recipe(quantize_backward=False)
