@@ -22,11 +22,18 @@ Notation: ``Q`` is quantize-then-dequantize in the operand's format (fp32 result
   ``X`` are quantized transposed, i.e. in blocks of consecutive tokens, with the token dim
   zero-padded to the block size (zeros add nothing to the GEMM and do not change any amax). Its
   scales depend on the other tokens in the batch: wgrad is *not* batch invariant, by design.
+- ``segments`` (row counts of consecutive token runs, e.g. the rows an expert received from each
+  expert-parallel source rank): wgrad becomes ``Σ_s Q̃_col(dY_s)ᵀ · Q̃_col(X_s)``, each run quantized
+  along its own tokens (padded to the block on its own), as if each run were a call of its own; the
+  sum is one GEMM over the runs' padded blocks side by side. Forward and dgrad quantize per row and
+  ignore it. Under EP this makes an expert's wgrad the sum of the per-micro-batch wgrads of the
+  single process (up to sum order), instead of mixing micro-batches in one block and one amax.
 - ``recipe.grad_output`` formats ``dY`` (both directions); ``recipe.input`` formats ``X`` (both).
 - Stochastic rounding: every operand draws from its own ``torch.Generator``, seeded by
   ``sr_seed(recipe.seed, layer, step, micro-batch, operand)`` (``context.py``) with operands
   ``weight``, ``input``, ``grad_output``, ``grad_output (columnwise)``, ``input (columnwise)``
-  (each Q before its residual's Q on one stream). ``layer`` is the module's global name
+  (each Q before its residual's Q on one stream; run ``i > 0`` of ``segments`` appends
+  ``" segment i"`` to the columnwise names, so runs draw independent noise). ``layer`` is the module's global name
   (``quant_name``), step and micro-batch come from the step context captured in forward, so
   every layer, micro-batch and step draws fresh, reproducible noise.
 - ``recipe.quantize_backward=False``: dgrad ``dY · Q(W)`` and wgrad ``dYᵀ · X`` in fp32
@@ -54,7 +61,7 @@ import functools
 import math
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -122,6 +129,7 @@ class _Site:
     step: int
     micro_batch: int
     nonfinite: Optional[NonFiniteFlags]
+    segments: Optional[tuple] = None  # wgrad's token runs (≥ 2 non-empty), None: one run
 
     def _stream(self, a: torch.Tensor, fmt: OperandFormat, operand: str):
         """(generator, name) of one operand's quantization (no generator for nearest rounding)."""
@@ -148,9 +156,19 @@ class _Site:
 
 
 def _col_quantize(site: _Site, a: torch.Tensor, fmt: OperandFormat, operand: str) -> torch.Tensor:
-    """Q̃ of ``a`` (tokens, features) in blocks along tokens; returns (features, padded tokens)."""
+    """Q̃ of ``a`` (tokens, features) in blocks along tokens; returns (features, padded tokens),
+    each of ``site.segments`` quantized alone and padded to the block on its own."""
+    stream = operand + " (columnwise)"
+    if site.segments is None:
+        return _col_quantize_run(site, a, fmt, stream)
+    runs = a.split(list(site.segments))
+    return torch.cat([_col_quantize_run(site, run, fmt, stream + (f" segment {i}" if i else ""))
+                      for i, run in enumerate(runs)], dim=1)
+
+
+def _col_quantize_run(site: _Site, a: torch.Tensor, fmt: OperandFormat, stream: str) -> torch.Tensor:
     if triton_fp4.use_triton(a):  # the kernel reads ``a`` transposed and zero-pads as it goes (no copy)
-        out = triton_fp4.dispatch(a, fmt, site.recipe.compensated, *site._stream(a, fmt, operand + " (columnwise)"),
+        out = triton_fp4.dispatch(a, fmt, site.recipe.compensated, *site._stream(a, fmt, stream),
                                   site.nonfinite, columns=True)
         if out is not None:
             return out
@@ -159,7 +177,7 @@ def _col_quantize(site: _Site, a: torch.Tensor, fmt: OperandFormat, operand: str
     at = F.pad(a.t(), (0, pad)) if pad else a.t()
     at = at.contiguous()  # one transposing copy; strided x − Q(x) on a transposed view is ~10x slower
     own = at.untyped_storage().data_ptr() != a.untyped_storage().data_ptr()  # a copy: may hold the residual
-    return site.quantize(at, fmt, operand + " (columnwise)", site.recipe.compensated, scratch=own)
+    return site.quantize(at, fmt, stream, site.recipe.compensated, scratch=own)
 
 
 # -- the GEMMs, shared by the split and the one-node layout -------------------------------------------
@@ -322,22 +340,37 @@ def one_node_backward():
         _ONE_NODE.reset(token)
 
 
+def _runs(segments, rows: int) -> tuple | None:
+    """``segments`` checked against the row count; None unless ≥ 2 runs are non-empty."""
+    if segments is None:
+        return None
+    runs = [int(n) for n in segments]
+    if any(n < 0 for n in runs) or sum(runs) != rows:
+        raise ValueError(f"moeresq_linear: segments={runs} must be non-negative row counts summing to the "
+                         f"input's {rows} rows (one count per consecutive run of rows)")
+    runs = tuple(n for n in runs if n)
+    return runs if len(runs) > 1 else None
+
+
 def moeresq_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
-                   recipe: Recipe, name: str = "") -> torch.Tensor:
+                   recipe: Recipe, name: str = "", segments: Sequence[int] | None = None) -> torch.Tensor:
     """``x`` (…, in) · ``weight`` (out, in)ᵀ under ``recipe`` (see the module docstring).
 
     ``name``: the layer's global name, which keys its stochastic-rounding streams and names it in
-    non-finite errors (unnamed layers share streams)."""
+    non-finite errors (unnamed layers share streams). ``segments``: row counts of consecutive runs
+    of ``x``'s rows (summing to the row count) whose FP4 wgrad operands are quantized run by run;
+    None (or one non-empty run) is the plain call."""
     if not isinstance(recipe, Recipe):
         raise ValueError(f"moeresq_linear: recipe must be a Recipe, got {type(recipe).__name__}")
     if x.shape[-1] != weight.shape[-1]:
         raise ValueError(f"moeresq_linear: input last dim {x.shape[-1]} != weight in_features {weight.shape[-1]}")
+    runs = _runs(segments, math.prod(x.shape[:-1]))
     if recipe.mode == "bf16":
         return invariant.linear(x, weight, bias)
     if x.numel() == 0:  # no rows (an expert that received no tokens): nothing to quantize, zero grads
         return F.linear(x, weight.to(x.dtype), None if bias is None else bias.to(x.dtype))
     now = current()
-    site = _Site(recipe, name, now.step, now.micro_batch, now.nonfinite_flags_for(x.device))
+    site = _Site(recipe, name, now.step, now.micro_batch, now.nonfinite_flags_for(x.device), runs)
     out_shape = (*x.shape[:-1], weight.shape[0])
     x2 = x.reshape(-1, x.shape[-1])
     bias32 = None if bias is None else bias.detach().to(_accumulate_dtype(x.dtype))

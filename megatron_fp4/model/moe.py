@@ -88,18 +88,30 @@ class GroupedExperts(nn.Module):
         self.quant_name = ""  # global module name (fp4 `name_quant_sites`); keys SR streams per expert
 
     def expert_forward(self, e: int, x: torch.Tensor, w13: Optional[torch.Tensor] = None,
-                       w2: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """Expert `e` on its tokens `x`; `w13`/`w2`: its weights as views (default `self.w13[e]`, ...)."""
+                       w2: Optional[torch.Tensor] = None, segments: Optional[list[int]] = None) -> torch.Tensor:
+        """Expert `e` on its tokens `x`; `w13`/`w2`: its weights as views (default `self.w13[e]`, ...);
+        `segments`: row counts of `x`'s runs from distinct micro-batches (see `forward`)."""
         name = f"{self.quant_name}.{getattr(self, 'expert_offset', 0) + e}"  # global expert id
         w13 = self.w13[e] if w13 is None else w13
         w2 = self.w2[e] if w2 is None else w2
-        h = moeresq_linear(x, w13, recipe=self.recipe, name=name + ".w13")
+        h = moeresq_linear(x, w13, recipe=self.recipe, name=name + ".w13", segments=segments)
         gate, up = h.split(self.ffn, dim=-1)
-        return moeresq_linear(invariant.silu(gate) * up, w2, recipe=self.recipe, name=name + ".w2")
+        return moeresq_linear(invariant.silu(gate) * up, w2, recipe=self.recipe, name=name + ".w2",
+                              segments=segments)
 
-    def forward(self, x_sorted: torch.Tensor, counts: list[int]) -> torch.Tensor:
-        """x_sorted [N, H]: tokens grouped by local expert, `counts[e]` rows for expert e."""
+    def forward(self, x_sorted: torch.Tensor, counts: list[int],
+                segments: Optional[list[list[int]]] = None) -> torch.Tensor:
+        """x_sorted [N, H]: tokens grouped by local expert, `counts[e]` rows for expert e.
+
+        `segments[e]` (expert parallelism: rows from each source rank, i.e. each source's
+        micro-batch) splits expert e's rows into consecutive runs whose FP4 weight gradient is
+        quantized run by run (`moeresq_linear(segments=)`), so it equals the sum of the
+        single process's per-micro-batch wgrads. Forward values do not depend on it."""
         assert len(counts) == self.num_experts and sum(counts) == x_sorted.shape[0]
+        if segments is not None and (len(segments) != self.num_experts
+                                     or any(sum(s) != n for s, n in zip(segments, counts))):
+            raise ValueError(f"GroupedExperts: segments={segments} must hold, per local expert, row counts "
+                             f"summing to that expert's count in counts={counts}")
         if self.grouped and not self.select_per_expert and x_sorted.shape[0]:
             if can_group(self.recipe, x_sorted) and x_sorted.shape[0] <= self.max_group_rows * self.num_experts:
                 return self.grouped_forward(x_sorted, counts)
@@ -109,7 +121,8 @@ class GroupedExperts(nn.Module):
             w13s = w2s = [None] * self.num_experts
         else:
             w13s, w2s = self.w13.unbind(0), self.w2.unbind(0)
-        outs = [self.expert_forward(e, chunk, w13s[e], w2s[e])
+        segs = segments or [None] * self.num_experts
+        outs = [self.expert_forward(e, chunk, w13s[e], w2s[e], segs[e])
                 for e, chunk in enumerate(x_sorted.split(counts)) if chunk.shape[0]]
         if not outs:  # no tokens at all: keep the graph connected so backward still visits the params
             return x_sorted.new_zeros(0, self.hidden) + 0 * (self.w13.sum() + self.w2.sum())

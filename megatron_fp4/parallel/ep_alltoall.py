@@ -10,7 +10,9 @@ Row orders, for one MoE layer call on ep rank r (E experts, El = E / ep per rank
 - *receive order*: as `all_to_all_single` delivers them — by source rank, then local expert.
 - *grouped order*: by local expert, then source rank, then the source's token order. This is the
   order the single-process layer sees when the global batch is the ranks' batches concatenated in
-  rank order, so per-expert GEMMs see the very same rows in the same order.
+  rank order, so per-expert GEMMs see the very same rows in the same order. The single process
+  runs each source's micro-batch on its own, though: FP4 wgrad, which quantizes along tokens, is
+  therefore computed per source run (`DispatchPlan.expert_segments`) and summed.
 """
 from __future__ import annotations
 
@@ -65,6 +67,13 @@ class DispatchPlan:
         """Rows per local expert in grouped order."""
         return self.recv_counts.sum(0).tolist()
 
+    @property
+    def expert_segments(self) -> list[list[int]]:
+        """Per local expert, its rows from each source rank (grouped order: consecutive runs).
+        Each source's rows are one micro-batch of the single process, so FP4 wgrad quantizes them
+        apart (`GroupedExperts.forward(segments=)`)."""
+        return self.recv_counts.t().tolist()
+
     @classmethod
     def exchange(cls, topk_idx: torch.Tensor, num_experts: int, ep: int, group) -> "DispatchPlan":
         """Sort rows by global expert and exchange the per-(rank, local expert) counts (one small
@@ -116,7 +125,7 @@ class AllToAllDispatcher:
         plan = DispatchPlan.exchange(topk_idx, self.num_experts, self.ep, self.group)
         x_recv = AllToAll.apply(x[plan.token_of_row], plan.out_splits, plan.in_splits, self.group)
         x_grouped = x_recv[plan.perm]
-        y_grouped = experts(x_grouped, plan.local_counts)
+        y_grouped = experts(x_grouped, plan.local_counts, plan.expert_segments)
         if y_grouped.shape[0] == 0:  # keep x_recv in the graph: every rank must run both backward exchanges
             y_grouped = y_grouped + 0 * x_grouped.sum()
         y_recv = scatter_rows(y_grouped, plan.perm, y_grouped.shape[0])

@@ -68,8 +68,9 @@ draws per call and is not). Backward does NOT run per chunk: wgrad sums over tok
 wgrad quantizes along the token dim), so per-chunk partial sums would change the bits. The staged
 rows are kept in grouped order and backward recomputes the experts' forward on the whole batch and
 differentiates it (expert-level activation recompute), with the gradient exchange on the baseline
-variable-split all-to-all of the ep group. Gradients are therefore bitwise those of
-`AllToAllDispatcher`.
+variable-split all-to-all of the ep group, and FP4 wgrad quantized per source run
+(`DispatchPlan.expert_segments`) as there. Gradients are therefore bitwise those of
+`AllToAllDispatcher`, which equal the single process's (see ep_alltoall.py).
 
 Decode (a few tokens per rank per step) has its own path without the count exchange or the
 thread: `gcmoe_decode.GCMoEDecodeDispatcher` (dispatcher "gcmoe_decode", inference only).
@@ -321,7 +322,7 @@ class _GCMoEFunction(torch.autograd.Function):
         grad_recv = all_to_all_rows(grad_send, plan.out_splits, plan.in_splits, group)
         with torch.enable_grad():
             xg = x_grouped.detach().requires_grad_(True)
-            y = experts(xg, plan.local_counts)
+            y = experts(xg, plan.local_counts, plan.expert_segments)
             dx, dw13, dw2 = torch.autograd.grad(y, [xg, experts.w13, experts.w2], grad_recv[plan.perm],
                                                 allow_unused=True)
         dx = torch.zeros_like(xg) if dx is None else dx

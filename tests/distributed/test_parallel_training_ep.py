@@ -1,57 +1,110 @@
-"""pp2 × ep2 (4 processes: pp2, dp2 = edp1 × ep2) matches the single-process run, and expert
-params' ZeRO shards live on the edp group. Skipped until parallel/expert_parallel.py is present.
+"""Expert parallelism matches the single-process run: pp2 × ep2 (4 processes: pp2, dp2 = edp1 × ep2)
+and ep2 (2 processes), FP4 off and on; expert params' ZeRO shards live on the edp group.
 
-Run in float64, losses and parameters within ``FP64_REL`` (1e-10) relative (Frobenius per tensor):
-under EP an expert's GEMM runs on the tokens of both dp ranks at once, and a row's matmul result can
-differ in the last ulp with the number of rows the BLAS kernel blocks together (which depends on the
-CPU and the BLAS mode); in float64 that is a ~1e-16 effect, bounded as in tests/numerics.py.
+Run in float64, losses, the first step's gradients and parameters within ``FP64_REL`` (1e-10)
+relative (Frobenius per tensor): under EP an expert's GEMM runs on the tokens of both dp ranks at
+once, and a row's matmul result can differ in the last ulp with the number of rows the BLAS kernel
+blocks together (which depends on the CPU and the BLAS mode); in float64 that is a ~1e-16 effect,
+bounded as in tests/numerics.py. With FP4 (``fp4_resq``, backward quantized) that holds because the
+expert's weight gradient quantizes the rows of each source rank (= each single-process micro-batch)
+along their own tokens (`DispatchPlan.expert_segments`); quantizing the received rows as one batch
+mixes micro-batches in one block and one amax, a ~1e-6 relative change of the expert gradients.
+GC-MoE with FP4 gives the all-to-all dispatcher's bits (same batches, same segments).
 """
 import pytest
 
 pytest.importorskip("megatron_fp4.parallel.expert_parallel")
 
 from tests.distributed.launch import run_distributed  # noqa: E402
-from tests.distributed.test_parallel_training import STEPS, _reference, tiny_cfg  # noqa: E402
+from tests.distributed.test_parallel_training import STEPS, _reference, layout_cfg  # noqa: E402
 from tests.numerics import FP64_REL, rel  # noqa: E402
 
 SPEC = dict(pp=2, ep=2, zero_stage=1)
+FP4_STEPS = 2
+LAYOUTS_4 = {"pp2_ep2": (SPEC, STEPS), "fp4_pp2_ep2": (dict(SPEC, fp4=True), FP4_STEPS)}
+LAYOUTS_2 = {"fp4_ep2": (dict(ep=2, zero_stage=1, fp4=True), FP4_STEPS),
+             "fp4_ep2_gcmoe": (dict(ep=2, zero_stage=1, fp4=True, expert_dispatcher="gcmoe",
+                                    gcmoe_chunk_tokens=8, gcmoe_ring_slots=2), FP4_STEPS)}
 
 
-def _run(rank, world_size):
+def _run(rank, world_size, layouts):
     from megatron_fp4.parallel.mesh import ParallelMesh
     from megatron_fp4.training.parallel_trainer import ParallelTrainer
+    from megatron_fp4.training.trainer import lm_loss_fn
 
-    cfg = tiny_cfg(**SPEC)
-    mesh = ParallelMesh.build(2, 2, 2)
-    t = ParallelTrainer(cfg, mesh)
-    losses = [t.train_step()["loss"] for _ in range(STEPS)]
-    axes = {b.axis: (b.group_size, [n for n in b.names]) for b in t.optimizer.buffers}
-    experts = {}
-    for moe in t.model.moe_layers():
-        off = moe.experts.expert_offset
-        for pname in ("w13", "w2"):
-            name = [n for n, p in t.model.named_parameters() if p is getattr(moe.experts, pname)][0]
-            experts[name] = (off, getattr(moe.experts, pname).detach().numpy().copy())
-    dense = {n: p.detach().numpy().copy() for n, p in t.model.named_parameters() if not getattr(p, "is_expert", False)}
-    return dict(losses=losses, axes=axes, experts=experts, dense=dense)
+    out = {}
+    for name, (spec, steps) in layouts.items():
+        cfg = layout_cfg(spec)
+        pp = cfg.parallel.pp
+        t = ParallelTrainer(cfg, ParallelMesh.build(pp, world_size // pp, cfg.parallel.ep))
+        t.model.train()
+        t.optimizer.zero_grad()
+        t.forward_backward(t.next_micro_batches(), lm_loss_fn)
+        t.optimizer.finish_grad_sync()
+        grads = {n: p.grad.clone() for n, p in t.model.named_parameters()}
+        t.sampler.load_state_dict({"epoch": 0, "consumed": 0})
+        losses = [t.train_step()["loss"] for _ in range(steps)]
+        offsets = {}  # expert params: offset of this rank's block in the full [E, ...] tensor
+        for moe in t.model.moe_layers():
+            for pname in ("w13", "w2"):
+                p = getattr(moe.experts, pname)
+                offsets[[n for n, q in t.model.named_parameters() if q is p][0]] = moe.experts.expert_offset
+        params = {n: p.detach().clone() for n, p in t.model.named_parameters()}
+        axes = {b.axis: (b.group_size, list(b.names)) for b in t.optimizer.buffers}
+        dispatchers = {type(m.dispatcher).__name__ for m in t.model.moe_layers()}
+        out[name] = dict(losses=losses, grads=grads, params=params, offsets=offsets, axes=axes,
+                         dispatchers=dispatchers)
+        t.optimizer.remove_hooks()
+    return out
 
 
-def test_pp2_ep2_matches_single_process():
-    results = run_distributed(_run, 4, timeout_s=600)
-    ref_losses, ref_params, *_ = _reference(SPEC)
+def _check(name, spec, steps, results):
+    ref_losses, ref_params, ref_grads, *_ = _reference(spec, steps)
     seen = set()
-    for r in results:
+    for rank, res in enumerate(results):
+        r = res[name]
         for got, want in zip(r["losses"], ref_losses):
-            assert abs(got - want) <= FP64_REL * abs(want), (r["losses"], ref_losses)
-        for name, value in r["dense"].items():
-            assert rel(value, ref_params[name]) <= FP64_REL, (name, rel(value, ref_params[name]))
-            seen.add(name)
-        for name, (off, value) in r["experts"].items():
-            want = ref_params[name].detach()[off:off + value.shape[0]]
-            assert rel(value, want) <= FP64_REL, (name, rel(value, want))
-            seen.add(name)
-        # Expert weights are reduced/sharded over edp (size dp/ep = 1), everything else over dp (2).
+            assert abs(got - want) <= FP64_REL * abs(want), (name, rank, r["losses"], ref_losses)
+        for kind, got_all, want_all in (("grad", r["grads"], ref_grads), ("param", r["params"], ref_params)):
+            for pname, value in got_all.items():
+                want = want_all[pname].detach()
+                if pname in r["offsets"]:
+                    off = r["offsets"][pname]
+                    want = want[off:off + value.shape[0]]
+                assert rel(value, want) <= FP64_REL, (name, rank, kind, pname, rel(value, want))
+                seen.add(pname)
+        # Expert weights are reduced/sharded over edp (size dp/ep = 1), everything else over dp.
         assert r["axes"]["edp"][0] == 1 and r["axes"]["dp"][0] == 2
-        assert all(".experts." in n for n in r["axes"]["edp"][1])
+        assert r["axes"]["edp"][1] and all(".experts." in n for n in r["axes"]["edp"][1])
         assert not any(".experts." in n for n in r["axes"]["dp"][1])
-    assert seen == set(ref_params)
+    assert seen == set(ref_params), f"{name}: parameters missing on every rank: {set(ref_params) - seen}"
+
+
+@pytest.fixture(scope="module")
+def results_4():
+    return run_distributed(_run, 4, (LAYOUTS_4,), timeout_s=600)
+
+
+@pytest.fixture(scope="module")
+def results_2():
+    return run_distributed(_run, 2, (LAYOUTS_2,), timeout_s=600)
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS_4))
+def test_pp2_ep2_matches_single_process(results_4, name):
+    _check(name, *LAYOUTS_4[name], results_4)
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS_2))
+def test_ep2_fp4_matches_single_process(results_2, name):
+    _check(name, *LAYOUTS_2[name], results_2)
+
+
+def test_ep2_fp4_gcmoe_is_alltoall_bitwise(results_2):
+    for r in results_2:
+        gc, a2a = r["fp4_ep2_gcmoe"], r["fp4_ep2"]
+        assert gc["dispatchers"] == {"GCMoEDispatcher"} and a2a["dispatchers"] == {"AllToAllDispatcher"}
+        assert gc["losses"] == a2a["losses"]
+        for kind in ("grads", "params"):
+            for pname, value in gc[kind].items():
+                assert value.equal(a2a[kind][pname]), (kind, pname, rel(value, a2a[kind][pname]))
