@@ -32,7 +32,7 @@ LOSS = dict(clip_eps=0.2, tis_cap=2.0, kl_coef=0.1)
 
 
 def cfg_for(**parallel):
-    cfg = tiny_cfg(fp4=False, **parallel)
+    cfg = tiny_cfg(fp4=True, **parallel)
     cfg.optimizer.lr, cfg.optimizer.weight_decay = 1e-3, 0.0
     return cfg
 
