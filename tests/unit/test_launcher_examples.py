@@ -58,7 +58,12 @@ def world_and_args(command: str) -> tuple[int, list[str]]:
     if launcher == "megatron-fp4-train":
         return 1, words[1:]
     if launcher == "torchrun":
-        return int(option("--nproc-per-node", 1)) * int(option("--nnodes", 1)), words[words.index("-m") + 2:]
+        world = int(option("--nproc-per-node", 1)) * int(option("--nnodes", 1))
+        if "-m" in words:
+            return world, words[words.index("-m") + 2:]
+        # a script (examples/grpo_moeresq.py): its own flags, but the layout comes from its `--set`s
+        rest = words[next(i for i, w in enumerate(words) if w.endswith(".py")) + 1:]
+        return world, [a for i, w in enumerate(rest) if w == "--set" for a in ("--set", rest[i + 1])]
     if launcher == "tools/launchers/train.sh":
         return int(words[1]), after_dashdash(words[2:])
     script = next(i for i, w in enumerate(words) if w.endswith("slurm_train.sbatch"))
