@@ -106,3 +106,21 @@ def test_all_finite_matches_isfinite(dtype):
     for tensors in cases:
         expect = all(bool(torch.isfinite(t).all()) for t in tensors)
         assert all_finite(iter(tensors)) is expect
+
+
+def test_bench_train_hf_runs_every_runner_with_the_per_micro_batch_trainer(capsys):
+    """`bench_train.py --hf --per-micro-batch-weights` on a tiny model: every runner timed, table printed."""
+    pytest.importorskip("transformers")
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks"))
+    import bench_train
+
+    med = bench_train.main(["--hf", "--steps", "1", "--warmup", "0", "--per-micro-batch-weights",
+                            "--set", "model.num_layers=1", "--set", "model.hidden_size=64",
+                            "--set", "model.moe_ffn_hidden_size=64", "--set", "schedule.seq_len=16",
+                            "--set", "model.vocab_size=128", "--set", "data.num_samples=40"])
+    assert set(med) == {"hf", "trainer bf16", "bare bf16", "trainer fp4_resq", "bare fp4_resq", "trainer fp4_resq/mb"}
+    assert all(t > 0 for t in med.values())
+    assert "trainer fp4_resq/mb" in capsys.readouterr().out
