@@ -222,8 +222,14 @@ class Trainer:
         return result
 
     def _weight_cache(self):
-        """`cached_weights` around one step's forward/backward, unless `cache_weights_per_step` is off."""
-        return cached_weights() if self.cache_weights_per_step else nullcontext()
+        """`cached_weights` around one step's forward/backward, unless `cache_weights_per_step` is off
+        or a weight rounds stochastically: its draws are keyed by micro-batch, so the cache would
+        only hold every micro-batch's Q(W) until the step ends, never reusing one."""
+        if not self.cache_weights_per_step or any(
+                getattr(getattr(m, "recipe", None), "weight", None) is not None
+                and m.recipe.weight.rounding == "stochastic" for m in self.model.modules()):
+            return nullcontext()
+        return cached_weights()
 
     def train_step(self) -> dict:
         return self.train_step_with_loss(self.next_micro_batches(), lm_loss_fn)

@@ -13,6 +13,7 @@ import torch
 
 import megatron_fp4.fp4.moeresq as moeresq
 from megatron_fp4.fp4 import Recipe
+from megatron_fp4.fp4.exact_gemm import cached_weights
 from megatron_fp4.training.nonfinite import all_finite
 from megatron_fp4.training.trainer import Trainer
 
@@ -39,12 +40,15 @@ def _stochastic_weights(model: torch.nn.Module) -> None:
                                            grad_output=dataclasses.replace(r.grad_output, rounding="stochastic"))
 
 
-def _run(cache: bool, sr: bool, scope: str, monkeypatch):
-    """Two steps; returns (results, grads, params, per-step weight quantization counts by layer)."""
+def _run(cache: bool, sr: bool, scope: str, monkeypatch, force: bool = False):
+    """Two steps; returns (results, grads, params, per-step weight quantization counts by layer).
+    ``force``: the cache even for stochastic weights (which the trainer skips: no reuse)."""
     trainer = Trainer(_cfg(scope))
     trainer.cache_weights_per_step = cache
     if sr:
         _stochastic_weights(trainer.model)
+    if force:
+        monkeypatch.setattr(trainer, "_weight_cache", cached_weights)
     counts = []
     real = moeresq._Site.quantize
 
@@ -68,10 +72,11 @@ def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.dtype == b.dtype and torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
 
 
-@pytest.mark.parametrize("sr,scope", [(False, "experts+attention"), (True, "experts")])
-def test_per_step_weight_cache_same_bits_and_one_quantization_per_step(sr, scope, monkeypatch):
+@pytest.mark.parametrize("sr,scope,force", [(False, "experts+attention", False), (True, "experts", False),
+                                             (True, "experts", True)])
+def test_per_step_weight_cache_same_bits_and_one_quantization_per_step(sr, scope, force, monkeypatch):
     before = _run(False, sr, scope, monkeypatch)
-    after = _run(True, sr, scope, monkeypatch)
+    after = _run(True, sr, scope, monkeypatch, force)
     for r0, r1 in zip(before[0], after[0]):
         assert not r0["skipped"] and math.isfinite(r0["loss"])
         assert {k: v for k, v in r0.items() if k != "tokens_per_s"} == {k: v for k, v in r1.items()
