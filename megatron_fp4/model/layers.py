@@ -169,8 +169,9 @@ class Attention(nn.Module):
         if attention_mask is None and past == 0:
             # Plain causal attention (training, unpadded prefill), as HF passes it: SDPA's flash
             # kernel then skips the key blocks above the diagonal instead of reading an explicit
-            # mask over all of them. Masked keys add exactly nothing in either form: the same bits
-            # (checked for fwd and bwd on the default, AVX2 and AVX512 CPU kernels, tests/unit/test_attention_causal.py).
+            # mask over all of them. A masked key adds exactly zero in either form, and the bits
+            # were the same, fwd and bwd, on the default, AVX2 and AVX512 CPU kernels (not by
+            # construction: tests/unit/test_attention_causal.py checks it on the CPU it runs on).
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
         else:
             # Causal mask offset by the cached length, combined with the key padding mask.
