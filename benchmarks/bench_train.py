@@ -15,7 +15,9 @@ trainer in bf16 mode (FP4 off) and in fp4_resq; the same model as a *bare* step 
 `Qwen3MoeForCausalLM` with the same weights (`hf_peer.py`, reloaded from the bf16 trainer before
 every round so its experts are loaded alike) doing forward + backward + AdamW. Every round feeds
 all of them the same micro-batches, in alternating order. Prints tokens/s, the ratio to
-HF (FP4 off) and the trainer's overhead over the bare step of its mode.
+HF (FP4 off) and the trainer's overhead over the bare step of its mode. The trainer derives each
+expert's Q(W) once per step (`exact_gemm.cached_weights`); ``--per-micro-batch-weights`` adds a
+fp4_resq trainer that re-derives it every micro-batch (``trainer fp4_resq/mb``, the old path).
 
 ``--sweep``: one subprocess per point (so each point's peak RSS is its own), the trainer in each
 mode; writes outputs/bench_train_sweep.md and .png (see `sweep.py`).
@@ -111,6 +113,10 @@ def compare_hf(args):
     for mode, t in trainers.items():
         runners[f"trainer {mode}"] = lambda mbs, t=t: t.train_step_with_loss(mbs)
         runners[f"bare {mode}"] = BareStep(t)
+    if args.per_micro_batch_weights:  # the same trainer deriving Q(W) every micro-batch (the old path)
+        t = build_trainer(args, "fp4_resq", HF_SIZE)
+        t.cache_weights_per_step = False
+        runners["trainer fp4_resq/mb"] = lambda mbs: t.train_step_with_loss(mbs)
     tokens = cfg.schedule.global_batch_size * cfg.schedule.seq_len
     # HF starts every round from the bf16 trainer's weights: the same routing, so the same expert loads
     sync = lambda: runners["hf"].load_from(trainers["bf16"].model)  # noqa: E731
@@ -121,7 +127,7 @@ def compare_hf(args):
           f"{cfg.schedule.seq_len}) scope={cfg.fp4.scope} steps={args.steps}")
     print(f"{'runner':<20} {'median s/step':>14} {'tokens/s':>10} {'vs HF':>7} {'overhead vs bare':>17}")
     for name, t in med.items():
-        over = f"{t / med['bare ' + name.split()[1]] - 1:>+16.1%}" if name.startswith("trainer") else ""
+        over = f"{t / med['bare ' + name.split()[1].split('/')[0]] - 1:>+16.1%}" if name.startswith("trainer") else ""
         print(f"{name:<20} {t:>14.4f} {tokens / t:>10.0f} {med['hf'] / t:>6.2f}x {over:>17}")
     return med
 
@@ -133,6 +139,8 @@ def main(argv=None):
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--hf", action="store_true", help="compare with HF Qwen3MoeForCausalLM and the bare model")
+    parser.add_argument("--per-micro-batch-weights", action="store_true",
+                        help="--hf: also a fp4_resq trainer re-deriving Q(W) every micro-batch (no per-step cache)")
     parser.add_argument("--sweep", action="store_true", help="tokens/s and peak memory vs seq len, experts, batch")
     parser.add_argument("--sweep-runners", help="--sweep: comma list (default bf16,fp4_resq,hf)")
     parser.add_argument("--sweep-axes", help="--sweep: e.g. 'batch=1,2,4;experts=8,64' (default: every axis)")

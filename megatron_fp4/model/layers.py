@@ -166,13 +166,21 @@ class Attention(nn.Module):
         gqa = cache is not None and rep > 1
         if not gqa:
             k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-        # Causal mask offset by the cached length, combined with the key padding mask.
-        q_idx = torch.arange(past, past + T, device=x.device)[:, None]
-        k_idx = torch.arange(T_total, device=x.device)[None, :]
-        mask = (k_idx <= q_idx)[None, None]
-        if attention_mask is not None:
-            mask = mask & attention_mask[:, None, None, :T_total].bool()
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+        if attention_mask is None and past == 0:
+            # Plain causal attention (training, unpadded prefill), as HF passes it: SDPA's flash
+            # kernel then skips the key blocks above the diagonal instead of reading an explicit
+            # mask over all of them. A masked key adds exactly zero in either form, and the bits
+            # were the same, fwd and bwd, on the default, AVX2 and AVX512 CPU kernels (not by
+            # construction: tests/unit/test_attention_causal.py checks it on the CPU it runs on).
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+        else:
+            # Causal mask offset by the cached length, combined with the key padding mask.
+            q_idx = torch.arange(past, past + T, device=x.device)[:, None]
+            k_idx = torch.arange(T_total, device=x.device)[None, :]
+            mask = (k_idx <= q_idx)[None, None]
+            if attention_mask is not None:
+                mask = mask & attention_mask[:, None, None, :T_total].bool()
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
         # A fully masked row (a padding query) gives NaN in SDPA; zero it, it is never read.
         out = torch.nan_to_num(out, nan=0.0)
         return self.o_proj(out.transpose(1, 2).reshape(B, T, self.num_heads * self.head_dim))

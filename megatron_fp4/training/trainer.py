@@ -36,6 +36,7 @@ import torch.distributed as dist
 from megatron_fp4.config import Config, ConfigError
 from megatron_fp4.fp4 import NonFiniteInputError
 from megatron_fp4.fp4 import current as fp4_current, micro_batch as fp4_micro_batch, training_step as fp4_training_step
+from megatron_fp4.fp4.exact_gemm import cached_weights
 from megatron_fp4.model import MoETransformer, materialize
 from megatron_fp4.parallel.expert_parallel import apply_expert_parallel
 from megatron_fp4.parallel.mesh import ParallelMesh, world_size_from_env
@@ -72,6 +73,7 @@ class Trainer:
             self.pipeline.prepare(self.num_microbatches, (s.micro_batch_size, s.seq_len))
         self.optimizer = self.build_optimizer()
         self.step = 0
+        self.cache_weights_per_step = True  # False: re-derive Q(W) every micro-batch (the benchmark's "before")
         self._build_data(build_data)
         self._init_guard()
 
@@ -190,9 +192,12 @@ class Trainer:
         self.optimizer.zero_grad()
         start = time.perf_counter()
         self.gate.reset()
-        # FP4 step context: SR seeds by step and global micro-batch; deferred NaN/Inf flags.
+        # FP4 step context: SR seeds by step and global micro-batch; deferred NaN/Inf flags. Weights
+        # are constant until the optimizer step, so each Q(W) is derived once per step, not once per
+        # micro-batch (`cached_weights`; stochastic-rounding weights are keyed by micro-batch, so
+        # they still draw their own noise each time: the same bits either way).
         with fp4_training_step(self.step, first_micro_batch=self.mesh.coord("dp") * len(micro_batches)), \
-                self.gate.watching(self.model.layers):
+                self.gate.watching(self.model.layers), self._weight_cache():
             loss, metrics = self.forward_backward(micro_batches, loss_fn)
         self.optimizer.finish_grad_sync()  # always: the same collectives on every rank
         grad_norm = self.optimizer.grad_norm()
@@ -215,6 +220,16 @@ class Trainer:
         elapsed = time.perf_counter() - start
         result["tokens_per_s"] = tokens / elapsed if elapsed > 0 else float("nan")
         return result
+
+    def _weight_cache(self):
+        """`cached_weights` around one step's forward/backward, unless `cache_weights_per_step` is off
+        or a weight rounds stochastically: its draws are keyed by micro-batch, so the cache would
+        only hold every micro-batch's Q(W) until the step ends, never reusing one."""
+        if not self.cache_weights_per_step or any(
+                getattr(getattr(m, "recipe", None), "weight", None) is not None
+                and m.recipe.weight.rounding == "stochastic" for m in self.model.modules()):
+            return nullcontext()
+        return cached_weights()
 
     def train_step(self) -> dict:
         return self.train_step_with_loss(self.next_micro_batches(), lm_loss_fn)

@@ -1,0 +1,131 @@
+"""The trainer derives each weight's Q(W) once per step (`exact_gemm.cached_weights` around the
+step's forward/backward) instead of once per micro-batch: the same losses, gradients and weights
+bit for bit, with nearest and with stochastic rounding (an SR weight's stream is keyed by the
+micro-batch, so it is still drawn per micro-batch). Also the fast `all_finite` of the NaN guard."""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import math
+
+import pytest
+import torch
+
+import megatron_fp4.fp4.moeresq as moeresq
+from megatron_fp4.fp4 import Recipe
+from megatron_fp4.fp4.exact_gemm import cached_weights
+from megatron_fp4.training.nonfinite import all_finite
+from megatron_fp4.training.trainer import Trainer
+
+
+def _cfg(scope: str):
+    from megatron_fp4.config import Config
+
+    cfg = Config()
+    cfg.model.num_layers, cfg.model.vocab_size = 2, 64
+    cfg.fp4.scope, cfg.fp4.train_mode = scope, "fp4_resq"
+    s = cfg.schedule
+    s.global_batch_size, s.micro_batch_size, s.seq_len = 6, 2, 16  # 3 micro-batches per step
+    cfg.data.num_samples = 60
+    cfg.logging.tensorboard_dir, cfg.logging.progress, cfg.checkpoint.dir = None, False, None
+    return cfg
+
+
+def _stochastic_weights(model: torch.nn.Module) -> None:
+    """Every FP4 weight (and grad output) quantized with stochastic rounding."""
+    for m in model.modules():
+        r = getattr(m, "recipe", None)
+        if isinstance(r, Recipe) and r.mode != "bf16":
+            m.recipe = dataclasses.replace(r, weight=dataclasses.replace(r.weight, rounding="stochastic"),
+                                           grad_output=dataclasses.replace(r.grad_output, rounding="stochastic"))
+
+
+def _run(cache: bool, sr: bool, scope: str, monkeypatch, force: bool = False):
+    """Two steps; returns (results, grads, params, per-step weight quantization counts by layer).
+    ``force``: the cache even for stochastic weights (which the trainer skips: no reuse)."""
+    trainer = Trainer(_cfg(scope))
+    trainer.cache_weights_per_step = cache
+    if sr:
+        _stochastic_weights(trainer.model)
+    if force:
+        monkeypatch.setattr(trainer, "_weight_cache", cached_weights)
+    counts = []
+    real = moeresq._Site.quantize
+
+    def counted(site, a, fmt, operand, *args, **kwargs):
+        if operand == "weight":
+            counts[-1][site.layer] += 1
+        return real(site, a, fmt, operand, *args, **kwargs)
+
+    monkeypatch.setattr(moeresq._Site, "quantize", counted)
+    results = []
+    for _ in range(2):
+        counts.append(collections.Counter())
+        results.append(trainer.train_step())
+    monkeypatch.setattr(moeresq._Site, "quantize", real)
+    grads = {n: p.grad.clone() for n, p in trainer.model.named_parameters() if p.grad is not None}
+    params = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    return results, grads, params, counts
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dtype == b.dtype and torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
+
+
+@pytest.mark.parametrize("sr,scope,force", [(False, "experts+attention", False), (True, "experts", False),
+                                             (True, "experts", True)])
+def test_per_step_weight_cache_same_bits_and_one_quantization_per_step(sr, scope, force, monkeypatch):
+    before = _run(False, sr, scope, monkeypatch)
+    after = _run(True, sr, scope, monkeypatch, force)
+    for r0, r1 in zip(before[0], after[0]):
+        assert not r0["skipped"] and math.isfinite(r0["loss"])
+        assert {k: v for k, v in r0.items() if k != "tokens_per_s"} == {k: v for k, v in r1.items()
+                                                                        if k != "tokens_per_s"}
+    for i in (1, 2):  # last step's gradients, weights after both updates
+        assert before[i].keys() == after[i].keys() and before[i]
+        for name in before[i]:
+            assert _same_bits(before[i][name], after[i][name]), name
+    for c0, c1 in zip(before[3], after[3]):
+        assert c0.keys() == c1.keys() and c0  # the same weights are quantized ...
+        if sr:  # ... per micro-batch when their rounding draws per micro-batch
+            assert c1 == c0
+        else:  # ... once per step instead of once per micro-batch that reaches them
+            assert set(c1.values()) == {1} and max(c0.values()) == 3
+            if scope == "experts+attention":
+                assert all(c0[name] == 3 for name in c0 if ".attn" in name or "proj" in name)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_all_finite_matches_isfinite(dtype):
+    big = torch.finfo(dtype).max
+    cases = [[], [torch.zeros(0, dtype=dtype)], [torch.randn(5, 7).to(dtype), torch.randn(3).to(dtype)],
+             [torch.full((4,), big, dtype=dtype)],  # finite, but its sum overflows: the exact fallback
+             [torch.tensor([big, -big, big], dtype=dtype)]]
+    for bad in (math.nan, math.inf, -math.inf):
+        t = torch.randn(64).to(dtype)
+        t[17] = bad
+        cases.append([torch.ones(3, dtype=dtype), t])
+    both = torch.randn(8).to(dtype)
+    both[1], both[2] = math.inf, -math.inf  # +inf + -inf: a NaN sum, still non-finite
+    cases.append([both])
+    for tensors in cases:
+        expect = all(bool(torch.isfinite(t).all()) for t in tensors)
+        assert all_finite(iter(tensors)) is expect
+
+
+def test_bench_train_hf_runs_every_runner_with_the_per_micro_batch_trainer(capsys):
+    """`bench_train.py --hf --per-micro-batch-weights` on a tiny model: every runner timed, table printed."""
+    pytest.importorskip("transformers")
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks"))
+    import bench_train
+
+    med = bench_train.main(["--hf", "--steps", "1", "--warmup", "0", "--per-micro-batch-weights",
+                            "--set", "model.num_layers=1", "--set", "model.hidden_size=64",
+                            "--set", "model.moe_ffn_hidden_size=64", "--set", "schedule.seq_len=16",
+                            "--set", "model.vocab_size=128", "--set", "data.num_samples=40"])
+    assert set(med) == {"hf", "trainer bf16", "bare bf16", "trainer fp4_resq", "bare fp4_resq", "trainer fp4_resq/mb"}
+    assert all(t > 0 for t in med.values())
+    assert "trainer fp4_resq/mb" in capsys.readouterr().out
