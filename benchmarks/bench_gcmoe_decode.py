@@ -15,27 +15,25 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import statistics
 import sys
 import time
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from megatron_fp4.fp4 import Recipe  # noqa: E402
 from megatron_fp4.model.moe import MoELayer, init_moe_params  # noqa: E402
 from megatron_fp4.parallel.expert_parallel import apply_expert_parallel  # noqa: E402
 from megatron_fp4.parallel.mesh import ParallelMesh  # noqa: E402
+from bench_moe_dispatch import init_rank, run_ep_ranks  # noqa: E402
 
 
 def _worker(rank, world, port, args, queue):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    init_rank(rank, world, port)
     mesh = ParallelMesh.build(pp=1, dp=world, ep=world)
 
     def layer(dispatcher, capacity):
@@ -83,17 +81,7 @@ def main():
                     help="decode_tokens (static capacity per rank); 0: the row's tokens per rank, as with "
                          "one CUDA graph and buffer set per batch-size bucket")
     args = ap.parse_args()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    queue = ctx.SimpleQueue()
-    procs = [ctx.Process(target=_worker, args=(r, 2, port, args, queue)) for r in range(2)]
-    for p in procs:
-        p.start()
-    rows = queue.get()
-    for p in procs:
-        p.join()
+    rows = run_ep_ranks(_worker, 2, args)
     print(f"ep=2 gloo CPU, hidden={args.hidden} ffn={args.ffn} experts={args.experts} top_k={args.top_k} "
           f"mode={args.mode} decode_tokens={args.capacity or 'tokens'}; ms = max over ranks of the median of "
           f"{args.reps} alternating calls")

@@ -51,6 +51,29 @@ def _timed(fn, reps, group=None):
     return t.item()
 
 
+def init_rank(rank: int, world: int, port: int) -> None:
+    """This spawned rank's gloo process group on localhost, one intra-op thread."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+
+
+def run_ep_ranks(worker, world: int, args):
+    """Spawn `worker(rank, world, port, args, queue)` on `world` ranks; what rank 0 puts on the queue."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    queue = ctx.SimpleQueue()
+    procs = [ctx.Process(target=worker, args=(r, world, port, args, queue)) for r in range(world)]
+    for p in procs:
+        p.start()
+    rows = queue.get()
+    for p in procs:
+        p.join()
+    return rows
+
+
 def _layer(args, mesh, dispatcher, compute="expert", chunk=64):
     layer = MoELayer(args.hidden, args.experts, args.top_k, args.ffn, Recipe(mode=args.mode))
     init_moe_params(layer, 0.05, 0.05, torch.Generator().manual_seed(0))
@@ -59,9 +82,7 @@ def _layer(args, mesh, dispatcher, compute="expert", chunk=64):
 
 
 def _worker(rank, world, port, args, queue):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    init_rank(rank, world, port)
     mesh = ParallelMesh.build(pp=1, dp=world, ep=world)
     base = _layer(args, mesh, "alltoall")
     gcs = {c: _layer(args, mesh, "gcmoe", c) for c in ("expert", "chunk")}
@@ -121,17 +142,7 @@ def main():
     ap.add_argument("--ring-slots", type=int, default=8, help="GC-MoE receive ring slots (gcmoe_ring_slots)")
     ap.add_argument("--reps", type=int, default=5)
     args = ap.parse_args()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    queue = ctx.SimpleQueue()
-    procs = [ctx.Process(target=_worker, args=(r, 2, port, args, queue)) for r in range(2)]
-    for p in procs:
-        p.start()
-    rows = queue.get()
-    for p in procs:
-        p.join()
+    rows = run_ep_ranks(_worker, 2, args)
     print(f"ep=2 gloo CPU, hidden={args.hidden} ffn={args.ffn} experts={args.experts} top_k={args.top_k} "
           f"mode={args.mode}; ms = max over ranks of the median of {args.reps}")
     head = ("tokens", "chunk", "gc", "ring", "transfer", "compute", "a2a fwd", "gc fwd", "gc/a2a", "hidden",

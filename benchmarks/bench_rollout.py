@@ -32,6 +32,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from megatron_fp4.config import Config  # noqa: E402
 from megatron_fp4.model import build_model  # noqa: E402
 from megatron_fp4.rollout import RolloutEngine, SamplingParams  # noqa: E402
+from sweep import add_sweep_args  # noqa: E402
 
 
 def build(args, scope: str):
@@ -145,12 +146,7 @@ def main(argv=None):
     p.add_argument("--cache-ablation", action="store_true")
     p.add_argument("--modes", default="fp4_resq,fp4", help="--cache-ablation: FP4 modes")
     p.add_argument("--no-batch-invariant", action="store_true", help="--cache-ablation: standard kernels")
-    p.add_argument("--sweep", action="store_true", help="tokens/s and peak memory vs length, experts, batch")
-    p.add_argument("--sweep-runners", help="--sweep: comma list (default bf16,fp4_resq,hf)")
-    p.add_argument("--sweep-axes", help="--sweep: e.g. 'batch=1,2,4;experts=8,64' (default: every axis)")
-    p.add_argument("--sweep-repeats", type=int, default=1, help="--sweep: timed calls per point")
-    p.add_argument("--point-timeout", type=float, default=600.0, help="--sweep: seconds per point")
-    p.add_argument("--point", help=argparse.SUPPRESS)  # one sweep point (JSON), run in a subprocess
+    add_sweep_args(p)
     args = p.parse_args(argv)
     if args.point or args.sweep:
         from sweep import rollout_point, rollout_sweep

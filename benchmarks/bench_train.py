@@ -36,6 +36,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from megatron_fp4.config import default_config_path, load_config  # noqa: E402
 from megatron_fp4.model.transformer import lm_loss  # noqa: E402
 from megatron_fp4.training.trainer import Trainer  # noqa: E402
+from sweep import add_sweep_args  # noqa: E402
 
 MODES = ("bf16", "fp4", "fp4_resq")
 HF_SIZE = ["model.vocab_size=2048", "model.hidden_size=256", "model.num_layers=4", "model.num_heads=4",
@@ -141,12 +142,7 @@ def main(argv=None):
     parser.add_argument("--hf", action="store_true", help="compare with HF Qwen3MoeForCausalLM and the bare model")
     parser.add_argument("--per-micro-batch-weights", action="store_true",
                         help="--hf: also a fp4_resq trainer re-deriving Q(W) every micro-batch (no per-step cache)")
-    parser.add_argument("--sweep", action="store_true", help="tokens/s and peak memory vs seq len, experts, batch")
-    parser.add_argument("--sweep-runners", help="--sweep: comma list (default bf16,fp4_resq,hf)")
-    parser.add_argument("--sweep-axes", help="--sweep: e.g. 'batch=1,2,4;experts=8,64' (default: every axis)")
-    parser.add_argument("--sweep-repeats", type=int, default=1, help="--sweep: timed calls per point")
-    parser.add_argument("--point-timeout", type=float, default=600.0, help="--sweep: seconds per point")
-    parser.add_argument("--point", help=argparse.SUPPRESS)  # one sweep point (JSON), run in a subprocess
+    add_sweep_args(parser)
     args = parser.parse_args(argv)
     if args.point or args.sweep:
         from sweep import train_point, train_sweep

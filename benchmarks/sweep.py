@@ -11,6 +11,7 @@ larger ones would too). Writes outputs/bench_<kind>_sweep.md (the table) and .pn
 """
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import statistics
@@ -22,6 +23,16 @@ import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 OUT_DIR = os.path.join(os.path.dirname(HERE), "outputs")
+
+
+def add_sweep_args(parser) -> None:
+    """The `--sweep` options shared by bench_train.py and bench_rollout.py."""
+    parser.add_argument("--sweep", action="store_true", help="tokens/s and peak memory vs length, experts, batch")
+    parser.add_argument("--sweep-runners", help="--sweep: comma list (default bf16,fp4_resq,hf)")
+    parser.add_argument("--sweep-axes", help="--sweep: e.g. 'batch=1,2,4;experts=8,64' (default: every axis)")
+    parser.add_argument("--sweep-repeats", type=int, default=1, help="--sweep: timed calls per point")
+    parser.add_argument("--point-timeout", type=float, default=600.0, help="--sweep: seconds per point")
+    parser.add_argument("--point", help=argparse.SUPPRESS)  # one sweep point (JSON), run in a subprocess
 
 
 def _status_mib(field: str) -> float:
