@@ -71,9 +71,15 @@ def test_sizes_beyond_the_files_are_refused_before_the_model_is_allocated(ckpt):
             load(ckpt)
 
 
-def test_sizes_beyond_the_sanity_limits_name_config_json(ckpt):
-    _edit_config(ckpt, vocab_size=10**9)
-    with pytest.raises(ValueError, match=r"config\.json.*vocab_size=1000000000: must be an integer in \[1, "):
+@pytest.mark.parametrize("field,limit", [("vocab_size", 1 << 24), ("hidden_size", 1 << 17), ("num_experts", 1 << 14),
+                                         ("num_local_experts", 1 << 14)])
+def test_sizes_beyond_the_sanity_limits_name_config_json(ckpt, field, limit):
+    cfg = json.loads((ckpt / "config.json").read_text())
+    if field == "num_local_experts":  # the transformers-5 spelling, limited alike
+        del cfg["num_experts"]
+    cfg[field] = 10**9
+    (ckpt / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match=rf"config\.json.*{field}=1000000000: must be an integer in \[1, {limit}\]"):
         load_hf_checkpoint(ckpt)
 
 
@@ -177,8 +183,10 @@ def test_integer_tensor_for_a_float_weight_is_refused(ckpt):
     for load in (load_hf_checkpoint, lambda p: build_model_from_hf(p, FP4Config(scope="none"))):
         with pytest.raises(ValueError, match=r"non-float tensors .*\(1\): model\.embed_tokens\.weight: I32"):
             load(ckpt)
-    from megatron_fp4.integrations.hf import from_hf_state_dict  # an in-memory state dict too
-    with pytest.raises(ValueError, match=r"model\.embed_tokens\.weight: int32"):
+    from megatron_fp4.integrations.hf import from_hf_state_dict, load_hf_shard
+    with pytest.raises(ValueError, match=r"non-float tensors .*model\.embed_tokens\.weight: I32"):
+        load_hf_shard(_model(), ckpt)  # a rank loading its part
+    with pytest.raises(ValueError, match=r"model\.embed_tokens\.weight: int32"):  # an in-memory state dict
         from_hf_state_dict(_model(), sd)
 
 
@@ -252,8 +260,9 @@ def test_unreadable_npy_token_files_are_named(tmp_path, kind):
     ("{% macro f(n) %}{% if n %}{{ f(n-1) }}{{ f(n-1) }}{% endif %}{% endmacro %}{{ f(21) }}",
      "loop iterations and calls"),
     ("{{ 'x' * 2**40 }}", "'*' would exceed"), ("{{ [0] * 2**40 }}", "'*' would exceed"),
-    ("{{ 7 ** (2**40) }}", "'**' would exceed"), ("{{ 'x'.ljust(2**40) }}", "argument would exceed"),
-    ("{{ 'x'|center(2**40) }}", "argument would exceed"), ("{{ '%1099511627776d' % 1 }}", "width"),
+    ("{{ 7 ** (2**40) }}", "'**' would exceed"), ("{{ 'x'.ljust(2**40) }}", "ljust()'s argument would exceed"),
+    ("{{ 'x'|center(2**40) }}", "center()'s argument would exceed"), ("{{ '%1099511627776d' % 1 }}", "width"),
+    ("{{ '{:>1099511627776}'.format(1) }}", "width"), ("{{ '%1099511627776d'|format(1) }}", "width"),
     ("{% set ns = namespace(s='x') %}{% for i in range(45) %}{% set ns.s = ns.s ~ ns.s %}{% endfor %}",
      "would exceed"),
     ("{% for i in range(40000) %}{{ 'y' * 1000 }}{% endfor %}", "renders more than"),
@@ -281,6 +290,11 @@ def test_bounded_templates_render_as_before():
     msgs = MSGS + [{"role": "assistant", "content": "2"}]
     assert render_chat_template(template, msgs) == ('1/2:user=1+1?,2/2:assistant=2ABABAB102400042'
                                                     '1-2[1, 2]' + json.dumps(msgs))
+    # big numbers and format-like text in the data are no sizes: only padding/format widths are bounded
+    data = [{"role": "user", "content": " {x:12345678901} %12345678901d ", "ts": 1_700_000_000_000}]
+    assert render_chat_template("{{ messages[0].ts|string }}|{{ messages[0].content.strip() }}|"
+                                "{{ messages[0].content|trim|center(40) }}", data) == \
+        "1700000000000|{x:12345678901} %12345678901d|" + "{x:12345678901} %12345678901d".center(40)
 
 
 # ---------------------------------------------------------------------------- row 12: message content

@@ -21,11 +21,11 @@ LIMITS = {
 
 def int_field(d: Mapping[str, Any], key: str, default=None, alias: str | None = None) -> int:
     """``d[key]`` (or ``d[alias]``, else `default`) as an integer in [1, LIMITS[key]]."""
+    hi = LIMITS.get(key, 1 << 30)
     value = d.get(key)
     if value is None and alias is not None:
         key, value = alias, d.get(alias)
     value = default if value is None else value
-    hi = LIMITS.get(key, LIMITS.get(alias, 1 << 30))
     if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= hi:
         raise ValueError(f"HF config {key}={value!r:.80}: must be an integer in [1, {hi}]")
     return value

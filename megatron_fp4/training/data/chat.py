@@ -56,16 +56,18 @@ def _check_count(count: int, what: str) -> None:
         raise _LimitExceeded(f"{what} would exceed {MAX_TEXT} characters/items/bits")
 
 
-def _check_args(obj, args, kwargs) -> None:
-    """Refuse a call that could build more than MAX_TEXT before making it: an integer argument larger
-    than that (``'x'.ljust(n)``, ``s|center(n)``) or a format string with such a width."""
-    values = list(args) + list(kwargs.values())
-    if isinstance(getattr(obj, "__self__", None), str):
-        values.append(obj.__self__)
+_PADDING = frozenset({"ljust", "rjust", "center", "zfill", "expandtabs", "indent"})
+_FORMATS = frozenset({"format", "format_map"})
+
+
+def _check_args(name: str, values) -> None:
+    """Refuse, before it runs, a call of a padding or formatting function (``'x'.ljust(n)``,
+    ``s|center(n)``, ``s|indent(n)``, ``'{:>n}'.format(x)``, ``'%nd'|format(x)``) asking for more
+    than MAX_TEXT characters."""
     for value in values:
-        if isinstance(value, int) and not isinstance(value, bool):
-            _check_count(value, "a call's argument")
-        elif isinstance(value, str) and ("{" in value or "%" in value):
+        if name in _PADDING and isinstance(value, int) and not isinstance(value, bool):
+            _check_count(value, f"{name}()'s argument")
+        elif name in _FORMATS and isinstance(value, str):
             _check_format(value)
 
 
@@ -134,17 +136,21 @@ def _compile(template: str):
             if self._local.steps > MAX_STEPS:
                 raise _LimitExceeded(f"more than {MAX_STEPS} loop iterations and calls")
 
-        def bounded(self, fn, *args, **kwargs):
-            """``fn(*args, **kwargs)`` counted as a step, with its arguments and its result checked."""
+        def bounded(self, name: str, fn, args, kwargs, checked=()):
+            """``fn(*args, **kwargs)`` counted as a step, with the arguments of `name` (the function
+            the template calls) and the result checked."""
             self.step()
-            _check_args(fn, args, kwargs)
+            _check_args(name, [*args, *kwargs.values(), *checked])
             result = fn(*args, **kwargs)
             self._local.built += _size(result)
             _check_count(self._local.built, "the values its calls return")
             return result
 
         def call(__self, __context, __obj, *args, **kwargs):  # noqa: N805 (jinja's signature)
-            return __self.bounded(super().call, __context, __obj, *args, **kwargs)
+            # str methods come bound, str.format wrapped by the sandbox (functools.update_wrapper)
+            owner = getattr(__obj, "__self__", getattr(getattr(__obj, "__wrapped__", None), "__self__", None))
+            return __self.bounded(getattr(__obj, "__name__", ""), super().call, (__context, __obj, *args), kwargs,
+                                  checked=(owner,) if isinstance(owner, str) else ())
 
         def call_binop(self, context, op, left, right):
             return _bounded_binop(op, left, right)
@@ -181,13 +187,13 @@ def _compile(template: str):
 
     env.filters["tojson"] = tojson
 
-    def bounded_filter(fn):
+    def bounded_filter(name, fn):
         @functools.wraps(fn)  # keeps jinja's pass_context/pass_environment marks
         def wrapper(*args, **kwargs):
-            return env.bounded(fn, *args, **kwargs)
+            return env.bounded(name, fn, args, kwargs)
         return wrapper
 
-    env.filters = {name: bounded_filter(fn) for name, fn in env.filters.items()}
+    env.filters = {name: bounded_filter(name, fn) for name, fn in env.filters.items()}
     env.globals["raise_exception"] = raise_exception
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
     env.globals[_RESERVED + "iter"], env.globals[_RESERVED + "concat"] = counted, concat
