@@ -283,6 +283,15 @@ def test_failing_chat_templates_are_a_template_error(template, why):
         render_chat_template(template, MSGS)
 
 
+def test_unreadable_chat_template_file_is_named(tmp_path):
+    from megatron_fp4.training.data.tokenizer import HFTokenizer
+
+    _tokenizer(tmp_path)
+    (tmp_path / "tok" / "chat_template.jinja").write_bytes(b"\xff\xfe{{ messages }}")
+    with pytest.raises(ValueError, match=r"tok/chat_template\.jinja: cannot read it as UTF-8 text"):
+        HFTokenizer.from_dir(tmp_path / "tok")
+
+
 def test_bounded_templates_render_as_before():
     template = ("{% for m in messages %}{{ loop.index }}/{{ loop.length }}:{{ m['role'] ~ '=' ~ m.content }}"
                 "{% if not loop.last %},{% endif %}{% else %}none{% endfor %}{{ ('ab' * 3)|upper }}{{ 2 ** 10 }}"
