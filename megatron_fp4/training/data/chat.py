@@ -37,7 +37,8 @@ _RESERVED = "__mfp4_"   # names of the hooks the compiled template calls; a temp
 
 
 class ChatTemplateError(ValueError):
-    """The template raised (``raise_exception``) or does not compile; the message says which."""
+    """The template does not compile, raised (``raise_exception``), failed (``1/0``, a sandbox refusal)
+    or exceeded a limit on its work; the message says which."""
 
 
 class _LimitExceeded(Exception):
