@@ -19,13 +19,14 @@ from pathlib import Path
 from typing import Mapping, Optional
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from megatron_fp4.training.checkpoint import replace_dir
 from megatron_fp4.config import Config, FP4Config, ModelConfig
-from megatron_fp4.integrations.hf.qwen3_moe import (from_hf_state_dict, hf_config_from_ours, ours_config_from_hf,
-                                                    to_hf_state_dict)
+from megatron_fp4.integrations.hf.qwen3_moe import (check_hf_state_dict, from_hf_state_dict, hf_config_from_ours,
+                                                    ours_config_from_hf, to_hf_state_dict)
+from megatron_fp4.integrations.hf.safetensors_header import TensorInfo, read_header
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
@@ -79,20 +80,57 @@ def save_hf_checkpoint(model, cfg, out_dir, dtype: Optional[torch.dtype] = None,
     return out_dir
 
 
+def read_hf_config(path: Path) -> ModelConfig:
+    """Our ModelConfig from the checkpoint directory's config.json; every problem is one ValueError
+    naming the file and the field."""
+    file = path / CONFIG_FILE
+    if not file.is_file():
+        raise ValueError(f"{str(path)!r} is not a Hugging Face checkpoint directory: {CONFIG_FILE} not found")
+    try:
+        hf_cfg = json.loads(file.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as err:
+        raise ValueError(f"{str(file)!r}: cannot read it as JSON ({type(err).__name__}: {str(err):.200})") from None
+    try:
+        return ours_config_from_hf(hf_cfg)
+    except ValueError as err:
+        raise ValueError(f"{str(file)!r}: {err}") from None
+
+
+def _read_index(index: Path) -> list[str]:
+    try:
+        data = json.loads(index.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as err:
+        raise ValueError(f"{str(index)!r}: cannot read it as JSON ({type(err).__name__}: {str(err):.200})") from None
+    weight_map = data.get("weight_map") if isinstance(data, dict) else None
+    if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+        raise ValueError(f"{str(index)!r} has no 'weight_map' mapping of tensor names to shard file names; it is "
+                         f"not a safetensors shard index")
+    return sorted(set(weight_map.values()))
+
+
+def _confined(path: Path, name: str) -> Path:
+    """`path / name`, refused unless it stays inside the checkpoint directory `path` once every
+    symlink is resolved (a Hub cache snapshot's links into its own ``blobs/`` are allowed)."""
+    root = path.resolve()
+    file = (path / name).resolve()
+    allowed = [root] + ([root.parent.parent / "blobs"] if root.parent.name == "snapshots" else [])
+    if Path(name).is_absolute() or ".." in Path(name).parts or not any(file.is_relative_to(a) for a in allowed):
+        raise ValueError(f"checkpoint file {name!r} of {str(path)!r} is outside that directory (it resolves to "
+                         f"{str(file)!r}); {INDEX_FILE} may only name files in the checkpoint directory")
+    return path / name
+
+
 def _weight_files(path: Path) -> list[Path]:
     index = path / INDEX_FILE
     if index.exists():
-        weight_map = json.loads(index.read_text()).get("weight_map")
-        if not isinstance(weight_map, dict):
-            raise ValueError(f"{str(index)!r} has no 'weight_map' mapping; it is not a safetensors shard index")
-        files = [path / name for name in sorted(set(weight_map.values()))]
+        files = [_confined(path, name) for name in _read_index(index)]
     elif (path / WEIGHTS_FILE).exists():
-        files = [path / WEIGHTS_FILE]
+        files = [_confined(path, WEIGHTS_FILE)]
     else:
         others = sorted(p.name for p in path.glob("*.bin")) + sorted(p.name for p in path.glob("*.pt"))
         hint = f" (found {others}: convert them to safetensors first)" if others else ""
         raise ValueError(f"{str(path)!r} has neither {WEIGHTS_FILE} nor {INDEX_FILE}{hint}")
-    absent = [str(f) for f in files if not f.exists()]
+    absent = [str(f) for f in files if not f.is_file()]
     if absent:
         raise ValueError(f"checkpoint shards listed in {INDEX_FILE} are missing: {absent}")
     return files
@@ -100,23 +138,30 @@ def _weight_files(path: Path) -> list[Path]:
 
 class SafetensorsTensors(Mapping):
     """The tensors of a checkpoint's safetensors files by HF name, read lazily: a key's tensor is
-    read from its file only when asked for (``sd[key]``), ``shape(key)`` reads the header alone and
-    ``rows(key, lo, hi)`` only rows [lo, hi) (an expert-parallel rank's experts of a fused tensor).
-    Nothing else is ever in memory, so a rank loading its shard never holds the full model."""
+    read from its file only when asked for (``sd[key]``), ``shape(key)`` and ``dtype(key)`` come from
+    the header alone (checked by `read_header` before the safetensors library opens the file) and
+    ``rows(key, lo, hi)`` reads only rows [lo, hi) (an expert-parallel rank's experts of a fused
+    tensor). Nothing else is ever in memory, so a rank loading its shard never holds the full model."""
 
     def __init__(self, files: list[Path]):
         self._file: dict[str, Path] = {}
+        self._info: dict[str, TensorInfo] = {}
         for file in files:
-            with safe_open(str(file), framework="pt", device="cpu") as f:
-                for key in f.keys():
-                    if key in self._file:
-                        raise ValueError(f"tensor {key!r} appears in more than one shard of {str(file.parent)!r} "
-                                         f"({self._file[key].name}, {file.name})")
-                    self._file[key] = file
+            for key, info in read_header(file).items():
+                if key in self._file:
+                    raise ValueError(f"tensor {key!r} appears in more than one shard of {str(file.parent)!r} "
+                                     f"({self._file[key].name}, {file.name})")
+                self._file[key], self._info[key] = file, info
+
+    def _read(self, key: str, get):
+        try:
+            with safe_open(str(self._file[key]), framework="pt", device="cpu") as f:
+                return get(f)
+        except SafetensorError as err:  # e.g. the file changed after its header was checked
+            raise ValueError(f"{str(self._file[key])!r}: safetensors cannot read tensor {key!r} ({err})") from None
 
     def __getitem__(self, key: str) -> torch.Tensor:
-        with safe_open(str(self._file[key]), framework="pt", device="cpu") as f:
-            return f.get_tensor(key)
+        return self._read(key, lambda f: f.get_tensor(key))
 
     def __iter__(self):
         return iter(self._file)
@@ -128,12 +173,28 @@ class SafetensorsTensors(Mapping):
         return key in self._file
 
     def shape(self, key: str) -> tuple:
-        with safe_open(str(self._file[key]), framework="pt", device="cpu") as f:
-            return tuple(f.get_slice(key).get_shape())
+        return self._info[key].shape
+
+    def dtype(self, key: str) -> str:
+        return self._info[key].dtype
 
     def rows(self, key: str, lo: int, hi: int) -> torch.Tensor:
-        with safe_open(str(self._file[key]), framework="pt", device="cpu") as f:
-            return f.get_slice(key)[lo:hi]
+        return self._read(key, lambda f: f.get_slice(key)[lo:hi])
+
+
+def _check_against_headers(path: Path, model_cfg: ModelConfig, tensors: SafetensorsTensors) -> None:
+    """The checkpoint's tensors match the model `model_cfg` describes (names, shapes, float dtypes),
+    checked on a meta-device model against the headers alone: nothing is allocated or read, so a
+    config.json claiming sizes its files do not hold is refused before the model is built."""
+    from megatron_fp4.model import MoETransformer
+
+    with torch.device("meta"):
+        model = MoETransformer(model_cfg, FP4Config(scope="none"))
+    try:
+        check_hf_state_dict(model, tensors)
+    except ValueError as err:
+        raise ValueError(f"{str(path / CONFIG_FILE)!r} describes another model than its safetensors files hold: "
+                         f"{err}") from None
 
 
 def load_hf_shard(model, path) -> None:
@@ -142,9 +203,7 @@ def load_hf_shard(model, path) -> None:
     shards, either expert layout), reading each tensor or expert slice from safetensors on its own.
     The checkpoint's config must match ``model.cfg`` (the fields that shape the weights)."""
     path = Path(path)
-    if not (path / CONFIG_FILE).is_file():
-        raise ValueError(f"{str(path)!r} is not a Hugging Face checkpoint directory: {CONFIG_FILE} not found")
-    theirs = ours_config_from_hf(json.loads((path / CONFIG_FILE).read_text()))
+    theirs = read_hf_config(path)
     fields = ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim", "num_experts",
               "moe_ffn_hidden_size", "dense_layers", "tie_embeddings") + (("dense_ffn_hidden_size",)
                                                                           if model.cfg.dense_layers else ())
@@ -158,12 +217,13 @@ def load_hf_shard(model, path) -> None:
 
 def load_hf_checkpoint(path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     """Read a Qwen3-MoE checkpoint directory: (our ModelConfig, HF-named CPU tensors). Accepts a
-    single `model.safetensors` or Hub-style shards with `model.safetensors.index.json`."""
+    single `model.safetensors` or Hub-style shards with `model.safetensors.index.json`. The tensors
+    must be those of the config's model (names, shapes, float dtypes: checked on the headers before
+    any tensor is read)."""
     path = Path(path)
-    if not (path / CONFIG_FILE).is_file():
-        raise ValueError(f"{str(path)!r} is not a Hugging Face checkpoint directory: {CONFIG_FILE} not found")
-    model_cfg = ours_config_from_hf(json.loads((path / CONFIG_FILE).read_text()))
+    model_cfg = read_hf_config(path)
     tensors = SafetensorsTensors(_weight_files(path))
+    _check_against_headers(path, model_cfg, tensors)
     return model_cfg, {key: tensors[key] for key in tensors}
 
 
@@ -174,9 +234,12 @@ def build_model_from_hf(path, fp4_cfg: Optional[FP4Config] = None):
     from megatron_fp4.config_validate import _validate_fp4_shapes
     from megatron_fp4.model import MoETransformer
 
-    model_cfg, sd = load_hf_checkpoint(path)
+    path = Path(path)
+    model_cfg = read_hf_config(path)
     fp4_cfg = FP4Config() if fp4_cfg is None else fp4_cfg
     _validate_fp4_shapes(Config(model=model_cfg, fp4=fp4_cfg))  # FP4 block sizes must divide the dims
+    tensors = SafetensorsTensors(_weight_files(path))
+    _check_against_headers(path, model_cfg, tensors)  # before the model is allocated
     model = MoETransformer(model_cfg, fp4_cfg)
-    from_hf_state_dict(model, sd)
+    from_hf_state_dict(model, tensors)
     return model

@@ -27,6 +27,8 @@ from typing import Any, Mapping, Optional
 import torch
 
 from megatron_fp4.config import ModelConfig
+from megatron_fp4.integrations.hf.config_fields import bool_field, float_field, int_field, layer_list, string_list
+from megatron_fp4.integrations.hf.safetensors_header import FLOAT_DTYPES
 
 HF_MODEL_TYPE = "qwen3_moe"
 HF_ARCHITECTURE = "Qwen3MoeForCausalLM"
@@ -93,20 +95,20 @@ def hf_config_from_ours(model_cfg: ModelConfig) -> dict:
 
 def _rope_theta(d: Mapping[str, Any]) -> float:
     """RoPE base from either spelling; only plain (default) RoPE is supported."""
-    theta = d.get("rope_theta")
+    theta = float_field(d, "rope_theta", _HF_DEFAULTS["rope_theta"], positive=True)
     for key in ("rope_parameters", "rope_scaling"):
         params = d.get(key)
         if not params:
             continue
         if not isinstance(params, Mapping):
-            raise ValueError(f"HF config {key}={params!r}: expected a mapping like "
+            raise ValueError(f"HF config {key}={params!r:.80}: expected a mapping like "
                              f"{{'rope_type': 'default', 'rope_theta': 1000000.0}}")
         rope_type = params.get("rope_type", params.get("type", "default"))
         if rope_type != "default":
-            raise ValueError(f"HF config {key}.rope_type={rope_type!r}: only default RoPE is supported by our "
+            raise ValueError(f"HF config {key}.rope_type={rope_type!r:.80}: only default RoPE is supported by our "
                              f"attention (no yarn/linear/dynamic scaling); use a checkpoint without RoPE scaling")
-        theta = params.get("rope_theta", theta)
-    return float(_HF_DEFAULTS["rope_theta"] if theta is None else theta)
+        theta = float_field(params, "rope_theta", theta, positive=True)
+    return theta
 
 
 def ours_config_from_hf(hf_cfg) -> ModelConfig:
@@ -118,17 +120,20 @@ def ours_config_from_hf(hf_cfg) -> ModelConfig:
     (router_z_loss_coef, num_shared_experts=0) keep our defaults. Features our decoder does not
     implement raise ValueError naming the field.
     """
-    d = dict(hf_cfg.to_dict() if hasattr(hf_cfg, "to_dict") else hf_cfg)
+    d = hf_cfg.to_dict() if hasattr(hf_cfg, "to_dict") else hf_cfg
+    if not isinstance(d, Mapping):
+        raise ValueError(f"HF config is a {type(d).__name__}, not a JSON object of Qwen3-MoE fields")
+    d = dict(d)
     model_type = d.get("model_type", HF_MODEL_TYPE)
     if model_type != HF_MODEL_TYPE:
-        raise ValueError(f"HF config model_type={model_type!r}: only {HF_MODEL_TYPE!r} (Qwen3-MoE) is supported")
+        raise ValueError(f"HF config model_type={model_type!r:.80}: only {HF_MODEL_TYPE!r} (Qwen3-MoE) is supported")
     missing = [k for k in _REQUIRED if d.get(k) is None]
     if missing:
         raise ValueError(f"HF config lacks required field(s) {missing}; pass a complete Qwen3-MoE config.json")
     unsupported = {
         "attention_bias": (bool(d.get("attention_bias")), "our q/k/v/o projections have no bias"),
         "use_sliding_window": (bool(d.get("use_sliding_window")), "our attention is full causal attention"),
-        "layer_types": (any(t != "full_attention" for t in d.get("layer_types") or []),
+        "layer_types": (any(t != "full_attention" for t in string_list(d, "layer_types")),
                         "only full_attention layers are implemented"),
         "hidden_act": (d.get("hidden_act", "silu") != "silu", "our MLPs are SwiGLU (silu)"),
         "quantization_config": (bool(d.get("quantization_config")),
@@ -136,38 +141,39 @@ def ours_config_from_hf(hf_cfg) -> ModelConfig:
     }
     for name, (bad, why) in unsupported.items():
         if bad:
-            raise ValueError(f"HF config {name}={d.get(name)!r} is not supported: {why}")
-    num_experts = d.get("num_experts", d.get("num_local_experts"))
-    num_layers = int(d["num_hidden_layers"])
-    step = int(d.get("decoder_sparse_step") or _HF_DEFAULTS["decoder_sparse_step"])
-    if step < 1:
-        raise ValueError(f"HF config decoder_sparse_step={step}: must be >= 1")
-    mlp_only = set(int(i) for i in d.get("mlp_only_layers") or [])
+            raise ValueError(f"HF config {name}={d.get(name)!r:.80} is not supported: {why}")
+    num_layers = int_field(d, "num_hidden_layers")  # bounded before anything loops over the layers
+    step = int_field(d, "decoder_sparse_step", _HF_DEFAULTS["decoder_sparse_step"])
+    mlp_only = layer_list(d, "mlp_only_layers")
     dense_layers = [i for i in range(num_layers) if i in mlp_only or (i + 1) % step != 0]
+    num_experts = d.get("num_experts", d.get("num_local_experts"))
     if not num_experts or len(dense_layers) == num_layers:
-        raise ValueError(f"HF config num_experts={num_experts}, mlp_only_layers={sorted(mlp_only)}, "
+        raise ValueError(f"HF config num_experts={num_experts!r:.80}, mlp_only_layers={sorted(mlp_only)!r:.80}, "
                          f"decoder_sparse_step={step}: no layer is MoE; this is a dense model, not Qwen3-MoE")
-    num_heads = int(d["num_attention_heads"])
-    num_kv_heads = int(d.get("num_key_value_heads") or num_heads)
-    head_dim = int(d.get("head_dim") or int(d["hidden_size"]) // num_heads)
+    num_experts = int_field(d, "num_experts", alias="num_local_experts")
+    top_k = int_field(d, "num_experts_per_tok")
+    if top_k > num_experts:
+        raise ValueError(f"HF config num_experts_per_tok={top_k} must be <= num_experts={num_experts}")
+    hidden, num_heads = int_field(d, "hidden_size"), int_field(d, "num_attention_heads")
+    num_kv_heads = int_field(d, "num_key_value_heads", num_heads)
+    head_dim = int_field(d, "head_dim", max(hidden // num_heads, 1))
     if num_heads % num_kv_heads:
         raise ValueError(f"HF config num_key_value_heads={num_kv_heads} must divide num_attention_heads={num_heads}")
     if head_dim % 2:
         raise ValueError(f"HF config head_dim={head_dim} must be even (rotary embeddings rotate pairs)")
 
-    def get(key):
-        value = d.get(key)
-        return _HF_DEFAULTS[key] if value is None else value
-
     return ModelConfig(
-        vocab_size=int(d["vocab_size"]), hidden_size=int(d["hidden_size"]), num_layers=num_layers,
+        vocab_size=int_field(d, "vocab_size"), hidden_size=hidden, num_layers=num_layers,
         num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
-        max_seq_len=int(get("max_position_embeddings")), rope_theta=_rope_theta(d), norm_eps=float(get("rms_norm_eps")),
-        num_experts=int(num_experts), top_k=int(d["num_experts_per_tok"]),
-        moe_ffn_hidden_size=int(d["moe_intermediate_size"]), norm_topk_prob=bool(get("norm_topk_prob")),
-        num_shared_experts=0, dense_layers=dense_layers, dense_ffn_hidden_size=int(get("intermediate_size")),
-        router_aux_loss_coef=float(get("router_aux_loss_coef")), tie_embeddings=bool(get("tie_word_embeddings")),
-        init_std=float(get("initializer_range")),
+        max_seq_len=int_field(d, "max_position_embeddings", _HF_DEFAULTS["max_position_embeddings"]),
+        rope_theta=_rope_theta(d), norm_eps=float_field(d, "rms_norm_eps", _HF_DEFAULTS["rms_norm_eps"], positive=True),
+        num_experts=num_experts, top_k=top_k, moe_ffn_hidden_size=int_field(d, "moe_intermediate_size"),
+        norm_topk_prob=bool_field(d, "norm_topk_prob", _HF_DEFAULTS["norm_topk_prob"]),
+        num_shared_experts=0, dense_layers=dense_layers,
+        dense_ffn_hidden_size=int_field(d, "intermediate_size", _HF_DEFAULTS["intermediate_size"]),
+        router_aux_loss_coef=float_field(d, "router_aux_loss_coef", _HF_DEFAULTS["router_aux_loss_coef"]),
+        tie_embeddings=bool_field(d, "tie_word_embeddings", _HF_DEFAULTS["tie_word_embeddings"]),
+        init_std=float_field(d, "initializer_range", _HF_DEFAULTS["initializer_range"]),
     )
 
 
@@ -222,34 +228,47 @@ def to_hf_state_dict(model, layout: str = "checkpoint") -> dict[str, torch.Tenso
 class _Collector:
     """Gathers checkpoint tensors for our parameters, recording every problem instead of stopping
     at the first, so one error lists them all. `sd` is a mapping of HF names to tensors; a lazy one
-    (`checkpoint.SafetensorsTensors`) also offers ``shape(key)`` and ``rows(key, lo, hi)``, so a
-    rank reads only its experts' rows of a fused tensor."""
+    (`checkpoint.SafetensorsTensors`) also offers ``shape(key)``, ``dtype(key)`` (from the file
+    headers) and ``rows(key, lo, hi)``, so a rank reads only its experts' rows of a fused tensor.
+    ``headers_only`` (lazy `sd`): nothing is read; meta tensors of the right shape stand in."""
 
-    def __init__(self, sd: Mapping[str, torch.Tensor]):
+    def __init__(self, sd: Mapping[str, torch.Tensor], headers_only: bool = False):
         self.sd, self.used = sd, set()
+        self.lazy = hasattr(sd, "rows")
+        self.headers_only = headers_only and self.lazy
         self.missing: list[str] = []
         self.bad_shape: list[str] = []
+        self.bad_dtype: list[str] = []
 
     def take(self, key: str, shape, rows: Optional[tuple[int, int]] = None) -> torch.Tensor | None:
         """The tensor `key` (rows [lo, hi) of it when `rows` is given), checked to have `shape`
-        (the full tensor's shape)."""
+        (the full tensor's shape) and a floating-point dtype (all our parameters are float)."""
         if key not in self.sd:
             self.missing.append(key)
             return None
         self.used.add(key)
-        lazy = hasattr(self.sd, "rows")
-        t = None if lazy else self.sd[key]
-        have = tuple(self.sd.shape(key)) if lazy else tuple(t.shape)
+        t = None if self.lazy else self.sd[key]
+        have = tuple(self.sd.shape(key)) if self.lazy else tuple(t.shape)
         if have != tuple(shape):
             self.bad_shape.append(f"{key}: checkpoint {list(have)} vs model {list(shape)}")
             return None
+        dtype = self.sd.dtype(key) if self.lazy else t.dtype
+        if not (dtype in FLOAT_DTYPES if self.lazy else dtype.is_floating_point):
+            self.bad_dtype.append(f"{key}: {str(dtype).replace('torch.', '')}")
+            return None
+        if self.headers_only:
+            return torch.empty(shape if rows is None else (rows[1] - rows[0], *shape[1:]), device="meta")
         if rows is None:
-            return self.sd[key] if lazy else t
-        return self.sd.rows(key, *rows) if lazy else t[rows[0]:rows[1]]
+            return self.sd[key] if self.lazy else t
+        return self.sd.rows(key, *rows) if self.lazy else t[rows[0]:rows[1]]
 
     def take_experts(self, base: str, suffixes: tuple, shape, experts: range) -> torch.Tensor | None:
         """Per-expert tensors `base{e}.{suffix}.weight` for e in `experts`, concatenated over
         suffixes, stacked over e."""
+        if len(experts) * len(suffixes) > len(self.sd):  # cannot all be there: say so without a loop over them
+            self.missing.append(f"{base}{{{experts.start}..{experts.stop - 1}}}.{{{','.join(suffixes)}}}.weight "
+                                f"({len(experts)} experts; the checkpoint holds {len(self.sd)} tensors in all)")
+            return None
         parts = [[self.take(f"{base}{e}.{s}.weight", shape) for s in suffixes] for e in experts]
         if any(p is None for row in parts for p in row):
             return None
@@ -263,10 +282,10 @@ def _expert_offsets(model) -> dict[str, int]:
             if hasattr(m, "w13") and hasattr(m, "w2")}
 
 
-def _collect(model, sd: Mapping[str, torch.Tensor]) -> tuple[dict, _Collector]:
+def _collect(model, sd: Mapping[str, torch.Tensor], headers_only: bool = False) -> tuple[dict, _Collector]:
     """Our parameter name -> checkpoint tensor (in our layout), plus the bookkeeping. `model` may be
     one rank's shard (pipeline chunks, local experts): only its parameters are read."""
-    col, found = _Collector(sd), {}
+    col, found = _Collector(sd, headers_only), {}
     offsets = _expert_offsets(model)
     for name, param in model.named_parameters():
         shape = tuple(param.shape)
@@ -294,7 +313,7 @@ def _collect(model, sd: Mapping[str, torch.Tensor]) -> tuple[dict, _Collector]:
     embed = found.get("embed_tokens.weight")
     if model.cfg.tie_embeddings and "lm_head.weight" in sd:  # tied: a copy of the embedding may be stored
         col.used.add("lm_head.weight")
-        if embed is not None:
+        if embed is not None and not col.headers_only:
             lm_head = sd["lm_head.weight"]
             if lm_head.shape != embed.shape or not torch.equal(lm_head, embed):
                 col.bad_shape.append("lm_head.weight: differs from model.embed_tokens.weight, but the config ties "
@@ -324,10 +343,21 @@ def from_hf_state_dict(model, sd: Mapping[str, torch.Tensor], shard: bool = Fals
 def ours_from_hf_state_dict(model, sd: Mapping[str, torch.Tensor], shard: bool = False) -> dict[str, torch.Tensor]:
     """`model`'s parameter names -> the HF tensors in our layout (experts stacked), checked as
     strictly as `from_hf_state_dict` (one ValueError listing every problem); `model` is not touched."""
+    return _checked(model, sd, shard, headers_only=False)
+
+
+def check_hf_state_dict(model, sd: Mapping[str, torch.Tensor], shard: bool = False) -> None:
+    """The checks of `from_hf_state_dict` (names, shapes, float dtypes) without reading a tensor when
+    `sd` is lazy (`checkpoint.SafetensorsTensors`: shapes and dtypes come from the file headers), so
+    `model` may be a meta-device model: a checkpoint is checked before its model is allocated."""
+    _checked(model, sd, shard, headers_only=True)
+
+
+def _checked(model, sd: Mapping[str, torch.Tensor], shard: bool, headers_only: bool) -> dict[str, torch.Tensor]:
     _check_no_shared_experts(model)
-    found, col = _collect(model, sd)
+    found, col = _collect(model, sd, headers_only)
     unexpected = [] if shard else sorted(set(sd) - col.used)
-    if col.missing or unexpected or col.bad_shape:
+    if col.missing or unexpected or col.bad_shape or col.bad_dtype:
         problems = []
         if col.missing:
             problems.append(f"missing keys ({len(col.missing)}): {_listed(col.missing)}")
@@ -335,6 +365,9 @@ def ours_from_hf_state_dict(model, sd: Mapping[str, torch.Tensor], shard: bool =
             problems.append(f"unexpected keys ({len(unexpected)}): {_listed(unexpected)}")
         if col.bad_shape:
             problems.append(f"mismatched tensors ({len(col.bad_shape)}): {_listed(col.bad_shape)}")
+        if col.bad_dtype:
+            problems.append(f"non-float tensors where the model has float weights ({len(col.bad_dtype)}): "
+                            f"{_listed(col.bad_dtype)}")
         raise ValueError("HF Qwen3-MoE state dict does not match the model: " + "; ".join(problems)
                          + ". Build the model from the checkpoint's own config (ours_config_from_hf) and pass "
                            "a Qwen3MoeForCausalLM state dict (keys start with 'model.' or 'lm_head.').")

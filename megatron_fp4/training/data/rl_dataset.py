@@ -50,7 +50,11 @@ def read_table(path):
             raise ValueError(f"{path}: not valid JSON ({err})") from None
         if not isinstance(rows, list) or not all(isinstance(r, dict) for r in rows):
             raise ValueError(f"{path}: a .json RL data file must hold a list of row objects")
-        return pa.Table.from_pylist(rows)
+        try:
+            return pa.Table.from_pylist(rows)
+        except (pa.ArrowInvalid, pa.ArrowTypeError) as err:
+            raise ValueError(f"{path}: the rows do not share one column type ({err}); every row's prompt must be "
+                             "a list of {role, content} messages with text content") from None
     raise ValueError(f"unsupported RL data file {path.name!r}: use .parquet, .json or .jsonl (as verl does)")
 
 
@@ -94,6 +98,11 @@ def check_row(row: dict, where: str, prompt_key: str = "prompt") -> None:
     if not isinstance(messages, list) or not messages or not all(
             isinstance(m, dict) and "role" in m and "content" in m for m in messages):
         raise ValueError(f"{where}: {prompt_key!r} must be a non-empty list of {{role, content}} messages")
+    bad = [i for i, m in enumerate(messages) if not isinstance(m["content"], (str, list, type(None)))]
+    if bad:
+        content = messages[bad[0]]["content"]
+        raise ValueError(f"{where}: {prompt_key}[{bad[0]}]['content'] is a {type(content).__name__} ({content!r}); "
+                         "a message's content must be text (a string)")
 
 
 class RLDataset:
@@ -116,8 +125,11 @@ class RLDataset:
         if 0 < max_samples < len(rows):
             rows = rows[:max_samples]
         self.rows, self.prompt_ids = [], []
-        for row in rows:
-            ids = self._render(row[prompt_key])
+        for i, row in enumerate(rows):
+            try:
+                ids = self._render(row[prompt_key])
+            except ValueError as err:  # a message the chat template cannot render (ChatTemplateError, bad content)
+                raise ValueError(f"row {i} of {[str(f) for f in files]}, {prompt_key!r}: {err}") from None
             if filter_overlong_prompts and len(ids) > max_prompt_length:
                 continue
             self.rows.append(row)

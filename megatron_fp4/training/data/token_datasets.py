@@ -46,7 +46,12 @@ class NumpyTokenDataset:
         self.path = os.fspath(path)
         if not os.path.isfile(self.path):
             raise ValueError(f"numpy token file {self.path!r} does not exist; save one with np.save(path, tokens_1d)")
-        tokens = np.load(self.path, mmap_mode="r", allow_pickle=False)
+        try:
+            tokens = np.load(self.path, mmap_mode="r", allow_pickle=False)
+        except (ValueError, OSError, EOFError) as err:  # bad magic/header, truncated, object (pickled) dtype
+            why = "no .npy header; pickled data is never loaded" if "pickle" in str(err) else str(err)
+            raise ValueError(f"numpy token file {self.path!r} is not a readable .npy array ({why}); save 1-D "
+                             "integer token ids with np.save(path, tokens_1d)") from None
         if tokens.ndim != 1 or not np.issubdtype(tokens.dtype, np.integer):
             raise ValueError(
                 f"{self.path!r} holds an array of shape {tokens.shape} and dtype {tokens.dtype}; a token file "

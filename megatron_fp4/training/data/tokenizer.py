@@ -97,7 +97,10 @@ class HFTokenizer:
         special = {k: _token_text(config.get(k, legacy.get(k))) for k in SPECIAL_TOKEN_KEYS}
         template = _pick_template(config.get("chat_template"), template_name)
         if (path / "chat_template.jinja").is_file():
-            template = (path / "chat_template.jinja").read_text(encoding="utf-8")
+            try:
+                template = (path / "chat_template.jinja").read_text(encoding="utf-8")
+            except (OSError, UnicodeDecodeError) as err:
+                raise ValueError(f"{path / 'chat_template.jinja'}: cannot read it as UTF-8 text ({err})") from None
         extra = []
         if (path / "generation_config.json").is_file():
             eos = _read_json(path / "generation_config.json").get("eos_token_id")
