@@ -162,3 +162,27 @@ def test_an_outsider_cannot_fill_the_store_before_the_join():
     assert stored == 0, f"an outsider stored {stored} bytes in rank 0's store before the join"
     assert closed, "the server kept reading an unauthenticated 4 MB frame"
     assert out.get(0) == out.get(1) == [SECRET0, SECRET1], out  # the join still works
+
+
+def test_a_connection_taken_over_after_the_rendezvous_fails_the_join(monkeypatch):
+    """Someone racing to gloo's listening port could take rank 1's place on rank 0's connection
+    after an honest rendezvous: simulated by what rank 0 receives over the group being the
+    attacker's. The group's first exchange (each rank's HMAC of the group nonce) refuses it."""
+    real = PeerGroup.all_gather
+
+    def hijacked(self, tensor):
+        out = real(self, tensor)
+        if self.rank() == 0:
+            out[1] = torch.full_like(out[1], 7)  # not what rank 1 sent
+        return out
+    monkeypatch.setattr(PeerGroup, "all_gather", hijacked)
+    listen = reserve_port(ADDR)
+    port, out = listen.getsockname()[1], {}
+    threads = [threading.Thread(target=_join_and_exchange, args=(r, port, listen if r == 0 else None, out), daemon=True)
+               for r in (0, 1)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(60)
+    assert isinstance(out[0], PermissionError), out
+    assert "group rank(s) [1] do not come from a holder" in str(out[0]) and "MEGATRON_FP4_SYNC_TOKEN" in str(out[0])
