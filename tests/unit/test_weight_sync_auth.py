@@ -199,3 +199,30 @@ def test_a_claim_without_the_token_is_refused_cleanly(claim):
     (n,) = struct.unpack(">I", got[:4])
     assert got[4:4 + n] == b'{"ok": false, "proof": ""}'  # the refusal, and no proof of rank 0's to learn from
     assert isinstance(out[0], PermissionError) and TOKEN_ENV in str(out[0]) and "refused rank(s)" in str(out[0])
+
+
+def test_an_authenticated_peer_writes_within_bounds_only():
+    """Even a token holder cannot make rank 0's store hold more than MAX_VALUE_BYTES per value or
+    MAX_TOTAL_BYTES in all: the connection is closed and the value is not stored."""
+    import datetime
+
+    import torch.distributed as dist
+
+    from megatron_fp4.rollout.peer_store import MAX_TOTAL_BYTES, MAX_VALUE_BYTES, RemoteStore, StoreServer
+    backend = dist.HashStore()
+    backend.set_timeout(datetime.timedelta(seconds=10))
+    listen = reserve_port(ADDR)
+    server = StoreServer(listen, backend, TOKEN, 3, "g").start()
+    port = listen.getsockname()[1]
+    one, _ = RemoteStore.connect(ADDR, port, 1, TOKEN, 10, "t")
+    one.set("fits", b"x" * MAX_VALUE_BYTES)
+    assert backend.get("fits") == b"x" * MAX_VALUE_BYTES and one.get("fits") == b"x" * MAX_VALUE_BYTES
+    with pytest.raises(RuntimeError, match="rank 0 closed"):
+        one.set("too-big", b"x" * (MAX_VALUE_BYTES + 1))
+    assert not backend.check(["too-big"])
+    two, _ = RemoteStore.connect(ADDR, port, 2, TOKEN, 10, "t")
+    with pytest.raises(RuntimeError, match="rank 0 closed"):
+        for i in range(MAX_TOTAL_BYTES // MAX_VALUE_BYTES + 1):
+            two.set(f"k{i}", b"y" * MAX_VALUE_BYTES)
+    assert backend.num_keys() <= MAX_TOTAL_BYTES // MAX_VALUE_BYTES
+    server.close()
