@@ -89,6 +89,10 @@ def recv_msg(sock: socket.socket, limit: int) -> dict:
     return obj
 
 
+def _is_nonce(value) -> bool:
+    return isinstance(value, str) and 16 <= len(value) <= 64 and all(c in "0123456789abcdef" for c in value)
+
+
 def _b64(value: bytes) -> str:
     return base64.b64encode(value).decode("ascii")
 
@@ -100,7 +104,7 @@ class StoreServer:
         self.listen, self.backend, self.token = listen, backend, token
         self.world_size, self.group_nonce = world_size, group_nonce
         self.joined: dict = {}  # rank -> authenticated socket
-        self.refused: list = []  # (rank, why): peers that spoke the protocol without the token
+        self.refused: list = []  # ranks claimed by peers that spoke the protocol without the token
         self.dropped = 0  # connections that did not speak it
         self._written = 0
         self._pending = 0
@@ -132,7 +136,7 @@ class StoreServer:
         send_msg(conn, {"protocol": PROTOCOL, "nonce": nonce, "group": self.group_nonce})
         claim = recv_msg(conn, HELLO_LIMIT)
         rank, peer_nonce, proof = claim.get("rank"), claim.get("nonce"), claim.get("proof")
-        if set(claim) != {"rank", "nonce", "proof"} or type(rank) is not int or not isinstance(peer_nonce, str):
+        if set(claim) != {"rank", "nonce", "proof"} or type(rank) is not int or not _is_nonce(peer_nonce):
             raise Refused("a claim that is not {rank, nonce, proof}")
         with self._cond:
             ok = (0 < rank < self.world_size and rank not in self.joined and not self._closed
@@ -227,17 +231,22 @@ class StoreServer:
                                        max(0.0, deadline - time.monotonic()))
             missing = sorted(set(range(1, self.world_size)) - set(self.joined))
             refused = sorted(set(self.refused))
-        self.listen.close()
+        self._close_listen()
         if not done:
             raise TimeoutError(f"rank(s) {missing} did not join within {timeout_s}s ({self.dropped} connection(s) "
                                "that did not speak the protocol were dropped)")
         return refused
 
+    def _close_listen(self) -> None:
+        """Stop listening now (a bare close() would leave a blocked accept() listening on Linux)."""
+        _shutdown(self.listen)
+        self.listen.close()
+
     def close(self) -> None:
         with self._cond:
             self._closed = True
             conns = list(self.joined.values())
-        self.listen.close()
+        self._close_listen()
         for conn in conns:
             _shutdown(conn)
             conn.close()

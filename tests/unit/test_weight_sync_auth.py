@@ -106,7 +106,8 @@ def test_wrong_token_is_refused_on_both_sides():
 
 
 def test_same_token_joins_and_the_group_works():
-    out = _build([TOKEN, TOKEN], _free_port())
+    port = _free_port()
+    out = _build([TOKEN, TOKEN], port)
     assert all(isinstance(g, PeerGroup) for g in out.values()), out
     got = {}
 
@@ -120,6 +121,10 @@ def test_same_token_joins_and_the_group_works():
     for th in threads:
         th.join(60)
     assert got == {0: 7.0, 1: 7.0}
+    with pytest.raises(ConnectionRefusedError):  # every rank joined: rank 0's store takes no new connection
+        socket.create_connection((ADDR, port), timeout=10)
+    for group in out.values():
+        group.close()
 
 
 def test_token_from_the_environment(monkeypatch):
@@ -182,7 +187,8 @@ def _try_join(port):
 
 
 @pytest.mark.parametrize("claim", [b"\x80\x04\x95 not json", b'{"nonce": 1, "proof": []}', b"[1, 2]",
-                                   b'{"rank": "1", "nonce": "n", "proof": "p"}', b"x" * (HELLO_LIMIT + 1)])
+                                   b'{"rank": "1", "nonce": "n", "proof": "p"}', b"x" * (HELLO_LIMIT + 1),
+                                   b'{"rank": 1, "nonce": "n|x", "proof": "p"}'])
 def test_a_malformed_claim_is_dropped_and_the_real_rollout_still_joins(claim):
     got, out = _claim_then_join(_free_port(), claim)
     assert got == b"", got  # nothing but the greeting, not even a refusal
@@ -191,9 +197,13 @@ def test_a_malformed_claim_is_dropped_and_the_real_rollout_still_joins(claim):
     out[1].close()
 
 
-@pytest.mark.parametrize("claim", [b'{"rank": 1, "nonce": "n", "proof": "\\u00e9\\u00e9"}',
-                                   b'{"rank": 1, "nonce": "n", "proof": "' + b"0" * 64 + b'"}',
-                                   b'{"rank": 0, "nonce": "n", "proof": "p"}', b'{"rank": 7, "nonce": "n", "proof": "p"}'])
+NONCE = b'"' + b"0" * 32 + b'"'
+
+
+@pytest.mark.parametrize("claim", [b'{"rank": 1, "nonce": ' + NONCE + b', "proof": "\\u00e9\\u00e9"}',
+                                   b'{"rank": 1, "nonce": ' + NONCE + b', "proof": "' + b"0" * 64 + b'"}',
+                                   b'{"rank": 0, "nonce": ' + NONCE + b', "proof": "p"}',
+                                   b'{"rank": 7, "nonce": ' + NONCE + b', "proof": "p"}'])
 def test_a_claim_without_the_token_is_refused_cleanly(claim):
     got, out = _claim_then_join(_free_port(), claim)
     (n,) = struct.unpack(">I", got[:4])
