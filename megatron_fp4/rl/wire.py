@@ -49,7 +49,8 @@ def expected_generation(prompts, params, return_routing: bool, model_cfg) -> dic
     """What a generation answering this request may contain (`broadcast_generation(expect=...)`);
     `model_cfg`: the `ModelConfig` of the model that generates."""
     num_moe = sum(1 for i in range(model_cfg.num_layers) if i not in model_cfg.dense_layers)
-    return {"prompt_ids": [list(map(int, p)) for p in prompts], "max_new_tokens": [int(p.max_new_tokens) for p in params],
+    return {"prompt_ids": [list(map(int, p)) for p in prompts],
+            "max_new_tokens": [int(p.max_new_tokens) for p in params],
             "routing": [num_moe, int(model_cfg.top_k)] if return_routing else None,
             "vocab_size": int(model_cfg.vocab_size)}
 

@@ -225,7 +225,8 @@ def check_layout(manifest: dict, layout: list) -> int:
                                   "manifest does not list with that shape and dtype")
             if m.chunk_offset != filled[m.name] or m.offset != used:
                 raise BucketError(f"bucket {index}: the chunk of {m.name!r} at tensor byte {m.chunk_offset}, bucket "
-                                  f"byte {m.offset} does not follow the previous one (expected {filled[m.name]}, {used})")
+                                  f"byte {m.offset} does not follow the previous one (expected "
+                                  f"{filled[m.name]}, {used})")
             filled[m.name] += m.chunk_size
             used += m.chunk_size
         if nbytes != used:

@@ -50,7 +50,7 @@ def host_address() -> str:
 
 def reserve_port(addr: str, port: int = 0) -> socket.socket:
     """A socket listening on exactly `addr` (the address rank 0 advertises; `port` 0: a free one), handed
-    to rank 0's TCPStore (no window for another process to take the port between `prepare()` and
+    to rank 0's rendezvous store (no window for another process to take the port between `prepare()` and
     `init_process_group`)."""
     family = socket.getaddrinfo(addr, port, type=socket.SOCK_STREAM)[0][0]
     return socket.create_server((addr, port), family=family)

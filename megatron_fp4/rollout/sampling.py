@@ -60,7 +60,8 @@ class SamplingParams:
         try:
             stop = tuple(operator.index(t) for t in self.stop_token_ids)  # ints, numpy ints, 0-d int tensors
         except TypeError:
-            raise ValueError(f"SamplingParams.stop_token_ids={self.stop_token_ids!r} must be integer token ids") from None
+            raise ValueError(f"SamplingParams.stop_token_ids={self.stop_token_ids!r} must be integer token "
+                             "ids") from None
         object.__setattr__(self, "stop_token_ids", stop)
 
     @property
