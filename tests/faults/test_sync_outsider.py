@@ -63,14 +63,22 @@ class _Attacker:
         self.received, self.errors = [], []
 
     def start(self):
-        threading.Thread(target=self._gloo, daemon=True).start()
+        self.threads = [threading.Thread(target=self._gloo, daemon=True)]
+        self.threads[0].start()
         return self
+
+    def finish(self):
+        """Stop, and wait for the attacker's threads (none may be inside torch when the test ends)."""
+        self.stop.set()
+        for th in self.threads:
+            th.join(60)
 
     def _gloo(self):
         while not self.stop.is_set():
             try:
                 store = _Recorder(_client(self.port))
-                threading.Thread(target=self._rewrite, args=(store,), daemon=True).start()
+                self.threads.append(threading.Thread(target=self._rewrite, args=(store,), daemon=True))
+                self.threads[-1].start()
                 opts = dist.ProcessGroupGloo._Options()
                 opts._timeout = datetime.timedelta(seconds=15)
                 opts._devices = [dist.ProcessGroupGloo.create_device(hostname=ADDR)]
@@ -103,14 +111,17 @@ class _Attacker:
 
 
 def _join_and_exchange(rank, port, listen, out):
+    group = None
     try:
         group = PeerGroup(ADDR, port, rank, 2, torch.device("cpu"), timeout_s=20, listen_socket=listen,
                           token=TOKEN)
         got = group.all_gather(torch.tensor([SECRET0 if rank == 0 else SECRET1]))
         out[rank] = [float(t) for t in got]
-        group.close()
     except Exception as err:  # noqa: BLE001 - inspected by the test
         out[rank] = err
+    finally:
+        if group is not None:
+            group.close()
 
 
 @pytest.mark.parametrize("attacker_rank", [1, 0])
@@ -126,7 +137,7 @@ def test_an_outsider_cannot_take_a_side_of_the_group(attacker_rank):
     rank1.start()
     rank0.join(60)
     rank1.join(60)
-    attacker.stop.set()
+    attacker.finish()
     assert out.get(0) == [SECRET0, SECRET1], (out, attacker.received)  # rank 0 got the real rollout's data
     assert out.get(1) == [SECRET0, SECRET1], (out, attacker.received)
     assert attacker.received == [], attacker.received  # and the attacker none of rank 0's
