@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_fp4.integrations.hf.sharded import local_hf_state_dict
-from megatron_fp4.rl.wire import broadcast_generation, params_to_json
+from megatron_fp4.rl.wire import broadcast_generation, expected_generation, params_to_json
 from megatron_fp4.rollout.engine import RolloutEngine
 from megatron_fp4.rollout.peer_group import TOKEN_ENV, PeerGroup, new_sync_token, reserve_port, sync_token_from_env
 from megatron_fp4.rollout.weight_sync import InProcessTransport, WeightPublisher, WeightReceiver
@@ -76,7 +76,7 @@ class RemoteRollout:
 
     def __init__(self, trainer, pad_id: int, bucket_bytes: int = 4 << 20, addr: str = "127.0.0.1",
                  name: str = "rollout0", timeout_s: Optional[float] = None, threads: int = 1):
-        self.mesh = trainer.mesh
+        self.mesh, self.model_cfg = trainer.mesh, trainer.cfg.model
         self.timeout_s = float(timeout_s or trainer.cfg.parallel.timeout_s)
         self.is_source = self.mesh.rank == 0
         self.proc = self.control = self.weights = None
@@ -134,12 +134,13 @@ class RemoteRollout:
     def generate(self, prompts: Sequence, params: Sequence, return_routing: bool = False, min_version: int = 0):
         """Collective over the trainer mesh: rank 0 asks the rollout process, every rank gets the result."""
         gen = None
+        expect = expected_generation(prompts, params, return_routing, self.model_cfg)
         if self.is_source:
-            self._request({"op": "generate", "prompts": [list(map(int, p)) for p in prompts],
+            self._request({"op": "generate", "prompts": expect["prompt_ids"],
                            "params": [params_to_json(p) for p in params], "return_routing": bool(return_routing),
                            "min_version": int(min_version)})
-            gen = broadcast_generation(None, 1, self.control)
-        return broadcast_generation(gen, 0, self.mesh.group("world"), self.mesh.device)
+            gen = broadcast_generation(None, 1, self.control, expect=expect)
+        return broadcast_generation(gen, 0, self.mesh.group("world"), self.mesh.device, expect=expect)
 
     def served_version(self) -> int:
         """The version the rollout process serves now (collective: asked by rank 0, sent to all)."""

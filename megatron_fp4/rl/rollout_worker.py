@@ -128,6 +128,8 @@ def serve(spec: dict, token: str) -> None:
         if request is None:
             break
         try:
+            if receiver.failure is not None:  # the trainer hears it at its next request
+                raise RuntimeError(f"the rollout's weights channel broke, it takes no more updates: {receiver.failure}")
             status, gen = handle(engine, request)
         except Exception as err:  # noqa: BLE001 - reported to the trainer, which raises it
             status, gen = {"error": f"{type(err).__name__}: {err}"}, None

@@ -6,6 +6,11 @@ receiver parses data and checks its form; nothing it receives can execute. The s
 carries a generation from the rollout process to trainer rank 0 (a `PeerGroup`) and from rank 0
 to every trainer rank (the default process group), using `rollout.weight_sync_dist`'s JSON and
 tensor broadcasts, which work on both.
+
+A receiver that knows the request (`expected_generation`: the prompts, each one's max_new_tokens,
+the routing shape the model gives, the vocabulary) checks every size in the header against it
+before allocating: the prompts echoed, at most max_new_tokens ids in the vocabulary per
+response, routing exactly [num_moe_layers, top_k] when asked for and absent otherwise.
 """
 from __future__ import annotations
 
@@ -40,6 +45,32 @@ def _int_lists(obj, what: str) -> list:
     return obj
 
 
+def expected_generation(prompts, params, return_routing: bool, model_cfg) -> dict:
+    """What a generation answering this request may contain (`broadcast_generation(expect=...)`);
+    `model_cfg`: the `ModelConfig` of the model that generates."""
+    num_moe = sum(1 for i in range(model_cfg.num_layers) if i not in model_cfg.dense_layers)
+    return {"prompt_ids": [list(map(int, p)) for p in prompts],
+            "max_new_tokens": [int(p.max_new_tokens) for p in params],
+            "routing": [num_moe, int(model_cfg.top_k)] if return_routing else None,
+            "vocab_size": int(model_cfg.vocab_size)}
+
+
+def _check_against_request(prompts, responses, reasons, routing, expect: dict) -> None:
+    if prompts != expect["prompt_ids"]:
+        raise ProtocolError(f"a generation for {len(prompts)} prompt(s) that are not the {len(expect['prompt_ids'])} "
+                            "requested")
+    for i, (response, limit) in enumerate(zip(responses, expect["max_new_tokens"])):
+        if len(response) > limit:
+            raise ProtocolError(f"response {i} has {len(response)} tokens; the request allowed {limit}")
+        if any(not 0 <= t < expect["vocab_size"] for t in response):
+            raise ProtocolError(f"response {i} holds a token id outside the vocabulary [0, {expect['vocab_size']})")
+    if not all(isinstance(r, str) and len(r) <= 64 for r in reasons):
+        raise ProtocolError("finish_reasons must be short strings")
+    if routing != expect["routing"]:
+        raise ProtocolError(f"routing {routing} where the request asked for {expect['routing']} "
+                            "([num_moe_layers, top_k] of the model, or null)")
+
+
 def _header(gen: GenerationOutput) -> dict:
     routing = None if gen.routing is None else list(gen.routing[0].shape[1:]) if gen.routing else [0, 0]
     return {"version": int(gen.version), "prompt_ids": [list(map(int, p)) for p in gen.prompt_ids],
@@ -64,12 +95,16 @@ def _check_header(h) -> tuple:
     return prompts, responses, reasons, routing, n
 
 
-def broadcast_generation(gen: Optional[GenerationOutput], src: int, group, device=None) -> GenerationOutput:
+def broadcast_generation(gen: Optional[GenerationOutput], src: int, group, device=None,
+                         expect: Optional[dict] = None) -> GenerationOutput:
     """`gen` from `src` of `group` (a torch.distributed group, None: the default one, or a
-    `PeerGroup`); every other rank passes None and gets the same generation back."""
+    `PeerGroup`); every other rank passes None and gets the same generation back, checked against
+    `expect` (`expected_generation` of the request) before anything is allocated."""
     device = device or torch.device("cpu")
     header = broadcast_json(None if gen is None else _header(gen), src, group, device)
     prompts, responses, reasons, routing, n = _check_header(header)
+    if expect is not None:
+        _check_against_request(prompts, responses, reasons, routing, expect)
     lengths = [len(r) for r in responses]
     flat = {}
     for key in ("log_probs", "sampled_log_probs"):

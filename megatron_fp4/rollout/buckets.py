@@ -208,3 +208,32 @@ def layout_from_json(obj) -> list:
             parsed.append(meta)
         layout.append((parsed, nbytes))
     return layout
+
+
+def check_layout(manifest: dict, layout: list) -> int:
+    """A received layout must place exactly the manifest's bytes the way `plan_buckets` does: every
+    chunk of a tensor the manifest lists with its shape and dtype, each tensor's chunks in order and
+    complete, each bucket exactly its chunks back to back. -> the total bytes (what a receiver
+    allocates: no more than the manifest's tensors, checked before anything is allocated)."""
+    filled = dict.fromkeys(manifest, 0)
+    total = 0
+    for index, (metas, nbytes) in enumerate(layout):
+        used = 0
+        for m in metas:
+            if m.name not in manifest or (tuple(m.shape), m.dtype) != tuple(manifest[m.name]):
+                raise BucketError(f"bucket {index} holds a chunk of {m.name!r} {tuple(m.shape)} {m.dtype}, which the "
+                                  "manifest does not list with that shape and dtype")
+            if m.chunk_offset != filled[m.name] or m.offset != used:
+                raise BucketError(f"bucket {index}: the chunk of {m.name!r} at tensor byte {m.chunk_offset}, bucket "
+                                  f"byte {m.offset} does not follow the previous one (expected "
+                                  f"{filled[m.name]}, {used})")
+            filled[m.name] += m.chunk_size
+            used += m.chunk_size
+        if nbytes != used:
+            raise BucketError(f"bucket {index} declares {nbytes} bytes but its chunks hold {used}")
+        total += nbytes
+    for name, (shape, dtype) in manifest.items():
+        expected = TensorMeta(name, tuple(shape), dtype, 0, 0, 0).nbytes
+        if filled[name] != expected:
+            raise BucketError(f"the layout carries {filled[name]} of the {expected} bytes of {name!r}")
+    return total

@@ -128,6 +128,19 @@ class GenerationOutput:
     distributions: Optional[list] = None
 
 
+def check_token_ids(prompts: Sequence[Sequence[int]], vocab_size: int) -> None:
+    """Every prompt token must be an integer id of the model's vocabulary (else the embedding
+    lookup fails deep inside the forward)."""
+    for i, prompt in enumerate(prompts):
+        for t in prompt:
+            if isinstance(t, bool) or not isinstance(t, int) and not (isinstance(t, torch.Tensor) and t.ndim == 0
+                                                                       and not t.dtype.is_floating_point):
+                raise ValueError(f"prompt {i}: token {t!r} is not an integer token id")
+            if not 0 <= int(t) < vocab_size:
+                raise ValueError(f"prompt {i}: token id {int(t)} is outside the model's vocabulary "
+                                 f"[0, {vocab_size}) (model.vocab_size); encode prompts with the model's tokenizer")
+
+
 def left_pad(seqs: Sequence[Sequence[int]], pad_id: int):
     """-> (tokens [B, P], mask [B, P]) with each sequence right-aligned."""
     width = max(len(s) for s in seqs)
@@ -265,8 +278,9 @@ class RolloutEngine:
         if not prompts or any(len(p) == 0 for p in prompts):
             raise ValueError("generate() needs at least one prompt and every prompt needs >= 1 token "
                              "(encode prompts with a bos token)")
+        check_token_ids(prompts, self.model.cfg.vocab_size)
         params = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
-        if len(params) != len(prompts):
+        if len(params) != len(prompts) or not all(isinstance(p, SamplingParams) for p in params):
             raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts; pass one, or one per prompt")
         max_new = max(p.max_new_tokens for p in params)
         limit = self.model.cfg.max_seq_len

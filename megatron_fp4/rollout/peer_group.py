@@ -1,27 +1,29 @@
 """A process group of its own between a publisher and its rollouts, joined only with a shared token.
 
-`PeerGroup`: a TCPStore served by rank 0 on the socket it reserved (`reserve_port`: bound to exactly
-the address it advertises), and a ProcessGroupGloo (CPU) or ProcessGroupNCCL (CUDA) built on it. It
-is never registered with torch.distributed, needs no default group and cannot collide with one.
-Ranks are group ranks. `rollout.weight_sync_dist` takes it wherever it takes a torch.distributed
-group. Users: verl's checkpoint engine (`integrations.verl.topology`) and the GRPO rollout process
-(`rl.rollout_client`).
+`PeerGroup`: rank 0 serves the group's rendezvous store on the socket it reserved (`reserve_port`:
+bound to exactly the address it advertises), and a ProcessGroupGloo (CPU) or ProcessGroupNCCL
+(CUDA) is built on it. It is never registered with torch.distributed, needs no default group and
+cannot collide with one. Ranks are group ranks. `rollout.weight_sync_dist` takes it wherever it
+takes a torch.distributed group. Users: verl's checkpoint engine (`integrations.verl.topology`)
+and the GRPO rollout process (`rl.rollout_client`).
 
-Exposure (see SECURITY.md): rank 0's store listens on exactly the address it advertises, and gloo's
-connections bind that address (rank 0) or `bind_addr` / this host's address (`host_address`, the
-other ranks). Before the process group is built, every rank proves to rank 0, and rank 0 to every
-rank, that it holds the shared token (`MEGATRON_FP4_SYNC_TOKEN` from the launcher's environment, or
-one the publisher generated and handed over): an HMAC-SHA256 over fresh nonces exchanged through
-the store, compared with `hmac.compare_digest`. A peer without the token is refused before any of
-its bytes are used; the messages that follow are JSON, never pickle.
+Exposure (see SECURITY.md): the store is not torch's TCPStore (which any TCP client can list, read
+and write, and from which gloo takes every rank's address) but `rollout.peer_store`: every
+connection first proves it holds the shared token (`MEGATRON_FP4_SYNC_TOKEN` from the launcher's
+environment, or one the publisher generated and handed over) and rank 0 proves it back, an
+HMAC-SHA256 over fresh nonces compared with `hmac.compare_digest`; before that a connection can
+send at most a 1 KiB claim and reads nothing but a greeting. Only authenticated ranks read or
+write the rendezvous, so gloo/NCCL connect exactly the token holders. Their connections are then
+confirmed over the new group itself: every rank sends an HMAC of the group's nonce and checks the
+others' before `PeerGroup()` returns, so a connection taken over at the transport (a process racing
+to gloo's listening port) fails the join instead of joining it. gloo's connections bind `addr`
+(rank 0) or `bind_addr` / this host's address (`host_address`, the other ranks). Messages are JSON,
+never pickle.
 """
 
 from __future__ import annotations
 
 import datetime
-import hashlib
-import hmac
-import json
 import os
 import secrets
 import socket
@@ -30,8 +32,9 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-TOKEN_ENV = "MEGATRON_FP4_SYNC_TOKEN"
-_MIN_TOKEN_CHARS = 16
+from megatron_fp4.rollout.peer_store import MISMATCH, TOKEN_ENV, RemoteStore, StoreServer, mac, same
+
+from megatron_fp4.rollout.peer_store import MIN_TOKEN_CHARS as _MIN_TOKEN_CHARS
 
 
 def host_address() -> str:
@@ -47,7 +50,7 @@ def host_address() -> str:
 
 def reserve_port(addr: str, port: int = 0) -> socket.socket:
     """A socket listening on exactly `addr` (the address rank 0 advertises; `port` 0: a free one), handed
-    to rank 0's TCPStore (no window for another process to take the port between `prepare()` and
+    to rank 0's rendezvous store (no window for another process to take the port between `prepare()` and
     `init_process_group`)."""
     family = socket.getaddrinfo(addr, port, type=socket.SOCK_STREAM)[0][0]
     return socket.create_server((addr, port), family=family)
@@ -67,66 +70,6 @@ def new_sync_token() -> str:
     return secrets.token_hex(32)
 
 
-def _mac(token: str, role: str, rank: int, nonce: str, peer_nonce: str) -> str:
-    return hmac.new(token.encode(), f"megatron_fp4-sync|{role}|{rank}|{nonce}|{peer_nonce}".encode(),
-                    hashlib.sha256).hexdigest()
-
-
-def _same(got, expected: str) -> bool:
-    """Constant-time comparison of a peer's proof (any string: compared as bytes)."""
-    return isinstance(got, str) and hmac.compare_digest(got.encode("utf-8", "replace"), expected.encode())
-
-
-def _read_json(store, key: str) -> Optional[dict]:
-    """A dict of strings/bools from the store (written by a peer: anything else is None)."""
-    try:
-        obj = json.loads(store.get(key).decode("utf-8"))
-    except (UnicodeDecodeError, ValueError, RecursionError):
-        return None
-    ok = isinstance(obj, dict) and all(isinstance(v, (str, bool)) for v in obj.values())
-    return obj if ok else None
-
-
-_MISMATCH = (f"set the same {TOKEN_ENV} (at least {_MIN_TOKEN_CHARS} random characters) in every actor and "
-             "rollout worker's environment, or unset it everywhere to have the publisher generate one per group")
-
-
-def authenticate(store, rank: int, world_size: int, token: str, name: str) -> None:
-    """Mutual token check through `store` before any process group exists (see the module doc).
-    Raises PermissionError naming `MEGATRON_FP4_SYNC_TOKEN` on every rank if any rank fails it."""
-    if rank == 0:
-        nonce = secrets.token_hex(16)
-        store.set("auth/nonce", nonce)
-        refused = []
-        for r in range(1, world_size):
-            claim = _read_json(store, f"auth/claim/{r}")
-            peer_nonce = claim.get("nonce") if claim else None
-            ok = isinstance(peer_nonce, str) and _same(claim.get("proof"), _mac(token, "rollout", r, nonce, peer_nonce))
-            proof = _mac(token, "publisher", r, nonce, peer_nonce) if ok else ""
-            store.set(f"auth/reply/{r}", json.dumps({"ok": ok, "proof": proof}))
-            if not ok:
-                refused.append(r)
-        store.set("auth/result", json.dumps({"refused": " ".join(map(str, refused))}))
-        if refused:
-            raise PermissionError(f"{name}: refused rank(s) {refused}: they do not hold this publisher's "
-                                  f"{TOKEN_ENV}; nothing they sent was used. Fix: {_MISMATCH}")
-        return
-    nonce = store.get("auth/nonce").decode("ascii", errors="replace")
-    mine = secrets.token_hex(16)
-    store.set(f"auth/claim/{rank}", json.dumps({"nonce": mine, "proof": _mac(token, "rollout", rank, nonce, mine)}))
-    reply = _read_json(store, f"auth/reply/{rank}") or {}
-    if reply.get("ok") is not True:
-        raise PermissionError(f"{name}: the publisher (rank 0) refused this rank: its {TOKEN_ENV} differs. "
-                              f"Fix: {_MISMATCH}")
-    if not _same(reply.get("proof"), _mac(token, "publisher", rank, nonce, mine)):
-        raise PermissionError(f"{name}: the peer serving rank 0 does not hold this worker's {TOKEN_ENV}; refusing "
-                              f"to receive weights from it. Fix: {_MISMATCH}")
-    result = _read_json(store, "auth/result") or {}
-    if result.get("refused", "?"):
-        raise PermissionError(f"{name}: the publisher refused rank(s) {result.get('refused')} (a different "
-                              f"{TOKEN_ENV}); the group is not built. Fix: {_MISMATCH}")
-
-
 class PeerGroup:
     """A dedicated process group (see the module doc) with the few collectives the weight sync uses
     (`rollout.weight_sync_dist` takes it wherever it takes a torch.distributed group).
@@ -144,27 +87,50 @@ class PeerGroup:
                              "generated in prepare()); got none")
         self._rank, self._size, self.device = rank, world_size, device
         self.name = f"megatron_fp4-ce@{addr}:{port}"
+        self._server = self._store = self.pg = None
         timeout = datetime.timedelta(seconds=timeout_s)
-        if rank == 0:
-            if listen_socket is None:
-                listen_socket = reserve_port(addr, port)
-            store = dist.TCPStore(addr, port, world_size, True, timeout, wait_for_workers=False,
-                                  master_listen_fd=listen_socket.detach())
-        else:
-            store = dist.TCPStore(addr, port, world_size, False, timeout)
-        self._store = store
-        authenticate(store, rank, world_size, token, self.name)
-        if device.type == "cuda":
+        try:
+            if rank == 0:
+                group_nonce = secrets.token_hex(16)
+                self._store = dist.HashStore()  # in this process: rank 0's rendezvous uses it directly
+                self._store.set_timeout(timeout)
+                self._server = StoreServer(listen_socket or reserve_port(addr, port), self._store, token,
+                                           world_size, group_nonce).start()
+                refused = self._server.wait_joined(timeout_s)
+                if refused:
+                    raise PermissionError(f"{self.name}: refused rank(s) {refused}: they do not hold this "
+                                          f"publisher's {TOKEN_ENV}; nothing they sent was used. Fix: {MISMATCH}")
+            else:
+                self._store, group_nonce = RemoteStore.connect(addr, port, rank, token, timeout_s, self.name)
+            self.pg = self._process_group(self._store, timeout, addr, bind_addr)
+            self._confirm(token, group_nonce)
+        except BaseException:
+            self.close()
+            raise
+
+    def _process_group(self, store, timeout: datetime.timedelta, addr: str, bind_addr: Optional[str]):
+        if self.device.type == "cuda":
             opts = dist.ProcessGroupNCCL.Options()
             opts._timeout = timeout
-            torch.cuda.set_device(device)
-            self.pg = dist.ProcessGroupNCCL(store, rank, world_size, opts)
-        else:
-            opts = dist.ProcessGroupGloo._Options()
-            opts._timeout = timeout
-            opts._devices = [dist.ProcessGroupGloo.create_device(
-                hostname=bind_addr or (addr if rank == 0 else host_address()))]
-            self.pg = dist.ProcessGroupGloo(store, rank, world_size, opts)
+            torch.cuda.set_device(self.device)
+            return dist.ProcessGroupNCCL(store, self._rank, self._size, opts)
+        opts = dist.ProcessGroupGloo._Options()
+        opts._timeout = timeout
+        opts._devices = [dist.ProcessGroupGloo.create_device(
+            hostname=bind_addr or (addr if self._rank == 0 else host_address()))]
+        return dist.ProcessGroupGloo(store, self._rank, self._size, opts)
+
+    def _confirm(self, token: str, group_nonce: str) -> None:
+        """Every rank proves the token over the group's own connections (see the module doc)."""
+        def proof(rank):
+            return mac(token, "connected", rank, group_nonce)
+        mine = torch.frombuffer(bytearray(bytes.fromhex(proof(self._rank))), dtype=torch.uint8).to(self.device)
+        got = [t.cpu().numpy().tobytes().hex() for t in self.all_gather(mine)]
+        bad = [r for r, p in enumerate(got) if r != self._rank and not same(p, proof(r))]
+        if bad:
+            raise PermissionError(f"{self.name}: the connection(s) to group rank(s) {bad} do not come from a "
+                                  f"holder of this group's {TOKEN_ENV} (taken over at the transport?); nothing "
+                                  "was sent on the group before this check. Keep the sync on a trusted network")
 
     def rank(self) -> int:
         return self._rank
@@ -190,4 +156,9 @@ class PeerGroup:
         shutdown = getattr(self.pg, "shutdown", None)
         if shutdown is not None and self.device.type == "cuda":
             shutdown()
-        self.pg = self._store = None
+        self.pg = None
+        if self._server is not None:
+            self._server.close()
+        elif self._store is not None:
+            self._store.close()
+        self._server = self._store = None

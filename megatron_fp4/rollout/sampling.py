@@ -6,10 +6,24 @@ batch.
 """
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
+
+
+# Below this a temperature scales finite logits past float32's range (|logit| / 1e-5 overflows only
+# beyond 3.4e33); vLLM treats temperatures under the same 1e-5 as greedy.
+MIN_TEMPERATURE = 1e-5
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_real(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
 @dataclass(frozen=True)
@@ -30,15 +44,25 @@ class SamplingParams:
     seed: Optional[int] = None
 
     def __post_init__(self):
-        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
+        if not _is_int(self.max_new_tokens) or self.max_new_tokens < 1:
             raise ValueError(f"SamplingParams.max_new_tokens={self.max_new_tokens!r} must be an integer >= 1")
-        if not self.temperature >= 0.0:
-            raise ValueError(f"SamplingParams.temperature={self.temperature!r} must be >= 0 (0 = greedy)")
-        if not isinstance(self.top_k, int) or self.top_k < 0:
+        if not _is_real(self.temperature) or not (self.temperature == 0.0 or MIN_TEMPERATURE <= self.temperature
+                                                   < float("inf")):
+            raise ValueError(f"SamplingParams.temperature={self.temperature!r} must be 0 (greedy) or a finite number "
+                             f">= {MIN_TEMPERATURE} (smaller ones overflow the scaled logits to inf)")
+        if not _is_int(self.top_k) or self.top_k < 0:
             raise ValueError(f"SamplingParams.top_k={self.top_k!r} must be an integer >= 0 (0 disables top-k)")
-        if not 0.0 < self.top_p <= 1.0:
+        if not _is_real(self.top_p) or not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"SamplingParams.top_p={self.top_p!r} must be in (0, 1] (1.0 disables top-p)")
-        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        if self.seed is not None and (not _is_int(self.seed) or not -(1 << 63) <= self.seed < 1 << 64):
+            raise ValueError(f"SamplingParams.seed={self.seed!r} must be None or an integer in [-2**63, 2**64) "
+                             "(what torch.Generator.manual_seed takes)")
+        try:
+            stop = tuple(operator.index(t) for t in self.stop_token_ids)  # ints, numpy ints, 0-d int tensors
+        except TypeError:
+            raise ValueError(f"SamplingParams.stop_token_ids={self.stop_token_ids!r} must be integer token "
+                             "ids") from None
+        object.__setattr__(self, "stop_token_ids", stop)
 
     @property
     def greedy(self) -> bool:

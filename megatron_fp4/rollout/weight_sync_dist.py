@@ -31,8 +31,8 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from megatron_fp4.rollout.buckets import (Bucket, BucketError, bucket_layout, layout_from_json, layout_to_json,
-                                          manifest_from_json, manifest_to_json)
+from megatron_fp4.rollout.buckets import (Bucket, BucketError, bucket_layout, check_layout, layout_from_json,
+                                          layout_to_json, manifest_from_json, manifest_to_json)
 from megatron_fp4.rollout.weight_sync import WeightSyncError
 
 MAX_HEADER_BYTES = 1 << 30  # a manifest + layout of ~10^6 chunks; more is not a header
@@ -149,7 +149,9 @@ def _decode_header(obj) -> tuple:
     if not isinstance(obj, dict) or set(obj) != {"version", "manifest", "layout"} or type(obj["version"]) is not int:
         raise MalformedMessage("the publisher's header is not {'version': int, 'manifest': ..., 'layout': ...}")
     try:
-        return obj["version"], manifest_from_json(obj["manifest"]), layout_from_json(obj["layout"])
+        manifest, layout = manifest_from_json(obj["manifest"]), layout_from_json(obj["layout"])
+        check_layout(manifest, layout)  # sizes agree with the manifest before anything is allocated
+        return obj["version"], manifest, layout
     except BucketError as err:
         raise MalformedMessage(f"the publisher's header for version {obj['version']} is malformed: {err}") from None
 
@@ -204,6 +206,7 @@ class DistributedReceiver:
         self.versions: list = []
         self.errors: list = []
         self.current_version: Optional[int] = None
+        self.failure: Optional[BaseException] = None
         self._thread: Optional[threading.Thread] = None
 
     def _verdict(self, error: Optional[str]) -> None:
@@ -227,9 +230,10 @@ class DistributedReceiver:
             version, verdict, layout = None, str(err), None
         else:
             self.current_version = version  # for a receiver that wants to know it at validate()
-            verdict = None
+            verdict = buffers = None
             try:
                 self.receiver.validate(manifest)
+                buffers = self._allocate(layout)  # before the verdict: a failure is reported, not fatal
             except Exception as err:  # noqa: BLE001 - reported to the trainer, engine untouched
                 verdict = f"{type(err).__name__}: {err}"
         self._verdict(verdict)
@@ -240,12 +244,15 @@ class DistributedReceiver:
         if not go:
             self.errors.append((version, verdict or "another rollout rejected the manifest"))
             return True
+        staged, scratch = buffers
         buckets = []
-        for metas, nbytes in layout:
-            buf = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        for (metas, nbytes), buf in zip(layout, staged):
             if nbytes:
-                _broadcast_tensor(buf, self.src, self.group)
-            buckets.append(Bucket(metas, buf.cpu()))
+                wire = buf if scratch is None else scratch[:nbytes]
+                _broadcast_tensor(wire, self.src, self.group)
+                if scratch is not None:
+                    buf.copy_(wire)
+            buckets.append(Bucket(metas, buf))
         verdict = None
         try:
             self.receiver.load(version, manifest, buckets)
@@ -256,16 +263,46 @@ class DistributedReceiver:
         self._verdict(verdict)
         return True
 
+    def _allocate(self, layout: list) -> tuple:
+        """(a host buffer per bucket, one device buffer the buckets arrive through or None on CPU);
+        the layout's sizes were checked against the manifest (`buckets.check_layout`)."""
+        try:
+            staged = [torch.empty(nbytes, dtype=torch.uint8) for _, nbytes in layout]
+            largest = max([0] + [nbytes for _, nbytes in layout])
+            scratch = None if self.device.type == "cpu" else torch.empty(largest, dtype=torch.uint8, device=self.device)
+        except RuntimeError as err:  # out of memory
+            total = sum(nbytes for _, nbytes in layout)
+            raise MemoryError(f"rollout {self.receiver.name!r} cannot allocate the {total} bytes of the update's "
+                              f"buckets ({str(err).splitlines()[0]}); it keeps its version") from None
+        return staged, scratch
+
     def serve_forever(self) -> None:
-        while self.serve_one():
+        """Serve until the trainer says stop. An error that breaks the exchange itself (the group
+        failed, the publisher broke the protocol) ends it: kept in `failure` and `errors`, raised."""
+        try:
+            while self.serve_one():
+                pass
+        except Exception as err:
+            self.failure = err
+            self.errors.append((self.current_version, f"{type(err).__name__}: {err}"))
+            raise
+
+    def _serve_quietly(self) -> None:
+        try:
+            self.serve_forever()
+        except Exception:  # noqa: BLE001 - kept in self.failure, raised by join()
             pass
 
     def start(self) -> "DistributedReceiver":
         """Serve in a background thread; generation keeps running on the caller's thread."""
-        self._thread = threading.Thread(target=self.serve_forever, name="weight-sync-recv", daemon=True)
+        self._thread = threading.Thread(target=self._serve_quietly, name="weight-sync-recv", daemon=True)
         self._thread.start()
         return self
 
     def join(self, timeout: Optional[float] = None) -> None:
+        """Wait for the serving thread; raises what ended it if the exchange broke."""
         if self._thread is not None:
             self._thread.join(timeout)
+        if self.failure is not None:
+            raise RuntimeError(f"rollout {self.receiver.name!r} stopped taking weight updates: "
+                               f"{type(self.failure).__name__}: {self.failure}") from self.failure

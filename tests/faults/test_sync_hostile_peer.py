@@ -8,10 +8,8 @@ token (an insider: the token keeps outsiders out, this checks what an insider's 
   * group B: rank 0 is a hostile publisher whose header is a pickle; rank 1 is an honest rollout
     -> it answers with a failing verdict, loads nothing and keeps serving its version.
 In both the marker file is never written (before this fix both sides ran `pickle.loads`)."""
-import importlib.util
 import os
 import pickle
-import sys
 
 import pytest
 import torch
@@ -30,22 +28,9 @@ class _WritesMarker:
         return open, (self.path, "w")
 
 
-def _topology():
-    """integrations/verl/topology.py on its own: it needs only torch, while its package's __init__
-    imports verl (~10 s of CPU per process)."""
-    name = "megatron_fp4.integrations.verl.topology"
-    if name not in sys.modules:
-        import megatron_fp4.integrations as integrations
-        path = os.path.join(integrations.__path__[0], "verl", "topology.py")
-        spec = importlib.util.spec_from_file_location(name, path)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[name]
-
-
 def _group(port, rank):
-    return _topology().PeerGroup("127.0.0.1", port, rank, 2, torch.device("cpu"), timeout_s=30, token=TOKEN)
+    from megatron_fp4.rollout.peer_group import PeerGroup  # what verl's checkpoint engine and RemoteRollout use
+    return PeerGroup("127.0.0.1", port, rank, 2, torch.device("cpu"), timeout_s=30, token=TOKEN)
 
 
 def _bytes(data: bytes) -> torch.Tensor:

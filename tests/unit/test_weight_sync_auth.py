@@ -1,17 +1,19 @@
 """The "dist" weight-sync group's exposure: its listeners bind exactly the advertised address, and
 a peer without the shared token (MEGATRON_FP4_SYNC_TOKEN) is refused on join, on both sides.
 
-Groups are built in threads of this process (the token check runs through the store before any
-process group exists), so no processes are spawned."""
+Groups are built in threads of this process (the token check runs on the store's connections
+before any process group exists), so no processes are spawned. `PeerGroup` needs only torch; the
+verl checkpoint engine's tests import verl themselves."""
 import os
 import socket
+import struct
 import threading
 
 import pytest
 import torch
 
-pytest.importorskip("verl")
-from megatron_fp4.integrations.verl.topology import TOKEN_ENV, PeerGroup, reserve_port  # noqa: E402
+from megatron_fp4.rollout.peer_group import TOKEN_ENV, PeerGroup, reserve_port
+from megatron_fp4.rollout.peer_store import HELLO_LIMIT, PROTOCOL, recv_msg, send_msg
 
 ADDR = "127.0.0.1"
 TOKEN = "a" * 64
@@ -69,8 +71,14 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_prepare_listens_on_the_advertised_address_only():
+def _engine():
+    pytest.importorskip("verl")
     from megatron_fp4.integrations.verl import MegatronFP4CheckpointEngine
+    return MegatronFP4CheckpointEngine
+
+
+def test_prepare_listens_on_the_advertised_address_only():
+    MegatronFP4CheckpointEngine = _engine()
     ce = MegatronFP4CheckpointEngine(master_addr=ADDR)
     meta = ce.prepare()
     try:
@@ -98,7 +106,8 @@ def test_wrong_token_is_refused_on_both_sides():
 
 
 def test_same_token_joins_and_the_group_works():
-    out = _build([TOKEN, TOKEN], _free_port())
+    port = _free_port()
+    out = _build([TOKEN, TOKEN], port)
     assert all(isinstance(g, PeerGroup) for g in out.values()), out
     got = {}
 
@@ -112,10 +121,14 @@ def test_same_token_joins_and_the_group_works():
     for th in threads:
         th.join(60)
     assert got == {0: 7.0, 1: 7.0}
+    with pytest.raises(ConnectionRefusedError):  # every rank joined: rank 0's store takes no new connection
+        socket.create_connection((ADDR, port), timeout=10)
+    for group in out.values():
+        group.close()
 
 
 def test_token_from_the_environment(monkeypatch):
-    from megatron_fp4.integrations.verl import MegatronFP4CheckpointEngine
+    MegatronFP4CheckpointEngine = _engine()
     ce = MegatronFP4CheckpointEngine(master_addr=ADDR)
     monkeypatch.delenv(TOKEN_ENV, raising=False)
     meta = ce.prepare()  # no token in the environment: the publisher generates one for its rollouts
@@ -131,24 +144,95 @@ def test_token_from_the_environment(monkeypatch):
     ce.finalize()
 
 
-class _DictStore:
-    """The two TCPStore calls `authenticate` makes, over a dict (a peer's writes pre-filled)."""
+def _claim_then_join(port, claim: bytes):
+    """A raw connection sends `claim` (framed) as its answer to rank 0's greeting; then the real
+    rank 1 joins. -> (what the raw connection got back, {rank: group or exception})."""
+    listen = reserve_port(ADDR, port)
+    out, got = {}, []
 
-    def __init__(self, **values):
-        self.values = {k.replace("__", "/"): v for k, v in values.items()}
+    def rank0():
+        try:
+            out[0] = PeerGroup(ADDR, port, 0, 2, torch.device("cpu"), timeout_s=30, listen_socket=listen, token=TOKEN)
+        except Exception as err:  # noqa: BLE001 - inspected by the test
+            out[0] = err
+    th = threading.Thread(target=rank0, daemon=True)
+    th.start()
+    with socket.create_connection((ADDR, port), timeout=30) as raw:
+        hello = recv_msg(raw, HELLO_LIMIT)
+        assert hello["protocol"] == PROTOCOL and set(hello) == {"protocol", "nonce", "group"}
+        raw.sendall(struct.pack(">I", len(claim)) + claim)
+        try:
+            while True:
+                chunk = raw.recv(4096)
+                if not chunk:
+                    break
+                got.append(chunk)
+        except OSError:
+            pass
+        if not got:  # the raw connection was dropped without an answer: the real rollout can still join
+            one = {}
+            t1 = threading.Thread(target=lambda: one.update(g=_try_join(port)), daemon=True)
+            t1.start()
+            t1.join(60)
+            out[1] = one.get("g")
+    th.join(60)
+    return b"".join(got), out
 
-    def set(self, key, value):
-        self.values[key] = value.encode() if isinstance(value, str) else value
 
-    def get(self, key):
-        return self.values[key]
+def _try_join(port):
+    try:
+        return PeerGroup(ADDR, port, 1, 2, torch.device("cpu"), timeout_s=30, token=TOKEN)
+    except Exception as err:  # noqa: BLE001
+        return err
 
 
-@pytest.mark.parametrize("claim", [b"\x80\x04\x95 not json", b'{"nonce": "n", "proof": "\\u00e9\\u00e9"}',
-                                   b'{"nonce": 1, "proof": []}', b"[1, 2]"])
-def test_a_malformed_claim_is_refused_cleanly(claim):
-    from megatron_fp4.integrations.verl.topology import authenticate
-    store = _DictStore(auth__claim__1=claim)
-    with pytest.raises(PermissionError, match=f"refused rank\\(s\\) \\[1\\].*{TOKEN_ENV}"):
-        authenticate(store, 0, 2, TOKEN, "test-group")
-    assert b'"ok": false' in store.values["auth/reply/1"]
+@pytest.mark.parametrize("claim", [b"\x80\x04\x95 not json", b'{"nonce": 1, "proof": []}', b"[1, 2]",
+                                   b'{"rank": "1", "nonce": "n", "proof": "p"}', b"x" * (HELLO_LIMIT + 1),
+                                   b'{"rank": 1, "nonce": "n|x", "proof": "p"}'])
+def test_a_malformed_claim_is_dropped_and_the_real_rollout_still_joins(claim):
+    got, out = _claim_then_join(_free_port(), claim)
+    assert got == b"", got  # nothing but the greeting, not even a refusal
+    assert isinstance(out[0], PeerGroup) and isinstance(out[1], PeerGroup), out
+    out[0].close()
+    out[1].close()
+
+
+NONCE = b'"' + b"0" * 32 + b'"'
+
+
+@pytest.mark.parametrize("claim", [b'{"rank": 1, "nonce": ' + NONCE + b', "proof": "\\u00e9\\u00e9"}',
+                                   b'{"rank": 1, "nonce": ' + NONCE + b', "proof": "' + b"0" * 64 + b'"}',
+                                   b'{"rank": 0, "nonce": ' + NONCE + b', "proof": "p"}',
+                                   b'{"rank": 7, "nonce": ' + NONCE + b', "proof": "p"}'])
+def test_a_claim_without_the_token_is_refused_cleanly(claim):
+    got, out = _claim_then_join(_free_port(), claim)
+    (n,) = struct.unpack(">I", got[:4])
+    assert got[4:4 + n] == b'{"ok": false, "proof": ""}'  # the refusal, and no proof of rank 0's to learn from
+    assert isinstance(out[0], PermissionError) and TOKEN_ENV in str(out[0]) and "refused rank(s)" in str(out[0])
+
+
+def test_an_authenticated_peer_writes_within_bounds_only():
+    """Even a token holder cannot make rank 0's store hold more than MAX_VALUE_BYTES per value or
+    MAX_TOTAL_BYTES in all: the connection is closed and the value is not stored."""
+    import datetime
+
+    import torch.distributed as dist
+
+    from megatron_fp4.rollout.peer_store import MAX_TOTAL_BYTES, MAX_VALUE_BYTES, RemoteStore, StoreServer
+    backend = dist.HashStore()
+    backend.set_timeout(datetime.timedelta(seconds=10))
+    listen = reserve_port(ADDR)
+    server = StoreServer(listen, backend, TOKEN, 3, "g").start()
+    port = listen.getsockname()[1]
+    one, _ = RemoteStore.connect(ADDR, port, 1, TOKEN, 10, "t")
+    one.set("fits", b"x" * MAX_VALUE_BYTES)
+    assert backend.get("fits") == b"x" * MAX_VALUE_BYTES and one.get("fits") == b"x" * MAX_VALUE_BYTES
+    with pytest.raises(RuntimeError, match="rank 0 closed"):
+        one.set("too-big", b"x" * (MAX_VALUE_BYTES + 1))
+    assert not backend.check(["too-big"])
+    two, _ = RemoteStore.connect(ADDR, port, 2, TOKEN, 10, "t")
+    with pytest.raises(RuntimeError, match="rank 0 closed"):
+        for i in range(MAX_TOTAL_BYTES // MAX_VALUE_BYTES + 1):
+            two.set(f"k{i}", b"y" * MAX_VALUE_BYTES)
+    assert backend.num_keys() <= MAX_TOTAL_BYTES // MAX_VALUE_BYTES
+    server.close()

@@ -15,7 +15,7 @@ overwritten: by the rollout engine's `load_weights`, or, with `validator=` (e.g.
 Topology and transport (`topology.py`): actor rank 0 is the only sender, other actor ranks drain
 their generator; rollout workers are ranks 1..N. Workers that all live in one process use an
 in-process channel; otherwise (verl's deployment) `init_process_group` builds a dedicated
-TCPStore + ProcessGroupGloo/NCCL group (`PeerGroup`, never the default group; listening only on
+token-authenticated store + ProcessGroupGloo/NCCL group (`PeerGroup`, never the default group; listening only on
 the advertised address, joined only with the shared token, see SECURITY.md) and the buckets
 travel by `rollout.weight_sync_dist`'s protocol (header, go/no-go, bucket broadcasts, load
 verdicts). verl rebuilds the group for every update (prepare → init_process_group → send/receive

@@ -11,20 +11,20 @@ Topology (the same in both modes; `assign_ranks` is pure):
     CPU example); mode "dist" otherwise (verl's deployment: actor and rollout workers are separate
     Ray actors).
 
-`PeerGroup` is the "dist" mode's group: a TCPStore served by rank 0 on the port it reserved in
-`prepare()`, and a ProcessGroupGloo (CPU) or ProcessGroupNCCL (CUDA) built on it. It is never
+`PeerGroup` is the "dist" mode's group: a token-authenticated rendezvous store served by rank 0 on
+the port it reserved in `prepare()`, and a ProcessGroupGloo (CPU) or ProcessGroupNCCL (CUDA) built on it. It is never
 registered with torch.distributed, needs no default group and cannot collide with one (verl's
 workers run their own default groups for training). Ranks are group ranks.
 
 Exposure (see SECURITY.md): rank 0's store listens on exactly the address it advertises (the
 socket `reserve_port` binds is the one the store serves), and gloo's connections bind that address
-(rank 0) or this host's address (`host_address`, the other ranks). Before the process group is
-built, every rank proves to rank 0, and rank 0 to every rank, that it holds the shared token
+(rank 0) or this host's address (`host_address`, the other ranks). A connection to the store is
+served only after it proved, and rank 0 proved back, that it holds the shared token
 (`MEGATRON_FP4_SYNC_TOKEN` from the launcher's environment, else one the publisher generated in
 `prepare()` and verl's controller handed over with the master's metadata): an HMAC-SHA256 over
-fresh nonces exchanged through the store, compared with `hmac.compare_digest`. A peer without the
-token is refused before any of its bytes are used; the messages that follow are JSON
-(`rollout.weight_sync_dist`), never pickle.
+fresh nonces (`rollout.peer_store`); the group's connections are confirmed the same way before it
+is used (`rollout.peer_group`). The messages that follow are JSON (`rollout.weight_sync_dist`),
+never pickle.
 """
 from __future__ import annotations
 
@@ -33,8 +33,8 @@ import socket
 
 # The group itself is not verl's: it lives in rollout/peer_group.py (the GRPO rollout process uses
 # it too); its names stay importable from here.
-from megatron_fp4.rollout.peer_group import (TOKEN_ENV, PeerGroup, authenticate, host_address,  # noqa: F401
-                                             new_sync_token, reserve_port, sync_token_from_env)
+from megatron_fp4.rollout.peer_group import (TOKEN_ENV, PeerGroup, host_address, new_sync_token,  # noqa: F401
+                                             reserve_port, sync_token_from_env)
 
 
 def process_id() -> str:
