@@ -60,3 +60,15 @@ def single_thread():
         yield
     finally:
         torch.set_num_threads(before)
+
+
+def log_softmax_bound(max_abs: float, num: int, dtype: torch.dtype = torch.float32) -> float:
+    """Bound on |log_softmax(x)_i − exact| for one evaluation in `dtype` of a row of `num` entries
+    with max|x| = `max_abs`: the shift x_i − max (≤ u·2M), exp of each shifted value (≤ 2u relative:
+    libm / SLEEF are within 1 ulp), their positive sum s ∈ [1, n] (≤ γ_{n−1} relative), log s
+    (absolute error = the relative error of s, plus u·log n) and the final subtraction
+    (≤ u·(2M + log n)): u·(4M + 2·log n + 3) + γ_{n−1}; doubled for margin. An input rounding of
+    δ per entry moves every output by at most 2δ more (log-softmax is 2-Lipschitz in max-norm)."""
+    import math
+    u = torch.finfo(dtype).eps / 2
+    return 2 * (u * (4 * max_abs + 2 * math.log(num) + 3) + gamma(max(num - 1, 1), dtype))
