@@ -1,13 +1,10 @@
 """tools/convert_checkpoint.py: ours -> HF safetensors -> ours keeps every weight bit for bit."""
-import pytest
 import torch
 
 from megatron_fp4.config import load_config
 from megatron_fp4.training.trainer import Trainer
 from tests.integration.test_train import small_cfg
 from tools.convert_checkpoint import main
-
-pytest.importorskip("safetensors")
 
 
 def test_roundtrip_through_hf(tmp_path, capsys):

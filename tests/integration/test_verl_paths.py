@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-verl = pytest.importorskip("verl")
+import verl  # the test extra installs it: a missing package fails, never skips
 
 from tensordict import TensorDict  # noqa: E402
 from verl.trainer.config import CheckpointConfig  # noqa: E402
