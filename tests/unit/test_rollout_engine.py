@@ -136,13 +136,20 @@ def test_greedy_and_sampling_log_probs():
 
 
 def test_compute_log_probs_respects_masks():
-    model = make()
+    model = make().eval()  # eval: no router auxiliary losses, only the log-probs' own gradient
     batch = pad_prompt_response(enc(["1+1=", "22*3="]), [[5, 6], [7]], TOK.pad_id)
     out = compute_log_probs(model, batch["input_ids"], batch["attention_mask"], batch["response_mask"])
     assert torch.all(out.log_probs[batch["response_mask"] == 0] == 0)
     assert torch.all(out.log_probs[batch["response_mask"] == 1] < 0)
     out.log_probs.sum().backward()  # differentiable for the trainer
-    assert model.embed_tokens.weight.grad is not None
+    # The gradient reaches exactly the embeddings of the tokens a kept prediction reads: the real
+    # inputs before the last response token of their row; never the padding's, nor a row's last token.
+    read = set()
+    for ids, am, rm in zip(batch["input_ids"], batch["attention_mask"], batch["response_mask"]):
+        last = int(rm.nonzero().max())
+        read |= {int(t) for t, a in zip(ids[:last], am[:last]) if a}
+    touched = (model.embed_tokens.weight.grad != 0).any(-1).nonzero().flatten().tolist()
+    assert TOK.pad_id not in read and touched == sorted(read), (touched, sorted(read))
 
 
 def test_bad_requests_raise_clear_errors():
