@@ -123,14 +123,15 @@ def test_grpo_example_mechanics(tmp_path, monkeypatch):
 
 def assert_k3_matches_float64(lp, ref, mask, kl):
     """`kl` = mean over response tokens of exp(d) - d - 1, d = ref - lp, by hand in float64.
-    fp32: d has one rounding (u·|d|), each term exp(d) - d - 1 a few more of its parts'
-    magnitude (<= 4u·(exp(d) + |d| + 1)), the masked mean of n terms γ_n of Σ k3."""
+    fp32: d has one rounding (u·|d|, moving k3 by <= u·|d|·exp(d)), each term exp(d) - d - 1 a
+    few more of its parts' magnitude (<= 4u·(exp(d) + |d| + 1)), the masked sum of n terms γ_n of
+    Σ k3 (the masked-out zeros add exactly) and the division by n one more u."""
     from tests.numerics import gamma
     m = mask.bool()
     d = (ref.double() - lp.double())[m]
     ref_kl = float((d.exp() - d - 1).mean())
     u, n = torch.finfo(torch.float32).eps / 2, int(m.sum())
-    tol = float((4 * u * (d.exp() + d.abs() + 1) + u * d.abs() * d.exp()).mean()) + gamma(n) * ref_kl
+    tol = float((4 * u * (d.exp() + d.abs() + 1) + u * d.abs() * d.exp()).mean()) + (gamma(n) + u) * ref_kl
     assert abs(kl - ref_kl) <= tol, (kl, ref_kl, tol)
 
 
