@@ -1,6 +1,7 @@
-"""The GRPO example runs a few steps: versions advance, rollout and trainer log-probs agree before
-the first update, rewards are check_answer (arithmetic) or the data_source scorer (carry task, verl
-parquet) of the decoded completions, TensorBoard gets scalars; the SFT loss against float64."""
+"""The GRPO example runs a few steps: versions advance, rollout and trainer log-probs are the same
+bits at every step, rewards and greedy eval accuracies are check_answer (arithmetic) or the
+data_source scorer (carry task, verl parquet) of the decoded completions, the k3 KL is the frozen
+reference's, TensorBoard gets scalars; the SFT loss against float64."""
 import importlib.util
 import math
 from pathlib import Path
@@ -21,7 +22,7 @@ def load_example():
     return mod
 
 
-def spy_evals(ex, monkeypatch) -> list:
+def spy_evals(ex, monkeypatch) -> tuple:
     """Record every greedy eval of `ex.run` as (tokenizer, eval items, generation): the items the
     task handed out (`eval_items`) and what the rollout generated for them at temperature 0."""
     items, gens = [], []
