@@ -60,3 +60,16 @@ def single_thread():
         yield
     finally:
         torch.set_num_threads(before)
+
+
+def log_softmax_bound(max_abs: float, num: int, dtype: torch.dtype = torch.float32) -> float:
+    """Bound on |log_softmax(x)_i − exact| for one evaluation in `dtype` of a row of `num` entries
+    with max|x| = M (`max_abs`), u the unit roundoff. The shift x_i − max is off by ≤ 2uM; that
+    error enters each exp as a relative 2uM, exp itself rounds within 2u (libm / SLEEF: 1 ulp),
+    and the positive sum s ∈ [1, n] adds γ_{n−1} relative; log s is then off by that relative error
+    (an absolute error) plus u·log n of rounding; the final subtraction adds the shift's 2uM and
+    u·(2M + log n). In all u·(6M + 2·log n + 2) + γ_{n−1}; doubled for margin. An input rounding of
+    δ per entry moves every output by at most 2δ more (log-softmax is 2-Lipschitz in max-norm)."""
+    import math
+    u = torch.finfo(dtype).eps / 2
+    return 2 * (u * (6 * max_abs + 2 * math.log(num) + 2) + gamma(max(num - 1, 1), dtype))

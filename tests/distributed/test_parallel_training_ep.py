@@ -13,11 +13,10 @@ GC-MoE with FP4 gives the all-to-all dispatcher's bits (same batches, same segme
 """
 import pytest
 
-pytest.importorskip("megatron_fp4.parallel.expert_parallel")
-
-from tests.distributed.launch import run_distributed  # noqa: E402
-from tests.distributed.test_parallel_training import STEPS, _reference, layout_cfg  # noqa: E402
-from tests.numerics import FP64_REL, rel  # noqa: E402
+import megatron_fp4.parallel.expert_parallel  # noqa: F401 - an ImportError fails the suite, never skips it
+from tests.distributed.launch import run_distributed
+from tests.distributed.test_parallel_training import STEPS, _reference, layout_cfg
+from tests.numerics import FP64_REL, rel
 
 SPEC = dict(pp=2, ep=2, zero_stage=1)
 FP4_STEPS = 2

@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from tests.distributed.launch import run_distributed
 
-pytest.importorskip("verl")
+import verl  # noqa: F401,E402 - the test extra installs it: a missing package fails, never skips
 pytestmark = pytest.mark.distributed
 
 

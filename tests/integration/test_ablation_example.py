@@ -30,7 +30,6 @@ def test_ablation_runs_and_sides_use_their_own_modes(tmp_path):
     assert set(runs) == {"BF16", "rollout-only compensation"}
     for r in runs.values():
         assert [s for s, _ in r["evals"]] == [0, 1, 2] and len(r["history"]) == 2
-        assert all(0.0 <= acc <= 1.0 for _, acc in r["evals"])
         for (_, acc), (_, groups) in zip(r["evals"], r["eval_groups"]):  # the groups partition the test set
             sizes = {"carry": carrying, "no carry": 8 - carrying}
             assert set(groups) == {g for g, n in sizes.items() if n} and \

@@ -1,6 +1,7 @@
-"""The GRPO example runs a few steps: versions advance, rollout and trainer log-probs agree before
-the first update, rewards are check_answer (arithmetic) or the data_source scorer (carry task, verl
-parquet) of the decoded completions, TensorBoard gets scalars; the SFT loss against float64."""
+"""The GRPO example runs a few steps: versions advance, rollout and trainer log-probs are the same
+bits at every step, rewards and greedy eval accuracies are check_answer (arithmetic) or the
+data_source scorer (carry task, verl parquet) of the decoded completions, the k3 KL is the frozen
+reference's, TensorBoard gets scalars; the SFT loss against float64."""
 import importlib.util
 import math
 from pathlib import Path
@@ -8,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from megatron_fp4.rollout.scoring import log_probs_from_logits
 from megatron_fp4.training.data import check_answer
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -20,6 +22,48 @@ def load_example():
     return mod
 
 
+def spy_evals(ex, monkeypatch) -> tuple:
+    """Record every greedy eval of `ex.run` as (tokenizer, eval items, generation): the items the
+    task handed out (`eval_items`) and what the rollout generated for them at temperature 0."""
+    items, gens = [], []
+    for cls in (ex.ArithmeticTask, ex.CarryTask, ex.DatasetTask):
+        def eval_items(self, real=cls.eval_items):
+            items.append((self.tok, real(self)))
+            return items[-1][1]
+        monkeypatch.setattr(cls, "eval_items", eval_items)
+    real_make = ex.make_rollout
+
+    def make_rollout(*a, **k):
+        rollout = real_make(*a, **k)
+        real_generate = rollout.generate
+
+        def generate(prompts, params, **kw):
+            out = real_generate(prompts, params, **kw)
+            if all(p.temperature == 0 for p in params):
+                gens.append(out)
+            return out
+        rollout.generate = generate
+        return rollout
+    monkeypatch.setattr(ex, "make_rollout", make_rollout)
+    return items, gens
+
+
+def expected_accuracies(evals) -> list:
+    """The greedy accuracy of each recorded eval, recomputed: check_answer (arithmetic) or the
+    data_source scorer (rows with a reference) of the decoded greedy completions."""
+    from megatron_fp4.training import rewards
+    items, gens = evals
+    assert len(items) == len(gens)
+    out = []
+    for (tok, its), gen in zip(items, gens):
+        assert gen.prompt_ids == [ids for ids, _, _ in its]
+        texts = [tok.decode(r, stop_at_eos=True) for r in gen.response_ids]
+        scores = [check_answer(it[1], c) if it[2] is None else rewards.compute_score(it[2][0], c, it[2][1])
+                  for it, c in zip(its, texts)]
+        out.append(sum(s > 0 for s in scores) / len(its))
+    return out
+
+
 def test_grpo_advantages_reference():
     ex = load_example()
     adv = ex.grpo_advantages(torch.tensor([1.0, 0.0, 0.0, 0.0, 1.0, 1.0]), group_size=3)
@@ -30,8 +74,20 @@ def test_grpo_advantages_reference():
     torch.testing.assert_close(adv[3:], (g2 - g2.mean()) / (g2.std(unbiased=False) + 1e-6))
 
 
-def test_grpo_example_mechanics(tmp_path):
+def test_grpo_example_mechanics(tmp_path, monkeypatch):
     ex = load_example()
+    evals = spy_evals(ex, monkeypatch)
+    batches, updates = [], []
+    real_ppo = ex.ppo_updates
+    monkeypatch.setattr(ex, "ppo_updates", lambda trainer, batch, *a: (batches.append(batch), real_ppo(trainer, batch, *a))[1])
+
+    class RecordingLoss(ex.PolicyLoss):  # each update's policy log-probs, reference and reported k3
+        def loss(self, logits, mb):
+            loss, metrics = super().loss(logits, mb)
+            lp, _ = log_probs_from_logits(logits.detach(), mb["input_ids"], mb["response_mask"])
+            updates.append((lp, mb["ref_log_probs"], mb["response_mask"], metrics["kl"]))
+            return loss, metrics
+    monkeypatch.setattr(ex, "PolicyLoss", RecordingLoss)
     args = ex.parse_args(["--task", "arithmetic", "--steps", "3", "--sft-steps", "0", "--num-prompts", "3", "--group-size", "3",
                           "--max-new-tokens", "4", "--eval-size", "10", "--eval-every", "2",
                           "--kl-coef", "0.05", "--ppo-epochs", "2", "--minibatches", "2",
@@ -39,25 +95,48 @@ def test_grpo_example_mechanics(tmp_path):
     history = ex.run(args)
     assert [h["rollout_version"] for h in history] == [0, 1, 2]
     assert [h["published_version"] for h in history] == [1, 2, 3] and history[-1]["final_rollout_version"] == 3
-    # before the first update both sides hold the same weights and both run fp4_resq: differences are
-    # fp32 noise, amplified by FP4 rounding flips on rare tokens (tests/unit/test_rollout_engine.py)
-    d = history[0]["lp_diffs"]
-    assert d.median() <= 1e-6 and (d <= 1e-5).double().mean() >= 0.9
-    assert history[0]["consistency/pearson"] > 0.999
+    # At every step the rollout serves the weights the trainer then scores with, and both run the
+    # batch-invariant numerics (numerics.batch_invariant, the default): the same bits, the same experts.
+    assert history[0]["lp_diffs"].numel() > 0 and torch.equal(history[0]["lp_diffs"],
+                                                               torch.zeros_like(history[0]["lp_diffs"]))
     for h in history:
+        assert (h["consistency/max_abs_diff"], h["consistency/expert_agreement"], h["consistency/kl"]) == (0, 1, 0)
         assert h["rewards"] == [float(check_answer(t, c)) for t, c in zip(h["texts"], h["completions"])]
         assert h["weight_sync/snapshot_s"] > 0 and h["weight_sync/load_s"] > 0
     assert any(p.name.startswith("events.out.tfevents") for p in (tmp_path / "tb").iterdir())
     assert (tmp_path / "tb" / "reward_curve.png").stat().st_size > 0
-    # greedy eval before RL, after step 1 (--eval-every 2) and after the last step
+    # greedy eval before RL, after step 1 (--eval-every 2) and after the last step: the recomputed accuracies
     assert [("eval_acc" in h) for h in history] == [False, True, True]
-    assert all(0.0 <= h["eval_acc"] <= 1.0 for h in history if "eval_acc" in h)
-    assert 0.0 <= history[-1]["eval_before"] <= 1.0
-    # PPO: 2 epochs x 2 minibatches = 4 optimizer steps per rollout batch, k3 KL to the SFT policy >= 0
-    assert all(h["num_updates"] == 4 and h["kl"] >= 0.0 for h in history)
+    acc = expected_accuracies(evals)
+    assert [history[-1]["eval_before"]] + [h["eval_acc"] for h in history if "eval_acc" in h] == acc
+    # PPO: 2 epochs x 2 minibatches = 4 optimizer steps per rollout batch; the k3 KL to the SFT
+    # policy, frozen: its log-probs are the sampling policy's bits before the first update and
+    # differ from the policy's once it moved
+    assert len(batches) == 3 and len(updates) == 12 and all(h["num_updates"] == 4 for h in history)
+    assert torch.equal(batches[0]["ref_log_probs"], batches[0]["old_log_probs"])
+    keep = [b["response_mask"].bool() for b in batches]
+    assert all(not torch.equal(b["ref_log_probs"][m], b["old_log_probs"][m]) for b, m in zip(batches[1:], keep[1:]))
+    for h, (lp, ref, mask, kl) in zip(history, updates[3::4]):  # each step reports its last update's KL
+        assert h["kl"] == kl
+        assert_k3_matches_float64(lp, ref, mask, kl)
+        assert kl > 0  # after >= 3 optimizer steps the policy is not the reference any more
 
 
-def test_grpo_example_on_verl_parquet_with_an_hf_tokenizer(tmp_path):
+def assert_k3_matches_float64(lp, ref, mask, kl):
+    """`kl` = mean over response tokens of exp(d) - d - 1, d = ref - lp, by hand in float64.
+    fp32: d has one rounding (u·|d|, moving k3 by <= u·|d|·exp(d)), each term exp(d) - d - 1 a
+    few more of its parts' magnitude (<= 4u·(exp(d) + |d| + 1)), the masked sum of n terms γ_n of
+    Σ k3 (the masked-out zeros add exactly) and the division by n one more u."""
+    from tests.numerics import gamma
+    m = mask.bool()
+    d = (ref.double() - lp.double())[m]
+    ref_kl = float((d.exp() - d - 1).mean())
+    u, n = torch.finfo(torch.float32).eps / 2, int(m.sum())
+    tol = float((4 * u * (d.exp() + d.abs() + 1) + u * d.abs() * d.exp()).mean()) + (gamma(n) + u) * ref_kl
+    assert abs(kl - ref_kl) <= tol, (kl, ref_kl, tol)
+
+
+def test_grpo_example_on_verl_parquet_with_an_hf_tokenizer(tmp_path, monkeypatch):
     """--tokenizer DIR --train-data FILE.parquet: prompts rendered by the tokenizer's chat template,
     rewards by data_source (training.rewards), the first --eval-size rows held out of RL."""
     from megatron_fp4.training import rewards
@@ -67,6 +146,7 @@ def test_grpo_example_on_verl_parquet_with_an_hf_tokenizer(tmp_path):
     tok = build_math_tokenizer(tmp_path / "tok", max_operand=5)
     paths = write_math_dataset(tmp_path / "data", num_train=12, num_test=2, max_operand=5)
     ex = load_example()
+    evals = spy_evals(ex, monkeypatch)
     args = ex.parse_args(["--tokenizer", str(tmp_path / "tok"), "--train-data", str(paths["train"]), "--steps", "2",
                           "--num-prompts", "2", "--group-size", "3", "--max-new-tokens", "6", "--eval-size", "4",
                           "--eval-every", "0", "--micro-batch-size", "3", "--logdir", ""])
@@ -80,7 +160,7 @@ def test_grpo_example_on_verl_parquet_with_an_hf_tokenizer(tmp_path):
         assert h["rewards"] == [rewards.compute_score(source, c, truth)
                                 for (source, truth), c in zip(h["references"], h["completions"])]
         assert {source for source, _ in h["references"]} <= sources
-    assert 0.0 <= history[-1]["eval_acc"] <= 1.0
+    assert [history[-1]["eval_before"], history[-1]["eval_acc"]] == expected_accuracies(evals)
     with pytest.raises(ValueError, match="--sft-steps 0"):
         ex.run(ex.parse_args(["--tokenizer", str(tmp_path / "tok"), "--train-data", str(paths["train"]),
                               "--sft-steps", "5", "--eval-size", "4"]))
@@ -94,7 +174,7 @@ def carry_args(ex, *extra):
                           "--logdir", "", *extra])
 
 
-def test_carry_task_is_the_default_and_runs_end_to_end():
+def test_carry_task_is_the_default_and_runs_end_to_end(monkeypatch):
     """`--task carry` (the default): SFT on the sloppy teacher in high precision, GRPO steps with
     the carry scorer's rewards on train prompts only, held-out greedy accuracy before and after."""
     from megatron_fp4.training import rewards
@@ -105,6 +185,7 @@ def test_carry_task_is_the_default_and_runs_end_to_end():
     assert defaults.task == "carry" and (defaults.steps, defaults.sft_steps, defaults.lr, defaults.kl_coef) == \
         (20, 800, 3e-4, 0.0)
     assert ex.parse_args(["--task", "arithmetic"]).sft_steps == 200
+    evals = spy_evals(ex, monkeypatch)
     args = carry_args(ex, "--sft-steps", "2", "--steps", "2", "--eval-every", "1")
     history = ex.run(args)
     assert [h["rollout_version"] for h in history] == [0, 1] and history[-1]["final_rollout_version"] == 2
@@ -115,8 +196,8 @@ def test_carry_task_is_the_default_and_runs_end_to_end():
         assert all(source == carry_task.DATA_SOURCE for source, _ in h["references"])
         assert h["rewards"] == [rewards.compute_score(source, c, truth)
                                 for (source, truth), c in zip(h["references"], h["completions"])]
-        assert "eval_acc" in h and 0.0 <= h["eval_acc"] <= 1.0
-    assert 0.0 <= history[-1]["eval_before"] <= 1.0
+    assert [history[-1]["eval_before"]] + [h["eval_acc"] for h in history] == expected_accuracies(evals)
+    assert len(evals[0][0][1]) == 4  # --eval-size 4 held-out problems
 
 
 def test_carry_sft_learns_the_teacher_in_high_precision():

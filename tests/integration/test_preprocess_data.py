@@ -14,7 +14,7 @@ from megatron_fp4.training.data.tokenizer import build_bpe_tokenizer
 from megatron_fp4.training.trainer import Trainer
 from tools import preprocess_data
 
-transformers = pytest.importorskip("transformers")
+import transformers  # the test extra installs it: a missing package fails, never skips
 
 TEXTS = [f"Tom has {a} pens and gets {b} more, so he has {a + b}. ümlaut ✓" for a in range(9) for b in range(7)]
 

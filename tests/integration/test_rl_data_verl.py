@@ -11,7 +11,7 @@ from megatron_fp4.training import rewards
 from megatron_fp4.training.data.math_task import build_math_tokenizer, write_math_dataset
 from megatron_fp4.training.data.rl_dataset import RLDataset, write_parquet
 
-verl_dataset = pytest.importorskip("verl.utils.dataset.rl_dataset")
+import verl.utils.dataset.rl_dataset as verl_dataset  # the test extra installs it: a missing package fails, never skips
 from omegaconf import OmegaConf  # noqa: E402  (a verl dependency)
 from transformers import AutoTokenizer  # noqa: E402
 from verl.utils.reward_score import default_compute_score, gsm8k, math_dapo  # noqa: E402

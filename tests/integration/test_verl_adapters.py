@@ -7,7 +7,7 @@ import copy
 import pytest
 import torch
 
-verl = pytest.importorskip("verl")
+import verl  # the test extra installs it: a missing package fails, never skips
 
 from verl import DataProto  # noqa: E402
 from verl.checkpoint_engine.base import CheckpointEngineRegistry  # noqa: E402
@@ -97,10 +97,10 @@ def test_rollout_generate_sequences_and_engine_log_probs_agree():
     assert torch.all(b["rollout_log_probs"][b["response_mask"] == 0] == 0)
     with trainer.eval_mode():
         old = trainer.infer_batch(b)["model_output"]["log_probs"]
-    # same weights and (train_mode == rollout_mode == fp4_resq): differences are fp32 noise (see
-    # tests/unit/test_rollout_engine.py for why FP4 is compared on the median)
-    d = (old - b["rollout_log_probs"])[b["response_mask"] == 1].abs()
-    assert d.median() <= 1e-6 and (d <= 1e-5).double().mean() >= 0.9
+    # same weights, train_mode == rollout_mode == fp4_resq, and both sides batch-invariant (the
+    # engine's default; the trainer's no-grad scoring): the same bits on every response token
+    keep = b["response_mask"] == 1
+    assert keep.any() and torch.equal(old[keep], b["rollout_log_probs"][keep])
     asyncio.run(rollout.release())
     with pytest.raises(RuntimeError, match="resume"):
         rollout.generate_sequences(prompts_proto(["1+1="]))

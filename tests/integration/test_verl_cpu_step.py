@@ -9,8 +9,8 @@ import sys
 
 import pytest
 
-pytest.importorskip("verl")
-pytest.importorskip("cachetools")  # verl's ray_trainer imports it (verl's "verl-core" extra)
+import cachetools  # noqa: F401 - verl's ray_trainer imports it; the test extra installs both: fail, never skip
+import verl  # noqa: F401
 
 
 def test_cpu_step_runs_verls_worker_and_trainer_code(tmp_path):
@@ -38,10 +38,17 @@ def test_cpu_step_asks_for_the_platform_switch():
 
     from megatron_fp4.integrations.verl.cpu_step import require_cpu_platform
 
-    if get_device_name() == "cpu":
-        pytest.skip("this process already runs on verl's cpu platform")
-    with pytest.raises(SystemExit, match="VERL_PLATFORM=cpu"):  # verl fell back to (or found) CUDA here
-        require_cpu_platform()
+    if get_device_name() != "cpu":
+        with pytest.raises(SystemExit, match="VERL_PLATFORM=cpu"):  # verl fell back to (or found) CUDA here
+            require_cpu_platform()
+        return
+    # this process already runs on verl's cpu platform (VERL_PLATFORM=cpu in the environment): ask a
+    # fresh process without it
+    env = {k: v for k, v in os.environ.items() if k != "VERL_PLATFORM"}
+    proc = subprocess.run([sys.executable, "-c", "from megatron_fp4.integrations.verl.cpu_step import "
+                           "require_cpu_platform; require_cpu_platform()"], env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 1 and "VERL_PLATFORM=cpu" in proc.stderr, (proc.returncode, proc.stderr[-2000:])
 
 
 def test_verl_imports_the_adapters_itself_from_its_environment_switch():

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-pytest.importorskip("verl")
+import verl  # noqa: F401 - the test extra installs it: a missing package fails, never skips
 
 from verl import DataProto  # noqa: E402
 from verl.workers.config import HFModelConfig, RolloutConfig  # noqa: E402

@@ -3,10 +3,9 @@ and the sweep writes its table and plot."""
 import os
 import sys
 
-import pytest
 import torch
+import transformers  # noqa: F401 - the test extra installs it: a missing package fails, never skips
 
-transformers = pytest.importorskip("transformers")
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks"))
 
 import hf_peer  # noqa: E402

@@ -166,16 +166,25 @@ def test_exact_moeresq_forward_is_batch_invariant_bitwise(fmt, mode):
 
 
 def test_default_path_bits_unchanged_and_mode_close():
-    """Off, the forward is the fp32 GEMM of the fake-quantized operands (the pre-existing bits);
-    on, it differs from it only by fp32 rounding of the operands and sums (≤ 1e-5 relative)."""
+    """Off, the forward is the fp32 GEMM of the fake-quantized operands (the pre-existing bits),
+    within Higham's γ_K·|Q(x)|·|Q(W)|ᵀ of the exact product of those fp32 operands; on, it is the
+    exact product of the unrounded operands (code·s_blk·S_dec, which fp32 rounds by <= u each:
+    2u·|Q(x)|·|Q(W)|ᵀ apart) rounded once to fp32 (u·|y|). The float64 reference itself is within
+    γ_K(fp64) of its exact value."""
+    from tests.numerics import gamma
     g = torch.Generator().manual_seed(1)
     x, w = torch.randn(24, 128, generator=g), torch.randn(32, 128, generator=g) / 11
     r = Recipe(mode="fp4")
+    qx, qw = fake_quantize(x, r.input), fake_quantize(w, r.weight)
     off = moeresq_linear(x, w, recipe=r)
-    assert torch.equal(off, fake_quantize(x, r.input) @ fake_quantize(w, r.weight).t())
+    assert torch.equal(off, qx @ qw.t())
     with batch_invariant():
         on = moeresq_linear(x, w, recipe=r)
-    assert ((on - off).norm() / off.norm()) < 1e-5
+    exact, mag = qx.double() @ qw.double().t(), qx.double().abs() @ qw.double().abs().t()
+    ref_err = gamma(128, torch.float64) * mag
+    assert ((off.double() - exact).abs() <= gamma(128) * mag + ref_err).all()
+    u = torch.finfo(torch.float32).eps / 2
+    assert ((on.double() - exact).abs() <= u * exact.abs() + 2 * u * mag + ref_err).all()
 
 
 def test_exact_linear_is_batch_invariant_and_accurate():

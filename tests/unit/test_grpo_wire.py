@@ -53,14 +53,15 @@ def test_generation_round_trip_is_exact(engine):
     params = [SamplingParams(max_new_tokens=4, seed=i, stop_token_ids=(3,)) for i in range(3)]
     gen = engine.generate([[1, 5, 7], [2], [4, 4, 4, 4]], params, return_routing=True)
     src, dst = pair()
-    assert broadcast_generation(gen, 0, src) is not None
+    sent = broadcast_generation(gen, 0, src)  # the source gets the same generation back as the others
     got = broadcast_generation(None, 0, dst)
     assert not src.queue  # every message consumed
-    assert (got.prompt_ids, got.response_ids, got.finish_reasons, got.version) == \
-        (gen.prompt_ids, gen.response_ids, gen.finish_reasons, gen.version)
-    for a, b in zip(got.log_probs + got.sampled_log_probs + got.routing,
-                    gen.log_probs + gen.sampled_log_probs + gen.routing):
-        assert a.dtype == b.dtype and torch.equal(a, b)
+    for out in (sent, got):
+        assert (out.prompt_ids, out.response_ids, out.finish_reasons, out.version) == \
+            (gen.prompt_ids, gen.response_ids, gen.finish_reasons, gen.version)
+        for a, b in zip(out.log_probs + out.sampled_log_probs + out.routing,
+                        gen.log_probs + gen.sampled_log_probs + gen.routing, strict=True):
+            assert a.dtype == b.dtype and torch.equal(a, b)
 
 
 @pytest.mark.parametrize("header, words", [

@@ -12,7 +12,7 @@ import pytest
 from megatron_fp4.training.data.chat import ChatTemplateError, render_chat_template
 from megatron_fp4.training.data.tokenizer import CHATML_TEMPLATE, HFTokenizer, build_bpe_tokenizer
 
-transformers = pytest.importorskip("transformers")
+import transformers  # the test extra installs it: a missing package fails, never skips
 
 CORPUS = ["What is 12 + 7? Put the final answer after ####.", "Tom has 3 apples and gets 4 more.\n3+4=7\n#### 7",
           "Ann had 20 pears and gave away 5.\n20-5=15\n#### 15", "The answer is \\boxed{42}."] * 8

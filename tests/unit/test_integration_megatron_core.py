@@ -6,7 +6,6 @@ with the local spec on CPU in a subprocess) and are skipped when megatron-core i
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import json
 import os
 import subprocess
@@ -17,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+import megatron.core  # noqa: F401 - the test extra installs megatron-core: a missing package fails, never skips
 
 from megatron_fp4.config import Config, FP4Config
 from megatron_fp4.fp4 import MoEResQLinear
@@ -26,8 +26,6 @@ from megatron_fp4.integrations.megatron_core import (build_transformer_config, f
                                                      split_qkv, to_mcore_state_dict, to_megatron_transformer_config)
 from megatron_fp4.model import GroupedExperts, build_model
 
-HAS_MCORE = importlib.util.find_spec("megatron") is not None and importlib.util.find_spec("megatron.core") is not None
-needs_mcore = pytest.mark.skipif(not HAS_MCORE, reason="megatron-core is not installed (pip install megatron-core)")
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -117,9 +115,7 @@ def test_int_moe_layer_freq():
     assert from_megatron_transformer_config(d).model.dense_layers == [1, 3]
 
 
-@needs_mcore
 def test_megatron_transformer_config_accepts_the_mapping():
-    pytest.importorskip("megatron.core.transformer")
     cfg = _cfg()
     cfg.parallel = dataclasses.replace(cfg.parallel, pp=2, virtual_stages=2, ep=2, schedule="interleaved_1f1b")
     tc = build_transformer_config(cfg)
@@ -289,7 +285,6 @@ def run_result_script(path, source: str, base_port: int) -> dict:
     return json.loads(lines[-1][len("RESULT "):])
 
 
-@needs_mcore
 def test_names_match_a_real_megatron_gpt_model(tmp_path):
     """Build Megatron-Core's GPTModel (local spec) on CPU: our names/shapes are exactly its state
     dict, it loads them strictly, and reading its state dict back gives our tensors bitwise."""

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import textwrap
 
-from tests.unit.test_integration_megatron_core import needs_mcore, run_result_script
+from tests.unit.test_integration_megatron_core import run_result_script
 
 _SCRIPT = textwrap.dedent("""
     import json, os, re, sys, warnings
@@ -88,7 +88,6 @@ _SCRIPT = textwrap.dedent("""
 """)
 
 
-@needs_mcore
 def test_moeresq_spec_builds_a_real_gpt_model(tmp_path):
     result = run_result_script(tmp_path / "build_gpt_moeresq.py", _SCRIPT, base_port=29900)
     for mode, r in result.items():

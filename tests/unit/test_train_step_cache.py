@@ -115,7 +115,6 @@ def test_all_finite_matches_isfinite(dtype):
 
 def test_bench_train_hf_runs_every_runner_with_the_per_micro_batch_trainer(capsys):
     """`bench_train.py --hf --per-micro-batch-weights` on a tiny model: every runner timed, table printed."""
-    pytest.importorskip("transformers")
     import os
     import sys
 
