@@ -144,52 +144,113 @@ def _sequence_stat(stat: torch.Tensor, mask: torch.Tensor, how: str) -> torch.Te
 
 
 def rejection_mask(lr: torch.Tensor, mask: torch.Tensor, rules: tuple) -> tuple:
-    """(keep [B, T] in lr's dtype, {option: its keep}): verl's `compute_rollout_rejection_mask`."""
+    """(keep [B, T] in lr's dtype, {option: (its keep, per-token statistic, per-sequence one or None)}):
+    verl's `compute_rollout_rejection_mask`."""
     safe = lr.clamp(-SAFETY_BOUND, SAFETY_BOUND)
     stats = {"k1": lambda: -safe, "k2": lambda: 0.5 * safe ** 2, "k3": lambda: torch.exp(safe) - 1.0 - safe}
     keep, per_rule = torch.ones_like(lr), {}
     for rule in dict.fromkeys(rules):  # verl drops repeated options
         where, kind = rule.option.rsplit("_", 1)
-        stat = stats[kind]()
+        stat = seq_stat = stats[kind]()
         if where != "token":
-            stat = _sequence_stat(stat, mask, where.split("_")[1])
+            seq_stat = _sequence_stat(stat, mask, where.split("_")[1])
         if kind == "k1":
-            ok = (stat >= math.log(rule.lower)) & (stat <= math.log(rule.threshold))
+            ok = (seq_stat >= math.log(rule.lower)) & (seq_stat <= math.log(rule.threshold))
         else:
-            ok = stat <= rule.threshold
-        ok = ok.to(lr.dtype) if where == "token" else ok.unsqueeze(-1).expand_as(lr).to(lr.dtype)
-        per_rule[rule.option] = ok
-        keep = keep * ok
+            ok = seq_stat <= rule.threshold
+        if where == "token":
+            per_rule[rule.option] = (ok.to(lr.dtype), stat, None)
+        else:
+            per_rule[rule.option] = (ok.unsqueeze(-1).expand_as(lr).to(lr.dtype), seq_stat.unsqueeze(-1).expand_as(lr),
+                                     seq_stat)
+        keep = keep * per_rule[rule.option][0]
     return keep, per_rule
 
 
+def _clamped_std(x, mask, lo, hi) -> float:
+    """verl's spread statistic: the masked std of x clamped to [lo, hi] (0 for at most one token)."""
+    if mask.sum() <= 1:
+        return 0.0
+    c = x.clamp(min=lo, max=hi)
+    return torch.sqrt(torch.clamp(_mmean(c.square(), mask) - _mmean(c, mask).square(), min=0.0)).item()
+
+
+def _seq_summary(prefix: str, seq, ideal: float) -> dict:
+    return {f"{prefix}_seq_mean": seq.mean().item(), f"{prefix}_seq_std": seq.std().item() if seq.numel() > 1 else 0.0,
+            f"{prefix}_seq_max": seq.max().item(), f"{prefix}_seq_min": seq.min().item(),
+            f"{prefix}_seq_max_deviation": (seq - ideal).abs().max().item()}
+
+
+def _masked_extremes(x, mask) -> tuple:
+    return x.masked_fill(~mask.bool(), float("-inf")).max().item(), x.masked_fill(~mask.bool(), float("inf")).min().item()
+
+
 def _is_metrics(w, raw, level_lr, mask, cfg: RolloutCorrection) -> dict:
-    """verl's `compute_is_metrics` (the weight mean, threshold fractions and effective sample size)."""
-    lower = 1.0 / cfg.threshold if cfg.lower_threshold is None else cfg.lower_threshold
+    """verl's `compute_is_metrics`: weight mean/max/min/std, threshold fractions, effective sample size,
+    per-sequence summaries."""
+    upper, lower = cfg.threshold, 1.0 / cfg.threshold if cfg.lower_threshold is None else cfg.lower_threshold
     m = {"rollout_is_mean": _mmean(w, mask).item()}
     if cfg.level == "sequence":
-        m["rollout_is_ratio_fraction_high"] = (level_lr > torch.log(torch.tensor(cfg.threshold))).float().mean().item()
+        m["rollout_is_max"] = torch.exp(torch.clamp(level_lr.max(), max=SAFETY_BOUND)).item()
+        m["rollout_is_min"] = torch.exp(level_lr.min()).item()
+        m["rollout_is_ratio_fraction_high"] = (level_lr > torch.log(torch.tensor(upper))).float().mean().item()
         m["rollout_is_ratio_fraction_low"] = (level_lr < torch.log(torch.tensor(lower))).float().mean().item()
     else:
-        m["rollout_is_ratio_fraction_high"] = _mmean((raw > cfg.threshold).float(), mask).item()
+        m["rollout_is_max"], m["rollout_is_min"] = _masked_extremes(w, mask)
+        m["rollout_is_ratio_fraction_high"] = _mmean((raw > upper).float(), mask).item()
         m["rollout_is_ratio_fraction_low"] = _mmean((raw < lower).float(), mask).item()
-    w_ess = w.clamp(min=0.0, max=cfg.threshold)
+    m["rollout_is_std"] = _clamped_std(w, mask, 0.0, upper)
+    w_ess = w.clamp(min=0.0, max=upper)
     second_moment = _mmean((w_ess / (_mmean(w_ess, mask) + 1e-8)).square(), mask).item()
     m["rollout_is_eff_sample_size"] = 1.0 / second_moment if second_moment else 0.0  # verl: ZeroDivisionError
-    if cfg.mode == "mask" and cfg.lower_threshold is not None:
-        m["rollout_is_oob_ratio"] = _mmean(((raw < lower) | (raw > cfg.threshold)).float(), mask).item()
+    m.update(_seq_summary("rollout_is", _mmean(w, mask, -1), 1.0))
+    raw_seq = _mmean(raw, mask, -1)
+    m["rollout_is_seq_fraction_high"] = (raw_seq > upper).float().mean().item()
+    m["rollout_is_seq_fraction_low"] = (raw_seq < lower).float().mean().item()
+    if cfg.mode == "mask":  # the fraction of tokens whose weight was masked to 0
+        out = raw > upper if cfg.lower_threshold is None else (raw < cfg.lower_threshold) | (raw > upper)
+        m["rollout_is_oob_ratio"] = _mmean(out.float(), mask).item()
     return m
 
 
-def _rs_metrics(keep, per_rule, mask) -> dict:
-    """verl's rejection fractions: of the response tokens, and of the sequences, that a rule drops."""
+def _rule_metrics(rule: Rejection, stat, seq_stat, mask) -> dict:
+    """verl's `compute_rs_metrics` for one option (the statistic's mean/max/min/std, fractions out of
+    bounds, per-sequence summaries); k1 bounds in log space."""
+    k1, p = rule.option.endswith("k1"), f"rollout_rs_{rule.option}"
+    upper, lower = (math.log(rule.threshold), math.log(rule.lower)) if k1 else (rule.threshold, 0.0)
+    seq = (seq_stat if seq_stat is not None else _mmean(stat, mask, -1))[mask.sum(-1) > 0]
+    m = {f"{p}_mean": _mmean(stat, mask).item()}
+    if seq_stat is not None and seq.numel():
+        m[f"{p}_max"], m[f"{p}_min"] = seq.max().item(), seq.min().item()
+        m[f"{p}_fraction_high"] = (seq > upper).float().mean().item()
+        m[f"{p}_fraction_low"] = (seq < lower).float().mean().item() if k1 else 0.0
+    else:
+        m[f"{p}_max"], m[f"{p}_min"] = _masked_extremes(stat, mask)
+        m[f"{p}_fraction_high"] = _mmean((stat > upper).float(), mask).item()
+        m[f"{p}_fraction_low"] = _mmean((stat < lower).float(), mask).item() if k1 else 0.0
+    m[f"{p}_std"] = _clamped_std(stat, mask, lower, upper)
+    if not seq.numel():
+        return {**m, **{f"{p}_seq_{k}": 0.0 for k in ("mean", "std", "max", "min", "max_deviation",
+                                                        "fraction_high", "fraction_low")}}
+    m.update(_seq_summary(p, seq, 0.0))
+    m[f"{p}_seq_fraction_high"] = (seq > upper).float().mean().item()
+    if k1:
+        m[f"{p}_seq_fraction_low"] = (seq < lower).float().mean().item()
+    return m
+
+
+def _rs_metrics(keep, per_rule, rules, mask) -> dict:
+    """verl's rejection metrics: per rule its statistic and the fractions of response tokens and of
+    sequences it drops; then those of all rules together."""
     m, valid = {}, mask.bool()
     has_tokens = (mask.sum(-1) > 0).float()
-    for option, ok in per_rule.items():
-        m[f"rollout_rs_{option}_masked_fraction"] = _mmean(1 - ok, mask).item()
+    for rule in dict.fromkeys(rules):
+        ok, stat, seq_stat = per_rule[rule.option]
+        m.update(_rule_metrics(rule, stat, seq_stat, mask))
+        m[f"rollout_rs_{rule.option}_masked_fraction"] = _mmean(1 - ok, mask).item()
         seq_keep = (~((ok <= 0.5) & valid)).all(-1).to(ok.dtype)  # verl: ~(~keep & valid), keep boolean
-        m[f"rollout_rs_{option}_seq_masked_fraction"] = (((1.0 - seq_keep) * has_tokens).sum()
-                                                         / has_tokens.sum()).item() if has_tokens.sum() > 0 else 0.0
+        m[f"rollout_rs_{rule.option}_seq_masked_fraction"] = (((1.0 - seq_keep) * has_tokens).sum()
+                                                              / has_tokens.sum()).item() if has_tokens.sum() > 0 else 0.0
     m["rollout_rs_masked_fraction"] = _mmean(1 - keep, mask).item()
     m["rollout_rs_seq_masked_fraction"] = (~((keep > 0.5) & valid) & valid).any(-1).float().mean().item()
     return m
@@ -232,14 +293,14 @@ def rollout_correction(old_log_probs: torch.Tensor, rollout_log_probs: torch.Ten
         keep, per_rule = rejection_mask(lr, response_mask, cfg.rejection)
         loss_mask = (response_mask * keep).to(response_mask.dtype)
         if metrics:
-            out.update(_rs_metrics(keep, per_rule, response_mask))
+            out.update(_rs_metrics(keep, per_rule, cfg.rejection, response_mask))
     if metrics:
         out.update(mismatch_metrics(old_log_probs, rollout_log_probs, response_mask))
     return weights, loss_mask, out
 
 
 def truncated_is_weights(old_log_probs: torch.Tensor, rollout_log_probs: torch.Tensor, cap: float = 2.0) -> torch.Tensor:
-    """min(exp(old - rollout), cap), detached, in fp32: `rollout_correction` with `RolloutCorrection.tis(cap)`
+    """min(exp(old - rollout), cap), detached, in at least fp32 (log-ratio clamped to [-20, 20]): `rollout_correction` with `RolloutCorrection.tis(cap)`
     on every position."""
     cfg = RolloutCorrection.tis(cap)
     return rollout_correction(old_log_probs, rollout_log_probs, torch.ones_like(old_log_probs, dtype=torch.bool),

@@ -59,6 +59,7 @@ def assert_like_verl(ours, verl_out, mask, skip_metrics=()):
         assert not w[~valid].any()
     assert m.dtype == mask.dtype and torch.equal(m, vm.to(m.dtype))
     vmet = {k.removeprefix("rollout_corr/"): v for k, v in vmet.items()}
+    assert set(met) == set(vmet), set(met) ^ set(vmet)  # every metric verl reports, no other
     for key, value in met.items():
         if key not in skip_metrics:
             assert same(value, vmet[key]), (key, value, vmet[key])
@@ -85,8 +86,12 @@ def test_is_weights_match_verl(mode, upper, lower, level, extreme, dtype):
     spec = upper if mode == "truncate" else f"{lower if lower is not None else 1e-30}_{upper}"
     verl_out = verl_run(old, roll, mask, level, spec)
     ours = rollout_correction(old, roll, mask, cfg, metrics=True)
-    skip = ("rollout_is_ratio_fraction_low",) if lower is None and mode == "mask" else ()
+    # the "low" fractions report against 1 / threshold when there is no lower bound; verl's stand-in has 1e-30
+    skip = ("rollout_is_ratio_fraction_low", "rollout_is_seq_fraction_low") if lower is None and mode == "mask" else ()
     assert_like_verl(ours, verl_out, mask, skip)
+    if skip:  # ... and verl's TIS run on the same raw weights reports them against 1 / threshold too
+        tis = verl_run(old, roll, mask, level, upper)[2]
+        assert all(same(ours[2][k], tis["rollout_corr/" + k]) for k in skip)
     uncut = rollout_correction(old, roll, mask, RolloutCorrection(level=level, threshold=1e30))[0]
     cut = int((ours[0] != uncut)[mask.bool()].sum())
     assert 0 < cut < int(mask.sum()) or extreme  # the bounds bite, but not on every token
@@ -259,3 +264,25 @@ def test_bad_loss_and_verl_config_values():
             from_verl_config(fields)
     with pytest.raises(ValueError, match="must match"):
         rollout_correction(torch.zeros(2, 3), torch.zeros(2, 4), torch.ones(2, 3), RolloutCorrection())
+
+
+def test_kl_penalty_skips_rejected_tokens():
+    """With a rejection rule the reference-KL term, like verl's, averages over the loss mask only."""
+    from megatron_fp4.rollout.policy_step import kl_k3
+    g = torch.Generator().manual_seed(8)
+    _, _, mask = tensors(8)
+    B, T, V = mask.shape[0], mask.shape[1], 7
+    tokens, logits = torch.randint(0, V, (B, T), generator=g), torch.randn(B, T, V, generator=g)
+    lp = log_probs_from_logits(logits, tokens, mask)[0]
+    old = torch.where(mask.bool(), lp + 0.2 * torch.randn(B, T, generator=g), 0.0)
+    roll = torch.where(mask.bool(), old + 0.4 * torch.randn(B, T, generator=g), 0.0)
+    ref = torch.where(mask.bool(), lp + 0.5 * torch.randn(B, T, generator=g), 0.0)
+    mb = {"input_ids": tokens, "response_mask": mask, "old_log_probs": old, "rollout_log_probs": roll,
+          "advantages": torch.randn(B, generator=g), "ref_log_probs": ref}
+    cfg = RolloutCorrection(level=None, rejection=(Rejection("token_k2", 0.02),))
+    kept = rollout_correction(old, roll, mask, cfg)[1]
+    assert 0 < int(kept.sum()) < int(mask.sum())
+    pg = PolicyLoss(0.2, None, 0.0, cfg).loss(logits, mb)[0]
+    loss, metrics = PolicyLoss(0.2, None, 0.5, cfg).loss(logits, mb)
+    assert metrics["kl"] == float(kl_k3(lp, ref, kept)) != float(kl_k3(lp, ref, mask))
+    torch.testing.assert_close(loss, pg + 0.5 * kl_k3(lp, ref, kept), rtol=0, atol=0)
