@@ -286,3 +286,19 @@ def test_kl_penalty_skips_rejected_tokens():
     loss, metrics = PolicyLoss(0.2, None, 0.5, cfg).loss(logits, mb)
     assert metrics["kl"] == float(kl_k3(lp, ref, kept)) != float(kl_k3(lp, ref, mask))
     torch.testing.assert_close(loss, pg + 0.5 * kl_k3(lp, ref, kept), rtol=0, atol=0)
+
+
+def test_grpo_update_takes_the_correction():
+    """`policy_update` with `PolicyLoss(correction=...)` on the tiny trainer: a rule that rejects every
+    token moves nothing; sequence MIS that keeps every row trains and reports its weights."""
+    from megatron_fp4.rl import policy_update, switch_to_rl
+    from tests.unit.test_rl_policy_loss import rl_batch, tiny_trainer
+    trainer = tiny_trainer()
+    switch_to_rl(trainer, lr=1e-3, weight_decay=0.0, aux_coef=0.0)
+    batch = rl_batch(trainer, torch.tensor([1.0, -1.0, 1.0, -1.0]))
+    reject_all = RolloutCorrection(level=None, rejection=(Rejection("token_k1", 1.0 + 1e-9, 1.0),))
+    result = policy_update(trainer, batch, PolicyLoss(0.2, None, 0.0, reject_all), 2)
+    assert result["grad_norm"] == 0.0 and result["rs_masked_fraction"] == 1.0
+    keep_all = RolloutCorrection(level="sequence", mode="mask", threshold=1e9, lower_threshold=1e-9)
+    result = policy_update(trainer, batch, PolicyLoss(0.2, None, 0.0, keep_all), 2)
+    assert result["grad_norm"] > 0 and result["tis_weight_mean"] > 0
