@@ -94,6 +94,10 @@ class RolloutCorrection:
         _bounds("RolloutCorrection", self.threshold, self.lower_threshold)
         if not isinstance(self.rejection, tuple) or not all(isinstance(r, Rejection) for r in self.rejection):
             raise ValueError(f"RolloutCorrection.rejection={self.rejection!r} must be a tuple of Rejection")
+        options = [r.option for r in dict.fromkeys(self.rejection)]
+        if len(options) != len(set(options)):
+            raise ValueError(f"RolloutCorrection.rejection has one option twice with different thresholds "
+                             f"({', '.join(options)}); keep one rule per option")
 
     @classmethod
     def tis(cls, cap: float) -> "RolloutCorrection":
@@ -182,7 +186,8 @@ def _seq_summary(prefix: str, seq, ideal: float) -> dict:
 
 
 def _masked_extremes(x, mask) -> tuple:
-    return x.masked_fill(~mask.bool(), float("-inf")).max().item(), x.masked_fill(~mask.bool(), float("inf")).min().item()
+    pad = ~mask.bool()
+    return x.masked_fill(pad, float("-inf")).max().item(), x.masked_fill(pad, float("inf")).min().item()
 
 
 def _is_metrics(w, raw, level_lr, mask, cfg: RolloutCorrection) -> dict:
@@ -249,8 +254,8 @@ def _rs_metrics(keep, per_rule, rules, mask) -> dict:
         m.update(_rule_metrics(rule, stat, seq_stat, mask))
         m[f"rollout_rs_{rule.option}_masked_fraction"] = _mmean(1 - ok, mask).item()
         seq_keep = (~((ok <= 0.5) & valid)).all(-1).to(ok.dtype)  # verl: ~(~keep & valid), keep boolean
-        m[f"rollout_rs_{rule.option}_seq_masked_fraction"] = (((1.0 - seq_keep) * has_tokens).sum()
-                                                              / has_tokens.sum()).item() if has_tokens.sum() > 0 else 0.0
+        seq_dropped = ((1.0 - seq_keep) * has_tokens).sum() / has_tokens.sum() if has_tokens.sum() > 0 else 0.0
+        m[f"rollout_rs_{rule.option}_seq_masked_fraction"] = float(seq_dropped)
     m["rollout_rs_masked_fraction"] = _mmean(1 - keep, mask).item()
     m["rollout_rs_seq_masked_fraction"] = (~((keep > 0.5) & valid) & valid).any(-1).float().mean().item()
     return m
@@ -299,15 +304,17 @@ def rollout_correction(old_log_probs: torch.Tensor, rollout_log_probs: torch.Ten
     return weights, loss_mask, out
 
 
-def truncated_is_weights(old_log_probs: torch.Tensor, rollout_log_probs: torch.Tensor, cap: float = 2.0) -> torch.Tensor:
-    """min(exp(old - rollout), cap), detached, in at least fp32 (log-ratio clamped to [-20, 20]): `rollout_correction` with `RolloutCorrection.tis(cap)`
-    on every position."""
+def truncated_is_weights(old_log_probs: torch.Tensor, rollout_log_probs: torch.Tensor,
+                         cap: float = 2.0) -> torch.Tensor:
+    """min(exp(old - rollout), cap), detached, in at least fp32 (log-ratio clamped to [-20, 20]):
+    `rollout_correction` with `RolloutCorrection.tis(cap)` on every position."""
     cfg = RolloutCorrection.tis(cap)
     return rollout_correction(old_log_probs, rollout_log_probs, torch.ones_like(old_log_probs, dtype=torch.bool),
                               cfg)[0]
 
 
-def resolve_correction(tis_cap: Optional[float], correction: Optional[RolloutCorrection]) -> Optional[RolloutCorrection]:
+def resolve_correction(tis_cap: Optional[float],
+                       correction: Optional[RolloutCorrection]) -> Optional[RolloutCorrection]:
     """The correction a loss applies: `correction`, or the `tis_cap` shorthand; never both."""
     if tis_cap is not None and correction is not None:
         raise ValueError(f"tis_cap={tis_cap!r} and correction are both set; tis_cap=C is shorthand for "

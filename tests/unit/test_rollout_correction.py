@@ -224,13 +224,15 @@ def test_tis_cap_is_token_tis():
 
 @pytest.mark.parametrize("kwargs,field", [
     (dict(threshold=-1.0), "RolloutCorrection.threshold"), (dict(threshold=0), "RolloutCorrection.threshold"),
-    (dict(threshold=math.nan), "RolloutCorrection.threshold"), (dict(threshold=math.inf), "RolloutCorrection.threshold"),
+    (dict(threshold=math.nan), "RolloutCorrection.threshold"),
+    (dict(threshold=math.inf), "RolloutCorrection.threshold"),
     (dict(threshold=True), "RolloutCorrection.threshold"), (dict(threshold="2"), "RolloutCorrection.threshold"),
     (dict(mode="mask", threshold=1.0, lower_threshold=2.0), "RolloutCorrection.lower_threshold"),
     (dict(mode="mask", lower_threshold=-0.5), "RolloutCorrection.lower_threshold"),
     (dict(lower_threshold=0.5), "RolloutCorrection.lower_threshold"),
     (dict(mode="clip"), "RolloutCorrection.mode"), (dict(level="seq"), "RolloutCorrection.level"),
     (dict(rejection=[Rejection("token_k2", 1.0)]), "RolloutCorrection.rejection"),
+    (dict(rejection=(Rejection("token_k2", 1.0), Rejection("token_k2", 2.0))), "RolloutCorrection.rejection"),
 ])
 def test_bad_config_names_the_field(kwargs, field):
     with pytest.raises(ValueError, match=field.replace(".", r"\.")):
