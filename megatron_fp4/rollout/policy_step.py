@@ -1,8 +1,9 @@
 """The GRPO/PPO policy loss as a training step's loss (`training.step_loss.StepLoss`), so it runs in
 every layout: the model reads the micro-batch's tokens, positions and padding mask; the loss, on
 the last pipeline stage when there is a pipeline, turns the logits into per-token log-probs and
-applies the clipped surrogate with truncated IS (`is_correction.policy_loss`) and, optionally, the
-k3 KL penalty to a frozen reference policy.
+applies the clipped surrogate with the rollout correction (`is_correction.policy_loss`: `tis_cap` for
+token TIS, or any `RolloutCorrection` as `correction`) and, optionally, the k3 KL penalty to a frozen
+reference policy (over the loss mask, i.e. without the tokens a rejection rule dropped, as verl).
 
 A micro-batch is a dict of [B, T] tensors in verl's layout: ``input_ids``, ``attention_mask``,
 ``response_mask``, ``old_log_probs``, ``rollout_log_probs``, ``advantages`` [B] (and
@@ -16,7 +17,7 @@ from typing import Optional
 import torch
 
 from megatron_fp4.rollout.engine import positions_from_mask
-from megatron_fp4.rollout.is_correction import policy_loss
+from megatron_fp4.rollout.is_correction import RolloutCorrection, policy_loss, resolve_correction, rollout_correction
 from megatron_fp4.rollout.scoring import log_probs_from_logits
 from megatron_fp4.training.step_loss import StepLoss
 
@@ -36,6 +37,10 @@ class PolicyLoss(StepLoss):
     clip_eps: float = 0.2
     tis_cap: Optional[float] = 2.0
     kl_coef: float = 0.0
+    correction: Optional[RolloutCorrection] = None  # set tis_cap=None with it
+
+    def __post_init__(self):
+        resolve_correction(self.tis_cap, self.correction)  # both set, or a bad cap: a ValueError here
 
     @property
     def batch_keys(self) -> tuple:
@@ -49,8 +54,11 @@ class PolicyLoss(StepLoss):
     def loss(self, logits: torch.Tensor, mb: dict) -> tuple[torch.Tensor, dict]:
         lp, _ = log_probs_from_logits(logits, mb["input_ids"], mb["response_mask"])
         loss, metrics = policy_loss(lp, mb["old_log_probs"], mb["advantages"][:, None], mb["response_mask"],
-                                    self.clip_eps, mb["rollout_log_probs"], self.tis_cap)
+                                    self.clip_eps, mb["rollout_log_probs"], self.tis_cap, self.correction)
         if self.kl_coef:
-            kl = kl_k3(lp, mb["ref_log_probs"], mb["response_mask"])
+            mask = mb["response_mask"]
+            if self.correction is not None and self.correction.rejection:
+                mask = rollout_correction(mb["old_log_probs"], mb["rollout_log_probs"], mask, self.correction)[1]
+            kl = kl_k3(lp, mb["ref_log_probs"], mask)
             loss, metrics = loss + self.kl_coef * kl, {**metrics, "kl": float(kl.detach())}
         return loss, metrics
