@@ -82,7 +82,15 @@ def _check_finite_floats(node, prefix: str = "") -> None:
             raise ConfigError(f"{name}={value!r}: must be a finite number (NaN and Inf are not allowed)")
 
 
-def _check_limits(cfg: Config) -> None:
+def check_model_limits(cfg: Config) -> None:
+    """Sizes positive and within the sanity limits: what building the model needs (also used alone
+    for a checkpoint's saved config, whose layout is not this job's)."""
+    m = cfg.model
+    for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
+                 "num_experts", "top_k", "moe_ffn_hidden_size", "max_seq_len"):
+        _require(getattr(m, name) > 0, f"model.{name}", getattr(m, name), "must be a positive integer")
+    for name in ("num_shared_experts", "shared_expert_ffn_hidden_size", "dense_ffn_hidden_size"):
+        _require(getattr(m, name) >= 0, f"model.{name}", getattr(m, name), "must be >= 0")
     for dotted, limit in _LIMITS.items():
         value = _get(cfg, dotted)
         _require(value <= limit, dotted, value, f"exceeds the sanity limit {limit}; this is far beyond any real "
@@ -91,15 +99,12 @@ def _check_limits(cfg: Config) -> None:
 
 def validate_config(cfg: Config, world_size: int = 1) -> None:
     _check_finite_floats(cfg)
-    _check_limits(cfg)
     for dotted, allowed in _CHOICES.items():
         value = _get(cfg, dotted)
         _require(value in allowed, dotted, value, f"must be one of {list(allowed)}")
 
     m = cfg.model
-    for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
-                 "num_experts", "top_k", "moe_ffn_hidden_size", "max_seq_len"):
-        _require(getattr(m, name) > 0, f"model.{name}", getattr(m, name), "must be a positive integer")
+    check_model_limits(cfg)
     _require(m.hidden_size % m.num_heads == 0, "model.hidden_size", m.hidden_size,
              f"must be divisible by model.num_heads={m.num_heads}; change one of them")
     _require(m.num_heads % m.num_kv_heads == 0, "model.num_kv_heads", m.num_kv_heads,
