@@ -16,7 +16,7 @@ from typing import Any
 import yaml
 
 MAX_DEPTH = 32  # a config nests section.field[list]: 3 levels; 32 leaves room for any real file
-MAX_VALUES = 100_000  # scalars and collections after alias expansion (a config holds a few hundred)
+MAX_VALUES = 10_000  # scalars and collections after alias expansion (a config holds a few hundred)
 MAX_BYTES = 1 << 20  # size of a config file
 MAX_SHOWN = 200  # characters of a value quoted in an error message
 
@@ -107,8 +107,8 @@ def plain_value(obj: Any) -> Any:
 
 _REPR = reprlib.Repr()
 _REPR.maxstring = _REPR.maxother = MAX_SHOWN
-_REPR.maxlist = _REPR.maxdict = _REPR.maxtuple = 8
-_REPR.maxlevel = 3
+_REPR.maxlist = _REPR.maxdict = _REPR.maxtuple = 6
+_REPR.maxlevel = 2
 
 
 def show(value: Any) -> str:

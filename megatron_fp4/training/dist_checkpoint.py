@@ -28,6 +28,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 
 from megatron_fp4.training import checkpoint as ckpt
@@ -167,9 +168,13 @@ def save(root: str | Path, trainer) -> Path:
     _barrier()
     state = {**_model_entries(trainer.model, trainer.mesh.ep), **_optim_entries(trainer),
              f"rng/{_rank()}": torch.get_rng_state()}
-    dcp.save(state, checkpoint_id=str(tmp), no_dist=not _is_dist())
+    try:
+        dcp.save(state, storage_writer=_Writer(str(tmp)), no_dist=not _is_dist())
+    except (Exception, CheckpointException) as err:  # every rank gets DCP's verdict of the write
+        raise _save_failed(root, tmp, trainer.step, err, sync=True) from None
     _barrier()
     sums = _shared_checksums(tmp, device)
+    problem = ""
     if _rank() == 0:
         p = trainer.cfg.parallel
         meta = {"format_version": ckpt.FORMAT_VERSION, "step": trainer.step, "kind": "dcp",
@@ -178,10 +183,44 @@ def save(root: str | Path, trainer) -> Path:
                 "layout": {"pp": trainer.mesh.pp, "dp": trainer.mesh.dp, "ep": trainer.mesh.ep,
                            "virtual_stages": p.virtual_stages, "zero_stage": p.zero_stage},
                 "config": trainer.cfg.to_dict()}
-        ckpt.write_meta(tmp, meta, sums)
-        ckpt.commit_step_dir(tmp, final, root, trainer.cfg.checkpoint.keep_last)
-    _barrier()
+        try:
+            ckpt.write_meta(tmp, meta, sums)
+            ckpt.commit_step_dir(tmp, final, root, trainer.cfg.checkpoint.keep_last)
+        except OSError as err:
+            problem = str(_save_failed(root, tmp, trainer.step, err, sync=False))
+    problem = _broadcast_text(problem, device)  # every rank raises, or none does (no rank waits forever)
+    if problem:
+        raise ckpt.CheckpointError(problem)
     return final
+
+
+class _Writer(FileSystemWriter):
+    """DCP's file writer, reporting a failed write as the OSError behind it: torch.save turns one
+    into a RuntimeError whose context (the errno) would not survive DCP's gather to the other ranks."""
+
+    def write_data(self, plan, planner):
+        try:
+            return super().write_data(plan, planner)
+        except Exception as err:
+            cause = ckpt.os_error_in(err)
+            if cause is None:
+                raise
+            raise OSError(cause.errno, cause.strerror) from None
+
+
+def _save_failed(root: Path, tmp: Path, step: int, err: BaseException, sync: bool) -> Exception:
+    """A save that failed writing: rank 0 removes the temp dir; an OSError behind it (a full disk)
+    becomes the one-line CheckpointError naming the intact step, anything else is raised as is."""
+    cause = next(iter(getattr(err, "failures", {}).values()), err)  # DCP: rank -> exception (or with traceback)
+    cause = cause[0] if isinstance(cause, tuple) else cause
+    if sync:
+        _barrier()  # every rank is done with the temp dir before rank 0 removes it
+    if _rank() == 0:
+        files.remove(tmp)
+    if sync:
+        _barrier()  # and no rank returns while the temp dir is still there
+    os_error = ckpt.os_error_in(cause) if isinstance(cause, BaseException) else None
+    return ckpt.save_failed(root, step, os_error) if os_error is not None else err
 
 
 def _saved_pieces(metadata) -> dict:
