@@ -279,13 +279,19 @@ def load_config(path: Optional[str | Path] = None, overrides: Optional[list[str]
     data: dict = {}
     if path is not None:
         path = Path(path)
-        if not path.exists():
-            raise ConfigError(f"config file {str(path)!r} does not exist; pass an existing YAML file")
+        if not path.is_file():
+            what = "is a directory" if path.is_dir() else "does not exist"
+            raise ConfigError(f"config file {str(path)!r} {what}; pass an existing YAML file")
         size = path.stat().st_size
         if size > MAX_BYTES:
             raise ConfigError(f"config file {str(path)!r} is {size} bytes; a config is a few KB (at most "
                               f"{MAX_BYTES}): pass the YAML config, not another file")
-        data = parse_yaml(path.read_text()) or {}
+        try:
+            text = path.read_text(encoding="utf-8")
+        except UnicodeDecodeError as err:
+            raise ConfigError(f"config file {str(path)!r} is not UTF-8 text ({err.reason} at byte {err.start}); "
+                              f"pass the YAML config") from None
+        data = parse_yaml(text) or {}
         if not isinstance(data, dict):
             raise ConfigError(f"config file {str(path)!r} must hold a mapping of sections at the top level")
     apply_overrides(data, overrides or [])

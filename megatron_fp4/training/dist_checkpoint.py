@@ -271,6 +271,8 @@ def _load_step(step_dir: Path, trainer) -> dict:
     if missing:
         raise ckpt.CheckpointError(f"{step_dir} lacks {len(missing)} parameter(s), e.g. {missing[:3]}; it was "
                                    f"written for a different model")
+    _check_declared_shapes({k: metadata.state_dict_metadata[k] for k in request},
+                           {k[len("model/"):]: tuple(t.shape) for k, t in request.items()}, step_dir)
     rng_key = f"rng/{_rank()}"
     if rng_key in metadata.state_dict_metadata:
         request[rng_key] = torch.empty_like(torch.get_rng_state())

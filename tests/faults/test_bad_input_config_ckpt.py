@@ -132,6 +132,11 @@ def test_config_file_size_is_bounded(tmp_path):
     path.write_text("# " + "x" * (2 << 20) + "\n")
     with pytest.raises(ConfigError, match="big.yaml.*bytes"):
         load_config(path)
+    (tmp_path / "bin.yaml").write_bytes(b"model:\n  num_layers: \xff\xfe\n")
+    with pytest.raises(ConfigError, match="bin.yaml.*not UTF-8"):
+        load_config(tmp_path / "bin.yaml")
+    with pytest.raises(ConfigError, match="is a directory"):
+        load_config(tmp_path)
 
 
 # -- row 24: sanity limits before anything is built ---------------------------------------------------
@@ -149,10 +154,14 @@ def test_absurd_sizes_are_refused_by_validation(override, field):
 
 # -- CLI: rows 8, 24, 25 ----------------------------------------------------------------------------
 def test_cli_one_line_errors(tmp_path):
+    import numpy as np
+
     a_file = tmp_path / "tb"
     a_file.write_text("")
+    np.save(tmp_path / "t.npy", np.arange(40, dtype=np.int32) % 18)  # (40 - 1) // 16 = 2 samples
     cases = [
         (["--set", "data.num_samples=2"], ("data error", "global_batch_size=4", "2 samples")),
+        (["--set", "data.kind=numpy", "--set", f"data.path={tmp_path / 't.npy'}"], ("data error", "2 samples")),
         (["--set", "model.num_layers=100000000"], ("config error", "model.num_layers")),
         (["--set", f"logging.tensorboard_dir={a_file}"], ("config error", "logging.tensorboard_dir", "file")),
         (["--set", f"logging.tensorboard_dir={a_file}/sub"], ("config error", "logging.tensorboard_dir", "file")),
@@ -377,3 +386,36 @@ def test_dcp_metadata_sizes_are_checked_before_allocating(tmp_path):
     _assert_one_line(_convert("inspect", step_dir), "written for a different model", "1099511627776")
     with pytest.raises(ckpt.CorruptCheckpointError, match="store"):  # without a config: against the files
         read_full_model_state(step_dir, ckpt.read_meta(step_dir))
+
+
+def _dcp_meta_claims_another_model(rank, world_size, root):
+    import torch.distributed as dist
+
+    from megatron_fp4.parallel.mesh import ParallelMesh
+    from megatron_fp4.training.parallel_trainer import ParallelTrainer
+    from tests.distributed.test_parallel_training import tiny_cfg
+
+    t = ParallelTrainer(tiny_cfg(), ParallelMesh.build(1, world_size, 1))
+    t.save_checkpoint(root)
+    t.optimizer.remove_hooks()
+    if rank == 0:
+        _edit_meta(Path(root) / ckpt.step_dir_name(0), lambda m: m["config"]["model"].update(moe_ffn_hidden_size=32))
+    dist.barrier()
+    cfg = tiny_cfg()
+    cfg.model.moe_ffn_hidden_size = 32  # what the edited meta.json claims
+    r = ParallelTrainer(cfg, ParallelMesh.build(1, world_size, 1))
+    try:
+        r.load_checkpoint(root)
+        return None
+    except ckpt.CheckpointError as err:
+        return str(err)
+    finally:
+        r.optimizer.remove_hooks()
+
+
+def test_dcp_meta_claiming_another_model_is_refused_on_resume(tmp_path):
+    from tests.distributed.launch import run_distributed
+
+    for rank, message in enumerate(run_distributed(_dcp_meta_claims_another_model, 2, (str(tmp_path / "ck"),),
+                                                   timeout_s=300)):
+        assert message and "written for a different model" in message and "experts.w" in message, (rank, message)

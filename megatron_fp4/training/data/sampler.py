@@ -56,7 +56,7 @@ class ResumableSampler:
         if global_batch_size > dataset_len:  # the data the config points at: a user error (one line at the CLI)
             raise DataError(
                 f"schedule.global_batch_size={global_batch_size} is larger than the dataset ({dataset_len} samples: "
-                "data.num_samples, or the data.path file's tokens / (schedule.seq_len + 1)); use a smaller batch "
+                "data.num_samples, or (tokens - 1) // schedule.seq_len of the data.path file); use a smaller batch "
                 "or more data"
             )
         self.dataset_len = dataset_len
