@@ -33,6 +33,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from megatron_fp4.training import checkpoint as ckpt
 from megatron_fp4.training import checkpoint_files as files
+from megatron_fp4.training.dcp_checks import check_declared_bytes, check_declared_shapes
 from megatron_fp4.training.dcp_metadata import METADATA_FILE, SafeFileSystemReader
 
 KINDS = ("master", "exp_avg", "exp_avg_sq")
@@ -264,14 +265,14 @@ def _load_step(step_dir: Path, trainer) -> dict:
     ckpt.require_listed(step_dir, meta, [METADATA_FILE])
     _verify_shared(step_dir, meta, trainer.mesh.device)
     metadata = SafeFileSystemReader(str(step_dir)).read_metadata()
-    _check_declared_bytes(metadata, step_dir)  # before allocating the saved pieces
+    check_declared_bytes(metadata, step_dir)  # before allocating the saved pieces
     saved = _saved_pieces(metadata)
     request = _model_entries(trainer.model, trainer.mesh.ep)
     missing = [k for k in request if k not in metadata.state_dict_metadata]
     if missing:
         raise ckpt.CheckpointError(f"{step_dir} lacks {len(missing)} parameter(s), e.g. {missing[:3]}; it was "
                                    f"written for a different model")
-    _check_declared_shapes({k: metadata.state_dict_metadata[k] for k in request},
+    check_declared_shapes({k: metadata.state_dict_metadata[k] for k in request},
                            {k[len("model/"):]: tuple(t.shape) for k, t in request.items()}, step_dir)
     rng_key = f"rng/{_rank()}"
     if rng_key in metadata.state_dict_metadata:
@@ -324,53 +325,6 @@ def _check_filled(buf, filled: torch.Tensor, where) -> None:
                                    f"({int((filled != need).sum())} elements differ); the checkpoint is incomplete")
 
 
-def _tensor_bytes(md) -> int:
-    size = getattr(md, "size", None)
-    if not isinstance(size, torch.Size) or getattr(md, "properties", None) is None:
-        return 0  # bytes (not tensor) entries are read as what they are
-    return size.numel() * torch.empty((), dtype=md.properties.dtype).element_size()
-
-
-def _check_declared_bytes(metadata, step_dir: Path, keys=None) -> None:
-    """Sizes in `.metadata` against the files (before anything is allocated): every stored chunk
-    must lie inside its shard file, and each tensor (of `keys`, default all) must have at least its
-    own bytes stored, so a crafted or damaged `.metadata` cannot size one at terabytes."""
-    stored: dict = {}
-    for index, info in metadata.storage_data.items():
-        path = step_dir / str(info.relative_path)
-        if path.parent != step_dir or not path.is_file():
-            raise ckpt.CorruptCheckpointError(f"{step_dir / METADATA_FILE} places {index.fqn} in "
-                                              f"{str(info.relative_path)[:80]!r}, not a file of the step; it is damaged")
-        if info.offset < 0 or info.length < 0 or info.offset + info.length > path.stat().st_size:
-            raise ckpt.CorruptCheckpointError(f"{path} is truncated: {METADATA_FILE} places {index.fqn} at bytes "
-                                              f"{info.offset}..{info.offset + info.length} of a {path.stat().st_size}"
-                                              f"-byte file; the checkpoint is damaged")
-        stored[index.fqn] = stored.get(index.fqn, 0) + info.length
-    for key, md in metadata.state_dict_metadata.items():
-        if (keys is None or key in keys) and _tensor_bytes(md) > stored.get(key, 0):
-            raise ckpt.CorruptCheckpointError(f"{step_dir / METADATA_FILE} sizes {key} as {tuple(md.size)} "
-                                              f"({_tensor_bytes(md):,} bytes) but its files store {stored.get(key, 0):,} "
-                                              f"bytes of it; the metadata is damaged or crafted")
-
-
-def _check_declared_shapes(declared: dict, expected: dict, step_dir: Path) -> None:
-    """Every `model/<name>` (or `model/<name>/expert<e>`) of `.metadata` against the model's shapes."""
-    problems = []
-    for key, md in declared.items():
-        name = key[len("model/"):]
-        m = re.match(r"^(?P<name>.+)/expert(?P<e>\d+)$", name)
-        shape = expected.get(m["name"] if m else name)
-        if m and shape is not None:
-            shape = tuple(shape)[1:] if int(m["e"]) < tuple(shape)[0] else None
-        size = tuple(getattr(md, "size", ()) or ())
-        if shape is None or size != tuple(shape):
-            problems.append(f"{key}: checkpoint {size} vs model {None if shape is None else tuple(shape)}")
-    if problems:
-        raise ckpt.CheckpointError(f"checkpoint {step_dir} was written for a different model ({len(problems)} "
-                                   f"tensor(s) differ, e.g. {'; '.join(problems[:3])}). Use the config it was "
-                                   f"trained with (its config.yaml; meta.json's config may have been edited)")
-
-
 def load_full_model_state(path: str | Path) -> dict:
     """The full (unsharded) model state dict of a DCP checkpoint, in one process, no process group.
     Expert weights saved per global expert are stacked back."""
@@ -386,8 +340,8 @@ def read_full_model_state(step_dir: Path, meta: dict, expected: Optional[dict] =
     metadata = SafeFileSystemReader(str(step_dir)).read_metadata()
     declared = {key: md for key, md in metadata.state_dict_metadata.items() if key.startswith("model/")}
     if expected is not None:
-        _check_declared_shapes(declared, expected, step_dir)
-    _check_declared_bytes(metadata, step_dir, declared)
+        check_declared_shapes(declared, expected, step_dir)
+    check_declared_bytes(metadata, step_dir, declared)
     state = {key: torch.empty(tuple(md.size), dtype=md.properties.dtype) for key, md in declared.items()}
     _read_shards(state, step_dir, no_dist=True)
     full, experts = {}, {}
