@@ -33,7 +33,8 @@ def check_declared_bytes(metadata, step_dir: Path, keys=None) -> None:
         path = step_dir / str(info.relative_path)
         if path.parent != step_dir or not path.is_file():
             raise ckpt.CorruptCheckpointError(f"{step_dir / METADATA_FILE} places {index.fqn} in "
-                                              f"{str(info.relative_path)[:80]!r}, not a file of the step; it is damaged")
+                                              f"{str(info.relative_path)[:80]!r}, not a file of the step; it is "
+                                              f"damaged")
         if info.offset < 0 or info.length < 0 or info.offset + info.length > path.stat().st_size:
             raise ckpt.CorruptCheckpointError(f"{path} is truncated: {METADATA_FILE} places {index.fqn} at bytes "
                                               f"{info.offset}..{info.offset + info.length} of a {path.stat().st_size}"
@@ -42,22 +43,32 @@ def check_declared_bytes(metadata, step_dir: Path, keys=None) -> None:
     for key, md in metadata.state_dict_metadata.items():
         if (keys is None or key in keys) and _tensor_bytes(md) > stored.get(key, 0):
             raise ckpt.CorruptCheckpointError(f"{step_dir / METADATA_FILE} sizes {key} as {tuple(md.size)} "
-                                              f"({_tensor_bytes(md):,} bytes) but its files store {stored.get(key, 0):,} "
+                                              f"({_tensor_bytes(md):,} bytes) but its files store "
+                                              f"{stored.get(key, 0):,} "
                                               f"bytes of it; the metadata is damaged or crafted")
 
 
-def check_declared_shapes(declared: dict, expected: dict, step_dir: Path) -> None:
-    """Every `model/<name>` (or `model/<name>/expert<e>`) of `.metadata` against the model's shapes."""
-    problems = []
-    for key, md in declared.items():
+def model_key_shapes(keys, full: dict) -> dict:
+    """DCP key -> the shape the model gives it: `model/<name>` the full parameter's, a per-expert
+    `model/<name>/expert<e>` one expert's slice (None where the model has no such tensor)."""
+    out = {}
+    for key in keys:
         name = key[len("model/"):]
         m = re.match(r"^(?P<name>.+)/expert(?P<e>\d+)$", name)
-        shape = expected.get(m["name"] if m else name)
+        shape = full.get(m["name"] if m else name)
         if m and shape is not None:
             shape = tuple(shape)[1:] if int(m["e"]) < tuple(shape)[0] else None
-        size = tuple(getattr(md, "size", ()) or ())
+        out[key] = None if shape is None else tuple(shape)
+    return out
+
+
+def check_declared_shapes(declared: dict, expected: dict, step_dir: Path) -> None:
+    """Each tensor of `.metadata` (key -> its metadata) against `expected` (key -> shape)."""
+    problems = []
+    for key, md in declared.items():
+        size, shape = tuple(getattr(md, "size", ()) or ()), expected.get(key)
         if shape is None or size != tuple(shape):
-            problems.append(f"{key}: checkpoint {size} vs model {None if shape is None else tuple(shape)}")
+            problems.append(f"{key}: checkpoint {size} vs model {shape}")
     if problems:
         raise ckpt.CheckpointError(f"checkpoint {step_dir} was written for a different model ({len(problems)} "
                                    f"tensor(s) differ, e.g. {'; '.join(problems[:3])}). Use the config it was "

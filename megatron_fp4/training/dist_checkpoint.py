@@ -33,7 +33,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from megatron_fp4.training import checkpoint as ckpt
 from megatron_fp4.training import checkpoint_files as files
-from megatron_fp4.training.dcp_checks import check_declared_bytes, check_declared_shapes
+from megatron_fp4.training.dcp_checks import check_declared_bytes, check_declared_shapes, model_key_shapes
 from megatron_fp4.training.dcp_metadata import METADATA_FILE, SafeFileSystemReader
 
 KINDS = ("master", "exp_avg", "exp_avg_sq")
@@ -273,7 +273,7 @@ def _load_step(step_dir: Path, trainer) -> dict:
         raise ckpt.CheckpointError(f"{step_dir} lacks {len(missing)} parameter(s), e.g. {missing[:3]}; it was "
                                    f"written for a different model")
     check_declared_shapes({k: metadata.state_dict_metadata[k] for k in request},
-                           {k[len("model/"):]: tuple(t.shape) for k, t in request.items()}, step_dir)
+                          {k: tuple(t.shape) for k, t in request.items()}, step_dir)
     rng_key = f"rng/{_rank()}"
     if rng_key in metadata.state_dict_metadata:
         request[rng_key] = torch.empty_like(torch.get_rng_state())
@@ -340,7 +340,7 @@ def read_full_model_state(step_dir: Path, meta: dict, expected: Optional[dict] =
     metadata = SafeFileSystemReader(str(step_dir)).read_metadata()
     declared = {key: md for key, md in metadata.state_dict_metadata.items() if key.startswith("model/")}
     if expected is not None:
-        check_declared_shapes(declared, expected, step_dir)
+        check_declared_shapes(declared, model_key_shapes(declared, expected), step_dir)
     check_declared_bytes(metadata, step_dir, declared)
     state = {key: torch.empty(tuple(md.size), dtype=md.properties.dtype) for key, md in declared.items()}
     _read_shards(state, step_dir, no_dist=True)

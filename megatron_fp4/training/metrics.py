@@ -124,7 +124,8 @@ def start_banner(cfg, mesh) -> str:
         f"megatron-fp4: world {mesh.world_size} = pp {mesh.pp} × dp {mesh.dp} (ep {mesh.ep}, ZeRO-{p.zero_stage}"
         f"{schedule}) on {mesh.device.type}/{mesh.backend}, {cfg.dtype}; {s.train_steps} steps × {s.global_batch_size} "
         f"sequences × {s.seq_len} tokens",
-        f"megatron-fp4: checkpoints -> {saves}; tensorboard -> {cfg.logging.tensorboard_dir or 'off'}"])
+        f"megatron-fp4: checkpoints -> {saves}; tensorboard -> "
+        f"{cfg.logging.tensorboard_dir or 'off (logging.tensorboard_dir is null)'}"])
 
 
 def outputs_pointer(cfg) -> str:

@@ -63,7 +63,8 @@ def test_a_python_bool_on_a_choice_field_maps_to_its_on_off_names():
 ])
 def test_string_fields_keep_the_literal_text(tmp_path, field, text):
     section, name = field.split(".")
-    for cfg in (load_config(None, [f"{field}={text}"]), load_config(_yaml_file(tmp_path, f"{section}:\n  {name}: {text}\n"))):
+    from_file = load_config(_yaml_file(tmp_path, f"{section}:\n  {name}: {text}\n"))
+    for cfg in (load_config(None, [f"{field}={text}"]), from_file):
         assert getattr(getattr(cfg, section), name) == text
 
 
