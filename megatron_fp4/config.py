@@ -9,11 +9,12 @@ value and the fix.
 from __future__ import annotations
 
 import dataclasses
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional, get_type_hints
 
-import yaml
+from megatron_fp4.config_yaml import MAX_BYTES, Plain, parse_yaml, plain_value, show
 
 
 class ConfigError(ValueError):
@@ -161,44 +162,82 @@ class Config:
         return dataclasses.asdict(self)
 
 
+_INT_TEXT = re.compile(r"[-+]?[0-9][0-9_]*")
+_FLOAT_TEXT = re.compile(r"[-+]?(\.[0-9]+|[0-9][0-9_]*(\.[0-9_]*)?)([eE][-+]?[0-9]+)?")
+
+
+def _is_optional(hint: Any) -> bool:
+    return "Optional" in str(hint) or "None" in str(hint)
+
+
 def _coerce(value: Any, hint: Any, where: str) -> Any:
-    """Convert a YAML/CLI value to the annotated type, with an error naming the field."""
-    text_hint = str(hint)
+    """Convert a YAML/CLI value to the annotated type, with an error naming the field. A `Plain`
+    YAML scalar gives its text to a str field (``off``, ``0755``, ``12:30`` stay as written) and
+    its YAML value to the others."""
     if dataclasses.is_dataclass(hint):
         if not isinstance(value, dict):
-            raise ConfigError(f"{where}: expected a mapping of fields, got {value!r}")
+            raise ConfigError(f"{where}: expected a mapping of fields, got {show(value)}")
         return _from_dict(hint, value, where)
-    if value is None:
-        if "Optional" in text_hint or "None" in text_hint:
+    base = str if "Optional[str]" in str(hint) else hint
+    yaml_value = value.value if isinstance(value, Plain) else value
+    if yaml_value is None:
+        if _is_optional(hint):
             return None
-        raise ConfigError(f"{where}: null is not allowed here; give a value of type {text_hint}")
-    base = hint
-    if "Optional[str]" in text_hint:
-        base = str
+        raise ConfigError(f"{where}: null is not allowed here; give a value of type {getattr(base, '__name__', hint)}")
     try:
-        if base is bool:
-            if isinstance(value, str) and value.lower() in ("true", "false", "1", "0"):
-                return value.lower() in ("true", "1")
-            if not isinstance(value, bool):
-                raise TypeError
-            return value
-        if base is int:
-            if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
-                raise TypeError
-            return int(value)
-        if base is float:
-            if isinstance(value, bool):
-                raise TypeError
-            return float(value)
         if base is str:
-            return str(value)
-        if base is list:
-            if not isinstance(value, (list, tuple)):
+            return _to_str(value, where)
+        if base is bool:
+            if isinstance(yaml_value, str) and yaml_value.lower() in ("true", "false", "1", "0"):
+                return yaml_value.lower() in ("true", "1")
+            if not isinstance(yaml_value, bool):
                 raise TypeError
-            return list(value)
-    except (TypeError, ValueError):
-        raise ConfigError(f"{where}={value!r}: expected {getattr(base, '__name__', text_hint)}") from None
-    return value
+            return yaml_value
+        if base is int:
+            return _to_int(value)
+        if base is float:
+            if isinstance(yaml_value, bool) or isinstance(yaml_value, (list, dict)):
+                raise TypeError
+            return float(yaml_value)
+        if base is list:
+            if not isinstance(yaml_value, (list, tuple)):
+                raise TypeError
+            return list(plain_value(yaml_value))
+    except (TypeError, ValueError, OverflowError):
+        raise ConfigError(f"{where}={show(value)}: expected {getattr(base, '__name__', hint)}") from None
+    return plain_value(value)
+
+
+def _to_str(value: Any, where: str) -> str:
+    if isinstance(value, Plain):
+        return value.text
+    if isinstance(value, bool):  # a Python bool (config_from_dict): the field's own on/off names, if any
+        from megatron_fp4.config_validate import choice_for_bool
+
+        named = choice_for_bool(where, value)
+        if named is None:
+            raise TypeError
+        return named
+    if not isinstance(value, (str, int, float)):
+        raise TypeError
+    return str(value)
+
+
+def _to_int(value: Any) -> int:
+    """Decimal text (``0755`` is 755, not YAML 1.1's octal), an integral ``1e6``, or YAML's int."""
+    if isinstance(value, Plain) and _INT_TEXT.fullmatch(value.text):
+        return int(value.text.replace("_", ""))
+    if isinstance(value, Plain) and ":" in value.text:  # YAML 1.1's base 60 (12:30 = 750): never meant
+        raise TypeError
+    text = value.text if isinstance(value, Plain) else value
+    if isinstance(text, str) and _FLOAT_TEXT.fullmatch(text):
+        value = float(text.replace("_", ""))
+    elif isinstance(value, Plain):
+        value = value.value
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or (isinstance(value, float)
+                                                                        and not value.is_integer()):
+        raise TypeError
+    return int(value)
 
 
 def _from_dict(cls, data: dict, prefix: str = ""):
@@ -231,7 +270,7 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
             node = node.setdefault(part, {})
             if not isinstance(node, dict):
                 raise ConfigError(f"override {item!r}: {part!r} is a value, not a section")
-        node[parts[-1]] = yaml.safe_load(raw) if raw.strip() != "" else None
+        node[parts[-1]] = parse_yaml(raw) if raw.strip() != "" else None
     return data
 
 
@@ -240,9 +279,19 @@ def load_config(path: Optional[str | Path] = None, overrides: Optional[list[str]
     data: dict = {}
     if path is not None:
         path = Path(path)
-        if not path.exists():
-            raise ConfigError(f"config file {str(path)!r} does not exist; pass an existing YAML file")
-        data = yaml.safe_load(path.read_text()) or {}
+        if not path.is_file():
+            what = "is a directory" if path.is_dir() else "does not exist"
+            raise ConfigError(f"config file {str(path)!r} {what}; pass an existing YAML file")
+        size = path.stat().st_size
+        if size > MAX_BYTES:
+            raise ConfigError(f"config file {str(path)!r} is {size} bytes; a config is a few KB (at most "
+                              f"{MAX_BYTES}): pass the YAML config, not another file")
+        try:
+            text = path.read_text(encoding="utf-8")
+        except UnicodeDecodeError as err:
+            raise ConfigError(f"config file {str(path)!r} is not UTF-8 text ({err.reason} at byte {err.start}); "
+                              f"pass the YAML config") from None
+        data = parse_yaml(text) or {}
         if not isinstance(data, dict):
             raise ConfigError(f"config file {str(path)!r} must hold a mapping of sections at the top level")
     apply_overrides(data, overrides or [])

@@ -8,6 +8,7 @@ import dataclasses
 import math
 
 from megatron_fp4.config import Config, ConfigError
+from megatron_fp4.config_yaml import show
 
 ARITHMETIC_VOCAB_SIZE = 18  # pad, bos, eos, 0-9, + - * = and space
 
@@ -28,6 +29,25 @@ _CHOICES = {
 }
 
 
+# Sanity limits, checked before anything is built: far above any real model (Qwen3-235B: vocab 151936,
+# hidden 4096, 94 layers, 128 experts), far below what would make building it allocate terabytes or
+# loop for hours (a typo such as vocab_size=1e14 or num_layers=1e8).
+_LIMITS = {
+    "model.vocab_size": 1 << 22, "model.hidden_size": 1 << 17, "model.num_layers": 4096, "model.num_heads": 4096,
+    "model.num_kv_heads": 4096, "model.head_dim": 4096, "model.max_seq_len": 1 << 24, "model.num_experts": 1 << 16,
+    "model.top_k": 1 << 16, "model.moe_ffn_hidden_size": 1 << 20, "model.num_shared_experts": 1 << 10,
+    "model.shared_expert_ffn_hidden_size": 1 << 20, "model.dense_ffn_hidden_size": 1 << 20,
+    "data.num_samples": 1 << 28,  # the sampler holds a permutation of them (8 bytes each)
+}
+
+
+def choice_for_bool(dotted: str, value: bool):
+    """The name a choice field gives a boolean (``fp4.compile``: True -> "on", False -> "off"), or
+    None when its choices name none (a bool is then not a valid value there)."""
+    names = ("on", "yes", "true") if value else ("off", "no", "false")
+    return next((name for name in names if name in _CHOICES.get(dotted, ())), None)
+
+
 def _get(cfg: Config, dotted: str):
     node = cfg
     for part in dotted.split("."):
@@ -37,7 +57,7 @@ def _get(cfg: Config, dotted: str):
 
 def _require(cond: bool, field: str, value, fix: str) -> None:
     if not cond:
-        raise ConfigError(f"{field}={value!r}: {fix}")
+        raise ConfigError(f"{field}={show(value)}: {fix}")
 
 
 def resolve_dp(cfg: Config, world_size: int) -> int:
@@ -62,6 +82,21 @@ def _check_finite_floats(node, prefix: str = "") -> None:
             raise ConfigError(f"{name}={value!r}: must be a finite number (NaN and Inf are not allowed)")
 
 
+def check_model_limits(cfg: Config) -> None:
+    """Sizes positive and within the sanity limits: what building the model needs (also used alone
+    for a checkpoint's saved config, whose layout is not this job's)."""
+    m = cfg.model
+    for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
+                 "num_experts", "top_k", "moe_ffn_hidden_size", "max_seq_len"):
+        _require(getattr(m, name) > 0, f"model.{name}", getattr(m, name), "must be a positive integer")
+    for name in ("num_shared_experts", "shared_expert_ffn_hidden_size", "dense_ffn_hidden_size"):
+        _require(getattr(m, name) >= 0, f"model.{name}", getattr(m, name), "must be >= 0")
+    for dotted, limit in _LIMITS.items():
+        value = _get(cfg, dotted)
+        _require(value <= limit, dotted, value, f"exceeds the sanity limit {limit}; this is far beyond any real "
+                 f"model (a typo?): give the intended size")
+
+
 def validate_config(cfg: Config, world_size: int = 1) -> None:
     _check_finite_floats(cfg)
     for dotted, allowed in _CHOICES.items():
@@ -69,9 +104,7 @@ def validate_config(cfg: Config, world_size: int = 1) -> None:
         _require(value in allowed, dotted, value, f"must be one of {list(allowed)}")
 
     m = cfg.model
-    for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
-                 "num_experts", "top_k", "moe_ffn_hidden_size", "max_seq_len"):
-        _require(getattr(m, name) > 0, f"model.{name}", getattr(m, name), "must be a positive integer")
+    check_model_limits(cfg)
     _require(m.hidden_size % m.num_heads == 0, "model.hidden_size", m.hidden_size,
              f"must be divisible by model.num_heads={m.num_heads}; change one of them")
     _require(m.num_heads % m.num_kv_heads == 0, "model.num_kv_heads", m.num_kv_heads,
@@ -115,6 +148,9 @@ def validate_config(cfg: Config, world_size: int = 1) -> None:
     _validate_parallel(cfg, world_size)
 
     d = cfg.data
+    if d.kind == "arithmetic":
+        _require(d.num_samples >= 1, "data.num_samples", d.num_samples,
+                 "must be a positive integer (the number of generated training sequences)")
     if d.kind in ("megatron", "numpy"):
         _require(bool(d.path), "data.path", d.path,
                  f"data.kind={d.kind!r} reads a file: set data.path (a .bin/.idx prefix or a .npy file)")

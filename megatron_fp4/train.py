@@ -51,10 +51,11 @@ def _run(cfg) -> list[dict]:
 
 
 def _build_and_train(cfg, rank: int) -> list[dict]:
-    from megatron_fp4.training.metrics import outputs_pointer, start_banner
+    from megatron_fp4.training.metrics import check_tensorboard_dir, outputs_pointer, start_banner
 
     from megatron_fp4.training.trainer import Trainer
 
+    check_tensorboard_dir(cfg.logging.tensorboard_dir)  # every rank, before the model is built
     trainer = Trainer(cfg)  # validates cfg (once) and builds this process's mesh (ParallelMesh.from_env)
     if rank == 0:
         print(start_banner(cfg, trainer.mesh), flush=True)
@@ -124,8 +125,19 @@ class _DirLock:
     __del__ = release
 
 
+MAX_ERROR_CHARS = 2000  # a user error is one readable line, whatever value it quotes
+
+
+def _squash(err: BaseException) -> str:
+    """The message on one line (YAML errors span several), cut to MAX_ERROR_CHARS."""
+    text = " ".join(str(err).split())
+    if len(text) > MAX_ERROR_CHARS:
+        text = text[:MAX_ERROR_CHARS] + f"... ({len(text) - MAX_ERROR_CHARS} more characters)"
+    return text
+
+
 def _one_line(kind: str, err: BaseException) -> str:
-    text = " ".join(str(err).split())  # YAML errors span several lines
+    text = _squash(err)
     rank = f"rank {os.environ['RANK']}: " if int(os.environ.get("WORLD_SIZE", "1")) > 1 else ""
     return f"{rank}{kind} error: {text}"
 
@@ -138,7 +150,7 @@ def _config_error(err) -> int:
         launched = (f" (this job started {world} processes: the launcher's process count, torchrun "
                     f"--nproc-per-node × nodes or the sbatch's NPROC_PER_NODE, is part of the layout and may be "
                     f"what to change)") if world > 1 else ""
-        print(f"config error: {' '.join(str(err).split())}{launched}", file=sys.stderr)
+        print(f"config error: {_squash(err)}{launched}", file=sys.stderr)
     return EXIT_USER_ERROR
 
 

@@ -17,7 +17,8 @@ from pathlib import Path
 
 import torch
 
-from megatron_fp4.config import apply_overrides, config_from_dict
+from megatron_fp4.config import ConfigError, apply_overrides, config_from_dict
+from megatron_fp4.config_validate import check_model_limits
 from megatron_fp4.model import build_model
 from megatron_fp4.training import checkpoint as ckpt
 
@@ -35,11 +36,12 @@ def load_model_state(path: str) -> tuple[dict, dict, Path]:
             if not isinstance(state, dict) or not isinstance(state.get("model"), dict):
                 raise ckpt.CheckpointError(f"{step_dir / ckpt.STATE_FILE} has no 'model' state dict; it was not "
                                            f"written by megatron-fp4")
+            ckpt.check_state_fits(model_shapes(meta, step_dir), state["model"], step_dir)
             return state["model"], meta, step_dir
         if kind == "dcp":
             from megatron_fp4.training.dist_checkpoint import read_full_model_state
 
-            return read_full_model_state(step_dir, meta), meta, step_dir
+            return read_full_model_state(step_dir, meta, model_shapes(meta, step_dir)), meta, step_dir
         raise ckpt.CheckpointError(f"{step_dir / ckpt.META_FILE}: unknown checkpoint kind {kind!r} (expected "
                                    f"'single', 'weights' or 'dcp')")
 
@@ -54,6 +56,25 @@ def saved_config(meta: dict, step_dir: Path) -> dict:
         raise ckpt.CheckpointError(f"{step_dir / ckpt.META_FILE} has no config.{missing[0]} section; it was not "
                                    f"written by megatron-fp4 (or was edited): restore it from the run's config.yaml")
     return cfg
+
+
+def saved_run_config(meta: dict, step_dir: Path):
+    """meta.json's config as a `Config`, its model sizes within the sanity limits (not validated
+    against a world size: the checkpoint may come from any layout)."""
+    try:
+        cfg = config_from_dict(saved_config(meta, step_dir))
+        check_model_limits(cfg)
+    except ConfigError as err:
+        raise ckpt.CheckpointError(f"{step_dir / ckpt.META_FILE}: its config is not valid ({err}); it was edited "
+                                   f"or damaged: restore it from the run's config.yaml") from None
+    return cfg
+
+
+def model_shapes(meta: dict, step_dir: Path) -> dict:
+    """name -> shape of the model meta.json's config describes (built on the meta device: no memory)."""
+    with torch.device("meta"):
+        model = build_model(saved_run_config(meta, step_dir))
+    return {name: tuple(t.shape) for name, t in model.state_dict().items()}
 
 
 def cmd_inspect(args) -> int:
@@ -76,9 +97,9 @@ def cmd_to_hf(args) -> int:
 
     check_out_dir(args.out, args.overwrite, flag="--overwrite")
     state, meta, step_dir = load_model_state(args.checkpoint)
-    cfg = config_from_dict(saved_config(meta, step_dir))
+    cfg = saved_run_config(meta, step_dir)
     model = build_model(cfg)
-    model.load_state_dict(state)
+    model.load_state_dict(state)  # names and shapes were checked against this config by load_model_state
     out = save_hf_checkpoint(model, cfg, args.out, dtype=DTYPES[args.dtype], overwrite=args.overwrite)
     print(f"wrote {out} (config.json + model.safetensors, {args.dtype})")
     return 0

@@ -17,10 +17,12 @@ only, nothing in a checkpoint file is executed. (The sharded DCP checkpoint of t
 """
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
 import pickle
+import re
 import shutil
 import uuid
 import warnings
@@ -40,6 +42,7 @@ SHAPE_FIELDS = ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_
                 "top_k", "moe_ffn_hidden_size", "num_shared_experts", "shared_expert_ffn_hidden_size",
                 "dense_layers", "dense_ffn_hidden_size", "tie_embeddings")
 T = TypeVar("T")
+_FILE_NAME, _SHA256 = re.compile(r"[^/\\\x00]{1,255}"), re.compile(r"[0-9a-f]{64}")
 
 
 class CheckpointError(ValueError):
@@ -95,7 +98,23 @@ def read_meta(step_dir: Path) -> dict:
     if meta.get("format_version") != FORMAT_VERSION:
         raise CheckpointError(f"{path.parent}: checkpoint format {meta.get('format_version')!r} is not supported "
                               f"(this version reads {FORMAT_VERSION})")
+    _check_meta_fields(path, meta)
     return meta
+
+
+def _check_meta_fields(path: Path, meta: dict) -> None:
+    """The fields loaders use must have their types (an edited meta.json can pass its own sha256)."""
+    config = meta.get("config")
+    problem = None
+    if config is not None and not isinstance(config, dict):
+        problem = f"'config' is a JSON {type(config).__name__}, not an object"
+    elif isinstance(config, dict) and not isinstance(config.get("model", {}), dict):
+        problem = f"'config.model' is a JSON {type(config['model']).__name__}, not an object"
+    elif "step" in meta and (isinstance(meta["step"], bool) or not isinstance(meta["step"], int) or meta["step"] < 0):
+        problem = f"'step' is {str(meta['step'])[:40]!r}, not a non-negative integer"
+    if problem:
+        raise CorruptCheckpointError(f"{path}: {problem}; the file is damaged or was edited (restore it, or use "
+                                     f"another step)")
 
 
 def expected_files(step_dir: Path, meta: dict) -> dict:
@@ -107,7 +126,23 @@ def expected_files(step_dir: Path, meta: dict) -> dict:
         return {}
     if not isinstance(sums, dict):
         raise CorruptCheckpointError(f"{step_dir}/{META_FILE}: 'files' is not a mapping; the file is damaged")
+    for name, digest in sums.items():
+        if not _FILE_NAME.fullmatch(name) or name in (".", ".."):
+            raise CorruptCheckpointError(f"{step_dir}/{META_FILE}: 'files' lists {name[:80]!r}, not a file name in "
+                                         f"the step directory; the file is damaged or was edited")
+        if not isinstance(digest, str) or not _SHA256.fullmatch(digest):
+            raise CorruptCheckpointError(f"{step_dir}/{META_FILE}: the checksum of {name} is {str(digest)[:80]!r}, "
+                                         f"not a sha256 (64 hex digits); the file is damaged or was edited")
     return sums
+
+
+def require_listed(step_dir: Path, meta: dict, names) -> None:
+    """A checksummed step must list (and so verify) each of `names`, the files its loader reads."""
+    sums = meta.get("files")
+    missing = [name for name in names if sums is not None and name not in sums]
+    if missing:
+        raise CorruptCheckpointError(f"{step_dir}/{META_FILE}: 'files' has no checksum of {missing}, which the "
+                                     f"loader reads; the file is damaged or was edited")
 
 
 def verify_files(step_dir: Path, meta: dict, names=None) -> None:
@@ -167,13 +202,47 @@ def save_checkpoint(root: str | Path, step: int, state: dict, config: dict, kind
     if not begin_save(root, final):
         return final
     tmp = root / files.temp_name(final.name)
-    tmp.mkdir()
-    torch.save(state, tmp / STATE_FILE)
-    (tmp / CONFIG_FILE).write_text(yaml.safe_dump(config, sort_keys=False))
-    sums = {name: files.file_digest(tmp / name, sync=True) for name in files.data_files(tmp)}
-    write_meta(tmp, {"format_version": FORMAT_VERSION, "step": step, "kind": kind, "config": config}, sums)
-    commit_step_dir(tmp, final, root, keep_last_of(config))
+    try:
+        tmp.mkdir()
+        with open(tmp / STATE_FILE, "wb") as f:  # a Python file: a full disk is an OSError with its errno
+            torch.save(state, f)
+        (tmp / CONFIG_FILE).write_text(yaml.safe_dump(config, sort_keys=False))
+        sums = {name: files.file_digest(tmp / name, sync=True) for name in files.data_files(tmp)}
+        write_meta(tmp, {"format_version": FORMAT_VERSION, "step": step, "kind": kind, "config": config}, sums)
+        commit_step_dir(tmp, final, root, keep_last_of(config))
+    except (OSError, RuntimeError) as err:
+        files.remove(tmp)
+        cause = os_error_in(err)
+        if cause is None:
+            raise
+        raise save_failed(root, step, cause) from None
     return final
+
+
+def os_error_in(err: BaseException) -> Optional[OSError]:
+    """The OSError behind `err`: itself, or one it was raised while handling (torch.save reports a
+    failed write as a RuntimeError raised while closing the archive, with the OSError as context)."""
+    seen = 0
+    while err is not None and seen < 16:
+        if isinstance(err, OSError):
+            return err
+        err, seen = err.__cause__ or err.__context__, seen + 1
+    return None
+
+
+def save_failed(root: Path, step: int, err: OSError) -> CheckpointError:
+    """The one-line error of a save that could not be written (the temp dir is already removed):
+    what happened and which step the directory still holds intact."""
+    what = "disk full" if err.errno in (errno.ENOSPC, errno.EDQUOT) else f"{err.strerror or err} ({type(err).__name__})"
+    intact = next((d for _, d in files.step_dirs(root) if (d / META_FILE).exists()), None)
+    if intact is not None and intact.name == step_dir_name(step):
+        held = f"step {step} itself was written completely ({intact}), only its '{LATEST_FILE}' hint is stale"
+    elif intact is not None:
+        held = f"step {files.step_of(intact.name)} is intact ({intact})"
+    else:
+        held = "no earlier step is saved there"
+    return CheckpointError(f"{what} while saving step {step} to {root}; {held}. Free space (or choose another "
+                           f"checkpoint.dir) and resume with --set checkpoint.load=auto")
 
 
 # -- finding and loading --------------------------------------------------------------------------
@@ -236,12 +305,30 @@ def with_fallback(path: str | Path, load_one: Callable[[Path], T]) -> T:
 
 def check_compatible(meta: dict, model_cfg, where: Path) -> None:
     """Refuse to load a checkpoint of a differently shaped model, naming every differing field."""
-    saved = (meta.get("config") or {}).get("model") or {}
+    saved = (meta.get("config") or {}).get("model") or {}  # types checked by read_meta
     diffs = [f"model.{k}: checkpoint {saved.get(k)!r} vs config {getattr(model_cfg, k)!r}"
              for k in SHAPE_FIELDS if k in saved and saved[k] != getattr(model_cfg, k)]
     if diffs:
         raise CheckpointError(f"checkpoint {where} was written for a different model; " + "; ".join(diffs)
                               + ". Use the config it was trained with (see its meta.json)")
+
+
+def check_state_fits(expected: dict, state, where: Path) -> None:
+    """Refuse a model state dict whose tensor names or shapes differ from `expected` (the model's
+    own state dict, or name -> shape), before anything is copied: its meta.json may claim another
+    model than the one its tensors hold."""
+    shapes = {k: tuple(v.shape) if hasattr(v, "shape") else tuple(v) for k, v in expected.items()}
+    got = state if isinstance(state, dict) else {}
+    missing = [k for k in shapes if k not in got]
+    extra = [k for k in got if k not in shapes]
+    wrong = [f"{k}: checkpoint {tuple(got[k].shape) if isinstance(got[k], torch.Tensor) else 'no tensor'} vs "
+             f"model {shapes[k]}" for k in shapes
+             if k in got and not (isinstance(got[k], torch.Tensor) and tuple(got[k].shape) == shapes[k])]
+    if missing or extra or wrong:
+        parts = ([f"missing {len(missing)} tensor(s), e.g. {missing[:3]}"] if missing else []) + \
+                ([f"{len(extra)} unexpected, e.g. {extra[:3]}"] if extra else []) + wrong[:3]
+        raise CheckpointError(f"checkpoint {where} was written for a different model ({'; '.join(parts)}). Use the "
+                              f"config it was trained with (its config.yaml; meta.json's config may have been edited)")
 
 
 def load_state_file(path: Path) -> dict:
@@ -266,21 +353,26 @@ def first_line(err: BaseException) -> str:
     return text.splitlines()[0] if text else type(err).__name__
 
 
-def load_step(step_dir: Path, model_cfg=None) -> tuple[dict, dict]:
-    """(state, meta) of one single-process step directory, verified."""
+def load_step(step_dir: Path, model_cfg=None, model_state: Optional[dict] = None) -> tuple[dict, dict]:
+    """(state, meta) of one single-process step directory, verified; with `model_state` (the
+    model's own state dict) its 'model' tensors are checked to fit that model."""
     meta = read_meta(step_dir)
     if model_cfg is not None:
         check_compatible(meta, model_cfg, step_dir)
     if meta.get("kind") not in ("single", "weights"):
         raise CheckpointError(f"{step_dir} is a sharded ({meta.get('kind')}) checkpoint; load it with the parallel "
                               f"trainer (or convert it with tools/convert_checkpoint.py)")
+    require_listed(step_dir, meta, [STATE_FILE])
     verify_files(step_dir, meta)
-    return load_state_file(step_dir / STATE_FILE), meta
+    state = load_state_file(step_dir / STATE_FILE)
+    if model_state is not None:
+        check_state_fits(model_state, state.get("model") if isinstance(state, dict) else None, step_dir)
+    return state, meta
 
 
-def load_checkpoint(path: str | Path, model_cfg=None) -> tuple[dict, dict]:
+def load_checkpoint(path: str | Path, model_cfg=None, model_state: Optional[dict] = None) -> tuple[dict, dict]:
     """Return (state, meta) of the checkpoint at `path` (a step dir, or a root: newest intact step)."""
-    return with_fallback(path, lambda step_dir: load_step(step_dir, model_cfg))
+    return with_fallback(path, lambda step_dir: load_step(step_dir, model_cfg, model_state))
 
 
 def latest_step(root: str | Path) -> Optional[int]:

@@ -112,11 +112,15 @@ def fsync_dir(path: Path) -> None:
 def write_durable_text(path: Path, text: str) -> None:
     """Replace `path` by `text` atomically and durably (temp file, fsync, rename, fsync dir)."""
     tmp = path.parent / temp_name(path.name)
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except OSError:
+        tmp.unlink(missing_ok=True)  # e.g. a full disk: leave no temp file behind
+        raise
     fsync_dir(path.parent)
 
 

@@ -23,15 +23,18 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
+from typing import Optional
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 
 from megatron_fp4.training import checkpoint as ckpt
 from megatron_fp4.training import checkpoint_files as files
-from megatron_fp4.training.dcp_metadata import SafeFileSystemReader
+from megatron_fp4.training.dcp_checks import check_declared_bytes, check_declared_shapes, model_key_shapes
+from megatron_fp4.training.dcp_metadata import METADATA_FILE, SafeFileSystemReader
 
 KINDS = ("master", "exp_avg", "exp_avg_sq")
 _OPTIM_KEY = re.compile(r"^optim/(?P<name>.+)/(?P<kind>master|exp_avg|exp_avg_sq)/(?P<offset>\d+)$")
@@ -166,9 +169,13 @@ def save(root: str | Path, trainer) -> Path:
     _barrier()
     state = {**_model_entries(trainer.model, trainer.mesh.ep), **_optim_entries(trainer),
              f"rng/{_rank()}": torch.get_rng_state()}
-    dcp.save(state, checkpoint_id=str(tmp), no_dist=not _is_dist())
+    try:
+        dcp.save(state, storage_writer=_Writer(str(tmp)), no_dist=not _is_dist())
+    except (Exception, CheckpointException) as err:  # every rank gets DCP's verdict of the write
+        raise _save_failed(root, tmp, trainer.step, err, sync=True) from None
     _barrier()
     sums = _shared_checksums(tmp, device)
+    problem = ""
     if _rank() == 0:
         p = trainer.cfg.parallel
         meta = {"format_version": ckpt.FORMAT_VERSION, "step": trainer.step, "kind": "dcp",
@@ -177,10 +184,44 @@ def save(root: str | Path, trainer) -> Path:
                 "layout": {"pp": trainer.mesh.pp, "dp": trainer.mesh.dp, "ep": trainer.mesh.ep,
                            "virtual_stages": p.virtual_stages, "zero_stage": p.zero_stage},
                 "config": trainer.cfg.to_dict()}
-        ckpt.write_meta(tmp, meta, sums)
-        ckpt.commit_step_dir(tmp, final, root, trainer.cfg.checkpoint.keep_last)
-    _barrier()
+        try:
+            ckpt.write_meta(tmp, meta, sums)
+            ckpt.commit_step_dir(tmp, final, root, trainer.cfg.checkpoint.keep_last)
+        except OSError as err:
+            problem = str(_save_failed(root, tmp, trainer.step, err, sync=False))
+    problem = _broadcast_text(problem, device)  # every rank raises, or none does (no rank waits forever)
+    if problem:
+        raise ckpt.CheckpointError(problem)
     return final
+
+
+class _Writer(FileSystemWriter):
+    """DCP's file writer, reporting a failed write as the OSError behind it: torch.save turns one
+    into a RuntimeError whose context (the errno) would not survive DCP's gather to the other ranks."""
+
+    def write_data(self, plan, planner):
+        try:
+            return super().write_data(plan, planner)
+        except Exception as err:
+            cause = ckpt.os_error_in(err)
+            if cause is None:
+                raise
+            raise OSError(cause.errno, cause.strerror) from None
+
+
+def _save_failed(root: Path, tmp: Path, step: int, err: BaseException, sync: bool) -> Exception:
+    """A save that failed writing: rank 0 removes the temp dir; an OSError behind it (a full disk)
+    becomes the one-line CheckpointError naming the intact step, anything else is raised as is."""
+    cause = next(iter(getattr(err, "failures", {}).values()), err)  # DCP: rank -> exception (or with traceback)
+    cause = cause[0] if isinstance(cause, tuple) else cause
+    if sync:
+        _barrier()  # every rank is done with the temp dir before rank 0 removes it
+    if _rank() == 0:
+        files.remove(tmp)
+    if sync:
+        _barrier()  # and no rank returns while the temp dir is still there
+    os_error = ckpt.os_error_in(cause) if isinstance(cause, BaseException) else None
+    return ckpt.save_failed(root, step, os_error) if os_error is not None else err
 
 
 def _saved_pieces(metadata) -> dict:
@@ -221,14 +262,18 @@ def _load_step(step_dir: Path, trainer) -> dict:
     if meta.get("kind") != "dcp":
         raise ckpt.CheckpointError(f"{step_dir} is a {meta.get('kind')!r} checkpoint; the parallel trainer loads "
                                    f"sharded ('dcp') checkpoints written by a parallel run")
+    ckpt.require_listed(step_dir, meta, [METADATA_FILE])
     _verify_shared(step_dir, meta, trainer.mesh.device)
     metadata = SafeFileSystemReader(str(step_dir)).read_metadata()
+    check_declared_bytes(metadata, step_dir)  # before allocating the saved pieces
     saved = _saved_pieces(metadata)
     request = _model_entries(trainer.model, trainer.mesh.ep)
     missing = [k for k in request if k not in metadata.state_dict_metadata]
     if missing:
         raise ckpt.CheckpointError(f"{step_dir} lacks {len(missing)} parameter(s), e.g. {missing[:3]}; it was "
                                    f"written for a different model")
+    check_declared_shapes({k: metadata.state_dict_metadata[k] for k in request},
+                          {k: tuple(t.shape) for k, t in request.items()}, step_dir)
     rng_key = f"rng/{_rank()}"
     if rng_key in metadata.state_dict_metadata:
         request[rng_key] = torch.empty_like(torch.get_rng_state())
@@ -286,14 +331,18 @@ def load_full_model_state(path: str | Path) -> dict:
     return ckpt.with_fallback(path, lambda step_dir: read_full_model_state(step_dir, ckpt.read_meta(step_dir)))
 
 
-def read_full_model_state(step_dir: Path, meta: dict) -> dict:
-    """`load_full_model_state` of one step directory with its meta (used by tools/convert_checkpoint.py)."""
+def read_full_model_state(step_dir: Path, meta: dict, expected: Optional[dict] = None) -> dict:
+    """`load_full_model_state` of one step directory with its meta (used by tools/convert_checkpoint.py).
+    `expected` (name -> shape of the full model, e.g. built on the meta device from meta.json's
+    config): every tensor `.metadata` declares is checked against it before anything is allocated."""
+    ckpt.require_listed(step_dir, meta, [METADATA_FILE])
     ckpt.verify_files(step_dir, meta)
     metadata = SafeFileSystemReader(str(step_dir)).read_metadata()
-    state = {}
-    for key, md in metadata.state_dict_metadata.items():
-        if key.startswith("model/"):
-            state[key] = torch.empty(tuple(md.size), dtype=md.properties.dtype)
+    declared = {key: md for key, md in metadata.state_dict_metadata.items() if key.startswith("model/")}
+    if expected is not None:
+        check_declared_shapes(declared, model_key_shapes(declared, expected), step_dir)
+    check_declared_bytes(metadata, step_dir, declared)
+    state = {key: torch.empty(tuple(md.size), dtype=md.properties.dtype) for key, md in declared.items()}
     _read_shards(state, step_dir, no_dist=True)
     full, experts = {}, {}
     for key, tensor in state.items():

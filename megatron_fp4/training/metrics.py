@@ -2,10 +2,43 @@
 from __future__ import annotations
 
 import math
+import os
 import sys
+from pathlib import Path
 from typing import Optional
 
 from tqdm.auto import tqdm
+
+from megatron_fp4.config import ConfigError
+
+_TB_FIX = "point logging.tensorboard_dir at a (new or existing) directory, or set it to null to turn TensorBoard off"
+
+
+def check_tensorboard_dir(tb_dir: Optional[str]) -> None:
+    """Refuse a `logging.tensorboard_dir` that cannot become a directory (an existing file, a file
+    on the way, no write permission), before anything is built; nothing is created here."""
+    if not tb_dir:
+        return
+    path = Path(tb_dir)
+    if path.exists() and not path.is_dir():
+        raise ConfigError(f"logging.tensorboard_dir={tb_dir!r} is an existing file, not a directory; {_TB_FIX}")
+    parent = path
+    while not parent.exists() and parent != parent.parent:
+        parent = parent.parent
+    if not parent.is_dir():
+        raise ConfigError(f"logging.tensorboard_dir={tb_dir!r}: {str(parent)!r} is a file, not a directory; {_TB_FIX}")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise ConfigError(f"logging.tensorboard_dir={tb_dir!r}: {str(parent)!r} is not writable; {_TB_FIX}")
+
+
+def _summary_writer(tb_dir: str):
+    from torch.utils.tensorboard import SummaryWriter
+
+    check_tensorboard_dir(tb_dir)
+    try:
+        return SummaryWriter(tb_dir)
+    except OSError as err:
+        raise ConfigError(f"logging.tensorboard_dir={tb_dir!r}: cannot create it ({err.strerror}); {_TB_FIX}") from None
 
 
 def is_terminal(stream) -> bool:
@@ -26,9 +59,7 @@ class MetricsLogger:
         self.writer = None
         self.enabled = enabled
         if enabled and tb_dir:
-            from torch.utils.tensorboard import SummaryWriter
-
-            self.writer = SummaryWriter(tb_dir)
+            self.writer = _summary_writer(tb_dir)
         self.stream = stream if stream is not None else sys.stderr
         show = enabled and progress
         self.plain = show and not is_terminal(self.stream)
@@ -93,7 +124,8 @@ def start_banner(cfg, mesh) -> str:
         f"megatron-fp4: world {mesh.world_size} = pp {mesh.pp} × dp {mesh.dp} (ep {mesh.ep}, ZeRO-{p.zero_stage}"
         f"{schedule}) on {mesh.device.type}/{mesh.backend}, {cfg.dtype}; {s.train_steps} steps × {s.global_batch_size} "
         f"sequences × {s.seq_len} tokens",
-        f"megatron-fp4: checkpoints -> {saves}; tensorboard -> {cfg.logging.tensorboard_dir or 'off'}"])
+        f"megatron-fp4: checkpoints -> {saves}; tensorboard -> "
+        f"{cfg.logging.tensorboard_dir or 'off (logging.tensorboard_dir is null)'}"])
 
 
 def outputs_pointer(cfg) -> str:

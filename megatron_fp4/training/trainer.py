@@ -369,7 +369,7 @@ class Trainer:
             dcp_ckpt.load(path, self)
             self.refuse_nonfinite_load(path)
             return self.step
-        state, meta = ckpt.load_checkpoint(path, self.cfg.model)
+        state, meta = ckpt.load_checkpoint(path, self.cfg.model, self.model.state_dict())
         if meta["kind"] == "weights":
             self.model.load_state_dict(state["model"])
             self.optimizer = self.build_optimizer()

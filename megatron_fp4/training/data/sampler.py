@@ -10,6 +10,8 @@ from typing import Iterator, Sequence
 
 import torch
 
+from megatron_fp4.training.data.token_datasets import DataError
+
 IGNORE_INDEX = -100  # the default ignore_index of torch.nn.functional.cross_entropy
 
 
@@ -51,10 +53,11 @@ class ResumableSampler:
                 f"global_batch_size={global_batch_size} is not divisible by the data-parallel size "
                 f"dp_size={dp_size}; choose a global batch size that is a multiple of {dp_size}"
             )
-        if global_batch_size > dataset_len:
-            raise ValueError(
-                f"global_batch_size={global_batch_size} is larger than the dataset ({dataset_len} samples); "
-                "use a smaller batch or more data"
+        if global_batch_size > dataset_len:  # the data the config points at: a user error (one line at the CLI)
+            raise DataError(
+                f"schedule.global_batch_size={global_batch_size} is larger than the dataset ({dataset_len} samples: "
+                "data.num_samples, or (tokens - 1) // schedule.seq_len of the data.path file); use a smaller batch "
+                "or more data"
             )
         self.dataset_len = dataset_len
         self.global_batch_size = global_batch_size
