@@ -44,10 +44,11 @@ rounds each dequantized operand (``code·s_blk·S_dec``) and every partial sum i
 ``W`` is rounded once to 24-bit fixed point relative to its own largest element
 (``round(x · 2^-(E − 24))``, ``E`` = the exponent of the row's max: an absolute error ≤
 ``2^-25 · 2^E ≤ u_fp32 · max|x_row|`` per element, the size of one fp32 rounding of the largest
-element), split into two 12-bit limbs, and multiplied by three exact float64 GEMMs
-(``hi·hi``: terms ≤ 2^24, ``[hi, lo]·[lo, hi]``: ≤ 2^23, ``lo·lo``: ≤ 2^22; exact for K < 2^28);
-the limb results are combined by fixed elementwise float64 operations. Deterministic per row, and
-more accurate than an fp32 GEMM (float64 combination of the exactly formed sums).
+element), split into two 12-bit limbs, and multiplied by three exact float64 GEMMs in one ``bmm``
+(``hi·hi``: terms ≤ 2^24, ``lo·lo``: ≤ 2^22, ``(hi+lo)·(hi+lo)``: ≤ 6144², from which the cross
+term ``hi·lo + lo·hi`` is an exact difference; exact for K < 2^27); the limb results are combined
+by fixed elementwise float64 operations. Deterministic per row, and more accurate than an fp32
+GEMM (float64 combination of the exactly formed sums).
 """
 from __future__ import annotations
 
@@ -223,32 +224,52 @@ def exact_fp4_gemm(x_terms: Sequence[Split], w: Split, bias: Optional[torch.Tens
 
 def _fixed_point_limbs(x: torch.Tensor):
     """Rows of ``x`` (rows, K) as 24-bit fixed point ``X · 2^exp`` (one RNE rounding per element),
-    split into limbs ``X = hi · 2^12 + lo`` with |hi| ≤ 2^12, |lo| ≤ 2^11. Returns (hi, lo, exp)."""
-    xd = x.double()
+    split into limbs ``X = hi · 2^12 + lo`` with |hi| ≤ 2^12, |lo| ≤ 2^11. Returns ``(limbs, exp)``:
+    limbs (3, rows, K) float64 = ``[hi, lo, hi + lo]`` (every value an exactly held integer)."""
+    xd = x.detach().to(torch.float64, copy=True)
     amax = xd.abs().amax(-1) if x.shape[-1] else xd.new_zeros(x.shape[0])
     _, e = torch.frexp(torch.nan_to_num(amax, nan=0.0, posinf=0.0))  # amax < 2^e
     exp = e.to(torch.int64) - 24  # ≥ −173 for fp32 input: unit sums stay in float64's range
-    xi = torch.round(xd * pow2_f64(-exp)[:, None])  # |xi| ≤ 2^24 (NaN/Inf pass through)
-    hi = torch.round(xi * 2.0 ** -12)
-    lo = xi - hi * 2.0 ** 12
-    return hi, lo, exp
+    xi = torch.round(xd.mul_(pow2_f64(-exp)[:, None]))  # |xi| ≤ 2^24 (NaN/Inf pass through)
+    limbs = xd.new_empty((3, *xd.shape))
+    hi = torch.round(torch.mul(xi, 2.0 ** -12, out=limbs[0]), out=limbs[0])
+    torch.add(xi, hi, alpha=-(2.0 ** 12), out=limbs[1])  # xi − hi·2^12: exact (integers < 2^25)
+    torch.add(hi, limbs[1], out=limbs[2])
+    return limbs, exp
+
+
+BMM_ROWS = 32  # up to this many rows one batched GEMM call (per-call cost dominates), else three GEMMs
 
 
 def _weight_limbs(weight: torch.Tensor):
-    hi, lo, exp = _fixed_point_limbs(weight)
-    return hi, lo, exp, torch.cat([lo, hi], 1)
+    """(limbs transposed (3, K, N) contiguous, 2^exp (N,) float64) of a weight (rows = output features)."""
+    limbs, exp = _fixed_point_limbs(weight)
+    return limbs.transpose(1, 2).contiguous(), pow2_f64(exp)
 
 
 def exact_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """Batch-invariant ``F.linear`` (module docstring, "Non-FP4 rows"): (…, K) → (…, N) in x's dtype."""
-    x2 = x.reshape(-1, x.shape[-1])
-    xh, xl, xe = _fixed_point_limbs(x2)
-    wh, wl, we, w_cross = cached_for_weight(weight, "fixed-point limbs", lambda: _weight_limbs(weight))
-    hh = xh @ wh.t()
-    cross = torch.cat([xh, xl], 1) @ w_cross.t()
-    ll = xl @ wl.t()
-    s = (hh * 2.0 ** 24 + cross * 2.0 ** 12) + ll
-    y = s * pow2_f64(xe[:, None] + we[None, :])
+    """Batch-invariant ``F.linear`` (module docstring, "Non-FP4 rows"): (…, K) → (…, N) in x's dtype.
+
+    The three limb products ``hh = hi_x·hi_wᵀ``, ``ll = lo_x·lo_wᵀ`` and ``cross = hi_x·lo_wᵀ +
+    lo_x·hi_wᵀ`` are exact integers; ``cross`` is formed as ``(hi_x + lo_x)·(hi_w + lo_w)ᵀ − hh − ll``
+    (Karatsuba: three K-term GEMMs in one ``bmm`` instead of four; every term ≤ 6144², every partial
+    sum and difference an integer < 2^53 for K < 2^27, so exact in any order), then combined as
+    ``s = (hh·2^24 + cross·2^12) + ll`` and scaled by ``2^exp_x · 2^exp_w`` (powers of two, exact)."""
+    K = x.shape[-1]
+    assert K < 2 ** 27, "exact_linear: K ≥ 2^27 would break the exact-sum bound"
+    x2 = x.reshape(-1, K)
+    xl, xe = _fixed_point_limbs(x2)
+    wl, w_scale = cached_for_weight(weight, "fixed-point limbs", lambda: _weight_limbs(weight))
+    if x2.shape[0] <= BMM_ROWS:  # (3, M, N): hh, ll, (hi+lo)·(hi+lo)
+        p = torch.bmm(xl, wl)
+    else:  # MKL's batched float64 GEMM is slower than three calls on large operands
+        p = xl.new_empty(3, x2.shape[0], wl.shape[2])
+        for i in range(3):
+            torch.mm(xl[i], wl[i], out=p[i])
+    hh, ll, cross = p.unbind(0)
+    cross.sub_(hh).sub_(ll)
+    s = hh.mul_(2.0 ** 24).add_(cross, alpha=2.0 ** 12).add_(ll)
+    y = s.mul_(pow2_f64(xe)[:, None]).mul_(w_scale[None, :])
     if bias is not None:
         y = y + bias.double()
     return y.to(x.dtype).reshape(*x.shape[:-1], weight.shape[0])

@@ -131,22 +131,79 @@ def leading_pad(attention_mask: Optional[torch.Tensor], batch: int, device) -> t
     return (attention_mask.long().cumsum(-1) == 0).sum(-1)
 
 
+def _pow2_at_least(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def _bit_reversed(n: int, device) -> torch.Tensor:
+    """The bit-reversal permutation of range(n), n a power of two."""
+    bits = max(0, n.bit_length() - 1)
+    i = torch.arange(n, device=device)
+    r = torch.zeros_like(i)
+    for b in range(bits):
+        r |= ((i >> b) & 1) << (bits - 1 - b)
+    return r
+
+
+def _halving_tree(t: torch.Tensor) -> torch.Tensor:
+    """:func:`tree_sum` over dim 0 of ``t`` [2^m, ...] stored in bit-reversed index order: the
+    natural pairs (2i, 2i+1) of a level sit at positions p and p + half, so each level adds two
+    contiguous halves, and the result is the one of the adjacent-pair tree."""
+    while t.shape[0] > 1:
+        h = t.shape[0] // 2
+        t = t[:h] + t[h:]
+    return t[0] + 0.0
+
+
+def _index_first(t: torch.Tensor, dim: int, size: int, perm: torch.Tensor) -> torch.Tensor:
+    """``t`` zero-padded along ``dim`` to ``size``, reordered by ``perm`` and moved to dim 0."""
+    n = t.shape[dim]
+    if size > n:
+        t = torch.cat([t, t.new_zeros(*t.shape[:dim % t.dim()], size - n, *t.shape[dim % t.dim() + 1:])], dim)
+    return t.index_select(dim, perm).movedim(dim, 0)
+
+
+ATTENTION_CHUNK = 1 << 20  # elements of one query chunk's product tensor (bounds memory, stays in cache)
+
+
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
               pad: torch.Tensor) -> torch.Tensor:
-    """Causal attention by position. q [B, H, Tq, D]; k, v [B, H, Tk, D] in slot order with
-    ``pad[b]`` padding slots before row b's first real key; positions [B, Tq] of the queries.
+    """Causal attention by position. q [B, H, Tq, D]; k, v [B, KV, Tk, D] (KV divides H: query
+    head h reads kv head h // (H / KV)) in slot order with ``pad[b]`` padding slots before row b's
+    first real key; positions [B, Tq] of the queries.
 
     Keys are shifted left by ``pad`` so key index = position; a query at position p attends to
-    indices ≤ p. Scores, the softmax denominator and the weighted sum of values are
-    :func:`tree_sum` reductions over a fixed index tree, so a KV-cache step and a full forward give
-    the query the same bits."""
-    B, H, Tk, D = k.shape
-    idx = (pad[:, None] + torch.arange(Tk, device=k.device)[None, :]).clamp(max=Tk - 1)  # [B, Tk]
-    gather = idx[:, None, :, None].expand(B, H, Tk, D)
+    indices ≤ p. Scores (over D), the softmax denominator and the weighted sum of values (over key
+    indices) are :func:`tree_sum` reductions over a fixed index tree, so a KV-cache step and a full
+    forward give the query the same bits. Queries run in chunks; a chunk reads only the keys up to
+    its largest position (the keys past it are masked: exactly zero leaves of the key trees, which
+    :func:`tree_sum` may drop), so a causal forward forms about half the B·H·T·T·D products, a
+    chunk at a time. Both trees run over dim 0 in bit-reversed order (:func:`_halving_tree`)."""
+    B, H, Tq, D = q.shape
+    KV, Tk = k.shape[1], k.shape[2]
+    rep = H // KV
+    n_keys = int(positions.max()) + 1 if positions.numel() else 1
+    idx = (pad[:, None] + torch.arange(n_keys, device=k.device)[None, :]).clamp(max=Tk - 1)  # [B, n_keys]
+    gather = idx[:, None, :, None].expand(B, KV, n_keys, D)
     k, v = torch.gather(k, 2, gather), torch.gather(v, 2, gather)
-    scores = tree_sum(q[:, :, :, None, :] * k[:, :, None, :, :], -1) * (D ** -0.5)  # [B, H, Tq, Tk]
-    future = torch.arange(Tk, device=k.device)[None, None, None, :] > positions[:, None, :, None]
-    scores = scores.masked_fill(future, float("-inf"))
-    e = torch.exp(scores - scores.amax(-1, keepdim=True))
-    out = tree_sum(e[..., None] * v[:, :, None, :, :], -2)  # [B, H, Tq, D]
-    return out / tree_sum(e, -1, keepdim=True)
+    Dp = _pow2_at_least(D)
+    perm_d = _bit_reversed(Dp, q.device)
+    qt = _index_first(q.reshape(B, KV, rep, Tq, D), -1, Dp, perm_d)[..., None]  # [Dp, B, KV, rep, Tq, 1]
+    kt = _index_first(k, -1, Dp, perm_d)[:, :, :, None, None, :]  # [Dp, B, KV, 1, 1, n_keys]
+    per_query = Dp * B * H * max(n_keys, D)
+    step = max(1, ATTENTION_CHUNK // per_query)
+    outs = []
+    for t0 in range(0, Tq, step):
+        pos = positions[:, t0:t0 + step]
+        nk = int(pos.max()) + 1
+        scores = _halving_tree(qt[:, :, :, :, t0:t0 + step] * kt[..., :nk]) * (D ** -0.5)  # [B, KV, rep, tq, nk]
+        future = torch.arange(nk, device=k.device)[None, None, None, None, :] > pos[:, None, None, :, None]
+        scores = scores.masked_fill(future, float("-inf"))
+        e = torch.exp(scores - scores.amax(-1, keepdim=True))
+        Kp = _pow2_at_least(nk)
+        perm_k = _bit_reversed(Kp, k.device)
+        et = _index_first(e, -1, Kp, perm_k)[..., None]  # [Kp, B, KV, rep, tq, 1]
+        vt = _index_first(v[:, :, :nk], 2, Kp, perm_k)[:, :, :, None, None, :]  # [Kp, B, KV, 1, 1, D]
+        outs.append(_halving_tree(et * vt) / _halving_tree(et))
+    out = outs[0] if len(outs) == 1 else torch.cat(outs, 3)
+    return out.reshape(B, H, Tq, D)
