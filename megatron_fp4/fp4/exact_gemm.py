@@ -44,7 +44,7 @@ rounds each dequantized operand (``code·s_blk·S_dec``) and every partial sum i
 ``W`` is rounded once to 24-bit fixed point relative to its own largest element
 (``round(x · 2^-(E − 24))``, ``E`` = the exponent of the row's max: an absolute error ≤
 ``2^-25 · 2^E ≤ u_fp32 · max|x_row|`` per element, the size of one fp32 rounding of the largest
-element), split into two 12-bit limbs, and multiplied by three exact float64 GEMMs in one ``bmm``
+element), split into two 12-bit limbs, and multiplied by exact float64 GEMMs
 (``hi·hi``: terms ≤ 2^24, ``lo·lo``: ≤ 2^22, ``(hi+lo)·(hi+lo)``: ≤ 6144², from which the cross
 term ``hi·lo + lo·hi`` is an exact difference; exact for K < 2^27); the limb results are combined
 by fixed elementwise float64 operations. Deterministic per row, and more accurate than an fp32
@@ -72,15 +72,16 @@ _WEIGHT_CACHE = contextvars.ContextVar("megatron_fp4_weight_cache", default=None
 
 
 @contextmanager
-def cached_weights():
+def cached_weights(store: Optional[dict] = None):
     """Inside the block, GEMMs reuse what they derive from a weight alone (``Q(W)``, its
     exact-GEMM split, :func:`exact_linear`'s fixed-point limbs) across calls: the same bits, computed
     once instead of at every decode step. Entries are keyed by the weight's memory and guarded by
     its version counter (``tensor._version``, bumped by every in-place op on it or its base), and
-    dropped when the block ends. Writes through ``.data`` do not bump the counter, so hold the block
-    only where weights cannot change that way (the rollout engine: one ``generate`` call, under its
-    weights lock)."""
-    token = _WEIGHT_CACHE.set({})
+    dropped when the block ends, unless ``store`` (a dict the caller keeps) holds them for later
+    blocks. Writes through ``.data`` do not bump the counter, so hold the block (and a ``store``)
+    only where weights cannot change that way (the rollout engine: its ``generate`` calls, under
+    its weights lock; ``load_weights`` copies in place and empties the store)."""
+    token = _WEIGHT_CACHE.set({} if store is None else store)
     try:
         yield
     finally:
@@ -125,7 +126,7 @@ class Split:
 
 def pow2_f64(e: torch.Tensor) -> torch.Tensor:
     """2^e as float64 for integer ``e`` in [−1022, 1023], from the bit pattern (exact)."""
-    return ((e.to(torch.int64) + 1023) << 52).view(torch.float64)
+    return ((e.to(torch.int64) + 1023) * (1 << 52)).view(torch.float64)  # the shift as an exact int64 product
 
 
 def split_fp4(x: torch.Tensor, fmt, generator=None, name: str = "x", nonfinite=None) -> Split:
@@ -238,38 +239,76 @@ def _fixed_point_limbs(x: torch.Tensor):
     return limbs, exp
 
 
-BMM_ROWS = 32  # up to this many rows one batched GEMM call (per-call cost dominates), else three GEMMs
+FEW_ROWS = 32  # up to this many rows one GEMM of all four limb products (reads the weight limbs once)
 
 
 def _weight_limbs(weight: torch.Tensor):
-    """(limbs transposed (3, K, N) contiguous, 2^exp (N,) float64) of a weight (rows = output features)."""
+    """(``[hi | lo]`` transposed (K, 2N) contiguous float64, 2^exp (N,) float64) of a weight."""
     limbs, exp = _fixed_point_limbs(weight)
-    return limbs.transpose(1, 2).contiguous(), pow2_f64(exp)
+    return torch.cat([limbs[0], limbs[1]], 0).t().contiguous(), pow2_f64(exp)
+
+
+def _limb_products(xl: torch.Tensor, wl: torch.Tensor):
+    """(hh, ll, cross) (M, N) float64, exact: ``xl`` (3, M, K) input limbs, ``wl`` (K, 2N) weight limbs.
+
+    Few rows (decode): one GEMM ``[hi; lo]·[hi | lo]`` (2M, 2N) holds the four products and reads
+    the weight limbs once (memory-bound). Many rows (prefill, scoring): Karatsuba, three GEMMs,
+    ``cross = (hi+lo)·(hi+lo) − hh − ll`` (compute-bound)."""
+    M, N = xl.shape[1], wl.shape[1] // 2
+    wh, wlo = wl[:, :N], wl[:, N:]
+    if M <= FEW_ROWS:
+        p = xl[:2].reshape(2 * M, -1) @ wl
+        return p[:M, :N], p[M:, N:], p[:M, N:] + p[M:, :N]
+    hh, ll = xl[0] @ wh, xl[1] @ wlo
+    cross = (xl[2] @ (wh + wlo)).sub_(hh).sub_(ll)
+    return hh, ll, cross
+
+
+def _combine(x: torch.Tensor, xe: torch.Tensor, hh, ll, cross, w_scale, bias, n_out: int) -> torch.Tensor:
+    """``fl(fl(hh·2^24 + cross·2^12) + ll) · 2^exp_x · 2^exp_w (+ bias)`` in x's dtype, shaped like x."""
+    s = (hh * 2.0 ** 24).add_(cross, alpha=2.0 ** 12).add_(ll)
+    y = s.mul_(pow2_f64(xe)[:, None]).mul_(w_scale)
+    if bias is not None:
+        y = y + bias.double()
+    return y.to(x.dtype).reshape(*x.shape[:-1], n_out)
+
+
+def _cached_limbs(weight: torch.Tensor):
+    return cached_for_weight(weight, "fixed-point limbs", lambda: _weight_limbs(weight))
 
 
 def exact_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Batch-invariant ``F.linear`` (module docstring, "Non-FP4 rows"): (…, K) → (…, N) in x's dtype.
 
     The three limb products ``hh = hi_x·hi_wᵀ``, ``ll = lo_x·lo_wᵀ`` and ``cross = hi_x·lo_wᵀ +
-    lo_x·hi_wᵀ`` are exact integers; ``cross`` is formed as ``(hi_x + lo_x)·(hi_w + lo_w)ᵀ − hh − ll``
-    (Karatsuba: three K-term GEMMs in one ``bmm`` instead of four; every term ≤ 6144², every partial
-    sum and difference an integer < 2^53 for K < 2^27, so exact in any order), then combined as
+    lo_x·hi_wᵀ`` are exact integers (:func:`_limb_products`; with many rows ``cross`` is the exact
+    difference ``(hi_x + lo_x)·(hi_w + lo_w)ᵀ − hh − ll``: every term ≤ 6144², every partial sum and
+    difference an integer < 2^53 for K < 2^27, so exact in any order and split), then combined as
     ``s = (hh·2^24 + cross·2^12) + ll`` and scaled by ``2^exp_x · 2^exp_w`` (powers of two, exact)."""
     K = x.shape[-1]
     assert K < 2 ** 27, "exact_linear: K ≥ 2^27 would break the exact-sum bound"
-    x2 = x.reshape(-1, K)
-    xl, xe = _fixed_point_limbs(x2)
-    wl, w_scale = cached_for_weight(weight, "fixed-point limbs", lambda: _weight_limbs(weight))
-    if x2.shape[0] <= BMM_ROWS:  # (3, M, N): hh, ll, (hi+lo)·(hi+lo)
-        p = torch.bmm(xl, wl)
-    else:  # MKL's batched float64 GEMM is slower than three calls on large operands
-        p = xl.new_empty(3, x2.shape[0], wl.shape[2])
-        for i in range(3):
-            torch.mm(xl[i], wl[i], out=p[i])
-    hh, ll, cross = p.unbind(0)
-    cross.sub_(hh).sub_(ll)
-    s = hh.mul_(2.0 ** 24).add_(cross, alpha=2.0 ** 12).add_(ll)
-    y = s.mul_(pow2_f64(xe)[:, None]).mul_(w_scale[None, :])
-    if bias is not None:
-        y = y + bias.double()
-    return y.to(x.dtype).reshape(*x.shape[:-1], weight.shape[0])
+    xl, xe = _fixed_point_limbs(x.reshape(-1, K))
+    wl, w_scale = _cached_limbs(weight)
+    return _combine(x, xe, *_limb_products(xl, wl), w_scale[None, :], bias, weight.shape[0])
+
+
+def exact_grouped_linear(x: torch.Tensor, weights: Sequence[torch.Tensor], counts: Sequence[int]) -> torch.Tensor:
+    """Rows of ``x`` (R, K) in consecutive runs of ``counts[e]``, run e times ``weights[e]ᵀ`` (N, K):
+    each row gets the bits :func:`exact_linear` gives it (its limbs and products do not depend on
+    the other rows), with the input limbs and the elementwise combination done once for all runs."""
+    R, K = x.shape
+    assert K < 2 ** 27 and sum(counts) == R and len(counts) == len(weights)
+    N = weights[0].shape[0]
+    xl, xe = _fixed_point_limbs(x)
+    parts = [x.new_empty(R, N, dtype=torch.float64) for _ in range(3)]
+    w_scale = x.new_empty(R, N, dtype=torch.float64)
+    start = 0
+    for w, n in zip(weights, counts):
+        if n:
+            wl, ws = _cached_limbs(w)
+            rows = slice(start, start + n)
+            for out, part in zip(parts, _limb_products(xl[:, rows], wl)):
+                out[rows] = part
+            w_scale[rows] = ws
+            start += n
+    return _combine(x, xe, *parts, w_scale, None, N)

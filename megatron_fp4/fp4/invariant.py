@@ -36,7 +36,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from megatron_fp4.fp4.exact_gemm import exact_linear
+from megatron_fp4.fp4.exact_gemm import exact_grouped_linear, exact_linear
 
 _ON = contextvars.ContextVar("megatron_fp4_batch_invariant", default=False)
 
@@ -92,6 +92,14 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] =
     if not enabled(x):
         return F.linear(x, weight, bias)
     return _ExactLinear.apply(x, weight, bias)
+
+
+def grouped_linear(x: torch.Tensor, weights, counts) -> torch.Tensor:
+    """Consecutive runs of ``counts[e]`` rows of ``x`` times ``weights[e]ᵀ``, without autograd: in
+    the mode each row's bits are those of :func:`linear` on that run alone (``exact_grouped_linear``)."""
+    if not enabled(x):
+        return torch.cat([F.linear(r, w) for r, w, n in zip(x.split(list(counts)), weights, counts) if n])
+    return exact_grouped_linear(x, weights, counts)
 
 
 def silu(x: torch.Tensor) -> torch.Tensor:

@@ -117,6 +117,8 @@ class GroupedExperts(nn.Module):
                 return self.grouped_forward(x_sorted, counts)
             if can_group_fp4(self.recipe, x_sorted, (self.w13, self.w2)):
                 return self.grouped_fp4_forward(x_sorted, counts)
+            if can_group_exact(self.recipe, x_sorted, (self.w13, self.w2)):
+                return self.grouped_exact_forward(x_sorted, counts)
         if self.select_per_expert:
             w13s = w2s = [None] * self.num_experts
         else:
@@ -135,6 +137,14 @@ class GroupedExperts(nn.Module):
         h = _grouped_linear(x_sorted, self.w13, offs)
         gate, up = h.split(self.ffn, dim=-1)
         return _grouped_linear(invariant.silu(gate) * up, self.w2, offs)
+
+    def grouped_exact_forward(self, x_sorted: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """FP4 off in the batch-invariant mode without autograd (`can_group_exact`): the loop's
+        exact GEMMs with the input limbs, SiLU and combination done once for all rows (each row's
+        bits depend on that row and its expert alone; `invariant.grouped_linear`)."""
+        w13s, w2s = self.w13.unbind(0), self.w2.unbind(0)
+        gate, up = invariant.grouped_linear(x_sorted, w13s, counts).split(self.ffn, dim=-1)
+        return invariant.grouped_linear(invariant.silu(gate) * up, w2s, counts)
 
     def grouped_fp4_forward(self, x_sorted: torch.Tensor, counts: list[int]) -> torch.Tensor:
         """FP4 experts without autograd (`can_group_fp4`): MoEResQ's forward ``Q̃(X)·Q(W)ᵀ`` in
@@ -178,6 +188,14 @@ def can_group_fp4(recipe: Recipe, x: torch.Tensor, weights) -> bool:
     if torch.is_autocast_enabled(x.device.type) or current().nonfinite_flags_for(x.device) is not None:
         return False
     return _row_local(recipe.input) and recipe.weight.rounding == "nearest"
+
+
+def can_group_exact(recipe: Recipe, x: torch.Tensor, weights) -> bool:
+    """Whether FP4-off experts in the batch-invariant mode may run `grouped_exact_forward`: no
+    autograd (the loop's `invariant.linear` carries the backward)."""
+    if recipe.mode != "bf16" or not invariant.enabled(x):
+        return False
+    return not (torch.is_grad_enabled() and (x.requires_grad or any(w.requires_grad for w in weights)))
 
 
 _GROUPED_MM = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
