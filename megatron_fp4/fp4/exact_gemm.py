@@ -113,6 +113,11 @@ class Split:
     deq: torch.Tensor  # (rows, K) fp32: the dequantized operand (same bits as fake_quantize)
     _amax: Optional[torch.Tensor] = field(default=None, repr=False)  # memo of :meth:`abs_max`
 
+    def rows(self, start: int, stop: int) -> "Split":
+        """Rows [start, stop) (a split's rows are independent)."""
+        return Split(self.ints[start:stop], self.exp[start:stop],
+                     None if self.scale is None else self.scale[start:stop], self.deq[start:stop])
+
     def abs_max(self) -> torch.Tensor:
         """max |ints| over the whole split (memoized: a cached weight split computes it once)."""
         if self._amax is None:

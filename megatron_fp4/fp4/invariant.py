@@ -143,16 +143,6 @@ def _pow2_at_least(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
-def _bit_reversed(n: int, device) -> torch.Tensor:
-    """The bit-reversal permutation of range(n), n a power of two."""
-    bits = max(0, n.bit_length() - 1)
-    i = torch.arange(n, device=device)
-    r = torch.zeros_like(i)
-    for b in range(bits):
-        r |= ((i >> b) & 1) << (bits - 1 - b)
-    return r
-
-
 def _halving_tree(t: torch.Tensor) -> torch.Tensor:
     """:func:`tree_sum` over dim 0 of ``t`` [2^m, ...] stored in bit-reversed index order: the
     natural pairs (2i, 2i+1) of a level sit at positions p and p + half, so each level adds two
@@ -163,12 +153,20 @@ def _halving_tree(t: torch.Tensor) -> torch.Tensor:
     return t[0] + 0.0
 
 
-def _index_first(t: torch.Tensor, dim: int, size: int, perm: torch.Tensor) -> torch.Tensor:
-    """``t`` zero-padded along ``dim`` to ``size``, reordered by ``perm`` and moved to dim 0."""
+def _bits_first(t: torch.Tensor, dim: int, size: int) -> torch.Tensor:
+    """``t`` zero-padded along ``dim`` to ``size`` (a power of two), moved to dim 0 in bit-reversed
+    index order (the size split into binary axes, reversed: one permuting copy)."""
+    dim = dim % t.dim()
     n = t.shape[dim]
     if size > n:
-        t = torch.cat([t, t.new_zeros(*t.shape[:dim % t.dim()], size - n, *t.shape[dim % t.dim() + 1:])], dim)
-    return t.index_select(dim, perm).movedim(dim, 0)
+        t = torch.cat([t, t.new_zeros(*t.shape[:dim], size - n, *t.shape[dim + 1:])], dim)
+    m = size.bit_length() - 1
+    rest = (*t.shape[:dim], *t.shape[dim + 1:])
+    if m == 0:
+        return t.movedim(dim, 0)
+    split = t.reshape(*t.shape[:dim], *(2,) * m, *t.shape[dim + 1:])  # axis dim + i = bit m-1-i
+    order = [dim + m - 1 - j for j in range(m)] + [a for a in range(split.dim()) if not dim <= a < dim + m]
+    return split.permute(order).reshape(size, *rest)
 
 
 ATTENTION_CHUNK = 1 << 20  # elements of one query chunk's product tensor (bounds memory, stays in cache)
@@ -191,13 +189,15 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torc
     KV, Tk = k.shape[1], k.shape[2]
     rep = H // KV
     n_keys = int(positions.max()) + 1 if positions.numel() else 1
-    idx = (pad[:, None] + torch.arange(n_keys, device=k.device)[None, :]).clamp(max=Tk - 1)  # [B, n_keys]
-    gather = idx[:, None, :, None].expand(B, KV, n_keys, D)
-    k, v = torch.gather(k, 2, gather), torch.gather(v, 2, gather)
+    if bool(pad.any()):  # row b's key j sits in slot pad[b] + j (clamped: past the end is future anyway)
+        idx = (pad[:, None] + torch.arange(n_keys, device=k.device)[None, :]).clamp(max=Tk - 1)  # [B, n_keys]
+        rows = torch.arange(B, device=k.device)[:, None]
+        k, v = k[rows, :, idx].transpose(1, 2), v[rows, :, idx].transpose(1, 2)  # [B, KV, n_keys, D]
+    else:
+        k, v = k[:, :, :n_keys], v[:, :, :n_keys]
     Dp = _pow2_at_least(D)
-    perm_d = _bit_reversed(Dp, q.device)
-    qt = _index_first(q.reshape(B, KV, rep, Tq, D), -1, Dp, perm_d)[..., None]  # [Dp, B, KV, rep, Tq, 1]
-    kt = _index_first(k, -1, Dp, perm_d)[:, :, :, None, None, :]  # [Dp, B, KV, 1, 1, n_keys]
+    qt = _bits_first(q.reshape(B, KV, rep, Tq, D), -1, Dp)[..., None]  # [Dp, B, KV, rep, Tq, 1]
+    kt = _bits_first(k, -1, Dp)[:, :, :, None, None, :]  # [Dp, B, KV, 1, 1, n_keys]
     per_query = Dp * B * H * max(n_keys, D)
     step = max(1, ATTENTION_CHUNK // per_query)
     outs = []
@@ -209,9 +209,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torc
         scores = scores.masked_fill(future, float("-inf"))
         e = torch.exp(scores - scores.amax(-1, keepdim=True))
         Kp = _pow2_at_least(nk)
-        perm_k = _bit_reversed(Kp, k.device)
-        et = _index_first(e, -1, Kp, perm_k)[..., None]  # [Kp, B, KV, rep, tq, 1]
-        vt = _index_first(v[:, :, :nk], 2, Kp, perm_k)[:, :, :, None, None, :]  # [Kp, B, KV, 1, 1, D]
+        et = _bits_first(e, -1, Kp)[..., None]  # [Kp, B, KV, rep, tq, 1]
+        vt = _bits_first(v[:, :, :nk], 2, Kp)[:, :, :, None, None, :]  # [Kp, B, KV, 1, 1, D]
         outs.append(_halving_tree(et * vt) / _halving_tree(et))
     out = outs[0] if len(outs) == 1 else torch.cat(outs, 3)
     return out.reshape(B, H, Tq, D)
