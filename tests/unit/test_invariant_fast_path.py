@@ -176,3 +176,25 @@ def test_generate_and_score_bits_equal_reference(monkeypatch, mode, scope):
         for a, b in ((new.distributions[i], ref.distributions[i]), (new_sc["log_probs"][i], ref_sc["log_probs"][i]),
                      (new_sc["distributions"][i], ref_sc["distributions"][i])):
             assert torch.equal(bits(a), bits(b))
+
+
+def test_engine_derives_weight_terms_once_per_version(monkeypatch):
+    """The engine keeps the weights' exact-GEMM limbs across generate calls (not once per call),
+    and a load_weights makes the next call use the new weights' (same bits as a fresh engine)."""
+    calls = []
+    limbs = exact_gemm._weight_limbs
+    monkeypatch.setattr(exact_gemm, "_weight_limbs", lambda w: calls.append(1) or limbs(w))
+    prompts, params = [[3, 5, 7], [9]], SamplingParams(max_new_tokens=3, temperature=0.0)
+    with single_thread():
+        engine = RolloutEngine(_tiny("experts", 2), mode="bf16")
+        first = engine.generate(prompts, params, return_distributions=True)
+        per_call = len(calls)
+        again = engine.generate(prompts, params, return_distributions=True)
+        assert per_call > 0 and len(calls) == per_call  # nothing re-derived by the second call
+        assert all(torch.equal(bits(a), bits(b)) for a, b in zip(first.distributions, again.distributions))
+        new_weights = _tiny("experts", 3).state_dict()
+        engine.load_weights(new_weights, version=1)
+        after = engine.generate(prompts, params, return_distributions=True)
+        fresh = RolloutEngine(_tiny("experts", 3), mode="bf16").generate(prompts, params, return_distributions=True)
+    assert all(torch.equal(bits(a), bits(b)) for a, b in zip(after.distributions, fresh.distributions))
+    assert not torch.equal(after.distributions[0], first.distributions[0])
