@@ -233,7 +233,8 @@ def _fixed_point_limbs(x: torch.Tensor):
     split into limbs ``X = hi · 2^12 + lo`` with |hi| ≤ 2^12, |lo| ≤ 2^11. Returns ``(limbs, exp)``:
     limbs (3, rows, K) float64 = ``[hi, lo, hi + lo]`` (every value an exactly held integer)."""
     xd = x.detach().to(torch.float64, copy=True)
-    amax = xd.abs().amax(-1) if x.shape[-1] else xd.new_zeros(x.shape[0])
+    # the row max of |x| (a max: exact in any order; NaN propagates), read from the narrower input
+    amax = torch.linalg.vector_norm(x.detach(), float("inf"), -1).double() if x.shape[-1] else xd.new_zeros(x.shape[0])
     _, e = torch.frexp(torch.nan_to_num(amax, nan=0.0, posinf=0.0))  # amax < 2^e
     exp = e.to(torch.int64) - 24  # ≥ −173 for fp32 input: unit sums stay in float64's range
     xi = torch.round(xd.mul_(pow2_f64(-exp)[:, None]))  # |xi| ≤ 2^24 (NaN/Inf pass through)
@@ -253,20 +254,26 @@ def _weight_limbs(weight: torch.Tensor):
     return torch.cat([limbs[0], limbs[1]], 0).t().contiguous(), pow2_f64(exp)
 
 
-def _limb_products(xl: torch.Tensor, wl: torch.Tensor):
-    """(hh, ll, cross) (M, N) float64, exact: ``xl`` (3, M, K) input limbs, ``wl`` (K, 2N) weight limbs.
+def _limb_products(xl: torch.Tensor, weight: torch.Tensor):
+    """(hh, ll, cross) (M, N) float64, exact, and 2^exp_w (N,): ``xl`` (3, M, K) input limbs.
 
     Few rows (decode): one GEMM ``[hi; lo]·[hi | lo]`` (2M, 2N) holds the four products and reads
     the weight limbs once (memory-bound). Many rows (prefill, scoring): Karatsuba, three GEMMs,
-    ``cross = (hi+lo)·(hi+lo) − hh − ll`` (compute-bound)."""
-    M, N = xl.shape[1], wl.shape[1] // 2
+    ``cross = (hi+lo)·(hi+lo) − hh − ll`` (compute-bound), on the cached limbs or, outside
+    :func:`cached_weights`, on the weight's limbs as computed (no transposed copy)."""
+    M = xl.shape[1]
+    if M > FEW_ROWS and _WEIGHT_CACHE.get() is None:
+        limbs, exp = _fixed_point_limbs(weight)
+        hh, ll = xl[0] @ limbs[0].t(), xl[1] @ limbs[1].t()
+        return hh, ll, (xl[2] @ limbs[2].t()).sub_(hh).sub_(ll), pow2_f64(exp)
+    wl, w_scale = cached_for_weight(weight, "fixed-point limbs", lambda: _weight_limbs(weight))
+    N = wl.shape[1] // 2
     wh, wlo = wl[:, :N], wl[:, N:]
     if M <= FEW_ROWS:
         p = xl[:2].reshape(2 * M, -1) @ wl
-        return p[:M, :N], p[M:, N:], p[:M, N:] + p[M:, :N]
+        return p[:M, :N], p[M:, N:], p[:M, N:] + p[M:, :N], w_scale
     hh, ll = xl[0] @ wh, xl[1] @ wlo
-    cross = (xl[2] @ (wh + wlo)).sub_(hh).sub_(ll)
-    return hh, ll, cross
+    return hh, ll, (xl[2] @ (wh + wlo)).sub_(hh).sub_(ll), w_scale
 
 
 def _combine(x: torch.Tensor, xe: torch.Tensor, hh, ll, cross, w_scale, bias, n_out: int) -> torch.Tensor:
@@ -276,10 +283,6 @@ def _combine(x: torch.Tensor, xe: torch.Tensor, hh, ll, cross, w_scale, bias, n_
     if bias is not None:
         y = y + bias.double()
     return y.to(x.dtype).reshape(*x.shape[:-1], n_out)
-
-
-def _cached_limbs(weight: torch.Tensor):
-    return cached_for_weight(weight, "fixed-point limbs", lambda: _weight_limbs(weight))
 
 
 def exact_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -293,8 +296,8 @@ def exact_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Ten
     K = x.shape[-1]
     assert K < 2 ** 27, "exact_linear: K ≥ 2^27 would break the exact-sum bound"
     xl, xe = _fixed_point_limbs(x.reshape(-1, K))
-    wl, w_scale = _cached_limbs(weight)
-    return _combine(x, xe, *_limb_products(xl, wl), w_scale[None, :], bias, weight.shape[0])
+    hh, ll, cross, w_scale = _limb_products(xl, weight)
+    return _combine(x, xe, hh, ll, cross, w_scale[None, :], bias, weight.shape[0])
 
 
 def exact_grouped_linear(x: torch.Tensor, weights: Sequence[torch.Tensor], counts: Sequence[int]) -> torch.Tensor:
@@ -310,9 +313,9 @@ def exact_grouped_linear(x: torch.Tensor, weights: Sequence[torch.Tensor], count
     start = 0
     for w, n in zip(weights, counts):
         if n:
-            wl, ws = _cached_limbs(w)
             rows = slice(start, start + n)
-            for out, part in zip(parts, _limb_products(xl[:, rows], wl)):
+            *products, ws = _limb_products(xl[:, rows], w)
+            for out, part in zip(parts, products):
                 out[rows] = part
             w_scale[rows] = ws
             start += n

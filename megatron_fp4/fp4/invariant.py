@@ -8,15 +8,18 @@ construction, independent of the batch size, the row's position in the batch, pa
 split, KV cache vs full forward, or layout:
 
 - GEMMs: FP4 ones are summed exactly (``exact_gemm.exact_fp4_gemm``), the others (``linear``:
-  attention projections, router, LM head, bf16-mode experts) by three exact float64 GEMMs on
-  24-bit fixed-point limbs (``exact_gemm.exact_linear``). Exact sums have no order.
+  attention projections, router, LM head, bf16-mode experts) by exact float64 GEMMs on 24-bit
+  fixed-point limbs (``exact_gemm.exact_linear``; experts without autograd in one call over all
+  their rows, :func:`grouped_linear`). Exact sums have no order.
 - Row reductions (RMSNorm's mean square, softmax/log-softmax sums, attention's dot products and
   its sums over keys) are :func:`tree_sum`: an adjacent-pair tree over absolute indices built from
   elementwise IEEE additions, so its order depends only on the index, and trailing zeros
   (masked keys, a longer padded row) do not change a nonzero result.
 - Attention (:func:`attention`) indexes keys by *position* (each row's keys shifted left past its
   padding), so a query at position p sums the same keys in the same tree in a KV-cache decode step
-  and in a causal full forward, whatever the batch's padding.
+  and in a causal full forward, whatever the batch's padding. It runs the same trees laid out with
+  the reduced index first in bit-reversed order (:func:`_halving_tree`: each level adds two
+  contiguous halves), over query chunks that stop at their last position (no B·H·T·T·D tensor).
 - Elementwise transcendentals: ATen's ``exp``, ``log``, ``rsqrt``, ``cos``, ``sin`` give the same
   bits for an element whatever its position in the tensor (their vector kernels handle the tail);
   ``silu``/``sigmoid`` do not (a scalar tail loop rounds differently on AVX2/AVX-512), so
