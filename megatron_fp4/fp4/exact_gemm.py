@@ -308,6 +308,8 @@ def exact_grouped_linear(x: torch.Tensor, weights: Sequence[torch.Tensor], count
     assert K < 2 ** 27 and sum(counts) == R and len(counts) == len(weights)
     N = weights[0].shape[0]
     xl, xe = _fixed_point_limbs(x)
+    if max(counts) <= FEW_ROWS:
+        return _combine(x, xe, *_few_rows_grouped(xl, weights, counts), None, N)
     parts = [x.new_empty(R, N, dtype=torch.float64) for _ in range(3)]
     w_scale = x.new_empty(R, N, dtype=torch.float64)
     start = 0
@@ -320,3 +322,28 @@ def exact_grouped_linear(x: torch.Tensor, weights: Sequence[torch.Tensor], count
             w_scale[rows] = ws
             start += n
     return _combine(x, xe, *parts, w_scale, None, N)
+
+
+def _few_rows_grouped(xl: torch.Tensor, weights: Sequence[torch.Tensor], counts: Sequence[int]):
+    """:func:`_limb_products` of every run with few rows (the decode step's experts), gathered:
+    the ``[hi; lo]`` rows of each run sit together so each run is one GEMM on its weight's cached
+    limbs, written in place; one reordering afterwards. Returns (hh, ll, cross, 2^exp_w) (R, N)."""
+    R = xl.shape[1]
+    order, scales, start = [], [], 0
+    for n in counts:
+        order += [*range(start, start + n), *range(R + start, R + start + n)]
+        start += n
+    order = torch.tensor(order, dtype=torch.long, device=xl.device)
+    x2 = xl[:2].reshape(2 * R, -1).index_select(0, order)
+    p = None
+    start = 0
+    for w, n in zip(weights, counts):
+        if n:
+            wl, ws = cached_for_weight(w, "fixed-point limbs", lambda: _weight_limbs(w))
+            p = x2.new_empty(2 * R, wl.shape[1]) if p is None else p
+            torch.mm(x2[2 * start:2 * (start + n)], wl, out=p[2 * start:2 * (start + n)])
+            scales.append(ws.expand(n, -1))
+            start += n
+    q = torch.empty_like(p).index_copy_(0, order, p)
+    N = p.shape[1] // 2
+    return q[:R, :N], q[R:, N:], q[:R, N:] + q[R:, :N], torch.cat(scales)

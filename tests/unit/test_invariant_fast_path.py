@@ -119,6 +119,17 @@ def test_exact_linear_bits_equal_reference(rows, k, n, scale):
     assert torch.equal(bits(exact_gemm.exact_linear(x3, w)), bits(_Reference.exact_linear(x3, w)))
 
 
+@pytest.mark.parametrize("counts", [[3, 0, 1, 5], [40, 2, 0, 33], [0, 0, 7, 0]])
+def test_grouped_linear_bits_equal_reference_loop(counts):
+    """Experts' runs (few rows: one gathered GEMM per run; many rows: Karatsuba) == one exact GEMM per run."""
+    g = torch.Generator().manual_seed(sum(counts))
+    x = torch.randn(sum(counts), 24, generator=g)
+    weights = torch.randn(len(counts), 10, 24, generator=g).unbind(0)
+    with invariant.batch_invariant():
+        got = invariant.grouped_linear(x, weights, counts)
+    assert torch.equal(bits(got), bits(_Reference.grouped_linear(x, weights, counts)))
+
+
 @pytest.mark.parametrize("shape,dim", [((5, 1), -1), ((3, 7), -1), ((4, 64), -1), ((2, 33, 3), 1), ((6, 2049), -1)])
 def test_tree_sum_bits_equal_reference(shape, dim):
     x = torch.randn(shape, generator=torch.Generator().manual_seed(sum(shape)))
