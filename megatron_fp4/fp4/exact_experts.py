@@ -2,7 +2,7 @@
 
 `exact_grouped_fp4` gives every run the bits `moeresq_linear` gives it in the batch-invariant mode
 (the exact FP4 GEMM of ``exact_gemm``), with the input quantized once for all rows instead of once
-per run. That is the same computation only where a row's FP4 codes depend on that row alone
+per run, and the exact sums' scaling and rounding (elementwise, per row) done once for all runs. That is the same computation only where a row's FP4 codes depend on that row alone
 (`row_local`: nearest rounding with per-row NVFP4 scales in 1-D blocks, or MXFP4) and the weight is
 rounded to nearest (no stochastic stream keyed by the expert), without autograd and with eager
 non-finite checks (a deferred check records per-layer flags); callers check `can_group_exact_fp4`.
@@ -15,7 +15,7 @@ import torch
 
 from megatron_fp4.fp4 import invariant
 from megatron_fp4.fp4.context import current
-from megatron_fp4.fp4.exact_gemm import exact_fp4_gemm
+from megatron_fp4.fp4.exact_gemm import CHUNK, exact_fp4_terms, exact_sum_products
 from megatron_fp4.fp4.moeresq import _cached_weight, _Site
 from megatron_fp4.fp4.recipe import Recipe
 
@@ -45,13 +45,18 @@ def exact_grouped_fp4(x: torch.Tensor, weights: Sequence[torch.Tensor], counts: 
     now = current()
     r = recipe
     x_terms = _Site(r, group_name, now.step, now.micro_batch, None).split(x, r.input, "input", r.compensated)
-    outs, start = [], 0
+    sums = [x.new_empty(x.shape[0], weights[0].shape[0], dtype=torch.float64) for _ in x_terms]
+    w_exp, w_scale, start = [], [], 0
     for w, n, name in zip(weights, counts, names):
         if not n:
             continue
         site = _Site(r, name, now.step, now.micro_batch, None)
         w_split = _cached_weight(site, w, True, lambda: site.split(w.reshape(-1, w.shape[-1]), r.weight, "weight",
                                                                     False)[0])
-        outs.append(exact_fp4_gemm([t.rows(start, start + n) for t in x_terms], w_split, None, x.dtype))
+        for out, t in zip(sums, x_terms):
+            out[start:start + n] = exact_sum_products(t.ints[start:start + n], w_split.ints, CHUNK, w_split.abs_max())
+        w_exp.append(w_split.exp.expand(n, -1))
+        w_scale.append(None if w_split.scale is None else w_split.scale.double().expand(n, -1))
         start += n
-    return torch.cat(outs)
+    scale = None if w_scale[0] is None else torch.cat(w_scale)
+    return exact_fp4_terms(x_terms, sums, torch.cat(w_exp), scale, None, x.dtype)

@@ -198,34 +198,31 @@ def exact_sum_products(a: torch.Tensor, b: torch.Tensor, chunk: int = CHUNK,
     return out
 
 
-def exact_dot(a: Split, b: Split, chunk: int = CHUNK) -> torch.Tensor:
-    """``fl64(S) · 2^(a.exp + b.exp)`` (M, N) float64, ``S = a.ints · b.intsᵀ`` exactly."""
-    s = exact_sum_products(a.ints, b.ints, chunk, b.abs_max() if b.ints.numel() else None)
-    return s * pow2_f64(a.exp[:, None] + b.exp[None, :])
-
-
-def _scale_product(a: Split, b: Split) -> Optional[torch.Tensor]:
-    """(M, N) float64 ``scale_a · scale_b`` (exact: two fp32 values), None when neither has one."""
-    if a.scale is None and b.scale is None:
-        return None
-    sa = a.scale.double() if a.scale is not None else a.ints.new_ones(a.ints.shape[0])
-    sb = b.scale.double() if b.scale is not None else b.ints.new_ones(b.ints.shape[0])
-    return sa[:, None] * sb[None, :]
+def exact_fp4_terms(x_terms: Sequence[Split], sums: Sequence[torch.Tensor], w_exp: torch.Tensor,
+                    w_scale: Optional[torch.Tensor], bias: Optional[torch.Tensor], out_dtype: torch.dtype) -> torch.Tensor:
+    """``Σ_i fl64(S_i)·2^(exp_x + exp_w)·(scale_x·scale_w) (+ bias)`` in ``out_dtype`` (module doc):
+    ``sums[i]`` = the exact ``x_terms[i].ints · w.intsᵀ`` (M, N); the weight's row exponents
+    ``w_exp`` (int64) and float64 global scales ``w_scale`` (None: none) broadcast against (M, N),
+    so rows of one call may belong to different weights (grouped experts)."""
+    acc = None
+    for t, s in zip(x_terms, sums):
+        v = s * pow2_f64(t.exp[:, None] + w_exp)
+        if t.scale is not None or w_scale is not None:  # scale_x · scale_w: exact (two fp32 values)
+            sa = t.scale.double() if t.scale is not None else t.ints.new_ones(t.ints.shape[0])
+            v = v * (sa[:, None] * (w_scale if w_scale is not None else t.ints.new_ones(s.shape[1])))
+        acc = v if acc is None else acc + v
+    if bias is not None:
+        acc = acc + bias.double()
+    return acc.to(out_dtype)
 
 
 def exact_fp4_gemm(x_terms: Sequence[Split], w: Split, bias: Optional[torch.Tensor], out_dtype: torch.dtype,
                    chunk: int = CHUNK) -> torch.Tensor:
     """``Σ_i x_terms[i] · wᵀ (+ bias)`` with the rounding of the module docstring; (M, N) in ``out_dtype``."""
-    acc = None
-    for t in x_terms:
-        v = exact_dot(t, w, chunk)
-        g = _scale_product(t, w)
-        if g is not None:
-            v = v * g
-        acc = v if acc is None else acc + v
-    if bias is not None:
-        acc = acc + bias.double()
-    return acc.to(out_dtype)
+    amax = w.abs_max() if w.ints.numel() else None
+    sums = [exact_sum_products(t.ints, w.ints, chunk, amax) for t in x_terms]
+    return exact_fp4_terms(x_terms, sums, w.exp[None, :], None if w.scale is None else w.scale.double()[None, :],
+                           bias, out_dtype)
 
 
 def _fixed_point_limbs(x: torch.Tensor):

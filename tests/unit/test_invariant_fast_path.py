@@ -158,15 +158,16 @@ def test_attention_bits_equal_reference(monkeypatch, B, H, KV, Tq, Tk, D, chunk)
     assert torch.equal(bits(got), bits(_Reference.attention(q, k, v, positions, pad)))
 
 
-def _tiny(mode_scope, seed):
+def _tiny(mode_scope, seed, fmt="nvfp4"):
     cfg = Config()
     cfg.model.vocab_size, cfg.model.num_layers = 64, 2
-    cfg.fp4.scope = mode_scope
+    cfg.fp4.scope, cfg.fp4.format = mode_scope, fmt
     return build_model(cfg, seed=seed)
 
 
-@pytest.mark.parametrize("mode,scope", [("bf16", "experts"), ("fp4_resq", "experts+attention")])
-def test_generate_and_score_bits_equal_reference(monkeypatch, mode, scope):
+@pytest.mark.parametrize("mode,scope,fmt", [("bf16", "experts", "nvfp4"), ("fp4_resq", "experts+attention", "nvfp4"),
+                                            ("fp4", "experts", "mxfp4")])
+def test_generate_and_score_bits_equal_reference(monkeypatch, mode, scope, fmt):
     """The whole batch-invariant rollout and scoring, new kernels vs the reference kernels."""
     rng = random.Random(0)
     prompts = [[rng.randrange(1, 64) for _ in range(rng.randint(1, 9))] for _ in range(5)]
@@ -177,7 +178,7 @@ def test_generate_and_score_bits_equal_reference(monkeypatch, mode, scope):
             with monkeypatch.context() as mp:
                 if reference:
                     _Reference.patch(mp)
-                model = _tiny(scope, 1)
+                model = _tiny(scope, 1, fmt)
                 out = RolloutEngine(model, mode=mode).generate(prompts, params, return_distributions=True)
                 sc = score(model, out.prompt_ids, out.response_ids, mode=mode, return_distributions=True)
                 runs.append((out, sc))
