@@ -195,8 +195,11 @@ class RolloutEngine:
     True, the config's `numerics.batch_invariant`) decodes in the batch-invariant numerics mode.
     `cache_quantized_weights` (default True) derives each weight's quantization / exact-GEMM split
     once per weight version instead of at every decode step (`exact_gemm.cached_weights` with a
-    store kept across `generate` calls and emptied by `load_weights`; the same bits). Decoding allocates its KV cache (static, prompt + max_new_tokens positions) and
-    attention mask once per call and keeps the per-row state as tensors (`_StepState`).
+    store kept across `generate` calls and emptied by `load_weights`; the same bits): a write into
+    the model that bypasses the version counter (``p.data.copy_``, e.g. a ZeRO optimizer on a
+    shared model) is not seen, which is one more reason to give the engine its own copy.
+    Decoding allocates its KV cache (static, prompt + max_new_tokens positions) and attention mask
+    once per call and keeps the per-row state as tensors (`_StepState`).
     """
 
     def __init__(self, model, mode: Optional[str] = None, pad_id: int = 0, seed: int = 0, name: str = "rollout0",
