@@ -11,7 +11,10 @@ and loaded into HF `Qwen3MoeForCausalLM` through the project's HF exporter (`hf_
 the same prompts (one batch, no padding), greedy, exactly `--new-tokens` new tokens, KV cache (HF:
 its default dynamic cache). Timed calls alternate between all of them (order reversed every
 round); medians. Prints generated tokens/s, the ratio to HF, and the share of tokens equal to
-HF's (FP4 off: the same function, so 100% unless fp32 rounding flips a near tie).
+HF's (FP4 off: the same function, so 100% unless fp32 rounding flips a near tie); then the time of
+scoring HF's sequences (`rollout.scoring.score`, the trainer's no-grad log-prob pass) with each
+engine's numerics, and last the ratios: batch-invariant generation vs HF and vs the standard
+kernels, batch-invariant scoring vs standard (history: docs/benchmarks.md).
 
 ``--cache-ablation``: per FP4 mode, the weight-derived GEMM terms cached per `generate` call
 (`exact_gemm.cached_weights`, the default) vs re-derived every decode step; outputs checked
@@ -31,7 +34,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from megatron_fp4.config import Config  # noqa: E402
 from megatron_fp4.model import build_model  # noqa: E402
-from megatron_fp4.rollout import RolloutEngine, SamplingParams  # noqa: E402
+from megatron_fp4.rollout import RolloutEngine, SamplingParams, score  # noqa: E402
 from sweep import add_sweep_args  # noqa: E402
 
 
@@ -74,6 +77,20 @@ def add_model_args(p):
     p.add_argument("--scope", default="experts")
 
 
+def timed_rounds(runners: dict, repeats: int):
+    """Median seconds per runner (calls alternate, order reversed every round; round 0 warms up)
+    and each runner's last output."""
+    times = {k: [] for k in runners}
+    outs = {}
+    names = list(runners)
+    for i in range(repeats + 1):
+        for name in (names if i % 2 == 0 else names[::-1]):
+            dt, outs[name] = run(runners[name])
+            if i:
+                times[name].append(dt)
+    return {k: statistics.median(v) for k, v in times.items()}, outs
+
+
 def compare_hf(args):
     from hf_peer import hf_generate, hf_model_like
 
@@ -83,32 +100,47 @@ def compare_hf(args):
     params = SamplingParams(temperature=0.0, max_new_tokens=args.new_tokens)
     hf = hf_model_like(model)
     runners = {"HF generate": lambda: hf_generate(hf, prompts, args.new_tokens)}
-    for spec in args.engines.split(","):
-        eng = engine_for(model, spec)
+    engines = {spec: engine_for(model, spec) for spec in args.engines.split(",")}
+    for spec, eng in engines.items():
         runners[spec] = lambda eng=eng: eng.generate(prompts.tolist(), params)
-    times = {k: [] for k in runners}
-    outs = {}
-    names = list(runners)
-    for i in range(args.repeats + 1):  # round 0 warms up
-        for name in (names if i % 2 == 0 else names[::-1]):
-            dt, outs[name] = run(runners[name])
-            if i:
-                times[name].append(dt)
+    t_gen, outs = timed_rounds(runners, args.repeats)
     tokens = args.batch * args.new_tokens
     ref = outs["HF generate"].tolist()
     print(f"threads={torch.get_num_threads()} hidden={args.hidden} layers={args.layers} experts={args.experts} "
           f"vocab={args.vocab} batch={args.batch} tokens={args.prompt_len}+{args.new_tokens} scope={args.scope} "
           f"repeats={args.repeats}")
     print(f"{'runner':<16} {'median s':>9} {'tokens/s':>9} {'vs HF':>7} {'tokens = HF':>12}")
-    t_hf = statistics.median(times["HF generate"])
-    for name in names:
-        t = statistics.median(times[name])
+    t_hf = t_gen["HF generate"]
+    for name, t in t_gen.items():
         if name == "HF generate":
             agree = "-"
         else:
             hits = sum(a == b for r, h in zip(outs[name].response_ids, ref) for a, b in zip(r, h))
             agree = f"{hits / tokens:.0%}"
         print(f"{name:<16} {t:>9.3f} {tokens / t:>9.1f} {t_hf / t:>6.2f}x {agree:>12}")
+    # Scoring (the trainer's no-grad log-prob pass) of the same sequences, per engine's model and numerics.
+    responses = [r.tolist() for r in outs["HF generate"]]
+    scorers = {}
+    for spec, eng in engines.items():
+        mode, _, bi = spec.partition("-")
+        scorers[spec] = lambda eng=eng, mode=mode, bi=bi: score(eng.model, prompts.tolist(), responses, 0, mode,
+                                                                batch_invariant=bi == "bi")
+    t_score, _ = timed_rounds(scorers, args.repeats)
+    scored = args.batch * (args.prompt_len + args.new_tokens)
+    print(f"{'scoring':<16} {'median s':>9} {'tokens/s':>9}")
+    for name, t in t_score.items():
+        print(f"{name:<16} {t:>9.3f} {scored / t:>9.1f}")
+    print("ratios (this run; goals of issue 27 in brackets):")
+    for spec in engines:
+        mode, _, bi = spec.partition("-")
+        if bi != "bi":
+            continue
+        print(f"  {mode:<9} generation, batch-invariant vs HF generate: {t_hf / t_gen[spec]:.2f}x speed  [>= 0.7x]")
+        if mode in engines:
+            print(f"  {mode:<9} generation, batch-invariant / standard:    {t_gen[spec] / t_gen[mode]:.2f}x time   "
+                  "[<= 1.45x]")
+            print(f"  {mode:<9} scoring,    batch-invariant / standard:    {t_score[spec] / t_score[mode]:.2f}x time   "
+                  "[<= 1.5x]")
 
 
 def cache_ablation(args):

@@ -44,10 +44,11 @@ rounds each dequantized operand (``code·s_blk·S_dec``) and every partial sum i
 ``W`` is rounded once to 24-bit fixed point relative to its own largest element
 (``round(x · 2^-(E − 24))``, ``E`` = the exponent of the row's max: an absolute error ≤
 ``2^-25 · 2^E ≤ u_fp32 · max|x_row|`` per element, the size of one fp32 rounding of the largest
-element), split into two 12-bit limbs, and multiplied by three exact float64 GEMMs
-(``hi·hi``: terms ≤ 2^24, ``[hi, lo]·[lo, hi]``: ≤ 2^23, ``lo·lo``: ≤ 2^22; exact for K < 2^28);
-the limb results are combined by fixed elementwise float64 operations. Deterministic per row, and
-more accurate than an fp32 GEMM (float64 combination of the exactly formed sums).
+element), split into two 12-bit limbs, and multiplied by exact float64 GEMMs
+(``hi·hi``: terms ≤ 2^24, ``lo·lo``: ≤ 2^22, ``(hi+lo)·(hi+lo)``: ≤ 6144², from which the cross
+term ``hi·lo + lo·hi`` is an exact difference; exact for K < 2^27); the limb results are combined
+by fixed elementwise float64 operations. Deterministic per row, and more accurate than an fp32
+GEMM (float64 combination of the exactly formed sums).
 """
 from __future__ import annotations
 
@@ -71,15 +72,16 @@ _WEIGHT_CACHE = contextvars.ContextVar("megatron_fp4_weight_cache", default=None
 
 
 @contextmanager
-def cached_weights():
+def cached_weights(store: Optional[dict] = None):
     """Inside the block, GEMMs reuse what they derive from a weight alone (``Q(W)``, its
     exact-GEMM split, :func:`exact_linear`'s fixed-point limbs) across calls: the same bits, computed
     once instead of at every decode step. Entries are keyed by the weight's memory and guarded by
     its version counter (``tensor._version``, bumped by every in-place op on it or its base), and
-    dropped when the block ends. Writes through ``.data`` do not bump the counter, so hold the block
-    only where weights cannot change that way (the rollout engine: one ``generate`` call, under its
-    weights lock)."""
-    token = _WEIGHT_CACHE.set({})
+    dropped when the block ends, unless ``store`` (a dict the caller keeps) holds them for later
+    blocks. Writes through ``.data`` do not bump the counter, so hold the block (and a ``store``)
+    only where weights cannot change that way (the rollout engine: its ``generate`` calls, under
+    its weights lock; ``load_weights`` copies in place and empties the store)."""
+    token = _WEIGHT_CACHE.set({} if store is None else store)
     try:
         yield
     finally:
@@ -111,6 +113,11 @@ class Split:
     deq: torch.Tensor  # (rows, K) fp32: the dequantized operand (same bits as fake_quantize)
     _amax: Optional[torch.Tensor] = field(default=None, repr=False)  # memo of :meth:`abs_max`
 
+    def rows(self, start: int, stop: int) -> "Split":
+        """Rows [start, stop) (a split's rows are independent)."""
+        return Split(self.ints[start:stop], self.exp[start:stop],
+                     None if self.scale is None else self.scale[start:stop], self.deq[start:stop])
+
     def abs_max(self) -> torch.Tensor:
         """max |ints| over the whole split (memoized: a cached weight split computes it once)."""
         if self._amax is None:
@@ -124,7 +131,7 @@ class Split:
 
 def pow2_f64(e: torch.Tensor) -> torch.Tensor:
     """2^e as float64 for integer ``e`` in [−1022, 1023], from the bit pattern (exact)."""
-    return ((e.to(torch.int64) + 1023) << 52).view(torch.float64)
+    return ((e.to(torch.int64) + 1023) * (1 << 52)).view(torch.float64)  # the shift as an exact int64 product
 
 
 def split_fp4(x: torch.Tensor, fmt, generator=None, name: str = "x", nonfinite=None) -> Split:
@@ -191,64 +198,149 @@ def exact_sum_products(a: torch.Tensor, b: torch.Tensor, chunk: int = CHUNK,
     return out
 
 
-def exact_dot(a: Split, b: Split, chunk: int = CHUNK) -> torch.Tensor:
-    """``fl64(S) · 2^(a.exp + b.exp)`` (M, N) float64, ``S = a.ints · b.intsᵀ`` exactly."""
-    s = exact_sum_products(a.ints, b.ints, chunk, b.abs_max() if b.ints.numel() else None)
-    return s * pow2_f64(a.exp[:, None] + b.exp[None, :])
-
-
-def _scale_product(a: Split, b: Split) -> Optional[torch.Tensor]:
-    """(M, N) float64 ``scale_a · scale_b`` (exact: two fp32 values), None when neither has one."""
-    if a.scale is None and b.scale is None:
-        return None
-    sa = a.scale.double() if a.scale is not None else a.ints.new_ones(a.ints.shape[0])
-    sb = b.scale.double() if b.scale is not None else b.ints.new_ones(b.ints.shape[0])
-    return sa[:, None] * sb[None, :]
-
-
-def exact_fp4_gemm(x_terms: Sequence[Split], w: Split, bias: Optional[torch.Tensor], out_dtype: torch.dtype,
-                   chunk: int = CHUNK) -> torch.Tensor:
-    """``Σ_i x_terms[i] · wᵀ (+ bias)`` with the rounding of the module docstring; (M, N) in ``out_dtype``."""
+def exact_fp4_terms(x_terms: Sequence[Split], sums: Sequence[torch.Tensor], w_exp: torch.Tensor,
+                    w_scale: Optional[torch.Tensor], bias: Optional[torch.Tensor], out_dtype: torch.dtype) -> torch.Tensor:
+    """``Σ_i fl64(S_i)·2^(exp_x + exp_w)·(scale_x·scale_w) (+ bias)`` in ``out_dtype`` (module doc):
+    ``sums[i]`` = the exact ``x_terms[i].ints · w.intsᵀ`` (M, N); the weight's row exponents
+    ``w_exp`` (int64) and float64 global scales ``w_scale`` (None: none) broadcast against (M, N),
+    so rows of one call may belong to different weights (grouped experts)."""
     acc = None
-    for t in x_terms:
-        v = exact_dot(t, w, chunk)
-        g = _scale_product(t, w)
-        if g is not None:
-            v = v * g
+    for t, s in zip(x_terms, sums):
+        v = s * pow2_f64(t.exp[:, None] + w_exp)
+        if t.scale is not None or w_scale is not None:  # scale_x · scale_w: exact (two fp32 values)
+            sa = t.scale.double() if t.scale is not None else t.ints.new_ones(t.ints.shape[0])
+            v = v * (sa[:, None] * (w_scale if w_scale is not None else t.ints.new_ones(s.shape[1])))
         acc = v if acc is None else acc + v
     if bias is not None:
         acc = acc + bias.double()
     return acc.to(out_dtype)
 
 
+def exact_fp4_gemm(x_terms: Sequence[Split], w: Split, bias: Optional[torch.Tensor], out_dtype: torch.dtype,
+                   chunk: int = CHUNK) -> torch.Tensor:
+    """``Σ_i x_terms[i] · wᵀ (+ bias)`` with the rounding of the module docstring; (M, N) in ``out_dtype``."""
+    amax = w.abs_max() if w.ints.numel() else None
+    sums = [exact_sum_products(t.ints, w.ints, chunk, amax) for t in x_terms]
+    return exact_fp4_terms(x_terms, sums, w.exp[None, :], None if w.scale is None else w.scale.double()[None, :],
+                           bias, out_dtype)
+
+
 def _fixed_point_limbs(x: torch.Tensor):
     """Rows of ``x`` (rows, K) as 24-bit fixed point ``X · 2^exp`` (one RNE rounding per element),
-    split into limbs ``X = hi · 2^12 + lo`` with |hi| ≤ 2^12, |lo| ≤ 2^11. Returns (hi, lo, exp)."""
-    xd = x.double()
-    amax = xd.abs().amax(-1) if x.shape[-1] else xd.new_zeros(x.shape[0])
+    split into limbs ``X = hi · 2^12 + lo`` with |hi| ≤ 2^12, |lo| ≤ 2^11. Returns ``(limbs, exp)``:
+    limbs (3, rows, K) float64 = ``[hi, lo, hi + lo]`` (every value an exactly held integer)."""
+    xd = x.detach().to(torch.float64, copy=True)
+    # the row max of |x| (a max: exact in any order; NaN propagates), read from the narrower input
+    amax = torch.linalg.vector_norm(x.detach(), float("inf"), -1).double() if x.shape[-1] else xd.new_zeros(x.shape[0])
     _, e = torch.frexp(torch.nan_to_num(amax, nan=0.0, posinf=0.0))  # amax < 2^e
     exp = e.to(torch.int64) - 24  # ≥ −173 for fp32 input: unit sums stay in float64's range
-    xi = torch.round(xd * pow2_f64(-exp)[:, None])  # |xi| ≤ 2^24 (NaN/Inf pass through)
-    hi = torch.round(xi * 2.0 ** -12)
-    lo = xi - hi * 2.0 ** 12
-    return hi, lo, exp
+    xi = torch.round(xd.mul_(pow2_f64(-exp)[:, None]))  # |xi| ≤ 2^24 (NaN/Inf pass through)
+    limbs = xd.new_empty((3, *xd.shape))
+    hi = torch.round(torch.mul(xi, 2.0 ** -12, out=limbs[0]), out=limbs[0])
+    torch.add(xi, hi, alpha=-(2.0 ** 12), out=limbs[1])  # xi − hi·2^12: exact (integers < 2^25)
+    torch.add(hi, limbs[1], out=limbs[2])
+    return limbs, exp
+
+
+FEW_ROWS = 32  # up to this many rows one GEMM of all four limb products (reads the weight limbs once)
 
 
 def _weight_limbs(weight: torch.Tensor):
-    hi, lo, exp = _fixed_point_limbs(weight)
-    return hi, lo, exp, torch.cat([lo, hi], 1)
+    """(``[hi | lo]`` transposed (K, 2N) contiguous float64, 2^exp (N,) float64) of a weight."""
+    limbs, exp = _fixed_point_limbs(weight)
+    return torch.cat([limbs[0], limbs[1]], 0).t().contiguous(), pow2_f64(exp)
+
+
+def _limb_products(xl: torch.Tensor, weight: torch.Tensor):
+    """(hh, ll, cross) (M, N) float64, exact, and 2^exp_w (N,): ``xl`` (3, M, K) input limbs.
+
+    Few rows (decode): one GEMM ``[hi; lo]·[hi | lo]`` (2M, 2N) holds the four products and reads
+    the weight limbs once (memory-bound). Many rows (prefill, scoring): Karatsuba, three GEMMs,
+    ``cross = (hi+lo)·(hi+lo) − hh − ll`` (compute-bound), on the cached limbs or, outside
+    :func:`cached_weights`, on the weight's limbs as computed (no transposed copy)."""
+    M = xl.shape[1]
+    if M > FEW_ROWS and _WEIGHT_CACHE.get() is None:
+        limbs, exp = _fixed_point_limbs(weight)
+        hh, ll = xl[0] @ limbs[0].t(), xl[1] @ limbs[1].t()
+        return hh, ll, (xl[2] @ limbs[2].t()).sub_(hh).sub_(ll), pow2_f64(exp)
+    wl, w_scale = cached_for_weight(weight, "fixed-point limbs", lambda: _weight_limbs(weight))
+    N = wl.shape[1] // 2
+    wh, wlo = wl[:, :N], wl[:, N:]
+    if M <= FEW_ROWS:
+        p = xl[:2].reshape(2 * M, -1) @ wl
+        return p[:M, :N], p[M:, N:], p[:M, N:] + p[M:, :N], w_scale
+    hh, ll = xl[0] @ wh, xl[1] @ wlo
+    return hh, ll, (xl[2] @ (wh + wlo)).sub_(hh).sub_(ll), w_scale
+
+
+def _combine(x: torch.Tensor, xe: torch.Tensor, hh, ll, cross, w_scale, bias, n_out: int) -> torch.Tensor:
+    """``fl(fl(hh·2^24 + cross·2^12) + ll) · 2^exp_x · 2^exp_w (+ bias)`` in x's dtype, shaped like x."""
+    s = (hh * 2.0 ** 24).add_(cross, alpha=2.0 ** 12).add_(ll)
+    y = s.mul_(pow2_f64(xe)[:, None]).mul_(w_scale)
+    if bias is not None:
+        y = y + bias.double()
+    return y.to(x.dtype).reshape(*x.shape[:-1], n_out)
 
 
 def exact_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """Batch-invariant ``F.linear`` (module docstring, "Non-FP4 rows"): (…, K) → (…, N) in x's dtype."""
-    x2 = x.reshape(-1, x.shape[-1])
-    xh, xl, xe = _fixed_point_limbs(x2)
-    wh, wl, we, w_cross = cached_for_weight(weight, "fixed-point limbs", lambda: _weight_limbs(weight))
-    hh = xh @ wh.t()
-    cross = torch.cat([xh, xl], 1) @ w_cross.t()
-    ll = xl @ wl.t()
-    s = (hh * 2.0 ** 24 + cross * 2.0 ** 12) + ll
-    y = s * pow2_f64(xe[:, None] + we[None, :])
-    if bias is not None:
-        y = y + bias.double()
-    return y.to(x.dtype).reshape(*x.shape[:-1], weight.shape[0])
+    """Batch-invariant ``F.linear`` (module docstring, "Non-FP4 rows"): (…, K) → (…, N) in x's dtype.
+
+    The three limb products ``hh = hi_x·hi_wᵀ``, ``ll = lo_x·lo_wᵀ`` and ``cross = hi_x·lo_wᵀ +
+    lo_x·hi_wᵀ`` are exact integers (:func:`_limb_products`; with many rows ``cross`` is the exact
+    difference ``(hi_x + lo_x)·(hi_w + lo_w)ᵀ − hh − ll``: every term ≤ 6144², every partial sum and
+    difference an integer < 2^53 for K < 2^27, so exact in any order and split), then combined as
+    ``s = (hh·2^24 + cross·2^12) + ll`` and scaled by ``2^exp_x · 2^exp_w`` (powers of two, exact)."""
+    K = x.shape[-1]
+    assert K < 2 ** 27, "exact_linear: K ≥ 2^27 would break the exact-sum bound"
+    xl, xe = _fixed_point_limbs(x.reshape(-1, K))
+    hh, ll, cross, w_scale = _limb_products(xl, weight)
+    return _combine(x, xe, hh, ll, cross, w_scale[None, :], bias, weight.shape[0])
+
+
+def exact_grouped_linear(x: torch.Tensor, weights: Sequence[torch.Tensor], counts: Sequence[int]) -> torch.Tensor:
+    """Rows of ``x`` (R, K) in consecutive runs of ``counts[e]``, run e times ``weights[e]ᵀ`` (N, K):
+    each row gets the bits :func:`exact_linear` gives it (its limbs and products do not depend on
+    the other rows), with the input limbs and the elementwise combination done once for all runs."""
+    R, K = x.shape
+    assert K < 2 ** 27 and sum(counts) == R and len(counts) == len(weights)
+    N = weights[0].shape[0]
+    xl, xe = _fixed_point_limbs(x)
+    if max(counts) <= FEW_ROWS:
+        return _combine(x, xe, *_few_rows_grouped(xl, weights, counts), None, N)
+    parts = [x.new_empty(R, N, dtype=torch.float64) for _ in range(3)]
+    w_scale = x.new_empty(R, N, dtype=torch.float64)
+    start = 0
+    for w, n in zip(weights, counts):
+        if n:
+            rows = slice(start, start + n)
+            *products, ws = _limb_products(xl[:, rows], w)
+            for out, part in zip(parts, products):
+                out[rows] = part
+            w_scale[rows] = ws
+            start += n
+    return _combine(x, xe, *parts, w_scale, None, N)
+
+
+def _few_rows_grouped(xl: torch.Tensor, weights: Sequence[torch.Tensor], counts: Sequence[int]):
+    """:func:`_limb_products` of every run with few rows (the decode step's experts), gathered:
+    the ``[hi; lo]`` rows of each run sit together so each run is one GEMM on its weight's cached
+    limbs, written in place; one reordering afterwards. Returns (hh, ll, cross, 2^exp_w) (R, N)."""
+    R = xl.shape[1]
+    order, scales, start = [], [], 0
+    for n in counts:
+        order += [*range(start, start + n), *range(R + start, R + start + n)]
+        start += n
+    order = torch.tensor(order, dtype=torch.long, device=xl.device)
+    x2 = xl[:2].reshape(2 * R, -1).index_select(0, order)
+    p = None
+    start = 0
+    for w, n in zip(weights, counts):
+        if n:
+            wl, ws = cached_for_weight(w, "fixed-point limbs", lambda: _weight_limbs(w))
+            p = x2.new_empty(2 * R, wl.shape[1]) if p is None else p
+            torch.mm(x2[2 * start:2 * (start + n)], wl, out=p[2 * start:2 * (start + n)])
+            scales.append(ws.expand(n, -1))
+            start += n
+    q = torch.empty_like(p).index_copy_(0, order, p)
+    N = p.shape[1] // 2
+    return q[:R, :N], q[R:, N:], q[:R, N:] + q[R:, :N], torch.cat(scales)

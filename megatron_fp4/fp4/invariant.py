@@ -8,15 +8,18 @@ construction, independent of the batch size, the row's position in the batch, pa
 split, KV cache vs full forward, or layout:
 
 - GEMMs: FP4 ones are summed exactly (``exact_gemm.exact_fp4_gemm``), the others (``linear``:
-  attention projections, router, LM head, bf16-mode experts) by three exact float64 GEMMs on
-  24-bit fixed-point limbs (``exact_gemm.exact_linear``). Exact sums have no order.
+  attention projections, router, LM head, bf16-mode experts) by exact float64 GEMMs on 24-bit
+  fixed-point limbs (``exact_gemm.exact_linear``; experts without autograd in one call over all
+  their rows, :func:`grouped_linear`). Exact sums have no order.
 - Row reductions (RMSNorm's mean square, softmax/log-softmax sums, attention's dot products and
   its sums over keys) are :func:`tree_sum`: an adjacent-pair tree over absolute indices built from
   elementwise IEEE additions, so its order depends only on the index, and trailing zeros
   (masked keys, a longer padded row) do not change a nonzero result.
 - Attention (:func:`attention`) indexes keys by *position* (each row's keys shifted left past its
   padding), so a query at position p sums the same keys in the same tree in a KV-cache decode step
-  and in a causal full forward, whatever the batch's padding.
+  and in a causal full forward, whatever the batch's padding. It runs the same trees laid out with
+  the reduced index first in bit-reversed order (:func:`_halving_tree`: each level adds two
+  contiguous halves), over query chunks that stop at their last position (no B·H·T·T·D tensor).
 - Elementwise transcendentals: ATen's ``exp``, ``log``, ``rsqrt``, ``cos``, ``sin`` give the same
   bits for an element whatever its position in the tensor (their vector kernels handle the tail);
   ``silu``/``sigmoid`` do not (a scalar tail loop rounds differently on AVX2/AVX-512), so
@@ -36,7 +39,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from megatron_fp4.fp4.exact_gemm import exact_linear
+from megatron_fp4.fp4.exact_gemm import exact_grouped_linear, exact_linear
 
 _ON = contextvars.ContextVar("megatron_fp4_batch_invariant", default=False)
 
@@ -94,6 +97,14 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] =
     return _ExactLinear.apply(x, weight, bias)
 
 
+def grouped_linear(x: torch.Tensor, weights, counts) -> torch.Tensor:
+    """Consecutive runs of ``counts[e]`` rows of ``x`` times ``weights[e]ᵀ``, without autograd: in
+    the mode each row's bits are those of :func:`linear` on that run alone (``exact_grouped_linear``)."""
+    if not enabled(x):
+        return torch.cat([F.linear(r, w) for r, w, n in zip(x.split(list(counts)), weights, counts) if n])
+    return exact_grouped_linear(x, weights, counts)
+
+
 def silu(x: torch.Tensor) -> torch.Tensor:
     """SiLU; in the mode ``x / (1 + exp(−x))`` (position-independent bits, see the module doc)."""
     if not enabled(x):
@@ -131,22 +142,78 @@ def leading_pad(attention_mask: Optional[torch.Tensor], batch: int, device) -> t
     return (attention_mask.long().cumsum(-1) == 0).sum(-1)
 
 
+def _pow2_at_least(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def _halving_tree(t: torch.Tensor) -> torch.Tensor:
+    """:func:`tree_sum` over dim 0 of ``t`` [2^m, ...] stored in bit-reversed index order: the
+    natural pairs (2i, 2i+1) of a level sit at positions p and p + half, so each level adds two
+    contiguous halves, and the result is the one of the adjacent-pair tree."""
+    while t.shape[0] > 1:
+        h = t.shape[0] // 2
+        t = t[:h] + t[h:]
+    return t[0] + 0.0
+
+
+def _bits_first(t: torch.Tensor, dim: int, size: int) -> torch.Tensor:
+    """``t`` zero-padded along ``dim`` to ``size`` (a power of two), moved to dim 0 in bit-reversed
+    index order (the size split into binary axes, reversed: one permuting copy)."""
+    dim = dim % t.dim()
+    n = t.shape[dim]
+    if size > n:
+        t = torch.cat([t, t.new_zeros(*t.shape[:dim], size - n, *t.shape[dim + 1:])], dim)
+    m = size.bit_length() - 1
+    rest = (*t.shape[:dim], *t.shape[dim + 1:])
+    if m == 0:
+        return t.movedim(dim, 0)
+    split = t.reshape(*t.shape[:dim], *(2,) * m, *t.shape[dim + 1:])  # axis dim + i = bit m-1-i
+    order = [dim + m - 1 - j for j in range(m)] + [a for a in range(split.dim()) if not dim <= a < dim + m]
+    return split.permute(order).reshape(size, *rest)
+
+
+ATTENTION_CHUNK = 1 << 20  # elements of one query chunk's product tensor (bounds memory, stays in cache)
+
+
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
               pad: torch.Tensor) -> torch.Tensor:
-    """Causal attention by position. q [B, H, Tq, D]; k, v [B, H, Tk, D] in slot order with
-    ``pad[b]`` padding slots before row b's first real key; positions [B, Tq] of the queries.
+    """Causal attention by position. q [B, H, Tq, D]; k, v [B, KV, Tk, D] (KV divides H: query
+    head h reads kv head h // (H / KV)) in slot order with ``pad[b]`` padding slots before row b's
+    first real key; positions [B, Tq] of the queries.
 
     Keys are shifted left by ``pad`` so key index = position; a query at position p attends to
-    indices ≤ p. Scores, the softmax denominator and the weighted sum of values are
-    :func:`tree_sum` reductions over a fixed index tree, so a KV-cache step and a full forward give
-    the query the same bits."""
-    B, H, Tk, D = k.shape
-    idx = (pad[:, None] + torch.arange(Tk, device=k.device)[None, :]).clamp(max=Tk - 1)  # [B, Tk]
-    gather = idx[:, None, :, None].expand(B, H, Tk, D)
-    k, v = torch.gather(k, 2, gather), torch.gather(v, 2, gather)
-    scores = tree_sum(q[:, :, :, None, :] * k[:, :, None, :, :], -1) * (D ** -0.5)  # [B, H, Tq, Tk]
-    future = torch.arange(Tk, device=k.device)[None, None, None, :] > positions[:, None, :, None]
-    scores = scores.masked_fill(future, float("-inf"))
-    e = torch.exp(scores - scores.amax(-1, keepdim=True))
-    out = tree_sum(e[..., None] * v[:, :, None, :, :], -2)  # [B, H, Tq, D]
-    return out / tree_sum(e, -1, keepdim=True)
+    indices ≤ p. Scores (over D), the softmax denominator and the weighted sum of values (over key
+    indices) are :func:`tree_sum` reductions over a fixed index tree, so a KV-cache step and a full
+    forward give the query the same bits. Queries run in chunks; a chunk reads only the keys up to
+    its largest position (the keys past it are masked: exactly zero leaves of the key trees, which
+    :func:`tree_sum` may drop), so a causal forward forms about half the B·H·T·T·D products, a
+    chunk at a time. Both trees run over dim 0 in bit-reversed order (:func:`_halving_tree`)."""
+    B, H, Tq, D = q.shape
+    KV, Tk = k.shape[1], k.shape[2]
+    rep = H // KV
+    n_keys = int(positions.max()) + 1 if positions.numel() else 1
+    if bool(pad.any()):  # row b's key j sits in slot pad[b] + j (clamped: past the end is future anyway)
+        idx = (pad[:, None] + torch.arange(n_keys, device=k.device)[None, :]).clamp(max=Tk - 1)  # [B, n_keys]
+        rows = torch.arange(B, device=k.device)[:, None]
+        k, v = k[rows, :, idx].transpose(1, 2), v[rows, :, idx].transpose(1, 2)  # [B, KV, n_keys, D]
+    else:
+        k, v = k[:, :, :n_keys], v[:, :, :n_keys]
+    Dp = _pow2_at_least(D)
+    qt = _bits_first(q.reshape(B, KV, rep, Tq, D), -1, Dp)[..., None]  # [Dp, B, KV, rep, Tq, 1]
+    kt = _bits_first(k, -1, Dp)[:, :, :, None, None, :]  # [Dp, B, KV, 1, 1, n_keys]
+    per_query = Dp * B * H * max(n_keys, D)
+    step = max(1, ATTENTION_CHUNK // per_query)
+    outs = []
+    for t0 in range(0, Tq, step):
+        pos = positions[:, t0:t0 + step]
+        nk = int(pos.max()) + 1
+        scores = _halving_tree(qt[:, :, :, :, t0:t0 + step] * kt[..., :nk]) * (D ** -0.5)  # [B, KV, rep, tq, nk]
+        future = torch.arange(nk, device=k.device)[None, None, None, None, :] > pos[:, None, None, :, None]
+        scores = scores.masked_fill(future, float("-inf"))
+        e = torch.exp(scores - scores.amax(-1, keepdim=True))
+        Kp = _pow2_at_least(nk)
+        et = _bits_first(e, -1, Kp)[..., None]  # [Kp, B, KV, rep, tq, 1]
+        vt = _bits_first(v[:, :, :nk], 2, Kp)[:, :, :, None, None, :]  # [Kp, B, KV, 1, 1, D]
+        outs.append(_halving_tree(et * vt) / _halving_tree(et))
+    out = outs[0] if len(outs) == 1 else torch.cat(outs, 3)
+    return out.reshape(B, H, Tq, D)

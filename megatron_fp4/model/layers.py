@@ -157,8 +157,7 @@ class Attention(nn.Module):
             k, v = cache.append(k, v)
         T_total = k.shape[2]
         rep = self.num_heads // self.num_kv_heads
-        if invariant.enabled(q):  # keys by position, fixed reduction trees (see fp4/invariant.py)
-            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+        if invariant.enabled(q):  # keys by position, fixed reduction trees, kv heads shared (fp4/invariant.py)
             out = invariant.attention(q, k, v, positions, invariant.leading_pad(attention_mask, B, x.device))
             return self.o_proj(out.transpose(1, 2).reshape(B, T, self.num_heads * self.head_dim))
         # Decoding: SDPA maps query heads to their kv head itself (enable_gqa) instead of copying

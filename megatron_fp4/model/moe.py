@@ -14,6 +14,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from megatron_fp4.fp4 import Recipe, current, invariant, moeresq_linear, resq_quantize
+from megatron_fp4.fp4.exact_experts import can_group_exact_fp4, exact_grouped_fp4
+from megatron_fp4.fp4.exact_experts import row_local as _row_local
 from megatron_fp4.fp4.exact_gemm import cached_for_weight
 from megatron_fp4.model.layers import SwiGLU, upcast
 
@@ -117,6 +119,8 @@ class GroupedExperts(nn.Module):
                 return self.grouped_forward(x_sorted, counts)
             if can_group_fp4(self.recipe, x_sorted, (self.w13, self.w2)):
                 return self.grouped_fp4_forward(x_sorted, counts)
+            if can_group_exact(self.recipe, x_sorted, (self.w13, self.w2)):
+                return self.grouped_exact_forward(x_sorted, counts)
         if self.select_per_expert:
             w13s = w2s = [None] * self.num_experts
         else:
@@ -135,6 +139,22 @@ class GroupedExperts(nn.Module):
         h = _grouped_linear(x_sorted, self.w13, offs)
         gate, up = h.split(self.ffn, dim=-1)
         return _grouped_linear(invariant.silu(gate) * up, self.w2, offs)
+
+    def grouped_exact_forward(self, x_sorted: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """The batch-invariant mode without autograd (`can_group_exact`): the loop's exact GEMMs with
+        the input's limbs (FP4 off, `invariant.grouped_linear`) or FP4 codes (`exact_grouped_fp4`),
+        the SiLU and the combination done once for all rows (a row's bits depend on that row and
+        its expert alone)."""
+        w13s, w2s = self.w13.unbind(0), self.w2.unbind(0)
+        if self.recipe.mode == "bf16":
+            gate, up = invariant.grouped_linear(x_sorted, w13s, counts).split(self.ffn, dim=-1)
+            return invariant.grouped_linear(invariant.silu(gate) * up, w2s, counts)
+        first = getattr(self, "expert_offset", 0)
+        names = [f"{self.quant_name}.{first + e}" for e in range(self.num_experts)]
+        gate, up = exact_grouped_fp4(x_sorted, w13s, counts, self.recipe, [n + ".w13" for n in names],
+                                     f"{self.quant_name}.<grouped>.w13").split(self.ffn, dim=-1)
+        return exact_grouped_fp4(invariant.silu(gate) * up, w2s, counts, self.recipe, [n + ".w2" for n in names],
+                                 f"{self.quant_name}.<grouped>.w2")
 
     def grouped_fp4_forward(self, x_sorted: torch.Tensor, counts: list[int]) -> torch.Tensor:
         """FP4 experts without autograd (`can_group_fp4`): MoEResQ's forward ``Q̃(X)·Q(W)ᵀ`` in
@@ -157,13 +177,6 @@ class GroupedExperts(nn.Module):
         return _GROUPED_MM(xq, wq.transpose(1, 2), offs=offs).to(x.dtype)
 
 
-def _row_local(fmt) -> bool:
-    """Whether a quantized row depends on that row alone (nearest rounding, per-row blocks/scales)."""
-    if fmt.rounding != "nearest":
-        return False
-    return fmt.format == "mxfp4" or (fmt.scale == "row" and fmt.block == "1d")
-
-
 def can_group_fp4(recipe: Recipe, x: torch.Tensor, weights) -> bool:
     """Whether FP4 experts may run `GroupedExperts.grouped_fp4_forward`: no autograd (the backward's
     columnwise blocks run along each expert's tokens), outside the batch-invariant mode (exact
@@ -178,6 +191,16 @@ def can_group_fp4(recipe: Recipe, x: torch.Tensor, weights) -> bool:
     if torch.is_autocast_enabled(x.device.type) or current().nonfinite_flags_for(x.device) is not None:
         return False
     return _row_local(recipe.input) and recipe.weight.rounding == "nearest"
+
+
+def can_group_exact(recipe: Recipe, x: torch.Tensor, weights) -> bool:
+    """Whether experts in the batch-invariant mode may run `grouped_exact_forward`: no autograd (the
+    loop carries the backward); FP4 also as `exact_experts.can_group_exact_fp4` says."""
+    if recipe.mode != "bf16":
+        return can_group_exact_fp4(recipe, x, weights)
+    if not invariant.enabled(x):
+        return False
+    return not (torch.is_grad_enabled() and (x.requires_grad or any(w.requires_grad for w in weights)))
 
 
 _GROUPED_MM = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)

@@ -207,9 +207,12 @@ class RolloutEngine:
     a request fails with `LockTimeout` and the engine keeps its weights. `batch_invariant` (default
     True, the config's `numerics.batch_invariant`) decodes in the batch-invariant numerics mode.
     `cache_quantized_weights` (default True) derives each weight's quantization / exact-GEMM split
-    once per `generate` call instead of at every decode step (`exact_gemm.cached_weights`; the
-    same bits). Decoding allocates its KV cache (static, prompt + max_new_tokens positions) and
-    attention mask once per call and keeps the per-row state as tensors (`_StepState`).
+    once per weight version instead of at every decode step (`exact_gemm.cached_weights` with a
+    store kept across `generate` calls and emptied by `load_weights`; the same bits): a write into
+    the model that bypasses the version counter (``p.data.copy_``, e.g. a ZeRO optimizer on a
+    shared model) is not seen, which is one more reason to give the engine its own copy.
+    Decoding allocates its KV cache (static, prompt + max_new_tokens positions) and attention mask
+    once per call and keeps the per-row state as tensors (`_StepState`).
     """
 
     def __init__(self, model, mode: Optional[str] = None, pad_id: int = 0, seed: int = 0, name: str = "rollout0",
@@ -232,6 +235,7 @@ class RolloutEngine:
         self._seed_stream = torch.Generator().manual_seed(seed)
         self._seed_lock = threading.Lock()
         self._moe_layer_ids = [i for i, layer in enumerate(model.layers) if layer.is_moe]
+        self._weight_cache: dict = {}  # weight-derived GEMM terms, kept across generate calls (per version)
 
     # -- weights --------------------------------------------------------------------------------
     def weight_meta(self) -> dict:
@@ -264,6 +268,7 @@ class RolloutEngine:
         with self.lock.write(), torch.no_grad():
             for n, t in named_tensors.items():
                 state[n].copy_(t)
+            self._weight_cache.clear()  # the copies bumped every version; drop the stale terms now
             self.version = int(version)
 
     # -- generation -----------------------------------------------------------------------------
@@ -290,7 +295,7 @@ class RolloutEngine:
         gens = [torch.Generator().manual_seed(p.seed if p.seed is not None else self._next_seed()) for p in params]
         with self.lock.read(), torch.no_grad(), fp4_mode(self.model, self.mode), \
                 invariant.batch_invariant(self.batch_invariant), \
-                cached_weights() if self.cache_quantized_weights else contextlib.nullcontext():
+                cached_weights(self._weight_cache) if self.cache_quantized_weights else contextlib.nullcontext():
             version = self.version
             out = self._decode(prompts, params, gens, max_new, return_routing, return_distributions)
         return GenerationOutput(version=version, prompt_ids=[list(p) for p in prompts], **out)

@@ -1,0 +1,62 @@
+"""The batch-invariant forward of many MoEResQ linears over consecutive runs of rows (MoE experts).
+
+`exact_grouped_fp4` gives every run the bits `moeresq_linear` gives it in the batch-invariant mode
+(the exact FP4 GEMM of ``exact_gemm``), with the input quantized once for all rows instead of once
+per run, and the exact sums' scaling and rounding (elementwise, per row) done once for all runs. That is the same computation only where a row's FP4 codes depend on that row alone
+(`row_local`: nearest rounding with per-row NVFP4 scales in 1-D blocks, or MXFP4) and the weight is
+rounded to nearest (no stochastic stream keyed by the expert), without autograd and with eager
+non-finite checks (a deferred check records per-layer flags); callers check `can_group_exact_fp4`.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from megatron_fp4.fp4 import invariant
+from megatron_fp4.fp4.context import current
+from megatron_fp4.fp4.exact_gemm import CHUNK, exact_fp4_terms, exact_sum_products
+from megatron_fp4.fp4.moeresq import _cached_weight, _Site
+from megatron_fp4.fp4.recipe import Recipe
+
+
+def row_local(fmt) -> bool:
+    """Whether a quantized row depends on that row alone (nearest rounding, per-row blocks/scales)."""
+    if fmt.rounding != "nearest":
+        return False
+    return fmt.format == "mxfp4" or (fmt.scale == "row" and fmt.block == "1d")
+
+
+def can_group_exact_fp4(recipe: Recipe, x: torch.Tensor, weights) -> bool:
+    if recipe.mode not in ("fp4", "fp4_resq") or not invariant.enabled():
+        return False
+    if torch.is_grad_enabled() and (x.requires_grad or any(w.requires_grad for w in weights)):
+        return False
+    if current().nonfinite_flags_for(x.device) is not None:
+        return False
+    return row_local(recipe.input) and recipe.weight.rounding == "nearest"
+
+
+def exact_grouped_fp4(x: torch.Tensor, weights: Sequence[torch.Tensor], counts: Sequence[int], recipe: Recipe,
+                      names: Sequence[str], group_name: str) -> torch.Tensor:
+    """Rows of ``x`` (R, K) in runs of ``counts[i]``, run i through ``moeresq_linear(run, weights[i],
+    recipe=recipe, name=names[i])``'s batch-invariant forward (bias-free); ``group_name`` names the
+    shared input quantization in non-finite errors."""
+    now = current()
+    r = recipe
+    x_terms = _Site(r, group_name, now.step, now.micro_batch, None).split(x, r.input, "input", r.compensated)
+    sums = [x.new_empty(x.shape[0], weights[0].shape[0], dtype=torch.float64) for _ in x_terms]
+    w_exp, w_scale, start = [], [], 0
+    for w, n, name in zip(weights, counts, names):
+        if not n:
+            continue
+        site = _Site(r, name, now.step, now.micro_batch, None)
+        w_split = _cached_weight(site, w, True, lambda: site.split(w.reshape(-1, w.shape[-1]), r.weight, "weight",
+                                                                    False)[0])
+        for out, t in zip(sums, x_terms):
+            out[start:start + n] = exact_sum_products(t.ints[start:start + n], w_split.ints, CHUNK, w_split.abs_max())
+        w_exp.append(w_split.exp.expand(n, -1))
+        w_scale.append(None if w_split.scale is None else w_split.scale.double().expand(n, -1))
+        start += n
+    scale = None if w_scale[0] is None else torch.cat(w_scale)
+    return exact_fp4_terms(x_terms, sums, torch.cat(w_exp), scale, None, x.dtype)
