@@ -92,17 +92,20 @@ def checkpointed(fn: Callable, args: tuple, owners: Sequence[torch.nn.Module], s
     forward_context = contextvars.copy_context()
     calls = [0]
 
-    def region(*a):
-        calls[0] += 1
+    def inside(*a):  # nested wrapped modules run plain inside a region
         token = _IN_REGION.set(True)
         try:
-            if calls[0] == 1:
-                return fn(*a)
-            a = tuple(None if i in outputs else v for i, v in enumerate(a))
-            with _stats_off(owners):
-                return forward_context.run(fn, *a)
+            return fn(*a)
         finally:
             _IN_REGION.reset(token)
+
+    def region(*a):
+        calls[0] += 1
+        if calls[0] == 1:
+            return inside(*a)
+        a = tuple(None if i in outputs else v for i, v in enumerate(a))
+        with _stats_off(owners):
+            return forward_context.run(inside, *a)
 
     return checkpoint(region, *args, use_reentrant=False, preserve_rng_state=True, early_stop=False,
                       **({"context_fn": _selective_contexts} if selective else {}))

@@ -1,0 +1,135 @@
+"""Activation recomputation (model/recompute.py): full and selective recompute give the gradients of
+recompute=none bit for bit, and hold less activation memory.
+
+Bitwise holds by construction: the recompute runs the same ops on the same inputs (the same FP4
+quantization streams, seeded from the forward's step context), and the backward runs the same
+kernels on the same saved values. FP4 MoEResQ is on for experts and attention, with stochastic
+rounding on every operand (input, weight, grad output), so a recompute drawing other noise than
+its forward would change the gradients.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from megatron_fp4.config import Config, ConfigError
+from megatron_fp4.config_validate import RECOMPUTE_MODULES
+from megatron_fp4.fp4 import Recipe, micro_batch, training_step
+from megatron_fp4.model import recompute
+from megatron_fp4.model.layers import KVCache
+from megatron_fp4.model.transformer import build_model, lm_loss
+
+MODES = {
+    "full": dict(recompute="full"),
+    "full_every_2": dict(recompute="full", recompute_num_layers=2),
+    "selective": dict(recompute="selective"),
+    "selective_moe": dict(recompute="selective", recompute_modules=["moe", "attention", "experts"]),
+}
+
+
+def tiny_cfg(**model) -> Config:
+    cfg = Config()
+    cfg.model.num_layers, cfg.model.dense_layers, cfg.model.num_shared_experts = 3, [0], 1
+    cfg.fp4.scope, cfg.fp4.grad_rounding = "experts+attention", "stochastic"
+    for key, value in model.items():
+        setattr(cfg.model, key, value)
+    return cfg.validate()
+
+
+def stochastic_everywhere(model) -> None:
+    for m in model.modules():
+        r = getattr(m, "recipe", None)
+        if isinstance(r, Recipe) and r.mode != "bf16":
+            m.recipe = dataclasses.replace(r, input=dataclasses.replace(r.input, rounding="stochastic"),
+                                           weight=dataclasses.replace(r.weight, rounding="stochastic"))
+
+
+def run(model_cfg: dict, backward_in_micro_batch: bool = True):
+    """Two micro-batches of step 5 (aux losses, routing and MoE statistics recorded); returns the
+    gradients, the routing, the statistics count and the activation bytes held after forward 0."""
+    model = build_model(tiny_cfg(**model_cfg), seed=7)
+    stochastic_everywhere(model)
+    model.train()
+    model.set_record_stats(True)
+    model.set_aux_loss_scale(0.5)
+    tokens = torch.randint(0, 32, (2, 2, 16), generator=torch.Generator().manual_seed(3))
+    routing, held = [], []
+    with training_step(5, first_micro_batch=2):
+        for i in range(2):
+            with micro_batch(i):
+                out, nbytes = recompute.held_activation_bytes(lambda: model(tokens[i], return_routing=True))
+                loss = lm_loss(out.logits[:, :-1], tokens[i, :, 1:]) / 2
+                if backward_in_micro_batch:
+                    loss.backward()
+            if not backward_in_micro_batch:  # backward outside the micro-batch's FP4 context
+                loss.backward()
+            routing.append(out.routing)
+            held.append(nbytes)
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    return grads, routing, [len(moe.stats) for moe in model.moe_layers()], held[0]
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return run({})
+
+
+@pytest.mark.parametrize("name", list(MODES))
+def test_equal_gradients_and_less_activation_memory(reference, name):
+    ref_grads, ref_routing, ref_stats, ref_held = reference
+    grads, routing, stats, held = run(MODES[name])
+    assert grads.keys() == ref_grads.keys()
+    unequal = [n for n in grads if not torch.equal(grads[n], ref_grads[n])]
+    assert not unequal, f"{name}: gradients differ from recompute=none in {unequal}"
+    # side effects once: one routing entry per layer per forward, one statistics record per MoE forward
+    assert [[None if r is None else r.tolist() for r in mb] for mb in routing] == \
+        [[None if r is None else r.tolist() for r in mb] for mb in ref_routing]
+    assert stats == ref_stats == [2, 2]
+    assert held < 0.9 * ref_held, f"{name}: {held} activation bytes held vs {ref_held} without recompute"
+
+
+def test_recompute_draws_the_forward_streams_outside_its_context(reference):
+    """Backward after the micro-batch's FP4 context closed: the recompute still quantizes with the
+    forward's (step, micro-batch) streams, not with micro-batch 0's."""
+    ref_grads = run({}, backward_in_micro_batch=False)[0]
+    assert all(torch.equal(a, b) for a, b in zip(ref_grads.values(), reference[0].values()))
+    for name in ("full", "selective"):
+        grads = run(MODES[name], backward_in_micro_batch=False)[0]
+        assert all(torch.equal(grads[n], ref_grads[n]) for n in grads), name
+
+
+def test_selective_keeps_gemm_outputs_full_keeps_less():
+    """Full keeps only block inputs; selective also keeps GEMM outputs: in between the two."""
+    held = {name: run(spec)[3] for name, spec in (("none", {}), ("full", MODES["full"]),
+                                                   ("selective", MODES["selective"]))}
+    assert held["full"] < held["selective"] < held["none"], held
+
+
+def test_generation_and_no_grad_scoring_run_without_checkpoints():
+    base = build_model(tiny_cfg(), seed=7).eval()
+    tokens = torch.randint(0, 32, (2, 8), generator=torch.Generator().manual_seed(1))
+    for spec in MODES.values():
+        model = build_model(tiny_cfg(**spec), seed=7).eval()
+        with torch.no_grad():
+            assert torch.equal(model(tokens).logits, base(tokens).logits)
+            cache, ref_cache = KVCache.empty(3), KVCache.empty(3)
+            assert torch.equal(model(tokens, kv_cache=cache).logits, base(tokens, kv_cache=ref_cache).logits)
+        assert cache.length == 8
+
+
+@pytest.mark.parametrize("field,value,needle", [
+    ("recompute", "partial", "model.recompute='partial'"),
+    ("recompute_num_layers", 0, "model.recompute_num_layers=0"),
+    ("recompute_modules", ["attention", "core_attn"], "model.recompute_modules="),
+])
+def test_bad_recompute_config_names_the_field(field, value, needle):
+    cfg = Config()
+    setattr(cfg.model, field, value)
+    with pytest.raises(ConfigError, match=needle.replace("[", r"\[")):
+        cfg.validate()
+
+
+def test_config_choices_match_the_model():
+    assert tuple(RECOMPUTE_MODULES) == recompute.MODULES
