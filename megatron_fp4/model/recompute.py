@@ -53,23 +53,29 @@ def save_gemm_outputs(ctx, op, *args, **kwargs) -> CheckpointPolicy:
     return CheckpointPolicy.MUST_SAVE if op in GEMM_OPS else CheckpointPolicy.PREFER_RECOMPUTE
 
 
-@contextmanager
-def _replayable(mode):
-    """torch's recompute mode marks each saved output consumed; a zero-bubble weight-grad pass
-    recomputes a second time and needs them again, so restore the entries after each recompute."""
-    storage = mode.storage
-    kept = {key: dict(entries) for key, entries in storage.items()}
-    try:
-        with mode:
-            yield
-    finally:
-        for key, entries in kept.items():
-            storage[key].update(entries)
+class _Replayable:
+    """torch's recompute mode marks each kept output consumed; a zero-bubble weight-grad pass
+    recomputes a second time and needs them again, so each recompute restores the entries."""
+
+    def __init__(self, mode):
+        self.mode = mode
+
+    def __enter__(self):
+        self.kept = {key: dict(entries) for key, entries in self.mode.storage.items()}
+        return self.mode.__enter__()
+
+    def __exit__(self, *exc):
+        try:
+            return self.mode.__exit__(*exc)
+        finally:
+            for key, entries in self.kept.items():
+                self.mode.storage[key].update(entries)
+            self.kept = None
 
 
 def _selective_contexts():
     forward_mode, recompute_mode = create_selective_checkpoint_contexts(save_gemm_outputs)
-    return forward_mode, _replayable(recompute_mode)
+    return forward_mode, _Replayable(recompute_mode)
 
 
 @contextmanager
