@@ -156,3 +156,26 @@ def test_split_backward_recomputes_in_each_pass():
         dh, dw = two_passes(MODES[name])
         assert torch.equal(dh, ref_dh), name
         assert all((a is None and b is None) or torch.equal(a, b) for a, b in zip(dw, ref_dw)), name
+
+
+def test_trainer_steps_equal_with_weight_cache_and_gate():
+    """Through the trainer's step: the per-step Q(W) cache, the NaN gate's layer hooks, the aux-loss
+    scale and the optimizer; two steps give recompute=none's losses and weights bit for bit."""
+    from megatron_fp4.training.trainer import Trainer
+
+    def train(spec):
+        cfg = tiny_cfg(**spec)
+        cfg.model.num_layers, cfg.model.dense_layers = 2, []
+        s = cfg.schedule
+        s.global_batch_size, s.micro_batch_size, s.seq_len, s.train_steps, s.warmup_steps = 4, 2, 16, 2, 0
+        cfg.data.num_samples = 20
+        cfg.logging.tensorboard_dir, cfg.logging.progress, cfg.checkpoint.dir = None, False, None
+        trainer = Trainer(cfg)
+        losses = [trainer.train_step()["loss"] for _ in range(2)]
+        return losses, {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+
+    ref_losses, ref_params = train({})
+    for name in ("full", "selective"):
+        losses, params = train(MODES[name])
+        assert losses == ref_losses, name
+        assert all(torch.equal(params[n], ref_params[n]) for n in params), name
