@@ -122,7 +122,7 @@ def active(recompute: str, cache) -> bool:
     return recompute != "none" and cache is None and torch.is_grad_enabled() and not _IN_REGION.get()
 
 
-def _wrap(module: torch.nn.Module, outputs: tuple) -> None:
+def _checkpointed_forward(module: torch.nn.Module, outputs: tuple):
     original = module.forward
 
     @functools.wraps(original)
@@ -132,23 +132,29 @@ def _wrap(module: torch.nn.Module, outputs: tuple) -> None:
                 a is not None and not isinstance(a, (torch.Tensor, list)) for a in args):
             return original(*args, **kwargs)
         return checkpointed(original, args, (module,), selective=True, outputs=outputs)
-
-    module.forward = forward
-    module._recompute_wrapped = True
+    return forward
 
 
-def apply_selective(layer: torch.nn.Module, names: Sequence[str], targets: dict) -> None:
-    """Wrap (once, in place) the forward of every module of `layer` whose kind is in `names`.
+@contextmanager
+def selective(layer: torch.nn.Module, names: Sequence[str], targets: dict):
+    """Within the block, every module of `layer` whose kind is in `names` runs its forward under a
+    selective checkpoint. `targets`: {name: (module class, indices of side-effect output arguments)}.
 
-    `targets`: {name: (module class, indices of side-effect output arguments)}. Run at every call so
-    modules replaced after the build (expert parallelism swaps in its local experts) are wrapped too."""
-    kinds = tuple((cls, outputs) for name, (cls, outputs) in targets.items() if name in names)
-    for module in layer.modules():
-        if getattr(module, "_recompute_wrapped", False):
-            continue
-        for cls, outputs in kinds:
-            if type(module) is cls:
-                _wrap(module, outputs)
+    Per call, not at build time: modules swapped in after the build (expert parallelism's local
+    experts) are covered, and no wrapper outlives the call (a deep copy of the model, e.g. the
+    rollout engine's, must not call back into the original's forward)."""
+    kinds = [(cls, outputs) for name, (cls, outputs) in targets.items() if name in names]
+    wrapped = []
+    for m in layer.modules() if kinds else ():
+        outputs = next((o for cls, o in kinds if type(m) is cls), None)
+        if outputs is not None and "forward" not in m.__dict__:
+            m.forward = _checkpointed_forward(m, outputs)
+            wrapped.append(m)
+    try:
+        yield
+    finally:
+        for m in wrapped:
+            del m.__dict__["forward"]
 
 
 def run_blocks(layer_fn: Callable, layers: Sequence[int], h: torch.Tensor, per_block: int,

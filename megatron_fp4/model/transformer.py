@@ -87,9 +87,9 @@ class MoETransformer(nn.Module):
                                         (positions, attention_mask, None), routing_out)
         for i in layers:
             cache = kv_cache.layers[i] if kv_cache is not None else None
-            if mode == "selective":
-                recompute.apply_selective(self.layers[i], self.cfg.recompute_modules, SELECTIVE_TARGETS)
-            h = self.layers[i](h, positions, attention_mask, cache, routing_out)
+            with recompute.selective(self.layers[i], self.cfg.recompute_modules if mode == "selective" else (),
+                                     SELECTIVE_TARGETS):
+                h = self.layers[i](h, positions, attention_mask, cache, routing_out)
         return h
 
     def head(self, h: torch.Tensor) -> torch.Tensor:

@@ -179,3 +179,19 @@ def test_trainer_steps_equal_with_weight_cache_and_gate():
         losses, params = train(MODES[name])
         assert losses == ref_losses, name
         assert all(torch.equal(params[n], ref_params[n]) for n in params), name
+
+
+def test_a_deep_copy_after_selective_steps_runs_its_own_weights():
+    """The rollout engine deep-copies the trained model: no recompute wrapper may be left on it that
+    calls back into the original modules."""
+    import copy
+
+    model = build_model(tiny_cfg(**MODES["selective_moe"]), seed=7).train()
+    tokens = torch.randint(0, 32, (2, 8), generator=torch.Generator().manual_seed(1))
+    model(tokens).logits.sum().backward()
+    clone = copy.deepcopy(model)
+    before = clone(tokens).logits.detach()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.zero_()
+    assert torch.equal(clone(tokens).logits.detach(), before)
