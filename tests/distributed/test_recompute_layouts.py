@@ -1,6 +1,6 @@
 """Activation recomputation on the parallel layouts: pp2 interleaved 1F1B, pp2 ZB-V (zero-bubble:
-input-grad and weight-grad passes, each recomputing) and ep2 (all-to-all dispatch; with ``moe``
-selected the recompute repeats it) give every rank the gradients of recompute=none on the same
+input-grad and weight-grad passes, each recomputing) and ep2 with the all-to-all and the GC-MoE
+dispatchers (with ``moe`` selected, or full, the recompute repeats the dispatch) give every rank the gradients of recompute=none on the same
 layout bit for bit (2 gloo processes). FP4 MoEResQ on experts and attention, stochastic rounding of
 the gradients, fp32: the same kernels on the same inputs, so bitwise holds by construction.
 """
@@ -13,6 +13,7 @@ LAYOUTS = {
     "pp2_interleaved": dict(pp=2, virtual_stages=2, schedule="interleaved_1f1b"),
     "pp2_zbv": dict(pp=2, virtual_stages=2, schedule="zbv"),
     "ep2": dict(ep=2),
+    "ep2_gcmoe": dict(ep=2, expert_dispatcher="gcmoe", gcmoe_chunk_tokens=8, gcmoe_ring_slots=2),
 }
 MODES = {"full": dict(recompute="full"), "selective": dict(recompute="selective")}
 EP_MODES = {"selective_moe": dict(recompute="selective", recompute_modules=["moe", "attention"])}
