@@ -9,8 +9,8 @@ import math
 
 from megatron_fp4.config import Config, ConfigError
 
-ARITHMETIC_VOCAB_SIZE = 18
-RECOMPUTE_MODULES = ("attention", "experts", "mlp", "moe")  # model/recompute.py MODULES (a test pins them)  # pad, bos, eos, 0-9, + - * = and space
+ARITHMETIC_VOCAB_SIZE = 18  # pad, bos, eos, 0-9, + - * = and space
+RECOMPUTE_MODULES = ("attention", "experts", "mlp", "moe")  # model/recompute.py MODULES (a test pins them)
 
 _CHOICES = {
     "model.recompute": ("none", "full", "selective"),
@@ -94,6 +94,8 @@ def validate_config(cfg: Config, world_size: int = 1) -> None:
              "must be >= 1 (decoder layers per recomputed block with model.recompute=full)")
     _require(isinstance(m.recompute_modules, list) and set(m.recompute_modules) <= set(RECOMPUTE_MODULES),
              "model.recompute_modules", m.recompute_modules, f"entries must be among {list(RECOMPUTE_MODULES)}")
+    _require(m.recompute != "selective" or bool(m.recompute_modules), "model.recompute_modules", m.recompute_modules,
+             "model.recompute=selective needs at least one module to recompute (or set model.recompute=none)")
     if cfg.data.kind == "arithmetic":
         # The embedded tokenizer's size, as a constant: config sits above training/ in the layer
         # order and must not import it (tests/unit/test_data.py pins the two together).

@@ -1,7 +1,7 @@
 """Activation recomputation on the parallel layouts: pp2 interleaved 1F1B, pp2 ZB-V (zero-bubble:
 input-grad and weight-grad passes, each recomputing) and ep2 with the all-to-all and the GC-MoE
-dispatchers (with ``moe`` selected, or full, the recompute repeats the dispatch) give every rank the gradients of recompute=none on the same
-layout bit for bit (2 gloo processes). FP4 MoEResQ on experts and attention, stochastic rounding of
+dispatchers (with ``moe`` selected, or full, the recompute repeats the dispatch) give every rank
+the gradients of recompute=none on the same layout bit for bit (2 gloo processes). FP4 MoEResQ on experts and attention, stochastic rounding of
 the gradients, fp32: the same kernels on the same inputs, so bitwise holds by construction.
 """
 from __future__ import annotations

@@ -123,9 +123,11 @@ def test_generation_and_no_grad_scoring_run_without_checkpoints():
     ("recompute", "partial", "model.recompute='partial'"),
     ("recompute_num_layers", 0, "model.recompute_num_layers=0"),
     ("recompute_modules", ["attention", "core_attn"], "model.recompute_modules="),
+    ("recompute_modules", [], "model.recompute_modules=.*at least one module"),
 ])
 def test_bad_recompute_config_names_the_field(field, value, needle):
     cfg = Config()
+    cfg.model.recompute = "selective"
     setattr(cfg.model, field, value)
     with pytest.raises(ConfigError, match=needle.replace("[", r"\[")):
         cfg.validate()
