@@ -134,7 +134,11 @@ def test_bad_recompute_config_names_the_field(field, value, needle):
 
 
 def test_config_choices_match_the_model():
-    assert tuple(RECOMPUTE_MODULES) == recompute.MODULES
+    from megatron_fp4.config_validate import _CHOICES
+    from megatron_fp4.model.transformer import SELECTIVE_TARGETS
+
+    assert tuple(RECOMPUTE_MODULES) == recompute.MODULES == tuple(SELECTIVE_TARGETS)
+    assert _CHOICES["model.recompute"] == recompute.RECOMPUTE
 
 
 def test_split_backward_recomputes_in_each_pass():
