@@ -46,6 +46,12 @@ class ModelConfig:
     router_z_loss_coef: float = 0.001
     tie_embeddings: bool = False
     init_std: float = 0.02
+    # Activation recomputation (megatron_fp4/model/recompute.py): none | full (each block of
+    # recompute_num_layers decoder layers re-runs in backward) | selective (the recompute_modules,
+    # of attention, experts, mlp, moe, re-run in backward, keeping their GEMM outputs)
+    recompute: str = "none"
+    recompute_num_layers: int = 1
+    recompute_modules: list = field(default_factory=lambda: ["attention", "experts", "mlp"])
 
 
 @dataclass

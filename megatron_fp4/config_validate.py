@@ -11,8 +11,10 @@ from megatron_fp4.config import Config, ConfigError
 from megatron_fp4.config_yaml import show
 
 ARITHMETIC_VOCAB_SIZE = 18  # pad, bos, eos, 0-9, + - * = and space
+RECOMPUTE_MODULES = ("attention", "experts", "mlp", "moe")  # model/recompute.py MODULES (a test pins them)
 
 _CHOICES = {
+    "model.recompute": ("none", "full", "selective"),
     "fp4.scope": ("experts", "experts+attention", "none"),
     "fp4.format": ("nvfp4", "mxfp4"),
     "fp4.train_mode": ("bf16", "fp4", "fp4_resq"),
@@ -121,6 +123,12 @@ def validate_config(cfg: Config, world_size: int = 1) -> None:
     _require(m.rope_theta > 0, "model.rope_theta", m.rope_theta,
              "must be > 0 (the rotary base, e.g. 10000; 0 makes every rotary frequency NaN)")
     _require(m.norm_eps > 0, "model.norm_eps", m.norm_eps, "must be > 0 (RMSNorm's epsilon, e.g. 1e-6)")
+    _require(m.recompute_num_layers >= 1, "model.recompute_num_layers", m.recompute_num_layers,
+             "must be >= 1 (decoder layers per recomputed block with model.recompute=full)")
+    _require(isinstance(m.recompute_modules, list) and set(m.recompute_modules) <= set(RECOMPUTE_MODULES),
+             "model.recompute_modules", m.recompute_modules, f"entries must be among {list(RECOMPUTE_MODULES)}")
+    _require(m.recompute != "selective" or bool(m.recompute_modules), "model.recompute_modules", m.recompute_modules,
+             "model.recompute=selective needs at least one module to recompute (or set model.recompute=none)")
     if cfg.data.kind == "arithmetic":
         # The embedded tokenizer's size, as a constant: config sits above training/ in the layer
         # order and must not import it (tests/unit/test_data.py pins the two together).

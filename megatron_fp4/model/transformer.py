@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megatron_fp4.fp4 import MoEResQLinear, Recipe, invariant, name_quant_sites
+from megatron_fp4.model import recompute
 from megatron_fp4.model.layers import Attention, KVCache, LayerCache, RMSNorm, SwiGLU, upcast
 from megatron_fp4.model.moe import GroupedExperts, MoELayer
 from megatron_fp4.model.specs import attention_recipe, expert_recipe
@@ -49,6 +50,11 @@ class DecoderLayer(nn.Module):
         return h + self.mlp(x)
 
 
+# model.recompute_modules names -> (module class, indices of its side-effect output arguments)
+SELECTIVE_TARGETS = {"attention": (Attention, ()), "experts": (GroupedExperts, ()), "mlp": (SwiGLU, ()),
+                     "moe": (MoELayer, (1,))}
+
+
 @dataclass
 class ModelOutput:
     logits: torch.Tensor
@@ -73,9 +79,17 @@ class MoETransformer(nn.Module):
                    layers: Optional[range] = None, kv_cache: Optional[KVCache] = None,
                    routing_out: Optional[list] = None) -> torch.Tensor:
         """Decoder layers `layers` (default: all) in order, on hidden states h [B, T, hidden]."""
-        for i in range(len(self.layers)) if layers is None else layers:
+        layers = range(len(self.layers)) if layers is None else layers
+        mode = getattr(self.cfg, "recompute", "none")
+        if mode == "full" and recompute.active(mode, kv_cache):  # model/recompute.py
+            return recompute.run_blocks(lambda i, h, *rest: self.layers[i](h, *rest), layers, h,
+                                        self.cfg.recompute_num_layers, lambda i: self.layers[i],
+                                        (positions, attention_mask, None), routing_out)
+        for i in layers:
             cache = kv_cache.layers[i] if kv_cache is not None else None
-            h = self.layers[i](h, positions, attention_mask, cache, routing_out)
+            with recompute.selective(self.layers[i], self.cfg.recompute_modules if mode == "selective" else (),
+                                     SELECTIVE_TARGETS):
+                h = self.layers[i](h, positions, attention_mask, cache, routing_out)
         return h
 
     def head(self, h: torch.Tensor) -> torch.Tensor:
