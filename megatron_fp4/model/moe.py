@@ -15,6 +15,7 @@ from torch import nn
 
 from megatron_fp4.fp4 import Recipe, current, invariant, moeresq_linear, resq_quantize
 from megatron_fp4.fp4.exact_gemm import cached_for_weight
+from megatron_fp4.fp4.moeresq_grouped import can_group_resq, grouped_moeresq_linear, row_local
 from megatron_fp4.model.layers import SwiGLU, upcast
 
 
@@ -71,6 +72,10 @@ class GroupedExperts(nn.Module):
     the same rows, one kernel launch and no Python loop. Its SiLU runs over all rows at once, and
     ATen's SiLU rounds its vector tail differently from its body, so the result equals the loop's
     within fp32 rounding (the same bits where the kernels do; `grouped = False` forces the loop).
+
+    FP4 experts under autograd run `grouped_resq_forward`: each MoEResQ linear over all experts as
+    one grouped call (`fp4.moeresq_grouped`: forward, dgrad and wgrad each one node for all experts,
+    `segments` kept) and the SwiGLU per expert slice, with per expert the loop's bits.
     """
 
     select_per_expert = False
@@ -117,6 +122,8 @@ class GroupedExperts(nn.Module):
                 return self.grouped_forward(x_sorted, counts)
             if can_group_fp4(self.recipe, x_sorted, (self.w13, self.w2)):
                 return self.grouped_fp4_forward(x_sorted, counts)
+            if can_group_resq(self.recipe, x_sorted):
+                return self.grouped_resq_forward(x_sorted, counts, segments)
         if self.select_per_expert:
             w13s = w2s = [None] * self.num_experts
         else:
@@ -135,6 +142,26 @@ class GroupedExperts(nn.Module):
         h = _grouped_linear(x_sorted, self.w13, offs)
         gate, up = h.split(self.ffn, dim=-1)
         return _grouped_linear(invariant.silu(gate) * up, self.w2, offs)
+
+    def grouped_resq_forward(self, x_sorted: torch.Tensor, counts: list[int],
+                             segments: Optional[list[list[int]]] = None) -> torch.Tensor:
+        """The loop's bits (see `moeresq_grouped`) with each MoEResQ linear one grouped call; the
+        SwiGLU runs per expert slice (ATen's SiLU rounds a tensor's vector tail unlike its body, so
+        one SiLU over all rows would change bits), `split` keeping the backward one gather."""
+        first = getattr(self, "expert_offset", 0)
+        names = [f"{self.quant_name}.{first + e}" for e in range(self.num_experts)]
+
+        def linear(x, weight, which):
+            return grouped_moeresq_linear(x, weight, counts, recipe=self.recipe, names=[n + which for n in names],
+                                          name=f"{self.quant_name}.<grouped>{which}", segments=segments)
+
+        h = linear(x_sorted, self.w13, ".w13")
+        acts = []
+        for chunk in h.split(counts):
+            if chunk.shape[0]:
+                gate, up = chunk.split(self.ffn, dim=-1)
+                acts.append(invariant.silu(gate) * up)
+        return linear(torch.cat(acts, dim=0), self.w2, ".w2")
 
     def grouped_fp4_forward(self, x_sorted: torch.Tensor, counts: list[int]) -> torch.Tensor:
         """FP4 experts without autograd (`can_group_fp4`): MoEResQ's forward ``Q̃(X)·Q(W)ᵀ`` in
@@ -157,13 +184,6 @@ class GroupedExperts(nn.Module):
         return _GROUPED_MM(xq, wq.transpose(1, 2), offs=offs).to(x.dtype)
 
 
-def _row_local(fmt) -> bool:
-    """Whether a quantized row depends on that row alone (nearest rounding, per-row blocks/scales)."""
-    if fmt.rounding != "nearest":
-        return False
-    return fmt.format == "mxfp4" or (fmt.scale == "row" and fmt.block == "1d")
-
-
 def can_group_fp4(recipe: Recipe, x: torch.Tensor, weights) -> bool:
     """Whether FP4 experts may run `GroupedExperts.grouped_fp4_forward`: no autograd (the backward's
     columnwise blocks run along each expert's tokens), outside the batch-invariant mode (exact
@@ -177,7 +197,7 @@ def can_group_fp4(recipe: Recipe, x: torch.Tensor, weights) -> bool:
         return False
     if torch.is_autocast_enabled(x.device.type) or current().nonfinite_flags_for(x.device) is not None:
         return False
-    return _row_local(recipe.input) and recipe.weight.rounding == "nearest"
+    return row_local(recipe.input) and recipe.weight.rounding == "nearest"
 
 
 _GROUPED_MM = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
