@@ -15,7 +15,8 @@ in the same order on the same operands:
   every run is transposed into one zero-padded ``(runs, features, L)`` buffer, ``L`` the longest
   padded run, and quantized in one call. A (run, feature) row then holds the run's own padded row
   followed by all-zero blocks, which leave the row's amax and its other blocks unchanged (zero
-  blocks get scale 0, codes 0). Each expert's operand is then cut back to the exact
+  blocks get scale 0, codes 0); runs of very unequal length go to separate buffers of similar
+  lengths (`_buckets`). Each expert's operand is then cut back to the exact
   ``(features, Σ padded runs)`` layout the loop builds, so its GEMM has the same shape, strides and
   values. Other formats go run by run through ``moeresq._col_quantize``.
 - The GEMMs are per expert ``torch.mm`` on the same operand layouts as the loop's
@@ -40,9 +41,23 @@ from megatron_fp4.fp4.moeresq import (
 )
 from megatron_fp4.fp4.recipe import OperandFormat, Recipe
 
-# Above this many padded elements per real one the columnwise buffer's padding costs more than the
-# calls it saves (runs of very unequal length): quantize run by run instead.
-MAX_PAD_RATIO = 2.0
+# Columnwise runs share one zero-padded buffer while its size stays within this many times their
+# own padded sizes (runs of very unequal length go to buckets of similar lengths).
+MAX_PAD_RATIO = 1.5
+
+
+def _buckets(pads: list) -> list:
+    """Indices of ``pads`` in buckets, longest first, each bucket's ``len · longest`` at most
+    ``MAX_PAD_RATIO`` times its sum (a bucket of one has no padding)."""
+    buckets, total = [], 0
+    for i in sorted(range(len(pads)), key=lambda i: -pads[i]):
+        if buckets and (len(buckets[-1]) + 1) * pads[buckets[-1][0]] <= MAX_PAD_RATIO * (total + pads[i]):
+            buckets[-1].append(i)
+            total += pads[i]
+        else:
+            buckets.append([i])
+            total = pads[i]
+    return buckets
 
 
 def row_local(fmt: OperandFormat) -> bool:
@@ -93,23 +108,24 @@ class _Group:
 
     def quantize_cols(self, t: torch.Tensor, fmt: OperandFormat, operand: str) -> dict:
         """{expert: Q̃_col of its rows of ``t``}, the loop's ``_col_quantize`` layout and bits."""
-        bs = fmt.block_size
-        runs = [(e, a) for e in self.active for a in self._runs_of(t, e)]
-        pads = [a.shape[0] + (-a.shape[0]) % bs for _, a in runs]
-        width = max(pads)
-        if not row_local(fmt) or len(runs) * width > MAX_PAD_RATIO * sum(pads):
+        if not row_local(fmt):
             return {e: _col_quantize(self.sites[e], self.rows(t, e), fmt, operand) for e in self.active}
-        buf = t.new_zeros(len(runs), t.shape[1], width, dtype=torch.float32)
-        for i, (_, a) in enumerate(runs):
-            buf[i, :, :a.shape[0]].copy_(a.t())
-        q = self.whole.quantize(buf.view(-1, width), fmt, operand + " (columnwise)", self.recipe.compensated,
-                                scratch=True).view(buf.shape)
-        out, i = {}, 0
+        runs = [(e, a) for e in self.active for a in self._runs_of(t, e)]
+        pads = [a.shape[0] + (-a.shape[0]) % fmt.block_size for _, a in runs]
+        q = [None] * len(runs)
+        for bucket in _buckets(pads):
+            width = pads[bucket[0]]
+            buf = t.new_zeros(len(bucket), t.shape[1], width, dtype=torch.float32)
+            for j, i in enumerate(bucket):
+                buf[j, :, :runs[i][1].shape[0]].copy_(runs[i][1].t())
+            qb = self.whole.quantize(buf.view(-1, width), fmt, operand + " (columnwise)", self.recipe.compensated,
+                                     scratch=True).view(buf.shape)
+            for j, i in enumerate(bucket):
+                q[i] = qb[j, :, :pads[i]]
+        out = {}
         for e in self.active:
-            n = len(self._runs_of(t, e))
-            parts = [q[i + j, :, :pads[i + j]] for j in range(n)]
-            out[e] = (torch.cat(parts, dim=1) if n > 1 else parts[0]).contiguous()
-            i += n
+            parts = [q[i] for i, (owner, _) in enumerate(runs) if owner == e]
+            out[e] = (torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]).contiguous()
         return out
 
     def _runs_of(self, t: torch.Tensor, e: int) -> list:
@@ -128,7 +144,7 @@ def _forward(g: _Group, x2: torch.Tensor, weight: torch.Tensor):
         wqs[e] = _cached_weight(site, w, False, lambda w=w, site=site: site.quantize(w, r.weight, "weight", False))
     xq = g.quantize_rows(x2, r.input, "input")
     acc = _accumulate_dtype(x2.dtype)
-    out = torch.zeros(x2.shape[0], weight.shape[1], dtype=acc, device=x2.device)
+    out = torch.empty(x2.shape[0], weight.shape[1], dtype=acc, device=x2.device)  # every row is an expert's
     for e in g.active:
         torch.mm(g.rows(xq, e).to(acc), wqs[e].to(acc).t(), out=g.rows(out, e))
     return out.to(x2.dtype), wqs
@@ -141,7 +157,7 @@ def _dgrad(g: _Group, dy: torch.Tensor, wqs: dict, x_shape, x_dtype) -> torch.Te
         own = dy2.untyped_storage().data_ptr() != dy.untyped_storage().data_ptr()
         dy2 = g.quantize_rows(dy2, g.recipe.grad_output, "grad_output", scratch=own)
     acc = _accumulate_dtype(x_dtype)
-    dx = torch.zeros(x_shape, dtype=acc, device=dy.device)
+    dx = torch.empty(x_shape, dtype=acc, device=dy.device)
     for e in g.active:
         torch.mm(g.rows(dy2, e).to(acc), wqs[e].to(acc), out=g.rows(dx, e))
     return dx.to(x_dtype)
@@ -150,7 +166,10 @@ def _dgrad(g: _Group, dy: torch.Tensor, wqs: dict, x_shape, x_dtype) -> torch.Te
 @_no_autocast
 def _wgrad(g: _Group, dy: torch.Tensor, x2: torch.Tensor, w_shape, w_dtype) -> torch.Tensor:
     dy2, r = _rows32(dy), g.recipe
-    dw = torch.zeros(w_shape, dtype=w_dtype, device=dy.device)
+    dw = torch.empty(w_shape, dtype=w_dtype, device=dy.device)
+    for e in range(w_shape[0]):
+        if not g.counts[e]:
+            dw[e].zero_()
     if not r.quantize_backward:
         for e in g.active:
             dw[e] = (g.rows(dy2, e).t() @ g.rows(x2, e).to(dy2.dtype)).to(w_dtype)

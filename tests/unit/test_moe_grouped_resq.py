@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from megatron_fp4.fp4 import Recipe, micro_batch, training_step
-from megatron_fp4.fp4.moeresq_grouped import MAX_PAD_RATIO, grouped_moeresq_linear
+from megatron_fp4.fp4.moeresq_grouped import MAX_PAD_RATIO, _buckets, grouped_moeresq_linear
 from megatron_fp4.fp4.recipe import OperandFormat
 from megatron_fp4.model.moe import GroupedExperts
 from tests.unit.test_moe_expert_grads import _nodes
@@ -82,11 +82,20 @@ def test_grouped_resq_equals_the_per_expert_loop_bitwise(name, counts, segments)
     assert not got["dw13"][1].any() and not got["dw2"][1].any()  # no rows, no gradient
 
 
-def test_fp64_verification_mode_and_unequal_runs_take_the_run_by_run_path():
-    """fp64 experts (fp64 GEMMs) and runs so unequal that the padded buffer would exceed
-    MAX_PAD_RATIO: quantized run by run, the same bits."""
+def test_buckets_bound_the_padding():
+    pads = [160, 16, 32, 16, 144, 16]
+    buckets = _buckets(pads)
+    assert sorted(i for b in buckets for i in b) == list(range(len(pads)))
+    for b in buckets:
+        assert len(b) * max(pads[i] for i in b) <= MAX_PAD_RATIO * sum(pads[i] for i in b)
+    assert buckets == [[0, 4, 2], [1, 3, 5]]  # 3·160 ≤ 1.5·336; a fourth run: 4·160 > 1.5·352
+
+
+def test_fp64_verification_mode_and_unequal_runs_in_buckets():
+    """fp64 experts (fp64 GEMMs) and runs so unequal that one padded buffer would exceed
+    MAX_PAD_RATIO (several buckets): the same bits."""
     counts = [2, 150, 3, 1, 4]
-    assert 5 * 160 > MAX_PAD_RATIO * (16 * 4 + 160)
+    assert len(_buckets([16, 160, 16, 16, 16])) > 1
     ex = _experts(Recipe(), dtype=torch.float64)
     x, dy = _data(counts, dtype=torch.float64)
     want, _ = _run(ex, x, counts, dy, grouped=False)
