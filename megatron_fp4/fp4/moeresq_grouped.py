@@ -218,6 +218,9 @@ def grouped_moeresq_linear(x: torch.Tensor, weight: torch.Tensor, counts: Sequen
     if len(counts) != weight.shape[0] or len(names) != weight.shape[0] or sum(counts) != x.shape[0]:
         raise ValueError(f"grouped_moeresq_linear: counts={list(counts)} and {len(names)} names must give one "
                          f"entry per expert ({weight.shape[0]}), counts summing to the {x.shape[0]} rows")
+    if segments is not None and len(segments) != weight.shape[0]:
+        raise ValueError(f"grouped_moeresq_linear: segments must hold one entry per expert ({weight.shape[0]}), "
+                         f"got {len(segments)}")
     g = _Group(recipe, names, counts, segments, name, x.device)
     out_shape = (x.shape[0], weight.shape[1])
     with torch.no_grad():

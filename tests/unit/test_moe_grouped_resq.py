@@ -124,5 +124,8 @@ def test_bad_counts_name_the_fix():
     w = torch.zeros(3, 16, 16)
     with pytest.raises(ValueError, match="one entry per expert"):
         grouped_moeresq_linear(torch.zeros(5, 16), w, [2, 3], recipe=Recipe(), names=["a", "b", "c"])
+    with pytest.raises(ValueError, match="segments must hold one entry per expert"):
+        grouped_moeresq_linear(torch.zeros(5, 16), w, [2, 3, 0], recipe=Recipe(), names=["a", "b", "c"],
+                               segments=[[2], [3]])
     with pytest.raises(ValueError, match=r"\[N, in\]"):
         grouped_moeresq_linear(torch.zeros(5, 8), w, [2, 3, 0], recipe=Recipe(), names=["a", "b", "c"])
