@@ -49,7 +49,7 @@ def _run(ex, x, counts, dy, grouped, segments=None):
 
 
 def _bits(t):
-    return t.view(torch.int32) if t.dtype == torch.float32 else t.view(torch.int64)
+    return t.view({torch.float32: torch.int32, torch.float64: torch.int64, torch.bfloat16: torch.int16}[t.dtype])
 
 
 def _assert_same_bits(got, want):
@@ -91,13 +91,14 @@ def test_buckets_bound_the_padding():
     assert buckets == [[0, 4, 2], [1, 3, 5]]  # 3·160 ≤ 1.5·336; a fourth run: 4·160 > 1.5·352
 
 
-def test_fp64_verification_mode_and_unequal_runs_in_buckets():
-    """fp64 experts (fp64 GEMMs) and runs so unequal that one padded buffer would exceed
-    MAX_PAD_RATIO (several buckets): the same bits."""
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+def test_fp64_and_bf16_experts_and_unequal_runs_in_buckets(dtype):
+    """fp64 experts (the verification mode: fp64 GEMMs) and bf16 ones (fp32 GEMMs, results cast),
+    runs so unequal that one padded buffer would exceed MAX_PAD_RATIO (several buckets): the same bits."""
     counts = [2, 150, 3, 1, 4]
     assert len(_buckets([16, 160, 16, 16, 16])) > 1
-    ex = _experts(Recipe(), dtype=torch.float64)
-    x, dy = _data(counts, dtype=torch.float64)
+    ex = _experts(Recipe(), dtype=dtype)
+    x, dy = _data(counts, dtype=dtype)
     want, _ = _run(ex, x, counts, dy, grouped=False)
     got, nodes = _run(ex, x, counts, dy, grouped=True)
     assert "_GroupedWgradHalfBackward" in nodes
