@@ -17,7 +17,11 @@ every round so its experts are loaded alike) doing forward + backward + AdamW. E
 all of them the same micro-batches, in alternating order. Prints tokens/s, the ratio to
 HF (FP4 off) and the trainer's overhead over the bare step of its mode. The trainer derives each
 expert's Q(W) once per step (`exact_gemm.cached_weights`); ``--per-micro-batch-weights`` adds a
-fp4_resq trainer that re-derives it every micro-batch (``trainer fp4_resq/mb``, the old path).
+fp4_resq trainer that re-derives it every micro-batch (``trainer fp4_resq/mb``, the old path);
+``--loop-experts`` adds a fp4_resq trainer running its FP4 experts as the per-expert loop
+(``trainer fp4_resq/loop``: one MoEResQ call per expert, the layout before the grouped MoEResQ
+backward; the same bits, so both trainers stay on the same weights). The issue's ratios (and the
+grouped/loop speedup) are printed last.
 
 ``--sweep``: one subprocess per point (so each point's peak RSS is its own), the trainer in each
 mode; writes outputs/bench_train_sweep.md and .png (see `sweep.py`).
@@ -34,6 +38,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from megatron_fp4.config import default_config_path, load_config  # noqa: E402
+from megatron_fp4.model.moe import GroupedExperts  # noqa: E402
 from megatron_fp4.model.transformer import lm_loss  # noqa: E402
 from megatron_fp4.training.trainer import Trainer  # noqa: E402
 from sweep import add_sweep_args  # noqa: E402
@@ -118,6 +123,12 @@ def compare_hf(args):
         t = build_trainer(args, "fp4_resq", HF_SIZE)
         t.cache_weights_per_step = False
         runners["trainer fp4_resq/mb"] = lambda mbs: t.train_step_with_loss(mbs)
+    if args.loop_experts:  # the per-expert MoEResQ loop (the layout before the grouped call)
+        loop = build_trainer(args, "fp4_resq", HF_SIZE)
+        for module in loop.model.modules():
+            if isinstance(module, GroupedExperts):
+                module.grouped = False
+        runners["trainer fp4_resq/loop"] = lambda mbs: loop.train_step_with_loss(mbs)
     tokens = cfg.schedule.global_batch_size * cfg.schedule.seq_len
     # HF starts every round from the bf16 trainer's weights: the same routing, so the same expert loads
     sync = lambda: runners["hf"].load_from(trainers["bf16"].model)  # noqa: E731
@@ -130,7 +141,18 @@ def compare_hf(args):
     for name, t in med.items():
         over = f"{t / med['bare ' + name.split()[1].split('/')[0]] - 1:>+16.1%}" if name.startswith("trainer") else ""
         print(f"{name:<20} {t:>14.4f} {tokens / t:>10.0f} {med['hf'] / t:>6.2f}x {over:>17}")
+    print_ratios(med)
     return med
+
+
+def print_ratios(med: dict) -> None:
+    """The issue's goals, last: each ratio is tokens/s over HF's (or the loop's) in this one run."""
+    print("ratios (higher is faster; medians of interleaved steps in this run):")
+    print(f"  training step, fp4_resq experts vs HF: {med['hf'] / med['trainer fp4_resq']:.2f}x (goal >= 0.8x)")
+    print(f"  training step, FP4 off vs HF:          {med['hf'] / med['trainer bf16']:.2f}x (goal >= 1.1x)")
+    if "trainer fp4_resq/loop" in med:
+        print(f"  fp4_resq, grouped experts vs per-expert loop: "
+              f"{med['trainer fp4_resq/loop'] / med['trainer fp4_resq']:.2f}x")
 
 
 def main(argv=None):
@@ -142,6 +164,8 @@ def main(argv=None):
     parser.add_argument("--hf", action="store_true", help="compare with HF Qwen3MoeForCausalLM and the bare model")
     parser.add_argument("--per-micro-batch-weights", action="store_true",
                         help="--hf: also a fp4_resq trainer re-deriving Q(W) every micro-batch (no per-step cache)")
+    parser.add_argument("--loop-experts", action="store_true",
+                        help="--hf: also a fp4_resq trainer running its FP4 experts as the per-expert loop")
     add_sweep_args(parser)
     args = parser.parse_args(argv)
     if args.point or args.sweep:

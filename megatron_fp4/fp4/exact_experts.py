@@ -17,14 +17,8 @@ from megatron_fp4.fp4 import invariant
 from megatron_fp4.fp4.context import current
 from megatron_fp4.fp4.exact_gemm import CHUNK, exact_fp4_terms, exact_sum_products
 from megatron_fp4.fp4.moeresq import _cached_weight, _Site
-from megatron_fp4.fp4.recipe import Recipe
+from megatron_fp4.fp4.recipe import Recipe, row_local
 
-
-def row_local(fmt) -> bool:
-    """Whether a quantized row depends on that row alone (nearest rounding, per-row blocks/scales)."""
-    if fmt.rounding != "nearest":
-        return False
-    return fmt.format == "mxfp4" or (fmt.scale == "row" and fmt.block == "1d")
 
 
 def can_group_exact_fp4(recipe: Recipe, x: torch.Tensor, weights) -> bool:

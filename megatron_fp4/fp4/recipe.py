@@ -101,3 +101,10 @@ class Recipe:
             op = OperandFormat(format="mxfp4", scale="tensor", block="1d")
             return cls(mode=mode, input=op, weight=op, grad_output=op, **kw)
         return cls(mode=mode, **kw)
+
+
+def row_local(fmt: OperandFormat) -> bool:
+    """Whether a quantized row depends on that row alone (nearest rounding, per-row blocks/scales)."""
+    if fmt.rounding != "nearest":
+        return False
+    return fmt.format == "mxfp4" or (fmt.scale == "row" and fmt.block == "1d")

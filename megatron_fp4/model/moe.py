@@ -15,8 +15,9 @@ from torch import nn
 
 from megatron_fp4.fp4 import Recipe, current, invariant, moeresq_linear, resq_quantize
 from megatron_fp4.fp4.exact_experts import can_group_exact_fp4, exact_grouped_fp4
-from megatron_fp4.fp4.exact_experts import row_local as _row_local
 from megatron_fp4.fp4.exact_gemm import cached_for_weight
+from megatron_fp4.fp4.moeresq_grouped import can_group_resq, grouped_moeresq_linear
+from megatron_fp4.fp4.recipe import row_local
 from megatron_fp4.model.layers import SwiGLU, upcast
 
 
@@ -73,6 +74,10 @@ class GroupedExperts(nn.Module):
     the same rows, one kernel launch and no Python loop. Its SiLU runs over all rows at once, and
     ATen's SiLU rounds its vector tail differently from its body, so the result equals the loop's
     within fp32 rounding (the same bits where the kernels do; `grouped = False` forces the loop).
+
+    FP4 experts under autograd run `grouped_resq_forward`: each MoEResQ linear over all experts as
+    one grouped call (`fp4.moeresq_grouped`: forward, dgrad and wgrad each one node for all experts,
+    `segments` kept) and the SwiGLU per expert slice, with per expert the loop's bits.
     """
 
     select_per_expert = False
@@ -121,6 +126,8 @@ class GroupedExperts(nn.Module):
                 return self.grouped_fp4_forward(x_sorted, counts)
             if can_group_exact(self.recipe, x_sorted, (self.w13, self.w2)):
                 return self.grouped_exact_forward(x_sorted, counts)
+            if can_group_resq(self.recipe, x_sorted):
+                return self.grouped_resq_forward(x_sorted, counts, segments)
         if self.select_per_expert:
             w13s = w2s = [None] * self.num_experts
         else:
@@ -156,6 +163,26 @@ class GroupedExperts(nn.Module):
         return exact_grouped_fp4(invariant.silu(gate) * up, w2s, counts, self.recipe, [n + ".w2" for n in names],
                                  f"{self.quant_name}.<grouped>.w2")
 
+    def grouped_resq_forward(self, x_sorted: torch.Tensor, counts: list[int],
+                             segments: Optional[list[list[int]]] = None) -> torch.Tensor:
+        """The loop's bits (see `moeresq_grouped`) with each MoEResQ linear one grouped call; the
+        SwiGLU runs per expert slice (ATen's SiLU rounds a tensor's vector tail unlike its body, so
+        one SiLU over all rows would change bits), `split` keeping the backward one gather."""
+        first = getattr(self, "expert_offset", 0)
+        names = [f"{self.quant_name}.{first + e}" for e in range(self.num_experts)]
+
+        def linear(x, weight, which):
+            return grouped_moeresq_linear(x, weight, counts, recipe=self.recipe, names=[n + which for n in names],
+                                          name=f"{self.quant_name}.<grouped>{which}", segments=segments)
+
+        h = linear(x_sorted, self.w13, ".w13")
+        acts = []
+        for chunk in h.split(counts):
+            if chunk.shape[0]:
+                gate, up = chunk.split(self.ffn, dim=-1)
+                acts.append(invariant.silu(gate) * up)
+        return linear(torch.cat(acts, dim=0), self.w2, ".w2")
+
     def grouped_fp4_forward(self, x_sorted: torch.Tensor, counts: list[int]) -> torch.Tensor:
         """FP4 experts without autograd (`can_group_fp4`): MoEResQ's forward ``Q̃(X)·Q(W)ᵀ`` in
         fp32 with ``Q̃`` applied once to all rows (each row quantizes alone: its codes do not depend
@@ -190,7 +217,7 @@ def can_group_fp4(recipe: Recipe, x: torch.Tensor, weights) -> bool:
         return False
     if torch.is_autocast_enabled(x.device.type) or current().nonfinite_flags_for(x.device) is not None:
         return False
-    return _row_local(recipe.input) and recipe.weight.rounding == "nearest"
+    return row_local(recipe.input) and recipe.weight.rounding == "nearest"
 
 
 def can_group_exact(recipe: Recipe, x: torch.Tensor, weights) -> bool:
