@@ -71,15 +71,16 @@ _WEIGHT_CACHE = contextvars.ContextVar("megatron_fp4_weight_cache", default=None
 
 
 @contextmanager
-def cached_weights():
+def cached_weights(store: Optional[dict] = None):
     """Inside the block, GEMMs reuse what they derive from a weight alone (``Q(W)``, its
     exact-GEMM split, :func:`exact_linear`'s fixed-point limbs) across calls: the same bits, computed
     once instead of at every decode step. Entries are keyed by the weight's memory and guarded by
     its version counter (``tensor._version``, bumped by every in-place op on it or its base), and
     dropped when the block ends. Writes through ``.data`` do not bump the counter, so hold the block
     only where weights cannot change that way (the rollout engine: one ``generate`` call, under its
-    weights lock)."""
-    token = _WEIGHT_CACHE.set({})
+    weights lock). ``store``: a dict of the caller's that keeps the entries across blocks (the
+    caller clears it whenever it writes the weights by other means, e.g. the vLLM plugin on load)."""
+    token = _WEIGHT_CACHE.set({} if store is None else store)
     try:
         yield
     finally:
