@@ -198,19 +198,26 @@ def test_attention_and_dense_projections_equal_the_trainers_bitwise(vllm_ctx, mo
 @needs_vllm
 def test_layer_selection_follows_the_scope(vllm_ctx):
     from vllm.model_executor.layers.linear import ReplicatedLinear, UnquantizedLinearMethod
+    from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
 
-    from megatron_fp4.integrations.vllm.quant import MoEResQLinearMethod, RouterGateMethod
+    from megatron_fp4.integrations.vllm.quant import HeadMethod, MoEResQLinearMethod, RouterGateMethod
 
-    lin = ReplicatedLinear(16, 16, bias=False)
-    for scope, attn_method, mlp_method in (("experts", UnquantizedLinearMethod, MoEResQLinearMethod),
-                                           ("experts+attention", MoEResQLinearMethod, MoEResQLinearMethod),
-                                           ("none", UnquantizedLinearMethod, UnquantizedLinearMethod)):
+    lin, head = ReplicatedLinear(16, 16, bias=False), ParallelLMHead(128, 16)
+
+    def mode(qc, prefix):
+        method = qc.get_quant_method(lin, prefix)
+        assert type(method) is MoEResQLinearMethod, (prefix, method)
+        return method.recipe.mode
+
+    for scope, attn, mlp in (("experts", "bf16", "fp4_resq"), ("experts+attention", "fp4_resq", "fp4_resq"),
+                             ("none", "bf16", "bf16")):
         qc = plugin_config(tiny_cfg(scope), False)
-        assert type(qc.get_quant_method(lin, "model.layers.2.self_attn.qkv_proj")) is attn_method, scope
-        assert type(qc.get_quant_method(lin, "model.layers.0.mlp.gate_up_proj")) is mlp_method, scope
-        assert type(qc.get_quant_method(lin, "model.layers.2.mlp.shared_expert.down_proj")) is mlp_method, scope
+        assert mode(qc, "model.layers.2.self_attn.qkv_proj") == mode(qc, "model.layers.2.self_attn.o_proj") == attn
+        assert mode(qc, "model.layers.0.mlp.gate_up_proj") == mode(qc, "model.layers.2.mlp.shared_expert.down_proj") \
+            == mlp, scope
         assert type(qc.get_quant_method(lin, "model.layers.2.mlp.gate")) is RouterGateMethod, scope
-        assert type(qc.get_quant_method(lin, "lm_head")) is UnquantizedLinearMethod, scope
+        assert type(qc.get_quant_method(head, "lm_head")) is HeadMethod, scope
+        assert type(qc.get_quant_method(lin, "visual.proj")) is UnquantizedLinearMethod, scope  # not a decoder layer
         assert qc.get_quant_method(torch.nn.Module(), "model.layers.2.self_attn.attn") is None, scope
 
 
@@ -228,10 +235,11 @@ TOL = 1e-5
 MIN_WITHIN = 0.9
 
 
-def vllm_generate(model_dir, tmp_path, routing=True):
+def vllm_generate(model_dir, tmp_path, routing=True, update_from=None):
     req = tmp_path / "request.json"
-    req.write_text(json.dumps({"prompts": PROMPTS, "max_tokens": MAX_TOKENS, "routing": routing}))
-    out = tmp_path / f"vllm_{model_dir.name}.json"
+    req.write_text(json.dumps({"prompts": PROMPTS, "max_tokens": MAX_TOKENS, "routing": routing,
+                               "update_from": str(update_from) if update_from else None}))
+    out = tmp_path / f"vllm_{model_dir.name}_{'updated' if update_from else 'fresh'}.json"
     env = {"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
            "PATH": "/usr/bin:/bin", "HOME": str(tmp_path)}
     run = subprocess.run([sys.executable, str(ROOT / "tests/integration/vllm_generate.py"), str(model_dir), str(req),
@@ -289,3 +297,22 @@ def test_without_the_block_stock_vllm_serves_fp4_off(tmp_path):
     delta, _, _ = compare(out, trainer_scores(hf, cfg, [r["tokens"] for r in out["results"]]))
     print(f"stock vLLM (FP4 off) vs trainer (MoEResQ): |dlogp| max {delta.max():.3g} median {delta.median():.3g}")
     assert (delta <= TOL).double().mean() < 0.5 and delta.median() > 10 * TOL, delta.tolist()
+
+
+@needs_vllm
+@pytest.mark.slow
+def test_live_update_serves_what_a_fresh_start_serves_bitwise(tmp_path):
+    """An engine started on weights A, run (Q(W) cached), then updated in place to B generates the
+    tokens, log-probs and experts of an engine started on B, bit for bit (A's differ: seed 0 vs 1)."""
+    cfg = tiny_cfg("experts+attention")
+    a = write_hf(tmp_path / "a", cfg)
+    torch.manual_seed(1)
+    model_b = build_model(cfg)
+    ckpt.save_checkpoint(tmp_path / "b" / "ckpt", 0, {"model": model_b.state_dict()}, cfg.to_dict(), kind="weights")
+    assert convert(["to-hf", str(tmp_path / "b" / "ckpt"), str(tmp_path / "b" / "hf")]) == 0
+    b = tmp_path / "b" / "hf"
+    fresh = vllm_generate(b, tmp_path)
+    updated = vllm_generate(a, tmp_path, update_from=b)
+    assert [r["tokens"] for r in updated["results"]] == [r["tokens"] for r in fresh["results"]]
+    assert [r["logprobs"] for r in updated["results"]] == [r["logprobs"] for r in fresh["results"]]
+    assert [r["routing"] for r in updated["results"]] == [r["routing"] for r in fresh["results"]]

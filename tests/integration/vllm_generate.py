@@ -4,8 +4,11 @@ vLLM's log-prob of each, and (with the plugin) the experts its MoE layers picked
 
     python tests/integration/vllm_generate.py MODEL_DIR REQUEST.json OUT.json
 
-REQUEST.json: {"prompts": [[ids...], ...], "max_tokens": N, "routing": true|false, "dtype": "float32"}.
-Requests run one at a time when routing is asked for, so each forward step belongs to one request.
+REQUEST.json: {"prompts": [[ids...], ...], "max_tokens": N, "routing": true|false, "dtype": "float32",
+"update_from": HF_DIR (optional)}. Requests run one at a time when routing is asked for, so each
+forward step belongs to one request. With "update_from", the engine first generates on MODEL_DIR's
+weights (filling the plugin's Q(W) cache), then takes HF_DIR's weights by a live update
+(`integrations.vllm.live.update_weights`) and generates what is recorded.
 """
 from __future__ import annotations
 
@@ -16,10 +19,9 @@ import time
 
 
 def _plugin_configs(model):
-    from megatron_fp4.integrations.vllm.quant import MegatronFP4Config
+    from megatron_fp4.integrations.vllm.live import plugin_layers
 
-    return {id(m.quant_method.config): m.quant_method.config for m in model.modules()
-            if isinstance(getattr(getattr(m, "quant_method", None), "config", None), MegatronFP4Config)}
+    return {id(method.config): method.config for _, method in plugin_layers(model)}
 
 
 def _set_routing(model, on: bool):
@@ -56,6 +58,13 @@ def main(model_dir: str, request_file: str, out_file: str) -> None:
     if routing:
         llm.apply_model(lambda m: _set_routing(m, True))
         llm.apply_model(_take_routing)  # drop anything recorded before
+    if req.get("update_from"):
+        from megatron_fp4.integrations.hf import load_hf_checkpoint
+        from megatron_fp4.integrations.vllm.live import update_weights
+
+        llm.generate(prompts, params, use_tqdm=False)
+        update_weights(llm, load_hf_checkpoint(req["update_from"])[1])
+        llm.apply_model(_take_routing)
     start = time.perf_counter()
     batches = [[p] for p in prompts] if routing else [prompts]
     for batch in batches:

@@ -15,7 +15,10 @@ modules and functions, so the numbers are the trainer's by construction (ground 
   (`MoEResQLinearMethod`): `fp4.moeresq_linear` per logical weight. vLLM fuses q/k/v (and
   gate/up) into one parameter; each shard's rows are quantized as their own tensor, as the
   trainer's separate `q_proj`/`k_proj`/`v_proj` are (one per-tensor weight scale each);
-- everything else: vLLM's own unquantized layers.
+- the other linears (q/k/v/o outside scope `experts+attention`) the same way in mode bf16, i.e. the
+  trainer's plain `invariant.linear` per logical weight, and the LM head as the trainer's head
+  (`HeadMethod`): no CPU prepacked copies, which a weight update would leave stale;
+- attention, norms, RoPE and the embedding lookup: vLLM's own.
 
 Q(W) is computed once per weight version: every layer runs inside `exact_gemm.cached_weights` with
 one store per model, cleared by every weight load into a plugin-owned parameter (the weight loaders
@@ -38,6 +41,7 @@ from vllm.model_executor.layers.linear import (LinearBase, UnquantizedLinearMeth
                                                register_weight_loader_v2_supported_method)
 from vllm.model_executor.layers.quantization import register_quantization_config
 from vllm.model_executor.layers.quantization.base_config import QuantizationConfig
+from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, UnquantizedEmbeddingMethod
 from vllm.model_executor.utils import set_weight_attrs
 
 from megatron_fp4.fp4 import Recipe, invariant, moeresq_linear
@@ -106,8 +110,10 @@ class MegatronFP4Config(QuantizationConfig):
     def get_quant_method(self, layer: torch.nn.Module, prefix: str):
         if isinstance(layer, RoutedExperts):
             return MoEResQMoEMethod(layer.moe_config, self, prefix)
+        if isinstance(layer, ParallelLMHead):
+            return HeadMethod(self)
         if not isinstance(layer, LinearBase):
-            return None  # attention (no KV-cache quantization), embeddings, LM head: vLLM's own
+            return None  # attention (no KV-cache quantization), the input embedding: vLLM's own
         name = trainer_name(prefix)
         if name.endswith(".mlp.gate"):
             return RouterGateMethod(self)
@@ -115,6 +121,8 @@ class MegatronFP4Config(QuantizationConfig):
         if (attention and self.scope == "experts+attention") or (not attention and self.scope != "none"
                                                                  and ".mlp." in f".{name}"):
             return MoEResQLinearMethod(self, prefix)
+        if _LAYER.search(prefix):  # a decoder linear outside the FP4 scope: the trainer's plain linear
+            return MoEResQLinearMethod(self, prefix, Recipe(mode="bf16"))
         return UnquantizedLinearMethod()
 
     # -- the plugin's state ------------------------------------------------------------------------
@@ -165,9 +173,10 @@ class RouterGateMethod(UnquantizedLinearMethod):
 class MoEResQLinearMethod(UnquantizedLinearMethod):
     """A (fused) linear computed by `fp4.moeresq_linear`, one call per logical weight."""
 
-    def __init__(self, config: MegatronFP4Config, prefix: str):
+    def __init__(self, config: MegatronFP4Config, prefix: str, recipe: Optional[Recipe] = None):
         super().__init__()
         self.config, self.prefix = config, prefix
+        self.recipe = config.recipe if recipe is None else recipe
 
     def create_weights(self, layer, input_size_per_partition, output_partition_sizes, input_size, output_size,
                        params_dtype, **extra_weight_attrs):
@@ -182,7 +191,27 @@ class MoEResQLinearMethod(UnquantizedLinearMethod):
 
     def apply(self, layer, x: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
         return fused_moeresq_linear(x, layer.weight, bias, layer.mfp4_shards, layer.mfp4_names,
-                                    self.config.recipe, self.config.numerics)
+                                    self.recipe, self.config.numerics)
+
+
+class HeadMethod(UnquantizedEmbeddingMethod):
+    """The LM head as the trainer's (`invariant.linear` of the final hidden states, in the plugin's
+    numerics mode) on the plain weight: no prepacked CPU copy to go stale on a weight update."""
+
+    def __init__(self, config: MegatronFP4Config):
+        super().__init__()
+        self.config = config
+
+    def create_weights(self, layer, *args, **extra_weight_attrs):
+        extra_weight_attrs["weight_loader"] = self.config._invalidating(extra_weight_attrs["weight_loader"])
+        super().create_weights(layer, *args, **extra_weight_attrs)
+
+    def process_weights_after_loading(self, layer) -> None:
+        self.config.invalidate()
+
+    def apply(self, layer, x: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+        with self.config.numerics():
+            return invariant.linear(x, layer.weight, bias)
 
 
 def fused_moeresq_linear(x, weight, bias, shards, names, recipe: Recipe, numerics=contextlib.nullcontext):
