@@ -50,10 +50,9 @@ def tiny_cfg(scope="experts+attention", **fp4) -> Config:
     return cfg
 
 
-def write_hf(tmp_path, cfg, *flags) -> Path:
-    """The model of `cfg` (seed 0) saved as our checkpoint, converted by `to-hf`."""
-    torch.manual_seed(0)
-    model = build_model(cfg)
+def write_hf(tmp_path, cfg, *flags, seed=0) -> Path:
+    """The model of `cfg` (initialised from `seed`) saved as our checkpoint, converted by `to-hf`."""
+    model = build_model(cfg, seed=seed)
     ckpt.save_checkpoint(tmp_path / "ckpt", 0, {"model": model.state_dict()}, cfg.to_dict(), kind="weights")
     assert convert(["to-hf", str(tmp_path / "ckpt"), str(tmp_path / "hf"), *flags]) == 0
     return tmp_path / "hf"
@@ -240,8 +239,8 @@ def vllm_generate(model_dir, tmp_path, routing=True, update_from=None):
     req.write_text(json.dumps({"prompts": PROMPTS, "max_tokens": MAX_TOKENS, "routing": routing,
                                "update_from": str(update_from) if update_from else None}))
     out = tmp_path / f"vllm_{model_dir.name}_{'updated' if update_from else 'fresh'}.json"
-    env = {"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-           "PATH": "/usr/bin:/bin", "HOME": str(tmp_path)}
+    env = {"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin",
+           "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "HOME": str(tmp_path)}
     run = subprocess.run([sys.executable, str(ROOT / "tests/integration/vllm_generate.py"), str(model_dir), str(req),
                           str(out)], env=env, capture_output=True, text=True, timeout=900)
     assert run.returncode == 0, run.stderr[-4000:]
@@ -305,14 +304,11 @@ def test_live_update_serves_what_a_fresh_start_serves_bitwise(tmp_path):
     """An engine started on weights A, run (Q(W) cached), then updated in place to B generates the
     tokens, log-probs and experts of an engine started on B, bit for bit (A's differ: seed 0 vs 1)."""
     cfg = tiny_cfg("experts+attention")
-    a = write_hf(tmp_path / "a", cfg)
-    torch.manual_seed(1)
-    model_b = build_model(cfg)
-    ckpt.save_checkpoint(tmp_path / "b" / "ckpt", 0, {"model": model_b.state_dict()}, cfg.to_dict(), kind="weights")
-    assert convert(["to-hf", str(tmp_path / "b" / "ckpt"), str(tmp_path / "b" / "hf")]) == 0
-    b = tmp_path / "b" / "hf"
+    a, b = write_hf(tmp_path / "a", cfg), write_hf(tmp_path / "b", cfg, seed=1)
     fresh = vllm_generate(b, tmp_path)
     updated = vllm_generate(a, tmp_path, update_from=b)
     assert [r["tokens"] for r in updated["results"]] == [r["tokens"] for r in fresh["results"]]
     assert [r["logprobs"] for r in updated["results"]] == [r["logprobs"] for r in fresh["results"]]
     assert [r["routing"] for r in updated["results"]] == [r["routing"] for r in fresh["results"]]
+    before = vllm_generate(a, tmp_path / "a")  # the update changed what is served
+    assert [r["logprobs"] for r in before["results"]] != [r["logprobs"] for r in fresh["results"]]

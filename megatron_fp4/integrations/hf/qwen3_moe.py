@@ -137,7 +137,8 @@ def ours_config_from_hf(hf_cfg) -> ModelConfig:
         "layer_types": (any(t != "full_attention" for t in d.get("layer_types") or []),
                         "only full_attention layers are implemented"),
         "hidden_act": (d.get("hidden_act", "silu") != "silu", "our MLPs are SwiGLU (silu)"),
-        "quantization_config": (bool(d.get("quantization_config")) and not _is_megatron_fp4_recipe(d["quantization_config"]),
+        "quantization_config": (bool(d.get("quantization_config"))
+                                and not _is_megatron_fp4_recipe(d["quantization_config"]),
                                 "pre-quantized (e.g. FP8) checkpoints are not read; use the bf16 checkpoint"),
     }
     for name, (bad, why) in unsupported.items():
