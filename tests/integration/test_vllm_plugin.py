@@ -223,15 +223,18 @@ def test_layer_selection_follows_the_scope(vllm_ctx):
 # -- end to end: plain vllm.LLM(model=dir) in a subprocess vs the trainer's scoring -------------------
 PROMPTS = [[(7 * i + 3 * j) % 120 + 1 for j in range(4 + i % 5)] for i in range(8)]
 MAX_TOKENS = 16
-# vLLM's own attention / RMSNorm / RoPE / SiLU / LM-head kernels round differently from the trainer's
-# (FP4 off: max 9.5e-7 measured in the issue), so a position matches to ~1e-6 (TOL, the issue's goal
-# 1e-5) unless that rounding difference moved an input element of an FP4 quantization across a
-# rounding boundary: one E2M1 code flips and the log-prob moves by up to ~1e-2 (measured 3e-4..4e-3 on
-# 1 of ~200 positions here). Such flips are rare events (the element must lie within ~1e-7 relative
-# of a boundary), so the test asks that at least MIN_WITHIN of the positions are within TOL; only
-# bitwise-equal inputs (vLLM running the trainer's attention and norms) would remove them.
+# vLLM's own attention / RMSNorm / RoPE / SiLU kernels round differently from the trainer's (FP4 off:
+# max 9.5e-7 measured in the issue), so a position matches to ~1e-6 (TOL, the issue's goal 1e-5)
+# unless such a rounding difference (δ ~ 1e-7 relative) moved an input element of an FP4 quantization
+# across a rounding boundary: one E2M1 code flips and the log-prob moves by up to ~1e-2, and the later
+# positions of that sequence follow through the KV cache. Estimate: ~2500 quantized elements per
+# token here (experts, residuals, q/k/v/o over 4 layers), each within δ of a boundary with
+# probability ~δ/step (more for the residual's finer step): about one flip per 100 tokens. Measured:
+# 93-98 % of the 128 positions within TOL, max 4e-3..1e-2, over two models. MIN_WITHIN sits below
+# that (flip events depend on the CPU's kernels); the control below (FP4 off) has ~0 % within TOL and
+# a median of 0.2. Only bit-equal inputs (vLLM running the trainer's attention and norms) remove flips.
 TOL = 1e-5
-MIN_WITHIN = 0.9
+MIN_WITHIN = 0.75
 
 
 def vllm_generate(model_dir, tmp_path, routing=True, update_from=None):
