@@ -77,6 +77,19 @@ def test_to_hf_writes_the_recipe_block_and_the_flag_leaves_it_out(tmp_path):
         load_hf_checkpoint(plain)
 
 
+def test_live_update_refuses_bad_tensors_before_writing():
+    from megatron_fp4.integrations.vllm.live import check_update
+
+    served = {"model.norm.weight": (128,), "lm_head.weight": (128, 128)}
+    check_update(served, {"model.norm.weight": torch.ones(128)})
+    for update, match in (({}, "no tensors"), ({"model.norm.weights": torch.ones(128)}, "not a tensor of the served"),
+                          ({"model.norm.weight": torch.ones(64)}, r"shape \(64,\)"),
+                          ({"model.norm.weight": torch.ones(128, dtype=torch.int64)}, "floating-point"),
+                          ({"model.norm.weight": torch.full((128,), float("nan"))}, "NaN")):
+        with pytest.raises(ValueError, match=match):
+            check_update(served, update)
+
+
 # -- unit: plugin layers == trainer modules ---------------------------------------------------------
 @pytest.fixture(scope="module")
 def vllm_ctx():
