@@ -250,9 +250,9 @@ TOL = 1e-5
 MIN_WITHIN = 0.75
 
 
-def vllm_generate(model_dir, tmp_path, routing=True, update_from=None):
+def vllm_generate(model_dir, tmp_path, routing=True, update_from=None, dtype="float32"):
     req = tmp_path / "request.json"
-    req.write_text(json.dumps({"prompts": PROMPTS, "max_tokens": MAX_TOKENS, "routing": routing,
+    req.write_text(json.dumps({"prompts": PROMPTS, "max_tokens": MAX_TOKENS, "routing": routing, "dtype": dtype,
                                "update_from": str(update_from) if update_from else None}))
     out = tmp_path / f"vllm_{model_dir.name}_{'updated' if update_from else 'fresh'}.json"
     env = {"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin",
@@ -328,3 +328,19 @@ def test_live_update_serves_what_a_fresh_start_serves_bitwise(tmp_path):
     assert [r["routing"] for r in updated["results"]] == [r["routing"] for r in fresh["results"]]
     before = vllm_generate(a, tmp_path / "a")  # the update changed what is served
     assert [r["logprobs"] for r in before["results"]] != [r["logprobs"] for r in fresh["results"]]
+
+
+@needs_vllm
+@pytest.mark.slow
+def test_bf16_serving_with_the_plugin(tmp_path):
+    """bf16 activations (the router stays fp32). vLLM's CPU attention runs AMX instructions in bf16
+    without asking Linux for the tile state; the plugin's `register` asks (stock vLLM's oneDNN GEMMs
+    did it as a side effect), else this dies with SIGILL on AMX CPUs."""
+    cfg = tiny_cfg("experts+attention")
+    hf = write_hf(tmp_path, cfg)
+    out = vllm_generate(hf, tmp_path, dtype="bfloat16")
+    assert out["plugin"] and all(len(r["tokens"]) == MAX_TOKENS for r in out["results"])
+    delta, agree, total = compare(out, trainer_scores(hf, cfg, [r["tokens"] for r in out["results"]]))
+    print(f"bf16 plugin vs fp32 trainer: |dlogp| max {delta.max():.3g} median {delta.median():.3g}; "
+          f"experts {agree}/{total}")
+    assert total == len(PROMPTS) * MAX_TOKENS * 3 and bool(torch.isfinite(delta).all())
