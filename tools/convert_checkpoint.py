@@ -1,11 +1,14 @@
 """Checkpoint conversion: ours <-> Hugging Face Qwen3-MoE safetensors, and inspection.
 
     python tools/convert_checkpoint.py inspect outputs/tiny_moe/checkpoints
-    python tools/convert_checkpoint.py to-hf   outputs/tiny_moe/checkpoints  hf_out/ [--dtype bf16]
+    python tools/convert_checkpoint.py to-hf   outputs/tiny_moe/checkpoints  hf_out/ [--dtype bf16] [--no-quant-config]
     python tools/convert_checkpoint.py from-hf hf_out/  converted/           [--set fp4.scope=experts ...]
 
 `to-hf` reads a single-process ("single"/"weights") checkpoint or a sharded DCP one (any parallel
-layout; expert and pipeline shards are gathered) and writes `config.json` + `model.safetensors`.
+layout; expert and pipeline shards are gathered) and writes `config.json` + `model.safetensors`;
+config.json carries the checkpoint's FP4 recipe as `quantization_config` (`quant_method`
+"megatron_fp4": vLLM with this package installed serves it with MoEResQ, docs/vllm.md;
+transformers ignores the block), `--no-quant-config` leaves it out.
 `from-hf` writes a weights-only checkpoint (step 0) plus its `config.yaml`; train from it with
 ``megatron-fp4-train --config converted/step_00000000/config.yaml --set checkpoint.load=converted``.
 """
@@ -91,6 +94,15 @@ def cmd_inspect(args) -> int:
     return 0
 
 
+def vllm_quant_config(cfg, enabled: bool):
+    """The `quantization_config` block (the FP4 recipe for the vLLM plugin) of `cfg`, or None."""
+    if not enabled:
+        return None
+    from megatron_fp4.integrations.vllm import hf_quantization_config
+
+    return hf_quantization_config(cfg)
+
+
 def cmd_to_hf(args) -> int:
     from megatron_fp4.integrations.hf import save_hf_checkpoint
     from megatron_fp4.integrations.hf.checkpoint import check_out_dir
@@ -100,7 +112,8 @@ def cmd_to_hf(args) -> int:
     cfg = saved_run_config(meta, step_dir)
     model = build_model(cfg)
     model.load_state_dict(state)  # names and shapes were checked against this config by load_model_state
-    out = save_hf_checkpoint(model, cfg, args.out, dtype=DTYPES[args.dtype], overwrite=args.overwrite)
+    out = save_hf_checkpoint(model, cfg, args.out, dtype=DTYPES[args.dtype], overwrite=args.overwrite,
+                             quantization_config=vllm_quant_config(cfg, not args.no_quant_config))
     print(f"wrote {out} (config.json + model.safetensors, {args.dtype})")
     return 0
 
@@ -134,6 +147,8 @@ def main(argv=None) -> int:
     p.add_argument("out")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
     p.add_argument("--overwrite", action="store_true")
+    p.add_argument("--no-quant-config", action="store_true",
+                   help="leave the FP4 recipe (quantization_config for the vLLM plugin) out of config.json")
     p.set_defaults(fn=cmd_to_hf)
     p = sub.add_parser("from-hf", help="HF Qwen3-MoE safetensors -> our weights-only checkpoint")
     p.add_argument("hf")

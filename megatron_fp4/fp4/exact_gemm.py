@@ -80,7 +80,8 @@ def cached_weights(store: Optional[dict] = None):
     dropped when the block ends, unless ``store`` (a dict the caller keeps) holds them for later
     blocks. Writes through ``.data`` do not bump the counter, so hold the block (and a ``store``)
     only where weights cannot change that way (the rollout engine: its ``generate`` calls, under
-    its weights lock; ``load_weights`` copies in place and empties the store)."""
+    its weights lock; ``load_weights`` copies in place and empties the store; the vLLM plugin clears its store
+    on every weight load)."""
     token = _WEIGHT_CACHE.set({} if store is None else store)
     try:
         yield

@@ -50,14 +50,25 @@ class Router(nn.Module):
 
     def forward(self, x: torch.Tensor):
         """x [T, H] -> (logits fp32 [T, E], probs fp32 [T, E], topk_idx [T, k], topk_w fp32 [T, k])."""
-        logits = invariant.linear(upcast(x), upcast(self.weight))
-        probs = invariant.softmax(logits)
-        topk_w, topk_idx = torch.topk(probs, self.top_k, dim=-1)
-        if self.norm_topk_prob:
-            denom = invariant.tree_sum(topk_w, -1, keepdim=True) if invariant.enabled(topk_w) else \
-                topk_w.sum(dim=-1, keepdim=True)
-            topk_w = topk_w / denom
-        return logits, probs, topk_idx, topk_w
+        logits = router_logits(x, self.weight)
+        return (logits, *route_from_logits(logits, self.top_k, self.norm_topk_prob))
+
+
+def router_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """The router's logits [T, E] in fp32 (fp64 for an fp64 model) from x [T, H] and weight [E, H]."""
+    return invariant.linear(upcast(x), upcast(weight))
+
+
+def route_from_logits(logits: torch.Tensor, top_k: int, norm_topk_prob: bool):
+    """(probs [T, E], topk_idx [T, k], topk_w [T, k]) of router logits: softmax, top-k, optional
+    renormalisation (also what the vLLM plugin routes with, from the same logits)."""
+    probs = invariant.softmax(logits)
+    topk_w, topk_idx = torch.topk(probs, top_k, dim=-1)
+    if norm_topk_prob:
+        denom = invariant.tree_sum(topk_w, -1, keepdim=True) if invariant.enabled(topk_w) else \
+            topk_w.sum(dim=-1, keepdim=True)
+        topk_w = topk_w / denom
+    return probs, topk_idx, topk_w
 
 
 class GroupedExperts(nn.Module):

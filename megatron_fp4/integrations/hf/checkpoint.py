@@ -50,11 +50,13 @@ def check_out_dir(out_dir, overwrite: bool, flag: str = "overwrite=True") -> Non
                          f"to replace it or choose a new output directory")
 
 
-def save_hf_checkpoint(model, cfg, out_dir, dtype: Optional[torch.dtype] = None, overwrite: bool = False) -> Path:
+def save_hf_checkpoint(model, cfg, out_dir, dtype: Optional[torch.dtype] = None, overwrite: bool = False,
+                       quantization_config: Optional[dict] = None) -> Path:
     """Write `model` as a Hugging Face Qwen3-MoE checkpoint (`config.json` + `model.safetensors`,
     per-expert layout) to `out_dir`, atomically. `cfg` is our Config or ModelConfig; `dtype`
     casts the tensors (default: as they are). An existing non-empty `out_dir` is replaced only
-    with overwrite=True. Returns the directory."""
+    with overwrite=True. `quantization_config` goes into config.json as that block (the vLLM
+    plugin's FP4 recipe, `integrations.vllm.hf_quantization_config`). Returns the directory."""
     model_cfg = _model_config(cfg)
     out_dir = Path(out_dir)
     check_out_dir(out_dir, overwrite)
@@ -67,6 +69,8 @@ def save_hf_checkpoint(model, cfg, out_dir, dtype: Optional[torch.dtype] = None,
     saved_dtypes = {t.dtype for t in tensors.values()}
     if len(saved_dtypes) == 1:
         hf_cfg["dtype"] = hf_cfg["torch_dtype"] = str(saved_dtypes.pop()).replace("torch.", "")
+    if quantization_config is not None:
+        hf_cfg["quantization_config"] = quantization_config
 
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))

@@ -111,6 +111,12 @@ def _rope_theta(d: Mapping[str, Any]) -> float:
     return theta
 
 
+def _is_megatron_fp4_recipe(block) -> bool:
+    """A `quantization_config` that only records our FP4 recipe over high-precision weights (what
+    `tools/convert_checkpoint.py to-hf` writes for the vLLM plugin): the weights read as usual."""
+    return isinstance(block, Mapping) and block.get("quant_method") == "megatron_fp4"
+
+
 def ours_config_from_hf(hf_cfg) -> ModelConfig:
     """Our `ModelConfig` from a Qwen3-MoE config (a config.json dict or a `PretrainedConfig`).
 
@@ -136,7 +142,8 @@ def ours_config_from_hf(hf_cfg) -> ModelConfig:
         "layer_types": (any(t != "full_attention" for t in string_list(d, "layer_types")),
                         "only full_attention layers are implemented"),
         "hidden_act": (d.get("hidden_act", "silu") != "silu", "our MLPs are SwiGLU (silu)"),
-        "quantization_config": (bool(d.get("quantization_config")),
+        "quantization_config": (bool(d.get("quantization_config"))
+                                and not _is_megatron_fp4_recipe(d["quantization_config"]),
                                 "pre-quantized (e.g. FP8) checkpoints are not read; use the bf16 checkpoint"),
     }
     for name, (bad, why) in unsupported.items():

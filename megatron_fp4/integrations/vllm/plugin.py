@@ -1,0 +1,29 @@
+"""vLLM's `vllm.general_plugins` entry point (setup.py): registers the `megatron_fp4` quantization
+method in every vLLM process (the front end and each engine worker) before models are built."""
+from __future__ import annotations
+
+import platform
+
+
+def register() -> None:
+    """Import the quantization module: its `register_quantization_config` decorator registers it.
+    Idempotent (vLLM calls every general plugin once per process; repeats are harmless)."""
+    from megatron_fp4.integrations.vllm import quant  # noqa: F401  (registration on import)
+
+    _allow_amx()
+
+
+def _allow_amx() -> None:
+    """Ask Linux for the AMX tile state (arch_prctl ARCH_REQ_XCOMP_PERM) for this process. vLLM's CPU
+    attention runs AMX instructions in bf16 without asking; stock vLLM gets the permission as a side
+    effect of its oneDNN bf16 GEMMs, which the plugin's layers replace, so without this request the
+    first bf16 attention dies with SIGILL. A no-op where there is no AMX (the call fails quietly)."""
+    if platform.system() != "Linux" or platform.machine() != "x86_64":
+        return
+    import ctypes
+
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.syscall(158, 0x1023, 18)  # SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA
+    except (OSError, AttributeError):
+        pass

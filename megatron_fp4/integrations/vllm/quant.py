@@ -1,0 +1,293 @@
+"""The vLLM quantization method `megatron_fp4`: MoEResQ experts (and attention) inside vLLM.
+
+Selected by `"quantization_config": {"quant_method": "megatron_fp4", ...}` in an HF `config.json`
+(written by `tools/convert_checkpoint.py to-hf` and `export_for_vllm`; the block is
+`quant_sidecar(cfg)`), registered in every vLLM process by the `vllm.general_plugins` entry point
+(`plugin.register`). The weights stay high precision; every layer computes with the project's own
+modules and functions, so the numbers are the trainer's by construction (ground rule 2):
+
+- routed experts (`MoEResQMoEMethod`, a monolithic `FusedMoEMethodBase`): the gate's logits in fp32
+  from an fp32 gate weight (`RouterGateMethod`, `model.moe.router_logits`), softmax/top-k by
+  `model.moe.route_from_logits`, the experts by a `model.moe.GroupedExperts` whose `w13`/`w2` are
+  vLLM's `w13_weight`/`w2_weight` (same [E, 2F, H] gate-then-up layout), dispatched and combined by
+  the trainer's `LocalDispatcher`;
+- q/k/v/o (scope `experts+attention`), dense-layer and shared-expert MLPs (any FP4 scope)
+  (`MoEResQLinearMethod`): `fp4.moeresq_linear` per logical weight. vLLM fuses q/k/v (and
+  gate/up) into one parameter; each shard's rows are quantized as their own tensor, as the
+  trainer's separate `q_proj`/`k_proj`/`v_proj` are (one per-tensor weight scale each);
+- the other linears (q/k/v/o outside scope `experts+attention`) the same way in mode bf16, i.e. the
+  trainer's plain `invariant.linear` per logical weight, and the LM head as the trainer's head
+  (`HeadMethod`): no CPU prepacked copies, which a weight update would leave stale;
+- attention, norms, RoPE and the embedding lookup: vLLM's own.
+
+Q(W) is computed once per weight version: every layer runs inside `exact_gemm.cached_weights` with
+one store per model, cleared by every weight load into a plugin-owned parameter (the weight loaders
+are wrapped) and by `process_weights_after_loading`. `batch_invariant` in the block runs the
+plugin's layers in the project's batch-invariant mode (exact FP4 GEMMs), as the trainer scores.
+Supported layout: one process (no tensor or expert parallelism: the per-tensor weight scale is a
+whole-tensor amax, which a TP shard does not see).
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import re
+from typing import Any, Optional
+
+import torch
+
+from vllm.model_executor.layers.fused_moe import FusedMoEMethodBase, FusedMoEQuantConfig, RoutedExperts
+from vllm.model_executor.layers.linear import (LinearBase, UnquantizedLinearMethod,
+                                               register_weight_loader_v2_supported_method)
+from vllm.model_executor.layers.quantization import register_quantization_config
+from vllm.model_executor.layers.quantization.base_config import QuantizationConfig
+from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, UnquantizedEmbeddingMethod
+from vllm.model_executor.utils import set_weight_attrs
+
+from megatron_fp4.fp4 import Recipe, invariant, moeresq_linear
+from megatron_fp4.fp4.exact_gemm import cached_weights
+from megatron_fp4.integrations.vllm import QUANT_METHOD, recipe_from_sidecar
+from megatron_fp4.model.moe import GroupedExperts, LocalDispatcher, route_from_logits, router_logits
+
+_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.(.+)$")
+_SHARD_NAMES = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+_ATTENTION = ("self_attn.qkv_proj", "self_attn.o_proj")
+
+
+def trainer_name(prefix: str) -> str:
+    """The trainer's module name of a vLLM layer prefix ('model.layers.3.mlp.experts' ->
+    'layers.3.mlp.experts'): it names the layer in FP4 errors and keys stochastic-rounding streams."""
+    m = _LAYER.search(prefix)
+    return f"layers.{m.group(1)}.{m.group(2)}" if m else prefix
+
+
+def _shard_names(prefix: str, count: int) -> list[str]:
+    base, _, leaf = trainer_name(prefix).rpartition(".")
+    leaves = _SHARD_NAMES.get(leaf, (leaf,))
+    if len(leaves) != count:
+        raise ValueError(f"megatron_fp4: layer {prefix!r} has {count} fused weights, expected {len(leaves)} "
+                         f"({', '.join(leaves)})")
+    return [f"{base}.{n}" if base else n for n in leaves]
+
+
+@register_quantization_config(QUANT_METHOD)
+class MegatronFP4Config(QuantizationConfig):
+    """The recipe block of config.json as a vLLM quantization config (one instance per model)."""
+
+    def __init__(self, block: dict):
+        super().__init__()
+        self.block = dict(block)
+        self.recipe: Recipe = recipe_from_sidecar(self.block, "rollout")
+        self.scope = self.block.get("scope", "experts")
+        if self.scope not in ("none", "experts", "experts+attention"):
+            raise ValueError(f"quantization_config.scope={self.scope!r}: must be 'none', 'experts' or "
+                             f"'experts+attention'")
+        self.batch_invariant = bool(self.block.get("batch_invariant", False))
+        self.qw_store: dict = {}  # Q(W) (and exact-GEMM splits) per weight, see invalidate()
+        self.routing_store: Optional[dict] = None  # layer -> [T, k] expert ids of the last forward
+
+    # -- vLLM's interface --------------------------------------------------------------------------
+    @classmethod
+    def get_name(cls) -> str:
+        return QUANT_METHOD
+
+    @classmethod
+    def get_supported_act_dtypes(cls) -> list[torch.dtype]:
+        return [torch.float32, torch.bfloat16, torch.float16]
+
+    @classmethod
+    def get_min_capability(cls) -> int:
+        return 0  # plain torch ops: any device torch runs on
+
+    @staticmethod
+    def get_config_filenames() -> list[str]:
+        return []  # the block lives in config.json
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any]) -> "MegatronFP4Config":
+        return cls(config)
+
+    def get_quant_method(self, layer: torch.nn.Module, prefix: str):
+        if isinstance(layer, RoutedExperts):
+            return MoEResQMoEMethod(layer.moe_config, self, prefix)
+        if isinstance(layer, ParallelLMHead):
+            return HeadMethod(self)
+        if not isinstance(layer, LinearBase):
+            return None  # attention (no KV-cache quantization), the input embedding: vLLM's own
+        name = trainer_name(prefix)
+        if name.endswith(".mlp.gate"):
+            return RouterGateMethod(self)
+        attention = name.endswith(_ATTENTION)
+        if (attention and self.scope == "experts+attention") or (not attention and self.scope != "none"
+                                                                 and ".mlp." in f".{name}"):
+            return MoEResQLinearMethod(self, prefix)
+        if _LAYER.search(prefix):  # a decoder linear outside the FP4 scope: the trainer's plain linear
+            return MoEResQLinearMethod(self, prefix, Recipe(mode="bf16"))
+        return UnquantizedLinearMethod()
+
+    # -- the plugin's state ------------------------------------------------------------------------
+    def invalidate(self) -> None:
+        """Forget every cached Q(W): called before any weight of a plugin layer is written."""
+        self.qw_store.clear()
+
+    @contextlib.contextmanager
+    def numerics(self):
+        """The context every plugin layer computes in: the recipe's numerics mode, Q(W) reused."""
+        with invariant.batch_invariant(self.batch_invariant), cached_weights(self.qw_store):
+            yield
+
+    def _invalidating(self, loader):
+        @functools.wraps(loader)  # keeps attributes such as `supports_moe_loading`
+        def load(*args, **kwargs):
+            self.invalidate()
+            return loader(*args, **kwargs)
+        return load
+
+
+@register_weight_loader_v2_supported_method
+class RouterGateMethod(UnquantizedLinearMethod):
+    """The MoE gate as the trainer's router: an fp32 weight (the checkpoint's values, whatever the
+    model dtype) and fp32 logits, `model.moe.router_logits`; never quantized."""
+
+    def __init__(self, config: MegatronFP4Config):
+        super().__init__()
+        self.config = config
+
+    def create_weights(self, layer, input_size_per_partition, output_partition_sizes, input_size, output_size,
+                       params_dtype, **extra_weight_attrs):
+        extra_weight_attrs["weight_loader"] = self.config._invalidating(extra_weight_attrs["weight_loader"])
+        super().create_weights(layer, input_size_per_partition, output_partition_sizes, input_size, output_size,
+                               torch.float32, **extra_weight_attrs)
+
+    def process_weights_after_loading(self, layer) -> None:
+        self.config.invalidate()  # keep the plain weight: no CPU prepacking
+
+    def apply(self, layer, x: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+        if bias is not None:
+            raise ValueError("megatron_fp4: the MoE gate has a bias; the trainer's router has none")
+        with self.config.numerics():
+            return router_logits(x, layer.weight)
+
+
+@register_weight_loader_v2_supported_method
+class MoEResQLinearMethod(UnquantizedLinearMethod):
+    """A (fused) linear computed by `fp4.moeresq_linear`, one call per logical weight."""
+
+    def __init__(self, config: MegatronFP4Config, prefix: str, recipe: Optional[Recipe] = None):
+        super().__init__()
+        self.config, self.prefix = config, prefix
+        self.recipe = config.recipe if recipe is None else recipe
+
+    def create_weights(self, layer, input_size_per_partition, output_partition_sizes, input_size, output_size,
+                       params_dtype, **extra_weight_attrs):
+        extra_weight_attrs["weight_loader"] = self.config._invalidating(extra_weight_attrs["weight_loader"])
+        super().create_weights(layer, input_size_per_partition, output_partition_sizes, input_size, output_size,
+                               params_dtype, **extra_weight_attrs)
+        layer.mfp4_shards = [int(n) for n in output_partition_sizes]
+        layer.mfp4_names = _shard_names(self.prefix, len(layer.mfp4_shards))
+
+    def process_weights_after_loading(self, layer) -> None:
+        self.config.invalidate()  # keep the plain weight: Q(W) is derived from it
+
+    def apply(self, layer, x: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+        return fused_moeresq_linear(x, layer.weight, bias, layer.mfp4_shards, layer.mfp4_names,
+                                    self.recipe, self.config.numerics)
+
+
+class HeadMethod(UnquantizedEmbeddingMethod):
+    """The LM head as the trainer's (`invariant.linear` of the final hidden states, in the plugin's
+    numerics mode) on the plain weight: no prepacked CPU copy to go stale on a weight update."""
+
+    def __init__(self, config: MegatronFP4Config):
+        super().__init__()
+        self.config = config
+
+    def create_weights(self, layer, *args, **extra_weight_attrs):
+        extra_weight_attrs["weight_loader"] = self.config._invalidating(extra_weight_attrs["weight_loader"])
+        super().create_weights(layer, *args, **extra_weight_attrs)
+
+    def process_weights_after_loading(self, layer) -> None:
+        self.config.invalidate()
+
+    def apply(self, layer, x: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+        with self.config.numerics():
+            return invariant.linear(x, layer.weight, bias)
+
+
+def fused_moeresq_linear(x, weight, bias, shards, names, recipe: Recipe, numerics=contextlib.nullcontext):
+    """``x · weight.T (+ bias)`` where ``weight`` is the row-wise concatenation of ``shards`` logical
+    weights, each computed by `moeresq_linear` as its own tensor; outputs concatenated."""
+    weights = weight.split(shards, dim=0)
+    biases = bias.split(shards, dim=0) if bias is not None else [None] * len(shards)
+    with numerics():
+        outs = [moeresq_linear(x, w, b, recipe=recipe, name=n) for w, b, n in zip(weights, biases, names)]
+    return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
+
+
+class MoEResQMoEMethod(FusedMoEMethodBase):
+    """Routed experts: the trainer's router math on the gate's fp32 logits, then its grouped
+    experts (`GroupedExperts`, MoEResQ per the recipe) over vLLM's expert weights."""
+
+    def __init__(self, moe, config: MegatronFP4Config, prefix: str):
+        super().__init__(moe)
+        self.config, self.prefix = config, prefix
+        self.recipe = config.recipe if config.scope != "none" else Recipe(mode="bf16")
+        self.experts: Optional[GroupedExperts] = None
+        self.dispatcher = LocalDispatcher()
+
+    @property
+    def is_monolithic(self) -> bool:
+        return True  # routing from the router logits happens here, in the trainer's code
+
+    def create_weights(self, layer, num_experts: int, hidden_size: int, intermediate_size_per_partition: int,
+                       params_dtype: torch.dtype, **extra_weight_attrs):
+        if layer.moe_config.moe_parallel_config.use_ep or num_experts != layer.moe_config.num_experts:
+            raise ValueError("megatron_fp4: expert parallelism is not supported by the vLLM plugin; serve with "
+                             "one process (tensor_parallel_size=1, no enable_expert_parallel)")
+        routing = (layer.scoring_func, layer.use_grouped_topk, layer.custom_routing_function,
+                   layer.routed_scaling_factor, layer.e_score_correction_bias, layer.apply_router_weight_on_input)
+        if routing != ("softmax", False, None, 1.0, None, False):
+            raise ValueError(f"megatron_fp4: {self.prefix} routes with (scoring_func, grouped top-k, custom routing, "
+                             f"scaling, score bias, weight on input) = {routing}; the trainer's router is a plain "
+                             f"softmax top-k: ('softmax', False, None, 1.0, None, False)")
+        extra_weight_attrs = dict(extra_weight_attrs)
+        extra_weight_attrs["weight_loader"] = self.config._invalidating(extra_weight_attrs["weight_loader"])
+        F, H = intermediate_size_per_partition, hidden_size
+        for name, shape in (("w13_weight", (num_experts, 2 * F, H)), ("w2_weight", (num_experts, H, F))):
+            param = torch.nn.Parameter(torch.empty(*shape, dtype=params_dtype), requires_grad=False)
+            layer.register_parameter(name, param)
+            set_weight_attrs(param, extra_weight_attrs)
+        self.shape = (num_experts, H, F)
+
+    def get_fused_moe_quant_config(self, layer) -> FusedMoEQuantConfig:
+        return FusedMoEQuantConfig.make()
+
+    def process_weights_after_loading(self, layer) -> None:
+        self.config.invalidate()
+        self.experts = grouped_experts_over(layer.w13_weight, layer.w2_weight, self.recipe,
+                                            trainer_name(self.prefix))
+
+    def apply_monolithic(self, layer, x: torch.Tensor, router_logits: torch.Tensor,
+                         input_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+        if self.experts is None:
+            self.process_weights_after_loading(layer)
+        with self.config.numerics():
+            _, topk_idx, topk_w = route_from_logits(router_logits, layer.top_k, layer.renormalize)
+            if self.config.routing_store is not None:
+                self.config.routing_store.setdefault(self.prefix, []).append(topk_idx.clone())
+            return self.dispatcher(x, topk_idx, topk_w, self.experts)
+
+    def apply(self, *args, **kwargs):
+        raise AssertionError("MoEResQMoEMethod is monolithic: vLLM calls apply_monolithic")
+
+
+def grouped_experts_over(w13: torch.Tensor, w2: torch.Tensor, recipe: Recipe, name: str) -> GroupedExperts:
+    """The trainer's `GroupedExperts` computing with ``w13`` [E, 2F, H] / ``w2`` [E, H, F] in place
+    (no copy: the module's parameters are these tensors)."""
+    E, two_f, H = w13.shape
+    with torch.device("meta"):
+        experts = GroupedExperts(E, H, two_f // 2, recipe)
+    experts.w13 = w13 if isinstance(w13, torch.nn.Parameter) else torch.nn.Parameter(w13, requires_grad=False)
+    experts.w2 = w2 if isinstance(w2, torch.nn.Parameter) else torch.nn.Parameter(w2, requires_grad=False)
+    experts.quant_name = name
+    return experts
