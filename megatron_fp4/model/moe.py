@@ -45,16 +45,41 @@ class Router(nn.Module):
         self.num_experts, self.top_k, self.norm_topk_prob = num_experts, top_k, norm_topk_prob
         self.weight = nn.Parameter(torch.empty(num_experts, hidden))
 
-    def forward(self, x: torch.Tensor):
-        """x [T, H] -> (logits fp32 [T, E], probs fp32 [T, E], topk_idx [T, k], topk_w fp32 [T, k])."""
+    def forward(self, x: torch.Tensor, replay: Optional[torch.Tensor] = None):
+        """x [T, H] -> (logits fp32 [T, E], probs fp32 [T, E], topk_idx [T, k], topk_w fp32 [T, k]).
+
+        `replay` [T, k] (router replay, R2/R3): expert ids to use instead of the top-k; a row with a
+        negative id routes live. The combine weights are the live probabilities gathered at the
+        replayed ids (renormalized when `norm_topk_prob`), so the router still gets its gradient, as
+        in Megatron-Core's `RouterReplay` (REPLAY_FORWARD: ``scores.gather(1, target_topk_idx)``).
+        Replaying the ids the router picks itself gives the same bits as not replaying."""
         logits = invariant.linear(upcast(x), upcast(self.weight))
         probs = invariant.softmax(logits)
         topk_w, topk_idx = torch.topk(probs, self.top_k, dim=-1)
+        if replay is not None:
+            topk_idx, topk_w = replay_topk(probs, topk_idx, topk_w, replay, self.num_experts)
         if self.norm_topk_prob:
             denom = invariant.tree_sum(topk_w, -1, keepdim=True) if invariant.enabled(topk_w) else \
                 topk_w.sum(dim=-1, keepdim=True)
             topk_w = topk_w / denom
         return logits, probs, topk_idx, topk_w
+
+
+def replay_topk(probs: torch.Tensor, topk_idx: torch.Tensor, topk_w: torch.Tensor, replay: torch.Tensor,
+                num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The router's (ids, weights) with the rows of `replay` [T, k] that hold ids (>= 0) replaced by
+    them and the live `probs` gathered there; rows with a negative id keep the live top-k."""
+    if replay.shape != topk_idx.shape:
+        raise ValueError(f"router replay: routes of shape {tuple(replay.shape)} for {tuple(topk_idx.shape)} "
+                         "(tokens, top_k) router picks; give one row of top_k expert ids per token")
+    replay = replay.to(device=topk_idx.device, dtype=topk_idx.dtype)
+    if bool((replay >= num_experts).any()):
+        raise ValueError(f"router replay: expert id {int(replay.max())} out of range for {num_experts} experts")
+    replayed = (replay >= 0).all(-1, keepdim=True)
+    if bool(((replay >= 0) != replayed).any()):
+        raise ValueError("router replay: a token's routes must be all expert ids or all negative (route live)")
+    idx = torch.where(replayed, replay, topk_idx)
+    return idx, torch.where(replayed, probs.gather(1, idx), topk_w)
 
 
 class GroupedExperts(nn.Module):
@@ -278,10 +303,15 @@ class MoELayer(nn.Module):
         z = torch.logsumexp(logits, dim=-1).pow(2).mean()
         return balance, z, counts
 
-    def forward(self, x: torch.Tensor, routing_out: Optional[list] = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, routing_out: Optional[list] = None,
+                routing_in: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """x [..., H]; `routing_out`: the experts used are appended ([..., k]); `routing_in` [..., k]:
+        expert ids to replay (negative rows route live, see `Router.forward`). The auxiliary losses
+        are computed from the ids used and the live probabilities (Megatron-Core: the same)."""
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
-        logits, probs, topk_idx, topk_w = self.router(x2)
+        replay = None if routing_in is None else routing_in.reshape(-1, self.top_k)
+        logits, probs, topk_idx, topk_w = self.router(x2, replay) if replay is not None else self.router(x2)
         out = self.dispatcher(x2, topk_idx, topk_w, self.experts)
         if self.shared_expert is not None:
             out = out + self.shared_expert(x2)
