@@ -1,5 +1,5 @@
 """Router replay (R2, R3) trains pp2 × ep2 (4 gloo processes: pp2, dp2 = edp1 × ep2; both expert
-dispatchers) like the single process: the same RL batch built by `build_rl_batch(router_replay=)`
+dispatchers; 1F1B and the interleaved zero-bubble schedule) like the single process: the same RL batch built by `build_rl_batch(router_replay=)`
 (scored through the pipeline schedule, routes captured on each stage and summed over the mesh), then
 PPO updates through the pipeline with the replayed routes as the micro-batches' ``routing_in``.
 
@@ -18,7 +18,9 @@ from tests.numerics import FP64_REL, rel, single_thread
 
 STEPS = 2
 GCMOE = dict(expert_dispatcher="gcmoe", gcmoe_chunk_tokens=8, gcmoe_ring_slots=2)
-LAYOUTS = {"r2_alltoall": ("r2", SPEC), "r3_alltoall": ("r3", SPEC), "r3_gcmoe": ("r3", dict(SPEC, **GCMOE))}
+ZB = dict(virtual_stages=2, schedule="interleaved_zero_bubble")  # split input/weight backward
+LAYOUTS = {"r2_alltoall": ("r2", SPEC), "r3_alltoall": ("r3", SPEC), "r3_gcmoe": ("r3", dict(SPEC, **GCMOE)),
+           "r2_zero_bubble": ("r2", dict(SPEC, **ZB))}
 KEYS = ("loss", "grad_norm", "pg_loss", "kl", "clipfrac")
 
 
