@@ -73,11 +73,16 @@ def replay_topk(probs: torch.Tensor, topk_idx: torch.Tensor, topk_w: torch.Tenso
         raise ValueError(f"router replay: routes of shape {tuple(replay.shape)} for {tuple(topk_idx.shape)} "
                          "(tokens, top_k) router picks; give one row of top_k expert ids per token")
     replay = replay.to(device=topk_idx.device, dtype=topk_idx.dtype)
-    if bool((replay >= num_experts).any()):
-        raise ValueError(f"router replay: expert id {int(replay.max())} out of range for {num_experts} experts")
     replayed = (replay >= 0).all(-1, keepdim=True)
-    if bool(((replay >= 0) != replayed).any()):
-        raise ValueError("router replay: a token's routes must be all expert ids or all negative (route live)")
+    ordered = replay.sort(-1).values
+    too_big, mixed = replay >= num_experts, (replay >= 0) != replayed
+    repeated = (ordered[:, 1:] == ordered[:, :-1]) & replayed
+    if bool(too_big.any() | mixed.any() | repeated.any()):  # one device sync for all three checks
+        if bool(too_big.any()):
+            raise ValueError(f"router replay: expert id {int(replay.max())} out of range for {num_experts} experts")
+        if bool(mixed.any()):
+            raise ValueError("router replay: a token's routes must be all expert ids or all negative (route live)")
+        raise ValueError("router replay: a token's replayed expert ids must be distinct")
     idx = torch.where(replayed, replay, topk_idx)
     return idx, torch.where(replayed, probs.gather(1, idx), topk_w)
 

@@ -104,6 +104,8 @@ def test_bad_routes_fail_with_one_clear_error():
     x = torch.randn(4, 8, dtype=torch.float64)
     with pytest.raises(ValueError, match="out of range for 6 experts"):
         layer(x, routing_in=torch.full((4, 2), 6))
+    with pytest.raises(ValueError, match="must be distinct"):
+        layer(x, routing_in=torch.tensor([[3, 3]] * 4))
     with pytest.raises(ValueError, match="all expert ids or all negative"):
         layer(x, routing_in=torch.tensor([[0, -1]] * 4))
     with pytest.raises(ValueError, match="must be one of"):

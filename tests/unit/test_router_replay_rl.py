@@ -103,3 +103,13 @@ def test_r2_update_uses_the_old_log_prob_pass_experts(setup):
     assert torch.equal(used[:, :-1], replay[:, :-1])
     live = _update_routes(trainer, {k: v for k, v in r2.items() if k != "replay_routing"})
     assert not torch.equal(live[:, :-1], replay[:, :-1])
+
+
+def test_r3_without_rollout_routes_fails_clearly(setup):
+    trainer, gen = setup
+    bare = copy.copy(gen)
+    bare.routing = None
+    with pytest.raises(ValueError, match="return_routing=True"):
+        _batch(trainer, bare, "r3")
+    with pytest.raises(ValueError, match="must be one of"):
+        _batch(trainer, gen, "R3")
