@@ -3,6 +3,8 @@
 ``enable_routing_replay``; R2's forward-only pass records ``routed_experts`` (nested, one route per
 input position), the update replays them; R3 replays the rollout's ``routed_experts`` (one row short,
 as vLLM returns them) through verl's `align_r3_router_replay_data` / `build_r3_replay_mask`."""
+import asyncio
+import copy
 from functools import partial
 
 import torch
@@ -13,7 +15,10 @@ from verl.workers.config.engine import EngineRouterReplayConfig
 from verl.workers.utils.losses import ppo_loss
 from verl.workers.utils.padding import left_right_2_no_padding
 
-from tests.integration.test_verl_paths import hf_dir, rollout_batch, verl_engine  # noqa: F401 - fixture
+from megatron_fp4.integrations.verl import MegatronFP4Rollout
+from megatron_fp4.rollout import RolloutEngine
+from megatron_fp4.rollout.engine import left_pad
+from tests.integration.test_verl_paths import TOK, hf_dir, rollout_batch, verl_engine  # noqa: F401 - fixture
 
 ACTOR = FSDPActorConfig(strategy="fsdp", ppo_mini_batch_size=4, ppo_micro_batch_size_per_gpu=4,
                         use_dynamic_bsz=False, rollout_n=1)
@@ -32,8 +37,8 @@ def _routes_used(engine, run):
     return result, torch.stack([calls[i][0] for i in sorted(calls)], dim=1)
 
 
-def _batch(engine):
-    b = rollout_batch(engine, ["12+7=", "3*4=", "5+5=", "9*9="])
+def _batch(engine, b=None):
+    b = rollout_batch(engine, ["12+7=", "3*4=", "5+5=", "9*9="]) if b is None else b
     b["old_log_probs"] = torch.zeros(b["responses"].shape)
     b["advantages"] = torch.tensor([1.0, -1.0, 0.5, -0.5])[:, None].expand_as(b["old_log_probs"]).clone()
     td = left_right_2_no_padding(TensorDict(dict(b.items()), batch_size=b.batch_size))
@@ -100,3 +105,32 @@ def test_r3_replays_the_rollouts_routed_experts(hf_dir):  # noqa: F811
         live, used_live = _routes_used(engine, lambda: engine.infer_batch(td)["model_output"]["log_probs"])
     assert not torch.equal(_real(td, used_live)[keep], want)
     assert not torch.equal(torch.cat(list(live.unbind())), torch.cat(list(replayed.unbind())))
+
+
+def test_r3_replays_the_projects_rollout_routes_through_verls_padding(hf_dir):  # noqa: F811
+    """The megatron_fp4 rollout (a perturbed copy: other numerics, other experts) returns
+    ``routed_experts`` in verl's layout; verl's `left_right_2_no_padding` carries them to the engine."""
+    from verl import DataProto
+
+    engine = verl_engine(hf_dir[0], micro_batch_size_per_gpu=4, router_replay=EngineRouterReplayConfig(mode="R3"))
+    model = copy.deepcopy(engine.model)
+    with torch.no_grad():
+        for moe in model.moe_layers():
+            moe.router.weight.add_(0.5 * moe.router.weight.std() * torch.randn(moe.router.weight.shape,
+                                                                               generator=torch.Generator().manual_seed(1)))
+    rollout = MegatronFP4Rollout(engine=RolloutEngine(model), stop_token_ids=(TOK.eos_id,))
+    asyncio.run(rollout.resume(["weights"]))
+    ids, mask = left_pad([TOK.encode(t, add_eos=False) for t in ["12+7=", "3*4=", "5+5=", "9*9="]], TOK.pad_id)
+    proto = DataProto.from_dict(tensors={"input_ids": ids, "attention_mask": mask},
+                                meta_info={"response_length": 5, "seeds": list(range(4)), "return_routing": True})
+    td = _batch(engine, rollout.generate_sequences(proto).batch)
+    want = _flat(td["routed_experts"])
+    at = (want >= 0).all(-1).all(-1)
+    assert int(at.sum()) == int(td["response_mask"].sum())  # one route per generated token
+    with engine.train_mode():
+        _, used = _routes_used(engine, lambda: engine.train_batch(td, partial(ppo_loss, ACTOR)))
+    assert torch.equal(_real(td, used)[at], want[at])
+    tu.assign_non_tensor(td, enable_routing_replay=False)
+    with engine.eval_mode():
+        _, live = _routes_used(engine, lambda: engine.infer_batch(td))
+    assert not torch.equal(_real(td, live)[at], want[at])  # the rollout's experts differ from the trainer's
