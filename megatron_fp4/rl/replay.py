@@ -15,6 +15,13 @@ that of position t-1. R3 covers the positions that produced a response token —
 position (the engine's prefill route for it) and every response position but the last; the other
 prompt positions route live (the engine records no prefill routes for them), and so do padding
 and the last response position (it produces no scored token). Rows with -1 route live.
+
+Auxiliary losses under replay (when their coefficients are set; RL usually runs with them off) are
+computed as Megatron-Core does: the load-balancing fractions f_e from the experts actually used
+(the replayed ones) and P_e and the z-loss from the live router, so they still shape the router.
+The routes pass through every layout unchanged: the pipeline hands each stage the micro-batch's
+``routing_in`` (`parallel/pipeline.py`), and the expert-parallel dispatchers (all-to-all, GC-MoE)
+receive the replayed ids from the router like any others.
 """
 from __future__ import annotations
 
