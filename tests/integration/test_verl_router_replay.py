@@ -134,3 +134,18 @@ def test_r3_replays_the_projects_rollout_routes_through_verls_padding(hf_dir):  
     with engine.eval_mode():
         _, live = _routes_used(engine, lambda: engine.infer_batch(td))
     assert not torch.equal(_real(td, live)[at], want[at])  # the rollout's experts differ from the trainer's
+
+
+def test_replay_on_a_padded_batch_or_without_routes_fails_clearly(hf_dir):  # noqa: F811
+    import pytest
+
+    engine = verl_engine(hf_dir[0], micro_batch_size_per_gpu=4, router_replay=EngineRouterReplayConfig(mode="R3"))
+    b = rollout_batch(engine, ["12+7=", "3*4=", "5+5=", "9*9="])
+    padded = TensorDict(dict(b.items()), batch_size=b.batch_size)
+    tu.assign_non_tensor(padded, enable_routing_replay=True)
+    with engine.eval_mode(), pytest.raises(ValueError, match="no-padding"):
+        engine.infer_batch(padded)
+    td = left_right_2_no_padding(TensorDict(dict(b.items()), batch_size=b.batch_size))
+    tu.assign_non_tensor(td, enable_routing_replay=True)
+    with engine.eval_mode(), pytest.raises(ValueError, match="no routed_experts"):
+        engine.infer_batch(td)

@@ -14,7 +14,9 @@ or no-padding (nested `input_ids`, after `left_right_2_no_padding`, what verl's 
 model output handed to `loss_function(model_output, data, dp_group)` is {"log_probs", "entropy" when
 `calculate_entropy`} in the batch's layout, computed with the training-side FP4 mode; verl's own
 `ppo_loss` and its `Metric` objects work unchanged (no-padding batches go through verl's
-`prepare_micro_batches` / `postprocess_batch_func`, as verl's FSDP engine does).
+`prepare_micro_batches` / `postprocess_batch_func`, as verl's FSDP engine does). verl's router replay
+(``engine_config.router_replay.mode`` R2 / R3 with the batch's ``enable_routing_replay``) records and
+replays ``routed_experts`` as verl's Megatron engine does (`_router_replay`, `batches.score_nested`).
 """
 from __future__ import annotations
 
