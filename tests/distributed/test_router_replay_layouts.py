@@ -1,7 +1,8 @@
 """Router replay (R2, R3) trains pp2 × ep2 (4 gloo processes: pp2, dp2 = edp1 × ep2; both expert
-dispatchers; 1F1B and the interleaved zero-bubble schedule) like the single process: the same RL batch built by `build_rl_batch(router_replay=)`
-(scored through the pipeline schedule, routes captured on each stage and summed over the mesh), then
-PPO updates through the pipeline with the replayed routes as the micro-batches' ``routing_in``.
+dispatchers; 1F1B and the interleaved zero-bubble schedule) like the single process: the same RL
+batch built by `build_rl_batch(router_replay=)` (scored through the pipeline schedule, routes
+captured on each stage and summed over the mesh), then PPO updates through the pipeline with the
+replayed routes as the micro-batches' ``routing_in``.
 
 The rollout's routes are random (distinct ids per token): R3 must replay whatever the rollout chose,
 not what the trainer would pick. float64: old and reference log-probs, losses, metrics and the
@@ -54,7 +55,8 @@ def _rl_run(trainer, mode: str) -> dict:
     for moe in trainer.model.moe_layers():
         for pname in ("w13", "w2"):
             p = getattr(moe.experts, pname)
-            offsets[[n for n, q in trainer.model.named_parameters() if q is p][0]] = getattr(moe.experts, "expert_offset", 0)
+            name = [n for n, q in trainer.model.named_parameters() if q is p][0]
+            offsets[name] = getattr(moe.experts, "expert_offset", 0)
     return dict(batch={k: batch[k] for k in ("old_log_probs", "ref_log_probs", "train_routing", "replay_routing")},
                 results=[{k: r[k] for k in KEYS} for r in results], offsets=offsets,
                 params={n: p.detach().clone() for n, p in trainer.model.named_parameters()},

@@ -114,10 +114,11 @@ def test_r3_replays_the_projects_rollout_routes_through_verls_padding(hf_dir):  
 
     engine = verl_engine(hf_dir[0], micro_batch_size_per_gpu=4, router_replay=EngineRouterReplayConfig(mode="R3"))
     model = copy.deepcopy(engine.model)
+    g = torch.Generator().manual_seed(1)
     with torch.no_grad():
         for moe in model.moe_layers():
-            moe.router.weight.add_(0.5 * moe.router.weight.std() * torch.randn(moe.router.weight.shape,
-                                                                               generator=torch.Generator().manual_seed(1)))
+            w = moe.router.weight
+            w.add_(0.5 * w.std() * torch.randn(w.shape, generator=g))
     rollout = MegatronFP4Rollout(engine=RolloutEngine(model), stop_token_ids=(TOK.eos_id,))
     asyncio.run(rollout.resume(["weights"]))
     ids, mask = left_pad([TOK.encode(t, add_eos=False) for t in ["12+7=", "3*4=", "5+5=", "9*9="]], TOK.pad_id)
