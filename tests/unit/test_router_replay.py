@@ -12,6 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from megatron_fp4.config import ConfigError, config_from_dict
 from megatron_fp4.fp4 import Recipe
 from megatron_fp4.model.moe import MoELayer, init_moe_params
 from megatron_fp4.rl.replay import check_mode, from_log_prob_alignment
@@ -110,6 +111,9 @@ def test_bad_routes_fail_with_one_clear_error():
         layer(x, routing_in=torch.tensor([[0, -1]] * 4))
     with pytest.raises(ValueError, match="must be one of"):
         check_mode("R3")
+    with pytest.raises(ConfigError, match="rl.router_replay='R3' must be one of off"):
+        config_from_dict({"rl": {"router_replay": "R3"}})
+    assert config_from_dict({"rl": {"router_replay": "r2"}}).rl.router_replay == "r2"
     model = tiny_trainer().model
     tokens, mask = _tokens(model)
     with pytest.raises(ValueError, match="routing_in of shape"):
