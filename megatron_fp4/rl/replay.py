@@ -28,7 +28,6 @@ from __future__ import annotations
 import torch
 
 MODES = ("off", "r2", "r3")
-VERL_MODES = {"disabled": "off", "R2": "r2", "R3": "r3"}  # verl's RouterReplayConfig.mode
 
 
 def check_mode(mode: str, where: str = "rl.router_replay") -> str:
