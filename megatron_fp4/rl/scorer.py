@@ -111,15 +111,15 @@ class PolicyScorer:
         self.reference = ({n: p.detach().clone() for n, p in trainer.model.named_parameters()}
                           if keep_reference else None)
 
-    def score(self, batch: dict, replay: Optional[torch.Tensor] = None, replay_reference: bool = True) -> dict:
-        """`replay` [B, T, num_moe_layers, k]: routes the old-log-prob pass (and the reference's, with
-        `replay_reference`) replays (`rl/replay.py`); None: both route live."""
+    def score(self, batch: dict, replay: Optional[torch.Tensor] = None) -> dict:
+        """`replay` [B, T, num_moe_layers, k]: routes the old-log-prob and the reference passes replay
+        (R3, `rl/replay.py`); None: both route live (and the routing returned is the old pass's own)."""
         out = {}
         with torch.no_grad():
             out["old_log_probs"], out["train_routing"] = self._log_probs(batch, True, replay)
             if self.reference is not None:
                 with swapped_parameters(self.trainer.model, self.reference):
-                    out["ref_log_probs"], _ = self._log_probs(batch, False, replay if replay_reference else None)
+                    out["ref_log_probs"], _ = self._log_probs(batch, False, replay)
         return out
 
     def _log_probs(self, batch: dict, routing: bool, replay: Optional[torch.Tensor] = None):
