@@ -338,7 +338,8 @@ def grpo_loop(trainer, task, rollout, scorer, loss, args, say, start: float):
         gen = rollout.generate([ids for ids, _, _ in items], params, return_routing=True, min_version=step)
         completions = [task.tok.decode(r, stop_at_eos=True) for r in gen.response_ids]
         rewards = torch.tensor([task.reward(it, c) for it, c in zip(items, completions)])
-        batch = build_rl_batch(gen, rewards, args.group_size, scorer, task.tok.pad_id)
+        batch = build_rl_batch(gen, rewards, args.group_size, scorer, task.tok.pad_id,
+                               router_replay=trainer.cfg.rl.router_replay)  # --set rl.router_replay=r3
         cons = consistency(gen, batch)
         result = ppo_updates(trainer, batch, loss, args.micro_batch_size, args.ppo_epochs, args.minibatches,
                              shuffle_rng)

@@ -145,6 +145,15 @@ class NumericsConfig:
 
 
 @dataclass
+class RLConfig:
+    router_replay: str = "off"  # off | r2 | r3 (megatron_fp4/rl/replay.py)
+
+    def __post_init__(self):
+        if self.router_replay not in ("off", "r2", "r3"):
+            raise ConfigError(f"rl.router_replay={self.router_replay!r} must be one of off | r2 | r3")
+
+
+@dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     fp4: FP4Config = field(default_factory=FP4Config)
@@ -155,6 +164,7 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     numerics: NumericsConfig = field(default_factory=NumericsConfig)
+    rl: RLConfig = field(default_factory=RLConfig)
     device: str = "auto"  # auto | cpu | cuda
     dtype: str = "fp32"  # fp32 | bf16 (autocast on CUDA, bf16 params on CPU) | fp64 (verification: all in float64)
 

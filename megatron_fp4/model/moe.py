@@ -48,10 +48,16 @@ class Router(nn.Module):
         self.num_experts, self.top_k, self.norm_topk_prob = num_experts, top_k, norm_topk_prob
         self.weight = nn.Parameter(torch.empty(num_experts, hidden))
 
-    def forward(self, x: torch.Tensor):
-        """x [T, H] -> (logits fp32 [T, E], probs fp32 [T, E], topk_idx [T, k], topk_w fp32 [T, k])."""
+    def forward(self, x: torch.Tensor, replay: Optional[torch.Tensor] = None):
+        """x [T, H] -> (logits fp32 [T, E], probs fp32 [T, E], topk_idx [T, k], topk_w fp32 [T, k]).
+
+        `replay` [T, k] (router replay, R2/R3): expert ids to use instead of the top-k; a row with a
+        negative id routes live. The combine weights are the live probabilities gathered at the
+        replayed ids (renormalized when `norm_topk_prob`), so the router still gets its gradient, as
+        in Megatron-Core's `RouterReplay` (REPLAY_FORWARD: ``scores.gather(1, target_topk_idx)``).
+        Replaying the ids the router picks itself gives the same bits as not replaying."""
         logits = router_logits(x, self.weight)
-        return (logits, *route_from_logits(logits, self.top_k, self.norm_topk_prob))
+        return (logits, *route_from_logits(logits, self.top_k, self.norm_topk_prob, replay))
 
 
 def router_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -59,16 +65,42 @@ def router_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return invariant.linear(upcast(x), upcast(weight))
 
 
-def route_from_logits(logits: torch.Tensor, top_k: int, norm_topk_prob: bool):
-    """(probs [T, E], topk_idx [T, k], topk_w [T, k]) of router logits: softmax, top-k, optional
-    renormalisation (also what the vLLM plugin routes with, from the same logits)."""
+def route_from_logits(logits: torch.Tensor, top_k: int, norm_topk_prob: bool,
+                      replay: Optional[torch.Tensor] = None):
+    """(probs [T, E], topk_idx [T, k], topk_w [T, k]) of router logits: softmax, top-k (or the
+    replayed ids, `replay_topk`), optional renormalisation (also what the vLLM plugin routes with,
+    from the same logits)."""
     probs = invariant.softmax(logits)
     topk_w, topk_idx = torch.topk(probs, top_k, dim=-1)
+    if replay is not None:
+        topk_idx, topk_w = replay_topk(probs, topk_idx, topk_w, replay, logits.shape[-1])
     if norm_topk_prob:
         denom = invariant.tree_sum(topk_w, -1, keepdim=True) if invariant.enabled(topk_w) else \
             topk_w.sum(dim=-1, keepdim=True)
         topk_w = topk_w / denom
     return probs, topk_idx, topk_w
+
+
+def replay_topk(probs: torch.Tensor, topk_idx: torch.Tensor, topk_w: torch.Tensor, replay: torch.Tensor,
+                num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The router's (ids, weights) with the rows of `replay` [T, k] that hold ids (>= 0) replaced by
+    them and the live `probs` gathered there; rows with a negative id keep the live top-k."""
+    if replay.shape != topk_idx.shape:
+        raise ValueError(f"router replay: routes of shape {tuple(replay.shape)} for {tuple(topk_idx.shape)} "
+                         "(tokens, top_k) router picks; give one row of top_k expert ids per token")
+    replay = replay.to(device=topk_idx.device, dtype=topk_idx.dtype)
+    replayed = (replay >= 0).all(-1, keepdim=True)
+    ordered = replay.sort(-1).values
+    too_big, mixed = replay >= num_experts, (replay >= 0) != replayed
+    repeated = (ordered[:, 1:] == ordered[:, :-1]) & replayed
+    if bool(too_big.any() | mixed.any() | repeated.any()):  # one device sync for all three checks
+        if bool(too_big.any()):
+            raise ValueError(f"router replay: expert id {int(replay.max())} out of range for {num_experts} experts")
+        if bool(mixed.any()):
+            raise ValueError("router replay: a token's routes must be all expert ids or all negative (route live)")
+        raise ValueError("router replay: a token's replayed expert ids must be distinct")
+    idx = torch.where(replayed, replay, topk_idx)
+    return idx, torch.where(replayed, probs.gather(1, idx), topk_w)
 
 
 class GroupedExperts(nn.Module):
@@ -339,10 +371,16 @@ class MoELayer(nn.Module):
         z = torch.logsumexp(logits, dim=-1).pow(2).mean()
         return balance, z, counts
 
-    def forward(self, x: torch.Tensor, routing_out: Optional[list] = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, routing_out: Optional[list] = None,
+                routing_in: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """x [..., H]; `routing_out`: the experts used are appended ([..., k]); `routing_in` [..., k]:
+        expert ids to replay (negative rows route live, see `Router.forward`). The auxiliary losses
+        are computed from the ids used and the live probabilities (Megatron-Core: the same)."""
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
-        logits, probs, topk_idx, topk_w = self.router(x2)
+        replay = None if routing_in is None else routing_in.reshape(-1, self.top_k)
+        # without replay the router is called as before (its one-argument form, which tests wrap)
+        logits, probs, topk_idx, topk_w = self.router(x2) if replay is None else self.router(x2, replay)
         out = self.dispatcher(x2, topk_idx, topk_w, self.experts)
         if self.shared_expert is not None:
             out = out + self.shared_expert(x2)

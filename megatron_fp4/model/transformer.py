@@ -40,11 +40,12 @@ class DecoderLayer(nn.Module):
             self.mlp = SwiGLU(cfg.hidden_size, cfg.dense_ffn_hidden_size, recipe)
 
     def forward(self, h: torch.Tensor, positions: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
-                cache: Optional[LayerCache] = None, routing_out: Optional[list] = None) -> torch.Tensor:
+                cache: Optional[LayerCache] = None, routing_out: Optional[list] = None,
+                routing_in: Optional[torch.Tensor] = None) -> torch.Tensor:
         h = h + self.self_attn(self.input_layernorm(h), positions, attention_mask, cache)
         x = self.post_attention_layernorm(h)
         if self.is_moe:
-            return h + self.mlp(x, routing_out)
+            return h + self.mlp(x, routing_out, routing_in)
         if routing_out is not None:
             routing_out.append(None)
         return h + self.mlp(x)
@@ -77,20 +78,35 @@ class MoETransformer(nn.Module):
 
     def run_layers(self, h: torch.Tensor, positions: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
                    layers: Optional[range] = None, kv_cache: Optional[KVCache] = None,
-                   routing_out: Optional[list] = None) -> torch.Tensor:
-        """Decoder layers `layers` (default: all) in order, on hidden states h [B, T, hidden]."""
+                   routing_out: Optional[list] = None, routing_in: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Decoder layers `layers` (default: all) in order, on hidden states h [B, T, hidden].
+        `routing_in` [B, T, num_moe_layers, k]: router replay, the expert ids each MoE layer uses at
+        each position (a position's own routes, not shifted like log-probs); -1 rows route live."""
         layers = range(len(self.layers)) if layers is None else layers
+        slots = self.moe_slots() if routing_in is not None else {}
+        if routing_in is not None and tuple(routing_in.shape) != (*h.shape[:2], len(slots), self.cfg.top_k):
+            raise ValueError(f"routing_in of shape {tuple(routing_in.shape)} for hidden states {tuple(h.shape)}: "
+                             f"expected [B, T, num_moe_layers={len(slots)}, top_k={self.cfg.top_k}]")
+
+        def replay(i: int) -> Optional[torch.Tensor]:
+            return routing_in[:, :, slots[i]] if i in slots else None
+
         mode = getattr(self.cfg, "recompute", "none")
         if mode == "full" and recompute.active(mode, kv_cache):  # model/recompute.py
-            return recompute.run_blocks(lambda i, h, *rest: self.layers[i](h, *rest), layers, h,
+            return recompute.run_blocks(lambda i, h, *rest: self.layers[i](h, *rest, replay(i)), layers, h,
                                         self.cfg.recompute_num_layers, lambda i: self.layers[i],
                                         (positions, attention_mask, None), routing_out)
         for i in layers:
             cache = kv_cache.layers[i] if kv_cache is not None else None
             with recompute.selective(self.layers[i], self.cfg.recompute_modules if mode == "selective" else (),
                                      SELECTIVE_TARGETS):
-                h = self.layers[i](h, positions, attention_mask, cache, routing_out)
+                h = self.layers[i](h, positions, attention_mask, cache, routing_out, replay(i))
         return h
+
+    def moe_slots(self) -> dict:
+        """Global layer index -> its index among the MoE layers (routing tensors' layer axis)."""
+        moe = [i for i in range(self.cfg.num_layers) if i not in self.cfg.dense_layers]
+        return {i: n for n, i in enumerate(moe)}
 
     def head(self, h: torch.Tensor) -> torch.Tensor:
         """Final norm and LM head (the embedding matrix when the embeddings are tied)."""
@@ -106,13 +122,15 @@ class MoETransformer(nn.Module):
     # -- full forward ---------------------------------------------------------------------------
     def forward(self, tokens: torch.Tensor, positions: Optional[torch.Tensor] = None,
                 attention_mask: Optional[torch.Tensor] = None, kv_cache: Optional[KVCache] = None,
-                return_routing: bool = False) -> ModelOutput:
+                return_routing: bool = False, routing_in: Optional[torch.Tensor] = None) -> ModelOutput:
         """tokens [B, T]. positions default to past_len + arange(T). attention_mask [B, T_total]
-        marks real tokens (for left-padded batched generation); kv_cache is extended in place."""
+        marks real tokens (for left-padded batched generation); kv_cache is extended in place.
+        routing_in: replayed routes (`run_layers`)."""
         if positions is None:
             positions = self.default_positions(tokens, kv_cache.length if kv_cache is not None else 0)
         routing = [] if return_routing else None
-        h = self.run_layers(self.embed(tokens), positions, attention_mask, kv_cache=kv_cache, routing_out=routing)
+        h = self.run_layers(self.embed(tokens), positions, attention_mask, kv_cache=kv_cache, routing_out=routing,
+                             routing_in=routing_in)
         return ModelOutput(self.head(h), routing)
 
     # -- FP4 and MoE controls -------------------------------------------------------------------

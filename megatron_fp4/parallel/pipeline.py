@@ -100,7 +100,8 @@ class PipelineChunk(nn.Module):
     """One model chunk: the model's own `embed` (first chunk), `run_layers` over its layer range,
     `head` (last chunk). It registers the modules it runs (what the stage's parameters are) and
     calls the model's pieces, so there is one forward for every layout. `inputs()` gives the
-    current micro-batch's ``positions`` / ``attention_mask`` (None: default positions, no mask)."""
+    current micro-batch's ``positions`` / ``attention_mask`` (None: default positions, no mask) and
+    ``routing_in`` (router replay: the micro-batch's routes, every layer's; None: route live)."""
 
     def __init__(self, model: nn.Module, layers: range, is_first: bool, is_last: bool,
                  inputs: Callable[[], dict] = dict):
@@ -120,7 +121,8 @@ class PipelineChunk(nn.Module):
         positions = extra.get("positions")
         if positions is None:
             positions = model.default_positions(h)
-        h = model.run_layers(h, positions, extra.get("attention_mask"), self.layer_range)
+        h = model.run_layers(h, positions, extra.get("attention_mask"), self.layer_range,
+                             routing_in=extra.get("routing_in"))
         return model.head(h) if self.is_last else h
 
 

@@ -4,6 +4,7 @@ integrations: it joins them).
 - `grpo`: group advantages, the RL batch (old/rollout/reference log-probs), PPO minibatch updates
   through the pipeline or not, `switch_to_rl`
 - `scorer`: `PolicyScorer`, the trainer's log-probs of an RL batch on any layout
+- `replay`: router replay (``rl.router_replay``: off | r2 | r3), the routes `build_rl_batch` replays
 - `rollout_client`: `InProcessRollout`, `RemoteRollout` (a separate rollout process fed by the
   sharded publisher), `make_rollout`
 - `sft`: the supervised warm-up (`ResponseNLL`, the carry task's sloppy teacher) on any layout

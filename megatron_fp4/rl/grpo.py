@@ -14,6 +14,7 @@ import random
 
 import torch
 
+from megatron_fp4.rl import replay
 from megatron_fp4.rollout.consistency import consistency_metrics
 from megatron_fp4.rollout.engine import pad_prompt_response
 from megatron_fp4.rollout.policy_step import PolicyLoss
@@ -27,12 +28,20 @@ def grpo_advantages(rewards: torch.Tensor, group_size: int, eps: float = 1e-6) -
     return ((r - r.mean(1, keepdim=True)) / (r.std(1, unbiased=False, keepdim=True) + eps)).view(-1).float()
 
 
-def build_rl_batch(gen, rewards: torch.Tensor, group_size: int, scorer, pad_id: int) -> dict:
+def build_rl_batch(gen, rewards: torch.Tensor, group_size: int, scorer, pad_id: int,
+                   router_replay: str = "off") -> dict:
     """Padded training batch of a `GenerationOutput`: tokens and masks (verl's layout), old log-probs
     (and the reference policy's) recomputed by the trainer (`scorer.score`), the rollout's
-    log-probs at the response positions, and group-normalised advantages."""
+    log-probs at the response positions, and group-normalised advantages. `router_replay`
+    (``rl.router_replay``, `rl/replay.py`): r3 replays the rollout's routes in the scoring and puts
+    them in the batch as ``replay_routing`` for the updates; r2 puts the old-log-prob pass's there."""
+    replay.check_mode(router_replay)
     batch = pad_prompt_response(gen.prompt_ids, gen.response_ids, pad_id)
-    scored = scorer.score(batch)
+    routes = replay.rollout_routes(gen, batch) if router_replay == "r3" else None
+    scored = scorer.score(batch, routes)
+    if router_replay != "off":
+        batch["replay_routing"] = routes if routes is not None else \
+            replay.from_log_prob_alignment(scored["train_routing"])
     old = scored["old_log_probs"]
     rollout_lp = torch.zeros_like(old)
     P = batch["prompt_len"]
@@ -79,7 +88,8 @@ def policy_update(trainer, batch: dict, loss: PolicyLoss, micro_batch_size: int)
                          f"must be at least pp micro-batches of the same size; micro_batch_size={micro_batch_size} "
                          f"is not (the pipeline's buffers are static): use a divisor of {share} of at most "
                          f"{share // trainer.mesh.pp}, or more rows per minibatch")
-    micro = [{k: batch[k][s:min(s + micro_batch_size, stop)].to(trainer.device) for k in loss.batch_keys}
+    keys = loss.batch_keys + (("replay_routing",) if "replay_routing" in batch else ())
+    micro = [{k: batch[k][s:min(s + micro_batch_size, stop)].to(trainer.device) for k in keys}
              for s in range(start, stop, micro_batch_size)]
     return trainer.train_step_with_loss(micro, loss)
 

@@ -36,7 +36,8 @@ class _CaptureLogProbs(StepLoss):
 
     def model_inputs(self, mb: dict) -> dict:
         am = mb["attention_mask"]
-        return {"tokens": mb["input_ids"], "positions": positions_from_mask(am), "attention_mask": am}
+        return {"tokens": mb["input_ids"], "positions": positions_from_mask(am), "attention_mask": am,
+                "routing_in": mb.get("replay_routing")}
 
     def loss(self, logits: torch.Tensor, mb: dict):
         lp, _ = log_probs_from_logits(logits, mb["input_ids"], mb["response_mask"])
@@ -110,27 +111,33 @@ class PolicyScorer:
         self.reference = ({n: p.detach().clone() for n, p in trainer.model.named_parameters()}
                           if keep_reference else None)
 
-    def score(self, batch: dict) -> dict:
+    def score(self, batch: dict, replay: Optional[torch.Tensor] = None) -> dict:
+        """`replay` [B, T, num_moe_layers, k]: routes the old-log-prob and the reference passes replay
+        (R3, `rl/replay.py`); None: both route live (and the routing returned is the old pass's own)."""
         out = {}
         with torch.no_grad():
-            out["old_log_probs"], out["train_routing"] = self._log_probs(batch, routing=True)
+            out["old_log_probs"], out["train_routing"] = self._log_probs(batch, True, replay)
             if self.reference is not None:
                 with swapped_parameters(self.trainer.model, self.reference):
-                    out["ref_log_probs"], _ = self._log_probs(batch, routing=False)
+                    out["ref_log_probs"], _ = self._log_probs(batch, False, replay)
         return out
 
-    def _log_probs(self, batch: dict, routing: bool) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    def _log_probs(self, batch: dict, routing: bool, replay: Optional[torch.Tensor] = None):
+        """(log-probs [B, T], routing [B, T, num_moe_layers, k] when `routing`), replaying `replay`."""
         t = self.trainer
         ids, am, rm = (batch[k].to(t.device) for k in ("input_ids", "attention_mask", "response_mask"))
+        replay = None if replay is None else replay.to(t.device)
         if t.pipeline is None:
-            res = compute_log_probs(t.model, ids, am, rm, return_routing=routing, batch_invariant=self.batch_invariant)
+            res = compute_log_probs(t.model, ids, am, rm, return_routing=routing, batch_invariant=self.batch_invariant,
+                                    routing_in=replay)
             return res.log_probs.cpu(), None if res.routing is None else res.routing.cpu()
         share, mbs = self._split(ids.shape[0])
         dp_rank = t.mesh.coord("dp")
         dtype = wide_dtype(next(t.model.parameters()).dtype)
         full = torch.zeros(ids.shape, dtype=dtype, device=t.device)
         micro = [{"input_ids": ids[s:s + mbs], "attention_mask": am[s:s + mbs], "response_mask": rm[s:s + mbs],
-                  "row_start": s} for s in range(dp_rank * share, (dp_rank + 1) * share, mbs)]
+                  "row_start": s, "replay_routing": None if replay is None else replay[s:s + mbs]}
+                 for s in range(dp_rank * share, (dp_rank + 1) * share, mbs)]
         routes = _RoutingCapture(t.model, ids.shape, [mb["row_start"] for mb in micro], mbs, t.device) \
             if routing else None
         try:

@@ -7,7 +7,8 @@ reference policy (over the loss mask, i.e. without the tokens a rejection rule d
 
 A micro-batch is a dict of [B, T] tensors in verl's layout: ``input_ids``, ``attention_mask``,
 ``response_mask``, ``old_log_probs``, ``rollout_log_probs``, ``advantages`` [B] (and
-``ref_log_probs`` when ``kl_coef`` is set).
+``ref_log_probs`` when ``kl_coef`` is set; ``replay_routing`` [B, T, num_moe_layers, k] under router
+replay, the model's ``routing_in``).
 """
 from __future__ import annotations
 
@@ -49,7 +50,10 @@ class PolicyLoss(StepLoss):
 
     def model_inputs(self, mb: dict) -> dict:
         am = mb["attention_mask"]
-        return {"tokens": mb["input_ids"], "positions": positions_from_mask(am), "attention_mask": am}
+        inputs = {"tokens": mb["input_ids"], "positions": positions_from_mask(am), "attention_mask": am}
+        if mb.get("replay_routing") is not None:  # router replay (rl/replay.py): the routes to use
+            inputs["routing_in"] = mb["replay_routing"]
+        return inputs
 
     def loss(self, logits: torch.Tensor, mb: dict) -> tuple[torch.Tensor, dict]:
         lp, _ = log_probs_from_logits(logits, mb["input_ids"], mb["response_mask"])

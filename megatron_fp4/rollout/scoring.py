@@ -45,17 +45,20 @@ def log_probs_from_logits(logits: torch.Tensor, tokens: torch.Tensor, keep: torc
 def compute_log_probs(model, tokens: torch.Tensor, attention_mask: torch.Tensor,
                       response_mask: Optional[torch.Tensor] = None, mode: Optional[str] = None,
                       return_routing: bool = False, return_distributions: bool = False,
-                      batch_invariant: Optional[bool] = None) -> ScoreOutput:
+                      batch_invariant: Optional[bool] = None, routing_in: Optional[torch.Tensor] = None) -> ScoreOutput:
     """Score `tokens` [B, T] (verl layout: left-padded prompt, right-padded response) in one
     forward, in FP4 `mode` (default: the model's current mode, i.e. the training-side one).
     Differentiable: call under torch.no_grad() when only the numbers are needed.
-    `batch_invariant`: the numerics mode (None: on without autograd, off with it; module doc)."""
+    `batch_invariant`: the numerics mode (None: on without autograd, off with it; module doc).
+    `routing_in`: routes to replay (`MoETransformer.run_layers`; position-aligned, not shifted)."""
     if tokens.shape != attention_mask.shape:
         raise ValueError(f"tokens {tuple(tokens.shape)} and attention_mask {tuple(attention_mask.shape)} "
                          "must have the same [batch, seq] shape")
     on = not torch.is_grad_enabled() if batch_invariant is None else batch_invariant
     with fp4_mode(model, mode), invariant.batch_invariant(on):
-        out = model(tokens, positions_from_mask(attention_mask), attention_mask, return_routing=return_routing)
+        replay = {} if routing_in is None else {"routing_in": routing_in}
+        out = model(tokens, positions_from_mask(attention_mask), attention_mask, return_routing=return_routing,
+                    **replay)
         log_probs, logp_all = log_probs_from_logits(out.logits, tokens, attention_mask if response_mask is None
                                                     else response_mask)
     routing = dists = None

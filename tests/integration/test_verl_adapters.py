@@ -93,7 +93,10 @@ def test_rollout_generate_sequences_and_engine_log_probs_agree():
     out = rollout.generate_sequences(prompts_proto(["12+7=", "3*4=", "100-99="], return_routing=True))
     b = out.batch
     assert b["responses"].shape == (3, 6) and b["input_ids"].shape == (3, b["prompts"].shape[1] + 6)
-    assert b["routed_experts"].shape[:2] == (3, 6) and out.meta_info["weight_version"] == 0
+    P = b["prompts"].shape[1]
+    assert b["routed_experts"].shape[:2] == (3, P + 6) and out.meta_info["weight_version"] == 0
+    replayed = (b["routed_experts"] >= 0).all(-1).all(-1)  # verl's layout: at the producing positions
+    assert torch.equal(replayed[:, P - 1:P + 5], b["response_mask"].bool()) and not replayed[:, :P - 1].any()
     assert torch.all(b["rollout_log_probs"][b["response_mask"] == 0] == 0)
     with trainer.eval_mode():
         old = trainer.infer_batch(b)["model_output"]["log_probs"]

@@ -36,12 +36,23 @@ def _temperature(data) -> float:
 
 
 def score_padded_tokens(model, tokens: torch.Tensor, mask: torch.Tensor, temperature: float = 1.0,
-                        entropy: bool = False) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+                        entropy: bool = False, routing_in: Optional[torch.Tensor] = None, routes: Optional[list] = None
+                        ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """(log_probs [B, T], entropy [B, T] or None): position t is about token t (0 at t = 0 and
-    where `mask` is 0), logits divided by `temperature`."""
+    where `mask` is 0), logits divided by `temperature`. `routing_in`: routes to replay (the
+    model's argument, [B, T, num_moe_layers, k] at the positions); `routes`: a list that gets the
+    routes used ([B, T, num_moe_layers, k], row t: position t-1's, as `compute_log_probs`)."""
+    want = routes is not None
     if temperature == 1.0 and not entropy:
-        return compute_log_probs(model, tokens, mask).log_probs, None
-    dists = compute_log_probs(model, tokens, mask, return_distributions=True).distributions  # [B, T, V]
+        res = compute_log_probs(model, tokens, mask, routing_in=routing_in, return_routing=want)
+        if want:
+            routes.append(res.routing)
+        return res.log_probs, None
+    res = compute_log_probs(model, tokens, mask, return_distributions=True, routing_in=routing_in,
+                            return_routing=want)
+    if want:
+        routes.append(res.routing)
+    dists = res.distributions  # [B, T, V]
     if temperature != 1.0:
         dists = torch.log_softmax(dists / temperature, dim=-1)
         dists = torch.cat([torch.zeros_like(dists[:, :1]), dists[:, 1:]], dim=1)
@@ -81,11 +92,47 @@ def to_shifted_nested(per_token: torch.Tensor, lengths: torch.Tensor) -> torch.T
     return torch.nested.as_nested_tensor(rows, layout=torch.jagged)
 
 
-def score_nested(model, mb, entropy: bool = False) -> dict:
-    """Outputs of a no-padding micro-batch: {"log_probs": nested [B, j1], "entropy": nested [B, j1]}."""
+def score_nested(model, mb, entropy: bool = False, replay: str = "off", record: bool = False) -> dict:
+    """Outputs of a no-padding micro-batch: {"log_probs": nested [B, j1], "entropy": nested [B, j1]}.
+
+    Router replay (verl's ``router_replay.mode``, here "r2" | "r3"): the micro-batch's
+    ``routed_experts`` (nested [B, j1, num_moe_layers, k], each input position's route) are replayed;
+    with "r3" (the rollout's routes, one row short: none for the final token) aligned and masked by
+    verl's own `align_r3_router_replay_data` / `build_r3_replay_mask` (every row but the final one).
+    `record` (R2's old-log-prob pass): the routes used, in the same layout, as "routed_experts"."""
     tokens, mask, lengths = nested_to_padded(mb["input_ids"])
-    lp, ent = score_padded_tokens(model, tokens, mask, _temperature(mb), entropy)
+    routing_in = replay_routes(mb, replay, tokens.shape) if replay != "off" else None
+    used = [] if record else None
+    lp, ent = score_padded_tokens(model, tokens, mask, _temperature(mb), entropy, routing_in, used)
     out = {"log_probs": to_shifted_nested(lp, lengths)}
     if ent is not None:
         out["entropy"] = to_shifted_nested(ent, lengths)
+    if record:  # row t holds position t-1's route: position t's is row t+1; each final one: -1 (live)
+        rows = [torch.cat([used[0][i, 1:int(n)], torch.full_like(used[0][i, :1], -1)])
+                for i, n in enumerate(lengths.tolist())]
+        out["routed_experts"] = torch.nested.as_nested_tensor(rows, layout=torch.jagged)
     return out
+
+
+def replay_routes(mb, replay: str, shape) -> torch.Tensor:
+    """The model's ``routing_in`` [B, L, num_moe_layers, k] from ``mb["routed_experts"]`` (-1: live)."""
+    from verl.utils.megatron.router_replay_utils import align_r3_router_replay_data, build_r3_replay_mask
+
+    if "routed_experts" not in mb.keys() or mb["routed_experts"] is None:
+        raise ValueError("router_replay: the micro-batch has no routed_experts; R2 records them in the "
+                         "old-log-prob pass (compute_log_prob), R3 takes them from the rollout")
+    ids, routes = mb["input_ids"], mb["routed_experts"]
+    if not routes.is_nested:
+        raise ValueError("router_replay: routed_experts must be a jagged nested tensor [B, j1, layers, k]")
+    keep = None
+    if replay == "r3":
+        routes = align_r3_router_replay_data(routes, ids)
+        keep = build_r3_replay_mask(ids, mb["response_mask"])
+    rows = routes.unbind()
+    out = torch.full((shape[0], shape[1], *rows[0].shape[1:]), -1, dtype=torch.long)
+    for i, r in enumerate(rows):
+        r = r.to(torch.long)
+        if keep is not None:
+            r = torch.where(keep.unbind()[i].to(torch.bool)[:, None, None], r, -1)
+        out[i, :r.shape[0]] = r
+    return out.to(ids.device)

@@ -69,6 +69,19 @@ def fp4_config_for(path: Path, engine_config=None) -> FP4Config:
     return _from_dict(FP4Config, fields, "engine_config.fp4")
 
 
+# verl's EngineRouterReplayConfig.mode (engine_config.router_replay, e.g. actor.megatron.router_replay.mode)
+# -> our rl.router_replay
+_ROUTER_REPLAY = {"disabled": "off", "R2": "r2", "R3": "r3"}
+
+
+def router_replay_mode(engine_config) -> str:
+    """``rl.router_replay`` for verl's ``engine_config.router_replay.mode`` (absent: off)."""
+    mode = getattr(getattr(engine_config, "router_replay", None), "mode", "disabled")
+    if mode not in _ROUTER_REPLAY:
+        raise ValueError(f"router_replay.mode={mode!r} must be one of {sorted(_ROUTER_REPLAY)} (verl's modes)")
+    return _ROUTER_REPLAY[mode]
+
+
 def config_from_verl(model_config, engine_config=None, optimizer_config=None) -> Config:
     """Our Config for verl's (model_config, engine_config, optimizer_config)."""
     path = model_dir(model_config)
@@ -80,6 +93,7 @@ def config_from_verl(model_config, engine_config=None, optimizer_config=None) ->
     cfg.model.router_aux_loss_coef = cfg.model.router_z_loss_coef = 0.0
     cfg.dtype = _dtype(getattr(engine_config, "dtype", None))
     cfg.logging.tensorboard_dir = None
+    cfg.rl.router_replay = router_replay_mode(engine_config)
     seed = getattr(engine_config, "seed", None)
     if seed is not None:
         cfg.schedule.seed = int(seed)

@@ -14,7 +14,9 @@ or no-padding (nested `input_ids`, after `left_right_2_no_padding`, what verl's 
 model output handed to `loss_function(model_output, data, dp_group)` is {"log_probs", "entropy" when
 `calculate_entropy`} in the batch's layout, computed with the training-side FP4 mode; verl's own
 `ppo_loss` and its `Metric` objects work unchanged (no-padding batches go through verl's
-`prepare_micro_batches` / `postprocess_batch_func`, as verl's FSDP engine does).
+`prepare_micro_batches` / `postprocess_batch_func`, as verl's FSDP engine does). verl's router replay
+(``engine_config.router_replay.mode`` R2 / R3 with the batch's ``enable_routing_replay``) records and
+replays ``routed_experts`` as verl's Megatron engine does (`_router_replay`, `batches.score_nested`).
 """
 from __future__ import annotations
 
@@ -30,7 +32,7 @@ from verl.utils.py_functional import append_to_dict
 
 from megatron_fp4.config import Config
 from megatron_fp4.integrations.verl.batches import score_nested, score_padded
-from megatron_fp4.integrations.verl.construct import config_from_verl, data_parallel_mesh, model_dir
+from megatron_fp4.integrations.verl.construct import config_from_verl, data_parallel_mesh, model_dir, router_replay_mode
 from megatron_fp4.parallel.mesh import ParallelMesh
 
 
@@ -65,6 +67,8 @@ class MegatronFP4Engine(BaseEngine):
             if mesh is None:  # verl's workers: one process per rank, torch.distributed already up
                 mesh = data_parallel_mesh(cfg)
         self.cfg = cfg if cfg is not None else (trainer.cfg if trainer is not None else Config())
+        if router_replay_mode(engine_config) != "off":  # verl's router_replay.mode drives ours
+            self.cfg.rl.router_replay = router_replay_mode(engine_config)
         self.micro_batch_size = micro_batch_size or getattr(engine_config, "micro_batch_size_per_gpu", None)
         self.trainer = trainer
         self.mesh = mesh
@@ -162,7 +166,22 @@ class MegatronFP4Engine(BaseEngine):
             (loss * weight).backward()
         return float(loss.detach()), metrics
 
+    def _router_replay(self, data, forward_only: bool) -> tuple[str, bool]:
+        """(routes to replay: off | r2 | r3, whether to record the routes used) for one
+        forward_backward_batch, as verl's Megatron engine decides: with ``enable_routing_replay`` set
+        and a mode configured, R2's forward-only pass without ``routed_experts`` records, every other
+        pass replays ``routed_experts``."""
+        mode = self.cfg.rl.router_replay
+        if mode == "off" or not bool(_non_tensor(data, "enable_routing_replay", False)):
+            return "off", False
+        if mode == "r2" and forward_only and "routed_experts" not in data.keys():
+            return "off", True
+        return mode, False
+
     def _forward_backward_padded(self, data, loss_function, forward_only) -> dict:
+        if self._router_replay(data, forward_only) != ("off", False):
+            raise ValueError("router replay runs on verl's no-padding batches (left_right_2_no_padding, what "
+                             "verl's trainer sends); this batch is padded")
         B = data["input_ids"].shape[0]
         mbs = self.micro_batch_size or B
         entropy = bool(_non_tensor(data, "calculate_entropy", False))
@@ -193,10 +212,11 @@ class MegatronFP4Engine(BaseEngine):
             torch.distributed.all_reduce(num_tokens, group=group)
         tu.assign_non_tensor(data, batch_num_tokens=int(num_tokens.item()), dp_size=self.get_data_parallel_size())
         entropy = bool(_non_tensor(data, "calculate_entropy", False))
+        replay, record = self._router_replay(data, forward_only)
         micro_batches, indices = prepare_micro_batches(data=data, dp_group=group, same_micro_num_in_dp=True)
         output_lst = []
         for mb in micro_batches:
-            out = score_nested(self.model, mb, entropy)
+            out = score_nested(self.model, mb, entropy, replay, record)
             loss, metrics = self._step(mb, out, loss_function, forward_only)
             output_lst.append({"model_output": {k: v.detach() for k, v in out.items()}, "loss": loss,
                                "metrics": metrics})

@@ -3,8 +3,11 @@
 `generate_sequences` follows verl's batch layout: in `input_ids` [B, P] left-padded prompts with
 `attention_mask`; out `prompts`, `responses` [B, R] right-padded, `input_ids` = prompts|responses,
 `attention_mask`, `position_ids`, `response_mask`, `rollout_log_probs` [B, R] (raw model
-distribution, what the IS correction needs) and, with meta_info["return_routing"], `routed_experts`
-[B, R, num_moe_layers, k].
+distribution, what the IS correction needs) and, with meta_info["return_routing"] or verl's
+``rollout.enable_rollout_routing_replay`` (R3), `routed_experts` [B, P+R, num_moe_layers, k] in verl's
+layout (aligned with `input_ids`, as verl's agent loop lays out vLLM's routes): column P-1+t holds
+the route behind response token t (the position that produced it); the engine records no other
+prompt routes, so the rest is -1 (the trainer routes those positions live).
 """
 from __future__ import annotations
 
@@ -136,9 +139,10 @@ class MegatronFP4Rollout(BaseRollout):
         params = [SamplingParams(max_new_tokens=length, temperature=temperature, top_k=top_k, top_p=top_p,
                                  stop_token_ids=stop, seed=None if seeds is None else int(seeds[i]))
                   for i in range(len(requests))]
-        routing = bool(meta.get("return_routing", False))
+        routing = bool(meta.get("return_routing", False)) or \
+            bool(getattr(self.config, "enable_rollout_routing_replay", False))
         out = self.engine.generate(requests, params, return_routing=routing)
-        B = len(requests)
+        B, P = len(requests), ids.shape[1]
         responses = torch.full((B, length), pad, dtype=torch.long)
         response_mask = torch.zeros((B, length), dtype=torch.long)
         log_probs = torch.zeros((B, length), dtype=torch.float32)
@@ -149,8 +153,8 @@ class MegatronFP4Rollout(BaseRollout):
             log_probs[i, :len(r)] = out.log_probs[i]
             if routing:
                 if routed is None:
-                    routed = torch.zeros((B, length) + tuple(out.routing[i].shape[1:]), dtype=torch.long)
-                routed[i, :len(r)] = out.routing[i]
+                    routed = torch.full((B, P + length) + tuple(out.routing[i].shape[1:]), -1, dtype=torch.long)
+                routed[i, P - 1:P - 1 + len(r)] = out.routing[i]
         attention_mask = torch.cat([mask.long(), response_mask], dim=1)
         batch = {"prompts": ids, "responses": responses, "input_ids": torch.cat([ids, responses], dim=1),
                  "attention_mask": attention_mask, "position_ids": positions_from_mask(attention_mask),
