@@ -13,9 +13,12 @@ the ``compile`` setting: the FP4 recipe's ``compile`` field (config ``fp4.compil
 caller, overridden for the whole process by ``MEGATRON_FP4_COMPILE`` when that is set:
 
 - ``auto`` (default): eager at first; once a variant (format, options, dtypes) has quantized
-  :data:`AUTO_MIN_ELEMENTS` elements, it is compiled and checked in a background thread while the
-  eager path keeps serving calls, and used from the call after it is ready. Short jobs and test
-  suites never pause for (or pay) a compile; long ones switch over without a pause.
+  :data:`AUTO_MIN_ELEMENTS` elements, a child process (``compile_worker.py``) compiles and checks it,
+  filling inductor's on-disk cache, while the eager path keeps serving calls. The switch happens
+  only at :func:`adopt_ready`, which the trainer calls between steps: the caller's thread compiles
+  there from the warm cache (seconds, not the cold compile) and checks the kernels again. Short jobs
+  and test suites never pause for (or pay) a compile, and a process exits without waiting for a
+  warm-up it will not use (the child is killed; it also exits when its parent dies).
 - ``on``: compile on the first call of each variant, in the caller (seconds).
 - ``off``: always eager.
 
@@ -28,6 +31,13 @@ cannot build for ``ATEN_CPU_CAPABILITY=default``), ``on`` warns once and ``auto`
 quietly. A call that would recompile in the caller's thread (a size-1 dim, another global torch
 state) runs eager instead (``fail_on_recompile`` stance): compiles never happen on the caller's
 critical path in ``auto``.
+
+Why not a background thread (the earlier design): dynamo's compile changes process-global state for
+its whole duration, whichever thread runs it: ``torch.compiler.is_compiling()`` is a module global
+(``torch.optim``'s AdamW then computes its bias corrections as fp32 tensors, not Python floats:
+other bits), the global RNG state is saved and restored around the trace (rewinding another
+thread's draws), and ``set_stance`` is global too. A job's bits then depended on when the compile
+ran. In-process compiles therefore run only on the caller's thread, at points the caller chooses.
 
 Bit-exactness notes (each pinned by ``tests/unit/test_fp4_fused.py`` against the eager path):
 
@@ -44,8 +54,12 @@ MoE experts reuse one kernel.
 from __future__ import annotations
 
 import atexit
+import json
 import math
 import os
+import subprocess
+import sys
+import tempfile
 import threading
 import types
 import warnings
@@ -63,7 +77,9 @@ AUTO_MIN_ELEMENTS = 1 << 28
 _broken: dict = {"reason": None}  # a backend failure (no compiler, ...): no variant compiles any more
 _variants: dict = {}
 _lock = threading.Lock()
-_threads: list = []
+_warmups: list = []  # (variant, child process): auto warm-up compiles started so far
+# Exit codes of compile_worker.py besides 0 (ready): not bit-exact on this CPU, backend failure.
+WORKER_NOT_EXACT, WORKER_BROKEN = 3, 4
 
 
 def resolve_compile(mode: str | None) -> str:
@@ -163,7 +179,8 @@ class _Variant:
     def __init__(self, key, scales_body, apply_body, scales_args, out_dtype):
         self.key, self.scales_body, self.apply_body = key, scales_body, apply_body
         self.scales_args, self.out_dtype = scales_args, out_dtype
-        self.state = "new"  # new | compiling | ready | refused
+        self.state = "new"  # new | warming (auto: a child compiles) | ready | refused
+        self.blocks = None
         self.seen = 0
         self.fns = None
 
@@ -197,25 +214,15 @@ class _Variant:
 
     def __call__(self, x, shape, mode: str):
         """(output, finite flag) of the compiled kernels on ``x`` viewed as ``shape``, or None."""
-        if self.state in ("new", "compiling") and mode == "auto":  # count only: no dynamo import here
-            self.seen += x.numel()
-            if self.state == "compiling" or self.seen < AUTO_MIN_ELEMENTS:
-                return None
-        if self.state == "refused":
-            return None
         blocks = (x.numel() // math.prod(shape[1:]), *shape[1:])
-        with _lock:  # one compile per variant, whichever thread gets here first
-            start, self.state = self.state == "new", ("compiling" if self.state == "new" else self.state)
-        if start:
-            samples = [_probe_like(blocks, x.dtype), _random_like(blocks, x.dtype)]  # never the caller's tensor
-        if start and mode == "on":
+        if self.state in ("new", "warming") and mode == "auto":  # count only: no dynamo import here
+            self.seen += x.numel()
+            if self.state == "new" and self.seen >= AUTO_MIN_ELEMENTS:
+                self.start_warmup(blocks)
+            return None
+        if self.state in ("new", "warming") and mode == "on":  # compile here, in the caller (seconds)
             own = [_blocked(x, shape)] if min(blocks) >= 2 else []  # a size-1 dim would specialize the kernel
-            self.build(samples + own, loud=True)
-        elif start:  # auto, past the threshold: compile off the caller's path
-            t = threading.Thread(target=self.build, args=(samples, False), daemon=True,
-                                 name=f"megatron-fp4-compile-{self.key[0]}")
-            _threads.append(t)
-            t.start()
+            self.build(_samples(blocks, x.dtype) + own, loud=True)
         if self.state != "ready" or min(blocks) < 2:
             return None
         xb = _blocked(x, shape)
@@ -227,19 +234,88 @@ class _Variant:
                 return None
             raise
 
+    def start_warmup(self, blocks) -> None:
+        """auto, past the threshold: compile and check in a child process, off this process's state."""
+        self.state, self.blocks = "warming", blocks
+        spec = json.dumps({"key": [_dtype_name(k) for k in self.key], "blocks": list(blocks)})
+        log = tempfile.TemporaryFile()
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (_PACKAGE_ROOT, os.environ.get("PYTHONPATH")) if p))
+        try:
+            proc = subprocess.Popen(_worker_command(spec), stdin=subprocess.DEVNULL, stdout=log, stderr=log, env=env)
+        except OSError as err:  # cannot start a process here: stay eager, quietly
+            log.close()
+            self.state, _broken["reason"] = "refused", f"compile worker: {err}"
+            return
+        _warmups.append((self, proc, log))
 
-def _variant(key, *args) -> _Variant:
+    def finish_warmup(self, rc: int, log) -> None:
+        """The child is done: on success compile here from the warm cache (checked again), else refuse."""
+        if rc == 0:
+            self.build(_samples(self.blocks, self.key[-2]), loud=False)
+            return
+        self.state = "refused"
+        if rc != WORKER_NOT_EXACT:
+            log.seek(0)
+            lines = log.read()[-2000:].decode(errors="replace").strip().splitlines()
+            _broken["reason"] = f"compile worker exited {rc}: {lines[-1] if lines else ''}"
+
+
+def _dtype_name(k):
+    return str(k).replace("torch.", "") if isinstance(k, torch.dtype) else k
+
+
+def _samples(blocks, dtype) -> list:
+    """The check inputs of a variant (the same in the worker and here: the same graphs, cache hits)."""
+    return [_probe_like(blocks, dtype), _random_like(blocks, dtype)]  # never the caller's tensor
+
+
+def _worker_command(spec: str) -> list:
+    return [sys.executable, "-m", "megatron_fp4.fp4.compile_worker", spec]
+
+
+_PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def variant_of(key) -> _Variant:
+    """The (one) variant of ``key``: ("nvfp4", scale, block, dtype, out_dtype) or ("mxfp4", scale_mode, dtype, out_dtype)."""
     v = _variants.get(key)
     if v is None:
+        if key[0] == "nvfp4":
+            args = (_nvfp4_scales, _apply2, (key[1], key[2] == "2d"), key[-1])
+        else:
+            args = (_mxfp4_scales, _apply1, (key[1],), key[-1])
         with _lock:
             v = _variants.setdefault(key, _Variant(key, *args))
     return v
 
 
+def adopt_ready() -> None:
+    """Switch every variant whose warm-up child has finished to its compiled kernels (or refuse it).
+
+    Call it at a quiet point (the trainer: between steps) on the thread that runs the FP4 layers,
+    with no other thread running torch ops: the compile here changes process-global torch state
+    while it runs. A warm-up still running is left alone; nothing waits."""
+    for entry in list(_warmups):
+        variant, proc, log = entry
+        rc = proc.poll()
+        if rc is None:
+            continue
+        _warmups.remove(entry)
+        try:
+            if variant.state == "warming":
+                variant.finish_warmup(rc, log)
+        finally:
+            log.close()
+
+
 def wait_compiled(timeout: float | None = None) -> None:
-    """Block until background compiles started so far have finished (benchmarks, process exit)."""
-    for t in list(_threads):
-        t.join(timeout)
+    """Wait (up to ``timeout`` s each) for the warm-ups started so far, then adopt them (benchmarks, tests)."""
+    for _, proc, _ in list(_warmups):
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            pass
+    adopt_ready()
 
 
 def compiled_ready(fmt: str) -> bool:
@@ -247,8 +323,20 @@ def compiled_ready(fmt: str) -> bool:
     return any(v.state == "ready" for k, v in list(_variants.items()) if k[0] == fmt)
 
 
-# A daemon thread still compiling when the interpreter shuts down can abort it; let it finish.
-atexit.register(wait_compiled, 120.0)
+def _stop_warmups() -> None:
+    """At exit: kill the warm-ups still running, never wait for a compile this process will not use."""
+    for _, proc, log in list(_warmups):
+        if proc.poll() is None:
+            proc.kill()
+            try:
+                proc.wait(5)
+            except subprocess.TimeoutExpired:
+                pass
+        log.close()
+    _warmups.clear()
+
+
+atexit.register(_stop_warmups)
 
 
 def _blocked(x: torch.Tensor, shape) -> torch.Tensor:
@@ -277,14 +365,11 @@ def fake_quantize_nvfp4_fused(x: torch.Tensor, scale: str, block: str, out_dtype
     (not compiled yet / not for this input: the caller runs eager)."""
     n = x.shape[-1]
     shape = (-1, n // 16, 16) if block == "1d" else (-1, 16, n // 16, 16)  # 2d: row tiles of all batches in dim 0
-    key = ("nvfp4", scale, block, x.dtype, out_dtype)
-    res = _variant(key, _nvfp4_scales, _apply2, (scale, block == "2d"), out_dtype)(x, shape, resolve_compile(mode))
+    res = variant_of(("nvfp4", scale, block, x.dtype, out_dtype))(x, shape, resolve_compile(mode))
     return None if res is None else (res[0].view(x.shape), res[1])
 
 
 def fake_quantize_mxfp4_fused(x: torch.Tensor, scale_mode: str, out_dtype: torch.dtype, mode: str | None = None):
     """Compiled ``fake_quantize_mxfp4`` of a validated ``x``: (output, all-finite flag) or None."""
-    key = ("mxfp4", scale_mode, x.dtype, out_dtype)
-    res = _variant(key, _mxfp4_scales, _apply1, (scale_mode,), out_dtype)(x, (-1, x.shape[-1] // 32, 32),
-                                                                          resolve_compile(mode))
+    res = variant_of(("mxfp4", scale_mode, x.dtype, out_dtype))(x, (-1, x.shape[-1] // 32, 32), resolve_compile(mode))
     return None if res is None else (res[0].view(x.shape), res[1])
