@@ -66,8 +66,8 @@ print(json.dumps({"losses": losses, "ready_at": ready_at, "compiled_calls": comp
 """
 
 
-def _job(timeout: float, compile: str = "auto", delay=0.0, max_steps: int = 16, force_at: int = 10,
-         after_ready: int = 3) -> tuple[subprocess.CompletedProcess, dict]:
+def _job(timeout: float, compile: str = "auto", delay=0.0, max_steps: int = 12, force_at: int = 7,
+         after_ready: int = 2) -> tuple[subprocess.CompletedProcess, dict]:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p))
     env.pop("MEGATRON_FP4_COMPILE", None)
     spec = json.dumps({"compile": compile, "delay": delay, "max_steps": max_steps, "force_at": force_at,
