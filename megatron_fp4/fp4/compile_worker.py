@@ -2,6 +2,8 @@
 
     python -m megatron_fp4.fp4.compile_worker '{"key": ["nvfp4", "row", "1d", "float32", "float32"], "blocks": [512, 4, 16]}'
 
+(the spec is the last argument; ``fused._worker_command`` starts it for this copy of the package).
+
 Compiles the variant's kernels and checks them against the uncompiled bodies on the same probe
 inputs the parent will use, which leaves inductor's on-disk cache warm for the parent's own
 (quick) compile. Exit code 0: ready; ``WORKER_NOT_EXACT``: the kernels are not bit-exact on this
@@ -24,13 +26,14 @@ def _exit_with_parent(parent: int) -> None:
     os._exit(1)
 
 
-def main(argv: list) -> int:
+def main(spec_json: str) -> int:
     threading.Thread(target=_exit_with_parent, args=(os.getppid(),), daemon=True).start()
     import torch
 
     from megatron_fp4.fp4 import fused
 
-    spec = json.loads(argv[0])
+    torch.set_num_threads(1)  # the parent's job keeps the cores; the compile is not in a hurry
+    spec = json.loads(spec_json)
     key = tuple(getattr(torch, k) if k in ("float32", "bfloat16", "float16", "float64") else k for k in spec["key"])
     variant = fused.variant_of(key)
     variant.build(fused._samples(tuple(spec["blocks"]), key[-2]), loud=False)
@@ -43,7 +46,7 @@ def main(argv: list) -> int:
 
 
 if __name__ == "__main__":
-    code = main(sys.argv[1:])
+    code = main(sys.argv[-1])
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)  # do not wait for inductor's worker pools: the cache is written

@@ -29,8 +29,9 @@ depends on the machine's vector unit (``ATEN_CPU_CAPABILITY``), and a kernel tha
 there is not used (warning, eager from then on). If compilation fails (no C++ compiler, inductor
 cannot build for ``ATEN_CPU_CAPABILITY=default``), ``on`` warns once and ``auto`` stays eager
 quietly. A call that would recompile in the caller's thread (a size-1 dim, another global torch
-state) runs eager instead (``fail_on_recompile`` stance): compiles never happen on the caller's
-critical path in ``auto``.
+state) runs eager instead (``fail_on_recompile`` stance): in ``auto`` the caller compiles only in
+:func:`adopt_ready` (a caller that never calls it stays eager). Which step the switch lands on
+depends on the machine's speed; the losses do not, as the kernels give the eager path's bits.
 
 Why not a background thread (the earlier design): dynamo's compile changes process-global state for
 its whole duration, whichever thread runs it: ``torch.compiler.is_compiling()`` is a module global
@@ -239,13 +240,13 @@ class _Variant:
         self.state, self.blocks = "warming", blocks
         spec = json.dumps({"key": [_dtype_name(k) for k in self.key], "blocks": list(blocks)})
         log = tempfile.TemporaryFile()
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (_PACKAGE_ROOT, os.environ.get("PYTHONPATH")) if p))
         try:
-            proc = subprocess.Popen(_worker_command(spec), stdin=subprocess.DEVNULL, stdout=log, stderr=log, env=env)
-        except OSError as err:  # cannot start a process here: stay eager, quietly
+            proc = subprocess.Popen(_worker_command(spec), stdin=subprocess.DEVNULL, stdout=log, stderr=log)
+        except OSError:  # cannot start a process here: this variant stays eager, quietly
             log.close()
-            self.state, _broken["reason"] = "refused", f"compile worker: {err}"
+            self.state = "refused"
             return
+        _owner["pid"] = os.getpid()
         _warmups.append((self, proc, log))
 
     def finish_warmup(self, rc: int, log) -> None:
@@ -253,11 +254,11 @@ class _Variant:
         if rc == 0:
             self.build(_samples(self.blocks, self.key[-2]), loud=False)
             return
-        self.state = "refused"
-        if rc != WORKER_NOT_EXACT:
+        self.state = "refused"  # not bit-exact here, or the child died (killed, out of memory)
+        if rc == WORKER_BROKEN:  # the backend cannot compile: nothing compiles in this process either
             log.seek(0)
             lines = log.read()[-2000:].decode(errors="replace").strip().splitlines()
-            _broken["reason"] = f"compile worker exited {rc}: {lines[-1] if lines else ''}"
+            _broken["reason"] = lines[-1] if lines else "the compile worker failed"
 
 
 def _dtype_name(k):
@@ -270,10 +271,15 @@ def _samples(blocks, dtype) -> list:
 
 
 def _worker_command(spec: str) -> list:
-    return [sys.executable, "-m", "megatron_fp4.fp4.compile_worker", spec]
+    """The warm-up child: this interpreter, this copy of the package (its root put on the path
+    when the child would not find it), ``compile_worker.py`` on ``spec``."""
+    boot = ("import runpy, sys\nif sys.argv[1] not in sys.path: sys.path.insert(0, sys.argv[1])\n"
+            "runpy.run_module('megatron_fp4.fp4.compile_worker', run_name='__main__')")
+    return [sys.executable, "-c", boot, _PACKAGE_ROOT, spec]
 
 
 _PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+_owner = {"pid": None}  # the process that started the warm-ups (a forked copy must not touch them)
 
 
 def variant_of(key) -> _Variant:
@@ -295,7 +301,7 @@ def adopt_ready() -> None:
     Call it at a quiet point (the trainer: between steps) on the thread that runs the FP4 layers,
     with no other thread running torch ops: the compile here changes process-global torch state
     while it runs. A warm-up still running is left alone; nothing waits."""
-    for entry in list(_warmups):
+    for entry in (list(_warmups) if _owner["pid"] == os.getpid() else []):
         variant, proc, log = entry
         rc = proc.poll()
         if rc is None:
@@ -325,7 +331,7 @@ def compiled_ready(fmt: str) -> bool:
 
 def _stop_warmups() -> None:
     """At exit: kill the warm-ups still running, never wait for a compile this process will not use."""
-    for _, proc, log in list(_warmups):
+    for _, proc, log in (list(_warmups) if _owner["pid"] == os.getpid() else []):
         if proc.poll() is None:
             proc.kill()
             try:
