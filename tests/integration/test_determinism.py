@@ -16,6 +16,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -35,8 +36,11 @@ fused.AUTO_MIN_ELEMENTS = 1
 delay = args["delay"]
 # A slow compile: the warm-up worker sleeps first; delay None: it never finishes, and neither would
 # a compile in this process.
-code = ("import runpy, time; time.sleep(%r); "
-        "runpy.run_module('megatron_fp4.fp4.compile_worker', run_name='__main__')" % (1e9 if delay is None else delay))
+code = ("import os, runpy, threading, time\n"
+        "from megatron_fp4.fp4.compile_worker import _exit_with_parent\n"
+        "threading.Thread(target=_exit_with_parent, args=(os.getppid(),), daemon=True).start()\n"
+        "time.sleep(%r)\nrunpy.run_module('megatron_fp4.fp4.compile_worker', run_name='__main__')"
+        % (1e9 if delay is None else delay))
 fused._worker_command = lambda spec: [sys.executable, "-c", code, spec]
 if delay is None:
     fused._compiled_copy = lambda body, tag: time.sleep(1e9)
@@ -63,18 +67,20 @@ while trainer.step < args["max_steps"]:
 children = [p.pid for _, p, _ in getattr(fused, "_warmups", [])]
 print(json.dumps({"losses": losses, "ready_at": ready_at, "compiled_calls": compiled_calls[0],
                   "children": children}), flush=True)
+if args.get("die"):
+    os.kill(os.getpid(), 9)  # no atexit: only the worker's own watchdog can end it
 """
 
 
 def _job(timeout: float, compile: str = "auto", delay=0.0, max_steps: int = 12, force_at: int = 7,
-         after_ready: int = 2) -> tuple[subprocess.CompletedProcess, dict]:
+         after_ready: int = 2, die: bool = False) -> tuple[subprocess.CompletedProcess, dict]:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p))
     env.pop("MEGATRON_FP4_COMPILE", None)
     spec = json.dumps({"compile": compile, "delay": delay, "max_steps": max_steps, "force_at": force_at,
-                       "after_ready": after_ready})
+                       "after_ready": after_ready, "die": die})
     proc = subprocess.run([sys.executable, "-c", _JOB, spec], env=env, cwd=ROOT, capture_output=True, text=True,
                           timeout=timeout)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.returncode == (-9 if die else 0), proc.stderr[-3000:]
     return proc, json.loads(proc.stdout.strip().splitlines()[-1])
 
 
@@ -97,6 +103,29 @@ def test_exit_does_not_wait_for_an_unfinished_compile():
     keep the process alive past its job: it exits normally, and the worker is gone."""
     proc, out = _job(90, delay=None, max_steps=3, force_at=-1, after_ready=0)
     assert out["ready_at"] is None and len(out["losses"]) == 3 and out["children"], out
-    for pid in out["children"]:
-        with pytest.raises(ProcessLookupError):
+    assert not any(_alive(pid) for pid in out["children"])
+
+
+def test_a_worker_ends_when_its_parent_is_killed():
+    """A parent killed outright (no atexit) does not leave its warm-up compiling for good."""
+    _, out = _job(90, delay=None, max_steps=2, force_at=-1, after_ready=0, die=True)
+    assert out["children"]
+    deadline = time.monotonic() + 60
+    while any(_alive(pid) for pid in out["children"]) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not any(_alive(pid) for pid in out["children"])
+
+
+def _alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie nobody reaped yet counts as ended)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+    except OSError:  # no /proc here
+        try:
             os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        return True

@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 import os
 import shutil
+import sys
 import warnings
 
 import pytest
@@ -251,3 +252,24 @@ def test_config_field_reaches_the_layers(mode):
     for mode_name in ("fp4", "fp4_resq"):
         assert expert_recipe(cfg.fp4, mode_name).compile == mode
         assert attention_recipe(cfg.fp4, mode_name).compile == mode
+
+
+@pytest.mark.parametrize("rc", [fused.WORKER_NOT_EXACT, fused.WORKER_BROKEN, -9])
+def test_a_failed_warm_up_leaves_auto_eager(monkeypatch, compiled, rc):
+    """A warm-up whose kernels are not bit-exact, whose backend failed, or that was killed: the
+    variant stays eager (same bits); only a backend failure stops compiles in this process."""
+    monkeypatch.delenv("MEGATRON_FP4_COMPILE", raising=False)
+    monkeypatch.setattr(fused, "_variants", {})
+    monkeypatch.setattr(fused, "_warmups", [])
+    monkeypatch.setattr(fused, "AUTO_MIN_ELEMENTS", 1)
+    code = "import os, sys; print('no compiler here', file=sys.stderr, flush=True); " + (
+        f"sys.exit({rc})" if rc > 0 else "import signal; os.kill(os.getpid(), signal.SIGKILL)")
+    monkeypatch.setattr(fused, "_worker_command", lambda spec: [sys.executable, "-c", code, spec])
+    x = torch.randn(8, 64)
+    ref = fake_quantize_nvfp4(x, compile="off")
+    assert torch.equal(_bits(fake_quantize_nvfp4(x)), _bits(ref))
+    fused.wait_compiled()
+    (variant,) = fused._variants.values()
+    assert variant.state == "refused" and not fused._warmups
+    assert fused._broken["reason"] == ("no compiler here" if rc == fused.WORKER_BROKEN else None)
+    assert torch.equal(_bits(fake_quantize_nvfp4(x)), _bits(ref))
