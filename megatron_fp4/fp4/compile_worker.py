@@ -34,7 +34,7 @@ def main(spec_json: str) -> int:
 
     torch.set_num_threads(1)  # the parent's job keeps the cores; the compile is not in a hurry
     spec = json.loads(spec_json)
-    key = tuple(getattr(torch, k) if k in ("float32", "bfloat16", "float16", "float64") else k for k in spec["key"])
+    key = tuple(getattr(torch, k) if isinstance(getattr(torch, k, None), torch.dtype) else k for k in spec["key"])
     variant = fused.variant_of(key)
     variant.build(fused._samples(tuple(spec["blocks"]), key[-2]), loud=False)
     if variant.state == "ready":

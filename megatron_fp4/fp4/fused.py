@@ -78,7 +78,7 @@ AUTO_MIN_ELEMENTS = 1 << 28
 _broken: dict = {"reason": None}  # a backend failure (no compiler, ...): no variant compiles any more
 _variants: dict = {}
 _lock = threading.Lock()
-_warmups: list = []  # (variant, child process): auto warm-up compiles started so far
+_warmups: list = []  # (variant, child process, its output file): auto warm-ups not adopted yet
 # Exit codes of compile_worker.py besides 0 (ready): not bit-exact on this CPU, backend failure.
 WORKER_NOT_EXACT, WORKER_BROKEN = 3, 4
 

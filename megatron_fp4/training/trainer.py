@@ -217,12 +217,12 @@ class Trainer:
                                         f"non-finite", "the run stops; nothing was saved and the last checkpoint "
                                         "is intact. Lower optimizer.lr or raise optimizer.eps")
         self.step += 1
-        # Between steps, nothing else running: the one point where compiled fake-quant kernels whose
-        # warm-up finished (fp4.compile=auto) are switched in (same bits; fp4/fused.py).
-        adopt_compiled_fp4()
         tokens = sum(mb["tokens"].numel() for mb in micro_batches if "tokens" in mb)
         elapsed = time.perf_counter() - start
         result["tokens_per_s"] = tokens / elapsed if elapsed > 0 else float("nan")
+        # Between steps, nothing else running: the one point where compiled fake-quant kernels whose
+        # warm-up finished (fp4.compile=auto) are switched in (same bits; fp4/fused.py).
+        adopt_compiled_fp4()
         return result
 
     def _weight_cache(self):
