@@ -194,7 +194,11 @@ class _Variant:
         """Compile, check against the uncompiled bodies on ``samples``, then publish (or refuse)."""
         tag = "_".join(str(k).replace("torch.", "") for k in self.key)
         try:
-            with torch.no_grad():
+            import torch._inductor.config as inductor_config
+
+            # compile_threads=1: no pool of compile processes, which would hold the interpreter's
+            # exit for seconds (the pool's shutdown); a few small kernels compile fine in-process.
+            with torch.no_grad(), inductor_config.patch(compile_threads=1):
                 fns = (_compiled_copy(self.scales_body, tag), _compiled_copy(self.apply_body, tag))
                 for xb in samples:
                     _mark_static_elements(xb)
