@@ -20,14 +20,20 @@ import threading
 import time
 
 
-def _exit_with_parent(parent: int) -> None:
+def exit_with_parent(spec_json: str) -> None:
+    """End this process once the parent named in the spec is gone (also if it went while we imported)."""
+    parent = json.loads(spec_json)["parent"]
+    threading.Thread(target=_watch, args=(parent,), daemon=True).start()
+
+
+def _watch(parent: int) -> None:
     while os.getppid() == parent:
         time.sleep(0.5)
     os._exit(1)
 
 
 def main(spec_json: str) -> int:
-    threading.Thread(target=_exit_with_parent, args=(os.getppid(),), daemon=True).start()
+    exit_with_parent(spec_json)
     import torch
 
     from megatron_fp4.fp4 import fused

@@ -242,7 +242,7 @@ class _Variant:
     def start_warmup(self, blocks) -> None:
         """auto, past the threshold: compile and check in a child process, off this process's state."""
         self.state, self.blocks = "warming", blocks
-        spec = json.dumps({"key": [_dtype_name(k) for k in self.key], "blocks": list(blocks)})
+        spec = json.dumps({"key": [_dtype_name(k) for k in self.key], "blocks": list(blocks), "parent": os.getpid()})
         log = tempfile.TemporaryFile()
         try:
             proc = subprocess.Popen(_worker_command(spec), stdin=subprocess.DEVNULL, stdout=log, stderr=log)
