@@ -13,9 +13,12 @@ the ``compile`` setting: the FP4 recipe's ``compile`` field (config ``fp4.compil
 caller, overridden for the whole process by ``MEGATRON_FP4_COMPILE`` when that is set:
 
 - ``auto`` (default): eager at first; once a variant (format, options, dtypes) has quantized
-  :data:`AUTO_MIN_ELEMENTS` elements, it is compiled and checked in a background thread while the
-  eager path keeps serving calls, and used from the call after it is ready. Short jobs and test
-  suites never pause for (or pay) a compile; long ones switch over without a pause.
+  :data:`AUTO_MIN_ELEMENTS` elements, a child process (``compile_worker.py``) compiles and checks it,
+  filling inductor's on-disk cache, while the eager path keeps serving calls. The switch happens
+  only at :func:`adopt_ready`, which the trainer calls between steps: the caller's thread compiles
+  there from the warm cache (seconds, not the cold compile) and checks the kernels again. Short jobs
+  and test suites never pause for (or pay) a compile, and a process exits without waiting for a
+  warm-up it will not use (the child is killed; it also exits when its parent dies).
 - ``on``: compile on the first call of each variant, in the caller (seconds).
 - ``off``: always eager.
 
@@ -26,8 +29,16 @@ depends on the machine's vector unit (``ATEN_CPU_CAPABILITY``), and a kernel tha
 there is not used (warning, eager from then on). If compilation fails (no C++ compiler, inductor
 cannot build for ``ATEN_CPU_CAPABILITY=default``), ``on`` warns once and ``auto`` stays eager
 quietly. A call that would recompile in the caller's thread (a size-1 dim, another global torch
-state) runs eager instead (``fail_on_recompile`` stance): compiles never happen on the caller's
-critical path in ``auto``.
+state) runs eager instead (``fail_on_recompile`` stance): in ``auto`` the caller compiles only in
+:func:`adopt_ready` (a caller that never calls it stays eager). Which step the switch lands on
+depends on the machine's speed; the losses do not, as the kernels give the eager path's bits.
+
+Why not a background thread (the earlier design): dynamo's compile changes process-global state for
+its whole duration, whichever thread runs it: ``torch.compiler.is_compiling()`` is a module global
+(``torch.optim``'s AdamW then computes its bias corrections as fp32 tensors, not Python floats:
+other bits), the global RNG state is saved and restored around the trace (rewinding another
+thread's draws), and ``set_stance`` is global too. A job's bits then depended on when the compile
+ran. In-process compiles therefore run only on the caller's thread, at points the caller chooses.
 
 Bit-exactness notes (each pinned by ``tests/unit/test_fp4_fused.py`` against the eager path):
 
@@ -44,8 +55,12 @@ MoE experts reuse one kernel.
 from __future__ import annotations
 
 import atexit
+import json
 import math
 import os
+import subprocess
+import sys
+import tempfile
 import threading
 import types
 import warnings
@@ -63,7 +78,9 @@ AUTO_MIN_ELEMENTS = 1 << 28
 _broken: dict = {"reason": None}  # a backend failure (no compiler, ...): no variant compiles any more
 _variants: dict = {}
 _lock = threading.Lock()
-_threads: list = []
+_warmups: list = []  # (variant, child process, its output file): auto warm-ups not adopted yet
+# Exit codes of compile_worker.py besides 0 (ready): not bit-exact on this CPU, backend failure.
+WORKER_NOT_EXACT, WORKER_BROKEN = 3, 4
 
 
 def resolve_compile(mode: str | None) -> str:
@@ -163,7 +180,8 @@ class _Variant:
     def __init__(self, key, scales_body, apply_body, scales_args, out_dtype):
         self.key, self.scales_body, self.apply_body = key, scales_body, apply_body
         self.scales_args, self.out_dtype = scales_args, out_dtype
-        self.state = "new"  # new | compiling | ready | refused
+        self.state = "new"  # new | warming (auto: a child compiles) | ready | refused
+        self.blocks = None
         self.seen = 0
         self.fns = None
 
@@ -176,7 +194,11 @@ class _Variant:
         """Compile, check against the uncompiled bodies on ``samples``, then publish (or refuse)."""
         tag = "_".join(str(k).replace("torch.", "") for k in self.key)
         try:
-            with torch.no_grad():
+            import torch._inductor.config as inductor_config
+
+            # compile_threads=1: no pool of compile processes, which would hold the interpreter's
+            # exit for seconds (the pool's shutdown); a few small kernels compile fine in-process.
+            with torch.no_grad(), inductor_config.patch(compile_threads=1):
                 fns = (_compiled_copy(self.scales_body, tag), _compiled_copy(self.apply_body, tag))
                 for xb in samples:
                     _mark_static_elements(xb)
@@ -197,25 +219,15 @@ class _Variant:
 
     def __call__(self, x, shape, mode: str):
         """(output, finite flag) of the compiled kernels on ``x`` viewed as ``shape``, or None."""
-        if self.state in ("new", "compiling") and mode == "auto":  # count only: no dynamo import here
-            self.seen += x.numel()
-            if self.state == "compiling" or self.seen < AUTO_MIN_ELEMENTS:
-                return None
-        if self.state == "refused":
-            return None
         blocks = (x.numel() // math.prod(shape[1:]), *shape[1:])
-        with _lock:  # one compile per variant, whichever thread gets here first
-            start, self.state = self.state == "new", ("compiling" if self.state == "new" else self.state)
-        if start:
-            samples = [_probe_like(blocks, x.dtype), _random_like(blocks, x.dtype)]  # never the caller's tensor
-        if start and mode == "on":
+        if self.state in ("new", "warming") and mode == "auto":  # count only: no dynamo import here
+            self.seen += x.numel()
+            if self.state == "new" and self.seen >= AUTO_MIN_ELEMENTS:
+                self.start_warmup(blocks)
+            return None
+        if self.state in ("new", "warming") and mode == "on":  # compile here, in the caller (seconds)
             own = [_blocked(x, shape)] if min(blocks) >= 2 else []  # a size-1 dim would specialize the kernel
-            self.build(samples + own, loud=True)
-        elif start:  # auto, past the threshold: compile off the caller's path
-            t = threading.Thread(target=self.build, args=(samples, False), daemon=True,
-                                 name=f"megatron-fp4-compile-{self.key[0]}")
-            _threads.append(t)
-            t.start()
+            self.build(_samples(blocks, x.dtype) + own, loud=True)
         if self.state != "ready" or min(blocks) < 2:
             return None
         xb = _blocked(x, shape)
@@ -227,19 +239,93 @@ class _Variant:
                 return None
             raise
 
+    def start_warmup(self, blocks) -> None:
+        """auto, past the threshold: compile and check in a child process, off this process's state."""
+        self.state, self.blocks = "warming", blocks
+        spec = json.dumps({"key": [_dtype_name(k) for k in self.key], "blocks": list(blocks), "parent": os.getpid()})
+        log = tempfile.TemporaryFile()
+        try:
+            proc = subprocess.Popen(_worker_command(spec), stdin=subprocess.DEVNULL, stdout=log, stderr=log)
+        except OSError:  # cannot start a process here: this variant stays eager, quietly
+            log.close()
+            self.state = "refused"
+            return
+        _owner["pid"] = os.getpid()
+        _warmups.append((self, proc, log))
 
-def _variant(key, *args) -> _Variant:
+    def finish_warmup(self, rc: int, log) -> None:
+        """The child is done: on success compile here from the warm cache (checked again), else refuse."""
+        if rc == 0:
+            self.build(_samples(self.blocks, self.key[-2]), loud=False)
+            return
+        self.state = "refused"  # not bit-exact here, or the child died (killed, out of memory)
+        if rc == WORKER_BROKEN:  # the backend cannot compile: nothing compiles in this process either
+            log.seek(0)
+            lines = log.read()[-2000:].decode(errors="replace").strip().splitlines()
+            _broken["reason"] = lines[-1] if lines else "the compile worker failed"
+
+
+def _dtype_name(k):
+    return str(k).replace("torch.", "") if isinstance(k, torch.dtype) else k
+
+
+def _samples(blocks, dtype) -> list:
+    """The check inputs of a variant (the same in the worker and here: the same graphs, cache hits)."""
+    return [_probe_like(blocks, dtype), _random_like(blocks, dtype)]  # never the caller's tensor
+
+
+def _worker_command(spec: str) -> list:
+    """The warm-up child: this interpreter, this copy of the package (its root put on the path
+    when the child would not find it), ``compile_worker.py`` on ``spec``."""
+    boot = ("import runpy, sys\nif sys.argv[1] not in sys.path: sys.path.insert(0, sys.argv[1])\n"
+            "runpy.run_module('megatron_fp4.fp4.compile_worker', run_name='__main__')")
+    return [sys.executable, "-c", boot, _PACKAGE_ROOT, spec]
+
+
+_PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+_owner = {"pid": None}  # the process that started the warm-ups (a forked copy must not touch them)
+
+
+def variant_of(key) -> _Variant:
+    """The (one) variant of ``key``: ("nvfp4", scale, block, dtype, out_dtype) or ("mxfp4", scale_mode, dtype, out_dtype)."""
     v = _variants.get(key)
     if v is None:
+        if key[0] == "nvfp4":
+            args = (_nvfp4_scales, _apply2, (key[1], key[2] == "2d"), key[-1])
+        else:
+            args = (_mxfp4_scales, _apply1, (key[1],), key[-1])
         with _lock:
             v = _variants.setdefault(key, _Variant(key, *args))
     return v
 
 
+def adopt_ready() -> None:
+    """Switch every variant whose warm-up child has finished to its compiled kernels (or refuse it).
+
+    Call it at a quiet point (the trainer: between steps) on the thread that runs the FP4 layers,
+    with no other thread running torch ops: the compile here changes process-global torch state
+    while it runs. A warm-up still running is left alone; nothing waits."""
+    for entry in (list(_warmups) if _owner["pid"] == os.getpid() else []):
+        variant, proc, log = entry
+        rc = proc.poll()
+        if rc is None:
+            continue
+        _warmups.remove(entry)
+        try:
+            if variant.state == "warming":
+                variant.finish_warmup(rc, log)
+        finally:
+            log.close()
+
+
 def wait_compiled(timeout: float | None = None) -> None:
-    """Block until background compiles started so far have finished (benchmarks, process exit)."""
-    for t in list(_threads):
-        t.join(timeout)
+    """Wait (up to ``timeout`` s each) for the warm-ups started so far, then adopt them (benchmarks, tests)."""
+    for _, proc, _ in list(_warmups):
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            pass
+    adopt_ready()
 
 
 def compiled_ready(fmt: str) -> bool:
@@ -247,8 +333,20 @@ def compiled_ready(fmt: str) -> bool:
     return any(v.state == "ready" for k, v in list(_variants.items()) if k[0] == fmt)
 
 
-# A daemon thread still compiling when the interpreter shuts down can abort it; let it finish.
-atexit.register(wait_compiled, 120.0)
+def _stop_warmups() -> None:
+    """At exit: kill the warm-ups still running, never wait for a compile this process will not use."""
+    for _, proc, log in (list(_warmups) if _owner["pid"] == os.getpid() else []):
+        if proc.poll() is None:
+            proc.kill()
+            try:
+                proc.wait(5)
+            except subprocess.TimeoutExpired:
+                pass
+        log.close()
+    _warmups.clear()
+
+
+atexit.register(_stop_warmups)
 
 
 def _blocked(x: torch.Tensor, shape) -> torch.Tensor:
@@ -277,14 +375,11 @@ def fake_quantize_nvfp4_fused(x: torch.Tensor, scale: str, block: str, out_dtype
     (not compiled yet / not for this input: the caller runs eager)."""
     n = x.shape[-1]
     shape = (-1, n // 16, 16) if block == "1d" else (-1, 16, n // 16, 16)  # 2d: row tiles of all batches in dim 0
-    key = ("nvfp4", scale, block, x.dtype, out_dtype)
-    res = _variant(key, _nvfp4_scales, _apply2, (scale, block == "2d"), out_dtype)(x, shape, resolve_compile(mode))
+    res = variant_of(("nvfp4", scale, block, x.dtype, out_dtype))(x, shape, resolve_compile(mode))
     return None if res is None else (res[0].view(x.shape), res[1])
 
 
 def fake_quantize_mxfp4_fused(x: torch.Tensor, scale_mode: str, out_dtype: torch.dtype, mode: str | None = None):
     """Compiled ``fake_quantize_mxfp4`` of a validated ``x``: (output, all-finite flag) or None."""
-    key = ("mxfp4", scale_mode, x.dtype, out_dtype)
-    res = _variant(key, _mxfp4_scales, _apply1, (scale_mode,), out_dtype)(x, (-1, x.shape[-1] // 32, 32),
-                                                                          resolve_compile(mode))
+    res = variant_of(("mxfp4", scale_mode, x.dtype, out_dtype))(x, (-1, x.shape[-1] // 32, 32), resolve_compile(mode))
     return None if res is None else (res[0].view(x.shape), res[1])

@@ -37,6 +37,7 @@ from megatron_fp4.config import Config, ConfigError
 from megatron_fp4.fp4 import NonFiniteInputError
 from megatron_fp4.fp4 import current as fp4_current, micro_batch as fp4_micro_batch, training_step as fp4_training_step
 from megatron_fp4.fp4.exact_gemm import cached_weights
+from megatron_fp4.fp4.fused import adopt_ready as adopt_compiled_fp4
 from megatron_fp4.model import MoETransformer, materialize
 from megatron_fp4.parallel.expert_parallel import apply_expert_parallel
 from megatron_fp4.parallel.mesh import ParallelMesh, world_size_from_env
@@ -219,6 +220,9 @@ class Trainer:
         tokens = sum(mb["tokens"].numel() for mb in micro_batches if "tokens" in mb)
         elapsed = time.perf_counter() - start
         result["tokens_per_s"] = tokens / elapsed if elapsed > 0 else float("nan")
+        # Between steps, nothing else running: the one point where compiled fake-quant kernels whose
+        # warm-up finished (fp4.compile=auto) are switched in (same bits; fp4/fused.py).
+        adopt_compiled_fp4()
         return result
 
     def _weight_cache(self):

@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 import os
 import shutil
+import sys
 import warnings
 
 import pytest
@@ -151,31 +152,35 @@ def test_compile_setting_recipe_field_and_env_override(monkeypatch):
 
 
 def test_auto_stays_eager_below_the_threshold(monkeypatch, compiled):
-    """``auto`` never compiles for a small job: no thread, no compiled kernels, eager's bits."""
+    """``auto`` never compiles for a small job: no warm-up process, no compiled kernels, eager's bits."""
     monkeypatch.delenv("MEGATRON_FP4_COMPILE", raising=False)
     monkeypatch.setattr(fused, "_variants", {})
-    monkeypatch.setattr(fused, "_threads", [])
+    monkeypatch.setattr(fused, "_warmups", [])
     x = torch.randn(64, 128)
     out = fake_quantize_nvfp4(x)
     assert torch.equal(_bits(out), _bits(fake_quantize_nvfp4(x, compile="off")))
     (variant,) = fused._variants.values()
-    assert variant.state == "new" and variant.seen == x.numel() and not fused._threads
+    assert variant.state == "new" and variant.seen == x.numel() and not fused._warmups
 
 
 @needs_inductor
-def test_auto_compiles_in_the_background_then_uses_the_kernels(monkeypatch, compiled):
-    """Past the threshold ``auto`` starts one background compile and returns eager results meanwhile;
-    once the kernels are checked and ready, calls run them (counted) with the same bits, and a call
-    that would recompile in the caller (a size-1 dim) runs eager."""
+def test_auto_compiles_in_a_child_then_switches_when_adopted(monkeypatch, compiled):
+    """Past the threshold ``auto`` starts one warm-up process and returns eager results meanwhile,
+    also once the warm-up is done: the switch happens only at ``adopt_ready``. Then calls run the
+    checked kernels (counted) with the same bits, and a call that would recompile in the caller (a
+    size-1 dim) runs eager."""
     monkeypatch.delenv("MEGATRON_FP4_COMPILE", raising=False)
     monkeypatch.setattr(fused, "_variants", {})
-    monkeypatch.setattr(fused, "_threads", [])
+    monkeypatch.setattr(fused, "_warmups", [])
     monkeypatch.setattr(fused, "AUTO_MIN_ELEMENTS", 1000)
     x = torch.randn(48, 64) * torch.logspace(-3, 3, 64)
     ref = fake_quantize_mxfp4(x, compile="off")
     assert torch.equal(_bits(fake_quantize_mxfp4(x)), _bits(ref))  # eager while the compile runs
-    assert len(fused._threads) == 1
-    fused.wait_compiled()
+    ((_, proc, _),) = fused._warmups
+    proc.wait()
+    (variant,) = fused._variants.values()
+    assert torch.equal(_bits(fake_quantize_mxfp4(x)), _bits(ref)) and variant.state == "warming"
+    fused.adopt_ready()
     (variant,) = fused._variants.values()
     if variant.state == "refused":  # not bit-exact on a kernel set forced below the machine's own
         assert os.environ.get("ATEN_CPU_CAPABILITY")
@@ -190,7 +195,7 @@ def test_auto_compiles_in_the_background_then_uses_the_kernels(monkeypatch, comp
     assert torch.equal(_bits(fake_quantize_mxfp4(one)), _bits(fake_quantize_mxfp4(one, compile="off")))
     with torch.autocast("cpu", dtype=torch.bfloat16):  # other global state: the guard fails, eager runs
         assert torch.equal(_bits(fake_quantize_mxfp4(x)), _bits(ref))
-    assert len(fused._threads) == 1 and variant.state == "ready"
+    assert not fused._warmups and variant.state == "ready"
 
 
 def test_a_kernel_that_is_not_bit_exact_is_refused(monkeypatch, compiled):
@@ -247,3 +252,24 @@ def test_config_field_reaches_the_layers(mode):
     for mode_name in ("fp4", "fp4_resq"):
         assert expert_recipe(cfg.fp4, mode_name).compile == mode
         assert attention_recipe(cfg.fp4, mode_name).compile == mode
+
+
+@pytest.mark.parametrize("rc", [fused.WORKER_NOT_EXACT, fused.WORKER_BROKEN, -9])
+def test_a_failed_warm_up_leaves_auto_eager(monkeypatch, compiled, rc):
+    """A warm-up whose kernels are not bit-exact, whose backend failed, or that was killed: the
+    variant stays eager (same bits); only a backend failure stops compiles in this process."""
+    monkeypatch.delenv("MEGATRON_FP4_COMPILE", raising=False)
+    monkeypatch.setattr(fused, "_variants", {})
+    monkeypatch.setattr(fused, "_warmups", [])
+    monkeypatch.setattr(fused, "AUTO_MIN_ELEMENTS", 1)
+    code = "import os, sys; print('no compiler here', file=sys.stderr, flush=True); " + (
+        f"sys.exit({rc})" if rc > 0 else "import signal; os.kill(os.getpid(), signal.SIGKILL)")
+    monkeypatch.setattr(fused, "_worker_command", lambda spec: [sys.executable, "-c", code, spec])
+    x = torch.randn(8, 64)
+    ref = fake_quantize_nvfp4(x, compile="off")
+    assert torch.equal(_bits(fake_quantize_nvfp4(x)), _bits(ref))
+    fused.wait_compiled()
+    (variant,) = fused._variants.values()
+    assert variant.state == "refused" and not fused._warmups
+    assert fused._broken["reason"] == ("no compiler here" if rc == fused.WORKER_BROKEN else None)
+    assert torch.equal(_bits(fake_quantize_nvfp4(x)), _bits(ref))
