@@ -54,6 +54,7 @@ class RankPlan:
     activations: int
     fp4_weights: int  # Q(W) saved by the MoEResQ linears (fp32)
     head_transient: int  # last stage: logits and their gradient during the loss' backward
+    step_transient: int = 0  # optimizer step: grad copies and AdamW's sqrt/denominator temporaries
     inflight: dict = field(default_factory=dict)  # chunk -> micro-batches in flight
     param_numel: int = 0
 
@@ -63,7 +64,12 @@ class RankPlan:
 
     @property
     def total(self) -> int:
-        return self.params + self.grads + self.optimizer + self.activations + self.fp4_weights + self.head_transient
+        """Peak of a step: the state, the saved tensors and the update's temporaries added up. The
+        saved tensors are freed before the update, but the allocator keeps their pages (glibc's heap
+        for these mostly sub-32 MB tensors, CUDA's caching allocator), so the update's P-sized
+        temporaries come on top (measured: benchmarks/bench_memory_plan.py)."""
+        return (self.params + self.grads + self.optimizer + self.activations + self.fp4_weights
+                + self.head_transient + self.step_transient)
 
 
 def param_dtype(cfg: Config) -> torch.dtype:
@@ -88,12 +94,11 @@ def local_meta_model(cfg: Config, pp_rank: int, ep_rank: int) -> MoETransformer:
     p = cfg.parallel
     with torch.device("meta"):
         model = MoETransformer(cfg.model, cfg.fp4)
-    for moe in ep_mod.moe_layers_of(model):
-        lo, hi = ep_mod.local_expert_range(moe.experts.num_experts, p.ep, ep_rank) if p.ep > 1 else (0, moe.experts.num_experts)
-        if p.ep > 1:
+    if p.ep > 1:  # as the trainer: `apply_expert_parallel` only when ep > 1 (at ep 1 experts stay dp params)
+        for moe in ep_mod.moe_layers_of(model):
+            lo, hi = ep_mod.local_expert_range(moe.experts.num_experts, p.ep, ep_rank)
             moe.experts = ep_mod._local_experts(moe.experts, lo, hi)
-        ep_mod._mark_expert_params(moe.experts)
-        moe.experts.expert_offset = lo
+            ep_mod._mark_expert_params(moe.experts)
     if p.pp > 1:
         build_chunks(model, p.pp, pp_rank, p.virtual_stages, PLACEMENT.get(p.schedule, "loop"))
     model.to(param_dtype(cfg))
@@ -119,7 +124,7 @@ def zero_bytes(named_params, cfg: Config, dp: int) -> dict:
         if t.requires_grad:
             wd = 0.0 if no_weight_decay(name, t) else cfg.optimizer.weight_decay
             groups.setdefault((t.dtype, _axis(t), wd), []).append(t)
-    out = dict(params=0, grads=0, masters=0, moments=0, steps=0)
+    out = dict(params=0, grads=0, masters=0, moments=0, steps=0, step_transient=0)
     for (dtype, axis, _), items in groups.items():
         size = _group_size(axis, p.pp, dp, p.ep)
         bucket_numel = max(1, int(p.bucket_size_mb * 2**20 / torch.finfo(dtype).bits * 8))
@@ -133,12 +138,17 @@ def zero_bytes(named_params, cfg: Config, dp: int) -> dict:
         out["masters"] += 0 if shares else state * wide
         out["moments"] += 2 * state * wide
         out["steps"] += _STEP_BYTES
+        # `step`: the buffer's reduced grad as one wide tensor (cat of the owned slices, the cast,
+        # clipping out of place) while AdamW's single-tensor loop holds sqrt(v) and the denominator
+        # of the same size (buffers step one after another: the largest one counts).
+        out["step_transient"] = max(out["step_transient"], 3 * state * wide)
     return out
 
 
 def single_process_bytes(named_params) -> dict:
     """Bytes of `MasterWeightAdamW` (one process): grads in the param dtype, masters for non-wide params."""
-    out = dict(params=0, grads=0, masters=0, moments=0, steps=0)
+    out = dict(params=0, grads=0, masters=0, moments=0, steps=0, step_transient=0)
+    largest = 0
     for _, t in named_params:
         n, elem, wide = t.numel(), t.dtype.itemsize, wide_dtype(t.dtype).itemsize
         out["params"] += n * elem
@@ -147,6 +157,11 @@ def single_process_bytes(named_params) -> dict:
             out["masters"] += 0 if wide_dtype(t.dtype) == t.dtype else n * wide
             out["moments"] += 2 * n * wide
             out["steps"] += _STEP_BYTES
+            # `step`: every non-wide grad upcast into its master's .grad (held through the update);
+            # AdamW's per-param sqrt(v) and denominator (the largest param counts)
+            out["step_transient"] += 0 if wide_dtype(t.dtype) == t.dtype else n * wide
+            largest = max(largest, n * wide)
+    out["step_transient"] += 2 * largest
     return out
 
 
