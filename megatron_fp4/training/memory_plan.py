@@ -107,6 +107,12 @@ def local_meta_model(cfg: Config, pp_rank: int, ep_rank: int) -> MoETransformer:
 
 
 # -- gradients and optimizer ----------------------------------------------------------------------
+def adam_temporaries(cfg: Config) -> int:
+    """Param-sized temporaries of one torch AdamW update: its CPU single-tensor loop forms sqrt(v)
+    and the denominator as two new tensors; on CUDA the foreach kernels form sqrt(v) and update in place."""
+    return 2 if cfg.device == "cpu" else 1
+
+
 def _axis(p) -> str:
     """ZeroAdamW's reduction axis of a param."""
     return getattr(p, "grad_axis", None) or (getattr(p, "expert_group", "edp") if getattr(p, "is_expert", False) else "dp")
@@ -139,13 +145,13 @@ def zero_bytes(named_params, cfg: Config, dp: int) -> dict:
         out["moments"] += 2 * state * wide
         out["steps"] += _STEP_BYTES
         # `step`: the buffer's reduced grad as one wide tensor (cat of the owned slices, the cast,
-        # clipping out of place) while AdamW's single-tensor loop holds sqrt(v) and the denominator
-        # of the same size (buffers step one after another: the largest one counts).
-        out["step_transient"] = max(out["step_transient"], 3 * state * wide)
+        # clipping out of place) while AdamW holds its temporaries of the same size (buffers step
+        # one after another: the largest one counts).
+        out["step_transient"] = max(out["step_transient"], (1 + adam_temporaries(cfg)) * state * wide)
     return out
 
 
-def single_process_bytes(named_params) -> dict:
+def single_process_bytes(named_params, cfg: Config) -> dict:
     """Bytes of `MasterWeightAdamW` (one process): grads in the param dtype, masters for non-wide params."""
     out = dict(params=0, grads=0, masters=0, moments=0, steps=0, step_transient=0)
     largest = 0
@@ -161,7 +167,7 @@ def single_process_bytes(named_params) -> dict:
             # AdamW's per-param sqrt(v) and denominator (the largest param counts)
             out["step_transient"] += 0 if wide_dtype(t.dtype) == t.dtype else n * wide
             largest = max(largest, n * wide)
-    out["step_transient"] += 2 * largest
+    out["step_transient"] += adam_temporaries(cfg) * largest
     return out
 
 
@@ -278,7 +284,7 @@ def plan_memory(cfg: Config, world_size: int, sharded: bool | None = None, weigh
     for pp_rank in range(p.pp):
         model = local_meta_model(cfg, pp_rank, 0)
         named = list(model.named_parameters())
-        state = zero_bytes(named, cfg, dp) if sharded else single_process_bytes(named)
+        state = zero_bytes(named, cfg, dp) if sharded else single_process_bytes(named, cfg)
         chunks = rank_chunks(pp_rank, p.pp, p.virtual_stages, style)
         counts = inflight_microbatches(schedule, p.pp, pp_rank, p.virtual_stages, num_mb)
         acts, inflight = 0, {}
