@@ -32,7 +32,7 @@ from megatron_fp4.model.layers import wide_dtype
 from megatron_fp4.model.moe import GroupedExperts
 from megatron_fp4.model.specs import no_weight_decay
 from megatron_fp4.parallel import expert_parallel as ep_mod
-from megatron_fp4.parallel.pipeline import MULTI_CHUNK_SCHEDULES, PLACEMENT, build_chunks, rank_chunks, split_layers
+from megatron_fp4.parallel.pipeline import PLACEMENT, build_chunks, rank_chunks, split_layers
 from megatron_fp4.parallel.zero import owned_ranges, plan_buckets
 
 PLANNED_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
@@ -276,9 +276,6 @@ def plan_memory(cfg: Config, world_size: int, sharded: bool | None = None, weigh
                           f"{s.micro_batch_size}×{dp}; raise it")
     if p.pp == 1 and p.virtual_stages > 1:
         raise ConfigError(f"parallel.virtual_stages={p.virtual_stages} needs parallel.pp > 1")
-    if p.pp > 1 and p.virtual_stages > 1 and p.schedule not in MULTI_CHUNK_SCHEDULES:  # as PipelineRunner
-        raise ConfigError(f"parallel.virtual_stages={p.virtual_stages} needs an interleaved schedule, not "
-                          f"parallel.schedule={p.schedule!r}; use one of {list(MULTI_CHUNK_SCHEDULES)}")
     sharded = world_size > 1 if sharded is None else sharded
     ranges = split_layers(cfg.model.num_layers, p.pp, p.virtual_stages)
     style = PLACEMENT.get(p.schedule, "loop")

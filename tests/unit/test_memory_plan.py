@@ -156,7 +156,7 @@ def test_inflight_microbatches():
     (["--world-size", "2", "--set", "parallel.etp=2"], "parallel.etp"),
     (["--world-size", "8", "--set", "parallel.pp=8"], "model.num_layers=4"),
     (["--world-size", "4", "--set", "parallel.pp=2", "parallel.virtual_stages=2", "parallel.schedule=zbv"], "zbv"),
-    (["--world-size", "2", "--set", "parallel.pp=2", "parallel.virtual_stages=2"], "interleaved schedule"),
+    (["--world-size", "2", "--set", "parallel.pp=2", "parallel.virtual_stages=2"], "multi-chunk schedule"),
 ])
 def test_cli_bad_layout_is_one_line_exit_2(args, words, capsys):
     assert cli.main([str(default_config_path())] + args) == 2
