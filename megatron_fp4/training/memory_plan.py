@@ -195,15 +195,14 @@ def layer_activation_bytes(cfg: Config, is_moe: bool, tokens: int, routed_rows: 
         return b + 4 * tokens * m.dense_ffn_hidden_size * a  # gate, up, silu, product
     E, F = m.num_experts, m.moe_ffn_hidden_size
     b += 0 if param_dtype(cfg) == wide_dtype(param_dtype(cfg)) else E * H * w  # the router weight's fp32 upcast
-    b += 2 * tokens * E * w + tokens * w + tokens * k * 2 * w  # probs, logits (z-loss); top-k sum, raw/normalized weights
+    b += tokens * E * w + tokens * w + tokens * k * 2 * w  # probs; top-k sum, raw/normalized weights
     b += 4 * tokens * k * _INDEX_BYTES  # top-k ids, token_of_row, two un-permute orders
     b += routed_rows * H * a + 4 * routed_rows * F * a  # x_sorted; per expert w13 out (2F), silu, product
     b += 3 * tokens * k * H * a + tokens * k * a  # combine: un-permuted rows, gathered rows; gathered weights
     if grouped_experts:  # FP4 off: one grouped GEMM (moe.can_group) saves its int32 group offsets
         b += local_experts * 4
-    b += E * 4 + tokens * w  # aux-loss statistics: token fractions, logsumexp (computed whenever training)
-    if m.router_aux_loss_coef or m.router_z_loss_coef:  # the aux loss itself (AuxLossAutoScaler)
-        b += w
+    if m.router_aux_loss_coef or m.router_z_loss_coef:  # the aux losses' graph, kept by AuxLossAutoScaler
+        b += tokens * E * w + E * 4 + tokens * w + w  # logits (z-loss), token fractions, logsumexp, the loss
     if shared:
         b += 4 * tokens * m.shared_expert_ffn_hidden_size * m.num_shared_experts * a
     return b

@@ -4,12 +4,14 @@
   real `Trainer` holds after one step (sum of numel × element_size per rank), exactly: one process
   (`MasterWeightAdamW`) and gloo meshes at pp2, ep2 and dp2 with ZeRO 0/1/2 (`ZeroAdamW`);
 - activations: the planner's bytes per micro-batch against the unique storages autograd saves in
-  one forward (``torch.autograd.graph.saved_tensors_hooks``). Derived bound: the planner counts
+  one forward (``torch.autograd.graph.saved_tensors_hooks``) that are still alive when the loss is
+  formed (what backward holds). Derived bound: the planner counts
   ``Q(W)`` of every local FP4 expert, an expert that receives no token saves none, so
   ``planned - measured`` lies in [0, Q(W) bytes of the experts the router left empty]; every other
   term is an exact count of the forward's saved tensors.
 """
 import json
+import weakref
 
 import pytest
 import torch
@@ -33,18 +35,25 @@ def _saved_bytes(cfg, tokens):
     model.set_fp4_mode(cfg.fp4.train_mode)
     model.train()
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    seen = {}
+    packed = []  # weak references: a graph branch nothing keeps (aux losses with coefficients 0) frees its tensors
 
     def pack(t):
-        st = t.untyped_storage()
-        if st.data_ptr() not in params:
-            seen[st.data_ptr()] = st.nbytes()
-        return t
+        alias = t.detach()  # held by the graph alone (a saved output returned as itself would hold its
+        packed.append(weakref.ref(alias))  # own grad_fn: a cycle that keeps a dropped branch alive)
+        return alias
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         out = model(tokens, return_routing=True)
-        lm_loss(out.logits, tokens)
-    return sum(seen.values()), out.routing
+        loss = lm_loss(out.logits, tokens)
+    routing = out.routing
+    del out
+    live = {}  # storages still held by the graph of `loss`, each once
+    for ref in packed:
+        t = ref()
+        if t is not None and t.untyped_storage().data_ptr() not in params:
+            live[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+    assert loss.requires_grad
+    return sum(live.values()), routing
 
 
 @pytest.mark.parametrize("extra", [
