@@ -1,0 +1,307 @@
+"""Memory per rank of a config and layout, from the project's own code: the planner behind
+``tools/memory_plan.py`` (see docs/memory.md, "Planning").
+
+- **Parameters**: each pipeline rank's model is built on the meta device and cut exactly as the
+  trainer cuts it (`expert_parallel.local_expert_range` / `_local_experts`, then
+  `pipeline.build_chunks` → `strip_to_local`), so the parameter list is the trainer's.
+- **Gradients and optimizer**: a mesh of more than one process uses `ZeroAdamW` (parallel/zero.py):
+  params and grads live in flat buffers per (dtype, reduction axis, weight decay), laid out by its
+  own pure `plan_buckets` (padded to the axis' group size: dp, edp = dp/ep for experts, embed);
+  fp32 masters and both Adam moments cover the owned slices at stages 1/2, the whole buffer at
+  stage 0 (where an fp32 buffer is its own master); stage 2 adds the reduced-grad shard. One
+  process uses `MasterWeightAdamW` (training/optim.py): grads in the param dtype, masters only for
+  non-fp32 params, the moments in fp32. Every torch AdamW param also holds a 4-byte ``step``.
+- **Activations**: the bytes autograd saves for one micro-batch of a chunk (`layer_activation_bytes`,
+  checked term by term against ``saved_tensors_hooks`` in tests/unit/test_memory_plan.py), times
+  the micro-batches in flight of the schedule, plus the FP4 ``Q(W)`` each MoEResQ linear saves
+  (fp32, `_DgradHalf`; once per step under the trainer's per-step weight cache).
+
+Expert rows per rank assume balanced routing (each rank's experts get ``tokens × top_k`` rows per
+micro-batch on average); the real number varies with the router.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from megatron_fp4.config import Config, ConfigError
+from megatron_fp4.config_validate import resolve_dp
+from megatron_fp4.model import MoETransformer
+from megatron_fp4.model.layers import wide_dtype
+from megatron_fp4.model.moe import GroupedExperts
+from megatron_fp4.model.specs import no_weight_decay
+from megatron_fp4.parallel import expert_parallel as ep_mod
+from megatron_fp4.parallel.pipeline import PLACEMENT, build_chunks, rank_chunks, split_layers
+from megatron_fp4.parallel.zero import owned_ranges, plan_buckets
+
+PLANNED_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
+_STEP_BYTES = 4  # torch AdamW's per-param ``step`` scalar (float32)
+_INDEX_BYTES = 8  # int64 indices (top-k ids, permutations)
+
+
+@dataclass
+class RankPlan:
+    """Bytes held by one rank (all ranks of `ranks` hold the same)."""
+
+    role: str
+    ranks: list
+    params: int
+    grads: int
+    masters: int
+    moments: int
+    steps: int
+    activations: int
+    fp4_weights: int  # Q(W) saved by the MoEResQ linears (fp32)
+    head_transient: int  # last stage: logits and their gradient during the loss' backward
+    step_transient: int = 0  # optimizer step: grad copies and AdamW's sqrt/denominator temporaries
+    inflight: dict = field(default_factory=dict)  # chunk -> micro-batches in flight
+    param_numel: int = 0
+
+    @property
+    def optimizer(self) -> int:
+        return self.masters + self.moments + self.steps
+
+    @property
+    def total(self) -> int:
+        """Peak of a step: the state, the saved tensors and the update's temporaries added up. The
+        saved tensors are freed before the update, but the allocator keeps their pages (glibc's heap
+        for these mostly sub-32 MB tensors, CUDA's caching allocator), so the update's P-sized
+        temporaries come on top (measured: benchmarks/bench_memory_plan.py)."""
+        return (self.params + self.grads + self.optimizer + self.activations + self.fp4_weights
+                + self.head_transient + self.step_transient)
+
+
+def param_dtype(cfg: Config) -> torch.dtype:
+    """The dtype of the trainer's parameters (`Trainer._build_model`): bf16 only on CPU (CUDA autocasts)."""
+    if cfg.dtype == "fp64":
+        return torch.float64
+    if cfg.dtype == "bf16" and cfg.device == "cpu":
+        return torch.bfloat16
+    return torch.float32
+
+
+def activation_dtype(cfg: Config) -> torch.dtype:
+    """The activations' dtype: the params', or bf16 under CUDA autocast (norms and router stay wide:
+    the ``w`` terms)."""
+    return torch.bfloat16 if cfg.dtype == "bf16" else param_dtype(cfg)
+
+
+def local_meta_model(cfg: Config, pp_rank: int, ep_rank: int) -> MoETransformer:
+    """This rank's model on the meta device, cut as `Trainer._build_model` cuts it (experts, then
+    pipeline chunks). The ep cut is `apply_expert_parallel`'s without its collective agreement
+    check and dispatcher (neither owns a parameter)."""
+    p = cfg.parallel
+    with torch.device("meta"):
+        model = MoETransformer(cfg.model, cfg.fp4)
+    if p.ep > 1:  # as the trainer: `apply_expert_parallel` only when ep > 1 (at ep 1 experts stay dp params)
+        for moe in ep_mod.moe_layers_of(model):
+            lo, hi = ep_mod.local_expert_range(moe.experts.num_experts, p.ep, ep_rank)
+            moe.experts = ep_mod._local_experts(moe.experts, lo, hi)
+            ep_mod._mark_expert_params(moe.experts)
+    if p.pp > 1:
+        build_chunks(model, p.pp, pp_rank, p.virtual_stages, PLACEMENT.get(p.schedule, "loop"))
+    model.to(param_dtype(cfg))
+    model.set_fp4_mode(cfg.fp4.train_mode)
+    return model
+
+
+# -- gradients and optimizer ----------------------------------------------------------------------
+def adam_temporaries(cfg: Config) -> int:
+    """Param-sized temporaries of one torch AdamW update: its CPU single-tensor loop forms sqrt(v)
+    and the denominator as two new tensors; on CUDA the foreach kernels form sqrt(v) and update in place."""
+    return 2 if cfg.device == "cpu" else 1
+
+
+def _axis(p) -> str:
+    """ZeroAdamW's reduction axis of a param."""
+    return getattr(p, "grad_axis", None) or (getattr(p, "expert_group", "edp") if getattr(p, "is_expert", False) else "dp")
+
+
+def _group_size(axis: str, pp: int, dp: int, ep: int) -> int:
+    return {"dp": dp, "edp": dp // ep, "embed": 2 * dp if pp > 1 else dp}[axis]
+
+
+def zero_bytes(named_params, cfg: Config, dp: int) -> dict:
+    """Bytes of `ZeroAdamW`'s buffers on one rank: its grouping, `plan_buckets` and `owned_ranges`."""
+    p = cfg.parallel
+    groups: dict[tuple, list] = {}
+    for name, t in named_params:
+        if t.requires_grad:
+            wd = 0.0 if no_weight_decay(name, t) else cfg.optimizer.weight_decay
+            groups.setdefault((t.dtype, _axis(t), wd), []).append(t)
+    out = dict(params=0, grads=0, masters=0, moments=0, steps=0, step_transient=0)
+    for (dtype, axis, _), items in groups.items():
+        size = _group_size(axis, p.pp, dp, p.ep)
+        bucket_numel = max(1, int(p.bucket_size_mb * 2**20 / torch.finfo(dtype).bits * 8))
+        _, spans = plan_buckets([t.numel() for t in items[::-1]], bucket_numel, size)
+        numel, elem, wide = spans[-1][1], dtype.itemsize, wide_dtype(dtype).itemsize
+        owned = sum(hi - lo for lo, hi in owned_ranges(spans, size, 0))
+        state = numel if p.zero_stage == 0 else owned
+        out["params"] += numel * elem
+        out["grads"] += numel * elem + (owned * elem if p.zero_stage == 2 else 0)
+        shares = p.zero_stage == 0 and wide_dtype(dtype) == dtype  # the fp32 buffer is the master
+        out["masters"] += 0 if shares else state * wide
+        out["moments"] += 2 * state * wide
+        out["steps"] += _STEP_BYTES
+        # `step`: the buffer's reduced grad as one wide tensor (cat of the owned slices, the cast,
+        # clipping out of place) while AdamW holds its temporaries of the same size (buffers step
+        # one after another: the largest one counts).
+        out["step_transient"] = max(out["step_transient"], (1 + adam_temporaries(cfg)) * state * wide)
+    return out
+
+
+def single_process_bytes(named_params, cfg: Config) -> dict:
+    """Bytes of `MasterWeightAdamW` (one process): grads in the param dtype, masters for non-wide params."""
+    out = dict(params=0, grads=0, masters=0, moments=0, steps=0, step_transient=0)
+    largest = 0
+    for _, t in named_params:
+        n, elem, wide = t.numel(), t.dtype.itemsize, wide_dtype(t.dtype).itemsize
+        out["params"] += n * elem
+        if t.requires_grad:
+            out["grads"] += n * elem
+            out["masters"] += 0 if wide_dtype(t.dtype) == t.dtype else n * wide
+            out["moments"] += 2 * n * wide
+            out["steps"] += _STEP_BYTES
+            # `step`: every non-wide grad upcast into its master's .grad (held through the update);
+            # AdamW's per-param sqrt(v) and denominator (the largest param counts)
+            out["step_transient"] += 0 if wide_dtype(t.dtype) == t.dtype else n * wide
+            largest = max(largest, n * wide)
+    out["step_transient"] += adam_temporaries(cfg) * largest
+    return out
+
+
+# -- activations ----------------------------------------------------------------------------------
+def layer_activation_bytes(cfg: Config, is_moe: bool, tokens: int, routed_rows: int, local_experts: int = 0,
+                           grouped_experts: bool = False) -> int:
+    """Bytes autograd saves in one decoder layer for `tokens` = batch × seq tokens (``routed_rows``:
+    rows this rank's experts receive). Terms follow the forward (layers.py, moe.py, moeresq.py);
+    ``a`` is the activation dtype, ``w`` the wide (norm/router) one. Excludes Q(W) (`fp4_weight_bytes`)."""
+    m, a = cfg.model, activation_dtype(cfg).itemsize
+    w = wide_dtype(activation_dtype(cfg)).itemsize
+    H, nh, nkv, d, k = m.hidden_size, m.num_heads, m.num_kv_heads, m.head_dim, m.top_k
+    norm = lambda rows, dim: rows * dim * (w + a) + rows * w  # noqa: E731  RMSNorm: upcast input, rsqrt, x·rsqrt
+    b = norm(tokens, H) + tokens * H * a  # input norm, its output (q/k/v linears' input)
+    b += norm(tokens * nh, d) + norm(tokens * nkv, d)  # q_norm, k_norm
+    b += 2 * tokens * d * a  # rope cos, sin
+    b += 4 * tokens * nh * d * a + tokens * nh * w  # SDPA: q, k and v (repeated to nh heads), out; logsumexp
+    b += tokens * nh * d * a  # o_proj input (contiguous copy)
+    b += norm(tokens, H)  # post-attention norm
+    shared = is_moe and m.num_shared_experts > 0
+    mlp_in = tokens * H * a if not is_moe or shared else 0  # the norm's output, saved by the MLP's linears
+    router_in = tokens * H * w if is_moe else 0  # its fp32 upcast, saved by the router (the same tensor when a == w)
+    b += max(mlp_in, router_in) if a == w else mlp_in + router_in
+    if not is_moe:
+        return b + 4 * tokens * m.dense_ffn_hidden_size * a  # gate, up, silu, product
+    E, F = m.num_experts, m.moe_ffn_hidden_size
+    b += 0 if param_dtype(cfg) == wide_dtype(param_dtype(cfg)) else E * H * w  # the router weight's fp32 upcast
+    b += tokens * E * w + tokens * w + tokens * k * 2 * w  # probs; top-k sum, raw/normalized weights
+    b += 4 * tokens * k * _INDEX_BYTES  # top-k ids, token_of_row, two un-permute orders
+    b += routed_rows * H * a + 4 * routed_rows * F * a  # x_sorted; per expert w13 out (2F), silu, product
+    b += 3 * tokens * k * H * a + tokens * k * a  # combine: un-permuted rows, gathered rows; gathered weights
+    if grouped_experts:  # FP4 off: one grouped GEMM (moe.can_group) saves its int32 group offsets
+        b += local_experts * 4
+    if m.router_aux_loss_coef or m.router_z_loss_coef:  # the aux losses' graph, kept by AuxLossAutoScaler
+        b += tokens * E * w + E * 4 + tokens * w + w  # logits (z-loss), token fractions, logsumexp, the loss
+    if shared:
+        b += 4 * tokens * m.shared_expert_ffn_hidden_size * m.num_shared_experts * a
+    return b
+
+
+def chunk_activation_bytes(cfg: Config, model: MoETransformer, layers, is_first: bool, is_last: bool,
+                           batch: int, seq: int) -> int:
+    """Saved bytes of one micro-batch through one chunk (`layers`, the embedding, the head)."""
+    tokens, m = batch * seq, cfg.model
+    a, w = activation_dtype(cfg).itemsize, wide_dtype(activation_dtype(cfg)).itemsize
+    b = tokens * _INDEX_BYTES if is_first else 0  # the embedding's token ids
+    for i in layers:
+        layer = model.layers[i]
+        experts = layer.mlp.experts if layer.is_moe else None
+        rows = tokens * m.top_k
+        grouped = experts is not None and experts.recipe.mode == "bf16" and param_dtype(cfg) != torch.float64 \
+            and rows <= GroupedExperts.max_group_rows * experts.num_experts
+        b += layer_activation_bytes(cfg, layer.is_moe, tokens, rows, experts.num_experts if experts else 0, grouped)
+    if is_last:  # final norm, LM-head input, log-softmax output (fp32), loss scalar
+        b += tokens * m.hidden_size * (w + 2 * a) + tokens * w + tokens * m.vocab_size * w + w
+    return b
+
+
+def fp4_weight_bytes(model: MoETransformer) -> int:
+    """fp32 Q(W) of every local FP4 weight (each MoEResQ linear saves it for dgrad)."""
+    total = 0
+    for module in model.fp4_modules():
+        if module.recipe.mode == "bf16":
+            continue
+        weights = (module.w13, module.w2) if isinstance(module, GroupedExperts) else (module.weight,)
+        total += sum(t.numel() for t in weights) * 4
+    return total
+
+
+def inflight_microbatches(schedule: str, pp: int, pp_rank: int, virtual_stages: int, num_microbatches: int) -> list[int]:
+    """Micro-batches whose activations a rank holds at its peak, per local chunk (in chunk order).
+
+    GPipe: all. 1F1B: ``pp - stage``. Interleaved 1F1B (Megatron): ``2(pp - r - 1) + (v - 1)·pp + 1``
+    chunk forwards before the first backward, taken in the schedule's order (pp micro-batches per
+    chunk, chunks in turn)."""
+    m, v = num_microbatches, virtual_stages
+    if schedule == "gpipe":
+        return [m] * v
+    if schedule == "1f1b":
+        return [min(pp - pp_rank, m)]
+    if schedule != "interleaved_1f1b":
+        raise ConfigError(f"parallel.schedule={schedule!r}: the planner models {list(PLANNED_SCHEDULES)}; the "
+                          f"zero-bubble schedules hold weight-grad operands longer (not modeled yet)")
+    forwards = min(v * m, 2 * (pp - pp_rank - 1) + (v - 1) * pp + 1)
+    counts = [0] * v
+    for i in range(forwards):
+        counts[(i // pp) % v] += 1
+    return [min(c, m) for c in counts]
+
+
+# -- the plan -------------------------------------------------------------------------------------
+def plan_memory(cfg: Config, world_size: int, sharded: bool | None = None, weight_cache: bool = True) -> list[RankPlan]:
+    """One `RankPlan` per pipeline rank (its dp/ep peers hold the same bytes). Raises `ConfigError`
+    (or ValueError from the layout functions) with a one-line message for a bad config or layout.
+    `sharded`: ZeroAdamW (default: world_size > 1, as `Trainer.sharded`); `weight_cache`: Q(W) once
+    per step (the trainer's default) rather than per micro-batch in flight."""
+    cfg.validate(world_size=world_size)
+    p, s = cfg.parallel, cfg.schedule
+    dp = resolve_dp(cfg, world_size)
+    if world_size == 1 and (p.pp > 1 or p.ep > 1):
+        raise ConfigError(f"parallel.pp={p.pp}, parallel.ep={p.ep}: pp/ep > 1 need world_size > 1")
+    num_mb = s.global_batch_size // (s.micro_batch_size * dp)
+    if num_mb < 1:
+        raise ConfigError(f"schedule.global_batch_size={s.global_batch_size}: smaller than micro_batch_size×dp = "
+                          f"{s.micro_batch_size}×{dp}; raise it")
+    if p.pp == 1 and p.virtual_stages > 1:
+        raise ConfigError(f"parallel.virtual_stages={p.virtual_stages} needs parallel.pp > 1")
+    sharded = world_size > 1 if sharded is None else sharded
+    ranges = split_layers(cfg.model.num_layers, p.pp, p.virtual_stages)
+    style = PLACEMENT.get(p.schedule, "loop")
+    schedule = p.schedule if p.pp > 1 else "1f1b"
+    plans = []
+    for pp_rank in range(p.pp):
+        model = local_meta_model(cfg, pp_rank, 0)
+        named = list(model.named_parameters())
+        state = zero_bytes(named, cfg, dp) if sharded else single_process_bytes(named, cfg)
+        chunks = rank_chunks(pp_rank, p.pp, p.virtual_stages, style)
+        counts = inflight_microbatches(schedule, p.pp, pp_rank, p.virtual_stages, num_mb)
+        acts, inflight = 0, {}
+        for c, n in zip(chunks, counts):
+            acts += n * chunk_activation_bytes(cfg, model, ranges[c], c == 0, c == len(ranges) - 1,
+                                               s.micro_batch_size, s.seq_len)
+            inflight[c] = n
+        stochastic_w = cfg.fp4.scope != "none" and _weight_rounding(model) == "stochastic"
+        qw = fp4_weight_bytes(model) * (1 if weight_cache and not stochastic_w else max(sum(counts), 1))
+        is_last = len(ranges) - 1 in chunks
+        tokens = s.micro_batch_size * s.seq_len
+        a, w = activation_dtype(cfg).itemsize, wide_dtype(activation_dtype(cfg)).itemsize
+        head = tokens * cfg.model.vocab_size * (a + w) if is_last else 0
+        ranks = [r for r in range(world_size) if r // dp == pp_rank]
+        plans.append(RankPlan(f"pp{pp_rank}", ranks, activations=acts, fp4_weights=qw, head_transient=head,
+                              inflight=inflight, param_numel=sum(t.numel() for _, t in named), **state))
+    return plans
+
+
+def _weight_rounding(model: MoETransformer) -> str:
+    return next((mod.recipe.weight.rounding for mod in model.fp4_modules()), "nearest")
