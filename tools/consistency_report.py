@@ -341,8 +341,8 @@ def select(args) -> tuple:
     modes = {f"{t}/{r}": (n, t, r) for n, t, r in SETTINGS}
     settings = [modes[m] if m in modes else None for m in args.settings.split(",")] if args.settings else SETTINGS
     if any(s not in SCOPES for s in scopes) or None in settings:
-        raise ValueError(f"--scopes {args.scopes!r} / --settings {args.settings!r}: scopes are {', '.join(SCOPES)}; "
-                         f"settings are {', '.join(modes)}")
+        raise ValueError(f"--scopes/--settings: unknown name in {args.scopes or ''!r} / {args.settings or ''!r}; scopes "
+                         f"are {', '.join(SCOPES)}; settings are {', '.join(modes)}")
     return scopes, settings
 
 
