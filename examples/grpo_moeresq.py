@@ -295,7 +295,7 @@ def run(args) -> list:
     say = print if main else (lambda *a, **k: None)
     scorer = PolicyScorer(trainer, args.micro_batch_size, keep_reference=bool(args.kl_coef))  # the SFT policy, frozen
     if args.rollout == "vllm":  # vLLM + the plugin in its own process (docs/vllm.md)
-        from megatron_fp4.integrations.vllm.rollout import VLLMRollout
+        from megatron_fp4.rl.vllm_rollout import VLLMRollout
         rollout = VLLMRollout(trainer, task.tok.pad_id, args.bucket_mb << 20, python=args.vllm_python,
                               work_dir=Path(args.logdir or tempfile.mkdtemp(prefix="grpo-vllm-")) / "vllm",
                               addr=args.rollout_addr)

@@ -7,7 +7,7 @@
 The same interface and channels as `rl.rollout_client.RemoteRollout` (it is one): trainer rank 0
 writes a shape template of the model (`export_for_vllm`: config.json with the plugin's
 `quantization_config`, weights of a fresh init, replaced by the first publish), starts
-`python -m megatron_fp4.integrations.vllm.server` on it (the vLLM python: `python=`, env
+`python -m megatron_fp4.rl.vllm_server` on it (the vLLM python: `python=`, env
 MEGATRON_FP4_VLLM_PYTHON, else this interpreter when vllm imports here) and serves the two
 token-authenticated `PeerGroup`s. Weights go under HF names: a single-process trainer through a
 `WeightPublisher`, a sharded one through the `ShardedWeightPublisher` (every rank's shard).
@@ -77,7 +77,7 @@ class VLLMRollout(RemoteRollout):
                     "name": name, "timeout_s": self.timeout_s, "threads": int(threads)}
             env = _worker_env(token)
             env.update({"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "HF_HUB_OFFLINE": "1"})
-            self.proc = subprocess.Popen([python, "-m", "megatron_fp4.integrations.vllm.server", json.dumps(spec)],
+            self.proc = subprocess.Popen([python, "-m", "megatron_fp4.rl.vllm_server", json.dumps(spec)],
                                          env=env)
             self.weights, self.control = self._join(lambda: (
                 PeerGroup(addr, spec["weights_port"], 0, 2, self._device, self.timeout_s, weights_socket, token=token),

@@ -1,9 +1,9 @@
 """The vLLM rollout process of the GRPO example (`--rollout vllm`): a `vllm.LLM` with the
 `megatron_fp4` plugin, fed weights by the trainer's publisher, asked for generations by trainer rank 0.
 
-    VENV/bin/python -m megatron_fp4.integrations.vllm.server '<JSON spec>'   # MEGATRON_FP4_SYNC_TOKEN set
+    VENV/bin/python -m megatron_fp4.rl.vllm_server '<JSON spec>'   # MEGATRON_FP4_SYNC_TOKEN set
 
-Started by `integrations.vllm.rollout.VLLMRollout`. The transport and the control loop are the
+Started by `rl.vllm_rollout.VLLMRollout`. The transport and the control loop are the
 project's own rollout process (`rl.rollout_worker.serve`): two token-authenticated `PeerGroup`s,
 weights under HF names through `weight_sync_dist`'s JSON-header protocol (a `DistributedReceiver`
 on a background thread), requests and generations as JSON + tensors (`rl.wire`); nothing is
@@ -140,8 +140,8 @@ def main(argv=None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     token = sync_token_from_env()
     if len(argv) != 1 or token is None:
-        raise SystemExit("usage: MEGATRON_FP4_SYNC_TOKEN=... python -m megatron_fp4.integrations.vllm.server "
-                         "'<JSON spec>' (started by integrations.vllm.rollout.VLLMRollout)")
+        raise SystemExit("usage: MEGATRON_FP4_SYNC_TOKEN=... python -m megatron_fp4.rl.vllm_server "
+                         "'<JSON spec>' (started by rl.vllm_rollout.VLLMRollout)")
     spec = json.loads(argv[0])
     if not isinstance(spec, dict) or set(spec) != SPEC_KEYS:
         raise SystemExit(f"the vLLM rollout server's spec must be a JSON object with keys {sorted(SPEC_KEYS)}")
