@@ -10,8 +10,10 @@ process (as always); under torchrun the trainer is sharded (pipeline stages, exp
 and trainer rank 0 starts the rollout engine as a process of its own (`rl.RemoteRollout`: weights
 gathered from every shard under HF names through a token-authenticated channel, generations
 broadcast to every trainer rank), and the SFT and policy losses run through the pipeline schedule.
-With `--train-data` (verl-format parquet, prompts rendered by `--tokenizer`'s chat template) the
-rewards come from the data_source registry (`training.rewards`) instead of the generated task.
+With `--rollout vllm` the rollout is vLLM + the `megatron_fp4` plugin in a process (and venv) of
+its own, fed the same way every step (`rl.vllm_rollout`, docs/vllm.md). With `--train-data`
+(verl-format parquet, prompts rendered by `--tokenizer`'s chat template) the rewards come from the
+data_source registry (`training.rewards`) instead of the generated task.
 
 The default task (`--task carry`, `training/data/carry_task.py`, docs/ablation.md) is two-digit
 column addition with the carry written out, answer after ``####``. Its train and test problems
@@ -360,7 +362,8 @@ def grpo_loop(trainer, task, rollout, scorer, loss, args, say, start: float):
         record = {"step": step, "rollout_version": gen.version, "published_version": handle.version,
                   "reward": float(rewards.mean()), "loss": result["loss"], "grad_norm": result["grad_norm"],
                   "kl": result["kl"], "num_updates": result["num_updates"], "temperature": args.temperature,
-                  "weight_sync/snapshot_s": handle.snapshot_s, "weight_sync/served_sha": served, "texts": texts, "completions": completions,
+                  "weight_sync/snapshot_s": handle.snapshot_s, "weight_sync/served_sha": served,
+                  "texts": texts, "completions": completions,
                   "rewards": rewards.tolist(), "references": [it[2] for it in items], **{f"consistency/{k}": v for k, v in cons.items() if k != "kl_method"}}
         if step == 0 or args.check_sync:  # rollout vs trainer log-probs of the same weights
             P = batch["prompt_len"]

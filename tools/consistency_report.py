@@ -27,6 +27,12 @@ kernels) than the trainer. The rollout side here therefore models that engine:
   EPS · rms(h) · N(0, 1) per element) to the rollout's hidden state at every decoder-layer input.
   A *synthetic* stand-in for kernel differences (accumulation order, fused ops), to dial the gap.
 
+``--rollout vllm`` replaces the modelled engine by vLLM itself: vLLM + the `megatron_fp4` plugin
+generates on an `export_for_vllm` directory of the same fp32 weights per (scope, setting), with the
+routed experts from the plugin (`integrations/vllm/worker.py`; in its own process with
+``--vllm-python`` / env MEGATRON_FP4_VLLM_PYTHON, else in this one), and the trainer re-scores as
+below (one table; docs/vllm.md).
+
 The report always also runs the no-gap table (fp32 on both sides, no noise) unless
 ``--no-baseline``. It prints the tables, a routing-sharpness line (how close the router's k-th
 and (k+1)-th experts are: the margin a tiny input difference must cross to flip an expert), and
