@@ -96,3 +96,42 @@ def test_grpo_two_steps_with_vllm_rollout(tmp_path):
               f"experts {h['consistency/expert_agreement']:.4f}")
         assert bool(torch.isfinite(d).all()) and d.median() <= TOL and within >= MIN_WITHIN, d.tolist()
         assert h["consistency/expert_agreement"] == 1.0
+
+
+def test_served_weights_read_back_under_hf_names():
+    """`rl.vllm_server.hf_tensors_of` splits vLLM's fused parameters (q/k/v rows, gate/up halves,
+    [E, 2F, H] w13 and [E, H, F] w2 per expert, vocabulary rows padded to 64) back into exactly the
+    HF checkpoint's tensors, so the digests compare like with like (no vLLM needed: vLLM's layout
+    built here from the HF tensors)."""
+    from megatron_fp4.config import Config, ModelConfig
+    from megatron_fp4.integrations.hf.qwen3_moe import hf_config_from_ours, to_hf_state_dict
+    from megatron_fp4.model import build_model
+    from megatron_fp4.rl.vllm_server import hf_tensors_of
+
+    cfg = Config()
+    cfg.model = ModelConfig(vocab_size=40, hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1, head_dim=16,
+                            num_experts=4, top_k=2, moe_ffn_hidden_size=8, dense_layers=[0], dense_ffn_hidden_size=24)
+    hf = {k: v.detach() for k, v in to_hf_state_dict(build_model(cfg, seed=3)).items()}
+    fused = {}
+    for name, t in hf.items():
+        if ".q_proj." in name:
+            fused[name.replace("q_proj", "qkv_proj")] = torch.cat(
+                [t, hf[name.replace("q_proj", "k_proj")], hf[name.replace("q_proj", "v_proj")]])
+        elif ".mlp.gate_proj." in name:
+            fused[name.replace("gate_proj", "gate_up_proj")] = torch.cat([t, hf[name.replace("gate_proj", "up_proj")]])
+        elif ".experts.0.gate_proj." in name:
+            p = name.split("experts.0.")[0] + "experts."
+            E = cfg.model.num_experts
+            fused[p + "routed_experts.w13_weight"] = torch.stack(
+                [torch.cat([hf[f"{p}{e}.gate_proj.weight"], hf[f"{p}{e}.up_proj.weight"]]) for e in range(E)])
+            fused[p + "routed_experts.w2_weight"] = torch.stack([hf[f"{p}{e}.down_proj.weight"] for e in range(E)])
+        elif name in ("model.embed_tokens.weight", "lm_head.weight"):
+            fused[name] = torch.cat([t, torch.full((64 - t.shape[0], t.shape[1]), 7.0)])
+        elif not any(s in name for s in (".k_proj.", ".v_proj.", ".up_proj.", ".down_proj.", ".experts.")):
+            fused[name] = t
+    fused.update({n: hf[n] for n in hf if ".mlp.down_proj." in n})
+    model = torch.nn.Module()
+    model.named_parameters = lambda: iter((n, torch.nn.Parameter(t.clone())) for n, t in fused.items())
+    got = hf_tensors_of(model, hf_config_from_ours(cfg.model))
+    assert sorted(got) == sorted(hf)
+    assert all(torch.equal(got[n], hf[n]) for n in hf)
