@@ -10,8 +10,10 @@ process (as always); under torchrun the trainer is sharded (pipeline stages, exp
 and trainer rank 0 starts the rollout engine as a process of its own (`rl.RemoteRollout`: weights
 gathered from every shard under HF names through a token-authenticated channel, generations
 broadcast to every trainer rank), and the SFT and policy losses run through the pipeline schedule.
-With `--train-data` (verl-format parquet, prompts rendered by `--tokenizer`'s chat template) the
-rewards come from the data_source registry (`training.rewards`) instead of the generated task.
+With `--rollout vllm` the rollout is vLLM + the `megatron_fp4` plugin in a process (and venv) of
+its own, fed the same way every step (`rl.vllm_rollout`, docs/vllm.md). With `--train-data`
+(verl-format parquet, prompts rendered by `--tokenizer`'s chat template) the rewards come from the
+data_source registry (`training.rewards`) instead of the generated task.
 
 The default task (`--task carry`, `training/data/carry_task.py`, docs/ablation.md) is two-digit
 column addition with the carry written out, answer after ``####``. Its train and test problems
@@ -294,7 +296,13 @@ def run(args) -> list:
     main = trainer.mesh.rank == 0
     say = print if main else (lambda *a, **k: None)
     scorer = PolicyScorer(trainer, args.micro_batch_size, keep_reference=bool(args.kl_coef))  # the SFT policy, frozen
-    rollout = make_rollout(trainer, task.tok.pad_id, args.bucket_mb << 20, addr=args.rollout_addr)
+    if args.rollout == "vllm":  # vLLM + the plugin in its own process (docs/vllm.md)
+        from megatron_fp4.rl.vllm_rollout import VLLMRollout
+        rollout = VLLMRollout(trainer, task.tok.pad_id, args.bucket_mb << 20, python=args.vllm_python,
+                              work_dir=Path(args.logdir or tempfile.mkdtemp(prefix="grpo-vllm-")) / "vllm",
+                              addr=args.rollout_addr)
+    else:
+        rollout = make_rollout(trainer, task.tok.pad_id, args.bucket_mb << 20, addr=args.rollout_addr)
     loss = PolicyLoss(args.clip_eps, args.tis_cap, args.kl_coef)
     try:
         history, eval_before = grpo_loop(trainer, task, rollout, scorer, loss, args, say, start)
@@ -322,6 +330,8 @@ def run(args) -> list:
 
 def grpo_loop(trainer, task, rollout, scorer, loss, args, say, start: float):
     rollout.publish(0).wait_loaded()
+    if args.check_sync:
+        check_sync(trainer, rollout, 0)
     eval_before = greedy_accuracy(rollout, task, 0)
     say(f"SFT: {args.sft_steps} steps in {time.perf_counter() - start:.0f} s; greedy eval accuracy "
         f"{eval_before:.3f} on {task.description}; rollout: {type(rollout).__name__}", flush=True)
@@ -344,13 +354,18 @@ def grpo_loop(trainer, task, rollout, scorer, loss, args, say, start: float):
         result = ppo_updates(trainer, batch, loss, args.micro_batch_size, args.ppo_epochs, args.minibatches,
                              shuffle_rng)
         handle = rollout.publish(step + 1)  # returns at snapshot: training could go on right now
+        served = None
+        if args.check_sync:  # costs the overlap: wait for the load, compare what the rollout serves
+            handle.wait_loaded()
+            served = check_sync(trainer, rollout, step + 1)
         texts = [it[1] for it in items]
         record = {"step": step, "rollout_version": gen.version, "published_version": handle.version,
                   "reward": float(rewards.mean()), "loss": result["loss"], "grad_norm": result["grad_norm"],
                   "kl": result["kl"], "num_updates": result["num_updates"], "temperature": args.temperature,
-                  "weight_sync/snapshot_s": handle.snapshot_s, "texts": texts, "completions": completions,
+                  "weight_sync/snapshot_s": handle.snapshot_s, "weight_sync/served_sha": served,
+                  "texts": texts, "completions": completions,
                   "rewards": rewards.tolist(), "references": [it[2] for it in items], **{f"consistency/{k}": v for k, v in cons.items() if k != "kl_method"}}
-        if step == 0:  # before any update: rollout vs trainer log-probs of the same weights
+        if step == 0 or args.check_sync:  # rollout vs trainer log-probs of the same weights
             P = batch["prompt_len"]
             record["lp_diffs"] = torch.cat([(batch["old_log_probs"][i, P:P + len(r)] - gen.log_probs[i]).abs()
                                             for i, r in enumerate(gen.response_ids)])
@@ -364,6 +379,19 @@ def grpo_loop(trainer, task, rollout, scorer, loss, args, say, start: float):
             f"{handle.snapshot_s * 1e3:>8.1f} {result['loss']:>+8.4f}", flush=True)
     handle.wait_loaded()
     return history, eval_before
+
+
+def check_sync(trainer, rollout, version: int) -> str:
+    """--check-sync: the rollout serves `version` and its weights equal the trainer's (SHA-256 per HF
+    name); returns one SHA-256 over them all."""
+    from megatron_fp4.rl.rollout_worker import weight_digests
+
+    served, ours = rollout.digests(), weight_digests(trainer.model)
+    differ = sorted(n for n in set(ours) | set(served["digests"]) if ours.get(n) != served["digests"].get(n))
+    if served["version"] != version or differ:
+        raise RuntimeError(f"weight sync check: the rollout serves version {served['version']} (expected {version}); "
+                           f"{len(differ)} of {len(ours)} weights differ from the trainer's, e.g. {differ[:3]}")
+    return hashlib.sha256(repr(sorted(ours.items())).encode()).hexdigest()
 
 
 def write_logs(history: list, eval_before: float, logdir: Path) -> None:
@@ -450,6 +478,14 @@ def parse_args(argv=None):
     ap.add_argument("--bucket-mb", type=int, default=1)
     ap.add_argument("--rollout-addr", default="127.0.0.1",
                     help="under torchrun: the address trainer rank 0 serves the rollout process's channels on")
+    ap.add_argument("--rollout", choices=["engine", "vllm"], default="engine",
+                    help="rollout engine: this project's (in process, or its own process under torchrun) or vLLM + "
+                         "the megatron_fp4 plugin in its own process, weights synced every step (docs/vllm.md)")
+    ap.add_argument("--vllm-python", help="--rollout vllm: the vLLM environment's python (default: env "
+                                          "MEGATRON_FP4_VLLM_PYTHON, else this one when vllm imports here)")
+    ap.add_argument("--check-sync", action="store_true",
+                    help="after every publish wait for the load and check that the rollout's weights equal the "
+                         "trainer's (digests; a separate-process rollout: vllm or torchrun)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--logdir", default="outputs/grpo/tensorboard")
     args = ap.parse_args(argv)

@@ -27,6 +27,12 @@ kernels) than the trainer. The rollout side here therefore models that engine:
   EPS · rms(h) · N(0, 1) per element) to the rollout's hidden state at every decoder-layer input.
   A *synthetic* stand-in for kernel differences (accumulation order, fused ops), to dial the gap.
 
+``--rollout vllm`` replaces the modelled engine by vLLM itself: vLLM + the `megatron_fp4` plugin
+generates on an `export_for_vllm` directory of the same fp32 weights per (scope, setting), with the
+routed experts from the plugin (`integrations/vllm/worker.py`; in its own process with
+``--vllm-python`` / env MEGATRON_FP4_VLLM_PYTHON, else in this one), and the trainer re-scores as
+below (one table; docs/vllm.md).
+
 The report always also runs the no-gap table (fp32 on both sides, no noise) unless
 ``--no-baseline``. It prints the tables, a routing-sharpness line (how close the router's k-th
 and (k+1)-th experts are: the margin a tiny input difference must cross to flip an expert), and
@@ -151,13 +157,20 @@ def measure(cfg, weights, scope, train_mode, rollout_mode, tok, gap: Gap = NO_GA
         h.remove()
     flat = {k: [x for g in gens for x in getattr(g, k)] for k in
             ("prompt_ids", "response_ids", "log_probs", "routing", "distributions")}
+    return train_side(train_model, flat, tok, train_mode, gap.batch_invariant, train_batch)
+
+
+def train_side(train_model, flat: dict, tok, train_mode: str, batch_invariant: bool, train_batch: int) -> dict:
+    """The fp32 trainer re-scores the rollout's tokens (`flat`: per request prompt_ids, response_ids,
+    log_probs, routing, distributions), batched in reverse order; the consistency metrics."""
+    ps = flat["prompt_ids"]
     order = list(range(len(ps)))[::-1]  # training side: other batch composition and padding
     train = {"log_probs": [None] * len(ps), "routing": [None] * len(ps), "distributions": [None] * len(ps)}
     for s in range(0, len(order), train_batch):
         idx = order[s:s + train_batch]
         out = score(train_model, [flat["prompt_ids"][i] for i in idx], [flat["response_ids"][i] for i in idx],
                     tok.pad_id, train_mode, return_routing=True, return_distributions=True,
-                    batch_invariant=gap.batch_invariant)
+                    batch_invariant=batch_invariant)
         for j, i in enumerate(idx):
             for k in train:
                 train[k][i] = out[k][j]
@@ -176,6 +189,50 @@ def ablation(cfg, weights, tok, gap: Gap = NO_GAP, scopes=SCOPES, settings=SETTI
             rows.append({"gap": gap.label, "rollout_dtype": gap.rollout_dtype, "engine_noise": gap.noise,
                          "bf16_weights": gap.bf16_weights, "batch_invariant": gap.batch_invariant,
                          "scope": scope, "setting": name, "train_mode": train_mode, "rollout_mode": rollout_mode, **m})
+    return rows
+
+
+VLLM_GAP = "vLLM rollout (fp32, megatron_fp4 plugin), fp32 trainer"
+
+
+def vllm_ablation(cfg, weights, tok, work_dir, python=None, scopes=SCOPES, settings=SETTINGS, num_prompts: int = 64,
+                  max_new_tokens: int = 8, train_batch: int = 6, seed: int = 0) -> list:
+    """The table with vLLM + the plugin as the rollout side: each (scope, setting) exported by
+    `export_for_vllm` (fp32 weights, its quantization_config carrying the rollout recipe), all served
+    by one vLLM worker (`integrations/vllm/worker.py`, own process when `python` is given), the same
+    prompts and seeds; the fp32 trainer (batch-invariant scoring) re-scores as in `measure`."""
+    from megatron_fp4.integrations.vllm import export_for_vllm
+    from megatron_fp4.integrations.vllm.remote import run_vllm_rollout
+
+    work_dir = Path(work_dir)
+    ps = prompts(num_prompts, seed, tok)
+    models, jobs = {}, []
+    for scope in scopes:
+        for name, train_mode, rollout_mode in settings:
+            c = copy.deepcopy(cfg)
+            c.fp4.scope, c.fp4.train_mode, c.fp4.rollout_mode = scope, train_mode, rollout_mode
+            c.numerics.batch_invariant = True
+            model = build_model(c)
+            model.load_state_dict(weights)
+            key = f"{scope}/{name}"
+            out = export_for_vllm(model, c, work_dir / f"hf_{len(jobs)}", dtype=None, overwrite=True)
+            models[key] = model
+            jobs.append({"name": key, "model": str(out)})
+    spec = {"jobs": jobs, "prompts": ps, "max_tokens": max_new_tokens, "temperature": 1.0,
+            "seeds": [seed * 100_003 + i for i in range(len(ps))], "stop_token_ids": [tok.eos_id],
+            "dtype": "float32", "routing": True, "distributions": True}
+    gens = run_vllm_rollout(spec, work_dir, python=python)
+    rows = []
+    for scope in scopes:
+        for name, train_mode, rollout_mode in settings:
+            key = f"{scope}/{name}"
+            g = gens[key]
+            flat = {"prompt_ids": ps, "response_ids": g["tokens"], "log_probs": g["logprobs"],
+                    "routing": g["routing"], "distributions": g["dist"]}
+            m = train_side(models[key], flat, tok, train_mode, True, train_batch)
+            rows.append({"gap": VLLM_GAP, "rollout": "vllm", "rollout_dtype": "fp32", "engine_noise": 0.0,
+                         "bf16_weights": False, "batch_invariant": True, "scope": scope, "setting": name,
+                         "train_mode": train_mode, "rollout_mode": rollout_mode, **m})
     return rows
 
 
@@ -284,6 +341,17 @@ def plot(rows, path: Path) -> None:
     plt.close(fig)
 
 
+def select(args) -> tuple:
+    """(scopes, settings) named by --scopes / --settings; ValueError naming the unknown one."""
+    scopes = args.scopes.split(",") if args.scopes else SCOPES
+    modes = {f"{t}/{r}": (n, t, r) for n, t, r in SETTINGS}
+    settings = [modes[m] if m in modes else None for m in args.settings.split(",")] if args.settings else SETTINGS
+    if any(s not in SCOPES for s in scopes) or None in settings:
+        raise ValueError(f"--scopes/--settings: unknown name in {args.scopes or ''!r} / {args.settings or ''!r}; scopes "
+                         f"are {', '.join(SCOPES)}; settings are {', '.join(modes)}")
+    return scopes, settings
+
+
 def main(argv=None) -> list:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--checkpoint", help="trainer checkpoint directory (default: train in-process, see --train-steps)")
@@ -300,6 +368,14 @@ def main(argv=None) -> list:
                     help="round the weights to bf16 for both sides (both engines load one bf16 checkpoint, so their "
                          "FP4 weight codes agree); default: the trainer keeps fp32 weights and only the rollout's "
                          "copy is rounded, as this project's weight sync does")
+    ap.add_argument("--rollout", choices=["engine", "vllm"], default="engine",
+                    help="rollout side: this project's engine (the engine-gap tables) or vLLM + the megatron_fp4 plugin "
+                         "on the same weights (a table of its own; docs/vllm.md)")
+    ap.add_argument("--vllm-python", help="the vLLM environment's python (default: env MEGATRON_FP4_VLLM_PYTHON, else "
+                                          "vllm in this process); vLLM then runs in its own process")
+    ap.add_argument("--settings", help="comma-separated subset of the settings by train/rollout mode, e.g. "
+                                       "'fp4_resq/fp4_resq,bf16/bf16' (default: all four)")
+    ap.add_argument("--scopes", help=f"comma-separated subset of {','.join(SCOPES)} (default: both)")
     ap.add_argument("--no-baseline", action="store_true", help="skip the no-gap (fp32 both sides) table")
     ap.add_argument("--num-prompts", type=int, default=128)
     ap.add_argument("--max-new-tokens", type=int, default=8)
@@ -315,6 +391,13 @@ def main(argv=None) -> list:
     cfg = base_config(args)
     if cfg.model.vocab_size < tok.vocab_size:
         raise ValueError(f"model.vocab_size={cfg.model.vocab_size} < tokenizer vocab {tok.vocab_size}; raise it")
+    try:
+        scopes, settings = select(args)
+        if args.rollout == "vllm":
+            from megatron_fp4.integrations.vllm.remote import vllm_python
+            python = vllm_python(args.vllm_python)
+    except ValueError as e:
+        ap.error(str(e))
     weights = trained_weights(cfg, args)
     sharp = routing_sharpness(cfg, weights, tok, seed=args.seed)
     gaps = [Gap(args.rollout_dtype, args.engine_noise, args.bf16_weights)]
@@ -325,9 +408,13 @@ def main(argv=None) -> list:
         gaps.append(Gap("fp32", 0.0, args.bf16_weights, batch_invariant=False))
     kw = dict(num_prompts=args.num_prompts, max_new_tokens=args.max_new_tokens, rollout_batch=args.rollout_batch,
               train_batch=args.train_batch, seed=args.seed)
-    rows = [r for gap in gaps for r in ablation(cfg, weights, tok, gap, **kw)]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    if args.rollout == "vllm":
+        rows = vllm_ablation(cfg, weights, tok, out / "vllm", python, scopes, settings,
+                             args.num_prompts, args.max_new_tokens, args.train_batch, args.seed)
+    else:
+        rows = [r for gap in gaps for r in ablation(cfg, weights, tok, gap, scopes, settings, **kw)]
     sharp_line = (f"routing (trained router, {sharp['num_router_rows']} token-layer rows): normalized entropy "
                   f"{sharp['normalized_entropy']:.3f} (1 = uniform), top-k mass {sharp['topk_mass']:.3f}, median "
                   f"margin p_k - p_k+1 {sharp['median_margin']:.3e}, margin < 1e-2: {sharp['frac_margin_lt_1e-2']:.1%},"

@@ -96,8 +96,9 @@ def handle(engine: RolloutEngine, request) -> tuple[dict, object]:
         raise ProtocolError("a request must be a JSON object with an 'op'")
     if request["op"] == "version":
         return {"error": None, "version": engine.version}, None
-    if request["op"] == "digests":
-        return {"error": None, "version": engine.version, "digests": weight_digests(engine.model)}, None
+    if request["op"] == "digests":  # an engine that is not a RolloutEngine (vLLM's) reads its own weights
+        digests = engine.weight_digests() if hasattr(engine, "weight_digests") else weight_digests(engine.model)
+        return {"error": None, "version": engine.version, "digests": digests}, None
     if request["op"] != "generate":
         raise ProtocolError(f"unknown op {request['op']!r} (generate, version, digests)")
     prompts, params = request.get("prompts"), request.get("params")
@@ -112,17 +113,19 @@ def handle(engine: RolloutEngine, request) -> tuple[dict, object]:
     return {"error": None, "version": gen.version}, gen
 
 
-def serve(spec: dict, token: str) -> None:
+def serve(spec: dict, token: str, engine=None, receiver=None) -> None:
+    """The control loop (module doc). `engine`/`receiver`: another engine and its weight receiver
+    (the vLLM rollout server's); default a `RolloutEngine` of the spec's config."""
     torch.set_num_threads(int(spec["threads"]))
-    cfg = config_from_dict(spec["config"])
-    engine = build_engine(cfg, int(spec["pad_id"]), spec["name"])
+    if engine is None:
+        engine = build_engine(config_from_dict(spec["config"]), int(spec["pad_id"]), spec["name"])
     cpu = torch.device("cpu")
     # Started by the trainer's rank 0 on its host: connections bind the address it advertises.
     weights = PeerGroup(spec["addr"], spec["weights_port"], 1, 2, cpu, spec["timeout_s"], token=token,
                         bind_addr=spec["addr"])
     control = PeerGroup(spec["addr"], spec["control_port"], 1, 2, cpu, spec["timeout_s"], token=token,
                         bind_addr=spec["addr"])
-    receiver = DistributedReceiver(HFWeightReceiver(engine), weights, src=0).start()
+    receiver = DistributedReceiver(receiver or HFWeightReceiver(engine), weights, src=0).start()
     while True:
         request = broadcast_json(None, 0, control, cpu)
         if request is None:

@@ -1,0 +1,156 @@
+"""The vLLM rollout process of the GRPO example (`--rollout vllm`): a `vllm.LLM` with the
+`megatron_fp4` plugin, fed weights by the trainer's publisher, asked for generations by trainer rank 0.
+
+    VENV/bin/python -m megatron_fp4.rl.vllm_server '<JSON spec>'   # MEGATRON_FP4_SYNC_TOKEN set
+
+Started by `rl.vllm_rollout.VLLMRollout`. The transport and the control loop are the
+project's own rollout process (`rl.rollout_worker.serve`): two token-authenticated `PeerGroup`s,
+weights under HF names through `weight_sync_dist`'s JSON-header protocol (a `DistributedReceiver`
+on a background thread), requests and generations as JSON + tensors (`rl.wire`); nothing is
+unpickled. Only the engine differs: `VLLMEngine` checks a manifest against the served checkpoint
+(names, shapes; every tensor of it, a whole version at a time) and loads it through the plugin's live
+update path (`live.update_weights`) under a lock that generation takes too, so a request sees one
+version. `digests` reads the weights back from vLLM's own parameters (fused q/k/v, gate/up and
+expert tensors split back into HF names), so the trainer can compare what vLLM serves bit for bit.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sys
+import threading
+from pathlib import Path
+
+import torch
+
+SPEC_KEYS = {"model", "dtype", "addr", "weights_port", "control_port", "name", "timeout_s", "threads", "pad_id"}
+
+
+def hf_tensors_of(model, hf_cfg: dict) -> dict:
+    """{HF Qwen3-MoE name: tensor} of a vLLM Qwen3-MoE model's parameters (views, no copies)."""
+    hd = hf_cfg["head_dim"]
+    q, kv = hf_cfg["num_attention_heads"] * hd, hf_cfg["num_key_value_heads"] * hd
+    out = {}
+    for name, p in model.named_parameters():
+        base = name.rsplit(".", 1)[0]
+        if name.endswith("self_attn.qkv_proj.weight"):
+            for part, t in zip("qkv", p.detach().split([q, kv, kv])):
+                out[base.replace("qkv_proj", f"{part}_proj") + ".weight"] = t
+        elif name.endswith("mlp.gate_up_proj.weight"):
+            gate, up = p.detach().chunk(2)
+            out[base.replace("gate_up_proj", "gate_proj") + ".weight"] = gate
+            out[base.replace("gate_up_proj", "up_proj") + ".weight"] = up
+        elif name.endswith("w13_weight") or name.endswith("w2_weight"):
+            prefix = name[:name.index("mlp.experts.") + len("mlp.experts.")]
+            for e, w in enumerate(p.detach()):
+                if name.endswith("w13_weight"):
+                    gate, up = w.chunk(2)
+                    out[f"{prefix}{e}.gate_proj.weight"], out[f"{prefix}{e}.up_proj.weight"] = gate, up
+                else:
+                    out[f"{prefix}{e}.down_proj.weight"] = w
+        elif name in ("model.embed_tokens.weight", "lm_head.weight"):
+            out[name] = p.detach()[:hf_cfg["vocab_size"]]  # vLLM pads the vocabulary rows (to 64)
+        else:
+            out[name] = p.detach()
+    return out
+
+
+def digests_of(named: dict) -> dict:
+    """SHA-256 of each tensor's bytes (the format `rl.rollout_worker.weight_digests` gives)."""
+    return {n: hashlib.sha256(t.contiguous().view(torch.uint8).numpy().tobytes() if t.numel() else b"").hexdigest()
+            for n, t in named.items()}
+
+
+class VLLMEngine:
+    """What `rl.rollout_worker.serve` and `WeightReceiver` ask of an engine, over a `vllm.LLM`."""
+
+    def __init__(self, llm, name: str, pad_id: int):
+        from megatron_fp4.integrations.vllm.live import served_shapes
+
+        self.llm, self.name, self.pad_id, self.version = llm, name, pad_id, 0
+        self.hf_cfg = json.loads((Path(llm.llm_engine.model_config.model) / "config.json").read_text())
+        self.served = served_shapes(llm)
+        self.lock = threading.Lock()
+
+    def check_weights(self, manifest: dict) -> None:
+        """ValueError unless `manifest` (name -> (shape, dtype)) is exactly the served checkpoint's tensors."""
+        missing = sorted(set(self.served) - set(manifest))
+        unknown = sorted(set(manifest) - set(self.served))
+        bad = [f"{n!r} {tuple(s)} (served {tuple(self.served[n])})" for n, (s, _) in manifest.items()
+               if n in self.served and tuple(s) != tuple(self.served[n])]
+        bad += [f"{n!r} is {d}, not floating point" for n, (_, d) in manifest.items() if not d.is_floating_point]
+        if missing or unknown or bad:
+            raise ValueError(f"vLLM rollout {self.name!r} rejects the weights: missing {missing[:4]}, unknown "
+                             f"{unknown[:4]}, {'; '.join(bad[:4])} (publish the whole model under HF names)")
+
+    def load_weights(self, named: dict, version: int) -> None:
+        from megatron_fp4.integrations.vllm.live import update_weights
+
+        self.check_weights({n: (tuple(t.shape), t.dtype) for n, t in named.items()})
+        with self.lock:
+            update_weights(self.llm, named)
+            self.version = int(version)
+
+    def weight_digests(self) -> dict:
+        with self.lock:
+            return self.llm.apply_model(lambda m: digests_of(hf_tensors_of(m, self.hf_cfg)))[0]
+
+    def generate(self, prompts, params, return_routing: bool = False):
+        from megatron_fp4.integrations.vllm.worker import set_routing, stack_routing, take_routing
+        from megatron_fp4.rollout.engine import GenerationOutput
+
+        out = {"response_ids": [], "log_probs": [], "sampled_log_probs": [], "finish_reasons": [], "routing": []}
+        with self.lock:
+            self.llm.apply_model(lambda m: set_routing(m, return_routing))
+            for prompt, p in zip(prompts, params):  # one request per call: each forward is one request's
+                c = self.llm.generate([{"prompt_token_ids": list(prompt)}], vllm_params(p), use_tqdm=False)[0].outputs[0]
+                toks = list(c.token_ids)
+                lp = torch.tensor([d[t].logprob for t, d in zip(toks, c.logprobs)], dtype=torch.float32)
+                out["response_ids"].append(toks)
+                out["log_probs"].append(lp)
+                out["sampled_log_probs"].append(torch.zeros_like(lp) if p.temperature == 0 else lp.clone())
+                out["finish_reasons"].append("stop" if c.finish_reason == "stop" else "length")
+                if return_routing:
+                    out["routing"].append(stack_routing(self.llm.apply_model(take_routing)[0], len(prompt)))
+            version = self.version
+        return GenerationOutput(prompt_ids=[list(p) for p in prompts], version=version,
+                                **{**out, "routing": out["routing"] if return_routing else None})
+
+
+def vllm_params(p):
+    """vLLM's SamplingParams for ours. vLLM reports raw log-probs (temperature 1, no filtering): our
+    `log_probs`; the sampled distribution's equal them only at temperature 1 without top-k/top-p."""
+    from vllm import SamplingParams
+
+    if p.temperature not in (0.0, 1.0) or p.top_k or p.top_p < 1.0:
+        raise ValueError(f"vLLM rollout: temperature {p.temperature}, top_k {p.top_k}, top_p {p.top_p}: only greedy "
+                         "or plain sampling at temperature 1 is wired (sampled log-probs need vLLM's "
+                         "processed_logprobs mode)")
+    return SamplingParams(max_tokens=int(p.max_new_tokens), temperature=float(p.temperature), seed=p.seed,
+                          stop_token_ids=list(p.stop_token_ids), logprobs=0, detokenize=False)
+
+
+def main(argv=None) -> None:
+    from megatron_fp4.integrations.vllm.worker import build_llm
+    from megatron_fp4.rl.rollout_worker import serve
+    from megatron_fp4.rollout.peer_group import sync_token_from_env
+    from megatron_fp4.rollout.weight_sync import WeightReceiver
+
+    argv = sys.argv[1:] if argv is None else argv
+    token = sync_token_from_env()
+    if len(argv) != 1 or token is None:
+        raise SystemExit("usage: MEGATRON_FP4_SYNC_TOKEN=... python -m megatron_fp4.rl.vllm_server "
+                         "'<JSON spec>' (started by rl.vllm_rollout.VLLMRollout)")
+    spec = json.loads(argv[0])
+    if not isinstance(spec, dict) or set(spec) != SPEC_KEYS:
+        raise SystemExit(f"the vLLM rollout server's spec must be a JSON object with keys {sorted(SPEC_KEYS)}")
+    llm, _ = build_llm(spec["model"], {"dtype": spec["dtype"]})
+    engine = VLLMEngine(llm, spec["name"], int(spec["pad_id"]))
+    serve(spec, token, engine=engine, receiver=WeightReceiver(engine))
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # apply_model reaches the model in-process
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    main()
