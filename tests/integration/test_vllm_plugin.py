@@ -248,6 +248,9 @@ MAX_TOKENS = 16
 # a median of 0.2. Only bit-equal inputs (vLLM running the trainer's attention and norms) remove flips.
 TOL = 1e-5
 MIN_WITHIN = 0.75
+# Experts: 100 % measured; an FP4 code flip can swap a near-tied expert downstream, at a rate that
+# depends on the CPU's kernels (99.8 % seen at 32 prompts with experts+attention), so >= 98 %.
+MIN_EXPERTS = 0.98
 
 
 def vllm_generate(model_dir, tmp_path, routing=True, update_from=None, dtype="float32"):
@@ -297,7 +300,7 @@ def test_vllm_serves_moeresq_like_the_trainer_scores(tmp_path):
     print(f"plugin vs trainer: |dlogp| max {delta.max():.3g} median {delta.median():.3g}, {within:.1%} within {TOL}; "
           f"experts {agree}/{total}")
     assert total == len(PROMPTS) * MAX_TOKENS * 3  # every response position of the 3 MoE layers
-    assert agree == total and within >= MIN_WITHIN and delta.median() <= TOL, (delta.tolist(), agree, total)
+    assert agree >= MIN_EXPERTS * total and within >= MIN_WITHIN and delta.median() <= TOL, (delta.tolist(), agree, total)
 
 
 @needs_vllm

@@ -41,6 +41,10 @@ MODEL = ["model.head_dim=64", "model.num_heads=2", "model.num_kv_heads=1"]
 # ~TOL^2 on the others: mean KL <= KL_BOUND.
 FLIP = 1e-2
 KL_BOUND = (1 - MIN_WITHIN) * (2 * FLIP) ** 2 / 2 + TOL ** 2
+# Expert agreement: 100 % measured here at 8 prompts (99.8 % for experts+attention at 32 prompts), but
+# an FP4 code flip (above) can swap a near-tied expert downstream, and how often depends on the CPU's
+# kernels; the control without compensation on the trainer measured 79-94 %. So: >= 98 %.
+MIN_EXPERTS = 0.98
 
 
 def test_bad_vllm_python_is_one_line_and_exit_2(tmp_path, capsys):
@@ -64,7 +68,7 @@ def test_consistency_report_with_vllm_rollout(tmp_path):
         print(f"{r['scope']:>17} {r['setting']:<32} KL {r['kl']:.3g} experts {r['expert_agreement']:.4f} "
               f"mean |dlogp| {r['mean_abs_diff']:.3g} max {r['max_abs_diff']:.3g}")
         if r["train_mode"] == "fp4_resq":  # MoEResQ: the trainer's numerics on both sides
-            assert r["expert_agreement"] == 1.0 and r["kl"] <= KL_BOUND, r
+            assert r["expert_agreement"] >= MIN_EXPERTS and r["kl"] <= KL_BOUND, r
         else:  # the control: FP4 without compensation on the trainer, MoEResQ in vLLM
             assert r["kl"] > KL_BOUND, r
 
@@ -95,7 +99,7 @@ def test_grpo_two_steps_with_vllm_rollout(tmp_path):
         print(f"step {h['step']}: |dlogp| max {d.max():.3g} median {d.median():.3g}, {within:.1%} within {TOL}; "
               f"experts {h['consistency/expert_agreement']:.4f}")
         assert bool(torch.isfinite(d).all()) and d.median() <= TOL and within >= MIN_WITHIN, d.tolist()
-        assert h["consistency/expert_agreement"] == 1.0
+        assert h["consistency/expert_agreement"] >= MIN_EXPERTS
 
 
 def test_served_weights_read_back_under_hf_names():
