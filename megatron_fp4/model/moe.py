@@ -361,21 +361,36 @@ class MoELayer(nn.Module):
         self.stats: list[dict] = []  # appended each training forward; drained by the trainer
         self.record_stats = False
 
-    def aux_losses(self, logits: torch.Tensor, probs: torch.Tensor, topk_idx: torch.Tensor):
-        """Switch-style load balancing E·Σ f_e·P_e and the router z-loss mean(logsumexp²)."""
-        T = logits.shape[0]
-        counts = torch.bincount(topk_idx.reshape(-1), minlength=self.num_experts)
-        f = counts.float() / max(T * self.top_k, 1)
-        p = probs.mean(dim=0)
+    def aux_losses(self, logits: torch.Tensor, probs: torch.Tensor, topk_idx: torch.Tensor,
+                   valid: Optional[torch.Tensor] = None):
+        """Switch-style load balancing E·Σ f_e·P_e and the router z-loss mean(logsumexp²), over the
+        tokens `valid` [T] marks (None: all; padding is left out, as Megatron-Core and HF's
+        ``load_balancing_loss_func(attention_mask=)`` do). Statistics of this rank's tokens."""
+        if valid is None:  # packed batches: the unmasked path, unchanged bits
+            T = logits.shape[0]
+            counts = torch.bincount(topk_idx.reshape(-1), minlength=self.num_experts)
+            f = counts.float() / max(T * self.top_k, 1)
+            p = probs.mean(dim=0)
+            balance = self.num_experts * (f * p).sum()
+            z = torch.logsumexp(logits, dim=-1).pow(2).mean()
+            return balance, z, counts
+        keep = valid.reshape(-1).to(torch.bool)
+        w = keep.to(probs.dtype)
+        n = w.sum().clamp_min(1.0)  # no real token: both losses 0 (and no device sync)
+        counts = torch.bincount(topk_idx.reshape(-1), weights=keep.repeat_interleave(self.top_k).to(torch.float64),
+                                minlength=self.num_experts).to(torch.long)
+        f = counts.to(probs.dtype) / (n * self.top_k)
+        p = (probs * w[:, None]).sum(dim=0) / n
         balance = self.num_experts * (f * p).sum()
-        z = torch.logsumexp(logits, dim=-1).pow(2).mean()
+        z = (torch.logsumexp(logits, dim=-1).pow(2) * w).sum() / n
         return balance, z, counts
 
     def forward(self, x: torch.Tensor, routing_out: Optional[list] = None,
-                routing_in: Optional[torch.Tensor] = None) -> torch.Tensor:
+                routing_in: Optional[torch.Tensor] = None, valid: Optional[torch.Tensor] = None) -> torch.Tensor:
         """x [..., H]; `routing_out`: the experts used are appended ([..., k]); `routing_in` [..., k]:
-        expert ids to replay (negative rows route live, see `Router.forward`). The auxiliary losses
-        are computed from the ids used and the live probabilities (Megatron-Core: the same)."""
+        expert ids to replay (negative rows route live, see `Router.forward`); `valid` [...]: the real
+        (non-padding) tokens, the only ones the auxiliary losses count (None: all). The auxiliary
+        losses are computed from the ids used and the live probabilities (Megatron-Core: the same)."""
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
         replay = None if routing_in is None else routing_in.reshape(-1, self.top_k)
@@ -388,7 +403,7 @@ class MoELayer(nn.Module):
         if routing_out is not None:
             routing_out.append(topk_idx.view(*shape[:-1], self.top_k))
         if self.training and x2.shape[0] > 0:
-            balance, z, counts = self.aux_losses(logits, probs, topk_idx)
+            balance, z, counts = self.aux_losses(logits, probs, topk_idx, valid)
             aux = self.aux_loss_coef * balance + self.z_loss_coef * z
             # Both coefficients 0 (e.g. RL): no auxiliary gradient at all, not even 0·NaN.
             if torch.is_grad_enabled() and aux.requires_grad and (self.aux_loss_coef or self.z_loss_coef):

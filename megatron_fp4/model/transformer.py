@@ -42,10 +42,12 @@ class DecoderLayer(nn.Module):
     def forward(self, h: torch.Tensor, positions: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
                 cache: Optional[LayerCache] = None, routing_out: Optional[list] = None,
                 routing_in: Optional[torch.Tensor] = None) -> torch.Tensor:
+        past = cache.length if cache is not None else 0
         h = h + self.self_attn(self.input_layernorm(h), positions, attention_mask, cache)
         x = self.post_attention_layernorm(h)
-        if self.is_moe:
-            return h + self.mlp(x, routing_out, routing_in)
+        if self.is_moe:  # the MoE auxiliary losses count only the real tokens of this step
+            valid = None if attention_mask is None else attention_mask[:, past:past + h.shape[1]]
+            return h + self.mlp(x, routing_out, routing_in, valid)
         if routing_out is not None:
             routing_out.append(None)
         return h + self.mlp(x)
