@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -41,12 +42,19 @@ class AuxLossAutoScaler(torch.autograd.Function):
 
 
 class Router(nn.Module):
-    """Top-k softmax router computed in fp32 (fp64 for an fp64 model) from an fp32 weight; never quantized."""
+    """Top-k softmax router computed in fp32 (fp64 for an fp64 model) from an fp32 weight; never quantized.
 
-    def __init__(self, hidden: int, num_experts: int, top_k: int, norm_topk_prob: bool):
+    `expert_bias` (aux-loss-free balancing, DeepSeek-V3; only with ``expert_bias=True``): a per-expert
+    buffer added to the probabilities for the top-k selection alone, updated outside the gradient
+    (`update_expert_bias`); saved in checkpoints and published to the rollout with the weights."""
+
+    zero_buffers = ("expert_bias",)  # `transformer.materialize` starts these at zero
+
+    def __init__(self, hidden: int, num_experts: int, top_k: int, norm_topk_prob: bool, expert_bias: bool = False):
         super().__init__()
         self.num_experts, self.top_k, self.norm_topk_prob = num_experts, top_k, norm_topk_prob
         self.weight = nn.Parameter(torch.empty(num_experts, hidden))
+        self.register_buffer("expert_bias", torch.zeros(num_experts) if expert_bias else None)
 
     def forward(self, x: torch.Tensor, replay: Optional[torch.Tensor] = None):
         """x [T, H] -> (logits fp32 [T, E], probs fp32 [T, E], topk_idx [T, k], topk_w fp32 [T, k]).
@@ -57,7 +65,7 @@ class Router(nn.Module):
         in Megatron-Core's `RouterReplay` (REPLAY_FORWARD: ``scores.gather(1, target_topk_idx)``).
         Replaying the ids the router picks itself gives the same bits as not replaying."""
         logits = router_logits(x, self.weight)
-        return (logits, *route_from_logits(logits, self.top_k, self.norm_topk_prob, replay))
+        return (logits, *route_from_logits(logits, self.top_k, self.norm_topk_prob, replay, self.expert_bias))
 
 
 def router_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -66,12 +74,17 @@ def router_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 
 def route_from_logits(logits: torch.Tensor, top_k: int, norm_topk_prob: bool,
-                      replay: Optional[torch.Tensor] = None):
+                      replay: Optional[torch.Tensor] = None, bias: Optional[torch.Tensor] = None):
     """(probs [T, E], topk_idx [T, k], topk_w [T, k]) of router logits: softmax, top-k (or the
     replayed ids, `replay_topk`), optional renormalisation (also what the vLLM plugin routes with,
-    from the same logits)."""
+    from the same logits). `bias` [E] (aux-loss-free balancing): the top-k of ``probs + bias``
+    selects the experts; the combine weights are the unbiased probabilities there."""
     probs = invariant.softmax(logits)
-    topk_w, topk_idx = torch.topk(probs, top_k, dim=-1)
+    if bias is None:
+        topk_w, topk_idx = torch.topk(probs, top_k, dim=-1)
+    else:
+        topk_idx = torch.topk(probs + bias.to(probs.dtype), top_k, dim=-1).indices
+        topk_w = probs.gather(1, topk_idx)
     if replay is not None:
         topk_idx, topk_w = replay_topk(probs, topk_idx, topk_w, replay, logits.shape[-1])
     if norm_topk_prob:
@@ -346,13 +359,22 @@ class LocalDispatcher:
 class MoELayer(nn.Module):
     """Router + experts (+ optional shared expert). Records per-step statistics for logging."""
 
+    zero_buffers = ("tokens_per_expert",)  # `transformer.materialize` starts these at zero
+
     def __init__(self, hidden: int, num_experts: int, top_k: int, ffn: int, recipe: Recipe,
                  norm_topk_prob: bool = True, aux_loss_coef: float = 0.0, z_loss_coef: float = 0.0,
-                 num_shared_experts: int = 0, shared_ffn: int = 0):
+                 num_shared_experts: int = 0, shared_ffn: int = 0, bias_update_rate: float = 0.0,
+                 aux_loss_type: str = "global"):
         super().__init__()
         self.num_experts, self.top_k = num_experts, top_k
         self.aux_loss_coef, self.z_loss_coef = aux_loss_coef, z_loss_coef
-        self.router = Router(hidden, num_experts, top_k, norm_topk_prob)
+        self.aux_loss_type = aux_loss_type  # global: over all of the batch's tokens | seq: per sequence, mean
+        self.bias_update_rate = bias_update_rate
+        self.router = Router(hidden, num_experts, top_k, norm_topk_prob, expert_bias=bias_update_rate > 0)
+        # real tokens per expert since the last `update_expert_bias` (training forwards, not recomputes)
+        self.register_buffer("tokens_per_expert", torch.zeros(num_experts, dtype=torch.float64)
+                             if bias_update_rate > 0 else None, persistent=False)
+        self.count_load = True  # off while activation recomputation re-runs the forward
         self.experts = GroupedExperts(num_experts, hidden, ffn, recipe)
         self.shared_expert = SwiGLU(hidden, shared_ffn * num_shared_experts, recipe) if num_shared_experts else None
         self.dispatcher = LocalDispatcher()
@@ -404,6 +426,10 @@ class MoELayer(nn.Module):
             routing_out.append(topk_idx.view(*shape[:-1], self.top_k))
         if self.training and x2.shape[0] > 0:
             balance, z, counts = self.aux_losses(logits, probs, topk_idx, valid)
+            if self.aux_loss_type == "seq":
+                balance = seq_balance_loss(probs, topk_idx, valid, shape[0] if len(shape) == 3 else 1)
+            if self.tokens_per_expert is not None and self.count_load:
+                self.tokens_per_expert += counts
             aux = self.aux_loss_coef * balance + self.z_loss_coef * z
             # Both coefficients 0 (e.g. RL): no auxiliary gradient at all, not even 0·NaN.
             if torch.is_grad_enabled() and aux.requires_grad and (self.aux_loss_coef or self.z_loss_coef):
@@ -420,3 +446,39 @@ def init_moe_params(layer: MoELayer, std: float, out_std: float, generator: torc
         layer.router.weight.normal_(0, std, generator=generator)
         layer.experts.w13.normal_(0, std, generator=generator)
         layer.experts.w2.normal_(0, out_std, generator=generator)
+
+
+def seq_balance_loss(probs: torch.Tensor, topk_idx: torch.Tensor, valid: Optional[torch.Tensor], batch: int):
+    """DeepSeek-V3's complementary sequence-wise balance loss, mean over the `batch` sequences of
+    ``Σ_e f_e·P_e`` with ``f_e = E/(k·T_s)·#{t: e in top-k(t)}`` and ``P_e = 1/T_s·Σ_t p_{t,e}`` over
+    each sequence's T_s real tokens (`valid`, None: all); sequences without one are left out."""
+    E, k = probs.shape[-1], topk_idx.shape[-1]
+    p = probs.reshape(batch, -1, E)
+    w = torch.ones(p.shape[:2], dtype=p.dtype, device=p.device) if valid is None else \
+        valid.reshape(batch, -1).to(p.dtype)
+    n = w.sum(1)
+    counts = torch.zeros(batch, E, dtype=p.dtype, device=p.device).scatter_add_(
+        1, topk_idx.reshape(batch, -1), w.repeat_interleave(k, dim=1))
+    per_seq = E * (counts / (k * n.clamp_min(1))[:, None] * (p * w[..., None]).sum(1) / n.clamp_min(1)[:, None]).sum(1)
+    has = (n > 0).to(p.dtype)
+    return (per_seq * has).sum() / has.sum().clamp_min(1)
+
+
+def update_expert_bias(model: nn.Module, applied: bool = True, group=None) -> None:
+    """Aux-loss-free balancing, after the optimizer step (outside the gradient): every MoE layer's
+    router bias moves by ``rate · sign(mean_load - load)`` (DeepSeek-V3), the load being the real
+    tokens per expert since the last call, summed over `group` (the data-parallel ranks of this
+    stage, so every replica keeps the same bias); then the counts restart. ``applied=False`` (a
+    skipped step): only the restart. Collective over `group` on every rank; no-op without a bias."""
+    layers = [m for m in model.modules() if isinstance(m, MoELayer) and m.tokens_per_expert is not None]
+    if not layers:
+        return
+    loads = torch.stack([m.tokens_per_expert for m in layers])
+    if group is not None:
+        dist.all_reduce(loads, group=group)
+    with torch.no_grad():
+        for m, load in zip(layers, loads):
+            if applied:
+                step = torch.sign(load.mean() - load) * m.bias_update_rate
+                m.router.expert_bias += step.to(m.router.expert_bias.dtype)
+            m.tokens_per_expert.zero_()
