@@ -141,3 +141,59 @@ def test_config_fields_validated(tmp_path):
         setattr(cfg.model, field, value)
         with pytest.raises(ConfigError, match=f"model.{field}"):
             validate_config(cfg)
+
+
+def test_bias_hf_name_round_trip(tmp_path):
+    """The bias travels under DeepSeek-V3's HF name (what HF-named weight sync and exports carry);
+    a checkpoint without it (a Hub Qwen3) loads with the bias left at zero."""
+    from megatron_fp4.integrations.hf import from_hf_state_dict, to_hf_state_dict
+    from megatron_fp4.model.transformer import build_model
+
+    cfg = _cfg(tmp_path)
+    src, dst = build_model(cfg, seed=1), build_model(cfg, seed=2)
+    for i, m in enumerate(src.moe_layers()):
+        m.router.expert_bias.copy_(torch.arange(8.0) * (i + 1) * RATE)
+    sd = to_hf_state_dict(src)
+    assert torch.equal(sd["model.layers.1.mlp.gate.e_score_correction_bias"], src.moe_layers()[1].router.expert_bias)
+    from_hf_state_dict(dst, sd)
+    assert all(torch.equal(a.router.expert_bias, b.router.expert_bias) for a, b in zip(src.moe_layers(), dst.moe_layers()))
+    fresh = build_model(cfg, seed=3)
+    from_hf_state_dict(fresh, {k: v for k, v in sd.items() if "e_score_correction_bias" not in k})
+    assert all(m.router.expert_bias.abs().sum() == 0 for m in fresh.moe_layers())
+    assert torch.equal(fresh.moe_layers()[0].router.weight, src.moe_layers()[0].router.weight)
+
+
+def _dp2_bias(rank, world_size, root, rate):
+    from megatron_fp4.parallel.mesh import ParallelMesh
+    from tests.distributed.test_parallel_training import tiny_cfg
+
+    cfg = tiny_cfg(zero_stage=1)
+    cfg.model.moe_router_bias_update_rate = rate
+    t = Trainer(cfg, ParallelMesh.build(1, world_size, 1))
+    t.train_step(), t.train_step()
+    bias = [m.router.expert_bias.clone() for m in t.model.moe_layers()]
+    t.save_checkpoint(root)
+    t.optimizer.remove_hooks()
+    r = Trainer(cfg, ParallelMesh.build(1, world_size, 1))
+    r.load_checkpoint(root)
+    resumed = [m.router.expert_bias.clone() for m in r.model.moe_layers()]
+    r.optimizer.remove_hooks()
+    return bias, resumed
+
+
+def test_dp2_bias_uses_global_load_and_survives_sharded_checkpoint(tmp_path):
+    """dp2: the load is summed over the data-parallel ranks, so both replicas keep the single
+    process's bias (same tokens in all); the DCP checkpoint carries it."""
+    from tests.distributed.launch import run_distributed
+    from tests.distributed.test_parallel_training import tiny_cfg
+
+    rate = 1e-2
+    cfg = tiny_cfg()
+    cfg.model.moe_router_bias_update_rate = rate
+    single = Trainer(cfg)
+    single.train_step(), single.train_step()
+    want = [m.router.expert_bias for m in single.model.moe_layers()]
+    assert any(w.abs().sum() > 0 for w in want)
+    for bias, resumed in run_distributed(_dp2_bias, 2, (str(tmp_path / "dcp"), rate)):
+        for b, r, w in zip(bias, resumed, want):
+            assert torch.equal(b, w) and torch.equal(r, w)
