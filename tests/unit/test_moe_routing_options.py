@@ -197,3 +197,21 @@ def test_dp2_bias_uses_global_load_and_survives_sharded_checkpoint(tmp_path):
     for bias, resumed in run_distributed(_dp2_bias, 2, (str(tmp_path / "dcp"), rate)):
         for b, r, w in zip(bias, resumed, want):
             assert torch.equal(b, w) and torch.equal(r, w)
+
+
+def test_seq_aux_type_is_the_layers_balance_loss():
+    """moe_aux_loss_type='seq': the layer's logged (and back-propagated) balance loss is the per
+    sequence one of its [B, T] batch, padding left out."""
+    layer = MoELayer(8, 4, 2, 8, Recipe(mode="bf16"), aux_loss_coef=0.01, aux_loss_type="seq").double().train()
+    g = torch.Generator().manual_seed(4)
+    layer.router.weight.data.normal_(0, 0.5, generator=g)
+    layer.experts.w13.data.normal_(0, 0.1, generator=g)
+    layer.experts.w2.data.normal_(0, 0.1, generator=g)
+    layer.record_stats = True
+    x = torch.randn(2, 5, 8, generator=g, dtype=torch.float64)
+    valid = torch.tensor([[0, 1, 1, 1, 1], [1, 1, 1, 1, 1]], dtype=torch.bool)
+    layer(x, None, None, valid)
+    _, probs, idx, _ = layer.router(x.reshape(-1, 8))
+    want = seq_balance_loss(probs, idx, valid, 2).detach()
+    glob = layer.aux_losses(probs.log(), probs, idx, valid)[0].detach()
+    assert float(layer.stats[-1]["aux_loss"]) == float(want.detach()) and float(want) != pytest.approx(float(glob))
