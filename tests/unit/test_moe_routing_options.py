@@ -215,3 +215,21 @@ def test_seq_aux_type_is_the_layers_balance_loss():
     want = seq_balance_loss(probs, idx, valid, 2).detach()
     glob = layer.aux_losses(probs.log(), probs, idx, valid)[0].detach()
     assert float(layer.stats[-1]["aux_loss"]) == float(want.detach()) and float(want) != pytest.approx(float(glob))
+
+
+@pytest.mark.parametrize("mode", ["full", "selective"])
+def test_recompute_counts_the_load_once(tmp_path, mode):
+    """Activation recomputation re-runs the MoE forward in backward: the load is counted once."""
+    from megatron_fp4.model.transformer import build_model, lm_loss
+
+    loads = {}
+    for m in ("none", mode):
+        cfg = _cfg(tmp_path)
+        cfg.fp4.scope = "none"
+        cfg.model.recompute, cfg.model.recompute_modules = m, ["moe"]
+        model = build_model(cfg, seed=1).train()
+        tokens = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(6))
+        lm_loss(model(tokens).logits[:, :-1], tokens[:, 1:]).backward()
+        loads[m] = [layer.tokens_per_expert.clone() for layer in model.moe_layers()]
+    for a, b in zip(loads["none"], loads[mode]):
+        assert a.sum() == 2 * 12 * 2 and torch.equal(a, b)
