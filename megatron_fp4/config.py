@@ -44,6 +44,10 @@ class ModelConfig:
     dense_ffn_hidden_size: int = 128
     router_aux_loss_coef: float = 0.01
     router_z_loss_coef: float = 0.001
+    # aux-loss-free balancing (DeepSeek-V3): per-expert router bias for the top-k selection, moved by
+    # this rate · sign(mean load - load) after each optimizer step (0: off, no bias)
+    moe_router_bias_update_rate: float = 0.0
+    moe_aux_loss_type: str = "global"  # global (over the batch's tokens) | seq (DeepSeek-V3 per sequence)
     tie_embeddings: bool = False
     init_std: float = 0.02
     # Activation recomputation (megatron_fp4/model/recompute.py): none | full (each block of

@@ -119,6 +119,10 @@ def validate_config(cfg: Config, world_size: int = 1) -> None:
                  f"entries must be layer indices in [0, {m.num_layers})")
     _require(m.router_aux_loss_coef >= 0, "model.router_aux_loss_coef", m.router_aux_loss_coef, "must be >= 0")
     _require(m.router_z_loss_coef >= 0, "model.router_z_loss_coef", m.router_z_loss_coef, "must be >= 0")
+    _require(m.moe_router_bias_update_rate >= 0, "model.moe_router_bias_update_rate", m.moe_router_bias_update_rate,
+             "must be >= 0 (0 = no aux-loss-free bias)")
+    _require(m.moe_aux_loss_type in ("global", "seq"), "model.moe_aux_loss_type", m.moe_aux_loss_type,
+             "must be 'global' or 'seq'")
     _require(m.init_std > 0, "model.init_std", m.init_std, "must be > 0 (the std of the initial weights, e.g. 0.02)")
     _require(m.rope_theta > 0, "model.rope_theta", m.rope_theta,
              "must be > 0 (the rotary base, e.g. 10000; 0 makes every rotary frequency NaN)")

@@ -19,6 +19,7 @@ from megatron_fp4.fp4.exact_gemm import cached_for_weight
 from megatron_fp4.fp4.moeresq_grouped import can_group_resq, grouped_moeresq_linear
 from megatron_fp4.fp4.recipe import row_local
 from megatron_fp4.model.layers import SwiGLU, upcast
+from megatron_fp4.model.moe_balance import seq_balance_loss, update_expert_bias  # noqa: F401 (the trainer's hook)
 
 
 class AuxLossAutoScaler(torch.autograd.Function):
@@ -41,12 +42,19 @@ class AuxLossAutoScaler(torch.autograd.Function):
 
 
 class Router(nn.Module):
-    """Top-k softmax router computed in fp32 (fp64 for an fp64 model) from an fp32 weight; never quantized."""
+    """Top-k softmax router computed in fp32 (fp64 for an fp64 model) from an fp32 weight; never quantized.
 
-    def __init__(self, hidden: int, num_experts: int, top_k: int, norm_topk_prob: bool):
+    `expert_bias` (aux-loss-free balancing, DeepSeek-V3; only with ``expert_bias=True``): a per-expert
+    buffer added to the probabilities for the top-k selection alone, updated outside the gradient
+    (`update_expert_bias`); saved in checkpoints and published to the rollout with the weights."""
+
+    zero_buffers = ("expert_bias",)  # `transformer.materialize` starts these at zero
+
+    def __init__(self, hidden: int, num_experts: int, top_k: int, norm_topk_prob: bool, expert_bias: bool = False):
         super().__init__()
         self.num_experts, self.top_k, self.norm_topk_prob = num_experts, top_k, norm_topk_prob
         self.weight = nn.Parameter(torch.empty(num_experts, hidden))
+        self.register_buffer("expert_bias", torch.zeros(num_experts) if expert_bias else None)
 
     def forward(self, x: torch.Tensor, replay: Optional[torch.Tensor] = None):
         """x [T, H] -> (logits fp32 [T, E], probs fp32 [T, E], topk_idx [T, k], topk_w fp32 [T, k]).
@@ -57,7 +65,7 @@ class Router(nn.Module):
         in Megatron-Core's `RouterReplay` (REPLAY_FORWARD: ``scores.gather(1, target_topk_idx)``).
         Replaying the ids the router picks itself gives the same bits as not replaying."""
         logits = router_logits(x, self.weight)
-        return (logits, *route_from_logits(logits, self.top_k, self.norm_topk_prob, replay))
+        return (logits, *route_from_logits(logits, self.top_k, self.norm_topk_prob, replay, self.expert_bias))
 
 
 def router_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -66,12 +74,17 @@ def router_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 
 def route_from_logits(logits: torch.Tensor, top_k: int, norm_topk_prob: bool,
-                      replay: Optional[torch.Tensor] = None):
+                      replay: Optional[torch.Tensor] = None, bias: Optional[torch.Tensor] = None):
     """(probs [T, E], topk_idx [T, k], topk_w [T, k]) of router logits: softmax, top-k (or the
     replayed ids, `replay_topk`), optional renormalisation (also what the vLLM plugin routes with,
-    from the same logits)."""
+    from the same logits). `bias` [E] (aux-loss-free balancing): the top-k of ``probs + bias``
+    selects the experts; the combine weights are the unbiased probabilities there."""
     probs = invariant.softmax(logits)
-    topk_w, topk_idx = torch.topk(probs, top_k, dim=-1)
+    if bias is None:
+        topk_w, topk_idx = torch.topk(probs, top_k, dim=-1)
+    else:
+        topk_idx = torch.topk(probs + bias.to(probs.dtype), top_k, dim=-1).indices
+        topk_w = probs.gather(1, topk_idx)
     if replay is not None:
         topk_idx, topk_w = replay_topk(probs, topk_idx, topk_w, replay, logits.shape[-1])
     if norm_topk_prob:
@@ -346,13 +359,22 @@ class LocalDispatcher:
 class MoELayer(nn.Module):
     """Router + experts (+ optional shared expert). Records per-step statistics for logging."""
 
+    zero_buffers = ("tokens_per_expert",)  # `transformer.materialize` starts these at zero
+
     def __init__(self, hidden: int, num_experts: int, top_k: int, ffn: int, recipe: Recipe,
                  norm_topk_prob: bool = True, aux_loss_coef: float = 0.0, z_loss_coef: float = 0.0,
-                 num_shared_experts: int = 0, shared_ffn: int = 0):
+                 num_shared_experts: int = 0, shared_ffn: int = 0, bias_update_rate: float = 0.0,
+                 aux_loss_type: str = "global"):
         super().__init__()
         self.num_experts, self.top_k = num_experts, top_k
         self.aux_loss_coef, self.z_loss_coef = aux_loss_coef, z_loss_coef
-        self.router = Router(hidden, num_experts, top_k, norm_topk_prob)
+        self.aux_loss_type = aux_loss_type  # global: over all of the batch's tokens | seq: per sequence, mean
+        self.bias_update_rate = bias_update_rate
+        self.router = Router(hidden, num_experts, top_k, norm_topk_prob, expert_bias=bias_update_rate > 0)
+        # real tokens per expert since the last `update_expert_bias` (training forwards, not recomputes)
+        self.register_buffer("tokens_per_expert", torch.zeros(num_experts, dtype=torch.float64)
+                             if bias_update_rate > 0 else None, persistent=False)
+        self.count_load = True  # off while activation recomputation re-runs the forward
         self.experts = GroupedExperts(num_experts, hidden, ffn, recipe)
         self.shared_expert = SwiGLU(hidden, shared_ffn * num_shared_experts, recipe) if num_shared_experts else None
         self.dispatcher = LocalDispatcher()
@@ -361,21 +383,36 @@ class MoELayer(nn.Module):
         self.stats: list[dict] = []  # appended each training forward; drained by the trainer
         self.record_stats = False
 
-    def aux_losses(self, logits: torch.Tensor, probs: torch.Tensor, topk_idx: torch.Tensor):
-        """Switch-style load balancing E·Σ f_e·P_e and the router z-loss mean(logsumexp²)."""
-        T = logits.shape[0]
-        counts = torch.bincount(topk_idx.reshape(-1), minlength=self.num_experts)
-        f = counts.float() / max(T * self.top_k, 1)
-        p = probs.mean(dim=0)
+    def aux_losses(self, logits: torch.Tensor, probs: torch.Tensor, topk_idx: torch.Tensor,
+                   valid: Optional[torch.Tensor] = None):
+        """Switch-style load balancing E·Σ f_e·P_e and the router z-loss mean(logsumexp²), over the
+        tokens `valid` [T] marks (None: all; padding is left out, as Megatron-Core and HF's
+        ``load_balancing_loss_func(attention_mask=)`` do). Statistics of this rank's tokens."""
+        if valid is None:  # packed batches: the unmasked path, unchanged bits
+            T = logits.shape[0]
+            counts = torch.bincount(topk_idx.reshape(-1), minlength=self.num_experts)
+            f = counts.float() / max(T * self.top_k, 1)
+            p = probs.mean(dim=0)
+            balance = self.num_experts * (f * p).sum()
+            z = torch.logsumexp(logits, dim=-1).pow(2).mean()
+            return balance, z, counts
+        keep = valid.reshape(-1).to(torch.bool)
+        w = keep.to(probs.dtype)
+        n = w.sum().clamp_min(1.0)  # no real token: both losses 0 (and no device sync)
+        counts = torch.bincount(topk_idx.reshape(-1), weights=keep.repeat_interleave(self.top_k).to(torch.float64),
+                                minlength=self.num_experts).to(torch.long)
+        f = counts.to(probs.dtype) / (n * self.top_k)
+        p = (probs * w[:, None]).sum(dim=0) / n
         balance = self.num_experts * (f * p).sum()
-        z = torch.logsumexp(logits, dim=-1).pow(2).mean()
+        z = (torch.logsumexp(logits, dim=-1).pow(2) * w).sum() / n
         return balance, z, counts
 
     def forward(self, x: torch.Tensor, routing_out: Optional[list] = None,
-                routing_in: Optional[torch.Tensor] = None) -> torch.Tensor:
+                routing_in: Optional[torch.Tensor] = None, valid: Optional[torch.Tensor] = None) -> torch.Tensor:
         """x [..., H]; `routing_out`: the experts used are appended ([..., k]); `routing_in` [..., k]:
-        expert ids to replay (negative rows route live, see `Router.forward`). The auxiliary losses
-        are computed from the ids used and the live probabilities (Megatron-Core: the same)."""
+        expert ids to replay (negative rows route live, see `Router.forward`); `valid` [...]: the real
+        (non-padding) tokens, the only ones the auxiliary losses count (None: all). The auxiliary
+        losses are computed from the ids used and the live probabilities (Megatron-Core: the same)."""
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
         replay = None if routing_in is None else routing_in.reshape(-1, self.top_k)
@@ -388,7 +425,11 @@ class MoELayer(nn.Module):
         if routing_out is not None:
             routing_out.append(topk_idx.view(*shape[:-1], self.top_k))
         if self.training and x2.shape[0] > 0:
-            balance, z, counts = self.aux_losses(logits, probs, topk_idx)
+            balance, z, counts = self.aux_losses(logits, probs, topk_idx, valid)
+            if self.aux_loss_type == "seq":
+                balance = seq_balance_loss(probs, topk_idx, valid, shape[0] if len(shape) == 3 else 1)
+            if self.tokens_per_expert is not None and self.count_load:
+                self.tokens_per_expert += counts
             aux = self.aux_loss_coef * balance + self.z_loss_coef * z
             # Both coefficients 0 (e.g. RL): no auxiliary gradient at all, not even 0·NaN.
             if torch.is_grad_enabled() and aux.requires_grad and (self.aux_loss_coef or self.z_loss_coef):
@@ -405,3 +446,4 @@ def init_moe_params(layer: MoELayer, std: float, out_std: float, generator: torc
         layer.router.weight.normal_(0, std, generator=generator)
         layer.experts.w13.normal_(0, std, generator=generator)
         layer.experts.w2.normal_(0, out_std, generator=generator)
+

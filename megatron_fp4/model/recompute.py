@@ -80,14 +80,15 @@ def _selective_contexts():
 
 @contextmanager
 def _stats_off(modules: Sequence[torch.nn.Module]):
-    saved = [(m, m.record_stats) for root in modules for m in root.modules() if hasattr(m, "record_stats")]
-    for m, _ in saved:
-        m.record_stats = False
+    flags = ("record_stats", "count_load")  # MoE statistics and the expert-bias load counts
+    saved = [(m, f, getattr(m, f)) for root in modules for m in root.modules() for f in flags if hasattr(m, f)]
+    for m, f, _ in saved:
+        setattr(m, f, False)
     try:
         yield
     finally:
-        for m, on in saved:
-            m.record_stats = on
+        for m, f, on in saved:
+            setattr(m, f, on)
 
 
 def checkpointed(fn: Callable, args: tuple, owners: Sequence[torch.nn.Module], selective: bool = False,

@@ -35,17 +35,20 @@ class DecoderLayer(nn.Module):
         if self.is_moe:
             self.mlp = MoELayer(cfg.hidden_size, cfg.num_experts, cfg.top_k, cfg.moe_ffn_hidden_size,
                                 recipe or Recipe(mode="bf16"), cfg.norm_topk_prob, cfg.router_aux_loss_coef,
-                                cfg.router_z_loss_coef, cfg.num_shared_experts, cfg.shared_expert_ffn_hidden_size)
+                                cfg.router_z_loss_coef, cfg.num_shared_experts, cfg.shared_expert_ffn_hidden_size,
+                                cfg.moe_router_bias_update_rate, cfg.moe_aux_loss_type)
         else:
             self.mlp = SwiGLU(cfg.hidden_size, cfg.dense_ffn_hidden_size, recipe)
 
     def forward(self, h: torch.Tensor, positions: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
                 cache: Optional[LayerCache] = None, routing_out: Optional[list] = None,
                 routing_in: Optional[torch.Tensor] = None) -> torch.Tensor:
+        past = cache.length if cache is not None else 0
         h = h + self.self_attn(self.input_layernorm(h), positions, attention_mask, cache)
         x = self.post_attention_layernorm(h)
-        if self.is_moe:
-            return h + self.mlp(x, routing_out, routing_in)
+        if self.is_moe:  # the MoE auxiliary losses count only the real tokens of this step
+            valid = None if attention_mask is None else attention_mask[:, past:past + h.shape[1]]
+            return h + self.mlp(x, routing_out, routing_in, valid)
         if routing_out is not None:
             routing_out.append(None)
         return h + self.mlp(x)
@@ -218,6 +221,8 @@ def materialize(model: nn.Module, device, seed: int) -> nn.Module:
                 new[id(p)] = q
             module._parameters[key] = new[id(p)]
         for key, b in module._buffers.items():
+            if b is not None and b.is_meta and key in getattr(module, "zero_buffers", ()):
+                b = module._buffers[key] = torch.zeros(b.shape, dtype=b.dtype, device=device)
             assert b is None or not b.is_meta, f"buffer {key} would be left uninitialised"
     init_weights(model, seed)
     return model

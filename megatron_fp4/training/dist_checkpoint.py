@@ -124,6 +124,9 @@ def _model_entries(model, ep: int) -> dict:
                 out[f"model/{name}/expert{offset + e}"] = p.data[e]
         else:
             out[f"model/{name}"] = p.data
+    for name, b in model.named_buffers():  # aux-loss-free balancing's router bias (replicated, like the router)
+        if name.endswith(".mlp.router.expert_bias"):
+            out[f"model/{name}"] = b
     return out
 
 

@@ -39,6 +39,7 @@ from megatron_fp4.fp4 import current as fp4_current, micro_batch as fp4_micro_ba
 from megatron_fp4.fp4.exact_gemm import cached_weights
 from megatron_fp4.fp4.fused import adopt_ready as adopt_compiled_fp4
 from megatron_fp4.model import MoETransformer, materialize
+from megatron_fp4.model.moe import update_expert_bias
 from megatron_fp4.parallel.expert_parallel import apply_expert_parallel
 from megatron_fp4.parallel.mesh import ParallelMesh, world_size_from_env
 from megatron_fp4.parallel.pipeline import PipelineRunner
@@ -216,6 +217,8 @@ class Trainer:
             self.require_finite_weights(f"step {self.step}: the optimizer update (lr={lr:g}) made weights "
                                         f"non-finite", "the run stops; nothing was saved and the last checkpoint "
                                         "is intact. Lower optimizer.lr or raise optimizer.eps")
+        # aux-loss-free MoE balancing: the router biases move outside the gradient (model/moe.py)
+        update_expert_bias(self.model, applied=not bad_ranks, group=self.mesh.group("dp") if self.mesh.dp > 1 else None)
         self.step += 1
         tokens = sum(mb["tokens"].numel() for mb in micro_batches if "tokens" in mb)
         elapsed = time.perf_counter() - start

@@ -199,6 +199,20 @@ def _check_no_shared_experts(model) -> None:
                          f"expert; this model has no HF Qwen3-MoE equivalent")
 
 
+_BIAS = ".mlp.router.expert_bias"  # aux-loss-free balancing's router bias, a buffer (model/moe.py)
+
+
+def _hf_bias_name(name: str) -> str:
+    """Our router bias -> DeepSeek-V3's HF name for it (``mlp.gate.e_score_correction_bias``)."""
+    return "model." + name[: -len("router.expert_bias")] + "gate.e_score_correction_bias"
+
+
+def _weights(model):
+    """(name, tensor) of every parameter, then of every router bias buffer: what the HF names map."""
+    yield from model.named_parameters()
+    yield from ((n, b) for n, b in model.named_buffers() if n.endswith(_BIAS))
+
+
 def to_hf_state_dict(model, layout: str = "checkpoint") -> dict[str, torch.Tensor]:
     """HF Qwen3-MoE tensors of `model` (detached; they may be views of our parameters, so clone
     before modifying them). `layout` "checkpoint" (default) gives per-expert tensors as in Hub
@@ -206,12 +220,14 @@ def to_hf_state_dict(model, layout: str = "checkpoint") -> dict[str, torch.Tenso
     _check_layout(layout)
     _check_no_shared_experts(model)
     out: dict[str, torch.Tensor] = {}
-    for name, param in model.named_parameters():
+    for name, param in _weights(model):
         t = param.detach()
         if name == "lm_head.weight":
             out[name] = t
         elif name.endswith(".mlp.router.weight"):
             out["model." + name[: -len("router.weight")] + "gate.weight"] = t
+        elif name.endswith(_BIAS):
+            out[_hf_bias_name(name)] = t
         elif name.endswith(".mlp.experts.w13"):
             base, ffn = "model." + name[: -len("w13")], t.shape[1] // 2
             if layout == "fused":
@@ -294,9 +310,11 @@ def _collect(model, sd: Mapping[str, torch.Tensor], headers_only: bool = False) 
     one rank's shard (pipeline chunks, local experts): only its parameters are read."""
     col, found = _Collector(sd, headers_only), {}
     offsets = _expert_offsets(model)
-    for name, param in model.named_parameters():
+    for name, param in _weights(model):
         shape = tuple(param.shape)
-        if name.endswith(".mlp.experts.w13") or name.endswith(".mlp.experts.w2"):
+        if name.endswith(_BIAS):  # optional: a checkpoint without it (e.g. from the Hub) starts the bias at 0
+            t = col.take(_hf_bias_name(name), shape) if _hf_bias_name(name) in sd else None
+        elif name.endswith(".mlp.experts.w13") or name.endswith(".mlp.experts.w2"):
             is_w13 = name.endswith("w13")
             base = "model." + name[: -len("w13" if is_w13 else "w2")]
             fused = base + ("gate_up_proj" if is_w13 else "down_proj")
@@ -341,7 +359,7 @@ def from_hf_state_dict(model, sd: Mapping[str, torch.Tensor], shard: bool = Fals
     rank's part (pipeline chunks, local experts) and `sd` may hold the others' tensors too, so
     only missing and mismatched tensors are errors."""
     found = ours_from_hf_state_dict(model, sd, shard)
-    params = dict(model.named_parameters())
+    params = dict(_weights(model))
     with torch.no_grad():
         for name, t in found.items():
             params[name].copy_(t)
