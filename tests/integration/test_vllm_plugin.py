@@ -68,6 +68,8 @@ def test_to_hf_writes_the_recipe_block_and_the_flag_leaves_it_out(tmp_path):
         (QUANT_METHOD, "experts", "mxfp4", "fp4")
     model_cfg, _ = load_hf_checkpoint(hf)  # our reader accepts our own block (weights are high precision)
     assert model_cfg == cfg.model
+
+
     plain = write_hf(tmp_path / "b", cfg, "--no-quant-config")
     assert "quantization_config" not in json.loads((plain / "config.json").read_text())
     other = json.loads((plain / "config.json").read_text())
@@ -75,6 +77,14 @@ def test_to_hf_writes_the_recipe_block_and_the_flag_leaves_it_out(tmp_path):
     (plain / "config.json").write_text(json.dumps(other))
     with pytest.raises(ValueError, match="quantization_config"):  # a foreign pre-quantized checkpoint
         load_hf_checkpoint(plain)
+
+
+def test_the_block_is_refused_with_the_expert_bias_vllm_cannot_apply():
+    """vLLM's Qwen3-MoE router has no score bias: serving a bias-trained model would pick other experts."""
+    cfg = tiny_cfg("experts")
+    cfg.model.moe_router_bias_update_rate = 1e-3
+    with pytest.raises(ValueError, match="moe_router_bias_update_rate"):
+        hf_quantization_config(cfg)
 
 
 def test_live_update_refuses_bad_tensors_before_writing():

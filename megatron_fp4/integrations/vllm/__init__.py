@@ -106,6 +106,11 @@ def quant_sidecar(cfg: Config) -> dict:
 
 def hf_quantization_config(cfg: Config) -> dict:
     """The `quantization_config` block of the HF `config.json` that selects the vLLM plugin."""
+    if getattr(cfg.model, "moe_router_bias_update_rate", 0):
+        # vLLM's Qwen3-MoE router has no score bias, so it would pick other experts than the trainer.
+        raise ValueError("model.moe_router_bias_update_rate > 0: the vLLM plugin does not apply the aux-loss-free "
+                         "expert bias (mlp.gate.e_score_correction_bias); roll out with the project's engine, or "
+                         "train with model.moe_router_bias_update_rate=0")
     return quant_sidecar(cfg)
 
 
