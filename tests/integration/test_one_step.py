@@ -133,3 +133,47 @@ def test_a_nan_on_the_verl_path_meets_the_trainers_vote(policy):
         assert engine.trainer.consecutive_skips == trainer.consecutive_skips == 1
     for name, p in params(engine.model).items():
         assert torch.equal(before[name], p), name
+
+
+def test_verls_lr_schedule_position_is_kept_apart_from_the_step_and_resumed(tmp_path):
+    """verl steps its lr schedule once per worker `train_batch` (which may hold several optimizer steps):
+    the trainer counts optimizer steps (the SR streams' step), the engine the schedule's position,
+    and a checkpoint brings both back."""
+    cfg = sr_cfg()
+    cfg.optimizer.warmup_steps = 10  # a schedule whose position shows in the lr
+    engine = MegatronFP4Engine(cfg=copy.deepcopy(cfg), micro_batch_size=MICRO).initialize()
+    for seed in range(2):  # two optimizer steps (mini-batches), one lr-schedule step
+        with engine.train_mode():
+            engine.train_batch(TensorDict(batch(cfg.model.vocab_size, seed), batch_size=[B]), verl_loss)
+    lr = engine.lr_scheduler_step()
+    assert (engine.trainer.step, engine.lr_steps) == (2, 1) and engine.last_update["lr"] < lr
+    engine.save_checkpoint(str(tmp_path))
+    resumed = MegatronFP4Engine(cfg=copy.deepcopy(cfg), micro_batch_size=MICRO).initialize()
+    resumed.load_checkpoint(str(tmp_path))
+    assert (resumed.trainer.step, resumed.lr_steps) == (2, 1)
+    (tmp_path / "verl_lr_steps.json").write_text("[1, 2]")
+    with pytest.raises(ValueError, match="verl_lr_steps.json: expected"):
+        resumed.load_checkpoint(str(tmp_path))
+
+
+def test_several_forward_backward_batch_calls_of_one_step_draw_their_own_micro_batch_streams():
+    """verl may call forward_backward_batch several times before one optimizer_step: the FP4 context
+    (what keys the SR streams) continues the step's micro-batch count, and the next step counts anew."""
+    from megatron_fp4.fp4 import current
+
+    seen = []
+
+    def loss(model_output, data, dp_group):
+        seen.append((current().step, current().micro_batch))
+        return verl_loss(model_output, data, dp_group)
+
+    cfg = sr_cfg()
+    engine = MegatronFP4Engine(cfg=copy.deepcopy(cfg), micro_batch_size=MICRO).initialize()
+    b = TensorDict(batch(cfg.model.vocab_size, 0), batch_size=[B])
+    for _ in range(2):
+        engine.optimizer_zero_grad()
+        with engine.train_mode():
+            engine.forward_backward_batch(b[:MICRO], loss)
+            engine.forward_backward_batch(b[MICRO:], loss)
+        engine.optimizer_step()
+    assert seen == [(0, 0), (0, 1), (1, 0), (1, 1)]

@@ -21,6 +21,8 @@ replays ``routed_experts`` as verl's Megatron engine does (`_router_replay`, `ba
 from __future__ import annotations
 
 import contextlib
+import json
+from pathlib import Path
 from typing import Callable, Optional
 
 import torch
@@ -33,6 +35,7 @@ from megatron_fp4.config import Config
 from megatron_fp4.integrations.verl.batches import score_nested, score_padded
 from megatron_fp4.integrations.verl.construct import config_from_verl, data_parallel_mesh, model_dir, router_replay_mode
 from megatron_fp4.parallel.mesh import ParallelMesh
+from megatron_fp4.training.checkpoint_files import write_durable_text
 
 
 def _non_tensor(data, key: str, default):
@@ -263,7 +266,36 @@ class MegatronFP4Engine(BaseEngine):
             self.trainer.model.to(device)
 
     def save_checkpoint(self, local_path: str, hdfs_path=None, global_step: int = 0, max_ckpt_to_keep=None, **kw):
+        """The trainer's checkpoint, and verl's lr-schedule position by optimizer step (`LR_STEPS_FILE`)."""
         self.trainer.save_checkpoint(local_path)
+        if self.trainer.mesh.rank == 0:
+            positions = {**_read_lr_steps(local_path), str(self.trainer.step): self.lr_steps}
+            write_durable_text(Path(local_path) / LR_STEPS_FILE, json.dumps(positions))
 
     def load_checkpoint(self, local_path: str, hdfs_path=None, del_local_after_load: bool = False, **kw):
-        self.trainer.load_checkpoint(local_path)
+        """Resume the trainer, and verl's lr schedule where it was at that step (checkpoints without the
+        record: the optimizer step, which is what the schedule position was before they were kept apart)."""
+        step = self.trainer.load_checkpoint(local_path)
+        self.lr_steps = _read_lr_steps(local_path).get(str(step), step)
+
+
+LR_STEPS_FILE = "verl_lr_steps.json"  # {"<optimizer step>": lr-schedule position}, next to the step dirs
+
+
+def _read_lr_steps(root: str) -> dict:
+    path = Path(root) / LR_STEPS_FILE
+    if not path.is_file():
+        return {}
+    if path.stat().st_size > 1 << 20:
+        raise ValueError(f"{path}: {path.stat().st_size} bytes, more than 1 MiB for the lr-schedule positions; "
+                         f"remove the file (the schedule then resumes at the optimizer step)")
+    try:
+        data = json.loads(path.read_text())
+    except ValueError as err:
+        raise ValueError(f"{path}: not JSON ({err}); remove the file (the schedule then resumes at the "
+                         f"optimizer step)") from None
+    if not isinstance(data, dict) or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0
+                                             for v in data.values()):
+        raise ValueError(f"{path}: expected {{\"<step>\": non-negative int}}; remove the file (the schedule then "
+                         f"resumes at the optimizer step)")
+    return data
