@@ -77,6 +77,8 @@ class TrainingStep:
         # rank, then the dp ranks before this one (each reads a contiguous share of the batch).
         first = done * self.mesh.dp + self.mesh.coord("dp") * n
         if forward_only:
+            if self.pipeline is not None:
+                raise ValueError("forward_backward(forward_only=True) runs the whole model: not with parallel.pp > 1")
             with torch.no_grad(), fp4_training_step(self.step, first_micro_batch=first), self._weight_cache():
                 return self._local_forward_backward(micro_batches, loss_fn, weights, backward=False)
         self.model.set_aux_loss_scale(1.0 / n)
