@@ -13,9 +13,10 @@ parameter and expert drawn from its own seeded stream, so every layout starts fr
 single-process weights. Each dp rank reads its contiguous part of the same global
 batch, and the reported loss and metrics are the means over all micro-batches of all dp ranks.
 
-`train_step_with_loss(micro_batches, loss_fn)` is the one step every caller goes through (the LM
-objective here, the GRPO policy loss in the RL example, verl's engine adapter); the loss is a
-`training.step_loss.StepLoss` (any layout) or a plain ``loss_fn(model, mb)`` (no pipeline).
+`forward_backward(micro_batches, loss_fn)` + `apply_update()` (`training/step.py`) is the one step
+every caller goes through (the CLI's LM objective through `train_step_with_loss`, GRPO's policy loss,
+verl's engine with verl's own loss functions); the loss is a `training.step_loss.StepLoss` (any
+layout) or a plain ``loss_fn(model, mb)`` (no pipeline).
 
 The NaN guard (`schedule.nan_policy`, from step 0): a `LayerGate` catches non-finite activations
 and gradients at every layer boundary without breaking the step's collectives; after backward
@@ -26,20 +27,13 @@ After an update the new weights are checked too, and non-finite weights are neve
 from __future__ import annotations
 
 import math
-import time
 from contextlib import nullcontext
 from typing import Optional
 
 import torch
-import torch.distributed as dist
 
 from megatron_fp4.config import Config, ConfigError
-from megatron_fp4.fp4 import NonFiniteInputError
-from megatron_fp4.fp4 import current as fp4_current, micro_batch as fp4_micro_batch, training_step as fp4_training_step
-from megatron_fp4.fp4.exact_gemm import cached_weights
-from megatron_fp4.fp4.fused import adopt_ready as adopt_compiled_fp4
 from megatron_fp4.model import MoETransformer, materialize
-from megatron_fp4.model.moe import update_expert_bias
 from megatron_fp4.parallel.expert_parallel import apply_expert_parallel
 from megatron_fp4.parallel.mesh import ParallelMesh, world_size_from_env
 from megatron_fp4.parallel.pipeline import PipelineRunner
@@ -48,14 +42,15 @@ from megatron_fp4.training import checkpoint as ckpt, preemption
 from megatron_fp4.training import dist_checkpoint as dcp_ckpt
 from megatron_fp4.training.data import ResumableSampler, build_dataset, get_batch
 from megatron_fp4.training.metrics import MetricsLogger
-from megatron_fp4.training.nonfinite import LayerGate, NonFiniteError, all_finite
-from megatron_fp4.training.optim import MasterWeightAdamW, clip_coefficient, lr_at
-from megatron_fp4.training.step_loss import LossFn, StepLoss, lm_loss_fn, require_step_loss
+from megatron_fp4.training.nonfinite import LayerGate, NonFiniteError
+from megatron_fp4.training.optim import MasterWeightAdamW
+from megatron_fp4.training.step import TrainingStep
+from megatron_fp4.training.step_loss import LossFn, StepLoss, lm_loss_fn
 
 __all__ = ["Trainer", "NonFiniteError", "lm_loss_fn", "LossFn", "StepLoss"]
 
 
-class Trainer:
+class Trainer(TrainingStep):
     def __init__(self, cfg: Config, mesh: Optional[ParallelMesh] = None, build_data: bool = True):
         # The one place a run's config is validated: every entry point (CLI, torchrun, examples,
         # verl's engine, tests) builds this trainer, against the world it will run on.
@@ -96,6 +91,7 @@ class Trainer:
         self._sqnr = None
         self.gate = LayerGate()
         self.consecutive_skips = 0
+        self._open_step = None
 
     def _build_model(self):
         """This rank's part of the model of the config, and its pipeline runner (None without pp).
@@ -141,129 +137,6 @@ class Trainer:
         if self.cfg.dtype == "bf16" and self.device.type == "cuda":
             return torch.autocast("cuda", dtype=torch.bfloat16)
         return nullcontext()
-
-    # -- one step ---------------------------------------------------------------------------------
-    def forward_backward(self, micro_batches: list[dict], loss_fn: LossFn) -> tuple[float, dict]:
-        """Gradient accumulation: each micro-batch loss is scaled by 1/num_micro_batches (and so
-        is the MoE auxiliary loss, through the auto-scaler); with pp > 1 the pipeline schedule runs
-        them. Returns (mean loss, mean metrics) over every micro-batch of every dp rank."""
-        n = len(micro_batches)
-        self.model.set_aux_loss_scale(1.0 / n)
-        if isinstance(self.optimizer, ZeroAdamW):
-            self.optimizer.prepare_grad_sync(n)
-        if self.pipeline is not None:
-            loss, metrics = self.pipeline.run(micro_batches, require_step_loss(loss_fn))
-        else:
-            loss, metrics = self._local_forward_backward(micro_batches, loss_fn)
-        if self.mesh.dp > 1:  # the global mean: every dp rank ran the same number of micro-batches
-            values = torch.tensor([loss] + list(metrics.values()), dtype=torch.float64, device=self.device)
-            dist.all_reduce(values, group=self.mesh.group("dp"))
-            values /= self.mesh.dp
-            loss, metrics = float(values[0]), dict(zip(metrics, values[1:].tolist()))
-        return loss, metrics
-
-    def _local_forward_backward(self, micro_batches: list[dict], loss_fn: LossFn) -> tuple[float, dict]:
-        n = len(micro_batches)
-        total, metrics = 0.0, {}
-        for i, mb in enumerate(micro_batches):
-            try:
-                with fp4_micro_batch(i):  # fp4-followups: FP4 SR streams keyed by micro-batch
-                    with self.autocast():
-                        loss, extra = loss_fn(self.model, mb)
-                    (loss / n).backward()
-            except NonFiniteInputError as err:
-                # Non-finite inside a layer despite the gate (finite inputs overflowing within it, or
-                # non-finite weights, which the guard never commits): same policy as a NaN loss. On
-                # one rank of a multi-rank step this early return can still leave collectives short.
-                self.gate.trip(f"an FP4 operand ({err})")
-                return math.nan, {}
-            total += loss.detach().item() / n
-            for key, value in extra.items():
-                metrics[key] = metrics.get(key, 0.0) + float(value) / n
-        deferred = fp4_current().nonfinite_error()  # the step's deferred FP4 NaN/Inf flags: one sync
-        if deferred is not None:
-            self.gate.trip(f"an FP4 operand ({deferred})")
-            return math.nan, {}
-        return total, metrics
-
-    def train_step_with_loss(self, micro_batches: list[dict], loss_fn: LossFn = lm_loss_fn) -> dict:
-        """Forward/backward over the micro-batches, then clip and step unless anything was non-finite
-        on any rank (`schedule.nan_policy`: stop raises `NonFiniteError` on every rank, skip drops
-        the step on every rank, up to `schedule.max_consecutive_skips` in a row)."""
-        self.model.train()
-        self.optimizer.zero_grad()
-        start = time.perf_counter()
-        self.gate.reset()
-        # FP4 step context: SR seeds by step and global micro-batch; deferred NaN/Inf flags. Weights
-        # are constant until the optimizer step, so each Q(W) is derived once per step, not once per
-        # micro-batch (`cached_weights`; stochastic-rounding weights are keyed by micro-batch, so
-        # they still draw their own noise each time: the same bits either way).
-        with fp4_training_step(self.step, first_micro_batch=self.mesh.coord("dp") * len(micro_batches)), \
-                self.gate.watching(self.model.layers), self._weight_cache():
-            loss, metrics = self.forward_backward(micro_batches, loss_fn)
-        self.optimizer.finish_grad_sync()  # always: the same collectives on every rank
-        grad_norm = self.optimizer.grad_norm()
-        lr = lr_at(self.step, self.cfg.optimizer, self.cfg.schedule)
-        result = {"loss": loss, "grad_norm": grad_norm, "lr": lr, "skipped": False, **metrics}
-        if not math.isfinite(loss) or not math.isfinite(grad_norm):
-            self.gate.trip("loss" if not math.isfinite(loss) else "gradient norm")
-        bad_ranks = self.mesh.ranks_with(self.gate.tripped)
-        if bad_ranks:
-            self.optimizer.zero_grad()
-            result.update(skipped=True, message=self._refuse_step(bad_ranks, loss, grad_norm))
-        else:
-            self.optimizer.step(lr, clip_coefficient(grad_norm, self.cfg.optimizer.clip_grad))
-            self.consecutive_skips = 0
-            self.require_finite_weights(f"step {self.step}: the optimizer update (lr={lr:g}) made weights "
-                                        f"non-finite", "the run stops; nothing was saved and the last checkpoint "
-                                        "is intact. Lower optimizer.lr or raise optimizer.eps")
-        # aux-loss-free MoE balancing: the router biases move outside the gradient (model/moe.py)
-        update_expert_bias(self.model, applied=not bad_ranks, group=self.mesh.group("dp") if self.mesh.dp > 1 else None)
-        self.step += 1
-        tokens = sum(mb["tokens"].numel() for mb in micro_batches if "tokens" in mb)
-        elapsed = time.perf_counter() - start
-        result["tokens_per_s"] = tokens / elapsed if elapsed > 0 else float("nan")
-        # Between steps, nothing else running: the one point where compiled fake-quant kernels whose
-        # warm-up finished (fp4.compile=auto) are switched in (same bits; fp4/fused.py).
-        adopt_compiled_fp4()
-        return result
-
-    def _weight_cache(self):
-        """`cached_weights` around one step's forward/backward, unless `cache_weights_per_step` is off
-        or a weight rounds stochastically: its draws are keyed by micro-batch, so the cache would
-        only hold every micro-batch's Q(W) until the step ends, never reusing one."""
-        if not self.cache_weights_per_step or any(
-                getattr(getattr(m, "recipe", None), "weight", None) is not None
-                and m.recipe.weight.rounding == "stochastic" for m in self.model.modules()):
-            return nullcontext()
-        return cached_weights()
-
-    def train_step(self) -> dict:
-        return self.train_step_with_loss(self.next_micro_batches(), lm_loss_fn)
-
-    def _refuse_step(self, bad_ranks: list[int], loss: float, grad_norm: float) -> str:
-        """The message of a refused step; raises `NonFiniteError` when the policy says stop."""
-        s = self.cfg.schedule
-        where = f" (here: {self.gate.where})" if self.gate.where else ""
-        ranks = f" on rank(s) {bad_ranks}" if self.mesh.world_size > 1 else ""
-        message = (f"step {self.step}: non-finite values{ranks}{where}, loss={loss}, grad_norm={grad_norm}; the "
-                   f"optimizer step was refused on every rank and the weights are unchanged. Lower optimizer.lr, "
-                   f"check the data, or set schedule.nan_policy=skip to drop such steps")
-        if s.nan_policy == "stop":
-            raise NonFiniteError(message)
-        self.consecutive_skips += 1
-        if self.consecutive_skips > s.max_consecutive_skips:
-            raise NonFiniteError(f"{self.consecutive_skips} steps in a row were non-finite, more than "
-                                 f"schedule.max_consecutive_skips={s.max_consecutive_skips}: stopping. The weights "
-                                 f"are those before the skipped steps. Last one: {message}")
-        return message
-
-    def require_finite_weights(self, what: str, consequence: str, error=NonFiniteError) -> None:
-        """Raise `error` on every rank unless every rank's weights are finite (a mesh-wide vote)."""
-        bad = self.mesh.ranks_with(not all_finite(p.detach() for p in self.model.parameters()))
-        if bad:
-            ranks = f" on rank(s) {bad}" if self.mesh.world_size > 1 else ""
-            raise error(f"{what}{ranks}; {consequence}")
 
     # -- statistics -------------------------------------------------------------------------------
     def _moe_stats(self) -> dict:

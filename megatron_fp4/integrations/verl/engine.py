@@ -17,11 +17,18 @@ model output handed to `loss_function(model_output, data, dp_group)` is {"log_pr
 `prepare_micro_batches` / `postprocess_batch_func`, as verl's FSDP engine does). verl's router replay
 (``engine_config.router_replay.mode`` R2 / R3 with the batch's ``enable_routing_replay``) records and
 replays ``routed_experts`` as verl's Megatron engine does (`_router_replay`, `batches.score_nested`).
+
+The step is the trainer's (`training/step.py`): `forward_backward_batch` runs its micro-batches
+through `Trainer.forward_backward` (FP4 step context keyed by optimizer step and micro-batch, also
+across several calls of one step; layer gate; aux-loss scale), `optimizer_step` is
+`Trainer.apply_update` (mesh-wide non-finite vote, clip, AdamW) at verl's lr-schedule position,
+which `lr_scheduler_step` advances and the engine's checkpoint keeps (`LR_STEPS_FILE`).
 """
 from __future__ import annotations
 
 import contextlib
-import math
+import json
+from pathlib import Path
 from typing import Callable, Optional
 
 import torch
@@ -34,6 +41,7 @@ from megatron_fp4.config import Config
 from megatron_fp4.integrations.verl.batches import score_nested, score_padded
 from megatron_fp4.integrations.verl.construct import config_from_verl, data_parallel_mesh, model_dir, router_replay_mode
 from megatron_fp4.parallel.mesh import ParallelMesh
+from megatron_fp4.training.checkpoint_files import write_durable_text
 
 
 def _non_tensor(data, key: str, default):
@@ -73,6 +81,8 @@ class MegatronFP4Engine(BaseEngine):
         self.trainer = trainer
         self.mesh = mesh
         self.mode = None
+        self.lr_steps = 0  # verl's lr-schedule position (lr_scheduler_step); the trainer counts optimizer steps
+        self.last_update: Optional[dict] = None  # the last `Trainer.apply_update` result (skipped, message, ...)
 
     def initialize(self):
         """Build the trainer (model, optimizer); with a model_config, load the HF checkpoint's weights."""
@@ -121,29 +131,25 @@ class MegatronFP4Engine(BaseEngine):
     def eval_mode(self, **kwargs):
         return self._ctx("eval")
 
-    # -- optimizer ---------------------------------------------------------------------------------
+    # -- the step: the trainer's (FP4 step context, layer gate, aux scale, mesh-wide non-finite vote) --
     def optimizer_zero_grad(self):
-        self.trainer.optimizer.zero_grad()
+        self.trainer.zero_grad()
 
     def optimizer_step(self) -> float:
-        """Clip and step; a non-finite gradient norm skips the step (weights unchanged)."""
-        from megatron_fp4.training.optim import clip_coefficient, lr_at
-
-        opt = self.trainer.optimizer
-        opt.finish_grad_sync()
-        grad_norm = opt.grad_norm()
-        if not math.isfinite(grad_norm):
-            opt.zero_grad()
-            return grad_norm
-        opt.step(lr_at(self.trainer.step, self.cfg.optimizer, self.cfg.schedule),
-                 clip_coefficient(grad_norm, self.cfg.optimizer.clip_grad))
-        return grad_norm
+        """`Trainer.apply_update` at verl's lr-schedule position: the mesh-wide non-finite vote, then
+        clip and step (or the step refused on every rank, weights unchanged, as `schedule.nan_policy`
+        says: skip returns the non-finite norm, stop raises `NonFiniteError`). Returns the grad norm."""
+        result = self.trainer.apply_update(schedule_step=self.lr_steps)
+        self.last_update = result
+        return result["grad_norm"]
 
     def lr_scheduler_step(self) -> float:
+        """Advance verl's lr schedule (verl steps it once per `train_batch` of its worker, which may
+        hold several optimizer steps); returns the lr of the next optimizer step."""
         from megatron_fp4.training.optim import lr_at
 
-        self.trainer.step += 1
-        return lr_at(self.trainer.step, self.cfg.optimizer, self.cfg.schedule)
+        self.lr_steps += 1
+        return lr_at(self.lr_steps, self.cfg.optimizer, self.cfg.schedule)
 
     # -- forward / backward ------------------------------------------------------------------------
     def response_log_probs(self, micro_batch) -> torch.Tensor:
@@ -151,20 +157,32 @@ class MegatronFP4Engine(BaseEngine):
         return score_padded(self.model, micro_batch)["log_probs"]
 
     def forward_backward_batch(self, data, loss_function: Optional[Callable], forward_only=False) -> dict:
+        if loss_function is None and not forward_only:
+            raise ValueError("loss_function is required unless forward_only=True")
         if data["input_ids"].is_nested:
             return self._forward_backward_no_padding(data, loss_function, forward_only)
         return self._forward_backward_padded(data, loss_function, forward_only)
 
-    def _step(self, mb, model_output, loss_function, forward_only, weight: float = 1.0):
-        if loss_function is not None:
-            loss, metrics = loss_function(model_output=model_output, data=mb, dp_group=self.get_data_parallel_group())
-        else:
-            if not forward_only:
-                raise ValueError("loss_function is required unless forward_only=True")
-            loss, metrics = torch.zeros(()), {}
-        if not forward_only:
-            (loss * weight).backward()
-        return float(loss.detach()), metrics
+    def _run(self, micro_batches: list, score: Callable, loss_function, forward_only: bool,
+             weights: list[float]) -> list[tuple]:
+        """The micro-batches through `Trainer.forward_backward`: the model output of each (`score`),
+        verl's `loss_function(model_output, data, dp_group)` on it, backward of weight × loss
+        (verl's losses are normalised already: weight 1 on no-padding batches, rows/B on padded ones).
+        Returns (model output, loss, metrics) per micro-batch."""
+        group, records = self.get_data_parallel_group(), []
+
+        def loss_fn(model, mb):
+            out = score(model, mb)
+            if loss_function is None:
+                loss, metrics = torch.zeros((), device=self.trainer.device), {}
+            else:
+                loss, metrics = loss_function(model_output=out, data=mb, dp_group=group)
+            records.append(({k: v.detach() for k, v in out.items()}, float(loss.detach()), metrics))
+            return loss, {}
+
+        self.trainer.forward_backward(micro_batches, loss_fn, weights=weights, accumulate=True,
+                                      forward_only=forward_only)
+        return records
 
     def _router_replay(self, data, forward_only: bool) -> tuple[str, bool]:
         """(routes to replay: off | r2 | r3, whether to record the routes used) for one
@@ -185,16 +203,15 @@ class MegatronFP4Engine(BaseEngine):
         B = data["input_ids"].shape[0]
         mbs = self.micro_batch_size or B
         entropy = bool(_non_tensor(data, "calculate_entropy", False))
-        outputs, losses, metrics = {}, [], {}
-        for start in range(0, B, mbs):
-            mb = data[start:start + mbs]
-            out = score_padded(self.model, mb, entropy)
-            loss, extra = self._step(mb, out, loss_function, forward_only, mb["input_ids"].shape[0] / B)
-            losses.append(loss)
+        micro_batches = [data[start:start + mbs] for start in range(0, B, mbs)]
+        records = self._run(micro_batches, lambda model, mb: score_padded(model, mb, entropy), loss_function,
+                            forward_only, [mb["input_ids"].shape[0] / B for mb in micro_batches])
+        outputs, metrics = {}, {}
+        for out, _, extra in records:
             for k, v in out.items():
-                outputs.setdefault(k, []).append(v.detach())
+                outputs.setdefault(k, []).append(v)
             append_to_dict(metrics, extra)
-        return {"model_output": {k: torch.cat(v) for k, v in outputs.items()}, "loss": losses,
+        return {"model_output": {k: torch.cat(v) for k, v in outputs.items()}, "loss": [r[1] for r in records],
                 "metrics": {k: _reduce(v) for k, v in metrics.items()}}
 
     def _forward_backward_no_padding(self, data, loss_function, forward_only) -> dict:
@@ -214,12 +231,10 @@ class MegatronFP4Engine(BaseEngine):
         entropy = bool(_non_tensor(data, "calculate_entropy", False))
         replay, record = self._router_replay(data, forward_only)
         micro_batches, indices = prepare_micro_batches(data=data, dp_group=group, same_micro_num_in_dp=True)
-        output_lst = []
-        for mb in micro_batches:
-            out = score_nested(self.model, mb, entropy, replay, record)
-            loss, metrics = self._step(mb, out, loss_function, forward_only)
-            output_lst.append({"model_output": {k: v.detach() for k, v in out.items()}, "loss": loss,
-                               "metrics": metrics})
+        micro_batches = list(micro_batches)
+        records = self._run(micro_batches, lambda model, mb: score_nested(model, mb, entropy, replay, record),
+                            loss_function, forward_only, [1.0] * len(micro_batches))
+        output_lst = [{"model_output": out, "loss": loss, "metrics": metrics} for out, loss, metrics in records]
         return postprocess_batch_func(output_lst=output_lst, indices=indices, data=data)
 
     # -- weights and layout --------------------------------------------------------------------------
@@ -257,7 +272,36 @@ class MegatronFP4Engine(BaseEngine):
             self.trainer.model.to(device)
 
     def save_checkpoint(self, local_path: str, hdfs_path=None, global_step: int = 0, max_ckpt_to_keep=None, **kw):
+        """The trainer's checkpoint, and verl's lr-schedule position by optimizer step (`LR_STEPS_FILE`)."""
         self.trainer.save_checkpoint(local_path)
+        if self.trainer.mesh.rank == 0:
+            positions = {**_read_lr_steps(local_path), str(self.trainer.step): self.lr_steps}
+            write_durable_text(Path(local_path) / LR_STEPS_FILE, json.dumps(positions))
 
     def load_checkpoint(self, local_path: str, hdfs_path=None, del_local_after_load: bool = False, **kw):
-        self.trainer.load_checkpoint(local_path)
+        """Resume the trainer, and verl's lr schedule where it was at that step (checkpoints without the
+        record: the optimizer step, which is what the schedule position was before they were kept apart)."""
+        step = self.trainer.load_checkpoint(local_path)
+        self.lr_steps = _read_lr_steps(local_path).get(str(step), step)
+
+
+LR_STEPS_FILE = "verl_lr_steps.json"  # {"<optimizer step>": lr-schedule position}, next to the step dirs
+
+
+def _read_lr_steps(root: str) -> dict:
+    path = Path(root) / LR_STEPS_FILE
+    if not path.is_file():
+        return {}
+    if path.stat().st_size > 1 << 20:
+        raise ValueError(f"{path}: {path.stat().st_size} bytes, more than 1 MiB for the lr-schedule positions; "
+                         f"remove the file (the schedule then resumes at the optimizer step)")
+    try:
+        data = json.loads(path.read_text())
+    except ValueError as err:
+        raise ValueError(f"{path}: not JSON ({err}); remove the file (the schedule then resumes at the "
+                         f"optimizer step)") from None
+    if not isinstance(data, dict) or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0
+                                             for v in data.values()):
+        raise ValueError(f"{path}: expected {{\"<step>\": non-negative int}}; remove the file (the schedule then "
+                         f"resumes at the optimizer step)")
+    return data

@@ -1,0 +1,212 @@
+"""The one training step of `Trainer`, for every caller (the CLI, GRPO, verl's engine):
+
+    trainer.forward_backward(micro_batches, loss_fn)   # once or several times (gradient accumulation)
+    result = trainer.apply_update()                    # vote, clip, AdamW, lr schedule, step counter
+
+`forward_backward` owns everything numerics-related around the micro-batches: the FP4 step context
+(stochastic-rounding streams keyed by the optimizer step and the global micro-batch index, also
+across several calls of one step; deferred NaN/Inf flags), the `LayerGate`, the MoE auxiliary-loss
+scale (1/micro-batches of the call, as Megatron's schedules set it), the per-step Q(W) cache and the
+pipeline branch. `apply_update` takes the mesh-wide non-finite vote and then clips and steps, or
+refuses the step on every rank (`schedule.nan_policy`). `train_step_with_loss` is the two in a row.
+
+A micro-batch's gradient weight is 1/len(micro_batches) unless the caller passes `weights` (verl's
+losses are normalised by the caller: by global token count, or by rows of the batch).
+"""
+from __future__ import annotations
+
+import math
+import time
+from contextlib import nullcontext
+from typing import Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from megatron_fp4.fp4 import NonFiniteInputError
+from megatron_fp4.fp4 import current as fp4_current, micro_batch as fp4_micro_batch, training_step as fp4_training_step
+from megatron_fp4.fp4.exact_gemm import cached_weights
+from megatron_fp4.fp4.fused import adopt_ready as adopt_compiled_fp4
+from megatron_fp4.model.moe import update_expert_bias
+from megatron_fp4.parallel.zero import ZeroAdamW
+from megatron_fp4.training.nonfinite import NonFiniteError, all_finite
+from megatron_fp4.training.optim import clip_coefficient, lr_at
+from megatron_fp4.training.step_loss import LossFn, lm_loss_fn, require_step_loss
+
+
+class TrainingStep:
+    """The step methods of `Trainer` (which provides model, optimizer, mesh, gate, pipeline, cfg, step)."""
+
+    _open_step: Optional[dict] = None  # what the forward_backward calls of the open step accumulated
+
+    def train_step_with_loss(self, micro_batches: list[dict], loss_fn: LossFn = lm_loss_fn) -> dict:
+        """`forward_backward` over the micro-batches, then `apply_update`."""
+        self.model.train()
+        self.zero_grad()
+        self.forward_backward(micro_batches, loss_fn)
+        return self.apply_update()
+
+    def zero_grad(self) -> None:
+        """Start a fresh step: zero gradients; what `forward_backward` accumulated since the last
+        `apply_update` (if anything) is dropped."""
+        self.optimizer.zero_grad()
+        self._open_step = None
+
+    def train_step(self) -> dict:
+        return self.train_step_with_loss(self.next_micro_batches(), lm_loss_fn)
+
+    def forward_backward(self, micro_batches: list[dict], loss_fn: LossFn, *, weights: Optional[Sequence[float]] = None,
+                         accumulate: bool = False, forward_only: bool = False) -> tuple[float, dict]:
+        """Forward and backward of this rank's `micro_batches` into the gradients of the open step
+        (opened by the first call after `apply_update`). Each micro-batch's loss is scaled by its
+        weight (default 1/len(micro_batches)); with pp > 1 the pipeline schedule runs them (default
+        weights only). `accumulate`: more calls may follow before `apply_update`, so ZeRO's bucket
+        reductions wait for `apply_update` instead of starting during this backward. `forward_only`:
+        no gradients, nothing counted towards the step; the FP4 context is the open step's.
+        Returns (Σ weight·loss, Σ weight·metrics), averaged over the dp ranks."""
+        n = len(micro_batches)
+        if n == 0:
+            raise ValueError("forward_backward: no micro-batches")
+        if weights is not None and (len(weights) != n or self.pipeline is not None):
+            raise ValueError(f"forward_backward: weights ({len(weights)}) need one per micro-batch ({n}) and "
+                             f"parallel.pp=1 (the pipeline weights its micro-batches 1/n)")
+        if self._open_step is None and not forward_only:
+            self.gate.reset()
+            self._open_step = {"micro_batches": 0, "calls": 0, "loss": 0.0, "metrics": {}, "tokens": 0,
+                               "start": time.perf_counter()}
+        done = 0 if self._open_step is None else self._open_step["micro_batches"]
+        # The global index of this rank's first micro-batch: the step's earlier calls on every dp
+        # rank, then the dp ranks before this one (each reads a contiguous share of the batch).
+        first = done * self.mesh.dp + self.mesh.coord("dp") * n
+        if forward_only:
+            if self.pipeline is not None:
+                raise ValueError("forward_backward(forward_only=True) runs the whole model: not with parallel.pp > 1")
+            with torch.no_grad(), fp4_training_step(self.step, first_micro_batch=first), self._weight_cache():
+                return self._local_forward_backward(micro_batches, loss_fn, weights, backward=False)
+        self.model.set_aux_loss_scale(1.0 / n)
+        if isinstance(self.optimizer, ZeroAdamW) and not accumulate and done == 0:
+            self.optimizer.prepare_grad_sync(n)
+        # Weights are constant until the optimizer step, so each Q(W) is derived once per step, not
+        # once per micro-batch (`cached_weights`; stochastic-rounding weights are keyed by micro-batch).
+        with fp4_training_step(self.step, first_micro_batch=first) as fp4_step, \
+                self.gate.watching(self.model.layers), self._weight_cache():
+            if self.pipeline is not None:
+                loss, metrics = self.pipeline.run(micro_batches, require_step_loss(loss_fn))
+            else:
+                loss, metrics = self._local_forward_backward(micro_batches, loss_fn, weights)
+            deferred = fp4_step.nonfinite_error()  # the call's deferred FP4 NaN/Inf flags: one sync
+        if deferred is not None:
+            self.gate.trip(f"an FP4 operand ({deferred})")
+            loss, metrics = math.nan, {}
+        if self.mesh.dp > 1:  # the global mean: every dp rank ran the same number of micro-batches
+            values = torch.tensor([loss] + list(metrics.values()), dtype=torch.float64, device=self.device)
+            dist.all_reduce(values, group=self.mesh.group("dp"))
+            values /= self.mesh.dp
+            loss, metrics = float(values[0]), dict(zip(metrics, values[1:].tolist()))
+        step = self._open_step
+        step["micro_batches"] += n
+        step["calls"] += 1
+        step["loss"] += loss
+        for key, value in metrics.items():
+            step["metrics"][key] = step["metrics"].get(key, 0.0) + value
+        step["tokens"] += sum(mb["tokens"].numel() for mb in micro_batches if "tokens" in mb)
+        return loss, metrics
+
+    def _local_forward_backward(self, micro_batches: list[dict], loss_fn: LossFn,
+                                weights: Optional[Sequence[float]], backward: bool = True) -> tuple[float, dict]:
+        n = len(micro_batches)
+
+        def weighted(i, x):  # x / n by default (the bits the trainer has always computed), else x · weight
+            return x / n if weights is None else x * weights[i]
+
+        total, metrics = 0.0, {}
+        for i, mb in enumerate(micro_batches):
+            try:
+                with fp4_micro_batch(i):  # FP4 SR streams keyed by the global micro-batch index
+                    with self.autocast():
+                        loss, extra = loss_fn(self.model, mb)
+                    if backward:
+                        weighted(i, loss).backward()
+            except NonFiniteInputError as err:
+                # Non-finite inside a layer despite the gate (finite inputs overflowing within it, or
+                # non-finite weights, which the guard never commits): same policy as a NaN loss. On
+                # one rank of a multi-rank step this early return can still leave collectives short.
+                self.gate.trip(f"an FP4 operand ({err})")
+                return math.nan, {}
+            total += weighted(i, loss.detach().item())
+            for key, value in extra.items():
+                metrics[key] = metrics.get(key, 0.0) + weighted(i, float(value))
+        return total, metrics
+
+    def apply_update(self, schedule_step: Optional[int] = None) -> dict:
+        """End the open step: clip and step unless anything was non-finite on any rank (one vote over
+        the whole mesh; `schedule.nan_policy`: stop raises `NonFiniteError` on every rank, skip drops
+        the step on every rank, up to `schedule.max_consecutive_skips` in a row), then count it.
+        `schedule_step`: the position in the lr schedule (default: the step counter; verl's engine
+        advances its own with `lr_scheduler_step`). Returns loss, grad_norm, lr, skipped (and message),
+        tokens_per_s and the loss metrics (means over the step's forward_backward calls)."""
+        step = self._open_step
+        if step is None:
+            raise ValueError("apply_update: no forward_backward since the last update (nothing to apply)")
+        self._open_step = None
+        loss = step["loss"] / step["calls"]
+        metrics = {k: v / step["calls"] for k, v in step["metrics"].items()}
+        self.optimizer.finish_grad_sync()  # always: the same collectives on every rank
+        grad_norm = self.optimizer.grad_norm()
+        lr = lr_at(self.step if schedule_step is None else schedule_step, self.cfg.optimizer, self.cfg.schedule)
+        result = {"loss": loss, "grad_norm": grad_norm, "lr": lr, "skipped": False, **metrics}
+        if not math.isfinite(loss) or not math.isfinite(grad_norm):
+            self.gate.trip("loss" if not math.isfinite(loss) else "gradient norm")
+        bad_ranks = self.mesh.ranks_with(self.gate.tripped)
+        if bad_ranks:
+            self.optimizer.zero_grad()
+            result.update(skipped=True, message=self._refuse_step(bad_ranks, loss, grad_norm))
+        else:
+            self.optimizer.step(lr, clip_coefficient(grad_norm, self.cfg.optimizer.clip_grad))
+            self.consecutive_skips = 0
+            self.require_finite_weights(f"step {self.step}: the optimizer update (lr={lr:g}) made weights "
+                                        f"non-finite", "the run stops; nothing was saved and the last checkpoint "
+                                        "is intact. Lower optimizer.lr or raise optimizer.eps")
+        # aux-loss-free MoE balancing: the router biases move outside the gradient (model/moe.py)
+        update_expert_bias(self.model, applied=not bad_ranks, group=self.mesh.group("dp") if self.mesh.dp > 1 else None)
+        self.step += 1
+        elapsed = time.perf_counter() - step["start"]
+        result["tokens_per_s"] = step["tokens"] / elapsed if elapsed > 0 else float("nan")
+        # Between steps, nothing else running: the one point where compiled fake-quant kernels whose
+        # warm-up finished (fp4.compile=auto) are switched in (same bits; fp4/fused.py).
+        adopt_compiled_fp4()
+        return result
+
+    def _weight_cache(self):
+        """`cached_weights` around one step's forward/backward, unless `cache_weights_per_step` is off
+        or a weight rounds stochastically: its draws are keyed by micro-batch, so the cache would
+        only hold every micro-batch's Q(W) until the step ends, never reusing one."""
+        if not self.cache_weights_per_step or any(
+                getattr(getattr(m, "recipe", None), "weight", None) is not None
+                and m.recipe.weight.rounding == "stochastic" for m in self.model.modules()):
+            return nullcontext()
+        return cached_weights()
+
+    def _refuse_step(self, bad_ranks: list[int], loss: float, grad_norm: float) -> str:
+        """The message of a refused step; raises `NonFiniteError` when the policy says stop."""
+        s = self.cfg.schedule
+        where = f" (here: {self.gate.where})" if self.gate.where else ""
+        ranks = f" on rank(s) {bad_ranks}" if self.mesh.world_size > 1 else ""
+        message = (f"step {self.step}: non-finite values{ranks}{where}, loss={loss}, grad_norm={grad_norm}; the "
+                   f"optimizer step was refused on every rank and the weights are unchanged. Lower optimizer.lr, "
+                   f"check the data, or set schedule.nan_policy=skip to drop such steps")
+        if s.nan_policy == "stop":
+            raise NonFiniteError(message)
+        self.consecutive_skips += 1
+        if self.consecutive_skips > s.max_consecutive_skips:
+            raise NonFiniteError(f"{self.consecutive_skips} steps in a row were non-finite, more than "
+                                 f"schedule.max_consecutive_skips={s.max_consecutive_skips}: stopping. The weights "
+                                 f"are those before the skipped steps. Last one: {message}")
+        return message
+
+    def require_finite_weights(self, what: str, consequence: str, error=NonFiniteError) -> None:
+        """Raise `error` on every rank unless every rank's weights are finite (a mesh-wide vote)."""
+        bad = self.mesh.ranks_with(not all_finite(p.detach() for p in self.model.parameters()))
+        if bad:
+            ranks = f" on rank(s) {bad}" if self.mesh.world_size > 1 else ""
+            raise error(f"{what}{ranks}; {consequence}")
