@@ -182,7 +182,7 @@ def main(argv=None):
     args = p.parse_args(argv)
     if args.point or args.sweep:
         from sweep import rollout_point, rollout_sweep
-        return rollout_point(args) if args.point else rollout_sweep(args)
+        return rollout_point(args, build, engine_for) if args.point else rollout_sweep(args)
     return cache_ablation(args) if args.cache_ablation else compare_hf(args)
 
 

@@ -170,7 +170,7 @@ def main(argv=None):
     args = parser.parse_args(argv)
     if args.point or args.sweep:
         from sweep import train_point, train_sweep
-        return train_point(args) if args.point else train_sweep(args)
+        return train_point(args, build_trainer, HF_SIZE) if args.point else train_sweep(args)
     return compare_hf(args) if args.hf else compare_modes(args)
 
 

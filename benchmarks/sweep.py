@@ -52,11 +52,11 @@ TRAIN_BASE = {"seq_len": 256, "experts": 8, "batch": 4}
 TRAIN_AXES = {"seq_len": [128, 256, 512, 1024, 2048, 4096], "experts": [8, 32, 64, 128], "batch": [1, 2, 4, 8]}
 
 
-def train_point(args) -> None:
-    from bench_train import HF_SIZE, BareStep, build_trainer  # noqa: F401
-
+def train_point(args, build_trainer, hf_size: list[str]) -> None:
+    """One training point; bench_train.py passes its `build_trainer` and `HF_SIZE` (this module
+    imports no bench_* script: they import it)."""
     pt = json.loads(args.point)
-    over = HF_SIZE + [f"schedule.seq_len={pt['seq_len']}", f"model.max_seq_len={pt['seq_len']}",
+    over = hf_size + [f"schedule.seq_len={pt['seq_len']}", f"model.max_seq_len={pt['seq_len']}",
                       f"model.num_experts={pt['experts']}", f"schedule.global_batch_size={pt['batch']}",
                       f"schedule.micro_batch_size={pt['batch']}", "data.num_samples=64",
                       "data.kind=arithmetic"]
@@ -90,10 +90,9 @@ ROLL_BASE = {"prompt_len": 128, "experts": 8, "batch": 4}
 ROLL_AXES = {"prompt_len": [128, 256, 512, 1024, 2048, 4096], "experts": [8, 32, 64, 128], "batch": [1, 2, 4, 8, 16]}
 
 
-def rollout_point(args) -> None:
+def rollout_point(args, build, engine_for) -> None:
+    """One rollout point; bench_rollout.py passes its `build` and `engine_for`."""
     import copy
-
-    from bench_rollout import build, engine_for
 
     pt = json.loads(args.point)
     args.experts, args.prompt_len, args.batch = pt["experts"], pt["prompt_len"], pt["batch"]

@@ -14,11 +14,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional, get_type_hints
 
+from megatron_fp4.config_choices import ConfigError, choice_for_bool
+from megatron_fp4.config_validate import validate_config
 from megatron_fp4.config_yaml import MAX_BYTES, Plain, parse_yaml, plain_value, show
-
-
-class ConfigError(ValueError):
-    """A user-facing configuration mistake; the message names the field and the fix."""
 
 
 @dataclass
@@ -173,8 +171,6 @@ class Config:
     dtype: str = "fp32"  # fp32 | bf16 (autocast on CUDA, bf16 params on CPU) | fp64 (verification: all in float64)
 
     def validate(self, world_size: int = 1) -> "Config":
-        from megatron_fp4.config_validate import validate_config
-
         validate_config(self, world_size)
         return self
 
@@ -232,8 +228,6 @@ def _to_str(value: Any, where: str) -> str:
     if isinstance(value, Plain):
         return value.text
     if isinstance(value, bool):  # a Python bool (config_from_dict): the field's own on/off names, if any
-        from megatron_fp4.config_validate import choice_for_bool
-
         named = choice_for_bool(where, value)
         if named is None:
             raise TypeError

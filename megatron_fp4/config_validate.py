@@ -1,5 +1,8 @@
 """`Config.validate()`: every check that can be made before a process group or tensor exists.
 
+Its functions take a `megatron_fp4.config.Config`; this module imports nothing of config.py (config.py
+imports it), so the two are no import circle.
+
 Each error names the field, the value it has and what to do instead.
 """
 from __future__ import annotations
@@ -7,28 +10,11 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from megatron_fp4.config import Config, ConfigError
+from megatron_fp4.config_choices import _CHOICES, ConfigError
 from megatron_fp4.config_yaml import show
 
 ARITHMETIC_VOCAB_SIZE = 18  # pad, bos, eos, 0-9, + - * = and space
 RECOMPUTE_MODULES = ("attention", "experts", "mlp", "moe")  # model/recompute.py MODULES (a test pins them)
-
-_CHOICES = {
-    "model.recompute": ("none", "full", "selective"),
-    "fp4.scope": ("experts", "experts+attention", "none"),
-    "fp4.format": ("nvfp4", "mxfp4"),
-    "fp4.train_mode": ("bf16", "fp4", "fp4_resq"),
-    "fp4.rollout_mode": ("bf16", "fp4", "fp4_resq"),
-    "fp4.grad_rounding": ("nearest", "stochastic"),
-    "fp4.compile": ("auto", "on", "off"),
-    "parallel.schedule": ("gpipe", "1f1b", "interleaved_1f1b", "interleaved_zero_bubble", "zbv"),
-    "parallel.zero_stage": (0, 1, 2),
-    "parallel.expert_dispatcher": ("alltoall", "gcmoe"),
-    "schedule.nan_policy": ("stop", "skip"),
-    "data.kind": ("arithmetic", "megatron", "numpy"),
-    "device": ("auto", "cpu", "cuda"),
-    "dtype": ("fp32", "bf16", "fp64"),
-}
 
 
 # Sanity limits, checked before anything is built: far above any real model (Qwen3-235B: vocab 151936,
@@ -43,14 +29,7 @@ _LIMITS = {
 }
 
 
-def choice_for_bool(dotted: str, value: bool):
-    """The name a choice field gives a boolean (``fp4.compile``: True -> "on", False -> "off"), or
-    None when its choices name none (a bool is then not a valid value there)."""
-    names = ("on", "yes", "true") if value else ("off", "no", "false")
-    return next((name for name in names if name in _CHOICES.get(dotted, ())), None)
-
-
-def _get(cfg: Config, dotted: str):
+def _get(cfg, dotted: str):
     node = cfg
     for part in dotted.split("."):
         node = getattr(node, part)
@@ -62,7 +41,7 @@ def _require(cond: bool, field: str, value, fix: str) -> None:
         raise ConfigError(f"{field}={show(value)}: {fix}")
 
 
-def resolve_dp(cfg: Config, world_size: int) -> int:
+def resolve_dp(cfg, world_size: int) -> int:
     """Data-parallel size: explicit, or what the world leaves after pp and tp."""
     p = cfg.parallel
     if p.dp == -1:
@@ -84,7 +63,7 @@ def _check_finite_floats(node, prefix: str = "") -> None:
             raise ConfigError(f"{name}={value!r}: must be a finite number (NaN and Inf are not allowed)")
 
 
-def check_model_limits(cfg: Config) -> None:
+def check_model_limits(cfg) -> None:
     """Sizes positive and within the sanity limits: what building the model needs (also used alone
     for a checkpoint's saved config, whose layout is not this job's)."""
     m = cfg.model
@@ -99,7 +78,7 @@ def check_model_limits(cfg: Config) -> None:
                  f"model (a typo?): give the intended size")
 
 
-def validate_config(cfg: Config, world_size: int = 1) -> None:
+def validate_config(cfg, world_size: int = 1) -> None:
     _check_finite_floats(cfg)
     for dotted, allowed in _CHOICES.items():
         value = _get(cfg, dotted)
@@ -175,7 +154,7 @@ def validate_config(cfg: Config, world_size: int = 1) -> None:
              "must be >= 0 (0 turns the periodic statistics off)")
 
 
-def _validate_fp4_shapes(cfg: Config) -> None:
+def _validate_fp4_shapes(cfg) -> None:
     m, f = cfg.model, cfg.fp4
     if f.scope == "none":
         return
@@ -194,7 +173,7 @@ def _validate_fp4_shapes(cfg: Config) -> None:
                  f"or set fp4.scope=none")
 
 
-def _validate_parallel(cfg: Config, world_size: int) -> None:
+def _validate_parallel(cfg, world_size: int) -> None:
     p, m, s = cfg.parallel, cfg.model, cfg.schedule
     for name in ("pp", "ep", "tp", "virtual_stages"):
         _require(getattr(p, name) >= 1, f"parallel.{name}", getattr(p, name), "must be >= 1")

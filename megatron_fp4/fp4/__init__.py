@@ -2,6 +2,7 @@
 from megatron_fp4.fp4.context import QuantStep, current, micro_batch, name_quant_sites, sr_seed, training_step
 from megatron_fp4.fp4.e2m1 import E2M1_VALUES, pack_codes, unpack_fp4
 from megatron_fp4.fp4 import invariant
+from megatron_fp4.fp4 import fused  # noqa: F401  (installs the compiled fake-quant path in nvfp4/mxfp4)
 from megatron_fp4.fp4.formats import FP4Tensor, NonFiniteInputError
 from megatron_fp4.fp4.invariant import batch_invariant
 from megatron_fp4.fp4.moeresq import (

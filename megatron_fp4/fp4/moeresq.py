@@ -70,54 +70,20 @@ from torch import nn
 from megatron_fp4.fp4 import invariant, triton_fp4
 from megatron_fp4.fp4.context import current, sr_seed
 from megatron_fp4.fp4.exact_gemm import cached_for_weight, exact_fp4_gemm, split_fp4
-from megatron_fp4.fp4.mxfp4 import fake_quantize_mxfp4
 from megatron_fp4.fp4.nonfinite import NonFiniteFlags
-from megatron_fp4.fp4.nvfp4 import fake_quantize_nvfp4
 from megatron_fp4.fp4.recipe import OperandFormat, Recipe
-
-
-def _fq32(x, fmt: OperandFormat, generator=None, name: str = "x", nonfinite=None, compile=None) -> torch.Tensor:
-    if fmt.format == "nvfp4":
-        return fake_quantize_nvfp4(x, scale=fmt.scale, block=fmt.block, rounding=fmt.rounding, generator=generator,
-                                   name=name, dtype=torch.float32, nonfinite=nonfinite, compile=compile)
-    return fake_quantize_mxfp4(x, scale_mode=fmt.mx_scale_mode, rounding=fmt.rounding, generator=generator,
-                               name=name, dtype=torch.float32, nonfinite=nonfinite, compile=compile)
-
-
-def fake_quantize(x: torch.Tensor, fmt: OperandFormat, generator=None, name: str = "x",
-                  compile: str | None = None) -> torch.Tensor:
-    """Quantize-dequantize ``x`` in ``fmt``; returns ``x.dtype`` (``compile``: see ``Recipe.compile``)."""
-    return _fq32(x, fmt, generator, name, compile=compile).to(x.dtype)
+from megatron_fp4.fp4.resq import _fq32, fake_quantize, portable_resq_quantize, sqnr_db  # noqa: F401
 
 
 def resq_quantize(x: torch.Tensor, fmt: OperandFormat, compensated: bool = True, generator=None,
                   name: str = "x", nonfinite=None, compile: str | None = None, scratch: bool = False) -> torch.Tensor:
-    """``Q(x) + Q(x − Q(x))`` (or ``Q(x)`` when not compensated) in fp32.
-
-    ``scratch``: the caller hands over ``x`` (a buffer of its own, unused afterwards), which may then
-    hold the residual: a fresh tensor of this size costs about a pass of its own (page faults)."""
-    out = triton_fp4.dispatch(x, fmt, compensated, generator, name, nonfinite)  # CUDA: same bits, one pass
+    """``Q(x) + Q(x − Q(x))`` (or ``Q(x)`` when not compensated) in fp32: the Triton kernels where
+    they serve (CUDA: same bits, one pass), else the portable quantizer (`resq.portable_resq_quantize`,
+    whose ``scratch`` see)."""
+    out = triton_fp4.dispatch(x, fmt, compensated, generator, name, nonfinite)
     if out is not None:
         return out
-    xf = x.to(torch.float32)
-    q = _fq32(xf, fmt, generator, name, nonfinite, compile)
-    if not compensated:
-        return q
-    if q.requires_grad or xf.requires_grad:  # in-place ops below would break autograd's saved tensors
-        return q + _fq32(xf - q, fmt, generator, name + " residual", nonfinite, compile)
-    reuse = (xf is not x or scratch) and xf.is_contiguous()
-    r = torch.sub(xf, q, out=xf) if reuse else xf - q
-    return q.add_(_fq32(r, fmt, generator, name + " residual", nonfinite, compile))
-
-
-def sqnr_db(x: torch.Tensor, fmt: OperandFormat) -> float:
-    """Signal-to-quantization-noise ratio of ``fake_quantize(x, fmt)`` in dB (float64 sums)."""
-    xd = x.to(torch.float64)
-    noise = (fake_quantize(x, fmt).to(torch.float64) - xd).pow(2).sum().item()
-    signal = xd.pow(2).sum().item()
-    if noise == 0.0:
-        return math.inf
-    return 10.0 * math.log10(signal / noise)
+    return portable_resq_quantize(x, fmt, compensated, generator, name, nonfinite, compile, scratch)
 
 
 @dataclass(frozen=True)

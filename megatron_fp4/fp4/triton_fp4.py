@@ -289,13 +289,12 @@ def _replay(generator, state):
 
 
 def _portable(x, fmt, compensated, generator, name, columns):
-    from megatron_fp4.fp4 import moeresq  # the reference (imports this module: no import at load time)
+    from megatron_fp4.fp4.resq import portable_resq_quantize  # the reference (loads the quantizers)
 
     if columns:
         pad = (-x.shape[0]) % fmt.block_size
         x = torch.nn.functional.pad(x.t(), (0, pad)).contiguous()
-    with portable():
-        return moeresq.resq_quantize(x, fmt, compensated, generator, name)
+    return portable_resq_quantize(x, fmt, compensated, generator, name)
 
 
 def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:

@@ -87,68 +87,15 @@ the event recorded after a slot's rows were copied out before reposting into it)
 from __future__ import annotations
 
 import collections
-import queue
 import threading
-from dataclasses import dataclass, field
 
 import torch
 
 from megatron_fp4.model.moe import GroupedExperts
 from megatron_fp4.parallel.ep_alltoall import DispatchPlan, all_to_all_rows, finish_combine, scatter_rows
 from megatron_fp4.parallel.gcmoe_transfer import (COMPUTE_GRANULARITIES, RecvRing,  # noqa: F401
-                                                  TransferChannel, chunk_bounds, exchange_step)
+                                                  Round, TransferChannel, chunk_bounds, exchange_step)
 
-
-
-@dataclass
-class _Round:
-    """Buffers and signals of one dispatcher call. Blocks are src-major (recv) / dst-major (send)."""
-
-    counter_set: int
-    counters: torch.Tensor       # [ep] chunks marked ready per source (this round's set)
-    ring: RecvRing               # bounded receive slots (transfer buffer)
-    x_send: torch.Tensor         # [N_send, H] send order
-    x_grouped: torch.Tensor      # [N_recv, H] staging: received rows in grouped order (experts' input)
-    y_recv: torch.Tensor         # [N_recv, H] expert outputs in receive order
-    y_send: torch.Tensor         # [N_send, H] outputs back, send order
-    send_off: list[int]
-    recv_off: list[int]
-    send_bounds: list[list[tuple[int, int]]]
-    recv_bounds: list[list[tuple[int, int]]]
-    hook: object = None
-    timeout_s: float = 300.0
-    cond: threading.Condition = field(default_factory=threading.Condition)
-    ready: collections.deque = field(default_factory=collections.deque)
-    outbound: queue.Queue = field(default_factory=queue.Queue)
-    error: BaseException | None = None
-    done_event: object = None
-
-    def send_chunk(self, dst, c):
-        a, b = self.send_bounds[dst][c]
-        return self.x_send[self.send_off[dst] + a:self.send_off[dst] + b]
-
-    def back_chunk(self, dst, c):
-        a, b = self.send_bounds[dst][c]
-        return self.y_send[self.send_off[dst] + a:self.send_off[dst] + b]
-
-    def out_chunk(self, src, c):
-        a, b = self.recv_bounds[src][c]
-        return self.y_recv[self.recv_off[src] + a:self.recv_off[src] + b]
-
-    def mark_ready(self, src: int, c: int, slot, event) -> None:
-        with self.cond:
-            self.counters[src] += 1
-            self.ready.append((src, c, slot, event))
-            self.cond.notify_all()
-
-    def next_ready(self):
-        with self.cond:
-            while not self.ready:
-                if self.error is not None:
-                    raise RuntimeError("GC-MoE transfer worker failed") from self.error
-                if not self.cond.wait(timeout=self.timeout_s):
-                    raise RuntimeError(f"GC-MoE: no chunk arrived within {self.timeout_s}s (peer hung?)")
-            return self.ready.popleft()
 
 
 def _offsets(splits: list[int]) -> list[int]:
@@ -210,7 +157,7 @@ class GCMoEDispatcher:
         in_splits, out_splits = plan.in_splits, plan.out_splits
         H = x_send.shape[-1]
         assert not channel._busy, "GC-MoE rounds of one rank must not overlap (one ring per rank)"
-        rnd = _Round(s, counters, channel.ring(self.ring_slots, C, H, x_send), x_send.contiguous(),
+        rnd = Round(s, counters, channel.ring(self.ring_slots, C, H, x_send), x_send.contiguous(),
                      x_send.new_empty(sum(out_splits), H), x_send.new_empty(sum(out_splits), H),
                      x_send.new_empty(sum(in_splits), H), _offsets(in_splits), _offsets(out_splits),
                      [chunk_bounds(n, C) for n in in_splits], [chunk_bounds(n, C) for n in out_splits],
@@ -244,7 +191,7 @@ class GCMoEDispatcher:
         rnd.y_send[own] = rnd.y_recv[rnd.recv_off[me]:rnd.recv_off[me] + out_splits[me]]
         return rnd.y_send, rnd.x_grouped
 
-    def _compute(self, rnd: _Round, experts: GroupedExperts, plan: DispatchPlan) -> None:
+    def _compute(self, rnd: Round, experts: GroupedExperts, plan: DispatchPlan) -> None:
         """Consume ready chunks in arrival order: stage the rows, free the slot, run experts, and
         hand finished output chunks to the worker."""
         me, num_local = self.channel.ep_rank, experts.num_experts

@@ -35,14 +35,11 @@ from __future__ import annotations
 
 import collections
 import queue
-from typing import TYPE_CHECKING
+import threading
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
-
-
-if TYPE_CHECKING:
-    from megatron_fp4.parallel.gcmoe import _Round
 
 COMPUTE_GRANULARITIES = ("expert", "chunk")
 
@@ -161,6 +158,58 @@ class RecvRing:
         return {"slots": self.num_slots, "high_water": self.high_water, "acquired": self.acquired}
 
 
+@dataclass
+class Round:
+    """Buffers and signals of one dispatcher call (what `TransferChannel.run_round` moves; the
+    dispatcher in gcmoe.py builds it and computes on it). Blocks are src-major (recv) / dst-major (send)."""
+
+    counter_set: int
+    counters: torch.Tensor       # [ep] chunks marked ready per source (this round's set)
+    ring: RecvRing               # bounded receive slots (transfer buffer)
+    x_send: torch.Tensor         # [N_send, H] send order
+    x_grouped: torch.Tensor      # [N_recv, H] staging: received rows in grouped order (experts' input)
+    y_recv: torch.Tensor         # [N_recv, H] expert outputs in receive order
+    y_send: torch.Tensor         # [N_send, H] outputs back, send order
+    send_off: list[int]
+    recv_off: list[int]
+    send_bounds: list[list[tuple[int, int]]]
+    recv_bounds: list[list[tuple[int, int]]]
+    hook: object = None
+    timeout_s: float = 300.0
+    cond: threading.Condition = field(default_factory=threading.Condition)
+    ready: collections.deque = field(default_factory=collections.deque)
+    outbound: queue.Queue = field(default_factory=queue.Queue)
+    error: BaseException | None = None
+    done_event: object = None
+
+    def send_chunk(self, dst, c):
+        a, b = self.send_bounds[dst][c]
+        return self.x_send[self.send_off[dst] + a:self.send_off[dst] + b]
+
+    def back_chunk(self, dst, c):
+        a, b = self.send_bounds[dst][c]
+        return self.y_send[self.send_off[dst] + a:self.send_off[dst] + b]
+
+    def out_chunk(self, src, c):
+        a, b = self.recv_bounds[src][c]
+        return self.y_recv[self.recv_off[src] + a:self.recv_off[src] + b]
+
+    def mark_ready(self, src: int, c: int, slot, event) -> None:
+        with self.cond:
+            self.counters[src] += 1
+            self.ready.append((src, c, slot, event))
+            self.cond.notify_all()
+
+    def next_ready(self):
+        with self.cond:
+            while not self.ready:
+                if self.error is not None:
+                    raise RuntimeError("GC-MoE transfer worker failed") from self.error
+                if not self.cond.wait(timeout=self.timeout_s):
+                    raise RuntimeError(f"GC-MoE: no chunk arrived within {self.timeout_s}s (peer hung?)")
+            return self.ready.popleft()
+
+
 class TransferChannel:
     """The transfer worker's process group, (on CUDA) streams and the rank's receive ring storage;
     shared by all MoE layers of a rank (their rounds run one after another)."""
@@ -207,7 +256,7 @@ class TransferChannel:
     def _stream_ctx(self, stream):
         return torch.cuda.stream(stream) if stream is not None else _nullctx()
 
-    def run_round(self, rnd: "_Round") -> None:
+    def run_round(self, rnd: Round) -> None:
         """Worker body (own thread). Any exception is stored on `rnd` and wakes the compute side."""
         try:
             with self._stream_ctx(self.transfer_stream):
@@ -222,7 +271,7 @@ class TransferChannel:
     def _issue(self, ops: list[tuple[str, int, torch.Tensor]]) -> list:
         return issue_step(ops, self.group, self.ep_ranks, self.device)
 
-    def _transfer(self, rnd: "_Round") -> None:
+    def _transfer(self, rnd: Round) -> None:
         """Dispatch steps as ring credits allow, then combine steps as outputs finish (module doc).
         Receives are awaited in posting order; each completion marks its chunk ready."""
         me, hook, ring = self.ep_rank, rnd.hook, rnd.ring
@@ -282,7 +331,7 @@ class TransferChannel:
             w.wait()
         rnd.done_event = self._event()
 
-    def _drain(self, rnd: "_Round", block: bool) -> set:
+    def _drain(self, rnd: Round, block: bool) -> set:
         """Handle the compute side's messages: slot releases and finished output chunks."""
         done = set()
         while True:

@@ -10,7 +10,7 @@ import pathlib
 ROOT = pathlib.Path(__file__).resolve().parents[2] / "megatron_fp4"
 ORDER = ["config", "config_validate", "fp4", "model", "parallel", "training", "rollout", "integrations", "rl"]
 RANK = {name: i for i, name in enumerate(ORDER)}
-RANK["config_validate"] = RANK["config"]
+RANK["config_validate"] = RANK["config_choices"] = RANK["config"]
 
 
 def _layer(module: str) -> str:

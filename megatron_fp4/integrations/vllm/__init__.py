@@ -29,13 +29,10 @@ import torch
 
 from megatron_fp4.training.checkpoint import replace_dir
 from megatron_fp4.config import Config
-from megatron_fp4.fp4 import OperandFormat, Recipe
+from megatron_fp4.fp4 import Recipe
+from megatron_fp4.integrations.vllm.sidecar import (QUANT_METHOD, SIDECAR_FILE, SIDECAR_VERSION, load_quant_sidecar,
+                                                    recipe_from_sidecar)
 from megatron_fp4.model.specs import recipe_from_config
-
-SIDECAR_FILE = "megatron_fp4_quant.json"
-SIDECAR_VERSION = 1
-QUANT_METHOD = "megatron_fp4"  # vLLM's `quant_method` name of the plugin
-_LEGACY_QUANT_METHODS = ("megatron_fp4_moeresq",)  # sidecars written before the plugin existed
 
 
 class Capability(NamedTuple):
@@ -112,29 +109,6 @@ def hf_quantization_config(cfg: Config) -> dict:
                          "expert bias (mlp.gate.e_score_correction_bias); roll out with the project's engine, or "
                          "train with model.moe_router_bias_update_rate=0")
     return quant_sidecar(cfg)
-
-
-def recipe_from_sidecar(sidecar: dict, which: str = "rollout") -> Recipe:
-    """The exact `Recipe` recorded in a sidecar (`which` = 'rollout' or 'train')."""
-    if sidecar.get("format_version") != SIDECAR_VERSION or \
-            sidecar.get("quant_method") not in (QUANT_METHOD, *_LEGACY_QUANT_METHODS):
-        raise ValueError(f"not a megatron-fp4 sidecar of version {SIDECAR_VERSION}: "
-                         f"format_version={sidecar.get('format_version')!r}, quant_method={sidecar.get('quant_method')!r}")
-    if which not in ("rollout", "train"):
-        raise ValueError(f"which={which!r}: must be 'rollout' or 'train'")
-    r = dict(sidecar[f"{which}_recipe"])
-    for op in ("input", "weight", "grad_output"):
-        r[op] = OperandFormat(**r[op])
-    return Recipe(**r)
-
-
-def load_quant_sidecar(path) -> dict:
-    """Read `megatron_fp4_quant.json` from an export directory (or the file itself)."""
-    path = Path(path)
-    file = path / SIDECAR_FILE if path.is_dir() else path
-    if not file.is_file():
-        raise ValueError(f"{str(file)!r} not found: export with export_for_vllm to get the FP4 sidecar")
-    return json.loads(file.read_text())
 
 
 def export_for_vllm(model, cfg: Config, out_dir, dtype: Optional[torch.dtype] = torch.bfloat16,

@@ -46,7 +46,7 @@ from vllm.model_executor.utils import set_weight_attrs
 
 from megatron_fp4.fp4 import Recipe, invariant, moeresq_linear
 from megatron_fp4.fp4.exact_gemm import cached_weights
-from megatron_fp4.integrations.vllm import QUANT_METHOD, recipe_from_sidecar
+from megatron_fp4.integrations.vllm.sidecar import QUANT_METHOD, recipe_from_sidecar
 from megatron_fp4.model.moe import GroupedExperts, LocalDispatcher, route_from_logits, router_logits
 
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.(.+)$")
