@@ -33,8 +33,16 @@ def test_is_causal_same_bits_as_explicit_mask(dtype, B, T, cache):
     torch.manual_seed(0)
     attn = Attention(hidden=64, num_heads=4, num_kv_heads=2, head_dim=32, eps=1e-6, rope_theta=1e4).to(dtype)
     x = torch.randn(B, T, 64, dtype=dtype)
-    implicit = _run(attn, x, None, cache)  # is_causal=True
-    explicit = _run(attn, x, torch.ones(B, T, dtype=torch.long), cache)  # all-real padding mask: the mask path
+    try:
+        implicit = _run(attn, x, None, cache)  # is_causal=True
+        explicit = _run(attn, x, torch.ones(B, T, dtype=torch.long), cache)  # all-real padding mask: the mask path
+    except RuntimeError as err:
+        # torch 2.13's CPU flash attention packs bf16 with AMX (pack_vnni2) whenever the CPU has AMX,
+        # and refuses to when ATen's kernel set is forced below AVX-512 (tools/check_portability.sh):
+        # neither path can run then, so there is nothing to compare. Any other error fails the test.
+        if dtype is torch.bfloat16 and "pack_vnni2 is only supported when avx512" in str(err):
+            pytest.skip(f"torch cannot run bf16 CPU attention under this forced kernel set on an AMX CPU: {err}")
+        raise
     for a, b in zip(implicit, explicit):
         assert torch.isfinite(a).all()
         assert torch.equal(_bits(a), _bits(b))
