@@ -178,12 +178,16 @@ def _wgrad(g: _Group, dy: torch.Tensor, x2: torch.Tensor, w_shape, w_dtype) -> t
 class _GroupedDgradHalf(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, g: _Group, wqs: dict, out_shape):
-        ctx.g, ctx.wqs, ctx.x_meta = g, wqs, (x.shape, x.dtype)
+        # Q(W) through save_for_backward, not as a ctx attribute: saved-tensor hooks (recompute,
+        # offloading, the memory planner's count) see what the graph holds.
+        ctx.g, ctx.experts, ctx.x_meta = g, list(wqs), (x.shape, x.dtype)
+        ctx.save_for_backward(*wqs.values())
         return _link(out_shape, x.dtype, x.device)
 
     @staticmethod
     def backward(ctx, dy):
-        return _dgrad(ctx.g, dy, ctx.wqs, *ctx.x_meta), None, None, None
+        wqs = dict(zip(ctx.experts, ctx.saved_tensors))
+        return _dgrad(ctx.g, dy, wqs, *ctx.x_meta), None, None, None
 
 
 class _GroupedWgradHalf(torch.autograd.Function):
