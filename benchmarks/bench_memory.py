@@ -65,25 +65,49 @@ def _full_then_cut(cfg, mesh):
     return model
 
 
-def _rank_main(rank, world, port, spec, overrides, build, queue):
+def init_rank(rank: int, world: int, port: int, spec: dict, overrides: list):
+    """(cfg, mesh) of one spawned rank of layout `spec`: its env, one thread, a gloo group (pp1 too is
+    a group of one: the same ZeRO optimizer as the other layouts, like for like), and torch's meta
+    kernels imported, so that the caller's RSS baseline is taken after them."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
     from megatron_fp4.config import default_config_path, load_config
+    from megatron_fp4.model import MoETransformer
     from megatron_fp4.parallel.mesh import ParallelMesh
-    from megatron_fp4.training.trainer import Trainer
 
-    cfg = load_config(default_config_path(), DEFAULTS + overrides + [f"parallel.pp={spec['pp']}",
-                                                                     f"parallel.ep={spec['ep']}"])
-    # pp1 too is a process group (of one): the same ZeRO optimizer as the other layouts, like for like.
+    cfg = load_config(default_config_path(), overrides + [f"parallel.pp={spec['pp']}", f"parallel.ep={spec['ep']}"])
     dist.init_process_group("gloo", rank=rank, world_size=world)
     mesh = ParallelMesh.build(spec["pp"], world // spec["pp"], spec["ep"], device=torch.device("cpu"))
     # The first construction on the meta device imports torch's meta kernels (sympy, ~150 MB RSS,
     # once per process, whatever the model size): paid before the baseline, by a 1-layer model.
-    from megatron_fp4.model import MoETransformer
     warm = load_config(default_config_path(), ["model.num_layers=1"])
     with torch.device("meta"):
         MoETransformer(warm.model, warm.fp4)
+    return cfg, mesh
+
+
+def spawn_layout(target, spec: dict, args: tuple, timeout: float) -> list:
+    """Run ``target(rank, world, port, spec, *args, queue)`` on every rank of `spec` (spawned processes)
+    and return what each put on the queue, in rank order."""
+    ctx = mp.get_context("spawn")
+    queue, port = ctx.Queue(), _free_port()
+    procs = [ctx.Process(target=target, args=(r, spec["world"], port, spec, *args, queue))
+             for r in range(spec["world"])]
+    for p in procs:
+        p.start()
+    results = dict(queue.get(timeout=timeout) for _ in procs)
+    for p in procs:
+        p.join()
+        if p.exitcode:
+            raise RuntimeError(f"a rank exited with code {p.exitcode}")
+    return [results[r] for r in range(spec["world"])]
+
+
+def _rank_main(rank, world, port, spec, overrides, build, queue):
+    from megatron_fp4.training.trainer import Trainer
+
+    cfg, mesh = init_rank(rank, world, port, spec, DEFAULTS + overrides)
     before = _peak_mb()
     if build == "meta":  # the trainer's own model build (no optimizer yet), as in Trainer.__init__
         shell = Trainer.__new__(Trainer)
@@ -105,18 +129,7 @@ def _rank_main(rank, world, port, spec, overrides, build, queue):
 
 
 def run_layout(spec: dict, overrides: list, build: str) -> list[dict]:
-    ctx = mp.get_context("spawn")
-    queue, port = ctx.Queue(), _free_port()
-    procs = [ctx.Process(target=_rank_main, args=(r, spec["world"], port, spec, overrides, build, queue))
-             for r in range(spec["world"])]
-    for p in procs:
-        p.start()
-    results = dict(queue.get(timeout=900) for _ in procs)
-    for p in procs:
-        p.join()
-        if p.exitcode:
-            raise RuntimeError(f"a rank exited with code {p.exitcode}")
-    return [results[r] for r in range(spec["world"])]
+    return spawn_layout(_rank_main, spec, (overrides, build), timeout=900)
 
 
 def main(argv=None):

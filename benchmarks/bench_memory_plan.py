@@ -19,31 +19,18 @@ import sys
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_memory import DEFAULTS, LAYOUTS, _free_port, _peak_mb  # noqa: E402  (the same measurement)
+from bench_memory import DEFAULTS, LAYOUTS, _peak_mb, init_rank, spawn_layout  # noqa: E402  (the same measurement)
 
 PLAN_DEFAULTS = DEFAULTS + ["schedule.global_batch_size=8", "schedule.micro_batch_size=2", "schedule.seq_len=128"]
 STEPS = 2
 
 
 def _rank_main(rank, world, port, spec, overrides, queue):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank))
-    torch.set_num_threads(1)
-    from megatron_fp4.config import default_config_path, load_config
-    from megatron_fp4.model import MoETransformer
-    from megatron_fp4.parallel.mesh import ParallelMesh
     from megatron_fp4.training.trainer import Trainer
 
-    cfg = load_config(default_config_path(), PLAN_DEFAULTS + overrides + [f"parallel.pp={spec['pp']}",
-                                                                          f"parallel.ep={spec['ep']}"])
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    mesh = ParallelMesh.build(spec["pp"], world // spec["pp"], spec["ep"], device=torch.device("cpu"))
-    warm = load_config(default_config_path(), ["model.num_layers=1"])
-    with torch.device("meta"):  # torch's meta kernels, imported once per process (see bench_memory)
-        MoETransformer(warm.model, warm.fp4)
+    cfg, mesh = init_rank(rank, world, port, spec, PLAN_DEFAULTS + overrides)
     before = _peak_mb()
     trainer = Trainer(cfg, mesh, build_data=False)
     s, gen = cfg.schedule, torch.Generator().manual_seed(mesh.coord("dp"))
@@ -57,18 +44,7 @@ def _rank_main(rank, world, port, spec, overrides, queue):
 
 
 def run_layout(spec: dict, overrides: list) -> list[dict]:
-    ctx = mp.get_context("spawn")
-    queue, port = ctx.Queue(), _free_port()
-    procs = [ctx.Process(target=_rank_main, args=(r, spec["world"], port, spec, overrides, queue))
-             for r in range(spec["world"])]
-    for p in procs:
-        p.start()
-    results = dict(queue.get(timeout=1800) for _ in procs)
-    for p in procs:
-        p.join()
-        if p.exitcode:
-            raise RuntimeError(f"a rank exited with code {p.exitcode}")
-    return [results[r] for r in range(spec["world"])]
+    return spawn_layout(_rank_main, spec, (overrides,), timeout=1800)
 
 
 def main(argv=None) -> int:
