@@ -46,7 +46,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from megatron_fp4.config import load_config  # noqa: E402
+from megatron_fp4.config import default_config_path, load_config  # noqa: E402
 from megatron_fp4.rl import PolicyScorer, build_rl_batch, consistency, policy_update, sft_step  # noqa: E402
 from megatron_fp4.rollout import RolloutEngine, SamplingParams  # noqa: E402
 from megatron_fp4.rollout.policy_step import PolicyLoss  # noqa: E402
@@ -265,7 +265,7 @@ def run(args) -> dict:
 
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--config", default=str(Path(__file__).resolve().parent / "configs" / "tiny_moe.yaml"))
+    ap.add_argument("--config", default=str(default_config_path()))
     ap.add_argument("--override", action="append", help="dotted config override, e.g. model.num_layers=2")
     ap.add_argument("--out", default="outputs/ablation")
     ap.add_argument("--tokenizer", help="HF tokenizer directory (default: a BPE trained on the generated set)")

@@ -69,7 +69,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from megatron_fp4.config import load_config  # noqa: E402
+from megatron_fp4.config import default_config_path, load_config  # noqa: E402
 from megatron_fp4.rl import (PolicyScorer, build_rl_batch, consistency, grpo_advantages, make_rollout,  # noqa: E402,F401
                              ppo_updates, sft_step, switch_to_rl)
 from megatron_fp4.rollout import SamplingParams  # noqa: E402
@@ -425,7 +425,7 @@ TASK_OVERRIDES = {"carry": ["model.num_layers=2", "fp4.scope=experts+attention"]
 
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--config", default=str(Path(__file__).resolve().parent / "configs" / "tiny_moe.yaml"))
+    ap.add_argument("--config", default=str(default_config_path()))
     ap.add_argument("--override", "--set", action="append", dest="override",
                     help="dotted config override, e.g. fp4.scope=experts or parallel.pp=2 (the carry task sets "
                          "model.num_layers=2 and fp4.scope=experts+attention first)")

@@ -4,7 +4,7 @@ Every field a user can set lives here. Unknown keys are errors (a typo must neve
 ignored) and `validate()` runs before any process group or tensor exists, naming the field, the
 value and the fix.
 
-    cfg = load_config("examples/configs/tiny_moe.yaml", overrides=["model.num_layers=4"])
+    cfg = load_config("megatron_fp4/configs/tiny_moe.yaml", overrides=["model.num_layers=4"])
 """
 from __future__ import annotations
 

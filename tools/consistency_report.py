@@ -90,9 +90,7 @@ NO_GAP = Gap("fp32", 0.0)
 
 
 def base_config(args):
-    path = args.config or (Path(__file__).resolve().parents[1] / "examples/configs/tiny_moe.yaml")
-    if not Path(path).exists():
-        path = default_config_path() if default_config_path().exists() else None
+    path = args.config or default_config_path()
     overrides = ["logging.tensorboard_dir=null", "checkpoint.dir=null"] + list(args.override or [])
     return load_config(path, overrides) if path else load_config(None, overrides)
 
@@ -355,7 +353,7 @@ def select(args) -> tuple:
 def main(argv=None) -> list:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--checkpoint", help="trainer checkpoint directory (default: train in-process, see --train-steps)")
-    ap.add_argument("--config", help="YAML config (default examples/configs/tiny_moe.yaml, else Config())")
+    ap.add_argument("--config", help="YAML config (default: the embedded megatron_fp4/configs/tiny_moe.yaml)")
     ap.add_argument("--override", action="append", help="dotted config override, e.g. model.init_std=0.1")
     ap.add_argument("--train-steps", type=int, default=None,
                     help="LM training steps when no --checkpoint (default: the config's schedule.train_steps, "

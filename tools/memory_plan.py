@@ -2,7 +2,7 @@
 
     python tools/memory_plan.py examples/configs/qwen3_30b_a3b.yaml --world-size 16 \
         --set parallel.pp=2 parallel.ep=8
-    python tools/memory_plan.py examples/configs/tiny_moe.yaml --world-size 2 --set parallel.ep=2 --format json
+    python tools/memory_plan.py megatron_fp4/configs/tiny_moe.yaml --world-size 2 --set parallel.ep=2 --format json
 
 The numbers come from the project's own code (megatron_fp4/training/memory_plan.py: the meta-device
 model cut as the trainer cuts it, ZeroAdamW's buffer layout, the saved-tensor terms of the forward);

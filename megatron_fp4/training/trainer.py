@@ -1,7 +1,7 @@
 """The one trainer, for every layout: micro-batched forward/backward (or the pipeline schedule),
 NaN guard, clipping, AdamW (ZeRO-sharded over dp), LR schedule, logging, checkpoints.
 
-    trainer = Trainer(load_config("examples/configs/tiny_moe.yaml"))          # one process
+    trainer = Trainer(load_config("megatron_fp4/configs/tiny_moe.yaml"))          # one process
     trainer = Trainer(cfg, ParallelMesh.build(pp, dp, ep))                     # under torchrun
     history = trainer.train()
 

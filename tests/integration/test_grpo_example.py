@@ -223,13 +223,13 @@ def test_response_nll_matches_float64_reference():
     """`rl.ResponseNLL` (the SFT loss) = mean over response tokens of -log softmax, by hand in float64
     from the same logits. Tolerance: fp32 log-softmax is within a few units of roundoff of
     (|logit| + log V) per token, and the mean's fp32 sum within γ_N of Σ|log p| (tests/numerics.py)."""
-    from megatron_fp4.config import load_config
+    from megatron_fp4.config import default_config_path, load_config
     from megatron_fp4.model import build_model
     from megatron_fp4.rl import ResponseNLL
     from megatron_fp4.rollout.engine import pad_prompt_response, positions_from_mask
     from tests.numerics import gamma
 
-    cfg = load_config(str(ROOT / "examples" / "configs" / "tiny_moe.yaml"),
+    cfg = load_config(str(default_config_path()),
                       ["logging.tensorboard_dir=null", "checkpoint.dir=null", "model.num_layers=1"])
     torch.manual_seed(0)
     model = build_model(cfg)

@@ -99,8 +99,10 @@ def test_missing_file_and_bad_override_syntax():
 def test_example_configs_validate():
     """Every shipped config is valid for some process count (1, 2, 4 or 8)."""
     import pathlib
+    from megatron_fp4.config import default_config_path
     paths = sorted(pathlib.Path(__file__).resolve().parents[2].joinpath("examples", "configs").glob("*.yaml"))
     assert len(paths) >= 3
+    paths.append(default_config_path())
     for path in paths:
         cfg = load_config(path)
         errors = []

@@ -11,7 +11,7 @@ from megatron_fp4.config import default_config_path, load_config
 from megatron_fp4.train import parse_args
 
 REPO = Path(__file__).resolve().parents[2]
-SOURCES = ["README.md", "tools/launchers/train.sh", "tools/launchers/slurm_train.sbatch"]
+SOURCES = ["README.md", "docs/parallel.md", "tools/launchers/train.sh", "tools/launchers/slurm_train.sbatch"]
 LAUNCHERS = ("torchrun", "tools/launchers/train.sh", "sbatch", "megatron-fp4-train")
 
 

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import torch
 
-from megatron_fp4.config import load_config
+from megatron_fp4.config import default_config_path, load_config
 from megatron_fp4.model.transformer import ModelOutput
 from megatron_fp4.rl import PolicyScorer, build_rl_batch, policy_update, switch_to_rl
 from megatron_fp4.rollout import compute_log_probs, pad_prompt_response, policy_loss
@@ -20,7 +20,7 @@ LOSS = PolicyLoss(clip_eps=0.2, tis_cap=2.0, kl_coef=0.0)
 
 
 def tiny_trainer():
-    cfg = load_config(str(ROOT / "examples" / "configs" / "tiny_moe.yaml"),
+    cfg = load_config(str(default_config_path()),
                       ["logging.tensorboard_dir=null", "checkpoint.dir=null", "model.num_layers=2",
                        f"model.vocab_size={TOK.vocab_size}", "model.hidden_size=32", "model.num_heads=2",
                        "model.num_kv_heads=1", "model.moe_ffn_hidden_size=32", "model.num_experts=4"])
