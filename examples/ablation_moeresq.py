@@ -4,11 +4,11 @@
     python examples/ablation_moeresq.py --tokenizer DIR --train-data train.parquet --test-data test.parquet
 
 Data: verl-format parquet (`RLDataset`: chat prompt rendered by the tokenizer's template), rewards
-from the data_source registry (`training.rewards`), an HF tokenizer directory (`HFTokenizer`: pad,
+from the data_source registry (`rl.rewards`), an HF tokenizer directory (`HFTokenizer`: pad,
 eos and stop ids from it). Without paths, a task and a BPE tokenizer are generated under --out
 (nothing is downloaded): ``--task carry`` (default), column addition with explicit carries whose
 SFT target comes from a teacher that forgets each carry with probability ``--drop-carry``
-(`training/data/carry_task.py`: the SFT policy samples the carry sometimes but greedy decoding
+(`rl/data/carry_task.py`: the SFT policy samples the carry sometimes but greedy decoding
 drops it, so GRPO has a rule to learn that carries over to held-out problems), or ``--task word``,
 GSM8K-style word problems (`math_task.py`).
 
@@ -49,10 +49,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from megatron_fp4.config import load_config  # noqa: E402
 from megatron_fp4.rl import PolicyScorer, build_rl_batch, consistency, policy_update, sft_step  # noqa: E402
 from megatron_fp4.rollout import RolloutEngine, SamplingParams  # noqa: E402
-from megatron_fp4.rollout.policy_step import PolicyLoss  # noqa: E402
-from megatron_fp4.training import rewards  # noqa: E402
-from megatron_fp4.training.data import carry_task, math_task  # noqa: E402
-from megatron_fp4.training.data.rl_dataset import RLDataset  # noqa: E402
+from megatron_fp4.rl.policy_loss import PolicyLoss  # noqa: E402
+from megatron_fp4.rl import rewards  # noqa: E402
+from megatron_fp4.rl.data import carry_task, math_task  # noqa: E402
+from megatron_fp4.rl.data.rl_dataset import RLDataset  # noqa: E402
 from megatron_fp4.training.data.tokenizer import HFTokenizer  # noqa: E402
 from megatron_fp4.training.trainer import Trainer  # noqa: E402
 

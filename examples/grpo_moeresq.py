@@ -13,9 +13,9 @@ broadcast to every trainer rank), and the SFT and policy losses run through the 
 With `--rollout vllm` the rollout is vLLM + the `megatron_fp4` plugin in a process (and venv) of
 its own, fed the same way every step (`rl.vllm_rollout`, docs/vllm.md). With `--train-data`
 (verl-format parquet, prompts rendered by `--tokenizer`'s chat template) the rewards come from the
-data_source registry (`training.rewards`) instead of the generated task.
+data_source registry (`rl.rewards`) instead of the generated task.
 
-The default task (`--task carry`, `training/data/carry_task.py`, docs/ablation.md) is two-digit
+The default task (`--task carry`, `rl/data/carry_task.py`, docs/ablation.md) is two-digit
 column addition with the carry written out, answer after ``####``. Its train and test problems
 are disjoint; the tokenizer is a BPE trained on generated problems (nothing is downloaded). The
 warm-up (`rl.sft`, high precision) is response-only NLL on a *sloppy teacher* that forgets each
@@ -73,7 +73,7 @@ from megatron_fp4.config import load_config  # noqa: E402
 from megatron_fp4.rl import (PolicyScorer, build_rl_batch, consistency, grpo_advantages, make_rollout,  # noqa: E402,F401
                              ppo_updates, sft_step, switch_to_rl)
 from megatron_fp4.rollout import SamplingParams  # noqa: E402
-from megatron_fp4.rollout.policy_step import PolicyLoss  # noqa: E402
+from megatron_fp4.rl.policy_loss import PolicyLoss  # noqa: E402
 from megatron_fp4.training.data import (ArithmeticDataset, ArithmeticTokenizer, ResumableSampler,  # noqa: E402
                                         carry_task, check_answer, make_problem)
 from megatron_fp4.training.parallel_trainer import build_trainer  # noqa: E402
@@ -111,7 +111,7 @@ class ArithmeticTask:
 
 class DatasetTask:
     """verl-format prompts (`RLDataset`, rendered by an HF tokenizer's chat template) and rewards by
-    data_source (`training.rewards`); the first --eval-size rows are the greedy-eval set (never RL
+    data_source (`rl.rewards`); the first --eval-size rows are the greedy-eval set (never RL
     prompts) unless --test-data gives one."""
 
     def __init__(self, args):
@@ -122,7 +122,7 @@ class DatasetTask:
         self._load(args, HFTokenizer.from_dir(args.tokenizer), args.train_data, args.test_data)
 
     def _load(self, args, tok, train_data, test_data) -> None:
-        from megatron_fp4.training.data.rl_dataset import RLDataset
+        from megatron_fp4.rl.data.rl_dataset import RLDataset
 
         self.tok = tok
         if not self.tok.stop_token_ids:
@@ -156,14 +156,14 @@ class DatasetTask:
         return [self._item(self.test, i) for i in self.eval_rows]
 
     def reward(self, item, completion: str) -> float:
-        from megatron_fp4.training import rewards
+        from megatron_fp4.rl import rewards
 
         data_source, ground_truth = item[2]
         return float(rewards.compute_score(data_source, completion, ground_truth))
 
 
 class CarryTask(DatasetTask):
-    """Column addition with carries (`training.data.carry_task`): generated verl-format problems and
+    """Column addition with carries (`rl.data.carry_task`): generated verl-format problems and
     their BPE tokenizer (deterministic: every process builds the same, checked under torchrun),
     held-out greedy eval on the test split (never RL prompts), SFT on the sloppy teacher's solutions
     of the train split (`rl.sft`)."""

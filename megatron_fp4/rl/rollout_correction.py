@@ -2,14 +2,13 @@
 `RolloutCorrection`, and the batch-level step (weights, rejection and the mismatch metrics of a whole
 RL batch, verl's `compute_rollout_correction_and_add_to_batch`).
 
-The math is `megatron_fp4.rollout.is_correction` (one implementation, at the layer of the policy
-losses that apply it); the GRPO loss takes the config as `PolicyLoss(tis_cap=None, correction=cfg)`.
+The math is `megatron_fp4.rl.is_correction` (one implementation); the GRPO loss takes the config as `PolicyLoss(tis_cap=None, correction=cfg)`.
 """
 from __future__ import annotations
 
 from typing import Optional
 
-from megatron_fp4.rollout.is_correction import (REJECTIONS, Rejection, RolloutCorrection, mismatch_metrics,
+from megatron_fp4.rl.is_correction import (REJECTIONS, Rejection, RolloutCorrection, mismatch_metrics,
                                                 rollout_correction)
 
 __all__ = ["RolloutCorrection", "Rejection", "rollout_correction", "mismatch_metrics", "from_verl_config",
