@@ -71,3 +71,24 @@ def correct_batch(batch: dict, cfg: Optional[RolloutCorrection]) -> dict:
     _, _, metrics = rollout_correction(batch["old_log_probs"], batch["rollout_log_probs"], batch["response_mask"],
                                        cfg, metrics=True)
     return {f"rollout_corr/{k}": v for k, v in metrics.items()}
+
+
+def add_correction_args(ap) -> None:
+    """verl's rollout-correction fields as command-line flags (the GRPO example, the ablation)."""
+    ap.add_argument("--rollout-is", choices=["token", "sequence"],
+                    help="verl's rollout correction instead of --tis-cap: IS weights per token or per sequence "
+                         "(algorithm.rollout_correction.rollout_is)")
+    ap.add_argument("--rollout-is-threshold", default="2.0",
+                    help="C (TIS: min(w, C)) or 'lower_upper' (MIS: w outside [lower, upper] masked to 0)")
+    ap.add_argument("--rollout-rs", help="rejection rules, comma-separated (verl's rollout_rs, e.g. token_k1)")
+    ap.add_argument("--rollout-rs-threshold",
+                    help="their bounds: one spec, or one per rule (verl's rollout_rs_threshold)")
+
+
+def correction_from_args(args) -> Optional[RolloutCorrection]:
+    """The `RolloutCorrection` of `add_correction_args`' flags, or None when neither --rollout-is nor
+    --rollout-rs is given (the loss then keeps its plain token TIS, --tis-cap)."""
+    if not (args.rollout_is or args.rollout_rs):
+        return None
+    return from_verl_config({"rollout_is": args.rollout_is, "rollout_is_threshold": args.rollout_is_threshold,
+                             "rollout_rs": args.rollout_rs, "rollout_rs_threshold": args.rollout_rs_threshold})

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from megatron_fp4.rl import grpo_advantages, loop
 from megatron_fp4.rollout.scoring import log_probs_from_logits
 from megatron_fp4.training.data import check_answer
 
@@ -65,8 +66,7 @@ def expected_accuracies(evals) -> list:
 
 
 def test_grpo_advantages_reference():
-    ex = load_example()
-    adv = ex.grpo_advantages(torch.tensor([1.0, 0.0, 0.0, 0.0, 1.0, 1.0]), group_size=3)
+    adv = grpo_advantages(torch.tensor([1.0, 0.0, 0.0, 0.0, 1.0, 1.0]), group_size=3)
     g1 = torch.tensor([1.0, 0, 0])
     ref1 = (g1 - g1.mean()) / (g1.std(unbiased=False) + 1e-6)
     torch.testing.assert_close(adv[:3], ref1)
@@ -78,16 +78,16 @@ def test_grpo_example_mechanics(tmp_path, monkeypatch):
     ex = load_example()
     evals = spy_evals(ex, monkeypatch)
     batches, updates = [], []
-    real_ppo = ex.ppo_updates
-    monkeypatch.setattr(ex, "ppo_updates", lambda trainer, batch, *a: (batches.append(batch), real_ppo(trainer, batch, *a))[1])
+    real_ppo = loop.ppo_updates  # the example runs the loop of megatron_fp4.rl.loop
+    monkeypatch.setattr(loop, "ppo_updates", lambda trainer, batch, *a: (batches.append(batch), real_ppo(trainer, batch, *a))[1])
 
-    class RecordingLoss(ex.PolicyLoss):  # each update's policy log-probs, reference and reported k3
+    class RecordingLoss(loop.PolicyLoss):  # each update's policy log-probs, reference and reported k3
         def loss(self, logits, mb):
             loss, metrics = super().loss(logits, mb)
             lp, _ = log_probs_from_logits(logits.detach(), mb["input_ids"], mb["response_mask"])
             updates.append((lp, mb["ref_log_probs"], mb["response_mask"], metrics["kl"]))
             return loss, metrics
-    monkeypatch.setattr(ex, "PolicyLoss", RecordingLoss)
+    monkeypatch.setattr(loop, "PolicyLoss", RecordingLoss)
     args = ex.parse_args(["--task", "arithmetic", "--steps", "3", "--sft-steps", "0", "--num-prompts", "3", "--group-size", "3",
                           "--max-new-tokens", "4", "--eval-size", "10", "--eval-every", "2",
                           "--kl-coef", "0.05", "--ppo-epochs", "2", "--minibatches", "2",
