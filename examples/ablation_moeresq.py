@@ -50,7 +50,8 @@ from megatron_fp4.config import load_config  # noqa: E402
 from megatron_fp4.rl import sft_step  # noqa: E402
 from megatron_fp4.rl.data import carry_task, math_task  # noqa: E402
 from megatron_fp4.rl.loop import EngineCopyRollout, GRPOSettings, run_grpo  # noqa: E402
-from megatron_fp4.rl.rollout_correction import add_correction_args, correction_from_args  # noqa: E402
+from megatron_fp4.rl.rollout_correction import (add_correction_args, check_correction_args,  # noqa: E402
+                                                correction_from_args)
 from megatron_fp4.rl.tasks import DatasetTask  # noqa: E402
 from megatron_fp4.rl.data.rl_dataset import RLDataset  # noqa: E402
 from megatron_fp4.training.data.tokenizer import HFTokenizer  # noqa: E402
@@ -272,7 +273,9 @@ def parse_args(argv=None):
     ap.add_argument("--tis-cap", type=float, default=2.0, help="truncated IS cap (rollout vs trainer log-probs)")
     add_correction_args(ap)  # verl's rollout correction instead of --tis-cap
     ap.add_argument("--eval-every", type=int, default=5)
-    return ap.parse_args(argv)
+    args = ap.parse_args(argv)
+    check_correction_args(ap, args)
+    return args
 
 
 if __name__ == "__main__":

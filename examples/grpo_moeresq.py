@@ -74,7 +74,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from megatron_fp4.config import load_config  # noqa: E402
 from megatron_fp4.rl import make_rollout, sft_step, switch_to_rl  # noqa: E402
 from megatron_fp4.rl.loop import GRPOSettings, micro_batch_for, run_grpo  # noqa: E402
-from megatron_fp4.rl.rollout_correction import add_correction_args, correction_from_args  # noqa: E402
+from megatron_fp4.rl.rollout_correction import (add_correction_args, check_correction_args,  # noqa: E402
+                                                correction_from_args)
 from megatron_fp4.rl.tasks import ArithmeticTask, CarryTask, DatasetTask, check_same_on_every_rank  # noqa: E402
 from megatron_fp4.training.data import ArithmeticDataset, ResumableSampler  # noqa: E402
 from megatron_fp4.training.parallel_trainer import build_trainer  # noqa: E402
@@ -307,6 +308,7 @@ def parse_args(argv=None):
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--logdir", default="outputs/grpo/tensorboard")
     args = ap.parse_args(argv)
+    check_correction_args(ap, args)
     if args.train_data:
         args.task = "dataset"
     for key, value in TASK_DEFAULTS[args.task].items():

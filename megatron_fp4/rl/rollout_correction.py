@@ -6,6 +6,7 @@ The math is `megatron_fp4.rl.is_correction` (one implementation); the GRPO loss 
 """
 from __future__ import annotations
 
+import re
 from typing import Optional
 
 from megatron_fp4.rl.is_correction import (REJECTIONS, Rejection, RolloutCorrection, mismatch_metrics,
@@ -83,6 +84,15 @@ def add_correction_args(ap) -> None:
     ap.add_argument("--rollout-rs", help="rejection rules, comma-separated (verl's rollout_rs, e.g. token_k1)")
     ap.add_argument("--rollout-rs-threshold",
                     help="their bounds: one spec, or one per rule (verl's rollout_rs_threshold)")
+
+
+def check_correction_args(ap, args) -> None:
+    """A bad --rollout-* flag: the parser's one-line error (exit 2), before anything runs."""
+    try:
+        correction_from_args(args)
+    except ValueError as err:
+        flag = lambda m: "--" + m.group(1).replace("_", "-")  # noqa: E731 - verl's field -> our flag
+        ap.error(re.sub(r"rollout_correction\.(\w+)", flag, str(err)))
 
 
 def correction_from_args(args) -> Optional[RolloutCorrection]:

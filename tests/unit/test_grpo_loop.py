@@ -10,7 +10,7 @@ import torch
 
 from megatron_fp4.config import load_config
 from megatron_fp4.rl import loop, make_rollout, switch_to_rl
-from megatron_fp4.rl.rollout_correction import correct_batch, from_verl_config
+from megatron_fp4.rl.rollout_correction import correct_batch, correction_from_args, from_verl_config
 from megatron_fp4.rl.tasks import ArithmeticTask
 from megatron_fp4.rollout.scoring import log_probs_from_logits
 from megatron_fp4.training.trainer import Trainer
@@ -158,3 +158,17 @@ def test_the_example_and_the_ablation_run_the_one_loop(tmp_path, monkeypatch):
     assert [h["loss"] for h in direct.history] == [h["loss"] for h in out["history"]]
     for h, mine in zip(direct.history, out["history"]):
         assert {k: h[f"consistency/{k}"] for k in ablation.CONSISTENCY} == {k: mine[k] for k in ablation.CONSISTENCY}
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--rollout-is", "token", "--rollout-is-threshold", "abc"], "--rollout-is-threshold='abc' is not a number"),
+    (["--rollout-rs", "token_k1"], "--rollout-rs is set but rollout_rs_threshold is not"),
+    (["--rollout-rs", "nope", "--rollout-rs-threshold", "1"], "--rollout-rs option 'nope' must be one of")])
+def test_bad_rollout_correction_flags_are_one_line_and_exit_2(flags, message, capsys):
+    for module in (load_example("grpo_moeresq"), load_example("ablation_moeresq")):
+        with pytest.raises(SystemExit) as exit_info:
+            module.parse_args(flags)
+        assert exit_info.value.code == 2 and message in capsys.readouterr().err.splitlines()[-1]
+    args = load_example("grpo_moeresq").parse_args(["--rollout-is", "sequence", "--rollout-is-threshold", "0.5_2"])
+    corr = correction_from_args(args)  # MIS: 'lower_upper'
+    assert (corr.level, corr.mode, corr.threshold, corr.lower_threshold) == ("sequence", "mask", 2.0, 0.5)
