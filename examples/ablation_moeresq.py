@@ -49,11 +49,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from megatron_fp4.config import load_config  # noqa: E402
 from megatron_fp4.rl import sft_step  # noqa: E402
 from megatron_fp4.rl.data import carry_task, math_task  # noqa: E402
+from megatron_fp4.rl.data.rl_dataset import RLDataset  # noqa: E402
 from megatron_fp4.rl.loop import EngineCopyRollout, GRPOSettings, run_grpo  # noqa: E402
 from megatron_fp4.rl.rollout_correction import (add_correction_args, check_correction_args,  # noqa: E402
                                                 correction_from_args)
 from megatron_fp4.rl.tasks import DatasetTask  # noqa: E402
-from megatron_fp4.rl.data.rl_dataset import RLDataset  # noqa: E402
 from megatron_fp4.training.data.tokenizer import HFTokenizer  # noqa: E402
 from megatron_fp4.training.trainer import Trainer  # noqa: E402
 

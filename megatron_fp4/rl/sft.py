@@ -12,10 +12,10 @@ import random
 
 import torch
 
+from megatron_fp4.rl.data import carry_task, math_task
 from megatron_fp4.rl.grpo import policy_update
 from megatron_fp4.rollout.engine import pad_prompt_response, positions_from_mask
 from megatron_fp4.rollout.scoring import log_probs_from_logits
-from megatron_fp4.rl.data import carry_task, math_task
 from megatron_fp4.training.step_loss import StepLoss
 
 

@@ -10,10 +10,10 @@ import math
 import pytest
 import torch
 
-from megatron_fp4.rl.rollout_correction import correct_batch, from_verl_config
 from megatron_fp4.rl.is_correction import (REJECTIONS, Rejection, RolloutCorrection, policy_loss,
                                                 rollout_correction, truncated_is_weights)
 from megatron_fp4.rl.policy_loss import PolicyLoss
+from megatron_fp4.rl.rollout_correction import correct_batch, from_verl_config
 from megatron_fp4.rollout.scoring import log_probs_from_logits
 
 
