@@ -172,3 +172,9 @@ def test_bad_rollout_correction_flags_are_one_line_and_exit_2(flags, message, ca
     args = load_example("grpo_moeresq").parse_args(["--rollout-is", "sequence", "--rollout-is-threshold", "0.5_2"])
     corr = correction_from_args(args)  # MIS: 'lower_upper'
     assert (corr.level, corr.mode, corr.threshold, corr.lower_threshold) == ("sequence", "mask", 2.0, 0.5)
+
+
+@pytest.mark.parametrize("field, value", [("steps", 0), ("group_size", 0), ("ppo_epochs", 0), ("eval_every", -1)])
+def test_settings_refuse_what_the_loop_cannot_run(field, value):
+    with pytest.raises(ValueError, match=f"GRPOSettings.{field}={value} must be"):
+        loop.GRPOSettings(**{field: value})
