@@ -4,11 +4,11 @@
     python examples/ablation_moeresq.py --tokenizer DIR --train-data train.parquet --test-data test.parquet
 
 Data: verl-format parquet (`RLDataset`: chat prompt rendered by the tokenizer's template), rewards
-from the data_source registry (`training.rewards`), an HF tokenizer directory (`HFTokenizer`: pad,
+from the data_source registry (`rl.rewards`), an HF tokenizer directory (`HFTokenizer`: pad,
 eos and stop ids from it). Without paths, a task and a BPE tokenizer are generated under --out
 (nothing is downloaded): ``--task carry`` (default), column addition with explicit carries whose
 SFT target comes from a teacher that forgets each carry with probability ``--drop-carry``
-(`training/data/carry_task.py`: the SFT policy samples the carry sometimes but greedy decoding
+(`rl/data/carry_task.py`: the SFT policy samples the carry sometimes but greedy decoding
 drops it, so GRPO has a rule to learn that carries over to held-out problems), or ``--task word``,
 GSM8K-style word problems (`math_task.py`).
 
@@ -19,10 +19,11 @@ Per seed: SFT (response-only NLL, high precision) gives one checkpoint; then for
 
 a fresh `Trainer` (its own ``fp4.train_mode``) loads the checkpoint and a `RolloutEngine` (its own
 ``mode``, a bf16 copy of the model by default: the engine gap of real stacks, see
-docs/consistency.md) samples. Each GRPO step: sample ``group_size`` answers per prompt, score them,
+docs/consistency.md) samples, and the GRPO loop of the example (`rl.loop.run_grpo`, one call per
+setting and seed) runs. Each GRPO step: sample ``group_size`` answers per prompt, score them,
 group-normalise the rewards, recompute the old log-probs on the trainer, log rollout-vs-trainer
 consistency (Pearson, KL, expert agreement on the sampled tokens), one clipped policy-gradient step
-with truncated IS through `Trainer.train_step_with_loss`, and load the new weights into the engine.
+with truncated IS (or verl's rollout correction: ``--rollout-is``/``--rollout-rs``), and load the new weights into the engine.
 Held-out greedy accuracy (test split, never an RL prompt; exact match of the final answer) is
 measured before RL and every ``--eval-every`` steps. Numerics: the engine is a bf16 copy
 (``--rollout-dtype``) and batch-invariant mode is off (``--batch-invariant`` turns it on), as in
@@ -32,7 +33,6 @@ curves to ``<out>/ablation.png``, everything to ``<out>/results.json``. docs/abl
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import math
 import os
@@ -47,12 +47,13 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from megatron_fp4.config import default_config_path, load_config  # noqa: E402
-from megatron_fp4.rl import PolicyScorer, build_rl_batch, consistency, policy_update, sft_step  # noqa: E402
-from megatron_fp4.rollout import RolloutEngine, SamplingParams  # noqa: E402
-from megatron_fp4.rollout.policy_step import PolicyLoss  # noqa: E402
-from megatron_fp4.training import rewards  # noqa: E402
-from megatron_fp4.training.data import carry_task, math_task  # noqa: E402
-from megatron_fp4.training.data.rl_dataset import RLDataset  # noqa: E402
+from megatron_fp4.rl import sft_step  # noqa: E402
+from megatron_fp4.rl.data import carry_task, math_task  # noqa: E402
+from megatron_fp4.rl.data.rl_dataset import RLDataset  # noqa: E402
+from megatron_fp4.rl.loop import EngineCopyRollout, GRPOSettings, run_grpo  # noqa: E402
+from megatron_fp4.rl.rollout_correction import (add_correction_args, check_correction_args,  # noqa: E402
+                                                correction_from_args)
+from megatron_fp4.rl.tasks import DatasetTask  # noqa: E402
 from megatron_fp4.training.data.tokenizer import HFTokenizer  # noqa: E402
 from megatron_fp4.training.trainer import Trainer  # noqa: E402
 
@@ -107,41 +108,13 @@ def sft(args, tok, train, seed: int) -> dict:
     return {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
 
 
-def score_texts(dataset, items, texts) -> list:
-    return [rewards.compute_score(dataset.rows[i]["data_source"], t, dataset.ground_truth(i)) for i, t in zip(items, texts)]
-
-
-def greedy_eval(engine, tok, test, max_new: int) -> tuple[float, dict]:
-    """(held-out greedy accuracy, accuracy per problem group): for the carry task the groups are
-    problems with and without a carry (the SFT policy solves only the latter; carry_task doc)."""
-    params = SamplingParams(max_new_tokens=max_new, temperature=0.0, stop_token_ids=tok.stop_token_ids)
-    gen = engine.generate([test[i]["prompt_ids"] for i in range(len(test))], params)
-    texts = [tok.decode(r, stop_at_eos=True) for r in gen.response_ids]
-    right = [s > 0 for s in score_texts(test, range(len(test)), texts)]
-    groups = {}
-    for i, ok in enumerate(right):
-        carries = (test.rows[i].get("extra_info") or {}).get("carries")
-        if carries is not None:
-            groups.setdefault("carry" if carries else "no carry", []).append(ok)
-    return sum(right) / len(right), {g: sum(v) / len(v) for g, v in sorted(groups.items())}
-
-
-def rl_step(trainer, engine, tok, train, args, rng, step: int, seed: int) -> dict:
-    items = [rng.randrange(len(train)) for _ in range(args.num_prompts)]
-    items = [i for i in items for _ in range(args.group_size)]
-    params = [SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                             stop_token_ids=tok.stop_token_ids, seed=seed * 1_000_003 + step * 10_007 + j)
-              for j in range(len(items))]
-    gen = engine.generate([train[i]["prompt_ids"] for i in items], params, return_routing=True)
-    reward = torch.tensor(score_texts(train, items, [tok.decode(r, stop_at_eos=True) for r in gen.response_ids]))
-    # One policy step per rollout batch, no KL term; old log-probs in the trainer's numerics mode.
-    scorer = PolicyScorer(trainer, args.micro_batch_size, keep_reference=False, batch_invariant=args.batch_invariant)
-    batch = build_rl_batch(gen, reward, args.group_size, scorer, tok.pad_id)
-    cons = consistency(gen, batch)
-    result = policy_update(trainer, batch, PolicyLoss(args.clip_eps, args.tis_cap), args.micro_batch_size)
-    engine.load_weights(trainer.model.state_dict(), version=step + 1)
-    return {"step": step, "reward": float(reward.mean()), "loss": result["loss"],
-            **{k: cons[k] for k in CONSISTENCY}}
+def settings_of(args, seed: int) -> GRPOSettings:
+    """One policy step per rollout batch, no KL term; the scoring batch-invariant only with --batch-invariant."""
+    return GRPOSettings(steps=args.steps, num_prompts=args.num_prompts, group_size=args.group_size,
+                        max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=seed,
+                        micro_batch_size=args.micro_batch_size, clip_eps=args.clip_eps, tis_cap=args.tis_cap,
+                        correction=correction_from_args(args), eval_every=args.eval_every,
+                        batch_invariant=args.batch_invariant)
 
 
 def run_setting(args, tok, train, test, sft_state, seed: int, setting) -> dict:
@@ -152,23 +125,20 @@ def run_setting(args, tok, train, test, sft_state, seed: int, setting) -> dict:
     trainer = Trainer(cfg, build_data=False)
     trainer.model.load_state_dict(sft_state)
     dtype = torch.bfloat16 if args.rollout_dtype == "bf16" else None
-    engine = RolloutEngine(copy.deepcopy(trainer.model), mode=rollout_mode, pad_id=tok.pad_id, dtype=dtype,
-                           batch_invariant=args.batch_invariant)
-    engine.load_weights(trainer.model.state_dict(), version=0)
-    rng = random.Random(f"ablation-rl:{seed}")  # the same prompts in every setting
-    acc, groups = greedy_eval(engine, tok, test, args.max_new_tokens)
-    evals, eval_groups, history = [(0, acc)], [(0, groups)], []
-    for step in range(args.steps):
-        history.append(rl_step(trainer, engine, tok, train, args, rng, step, seed))
-        if (step + 1) % args.eval_every == 0 or step + 1 == args.steps:
-            acc, groups = greedy_eval(engine, tok, test, args.max_new_tokens)
-            evals.append((step + 1, acc))
-            eval_groups.append((step + 1, groups))
-            recent = statistics.fmean(h["reward"] for h in history[-args.eval_every:])
-            print(f"    {name} seed {seed} step {step + 1}: held-out acc {acc:.3f} "
-                  f"{ {g: round(a, 3) for g, a in groups.items()} }, train reward {recent:.3f}", flush=True)
+    rollout = EngineCopyRollout(trainer, tok.pad_id, rollout_mode, dtype, args.batch_invariant)
+    # the same prompts in every setting: RL draws from the whole train split, the eval is the test split
+    task = DatasetTask(tok, train, test, range(len(test)), range(len(train)), random.Random(f"ablation-rl:{seed}"),
+                       args.max_new_tokens, args.test_data)
+    try:
+        run = run_grpo(trainer, task, rollout, settings_of(args, seed),
+                       say=lambda line, **k: print(f"    {name} seed {seed}: {line}", **k))
+    finally:
+        rollout.close()
+    history = [{"step": h["step"], "reward": h["reward"], "loss": h["loss"],
+                **{k: h[f"consistency/{k}"] for k in CONSISTENCY}} for h in run.history]
     return {"setting": name, "train_mode": train_mode, "rollout_mode": rollout_mode, "seed": seed,
-            "history": history, "evals": evals, "eval_groups": eval_groups}
+            "history": history, "evals": [(s, acc) for s, acc, _ in run.evals],
+            "eval_groups": [(s, groups) for s, _, groups in run.evals]}
 
 
 def _mean_std(xs) -> str:
@@ -301,8 +271,11 @@ def parse_args(argv=None):
     ap.add_argument("--micro-batch-size", type=int, default=32)
     ap.add_argument("--clip-eps", type=float, default=0.2)
     ap.add_argument("--tis-cap", type=float, default=2.0, help="truncated IS cap (rollout vs trainer log-probs)")
+    add_correction_args(ap)  # verl's rollout correction instead of --tis-cap
     ap.add_argument("--eval-every", type=int, default=5)
-    return ap.parse_args(argv)
+    args = ap.parse_args(argv)
+    check_correction_args(ap, args)
+    return args
 
 
 if __name__ == "__main__":

@@ -5,7 +5,9 @@
     torchrun --nproc-per-node 4 examples/grpo_moeresq.py --set parallel.pp=2 --set parallel.ep=2
     python examples/grpo_moeresq.py --tokenizer DIR --train-data train.parquet --max-new-tokens 64
 
-The loop is `megatron_fp4.rl` on the one `Trainer`: a single process keeps the rollout engine in
+This is a thin CLI over `megatron_fp4.rl` (as `megatron_fp4.train` is for pretraining): the task
+(`rl.tasks`), the SFT warm-up (`rl.sft`) and the GRPO loop (`rl.loop.run_grpo`, the loop the
+ablation runs too) on the one `Trainer`. A single process keeps the rollout engine in
 process (as always); under torchrun the trainer is sharded (pipeline stages, expert shards, ZeRO)
 and trainer rank 0 starts the rollout engine as a process of its own (`rl.RemoteRollout`: weights
 gathered from every shard under HF names through a token-authenticated channel, generations
@@ -13,9 +15,9 @@ broadcast to every trainer rank), and the SFT and policy losses run through the 
 With `--rollout vllm` the rollout is vLLM + the `megatron_fp4` plugin in a process (and venv) of
 its own, fed the same way every step (`rl.vllm_rollout`, docs/vllm.md). With `--train-data`
 (verl-format parquet, prompts rendered by `--tokenizer`'s chat template) the rewards come from the
-data_source registry (`training.rewards`) instead of the generated task.
+data_source registry (`rl.rewards`) instead of the generated task.
 
-The default task (`--task carry`, `training/data/carry_task.py`, docs/ablation.md) is two-digit
+The default task (`--task carry`, `rl/data/carry_task.py`, docs/ablation.md) is two-digit
 column addition with the carry written out, answer after ``####``. Its train and test problems
 are disjoint; the tokenizer is a BPE trained on generated problems (nothing is downloaded). The
 warm-up (`rl.sft`, high precision) is response-only NLL on a *sloppy teacher* that forgets each
@@ -32,8 +34,9 @@ Each step: the rollout engine (its own model, `fp4.rollout_mode`) samples `group
 prompt; the reward is the task's scorer; advantages are group-normalised (GRPO); the trainer
 recomputes old log-probs with `fp4.train_mode`, logs rollout-vs-train consistency, and takes
 `--ppo-epochs` x `--minibatches` clipped policy-gradient steps with truncated IS (rollout vs old
-log-probs); then the new weights are published to the rollout (two completion points: training
-resumes at snapshot, the next rollout waits for the load). Zero advantages leave the weights
+log-probs; `--rollout-is`/`--rollout-rs` for verl's rollout correction instead); then the new
+weights are published to the rollout (two completion points: training resumes at snapshot, the
+next rollout waits for the load). Zero advantages leave the weights
 bit-identical (no weight decay in RL).
 
 Carry-task defaults (the recipe measured in examples/ablation_moeresq.py): tiny_moe with 2 layers,
@@ -57,7 +60,6 @@ curve is noisy: 20 steps of 64 samples move greedy decisions on whole groups of 
 from __future__ import annotations
 
 import argparse
-import hashlib
 import os
 import random
 import sys
@@ -70,148 +72,28 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from megatron_fp4.config import default_config_path, load_config  # noqa: E402
-from megatron_fp4.rl import (PolicyScorer, build_rl_batch, consistency, grpo_advantages, make_rollout,  # noqa: E402,F401
-                             ppo_updates, sft_step, switch_to_rl)
-from megatron_fp4.rollout import SamplingParams  # noqa: E402
-from megatron_fp4.rollout.policy_step import PolicyLoss  # noqa: E402
-from megatron_fp4.training.data import (ArithmeticDataset, ArithmeticTokenizer, ResumableSampler,  # noqa: E402
-                                        carry_task, check_answer, make_problem)
+from megatron_fp4.rl import make_rollout, sft_step, switch_to_rl  # noqa: E402
+from megatron_fp4.rl.loop import GRPOSettings, micro_batch_for, run_grpo  # noqa: E402
+from megatron_fp4.rl.rollout_correction import (add_correction_args, check_correction_args,  # noqa: E402
+                                                correction_from_args)
+from megatron_fp4.rl.tasks import ArithmeticTask, CarryTask, DatasetTask, check_same_on_every_rank  # noqa: E402
+from megatron_fp4.training.data import ArithmeticDataset, ResumableSampler  # noqa: E402
 from megatron_fp4.training.parallel_trainer import build_trainer  # noqa: E402
 
-TOK = ArithmeticTokenizer()
 
-
-class ArithmeticTask:
-    """The embedded task: `a+b=` prompts, reward `check_answer`, a fixed held-out greedy-eval set."""
-
-    def __init__(self, args):
-        self.args, self.tok = args, TOK
-        self.stop_token_ids = (TOK.eos_id,)
-        self.held_out = eval_problems(args.eval_size, args.max_operand, args.ops)
-        self._held_out_prompts = {p for p, _ in self.held_out}
-        self.rng = random.Random(f"grpo:{args.seed}")
-        self.eval_tokens = len(str(2 * args.max_operand if "*" not in args.ops else args.max_operand ** 2)) + 1
-        self.description = f"{len(self.held_out)} problems ({args.ops!r}, operands 0..{args.max_operand})"
-
-    def sample(self, num: int) -> list:
-        """`num` RL prompts (never an eval problem) as (prompt ids, text, ground truth)."""
-        problems = []
-        while len(problems) < num:
-            problem = make_problem(self.rng, self.args.max_operand, self.args.ops)
-            if problem[0] not in self._held_out_prompts:
-                problems.append(problem)
-        return [(TOK.encode(p, add_eos=False), p, None) for p, _ in problems]
-
-    def eval_items(self) -> list:
-        return [(TOK.encode(p, add_eos=False), p, None) for p, _ in self.held_out]
-
-    def reward(self, item, completion: str) -> float:
-        return float(check_answer(item[1], completion))
-
-
-class DatasetTask:
-    """verl-format prompts (`RLDataset`, rendered by an HF tokenizer's chat template) and rewards by
-    data_source (`training.rewards`); the first --eval-size rows are the greedy-eval set (never RL
-    prompts) unless --test-data gives one."""
-
-    def __init__(self, args):
+def make_task(args):
+    """The task of the command line: --train-data (verl files), else --task carry | arithmetic."""
+    if args.train_data:
         from megatron_fp4.training.data.tokenizer import HFTokenizer
 
         if not args.tokenizer:
             raise ValueError("--train-data needs --tokenizer DIR (the HF tokenizer directory its prompts are for)")
-        self._load(args, HFTokenizer.from_dir(args.tokenizer), args.train_data, args.test_data)
-
-    def _load(self, args, tok, train_data, test_data) -> None:
-        from megatron_fp4.training.data.rl_dataset import RLDataset
-
-        self.tok = tok
-        if not self.tok.stop_token_ids:
-            raise ValueError(f"{self.tok.name} has no eos_token: the rollout needs it to stop (tokenizer_config.json)")
-        self.stop_token_ids = self.tok.stop_token_ids
-        kw = dict(max_prompt_length=args.max_prompt_length)
-        self.train = RLDataset(train_data, self.tok, **kw)
-        if test_data:
-            self.test, self.pool = RLDataset(test_data, self.tok, max_samples=args.eval_size, **kw), \
-                list(range(len(self.train)))
-            self.eval_rows = list(range(len(self.test)))
-        else:
-            if len(self.train) <= args.eval_size:
-                raise ValueError(f"--train-data has {len(self.train)} prompts, not more than --eval-size="
-                                 f"{args.eval_size} held out for the greedy eval; lower --eval-size or pass --test-data")
-            self.test, self.eval_rows = self.train, list(range(args.eval_size))
-            self.pool = list(range(args.eval_size, len(self.train)))
-        self.rng = random.Random(f"grpo:{args.seed}")
-        self.eval_tokens = args.max_new_tokens
-        self.description = f"{len(self.eval_rows)} held-out prompts of {test_data or train_data}"
-        self.fingerprint = ""
-
-    def _item(self, dataset, i: int):
-        row = dataset[i]
-        return row["prompt_ids"], self.tok.decode(row["prompt_ids"]), (row["data_source"], dataset.ground_truth(i))
-
-    def sample(self, num: int) -> list:
-        return [self._item(self.train, self.rng.choice(self.pool)) for _ in range(num)]
-
-    def eval_items(self) -> list:
-        return [self._item(self.test, i) for i in self.eval_rows]
-
-    def reward(self, item, completion: str) -> float:
-        from megatron_fp4.training import rewards
-
-        data_source, ground_truth = item[2]
-        return float(rewards.compute_score(data_source, completion, ground_truth))
-
-
-class CarryTask(DatasetTask):
-    """Column addition with carries (`training.data.carry_task`): generated verl-format problems and
-    their BPE tokenizer (deterministic: every process builds the same, checked under torchrun),
-    held-out greedy eval on the test split (never RL prompts), SFT on the sloppy teacher's solutions
-    of the train split (`rl.sft`)."""
-
-    def __init__(self, args):
-        with tempfile.TemporaryDirectory(prefix="grpo-carry-") as tmp:  # everything is read into memory
-            tok = carry_task.build_carry_tokenizer(Path(tmp) / "tokenizer", num_digits=args.num_digits)
-            paths = carry_task.write_carry_dataset(Path(tmp) / "data", args.num_train, args.num_test,
-                                                   num_digits=args.num_digits)
-            self._load(args, tok, str(paths["train"]), str(paths["test"]))
-            digest = hashlib.sha256((Path(tmp) / "tokenizer" / "tokenizer.json").read_bytes())
-        digest.update(repr([self.test.rows[i]["prompt"] for i in self.eval_rows]).encode())
-        self.fingerprint = digest.hexdigest()
-        self.sft_rows = self.train.rows
-        carrying = sum(self.test.rows[i]["extra_info"]["carries"] > 0 for i in self.eval_rows)
-        self.description = (f"{len(self.eval_rows)} held-out carry problems ({args.num_digits} digits, "
-                            f"{carrying} with a carry)")
-
-
-def check_same_on_every_rank(mesh, fingerprint: str) -> None:
-    """Every trainer rank built the same task (tokenizer and eval set), or a ValueError."""
-    if not mesh.is_distributed or not fingerprint:
-        return
-    h = int(fingerprint[:15], 16)
-    both = torch.tensor([h, -h], dtype=torch.int64, device=mesh.device)
-    torch.distributed.all_reduce(both, op=torch.distributed.ReduceOp.MAX, group=mesh.group("world"))
-    if both.tolist() != [h, -h]:
-        raise ValueError("the trainer ranks generated different carry tasks (tokenizer or eval set); check that "
-                         "every rank runs the same tokenizers version")
-
-
-def eval_problems(num: int, max_operand: int, ops: str) -> list[tuple[str, str]]:
-    """A fixed set of distinct problems (its own seed: the same for every run and --seed)."""
-    rng, seen = random.Random("grpo:eval"), {}
-    space = (max_operand + 1) ** 2 * len(ops)
-    while len(seen) < min(num, space // 2):  # leave at least half the problems to RL
-        prompt, answer = make_problem(rng, max_operand, ops)
-        seen.setdefault(prompt, answer)
-    return list(seen.items())
-
-
-def greedy_accuracy(rollout, task, min_version: int) -> float:
-    """Fraction of the task's eval prompts the rollout answers right (reward > 0) with greedy decoding."""
-    items = task.eval_items()
-    params = SamplingParams(max_new_tokens=task.eval_tokens, temperature=0.0, stop_token_ids=task.stop_token_ids)
-    gen = rollout.generate([ids for ids, _, _ in items], [params] * len(items), min_version=min_version)
-    return sum(task.reward(it, task.tok.decode(r, stop_at_eos=True)) > 0
-               for it, r in zip(items, gen.response_ids)) / len(items)
+        return DatasetTask.from_files(HFTokenizer.from_dir(args.tokenizer), args.train_data, args.test_data,
+                                      args.eval_size, args.max_prompt_length, args.seed, args.max_new_tokens)
+    if args.task == "carry":
+        return CarryTask(args.num_digits, args.num_train, args.num_test, args.eval_size, args.max_prompt_length,
+                         args.seed, args.max_new_tokens)
+    return ArithmeticTask(args.eval_size, args.max_operand, args.ops, args.seed)
 
 
 def sft_warmup(trainer, args, task) -> list:
@@ -234,6 +116,80 @@ def sft_warmup(trainer, args, task) -> list:
     return [trainer.train_step()["loss"] for _ in range(args.sft_steps)]
 
 
+def build(args):
+    """(trainer after the SFT warm-up and switched to RL, task): the one `Trainer` on this process's
+    mesh (size 1 without torchrun)."""
+    if args.train_data and args.sft_steps:
+        raise ValueError("--sft-steps trains on the generated task's own data (--task); with --train-data "
+                         "set --sft-steps 0")
+    task = make_task(args)
+    overrides = ["logging.tensorboard_dir=null", "checkpoint.dir=null", f"schedule.seed={args.seed}",
+                 f"model.vocab_size={task.tok.vocab_size}"]  # no unused ids the decoder could not print
+    cfg = load_config(args.config, overrides + TASK_OVERRIDES.get(args.task, []) + list(args.override or []))
+    # SFT: warm-up then cosine from --sft-lr; RL: constant --lr (switch_to_rl, a fresh Adam).
+    o, s = cfg.optimizer, cfg.schedule
+    o.lr, o.min_lr = args.sft_lr, args.sft_lr / 10
+    s.train_steps, s.warmup_steps = max(args.sft_steps, 1), min(s.warmup_steps, args.sft_steps)
+    trainer = build_trainer(cfg, build_data=False)
+    check_same_on_every_rank(trainer.mesh, task.fingerprint)
+    if args.micro_batch_size is None:
+        args.micro_batch_size = micro_batch_for(args.num_prompts * args.group_size // args.minibatches, trainer.mesh)
+    task.sft_losses = sft_warmup(trainer, args, task)
+    switch_to_rl(trainer, args.lr, args.rl_weight_decay, args.rl_aux_coef)
+    return trainer, task
+
+
+def settings_of(args, correction) -> GRPOSettings:
+    """The loop's settings from the command line (`correction`: --rollout-is/--rollout-rs, verl's)."""
+    return GRPOSettings(steps=args.steps, num_prompts=args.num_prompts, group_size=args.group_size,
+                        max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=args.seed,
+                        micro_batch_size=args.micro_batch_size, ppo_epochs=args.ppo_epochs,
+                        minibatches=args.minibatches, clip_eps=args.clip_eps, tis_cap=args.tis_cap,
+                        kl_coef=args.kl_coef, correction=correction, eval_every=args.eval_every,
+                        check_sync=args.check_sync)
+
+
+def run(args) -> list:
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    start = time.perf_counter()
+    correction = correction_from_args(args)  # a bad --rollout-* spec fails before any training
+    trainer, task = build(args)
+    settings = settings_of(args, correction)
+    main = trainer.mesh.rank == 0
+    say = print if main else (lambda *a, **k: None)
+    say(f"SFT: {args.sft_steps} steps in {time.perf_counter() - start:.0f} s", flush=True)
+    if args.rollout == "vllm":  # vLLM + the plugin in its own process (docs/vllm.md)
+        from megatron_fp4.rl.vllm_rollout import VLLMRollout
+        rollout = VLLMRollout(trainer, task.tok.pad_id, args.bucket_mb << 20, python=args.vllm_python,
+                              work_dir=Path(args.logdir or tempfile.mkdtemp(prefix="grpo-vllm-")) / "vllm",
+                              addr=args.rollout_addr)
+    else:
+        rollout = make_rollout(trainer, task.tok.pad_id, args.bucket_mb << 20, addr=args.rollout_addr)
+    try:
+        result = run_grpo(trainer, task, rollout, settings, say)
+        served = rollout.served_version()
+    finally:
+        rollout.close()
+    history, eval_before = result.history, result.eval_before
+    for record, h in zip(history, rollout.publisher.history[1:]):
+        record["weight_sync/load_s"] = h.load_s
+    k = max(1, min(5, len(history) // 3))
+    first, final = (sum(h["reward"] for h in part) / len(part) for part in (history[:k], history[-k:]))
+    say(f"reward (mean of first/last {k} steps): {first:.3f} -> {final:.3f}; greedy eval accuracy: "
+        f"{eval_before:.3f} (after SFT) -> {history[-1]['eval_acc']:.3f} (after {len(history)} GRPO steps); "
+        f"{time.perf_counter() - start:.0f} s in all", flush=True)
+    sync = [(h["weight_sync/snapshot_s"], h["weight_sync/load_s"]) for h in history]
+    say(f"weight sync (median): publish returns after {sorted(s for s, _ in sync)[len(sync) // 2] * 1e3:.1f} ms "
+        f"(snapshot), loaded {sorted(l for _, l in sync)[len(sync) // 2] * 1e3:.1f} ms later "
+        f"({rollout.publisher.history[-1].num_bytes / 2**20:.2f} MiB in {rollout.publisher.history[-1].num_buckets} "
+        f"buckets)", flush=True)
+    history[-1].update(eval_before=eval_before, reward_first=first, reward_last=final,
+                       final_rollout_version=served)
+    if args.logdir and main:
+        write_logs(history, eval_before, Path(args.logdir))
+    return history
+
+
 def plot_curves(history: list, eval_before: float, path: Path) -> None:
     import matplotlib
 
@@ -254,144 +210,6 @@ def plot_curves(history: list, eval_before: float, path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
-
-
-def micro_batch_for(rows: int, mesh, cap: int = 32) -> int:
-    """`cap` rows, or with a pipeline the largest divisor of a dp share of `rows` that is at most
-    `cap` and leaves >= pp micro-batches."""
-    if mesh.pp == 1:
-        return cap
-    share = rows // mesh.dp
-    bound = min(cap, share // mesh.pp)
-    return max([d for d in range(1, bound + 1) if share % d == 0] or [1])
-
-
-def build(args):
-    """(trainer after the SFT warm-up and switched to RL, task): the one `Trainer` on this process's
-    mesh (size 1 without torchrun)."""
-    task = DatasetTask(args) if args.train_data else CarryTask(args) if args.task == "carry" else ArithmeticTask(args)
-    if args.train_data and args.sft_steps:
-        raise ValueError("--sft-steps trains on the generated task's own data (--task); with --train-data "
-                         "set --sft-steps 0")
-    overrides = ["logging.tensorboard_dir=null", "checkpoint.dir=null", f"schedule.seed={args.seed}",
-                 f"model.vocab_size={task.tok.vocab_size}"]  # no unused ids the decoder could not print
-    cfg = load_config(args.config, overrides + TASK_OVERRIDES.get(args.task, []) + list(args.override or []))
-    # SFT: warm-up then cosine from --sft-lr; RL: constant --lr (switch_to_rl, a fresh Adam).
-    o, s = cfg.optimizer, cfg.schedule
-    o.lr, o.min_lr = args.sft_lr, args.sft_lr / 10
-    s.train_steps, s.warmup_steps = max(args.sft_steps, 1), min(s.warmup_steps, args.sft_steps)
-    trainer = build_trainer(cfg, build_data=False)
-    check_same_on_every_rank(trainer.mesh, getattr(task, "fingerprint", ""))
-    if args.micro_batch_size is None:
-        args.micro_batch_size = micro_batch_for(args.num_prompts * args.group_size // args.minibatches, trainer.mesh)
-    task.sft_losses = sft_warmup(trainer, args, task)
-    switch_to_rl(trainer, args.lr, args.rl_weight_decay, args.rl_aux_coef)
-    return trainer, task
-
-
-def run(args) -> list:
-    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
-    start = time.perf_counter()
-    trainer, task = build(args)
-    main = trainer.mesh.rank == 0
-    say = print if main else (lambda *a, **k: None)
-    scorer = PolicyScorer(trainer, args.micro_batch_size, keep_reference=bool(args.kl_coef))  # the SFT policy, frozen
-    if args.rollout == "vllm":  # vLLM + the plugin in its own process (docs/vllm.md)
-        from megatron_fp4.rl.vllm_rollout import VLLMRollout
-        rollout = VLLMRollout(trainer, task.tok.pad_id, args.bucket_mb << 20, python=args.vllm_python,
-                              work_dir=Path(args.logdir or tempfile.mkdtemp(prefix="grpo-vllm-")) / "vllm",
-                              addr=args.rollout_addr)
-    else:
-        rollout = make_rollout(trainer, task.tok.pad_id, args.bucket_mb << 20, addr=args.rollout_addr)
-    loss = PolicyLoss(args.clip_eps, args.tis_cap, args.kl_coef)
-    try:
-        history, eval_before = grpo_loop(trainer, task, rollout, scorer, loss, args, say, start)
-        served = rollout.served_version()
-    finally:
-        rollout.close()
-    for record, h in zip(history, rollout.publisher.history[1:]):
-        record["weight_sync/load_s"] = h.load_s
-    k = max(1, min(5, len(history) // 3))
-    first, final = (sum(h["reward"] for h in part) / len(part) for part in (history[:k], history[-k:]))
-    say(f"reward (mean of first/last {k} steps): {first:.3f} -> {final:.3f}; greedy eval accuracy: "
-        f"{eval_before:.3f} (after SFT) -> {history[-1]['eval_acc']:.3f} (after {len(history)} GRPO steps); "
-        f"{time.perf_counter() - start:.0f} s in all", flush=True)
-    sync = [(h["weight_sync/snapshot_s"], h["weight_sync/load_s"]) for h in history]
-    say(f"weight sync (median): publish returns after {sorted(s for s, _ in sync)[len(sync) // 2] * 1e3:.1f} ms "
-        f"(snapshot), loaded {sorted(l for _, l in sync)[len(sync) // 2] * 1e3:.1f} ms later "
-        f"({rollout.publisher.history[-1].num_bytes / 2**20:.2f} MiB in {rollout.publisher.history[-1].num_buckets} "
-        f"buckets)", flush=True)
-    history[-1].update(eval_before=eval_before, reward_first=first, reward_last=final,
-                       final_rollout_version=served)
-    if args.logdir and main:
-        write_logs(history, eval_before, Path(args.logdir))
-    return history
-
-
-def grpo_loop(trainer, task, rollout, scorer, loss, args, say, start: float):
-    rollout.publish(0).wait_loaded()
-    if args.check_sync:
-        check_sync(trainer, rollout, 0)
-    eval_before = greedy_accuracy(rollout, task, 0)
-    say(f"SFT: {args.sft_steps} steps in {time.perf_counter() - start:.0f} s; greedy eval accuracy "
-        f"{eval_before:.3f} on {task.description}; rollout: {type(rollout).__name__}", flush=True)
-    shuffle_rng = random.Random(f"grpo-minibatches:{args.seed}")
-    history, handle = [], None
-    say(f"{'step':>4} {'reward':>7} {'eval':>6} {'pearson':>9} {'experts':>8} {'sync ms':>8} {'loss':>8}", flush=True)
-    for step in range(args.steps):
-        if handle is not None:
-            handle.wait_loaded()  # the rollout must serve the newest policy (raises WeightSyncError)
-        items = [it for it in task.sample(args.num_prompts) for _ in range(args.group_size)]
-        params = [SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                                 stop_token_ids=task.stop_token_ids, seed=args.seed * 1_000_003 + step * 10_007 + i)
-                  for i in range(len(items))]
-        gen = rollout.generate([ids for ids, _, _ in items], params, return_routing=True, min_version=step)
-        completions = [task.tok.decode(r, stop_at_eos=True) for r in gen.response_ids]
-        rewards = torch.tensor([task.reward(it, c) for it, c in zip(items, completions)])
-        batch = build_rl_batch(gen, rewards, args.group_size, scorer, task.tok.pad_id,
-                               router_replay=trainer.cfg.rl.router_replay)  # --set rl.router_replay=r3
-        cons = consistency(gen, batch)
-        result = ppo_updates(trainer, batch, loss, args.micro_batch_size, args.ppo_epochs, args.minibatches,
-                             shuffle_rng)
-        handle = rollout.publish(step + 1)  # returns at snapshot: training could go on right now
-        served = None
-        if args.check_sync:  # costs the overlap: wait for the load, compare what the rollout serves
-            handle.wait_loaded()
-            served = check_sync(trainer, rollout, step + 1)
-        texts = [it[1] for it in items]
-        record = {"step": step, "rollout_version": gen.version, "published_version": handle.version,
-                  "reward": float(rewards.mean()), "loss": result["loss"], "grad_norm": result["grad_norm"],
-                  "kl": result["kl"], "num_updates": result["num_updates"], "temperature": args.temperature,
-                  "weight_sync/snapshot_s": handle.snapshot_s, "weight_sync/served_sha": served,
-                  "texts": texts, "completions": completions,
-                  "rewards": rewards.tolist(), "references": [it[2] for it in items], **{f"consistency/{k}": v for k, v in cons.items() if k != "kl_method"}}
-        if step == 0 or args.check_sync:  # rollout vs trainer log-probs of the same weights
-            P = batch["prompt_len"]
-            record["lp_diffs"] = torch.cat([(batch["old_log_probs"][i, P:P + len(r)] - gen.log_probs[i]).abs()
-                                            for i, r in enumerate(gen.response_ids)])
-        last = step == args.steps - 1
-        if last or (args.eval_every and (step + 1) % args.eval_every == 0):
-            handle.wait_loaded()  # evaluate the policy this step produced
-            record["eval_acc"] = greedy_accuracy(rollout, task, step + 1)
-        history.append(record)
-        say(f"{step:>4} {record['reward']:>7.3f} {record.get('eval_acc', float('nan')):>6.3f} "
-            f"{cons['pearson']:>9.6f} {cons.get('expert_agreement', float('nan')):>8.4f} "
-            f"{handle.snapshot_s * 1e3:>8.1f} {result['loss']:>+8.4f}", flush=True)
-    handle.wait_loaded()
-    return history, eval_before
-
-
-def check_sync(trainer, rollout, version: int) -> str:
-    """--check-sync: the rollout serves `version` and its weights equal the trainer's (SHA-256 per HF
-    name); returns one SHA-256 over them all."""
-    from megatron_fp4.rl.rollout_worker import weight_digests
-
-    served, ours = rollout.digests(), weight_digests(trainer.model)
-    differ = sorted(n for n in set(ours) | set(served["digests"]) if ours.get(n) != served["digests"].get(n))
-    if served["version"] != version or differ:
-        raise RuntimeError(f"weight sync check: the rollout serves version {served['version']} (expected {version}); "
-                           f"{len(differ)} of {len(ours)} weights differ from the trainer's, e.g. {differ[:3]}")
-    return hashlib.sha256(repr(sorted(ours.items())).encode()).hexdigest()
 
 
 def write_logs(history: list, eval_before: float, logdir: Path) -> None:
@@ -461,6 +279,7 @@ def parse_args(argv=None):
     ap.add_argument("--lr", type=float, help="GRPO learning rate, constant (carry 3e-4, otherwise 5e-5)")
     ap.add_argument("--clip-eps", type=float, default=0.2)
     ap.add_argument("--tis-cap", type=float, default=2.0, help="truncated IS clip C (rollout vs old log-probs)")
+    add_correction_args(ap)  # --rollout-is, --rollout-is-threshold, --rollout-rs, --rollout-rs-threshold
     ap.add_argument("--kl-coef", type=float, help="k3 KL penalty to the frozen SFT policy (0: off; carry 0, "
                                                   "otherwise 0.1)")
     ap.add_argument("--ppo-epochs", type=int, help="passes over each rollout batch (carry 1, otherwise 2)")
@@ -489,6 +308,7 @@ def parse_args(argv=None):
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--logdir", default="outputs/grpo/tensorboard")
     args = ap.parse_args(argv)
+    check_correction_args(ap, args)
     if args.train_data:
         args.task = "dataset"
     for key, value in TASK_DEFAULTS[args.task].items():

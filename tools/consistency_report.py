@@ -56,8 +56,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from megatron_fp4.config import default_config_path, load_config  # noqa: E402
 from megatron_fp4.model import Router, build_model  # noqa: E402
 from megatron_fp4.rollout import RolloutEngine, SamplingParams  # noqa: E402
-from megatron_fp4.rollout.consistency import consistency_metrics  # noqa: E402
-from megatron_fp4.rollout.scoring import score  # noqa: E402
+from megatron_fp4.rollout.consistency import add_engine_noise, rescore, router_margins  # noqa: E402
 from megatron_fp4.training.data import ArithmeticTokenizer, make_problem  # noqa: E402
 
 SETTINGS = [("BF16 both", "bf16", "bf16"), ("FP4 both, no compensation", "fp4", "fp4"),
@@ -117,20 +116,6 @@ def prompts(n: int, seed: int, tok) -> list:
     return [tok.encode(make_problem(rng)[0], add_eos=False) for _ in range(n)]
 
 
-def add_engine_noise(model, eps: float, seed: int) -> list:
-    """Forward pre-hooks adding EPS · rms(h) · N(0, 1) (seeded) to every decoder layer's input h.
-    Synthetic: a stand-in for kernel/accumulation-order differences between engines."""
-    gen = torch.Generator().manual_seed(seed)
-
-    def hook(_module, inputs):
-        h = inputs[0]
-        rms = h.float().pow(2).mean(-1, keepdim=True).sqrt()
-        noise = torch.randn(h.shape, generator=gen) * rms * eps
-        return (h + noise.to(h.dtype),) + tuple(inputs[1:])
-
-    return [layer.register_forward_pre_hook(hook) for layer in model.layers]
-
-
 def measure(cfg, weights, scope, train_mode, rollout_mode, tok, gap: Gap = NO_GAP, num_prompts: int = 64,
             max_new_tokens: int = 8, rollout_batch: int = 16, train_batch: int = 6, seed: int = 0) -> dict:
     """Rollout (engine with `gap`) generates, the fp32 trainer re-scores; metrics over all tokens."""
@@ -155,27 +140,7 @@ def measure(cfg, weights, scope, train_mode, rollout_mode, tok, gap: Gap = NO_GA
         h.remove()
     flat = {k: [x for g in gens for x in getattr(g, k)] for k in
             ("prompt_ids", "response_ids", "log_probs", "routing", "distributions")}
-    return train_side(train_model, flat, tok, train_mode, gap.batch_invariant, train_batch)
-
-
-def train_side(train_model, flat: dict, tok, train_mode: str, batch_invariant: bool, train_batch: int) -> dict:
-    """The fp32 trainer re-scores the rollout's tokens (`flat`: per request prompt_ids, response_ids,
-    log_probs, routing, distributions), batched in reverse order; the consistency metrics."""
-    ps = flat["prompt_ids"]
-    order = list(range(len(ps)))[::-1]  # training side: other batch composition and padding
-    train = {"log_probs": [None] * len(ps), "routing": [None] * len(ps), "distributions": [None] * len(ps)}
-    for s in range(0, len(order), train_batch):
-        idx = order[s:s + train_batch]
-        out = score(train_model, [flat["prompt_ids"][i] for i in idx], [flat["response_ids"][i] for i in idx],
-                    tok.pad_id, train_mode, return_routing=True, return_distributions=True,
-                    batch_invariant=batch_invariant)
-        for j, i in enumerate(idx):
-            for k in train:
-                train[k][i] = out[k][j]
-    cat = lambda xs: torch.cat([x.float() for x in xs])  # noqa: E731
-    routing_cat = lambda xs: torch.cat(list(xs))  # noqa: E731
-    return consistency_metrics(cat(flat["log_probs"]), cat(train["log_probs"]), routing_cat(flat["routing"]),
-                               routing_cat(train["routing"]), cat(flat["distributions"]), cat(train["distributions"]))
+    return rescore(train_model, flat, tok.pad_id, train_mode, gap.batch_invariant, train_batch, reverse=True)
 
 
 def ablation(cfg, weights, tok, gap: Gap = NO_GAP, scopes=SCOPES, settings=SETTINGS, **kwargs) -> list:
@@ -198,7 +163,8 @@ def vllm_ablation(cfg, weights, tok, work_dir, python=None, scopes=SCOPES, setti
     """The table with vLLM + the plugin as the rollout side: each (scope, setting) exported by
     `export_for_vllm` (fp32 weights, its quantization_config carrying the rollout recipe), all served
     by one vLLM worker (`integrations/vllm/worker.py`, own process when `python` is given), the same
-    prompts and seeds; the fp32 trainer (batch-invariant scoring) re-scores as in `measure`."""
+    prompts and seeds; the fp32 trainer (batch-invariant scoring) re-scores as in `measure`
+    (`rollout.consistency.rescore`: reversed order, other padding)."""
     from megatron_fp4.integrations.vllm import export_for_vllm
     from megatron_fp4.integrations.vllm.remote import run_vllm_rollout
 
@@ -227,7 +193,7 @@ def vllm_ablation(cfg, weights, tok, work_dir, python=None, scopes=SCOPES, setti
             g = gens[key]
             flat = {"prompt_ids": ps, "response_ids": g["tokens"], "log_probs": g["logprobs"],
                     "routing": g["routing"], "distributions": g["dist"]}
-            m = train_side(models[key], flat, tok, train_mode, True, train_batch)
+            m = rescore(models[key], flat, tok.pad_id, train_mode, True, train_batch, reverse=True)
             rows.append({"gap": VLLM_GAP, "rollout": "vllm", "rollout_dtype": "fp32", "engine_noise": 0.0,
                          "bf16_weights": False, "batch_invariant": True, "scope": scope, "setting": name,
                          "train_mode": train_mode, "rollout_mode": rollout_mode, **m})
@@ -235,9 +201,9 @@ def vllm_ablation(cfg, weights, tok, work_dir, python=None, scopes=SCOPES, setti
 
 
 def routing_sharpness(cfg, weights, tok, num: int = 64, seed: int = 0) -> dict:
-    """Router statistics (fp32, bf16-mode forward) over `num` full problems (prompt, answer, eos):
-    normalized entropy (1 = uniform) and the margin p_(k) - p_(k+1) between the last chosen and the
-    first rejected expert; a tiny input change flips the choice only when the margin is tiny."""
+    """Router statistics (`rollout.consistency.router_margins`: entropy, top-k mass, the margin
+    between the last chosen and the first rejected expert) of an fp32, bf16-mode forward over `num`
+    full problems (prompt, answer, eos)."""
     model = build_model(cfg)
     model.load_state_dict(weights)
     model.set_fp4_mode("bf16")
@@ -251,15 +217,7 @@ def routing_sharpness(cfg, weights, tok, num: int = 64, seed: int = 0) -> dict:
             model(torch.tensor([s]))
     for h in hooks:
         h.remove()
-    p = torch.cat(probs).double()  # [tokens * layers, E]
-    k = cfg.model.top_k
-    top = p.sort(-1, descending=True).values
-    margin = top[:, k - 1] - top[:, k]
-    entropy = -(p * p.clamp_min(1e-30).log()).sum(-1) / torch.log(torch.tensor(float(p.shape[-1])))
-    return {"num_router_rows": int(p.shape[0]), "normalized_entropy": float(entropy.mean()),
-            "topk_mass": float(top[:, :k].sum(-1).mean()), "median_margin": float(margin.median()),
-            "frac_margin_lt_1e-2": float((margin < 1e-2).double().mean()),
-            "frac_margin_lt_1e-3": float((margin < 1e-3).double().mean())}
+    return router_margins(torch.cat(probs), cfg.model.top_k)  # rows [tokens * layers, E]
 
 
 def markdown(rows) -> str:

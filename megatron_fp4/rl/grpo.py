@@ -15,9 +15,9 @@ import random
 import torch
 
 from megatron_fp4.rl import replay
+from megatron_fp4.rl.policy_loss import PolicyLoss
 from megatron_fp4.rollout.consistency import consistency_metrics
 from megatron_fp4.rollout.engine import pad_prompt_response
-from megatron_fp4.rollout.policy_step import PolicyLoss
 
 
 def grpo_advantages(rewards: torch.Tensor, group_size: int, eps: float = 1e-6) -> torch.Tensor:

@@ -2,14 +2,14 @@
 `RolloutCorrection`, and the batch-level step (weights, rejection and the mismatch metrics of a whole
 RL batch, verl's `compute_rollout_correction_and_add_to_batch`).
 
-The math is `megatron_fp4.rollout.is_correction` (one implementation, at the layer of the policy
-losses that apply it); the GRPO loss takes the config as `PolicyLoss(tis_cap=None, correction=cfg)`.
+The math is `megatron_fp4.rl.is_correction` (one implementation); the GRPO loss takes the config as `PolicyLoss(tis_cap=None, correction=cfg)`.
 """
 from __future__ import annotations
 
+import re
 from typing import Optional
 
-from megatron_fp4.rollout.is_correction import (REJECTIONS, Rejection, RolloutCorrection, mismatch_metrics,
+from megatron_fp4.rl.is_correction import (REJECTIONS, Rejection, RolloutCorrection, mismatch_metrics,
                                                 rollout_correction)
 
 __all__ = ["RolloutCorrection", "Rejection", "rollout_correction", "mismatch_metrics", "from_verl_config",
@@ -72,3 +72,33 @@ def correct_batch(batch: dict, cfg: Optional[RolloutCorrection]) -> dict:
     _, _, metrics = rollout_correction(batch["old_log_probs"], batch["rollout_log_probs"], batch["response_mask"],
                                        cfg, metrics=True)
     return {f"rollout_corr/{k}": v for k, v in metrics.items()}
+
+
+def add_correction_args(ap) -> None:
+    """verl's rollout-correction fields as command-line flags (the GRPO example, the ablation)."""
+    ap.add_argument("--rollout-is", choices=["token", "sequence"],
+                    help="verl's rollout correction instead of --tis-cap: IS weights per token or per sequence "
+                         "(algorithm.rollout_correction.rollout_is)")
+    ap.add_argument("--rollout-is-threshold", default="2.0",
+                    help="C (TIS: min(w, C)) or 'lower_upper' (MIS: w outside [lower, upper] masked to 0)")
+    ap.add_argument("--rollout-rs", help="rejection rules, comma-separated (verl's rollout_rs, e.g. token_k1)")
+    ap.add_argument("--rollout-rs-threshold",
+                    help="their bounds: one spec, or one per rule (verl's rollout_rs_threshold)")
+
+
+def check_correction_args(ap, args) -> None:
+    """A bad --rollout-* flag: the parser's one-line error (exit 2), before anything runs."""
+    try:
+        correction_from_args(args)
+    except ValueError as err:
+        flag = lambda m: "--" + m.group(1).replace("_", "-")  # noqa: E731 - verl's field -> our flag
+        ap.error(re.sub(r"rollout_correction\.(\w+)", flag, str(err)))
+
+
+def correction_from_args(args) -> Optional[RolloutCorrection]:
+    """The `RolloutCorrection` of `add_correction_args`' flags, or None when neither --rollout-is nor
+    --rollout-rs is given (the loss then keeps its plain token TIS, --tis-cap)."""
+    if not (args.rollout_is or args.rollout_rs):
+        return None
+    return from_verl_config({"rollout_is": args.rollout_is, "rollout_is_threshold": args.rollout_is_threshold,
+                             "rollout_rs": args.rollout_rs, "rollout_rs_threshold": args.rollout_rs_threshold})

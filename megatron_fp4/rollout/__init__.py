@@ -6,13 +6,11 @@
   `WeightSyncError`; `weight_sync_dist`: `DistributedTransport`, `DistributedReceiver`;
   `buckets`: the (name, shape, dtype, bytes) wire format
 - `consistency`: `consistency_metrics`, `compare_generation`
-- `is_correction`: the rollout correction (`RolloutCorrection`, `Rejection`, `rollout_correction`:
-  verl's token/sequence TIS and MIS, rejection rules, mismatch metrics), `truncated_is_weights`, `policy_loss`
+
+The rollout correction and the policy losses that apply it are RL: `megatron_fp4.rl.is_correction`.
 """
 from megatron_fp4.rollout.consistency import compare_generation, consistency_metrics
 from megatron_fp4.rollout.engine import GenerationOutput, RolloutEngine, pad_prompt_response
-from megatron_fp4.rollout.is_correction import (Rejection, RolloutCorrection, policy_loss, rollout_correction,
-                                                truncated_is_weights)
 from megatron_fp4.rollout.sampling import SamplingParams
 from megatron_fp4.rollout.scoring import compute_log_probs, score
 from megatron_fp4.rollout.weight_sync import (InProcessTransport, PublishHandle, WeightPublisher, WeightReceiver,
@@ -21,6 +19,5 @@ from megatron_fp4.rollout.weight_sync import (InProcessTransport, PublishHandle,
 __all__ = [
     "RolloutEngine", "GenerationOutput", "SamplingParams", "pad_prompt_response", "compute_log_probs", "score",
     "WeightPublisher", "WeightReceiver", "InProcessTransport", "PublishHandle", "WeightSyncError",
-    "consistency_metrics", "compare_generation", "truncated_is_weights", "policy_loss",
-    "RolloutCorrection", "Rejection", "rollout_correction",
+    "consistency_metrics", "compare_generation",
 ]

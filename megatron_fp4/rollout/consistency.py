@@ -10,7 +10,10 @@ training side recomputes for the same tokens:
   full distributions are given, else the unbiased k3 estimator E[r - 1 - log r], r = p_train/p_roll
   on the rollout's own tokens (Schulman's estimator; the tokens were sampled from the rollout).
 
-All statistics are computed in float64 from flattened per-token values.
+All statistics are computed in float64 from flattened per-token values. `rescore` (the trainer
+re-scores a rollout's tokens, batched its own way) and `compare_generation` give them for a
+generation; `router_margins` measures how close the routers' choices are to flipping;
+`add_engine_noise` models an engine gap (tools/consistency_report.py).
 
 `compute_log_probs`/`score` (the trainer-side recomputation) live in `rollout.scoring` and are
 re-exported here.
@@ -23,7 +26,8 @@ import torch
 
 from megatron_fp4.rollout.scoring import ScoreOutput, compute_log_probs, score
 
-__all__ = ["consistency_metrics", "compare_generation", "compute_log_probs", "score", "ScoreOutput", "pearson"]
+__all__ = ["consistency_metrics", "compare_generation", "rescore", "router_margins", "add_engine_noise",
+           "compute_log_probs", "score", "ScoreOutput", "pearson"]
 
 
 def pearson(x: torch.Tensor, y: torch.Tensor) -> float:
@@ -75,15 +79,63 @@ def consistency_metrics(rollout_lp: torch.Tensor, train_lp: torch.Tensor,
 
 
 def _cat(xs: Sequence) -> Optional[torch.Tensor]:
-    return torch.cat(list(xs)) if xs and xs[0] is not None else None
+    return torch.cat([x.float() if x.is_floating_point() else x for x in xs]) if xs and xs[0] is not None else None
+
+
+def rescore(model, rollout: dict, pad_id: int, mode: Optional[str] = None, batch_invariant: bool = True,
+            batch_size: Optional[int] = None, reverse: bool = False) -> dict:
+    """`consistency_metrics` of a rollout (`rollout`: per request ``prompt_ids``, ``response_ids``,
+    ``log_probs`` and optionally ``routing``, ``distributions``) against `model` re-scoring its
+    tokens in the training-side `mode`: in batches of `batch_size` (default: one forward), in
+    reverse request order with `reverse` (other batch composition and padding than the rollout's)."""
+    n = len(rollout["prompt_ids"])
+    want_routing, want_dist = rollout.get("routing") is not None, rollout.get("distributions") is not None
+    order = list(range(n))[::-1] if reverse else list(range(n))
+    step = batch_size or max(n, 1)
+    train = {"log_probs": [None] * n, "routing": [None] * n, "distributions": [None] * n}
+    for s in range(0, n, step):
+        idx = order[s:s + step]
+        out = score(model, [rollout["prompt_ids"][i] for i in idx], [rollout["response_ids"][i] for i in idx], pad_id,
+                    mode, return_routing=want_routing, return_distributions=want_dist, batch_invariant=batch_invariant)
+        for j, i in enumerate(idx):
+            for k in train:
+                train[k][i] = out[k][j]
+    return consistency_metrics(_cat(rollout["log_probs"]), _cat(train["log_probs"]),
+                               _cat(rollout["routing"]) if want_routing else None, _cat(train["routing"]),
+                               _cat(rollout["distributions"]) if want_dist else None, _cat(train["distributions"]))
 
 
 def compare_generation(generation, model, pad_id: int = 0, mode: Optional[str] = None) -> dict:
     """Score a `GenerationOutput` with `model` in the training-side `mode` (one padded full-sequence
     forward) and return `consistency_metrics` over all its generated tokens."""
-    want_routing = generation.routing is not None
-    want_dist = generation.distributions is not None
-    train = score(model, generation.prompt_ids, generation.response_ids, pad_id, mode, want_routing, want_dist)
-    return consistency_metrics(_cat(generation.log_probs), _cat(train["log_probs"]),
-                               _cat(generation.routing) if want_routing else None, _cat(train["routing"]),
-                               _cat(generation.distributions) if want_dist else None, _cat(train["distributions"]))
+    return rescore(model, {k: getattr(generation, k) for k in
+                           ("prompt_ids", "response_ids", "log_probs", "routing", "distributions")}, pad_id, mode)
+
+
+def router_margins(probs: torch.Tensor, top_k: int) -> dict:
+    """Router statistics of probability rows [N, E]: normalized entropy (1 = uniform), top-k mass and
+    the margin p_(k) - p_(k+1) between the last chosen and the first rejected expert (a tiny input
+    change flips the choice only when the margin is tiny)."""
+    p = probs.double()
+    top = p.sort(-1, descending=True).values
+    margin = top[:, top_k - 1] - top[:, top_k]
+    entropy = -(p * p.clamp_min(1e-30).log()).sum(-1) / torch.log(torch.tensor(float(p.shape[-1])))
+    return {"num_router_rows": int(p.shape[0]), "normalized_entropy": float(entropy.mean()),
+            "topk_mass": float(top[:, :top_k].sum(-1).mean()), "median_margin": float(margin.median()),
+            "frac_margin_lt_1e-2": float((margin < 1e-2).double().mean()),
+            "frac_margin_lt_1e-3": float((margin < 1e-3).double().mean())}
+
+
+def add_engine_noise(model, eps: float, seed: int) -> list:
+    """Forward pre-hooks adding EPS · rms(h) · N(0, 1) (seeded) to every decoder layer's input h.
+    Synthetic: a stand-in for kernel/accumulation-order differences between engines. Returns the
+    hook handles (``remove()`` them)."""
+    gen = torch.Generator().manual_seed(seed)
+
+    def hook(_module, inputs):
+        h = inputs[0]
+        rms = h.float().pow(2).mean(-1, keepdim=True).sqrt()
+        noise = torch.randn(h.shape, generator=gen) * rms * eps
+        return (h + noise.to(h.dtype),) + tuple(inputs[1:])
+
+    return [layer.register_forward_pre_hook(hook) for layer in model.layers]

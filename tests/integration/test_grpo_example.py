@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from megatron_fp4.rl import grpo_advantages, loop
 from megatron_fp4.rollout.scoring import log_probs_from_logits
 from megatron_fp4.training.data import check_answer
 
@@ -51,7 +52,7 @@ def spy_evals(ex, monkeypatch) -> tuple:
 def expected_accuracies(evals) -> list:
     """The greedy accuracy of each recorded eval, recomputed: check_answer (arithmetic) or the
     data_source scorer (rows with a reference) of the decoded greedy completions."""
-    from megatron_fp4.training import rewards
+    from megatron_fp4.rl import rewards
     items, gens = evals
     assert len(items) == len(gens)
     out = []
@@ -65,8 +66,7 @@ def expected_accuracies(evals) -> list:
 
 
 def test_grpo_advantages_reference():
-    ex = load_example()
-    adv = ex.grpo_advantages(torch.tensor([1.0, 0.0, 0.0, 0.0, 1.0, 1.0]), group_size=3)
+    adv = grpo_advantages(torch.tensor([1.0, 0.0, 0.0, 0.0, 1.0, 1.0]), group_size=3)
     g1 = torch.tensor([1.0, 0, 0])
     ref1 = (g1 - g1.mean()) / (g1.std(unbiased=False) + 1e-6)
     torch.testing.assert_close(adv[:3], ref1)
@@ -78,16 +78,16 @@ def test_grpo_example_mechanics(tmp_path, monkeypatch):
     ex = load_example()
     evals = spy_evals(ex, monkeypatch)
     batches, updates = [], []
-    real_ppo = ex.ppo_updates
-    monkeypatch.setattr(ex, "ppo_updates", lambda trainer, batch, *a: (batches.append(batch), real_ppo(trainer, batch, *a))[1])
+    real_ppo = loop.ppo_updates  # the example runs the loop of megatron_fp4.rl.loop
+    monkeypatch.setattr(loop, "ppo_updates", lambda trainer, batch, *a: (batches.append(batch), real_ppo(trainer, batch, *a))[1])
 
-    class RecordingLoss(ex.PolicyLoss):  # each update's policy log-probs, reference and reported k3
+    class RecordingLoss(loop.PolicyLoss):  # each update's policy log-probs, reference and reported k3
         def loss(self, logits, mb):
             loss, metrics = super().loss(logits, mb)
             lp, _ = log_probs_from_logits(logits.detach(), mb["input_ids"], mb["response_mask"])
             updates.append((lp, mb["ref_log_probs"], mb["response_mask"], metrics["kl"]))
             return loss, metrics
-    monkeypatch.setattr(ex, "PolicyLoss", RecordingLoss)
+    monkeypatch.setattr(loop, "PolicyLoss", RecordingLoss)
     args = ex.parse_args(["--task", "arithmetic", "--steps", "3", "--sft-steps", "0", "--num-prompts", "3", "--group-size", "3",
                           "--max-new-tokens", "4", "--eval-size", "10", "--eval-every", "2",
                           "--kl-coef", "0.05", "--ppo-epochs", "2", "--minibatches", "2",
@@ -138,10 +138,10 @@ def assert_k3_matches_float64(lp, ref, mask, kl):
 
 def test_grpo_example_on_verl_parquet_with_an_hf_tokenizer(tmp_path, monkeypatch):
     """--tokenizer DIR --train-data FILE.parquet: prompts rendered by the tokenizer's chat template,
-    rewards by data_source (training.rewards), the first --eval-size rows held out of RL."""
-    from megatron_fp4.training import rewards
-    from megatron_fp4.training.data.math_task import build_math_tokenizer, write_math_dataset
-    from megatron_fp4.training.data.rl_dataset import RLDataset
+    rewards by data_source (rl.rewards), the first --eval-size rows held out of RL."""
+    from megatron_fp4.rl import rewards
+    from megatron_fp4.rl.data.math_task import build_math_tokenizer, write_math_dataset
+    from megatron_fp4.rl.data.rl_dataset import RLDataset
 
     tok = build_math_tokenizer(tmp_path / "tok", max_operand=5)
     paths = write_math_dataset(tmp_path / "data", num_train=12, num_test=2, max_operand=5)
@@ -177,8 +177,8 @@ def carry_args(ex, *extra):
 def test_carry_task_is_the_default_and_runs_end_to_end(monkeypatch):
     """`--task carry` (the default): SFT on the sloppy teacher in high precision, GRPO steps with
     the carry scorer's rewards on train prompts only, held-out greedy accuracy before and after."""
-    from megatron_fp4.training import rewards
-    from megatron_fp4.training.data import carry_task
+    from megatron_fp4.rl import rewards
+    from megatron_fp4.rl.data import carry_task
 
     ex = load_example()
     defaults = ex.parse_args([])

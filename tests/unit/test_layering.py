@@ -1,20 +1,27 @@
 """DESIGN.md's layer rule: a module imports only from layers above it, never from below.
 
-Order (top first): config → fp4 → model → parallel → training → rollout → integrations → rl.
-`rl` (GRPO on the one trainer, the rollout process) joins training, rollout and integrations.
-`fp4` imports nothing of ours; the CLI (`megatron_fp4/train.py`) sits on top of everything.
+Order (top first): config → fp4 → model → parallel → training → rollout → integrations → rl →
+integrations.verl. `rl` owns RL (losses, IS correction, the GRPO loop, rewards, tasks, RL datasets)
+and joins training, rollout and the HF/vLLM integrations; the verl adapters put verl's trainer on
+top of `rl` (its policy loss and rollout correction), so `integrations.verl` is a layer below `rl`
+and nothing else imports it. `fp4` imports nothing of ours; the CLI (`megatron_fp4/train.py`) sits
+on top of everything.
 """
 import ast
 import pathlib
 
 ROOT = pathlib.Path(__file__).resolve().parents[2] / "megatron_fp4"
-ORDER = ["config", "config_validate", "fp4", "model", "parallel", "training", "rollout", "integrations", "rl"]
+ORDER = ["config", "config_validate", "fp4", "model", "parallel", "training", "rollout", "integrations", "rl",
+         "integrations.verl"]
 RANK = {name: i for i, name in enumerate(ORDER)}
 RANK["config_validate"] = RANK["config_choices"] = RANK["config"]
 
 
 def _layer(module: str) -> str:
-    return module.split(".")[1] if module.count(".") else module
+    parts = module.split(".")
+    if parts[1:3] == ["integrations", "verl"]:
+        return "integrations.verl"
+    return parts[1] if len(parts) > 1 else module
 
 
 def _imports(path: pathlib.Path):
@@ -30,6 +37,8 @@ def test_no_module_imports_from_a_layer_below_it():
     for path in ROOT.rglob("*.py"):
         rel = path.relative_to(ROOT)
         own = rel.parts[0].removesuffix(".py")
+        if rel.parts[:2] == ("integrations", "verl"):
+            own = "integrations.verl"
         if own not in RANK:
             continue  # __init__.py, train.py (the CLI on top)
         for module in _imports(path):
@@ -37,3 +46,20 @@ def test_no_module_imports_from_a_layer_below_it():
             if target in RANK and RANK[target] > RANK[own]:
                 violations.append(f"{rel} imports {module}")
     assert not violations, "layer order broken (see DESIGN.md):\n" + "\n".join(violations)
+
+
+RL_NAMES = {"PolicyLoss", "policy_loss", "rollout_correction", "RolloutCorrection", "compute_score", "RLDataset",
+            "carry_rows", "math_rows", "grpo_advantages", "run_grpo"}
+
+
+def test_rl_code_lives_in_rl():
+    """Issue 24: losses, IS correction, rewards, tasks and RL datasets are defined in `rl/` only."""
+    elsewhere = []
+    for path in ROOT.rglob("*.py"):
+        rel = path.relative_to(ROOT)
+        if rel.parts[0] == "rl":
+            continue
+        for node in ast.parse(path.read_text()).body:
+            if isinstance(node, (ast.FunctionDef, ast.ClassDef)) and node.name in RL_NAMES:
+                elsewhere.append(f"{rel}: {node.name}")
+    assert not elsewhere, "RL code outside megatron_fp4/rl/:\n" + "\n".join(elsewhere)

@@ -7,10 +7,8 @@
 - `tokenizer`: `HFTokenizer` (an HF model directory's tokenizer and chat template), `build_bpe_tokenizer`;
   `chat`: `render_chat_template` (as transformers renders it). Both need the ``rl`` extra and are
   imported from their modules, so the core package does not need `tokenizers`/`jinja2`.
-- `rl_dataset`: `RLDataset` (verl-format parquet/json rows, as verl's RLHFDataset reads them),
-  `write_parquet`; `math_task`: a generated GSM8K-style set in that format and its tokenizer;
-  `carry_task`: column addition with carries and a sloppy SFT teacher (the RL task of docs/ablation.md)
-- rewards (rule-based math verifiers, registry by data_source) live in `megatron_fp4.training.rewards`
+
+RL data (verl-format datasets, the generated carry and math tasks) and rewards are in `megatron_fp4.rl`.
 """
 from megatron_fp4.training.data.arithmetic import (
     ArithmeticDataset,

@@ -13,9 +13,9 @@ pi_old (the training-side recomputation). With log r = log pi_old - log pi_rollo
   PPL ratio, chi^2).
 
 Every formula is verl 0.9.1's `trainer/ppo/rollout_corr_helper.py`, op for op (so float32 inputs give
-verl's bits; tests/unit/test_rollout_correction.py runs both). This module sits at the rollout layer
-because the policy losses that apply it (`policy_step.PolicyLoss`, the verl adapter's loss) do;
-`megatron_fp4.rl.rollout_correction` adds the batch-level step and verl's config fields.
+verl's bits; tests/unit/test_rollout_correction.py runs both). The policy losses that apply it are
+`rl.policy_loss.PolicyLoss` and the verl adapter's loss; `megatron_fp4.rl.rollout_correction` adds the
+batch-level step and verl's config fields.
 """
 from __future__ import annotations
 

@@ -17,8 +17,8 @@ from typing import Optional
 
 import torch
 
+from megatron_fp4.rl.is_correction import RolloutCorrection, policy_loss, resolve_correction, rollout_correction
 from megatron_fp4.rollout.engine import positions_from_mask
-from megatron_fp4.rollout.is_correction import RolloutCorrection, policy_loss, resolve_correction, rollout_correction
 from megatron_fp4.rollout.scoring import log_probs_from_logits
 from megatron_fp4.training.step_loss import StepLoss
 

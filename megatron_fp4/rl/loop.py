@@ -1,0 +1,193 @@
+"""The GRPO loop on the one `Trainer`, for every caller: examples/grpo_moeresq.py (the CLI, any
+layout, any rollout) and examples/ablation_moeresq.py (one call per setting and seed).
+
+    settings = GRPOSettings(steps=20, num_prompts=8, group_size=8, ...)
+    run = run_grpo(trainer, task, rollout, settings)   # run.history: one record per step
+
+Each step: the rollout (``publish``/``generate``: `rl.rollout_client`, `rl.vllm_rollout` or any
+object with that interface) samples ``group_size`` answers per prompt of ``task.sample`` (`rl.tasks`);
+the task rewards them; `build_rl_batch` recomputes the old log-probs on the trainer (router replay:
+``trainer.cfg.rl.router_replay``) and normalises the rewards per group; the rollout/trainer
+consistency (KL, Pearson, expert agreement) is logged; ``ppo_epochs`` x ``minibatches`` clipped
+policy-gradient steps (`PolicyLoss`) update the trainer; the new weights are published (two
+completion points: training could resume at the snapshot, the next rollout waits for the load).
+The greedy held-out accuracy (`rl.evaluate`) is measured before RL and every ``eval_every`` steps.
+
+Rollout correction: ``settings.correction`` (a `RolloutCorrection`, e.g. from verl's fields through
+`rollout_correction.from_verl_config`: token/sequence TIS, MIS, rejection) replaces the plain token
+TIS of ``tis_cap``; the loss applies its weights and mask, and each step logs verl's batch metrics
+(`correct_batch`, ``rollout_corr/...``).
+"""
+from __future__ import annotations
+
+import copy
+import random
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+import torch
+
+from megatron_fp4.rl.evaluate import check_sync, greedy_eval
+from megatron_fp4.rl.grpo import build_rl_batch, consistency, ppo_updates
+from megatron_fp4.rl.policy_loss import PolicyLoss
+from megatron_fp4.rl.rollout_client import InProcessRollout
+from megatron_fp4.rl.rollout_correction import RolloutCorrection, correct_batch
+from megatron_fp4.rl.scorer import PolicyScorer
+from megatron_fp4.rollout.engine import RolloutEngine
+from megatron_fp4.rollout.sampling import SamplingParams
+from megatron_fp4.rollout.weight_sync import InProcessTransport, WeightPublisher, WeightReceiver
+
+
+@dataclass
+class GRPOSettings:
+    """Everything the loop reads besides the trainer's config (defaults: the carry recipe)."""
+    steps: int = 20
+    num_prompts: int = 8
+    group_size: int = 8
+    max_new_tokens: int = 24
+    temperature: float = 1.0
+    seed: int = 0
+    micro_batch_size: int = 32
+    ppo_epochs: int = 1
+    minibatches: int = 1
+    clip_eps: float = 0.2
+    tis_cap: Optional[float] = 2.0  # token TIS cap; ignored when `correction` is set
+    kl_coef: float = 0.0  # k3 KL to the policy the loop starts from (frozen)
+    correction: Optional[RolloutCorrection] = None
+    eval_every: int = 5  # 0: only after the last step
+    check_sync: bool = False  # after every publish: wait for the load, compare the served weights' digests
+    batch_invariant: Optional[bool] = None  # the trainer's scoring; None: numerics.batch_invariant
+
+    def __post_init__(self):
+        for name in ("steps", "num_prompts", "group_size", "max_new_tokens", "micro_batch_size", "ppo_epochs",
+                     "minibatches"):
+            if int(getattr(self, name)) < 1:
+                raise ValueError(f"GRPOSettings.{name}={getattr(self, name)} must be >= 1")
+        if self.eval_every < 0:
+            raise ValueError(f"GRPOSettings.eval_every={self.eval_every} must be >= 0 (0: only after the last step)")
+
+
+@dataclass
+class GRPORun:
+    history: list = field(default_factory=list)  # one record per step (see `grpo_step`)
+    eval_before: float = float("nan")  # greedy accuracy of the starting policy
+    eval_before_groups: dict = field(default_factory=dict)
+
+    @property
+    def evals(self) -> list:
+        """[(steps done, accuracy, {group: accuracy})], before RL first."""
+        return [(0, self.eval_before, self.eval_before_groups)] + \
+            [(h["step"] + 1, h["eval_acc"], h["eval_groups"]) for h in self.history if "eval_acc" in h]
+
+
+class EngineCopyRollout(InProcessRollout):
+    """`InProcessRollout` with the engine's numerics chosen here, not by the config: ``mode``, a
+    ``dtype`` copy of the model (bf16: the engine gap of real stacks, docs/consistency.md) and
+    ``batch_invariant`` (the ablation's rollout)."""
+
+    def __init__(self, trainer, pad_id: int, mode: str, dtype: Optional[torch.dtype] = None,
+                 batch_invariant: bool = False, bucket_bytes: int = 1 << 20, name: str = "rollout0"):
+        self.engine = RolloutEngine(copy.deepcopy(trainer.model), mode=mode, pad_id=pad_id, dtype=dtype, name=name,
+                                    batch_invariant=batch_invariant)
+        self.publisher = WeightPublisher(trainer.model, [InProcessTransport(WeightReceiver(self.engine))], bucket_bytes)
+
+
+def micro_batch_for(rows: int, mesh, cap: int = 32) -> int:
+    """`cap` rows, or with a pipeline the largest divisor of a dp share of `rows` that is at most
+    `cap` and leaves >= pp micro-batches."""
+    if mesh.pp == 1:
+        return cap
+    share = rows // mesh.dp
+    bound = min(cap, share // mesh.pp)
+    return max([d for d in range(1, bound + 1) if share % d == 0] or [1])
+
+
+def policy_loss_for(settings: GRPOSettings) -> PolicyLoss:
+    """The update's loss: token TIS at ``tis_cap``, or the configured rollout correction."""
+    if settings.correction is not None:
+        return PolicyLoss(settings.clip_eps, None, settings.kl_coef, correction=settings.correction)
+    return PolicyLoss(settings.clip_eps, settings.tis_cap, settings.kl_coef)
+
+
+def sampling_params(settings: GRPOSettings, step: int, num: int, stop_token_ids) -> list:
+    """One `SamplingParams` per request, seeded by (seed, step, request): the same draws on any layout."""
+    return [SamplingParams(max_new_tokens=settings.max_new_tokens, temperature=settings.temperature,
+                           stop_token_ids=stop_token_ids, seed=settings.seed * 1_000_003 + step * 10_007 + i)
+            for i in range(num)]
+
+
+def grpo_step(trainer, task, rollout, scorer, loss, settings: GRPOSettings, step: int, shuffle_rng) -> dict:
+    """Sample, reward, build the batch, update, publish version ``step + 1``; the step's record
+    (``handle``: the publish, not waited for unless ``check_sync``)."""
+    items = [it for it in task.sample(settings.num_prompts) for _ in range(settings.group_size)]
+    params = sampling_params(settings, step, len(items), task.stop_token_ids)
+    gen = rollout.generate([ids for ids, _, _ in items], params, return_routing=True, min_version=step)
+    completions = [task.tok.decode(r, stop_at_eos=True) for r in gen.response_ids]
+    rewards = torch.tensor([task.reward(it, c) for it, c in zip(items, completions)])
+    batch = build_rl_batch(gen, rewards, settings.group_size, scorer, task.tok.pad_id,
+                           router_replay=trainer.cfg.rl.router_replay)  # rl.router_replay: off | r2 | r3
+    cons = consistency(gen, batch)
+    corrected = correct_batch(batch, settings.correction) if settings.correction is not None else {}
+    result = ppo_updates(trainer, batch, loss, settings.micro_batch_size, settings.ppo_epochs, settings.minibatches,
+                         shuffle_rng)
+    handle = rollout.publish(step + 1)  # returns at snapshot: training could go on right now
+    served = None
+    if settings.check_sync:  # costs the overlap: wait for the load, compare what the rollout serves
+        handle.wait_loaded()
+        served = check_sync(trainer, rollout, step + 1)
+    record = {"step": step, "rollout_version": gen.version, "published_version": handle.version,
+              "reward": float(rewards.mean()), "loss": result["loss"], "grad_norm": result["grad_norm"],
+              "kl": result["kl"], "num_updates": result["num_updates"], "temperature": settings.temperature,
+              "weight_sync/snapshot_s": handle.snapshot_s, "weight_sync/served_sha": served,
+              "texts": [it[1] for it in items], "completions": completions, "rewards": rewards.tolist(),
+              "references": [it[2] for it in items],
+              **{f"consistency/{k}": v for k, v in cons.items() if k != "kl_method"}, **corrected,
+              "handle": handle}
+    if step == 0 or settings.check_sync:  # rollout vs trainer log-probs of the same weights
+        P = batch["prompt_len"]
+        record["lp_diffs"] = torch.cat([(batch["old_log_probs"][i, P:P + len(r)] - gen.log_probs[i]).abs()
+                                        for i, r in enumerate(gen.response_ids)])
+    return record
+
+
+def _quiet(*_a, **_k) -> None:
+    return None
+
+
+def run_grpo(trainer, task, rollout, settings: GRPOSettings, say: Callable = _quiet,
+             scorer: Optional[PolicyScorer] = None) -> GRPORun:
+    """`settings.steps` GRPO steps from the trainer's current weights (version 0 is published first).
+    `scorer`: the trainer-side log-probs (default: a new `PolicyScorer`, keeping the starting policy
+    as the KL reference when ``kl_coef`` is set). `say`: progress lines (rank 0 of a sharded run)."""
+    start = time.perf_counter()
+    if scorer is None:
+        scorer = PolicyScorer(trainer, settings.micro_batch_size, keep_reference=bool(settings.kl_coef),
+                              batch_invariant=settings.batch_invariant)
+    loss = policy_loss_for(settings)
+    run = GRPORun()
+    rollout.publish(0).wait_loaded()
+    if settings.check_sync:
+        check_sync(trainer, rollout, 0)
+    run.eval_before, run.eval_before_groups = greedy_eval(rollout, task, 0)
+    say(f"greedy eval accuracy {run.eval_before:.3f} on {task.description}; rollout: {type(rollout).__name__}",
+        flush=True)
+    shuffle_rng = random.Random(f"grpo-minibatches:{settings.seed}")
+    handle = None
+    say(f"{'step':>4} {'reward':>7} {'eval':>6} {'pearson':>9} {'experts':>8} {'sync ms':>8} {'loss':>8}", flush=True)
+    for step in range(settings.steps):
+        if handle is not None:
+            handle.wait_loaded()  # the rollout must serve the newest policy (raises WeightSyncError)
+        record = grpo_step(trainer, task, rollout, scorer, loss, settings, step, shuffle_rng)
+        handle = record.pop("handle")
+        last = step == settings.steps - 1
+        if last or (settings.eval_every and (step + 1) % settings.eval_every == 0):
+            handle.wait_loaded()  # evaluate the policy this step produced
+            record["eval_acc"], record["eval_groups"] = greedy_eval(rollout, task, step + 1)
+        run.history.append(record)
+        say(f"{step:>4} {record['reward']:>7.3f} {record.get('eval_acc', float('nan')):>6.3f} "
+            f"{record['consistency/pearson']:>9.6f} {record.get('consistency/expert_agreement', float('nan')):>8.4f} "
+            f"{handle.snapshot_s * 1e3:>8.1f} {record['loss']:>+8.4f}", flush=True)
+    handle.wait_loaded()
+    say(f"{settings.steps} GRPO steps in {time.perf_counter() - start:.0f} s", flush=True)
+    return run
