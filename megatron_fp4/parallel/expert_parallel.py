@@ -28,11 +28,11 @@ import torch.distributed as dist
 from torch import nn
 
 from megatron_fp4.model.moe import GroupedExperts, MoELayer
+from megatron_fp4.parallel.dims import check_expert_split, check_gcmoe
 from megatron_fp4.parallel.ep_alltoall import AllToAll, AllToAllDispatcher, DispatchPlan
 from megatron_fp4.parallel.gcmoe import GCMoEDispatcher, TransferChannel
 from megatron_fp4.parallel.gcmoe_decode import DecodeBuffers, GCMoEDecodeDispatcher
 from megatron_fp4.parallel.gcmoe_transfer import transfer_group
-from megatron_fp4.parallel.dims import check_expert_split, check_gcmoe
 from megatron_fp4.parallel.mesh import ParallelMesh
 
 __all__ = [

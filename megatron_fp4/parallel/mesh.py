@@ -179,15 +179,16 @@ class ParallelMesh:
         stage's dp × tp ranks, the whole world flattened); `new_group` for ``embed``."""
         from torch.distributed.device_mesh import init_device_mesh
 
-        options = self._group_options()
-        over = lambda axes: {axis: options for axis in axes}  # noqa: E731 — each axis: the mesh's timeout
+        options = self._group_options()  # every group: the mesh's timeout
+        stage_axes = EXPERT_AXES[1:]  # edp, ep, etp: one stage's dp × tp ranks refolded
         dense = init_device_mesh(self.device.type, dims.shape(DENSE_AXES), mesh_dim_names=DENSE_AXES,
-                                 backend_override=over(DENSE_AXES))
+                                 backend_override=dict.fromkeys(DENSE_AXES, options))
         stage = dense["dp", "tp"]._flatten("dp_tp", backend_override=options)
-        expert = stage._unflatten(0, dims.shape(EXPERT_AXES[1:]), EXPERT_AXES[1:], backend_override=over(EXPERT_AXES[1:]))
+        expert = stage._unflatten(0, dims.shape(stage_axes), stage_axes,
+                                  backend_override=dict.fromkeys(stage_axes, options))
         world = dense._flatten("world", backend_override=options)
         self.device_mesh, self.expert_mesh = dense, expert
-        built = {**{a: dense.get_group(a) for a in DENSE_AXES}, **{a: expert.get_group(a) for a in EXPERT_AXES[1:]},
+        built = {**{a: dense.get_group(a) for a in DENSE_AXES}, **{a: expert.get_group(a) for a in stage_axes},
                  "world": world.get_group("world")}
         for axis, group in built.items():
             ranks = dims.group_of(axis, self.rank)

@@ -33,7 +33,8 @@ import torch.distributed as dist
 from torch import nn
 
 from megatron_fp4.fp4 import micro_batch as fp4_micro_batch
-from megatron_fp4.parallel.dims import MULTI_CHUNK_SCHEDULES, check_chunks, check_schedule_chunks, check_v_placement
+from megatron_fp4.parallel.dims import (MULTI_CHUNK_SCHEDULES, check_chunks, check_schedule_chunks,
+                                        check_v_placement)
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "interleaved_zero_bubble", "zbv")
 # Chunk placement each schedule expects: "loop" puts chunk c on rank c % pp (Megatron interleaving);
