@@ -144,7 +144,7 @@ def apply_expert_parallel(model: nn.Module, mesh: ParallelMesh, dispatcher: str 
     """
     if dispatcher not in DISPATCHERS:
         raise ValueError(f"parallel.expert_dispatcher={dispatcher!r} must be one of {DISPATCHERS}")
-    check_gcmoe(mesh.ep if dispatcher == "gcmoe" else 1, chunk_tokens, ring_slots, transfer_sms)
+    check_gcmoe(1, chunk_tokens, ring_slots, transfer_sms)  # the ring against ep: after the agreement check
     if decode_tokens < 1:
         raise ValueError(f"decode_tokens={decode_tokens} must be >= 1 (tokens per rank per decode round)")
     layers = moe_layers_of(model)

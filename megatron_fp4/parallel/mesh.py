@@ -141,6 +141,8 @@ class ParallelMesh:
         device = resolve_device(cfg.device)
         if device.type == "cuda":
             torch.cuda.set_device(device)
+        if dims.world_size == 1 and not dist.is_initialized():
+            return cls.single(device)
         return cls.from_dims(dims, device, cfg.parallel.timeout_s)
 
     @classmethod
