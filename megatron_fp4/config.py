@@ -75,7 +75,8 @@ class ParallelConfig:
     pp: int = 1
     dp: int = -1  # -1: whatever the world size leaves
     ep: int = 1
-    tp: int = 1
+    tp: int = 1  # tensor parallel (attention, dense MLP): reserved, refused until implemented
+    etp: int = 1  # expert tensor parallel (a stage's dp×tp ranks refolded as edp×ep×etp): reserved
     virtual_stages: int = 1
     # gpipe | 1f1b | interleaved_1f1b | interleaved_zero_bubble (ZB1P, virtual_stages >= 2) | zbv (ZB-V,
     # virtual_stages = 2, V placement); the zero-bubble ones split backward into input- and weight-grad
@@ -170,8 +171,9 @@ class Config:
     device: str = "auto"  # auto | cpu | cuda
     dtype: str = "fp32"  # fp32 | bf16 (autocast on CUDA, bf16 params on CPU) | fp64 (verification: all in float64)
 
-    def validate(self, world_size: int = 1) -> "Config":
-        validate_config(self, world_size)
+    def validate(self) -> "Config":
+        """Every field on its own (the layout against a world size: `parallel.dims.ParallelDims`)."""
+        validate_config(self)
         return self
 
     def to_dict(self) -> dict:

@@ -1,7 +1,9 @@
-"""`Config.validate()`: every check that can be made before a process group or tensor exists.
+"""`Config.validate()`: every check of a config's own fields, before a process group or tensor exists.
 
 Its functions take a `megatron_fp4.config.Config`; this module imports nothing of config.py (config.py
-imports it), so the two are no import circle.
+imports it), so the two are no import circle. The parallel layout (pp, dp, tp, ep, etp, virtual
+stages, schedule, GC-MoE's ring) is checked against the world size by
+`megatron_fp4.parallel.dims.ParallelDims.from_config`, next to the mesh: the trainer runs both.
 
 Each error names the field, the value it has and what to do instead.
 """
@@ -36,21 +38,9 @@ def _get(cfg, dotted: str):
     return node
 
 
-def _require(cond: bool, field: str, value, fix: str) -> None:
+def require(cond: bool, field: str, value, fix: str) -> None:
     if not cond:
         raise ConfigError(f"{field}={show(value)}: {fix}")
-
-
-def resolve_dp(cfg, world_size: int) -> int:
-    """Data-parallel size: explicit, or what the world leaves after pp and tp."""
-    p = cfg.parallel
-    if p.dp == -1:
-        _require(
-            world_size % (p.pp * p.tp) == 0, "parallel.pp", p.pp,
-            f"world size {world_size} is not divisible by pp×tp={p.pp * p.tp}; choose pp dividing the number of processes",
-        )
-        return world_size // (p.pp * p.tp)
-    return p.dp
 
 
 def _check_finite_floats(node, prefix: str = "") -> None:
@@ -69,88 +59,88 @@ def check_model_limits(cfg) -> None:
     m = cfg.model
     for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
                  "num_experts", "top_k", "moe_ffn_hidden_size", "max_seq_len"):
-        _require(getattr(m, name) > 0, f"model.{name}", getattr(m, name), "must be a positive integer")
+        require(getattr(m, name) > 0, f"model.{name}", getattr(m, name), "must be a positive integer")
     for name in ("num_shared_experts", "shared_expert_ffn_hidden_size", "dense_ffn_hidden_size"):
-        _require(getattr(m, name) >= 0, f"model.{name}", getattr(m, name), "must be >= 0")
+        require(getattr(m, name) >= 0, f"model.{name}", getattr(m, name), "must be >= 0")
     for dotted, limit in _LIMITS.items():
         value = _get(cfg, dotted)
-        _require(value <= limit, dotted, value, f"exceeds the sanity limit {limit}; this is far beyond any real "
+        require(value <= limit, dotted, value, f"exceeds the sanity limit {limit}; this is far beyond any real "
                  f"model (a typo?): give the intended size")
 
 
-def validate_config(cfg, world_size: int = 1) -> None:
+def validate_config(cfg) -> None:
     _check_finite_floats(cfg)
     for dotted, allowed in _CHOICES.items():
         value = _get(cfg, dotted)
-        _require(value in allowed, dotted, value, f"must be one of {list(allowed)}")
+        require(value in allowed, dotted, value, f"must be one of {list(allowed)}")
 
     m = cfg.model
     check_model_limits(cfg)
-    _require(m.hidden_size % m.num_heads == 0, "model.hidden_size", m.hidden_size,
+    require(m.hidden_size % m.num_heads == 0, "model.hidden_size", m.hidden_size,
              f"must be divisible by model.num_heads={m.num_heads}; change one of them")
-    _require(m.num_heads % m.num_kv_heads == 0, "model.num_kv_heads", m.num_kv_heads,
+    require(m.num_heads % m.num_kv_heads == 0, "model.num_kv_heads", m.num_kv_heads,
              f"must divide model.num_heads={m.num_heads} (grouped-query attention shares each KV head)")
-    _require(m.head_dim % 2 == 0, "model.head_dim", m.head_dim, "must be even (rotary embeddings rotate pairs)")
-    _require(m.top_k <= m.num_experts, "model.top_k", m.top_k,
+    require(m.head_dim % 2 == 0, "model.head_dim", m.head_dim, "must be even (rotary embeddings rotate pairs)")
+    require(m.top_k <= m.num_experts, "model.top_k", m.top_k,
              f"cannot exceed model.num_experts={m.num_experts}; lower top_k or add experts")
     for layer in m.dense_layers:
-        _require(isinstance(layer, int) and 0 <= layer < m.num_layers, "model.dense_layers", m.dense_layers,
+        require(isinstance(layer, int) and 0 <= layer < m.num_layers, "model.dense_layers", m.dense_layers,
                  f"entries must be layer indices in [0, {m.num_layers})")
-    _require(m.router_aux_loss_coef >= 0, "model.router_aux_loss_coef", m.router_aux_loss_coef, "must be >= 0")
-    _require(m.router_z_loss_coef >= 0, "model.router_z_loss_coef", m.router_z_loss_coef, "must be >= 0")
-    _require(m.moe_router_bias_update_rate >= 0, "model.moe_router_bias_update_rate", m.moe_router_bias_update_rate,
+    require(m.router_aux_loss_coef >= 0, "model.router_aux_loss_coef", m.router_aux_loss_coef, "must be >= 0")
+    require(m.router_z_loss_coef >= 0, "model.router_z_loss_coef", m.router_z_loss_coef, "must be >= 0")
+    require(m.moe_router_bias_update_rate >= 0, "model.moe_router_bias_update_rate", m.moe_router_bias_update_rate,
              "must be >= 0 (0 = no aux-loss-free bias)")
-    _require(m.moe_aux_loss_type in ("global", "seq"), "model.moe_aux_loss_type", m.moe_aux_loss_type,
+    require(m.moe_aux_loss_type in ("global", "seq"), "model.moe_aux_loss_type", m.moe_aux_loss_type,
              "must be 'global' or 'seq'")
-    _require(m.init_std > 0, "model.init_std", m.init_std, "must be > 0 (the std of the initial weights, e.g. 0.02)")
-    _require(m.rope_theta > 0, "model.rope_theta", m.rope_theta,
+    require(m.init_std > 0, "model.init_std", m.init_std, "must be > 0 (the std of the initial weights, e.g. 0.02)")
+    require(m.rope_theta > 0, "model.rope_theta", m.rope_theta,
              "must be > 0 (the rotary base, e.g. 10000; 0 makes every rotary frequency NaN)")
-    _require(m.norm_eps > 0, "model.norm_eps", m.norm_eps, "must be > 0 (RMSNorm's epsilon, e.g. 1e-6)")
-    _require(m.recompute_num_layers >= 1, "model.recompute_num_layers", m.recompute_num_layers,
+    require(m.norm_eps > 0, "model.norm_eps", m.norm_eps, "must be > 0 (RMSNorm's epsilon, e.g. 1e-6)")
+    require(m.recompute_num_layers >= 1, "model.recompute_num_layers", m.recompute_num_layers,
              "must be >= 1 (decoder layers per recomputed block with model.recompute=full)")
-    _require(isinstance(m.recompute_modules, list) and set(m.recompute_modules) <= set(RECOMPUTE_MODULES),
+    require(isinstance(m.recompute_modules, list) and set(m.recompute_modules) <= set(RECOMPUTE_MODULES),
              "model.recompute_modules", m.recompute_modules, f"entries must be among {list(RECOMPUTE_MODULES)}")
-    _require(m.recompute != "selective" or bool(m.recompute_modules), "model.recompute_modules", m.recompute_modules,
+    require(m.recompute != "selective" or bool(m.recompute_modules), "model.recompute_modules", m.recompute_modules,
              "model.recompute=selective needs at least one module to recompute (or set model.recompute=none)")
     if cfg.data.kind == "arithmetic":
         # The embedded tokenizer's size, as a constant: config sits above training/ in the layer
         # order and must not import it (tests/unit/test_data.py pins the two together).
-        _require(m.vocab_size >= ARITHMETIC_VOCAB_SIZE, "model.vocab_size", m.vocab_size,
+        require(m.vocab_size >= ARITHMETIC_VOCAB_SIZE, "model.vocab_size", m.vocab_size,
                  f"the embedded arithmetic tokenizer needs at least {ARITHMETIC_VOCAB_SIZE} tokens")
 
     _validate_fp4_shapes(cfg)
 
     s = cfg.schedule
-    _require(s.seq_len <= m.max_seq_len, "schedule.seq_len", s.seq_len,
+    require(s.seq_len <= m.max_seq_len, "schedule.seq_len", s.seq_len,
              f"exceeds model.max_seq_len={m.max_seq_len}; raise max_seq_len or shorten seq_len")
     for name in ("train_steps", "global_batch_size", "micro_batch_size", "seq_len", "max_consecutive_skips"):
-        _require(getattr(s, name) > 0, f"schedule.{name}", getattr(s, name), "must be a positive integer")
-    _require(0 <= s.warmup_steps <= s.train_steps, "schedule.warmup_steps", s.warmup_steps,
+        require(getattr(s, name) > 0, f"schedule.{name}", getattr(s, name), "must be a positive integer")
+    require(0 <= s.warmup_steps <= s.train_steps, "schedule.warmup_steps", s.warmup_steps,
              f"must be in [0, schedule.train_steps={s.train_steps}]")
 
     o = cfg.optimizer
-    _require(o.lr > 0, "optimizer.lr", o.lr, "must be > 0")
-    _require(0 <= o.min_lr <= o.lr, "optimizer.min_lr", o.min_lr, f"must be in [0, optimizer.lr={o.lr}]")
-    _require(0 <= o.beta1 < 1 and 0 <= o.beta2 < 1, "optimizer.beta1/beta2", (o.beta1, o.beta2), "must be in [0, 1)")
-    _require(o.clip_grad >= 0, "optimizer.clip_grad", o.clip_grad, "must be >= 0 (0 disables clipping)")
-    _require(o.eps > 0, "optimizer.eps", o.eps, "must be > 0 (Adam's denominator epsilon, e.g. 1e-8)")
-    _require(o.weight_decay >= 0, "optimizer.weight_decay", o.weight_decay, "must be >= 0 (0 disables decay)")
+    require(o.lr > 0, "optimizer.lr", o.lr, "must be > 0")
+    require(0 <= o.min_lr <= o.lr, "optimizer.min_lr", o.min_lr, f"must be in [0, optimizer.lr={o.lr}]")
+    require(0 <= o.beta1 < 1 and 0 <= o.beta2 < 1, "optimizer.beta1/beta2", (o.beta1, o.beta2), "must be in [0, 1)")
+    require(o.clip_grad >= 0, "optimizer.clip_grad", o.clip_grad, "must be >= 0 (0 disables clipping)")
+    require(o.eps > 0, "optimizer.eps", o.eps, "must be > 0 (Adam's denominator epsilon, e.g. 1e-8)")
+    require(o.weight_decay >= 0, "optimizer.weight_decay", o.weight_decay, "must be >= 0 (0 disables decay)")
 
-    _validate_parallel(cfg, world_size)
+    _validate_parallel(cfg)
 
     d = cfg.data
     if d.kind == "arithmetic":
-        _require(d.num_samples >= 1, "data.num_samples", d.num_samples,
+        require(d.num_samples >= 1, "data.num_samples", d.num_samples,
                  "must be a positive integer (the number of generated training sequences)")
     if d.kind in ("megatron", "numpy"):
-        _require(bool(d.path), "data.path", d.path,
+        require(bool(d.path), "data.path", d.path,
                  f"data.kind={d.kind!r} reads a file: set data.path (a .bin/.idx prefix or a .npy file)")
     c = cfg.checkpoint
-    _require(c.save_interval >= 0, "checkpoint.save_interval", c.save_interval, "must be >= 0")
-    _require(c.load != "auto" or bool(c.dir), "checkpoint.load", c.load, "'auto' needs checkpoint.dir to look in")
-    _require(c.keep_last >= 0, "checkpoint.keep_last", c.keep_last,
+    require(c.save_interval >= 0, "checkpoint.save_interval", c.save_interval, "must be >= 0")
+    require(c.load != "auto" or bool(c.dir), "checkpoint.load", c.load, "'auto' needs checkpoint.dir to look in")
+    require(c.keep_last >= 0, "checkpoint.keep_last", c.keep_last,
              "must be >= 0 (the number of newest step directories kept; 0 keeps all)")
-    _require(cfg.logging.log_interval >= 0, "logging.log_interval", cfg.logging.log_interval,
+    require(cfg.logging.log_interval >= 0, "logging.log_interval", cfg.logging.log_interval,
              "must be >= 0 (0 turns the periodic statistics off)")
 
 
@@ -168,47 +158,14 @@ def _validate_fp4_shapes(cfg) -> None:
         dims.append(("model.num_heads*model.head_dim", m.num_heads * m.head_dim))
         dims.append(("model.num_kv_heads*model.head_dim", m.num_kv_heads * m.head_dim))
     for name, size in dims:
-        _require(size % block == 0, name, size,
+        require(size % block == 0, name, size,
                  f"FP4 format {f.format} quantizes in blocks of {block}: make it a multiple of {block} "
                  f"or set fp4.scope=none")
 
 
-def _validate_parallel(cfg, world_size: int) -> None:
-    p, m, s = cfg.parallel, cfg.model, cfg.schedule
-    for name in ("pp", "ep", "tp", "virtual_stages"):
-        _require(getattr(p, name) >= 1, f"parallel.{name}", getattr(p, name), "must be >= 1")
-    _require(p.tp == 1, "parallel.tp", p.tp, "tensor parallelism is not implemented yet; use tp=1")
-    _require(p.dp == -1 or p.dp >= 1, "parallel.dp", p.dp, "must be >= 1, or -1 to infer it from the world size")
-    dp = resolve_dp(cfg, world_size)
-    _require(dp * p.pp * p.tp == world_size, "parallel.dp", p.dp,
-             f"dp×pp×tp = {dp}×{p.pp}×{p.tp} must equal the world size {world_size}; set parallel.dp=-1 to infer it")
-    _require(dp % p.ep == 0, "parallel.ep", p.ep,
-             f"expert parallel groups are carved out of the data-parallel ranks: ep must divide dp={dp}")
-    _require(m.num_experts % p.ep == 0, "parallel.ep", p.ep,
-             f"model.num_experts={m.num_experts} must be divisible by ep so every rank owns the same number of experts")
-    num_chunks = p.pp * p.virtual_stages
-    _require(m.num_layers >= num_chunks, "parallel.virtual_stages", p.virtual_stages,
-             f"pp×virtual_stages={num_chunks} model chunks but only model.num_layers={m.num_layers} layers; "
-             f"every chunk needs at least one layer")
-    _require(s.global_batch_size % (s.micro_batch_size * dp) == 0, "schedule.global_batch_size",
-             s.global_batch_size,
-             f"must be a multiple of micro_batch_size×dp = {s.micro_batch_size}×{dp}")
-    num_microbatches = s.global_batch_size // (s.micro_batch_size * dp)
-    if p.schedule in ("interleaved_1f1b", "interleaved_zero_bubble"):
-        _require(p.virtual_stages > 1, "parallel.virtual_stages", p.virtual_stages,
-                 f"schedule {p.schedule} needs virtual_stages >= 2 (or use schedule=1f1b)")
-        _require(num_microbatches % p.pp == 0, "schedule.global_batch_size", s.global_batch_size,
-                 f"schedule {p.schedule} needs the number of micro-batches ({num_microbatches}) to be a multiple "
-                 f"of pp={p.pp}; adjust global_batch_size or micro_batch_size")
-    elif p.schedule == "zbv":
-        _require(p.virtual_stages == 2, "parallel.virtual_stages", p.virtual_stages,
-                 "schedule zbv places exactly 2 model chunks per pipeline rank (a V); set virtual_stages=2")
-    elif p.virtual_stages > 1:
-        _require(False, "parallel.schedule", p.schedule,
-                 f"virtual_stages={p.virtual_stages} needs a multi-chunk schedule "
-                 f"(interleaved_1f1b, interleaved_zero_bubble or zbv)")
-    _require(p.timeout_s > 0, "parallel.timeout_s", p.timeout_s,
-             "must be > 0 seconds (how long a collective waits for a hung peer before the job ends)")
-    _require(p.bucket_size_mb > 0, "parallel.bucket_size_mb", p.bucket_size_mb, "must be > 0")
-    _require(p.gcmoe_chunk_tokens > 0, "parallel.gcmoe_chunk_tokens", p.gcmoe_chunk_tokens, "must be > 0")
-    _require(p.gcmoe_ring_slots > 0, "parallel.gcmoe_ring_slots", p.gcmoe_ring_slots, "must be > 0")
+def _validate_parallel(cfg) -> None:
+    """The parallel section's fields that are no layout (the layout: `parallel.dims.ParallelDims`)."""
+    p = cfg.parallel
+    require(p.timeout_s > 0, "parallel.timeout_s", p.timeout_s,
+            "must be > 0 seconds (how long a collective waits for a hung peer before the job ends)")
+    require(p.bucket_size_mb > 0, "parallel.bucket_size_mb", p.bucket_size_mb, "must be > 0")

@@ -28,6 +28,7 @@ import torch.distributed as dist
 from torch import nn
 
 from megatron_fp4.model.moe import GroupedExperts, MoELayer
+from megatron_fp4.parallel.dims import check_expert_split, check_gcmoe
 from megatron_fp4.parallel.ep_alltoall import AllToAll, AllToAllDispatcher, DispatchPlan
 from megatron_fp4.parallel.gcmoe import GCMoEDispatcher, TransferChannel
 from megatron_fp4.parallel.gcmoe_decode import DecodeBuffers, GCMoEDecodeDispatcher
@@ -46,13 +47,7 @@ DISPATCHERS = ("alltoall", "gcmoe", "gcmoe_decode")  # gcmoe_decode: forward-onl
 # -- placement (pure) --------------------------------------------------------------------------
 def expert_placement(num_experts: int, ep: int) -> list[list[int]]:
     """Global expert ids held by each ep rank: contiguous blocks, ``[[0..El-1], [El..2El-1], ...]``."""
-    if ep < 1:
-        raise ValueError(f"parallel.ep={ep} must be >= 1")
-    if num_experts < 1:
-        raise ValueError(f"model.num_experts={num_experts} must be >= 1")
-    if num_experts % ep:
-        raise ValueError(f"model.num_experts={num_experts} is not divisible by parallel.ep={ep}; "
-                         f"choose ep among the divisors of num_experts")
+    check_expert_split(num_experts, ep)
     per_rank = num_experts // ep
     return [list(range(r * per_rank, (r + 1) * per_rank)) for r in range(ep)]
 
@@ -149,12 +144,7 @@ def apply_expert_parallel(model: nn.Module, mesh: ParallelMesh, dispatcher: str 
     """
     if dispatcher not in DISPATCHERS:
         raise ValueError(f"parallel.expert_dispatcher={dispatcher!r} must be one of {DISPATCHERS}")
-    if chunk_tokens < 1:
-        raise ValueError(f"parallel.gcmoe_chunk_tokens={chunk_tokens} must be >= 1")
-    if ring_slots < 1:
-        raise ValueError(f"parallel.gcmoe_ring_slots={ring_slots} must be >= 1")
-    if transfer_sms < 0:
-        raise ValueError(f"parallel.gcmoe_transfer_sms={transfer_sms} must be >= 0")
+    check_gcmoe(1, chunk_tokens, ring_slots, transfer_sms)  # the ring against ep: after the agreement check
     if decode_tokens < 1:
         raise ValueError(f"decode_tokens={decode_tokens} must be >= 1 (tokens per rank per decode round)")
     layers = moe_layers_of(model)

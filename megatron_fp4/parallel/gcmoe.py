@@ -92,6 +92,7 @@ import threading
 import torch
 
 from megatron_fp4.model.moe import GroupedExperts
+from megatron_fp4.parallel.dims import check_gcmoe
 from megatron_fp4.parallel.ep_alltoall import DispatchPlan, all_to_all_rows, finish_combine, scatter_rows
 from megatron_fp4.parallel.gcmoe_transfer import (COMPUTE_GRANULARITIES, RecvRing,  # noqa: F401
                                                   Round, TransferChannel, chunk_bounds, exchange_step)
@@ -122,11 +123,7 @@ class GCMoEDispatcher:
 
     def __init__(self, group, ep: int, num_experts: int, channel: TransferChannel, chunk_tokens: int = 64,
                  compute: str = "expert", ring_slots: int = 8):
-        if chunk_tokens < 1:
-            raise ValueError(f"parallel.gcmoe_chunk_tokens={chunk_tokens} must be >= 1")
-        if ring_slots < max(1, ep - 1):
-            raise ValueError(f"parallel.gcmoe_ring_slots={ring_slots} must be >= max(1, ep - 1) = "
-                             f"{max(1, ep - 1)}: a transfer step receives one chunk from every peer")
+        check_gcmoe(ep, chunk_tokens, ring_slots)
         if compute not in COMPUTE_GRANULARITIES:
             raise ValueError(f"GCMoEDispatcher compute={compute!r} must be one of {COMPUTE_GRANULARITIES}")
         self.group, self.ep, self.num_experts = group, ep, num_experts

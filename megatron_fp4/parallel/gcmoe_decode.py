@@ -69,6 +69,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_fp4.model.moe import GroupedExperts, combine_expert_outputs
+from megatron_fp4.parallel.dims import check_expert_split
 from megatron_fp4.parallel.ep_alltoall import scatter_rows
 from megatron_fp4.parallel.gcmoe_transfer import exchange_step, issue_step
 
@@ -135,8 +136,7 @@ class GCMoEDecodeDispatcher:
 
     def __init__(self, group, ep: int, num_experts: int, ep_rank: int, ep_ranks: list[int],
                  buffers: DecodeBuffers, static: bool = False, transport: str = "alltoall"):
-        if num_experts % ep:
-            raise ValueError(f"model.num_experts={num_experts} is not divisible by parallel.ep={ep}")
+        check_expert_split(num_experts, ep)
         if transport not in self.TRANSPORTS:
             raise ValueError(f"GC-MoE decode transport={transport!r} must be one of {self.TRANSPORTS}")
         self.transport = transport

@@ -1,15 +1,16 @@
-"""The parallel layout as a value: named axes ``pp``, ``dp``, ``ep`` (``tp`` reserved) and their groups.
+"""The process groups of a layout: `ParallelMesh`, built from a validated `ParallelDims` (dims.py).
 
-Rank order follows Megatron (tp fastest, then dp, then pp): ``rank = (pp_rank·dp + dp_rank)·tp + tp_rank``.
-Expert-parallel groups are carved out of the data-parallel ranks: within one pipeline stage the dp
-ranks form a grid ``edp × ep`` with ``ep`` fastest, so
+The groups come from `torch.distributed.device_mesh` (it runs on gloo and NCCL alike): the dense
+grid ``pp × dp × tp`` is an `init_device_mesh`, the expert grid ``edp × ep × etp`` of each stage
+its ``dp, tp`` ranks flattened and unflattened again (Megatron's parallel folding, see dims.py),
+``world`` the whole mesh flattened. Only ``embed`` (pp > 1: the first and the last stage, which
+hold the two copies of tied embeddings) is a group DeviceMesh cannot express (two stages that are
+not a slice of the pp axis); the mesh creates it with `new_group`. Each rank's group lists equal
+`ParallelDims.groups` (checked when built); ``mesh.device_mesh`` / ``mesh.expert_mesh`` are the
+DeviceMeshes, for DTensor.
 
-- ``ep_group``:  ranks that hold different experts of the same MoE layer (all-to-all partners);
-- ``edp_group``: ranks that hold the *same* experts (the data-parallel group of expert params);
-- ``embed``: (pp > 1) the dp ranks of the first and of the last stage, which hold the two copies of
-  tied embeddings (Megatron's embedding group): their gradients are reduced over it.
-
-Nothing here is global: build a `ParallelMesh` once and pass it to whoever needs a group.
+Nothing here is global: build a `ParallelMesh` once and pass it to whoever needs a group. A single
+process is a mesh whose dims are all ones and that has no groups (`single()`).
 Device and backend are decided in one place (`resolve_device`): gloo on CPU, NCCL on CUDA.
 
 Every group the mesh creates (each axis, plus ``world`` for whole-mesh decisions such as the NaN
@@ -26,6 +27,7 @@ key prefix, ``megatron_fp4/attempt_<TORCHELASTIC_RESTART_COUNT>/``, on that same
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -34,7 +36,10 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from megatron_fp4.config_validate import resolve_dp
+from megatron_fp4.parallel.dims import DENSE_AXES, EXPERT_AXES, ParallelDims, resolve_dp
+
+__all__ = ["ParallelMesh", "ParallelDims", "resolve_dp", "resolve_device", "backend_for", "PeerFailureError",
+           "world_size_from_env"]
 
 
 def resolve_device(preference: str = "auto") -> torch.device:
@@ -66,38 +71,6 @@ def world_size_from_env() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
-def layout_coords(rank: int, pp: int, dp: int, ep: int, tp: int = 1) -> dict:
-    """Pure: this rank's coordinate on every axis."""
-    tp_rank = rank % tp
-    dp_rank = (rank // tp) % dp
-    pp_rank = rank // (tp * dp)
-    return {"pp": pp_rank, "dp": dp_rank, "tp": tp_rank, "ep": dp_rank % ep, "edp": dp_rank // ep}
-
-
-def layout_groups(pp: int, dp: int, ep: int, tp: int = 1) -> dict[str, list[list[int]]]:
-    """Pure: every group of every axis as lists of global ranks (what `new_group` is called with)."""
-    def rank_of(p, d, t=0):
-        return (p * dp + d) * tp + t
-
-    groups: dict[str, list[list[int]]] = {"pp": [], "dp": [], "ep": [], "edp": [], "tp": [], "embed": []}
-    for d in range(dp):
-        for t in range(tp):
-            groups["pp"].append([rank_of(p, d, t) for p in range(pp)])
-    for p in range(pp):
-        for t in range(tp):
-            groups["dp"].append([rank_of(p, d, t) for d in range(dp)])
-            for e_dp in range(dp // ep):
-                groups["ep"].append([rank_of(p, e_dp * ep + e, t) for e in range(ep)])
-            for e in range(ep):
-                groups["edp"].append([rank_of(p, e_dp * ep + e, t) for e_dp in range(dp // ep)])
-        for d in range(dp):
-            groups["tp"].append([rank_of(p, d, t) for t in range(tp)])
-    if pp > 1:  # tied embeddings: the first stage's embedding and the last stage's head, all dp ranks
-        for t in range(tp):
-            groups["embed"].append([rank_of(p, d, t) for p in (0, pp - 1) for d in range(dp)])
-    return groups
-
-
 def _restart_store(timeout_s: float):
     """Under torchrun's shared agent store: a client of it whose keys are prefixed by this restart
     attempt (see the module docstring). None otherwise (plain env:// rendezvous: rank 0 hosts a
@@ -121,17 +94,23 @@ class ParallelMesh:
     groups: dict = field(default_factory=dict)  # axis -> ProcessGroup (None when single process)
     ranks: dict = field(default_factory=dict)  # axis -> list of global ranks in this rank's group
     timeout_s: float = 300.0  # of every group above
+    etp: int = 1
+    device_mesh: Optional[object] = None  # DeviceMesh over DENSE_AXES (None when single process)
+    expert_mesh: Optional[object] = None  # DeviceMesh over this stage's edp × ep × etp
+
+    @property
+    def dims(self) -> ParallelDims:
+        return ParallelDims(self.world_size, self.pp, self.dp, self.tp, self.ep, self.etp)
 
     @property
     def backend(self) -> str:
         return backend_for(self.device)
 
     def coord(self, axis: str) -> int:
-        return layout_coords(self.rank, self.pp, self.dp, self.ep, self.tp)[axis]
+        return self.dims.coords(self.rank)[axis]
 
     def size(self, axis: str) -> int:
-        return {"pp": self.pp, "dp": self.dp, "ep": self.ep, "tp": self.tp, "edp": self.dp // self.ep,
-                "embed": 2 * self.dp if self.pp > 1 else self.dp, "world": self.world_size}[axis]
+        return self.dims.size(axis)
 
     def group(self, axis: str):
         return self.groups.get(axis)
@@ -156,29 +135,33 @@ class ParallelMesh:
     @classmethod
     def from_env(cls, cfg) -> "ParallelMesh":
         """The mesh of `cfg` for this process: torchrun's WORLD_SIZE, the layout of ``cfg.parallel``
-        (dp = -1: what the world leaves after pp and tp), ``cfg.device`` and ``parallel.timeout_s``;
-        a mesh of size 1 for one process. `cfg` must be validated for this world size
-        (`Trainer` does it, once)."""
-        world = world_size_from_env()
-        p = cfg.parallel
-        pp, dp, ep, tp = p.pp, resolve_dp(cfg, world), p.ep, p.tp
+        (validated: `ParallelDims.from_config`), ``cfg.device`` and ``parallel.timeout_s``; a mesh
+        of size 1 for one process."""
+        dims = ParallelDims.from_config(cfg, world_size_from_env())
         device = resolve_device(cfg.device)
         if device.type == "cuda":
             torch.cuda.set_device(device)
-        if world == 1 and not dist.is_initialized():
+        if dims.world_size == 1 and not dist.is_initialized():
             return cls.single(device)
-        return cls.build(pp, dp, ep, tp, device=device, timeout_s=p.timeout_s)
+        return cls.from_dims(dims, device, cfg.parallel.timeout_s)
 
     @classmethod
     def build(cls, pp: int, dp: int, ep: int = 1, tp: int = 1, device: Optional[torch.device] = None,
-              timeout_s: float = 300.0) -> "ParallelMesh":
-        """Create (or join) the default process group and this rank's group on every axis.
+              timeout_s: float = 300.0, etp: int = 1) -> "ParallelMesh":
+        """Create (or join) the default process group and this rank's group on every axis of the
+        layout ``pp × dp × tp`` (experts: ``edp × ep × etp``), checked against the world size."""
+        world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
+        return cls.from_dims(ParallelDims(world, pp, dp, tp, ep, etp), device, timeout_s)
 
-        Every rank calls `new_group` for every group in the same order, as torch requires."""
+    @classmethod
+    def from_dims(cls, dims: ParallelDims, device: Optional[torch.device] = None,
+                  timeout_s: float = 300.0) -> "ParallelMesh":
+        """The mesh of `dims` (validated here): the default process group joined (or created) and
+        every group of every axis built, collectively, in the same order on every rank."""
         device = device or resolve_device("auto")
         if not dist.is_initialized():
             if "RANK" not in os.environ:
-                if pp * dp * tp != 1:
+                if dims.pp * max(dims.dp, 1) * dims.tp != 1:
                     raise ValueError("a multi-process layout needs torchrun (RANK/WORLD_SIZE are not set)")
                 return cls.single(device)
             store = _restart_store(timeout_s)
@@ -187,19 +170,44 @@ class ParallelMesh:
             else:
                 dist.init_process_group(backend_for(device), timeout=timedelta(seconds=timeout_s), store=store,
                                         rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
-        world, rank = dist.get_world_size(), dist.get_rank()
-        if pp * dp * tp != world:
-            raise ValueError(f"pp×dp×tp = {pp}×{dp}×{tp} != world size {world}; fix parallel.* or the process count")
-        if dp % ep:
-            raise ValueError(f"ep={ep} must divide dp={dp}")
-        mesh = cls(pp=pp, dp=dp, ep=ep, tp=tp, rank=rank, world_size=world, device=device, timeout_s=timeout_s)
-        lists_by_axis = {**layout_groups(pp, dp, ep, tp), "world": [list(range(world))]}
-        for axis, lists in lists_by_axis.items():
-            for ranks in lists:
-                group = mesh.new_group(ranks)
-                if rank in ranks:
-                    mesh.groups[axis], mesh.ranks[axis] = group, ranks
+        dims = dataclasses.replace(dims, world_size=dist.get_world_size()).validate()
+        mesh = cls(pp=dims.pp, dp=dims.dp, ep=dims.ep, tp=dims.tp, etp=dims.etp, rank=dist.get_rank(),
+                   world_size=dims.world_size, device=device, timeout_s=timeout_s)
+        mesh._build_groups(dims)
         return mesh
+
+    def _build_groups(self, dims: ParallelDims) -> None:
+        """DeviceMesh for every axis it can express (dense grid, expert grid refolded from each
+        stage's dp × tp ranks, the whole world flattened); `new_group` for ``embed``."""
+        from torch.distributed.device_mesh import init_device_mesh
+
+        options = self._group_options()  # every group: the mesh's timeout
+        stage_axes = EXPERT_AXES[1:]  # edp, ep, etp: one stage's dp × tp ranks refolded
+        dense = init_device_mesh(self.device.type, dims.shape(DENSE_AXES), mesh_dim_names=DENSE_AXES,
+                                 backend_override=dict.fromkeys(DENSE_AXES, options))
+        stage = dense["dp", "tp"]._flatten("dp_tp", backend_override=options)
+        expert = stage._unflatten(0, dims.shape(stage_axes), stage_axes,
+                                  backend_override=dict.fromkeys(stage_axes, options))
+        world = dense._flatten("world", backend_override=options)
+        self.device_mesh, self.expert_mesh = dense, expert
+        built = {**{a: dense.get_group(a) for a in DENSE_AXES}, **{a: expert.get_group(a) for a in stage_axes},
+                 "world": world.get_group("world")}
+        for axis, group in built.items():
+            ranks = dims.group_of(axis, self.rank)
+            if dist.get_process_group_ranks(group) != ranks:  # torch's layout must be ours, rank for rank
+                raise RuntimeError(f"DeviceMesh built the {axis} group {dist.get_process_group_ranks(group)}, "
+                                   f"expected {ranks}")
+            self.groups[axis], self.ranks[axis] = group, ranks
+        for ranks in dims.groups("embed"):  # two non-adjacent stages: no DeviceMesh slice
+            group = self.new_group(ranks)
+            if self.rank in ranks:
+                self.groups["embed"], self.ranks["embed"] = group, ranks
+
+    def _group_options(self):
+        """Backend options carrying the mesh's timeout (DeviceMesh passes them to every group)."""
+        backend = dist.ProcessGroupNCCL.Options() if self.backend == "nccl" else dist.ProcessGroupGloo._Options()
+        backend._timeout = timedelta(seconds=self.timeout_s)
+        return backend
 
     def new_group(self, ranks: list[int], pg_options=None):
         """A process group over `ranks` with the mesh's timeout (collective: every rank calls it for
@@ -213,7 +221,7 @@ class ParallelMesh:
         time: every rank creates every group of the axis, in the same order; cached afterwards."""
         key = f"{axis}#2"
         if key not in self.groups and self.is_distributed:
-            for ranks in layout_groups(self.pp, self.dp, self.ep, self.tp)[axis]:
+            for ranks in self.dims.groups(axis):
                 group = self.new_group(ranks, pg_options)
                 if self.rank in ranks:
                     self.groups[key] = group

@@ -33,9 +33,10 @@ import torch.distributed as dist
 from torch import nn
 
 from megatron_fp4.fp4 import micro_batch as fp4_micro_batch
+from megatron_fp4.parallel.dims import (MULTI_CHUNK_SCHEDULES, check_chunks, check_schedule_chunks,
+                                        check_v_placement)
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "interleaved_zero_bubble", "zbv")
-MULTI_CHUNK_SCHEDULES = ("interleaved_1f1b", "interleaved_zero_bubble", "zbv")
 # Chunk placement each schedule expects: "loop" puts chunk c on rank c % pp (Megatron interleaving);
 # "v" (ZB-V) folds the chunks back, rank r holding r and 2·pp−1−r, so the last chunk sits next to
 # the first and the loss is computed where the backward starts.
@@ -47,12 +48,8 @@ def split_layers(num_layers: int, pp: int, virtual_stages: int = 1) -> list[rang
     """Balanced contiguous layer ranges of the ``pp × virtual_stages`` chunks, in model order.
 
     Chunks differ by at most one layer; the extra layers go to the earliest chunks."""
+    check_chunks(num_layers, pp, virtual_stages)
     num_chunks = pp * virtual_stages
-    if pp < 1 or virtual_stages < 1:
-        raise ValueError(f"pp={pp} and virtual_stages={virtual_stages} must be >= 1")
-    if num_layers < num_chunks:
-        raise ValueError(f"parallel.virtual_stages: pp×virtual_stages={num_chunks} chunks but only "
-                         f"model.num_layers={num_layers} layers; every chunk needs at least one layer")
     base, extra = divmod(num_layers, num_chunks)
     ranges, start = [], 0
     for c in range(num_chunks):
@@ -74,9 +71,7 @@ def rank_chunks(pp_rank: int, pp: int, virtual_stages: int = 1, style: str = "lo
     """Model chunks held by pipeline rank `pp_rank`, ascending: r, r+pp, r+2·pp, … ("loop"), or
     r, 2·pp−1−r ("v", exactly two chunks per rank)."""
     if style == "v":
-        if virtual_stages != 2:
-            raise ValueError(f"parallel.virtual_stages={virtual_stages}: the V placement (schedule zbv) holds "
-                             f"exactly 2 chunks per rank; set virtual_stages=2")
+        check_v_placement(virtual_stages)
         return [pp_rank, 2 * pp - 1 - pp_rank]
     return [pp_rank + v * pp for v in range(virtual_stages)]
 
@@ -198,10 +193,8 @@ class PipelineRunner:
         self.group = mesh.group("pp")
         style = PLACEMENT.get(schedule, "loop")
         schedule_class(schedule)  # a bad name fails here, before the model is cut
+        check_schedule_chunks(schedule, virtual_stages)
         self.chunks = build_chunks(model, self.pp, self.pp_rank, virtual_stages, style, self._current_inputs)
-        if schedule not in MULTI_CHUNK_SCHEDULES and len(self.chunks) != 1:
-            raise ValueError(f"parallel.virtual_stages={virtual_stages} needs an interleaved schedule, not "
-                             f"parallel.schedule={schedule!r}; use one of {list(MULTI_CHUNK_SCHEDULES)}")
         self.num_stages = self.pp * virtual_stages
         self.last_stage_rank = chunk_to_rank(self.num_stages - 1, self.pp, style)  # reports the loss
         self.has_first = any(chunk.is_first for _, chunk in self.chunks)

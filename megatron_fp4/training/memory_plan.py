@@ -26,12 +26,12 @@ from dataclasses import dataclass, field
 import torch
 
 from megatron_fp4.config import Config, ConfigError
-from megatron_fp4.config_validate import resolve_dp
 from megatron_fp4.model import MoETransformer
 from megatron_fp4.model.layers import wide_dtype
 from megatron_fp4.model.moe import GroupedExperts
 from megatron_fp4.model.specs import no_weight_decay
 from megatron_fp4.parallel import expert_parallel as ep_mod
+from megatron_fp4.parallel.dims import ParallelDims
 from megatron_fp4.parallel.pipeline import PLACEMENT, build_chunks, rank_chunks, split_layers
 from megatron_fp4.parallel.zero import owned_ranges, plan_buckets
 
@@ -264,17 +264,10 @@ def plan_memory(cfg: Config, world_size: int, sharded: bool | None = None, weigh
     (or ValueError from the layout functions) with a one-line message for a bad config or layout.
     `sharded`: ZeroAdamW (default: world_size > 1, as `Trainer.sharded`); `weight_cache`: Q(W) once
     per step (the trainer's default) rather than per micro-batch in flight."""
-    cfg.validate(world_size=world_size)
+    cfg.validate()
     p, s = cfg.parallel, cfg.schedule
-    dp = resolve_dp(cfg, world_size)
-    if world_size == 1 and (p.pp > 1 or p.ep > 1):
-        raise ConfigError(f"parallel.pp={p.pp}, parallel.ep={p.ep}: pp/ep > 1 need world_size > 1")
+    dp = ParallelDims.from_config(cfg, world_size).dp  # every layout check
     num_mb = s.global_batch_size // (s.micro_batch_size * dp)
-    if num_mb < 1:
-        raise ConfigError(f"schedule.global_batch_size={s.global_batch_size}: smaller than micro_batch_size×dp = "
-                          f"{s.micro_batch_size}×{dp}; raise it")
-    if p.pp == 1 and p.virtual_stages > 1:
-        raise ConfigError(f"parallel.virtual_stages={p.virtual_stages} needs parallel.pp > 1")
     sharded = world_size > 1 if sharded is None else sharded
     ranges = split_layers(cfg.model.num_layers, p.pp, p.virtual_stages)
     style = PLACEMENT.get(p.schedule, "loop")

@@ -35,7 +35,7 @@ import torch
 from megatron_fp4.config import Config, ConfigError
 from megatron_fp4.model import MoETransformer, materialize
 from megatron_fp4.parallel.expert_parallel import apply_expert_parallel
-from megatron_fp4.parallel.mesh import ParallelMesh, world_size_from_env
+from megatron_fp4.parallel.mesh import ParallelDims, ParallelMesh, world_size_from_env
 from megatron_fp4.parallel.pipeline import PipelineRunner
 from megatron_fp4.parallel.zero import ZeroAdamW
 from megatron_fp4.training import checkpoint as ckpt, preemption
@@ -53,12 +53,13 @@ __all__ = ["Trainer", "NonFiniteError", "lm_loss_fn", "LossFn", "StepLoss"]
 class Trainer(TrainingStep):
     def __init__(self, cfg: Config, mesh: Optional[ParallelMesh] = None, build_data: bool = True):
         # The one place a run's config is validated: every entry point (CLI, torchrun, examples,
-        # verl's engine, tests) builds this trainer, against the world it will run on.
-        world = world_size_from_env() if mesh is None else mesh.world_size
-        if world == 1 and (cfg.parallel.pp > 1 or cfg.parallel.ep > 1):
-            raise ConfigError(f"parallel.pp={cfg.parallel.pp}, parallel.ep={cfg.parallel.ep}: pp/ep > 1 need several "
-                              f"processes: launch with torchrun (see the README) or set them to 1")
-        cfg.validate(world_size=world)
+        # verl's engine, tests) builds this trainer; the layout (`ParallelDims`, every layout check)
+        # against the world it will run on, and a mesh passed in must be that layout.
+        cfg.validate()
+        dims = ParallelDims.from_config(cfg, world_size_from_env() if mesh is None else mesh.world_size)
+        if mesh is not None and mesh.dims != dims:
+            raise ConfigError(f"the mesh passed to the Trainer has {mesh.dims}, but cfg.parallel gives {dims}; "
+                              f"build the mesh from the config (ParallelMesh.from_env(cfg)) or fix cfg.parallel")
         self.cfg = cfg
         self.mesh = mesh or ParallelMesh.from_env(cfg)
         self.device = self.mesh.device

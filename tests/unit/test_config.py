@@ -2,6 +2,12 @@
 import pytest
 
 from megatron_fp4.config import Config, ConfigError, default_config_path, load_config
+from megatron_fp4.parallel.dims import ParallelDims
+
+
+def validate_run(cfg, world_size: int = 1):
+    """What the trainer checks: every field, then the layout against the world size."""
+    return ParallelDims.from_config(cfg.validate(), world_size)
 
 
 def test_default_config_loads_and_validates():
@@ -46,28 +52,28 @@ def test_unknown_or_mistyped_keys_are_rejected(override, needle):
 def test_validation_names_the_field(overrides, field):
     cfg = load_config(default_config_path(), overrides)
     with pytest.raises(ConfigError) as err:
-        cfg.validate()
+        validate_run(cfg)
     assert str(err.value).startswith(field), str(err.value)
 
 
 def test_parallel_layout_checked_against_world_size():
     cfg = load_config(default_config_path(), ["parallel.pp=3"])
     with pytest.raises(ConfigError, match="world size 4"):
-        cfg.validate(world_size=4)
+        validate_run(cfg, 4)
     cfg = load_config(default_config_path(), ["parallel.pp=2", "parallel.ep=4"])
     with pytest.raises(ConfigError, match="ep must divide dp=2"):
-        cfg.validate(world_size=4)
+        validate_run(cfg, 4)
     cfg = load_config(default_config_path(), ["parallel.pp=2", "parallel.virtual_stages=4",
                                               "parallel.schedule=interleaved_1f1b"])
     with pytest.raises(ConfigError, match="model chunks"):
-        cfg.validate(world_size=2)
+        validate_run(cfg, 2)
     cfg = load_config(default_config_path(), ["parallel.pp=2", "parallel.virtual_stages=2",
                                               "parallel.schedule=interleaved_1f1b", "schedule.micro_batch_size=16"])
     with pytest.raises(ConfigError, match="multiple of pp"):
-        cfg.validate(world_size=2)
-    load_config(default_config_path(), ["parallel.pp=2", "parallel.virtual_stages=2",
-                                        "parallel.schedule=interleaved_1f1b",
-                                        "schedule.micro_batch_size=4"]).validate(world_size=4)
+        validate_run(cfg, 2)
+    validate_run(load_config(default_config_path(), ["parallel.pp=2", "parallel.virtual_stages=2",
+                                                     "parallel.schedule=interleaved_1f1b",
+                                                     "schedule.micro_batch_size=4"]), 4)
 
 
 
@@ -82,11 +88,11 @@ def test_parallel_layout_checked_against_world_size():
 def test_zero_bubble_schedule_constraints(overrides, field, needle):
     cfg = load_config(default_config_path(), ["parallel.pp=2", *overrides])
     with pytest.raises(ConfigError) as err:
-        cfg.validate(world_size=2)
+        validate_run(cfg, 2)
     assert str(err.value).startswith(field) and needle in str(err.value), str(err.value)
     for schedule in ("interleaved_zero_bubble", "zbv"):
-        load_config(default_config_path(), ["parallel.pp=2", "parallel.virtual_stages=2",
-                                            f"parallel.schedule={schedule}"]).validate(world_size=2)
+        validate_run(load_config(default_config_path(), ["parallel.pp=2", "parallel.virtual_stages=2",
+                                                         f"parallel.schedule={schedule}"]), 2)
 
 
 def test_missing_file_and_bad_override_syntax():
@@ -108,7 +114,7 @@ def test_example_configs_validate():
         errors = []
         for world in (1, 2, 4, 8):
             try:
-                cfg.validate(world_size=world)
+                validate_run(cfg, world)
                 break
             except ConfigError as err:
                 errors.append(str(err))

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from megatron_fp4.config import default_config_path, load_config
+from megatron_fp4.parallel.dims import ParallelDims
 from megatron_fp4.train import parse_args
 
 REPO = Path(__file__).resolve().parents[2]
@@ -90,7 +91,7 @@ def test_example_config_validates_at_its_world_size(source, command):
     cfg = load_config(REPO / args.config if args.config else default_config_path(), overrides)
     if args.steps is not None and cfg.schedule.warmup_steps > args.steps:
         cfg.schedule.warmup_steps = args.steps // 10  # as the CLI does for --steps
-    cfg.validate(world)
+    ParallelDims.from_config(cfg.validate(), world)
 
 
 def test_parser_reads_world_size_and_trainer_args():

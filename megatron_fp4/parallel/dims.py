@@ -1,0 +1,224 @@
+"""The parallel layout as a value: `ParallelDims`, the size of every axis, and every layout check.
+
+Pure (no process group, no tensor): built from the config and the world size, it resolves
+``parallel.dp = -1`` (`resolve_dp`) and `validate` holds every check a layout must pass, each error
+naming the field and the fix. `megatron_fp4.parallel.mesh.ParallelMesh` builds the process groups
+of a validated `ParallelDims`; a single process is a `ParallelDims` of all ones.
+
+Megatron's parallel folding: one pipeline stage's ranks are laid out twice over the same processes,
+
+- **dense** (attention, dense MLP, embeddings): ``pp × dp × tp``, tp fastest, so
+  ``rank = (pp_rank·dp + dp_rank)·tp + tp_rank``;
+- **experts**: the same ``dp·tp`` ranks of a stage refolded as ``edp × ep × etp``, etp fastest:
+  ``ep`` ranks hold different experts of a layer (all-to-all partners), ``edp`` ranks the same
+  experts (their data-parallel group), ``etp`` ranks split each expert's matrices.
+
+With ``tp = etp = 1`` (all that is implemented: tensor parallelism is refused with a clear error)
+the expert grid is the stage's dp ranks as ``edp × ep`` with ep fastest. The ``embed`` axis (pp > 1)
+joins the first and the last stage's ranks of one tp coordinate: they hold the two copies of tied
+embeddings (Megatron's embedding group).
+
+The checks that also stand alone (`check_chunks`, `check_v_placement`, `check_schedule_chunks`,
+`check_expert_split`, `check_gcmoe`) are what the pipeline split, the expert placement and the
+GC-MoE dispatcher call on their own arguments, so no check is written twice.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from megatron_fp4.config_choices import ConfigError
+from megatron_fp4.config_validate import require
+
+DENSE_AXES = ("pp", "dp", "tp")
+EXPERT_AXES = ("pp", "edp", "ep", "etp")
+MULTI_CHUNK_SCHEDULES = ("interleaved_1f1b", "interleaved_zero_bubble", "zbv")
+INTERLEAVED_SCHEDULES = ("interleaved_1f1b", "interleaved_zero_bubble")  # chunks on rank c % pp
+
+
+# -- checks that stand alone (called by pipeline.py, expert_parallel.py, gcmoe*.py too) ---------------
+def check_chunks(num_layers: int, pp: int, virtual_stages: int) -> None:
+    """Every one of the ``pp × virtual_stages`` model chunks gets at least one decoder layer."""
+    require(pp >= 1, "parallel.pp", pp, "must be >= 1")
+    require(virtual_stages >= 1, "parallel.virtual_stages", virtual_stages, "must be >= 1")
+    num_chunks = pp * virtual_stages
+    require(num_layers >= num_chunks, "parallel.virtual_stages", virtual_stages,
+            f"pp×virtual_stages={num_chunks} model chunks but only model.num_layers={num_layers} layers; "
+            f"every chunk needs at least one layer: lower parallel.pp or parallel.virtual_stages")
+
+
+def check_v_placement(virtual_stages: int) -> None:
+    """The V placement (ZB-V) holds exactly two chunks per pipeline rank."""
+    require(virtual_stages == 2, "parallel.virtual_stages", virtual_stages,
+            "schedule zbv places exactly 2 model chunks per pipeline rank (a V); set virtual_stages=2")
+
+
+def check_schedule_chunks(schedule: str, virtual_stages: int) -> None:
+    """Several chunks per rank need a multi-chunk schedule, and those schedules need several chunks."""
+    if schedule in INTERLEAVED_SCHEDULES:
+        require(virtual_stages > 1, "parallel.virtual_stages", virtual_stages,
+                f"schedule {schedule} needs virtual_stages >= 2 (or use schedule=1f1b)")
+    elif schedule == "zbv":
+        check_v_placement(virtual_stages)
+    else:
+        require(virtual_stages == 1, "parallel.schedule", schedule,
+                f"virtual_stages={virtual_stages} needs a multi-chunk schedule "
+                f"({', '.join(MULTI_CHUNK_SCHEDULES[:-1])} or {MULTI_CHUNK_SCHEDULES[-1]})")
+
+
+def check_expert_split(num_experts: int, ep: int) -> None:
+    """Every ep rank owns the same number of experts."""
+    require(ep >= 1, "parallel.ep", ep, "must be >= 1")
+    require(num_experts >= 1, "model.num_experts", num_experts, "must be >= 1")
+    require(num_experts % ep == 0, "parallel.ep", ep,
+            f"model.num_experts={num_experts} is not divisible by parallel.ep={ep}: choose ep among the "
+            f"divisors of num_experts so every rank owns the same number of experts")
+
+
+def check_gcmoe(ep: int, chunk_tokens: int, ring_slots: int, transfer_sms: int = 0) -> None:
+    """GC-MoE's chunking: positive sizes, and a receive ring with a slot for every peer."""
+    require(chunk_tokens >= 1, "parallel.gcmoe_chunk_tokens", chunk_tokens, "must be >= 1")
+    if ring_slots < max(1, ep - 1):
+        raise ConfigError(f"parallel.gcmoe_ring_slots={ring_slots} must be >= max(1, parallel.ep - 1) = "
+                          f"{max(1, ep - 1)}: a transfer step receives one chunk from every peer; raise it")
+    require(transfer_sms >= 0, "parallel.gcmoe_transfer_sms", transfer_sms, "must be >= 0 (0: no SM split)")
+
+
+def resolve_dp(cfg, world_size: int) -> int:
+    """Data-parallel size: explicit, or what the world leaves after pp and tp."""
+    return ParallelDims.from_parallel(cfg.parallel, world_size).dp
+
+
+# -- the layout ------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class ParallelDims:
+    """Sizes of every axis of one job's layout. ``dp = -1`` until `validate` resolves it."""
+
+    world_size: int = 1
+    pp: int = 1
+    dp: int = 1
+    tp: int = 1
+    ep: int = 1
+    etp: int = 1
+
+    @classmethod
+    def from_parallel(cls, parallel, world_size: int) -> "ParallelDims":
+        """The validated axes of a ``parallel:`` config section on `world_size` processes."""
+        return cls(world_size, parallel.pp, parallel.dp, parallel.tp, parallel.ep, parallel.etp).validate()
+
+    @classmethod
+    def from_config(cls, cfg, world_size: int) -> "ParallelDims":
+        """The validated layout of `cfg` on `world_size` processes: every check, `cfg`'s model,
+        schedule and dispatcher against it included."""
+        return cls.from_parallel(cfg.parallel, world_size).validate(cfg)
+
+    # -- checks ----------------------------------------------------------------------------------
+    def validate(self, cfg=None) -> "ParallelDims":
+        """Every layout check; returns these dims with dp resolved. With `cfg`, also what the layout
+        demands of the model (experts, layers), the batch and the pipeline schedule."""
+        for axis in ("pp", "tp", "ep", "etp"):
+            require(getattr(self, axis) >= 1, f"parallel.{axis}", getattr(self, axis), "must be >= 1")
+        require(self.tp == 1, "parallel.tp", self.tp, "tensor parallelism is not implemented yet; use tp=1")
+        require(self.etp == 1, "parallel.etp", self.etp, "expert tensor parallelism is not implemented yet; use etp=1")
+        require(self.dp == -1 or self.dp >= 1, "parallel.dp", self.dp,
+                "must be >= 1, or -1 to infer it from the world size")
+        require(self.world_size >= 1, "world size", self.world_size, "must be >= 1")
+        if self.world_size == 1 and (self.pp > 1 or self.ep > 1):
+            raise ConfigError(f"parallel.pp={self.pp}, parallel.ep={self.ep}: pp/ep > 1 need several processes: "
+                              f"launch with torchrun (see the README) or set them to 1")
+        dims = self if self.dp != -1 else dataclasses.replace(self, dp=self._inferred_dp())
+        require(dims.pp * dims.dp * dims.tp == self.world_size, "parallel.dp", self.dp,
+                f"dp×pp×tp = {dims.dp}×{dims.pp}×{dims.tp} must equal the world size {self.world_size}; "
+                f"set parallel.dp=-1 to infer it, or launch pp×dp×tp processes")
+        require(dims.dp % dims.ep == 0, "parallel.ep", dims.ep,
+                f"expert parallel groups are carved out of the data-parallel ranks: ep must divide dp={dims.dp}")
+        require((dims.dp * dims.tp) % (dims.ep * dims.etp) == 0, "parallel.etp", dims.etp,
+                f"a stage's dp×tp = {dims.dp * dims.tp} ranks are refolded as edp×ep×etp: ep×etp = "
+                f"{dims.ep * dims.etp} must divide it")
+        if cfg is not None:
+            dims._validate_against(cfg)
+        return dims
+
+    def _inferred_dp(self) -> int:
+        require(self.world_size % (self.pp * self.tp) == 0, "parallel.pp", self.pp,
+                f"world size {self.world_size} is not divisible by pp×tp={self.pp * self.tp}; choose pp dividing "
+                f"the number of processes")
+        return self.world_size // (self.pp * self.tp)
+
+    def _validate_against(self, cfg) -> None:
+        p, m, s = cfg.parallel, cfg.model, cfg.schedule
+        check_expert_split(m.num_experts, self.ep)
+        check_chunks(m.num_layers, self.pp, p.virtual_stages)
+        require(s.micro_batch_size >= 1, "schedule.micro_batch_size", s.micro_batch_size, "must be a positive integer")
+        require(s.global_batch_size % (s.micro_batch_size * self.dp) == 0, "schedule.global_batch_size",
+                s.global_batch_size, f"must be a multiple of micro_batch_size×dp = {s.micro_batch_size}×{self.dp}")
+        num_microbatches = s.global_batch_size // (s.micro_batch_size * self.dp)
+        check_schedule_chunks(p.schedule, p.virtual_stages)
+        if p.schedule in INTERLEAVED_SCHEDULES:
+            require(num_microbatches % self.pp == 0, "schedule.global_batch_size", s.global_batch_size,
+                    f"schedule {p.schedule} needs the number of micro-batches ({num_microbatches}) to be a "
+                    f"multiple of pp={self.pp}; adjust global_batch_size or micro_batch_size")
+        require(self.pp > 1 or p.virtual_stages == 1, "parallel.virtual_stages", p.virtual_stages,
+                "model chunks are pipeline stages: virtual_stages > 1 needs parallel.pp > 1 (or set it to 1)")
+        check_gcmoe(self.ep if p.expert_dispatcher == "gcmoe" else 1, p.gcmoe_chunk_tokens, p.gcmoe_ring_slots,
+                    p.gcmoe_transfer_sms)
+
+    # -- sizes, coordinates and groups (pure) ----------------------------------------------------
+    @property
+    def edp(self) -> int:
+        return self.dp * self.tp // (self.ep * self.etp)
+
+    def size(self, axis: str) -> int:
+        return {"pp": self.pp, "dp": self.dp, "tp": self.tp, "ep": self.ep, "etp": self.etp, "edp": self.edp,
+                "embed": 2 * self.dp if self.pp > 1 else self.dp, "world": self.world_size}[axis]
+
+    def shape(self, axes: tuple[str, ...]) -> tuple[int, ...]:
+        return tuple(self.size(axis) for axis in axes)
+
+    def coords(self, rank: int) -> dict[str, int]:
+        """This rank's coordinate on every axis (dense and expert grids)."""
+        dense = _unravel(rank, self.shape(DENSE_AXES))
+        expert = _unravel(rank, self.shape(EXPERT_AXES))
+        return {**dict(zip(DENSE_AXES, dense)), **dict(zip(EXPERT_AXES, expert))}
+
+    def groups(self, axis: str) -> list[list[int]]:
+        """Every group of `axis` as ascending lists of global ranks (what DeviceMesh builds)."""
+        if axis == "world":
+            return [list(range(self.world_size))]
+        if axis == "embed":
+            if self.pp == 1:
+                return []
+            return [[self._rank({"pp": p, "dp": d, "tp": t}, DENSE_AXES) for p in (0, self.pp - 1)
+                     for d in range(self.dp)] for t in range(self.tp)]
+        axes = DENSE_AXES if axis in DENSE_AXES else EXPERT_AXES
+        others = [a for a in axes if a != axis]
+        out = []
+        for fixed in _grid(self.shape(tuple(others))):
+            coord = dict(zip(others, fixed))
+            out.append([self._rank({**coord, axis: i}, axes) for i in range(self.size(axis))])
+        return sorted(out)
+
+    def group_of(self, axis: str, rank: int) -> list[int]:
+        """The ranks of `rank`'s group on `axis` ([] when it has none: embed without pp)."""
+        return next((g for g in self.groups(axis) if rank in g), [])
+
+    def _rank(self, coord: dict, axes: tuple[str, ...]) -> int:
+        rank = 0
+        for axis in axes:
+            rank = rank * self.size(axis) + coord[axis]
+        return rank
+
+
+def _unravel(index: int, shape: tuple[int, ...]) -> list[int]:
+    out = []
+    for n in reversed(shape):
+        out.append(index % n)
+        index //= n
+    return out[::-1]
+
+
+def _grid(shape: tuple[int, ...]):
+    total = 1
+    for n in shape:
+        total *= n
+    return (_unravel(i, shape) for i in range(total))
