@@ -36,6 +36,7 @@ from __future__ import annotations
 import collections
 import queue
 import threading
+from typing import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -200,6 +201,18 @@ class Round:
             self.ready.append((src, c, slot, event))
             self.cond.notify_all()
 
+    def release(self, slot: int, event) -> None:
+        """Compute side: the rows of ring `slot` are staged (after `event`); the worker may repost it."""
+        self.outbound.put(("free", slot, event))
+
+    def output_done(self, src: int, c: int, event) -> None:
+        """Compute side: the outputs for chunk `c` of `src` are in `y_recv` (after `event`)."""
+        self.outbound.put(("out", src, c, event))
+
+    def abort(self) -> None:
+        """Compute side failed: the worker stops posting and returns."""
+        self.outbound.put(("abort",))
+
     def next_ready(self):
         with self.cond:
             while not self.ready:
@@ -212,7 +225,11 @@ class Round:
 
 class TransferChannel:
     """The transfer worker's process group, (on CUDA) streams and the rank's receive ring storage;
-    shared by all MoE layers of a rank (their rounds run one after another)."""
+    shared by all MoE layers of a rank (their rounds run one after another).
+
+    Public API: `ring` (the round's receive ring), `exchange` (run one round: the worker thread
+    moving the chunks while the caller's compute consumes them), `record_event` / `wait_event`
+    (readiness across the two sides; no-ops on CPU), `ring_shape` and `ep_rank`."""
 
     def __init__(self, group, ep_ranks: list[int], device: torch.device, transfer_sms: int = 20):
         self.group, self.ep_ranks, self.device = group, list(ep_ranks), device
@@ -240,7 +257,44 @@ class TransferChannel:
             self._ring_storage = like.new_empty(shape)
         return RecvRing(self._ring_storage)
 
+    @property
+    def ring_shape(self) -> tuple[int, ...] | None:
+        """Shape of the ring storage ([slots, chunk_tokens, hidden]); None before the first round."""
+        return None if self._ring_storage is None else tuple(self._ring_storage.shape)
+
+    def exchange(self, rnd: Round, compute: Callable[[], None], name: str = "gcmoe-transfer") -> None:
+        """One round: `run_round` on its own thread while `compute()` (the caller's thread, on the
+        compute stream) consumes the ready chunks. Returns once both are done and the worker's
+        last transfer is visible to the compute stream; raises what the worker raised."""
+        if self._busy:
+            raise RuntimeError("GC-MoE rounds of one rank must not overlap (one ring per rank)")
+        worker = threading.Thread(target=self.run_round, args=(rnd,), daemon=True, name=name)
+        self._busy = True
+        worker.start()
+        try:
+            with self._stream_ctx(self.compute_stream):
+                compute()
+        except BaseException:
+            rnd.abort()
+            raise
+        finally:
+            worker.join(timeout=rnd.timeout_s)
+            self._busy = worker.is_alive()
+        if rnd.error is not None:
+            raise RuntimeError("GC-MoE transfer worker failed") from rnd.error
+        if worker.is_alive():
+            raise RuntimeError(f"GC-MoE transfer worker did not finish within {rnd.timeout_s}s")
+        self.wait_event(rnd.done_event)
+
     # -- CUDA readiness helpers (no-ops on CPU) -------------------------------------------------
+    def record_event(self):
+        """An event after the current stream's work so far (None on CPU)."""
+        return self._event()
+
+    def wait_event(self, ev) -> None:
+        """Make the current stream wait for `ev` (None: nothing to wait for)."""
+        self._wait(ev)
+
     def _event(self):
         if self.device.type != "cuda":
             return None
