@@ -37,7 +37,7 @@ from megatron_fp4.parallel.gcmoe_transfer import transfer_group
 from megatron_fp4.parallel.mesh import ParallelMesh
 
 __all__ = [
-    "expert_placement", "expert_owner", "local_expert_range", "apply_expert_parallel",
+    "expert_placement", "expert_owner", "local_expert_range", "apply_expert_parallel", "shard_experts",
     "gather_expert_params", "is_expert_param", "moe_layers_of", "AllToAllDispatcher",
     "GCMoEDispatcher", "DispatchPlan", "AllToAll", "DISPATCHERS",
 ]
@@ -90,6 +90,18 @@ def _mark_expert_params(experts: GroupedExperts) -> None:
     for p in experts.parameters():
         p.is_expert = True
         p.expert_group = "edp"
+
+
+def shard_experts(moe: MoELayer, ep: int, ep_rank: int) -> None:
+    """Give `moe` only ep rank `ep_rank`'s block of experts (`GroupedExperts.shard`, through the
+    constructor; nothing allocated on the meta device), parameters marked as expert parameters.
+    The model cut of `apply_expert_parallel`, without its collective check and dispatcher."""
+    full = moe.experts
+    if full.num_local_experts != full.num_global_experts:
+        raise ValueError("apply_expert_parallel was already applied to this model; apply it once")
+    lo, hi = local_expert_range(full.num_global_experts, ep, ep_rank)
+    moe.set_experts(full.shard(lo, hi - lo))
+    _mark_expert_params(moe.experts)
 
 
 def _check_ep_agreement(mesh: ParallelMesh, dispatcher: str, chunk_tokens: int, ring_slots: int,
@@ -155,13 +167,8 @@ def apply_expert_parallel(model: nn.Module, mesh: ParallelMesh, dispatcher: str 
         channel = TransferChannel(transfer_group(mesh, transfer_sms), mesh.ranks["ep"], mesh.device, transfer_sms)
     buffers = DecodeBuffers(decode_tokens) if dispatcher == "gcmoe_decode" else None  # shared by all layers
     for moe in layers:
-        full = moe.experts
-        if full.num_local_experts != full.num_global_experts:
-            raise ValueError("apply_expert_parallel was already applied to this model; apply it once")
-        E = full.num_global_experts
-        lo, hi = local_expert_range(E, ep, ep_rank)
-        moe.set_experts(full.shard(lo, hi - lo))  # on the meta device nothing is allocated or copied
-        _mark_expert_params(moe.experts)
+        E = moe.experts.num_global_experts
+        shard_experts(moe, ep, ep_rank)
         if dispatcher == "alltoall":
             moe.set_dispatcher(AllToAllDispatcher(group, ep, E))
         elif dispatcher == "gcmoe_decode":
