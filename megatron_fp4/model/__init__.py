@@ -7,7 +7,8 @@ from megatron_fp4.model.transformer import (DecoderLayer, ModelOutput, MoETransf
 from megatron_fp4.model.specs import recipe_from_config
 
 __all__ = [
-    "KVCache", "LayerCache", "AuxLossAutoScaler", "Dispatcher", "GroupedExperts", "LocalDispatcher", "MoELayer", "Router",
+    "KVCache", "LayerCache", "AuxLossAutoScaler", "Dispatcher", "GroupedExperts", "LocalDispatcher", "MoELayer",
+    "Router",
     "combine_expert_outputs", "permute_by_expert", "DecoderLayer", "ModelOutput", "MoETransformer",
     "build_model", "init_weights", "lm_loss", "materialize", "param_generator", "recipe_from_config",
 ]

@@ -77,8 +77,9 @@ class GroupedExperts(nn.Module):
         later gives the shard the same bits) and the same `requires_grad` and `quant_name`."""
         lo = expert_offset - self.expert_offset
         if not (0 <= lo and lo + num_local_experts <= self.num_local_experts):
+            held = f"[{self.expert_offset}, {self.expert_offset + self.num_local_experts})"
             raise ValueError(f"GroupedExperts.shard: experts [{expert_offset}, {expert_offset + num_local_experts}) "
-                             f"are not held here ([{self.expert_offset}, {self.expert_offset + self.num_local_experts}))")
+                             f"are not held here ({held})")
         with torch.device(self.w13.device):
             out = GroupedExperts(self.num_global_experts, self.hidden, self.ffn, self.recipe,
                                  expert_offset=expert_offset, num_local_experts=num_local_experts).to(self.w13.dtype)

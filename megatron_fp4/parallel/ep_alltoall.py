@@ -107,6 +107,14 @@ def finish_combine(y_send: torch.Tensor, plan: DispatchPlan, topk_idx: torch.Ten
     return combine_expert_outputs(y_slots.view(T, k, y_send.shape[-1]), topk_idx, topk_w)
 
 
+def check_share(dispatcher, experts) -> None:
+    """Raise unless `experts` holds one ep rank's share of `dispatcher`'s ``num_experts`` over ``ep``."""
+    E, ep = dispatcher.num_experts, dispatcher.ep
+    if experts.num_local_experts * ep != E:
+        raise ValueError(f"{type(dispatcher).__name__}: the layer's experts hold {experts.num_local_experts} "
+                         f"experts, not this rank's share {E // ep} of {E} over ep={ep}")
+
+
 class AllToAllDispatcher(Dispatcher):
     """Baseline expert-parallel dispatcher: all-to-all out, (local experts), all-to-all back.
 
@@ -120,9 +128,7 @@ class AllToAllDispatcher(Dispatcher):
         self.group, self.ep, self.num_experts = group, ep, num_experts
 
     def check_experts(self, experts) -> None:
-        if experts.num_local_experts * self.ep != self.num_experts:
-            raise ValueError(f"{type(self).__name__}: the layer's experts hold {experts.num_local_experts} experts, "
-                             f"not this rank's share {self.num_experts // self.ep} of {self.num_experts} over ep={self.ep}")
+        check_share(self, experts)
 
     def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_w: torch.Tensor) -> Dispatched:
         plan = DispatchPlan.exchange(topk_idx, self.num_experts, self.ep, self.group)

@@ -69,7 +69,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_fp4.model.dispatch import Dispatched, Dispatcher, combine_expert_outputs
-from megatron_fp4.parallel.ep_alltoall import scatter_rows
+from megatron_fp4.parallel.ep_alltoall import check_share, scatter_rows
 from megatron_fp4.parallel.gcmoe_transfer import exchange_step, issue_step
 
 # header (int32): sequence number, rows used, more rounds follow, reserved, then rows per local expert
@@ -148,9 +148,7 @@ class GCMoEDecodeDispatcher(Dispatcher):
         self.last_rounds = 0
 
     def check_experts(self, experts) -> None:
-        if experts.num_local_experts * self.ep != self.num_experts:
-            raise ValueError(f"GCMoEDecodeDispatcher: the layer's experts hold {experts.num_local_experts} experts, "
-                             f"not this rank's share {self.num_experts // self.ep} of {self.num_experts} over ep={self.ep}")
+        check_share(self, experts)
 
     def run(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_w: torch.Tensor, experts) -> torch.Tensor:
         self.check_experts(experts)

@@ -29,7 +29,8 @@ def test_nothing_reads_expert_offset_with_a_default_or_sets_it_from_outside():
     bad = []
     for rel, tree in _trees():
         for node in ast.walk(tree):
-            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("getattr", "hasattr")
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+                    and node.func.id in ("getattr", "hasattr")
                     and len(node.args) >= 2 and isinstance(node.args[1], ast.Constant)
                     and node.args[1].value in ("expert_offset", "num_global_experts")):
                 bad.append(f"{rel}:{node.lineno} {node.func.id}(..., {node.args[1].value!r})")
