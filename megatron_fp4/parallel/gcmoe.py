@@ -112,8 +112,8 @@ class GCMoEDispatcher(AllToAllDispatcher):
     the bits of `AllToAllDispatcher`, whose `dispatch`/`combine` (no overlap) it inherits; it uses
     only the experts' public compute API (``experts(tokens, counts, segments)``,
     ``experts.expert(e, tokens)``, ``experts.parameters()``) and `TransferChannel`'s public API.
-    ``round`` counts calls; ``counters`` are
-    the two receive-counter sets (round i uses ``counters[i % 2]``). ``chunk_tokens`` and
+    ``round`` counts calls; ``counters`` are the two receive-counter sets (round i uses
+    ``counters[i % 2]``). ``chunk_tokens`` and
     ``ring_slots`` must be the same on every ep rank (config values, checked by
     `apply_expert_parallel`): both ends derive the chunk boundaries from them. After each round
     ``last_ring_stats`` holds the ring's ``slots``, ``high_water`` and ``acquired`` (receives
