@@ -17,7 +17,7 @@ from megatron_fp4.model.moe import MoELayer, init_moe_params
 ROOT = pathlib.Path(__file__).resolve().parents[2] / "megatron_fp4"
 STAGE_METHODS = {"forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk"}
 DISPATCHER_FILES = ["parallel/ep_alltoall.py", "parallel/gcmoe.py", "parallel/gcmoe_decode.py",
-                    "parallel/gcmoe_transfer.py"]
+                    "parallel/gcmoe_transfer.py", "parallel/gcmoe_round.py"]
 
 
 def _trees():
