@@ -188,7 +188,7 @@ def init_weights(model: MoETransformer, seed: int) -> None:
     so each rank's shard equals the same slice of the single-process model bit for bit."""
     cfg = model.cfg
     std, out_std = cfg.init_std, cfg.init_std / (2 * cfg.num_layers) ** 0.5
-    offsets = {f"{name}.": getattr(m, "expert_offset", 0) for name, m in model.named_modules()
+    offsets = {f"{name}.": m.expert_offset for name, m in model.named_modules()
                if isinstance(m, GroupedExperts)}
     with torch.no_grad():
         for name, p in model.named_parameters():

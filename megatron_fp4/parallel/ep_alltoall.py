@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from megatron_fp4.model.moe import GroupedExperts, combine_expert_outputs, permute_by_expert
+from megatron_fp4.model.dispatch import Dispatched, Dispatcher, combine_expert_outputs, permute_by_expert
 
 
 def all_to_all_rows(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group) -> torch.Tensor:
@@ -107,27 +107,39 @@ def finish_combine(y_send: torch.Tensor, plan: DispatchPlan, topk_idx: torch.Ten
     return combine_expert_outputs(y_slots.view(T, k, y_send.shape[-1]), topk_idx, topk_w)
 
 
-class AllToAllDispatcher:
-    """Baseline expert-parallel dispatcher: all-to-all out, run local experts, all-to-all back.
+def check_share(dispatcher, experts) -> None:
+    """Raise unless `experts` holds one ep rank's share of `dispatcher`'s ``num_experts`` over ``ep``."""
+    E, ep = dispatcher.num_experts, dispatcher.ep
+    if experts.num_local_experts * ep != E:
+        raise ValueError(f"{type(dispatcher).__name__}: the layer's experts hold {experts.num_local_experts} "
+                         f"experts, not this rank's share {E // ep} of {E} over ep={ep}")
+
+
+class AllToAllDispatcher(Dispatcher):
+    """Baseline expert-parallel dispatcher: all-to-all out, (local experts), all-to-all back.
 
     Forward and backward both go through `AllToAll` (variable splits) on `group`; the combine is
     `combine_expert_outputs`, so with per-token-identical expert outputs the result is bitwise the
-    single-process layer's. `experts` holds only this rank's `num_experts // ep` experts; the
-    router's `topk_idx` holds global ids.
+    single-process layer's. The layer's experts hold only this rank's `num_experts // ep` experts;
+    the router's `topk_idx` holds global ids.
     """
 
     def __init__(self, group, ep: int, num_experts: int):
         self.group, self.ep, self.num_experts = group, ep, num_experts
 
-    def __call__(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_w: torch.Tensor,
-                 experts: GroupedExperts) -> torch.Tensor:
-        assert experts.num_experts * self.ep == self.num_experts, "experts are not this rank's share"
+    def check_experts(self, experts) -> None:
+        check_share(self, experts)
+
+    def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_w: torch.Tensor) -> Dispatched:
         plan = DispatchPlan.exchange(topk_idx, self.num_experts, self.ep, self.group)
         x_recv = AllToAll.apply(x[plan.token_of_row], plan.out_splits, plan.in_splits, self.group)
         x_grouped = x_recv[plan.perm]
-        y_grouped = experts(x_grouped, plan.local_counts, plan.expert_segments)
-        if y_grouped.shape[0] == 0:  # keep x_recv in the graph: every rank must run both backward exchanges
-            y_grouped = y_grouped + 0 * x_grouped.sum()
-        y_recv = scatter_rows(y_grouped, plan.perm, y_grouped.shape[0])
+        return Dispatched(x_grouped, plan.local_counts, plan.expert_segments, (plan, topk_idx, topk_w, x_grouped))
+
+    def combine(self, expert_out: torch.Tensor, handle) -> torch.Tensor:
+        plan, topk_idx, topk_w, x_grouped = handle
+        if expert_out.shape[0] == 0:  # keep x_recv in the graph: every rank must run both backward exchanges
+            expert_out = expert_out + 0 * x_grouped.sum()
+        y_recv = scatter_rows(expert_out, plan.perm, expert_out.shape[0])
         y_send = AllToAll.apply(y_recv, plan.in_splits, plan.out_splits, self.group)
         return finish_combine(y_send, plan, topk_idx, topk_w)

@@ -10,13 +10,14 @@ this rank's experts)::
 
 What `apply_expert_parallel` changes, per `MoELayer` found in `model.modules()`:
 
-- ``moe.experts`` becomes a `GroupedExperts` with this rank's contiguous block of
-  ``num_experts // ep`` experts (rows ``[offset, offset + El)`` of the full w13/w2), with extra
-  attributes ``expert_offset`` and ``num_global_experts``;
+- ``moe.experts`` becomes this rank's contiguous block of ``num_experts // ep`` experts, built by
+  `GroupedExperts.shard` through the constructor (``expert_offset``, ``num_local_experts``: rows
+  ``[offset, offset + El)`` of the full w13/w2) and installed with `MoELayer.set_experts`;
 - its parameters carry ``param.is_expert = True`` and ``param.expert_group = 'edp'``: the ZeRO
   optimizer / grad reducer must reduce them over ``mesh.group('edp')`` (ranks holding the same
   experts), not over ``dp``. `is_expert_param(p)` is the predicate to use;
-- ``moe.dispatcher`` becomes an `AllToAllDispatcher` or a `GCMoEDispatcher` (see gcmoe.py).
+- the layer's dispatcher becomes an `AllToAllDispatcher`, a `GCMoEDispatcher` (see gcmoe.py) or a
+  `GCMoEDecodeDispatcher`, installed with `MoELayer.set_dispatcher`.
 
 The router stays replicated (a dp parameter). Aux losses stay per-rank statistics of local tokens.
 With ``ep == 1`` the experts are only marked (edp == dp then) and the local dispatcher is kept.
@@ -27,7 +28,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from megatron_fp4.model.moe import GroupedExperts, MoELayer
+from megatron_fp4.model.experts import GroupedExperts
+from megatron_fp4.model.moe import MoELayer
 from megatron_fp4.parallel.dims import check_expert_split, check_gcmoe
 from megatron_fp4.parallel.ep_alltoall import AllToAll, AllToAllDispatcher, DispatchPlan
 from megatron_fp4.parallel.gcmoe import GCMoEDispatcher, TransferChannel
@@ -36,7 +38,7 @@ from megatron_fp4.parallel.gcmoe_transfer import transfer_group
 from megatron_fp4.parallel.mesh import ParallelMesh
 
 __all__ = [
-    "expert_placement", "expert_owner", "local_expert_range", "apply_expert_parallel",
+    "expert_placement", "expert_owner", "local_expert_range", "apply_expert_parallel", "shard_experts",
     "gather_expert_params", "is_expert_param", "moe_layers_of", "AllToAllDispatcher",
     "GCMoEDispatcher", "DispatchPlan", "AllToAll", "DISPATCHERS",
 ]
@@ -85,21 +87,16 @@ def _mark_expert_params(experts: GroupedExperts) -> None:
         p.expert_group = "edp"
 
 
-def _local_experts(full: GroupedExperts, lo: int, hi: int) -> GroupedExperts:
-    """Experts [lo, hi) of `full` as a module of their own. On the meta device (a model not yet
-    materialised) nothing is allocated or copied: the local slice is initialised later by the
-    model's per-expert init, to the same bits."""
-    with torch.device(full.w13.device):
-        local = GroupedExperts(hi - lo, full.hidden, full.ffn, full.recipe).to(full.w13.dtype)
-    if not full.w13.is_meta:
-        with torch.no_grad():
-            local.w13.copy_(full.w13[lo:hi])
-            local.w2.copy_(full.w2[lo:hi])
-    local.w13.requires_grad_(full.w13.requires_grad)
-    local.w2.requires_grad_(full.w2.requires_grad)
-    local.expert_offset, local.num_global_experts = lo, full.num_experts
-    local.quant_name = full.quant_name  # fp4 SR streams are keyed by the global name + expert id
-    return local
+def shard_experts(moe: MoELayer, ep: int, ep_rank: int) -> None:
+    """Give `moe` only ep rank `ep_rank`'s block of experts (`GroupedExperts.shard`, through the
+    constructor; nothing allocated on the meta device), parameters marked as expert parameters.
+    The model cut of `apply_expert_parallel`, without its collective check and dispatcher."""
+    full = moe.experts
+    if full.num_local_experts != full.num_global_experts:
+        raise ValueError("apply_expert_parallel was already applied to this model; apply it once")
+    lo, hi = local_expert_range(full.num_global_experts, ep, ep_rank)
+    moe.set_experts(full.shard(lo, hi - lo))
+    _mark_expert_params(moe.experts)
 
 
 def _check_ep_agreement(mesh: ParallelMesh, dispatcher: str, chunk_tokens: int, ring_slots: int,
@@ -152,7 +149,6 @@ def apply_expert_parallel(model: nn.Module, mesh: ParallelMesh, dispatcher: str 
     if ep == 1:
         for moe in layers:
             _mark_expert_params(moe.experts)
-            moe.experts.expert_offset, moe.experts.num_global_experts = 0, moe.experts.num_experts
         return model
     _check_ep_agreement(mesh, dispatcher, chunk_tokens, ring_slots, decode_tokens)
     ep_rank, group = mesh.coord("ep"), mesh.group("ep")
@@ -161,20 +157,16 @@ def apply_expert_parallel(model: nn.Module, mesh: ParallelMesh, dispatcher: str 
         channel = TransferChannel(transfer_group(mesh, transfer_sms), mesh.ranks["ep"], mesh.device, transfer_sms)
     buffers = DecodeBuffers(decode_tokens) if dispatcher == "gcmoe_decode" else None  # shared by all layers
     for moe in layers:
-        full = moe.experts
-        if getattr(full, "num_global_experts", full.num_experts) != full.num_experts:
-            raise ValueError("apply_expert_parallel was already applied to this model; apply it once")
-        lo, hi = local_expert_range(full.num_experts, ep, ep_rank)
-        moe.experts = _local_experts(full, lo, hi)
-        _mark_expert_params(moe.experts)
+        E = moe.experts.num_global_experts
+        shard_experts(moe, ep, ep_rank)
         if dispatcher == "alltoall":
-            moe.dispatcher = AllToAllDispatcher(group, ep, full.num_experts)
+            moe.set_dispatcher(AllToAllDispatcher(group, ep, E))
         elif dispatcher == "gcmoe_decode":
-            moe.dispatcher = GCMoEDecodeDispatcher(group, ep, full.num_experts, ep_rank, mesh.ranks["ep"], buffers)
+            moe.set_dispatcher(GCMoEDecodeDispatcher(group, ep, E, ep_rank, mesh.ranks["ep"], buffers))
         else:
-            moe.dispatcher = GCMoEDispatcher(group, ep, full.num_experts, channel, chunk_tokens,
-                                             gcmoe_compute, ring_slots)
-            moe.dispatcher.timeout_s = mesh.timeout_s  # its waits end with the groups' timeout
+            gc = GCMoEDispatcher(group, ep, E, channel, chunk_tokens, gcmoe_compute, ring_slots)
+            gc.timeout_s = mesh.timeout_s  # its waits end with the groups' timeout
+            moe.set_dispatcher(gc)
     return model
 
 

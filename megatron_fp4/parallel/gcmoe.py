@@ -87,13 +87,13 @@ the event recorded after a slot's rows were copied out before reposting into it)
 from __future__ import annotations
 
 import collections
-import threading
 
 import torch
 
-from megatron_fp4.model.moe import GroupedExperts
+from megatron_fp4.model.experts import GroupedExperts
 from megatron_fp4.parallel.dims import check_gcmoe
-from megatron_fp4.parallel.ep_alltoall import DispatchPlan, all_to_all_rows, finish_combine, scatter_rows
+from megatron_fp4.parallel.ep_alltoall import (AllToAllDispatcher, DispatchPlan, all_to_all_rows, finish_combine,
+                                               scatter_rows)
 from megatron_fp4.parallel.gcmoe_transfer import (COMPUTE_GRANULARITIES, RecvRing,  # noqa: F401
                                                   Round, TransferChannel, chunk_bounds, exchange_step)
 
@@ -106,11 +106,15 @@ def _offsets(splits: list[int]) -> list[int]:
     return out
 
 
-class GCMoEDispatcher:
+class GCMoEDispatcher(AllToAllDispatcher):
     """Expert-parallel dispatcher overlapping chunked token transfer with expert compute.
 
-    Same call signature and bits as `AllToAllDispatcher`. ``round`` counts calls; ``counters`` are
-    the two receive-counter sets (round i uses ``counters[i % 2]``). ``chunk_tokens`` and
+    A `model.dispatch.Dispatcher`: `run` (what the MoE layer calls) is the overlapped round, with
+    the bits of `AllToAllDispatcher`, whose `dispatch`/`combine` (no overlap) it inherits; it uses
+    only the experts' public compute API (``experts(tokens, counts, segments)``,
+    ``experts.expert(e, tokens)``, ``experts.parameters()``) and `TransferChannel`'s public API.
+    ``round`` counts calls; ``counters`` are the two receive-counter sets (round i uses
+    ``counters[i % 2]``). ``chunk_tokens`` and
     ``ring_slots`` must be the same on every ep rank (config values, checked by
     `apply_expert_parallel`): both ends derive the chunk boundaries from them. After each round
     ``last_ring_stats`` holds the ring's ``slots``, ``high_water`` and ``acquired`` (receives
@@ -126,7 +130,7 @@ class GCMoEDispatcher:
         check_gcmoe(ep, chunk_tokens, ring_slots)
         if compute not in COMPUTE_GRANULARITIES:
             raise ValueError(f"GCMoEDispatcher compute={compute!r} must be one of {COMPUTE_GRANULARITIES}")
-        self.group, self.ep, self.num_experts = group, ep, num_experts
+        super().__init__(group, ep, num_experts)
         self.channel, self.chunk_tokens, self.compute = channel, chunk_tokens, compute
         self.ring_slots = ring_slots
         self.round = 0
@@ -136,11 +140,11 @@ class GCMoEDispatcher:
         self.ring_high_water = 0
         self.test_hook = None
 
-    def __call__(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_w: torch.Tensor,
-                 experts: GroupedExperts) -> torch.Tensor:
-        assert experts.num_experts * self.ep == self.num_experts, "experts are not this rank's share"
+    def run(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_w: torch.Tensor,
+            experts: GroupedExperts) -> torch.Tensor:
+        self.check_experts(experts)
         plan = DispatchPlan.exchange(topk_idx, self.num_experts, self.ep, self.group)
-        y_send = _GCMoEFunction.apply(x[plan.token_of_row], experts.w13, experts.w2, self, experts, plan)
+        y_send = _GCMoEFunction.apply(x[plan.token_of_row], self, experts, plan, *experts.parameters())
         return finish_combine(y_send, plan, topk_idx, topk_w)
 
     def overlapped_forward(self, x_send: torch.Tensor, experts: GroupedExperts, plan: DispatchPlan):
@@ -153,7 +157,6 @@ class GCMoEDispatcher:
         me, C, channel = self.channel.ep_rank, self.chunk_tokens, self.channel
         in_splits, out_splits = plan.in_splits, plan.out_splits
         H = x_send.shape[-1]
-        assert not channel._busy, "GC-MoE rounds of one rank must not overlap (one ring per rank)"
         rnd = Round(s, counters, channel.ring(self.ring_slots, C, H, x_send), x_send.contiguous(),
                      x_send.new_empty(sum(out_splits), H), x_send.new_empty(sum(out_splits), H),
                      x_send.new_empty(sum(in_splits), H), _offsets(in_splits), _offsets(out_splits),
@@ -162,28 +165,12 @@ class GCMoEDispatcher:
         # Rows for my own experts need no transfer (nor a slot): ready at once, read from x_send.
         for c in range(len(rnd.recv_bounds[me])):
             rnd.mark_ready(me, c, None, None)
-        worker = threading.Thread(target=channel.run_round, args=(rnd,), daemon=True,
-                                  name=f"gcmoe-transfer-r{self.round - 1}")
-        channel._busy = True
-        worker.start()
-        try:
-            with channel._stream_ctx(channel.compute_stream):
-                self._compute(rnd, experts, plan)
-        except BaseException:
-            rnd.outbound.put(("abort",))
-            raise
-        finally:
-            worker.join(timeout=self.timeout_s)
-            channel._busy = worker.is_alive()
-        if rnd.error is not None:
-            raise RuntimeError("GC-MoE transfer worker failed") from rnd.error
-        assert not worker.is_alive(), "GC-MoE transfer worker did not finish"
+        channel.exchange(rnd, lambda: self._compute(rnd, experts, plan), name=f"gcmoe-transfer-r{self.round - 1}")
         assert rnd.ring.in_use == 0, "GC-MoE round ended with receive slots still held"
         want = [len(b) for b in rnd.recv_bounds]
         assert counters.tolist() == want, f"ready signals {counters.tolist()} != chunks per source {want}"
         self.last_ring_stats = rnd.ring.stats()
         self.ring_high_water = max(self.ring_high_water, rnd.ring.high_water)
-        channel._wait(rnd.done_event)
         own = slice(rnd.send_off[me], rnd.send_off[me] + in_splits[me])
         rnd.y_send[own] = rnd.y_recv[rnd.recv_off[me]:rnd.recv_off[me] + out_splits[me]]
         return rnd.y_send, rnd.x_grouped
@@ -191,7 +178,7 @@ class GCMoEDispatcher:
     def _compute(self, rnd: Round, experts: GroupedExperts, plan: DispatchPlan) -> None:
         """Consume ready chunks in arrival order: stage the rows, free the slot, run experts, and
         hand finished output chunks to the worker."""
-        me, num_local = self.channel.ep_rank, experts.num_experts
+        me, num_local, channel = self.channel.ep_rank, experts.num_local_experts, self.channel
         counts = plan.recv_counts.tolist()  # [src][local expert]
         starts = [_offsets(counts[src]) + [sum(counts[src])] for src in range(self.ep)]
         group_start = _offsets(plan.local_counts)
@@ -216,7 +203,7 @@ class GCMoEDispatcher:
                     chunks_of_expert[le].append((src, c))
         for _ in range(len(waiting)):
             src, c, slot, event = rnd.next_ready()
-            self.channel._wait(event)
+            channel.wait_event(event)
             a, b = rnd.recv_bounds[src][c]
             if slot is None:  # own rows
                 rows = rnd.x_send[rnd.send_off[me] + a:rnd.send_off[me] + b]
@@ -228,32 +215,32 @@ class GCMoEDispatcher:
                     g0 = base[src][le] + lo - starts[src][le]
                     rnd.x_grouped[g0:g0 + hi - lo] = rows[lo - a:hi - a]
             if slot is not None:  # the slot's rows are staged: give the credit back at once
-                rnd.outbound.put(("free", slot, self.channel._event()))
+                rnd.release(slot, channel.record_event())
             finished = []
             with torch.no_grad():
                 for le, lo, hi in segs:
                     if self.compute == "chunk":
                         g0 = base[src][le] + lo - starts[src][le]
                         out = slice(rnd.recv_off[src] + lo, rnd.recv_off[src] + hi)
-                        rnd.y_recv[out] = experts.expert_forward(le, rnd.x_grouped[g0:g0 + hi - lo])
+                        rnd.y_recv[out] = experts.expert(le, rnd.x_grouped[g0:g0 + hi - lo])
                         finished.append((src, c))
                         continue
                     missing[le] -= hi - lo
                     if missing[le] == 0:
                         g = slice(group_start[le], group_start[le] + plan.local_counts[le])
-                        rnd.y_recv[plan.perm[g]] = experts.expert_forward(le, rnd.x_grouped[g])
+                        rnd.y_recv[plan.perm[g]] = experts.expert(le, rnd.x_grouped[g])
                         finished.extend(chunks_of_expert[le])
             for key in finished:
                 waiting[key] -= 1
                 if waiting[key] == 0 and key[0] != me:
-                    rnd.outbound.put(("out", key[0], key[1], self.channel._event()))
+                    rnd.output_done(key[0], key[1], channel.record_event())
 
 
 class _GCMoEFunction(torch.autograd.Function):
     """Overlapped forward; backward = baseline all-to-all of gradients + whole-batch expert recompute."""
 
     @staticmethod
-    def forward(ctx, x_send, w13, w2, dispatcher: GCMoEDispatcher, experts: GroupedExperts, plan: DispatchPlan):
+    def forward(ctx, x_send, dispatcher: GCMoEDispatcher, experts: GroupedExperts, plan: DispatchPlan, *params):
         y_send, x_grouped = dispatcher.overlapped_forward(x_send, experts, plan)
         ctx.save_for_backward(x_grouped)
         ctx.dispatcher, ctx.experts, ctx.plan = dispatcher, experts, plan
@@ -267,11 +254,9 @@ class _GCMoEFunction(torch.autograd.Function):
         with torch.enable_grad():
             xg = x_grouped.detach().requires_grad_(True)
             y = experts(xg, plan.local_counts, plan.expert_segments)
-            dx, dw13, dw2 = torch.autograd.grad(y, [xg, experts.w13, experts.w2], grad_recv[plan.perm],
-                                                allow_unused=True)
-        dx = torch.zeros_like(xg) if dx is None else dx
-        dw13 = torch.zeros_like(experts.w13) if dw13 is None else dw13
-        dw2 = torch.zeros_like(experts.w2) if dw2 is None else dw2
+            params = list(experts.parameters())
+            grads = torch.autograd.grad(y, [xg, *params], grad_recv[plan.perm], allow_unused=True)
+        dx, *dparams = [torch.zeros_like(t) if g is None else g for g, t in zip(grads, [xg, *params])]
         dx_recv = scatter_rows(dx, plan.perm, dx.shape[0])
         dx_send = all_to_all_rows(dx_recv, plan.in_splits, plan.out_splits, group)
-        return dx_send, dw13, dw2, None, None, None
+        return (dx_send, None, None, None, *dparams)

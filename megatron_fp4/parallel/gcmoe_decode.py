@@ -68,9 +68,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from megatron_fp4.model.moe import GroupedExperts, combine_expert_outputs
+from megatron_fp4.model.dispatch import Dispatched, Dispatcher, combine_expert_outputs
 from megatron_fp4.parallel.dims import check_expert_split
-from megatron_fp4.parallel.ep_alltoall import scatter_rows
+from megatron_fp4.parallel.ep_alltoall import check_share, scatter_rows
 from megatron_fp4.parallel.gcmoe_transfer import exchange_step, issue_step
 
 # header (int32): sequence number, rows used, more rounds follow, reserved, then rows per local expert
@@ -126,11 +126,13 @@ class DecodeBuffers:
         return buf[:, self._hdr * 4:end].view(self._dtype).view(-1, self._cap, self._hidden)
 
 
-class GCMoEDecodeDispatcher:
-    """Decode-time expert-parallel dispatcher (module docstring): same call signature as
-    `AllToAllDispatcher`, forward only. ``buffers`` is the rank's shared `DecodeBuffers`;
-    ``static`` selects the capturable path (the same on every ep rank). ``test_hook``
-    (tests only) may define ``delay(event, peer, round)`` and ``order(peers)``."""
+class GCMoEDecodeDispatcher(Dispatcher):
+    """Decode-time expert-parallel dispatcher (module docstring), forward only. A
+    `model.dispatch.Dispatcher`: `dispatch`/`combine` carry one round (at most ``decode_tokens``
+    tokens on this rank, exact path); `run`, what the MoE layer calls, loops rounds (eager) or runs
+    the capturable static round. ``buffers`` is the rank's shared `DecodeBuffers`; ``static``
+    selects the capturable path (the same on every ep rank). ``test_hook`` (tests only) may define
+    ``delay(event, peer, round)`` and ``order(peers)``."""
 
     TRANSPORTS = ("alltoall", "p2p")
 
@@ -145,10 +147,12 @@ class GCMoEDecodeDispatcher:
         self.test_hook = None
         self.last_rounds = 0
 
-    def __call__(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_w: torch.Tensor,
-                 experts: GroupedExperts) -> torch.Tensor:
-        assert experts.num_experts * self.ep == self.num_experts, "experts are not this rank's share"
-        if torch.is_grad_enabled() and (x.requires_grad or experts.w13.requires_grad):
+    def check_experts(self, experts) -> None:
+        check_share(self, experts)
+
+    def run(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_w: torch.Tensor, experts) -> torch.Tensor:
+        self.check_experts(experts)
+        if torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in experts.parameters())):
             raise ValueError("parallel.expert_dispatcher='gcmoe_decode' is forward-only (inference): call the "
                              "model under torch.no_grad() (the rollout engine does), or use 'alltoall'/'gcmoe' "
                              "for training")
@@ -161,7 +165,13 @@ class GCMoEDecodeDispatcher:
         outs, r = [], 0
         while True:  # eager: rounds until no rank has more; static: exactly one
             lo, hi = r * m, min((r + 1) * m, T)
-            y, more = self._round(x[lo:hi], topk_idx[lo:hi], topk_w[lo:hi], experts, hi < T, static)
+            h = self._send(x[lo:hi], topk_idx[lo:hi], topk_w[lo:hi], hi < T, static)
+            if static:
+                self._experts_static(h, experts)
+            else:
+                d = self._grouped(h)
+                self._put_back(experts(d.tokens, d.counts), d.handle)
+            y, more = self._finish(h)
             outs.append(y)
             r += 1
             if static or not more:
@@ -169,15 +179,30 @@ class GCMoEDecodeDispatcher:
         self.last_rounds = r
         return outs[0] if len(outs) == 1 else torch.cat(outs)
 
+    def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_w: torch.Tensor) -> Dispatched:
+        """One eager round: the received rows in grouped order (as `AllToAllDispatcher` gives them)."""
+        if x.shape[0] > self.buffers.max_tokens:
+            raise ValueError(f"GCMoEDecodeDispatcher.dispatch carries one round of at most decode_tokens="
+                             f"{self.buffers.max_tokens} tokens, got {x.shape[0]}; use run (rounds)")
+        return self._grouped(self._send(x, topk_idx, topk_w, False, False))
+
+    def combine(self, expert_out: torch.Tensor, handle) -> torch.Tensor:
+        self._put_back(expert_out, handle)
+        y, more = self._finish(handle[0])
+        if more:
+            raise RuntimeError("GC-MoE decode: a peer runs more rounds than this rank's one-round dispatch/combine")
+        return y
+
     # -- one round ------------------------------------------------------------------------------
-    def _round(self, x, topk_idx, topk_w, experts, more: bool, static: bool):
+    def _send(self, x, topk_idx, topk_w, more: bool, static: bool) -> dict:
+        """Pack this rank's rows (sorted by global expert = by destination, then its local expert)
+        with their headers into the round's send set and run the dispatch exchange."""
         ep, El, H = self.ep, self.num_experts // self.ep, x.shape[-1]
         T, k = topk_idx.shape
         B = self.buffers
         cap = pair_capacity(B.max_tokens, k, El)
         bufs = B.get(ep, cap, El, H, x.dtype, x.device)[B.round % 2]
         B.round += 1
-        # -- pack: rows sorted by global expert (= by destination, then its local expert)
         flat = topk_idx.reshape(-1)
         order = torch.argsort(flat, stable=True)
         counts = torch.zeros(self.num_experts, dtype=torch.int32, device=x.device)
@@ -197,22 +222,25 @@ class GCMoEDecodeDispatcher:
         check = x.device.type == "cpu"  # a host read: never on an accelerator
         if check:
             self._check(recv_hdr, cap, El, B.seq, "dispatch", static)
-        # -- experts: fill the return rows at the positions the rows came in
-        recv_counts = recv_hdr[:, FIXED_INTS:FIXED_INTS + El]  # [src, local expert]
-        if static:
-            self._experts_static(B.rows(bufs["recv"]), B.rows(bufs["back_send"]), recv_counts, experts)
-        else:
-            self._experts_exact(B.rows(bufs["recv"]), B.rows(bufs["back_send"]), recv_counts, experts)
+        return {"bufs": bufs, "cap": cap, "El": El, "H": H, "T": T, "k": k, "order": order, "dst": dst,
+                "slot": slot, "more": more, "static": static, "check": check, "topk_idx": topk_idx,
+                "topk_w": topk_w, "recv_hdr": recv_hdr,
+                "recv_counts": recv_hdr[:, FIXED_INTS:FIXED_INTS + El]}  # [src, local expert]
+
+    def _finish(self, h: dict):
+        """Return exchange of the expert outputs (in `back_send`), then the combine: send-order outputs
+        -> (token, slot) -> ascending-expert weighted sum. Returns (y [T, H], any rank has more)."""
+        B, bufs = self.buffers, h["bufs"]
         B.header(bufs["back_send"])[:, SEQ] = B.seq
         self._exchange(bufs["back_send"], bufs["back_recv"], "combine")
-        if check:
-            self._check(B.header(bufs["back_recv"]), cap, El, B.seq, "combine", static)
-        any_more = more if static else bool(recv_hdr[:, MORE].any())  # eager only: a host read
+        if h["check"]:
+            self._check(B.header(bufs["back_recv"]), h["cap"], h["El"], B.seq, "combine", h["static"])
+        any_more = h["more"] if h["static"] else bool(h["recv_hdr"][:, MORE].any())  # eager only: a host read
         B.seq += 1
-        # -- combine: send-order outputs -> (token, slot) -> ascending-expert weighted sum
-        y_send = B.rows(bufs["back_recv"])[dst, slot]
-        y_slots = scatter_rows(y_send, order, T * k)
-        return combine_expert_outputs(y_slots.view(T, k, H), topk_idx, topk_w), any_more
+        y_send = B.rows(bufs["back_recv"])[h["dst"], h["slot"]]
+        T, k = h["T"], h["k"]
+        y_slots = scatter_rows(y_send, h["order"], T * k)
+        return combine_expert_outputs(y_slots.view(T, k, h["H"]), h["topk_idx"], h["topk_w"]), any_more
 
     def _grouped_slots(self, recv_counts: torch.Tensor, device):
         """(src, slot, valid), each [El, ep, max_tokens]: entry (le, s, j) is the j-th row source s
@@ -227,19 +255,25 @@ class GCMoEDecodeDispatcher:
         slot = torch.where(valid, start[..., None] + j, 0)
         return torch.arange(ep, device=device)[None, :, None].expand_as(slot), slot, valid
 
-    def _experts_exact(self, recv_rows, back_rows, recv_counts, experts):
-        """The all-to-all's grouped batch, through `GroupedExperts` (bitwise by construction)."""
-        src, slot, valid = self._grouped_slots(recv_counts, recv_rows.device)
+    def _grouped(self, h: dict) -> Dispatched:
+        """The received rows in the all-to-all's grouped order (bitwise by construction)."""
+        recv_rows = self.buffers.rows(h["bufs"]["recv"])
+        src, slot, valid = self._grouped_slots(h["recv_counts"], recv_rows.device)
         src, slot = src[valid], slot[valid]  # a host sync (nonzero): the exact path is not capturable
-        back_rows[src, slot] = experts(recv_rows[src, slot], recv_counts.sum(0).tolist())
+        return Dispatched(recv_rows[src, slot], h["recv_counts"].sum(0).tolist(), None, (h, src, slot))
 
-    def _experts_static(self, recv_rows, back_rows, recv_counts, experts):
+    def _put_back(self, expert_out: torch.Tensor, handle) -> None:
+        h, src, slot = handle
+        self.buffers.rows(h["bufs"]["back_send"])[src, slot] = expert_out
+
+    def _experts_static(self, h: dict, experts) -> None:
         """Every local expert on a fixed [ep · max_tokens, H] batch; no host read."""
+        recv_rows, back_rows = self.buffers.rows(h["bufs"]["recv"]), self.buffers.rows(h["bufs"]["back_send"])
         ep, cap, H = recv_rows.shape
-        El, m = recv_counts.shape[1], self.buffers.max_tokens
-        src, slot, valid = self._grouped_slots(recv_counts, recv_rows.device)
+        El, m = h["El"], self.buffers.max_tokens
+        src, slot, valid = self._grouped_slots(h["recv_counts"], recv_rows.device)
         xb = torch.where(valid[..., None], recv_rows[src, slot], 0).reshape(El, ep * m, H)
-        yb = torch.stack([experts.expert_forward(le, xb[le]) for le in range(El)])
+        yb = torch.stack([experts.expert(le, xb[le]) for le in range(El)])
         flat = torch.where(valid, src * cap + slot, ep * cap).reshape(-1)  # invalid -> trash row
         scratch = recv_rows.new_zeros(ep * cap + 1, H)
         scratch.index_copy_(0, flat, yb.view(-1, H).to(scratch.dtype))

@@ -34,12 +34,15 @@ set when `transfer_group` creates the transfer group on CUDA (`nccl_transfer_opt
 from __future__ import annotations
 
 import collections
+import contextlib
 import queue
 import threading
-from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 import torch.distributed as dist
+
+from megatron_fp4.parallel.gcmoe_round import RecvRing, Round  # noqa: F401 (re-exported)
 
 COMPUTE_GRANULARITIES = ("expert", "chunk")
 
@@ -125,94 +128,13 @@ class _Aborted(Exception):
     """The compute side failed; the transfer worker stops posting and returns."""
 
 
-class RecvRing:
-    """One round's view of the receive ring: ``num_slots`` slots of ``chunk_tokens`` rows.
-
-    Only the transfer worker acquires (posts a receive into a free slot) and frees slots (when it
-    processes the compute side's release message), so no lock is needed. ``in_use`` counts slots
-    posted, filled or being consumed; ``high_water`` is its maximum over the round and
-    ``acquired`` the number of receives posted (> num_slots: slots were reused)."""
-
-    def __init__(self, storage: torch.Tensor):
-        self.storage, self.num_slots = storage, storage.shape[0]
-        self.free = collections.deque(range(self.num_slots))
-        self.in_use = self.high_water = self.acquired = 0
-
-    def acquire(self) -> int:
-        slot = self.free.popleft()
-        self.in_use += 1
-        self.acquired += 1
-        self.high_water = max(self.high_water, self.in_use)
-        assert self.in_use <= self.num_slots
-        return slot
-
-    def release(self, slot: int) -> None:
-        assert slot not in self.free and self.in_use > 0, f"slot {slot} released twice"
-        self.free.append(slot)
-        self.in_use -= 1
-
-    def view(self, slot: int, rows: int) -> torch.Tensor:
-        return self.storage[slot, :rows]
-
-    def stats(self) -> dict:
-        return {"slots": self.num_slots, "high_water": self.high_water, "acquired": self.acquired}
-
-
-@dataclass
-class Round:
-    """Buffers and signals of one dispatcher call (what `TransferChannel.run_round` moves; the
-    dispatcher in gcmoe.py builds it and computes on it). Blocks are src-major (recv) / dst-major (send)."""
-
-    counter_set: int
-    counters: torch.Tensor       # [ep] chunks marked ready per source (this round's set)
-    ring: RecvRing               # bounded receive slots (transfer buffer)
-    x_send: torch.Tensor         # [N_send, H] send order
-    x_grouped: torch.Tensor      # [N_recv, H] staging: received rows in grouped order (experts' input)
-    y_recv: torch.Tensor         # [N_recv, H] expert outputs in receive order
-    y_send: torch.Tensor         # [N_send, H] outputs back, send order
-    send_off: list[int]
-    recv_off: list[int]
-    send_bounds: list[list[tuple[int, int]]]
-    recv_bounds: list[list[tuple[int, int]]]
-    hook: object = None
-    timeout_s: float = 300.0
-    cond: threading.Condition = field(default_factory=threading.Condition)
-    ready: collections.deque = field(default_factory=collections.deque)
-    outbound: queue.Queue = field(default_factory=queue.Queue)
-    error: BaseException | None = None
-    done_event: object = None
-
-    def send_chunk(self, dst, c):
-        a, b = self.send_bounds[dst][c]
-        return self.x_send[self.send_off[dst] + a:self.send_off[dst] + b]
-
-    def back_chunk(self, dst, c):
-        a, b = self.send_bounds[dst][c]
-        return self.y_send[self.send_off[dst] + a:self.send_off[dst] + b]
-
-    def out_chunk(self, src, c):
-        a, b = self.recv_bounds[src][c]
-        return self.y_recv[self.recv_off[src] + a:self.recv_off[src] + b]
-
-    def mark_ready(self, src: int, c: int, slot, event) -> None:
-        with self.cond:
-            self.counters[src] += 1
-            self.ready.append((src, c, slot, event))
-            self.cond.notify_all()
-
-    def next_ready(self):
-        with self.cond:
-            while not self.ready:
-                if self.error is not None:
-                    raise RuntimeError("GC-MoE transfer worker failed") from self.error
-                if not self.cond.wait(timeout=self.timeout_s):
-                    raise RuntimeError(f"GC-MoE: no chunk arrived within {self.timeout_s}s (peer hung?)")
-            return self.ready.popleft()
-
-
 class TransferChannel:
     """The transfer worker's process group, (on CUDA) streams and the rank's receive ring storage;
-    shared by all MoE layers of a rank (their rounds run one after another)."""
+    shared by all MoE layers of a rank (their rounds run one after another).
+
+    Public API: `ring` (the round's receive ring), `exchange` (run one round: the worker thread
+    moving the chunks while the caller's compute consumes them), `record_event` / `wait_event`
+    (readiness across the two sides; no-ops on CPU), `ring_shape` and `ep_rank`."""
 
     def __init__(self, group, ep_ranks: list[int], device: torch.device, transfer_sms: int = 20):
         self.group, self.ep_ranks, self.device = group, list(ep_ranks), device
@@ -240,7 +162,44 @@ class TransferChannel:
             self._ring_storage = like.new_empty(shape)
         return RecvRing(self._ring_storage)
 
+    @property
+    def ring_shape(self) -> tuple[int, ...] | None:
+        """Shape of the ring storage ([slots, chunk_tokens, hidden]); None before the first round."""
+        return None if self._ring_storage is None else tuple(self._ring_storage.shape)
+
+    def exchange(self, rnd: Round, compute: Callable[[], None], name: str = "gcmoe-transfer") -> None:
+        """One round: `run_round` on its own thread while `compute()` (the caller's thread, on the
+        compute stream) consumes the ready chunks. Returns once both are done and the worker's
+        last transfer is visible to the compute stream; raises what the worker raised."""
+        if self._busy:
+            raise RuntimeError("GC-MoE rounds of one rank must not overlap (one ring per rank)")
+        worker = threading.Thread(target=self.run_round, args=(rnd,), daemon=True, name=name)
+        self._busy = True
+        worker.start()
+        try:
+            with self._stream_ctx(self.compute_stream):
+                compute()
+        except BaseException:
+            rnd.abort()
+            raise
+        finally:
+            worker.join(timeout=rnd.timeout_s)
+            self._busy = worker.is_alive()
+        if rnd.error is not None:
+            raise RuntimeError("GC-MoE transfer worker failed") from rnd.error
+        if worker.is_alive():
+            raise RuntimeError(f"GC-MoE transfer worker did not finish within {rnd.timeout_s}s")
+        self.wait_event(rnd.done_event)
+
     # -- CUDA readiness helpers (no-ops on CPU) -------------------------------------------------
+    def record_event(self):
+        """An event after the current stream's work so far (None on CPU)."""
+        return self._event()
+
+    def wait_event(self, ev) -> None:
+        """Make the current stream wait for `ev` (None: nothing to wait for)."""
+        self._wait(ev)
+
     def _event(self):
         if self.device.type != "cuda":
             return None
@@ -254,7 +213,7 @@ class TransferChannel:
             torch.cuda.current_stream().wait_event(ev)
 
     def _stream_ctx(self, stream):
-        return torch.cuda.stream(stream) if stream is not None else _nullctx()
+        return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
 
     def run_round(self, rnd: Round) -> None:
         """Worker body (own thread). Any exception is stored on `rnd` and wakes the compute side."""
@@ -349,14 +308,6 @@ class TransferChannel:
                 rnd.ring.release(msg[1])
             else:
                 done.add((msg[1], msg[2]))
-
-
-class _nullctx:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return False
 
 
 def _delay(hook, event: str, peer: int, chunk: int) -> None:

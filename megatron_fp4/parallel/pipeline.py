@@ -20,23 +20,33 @@ Why the library: its schedules are maintained upstream, run on gloo (CPU) and NC
   trainer, and the MoE auxiliary losses (``AuxLossAutoScaler`` with scale 1/num_microbatches,
   set by the caller) reach the routers of every stage through the stage's own backward.
 
+Per-micro-batch inputs reach the stages as the schedule's kwargs: `PipelineRunner.run` hands
+``schedule.step(tokens, micro_batch=arange(n), positions=..., attention_mask=..., routing_in=...)``
+the micro-batches concatenated along the batch dim, and the schedule splits them into the n
+micro-batches and passes micro-batch i's slice to every stage's forward (torch: "kwargs can be
+passed to all stages via respective step calls"), so `PipelineChunk.forward` gets its micro-batch
+index, positions, mask and routes as arguments and runs in that micro-batch's FP4 context. The
+schedules call a stage's backward with the micro-batch index alone (no kwargs), so FP4's backward
+context comes from `MicroBatchStage`, the one documented `PipelineStage` subclass (two overrides).
+
 Micro-batch shapes are static within a step (the p2p buffers need it); stages and schedule are
 built once per (micro-batch count, shape), so RL batches of varying length work.
 """
 from __future__ import annotations
 
+import contextlib
 import json
-from typing import Callable
-
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.pipelining import PipelineStage
 
 from megatron_fp4.fp4 import micro_batch as fp4_micro_batch
 from megatron_fp4.parallel.dims import (MULTI_CHUNK_SCHEDULES, check_chunks, check_schedule_chunks,
                                         check_v_placement)
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "interleaved_zero_bubble", "zbv")
+STAGE_KWARGS = ("positions", "attention_mask", "routing_in")  # model inputs carried per micro-batch
 # Chunk placement each schedule expects: "loop" puts chunk c on rank c % pp (Megatron interleaving);
 # "v" (ZB-V) folds the chunks back, rank r holding r and 2·pp−1−r, so the last chunk sits next to
 # the first and the loss is computed where the backward starts.
@@ -94,12 +104,13 @@ class _Absent(nn.Module):
 class PipelineChunk(nn.Module):
     """One model chunk: the model's own `embed` (first chunk), `run_layers` over its layer range,
     `head` (last chunk). It registers the modules it runs (what the stage's parameters are) and
-    calls the model's pieces, so there is one forward for every layout. `inputs()` gives the
-    current micro-batch's ``positions`` / ``attention_mask`` (None: default positions, no mask) and
-    ``routing_in`` (router replay: the micro-batch's routes, every layer's; None: route live)."""
+    calls the model's pieces, so there is one forward for every layout. `forward` takes the
+    micro-batch's index (a one-element tensor: the schedule's slice of ``arange(n)``; None: the
+    caller's FP4 context) and its
+    ``positions`` / ``attention_mask`` (None: default positions, no mask) and ``routing_in``
+    (router replay: the micro-batch's routes, every layer's; None: route live) as kwargs."""
 
-    def __init__(self, model: nn.Module, layers: range, is_first: bool, is_last: bool,
-                 inputs: Callable[[], dict] = dict):
+    def __init__(self, model: nn.Module, layers: range, is_first: bool, is_last: bool):
         super().__init__()
         self.layer_range, self.is_first, self.is_last = layers, is_first, is_last
         # The last chunk registers the embedding too when it is the tied head's weight.
@@ -107,18 +118,18 @@ class PipelineChunk(nn.Module):
         self.layers = nn.ModuleList([model.layers[i] for i in layers])
         self.norm = model.norm if is_last else None
         self.lm_head = model.lm_head if is_last else None
-        self._pieces = (model, inputs)  # a tuple: not registered as a submodule
+        self._model = (model,)  # a tuple: not registered as a submodule
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        model, inputs = self._pieces
-        extra = inputs()
-        h = model.embed(x) if self.is_first else x
-        positions = extra.get("positions")
-        if positions is None:
-            positions = model.default_positions(h)
-        h = model.run_layers(h, positions, extra.get("attention_mask"), self.layer_range,
-                             routing_in=extra.get("routing_in"))
-        return model.head(h) if self.is_last else h
+    def forward(self, x: torch.Tensor, micro_batch: torch.Tensor | None = None, positions: torch.Tensor | None = None,
+                attention_mask: torch.Tensor | None = None, routing_in: torch.Tensor | None = None) -> torch.Tensor:
+        (model,) = self._model
+        ctx = contextlib.nullcontext() if micro_batch is None else fp4_micro_batch(int(micro_batch.reshape(-1)[0]))
+        with ctx:  # FP4 SR streams keyed by micro-batch (None: the caller's context)
+            h = model.embed(x) if self.is_first else x
+            if positions is None:
+                positions = model.default_positions(h)
+            h = model.run_layers(h, positions, attention_mask, self.layer_range, routing_in=routing_in)
+            return model.head(h) if self.is_last else h
 
 
 def strip_to_local(model: nn.Module, local_layers: set[int], has_first: bool, has_last: bool) -> None:
@@ -142,28 +153,52 @@ def strip_to_local(model: nn.Module, local_layers: set[int], has_first: bool, ha
         model.lm_head = None
 
 
-def build_chunks(model: nn.Module, pp: int, pp_rank: int, virtual_stages: int = 1, style: str = "loop",
-                 inputs: Callable[[], dict] = dict) -> list[tuple[int, PipelineChunk]]:
+def build_chunks(model: nn.Module, pp: int, pp_rank: int, virtual_stages: int = 1,
+                 style: str = "loop") -> list[tuple[int, PipelineChunk]]:
     """Strip `model` to this rank's chunks and return [(chunk index, chunk module)] in chunk order."""
     ranges = split_layers(len(model.layers), pp, virtual_stages)
     mine = rank_chunks(pp_rank, pp, virtual_stages, style)
     last = len(ranges) - 1
     local = {i for c in mine for i in ranges[c]}
-    chunks = [(c, PipelineChunk(model, ranges[c], c == 0, c == last, inputs)) for c in mine]
+    chunks = [(c, PipelineChunk(model, ranges[c], c == 0, c == last)) for c in mine]
     strip_to_local(model, local, 0 in mine, last in mine)
     return chunks
 
 
-# -- FP4 micro-batch context (fp4-followups) --------------------------------------------------------
-def run_chunks_in_fp4_micro_batch(stage) -> None:
-    """Run each forward/backward call of `stage` inside the FP4 context of its micro-batch (the
-    schedule's chunk id, the first positional argument), so FP4 stochastic rounding draws the same
-    streams as the single-process trainer, whatever the schedule's order."""
-    for method in ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk"):
-        def in_micro_batch(chunk_id, *args, _original=getattr(stage, method), **kwargs):
-            with fp4_micro_batch(chunk_id):
-                return _original(chunk_id, *args, **kwargs)
-        setattr(stage, method, in_micro_batch)
+# -- FP4 micro-batch context of the backward --------------------------------------------------------
+class BackwardInMicroBatch:
+    """Mixin for a `PipelineStage`: its backward calls (full, input and weight) run inside the FP4
+    context of their micro-batch, the schedule's chunk id, so FP4 stochastic rounding in the
+    backward draws the single-process trainer's streams whatever the schedule's order. Needed
+    because torch's schedules call ``backward_one_chunk(i, ...)`` / ``backward_weight_one_chunk(i)``
+    with no user arguments (the forward gets its index as a kwarg, `PipelineChunk.forward`)."""
+
+    def backward_one_chunk(self, bwd_chunk_id: int, *args, **kwargs):
+        with fp4_micro_batch(bwd_chunk_id):
+            return super().backward_one_chunk(bwd_chunk_id, *args, **kwargs)
+
+    def backward_weight_one_chunk(self, bwd_chunk_id: int, *args, **kwargs):
+        with fp4_micro_batch(bwd_chunk_id):
+            return super().backward_weight_one_chunk(bwd_chunk_id, *args, **kwargs)
+
+
+class MicroBatchStage(BackwardInMicroBatch, PipelineStage):
+    """torch's `PipelineStage` with its backward in the FP4 micro-batch context (`BackwardInMicroBatch`)."""
+
+
+def stage_kwargs(inputs: list[dict]) -> dict:
+    """The schedule's kwargs for micro-batch model inputs `inputs`: ``micro_batch`` (arange(n), one
+    index per micro-batch after the schedule's split) and each of `STAGE_KWARGS` that the
+    micro-batches give, concatenated along the batch dim (the schedule splits it back)."""
+    out = {"micro_batch": torch.arange(len(inputs))}  # on the host: read there, no device sync
+    for key in STAGE_KWARGS:
+        given = [inp.get(key) is not None for inp in inputs]
+        if any(given) and not all(given):
+            raise ValueError(f"the micro-batches of a pipelined step give {key!r} for some micro-batches and not "
+                             "for others; give it for all of them or none (StepLoss.model_inputs)")
+        if all(given) and inputs:
+            out[key] = torch.cat([inp[key] for inp in inputs])
+    return out
 
 
 # -- the runner -------------------------------------------------------------------------------------
@@ -194,18 +229,14 @@ class PipelineRunner:
         style = PLACEMENT.get(schedule, "loop")
         schedule_class(schedule)  # a bad name fails here, before the model is cut
         check_schedule_chunks(schedule, virtual_stages)
-        self.chunks = build_chunks(model, self.pp, self.pp_rank, virtual_stages, style, self._current_inputs)
+        self.chunks = build_chunks(model, self.pp, self.pp_rank, virtual_stages, style)
         self.num_stages = self.pp * virtual_stages
         self.last_stage_rank = chunk_to_rank(self.num_stages - 1, self.pp, style)  # reports the loss
         self.has_first = any(chunk.is_first for _, chunk in self.chunks)
         self.has_last = any(chunk.is_last for _, chunk in self.chunks)
         self._built: dict = {}
         self.stages = self.schedule = None
-        self._inputs, self._current = [], 0
         self._step_loss, self._batch, self._metrics = None, [], {}
-
-    def _current_inputs(self) -> dict:
-        return self._inputs[self._current] if self._inputs else {}
 
     def prepare(self, num_microbatches: int, micro_batch_shape: tuple[int, int]) -> None:
         """Build (or reuse) the stages and schedule for this micro-batch count and [batch, seq] shape."""
@@ -216,8 +247,6 @@ class PipelineRunner:
         self.stages, self.schedule = self._built[key]
 
     def _build(self, num_microbatches: int, micro_batch_shape: tuple[int, int]):
-        from torch.distributed.pipelining import PipelineStage
-
         mesh, model = self.mesh, self.model
         # Static shapes given up front: without them the library infers them by running each
         # stage on uninitialised inputs, which FP4's non-finite-input check rightly refuses.
@@ -227,27 +256,15 @@ class PipelineRunner:
         tokens = torch.zeros(mbs, seq_len, dtype=torch.long, device=mesh.device)
         logits = torch.zeros(mbs, seq_len, model.cfg.vocab_size, dtype=dtype, device=mesh.device)
         hidden_in = hidden.clone().requires_grad_()  # received activations need their gradient
-        stages = [PipelineStage(chunk, c, self.num_stages, mesh.device, group=self.group,
+        stages = [MicroBatchStage(chunk, c, self.num_stages, mesh.device, group=self.group,
                                 input_args=(tokens if chunk.is_first else hidden_in,),
                                 output_args=(logits if chunk.is_last else hidden,),
                                 input_grads=(None if chunk.is_first else hidden,),
                                 output_grads=(None if chunk.is_last else hidden,))
                   for c, chunk in self.chunks]
-        for stage in stages:
-            run_chunks_in_fp4_micro_batch(stage)  # fp4-followups: FP4 SR streams keyed by micro-batch
-            self._track_micro_batch(stage)
         cls = schedule_class(self.schedule_name)
         stage_arg = stages if self.schedule_name in MULTI_CHUNK_SCHEDULES else stages[0]
         return stages, cls(stage_arg, n_microbatches=num_microbatches, loss_fn=self._scaled_loss, scale_grads=False)
-
-    def _track_micro_batch(self, stage) -> None:
-        """Let the chunks see which micro-batch a forward call runs (its positions and mask)."""
-        original = stage.forward_one_chunk
-
-        def forward_one_chunk(chunk_id, *args, **kwargs):
-            self._current = chunk_id
-            return original(chunk_id, *args, **kwargs)
-        stage.forward_one_chunk = forward_one_chunk
 
     def _scaled_loss(self, logits: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
         """The schedule's loss: `index` is the micro-batch number (the target we hand the schedule)."""
@@ -263,21 +280,22 @@ class PipelineRunner:
         score an RL batch under torch.no_grad()); returns the mean loss and metrics (broadcast from
         the last stage, so every pp rank returns the same)."""
         n = len(micro_batches)
-        self._inputs = [step_loss.model_inputs(mb) for mb in micro_batches]
-        shapes = {tuple(inp["tokens"].shape) for inp in self._inputs}
+        inputs = [step_loss.model_inputs(mb) for mb in micro_batches]
+        shapes = {tuple(inp["tokens"].shape) for inp in inputs}
         if len(shapes) != 1:
             raise ValueError(f"the micro-batches of a pipelined step have different [batch, seq] shapes {sorted(shapes)}; "
                              "pad them to one shape (the pipeline's p2p buffers are static)")
         self.prepare(n, shapes.pop())
         self._step_loss, self._batch, self._metrics = step_loss, micro_batches, {}
-        args = (torch.cat([inp["tokens"] for inp in self._inputs]),) if self.has_first else ()
+        args = (torch.cat([inp["tokens"] for inp in inputs]),) if self.has_first else ()
+        kwargs = stage_kwargs(inputs)
         target = torch.arange(n, device=self.mesh.device) if self.has_last else None
         losses = [] if self.has_last else None
         try:
             (self.schedule.eval if forward_only else self.schedule.step)(*args, target=target, losses=losses,
-                                                                         return_outputs=False)
+                                                                         return_outputs=False, **kwargs)
         finally:
-            self._inputs, self._batch, self._step_loss = [], [], None
+            self._batch, self._step_loss = [], None
         loss, metrics = 0.0, {}
         if self.has_last:
             assert len(losses) == n, len(losses)

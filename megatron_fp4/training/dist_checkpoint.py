@@ -104,7 +104,7 @@ def _expert_info(model) -> dict:
     for moe in model.moe_layers():
         experts = moe.experts
         for p in experts.parameters():
-            info[id(p)] = (getattr(experts, "expert_offset", 0), p.shape[0])
+            info[id(p)] = (experts.expert_offset, p.shape[0])
     return info
 
 

@@ -167,7 +167,7 @@ def _worker_small_ring(rank, world, num_seeds):
         out["diffs"].append([max_diff(a, b) for a, b in zip(got, want)])
         out["stats"].append(dict(gc.dispatcher.last_ring_stats))
     out["high_water"] = gc.dispatcher.ring_high_water
-    out["ring_shape"] = tuple(gc.dispatcher.channel._ring_storage.shape)
+    out["ring_shape"] = tuple(gc.dispatcher.channel.ring_shape)
     out["mismatch"] = _mismatch_errors(rank, mesh)  # same spawn: saves a process start
     out["p2p"] = tags.close()
     return out

@@ -15,6 +15,7 @@ import torch
 
 from megatron_fp4.config import Config
 from megatron_fp4.model import build_model
+from megatron_fp4.model.dispatch import Dispatcher
 from megatron_fp4.parallel.expert_parallel import apply_expert_parallel, moe_layers_of
 from megatron_fp4.parallel.mesh import ParallelMesh
 from megatron_fp4.rollout import RolloutEngine, SamplingParams
@@ -41,13 +42,19 @@ def _generate(model, mode, prompts):
     return out.response_ids, [lp.clone() for lp in out.log_probs], [r.clone() for r in out.routing]
 
 
-class _Static:
+class _Static(Dispatcher):
     """Decode steps (tokens per rank <= decode_tokens) on the static path, prefill on rounds."""
 
     def __init__(self, dispatcher):
         self.d, self.calls = dispatcher, {"static": 0, "rounds": 0}
 
-    def __call__(self, x, topk_idx, topk_w, experts):
+    def dispatch(self, x, topk_idx, topk_w):
+        return self.d.dispatch(x, topk_idx, topk_w)
+
+    def combine(self, expert_out, handle):
+        return self.d.combine(expert_out, handle)
+
+    def run(self, x, topk_idx, topk_w, experts):
         static = x.shape[0] <= self.d.buffers.max_tokens
         self.d.static = static
         self.calls["static" if static else "rounds"] += 1
@@ -67,7 +74,7 @@ def _worker(rank, world):
         wrappers = []
         if static:
             for moe in moe_layers_of(model):
-                moe.dispatcher = _Static(moe.dispatcher)
+                moe.set_dispatcher(_Static(moe.dispatcher))
                 wrappers.append(moe.dispatcher)
         ids, lps, routes = _generate(model, mode, PROMPTS[rank * per_rank:(rank + 1) * per_rank])
         out.append({"ids": ids, "lps": lps, "routes": routes, "calls": [w.calls for w in wrappers]})

@@ -13,7 +13,7 @@ import torch
 import megatron_fp4.fp4.moeresq as moeresq
 from megatron_fp4.fp4 import (MoEResQLinear, OperandFormat, Recipe, current, fake_quantize, micro_batch,
                               name_quant_sites, sr_seed, training_step)
-from megatron_fp4.parallel.pipeline import run_chunks_in_fp4_micro_batch
+from megatron_fp4.parallel.pipeline import BackwardInMicroBatch
 
 SR = Recipe(mode="fp4", grad_output=OperandFormat(rounding="stochastic"))
 D = 64
@@ -100,17 +100,19 @@ def test_same_bits_for_the_same_global_micro_batch_on_any_split():
         assert current().micro_batch == 3
         assert torch.equal(dgrad(lin, dy), single)
 
-    class Stage:  # the PipelineStage methods a schedule calls, with the chunk id first
-        def forward_one_chunk(self, chunk_id, args, kwargs=None):
+    class Stage:  # the PipelineStage backward methods a schedule calls, with the chunk id first
+        def backward_one_chunk(self, chunk_id, *args, **kwargs):
             return current().micro_batch
 
-        backward_one_chunk = backward_weight_one_chunk = forward_one_chunk
+        backward_weight_one_chunk = backward_one_chunk
 
-    stage = Stage()
-    run_chunks_in_fp4_micro_batch(stage)
+    class InMicroBatch(BackwardInMicroBatch, Stage):  # as `MicroBatchStage` is over PipelineStage
+        pass
+
+    stage = InMicroBatch()
     with training_step(3, first_micro_batch=2):
-        assert [stage.forward_one_chunk(j, ()) for j in range(2)] == [2, 3]
-        assert stage.backward_weight_one_chunk(1, ()) == 3
+        assert [stage.backward_one_chunk(j) for j in range(2)] == [2, 3]
+        assert stage.backward_weight_one_chunk(1) == 3
 
 
 def test_backward_keeps_the_forward_micro_batch():
@@ -145,7 +147,7 @@ def test_model_names_are_global_and_experts_keyed_by_global_id(monkeypatch):
     assert {key[2:4] for key in seen} == {(7, 5)}
     assert {key[4] for key in seen} == {"grad_output"} | {"grad_output (columnwise)"}
     experts = model.layers[0].mlp.experts
-    experts.expert_offset = 4  # as expert parallelism sets it on a rank's local experts
+    experts = experts.shard(4, experts.num_global_experts - 4)  # as expert parallelism builds a rank's block
     seen.clear()
     with training_step(0):
         experts.expert_forward(0, torch.randn(3, cfg.model.hidden_size, requires_grad=True)).sum().backward()

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 
 from megatron_fp4.config import Config
 from megatron_fp4.fp4 import exact_gemm, invariant
-from megatron_fp4.model import build_model, moe
+from megatron_fp4.model import build_model, experts
 from megatron_fp4.rollout import RolloutEngine, SamplingParams, score
 from tests.numerics import single_thread
 
@@ -97,7 +97,7 @@ class _Reference:
         """Run the model on the reference kernels."""
         monkeypatch.setattr(invariant, "exact_linear", cls.exact_linear)
         monkeypatch.setattr(invariant, "grouped_linear", cls.grouped_linear)
-        monkeypatch.setattr(moe, "can_group_exact", lambda *a: False)  # experts one by one, as before
+        monkeypatch.setattr(experts, "can_group_exact", lambda *a: False)  # experts one by one, as before
         monkeypatch.setattr(invariant, "tree_sum", cls.tree_sum)
         monkeypatch.setattr(invariant, "attention", cls.attention)
 

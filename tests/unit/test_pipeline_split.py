@@ -87,6 +87,6 @@ def test_chunks_run_the_models_own_forward_pieces():
             calls.append(_piece)
             return _original(*args, **kwargs)
         setattr(model, piece, traced)
-    [(_, chunk)] = build_chunks(model, pp=1, pp_rank=0, inputs=lambda: extra)
-    assert torch.equal(chunk(tokens), want)
+    [(_, chunk)] = build_chunks(model, pp=1, pp_rank=0)
+    assert torch.equal(chunk(tokens, **extra), want)  # the schedule's per-micro-batch kwargs
     assert calls == ["embed", "run_layers", "head"]

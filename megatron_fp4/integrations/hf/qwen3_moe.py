@@ -29,6 +29,7 @@ import torch
 from megatron_fp4.config import ModelConfig
 from megatron_fp4.integrations.hf.config_fields import bool_field, float_field, int_field, layer_list, string_list
 from megatron_fp4.integrations.hf.safetensors_header import FLOAT_DTYPES
+from megatron_fp4.model.experts import GroupedExperts
 
 HF_MODEL_TYPE = "qwen3_moe"
 HF_ARCHITECTURE = "Qwen3MoeForCausalLM"
@@ -301,8 +302,7 @@ class _Collector:
 def _expert_offsets(model) -> dict[str, int]:
     """Parameter-name prefix of every experts module -> global id of its first expert (an expert-
     parallel rank holds experts [offset, offset + E_local))."""
-    return {f"{name}.": getattr(m, "expert_offset", 0) for name, m in model.named_modules()
-            if hasattr(m, "w13") and hasattr(m, "w2")}
+    return {f"{name}.": m.expert_offset for name, m in model.named_modules() if isinstance(m, GroupedExperts)}
 
 
 def _collect(model, sd: Mapping[str, torch.Tensor], headers_only: bool = False) -> tuple[dict, _Collector]:

@@ -7,12 +7,13 @@ from __future__ import annotations
 import torch
 
 from megatron_fp4.integrations.hf.qwen3_moe import to_hf_state_dict
+from megatron_fp4.model.experts import GroupedExperts
 
 
 def local_hf_state_dict(model, layout: str = "checkpoint") -> dict[str, torch.Tensor]:
     out = to_hf_state_dict(model, layout)
     offsets = {f"model.{name}.": module.expert_offset for name, module in model.named_modules()
-               if getattr(module, "expert_offset", 0)}
+               if isinstance(module, GroupedExperts) and module.expert_offset}
     if not offsets:
         return out
     if layout == "fused":

@@ -1,0 +1,112 @@
+"""Token dispatch for the MoE layer: the `Dispatcher` interface and the single-process `LocalDispatcher`.
+
+A dispatcher moves each token's k (token, expert) rows to the experts and the outputs back::
+
+    d = dispatcher.dispatch(x, topk_idx, topk_w)     # Dispatched(tokens, counts, segments, handle)
+    y = experts(d.tokens, d.counts, d.segments)      # grouped by local expert
+    out = dispatcher.combine(y, d.handle)            # [T, H]
+
+`Dispatcher.run` is exactly these three steps and is what `MoELayer` calls. A dispatcher that
+overlaps transfer with expert compute (GC-MoE) overrides `run`, using only the experts' public
+compute API (``experts(tokens, counts, segments)``, ``experts.expert(e, tokens)``,
+``experts.parameters()``, ``experts.num_local_experts``). The model holds no process group: the
+expert-parallel dispatchers (`parallel/ep_alltoall.py`, `parallel/gcmoe*.py`) implement this
+interface and are handed to the layer with `MoELayer.set_dispatcher`.
+
+Every dispatcher ends with `combine_expert_outputs`, which sums a token's k expert outputs in
+ascending expert-index order — never arrival order — so all layouts give the same bits.
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+
+
+@dataclass
+class Dispatched:
+    """What `Dispatcher.dispatch` returns: `tokens` [N, H] grouped by local expert, `counts[e]` rows for
+    local expert e, `segments[e]` (or None) the row counts of e's runs from distinct sources (each
+    a micro-batch of the single process; see `GroupedExperts.forward`), `handle` for `combine`."""
+
+    tokens: torch.Tensor
+    counts: list[int]
+    segments: Optional[list[list[int]]]
+    handle: Any
+
+
+class Dispatcher(ABC):
+    """Moves tokens to the experts and their outputs back (module docstring)."""
+
+    @abstractmethod
+    def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_w: torch.Tensor) -> Dispatched:
+        """x [T, H], the router's global expert ids [T, k] and combine weights [T, k] -> `Dispatched`."""
+
+    @abstractmethod
+    def combine(self, expert_out: torch.Tensor, handle: Any) -> torch.Tensor:
+        """The experts' outputs (rows as `dispatch` grouped them) -> [T, H], each token's k outputs
+        weighted and summed in ascending expert index (`combine_expert_outputs`)."""
+
+    def check_experts(self, experts) -> None:
+        """Raise if `experts` is not the block this dispatcher sends to (default: anything goes)."""
+
+    def run(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_w: torch.Tensor, experts) -> torch.Tensor:
+        """The MoE layer's token path: dispatch -> experts -> combine."""
+        self.check_experts(experts)
+        d = self.dispatch(x, topk_idx, topk_w)
+        return self.combine(experts(d.tokens, d.counts, d.segments), d.handle)
+
+    def __call__(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_w: torch.Tensor, experts) -> torch.Tensor:
+        return self.run(x, topk_idx, topk_w, experts)
+
+
+def combine_expert_outputs(y_slots: torch.Tensor, topk_idx: torch.Tensor, topk_w: torch.Tensor) -> torch.Tensor:
+    """y_slots [T, k, H] (slot j = output of expert topk_idx[:, j]) -> weighted sum [T, H], adding
+    the k terms in ascending expert index order (a fixed order, whatever the arrival order)."""
+    order = torch.argsort(topk_idx, dim=1, stable=True)
+    y = torch.gather(y_slots, 1, order[..., None].expand_as(y_slots))
+    w = torch.gather(topk_w, 1, order).to(y_slots.dtype)
+    out = y[:, 0] * w[:, 0, None]
+    for j in range(1, y.shape[1]):
+        out = out + y[:, j] * w[:, j, None]
+    return out
+
+
+def permute_by_expert(topk_idx: torch.Tensor, num_experts: int):
+    """Stable sort of the T·k (token, slot) pairs by expert. Returns (order, token_of_row, counts)."""
+    flat = topk_idx.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=num_experts)
+    return order, order // topk_idx.shape[1], counts
+
+
+class LocalDispatcher(Dispatcher):
+    """All experts on this process: permute by expert, (experts), un-permute, combine.
+
+    `num_experts`: the model's experts (None: taken from the experts `run` is given)."""
+
+    def __init__(self, num_experts: Optional[int] = None):
+        self.num_experts = num_experts
+
+    def check_experts(self, experts) -> None:
+        if self.num_experts is None:
+            self.num_experts = experts.num_global_experts
+        if experts.num_local_experts != experts.num_global_experts:
+            raise ValueError(f"LocalDispatcher: the experts hold {experts.num_local_experts} of "
+                             f"{experts.num_global_experts} experts; an expert-parallel layer needs its "
+                             "expert-parallel dispatcher (parallel.expert_parallel.apply_expert_parallel)")
+
+    def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_w: torch.Tensor) -> Dispatched:
+        if self.num_experts is None:
+            raise ValueError("LocalDispatcher(num_experts=None).dispatch: give the model's expert count")
+        order, token_of_row, counts = permute_by_expert(topk_idx, self.num_experts)
+        return Dispatched(x[token_of_row], counts.tolist(), None, (order, topk_idx, topk_w))
+
+    def combine(self, expert_out: torch.Tensor, handle: Any) -> torch.Tensor:
+        order, topk_idx, topk_w = handle
+        T, k = topk_idx.shape
+        y_slots = torch.empty(T * k, expert_out.shape[-1], dtype=expert_out.dtype, device=expert_out.device)
+        y_slots = y_slots.index_copy(0, order, expert_out)
+        return combine_expert_outputs(y_slots.view(T, k, -1), topk_idx, topk_w)
