@@ -46,6 +46,12 @@ class ModelConfig:
     # this rate · sign(mean load - load) after each optimizer step (0: off, no bias)
     moe_router_bias_update_rate: float = 0.0
     moe_aux_loss_type: str = "global"  # global (over the batch's tokens) | seq (DeepSeek-V3 per sequence)
+    # Expert capacity (Megatron-Core's moe_expert_capacity_factor; model/capacity.py): None = no
+    # capacity; else each expert takes <= ceil(T*k/E*factor) (token, slot) pairs of a forward call,
+    # dropping the rest by moe_token_drop_policy: probs (lowest weights first) | position (latest
+    # tokens first). Pretraining/SFT only: rollouts would drop other tokens (refused for RL).
+    moe_capacity_factor: Optional[float] = None
+    moe_token_drop_policy: str = "probs"
     tie_embeddings: bool = False
     init_std: float = 0.02
     # Activation recomputation (megatron_fp4/model/recompute.py): none | full (each block of

@@ -92,6 +92,10 @@ def validate_config(cfg) -> None:
              "must be >= 0 (0 = no aux-loss-free bias)")
     require(m.moe_aux_loss_type in ("global", "seq"), "model.moe_aux_loss_type", m.moe_aux_loss_type,
              "must be 'global' or 'seq'")
+    require(m.moe_capacity_factor is None or m.moe_capacity_factor > 0, "model.moe_capacity_factor",
+            m.moe_capacity_factor, "must be > 0 (e.g. 1.25), or null for no capacity (nothing dropped)")
+    require(m.moe_token_drop_policy in ("probs", "position"), "model.moe_token_drop_policy", m.moe_token_drop_policy,
+            "must be 'probs' (drop the lowest combine weights) or 'position' (drop the latest tokens)")
     require(m.init_std > 0, "model.init_std", m.init_std, "must be > 0 (the std of the initial weights, e.g. 0.02)")
     require(m.rope_theta > 0, "model.rope_theta", m.rope_theta,
              "must be > 0 (the rotary base, e.g. 10000; 0 makes every rotary frequency NaN)")

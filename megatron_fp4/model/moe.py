@@ -19,6 +19,7 @@ from megatron_fp4.model.experts import (GroupedExperts, can_group, can_group_exa
                                         can_group_fp4)
 from megatron_fp4.model.layers import SwiGLU
 from megatron_fp4.model.moe_balance import seq_balance_loss, update_expert_bias  # noqa: F401 (the trainer's hook)
+from megatron_fp4.model.capacity import capacity_keep, expert_capacity
 from megatron_fp4.model.router import Router, replay_topk, route_from_logits, router_logits  # noqa: F401
 
 
@@ -49,9 +50,13 @@ class MoELayer(nn.Module):
     def __init__(self, hidden: int, num_experts: int, top_k: int, ffn: int, recipe: Recipe,
                  norm_topk_prob: bool = True, aux_loss_coef: float = 0.0, z_loss_coef: float = 0.0,
                  num_shared_experts: int = 0, shared_ffn: int = 0, bias_update_rate: float = 0.0,
-                 aux_loss_type: str = "global", dispatcher: Optional[Dispatcher] = None):
-        """`dispatcher`: how tokens reach the experts (default `LocalDispatcher`; see `set_dispatcher`)."""
+                 aux_loss_type: str = "global", dispatcher: Optional[Dispatcher] = None,
+                 capacity_factor: Optional[float] = None, drop_policy: str = "probs"):
+        """`dispatcher`: how tokens reach the experts (default `LocalDispatcher`; see `set_dispatcher`).
+        `capacity_factor` (None: no capacity): each expert takes at most ceil(T·k/E·factor) of a
+        call's (token, slot) pairs, dropping the rest by `drop_policy` (`model/capacity.py`)."""
         super().__init__()
+        self.capacity_factor, self.drop_policy = capacity_factor, drop_policy
         self.num_experts, self.top_k = num_experts, top_k
         self.aux_loss_coef, self.z_loss_coef = aux_loss_coef, z_loss_coef
         self.aux_loss_type = aux_loss_type  # global: over all of the batch's tokens | seq: per sequence, mean
@@ -126,7 +131,10 @@ class MoELayer(nn.Module):
         replay = None if routing_in is None else routing_in.reshape(-1, self.top_k)
         # without replay the router is called as before (its one-argument form, which tests wrap)
         logits, probs, topk_idx, topk_w = self.router(x2) if replay is None else self.router(x2, replay)
-        out = self._dispatcher.run(x2, topk_idx, topk_w, self.experts)
+        if self.capacity_factor is None:
+            out = self._dispatcher.run(x2, topk_idx, topk_w, self.experts)
+        else:
+            out = self._run_with_capacity(x2, topk_idx, topk_w)
         if self.shared_expert is not None:
             out = out + self.shared_expert(x2)
         out = out.view(shape)
@@ -145,6 +153,22 @@ class MoELayer(nn.Module):
             if self.record_stats:
                 self.stats.append({"aux_loss": balance.detach(), "z_loss": z.detach(), "counts": counts.detach()})
         return out
+
+
+    def _run_with_capacity(self, x2: torch.Tensor, topk_idx: torch.Tensor, topk_w: torch.Tensor) -> torch.Tensor:
+        """The token path with the pairs over capacity dropped: the kept (token, slot) pairs go
+        through the dispatcher as one-slot rows in their flat order (so each expert sees its kept
+        rows in the order it would see them with every pair kept) and are combined here in
+        ascending expert order, a dropped slot adding nothing. Any dispatcher serves unchanged."""
+        T, k = topk_idx.shape
+        keep = capacity_keep(topk_idx, topk_w, self.num_experts,
+                             expert_capacity(T, k, self.num_experts, self.capacity_factor), self.drop_policy)
+        flat_keep = keep.reshape(-1).nonzero().squeeze(1)
+        pair_idx = topk_idx.reshape(-1)[flat_keep][:, None]
+        y = self._dispatcher.run(x2[flat_keep // k], pair_idx, torch.ones_like(pair_idx, dtype=topk_w.dtype),
+                                 self.experts)
+        y_slots = y.new_zeros(T * k, y.shape[-1]).index_copy(0, flat_keep, y)
+        return combine_expert_outputs(y_slots.view(T, k, -1), topk_idx, topk_w * keep.to(topk_w.dtype))
 
 
 def init_moe_params(layer: MoELayer, std: float, out_std: float, generator: torch.Generator) -> None:

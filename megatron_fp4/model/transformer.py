@@ -36,7 +36,8 @@ class DecoderLayer(nn.Module):
             self.mlp = MoELayer(cfg.hidden_size, cfg.num_experts, cfg.top_k, cfg.moe_ffn_hidden_size,
                                 recipe or Recipe(mode="bf16"), cfg.norm_topk_prob, cfg.router_aux_loss_coef,
                                 cfg.router_z_loss_coef, cfg.num_shared_experts, cfg.shared_expert_ffn_hidden_size,
-                                cfg.moe_router_bias_update_rate, cfg.moe_aux_loss_type)
+                                cfg.moe_router_bias_update_rate, cfg.moe_aux_loss_type,
+                                capacity_factor=cfg.moe_capacity_factor, drop_policy=cfg.moe_token_drop_policy)
         else:
             self.mlp = SwiGLU(cfg.hidden_size, cfg.dense_ffn_hidden_size, recipe)
 

@@ -28,6 +28,7 @@ from typing import Callable, Optional
 
 import torch
 
+from megatron_fp4.model.capacity import refuse_for_rollout
 from megatron_fp4.rl.evaluate import check_sync, greedy_eval
 from megatron_fp4.rl.grpo import build_rl_batch, consistency, ppo_updates
 from megatron_fp4.rl.policy_loss import PolicyLoss
@@ -160,6 +161,7 @@ def run_grpo(trainer, task, rollout, settings: GRPOSettings, say: Callable = _qu
     """`settings.steps` GRPO steps from the trainer's current weights (version 0 is published first).
     `scorer`: the trainer-side log-probs (default: a new `PolicyScorer`, keeping the starting policy
     as the KL reference when ``kl_coef`` is set). `say`: progress lines (rank 0 of a sharded run)."""
+    refuse_for_rollout(trainer.cfg.model.moe_capacity_factor)  # any rollout: vLLM drops nothing either
     start = time.perf_counter()
     if scorer is None:
         scorer = PolicyScorer(trainer, settings.micro_batch_size, keep_reference=bool(settings.kl_coef),

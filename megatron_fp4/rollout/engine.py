@@ -35,6 +35,7 @@ import torch
 from megatron_fp4.fp4 import invariant
 from megatron_fp4.fp4.exact_gemm import cached_weights
 from megatron_fp4.model import KVCache, Router
+from megatron_fp4.model.capacity import refuse_for_rollout
 from megatron_fp4.rollout.sampling import SamplingParams, sample_token, sampling_log_probs
 
 
@@ -218,6 +219,7 @@ class RolloutEngine:
     def __init__(self, model, mode: Optional[str] = None, pad_id: int = 0, seed: int = 0, name: str = "rollout0",
                  dtype: Optional[torch.dtype] = None, lock_timeout_s: Optional[float] = 600.0,
                  batch_invariant: bool = True, cache_quantized_weights: bool = True):
+        refuse_for_rollout(getattr(getattr(model, "cfg", None), "moe_capacity_factor", None))
         if lock_timeout_s is not None and not (0 < lock_timeout_s < float("inf")):
             raise ValueError(f"lock_timeout_s={lock_timeout_s!r} must be a positive number of seconds (or None to "
                              "wait forever): how long a weight swap or a request may wait for the engine's lock")
