@@ -2,7 +2,7 @@
 
     # in the vLLM venv (never the shared python; tools/vllm_env.sh builds one), from the repository root:
     HF_HUB_OFFLINE=1 OMP_NUM_THREADS=1 PYTHONPATH=$PWD /work/venv-vllm/bin/python benchmarks/bench_vllm_goals.py
-    ... --quick                       # fewer prompts/tokens/repeats, a ~75 MB update model (a few minutes)
+    ... --quick                       # fewer prompts, tokens and repeats (about 3 minutes)
     ... --only logprob,bf16,throughput,update,update-time,kl
 
 Rows (vLLM in this process, `VLLM_ENABLE_V1_MULTIPROCESSING=0`; the trainer is fp32, batch-invariant
@@ -42,7 +42,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 MODEL = ["model.head_dim=64", "model.num_heads=2", "model.num_kv_heads=1", "model.init_std=0.08",
          "logging.tensorboard_dir=null", "checkpoint.dir=null"]
-ROWS = ("logprob", "bf16", "throughput", "update", "update-time", "kl")
+ROWS = ("logprob", "bf16", "throughput", "update", "update-time", "kl", "layers")
 MOERESQ, PLAIN, ROLLOUT_ONLY = ("fp4_resq", "fp4_resq"), ("fp4", "fp4"), ("fp4", "fp4_resq")
 
 
@@ -140,28 +140,31 @@ def throughput_rows(args, work: Path) -> list:
     from megatron_fp4.integrations.hf import save_hf_checkpoint
     from megatron_fp4.integrations.vllm import export_for_vllm
 
-    targs = argparse.Namespace(vocab=2048, hidden=128, layers=4, experts=8, ffn=256, prompt_len=32,
-                               new_tokens=args.new_tokens, batch=args.batch)
+    targs = argparse.Namespace(vocab=2048, hidden=args.tp_hidden, layers=4, experts=8, ffn=2 * args.tp_hidden,
+                               prompt_len=32, new_tokens=args.new_tokens, batch=args.batch)
     cfg, model = build(targs)
     torch.manual_seed(0)
     prompts = torch.randint(1, targs.vocab, (targs.batch, targs.prompt_len)).tolist()
     stock = save_hf_checkpoint(model, cfg, work / "tp_stock", dtype=torch.float32, quantization_config=None)
     runners = {"stock": vllm_runner(str(stock), prompts, targs)}
-    for scope in ("experts", "experts+attention"):
+    plugins = {"experts": ("experts", True), "experts+attention": ("experts+attention", True),
+               "experts+attention, standard kernels": ("experts+attention", False)}
+    for name, (scope, batch_invariant) in plugins.items():
         c = copy.deepcopy(cfg)
         c.fp4.scope, c.fp4.train_mode, c.fp4.rollout_mode = scope, *MOERESQ
-        d = export_for_vllm(model, c, work / f"tp_{scope.replace('+', '_')}", dtype=None, overwrite=True)
-        runners[scope] = vllm_runner(str(d), prompts, targs)
-    log(f"throughput: stock vs plugin (2 scopes), batch {targs.batch}, 32+{targs.new_tokens} tokens, "
-        f"{args.repeats} rounds")
-    t, _ = timed_rounds(runners, args.repeats)
+        c.numerics.batch_invariant = batch_invariant
+        d = export_for_vllm(model, c, work / f"tp_{len(runners)}", dtype=None, overwrite=True)
+        runners[name] = vllm_runner(str(d), prompts, targs)
+    log(f"throughput: stock vs plugin ({len(plugins)} variants), hidden {targs.hidden}, batch {targs.batch}, "
+        f"32+{targs.new_tokens} tokens, {args.repeats} rounds")
+    t, outs = timed_rounds(runners, args.repeats)
     tokens = targs.batch * targs.new_tokens
     rows = []
-    for scope in ("experts", "experts+attention"):
-        ratio = t["stock"] / t[scope]
-        rows.append(row(f"plugin tokens/s ÷ stock vLLM, MoEResQ {scope} ({tokens / t[scope]:.0f} vs "
-                        f"{tokens / t['stock']:.0f} tokens/s, batch {targs.batch})", f"{ratio:.2f}×", "≥ 0.8×",
-                        ratio >= 0.8))
+    for name in plugins:
+        ratio = t["stock"] / t[name]
+        rows.append(row(f"plugin tokens/s ÷ stock vLLM, MoEResQ {name} ({tokens / t[name]:.0f} vs "
+                        f"{tokens / t['stock']:.0f} tokens/s; hidden {targs.hidden}, batch {targs.batch})",
+                        f"{ratio:.2f}×", "≥ 0.8×", ratio >= 0.8))
     return rows
 
 
@@ -259,6 +262,66 @@ def kl_rows(args, work: Path) -> list:
     return rows
 
 
+def _hooks(model, names: list, store: dict) -> list:
+    """Forward hooks recording each named module's output (first element of a tuple) as [T, -1];
+    `o_proj` also records its input (the attention output) under '<name>:in'."""
+    hooks, mods = [], dict(model.named_modules())
+    for name in names:
+        def out(_m, inp, o, name=name):
+            o = o[0] if isinstance(o, tuple) else o
+            store[name] = o.detach().reshape(-1, o.shape[-1]).float().clone()  # vLLM edits some in place
+            if name.endswith("o_proj"):
+                store[name + ":in"] = inp[0].detach().reshape(-1, inp[0].shape[-1]).float().clone()
+        hooks.append(mods[name].register_forward_hook(out))
+    return hooks
+
+
+def layer_rows(args, work: Path) -> list:
+    """Which op first differs between vLLM + plugin and the trainer: one prompt's prefill, fp32,
+    MoEResQ experts+attention, every decoder sub-module's output side by side (max |Δ|)."""
+    import torch
+
+    from megatron_fp4.fp4 import invariant
+    from megatron_fp4.integrations.hf import build_model_from_hf
+    from megatron_fp4.integrations.vllm import export_for_vllm
+    from megatron_fp4.integrations.vllm.worker import build_llm
+    from megatron_fp4.model import build_model
+    from vllm import SamplingParams
+
+    cfg = tiny_config("experts+attention", *MOERESQ)
+    d = export_for_vllm(build_model(cfg, seed=0), cfg, work / "layers", dtype=None, overwrite=True)
+    prompt = [(7 * j + 3) % 30 + 1 for j in range(12)]
+    ops = ["input_layernorm", "self_attn.qkv_proj", "self_attn.q_norm", "self_attn.k_norm", "self_attn.o_proj",
+           "post_attention_layernorm", "mlp"]
+    names = [f"model.layers.{i}.{op}" for i in range(cfg.model.num_layers) for op in ops]
+    ours: dict = {}
+    llm, _ = build_llm(str(d), {"dtype": "float32"})
+    llm.apply_model(lambda m: bool(_hooks(m, names, ours)))
+    llm.generate([{"prompt_token_ids": prompt}], SamplingParams(max_tokens=1, temperature=0.0), use_tqdm=False)
+    del llm
+    trainer: dict = {}
+    model = build_model_from_hf(d, cfg.fp4).eval()
+    model.set_fp4_mode(cfg.fp4.rollout_mode)
+    tnames = [n.removeprefix("model.") for n in names if "qkv" not in n]
+    _hooks(model, tnames + [n.removeprefix("model.").replace("qkv_proj", p) for n in names if "qkv" in n
+                            for p in ("q_proj", "k_proj", "v_proj")], trainer)
+    with torch.no_grad(), invariant.batch_invariant(True):
+        model(torch.tensor([prompt]))
+    rows, first = [], None
+    for n in names:
+        t = n.removeprefix("model.")
+        want = torch.cat([trainer[t.replace("qkv_proj", p)] for p in ("q_proj", "k_proj", "v_proj")], -1) \
+            if "qkv" in n else trainer[t]
+        for key, ref in ((n + ":in", trainer.get(t + ":in")), (n, want)):
+            if key in ours and ref is not None:
+                diff = float((ours[key].reshape(ref.shape) - ref).abs().max())
+                log(f"layers: {key:<45} max |Δ| {diff:.2e}")
+                if diff and first is None:
+                    first = (key, diff)
+    return [row("first decoder op whose output differs from the trainer (fp32 prefill, MoEResQ experts+attention)",
+                f"{first[0]} ({first[1]:.1e})" if first else "none", "none (bitwise)", first is None)]
+
+
 def markdown(rows: list) -> str:
     lines = ["| measure | value | goal | met? |", "|---|---|---|---|"]
     lines += [f"| {r['measure']} | {r['value']} | {r['goal']} | {r['met']} |" for r in rows]
@@ -267,13 +330,14 @@ def markdown(rows: list) -> str:
 
 def main(argv=None) -> list:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--quick", action="store_true", help="small run: 16x16 positions, 2 rounds, ~75 MB update model")
+    p.add_argument("--quick", action="store_true", help="small run: 16x16 positions, 2 rounds")
     p.add_argument("--only", help=f"comma-separated subset of {','.join(ROWS)}")
     p.add_argument("--prompts", type=int, default=64)
     p.add_argument("--tokens", type=int, default=16)
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--tp-hidden", type=int, default=128, help="throughput model's hidden size (ffn: twice it)")
     p.add_argument("--update-mb", type=float, default=300.0)
     p.add_argument("--seeds", type=int, default=3)
     p.add_argument("--kl-prompts", type=int, default=32)
@@ -286,7 +350,7 @@ def main(argv=None) -> list:
     if any(o not in ROWS for o in only):
         p.error(f"--only: unknown row in {args.only!r}; rows are {', '.join(ROWS)}")
     if args.quick:
-        args.prompts, args.tokens, args.repeats, args.update_mb = 16, 16, 2, 75.0
+        args.prompts, args.tokens, args.repeats = 16, 16, 2
         args.kl_prompts, args.new_tokens = 16, 32
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # apply_model reaches the model in this process
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -302,7 +366,7 @@ def main(argv=None) -> list:
         p.exit(2, f"bench_vllm_goals: {cap.reason}; run it with the vLLM venv's python (tools/vllm_env.sh)\n")
     register()
     steps = {"logprob": logprob_rows, "bf16": bf16_rows, "throughput": throughput_rows, "update": update_rows,
-             "update-time": update_time_rows, "kl": kl_rows}
+             "update-time": update_time_rows, "kl": kl_rows, "layers": layer_rows}
     rows = []
     with tempfile.TemporaryDirectory(prefix="bench_vllm_goals-") as tmp:
         work = Path(args.work or tmp)
