@@ -98,6 +98,13 @@ def test_live_update_refuses_bad_tensors_before_writing():
                           ({"model.norm.weight": torch.full((128,), float("nan"))}, "NaN")):
         with pytest.raises(ValueError, match=match):
             check_update(served, update)
+    # the finiteness check sums each tensor: a finite tensor whose sum overflows passes, one Inf among
+    # finite tensors is named
+    big = torch.full((128,), 3e38)
+    check_update(served, {"model.norm.weight": big, "lm_head.weight": torch.ones(128, 128)})
+    with pytest.raises(ValueError, match="'lm_head.weight' holds NaN/Inf"):
+        check_update(served, {"model.norm.weight": big, "lm_head.weight": torch.ones(128, 128).index_fill_(
+            0, torch.tensor([7]), float("inf"))})
 
 
 # -- unit: plugin layers == trainer modules ---------------------------------------------------------
