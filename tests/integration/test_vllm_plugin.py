@@ -98,6 +98,13 @@ def test_live_update_refuses_bad_tensors_before_writing():
                           ({"model.norm.weight": torch.full((128,), float("nan"))}, "NaN")):
         with pytest.raises(ValueError, match=match):
             check_update(served, update)
+    # the finiteness check sums each tensor: a finite tensor whose sum overflows passes, one Inf among
+    # finite tensors is named
+    big = torch.full((128,), 3e38)
+    check_update(served, {"model.norm.weight": big, "lm_head.weight": torch.ones(128, 128)})
+    with pytest.raises(ValueError, match="'lm_head.weight' holds NaN/Inf"):
+        check_update(served, {"model.norm.weight": big, "lm_head.weight": torch.ones(128, 128).index_fill_(
+            0, torch.tensor([7]), float("inf"))})
 
 
 # -- unit: plugin layers == trainer modules ---------------------------------------------------------
@@ -241,6 +248,42 @@ def test_layer_selection_follows_the_scope(vllm_ctx):
         assert type(qc.get_quant_method(head, "lm_head")) is HeadMethod, scope
         assert type(qc.get_quant_method(lin, "visual.proj")) is UnquantizedLinearMethod, scope  # not a decoder layer
         assert qc.get_quant_method(torch.nn.Module(), "model.layers.2.self_attn.attn") is None, scope
+
+
+@needs_vllm
+@pytest.mark.parametrize("batch_invariant", [False, True])
+def test_rmsnorm_is_the_trainers_in_a_plugin_model_and_vllms_elsewhere(vllm_ctx, batch_invariant):
+    """vLLM's RMSNorm (q/k norms, the decoder norms with their fused residual add) built while the
+    plugin's config is current computes the trainer's `RMSNorm` bitwise (in the mode the block
+    asks for); built for another model it is vLLM's own."""
+    from vllm.config import VllmConfig, set_current_vllm_config
+    from vllm.model_executor.layers.layernorm import RMSNorm
+
+    from megatron_fp4.integrations.vllm.plugin import register
+    from megatron_fp4.model.layers import RMSNorm as TrainerNorm
+
+    register()
+    gen = torch.Generator().manual_seed(5)
+    ref = TrainerNorm(128)
+    with torch.no_grad():
+        ref.weight.copy_(1 + 0.1 * torch.randn(128, generator=gen))
+    x, h = torch.randn(33, 128, generator=gen) * 3, torch.randn(33, 128, generator=gen)
+    norms = {}
+    for name, qc in (("plugin", plugin_config(tiny_cfg("experts"), batch_invariant)), ("stock", None)):
+        with set_current_vllm_config(VllmConfig(quant_config=qc)):
+            norms[name] = RMSNorm(128, eps=ref.eps)
+        norms[name].weight.data.copy_(ref.weight.detach())
+    with torch.no_grad(), invariant.batch_invariant(batch_invariant):
+        want, want_h = ref(x), ref(h + x)
+    with torch.inference_mode():
+        assert torch.equal(norms["plugin"](x), want)
+        out, residual = norms["plugin"](x.clone(), h.clone())  # vLLM: norm(x + residual), the new residual
+        assert torch.equal(residual, h + x) and torch.equal(out, want_h)
+        stock = norms["stock"](x)
+    from vllm.ir.ops.layernorm import rms_norm
+    assert torch.equal(stock, rms_norm(x, ref.weight.detach(), ref.eps))  # vLLM's own math elsewhere
+    if batch_invariant:  # the case the op exists for: vLLM's mean square rounds unlike the trainer's
+        assert not torch.equal(rms_norm(x, ref.weight.detach(), ref.eps), want)
 
 
 # -- end to end: plain vllm.LLM(model=dir) in a subprocess vs the trainer's scoring -------------------

@@ -20,6 +20,7 @@ from typing import Mapping
 import torch
 
 from megatron_fp4.integrations.hf.checkpoint import SafetensorsTensors, _weight_files
+from megatron_fp4.training.nonfinite import all_finite
 
 
 def served_shapes(llm) -> dict[str, tuple]:
@@ -43,8 +44,9 @@ def check_update(served: Mapping[str, tuple], update: Mapping[str, torch.Tensor]
         if tuple(t.shape) != tuple(served[name]):
             raise ValueError(f"update_weights: {name!r} has shape {tuple(t.shape)}, the served checkpoint "
                              f"{tuple(served[name])}; nothing was loaded")
-        if not torch.isfinite(t).all():
-            raise ValueError(f"update_weights: {name!r} holds NaN/Inf; nothing was loaded")
+    if not all_finite(update.values()):  # one sum per tensor (an exact scan only when one is not finite)
+        bad = next(name for name, t in update.items() if not bool(torch.isfinite(t).all()))
+        raise ValueError(f"update_weights: {bad!r} holds NaN/Inf; nothing was loaded")
 
 
 def plugin_layers(model) -> list:

@@ -18,7 +18,8 @@ modules and functions, so the numbers are the trainer's by construction (ground 
 - the other linears (q/k/v/o outside scope `experts+attention`) the same way in mode bf16, i.e. the
   trainer's plain `invariant.linear` per logical weight, and the LM head as the trainer's head
   (`HeadMethod`): no CPU prepacked copies, which a weight update would leave stale;
-- attention, norms, RoPE and the embedding lookup: vLLM's own.
+- RMSNorm (q/k norms, decoder norms with the fused residual add): the trainer's, through the
+  plugin's out-of-tree op (`ops.py`); attention, RoPE and the embedding lookup: vLLM's own.
 
 Q(W) is computed once per weight version: every layer runs inside `exact_gemm.cached_weights` with
 one store per model, cleared by every weight load into a plugin-owned parameter (the weight loaders

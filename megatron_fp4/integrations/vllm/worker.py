@@ -7,7 +7,8 @@ or in-process (`run_spec(spec, out_dir)`) where vllm is importable. SPEC.json (J
 
     {"jobs": [{"name": "experts/MoEResQ", "model": HF_DIR}, ...],      # export_for_vllm directories
      "prompts": [[ids...], ...], "max_tokens": 8, "temperature": 1.0, "seeds": [s0, s1, ...],
-     "stop_token_ids": [2], "dtype": "float32", "routing": true, "distributions": true}
+     "stop_token_ids": [2], "dtype": "float32", "routing": true, "distributions": true,
+     "ignore_eos": false}
 
 OUT_DIR/results.json: {"jobs": {name: {"tokens": [[...]], "logprobs": [[...]], "plugin": bool,
 "file": "job_K.safetensors"}}}; that safetensors file holds per request i `routing.i` [N, L_moe, k]
@@ -100,7 +101,8 @@ def generate(llm, vocab: int, spec: dict) -> tuple:
     for i, (prompt, seed) in enumerate(zip(spec["prompts"], seeds)):
         params = SamplingParams(max_tokens=int(spec["max_tokens"]), temperature=float(spec.get("temperature", 1.0)),
                                 seed=seed, logprobs=vocab if dists else 0, detokenize=False,
-                                stop_token_ids=list(spec.get("stop_token_ids", [])))
+                                stop_token_ids=list(spec.get("stop_token_ids", [])),
+                                ignore_eos=bool(spec.get("ignore_eos", False)))
         c = llm.generate([{"prompt_token_ids": list(prompt)}], params, use_tqdm=False)[0].outputs[0]
         toks = list(c.token_ids)
         out["tokens"].append(toks)

@@ -1,0 +1,383 @@
+"""Issue 23's goal table for vLLM + the `megatron_fp4` plugin, every row measured side by side in one run.
+
+    # in the vLLM venv (never the shared python; tools/vllm_env.sh builds one), from the repository root:
+    HF_HUB_OFFLINE=1 OMP_NUM_THREADS=1 PYTHONPATH=$PWD /work/venv-vllm/bin/python benchmarks/bench_vllm_goals.py
+    ... --quick                       # fewer prompts, tokens and repeats (about 3 minutes)
+    ... --only logprob,bf16,throughput,update,update-time,kl
+
+Rows (vLLM in this process, `VLLM_ENABLE_V1_MULTIPROCESSING=0`; the trainer is fp32, batch-invariant
+scoring, as `tools/consistency_report.py --rollout vllm` scores):
+
+- logprob: the tiny config (examples/configs/tiny_moe.yaml, head_dim 64, random init std 0.08)
+  exported with MoEResQ on scope experts and experts+attention (plus FP4 off: the floor); vLLM +
+  plugin samples `--prompts` × `--tokens` (temperature 1, EOS ignored, so every position counts),
+  the trainer re-scores: max |Δ log-prob| and expert agreement over every MoE layer and position;
+- bf16: the same with `dtype="bfloat16"` (router gate weight and logits fp32) vs the fp32 trainer;
+- throughput: greedy tokens/s of the plugin (MoEResQ, both scopes) vs stock vLLM (no
+  quantization_config) on one model and batch (bench_vllm_engine's runner), calls alternating;
+- update: an engine on weights A, run (Q(W) cached), updated in place to B (`live.update_weights`)
+  vs a fresh engine on B: tokens, log-probs, full distributions and experts, bitwise;
+- update-time: `update_weights` of every tensor of a `--update-mb` MB fp32 model, median of 3;
+- kl: the paper's ordering KL(MoEResQ) < KL(FP4 both, no compensation) < KL(rollout-only
+  compensation) per seed (model init, prompts and sampling seeds), `--kl-dtype` vLLM (default bf16:
+  the realistic engine gap; with fp32 on both sides plain FP4 and MoEResQ both sit at the
+  fp32-rounding floor, see docs/vllm.md).
+
+Prints progress to stderr and last a markdown table: measure | value | goal | met?
+(history: docs/benchmarks.md).
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+MODEL = ["model.head_dim=64", "model.num_heads=2", "model.num_kv_heads=1", "model.init_std=0.08",
+         "logging.tensorboard_dir=null", "checkpoint.dir=null"]
+ROWS = ("logprob", "bf16", "throughput", "update", "update-time", "kl", "layers")
+MOERESQ, PLAIN, ROLLOUT_ONLY = ("fp4_resq", "fp4_resq"), ("fp4", "fp4"), ("fp4", "fp4_resq")
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def consistency():
+    """The consistency report's `prompts` and `train_side` (from megatron_fp4.rollout.consistency
+    once they live there, else tools/consistency_report.py): the only call sites into it."""
+    from megatron_fp4.rollout import consistency as mod
+    if not hasattr(mod, "train_side"):
+        import tools.consistency_report as mod
+    return mod.prompts, mod.train_side
+
+
+def tiny_config(scope: str, train_mode: str, rollout_mode: str):
+    from megatron_fp4.config import load_config
+
+    cfg = load_config(ROOT / "examples/configs/tiny_moe.yaml", list(MODEL))
+    cfg.fp4.scope, cfg.fp4.train_mode, cfg.fp4.rollout_mode = scope, train_mode, rollout_mode
+    cfg.numerics.batch_invariant = True
+    return cfg
+
+
+def rollout_vs_trainer(jobs: list, work: Path, n: int, tokens: int, seed: int, dtype: str) -> dict:
+    """{name: consistency metrics} for jobs (name, scope, (train_mode, rollout_mode), model seed):
+    each exported by `export_for_vllm` (fp32 weights), served by vLLM + plugin (`dtype`), the
+    fp32 trainer re-scoring vLLM's tokens."""
+    from megatron_fp4.integrations.vllm import export_for_vllm
+    from megatron_fp4.integrations.vllm.remote import run_vllm_rollout
+    from megatron_fp4.model import build_model
+    from megatron_fp4.training.data import ArithmeticTokenizer
+
+    prompts, train_side = consistency()
+    tok = ArithmeticTokenizer()
+    ps = prompts(n, seed, tok)
+    models, spec_jobs = {}, []
+    for name, scope, (train_mode, rollout_mode), model_seed in jobs:
+        cfg = tiny_config(scope, train_mode, rollout_mode)
+        models[name] = (build_model(cfg, seed=model_seed), train_mode)
+        out = export_for_vllm(models[name][0], cfg, work / f"hf_{len(spec_jobs)}", dtype=None, overwrite=True)
+        spec_jobs.append({"name": name, "model": str(out)})
+    spec = {"jobs": spec_jobs, "prompts": ps, "max_tokens": tokens, "temperature": 1.0, "ignore_eos": True,
+            "seeds": [seed * 100_003 + i for i in range(n)], "dtype": dtype, "routing": True, "distributions": True}
+    gens = run_vllm_rollout(spec, work)
+    out = {}
+    for name, (model, train_mode) in models.items():
+        g = gens[name]
+        flat = {"prompt_ids": ps, "response_ids": g["tokens"], "log_probs": g["logprobs"], "routing": g["routing"],
+                "distributions": g["dist"]}
+        out[name] = train_side(model, flat, tok, train_mode, True, 6)
+        out[name]["positions"] = sum(len(t) for t in g["tokens"])
+        out[name]["layers"] = int(g["routing"][0].shape[1])
+    return out
+
+
+def row(measure, value, goal, met) -> dict:
+    return {"measure": measure, "value": value, "goal": goal, "met": {True: "yes", False: "no"}.get(met, met)}
+
+
+def logprob_rows(args, work: Path) -> list:
+    jobs = [("experts", "experts", MOERESQ, 0), ("experts+attention", "experts+attention", MOERESQ, 0),
+            ("none", "none", ("bf16", "bf16"), 0)]
+    log(f"logprob: 3 exports, {args.prompts} prompts x {args.tokens} tokens, fp32")
+    m = rollout_vs_trainer(jobs, work / "logprob", args.prompts, args.tokens, 0, "float32")
+    rows = [row(f"max \\|Δ log-prob\\|, MoEResQ {s} (mean {m[s]['mean_abs_diff']:.1e})", f"{m[s]['max_abs_diff']:.1e}", "≤ 1e-5", m[s]["max_abs_diff"] <= 1e-5)
+            for s in ("experts", "experts+attention")]
+    rows.append(row("max \\|Δ log-prob\\|, FP4 off (the floor)", f"{m['none']['max_abs_diff']:.1e}", "(floor 9.5e-7)",
+                    "—"))
+    for s in ("experts", "experts+attention"):
+        pos = m[s]["positions"]
+        rows.append(row(f"expert agreement, MoEResQ {s}, {m[s]['layers']} MoE layers × {pos} positions",
+                        f"{m[s]['expert_agreement']:.2%}", "100 % (≥ 1000 positions)",
+                        m[s]["expert_agreement"] == 1.0 and pos >= 1000))
+    return rows
+
+
+def bf16_rows(args, work: Path) -> list:
+    jobs = [("none", "none", ("bf16", "bf16"), 0), ("experts", "experts", MOERESQ, 0)]
+    log(f"bf16: 2 exports, {args.prompts} prompts x {args.tokens} tokens, vLLM bf16 vs fp32 trainer")
+    m = rollout_vs_trainer(jobs, work / "bf16", args.prompts, args.tokens, 0, "bfloat16")
+    return [row(f"bf16 vLLM + plugin expert agreement, FP4 off, {m['none']['positions']} positions "
+                f"(max \\|Δ\\| {m['none']['max_abs_diff']:.1e})", f"{m['none']['expert_agreement']:.2%}",
+                "≥ 99.9 %", m["none"]["expert_agreement"] >= 0.999),
+            row(f"bf16 vLLM + plugin expert agreement, MoEResQ experts (max \\|Δ\\| {m['experts']['max_abs_diff']:.1e})",
+                f"{m['experts']['expert_agreement']:.2%}", "(FP4 on)", "—")]
+
+
+def throughput_rows(args, work: Path) -> list:
+    import torch
+    from bench_rollout import timed_rounds
+    from bench_vllm_engine import build, vllm_runner
+
+    from megatron_fp4.integrations.hf import save_hf_checkpoint
+    from megatron_fp4.integrations.vllm import export_for_vllm
+
+    targs = argparse.Namespace(vocab=2048, hidden=args.tp_hidden, layers=4, experts=8, ffn=2 * args.tp_hidden,
+                               prompt_len=32, new_tokens=args.new_tokens, batch=args.batch)
+    cfg, model = build(targs)
+    torch.manual_seed(0)
+    prompts = torch.randint(1, targs.vocab, (targs.batch, targs.prompt_len)).tolist()
+    stock = save_hf_checkpoint(model, cfg, work / "tp_stock", dtype=torch.float32, quantization_config=None)
+    runners = {"stock": vllm_runner(str(stock), prompts, targs)}
+    plugins = {"experts": ("experts", True), "experts+attention": ("experts+attention", True),
+               "experts+attention, standard kernels": ("experts+attention", False)}
+    for name, (scope, batch_invariant) in plugins.items():
+        c = copy.deepcopy(cfg)
+        c.fp4.scope, c.fp4.train_mode, c.fp4.rollout_mode = scope, *MOERESQ
+        c.numerics.batch_invariant = batch_invariant
+        d = export_for_vllm(model, c, work / f"tp_{len(runners)}", dtype=None, overwrite=True)
+        runners[name] = vllm_runner(str(d), prompts, targs)
+    log(f"throughput: stock vs plugin ({len(plugins)} variants), hidden {targs.hidden}, batch {targs.batch}, "
+        f"32+{targs.new_tokens} tokens, {args.repeats} rounds")
+    t, outs = timed_rounds(runners, args.repeats)
+    tokens = targs.batch * targs.new_tokens
+    rows = []
+    for name in plugins:
+        ratio = t["stock"] / t[name]
+        rows.append(row(f"plugin tokens/s ÷ stock vLLM, MoEResQ {name} ({tokens / t[name]:.0f} vs "
+                        f"{tokens / t['stock']:.0f} tokens/s; hidden {targs.hidden}, batch {targs.batch})",
+                        f"{ratio:.2f}×", "≥ 0.8×", ratio >= 0.8))
+    return rows
+
+
+def update_rows(args, work: Path) -> list:
+    from megatron_fp4.integrations.hf import load_hf_checkpoint
+    from megatron_fp4.integrations.vllm import export_for_vllm
+    from megatron_fp4.integrations.vllm.live import update_weights
+    from megatron_fp4.integrations.vllm.worker import build_llm, generate, set_routing
+    from megatron_fp4.model import build_model
+    from megatron_fp4.training.data import ArithmeticTokenizer
+
+    prompts, _ = consistency()
+    cfg = tiny_config("experts+attention", *MOERESQ)
+    a, b = (export_for_vllm(build_model(cfg, seed=s), cfg, work / f"upd_{s}", dtype=None, overwrite=True)
+            for s in (0, 1))
+    spec = {"prompts": prompts(8, 0, ArithmeticTokenizer()), "max_tokens": 8, "temperature": 1.0,
+            "seeds": list(range(8)), "ignore_eos": True, "routing": True, "distributions": True}
+    log("update: fresh engine on B vs engine on A updated in place to B")
+    fresh, vocab = build_llm(str(b), spec)
+    want = generate(fresh, vocab, spec)
+    del fresh
+    llm, _ = build_llm(str(a), spec)
+    before = generate(llm, vocab, spec)
+    update_weights(llm, load_hf_checkpoint(b)[1])
+    got = generate(llm, vocab, spec)
+    del llm
+    same = got[0]["tokens"] == want[0]["tokens"] and got[0]["logprobs"] == want[0]["logprobs"] and \
+        set(got[1]) == set(want[1]) and all(bool((got[1][k] == want[1][k]).all()) for k in want[1])
+    changed = before[0]["logprobs"] != want[0]["logprobs"]
+    return [row("in-place update vs a fresh vLLM on the new weights (tokens, log-probs, distributions, experts)",
+                "bitwise equal" if same else "differ", "bitwise equal", same and changed)]
+
+
+def update_config(mb: float):
+    """A Qwen3-MoE of about `mb` MB of fp32 weights (hidden 512, 8 layers, 8 experts; vocab sized)."""
+    cfg = tiny_config("experts+attention", *MOERESQ)
+    m = cfg.model
+    m.hidden_size, m.num_layers, m.num_experts, m.moe_ffn_hidden_size = 512, 8, 8, 512
+    m.num_heads, m.num_kv_heads, m.head_dim = 8, 2, 64
+    layer = 3 * 8 * 512 * 512 + 2 * 512 * 512 + 2 * 128 * 512 + 8 * 512 + 3 * 512
+    m.vocab_size = max(256, int((mb * 2 ** 20 / 4 - m.num_layers * layer) / (2 * 512)) // 64 * 64)
+    m.max_seq_len = 64
+    return cfg
+
+
+def update_time_rows(args, work: Path) -> list:
+    import torch
+    from safetensors.torch import load_file
+
+    from megatron_fp4.integrations.hf.checkpoint import _weight_files
+    from megatron_fp4.integrations.vllm import export_for_vllm
+    from megatron_fp4.integrations.vllm.live import update_weights
+    from megatron_fp4.integrations.vllm.worker import build_llm, generate
+    from megatron_fp4.model import build_model
+
+    cfg = update_config(args.update_mb)
+    d = export_for_vllm(build_model(cfg, seed=0), cfg, work / "upd_big", dtype=None, overwrite=True)
+    tensors = {}
+    for f in _weight_files(d):
+        tensors.update(load_file(str(f)))
+    mb = sum(t.numel() * t.element_size() for t in tensors.values()) / 2 ** 20
+    log(f"update-time: {mb:.0f} MB fp32 ({len(tensors)} tensors), engine start")
+    spec = {"prompts": [[1, 2, 3, 4]], "max_tokens": 2, "temperature": 0.0, "routing": False, "distributions": False}
+    llm, vocab = build_llm(str(d), spec)
+    generate(llm, vocab, spec)  # Q(W) cached
+    times = []
+    for i in range(3):
+        update = {k: v * (1.0 + 0.01 * (i + 1)) for k, v in tensors.items()}
+        t0 = time.perf_counter()
+        update_weights(llm, update)
+        times.append(time.perf_counter() - t0)
+        generate(llm, vocab, spec)
+    del llm
+    s = statistics.median(times)
+    log(f"update-time: {', '.join(f'{x:.2f}' for x in times)} s")
+    return [row(f"update time, {mb:.0f} MB fp32 model, CPU (median of 3; threads {torch.get_num_threads()})",
+                f"{s:.2f} s", "≤ 2 s", s <= 2.0)]
+
+
+def kl_rows(args, work: Path) -> list:
+    settings = {"MoEResQ": MOERESQ, "FP4 plain": PLAIN, "rollout-only": ROLLOUT_ONLY}
+    rows, held = [], []
+    for seed in range(args.seeds):
+        jobs = [(f"{s}/{name}", s, modes, seed) for s in args.kl_scopes.split(",") for name, modes in settings.items()]
+        log(f"kl: seed {seed}, {len(jobs)} exports, {args.kl_prompts} prompts x {args.kl_tokens} tokens, "
+            f"vLLM {args.kl_dtype}")
+        m = rollout_vs_trainer(jobs, work / f"kl_{seed}", args.kl_prompts, args.kl_tokens, seed, args.kl_dtype)
+        for s in args.kl_scopes.split(","):
+            kl = [m[f"{s}/{name}"]["kl"] for name in settings]
+            held.append(kl[0] < kl[1] < kl[2])
+            rows.append(row(f"KL, {s}, seed {seed}: MoEResQ / plain FP4 / rollout-only (vLLM {args.kl_dtype})",
+                            " / ".join(f"{k:.1e}" for k in kl), "increasing", held[-1]))
+    rows.append(row(f"the paper's KL ordering with vLLM rollouts ({args.kl_dtype}), {args.seeds} seeds",
+                    f"{sum(held)}/{len(held)} hold", "holds on 3 seeds", all(held) and args.seeds >= 3))
+    return rows
+
+
+def _hooks(model, names: list, store: dict) -> list:
+    """Forward hooks recording each named module's output (first element of a tuple) as [T, -1];
+    `o_proj` also records its input (the attention output) under '<name>:in'."""
+    hooks, mods = [], dict(model.named_modules())
+    for name in names:
+        def out(_m, inp, o, name=name):
+            o = o[0] if isinstance(o, tuple) else o
+            store[name] = o.detach().reshape(-1, o.shape[-1]).float().clone()  # vLLM edits some in place
+            if name.endswith("o_proj"):
+                store[name + ":in"] = inp[0].detach().reshape(-1, inp[0].shape[-1]).float().clone()
+        hooks.append(mods[name].register_forward_hook(out))
+    return hooks
+
+
+def layer_rows(args, work: Path) -> list:
+    """Which op first differs between vLLM + plugin and the trainer: one prompt's prefill, fp32,
+    MoEResQ experts+attention, every decoder sub-module's output side by side (max |Δ|)."""
+    import torch
+
+    from megatron_fp4.fp4 import invariant
+    from megatron_fp4.integrations.hf import build_model_from_hf
+    from megatron_fp4.integrations.vllm import export_for_vllm
+    from megatron_fp4.integrations.vllm.worker import build_llm
+    from megatron_fp4.model import build_model
+    from vllm import SamplingParams
+
+    cfg = tiny_config("experts+attention", *MOERESQ)
+    d = export_for_vllm(build_model(cfg, seed=0), cfg, work / "layers", dtype=None, overwrite=True)
+    prompt = [(7 * j + 3) % 30 + 1 for j in range(12)]
+    ops = ["input_layernorm", "self_attn.qkv_proj", "self_attn.q_norm", "self_attn.k_norm", "self_attn.o_proj",
+           "post_attention_layernorm", "mlp"]
+    names = [f"model.layers.{i}.{op}" for i in range(cfg.model.num_layers) for op in ops]
+    ours: dict = {}
+    llm, _ = build_llm(str(d), {"dtype": "float32"})
+    llm.apply_model(lambda m: bool(_hooks(m, names, ours)))
+    llm.generate([{"prompt_token_ids": prompt}], SamplingParams(max_tokens=1, temperature=0.0), use_tqdm=False)
+    del llm
+    trainer: dict = {}
+    model = build_model_from_hf(d, cfg.fp4).eval()
+    model.set_fp4_mode(cfg.fp4.rollout_mode)
+    tnames = [n.removeprefix("model.") for n in names if "qkv" not in n]
+    _hooks(model, tnames + [n.removeprefix("model.").replace("qkv_proj", p) for n in names if "qkv" in n
+                            for p in ("q_proj", "k_proj", "v_proj")], trainer)
+    with torch.no_grad(), invariant.batch_invariant(True):
+        model(torch.tensor([prompt]))
+    rows, first = [], None
+    for n in names:
+        t = n.removeprefix("model.")
+        want = torch.cat([trainer[t.replace("qkv_proj", p)] for p in ("q_proj", "k_proj", "v_proj")], -1) \
+            if "qkv" in n else trainer[t]
+        for key, ref in ((n + ":in", trainer.get(t + ":in")), (n, want)):
+            if key in ours and ref is not None:
+                diff = float((ours[key].reshape(ref.shape) - ref).abs().max())
+                log(f"layers: {key:<45} max |Δ| {diff:.2e}")
+                if diff and first is None:
+                    first = (key, diff)
+    return [row("first decoder op whose output differs from the trainer (fp32 prefill, MoEResQ experts+attention)",
+                f"{first[0]} ({first[1]:.1e})" if first else "none", "none (bitwise)", first is None)]
+
+
+def markdown(rows: list) -> str:
+    lines = ["| measure | value | goal | met? |", "|---|---|---|---|"]
+    lines += [f"| {r['measure']} | {r['value']} | {r['goal']} | {r['met']} |" for r in rows]
+    return "\n".join(lines)
+
+
+def main(argv=None) -> list:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="small run: 16x16 positions, 2 rounds")
+    p.add_argument("--only", help=f"comma-separated subset of {','.join(ROWS)}")
+    p.add_argument("--prompts", type=int, default=64)
+    p.add_argument("--tokens", type=int, default=16)
+    p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--new-tokens", type=int, default=64)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--tp-hidden", type=int, default=128, help="throughput model's hidden size (ffn: twice it)")
+    p.add_argument("--update-mb", type=float, default=300.0)
+    p.add_argument("--seeds", type=int, default=3)
+    p.add_argument("--kl-prompts", type=int, default=32)
+    p.add_argument("--kl-tokens", type=int, default=8)
+    p.add_argument("--kl-dtype", choices=["bfloat16", "float32"], default="bfloat16")
+    p.add_argument("--kl-scopes", default="experts,experts+attention")
+    p.add_argument("--work", help="directory for the exports (default: a temporary one)")
+    args = p.parse_args(argv)
+    only = args.only.split(",") if args.only else list(ROWS)
+    if any(o not in ROWS for o in only):
+        p.error(f"--only: unknown row in {args.only!r}; rows are {', '.join(ROWS)}")
+    if args.quick:
+        args.prompts, args.tokens, args.repeats = 16, 16, 2
+        args.kl_prompts, args.new_tokens = 16, 32
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # apply_model reaches the model in this process
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # the progress lines and the table, not vLLM's log
+    import torch
+
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    from megatron_fp4.integrations.vllm import vllm_available
+    from megatron_fp4.integrations.vllm.plugin import register
+
+    cap = vllm_available()
+    if not cap:
+        p.exit(2, f"bench_vllm_goals: {cap.reason}; run it with the vLLM venv's python (tools/vllm_env.sh)\n")
+    register()
+    steps = {"logprob": logprob_rows, "bf16": bf16_rows, "throughput": throughput_rows, "update": update_rows,
+             "update-time": update_time_rows, "kl": kl_rows, "layers": layer_rows}
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="bench_vllm_goals-") as tmp:
+        work = Path(args.work or tmp)
+        for name in only:
+            t0 = time.perf_counter()
+            rows += steps[name](args, work)
+            log(f"{name}: {time.perf_counter() - t0:.0f} s")
+    print(f"threads={torch.get_num_threads()} (vLLM {cap.reason}, in-process engines; fp32 unless said)")
+    print(markdown(rows))
+    return rows
+
+
+if __name__ == "__main__":
+    main()

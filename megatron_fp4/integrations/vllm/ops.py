@@ -1,0 +1,71 @@
+"""Out-of-tree vLLM custom ops of the `megatron_fp4` plugin: vLLM's decoder norms as the trainer's.
+
+`register_ops()` (from `plugin.register`, in every vLLM process) registers `TrainerRMSNorm` for
+vLLM's `RMSNorm` (`CustomOp.register_oot`): every RMSNorm vLLM builds from then on is this class.
+In a model served with the plugin (the `megatron_fp4` quantization config current at build time)
+it computes the trainer's `model.layers.RMSNorm` in the plugin's numerics mode (the batch-invariant
+mean square when the recipe block asks for it), and vLLM's fused residual add as the trainer's
+``h + f(h)``; any other model keeps vLLM's own kernels. Found by comparing the two sides op by op
+(`benchmarks/bench_vllm_goals.py --only layers`): vLLM's RMSNorm was the first op whose bits differ
+from the trainer's (q_norm, ~5e-7 in fp32). Left: RoPE (vLLM's C++ kernel; `get_rope` shares one
+instance between all models of a process with equal parameters, so a build-time switch like this
+one would leak into stock models) and the attention kernel (a plugin attention backend would
+replace both: not done).
+"""
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Optional
+
+import torch
+
+from vllm.model_executor.custom_op import CustomOp
+from vllm.model_executor.layers.layernorm import RMSNorm
+
+from megatron_fp4.model.layers import RMSNorm as _Trainer
+
+
+def _plugin_config():
+    from vllm.config import get_current_vllm_config
+
+    from megatron_fp4.integrations.vllm.quant import MegatronFP4Config
+
+    qc = getattr(get_current_vllm_config(), "quant_config", None)
+    return qc if isinstance(qc, MegatronFP4Config) else None
+
+
+class TrainerRMSNorm(RMSNorm):
+    """vLLM's RMSNorm; computed as the trainer's RMSNorm in a model served with the plugin."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        own = self.has_weight and self.variance_size_override is None
+        self.mfp4_config = _plugin_config() if own else None
+
+    def _trainer(self, x: torch.Tensor, residual: Optional[torch.Tensor]):
+        if residual is not None:  # vLLM's fused add: the trainer's h = h + f(h), then the norm of h
+            x = residual + x
+            residual = x
+        with self.mfp4_config.numerics():  # the trainer's forward on vLLM's weight (one numeric definition)
+            out = _Trainer.forward(SimpleNamespace(eps=self.variance_epsilon, weight=self.weight), x)
+        return out if residual is None else (out, residual)
+
+    def forward_native(self, x, residual=None):
+        return super().forward_native(x, residual) if self.mfp4_config is None else self._trainer(x, residual)
+
+    def forward_cpu(self, x, residual=None):
+        return super().forward_cpu(x, residual) if self.mfp4_config is None else self._trainer(x, residual)
+
+    def forward_cuda(self, x, residual=None):
+        return super().forward_cuda(x, residual) if self.mfp4_config is None else self._trainer(x, residual)
+
+    def forward_xpu(self, x, residual=None):
+        return super().forward_xpu(x, residual) if self.mfp4_config is None else self._trainer(x, residual)
+
+
+def register_ops() -> None:
+    """Register the plugin's out-of-tree ops once per process (idempotent)."""
+    from vllm.model_executor.custom_op import op_registry_oot
+
+    if op_registry_oot.get("RMSNorm") is not TrainerRMSNorm:
+        CustomOp.register_oot(TrainerRMSNorm, name="RMSNorm")
