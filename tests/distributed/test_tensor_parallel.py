@@ -54,9 +54,10 @@ def reference(case: dict, padded: bool):
     cfg = make_cfg(case)
     model = build_model(cfg, seed=5).double().train()
     tokens, labels, mask = batch(cfg, padded)
-    loss = lm_loss(model(tokens, attention_mask=mask).logits, labels)
+    logits = model(tokens, attention_mask=mask).logits
+    loss = lm_loss(logits, labels)
     loss.backward()
-    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}, logits.detach()
 
 
 def tp_rank(rank, world, case, padded):
@@ -76,16 +77,31 @@ def tp_rank(rank, world, case, padded):
     return loss.detach(), grads, full, logits.shape[-1]
 
 
+KEYS = [(name, padded) for name in CASES for padded in (False, True)]
+
+
+def _all_cases(rank, world):
+    return {key: tp_rank(rank, world, CASES[key[0]], key[1]) for key in KEYS}
+
+
+@pytest.fixture(scope="module")
+def tp_results():
+    """Every case on one pair of processes (one spawn for the whole file's comparisons)."""
+    return run_distributed(_all_cases, 2, timeout_s=600)
+
+
 @pytest.mark.parametrize("padded", [False, True])
 @pytest.mark.parametrize("name", list(CASES))
-def test_tp2_equals_single_process(name, padded):
+def test_tp2_equals_single_process(name, padded, tp_results):
     case = CASES[name]
-    ref_loss, ref_grads = reference(case, padded)
-    results = run_distributed(tp_rank, 2, args=(case, padded), timeout_s=240)
+    ref_loss, ref_grads, ref_logits = reference(case, padded)
+    results = [by_key[(name, padded)] for by_key in tp_results]
     cfg = make_cfg(case)
     for rank, (loss, grads, full, vocab_local) in enumerate(results):
         assert vocab_local == cfg.model.vocab_size // 2
         assert abs(float(loss) - float(ref_loss)) <= FP64_REL * abs(float(ref_loss)), (rank, loss, ref_loss)
+        real = slice(None) if not padded else (slice(None), slice(4, None))  # padding rows are never read
+        assert float((full[real] - ref_logits[real]).abs().max()) <= FP64_REL * float(ref_logits.abs().max())
         assert set(grads) == set(ref_grads)
         for n, (g, shard) in grads.items():
             want = ref_grads[n] if shard is None else ref_grads[n].index_select(shard[0], shard[1])
