@@ -96,6 +96,7 @@ def _local_experts(full: GroupedExperts, lo: int, hi: int) -> GroupedExperts:
     model's per-expert init, to the same bits."""
     with torch.device(full.w13.device):
         local = GroupedExperts(hi - lo, full.hidden, full.ffn, full.recipe).to(full.w13.dtype)
+    local.numerics = full.numerics  # the model's fp4.Numerics
     if not full.w13.is_meta:
         with torch.no_grad():
             local.w13.copy_(full.w13[lo:hi])

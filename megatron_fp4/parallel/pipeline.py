@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from megatron_fp4.fp4 import micro_batch as fp4_micro_batch
+from megatron_fp4.fp4 import numerics_of
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "interleaved_zero_bubble", "zbv")
 MULTI_CHUNK_SCHEDULES = ("interleaved_1f1b", "interleaved_zero_bubble", "zbv")
@@ -160,13 +160,13 @@ def build_chunks(model: nn.Module, pp: int, pp_rank: int, virtual_stages: int = 
 
 
 # -- FP4 micro-batch context (fp4-followups) --------------------------------------------------------
-def run_chunks_in_fp4_micro_batch(stage) -> None:
-    """Run each forward/backward call of `stage` inside the FP4 context of its micro-batch (the
-    schedule's chunk id, the first positional argument), so FP4 stochastic rounding draws the same
+def run_chunks_in_fp4_micro_batch(stage, numerics) -> None:
+    """Run each forward/backward call of `stage` inside its micro-batch of the model's `numerics`
+    (the schedule's chunk id, the first positional argument), so FP4 stochastic rounding draws the same
     streams as the single-process trainer, whatever the schedule's order."""
     for method in ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk"):
         def in_micro_batch(chunk_id, *args, _original=getattr(stage, method), **kwargs):
-            with fp4_micro_batch(chunk_id):
+            with numerics.micro_batch(chunk_id):
                 return _original(chunk_id, *args, **kwargs)
         setattr(stage, method, in_micro_batch)
 
@@ -241,7 +241,7 @@ class PipelineRunner:
                                 output_grads=(None if chunk.is_last else hidden,))
                   for c, chunk in self.chunks]
         for stage in stages:
-            run_chunks_in_fp4_micro_batch(stage)  # fp4-followups: FP4 SR streams keyed by micro-batch
+            run_chunks_in_fp4_micro_batch(stage, numerics_of(model))  # fp4-followups: FP4 SR streams keyed by micro-batch
             self._track_micro_batch(stage)
         cls = schedule_class(self.schedule_name)
         stage_arg = stages if self.schedule_name in MULTI_CHUNK_SCHEDULES else stages[0]
