@@ -33,7 +33,7 @@ it cannot be changed.
 """
 from __future__ import annotations
 
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import replace
 from typing import Iterator, Optional
 
@@ -47,6 +47,8 @@ TRITON_MODES = ("auto", "off", "interpret")
 
 class Numerics:
     """The numerics of one model (see the module docstring)."""
+
+    STATE = ("batch_invariant", "triton", "one_node", "weight_cache", "position")  # what a block may change
 
     def __init__(self, *, batch_invariant: bool = False, triton: str = "auto", mode: str = "train"):
         if triton not in TRITON_MODES:
@@ -117,6 +119,15 @@ class Numerics:
     def portable(self):
         """The portable quantizers inside the block, even where Triton would serve."""
         return self._set(triton="off")
+
+    def state(self) -> dict:
+        """What the numerics are now (:attr:`STATE`), for :meth:`restored`."""
+        return {k: getattr(self, k) for k in self.STATE}
+
+    def restored(self, state: dict):
+        """The block under an earlier :meth:`state` (activation recompute re-runs a forward in its
+        numerics: the same step position, mode and cache)."""
+        return nullcontext() if self._frozen else self._set(**state)
 
 
 STANDARD = Numerics()
