@@ -71,11 +71,14 @@ class Numerics:
         """Whether the batch-invariant ops apply (to ``x``'s dtype: never to float64)."""
         return self.batch_invariant and (x is None or x.dtype != torch.float64)
 
-    @contextmanager
-    def _set(self, value=None, **changes) -> Iterator:
+    def _set(self, value=None, **changes):
         if self._frozen:
             raise ValueError("the STANDARD numerics cannot be changed: give the model its own "
                              "(fp4.apply_numerics(model, Numerics(...)))")
+        return self._changed(value, changes)
+
+    @contextmanager
+    def _changed(self, value, changes: dict) -> Iterator:
         before = {k: getattr(self, k) for k in changes}
         for k, v in changes.items():
             setattr(self, k, v)
