@@ -251,7 +251,7 @@ class GroupedExperts(nn.Module):
         """FP4 experts without autograd (`can_group_fp4`): MoEResQ's forward ``Q̃(X)·Q(W)ᵀ`` in
         fp32 with ``Q̃`` applied once to all rows (each row quantizes alone: its codes do not depend
         on which expert's batch it is in) and each expert's ``Q(W)`` computed per expert as
-        `moeresq_linear` does, stacked (once per weight version inside `exact_gemm.cached_weights`),
+        `moeresq_linear` does, stacked (once per weight version inside `Numerics.cached_weights`),
         then the per-expert GEMMs as one grouped GEMM."""
         offs = torch.tensor(counts, device=x_sorted.device).cumsum(0).to(torch.int32)
         h = self._fp4_grouped_linear(x_sorted, self.w13, offs, "w13")

@@ -206,7 +206,7 @@ class RolloutEngine:
     a request fails with `LockTimeout` and the engine keeps its weights. `batch_invariant` (default
     True, the config's `numerics.batch_invariant`) decodes in the batch-invariant numerics mode.
     `cache_quantized_weights` (default True) derives each weight's quantization / exact-GEMM split
-    once per weight version instead of at every decode step (`exact_gemm.cached_weights` with a
+    once per weight version instead of at every decode step (`Numerics.cached_weights` with a
     store kept across `generate` calls and emptied by `load_weights`; the same bits): a write into
     the model that bypasses the version counter (``p.data.copy_``, e.g. a ZeRO optimizer on a
     shared model) is not seen, which is one more reason to give the engine its own copy.

@@ -87,7 +87,7 @@ class TrainingStep:
         if isinstance(self.optimizer, ZeroAdamW) and not accumulate and done == 0:
             self.optimizer.prepare_grad_sync(n)
         # Weights are constant until the optimizer step, so each Q(W) is derived once per step, not
-        # once per micro-batch (`cached_weights`; stochastic-rounding weights are keyed by micro-batch).
+        # once per micro-batch (`Numerics.cached_weights`; stochastic-rounding weights are keyed by micro-batch).
         with self.model.numerics.training_step(self.step, first_micro_batch=first) as fp4_step, \
                 self.gate.watching(self.model.layers), self._weight_cache():
             if self.pipeline is not None:
