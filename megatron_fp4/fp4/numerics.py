@@ -26,7 +26,9 @@ other build-time value, set on each FP4 module by the model's specs):
                   loss = model(mb); loss.backward()
       err = fp4_step.nonfinite_error()
 
-Each change is a ``with`` block on the object (restored on exit). An FP4 Function captures the
+Each change is a ``with`` block on the object (restored on exit): per object, not per thread, so
+threads that run one model at the same time must not run it in different modes (as with
+``set_fp4_mode``). An FP4 Function captures the
 position and backend in forward (its backward may run later, on another thread). :data:`STANDARD`
 (the standard kernels, step 0, no cache) is what a bare function call without ``numerics`` gets;
 it cannot be changed.

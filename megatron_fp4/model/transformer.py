@@ -66,8 +66,8 @@ class ModelOutput:
 
 
 class MoETransformer(nn.Module):
-    """`numerics`: the `fp4.Numerics` every layer computes with (default: a fresh one of its own,
-    the standard kernels); the trainer and the rollout engine pass theirs (`specs.numerics_from_config`)."""
+    """`numerics`: the `fp4.Numerics` every layer computes with (default: one of its own, the standard
+    kernels on `fp4_cfg.triton`'s backend); the trainer passes its own (`specs.numerics_from_config`)."""
 
     def __init__(self, cfg, fp4_cfg, numerics: Optional[Numerics] = None):
         super().__init__()
@@ -77,7 +77,8 @@ class MoETransformer(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
         self.lm_head = None if cfg.tie_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         name_quant_sites(self)  # global names for FP4 SR streams and errors, kept by pp/ep splitting
-        self.numerics = apply_numerics(self, Numerics() if numerics is None else numerics)
+        own = Numerics(triton=getattr(fp4_cfg, "triton", "auto")) if numerics is None else numerics
+        self.numerics = apply_numerics(self, own)
 
     # -- the forward's pieces (the pipeline's stages call them too) -----------------------------
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:

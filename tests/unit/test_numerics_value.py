@@ -141,5 +141,6 @@ def test_trainer_and_rollout_numerics_come_from_the_config():
     cfg.data.num_samples, cfg.logging.tensorboard_dir, cfg.logging.progress = 8, None, False
     numerics = Trainer(cfg).model.numerics
     assert (numerics.mode, numerics.triton, numerics.batch_invariant) == ("train", "off", False)
+    assert build_model(cfg, seed=0).numerics.triton == "off"  # any build honours the config's backend
     rollout = numerics_from_config(cfg, "rollout")
     assert (rollout.mode, rollout.batch_invariant) == ("rollout", cfg.numerics.batch_invariant)
