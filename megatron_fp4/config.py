@@ -69,7 +69,8 @@ class FP4Config:
     grad_rounding: str = "nearest"  # nearest | stochastic
     seed: int = 0
     compile: str = "auto"  # auto | on | off: compiled fake-quant kernels (fp4/fused.py; MEGATRON_FP4_COMPILE overrides)
-    triton: str = "auto"  # auto | off | interpret: Triton quantizers on CUDA (fp4/triton_fp4.py; MEGATRON_FP4_TRITON overrides)
+    # auto | off | interpret: Triton quantizers on CUDA (fp4/triton_fp4.py; MEGATRON_FP4_TRITON overrides)
+    triton: str = "auto"
 
 
 @dataclass

@@ -167,7 +167,7 @@ class Attention(nn.Module):
             k, v = cache.append(k, v)
         T_total = k.shape[2]
         rep = self.num_heads // self.num_kv_heads
-        if invariant.enabled(self.numerics, q):  # keys by position, fixed reduction trees, kv heads shared (fp4/invariant.py)
+        if invariant.enabled(self.numerics, q):  # keys by position, fixed reduction trees, kv heads shared
             out = invariant.attention(q, k, v, positions, invariant.leading_pad(attention_mask, B, x.device))
             return self.o_proj(out.transpose(1, 2).reshape(B, T, self.num_heads * self.head_dim))
         # Decoding: SDPA maps query heads to their kv head itself (enable_gqa) instead of copying

@@ -305,7 +305,8 @@ def can_group(recipe: Recipe, x: torch.Tensor, numerics: Numerics = STANDARD) ->
     run per expert), where torch has a grouped GEMM for the dtype (fp32/bf16/fp16 on CPU, bf16 on
     CUDA; fp64, the verification mode, keeps the loop), and outside `torch.autocast`, which would
     lower the loop's `F.linear` but not `grouped_mm`."""
-    if _GROUPED_MM is None or recipe.mode != "bf16" or invariant.enabled(numerics, x) or torch.is_autocast_enabled(x.device.type):
+    if (_GROUPED_MM is None or recipe.mode != "bf16" or invariant.enabled(numerics, x)
+            or torch.is_autocast_enabled(x.device.type)):
         return False
     if x.device.type == "cpu":
         return x.dtype in (torch.float32, torch.bfloat16, torch.float16)

@@ -42,4 +42,5 @@ def no_weight_decay(name: str, param) -> bool:
     return param.ndim < 2 or name.endswith(".bias") or "norm" in name
 
 
-__all__ = ["no_weight_decay", "numerics_from_config", "recipe_from_config", "expert_recipe", "attention_recipe", "OperandFormat"]
+__all__ = ["no_weight_decay", "numerics_from_config", "recipe_from_config", "expert_recipe", "attention_recipe",
+           "OperandFormat"]

@@ -241,7 +241,7 @@ class PipelineRunner:
                                 output_grads=(None if chunk.is_last else hidden,))
                   for c, chunk in self.chunks]
         for stage in stages:
-            run_chunks_in_fp4_micro_batch(stage, numerics_of(model))  # fp4-followups: FP4 SR streams keyed by micro-batch
+            run_chunks_in_fp4_micro_batch(stage, numerics_of(model))  # FP4 SR streams keyed by micro-batch
             self._track_micro_batch(stage)
         cls = schedule_class(self.schedule_name)
         stage_arg = stages if self.schedule_name in MULTI_CHUNK_SCHEDULES else stages[0]

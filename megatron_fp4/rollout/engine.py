@@ -293,9 +293,9 @@ class RolloutEngine:
                              "shorten the prompt or lower max_new_tokens")
         gens = [torch.Generator().manual_seed(p.seed if p.seed is not None else self._next_seed()) for p in params]
         numerics = numerics_of(self.model)  # the model's fp4.Numerics, in the engine's mode while it decodes
+        cache = numerics.cached_weights(self._weight_cache) if self.cache_quantized_weights else contextlib.nullcontext()
         with self.lock.read(), torch.no_grad(), fp4_mode(self.model, self.mode), \
-                numerics.invariant(self.batch_invariant), \
-                numerics.cached_weights(self._weight_cache) if self.cache_quantized_weights else contextlib.nullcontext():
+                numerics.invariant(self.batch_invariant), cache:
             version = self.version
             out = self._decode(prompts, params, gens, max_new, return_routing, return_distributions)
         return GenerationOutput(version=version, prompt_ids=[list(p) for p in prompts], **out)

@@ -178,9 +178,9 @@ class TrainingStep:
         return result
 
     def _weight_cache(self):
-        """The model's `Numerics.cached_weights` around one step's forward/backward, unless `cache_weights_per_step` is off
-        or a weight rounds stochastically: its draws are keyed by micro-batch, so the cache would
-        only hold every micro-batch's Q(W) until the step ends, never reusing one."""
+        """The model's `Numerics.cached_weights` around one step's forward/backward, unless
+        `cache_weights_per_step` is off or a weight rounds stochastically: its draws are keyed by
+        micro-batch, so the cache would only hold every micro-batch's Q(W) until the step ends."""
         if not self.cache_weights_per_step or any(
                 getattr(getattr(m, "recipe", None), "weight", None) is not None
                 and m.recipe.weight.rounding == "stochastic" for m in self.model.modules()):

@@ -64,8 +64,9 @@ def test_fp4_reads_no_environment_variable():
 
 
 def test_the_fp4_environment_variables_are_read_only_while_loading_the_config():
+    names = ("MEGATRON_FP4_COMPILE", "MEGATRON_FP4_TRITON")
     readers = sorted(name for name, tree in _modules(PACKAGE) for node in ast.walk(tree)
-                     if isinstance(node, ast.Constant) and node.value in ("MEGATRON_FP4_COMPILE", "MEGATRON_FP4_TRITON"))
+                     if isinstance(node, ast.Constant) and node.value in names)
     assert set(readers) == {"config_choices.py"}, readers
 
 

@@ -21,7 +21,8 @@ modules and functions, so the numbers are the trainer's by construction (ground 
 - attention, norms, RoPE and the embedding lookup: vLLM's own.
 
 Every layer computes with the config's one `fp4.Numerics` (`MegatronFP4Config.values`), passed
-explicitly. Q(W) is computed once per weight version: its weight cache is one store per model, cleared by every weight load into a plugin-owned parameter (the weight loaders
+explicitly. Q(W) is computed once per weight version: its weight cache is one store per model,
+cleared by every weight load into a plugin-owned parameter (the weight loaders
 are wrapped) and by `process_weights_after_loading`. `batch_invariant` in the block runs the
 plugin's layers in the project's batch-invariant mode (exact FP4 GEMMs), as the trainer scores.
 Supported layout: one process (no tensor or expert parallelism: the per-tensor weight scale is a
@@ -212,7 +213,8 @@ def fused_moeresq_linear(x, weight, bias, shards, names, recipe: Recipe, numeric
     weights, each computed by `moeresq_linear` as its own tensor; outputs concatenated."""
     weights = weight.split(shards, dim=0)
     biases = bias.split(shards, dim=0) if bias is not None else [None] * len(shards)
-    outs = [moeresq_linear(x, w, b, recipe=recipe, name=n, numerics=numerics) for w, b, n in zip(weights, biases, names)]
+    outs = [moeresq_linear(x, w, b, recipe=recipe, name=n, numerics=numerics)
+            for w, b, n in zip(weights, biases, names)]
     return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
 
 
