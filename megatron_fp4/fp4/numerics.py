@@ -65,6 +65,17 @@ class Numerics:
         self.position = QuantStep()
         self._frozen = False
 
+    def __setattr__(self, name, value):
+        if getattr(self, "_frozen", False):
+            raise ValueError(f"the STANDARD numerics cannot be changed (Numerics.{name}): give the model its own "
+                             "(fp4.apply_numerics(model, Numerics(...)))")
+        super().__setattr__(name, value)
+
+    def __reduce_ex__(self, protocol):
+        if self._frozen:
+            return "STANDARD"  # copies and pickles of the STANDARD numerics are the one STANDARD
+        return super().__reduce_ex__(protocol)
+
     def __repr__(self) -> str:
         return (f"Numerics(mode={self.mode!r}, batch_invariant={self.batch_invariant}, triton={self.triton!r}, "
                 f"step={self.position.step}, micro_batch={self.position.micro_batch})")
@@ -136,7 +147,7 @@ class Numerics:
 
 
 STANDARD = Numerics()
-STANDARD._frozen = True
+object.__setattr__(STANDARD, "_frozen", True)
 
 
 def apply_numerics(model: torch.nn.Module, numerics: Numerics) -> Numerics:

@@ -5,6 +5,7 @@ their own numerics."""
 from __future__ import annotations
 
 import ast
+import copy
 from pathlib import Path
 
 import pytest
@@ -126,6 +127,9 @@ def test_two_models_draw_their_own_stochastic_rounding_streams():
 def test_standard_numerics_cannot_change_and_every_layer_shares_the_models():
     with pytest.raises(ValueError, match="STANDARD numerics cannot be changed"):
         STANDARD.invariant()
+    with pytest.raises(ValueError, match="STANDARD numerics cannot be changed"):
+        STANDARD.batch_invariant = True
+    assert copy.deepcopy(STANDARD) is STANDARD and not STANDARD.batch_invariant
     model = build_model(_cfg(), seed=0)
     holders = [m for m in model.modules() if hasattr(m, "numerics")]
     assert len(holders) > 10 and all(m.numerics is model.numerics for m in holders)
