@@ -161,5 +161,8 @@ def apply_numerics(model: torch.nn.Module, numerics: Numerics) -> Numerics:
 
 
 def numerics_of(model) -> Numerics:
-    """The numerics ``model`` computes with (:data:`STANDARD` for a module without its own)."""
-    return getattr(model, "numerics", STANDARD)
+    """The numerics ``model`` computes with; for a module without its own (not built by this
+    package) a fresh ``Numerics()``: the standard ops, which a caller may switch for its own ops
+    around the module (the scoring log-softmax)."""
+    found = getattr(model, "numerics", None)
+    return found if isinstance(found, Numerics) and found is not STANDARD else Numerics()
