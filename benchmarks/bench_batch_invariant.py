@@ -23,7 +23,6 @@ import time
 import torch
 
 from megatron_fp4.config import default_config_path, load_config
-from megatron_fp4.fp4 import batch_invariant
 from megatron_fp4.rollout import RolloutEngine, SamplingParams, score
 from megatron_fp4.training.data import ArithmeticTokenizer
 from megatron_fp4.training.trainer import Trainer
@@ -66,7 +65,7 @@ def main(argv=None):
     for i in range(args.train_steps + 1):
         for on in (False, True):
             start = time.perf_counter()
-            with batch_invariant(on):
+            with trainer.model.numerics.invariant(on):
                 trainer.train_step()
             if i:
                 times[("train step", on)].append(time.perf_counter() - start)

@@ -2,7 +2,7 @@
 MoEResQ dgrad/wgrad split, measured side by side in one run.
 
 Zero-bubble schedules run each backward as an input-grad pass (I) and a later weight-grad pass
-(W). "before" builds MoEResQ as one autograd node (``one_node_backward``), whose whole backward
+(W). "before" builds MoEResQ as one autograd node (``Numerics.one_node_backward``), whose whole backward
 both passes re-run; "after" is the split layout, where I runs only dgrad and W only wgrad. For
 each (layout, schedule) it spawns pp=2 gloo processes (virtual_stages=2), runs warm-up steps,
 then times ``--steps`` steps and counts the dgrad and wgrad GEMMs (with their quantizations) per
@@ -38,8 +38,8 @@ def _child(rank, world_size, cfg, one_node: bool, steps: int):
             calls[_key] += 1
             return _original(*args)
         setattr(moeresq, "_" + key, counted)
-    with moeresq.one_node_backward() if one_node else nullcontext():
-        trainer = Trainer(cfg, ParallelMesh.build(cfg.parallel.pp, 1, 1))
+    trainer = Trainer(cfg, ParallelMesh.build(cfg.parallel.pp, 1, 1))
+    with trainer.model.numerics.one_node_backward() if one_node else nullcontext():
         for _ in range(2):  # warm-up (allocations, shape set-up)
             trainer.train_step()
         times = []

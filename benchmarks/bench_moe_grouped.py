@@ -18,13 +18,12 @@ import time
 
 import torch
 
-from megatron_fp4.fp4 import Recipe
-from megatron_fp4.fp4.exact_gemm import cached_weights
+from megatron_fp4.fp4 import Numerics, Recipe, apply_numerics
 from megatron_fp4.model.moe import MoELayer
 
 
 def infer(layer, x, dy):
-    with torch.no_grad(), cached_weights():
+    with torch.no_grad(), layer.experts.numerics.cached_weights():
         start = time.perf_counter()
         y = layer(x)
         return time.perf_counter() - start, (y,)
@@ -57,6 +56,7 @@ def main(argv=None):
         for case, mode, fn in (("bf16 fwd+bwd", "bf16", step), ("fp4_resq fwd", "fp4_resq", infer)):
             torch.manual_seed(0)
             layer = MoELayer(args.hidden, E, args.top_k, args.ffn, Recipe(mode=mode))
+            apply_numerics(layer, Numerics())
             with torch.no_grad():
                 for prm in layer.parameters():
                     prm.normal_(0, 0.05)

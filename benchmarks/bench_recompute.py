@@ -40,7 +40,6 @@ def child(mode: str, args) -> dict:
     import torch
 
     from megatron_fp4.config import Config
-    from megatron_fp4.fp4 import training_step
     from megatron_fp4.model.recompute import held_activation_bytes
     from megatron_fp4.model.transformer import build_model, lm_loss
 
@@ -59,7 +58,7 @@ def child(mode: str, args) -> dict:
     def step():
         return lm_loss(model(tokens).logits[:, :-1], tokens[:, 1:])
 
-    with training_step(0):  # warm-up: first-call allocations and kernel caches
+    with model.numerics.training_step(0):  # warm-up: first-call allocations and kernel caches
         step().backward()
     model.zero_grad(set_to_none=True)
     before, peak, done = _rss(), [0], threading.Event()
@@ -71,7 +70,7 @@ def child(mode: str, args) -> dict:
     sampler = threading.Thread(target=sample, daemon=True)
     sampler.start()
     start = time.perf_counter()
-    with training_step(1):
+    with model.numerics.training_step(1):
         loss, held = held_activation_bytes(step)
         loss.backward()
     seconds = time.perf_counter() - start

@@ -17,7 +17,7 @@ engine's numerics, and last the ratios: batch-invariant generation vs HF and vs 
 kernels, batch-invariant scoring vs standard (history: docs/benchmarks.md).
 
 ``--cache-ablation``: per FP4 mode, the weight-derived GEMM terms cached per `generate` call
-(`exact_gemm.cached_weights`, the default) vs re-derived every decode step; outputs checked
+(`Numerics.cached_weights`, the default) vs re-derived every decode step; outputs checked
 bitwise equal.
 """
 from __future__ import annotations

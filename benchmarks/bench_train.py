@@ -16,7 +16,7 @@ trainer in bf16 mode (FP4 off) and in fp4_resq; the same model as a *bare* step 
 every round so its experts are loaded alike) doing forward + backward + AdamW. Every round feeds
 all of them the same micro-batches, in alternating order. Prints tokens/s, the ratio to
 HF (FP4 off) and the trainer's overhead over the bare step of its mode. The trainer derives each
-expert's Q(W) once per step (`exact_gemm.cached_weights`); ``--per-micro-batch-weights`` adds a
+expert's Q(W) once per step (`Numerics.cached_weights`); ``--per-micro-batch-weights`` adds a
 fp4_resq trainer that re-derives it every micro-batch (``trainer fp4_resq/mb``, the old path);
 ``--loop-experts`` adds a fp4_resq trainer running its FP4 experts as the per-expert loop
 (``trainer fp4_resq/loop``: one MoEResQ call per expert, the layout before the grouped MoEResQ

@@ -9,12 +9,13 @@ value and the fix.
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional, get_type_hints
 
-from megatron_fp4.config_choices import ConfigError, choice_for_bool
+from megatron_fp4.config_choices import ConfigError, apply_env_overrides, choice_for_bool
 from megatron_fp4.config_validate import validate_config
 from megatron_fp4.config_yaml import MAX_BYTES, Plain, parse_yaml, plain_value, show
 
@@ -74,6 +75,8 @@ class FP4Config:
     grad_rounding: str = "nearest"  # nearest | stochastic
     seed: int = 0
     compile: str = "auto"  # auto | on | off: compiled fake-quant kernels (fp4/fused.py; MEGATRON_FP4_COMPILE overrides)
+    # auto | off | interpret: Triton quantizers on CUDA (fp4/triton_fp4.py; MEGATRON_FP4_TRITON overrides)
+    triton: str = "auto"
 
 
 @dataclass
@@ -297,7 +300,8 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
 
 
 def load_config(path: Optional[str | Path] = None, overrides: Optional[list[str]] = None) -> Config:
-    """Load a YAML config (or the defaults when path is None) and apply dotted overrides."""
+    """Load a YAML config (or the defaults when path is None) and apply dotted overrides, then the
+    environment's (``MEGATRON_FP4_COMPILE``, ``MEGATRON_FP4_TRITON``: the only place they are read)."""
     data: dict = {}
     if path is not None:
         path = Path(path)
@@ -317,6 +321,7 @@ def load_config(path: Optional[str | Path] = None, overrides: Optional[list[str]
         if not isinstance(data, dict):
             raise ConfigError(f"config file {str(path)!r} must hold a mapping of sections at the top level")
     apply_overrides(data, overrides or [])
+    apply_env_overrides(data, os.environ)
     return config_from_dict(data)
 
 

@@ -17,6 +17,7 @@ _CHOICES = {
     "fp4.rollout_mode": ("bf16", "fp4", "fp4_resq"),
     "fp4.grad_rounding": ("nearest", "stochastic"),
     "fp4.compile": ("auto", "on", "off"),
+    "fp4.triton": ("auto", "off", "interpret"),
     "parallel.schedule": ("gpipe", "1f1b", "interleaved_1f1b", "interleaved_zero_bubble", "zbv"),
     "parallel.zero_stage": (0, 1, 2),
     "parallel.expert_dispatcher": ("alltoall", "gcmoe"),
@@ -32,3 +33,31 @@ def choice_for_bool(dotted: str, value: bool):
     None when its choices name none (a bool is then not a valid value there)."""
     names = ("on", "yes", "true") if value else ("off", "no", "false")
     return next((name for name in names if name in _CHOICES.get(dotted, ())), None)
+
+
+# Environment variables that override a config field for the process. They are read here, while
+# a config loads (``config.load_config``), and nowhere else: the numerics are the config's values.
+_ENV_FIELDS = {
+    "MEGATRON_FP4_COMPILE": ("compile", {"1": "on", "true": "on", "yes": "on", "on": "on", "0": "off",
+                                         "false": "off", "no": "off", "off": "off", "auto": "auto", "": None}),
+    "MEGATRON_FP4_TRITON": ("triton", {"0": "off", "false": "off", "no": "off", "off": "off", "1": "auto",
+                                       "true": "auto", "auto": "auto", "": None, "interpret": "interpret"}),
+}
+
+
+def apply_env_overrides(data: dict, environ) -> dict:
+    """``fp4.compile`` / ``fp4.triton`` of the config dict ``data`` overridden by
+    ``MEGATRON_FP4_COMPILE`` / ``MEGATRON_FP4_TRITON`` where they are set (in place)."""
+    for var, (key, values) in _ENV_FIELDS.items():
+        raw = environ.get(var)
+        if raw is None:
+            continue
+        if raw.strip().lower() not in values:
+            choices = "/".join(_CHOICES[f"fp4.{key}"])
+            raise ConfigError(f"{var}={raw!r} is not one of {choices} (or 1/0); unset it or pick one")
+        value = values[raw.strip().lower()]
+        if value is not None:
+            if not isinstance(data.get("fp4", {}), dict):
+                raise ConfigError("config section 'fp4' must be a mapping")
+            data.setdefault("fp4", {})[key] = value
+    return data

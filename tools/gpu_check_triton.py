@@ -4,7 +4,7 @@ the MoEResQ hook, and (CUDA) their speed against a copy of the same bytes.
 On CUDA the kernels run compiled; on the CPU (``--device cpu`` dry run, tests/unit/test_fp4_triton.py)
 the same comparisons run under Triton's interpreter when ``TRITON_INTERPRET=1`` was set before
 triton was imported, and are skipped with that reason otherwise. The reference is always the
-portable code (``triton_fp4.portable()``): on the CPU for round-to-nearest-even; on the checked
+portable code (``triton="off"``): on the CPU for round-to-nearest-even; on the checked
 device for stochastic rounding, whose draws come from the device's generator (the portable path
 itself is checked CUDA == CPU by gpu_check's quantizer section).
 """
@@ -18,7 +18,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from megatron_fp4.fp4 import NonFiniteFlags, NonFiniteInputError, Recipe, moeresq_linear, triton_fp4
+from megatron_fp4.fp4 import NonFiniteFlags, NonFiniteInputError, Numerics, Recipe, moeresq_linear, triton_fp4
 from megatron_fp4.fp4.moeresq import fake_quantize, resq_quantize
 from megatron_fp4.fp4.recipe import OperandFormat
 
@@ -74,12 +74,11 @@ def _reference(x, fmt, compensated, seed, columns, out_dtype, dev):
     on = dev if fmt.rounding == "stochastic" else torch.device("cpu")
     gen = torch.Generator(device=on).manual_seed(seed)
     x = x.to(on)
-    with triton_fp4.portable():
-        if columns:
-            x = F.pad(x.t(), (0, (-x.shape[0]) % fmt.block_size)).contiguous()
-        if out_dtype != torch.float32:
-            return fake_quantize(x, fmt, gen)  # in x's dtype
-        return resq_quantize(x, fmt, compensated, gen)
+    if columns:
+        x = F.pad(x.t(), (0, (-x.shape[0]) % fmt.block_size)).contiguous()
+    if out_dtype != torch.float32:
+        return fake_quantize(x, fmt, gen)  # in x's dtype
+    return resq_quantize(x, fmt, compensated, gen, triton="off")
 
 
 def _kernel(x, fmt, compensated, seed, columns, out_dtype, dev):
@@ -153,14 +152,12 @@ def check_contract(dev: torch.device, record) -> None:
     for what, bad, fname, fmt in cases:
         for comp in (False, True):
             label = f"triton {what} ({fname}{' Q+Q(r)' if comp else ''}) on {dev.type}"
-            with triton_fp4.portable():
-                want, _ = _outcome(lambda: resq_quantize(bad, fmt, comp, name="t"))
+            want, _ = _outcome(lambda: resq_quantize(bad, fmt, comp, name="t", triton="off"))
             got, _ = _outcome(lambda: triton_fp4.quantize(bad.to(dev), fmt, compensated=comp, name="t"))
             record(label + ": same error", "PASS" if got == want and want else "FAIL", f"{got!r} vs portable {want!r}")
             if not torch.isfinite(bad.float()).all():  # deferred: the same flagged tensors, no exception
                 flags = [NonFiniteFlags(), NonFiniteFlags()]
-                with triton_fp4.portable():
-                    resq_quantize(bad, fmt, comp, name="t", nonfinite=flags[0])
+                resq_quantize(bad, fmt, comp, name="t", nonfinite=flags[0], triton="off")
                 triton_fp4.quantize(bad.to(dev), fmt, compensated=comp, name="t", nonfinite=flags[1])
                 err = flags[1].error()
                 same = str(flags[0].error()) == str(err) and isinstance(err, NonFiniteInputError)
@@ -170,39 +167,31 @@ def check_contract(dev: torch.device, record) -> None:
 def check_hook(dev: torch.device, record) -> None:
     """moeresq_linear forward/dgrad/wgrad through the dispatch hook == the portable path, bitwise
     (the same quantized operands feed the same GEMMs), and the kernels did serve the operands."""
-    before_mode = triton_fp4.set_triton_mode("interpret") if dev.type == "cpu" else None
-    try:
-        if not triton_fp4.use_triton(torch.zeros(1, device=dev)):
-            record("triton hook: moeresq_linear", "SKIP", "the dispatch hook is off here "
-                   "(MEGATRON_FP4_TRITON=0, set_triton_mode('off'), or the kernels were disabled by a failure)")
-            return
-        g = torch.Generator().manual_seed(5)
-        x0, w0 = torch.randn(40, 64, generator=g), torch.randn(64, 64, generator=g) * 0.1
-        dy = torch.randn(40, 64, generator=g)
-        recipes = {"nvfp4 fp4_resq": Recipe(), "nvfp4 fp4_resq SR": Recipe(
-            input=OperandFormat(rounding="stochastic"), grad_output=OperandFormat(rounding="stochastic"), seed=3),
-            "mxfp4 fp4_resq": Recipe.for_format("fp4_resq", "mxfp4"), "nvfp4 fp4": Recipe(mode="fp4")}
-        for rname, recipe in recipes.items():
-            outs = []
-            for use in (True, False):
-                x, w = x0.to(dev).requires_grad_(True), w0.to(dev).requires_grad_(True)
-                served = triton_fp4.served()
-                if use:
-                    y = moeresq_linear(x, w, recipe=recipe, name="layer")
-                    y.backward(dy.to(dev))
-                else:
-                    with triton_fp4.portable():
-                        y = moeresq_linear(x, w, recipe=recipe, name="layer")
-                        y.backward(dy.to(dev))
-                outs.append((y, x.grad, w.grad, triton_fp4.served() - served))
-            bad = [n for n, a, b in zip(("y", "dx", "dw"), outs[0], outs[1]) if _mismatch(a, b)]
-            n_served = outs[0][3]
-            ok = not bad and n_served == 5 and outs[1][3] == 0  # x, W, dY, dY columns, x columns
-            record(f"triton hook: moeresq_linear {rname} fwd/bwd on {dev.type} == portable", "PASS" if ok else "FAIL",
-                   f"differs in {bad}" if bad else f"bit-equal; {n_served} operands from the kernels")
-    finally:
-        if before_mode is not None:
-            triton_fp4.set_triton_mode(before_mode)
+    mode = "interpret" if dev.type == "cpu" else "auto"
+    kernels, portable = Numerics(triton=mode), Numerics(triton="off")
+    if not triton_fp4.use_triton(torch.zeros(1, device=dev), mode):
+        record("triton hook: moeresq_linear", "SKIP", "the dispatch hook is off here "
+               "(the kernels were disabled by a failure)")
+        return
+    g = torch.Generator().manual_seed(5)
+    x0, w0 = torch.randn(40, 64, generator=g), torch.randn(64, 64, generator=g) * 0.1
+    dy = torch.randn(40, 64, generator=g)
+    recipes = {"nvfp4 fp4_resq": Recipe(), "nvfp4 fp4_resq SR": Recipe(
+        input=OperandFormat(rounding="stochastic"), grad_output=OperandFormat(rounding="stochastic"), seed=3),
+        "mxfp4 fp4_resq": Recipe.for_format("fp4_resq", "mxfp4"), "nvfp4 fp4": Recipe(mode="fp4")}
+    for rname, recipe in recipes.items():
+        outs = []
+        for use in (True, False):
+            x, w = x0.to(dev).requires_grad_(True), w0.to(dev).requires_grad_(True)
+            served = triton_fp4.served()
+            y = moeresq_linear(x, w, recipe=recipe, name="layer", numerics=kernels if use else portable)
+            y.backward(dy.to(dev))
+            outs.append((y, x.grad, w.grad, triton_fp4.served() - served))
+        bad = [n for n, a, b in zip(("y", "dx", "dw"), outs[0], outs[1]) if _mismatch(a, b)]
+        n_served = outs[0][3]
+        ok = not bad and n_served == 5 and outs[1][3] == 0  # x, W, dY, dY columns, x columns
+        record(f"triton hook: moeresq_linear {rname} fwd/bwd on {dev.type} == portable", "PASS" if ok else "FAIL",
+               f"differs in {bad}" if bad else f"bit-equal; {n_served} operands from the kernels")
 
 
 def _time_ms(fn, repeats: int, dev: torch.device) -> float:
@@ -249,9 +238,8 @@ def check_speed(dev: torch.device, record, quick: bool) -> None:
             return triton_fp4.quantize(x, fmt, compensated=comp, generator=gen, columns=col, nonfinite=flags)
 
         def port():
-            with triton_fp4.portable():
-                a = x.t().contiguous() if col else x
-                return resq_quantize(a, fmt, comp, gen, nonfinite=flags)
+            a = x.t().contiguous() if col else x
+            return resq_quantize(a, fmt, comp, gen, nonfinite=flags, triton="off")
         bad = "" if fmt.rounding == "stochastic" else _mismatch(kern(), port())  # also compiles, warms up
         t_copy, t_kern, t_port = ([] for _ in range(3))
         for _ in range(rounds):  # alternate, so drift hits all three alike

@@ -1,14 +1,14 @@
 """FP4 numerics: the one definition of NVFP4/MXFP4 and the MoEResQ linear used everywhere."""
-from megatron_fp4.fp4.context import QuantStep, current, micro_batch, name_quant_sites, sr_seed, training_step
+from megatron_fp4.fp4.context import QuantStep, name_quant_sites, sr_seed
 from megatron_fp4.fp4.e2m1 import E2M1_VALUES, pack_codes, unpack_fp4
 from megatron_fp4.fp4 import invariant
 from megatron_fp4.fp4 import fused  # noqa: F401  (installs the compiled fake-quant path in nvfp4/mxfp4)
 from megatron_fp4.fp4.formats import FP4Tensor, NonFiniteInputError
-from megatron_fp4.fp4.invariant import batch_invariant
 from megatron_fp4.fp4.moeresq import (
-    MoEResQLinear, fake_quantize, moeresq_linear, one_node_backward, resq_quantize, sqnr_db,
+    MoEResQLinear, fake_quantize, moeresq_linear, resq_quantize, sqnr_db,
 )
 from megatron_fp4.fp4.nonfinite import NonFiniteFlags
+from megatron_fp4.fp4.numerics import STANDARD, Numerics, apply_numerics, numerics_of
 from megatron_fp4.fp4.mxfp4 import fake_quantize_mxfp4, quantize_mxfp4
 from megatron_fp4.fp4.nvfp4 import fake_quantize_nvfp4, quantize_nvfp4
 from megatron_fp4.fp4.recipe import FORMATS, MODES, OperandFormat, Recipe
@@ -16,8 +16,8 @@ from megatron_fp4.fp4.recipe import FORMATS, MODES, OperandFormat, Recipe
 from_packed = FP4Tensor.from_packed
 
 __all__ = [
-    "NonFiniteInputError", "NonFiniteFlags", "batch_invariant", "invariant",
-    "QuantStep", "current", "micro_batch", "training_step", "sr_seed", "name_quant_sites", "one_node_backward",
+    "NonFiniteInputError", "NonFiniteFlags", "invariant", "Numerics", "STANDARD", "apply_numerics", "numerics_of",
+    "QuantStep", "sr_seed", "name_quant_sites",
     "FORMATS", "MODES", "OperandFormat", "Recipe",
     "MoEResQLinear", "moeresq_linear", "fake_quantize", "resq_quantize", "sqnr_db",
     "FP4Tensor", "quantize_nvfp4", "quantize_mxfp4", "fake_quantize_nvfp4", "fake_quantize_mxfp4",

@@ -16,24 +16,17 @@ Two things depend on it, and both are explicit values set by the trainer, never 
   call; the trainer reads them once, at the end of the step. Deferral is on for non-CPU tensors
   by default (where a sync stalls a stream) and can be forced on (tests) or off.
 
-    with training_step(step, first_micro_batch=dp_rank * num_micro_batches) as fp4_step:
-        for i, mb in enumerate(micro_batches):
-            with micro_batch(i):
-                loss = model(mb); loss.backward()
-    err = fp4_step.nonfinite_error()   # one host sync; a NonFiniteInputError naming the tensor, or None
-
-The context is a ``contextvars.ContextVar`` (per thread / task, like autocast state). An FP4
-Function captures it in forward and carries it into its backward explicitly (backward may run
-on another thread, or after the micro-batch's context has closed, as pipeline schedules do).
-Outside any step everything is step 0, micro-batch 0, eager checks.
+The step state lives in the model's ``Numerics`` (``numerics.py``), which the trainer advances
+explicitly (``numerics.training_step(...)``, ``numerics.micro_batch(i)``). An FP4 Function
+captures it in forward and carries it into its backward explicitly (backward may run on another
+thread, or after the micro-batch's block has closed, as pipeline schedules do). Outside any step
+everything is step 0, micro-batch 0, eager checks.
 """
 from __future__ import annotations
 
-import contextvars
 import hashlib
-from contextlib import contextmanager
-from dataclasses import dataclass, replace
-from typing import Iterator, Optional
+from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
@@ -65,43 +58,6 @@ class QuantStep:
         """Raise the error of :meth:`nonfinite_error` if there is one."""
         if self.flags is not None:
             self.flags.check()
-
-
-_CURRENT: contextvars.ContextVar[QuantStep] = contextvars.ContextVar("megatron_fp4_quant_step", default=QuantStep())
-
-
-def current() -> QuantStep:
-    return _CURRENT.get()
-
-
-@contextmanager
-def _use(value: QuantStep) -> Iterator[QuantStep]:
-    token = _CURRENT.set(value)
-    try:
-        yield value
-    finally:
-        _CURRENT.reset(token)
-
-
-def training_step(step: int, first_micro_batch: int = 0, defer_nonfinite: Optional[bool] = None):
-    """Context of one optimizer step (``step`` as the trainer counts it, restored on resume).
-
-    ``first_micro_batch``: global index of this rank's first micro-batch (dp rank × micro-batches
-    per rank when each dp rank reads a contiguous part of the global batch). ``defer_nonfinite``:
-    True/False forces deferred/eager non-finite checks, None defers on non-CPU devices.
-    """
-    for field, value in (("step", step), ("first_micro_batch", first_micro_batch)):
-        if not isinstance(value, int) or value < 0:
-            raise ValueError(f"training_step: {field}={value!r} must be a non-negative int")
-    return _use(QuantStep(step, first_micro_batch, first_micro_batch, NonFiniteFlags(), defer_nonfinite))
-
-
-def micro_batch(local_index: int):
-    """Context of this rank's ``local_index``-th micro-batch of the current step."""
-    if not isinstance(local_index, int) or local_index < 0:
-        raise ValueError(f"micro_batch: local_index={local_index!r} must be a non-negative int")
-    now = current()
-    return _use(replace(now, micro_batch=now.first_micro_batch + local_index))
 
 
 def sr_seed(base_seed: int, layer: str, step: int, micro_batch: int, operand: str) -> int:

@@ -14,37 +14,36 @@ from typing import Sequence
 import torch
 
 from megatron_fp4.fp4 import invariant
-from megatron_fp4.fp4.context import current
 from megatron_fp4.fp4.exact_gemm import CHUNK, exact_fp4_terms, exact_sum_products
 from megatron_fp4.fp4.moeresq import _cached_weight, _Site
+from megatron_fp4.fp4.numerics import STANDARD, Numerics
 from megatron_fp4.fp4.recipe import Recipe, row_local
 
 
 
-def can_group_exact_fp4(recipe: Recipe, x: torch.Tensor, weights) -> bool:
-    if recipe.mode not in ("fp4", "fp4_resq") or not invariant.enabled():
+def can_group_exact_fp4(recipe: Recipe, x: torch.Tensor, weights, numerics: Numerics = STANDARD) -> bool:
+    if recipe.mode not in ("fp4", "fp4_resq") or not invariant.enabled(numerics):
         return False
     if torch.is_grad_enabled() and (x.requires_grad or any(w.requires_grad for w in weights)):
         return False
-    if current().nonfinite_flags_for(x.device) is not None:
+    if numerics.position.nonfinite_flags_for(x.device) is not None:
         return False
     return row_local(recipe.input) and recipe.weight.rounding == "nearest"
 
 
 def exact_grouped_fp4(x: torch.Tensor, weights: Sequence[torch.Tensor], counts: Sequence[int], recipe: Recipe,
-                      names: Sequence[str], group_name: str) -> torch.Tensor:
+                      names: Sequence[str], group_name: str, numerics: Numerics = STANDARD) -> torch.Tensor:
     """Rows of ``x`` (R, K) in runs of ``counts[i]``, run i through ``moeresq_linear(run, weights[i],
     recipe=recipe, name=names[i])``'s batch-invariant forward (bias-free); ``group_name`` names the
     shared input quantization in non-finite errors."""
-    now = current()
     r = recipe
-    x_terms = _Site(r, group_name, now.step, now.micro_batch, None).split(x, r.input, "input", r.compensated)
+    x_terms = _Site.at(r, group_name, numerics, x.device, defer=False).split(x, r.input, "input", r.compensated)
     sums = [x.new_empty(x.shape[0], weights[0].shape[0], dtype=torch.float64) for _ in x_terms]
     w_exp, w_scale, start = [], [], 0
     for w, n, name in zip(weights, counts, names):
         if not n:
             continue
-        site = _Site(r, name, now.step, now.micro_batch, None)
+        site = _Site.at(r, name, numerics, x.device, defer=False)
         w_split = _cached_weight(site, w, True, lambda: site.split(w.reshape(-1, w.shape[-1]), r.weight, "weight",
                                                                     False)[0])
         for out, t in zip(sums, x_terms):

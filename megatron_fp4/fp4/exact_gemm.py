@@ -52,8 +52,6 @@ GEMM (float64 combination of the exactly formed sums).
 """
 from __future__ import annotations
 
-import contextvars
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
@@ -68,31 +66,16 @@ _TWO53 = 2.0 ** 53
 NVFP4_UNIT_EXP = -10  # E2M1 (multiples of 1/2) × E4M3 (multiples of 2^-9)
 
 
-_WEIGHT_CACHE = contextvars.ContextVar("megatron_fp4_weight_cache", default=None)
-
-
-@contextmanager
-def cached_weights(store: Optional[dict] = None):
-    """Inside the block, GEMMs reuse what they derive from a weight alone (``Q(W)``, its
-    exact-GEMM split, :func:`exact_linear`'s fixed-point limbs) across calls: the same bits, computed
-    once instead of at every decode step. Entries are keyed by the weight's memory and guarded by
-    its version counter (``tensor._version``, bumped by every in-place op on it or its base), and
-    dropped when the block ends, unless ``store`` (a dict the caller keeps) holds them for later
-    blocks. Writes through ``.data`` do not bump the counter, so hold the block (and a ``store``)
-    only where weights cannot change that way (the rollout engine: its ``generate`` calls, under
-    its weights lock; ``load_weights`` copies in place and empties the store; the vLLM plugin clears its store
-    on every weight load)."""
-    token = _WEIGHT_CACHE.set({} if store is None else store)
-    try:
-        yield
-    finally:
-        _WEIGHT_CACHE.reset(token)
-
-
-def cached_for_weight(weight: torch.Tensor, tag, compute):
+def cached_for_weight(cache: Optional[dict], weight: torch.Tensor, tag, compute):
     """``compute()``, a function of ``weight``'s values and ``tag`` alone (no graph through it),
-    reused inside :func:`cached_weights`."""
-    cache = _WEIGHT_CACHE.get()
+    reused through ``cache`` (``Numerics.weight_cache``: a dict, or None for no reuse).
+
+    Entries are keyed by the weight's memory and guarded by its version counter (``tensor._version``,
+    bumped by every in-place op on it or its base): the same bits, computed once instead of at
+    every decode step. Writes through ``.data`` do not bump the counter, so keep a cache only where
+    weights cannot change that way (the rollout engine: its ``generate`` calls, under its weights
+    lock; ``load_weights`` copies in place and empties the store; the vLLM plugin clears its store
+    on every weight load)."""
     if cache is None:
         return compute()
     key = (weight.data_ptr(), tuple(weight.shape), weight.stride(), weight.dtype, weight.device, tag)
@@ -252,19 +235,19 @@ def _weight_limbs(weight: torch.Tensor):
     return torch.cat([limbs[0], limbs[1]], 0).t().contiguous(), pow2_f64(exp)
 
 
-def _limb_products(xl: torch.Tensor, weight: torch.Tensor):
+def _limb_products(xl: torch.Tensor, weight: torch.Tensor, cache: Optional[dict]):
     """(hh, ll, cross) (M, N) float64, exact, and 2^exp_w (N,): ``xl`` (3, M, K) input limbs.
 
     Few rows (decode): one GEMM ``[hi; lo]·[hi | lo]`` (2M, 2N) holds the four products and reads
     the weight limbs once (memory-bound). Many rows (prefill, scoring): Karatsuba, three GEMMs,
     ``cross = (hi+lo)·(hi+lo) − hh − ll`` (compute-bound), on the cached limbs or, outside
-    :func:`cached_weights`, on the weight's limbs as computed (no transposed copy)."""
+    a ``cache``, on the weight's limbs as computed (no transposed copy)."""
     M = xl.shape[1]
-    if M > FEW_ROWS and _WEIGHT_CACHE.get() is None:
+    if M > FEW_ROWS and cache is None:
         limbs, exp = _fixed_point_limbs(weight)
         hh, ll = xl[0] @ limbs[0].t(), xl[1] @ limbs[1].t()
         return hh, ll, (xl[2] @ limbs[2].t()).sub_(hh).sub_(ll), pow2_f64(exp)
-    wl, w_scale = cached_for_weight(weight, "fixed-point limbs", lambda: _weight_limbs(weight))
+    wl, w_scale = cached_for_weight(cache, weight, "fixed-point limbs", lambda: _weight_limbs(weight))
     N = wl.shape[1] // 2
     wh, wlo = wl[:, :N], wl[:, N:]
     if M <= FEW_ROWS:
@@ -283,7 +266,8 @@ def _combine(x: torch.Tensor, xe: torch.Tensor, hh, ll, cross, w_scale, bias, n_
     return y.to(x.dtype).reshape(*x.shape[:-1], n_out)
 
 
-def exact_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+def exact_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
+                 cache: Optional[dict] = None) -> torch.Tensor:
     """Batch-invariant ``F.linear`` (module docstring, "Non-FP4 rows"): (…, K) → (…, N) in x's dtype.
 
     The three limb products ``hh = hi_x·hi_wᵀ``, ``ll = lo_x·lo_wᵀ`` and ``cross = hi_x·lo_wᵀ +
@@ -294,11 +278,12 @@ def exact_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Ten
     K = x.shape[-1]
     assert K < 2 ** 27, "exact_linear: K ≥ 2^27 would break the exact-sum bound"
     xl, xe = _fixed_point_limbs(x.reshape(-1, K))
-    hh, ll, cross, w_scale = _limb_products(xl, weight)
+    hh, ll, cross, w_scale = _limb_products(xl, weight, cache)
     return _combine(x, xe, hh, ll, cross, w_scale[None, :], bias, weight.shape[0])
 
 
-def exact_grouped_linear(x: torch.Tensor, weights: Sequence[torch.Tensor], counts: Sequence[int]) -> torch.Tensor:
+def exact_grouped_linear(x: torch.Tensor, weights: Sequence[torch.Tensor], counts: Sequence[int],
+                         cache: Optional[dict] = None) -> torch.Tensor:
     """Rows of ``x`` (R, K) in consecutive runs of ``counts[e]``, run e times ``weights[e]ᵀ`` (N, K):
     each row gets the bits :func:`exact_linear` gives it (its limbs and products do not depend on
     the other rows), with the input limbs and the elementwise combination done once for all runs."""
@@ -307,14 +292,14 @@ def exact_grouped_linear(x: torch.Tensor, weights: Sequence[torch.Tensor], count
     N = weights[0].shape[0]
     xl, xe = _fixed_point_limbs(x)
     if max(counts) <= FEW_ROWS:
-        return _combine(x, xe, *_few_rows_grouped(xl, weights, counts), None, N)
+        return _combine(x, xe, *_few_rows_grouped(xl, weights, counts, cache), None, N)
     parts = [x.new_empty(R, N, dtype=torch.float64) for _ in range(3)]
     w_scale = x.new_empty(R, N, dtype=torch.float64)
     start = 0
     for w, n in zip(weights, counts):
         if n:
             rows = slice(start, start + n)
-            *products, ws = _limb_products(xl[:, rows], w)
+            *products, ws = _limb_products(xl[:, rows], w, cache)
             for out, part in zip(parts, products):
                 out[rows] = part
             w_scale[rows] = ws
@@ -322,7 +307,7 @@ def exact_grouped_linear(x: torch.Tensor, weights: Sequence[torch.Tensor], count
     return _combine(x, xe, *parts, w_scale, None, N)
 
 
-def _few_rows_grouped(xl: torch.Tensor, weights: Sequence[torch.Tensor], counts: Sequence[int]):
+def _few_rows_grouped(xl: torch.Tensor, weights: Sequence[torch.Tensor], counts: Sequence[int], cache):
     """:func:`_limb_products` of every run with few rows (the decode step's experts), gathered:
     the ``[hi; lo]`` rows of each run sit together so each run is one GEMM on its weight's cached
     limbs, written in place; one reordering afterwards. Returns (hh, ll, cross, 2^exp_w) (R, N)."""
@@ -337,7 +322,7 @@ def _few_rows_grouped(xl: torch.Tensor, weights: Sequence[torch.Tensor], counts:
     start = 0
     for w, n in zip(weights, counts):
         if n:
-            wl, ws = cached_for_weight(w, "fixed-point limbs", lambda: _weight_limbs(w))
+            wl, ws = cached_for_weight(cache, w, "fixed-point limbs", lambda: _weight_limbs(w))
             p = x2.new_empty(2 * R, wl.shape[1]) if p is None else p
             torch.mm(x2[2 * start:2 * (start + n)], wl, out=p[2 * start:2 * (start + n)])
             scales.append(ws.expand(n, -1))

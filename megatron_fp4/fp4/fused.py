@@ -9,8 +9,8 @@ scalar code inside the element loop and was ~1.3x slower.
 
 When it runs (``fake_quantize_nvfp4`` / ``fake_quantize_mxfp4``, nearest rounding, CPU tensors,
 autograd not recording through the input; stochastic rounding and ``quantize_*`` stay eager) is
-the ``compile`` setting: the FP4 recipe's ``compile`` field (config ``fp4.compile``), passed by the
-caller, overridden for the whole process by ``MEGATRON_FP4_COMPILE`` when that is set:
+the ``compile`` setting: the FP4 recipe's ``compile`` field (config ``fp4.compile``, which
+``MEGATRON_FP4_COMPILE`` overrides while the config loads), passed by the caller:
 
 - ``auto`` (default): eager at first; once a variant (format, options, dtypes) has quantized
   :data:`AUTO_MIN_ELEMENTS` elements, a child process (``compile_worker.py``) compiles and checks it,
@@ -68,13 +68,12 @@ import warnings
 import torch
 
 COMPILE_MODES = ("auto", "on", "off")
-_ENV = "MEGATRON_FP4_COMPILE"
-_ENV_VALUES = {"1": "on", "true": "on", "yes": "on", "on": "on", "0": "off", "false": "off", "no": "off",
-               "off": "off", "auto": "auto", "": None}
 # In ``auto``, a variant is compiled once it has quantized this many elements eagerly (~100 calls of a
 # 4096x1024 activation): by then the job has shown it is long enough to repay a compile of seconds.
 AUTO_MIN_ELEMENTS = 1 << 28
 
+# What this process learnt about its compiler, never a numerics choice (a variant serves only once
+# checked bit-exact against the eager path): a backend failure, the variants and their kernels.
 _broken: dict = {"reason": None}  # a backend failure (no compiler, ...): no variant compiles any more
 _variants: dict = {}
 _lock = threading.Lock()
@@ -84,12 +83,7 @@ WORKER_NOT_EXACT, WORKER_BROKEN = 3, 4
 
 
 def resolve_compile(mode: str | None) -> str:
-    """The effective setting: ``MEGATRON_FP4_COMPILE`` when set, else ``mode`` (None → ``auto``)."""
-    env = os.environ.get(_ENV)
-    if env is not None:
-        if env.strip().lower() not in _ENV_VALUES:
-            raise ValueError(f"{_ENV}={env!r} is not one of auto/on/off (or 1/0); unset it or pick one")
-        mode = _ENV_VALUES[env.strip().lower()] or mode
+    """The setting ``mode`` checked (None → ``auto``)."""
     mode = "auto" if mode is None else mode
     if mode not in COMPILE_MODES:
         raise ValueError(f"FP4 compile={mode!r} is not one of {COMPILE_MODES}")

@@ -1,9 +1,10 @@
 """Batch-invariant numerics: every row's result depends only on that row (and its prefix).
 
-    with batch_invariant():          # what the rollout engine and the log-prob scoring run under
+    with model.numerics.invariant():  # what the rollout engine and the log-prob scoring run under
         out = model(tokens, ...)
 
-Inside the context the model's ops switch to versions whose reduction order per row is fixed by
+With ``numerics.batch_invariant`` on (``numerics.py``: the model's value, passed to every op here
+as an explicit argument) the model's ops switch to versions whose reduction order per row is fixed by
 construction, independent of the batch size, the row's position in the batch, padding, micro-batch
 split, KV cache vs full forward, or layout:
 
@@ -25,15 +26,13 @@ split, KV cache vs full forward, or layout:
   ``silu``/``sigmoid`` do not (a scalar tail loop rounds differently on AVX2/AVX-512), so
   :func:`silu` is ``x / (1 + exp(−x))``. ``tests/unit/test_batch_invariant.py`` checks all of them.
 
-The mode is a ``contextvars.ContextVar`` like the FP4 step context. float64 models (the
+The mode is the ``numerics`` argument's ``batch_invariant`` (None: off). float64 models (the
 verification mode) keep the standard kernels: the fixed-point GEMM would round their inputs.
 Training through the mode works (every op here is differentiable; ``linear``'s backward is the
 plain one) but is slower; see ``benchmarks/bench_batch_invariant.py`` for the cost.
 """
 from __future__ import annotations
 
-import contextvars
-from contextlib import contextmanager
 from typing import Optional
 
 import torch
@@ -41,22 +40,9 @@ import torch.nn.functional as F
 
 from megatron_fp4.fp4.exact_gemm import exact_grouped_linear, exact_linear
 
-_ON = contextvars.ContextVar("megatron_fp4_batch_invariant", default=False)
-
-
-@contextmanager
-def batch_invariant(on: bool = True):
-    """Run the block with batch-invariant numerics on (or, with ``on=False``, off)."""
-    token = _ON.set(bool(on))
-    try:
-        yield
-    finally:
-        _ON.reset(token)
-
-
-def enabled(x: Optional[torch.Tensor] = None) -> bool:
-    """Whether the mode is on (and applies to ``x``'s dtype: never to float64)."""
-    return _ON.get() and (x is None or x.dtype != torch.float64)
+def enabled(numerics, x: Optional[torch.Tensor] = None) -> bool:
+    """Whether ``numerics`` (a ``Numerics`` or None) runs the mode (for ``x``'s dtype: never float64)."""
+    return numerics is not None and numerics.invariant_for(x)
 
 
 def tree_sum(t: torch.Tensor, dim: int = -1, keepdim: bool = False) -> torch.Tensor:
@@ -76,10 +62,10 @@ class _ExactLinear(torch.autograd.Function):
     """Forward: the exact batch-invariant GEMM; backward: the plain ``F.linear`` gradients."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias):
+    def forward(ctx, x, weight, bias, cache):
         ctx.save_for_backward(x, weight)
         ctx.has_bias = bias is not None
-        return exact_linear(x, weight, bias)
+        return exact_linear(x, weight, bias, cache)
 
     @staticmethod
     def backward(ctx, dy):
@@ -87,50 +73,50 @@ class _ExactLinear(torch.autograd.Function):
         dx = dy @ weight if ctx.needs_input_grad[0] else None
         dw = dy.reshape(-1, dy.shape[-1]).t() @ x.reshape(-1, x.shape[-1]) if ctx.needs_input_grad[1] else None
         db = dy.reshape(-1, dy.shape[-1]).sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
-        return dx, dw, db
+        return dx, dw, db, None
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """``F.linear``, batch invariant when the mode is on."""
-    if not enabled(x):
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None, numerics=None) -> torch.Tensor:
+    """``F.linear``, batch invariant when ``numerics`` runs the mode."""
+    if not enabled(numerics, x):
         return F.linear(x, weight, bias)
-    return _ExactLinear.apply(x, weight, bias)
+    return _ExactLinear.apply(x, weight, bias, numerics.weight_cache)
 
 
-def grouped_linear(x: torch.Tensor, weights, counts) -> torch.Tensor:
+def grouped_linear(x: torch.Tensor, weights, counts, numerics=None) -> torch.Tensor:
     """Consecutive runs of ``counts[e]`` rows of ``x`` times ``weights[e]ᵀ``, without autograd: in
     the mode each row's bits are those of :func:`linear` on that run alone (``exact_grouped_linear``)."""
-    if not enabled(x):
+    if not enabled(numerics, x):
         return torch.cat([F.linear(r, w) for r, w, n in zip(x.split(list(counts)), weights, counts) if n])
-    return exact_grouped_linear(x, weights, counts)
+    return exact_grouped_linear(x, weights, counts, numerics.weight_cache)
 
 
-def silu(x: torch.Tensor) -> torch.Tensor:
+def silu(x: torch.Tensor, numerics=None) -> torch.Tensor:
     """SiLU; in the mode ``x / (1 + exp(−x))`` (position-independent bits, see the module doc)."""
-    if not enabled(x):
+    if not enabled(numerics, x):
         return F.silu(x)
     return x / (1.0 + torch.exp(-x))
 
 
-def softmax(x: torch.Tensor) -> torch.Tensor:
+def softmax(x: torch.Tensor, numerics=None) -> torch.Tensor:
     """Softmax over the last dim (in x's dtype); in the mode with a :func:`tree_sum` denominator."""
-    if not enabled(x):
+    if not enabled(numerics, x):
         return torch.softmax(x, dim=-1, dtype=x.dtype)
     e = torch.exp(x - x.amax(-1, keepdim=True))
     return e / tree_sum(e, -1, keepdim=True)
 
 
-def log_softmax(x: torch.Tensor) -> torch.Tensor:
+def log_softmax(x: torch.Tensor, numerics=None) -> torch.Tensor:
     """Log-softmax over the last dim; in the mode ``(x − max) − log(tree_sum(exp(x − max)))``."""
-    if not enabled(x):
+    if not enabled(numerics, x):
         return torch.log_softmax(x, dim=-1)
     shifted = x - x.amax(-1, keepdim=True)
     return shifted - torch.log(tree_sum(torch.exp(shifted), -1, keepdim=True))
 
 
-def mean_square(x: torch.Tensor) -> torch.Tensor:
+def mean_square(x: torch.Tensor, numerics=None) -> torch.Tensor:
     """``x.pow(2).mean(-1, keepdim=True)``; in the mode a :func:`tree_sum` divided by the size."""
-    if not enabled(x):
+    if not enabled(numerics, x):
         return x.pow(2).mean(-1, keepdim=True)
     return tree_sum(x * x, -1, keepdim=True) / x.shape[-1]
 

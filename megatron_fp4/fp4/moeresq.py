@@ -34,13 +34,13 @@ Notation: ``Q`` is quantize-then-dequantize in the operand's format (fp32 result
   ``weight``, ``input``, ``grad_output``, ``grad_output (columnwise)``, ``input (columnwise)``
   (each Q before its residual's Q on one stream; run ``i > 0`` of ``segments`` appends
   ``" segment i"`` to the columnwise names, so runs draw independent noise). ``layer`` is the module's global name
-  (``quant_name``), step and micro-batch come from the step context captured in forward, so
+  (``quant_name``), step and micro-batch come from ``numerics.position`` captured in forward, so
   every layer, micro-batch and step draws fresh, reproducible noise.
 - ``recipe.quantize_backward=False``: dgrad ``dY · Q(W)`` and wgrad ``dYᵀ · X`` in fp32
   (the straight-through gradient of the quantized forward).
 - ``bf16`` mode is exactly ``F.linear(x, weight, bias)`` (``invariant.linear`` in the
   batch-invariant mode).
-- Batch-invariant mode (``invariant.batch_invariant()``): the forward GEMM is formed exactly from
+- Batch-invariant mode (``numerics.batch_invariant``): the forward GEMM is formed exactly from
   the same quantized operands, ``Q(x)·Q(W)ᵀ`` and ``Q(x − Q(x))·Q(W)ᵀ`` as two exact sums with
   the global scales factored out, then rounded once (``exact_gemm.py`` states the bound). Its bits
   then depend on nothing but the row and ``W``. Backward is unchanged. Off (the default), the bits
@@ -56,11 +56,10 @@ wgrad, each once; a plain ``backward()`` runs both, with the same bits as one no
 """
 from __future__ import annotations
 
-import contextvars
 import functools
 import math
-from contextlib import ExitStack, contextmanager
-from dataclasses import dataclass
+from contextlib import ExitStack
+from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
 import torch
@@ -68,19 +67,21 @@ import torch.nn.functional as F
 from torch import nn
 
 from megatron_fp4.fp4 import invariant, triton_fp4
-from megatron_fp4.fp4.context import current, sr_seed
+from megatron_fp4.fp4.context import sr_seed
 from megatron_fp4.fp4.exact_gemm import cached_for_weight, exact_fp4_gemm, split_fp4
 from megatron_fp4.fp4.nonfinite import NonFiniteFlags
+from megatron_fp4.fp4.numerics import STANDARD, Numerics
 from megatron_fp4.fp4.recipe import OperandFormat, Recipe
 from megatron_fp4.fp4.resq import _fq32, fake_quantize, portable_resq_quantize, sqnr_db  # noqa: F401
 
 
 def resq_quantize(x: torch.Tensor, fmt: OperandFormat, compensated: bool = True, generator=None,
-                  name: str = "x", nonfinite=None, compile: str | None = None, scratch: bool = False) -> torch.Tensor:
+                  name: str = "x", nonfinite=None, compile: str | None = None, scratch: bool = False,
+                  triton: str = "auto") -> torch.Tensor:
     """``Q(x) + Q(x − Q(x))`` (or ``Q(x)`` when not compensated) in fp32: the Triton kernels where
-    they serve (CUDA: same bits, one pass), else the portable quantizer (`resq.portable_resq_quantize`,
-    whose ``scratch`` see)."""
-    out = triton_fp4.dispatch(x, fmt, compensated, generator, name, nonfinite)
+    they serve under ``triton`` (``Numerics.triton``; CUDA: same bits, one pass), else the portable
+    quantizer (`resq.portable_resq_quantize`, whose ``scratch`` see)."""
+    out = triton_fp4.dispatch(x, fmt, compensated, generator, name, nonfinite, mode=triton)
     if out is not None:
         return out
     return portable_resq_quantize(x, fmt, compensated, generator, name, nonfinite, compile, scratch)
@@ -88,7 +89,8 @@ def resq_quantize(x: torch.Tensor, fmt: OperandFormat, compensated: bool = True,
 
 @dataclass(frozen=True)
 class _Site:
-    """One call of the linear: its layer name, recipe and training position (captured in forward)."""
+    """One call of the linear: its layer name, recipe, training position and backend (captured in
+    forward from the caller's ``Numerics``)."""
 
     recipe: Recipe
     layer: str
@@ -96,6 +98,15 @@ class _Site:
     micro_batch: int
     nonfinite: Optional[NonFiniteFlags]
     segments: Optional[tuple] = None  # wgrad's token runs (≥ 2 non-empty), None: one run
+    triton: str = "auto"  # Numerics.triton
+    cache: Optional[dict] = field(default=None, compare=False)  # Numerics.weight_cache
+
+    @classmethod
+    def at(cls, recipe: Recipe, layer: str, numerics: Numerics, device, segments=None, defer: bool = True) -> "_Site":
+        """The site of a call now under ``numerics`` (``defer=False``: eager non-finite checks)."""
+        now = numerics.position
+        return cls(recipe, layer, now.step, now.micro_batch, now.nonfinite_flags_for(device) if defer else None,
+                   segments, numerics.triton, numerics.weight_cache)
 
     def _stream(self, a: torch.Tensor, fmt: OperandFormat, operand: str):
         """(generator, name) of one operand's quantization (no generator for nearest rounding)."""
@@ -109,7 +120,7 @@ class _Site:
                  scratch: bool = False) -> torch.Tensor:
         """Q̃ of one operand on its own stochastic-rounding stream (none for nearest rounding)."""
         gen, name = self._stream(a, fmt, operand)
-        return resq_quantize(a, fmt, compensated, gen, name, self.nonfinite, self.recipe.compile, scratch)
+        return resq_quantize(a, fmt, compensated, gen, name, self.nonfinite, self.recipe.compile, scratch, self.triton)
 
     def split(self, a: torch.Tensor, fmt: OperandFormat, operand: str, compensated: bool) -> list:
         """The terms of Q̃ as exact-GEMM splits (same codes and draws as :meth:`quantize`)."""
@@ -133,9 +144,9 @@ def _col_quantize(site: _Site, a: torch.Tensor, fmt: OperandFormat, operand: str
 
 
 def _col_quantize_run(site: _Site, a: torch.Tensor, fmt: OperandFormat, stream: str) -> torch.Tensor:
-    if triton_fp4.use_triton(a):  # the kernel reads ``a`` transposed and zero-pads as it goes (no copy)
+    if triton_fp4.use_triton(a, site.triton):  # the kernel reads ``a`` transposed and zero-pads as it goes
         out = triton_fp4.dispatch(a, fmt, site.recipe.compensated, *site._stream(a, fmt, stream),
-                                  site.nonfinite, columns=True)
+                                  site.nonfinite, columns=True, mode=site.triton)
         if out is not None:
             return out
     bs = fmt.block_size
@@ -160,14 +171,14 @@ def _no_autocast(fn):
 
 
 def _cached_weight(site: _Site, weight: torch.Tensor, exact: bool, compute):
-    """``compute()`` (``Q(W)``, or its exact-GEMM split when ``exact``), reused inside
-    ``exact_gemm.cached_weights`` (never while deferring non-finite flags: a hit records none)."""
+    """``compute()`` (``Q(W)``, or its exact-GEMM split when ``exact``), reused through the site's
+    weight cache (``Numerics.cached_weights``; never while deferring non-finite flags: a hit records none)."""
     if site.nonfinite is not None:
         return compute()
     fmt = site.recipe.weight
     seed = sr_seed(site.recipe.seed, site.layer, site.step, site.micro_batch, "weight") \
         if fmt.rounding == "stochastic" else None
-    return cached_for_weight(weight, (fmt, exact, seed), compute)
+    return cached_for_weight(site.cache, weight, (fmt, exact, seed), compute)
 
 
 @_no_autocast
@@ -291,21 +302,6 @@ class _OneNode(torch.autograd.Function):
         return dx, dw, db, None, None, None, None
 
 
-_ONE_NODE = contextvars.ContextVar("moeresq_one_node_backward", default=False)
-
-
-@contextmanager
-def one_node_backward():
-    """Build MoEResQ graphs as one autograd node (the layout before the dgrad/wgrad split; same
-    bits). Only for measuring what the split saves: zero-bubble schedules re-run this node's
-    whole backward in both their input-grad and weight-grad passes."""
-    token = _ONE_NODE.set(True)
-    try:
-        yield
-    finally:
-        _ONE_NODE.reset(token)
-
-
 def _runs(segments, rows: int) -> tuple | None:
     """``segments`` checked against the row count; None unless ≥ 2 runs are non-empty."""
     if segments is None:
@@ -319,29 +315,30 @@ def _runs(segments, rows: int) -> tuple | None:
 
 
 def moeresq_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
-                   recipe: Recipe, name: str = "", segments: Sequence[int] | None = None) -> torch.Tensor:
+                   recipe: Recipe, name: str = "", segments: Sequence[int] | None = None,
+                   numerics: Numerics = STANDARD) -> torch.Tensor:
     """``x`` (…, in) · ``weight`` (out, in)ᵀ under ``recipe`` (see the module docstring).
 
     ``name``: the layer's global name, which keys its stochastic-rounding streams and names it in
     non-finite errors (unnamed layers share streams). ``segments``: row counts of consecutive runs
     of ``x``'s rows (summing to the row count) whose FP4 wgrad operands are quantized run by run;
-    None (or one non-empty run) is the plain call."""
+    None (or one non-empty run) is the plain call. ``numerics``: the caller's (the module's) value:
+    batch invariance, backend, weight cache, the step position that keys SR streams."""
     if not isinstance(recipe, Recipe):
         raise ValueError(f"moeresq_linear: recipe must be a Recipe, got {type(recipe).__name__}")
     if x.shape[-1] != weight.shape[-1]:
         raise ValueError(f"moeresq_linear: input last dim {x.shape[-1]} != weight in_features {weight.shape[-1]}")
     runs = _runs(segments, math.prod(x.shape[:-1]))
     if recipe.mode == "bf16":
-        return invariant.linear(x, weight, bias)
+        return invariant.linear(x, weight, bias, numerics)
     if x.numel() == 0:  # no rows (an expert that received no tokens): nothing to quantize, zero grads
         return F.linear(x, weight.to(x.dtype), None if bias is None else bias.to(x.dtype))
-    now = current()
-    site = _Site(recipe, name, now.step, now.micro_batch, now.nonfinite_flags_for(x.device), runs)
+    site = _Site.at(recipe, name, numerics, x.device, runs)
     out_shape = (*x.shape[:-1], weight.shape[0])
     x2 = x.reshape(-1, x.shape[-1])
     bias32 = None if bias is None else bias.detach().to(_accumulate_dtype(x.dtype))
     with torch.no_grad():
-        if invariant.enabled():
+        if invariant.enabled(numerics):
             r = recipe
             x_terms = site.split(x2, r.input, "input", r.compensated)
             w_split = _cached_weight(site, weight, True, lambda: site.split(
@@ -358,7 +355,7 @@ def moeresq_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
                 return _gemm(xq, wq, bias32, out_shape, x.dtype)
     if not (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weight, bias))):
         return gemm()
-    if _ONE_NODE.get():
+    if numerics.one_node:
         return _OneNode.apply(x, weight, bias, gemm, wq, x2.detach(), site)
     dgrad_link = _DgradHalf.apply(x, wq, site, out_shape)
     wgrad_link = _WgradHalf.apply(weight, bias, x2.detach(), site, out_shape, x.dtype)
@@ -366,10 +363,11 @@ def moeresq_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
 
 
 class MoEResQLinear(nn.Module):
-    """A linear layer computed by :func:`moeresq_linear`; assign ``recipe`` to switch modes."""
+    """A linear layer computed by :func:`moeresq_linear`; assign ``recipe`` to switch modes.
+    ``numerics``: its own by default; a model gives all its modules one (``apply_numerics``)."""
 
     def __init__(self, in_features, out_features, bias=False, *, recipe: Recipe | None = None, dtype=None,
-                 device=None):
+                 device=None, numerics: Numerics | None = None):
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
         self.recipe = recipe or Recipe()
@@ -377,9 +375,11 @@ class MoEResQLinear(nn.Module):
         self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype, device=device)) if bias else None
         nn.init.kaiming_uniform_(self.weight, a=math.sqrt(5))
         self.quant_name = ""  # global module name, set by `name_quant_sites` on the full model
+        self.numerics = Numerics() if numerics is None else numerics
 
     def forward(self, x):
-        return moeresq_linear(x, self.weight, self.bias, recipe=self.recipe, name=self.quant_name)
+        return moeresq_linear(x, self.weight, self.bias, recipe=self.recipe, name=self.quant_name,
+                              numerics=self.numerics)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "

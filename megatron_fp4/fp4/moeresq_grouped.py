@@ -34,11 +34,11 @@ from typing import Optional, Sequence
 import torch
 
 from megatron_fp4.fp4 import invariant, triton_fp4
-from megatron_fp4.fp4.context import current
 from megatron_fp4.fp4.moeresq import (
-    _ONE_NODE, _ForwardGemm, _Site, _accumulate_dtype, _cached_weight, _col_quantize, _link, _no_autocast,
+    _ForwardGemm, _Site, _accumulate_dtype, _cached_weight, _col_quantize, _link, _no_autocast,
     _rows32, _runs,
 )
+from megatron_fp4.fp4.numerics import STANDARD, Numerics
 from megatron_fp4.fp4.recipe import OperandFormat, Recipe, row_local
 
 # Columnwise runs share one zero-padded buffer while its size stays within this many times their
@@ -61,30 +61,28 @@ def _buckets(pads: list) -> list:
 
 
 
-def can_group_resq(recipe: Recipe, x: torch.Tensor) -> bool:
+def can_group_resq(recipe: Recipe, x: torch.Tensor, numerics: Numerics = STANDARD) -> bool:
     """Whether `grouped_moeresq_linear` gives the loop's bits for ``x``: FP4 modes, outside the
     batch-invariant mode (exact GEMMs), the one-node layout (a benchmark's "before") and the Triton
     kernels (their own columnwise path)."""
-    return (recipe.mode in ("fp4", "fp4_resq") and not invariant.enabled(x) and not _ONE_NODE.get()
-            and not triton_fp4.use_triton(x) and x.shape[0] > 0)
+    return (recipe.mode in ("fp4", "fp4_resq") and not invariant.enabled(numerics, x) and not numerics.one_node
+            and not triton_fp4.use_triton(x, numerics.triton) and x.shape[0] > 0)
 
 
 class _Group:
     """Per-expert sites and row ranges of one grouped call (captured in forward)."""
 
-    def __init__(self, recipe: Recipe, names, counts, segments, name: str, device):
-        now = current()
-        nonfinite = now.nonfinite_flags_for(device)
+    def __init__(self, recipe: Recipe, names, counts, segments, name: str, device, numerics: Numerics):
         segs = segments or [None] * len(counts)
         self.recipe, self.counts, self.name = recipe, [int(n) for n in counts], name
-        self.sites = [_Site(recipe, names[e], now.step, now.micro_batch, nonfinite, _runs(segs[e], n))
+        self.sites = [_Site.at(recipe, names[e], numerics, device, _runs(segs[e], n))
                       for e, n in enumerate(self.counts)]
         self.ranges, start = [], 0
         for n in self.counts:
             self.ranges.append((start, start + n))
             start += n
         self.active = [e for e, n in enumerate(self.counts) if n]
-        self.whole = _Site(recipe, name, now.step, now.micro_batch, nonfinite)  # names all-rows calls
+        self.whole = _Site.at(recipe, name, numerics, device)  # names all-rows calls
 
     def rows(self, t: torch.Tensor, e: int) -> torch.Tensor:
         a, b = self.ranges[e]
@@ -205,11 +203,12 @@ class _GroupedWgradHalf(torch.autograd.Function):
 
 def grouped_moeresq_linear(x: torch.Tensor, weight: torch.Tensor, counts: Sequence[int], *, recipe: Recipe,
                            names: Sequence[str], name: str = "",
-                           segments: Optional[Sequence[Optional[Sequence[int]]]] = None) -> torch.Tensor:
+                           segments: Optional[Sequence[Optional[Sequence[int]]]] = None,
+                           numerics: Numerics = STANDARD) -> torch.Tensor:
     """``x`` [N, in] (rows grouped by expert, ``counts[e]`` rows for expert e) times ``weight[e]ᵀ``
     (``weight`` [E, out, in]) -> [N, out], per expert the bits of ``moeresq_linear(..., name=names[e],
     segments=segments[e])`` (see the module docstring). ``name`` names the all-rows quantizer calls
-    in non-finite errors. Needs `can_group_resq(recipe, x)`."""
+    in non-finite errors. Needs `can_group_resq(recipe, x, numerics)`."""
     if x.dim() != 2 or weight.dim() != 3 or x.shape[1] != weight.shape[2]:
         raise ValueError(f"grouped_moeresq_linear: x {tuple(x.shape)} must be [N, in] and weight "
                          f"{tuple(weight.shape)} [E, out, in] with the same in")
@@ -219,7 +218,7 @@ def grouped_moeresq_linear(x: torch.Tensor, weight: torch.Tensor, counts: Sequen
     if segments is not None and len(segments) != weight.shape[0]:
         raise ValueError(f"grouped_moeresq_linear: segments must hold one entry per expert ({weight.shape[0]}), "
                          f"got {len(segments)}")
-    g = _Group(recipe, names, counts, segments, name, x.device)
+    g = _Group(recipe, names, counts, segments, name, x.device, numerics)
     out_shape = (x.shape[0], weight.shape[1])
     with torch.no_grad():
         y, wqs = _forward(g, x.detach(), weight.detach())

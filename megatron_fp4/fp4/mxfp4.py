@@ -99,7 +99,7 @@ def fake_quantize_mxfp4(
     """``quantize_mxfp4(x).dequantize()`` without building codes (same bits).
 
     ``compile``: ``auto`` (None), ``on`` or ``off``, when nearest rounding runs as compiled kernels
-    (``fused.py``; ``MEGATRON_FP4_COMPILE`` overrides it).
+    (``fused.py``; the config's ``fp4.compile``, which ``MEGATRON_FP4_COMPILE`` overrides at load).
     ``nonfinite``: a ``NonFiniteFlags`` to record the NaN/Inf check in (no host sync) instead of raising.
     """
     if fused.use_fused(x, rounding, compile):

@@ -7,10 +7,11 @@ messages and deferred non-finite flags. What they save is passes over memory: th
 ~15 eager ops per ``Q``; here an NVFP4 operand is two or three kernels (row amax of x, of the
 residual, then the output) and an MXFP4 operand one.
 
-Where it runs (:func:`use_triton`):
+Where it runs (:func:`use_triton`) is the caller's ``mode``, the model's ``Numerics.triton`` (config
+``fp4.triton``; ``MEGATRON_FP4_TRITON`` overrides it while the config loads):
 
 - ``auto`` (default): CUDA tensors when ``triton`` imports; CPU tensors take the portable path.
-- ``off``: never (``MEGATRON_FP4_TRITON=0``, or :func:`set_triton_mode`, or inside :func:`portable`).
+- ``off``: never (also inside ``Numerics.portable()``).
 - ``interpret``: CUDA and CPU tensors; CPU tensors run under Triton's interpreter (slow: tests), which
   needs ``TRITON_INTERPRET=1`` in the environment before triton is imported.
 
@@ -21,7 +22,6 @@ failure, the whole Triton path — back to the portable code (the reference stay
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import functools
 import math
 import os
@@ -32,41 +32,12 @@ import torch
 from megatron_fp4.fp4.formats import check_finite_flag, check_input, check_multiple
 from megatron_fp4.fp4.recipe import OperandFormat
 
-_ENV = "MEGATRON_FP4_TRITON"
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
-MODES = ("auto", "off", "interpret")
+MODES = ("auto", "off", "interpret")  # the same tuple as numerics.TRITON_MODES (checked by a test)
 
-
-def _env_mode() -> str:
-    raw = os.environ.get(_ENV, "auto").strip().lower()
-    mode = {"0": "off", "false": "off", "no": "off", "1": "auto", "true": "auto", "": "auto"}.get(raw, raw)
-    if mode not in MODES:
-        warnings.warn(f"megatron_fp4: {_ENV}={raw!r} is not one of {MODES} (or 0/1); using 'auto'", RuntimeWarning)
-        return "auto"
-    return mode
-
-
-_state = {"mode": _env_mode(), "broken": None, "verified": set(), "rejected": set(), "served": 0}
-_OFF = contextvars.ContextVar("megatron_fp4_triton_off", default=False)
-
-
-def set_triton_mode(mode: str) -> str:
-    """``auto`` | ``off`` | ``interpret`` for this process (overrides ``MEGATRON_FP4_TRITON``);
-    returns the mode it replaces."""
-    if mode not in MODES:
-        raise ValueError(f"set_triton_mode: mode={mode!r} is not one of {MODES}")
-    before, _state["mode"] = _state["mode"], mode
-    return before
-
-
-@contextlib.contextmanager
-def portable():
-    """Run the block on the portable quantizers even where Triton would be used."""
-    token = _OFF.set(True)
-    try:
-        yield
-    finally:
-        _OFF.reset(token)
+# What this process learnt about the device, never a numerics choice (each variant is verified to
+# give the portable path's bits before it serves): a launch failure, verified / rejected variants.
+_state = {"broken": None, "verified": set(), "rejected": set(), "served": 0}
 
 
 @functools.lru_cache(maxsize=None)
@@ -79,10 +50,11 @@ def triton_importable() -> tuple[bool, str]:
     return True, ""
 
 
-def use_triton(x: torch.Tensor) -> bool:
-    """Whether the quantizer entry points hand ``x`` to the Triton kernels (see the module docstring)."""
-    mode = _state["mode"]
-    if mode == "off" or _OFF.get() or _state["broken"] is not None:
+def use_triton(x: torch.Tensor, mode: str = "auto") -> bool:
+    """Whether the quantizer entry points hand ``x`` to the Triton kernels under ``mode`` (module docstring)."""
+    if mode not in MODES:
+        raise ValueError(f"triton mode={mode!r} is not one of {MODES}")
+    if mode == "off" or _state["broken"] is not None:
         return False
     if x.device.type != "cuda" and not (mode == "interpret" and x.device.type == "cpu" and interpreting()):
         return False
@@ -235,14 +207,14 @@ def _row_amax(k, xk, amax1, u1, dims, tile_r, sr, in_bf16, grid_r, launch):
 
 
 def dispatch(x: torch.Tensor, fmt: OperandFormat, compensated: bool, generator=None, name: str = "x",
-             nonfinite=None, columns: bool = False):
+             nonfinite=None, columns: bool = False, mode: str = "auto"):
     """The hook of the portable entry points: ``Q̃(x)`` (fp32) from the Triton kernels, or None when
     the caller should run the portable path (not wanted here, variant rejected, launch failure).
 
     The first input of each variant is also quantized by the portable path (same generator state)
     and must give the same bits; a variant that does not is rejected with a warning. Input errors
     (shapes, dtypes, non-finite values) raise exactly as the portable quantizers do."""
-    if x.dtype not in _DTYPES or x.numel() == 0 or not use_triton(x):  # empty: an expert without tokens
+    if x.dtype not in _DTYPES or x.numel() == 0 or not use_triton(x, mode):  # empty: an expert without tokens
         return None
     key = (fmt, compensated, columns, x.dtype, x.device.type)
     if key in _state["rejected"]:

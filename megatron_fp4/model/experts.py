@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from megatron_fp4.fp4 import Recipe, current, invariant, moeresq_linear, resq_quantize
+from megatron_fp4.fp4 import STANDARD, Numerics, Recipe, invariant, moeresq_linear, resq_quantize
 from megatron_fp4.fp4.exact_experts import can_group_exact_fp4, exact_grouped_fp4
 from megatron_fp4.fp4.exact_gemm import cached_for_weight
 from megatron_fp4.fp4.moeresq_grouped import can_group_resq, grouped_moeresq_linear
@@ -44,6 +44,7 @@ class GroupedExperts(nn.Module):
     """
 
     select_per_expert = False
+    numerics = STANDARD  # the model's (`fp4.apply_numerics`), passed to every FP4 / invariant op
     grouped = True  # one grouped GEMM over all experts where `can_group` allows; False: the loop
     # FP4 off: above this many rows per expert on average the loop is as fast (its per-expert SiLU
     # and products stay in cache; bench_moe_grouped.py: 0.9x at 8 experts x 256 rows, 1.3-1.5x at 64-128)
@@ -90,6 +91,7 @@ class GroupedExperts(nn.Module):
         out.w13.requires_grad_(self.w13.requires_grad)
         out.w2.requires_grad_(self.w2.requires_grad)
         out.quant_name = self.quant_name  # fp4 SR streams are keyed by the global name + expert id
+        out.numerics = self.numerics  # the model's fp4.Numerics
         return out
 
     def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
@@ -103,10 +105,11 @@ class GroupedExperts(nn.Module):
         name = f"{self.quant_name}.{self.expert_offset + e}"  # global expert id
         w13 = self.w13[e] if w13 is None else w13
         w2 = self.w2[e] if w2 is None else w2
-        h = moeresq_linear(x, w13, recipe=self.recipe, name=name + ".w13", segments=segments)
+        nx = self.numerics
+        h = moeresq_linear(x, w13, recipe=self.recipe, name=name + ".w13", segments=segments, numerics=nx)
         gate, up = h.split(self.ffn, dim=-1)
-        return moeresq_linear(invariant.silu(gate) * up, w2, recipe=self.recipe, name=name + ".w2",
-                              segments=segments)
+        return moeresq_linear(invariant.silu(gate, nx) * up, w2, recipe=self.recipe, name=name + ".w2",
+                              segments=segments, numerics=nx)
 
     def forward(self, x_sorted: torch.Tensor, counts: list[int],
                 segments: Optional[list[list[int]]] = None) -> torch.Tensor:
@@ -122,13 +125,14 @@ class GroupedExperts(nn.Module):
             raise ValueError(f"GroupedExperts: segments={segments} must hold, per local expert, row counts "
                              f"summing to that expert's count in counts={counts}")
         if self.grouped and not self.select_per_expert and x_sorted.shape[0]:
-            if can_group(self.recipe, x_sorted) and x_sorted.shape[0] <= self.max_group_rows * self.num_experts:
+            nx = self.numerics
+            if can_group(self.recipe, x_sorted, nx) and x_sorted.shape[0] <= self.max_group_rows * self.num_experts:
                 return self.grouped_forward(x_sorted, counts)
-            if can_group_fp4(self.recipe, x_sorted, (self.w13, self.w2)):
+            if can_group_fp4(self.recipe, x_sorted, (self.w13, self.w2), nx):
                 return self.grouped_fp4_forward(x_sorted, counts)
-            if can_group_exact(self.recipe, x_sorted, (self.w13, self.w2)):
+            if can_group_exact(self.recipe, x_sorted, (self.w13, self.w2), nx):
                 return self.grouped_exact_forward(x_sorted, counts)
-            if can_group_resq(self.recipe, x_sorted):
+            if can_group_resq(self.recipe, x_sorted, nx):
                 return self.grouped_resq_forward(x_sorted, counts, segments)
         if self.select_per_expert:
             w13s = w2s = [None] * self.num_experts
@@ -147,23 +151,23 @@ class GroupedExperts(nn.Module):
         offs = torch.tensor(counts, device=x_sorted.device).cumsum(0).to(torch.int32)
         h = _grouped_linear(x_sorted, self.w13, offs)
         gate, up = h.split(self.ffn, dim=-1)
-        return _grouped_linear(invariant.silu(gate) * up, self.w2, offs)
+        return _grouped_linear(invariant.silu(gate, self.numerics) * up, self.w2, offs)
 
     def grouped_exact_forward(self, x_sorted: torch.Tensor, counts: list[int]) -> torch.Tensor:
         """The batch-invariant mode without autograd (`can_group_exact`): the loop's exact GEMMs with
         the input's limbs (FP4 off, `invariant.grouped_linear`) or FP4 codes (`exact_grouped_fp4`),
         the SiLU and the combination done once for all rows (a row's bits depend on that row and
         its expert alone)."""
-        w13s, w2s = self.w13.unbind(0), self.w2.unbind(0)
+        w13s, w2s, nx = self.w13.unbind(0), self.w2.unbind(0), self.numerics
         if self.recipe.mode == "bf16":
-            gate, up = invariant.grouped_linear(x_sorted, w13s, counts).split(self.ffn, dim=-1)
-            return invariant.grouped_linear(invariant.silu(gate) * up, w2s, counts)
+            gate, up = invariant.grouped_linear(x_sorted, w13s, counts, nx).split(self.ffn, dim=-1)
+            return invariant.grouped_linear(invariant.silu(gate, nx) * up, w2s, counts, nx)
         first = self.expert_offset
         names = [f"{self.quant_name}.{first + e}" for e in range(self.num_experts)]
         gate, up = exact_grouped_fp4(x_sorted, w13s, counts, self.recipe, [n + ".w13" for n in names],
-                                     f"{self.quant_name}.<grouped>.w13").split(self.ffn, dim=-1)
-        return exact_grouped_fp4(invariant.silu(gate) * up, w2s, counts, self.recipe, [n + ".w2" for n in names],
-                                 f"{self.quant_name}.<grouped>.w2")
+                                     f"{self.quant_name}.<grouped>.w13", nx).split(self.ffn, dim=-1)
+        return exact_grouped_fp4(invariant.silu(gate, nx) * up, w2s, counts, self.recipe, [n + ".w2" for n in names],
+                                 f"{self.quant_name}.<grouped>.w2", nx)
 
     def grouped_resq_forward(self, x_sorted: torch.Tensor, counts: list[int],
                              segments: Optional[list[list[int]]] = None) -> torch.Tensor:
@@ -175,59 +179,60 @@ class GroupedExperts(nn.Module):
 
         def linear(x, weight, which):
             return grouped_moeresq_linear(x, weight, counts, recipe=self.recipe, names=[n + which for n in names],
-                                          name=f"{self.quant_name}.<grouped>{which}", segments=segments)
+                                          name=f"{self.quant_name}.<grouped>{which}", segments=segments,
+                                          numerics=self.numerics)
 
         h = linear(x_sorted, self.w13, ".w13")
         acts = []
         for chunk in h.split(counts):
             if chunk.shape[0]:
                 gate, up = chunk.split(self.ffn, dim=-1)
-                acts.append(invariant.silu(gate) * up)
+                acts.append(invariant.silu(gate, self.numerics) * up)
         return linear(torch.cat(acts, dim=0), self.w2, ".w2")
 
     def grouped_fp4_forward(self, x_sorted: torch.Tensor, counts: list[int]) -> torch.Tensor:
         """FP4 experts without autograd (`can_group_fp4`): MoEResQ's forward ``Q̃(X)·Q(W)ᵀ`` in
         fp32 with ``Q̃`` applied once to all rows (each row quantizes alone: its codes do not depend
         on which expert's batch it is in) and each expert's ``Q(W)`` computed per expert as
-        `moeresq_linear` does, stacked (once per weight version inside `exact_gemm.cached_weights`),
+        `moeresq_linear` does, stacked (once per weight version inside `Numerics.cached_weights`),
         then the per-expert GEMMs as one grouped GEMM."""
         offs = torch.tensor(counts, device=x_sorted.device).cumsum(0).to(torch.int32)
         h = self._fp4_grouped_linear(x_sorted, self.w13, offs, "w13")
         gate, up = h.split(self.ffn, dim=-1)
-        return self._fp4_grouped_linear(invariant.silu(gate) * up, self.w2, offs, "w2")
+        return self._fp4_grouped_linear(invariant.silu(gate, self.numerics) * up, self.w2, offs, "w2")
 
     def _fp4_grouped_linear(self, x: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor, which: str):
-        r = self.recipe
+        r, nx = self.recipe, self.numerics
         name, first = f"{self.quant_name}.<grouped>.{which}", self.expert_offset
-        wq = cached_for_weight(weight, ("grouped Q(W)", r.weight), lambda: torch.stack([
-            resq_quantize(w, r.weight, compensated=False, name=f"{self.quant_name}.{first + e}.{which}:weight")
-            for e, w in enumerate(weight.detach().unbind(0))]))
-        xq = resq_quantize(x, r.input, r.compensated, name=f"{name}:input")
+        wq = cached_for_weight(nx.weight_cache, weight, ("grouped Q(W)", r.weight), lambda: torch.stack([
+            resq_quantize(w, r.weight, compensated=False, name=f"{self.quant_name}.{first + e}.{which}:weight",
+                          triton=nx.triton) for e, w in enumerate(weight.detach().unbind(0))]))
+        xq = resq_quantize(x, r.input, r.compensated, name=f"{name}:input", triton=nx.triton)
         return _GROUPED_MM(xq, wq.transpose(1, 2), offs=offs).to(x.dtype)
 
 
-def can_group_fp4(recipe: Recipe, x: torch.Tensor, weights) -> bool:
+def can_group_fp4(recipe: Recipe, x: torch.Tensor, weights, numerics: Numerics = STANDARD) -> bool:
     """Whether FP4 experts may run `GroupedExperts.grouped_fp4_forward`: no autograd (the backward's
     columnwise blocks run along each expert's tokens), outside the batch-invariant mode (exact
     GEMMs), nearest rounding (stochastic streams are keyed by expert), row-local input quantization,
     eager non-finite checks, fp32/bf16 on CPU (fp32 GEMM operands, which CPU `grouped_mm` takes)."""
-    if _GROUPED_MM is None or recipe.mode not in ("fp4", "fp4_resq") or invariant.enabled(x):
+    if _GROUPED_MM is None or recipe.mode not in ("fp4", "fp4_resq") or invariant.enabled(numerics, x):
         return False
     if torch.is_grad_enabled() and (x.requires_grad or any(w.requires_grad for w in weights)):
         return False
     if x.device.type != "cpu" or x.dtype not in (torch.float32, torch.bfloat16):
         return False
-    if torch.is_autocast_enabled(x.device.type) or current().nonfinite_flags_for(x.device) is not None:
+    if torch.is_autocast_enabled(x.device.type) or numerics.position.nonfinite_flags_for(x.device) is not None:
         return False
     return row_local(recipe.input) and recipe.weight.rounding == "nearest"
 
 
-def can_group_exact(recipe: Recipe, x: torch.Tensor, weights) -> bool:
+def can_group_exact(recipe: Recipe, x: torch.Tensor, weights, numerics: Numerics = STANDARD) -> bool:
     """Whether experts in the batch-invariant mode may run `grouped_exact_forward`: no autograd (the
     loop carries the backward); FP4 also as `exact_experts.can_group_exact_fp4` says."""
     if recipe.mode != "bf16":
-        return can_group_exact_fp4(recipe, x, weights)
-    if not invariant.enabled(x):
+        return can_group_exact_fp4(recipe, x, weights, numerics)
+    if not invariant.enabled(numerics, x):
         return False
     return not (torch.is_grad_enabled() and (x.requires_grad or any(w.requires_grad for w in weights)))
 
@@ -235,7 +240,7 @@ def can_group_exact(recipe: Recipe, x: torch.Tensor, weights) -> bool:
 _GROUPED_MM = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
 
 
-def can_group(recipe: Recipe, x: torch.Tensor) -> bool:
+def can_group(recipe: Recipe, x: torch.Tensor, numerics: Numerics = STANDARD) -> bool:
     """Whether `GroupedExperts` may run one grouped GEMM instead of its per-expert loop.
 
     Only with FP4 off (an FP4 expert is a MoEResQ linear whose stochastic-rounding stream is keyed
@@ -243,7 +248,8 @@ def can_group(recipe: Recipe, x: torch.Tensor) -> bool:
     run per expert), where torch has a grouped GEMM for the dtype (fp32/bf16/fp16 on CPU, bf16 on
     CUDA; fp64, the verification mode, keeps the loop), and outside `torch.autocast`, which would
     lower the loop's `F.linear` but not `grouped_mm`."""
-    if _GROUPED_MM is None or recipe.mode != "bf16" or invariant.enabled(x) or torch.is_autocast_enabled(x.device.type):
+    if (_GROUPED_MM is None or recipe.mode != "bf16" or invariant.enabled(numerics, x)
+            or torch.is_autocast_enabled(x.device.type)):
         return False
     if x.device.type == "cpu":
         return x.dtype in (torch.float32, torch.bfloat16, torch.float16)

@@ -1,5 +1,9 @@
 """Decoder building blocks of the Qwen3-MoE family: RMSNorm, RoPE, GQA attention with q/k-norm,
 SwiGLU MLP. Knows nothing about parallelism; FP4 enters only through `MoEResQLinear`.
+
+Every module that computes numerics has a ``numerics`` attribute (``fp4.Numerics``: the standard,
+unchangeable ``STANDARD`` until the model gives all its modules its own with ``apply_numerics``)
+and passes it to the ``invariant`` ops explicitly.
 """
 from __future__ import annotations
 
@@ -10,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from megatron_fp4.fp4 import MoEResQLinear, Recipe, invariant
+from megatron_fp4.fp4 import STANDARD, MoEResQLinear, Recipe, invariant
 
 
 def wide_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -27,6 +31,8 @@ def upcast(x: torch.Tensor) -> torch.Tensor:
 class RMSNorm(nn.Module):
     """RMSNorm computed in fp32 (as HF Qwen3 does) and cast back to the input dtype."""
 
+    numerics = STANDARD
+
     def __init__(self, dim: int, eps: float = 1e-6):
         super().__init__()
         self.eps = eps
@@ -35,7 +41,7 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
         x = upcast(x)
-        x = x * torch.rsqrt(invariant.mean_square(x) + self.eps)
+        x = x * torch.rsqrt(invariant.mean_square(x, self.numerics) + self.eps)
         return self.weight * x.to(dtype)
 
 
@@ -113,10 +119,12 @@ class KVCache:
 
 
 class Linear(nn.Linear):
-    """``nn.Linear`` that is batch invariant under ``invariant.batch_invariant()`` (same state dict)."""
+    """``nn.Linear`` that is batch invariant under ``numerics.batch_invariant`` (same state dict)."""
+
+    numerics = STANDARD
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return invariant.linear(x, self.weight, self.bias)
+        return invariant.linear(x, self.weight, self.bias, self.numerics)
 
 
 def _linear(in_f: int, out_f: int, recipe: Optional[Recipe]) -> nn.Module:
@@ -128,6 +136,8 @@ def _linear(in_f: int, out_f: int, recipe: Optional[Recipe]) -> nn.Module:
 
 class Attention(nn.Module):
     """Grouped-query attention with per-head RMSNorm on q and k (Qwen3), rotary positions."""
+
+    numerics = STANDARD
 
     def __init__(self, hidden: int, num_heads: int, num_kv_heads: int, head_dim: int, eps: float,
                  rope_theta: float, recipe: Optional[Recipe] = None):
@@ -157,7 +167,7 @@ class Attention(nn.Module):
             k, v = cache.append(k, v)
         T_total = k.shape[2]
         rep = self.num_heads // self.num_kv_heads
-        if invariant.enabled(q):  # keys by position, fixed reduction trees, kv heads shared (fp4/invariant.py)
+        if invariant.enabled(self.numerics, q):  # keys by position, fixed reduction trees, kv heads shared
             out = invariant.attention(q, k, v, positions, invariant.leading_pad(attention_mask, B, x.device))
             return self.o_proj(out.transpose(1, 2).reshape(B, T, self.num_heads * self.head_dim))
         # Decoding: SDPA maps query heads to their kv head itself (enable_gqa) instead of copying
@@ -188,6 +198,8 @@ class Attention(nn.Module):
 class SwiGLU(nn.Module):
     """Dense SwiGLU MLP: down(silu(gate(x)) * up(x))."""
 
+    numerics = STANDARD
+
     def __init__(self, hidden: int, ffn: int, recipe: Optional[Recipe] = None):
         super().__init__()
         self.gate_proj = _linear(hidden, ffn, recipe)
@@ -195,4 +207,4 @@ class SwiGLU(nn.Module):
         self.down_proj = _linear(ffn, hidden, recipe)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(invariant.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(invariant.silu(self.gate_proj(x), self.numerics) * self.up_proj(x))

@@ -13,11 +13,13 @@
 
 Why the recomputed bits equal the forward's (tests/unit/test_recompute.py checks equal gradients):
 
-- the recompute runs the same ops on the same inputs inside a copy of the forward's ``contextvars``
-  (the FP4 step context: stochastic-rounding seeds come from (layer, step, micro-batch, operand),
-  and every quantization seeds a fresh generator from them, so it draws the forward's numbers; the
-  per-step ``Q(W)`` cache; batch-invariant mode), and ``preserve_rng_state`` restores torch's global
-  RNG (no layer draws from it today; dropout would);
+- the recompute runs the same ops on the same inputs under the forward's numerics: the state of the
+  owners' ``fp4.Numerics`` (step position: stochastic-rounding seeds come from (layer, step,
+  micro-batch, operand), and every quantization seeds a fresh generator from them, so it draws the
+  forward's numbers; the per-step ``Q(W)`` cache; batch-invariant mode) is restored for it, and
+  ``preserve_rng_state`` restores torch's global RNG (no layer draws from it today; dropout would).
+  (The region flag below is a ContextVar, copied with the forward's context: it decides what is
+  saved, never what an op computes);
 - side effects happen once: the recompute gets ``routing_out=None`` (no second routing record) and
   the MoE layers' ``record_stats`` off; the aux-loss `AuxLossAutoScaler` of the original graph is the
   one that injects the gradient (a non-reentrant recompute only refills saved tensors);
@@ -31,7 +33,7 @@ from __future__ import annotations
 
 import contextvars
 import functools
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from typing import Callable, Sequence
 
 import torch
@@ -97,6 +99,9 @@ def checkpointed(fn: Callable, args: tuple, owners: Sequence[torch.nn.Module], s
     statistics stay off in the recompute); ``outputs``: indices of ``args`` that are side-effect
     outputs (``routing_out`` lists), passed as None in the recompute."""
     forward_context = contextvars.copy_context()
+    found = {id(n): n for root in owners for m in root.modules() for n in (getattr(m, "numerics", None),)
+             if n is not None}
+    numerics = [(n, n.state()) for n in found.values()]  # the forward's numerics, restored for the recompute
     calls = [0]
 
     def inside(*a):  # nested wrapped modules run plain inside a region
@@ -111,7 +116,9 @@ def checkpointed(fn: Callable, args: tuple, owners: Sequence[torch.nn.Module], s
         if calls[0] == 1:
             return inside(*a)
         a = tuple(None if i in outputs else v for i, v in enumerate(a))
-        with _stats_off(owners):
+        with _stats_off(owners), ExitStack() as stack:
+            for n, state in numerics:
+                stack.enter_context(n.restored(state))
             return forward_context.run(inside, *a)
 
     return checkpoint(region, *args, use_reentrant=False, preserve_rng_state=True, early_stop=False,

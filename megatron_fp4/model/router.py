@@ -7,7 +7,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from megatron_fp4.fp4 import invariant
+from megatron_fp4.fp4 import STANDARD, Numerics, invariant
 from megatron_fp4.model.layers import upcast
 
 
@@ -19,6 +19,7 @@ class Router(nn.Module):
     (`update_expert_bias`); saved in checkpoints and published to the rollout with the weights."""
 
     zero_buffers = ("expert_bias",)  # `transformer.materialize` starts these at zero
+    numerics = STANDARD  # the model's (`fp4.apply_numerics`)
 
     def __init__(self, hidden: int, num_experts: int, top_k: int, norm_topk_prob: bool, expert_bias: bool = False):
         super().__init__()
@@ -34,22 +35,24 @@ class Router(nn.Module):
         replayed ids (renormalized when `norm_topk_prob`), so the router still gets its gradient, as
         in Megatron-Core's `RouterReplay` (REPLAY_FORWARD: ``scores.gather(1, target_topk_idx)``).
         Replaying the ids the router picks itself gives the same bits as not replaying."""
-        logits = router_logits(x, self.weight)
-        return (logits, *route_from_logits(logits, self.top_k, self.norm_topk_prob, replay, self.expert_bias))
+        logits = router_logits(x, self.weight, self.numerics)
+        return (logits, *route_from_logits(logits, self.top_k, self.norm_topk_prob, replay, self.expert_bias,
+                                           self.numerics))
 
 
-def router_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+def router_logits(x: torch.Tensor, weight: torch.Tensor, numerics: Numerics = STANDARD) -> torch.Tensor:
     """The router's logits [T, E] in fp32 (fp64 for an fp64 model) from x [T, H] and weight [E, H]."""
-    return invariant.linear(upcast(x), upcast(weight))
+    return invariant.linear(upcast(x), upcast(weight), None, numerics)
 
 
 def route_from_logits(logits: torch.Tensor, top_k: int, norm_topk_prob: bool,
-                      replay: Optional[torch.Tensor] = None, bias: Optional[torch.Tensor] = None):
+                      replay: Optional[torch.Tensor] = None, bias: Optional[torch.Tensor] = None,
+                      numerics: Numerics = STANDARD):
     """(probs [T, E], topk_idx [T, k], topk_w [T, k]) of router logits: softmax, top-k (or the
     replayed ids, `replay_topk`), optional renormalisation (also what the vLLM plugin routes with,
     from the same logits). `bias` [E] (aux-loss-free balancing): the top-k of ``probs + bias``
     selects the experts; the combine weights are the unbiased probabilities there."""
-    probs = invariant.softmax(logits)
+    probs = invariant.softmax(logits, numerics)
     if bias is None:
         topk_w, topk_idx = torch.topk(probs, top_k, dim=-1)
     else:
@@ -58,7 +61,7 @@ def route_from_logits(logits: torch.Tensor, top_k: int, norm_topk_prob: bool,
     if replay is not None:
         topk_idx, topk_w = replay_topk(probs, topk_idx, topk_w, replay, logits.shape[-1])
     if norm_topk_prob:
-        denom = invariant.tree_sum(topk_w, -1, keepdim=True) if invariant.enabled(topk_w) else \
+        denom = invariant.tree_sum(topk_w, -1, keepdim=True) if invariant.enabled(numerics, topk_w) else \
             topk_w.sum(dim=-1, keepdim=True)
         topk_w = topk_w / denom
     return probs, topk_idx, topk_w

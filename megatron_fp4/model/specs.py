@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Optional
 
-from megatron_fp4.fp4 import OperandFormat, Recipe
+from megatron_fp4.fp4 import Numerics, OperandFormat, Recipe
 
 
 def recipe_from_config(fp4_cfg, mode: Optional[str] = None) -> Recipe:
@@ -29,9 +29,18 @@ def attention_recipe(fp4_cfg, mode: Optional[str] = None) -> Optional[Recipe]:
     return recipe_from_config(fp4_cfg, mode) if fp4_cfg.scope == "experts+attention" else None
 
 
+def numerics_from_config(cfg, mode: str = "train") -> Numerics:
+    """The `Numerics` of a model in `mode` ("train": the trainer's forward, standard kernels unless
+    a caller switches the mode on; "rollout": the engine's, `numerics.batch_invariant`) under `cfg`
+    (a `Config`; its environment overrides were applied when it loaded)."""
+    invariant = bool(cfg.numerics.batch_invariant) if mode == "rollout" else False
+    return Numerics(batch_invariant=invariant, triton=cfg.fp4.triton, mode=mode)
+
+
 def no_weight_decay(name: str, param) -> bool:
     """Biases, norm gains and 1-D params get no weight decay (Megatron's rule)."""
     return param.ndim < 2 or name.endswith(".bias") or "norm" in name
 
 
-__all__ = ["no_weight_decay", "recipe_from_config", "expert_recipe", "attention_recipe", "OperandFormat"]
+__all__ = ["no_weight_decay", "numerics_from_config", "recipe_from_config", "expert_recipe", "attention_recipe",
+           "OperandFormat"]

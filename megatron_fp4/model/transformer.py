@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from megatron_fp4.fp4 import MoEResQLinear, Recipe, invariant, name_quant_sites
+from megatron_fp4.fp4 import MoEResQLinear, Numerics, Recipe, apply_numerics, invariant, name_quant_sites
 from megatron_fp4.model import recompute
 from megatron_fp4.model.layers import Attention, KVCache, LayerCache, RMSNorm, SwiGLU, upcast
 from megatron_fp4.model.moe import GroupedExperts, MoELayer
@@ -67,7 +67,10 @@ class ModelOutput:
 
 
 class MoETransformer(nn.Module):
-    def __init__(self, cfg, fp4_cfg):
+    """`numerics`: the `fp4.Numerics` every layer computes with (default: one of its own, the standard
+    kernels on `fp4_cfg.triton`'s backend); the trainer passes its own (`specs.numerics_from_config`)."""
+
+    def __init__(self, cfg, fp4_cfg, numerics: Optional[Numerics] = None):
         super().__init__()
         self.cfg, self.fp4_cfg = cfg, fp4_cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
@@ -75,6 +78,8 @@ class MoETransformer(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
         self.lm_head = None if cfg.tie_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         name_quant_sites(self)  # global names for FP4 SR streams and errors, kept by pp/ep splitting
+        own = Numerics(triton=getattr(fp4_cfg, "triton", "auto")) if numerics is None else numerics
+        self.numerics = apply_numerics(self, own)
 
     # -- the forward's pieces (the pipeline's stages call them too) -----------------------------
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
@@ -116,7 +121,7 @@ class MoETransformer(nn.Module):
         """Final norm and LM head (the embedding matrix when the embeddings are tied)."""
         h = self.norm(h)
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return invariant.linear(h, weight)
+        return invariant.linear(h, weight, None, self.numerics)
 
     @staticmethod
     def default_positions(tokens: torch.Tensor, past: int = 0) -> torch.Tensor:

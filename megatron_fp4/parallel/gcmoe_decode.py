@@ -54,7 +54,7 @@ exchange, the gather and the weighted sum. Outside the graph: allocation and the
 choice (fixed per layer position, the same on every rank at capture and replay). Nothing in the
 static step reads device memory on the host (tested on CPU by running it on the meta device,
 where any such read raises); FP4 experts need their non-finite operand checks deferred
-(``fp4.context.training_step(..., defer_nonfinite=True)``, the default on accelerators inside a
+(``Numerics.training_step(..., defer_nonfinite=True)``, the default on accelerators inside a
 step), else each quantization syncs. The header checks run on CPU only. Not run on a GPU here.
 
 Larger batches (prefill through the same model): eager mode loops rounds of ``max_tokens`` tokens

@@ -41,7 +41,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.pipelining import PipelineStage
 
-from megatron_fp4.fp4 import micro_batch as fp4_micro_batch
+from megatron_fp4.fp4 import numerics_of
 from megatron_fp4.parallel.dims import (MULTI_CHUNK_SCHEDULES, check_chunks, check_schedule_chunks,
                                         check_v_placement)
 
@@ -120,10 +120,16 @@ class PipelineChunk(nn.Module):
         self.lm_head = model.lm_head if is_last else None
         self._model = (model,)  # a tuple: not registered as a submodule
 
+    @property
+    def numerics(self):
+        """The model's `fp4.Numerics` (the stage's backward enters its micro-batch there)."""
+        return self._model[0].numerics
+
     def forward(self, x: torch.Tensor, micro_batch: torch.Tensor | None = None, positions: torch.Tensor | None = None,
                 attention_mask: torch.Tensor | None = None, routing_in: torch.Tensor | None = None) -> torch.Tensor:
         (model,) = self._model
-        ctx = contextlib.nullcontext() if micro_batch is None else fp4_micro_batch(int(micro_batch.reshape(-1)[0]))
+        ctx = contextlib.nullcontext() if micro_batch is None else \
+            numerics_of(model).micro_batch(int(micro_batch.reshape(-1)[0]))
         with ctx:  # FP4 SR streams keyed by micro-batch (None: the caller's context)
             h = model.embed(x) if self.is_first else x
             if positions is None:
@@ -174,11 +180,11 @@ class BackwardInMicroBatch:
     with no user arguments (the forward gets its index as a kwarg, `PipelineChunk.forward`)."""
 
     def backward_one_chunk(self, bwd_chunk_id: int, *args, **kwargs):
-        with fp4_micro_batch(bwd_chunk_id):
+        with numerics_of(self.submod).micro_batch(bwd_chunk_id):
             return super().backward_one_chunk(bwd_chunk_id, *args, **kwargs)
 
     def backward_weight_one_chunk(self, bwd_chunk_id: int, *args, **kwargs):
-        with fp4_micro_batch(bwd_chunk_id):
+        with numerics_of(self.submod).micro_batch(bwd_chunk_id):
             return super().backward_weight_one_chunk(bwd_chunk_id, *args, **kwargs)
 
 

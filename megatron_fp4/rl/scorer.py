@@ -21,7 +21,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from megatron_fp4.fp4 import invariant
+from megatron_fp4.fp4 import numerics_of
 from megatron_fp4.model.layers import wide_dtype
 from megatron_fp4.rollout.engine import positions_from_mask
 from megatron_fp4.rollout.scoring import compute_log_probs, log_probs_from_logits
@@ -31,8 +31,8 @@ from megatron_fp4.training.step_loss import StepLoss
 class _CaptureLogProbs(StepLoss):
     """A forward-only 'loss' for the pipeline: keeps each micro-batch's log-probs at its rows."""
 
-    def __init__(self, out: torch.Tensor):
-        self.out = out
+    def __init__(self, out: torch.Tensor, numerics=None):
+        self.out, self.numerics = out, numerics
 
     def model_inputs(self, mb: dict) -> dict:
         am = mb["attention_mask"]
@@ -40,7 +40,7 @@ class _CaptureLogProbs(StepLoss):
                 "routing_in": mb.get("replay_routing")}
 
     def loss(self, logits: torch.Tensor, mb: dict):
-        lp, _ = log_probs_from_logits(logits, mb["input_ids"], mb["response_mask"])
+        lp, _ = log_probs_from_logits(logits, mb["input_ids"], mb["response_mask"], self.numerics)
         start = int(mb["row_start"])
         self.out[start:start + lp.shape[0]] = lp
         return lp.new_zeros(()), {}
@@ -141,8 +141,9 @@ class PolicyScorer:
         routes = _RoutingCapture(t.model, ids.shape, [mb["row_start"] for mb in micro], mbs, t.device) \
             if routing else None
         try:
-            with invariant.batch_invariant(True):  # as compute_log_probs without autograd
-                t.pipeline.run(micro, _CaptureLogProbs(full), forward_only=True)
+            numerics = numerics_of(t.model)
+            with numerics.invariant(True):  # as compute_log_probs without autograd
+                t.pipeline.run(micro, _CaptureLogProbs(full, numerics), forward_only=True)
         finally:
             if routes is not None:
                 routes.remove()

@@ -32,8 +32,7 @@ from typing import Optional, Sequence, Union
 
 import torch
 
-from megatron_fp4.fp4 import invariant
-from megatron_fp4.fp4.exact_gemm import cached_weights
+from megatron_fp4.fp4 import invariant, numerics_of
 from megatron_fp4.model import KVCache, Router
 from megatron_fp4.model.capacity import refuse_for_rollout
 from megatron_fp4.rollout.sampling import SamplingParams, sample_token, sampling_log_probs
@@ -208,7 +207,7 @@ class RolloutEngine:
     a request fails with `LockTimeout` and the engine keeps its weights. `batch_invariant` (default
     True, the config's `numerics.batch_invariant`) decodes in the batch-invariant numerics mode.
     `cache_quantized_weights` (default True) derives each weight's quantization / exact-GEMM split
-    once per weight version instead of at every decode step (`exact_gemm.cached_weights` with a
+    once per weight version instead of at every decode step (`Numerics.cached_weights` with a
     store kept across `generate` calls and emptied by `load_weights`; the same bits): a write into
     the model that bypasses the version counter (``p.data.copy_``, e.g. a ZeRO optimizer on a
     shared model) is not seen, which is one more reason to give the engine its own copy.
@@ -295,9 +294,10 @@ class RolloutEngine:
             raise ValueError(f"prompt length + max_new_tokens exceeds model.max_seq_len={limit}; "
                              "shorten the prompt or lower max_new_tokens")
         gens = [torch.Generator().manual_seed(p.seed if p.seed is not None else self._next_seed()) for p in params]
+        numerics = numerics_of(self.model)  # the model's fp4.Numerics, in the engine's mode while it decodes
+        cache = numerics.cached_weights(self._weight_cache) if self.cache_quantized_weights else contextlib.nullcontext()
         with self.lock.read(), torch.no_grad(), fp4_mode(self.model, self.mode), \
-                invariant.batch_invariant(self.batch_invariant), \
-                cached_weights(self._weight_cache) if self.cache_quantized_weights else contextlib.nullcontext():
+                numerics.invariant(self.batch_invariant), cache:
             version = self.version
             out = self._decode(prompts, params, gens, max_new, return_routing, return_distributions)
         return GenerationOutput(version=version, prompt_ids=[list(p) for p in prompts], **out)
@@ -319,7 +319,7 @@ class RolloutEngine:
         next_pos = positions[:, -1:] + 1
         for step in range(max_new):
             logits = out.logits[:, -1].float()
-            raw = invariant.log_softmax(logits)
+            raw = invariant.log_softmax(logits, numerics_of(self.model))
             toks = state.choose(logits, gens)
             state.record(step, toks, raw)
             if return_routing:

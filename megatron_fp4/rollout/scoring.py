@@ -15,7 +15,7 @@ from typing import Optional
 
 import torch
 
-from megatron_fp4.fp4 import invariant
+from megatron_fp4.fp4 import invariant, numerics_of
 from megatron_fp4.model.layers import upcast
 from megatron_fp4.rollout.engine import fp4_mode, positions_from_mask
 
@@ -32,11 +32,12 @@ class ScoreOutput:
     distributions: Optional[torch.Tensor] = None
 
 
-def log_probs_from_logits(logits: torch.Tensor, tokens: torch.Tensor, keep: torch.Tensor) -> tuple:
+def log_probs_from_logits(logits: torch.Tensor, tokens: torch.Tensor, keep: torch.Tensor, numerics=None) -> tuple:
     """(log_probs [B, T], log-softmax rows [B, T-1, V]) of `tokens` under `logits` [B, T, V]: position
     t holds log p(tokens[:, t] | tokens[:, :t]), 0 at t=0 and where `keep` is 0. The one definition
-    both the scoring forward and the pipelined policy loss (on the last stage) use."""
-    logp_all = invariant.log_softmax(upcast(logits[:, :-1]))  # fixed per-row order in the invariant mode
+    both the scoring forward and the pipelined policy loss (on the last stage) use; `numerics`: the
+    model's (`fp4.Numerics`, None: the standard kernels)."""
+    logp_all = invariant.log_softmax(upcast(logits[:, :-1]), numerics)  # fixed per-row order in the invariant mode
     picked = logp_all.gather(-1, tokens[:, 1:, None]).squeeze(-1)
     log_probs = torch.cat([picked.new_zeros(tokens.shape[0], 1), picked], dim=1)
     return log_probs * keep.to(log_probs.dtype), logp_all
@@ -55,12 +56,13 @@ def compute_log_probs(model, tokens: torch.Tensor, attention_mask: torch.Tensor,
         raise ValueError(f"tokens {tuple(tokens.shape)} and attention_mask {tuple(attention_mask.shape)} "
                          "must have the same [batch, seq] shape")
     on = not torch.is_grad_enabled() if batch_invariant is None else batch_invariant
-    with fp4_mode(model, mode), invariant.batch_invariant(on):
+    numerics = numerics_of(model)
+    with fp4_mode(model, mode), numerics.invariant(on):
         replay = {} if routing_in is None else {"routing_in": routing_in}
         out = model(tokens, positions_from_mask(attention_mask), attention_mask, return_routing=return_routing,
                     **replay)
         log_probs, logp_all = log_probs_from_logits(out.logits, tokens, attention_mask if response_mask is None
-                                                    else response_mask)
+                                                    else response_mask, numerics)
     routing = dists = None
     if return_routing:
         moe = [r for r in out.routing if r is not None]

@@ -3,8 +3,9 @@
     trainer.forward_backward(micro_batches, loss_fn)   # once or several times (gradient accumulation)
     result = trainer.apply_update()                    # vote, clip, AdamW, lr schedule, step counter
 
-`forward_backward` owns everything numerics-related around the micro-batches: the FP4 step context
-(stochastic-rounding streams keyed by the optimizer step and the global micro-batch index, also
+`forward_backward` owns everything numerics-related around the micro-batches: it advances the
+model's `fp4.Numerics` (`model.numerics`, built from the config at build time) explicitly, its step
+position (stochastic-rounding streams keyed by the optimizer step and the global micro-batch index, also
 across several calls of one step; deferred NaN/Inf flags), the `LayerGate`, the MoE auxiliary-loss
 scale (1/micro-batches of the call, as Megatron's schedules set it), the per-step Q(W) cache and the
 pipeline branch. `apply_update` takes the mesh-wide non-finite vote and then clips and steps, or
@@ -24,8 +25,6 @@ import torch
 import torch.distributed as dist
 
 from megatron_fp4.fp4 import NonFiniteInputError
-from megatron_fp4.fp4 import current as fp4_current, micro_batch as fp4_micro_batch, training_step as fp4_training_step
-from megatron_fp4.fp4.exact_gemm import cached_weights
 from megatron_fp4.fp4.fused import adopt_ready as adopt_compiled_fp4
 from megatron_fp4.model.moe import update_expert_bias
 from megatron_fp4.parallel.zero import ZeroAdamW
@@ -81,14 +80,15 @@ class TrainingStep:
         if forward_only:
             if self.pipeline is not None:
                 raise ValueError("forward_backward(forward_only=True) runs the whole model: not with parallel.pp > 1")
-            with torch.no_grad(), fp4_training_step(self.step, first_micro_batch=first), self._weight_cache():
+            with torch.no_grad(), self.model.numerics.training_step(self.step, first_micro_batch=first), \
+                    self._weight_cache():
                 return self._local_forward_backward(micro_batches, loss_fn, weights, backward=False)
         self.model.set_aux_loss_scale(1.0 / n)
         if isinstance(self.optimizer, ZeroAdamW) and not accumulate and done == 0:
             self.optimizer.prepare_grad_sync(n)
         # Weights are constant until the optimizer step, so each Q(W) is derived once per step, not
-        # once per micro-batch (`cached_weights`; stochastic-rounding weights are keyed by micro-batch).
-        with fp4_training_step(self.step, first_micro_batch=first) as fp4_step, \
+        # once per micro-batch (`Numerics.cached_weights`; stochastic-rounding weights are keyed by micro-batch).
+        with self.model.numerics.training_step(self.step, first_micro_batch=first) as fp4_step, \
                 self.gate.watching(self.model.layers), self._weight_cache():
             if self.pipeline is not None:
                 loss, metrics = self.pipeline.run(micro_batches, require_step_loss(loss_fn))
@@ -122,7 +122,7 @@ class TrainingStep:
         total, metrics = 0.0, {}
         for i, mb in enumerate(micro_batches):
             try:
-                with fp4_micro_batch(i):  # FP4 SR streams keyed by the global micro-batch index
+                with self.model.numerics.micro_batch(i):  # FP4 SR streams keyed by the global micro-batch index
                     with self.autocast():
                         loss, extra = loss_fn(self.model, mb)
                     if backward:
@@ -178,14 +178,14 @@ class TrainingStep:
         return result
 
     def _weight_cache(self):
-        """`cached_weights` around one step's forward/backward, unless `cache_weights_per_step` is off
-        or a weight rounds stochastically: its draws are keyed by micro-batch, so the cache would
-        only hold every micro-batch's Q(W) until the step ends, never reusing one."""
+        """The model's `Numerics.cached_weights` around one step's forward/backward, unless
+        `cache_weights_per_step` is off or a weight rounds stochastically: its draws are keyed by
+        micro-batch, so the cache would only hold every micro-batch's Q(W) until the step ends."""
         if not self.cache_weights_per_step or any(
                 getattr(getattr(m, "recipe", None), "weight", None) is not None
                 and m.recipe.weight.rounding == "stochastic" for m in self.model.modules()):
             return nullcontext()
-        return cached_weights()
+        return self.model.numerics.cached_weights()
 
     def _refuse_step(self, bad_ranks: list[int], loss: float, grad_norm: float) -> str:
         """The message of a refused step; raises `NonFiniteError` when the policy says stop."""

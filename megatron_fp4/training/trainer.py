@@ -34,6 +34,7 @@ import torch
 
 from megatron_fp4.config import Config, ConfigError
 from megatron_fp4.model import MoETransformer, materialize
+from megatron_fp4.model.specs import numerics_from_config
 from megatron_fp4.parallel.expert_parallel import apply_expert_parallel
 from megatron_fp4.parallel.mesh import ParallelDims, ParallelMesh, world_size_from_env
 from megatron_fp4.parallel.pipeline import PipelineRunner
@@ -104,7 +105,7 @@ class Trainer(TrainingStep):
         the dtype of the config and the training-side FP4 mode."""
         cfg, mesh, p = self.cfg, self.mesh, self.cfg.parallel
         with torch.device("meta"):
-            model = MoETransformer(cfg.model, cfg.fp4)
+            model = MoETransformer(cfg.model, cfg.fp4, numerics_from_config(cfg, "train"))
         if mesh.ep > 1:
             apply_expert_parallel(model, mesh, dispatcher=p.expert_dispatcher, chunk_tokens=p.gcmoe_chunk_tokens,
                                   transfer_sms=p.gcmoe_transfer_sms, ring_slots=p.gcmoe_ring_slots)

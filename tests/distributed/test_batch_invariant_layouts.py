@@ -33,13 +33,12 @@ def _rollouts(mode: str):
 
 def _score_rows(model, rows, prompt_ids, response_ids, mode, forward=None):
     """Score `rows` in one batch (this rank's subset) -> {row: (log_probs, routing)}."""
-    from megatron_fp4.fp4 import batch_invariant
     from megatron_fp4.rollout import score
 
     if forward is None:
         sc = score(model, [prompt_ids[i] for i in rows], [response_ids[i] for i in rows], mode=mode, return_routing=True)
         return {i: (sc["log_probs"][j], sc["routing"][j]) for j, i in enumerate(rows)}
-    with batch_invariant():
+    with model.numerics.invariant():
         return forward(rows)
 
 
@@ -62,7 +61,6 @@ def _worker(rank, world, rollouts):
 
 def _pp_worker(rank, world, rollouts):
     """pp2: rank 0 runs embed + its layers, sends the hidden state; rank 1 runs the rest + head."""
-    from megatron_fp4.fp4 import batch_invariant
     from megatron_fp4.parallel.pipeline import build_chunks
     from megatron_fp4.rollout.engine import fp4_mode, pad_prompt_response, positions_from_mask
     from megatron_fp4.rollout.scoring import log_probs_from_logits
@@ -77,7 +75,7 @@ def _pp_worker(rank, world, rollouts):
         batch = pad_prompt_response(prompt_ids, response_ids, ArithmeticTokenizer().pad_id)
         tokens, mask = batch["input_ids"], batch["attention_mask"]
         positions = positions_from_mask(mask)
-        with torch.no_grad(), fp4_mode(model, mode), batch_invariant():
+        with torch.no_grad(), fp4_mode(model, mode), model.numerics.invariant():
             if rank == 0:
                 h = model.run_layers(model.embed(tokens), positions, mask, chunk.layer_range)
                 dist.send(h.contiguous(), dst=1)
@@ -85,7 +83,7 @@ def _pp_worker(rank, world, rollouts):
                 h = torch.empty(*tokens.shape, model.cfg.hidden_size)
                 dist.recv(h, src=0)
                 h = model.run_layers(h, positions, mask, chunk.layer_range)
-                log_probs, _ = log_probs_from_logits(model.head(h), tokens, batch["response_mask"])
+                log_probs, _ = log_probs_from_logits(model.head(h), tokens, batch["response_mask"], model.numerics)
                 P = batch["prompt_len"]
                 out[mode] = [log_probs[i, P:P + len(r)] for i, r in enumerate(response_ids)]
     return out

@@ -159,12 +159,11 @@ def test_verls_lr_schedule_position_is_kept_apart_from_the_step_and_resumed(tmp_
 def test_several_forward_backward_batch_calls_of_one_step_draw_their_own_micro_batch_streams():
     """verl may call forward_backward_batch several times before one optimizer_step: the FP4 context
     (what keys the SR streams) continues the step's micro-batch count, and the next step counts anew."""
-    from megatron_fp4.fp4 import current
-
     seen = []
 
     def loss(model_output, data, dp_group):
-        seen.append((current().step, current().micro_batch))
+        now = engine.model.numerics.position  # the model's fp4.Numerics, advanced by the trainer
+        seen.append((now.step, now.micro_batch))
         return verl_loss(model_output, data, dp_group)
 
     cfg = sr_cfg()

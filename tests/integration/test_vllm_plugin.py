@@ -26,7 +26,7 @@ import pytest
 import torch
 
 from megatron_fp4.config import Config, FP4Config, ModelConfig
-from megatron_fp4.fp4 import invariant
+from megatron_fp4.fp4 import Numerics, apply_numerics
 from megatron_fp4.integrations.hf import build_model_from_hf, load_hf_checkpoint
 from megatron_fp4.integrations.vllm import QUANT_METHOD, hf_quantization_config, vllm_available
 from megatron_fp4.model import build_model
@@ -164,6 +164,7 @@ def test_moe_block_equals_the_trainers_bitwise(vllm_ctx, mode, fmt, batch_invari
     E, k, H, F = 8, 2, 64, 32
     ref = MoELayer(H, E, k, F, recipe_from_config(cfg.fp4, mode), norm_topk_prob=True).eval()
     init_moe_params(ref, 0.1, 0.1, torch.Generator().manual_seed(1))
+    apply_numerics(ref, Numerics(batch_invariant=batch_invariant))  # the trainer's numerics in the mode
     x = torch.randn(37, H, generator=torch.Generator().manual_seed(2))
     qc = plugin_config(cfg, batch_invariant)
     gate_method = RouterGateMethod(qc)
@@ -174,7 +175,7 @@ def test_moe_block_equals_the_trainers_bitwise(vllm_ctx, mode, fmt, batch_invari
     experts.w13_weight.weight_loader(experts.w13_weight, ref.experts.w13.detach())
     experts.w2_weight.weight_loader(experts.w2_weight, ref.experts.w2.detach())
     moe.process_weights_after_loading(experts)
-    with torch.no_grad(), invariant.batch_invariant(batch_invariant):
+    with torch.no_grad():
         want = ref(x)
     with torch.inference_mode():  # as vLLM runs its forward
         logits = gate_method.apply(gate, x)
@@ -185,7 +186,7 @@ def test_moe_block_equals_the_trainers_bitwise(vllm_ctx, mode, fmt, batch_invari
     with torch.no_grad():
         ref.experts.w13.mul_(-0.5)
     experts.w13_weight.weight_loader(experts.w13_weight, ref.experts.w13.detach())
-    with torch.no_grad(), invariant.batch_invariant(batch_invariant):
+    with torch.no_grad():
         want = ref(x)
     with torch.inference_mode():
         assert torch.equal(moe.apply_monolithic(experts, x, logits), want)
@@ -206,6 +207,9 @@ def test_attention_and_dense_projections_equal_the_trainers_bitwise(vllm_ctx, mo
     mlp = SwiGLU(128, 96, recipe)
     with torch.no_grad():
         attn.k_proj.weight.mul_(8.0)  # unlike amaxes: one shared per-tensor scale would change q's codes
+    numerics = Numerics(batch_invariant=batch_invariant)  # the trainer's numerics in the mode
+    apply_numerics(attn, numerics)
+    apply_numerics(mlp, numerics)
     qc = plugin_config(cfg, batch_invariant)
     x = torch.randn(9, 128, generator=torch.Generator().manual_seed(4))
     cases = [("self_attn.qkv_proj", [attn.q_proj, attn.k_proj, attn.v_proj], x),
@@ -216,7 +220,7 @@ def test_attention_and_dense_projections_equal_the_trainers_bitwise(vllm_ctx, mo
         method = MoEResQLinearMethod(qc, f"model.layers.0.{name}")
         weight = torch.cat([m.weight.detach() for m in mods])
         layer = linear_layer(method, [m.out_features for m in mods], inp.shape[-1], weight)
-        with torch.no_grad(), invariant.batch_invariant(batch_invariant):
+        with torch.no_grad():
             want = torch.cat([m(inp) for m in mods], dim=-1)
         with torch.inference_mode():
             got = method.apply(layer, inp)

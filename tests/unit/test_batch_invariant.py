@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from megatron_fp4.config import Config
-from megatron_fp4.fp4 import batch_invariant, invariant
+from megatron_fp4.fp4 import Numerics, invariant
 from megatron_fp4.model import KVCache, build_model
 from megatron_fp4.rollout import RolloutEngine, SamplingParams, score
 from megatron_fp4.training.data import ArithmeticTokenizer
@@ -84,7 +84,7 @@ def test_batch_invariant_kv_cache_logits_equal_full_forward_bitwise():
     mask = torch.ones_like(tokens)
     mask[0, :3] = 0  # row 0 left-padded by 3
     pos = (mask.cumsum(-1) - 1).clamp(min=0)
-    with torch.no_grad(), batch_invariant(), single_thread():
+    with torch.no_grad(), model.numerics.invariant(), single_thread():
         full = model(tokens, pos, mask).logits
         cache = KVCache.empty(len(model.layers))
         steps = [model(tokens[:, :5], pos[:, :5], mask[:, :5], cache).logits]
@@ -98,9 +98,10 @@ def test_batch_invariant_transcendentals_do_not_depend_on_position():
     of a tensor (vector body or tail) and alone; F.silu is the counterexample the mode avoids on
     vector CPUs (checked only where it occurs: not asserted)."""
     x = torch.randn(4099, generator=torch.Generator().manual_seed(0)) * 4
-    with batch_invariant():
+    num = Numerics()
+    with num.invariant():
         fns = {"exp": torch.exp, "log": lambda t: torch.log(t.abs() + 1e-3), "cos": torch.cos, "sin": torch.sin,
-               "rsqrt": lambda t: torch.rsqrt(t.abs() + 1e-3), "silu": invariant.silu}
+               "rsqrt": lambda t: torch.rsqrt(t.abs() + 1e-3), "silu": lambda t: invariant.silu(t, num)}
         for name, f in fns.items():
             full = f(x)
             for off in (1, 5, 17, 33):
@@ -123,14 +124,15 @@ def test_batch_invariant_tree_sum_ignores_trailing_zeros_and_matches_sum():
 
 
 def test_batch_invariant_mode_is_off_by_default_and_off_for_float64():
-    x = torch.randn(3, 32)
-    assert not invariant.enabled(x)
-    with batch_invariant():
-        assert invariant.enabled(x) and not invariant.enabled(x.double())
-        with batch_invariant(False):
-            assert not invariant.enabled(x)
+    x, num = torch.randn(3, 32), Numerics()
+    assert not invariant.enabled(num, x) and not invariant.enabled(None, x)
+    with num.invariant():
+        assert invariant.enabled(num, x) and not invariant.enabled(num, x.double())
+        with num.invariant(False):
+            assert not invariant.enabled(num, x)
     w = torch.randn(8, 32)
     assert torch.equal(invariant.linear(x, w), F.linear(x, w))
+    assert torch.equal(invariant.linear(x, w, None, num), F.linear(x, w))
 
 
 def test_batch_invariant_config_field_defaults_on_and_overrides():

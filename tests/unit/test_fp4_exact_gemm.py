@@ -19,7 +19,9 @@ from megatron_fp4.fp4 import OperandFormat, Recipe, fake_quantize, moeresq_linea
 from megatron_fp4.fp4.e2m1 import codes_to_values
 from megatron_fp4.fp4.exact_gemm import exact_fp4_gemm, exact_linear, split_fp4
 from megatron_fp4.fp4.formats import block_scales_fp32
-from megatron_fp4.fp4.invariant import batch_invariant
+from megatron_fp4.fp4.numerics import Numerics
+
+INV = Numerics(batch_invariant=True)  # the batch-invariant numerics, passed to the calls that run them
 
 NV_IN, NV_W = OperandFormat(), OperandFormat(scale="tensor", block="2d")
 MX = OperandFormat(format="mxfp4", scale="tensor")
@@ -149,12 +151,13 @@ def test_exact_moeresq_forward_is_batch_invariant_bitwise(fmt, mode):
     x[:, 3] *= 50
     w = torch.randn(48, 256, generator=g) / 16
     recipe = Recipe.for_format(mode, fmt)
-    with batch_invariant():
-        full = moeresq_linear(x, w, recipe=recipe)
-        perm = torch.randperm(37, generator=g)
-        assert torch.equal(moeresq_linear(x[perm], w, recipe=recipe), full[perm])
-        assert torch.equal(torch.cat([moeresq_linear(x[i:i + 1], w, recipe=recipe) for i in range(37)]), full)
-        assert torch.equal(moeresq_linear(x[:5].reshape(5, 1, 256), w, recipe=recipe).reshape(5, -1), full[:5])
+    full = moeresq_linear(x, w, recipe=recipe, numerics=INV)
+    perm = torch.randperm(37, generator=g)
+    assert torch.equal(moeresq_linear(x[perm], w, recipe=recipe, numerics=INV), full[perm])
+    assert torch.equal(torch.cat([moeresq_linear(x[i:i + 1], w, recipe=recipe, numerics=INV)
+                                  for i in range(37)]), full)
+    assert torch.equal(moeresq_linear(x[:5].reshape(5, 1, 256), w, recipe=recipe,
+                                      numerics=INV).reshape(5, -1), full[:5])
     fx = recipe.input
     comp = mode == "fp4_resq"
     ws = split_fp4(w, recipe.weight)
@@ -178,8 +181,7 @@ def test_default_path_bits_unchanged_and_mode_close():
     qx, qw = fake_quantize(x, r.input), fake_quantize(w, r.weight)
     off = moeresq_linear(x, w, recipe=r)
     assert torch.equal(off, qx @ qw.t())
-    with batch_invariant():
-        on = moeresq_linear(x, w, recipe=r)
+    on = moeresq_linear(x, w, recipe=r, numerics=INV)
     exact, mag = qx.double() @ qw.double().t(), qx.double().abs() @ qw.double().abs().t()
     ref_err = gamma(128, torch.float64) * mag
     assert ((off.double() - exact).abs() <= gamma(128) * mag + ref_err).all()

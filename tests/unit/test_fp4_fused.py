@@ -141,14 +141,18 @@ def test_compile_setting_recipe_field_and_env_override(monkeypatch):
     assert Recipe().compile == "auto" and Recipe(compile="off") == Recipe(compile="on")  # not part of the numerics
     with pytest.raises(ValueError, match=r"Recipe.compile='always' is not one of"):
         Recipe(compile="always")
+    from megatron_fp4.config import load_config
+
     monkeypatch.delenv("MEGATRON_FP4_COMPILE", raising=False)
     assert fused.resolve_compile(None) == "auto" and fused.resolve_compile("on") == "on"
+    # MEGATRON_FP4_COMPILE is read while the config loads (fp4.compile), nowhere else
     for env, want in (("0", "off"), ("1", "on"), ("auto", "auto"), ("OFF", "off"), ("", "on")):
         monkeypatch.setenv("MEGATRON_FP4_COMPILE", env)
-        assert fused.resolve_compile("on") == want, env
+        assert load_config(overrides=["fp4.compile=on"]).fp4.compile == want, env
+        assert fused.resolve_compile("on") == "on", env  # the call's setting: never the environment
     monkeypatch.setenv("MEGATRON_FP4_COMPILE", "maybe")
     with pytest.raises(ValueError, match="MEGATRON_FP4_COMPILE='maybe' is not one of auto/on/off"):
-        fused.resolve_compile(None)
+        load_config()
 
 
 def test_auto_stays_eager_below_the_threshold(monkeypatch, compiled):

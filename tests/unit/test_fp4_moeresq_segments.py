@@ -13,16 +13,19 @@ import pytest
 import torch
 
 import megatron_fp4.fp4.moeresq as moeresq
-from megatron_fp4.fp4 import OperandFormat, Recipe, moeresq_linear
+from megatron_fp4.fp4 import Numerics, OperandFormat, Recipe, moeresq_linear
 from megatron_fp4.model.moe import GroupedExperts
 from tests.numerics import FP64_REL, rel
 
 RUNS = [21, 0, 5, 38]  # not multiples of the 16/32-token blocks; an empty run in between
 
 
+NUM = Numerics()  # the numerics the calls compute with
+
+
 def _call(x, w, dy, recipe, segments=None):
     x, w = x.clone().requires_grad_(True), w.clone().requires_grad_(True)
-    y = moeresq_linear(x, w, recipe=recipe, name="l", segments=segments)
+    y = moeresq_linear(x, w, recipe=recipe, name="l", segments=segments, numerics=NUM)
     y.backward(dy)
     return y.detach(), x.grad, w.grad
 
@@ -62,7 +65,7 @@ def test_one_nonempty_run_is_the_plain_call_bitwise():
 def test_one_node_layout_gives_the_split_layouts_bits():
     x, w, dy = _data(torch.float32)
     split = _call(x, w, dy, Recipe(), RUNS)
-    with moeresq.one_node_backward():
+    with NUM.one_node_backward():
         assert all(torch.equal(a, b) for a, b in zip(_call(x, w, dy, Recipe(), RUNS), split))
 
 

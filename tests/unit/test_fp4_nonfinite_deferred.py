@@ -12,7 +12,10 @@ from contextlib import contextmanager
 import pytest
 import torch
 
-from megatron_fp4.fp4 import MoEResQLinear, NonFiniteInputError, Recipe, current, micro_batch, training_step
+from megatron_fp4.fp4 import MoEResQLinear, NonFiniteInputError, Numerics, Recipe
+
+NUM = Numerics()  # the test layers' numerics
+training_step, micro_batch = NUM.training_step, NUM.micro_batch
 
 SYNCS = ("__bool__", "item", "__int__", "__float__", "tolist")
 
@@ -34,7 +37,7 @@ def count_host_syncs(monkeypatch):
 
 
 def layer() -> MoEResQLinear:
-    lin = MoEResQLinear(64, 32, bias=True, recipe=Recipe())
+    lin = MoEResQLinear(64, 32, bias=True, recipe=Recipe(), numerics=NUM)
     lin.quant_name = "layers.3.mlp.fc1"
     return lin
 
@@ -85,7 +88,7 @@ def test_default_defers_on_accelerators_only():
         assert fp4_step.nonfinite_flags_for(torch.device("cpu")) is None
         with pytest.raises(NonFiniteInputError, match="'layers.3.mlp.fc1:input' has 1 non-finite"):
             step(lin, bad)  # CPU: eager, raises at the quantization
-    assert current().flags is None  # outside a step: eager everywhere
+    assert NUM.position.flags is None  # outside a step: eager everywhere
 
 
 def test_trainer_reports_deferred_fp4_nonfinite_as_nan_step():
@@ -97,7 +100,7 @@ def test_trainer_reports_deferred_fp4_nonfinite_as_nan_step():
     with torch.no_grad():  # NaN before the router/experts: the expert inputs are non-finite
         trainer.model.layers[0].self_attn.o_proj.weight[0, 0] = math.nan
     trainer.gate.reset()
-    with training_step(0, defer_nonfinite=True):
+    with trainer.model.numerics.training_step(0, defer_nonfinite=True):
         loss, metrics = trainer.forward_backward(trainer.next_micro_batches(), lm_loss_fn)
     assert math.isnan(loss) and metrics == {}  # metrics stay numeric (they are all-reduced over dp)
     assert "tensor 'layers.0.mlp.experts." in trainer.gate.where

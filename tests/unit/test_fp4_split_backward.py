@@ -13,7 +13,10 @@ import torch.nn.functional as F
 from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
 
 import megatron_fp4.fp4.moeresq as moeresq
-from megatron_fp4.fp4 import MoEResQLinear, Recipe, fake_quantize, moeresq_linear, one_node_backward, resq_quantize
+from megatron_fp4.fp4 import MoEResQLinear, Numerics, Recipe, fake_quantize, moeresq_linear, resq_quantize
+
+NUM = Numerics()  # the numerics the tests' linears compute with
+one_node_backward = NUM.one_node_backward
 
 
 def data(dtype, tokens=40, d_in=64, d_out=32):
@@ -27,7 +30,7 @@ def data(dtype, tokens=40, d_in=64, d_out=32):
 
 def run(x, w, b, dy, recipe):
     xs, ws, bs = (t.detach().clone().requires_grad_() for t in (x, w, b))
-    y = moeresq_linear(xs, ws, bs, recipe=recipe)
+    y = moeresq_linear(xs, ws, bs, recipe=recipe, numerics=NUM)
     y.backward(dy)
     return y, xs.grad, ws.grad, bs.grad
 
@@ -85,7 +88,8 @@ def test_inputs_without_grad():
 class Chunk(torch.nn.Module):
     def __init__(self):
         super().__init__()
-        self.fc1, self.fc2 = MoEResQLinear(64, 64, recipe=Recipe()), MoEResQLinear(64, 64, recipe=Recipe())
+        self.fc1 = MoEResQLinear(64, 64, recipe=Recipe(), numerics=NUM)
+        self.fc2 = MoEResQLinear(64, 64, recipe=Recipe(), numerics=NUM)
 
     def forward(self, h):
         return h + self.fc2(F.gelu(self.fc1(h)))  # a residual, as decoder layers end (and not a view)

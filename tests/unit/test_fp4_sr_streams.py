@@ -11,12 +11,13 @@ import pytest
 import torch
 
 import megatron_fp4.fp4.moeresq as moeresq
-from megatron_fp4.fp4 import (MoEResQLinear, OperandFormat, Recipe, current, fake_quantize, micro_batch,
-                              name_quant_sites, sr_seed, training_step)
+from megatron_fp4.fp4 import MoEResQLinear, Numerics, OperandFormat, Recipe, fake_quantize, name_quant_sites, sr_seed
 from megatron_fp4.parallel.pipeline import BackwardInMicroBatch
 
 SR = Recipe(mode="fp4", grad_output=OperandFormat(rounding="stochastic"))
 D = 64
+NUM = Numerics()  # the layers' numerics (each test's layers share it, as a model's modules do)
+training_step, micro_batch = NUM.training_step, NUM.micro_batch
 
 
 def block_max_grad(tokens: int, seed: int = 0) -> torch.Tensor:
@@ -38,7 +39,7 @@ def sr_variance(dy: torch.Tensor) -> torch.Tensor:
 
 
 def layer(name: str = "layers.0.mlp.fc") -> MoEResQLinear:
-    lin = MoEResQLinear(D, D, recipe=SR)
+    lin = MoEResQLinear(D, D, recipe=SR, numerics=NUM)
     with torch.no_grad():
         lin.weight.copy_(torch.randn(D, D, generator=torch.Generator().manual_seed(1)) / 8)
     lin.quant_name = name
@@ -97,12 +98,14 @@ def test_same_bits_for_the_same_global_micro_batch_on_any_split():
     with training_step(3), micro_batch(3):
         single = dgrad(lin, dy)
     with training_step(3, first_micro_batch=2), micro_batch(1):  # dp rank 1 of 2, 2 micro-batches each
-        assert current().micro_batch == 3
+        assert NUM.position.micro_batch == 3
         assert torch.equal(dgrad(lin, dy), single)
 
     class Stage:  # the PipelineStage backward methods a schedule calls, with the chunk id first
+        submod = type("Chunk", (), {"numerics": NUM})()  # the stage's module: the model's numerics
+
         def backward_one_chunk(self, chunk_id, *args, **kwargs):
-            return current().micro_batch
+            return NUM.position.micro_batch
 
         backward_weight_one_chunk = backward_one_chunk
 
@@ -139,7 +142,7 @@ def test_model_names_are_global_and_experts_keyed_by_global_id(monkeypatch):
     seen = []
     monkeypatch.setattr(moeresq, "sr_seed", lambda *key: seen.append(key) or sr_seed(*key))
     tokens = torch.randint(0, cfg.model.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
-    with training_step(7, first_micro_batch=4), micro_batch(1):
+    with model.numerics.training_step(7, first_micro_batch=4), model.numerics.micro_batch(1):
         model(tokens).logits.float().pow(2).mean().backward()
     layers = {key[1] for key in seen}
     assert "layers.1.self_attn.q_proj" in layers
@@ -149,7 +152,7 @@ def test_model_names_are_global_and_experts_keyed_by_global_id(monkeypatch):
     experts = model.layers[0].mlp.experts
     experts = experts.shard(4, experts.num_global_experts - 4)  # as expert parallelism builds a rank's block
     seen.clear()
-    with training_step(0):
+    with model.numerics.training_step(0):
         experts.expert_forward(0, torch.randn(3, cfg.model.hidden_size, requires_grad=True)).sum().backward()
     assert {key[1] for key in seen} == {"layers.0.mlp.experts.4.w13", "layers.0.mlp.experts.4.w2"}
     name_quant_sites(model)  # idempotent

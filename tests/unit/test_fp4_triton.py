@@ -54,25 +54,24 @@ assert triton_fp4.interpreting()
 run(torch.device("cpu"), record, quick=True)
 
 # The hook's fallbacks (interpreter mode routes CPU tensors to the kernels).
-triton_fp4.set_triton_mode("interpret")
+I = "interpret"  # the Numerics.triton of every call below that may use the kernels
 triton_fp4._state["verified"].clear()  # the hook check above verified these variants already
 x = torch.randn(32, 64, generator=torch.Generator().manual_seed(9))
 fmt = OperandFormat(rounding="stochastic")
-with triton_fp4.portable():
-    want = moeresq.resq_quantize(x, fmt, True, torch.Generator().manual_seed(1))
+want = moeresq.resq_quantize(x, fmt, True, torch.Generator().manual_seed(1), triton="off")
 torch.manual_seed(3)
 served = triton_fp4.served()
-got = moeresq.resq_quantize(x, fmt, True)  # stochastic rounding from the default generator
+got = moeresq.resq_quantize(x, fmt, True, triton=I)  # stochastic rounding from the default generator
 torch.manual_seed(3)
-with triton_fp4.portable():
-    want_default = moeresq.resq_quantize(x, fmt, True)
+want_default = moeresq.resq_quantize(x, fmt, True, triton="off")
 record("fallback: none for SR on the default generator (checked, served)", "PASS" if (
     torch.equal(got.view(torch.int32), want_default.view(torch.int32)) and triton_fp4.served() == served + 1
     and not triton_fp4._state["rejected"]) else "FAIL", str(triton_fp4._state["rejected"]))
 triton_fp4._state["verified"].clear()
 empty = torch.empty(0, 64)
 record("fallback: none for an empty operand (portable path)", "PASS" if (
-    triton_fp4.dispatch(empty, fmt, True) is None and moeresq.resq_quantize(empty, fmt, True).shape == (0, 64))
+    triton_fp4.dispatch(empty, fmt, True, mode=I) is None
+    and moeresq.resq_quantize(empty, fmt, True, triton=I).shape == (0, 64))
     else "FAIL")
 real = triton_fp4.quantize
 
@@ -83,8 +82,8 @@ def off_by_one_ulp(*a, **k):
 triton_fp4.quantize = off_by_one_ulp
 with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter("always")
-    got = moeresq.resq_quantize(x, fmt, True, torch.Generator().manual_seed(1))
-again = triton_fp4.dispatch(x, fmt, True, torch.Generator().manual_seed(1))
+    got = moeresq.resq_quantize(x, fmt, True, torch.Generator().manual_seed(1), triton=I)
+again = triton_fp4.dispatch(x, fmt, True, torch.Generator().manual_seed(1), mode=I)
 record("fallback: a variant that is not bit-exact is rejected", "PASS" if (
     torch.equal(got.view(torch.int32), want.view(torch.int32)) and again is None
     and any("not bit-exact" in str(w.message) for w in caught)) else "FAIL", str([str(w.message) for w in caught]))
@@ -96,9 +95,9 @@ triton_fp4.quantize = fails_after_drawing
 gen = torch.Generator().manual_seed(1)
 with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter("always")
-    out = triton_fp4.dispatch(x, OperandFormat(format="mxfp4", rounding="stochastic"), True, gen)
+    out = triton_fp4.dispatch(x, OperandFormat(format="mxfp4", rounding="stochastic"), True, gen, mode=I)
 record("fallback: a launch failure disables the kernels and restores the generator", "PASS" if (
-    out is None and triton_fp4.use_triton(x) is False and "simulated" in str(triton_fp4._state["broken"])
+    out is None and triton_fp4.use_triton(x, I) is False and "simulated" in str(triton_fp4._state["broken"])
     and torch.equal(torch.rand(3, generator=gen), torch.rand(3, generator=torch.Generator().manual_seed(1)))
     and any("disabled" in str(w.message) for w in caught)) else "FAIL", str(triton_fp4._state["broken"]))
 print("RESULTS " + json.dumps(results))
@@ -166,18 +165,22 @@ def test_hook_fallbacks(interpreted):
 
 
 def test_portable_path_on_cpu_by_default(monkeypatch):
-    monkeypatch.setitem(triton_fp4._state, "mode", "auto")
+    from megatron_fp4.config import ConfigError, load_config
+    from megatron_fp4.fp4.numerics import TRITON_MODES
+
+    assert triton_fp4.MODES == TRITON_MODES
     x = torch.randn(4, 32)
     assert not triton_fp4.use_triton(x)
     assert triton_fp4.dispatch(x, OperandFormat(), True) is None
     with pytest.raises(ValueError, match="not one of"):
-        triton_fp4.set_triton_mode("fast")
+        triton_fp4.use_triton(x, "fast")
+    # MEGATRON_FP4_TRITON is read while the config loads (fp4.triton), nowhere else
     for raw, mode in (("0", "off"), ("off", "off"), ("1", "auto"), ("interpret", "interpret")):
         monkeypatch.setenv("MEGATRON_FP4_TRITON", raw)
-        assert triton_fp4._env_mode() == mode
+        assert load_config().fp4.triton == mode
     monkeypatch.setenv("MEGATRON_FP4_TRITON", "fast")
-    with pytest.warns(RuntimeWarning, match="not one of"):
-        assert triton_fp4._env_mode() == "auto"
+    with pytest.raises(ConfigError, match="MEGATRON_FP4_TRITON='fast' is not one of"):
+        load_config()
 
 
 @needs_triton

@@ -92,19 +92,19 @@ def test_transfer_group_passes_nccl_options_on_cuda_only(monkeypatch):
 def _meta_decode(mode, static):
     """One ep2 decode round on the meta device (tensors without data: any .item(), .tolist(),
     bool() or copy to the host raises), the peer exchange replaced by a local copy."""
-    from megatron_fp4.fp4 import Recipe
-    from megatron_fp4.fp4.context import training_step
+    from megatron_fp4.fp4 import Numerics, Recipe
     from megatron_fp4.model.moe import GroupedExperts
     from megatron_fp4.parallel.gcmoe_decode import DecodeBuffers, GCMoEDecodeDispatcher
     H, E, T = 32, 4, 3
     experts = GroupedExperts(E // 2, H, H, Recipe(mode=mode)).to("meta")
+    experts.numerics = Numerics()
     d = GCMoEDecodeDispatcher(None, 2, E, 0, [0, 1], DecodeBuffers(4), static=static)
     d._exchange = lambda send, recv, phase: recv.copy_(send)
     x = torch.empty(T, H, device="meta")
     idx = torch.empty(T, 2, dtype=torch.long, device="meta")
     # FP4 quantizers check operands for NaN/Inf on the host unless the check is deferred (a captured
     # GPU step defers it, as the trainer does on accelerators)
-    with torch.no_grad(), training_step(0, defer_nonfinite=True):
+    with torch.no_grad(), experts.numerics.training_step(0, defer_nonfinite=True):
         return d(x, idx, torch.empty(T, 2, device="meta"), experts)
 
 

@@ -9,7 +9,6 @@ import pytest
 import torch
 
 from megatron_fp4.fp4 import Recipe
-from megatron_fp4.fp4.context import current, micro_batch, training_step
 from megatron_fp4.model.dispatch import Dispatched, Dispatcher, LocalDispatcher
 from megatron_fp4.model.experts import GroupedExperts
 from megatron_fp4.model.moe import MoELayer, init_moe_params
@@ -193,14 +192,14 @@ def test_pipeline_chunk_takes_its_micro_batch_inputs_as_kwargs():
     original = model.run_layers
 
     def run_layers(*args, **kwargs):
-        seen.append(current().micro_batch)
+        seen.append(model.numerics.position.micro_batch)
         return original(*args, **kwargs)
     model.run_layers = run_layers
     [(_, chunk)] = build_chunks(model, pp=1, pp_rank=0)
     tokens = torch.randint(0, cfg.model.vocab_size, (2, 6), generator=torch.Generator().manual_seed(0))
-    with torch.no_grad(), training_step(5, first_micro_batch=4):
+    with torch.no_grad(), model.numerics.training_step(5, first_micro_batch=4):
         chunk(tokens, micro_batch=torch.tensor([1]))
-        with micro_batch(0):
+        with model.numerics.micro_batch(0):
             chunk(tokens)  # no index: the caller's context
     assert seen == [5, 4]
     mask = torch.ones(2, 6, dtype=torch.long)

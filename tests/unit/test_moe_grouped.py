@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from megatron_fp4.fp4 import Recipe, batch_invariant
+from megatron_fp4.fp4 import Numerics, Recipe
 from megatron_fp4.model import build_model
 from megatron_fp4.config import Config
 from megatron_fp4.model.moe import GroupedExperts, can_group
@@ -101,8 +101,7 @@ def test_grouped_path_runs_only_where_it_keeps_the_numerics():
     assert not can_group(Recipe(mode="fp4_resq"), x)  # per-expert MoEResQ (SR streams keyed by expert)
     assert not can_group(Recipe(mode="fp4"), x)
     assert not can_group(Recipe(mode="bf16"), x.double())  # the fp64 verification mode keeps the loop
-    with batch_invariant():
-        assert not can_group(Recipe(mode="bf16"), x)  # per-row exact GEMMs, per expert
+    assert not can_group(Recipe(mode="bf16"), x, Numerics(batch_invariant=True))  # per-row exact GEMMs, per expert
     with torch.autocast("cpu", dtype=torch.bfloat16):
         assert not can_group(Recipe(mode="bf16"), x)
 
@@ -140,7 +139,7 @@ def _fp4_experts(mode, fmt="nvfp4"):
     torch.manual_seed(0)
     recipe = Recipe(mode=mode) if fmt == "nvfp4" else Recipe.for_format(mode, "mxfp4")
     ex = GroupedExperts(6, 64, 32, recipe)
-    ex.quant_name = "layers.0.mlp.experts"
+    ex.quant_name, ex.numerics = "layers.0.mlp.experts", Numerics()
     with torch.no_grad():
         ex.w13.normal_(0, 0.1)
         ex.w2.normal_(0, 0.1)
@@ -165,19 +164,19 @@ def test_grouped_fp4_forward_matches_the_per_expert_moeresq_loop(mode, fmt):
     GEMM's input, so the end-to-end outputs are not compared, the forward is checked to be those
     two GEMMs composed (bitwise: the same calls on the same bits)."""
     from megatron_fp4.fp4 import invariant, moeresq_linear
-    from megatron_fp4.fp4.exact_gemm import cached_weights
     ex = _fp4_experts(mode, fmt)
     x, counts = torch.randn(40, 64), [5, 0, 17, 1, 0, 17]
     offs = torch.tensor(counts).cumsum(0).to(torch.int32)
 
     def loop(a, w, which):
-        return torch.cat([moeresq_linear(c, w[e], recipe=ex.recipe, name=f"{ex.quant_name}.{e}.{which}")
+        return torch.cat([moeresq_linear(c, w[e], recipe=ex.recipe, name=f"{ex.quant_name}.{e}.{which}",
+                                         numerics=ex.numerics)
                           for e, c in enumerate(a.split(counts)) if c.shape[0]])
 
     def act(h):
         gate, up = h.split(ex.ffn, dim=-1)
         return invariant.silu(gate) * up
-    with torch.no_grad(), cached_weights():
+    with torch.no_grad(), ex.numerics.cached_weights():
         ex.grouped = True
         assert can_group_fp4_for(ex, x)
         got = ex(x, counts)
@@ -219,7 +218,7 @@ def assert_fp4_gemm(got, x, w, counts, recipe):
 
 def can_group_fp4_for(ex, x):
     from megatron_fp4.model.moe import can_group_fp4
-    return can_group_fp4(ex.recipe, x, (ex.w13, ex.w2))
+    return can_group_fp4(ex.recipe, x, (ex.w13, ex.w2), ex.numerics)
 
 
 def test_grouped_fp4_path_only_where_rows_quantize_alone_and_nothing_needs_gradients():
@@ -236,8 +235,7 @@ def test_grouped_fp4_path_only_where_rows_quantize_alone_and_nothing_needs_gradi
         assert not can_group_fp4(sr, x, w)  # SR streams are keyed by expert
         tensor_scale = replace(ex.recipe, input=replace(ex.recipe.input, scale="tensor"))
         assert not can_group_fp4(tensor_scale, x, w)  # one amax over every expert's rows
-        with batch_invariant():
-            assert not can_group_fp4(ex.recipe, x, w)  # exact GEMMs per expert
+        assert not can_group_fp4(ex.recipe, x, w, Numerics(batch_invariant=True))  # exact GEMMs per expert
 
 
 def test_many_rows_per_expert_keep_the_loop_where_it_is_as_fast():

@@ -9,7 +9,7 @@ difference fails."""
 import pytest
 import torch
 
-from megatron_fp4.fp4 import Recipe, micro_batch, training_step
+from megatron_fp4.fp4 import Numerics, Recipe
 from megatron_fp4.fp4.moeresq_grouped import MAX_PAD_RATIO, _buckets, grouped_moeresq_linear
 from megatron_fp4.fp4.recipe import OperandFormat
 from megatron_fp4.model.moe import GroupedExperts
@@ -30,7 +30,7 @@ RECIPES = {
 def _experts(recipe, E=5, H=64, Fd=32, dtype=torch.float32):
     torch.manual_seed(0)
     ex = GroupedExperts(E, H, Fd, recipe)
-    ex.quant_name = "layers.0.mlp.experts"
+    ex.quant_name, ex.numerics = "layers.0.mlp.experts", Numerics()
     with torch.no_grad():
         ex.w13.normal_(0, 0.2)
         ex.w2.normal_(0, 0.2)
@@ -41,7 +41,7 @@ def _run(ex, x, counts, dy, grouped, segments=None):
     ex.grouped = grouped
     ex.zero_grad(set_to_none=True)
     x = x.clone().requires_grad_(True)
-    with training_step(3), micro_batch(1):
+    with ex.numerics.training_step(3), ex.numerics.micro_batch(1):
         y = ex(x, counts, segments)
         nodes = _nodes(y.grad_fn)
         y.backward(dy)
@@ -115,7 +115,7 @@ def test_split_backward_runs_dgrad_and_wgrad_separately():
     ex.grouped = True
     ex.zero_grad(set_to_none=True)
     xg = x.clone().requires_grad_(True)
-    with training_step(3), micro_batch(1):
+    with ex.numerics.training_step(3), ex.numerics.micro_batch(1):
         (dx,) = torch.autograd.grad(ex(xg, counts), xg, dy)
     assert torch.equal(_bits(dx), _bits(want["dx"]))
     assert ex.w13.grad is None and ex.w2.grad is None

@@ -16,7 +16,7 @@ import torch
 
 from megatron_fp4.config import Config, ConfigError
 from megatron_fp4.config_validate import RECOMPUTE_MODULES
-from megatron_fp4.fp4 import Recipe, micro_batch, training_step
+from megatron_fp4.fp4 import Recipe
 from megatron_fp4.model import recompute
 from megatron_fp4.model.layers import KVCache
 from megatron_fp4.model.transformer import build_model, lm_loss
@@ -56,9 +56,9 @@ def run(model_cfg: dict, backward_in_micro_batch: bool = True):
     model.set_aux_loss_scale(0.5)
     tokens = torch.randint(0, 32, (2, 2, 16), generator=torch.Generator().manual_seed(3))
     routing, held = [], []
-    with training_step(5, first_micro_batch=2):
+    with model.numerics.training_step(5, first_micro_batch=2):
         for i in range(2):
-            with micro_batch(i):
+            with model.numerics.micro_batch(i):
                 out, nbytes = recompute.held_activation_bytes(lambda: model(tokens[i], return_routing=True))
                 loss = lm_loss(out.logits[:, :-1], tokens[i, :, 1:]) / 2
                 if backward_in_micro_batch:
@@ -150,7 +150,7 @@ def test_split_backward_recomputes_in_each_pass():
         model.train()
         h0 = torch.randn(2, 16, 64, generator=torch.Generator().manual_seed(2)).requires_grad_()
         positions = model.default_positions(h0)
-        with training_step(1):
+        with model.numerics.training_step(1):
             out = model.head(model.run_layers(h0, positions, layers=range(1, 3)))
             (dh,) = torch.autograd.grad(out.square().mean(), h0, retain_graph=True)
             params = [p for p in model.layers[1:].parameters()]

@@ -18,7 +18,6 @@ import pytest
 import torch
 
 from megatron_fp4.config import Config
-from megatron_fp4.fp4 import batch_invariant
 from megatron_fp4.model import KVCache, build_model
 from megatron_fp4.rollout import RolloutEngine, SamplingParams
 from megatron_fp4.rollout.engine import left_pad, positions_from_mask
@@ -45,7 +44,7 @@ def reference_decode(model, prompts, params):
     for _ in range(max_new):
         logits = out.logits[:, -1].float()
         from megatron_fp4.fp4 import invariant
-        raw = invariant.log_softmax(logits)
+        raw = invariant.log_softmax(logits, model.numerics)
         feed = torch.zeros((B, 1), dtype=torch.long)
         for i, r in enumerate(rows):
             if r["reason"] is not None:
@@ -82,7 +81,7 @@ def test_engine_decode_equals_reference_loop(mode, scope, bi):
     with single_thread():
         out = engine.generate(PROMPTS, PARAMS, return_distributions=True)
         model.set_fp4_mode(mode)
-        with torch.no_grad(), batch_invariant(bi):
+        with torch.no_grad(), model.numerics.invariant(bi):
             ref = reference_decode(model.eval(), PROMPTS, PARAMS)
     assert out.finish_reasons == [r["reason"] for r in ref]
     assert "stop" in out.finish_reasons and "length" in out.finish_reasons  # both endings exercised

@@ -1,4 +1,4 @@
-"""The trainer derives each weight's Q(W) once per step (`exact_gemm.cached_weights` around the
+"""The trainer derives each weight's Q(W) once per step (`Numerics.cached_weights` around the
 step's forward/backward) instead of once per micro-batch: the same losses, gradients and weights
 bit for bit, with nearest and with stochastic rounding (an SR weight's stream is keyed by the
 micro-batch, so it is still drawn per micro-batch). Also the fast `all_finite` of the NaN guard."""
@@ -13,7 +13,6 @@ import torch
 
 import megatron_fp4.fp4.moeresq as moeresq
 from megatron_fp4.fp4 import Recipe
-from megatron_fp4.fp4.exact_gemm import cached_weights
 from megatron_fp4.training.nonfinite import all_finite
 from megatron_fp4.training.trainer import Trainer
 
@@ -48,7 +47,7 @@ def _run(cache: bool, sr: bool, scope: str, monkeypatch, force: bool = False):
     if sr:
         _stochastic_weights(trainer.model)
     if force:
-        monkeypatch.setattr(trainer, "_weight_cache", cached_weights)
+        monkeypatch.setattr(trainer, "_weight_cache", trainer.model.numerics.cached_weights)
     counts = []
     real = moeresq._Site.quantize
 

@@ -1,12 +1,11 @@
-"""Weights' quantization / exact-GEMM splits cached per weight version (`exact_gemm.cached_weights`):
+"""Weights' quantization / exact-GEMM splits cached per weight version (`Numerics.cached_weights`):
 the same bits as recomputing them, computed once, recomputed after an in-place update."""
 import pytest
 import torch
 
 from megatron_fp4.config import Config
-from megatron_fp4.fp4 import Recipe, batch_invariant, moeresq_linear
+from megatron_fp4.fp4 import Numerics, Recipe, moeresq_linear
 from megatron_fp4.fp4 import exact_gemm, moeresq
-from megatron_fp4.fp4.exact_gemm import cached_weights
 from megatron_fp4.model import build_model
 from megatron_fp4.rollout import RolloutEngine, SamplingParams
 
@@ -34,22 +33,26 @@ def test_weight_derived_terms_computed_once_and_refreshed_after_in_place_update(
     recipe = Recipe(mode="fp4_resq")
     fp4_calls = _count(monkeypatch, moeresq, "split_fp4" if invariant_on else "resq_quantize")
     limb_calls = _count(monkeypatch, exact_gemm, "_fixed_point_limbs")
-    with torch.no_grad(), batch_invariant(invariant_on):
-        fresh = moeresq_linear(x, w[1], recipe=recipe)
-        fresh_lin = exact_gemm.exact_linear(x, w[1])
+    num = Numerics(batch_invariant=invariant_on)
+
+    def lin(weight):  # exact_linear with the numerics' weight cache, as invariant.linear calls it
+        return exact_gemm.exact_linear(x, weight, None, num.weight_cache)
+    with torch.no_grad():
+        fresh = moeresq_linear(x, w[1], recipe=recipe, numerics=num)
+        fresh_lin = lin(w[1])
         n_fp4, n_limbs = len(fp4_calls), len(limb_calls)
-        with cached_weights():
-            ys = [moeresq_linear(x, w[1], recipe=recipe) for _ in range(3)]
-            lins = [exact_gemm.exact_linear(x, w[1]) for _ in range(3)]
+        with num.cached_weights():
+            ys = [moeresq_linear(x, w[1], recipe=recipe, numerics=num) for _ in range(3)]
+            lins = [lin(w[1]) for _ in range(3)]
             # 1 weight + 1 input quantization (2 input splits when invariant) the first time, then inputs only
             per_x = 2 if invariant_on else 1
             assert len(fp4_calls) - n_fp4 == (1 + per_x) + 2 * per_x
             assert len(limb_calls) - n_limbs == 2 + 2  # weight once, input every call
             w.mul_(0.5)  # in place on the base: the view's version moves too
-            after = moeresq_linear(x, w[1], recipe=recipe)
-            after_lin = exact_gemm.exact_linear(x, w[1])
-        expect_after = moeresq_linear(x, w[1], recipe=recipe)
-        expect_after_lin = exact_gemm.exact_linear(x, w[1])
+            after = moeresq_linear(x, w[1], recipe=recipe, numerics=num)
+            after_lin = lin(w[1])
+        expect_after = moeresq_linear(x, w[1], recipe=recipe, numerics=num)
+        expect_after_lin = lin(w[1])
     for y in ys:
         assert torch.equal(_bits(y), _bits(fresh))
     for y in lins:

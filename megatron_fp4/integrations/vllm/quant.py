@@ -21,8 +21,9 @@ modules and functions, so the numbers are the trainer's by construction (ground 
 - RMSNorm (q/k norms, decoder norms with the fused residual add): the trainer's, through the
   plugin's out-of-tree op (`ops.py`); attention, RoPE and the embedding lookup: vLLM's own.
 
-Q(W) is computed once per weight version: every layer runs inside `exact_gemm.cached_weights` with
-one store per model, cleared by every weight load into a plugin-owned parameter (the weight loaders
+Every layer computes with the config's one `fp4.Numerics` (`MegatronFP4Config.values`), passed
+explicitly. Q(W) is computed once per weight version: its weight cache is one store per model,
+cleared by every weight load into a plugin-owned parameter (the weight loaders
 are wrapped) and by `process_weights_after_loading`. `batch_invariant` in the block runs the
 plugin's layers in the project's batch-invariant mode (exact FP4 GEMMs), as the trainer scores.
 Supported layout: one process (no tensor or expert parallelism: the per-tensor weight scale is a
@@ -30,7 +31,6 @@ whole-tensor amax, which a TP shard does not see).
 """
 from __future__ import annotations
 
-import contextlib
 import functools
 import re
 from typing import Any, Optional
@@ -45,8 +45,7 @@ from vllm.model_executor.layers.quantization.base_config import QuantizationConf
 from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, UnquantizedEmbeddingMethod
 from vllm.model_executor.utils import set_weight_attrs
 
-from megatron_fp4.fp4 import Recipe, invariant, moeresq_linear
-from megatron_fp4.fp4.exact_gemm import cached_weights
+from megatron_fp4.fp4 import STANDARD, Numerics, Recipe, invariant, moeresq_linear
 from megatron_fp4.integrations.vllm.sidecar import QUANT_METHOD, recipe_from_sidecar
 from megatron_fp4.model.moe import GroupedExperts, LocalDispatcher, route_from_logits, router_logits
 
@@ -85,6 +84,9 @@ class MegatronFP4Config(QuantizationConfig):
                              f"'experts+attention'")
         self.batch_invariant = bool(self.block.get("batch_invariant", False))
         self.qw_store: dict = {}  # Q(W) (and exact-GEMM splits) per weight, see invalidate()
+        # what every plugin layer computes with: the block's numerics mode, Q(W) reused from qw_store
+        self.values = Numerics(batch_invariant=self.batch_invariant, mode="rollout")
+        self.values.weight_cache = self.qw_store
         self.routing_store: Optional[dict] = None  # layer -> [T, k] expert ids of the last forward
 
     # -- vLLM's interface --------------------------------------------------------------------------
@@ -131,12 +133,6 @@ class MegatronFP4Config(QuantizationConfig):
         """Forget every cached Q(W): called before any weight of a plugin layer is written."""
         self.qw_store.clear()
 
-    @contextlib.contextmanager
-    def numerics(self):
-        """The context every plugin layer computes in: the recipe's numerics mode, Q(W) reused."""
-        with invariant.batch_invariant(self.batch_invariant), cached_weights(self.qw_store):
-            yield
-
     def _invalidating(self, loader):
         @functools.wraps(loader)  # keeps attributes such as `supports_moe_loading`
         def load(*args, **kwargs):
@@ -166,8 +162,7 @@ class RouterGateMethod(UnquantizedLinearMethod):
     def apply(self, layer, x: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
         if bias is not None:
             raise ValueError("megatron_fp4: the MoE gate has a bias; the trainer's router has none")
-        with self.config.numerics():
-            return router_logits(x, layer.weight)
+        return router_logits(x, layer.weight, self.config.values)
 
 
 @register_weight_loader_v2_supported_method
@@ -192,7 +187,7 @@ class MoEResQLinearMethod(UnquantizedLinearMethod):
 
     def apply(self, layer, x: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
         return fused_moeresq_linear(x, layer.weight, bias, layer.mfp4_shards, layer.mfp4_names,
-                                    self.recipe, self.config.numerics)
+                                    self.recipe, self.config.values)
 
 
 class HeadMethod(UnquantizedEmbeddingMethod):
@@ -211,17 +206,16 @@ class HeadMethod(UnquantizedEmbeddingMethod):
         self.config.invalidate()
 
     def apply(self, layer, x: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
-        with self.config.numerics():
-            return invariant.linear(x, layer.weight, bias)
+        return invariant.linear(x, layer.weight, bias, self.config.values)
 
 
-def fused_moeresq_linear(x, weight, bias, shards, names, recipe: Recipe, numerics=contextlib.nullcontext):
+def fused_moeresq_linear(x, weight, bias, shards, names, recipe: Recipe, numerics: Numerics = STANDARD):
     """``x · weight.T (+ bias)`` where ``weight`` is the row-wise concatenation of ``shards`` logical
     weights, each computed by `moeresq_linear` as its own tensor; outputs concatenated."""
     weights = weight.split(shards, dim=0)
     biases = bias.split(shards, dim=0) if bias is not None else [None] * len(shards)
-    with numerics():
-        outs = [moeresq_linear(x, w, b, recipe=recipe, name=n) for w, b, n in zip(weights, biases, names)]
+    outs = [moeresq_linear(x, w, b, recipe=recipe, name=n, numerics=numerics)
+            for w, b, n in zip(weights, biases, names)]
     return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
 
 
@@ -266,23 +260,24 @@ class MoEResQMoEMethod(FusedMoEMethodBase):
     def process_weights_after_loading(self, layer) -> None:
         self.config.invalidate()
         self.experts = grouped_experts_over(layer.w13_weight, layer.w2_weight, self.recipe,
-                                            trainer_name(self.prefix))
+                                            trainer_name(self.prefix), self.config.values)
 
     def apply_monolithic(self, layer, x: torch.Tensor, router_logits: torch.Tensor,
                          input_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
         if self.experts is None:
             self.process_weights_after_loading(layer)
-        with self.config.numerics():
-            _, topk_idx, topk_w = route_from_logits(router_logits, layer.top_k, layer.renormalize)
-            if self.config.routing_store is not None:
-                self.config.routing_store.setdefault(self.prefix, []).append(topk_idx.clone())
-            return self.dispatcher(x, topk_idx, topk_w, self.experts)
+        _, topk_idx, topk_w = route_from_logits(router_logits, layer.top_k, layer.renormalize,
+                                                numerics=self.config.values)
+        if self.config.routing_store is not None:
+            self.config.routing_store.setdefault(self.prefix, []).append(topk_idx.clone())
+        return self.dispatcher(x, topk_idx, topk_w, self.experts)
 
     def apply(self, *args, **kwargs):
         raise AssertionError("MoEResQMoEMethod is monolithic: vLLM calls apply_monolithic")
 
 
-def grouped_experts_over(w13: torch.Tensor, w2: torch.Tensor, recipe: Recipe, name: str) -> GroupedExperts:
+def grouped_experts_over(w13: torch.Tensor, w2: torch.Tensor, recipe: Recipe, name: str,
+                         numerics: Numerics = STANDARD) -> GroupedExperts:
     """The trainer's `GroupedExperts` computing with ``w13`` [E, 2F, H] / ``w2`` [E, H, F] in place
     (no copy: the module's parameters are these tensors)."""
     E, two_f, H = w13.shape
@@ -290,5 +285,5 @@ def grouped_experts_over(w13: torch.Tensor, w2: torch.Tensor, recipe: Recipe, na
         experts = GroupedExperts(E, H, two_f // 2, recipe)
     experts.w13 = w13 if isinstance(w13, torch.nn.Parameter) else torch.nn.Parameter(w13, requires_grad=False)
     experts.w2 = w2 if isinstance(w2, torch.nn.Parameter) else torch.nn.Parameter(w2, requires_grad=False)
-    experts.quant_name = name
+    experts.quant_name, experts.numerics = name, numerics
     return experts

@@ -1,0 +1,168 @@
+"""Numerics as a value: what the FP4 and batch-invariant ops of one model compute, as one object.
+
+A :class:`Numerics` is built from the config by whoever owns a model (the Trainer, the rollout
+engine; ``model.specs.numerics_from_config``) and handed to the model at build time: every module
+that computes numerics holds the same object (``apply_numerics(model, numerics)``; a model builds
+its own by default), and passes it to the ``fp4`` functions as an explicit argument. Nothing in
+``fp4/`` reads a ContextVar, a process-global mode or an environment variable to decide what a
+GEMM computes (environment overrides are applied while loading the config: ``config.py``), so two
+models in one process run their own numerics (``tests/unit/test_numerics_value.py``).
+
+What it holds (the per-layer FP4 ``Recipe`` — format, mode, rounding, ``compile`` — is the
+other build-time value, set on each FP4 module by the model's specs):
+
+- ``batch_invariant``: the batch-invariant ops (``invariant.py``) instead of the standard kernels.
+- ``triton``: ``auto`` | ``off`` | ``interpret``, where the Triton quantizers serve (``triton_fp4.py``).
+- ``one_node``: MoEResQ graphs as one autograd node (a benchmark's "before"; same bits).
+- ``weight_cache``: a dict where derived weight operands (``Q(W)``, exact-GEMM splits, limbs) are
+  reused (``exact_gemm.cached_for_weight``), or None.
+- ``position``: the step state (:class:`~megatron_fp4.fp4.context.QuantStep`: optimizer step,
+  micro-batch, deferred non-finite flags) that keys stochastic-rounding streams; the owner
+  advances it explicitly:
+
+      with numerics.training_step(step, first_micro_batch=first) as fp4_step:
+          for i, mb in enumerate(micro_batches):
+              with numerics.micro_batch(i):
+                  loss = model(mb); loss.backward()
+      err = fp4_step.nonfinite_error()
+
+Each change is a ``with`` block on the object (restored on exit): per object, not per thread, so
+threads that run one model at the same time must not run it in different modes (as with
+``set_fp4_mode``). An FP4 Function captures the
+position and backend in forward (its backward may run later, on another thread). :data:`STANDARD`
+(the standard kernels, step 0, no cache) is what a bare function call without ``numerics`` gets;
+it cannot be changed.
+"""
+from __future__ import annotations
+
+from contextlib import contextmanager, nullcontext
+from dataclasses import replace
+from typing import Iterator, Optional
+
+import torch
+
+from megatron_fp4.fp4.context import QuantStep
+from megatron_fp4.fp4.nonfinite import NonFiniteFlags
+
+TRITON_MODES = ("auto", "off", "interpret")
+
+
+class Numerics:
+    """The numerics of one model (see the module docstring)."""
+
+    STATE = ("batch_invariant", "triton", "one_node", "weight_cache", "position")  # what a block may change
+
+    def __init__(self, *, batch_invariant: bool = False, triton: str = "auto", mode: str = "train"):
+        if triton not in TRITON_MODES:
+            raise ValueError(f"Numerics: triton={triton!r} is not one of {TRITON_MODES}")
+        if mode not in ("train", "rollout"):
+            raise ValueError(f"Numerics: mode={mode!r} is not 'train' or 'rollout'")
+        self.mode = mode
+        self.batch_invariant = bool(batch_invariant)
+        self.triton = triton
+        self.one_node = False
+        self.weight_cache: Optional[dict] = None
+        self.position = QuantStep()
+        self._frozen = False
+
+    def __setattr__(self, name, value):
+        if getattr(self, "_frozen", False):
+            raise ValueError(f"the STANDARD numerics cannot be changed (Numerics.{name}): give the model its own "
+                             "(fp4.apply_numerics(model, Numerics(...)))")
+        super().__setattr__(name, value)
+
+    def __reduce_ex__(self, protocol):
+        if self._frozen:
+            return "STANDARD"  # copies and pickles of the STANDARD numerics are the one STANDARD
+        return super().__reduce_ex__(protocol)
+
+    def __repr__(self) -> str:
+        return (f"Numerics(mode={self.mode!r}, batch_invariant={self.batch_invariant}, triton={self.triton!r}, "
+                f"step={self.position.step}, micro_batch={self.position.micro_batch})")
+
+    def invariant_for(self, x: Optional[torch.Tensor] = None) -> bool:
+        """Whether the batch-invariant ops apply (to ``x``'s dtype: never to float64)."""
+        return self.batch_invariant and (x is None or x.dtype != torch.float64)
+
+    def _set(self, value=None, **changes):
+        if self._frozen:
+            raise ValueError("the STANDARD numerics cannot be changed: give the model its own "
+                             "(fp4.apply_numerics(model, Numerics(...)))")
+        return self._changed(value, changes)
+
+    @contextmanager
+    def _changed(self, value, changes: dict) -> Iterator:
+        before = {k: getattr(self, k) for k in changes}
+        for k, v in changes.items():
+            setattr(self, k, v)
+        try:
+            yield value
+        finally:
+            for k, v in before.items():
+                setattr(self, k, v)
+
+    def training_step(self, step: int, first_micro_batch: int = 0, defer_nonfinite: Optional[bool] = None):
+        """One optimizer step (``step`` as the trainer counts it). ``first_micro_batch``: global
+        index of this rank's first micro-batch; ``defer_nonfinite``: True/False forces deferred /
+        eager non-finite checks, None defers on non-CPU devices. Yields the step's ``QuantStep``."""
+        for name, value in (("step", step), ("first_micro_batch", first_micro_batch)):
+            if not isinstance(value, int) or value < 0:
+                raise ValueError(f"training_step: {name}={value!r} must be a non-negative int")
+        position = QuantStep(step, first_micro_batch, first_micro_batch, NonFiniteFlags(), defer_nonfinite)
+        return self._set(position, position=position)
+
+    def micro_batch(self, local_index: int):
+        """This rank's ``local_index``-th micro-batch of the current step."""
+        if not isinstance(local_index, int) or local_index < 0:
+            raise ValueError(f"micro_batch: local_index={local_index!r} must be a non-negative int")
+        now = self.position
+        return self._set(position=replace(now, micro_batch=now.first_micro_batch + local_index))
+
+    def invariant(self, on: bool = True):
+        """The block with the batch-invariant ops on (or, ``on=False``, off)."""
+        return self._set(batch_invariant=bool(on))
+
+    def cached_weights(self, store: Optional[dict] = None):
+        """Reuse what GEMMs derive from a weight alone inside the block (``exact_gemm.cached_for_weight``);
+        ``store``: a dict the caller keeps across blocks (default: dropped at the end)."""
+        return self._set(weight_cache={} if store is None else store)
+
+    def one_node_backward(self):
+        """Build MoEResQ graphs as one autograd node (the layout before the dgrad/wgrad split;
+        same bits; only for measuring what the split saves)."""
+        return self._set(one_node=True)
+
+    def portable(self):
+        """The portable quantizers inside the block, even where Triton would serve."""
+        return self._set(triton="off")
+
+    def state(self) -> dict:
+        """What the numerics are now (:attr:`STATE`), for :meth:`restored`."""
+        return {k: getattr(self, k) for k in self.STATE}
+
+    def restored(self, state: dict):
+        """The block under an earlier :meth:`state` (activation recompute re-runs a forward in its
+        numerics: the same step position, mode and cache)."""
+        return nullcontext() if self._frozen else self._set(**state)
+
+
+STANDARD = Numerics()
+object.__setattr__(STANDARD, "_frozen", True)
+
+
+def apply_numerics(model: torch.nn.Module, numerics: Numerics) -> Numerics:
+    """Give every module of ``model`` that computes numerics (a ``numerics`` attribute) ``numerics``."""
+    if not isinstance(numerics, Numerics):
+        raise ValueError(f"apply_numerics: expected a Numerics, got {type(numerics).__name__}")
+    for m in model.modules():
+        if hasattr(m, "numerics"):
+            m.numerics = numerics
+    return numerics
+
+
+def numerics_of(model) -> Numerics:
+    """The numerics ``model`` computes with; for a module without its own (not built by this
+    package) a fresh ``Numerics()``: the standard ops, which a caller may switch for its own ops
+    around the module (the scoring log-softmax)."""
+    found = getattr(model, "numerics", None)
+    return found if isinstance(found, Numerics) and found is not STANDARD else Numerics()
