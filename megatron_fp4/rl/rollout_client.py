@@ -32,11 +32,12 @@ import torch
 import torch.distributed as dist
 
 from megatron_fp4.integrations.hf.sharded import local_hf_state_dict
+from megatron_fp4.parallel.wire import broadcast_json
 from megatron_fp4.rl.wire import broadcast_generation, expected_generation, params_to_json
 from megatron_fp4.rollout.engine import RolloutEngine
 from megatron_fp4.rollout.peer_group import TOKEN_ENV, PeerGroup, new_sync_token, reserve_port, sync_token_from_env
 from megatron_fp4.rollout.weight_sync import InProcessTransport, WeightPublisher, WeightReceiver
-from megatron_fp4.rollout.weight_sync_dist import DistributedTransport, broadcast_json
+from megatron_fp4.rollout.weight_sync_dist import DistributedTransport
 from megatron_fp4.rollout.weight_sync_sharded import ShardedWeightPublisher
 
 # torchrun's variables: the rollout process is not a rank of the trainer's job.
