@@ -24,7 +24,8 @@ import torch.distributed as dist
 from megatron_fp4.fp4 import invariant
 from megatron_fp4.model.layers import wide_dtype
 from megatron_fp4.rollout.engine import positions_from_mask
-from megatron_fp4.rollout.scoring import compute_log_probs, log_probs_from_logits
+from megatron_fp4.rollout.logprobs import log_probs_from_logits
+from megatron_fp4.rollout.scoring import compute_log_probs
 from megatron_fp4.training.step_loss import StepLoss
 
 

@@ -1,7 +1,8 @@
 """Trainer-side recomputation of token log-probs and routing: one full-sequence forward.
 
 Shared by the RL example, the verl training engine and the consistency report, so the training
-side always scores exactly the way the rollout engine's numbers are compared against.
+side always scores exactly the way the rollout engine's numbers are compared against; the token
+log-probs themselves come from `rollout.logprobs`, the definition the engine's decode uses too.
 
 Scoring (no autograd) runs in the batch-invariant numerics mode by default (``fp4/invariant.py``),
 like the rollout engine: a token's log-prob then has the same bits as the engine's KV-cache
@@ -16,8 +17,10 @@ from typing import Optional
 import torch
 
 from megatron_fp4.fp4 import invariant
-from megatron_fp4.model.layers import upcast
 from megatron_fp4.rollout.engine import fp4_mode, positions_from_mask
+from megatron_fp4.rollout.logprobs import log_probs_from_logits
+
+__all__ = ["ScoreOutput", "compute_log_probs", "log_probs_from_logits", "score"]
 
 
 @dataclass
@@ -30,16 +33,6 @@ class ScoreOutput:
     log_probs: torch.Tensor
     routing: Optional[torch.Tensor] = None
     distributions: Optional[torch.Tensor] = None
-
-
-def log_probs_from_logits(logits: torch.Tensor, tokens: torch.Tensor, keep: torch.Tensor) -> tuple:
-    """(log_probs [B, T], log-softmax rows [B, T-1, V]) of `tokens` under `logits` [B, T, V]: position
-    t holds log p(tokens[:, t] | tokens[:, :t]), 0 at t=0 and where `keep` is 0. The one definition
-    both the scoring forward and the pipelined policy loss (on the last stage) use."""
-    logp_all = invariant.log_softmax(upcast(logits[:, :-1]))  # fixed per-row order in the invariant mode
-    picked = logp_all.gather(-1, tokens[:, 1:, None]).squeeze(-1)
-    log_probs = torch.cat([picked.new_zeros(tokens.shape[0], 1), picked], dim=1)
-    return log_probs * keep.to(log_probs.dtype), logp_all
 
 
 def compute_log_probs(model, tokens: torch.Tensor, attention_mask: torch.Tensor,
