@@ -95,7 +95,7 @@ def local_meta_model(cfg: Config, pp_rank: int, ep_rank: int) -> MoETransformer:
     with torch.device("meta"):
         model = MoETransformer(cfg.model, cfg.fp4)
     if p.ep > 1:  # as the trainer: `apply_expert_parallel` only when ep > 1 (at ep 1 experts stay dp params)
-        for moe in ep_mod.moe_layers_of(model):
+        for moe in model.moe_layers():
             lo, hi = ep_mod.local_expert_range(moe.experts.num_experts, p.ep, ep_rank)
             moe.experts = ep_mod._local_experts(moe.experts, lo, hi)
             ep_mod._mark_expert_params(moe.experts)
