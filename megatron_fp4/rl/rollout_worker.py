@@ -40,9 +40,9 @@ SPEC_KEYS = {"config", "pad_id", "addr", "weights_port", "control_port", "name",
 
 
 class HFWeightReceiver(WeightReceiver):
-    """A `WeightReceiver` for weights published under HF Qwen3-MoE names (what a sharded trainer's
-    `ShardedWeightPublisher` sends, and what vLLM/SGLang load): mapped to the engine's own names,
-    checked in full before anything is staged."""
+    """A `WeightReceiver` for weights published under HF Qwen3-MoE names (what every publisher sends:
+    a sharded trainer's `ShardedWeightPublisher`, `InProcessRollout`'s; what vLLM/SGLang load):
+    mapped to the engine's own names, checked in full before anything is staged."""
 
     def _ours(self, named: dict) -> dict:
         try:
