@@ -38,3 +38,9 @@ def log_probs_from_logits(logits: torch.Tensor, tokens: torch.Tensor, keep: torc
     `logits` [B, T, V]."""
     rows = log_softmax_rows(logits[:, :-1])
     return next_token_log_probs(rows, tokens, keep), rows
+
+
+def to_token_positions(per_position: torch.Tensor) -> torch.Tensor:
+    """[B, T, ...] about positions -> about the tokens they predict: row t holds position t-1's
+    (the one whose output scores token t), row 0 zero. The routing behind `next_token_log_probs`."""
+    return torch.cat([torch.zeros_like(per_position[:, :1]), per_position[:, :-1]], dim=1)

@@ -18,7 +18,7 @@ import torch
 
 from megatron_fp4.fp4 import invariant
 from megatron_fp4.rollout.engine import fp4_mode, positions_from_mask
-from megatron_fp4.rollout.logprobs import log_probs_from_logits
+from megatron_fp4.rollout.logprobs import log_probs_from_logits, to_token_positions
 
 __all__ = ["ScoreOutput", "compute_log_probs", "log_probs_from_logits", "score"]
 
@@ -57,8 +57,7 @@ def compute_log_probs(model, tokens: torch.Tensor, attention_mask: torch.Tensor,
     routing = dists = None
     if return_routing:
         moe = [r for r in out.routing if r is not None]
-        stacked = torch.stack(moe, dim=2)  # [B, T, L_moe, k]
-        routing = torch.cat([torch.zeros_like(stacked[:, :1]), stacked[:, :-1]], dim=1)
+        routing = to_token_positions(torch.stack(moe, dim=2))  # [B, T, L_moe, k]
     if return_distributions:
         dists = torch.cat([logp_all.new_zeros(logp_all[:, :1].shape), logp_all], dim=1)
     return ScoreOutput(log_probs, routing, dists)
