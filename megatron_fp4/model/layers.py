@@ -15,12 +15,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from megatron_fp4.fp4 import STANDARD, MoEResQLinear, Recipe, invariant
-
-
-def wide_dtype(dtype: torch.dtype) -> torch.dtype:
-    """The precision of norms, router, loss and optimizer masters: fp32, or fp64 for an fp64 model
-    (``dtype: fp64``, the verification mode whose rounding is ~1e-16 on any CPU)."""
-    return torch.float64 if dtype == torch.float64 else torch.float32
+# The precision of norms, router, loss and optimizer masters is the FP4 GEMMs' accumulation dtype:
+# fp32, or fp64 for an fp64 model (``dtype: fp64``, the verification mode). One definition, in fp4.
+from megatron_fp4.fp4.moeresq import _accumulate_dtype as wide_dtype
 
 
 def upcast(x: torch.Tensor) -> torch.Tensor:

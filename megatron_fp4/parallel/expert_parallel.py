@@ -8,7 +8,7 @@ this rank's experts)::
     ...
     full = gather_expert_params(model, mesh)   # {param name: full [E, ...] tensor}, for export
 
-What `apply_expert_parallel` changes, per `MoELayer` found in `model.modules()`:
+What `apply_expert_parallel` changes, per `MoELayer` of `model.moe_layers()` (or a bare `MoELayer`):
 
 - ``moe.experts`` becomes this rank's contiguous block of ``num_experts // ep`` experts, built by
   `GroupedExperts.shard` through the constructor (``expert_offset``, ``num_local_experts``: rows
@@ -39,7 +39,7 @@ from megatron_fp4.parallel.mesh import ParallelMesh
 
 __all__ = [
     "expert_placement", "expert_owner", "local_expert_range", "apply_expert_parallel", "shard_experts",
-    "gather_expert_params", "is_expert_param", "moe_layers_of", "AllToAllDispatcher",
+    "gather_expert_params", "is_expert_param", "AllToAllDispatcher",
     "GCMoEDispatcher", "DispatchPlan", "AllToAll", "DISPATCHERS",
 ]
 
@@ -71,11 +71,6 @@ def expert_owner(expert: int, num_experts: int, ep: int) -> int:
 
 
 # -- model surgery ------------------------------------------------------------------------------
-def moe_layers_of(model: nn.Module) -> list[MoELayer]:
-    """Every MoELayer inside `model` (works for a full model, a pipeline chunk or a bare layer)."""
-    return [m for m in model.modules() if isinstance(m, MoELayer)]
-
-
 def is_expert_param(param: torch.Tensor) -> bool:
     """True for expert weights: reduce their grads over `mesh.group(param.expert_group)` ('edp')."""
     return bool(getattr(param, "is_expert", False))
@@ -144,7 +139,7 @@ def apply_expert_parallel(model: nn.Module, mesh: ParallelMesh, dispatcher: str 
     check_gcmoe(1, chunk_tokens, ring_slots, transfer_sms)  # the ring against ep: after the agreement check
     if decode_tokens < 1:
         raise ValueError(f"decode_tokens={decode_tokens} must be >= 1 (tokens per rank per decode round)")
-    layers = moe_layers_of(model)
+    layers = [model] if isinstance(model, MoELayer) else model.moe_layers()  # a bare layer or a model
     ep = mesh.ep
     if ep == 1:
         for moe in layers:

@@ -35,15 +35,15 @@ built once per (micro-batch count, shape), so RL batches of varying length work.
 from __future__ import annotations
 
 import contextlib
-import json
+
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.pipelining import PipelineStage
 
 from megatron_fp4.fp4 import numerics_of
 from megatron_fp4.parallel.dims import (MULTI_CHUNK_SCHEDULES, check_chunks, check_schedule_chunks,
                                         check_v_placement)
+from megatron_fp4.parallel.wire import broadcast_message
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "interleaved_zero_bubble", "zbv")
 STAGE_KWARGS = ("positions", "attention_mask", "routing_in")  # model inputs carried per micro-batch
@@ -315,18 +315,9 @@ class PipelineRunner:
         return loss, metrics
 
     def _broadcast_report(self, loss: float, metrics: dict) -> tuple[float, dict]:
-        """The last stage's loss and metrics to every pp rank (names as JSON bytes, never pickle)."""
-        src = self.mesh.ranks["pp"][self.last_stage_rank]
-        device = self.mesh.device
-        names = json.dumps(list(metrics)).encode() if self.has_last else b""
-        sizes = torch.tensor([len(names), len(metrics)], dtype=torch.int64, device=device)
-        dist.broadcast(sizes, src=src, group=self.group)
-        raw = torch.frombuffer(bytearray(names), dtype=torch.uint8).to(device) if self.has_last \
-            else torch.empty(int(sizes[0]), dtype=torch.uint8, device=device)
-        values = torch.tensor([loss, *metrics.values()], dtype=torch.float64, device=device) if self.has_last \
-            else torch.empty(1 + int(sizes[1]), dtype=torch.float64, device=device)
-        if raw.numel():
-            dist.broadcast(raw, src=src, group=self.group)
-        dist.broadcast(values, src=src, group=self.group)
-        keys = json.loads(bytes(raw.cpu().tolist()).decode()) if raw.numel() else []
+        """The last stage's loss and metrics to every pp rank (`parallel.wire`: names as JSON, never pickle)."""
+        values = [torch.tensor([loss, *metrics.values()], dtype=torch.float64)] if self.has_last else None
+        keys, (values,) = broadcast_message(list(metrics) if self.has_last else None, values,
+                                            self.mesh.ranks["pp"][self.last_stage_rank], self.group, self.mesh.device,
+                                            expect=lambda names: [((1 + len(names),), torch.float64)])
         return float(values[0]), dict(zip(keys, values[1:].tolist()))

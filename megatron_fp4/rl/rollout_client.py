@@ -6,7 +6,8 @@
     gen = rollout.generate(prompts, params)                  # the same GenerationOutput on every rank
 
 - `InProcessRollout` (a single process, as the GRPO example always ran): the engine holds its own
-  copy of the model, fed by a `WeightPublisher` through an `InProcessTransport`.
+  copy of the model, fed by a `WeightPublisher` through an `InProcessTransport`, under HF names
+  (mapped back by `rollout_worker.HFWeightReceiver`) like every other publisher.
 - `RemoteRollout` (a sharded trainer under torchrun): trainer rank 0 starts the rollout process
   (`python -m megatron_fp4.rl.rollout_worker`, spec as JSON on its command line, the shared token
   in its environment, never pickle) and serves two token-authenticated `PeerGroup`s on the
@@ -31,12 +32,15 @@ from typing import Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from megatron_fp4.integrations.hf.qwen3_moe import to_hf_state_dict
 from megatron_fp4.integrations.hf.sharded import local_hf_state_dict
+from megatron_fp4.parallel.wire import broadcast_json
+from megatron_fp4.rl.rollout_worker import HFWeightReceiver
 from megatron_fp4.rl.wire import broadcast_generation, expected_generation, params_to_json
 from megatron_fp4.rollout.engine import RolloutEngine
 from megatron_fp4.rollout.peer_group import TOKEN_ENV, PeerGroup, new_sync_token, reserve_port, sync_token_from_env
-from megatron_fp4.rollout.weight_sync import InProcessTransport, WeightPublisher, WeightReceiver
-from megatron_fp4.rollout.weight_sync_dist import DistributedTransport, broadcast_json
+from megatron_fp4.rollout.weight_sync import InProcessTransport, WeightPublisher
+from megatron_fp4.rollout.weight_sync_dist import DistributedTransport
 from megatron_fp4.rollout.weight_sync_sharded import ShardedWeightPublisher
 
 # torchrun's variables: the rollout process is not a rank of the trainer's job.
@@ -51,7 +55,9 @@ class InProcessRollout:
         cfg = trainer.cfg
         self.engine = RolloutEngine(copy.deepcopy(trainer.model), mode=cfg.fp4.rollout_mode, pad_id=pad_id, name=name,
                                     batch_invariant=cfg.numerics.batch_invariant)
-        self.publisher = WeightPublisher(trainer.model, [InProcessTransport(WeightReceiver(self.engine))], bucket_bytes)
+        # Under HF Qwen3-MoE names, as every publisher (RemoteRollout's, vLLM's, verl's) sends them.
+        self.publisher = WeightPublisher(lambda: to_hf_state_dict(trainer.model).items(),
+                                         [InProcessTransport(HFWeightReceiver(self.engine))], bucket_bytes)
 
     @property
     def is_source(self) -> bool:

@@ -7,7 +7,7 @@ Nothing here unpickles anything: the spec is JSON (the config as a dict), the tw
 trainer are token-authenticated `PeerGroup`s (`rollout.peer_group`: the trainer's rank 0
 serves each store on the address it advertises, both sides prove they hold the token before any
 process group exists), weights arrive through `rollout.weight_sync_dist`'s JSON-header protocol
-under HF Qwen3-MoE names, and requests/results are JSON plus tensors (`rl.wire`).
+under HF Qwen3-MoE names, and requests/results are JSON plus tensors (`parallel.wire`, `rl.wire`).
 
 - *weights* channel: a `DistributedReceiver` serves updates on a background thread, so the
   engine keeps generating while a version is staged; the swap takes the engine's write lock.
@@ -28,20 +28,21 @@ import torch
 from megatron_fp4.config import config_from_dict
 from megatron_fp4.integrations.hf.qwen3_moe import ours_from_hf_state_dict, to_hf_state_dict
 from megatron_fp4.model import build_model
+from megatron_fp4.parallel.wire import ProtocolError, broadcast_json
 from megatron_fp4.rl.wire import broadcast_generation, params_from_json
 from megatron_fp4.rollout.buckets import manifest_of
 from megatron_fp4.rollout.engine import RolloutEngine
 from megatron_fp4.rollout.peer_group import PeerGroup, sync_token_from_env
 from megatron_fp4.rollout.weight_sync import WeightReceiver
-from megatron_fp4.rollout.weight_sync_dist import DistributedReceiver, ProtocolError, broadcast_json
+from megatron_fp4.rollout.weight_sync_dist import DistributedReceiver
 
 SPEC_KEYS = {"config", "pad_id", "addr", "weights_port", "control_port", "name", "timeout_s", "threads"}
 
 
 class HFWeightReceiver(WeightReceiver):
-    """A `WeightReceiver` for weights published under HF Qwen3-MoE names (what a sharded trainer's
-    `ShardedWeightPublisher` sends, and what vLLM/SGLang load): mapped to the engine's own names,
-    checked in full before anything is staged."""
+    """A `WeightReceiver` for weights published under HF Qwen3-MoE names (what every publisher sends:
+    a sharded trainer's `ShardedWeightPublisher`, `InProcessRollout`'s; what vLLM/SGLang load):
+    mapped to the engine's own names, checked in full before anything is staged."""
 
     def _ours(self, named: dict) -> dict:
         try:

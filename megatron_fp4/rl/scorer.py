@@ -24,7 +24,8 @@ import torch.distributed as dist
 from megatron_fp4.fp4 import numerics_of
 from megatron_fp4.model.layers import wide_dtype
 from megatron_fp4.rollout.engine import positions_from_mask
-from megatron_fp4.rollout.scoring import compute_log_probs, log_probs_from_logits
+from megatron_fp4.rollout.logprobs import log_probs_from_logits, to_token_positions
+from megatron_fp4.rollout.scoring import compute_log_probs
 from megatron_fp4.training.step_loss import StepLoss
 
 
@@ -79,7 +80,7 @@ class _RoutingCapture:
     def shifted(self) -> torch.Tensor:
         """compute_log_probs' alignment: row t holds the routing of position t-1 (which predicts token t)."""
         assert all(n == len(self.row_starts) for n in self.seen.values()), self.seen
-        return torch.cat([torch.zeros_like(self.out[:, :1]), self.out[:, :-1]], dim=1)
+        return to_token_positions(self.out)
 
 
 @contextlib.contextmanager

@@ -1,11 +1,10 @@
 """Rollout requests and results between processes: JSON headers and plain tensors, never pickle.
 
-A `GenerationOutput` travels as a JSON header (version, token ids, finish reasons, shapes) and
-flat tensors (log-probs as float32, what the engine produces, and routing as int64), so the
-receiver parses data and checks its form; nothing it receives can execute. The same codec
-carries a generation from the rollout process to trainer rank 0 (a `PeerGroup`) and from rank 0
-to every trainer rank (the default process group), using `rollout.weight_sync_dist`'s JSON and
-tensor broadcasts, which work on both.
+A `GenerationOutput` travels as one `parallel.wire` message: a JSON header (version, token ids,
+finish reasons, routing shape) and flat tensors (log-probs as float32, what the engine produces,
+and routing as int64), so the receiver parses data and checks its form; nothing it receives can
+execute. The same codec carries a generation from the rollout process to trainer rank 0 (a
+`PeerGroup`) and from rank 0 to every trainer rank (the trainer's world group).
 
 A receiver that knows the request (`expected_generation`: the prompts, each one's max_new_tokens,
 the routing shape the model gives, the vocabulary) checks every size in the header against it
@@ -18,11 +17,12 @@ from typing import Optional
 
 import torch
 
+from megatron_fp4.parallel.wire import ProtocolError, broadcast_message
 from megatron_fp4.rollout.engine import GenerationOutput
 from megatron_fp4.rollout.sampling import SamplingParams
-from megatron_fp4.rollout.weight_sync_dist import ProtocolError, broadcast_json, broadcast_tensor
 
 MAX_TOKENS = 1 << 28  # generated tokens in one result; more is not a rollout batch
+MAX_PAYLOAD_BYTES = 1 << 32  # its log-probs and routing together
 SAMPLING_FIELDS = ("max_new_tokens", "temperature", "top_k", "top_p", "stop_token_ids", "seed")
 
 
@@ -95,33 +95,38 @@ def _check_header(h) -> tuple:
     return prompts, responses, reasons, routing, n
 
 
+def _specs(n: int, routing: Optional[list]) -> list:
+    """The tensors of a generation of `n` tokens: log-probs and sampled log-probs (float32), routing."""
+    return [((n,), torch.float32)] * 2 + ([] if routing is None else [((n, *routing), torch.int64)])
+
+
 def broadcast_generation(gen: Optional[GenerationOutput], src: int, group, device=None,
                          expect: Optional[dict] = None) -> GenerationOutput:
     """`gen` from `src` of `group` (a torch.distributed group, None: the default one, or a
     `PeerGroup`); every other rank passes None and gets the same generation back, checked against
     `expect` (`expected_generation` of the request) before anything is allocated."""
     device = device or torch.device("cpu")
-    header = broadcast_json(None if gen is None else _header(gen), src, group, device)
-    prompts, responses, reasons, routing, n = _check_header(header)
-    if expect is not None:
-        _check_against_request(prompts, responses, reasons, routing, expect)
+    checked = {}
+
+    def tensors_for(header) -> list:
+        checked["header"] = prompts, responses, reasons, routing, n = _check_header(header)
+        if expect is not None:
+            _check_against_request(prompts, responses, reasons, routing, expect)
+        return _specs(n, routing)
+
+    tensors = None
+    if gen is not None:
+        n = sum(len(r) for r in gen.response_ids)
+        tensors = [torch.cat([torch.as_tensor(x, dtype=torch.float32).reshape(-1) for x in getattr(gen, key)])
+                   if n else torch.empty(0, dtype=torch.float32) for key in ("log_probs", "sampled_log_probs")]
+        if gen.routing is not None:
+            shape = _header(gen)["routing"]
+            tensors.append(torch.cat(gen.routing).to(torch.int64) if n else torch.empty(0, *shape, dtype=torch.int64))
+    header, tensors = broadcast_message(None if gen is None else _header(gen), tensors, src, group, device,
+                                        expect=tensors_for, max_payload_bytes=MAX_PAYLOAD_BYTES)
+    prompts, responses, reasons, routing, _ = checked["header"]
     lengths = [len(r) for r in responses]
-    flat = {}
-    for key in ("log_probs", "sampled_log_probs"):
-        t = torch.cat([torch.as_tensor(x, dtype=torch.float32) for x in getattr(gen, key)]) if gen is not None \
-            else torch.empty(n, dtype=torch.float32)
-        if n:
-            t = t.to(device)
-            broadcast_tensor(t, src, group)
-        flat[key] = list(t.cpu().split(lengths))
-    rt = None
-    if routing is not None:
-        shape = (n, *routing)
-        t = torch.cat(gen.routing).to(torch.int64) if gen is not None else torch.empty(shape, dtype=torch.int64)
-        if t.numel():
-            t = t.to(device)
-            broadcast_tensor(t, src, group)
-        rt = list(t.cpu().split(lengths))
-    return GenerationOutput(prompt_ids=prompts, response_ids=responses, log_probs=flat["log_probs"],
-                            sampled_log_probs=flat["sampled_log_probs"], finish_reasons=reasons,
-                            version=header["version"], routing=rt)
+    flat = [list(t.cpu().split(lengths)) for t in tensors]
+    return GenerationOutput(prompt_ids=prompts, response_ids=responses, log_probs=flat[0], sampled_log_probs=flat[1],
+                            finish_reasons=reasons, version=header["version"],
+                            routing=flat[2] if routing is not None else None)

@@ -26,84 +26,17 @@ from __future__ import annotations
 
 import contextlib
 import threading
-import time
 from dataclasses import dataclass
 from typing import Optional, Sequence, Union
 
 import torch
 
-from megatron_fp4.fp4 import invariant, numerics_of
+from megatron_fp4.fp4 import numerics_of
 from megatron_fp4.model import KVCache, Router
 from megatron_fp4.model.capacity import refuse_for_rollout
+from megatron_fp4.rollout.logprobs import log_softmax_rows, pick
+from megatron_fp4.rollout.rwlock import LockTimeout, RWLock  # noqa: F401 - LockTimeout: the engine's error
 from megatron_fp4.rollout.sampling import SamplingParams, sample_token, sampling_log_probs
-
-
-class LockTimeout(TimeoutError):
-    """A wait for the engine's reader/writer lock ran past its timeout (see `RWLock`)."""
-
-
-class RWLock:
-    """Many readers or one writer; a waiting writer blocks new readers (no writer starvation).
-
-    Every wait is bounded by `timeout_s` (None: unbounded): a writer that cannot get the lock gives
-    up with `LockTimeout` (and stops blocking new readers), so a reader that never releases cannot
-    stall weight updates or the requests queued behind them forever. A reader fails only when a
-    writer *holds* the lock past the reader's deadline; behind a queued writer it waits until that
-    writer gets the lock or gives up. `owner` and `setting` name the
-    lock and the knob in the error."""
-
-    def __init__(self, timeout_s: Optional[float] = None, owner: str = "RWLock", setting: str = "timeout_s"):
-        self.timeout_s, self.owner, self.setting = timeout_s, owner, setting
-        self._cond = threading.Condition()
-        self._readers = 0
-        self._writer = False
-        self._writers_waiting = 0
-
-    @contextlib.contextmanager
-    def read(self):
-        with self._cond:
-            deadline = None if self.timeout_s is None else time.monotonic() + self.timeout_s
-            while self._writer or self._writers_waiting:
-                left = None if deadline is None else deadline - time.monotonic()
-                if left is not None and left <= 0:
-                    if self._writer:
-                        raise LockTimeout(f"{self.owner}: a request waited longer than {self.timeout_s}s "
-                                          f"({self.setting}) for the read lock while a weight swap held the write "
-                                          "lock; raise it if swaps legitimately take longer")
-                    left = self.timeout_s  # a queued swap gives up within its own timeout: wait for that
-                self._cond.wait(left)
-            self._readers += 1
-        try:
-            yield
-        finally:
-            with self._cond:
-                self._readers -= 1
-                self._cond.notify_all()
-
-    @contextlib.contextmanager
-    def write(self):
-        with self._cond:
-            self._writers_waiting += 1
-            acquired = False
-            try:
-                acquired = self._cond.wait_for(lambda: not (self._writer or self._readers), self.timeout_s)
-            finally:
-                self._writers_waiting -= 1
-                if not acquired:
-                    self._cond.notify_all()  # requests queued behind this writer may go on
-            if not acquired:
-                held = f"{self._readers} generate() request(s) held the read lock" if self._readers else \
-                    "another weight swap held the write lock"
-                raise LockTimeout(f"{self.owner}: a weight swap waited longer than {self.timeout_s}s ({self.setting}) "
-                                  f"for the write lock: {held}; the engine keeps its current weights. Raise it if "
-                                  "requests legitimately run longer, else find the request that never returns")
-            self._writer = True
-        try:
-            yield
-        finally:
-            with self._cond:
-                self._writer = False
-                self._cond.notify_all()
 
 
 @dataclass
@@ -319,7 +252,7 @@ class RolloutEngine:
         next_pos = positions[:, -1:] + 1
         for step in range(max_new):
             logits = out.logits[:, -1].float()
-            raw = invariant.log_softmax(logits, numerics_of(self.model))
+            raw = log_softmax_rows(logits, numerics_of(self.model))
             toks = state.choose(logits, gens)
             state.record(step, toks, raw)
             if return_routing:
@@ -379,7 +312,7 @@ class _StepState:
     def record(self, step: int, toks: torch.Tensor, raw: torch.Tensor) -> None:
         run = self.active.bool()
         self.ids[:, step] = torch.where(run, toks, self.ids[:, step])
-        self.log_probs[:, step] = torch.where(run, raw.gather(1, toks[:, None])[:, 0], self.log_probs[:, step])
+        self.log_probs[:, step] = torch.where(run, pick(raw, toks), self.log_probs[:, step])
         self.sampled_log_probs[:, step] = torch.where(run, self._slp, self.sampled_log_probs[:, step])
         self.lengths += run.long()
         stop = (toks[:, None] == self.stops).any(1) & run

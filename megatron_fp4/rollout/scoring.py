@@ -1,7 +1,8 @@
 """Trainer-side recomputation of token log-probs and routing: one full-sequence forward.
 
 Shared by the RL example, the verl training engine and the consistency report, so the training
-side always scores exactly the way the rollout engine's numbers are compared against.
+side always scores exactly the way the rollout engine's numbers are compared against; the token
+log-probs themselves come from `rollout.logprobs`, the definition the engine's decode uses too.
 
 Scoring (no autograd) runs in the batch-invariant numerics mode by default (``fp4/invariant.py``),
 like the rollout engine: a token's log-prob then has the same bits as the engine's KV-cache
@@ -15,9 +16,11 @@ from typing import Optional
 
 import torch
 
-from megatron_fp4.fp4 import invariant, numerics_of
-from megatron_fp4.model.layers import upcast
+from megatron_fp4.fp4 import numerics_of
 from megatron_fp4.rollout.engine import fp4_mode, positions_from_mask
+from megatron_fp4.rollout.logprobs import log_probs_from_logits, to_token_positions
+
+__all__ = ["ScoreOutput", "compute_log_probs", "log_probs_from_logits", "score"]
 
 
 @dataclass
@@ -30,17 +33,6 @@ class ScoreOutput:
     log_probs: torch.Tensor
     routing: Optional[torch.Tensor] = None
     distributions: Optional[torch.Tensor] = None
-
-
-def log_probs_from_logits(logits: torch.Tensor, tokens: torch.Tensor, keep: torch.Tensor, numerics=None) -> tuple:
-    """(log_probs [B, T], log-softmax rows [B, T-1, V]) of `tokens` under `logits` [B, T, V]: position
-    t holds log p(tokens[:, t] | tokens[:, :t]), 0 at t=0 and where `keep` is 0. The one definition
-    both the scoring forward and the pipelined policy loss (on the last stage) use; `numerics`: the
-    model's (`fp4.Numerics`, None: the standard kernels)."""
-    logp_all = invariant.log_softmax(upcast(logits[:, :-1]), numerics)  # fixed per-row order in the invariant mode
-    picked = logp_all.gather(-1, tokens[:, 1:, None]).squeeze(-1)
-    log_probs = torch.cat([picked.new_zeros(tokens.shape[0], 1), picked], dim=1)
-    return log_probs * keep.to(log_probs.dtype), logp_all
 
 
 def compute_log_probs(model, tokens: torch.Tensor, attention_mask: torch.Tensor,
@@ -66,8 +58,7 @@ def compute_log_probs(model, tokens: torch.Tensor, attention_mask: torch.Tensor,
     routing = dists = None
     if return_routing:
         moe = [r for r in out.routing if r is not None]
-        stacked = torch.stack(moe, dim=2)  # [B, T, L_moe, k]
-        routing = torch.cat([torch.zeros_like(stacked[:, :1]), stacked[:, :-1]], dim=1)
+        routing = to_token_positions(torch.stack(moe, dim=2))  # [B, T, L_moe, k]
     if return_distributions:
         dists = torch.cat([logp_all.new_zeros(logp_all[:, :1].shape), logp_all], dim=1)
     return ScoreOutput(log_probs, routing, dists)

@@ -17,121 +17,41 @@ join):
   4. every rollout swaps them in (engine write lock) and the verdicts are gathered again.
 A `null` header tells the receivers to stop.
 
-Every message but the buckets is JSON in a uint8 tensor behind an int64 length (never pickle, so
-never `broadcast_object_list` / `gather_object`): what a peer sends is parsed as data, checked for
+Every message but the buckets is JSON in a uint8 tensor behind an int64 length (`parallel.wire`;
+never pickle, so never `broadcast_object_list` / `gather_object`): what a peer sends is parsed as data, checked for
 its form (`buckets.manifest_from_json` / `layout_from_json`) and size (`MAX_HEADER_BYTES`,
 `MAX_VERDICT_BYTES`), and a malformed message is a failure naming the sender, never code.
 """
 from __future__ import annotations
 
-import json
 import threading
 from typing import Optional
 
 import torch
 import torch.distributed as dist
 
+from megatron_fp4.parallel.wire import (MalformedMessage, ProtocolError, all_gather_json, broadcast_json,
+                                        broadcast_tensor, group_rank, is_peer_group, is_src)
 from megatron_fp4.rollout.buckets import (Bucket, BucketError, bucket_layout, check_layout, layout_from_json,
                                           layout_to_json, manifest_from_json, manifest_to_json)
 from megatron_fp4.rollout.weight_sync import WeightSyncError
 
 MAX_HEADER_BYTES = 1 << 30  # a manifest + layout of ~10^6 chunks; more is not a header
 MAX_VERDICT_BYTES = 1 << 20  # a verdict is a rollout name and an error message
-
-
-class ProtocolError(RuntimeError):
-    """A weight-sync message is not what the protocol allows (not JSON, wrong form, too large)."""
-
-
-class MalformedMessage(ProtocolError):
-    """A message arrived whole but is not JSON of the expected form (the exchange can go on)."""
-
-
-def _is_peer_group(group) -> bool:
-    return group is not None and not isinstance(group, dist.ProcessGroup)
-
-
-def _group_rank(group) -> int:
-    return group.rank() if _is_peer_group(group) else dist.get_rank(group)
-
-
-def _is_src(src: int, group) -> bool:
-    """`src` is a group rank for a peer group, a global rank for a torch.distributed group."""
-    return (group.rank() if _is_peer_group(group) else dist.get_rank()) == src
-
-
-def _broadcast_tensor(tensor: torch.Tensor, src: int, group) -> None:
-    if _is_peer_group(group):
-        group.broadcast(tensor, src)
-    else:
-        dist.broadcast(tensor, src=src, group=group)
-
-
-def _all_gather_tensor(tensor: torch.Tensor, group) -> list:
-    if _is_peer_group(group):
-        return group.all_gather(tensor)
-    out = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(out, tensor, group=group)
-    return out
-
-
-def _encode(obj, device: torch.device) -> torch.Tensor:
-    return torch.frombuffer(bytearray(json.dumps(obj).encode()), dtype=torch.uint8).to(device)
-
-
-def _decode(payload: torch.Tensor, sender: str):
-    try:
-        return json.loads(payload.cpu().numpy().tobytes().decode("utf-8"))
-    except (UnicodeDecodeError, ValueError, RecursionError) as err:
-        raise MalformedMessage(f"{sender} sent a message that is not JSON ({type(err).__name__}); it was "
-                               "not used (weight-sync messages are JSON, never pickle)") from None
+_PUBLISHER = "rank {} (the publisher)"
 
 
 def _broadcast_json(obj, src: int, group, device: torch.device):
     """`obj` from `src`, parsed as JSON everywhere else."""
-    is_src = _is_src(src, group)
-    payload = _encode(obj, device) if is_src else None
-    length = torch.tensor([payload.numel() if is_src else 0], dtype=torch.int64, device=device)
-    _broadcast_tensor(length, src, group)
-    n = int(length.item())
-    if not 0 < n <= MAX_HEADER_BYTES:
-        raise ProtocolError(f"rank {src} announced a {n}-byte message (allowed: 1..{MAX_HEADER_BYTES})")
-    if payload is None:
-        payload = torch.empty(n, dtype=torch.uint8, device=device)
-    _broadcast_tensor(payload, src, group)
-    return obj if is_src else _decode(payload, f"rank {src} (the publisher)")
-
-
-# Public names for other JSON/tensor exchanges over the same kinds of group (e.g. rollout requests
-# and results between a trainer and a rollout process, `megatron_fp4.rl.wire`).
-broadcast_json = _broadcast_json
-broadcast_tensor = _broadcast_tensor
+    return broadcast_json(obj, src, group, device, MAX_HEADER_BYTES, _PUBLISHER.format(src))
 
 
 def _gather_json(obj, src: int, group, device: torch.device) -> Optional[list]:
     """Every group rank's `obj` on `src` (None elsewhere), in group-rank order; an entry is a
     `ProtocolError` where that rank's message was not JSON or too large. An allgather: the verdicts
     are small and gloo's gather needs equal sizes anyway."""
-    payload = _encode(obj, device)
-    lengths = [int(n.item()) for n in _all_gather_tensor(
-        torch.tensor([payload.numel()], dtype=torch.int64, device=device), group)]
-    fits = [0 < n <= MAX_VERDICT_BYTES for n in lengths]
-    padded = torch.zeros(max([1] + [n for n, ok in zip(lengths, fits) if ok]), dtype=torch.uint8, device=device)
-    if fits[_group_rank(group)]:
-        padded[:payload.numel()] = payload
-    parts = _all_gather_tensor(padded, group)  # every rank takes the same sizes: no rank skips it
-    if not _is_src(src, group):
-        return None
-    out = []
-    for rank, (part, n, ok) in enumerate(zip(parts, lengths, fits)):
-        try:
-            if not ok:
-                raise ProtocolError(f"group rank {rank} announced a {n}-byte verdict "
-                                    f"(allowed: 1..{MAX_VERDICT_BYTES}); it was not read")
-            out.append(_decode(part[:n], f"group rank {rank}"))
-        except ProtocolError as err:
-            out.append(err)
-    return out
+    out = all_gather_json(obj, group, device, MAX_VERDICT_BYTES, strict=False, what="verdict")
+    return out if is_src(src, group) else None
 
 
 def _check_verdict(verdict, rank: int) -> tuple:
@@ -163,12 +83,12 @@ class DistributedTransport:
     def __init__(self, group, src: int = 0, device: Optional[torch.device] = None, name: Optional[str] = None):
         self.group, self.src = group, src
         self.device = device or torch.device("cpu")
-        self.name = name or (getattr(group, "name", "peer-group") if _is_peer_group(group)
+        self.name = name or (getattr(group, "name", "peer-group") if is_peer_group(group)
                              else f"dist-group-ranks{sorted(dist.get_process_group_ranks(group))}")
 
     def _failures(self) -> dict:
         verdicts = _gather_json(None, self.src, self.group, self.device)
-        me = _group_rank(self.group)
+        me = group_rank(self.group)
         checked = [_check_verdict(v, r) for r, v in enumerate(verdicts) if r != me]
         return {name: error for name, error in checked if error is not None}
 
@@ -183,7 +103,7 @@ class DistributedTransport:
                 raise WeightSyncError(failures, version)
             for b in buckets:
                 if b.buffer.numel():
-                    _broadcast_tensor(b.buffer.to(self.device), self.src, self.group)
+                    broadcast_tensor(b.buffer.to(self.device), self.src, self.group)
             failures = self._failures()
         except WeightSyncError:
             raise
@@ -249,7 +169,7 @@ class DistributedReceiver:
         for (metas, nbytes), buf in zip(layout, staged):
             if nbytes:
                 wire = buf if scratch is None else scratch[:nbytes]
-                _broadcast_tensor(wire, self.src, self.group)
+                broadcast_tensor(wire, self.src, self.group)
                 if scratch is not None:
                     buf.copy_(wire)
             buckets.append(Bucket(metas, buf))

@@ -19,41 +19,29 @@ No rank ever holds the whole model. Every trainer rank calls `publish` with the 
    is the second completion point (the rollouts loaded); on the other ranks it means "sent".
 
 Which names and shapes exist is agreed once, at construction (collective): every rank's local
-(name, shape, dtype) list goes round as JSON in a uint8 tensor (never pickle).
+(name, shape, dtype) list goes round as JSON in a uint8 tensor (`parallel.wire`, never pickle).
 """
 from __future__ import annotations
 
-import json
 import weakref
 from typing import Callable, Sequence
 
 import torch
 import torch.distributed as dist
 
-from megatron_fp4.rollout.buckets import Bucket, _bytes_of, dtype_from_name, dtype_name, plan_buckets
+from megatron_fp4.parallel.wire import all_gather_json
+from megatron_fp4.rollout.buckets import (Bucket, _bytes_of, manifest_from_json, manifest_of, manifest_to_json,
+                                          plan_buckets)
 from megatron_fp4.rollout.weight_sync import PublishHandle, WeightPublisher
-
-
-def _all_gather_json(obj, group) -> list:
-    raw = torch.frombuffer(bytearray(json.dumps(obj).encode()), dtype=torch.uint8)
-    sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(sizes, torch.tensor([raw.numel()], dtype=torch.int64), group=group)
-    longest = max(int(s) for s in sizes)
-    padded = torch.zeros(longest, dtype=torch.uint8)
-    padded[:raw.numel()] = raw
-    parts = [torch.empty(longest, dtype=torch.uint8) for _ in sizes]
-    dist.all_gather(parts, padded, group=group)
-    return [json.loads(bytes(p[:int(n)].tolist()).decode()) for p, n in zip(parts, sizes)]
 
 
 def agree_on_owners(local: dict, group) -> tuple[dict, dict]:
     """(global manifest name -> (shape, dtype) in rank-then-local order, owner group rank of each
     name: the lowest rank holding it). Collective over `group`; refuses ranks that disagree."""
-    entries = [[name, list(t.shape), dtype_name(t.dtype)] for name, t in local.items()]
+    mine = manifest_to_json(manifest_of(local.items()))
     manifest, owners = {}, {}
-    for rank, theirs in enumerate(_all_gather_json(entries, group)):
-        for name, shape, dtype in theirs:
-            spec = (tuple(shape), dtype_from_name(dtype))
+    for rank, theirs in enumerate(all_gather_json(mine, group, what="name list")):
+        for name, spec in manifest_from_json(theirs).items():
             if name in manifest and manifest[name] != spec:
                 raise ValueError(f"rank {rank} holds {name!r} as {spec}, rank {owners[name]} as {manifest[name]}: "
                                  "replicas of one tensor must agree")

@@ -20,7 +20,6 @@ DCP's `.metadata` is only ever read through `dcp_metadata.SafeFileSystemReader` 
 """
 from __future__ import annotations
 
-import json
 import re
 from pathlib import Path
 from typing import Optional
@@ -31,6 +30,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 
+from megatron_fp4.parallel.wire import broadcast_json
 from megatron_fp4.training import checkpoint as ckpt
 from megatron_fp4.training import checkpoint_files as files
 from megatron_fp4.training.dcp_checks import check_declared_bytes, check_declared_shapes, model_key_shapes
@@ -44,9 +44,9 @@ def _is_dist() -> bool:
     return dist.is_available() and dist.is_initialized()
 
 
-def _barrier() -> None:
+def _barrier(group) -> None:
     if _is_dist():
-        dist.barrier()
+        dist.barrier(group=group)
 
 
 def _rank() -> int:
@@ -57,33 +57,23 @@ def _world() -> int:
     return dist.get_world_size() if _is_dist() else 1
 
 
-def _broadcast_text(text: str, device) -> str:
-    """Rank 0's `text` on every rank (a tensor broadcast: no pickle between processes)."""
-    if not _is_dist():
-        return text
-    data = torch.tensor(list(text.encode()), dtype=torch.int32, device=device)
-    size = torch.tensor([data.numel()], dtype=torch.int64, device=device)
-    dist.broadcast(size, 0)
-    if int(size) == 0:
-        return ""
-    if _rank() != 0:
-        data = torch.zeros(int(size), dtype=torch.int32, device=device)
-    dist.broadcast(data, 0)
-    return bytes(data.cpu().tolist()).decode()
+def _from_rank0(obj, group, device):
+    """Rank 0's `obj` (JSON) on every rank of `group` (the mesh's world group: `parallel.wire`)."""
+    return broadcast_json(obj, 0, group, device) if _is_dist() else obj
 
 
-def _shared_checksums(step_dir: Path, device) -> dict:
+def _shared_checksums(step_dir: Path, group, device) -> dict:
     """sha256 of every file DCP wrote (rank 0 lists them; each rank hashes and fsyncs its share)."""
-    names = json.loads(_broadcast_text(json.dumps(files.data_files(step_dir)) if _rank() == 0 else "", device))
+    names = _from_rank0(files.data_files(step_dir) if _rank() == 0 else None, group, device)
     digests = torch.zeros(len(names), 32, dtype=torch.int64, device=device)
     for i in range(_rank(), len(names), _world()):
         digests[i] = torch.tensor(list(bytes.fromhex(files.file_digest(step_dir / names[i], sync=True))))
     if _is_dist():
-        dist.all_reduce(digests)  # each row is filled by exactly one rank
+        dist.all_reduce(digests, group=group)  # each row is filled by exactly one rank
     return {name: bytes(d.tolist()).hex() for name, d in zip(names, digests.cpu())}
 
 
-def _verify_shared(step_dir: Path, meta: dict, device) -> None:
+def _verify_shared(step_dir: Path, meta: dict, group, device) -> None:
     """Each rank checks its share of the files against meta.json; all raise if any share fails."""
     sums = ckpt.expected_files(step_dir, meta)
     names = sorted(sums)
@@ -91,7 +81,7 @@ def _verify_shared(step_dir: Path, meta: dict, device) -> None:
     for i in range(_rank(), len(names), _world()):
         bad[i] = int(bool(files.check_files(step_dir, sums, [names[i]])))
     if _is_dist():
-        dist.all_reduce(bad)
+        dist.all_reduce(bad, group=group)
     failed = [name for name, b in zip(names, bad.cpu().tolist()) if b]
     if failed:
         raise ckpt.CorruptCheckpointError(f"{step_dir}: {failed} missing or failing their sha256 check "
@@ -157,7 +147,7 @@ def _state_index(buf, buffer_pos: int) -> int:
 
 def save(root: str | Path, trainer) -> Path:
     """Collective: every rank writes its shard of step `trainer.step` under `root`, atomically."""
-    root, device = Path(root), trainer.mesh.device
+    root, device, group = Path(root), trainer.mesh.device, trainer.mesh.group("world")
     final = root / ckpt.step_dir_name(trainer.step)
     tmp_name = ""
     if _rank() == 0:
@@ -165,19 +155,19 @@ def save(root: str | Path, trainer) -> Path:
         if ckpt.begin_save(root, final):  # else an intact step of that number is kept, never replaced
             tmp_name = files.temp_name(final.name)
             (root / tmp_name).mkdir()
-    tmp_name = _broadcast_text(tmp_name, device)
+    tmp_name = _from_rank0(tmp_name, group, device)
     if not tmp_name:
         return final
     tmp = root / tmp_name
-    _barrier()
+    _barrier(group)
     state = {**_model_entries(trainer.model, trainer.mesh.ep), **_optim_entries(trainer),
              f"rng/{_rank()}": torch.get_rng_state()}
     try:
         dcp.save(state, storage_writer=_Writer(str(tmp)), no_dist=not _is_dist())
     except (Exception, CheckpointException) as err:  # every rank gets DCP's verdict of the write
-        raise _save_failed(root, tmp, trainer.step, err, sync=True) from None
-    _barrier()
-    sums = _shared_checksums(tmp, device)
+        raise _save_failed(root, tmp, trainer.step, err, sync=True, group=group) from None
+    _barrier(group)
+    sums = _shared_checksums(tmp, group, device)
     problem = ""
     if _rank() == 0:
         p = trainer.cfg.parallel
@@ -192,7 +182,7 @@ def save(root: str | Path, trainer) -> Path:
             ckpt.commit_step_dir(tmp, final, root, trainer.cfg.checkpoint.keep_last)
         except OSError as err:
             problem = str(_save_failed(root, tmp, trainer.step, err, sync=False))
-    problem = _broadcast_text(problem, device)  # every rank raises, or none does (no rank waits forever)
+    problem = _from_rank0(problem, group, device)  # every rank raises, or none does (no rank waits forever)
     if problem:
         raise ckpt.CheckpointError(problem)
     return final
@@ -212,17 +202,17 @@ class _Writer(FileSystemWriter):
             raise OSError(cause.errno, cause.strerror) from None
 
 
-def _save_failed(root: Path, tmp: Path, step: int, err: BaseException, sync: bool) -> Exception:
+def _save_failed(root: Path, tmp: Path, step: int, err: BaseException, sync: bool, group=None) -> Exception:
     """A save that failed writing: rank 0 removes the temp dir; an OSError behind it (a full disk)
     becomes the one-line CheckpointError naming the intact step, anything else is raised as is."""
     cause = next(iter(getattr(err, "failures", {}).values()), err)  # DCP: rank -> exception (or with traceback)
     cause = cause[0] if isinstance(cause, tuple) else cause
     if sync:
-        _barrier()  # every rank is done with the temp dir before rank 0 removes it
+        _barrier(group)  # every rank is done with the temp dir before rank 0 removes it
     if _rank() == 0:
         files.remove(tmp)
     if sync:
-        _barrier()  # and no rank returns while the temp dir is still there
+        _barrier(group)  # and no rank returns while the temp dir is still there
     os_error = ckpt.os_error_in(cause) if isinstance(cause, BaseException) else None
     return ckpt.save_failed(root, step, os_error) if os_error is not None else err
 
@@ -266,7 +256,8 @@ def _load_step(step_dir: Path, trainer) -> dict:
         raise ckpt.CheckpointError(f"{step_dir} is a {meta.get('kind')!r} checkpoint; the parallel trainer loads "
                                    f"sharded ('dcp') checkpoints written by a parallel run")
     ckpt.require_listed(step_dir, meta, [METADATA_FILE])
-    _verify_shared(step_dir, meta, trainer.mesh.device)
+    group = trainer.mesh.group("world")
+    _verify_shared(step_dir, meta, group, trainer.mesh.device)
     metadata = SafeFileSystemReader(str(step_dir)).read_metadata()
     check_declared_bytes(metadata, step_dir)  # before allocating the saved pieces
     saved = _saved_pieces(metadata)
@@ -314,7 +305,7 @@ def _load_step(step_dir: Path, trainer) -> dict:
     trainer.step = meta["step"]
     if trainer.sampler is not None and meta.get("sampler") is not None:
         trainer.sampler.load_state_dict(meta["sampler"])
-    _barrier()
+    _barrier(group)
     return meta
 
 

@@ -95,7 +95,7 @@ def local_meta_model(cfg: Config, pp_rank: int, ep_rank: int) -> MoETransformer:
     with torch.device("meta"):
         model = MoETransformer(cfg.model, cfg.fp4)
     if p.ep > 1:  # as the trainer: `apply_expert_parallel` only when ep > 1 (at ep 1 experts stay dp params)
-        for moe in ep_mod.moe_layers_of(model):
+        for moe in model.moe_layers():
             ep_mod.shard_experts(moe, p.ep, ep_rank)
     if p.pp > 1:
         build_chunks(model, p.pp, pp_rank, p.virtual_stages, PLACEMENT.get(p.schedule, "loop"))

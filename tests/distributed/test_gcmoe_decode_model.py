@@ -16,7 +16,7 @@ import torch
 from megatron_fp4.config import Config
 from megatron_fp4.model import build_model
 from megatron_fp4.model.dispatch import Dispatcher
-from megatron_fp4.parallel.expert_parallel import apply_expert_parallel, moe_layers_of
+from megatron_fp4.parallel.expert_parallel import apply_expert_parallel
 from megatron_fp4.parallel.mesh import ParallelMesh
 from megatron_fp4.rollout import RolloutEngine, SamplingParams
 from megatron_fp4.training.data import ArithmeticTokenizer
@@ -73,7 +73,7 @@ def _worker(rank, world):
         apply_expert_parallel(model, mesh, "gcmoe_decode", decode_tokens=4)
         wrappers = []
         if static:
-            for moe in moe_layers_of(model):
+            for moe in model.moe_layers():
                 moe.set_dispatcher(_Static(moe.dispatcher))
                 wrappers.append(moe.dispatcher)
         ids, lps, routes = _generate(model, mode, PROMPTS[rank * per_rank:(rank + 1) * per_rank])

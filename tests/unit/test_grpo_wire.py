@@ -9,12 +9,12 @@ import pytest
 import torch
 
 from megatron_fp4.rollout import RolloutEngine, SamplingParams
-from megatron_fp4.rollout.weight_sync_dist import ProtocolError
+from megatron_fp4.parallel.wire import ProtocolError
 
 
 class Loopback:
     """Both ends of a 2-rank peer group in one process: the sender's broadcasts are queued, the
-    receiver's take them in order (`rollout.weight_sync_dist` accepts any object with this API)."""
+    receiver's take them in order (`parallel.wire` accepts any object with this API)."""
 
     def __init__(self, rank: int, queue: collections.deque):
         self._rank, self.queue = rank, queue
@@ -75,10 +75,10 @@ def test_generation_round_trip_is_exact(engine):
 ])
 def test_malformed_generation_is_refused(header, words):
     from megatron_fp4.rl.wire import broadcast_generation
-    from megatron_fp4.rollout.weight_sync_dist import broadcast_json
+    from megatron_fp4.parallel.wire import broadcast_message
 
     src, dst = pair()
-    broadcast_json(header, 0, src, torch.device("cpu"))
+    broadcast_message(header, [], 0, src)  # a well-formed message whose generation header is not
     with pytest.raises(ProtocolError, match=words):
         broadcast_generation(None, 0, dst)
 

@@ -11,7 +11,7 @@ from megatron_fp4.config import Config
 from megatron_fp4.rl.rollout_client import RemoteRollout
 from megatron_fp4.rl.rollout_worker import build_engine
 from megatron_fp4.rollout import SamplingParams
-from megatron_fp4.rollout.weight_sync_dist import ProtocolError, broadcast_json
+from megatron_fp4.parallel.wire import ProtocolError, broadcast_message
 from tests.unit.test_grpo_wire import Loopback
 
 PROMPTS = [[1, 5, 7], [2]]
@@ -64,7 +64,7 @@ def test_a_real_generation_passes():
 ])
 def test_a_header_beyond_the_request_is_refused_before_allocating(changes, words):
     rr, rollout, world = _rank0()
-    broadcast_json(_header(**changes), 1, rollout, torch.device("cpu"))
+    broadcast_message(_header(**changes), [], 1, rollout)
     with pytest.raises(ProtocolError, match=words):
         rr.generate(PROMPTS, PARAMS, return_routing=True)
     assert not world  # nothing went on to the other trainer ranks
@@ -72,6 +72,36 @@ def test_a_header_beyond_the_request_is_refused_before_allocating(changes, words
 
 def test_routing_not_asked_for_is_refused():
     rr, rollout, _ = _rank0()
-    broadcast_json(_header(), 1, rollout, torch.device("cpu"))
+    broadcast_message(_header(), [], 1, rollout)
     with pytest.raises(ProtocolError, match=r"routing \[2, 2\] where the request asked for None"):
         rr.generate(PROMPTS, PARAMS, return_routing=False)
+
+
+def test_tensors_of_the_wrong_dtype_or_shape_are_refused():
+    from megatron_fp4.rl.wire import broadcast_generation
+
+    n = 4  # tokens in _header()'s responses
+    for tensors in ([torch.zeros(n, dtype=torch.float64), torch.zeros(n)],  # log-probs as float64
+                    [torch.zeros(n), torch.zeros(n), torch.zeros(n, 2, 3, dtype=torch.int64)],  # routing [2, 3]
+                    [torch.zeros(n), torch.zeros(n + 1)]):
+        q = collections.deque()
+        sender, receiver = Loopback(0, q), Loopback(1, q)
+        broadcast_message(_header(routing=None), tensors, 0, sender)
+        with pytest.raises(ProtocolError, match="sent tensors .* where .* were expected"):
+            broadcast_generation(None, 0, receiver)
+
+
+def test_without_a_request_the_payload_is_still_bounded():
+    """A receiver that does not know the request (every trainer rank gets rank 0's copy with it, but
+    `broadcast_generation` also serves callers without one) still refuses a routing of
+    [65535, 65535] for one token from the header: 34 GB is never allocated."""
+    from megatron_fp4.rl.wire import broadcast_generation
+
+    from megatron_fp4.parallel.wire import broadcast_json
+
+    q = collections.deque()
+    header = _header(prompt_ids=[[1]], response_ids=[[3]], finish_reasons=["stop"], routing=[65535, 65535])
+    tensors = [["float32", [1]], ["float32", [1]], ["int64", [1, 65535, 65535]]]  # what that header implies
+    broadcast_json({"header": header, "tensors": tensors}, 0, Loopback(0, q))  # and no payload behind it
+    with pytest.raises(ProtocolError, match="34358689808-byte payload"):
+        broadcast_generation(None, 0, Loopback(1, q))

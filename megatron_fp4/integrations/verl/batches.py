@@ -18,6 +18,7 @@ from typing import Optional
 
 import torch
 
+from megatron_fp4.rollout.logprobs import next_token_log_probs
 from megatron_fp4.rollout.scoring import compute_log_probs
 
 
@@ -43,25 +44,21 @@ def score_padded_tokens(model, tokens: torch.Tensor, mask: torch.Tensor, tempera
     model's argument, [B, T, num_moe_layers, k] at the positions); `routes`: a list that gets the
     routes used ([B, T, num_moe_layers, k], row t: position t-1's, as `compute_log_probs`)."""
     want = routes is not None
-    if temperature == 1.0 and not entropy:
-        res = compute_log_probs(model, tokens, mask, routing_in=routing_in, return_routing=want)
-        if want:
-            routes.append(res.routing)
-        return res.log_probs, None
-    res = compute_log_probs(model, tokens, mask, return_distributions=True, routing_in=routing_in,
+    rows_needed = entropy or temperature != 1.0
+    res = compute_log_probs(model, tokens, mask, return_distributions=rows_needed, routing_in=routing_in,
                             return_routing=want)
     if want:
         routes.append(res.routing)
-    dists = res.distributions  # [B, T, V]
+    if not rows_needed:
+        return res.log_probs, None
+    lp, dists = res.log_probs, res.distributions  # [B, T], [B, T, V] (row 0 zero)
     if temperature != 1.0:
-        dists = torch.log_softmax(dists / temperature, dim=-1)
-        dists = torch.cat([torch.zeros_like(dists[:, :1]), dists[:, 1:]], dim=1)
-    keep = mask.to(dists.dtype)
-    lp = dists.gather(-1, tokens[..., None]).squeeze(-1) * keep
-    lp = torch.cat([torch.zeros_like(lp[:, :1]), lp[:, 1:]], dim=1)
+        rows = torch.log_softmax(dists[:, 1:] / temperature, dim=-1)
+        lp = next_token_log_probs(rows, tokens, mask)
+        dists = torch.cat([torch.zeros_like(dists[:, :1]), rows], dim=1)
     ent = None
     if entropy:
-        ent = -(dists.exp() * dists).sum(-1) * keep
+        ent = -(dists.exp() * dists).sum(-1) * mask.to(dists.dtype)
         ent = torch.cat([torch.zeros_like(ent[:, :1]), ent[:, 1:]], dim=1)
     return lp, ent
 

@@ -6,7 +6,7 @@ exists: the trainer may change its weights; `on_snapshot` is called and `last_ha
 then), `send_weights` also waits for the second (every rollout loaded, else `WeightSyncError`
 naming the rollout and the version). Version n+1 is not published before version n is loaded.
 The rollout side (`receive_weights`) yields the reassembled (name, tensor) pairs of one whole
-version as a `WeightStream`; `MegatronFP4Rollout.update_weights` swaps them in under the
+version as a `WeightStream` (`streams.py`); `MegatronFP4Rollout.update_weights` swaps them in under the
 engine's write lock and acknowledges after the swap (or with the error), any other consumer
 acknowledges by draining the stream. A name/shape/dtype mismatch is rejected before any weight is
 overwritten: by the rollout engine's `load_weights`, or, with `validator=` (e.g.
@@ -31,178 +31,15 @@ from typing import Any, Callable, Optional
 
 from verl.checkpoint_engine.base import CheckpointEngine, CheckpointEngineRegistry
 
+from megatron_fp4.integrations.verl.streams import Channel, DistStream, PendingStream, WeightStream, channel_named
 from megatron_fp4.integrations.verl.topology import (TOKEN_ENV, PeerGroup, assign_ranks, host_address, new_sync_token,
                                                      process_id, reserve_port, sync_token_from_env)
 from megatron_fp4.parallel.mesh import resolve_device
-from megatron_fp4.rollout.buckets import manifest_of, pack_buckets, unpack_buckets
+from megatron_fp4.rollout.buckets import manifest_of, pack_buckets
 from megatron_fp4.rollout.weight_sync import PublishHandle, WeightSyncError
-from megatron_fp4.rollout.weight_sync_dist import DistributedReceiver, DistributedTransport
+from megatron_fp4.rollout.weight_sync_dist import DistributedTransport
 
-_CHANNELS: dict = {}
-_CHANNELS_LOCK = threading.Lock()
-
-
-class _Channel:
-    def __init__(self):
-        self.updates: queue.Queue = queue.Queue()
-        self.acks: queue.Queue = queue.Queue()
-
-
-def _channel(name: str) -> _Channel:
-    with _CHANNELS_LOCK:
-        return _CHANNELS.setdefault(name, _Channel())
-
-
-class WeightStream:
-    """What `receive_weights` returns: an (async) iterable of (name, tensor) with an explicit ack."""
-
-    def __init__(self, channel: _Channel, version: int, manifest: dict, buckets: list):
-        self.channel, self.version, self.manifest, self.buckets = channel, version, manifest, buckets
-        self._manual = False
-        self._acked = False
-
-    def claim_ack(self) -> None:
-        """The consumer will call `ack` itself once the weights are really in use."""
-        self._manual = True
-
-    def ack(self, error: Optional[str] = None) -> None:
-        if not self._acked:
-            self._acked = True
-            self.channel.acks.put((self.version, error))
-
-    def __iter__(self):
-        yield from unpack_buckets(self.buckets).items()
-        if not self._manual:
-            self.ack()
-
-    async def _agen(self):
-        for item in self:
-            yield item
-
-    def __aiter__(self):
-        return self._agen()
-
-
-class _PendingStream(WeightStream):
-    """In-process `receive_weights`: returned at once, since verl calls `receive_weights` without
-    awaiting and hands the result to the rollout's async `update_weights`; the next version is
-    awaited off the event loop when the stream is iterated (blocking only a plain `for`)."""
-
-    def __init__(self, channel: _Channel, channel_name: str, timeout_s: float):
-        super().__init__(channel, None, None, None)
-        self._channel_name, self._timeout_s = channel_name, timeout_s
-
-    def _arrive(self) -> None:
-        if self.buckets is not None:
-            return
-        try:
-            self.version, self.manifest, self.buckets = self.channel.updates.get(timeout=self._timeout_s)
-        except queue.Empty:
-            raise TimeoutError(f"no weights published on channel {self._channel_name!r} within "
-                               f"{self._timeout_s}s; call send_weights on the actor side first") from None
-
-    def ack(self, error: Optional[str] = None) -> None:
-        if self.buckets is not None:  # nothing arrived: no actor waits for this verdict
-            super().ack(error)
-
-    def __iter__(self):
-        self._arrive()
-        yield from super().__iter__()
-
-    async def _agen(self):
-        await asyncio.to_thread(self._arrive)
-        for item in self:
-            yield item
-
-
-class RolloutLoadError(RuntimeError):
-    """The rollout's consumer acknowledged a version with an error (reported to the actor)."""
-
-
-class _DistStream(WeightStream):
-    """`WeightStream` of the "dist" mode. Serving one update of the weight-sync protocol runs on a
-    background thread from `receive_weights` on; this object is the bridge: `DistributedReceiver`
-    calls `validate` (header arrived) and `load` (buckets arrived; blocks until the consumer acks,
-    so the load verdict the actor gathers is the consumer's)."""
-
-    def __init__(self, engine: "MegatronFP4CheckpointEngine", name: str):
-        self.name, self._validator, self._timeout_s = name, engine.validator, engine.timeout_s
-        self.manifest = self.buckets = None
-        self._version: Optional[int] = None
-        self._manual = self._acked = False
-        self._header, self._arrived = threading.Event(), threading.Event()
-        self._acks: queue.Queue = queue.Queue()
-        self._failure: Optional[BaseException] = None
-        self._server = DistributedReceiver(self, engine._group, src=0, device=engine.device)
-        self._thread = threading.Thread(target=self._serve, name=f"ce-recv-{name}", daemon=True)
-        self._thread.start()
-
-    # -- protocol side (background thread) ------------------------------------------------------
-    def _serve(self) -> None:
-        try:
-            if not self._server.serve_one():
-                self._failure = RuntimeError("the actor closed the weight-sync group")
-            elif not self._server.versions and not self._arrived.is_set():  # no-go from the manifest
-                version, why = self._server.errors[-1]
-                self._failure = WeightSyncError({self.name: why}, version)
-        except BaseException as err:  # noqa: BLE001 - the group broke (actor gone): tell the consumer
-            self._failure = err
-        finally:
-            self._header.set()
-            self._arrived.set()
-
-    def validate(self, manifest: dict) -> None:
-        self.manifest = manifest
-        self._version = self._server.current_version
-        self._header.set()
-        if self._validator is not None:
-            self._validator(manifest)
-
-    def load(self, version: int, manifest: dict, buckets: list) -> None:
-        self._version, self.buckets = version, buckets
-        self._arrived.set()
-        try:
-            _, error = self._acks.get(timeout=self._timeout_s)
-        except queue.Empty:
-            raise RolloutLoadError(f"the rollout did not acknowledge within {self._timeout_s}s") from None
-        if error is not None:
-            raise RolloutLoadError(error)
-
-    # -- consumer side ---------------------------------------------------------------------------
-    @property
-    def version(self) -> Optional[int]:
-        """The version being delivered (waits for the header, which follows the actor's snapshot)."""
-        self._header.wait(self._timeout_s)
-        return self._version
-
-    def ack(self, error: Optional[str] = None) -> None:
-        if not self._acked:
-            self._acked = True
-            self._acks.put((self._version, error))
-
-    def wait(self) -> None:
-        """Block until the serving thread is done (after the ack)."""
-        self._thread.join(self._timeout_s)
-
-    def _take(self) -> list:
-        if not self._arrived.wait(self._timeout_s):
-            raise TimeoutError(f"no weights arrived within {self._timeout_s}s; is the actor's send_weights running?")
-        if self._failure is not None:
-            raise self._failure
-        return self.buckets
-
-    def __iter__(self):
-        yield from unpack_buckets(self._take()).items()
-        if not self._manual:
-            self.ack()
-
-    async def _agen(self):
-        buckets = await asyncio.to_thread(self._take)
-        for item in unpack_buckets(buckets).items():
-            yield item
-        if not self._manual:
-            self.ack()
-
+__all__ = ["MegatronFP4CheckpointEngine", "WeightStream"]
 
 @CheckpointEngineRegistry.register("megatron_fp4")
 class MegatronFP4CheckpointEngine(CheckpointEngine):
@@ -229,14 +66,14 @@ class MegatronFP4CheckpointEngine(CheckpointEngine):
         self.channel_name, self.timeout_s, self.rollout_name = channel, timeout_s, rollout_name
         self.master_addr, self.device = master_addr, resolve_device(device)
         self.validator, self.on_snapshot = validator, on_snapshot
-        self._channel: Optional[_Channel] = None
+        self._channel: Optional[Channel] = None
         self._group: Optional[PeerGroup] = None
         self._transport: Optional[DistributedTransport] = None
         self._listen = None
         self._bind_error: Optional[str] = None
         self._inflight: Optional[PublishHandle] = None
         self.last_handle: Optional[PublishHandle] = None
-        self._last_stream: Optional[_DistStream] = None
+        self._last_stream: Optional[DistStream] = None
         self.rank, self.world_size, self.mode = 0, 1, "inprocess"
         self._next_version = 1
 
@@ -273,7 +110,7 @@ class MegatronFP4CheckpointEngine(CheckpointEngine):
             if listen is not None:
                 listen.close()
             if mode == "inprocess":
-                self._channel = _channel(self.channel_name)
+                self._channel = channel_named(self.channel_name)
             return
         if master_metadata is None:
             raise ValueError("init_process_group(mode='dist') needs master_metadata (actor rank 0's prepare())")
@@ -307,7 +144,7 @@ class MegatronFP4CheckpointEngine(CheckpointEngine):
             self._listen.close()
             self._listen = None
 
-    def _chan(self) -> _Channel:
+    def _chan(self) -> Channel:
         if self._channel is None:
             self.init_process_group(self.rank)
         return self._channel
@@ -400,6 +237,6 @@ class MegatronFP4CheckpointEngine(CheckpointEngine):
                                    "(1..N) receive (build_topology/init_process_group first)")
             if self._last_stream is not None:
                 self._last_stream.wait()  # its load verdict must be on the wire before the next header
-            self._last_stream = _DistStream(self, self.rollout_name or f"rollout{self.rank - 1}")
+            self._last_stream = DistStream(self, self.rollout_name or f"rollout{self.rank - 1}")
             return self._last_stream
-        return _PendingStream(self._chan(), self.channel_name, self.timeout_s)
+        return PendingStream(self._chan(), self.channel_name, self.timeout_s)
