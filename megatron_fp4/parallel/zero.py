@@ -1,8 +1,9 @@
 """ZeRO-sharded AdamW in the spirit of Megatron-Core's distributed optimizer.
 
 Megatron-Core's distributed optimizer needs CUDA (its buffers, streams and NCCL calls), so it cannot
-run on the CPU/gloo path this project is developed on; this is a small portable equivalent with the
-interface of `training.optim.MasterWeightAdamW`.
+run on the CPU/gloo path this project is developed on; this is a small portable equivalent. It is
+the trainer's one optimizer at every size: a single process (no process group) is a group of size 1,
+where nothing is padded or reduced and the update is `torch.optim.AdamW`'s, bit for bit.
 
 Layout. Parameters are grouped by (dtype, reduction axis, weight decay). Each group is one
 `FlatBuffer`: the params' data and ``.grad`` are views into two contiguous flat tensors, laid out in

@@ -4,13 +4,12 @@
 - **Parameters**: each pipeline rank's model is built on the meta device and cut exactly as the
   trainer cuts it (`expert_parallel.local_expert_range` / `_local_experts`, then
   `pipeline.build_chunks` → `strip_to_local`), so the parameter list is the trainer's.
-- **Gradients and optimizer**: a mesh of more than one process uses `ZeroAdamW` (parallel/zero.py):
-  params and grads live in flat buffers per (dtype, reduction axis, weight decay), laid out by its
-  own pure `plan_buckets` (padded to the axis' group size: dp, edp = dp/ep for experts, embed);
-  fp32 masters and both Adam moments cover the owned slices at stages 1/2, the whole buffer at
-  stage 0 (where an fp32 buffer is its own master); stage 2 adds the reduced-grad shard. One
-  process uses `MasterWeightAdamW` (training/optim.py): grads in the param dtype, masters only for
-  non-fp32 params, the moments in fp32. Every torch AdamW param also holds a 4-byte ``step``.
+- **Gradients and optimizer**: every mesh (one process included: a dp group of size 1) uses
+  `ZeroAdamW` (parallel/zero.py): params and grads live in flat buffers per (dtype, reduction axis,
+  weight decay), laid out by its own pure `plan_buckets` (padded to the axis' group size: dp,
+  edp = dp/ep for experts, embed); fp32 masters and both Adam moments cover the owned slices at
+  stages 1/2, the whole buffer at stage 0 (where an fp32 buffer is its own master); stage 2 adds
+  the reduced-grad shard. Every torch AdamW param (one per buffer) also holds a 4-byte ``step``.
 - **Activations**: the bytes autograd saves for one micro-batch of a chunk (`layer_activation_bytes`,
   checked term by term against ``saved_tensors_hooks`` in tests/unit/test_memory_plan.py), times
   the micro-batches in flight of the schedule, plus the FP4 ``Q(W)`` each MoEResQ linear saves
@@ -151,26 +150,6 @@ def zero_bytes(named_params, cfg: Config, dp: int) -> dict:
     return out
 
 
-def single_process_bytes(named_params, cfg: Config) -> dict:
-    """Bytes of `MasterWeightAdamW` (one process): grads in the param dtype, masters for non-wide params."""
-    out = dict(params=0, grads=0, masters=0, moments=0, steps=0, step_transient=0)
-    largest = 0
-    for _, t in named_params:
-        n, elem, wide = t.numel(), t.dtype.itemsize, wide_dtype(t.dtype).itemsize
-        out["params"] += n * elem
-        if t.requires_grad:
-            out["grads"] += n * elem
-            out["masters"] += 0 if wide_dtype(t.dtype) == t.dtype else n * wide
-            out["moments"] += 2 * n * wide
-            out["steps"] += _STEP_BYTES
-            # `step`: every non-wide grad upcast into its master's .grad (held through the update);
-            # AdamW's per-param sqrt(v) and denominator (the largest param counts)
-            out["step_transient"] += 0 if wide_dtype(t.dtype) == t.dtype else n * wide
-            largest = max(largest, n * wide)
-    out["step_transient"] += adam_temporaries(cfg) * largest
-    return out
-
-
 # -- activations ----------------------------------------------------------------------------------
 def layer_activation_bytes(cfg: Config, is_moe: bool, tokens: int, routed_rows: int, local_experts: int = 0,
                            grouped_experts: bool = False) -> int:
@@ -259,11 +238,10 @@ def inflight_microbatches(schedule: str, pp: int, pp_rank: int, virtual_stages: 
 
 
 # -- the plan -------------------------------------------------------------------------------------
-def plan_memory(cfg: Config, world_size: int, sharded: bool | None = None, weight_cache: bool = True) -> list[RankPlan]:
+def plan_memory(cfg: Config, world_size: int, weight_cache: bool = True) -> list[RankPlan]:
     """One `RankPlan` per pipeline rank (its dp/ep peers hold the same bytes). Raises `ConfigError`
     (or ValueError from the layout functions) with a one-line message for a bad config or layout.
-    `sharded`: ZeroAdamW (default: world_size > 1, as `Trainer.sharded`); `weight_cache`: Q(W) once
-    per step (the trainer's default) rather than per micro-batch in flight."""
+    `weight_cache`: Q(W) once per step (the trainer's default) rather than per micro-batch in flight."""
     cfg.validate(world_size=world_size)
     p, s = cfg.parallel, cfg.schedule
     dp = resolve_dp(cfg, world_size)
@@ -275,7 +253,6 @@ def plan_memory(cfg: Config, world_size: int, sharded: bool | None = None, weigh
                           f"{s.micro_batch_size}×{dp}; raise it")
     if p.pp == 1 and p.virtual_stages > 1:
         raise ConfigError(f"parallel.virtual_stages={p.virtual_stages} needs parallel.pp > 1")
-    sharded = world_size > 1 if sharded is None else sharded
     ranges = split_layers(cfg.model.num_layers, p.pp, p.virtual_stages)
     style = PLACEMENT.get(p.schedule, "loop")
     schedule = p.schedule if p.pp > 1 else "1f1b"
@@ -283,7 +260,7 @@ def plan_memory(cfg: Config, world_size: int, sharded: bool | None = None, weigh
     for pp_rank in range(p.pp):
         model = local_meta_model(cfg, pp_rank, 0)
         named = list(model.named_parameters())
-        state = zero_bytes(named, cfg, dp) if sharded else single_process_bytes(named, cfg)
+        state = zero_bytes(named, cfg, dp)
         chunks = rank_chunks(pp_rank, p.pp, p.virtual_stages, style)
         counts = inflight_microbatches(schedule, p.pp, pp_rank, p.virtual_stages, num_mb)
         acts, inflight = 0, {}
