@@ -45,7 +45,10 @@ def load_model_state(path: str) -> tuple[dict, dict, Path]:
         if kind == "dcp":
             from megatron_fp4.training.dist_checkpoint import read_full_model_state
 
-            return read_full_model_state(step_dir, meta, model_shapes(meta, step_dir)), meta, step_dir
+            shapes = model_shapes(meta, step_dir)
+            state = read_full_model_state(step_dir, meta, shapes)
+            ckpt.check_state_fits(shapes, state, step_dir)  # also none missing (e.g. meta.json claims more layers)
+            return state, meta, step_dir
         raise ckpt.CheckpointError(f"{step_dir / ckpt.META_FILE}: unknown checkpoint kind {kind!r} (expected "
                                    f"'dcp', or 'single'/'weights' of the former format)")
 
