@@ -79,7 +79,7 @@ def shard(step_dir):
     return next(step_dir.glob("*.distcp"))
 
 
-def legacy_save(root, step: int, state: dict = None, **extra):
+def legacy_save(root, step: int, state: dict = None, config: dict = None, **extra):
     """A step directory of the former single-file format (state.pt, kind "single"), as older versions
     wrote it: what `tools/convert_checkpoint.py` still reads (written here, no longer by the package)."""
     step_dir = root / ckpt.step_dir_name(step)
@@ -88,7 +88,7 @@ def legacy_save(root, step: int, state: dict = None, **extra):
     torch.save({**state, **extra}, step_dir / ckpt.STATE_FILE)
     sums = {n: files.file_digest(step_dir / n) for n in files.data_files(step_dir)}
     ckpt.write_meta(step_dir, {"format_version": ckpt.FORMAT_VERSION, "step": step, "kind": "single",
-                               "config": {"model": {}}}, sums)
+                               "config": config or {"model": {}}}, sums)
     (root / ckpt.LATEST_FILE).write_text(step_dir.name + "\n")
     return step_dir
 
