@@ -101,8 +101,10 @@ class TrainingStep:
                 self.gate.trip(f"an FP4 operand ({err})")
                 loss, metrics = math.nan, {}
             deferred = fp4_step.nonfinite_error()  # the call's deferred FP4 NaN/Inf flags: one sync
-        if deferred is not None:
-            self.gate.trip(f"an FP4 operand ({deferred})")
+        if deferred is not None:  # read after the call: name the tensor also when the gate tripped first
+            where = self.gate.where
+            self.gate.reset()
+            self.gate.trip(f"an FP4 operand ({deferred})" + (f"; and the {where}" if where else ""))
             loss, metrics = math.nan, {}
         if self.mesh.dp > 1:  # the global mean: every dp rank ran the same number of micro-batches
             values = torch.tensor([loss] + list(metrics.values()), dtype=torch.float64, device=self.device)
