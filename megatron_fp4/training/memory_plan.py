@@ -8,8 +8,8 @@
   `ZeroAdamW` (parallel/zero.py): params and grads live in flat buffers per (dtype, reduction axis,
   weight decay), laid out by its own pure `plan_buckets` (padded to the axis' group size: dp,
   edp = dp/ep for experts, embed); fp32 masters and both Adam moments cover the owned slices at
-  stages 1/2, the whole buffer at stage 0 (where an fp32 buffer is its own master); stage 2 adds
-  the reduced-grad shard. Every torch AdamW param (one per buffer) also holds a 4-byte ``step``.
+  stages 1/2, the whole buffer at stage 0 (where an fp32 buffer is its own master, as in a group of
+  one); stage 2 adds the reduced-grad shard. Every torch AdamW param (one per buffer) also holds a 4-byte ``step``.
 - **Activations**: the bytes autograd saves for one micro-batch of a chunk (`layer_activation_bytes`,
   checked term by term against ``saved_tensors_hooks`` in tests/unit/test_memory_plan.py), times
   the micro-batches in flight of the schedule, plus the FP4 ``Q(W)`` each MoEResQ linear saves
@@ -139,7 +139,7 @@ def zero_bytes(named_params, cfg: Config, dp: int) -> dict:
         state = numel if p.zero_stage == 0 else owned
         out["params"] += numel * elem
         out["grads"] += numel * elem + (owned * elem if p.zero_stage == 2 else 0)
-        shares = p.zero_stage == 0 and wide_dtype(dtype) == dtype  # the fp32 buffer is the master
+        shares = (p.zero_stage == 0 or size == 1) and wide_dtype(dtype) == dtype  # the fp32 buffer is the master
         out["masters"] += 0 if shares else state * wide
         out["moments"] += 2 * state * wide
         out["steps"] += _STEP_BYTES

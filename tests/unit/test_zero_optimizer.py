@@ -81,3 +81,16 @@ def test_zero_adamw_matches_torch_adamw(zero_stage, bucket_mb):
         opt.step(1e-2, 0.5)
     for (name, a), (_, b) in zip(model.named_parameters(), ref_model.named_parameters()):
         assert torch.equal(a, b), name
+
+
+@pytest.mark.parametrize("zero_stage", [0, 1, 2])
+def test_one_process_fp32_keeps_no_master_copy(zero_stage):
+    """A group of one owns its whole buffer: an fp32 buffer is its own master (no 4 bytes/param more
+    than torch AdamW on the params); a bf16 one keeps an fp32 master."""
+    cfg = Config()
+    model = build_model(cfg)
+    opt = ZeroAdamW(model.named_parameters(), cfg.optimizer, ParallelMesh.single(), zero_stage)
+    assert all(m.data_ptr() == b.data.data_ptr() for m, b in zip(opt.masters, opt.buffers))
+    bf16 = ZeroAdamW(build_model(cfg).to(torch.bfloat16).named_parameters(), cfg.optimizer, ParallelMesh.single(),
+                     zero_stage)
+    assert all(m.dtype == torch.float32 and m.data_ptr() != b.data.data_ptr() for m, b in zip(bf16.masters, bf16.buffers))
