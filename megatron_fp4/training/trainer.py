@@ -1,5 +1,6 @@
 """The one trainer, for every layout: micro-batched forward/backward (or the pipeline schedule),
-NaN guard, clipping, AdamW (ZeRO-sharded over dp), LR schedule, logging, checkpoints.
+NaN guard, clipping, AdamW (`ZeroAdamW`, sharded over dp; one process is dp = 1), LR schedule,
+logging, checkpoints (DCP at every size, `training/dist_checkpoint.py`).
 
     trainer = Trainer(load_config("examples/configs/tiny_moe.yaml"))          # one process
     trainer = Trainer(cfg, ParallelMesh.build(pp, dp, ep))                     # under torchrun
