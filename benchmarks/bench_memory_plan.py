@@ -62,7 +62,7 @@ def main(argv=None) -> int:
         spec = LAYOUTS[name]
         cfg = load_config(default_config_path(), PLAN_DEFAULTS + args.overrides + [f"parallel.pp={spec['pp']}",
                                                                                    f"parallel.ep={spec['ep']}"])
-        plans = plan_memory(cfg, spec["world"], sharded=True)  # a process group, even of one: ZeroAdamW
+        plans = plan_memory(cfg, spec["world"])  # ZeroAdamW at every size
         for rank, r in enumerate(run_layout(spec, args.overrides)):
             plan = plans[r["pp_rank"]]
             mb = 2**20

@@ -36,21 +36,21 @@ def parse_args(argv=None):
 def run(cfg) -> list[dict]:
     """Build the layout of `cfg` for this process (torchrun or single) and train; SIGTERM/SIGUSR1
     stop it after a step with a checkpoint (`Preempted`)."""
-    with PreemptionHandler():
-        return _run(cfg)
+    with PreemptionHandler() as handler:
+        return _run(cfg, handler)
 
 
-def _run(cfg) -> list[dict]:
+def _run(cfg, handler: PreemptionHandler) -> list[dict]:
     rank = int(os.environ.get("RANK", "0"))
     lock = lock_checkpoint_dir(cfg.checkpoint.dir) if rank == 0 and cfg.checkpoint.dir else None
     try:
-        return _build_and_train(cfg, rank)
+        return _build_and_train(cfg, rank, handler)
     finally:
         if lock is not None:
             lock.release()
 
 
-def _build_and_train(cfg, rank: int) -> list[dict]:
+def _build_and_train(cfg, rank: int, handler: PreemptionHandler) -> list[dict]:
     from megatron_fp4.training.metrics import check_tensorboard_dir, outputs_pointer, start_banner
 
     from megatron_fp4.training.trainer import Trainer
@@ -68,7 +68,7 @@ def _build_and_train(cfg, rank: int) -> list[dict]:
             if rank == 0:
                 print(f"resumed from {path} at step {step}", file=sys.stderr, flush=True)
     try:
-        history = trainer.train()
+        history = trainer.train(preemption=handler)
     except Preempted:
         if rank == 0:
             print(outputs_pointer(cfg), flush=True)

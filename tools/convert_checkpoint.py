@@ -3,14 +3,18 @@
     python tools/convert_checkpoint.py inspect outputs/tiny_moe/checkpoints
     python tools/convert_checkpoint.py to-hf   outputs/tiny_moe/checkpoints  hf_out/ [--dtype bf16] [--no-quant-config]
     python tools/convert_checkpoint.py from-hf hf_out/  converted/           [--set fp4.scope=experts ...]
+    python tools/convert_checkpoint.py upgrade old_ckpt/step_00000100 new_ckpt/
 
-`to-hf` reads a single-process ("single"/"weights") checkpoint or a sharded DCP one (any parallel
-layout; expert and pipeline shards are gathered) and writes `config.json` + `model.safetensors`;
+`to-hf` reads a DCP checkpoint (any parallel layout, one process included; expert and pipeline
+shards are gathered) or one of the former single-file format ("single"/"weights": ``state.pt``,
+read with ``torch.load(weights_only=True)`` after its checksums) and writes `config.json` + `model.safetensors`;
 config.json carries the checkpoint's FP4 recipe as `quantization_config` (`quant_method`
 "megatron_fp4": vLLM with this package installed serves it with MoEResQ, docs/vllm.md;
 transformers ignores the block), `--no-quant-config` leaves it out.
-`from-hf` writes a weights-only checkpoint (step 0) plus its `config.yaml`; train from it with
-``megatron-fp4-train --config converted/step_00000000/config.yaml --set checkpoint.load=converted``.
+`from-hf` writes a DCP checkpoint of the weights (step 0, no optimizer state) plus ``config.yaml``;
+train from it with ``megatron-fp4-train --config converted/config.yaml --set checkpoint.load=converted``.
+`upgrade` turns a checkpoint of the former single-file format, which the trainer no longer
+resumes, into a DCP one: weights, AdamW moments and masters, step, sampler position, RNG.
 """
 from __future__ import annotations
 
@@ -24,6 +28,7 @@ from megatron_fp4.config import ConfigError, apply_overrides, config_from_dict
 from megatron_fp4.config_validate import check_model_limits
 from megatron_fp4.model import build_model
 from megatron_fp4.training import checkpoint as ckpt
+from megatron_fp4.training import checkpoint_files as files
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -34,21 +39,30 @@ def load_model_state(path: str) -> tuple[dict, dict, Path]:
     def load_one(step_dir: Path):
         meta = ckpt.read_meta(step_dir)
         kind = meta.get("kind")
-        if kind in ("single", "weights"):
-            state, meta = ckpt.load_step(step_dir)
-            if not isinstance(state, dict) or not isinstance(state.get("model"), dict):
-                raise ckpt.CheckpointError(f"{step_dir / ckpt.STATE_FILE} has no 'model' state dict; it was not "
-                                           f"written by megatron-fp4")
-            ckpt.check_state_fits(model_shapes(meta, step_dir), state["model"], step_dir)
+        if kind in ckpt.LEGACY_KINDS:
+            state, meta = legacy_state(step_dir)
             return state["model"], meta, step_dir
         if kind == "dcp":
             from megatron_fp4.training.dist_checkpoint import read_full_model_state
 
-            return read_full_model_state(step_dir, meta, model_shapes(meta, step_dir)), meta, step_dir
+            shapes = model_shapes(meta, step_dir)
+            state = read_full_model_state(step_dir, meta, shapes)
+            ckpt.check_state_fits(shapes, state, step_dir)  # also none missing (e.g. meta.json claims more layers)
+            return state, meta, step_dir
         raise ckpt.CheckpointError(f"{step_dir / ckpt.META_FILE}: unknown checkpoint kind {kind!r} (expected "
-                                   f"'single', 'weights' or 'dcp')")
+                                   f"'dcp', or 'single'/'weights' of the former format)")
 
     return ckpt.with_fallback(path, load_one)
+
+
+def legacy_state(step_dir: Path) -> tuple[dict, dict]:
+    """(state, meta) of a former single-file checkpoint, its 'model' checked against meta's config."""
+    state, meta = ckpt.load_legacy_step(step_dir)
+    if not isinstance(state, dict) or not isinstance(state.get("model"), dict):
+        raise ckpt.CheckpointError(f"{step_dir / ckpt.STATE_FILE} has no 'model' state dict; it was not "
+                                   f"written by megatron-fp4")
+    ckpt.check_state_fits(model_shapes(meta, step_dir), state["model"], step_dir)
+    return state, meta
 
 
 def saved_config(meta: dict, step_dir: Path) -> dict:
@@ -127,13 +141,93 @@ def cmd_from_hf(args) -> int:
     model_cfg, hf_state = load_hf_checkpoint(args.hf)
     data = {"model": {k: getattr(model_cfg, k) for k in model_cfg.__dataclass_fields__}}
     cfg = config_from_dict(apply_overrides(data, args.overrides))
-    cfg.validate()
-    model = build_model(cfg)
-    from_hf_state_dict(model, hf_state)
-    out = ckpt.save_checkpoint(args.out, 0, {"model": model.state_dict()}, cfg.to_dict(), kind="weights")
-    print(f"wrote {out} (weights-only); train with: megatron-fp4-train --config {out / 'config.yaml'} "
-          f"--set checkpoint.load={out}")
+    trainer = one_process_trainer(cfg)
+    from_hf_state_dict(trainer.model, hf_state)
+    out = write_dcp(trainer, args.out)
+    print(f"wrote {out} (weights, step 0); train with: megatron-fp4-train --config {Path(args.out) / ckpt.CONFIG_FILE} "
+          f"--set checkpoint.load={args.out}")
     return 0
+
+
+def cmd_upgrade(args) -> int:
+    if Path(args.out).exists() and any(Path(args.out).iterdir()):
+        raise ValueError(f"{args.out} is not empty; upgrade writes a new checkpoint directory: choose a new one")
+    state, meta = ckpt.with_fallback(args.checkpoint, legacy_state)
+    trainer = one_process_trainer(saved_run_config(meta, Path(args.checkpoint)))
+    load_legacy_into(trainer, state, meta)
+    out = write_dcp(trainer, args.out)
+    print(f"wrote {out} (DCP, step {trainer.step}); resume with --set checkpoint.load={args.out}")
+    return 0
+
+
+def load_legacy_into(trainer, state: dict, meta: dict) -> None:
+    """Weights, step, sampler, RNG and (for "single") the AdamW state of a former single-file
+    checkpoint into a one-process trainer. That format's optimizer was torch AdamW over the params
+    requiring grad, decayed ones first (`model.specs.no_weight_decay`), with fp32 masters saved for
+    the non-fp32 params; ZeroAdamW at dp=1 holds the same numbers in flat buffers."""
+    with torch.no_grad():
+        trainer.model.load_state_dict(state["model"])
+    trainer.step = meta["step"] if meta.get("kind") == "single" else 0
+    if isinstance(state.get("sampler"), dict):
+        trainer.sampler = _SavedSampler(state["sampler"])
+    rng = state.get("rng")
+    if isinstance(rng, dict) and isinstance(rng.get("torch"), torch.Tensor):
+        torch.set_rng_state(rng["torch"])
+    if meta.get("kind") == "single":
+        _legacy_adam_into(trainer, state.get("optimizer"), state.get("masters") or {})
+
+
+class _SavedSampler:
+    """The sampler position of a legacy checkpoint, for the DCP save (which only asks for it)."""
+
+    def __init__(self, state: dict):
+        self.state = state
+
+    def state_dict(self) -> dict:
+        return self.state
+
+
+def _legacy_adam_into(trainer, opt_state, masters: dict) -> None:
+    from megatron_fp4.model.specs import no_weight_decay
+
+    params = [(n, p) for n, p in trainer.model.named_parameters() if p.requires_grad]
+    names = [n for n, p in params if not no_weight_decay(n, p)] + [n for n, p in params if no_weight_decay(n, p)]
+    groups = opt_state.get("param_groups") if isinstance(opt_state, dict) else None
+    order = [i for g in groups or () for i in g.get("params", ())]
+    if sorted(order) != list(range(len(names))):
+        raise ckpt.CheckpointError(f"the optimizer state holds {len(order)} parameters, the model {len(names)}: it "
+                                   f"was not written by megatron-fp4's single-process trainer")
+    by_name = {names[k]: (opt_state.get("state") or {}).get(i, {}) for k, i in enumerate(order)}
+    opt = trainer.optimizer
+    for k, buf in enumerate(opt.buffers):
+        flat = {key: torch.zeros_like(t) for key, t in opt.adam_state(k).items() if key != "step"}
+        step = 0.0
+        for i, name in enumerate(buf.names):
+            lo, n = buf.offsets[i], buf.params[i].numel()
+            st = by_name[name]
+            flat["master"][lo:lo + n] = masters.get(name, buf.params[i].detach()).reshape(-1)
+            for key in ("exp_avg", "exp_avg_sq"):
+                if key in st:
+                    flat[key][lo:lo + n] = st[key].reshape(-1)
+            step = float(st.get("step", step))
+        opt.set_adam_state(k, flat["master"], flat["exp_avg"], flat["exp_avg_sq"], step)
+
+
+def one_process_trainer(cfg):
+    """A trainer of `cfg` in this process (a mesh of size 1, no data): what writes the DCP files."""
+    from megatron_fp4.parallel.mesh import ParallelMesh
+    from megatron_fp4.training.trainer import Trainer
+
+    return Trainer(cfg, ParallelMesh.single(), build_data=False)
+
+
+def write_dcp(trainer, out: str) -> Path:
+    """The trainer's checkpoint under `out`, with the config next to it (a file `--config` accepts)."""
+    import yaml
+
+    step_dir = trainer.save_checkpoint(out)
+    files.write_durable_text(Path(out) / ckpt.CONFIG_FILE, yaml.safe_dump(trainer.cfg.to_dict(), sort_keys=False))
+    return step_dir
 
 
 def main(argv=None) -> int:
@@ -155,6 +249,10 @@ def main(argv=None) -> int:
     p.add_argument("out")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     p.set_defaults(fn=cmd_from_hf)
+    p = sub.add_parser("upgrade", help="a checkpoint of the former single-file format (state.pt) -> DCP")
+    p.add_argument("checkpoint")
+    p.add_argument("out")
+    p.set_defaults(fn=cmd_upgrade)
     args = parser.parse_args(argv)
     try:
         return args.fn(args)

@@ -1,8 +1,9 @@
 """ZeRO-sharded AdamW in the spirit of Megatron-Core's distributed optimizer.
 
 Megatron-Core's distributed optimizer needs CUDA (its buffers, streams and NCCL calls), so it cannot
-run on the CPU/gloo path this project is developed on; this is a small portable equivalent with the
-interface of `training.optim.MasterWeightAdamW`.
+run on the CPU/gloo path this project is developed on; this is a small portable equivalent. It is
+the trainer's one optimizer at every size: a single process (no process group) is a group of size 1,
+where nothing is padded or reduced and the update is `torch.optim.AdamW`'s, bit for bit.
 
 Layout. Parameters are grouped by (dtype, reduction axis, weight decay). Each group is one
 `FlatBuffer`: the params' data and ``.grad`` are views into two contiguous flat tensors, laid out in
@@ -15,6 +16,7 @@ parallelism and tied embeddings are not special cases anywhere else.
 Sharding. Rank r of a buffer's group *owns* the r-th slice of every bucket. ZeRO stage
 
 - 0: buckets are all-reduced; every rank keeps fp32 masters + Adam state of the whole buffer;
+  an fp32 buffer is its own master (no copy), as at any stage in a group of one (a single process);
 - 1: buckets are all-reduced; masters + Adam state exist only for the owned slices (1/dp);
 - 2: buckets are reduce-scattered (gloo supports ``reduce_scatter_tensor``), each rank keeps only
   its reduced grad shard (``p.grad`` outside the owned slice then holds un-reduced local values).
@@ -156,8 +158,8 @@ class ZeroAdamW:
         self.optimizers, self.masters, self.grad_shards = [], [], []
         for buf in self.buffers:
             buf.state_ranges = [(0, buf.numel)] if zero_stage == 0 else buf.owned
-            if zero_stage == 0 and buf.data.dtype == wide_dtype(buf.data.dtype):
-                master = nn.Parameter(buf.data)  # shares storage: the param buffer is the master
+            if buf.data.dtype == wide_dtype(buf.data.dtype) and (zero_stage == 0 or buf.group_size == 1):
+                master = nn.Parameter(buf.data)  # shares storage: the (whole, unsharded) param buffer is the master
             else:
                 master = nn.Parameter(buf.gather_ranges(buf.data, buf.state_ranges).detach().to(wide_dtype(dtype)).clone())
             self.masters.append(master)
@@ -297,9 +299,10 @@ class ZeroAdamW:
 
     def _write_back(self, buf: FlatBuffer, master: torch.Tensor) -> None:
         """Copy updated masters into the param buffer and all-gather the owned slices."""
+        if master.data_ptr() == buf.data.data_ptr():
+            return  # the param buffer is the master (ZeRO-0 or a group of one, wide dtype)
         if self.zero_stage == 0:
-            if master.data_ptr() != buf.data.data_ptr():
-                buf.data.copy_(master)
+            buf.data.copy_(master)
             return
         pos, works = 0, []
         for (lo, hi), bucket in zip(buf.owned, buf.buckets):

@@ -1,19 +1,22 @@
-"""Single-process checkpoints: atomic, checksummed, loaded as data only.
+"""The checkpoint directory format shared by every layout: atomic, checksummed, loaded as data only.
 
-Layout::
+Layout (the tensors are written by `dist_checkpoint.py` with torch.distributed.checkpoint, DCP, at
+every size: one process is a mesh of size 1)::
 
-    <dir>/step_00000100/state.pt     model, optimizer, step, sampler position, RNG states
-    <dir>/step_00000100/config.yaml  the config that wrote it (a file `--config` accepts)
-    <dir>/step_00000100/meta.json    step, kind, format version, config, sha256 of every other file
-    <dir>/latest                     name of the newest complete step directory (a hint)
+    <dir>/step_00000100/.metadata, *.distcp  DCP's files: model, AdamW shards, RNG (by global names)
+    <dir>/step_00000100/meta.json            step, kind, format version, config, sha256 of every other file
+    <dir>/latest                             name of the newest complete step directory (a hint)
 
 The crash-safety rules (temp dir + fsync + one rename, never replacing a complete step, stale temp
 cleanup, `checkpoint.keep_last` retention) live in `checkpoint_files.py`. Loading a root directory
 (`checkpoint.load=auto` or the `checkpoint.dir`) takes the newest step that is complete and passes
 its checksums, warning about every step it skips; an explicitly named step directory must be
-intact. `state.pt` is read with ``torch.load(weights_only=True)``: tensors and plain Python values
-only, nothing in a checkpoint file is executed. (The sharded DCP checkpoint of the parallel trainer,
-`dist_checkpoint.py`, uses the same layout and rules.)
+intact.
+
+Checkpoints of the former single-process format (``kind`` "single"/"weights", one ``state.pt``)
+are no longer written or resumed; `tools/convert_checkpoint.py` still reads them (`inspect`,
+`to-hf`, `upgrade` to DCP) through `load_legacy_step`: ``torch.load(weights_only=True)``, tensors
+and plain Python values only, nothing in a checkpoint file is executed.
 """
 from __future__ import annotations
 
@@ -30,12 +33,12 @@ from pathlib import Path
 from typing import Callable, Optional, TypeVar
 
 import torch
-import yaml
 
 from megatron_fp4.training import checkpoint_files as files
 
 FORMAT_VERSION = 1
 STATE_FILE, META_FILE, LATEST_FILE, CONFIG_FILE = "state.pt", "meta.json", "latest", "config.yaml"
+LEGACY_KINDS = ("single", "weights")  # the former one-file format: read by the converter only
 
 # Model fields that must match between a checkpoint and the config resuming from it.
 SHAPE_FIELDS = ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim", "num_experts",
@@ -190,35 +193,6 @@ def commit_step_dir(tmp_dir: Path, final_dir: Path, root: Path, keep_last: int =
     files.prune(root, keep_last, keep=final_dir)
 
 
-def save_checkpoint(root: str | Path, step: int, state: dict, config: dict, kind: str = "single") -> Path:
-    """Write `state` (tensors and plain Python values) as step `step` under `root`, atomically.
-
-    kind: "single" (a full training state) or "weights" (model only, e.g. converted from HF: the
-    trainer starts from these weights at step 0). Keeps the newest `config["checkpoint"]["keep_last"]`
-    steps (0 or absent: all)."""
-    root = Path(root)
-    root.mkdir(parents=True, exist_ok=True)
-    final = root / step_dir_name(step)
-    if not begin_save(root, final):
-        return final
-    tmp = root / files.temp_name(final.name)
-    try:
-        tmp.mkdir()
-        with open(tmp / STATE_FILE, "wb") as f:  # a Python file: a full disk is an OSError with its errno
-            torch.save(state, f)
-        (tmp / CONFIG_FILE).write_text(yaml.safe_dump(config, sort_keys=False))
-        sums = {name: files.file_digest(tmp / name, sync=True) for name in files.data_files(tmp)}
-        write_meta(tmp, {"format_version": FORMAT_VERSION, "step": step, "kind": kind, "config": config}, sums)
-        commit_step_dir(tmp, final, root, keep_last_of(config))
-    except (OSError, RuntimeError) as err:
-        files.remove(tmp)
-        cause = os_error_in(err)
-        if cause is None:
-            raise
-        raise save_failed(root, step, cause) from None
-    return final
-
-
 def os_error_in(err: BaseException) -> Optional[OSError]:
     """The OSError behind `err`: itself, or one it was raised while handling (torch.save reports a
     failed write as a RuntimeError raised while closing the archive, with the OSError as context)."""
@@ -353,26 +327,25 @@ def first_line(err: BaseException) -> str:
     return text.splitlines()[0] if text else type(err).__name__
 
 
-def load_step(step_dir: Path, model_cfg=None, model_state: Optional[dict] = None) -> tuple[dict, dict]:
-    """(state, meta) of one single-process step directory, verified; with `model_state` (the
-    model's own state dict) its 'model' tensors are checked to fit that model."""
+def load_legacy_step(step_dir: Path) -> tuple[dict, dict]:
+    """(state, meta) of one step directory of the former single-process format ("single" or
+    "weights": one ``state.pt``), verified; only `tools/convert_checkpoint.py` reads these."""
     meta = read_meta(step_dir)
-    if model_cfg is not None:
-        check_compatible(meta, model_cfg, step_dir)
-    if meta.get("kind") not in ("single", "weights"):
-        raise CheckpointError(f"{step_dir} is a sharded ({meta.get('kind')}) checkpoint; load it with the parallel "
-                              f"trainer (or convert it with tools/convert_checkpoint.py)")
+    if meta.get("kind") not in LEGACY_KINDS:
+        raise CheckpointError(f"{step_dir} is a {meta.get('kind')!r} checkpoint, not one of the former single-file "
+                              f"format ({' or '.join(LEGACY_KINDS)})")
     require_listed(step_dir, meta, [STATE_FILE])
     verify_files(step_dir, meta)
-    state = load_state_file(step_dir / STATE_FILE)
-    if model_state is not None:
-        check_state_fits(model_state, state.get("model") if isinstance(state, dict) else None, step_dir)
-    return state, meta
+    return load_state_file(step_dir / STATE_FILE), meta
 
 
-def load_checkpoint(path: str | Path, model_cfg=None, model_state: Optional[dict] = None) -> tuple[dict, dict]:
-    """Return (state, meta) of the checkpoint at `path` (a step dir, or a root: newest intact step)."""
-    return with_fallback(path, lambda step_dir: load_step(step_dir, model_cfg, model_state))
+def not_dcp_message(step_dir: Path, kind) -> str:
+    """Why a step directory that is not DCP cannot be resumed, and what to do."""
+    if kind in LEGACY_KINDS:
+        return (f"{step_dir} is a {kind!r} checkpoint of the former single-file format (state.pt), which the trainer "
+                f"no longer loads; convert it once: python tools/convert_checkpoint.py upgrade {step_dir} NEW_DIR, "
+                f"then load NEW_DIR")
+    return f"{step_dir} is a {kind!r} checkpoint; the trainer loads DCP ('dcp') checkpoints"
 
 
 def latest_step(root: str | Path) -> Optional[int]:
@@ -383,16 +356,3 @@ def latest_step(root: str | Path) -> Optional[int]:
         return None
     step = files.step_of(found[0].name)
     return step if step is not None else read_meta(found[0])["step"]
-
-
-def rng_state() -> dict:
-    state = {"torch": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def set_rng_state(state: dict) -> None:
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])

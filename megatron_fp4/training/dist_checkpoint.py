@@ -160,7 +160,8 @@ def save(root: str | Path, trainer) -> Path:
         return final
     tmp = root / tmp_name
     _barrier(group)
-    state = {**_model_entries(trainer.model, trainer.mesh.ep), **_optim_entries(trainer),
+    fresh = not trainer.optimizer.buffers or trainer.optimizer.adam_state(0)["step"] == 0  # masters == params
+    state = {**_model_entries(trainer.model, trainer.mesh.ep), **({} if fresh else _optim_entries(trainer)),
              f"rng/{_rank()}": torch.get_rng_state()}
     try:
         dcp.save(state, storage_writer=_Writer(str(tmp)), no_dist=not _is_dist())
@@ -253,8 +254,7 @@ def _load_step(step_dir: Path, trainer) -> dict:
     meta = ckpt.read_meta(step_dir)
     ckpt.check_compatible(meta, trainer.cfg.model, step_dir)
     if meta.get("kind") != "dcp":
-        raise ckpt.CheckpointError(f"{step_dir} is a {meta.get('kind')!r} checkpoint; the parallel trainer loads "
-                                   f"sharded ('dcp') checkpoints written by a parallel run")
+        raise ckpt.CheckpointError(ckpt.not_dcp_message(step_dir, meta.get("kind")))
     ckpt.require_listed(step_dir, meta, [METADATA_FILE])
     group = trainer.mesh.group("world")
     _verify_shared(step_dir, meta, group, trainer.mesh.device)

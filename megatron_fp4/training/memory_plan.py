@@ -4,13 +4,12 @@
 - **Parameters**: each pipeline rank's model is built on the meta device and cut exactly as the
   trainer cuts it (`expert_parallel.local_expert_range` / `_local_experts`, then
   `pipeline.build_chunks` → `strip_to_local`), so the parameter list is the trainer's.
-- **Gradients and optimizer**: a mesh of more than one process uses `ZeroAdamW` (parallel/zero.py):
-  params and grads live in flat buffers per (dtype, reduction axis, weight decay), laid out by its
-  own pure `plan_buckets` (padded to the axis' group size: dp, edp = dp/ep for experts, embed);
-  fp32 masters and both Adam moments cover the owned slices at stages 1/2, the whole buffer at
-  stage 0 (where an fp32 buffer is its own master); stage 2 adds the reduced-grad shard. One
-  process uses `MasterWeightAdamW` (training/optim.py): grads in the param dtype, masters only for
-  non-fp32 params, the moments in fp32. Every torch AdamW param also holds a 4-byte ``step``.
+- **Gradients and optimizer**: every mesh (one process included: a dp group of size 1) uses
+  `ZeroAdamW` (parallel/zero.py): params and grads live in flat buffers per (dtype, reduction axis,
+  weight decay), laid out by its own pure `plan_buckets` (padded to the axis' group size: dp,
+  edp = dp/ep for experts, embed); fp32 masters and both Adam moments cover the owned slices at
+  stages 1/2, the whole buffer at stage 0 (where an fp32 buffer is its own master, as in a group of
+  one); stage 2 adds the reduced-grad shard. Every torch AdamW param (one per buffer) also holds a 4-byte ``step``.
 - **Activations**: the bytes autograd saves for one micro-batch of a chunk (`layer_activation_bytes`,
   checked term by term against ``saved_tensors_hooks`` in tests/unit/test_memory_plan.py), times
   the micro-batches in flight of the schedule, plus the FP4 ``Q(W)`` each MoEResQ linear saves
@@ -138,7 +137,7 @@ def zero_bytes(named_params, cfg: Config, dp: int) -> dict:
         state = numel if p.zero_stage == 0 else owned
         out["params"] += numel * elem
         out["grads"] += numel * elem + (owned * elem if p.zero_stage == 2 else 0)
-        shares = p.zero_stage == 0 and wide_dtype(dtype) == dtype  # the fp32 buffer is the master
+        shares = (p.zero_stage == 0 or size == 1) and wide_dtype(dtype) == dtype  # the fp32 buffer is the master
         out["masters"] += 0 if shares else state * wide
         out["moments"] += 2 * state * wide
         out["steps"] += _STEP_BYTES
@@ -146,26 +145,6 @@ def zero_bytes(named_params, cfg: Config, dp: int) -> dict:
         # clipping out of place) while AdamW holds its temporaries of the same size (buffers step
         # one after another: the largest one counts).
         out["step_transient"] = max(out["step_transient"], (1 + adam_temporaries(cfg)) * state * wide)
-    return out
-
-
-def single_process_bytes(named_params, cfg: Config) -> dict:
-    """Bytes of `MasterWeightAdamW` (one process): grads in the param dtype, masters for non-wide params."""
-    out = dict(params=0, grads=0, masters=0, moments=0, steps=0, step_transient=0)
-    largest = 0
-    for _, t in named_params:
-        n, elem, wide = t.numel(), t.dtype.itemsize, wide_dtype(t.dtype).itemsize
-        out["params"] += n * elem
-        if t.requires_grad:
-            out["grads"] += n * elem
-            out["masters"] += 0 if wide_dtype(t.dtype) == t.dtype else n * wide
-            out["moments"] += 2 * n * wide
-            out["steps"] += _STEP_BYTES
-            # `step`: every non-wide grad upcast into its master's .grad (held through the update);
-            # AdamW's per-param sqrt(v) and denominator (the largest param counts)
-            out["step_transient"] += 0 if wide_dtype(t.dtype) == t.dtype else n * wide
-            largest = max(largest, n * wide)
-    out["step_transient"] += adam_temporaries(cfg) * largest
     return out
 
 
@@ -257,16 +236,14 @@ def inflight_microbatches(schedule: str, pp: int, pp_rank: int, virtual_stages: 
 
 
 # -- the plan -------------------------------------------------------------------------------------
-def plan_memory(cfg: Config, world_size: int, sharded: bool | None = None, weight_cache: bool = True) -> list[RankPlan]:
+def plan_memory(cfg: Config, world_size: int, weight_cache: bool = True) -> list[RankPlan]:
     """One `RankPlan` per pipeline rank (its dp/ep peers hold the same bytes). Raises `ConfigError`
     (or ValueError from the layout functions) with a one-line message for a bad config or layout.
-    `sharded`: ZeroAdamW (default: world_size > 1, as `Trainer.sharded`); `weight_cache`: Q(W) once
-    per step (the trainer's default) rather than per micro-batch in flight."""
+    `weight_cache`: Q(W) once per step (the trainer's default) rather than per micro-batch in flight."""
     cfg.validate()
     p, s = cfg.parallel, cfg.schedule
     dp = ParallelDims.from_config(cfg, world_size).dp  # every layout check
     num_mb = s.global_batch_size // (s.micro_batch_size * dp)
-    sharded = world_size > 1 if sharded is None else sharded
     ranges = split_layers(cfg.model.num_layers, p.pp, p.virtual_stages)
     style = PLACEMENT.get(p.schedule, "loop")
     schedule = p.schedule if p.pp > 1 else "1f1b"
@@ -274,7 +251,7 @@ def plan_memory(cfg: Config, world_size: int, sharded: bool | None = None, weigh
     for pp_rank in range(p.pp):
         model = local_meta_model(cfg, pp_rank, 0)
         named = list(model.named_parameters())
-        state = zero_bytes(named, cfg, dp) if sharded else single_process_bytes(named, cfg)
+        state = zero_bytes(named, cfg, dp)
         chunks = rank_chunks(pp_rank, p.pp, p.virtual_stages, style)
         counts = inflight_microbatches(schedule, p.pp, pp_rank, p.virtual_stages, num_mb)
         acts, inflight = 0, {}

@@ -1,20 +1,21 @@
 """Preemption: SIGTERM or SIGUSR1 end the run at a step boundary, with a checkpoint of that step.
 
-Megatron-LM's exit-signal handler, for our mesh. The handler only records the signal; after every
-step the trainer calls `stop_if_requested`, where every rank votes (one all-reduce over the whole
+Megatron-LM's exit-signal handler, for our mesh. The handler only records the signal; the trainer
+is handed it explicitly (``trainer.train(preemption=handler)``) and reads it at one documented
+check point, between steps (`Trainer.between_steps`): `stop_if_requested`, where every rank votes (one all-reduce over the whole
 mesh) on "did any rank get a signal?". So all ranks stop after the same step even when the signal
 reached them at different moments (or only one of them), all save that step (a collective DCP save
 in a parallel run) and raise `Preempted`; the CLI turns that into one line and exit code
 `EXIT_PREEMPTED`. A requeued or restarted job resumes from it with ``checkpoint.load=auto``.
 
-    with PreemptionHandler():      # megatron_fp4.train installs it on every rank
-        trainer.train()
+    with PreemptionHandler() as handler:      # megatron_fp4.train installs it on every rank
+        trainer.train(preemption=handler)
 
 Who sends the signal: Slurm ahead of a time limit or preemption (``--signal``), ``scancel`` (SIGTERM,
 then SIGKILL after the cluster's KillWait), or torchrun's agent, which forwards the signals listed
 in its --signals-to-handle (PET_SIGNALS_TO_HANDLE) to every worker and gives them TORCH_ELASTIC_SHUTDOWN_TIMEOUT
-seconds before SIGKILL (tools/launchers sets both). Without an installed handler (a library user's
-own loop) `stop_if_requested` does nothing and costs no collective.
+seconds before SIGKILL (tools/launchers sets both). Without a handler (``train()`` without one, a
+library user's own loop) `stop_if_requested` does nothing and costs no collective.
 """
 from __future__ import annotations
 
@@ -24,8 +25,6 @@ from typing import Optional
 
 EXIT_PREEMPTED = 4
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
-
-_active: Optional["PreemptionHandler"] = None  # signal dispositions are per process, so is this
 
 
 class Preempted(Exception):
@@ -49,28 +48,28 @@ class PreemptionHandler:
     def _record(self, signum, frame) -> None:
         self.received = self.received or signal.Signals(signum).name
 
+    @property
+    def installed(self) -> bool:
+        """True while its signal handlers are installed (inside the `with`, on the main thread)."""
+        return bool(self._previous)
+
     def __enter__(self) -> "PreemptionHandler":
-        global _active
         if threading.current_thread() is threading.main_thread():  # Python's rule for signal handlers
             for sig in self.signals:
                 self._previous[sig] = signal.signal(sig, self._record)
-            _active = self
         return self
 
     def __exit__(self, *exc) -> None:
-        global _active
         for sig, previous in self._previous.items():
             signal.signal(sig, previous)
         self._previous.clear()
-        if _active is self:
-            _active = None
 
 
-def stop_if_requested(trainer, saved: bool) -> None:
-    """After a step: if any rank got a signal, every rank saves this step (unless `saved`, the
-    periodic save just wrote it) and raises `Preempted`. Collective when a handler is active."""
-    handler = _active
-    if handler is None:
+def stop_if_requested(trainer, handler: Optional[PreemptionHandler], saved: bool) -> None:
+    """After a step: if any rank's `handler` got a signal, every rank saves this step (unless
+    `saved`, the periodic save just wrote it) and raises `Preempted`. Collective when `handler` is
+    installed; nothing (no collective) without one."""
+    if handler is None or not handler.installed:
         return
     ranks = trainer.mesh.ranks_with(handler.received is not None)
     if not ranks:

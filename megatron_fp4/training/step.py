@@ -27,7 +27,6 @@ import torch.distributed as dist
 from megatron_fp4.fp4 import NonFiniteInputError
 from megatron_fp4.fp4.fused import adopt_ready as adopt_compiled_fp4
 from megatron_fp4.model.moe import update_expert_bias
-from megatron_fp4.parallel.zero import ZeroAdamW
 from megatron_fp4.training.nonfinite import NonFiniteError, all_finite
 from megatron_fp4.training.optim import clip_coefficient, lr_at
 from megatron_fp4.training.step_loss import LossFn, lm_loss_fn, require_step_loss
@@ -84,19 +83,28 @@ class TrainingStep:
                     self._weight_cache():
                 return self._local_forward_backward(micro_batches, loss_fn, weights, backward=False)
         self.model.set_aux_loss_scale(1.0 / n)
-        if isinstance(self.optimizer, ZeroAdamW) and not accumulate and done == 0:
+        if not accumulate and done == 0:
             self.optimizer.prepare_grad_sync(n)
         # Weights are constant until the optimizer step, so each Q(W) is derived once per step, not
         # once per micro-batch (`Numerics.cached_weights`; stochastic-rounding weights are keyed by micro-batch).
-        with self.model.numerics.training_step(self.step, first_micro_batch=first) as fp4_step, \
+        # Non-finite FP4 operands are flagged on the device (deferred), never raised mid-step, with or
+        # without a pipeline: every rank finishes the step's sends, receives and collectives, then
+        # reads the flags once here, and the vote in `apply_update` refuses the step everywhere.
+        with self.model.numerics.training_step(self.step, first_micro_batch=first, defer_nonfinite=True) as fp4_step, \
                 self.gate.watching(self.model.layers), self._weight_cache():
-            if self.pipeline is not None:
-                loss, metrics = self.pipeline.run(micro_batches, require_step_loss(loss_fn))
-            else:
-                loss, metrics = self._local_forward_backward(micro_batches, loss_fn, weights)
+            try:
+                if self.pipeline is not None:
+                    loss, metrics = self.pipeline.run(micro_batches, require_step_loss(loss_fn))
+                else:
+                    loss, metrics = self._local_forward_backward(micro_batches, loss_fn, weights)
+            except NonFiniteInputError as err:  # raised outside the deferred flags: same policy as a NaN loss
+                self.gate.trip(f"an FP4 operand ({err})")
+                loss, metrics = math.nan, {}
             deferred = fp4_step.nonfinite_error()  # the call's deferred FP4 NaN/Inf flags: one sync
-        if deferred is not None:
-            self.gate.trip(f"an FP4 operand ({deferred})")
+        if deferred is not None:  # read after the call: name the tensor also when the gate tripped first
+            where = self.gate.where
+            self.gate.reset()
+            self.gate.trip(f"an FP4 operand ({deferred})" + (f"; and the {where}" if where else ""))
             loss, metrics = math.nan, {}
         if self.mesh.dp > 1:  # the global mean: every dp rank ran the same number of micro-batches
             values = torch.tensor([loss] + list(metrics.values()), dtype=torch.float64, device=self.device)
@@ -121,18 +129,11 @@ class TrainingStep:
 
         total, metrics = 0.0, {}
         for i, mb in enumerate(micro_batches):
-            try:
-                with self.model.numerics.micro_batch(i):  # FP4 SR streams keyed by the global micro-batch index
-                    with self.autocast():
-                        loss, extra = loss_fn(self.model, mb)
-                    if backward:
-                        weighted(i, loss).backward()
-            except NonFiniteInputError as err:
-                # Non-finite inside a layer despite the gate (finite inputs overflowing within it, or
-                # non-finite weights, which the guard never commits): same policy as a NaN loss. On
-                # one rank of a multi-rank step this early return can still leave collectives short.
-                self.gate.trip(f"an FP4 operand ({err})")
-                return math.nan, {}
+            with self.model.numerics.micro_batch(i):  # FP4 SR streams keyed by the global micro-batch index
+                with self.autocast():
+                    loss, extra = loss_fn(self.model, mb)
+                if backward:
+                    weighted(i, loss).backward()
             total += weighted(i, loss.detach().item())
             for key, value in extra.items():
                 metrics[key] = metrics.get(key, 0.0) + weighted(i, float(value))

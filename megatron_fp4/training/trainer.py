@@ -1,5 +1,6 @@
 """The one trainer, for every layout: micro-batched forward/backward (or the pipeline schedule),
-NaN guard, clipping, AdamW (ZeRO-sharded over dp), LR schedule, logging, checkpoints.
+NaN guard, clipping, AdamW (`ZeroAdamW`, sharded over dp; one process is dp = 1), LR schedule,
+logging, checkpoints (DCP at every size, `training/dist_checkpoint.py`).
 
     trainer = Trainer(load_config("megatron_fp4/configs/tiny_moe.yaml"))          # one process
     trainer = Trainer(cfg, ParallelMesh.build(pp, dp, ep))                     # under torchrun
@@ -39,12 +40,12 @@ from megatron_fp4.parallel.expert_parallel import apply_expert_parallel
 from megatron_fp4.parallel.mesh import ParallelDims, ParallelMesh, world_size_from_env
 from megatron_fp4.parallel.pipeline import PipelineRunner
 from megatron_fp4.parallel.zero import ZeroAdamW
-from megatron_fp4.training import checkpoint as ckpt, preemption
+from megatron_fp4.training import checkpoint as ckpt
 from megatron_fp4.training import dist_checkpoint as dcp_ckpt
 from megatron_fp4.training.data import ResumableSampler, build_dataset, get_batch
 from megatron_fp4.training.metrics import MetricsLogger
 from megatron_fp4.training.nonfinite import LayerGate, NonFiniteError
-from megatron_fp4.training.optim import MasterWeightAdamW
+from megatron_fp4.training.preemption import PreemptionHandler, stop_if_requested
 from megatron_fp4.training.step import TrainingStep
 from megatron_fp4.training.step_loss import LossFn, StepLoss, lm_loss_fn
 
@@ -76,16 +77,9 @@ class Trainer(TrainingStep):
         self._build_data(build_data)
         self._init_guard()
 
-    @property
-    def sharded(self) -> bool:
-        """A mesh over a process group (torchrun, any size): ZeRO optimizer, DCP checkpoints
-        (reshardable across dp and pp). A mesh of size 1 without one: AdamW, one checkpoint file."""
-        return self.mesh.is_distributed
-
-    def build_optimizer(self):
-        """A fresh optimizer over this rank's parameters (ZeRO-sharded over dp when sharded)."""
-        if not self.sharded:
-            return MasterWeightAdamW(self.model.named_parameters(), self.cfg.optimizer)
+    def build_optimizer(self) -> ZeroAdamW:
+        """A fresh optimizer over this rank's parameters: `ZeroAdamW` at every size (sharded over
+        dp; one process is a dp group of size 1)."""
         p = self.cfg.parallel
         return ZeroAdamW(self.model.named_parameters(), self.cfg.optimizer, self.mesh, p.zero_stage, p.bucket_size_mb)
 
@@ -171,7 +165,10 @@ class Trainer(TrainingStep):
         return moes[0].experts.register_forward_pre_hook(hook)
 
     # -- the loop ---------------------------------------------------------------------------------
-    def train(self, num_steps: Optional[int] = None, logger: Optional[MetricsLogger] = None) -> list[dict]:
+    def train(self, num_steps: Optional[int] = None, logger: Optional[MetricsLogger] = None,
+              preemption: Optional[PreemptionHandler] = None) -> list[dict]:
+        """Train to `schedule.train_steps` (or `num_steps` more). `preemption`: the run's signal
+        handler (`megatron_fp4.train` passes one), read only in `between_steps`."""
         cfg = self.cfg
         end = cfg.schedule.train_steps if num_steps is None else self.step + num_steps
         is_logging_rank = self.mesh.rank == self.mesh.world_size - 1  # the last stage holds the loss
@@ -197,11 +194,7 @@ class Trainer(TrainingStep):
                     logger.write(result["message"])
                 logger.log(self.step, {k: v for k, v in result.items() if k != "skipped"})
                 logger.advance(result["loss"], {"lr": f"{result['lr']:.2e}"})
-                saved = bool(cfg.checkpoint.dir and cfg.checkpoint.save_interval
-                             and self.step % cfg.checkpoint.save_interval == 0)
-                if saved:
-                    self.save_checkpoint(cfg.checkpoint.dir)
-                preemption.stop_if_requested(self, saved)  # SIGTERM/SIGUSR1: all ranks save this step, stop
+                self.between_steps(preemption)
             if cfg.checkpoint.dir and (not history or not cfg.checkpoint.save_interval
                                        or self.step % cfg.checkpoint.save_interval):
                 self.save_checkpoint(cfg.checkpoint.dir)
@@ -210,6 +203,16 @@ class Trainer(TrainingStep):
             if own_logger:
                 logger.close()
         return history
+
+    def between_steps(self, preemption: Optional[PreemptionHandler] = None) -> None:
+        """The check point after every step of `train`, before the next one (nothing else runs, every
+        rank is here): the periodic checkpoint, then the preemption vote, the one place where a run
+        stops early (SIGTERM/SIGUSR1 on any rank: every rank saves this step and raises `Preempted`)."""
+        cfg = self.cfg
+        saved = bool(cfg.checkpoint.dir and cfg.checkpoint.save_interval and self.step % cfg.checkpoint.save_interval == 0)
+        if saved:
+            self.save_checkpoint(cfg.checkpoint.dir)
+        stop_if_requested(self, preemption, saved)
 
     def _train_step_or_peer_failure(self) -> dict:
         """`train_step`, with a collective that timed out or lost its peer reported as such."""
@@ -222,41 +225,22 @@ class Trainer(TrainingStep):
             raise failure from err
 
     # -- checkpoints ------------------------------------------------------------------------------
-    def state_dict(self) -> dict:
-        return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(), "step": self.step,
-                "sampler": self.sampler.state_dict() if self.sampler else None, "rng": ckpt.rng_state()}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.model.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.step = state["step"]
-        if self.sampler is not None and state.get("sampler") is not None:
-            self.sampler.load_state_dict(state["sampler"])
-        ckpt.set_rng_state(state["rng"])
-
     def save_checkpoint(self, root: str):
-        """Single process: one atomic file set; sharded: DCP, reshardable across dp and pp."""
+        """Collective: DCP at every size (one process included), reshardable across dp and pp
+        (`training/dist_checkpoint.py`). Refused, with the last checkpoint kept, when the weights
+        are not finite."""
         self.refuse_nonfinite_save(root)
-        if self.sharded:
-            return dcp_ckpt.save(root, self)
-        return ckpt.save_checkpoint(root, self.step, self.state_dict(), self.cfg.to_dict())
+        return dcp_ckpt.save(root, self)
 
     def refuse_nonfinite_save(self, root: str) -> None:
         self.require_finite_weights(f"refusing to save step {self.step} to {root}: the weights are not finite",
                                     "the last checkpoint there is kept as it is")
 
     def load_checkpoint(self, path: str) -> int:
-        """Resume a training checkpoint, or start from a weights-only one (step 0, fresh optimizer)."""
-        if self.sharded:
-            dcp_ckpt.load(path, self)
-            self.refuse_nonfinite_load(path)
-            return self.step
-        state, meta = ckpt.load_checkpoint(path, self.cfg.model, self.model.state_dict())
-        if meta["kind"] == "weights":
-            self.model.load_state_dict(state["model"])
-            self.optimizer = self.build_optimizer()
-        else:
-            self.load_state_dict(state)
+        """Resume a DCP checkpoint (a step dir, or a root: its newest intact step), written by any
+        layout. One without optimizer state (`tools/convert_checkpoint.py from-hf`, or `upgrade` of
+        a checkpoint of the former single-file format) starts with fresh Adam moments."""
+        dcp_ckpt.load(path, self)
         self.refuse_nonfinite_load(path)
         return self.step
 

@@ -9,9 +9,9 @@ and BLAS mode (the bounds are derived in tests/numerics.py):
   every parameter tensor and the first step's gradients (routers included: the aux loss of every
   stage must reach them) within ``FP64_REL`` = 1e-10 relative of the single process.
 - **bitwise, pipeline only** (fp32 and fp64): the first step's loss and every gradient (the
-  pipeline's forward and backward; not the update: ZeRO's sharded AdamW on flat buffers, with the
-  norm for clipping summed across stages, rounds differently from the single process's per-tensor
-  AdamW, so updated parameters are checked in float64). Stage boundaries change nothing. Every micro-batch
+  pipeline's forward and backward; not the update: the norm for clipping, summed per stage and
+  then across stages, rounds differently from the single process's sum over its buffers (the same
+  `ZeroAdamW` at dp = 1), so updated parameters are checked in float64). Stage boundaries change nothing. Every micro-batch
   runs the same kernels on the same shapes in both runs, the gradients of a micro-batch accumulate
   in the same order, and the zero-bubble split backward (an input-grad and a deferred weight-grad
   pass, re-running the custom autograd Functions' deterministic backward) still accumulates weight

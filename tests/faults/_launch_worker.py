@@ -17,10 +17,10 @@ import sys
 import time
 
 from megatron_fp4.train import main
-from megatron_fp4.training import preemption
 from megatron_fp4.training.trainer import Trainer
 
-_train_step = Trainer.train_step
+_train_step, _train = Trainer.train_step, Trainer.train
+_handler = []  # the PreemptionHandler the CLI hands to Trainer.train
 FAULT = os.environ.get("FAULT", "").split(":")
 FIRST_ATTEMPT = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
 
@@ -35,7 +35,7 @@ def _hooked_train_step(self):
     if FIRST_ATTEMPT and FAULT[0] == "signal" and self.mesh.rank == int(FAULT[1]) and self.step - 1 == int(FAULT[2]):
         os.kill(os.getppid() if FAULT[4:] == ["agent"] else os.getpid(), getattr(signal, FAULT[3]))
         deadline = time.monotonic() + 60  # the agent's forwarded copy: wait for it (a bound, not a timing)
-        while FAULT[4:] == ["agent"] and preemption._active.received is None and time.monotonic() < deadline:
+        while FAULT[4:] == ["agent"] and _handler[0].received is None and time.monotonic() < deadline:
             time.sleep(0.01)
     if FAULT[0] == "hold" and self.mesh.rank == int(FAULT[1]) and self.step - 1 == int(FAULT[2]):
         _hold_once(FAULT[3])
@@ -49,11 +49,17 @@ def _hold_once(marker: str) -> None:
         return
     open(marker, "w").close()
     deadline = time.monotonic() + 300  # a bound in case the signal never comes, not a timing
-    while preemption._active.received is None and time.monotonic() < deadline:
+    while _handler[0].received is None and time.monotonic() < deadline:
         time.sleep(0.05)
 
 
+def _recording_train(self, *args, **kwargs):
+    _handler.append(kwargs.get("preemption"))
+    return _train(self, *args, **kwargs)
+
+
 Trainer.train_step = _hooked_train_step
+Trainer.train = _recording_train
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -6,6 +6,7 @@ import torch
 from megatron_fp4.config import Config
 
 NAN = float("nan")
+MODES = ("act", "grad", "fp4")
 
 
 def tiny_cfg(pp: int, policy: str = "skip") -> Config:
@@ -26,7 +27,13 @@ def local_layers(trainer) -> list:
 
 def inject(trainer, mode: str):
     """Poison this rank only. 'act': NaN activations entering its first local layer (forward);
-    'grad': NaN gradient leaving its last local layer towards the layers/stage before (backward)."""
+    'grad': NaN gradient leaving its last local layer towards the layers/stage before (backward);
+    'fp4': NaN entering the FP4 experts inside its first local layer, past the layer gate: a
+    non-finite FP4 operand, flagged by the quantizer mid-schedule."""
+    if mode == "fp4":
+        def pre_fp4(module, args):
+            return (args[0] * NAN,) + tuple(args[1:])
+        return local_layers(trainer)[0].mlp.experts.register_forward_pre_hook(pre_fp4)
     if mode == "act":
         def pre(module, args):
             return (args[0] * NAN,) + tuple(args[1:])
@@ -90,7 +97,7 @@ def nan_guard_worker(rank, world_size, pp, victim, max_skips, parallel=None):
     out = {"first": trainer.train_step()["loss"], "cases": {}}
     for policy in ("skip", "stop"):
         cfg.schedule.nan_policy = policy
-        for mode in ("act", "grad"):
+        for mode in MODES:
             out["cases"][(policy, mode)] = one_step(trainer, victim, mode)
             clean = trainer.train_step()  # the collectives are still in step
             out["cases"][(policy, mode, "after")] = (clean["loss"], clean["skipped"])

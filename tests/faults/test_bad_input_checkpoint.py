@@ -1,8 +1,9 @@
 """Issue 22, table rows 13-16: checkpoints whose meta.json lies about the model or has the wrong
-types, a full disk during a save (single process and DCP), and a DCP `.metadata` sizing a tensor at
-2^40. Each must be one line naming the checkpoint (the tools: exit code 2), with nothing allocated
+types, a full disk during a save (one process and two: DCP at every size), and a DCP `.metadata`
+sizing a tensor at 2^40. Each must be one line naming the checkpoint (the tools: exit code 2), with nothing allocated
 for a size the files do not hold and no temp directory left behind.
 """
+import contextlib
 import errno
 import json
 import os
@@ -77,14 +78,16 @@ def test_meta_claiming_another_model_is_refused_on_resume_and_to_hf(saved_root, 
     (lambda m: m.update(step="7"), "'step'"),
     (lambda m: m.update(files={k: [v] for k, v in m["files"].items()}), "not a sha256"),
     (lambda m: m.update(files={k: 5 for k in m["files"]}), "not a sha256"),
-    (lambda m: m.update(files={}), "no checksum of ['state.pt']"),
+    (lambda m: m.update(files={}), "no checksum of ['.metadata']"),
     (lambda m: m["files"].update({"../../outside": "0" * 64}), "not a file name"),
 ])
 def test_meta_with_wrong_types_is_refused_in_one_line(saved_root, tmp_path, edit, needle):
+    from megatron_fp4.training.trainer import Trainer
+
     step_dir = _copy(saved_root, tmp_path)
     _edit_meta(step_dir, edit)
     with pytest.raises(ckpt.CheckpointError) as err:
-        ckpt.load_checkpoint(step_dir)
+        Trainer(_tiny_cfg()).load_checkpoint(str(step_dir))
     assert needle in str(err.value) and "meta.json" in str(err.value), str(err.value)
     _assert_one_line(_convert("inspect", step_dir), needle)
 
@@ -109,35 +112,36 @@ class _FullDisk:
         return getattr(self.f, name)
 
 
-def _fill_disk_during_torch_save(monkeypatch, room=1000):
-    real_save = torch.save
+def _fill_disk_during_dcp_save(monkeypatch, room=1000):
+    """Every file DCP writes takes `room` bytes, then the disk is full."""
+    from torch.distributed.checkpoint import filesystem
 
-    def save(obj, f, *args, **kwargs):
-        if isinstance(f, (str, os.PathLike)):
-            with open(f, "wb") as handle:
-                return real_save(obj, _FullDisk(handle, room), *args, **kwargs)
-        return real_save(obj, _FullDisk(f, room), *args, **kwargs)
+    real = filesystem.FileSystem.create_stream
 
-    monkeypatch.setattr(torch, "save", save)
+    @contextlib.contextmanager
+    def create_stream(self, path, mode):
+        with real(self, path, mode) as stream:
+            yield _FullDisk(stream, room) if "w" in mode else stream
 
-
-def _state(step):
-    return {"model": {"w": torch.arange(4096, dtype=torch.float32) + step}, "step": step}
+    monkeypatch.setattr(filesystem.FileSystem, "create_stream", create_stream)
 
 
 def test_disk_full_while_saving_is_one_line_and_leaves_no_temp_dir(tmp_path, monkeypatch):
+    from tests.unit.test_checkpoint_safety import loaded_step, save
+
     root = tmp_path / "ck"
-    ckpt.save_checkpoint(root, 1, _state(1), {"model": {}})
+    save(root, 1)  # the trainer's save, one process
     with monkeypatch.context() as m:
-        _fill_disk_during_torch_save(m)
+        _fill_disk_during_dcp_save(m)
         with pytest.raises(ckpt.CheckpointError, match=r"disk full while saving step 2 to .*; step 1 is intact"):
-            ckpt.save_checkpoint(root, 2, _state(2), {"model": {}})
+            save(root, 2)
     assert sorted(p.name for p in root.iterdir()) == ["latest", "step_00000001"]
-    state, meta = ckpt.load_checkpoint(root)
-    assert meta["step"] == 1 and torch.equal(state["model"]["w"], _state(1)["model"]["w"])
+    assert loaded_step(root) == 1  # its tensors are step 1's
 
 
 def test_disk_full_while_writing_meta_json_cleans_up_too(tmp_path, monkeypatch):
+    from tests.unit.test_checkpoint_safety import save
+
     root = tmp_path / "ck"
     real = files.write_durable_text
 
@@ -148,7 +152,7 @@ def test_disk_full_while_writing_meta_json_cleans_up_too(tmp_path, monkeypatch):
 
     monkeypatch.setattr(files, "write_durable_text", full)
     with pytest.raises(ckpt.CheckpointError, match="disk full while saving step 3 .*no earlier step is saved there"):
-        ckpt.save_checkpoint(root, 3, _state(3), {"model": {}})
+        save(root, 3)
     assert list(root.iterdir()) == []
 
 
@@ -163,8 +167,6 @@ def test_durable_text_leaves_no_temp_file_when_the_write_fails(tmp_path, monkeyp
 
 
 def _dcp_disk_full(rank, world_size, root):
-    import contextlib
-
     from torch.distributed.checkpoint import filesystem
 
     from tests.distributed.test_parallel_training_checkpoint import _trainer

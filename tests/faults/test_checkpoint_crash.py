@@ -1,12 +1,11 @@
 """A save killed at any point leaves a root that loads an intact step (row 5 of issue 10).
 
-Every call a save makes that changes the disk (mkdir, torch.save, write_text, fsync, replace,
-rename, unlink, rmdir, rmtree) is a kill point; for each k the k-th such call "kills" the process
-(raises a BaseException, after writing half the file for torch.save), so nothing after it runs,
-as with kill -9. Then a restarted loader must find the previous step or the new one, intact, and
+Every call a save (the trainer's DCP save, one process) makes that changes the disk (mkdir, DCP's
+opening of a file to write, write_text, fsync, replace, rename, unlink, rmdir, rmtree) is a kill
+point; for each k the k-th such call "kills" the process (raises a BaseException), so nothing after
+it runs, as with kill -9. Then a restarted loader must find the previous step or the new one, intact, and
 the next save must succeed and leave no temp entries. A second test SIGKILLs a real saving process
 at arbitrary moments."""
-import io
 import os
 import pathlib
 import shutil
@@ -17,12 +16,12 @@ import textwrap
 import warnings
 
 import pytest
-import torch
+from torch.distributed.checkpoint.filesystem import FileSystem
 
-from tests.unit.test_checkpoint_safety import flip_bytes, loaded_step, save
+from tests.unit.test_checkpoint_safety import flip_bytes, loaded_step, save, shard
 
 POINTS = [(os, "mkdir"), (os, "replace"), (os, "rename"), (os, "fsync"), (os, "unlink"), (os, "rmdir"),
-          (shutil, "rmtree"), (torch, "save"), (pathlib.Path, "write_text")]
+          (shutil, "rmtree"), (FileSystem, "create_stream"), (pathlib.Path, "write_text")]
 
 
 class Killed(BaseException):
@@ -37,15 +36,7 @@ def install_kill(monkeypatch, at: int) -> list:
 
         def wrapped(*args, _real=real, _name=name, **kwargs):
             log.append(_name)
-            if len(log) == at:
-                if _name == "save":  # a torch.save cut short: half a file on disk
-                    buf = io.BytesIO()
-                    _real(args[0], buf)
-                    half = buf.getvalue()[: len(buf.getvalue()) // 2]
-                    if isinstance(args[1], (str, os.PathLike)):
-                        pathlib.Path(args[1]).write_bytes(half)
-                    else:  # an open file (checkpoint.py saves through one)
-                        args[1].write(half)
+            if at and len(log) >= at:  # and every later call: a killed process runs no clean-up either
                 raise Killed(f"killed at {_name} (call {at})")
             return _real(*args, **kwargs)
         monkeypatch.setattr(owner, name, wrapped)
@@ -62,7 +53,7 @@ def baseline(root, damage_last: bool = False):
     for step in (1, 2, 3):
         save(root, step, keep_last=2)
     if damage_last:
-        flip_bytes(root / "step_00000003" / "state.pt")
+        flip_bytes(shard(root / "step_00000003"))
     return root
 
 
@@ -77,7 +68,7 @@ def test_a_save_killed_at_every_point_leaves_an_intact_step(tmp_path, monkeypatc
     with monkeypatch.context() as m:
         calls = install_kill(m, at=0)
         save(probe, step, keep_last=2)
-    assert {"mkdir", "save", "fsync", "replace"} <= set(calls) and len(calls) >= 10, calls
+    assert {"mkdir", "create_stream", "fsync", "replace", "rename"} <= set(calls) and len(calls) >= 10, calls
     for k in range(1, len(calls) + 1):
         root = tmp_path / f"k{k}"
         shutil.copytree(base, root)

@@ -17,7 +17,7 @@ def auto_cfg(tmp_path, steps: int):
 
 
 def inodes(root):
-    return {p.name: (p / "state.pt").stat().st_ino for p in sorted(root.glob("step_*"))}
+    return {p.name: (p / ".metadata").stat().st_ino for p in sorted(root.glob("step_*"))}
 
 
 def test_finished_job_run_again_writes_nothing(tmp_path):
@@ -51,11 +51,24 @@ def test_only_incomplete_steps_are_refused_not_overwritten(tmp_path):
 
 
 def test_crafted_checkpoint_given_to_the_trainer_executes_nothing(tmp_path):
-    from tests.unit.test_checkpoint_safety import RunsCode, save
+    """A step whose DCP `.metadata` is a crafted pickle, its checksums made consistent (so only the
+    allow-listed reader stops it), and one of the former format (never unpickled by the trainer)."""
+    import pickle
+
+    from megatron_fp4.training import checkpoint as ckpt
+    from megatron_fp4.training import checkpoint_files as files
+    from tests.unit.test_checkpoint_safety import RunsCode, legacy_save
 
     marker = tmp_path / "pwned"
-    crafted = save(tmp_path / "crafted", 1, payload=RunsCode(marker))
-    cfg = small_cfg(tmp_path, f"checkpoint.load={crafted}", "fp4.scope=none", "fp4.train_mode=bf16")
-    with pytest.raises(CheckpointError, match="holds objects other than tensors"):
-        run(cfg)
+    run(auto_cfg(tmp_path, 1))
+    step_dir = tmp_path / "ckpt" / "step_00000001"
+    (step_dir / ".metadata").write_bytes(pickle.dumps(RunsCode(marker)))
+    meta = ckpt.read_meta(step_dir)
+    ckpt.write_meta(step_dir, meta, {n: files.file_digest(step_dir / n) for n in meta["files"]})
+    legacy = legacy_save(tmp_path / "legacy", 1, payload=RunsCode(marker))
+    for crafted, needle in [(step_dir, "refers to (posix|os|nt).system"), (legacy, "convert_checkpoint.py upgrade")]:
+        cfg = small_cfg(tmp_path, f"checkpoint.load={crafted}", "checkpoint.dir=null", "fp4.scope=none",
+                        "fp4.train_mode=bf16")
+        with pytest.raises(CheckpointError, match=needle):
+            run(cfg)
     assert not marker.exists()

@@ -106,6 +106,20 @@ def test_a_verl_step_and_a_cli_step_give_the_same_bits():
     assert any(not torch.equal(start[n], p) for n, p in params(trainer.model).items())
 
 
+def test_the_sr_streams_key_decides_the_bits():
+    """What makes the test above able to fail: the same verl step with the FP4 step context keyed by
+    another optimizer step (the lr schedule, which follows verl's position, unchanged) rounds the
+    gradients differently, so a verl path without the trainer's step context would not match."""
+    cfg = sr_cfg()
+    engine = MegatronFP4Engine(cfg=copy.deepcopy(cfg), micro_batch_size=MICRO).initialize()
+    trainer = Trainer(copy.deepcopy(cfg), build_data=False)
+    engine.trainer.step = 1  # the SR streams' step; lr_at reads engine.lr_steps (still 0)
+    b = batch(cfg.model.vocab_size, seed=0)
+    v, c = verl_step(engine, b), cli_step(trainer, b)
+    assert float.hex(v["loss"]) == float.hex(c["loss"])  # forward: nearest rounding, no SR draws
+    assert float.hex(v["grad_norm"]) != float.hex(c["grad_norm"])
+
+
 def poisoned(cfg: Config) -> dict:
     b = batch(cfg.model.vocab_size, seed=0)
     b["advantages"][3, 0] = math.nan  # one token of the second micro-batch

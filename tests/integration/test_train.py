@@ -73,12 +73,14 @@ def test_interrupted_save_leaves_latest_loadable(tmp_path, monkeypatch):
     cfg = small_cfg(tmp_path, "schedule.train_steps=2", "schedule.warmup_steps=0", "checkpoint.save_interval=1")
     trainer = Trainer(cfg)
     trainer.train(num_steps=1)
-    import megatron_fp4.training.checkpoint as ckpt
+    import errno
+
+    from torch.distributed.checkpoint import filesystem
 
     def crash(*a, **k):
-        raise OSError("disk full")
-    monkeypatch.setattr(ckpt.torch, "save", crash)
-    with pytest.raises(CheckpointError, match="disk full .*while saving step 2 .*; step 1 is intact"):
+        raise OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr(filesystem.FileSystem, "create_stream", crash)  # DCP's writes, one process too
+    with pytest.raises(CheckpointError, match="disk full while saving step 2 .*; step 1 is intact"):
         trainer.train(num_steps=1)
     monkeypatch.undo()
     assert Trainer(cfg).load_checkpoint(str(tmp_path / "ckpt")) == 1  # still the complete step 1

@@ -33,7 +33,6 @@ from megatron_fp4.model import build_model
 from megatron_fp4.model.layers import Attention, SwiGLU
 from megatron_fp4.model.moe import MoELayer, init_moe_params
 from megatron_fp4.model.specs import recipe_from_config
-from megatron_fp4.training import checkpoint as ckpt
 from tools.convert_checkpoint import main as convert
 
 VLLM = vllm_available()
@@ -52,8 +51,11 @@ def tiny_cfg(scope="experts+attention", **fp4) -> Config:
 
 def write_hf(tmp_path, cfg, *flags, seed=0) -> Path:
     """The model of `cfg` (initialised from `seed`) saved as our checkpoint, converted by `to-hf`."""
-    model = build_model(cfg, seed=seed)
-    ckpt.save_checkpoint(tmp_path / "ckpt", 0, {"model": model.state_dict()}, cfg.to_dict(), kind="weights")
+    from tools.convert_checkpoint import one_process_trainer
+
+    trainer = one_process_trainer(cfg)  # our checkpoint (DCP, step 0) of exactly these weights
+    trainer.model.load_state_dict(build_model(cfg, seed=seed).state_dict())
+    trainer.save_checkpoint(str(tmp_path / "ckpt"))
     assert convert(["to-hf", str(tmp_path / "ckpt"), str(tmp_path / "hf"), *flags]) == 0
     return tmp_path / "hf"
 

@@ -1,8 +1,9 @@
 """Checkpoints are data, damage is detected, and a root always resolves to an intact step.
 
-Every test here builds tiny step directories directly (no training): crafted pickles that would
-create a marker file if anything executed them, flipped and truncated bytes, `latest` naming a
-missing step, stale temp dirs, retention."""
+Every test here builds tiny step directories (no training: the trainer's own DCP save of a tiny
+model, or DCP / former-format files written directly): crafted pickles that would create a marker
+file if anything executed them, flipped and truncated bytes, `latest` naming a missing step, stale
+temp dirs, retention."""
 import json
 import os
 import pickle
@@ -35,15 +36,61 @@ def weights(step: int) -> torch.Tensor:
     return torch.arange(4096, dtype=torch.float32) + step  # 16 KiB of tensor data
 
 
-def save(root, step: int, keep_last: int = 0, **extra):
-    state = {"model": {"w": weights(step)}, "step": step, "rng": {"torch": torch.get_rng_state()}, **extra}
-    return ckpt.save_checkpoint(root, step, state, {"model": {}, "checkpoint": {"keep_last": keep_last}})
+_TRAINER = []  # one tiny trainer for every save of a test process (building one per save is slow)
+MARKED = "norm.weight"  # the parameter `save` sets to its step, so a loaded step proves its tensors
+
+
+def _saver(keep_last: int):
+    if not _TRAINER:
+        from megatron_fp4.parallel.mesh import ParallelMesh
+        from megatron_fp4.training.trainer import Trainer
+
+        cfg = load_config(None, ["model.num_layers=1", "model.hidden_size=32", "model.num_heads=2",
+                                 "model.num_kv_heads=1", "model.head_dim=16", "model.num_experts=2", "model.top_k=1",
+                                 "model.moe_ffn_hidden_size=16", "model.vocab_size=32", "schedule.seq_len=8",
+                                 "schedule.global_batch_size=2", "schedule.micro_batch_size=2"])
+        _TRAINER.append(Trainer(cfg, ParallelMesh.single(), build_data=False))
+    trainer = _TRAINER[0]
+    trainer.cfg.checkpoint.keep_last = keep_last
+    return trainer
+
+
+def save(root, step: int, keep_last: int = 0):
+    """Step `step` through the trainer's own save (DCP, one process), its marked parameter = step."""
+    trainer = _saver(keep_last)
+    trainer.step = step
+    with torch.no_grad():
+        dict(trainer.model.named_parameters())[MARKED].fill_(step)
+    return trainer.save_checkpoint(str(root))
 
 
 def loaded_step(root) -> int:
-    state, meta = ckpt.load_checkpoint(root)
-    assert torch.equal(state["model"]["w"], weights(meta["step"]))
+    """The step a root (or step dir) loads, checking that its tensors are that step's."""
+    def load_one(step_dir):
+        meta = ckpt.read_meta(step_dir)
+        return read_full_model_state(step_dir, meta), meta
+
+    state, meta = ckpt.with_fallback(root, load_one)
+    assert torch.equal(state[MARKED], torch.full_like(state[MARKED], meta["step"]))
     return meta["step"]
+
+
+def shard(step_dir):
+    return next(step_dir.glob("*.distcp"))
+
+
+def legacy_save(root, step: int, state: dict = None, config: dict = None, **extra):
+    """A step directory of the former single-file format (state.pt, kind "single"), as older versions
+    wrote it: what `tools/convert_checkpoint.py` still reads (written here, no longer by the package)."""
+    step_dir = root / ckpt.step_dir_name(step)
+    step_dir.mkdir(parents=True)
+    state = state or {"model": {"w": weights(step)}, "step": step, "rng": {"torch": torch.get_rng_state()}}
+    torch.save({**state, **extra}, step_dir / ckpt.STATE_FILE)
+    sums = {n: files.file_digest(step_dir / n) for n in files.data_files(step_dir)}
+    ckpt.write_meta(step_dir, {"format_version": ckpt.FORMAT_VERSION, "step": step, "kind": "single",
+                               "config": config or {"model": {}}}, sums)
+    (root / ckpt.LATEST_FILE).write_text(step_dir.name + "\n")
+    return step_dir
 
 
 def flip_bytes(path, count=64):
@@ -68,12 +115,22 @@ def dcp_step(root, step: int, metadata: bytes = None):
 
 # -- row 1 and 2: nothing in a checkpoint executes ---------------------------------------------------
 def test_crafted_state_pt_is_refused_not_executed(tmp_path):
+    """The former format is still read (by the converter): weights_only refuses a crafted pickle."""
     marker = tmp_path / "pwned"
-    step_dir = save(tmp_path / "ckpt", 1, payload=RunsCode(marker))  # checksums are right: only weights_only stops it
+    step_dir = legacy_save(tmp_path / "ckpt", 1, payload=RunsCode(marker))  # checksums are right: only weights_only stops it
     with pytest.raises(ckpt.CheckpointError, match="state.pt holds objects other than tensors"):
-        ckpt.load_checkpoint(step_dir)
+        ckpt.load_legacy_step(step_dir)
     with pytest.raises(ckpt.CheckpointError):
-        ckpt.load_checkpoint(tmp_path / "ckpt")
+        ckpt.with_fallback(tmp_path / "ckpt", ckpt.load_legacy_step)
+    assert not marker.exists()
+
+
+def test_the_trainer_refuses_the_former_format_naming_the_converter(tmp_path):
+    marker = tmp_path / "pwned"
+    step_dir = legacy_save(tmp_path / "ckpt", 1, payload=RunsCode(marker))
+    trainer = _saver(0)
+    with pytest.raises(ckpt.CheckpointError, match=r"former single-file format .*convert_checkpoint.py upgrade"):
+        trainer.load_checkpoint(str(step_dir))
     assert not marker.exists()
 
 
@@ -84,8 +141,8 @@ def test_real_state_with_optimizer_sampler_and_rng_loads_weights_only(tmp_path):
     opt.step()
     state = {"model": model.state_dict(), "optimizer": opt.state_dict(), "step": 7, "rng": {"torch": torch.get_rng_state()},
              "sampler": {"epoch": 1, "consumed": 40}}
-    ckpt.save_checkpoint(tmp_path, 7, state, {"model": {}})
-    got, meta = ckpt.load_checkpoint(tmp_path)
+    legacy_save(tmp_path, 7, state)
+    got, meta = ckpt.with_fallback(tmp_path, ckpt.load_legacy_step)
     assert meta["step"] == 7 and got["sampler"] == state["sampler"]
     assert got["optimizer"]["param_groups"] == state["optimizer"]["param_groups"]
     assert torch.equal(got["optimizer"]["state"][0]["exp_avg"], state["optimizer"]["state"][0]["exp_avg"])
@@ -116,9 +173,9 @@ def test_real_dcp_metadata_reads_the_same_through_the_allow_list(tmp_path):
 def test_flipped_bytes_fail_the_checksum_and_a_root_falls_back(tmp_path):
     for step in (1, 2):
         save(tmp_path, step)
-    flip_bytes(tmp_path / "step_00000002" / "state.pt")
-    with pytest.raises(ckpt.CorruptCheckpointError, match="state.pt fails its sha256 check"):
-        ckpt.load_checkpoint(tmp_path / "step_00000002")
+    flip_bytes(shard(tmp_path / "step_00000002"))
+    with pytest.raises(ckpt.CorruptCheckpointError, match=r"distcp fails its sha256 check"):
+        loaded_step(tmp_path / "step_00000002")
     with pytest.warns(UserWarning, match="skipping damaged checkpoint.*step_00000002"):
         assert loaded_step(tmp_path) == 1
 
@@ -126,17 +183,18 @@ def test_flipped_bytes_fail_the_checksum_and_a_root_falls_back(tmp_path):
 @pytest.mark.parametrize("victim", ["state.pt", "meta.json"])
 @pytest.mark.parametrize("with_checksums", [True, False])
 def test_truncated_files_raise_checkpoint_error(tmp_path, victim, with_checksums):
-    step_dir = save(tmp_path, 1)
+    step_dir = legacy_save(tmp_path, 1) if victim == "state.pt" else save(tmp_path, 1)
     if not with_checksums:  # as written by older versions: no 'files', no 'meta_sha256'
         meta = json.loads((step_dir / "meta.json").read_text())
         (step_dir / "meta.json").write_text(json.dumps({k: v for k, v in meta.items()
                                                         if k not in ("files", "meta_sha256")}))
     path = step_dir / victim
     path.write_bytes(path.read_bytes()[: len(path.read_bytes()) // 2])
+    load = ckpt.load_legacy_step if victim == "state.pt" else loaded_step
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         with pytest.raises(ckpt.CorruptCheckpointError, match=victim):
-            ckpt.load_checkpoint(step_dir)
+            load(step_dir)
 
 
 @pytest.mark.parametrize("with_checksums", [True, False])
@@ -164,7 +222,9 @@ def test_save_fsyncs_files_and_directories(tmp_path, monkeypatch):
     monkeypatch.setattr(os, "fsync", recording_fsync)
     save(tmp_path / "ckpt", 5)
     temp = [n for n in synced if n.startswith(".tmp-step_00000005")]
-    assert "state.pt" in synced and "config.yaml" in synced and "ckpt" in synced and temp, synced
+    written = files.data_files(tmp_path / "ckpt" / "step_00000005", exclude=[ckpt.META_FILE])
+    assert ".metadata" in written and set(written) <= set(synced) and "ckpt" in synced and temp, (written, synced)
+    assert any(n.startswith(".tmp-meta.json") for n in synced), synced  # meta.json: temp file, fsync, rename
 
 
 # -- row 5: `latest` is a hint, a complete step is never replaced -----------------------------------
@@ -192,15 +252,15 @@ def test_traces_without_a_complete_step_fail_loudly(tmp_path):
 
 def test_a_complete_step_is_never_written_again(tmp_path):
     first = save(tmp_path, 3)
-    inode = (first / "state.pt").stat().st_ino
+    inode = shard(first).stat().st_ino
     with pytest.warns(UserWarning, match="already holds a complete checkpoint"):
         save(tmp_path, 3)
-    assert (first / "state.pt").stat().st_ino == inode
+    assert shard(first).stat().st_ino == inode
 
 
 def test_a_damaged_step_is_replaced_by_a_new_save(tmp_path):
     save(tmp_path, 3)
-    flip_bytes(tmp_path / "step_00000003" / "state.pt")
+    flip_bytes(shard(tmp_path / "step_00000003"))
     save(tmp_path, 3)
     assert loaded_step(tmp_path / "step_00000003") == 3
 

@@ -178,10 +178,8 @@ def tiny_trainer_cfg():
     return cfg
 
 
-def test_resumed_run_draws_the_uninterrupted_streams():
+def test_resumed_run_draws_the_uninterrupted_streams(tmp_path):
     """Seeds come from the trainer's step (restored from the checkpoint), not a process counter."""
-    import copy
-
     from megatron_fp4.training.trainer import Trainer
 
     cfg = tiny_trainer_cfg()
@@ -190,7 +188,8 @@ def test_resumed_run_draws_the_uninterrupted_streams():
     losses = [straight.train_step()["loss"] for _ in range(2)]
     first = Trainer(cfg)
     first.train_step()
+    first.save_checkpoint(str(tmp_path))  # DCP, one process
     resumed = Trainer(cfg)
-    resumed.load_state_dict(copy.deepcopy(first.state_dict()))
+    assert resumed.load_checkpoint(str(tmp_path)) == 1
     assert resumed.train_step()["loss"] == losses[1]
     assert all(torch.equal(p, q) for p, q in zip(resumed.model.parameters(), straight.model.parameters()))

@@ -2,7 +2,7 @@
 
 - parameters, gradients and optimizer state: the planner's bytes equal the bytes of the tensors a
   real `Trainer` holds after one step (sum of numel × element_size per rank), exactly: one process
-  (`MasterWeightAdamW`) and gloo meshes at pp2, ep2 and dp2 with ZeRO 0/1/2 (`ZeroAdamW`);
+  and gloo meshes at pp2, ep2 and dp2 with ZeRO 0/1/2 (`ZeroAdamW` at every size);
 - activations: the planner's bytes per micro-batch against the unique storages autograd saves in
   one forward (``torch.autograd.graph.saved_tensors_hooks``) that are still alive when the loss is
   formed (what backward holds). Derived bound: the planner counts
@@ -79,23 +79,16 @@ def _real_state_bytes(trainer) -> dict:
     """Bytes of the tensors the trainer's optimizer and model hold (each storage once)."""
     opt = trainer.optimizer
     out = dict(params=0, grads=0, masters=0, moments=0, steps=0)
-    states = opt.optimizers if hasattr(opt, "optimizers") else [opt.optimizer]
-    for o in states:
+    for o in opt.optimizers:
         for st in o.state.values():
             out["moments"] += sum(st[k].numel() * st[k].element_size() for k in ("exp_avg", "exp_avg_sq"))
             out["steps"] += st["step"].numel() * st["step"].element_size()
-    if hasattr(opt, "buffers"):  # ZeroAdamW: params and grads are views into its flat buffers
-        for buf, master, shard in zip(opt.buffers, opt.masters, opt.grad_shards):
-            out["params"] += buf.data.numel() * buf.data.element_size()
-            out["grads"] += buf.grad.numel() * buf.grad.element_size()
-            out["grads"] += 0 if shard is None else shard.numel() * shard.element_size()
-            shares = master.data_ptr() == buf.data.data_ptr()
-            out["masters"] += 0 if shares else master.numel() * master.element_size()
-    else:
-        for p, master in zip(opt.params, opt.masters):
-            out["params"] += p.numel() * p.element_size()
-            out["grads"] += p.grad.numel() * p.grad.element_size()
-            out["masters"] += 0 if master is p else master.numel() * master.element_size()
+    for buf, master, shard in zip(opt.buffers, opt.masters, opt.grad_shards):  # params, grads: buffer views
+        out["params"] += buf.data.numel() * buf.data.element_size()
+        out["grads"] += buf.grad.numel() * buf.grad.element_size()
+        out["grads"] += 0 if shard is None else shard.numel() * shard.element_size()
+        shares = master.data_ptr() == buf.data.data_ptr()
+        out["masters"] += 0 if shares else master.numel() * master.element_size()
     out["param_numel"] = sum(p.numel() for p in trainer.model.parameters())
     return out
 

@@ -45,7 +45,7 @@ def test_signal_saves_the_finished_step_and_resume_matches(tmp_path, signal_afte
     with pytest.raises(Preempted, match=f"preempted by {sig.name}: stopped after step 2") as info:
         run(cfg_for(tmp_path, "pre"))
     assert info.value.step == 2 and (tmp_path / "pre" / "step_00000002" / "meta.json").exists()
-    assert signal.getsignal(sig) is not preemption._active and preemption._active is None  # handlers restored
+    assert signal.getsignal(sig) is signal.SIG_DFL  # handlers restored
     tail = run(cfg_for(tmp_path, "pre", "checkpoint.load=auto"))
     assert [h["loss"] for h in tail] == reference[2:]
 
@@ -72,8 +72,23 @@ def test_without_a_handler_nothing_votes():
     class FakeTrainer:
         mesh = NoVote()
 
-    assert preemption._active is None
-    preemption.stop_if_requested(FakeTrainer(), saved=False)  # a library user's loop: no collective
+    preemption.stop_if_requested(FakeTrainer(), None, saved=False)  # a library user's loop: no collective
+    handler = PreemptionHandler()
+    handler.received = "SIGTERM"  # recorded, but not installed (outside its `with`): still no vote
+    preemption.stop_if_requested(FakeTrainer(), handler, saved=False)
+
+
+def test_train_reads_the_signal_only_from_the_handler_it_is_given(tmp_path, signal_after_step):
+    """The flag is read at the check point between steps, from the handler passed to `train`: a
+    handler installed elsewhere (the signal still lands in it) does not stop this trainer."""
+    signal_after_step(0)
+    with PreemptionHandler() as handler:
+        trainer = Trainer(cfg_for(tmp_path, "given"))
+        with pytest.raises(Preempted, match="stopped after step 1"):
+            trainer.train(num_steps=3, preemption=handler)
+        assert trainer.step == 1
+        handler.received = None
+        assert len(Trainer(cfg_for(tmp_path, "other", "checkpoint.dir=null")).train(num_steps=2)) == 2
 
 
 def test_handler_is_a_no_op_outside_the_main_thread():
@@ -83,4 +98,4 @@ def test_handler_is_a_no_op_outside_the_main_thread():
     thread = threading.Thread(target=lambda: PreemptionHandler().__enter__())
     thread.start()
     thread.join()
-    assert signal.getsignal(signal.SIGUSR1) is before and preemption._active is None
+    assert signal.getsignal(signal.SIGUSR1) is before
