@@ -123,7 +123,8 @@ class CheckedPPOTrainer(RayPPOTrainer):
             diff = (old.batch["old_log_probs"].float() - batch.batch["rollout_log_probs"].float()).abs()[mask]
             _record({"kind": "step", "global_steps": self.global_steps, "tokens": int(mask.sum()),
                      "max_abs_logprob_diff": float(diff.max()) if diff.numel() else 0.0,
-                     "mean_abs_logprob_diff": float(diff.mean()) if diff.numel() else 0.0})
+                     "mean_abs_logprob_diff": float(diff.mean()) if diff.numel() else 0.0,
+                     "abs_logprob_diffs": diff.tolist()})
         return old, mfu
 
 
