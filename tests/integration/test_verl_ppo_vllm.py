@@ -42,10 +42,14 @@ def test_rule_reward():
     assert compute_score("arith", "ab!!", "5") == pytest.approx(0.05)
 
 
-def test_refuses_bad_steps(capsys):
+def test_refuses_bad_arguments(tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
         main(["--steps", "0"])
     assert e.value.code == 2 and "--steps must be >= 1" in capsys.readouterr().err
+    (tmp_path / "old").write_text("x")
+    with pytest.raises(SystemExit) as e:
+        main(["--out", str(tmp_path)])
+    assert e.value.code == 2 and "must be a new or empty directory" in capsys.readouterr().err
 
 
 @pytest.mark.slow

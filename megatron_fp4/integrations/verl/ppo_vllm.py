@@ -144,6 +144,8 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if args.steps < 1:
         parser.error("--steps must be >= 1")
+    if args.out is not None and args.out.exists() and (not args.out.is_dir() or any(args.out.iterdir())):
+        parser.error(f"--out {args.out}: must be a new or empty directory (the run writes its model and data there)")
     missing = missing_for_ppo()
     if missing:
         print(f"ppo_vllm: {missing}", file=sys.stderr)
@@ -154,16 +156,14 @@ def main(argv=None) -> int:
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; vLLM's CPU default (4) is more than needed
     out = args.out or Path(tempfile.mkdtemp(prefix="verl_ppo_vllm."))
     out.mkdir(parents=True, exist_ok=True)
-    (out / CHECKS).unlink(missing_ok=True)
-    os.environ["MEGATRON_FP4_PPO_CHECKS"] = str(out / CHECKS)
+    from verl.trainer.main_ppo import run_ppo
+
+    from megatron_fp4.integrations.verl.ppo_checks import ENV_CHECKS, CheckedTaskRunner
+
+    os.environ[ENV_CHECKS] = str(out / CHECKS)  # the task runner (a Ray actor) inherits it
     model = write_model(out)
     train, val = write_data(out)
     config = verl_config(overrides(model, train, val, args.steps, out))
-
-    from verl.trainer.main_ppo import run_ppo
-
-    from megatron_fp4.integrations.verl.ppo_checks import CheckedTaskRunner
-
     run_ppo(config, task_runner_class=CheckedTaskRunner)
     records = [json.loads(line) for line in (out / CHECKS).read_text().splitlines()]
     syncs = [r for r in records if r["kind"] == "sync"]
