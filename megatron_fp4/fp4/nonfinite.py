@@ -25,11 +25,10 @@ class NonFiniteFlags:
         """Note ``finite`` (a 0-dim bool tensor: the operand had no NaN/Inf) without a host sync."""
         bad = torch.logical_not(finite)
         key = (what, name)
-        held = self._flags.get(key)
-        if held is None:
-            self._flags[key] = bad
-        else:
-            held.logical_or_(bad)
+        # The same two ops whether the key is new or not, out of place: an activation recompute
+        # re-runs the forward with these flags already holding the key, and selective checkpointing
+        # requires the recompute's ops to match the forward's one for one.
+        self._flags[key] = torch.logical_or(self._flags.get(key, bad), bad)
 
     def __len__(self) -> int:
         return len(self._flags)
