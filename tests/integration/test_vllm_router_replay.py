@@ -6,8 +6,9 @@ One `examples/grpo_moeresq.py --rollout vllm` run of two GRPO steps on the tiny 
 trainer in plain FP4 and vLLM in MoEResQ (``fp4.train_mode=fp4``, ``fp4.rollout_mode=fp4_resq``,
 scope experts+attention, ``model.init_std=0.08``: the control of test_vllm_rollout, whose live
 routes disagree with vLLM's on some tokens, so replay has something to fix; measured 90.1 % expert
-agreement without replay, 99.2-99.6 % in the experts-only scope, 100 % with a bf16 trainer). Step 0 runs ``rl.router_replay=r3``, step 1 ``off`` (the config is read
-every step; the same vLLM process serves both). Forward hooks on the trainer's MoE layers record the
+agreement without replay, 99.2-99.6 % in the experts-only scope, 100 % with a bf16 trainer).
+Step 0 runs ``rl.router_replay=r3``, step 1 ``off`` (the config is read every step; the same vLLM
+process serves both). Forward hooks on the trainer's MoE layers record the
 ``routing_in`` each forward receives and the experts it used.
 
 Runs where vllm imports or with MEGATRON_FP4_VLLM_PYTHON set (test_vllm_rollout's pattern; CI:
@@ -67,7 +68,8 @@ def test_r3_replays_vllm_routes_in_every_trainer_forward(monkeypatch):
 
     monkeypatch.setattr(grpo, "run_grpo", capturing_run_grpo)
     monkeypatch.setattr(loop, "build_rl_batch", capturing_build_rl_batch)
-    overrides = MODEL + ["rl.router_replay=r3", "fp4.train_mode=fp4", "fp4.rollout_mode=fp4_resq", "model.init_std=0.08", "fp4.scope=experts+attention"]
+    overrides = MODEL + ["rl.router_replay=r3", "fp4.train_mode=fp4", "fp4.rollout_mode=fp4_resq",
+                         "fp4.scope=experts+attention", "model.init_std=0.08"]
     args = grpo.parse_args(["--rollout", "vllm", *PYTHON_ARGS, "--task", "arithmetic", "--steps", "2",
                             "--sft-steps", "2", "--eval-size", "4", "--num-prompts", "4", "--group-size", "4",
                             "--ppo-epochs", "1", "--minibatches", "1", "--kl-coef", "0.1", "--micro-batch-size", "16",
