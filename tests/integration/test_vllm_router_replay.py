@@ -5,7 +5,7 @@ the reference pass and the update, at the positions that produced those tokens.
 One `examples/grpo_moeresq.py --rollout vllm` run of two GRPO steps on the tiny model, with the
 trainer in plain FP4 and vLLM in MoEResQ (``fp4.train_mode=fp4``, ``fp4.rollout_mode=fp4_resq``,
 scope experts+attention, ``model.init_std=0.08``: the control of test_vllm_rollout, whose live
-routes disagree with vLLM's on some tokens, so replay has something to fix; measured 90.1 % expert
+routes disagree with vLLM's on some tokens, so replay has something to fix; measured 89.3-90.1 % expert
 agreement without replay, 99.2-99.6 % in the experts-only scope, 100 % with a bf16 trainer).
 Step 0 runs ``rl.router_replay=r3``, step 1 ``off`` (the config is read every step; the same vLLM
 process serves both). Forward hooks on the trainer's MoE layers record the
