@@ -46,8 +46,9 @@ class TrainerRMSNorm(RMSNorm):
         if residual is not None:  # vLLM's fused add: the trainer's h = h + f(h), then the norm of h
             x = residual + x
             residual = x
-        with self.mfp4_config.numerics():  # the trainer's forward on vLLM's weight (one numeric definition)
-            out = _Trainer.forward(SimpleNamespace(eps=self.variance_epsilon, weight=self.weight), x)
+        # the trainer's forward on vLLM's weight in the plugin's numerics (one numeric definition)
+        out = _Trainer.forward(SimpleNamespace(eps=self.variance_epsilon, weight=self.weight,
+                                               numerics=self.mfp4_config.values), x)
         return out if residual is None else (out, residual)
 
     def forward_native(self, x, residual=None):
