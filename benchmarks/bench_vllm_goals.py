@@ -281,7 +281,6 @@ def layer_rows(args, work: Path) -> list:
     MoEResQ experts+attention, every decoder sub-module's output side by side (max |Δ|)."""
     import torch
 
-    from megatron_fp4.fp4 import invariant
     from megatron_fp4.integrations.hf import build_model_from_hf
     from megatron_fp4.integrations.vllm import export_for_vllm
     from megatron_fp4.integrations.vllm.worker import build_llm
@@ -305,7 +304,7 @@ def layer_rows(args, work: Path) -> list:
     tnames = [n.removeprefix("model.") for n in names if "qkv" not in n]
     _hooks(model, tnames + [n.removeprefix("model.").replace("qkv_proj", p) for n in names if "qkv" in n
                             for p in ("q_proj", "k_proj", "v_proj")], trainer)
-    with torch.no_grad(), invariant.batch_invariant(True):
+    with torch.no_grad(), model.numerics.invariant(True):
         model(torch.tensor([prompt]))
     rows, first = [], None
     for n in names:
