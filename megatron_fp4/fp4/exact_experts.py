@@ -44,8 +44,8 @@ def exact_grouped_fp4(x: torch.Tensor, weights: Sequence[torch.Tensor], counts: 
         if not n:
             continue
         site = _Site.at(r, name, numerics, x.device, defer=False)
-        w_split = _cached_weight(site, w, True, lambda: site.split(w.reshape(-1, w.shape[-1]), r.weight, "weight",
-                                                                    False)[0])
+        w_split = _cached_weight(site, w, True, lambda at, w=w: at.split(w.reshape(-1, w.shape[-1]), r.weight, "weight",
+                                                                         False)[0])
         for out, t in zip(sums, x_terms):
             out[start:start + n] = exact_sum_products(t.ints[start:start + n], w_split.ints, CHUNK, w_split.abs_max())
         w_exp.append(w_split.exp.expand(n, -1))

@@ -59,6 +59,7 @@ from __future__ import annotations
 import functools
 import math
 from contextlib import ExitStack
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
@@ -170,22 +171,41 @@ def _no_autocast(fn):
     return run
 
 
+class _FlagTee:
+    """Records into `flags` and keeps what it recorded, so a cached Q(W) can record it again."""
+
+    def __init__(self, flags: NonFiniteFlags):
+        self.flags, self.seen = flags, []
+
+    def record(self, name: str, what: str, finite: torch.Tensor) -> None:
+        self.seen.append((name, what, finite))
+        self.flags.record(name, what, finite)
+
+
 def _cached_weight(site: _Site, weight: torch.Tensor, exact: bool, compute):
-    """``compute()`` (``Q(W)``, or its exact-GEMM split when ``exact``), reused through the site's
-    weight cache (``Numerics.cached_weights``; never while deferring non-finite flags: a hit records none)."""
-    if site.nonfinite is not None:
-        return compute()
+    """``compute(site)`` (``Q(W)``, or its exact-GEMM split when ``exact``), reused through the site's
+    weight cache (``Numerics.cached_weights``). While non-finite flags are deferred, the entry keeps
+    the flags its computation recorded and a hit records them again, so every micro-batch's flags
+    see the weight as if it had been quantized again."""
     fmt = site.recipe.weight
     seed = sr_seed(site.recipe.seed, site.layer, site.step, site.micro_batch, "weight") \
         if fmt.rounding == "stochastic" else None
-    return cached_for_weight(site.cache, weight, (fmt, exact, seed), compute)
+    if site.nonfinite is None:
+        return cached_for_weight(site.cache, weight, (fmt, exact, seed), lambda: compute(site))
+    tee = _FlagTee(site.nonfinite)
+    value, seen = cached_for_weight(site.cache, weight, (fmt, exact, seed, "flags"),
+                                    lambda: (compute(dataclasses.replace(site, nonfinite=tee)), tee.seen))
+    if seen is not tee.seen:  # a hit: its flags again, into this call's flags
+        for name, what, finite in seen:
+            site.nonfinite.record(name, what, finite)
+    return value
 
 
 @_no_autocast
 def _forward_operands(site: _Site, x2: torch.Tensor, weight: torch.Tensor):
     """(Q̃_row(X), Q(W)) in fp32."""
     r = site.recipe
-    wq = _cached_weight(site, weight, False, lambda: site.quantize(weight, r.weight, "weight", compensated=False))
+    wq = _cached_weight(site, weight, False, lambda at: at.quantize(weight, r.weight, "weight", compensated=False))
     return site.quantize(x2, r.input, "input", r.compensated), wq
 
 
@@ -341,7 +361,7 @@ def moeresq_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
         if invariant.enabled(numerics):
             r = recipe
             x_terms = site.split(x2, r.input, "input", r.compensated)
-            w_split = _cached_weight(site, weight, True, lambda: site.split(
+            w_split = _cached_weight(site, weight, True, lambda at: at.split(
                 weight.reshape(-1, weight.shape[-1]), r.weight, "weight", False)[0])
             wq = w_split.deq.reshape(weight.shape)
             b = None if bias is None else bias.detach()

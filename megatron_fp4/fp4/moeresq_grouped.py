@@ -133,7 +133,7 @@ def _forward(g: _Group, x2: torch.Tensor, weight: torch.Tensor):
     wqs = {}
     for e in g.active:
         w, site = weight[e], g.sites[e]
-        wqs[e] = _cached_weight(site, w, False, lambda w=w, site=site: site.quantize(w, r.weight, "weight", False))
+        wqs[e] = _cached_weight(site, w, False, lambda at, w=w: at.quantize(w, r.weight, "weight", False))
     xq = g.quantize_rows(x2, r.input, "input")
     acc = _accumulate_dtype(x2.dtype)
     out = torch.empty(x2.shape[0], weight.shape[1], dtype=acc, device=x2.device)  # every row is an expert's

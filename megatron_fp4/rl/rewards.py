@@ -162,3 +162,14 @@ for _source in ("openai/gsm8k", "megatron_fp4/arith_gsm8k", "megatron_fp4/carry_
 for _source in ("lighteval/MATH", "DigitalLearningGmbH/MATH-lighteval", "HuggingFaceH4/MATH-500", "math_dapo", "math",
                 "math_dapo_reasoning", "BytedTsinghua-SIA/DAPO-Math-17k"):
     register(_source, boxed_score)
+
+
+def digit_match_score(data_source, solution_str, ground_truth, extra_info=None) -> float:
+    """A rule reward for smoke runs of verl's trainer (its `custom_reward_function`,
+    `integrations/verl/ppo_vllm.py`): 1 if the response's digits are the ground truth, else 0.1 x the fraction of its characters that are letters, digits or spaces (a random tiny model
+    almost never answers right; this keeps a group's rewards apart, so GRPO has an advantage and the
+    update moves the weights that the sync check then compares)."""
+    digits = "".join(c for c in solution_str if c.isdigit())
+    if digits == str(ground_truth):
+        return 1.0
+    return 0.1 * sum(c.isalnum() or c == " " for c in solution_str) / max(1, len(solution_str))

