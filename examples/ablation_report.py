@@ -1,0 +1,189 @@
+"""The ablation's statistics, table and plots (examples/ablation_moeresq.py writes the runs).
+
+Intervals: 95 % Student-t over seeds, mean ± t(0.975, n-1) · s / sqrt(n) with s the sample std
+(ddof 1). The t quantile is computed here (Simpson integration of the t density, bisection on its
+CDF) so that no scipy is needed; tests/unit/test_ablation_report.py checks it against scipy.stats.t.
+Paired contrasts: the same seed shares the SFT checkpoint, the RL prompts and the sampling seeds
+across settings, so the per-seed difference of two settings has its own (usually narrower) interval.
+"""
+from __future__ import annotations
+
+import functools
+import math
+import statistics
+from pathlib import Path
+
+CONSISTENCY = ("pearson", "kl", "expert_agreement", "mean_abs_diff")
+
+
+def t_cdf(x: float, df: int, intervals: int = 4000) -> float:
+    """P(T <= x) for Student's t with `df` degrees of freedom (Simpson's rule on [0, |x|])."""
+    if df < 1:
+        raise ValueError(f"t distribution needs df >= 1, got {df}")
+    c = math.exp(math.lgamma((df + 1) / 2) - math.lgamma(df / 2)) / math.sqrt(df * math.pi)
+    pdf = lambda t: c * (1 + t * t / df) ** (-(df + 1) / 2)  # noqa: E731
+    a, n = abs(x), intervals
+    h = a / n
+    area = pdf(0.0) + pdf(a) + sum((4 if i % 2 else 2) * pdf(i * h) for i in range(1, n))
+    half = area * h / 3
+    return 0.5 + half if x >= 0 else 0.5 - half
+
+
+@functools.lru_cache(maxsize=None)
+def t_quantile(p: float, df: int) -> float:
+    """The `p` quantile (0.5 < p < 1) of Student's t, by bisection on `t_cdf` to 1e-10."""
+    if not 0.5 < p < 1:
+        raise ValueError(f"t_quantile needs 0.5 < p < 1, got {p}")
+    lo, hi = 0.0, 1.0
+    while t_cdf(hi, df) < p:
+        lo, hi = hi, hi * 2
+    while hi - lo > 1e-10:
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if t_cdf(mid, df) < p else (lo, mid)
+    return (lo + hi) / 2
+
+
+def mean_ci(xs, level: float = 0.95) -> dict:
+    """{'mean', 'half', 'lo', 'hi', 'n', 'std'}: Student-t interval over `xs` (NaNs dropped; half is
+    NaN for n < 2)."""
+    xs = [float(x) for x in xs if not math.isnan(x)]
+    n = len(xs)
+    if n == 0:
+        return {"mean": math.nan, "half": math.nan, "lo": math.nan, "hi": math.nan, "n": 0, "std": math.nan}
+    m = statistics.fmean(xs)
+    if n < 2:
+        return {"mean": m, "half": math.nan, "lo": math.nan, "hi": math.nan, "n": 1, "std": math.nan}
+    s = statistics.stdev(xs)
+    half = t_quantile(0.5 + level / 2, n - 1) * s / math.sqrt(n)
+    return {"mean": m, "half": half, "lo": m - half, "hi": m + half, "n": n, "std": s}
+
+
+def fmt(ci: dict, digits: int = 3) -> str:
+    if ci["n"] == 0:
+        return "n/a"
+    if math.isnan(ci["half"]):
+        return f"{ci['mean']:.{digits}f}"
+    return f"{ci['mean']:.{digits}f} ± {ci['half']:.{digits}f}"
+
+
+def fmt_g(ci: dict) -> str:
+    return "n/a" if ci["n"] == 0 else f"{ci['mean']:.2e}"
+
+
+def area(evals) -> float:
+    """Mean held-out accuracy over the evaluations after RL started (the area under the curve / steps)."""
+    after = [acc for step, acc in evals if step > 0]
+    return statistics.fmean(after) if after else math.nan
+
+
+def run_metrics(r: dict) -> dict:
+    """Per-run scalars the table aggregates over seeds."""
+    accs = [acc for _, acc in r["evals"]]
+    out = {"acc_sft": accs[0], "acc_final": accs[-1], "acc_best": max(accs[1:] or accs), "acc_area": area(r["evals"]),
+           "reward_last": statistics.fmean(h["reward"] for h in r["history"][-5:])}
+    for key in CONSISTENCY:
+        out[key] = statistics.fmean(h[key] for h in r["history"])
+    return out
+
+
+def summarize(runs: list, variants: list) -> list:
+    """One row per variant (setting × TIS) that has runs: mean ± 95 % CI over seeds."""
+    rows = []
+    for v in variants:
+        mine = sorted((r for r in runs if r["variant"] == v["variant"]), key=lambda r: r["seed"])
+        if not mine:
+            continue
+        per = [run_metrics(r) for r in mine]
+        stats = {k: mean_ci([p[k] for p in per]) for k in per[0]}
+        rows.append({"variant": v["variant"], "setting": v["setting"], "train": v["train_mode"],
+                     "rollout": v["rollout_mode"], "replay": v["router_replay"], "tis": v["tis"],
+                     "seeds": [r["seed"] for r in mine], "stats": stats})
+    return rows
+
+
+def paired(runs: list, a: str, b: str, key: str) -> dict:
+    """Mean ± 95 % CI over the seeds both variants ran of run_metrics(a)[key] - run_metrics(b)[key]."""
+    by = {(r["variant"], r["seed"]): run_metrics(r)[key] for r in runs}
+    seeds = sorted(s for (v, s) in by if v == a and (b, s) in by)
+    return mean_ci([by[(a, s)] - by[(b, s)] for s in seeds])
+
+
+def contrasts(runs: list, pairs: list) -> list:
+    present = {r["variant"] for r in runs}
+    return [{"a": a, "b": b, **{k: paired(runs, a, b, k) for k in ("acc_final", "acc_area", "kl")}}
+            for a, b in pairs if a in present and b in present]
+
+
+def markdown(rows: list, comps: list) -> str:
+    head = ["setting", "train", "rollout", "replay", "TIS", "n", "acc after SFT", "acc at end (95 % CI)",
+            "best eval", "mean acc over evals", "reward, last 5 steps", "KL", "1 − pearson", "expert agreement"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        s = r["stats"]
+        pear = dict(s["pearson"], mean=1 - s["pearson"]["mean"])
+        lines.append("| " + " | ".join([
+            r["setting"], r["train"], r["rollout"], r["replay"], "on" if r["tis"] else "off", str(len(r["seeds"])),
+            fmt(s["acc_sft"]), f"**{fmt(s['acc_final'])}**", fmt(s["acc_best"]), fmt(s["acc_area"]),
+            fmt(s["reward_last"]), fmt_g(s["kl"]), fmt_g(pear), fmt(s["expert_agreement"], 4)]) + " |")
+    if comps:
+        lines += ["", "| paired over seeds: A − B | n | Δ acc at end (95 % CI) | Δ mean acc over evals | Δ KL |",
+                  "|---|---|---|---|---|"]
+        for c in comps:
+            lines.append(f"| {c['a']} − {c['b']} | {c['acc_final']['n']} | {fmt(c['acc_final'])} | "
+                         f"{fmt(c['acc_area'])} | {c['kl']['mean']:+.2e} |")
+    return "\n".join(lines)
+
+
+def _curves(runs: list, variant: str, key: str):
+    """(steps, [per-seed values]) of a per-step consistency metric or (key None) of the evals."""
+    mine = [r for r in runs if r["variant"] == variant]
+    if key is None:
+        steps = [s for s, _ in mine[0]["evals"]]
+        return steps, [[acc for _, acc in r["evals"]] for r in mine if len(r["evals"]) == len(steps)]
+    steps = [h["step"] + 1 for h in mine[0]["history"]]
+    return steps, [[h[key] for h in r["history"]] for r in mine]
+
+
+def plot(runs: list, variants: list, out: Path) -> list:
+    """accuracy.png (mean and 95 % CI band over seeds), kl.png, pearson.png, expert_agreement.png
+    (per-step mean over seeds); colour = setting, dashed = without TIS. Returns the paths."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    colours = {}
+    panels = [("accuracy", None, "held-out greedy accuracy (mean, 95 % CI band)", None),
+              ("kl", "kl", "KL(rollout || trainer) on sampled tokens, mean over seeds", "log"),
+              ("pearson", "pearson", "1 − Pearson(rollout, trainer log-probs), mean over seeds", "log"),
+              ("expert_agreement", "expert_agreement", "1 − expert agreement, mean over seeds", "symlog")]
+    paths = []
+    for fname, key, title, scale in panels:
+        fig, ax = plt.subplots(figsize=(7.5, 4.2))
+        for v in variants:
+            if not any(r["variant"] == v["variant"] for r in runs):
+                continue
+            colour = colours.setdefault(v["setting"], f"C{len(colours)}")
+            steps, ys = _curves(runs, v["variant"], key)
+            if key in ("pearson", "expert_agreement"):
+                ys = [[1 - y for y in seq] for seq in ys]
+            cis = [mean_ci(col) for col in zip(*ys)]
+            mean = [c["mean"] for c in cis]
+            style = "-" if v["tis"] else "--"
+            ax.plot(steps, mean, style, color=colour, marker="o" if key is None else None, ms=3, label=v["variant"])
+            if key is None and len(ys) > 1:
+                ax.fill_between(steps, [c["lo"] for c in cis], [c["hi"] for c in cis], color=colour, alpha=0.12)
+        ax.set_title(title, fontsize=10)
+        ax.set_xlabel("GRPO step")
+        ax.grid(alpha=0.3)
+        if scale == "log":
+            ax.set_yscale("log")
+        elif scale == "symlog":
+            ax.set_yscale("symlog", linthresh=1e-3)
+        ax.legend(fontsize=6, ncol=2)
+        fig.tight_layout()
+        path = out / f"{fname}.png"
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        paths.append(path)
+    return paths
