@@ -33,9 +33,9 @@ Every (variant, seed) writes ``<out>/runs/<variant>.seed<N>.json`` when it finis
 a cut run resumes where it stopped, and ``--report-only`` tables whatever is there. ``--jobs N``
 runs SFTs and runs in N processes; each run's numbers do not depend on that (one thread per
 process, every run seeded by its seed). The table (mean ± 95 % Student-t CI over seeds, and paired
-per-seed contrasts; examples/ablation_report.py) goes to stdout and ``<out>/table.md``, the curves
-to ``<out>/{accuracy,kl,pearson,expert_agreement}.png``, everything to ``<out>/results.json``.
-docs/ablation.md has a run.
+per-seed contrasts; examples/ablation_report.py) goes to stdout and ``<out>/table.md``, accuracies
+per seed to ``<out>/per_seed.md``, the curves to ``<out>/{accuracy,kl,pearson,expert_agreement}.png``,
+everything to ``<out>/results.json``. docs/ablation.md has a run.
 """
 from __future__ import annotations
 
@@ -69,7 +69,8 @@ from megatron_fp4.training.trainer import Trainer  # noqa: E402
 
 # (name, trainer fp4 mode, rollout fp4 mode, rl.router_replay)
 SETTINGS = [("BF16", "bf16", "bf16", "off"), ("FP4, no compensation", "fp4", "fp4", "off"),
-            ("rollout-only compensation", "fp4", "fp4_resq", "off"), ("MoEResQ both sides", "fp4_resq", "fp4_resq", "off"),
+            ("rollout-only compensation", "fp4", "fp4_resq", "off"),
+            ("MoEResQ both sides", "fp4_resq", "fp4_resq", "off"),
             ("FP4 + R3", "fp4", "fp4", "r3"), ("MoEResQ + R3", "fp4_resq", "fp4_resq", "r3")]
 NO_TIS = ", no TIS"
 CONSISTENCY = report.CONSISTENCY
@@ -188,7 +189,7 @@ def variants_of(args) -> list:
     picked = set()
     for w in wanted:
         if w in names:
-            picked |= {(w, True)} if args.tis == "on" else {(w, False)} if args.tis == "off" else {(w, True), (w, False)}
+            picked |= {(w, tis) for tis in (True, False) if args.tis in ("both", "on" if tis else "off")}
         elif w.endswith(NO_TIS) and w[:-len(NO_TIS)] in names:
             picked.add((w[:-len(NO_TIS)], False))
         else:
@@ -199,50 +200,12 @@ def variants_of(args) -> list:
             for tis in (True, False) for s in SETTINGS if (s[0], tis) in picked]
 
 
-def fingerprint(args, keys=None) -> dict:
-    """The flags a result depends on (all but where/which/how many processes), to refuse stale files."""
-    return {k: v for k, v in sorted(vars(args).items())
-            if (k in keys if keys is not None else k not in NOT_IN_FINGERPRINT)}
-
-
-def _slug(variant: str) -> str:
-    return re.sub(r"[^a-z0-9]+", "-", variant.lower()).strip("-")
-
-
-def run_path(out: Path, variant: str, seed: int) -> Path:
-    return out / "runs" / f"{_slug(variant)}.seed{seed}.json"
-
-
-def _write_atomic(path: Path, write) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    write(tmp)
-    os.replace(tmp, path)
-
-
-def load_run(path: Path, fp: dict):
-    """A finished run's record, or None when there is none; a file from other flags is refused."""
-    if not path.is_file():
-        return None
-    try:
-        rec = json.loads(path.read_text())
-        theirs = rec["fingerprint"]
-    except (ValueError, KeyError, TypeError) as err:
-        raise ValueError(f"{path}: not a run record of this example ({err}); delete it to rerun") from None
-    diff = sorted(k for k in set(fp) | set(theirs) if fp.get(k) != theirs.get(k))
-    if diff:
-        k = diff[0]
-        raise ValueError(f"{path} was made with --{k.replace('_', '-')}={theirs.get(k)!r}, this run has "
-                         f"{fp.get(k)!r}: use another --out or delete {path.parent} to rerun")
-    return rec
-
-
 def sft_state_for(args, tok, train, seed: int, out: Path) -> dict:
     """The seed's SFT checkpoint: from <out>/sft/seed<N>.safetensors when it was made with these flags."""
     from safetensors.torch import load_file, save_file
 
     path = out / "sft" / f"seed{seed}.safetensors"
-    fp = getattr(args, "sft_fingerprint", None) or json.dumps(fingerprint(args, SFT_FLAGS), sort_keys=True)
+    fp = getattr(args, "sft_fingerprint", None) or json.dumps(report.fingerprint(args, SFT_FLAGS), sort_keys=True)
     if path.is_file():
         from safetensors import safe_open
 
@@ -252,7 +215,7 @@ def sft_state_for(args, tok, train, seed: int, out: Path) -> dict:
             raise ValueError(f"{path} was made with other SFT flags ({theirs} vs {fp}); delete it to redo SFT")
         return load_file(str(path))
     state = sft(args, tok, train, seed)
-    _write_atomic(path, lambda tmp: save_file({k: v.contiguous() for k, v in state.items()}, str(tmp),
+    report.write_atomic(path, lambda tmp: save_file({k: v.contiguous() for k, v in state.items()}, str(tmp),
                                               metadata={"fingerprint": fp}))
     return state
 
@@ -282,7 +245,7 @@ def _job(job):
     v = job[2]
     rec = run_setting(args, tok, train, test, state, job[1], v["spec"], v["tis"])
     rec["fingerprint"] = args.run_fingerprint
-    _write_atomic(run_path(out, v["variant"], job[1]), lambda tmp: tmp.write_text(json.dumps(rec)))
+    report.write_atomic(report.run_path(out, v["variant"], job[1]), lambda tmp: tmp.write_text(json.dumps(rec)))
     return job, time.perf_counter() - t0, rec
 
 
@@ -305,10 +268,13 @@ def _execute(args, jobs: list, label) -> None:
             eta = elapsed / done * (len(jobs) - done)
             print(f"[{done}/{len(jobs)}] {label(job, rec)} ({seconds:.0f} s); elapsed {elapsed / 60:.1f} min, "
                   f"ETA {eta / 60:.1f} min", flush=True)
-    finally:
-        if pool is not None:
-            pool.close()
-            pool.join()
+    except BaseException:
+        if pool is not None:  # a failed or interrupted run: stop the others (finished runs are on disk)
+            pool.terminate()
+        raise
+    if pool is not None:
+        pool.close()
+        pool.join()
 
 
 def _done_line(job, rec) -> str:
@@ -324,9 +290,10 @@ def run(args) -> dict:
     start = time.perf_counter()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    variants, fp = variants_of(args), fingerprint(args)
-    args.run_fingerprint, args.sft_fingerprint = fp, json.dumps(fingerprint(args, SFT_FLAGS), sort_keys=True)
-    todo = [(v, s) for s in args.seeds for v in variants if load_run(run_path(out, v["variant"], s), fp) is None]
+    variants, fp = variants_of(args), report.fingerprint(args, exclude=NOT_IN_FINGERPRINT)
+    args.run_fingerprint, args.sft_fingerprint = fp, json.dumps(report.fingerprint(args, SFT_FLAGS), sort_keys=True)
+    done = lambda v, s: report.load_run(report.run_path(out, v["variant"], s), fp)  # noqa: E731
+    todo = [(v, s) for s in args.seeds for v in variants if done(v, s) is None]
     if todo and not args.report_only:
         prepare_data(args)  # writes the generated tokenizer and data once; workers read them
         if not args.tokenizer:
@@ -336,19 +303,21 @@ def run(args) -> dict:
               f"{len(need)} SFTs; --jobs {args.jobs}", flush=True)
         _execute(args, [("sft", s) for s in need], _done_line)
         _execute(args, [("run", s, v) for v, s in todo], _done_line)  # seed-major: a cut run has whole seeds
-    runs = [r for s in args.seeds for v in variants if (r := load_run(run_path(out, v["variant"], s), fp))]
+    runs = [r for s in args.seeds for v in variants if (r := done(v, s))]
     missing = len(variants) * len(args.seeds) - len(runs)
     if not runs:
         raise ValueError(f"no finished runs under {out / 'runs'} for these flags")
     rows = report.summarize(runs, variants)
-    pairs = [(a + sfx, b + sfx) for sfx in ("", NO_TIS) for a, b in CONTRASTS] + [(s[0], s[0] + NO_TIS) for s in SETTINGS]
+    pairs = [(a + sfx, b + sfx) for sfx in ("", NO_TIS) for a, b in CONTRASTS]
+    pairs += [(s[0], s[0] + NO_TIS) for s in SETTINGS]  # what TIS buys in each setting
     comps = report.contrasts(runs, pairs)
     table = report.markdown(rows, comps)
     print(table)
     (out / "table.md").write_text(table + "\n")
+    (out / "per_seed.md").write_text(report.per_seed_markdown(runs, variants) + "\n")
     saved = {"args": vars(args), "rows": rows, "contrasts": comps, "missing_runs": missing,
              "runs": [{k: v for k, v in r.items() if k != "fingerprint"} for r in runs]}
-    _write_atomic(out / "results.json", lambda tmp: tmp.write_text(json.dumps(saved, indent=1)))
+    report.write_atomic(out / "results.json", lambda tmp: tmp.write_text(json.dumps(saved, indent=1)))
     pngs = report.plot(runs, variants, out)
     print(f"{out / 'table.md'}, {', '.join(str(p) for p in pngs)}, {out / 'results.json'}"
           f"{f'; {missing} runs missing' if missing else ''}; {time.perf_counter() - start:.0f} s", flush=True)

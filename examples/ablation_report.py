@@ -1,4 +1,7 @@
-"""The ablation's statistics, table and plots (examples/ablation_moeresq.py writes the runs).
+"""The ablation's run files, statistics, table and plots (examples/ablation_moeresq.py runs them).
+
+Run files: one JSON per (variant, seed) under ``<out>/runs/``, written atomically, with the
+fingerprint of the flags that made it (a file from other flags is refused, not mixed in).
 
 Intervals: 95 % Student-t over seeds, mean ± t(0.975, n-1) · s / sqrt(n) with s the sample std
 (ddof 1). The t quantile is computed here (Simpson integration of the t density, bisection on its
@@ -9,11 +12,52 @@ across settings, so the per-seed difference of two settings has its own (usually
 from __future__ import annotations
 
 import functools
+import json
 import math
+import os
+import re
 import statistics
 from pathlib import Path
 
 CONSISTENCY = ("pearson", "kl", "expert_agreement", "mean_abs_diff")
+
+
+def fingerprint(args, keys=None, exclude=()) -> dict:
+    """The flags a result depends on (`keys`, or all but `exclude`), to refuse stale files."""
+    return {k: v for k, v in sorted(vars(args).items())
+            if (k in keys if keys is not None else k not in exclude)}
+
+
+def _slug(variant: str) -> str:
+    return re.sub(r"[^a-z0-9]+", "-", variant.lower()).strip("-")
+
+
+def run_path(out: Path, variant: str, seed: int) -> Path:
+    return out / "runs" / f"{_slug(variant)}.seed{seed}.json"
+
+
+def write_atomic(path: Path, write) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    write(tmp)
+    os.replace(tmp, path)
+
+
+def load_run(path: Path, fp: dict):
+    """A finished run's record, or None when there is none; a file from other flags is refused."""
+    if not path.is_file():
+        return None
+    try:
+        rec = json.loads(path.read_text())
+        theirs = rec["fingerprint"]
+    except (ValueError, KeyError, TypeError) as err:
+        raise ValueError(f"{path}: not a run record of this example ({err}); delete it to rerun") from None
+    diff = sorted(k for k in set(fp) | set(theirs) if fp.get(k) != theirs.get(k))
+    if diff:
+        k = diff[0]
+        raise ValueError(f"{path} was made with --{k.replace('_', '-')}={theirs.get(k)!r}, this run has "
+                         f"{fp.get(k)!r}: use another --out or delete {path.parent} to rerun")
+    return rec
 
 
 def t_cdf(x: float, df: int, intervals: int = 4000) -> float:
@@ -134,6 +178,22 @@ def markdown(rows: list, comps: list) -> str:
     return "\n".join(lines)
 
 
+def per_seed_markdown(runs: list, variants: list) -> str:
+    """Held-out accuracy per variant and seed: after SFT -> best eval -> at the end."""
+    seeds = sorted({r["seed"] for r in runs})
+    by = {(r["variant"], r["seed"]): r for r in runs}
+    lines = ["| variant | " + " | ".join(f"seed {s}" for s in seeds) + " |", "|" + "---|" * (len(seeds) + 1)]
+    for v in variants:
+        cells = []
+        for s in seeds:
+            r = by.get((v["variant"], s))
+            m = run_metrics(r) if r else None
+            cells.append(f"{m['acc_sft']:.2f} → {m['acc_best']:.2f} → {m['acc_final']:.2f}" if m else "–")
+        if any(c != "–" for c in cells):
+            lines.append(f"| {v['variant']} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def _curves(runs: list, variant: str, key: str):
     """(steps, [per-seed values]) of a per-step consistency metric or (key None) of the evals."""
     mine = [r for r in runs if r["variant"] == variant]
@@ -156,7 +216,8 @@ def plot(runs: list, variants: list, out: Path) -> list:
     panels = [("accuracy", None, "held-out greedy accuracy (mean, 95 % CI band)", None),
               ("kl", "kl", "KL(rollout || trainer) on sampled tokens, mean over seeds", "log"),
               ("pearson", "pearson", "1 − Pearson(rollout, trainer log-probs), mean over seeds", "log"),
-              ("expert_agreement", "expert_agreement", "1 − expert agreement, mean over seeds", "symlog")]
+              ("expert_agreement", "expert_agreement", "1 − expert agreement, mean over seeds (R3: 0, the routes are replayed)",
+               "symlog")]
     paths = []
     for fname, key, title, scale in panels:
         fig, ax = plt.subplots(figsize=(7.5, 4.2))
