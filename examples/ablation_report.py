@@ -111,7 +111,9 @@ def fmt(ci: dict, digits: int = 3) -> str:
 
 
 def fmt_g(ci: dict) -> str:
-    return "n/a" if ci["n"] == 0 else f"{ci['mean']:.2e}"
+    if ci["n"] == 0:
+        return "n/a"
+    return f"{ci['mean']:.2e}" if math.isnan(ci["half"]) else f"{ci['mean']:.2e} ± {ci['half']:.1e}"
 
 
 def area(evals) -> float:
@@ -158,6 +160,18 @@ def contrasts(runs: list, pairs: list) -> list:
             for a, b in pairs if a in present and b in present]
 
 
+def excludes_zero(ci: dict) -> str:
+    """'yes' when the 95 % interval lies on one side of 0, 'no' when it contains 0, 'n/a' below 2 seeds."""
+    return "n/a" if ci["n"] < 2 else "yes" if ci["lo"] > 0 or ci["hi"] < 0 else "no"
+
+
+def overlap(a: dict, b: dict) -> str:
+    """Whether two settings' own 95 % intervals overlap ('n/a' below 2 seeds)."""
+    if a["n"] < 2 or b["n"] < 2:
+        return "n/a"
+    return "overlap" if a["lo"] <= b["hi"] and b["lo"] <= a["hi"] else "disjoint"
+
+
 def markdown(rows: list, comps: list) -> str:
     head = ["setting", "train", "rollout", "replay", "TIS", "n", "acc after SFT", "acc at end (95 % CI)",
             "best eval", "mean acc over evals", "reward, last 5 steps", "KL", "1 − pearson", "expert agreement"]
@@ -170,11 +184,15 @@ def markdown(rows: list, comps: list) -> str:
             fmt(s["acc_sft"]), f"**{fmt(s['acc_final'])}**", fmt(s["acc_best"]), fmt(s["acc_area"]),
             fmt(s["reward_last"]), fmt_g(s["kl"]), fmt_g(pear), fmt(s["expert_agreement"], 4)]) + " |")
     if comps:
-        lines += ["", "| paired over seeds: A − B | n | Δ acc at end (95 % CI) | Δ mean acc over evals | Δ KL |",
-                  "|---|---|---|---|---|"]
+        by = {r["variant"]: r["stats"] for r in rows}
+        lines += ["", "| paired over seeds: A − B | n | Δ acc at end (95 % CI) | excludes 0 | A's, B's intervals "
+                  "| Δ mean acc over evals | excludes 0 | Δ KL (95 % CI) |", "|---|---|---|---|---|---|---|---|"]
         for c in comps:
+            sides = [by[c["a"]]["acc_final"], by[c["b"]]["acc_final"]] if c["a"] in by and c["b"] in by else []
             lines.append(f"| {c['a']} − {c['b']} | {c['acc_final']['n']} | {fmt(c['acc_final'])} | "
-                         f"{fmt(c['acc_area'])} | {c['kl']['mean']:+.2e} |")
+                         f"{excludes_zero(c['acc_final'])} | {overlap(*sides) if sides else 'n/a'} | "
+                         f"{fmt(c['acc_area'])} | {excludes_zero(c['acc_area'])} | "
+                         f"{fmt_g(c['kl'])} |")
     return "\n".join(lines)
 
 

@@ -63,3 +63,11 @@ def test_paired_contrast_uses_only_shared_seeds_and_differences():
     m = report.run_metrics(runs[0])
     assert m["acc_sft"] == 0.5 and m["acc_best"] == 0.9 and abs(m["acc_area"] - 0.8) < 1e-12
     assert [c["a"] for c in report.contrasts(runs, [("A", "B"), ("A", "C")])] == ["A"]
+
+
+def test_overlap_and_excludes_zero():
+    a, b, c = report.mean_ci([0.80, 0.82, 0.81]), report.mean_ci([0.70, 0.71, 0.72]), report.mean_ci([0.79, 0.83])
+    assert report.overlap(a, b) == "disjoint" and report.overlap(a, c) == "overlap"
+    assert report.excludes_zero(report.mean_ci([0.1, 0.12, 0.11])) == "yes"
+    assert report.excludes_zero(report.mean_ci([-0.1, 0.12, 0.01])) == "no"
+    assert report.excludes_zero(report.mean_ci([0.1])) == "n/a" and report.overlap(a, report.mean_ci([0.8])) == "n/a"
