@@ -226,47 +226,66 @@ def _curves(runs: list, variant: str, key: str):
     return steps, [[h[key] for h in r["history"]] for r in mine]
 
 
+def _draw(ax, runs: list, v: dict, key, colour: str, band: bool, label: str) -> None:
+    """One variant's per-step mean over seeds (and its 95 % CI band) on `ax`."""
+    steps, ys = _curves(runs, v["variant"], key)
+    if key in ("pearson", "expert_agreement"):
+        ys = [[1 - y for y in seq] for seq in ys]
+    cis = [mean_ci(col) for col in zip(*ys)]
+    ax.plot(steps, [c["mean"] for c in cis], "-" if v["tis"] else "--", color=colour,
+            marker="o" if key is None else None, ms=3, label=label)
+    if band and len(ys) > 1:
+        ax.fill_between(steps, [c["lo"] for c in cis], [c["hi"] for c in cis], color=colour, alpha=0.15)
+
+
 def plot(runs: list, variants: list, out: Path) -> list:
-    """accuracy.png (mean and 95 % CI band over seeds), kl.png, pearson.png, expert_agreement.png
-    (per-step mean over seeds); colour = setting, dashed = without TIS. Returns the paths."""
+    """accuracy.png: one panel per setting, mean and 95 % CI band over seeds, with TIS (solid) and
+    without (dashed), BF16 (grey) for reference; kl.png, pearson.png, expert_agreement.png: per-step
+    mean over seeds, colour = setting, dashed = without TIS. Returns the paths."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    colours = {}
-    panels = [("accuracy", None, "held-out greedy accuracy (mean, 95 % CI band)", None),
-              ("kl", "kl", "KL(rollout || trainer) on sampled tokens, mean over seeds", "log"),
-              ("pearson", "pearson", "1 − Pearson(rollout, trainer log-probs), mean over seeds", "log"),
-              ("expert_agreement", "expert_agreement", "1 − expert agreement, mean over seeds (R3: 0, the routes are replayed)",
-               "symlog")]
-    paths = []
-    for fname, key, title, scale in panels:
+    present = [v for v in variants if any(r["variant"] == v["variant"] for r in runs)]
+    settings = list(dict.fromkeys(v["setting"] for v in present))
+    colours = {s: f"C{i}" for i, s in enumerate(settings)}
+    cols = min(3, len(settings))
+    rows = -(-len(settings) // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 3.2 * rows), sharex=True, sharey=True, squeeze=False)
+    reference = next((v for v in present if v["setting"] == "BF16" and v["tis"]), None)
+    for ax, setting in zip(axes.flat, settings):
+        if reference is not None and setting != "BF16":
+            _draw(ax, runs, reference, None, "0.6", False, "BF16 (TIS)")
+        for v in (v for v in present if v["setting"] == setting):
+            _draw(ax, runs, v, None, colours[setting], True, "TIS" if v["tis"] else "no TIS")
+        ax.set_title(setting, fontsize=10)
+        ax.set_ylim(0.0, 1.05)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7, loc="lower right")
+    for ax in axes.flat[len(settings):]:
+        ax.set_visible(False)
+    for ax in axes[-1]:
+        ax.set_xlabel("GRPO step")
+    fig.suptitle("held-out greedy accuracy: mean and 95 % CI over seeds", fontsize=11)
+    fig.tight_layout()
+    paths = [out / "accuracy.png"]
+    fig.savefig(paths[0], dpi=110)
+    plt.close(fig)
+    panels = [("kl", "KL(rollout || trainer) on sampled tokens, mean over seeds", "log"),
+              ("pearson", "1 − Pearson(rollout, trainer log-probs), mean over seeds", "log"),
+              ("expert_agreement", "1 − expert agreement, mean over seeds (R3: 0, the routes are replayed)", "symlog")]
+    for key, title, scale in panels:
         fig, ax = plt.subplots(figsize=(7.5, 4.2))
-        for v in variants:
-            if not any(r["variant"] == v["variant"] for r in runs):
-                continue
-            colour = colours.setdefault(v["setting"], f"C{len(colours)}")
-            steps, ys = _curves(runs, v["variant"], key)
-            if key in ("pearson", "expert_agreement"):
-                ys = [[1 - y for y in seq] for seq in ys]
-            cis = [mean_ci(col) for col in zip(*ys)]
-            mean = [c["mean"] for c in cis]
-            style = "-" if v["tis"] else "--"
-            ax.plot(steps, mean, style, color=colour, marker="o" if key is None else None, ms=3, label=v["variant"])
-            if key is None and len(ys) > 1:
-                ax.fill_between(steps, [c["lo"] for c in cis], [c["hi"] for c in cis], color=colour, alpha=0.12)
+        for v in present:
+            _draw(ax, runs, v, key, colours[v["setting"]], False, v["variant"])
         ax.set_title(title, fontsize=10)
         ax.set_xlabel("GRPO step")
         ax.grid(alpha=0.3)
-        if scale == "log":
-            ax.set_yscale("log")
-        elif scale == "symlog":
-            ax.set_yscale("symlog", linthresh=1e-3)
+        ax.set_yscale(scale, **({"linthresh": 1e-3} if scale == "symlog" else {}))
         ax.legend(fontsize=6, ncol=2)
         fig.tight_layout()
-        path = out / f"{fname}.png"
-        fig.savefig(path, dpi=110)
+        paths.append(out / f"{key}.png")
+        fig.savefig(paths[-1], dpi=110)
         plt.close(fig)
-        paths.append(path)
     return paths
