@@ -1,6 +1,7 @@
-"""The MoEResQ paper's accuracy ablation in kind: GRPO from one SFT checkpoint in four FP4 settings.
+"""The MoEResQ paper's accuracy ablation in kind, with router replay and TIS: GRPO from one SFT
+checkpoint per seed in six FP4/replay settings, each with and without truncated IS, over >= 8 seeds.
 
-    python examples/ablation_moeresq.py --out outputs/ablation              # generated data + tokenizer
+    python examples/ablation_moeresq.py --out outputs/ablation --jobs 2     # generated data + tokenizer
     python examples/ablation_moeresq.py --tokenizer DIR --train-data train.parquet --test-data test.parquet
 
 Data: verl-format parquet (`RLDataset`: chat prompt rendered by the tokenizer's template), rewards
@@ -12,32 +13,38 @@ SFT target comes from a teacher that forgets each carry with probability ``--dro
 drops it, so GRPO has a rule to learn that carries over to held-out problems), or ``--task word``,
 GSM8K-style word problems (`math_task.py`).
 
-Per seed: SFT (response-only NLL, high precision) gives one checkpoint; then for each setting
+Per seed: SFT (response-only NLL, high precision) gives one checkpoint (cached in
+``<out>/sft/seed<N>.safetensors``); then for each setting
 
     BF16 both sides | FP4, no compensation | rollout-only compensation (trainer fp4, rollout fp4_resq)
-    | MoEResQ both sides (fp4_resq / fp4_resq)
+    | MoEResQ both sides (fp4_resq / fp4_resq) | FP4 + R3 | MoEResQ + R3   (R3: rl.router_replay=r3)
 
-a fresh `Trainer` (its own ``fp4.train_mode``) loads the checkpoint and a `RolloutEngine` (its own
-``mode``, a bf16 copy of the model by default: the engine gap of real stacks, see
-docs/consistency.md) samples, and the GRPO loop of the example (`rl.loop.run_grpo`, one call per
-setting and seed) runs. Each GRPO step: sample ``group_size`` answers per prompt, score them,
-group-normalise the rewards, recompute the old log-probs on the trainer, log rollout-vs-trainer
-consistency (Pearson, KL, expert agreement on the sampled tokens), one clipped policy-gradient step
-with truncated IS (or verl's rollout correction: ``--rollout-is``/``--rollout-rs``), and load the new weights into the engine.
-Held-out greedy accuracy (test split, never an RL prompt; exact match of the final answer) is
-measured before RL and every ``--eval-every`` steps. Numerics: the engine is a bf16 copy
-(``--rollout-dtype``) and batch-invariant mode is off (``--batch-invariant`` turns it on), as in
-real stacks. The table (mean ± std over seeds) goes to stdout and ``<out>/table.md``, the
-curves to ``<out>/ablation.png``, everything to ``<out>/results.json``. docs/ablation.md has a run.
+and each TIS choice (``--tis on|off|both``; on: token TIS at ``--tis-cap`` or verl's correction of
+``--rollout-is``; off: no IS weights; a variant without TIS is named "<setting>, no TIS" and can be
+listed in ``--settings`` on its own) a fresh `Trainer` (its own ``fp4.train_mode``) loads the
+checkpoint and a `RolloutEngine` (its own ``mode``, a bf16 copy of the model by default: the
+engine gap of real stacks, docs/consistency.md) samples, and one `rl.loop.run_grpo` call runs.
+Each GRPO step logs rollout-vs-trainer consistency (Pearson, KL, expert agreement on the sampled
+tokens); held-out greedy accuracy (test split, never an RL prompt) is measured before RL and every
+``--eval-every`` steps. Numerics: the engine is a bf16 copy (``--rollout-dtype``) and
+batch-invariant mode is off (``--batch-invariant`` turns it on), as in real stacks.
+
+Every (variant, seed) writes ``<out>/runs/<variant>.seed<N>.json`` when it finishes (atomically):
+a cut run resumes where it stopped, and ``--report-only`` tables whatever is there. ``--jobs N``
+runs SFTs and runs in N processes; each run's numbers do not depend on that (one thread per
+process, every run seeded by its seed). The table (mean ± 95 % Student-t CI over seeds, and paired
+per-seed contrasts; examples/ablation_report.py) goes to stdout and ``<out>/table.md``, accuracies
+per seed to ``<out>/per_seed.md``, the curves to ``<out>/{accuracy,kl,pearson,expert_agreement}.png``,
+everything to ``<out>/results.json``. docs/ablation.md has a run.
 """
 from __future__ import annotations
 
 import argparse
 import json
-import math
+import multiprocessing
 import os
 import random
-import statistics
+import re
 import sys
 import time
 from pathlib import Path
@@ -45,6 +52,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import ablation_report as report  # noqa: E402
 
 from megatron_fp4.config import default_config_path, load_config  # noqa: E402
 from megatron_fp4.rl import sft_step  # noqa: E402
@@ -57,9 +67,23 @@ from megatron_fp4.rl.tasks import DatasetTask  # noqa: E402
 from megatron_fp4.training.data.tokenizer import HFTokenizer  # noqa: E402
 from megatron_fp4.training.trainer import Trainer  # noqa: E402
 
-SETTINGS = [("BF16", "bf16", "bf16"), ("FP4, no compensation", "fp4", "fp4"),
-            ("rollout-only compensation", "fp4", "fp4_resq"), ("MoEResQ both sides", "fp4_resq", "fp4_resq")]
-CONSISTENCY = ("pearson", "kl", "expert_agreement", "mean_abs_diff")
+# (name, trainer fp4 mode, rollout fp4 mode, rl.router_replay)
+SETTINGS = [("BF16", "bf16", "bf16", "off"), ("FP4, no compensation", "fp4", "fp4", "off"),
+            ("rollout-only compensation", "fp4", "fp4_resq", "off"),
+            ("MoEResQ both sides", "fp4_resq", "fp4_resq", "off"),
+            ("FP4 + R3", "fp4", "fp4", "r3"), ("MoEResQ + R3", "fp4_resq", "fp4_resq", "r3")]
+NO_TIS = ", no TIS"
+CONSISTENCY = report.CONSISTENCY
+# paired contrasts reported (A - B), for the TIS variants and the no-TIS ones; plus each setting's TIS effect
+CONTRASTS = [("MoEResQ both sides", "rollout-only compensation"), ("MoEResQ both sides", "FP4, no compensation"),
+             ("rollout-only compensation", "FP4, no compensation"), ("FP4 + R3", "FP4, no compensation"),
+             ("MoEResQ + R3", "MoEResQ both sides"), ("MoEResQ + R3", "FP4 + R3"), ("BF16", "MoEResQ both sides"),
+             ("BF16", "MoEResQ + R3")]
+# flags that change no number of a run (where it goes, which runs, how many processes)
+NOT_IN_FINGERPRINT = ("out", "jobs", "seeds", "settings", "tis", "report_only", "run_fingerprint", "sft_fingerprint")
+SFT_FLAGS = ("config", "override", "tokenizer", "train_data", "test_data", "task", "num_digits", "drop_carry",
+             "num_train", "num_test", "max_operand", "max_prompt_length", "max_seq_len", "scope", "sft_steps",
+             "sft_batch", "sft_lr", "micro_batch_size")
 
 
 def prepare_data(args):
@@ -87,11 +111,13 @@ def prepare_data(args):
     return tok, RLDataset(args.train_data, tok, **kw), RLDataset(args.test_data, tok, max_samples=args.eval_size, **kw)
 
 
-def make_config(args, tok, seed: int, train_mode: str, rollout_mode: str, lr: float, steps: int):
+def make_config(args, tok, seed: int, train_mode: str, rollout_mode: str, lr: float, steps: int,
+                router_replay: str | None = None):
     overrides = ["logging.tensorboard_dir=null", "checkpoint.dir=null", f"schedule.seed={seed}",
                  f"model.vocab_size={tok.vocab_size}", f"model.max_seq_len={args.max_seq_len}",
                  f"fp4.scope={args.scope}", f"fp4.train_mode={train_mode}", f"fp4.rollout_mode={rollout_mode}",
                  f"optimizer.lr={lr}", f"schedule.train_steps={max(steps, 1)}"]
+    overrides += [f"rl.router_replay={router_replay}"] if router_replay is not None else []
     cfg = load_config(args.config, overrides + list(args.override or []))
     cfg.schedule.warmup_steps = min(cfg.schedule.warmup_steps, steps)
     return cfg
@@ -108,18 +134,33 @@ def sft(args, tok, train, seed: int) -> dict:
     return {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
 
 
-def settings_of(args, seed: int) -> GRPOSettings:
-    """One policy step per rollout batch, no KL term; the scoring batch-invariant only with --batch-invariant."""
+def settings_of(args, seed: int, tis: bool = True) -> GRPOSettings:
+    """One policy step per rollout batch, no KL term; the scoring batch-invariant only with --batch-invariant.
+    `tis` False: no IS weights at all (neither --tis-cap nor --rollout-is/--rollout-rs)."""
     return GRPOSettings(steps=args.steps, num_prompts=args.num_prompts, group_size=args.group_size,
                         max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=seed,
-                        micro_batch_size=args.micro_batch_size, clip_eps=args.clip_eps, tis_cap=args.tis_cap,
-                        correction=correction_from_args(args), eval_every=args.eval_every,
-                        batch_invariant=args.batch_invariant)
+                        micro_batch_size=args.micro_batch_size, clip_eps=args.clip_eps,
+                        tis_cap=args.tis_cap if tis else None, correction=correction_from_args(args) if tis else None,
+                        eval_every=args.eval_every, batch_invariant=args.batch_invariant)
 
 
-def run_setting(args, tok, train, test, sft_state, seed: int, setting) -> dict:
-    name, train_mode, rollout_mode = setting
-    cfg = make_config(args, tok, seed, train_mode, rollout_mode, args.lr, args.steps)
+def _progress(name: str, seed: int, steps: int):
+    """`say` for run_grpo: each line prefixed by variant and seed; step lines get this run's ETA."""
+    start, done = time.perf_counter(), [0]
+
+    def say(line: str, **kw) -> None:
+        if re.match(r"\s*\d+\s+-?\d", line):  # a step row of run_grpo's table
+            done[0] += 1
+            rate = (time.perf_counter() - start) / done[0]
+            line += f"  [{done[0]}/{steps}, {rate:.1f} s/step, ETA {rate * (steps - done[0]):.0f} s]"
+        print(f"    {name} seed {seed}: {line}", **kw)
+    return say
+
+
+def run_setting(args, tok, train, test, sft_state, seed: int, setting, tis: bool = True) -> dict:
+    name, train_mode, rollout_mode, replay = (tuple(setting) + ("off",))[:4]
+    variant = name if tis else name + NO_TIS
+    cfg = make_config(args, tok, seed, train_mode, rollout_mode, args.lr, args.steps, replay)
     cfg.optimizer.min_lr, cfg.optimizer.weight_decay, cfg.schedule.warmup_steps = args.lr, 0.0, 0
     cfg.model.router_aux_loss_coef = cfg.model.router_z_loss_coef = 0.0
     trainer = Trainer(cfg, build_data=False)
@@ -130,77 +171,118 @@ def run_setting(args, tok, train, test, sft_state, seed: int, setting) -> dict:
     task = DatasetTask(tok, train, test, range(len(test)), range(len(train)), random.Random(f"ablation-rl:{seed}"),
                        args.max_new_tokens, args.test_data)
     try:
-        run = run_grpo(trainer, task, rollout, settings_of(args, seed),
-                       say=lambda line, **k: print(f"    {name} seed {seed}: {line}", **k))
+        run = run_grpo(trainer, task, rollout, settings_of(args, seed, tis), say=_progress(variant, seed, args.steps))
     finally:
         rollout.close()
     history = [{"step": h["step"], "reward": h["reward"], "loss": h["loss"],
                 **{k: h[f"consistency/{k}"] for k in CONSISTENCY}} for h in run.history]
-    return {"setting": name, "train_mode": train_mode, "rollout_mode": rollout_mode, "seed": seed,
+    return {"variant": variant, "setting": name, "train_mode": train_mode, "rollout_mode": rollout_mode,
+            "router_replay": cfg.rl.router_replay, "tis": tis, "seed": seed,
             "history": history, "evals": [(s, acc) for s, acc, _ in run.evals],
             "eval_groups": [(s, groups) for s, _, groups in run.evals]}
 
 
-def _mean_std(xs) -> str:
-    xs = [x for x in xs if not math.isnan(x)]
-    if not xs:
-        return "n/a"
-    return f"{statistics.fmean(xs):.4g} ± {statistics.pstdev(xs):.2g}" if len(xs) > 1 else f"{xs[0]:.4g}"
+def variants_of(args) -> list:
+    """The (setting, TIS) variants --settings and --tis select, in table order."""
+    names = {s[0] for s in SETTINGS}
+    wanted = args.settings if args.settings else [s[0] for s in SETTINGS]
+    picked = set()
+    for w in wanted:
+        if w in names:
+            picked |= {(w, tis) for tis in (True, False) if args.tis in ("both", "on" if tis else "off")}
+        elif w.endswith(NO_TIS) and w[:-len(NO_TIS)] in names:
+            picked.add((w[:-len(NO_TIS)], False))
+        else:
+            raise ValueError(f"--settings {w!r} is not a setting; choose from {', '.join(sorted(names))} "
+                             f"(or '<setting>{NO_TIS}')")
+    return [{"variant": s[0] if tis else s[0] + NO_TIS, "setting": s[0], "train_mode": s[1], "rollout_mode": s[2],
+             "router_replay": s[3], "tis": tis, "spec": s}
+            for tis in (True, False) for s in SETTINGS if (s[0], tis) in picked]
 
 
-def summarize(runs: list) -> list:
-    """One row per setting: accuracy after SFT / after RL, and consistency averaged over RL steps."""
-    rows = []
-    for name, train_mode, rollout_mode in SETTINGS:
-        mine = [r for r in runs if r["setting"] == name]
-        if not mine:
-            continue
-        row = {"setting": name, "train": train_mode, "rollout": rollout_mode, "seeds": len(mine),
-               "acc_sft": _mean_std([r["evals"][0][1] for r in mine]),
-               "acc_rl": _mean_std([r["evals"][-1][1] for r in mine]),
-               **{f"acc_rl_{g.replace(' ', '_')}": _mean_std([r["eval_groups"][-1][1][g] for r in mine])
-                  for g in mine[0]["eval_groups"][-1][1]},
-               "reward_last": _mean_std([statistics.fmean(h["reward"] for h in r["history"][-5:]) for r in mine])}
-        for key in CONSISTENCY:
-            row[key] = _mean_std([statistics.fmean(h[key] for h in r["history"]) for r in mine])
-        rows.append(row)
-    return rows
+def sft_state_for(args, tok, train, seed: int, out: Path) -> dict:
+    """The seed's SFT checkpoint: from <out>/sft/seed<N>.safetensors when it was made with these flags."""
+    from safetensors.torch import load_file, save_file
+
+    path = out / "sft" / f"seed{seed}.safetensors"
+    fp = getattr(args, "sft_fingerprint", None) or json.dumps(report.fingerprint(args, SFT_FLAGS), sort_keys=True)
+    if path.is_file():
+        from safetensors import safe_open
+
+        with safe_open(str(path), "pt") as f:
+            theirs = (f.metadata() or {}).get("fingerprint")
+        if theirs != fp:
+            raise ValueError(f"{path} was made with other SFT flags ({theirs} vs {fp}); delete it to redo SFT")
+        return load_file(str(path))
+    state = sft(args, tok, train, seed)
+    report.write_atomic(path, lambda tmp: save_file({k: v.contiguous() for k, v in state.items()}, str(tmp),
+                                              metadata={"fingerprint": fp}))
+    return state
 
 
-def markdown(rows: list) -> str:
-    cols = list(rows[0])
-    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
-    return "\n".join(lines + ["| " + " | ".join(str(r[c]) for c in cols) + " |" for r in rows])
+_WORKER = {}
 
 
-def plot(runs: list, path: Path) -> None:
-    import matplotlib
+def _init_worker(args) -> None:
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    _WORKER.update(args=args, data=load_data(args))
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
 
-    panels = [("held-out greedy accuracy", None), ("1 - pearson", "pearson"), ("KL(rollout || train)", "kl"),
-              ("1 - expert agreement", "expert_agreement")]
-    fig, axes = plt.subplots(1, len(panels), figsize=(4 * len(panels), 3.4))
-    for color, (name, _, _) in zip(("C0", "C1", "C2", "C3"), SETTINGS):
-        for k, r in enumerate(x for x in runs if x["setting"] == name):
-            label = name if k == 0 else None
-            steps, acc = zip(*r["evals"])
-            axes[0].plot(steps, acc, "o-", color=color, ms=3, alpha=0.7, label=label)
-            for ax, (_, key) in zip(axes[1:], panels[1:]):
-                ys = [h[key] for h in r["history"]]
-                ys = [1 - y for y in ys] if key in ("pearson", "expert_agreement") else ys
-                ax.plot([h["step"] for h in r["history"]], ys, color=color, alpha=0.7, label=label)
-    for ax, (title, key) in zip(axes, panels):
-        ax.set_title(title, fontsize=10)
-        ax.set_xlabel("GRPO step")
-        ax.grid(alpha=0.3)
-        if key is not None:
-            ax.set_yscale("symlog", linthresh=1e-6)
-    axes[0].legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+def load_data(args):
+    """The prepared tokenizer and splits (prepare_data has written them; nothing is regenerated)."""
+    tok = HFTokenizer.from_dir(args.tokenizer)
+    kw = dict(max_prompt_length=args.max_prompt_length)
+    return tok, RLDataset(args.train_data, tok, **kw), RLDataset(args.test_data, tok, max_samples=args.eval_size, **kw)
+
+
+def _job(job):
+    """One unit of work in a worker: ('sft', seed) or ('run', seed, variant); returns (job, seconds, record)."""
+    args, (tok, train, test) = _WORKER["args"], _WORKER["data"]
+    out, t0 = Path(args.out), time.perf_counter()
+    state = sft_state_for(args, tok, train, job[1], out)
+    if job[0] == "sft":
+        return job, time.perf_counter() - t0, None
+    v = job[2]
+    rec = run_setting(args, tok, train, test, state, job[1], v["spec"], v["tis"])
+    rec["fingerprint"] = args.run_fingerprint
+    report.write_atomic(report.run_path(out, v["variant"], job[1]), lambda tmp: tmp.write_text(json.dumps(rec)))
+    return job, time.perf_counter() - t0, rec
+
+
+def _execute(args, jobs: list, label) -> None:
+    """`jobs` in order, in-process (--jobs 1) or in a pool; a progress line with the ETA after each."""
+    if not jobs:
+        return
+    start, done = time.perf_counter(), 0
+    if args.jobs > 1:
+        pool = multiprocessing.get_context("spawn").Pool(args.jobs, _init_worker, (args,), maxtasksperchild=None)
+        results = pool.imap_unordered(_job, jobs, chunksize=1)
+    else:
+        pool = None
+        _init_worker(args)
+        results = map(_job, jobs)
+    try:
+        for job, seconds, rec in results:
+            done += 1
+            elapsed = time.perf_counter() - start
+            eta = elapsed / done * (len(jobs) - done)
+            print(f"[{done}/{len(jobs)}] {label(job, rec)} ({seconds:.0f} s); elapsed {elapsed / 60:.1f} min, "
+                  f"ETA {eta / 60:.1f} min", flush=True)
+    except BaseException:
+        if pool is not None:  # a failed or interrupted run: stop the others (finished runs are on disk)
+            pool.terminate()
+        raise
+    if pool is not None:
+        pool.close()
+        pool.join()
+
+
+def _done_line(job, rec) -> str:
+    if rec is None:
+        return f"SFT seed {job[1]} ready"
+    h = rec["history"]
+    return (f"{rec['variant']} seed {rec['seed']}: acc {rec['evals'][0][1]:.3f} -> {rec['evals'][-1][1]:.3f}, "
+            f"kl {sum(x['kl'] for x in h) / len(h):.2e}, experts {sum(x['expert_agreement'] for x in h) / len(h):.4f}")
 
 
 def run(args) -> dict:
@@ -208,29 +290,39 @@ def run(args) -> dict:
     start = time.perf_counter()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    tok, train, test = prepare_data(args)
-    settings = [s for s in SETTINGS if args.settings is None or s[0] in args.settings]
-    runs = []
-    for seed in args.seeds:
-        state = sft(args, tok, train, seed)
-        print(f"seed {seed}: SFT {args.sft_steps} steps done at {time.perf_counter() - start:.0f} s", flush=True)
-        for setting in settings:
-            r = run_setting(args, tok, train, test, state, seed, setting)
-            runs.append(r)
-            h = r["history"]
-            print(f"  {setting[0]:<28} acc {r['evals'][0][1]:.3f} -> {r['evals'][-1][1]:.3f}  reward "
-                  f"{h[0]['reward']:.3f} -> {h[-1]['reward']:.3f}  pearson {statistics.fmean(x['pearson'] for x in h):.6f}"
-                  f"  kl {statistics.fmean(x['kl'] for x in h):.2e}  experts "
-                  f"{statistics.fmean(x['expert_agreement'] for x in h):.4f}  ({time.perf_counter() - start:.0f} s)",
-                  flush=True)
-    rows = summarize(runs)
-    table = markdown(rows)
+    variants, fp = variants_of(args), report.fingerprint(args, exclude=NOT_IN_FINGERPRINT)
+    args.run_fingerprint, args.sft_fingerprint = fp, json.dumps(report.fingerprint(args, SFT_FLAGS), sort_keys=True)
+    done = lambda v, s: report.load_run(report.run_path(out, v["variant"], s), fp)  # noqa: E731
+    todo = [(v, s) for s in args.seeds for v in variants if done(v, s) is None]
+    if todo and not args.report_only:
+        prepare_data(args)  # writes the generated tokenizer and data once; workers read them
+        if not args.tokenizer:
+            args.tokenizer = str(out / "tokenizer")
+        need = sorted({s for _, s in todo if not (out / "sft" / f"seed{s}.safetensors").is_file()})
+        print(f"{len(variants)} variants x {len(args.seeds)} seeds: {len(todo)} runs to do, "
+              f"{len(need)} SFTs; --jobs {args.jobs}", flush=True)
+        _execute(args, [("sft", s) for s in need], _done_line)
+        _execute(args, [("run", s, v) for v, s in todo], _done_line)  # seed-major: a cut run has whole seeds
+    runs = [r for s in args.seeds for v in variants if (r := done(v, s))]
+    missing = len(variants) * len(args.seeds) - len(runs)
+    if not runs:
+        raise ValueError(f"no finished runs under {out / 'runs'} for these flags")
+    rows = report.summarize(runs, variants)
+    pairs = [(a + sfx, b + sfx) for sfx in ("", NO_TIS) for a, b in CONTRASTS]
+    pairs += [(s[0], s[0] + NO_TIS) for s in SETTINGS]  # what TIS buys in each setting
+    comps = report.contrasts(runs, pairs)
+    table = report.markdown(rows, comps)
     print(table)
     (out / "table.md").write_text(table + "\n")
-    (out / "results.json").write_text(json.dumps({"args": vars(args), "rows": rows, "runs": runs}, indent=1))
-    plot(runs, out / "ablation.png")
-    print(f"{out / 'table.md'}, {out / 'ablation.png'}, {out / 'results.json'}; {time.perf_counter() - start:.0f} s")
-    return {"rows": rows, "runs": runs}
+    (out / "per_seed.md").write_text(report.per_seed_markdown(runs, variants) + "\n")
+    saved = {"args": vars(args), "rows": rows, "contrasts": comps, "missing_runs": missing,
+             "runs": [{k: v for k, v in r.items() if k != "fingerprint"} for r in runs]}
+    report.write_atomic(out / "results.json", lambda tmp: tmp.write_text(json.dumps(saved, indent=1)))
+    pngs = report.plot(runs, variants, out)
+    print(f"{out / 'table.md'}, {', '.join(str(p) for p in pngs)}, {out / 'results.json'}"
+          f"{f'; {missing} runs missing' if missing else ''}; {time.perf_counter() - start:.0f} s", flush=True)
+    return {"rows": rows, "runs": runs, "contrasts": comps}
+
 
 
 def parse_args(argv=None):
@@ -257,12 +349,17 @@ def parse_args(argv=None):
                     help="the rollout engine's copy (bf16: the engine gap; fp32: the same numerics as the trainer)")
     ap.add_argument("--batch-invariant", action="store_true",
                     help="batch-invariant numerics in the engine and the trainer's scoring (default off, as real stacks)")
-    ap.add_argument("--settings", nargs="*", help="subset of the setting names (default: all four)")
-    ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    ap.add_argument("--settings", nargs="*", help="setting names (default: all six), or '<setting>, no TIS'")
+    ap.add_argument("--tis", default="both", choices=["on", "off", "both"],
+                    help="the bare setting names of --settings run with TIS, without, or both")
+    ap.add_argument("--seeds", type=int, nargs="+", default=list(range(8)))
+    ap.add_argument("--jobs", type=int, default=1, help="processes for the SFTs and runs (one thread each)")
+    ap.add_argument("--report-only", action="store_true",
+                    help="run nothing: table and plots of the finished runs under --out")
     ap.add_argument("--sft-steps", type=int, default=800)
     ap.add_argument("--sft-batch", type=int, default=32)
     ap.add_argument("--sft-lr", type=float, default=3e-3)
-    ap.add_argument("--steps", type=int, default=20, help="GRPO steps per setting")
+    ap.add_argument("--steps", type=int, default=40, help="GRPO steps per setting")
     ap.add_argument("--lr", type=float, default=3e-4, help="GRPO learning rate (constant)")
     ap.add_argument("--num-prompts", type=int, default=8)
     ap.add_argument("--group-size", type=int, default=8)
@@ -275,8 +372,18 @@ def parse_args(argv=None):
     ap.add_argument("--eval-every", type=int, default=5)
     args = ap.parse_args(argv)
     check_correction_args(ap, args)
+    if args.jobs < 1:
+        ap.error(f"--jobs {args.jobs} must be >= 1")
+    try:
+        variants_of(args)
+    except ValueError as err:
+        ap.error(str(err))
     return args
 
 
 if __name__ == "__main__":
-    run(parse_args())
+    try:
+        run(parse_args())
+    except ValueError as err:
+        print(f"ablation_moeresq: {err}", file=sys.stderr)
+        sys.exit(2)

@@ -22,7 +22,7 @@ def test_ablation_runs_and_sides_use_their_own_modes(tmp_path):
         "--out", str(tmp_path), "--seeds", "0", "--settings", "BF16", "rollout-only compensation",
         "--sft-steps", "3", "--sft-batch", "8", "--steps", "2", "--eval-every", "1", "--num-prompts", "2",
         "--group-size", "4", "--max-new-tokens", "6", "--eval-size", "8", "--num-train", "40", "--num-test", "8",
-        "--rollout-dtype", "fp32", "--override", "model.num_layers=1"])
+        "--rollout-dtype", "fp32", "--tis", "on", "--override", "model.num_layers=1"])
     out = ablation.run(args)
     test_rows = read_rows(tmp_path / "data" / "test.parquet")
     carrying = sum(row["extra_info"]["carries"] > 0 for row in test_rows)
@@ -37,7 +37,8 @@ def test_ablation_runs_and_sides_use_their_own_modes(tmp_path):
     bf16_kl = max(h["kl"] for h in runs["BF16"]["history"])
     split_kl = min(h["kl"] for h in runs["rollout-only compensation"]["history"])
     assert split_kl > 100 * max(bf16_kl, 1e-9), (bf16_kl, split_kl)
-    assert (tmp_path / "ablation.png").stat().st_size > 10_000
+    for name in ("accuracy", "kl", "pearson", "expert_agreement"):
+        assert (tmp_path / f"{name}.png").stat().st_size > 10_000
     table = (tmp_path / "table.md").read_text().splitlines()
     assert len(table) == 4 and "rollout-only compensation" in table[-1]
     saved = json.loads((tmp_path / "results.json").read_text())
