@@ -80,6 +80,23 @@ def test_step_end_check_names_the_tensor():
         assert fp4_step.nonfinite_error() is None and fp4_step.flags.any_flag().item() == 0.0
 
 
+def test_cached_weight_still_flags_a_nonfinite_weight_in_every_step():
+    """A Q(W) served from the weight cache records the weight's flag again: a cache kept across two
+    steps (a new flags object each) still reports a NaN weight in the second step, without quantizing
+    the weight again."""
+    lin, x = layer(), torch.randn(24, 64)
+    with torch.no_grad():
+        lin.weight[3, 9] = math.nan
+    store: dict = {}
+    for s in range(2):
+        with NUM.cached_weights(store), training_step(s, defer_nonfinite=True) as fp4_step:
+            with micro_batch(0):
+                step(lin, x)
+            with pytest.raises(NonFiniteInputError, match=r"tensor 'layers.3.mlp.fc1:weight' had non-finite"):
+                fp4_step.check_nonfinite()
+        assert len(store) == 1  # one cached Q(W), quantized in step 0 only
+
+
 def test_default_defers_on_accelerators_only():
     lin, bad = layer(), torch.randn(24, 64)
     bad[0, 0] = math.inf
