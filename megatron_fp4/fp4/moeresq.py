@@ -70,7 +70,7 @@ from torch import nn
 from megatron_fp4.fp4 import invariant, triton_fp4
 from megatron_fp4.fp4.context import sr_seed
 from megatron_fp4.fp4.exact_gemm import cached_for_weight, exact_fp4_gemm, split_fp4
-from megatron_fp4.fp4.nonfinite import NonFiniteFlags
+from megatron_fp4.fp4.nonfinite import FlagTee, NonFiniteFlags
 from megatron_fp4.fp4.numerics import STANDARD, Numerics
 from megatron_fp4.fp4.recipe import OperandFormat, Recipe
 from megatron_fp4.fp4.resq import _fq32, fake_quantize, portable_resq_quantize, sqnr_db  # noqa: F401
@@ -171,17 +171,6 @@ def _no_autocast(fn):
     return run
 
 
-class _FlagTee:
-    """Records into `flags` and keeps what it recorded, so a cached Q(W) can record it again."""
-
-    def __init__(self, flags: NonFiniteFlags):
-        self.flags, self.seen = flags, []
-
-    def record(self, name: str, what: str, finite: torch.Tensor) -> None:
-        self.seen.append((name, what, finite))
-        self.flags.record(name, what, finite)
-
-
 def _cached_weight(site: _Site, weight: torch.Tensor, exact: bool, compute):
     """``compute(site)`` (``Q(W)``, or its exact-GEMM split when ``exact``), reused through the site's
     weight cache (``Numerics.cached_weights``). While non-finite flags are deferred, the entry keeps
@@ -192,7 +181,7 @@ def _cached_weight(site: _Site, weight: torch.Tensor, exact: bool, compute):
         if fmt.rounding == "stochastic" else None
     if site.nonfinite is None:
         return cached_for_weight(site.cache, weight, (fmt, exact, seed), lambda: compute(site))
-    tee = _FlagTee(site.nonfinite)
+    tee = FlagTee(site.nonfinite)
     value, seen = cached_for_weight(site.cache, weight, (fmt, exact, seed, "flags"),
                                     lambda: (compute(dataclasses.replace(site, nonfinite=tee)), tee.seen))
     if seen is not tee.seen:  # a hit: its flags again, into this call's flags

@@ -63,3 +63,14 @@ class NonFiniteFlags:
 
     def reset(self) -> None:
         self._flags.clear()
+
+
+class FlagTee:
+    """Records into `flags` and keeps what it recorded (a cached Q(W) records it again on a hit)."""
+
+    def __init__(self, flags: NonFiniteFlags):
+        self.flags, self.seen = flags, []
+
+    def record(self, name: str, what: str, finite: torch.Tensor) -> None:
+        self.seen.append((name, what, finite))
+        self.flags.record(name, what, finite)
