@@ -42,74 +42,26 @@ def _reduce_scatter(x: torch.Tensor, group, dim: int) -> torch.Tensor:
     return out.movedim(0, dim)
 
 
-class _CopyToTP(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return x.view_as(x)
+class _Region(torch.autograd.Function):
+    """One collective forward and its adjoint backward: ``forward_op`` / ``backward_op`` each map
+    (tensor, group, dim) to a tensor. Every mapping below is one such pair."""
 
     @staticmethod
-    def backward(ctx, g):
-        return _all_reduce(g, ctx.group), None
-
-
-class _ReduceFromTP(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        return _all_reduce(x, group)
+    def forward(ctx, x, group, dim, forward_op, backward_op):
+        ctx.group, ctx.dim, ctx.backward_op = group, dim, backward_op
+        return forward_op(x, group, dim)
 
     @staticmethod
     def backward(ctx, g):
-        return g, None
+        return ctx.backward_op(g, ctx.group, ctx.dim), None, None, None, None
 
 
-class _GatherSeq(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group, dim):
-        ctx.group, ctx.dim = group, dim
-        return _gather(x, group, dim)
-
-    @staticmethod
-    def backward(ctx, g):
-        return _reduce_scatter(g, ctx.group, ctx.dim), None, None
+def _identity(x: torch.Tensor, group, dim) -> torch.Tensor:
+    return x.view_as(x)
 
 
-class _ScatterSeq(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group, dim):
-        ctx.group, ctx.dim = group, dim
-        return _reduce_scatter(x, group, dim)
-
-    @staticmethod
-    def backward(ctx, g):
-        return _gather(g, ctx.group, ctx.dim), None, None
-
-
-class _GatherWhole(torch.autograd.Function):
-    """All-gather into a region that every rank computes whole (the same values on each): backward
-    keeps this rank's chunk of the (equal) gradients."""
-
-    @staticmethod
-    def forward(ctx, x, group, dim):
-        ctx.group, ctx.dim = group, dim
-        return _gather(x, group, dim)
-
-    @staticmethod
-    def backward(ctx, g):
-        return _chunk(g, ctx.group, ctx.dim), None, None
-
-
-class _SplitWhole(torch.autograd.Function):
-    """This rank's chunk of a tensor every rank holds whole; backward all-gathers the chunks' grads."""
-
-    @staticmethod
-    def forward(ctx, x, group, dim):
-        ctx.group, ctx.dim = group, dim
-        return _chunk(x, group, dim)
-
-    @staticmethod
-    def backward(ctx, g):
-        return _gather(g, ctx.group, ctx.dim), None, None
+def _sum(x: torch.Tensor, group, dim) -> torch.Tensor:
+    return _all_reduce(x, group)
 
 
 def _chunk(x: torch.Tensor, group, dim: int) -> torch.Tensor:
@@ -120,28 +72,31 @@ def _chunk(x: torch.Tensor, group, dim: int) -> torch.Tensor:
     return x.chunk(n, dim)[r].contiguous()
 
 
-def gather_whole(x: torch.Tensor, group, dim: int) -> torch.Tensor:
-    return _GatherWhole.apply(x, group, dim)
-
-
-def split_whole(x: torch.Tensor, group, dim: int) -> torch.Tensor:
-    return _SplitWhole.apply(x, group, dim)
-
-
 def copy_to_tp(x: torch.Tensor, group) -> torch.Tensor:
-    return _CopyToTP.apply(x, group)
+    return _Region.apply(x, group, None, _identity, _sum)
 
 
 def reduce_from_tp(x: torch.Tensor, group) -> torch.Tensor:
-    return _ReduceFromTP.apply(x, group)
+    return _Region.apply(x, group, None, _sum, _identity)
 
 
 def gather_seq(x: torch.Tensor, group, dim: int) -> torch.Tensor:
-    return _GatherSeq.apply(x, group, dim)
+    return _Region.apply(x, group, dim, _gather, _reduce_scatter)
 
 
 def scatter_seq(x: torch.Tensor, group, dim: int) -> torch.Tensor:
-    return _ScatterSeq.apply(x, group, dim)
+    return _Region.apply(x, group, dim, _reduce_scatter, _gather)
+
+
+def gather_whole(x: torch.Tensor, group, dim: int) -> torch.Tensor:
+    """All-gather into a region every rank computes whole (the same values on each): backward keeps
+    this rank's chunk of the (equal) gradients."""
+    return _Region.apply(x, group, dim, _gather, _chunk)
+
+
+def split_whole(x: torch.Tensor, group, dim: int) -> torch.Tensor:
+    """This rank's chunk of a tensor every rank holds whole; backward all-gathers the chunks' grads."""
+    return _Region.apply(x, group, dim, _chunk, _gather)
 
 
 def all_reduce_max(x: torch.Tensor, group) -> torch.Tensor:
