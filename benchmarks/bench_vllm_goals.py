@@ -8,7 +8,7 @@
 Rows (vLLM in this process, `VLLM_ENABLE_V1_MULTIPROCESSING=0`; the trainer is fp32, batch-invariant
 scoring, as `tools/consistency_report.py --rollout vllm` scores):
 
-- logprob: the tiny config (examples/configs/tiny_moe.yaml, head_dim 64, random init std 0.08)
+- logprob: the tiny config (megatron_fp4/configs/tiny_moe.yaml, head_dim 64, random init std 0.08)
   exported with MoEResQ on scope experts and experts+attention (plus FP4 off: the floor); vLLM +
   plugin samples `--prompts` × `--tokens` (temperature 1, EOS ignored, so every position counts),
   the trainer re-scores: max |Δ log-prob| and expert agreement over every MoE layer and position;
@@ -60,9 +60,9 @@ def consistency():
 
 
 def tiny_config(scope: str, train_mode: str, rollout_mode: str):
-    from megatron_fp4.config import load_config
+    from megatron_fp4.config import default_config_path, load_config
 
-    cfg = load_config(ROOT / "examples/configs/tiny_moe.yaml", list(MODEL))
+    cfg = load_config(default_config_path(), list(MODEL))
     cfg.fp4.scope, cfg.fp4.train_mode, cfg.fp4.rollout_mode = scope, train_mode, rollout_mode
     cfg.numerics.batch_invariant = True
     return cfg

@@ -13,7 +13,18 @@ def register() -> None:
     from megatron_fp4.integrations.vllm.ops import register_ops
 
     register_ops()
+    _register_model()
     _allow_amx()
+
+
+def _register_model() -> None:
+    """The plugin's model class (model.py), selected by the export's first `architectures` entry."""
+    from vllm import ModelRegistry
+
+    from megatron_fp4.integrations.vllm.model import ARCHITECTURE, MegatronFP4Qwen3MoeForCausalLM
+
+    if ARCHITECTURE not in ModelRegistry.get_supported_archs():
+        ModelRegistry.register_model(ARCHITECTURE, MegatronFP4Qwen3MoeForCausalLM)
 
 
 def _allow_amx() -> None:
