@@ -51,12 +51,14 @@ def log(msg: str) -> None:
 
 
 def consistency():
-    """The consistency report's `prompts` and `train_side` (from megatron_fp4.rollout.consistency
-    once they live there, else tools/consistency_report.py): the only call sites into it."""
-    from megatron_fp4.rollout import consistency as mod
-    if not hasattr(mod, "train_side"):
-        import tools.consistency_report as mod
-    return mod.prompts, mod.train_side
+    """The consistency report's `prompts` and the trainer's re-scoring (`rollout.consistency.rescore`,
+    reversed request order: other batch composition and padding than the rollout's)."""
+    import tools.consistency_report as report
+    from megatron_fp4.rollout.consistency import rescore
+
+    def train_side(model, flat, tok, train_mode, batch_invariant, train_batch):
+        return rescore(model, flat, tok.pad_id, train_mode, batch_invariant, train_batch, reverse=True)
+    return report.prompts, train_side
 
 
 def tiny_config(scope: str, train_mode: str, rollout_mode: str):
