@@ -10,7 +10,9 @@
   its block table, by position. That op sums in fixed trees indexed by key position, so a query
   gets the same bits in a vLLM decode step, a chunked prefill, any batch, and the trainer's full
   causal forward (ground rule 7); the KV-cache path of the project's rollout engine relies on the
-  same property.
+  same property. In a bf16/fp16 model the attention runs in fp32 (`model.layers.upcast`, the
+  precision of the fp32 trainer the rollout is scored by; the cache keeps the model dtype): with
+  the fp32 residual stream (model.py) the bf16 rollout's only roundings are its GEMMs' and weights'.
 
 Found by `benchmarks/bench_vllm_goals.py --only layers`: with RMSNorm already the trainer's
 (ops.py), vLLM's RoPE kernel and CPU attention kernel were the first ops whose bits differed
@@ -22,7 +24,7 @@ import torch
 from torch import nn
 
 from megatron_fp4.fp4 import invariant
-from megatron_fp4.model.layers import apply_rope, rope_cos_sin
+from megatron_fp4.model.layers import apply_rope, rope_cos_sin, upcast
 
 
 class TrainerRotary(nn.Module):
@@ -98,7 +100,8 @@ class TrainerAttentionImpl:
             blocks = table[i, :-(-seq_len // size)].long()
             k = keys[blocks].transpose(0, 1).reshape(self.num_kv_heads, -1, self.head_size)[:, :seq_len]
             v = values[blocks].transpose(0, 1).reshape(self.num_kv_heads, -1, self.head_size)[:, :seq_len]
-            q = query[q0:q1].transpose(0, 1)[None]  # [1, H, Tq, D]
+            q = upcast(query[q0:q1].transpose(0, 1)[None])  # [1, H, Tq, D]; bf16/fp16: in fp32
+            k, v = upcast(k), upcast(v)
             positions = torch.arange(seq_len - (q1 - q0), seq_len, device=q.device)[None]
             assert invariant.enabled(self.numerics, q), "the plugin's attention runs the batch-invariant mode"
             out = invariant.attention(q, k[None], v[None], positions, torch.zeros(1, dtype=torch.long))
