@@ -136,6 +136,26 @@ def test_the_attention_refuses_another_cache_layout_and_scale():
 
 
 @needs_vllm
+def test_bf16_norms_keep_an_fp32_residual():
+    """The residual a bf16 model's norms pass on stays fp32 (an addend below bf16's step survives)
+    and the norm sees the fp32 sum; only its output is rounded to bf16."""
+    from megatron_fp4.integrations.vllm.model import keep_fp32_residual
+    from megatron_fp4.model.layers import RMSNorm
+
+    norm = RMSNorm(HIDDEN).to(torch.bfloat16)
+    with torch.no_grad():
+        norm.weight.uniform_(0.5, 1.5)
+    keep_fp32_residual(norm)
+    residual = torch.ones(3, HIDDEN) + 2.0 ** -12  # not a bf16 number
+    x = torch.randn(3, HIDDEN).to(torch.bfloat16)
+    out, h = norm(x, residual)
+    assert h.dtype == torch.float32 and torch.equal(h, residual + x.float())
+    want = RMSNorm.forward(norm, h).to(torch.bfloat16)
+    assert out.dtype == torch.bfloat16 and torch.equal(out, want)
+    assert torch.equal(norm(x), RMSNorm.forward(norm, x.float()).to(torch.bfloat16))
+
+
+@needs_vllm
 @pytest.mark.slow
 def test_vllm_batch_log_probs_equal_the_trainers_scoring(tmp_path):
     cfg = tiny_cfg("experts+attention")  # MoEResQ on experts and q/k/v/o, batch-invariant numerics
