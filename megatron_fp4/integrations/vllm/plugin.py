@@ -6,8 +6,9 @@ import platform
 
 
 def register() -> None:
-    """Import the quantization module (its `register_quantization_config` decorator registers it)
-    and register the plugin's out-of-tree ops (`ops.py`, active only in models served with it).
+    """Import the quantization module (its `register_quantization_config` decorator registers it),
+    register the plugin's out-of-tree ops (`ops.py`, active only in models served with it) and its
+    model class (`model.py`, the trainer's RoPE and attention; chosen by the export's architectures).
     Idempotent (vLLM calls every general plugin once per process; repeats are harmless)."""
     from megatron_fp4.integrations.vllm import quant  # noqa: F401  (registration on import)
     from megatron_fp4.integrations.vllm.ops import register_ops
