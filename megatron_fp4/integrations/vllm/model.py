@@ -67,7 +67,7 @@ class MegatronFP4Qwen3MoeForCausalLM(Qwen3MoeForCausalLM):
         qc = vllm_config.quant_config
         if not isinstance(qc, MegatronFP4Config):
             return
-        if vllm_config.model_config.dtype != torch.float32:
+        if vllm_config.model_config.dtype in (torch.bfloat16, torch.float16):
             keep_fp32_residual(self.model.norm)
             for layer in self.model.layers:
                 if hasattr(layer, "input_layernorm"):
