@@ -8,7 +8,7 @@
 Rows (vLLM in this process, `VLLM_ENABLE_V1_MULTIPROCESSING=0`; the trainer is fp32, batch-invariant
 scoring, as `tools/consistency_report.py --rollout vllm` scores):
 
-- logprob: the tiny config (examples/configs/tiny_moe.yaml, head_dim 64, random init std 0.08)
+- logprob: the tiny config (megatron_fp4/configs/tiny_moe.yaml, head_dim 64, random init std 0.08)
   exported with MoEResQ on scope experts and experts+attention (plus FP4 off: the floor); vLLM +
   plugin samples `--prompts` × `--tokens` (temperature 1, EOS ignored, so every position counts),
   the trainer re-scores: max |Δ log-prob| and expert agreement over every MoE layer and position;
@@ -51,18 +51,20 @@ def log(msg: str) -> None:
 
 
 def consistency():
-    """The consistency report's `prompts` and `train_side` (from megatron_fp4.rollout.consistency
-    once they live there, else tools/consistency_report.py): the only call sites into it."""
-    from megatron_fp4.rollout import consistency as mod
-    if not hasattr(mod, "train_side"):
-        import tools.consistency_report as mod
-    return mod.prompts, mod.train_side
+    """The consistency report's `prompts` and the trainer's re-scoring (`rollout.consistency.rescore`,
+    reversed request order: other batch composition and padding than the rollout's)."""
+    import tools.consistency_report as report
+    from megatron_fp4.rollout.consistency import rescore
+
+    def train_side(model, flat, tok, train_mode, batch_invariant, train_batch):
+        return rescore(model, flat, tok.pad_id, train_mode, batch_invariant, train_batch, reverse=True)
+    return report.prompts, train_side
 
 
 def tiny_config(scope: str, train_mode: str, rollout_mode: str):
-    from megatron_fp4.config import load_config
+    from megatron_fp4.config import default_config_path, load_config
 
-    cfg = load_config(ROOT / "examples/configs/tiny_moe.yaml", list(MODEL))
+    cfg = load_config(default_config_path(), list(MODEL))
     cfg.fp4.scope, cfg.fp4.train_mode, cfg.fp4.rollout_mode = scope, train_mode, rollout_mode
     cfg.numerics.batch_invariant = True
     return cfg

@@ -7,10 +7,10 @@ it computes the trainer's `model.layers.RMSNorm` in the plugin's numerics mode (
 mean square when the recipe block asks for it), and vLLM's fused residual add as the trainer's
 ``h + f(h)``; any other model keeps vLLM's own kernels. Found by comparing the two sides op by op
 (`benchmarks/bench_vllm_goals.py --only layers`): vLLM's RMSNorm was the first op whose bits differ
-from the trainer's (q_norm, ~5e-7 in fp32). Left: RoPE (vLLM's C++ kernel; `get_rope` shares one
-instance between all models of a process with equal parameters, so a build-time switch like this
-one would leak into stock models) and the attention kernel (a plugin attention backend would
-replace both: not done).
+from the trainer's (q_norm, ~5e-7 in fp32). RoPE and attention are not ops here: `get_rope` shares
+one rotary instance between all models of a process with equal parameters, so a build-time switch
+like this one would leak into stock models; the plugin's model class (model.py) replaces them per
+layer instead.
 """
 from __future__ import annotations
 

@@ -6,14 +6,26 @@ import platform
 
 
 def register() -> None:
-    """Import the quantization module (its `register_quantization_config` decorator registers it)
-    and register the plugin's out-of-tree ops (`ops.py`, active only in models served with it).
+    """Import the quantization module (its `register_quantization_config` decorator registers it),
+    register the plugin's out-of-tree ops (`ops.py`, active only in models served with it) and its
+    model class (`model.py`, the trainer's RoPE and attention; chosen by the export's architectures).
     Idempotent (vLLM calls every general plugin once per process; repeats are harmless)."""
     from megatron_fp4.integrations.vllm import quant  # noqa: F401  (registration on import)
     from megatron_fp4.integrations.vllm.ops import register_ops
 
     register_ops()
+    _register_model()
     _allow_amx()
+
+
+def _register_model() -> None:
+    """The plugin's model class (model.py), selected by the export's first `architectures` entry."""
+    from vllm import ModelRegistry
+
+    from megatron_fp4.integrations.vllm.model import ARCHITECTURE, MegatronFP4Qwen3MoeForCausalLM
+
+    if ARCHITECTURE not in ModelRegistry.get_supported_archs():
+        ModelRegistry.register_model(ARCHITECTURE, MegatronFP4Qwen3MoeForCausalLM)
 
 
 def _allow_amx() -> None:

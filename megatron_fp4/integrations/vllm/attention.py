@@ -1,0 +1,109 @@
+"""The trainer's RoPE and attention over vLLM's paged KV cache (the plugin's model class, model.py).
+
+- `TrainerRotary` replaces a decoder layer's `rotary_emb`: the trainer's `model.layers.rope_cos_sin`
+  and `apply_rope` on vLLM's [tokens, heads·head_dim] layout (elementwise: the same bits for a token
+  whatever the layout or batch).
+- `TrainerAttentionImpl` replaces the layer's `Attention.impl` (vLLM's CPU backend keeps building the
+  metadata and allocating the cache): keys and values go into the cache with plain indexing (this
+  impl reads them back, so it owns the layout inside each block), and every request's queries
+  attend with the trainer's batch-invariant `fp4.invariant.attention` over its keys gathered from
+  its block table, by position. That op sums in fixed trees indexed by key position, so a query
+  gets the same bits in a vLLM decode step, a chunked prefill, any batch, and the trainer's full
+  causal forward (ground rule 7); the KV-cache path of the project's rollout engine relies on the
+  same property. In a bf16/fp16 model the attention runs in fp32 (`model.layers.upcast`, the
+  precision of the fp32 trainer the rollout is scored by; the cache keeps the model dtype): with
+  the fp32 residual stream (model.py) the bf16 rollout's only roundings are its GEMMs' and weights'.
+
+Found by `benchmarks/bench_vllm_goals.py --only layers`: with RMSNorm already the trainer's
+(ops.py), vLLM's RoPE kernel and CPU attention kernel were the first ops whose bits differed
+(~3e-7 in fp32), which then flipped FP4 codes and cascaded through the KV cache.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from megatron_fp4.fp4 import invariant
+from megatron_fp4.model.layers import apply_rope, rope_cos_sin, upcast
+
+
+class TrainerRotary(nn.Module):
+    """vLLM's `rotary_emb(positions, q, k)` computed as the trainer's RoPE (full rotary dim, HF's
+    rotate-half layout, base ``theta``)."""
+
+    def __init__(self, head_dim: int, theta: float):
+        super().__init__()
+        self.head_dim, self.theta = int(head_dim), float(theta)
+
+    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        T = x.shape[0]
+        heads = x.reshape(T, -1, self.head_dim).transpose(0, 1)[None]  # [1, heads, T, D]
+        return apply_rope(heads, cos, sin)[0].transpose(0, 1).reshape(x.shape)
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
+        cos, sin = rope_cos_sin(positions.reshape(1, -1), self.head_dim, self.theta, q.dtype)  # [1, T, D]
+        return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
+
+
+def _cpu_layout(kv_cache: torch.Tensor, num_kv_heads: int, head_dim: int):
+    """(keys, values) views [blocks, kv_heads, block_size, head_dim] of vLLM's CPU cache tensor
+    [blocks, kv_heads, block_size, 2·head_dim] (the layout its CPU backend allocates)."""
+    if kv_cache.dim() != 4 or kv_cache.shape[1] != num_kv_heads or kv_cache.shape[3] != 2 * head_dim:
+        raise NotImplementedError(f"megatron_fp4: the plugin's attention reads vLLM's CPU KV-cache layout "
+                                  f"[blocks, {num_kv_heads}, block_size, {2 * head_dim}]; got {tuple(kv_cache.shape)} "
+                                  f"(another attention backend): serve with vLLM's CPU build")
+    blocks, kv, size, _ = kv_cache.shape
+    return kv_cache.view(blocks, kv, 2 * size, head_dim).chunk(2, dim=2)
+
+
+class TrainerAttentionImpl:
+    """An `AttentionImpl` (vLLM calls `do_kv_cache_update` then `forward`) computing causal decoder
+    attention with the trainer's `invariant.attention`, one request at a time."""
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, numerics):
+        if abs(scale - head_dim ** -0.5) > 0:
+            raise ValueError(f"megatron_fp4: attention scale {scale} is not head_dim ** -0.5 (the trainer's)")
+        self.num_heads, self.num_kv_heads, self.head_size = num_heads, num_kv_heads, head_dim
+        self.numerics = numerics
+        self.kv_sharing_target_layer_name = None
+        self.supports_quant_query_input = False
+
+    def process_weights_after_loading(self, act_dtype: torch.dtype) -> None:
+        pass
+
+    def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping) -> None:
+        keys, values = _cpu_layout(kv_cache, self.num_kv_heads, self.head_size)
+        n = slot_mapping.shape[0]
+        slots = slot_mapping.long()
+        real = slots >= 0  # padding tokens carry slot -1
+        slots, size = slots[real], keys.shape[2]
+        keys[slots // size, :, slots % size] = key[:n][real].to(keys.dtype)
+        values[slots // size, :, slots % size] = value[:n][real].to(values.dtype)
+
+    def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, output_scale=None,
+                output_block_scale=None):
+        if output_scale is not None or output_block_scale is not None:
+            raise NotImplementedError("megatron_fp4: fused output quantization is not supported")
+        if attn_metadata is None:  # vLLM's warm-up / profile run
+            return output
+        if not getattr(attn_metadata, "causal", True):
+            raise NotImplementedError("megatron_fp4: the plugin's attention is causal decoder attention")
+        keys, values = _cpu_layout(kv_cache, self.num_kv_heads, self.head_size)
+        size = keys.shape[2]
+        starts = attn_metadata.query_start_loc.tolist()
+        lengths = attn_metadata.seq_lens.tolist()
+        table = attn_metadata.block_table
+        for i, seq_len in enumerate(lengths):
+            q0, q1 = starts[i], starts[i + 1]
+            if q1 == q0:
+                continue
+            blocks = table[i, :-(-seq_len // size)].long()
+            k = keys[blocks].transpose(0, 1).reshape(self.num_kv_heads, -1, self.head_size)[:, :seq_len]
+            v = values[blocks].transpose(0, 1).reshape(self.num_kv_heads, -1, self.head_size)[:, :seq_len]
+            q = upcast(query[q0:q1].transpose(0, 1)[None])  # [1, H, Tq, D]; bf16/fp16: in fp32
+            k, v = upcast(k), upcast(v)
+            positions = torch.arange(seq_len - (q1 - q0), seq_len, device=q.device)[None]
+            assert invariant.enabled(self.numerics, q), "the plugin's attention runs the batch-invariant mode"
+            out = invariant.attention(q, k[None], v[None], positions, torch.zeros(1, dtype=torch.long))
+            output[q0:q1] = out[0].transpose(0, 1).to(output.dtype)
+        return output

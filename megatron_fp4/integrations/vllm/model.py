@@ -1,0 +1,89 @@
+"""The plugin's model class: vLLM's Qwen3-MoE with the trainer's RoPE and attention.
+
+`export_for_vllm` / `to-hf` write ``"architectures": ["MegatronFP4Qwen3MoeForCausalLM",
+"Qwen3MoeForCausalLM"]`` next to the `megatron_fp4` quantization block; vLLM takes the first
+architecture it knows, so with the plugin installed (`plugin.register` registers this class) the
+export is served by this class, and by stock vLLM's Qwen3-MoE without it. The class is vLLM's own
+(its KV-cache manager, scheduler, weight loading and the plugin's quantized layers, quant.py);
+built with the plugin's config in the batch-invariant mode it replaces, per decoder layer,
+
+- `self_attn.rotary_emb` by the trainer's RoPE (`attention.TrainerRotary`): one module per layer,
+  so the instance vLLM's `get_rope` shares between models of a process is never changed;
+- `self_attn.attn.impl` by `attention.TrainerAttentionImpl`: the trainer's batch-invariant attention
+  reading vLLM's paged KV cache;
+
+and in a bf16/fp16 model (any numerics mode) every decoder norm keeps an fp32 residual: the
+residual stream (vLLM passes it from norm to norm) is kept in fp32, as in the fp32 trainer, and only
+each norm's output is rounded to the model dtype. So a bf16 rollout's router input carries one bf16
+rounding instead of the accumulated rounding of a bf16 residual (the bf16 expert-agreement goal).
+
+Why a model class and not an attention backend registered under `AttentionBackendEnum.CUSTOM`:
+RoPE runs in the model, before the attention layer, and vLLM's rotary module is shared process
+wide; a backend is chosen per process (`attention_backend=`), not per model, so it would need the
+user to ask for it. The model class is chosen by the export itself and changes only its own
+layers. With another quantization config it is stock vLLM.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+from vllm.model_executor.models.qwen3_moe import Qwen3MoeForCausalLM
+
+from megatron_fp4.integrations.hf.qwen3_moe import VLLM_PLUGIN_ARCHITECTURE as ARCHITECTURE
+from megatron_fp4.integrations.vllm.attention import TrainerAttentionImpl, TrainerRotary
+from megatron_fp4.integrations.vllm.quant import MegatronFP4Config
+
+
+def _check_rope(rope, head_dim: int, prefix: str) -> float:
+    plain = (getattr(rope, "rotary_dim", None) == head_dim and getattr(rope, "is_neox_style", False)
+             and type(rope).__name__ == "RotaryEmbedding")
+    if not plain:
+        raise ValueError(f"megatron_fp4: {prefix} uses {type(rope).__name__} (rotary_dim "
+                         f"{getattr(rope, 'rotary_dim', '?')}); the trainer's RoPE is plain full-dim rotate-half "
+                         f"RoPE: export without rope scaling or partial rotary")
+    return float(rope.base)
+
+
+def keep_fp32_residual(norm: nn.Module) -> None:
+    """Make a decoder norm (vLLM's ``norm(x)`` / fused ``norm(x, residual)``) keep an fp32 residual:
+    ``residual + x`` summed in fp32, normed in fp32 (its own forward: the plugin's
+    `ops.TrainerRMSNorm`), the output in ``x``'s dtype. The module and its weight's name stay."""
+    inner = norm.forward
+
+    def forward(x: torch.Tensor, residual=None):
+        h = x.float() if residual is None else residual.float() + x.float()
+        out = inner(h).to(x.dtype)
+        return out if residual is None else (out, h)
+
+    norm.forward = forward
+
+
+class MegatronFP4Qwen3MoeForCausalLM(Qwen3MoeForCausalLM):
+    """vLLM's Qwen3MoeForCausalLM; with the `megatron_fp4` config in the batch-invariant mode its
+    RoPE and attention are the trainer's; in bf16/fp16 its residual stream is fp32."""
+
+    def __init__(self, *, vllm_config, prefix: str = ""):
+        super().__init__(vllm_config=vllm_config, prefix=prefix)
+        qc = vllm_config.quant_config
+        if not isinstance(qc, MegatronFP4Config):
+            return
+        if vllm_config.model_config.dtype in (torch.bfloat16, torch.float16):
+            keep_fp32_residual(self.model.norm)
+            for layer in self.model.layers:
+                if hasattr(layer, "input_layernorm"):
+                    keep_fp32_residual(layer.input_layernorm)
+                    keep_fp32_residual(layer.post_attention_layernorm)
+        if not qc.batch_invariant:
+            return
+        for i, layer in enumerate(self.model.layers):
+            attn = getattr(layer, "self_attn", None)
+            if attn is None:  # a pipeline stage's missing layer
+                continue
+            theta = _check_rope(attn.rotary_emb, attn.head_dim, f"model.layers.{i}.self_attn")
+            attn.rotary_emb = TrainerRotary(attn.head_dim, theta)
+            inner = attn.attn
+            if inner.sliding_window is not None:
+                raise ValueError(f"megatron_fp4: model.layers.{i} has a sliding window; the trainer's attention "
+                                 f"is full causal attention")
+            inner.impl = TrainerAttentionImpl(inner.num_heads, inner.num_kv_heads, inner.head_size,
+                                              attn.scaling, qc.values)
