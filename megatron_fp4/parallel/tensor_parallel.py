@@ -20,9 +20,14 @@ hooks for the collectives, in the spirit of torchtitan's ``parallelize_module``:
   `finish_grads` sums them over the group (q/k-norm weights too, with or without sequence
   parallel: each rank applies them to its own heads).
 
-Not here yet (refused with a message): FP4 linears that tensor parallel would cut (the dense MLP of
-``model.dense_layers`` under an FP4 recipe, attention under ``fp4.scope=experts+attention``), which
-need the per-row amax reduced over the group first; router replay under sequence parallel; KV-cache decoding.
+FP4 linears it cuts (attention under ``fp4.scope=experts+attention``, the dense MLP of
+``model.dense_layers`` under an FP4 recipe) get a `fp4.tensor_cut.TensorCut` (``linear.tp_cut``):
+their blocks must lie inside a rank's slice (checked here) and every global amax that spans the cut
+is max-reduced over the group before quantizing, so their codes are the single process's slices.
+
+Not here yet (refused with a message): FP4 attention with fewer kv heads than ranks (the replicated
+heads' dY would be quantized per rank before the ranks sum it); router replay under sequence
+parallel; KV-cache decoding.
 """
 from __future__ import annotations
 
@@ -34,10 +39,11 @@ import torch.distributed as dist
 from torch import nn
 
 from megatron_fp4.fp4 import MoEResQLinear
+from megatron_fp4.fp4.tensor_cut import TensorCut
 from megatron_fp4.model.layers import Attention, SwiGLU
 from megatron_fp4.model.moe import MoELayer
-from megatron_fp4.parallel.tp_comm import (_all_reduce, _gather, copy_to_tp, gather_seq, gather_whole, reduce_from_tp,
-                                           scatter_seq, split_whole, vocab_parallel_cross_entropy)
+from megatron_fp4.parallel.tp_comm import (_all_reduce, _gather, amax_reducer, copy_to_tp, gather_seq, gather_whole,
+                                           reduce_from_tp, scatter_seq, split_whole, vocab_parallel_cross_entropy)
 
 
 @dataclass
@@ -94,12 +100,19 @@ def _rows(start: int, stop: int, per: int = 1) -> torch.Tensor:
     return torch.arange(start * per, stop * per)
 
 
-def _check_not_fp4(module: nn.Module, what: str) -> None:
-    if any(isinstance(m, MoEResQLinear) and getattr(m, "recipe", None) is not None
-           and getattr(m.recipe, "mode", "bf16") != "bf16" for m in module.modules()):
-        raise ValueError(f"parallel.tp > 1 with FP4 on the {what}: cutting an FP4 linear needs its amax reduced "
-                         "over the tensor-parallel group, not implemented yet; keep FP4 on the routed experts "
-                         "(fp4.scope=experts, model.dense_layers=[]) or use parallel.tp=1")
+def _fp4(linear: nn.Module) -> bool:
+    return isinstance(linear, MoEResQLinear) and linear.recipe.quantized
+
+
+def _cut_fp4(linears: dict, kind: str, plan: TPPlan, reduce_max) -> None:
+    """Give the FP4 linears among ``linears`` ({name: module}, already cut) their `TensorCut`, after
+    checking that their blocks lie inside this rank's slice."""
+    cut = TensorCut(kind, plan.size, reduce_max)
+    for name, linear in linears.items():
+        if _fp4(linear):
+            out_local, in_local = linear.weight.shape
+            cut.check(linear.recipe, out_local, in_local, linear.quant_name or name)
+            linear.tp_cut = cut
 
 
 def parallelize_tp(model: nn.Module, group, sequence_parallel: bool = False) -> TPPlan:
@@ -119,13 +132,22 @@ def parallelize_tp(model: nn.Module, group, sequence_parallel: bool = False) -> 
         problems.append(f"model.dense_ffn_hidden_size={cfg.dense_ffn_hidden_size} is not a multiple of parallel.tp={tp}")
     if problems:
         raise ValueError("tensor parallel layout: " + "; ".join(problems))
+    reduce_max = amax_reducer(group)
     for module in model.modules():
         if isinstance(module, Attention):
-            _check_not_fp4(module, "attention projections (fp4.scope=experts+attention)")
+            if tp > cfg.num_kv_heads and _fp4(module.k_proj):
+                raise ValueError(f"parallel.tp={tp} with FP4 attention (fp4.scope=experts+attention) needs "
+                                 f"model.num_kv_heads={cfg.num_kv_heads} >= tp: replicated kv heads would quantize "
+                                 "their gradient per rank before the ranks sum it; use fp4.scope=experts or more "
+                                 "kv heads")
             _attention(module, plan)
+            _cut_fp4({"q_proj": module.q_proj, "k_proj": module.k_proj, "v_proj": module.v_proj}, "column", plan,
+                     reduce_max)
+            _cut_fp4({"o_proj": module.o_proj}, "row", plan, reduce_max)
         elif isinstance(module, SwiGLU) and not _inside_moe(model, module):
-            _check_not_fp4(module, "dense MLP layers (model.dense_layers)")
             _dense_mlp(module, plan)
+            _cut_fp4({"gate_proj": module.gate_proj, "up_proj": module.up_proj}, "column", plan, reduce_max)
+            _cut_fp4({"down_proj": module.down_proj}, "row", plan, reduce_max)
         elif isinstance(module, MoELayer) and sequence_parallel:
             _moe_sequence_parallel(module, plan)
     _vocab(model, plan)
