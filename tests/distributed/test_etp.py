@@ -1,0 +1,136 @@
+"""Expert-tensor parallel (etp2, ep2 × etp2) against the single-process MoE layer, float64, FP4 MoEResQ.
+
+Every rank holds a micro-batch of its own; the reference runs them one after the other (gradients
+accumulated), as the dp tests define FP4 layouts (wgrad quantizes along a micro-batch's tokens,
+and the etp exchange keeps each (etp rank, source) run a segment of its own). Each expert's w13
+is column-cut and its w2 row-cut over the etp group (`parallel/expert_tensor_parallel.py`), the
+FP4 amaxes spanning the cut max-reduced over it. Outputs, input gradients, the router gradient
+(summed over all ranks here, as the dp reduction would) and every expert slice's gradient (whole
+on each etp rank: edp is one rank in these layouts) must agree within FP64_REL of their scale
+(tests/numerics.py: the same products summed in another order, ~1e-16 relative). A run with the
+amax reduction left out misses by far more (the equality rests on it).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megatron_fp4.fp4 import Recipe
+from megatron_fp4.model.moe import MoELayer, init_moe_params
+from tests.distributed.launch import run_distributed
+from tests.numerics import FP64_REL
+
+pytestmark = pytest.mark.distributed
+
+HIDDEN, FFN, E, K, N = 32, 64, 4, 2, 40
+
+
+def make_layer(fmt):
+    layer = MoELayer(HIDDEN, E, K, FFN, Recipe.for_format("fp4_resq", fmt), aux_loss_coef=0.05, z_loss_coef=0.01)
+    init_moe_params(layer, 0.5, 0.3, torch.Generator().manual_seed(6))
+    return layer.double().train()
+
+
+def data(rank):
+    g = torch.Generator().manual_seed(200 + rank)
+    return (torch.randn(N, HIDDEN, generator=g, dtype=torch.float64),
+            torch.randn(N, HIDDEN, generator=g, dtype=torch.float64))
+
+
+def reference(world, fmt):
+    layer = make_layer(fmt)
+    outs, dxs = [], []
+    for r in range(world):
+        x, gy = data(r)
+        x.requires_grad_(True)
+        y = layer(x)
+        (y * gy).sum().backward()
+        outs.append(y.detach())
+        dxs.append(x.grad)
+    return outs, dxs, {n: p.grad.clone() for n, p in layer.named_parameters()}
+
+
+def _rank(rank, world, ep, fmt, reduce):
+    import torch.distributed as dist
+
+    from megatron_fp4.fp4.tensor_cut import TensorCut
+    from megatron_fp4.parallel.ep_alltoall import AllToAllDispatcher
+    from megatron_fp4.parallel.expert_parallel import shard_experts
+    from megatron_fp4.parallel.expert_tensor_parallel import apply_expert_tensor_parallel
+    etp = world // ep
+    groups = {}
+    for name, members in (("etp", [list(range(s, s + etp)) for s in range(0, world, etp)]),
+                          ("ep", [list(range(t, world, etp)) for t in range(etp)])):
+        for ranks in members:  # every rank creates every group, in the same order
+            g = dist.new_group(ranks) if len(ranks) < world else dist.group.WORLD
+            if rank in ranks:
+                groups[name] = g
+    layer = make_layer(fmt)
+    if ep > 1:
+        shard_experts(layer, ep, rank // etp)
+        layer.set_dispatcher(AllToAllDispatcher(groups["ep"], ep, E))
+    apply_expert_tensor_parallel(layer, groups["etp"])
+    if not reduce:
+        ex = layer.experts
+        ex.w13_cut, ex.w2_cut = (TensorCut(c.kind, c.size, lambda a: a) for c in (ex.w13_cut, ex.w2_cut))
+    x, gy = data(rank)
+    x.requires_grad_(True)
+    y = layer(x)
+    (y * gy).sum().backward()
+    grads = {}
+    for n, p in layer.named_parameters():
+        g = p.grad.clone()
+        if not n.startswith("experts."):
+            dist.all_reduce(g)
+        grads[n] = (g, getattr(p, "etp_shard", None))
+    return y.detach(), x.grad, grads, layer.experts.expert_offset, layer.experts.num_local_experts
+
+
+CASES = {"etp2": (2, 1, "nvfp4"), "etp2_mxfp4": (2, 1, "mxfp4"), "ep2_etp2": (4, 2, "nvfp4")}
+
+
+def _all(rank, world, names):
+    out = {n: _rank(rank, world, *CASES[n][1:], True) for n in names}
+    if world == 2:
+        out["unreduced"] = _rank(rank, world, 1, "nvfp4", False)
+    return out
+
+
+@pytest.fixture(scope="module")
+def results():
+    out = {}
+    for world in (2, 4):
+        names = [n for n, c in CASES.items() if c[0] == world]
+        by_rank = run_distributed(_all, world, args=(names,), timeout_s=900)
+        out.update({n: [r[n] for r in by_rank] for n in names + (["unreduced"] if world == 2 else [])})
+    return out
+
+
+def _err(got, want):
+    return float((got - want).abs().max()), float(want.abs().max()) or 1.0
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_etp_equals_single_process(name, results):
+    world, ep, fmt = CASES[name]
+    outs, dxs, ref = reference(world, fmt)
+    for rank, (y, dx, grads, offset, local) in enumerate(results[name]):
+        for got, want, what in ((y, outs[rank], "output"), (dx, dxs[rank], "input grad")):
+            err, scale = _err(got, want)
+            assert err <= FP64_REL * scale, (rank, what, err, scale)
+        assert local == E // ep
+        for n, (g, shard) in grads.items():
+            want = ref[n]
+            if n.startswith("experts."):
+                want = want[offset:offset + local]
+                assert shard is not None, n
+                want = want.index_select(shard[0], shard[1])
+            err, scale = _err(g, want)
+            assert g.shape == want.shape and err <= FP64_REL * scale, (rank, n, err, scale)
+
+
+def test_etp_without_amax_reduction_misses(results):
+    outs, _, _ = reference(2, "nvfp4")
+    for rank, (y, *_rest) in enumerate(results["unreduced"]):
+        err, scale = _err(y, outs[rank])
+        assert err > 1e4 * FP64_REL * scale, (rank, err)
