@@ -107,6 +107,9 @@ class GroupedExperts(nn.Module):
         if f * parts != self.ffn or not 0 <= index < parts:
             raise ValueError(f"GroupedExperts.shard_ffn: ffn={self.ffn} does not split into {parts} parts "
                              f"(model.moe_ffn_hidden_size must be a multiple of parallel.etp), or index {index}")
+        if self.w13.is_meta:  # the per-expert init draws whole matrices: cut materialised weights
+            raise ValueError("GroupedExperts.shard_ffn: the experts are still on the meta device; materialise the "
+                             "model (model.materialize) before cutting it for expert-tensor parallel")
         cols = torch.arange(index * f, (index + 1) * f, device=self.w13.device)
         rows = torch.cat([cols, cols + self.ffn])
         with torch.device(self.w13.device):
@@ -114,9 +117,8 @@ class GroupedExperts(nn.Module):
                                  num_local_experts=self.num_local_experts).to(self.w13.dtype)
         for name, dim, index_ in (("w13", 1, rows), ("w2", 2, cols)):
             old, new = getattr(self, name), getattr(out, name)
-            if not old.is_meta:
-                with torch.no_grad():
-                    new.copy_(old.index_select(dim, index_))
+            with torch.no_grad():
+                new.copy_(old.index_select(dim, index_))
             new.requires_grad_(old.requires_grad)
             new.__dict__.update(old.__dict__)
             new.etp_shard = (dim, index_.cpu())

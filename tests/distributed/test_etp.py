@@ -17,7 +17,7 @@ import torch
 
 from megatron_fp4.fp4 import Recipe
 from megatron_fp4.model.moe import MoELayer, init_moe_params
-from tests.distributed.launch import run_distributed
+from tests.distributed.test_tensor_parallel_moe import run_by_world
 from tests.numerics import FP64_REL
 
 pytestmark = pytest.mark.distributed
@@ -98,12 +98,7 @@ def _all(rank, world, names):
 
 @pytest.fixture(scope="module")
 def results():
-    out = {}
-    for world in (2, 4):
-        names = [n for n, c in CASES.items() if c[0] == world]
-        by_rank = run_distributed(_all, world, args=(names,), timeout_s=900)
-        out.update({n: [r[n] for r in by_rank] for n in names + (["unreduced"] if world == 2 else [])})
-    return out
+    return run_by_world(_all, CASES)
 
 
 def _err(got, want):

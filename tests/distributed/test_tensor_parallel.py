@@ -66,14 +66,19 @@ def tp_rank(rank, world, case, padded):
     from megatron_fp4.parallel.tensor_parallel import parallelize_tp
     cfg = make_cfg(case)
     model = build_model(cfg, seed=5).double().train()
-    plan = parallelize_tp(model, dist.group.WORLD, sequence_parallel=case["sp"])
+    return run_tp(cfg, model, parallelize_tp(model, dist.group.WORLD, sequence_parallel=case["sp"]), padded)
+
+
+def run_tp(cfg, model, plan, padded: bool, shard_of=lambda name, p: getattr(p, "tp_shard", None)):
+    """One forward/backward of the cut `model` on the test batch: (loss, {name: (grad, shard)}, gathered
+    logits, local vocabulary size); ``shard_of`` says which slice of the reference's a grad is."""
     tokens, labels, mask = batch(cfg, padded)
     logits = model(tokens, attention_mask=mask).logits
     loss = plan.loss(logits, labels)
     loss.backward()
     plan.finish_grads()
     full = plan.gather_logits(logits.detach())
-    grads = {n: (p.grad.clone(), getattr(p, "tp_shard", None)) for n, p in model.named_parameters()}
+    grads = {n: (p.grad.clone(), shard_of(n, p)) for n, p in model.named_parameters()}
     return loss.detach(), grads, full, logits.shape[-1]
 
 

@@ -24,7 +24,7 @@ import torch
 from megatron_fp4.fp4 import quantize_mxfp4, quantize_nvfp4
 from megatron_fp4.model.transformer import build_model, lm_loss
 from tests.distributed.launch import run_distributed
-from tests.distributed.test_tensor_parallel import batch, check_equal, make_cfg
+from tests.distributed.test_tensor_parallel import batch, check_equal, make_cfg, run_tp
 from tests.numerics import FP64_REL
 
 pytestmark = pytest.mark.distributed
@@ -49,30 +49,19 @@ def _fields(q) -> tuple:
     return q.codes, q.block_scales.view(torch.uint8), q.global_scale
 
 
-def _run(cfg, model, plan, padded):
-    tokens, labels, mask = batch(cfg, padded)
-    logits = model(tokens, attention_mask=mask).logits
-    loss = plan.loss(logits, labels)
-    loss.backward()
-    plan.finish_grads()
-    full = plan.gather_logits(logits.detach())
-    grads = {n: (p.grad.clone(), getattr(p, "tp_shard", None)) for n, p in model.named_parameters()}
-    return loss.detach(), grads, full, logits.shape[-1]
-
-
 def _cached_steps(cfg, model, plan):
     """Two micro-batches under one weight cache, an in-place weight change, a third: its result."""
     store: dict = {}
     with model.numerics.cached_weights(store):
-        _run(cfg, model, plan, False)
+        run_tp(cfg, model, plan, False)
         held = len(store)
-        _run(cfg, model, plan, False)
+        run_tp(cfg, model, plan, False)
         assert held and len(store) == held  # the second micro-batch hit the cache
         with torch.no_grad():
             for p in model.parameters():
                 p.mul_(0.9)
         model.zero_grad(set_to_none=True)
-        return _run(cfg, model, plan, False)
+        return run_tp(cfg, model, plan, False)
 
 
 def cached_reference(case: dict):
@@ -106,7 +95,7 @@ def _rank(rank, world, key):
         fmt = lin.recipe.weight
         codes[layer] = (_fields(_quantize(lin.weight.detach(), fmt, lin.tp_cut.reducer(fmt, "weight"))),
                         lin.weight.tp_shard)
-    result = _run(cfg, model, plan, padded)
+    result = run_tp(cfg, model, plan, padded)
     unreduced = None
     if name == "nvfp4":  # the same run with every slice's amax left local
         model = build_model(cfg, seed=5).double().train()
@@ -114,7 +103,7 @@ def _rank(rank, world, key):
         for n, m in model.named_modules():
             if getattr(m, "tp_cut", None) is not None:
                 m.tp_cut = TensorCut(m.tp_cut.kind, m.tp_cut.size, lambda a: a)
-        unreduced = _run(cfg, model, plan, padded)
+        unreduced = run_tp(cfg, model, plan, padded)
     cached = None
     if name == "nvfp4_sp":
         model = build_model(cfg, seed=5).double().train()

@@ -138,28 +138,20 @@ def _model_rank(rank, sp, padded):
     from megatron_fp4.parallel.ep_alltoall import AllToAllDispatcher
     from megatron_fp4.parallel.expert_parallel import shard_experts
     from megatron_fp4.parallel.tensor_parallel import parallelize_tp
-    from tests.distributed.test_tensor_parallel import batch, make_cfg
+    from tests.distributed.test_tensor_parallel import make_cfg, run_tp
     cfg = make_cfg(MODEL_CASE)
     model = build_model(cfg, seed=5).double().train()
     for moe in model.moe_layers():
         shard_experts(moe, 2, rank)
         moe.set_dispatcher(AllToAllDispatcher(dist.group.WORLD, 2, cfg.model.num_experts, fold=2))
     plan = parallelize_tp(model, dist.group.WORLD, sequence_parallel=sp, moe_tokens="local")
-    tokens, labels, mask = batch(cfg, padded)
-    logits = model(tokens, attention_mask=mask).logits
-    loss = plan.loss(logits, labels)
-    loss.backward()
-    plan.finish_grads()  # edp of ep2 on 2 ranks is one rank: the experts' grads are whole
-    full = plan.gather_logits(logits.detach())
-    grads = {}
-    for n, p in model.named_parameters():
-        shard = getattr(p, "tp_shard", None)
-        if getattr(p, "is_expert", False):
-            per = cfg.model.num_experts // 2
-            shard = (0, torch.arange(rank * per, (rank + 1) * per))
-        grads[n] = (p.grad.clone(), shard)
     assert len(plan.expert_grads) == 2 * len(model.moe_layers())
-    return loss.detach(), grads, full, logits.shape[-1]
+    per = cfg.model.num_experts // 2
+
+    def shard_of(name, p):  # an expert weight: this rank's experts (edp of ep2 on 2 ranks: one rank)
+        return (0, torch.arange(rank * per, (rank + 1) * per)) if getattr(p, "is_expert", False) else \
+            getattr(p, "tp_shard", None)
+    return run_tp(cfg, model, plan, padded, shard_of)
 
 
 def _refused(rank):
@@ -177,15 +169,24 @@ def _refused(rank):
     return None
 
 
+def run_by_world(fn, cases: dict) -> dict:
+    """``fn(rank, world, names)`` (a dict per rank) once per world size of ``cases`` ({name: (world,
+    ...)}): {key: [each rank's value]} over every key the ranks return."""
+    out = {}
+    for world in sorted({c[0] for c in cases.values()}):
+        by_rank = run_distributed(fn, world, args=([n for n, c in cases.items() if c[0] == world],), timeout_s=900)
+        out.update({key: [r[key] for r in by_rank] for key in by_rank[0]})
+    return out
+
+
 @pytest.fixture(scope="module")
 def results():
-    out = {}
-    for world in (2, 4):
-        names = [n for n, c in CASES.items() if c[0] == world]
-        by_rank = run_distributed(_all, world, args=(names,), timeout_s=900)
-        extra = ["refused"] + [("model", key) for key in MODEL_KEYS] if world == 2 else []
-        out.update({n: [r[n] for r in by_rank] for n in names + extra})
-    return out
+    return run_by_world(_all, CASES)
+
+
+def test_fp4_local_tokens_without_folding_are_refused(results):
+    for message in results["refused"]:
+        assert message and "needs an expert-parallel all-to-all dispatcher folding the tp ranks" in message, message
 
 
 @pytest.mark.parametrize("sp,padded", MODEL_KEYS)
@@ -193,10 +194,6 @@ def test_model_local_moe_tokens_equal_single_process(sp, padded, results):
     from tests.distributed.test_tensor_parallel import check_equal
     check_equal(MODEL_CASE, padded, results[("model", (sp, padded))])
 
-
-def test_fp4_local_tokens_without_folding_are_refused(results):
-    for message in results["refused"]:
-        assert message and "needs an expert-parallel all-to-all dispatcher folding the tp ranks" in message, message
 
 
 def _close(got, want, what):
