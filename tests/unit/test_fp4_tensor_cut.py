@@ -31,15 +31,18 @@ def _other_max(x, dim, scale):
     a, b = _halves(x, dim)
 
     def amax(t):
+        t = t.float()
         return t.abs().amax() if scale == "tensor" else t.abs().amax(dim=-1).reshape(-1, 1, 1)
     ma, mb = amax(a), amax(b)
     return [lambda m: torch.maximum(m, mb), lambda m: torch.maximum(m, ma)]
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
 @pytest.mark.parametrize("scale,block,dim", [("tensor", "2d", 0), ("tensor", "2d", 1), ("row", "1d", 1),
                                              ("tensor", "1d", 0)])
-def test_slice_codes_equal_the_whole_tensors_slice(scale, block, dim):
-    x = _tensor()
+def test_slice_codes_equal_the_whole_tensors_slice(scale, block, dim, dtype):
+    """Any operand dtype: the quantizers read it as fp32, the amax reduction sees fp32 amaxes."""
+    x = _tensor().to(dtype)
     whole = quantize_nvfp4(x, scale=scale, block=block)
     for r, (part, reduce) in enumerate(zip(_halves(x, dim), _other_max(x, dim, scale))):
         got = quantize_nvfp4(part, scale=scale, block=block, amax_reduce=reduce)
