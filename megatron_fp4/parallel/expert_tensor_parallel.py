@@ -16,7 +16,13 @@ ep, or the local one); `EtpExchange`, the experts' ``token_exchange``, then
    the all-gather of their gradients).
 
 So an expert's gradient is complete for its slice on each etp rank (reduced further over edp by
-the trainer) and equals the single process's slice up to sum order. The rank layout (Megatron's
+the trainer) and equals the single process's slice up to sum order.
+
+``replicated=True``: the etp ranks already hold the same rows (tensor parallel with
+``moe_tokens='whole'`` and the etp group = the tp group: every tp rank routes the whole sequence,
+and its ep peers are the same tp coordinate of other dp ranks). Nothing is gathered: each rank runs
+its slices on the rows (input gradient summed over etp) and the partial outputs are all-reduced,
+as a dense tensor-parallel MLP does; segments and the row order stay the dispatcher's. The rank layout (Megatron's
 folding, `parallel/dims.py`): ``rank = (edp·ep + ep_rank)·etp + etp_rank`` within a stage, so an
 etp group is ``etp`` consecutive ranks and an ep group takes every ``etp``-th rank. Not with the
 GC-MoE dispatchers (their per-expert calls cannot be exchanged; refused by `GroupedExperts.expert`).
@@ -30,7 +36,7 @@ from torch import nn
 from megatron_fp4.fp4.tensor_cut import TensorCut
 from megatron_fp4.model.moe import MoELayer
 from megatron_fp4.parallel.ep_alltoall import grouping_permutation, scatter_rows
-from megatron_fp4.parallel.tp_comm import _Region, amax_reducer
+from megatron_fp4.parallel.tp_comm import _Region, amax_reducer, copy_to_tp, reduce_from_tp
 
 
 def _pad_rows(x: torch.Tensor, n: int) -> torch.Tensor:
@@ -57,12 +63,14 @@ def _reduce_scatter_rows(y: torch.Tensor, group, rows: list) -> torch.Tensor:
 class EtpExchange:
     """The experts' ``token_exchange`` over one etp group (module docstring)."""
 
-    def __init__(self, group):
-        self.group, self.size = group, dist.get_world_size(group)
+    def __init__(self, group, replicated: bool = False):
+        self.group, self.size, self.replicated = group, dist.get_world_size(group), replicated
 
     def run(self, compute, x: torch.Tensor, counts: list, segments) -> torch.Tensor:
         """``compute(rows, counts, segments)`` (the local experts) on every etp rank's rows; returns
         this rank's rows of the summed outputs."""
+        if self.replicated:
+            return reduce_from_tp(compute(copy_to_tp(x, self.group), counts, segments), self.group)
         runs = [[int(c)] for c in counts] if segments is None else [[int(v) for v in s] for s in segments]
         width = max(len(r) for r in runs)
         mine = torch.tensor([r + [0] * (width - len(r)) for r in runs], dtype=torch.int64, device=x.device)
@@ -82,9 +90,10 @@ class EtpExchange:
         return _Region.apply(y_all, self.group, rows, _reduce_scatter_rows, _gather_rows)
 
 
-def apply_expert_tensor_parallel(model: nn.Module, group) -> nn.Module:
+def apply_expert_tensor_parallel(model: nn.Module, group, *, replicated: bool = False) -> nn.Module:
     """Cut every MoE layer's experts of `model` (or a bare `MoELayer`) over the etp `group` (module
-    docstring). Call on every rank of the group, after `apply_expert_parallel`. Returns `model`."""
+    docstring; ``replicated``: the etp ranks route the same tokens). Call on every rank of the group,
+    after `apply_expert_parallel`. Returns `model`."""
     etp, rank = dist.get_world_size(group), dist.get_rank(group)
     layers = [model] if isinstance(model, MoELayer) else model.moe_layers()
     if etp == 1:
@@ -104,6 +113,6 @@ def apply_expert_tensor_parallel(model: nn.Module, group) -> nn.Module:
         w13_cut.check(experts.recipe, experts.ffn, experts.hidden, f"{name}.w13")
         w2_cut.check(experts.recipe, experts.hidden, experts.ffn, f"{name}.w2")
         experts.w13_cut, experts.w2_cut = w13_cut, w2_cut
-        experts.token_exchange = EtpExchange(group)
+        experts.token_exchange = EtpExchange(group, replicated)
         moe.set_experts(experts)
     return model

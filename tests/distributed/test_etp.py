@@ -31,16 +31,16 @@ def make_layer(fmt):
     return layer.double().train()
 
 
-def data(rank):
+def data(rank):  # rank: the micro-batch (the dp coordinate where etp ranks share tokens)
     g = torch.Generator().manual_seed(200 + rank)
     return (torch.randn(N, HIDDEN, generator=g, dtype=torch.float64),
             torch.randn(N, HIDDEN, generator=g, dtype=torch.float64))
 
 
-def reference(world, fmt):
+def reference(micro_batches, fmt):
     layer = make_layer(fmt)
     outs, dxs = [], []
-    for r in range(world):
+    for r in range(micro_batches):
         x, gy = data(r)
         x.requires_grad_(True)
         y = layer(x)
@@ -50,7 +50,7 @@ def reference(world, fmt):
     return outs, dxs, {n: p.grad.clone() for n, p in layer.named_parameters()}
 
 
-def _rank(rank, world, ep, fmt, reduce):
+def _rank(rank, world, ep, fmt, reduce, replicated=False):
     import torch.distributed as dist
 
     from megatron_fp4.fp4.tensor_cut import TensorCut
@@ -69,28 +69,31 @@ def _rank(rank, world, ep, fmt, reduce):
     if ep > 1:
         shard_experts(layer, ep, rank // etp)
         layer.set_dispatcher(AllToAllDispatcher(groups["ep"], ep, E))
-    apply_expert_tensor_parallel(layer, groups["etp"])
+    apply_expert_tensor_parallel(layer, groups["etp"], replicated=replicated)
     if not reduce:
         ex = layer.experts
         ex.w13_cut, ex.w2_cut = (TensorCut(c.kind, c.size, lambda a: a) for c in (ex.w13_cut, ex.w2_cut))
-    x, gy = data(rank)
+    x, gy = data(rank // etp if replicated else rank)
     x.requires_grad_(True)
     y = layer(x)
     (y * gy).sum().backward()
     grads = {}
     for n, p in layer.named_parameters():
         g = p.grad.clone()
-        if not n.startswith("experts."):
-            dist.all_reduce(g)
+        if not n.startswith("experts."):  # the router: a dp reduction (the ep group is the dp group if replicated)
+            dist.all_reduce(g, group=groups["ep"] if replicated else None)
         grads[n] = (g, getattr(p, "etp_shard", None))
     return y.detach(), x.grad, grads, layer.experts.expert_offset, layer.experts.num_local_experts
 
 
-CASES = {"etp2": (2, 1, "nvfp4"), "etp2_mxfp4": (2, 1, "mxfp4"), "ep2_etp2": (4, 2, "nvfp4")}
+# name: (world, ep, format, replicated); replicated: tp2 x dp2 with moe_tokens='whole', etp = the tp
+# group (ranks 2d, 2d+1 hold dp rank d's micro-batch), ep over the dp ranks
+CASES = {"etp2": (2, 1, "nvfp4", False), "etp2_mxfp4": (2, 1, "mxfp4", False), "ep2_etp2": (4, 2, "nvfp4", False),
+         "tp2_dp2_ep2_etp2_whole": (4, 2, "nvfp4", True)}
 
 
 def _all(rank, world, names):
-    out = {n: _rank(rank, world, *CASES[n][1:], True) for n in names}
+    out = {n: _rank(rank, world, *CASES[n][1:3], True, CASES[n][3]) for n in names}
     if world == 2:
         out["unreduced"] = _rank(rank, world, 1, "nvfp4", False)
     return out
@@ -107,10 +110,12 @@ def _err(got, want):
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_etp_equals_single_process(name, results):
-    world, ep, fmt = CASES[name]
-    outs, dxs, ref = reference(world, fmt)
+    world, ep, fmt, replicated = CASES[name]
+    etp = world // ep
+    outs, dxs, ref = reference(world // etp if replicated else world, fmt)
     for rank, (y, dx, grads, offset, local) in enumerate(results[name]):
-        for got, want, what in ((y, outs[rank], "output"), (dx, dxs[rank], "input grad")):
+        mb = rank // etp if replicated else rank
+        for got, want, what in ((y, outs[mb], "output"), (dx, dxs[mb], "input grad")):
             err, scale = _err(got, want)
             assert err <= FP64_REL * scale, (rank, what, err, scale)
         assert local == E // ep
