@@ -135,6 +135,13 @@ def abs_block_max(xf: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Ten
     return a, m.view(*xf.shape[:-1], n // block)
 
 
+def reduced_amax(amax: torch.Tensor, amax_reduce) -> torch.Tensor:
+    """``amax_reduce(amax)`` (a max over the ranks holding the tensor's other slices) with NaN sent
+    as +Inf: a max of NaN is order-dependent, +Inf is not, so every rank sees the non-finite value
+    and raises (or flags) together instead of one rank leaving the others waiting in a collective."""
+    return amax_reduce(torch.where(torch.isnan(amax), torch.full_like(amax, float("inf")), amax))
+
+
 def check_multiple(x: torch.Tensor, dim: int, multiple: int, name: str, what: str) -> None:
     size = x.shape[dim]
     if size % multiple:
@@ -166,7 +173,8 @@ def check_finite_flag(x: torch.Tensor, finite: torch.Tensor, name: str, what: st
 
 def raise_non_finite(x: torch.Tensor, name: str, what: str) -> None:
     bad = int((~torch.isfinite(x)).sum())
+    where = "" if bad else " here, but its slice on another tensor-parallel rank has"
     raise NonFiniteInputError(
-        f"{what}: tensor '{name}' has {bad} non-finite element(s) (NaN/Inf) out of {x.numel()}; "
+        f"{what}: tensor '{name}' has {bad} non-finite element(s) (NaN/Inf) out of {x.numel()}{where}; "
         "FP4 block scales cannot represent them (check the producer of this tensor)"
     )

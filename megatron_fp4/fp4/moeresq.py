@@ -56,9 +56,7 @@ wgrad, each once; a plain ``backward()`` runs both, with the same bits as one no
 """
 from __future__ import annotations
 
-import functools
 import math
-from contextlib import ExitStack
 import dataclasses
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
@@ -73,19 +71,22 @@ from megatron_fp4.fp4.exact_gemm import cached_for_weight, exact_fp4_gemm, split
 from megatron_fp4.fp4.nonfinite import FlagTee, NonFiniteFlags
 from megatron_fp4.fp4.numerics import STANDARD, Numerics
 from megatron_fp4.fp4.recipe import OperandFormat, Recipe
-from megatron_fp4.fp4.resq import _fq32, fake_quantize, portable_resq_quantize, sqnr_db  # noqa: F401
+from megatron_fp4.fp4.tensor_cut import TensorCut
+from megatron_fp4.fp4.resq import _fq32, _no_autocast, fake_quantize, portable_resq_quantize, sqnr_db  # noqa: F401
 
 
 def resq_quantize(x: torch.Tensor, fmt: OperandFormat, compensated: bool = True, generator=None,
                   name: str = "x", nonfinite=None, compile: str | None = None, scratch: bool = False,
-                  triton: str = "auto") -> torch.Tensor:
+                  triton: str = "auto", amax_reduce=None) -> torch.Tensor:
     """``Q(x) + Q(x − Q(x))`` (or ``Q(x)`` when not compensated) in fp32: the Triton kernels where
     they serve under ``triton`` (``Numerics.triton``; CUDA: same bits, one pass), else the portable
-    quantizer (`resq.portable_resq_quantize`, whose ``scratch`` see)."""
-    out = triton_fp4.dispatch(x, fmt, compensated, generator, name, nonfinite, mode=triton)
+    quantizer (`resq.portable_resq_quantize`, whose ``scratch`` and ``amax_reduce`` see; the
+    kernels do not take a reduction)."""
+    out = None if amax_reduce is not None else triton_fp4.dispatch(x, fmt, compensated, generator, name, nonfinite,
+                                                                    mode=triton)
     if out is not None:
         return out
-    return portable_resq_quantize(x, fmt, compensated, generator, name, nonfinite, compile, scratch)
+    return portable_resq_quantize(x, fmt, compensated, generator, name, nonfinite, compile, scratch, amax_reduce)
 
 
 @dataclass(frozen=True)
@@ -101,13 +102,19 @@ class _Site:
     segments: Optional[tuple] = None  # wgrad's token runs (≥ 2 non-empty), None: one run
     triton: str = "auto"  # Numerics.triton
     cache: Optional[dict] = field(default=None, compare=False)  # Numerics.weight_cache
+    cut: Optional[TensorCut] = None  # a tensor-parallel slice of the linear (tensor_cut.py)
 
     @classmethod
-    def at(cls, recipe: Recipe, layer: str, numerics: Numerics, device, segments=None, defer: bool = True) -> "_Site":
+    def at(cls, recipe: Recipe, layer: str, numerics: Numerics, device, segments=None, defer: bool = True,
+           cut: Optional[TensorCut] = None) -> "_Site":
         """The site of a call now under ``numerics`` (``defer=False``: eager non-finite checks)."""
         now = numerics.position
         return cls(recipe, layer, now.step, now.micro_batch, now.nonfinite_flags_for(device) if defer else None,
-                   segments, numerics.triton, numerics.weight_cache)
+                   segments, numerics.triton, numerics.weight_cache, cut)
+
+    def reducer(self, fmt: OperandFormat, operand: str):
+        """The amax reduction of ``operand`` over a tensor-parallel cut (None: none needed)."""
+        return None if self.cut is None else self.cut.reducer(fmt, operand)
 
     def _stream(self, a: torch.Tensor, fmt: OperandFormat, operand: str):
         """(generator, name) of one operand's quantization (no generator for nearest rounding)."""
@@ -121,7 +128,8 @@ class _Site:
                  scratch: bool = False) -> torch.Tensor:
         """Q̃ of one operand on its own stochastic-rounding stream (none for nearest rounding)."""
         gen, name = self._stream(a, fmt, operand)
-        return resq_quantize(a, fmt, compensated, gen, name, self.nonfinite, self.recipe.compile, scratch, self.triton)
+        return resq_quantize(a, fmt, compensated, gen, name, self.nonfinite, self.recipe.compile, scratch, self.triton,
+                             self.reducer(fmt, operand))
 
     def split(self, a: torch.Tensor, fmt: OperandFormat, operand: str, compensated: bool) -> list:
         """The terms of Q̃ as exact-GEMM splits (same codes and draws as :meth:`quantize`)."""
@@ -145,7 +153,7 @@ def _col_quantize(site: _Site, a: torch.Tensor, fmt: OperandFormat, operand: str
 
 
 def _col_quantize_run(site: _Site, a: torch.Tensor, fmt: OperandFormat, stream: str) -> torch.Tensor:
-    if triton_fp4.use_triton(a, site.triton):  # the kernel reads ``a`` transposed and zero-pads as it goes
+    if site.reducer(fmt, stream) is None and triton_fp4.use_triton(a, site.triton):  # the kernel reads ``a`` transposed and zero-pads as it goes
         out = triton_fp4.dispatch(a, fmt, site.recipe.compensated, *site._stream(a, fmt, stream),
                                   site.nonfinite, columns=True, mode=site.triton)
         if out is not None:
@@ -159,18 +167,6 @@ def _col_quantize_run(site: _Site, a: torch.Tensor, fmt: OperandFormat, stream: 
 
 
 # -- the GEMMs, shared by the split and the one-node layout -------------------------------------------
-def _no_autocast(fn):
-    """Run a numeric step with autocast off: the simulation fixes its own dtypes (fp32 / fp64
-    GEMMs, see the module docstring), which torch.autocast would silently lower to bf16."""
-    @functools.wraps(fn)
-    def run(*args, **kwargs):
-        with ExitStack() as stack:
-            for dev in ("cpu", "cuda") if torch.cuda.is_available() else ("cpu",):
-                stack.enter_context(torch.autocast(dev, enabled=False))
-            return fn(*args, **kwargs)
-    return run
-
-
 def _cached_weight(site: _Site, weight: torch.Tensor, exact: bool, compute):
     """``compute(site)`` (``Q(W)``, or its exact-GEMM split when ``exact``), reused through the site's
     weight cache (``Numerics.cached_weights``). While non-finite flags are deferred, the entry keeps
@@ -179,6 +175,8 @@ def _cached_weight(site: _Site, weight: torch.Tensor, exact: bool, compute):
     fmt = site.recipe.weight
     seed = sr_seed(site.recipe.seed, site.layer, site.step, site.micro_batch, "weight") \
         if fmt.rounding == "stochastic" else None
+    if site.cut is not None:  # a slice's Q(W) depends on the group's amax too: keyed apart
+        seed = (seed, site.cut)
     if site.nonfinite is None:
         return cached_for_weight(site.cache, weight, (fmt, exact, seed), lambda: compute(site))
     tee = FlagTee(site.nonfinite)
@@ -325,14 +323,15 @@ def _runs(segments, rows: int) -> tuple | None:
 
 def moeresq_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
                    recipe: Recipe, name: str = "", segments: Sequence[int] | None = None,
-                   numerics: Numerics = STANDARD) -> torch.Tensor:
+                   numerics: Numerics = STANDARD, cut: Optional[TensorCut] = None) -> torch.Tensor:
     """``x`` (…, in) · ``weight`` (out, in)ᵀ under ``recipe`` (see the module docstring).
 
     ``name``: the layer's global name, which keys its stochastic-rounding streams and names it in
     non-finite errors (unnamed layers share streams). ``segments``: row counts of consecutive runs
     of ``x``'s rows (summing to the row count) whose FP4 wgrad operands are quantized run by run;
     None (or one non-empty run) is the plain call. ``numerics``: the caller's (the module's) value:
-    batch invariance, backend, weight cache, the step position that keys SR streams."""
+    batch invariance, backend, weight cache, the step position that keys SR streams. ``cut``: how
+    tensor parallelism cut this linear (``tensor_cut.py``; None: whole)."""
     if not isinstance(recipe, Recipe):
         raise ValueError(f"moeresq_linear: recipe must be a Recipe, got {type(recipe).__name__}")
     if x.shape[-1] != weight.shape[-1]:
@@ -342,7 +341,10 @@ def moeresq_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
         return invariant.linear(x, weight, bias, numerics)
     if x.numel() == 0:  # no rows (an expert that received no tokens): nothing to quantize, zero grads
         return F.linear(x, weight.to(x.dtype), None if bias is None else bias.to(x.dtype))
-    site = _Site.at(recipe, name, numerics, x.device, runs)
+    if cut is not None and invariant.enabled(numerics, x):
+        raise ValueError(f"moeresq_linear {name!r}: the batch-invariant exact FP4 GEMM on a tensor-parallel slice "
+                         "is not supported (its partial sums are rounded before the group adds them)")
+    site = _Site.at(recipe, name, numerics, x.device, runs, cut=cut)
     out_shape = (*x.shape[:-1], weight.shape[0])
     x2 = x.reshape(-1, x.shape[-1])
     bias32 = None if bias is None else bias.detach().to(_accumulate_dtype(x.dtype))
@@ -385,10 +387,11 @@ class MoEResQLinear(nn.Module):
         nn.init.kaiming_uniform_(self.weight, a=math.sqrt(5))
         self.quant_name = ""  # global module name, set by `name_quant_sites` on the full model
         self.numerics = Numerics() if numerics is None else numerics
+        self.tp_cut: Optional[TensorCut] = None  # set by tensor parallelism when it cuts this linear
 
     def forward(self, x):
         return moeresq_linear(x, self.weight, self.bias, recipe=self.recipe, name=self.quant_name,
-                              numerics=self.numerics)
+                              numerics=self.numerics, cut=self.tp_cut)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "

@@ -40,6 +40,7 @@ from megatron_fp4.fp4.moeresq import (
 )
 from megatron_fp4.fp4.numerics import STANDARD, Numerics
 from megatron_fp4.fp4.recipe import OperandFormat, Recipe, row_local
+from megatron_fp4.fp4.tensor_cut import TensorCut
 
 # Columnwise runs share one zero-padded buffer while its size stays within this many times their
 # own padded sizes (runs of very unequal length go to buckets of similar lengths).
@@ -72,17 +73,17 @@ def can_group_resq(recipe: Recipe, x: torch.Tensor, numerics: Numerics = STANDAR
 class _Group:
     """Per-expert sites and row ranges of one grouped call (captured in forward)."""
 
-    def __init__(self, recipe: Recipe, names, counts, segments, name: str, device, numerics: Numerics):
+    def __init__(self, recipe: Recipe, names, counts, segments, name: str, device, numerics: Numerics, cut=None):
         segs = segments or [None] * len(counts)
         self.recipe, self.counts, self.name = recipe, [int(n) for n in counts], name
-        self.sites = [_Site.at(recipe, names[e], numerics, device, _runs(segs[e], n))
+        self.sites = [_Site.at(recipe, names[e], numerics, device, _runs(segs[e], n), cut=cut)
                       for e, n in enumerate(self.counts)]
         self.ranges, start = [], 0
         for n in self.counts:
             self.ranges.append((start, start + n))
             start += n
         self.active = [e for e, n in enumerate(self.counts) if n]
-        self.whole = _Site.at(recipe, name, numerics, device)  # names all-rows calls
+        self.whole = _Site.at(recipe, name, numerics, device, cut=cut)  # names all-rows calls
 
     def rows(self, t: torch.Tensor, e: int) -> torch.Tensor:
         a, b = self.ranges[e]
@@ -204,11 +205,12 @@ class _GroupedWgradHalf(torch.autograd.Function):
 def grouped_moeresq_linear(x: torch.Tensor, weight: torch.Tensor, counts: Sequence[int], *, recipe: Recipe,
                            names: Sequence[str], name: str = "",
                            segments: Optional[Sequence[Optional[Sequence[int]]]] = None,
-                           numerics: Numerics = STANDARD) -> torch.Tensor:
+                           numerics: Numerics = STANDARD, cut: Optional[TensorCut] = None) -> torch.Tensor:
     """``x`` [N, in] (rows grouped by expert, ``counts[e]`` rows for expert e) times ``weight[e]ᵀ``
     (``weight`` [E, out, in]) -> [N, out], per expert the bits of ``moeresq_linear(..., name=names[e],
     segments=segments[e])`` (see the module docstring). ``name`` names the all-rows quantizer calls
-    in non-finite errors. Needs `can_group_resq(recipe, x, numerics)`."""
+    in non-finite errors. ``cut``: every expert's tensor-parallel slice (``tensor_cut.py``, expert-tensor
+    parallel). Needs `can_group_resq(recipe, x, numerics)`."""
     if x.dim() != 2 or weight.dim() != 3 or x.shape[1] != weight.shape[2]:
         raise ValueError(f"grouped_moeresq_linear: x {tuple(x.shape)} must be [N, in] and weight "
                          f"{tuple(weight.shape)} [E, out, in] with the same in")
@@ -218,7 +220,7 @@ def grouped_moeresq_linear(x: torch.Tensor, weight: torch.Tensor, counts: Sequen
     if segments is not None and len(segments) != weight.shape[0]:
         raise ValueError(f"grouped_moeresq_linear: segments must hold one entry per expert ({weight.shape[0]}), "
                          f"got {len(segments)}")
-    g = _Group(recipe, names, counts, segments, name, x.device, numerics)
+    g = _Group(recipe, names, counts, segments, name, x.device, numerics, cut)
     out_shape = (x.shape[0], weight.shape[1])
     with torch.no_grad():
         y, wqs = _forward(g, x.detach(), weight.detach())

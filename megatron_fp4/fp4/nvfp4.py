@@ -13,6 +13,11 @@ two dims (``block='2d'``, per-tensor global scale only: a tile spans 16 rows, so
 scale would not give one scale per tile). All-zero blocks get scale 0 and codes 0. Leading dims
 are flattened into rows, so with ``scale='row'`` a row quantizes to the same bits alone or inside
 any batch. See ``formats.py`` for the non-finite and shape errors.
+
+``amax_reduce`` (tensor parallelism, ``tensor_cut.py``): a callable giving the element-wise max of
+the global amax (per row or per tensor) over the ranks that hold the other slices of the tensor,
+applied before ``S_enc`` is formed, so a slice gets the codes and scales of its part of the whole
+tensor. The compiled path does not take it (the portable path serves then).
 """
 from __future__ import annotations
 
@@ -21,7 +26,8 @@ import torch
 from megatron_fp4.fp4.compiled_path import NONE as fused  # fused.py installs itself here
 from megatron_fp4.fp4.e2m1 import round_e2m1_, stochastic_round_e2m1, values_to_codes
 from megatron_fp4.fp4.formats import (
-    FLT_MAX, FP4Tensor, abs_block_max, check_finite, check_input, check_multiple, check_finite_flag, to_fp32_rows,
+    FLT_MAX, FP4Tensor, abs_block_max, check_finite, check_input, check_multiple, check_finite_flag, reduced_amax,
+    to_fp32_rows,
 )
 
 E4M3_MAX = 448.0
@@ -59,19 +65,21 @@ def _block_view(t: torch.Tensor, block: str) -> torch.Tensor:
     return t.view(-1, m // 16, 16, n // 16, 16)
 
 
-def nvfp4_scales(block_amax: torch.Tensor, scale: str):
+def nvfp4_scales(block_amax: torch.Tensor, scale: str, amax_reduce=None):
     """(amax, s_blk (e4m3), s_blk as fp32, S_dec, per-block encode scale) from the block amaxes.
 
     ``block_amax`` is in block layout with singleton element dims; the row amax is its max over
     dim −2 (the block index along the last dim), the tensor amax its max over everything (both
     propagate NaN/Inf, so the non-finite check looks at ``amax`` only). Shared by the eager and the
     compiled path; the numerator is a tensor because inductor turns ``scalar / t`` into
-    ``scalar * (1 / t)`` (two roundings).
+    ``scalar * (1 / t)`` (two roundings). ``amax_reduce``: see the module docstring.
     """
     if scale == "row":
         amax = block_amax.amax(dim=-2, keepdim=True)  # (rows, 1, 1)
     else:
         amax = block_amax.amax()
+    if amax_reduce is not None:
+        amax = reduced_amax(amax, amax_reduce)
     s_enc = torch.clamp(torch.full((), E4M3_MAX * 6.0, dtype=torch.float32, device=amax.device) / amax,
                         max=FLT_MAX)  # amax=0 gives inf→FLT_MAX
     s_enc = torch.where(amax == 0, torch.ones_like(s_enc), s_enc)
@@ -82,7 +90,8 @@ def nvfp4_scales(block_amax: torch.Tensor, scale: str):
     return amax, s_blk, s_blk32, s_dec, enc_blk
 
 
-def nvfp4_core(x: torch.Tensor, scale: str, block: str, rounding: str, generator, name: str, nonfinite=None):
+def nvfp4_core(x: torch.Tensor, scale: str, block: str, rounding: str, generator, name: str, nonfinite=None,
+               amax_reduce=None):
     """Shared by the quantizer and the fake-quant path.
 
     Returns (rounded signed E2M1 values in block layout (fp32, a fresh buffer), s_blk (e4m3, block
@@ -98,7 +107,7 @@ def nvfp4_core(x: torch.Tensor, scale: str, block: str, rounding: str, generator
     else:  # 16x16 tile max = max over 16 rows of the 1x16 maxima (a vectorized, non-trailing reduction)
         m, nt = x.shape[-2], pooled.shape[-1]
         block_amax = pooled.view(-1, m // 16, 16, nt).amax(dim=2).view(-1, m // 16, 1, nt, 1)
-    amax, s_blk, s_blk32, s_dec, enc_blk = nvfp4_scales(block_amax, scale)
+    amax, s_blk, s_blk32, s_dec, enc_blk = nvfp4_scales(block_amax, scale, amax_reduce)
     check_finite(x, amax, name, "quantize_nvfp4", nonfinite)
     xb = _block_view(xf, block)
     if torch.is_grad_enabled() and xb.requires_grad:  # out= is not differentiable
@@ -117,9 +126,10 @@ def quantize_nvfp4(
     rounding: str = "nearest",
     generator: torch.Generator | None = None,
     name: str = "x",
+    amax_reduce=None,
 ) -> FP4Tensor:
     """Quantize ``x`` (fp32/bf16/fp16, any shape, any strides) to NVFP4; see the module docstring."""
-    q, s_blk, _, s_dec = nvfp4_core(x, scale, block, rounding, generator, name)
+    q, s_blk, _, s_dec = nvfp4_core(x, scale, block, rounding, generator, name, amax_reduce=amax_reduce)
     codes = values_to_codes(q).reshape(x.shape)
     if block == "1d":
         block_scales = s_blk.reshape(*x.shape[:-1], x.shape[-1] // 16)
@@ -140,6 +150,7 @@ def fake_quantize_nvfp4(
     dtype: torch.dtype | None = None,
     nonfinite=None,
     compile: str | None = None,
+    amax_reduce=None,
 ) -> torch.Tensor:
     """``quantize_nvfp4(x).dequantize()`` without building codes (same bits, fewer passes).
 
@@ -147,7 +158,7 @@ def fake_quantize_nvfp4(
     (``fused.py``; the config's ``fp4.compile``, which ``MEGATRON_FP4_COMPILE`` overrides at load).
     ``nonfinite``: a ``NonFiniteFlags`` to record the NaN/Inf check in (no host sync) instead of raising.
     """
-    if fused.use_fused(x, rounding, compile):
+    if amax_reduce is None and fused.use_fused(x, rounding, compile):
         _check_options(scale, block, rounding)
         _check_input(x, block, name)
         res = fused.fake_quantize_nvfp4_fused(x, scale, block, dtype or x.dtype, compile)
@@ -155,6 +166,6 @@ def fake_quantize_nvfp4(
             out, finite = res
             check_finite_flag(x, finite, name, "quantize_nvfp4", nonfinite)
             return out
-    q, _, s_blk32, s_dec = nvfp4_core(x, scale, block, rounding, generator, name, nonfinite)
+    q, _, s_blk32, s_dec = nvfp4_core(x, scale, block, rounding, generator, name, nonfinite, amax_reduce)
     out = q.mul_(s_blk32).mul_(s_dec)  # (code · s_blk) · S_dec, left to right
     return out.reshape(x.shape).to(dtype or x.dtype)

@@ -65,6 +65,10 @@ class GroupedExperts(nn.Module):
         self.w13 = nn.Parameter(torch.empty(local, 2 * ffn, hidden))
         self.w2 = nn.Parameter(torch.empty(local, hidden, ffn))
         self.quant_name = ""  # global module name (fp4 `name_quant_sites`); keys SR streams per expert
+        # Expert-tensor parallel (`parallel/expert_tensor_parallel.py`): the FP4 cuts of w13 (column)
+        # and w2 (row) and the object that brings every etp rank's rows in and the outputs back out.
+        self.w13_cut = self.w2_cut = None
+        self.token_exchange = None
 
     @property
     def num_experts(self) -> int:
@@ -94,8 +98,39 @@ class GroupedExperts(nn.Module):
         out.numerics = self.numerics  # the model's fp4.Numerics
         return out
 
+    def shard_ffn(self, parts: int, index: int) -> "GroupedExperts":
+        """A new module holding slice `index` of `parts` of every expert's ffn dim (expert-tensor
+        parallel): gate and up rows ``[index·F/parts, (index+1)·F/parts)`` of w13 (column cut), those
+        columns of w2 (row cut); parameters keep their attributes and remember the slice
+        (``etp_shard = (dim, index)`` of the stacked tensor). The FP4 cuts are the caller's."""
+        f = self.ffn // parts
+        if f * parts != self.ffn or not 0 <= index < parts:
+            raise ValueError(f"GroupedExperts.shard_ffn: ffn={self.ffn} does not split into {parts} parts "
+                             f"(model.moe_ffn_hidden_size must be a multiple of parallel.etp), or index {index}")
+        if self.w13.is_meta:  # the per-expert init draws whole matrices: cut materialised weights
+            raise ValueError("GroupedExperts.shard_ffn: the experts are still on the meta device; materialise the "
+                             "model (model.materialize) before cutting it for expert-tensor parallel")
+        cols = torch.arange(index * f, (index + 1) * f, device=self.w13.device)
+        rows = torch.cat([cols, cols + self.ffn])
+        with torch.device(self.w13.device):
+            out = GroupedExperts(self.num_global_experts, self.hidden, f, self.recipe, expert_offset=self.expert_offset,
+                                 num_local_experts=self.num_local_experts).to(self.w13.dtype)
+        for name, dim, index_ in (("w13", 1, rows), ("w2", 2, cols)):
+            old, new = getattr(self, name), getattr(out, name)
+            with torch.no_grad():
+                new.copy_(old.index_select(dim, index_))
+            new.requires_grad_(old.requires_grad)
+            new.__dict__.update(old.__dict__)
+            new.etp_shard = (dim, index_.cpu())
+        out.quant_name, out.numerics = self.quant_name, self.numerics
+        return out
+
     def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
         """Public: local expert `e` (global id ``expert_offset + e``) on its tokens `x` [n, H]."""
+        if self.token_exchange is not None:
+            raise ValueError("expert-tensor parallel experts run all local experts at once (their rows are "
+                             "exchanged over the etp group): GC-MoE's per-expert calls are not supported, use "
+                             "parallel.expert_dispatcher=alltoall")
         return self.expert_forward(e, x)
 
     def expert_forward(self, e: int, x: torch.Tensor, w13: Optional[torch.Tensor] = None,
@@ -106,10 +141,11 @@ class GroupedExperts(nn.Module):
         w13 = self.w13[e] if w13 is None else w13
         w2 = self.w2[e] if w2 is None else w2
         nx = self.numerics
-        h = moeresq_linear(x, w13, recipe=self.recipe, name=name + ".w13", segments=segments, numerics=nx)
+        h = moeresq_linear(x, w13, recipe=self.recipe, name=name + ".w13", segments=segments, numerics=nx,
+                           cut=self.w13_cut)
         gate, up = h.split(self.ffn, dim=-1)
         return moeresq_linear(invariant.silu(gate, nx) * up, w2, recipe=self.recipe, name=name + ".w2",
-                              segments=segments, numerics=nx)
+                              segments=segments, numerics=nx, cut=self.w2_cut)
 
     def forward(self, x_sorted: torch.Tensor, counts: list[int],
                 segments: Optional[list[list[int]]] = None) -> torch.Tensor:
@@ -118,7 +154,14 @@ class GroupedExperts(nn.Module):
         `segments[e]` (expert parallelism: rows from each source rank, i.e. each source's
         micro-batch) splits expert e's rows into consecutive runs whose FP4 weight gradient is
         quantized run by run (`moeresq_linear(segments=)`), so it equals the sum of the
-        single process's per-micro-batch wgrads. Forward values do not depend on it."""
+        single process's per-micro-batch wgrads. Forward values do not depend on it. Under
+        expert-tensor parallel (`token_exchange`) every etp rank's rows are computed together."""
+        if self.token_exchange is not None:
+            return self.token_exchange.run(self._forward_local, x_sorted, counts, segments)
+        return self._forward_local(x_sorted, counts, segments)
+
+    def _forward_local(self, x_sorted: torch.Tensor, counts: list[int],
+                       segments: Optional[list[list[int]]] = None) -> torch.Tensor:
         assert len(counts) == self.num_experts and sum(counts) == x_sorted.shape[0]
         if segments is not None and (len(segments) != self.num_experts
                                      or any(sum(s) != n for s, n in zip(segments, counts))):
@@ -128,9 +171,10 @@ class GroupedExperts(nn.Module):
             nx = self.numerics
             if can_group(self.recipe, x_sorted, nx) and x_sorted.shape[0] <= self.max_group_rows * self.num_experts:
                 return self.grouped_forward(x_sorted, counts)
-            if can_group_fp4(self.recipe, x_sorted, (self.w13, self.w2), nx):
+            whole = self.w13_cut is None and self.w2_cut is None  # a cut's amax reductions: the paths below
+            if whole and can_group_fp4(self.recipe, x_sorted, (self.w13, self.w2), nx):
                 return self.grouped_fp4_forward(x_sorted, counts)
-            if can_group_exact(self.recipe, x_sorted, (self.w13, self.w2), nx):
+            if whole and can_group_exact(self.recipe, x_sorted, (self.w13, self.w2), nx):
                 return self.grouped_exact_forward(x_sorted, counts)
             if can_group_resq(self.recipe, x_sorted, nx):
                 return self.grouped_resq_forward(x_sorted, counts, segments)
@@ -180,7 +224,7 @@ class GroupedExperts(nn.Module):
         def linear(x, weight, which):
             return grouped_moeresq_linear(x, weight, counts, recipe=self.recipe, names=[n + which for n in names],
                                           name=f"{self.quant_name}.<grouped>{which}", segments=segments,
-                                          numerics=self.numerics)
+                                          numerics=self.numerics, cut=self.w13_cut if which == ".w13" else self.w2_cut)
 
         h = linear(x_sorted, self.w13, ".w13")
         acts = []

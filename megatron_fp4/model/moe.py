@@ -74,6 +74,9 @@ class MoELayer(nn.Module):
         self.aux_loss_scale = 1.0
         self.stats: list[dict] = []  # appended each training forward; drained by the trainer
         self.record_stats = False
+        # Tensor parallel with local MoE tokens (`parallel/tp_moe.py`): sums a tensor over the ranks
+        # holding this micro-batch's other tokens (no gradient); None: this call's tokens are all.
+        self.token_sum = None
 
     @property
     def dispatcher(self) -> Dispatcher:
@@ -100,7 +103,12 @@ class MoELayer(nn.Module):
                    valid: Optional[torch.Tensor] = None):
         """Switch-style load balancing E·Σ f_e·P_e and the router z-loss mean(logsumexp²), over the
         tokens `valid` [T] marks (None: all; padding is left out, as Megatron-Core and HF's
-        ``load_balancing_loss_func(attention_mask=)`` do). Statistics of this rank's tokens."""
+        ``load_balancing_loss_func(attention_mask=)`` do). Statistics of this rank's tokens; with
+        `token_sum`, of the micro-batch's tokens on every rank sharing it: counts and token numbers
+        are summed over them and each rank's losses are its tokens' terms of the micro-batch's
+        losses (they add up to the single process's, and so do the router gradients)."""
+        if self.token_sum is not None:
+            return self._shared_aux_losses(logits, probs, topk_idx, valid)
         if valid is None:  # packed batches: the unmasked path, unchanged bits
             T = logits.shape[0]
             counts = torch.bincount(topk_idx.reshape(-1), minlength=self.num_experts)
@@ -117,6 +125,19 @@ class MoELayer(nn.Module):
         f = counts.to(probs.dtype) / (n * self.top_k)
         p = (probs * w[:, None]).sum(dim=0) / n
         balance = self.num_experts * (f * p).sum()
+        z = (torch.logsumexp(logits, dim=-1).pow(2) * w).sum() / n
+        return balance, z, counts
+
+    def _shared_aux_losses(self, logits, probs, topk_idx, valid):
+        w = torch.ones(logits.shape[0], dtype=probs.dtype, device=probs.device) if valid is None else \
+            valid.reshape(-1).to(probs.dtype)
+        n = self.token_sum(w.sum()).clamp_min(1.0)
+        counts = torch.bincount(topk_idx.reshape(-1), weights=w.to(torch.float64).repeat_interleave(self.top_k),
+                                minlength=self.num_experts)
+        counts = self.token_sum(counts).to(torch.long)
+        # the unmasked single-process path's f is fp32 (counts.float()): the same here
+        f = counts.float() / (n.item() * self.top_k) if valid is None else counts.to(probs.dtype) / (n * self.top_k)
+        balance = self.num_experts * (f * ((probs * w[:, None]).sum(dim=0) / n)).sum()
         z = (torch.logsumexp(logits, dim=-1).pow(2) * w).sum() / n
         return balance, z, counts
 

@@ -13,6 +13,12 @@ Row orders, for one MoE layer call on ep rank r (E experts, El = E / ep per rank
   rank order, so per-expert GEMMs see the very same rows in the same order. The single process
   runs each source's micro-batch on its own, though: FP4 wgrad, which quantizes along tokens, is
   therefore computed per source run (`DispatchPlan.expert_segments`) and summed.
+
+Tensor parallel folded into ep (``fold`` = tp > 1, `parallel/tp_moe.py`): each block of ``fold``
+consecutive ep ranks holds the sequence chunks of one micro-batch. The grouped order is then by
+local expert, then micro-batch (source block), then the token's position in the single process's
+micro-batch (`DispatchPlan.exchange(positions=)`, exchanged with the rows), and a segment is one
+micro-batch's rows: an expert sees and quantizes each micro-batch's rows as the single process does.
 """
 from __future__ import annotations
 
@@ -67,30 +73,47 @@ class DispatchPlan:
         """Rows per local expert in grouped order."""
         return self.recv_counts.sum(0).tolist()
 
+    fold: int = 1                # consecutive source ranks holding one micro-batch (module docstring)
+
     @property
     def expert_segments(self) -> list[list[int]]:
-        """Per local expert, its rows from each source rank (grouped order: consecutive runs).
-        Each source's rows are one micro-batch of the single process, so FP4 wgrad quantizes them
-        apart (`GroupedExperts.forward(segments=)`)."""
-        return self.recv_counts.t().tolist()
+        """Per local expert, its rows from each micro-batch: each source rank's (``fold`` 1) or each
+        block of ``fold`` sources' (grouped order: consecutive runs). Each is one micro-batch of the
+        single process, so FP4 wgrad quantizes them apart (`GroupedExperts.forward(segments=)`)."""
+        ep, num_local = self.recv_counts.shape
+        return self.recv_counts.view(ep // self.fold, self.fold, num_local).sum(1).t().tolist()
 
     @classmethod
-    def exchange(cls, topk_idx: torch.Tensor, num_experts: int, ep: int, group) -> "DispatchPlan":
+    def exchange(cls, topk_idx: torch.Tensor, num_experts: int, ep: int, group, fold: int = 1,
+                 positions: torch.Tensor | None = None) -> "DispatchPlan":
         """Sort rows by global expert and exchange the per-(rank, local expert) counts (one small
-        all-to-all; the only synchronisation before the token exchange)."""
+        all-to-all; the only synchronisation before the token exchange). ``fold`` > 1: also the
+        rows' ``positions`` [T] (each token's index in its micro-batch, single-process order)."""
         order, token_of_row, counts = permute_by_expert(topk_idx, num_experts)
         send_counts = counts.view(ep, num_experts // ep).contiguous()
         recv_counts = torch.empty_like(send_counts)
         dist.all_to_all_single(recv_counts, send_counts, group=group)
-        return cls(order, token_of_row, send_counts, recv_counts, grouping_permutation(recv_counts))
+        received = None
+        if fold > 1:
+            if positions is None or positions.shape[0] != topk_idx.shape[0]:
+                raise ValueError("DispatchPlan.exchange: fold > 1 needs the positions of the call's tokens")
+            received = all_to_all_rows(positions.to(torch.int64)[token_of_row], recv_counts.sum(1).tolist(),
+                                       send_counts.sum(1).tolist(), group)
+        return cls(order, token_of_row, send_counts, recv_counts, grouping_permutation(recv_counts, fold, received),
+                   fold)
 
 
-def grouping_permutation(recv_counts: torch.Tensor) -> torch.Tensor:
-    """Pure: receive-order rows (src-major) -> grouped order (local-expert-major, then src)."""
+def grouping_permutation(recv_counts: torch.Tensor, fold: int = 1, positions: torch.Tensor | None = None) -> torch.Tensor:
+    """Pure: receive-order rows (src-major) -> grouped order (local-expert-major, then src; with
+    ``fold`` > 1 then block of ``fold`` sources, then the rows' received ``positions``)."""
     ep, num_local = recv_counts.shape
-    block_key = torch.arange(num_local).repeat(ep) * ep + torch.arange(ep).repeat_interleave(num_local)
+    blocks = ep // fold
+    block_key = torch.arange(num_local).repeat(ep) * blocks + torch.arange(ep).repeat_interleave(num_local) // fold
     key = torch.repeat_interleave(block_key, recv_counts.flatten().cpu())
-    return torch.argsort(key, stable=True).to(recv_counts.device)
+    if positions is None:
+        return torch.argsort(key, stable=True).to(recv_counts.device)
+    by_position = torch.argsort(positions.cpu(), stable=True)
+    return by_position[torch.argsort(key[by_position], stable=True)].to(recv_counts.device)
 
 
 def scatter_rows(rows: torch.Tensor, index: torch.Tensor, num_rows: int) -> torch.Tensor:
@@ -124,14 +147,19 @@ class AllToAllDispatcher(Dispatcher):
     the router's `topk_idx` holds global ids.
     """
 
-    def __init__(self, group, ep: int, num_experts: int):
-        self.group, self.ep, self.num_experts = group, ep, num_experts
+    def __init__(self, group, ep: int, num_experts: int, fold: int = 1):
+        if fold < 1 or ep % fold:
+            raise ValueError(f"AllToAllDispatcher: fold={fold} (tensor-parallel ranks folded into ep) must divide "
+                             f"ep={ep}")
+        self.group, self.ep, self.num_experts, self.fold = group, ep, num_experts, fold
+        self.token_positions = None  # fold > 1: the next call's token positions (set by parallel/tp_moe.py)
 
     def check_experts(self, experts) -> None:
         check_share(self, experts)
 
     def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_w: torch.Tensor) -> Dispatched:
-        plan = DispatchPlan.exchange(topk_idx, self.num_experts, self.ep, self.group)
+        positions, self.token_positions = self.token_positions, None
+        plan = DispatchPlan.exchange(topk_idx, self.num_experts, self.ep, self.group, self.fold, positions)
         x_recv = AllToAll.apply(x[plan.token_of_row], plan.out_splits, plan.in_splits, self.group)
         x_grouped = x_recv[plan.perm]
         return Dispatched(x_grouped, plan.local_counts, plan.expert_segments, (plan, topk_idx, topk_w, x_grouped))

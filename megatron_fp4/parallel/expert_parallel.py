@@ -120,7 +120,7 @@ def _check_ep_agreement(mesh: ParallelMesh, dispatcher: str, chunk_tokens: int, 
 
 def apply_expert_parallel(model: nn.Module, mesh: ParallelMesh, dispatcher: str = "alltoall",
                           chunk_tokens: int = 64, transfer_sms: int = 20, gcmoe_compute: str = "expert",
-                          ring_slots: int = 8, decode_tokens: int = 8) -> nn.Module:
+                          ring_slots: int = 8, decode_tokens: int = 8, *, tp_fold: int = 1) -> nn.Module:
     """Keep only this rank's experts in every MoE layer of `model` and install the EP dispatcher.
 
     Must be called on every rank (it checks collectively that every ep rank passed the same
@@ -132,8 +132,14 @@ def apply_expert_parallel(model: nn.Module, mesh: ParallelMesh, dispatcher: str 
     "gcmoe". From a config: ``apply_expert_parallel(model, mesh, cfg.parallel.expert_dispatcher,
     cfg.parallel.gcmoe_chunk_tokens, cfg.parallel.gcmoe_transfer_sms,
     ring_slots=cfg.parallel.gcmoe_ring_slots)``. "gcmoe_decode" (inference only, gcmoe_decode.py)
-    carries up to `decode_tokens` tokens per rank per round in fixed-size messages.
+    carries up to `decode_tokens` tokens per rank per round in fixed-size messages. `tp_fold`: the
+    tensor-parallel size when the ep group holds the tp ranks as blocks of `tp_fold` consecutive ep
+    ranks and the layers route local tokens (`parallelize_tp(moe_tokens='local')`, `parallel/tp_moe.py`;
+    all-to-all only).
     """
+    if tp_fold != 1 and (dispatcher != "alltoall" or mesh.ep % tp_fold):
+        raise ValueError(f"apply_expert_parallel: tp_fold={tp_fold} (tensor parallel folded into ep) needs "
+                         f"parallel.expert_dispatcher=alltoall and ep={mesh.ep} a multiple of it")
     if dispatcher not in DISPATCHERS:
         raise ValueError(f"parallel.expert_dispatcher={dispatcher!r} must be one of {DISPATCHERS}")
     check_gcmoe(1, chunk_tokens, ring_slots, transfer_sms)  # the ring against ep: after the agreement check
@@ -155,7 +161,7 @@ def apply_expert_parallel(model: nn.Module, mesh: ParallelMesh, dispatcher: str 
         E = moe.experts.num_global_experts
         shard_experts(moe, ep, ep_rank)
         if dispatcher == "alltoall":
-            moe.set_dispatcher(AllToAllDispatcher(group, ep, E))
+            moe.set_dispatcher(AllToAllDispatcher(group, ep, E, fold=tp_fold))
         elif dispatcher == "gcmoe_decode":
             moe.set_dispatcher(GCMoEDecodeDispatcher(group, ep, E, ep_rank, mesh.ranks["ep"], buffers))
         else:

@@ -11,18 +11,25 @@ hooks for the collectives, in the spirit of torchtitan's ``parallelize_module``:
 - Dense MLP layers: gate/up column-parallel, down row-parallel.
 - Embedding and LM head: split along the vocabulary; the loss is `vocab_parallel_cross_entropy`
   on the local logits (`TPPlan.loss`), `TPPlan.gather_logits` gives full logits (scoring).
-- MoE layers (router, routed and shared experts) stay whole on every rank (expert-tensor parallel
-  1) and route every token of the sequence, also under sequence parallel (all-gathered in, the
-  rank's chunk out): routing, auxiliary losses and the FP4 weight gradient, which quantizes along
-  tokens, then see the single process's tokens in its order.
+- MoE layers (router, routed and shared experts) are not cut (`parallel/tp_moe.py`): with
+  ``moe_tokens='whole'`` (default) they route every token of the sequence on every rank, also under
+  sequence parallel (all-gathered in, the rank's chunk out); with ``moe_tokens='local'`` each rank
+  routes its own 1/tp chunk of the sequence (Megatron's parallel folding: the ep group may refold
+  the stage's dp·tp ranks) and the routed experts' gradients are left to the edp reduction
+  (`TPPlan.expert_grads`).
 - Sequence parallel: norms and residuals see a 1/tp chunk of the sequence; an all-gather enters
   each attention/MLP region and a reduce-scatter leaves it. Their weights get partial gradients:
   `finish_grads` sums them over the group (q/k-norm weights too, with or without sequence
   parallel: each rank applies them to its own heads).
 
-Not here yet (refused with a message): FP4 linears that tensor parallel would cut (the dense MLP of
-``model.dense_layers`` under an FP4 recipe, attention under ``fp4.scope=experts+attention``), which
-need the per-row amax reduced over the group first; router replay under sequence parallel; KV-cache decoding.
+FP4 linears it cuts (attention under ``fp4.scope=experts+attention``, the dense MLP of
+``model.dense_layers`` under an FP4 recipe) get a `fp4.tensor_cut.TensorCut` (``linear.tp_cut``):
+their blocks must lie inside a rank's slice (checked here) and every global amax that spans the cut
+is max-reduced over the group before quantizing, so their codes are the single process's slices.
+
+Not here yet (refused with a message): FP4 attention with fewer kv heads than ranks (the replicated
+heads' dY would be quantized per rank before the ranks sum it); router replay under sequence
+parallel; KV-cache decoding.
 """
 from __future__ import annotations
 
@@ -34,10 +41,12 @@ import torch.distributed as dist
 from torch import nn
 
 from megatron_fp4.fp4 import MoEResQLinear
+from megatron_fp4.fp4.tensor_cut import TensorCut
 from megatron_fp4.model.layers import Attention, SwiGLU
 from megatron_fp4.model.moe import MoELayer
-from megatron_fp4.parallel.tp_comm import (_all_reduce, _gather, copy_to_tp, gather_seq, gather_whole, reduce_from_tp,
-                                           scatter_seq, split_whole, vocab_parallel_cross_entropy)
+from megatron_fp4.parallel.tp_comm import (_all_reduce, _gather, amax_reducer, copy_to_tp, gather_seq, reduce_from_tp,
+                                           scatter_seq, vocab_parallel_cross_entropy)
+from megatron_fp4.parallel.tp_moe import MOE_TOKENS, moe_local_tokens, moe_whole_tokens
 
 
 @dataclass
@@ -51,8 +60,10 @@ class TPPlan:
     vocab_start: int = 0
     vocab_size: int = 0
     partial_grads: list = field(default_factory=list)      # params whose grads are per-rank partial sums
+    expert_grads: list = field(default_factory=list)       # moe_tokens='local': routed experts, partial (edp)
     kv_slots: list = field(default_factory=list)           # (param, full rows, slot) of replicated kv heads
     _mask: Optional[torch.Tensor] = None                   # the decoder layer's attention mask (SP)
+    _moe_batch: int = 1                                    # moe_tokens='local': the MoE call's batch size
 
     def finish_grads(self) -> None:
         """Sum the partial gradients over the group (call after backward, before clipping)."""
@@ -94,17 +105,26 @@ def _rows(start: int, stop: int, per: int = 1) -> torch.Tensor:
     return torch.arange(start * per, stop * per)
 
 
-def _check_not_fp4(module: nn.Module, what: str) -> None:
-    if any(isinstance(m, MoEResQLinear) and getattr(m, "recipe", None) is not None
-           and getattr(m.recipe, "mode", "bf16") != "bf16" for m in module.modules()):
-        raise ValueError(f"parallel.tp > 1 with FP4 on the {what}: cutting an FP4 linear needs its amax reduced "
-                         "over the tensor-parallel group, not implemented yet; keep FP4 on the routed experts "
-                         "(fp4.scope=experts, model.dense_layers=[]) or use parallel.tp=1")
+def _fp4(linear: nn.Module) -> bool:
+    return isinstance(linear, MoEResQLinear) and linear.recipe.quantized
 
 
-def parallelize_tp(model: nn.Module, group, sequence_parallel: bool = False) -> TPPlan:
+def _cut_fp4(linears: dict, kind: str, plan: TPPlan) -> None:
+    """Give the FP4 linears among ``linears`` ({name: module}, already cut) their `TensorCut`, after
+    checking that their blocks lie inside this rank's slice."""
+    cut = TensorCut(kind, plan.size, amax_reducer(plan.group))
+    for name, linear in linears.items():
+        if _fp4(linear):
+            out_local, in_local = linear.weight.shape
+            cut.check(linear.recipe, out_local, in_local, linear.quant_name or name)
+            linear.tp_cut = cut
+
+
+def parallelize_tp(model: nn.Module, group, sequence_parallel: bool = False, *, moe_tokens: str = "whole") -> TPPlan:
     """Cut `model` (a `MoETransformer`, whole or a pipeline stage's layers) for tensor parallelism
-    over `group` and return the plan (see the module docstring)."""
+    over `group` and return the plan (see the module docstring; ``moe_tokens``: `parallel/tp_moe.py`)."""
+    if moe_tokens not in MOE_TOKENS:
+        raise ValueError(f"parallelize_tp: moe_tokens={moe_tokens!r} is not one of {MOE_TOKENS}")
     tp, rank = dist.get_world_size(group), dist.get_rank(group)
     cfg = model.cfg
     plan = TPPlan(group, rank, tp, sequence_parallel)
@@ -121,13 +141,22 @@ def parallelize_tp(model: nn.Module, group, sequence_parallel: bool = False) -> 
         raise ValueError("tensor parallel layout: " + "; ".join(problems))
     for module in model.modules():
         if isinstance(module, Attention):
-            _check_not_fp4(module, "attention projections (fp4.scope=experts+attention)")
+            if tp > cfg.num_kv_heads and _fp4(module.k_proj):
+                raise ValueError(f"parallel.tp={tp} with FP4 attention (fp4.scope=experts+attention) needs "
+                                 f"model.num_kv_heads={cfg.num_kv_heads} >= tp: replicated kv heads would quantize "
+                                 "their gradient per rank before the ranks sum it; use fp4.scope=experts or more "
+                                 "kv heads")
             _attention(module, plan)
+            _cut_fp4({"q_proj": module.q_proj, "k_proj": module.k_proj, "v_proj": module.v_proj}, "column", plan)
+            _cut_fp4({"o_proj": module.o_proj}, "row", plan)
         elif isinstance(module, SwiGLU) and not _inside_moe(model, module):
-            _check_not_fp4(module, "dense MLP layers (model.dense_layers)")
             _dense_mlp(module, plan)
+        elif isinstance(module, MoELayer) and moe_tokens == "local":
+            if module.shared_expert is not None:
+                _shared_expert(module.shared_expert, plan)
+            moe_local_tokens(module, plan)
         elif isinstance(module, MoELayer) and sequence_parallel:
-            _moe_sequence_parallel(module, plan)
+            moe_whole_tokens(module, plan)
     _vocab(model, plan)
     if sequence_parallel:
         _sequence_parallel(model, plan)
@@ -170,13 +199,39 @@ def _attention(attn: Attention, plan: TPPlan) -> None:
     _region(attn, plan)
 
 
-def _dense_mlp(mlp: SwiGLU, plan: TPPlan) -> None:
+def _dense_mlp(mlp: SwiGLU, plan: TPPlan, region: bool = True) -> None:
     f = mlp.gate_proj.weight.shape[0] // plan.size
+    if f * plan.size != mlp.gate_proj.weight.shape[0]:
+        raise ValueError(f"tensor parallel layout: an MLP's ffn size {mlp.gate_proj.weight.shape[0]} is not a "
+                         f"multiple of parallel.tp={plan.size}")
     rows = _rows(plan.rank * f, (plan.rank + 1) * f)
     _cut(mlp.gate_proj, "weight", 0, rows)
     _cut(mlp.up_proj, "weight", 0, rows)
     _cut(mlp.down_proj, "weight", 1, rows)
-    _region(mlp, plan)
+    if region:
+        _region(mlp, plan)
+    _cut_fp4({"gate_proj": mlp.gate_proj, "up_proj": mlp.up_proj}, "column", plan)
+    _cut_fp4({"down_proj": mlp.down_proj}, "row", plan)
+
+
+def _shared_expert(mlp: SwiGLU, plan: TPPlan) -> None:
+    """moe_tokens='local': the shared expert cut like a dense MLP, on the whole sequence: the MoE
+    layer's rows [B·T/tp, H] of this rank's chunk are all-gathered along the sequence (so the rows
+    are the single process's, in its order: FP4 wgrad quantizes along them) and the output
+    reduce-scattered back to the chunk (Megatron-Core cuts shared experts with tp too)."""
+    _dense_mlp(mlp, plan, region=False)
+    mlp.tp_whole_sequence = True
+
+    def pre(m, args):
+        x2 = args[0]
+        x = x2.view(plan._moe_batch, -1, x2.shape[-1])
+        return (gather_seq(x, plan.group, 1).reshape(-1, x2.shape[-1]), *args[1:])
+
+    def post(m, args, out):
+        return scatter_seq(out.view(plan._moe_batch, -1, out.shape[-1]), plan.group, 1).reshape(-1, out.shape[-1])
+
+    mlp.register_forward_pre_hook(pre)
+    mlp.register_forward_hook(post)
 
 
 def _vocab(model: nn.Module, plan: TPPlan) -> None:
@@ -219,22 +274,3 @@ def _sequence_parallel(model: nn.Module, plan: TPPlan) -> None:
 
 def _stash_mask(plan: TPPlan, args) -> None:
     plan._mask = args[2] if len(args) > 2 else None
-
-
-def _moe_sequence_parallel(moe: MoELayer, plan: TPPlan) -> None:
-    """The MoE layer runs whole on every rank, on the whole sequence (all-gathered in, this rank's
-    chunk out): routing, the auxiliary losses and the FP4 weight gradient (quantized along tokens)
-    see the single process's tokens in its order, so the layer stays layout-invariant."""
-
-    def pre(m, args):
-        x, rest = args[0], list(args[1:])
-        if len(rest) > 1 and rest[1] is not None:
-            raise ValueError("router replay (routing_in) with sequence parallel is not implemented yet; "
-                             "set parallel.sequence_parallel=false")
-        x = gather_whole(x, plan.group, 1)
-        if len(rest) > 2 and rest[2] is not None:  # the real tokens of the whole sequence
-            rest[2] = plan._mask[:, :x.shape[1]] if plan._mask is not None else None
-        return (x, *rest)
-
-    moe.register_forward_pre_hook(pre)
-    moe.register_forward_hook(lambda m, args, out: split_whole(out, plan.group, 1))

@@ -13,6 +13,8 @@ same bits each time. Chunks along the sequence belong to the ranks in rank order
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.distributed as dist
 
@@ -102,6 +104,12 @@ def split_whole(x: torch.Tensor, group, dim: int) -> torch.Tensor:
 def all_reduce_max(x: torch.Tensor, group) -> torch.Tensor:
     """Element-wise max over the group (no gradient: amax and softmax shifts)."""
     return _all_reduce(x.detach(), group, dist.ReduceOp.MAX)
+
+
+def amax_reducer(group):
+    """The FP4 amax reduction of a tensor-parallel slice (`fp4.tensor_cut.TensorCut.reduce_max`):
+    the element-wise max over ``group``."""
+    return functools.partial(all_reduce_max, group=group)
 
 
 class _VocabParallelCE(torch.autograd.Function):

@@ -34,7 +34,7 @@ def make_cfg(case: dict) -> Config:
     m = cfg.model
     m.num_layers, m.dense_layers, m.num_kv_heads, m.num_shared_experts = 2, case["dense_layers"], case["num_kv_heads"], 1
     m.router_aux_loss_coef, m.router_z_loss_coef = 0.01, 0.001
-    cfg.fp4.scope, cfg.fp4.train_mode = case["scope"], "fp4_resq"
+    cfg.fp4.scope, cfg.fp4.train_mode, cfg.fp4.format = case["scope"], "fp4_resq", case.get("format", "nvfp4")
     return cfg.validate()
 
 
@@ -66,14 +66,19 @@ def tp_rank(rank, world, case, padded):
     from megatron_fp4.parallel.tensor_parallel import parallelize_tp
     cfg = make_cfg(case)
     model = build_model(cfg, seed=5).double().train()
-    plan = parallelize_tp(model, dist.group.WORLD, sequence_parallel=case["sp"])
+    return run_tp(cfg, model, parallelize_tp(model, dist.group.WORLD, sequence_parallel=case["sp"]), padded)
+
+
+def run_tp(cfg, model, plan, padded: bool, shard_of=lambda name, p: getattr(p, "tp_shard", None)):
+    """One forward/backward of the cut `model` on the test batch: (loss, {name: (grad, shard)}, gathered
+    logits, local vocabulary size); ``shard_of`` says which slice of the reference's a grad is."""
     tokens, labels, mask = batch(cfg, padded)
     logits = model(tokens, attention_mask=mask).logits
     loss = plan.loss(logits, labels)
     loss.backward()
     plan.finish_grads()
     full = plan.gather_logits(logits.detach())
-    grads = {n: (p.grad.clone(), getattr(p, "tp_shard", None)) for n, p in model.named_parameters()}
+    grads = {n: (p.grad.clone(), shard_of(n, p)) for n, p in model.named_parameters()}
     return loss.detach(), grads, full, logits.shape[-1]
 
 
@@ -93,9 +98,14 @@ def tp_results():
 @pytest.mark.parametrize("padded", [False, True])
 @pytest.mark.parametrize("name", list(CASES))
 def test_tp2_equals_single_process(name, padded, tp_results):
-    case = CASES[name]
-    ref_loss, ref_grads, ref_logits = reference(case, padded)
-    results = [by_key[(name, padded)] for by_key in tp_results]
+    check_equal(CASES[name], padded, [by_key[(name, padded)] for by_key in tp_results])
+
+
+def check_equal(case: dict, padded: bool, results: list, ref=None) -> None:
+    """Every rank's loss, gathered logits and gradients (cut ones against the same slice of the
+    reference's) within FP64_REL of the single process's (``ref``: its (loss, grads, logits),
+    default `reference`)."""
+    ref_loss, ref_grads, ref_logits = reference(case, padded) if ref is None else ref
     cfg = make_cfg(case)
     for rank, (loss, grads, full, vocab_local) in enumerate(results):
         assert vocab_local == cfg.model.vocab_size // 2
@@ -119,8 +129,11 @@ def test_bad_tp_layouts_are_refused():
     results = run_distributed(_refusals, 2, timeout_s=120)
     for messages in results:
         assert any("num_heads=3 is not a multiple of parallel.tp=2" in m for m in messages), messages
-        assert any("FP4 on the attention projections" in m for m in messages), messages
-        assert any("FP4 on the dense MLP layers" in m for m in messages), messages
+        assert any("FP4 attention (fp4.scope=experts+attention) needs model.num_kv_heads=1 >= tp" in m
+                   for m in messages), messages
+        assert any("layers.0.mlp.gate_proj: FP4 under tensor parallel 2 (column-parallel) leaves 24 output "
+                   "features per rank, not a multiple of the nvfp4 block (16)" in m for m in messages), messages
+        assert len(messages) == 3, messages
     assert tpm  # imported without a process group
 
 
@@ -130,8 +143,8 @@ def _refusals(rank, world):
     from megatron_fp4.parallel.tensor_parallel import parallelize_tp
     out = []
     for change in ({"model.hidden_size": 48, "model.num_heads": 3, "model.num_kv_heads": 1},
-                   {"fp4.scope": "experts+attention"},
-                   {"fp4.scope": "experts", "model.dense_layers": [0]}):
+                   {"fp4.scope": "experts+attention", "model.num_kv_heads": 1},
+                   {"fp4.scope": "experts", "model.dense_layers": [0], "model.dense_ffn_hidden_size": 48}):
         cfg = Config()
         cfg.model.num_layers = 2
         for key, value in change.items():
