@@ -14,7 +14,7 @@ from typing import Sequence
 import torch
 
 from megatron_fp4.fp4 import invariant
-from megatron_fp4.fp4.exact_gemm import CHUNK, exact_fp4_terms, exact_sum_products
+from megatron_fp4.fp4.exact_gemm import CHUNK, exact_fp4_terms, exact_sum_products, pair_bound
 from megatron_fp4.fp4.moeresq import _cached_weight, _Site
 from megatron_fp4.fp4.numerics import STANDARD, Numerics
 from megatron_fp4.fp4.recipe import Recipe, row_local
@@ -35,21 +35,34 @@ def exact_grouped_fp4(x: torch.Tensor, weights: Sequence[torch.Tensor], counts: 
                       names: Sequence[str], group_name: str, numerics: Numerics = STANDARD) -> torch.Tensor:
     """Rows of ``x`` (R, K) in runs of ``counts[i]``, run i through ``moeresq_linear(run, weights[i],
     recipe=recipe, name=names[i])``'s batch-invariant forward (bias-free); ``group_name`` names the
-    shared input quantization in non-finite errors."""
+    shared input quantization in non-finite errors.
+
+    A run's terms (Q(x) and the residual) go through one GEMM on its weight: the rows of
+    ``x_terms`` stacked term-minor, so run i's rows of every term are one contiguous block, written
+    in place into a (R, terms, N) buffer (each sum is exact: the GEMM's shape cannot change it)."""
     r = recipe
     x_terms = _Site.at(r, group_name, numerics, x.device, defer=False).split(x, r.input, "input", r.compensated)
-    sums = [x.new_empty(x.shape[0], weights[0].shape[0], dtype=torch.float64) for _ in x_terms]
-    w_exp, w_scale, start = [], [], 0
+    T, R = len(x_terms), x.shape[0]
+    ints = x_terms[0].ints.unsqueeze(1) if T == 1 else torch.stack([t.ints for t in x_terms], 1)  # (R, T, K)
+    sums = x.new_empty(R, T, weights[0].shape[0], dtype=torch.float64)
+    w_exp, w_scale, units, start = [], [], set(), 0
     for w, n, name in zip(weights, counts, names):
         if not n:
             continue
         site = _Site.at(r, name, numerics, x.device, defer=False)
         w_split = _cached_weight(site, w, True, lambda at, w=w: at.split(w.reshape(-1, w.shape[-1]), r.weight, "weight",
                                                                          False)[0])
-        for out, t in zip(sums, x_terms):
-            out[start:start + n] = exact_sum_products(t.ints[start:start + n], w_split.ints, CHUNK, w_split.abs_max())
+        bounds = [pair_bound(t, w_split) for t in x_terms]
+        bound = None if None in bounds else max(bounds)
+        exact_sum_products(ints[start:start + n].reshape(n * T, -1), w_split.ints, CHUNK,
+                           w_split.abs_max() if bound is None and w_split.ints.numel() else None, bound,
+                           out=sums[start:start + n].view(n * T, -1))
+        units.add(w_split.unit)
         w_exp.append(w_split.exp.expand(n, -1))
-        w_scale.append(None if w_split.scale is None else w_split.scale.double().expand(n, -1))
+        if w_split.scale is not None:  # a per-tensor scale (stride 0) broadcasts as one column
+            ws = w_split.scale[:1] if w_split.scale.stride(0) == 0 else w_split.scale
+            w_scale.append(ws.double().expand(n, -1))
         start += n
-    scale = None if w_scale[0] is None else torch.cat(w_scale)
-    return exact_fp4_terms(x_terms, sums, torch.cat(w_exp), scale, None, x.dtype)
+    scale = torch.cat(w_scale) if w_scale else None
+    exp = units.pop() if len(units) == 1 and None not in units else torch.cat(w_exp)
+    return exact_fp4_terms(x_terms, sums.unbind(1), exp, scale, None, x.dtype)
