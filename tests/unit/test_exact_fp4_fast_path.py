@@ -192,3 +192,62 @@ def test_nvfp4_sums_skip_the_data_dependent_check(monkeypatch):
     terms, ws = _terms(torch.randn(4, 64), NV_ROW, True), split_fp4(torch.randn(8, 64), NV_TENSOR)
     monkeypatch.setattr(torch.Tensor, "nonzero", lambda *a, **k: pytest.fail("data-dependent check ran"))
     exact_gemm.exact_fp4_gemm(terms, ws, None, torch.float32)
+
+
+def _per_shard(x, weight, bias, shards, names, recipe, numerics):
+    """The definition: each shard's moeresq_linear, outputs concatenated."""
+    biases = bias.split(shards) if bias is not None else [None] * len(shards)
+    return torch.cat([moeresq_linear(x, w, b, recipe=recipe, name=n, numerics=numerics)
+                      for w, b, n in zip(weight.split(shards), biases, names)], -1)
+
+
+@pytest.mark.parametrize("mode", ["fp4", "fp4_resq"])
+@pytest.mark.parametrize("fmt_x,fmt_w", [(NV_ROW, NV_TENSOR), (NV_ROW, NV_TILE), (MX, MX)])
+@pytest.mark.parametrize("invariant_on", [True, False])
+def test_shared_input_linear_bits_equal_per_shard(mode, fmt_x, fmt_w, invariant_on):
+    """Fused q/k/v (three shards, one input): Q̃(x) once, the per-shard bits, with and without a
+    weight cache, on random and adversarial rows (leading dims, bias, fp32 and bf16 input)."""
+    recipe = Recipe(mode=mode, input=fmt_x, weight=fmt_w)
+    shards, names = [64, 32, 32], ["l.q_proj", "l.k_proj", "l.v_proj"]
+    weight = torch.randn(128, 64, generator=torch.Generator().manual_seed(2))
+    weight[64:96] *= 1e3  # shards of very different magnitude: their own per-tensor scales
+    bias = torch.randn(128)
+    for kind in ("random", "adversarial"):
+        x = _input(6, 64, 5, kind).reshape(2, 3, 64)
+        for dtype, b in ((torch.float32, bias), (torch.bfloat16, None)):
+            for cache in (None, {}):
+                numerics = Numerics(batch_invariant=invariant_on)
+                numerics.weight_cache = cache
+                xd = x.to(dtype)
+                want = _per_shard(xd, weight, b, shards, names, recipe, numerics)
+                assert exact_experts.can_share_input(recipe, xd, weight, numerics)
+                for _ in range(2):  # the second call hits the cache (when there is one)
+                    got = exact_experts.shared_input_linear(xd, weight, b, shards, names, recipe, "l.qkv", numerics)
+                    assert got.shape == want.shape and torch.equal(bits(got), bits(want))
+
+
+@pytest.mark.parametrize("invariant_on", [True, False])
+def test_shared_input_linear_quantizes_the_input_once(monkeypatch, invariant_on):
+    """One Q̃(x) for all shards (per-shard calls made one each), the weights once per version."""
+    from megatron_fp4.fp4 import moeresq
+    seen = []
+    for meth in ("split", "quantize"):
+        real = getattr(moeresq._Site, meth)
+        monkeypatch.setattr(moeresq._Site, meth, lambda self, a, fmt, op, *r, real=real, **k:
+                            seen.append(op) or real(self, a, fmt, op, *r, **k))
+    numerics = Numerics(batch_invariant=invariant_on)
+    numerics.weight_cache = {}
+    recipe = Recipe(mode="fp4_resq")
+    x, weight = torch.randn(4, 32), torch.randn(48, 32)
+    for _ in range(2):
+        exact_experts.shared_input_linear(x, weight, None, [16, 16, 16], ["q", "k", "v"], recipe, "qkv", numerics)
+    assert seen.count("input") == 2 and seen.count("weight") == 3  # 2 calls; 3 shards quantized once
+
+
+def test_shared_input_refused_where_it_would_change_bits():
+    """Stochastic rounding (streams keyed by the shard's name), autograd, deferred checks: no sharing."""
+    x, w = torch.randn(4, 32), torch.randn(48, 32)
+    sr = OperandFormat(rounding="stochastic")
+    assert not exact_experts.can_share_input(Recipe(mode="fp4_resq", input=sr), x, w, INV)
+    assert not exact_experts.can_share_input(Recipe(mode="fp4_resq"), x.requires_grad_(), w, INV)
+    assert not exact_experts.can_share_input(Recipe(mode="bf16"), x.detach(), w, INV)
