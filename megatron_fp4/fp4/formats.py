@@ -19,6 +19,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import math
+
 import torch
 import torch.nn.functional as F
 
@@ -152,7 +154,12 @@ def check_finite(x: torch.Tensor, block_amax: torch.Tensor, name: str, what: str
     """Raise if ``x`` has NaN/Inf; ``block_amax`` (a reduction of |x|) is checked first, cheaply.
 
     With ``nonfinite`` (a ``NonFiniteFlags``) the flag is only recorded on the device (no host
-    sync); the caller reads it once per step."""
+    sync); the caller reads it once per step. Eagerly the check is one ``max`` read on the host (it
+    propagates NaN; every element is ≥ 0 or non-finite): two ops instead of ``isfinite``'s five."""
+    if nonfinite is None and block_amax.numel():
+        if not math.isfinite(float(block_amax.max())):
+            raise_non_finite(x, name, what)
+        return
     check_finite_flag(x, torch.isfinite(block_amax).all(), name, what, nonfinite)
 
 
