@@ -24,7 +24,9 @@ thread count or machine.
   multiple of 2^-9, ≤ 448): a multiple of ``2^-10`` of magnitude ≤ 2688, i.e. an integer
   ``≤ 2752512 < 2^21.4`` in units ``2^-10``. The global scale ``S_dec`` (per row or per tensor)
   is factored out. Per 1024-term chunk: ``1024 · 2752512² < 2^52.8 ≤ 2^53``: always exact, no
-  data-dependent check can fail.
+  data-dependent check can fail, so none is made (``Split.bound``), and since every row's unit is
+  ``2^-10`` the scaling by ``2^(exp_x + exp_w)`` is a Python float (``Split.unit``). An exact sum is
+  the same whatever GEMM forms it, so the terms of ``Q̃(x)`` share one GEMM per weight.
 - MXFP4: ``code · 2^e`` with E8M0 exponents ``e``; units are ``2^(e_min(row) − 1)`` (the row's
   smallest nonzero block exponent), integers ``2·code · 2^(e − e_min) < 2^(4 + span)``. Rows whose
   exponent span breaks the bound take the Python-integer path.
