@@ -67,8 +67,8 @@ def exact_grouped_fp4(x: torch.Tensor, weights: Sequence[torch.Tensor], counts: 
         units.add(w_split.unit)
         w_exp.append(w_split.exp.expand(n, -1))
         if w_split.scale is not None:  # a per-tensor scale (stride 0) broadcasts as one column
-            ws = w_split.scale[:1] if w_split.scale.stride(0) == 0 else w_split.scale
-            w_scale.append(ws.double().expand(n, -1))
+            ws = w_split.scale_f64()
+            w_scale.append((ws[:1] if ws.stride(0) == 0 else ws).expand(n, -1))
         start += n
     scale = torch.cat(w_scale) if w_scale else None
     exp = units.pop() if len(units) == 1 and None not in units else torch.cat(w_exp)

@@ -67,6 +67,7 @@ CHUNK = 1024  # K terms per float64 GEMM: the NVFP4 bound 1024 · 2752512² < 2^
 _TWO53 = 2.0 ** 53
 NVFP4_UNIT_EXP = -10  # E2M1 (multiples of 1/2) × E4M3 (multiples of 2^-9)
 NVFP4_INT_MAX = 6 * 448 * 2 ** -NVFP4_UNIT_EXP  # |code · s_blk| ≤ 6 · 448 = 2752512 units of 2^-10
+_NVFP4_EXP = torch.full((1,), NVFP4_UNIT_EXP, dtype=torch.int64)  # every NVFP4 row's exp (expanded, never written)
 
 
 def cached_for_weight(cache: Optional[dict], weight: torch.Tensor, tag, compute):
@@ -103,6 +104,7 @@ class Split:
     bound: Optional[float] = None
     unit: Optional[int] = None
     _amax: Optional[torch.Tensor] = field(default=None, repr=False)  # memo of :meth:`abs_max`
+    _scale64: Optional[torch.Tensor] = field(default=None, repr=False)  # memo of :meth:`scale_f64`
 
     def rows(self, start: int, stop: int) -> "Split":
         """Rows [start, stop) (a split's rows are independent)."""
@@ -115,6 +117,14 @@ class Split:
         if self._amax is None:
             self._amax = self.ints.abs().amax()
         return self._amax
+
+    def scale_f64(self) -> Optional[torch.Tensor]:
+        """``scale`` as float64 (exact; memoized, so a cached weight split converts it once). A
+        per-tensor scale (one value expanded over the rows) stays a stride-0 expansion."""
+        if self.scale is not None and self._scale64 is None:
+            one = self.scale.dim() == 1 and self.scale.shape[0] > 0 and self.scale.stride(0) == 0
+            self._scale64 = self.scale[:1].double().expand(self.scale.shape) if one else self.scale.double()
+        return self._scale64
 
     @property
     def max_int(self) -> torch.Tensor:
@@ -136,8 +146,11 @@ def split_fp4(x: torch.Tensor, fmt, generator=None, name: str = "x", nonfinite=N
         q, _, s_blk32, s_dec = nvfp4_core(x, fmt.scale, fmt.block, fmt.rounding, generator, name, nonfinite)
         mant = q.mul_(s_blk32)  # code · s_blk: exact in fp32 (2 × 4 significant bits)
         deq = (mant * s_dec).reshape(rows, k)  # (code · s_blk) · S_dec, the fake-quant bits
-        ints = mant.reshape(rows, k).double().mul_(2.0 ** -NVFP4_UNIT_EXP)
-        exp = torch.full((rows,), NVFP4_UNIT_EXP, dtype=torch.int64, device=x.device)
+        # ints = mant · 2^10, exact in fp32 (|mant| ≤ 2688, a multiple of 2^-10), written as float64
+        ints = torch.mul((mant.detach() if mant.requires_grad else mant).reshape(rows, k), 2.0 ** -NVFP4_UNIT_EXP,
+                         out=torch.empty(rows, k, dtype=torch.float64, device=x.device))
+        exp = _NVFP4_EXP.expand(rows) if x.device.type == "cpu" else torch.full(
+            (rows,), NVFP4_UNIT_EXP, dtype=torch.int64, device=x.device)
         scale = s_dec.reshape(-1).expand(rows) if s_dec.numel() == 1 else s_dec.reshape(rows)
         return Split(ints, exp, scale, deq, float(NVFP4_INT_MAX), NVFP4_UNIT_EXP)
     q, e = mxfp4_core(x, fmt.mx_scale_mode, fmt.rounding, generator, name, nonfinite)
@@ -239,7 +252,7 @@ def exact_fp4_terms(x_terms: Sequence[Split], sums: Sequence[torch.Tensor], w_ex
             if t.scale is None:
                 g = w_scale
             else:
-                g = t.scale.double()[:, None]
+                g = t.scale_f64()[:, None]
                 g = g if w_scale is None else g * w_scale
             v.mul_(g)
         acc = v if acc is None else acc.add_(v)
@@ -257,7 +270,7 @@ def exact_fp4_gemm(x_terms: Sequence[Split], w: Split, bias: Optional[torch.Tens
                    chunk: int = CHUNK) -> torch.Tensor:
     """``Σ_i x_terms[i] · wᵀ (+ bias)`` with the rounding of the module docstring; (M, N) in ``out_dtype``."""
     sums = term_sums(x_terms, w, chunk)
-    return exact_fp4_terms(x_terms, sums, _w_exp(w), None if w.scale is None else w.scale.double()[None, :],
+    return exact_fp4_terms(x_terms, sums, _w_exp(w), None if w.scale is None else w.scale_f64()[None, :],
                            bias, out_dtype)
 
 
