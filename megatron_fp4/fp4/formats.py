@@ -17,9 +17,8 @@ Behaviour on bad input (the same for both formats):
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
