@@ -6,6 +6,12 @@ per run, and the exact sums' scaling and rounding (elementwise, per row) done on
 (`row_local`: nearest rounding with per-row NVFP4 scales in 1-D blocks, or MXFP4) and the weight is
 rounded to nearest (no stochastic stream keyed by the expert), without autograd and with eager
 non-finite checks (a deferred check records per-layer flags); callers check `can_group_exact_fp4`.
+
+`shared_input_linear` is the other sharing: several linears on one input (vLLM's fused q/k/v and
+gate/up), each the bits `moeresq_linear(x, w_i, b_i)` gives, with ``Q̃(x)`` computed once (under
+nearest rounding it is a function of ``x`` alone) and, in the batch-invariant mode, one exact GEMM
+over the shards' concatenated weight splits (each output element is the exact sum of its own row
+and column, scaled elementwise: the concatenation cannot change it).
 """
 from __future__ import annotations
 
@@ -14,8 +20,9 @@ from typing import Sequence
 import torch
 
 from megatron_fp4.fp4 import invariant
-from megatron_fp4.fp4.exact_gemm import CHUNK, exact_fp4_terms, exact_sum_products
-from megatron_fp4.fp4.moeresq import _cached_weight, _Site
+from megatron_fp4.fp4.exact_gemm import (CHUNK, Split, cached_for_weight, exact_fp4_gemm, exact_fp4_terms,
+                                          exact_sum_products, pair_bound)
+from megatron_fp4.fp4.moeresq import _accumulate_dtype, _cached_weight, _gemm, _no_autocast, _Site
 from megatron_fp4.fp4.numerics import STANDARD, Numerics
 from megatron_fp4.fp4.recipe import Recipe, row_local
 
@@ -35,21 +42,84 @@ def exact_grouped_fp4(x: torch.Tensor, weights: Sequence[torch.Tensor], counts: 
                       names: Sequence[str], group_name: str, numerics: Numerics = STANDARD) -> torch.Tensor:
     """Rows of ``x`` (R, K) in runs of ``counts[i]``, run i through ``moeresq_linear(run, weights[i],
     recipe=recipe, name=names[i])``'s batch-invariant forward (bias-free); ``group_name`` names the
-    shared input quantization in non-finite errors."""
+    shared input quantization in non-finite errors.
+
+    A run's terms (Q(x) and the residual) go through one GEMM on its weight: the rows of
+    ``x_terms`` stacked term-minor, so run i's rows of every term are one contiguous block, written
+    in place into a (R, terms, N) buffer (each sum is exact: the GEMM's shape cannot change it)."""
     r = recipe
     x_terms = _Site.at(r, group_name, numerics, x.device, defer=False).split(x, r.input, "input", r.compensated)
-    sums = [x.new_empty(x.shape[0], weights[0].shape[0], dtype=torch.float64) for _ in x_terms]
-    w_exp, w_scale, start = [], [], 0
+    T, R = len(x_terms), x.shape[0]
+    ints = x_terms[0].ints.unsqueeze(1) if T == 1 else torch.stack([t.ints for t in x_terms], 1)  # (R, T, K)
+    sums = x.new_empty(R, T, weights[0].shape[0], dtype=torch.float64)
+    w_exp, w_scale, units, start = [], [], set(), 0
     for w, n, name in zip(weights, counts, names):
         if not n:
             continue
         site = _Site.at(r, name, numerics, x.device, defer=False)
         w_split = _cached_weight(site, w, True, lambda at, w=w: at.split(w.reshape(-1, w.shape[-1]), r.weight, "weight",
                                                                          False)[0])
-        for out, t in zip(sums, x_terms):
-            out[start:start + n] = exact_sum_products(t.ints[start:start + n], w_split.ints, CHUNK, w_split.abs_max())
+        bounds = [pair_bound(t, w_split) for t in x_terms]
+        bound = None if None in bounds else max(bounds)
+        exact_sum_products(ints[start:start + n].reshape(n * T, -1), w_split.ints, CHUNK,
+                           w_split.abs_max() if bound is None and w_split.ints.numel() else None, bound,
+                           out=sums[start:start + n].view(n * T, -1))
+        units.add(w_split.unit)
         w_exp.append(w_split.exp.expand(n, -1))
-        w_scale.append(None if w_split.scale is None else w_split.scale.double().expand(n, -1))
+        if w_split.scale is not None:  # a per-tensor scale (stride 0) broadcasts as one column
+            ws = w_split.scale_f64()
+            w_scale.append((ws[:1] if ws.stride(0) == 0 else ws).expand(n, -1))
         start += n
-    scale = None if w_scale[0] is None else torch.cat(w_scale)
-    return exact_fp4_terms(x_terms, sums, torch.cat(w_exp), scale, None, x.dtype)
+    scale = torch.cat(w_scale) if w_scale else None
+    exp = units.pop() if len(units) == 1 and None not in units else torch.cat(w_exp)
+    return exact_fp4_terms(x_terms, sums.unbind(1), exp, scale, None, x.dtype)
+
+
+def can_share_input(recipe: Recipe, x: torch.Tensor, weight: torch.Tensor, numerics: Numerics = STANDARD) -> bool:
+    """Whether `shared_input_linear` gives the per-shard bits: FP4 modes, nearest rounding (no
+    stochastic stream keyed by the shard's name), no autograd, eager non-finite checks, rows."""
+    if recipe.mode not in ("fp4", "fp4_resq") or x.numel() == 0:
+        return False
+    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
+        return False
+    if numerics.position.nonfinite_flags_for(x.device) is not None:
+        return False
+    return recipe.input.rounding == "nearest" and recipe.weight.rounding == "nearest"
+
+
+def _cat_splits(parts: Sequence[Split]) -> Split:
+    """The row-wise concatenation of weight splits (rows are independent)."""
+    scale = None if parts[0].scale is None else torch.cat([p.scale for p in parts])
+    units = {p.unit for p in parts}
+    return Split(torch.cat([p.ints for p in parts]), torch.cat([p.exp for p in parts]), scale,
+                 torch.cat([p.deq for p in parts]), max(p.bound for p in parts) if None not in
+                 {p.bound for p in parts} else None, units.pop() if len(units) == 1 else None)
+
+
+@_no_autocast
+def shared_input_linear(x: torch.Tensor, weight: torch.Tensor, bias, shards: Sequence[int], names: Sequence[str],
+                        recipe: Recipe, group_name: str, numerics: Numerics = STANDARD) -> torch.Tensor:
+    """``x · weight.T (+ bias)``, ``weight`` the row-wise concatenation of ``shards`` logical weights
+    named ``names``: the bits of ``cat([moeresq_linear(x, w_i, b_i, recipe=recipe, name=names[i])])``
+    where `can_share_input` holds, with ``Q̃(x)`` once (``group_name`` names it in errors)."""
+    r = recipe
+    x2 = x.reshape(-1, x.shape[-1])
+    weights = weight.split(list(shards), 0)
+    sites = [_Site.at(r, n, numerics, x.device, defer=False) for n in names]
+    shared = _Site.at(r, group_name, numerics, x.device, defer=False)
+    if invariant.enabled(numerics):
+        x_terms = shared.split(x2, r.input, "input", r.compensated)
+
+        def concatenated():  # each shard quantized as its own tensor (its own per-tensor scale)
+            return _cat_splits([site.split(w.reshape(-1, w.shape[-1]), r.weight, "weight", False)[0]
+                                for site, w in zip(sites, weights)])
+        w_split = cached_for_weight(numerics.weight_cache, weight, ("shards", r.weight, tuple(shards)), concatenated)
+        b = None if bias is None else bias.detach()
+        return exact_fp4_gemm(x_terms, w_split, b, x.dtype).reshape(*x.shape[:-1], weight.shape[0])
+    xq = shared.quantize(x2, r.input, "input", r.compensated)
+    biases = [None] * len(weights) if bias is None else bias.detach().to(_accumulate_dtype(x.dtype)).split(list(shards))
+    outs = []
+    for site, w, b in zip(sites, weights, biases):
+        wq = _cached_weight(site, w, False, lambda at, w=w: at.quantize(w, r.weight, "weight", compensated=False))
+        outs.append(_gemm(xq, wq, b, (*x.shape[:-1], w.shape[0]), x.dtype))
+    return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)

@@ -24,7 +24,9 @@ thread count or machine.
   multiple of 2^-9, ≤ 448): a multiple of ``2^-10`` of magnitude ≤ 2688, i.e. an integer
   ``≤ 2752512 < 2^21.4`` in units ``2^-10``. The global scale ``S_dec`` (per row or per tensor)
   is factored out. Per 1024-term chunk: ``1024 · 2752512² < 2^52.8 ≤ 2^53``: always exact, no
-  data-dependent check can fail.
+  data-dependent check can fail, so none is made (``Split.bound``), and since every row's unit is
+  ``2^-10`` the scaling by ``2^(exp_x + exp_w)`` is a Python float (``Split.unit``). An exact sum is
+  the same whatever GEMM forms it, so the terms of ``Q̃(x)`` share one GEMM per weight.
 - MXFP4: ``code · 2^e`` with E8M0 exponents ``e``; units are ``2^(e_min(row) − 1)`` (the row's
   smallest nonzero block exponent), integers ``2·code · 2^(e − e_min) < 2^(4 + span)``. Rows whose
   exponent span breaks the bound take the Python-integer path.
@@ -64,6 +66,8 @@ from megatron_fp4.fp4.nvfp4 import nvfp4_core
 CHUNK = 1024  # K terms per float64 GEMM: the NVFP4 bound 1024 · 2752512² < 2^53 holds with this
 _TWO53 = 2.0 ** 53
 NVFP4_UNIT_EXP = -10  # E2M1 (multiples of 1/2) × E4M3 (multiples of 2^-9)
+NVFP4_INT_MAX = 6 * 448 * 2 ** -NVFP4_UNIT_EXP  # |code · s_blk| ≤ 6 · 448 = 2752512 units of 2^-10
+_NVFP4_EXP = torch.full((1,), NVFP4_UNIT_EXP, dtype=torch.int64)  # every NVFP4 row's exp (expanded, never written)
 
 
 def cached_for_weight(cache: Optional[dict], weight: torch.Tensor, tag, compute):
@@ -95,18 +99,32 @@ class Split:
     exp: torch.Tensor  # (rows,) int64
     scale: Optional[torch.Tensor]  # (rows,) fp32 global decode scale, or None
     deq: torch.Tensor  # (rows, K) fp32: the dequantized operand (same bits as fake_quantize)
+    # known by construction (NVFP4), None: read from the data. `bound`: max |ints| can reach;
+    # `unit`: every row's exp (so 2^exp is a Python float, no tensor op)
+    bound: Optional[float] = None
+    unit: Optional[int] = None
     _amax: Optional[torch.Tensor] = field(default=None, repr=False)  # memo of :meth:`abs_max`
+    _scale64: Optional[torch.Tensor] = field(default=None, repr=False)  # memo of :meth:`scale_f64`
 
     def rows(self, start: int, stop: int) -> "Split":
         """Rows [start, stop) (a split's rows are independent)."""
         return Split(self.ints[start:stop], self.exp[start:stop],
-                     None if self.scale is None else self.scale[start:stop], self.deq[start:stop])
+                     None if self.scale is None else self.scale[start:stop], self.deq[start:stop],
+                     self.bound, self.unit)
 
     def abs_max(self) -> torch.Tensor:
         """max |ints| over the whole split (memoized: a cached weight split computes it once)."""
         if self._amax is None:
             self._amax = self.ints.abs().amax()
         return self._amax
+
+    def scale_f64(self) -> Optional[torch.Tensor]:
+        """``scale`` as float64 (exact; memoized, so a cached weight split converts it once). A
+        per-tensor scale (one value expanded over the rows) stays a stride-0 expansion."""
+        if self.scale is not None and self._scale64 is None:
+            one = self.scale.dim() == 1 and self.scale.shape[0] > 0 and self.scale.stride(0) == 0
+            self._scale64 = self.scale[:1].double().expand(self.scale.shape) if one else self.scale.double()
+        return self._scale64
 
     @property
     def max_int(self) -> torch.Tensor:
@@ -128,10 +146,13 @@ def split_fp4(x: torch.Tensor, fmt, generator=None, name: str = "x", nonfinite=N
         q, _, s_blk32, s_dec = nvfp4_core(x, fmt.scale, fmt.block, fmt.rounding, generator, name, nonfinite)
         mant = q.mul_(s_blk32)  # code · s_blk: exact in fp32 (2 × 4 significant bits)
         deq = (mant * s_dec).reshape(rows, k)  # (code · s_blk) · S_dec, the fake-quant bits
-        ints = mant.reshape(rows, k).double().mul_(2.0 ** -NVFP4_UNIT_EXP)
-        exp = torch.full((rows,), NVFP4_UNIT_EXP, dtype=torch.int64, device=x.device)
+        # ints = mant · 2^10, exact in fp32 (|mant| ≤ 2688, a multiple of 2^-10), written as float64
+        ints = torch.mul((mant.detach() if mant.requires_grad else mant).reshape(rows, k), 2.0 ** -NVFP4_UNIT_EXP,
+                         out=torch.empty(rows, k, dtype=torch.float64, device=x.device))
+        exp = _NVFP4_EXP.expand(rows) if x.device.type == "cpu" else torch.full(
+            (rows,), NVFP4_UNIT_EXP, dtype=torch.int64, device=x.device)
         scale = s_dec.reshape(-1).expand(rows) if s_dec.numel() == 1 else s_dec.reshape(rows)
-        return Split(ints, exp, scale, deq)
+        return Split(ints, exp, scale, deq, float(NVFP4_INT_MAX), NVFP4_UNIT_EXP)
     q, e = mxfp4_core(x, fmt.mx_scale_mode, fmt.rounding, generator, name, nonfinite)
     deq = (q * pow2_fp32(e)).reshape(rows, k)
     nonzero = (q != 0).any(-1, keepdim=True)
@@ -150,62 +171,106 @@ def _python_rows(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return torch.tensor(out, dtype=torch.float64, device=a.device).reshape(a.shape[0], b.shape[0])
 
 
+def _chunked_products(a: torch.Tensor, b: torch.Tensor, c: int, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``a · bᵀ`` by float64 GEMMs of ``c`` K-terms, chunk results summed in int64 (exact when every
+    chunk's partial sums are integers ≤ 2^53; NaN where a chunk is not finite)."""
+    K = a.shape[1]
+    if K <= c:
+        return torch.mm(a, b.t(), out=out)
+    total = torch.zeros(a.shape[0], b.shape[0], dtype=torch.int64, device=a.device)
+    finite = a.new_zeros(a.shape[0], b.shape[0])
+    for k0 in range(0, K, c):
+        part = a[:, k0:k0 + c] @ b[:, k0:k0 + c].t()
+        finite = finite + part * 0.0  # NaN where a chunk is not finite (int64 cannot say so)
+        total += torch.nan_to_num(part).to(torch.int64)
+    res = total.to(torch.float64) + finite
+    return res if out is None else out.copy_(res)
+
+
 def exact_sum_products(a: torch.Tensor, b: torch.Tensor, chunk: int = CHUNK,
-                       b_amax: Optional[torch.Tensor] = None) -> torch.Tensor:
+                       b_amax: Optional[torch.Tensor] = None, bound: Optional[float] = None,
+                       out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``fl64(a · bᵀ)`` for integer-valued float64 ``a`` (M, K), ``b`` (N, K), exactly (module doc).
-    ``b_amax``: ``b.abs().amax()`` if already known."""
+    ``b_amax``: ``b.abs().amax()`` if already known. ``bound``: a bound on ``max|a| · max|b|`` that
+    holds by construction (two NVFP4 splits: ``NVFP4_INT_MAX²``); where ``c · bound ≤ 2^53`` every
+    row passes the check, so none is made. ``out``: an (M, N) float64 buffer to write into."""
     M, K = a.shape
     c = max(1, min(chunk, K))
     assert -(-K // c) <= 1024, "exact_sum_products: K/chunk > 1024 chunks could overflow int64"
     if K == 0:
-        return a.new_zeros(M, b.shape[0])
+        return a.new_zeros(M, b.shape[0]) if out is None else out.zero_()
+    if bound is not None and bound * c <= _TWO53:
+        return _chunked_products(a, b, c, out)
     b_amax = b.abs().amax() if b_amax is None else b_amax
     ok = ~(a.abs().amax(-1) * b_amax * c > _TWO53)  # NaN rows stay on the GEMM path (NaN out)
-    out = a.new_zeros(M, b.shape[0])
+    res = a.new_zeros(M, b.shape[0]) if out is None else out.zero_()
     rows = ok.nonzero().squeeze(-1)
     if rows.numel():
-        a_ok = a[rows] if rows.numel() < M else a
-        if K <= c:
-            res = a_ok @ b.t()
-        else:
-            total = torch.zeros(a_ok.shape[0], b.shape[0], dtype=torch.int64, device=a.device)
-            finite = a_ok.new_zeros(a_ok.shape[0], b.shape[0])
-            for k0 in range(0, K, c):
-                part = a_ok[:, k0:k0 + c] @ b[:, k0:k0 + c].t()
-                finite = finite + part * 0.0  # NaN where a chunk is not finite (int64 cannot say so)
-                total += torch.nan_to_num(part).to(torch.int64)
-            res = total.to(torch.float64) + finite
-        out[rows] = res
+        res[rows] = _chunked_products(a[rows] if rows.numel() < M else a, b, c)
     bad = (~ok).nonzero().squeeze(-1)
     if bad.numel():
-        out[bad] = _python_rows(a[bad], b)
-    return out
+        res[bad] = _python_rows(a[bad], b)
+    return res
 
 
-def exact_fp4_terms(x_terms: Sequence[Split], sums: Sequence[torch.Tensor], w_exp: torch.Tensor,
-                    w_scale: Optional[torch.Tensor], bias: Optional[torch.Tensor], out_dtype: torch.dtype) -> torch.Tensor:
+def pair_bound(a: "Split", b: "Split") -> Optional[float]:
+    """``a.bound · b.bound`` (None unless both are known by construction)."""
+    return None if a.bound is None or b.bound is None else a.bound * b.bound
+
+
+def term_sums(x_terms: Sequence["Split"], w: "Split", chunk: int = CHUNK, out: Optional[torch.Tensor] = None):
+    """The exact sums ``x_terms[i].ints · w.intsᵀ`` (each (M, N) float64), all terms' rows in one GEMM
+    (rows are independent: each sum is exact whatever the GEMM's shape). ``out``: a (M, T, N) float64
+    buffer (T terms) to write into; the returned sums are its views ``out[:, i]``."""
+    ints = x_terms[0].ints if len(x_terms) == 1 else torch.stack([t.ints for t in x_terms], 1)
+    bound = None
+    if all(pair_bound(t, w) is not None for t in x_terms):
+        bound = max(pair_bound(t, w) for t in x_terms)
+    M, T = x_terms[0].ints.shape[0], len(x_terms)
+    flat = exact_sum_products(ints.reshape(M * T, -1), w.ints, chunk, w.abs_max() if bound is None and w.ints.numel() else None,
+                              
+                              bound, None if out is None else out.view(M * T, -1))
+    return list(flat.view(M, T, -1).unbind(1))
+
+
+def exact_fp4_terms(x_terms: Sequence[Split], sums: Sequence[torch.Tensor], w_exp, w_scale: Optional[torch.Tensor],
+                    bias: Optional[torch.Tensor], out_dtype: torch.dtype) -> torch.Tensor:
     """``Σ_i fl64(S_i)·2^(exp_x + exp_w)·(scale_x·scale_w) (+ bias)`` in ``out_dtype`` (module doc):
     ``sums[i]`` = the exact ``x_terms[i].ints · w.intsᵀ`` (M, N); the weight's row exponents
-    ``w_exp`` (int64) and float64 global scales ``w_scale`` (None: none) broadcast against (M, N),
-    so rows of one call may belong to different weights (grouped experts)."""
+    ``w_exp`` (int64 tensor, or a Python int: every row's) and float64 global scales ``w_scale``
+    (None: none) broadcast against (M, N), so rows of one call may belong to different weights
+    (grouped experts). Each term is ``(S · 2^e) · (scale_x · scale_w)``: the power of two as a
+    Python float where both exponents are known by construction (the same IEEE product), the
+    scales' product exact (two fp32 values in float64)."""
     acc = None
     for t, s in zip(x_terms, sums):
-        v = s * pow2_f64(t.exp[:, None] + w_exp)
-        if t.scale is not None or w_scale is not None:  # scale_x · scale_w: exact (two fp32 values)
-            sa = t.scale.double() if t.scale is not None else t.ints.new_ones(t.ints.shape[0])
-            v = v * (sa[:, None] * (w_scale if w_scale is not None else t.ints.new_ones(s.shape[1])))
-        acc = v if acc is None else acc + v
+        if t.unit is not None and isinstance(w_exp, int):
+            v = s * 2.0 ** (t.unit + w_exp)
+        else:
+            v = s * pow2_f64(t.exp[:, None] + w_exp)
+        if t.scale is not None or w_scale is not None:
+            if t.scale is None:
+                g = w_scale
+            else:
+                g = t.scale_f64()[:, None]
+                g = g if w_scale is None else g * w_scale
+            v.mul_(g)
+        acc = v if acc is None else acc.add_(v)
     if bias is not None:
         acc = acc + bias.double()
     return acc.to(out_dtype)
 
 
+def _w_exp(w: Split):
+    """The weight's exponents as exact_fp4_terms takes them: a Python int when known, else (1, N)."""
+    return w.unit if w.unit is not None else w.exp[None, :]
+
+
 def exact_fp4_gemm(x_terms: Sequence[Split], w: Split, bias: Optional[torch.Tensor], out_dtype: torch.dtype,
                    chunk: int = CHUNK) -> torch.Tensor:
     """``Σ_i x_terms[i] · wᵀ (+ bias)`` with the rounding of the module docstring; (M, N) in ``out_dtype``."""
-    amax = w.abs_max() if w.ints.numel() else None
-    sums = [exact_sum_products(t.ints, w.ints, chunk, amax) for t in x_terms]
-    return exact_fp4_terms(x_terms, sums, w.exp[None, :], None if w.scale is None else w.scale.double()[None, :],
+    sums = term_sums(x_terms, w, chunk)
+    return exact_fp4_terms(x_terms, sums, _w_exp(w), None if w.scale is None else w.scale_f64()[None, :],
                            bias, out_dtype)
 
 

@@ -58,7 +58,8 @@ def mxfp4_core(x: torch.Tensor, scale_mode: str, rounding: str, generator, name:
     a, pooled = abs_block_max(xf, MX_BLOCK)  # |x| (fresh buffer, reused for y below), block maxima
     nblk = x.shape[-1] // MX_BLOCK
     block_amax = pooled.view(-1, nblk, 1)
-    check_finite(x, block_amax.amax(), name, what, nonfinite)  # amax propagates NaN/Inf
+    amax = block_amax.amax() if block_amax.numel() else block_amax.new_zeros(())  # no rows: finite
+    check_finite(x, amax, name, what, nonfinite)  # amax propagates NaN/Inf
     e = shared_exponent(block_amax, scale_mode)
     xb = xf.view(-1, nblk, MX_BLOCK)
     inv = pow2_fp32(-e)  # multiply by 2^-e == divide by 2^e, exactly

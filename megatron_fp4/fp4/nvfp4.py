@@ -32,6 +32,7 @@ from megatron_fp4.fp4.formats import (
 
 E4M3_MAX = 448.0
 _ONE_SIXTH_F32 = torch.tensor(1.0 / 6.0, dtype=torch.float32)
+_ENC_NUM_F32 = torch.tensor(E4M3_MAX * 6.0, dtype=torch.float32)  # S_enc's numerator (CPU: no op per call)
 
 
 def _check_options(scale: str, block: str, rounding: str) -> None:
@@ -80,13 +81,13 @@ def nvfp4_scales(block_amax: torch.Tensor, scale: str, amax_reduce=None):
         amax = block_amax.amax()
     if amax_reduce is not None:
         amax = reduced_amax(amax, amax_reduce)
-    s_enc = torch.clamp(torch.full((), E4M3_MAX * 6.0, dtype=torch.float32, device=amax.device) / amax,
-                        max=FLT_MAX)  # amax=0 gives inf→FLT_MAX
-    s_enc = torch.where(amax == 0, torch.ones_like(s_enc), s_enc)
-    s_dec = 1.0 / s_enc
+    num = _ENC_NUM_F32 if amax.device.type == "cpu" else torch.full((), E4M3_MAX * 6.0, dtype=torch.float32,
+                                                                      device=amax.device)
+    s_enc = (num / amax).clamp_(max=FLT_MAX).masked_fill_(amax == 0, 1.0)  # amax=0 gives inf→FLT_MAX, then 1
+    s_dec = torch.reciprocal(s_enc)  # = 1.0 / s_enc, whose __rdiv__ is reciprocal(·) · 1.0: one kernel less
     s_blk = (block_amax * (s_enc * _ONE_SIXTH_F32.to(amax.device))).clamp_(max=E4M3_MAX).to(torch.float8_e4m3fn)
     s_blk32 = s_blk.to(torch.float32)  # one cast (fp8 casts are scalar loops on CPU)
-    enc_blk = torch.clamp(1.0 / (s_blk32 * s_dec), max=FLT_MAX)
+    enc_blk = torch.reciprocal(s_blk32 * s_dec).clamp_(max=FLT_MAX)
     return amax, s_blk, s_blk32, s_dec, enc_blk
 
 

@@ -46,6 +46,7 @@ from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, 
 from vllm.model_executor.utils import set_weight_attrs
 
 from megatron_fp4.fp4 import STANDARD, Numerics, Recipe, invariant, moeresq_linear
+from megatron_fp4.fp4.exact_experts import can_share_input, shared_input_linear
 from megatron_fp4.integrations.vllm.sidecar import QUANT_METHOD, recipe_from_sidecar
 from megatron_fp4.model.moe import GroupedExperts, LocalDispatcher, route_from_logits, router_logits
 
@@ -187,7 +188,7 @@ class MoEResQLinearMethod(UnquantizedLinearMethod):
 
     def apply(self, layer, x: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
         return fused_moeresq_linear(x, layer.weight, bias, layer.mfp4_shards, layer.mfp4_names,
-                                    self.recipe, self.config.values)
+                                    self.recipe, self.config.values, trainer_name(self.prefix))
 
 
 class HeadMethod(UnquantizedEmbeddingMethod):
@@ -209,9 +210,21 @@ class HeadMethod(UnquantizedEmbeddingMethod):
         return invariant.linear(x, layer.weight, bias, self.config.values)
 
 
-def fused_moeresq_linear(x, weight, bias, shards, names, recipe: Recipe, numerics: Numerics = STANDARD):
+def fused_moeresq_linear(x, weight, bias, shards, names, recipe: Recipe, numerics: Numerics = STANDARD,
+                         group: Optional[str] = None):
     """``x · weight.T (+ bias)`` where ``weight`` is the row-wise concatenation of ``shards`` logical
-    weights, each computed by `moeresq_linear` as its own tensor; outputs concatenated."""
+    weights, each computed by `moeresq_linear` as its own tensor; outputs concatenated.
+
+    The same bits with less work where it is the same computation: in the batch-invariant mode a
+    plain linear is one exact GEMM over the fused weight (each output element is formed from its
+    row and column alone), and FP4 shards quantize their shared input once
+    (`fp4.exact_experts.shared_input_linear`; ``group`` names that quantization in errors)."""
+    no_grad = not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad
+                                                 or (bias is not None and bias.requires_grad)))
+    if no_grad and recipe.mode == "bf16" and invariant.enabled(numerics, x):
+        return invariant.linear(x, weight, bias, numerics)
+    if no_grad and len(shards) > 1 and can_share_input(recipe, x, weight, numerics):
+        return shared_input_linear(x, weight, bias, shards, names, recipe, group or "+".join(names), numerics)
     weights = weight.split(shards, dim=0)
     biases = bias.split(shards, dim=0) if bias is not None else [None] * len(shards)
     outs = [moeresq_linear(x, w, b, recipe=recipe, name=n, numerics=numerics)
