@@ -19,7 +19,8 @@ from megatron_fp4.fp4.formats import FLT_MAX
 from megatron_fp4.fp4.nvfp4 import E4M3_MAX, fake_quantize_nvfp4, quantize_nvfp4
 
 
-def _reference_scales(block_amax, scale):
+def _reference_scales(block_amax, scale, amax_reduce=None):
+    assert amax_reduce is None  # the tensor-parallel reduction has its own tests (test_fp4_tensor_cut.py)
     if scale == "row":
         amax = block_amax.amax(dim=-2, keepdim=True)
     else:
