@@ -119,11 +119,11 @@ class MegatronFP4WeightTransferEngine(WeightTransferEngine[FP4InitInfo, FP4Updat
         if token is None:
             raise ValueError(f"weight transfer 'megatron_fp4': {TOKEN_ENV} is not set in the environment of vllm "
                              "serve; start the server with the trainer's token in it")
+        group = PeerGroup(init_info.addr, init_info.port, 1, 2, torch.device("cpu"), init_info.timeout_s,
+                          token=token, bind_addr=init_info.bind_addr)  # a refused join keeps the current trainer
         self.shutdown()
         self.served = checkpoint_shapes(self.model_config.model)
-        self.name = init_info.name
-        self.group = PeerGroup(init_info.addr, init_info.port, 1, 2, torch.device("cpu"), init_info.timeout_s,
-                               token=token, bind_addr=init_info.bind_addr)
+        self.name, self.group = init_info.name, group
 
     def start_weight_update(self) -> None:
         self.staged = {}
