@@ -99,3 +99,26 @@ def test_the_transport_needs_the_servers_token(monkeypatch):
         VLLMServerTransport("http://127.0.0.1:1")
     with pytest.raises(ValueError, match="pause_mode"):
         VLLMServerTransport("http://127.0.0.1:1", token="x" * 32, pause_mode="later")
+
+
+@needs_vllm
+@pytest.mark.slow
+def test_grpo_two_steps_with_a_vllm_serve_rollout(tmp_path):
+    """`examples/grpo_moeresq.py --rollout vllm-serve`: the first publish replaces the template's fresh
+    init (step 0's vLLM log-probs match the trainer's old log-probs: the trainer's SFT weights are
+    served), step 1 generates on version 1 (vLLM's /weight_info) and still matches."""
+    from tests.integration.test_vllm_plugin import MIN_WITHIN, TOL
+    from tests.integration.test_vllm_rollout import MODEL, _grpo
+
+    grpo = _grpo()
+    python = [] if PYTHON == sys.executable else ["--vllm-python", PYTHON]
+    args = grpo.parse_args(["--rollout", "vllm-serve", *python, "--task", "arithmetic", "--steps", "2",
+                            "--sft-steps", "2", "--eval-size", "8", "--num-prompts", "4", "--group-size", "4",
+                            "--rl-aux-coef", "0.01", "--logdir", str(tmp_path), *[a for o in MODEL for a in ("--set", o)]])
+    history = grpo.run(args)
+    assert [h["rollout_version"] for h in history] == [0, 1] and history[-1]["final_rollout_version"] == 2
+    d = history[0]["lp_diffs"]
+    print(f"step 0: |dlogp| max {d.max():.3g} median {d.median():.3g}; step 1: mean "
+          f"{history[1]['consistency/mean_abs_diff']:.3g} max {history[1]['consistency/max_abs_diff']:.3g}")
+    assert d.median() <= TOL and (d <= TOL).double().mean() >= MIN_WITHIN, d.tolist()
+    assert history[1]["consistency/mean_abs_diff"] <= 1e-3, history[1]  # FP4 code flips only (test_vllm_plugin)
