@@ -317,6 +317,9 @@ def parse_args(argv=None):
     ap.add_argument("--logdir", default="outputs/grpo/tensorboard")
     args = ap.parse_args(argv)
     check_correction_args(ap, args)
+    if args.rollout == "vllm-serve" and args.check_sync:
+        ap.error("--check-sync with --rollout vllm-serve: the weights are read back from vLLM's parameters in its "
+                 "process; use --rollout vllm for that check")
     if args.train_data:
         args.task = "dataset"
     for key, value in TASK_DEFAULTS[args.task].items():

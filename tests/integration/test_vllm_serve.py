@@ -93,6 +93,27 @@ def test_an_update_through_vllms_api_serves_what_a_fresh_server_on_the_new_weigh
     assert generate(a) == fresh
 
 
+def test_check_sync_with_vllm_serve_is_one_line_and_exit_2(capsys):
+    from tests.integration.test_vllm_rollout import _grpo
+
+    with pytest.raises(SystemExit) as e:
+        _grpo().parse_args(["--rollout", "vllm-serve", "--check-sync"])
+    assert e.value.code == 2 and "use --rollout vllm" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(not VLLM, reason=f"{VLLM.reason}: the server side's init info is vLLM's dataclass")
+def test_the_servers_init_info_is_checked():
+    from megatron_fp4.integrations.vllm.transfer import FP4InitInfo, FP4UpdateInfo
+
+    FP4InitInfo(addr="127.0.0.1", port=5000)
+    for bad, match in (({"port": 0}, "port"), ({"port": "5000"}, "port"), ({"timeout_s": float("inf")}, "timeout_s"),
+                       ({"addr": ""}, "addr"), ({"bind_addr": 7}, "bind_addr")):
+        with pytest.raises(ValueError, match=match):
+            FP4InitInfo(**{"addr": "127.0.0.1", "port": 5000, **bad})
+    with pytest.raises(ValueError, match="version"):
+        FP4UpdateInfo(version="1")
+
+
 def test_the_transport_needs_the_servers_token(monkeypatch):
     monkeypatch.delenv("MEGATRON_FP4_SYNC_TOKEN", raising=False)
     with pytest.raises(ValueError, match="MEGATRON_FP4_SYNC_TOKEN"):
