@@ -158,10 +158,11 @@ class VLLMServeRollout:
         body = {"model": self.server.model, "prompt": list(map(int, prompt)), "max_tokens": int(p.max_new_tokens),
                 "temperature": float(p.temperature), "seed": p.seed, "stop_token_ids": list(p.stop_token_ids),
                 "logprobs": 0, "return_tokens_as_token_ids": True}
-        choice = self.server.client.request("v1/completions", body, timeout=self.timeout_s)["choices"][0]
-        toks = [int(t.removeprefix("token_id:")) for t in choice["logprobs"]["tokens"]]
-        lp = torch.tensor(choice["logprobs"]["token_logprobs"], dtype=torch.float32)
-        return toks, lp, "stop" if choice["finish_reason"] == "stop" else "length"
+        from megatron_fp4.integrations.vllm.serve import parse_choice
+
+        toks, lp, reason = parse_choice(self.server.client.request("v1/completions", body, timeout=self.timeout_s)
+                                        ["choices"][0])
+        return toks, torch.tensor(lp, dtype=torch.float32), "stop" if reason == "stop" else "length"
 
     def _generate(self, prompts, params, min_version: int):
         from concurrent.futures import ThreadPoolExecutor

@@ -82,12 +82,15 @@ class VLLMServerClient:
         body = {"model": model, "prompt": [list(map(int, p)) for p in prompts], "max_tokens": int(max_tokens),
                 "temperature": 0.0, "logprobs": 0, "return_tokens_as_token_ids": True, **params}
         choices = sorted(self.request("v1/completions", body)["choices"], key=lambda c: c["index"])
-        out = []
-        for c in choices:
-            lp = c["logprobs"]
-            toks = [int(t.removeprefix("token_id:")) for t in lp["tokens"]]
-            out.append((toks, [float(x) for x in lp["token_logprobs"]]))
-        return out
+        return [parse_choice(c)[:2] for c in choices]
+
+
+def parse_choice(choice: dict) -> tuple:
+    """(token ids, their log-probs, finish reason) of one completions-API choice asked with
+    `logprobs: 0, return_tokens_as_token_ids: true` (tokens come as "token_id:N")."""
+    lp = choice["logprobs"]
+    toks = [int(t.removeprefix("token_id:")) for t in lp["tokens"]]
+    return toks, [float(x) for x in lp["token_logprobs"]], choice["finish_reason"]
 
 
 class VLLMServerTransport:
@@ -217,5 +220,5 @@ def wait_ready(server: VLLMServer, timeout_s: float = 600.0) -> VLLMServer:
     return server
 
 
-__all__ = ["ServerError", "VLLMServerClient", "VLLMServerTransport", "VLLMServer", "start_vllm_server",
+__all__ = ["ServerError", "VLLMServerClient", "parse_choice", "VLLMServerTransport", "VLLMServer", "start_vllm_server",
            "wait_ready", "server_command", "free_port"]
