@@ -87,6 +87,20 @@ def test_an_update_through_vllms_api_serves_what_a_fresh_server_on_the_new_weigh
             assert generate(a) == fresh
     finally:
         transport.close()
+    # the server failing /update_weights before the exchange (here: vLLM's "start_weight_update must be
+    # called before update_weights", the trainer skipping the start) fails the publish after the grace
+    # instead of when the group times out, and marks the transport out of step
+    transport = VLLMServerTransport(a.url, token=token, timeout_s=30)
+    request = transport.client.request
+    transport.client.request = lambda route, *a, **k: None if route == "start_weight_update" else request(route, *a, **k)
+    publisher = WeightPublisher(lambda: weights_b.items(), [transport], bucket_bytes=1 << 20)
+    handle = publisher.publish(3)
+    with pytest.raises(WeightSyncError, match="out of step"):
+        handle.wait_loaded(25)  # FAIL_GRACE_S 10 < 25 < the group's 30 s timeout
+    with pytest.raises(WeightSyncError, match="out of step"):
+        transport.send(4, {}, [])
+    transport.close()
+    assert a.client.weight_version() == "1" and generate(a) == fresh
     # a trainer without the server's token is refused at the join; the server keeps serving
     with pytest.raises(ServerError, match="did not join"):
         VLLMServerTransport(a.url, token=new_sync_token(), timeout_s=60)

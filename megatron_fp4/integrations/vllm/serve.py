@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import socket
 import subprocess
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -37,6 +38,7 @@ from megatron_fp4.rollout.weight_sync import WeightSyncError
 from megatron_fp4.rollout.weight_sync_dist import DistributedTransport
 
 MAX_REPLY_BYTES = 1 << 20  # a control-route reply is a short JSON message
+FAIL_GRACE_S = 10.0  # after a failed /update_weights: how long the byte exchange may take to end too
 
 
 class ServerError(RuntimeError):
@@ -120,22 +122,51 @@ class VLLMServerTransport:
                                   f"{_first_error(joined)}") from err
             joined.result()
         self.transport = DistributedTransport(self.group, src=0, name=name)
+        self.broken: Optional[str] = None
 
     def send(self, version: int, manifest: dict, buckets: list) -> None:
+        if self.broken:
+            raise WeightSyncError({self.name: self.broken}, version)
         self.client.request(f"pause?mode={self.pause_mode}")
         try:
             self.client.request("start_weight_update")
-            with ThreadPoolExecutor(max_workers=1) as pool:
-                received = pool.submit(self.client.request, "update_weights", {"update_info": {"version": int(version)}})
-                try:
-                    self.transport.send(version, manifest, buckets)
-                except WeightSyncError:
-                    _first_error(received)  # the server refused too (its update_weights raised): one error
-                    raise
-                received.result()
+            self._update(version, manifest, buckets)
             self.client.request("finish_weight_update", {"weight_version": str(int(version))})
-        finally:
-            self.client.request("resume")
+        except BaseException:
+            try:
+                self.client.request("resume")
+            except ServerError:
+                pass  # the update's own error is the one to report
+            raise
+        self.client.request("resume")
+
+    def _update(self, version: int, manifest: dict, buckets: list) -> None:
+        """`/update_weights` on this thread, the bytes on another (both sides of one exchange). If the
+        server fails the route before it takes part (so the bytes would wait for their timeout), this
+        returns at once and the transport is marked out of step."""
+        outcome: dict = {}
+
+        def push():
+            try:
+                self.transport.send(version, manifest, buckets)
+            except BaseException as err:  # noqa: BLE001 - raised on the caller's thread
+                outcome["error"] = err
+        pusher = threading.Thread(target=push, name=f"vllm-serve-push-v{version}", daemon=True)
+        pusher.start()
+        try:
+            self.client.request("update_weights", {"update_info": {"version": int(version)}})
+        except ServerError as err:
+            pusher.join(FAIL_GRACE_S)  # a refusal: the server's verdict reached the trainer just before
+            if pusher.is_alive():
+                self.broken = (f"the server failed update_weights outside the exchange ({err}); the transfer group is "
+                               "out of step: make a new VLLMServerTransport")
+                raise WeightSyncError({self.name: self.broken}, version) from None
+            if "error" in outcome:
+                raise outcome["error"]  # the verdict names the tensor and the cause
+            raise
+        pusher.join()
+        if "error" in outcome:
+            raise outcome["error"]
 
     def close(self) -> None:
         """Release the server's trainer connection (it keeps serving) and this side's group."""
