@@ -18,6 +18,8 @@ scoring, as `tools/consistency_report.py --rollout vllm` scores):
 - update: an engine on weights A, run (Q(W) cached), updated in place to B (`live.update_weights`)
   vs a fresh engine on B: tokens, log-probs, full distributions and experts, bitwise;
 - update-time: `update_weights` of every tensor of a `--update-mb` MB fp32 model, median of 3;
+- update-time-serve: the same into a `vllm serve` process through vLLM's weight-transfer API
+  (bench_vllm_serve.py);
 - kl: the paper's ordering KL(MoEResQ) < KL(FP4 both, no compensation) < KL(rollout-only
   compensation) per seed (model init, prompts and sampling seeds), `--kl-dtype` vLLM (default bf16:
   the realistic engine gap; with fp32 on both sides plain FP4 and MoEResQ both sit at the
@@ -42,7 +44,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 MODEL = ["model.head_dim=64", "model.num_heads=2", "model.num_kv_heads=1", "model.init_std=0.08",
          "logging.tensorboard_dir=null", "checkpoint.dir=null"]
-ROWS = ("logprob", "bf16", "throughput", "update", "update-time", "kl", "layers")
+ROWS = ("logprob", "bf16", "throughput", "update", "update-time", "update-time-serve", "kl", "layers")
 MOERESQ, PLAIN, ROLLOUT_ONLY = ("fp4_resq", "fp4_resq"), ("fp4", "fp4"), ("fp4", "fp4_resq")
 
 
@@ -359,6 +361,7 @@ def main(argv=None) -> list:
     import torch
 
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    from bench_vllm_serve import update_time_serve_rows
     from megatron_fp4.integrations.vllm import vllm_available
     from megatron_fp4.integrations.vllm.plugin import register
 
@@ -367,7 +370,8 @@ def main(argv=None) -> list:
         p.exit(2, f"bench_vllm_goals: {cap.reason}; run it with the vLLM venv's python (tools/vllm_env.sh)\n")
     register()
     steps = {"logprob": logprob_rows, "bf16": bf16_rows, "throughput": throughput_rows, "update": update_rows,
-             "update-time": update_time_rows, "kl": kl_rows, "layers": layer_rows}
+             "update-time": update_time_rows, "kl": kl_rows, "layers": layer_rows,
+             "update-time-serve": lambda a, w: update_time_serve_rows(a, w, update_config, row, log)}
     rows = []
     with tempfile.TemporaryDirectory(prefix="bench_vllm_goals-") as tmp:
         work = Path(args.work or tmp)

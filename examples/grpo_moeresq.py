@@ -13,7 +13,8 @@ and trainer rank 0 starts the rollout engine as a process of its own (`rl.Remote
 gathered from every shard under HF names through a token-authenticated channel, generations
 broadcast to every trainer rank), and the SFT and policy losses run through the pipeline schedule.
 With `--rollout vllm` the rollout is vLLM + the `megatron_fp4` plugin in a process (and venv) of
-its own, fed the same way every step (`rl.vllm_rollout`, docs/vllm.md). With `--train-data`
+its own, fed the same way every step (`rl.vllm_rollout`, docs/vllm.md); with `--rollout vllm-serve`
+it is a `vllm serve` process fed through vLLM's own weight-transfer API. With `--train-data`
 (verl-format parquet, prompts rendered by `--tokenizer`'s chat template) the rewards come from the
 data_source registry (`rl.rewards`) instead of the generated task.
 
@@ -163,6 +164,11 @@ def run(args) -> list:
         rollout = VLLMRollout(trainer, task.tok.pad_id, args.bucket_mb << 20, python=args.vllm_python,
                               work_dir=Path(args.logdir or tempfile.mkdtemp(prefix="grpo-vllm-")) / "vllm",
                               addr=args.rollout_addr)
+    elif args.rollout == "vllm-serve":  # a `vllm serve` process fed through vLLM's weight-transfer API
+        from megatron_fp4.rl.vllm_rollout import VLLMServeRollout
+        rollout = VLLMServeRollout(trainer, task.tok.pad_id, args.bucket_mb << 20, python=args.vllm_python,
+                                   work_dir=Path(args.logdir or tempfile.mkdtemp(prefix="grpo-vllm-")) / "vllm",
+                                   addr=args.rollout_addr)
     else:
         rollout = make_rollout(trainer, task.tok.pad_id, args.bucket_mb << 20, addr=args.rollout_addr)
     try:
@@ -297,10 +303,12 @@ def parse_args(argv=None):
     ap.add_argument("--bucket-mb", type=int, default=1)
     ap.add_argument("--rollout-addr", default="127.0.0.1",
                     help="under torchrun: the address trainer rank 0 serves the rollout process's channels on")
-    ap.add_argument("--rollout", choices=["engine", "vllm"], default="engine",
+    ap.add_argument("--rollout", choices=["engine", "vllm", "vllm-serve"], default="engine",
                     help="rollout engine: this project's (in process, or its own process under torchrun) or vLLM + "
-                         "the megatron_fp4 plugin in its own process, weights synced every step (docs/vllm.md)")
-    ap.add_argument("--vllm-python", help="--rollout vllm: the vLLM environment's python (default: env "
+                         "the megatron_fp4 plugin in its own process, weights synced every step (docs/vllm.md); "
+                         "vllm-serve: a `vllm serve` process, weights through vLLM's weight-transfer API, "
+                         "generations through its completions API (no routed experts: not with r3)")
+    ap.add_argument("--vllm-python", help="--rollout vllm / vllm-serve: the vLLM environment's python (default: env "
                                           "MEGATRON_FP4_VLLM_PYTHON, else this one when vllm imports here)")
     ap.add_argument("--check-sync", action="store_true",
                     help="after every publish wait for the load and check that the rollout's weights equal the "
@@ -309,6 +317,9 @@ def parse_args(argv=None):
     ap.add_argument("--logdir", default="outputs/grpo/tensorboard")
     args = ap.parse_args(argv)
     check_correction_args(ap, args)
+    if args.rollout == "vllm-serve" and args.check_sync:
+        ap.error("--check-sync with --rollout vllm-serve: the weights are read back from vLLM's parameters in its "
+                 "process; use --rollout vllm for that check")
     if args.train_data:
         args.task = "dataset"
     for key, value in TASK_DEFAULTS[args.task].items():

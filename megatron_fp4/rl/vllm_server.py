@@ -84,15 +84,20 @@ class VLLMEngine:
                                 **{**out, "routing": out["routing"] if return_routing else None})
 
 
+def check_params(p) -> None:
+    """ValueError unless `p` is greedy or plain temperature-1 sampling (what vLLM's raw log-probs equal)."""
+    if p.temperature not in (0.0, 1.0) or p.top_k or p.top_p < 1.0:
+        raise ValueError(f"vLLM rollout: temperature {p.temperature}, top_k {p.top_k}, top_p {p.top_p}: only greedy "
+                         "or plain sampling at temperature 1 is wired (sampled log-probs need vLLM's "
+                         "processed_logprobs mode)")
+
+
 def vllm_params(p):
     """vLLM's SamplingParams for ours. vLLM reports raw log-probs (temperature 1, no filtering): our
     `log_probs`; the sampled distribution's equal them only at temperature 1 without top-k/top-p."""
     from vllm import SamplingParams
 
-    if p.temperature not in (0.0, 1.0) or p.top_k or p.top_p < 1.0:
-        raise ValueError(f"vLLM rollout: temperature {p.temperature}, top_k {p.top_k}, top_p {p.top_p}: only greedy "
-                         "or plain sampling at temperature 1 is wired (sampled log-probs need vLLM's "
-                         "processed_logprobs mode)")
+    check_params(p)
     return SamplingParams(max_tokens=int(p.max_new_tokens), temperature=float(p.temperature), seed=p.seed,
                           stop_token_ids=list(p.stop_token_ids), logprobs=0, detokenize=False)
 

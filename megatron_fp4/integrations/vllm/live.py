@@ -23,27 +23,42 @@ from megatron_fp4.integrations.hf.checkpoint import SafetensorsTensors, _weight_
 from megatron_fp4.training.nonfinite import all_finite
 
 
-def served_shapes(llm) -> dict[str, tuple]:
-    """{HF name: shape} of the checkpoint `llm` serves (read from its safetensors headers)."""
-    tensors = SafetensorsTensors(_weight_files(Path(llm.llm_engine.model_config.model)))
+def checkpoint_shapes(model_dir) -> dict[str, tuple]:
+    """{HF name: shape} of the safetensors checkpoint in `model_dir` (read from its headers)."""
+    tensors = SafetensorsTensors(_weight_files(Path(model_dir)))
     return {key: tensors.shape(key) for key in tensors}
 
 
-def check_update(served: Mapping[str, tuple], update: Mapping[str, torch.Tensor]) -> None:
-    """ValueError naming the first tensor of `update` that the served checkpoint lacks or holds in
-    another shape (dtype: any floating type, cast to the parameter's on load)."""
-    if not update:
+def served_shapes(llm) -> dict[str, tuple]:
+    """{HF name: shape} of the checkpoint `llm` serves."""
+    return checkpoint_shapes(llm.llm_engine.model_config.model)
+
+
+def check_manifest(served: Mapping[str, tuple], manifest: Mapping[str, tuple]) -> None:
+    """ValueError naming the first entry of `manifest` ({HF name: (shape, dtype)}) that the served
+    checkpoint lacks or holds in another shape, or whose dtype is not floating point (any floating
+    type is cast to the parameter's on load)."""
+    if not manifest:
         raise ValueError("update_weights: no tensors given")
-    for name, t in update.items():
+    for name, (shape, dtype) in manifest.items():
         if name not in served:
             raise ValueError(f"update_weights: {name!r} is not a tensor of the served checkpoint (HF names, e.g. "
                              f"{next(iter(served))!r}); nothing was loaded")
-        if not isinstance(t, torch.Tensor) or not t.is_floating_point():
-            raise ValueError(f"update_weights: {name!r} must be a floating-point tensor, got "
-                             f"{getattr(t, 'dtype', type(t).__name__)}; nothing was loaded")
-        if tuple(t.shape) != tuple(served[name]):
-            raise ValueError(f"update_weights: {name!r} has shape {tuple(t.shape)}, the served checkpoint "
+        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+            raise ValueError(f"update_weights: {name!r} must be a floating-point tensor, got {dtype}; nothing was "
+                             "loaded")
+        if tuple(shape) != tuple(served[name]):
+            raise ValueError(f"update_weights: {name!r} has shape {tuple(shape)}, the served checkpoint "
                              f"{tuple(served[name])}; nothing was loaded")
+
+
+def check_update(served: Mapping[str, tuple], update: Mapping[str, torch.Tensor]) -> None:
+    """`check_manifest` of `update` (HF name -> tensor), then every tensor finite."""
+    for name, t in update.items():
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"update_weights: {name!r} must be a floating-point tensor, got {type(t).__name__}; "
+                             "nothing was loaded")
+    check_manifest(served, {name: (tuple(t.shape), t.dtype) for name, t in update.items()})
     if not all_finite(update.values()):  # one sum per tensor (an exact scan only when one is not finite)
         bad = next(name for name, t in update.items() if not bool(torch.isfinite(t).all()))
         raise ValueError(f"update_weights: {bad!r} holds NaN/Inf; nothing was loaded")
@@ -57,7 +72,8 @@ def plugin_layers(model) -> list:
             if isinstance(getattr(getattr(m, "quant_method", None), "config", None), MegatronFP4Config)]
 
 
-def _load(model, update: Mapping[str, torch.Tensor]) -> None:
+def load_into(model, update: Mapping[str, torch.Tensor]) -> None:
+    """Write checked tensors into `model` (vLLM's `load_weights`) and refresh every plugin layer."""
     model.load_weights(iter(update.items()))  # each plugin weight loader clears the Q(W) store first
     for module, method in plugin_layers(model):  # and each layer re-derives what it keeps from its weights
         method.process_weights_after_loading(module)
@@ -70,4 +86,4 @@ def update_weights(llm, update: Mapping[str, torch.Tensor]) -> None:
                          "no quantization_config block); stock vLLM's CPU layers keep prepacked copies of their "
                          "weights, which a load would leave stale; nothing was loaded")
     check_update(served_shapes(llm), update)
-    llm.apply_model(lambda model: _load(model, update))
+    llm.apply_model(lambda model: load_into(model, update))

@@ -1,5 +1,6 @@
 """vLLM's `vllm.general_plugins` entry point (setup.py): registers the `megatron_fp4` quantization
-method in every vLLM process (the front end and each engine worker) before models are built."""
+method and the `megatron_fp4` weight-transfer backend in every vLLM process (the front end and each
+engine worker) before models are built."""
 from __future__ import annotations
 
 import platform
@@ -15,6 +16,7 @@ def register() -> None:
 
     register_ops()
     _register_model()
+    _register_weight_transfer()
     _allow_amx()
 
 
@@ -26,6 +28,19 @@ def _register_model() -> None:
 
     if ARCHITECTURE not in ModelRegistry.get_supported_archs():
         ModelRegistry.register_model(ARCHITECTURE, MegatronFP4Qwen3MoeForCausalLM)
+
+
+def _register_weight_transfer() -> None:
+    """The `megatron_fp4` backend of vLLM's weight-transfer API (`transfer.py`, imported only when a
+    worker builds it: `--weight-transfer-config '{"backend": "megatron_fp4"}'`). A vLLM without the
+    API (older than its `weight_transfer` package) just does not get it."""
+    try:
+        from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+    except ImportError:
+        return
+    if "megatron_fp4" not in WeightTransferEngineFactory._registry:
+        WeightTransferEngineFactory.register_engine("megatron_fp4", "megatron_fp4.integrations.vllm.transfer",
+                                                    "MegatronFP4WeightTransferEngine")
 
 
 def _allow_amx() -> None:
