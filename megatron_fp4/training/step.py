@@ -29,13 +29,14 @@ from megatron_fp4.fp4.fused import adopt_ready as adopt_compiled_fp4
 from megatron_fp4.model.moe import update_expert_bias
 from megatron_fp4.training.nonfinite import NonFiniteError, all_finite
 from megatron_fp4.training.optim import clip_coefficient, lr_at
-from megatron_fp4.training.step_loss import LossFn, lm_loss_fn, require_step_loss
+from megatron_fp4.training.step_loss import LossFn, lm_loss_fn, require_step_loss, tensor_parallel_loss
 
 
 class TrainingStep:
     """The step methods of `Trainer` (which provides model, optimizer, mesh, gate, pipeline, cfg, step)."""
 
     _open_step: Optional[dict] = None  # what the forward_backward calls of the open step accumulated
+    tp_plan = None  # the model's `TPPlan` under tensor parallelism (parallel/tensor_parallel.py)
 
     def train_step_with_loss(self, micro_batches: list[dict], loss_fn: LossFn = lm_loss_fn) -> dict:
         """`forward_backward` over the micro-batches, then `apply_update`."""
@@ -65,6 +66,7 @@ class TrainingStep:
         n = len(micro_batches)
         if n == 0:
             raise ValueError("forward_backward: no micro-batches")
+        loss_fn = tensor_parallel_loss(loss_fn, self.tp_plan)
         if weights is not None and (len(weights) != n or self.pipeline is not None):
             raise ValueError(f"forward_backward: weights ({len(weights)}) need one per micro-batch ({n}) and "
                              f"parallel.pp=1 (the pipeline weights its micro-batches 1/n)")
@@ -83,7 +85,9 @@ class TrainingStep:
                     self._weight_cache():
                 return self._local_forward_backward(micro_batches, loss_fn, weights, backward=False)
         self.model.set_aux_loss_scale(1.0 / n)
-        if not accumulate and done == 0:
+        # Under tensor parallelism the partial gradients are summed over tp (`TPPlan.finish_grads`)
+        # before ZeRO reduces anything, so no bucket may start during backward.
+        if not accumulate and done == 0 and self.tp_plan is None:
             self.optimizer.prepare_grad_sync(n)
         # Weights are constant until the optimizer step, so each Q(W) is derived once per step, not
         # once per micro-batch (`Numerics.cached_weights`; stochastic-rounding weights are keyed by micro-batch).
@@ -152,6 +156,8 @@ class TrainingStep:
         self._open_step = None
         loss = step["loss"] / step["calls"]
         metrics = {k: v / step["calls"] for k, v in step["metrics"].items()}
+        if self.tp_plan is not None:
+            self.tp_plan.finish_grads()  # partial grads summed over tp, before dp/edp reduce them
         self.optimizer.finish_grad_sync()  # always: the same collectives on every rank
         grad_norm = self.optimizer.grad_norm()
         lr = lr_at(self.step if schedule_step is None else schedule_step, self.cfg.optimizer, self.cfg.schedule)
