@@ -85,7 +85,8 @@ class VLLMRollout(RemoteRollout):
             self.transport = DistributedTransport(self.weights, src=0, name=name)
             transports = [self.transport]
         named = lambda: local_hf_state_dict(trainer.model)  # noqa: E731
-        self.publisher = ShardedWeightPublisher(named, self.mesh, transports, bucket_bytes, self.timeout_s) \
+        self.publisher = ShardedWeightPublisher(named, self.mesh, transports, bucket_bytes, self.timeout_s,
+                                                model=trainer.model) \
             if self.mesh.is_distributed else WeightPublisher(lambda: named().items(), transports, bucket_bytes,
                                                               self.timeout_s)
 
