@@ -19,7 +19,9 @@ import pytest
 import torch
 
 from megatron_fp4.config import ConfigError
+from megatron_fp4.model import lm_loss
 from megatron_fp4.parallel.dims import ParallelDims
+from megatron_fp4.training.step_loss import StepLoss, lm_loss_fn
 from tests.distributed.launch import run_distributed
 from tests.distributed.test_parallel_training import STEPS, tiny_cfg
 from tests.numerics import FP64_REL, rel, single_thread
@@ -30,6 +32,7 @@ LAYOUTS_2 = {
     "tp2_sp": dict(tp=2),
     "tp2_no_sp": dict(tp=2, sequence_parallel=False),
     "tp2_sp_kv1_zero2": dict(tp=2, zero_stage=2, kv_heads=1),  # one kv head replicated on both ranks
+    "tp2_other_loss": dict(tp=2, loss="gathered"),  # a StepLoss that is not the LM loss: full logits gathered
 }
 LAYOUTS_4 = {
     "tp2_dp2": dict(tp=2),
@@ -38,8 +41,16 @@ LAYOUTS_4 = {
 }
 
 
+class GatheredLM(StepLoss):
+    """The LM loss as any other `StepLoss` (not `LMLoss`): under tp it sees the gathered full logits."""
+
+    def loss(self, logits, micro_batch):
+        return lm_loss(logits, micro_batch["labels"]), {}
+
+
 def layout_cfg(spec: dict):
     spec = dict(spec)
+    spec.pop("loss", None)
     kv_heads = spec.pop("kv_heads", None)
     cfg = tiny_cfg(fp4=True, **spec)
     cfg.fp4.scope = "experts"
@@ -60,7 +71,8 @@ def _train(rank, world_size, layouts):
         p = cfg.parallel
         mesh = ParallelMesh.build(p.pp, world_size // (p.pp * p.tp), p.ep, tp=p.tp)
         trainer = Trainer(cfg, mesh)
-        losses = [trainer.train_step()["loss"] for _ in range(STEPS)]
+        loss_fn = GatheredLM() if spec.get("loss") == "gathered" else lm_loss_fn
+        losses = [trainer.train_step_with_loss(trainer.next_micro_batches(), loss_fn)["loss"] for _ in range(STEPS)]
         offsets = {f"{n}.": m.expert_offset for n, m in trainer.model.named_modules() if hasattr(m, "expert_offset")}
         params = {}
         for n, q in trainer.model.named_parameters():
