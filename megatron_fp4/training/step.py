@@ -158,6 +158,8 @@ class TrainingStep:
         metrics = {k: v / step["calls"] for k, v in step["metrics"].items()}
         if self.tp_plan is not None:
             self.tp_plan.finish_grads()  # partial grads summed over tp, before dp/edp reduce them
+            if self.mesh.ep > 1:
+                self._agree_whole_grads_over_tp()
         self.optimizer.finish_grad_sync()  # always: the same collectives on every rank
         grad_norm = self.optimizer.grad_norm()
         lr = lr_at(self.step if schedule_step is None else schedule_step, self.cfg.optimizer, self.cfg.schedule)
@@ -183,6 +185,19 @@ class TrainingStep:
         # warm-up finished (fp4.compile=auto) are switched in (same bits; fp4/fused.py).
         adopt_compiled_fp4()
         return result
+
+    def _agree_whole_grads_over_tp(self) -> None:
+        """Under tp × ep the tp peers dispatch the same tokens to experts in batches of another
+        composition, so the gradients of weights every tp rank holds whole (routers, norms, shared
+        experts) can differ in the last bits: their mean over tp keeps the replicas the same bits."""
+        grads = [p.grad for p in self.model.parameters() if p.grad is not None
+                 and getattr(p, "tp_shard", None) is None and not getattr(p, "is_expert", False)]
+        if grads:
+            flat = torch.cat([g.reshape(-1) for g in grads])
+            dist.all_reduce(flat, group=self.mesh.group("tp"))
+            flat /= self.mesh.tp
+            for g, piece in zip(grads, flat.split([g.numel() for g in grads])):
+                g.copy_(piece.view_as(g))
 
     def _weight_cache(self):
         """The model's `Numerics.cached_weights` around one step's forward/backward, unless
