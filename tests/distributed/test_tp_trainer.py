@@ -160,3 +160,21 @@ def test_tp_is_accepted_and_etp_still_refused():
     cfg.parallel.etp = 2
     with pytest.raises(ConfigError, match="parallel.etp"):
         ParallelDims.from_config(cfg, 4)
+
+
+def _scorer_refusal(rank, world_size):
+    from megatron_fp4.parallel.mesh import ParallelMesh
+    from megatron_fp4.rl.scorer import PolicyScorer
+    from megatron_fp4.training.trainer import Trainer
+
+    trainer = Trainer(layout_cfg(dict(tp=2)), ParallelMesh.build(1, 1, 1, tp=2))
+    try:
+        PolicyScorer(trainer, 2, keep_reference=False)
+    except ValueError as err:
+        return str(err)
+    return None
+
+
+def test_rl_scoring_under_tp_is_refused_not_wrong():
+    for message in run_distributed(_scorer_refusal, 2, timeout_s=300):
+        assert message is not None and "parallel.tp=2 is not implemented yet" in message, message
