@@ -132,12 +132,25 @@ class PipelineChunk(nn.Module):
         ctx = contextlib.nullcontext() if micro_batch is None else \
             numerics_of(model).micro_batch(int(micro_batch.reshape(-1)[0]))
         with ctx:  # FP4 SR streams keyed by micro-batch (None: the caller's context)
-            h = model.embed(x) if self.is_first else x
+            h = model.embed(x) if self.is_first else _ContiguousGrad.apply(x)
             if positions is None:  # of the whole sequence (sequence parallel: h holds 1/tp of it)
                 whole = x if self.is_first else h[:, :1].expand(-1, h.shape[1] * self.seq_split, -1)
                 positions = model.default_positions(whole)
             h = model.run_layers(h, positions, attention_mask, self.layer_range, routing_in=routing_in)
             return model.head(h) if self.is_last else h.contiguous()  # p2p sends need it (a tp reduce-scatter's view)
+
+
+class _ContiguousGrad(torch.autograd.Function):
+    """Identity whose backward hands on a contiguous gradient: the p2p send of a received
+    activation's gradient needs one (tensor parallel's all-gather backward gives a strided view)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g.contiguous()
 
 
 def strip_to_local(model: nn.Module, local_layers: set[int], has_first: bool, has_last: bool) -> None:

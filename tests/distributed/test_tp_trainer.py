@@ -38,7 +38,10 @@ LAYOUTS_4 = {
     "tp2_dp2": dict(tp=2),
     "tp2_pp2": dict(tp=2, pp=2),
     "tp2_dp2_ep2": dict(tp=2, ep=2),  # an ep group of tp peers: the same tokens dispatched twice
+    # zero-bubble: the tp collectives' backward runs in the input-grad pass, weight grads deferred
+    "tp2_pp2_zero_bubble": dict(tp=2, pp=2, virtual_stages=2, schedule="interleaved_zero_bubble", layers=4),
 }
+LAYOUTS_8 = {"tp2_pp2_ep2": dict(tp=2, pp=2, ep=2)}  # docs/parallel.md's command (dp = 2)
 
 
 class GatheredLM(StepLoss):
@@ -51,11 +54,11 @@ class GatheredLM(StepLoss):
 def layout_cfg(spec: dict):
     spec = dict(spec)
     spec.pop("loss", None)
-    kv_heads = spec.pop("kv_heads", None)
+    kv_heads, layers = spec.pop("kv_heads", None), spec.pop("layers", 2)
     cfg = tiny_cfg(fp4=True, **spec)
     cfg.fp4.scope = "experts"
     m = cfg.model
-    m.num_layers, m.num_shared_experts = 2, 1
+    m.num_layers, m.num_shared_experts = layers, 1
     if kv_heads is not None:
         m.num_kv_heads = kv_heads
     return cfg
@@ -91,7 +94,7 @@ def _reference(spec: dict):
 
     cfg = layout_cfg(spec)
     p = cfg.parallel
-    p.pp, p.tp, p.ep = 1, 1, 1
+    p.pp, p.tp, p.ep, p.virtual_stages, p.schedule = 1, 1, 1, 1, "1f1b"
     with single_thread():
         trainer = Trainer(cfg)
         losses = [trainer.train_step()["loss"] for _ in range(STEPS)]
@@ -126,6 +129,16 @@ def results_2():
 @pytest.fixture(scope="module")
 def results_4():
     return run_distributed(_train, 4, (LAYOUTS_4,), timeout_s=900)
+
+
+@pytest.fixture(scope="module")
+def results_8():
+    return run_distributed(_train, 8, (LAYOUTS_8,), timeout_s=900)
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS_8))
+def test_tp2_pp2_ep2_matches_single_process(results_8, name):
+    check_layout(name, LAYOUTS_8[name], results_8)
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS_2))
