@@ -206,20 +206,23 @@ class ZeroAdamW:
     # -- gradient synchronisation -------------------------------------------------------------------
     def _make_hook(self, buf: FlatBuffer, bucket: Bucket):
         def hook(param):
-            if not self._armed:
+            if not self._armed or bucket.pending < 0:  # held: reduced in finish_grad_sync
                 return
             bucket.pending -= 1
             if bucket.pending == 0:
                 self._launch(buf, bucket)
         return hook
 
-    def prepare_grad_sync(self, num_microbatches: int) -> None:
+    def prepare_grad_sync(self, num_microbatches: int, hold=()) -> None:
         """Arm the hooks: a bucket's collective starts when each of its params has accumulated
-        `num_microbatches` gradients."""
+        `num_microbatches` gradients. Buckets holding a param of `hold` (whose grads change after
+        backward, e.g. tensor parallel's partial sums) wait for `finish_grad_sync`."""
         self._armed = True
+        held = {id(p) for p in hold}
         for buf in self.buffers:
             for b in buf.buckets:
-                b.pending, b.work = len(b.params) * num_microbatches, None
+                b.pending = -1 if any(id(p) in held for p in b.params) else len(b.params) * num_microbatches
+                b.work = None
 
     def _shard_slice(self, buf: FlatBuffer, bucket: Bucket) -> slice:
         """Where this bucket's owned slice sits in the flat shard (stage 2 grad shard)."""

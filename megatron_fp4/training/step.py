@@ -85,10 +85,8 @@ class TrainingStep:
                     self._weight_cache():
                 return self._local_forward_backward(micro_batches, loss_fn, weights, backward=False)
         self.model.set_aux_loss_scale(1.0 / n)
-        # Under tensor parallelism the partial gradients are summed over tp (`TPPlan.finish_grads`)
-        # before ZeRO reduces anything, so no bucket may start during backward.
-        if not accumulate and done == 0 and self.tp_plan is None:
-            self.optimizer.prepare_grad_sync(n)
+        if not accumulate and done == 0:
+            self.optimizer.prepare_grad_sync(n, self._grads_changed_after_backward())
         # Weights are constant until the optimizer step, so each Q(W) is derived once per step, not
         # once per micro-batch (`Numerics.cached_weights`; stochastic-rounding weights are keyed by micro-batch).
         # Non-finite FP4 operands are flagged on the device (deferred), never raised mid-step, with or
@@ -185,6 +183,17 @@ class TrainingStep:
         # warm-up finished (fp4.compile=auto) are switched in (same bits; fp4/fused.py).
         adopt_compiled_fp4()
         return result
+
+    def _grads_changed_after_backward(self) -> list:
+        """Params whose grads `apply_update` changes before ZeRO may reduce them (their buckets wait):
+        tensor parallel's partial sums and shared kv heads, and (tp × ep) the weights held whole."""
+        if self.tp_plan is None:
+            return []
+        if self.mesh.ep > 1:
+            return [p for p in self.model.parameters()
+                    if getattr(p, "tp_shard", None) is None and not getattr(p, "is_expert", False)] + \
+                [p for p, _, _ in self.tp_plan.kv_slots]
+        return list(self.tp_plan.partial_grads) + [p for p, _, _ in self.tp_plan.kv_slots]
 
     def _agree_whole_grads_over_tp(self) -> None:
         """Under tp × ep the tp peers dispatch the same tokens to experts in batches of another
