@@ -84,7 +84,8 @@ class ParallelConfig:
     pp: int = 1
     dp: int = -1  # -1: whatever the world size leaves
     ep: int = 1
-    tp: int = 1  # tensor parallel (attention, dense MLP): reserved, refused until implemented
+    tp: int = 1  # tensor parallel: attention, dense MLP, embedding/LM head (MoE layers stay whole per rank)
+    sequence_parallel: bool = True  # with tp > 1: norms/residuals on 1/tp of the sequence (Megatron's SP)
     etp: int = 1  # expert tensor parallel (a stage's dp×tp ranks refolded as edp×ep×etp): reserved
     virtual_stages: int = 1
     # gpipe | 1f1b | interleaved_1f1b | interleaved_zero_bubble (ZB1P, virtual_stages >= 2) | zbv (ZB-V,

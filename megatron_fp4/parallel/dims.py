@@ -13,13 +13,15 @@ Megatron's parallel folding: one pipeline stage's ranks are laid out twice over 
   ``ep`` ranks hold different experts of a layer (all-to-all partners), ``edp`` ranks the same
   experts (their data-parallel group), ``etp`` ranks split each expert's matrices.
 
-With ``tp = etp = 1`` (all that is implemented: tensor parallelism is refused with a clear error)
-the expert grid is the stage's dp ranks as ``edp × ep`` with ep fastest. The ``embed`` axis (pp > 1)
+With ``etp = 1`` (all that is implemented: expert tensor parallelism is refused with a clear error)
+the expert grid is the stage's dp×tp ranks as ``edp × ep`` with ep fastest: the MoE layers run whole
+on every tp rank (`parallel/tensor_parallel.py`), so an ep group may hold tp peers, which dispatch
+the same tokens; ZeRO scales expert gradients by 1/(dp·tp) accordingly (`parallel/zero.py`). The ``embed`` axis (pp > 1)
 joins the first and the last stage's ranks of one tp coordinate: they hold the two copies of tied
 embeddings (Megatron's embedding group).
 
 The checks that also stand alone (`check_chunks`, `check_v_placement`, `check_schedule_chunks`,
-`check_expert_split`, `check_gcmoe`) are what the pipeline split, the expert placement and the
+`check_expert_split`, `check_gcmoe`, `check_tensor_parallel`) are what the pipeline split, the expert placement and the
 GC-MoE dispatcher call on their own arguments, so no check is written twice.
 """
 from __future__ import annotations
@@ -84,6 +86,28 @@ def check_gcmoe(ep: int, chunk_tokens: int, ring_slots: int, transfer_sms: int =
     require(transfer_sms >= 0, "parallel.gcmoe_transfer_sms", transfer_sms, "must be >= 0 (0: no SM split)")
 
 
+def check_tensor_parallel(model, tp: int, seq_len: int, sequence_parallel: bool) -> None:
+    """What tensor parallelism over `tp` ranks demands of the model: whole heads per rank (kv heads
+    split, or each replicated over ``tp / num_kv_heads`` ranks), the vocabulary and the dense MLP
+    split evenly, and (sequence parallel) the sequence too."""
+    require(model.num_heads % tp == 0, "model.num_heads", model.num_heads,
+            f"must be a multiple of parallel.tp={tp}: every tensor-parallel rank needs whole attention heads; "
+            f"choose tp dividing num_heads")
+    require(model.num_kv_heads % tp == 0 or tp % model.num_kv_heads == 0, "model.num_kv_heads", model.num_kv_heads,
+            f"must divide or be divided by parallel.tp={tp}: kv heads are split over the ranks or each "
+            f"replicated over tp/num_kv_heads of them; choose tp a divisor or a multiple of num_kv_heads")
+    require(model.vocab_size % tp == 0, "model.vocab_size", model.vocab_size,
+            f"must be a multiple of parallel.tp={tp}: the embedding and LM head are split along the vocabulary; "
+            f"pad the vocabulary to a multiple of tp")
+    if model.dense_layers:
+        require(model.dense_ffn_hidden_size % tp == 0, "model.dense_ffn_hidden_size", model.dense_ffn_hidden_size,
+                f"must be a multiple of parallel.tp={tp}: the dense MLP is split along its hidden size")
+    if sequence_parallel:
+        require(seq_len % tp == 0, "schedule.seq_len", seq_len,
+                f"must be a multiple of parallel.tp={tp}: sequence parallel gives each rank 1/tp of the sequence; "
+                f"change seq_len or set parallel.sequence_parallel=false")
+
+
 def resolve_dp(cfg, world_size: int) -> int:
     """Data-parallel size: explicit, or what the world leaves after pp and tp."""
     return ParallelDims.from_parallel(cfg.parallel, world_size).dp
@@ -118,7 +142,6 @@ class ParallelDims:
         demands of the model (experts, layers), the batch and the pipeline schedule."""
         for axis in ("pp", "tp", "ep", "etp"):
             require(getattr(self, axis) >= 1, f"parallel.{axis}", getattr(self, axis), "must be >= 1")
-        require(self.tp == 1, "parallel.tp", self.tp, "tensor parallelism is not implemented yet; use tp=1")
         require(self.etp == 1, "parallel.etp", self.etp, "expert tensor parallelism is not implemented yet; use etp=1")
         require(self.dp == -1 or self.dp >= 1, "parallel.dp", self.dp,
                 "must be >= 1, or -1 to infer it from the world size")
@@ -126,6 +149,8 @@ class ParallelDims:
         if self.world_size == 1 and (self.pp > 1 or self.ep > 1):
             raise ConfigError(f"parallel.pp={self.pp}, parallel.ep={self.ep}: pp/ep > 1 need several processes: "
                               f"launch with torchrun (see the README) or set them to 1")
+        require(self.world_size > 1 or self.tp == 1, "parallel.tp", self.tp,
+                "tensor parallelism needs several processes: launch with torchrun (see docs/parallel.md) or set tp=1")
         dims = self if self.dp != -1 else dataclasses.replace(self, dp=self._inferred_dp())
         require(dims.pp * dims.dp * dims.tp == self.world_size, "parallel.dp", self.dp,
                 f"dp×pp×tp = {dims.dp}×{dims.pp}×{dims.tp} must equal the world size {self.world_size}; "
@@ -160,6 +185,8 @@ class ParallelDims:
                     f"multiple of pp={self.pp}; adjust global_batch_size or micro_batch_size")
         require(self.pp > 1 or p.virtual_stages == 1, "parallel.virtual_stages", p.virtual_stages,
                 "model chunks are pipeline stages: virtual_stages > 1 needs parallel.pp > 1 (or set it to 1)")
+        if self.tp > 1:
+            check_tensor_parallel(m, self.tp, s.seq_len, getattr(p, "sequence_parallel", False))
         check_gcmoe(self.ep if p.expert_dispatcher == "gcmoe" else 1, p.gcmoe_chunk_tokens, p.gcmoe_ring_slots,
                     p.gcmoe_transfer_sms)
 

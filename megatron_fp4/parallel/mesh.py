@@ -97,6 +97,7 @@ class ParallelMesh:
     etp: int = 1
     device_mesh: Optional[object] = None  # DeviceMesh over DENSE_AXES (None when single process)
     expert_mesh: Optional[object] = None  # DeviceMesh over this stage's edp × ep × etp
+    tp_meshes: dict = field(default_factory=dict)  # replicas -> the tp axis as a DeviceMesh (`tp_device_mesh`)
 
     @property
     def dims(self) -> ParallelDims:
@@ -202,6 +203,17 @@ class ParallelMesh:
             group = self.new_group(ranks)
             if self.rank in ranks:
                 self.groups["embed"], self.ranks["embed"] = group, ranks
+
+    def tp_device_mesh(self, replicas: int = 1):
+        """The tp axis as a DeviceMesh (DTensor views of tp shards, e.g. in checkpoints); with
+        `replicas` > 1 unflattened as (tp / replicas) shards × replicas (a kv head several ranks
+        share). Collective the first time for each `replicas` (every rank, same order); cached."""
+        if replicas not in self.tp_meshes:
+            tp = self.device_mesh["tp"]
+            self.tp_meshes[replicas] = tp if replicas == 1 else tp._unflatten(
+                0, (self.tp // replicas, replicas), ("tp_shard", "tp_replica"),
+                backend_override=dict.fromkeys(("tp_shard", "tp_replica"), self._group_options()))
+        return self.tp_meshes[replicas]
 
     def _group_options(self):
         """Backend options carrying the mesh's timeout (DeviceMesh passes them to every group)."""

@@ -113,6 +113,7 @@ class PipelineChunk(nn.Module):
     def __init__(self, model: nn.Module, layers: range, is_first: bool, is_last: bool):
         super().__init__()
         self.layer_range, self.is_first, self.is_last = layers, is_first, is_last
+        self.seq_split = 1  # tensor ranks the sequence is split over between layers (sequence parallel)
         # The last chunk registers the embedding too when it is the tied head's weight.
         self.embed_tokens = model.embed_tokens if is_first or (is_last and model.lm_head is None) else None
         self.layers = nn.ModuleList([model.layers[i] for i in layers])
@@ -131,11 +132,25 @@ class PipelineChunk(nn.Module):
         ctx = contextlib.nullcontext() if micro_batch is None else \
             numerics_of(model).micro_batch(int(micro_batch.reshape(-1)[0]))
         with ctx:  # FP4 SR streams keyed by micro-batch (None: the caller's context)
-            h = model.embed(x) if self.is_first else x
-            if positions is None:
-                positions = model.default_positions(h)
+            h = model.embed(x) if self.is_first else _ContiguousGrad.apply(x)
+            if positions is None:  # of the whole sequence (sequence parallel: h holds 1/tp of it)
+                whole = x if self.is_first else h[:, :1].expand(-1, h.shape[1] * self.seq_split, -1)
+                positions = model.default_positions(whole)
             h = model.run_layers(h, positions, attention_mask, self.layer_range, routing_in=routing_in)
-            return model.head(h) if self.is_last else h
+            return model.head(h) if self.is_last else h.contiguous()  # p2p sends need it (a tp reduce-scatter's view)
+
+
+class _ContiguousGrad(torch.autograd.Function):
+    """Identity whose backward hands on a contiguous gradient: the p2p send of a received
+    activation's gradient needs one (tensor parallel's all-gather backward gives a strided view)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g.contiguous()
 
 
 def strip_to_local(model: nn.Module, local_layers: set[int], has_first: bool, has_last: bool) -> None:
@@ -241,8 +256,17 @@ class PipelineRunner:
         self.has_first = any(chunk.is_first for _, chunk in self.chunks)
         self.has_last = any(chunk.is_last for _, chunk in self.chunks)
         self._built: dict = {}
+        self.tp, self.seq_split = 1, 1  # `set_tensor_parallel`
         self.stages = self.schedule = None
         self._step_loss, self._batch, self._metrics = None, [], {}
+
+    def set_tensor_parallel(self, tp: int, sequence_parallel: bool) -> None:
+        """The stages' model is cut over `tp` ranks (`parallel/tensor_parallel.py`): the p2p
+        activations are [B, S/tp, H] under sequence parallel, the last stage's logits [B, S, V/tp]."""
+        self.tp, self.seq_split = tp, tp if sequence_parallel else 1
+        for _, chunk in self.chunks:
+            chunk.seq_split = self.seq_split
+        self._built.clear()
 
     def prepare(self, num_microbatches: int, micro_batch_shape: tuple[int, int]) -> None:
         """Build (or reuse) the stages and schedule for this micro-batch count and [batch, seq] shape."""
@@ -258,9 +282,9 @@ class PipelineRunner:
         # stage on uninitialised inputs, which FP4's non-finite-input check rightly refuses.
         mbs, seq_len = micro_batch_shape
         dtype = next(model.parameters()).dtype
-        hidden = torch.zeros(mbs, seq_len, model.cfg.hidden_size, dtype=dtype, device=mesh.device)
+        hidden = torch.zeros(mbs, seq_len // self.seq_split, model.cfg.hidden_size, dtype=dtype, device=mesh.device)
         tokens = torch.zeros(mbs, seq_len, dtype=torch.long, device=mesh.device)
-        logits = torch.zeros(mbs, seq_len, model.cfg.vocab_size, dtype=dtype, device=mesh.device)
+        logits = torch.zeros(mbs, seq_len, model.cfg.vocab_size // self.tp, dtype=dtype, device=mesh.device)
         hidden_in = hidden.clone().requires_grad_()  # received activations need their gradient
         stages = [MicroBatchStage(chunk, c, self.num_stages, mesh.device, group=self.group,
                                 input_args=(tokens if chunk.is_first else hidden_in,),

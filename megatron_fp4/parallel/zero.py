@@ -33,7 +33,8 @@ the hooks did not launch, so correctness never depends on the hooks).
 
 Gradient norm: squares of the owned slices, all-reduced over dp then pp. Owned slices are disjoint
 across dp (ordinary params) and across edp×ep = dp (expert params), and stages are disjoint across
-pp, so nothing is counted twice.
+pp, so nothing is counted twice. With tensor parallelism (`_tp_sq_sum`) the tp shards are summed
+over tp first and the parameters every tp rank holds whole counted once.
 """
 from __future__ import annotations
 
@@ -135,6 +136,13 @@ class FlatBuffer:
         return out
 
 
+def mark_tp_replicas(plan) -> None:
+    """Mark the kv-head weights that `tp_replicas` tensor-parallel ranks hold as the same shard
+    (fewer kv heads than ranks), so the gradient norm counts each once."""
+    for p, rows, _ in plan.kv_slots:
+        p.tp_replicas = plan.size * p.shape[0] // rows
+
+
 class ZeroAdamW:
     """AdamW with fp32 master weights and optimizer state sharded over each buffer's group."""
 
@@ -198,20 +206,23 @@ class ZeroAdamW:
     # -- gradient synchronisation -------------------------------------------------------------------
     def _make_hook(self, buf: FlatBuffer, bucket: Bucket):
         def hook(param):
-            if not self._armed:
+            if not self._armed or bucket.pending < 0:  # held: reduced in finish_grad_sync
                 return
             bucket.pending -= 1
             if bucket.pending == 0:
                 self._launch(buf, bucket)
         return hook
 
-    def prepare_grad_sync(self, num_microbatches: int) -> None:
+    def prepare_grad_sync(self, num_microbatches: int, hold=()) -> None:
         """Arm the hooks: a bucket's collective starts when each of its params has accumulated
-        `num_microbatches` gradients."""
+        `num_microbatches` gradients. Buckets holding a param of `hold` (whose grads change after
+        backward, e.g. tensor parallel's partial sums) wait for `finish_grad_sync`."""
         self._armed = True
+        held = {id(p) for p in hold}
         for buf in self.buffers:
             for b in buf.buckets:
-                b.pending, b.work = len(b.params) * num_microbatches, None
+                b.pending = -1 if any(id(p) in held for p in b.params) else len(b.params) * num_microbatches
+                b.work = None
 
     def _shard_slice(self, buf: FlatBuffer, bucket: Bucket) -> slice:
         """Where this bucket's owned slice sits in the flat shard (stage 2 grad shard)."""
@@ -246,7 +257,12 @@ class ZeroAdamW:
             # SUM → mean over all dp ranks' micro-batches. 1/dp also for expert buffers reduced over
             # edp = dp/ep: their grads already hold the tokens of the ep peers (through the all-to-all
             # backward), so edp × ep = dp ranks' contributions are in the sum (Megatron's scaling).
+            # Tensor parallel: the MoE layers run whole on every tp rank with the same tokens, so an
+            # expert buffer reduced over edp (a stage's dp×tp ranks / ep) holds tp copies of each
+            # dp rank's contribution: 1/(dp·tp) for it.
             num_replicas = self.mesh.dp if self.mesh.world_size > 1 else 1
+            if buf.axis == "edp" and self.mesh.world_size > 1:
+                num_replicas *= self.mesh.tp // self.mesh.etp
             if num_replicas > 1:
                 (self.grad_shards[k] if self.zero_stage == 2 else buf.grad).mul_(1.0 / num_replicas)
         self._armed = False
@@ -272,7 +288,9 @@ class ZeroAdamW:
         """Global L2 norm over every shard and every pipeline stage; inf/nan propagate."""
         wide = max((wide_dtype(b.data.dtype) for b in self.buffers), key=lambda d: d.itemsize, default=torch.float32)
         sq = torch.zeros((), dtype=wide, device=self.mesh.device)
-        for k, buf in enumerate(self.buffers):
+        if self.mesh.tp > 1:
+            sq = self._tp_sq_sum(wide)
+        for k, buf in enumerate(self.buffers if self.mesh.tp == 1 else ()):
             if self.zero_stage == 2:
                 sq += self.grad_shards[k].to(wide).pow(2).sum()
             else:
@@ -283,6 +301,26 @@ class ZeroAdamW:
                 if self.mesh.size(axis) > 1:
                     dist.all_reduce(sq, group=self.mesh.group(axis))
         return float(sq.sqrt())
+
+    def _tp_sq_sum(self, wide) -> torch.Tensor:
+        """Σ grad² of this stage's dp×tp ranks' owned slices, each distinct element once: tp shards
+        (``tp_shard``, a replicated kv head weighted 1/``tp_replicas``) and expert buffers (ep > 1)
+        summed over tp; parameters every tp rank holds whole (equal grads) counted once."""
+        split = torch.zeros((), dtype=wide, device=self.mesh.device)
+        whole = torch.zeros((), dtype=wide, device=self.mesh.device)
+        for k, buf in enumerate(self.buffers):
+            flat = self.grad_shards[k] if self.zero_stage == 2 else buf.gather_ranges(buf.grad, buf.owned)
+            if buf.axis == "edp":  # a stage's dp×tp ranks refolded as edp×ep: every owned slice distinct
+                split += flat.to(wide).pow(2).sum()
+                continue
+            for i, lo, hi, pos in buf.pieces(buf.owned):
+                p, piece = buf.params[i], flat[pos:pos + hi - lo].to(wide).pow(2).sum()
+                if getattr(p, "tp_shard", None) is None:
+                    whole += piece
+                else:
+                    split += piece / getattr(p, "tp_replicas", 1)
+        dist.all_reduce(split, group=self.mesh.group("tp"))
+        return split + whole
 
     @torch.no_grad()
     def step(self, lr: float, clip_coef: float = 1.0) -> None:

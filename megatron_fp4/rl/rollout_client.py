@@ -102,7 +102,7 @@ class RemoteRollout:
             self.transport = DistributedTransport(self.weights, src=0, name=name)
             transports = [self.transport]
         self.publisher = ShardedWeightPublisher(lambda: local_hf_state_dict(trainer.model), self.mesh, transports,
-                                                bucket_bytes, self.timeout_s)
+                                                bucket_bytes, self.timeout_s, model=trainer.model)
 
     def _join(self, build):
         """`build()` (the groups' join, which blocks until the rollout process joins), failing fast

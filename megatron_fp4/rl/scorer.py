@@ -107,6 +107,9 @@ class PolicyScorer:
     None: on, as the rollout engine decodes by default); the pipeline always scores in it."""
 
     def __init__(self, trainer, micro_batch_size: int, keep_reference: bool, batch_invariant: Optional[bool] = None):
+        if trainer.mesh.tp > 1:  # its forward would read this rank's vocabulary slice as the whole
+            raise ValueError(f"RL scoring (old/reference log-probs) with parallel.tp={trainer.mesh.tp} is not "
+                             "implemented yet: the logits are split along the vocabulary; use parallel.tp=1 for RL")
         self.trainer, self.micro_batch_size = trainer, int(micro_batch_size)
         self.batch_invariant = batch_invariant
         self.reference = ({n: p.detach().clone() for n, p in trainer.model.named_parameters()}

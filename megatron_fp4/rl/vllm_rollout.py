@@ -54,7 +54,7 @@ def hf_publisher(trainer, mesh, transports: list, bucket_bytes: int, timeout_s: 
     else one `WeightPublisher`; `transports` on rank 0 only."""
     named = lambda: local_hf_state_dict(trainer.model)  # noqa: E731
     if mesh.is_distributed:
-        return ShardedWeightPublisher(named, mesh, transports, bucket_bytes, timeout_s)
+        return ShardedWeightPublisher(named, mesh, transports, bucket_bytes, timeout_s, model=trainer.model)
     return WeightPublisher(lambda: named().items(), transports, bucket_bytes, timeout_s)
 
 

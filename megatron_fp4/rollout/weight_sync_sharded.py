@@ -4,7 +4,9 @@
                                        transports if rank == 0 else [], bucket_bytes=4 << 20)
     handle = publisher.publish(version)     # every trainer rank calls it (collective)
 
-No rank ever holds the whole model. Every trainer rank calls `publish` with the same version:
+No rank ever holds the whole model (under tensor parallelism a stage's tp ranks all-gather its
+cut weights whole at the snapshot, `full_tp_tensors`; the lowest one owns and sends them). Every
+trainer rank calls `publish` with the same version:
 
 1. *snapshot* (the first completion point, on every rank): a rank copies the tensors it *owns* —
    of its local tensors, those no lower rank also holds (dp and expert-dp replicas send once) —
@@ -48,6 +50,26 @@ def agree_on_owners(local: dict, group) -> tuple[dict, dict]:
             if name not in manifest:
                 manifest[name], owners[name] = spec, rank
     return manifest, owners
+
+
+def full_tp_tensors(named: dict, model, mesh) -> dict:
+    """`named` with every tensor-parallel shard (a view of a parameter of `model` that carries
+    ``tp_shard``) replaced by the whole tensor, all-gathered over this rank's tp group (collective
+    over it: the tp ranks of a stage list the same names in the same order). A kv head several
+    ranks share (``tp_replicas``) is taken once."""
+    if mesh.tp == 1:
+        return named
+    shards = {(p.data_ptr(), tuple(p.shape)): p for p in model.parameters() if getattr(p, "tp_shard", None) is not None}
+    out = {}
+    for name, t in named.items():
+        p = shards.get((t.data_ptr(), tuple(t.shape)))
+        if p is None:
+            out[name] = t
+            continue
+        parts = [torch.empty_like(t) for _ in range(mesh.tp)]
+        dist.all_gather(parts, t.contiguous(), group=mesh.group("tp"))
+        out[name] = torch.cat(parts[::getattr(p, "tp_replicas", 1)], dim=p.tp_shard[0])
+    return out
 
 
 class _GatheredBuckets:
@@ -102,8 +124,14 @@ class ShardedWeightPublisher(WeightPublisher):
     are given on the source rank only. Collective at construction and at every `publish`."""
 
     def __init__(self, local_named: Callable[[], dict], mesh, transports: Sequence = (), bucket_bytes: int = 4 << 20,
-                 timeout_s: float = 600.0, src: int = 0):
+                 timeout_s: float = 600.0, src: int = 0, model=None):
         self.mesh, self.src = mesh, src
+        if mesh.tp > 1:  # tp shards are published whole (`full_tp_tensors`): which tensors they are
+            if model is None:
+                raise ValueError("ShardedWeightPublisher under parallel.tp > 1 needs model= (the trainer's model, "
+                                 "whose tensor-parallel shards local_named() returns) to publish them whole")
+            sharded_named = local_named
+            local_named = lambda: full_tp_tensors(sharded_named(), model, mesh)  # noqa: E731
         self.group = mesh.new_group(list(range(mesh.world_size)))  # the gather's own group (a thread uses it)
         self.me = dist.get_rank(self.group)
         self.is_src = self.me == src

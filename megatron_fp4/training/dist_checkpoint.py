@@ -6,6 +6,7 @@ into any pp / dp (and ZeRO stage) layout:
 
 - ``model/<param name>``: the full parameter (replicated across dp; DCP writes it once). Expert
   weights under expert parallelism are stored per global expert, ``model/<name>/expert<e>``;
+  tensor-parallel shards as DTensor chunks of the global weight (`dcp_tp.py`: they reshard across tp);
 - ``optim/<param name>/<master|exp_avg|exp_avg_sq>/<offset>``: the part of that parameter's
   (flattened, fp32) AdamW state a rank holds, starting at element ``offset`` of the *global*
   parameter. Each rank writes only its own ZeRO shard — nothing is gathered on save — and on load
@@ -35,6 +36,7 @@ from megatron_fp4.training import checkpoint as ckpt
 from megatron_fp4.training import checkpoint_files as files
 from megatron_fp4.training.dcp_checks import check_declared_bytes, check_declared_shapes, model_key_shapes
 from megatron_fp4.training.dcp_metadata import METADATA_FILE, SafeFileSystemReader
+from megatron_fp4.training.dcp_tp import check_tp_layout, optim_name, tp_entry, tp_replicas_needed
 
 KINDS = ("master", "exp_avg", "exp_avg_sq")
 _OPTIM_KEY = re.compile(r"^optim/(?P<name>.+)/(?P<kind>master|exp_avg|exp_avg_sq)/(?P<offset>\d+)$")
@@ -104,8 +106,10 @@ def _global_offset(param, info: dict) -> int:
     return offset * (param.numel() // local) if local else 0
 
 
-def _model_entries(model, ep: int) -> dict:
-    info = _expert_info(model) if ep > 1 else {}
+def _model_entries(model, mesh) -> dict:
+    info = _expert_info(model) if mesh.ep > 1 else {}
+    for replicas in tp_replicas_needed(model.cfg, mesh.tp):  # collective: every rank, same order
+        mesh.tp_device_mesh(replicas)
     out = {}
     for name, p in model.named_parameters():
         if id(p) in info:
@@ -113,7 +117,7 @@ def _model_entries(model, ep: int) -> dict:
             for e in range(p.shape[0]):
                 out[f"model/{name}/expert{offset + e}"] = p.data[e]
         else:
-            out[f"model/{name}"] = p.data
+            out[f"model/{name}"] = tp_entry(p, mesh)
     for name, b in model.named_buffers():  # aux-loss-free balancing's router bias (replicated, like the router)
         if name.endswith(".mlp.router.expert_bias"):
             out[f"model/{name}"] = b
@@ -131,7 +135,8 @@ def _optim_entries(trainer) -> dict:
             start = _state_index(buf, buf.offsets[i] + lo)
             for kind in KINDS:
                 piece = state[kind][start:start + hi - lo]
-                out[f"optim/{buf.names[i]}/{kind}/{_global_offset(buf.params[i], info) + lo}"] = piece.clone()
+                stem = optim_name(buf.names[i], buf.params[i], trainer.mesh)
+                out[f"optim/{stem}/{kind}/{_global_offset(buf.params[i], info) + lo}"] = piece.clone()
     return out
 
 
@@ -161,7 +166,7 @@ def save(root: str | Path, trainer) -> Path:
     tmp = root / tmp_name
     _barrier(group)
     fresh = not trainer.optimizer.buffers or trainer.optimizer.adam_state(0)["step"] == 0  # masters == params
-    state = {**_model_entries(trainer.model, trainer.mesh.ep), **({} if fresh else _optim_entries(trainer)),
+    state = {**_model_entries(trainer.model, trainer.mesh), **({} if fresh else _optim_entries(trainer)),
              f"rng/{_rank()}": torch.get_rng_state()}
     try:
         dcp.save(state, storage_writer=_Writer(str(tmp)), no_dist=not _is_dist())
@@ -175,7 +180,7 @@ def save(root: str | Path, trainer) -> Path:
         meta = {"format_version": ckpt.FORMAT_VERSION, "step": trainer.step, "kind": "dcp",
                 "adam_step": trainer.optimizer.adam_state(0)["step"] if trainer.optimizer.buffers else 0.0,
                 "sampler": trainer.sampler.state_dict() if trainer.sampler else None,
-                "layout": {"pp": trainer.mesh.pp, "dp": trainer.mesh.dp, "ep": trainer.mesh.ep,
+                "layout": {"pp": trainer.mesh.pp, "dp": trainer.mesh.dp, "ep": trainer.mesh.ep, "tp": trainer.mesh.tp,
                            "virtual_stages": p.virtual_stages, "zero_stage": p.zero_stage},
                 "config": trainer.cfg.to_dict()}
         try:
@@ -261,7 +266,9 @@ def _load_step(step_dir: Path, trainer) -> dict:
     metadata = SafeFileSystemReader(str(step_dir)).read_metadata()
     check_declared_bytes(metadata, step_dir)  # before allocating the saved pieces
     saved = _saved_pieces(metadata)
-    request = _model_entries(trainer.model, trainer.mesh.ep)
+    has_state = meta.get("adam_step", 0) > 0
+    check_tp_layout(meta, trainer.mesh, has_state, step_dir)
+    request = _model_entries(trainer.model, trainer.mesh)
     missing = [k for k in request if k not in metadata.state_dict_metadata]
     if missing:
         raise ckpt.CheckpointError(f"{step_dir} lacks {len(missing)} parameter(s), e.g. {missing[:3]}; it was "
@@ -272,11 +279,10 @@ def _load_step(step_dir: Path, trainer) -> dict:
     if rng_key in metadata.state_dict_metadata:
         request[rng_key] = torch.empty_like(torch.get_rng_state())
     opt, info = trainer.optimizer, _expert_info(trainer.model)
-    has_state = meta.get("adam_step", 0) > 0
     plans = []  # (buffer k, kind, dst in flat state, key, src in saved piece, numel)
     for k, buf in enumerate(opt.buffers):
         for i, lo, hi, state_pos in buf.pieces():
-            name, goff = buf.names[i], _global_offset(buf.params[i], info)
+            name, goff = optim_name(buf.names[i], buf.params[i], trainer.mesh), _global_offset(buf.params[i], info)
             for kind in KINDS if has_state else ():
                 for off, numel, key in saved.get((name, kind), []):
                     a, b = max(goff + lo, off), min(goff + hi, off + numel)

@@ -243,6 +243,9 @@ def plan_memory(cfg: Config, world_size: int, weight_cache: bool = True) -> list
     cfg.validate()
     p, s = cfg.parallel, cfg.schedule
     dp = ParallelDims.from_config(cfg, world_size).dp  # every layout check
+    if p.tp > 1:
+        raise ConfigError(f"parallel.tp={p.tp}: the memory planner does not model tensor parallelism yet; "
+                          f"plan the layout with parallel.tp=1")
     num_mb = s.global_batch_size // (s.micro_batch_size * dp)
     ranges = split_layers(cfg.model.num_layers, p.pp, p.virtual_stages)
     style = PLACEMENT.get(p.schedule, "loop")

@@ -29,13 +29,14 @@ from megatron_fp4.fp4.fused import adopt_ready as adopt_compiled_fp4
 from megatron_fp4.model.moe import update_expert_bias
 from megatron_fp4.training.nonfinite import NonFiniteError, all_finite
 from megatron_fp4.training.optim import clip_coefficient, lr_at
-from megatron_fp4.training.step_loss import LossFn, lm_loss_fn, require_step_loss
+from megatron_fp4.training.step_loss import LossFn, lm_loss_fn, require_step_loss, tensor_parallel_loss
 
 
 class TrainingStep:
     """The step methods of `Trainer` (which provides model, optimizer, mesh, gate, pipeline, cfg, step)."""
 
     _open_step: Optional[dict] = None  # what the forward_backward calls of the open step accumulated
+    tp_plan = None  # the model's `TPPlan` under tensor parallelism (parallel/tensor_parallel.py)
 
     def train_step_with_loss(self, micro_batches: list[dict], loss_fn: LossFn = lm_loss_fn) -> dict:
         """`forward_backward` over the micro-batches, then `apply_update`."""
@@ -65,6 +66,7 @@ class TrainingStep:
         n = len(micro_batches)
         if n == 0:
             raise ValueError("forward_backward: no micro-batches")
+        loss_fn = tensor_parallel_loss(loss_fn, self.tp_plan)
         if weights is not None and (len(weights) != n or self.pipeline is not None):
             raise ValueError(f"forward_backward: weights ({len(weights)}) need one per micro-batch ({n}) and "
                              f"parallel.pp=1 (the pipeline weights its micro-batches 1/n)")
@@ -84,7 +86,7 @@ class TrainingStep:
                 return self._local_forward_backward(micro_batches, loss_fn, weights, backward=False)
         self.model.set_aux_loss_scale(1.0 / n)
         if not accumulate and done == 0:
-            self.optimizer.prepare_grad_sync(n)
+            self.optimizer.prepare_grad_sync(n, self._grads_changed_after_backward())
         # Weights are constant until the optimizer step, so each Q(W) is derived once per step, not
         # once per micro-batch (`Numerics.cached_weights`; stochastic-rounding weights are keyed by micro-batch).
         # Non-finite FP4 operands are flagged on the device (deferred), never raised mid-step, with or
@@ -152,6 +154,10 @@ class TrainingStep:
         self._open_step = None
         loss = step["loss"] / step["calls"]
         metrics = {k: v / step["calls"] for k, v in step["metrics"].items()}
+        if self.tp_plan is not None:
+            self.tp_plan.finish_grads()  # partial grads summed over tp, before dp/edp reduce them
+            if self.mesh.ep > 1:
+                self._agree_whole_grads_over_tp()
         self.optimizer.finish_grad_sync()  # always: the same collectives on every rank
         grad_norm = self.optimizer.grad_norm()
         lr = lr_at(self.step if schedule_step is None else schedule_step, self.cfg.optimizer, self.cfg.schedule)
@@ -177,6 +183,30 @@ class TrainingStep:
         # warm-up finished (fp4.compile=auto) are switched in (same bits; fp4/fused.py).
         adopt_compiled_fp4()
         return result
+
+    def _grads_changed_after_backward(self) -> list:
+        """Params whose grads `apply_update` changes before ZeRO may reduce them (their buckets wait):
+        tensor parallel's partial sums and shared kv heads, and (tp × ep) the weights held whole."""
+        if self.tp_plan is None:
+            return []
+        if self.mesh.ep > 1:
+            return [p for p in self.model.parameters()
+                    if getattr(p, "tp_shard", None) is None and not getattr(p, "is_expert", False)] + \
+                [p for p, _, _ in self.tp_plan.kv_slots]
+        return list(self.tp_plan.partial_grads) + [p for p, _, _ in self.tp_plan.kv_slots]
+
+    def _agree_whole_grads_over_tp(self) -> None:
+        """Under tp × ep the tp peers dispatch the same tokens to experts in batches of another
+        composition, so the gradients of weights every tp rank holds whole (routers, norms, shared
+        experts) can differ in the last bits: their mean over tp keeps the replicas the same bits."""
+        grads = [p.grad for p in self.model.parameters() if p.grad is not None
+                 and getattr(p, "tp_shard", None) is None and not getattr(p, "is_expert", False)]
+        if grads:
+            flat = torch.cat([g.reshape(-1) for g in grads])
+            dist.all_reduce(flat, group=self.mesh.group("tp"))
+            flat /= self.mesh.tp
+            for g, piece in zip(grads, flat.split([g.numel() for g in grads])):
+                g.copy_(piece.view_as(g))
 
     def _weight_cache(self):
         """The model's `Numerics.cached_weights` around one step's forward/backward, unless

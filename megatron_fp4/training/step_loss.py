@@ -23,6 +23,7 @@ from typing import Callable, Union
 import torch
 
 from megatron_fp4.model import lm_loss
+from megatron_fp4.parallel.tp_comm import gather_whole
 
 
 class StepLoss:
@@ -54,3 +55,32 @@ def require_step_loss(loss_fn: LossFn) -> StepLoss:
                          f"megatron_fp4.training.step_loss.StepLoss (model_inputs(mb) and loss(logits, mb)), not "
                          f"{type(loss_fn).__name__}; see lm_loss_fn and rl.policy_loss.PolicyLoss")
     return loss_fn
+
+
+class TensorParallelLoss(StepLoss):
+    """`inner` on logits split along the vocabulary over the tensor-parallel ranks (`TPPlan`): the
+    LM loss as vocab-parallel cross entropy (`TPPlan.loss`, never the full logits), any other
+    `StepLoss` on the full logits all-gathered with a gradient path (each rank's loss is the same,
+    so the gradient of its slice is its chunk of the full logits' gradient)."""
+
+    def __init__(self, inner: StepLoss, plan):
+        self.inner, self.plan = inner, plan
+
+    def model_inputs(self, micro_batch):
+        return self.inner.model_inputs(micro_batch)
+
+    def loss(self, logits, micro_batch):
+        if type(self.inner) is LMLoss:
+            return self.plan.loss(logits, micro_batch["labels"]), {}
+        return self.inner.loss(gather_whole(logits, self.plan.group, logits.dim() - 1), micro_batch)
+
+
+def tensor_parallel_loss(loss_fn: LossFn, plan) -> LossFn:
+    """`loss_fn` for a tensor-parallel model (`plan`: its `TPPlan`; None: `loss_fn` itself)."""
+    if plan is None:
+        return loss_fn
+    if not isinstance(loss_fn, StepLoss):
+        raise ValueError(f"with parallel.tp > 1 the model's logits are split along the vocabulary, so the loss must "
+                         f"be a megatron_fp4.training.step_loss.StepLoss (model_inputs(mb) and loss(logits, mb)), "
+                         f"not {type(loss_fn).__name__}; see lm_loss_fn and rl.policy_loss.PolicyLoss")
+    return TensorParallelLoss(loss_fn, plan)

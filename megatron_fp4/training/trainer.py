@@ -7,7 +7,8 @@ logging, checkpoints (DCP at every size, `training/dist_checkpoint.py`).
     history = trainer.train()
 
 A single process is a mesh of size 1. The layout only changes how the model is cut (pipeline
-chunks with global parameter names, local experts) and what one forward/backward is: with
+chunks with global parameter names, local experts, tensor-parallel shards: `parallel.tp`, the LM
+loss then vocab-parallel) and what one forward/backward is: with
 ``pp > 1`` the pipeline schedule runs the model's own forward pieces and the step's loss on the
 last stage. Every rank builds only its part of the model (on the meta device, then materialised), each
 parameter and expert drawn from its own seeded stream, so every layout starts from the
@@ -39,7 +40,8 @@ from megatron_fp4.model.specs import numerics_from_config
 from megatron_fp4.parallel.expert_parallel import apply_expert_parallel
 from megatron_fp4.parallel.mesh import ParallelDims, ParallelMesh, world_size_from_env
 from megatron_fp4.parallel.pipeline import PipelineRunner
-from megatron_fp4.parallel.zero import ZeroAdamW
+from megatron_fp4.parallel.tensor_parallel import parallelize_tp
+from megatron_fp4.parallel.zero import ZeroAdamW, mark_tp_replicas
 from megatron_fp4.training import checkpoint as ckpt
 from megatron_fp4.training import dist_checkpoint as dcp_ckpt
 from megatron_fp4.training.data import ResumableSampler, build_dataset, get_batch
@@ -95,8 +97,11 @@ class Trainer(TrainingStep):
         The model is constructed on the meta device, cut to this rank's experts and pipeline
         chunks, and only then materialised and initialised (`model.materialize`: each parameter
         and each expert from its own seeded stream), so a rank never allocates what it does not
-        own and every shard equals the same slice of the single-process model bit for bit. Then
-        the dtype of the config and the training-side FP4 mode."""
+        own and every shard equals the same slice of the single-process model bit for bit.
+        Tensor parallelism (`parallelize_tp`) cuts the stage's dense weights after that: each tp
+        rank briefly holds its stage's whole dense weights (not the experts, cut before), and its
+        shards are the single process's slices by construction. Then the dtype of the config and
+        the training-side FP4 mode."""
         cfg, mesh, p = self.cfg, self.mesh, self.cfg.parallel
         with torch.device("meta"):
             model = MoETransformer(cfg.model, cfg.fp4, numerics_from_config(cfg, "train"))
@@ -105,6 +110,12 @@ class Trainer(TrainingStep):
                                   transfer_sms=p.gcmoe_transfer_sms, ring_slots=p.gcmoe_ring_slots)
         pipeline = PipelineRunner(model, mesh, p.schedule, p.virtual_stages) if mesh.pp > 1 else None
         materialize(model, self.device, cfg.schedule.seed)
+        self.tp_plan = None
+        if mesh.tp > 1:  # cut after init: each shard is then the single process's slice by construction
+            self.tp_plan = parallelize_tp(model, mesh.group("tp"), sequence_parallel=p.sequence_parallel)
+            mark_tp_replicas(self.tp_plan)
+            if pipeline is not None:
+                pipeline.set_tensor_parallel(mesh.tp, p.sequence_parallel)
         if cfg.dtype == "bf16" and self.device.type == "cpu":
             model.to(torch.bfloat16)
         elif cfg.dtype == "fp64":  # FP4 operands are still quantized from fp32, as defined
