@@ -7,9 +7,9 @@
   of the trainer's `Attention` module run as one left-padded full forward (how the trainer scores).
   Bitwise by construction: both call `invariant.attention`, whose sums run in trees fixed by key
   position (tests/unit/test_batch_invariant.py checks that op), on the same q/k/v bits.
-- end to end (vLLM): plain `vllm.LLM(model=dir)` over a `to-hf` export (architectures list the
-  plugin's model class first) generates a batch of 8 requests; the trainer's scoring of the tokens
-  matches vLLM's log-prob at every position within TOL. Before the plugin ran the trainer's RoPE and
+- end to end (vLLM): plain `vllm.LLM(model=dir)` over a `to-hf` export (the plugin registers its
+  model class as vLLM's Qwen3MoeForCausalLM) generates a batch of 8 requests; the trainer's scoring
+  of the tokens matches vLLM's log-prob at every position within TOL. Before the plugin ran the trainer's RoPE and
   attention, rounding differences of ~3e-7 flipped FP4 codes: max |Δ| 4e-3..3e-2.
 """
 from __future__ import annotations
@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from megatron_fp4.fp4 import Numerics, apply_numerics
-from megatron_fp4.integrations.hf.qwen3_moe import HF_ARCHITECTURE, VLLM_PLUGIN_ARCHITECTURE
+from megatron_fp4.integrations.hf.qwen3_moe import HF_ARCHITECTURE
 from megatron_fp4.integrations.vllm.attention import TrainerAttentionImpl, TrainerRotary
 from megatron_fp4.model.layers import Attention
 from megatron_fp4.model.specs import recipe_from_config
@@ -160,8 +160,7 @@ def test_bf16_norms_keep_an_fp32_residual():
 def test_vllm_batch_log_probs_equal_the_trainers_scoring(tmp_path):
     cfg = tiny_cfg("experts+attention")  # MoEResQ on experts and q/k/v/o, batch-invariant numerics
     hf = write_hf(tmp_path, cfg)
-    assert json.loads((hf / "config.json").read_text())["architectures"] == [VLLM_PLUGIN_ARCHITECTURE,
-                                                                             HF_ARCHITECTURE]
+    assert json.loads((hf / "config.json").read_text())["architectures"] == [HF_ARCHITECTURE]  # verl needs one
     out = vllm_generate(hf, tmp_path, routing=False)  # all 8 requests in one batch
     assert out["plugin"]
     delta, _, _ = compare(out, trainer_scores(hf, cfg, [r["tokens"] for r in out["results"]]))

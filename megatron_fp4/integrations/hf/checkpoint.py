@@ -24,8 +24,7 @@ from safetensors.torch import save_file
 
 from megatron_fp4.training.checkpoint import replace_dir
 from megatron_fp4.config import Config, FP4Config, ModelConfig
-from megatron_fp4.integrations.hf.qwen3_moe import (VLLM_PLUGIN_ARCHITECTURE, _is_megatron_fp4_recipe,
-                                                    check_hf_state_dict, from_hf_state_dict, hf_config_from_ours,
+from megatron_fp4.integrations.hf.qwen3_moe import (check_hf_state_dict, from_hf_state_dict, hf_config_from_ours,
                                                     ours_config_from_hf, to_hf_state_dict)
 from megatron_fp4.integrations.hf.safetensors_header import TensorInfo, read_header
 
@@ -72,8 +71,6 @@ def save_hf_checkpoint(model, cfg, out_dir, dtype: Optional[torch.dtype] = None,
         hf_cfg["dtype"] = hf_cfg["torch_dtype"] = str(saved_dtypes.pop()).replace("torch.", "")
     if quantization_config is not None:
         hf_cfg["quantization_config"] = quantization_config
-        if _is_megatron_fp4_recipe(quantization_config):
-            hf_cfg["architectures"] = [VLLM_PLUGIN_ARCHITECTURE, *hf_cfg["architectures"]]
 
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))

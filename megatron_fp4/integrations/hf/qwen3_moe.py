@@ -33,9 +33,6 @@ from megatron_fp4.model.experts import GroupedExperts
 
 HF_MODEL_TYPE = "qwen3_moe"
 HF_ARCHITECTURE = "Qwen3MoeForCausalLM"
-# The vLLM plugin's model class (integrations/vllm/model.py: the trainer's RoPE and attention),
-# listed first in an export carrying the plugin's block; vLLM without the plugin takes the next one.
-VLLM_PLUGIN_ARCHITECTURE = "MegatronFP4Qwen3MoeForCausalLM"
 LAYOUTS = ("checkpoint", "fused")
 
 # Qwen3MoeConfig's defaults (transformers 5.10) for optional fields a config.json may omit, so a

@@ -1,9 +1,8 @@
 """The plugin's model class: vLLM's Qwen3-MoE with the trainer's RoPE and attention.
 
-`export_for_vllm` / `to-hf` write ``"architectures": ["MegatronFP4Qwen3MoeForCausalLM",
-"Qwen3MoeForCausalLM"]`` next to the `megatron_fp4` quantization block; vLLM takes the first
-architecture it knows, so with the plugin installed (`plugin.register` registers this class) the
-export is served by this class, and by stock vLLM's Qwen3-MoE without it. The class is vLLM's own
+`plugin.register` registers this class as vLLM's ``Qwen3MoeForCausalLM`` (the architecture an
+export's config.json names, the one transformers and verl read): it is a subclass of vLLM's own
+that changes nothing unless the model is served with the `megatron_fp4` quantization config. The class is vLLM's own
 (its KV-cache manager, scheduler, weight loading and the plugin's quantized layers, quant.py);
 built with the plugin's config in the batch-invariant mode it replaces, per decoder layer,
 
@@ -20,8 +19,8 @@ rounding instead of the accumulated rounding of a bf16 residual (the bf16 expert
 Why a model class and not an attention backend registered under `AttentionBackendEnum.CUSTOM`:
 RoPE runs in the model, before the attention layer, and vLLM's rotary module is shared process
 wide; a backend is chosen per process (`attention_backend=`), not per model, so it would need the
-user to ask for it. The model class is chosen by the export itself and changes only its own
-layers. With another quantization config it is stock vLLM.
+user to ask for it. The model class is chosen by the export's quantization config and changes only
+its own layers. With another quantization config it is stock vLLM.
 """
 from __future__ import annotations
 
@@ -29,7 +28,6 @@ import torch
 from torch import nn
 from vllm.model_executor.models.qwen3_moe import Qwen3MoeForCausalLM
 
-from megatron_fp4.integrations.hf.qwen3_moe import VLLM_PLUGIN_ARCHITECTURE as ARCHITECTURE
 from megatron_fp4.integrations.vllm.attention import TrainerAttentionImpl, TrainerRotary
 from megatron_fp4.integrations.vllm.quant import MegatronFP4Config
 

@@ -9,7 +9,7 @@ import platform
 def register() -> None:
     """Import the quantization module (its `register_quantization_config` decorator registers it),
     register the plugin's out-of-tree ops (`ops.py`, active only in models served with it) and its
-    model class (`model.py`, the trainer's RoPE and attention; chosen by the export's architectures).
+    model class (`model.py`, the trainer's RoPE and attention, in models served with the plugin's config).
     Idempotent (vLLM calls every general plugin once per process; repeats are harmless)."""
     from megatron_fp4.integrations.vllm import quant  # noqa: F401  (registration on import)
     from megatron_fp4.integrations.vllm.ops import register_ops
@@ -21,13 +21,15 @@ def register() -> None:
 
 
 def _register_model() -> None:
-    """The plugin's model class (model.py), selected by the export's first `architectures` entry."""
+    """The plugin's model class (model.py) under the export's own architecture, Qwen3MoeForCausalLM:
+    a subclass of vLLM's that is stock vLLM unless the model is served with the `megatron_fp4`
+    quantization config, so config.json keeps the one architecture transformers and verl expect
+    (verl's HFModelConfig refuses a list of two). Registered lazily (a `module:class` string)."""
     from vllm import ModelRegistry
 
-    from megatron_fp4.integrations.vllm.model import ARCHITECTURE, MegatronFP4Qwen3MoeForCausalLM
+    from megatron_fp4.integrations.hf.qwen3_moe import HF_ARCHITECTURE
 
-    if ARCHITECTURE not in ModelRegistry.get_supported_archs():
-        ModelRegistry.register_model(ARCHITECTURE, MegatronFP4Qwen3MoeForCausalLM)
+    ModelRegistry.register_model(HF_ARCHITECTURE, "megatron_fp4.integrations.vllm.model:MegatronFP4Qwen3MoeForCausalLM")
 
 
 def _register_weight_transfer() -> None:
