@@ -54,6 +54,7 @@ def test_refuses_bad_arguments(tmp_path, capsys):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1500)  # ~4 min on an idle 2-core box; Ray + vLLM + verl start slowly under load
 @pytest.mark.skipif(bool(MISSING), reason=MISSING or "ok")
 def test_verl_ppo_with_vllm_rollout(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1",
