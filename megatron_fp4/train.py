@@ -35,9 +35,25 @@ def parse_args(argv=None):
 
 def run(cfg) -> list[dict]:
     """Build the layout of `cfg` for this process (torchrun or single) and train; SIGTERM/SIGUSR1
-    stop it after a step with a checkpoint (`Preempted`)."""
+    stop it after a step with a checkpoint (`Preempted`). The process groups this run created are
+    destroyed when it ends with every rank agreeing (trained, or preempted): `shutdown_process_groups`
+    says why an exit must not leave that to the interpreter's teardown."""
+    import torch.distributed as dist
+
+    from megatron_fp4.parallel.mesh import shutdown_process_groups
+
+    owns_groups = not dist.is_initialized()  # a caller's own groups stay theirs
+    preempted = None
     with PreemptionHandler() as handler:
-        return _run(cfg, handler)
+        try:
+            history = _run(cfg, handler)
+        except Preempted as err:  # every rank raises it after the same step
+            preempted = err.with_traceback(None)  # its frames held the trainer, and so its groups
+        if owns_groups:
+            shutdown_process_groups()
+    if preempted is not None:
+        raise preempted
+    return history
 
 
 def _run(cfg, handler: PreemptionHandler) -> list[dict]:
@@ -73,6 +89,8 @@ def _build_and_train(cfg, rank: int, handler: PreemptionHandler) -> list[dict]:
         if rank == 0:
             print(outputs_pointer(cfg), flush=True)
         raise
+    finally:
+        release(trainer)
     if trainer.mesh.rank == trainer.mesh.world_size - 1:
         if history:
             n = min(10, len(history))
@@ -80,6 +98,15 @@ def _build_and_train(cfg, rank: int, handler: PreemptionHandler) -> list[dict]:
             print(f"trained {len(history)} steps: loss {first:.4f} (first {n} avg) -> {last:.4f} (last {n} avg)")
         print(outputs_pointer(cfg), flush=True)
     return history
+
+
+def release(trainer) -> None:
+    """Let the finished trainer be freed, and with it the process groups it holds (`run` destroys
+    them): ZeRO's grad-sync hooks sit on the parameters and hold the optimizer, which holds the
+    mesh, a cycle through the tensors' C++ side that Python's collector cannot see."""
+    remove_hooks = getattr(trainer.optimizer, "remove_hooks", None)
+    if remove_hooks is not None:
+        remove_hooks()
 
 
 def lock_checkpoint_dir(root: str):
