@@ -67,12 +67,21 @@ def _run(cfg, handler: PreemptionHandler) -> list[dict]:
 
 
 def _build_and_train(cfg, rank: int, handler: PreemptionHandler) -> list[dict]:
-    from megatron_fp4.training.metrics import check_tensorboard_dir, outputs_pointer, start_banner
+    from megatron_fp4.training.metrics import check_tensorboard_dir
 
     from megatron_fp4.training.trainer import Trainer
 
     check_tensorboard_dir(cfg.logging.tensorboard_dir)  # every rank, before the model is built
     trainer = Trainer(cfg)  # validates cfg (once) and builds this process's mesh (ParallelMesh.from_env)
+    try:
+        return _resume_and_train(cfg, trainer, rank, handler)
+    finally:
+        release(trainer)
+
+
+def _resume_and_train(cfg, trainer, rank: int, handler: PreemptionHandler) -> list[dict]:
+    from megatron_fp4.training.metrics import outputs_pointer, start_banner
+
     if rank == 0:
         print(start_banner(cfg, trainer.mesh), flush=True)
     if cfg.checkpoint.load:
@@ -89,8 +98,6 @@ def _build_and_train(cfg, rank: int, handler: PreemptionHandler) -> list[dict]:
         if rank == 0:
             print(outputs_pointer(cfg), flush=True)
         raise
-    finally:
-        release(trainer)
     if trainer.mesh.rank == trainer.mesh.world_size - 1:
         if history:
             n = min(10, len(history))
@@ -182,10 +189,6 @@ def _config_error(err) -> int:
 
 
 def main(argv=None) -> int:
-    from megatron_fp4.training.checkpoint import CheckpointError
-    from megatron_fp4.training.data import DataError
-    from megatron_fp4.training.trainer import NonFiniteError
-
     args = parse_args(argv)
     overrides = list(args.overrides) + ([f"schedule.train_steps={args.steps}"] if args.steps is not None else [])
     try:
@@ -200,6 +203,22 @@ def main(argv=None) -> int:
             where = args.config or "a --set value"
             print(_one_line("YAML", err) + f" (in {where}; fix the syntax there)", file=sys.stderr)
         return EXIT_USER_ERROR
+    import torch.distributed as dist
+
+    from megatron_fp4.parallel.mesh import shutdown_process_groups
+
+    owns_groups = not dist.is_initialized()
+    code = _train_to_exit_code(cfg)
+    if owns_groups:  # a run that stopped on an error (the error's frames are gone by now): no
+        shutdown_process_groups(barrier=False)  # barrier, the ranks need not have stopped together
+    return code
+
+
+def _train_to_exit_code(cfg) -> int:
+    from megatron_fp4.training.checkpoint import CheckpointError
+    from megatron_fp4.training.data import DataError
+    from megatron_fp4.training.trainer import NonFiniteError
+
     try:
         run(cfg)
     except ConfigError as err:  # the Trainer validates the config against this job's world size

@@ -72,11 +72,11 @@ def world_size_from_env() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
-def shutdown_process_groups() -> None:
-    """The end of a job, on every rank after its last collective (and after dropping the objects
-    that hold groups: trainer, mesh): a barrier over the default group, so no rank tears down while
-    a peer still waits in a collective with it, then every group destroyed, while the interpreter
-    is alive. Nothing when torch.distributed is not initialized.
+def shutdown_process_groups(barrier: bool = True) -> None:
+    """The end of a job, after its last collective and after dropping the objects that hold groups
+    (trainer, mesh): with `barrier` (every rank ends here together) a barrier over the default
+    group, so no rank tears down while a peer still waits in a collective with it; then every group
+    destroyed, while the interpreter is alive. Nothing when torch.distributed is not initialized.
 
     Why not leave it to the process exit: a gloo worker thread completes a work (waking the rank's
     main thread in `wait`) *before* it drops its own reference to the work and so to the work's
@@ -88,7 +88,8 @@ def shutdown_process_groups() -> None:
     from Python lives on with its threads, hence the collect first."""
     if not dist.is_initialized():
         return
-    dist.barrier()
+    if barrier:
+        dist.barrier()
     gc.collect()  # reference cycles of the finished trainer still holding groups
     dist.destroy_process_group()
 
