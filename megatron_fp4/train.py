@@ -35,9 +35,25 @@ def parse_args(argv=None):
 
 def run(cfg) -> list[dict]:
     """Build the layout of `cfg` for this process (torchrun or single) and train; SIGTERM/SIGUSR1
-    stop it after a step with a checkpoint (`Preempted`)."""
+    stop it after a step with a checkpoint (`Preempted`). The process groups this run created are
+    destroyed when it ends with every rank agreeing (trained, or preempted): `shutdown_process_groups`
+    says why an exit must not leave that to the interpreter's teardown."""
+    import torch.distributed as dist
+
+    from megatron_fp4.parallel.mesh import shutdown_process_groups
+
+    owns_groups = not dist.is_initialized()  # a caller's own groups stay theirs
+    preempted = None
     with PreemptionHandler() as handler:
-        return _run(cfg, handler)
+        try:
+            history = _run(cfg, handler)
+        except Preempted as err:  # every rank raises it after the same step
+            preempted = err.with_traceback(None)  # its frames held the trainer, and so its groups
+        if owns_groups:
+            shutdown_process_groups()
+    if preempted is not None:
+        raise preempted
+    return history
 
 
 def _run(cfg, handler: PreemptionHandler) -> list[dict]:
@@ -51,12 +67,21 @@ def _run(cfg, handler: PreemptionHandler) -> list[dict]:
 
 
 def _build_and_train(cfg, rank: int, handler: PreemptionHandler) -> list[dict]:
-    from megatron_fp4.training.metrics import check_tensorboard_dir, outputs_pointer, start_banner
+    from megatron_fp4.training.metrics import check_tensorboard_dir
 
     from megatron_fp4.training.trainer import Trainer
 
     check_tensorboard_dir(cfg.logging.tensorboard_dir)  # every rank, before the model is built
     trainer = Trainer(cfg)  # validates cfg (once) and builds this process's mesh (ParallelMesh.from_env)
+    try:
+        return _resume_and_train(cfg, trainer, rank, handler)
+    finally:
+        release(trainer)
+
+
+def _resume_and_train(cfg, trainer, rank: int, handler: PreemptionHandler) -> list[dict]:
+    from megatron_fp4.training.metrics import outputs_pointer, start_banner
+
     if rank == 0:
         print(start_banner(cfg, trainer.mesh), flush=True)
     if cfg.checkpoint.load:
@@ -80,6 +105,15 @@ def _build_and_train(cfg, rank: int, handler: PreemptionHandler) -> list[dict]:
             print(f"trained {len(history)} steps: loss {first:.4f} (first {n} avg) -> {last:.4f} (last {n} avg)")
         print(outputs_pointer(cfg), flush=True)
     return history
+
+
+def release(trainer) -> None:
+    """Let the finished trainer be freed, and with it the process groups it holds (`run` destroys
+    them): ZeRO's grad-sync hooks sit on the parameters and hold the optimizer, which holds the
+    mesh, a cycle through the tensors' C++ side that Python's collector cannot see."""
+    remove_hooks = getattr(trainer.optimizer, "remove_hooks", None)
+    if remove_hooks is not None:
+        remove_hooks()
 
 
 def lock_checkpoint_dir(root: str):
@@ -155,10 +189,6 @@ def _config_error(err) -> int:
 
 
 def main(argv=None) -> int:
-    from megatron_fp4.training.checkpoint import CheckpointError
-    from megatron_fp4.training.data import DataError
-    from megatron_fp4.training.trainer import NonFiniteError
-
     args = parse_args(argv)
     overrides = list(args.overrides) + ([f"schedule.train_steps={args.steps}"] if args.steps is not None else [])
     try:
@@ -173,6 +203,22 @@ def main(argv=None) -> int:
             where = args.config or "a --set value"
             print(_one_line("YAML", err) + f" (in {where}; fix the syntax there)", file=sys.stderr)
         return EXIT_USER_ERROR
+    import torch.distributed as dist
+
+    from megatron_fp4.parallel.mesh import shutdown_process_groups
+
+    owns_groups = not dist.is_initialized()
+    code = _train_to_exit_code(cfg)
+    if owns_groups:  # a run that stopped on an error (the error's frames are gone by now): no
+        shutdown_process_groups(barrier=False)  # barrier, the ranks need not have stopped together
+    return code
+
+
+def _train_to_exit_code(cfg) -> int:
+    from megatron_fp4.training.checkpoint import CheckpointError
+    from megatron_fp4.training.data import DataError
+    from megatron_fp4.training.trainer import NonFiniteError
+
     try:
         run(cfg)
     except ConfigError as err:  # the Trainer validates the config against this job's world size

@@ -28,6 +28,7 @@ key prefix, ``megatron_fp4/attempt_<TORCHELASTIC_RESTART_COUNT>/``, on that same
 from __future__ import annotations
 
 import dataclasses
+import gc
 import os
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -39,7 +40,7 @@ import torch.distributed as dist
 from megatron_fp4.parallel.dims import DENSE_AXES, EXPERT_AXES, ParallelDims, resolve_dp
 
 __all__ = ["ParallelMesh", "ParallelDims", "resolve_dp", "resolve_device", "backend_for", "PeerFailureError",
-           "world_size_from_env"]
+           "world_size_from_env", "shutdown_process_groups"]
 
 
 def resolve_device(preference: str = "auto") -> torch.device:
@@ -69,6 +70,28 @@ _PEER_FAILURE_WORDS = ("timed out", "timeout", "connection closed", "connection 
 def world_size_from_env() -> int:
     """The number of processes of this job (torchrun's WORLD_SIZE; 1 without torchrun)."""
     return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def shutdown_process_groups(barrier: bool = True) -> None:
+    """The end of a job, after its last collective and after dropping the objects that hold groups
+    (trainer, mesh): with `barrier` (every rank ends here together) a barrier over the default
+    group, so no rank tears down while a peer still waits in a collective with it; then every group
+    destroyed, while the interpreter is alive. Nothing when torch.distributed is not initialized.
+
+    Why not leave it to the process exit: a gloo worker thread completes a work (waking the rank's
+    main thread in `wait`) *before* it drops its own reference to the work and so to the work's
+    tensors. A main thread faster than that reaches interpreter finalization first; the worker's
+    drop then frees a tensor that has a Python object, which takes the GIL, and a finalizing Python
+    ends any thread taking the GIL (pthread_exit) -- inside a noexcept destructor: std::terminate,
+    "terminate called without an active exception", SIGABRT, exit code -6, rarely and only under
+    load. Destroying a group joins its worker threads (after their drop); a group still referenced
+    from Python lives on with its threads, hence the collect first."""
+    if not dist.is_initialized():
+        return
+    if barrier:
+        dist.barrier()
+    gc.collect()  # reference cycles of the finished trainer still holding groups
+    dist.destroy_process_group()
 
 
 def _restart_store(timeout_s: float):

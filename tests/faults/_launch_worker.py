@@ -10,7 +10,11 @@
   signal (once: a resubmitted or requeued job finds the marker and runs through); the Slurm test
   signals the job from outside once the marker exists. Step counts make all of them deterministic;
   nothing here is timed.
+- ``EXIT_THREADS_LOG``: at exit (atexit, before the interpreter's teardown) every rank appends
+  ``<rank> <n>``, n its gloo worker threads still alive (named pt_gloo_runloop, Linux): a clean exit
+  has destroyed its process groups, so none.
 """
+import atexit
 import os
 import signal
 import sys
@@ -58,6 +62,20 @@ def _recording_train(self, *args, **kwargs):
     return _train(self, *args, **kwargs)
 
 
+def _record_exit_threads() -> None:
+    names = []
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                names.append(f.read().strip())
+        except OSError:  # a thread that ended meanwhile
+            pass
+    with open(os.environ["EXIT_THREADS_LOG"], "a") as f:
+        f.write(f"{os.environ.get('RANK', '0')} {names.count('pt_gloo_runloop')}\n")
+
+
+if os.environ.get("EXIT_THREADS_LOG"):
+    atexit.register(_record_exit_threads)
 Trainer.train_step = _hooked_train_step
 Trainer.train = _recording_train
 

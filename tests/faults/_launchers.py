@@ -21,7 +21,7 @@ def train_sh(workdir: Path, name: str, torchrun_args=(), extra=(), fault: str = 
     log = workdir / f"{name}.losses"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
            "TRAIN_MODULE": "tests.faults._launch_worker", "LOSS_LOG": str(log), "FAULT": fault,
-           "OMP_NUM_THREADS": "1"}
+           "EXIT_THREADS_LOG": str(workdir / f"{name}.exit_threads"), "OMP_NUM_THREADS": "1"}
     sets = [a for kv in [*TINY, f"checkpoint.dir={workdir / name}", *extra] for a in ("--set", kv)]
     argv = ["bash", str(TRAIN_SH), str(nproc), *([*torchrun_args, "--"] if torchrun_args else []), *sets]
     # Own session: on a timeout (a hung restart) torchrun *and* its workers are killed, not orphaned.
@@ -34,6 +34,14 @@ def train_sh(workdir: Path, name: str, torchrun_args=(), extra=(), fault: str = 
             out, err = child.communicate()
             raise AssertionError(f"{name}: no result within {timeout_s:.0f}s (hung?):\n{err[-3000:]}") from None
     return subprocess.CompletedProcess(argv, child.returncode, out, err), read_losses(log)
+
+
+def exit_threads(workdir: Path, name: str) -> dict:
+    """{rank: gloo worker threads it still had at exit} of run `name` (every attempt that got to
+    the end appends; `_launch_worker` records them)."""
+    path = workdir / f"{name}.exit_threads"
+    return {int(rank): int(n) for rank, n in (line.split() for line in path.read_text().splitlines())} \
+        if path.exists() else {}
 
 
 def read_losses(path: Path) -> dict:

@@ -8,7 +8,7 @@ that reaches one rank only still stops both after the same step (the mesh-wide v
 """
 import pytest
 
-from tests.faults._launchers import train_sh
+from tests.faults._launchers import exit_threads, train_sh
 
 pytestmark = [pytest.mark.faults, pytest.mark.distributed]
 
@@ -31,3 +31,4 @@ def test_signal_to_one_rank_stops_every_rank_after_the_same_step(tmp_path):
     assert "preempted by a signal to rank 1: stopped after step 3" in proc.stderr  # printed by rank 0
     assert sorted(losses) == [0, 1, 2]
     assert sorted(p.name for p in (tmp_path / "job").glob("step_*")) == ["step_00000002", "step_00000003"]
+    assert exit_threads(tmp_path, "job") == {0: 0, 1: 0}  # a preempted exit destroys its groups too
