@@ -100,3 +100,16 @@ def test_off_and_invalid_inputs_stay_eager(served):
     assert not served
     key = fused_resq.key_of("row", torch.float32)
     assert fused.variant_of(key) is fused.variant_of(key) and isinstance(fused.variant_of(key), fused_resq.ResqVariant)
+
+
+@needs_inductor
+def test_the_auto_warm_up_worker_builds_a_resq_variant():
+    """``auto``'s child process (compile_worker.py) finds the ResQ kind and checks it bit-exact (exit 0)."""
+    import json
+    import os
+    import subprocess
+
+    spec = json.dumps({"key": ["resq_nvfp4", "row", "1d", "float32", "float32"], "blocks": [4, 4, 16],
+                       "parent": os.getpid()})
+    proc = subprocess.run(fused._worker_command(spec), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
