@@ -78,6 +78,7 @@ _broken: dict = {"reason": None}  # a backend failure (no compiler, ...): no var
 _variants: dict = {}
 _lock = threading.Lock()
 _warmups: list = []  # (variant, child process, its output file): auto warm-ups not adopted yet
+KINDS: dict = {}  # key[0] -> the factory of its variants, for kinds defined elsewhere (fused_resq.py)
 # Exit codes of compile_worker.py besides 0 (ready): not bit-exact on this CPU, backend failure.
 WORKER_NOT_EXACT, WORKER_BROKEN = 3, 4
 
@@ -207,7 +208,7 @@ class _Variant:
                 for xb in samples:
                     _mark_static_elements(xb)
                     got, want = self.run(fns, xb), self.run((self.scales_body, self.apply_body), xb)
-                    if not (_same_bits(got[0], want[0]) and bool(got[1]) == bool(want[1])):
+                    if not (_same_bits(got[0], want[0]) and torch.equal(got[1], want[1])):
                         self.state = "refused"
                         if loud:
                             _warn(f"the compiled {self.key[0]} kernel is not bit-exact on this CPU's kernel set "
@@ -294,6 +295,9 @@ def variant_of(key) -> _Variant:
     """The (one) variant of ``key``: ("nvfp4", scale, block, dtype, out_dtype) or ("mxfp4", scale_mode, dtype, out_dtype)."""
     v = _variants.get(key)
     if v is None:
+        if key[0] in KINDS:  # another kind of compiled body (fused_resq.py)
+            with _lock:
+                return _variants.setdefault(key, KINDS[key[0]](key))
         if key[0] == "nvfp4":
             args = (_nvfp4_scales, _apply2, (key[1], key[2] == "2d"), key[-1])
         else:
@@ -397,3 +401,4 @@ def _install() -> None:
 
 
 _install()
+from megatron_fp4.fp4.fused_resq import resq_nvfp4_fused  # noqa: E402,F401  (registers its kind)

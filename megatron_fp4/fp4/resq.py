@@ -12,6 +12,7 @@ from contextlib import ExitStack
 
 import torch
 
+from megatron_fp4.fp4 import nvfp4 as _nvfp4  # its `fused`: the compiled path once fused.py installed it
 from megatron_fp4.fp4.mxfp4 import fake_quantize_mxfp4
 from megatron_fp4.fp4.nvfp4 import fake_quantize_nvfp4
 from megatron_fp4.fp4.recipe import OperandFormat
@@ -55,6 +56,11 @@ def portable_resq_quantize(x: torch.Tensor, fmt: OperandFormat, compensated: boo
     hold the residual: a fresh tensor of this size costs about a pass of its own (page faults).
     ``amax_reduce``: a tensor-parallel slice's global amax reduction (``tensor_cut.py``), applied to
     ``x`` and to its residual, each of which spans the cut."""
+    if compensated and amax_reduce is None and fmt.format == "nvfp4" and fmt.block == "1d" \
+            and _nvfp4.fused.use_fused(x, fmt.rounding, compile):  # one compiled call (fused_resq.py)
+        out = _nvfp4.fused.resq_nvfp4_fused(x, fmt.scale, name, nonfinite, compile)
+        if out is not None:
+            return out
     xf = x.to(torch.float32)
     q = _fq32(xf, fmt, generator, name, nonfinite, compile, amax_reduce)
     if not compensated:

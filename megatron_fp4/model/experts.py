@@ -250,8 +250,8 @@ class GroupedExperts(nn.Module):
         name, first = f"{self.quant_name}.<grouped>.{which}", self.expert_offset
         wq = cached_for_weight(nx.weight_cache, weight, ("grouped Q(W)", r.weight), lambda: torch.stack([
             resq_quantize(w, r.weight, compensated=False, name=f"{self.quant_name}.{first + e}.{which}:weight",
-                          triton=nx.triton) for e, w in enumerate(weight.detach().unbind(0))]))
-        xq = resq_quantize(x, r.input, r.compensated, name=f"{name}:input", triton=nx.triton)
+                          compile=r.compile, triton=nx.triton) for e, w in enumerate(weight.detach().unbind(0))]))
+        xq = resq_quantize(x, r.input, r.compensated, name=f"{name}:input", compile=r.compile, triton=nx.triton)
         return _GROUPED_MM(xq, wq.transpose(1, 2), offs=offs).to(x.dtype)
 
 

@@ -45,7 +45,7 @@ from vllm.model_executor.layers.quantization.base_config import QuantizationConf
 from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, UnquantizedEmbeddingMethod
 from vllm.model_executor.utils import set_weight_attrs
 
-from megatron_fp4.fp4 import STANDARD, Numerics, Recipe, invariant, moeresq_linear
+from megatron_fp4.fp4 import STANDARD, Numerics, Recipe, fused_resq, invariant, moeresq_linear
 from megatron_fp4.fp4.exact_experts import can_share_input, shared_input_linear
 from megatron_fp4.integrations.vllm.sidecar import QUANT_METHOD, recipe_from_sidecar
 from megatron_fp4.model.moe import GroupedExperts, LocalDispatcher, route_from_logits, router_logits
@@ -130,6 +130,17 @@ class MegatronFP4Config(QuantizationConfig):
         return UnquantizedLinearMethod()
 
     # -- the plugin's state ------------------------------------------------------------------------
+    def prepare_compiled(self, recipe: Recipe, dtype: torch.dtype) -> None:
+        """At load: compile (and check bitwise) the one-call ResQ of the activations (`fp4.fused_resq`)
+        when the recipe's `compile` is not `off` and its input is compensated NVFP4 1D nearest. In
+        `auto` too: the trainer switches between steps, a server here, before its first request,
+        at a fixed point; the bits are the eager path's either way (a variant that is not bit-exact
+        on this CPU is not used). Batch-invariant layers quantize through exact-GEMM splits instead."""
+        f = recipe.input
+        if (recipe.mode == "fp4_resq" and recipe.compensated and recipe.compile != "off" and not self.batch_invariant
+                and f.format == "nvfp4" and f.block == "1d" and f.rounding == "nearest"):
+            fused_resq.prepare(f.scale, dtype, inference=True)  # vLLM runs the model in inference mode
+
     def invalidate(self) -> None:
         """Forget every cached Q(W): called before any weight of a plugin layer is written."""
         self.qw_store.clear()
@@ -174,6 +185,7 @@ class MoEResQLinearMethod(UnquantizedLinearMethod):
         super().__init__()
         self.config, self.prefix = config, prefix
         self.recipe = config.recipe if recipe is None else recipe
+        self.group = trainer_name(prefix)  # once: no regex per forward
 
     def create_weights(self, layer, input_size_per_partition, output_partition_sizes, input_size, output_size,
                        params_dtype, **extra_weight_attrs):
@@ -185,10 +197,11 @@ class MoEResQLinearMethod(UnquantizedLinearMethod):
 
     def process_weights_after_loading(self, layer) -> None:
         self.config.invalidate()  # keep the plain weight: Q(W) is derived from it
+        self.config.prepare_compiled(self.recipe, layer.weight.dtype)
 
     def apply(self, layer, x: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
         return fused_moeresq_linear(x, layer.weight, bias, layer.mfp4_shards, layer.mfp4_names,
-                                    self.recipe, self.config.values, trainer_name(self.prefix))
+                                    self.recipe, self.config.values, self.group)
 
 
 class HeadMethod(UnquantizedEmbeddingMethod):
@@ -272,6 +285,7 @@ class MoEResQMoEMethod(FusedMoEMethodBase):
 
     def process_weights_after_loading(self, layer) -> None:
         self.config.invalidate()
+        self.config.prepare_compiled(self.recipe, layer.w13_weight.dtype)
         self.experts = grouped_experts_over(layer.w13_weight, layer.w2_weight, self.recipe,
                                             trainer_name(self.prefix), self.config.values)
 

@@ -1,0 +1,102 @@
+"""Compiled ResQ: ``Q(x) + Q(x − Q(x))`` (NVFP4, 1D blocks, nearest rounding) as one compiled call.
+
+``portable_resq_quantize`` (``resq.py``) runs two fake quantizations, a subtraction and an addition:
+about thirty small eager ops, or four compiled calls through ``fused.py``'s fake-quant kernels. At
+the sizes of a decode step (a few tokens × hidden) the cost is the per-call overhead, not the
+arithmetic: a compiled call costs ~45 µs of guards and wrapper whatever its size, the eager ResQ
+~140 µs, the four compiled calls ~200 µs. Here the whole ResQ is one traced body (one compiled call,
+~40 µs at 16 × 128), made of ``fused.py``'s own bodies (``_nvfp4_scales``, ``_apply2``) in the
+eager path's order: ``xf = x.float()``, ``q = Q(xf)``, ``r = xf − q``, ``q + Q(r)``.
+
+A variant is a ``fused._Variant`` (key ``("resq_nvfp4", scale, "1d", dtype, float32)``), so it is
+compiled, checked bitwise against the uncompiled body on the hard probe inputs, warmed up in a
+child process under ``auto`` and adopted at ``fused.adopt_ready`` exactly like the fake-quant
+variants (read ``fused.py``). :func:`prepare` builds one now (a server at load, ``vllm/quant.py``).
+The all-finite flags of ``x`` and of the residual come back separately: when both hold the
+compiled output is returned (recorded under the eager names when checks are deferred); when one
+does not, the caller runs the eager path, which raises (or records) with its own message and
+writes its own NaN bits (the compiled kernel's NaN payloads can differ).
+"""
+from __future__ import annotations
+
+import torch
+
+from megatron_fp4.fp4 import fused
+
+KIND = "resq_nvfp4"
+
+
+def _resq_nvfp4(xb: torch.Tensor, scale: str):
+    """``Q(xf) + Q(xf − Q(xf))`` in fp32 of a (rows, blocks, 16) ``xb``, and the two finite flags."""
+    xf = xb.to(torch.float32)
+    enc, s1, s2, finite_x = fused._nvfp4_scales(xf, scale, False)
+    q = fused._apply2(xf, enc, s1, s2, torch.float32)
+    r = xf - q
+    enc, s1, s2, finite_r = fused._nvfp4_scales(r, scale, False)
+    return q + fused._apply2(r, enc, s1, s2, torch.float32), torch.stack([finite_x, finite_r])
+
+
+def _unused(*args):  # the second body of a fused._Variant: never called here, so never compiled
+    raise AssertionError("fused_resq: a ResQ variant has one body")
+
+
+class ResqVariant(fused._Variant):
+    """A ``fused._Variant`` whose one compiled body is the whole ResQ."""
+
+    def run(self, fns, xb):
+        return fns[0](xb, *self.scales_args)
+
+    def build(self, samples, loud: bool) -> None:
+        """``fused._Variant.build`` with single-threaded kernels (``cpp.threads=1``): its inputs are a
+        decode step's few rows, where an OpenMP region's fork and barrier cost more than the work,
+        and on a loaded machine a barrier waits for a descheduled thread (at 16 × 128 with 2
+        threads: median 3.7 ms a call against 86 µs single-threaded). Maxima and elementwise ops:
+        the same bits in any partition, and the check below still compares them."""
+        import torch._inductor.config as inductor_config
+
+        with inductor_config.patch({"cpp.threads": 1}):
+            super().build(samples, loud)
+
+
+def _make(key) -> ResqVariant:
+    return ResqVariant(key, _resq_nvfp4, _unused, (key[1],), key[-1])
+
+
+fused.KINDS[KIND] = _make
+
+
+def key_of(scale: str, dtype: torch.dtype) -> tuple:
+    return (KIND, scale, "1d", dtype, torch.float32)
+
+
+def resq_nvfp4_fused(x: torch.Tensor, scale: str, name: str, nonfinite=None, mode: str | None = None):
+    """Compiled ``portable_resq_quantize(x, nvfp4 1d nearest scale)`` (fp32), or None: not compiled
+    (yet) for this input, or a non-finite input or residual (the eager path then reports it)."""
+    n = x.shape[-1] if x.dim() else 0
+    if n == 0 or n % 16 or x.numel() == 0 or scale not in ("row", "tensor"):
+        return None  # the eager path validates (and raises)
+    res = fused.variant_of(key_of(scale, x.dtype))(x, (-1, n // 16, 16), fused.resolve_compile(mode))
+    if res is None:
+        return None
+    out, flags = res
+    if not bool(flags.all()):  # (a CPU tensor: no device sync) NaN bits differ from eager's: eager reports
+        return None
+    if nonfinite is not None:  # the eager path's records, under its names
+        nonfinite.record(name, "quantize_nvfp4", flags[0])
+        nonfinite.record(name + " residual", "quantize_nvfp4", flags[1])
+    return out.view(x.shape)
+
+
+def prepare(scale: str, dtype: torch.dtype, inference: bool = False, width: int = 64) -> bool:
+    """Compile and check the ResQ variant of (``scale``, ``dtype``) now, in this thread (seconds;
+    a warm inductor cache makes it quick). Returns whether it serves (False: not bit-exact here,
+    or no compiler: the eager path serves, quietly). Call it where no other thread runs torch ops.
+
+    ``inference``: for callers in ``torch.inference_mode`` (vLLM's forward): the kernels are
+    compiled for inference tensors, whose guards differ (another mode would need a recompile,
+    which the caller's calls never do: they run eager)."""
+    variant = fused.variant_of(key_of(scale, dtype))
+    if variant.state in ("new", "warming") and fused._broken["reason"] is None:
+        with torch.inference_mode(inference):
+            variant.build(fused._samples((4, max(2, width // 16), 16), dtype), loud=False)
+    return variant.state == "ready"

@@ -1,0 +1,76 @@
+"""The plugin's standard-kernel fast path: the one-call compiled ResQ (`fp4/fused_resq.py`) that
+`MegatronFP4Config.prepare_compiled` builds at load serves vLLM's forward (inference mode) and
+gives the bits of the trainer's eager path (``compile: off``: the oracle); ``compile: off`` in the
+block keeps the plugin eager. Runs in the vLLM environment (skips elsewhere with the reason).
+"""
+from __future__ import annotations
+
+import dataclasses
+import tempfile
+
+import pytest
+import torch
+
+from megatron_fp4.fp4 import Numerics, apply_numerics, fused_resq
+from megatron_fp4.model.moe import MoELayer, init_moe_params
+from megatron_fp4.model.specs import recipe_from_config
+from tests.integration.test_vllm_plugin import VLLM, FakeRoutedExperts, linear_layer, plugin_config, tiny_cfg
+from tests.unit.test_fp4_fused import compiled, needs_inductor  # noqa: F401  (fixture)
+
+
+@pytest.fixture(scope="module")
+def vllm_ctx():
+    """test_vllm_plugin's context; the one-process group only if no module of this session made it."""
+    if not VLLM:
+        pytest.skip(f"{VLLM.reason}; run in the vLLM environment: tools/vllm_env.sh")
+    from vllm.config import VllmConfig, set_current_vllm_config
+    from vllm.distributed import init_distributed_environment, initialize_model_parallel
+    from vllm.distributed.parallel_state import model_parallel_is_initialized
+
+    with set_current_vllm_config(VllmConfig()):
+        if not model_parallel_is_initialized():
+            init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
+                                         distributed_init_method=f"file://{tempfile.mktemp(prefix='vllm-dist-')}")
+            initialize_model_parallel(1, 1)
+        yield
+
+
+@needs_inductor
+@pytest.mark.parametrize("compile_mode", ["auto", "on", "off"])
+def test_standard_kernel_moe_block_serves_the_compiled_resq_with_the_eager_bits(vllm_ctx, compiled, monkeypatch,
+                                                                                compile_mode):
+    from vllm.model_executor.model_loader.weight_utils import default_weight_loader
+
+    from megatron_fp4.integrations.vllm.quant import MoEResQMoEMethod, RouterGateMethod
+
+    served = []
+    run = fused_resq.ResqVariant.run
+    monkeypatch.setattr(fused_resq.ResqVariant, "run",
+                        lambda self, fns, xb: (served.append(xb.shape) if fns is self.fns else None) or run(self, fns, xb))
+    cfg = tiny_cfg("experts", format="nvfp4", rollout_mode="fp4_resq", compile=compile_mode)
+    E, k, H, F = 8, 2, 64, 32
+    eager = dataclasses.replace(recipe_from_config(cfg.fp4, "fp4_resq"), compile="off")
+    ref = MoELayer(H, E, k, F, eager, norm_topk_prob=True).eval()
+    init_moe_params(ref, 0.1, 0.1, torch.Generator().manual_seed(1))
+    apply_numerics(ref, Numerics(batch_invariant=False))
+    qc = plugin_config(cfg, batch_invariant=False)
+    assert qc.recipe.compile == compile_mode
+    gate_method = RouterGateMethod(qc)
+    gate = linear_layer(gate_method, [E], H, ref.router.weight.detach())
+    experts = FakeRoutedExperts(E, k, True)
+    moe = MoEResQMoEMethod(None, qc, "model.layers.1.mlp.experts")
+    moe.create_weights(experts, E, H, F, torch.float32, weight_loader=default_weight_loader)
+    experts.w13_weight.weight_loader(experts.w13_weight, ref.experts.w13.detach())
+    experts.w2_weight.weight_loader(experts.w2_weight, ref.experts.w2.detach())
+    moe.process_weights_after_loading(experts)  # load: compiles the ResQ here unless compile is off
+    for seed, tokens in ((2, 37), (3, 5), (4, 1)):
+        g = torch.Generator().manual_seed(seed)
+        x = torch.randn(tokens, H, generator=g) * torch.logspace(-4, 4, H)
+        with torch.no_grad():
+            want = ref(x)
+        before = len(served)
+        with torch.inference_mode():  # as vLLM runs its forward
+            got = moe.apply_monolithic(experts, x, gate_method.apply(gate, x))
+        assert torch.equal(got, want), (compile_mode, tokens)
+        if tokens > 8:  # every expert gets ≥ 2 rows: both expert inputs take the compiled ResQ
+            assert (len(served) > before) == (compile_mode != "off"), (compile_mode, served)
