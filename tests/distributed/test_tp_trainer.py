@@ -55,8 +55,9 @@ def layout_cfg(spec: dict):
     spec = dict(spec)
     spec.pop("loss", None)
     kv_heads, layers = spec.pop("kv_heads", None), spec.pop("layers", 2)
+    scope, fmt = spec.pop("scope", "experts"), spec.pop("format", "nvfp4")
     cfg = tiny_cfg(fp4=True, **spec)
-    cfg.fp4.scope = "experts"
+    cfg.fp4.scope, cfg.fp4.format = scope, fmt
     m = cfg.model
     m.num_layers, m.num_shared_experts = layers, 1
     if kv_heads is not None:
