@@ -86,6 +86,10 @@ class ParallelConfig:
     ep: int = 1
     tp: int = 1  # tensor parallel: attention, dense MLP, embedding/LM head (MoE layers stay whole per rank)
     sequence_parallel: bool = True  # with tp > 1: norms/residuals on 1/tp of the sequence (Megatron's SP)
+    # with tp > 1, the tokens a tp rank's MoE layers route: whole (the whole sequence on every tp rank,
+    # the default) | local (its own 1/tp of the sequence: Megatron's parallel folding; ep may then span
+    # the stage's dp×tp ranks; FP4 experts need ep a multiple of tp and the alltoall dispatcher)
+    moe_tp_tokens: str = "whole"
     etp: int = 1  # expert tensor parallel (a stage's dp×tp ranks refolded as edp×ep×etp): reserved
     virtual_stages: int = 1
     # gpipe | 1f1b | interleaved_1f1b | interleaved_zero_bubble (ZB1P, virtual_stages >= 2) | zbv (ZB-V,

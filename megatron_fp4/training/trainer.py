@@ -83,7 +83,12 @@ class Trainer(TrainingStep):
         """A fresh optimizer over this rank's parameters: `ZeroAdamW` at every size (sharded over
         dp; one process is a dp group of size 1)."""
         p = self.cfg.parallel
-        return ZeroAdamW(self.model.named_parameters(), self.cfg.optimizer, self.mesh, p.zero_stage, p.bucket_size_mb)
+        return ZeroAdamW(self.model.named_parameters(), self.cfg.optimizer, self.mesh, p.zero_stage, p.bucket_size_mb,
+                         expert_token_copies=self.mesh.tp // self.mesh.etp if self._moe_tokens() == "whole" else 1)
+
+    def _moe_tokens(self) -> str:
+        """The tokens a tp rank's MoE layers route (``parallel.moe_tp_tokens``; "whole" without tp)."""
+        return self.cfg.parallel.moe_tp_tokens if self.mesh.tp > 1 else "whole"
 
     def _init_guard(self) -> None:
         self._sqnr = None
@@ -105,14 +110,16 @@ class Trainer(TrainingStep):
         cfg, mesh, p = self.cfg, self.mesh, self.cfg.parallel
         with torch.device("meta"):
             model = MoETransformer(cfg.model, cfg.fp4, numerics_from_config(cfg, "train"))
-        if mesh.ep > 1:
+        if mesh.ep > 1:  # moe_tp_tokens=local with ep holding whole tp groups: the dispatcher folds tp
+            fold = mesh.tp if self._moe_tokens() == "local" and mesh.ep % mesh.tp == 0 else 1
             apply_expert_parallel(model, mesh, dispatcher=p.expert_dispatcher, chunk_tokens=p.gcmoe_chunk_tokens,
-                                  transfer_sms=p.gcmoe_transfer_sms, ring_slots=p.gcmoe_ring_slots)
+                                  transfer_sms=p.gcmoe_transfer_sms, ring_slots=p.gcmoe_ring_slots, tp_fold=fold)
         pipeline = PipelineRunner(model, mesh, p.schedule, p.virtual_stages) if mesh.pp > 1 else None
         materialize(model, self.device, cfg.schedule.seed)
         self.tp_plan = None
         if mesh.tp > 1:  # cut after init: each shard is then the single process's slice by construction
-            self.tp_plan = parallelize_tp(model, mesh.group("tp"), sequence_parallel=p.sequence_parallel)
+            self.tp_plan = parallelize_tp(model, mesh.group("tp"), sequence_parallel=p.sequence_parallel,
+                                          moe_tokens=p.moe_tp_tokens)
             mark_tp_replicas(self.tp_plan)
             if pipeline is not None:
                 pipeline.set_tensor_parallel(mesh.tp, p.sequence_parallel)

@@ -73,7 +73,7 @@ def _train(rank, world_size, layouts):
     for name, spec in layouts.items():
         cfg = layout_cfg(spec)
         p = cfg.parallel
-        mesh = ParallelMesh.build(p.pp, world_size // (p.pp * p.tp), p.ep, tp=p.tp)
+        mesh = ParallelMesh.build(p.pp, world_size // (p.pp * p.tp), p.ep, tp=p.tp, etp=p.etp)
         trainer = Trainer(cfg, mesh)
         loss_fn = GatheredLM() if spec.get("loss") == "gathered" else lm_loss_fn
         losses = [trainer.train_step_with_loss(trainer.next_micro_batches(), loss_fn)["loss"] for _ in range(STEPS)]
