@@ -131,6 +131,28 @@ def check_moe_local_tokens(cfg, dims: "ParallelDims") -> None:
                 f"parallel.expert_dispatcher=alltoall (got {p.expert_dispatcher}); or set parallel.moe_tp_tokens=whole")
 
 
+def check_expert_tensor_parallel(cfg, dims: "ParallelDims") -> None:
+    """``parallel.etp`` (= tp, MoE layers whole on every tp rank: the etp ranks hold the same rows,
+    `parallel/expert_tensor_parallel.py` ``replicated``): every expert's ffn dim splits evenly, FP4
+    blocks stay inside a rank's slice, the all-to-all dispatcher, and no DCP checkpoint yet."""
+    p, m, f = cfg.parallel, cfg.model, cfg.fp4
+    require(p.moe_tp_tokens == "whole", "parallel.moe_tp_tokens", p.moe_tp_tokens,
+            f"expert tensor parallel (parallel.etp={dims.etp}) with moe_tp_tokens=local is not implemented yet; "
+            "set parallel.moe_tp_tokens=whole or parallel.etp=1")
+    require(m.moe_ffn_hidden_size % dims.etp == 0, "model.moe_ffn_hidden_size", m.moe_ffn_hidden_size,
+            f"must be a multiple of parallel.etp={dims.etp}: every expert's ffn dim is split over the etp ranks")
+    block = 32 if f.format == "mxfp4" else 16
+    if f.scope != "none" and f.train_mode != "bf16":
+        require((m.moe_ffn_hidden_size // dims.etp) % block == 0, "model.moe_ffn_hidden_size", m.moe_ffn_hidden_size,
+                f"over parallel.etp={dims.etp} leaves {m.moe_ffn_hidden_size // dims.etp} ffn features per rank, not a "
+                f"multiple of the {f.format} block ({block}): FP4 blocks would straddle ranks; change the sizes")
+    require(p.expert_dispatcher == "alltoall", "parallel.expert_dispatcher", p.expert_dispatcher,
+            f"expert tensor parallel (parallel.etp={dims.etp}) runs a rank's experts at once: use alltoall")
+    require(not cfg.checkpoint.dir, "checkpoint.dir", cfg.checkpoint.dir,
+            f"DCP checkpoints of expert-tensor-parallel shards (parallel.etp={dims.etp}) are not implemented yet; "
+            "unset checkpoint.dir or set parallel.etp=1")
+
+
 def resolve_dp(cfg, world_size: int) -> int:
     """Data-parallel size: explicit, or what the world leaves after pp and tp."""
     return ParallelDims.from_parallel(cfg.parallel, world_size).dp
@@ -165,7 +187,9 @@ class ParallelDims:
         demands of the model (experts, layers), the batch and the pipeline schedule."""
         for axis in ("pp", "tp", "ep", "etp"):
             require(getattr(self, axis) >= 1, f"parallel.{axis}", getattr(self, axis), "must be >= 1")
-        require(self.etp == 1, "parallel.etp", self.etp, "expert tensor parallelism is not implemented yet; use etp=1")
+        require(self.etp == 1 or self.etp == self.tp, "parallel.etp", self.etp,
+                f"expert tensor parallelism is implemented with the etp group = the tp group: set etp=1 or "
+                f"etp=parallel.tp={self.tp}")
         require(self.dp == -1 or self.dp >= 1, "parallel.dp", self.dp,
                 "must be >= 1, or -1 to infer it from the world size")
         require(self.world_size >= 1, "world size", self.world_size, "must be >= 1")
@@ -197,6 +221,8 @@ class ParallelDims:
     def _validate_against(self, cfg) -> None:
         p, m, s = cfg.parallel, cfg.model, cfg.schedule
         check_expert_split(m.num_experts, self.ep)
+        if self.etp > 1:
+            check_expert_tensor_parallel(cfg, self)
         if self.tp > 1 and p.moe_tp_tokens == "local":
             check_moe_local_tokens(cfg, self)
         elif self.tp > 1:

@@ -126,6 +126,9 @@ class ShardedWeightPublisher(WeightPublisher):
     def __init__(self, local_named: Callable[[], dict], mesh, transports: Sequence = (), bucket_bytes: int = 4 << 20,
                  timeout_s: float = 600.0, src: int = 0, model=None):
         self.mesh, self.src = mesh, src
+        if getattr(mesh, "etp", 1) > 1:
+            raise ValueError(f"ShardedWeightPublisher: parallel.etp={mesh.etp} (expert-tensor-parallel shards) is not "
+                             "implemented yet: the experts would be published as slices; use parallel.etp=1")
         if mesh.tp > 1:  # tp shards are published whole (`full_tp_tensors`): which tensors they are
             if model is None:
                 raise ValueError("ShardedWeightPublisher under parallel.tp > 1 needs model= (the trainer's model, "

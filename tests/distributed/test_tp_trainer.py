@@ -81,9 +81,12 @@ def _train(rank, world_size, layouts):
         params = {}
         for n, q in trainer.model.named_parameters():
             shard = getattr(q, "tp_shard", None)
+            shard = None if shard is None else [shard]
             first = offsets.get(n[:n.rindex(".") + 1]) if getattr(q, "is_expert", False) else None
             if first is not None:  # expert parallel: this rank's experts [first, first + E_local)
-                shard = (0, torch.arange(first, first + q.shape[0]))
+                shard = [(0, torch.arange(first, first + q.shape[0]))]
+                if getattr(q, "etp_shard", None) is not None:  # expert tensor parallel: its ffn slice
+                    shard.append(q.etp_shard)
             params[n] = (q.detach().clone(), shard)
         out[name] = dict(losses=losses, params=params, tp_rank=mesh.coord("tp"), tp_group=mesh.ranks["tp"])
         trainer.optimizer.remove_hooks()
@@ -95,7 +98,7 @@ def _reference(spec: dict):
 
     cfg = layout_cfg(spec)
     p = cfg.parallel
-    p.pp, p.tp, p.ep, p.virtual_stages, p.schedule = 1, 1, 1, 1, "1f1b"
+    p.pp, p.tp, p.ep, p.etp, p.virtual_stages, p.schedule = 1, 1, 1, 1, 1, "1f1b"
     with single_thread():
         trainer = Trainer(cfg)
         losses = [trainer.train_step()["loss"] for _ in range(STEPS)]
@@ -111,7 +114,9 @@ def check_layout(name, spec, results):
             assert abs(got - want) <= FP64_REL * abs(want), (name, rank, r["losses"], ref_losses)
         for pname, (value, shard) in r["params"].items():
             seen.add(pname)
-            want = ref_params[pname] if shard is None else ref_params[pname].index_select(shard[0], shard[1])
+            want = ref_params[pname]
+            for dim, index in shard or ():
+                want = want.index_select(dim, index)
             assert value.shape == want.shape, (name, rank, pname)
             assert rel(value, want) <= FP64_REL, (name, rank, pname, rel(value, want))
             if shard is None:  # whole on every tp rank: the same bits on each
@@ -167,13 +172,13 @@ def test_tp_layout_errors_name_the_field(field, value, words):
         ParallelDims.from_config(cfg, 2)
 
 
-def test_tp_is_accepted_and_etp_still_refused():
+def test_tp_is_accepted_and_etp_only_as_the_tp_group():
     cfg = tiny_cfg()
     cfg.parallel.tp = 2
     assert ParallelDims.from_config(cfg, 4).dp == 2
-    cfg.parallel.etp = 2
-    with pytest.raises(ConfigError, match="parallel.etp"):
-        ParallelDims.from_config(cfg, 4)
+    cfg.parallel.etp = 4
+    with pytest.raises(ConfigError, match="parallel.etp=4: expert tensor parallelism is implemented with the etp"):
+        ParallelDims.from_config(cfg, 8)
 
 
 def _scorer_refusal(rank, world_size):

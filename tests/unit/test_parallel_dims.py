@@ -32,7 +32,7 @@ def refused(cfg: Config, world: int) -> str:
 BAD_LAYOUTS = [
     (dict(parallel__tp=2), 1, "parallel.tp=2", "needs several processes"),
     (dict(parallel__tp=2, model__num_heads=3), 2, "model.num_heads=3", "multiple of parallel.tp=2"),
-    (dict(parallel__etp=2), 2, "parallel.etp=2", "not implemented yet; use etp=1"),
+    (dict(parallel__etp=2), 2, "parallel.etp=2", "with the etp group = the tp group: set etp=1 or etp=parallel.tp=1"),
     (dict(parallel__pp=0), 1, "parallel.pp=0", "must be >= 1"),
     (dict(parallel__ep=0), 1, "parallel.ep=0", "must be >= 1"),
     (dict(parallel__dp=0), 1, "parallel.dp=0", "-1 to infer it"),
