@@ -235,6 +235,11 @@ class ParallelDims:
                 s.global_batch_size, f"must be a multiple of micro_batch_size×dp = {s.micro_batch_size}×{self.dp}")
         num_microbatches = s.global_batch_size // (s.micro_batch_size * self.dp)
         check_schedule_chunks(p.schedule, p.virtual_stages)
+        if p.schedule == "1f1b" and self.pp > 1:  # torch's Schedule1F1B: every stage busy in the steady state
+            require(num_microbatches >= self.pp, "schedule.global_batch_size", s.global_batch_size,
+                    f"schedule 1f1b needs at least pp={self.pp} micro-batches per step, got {num_microbatches} "
+                    f"(global_batch_size / (micro_batch_size×dp={s.micro_batch_size}×{self.dp})); raise "
+                    f"global_batch_size or lower micro_batch_size")
         if p.schedule in INTERLEAVED_SCHEDULES:
             require(num_microbatches % self.pp == 0, "schedule.global_batch_size", s.global_batch_size,
                     f"schedule {p.schedule} needs the number of micro-batches ({num_microbatches}) to be a "

@@ -11,7 +11,9 @@ from tests.faults._launchers import train_sh
 pytestmark = pytest.mark.distributed
 
 STEPS = 4
-TP2_PP2_EP2 = ["parallel.tp=2", "parallel.pp=2", "parallel.ep=2", f"schedule.train_steps={STEPS}"]
+# micro-batches of 2: dp 2 leaves 2 per step, the pp=2 that 1F1B needs
+TP2_PP2_EP2 = ["parallel.tp=2", "parallel.pp=2", "parallel.ep=2", f"schedule.train_steps={STEPS}",
+               "schedule.micro_batch_size=2"]
 
 
 def test_cli_tp2_pp2_ep2_trains(tmp_path):
