@@ -151,8 +151,7 @@ class ZeroAdamW:
         if zero_stage not in (0, 1, 2):
             raise ValueError(f"parallel.zero_stage={zero_stage!r} must be 0, 1 or 2")
         self.opt_cfg, self.mesh, self.zero_stage = opt_cfg, mesh, zero_stage
-        # how many ranks of an edp group route the same tokens (tensor parallel, MoE layers whole on
-        # every tp rank: tp/etp; moe_tp_tokens=local: 1)
+        # ranks of an edp group routing the same tokens (tp, MoE whole per tp rank: tp/etp; local: 1)
         self.expert_token_copies = mesh.tp // mesh.etp if expert_token_copies is None else expert_token_copies
         groups: dict[tuple, list] = {}
         for name, p in named_params:
@@ -263,8 +262,7 @@ class ZeroAdamW:
             # backward), so edp × ep = dp ranks' contributions are in the sum (Megatron's scaling).
             # Tensor parallel: the MoE layers run whole on every tp rank with the same tokens, so an
             # expert buffer reduced over edp (a stage's dp×tp ranks / ep) holds tp copies of each
-            # dp rank's contribution: 1/(dp·tp) for it (``expert_token_copies``; moe_tp_tokens=local:
-            # each tp rank routes its own chunk, so 1/dp).
+            # dp rank's contribution: 1/(dp·tp) for it (``expert_token_copies``; local tokens: 1/dp).
             num_replicas = self.mesh.dp if self.mesh.world_size > 1 else 1
             if buf.axis == "edp" and self.mesh.world_size > 1:
                 num_replicas *= self.expert_token_copies

@@ -8,7 +8,8 @@ logging, checkpoints (DCP at every size, `training/dist_checkpoint.py`).
 
 A single process is a mesh of size 1. The layout only changes how the model is cut (pipeline
 chunks with global parameter names, local experts, tensor-parallel shards: `parallel.tp`, the LM
-loss then vocab-parallel) and what one forward/backward is: with
+loss then vocab-parallel; `parallel.moe_tp_tokens` and `parallel.etp` for the MoE layers under tp)
+and what one forward/backward is: with
 ``pp > 1`` the pipeline schedule runs the model's own forward pieces and the step's loss on the
 last stage. Every rank builds only its part of the model (on the meta device, then materialised), each
 parameter and expert drawn from its own seeded stream, so every layout starts from the

@@ -76,7 +76,8 @@ def _train(rank, world_size, layouts):
         mesh = ParallelMesh.build(p.pp, world_size // (p.pp * p.tp), p.ep, tp=p.tp, etp=p.etp)
         trainer = Trainer(cfg, mesh)
         loss_fn = GatheredLM() if spec.get("loss") == "gathered" else lm_loss_fn
-        losses = [trainer.train_step_with_loss(trainer.next_micro_batches(), loss_fn)["loss"] for _ in range(STEPS)]
+        steps = [trainer.train_step_with_loss(trainer.next_micro_batches(), loss_fn) for _ in range(STEPS)]
+        losses, norms = [r["loss"] for r in steps], [r["grad_norm"] for r in steps]
         offsets = {f"{n}.": m.expert_offset for n, m in trainer.model.named_modules() if hasattr(m, "expert_offset")}
         params = {}
         for n, q in trainer.model.named_parameters():
@@ -88,7 +89,7 @@ def _train(rank, world_size, layouts):
                 if getattr(q, "etp_shard", None) is not None:  # expert tensor parallel: its ffn slice
                     shard.append(q.etp_shard)
             params[n] = (q.detach().clone(), shard)
-        out[name] = dict(losses=losses, params=params, tp_rank=mesh.coord("tp"), tp_group=mesh.ranks["tp"])
+        out[name] = dict(losses=losses, grad_norms=norms, params=params, tp_rank=mesh.coord("tp"), tp_group=mesh.ranks["tp"])
         trainer.optimizer.remove_hooks()
     return out
 
@@ -101,17 +102,20 @@ def _reference(spec: dict):
     p.pp, p.tp, p.ep, p.etp, p.virtual_stages, p.schedule = 1, 1, 1, 1, 1, "1f1b"
     with single_thread():
         trainer = Trainer(cfg)
-        losses = [trainer.train_step()["loss"] for _ in range(STEPS)]
-    return losses, {n: q.detach() for n, q in trainer.model.named_parameters()}
+        steps = [trainer.train_step() for _ in range(STEPS)]
+    return [r["loss"] for r in steps], [r["grad_norm"] for r in steps], \
+        {n: q.detach() for n, q in trainer.model.named_parameters()}
 
 
 def check_layout(name, spec, results):
-    ref_losses, ref_params = _reference(spec)
+    ref_losses, ref_norms, ref_params = _reference(spec)
     seen = set()
     for rank, res in enumerate(results):
         r = res[name]
         for got, want in zip(r["losses"], ref_losses):
             assert abs(got - want) <= FP64_REL * abs(want), (name, rank, r["losses"], ref_losses)
+        for got, want in zip(r["grad_norms"], ref_norms):  # every shard's elements counted once
+            assert abs(got - want) <= FP64_REL * abs(want), (name, rank, r["grad_norms"], ref_norms)
         for pname, (value, shard) in r["params"].items():
             seen.add(pname)
             want = ref_params[pname]
