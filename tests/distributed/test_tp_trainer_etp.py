@@ -26,6 +26,7 @@ pytestmark = pytest.mark.distributed
 LAYOUTS_4 = {
     "tp2_dp2_ep2_etp2": dict(tp=2, ep=2, etp=2),
     "tp2_dp2_etp2_attn": dict(tp=2, etp=2, scope="experts+attention"),  # ep 1: etp alone, FP4 attention too
+    "tp2_pp2_etp2": dict(tp=2, pp=2, etp=2),  # per pipeline stage
 }
 
 

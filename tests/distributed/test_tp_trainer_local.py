@@ -28,6 +28,7 @@ LAYOUTS_2 = {
 LAYOUTS_4 = {
     "tp2_dp2_ep2_local": dict(tp=2, ep=2, **LOCAL),
     "tp2_dp2_ep4_local": dict(tp=2, ep=4, scope="experts+attention", **LOCAL),  # ep over dp×tp
+    "tp2_pp2_ep2_local": dict(tp=2, pp=2, ep=2, **LOCAL),  # dp 1: the ep group is each stage's tp group
 }
 
 
