@@ -59,16 +59,13 @@ def test_etp_layout_errors_name_the_field(fields, words):
         ParallelDims.from_config(cfg, 4)
 
 
-def test_etp_checkpoint_and_publisher_are_refused_not_wrong():
-    """DCP saves/loads and the sharded publisher would carry expert slices as whole experts: refused."""
+def test_etp_checkpoint_is_refused_not_wrong():
+    """A DCP save/load would carry expert slices as whole experts: refused."""
     from types import SimpleNamespace
 
-    from megatron_fp4.rollout.weight_sync_sharded import ShardedWeightPublisher
     from megatron_fp4.training.checkpoint import CheckpointError
     from megatron_fp4.training.trainer import Trainer
 
     mesh = SimpleNamespace(etp=2, tp=2, world_size=4)
     with pytest.raises(CheckpointError, match=r"parallel\.etp=2\) are not implemented yet"):
         Trainer._refuse_etp_checkpoint(SimpleNamespace(mesh=mesh), "/ckpt")
-    with pytest.raises(ValueError, match=r"ShardedWeightPublisher: parallel\.etp=2"):
-        ShardedWeightPublisher(dict, mesh)
