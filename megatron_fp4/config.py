@@ -84,9 +84,13 @@ class ParallelConfig:
     pp: int = 1
     dp: int = -1  # -1: whatever the world size leaves
     ep: int = 1
-    tp: int = 1  # tensor parallel: attention, dense MLP, embedding/LM head (MoE layers stay whole per rank)
+    tp: int = 1  # tensor parallel: attention, dense MLP, embedding/LM head (MoE layers: moe_tp_tokens, etp)
     sequence_parallel: bool = True  # with tp > 1: norms/residuals on 1/tp of the sequence (Megatron's SP)
-    etp: int = 1  # expert tensor parallel (a stage's dp×tp ranks refolded as edp×ep×etp): reserved
+    # with tp > 1, the tokens a tp rank's MoE layers route: whole (the whole sequence on every tp rank,
+    # the default) | local (its own 1/tp of the sequence: Megatron's parallel folding; ep may then span
+    # the stage's dp×tp ranks; FP4 experts need ep a multiple of tp and the alltoall dispatcher)
+    moe_tp_tokens: str = "whole"
+    etp: int = 1  # expert tensor parallel (a stage's dp×tp ranks refolded as edp×ep×etp): 1, or = tp (MoE whole)
     virtual_stages: int = 1
     # gpipe | 1f1b | interleaved_1f1b | interleaved_zero_bubble (ZB1P, virtual_stages >= 2) | zbv (ZB-V,
     # virtual_stages = 2, V placement); the zero-bubble ones split backward into input- and weight-grad

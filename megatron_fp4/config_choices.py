@@ -21,6 +21,7 @@ _CHOICES = {
     "parallel.schedule": ("gpipe", "1f1b", "interleaved_1f1b", "interleaved_zero_bubble", "zbv"),
     "parallel.zero_stage": (0, 1, 2),
     "parallel.expert_dispatcher": ("alltoall", "gcmoe"),
+    "parallel.moe_tp_tokens": ("whole", "local"),
     "schedule.nan_policy": ("stop", "skip"),
     "data.kind": ("arithmetic", "megatron", "numpy"),
     "device": ("auto", "cpu", "cuda"),

@@ -16,7 +16,11 @@ Megatron's parallel folding: one pipeline stage's ranks are laid out twice over 
 With ``etp = 1`` (all that is implemented: expert tensor parallelism is refused with a clear error)
 the expert grid is the stage's dp×tp ranks as ``edp × ep`` with ep fastest: the MoE layers run whole
 on every tp rank (`parallel/tensor_parallel.py`), so an ep group may hold tp peers, which dispatch
-the same tokens; ZeRO scales expert gradients by 1/(dp·tp) accordingly (`parallel/zero.py`). The ``embed`` axis (pp > 1)
+the same tokens; ZeRO scales expert gradients by 1/(dp·tp) accordingly (`parallel/zero.py`), and ep
+must divide dp. With ``parallel.moe_tp_tokens=local`` each tp rank routes its own 1/tp of the sequence
+(`parallel/tp_moe.py`): ep may be any divisor of dp·tp (FP4 experts: a multiple of tp, so an ep group
+holds whole tp groups, which the all-to-all dispatcher folds) and expert gradients are scaled 1/dp
+(`check_moe_local_tokens`). The ``embed`` axis (pp > 1)
 joins the first and the last stage's ranks of one tp coordinate: they hold the two copies of tied
 embeddings (Megatron's embedding group).
 
@@ -108,6 +112,47 @@ def check_tensor_parallel(model, tp: int, seq_len: int, sequence_parallel: bool)
                 f"change seq_len or set parallel.sequence_parallel=false")
 
 
+def check_moe_local_tokens(cfg, dims: "ParallelDims") -> None:
+    """``parallel.moe_tp_tokens=local``: each tp rank routes its 1/tp of the sequence
+    (`parallel/tp_moe.py`). FP4 experts quantize their weight gradient along a micro-batch's tokens
+    in single-process order, which the all-to-all dispatcher restores when the ep group holds whole tp
+    groups (ep a multiple of tp, etp = 1); the capacity factor and the sequence-level aux loss
+    depend on the whole call's tokens."""
+    p, m, f = cfg.parallel, cfg.model, cfg.fp4
+    require(m.moe_capacity_factor is None and m.moe_aux_loss_type == "global", "parallel.moe_tp_tokens",
+            p.moe_tp_tokens, "does not take model.moe_capacity_factor or model.moe_aux_loss_type=seq (both depend "
+            "on the whole sequence's tokens); set parallel.moe_tp_tokens=whole")
+    fp4_wgrad = f.scope != "none" and f.train_mode != "bf16" and f.quantize_backward
+    if fp4_wgrad:
+        require(dims.ep % dims.tp == 0 and p.expert_dispatcher == "alltoall" and dims.etp == 1,
+                "parallel.moe_tp_tokens", p.moe_tp_tokens,
+                f"with FP4 experts (their weight gradient quantizes along a micro-batch's tokens in order) needs "
+                f"parallel.ep={dims.ep} a multiple of parallel.tp={dims.tp}, parallel.etp=1 and "
+                f"parallel.expert_dispatcher=alltoall (got {p.expert_dispatcher}); or set parallel.moe_tp_tokens=whole")
+
+
+def check_expert_tensor_parallel(cfg, dims: "ParallelDims") -> None:
+    """``parallel.etp`` (= tp, MoE layers whole on every tp rank: the etp ranks hold the same rows,
+    `parallel/expert_tensor_parallel.py` ``replicated``): every expert's ffn dim splits evenly, FP4
+    blocks stay inside a rank's slice, the all-to-all dispatcher, and no DCP checkpoint yet."""
+    p, m, f = cfg.parallel, cfg.model, cfg.fp4
+    require(p.moe_tp_tokens == "whole", "parallel.moe_tp_tokens", p.moe_tp_tokens,
+            f"expert tensor parallel (parallel.etp={dims.etp}) with moe_tp_tokens=local is not implemented yet; "
+            "set parallel.moe_tp_tokens=whole or parallel.etp=1")
+    require(m.moe_ffn_hidden_size % dims.etp == 0, "model.moe_ffn_hidden_size", m.moe_ffn_hidden_size,
+            f"must be a multiple of parallel.etp={dims.etp}: every expert's ffn dim is split over the etp ranks")
+    block = 32 if f.format == "mxfp4" else 16
+    if f.scope != "none" and f.train_mode != "bf16":
+        require((m.moe_ffn_hidden_size // dims.etp) % block == 0, "model.moe_ffn_hidden_size", m.moe_ffn_hidden_size,
+                f"over parallel.etp={dims.etp} leaves {m.moe_ffn_hidden_size // dims.etp} ffn features per rank, not a "
+                f"multiple of the {f.format} block ({block}): FP4 blocks would straddle ranks; change the sizes")
+    require(p.expert_dispatcher == "alltoall", "parallel.expert_dispatcher", p.expert_dispatcher,
+            f"expert tensor parallel (parallel.etp={dims.etp}) runs a rank's experts at once: use alltoall")
+    require(not cfg.checkpoint.dir, "checkpoint.dir", cfg.checkpoint.dir,
+            f"DCP checkpoints of expert-tensor-parallel shards (parallel.etp={dims.etp}) are not implemented yet; "
+            "unset checkpoint.dir or set parallel.etp=1")
+
+
 def resolve_dp(cfg, world_size: int) -> int:
     """Data-parallel size: explicit, or what the world leaves after pp and tp."""
     return ParallelDims.from_parallel(cfg.parallel, world_size).dp
@@ -142,7 +187,9 @@ class ParallelDims:
         demands of the model (experts, layers), the batch and the pipeline schedule."""
         for axis in ("pp", "tp", "ep", "etp"):
             require(getattr(self, axis) >= 1, f"parallel.{axis}", getattr(self, axis), "must be >= 1")
-        require(self.etp == 1, "parallel.etp", self.etp, "expert tensor parallelism is not implemented yet; use etp=1")
+        require(self.etp == 1 or self.etp == self.tp, "parallel.etp", self.etp,
+                f"expert tensor parallelism is implemented with the etp group = the tp group: set etp=1 or "
+                f"etp=parallel.tp={self.tp}")
         require(self.dp == -1 or self.dp >= 1, "parallel.dp", self.dp,
                 "must be >= 1, or -1 to infer it from the world size")
         require(self.world_size >= 1, "world size", self.world_size, "must be >= 1")
@@ -155,8 +202,9 @@ class ParallelDims:
         require(dims.pp * dims.dp * dims.tp == self.world_size, "parallel.dp", self.dp,
                 f"dp×pp×tp = {dims.dp}×{dims.pp}×{dims.tp} must equal the world size {self.world_size}; "
                 f"set parallel.dp=-1 to infer it, or launch pp×dp×tp processes")
-        require(dims.dp % dims.ep == 0, "parallel.ep", dims.ep,
-                f"expert parallel groups are carved out of the data-parallel ranks: ep must divide dp={dims.dp}")
+        if dims.tp == 1:  # with tp, parallel.moe_tp_tokens decides (`_validate_against`)
+            require(dims.dp % dims.ep == 0, "parallel.ep", dims.ep,
+                    f"expert parallel groups are carved out of the data-parallel ranks: ep must divide dp={dims.dp}")
         require((dims.dp * dims.tp) % (dims.ep * dims.etp) == 0, "parallel.etp", dims.etp,
                 f"a stage's dp×tp = {dims.dp * dims.tp} ranks are refolded as edp×ep×etp: ep×etp = "
                 f"{dims.ep * dims.etp} must divide it")
@@ -173,12 +221,25 @@ class ParallelDims:
     def _validate_against(self, cfg) -> None:
         p, m, s = cfg.parallel, cfg.model, cfg.schedule
         check_expert_split(m.num_experts, self.ep)
+        if self.etp > 1:
+            check_expert_tensor_parallel(cfg, self)
+        if self.tp > 1 and p.moe_tp_tokens == "local":
+            check_moe_local_tokens(cfg, self)
+        elif self.tp > 1:
+            require(self.dp % self.ep == 0, "parallel.ep", self.ep,
+                    f"expert parallel groups are carved out of the data-parallel ranks: ep must divide dp={self.dp} "
+                    f"(or, with parallel.tp > 1, set parallel.moe_tp_tokens=local to fold tp into ep)")
         check_chunks(m.num_layers, self.pp, p.virtual_stages)
         require(s.micro_batch_size >= 1, "schedule.micro_batch_size", s.micro_batch_size, "must be a positive integer")
         require(s.global_batch_size % (s.micro_batch_size * self.dp) == 0, "schedule.global_batch_size",
                 s.global_batch_size, f"must be a multiple of micro_batch_size×dp = {s.micro_batch_size}×{self.dp}")
         num_microbatches = s.global_batch_size // (s.micro_batch_size * self.dp)
         check_schedule_chunks(p.schedule, p.virtual_stages)
+        if p.schedule == "1f1b" and self.pp > 1:  # torch's Schedule1F1B: every stage busy in the steady state
+            require(num_microbatches >= self.pp, "schedule.global_batch_size", s.global_batch_size,
+                    f"schedule 1f1b needs at least pp={self.pp} micro-batches per step, got {num_microbatches} "
+                    f"(global_batch_size / (micro_batch_size×dp={s.micro_batch_size}×{self.dp})); raise "
+                    f"global_batch_size or lower micro_batch_size")
         if p.schedule in INTERLEAVED_SCHEDULES:
             require(num_microbatches % self.pp == 0, "schedule.global_batch_size", s.global_batch_size,
                     f"schedule {p.schedule} needs the number of micro-batches ({num_microbatches}) to be a "

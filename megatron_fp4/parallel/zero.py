@@ -146,10 +146,13 @@ def mark_tp_replicas(plan) -> None:
 class ZeroAdamW:
     """AdamW with fp32 master weights and optimizer state sharded over each buffer's group."""
 
-    def __init__(self, named_params, opt_cfg, mesh, zero_stage: int = 1, bucket_size_mb: float = 4.0):
+    def __init__(self, named_params, opt_cfg, mesh, zero_stage: int = 1, bucket_size_mb: float = 4.0, *,
+                 expert_token_copies: Optional[int] = None):
         if zero_stage not in (0, 1, 2):
             raise ValueError(f"parallel.zero_stage={zero_stage!r} must be 0, 1 or 2")
         self.opt_cfg, self.mesh, self.zero_stage = opt_cfg, mesh, zero_stage
+        # ranks of an edp group routing the same tokens (tp, MoE whole per tp rank: tp/etp; local: 1)
+        self.expert_token_copies = mesh.tp // mesh.etp if expert_token_copies is None else expert_token_copies
         groups: dict[tuple, list] = {}
         for name, p in named_params:
             if not p.requires_grad:
@@ -259,10 +262,10 @@ class ZeroAdamW:
             # backward), so edp × ep = dp ranks' contributions are in the sum (Megatron's scaling).
             # Tensor parallel: the MoE layers run whole on every tp rank with the same tokens, so an
             # expert buffer reduced over edp (a stage's dp×tp ranks / ep) holds tp copies of each
-            # dp rank's contribution: 1/(dp·tp) for it.
+            # dp rank's contribution: 1/(dp·tp) for it (``expert_token_copies``; local tokens: 1/dp).
             num_replicas = self.mesh.dp if self.mesh.world_size > 1 else 1
             if buf.axis == "edp" and self.mesh.world_size > 1:
-                num_replicas *= self.mesh.tp // self.mesh.etp
+                num_replicas *= self.expert_token_copies
             if num_replicas > 1:
                 (self.grad_shards[k] if self.zero_stage == 2 else buf.grad).mul_(1.0 / num_replicas)
         self._armed = False

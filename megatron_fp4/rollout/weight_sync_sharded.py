@@ -56,13 +56,21 @@ def full_tp_tensors(named: dict, model, mesh) -> dict:
     """`named` with every tensor-parallel shard (a view of a parameter of `model` that carries
     ``tp_shard``) replaced by the whole tensor, all-gathered over this rank's tp group (collective
     over it: the tp ranks of a stage list the same names in the same order). A kv head several
-    ranks share (``tp_replicas``) is taken once."""
+    ranks share (``tp_replicas``) is taken once. Expert-tensor parallel (``etp`` > 1): every HF
+    per-expert tensor is this rank's ffn slice, all-gathered over the etp group along the ffn dim."""
     if mesh.tp == 1:
         return named
+    etp = getattr(mesh, "etp", 1)
     shards = {(p.data_ptr(), tuple(p.shape)): p for p in model.parameters() if getattr(p, "tp_shard", None) is not None}
     out = {}
     for name, t in named.items():
         p = shards.get((t.data_ptr(), tuple(t.shape)))
+        dim = _etp_dim(name) if etp > 1 else None
+        if dim is not None:
+            parts = [torch.empty_like(t) for _ in range(etp)]
+            dist.all_gather(parts, t.contiguous(), group=mesh.group("etp"))
+            out[name] = torch.cat(parts, dim=dim)
+            continue
         if p is None:
             out[name] = t
             continue
@@ -70,6 +78,20 @@ def full_tp_tensors(named: dict, model, mesh) -> dict:
         dist.all_gather(parts, t.contiguous(), group=mesh.group("tp"))
         out[name] = torch.cat(parts[::getattr(p, "tp_replicas", 1)], dim=p.tp_shard[0])
     return out
+
+
+_ETP_DIMS = ((".gate_proj.weight", 0), (".up_proj.weight", 0), (".down_proj.weight", 1))  # the ffn dim
+
+
+def _etp_dim(name: str):
+    """The ffn dim of an HF per-expert tensor (None: not an expert's)."""
+    if ".mlp.experts." not in name:
+        return None
+    dim = next((d for suffix, d in _ETP_DIMS if name.endswith(suffix)), None)
+    if dim is None:
+        raise ValueError(f"ShardedWeightPublisher under parallel.etp > 1: {name} is not a per-expert HF tensor "
+                         "(an etp rank holds a slice of every expert); publish layout='checkpoint'")
+    return dim
 
 
 class _GatheredBuckets:

@@ -8,7 +8,8 @@ logging, checkpoints (DCP at every size, `training/dist_checkpoint.py`).
 
 A single process is a mesh of size 1. The layout only changes how the model is cut (pipeline
 chunks with global parameter names, local experts, tensor-parallel shards: `parallel.tp`, the LM
-loss then vocab-parallel) and what one forward/backward is: with
+loss then vocab-parallel; `parallel.moe_tp_tokens` and `parallel.etp` for the MoE layers under tp)
+and what one forward/backward is: with
 ``pp > 1`` the pipeline schedule runs the model's own forward pieces and the step's loss on the
 last stage. Every rank builds only its part of the model (on the meta device, then materialised), each
 parameter and expert drawn from its own seeded stream, so every layout starts from the
@@ -38,6 +39,7 @@ from megatron_fp4.config import Config, ConfigError
 from megatron_fp4.model import MoETransformer, materialize
 from megatron_fp4.model.specs import numerics_from_config
 from megatron_fp4.parallel.expert_parallel import apply_expert_parallel
+from megatron_fp4.parallel.expert_tensor_parallel import apply_expert_tensor_parallel
 from megatron_fp4.parallel.mesh import ParallelDims, ParallelMesh, world_size_from_env
 from megatron_fp4.parallel.pipeline import PipelineRunner
 from megatron_fp4.parallel.tensor_parallel import parallelize_tp
@@ -83,7 +85,12 @@ class Trainer(TrainingStep):
         """A fresh optimizer over this rank's parameters: `ZeroAdamW` at every size (sharded over
         dp; one process is a dp group of size 1)."""
         p = self.cfg.parallel
-        return ZeroAdamW(self.model.named_parameters(), self.cfg.optimizer, self.mesh, p.zero_stage, p.bucket_size_mb)
+        return ZeroAdamW(self.model.named_parameters(), self.cfg.optimizer, self.mesh, p.zero_stage, p.bucket_size_mb,
+                         expert_token_copies=self.mesh.tp // self.mesh.etp if self._moe_tokens() == "whole" else 1)
+
+    def _moe_tokens(self) -> str:
+        """The tokens a tp rank's MoE layers route (``parallel.moe_tp_tokens``; "whole" without tp)."""
+        return self.cfg.parallel.moe_tp_tokens if self.mesh.tp > 1 else "whole"
 
     def _init_guard(self) -> None:
         self._sqnr = None
@@ -105,14 +112,18 @@ class Trainer(TrainingStep):
         cfg, mesh, p = self.cfg, self.mesh, self.cfg.parallel
         with torch.device("meta"):
             model = MoETransformer(cfg.model, cfg.fp4, numerics_from_config(cfg, "train"))
-        if mesh.ep > 1:
+        if mesh.ep > 1 or mesh.etp > 1:  # (ep 1: only marks the experts edp params) moe_tp_tokens=local with ep holding whole tp groups: the dispatcher folds tp
+            fold = mesh.tp if self._moe_tokens() == "local" and mesh.ep % mesh.tp == 0 else 1
             apply_expert_parallel(model, mesh, dispatcher=p.expert_dispatcher, chunk_tokens=p.gcmoe_chunk_tokens,
-                                  transfer_sms=p.gcmoe_transfer_sms, ring_slots=p.gcmoe_ring_slots)
+                                  transfer_sms=p.gcmoe_transfer_sms, ring_slots=p.gcmoe_ring_slots, tp_fold=fold)
         pipeline = PipelineRunner(model, mesh, p.schedule, p.virtual_stages) if mesh.pp > 1 else None
         materialize(model, self.device, cfg.schedule.seed)
+        if mesh.etp > 1:  # cut materialised experts (their init draws whole matrices); etp group = tp group
+            apply_expert_tensor_parallel(model, mesh.group("etp"), replicated=True)
         self.tp_plan = None
         if mesh.tp > 1:  # cut after init: each shard is then the single process's slice by construction
-            self.tp_plan = parallelize_tp(model, mesh.group("tp"), sequence_parallel=p.sequence_parallel)
+            self.tp_plan = parallelize_tp(model, mesh.group("tp"), sequence_parallel=p.sequence_parallel,
+                                          moe_tokens=p.moe_tp_tokens)
             mark_tp_replicas(self.tp_plan)
             if pipeline is not None:
                 pipeline.set_tensor_parallel(mesh.tp, p.sequence_parallel)
@@ -241,7 +252,13 @@ class Trainer(TrainingStep):
         (`training/dist_checkpoint.py`). Refused, with the last checkpoint kept, when the weights
         are not finite."""
         self.refuse_nonfinite_save(root)
+        self._refuse_etp_checkpoint(root)
         return dcp_ckpt.save(root, self)
+
+    def _refuse_etp_checkpoint(self, path: str) -> None:
+        if self.mesh.etp > 1:
+            raise ckpt.CheckpointError(f"{path}: DCP checkpoints of expert-tensor-parallel shards (parallel.etp="
+                                       f"{self.mesh.etp}) are not implemented yet; train with parallel.etp=1 to save")
 
     def refuse_nonfinite_save(self, root: str) -> None:
         self.require_finite_weights(f"refusing to save step {self.step} to {root}: the weights are not finite",
@@ -251,6 +268,7 @@ class Trainer(TrainingStep):
         """Resume a DCP checkpoint (a step dir, or a root: its newest intact step), written by any
         layout. One without optimizer state (`tools/convert_checkpoint.py from-hf`, or `upgrade` of
         a checkpoint of the former single-file format) starts with fresh Adam moments."""
+        self._refuse_etp_checkpoint(path)
         dcp_ckpt.load(path, self)
         self.refuse_nonfinite_load(path)
         return self.step

@@ -55,8 +55,9 @@ def layout_cfg(spec: dict):
     spec = dict(spec)
     spec.pop("loss", None)
     kv_heads, layers = spec.pop("kv_heads", None), spec.pop("layers", 2)
+    scope, fmt = spec.pop("scope", "experts"), spec.pop("format", "nvfp4")
     cfg = tiny_cfg(fp4=True, **spec)
-    cfg.fp4.scope = "experts"
+    cfg.fp4.scope, cfg.fp4.format = scope, fmt
     m = cfg.model
     m.num_layers, m.num_shared_experts = layers, 1
     if kv_heads is not None:
@@ -72,19 +73,23 @@ def _train(rank, world_size, layouts):
     for name, spec in layouts.items():
         cfg = layout_cfg(spec)
         p = cfg.parallel
-        mesh = ParallelMesh.build(p.pp, world_size // (p.pp * p.tp), p.ep, tp=p.tp)
+        mesh = ParallelMesh.build(p.pp, world_size // (p.pp * p.tp), p.ep, tp=p.tp, etp=p.etp)
         trainer = Trainer(cfg, mesh)
         loss_fn = GatheredLM() if spec.get("loss") == "gathered" else lm_loss_fn
-        losses = [trainer.train_step_with_loss(trainer.next_micro_batches(), loss_fn)["loss"] for _ in range(STEPS)]
+        steps = [trainer.train_step_with_loss(trainer.next_micro_batches(), loss_fn) for _ in range(STEPS)]
+        losses, norms = [r["loss"] for r in steps], [r["grad_norm"] for r in steps]
         offsets = {f"{n}.": m.expert_offset for n, m in trainer.model.named_modules() if hasattr(m, "expert_offset")}
         params = {}
         for n, q in trainer.model.named_parameters():
             shard = getattr(q, "tp_shard", None)
+            shard = None if shard is None else [shard]
             first = offsets.get(n[:n.rindex(".") + 1]) if getattr(q, "is_expert", False) else None
             if first is not None:  # expert parallel: this rank's experts [first, first + E_local)
-                shard = (0, torch.arange(first, first + q.shape[0]))
+                shard = [(0, torch.arange(first, first + q.shape[0]))]
+                if getattr(q, "etp_shard", None) is not None:  # expert tensor parallel: its ffn slice
+                    shard.append(q.etp_shard)
             params[n] = (q.detach().clone(), shard)
-        out[name] = dict(losses=losses, params=params, tp_rank=mesh.coord("tp"), tp_group=mesh.ranks["tp"])
+        out[name] = dict(losses=losses, grad_norms=norms, params=params, tp_rank=mesh.coord("tp"), tp_group=mesh.ranks["tp"])
         trainer.optimizer.remove_hooks()
     return out
 
@@ -94,23 +99,28 @@ def _reference(spec: dict):
 
     cfg = layout_cfg(spec)
     p = cfg.parallel
-    p.pp, p.tp, p.ep, p.virtual_stages, p.schedule = 1, 1, 1, 1, "1f1b"
+    p.pp, p.tp, p.ep, p.etp, p.virtual_stages, p.schedule = 1, 1, 1, 1, 1, "1f1b"
     with single_thread():
         trainer = Trainer(cfg)
-        losses = [trainer.train_step()["loss"] for _ in range(STEPS)]
-    return losses, {n: q.detach() for n, q in trainer.model.named_parameters()}
+        steps = [trainer.train_step() for _ in range(STEPS)]
+    return [r["loss"] for r in steps], [r["grad_norm"] for r in steps], \
+        {n: q.detach() for n, q in trainer.model.named_parameters()}
 
 
 def check_layout(name, spec, results):
-    ref_losses, ref_params = _reference(spec)
+    ref_losses, ref_norms, ref_params = _reference(spec)
     seen = set()
     for rank, res in enumerate(results):
         r = res[name]
         for got, want in zip(r["losses"], ref_losses):
             assert abs(got - want) <= FP64_REL * abs(want), (name, rank, r["losses"], ref_losses)
+        for got, want in zip(r["grad_norms"], ref_norms):  # every shard's elements counted once
+            assert abs(got - want) <= FP64_REL * abs(want), (name, rank, r["grad_norms"], ref_norms)
         for pname, (value, shard) in r["params"].items():
             seen.add(pname)
-            want = ref_params[pname] if shard is None else ref_params[pname].index_select(shard[0], shard[1])
+            want = ref_params[pname]
+            for dim, index in shard or ():
+                want = want.index_select(dim, index)
             assert value.shape == want.shape, (name, rank, pname)
             assert rel(value, want) <= FP64_REL, (name, rank, pname, rel(value, want))
             if shard is None:  # whole on every tp rank: the same bits on each
@@ -166,13 +176,13 @@ def test_tp_layout_errors_name_the_field(field, value, words):
         ParallelDims.from_config(cfg, 2)
 
 
-def test_tp_is_accepted_and_etp_still_refused():
+def test_tp_is_accepted_and_etp_only_as_the_tp_group():
     cfg = tiny_cfg()
     cfg.parallel.tp = 2
     assert ParallelDims.from_config(cfg, 4).dp == 2
-    cfg.parallel.etp = 2
-    with pytest.raises(ConfigError, match="parallel.etp"):
-        ParallelDims.from_config(cfg, 4)
+    cfg.parallel.etp = 4
+    with pytest.raises(ConfigError, match="parallel.etp=4: expert tensor parallelism is implemented with the etp"):
+        ParallelDims.from_config(cfg, 8)
 
 
 def _scorer_refusal(rank, world_size):

@@ -1,5 +1,6 @@
 """Publishing HF weights from a tensor-parallel trainer (tp2 × pp2 on 4 gloo ranks, fp64): the rollout
-receives the single-process model's whole tensors under HF Qwen3-MoE names.
+receives the single-process model's whole tensors under HF Qwen3-MoE names (also with expert-tensor
+parallel etp 2: the experts' ffn slices gathered).
 
 At init bitwise (tp shards are slices of the single-process init and the gather only moves bytes);
 after one step within FP64_REL (tests/numerics.py: the tp partial sums add in another order).
@@ -23,14 +24,14 @@ def cfg_for(**parallel):
     return cfg
 
 
-def _publish(rank, world_size):
+def _publish(rank, world_size, etp=1):
     from megatron_fp4.integrations.hf.sharded import local_hf_state_dict
     from megatron_fp4.parallel.mesh import ParallelMesh
     from megatron_fp4.rollout.weight_sync import InProcessTransport
     from megatron_fp4.rollout.weight_sync_sharded import ShardedWeightPublisher
     from megatron_fp4.training.trainer import Trainer
 
-    trainer = Trainer(cfg_for(tp=2, pp=2), ParallelMesh.build(2, 1, 1, tp=2))
+    trainer = Trainer(cfg_for(tp=2, pp=2, etp=etp), ParallelMesh.build(2, 1, 1, tp=2, etp=etp))
     recorder = Recorder()
     transports = [InProcessTransport(recorder)] if rank == 0 else []
     publisher = ShardedWeightPublisher(lambda: local_hf_state_dict(trainer.model), trainer.mesh, transports,
@@ -47,11 +48,12 @@ def _publish(rank, world_size):
     return dict(got=recorder.got, refusal=refusal)
 
 
-def test_tp2_pp2_publishes_the_single_process_weights():
+@pytest.mark.parametrize("etp", [1, 2])  # etp 2: every expert's ffn slices all-gathered over etp
+def test_tp2_pp2_publishes_the_single_process_weights(etp):
     from megatron_fp4.integrations.hf import to_hf_state_dict
     from megatron_fp4.training.trainer import Trainer
 
-    results = run_distributed(_publish, 4, timeout_s=600)
+    results = run_distributed(_publish, 4, (etp,), timeout_s=600)
     trainer = Trainer(cfg_for())
     init = {k: v.clone() for k, v in to_hf_state_dict(trainer.model).items()}
     trainer.train_step()

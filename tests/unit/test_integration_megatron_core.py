@@ -71,6 +71,11 @@ def test_config_round_trip():
     assert (back.parallel.pp, back.parallel.virtual_stages, back.parallel.ep, back.parallel.schedule) == \
         (2, 2, 2, "interleaved_1f1b")
     assert back.fp4 == cfg.fp4
+    cfg.parallel = dataclasses.replace(cfg.parallel, tp=2, etp=2, sequence_parallel=True)
+    d = to_megatron_transformer_config(cfg)
+    assert (d["tensor_model_parallel_size"], d["expert_tensor_parallel_size"], d["sequence_parallel"]) == (2, 2, True)
+    back = from_megatron_transformer_config(d, fp4_cfg=cfg.fp4).parallel
+    assert (back.tp, back.etp, back.sequence_parallel) == (2, 2, True)
     # without fp4_cfg, fp4=None (our MoEResQ backend is invisible to mcore) reads back as no FP4
     assert from_megatron_transformer_config(to_megatron_transformer_config(cfg)).fp4.scope == "none"
 
@@ -90,7 +95,7 @@ def test_te_nvfp4_backend_only_for_what_it_expresses():
 
 @pytest.mark.parametrize("field,value", [
     ("normalization", "LayerNorm"), ("add_bias_linear", True), ("gated_linear_unit", False),
-    ("activation_func", F.gelu), ("moe_router_score_function", "sigmoid"), ("tensor_model_parallel_size", 2),
+    ("activation_func", F.gelu), ("moe_router_score_function", "sigmoid"), ("context_parallel_size", 2),
     ("hidden_dropout", 0.1), ("qk_layernorm", False), ("moe_router_load_balancing_type", "seq_aux_loss"),
     ("num_moe_experts", None), ("fp8", "hybrid"), ("moe_router_dtype", "fp64"), ("multi_latent_attention", True),
     ("moe_layer_freq", "([1]*3+[0])"),

@@ -32,7 +32,7 @@ def refused(cfg: Config, world: int) -> str:
 BAD_LAYOUTS = [
     (dict(parallel__tp=2), 1, "parallel.tp=2", "needs several processes"),
     (dict(parallel__tp=2, model__num_heads=3), 2, "model.num_heads=3", "multiple of parallel.tp=2"),
-    (dict(parallel__etp=2), 2, "parallel.etp=2", "not implemented yet; use etp=1"),
+    (dict(parallel__etp=2), 2, "parallel.etp=2", "with the etp group = the tp group: set etp=1 or etp=parallel.tp=1"),
     (dict(parallel__pp=0), 1, "parallel.pp=0", "must be >= 1"),
     (dict(parallel__ep=0), 1, "parallel.ep=0", "must be >= 1"),
     (dict(parallel__dp=0), 1, "parallel.dp=0", "-1 to infer it"),
@@ -45,6 +45,8 @@ BAD_LAYOUTS = [
     (dict(parallel__pp=2, parallel__virtual_stages=4, parallel__schedule="interleaved_1f1b"), 2,
      "parallel.virtual_stages=4", "8 model chunks but only model.num_layers=4"),
     (dict(schedule__global_batch_size=10), 4, "schedule.global_batch_size=10", "micro_batch_size×dp = 4×4"),
+    (dict(parallel__pp=2, schedule__global_batch_size=8), 4, "schedule.global_batch_size=8",
+     "schedule 1f1b needs at least pp=2 micro-batches per step, got 1"),
     (dict(parallel__pp=2, parallel__schedule="interleaved_zero_bubble"), 2, "parallel.virtual_stages=1",
      "virtual_stages >= 2"),
     (dict(parallel__pp=2, parallel__virtual_stages=2, parallel__schedule="interleaved_1f1b",
@@ -70,7 +72,7 @@ def test_every_bad_layout_is_one_clear_error(fields, world, start, words):
 
 def test_good_layouts_resolve_dp():
     assert ParallelDims.from_config(Config(), 1) == ParallelDims()  # one process: all ones
-    assert ParallelDims.from_config(cfg_with(parallel__pp=2, parallel__ep=2), 8) == ParallelDims(8, 2, 4, 1, 2, 1)
+    assert ParallelDims.from_config(cfg_with(parallel__pp=2, parallel__ep=2, schedule__global_batch_size=32), 8) == ParallelDims(8, 2, 4, 1, 2, 1)
     assert resolve_dp(cfg_with(parallel__pp=2), 8) == 4 and resolve_dp(cfg_with(parallel__dp=4), 4) == 4
     gcmoe = cfg_with(parallel__ep=4, parallel__expert_dispatcher="gcmoe", parallel__gcmoe_ring_slots=3)
     assert ParallelDims.from_config(gcmoe, 4).ep == 4

@@ -103,6 +103,8 @@ def to_megatron_transformer_config(cfg: Config, fp4_backend: str = "moeresq") ->
         "moe_shared_expert_intermediate_size": (m.num_shared_experts * m.shared_expert_ffn_hidden_size
                                                 if m.num_shared_experts else None),
         "tensor_model_parallel_size": p.tp,
+        "sequence_parallel": bool(p.sequence_parallel and p.tp > 1),
+        "expert_tensor_parallel_size": p.etp,
         "pipeline_model_parallel_size": p.pp,
         "virtual_pipeline_model_parallel_size": p.virtual_stages if p.virtual_stages > 1 else None,
         "expert_model_parallel_size": p.ep,
@@ -189,8 +191,6 @@ def _unsupported(d: dict) -> list[tuple[str, Any, str]]:
         ("position_embedding_type", get("position_embedding_type", "rope") != "rope", "our attention uses RoPE"),
         ("rotary_percent", float(get("rotary_percent", 1.0)) != 1.0, "RoPE rotates the whole head (1.0)"),
         ("rotary_interleaved", bool(get("rotary_interleaved", False)), "our RoPE is rotate-half (not interleaved)"),
-        ("tensor_model_parallel_size", int(get("tensor_model_parallel_size", 1) or 1) != 1,
-         "tensor parallelism is not implemented; set 1"),
         ("context_parallel_size", int(get("context_parallel_size", 1) or 1) != 1, "context parallelism is not implemented"),
         ("fp8", get("fp8") is not None, "FP8 training is not implemented (use our FP4 recipes)"),
         ("fp4", get("fp4") not in (None, "e2m1"), "only fp4='e2m1' exists"),
@@ -263,7 +263,12 @@ def from_megatron_transformer_config(config, gpt_model_kwargs: Optional[Mapping[
     vpp = d.get("virtual_pipeline_model_parallel_size")
     parallel = dataclasses.replace(
         base.parallel, pp=int(d.get("pipeline_model_parallel_size") or 1), virtual_stages=int(vpp or 1),
-        ep=int(d.get("expert_model_parallel_size") or 1), tp=1,
+        ep=int(d.get("expert_model_parallel_size") or 1), tp=int(d.get("tensor_model_parallel_size") or 1),
+        # mcore's expert_tensor_parallel_size=None means tp; ours is etp=1 unless given (the same numbers:
+        # where the experts' products run is a layout choice, `parallel/dims.py`)
+        etp=int(d.get("expert_tensor_parallel_size") or 1),
+        sequence_parallel=bool(d.get("sequence_parallel")) if int(d.get("tensor_model_parallel_size") or 1) > 1
+        else base.parallel.sequence_parallel,
         schedule="interleaved_1f1b" if vpp and int(vpp) > 1 else base.parallel.schedule)
     if parallel.schedule == "interleaved_1f1b" and parallel.virtual_stages == 1:
         parallel = dataclasses.replace(parallel, schedule="1f1b")
