@@ -8,8 +8,8 @@ up rows. So w13 is stored as its two logical halves, ``model/<name>/gate`` and `
 w2 under its usual key, as a DTensor chunk of the global tensor over the etp (= tp) axis. DCP
 records the chunks' global offsets, so the weights reshard across etp (etp2 → etp1 and back, and
 `read_full_model_state` concatenates the halves back into w13 for HF conversion); a checkpoint
-with a whole w13 (saved at etp 1) loads into etp ranks too. On load an etp weight reads its global
-tensor into a temporary and copies its slice in (`load_entries`: the copies run after the read).
+with a whole w13 (saved at etp 1) loads into etp ranks too (`load_entries`: reads into
+temporaries, copied into the parameters after the read).
 
 The AdamW state of an etp shard is keyed by it (``optim/<name>/etp<i>/...``) and loads only at the
 etp size it was saved with (`check_etp_layout`), as tp's.
@@ -42,40 +42,44 @@ def handles(name: str, p, key: str, saved: dict | None) -> bool:
     return saved is not None and _is_w13(name, p) and f"{key}/gate" in saved
 
 
-def save_entries(name: str, p, key: str, t: torch.Tensor, lead: int, mesh) -> dict:
-    """`t` (`p` or one expert of it) as DTensor chunks of the global tensor(s) over the etp axis."""
+def _chunk(x: torch.Tensor, d: int, mesh):
+    """`x` as this rank's chunk (dim `d`) of a global tensor over the etp axis (= the tp axis)."""
     from torch.distributed.tensor import DTensor, Shard
 
-    dim, index = p.etp_shard
-    d, rank = dim - lead, mesh.coord("tp")
-    f = t.shape[d] // (2 if _is_w13(name, p) else 1)
-    assert mesh.etp == mesh.tp and int(index[0]) == rank * f, "an etp shard must be the tp rank's slice, in rank order"
-    device_mesh = mesh.tp_device_mesh(1)  # the etp group is the tp group
+    assert mesh.etp == mesh.tp, "the etp group is the tp group"
+    return DTensor.from_local(x.contiguous(), mesh.tp_device_mesh(1), [Shard(d)], run_check=False)
 
-    def chunk(x):
-        return DTensor.from_local(x.contiguous(), device_mesh, [Shard(d)], run_check=False)
+
+def save_entries(name: str, p, key: str, t: torch.Tensor, lead: int, mesh) -> dict:
+    """`t` (`p` or one expert of it) as DTensor chunks of the global tensor(s) over the etp axis."""
+    dim, index = p.etp_shard
+    d = dim - lead
+    f = t.shape[d] // (2 if _is_w13(name, p) else 1)
+    assert int(index[0]) == mesh.coord("tp") * f, "an etp shard must be the tp rank's slice, in rank order"
     if _is_w13(name, p):
-        return {f"{key}/{half}": chunk(t.narrow(d, i * f, f)) for i, half in enumerate(HALVES)}
-    return {key: chunk(t)}
+        return {f"{key}/{half}": _chunk(t.narrow(d, i * f, f), d, mesh) for i, half in enumerate(HALVES)}
+    return {key: _chunk(t, d, mesh)}
 
 
 def load_entries(name: str, p, key: str, t: torch.Tensor, lead: int, mesh, saved: dict, copies: list) -> dict:
-    """Temporaries of the global tensor(s) `key` names in the checkpoint (w13: its halves when
-    saved so), and in `copies` the copy of this rank's slice of them into `t`, run after the read."""
-    d = _ffn_dim(name, p, lead)
-    parts = mesh.etp if getattr(p, "etp_shard", None) is not None else 1
+    """What to read for `t` (`p` or one expert of it), and in `copies` the copy of it into `t`, run
+    after the read: an etp shard reads its own chunks (w13: of the halves); the other two cases
+    read whole global tensors into temporaries — a whole w13 (saved at etp 1) that an etp rank
+    slices, and the halves of a w13 this rank holds whole (etp 1)."""
+    d, w13 = _ffn_dim(name, p, lead), _is_w13(name, p)
+    sharded, halves = getattr(p, "etp_shard", None) is not None, w13 and f"{key}/gate" in saved
+    keys = [f"{key}/{half}" for half in HALVES] if halves else [key]
+    if sharded and (halves or not w13):
+        out = {k: _chunk(torch.empty_like(x), d, mesh) for k, x in zip(keys, t.chunk(len(keys), d))}
+        copies.append(lambda: t.copy_(torch.cat([out[k].to_local() for k in keys], d)))
+        return out
     shape = list(t.shape)
-    shape[d] *= parts
-    halves = _is_w13(name, p) and f"{key}/gate" in saved
-    if halves:
-        shape[d] //= 2
-        out = {f"{key}/{half}": torch.empty(shape, dtype=t.dtype) for half in HALVES}
-    else:
-        out = {key: torch.empty(shape, dtype=t.dtype)}
-    index = getattr(p, "etp_shard", (None, None))[1]
+    shape[d] = shape[d] * mesh.etp if sharded else shape[d] // len(keys)
+    out = {k: torch.empty(shape, dtype=t.dtype) for k in keys}
+    index = p.etp_shard[1] if sharded else None
 
     def copy():
-        whole = torch.cat(list(out.values()), d) if halves else out[key]
+        whole = torch.cat([out[k] for k in keys], d)
         t.copy_(whole if index is None else whole.index_select(d, index))
     copies.append(copy)
     return out
