@@ -10,8 +10,8 @@
   checkpoint (whole w13) into tp2 etp2 as the etp2 init;
 - optimizer state of etp shards does not reshard: a tp2 etp1 load of the trained etp2 checkpoint
   is one clear CheckpointError;
-- tp2×dp2×ep2 etp2 (4 ranks: per-global-expert keys, ``.../expert<e>/gate``): resume bitwise and
-  the global weights as above.
+- tp2×dp2×ep2 etp2 (4 ranks: per-global-expert keys, ``.../expert<e>/gate``) and tp2×dp2 etp2
+  (edp 2: ZeRO shards an etp slice's AdamW state): resume bitwise and the global weights as above.
 """
 from __future__ import annotations
 
@@ -84,21 +84,27 @@ def test_etp_optimizer_state_reshard_is_refused(saved):
             and "resume with parallel.etp=2" in r["refusal"], r["refusal"]
 
 
+LAYOUTS_4 = {"ep_trained": dict(tp=2, ep=2, etp=2), "edp_trained": dict(tp=2, etp=2)}  # edp 2: ZeRO over an etp slice
+
+
 def _ep_save_resume(rank, world_size, root):
     from megatron_fp4.parallel.mesh import ParallelMesh
     from megatron_fp4.training.trainer import Trainer
 
-    spec = dict(tp=2, ep=2, etp=2)
-    mesh = ParallelMesh.build(1, 2, 2, tp=2, etp=2)
-    trainer = Trainer(layout_cfg(spec), mesh)
-    for _ in range(2):
-        trainer.train_step()
-    trainer.save_checkpoint(f"{root}/ep_trained")
-    after, params = trainer.train_step()["loss"], _params(trainer)
-    resumed = Trainer(layout_cfg(spec), mesh)
-    resumed.load_checkpoint(f"{root}/ep_trained")
-    again = resumed.train_step()["loss"]
-    return dict(after=after, again=again, unequal=[n for n, p in _params(resumed).items() if not torch.equal(p, params[n])])
+    out = {}
+    for name, spec in LAYOUTS_4.items():
+        mesh = ParallelMesh.build(1, 2, spec.get("ep", 1), tp=2, etp=2)
+        trainer = Trainer(layout_cfg(spec), mesh)
+        for _ in range(2):
+            trainer.train_step()
+        trainer.save_checkpoint(f"{root}/{name}")
+        after, params = trainer.train_step()["loss"], _params(trainer)
+        resumed = Trainer(layout_cfg(spec), mesh)
+        resumed.load_checkpoint(f"{root}/{name}")
+        again = resumed.train_step()["loss"]
+        out[name] = dict(after=after, again=again,
+                         unequal=[n for n, p in _params(resumed).items() if not torch.equal(p, params[n])])
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -107,17 +113,18 @@ def saved_ep(tmp_path_factory):
     return root, run_distributed(_ep_save_resume, 4, (str(root),), timeout_s=600)
 
 
-def test_etp2_ep2_resume_is_bitwise_and_holds_the_global_weights(saved_ep):
+@pytest.mark.parametrize("name", list(LAYOUTS_4))
+def test_etp2_ep2_resume_is_bitwise_and_holds_the_global_weights(saved_ep, name):
     from megatron_fp4.training.checkpoint import read_meta
     from megatron_fp4.training.dist_checkpoint import load_full_model_state, read_full_model_state
 
     root, results = saved_ep
     for r in results:
-        assert not r["unequal"] and r["again"].hex() == r["after"].hex(), r
+        assert not r[name]["unequal"] and r[name]["again"].hex() == r[name]["after"].hex(), r[name]
     _, ref = _single(2)
-    full, want = load_full_model_state(root / "ep_trained"), dict(ref.model.named_parameters())
+    full, want = load_full_model_state(root / name), dict(ref.model.named_parameters())
     assert set(full) == set(want)
-    step_dir = next((root / "ep_trained").glob("step_*"))  # the shape check tools/convert_checkpoint.py runs
+    step_dir = next((root / name).glob("step_*"))  # the shape check tools/convert_checkpoint.py runs
     checked = read_full_model_state(step_dir, read_meta(step_dir), {n: tuple(p.shape) for n, p in want.items()})
     assert all(torch.equal(checked[n], full[n]) for n in full)
     for name, value in full.items():
