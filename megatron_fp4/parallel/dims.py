@@ -148,9 +148,6 @@ def check_expert_tensor_parallel(cfg, dims: "ParallelDims") -> None:
                 f"multiple of the {f.format} block ({block}): FP4 blocks would straddle ranks; change the sizes")
     require(p.expert_dispatcher == "alltoall", "parallel.expert_dispatcher", p.expert_dispatcher,
             f"expert tensor parallel (parallel.etp={dims.etp}) runs a rank's experts at once: use alltoall")
-    require(not cfg.checkpoint.dir, "checkpoint.dir", cfg.checkpoint.dir,
-            f"DCP checkpoints of expert-tensor-parallel shards (parallel.etp={dims.etp}) are not implemented yet; "
-            "unset checkpoint.dir or set parallel.etp=1")
 
 
 def resolve_dp(cfg, world_size: int) -> int:

@@ -6,7 +6,8 @@ into any pp / dp (and ZeRO stage) layout:
 
 - ``model/<param name>``: the full parameter (replicated across dp; DCP writes it once). Expert
   weights under expert parallelism are stored per global expert, ``model/<name>/expert<e>``;
-  tensor-parallel shards as DTensor chunks of the global weight (`dcp_tp.py`: they reshard across tp);
+  tensor-parallel shards as DTensor chunks of the global weight (`dcp_tp.py`: they reshard across tp),
+  expert-tensor-parallel ones too, w13 as its gate and up halves (`dcp_etp.py`: they reshard across etp);
 - ``optim/<param name>/<master|exp_avg|exp_avg_sq>/<offset>``: the part of that parameter's
   (flattened, fp32) AdamW state a rank holds, starting at element ``offset`` of the *global*
   parameter. Each rank writes only its own ZeRO shard — nothing is gathered on save — and on load
@@ -34,7 +35,8 @@ from torch.distributed.checkpoint.api import CheckpointException
 from megatron_fp4.parallel.wire import broadcast_json
 from megatron_fp4.training import checkpoint as ckpt
 from megatron_fp4.training import checkpoint_files as files
-from megatron_fp4.training.dcp_checks import check_declared_bytes, check_declared_shapes, model_key_shapes
+from megatron_fp4.training import dcp_etp
+from megatron_fp4.training.dcp_checks import check_declared_bytes, check_declared_shapes
 from megatron_fp4.training.dcp_metadata import METADATA_FILE, SafeFileSystemReader
 from megatron_fp4.training.dcp_tp import check_tp_layout, optim_name, tp_entry, tp_replicas_needed
 
@@ -106,7 +108,9 @@ def _global_offset(param, info: dict) -> int:
     return offset * (param.numel() // local) if local else 0
 
 
-def _model_entries(model, mesh) -> dict:
+def _model_entries(model, mesh, saved: Optional[dict] = None, copies: Optional[list] = None) -> dict:
+    """DCP key -> tensor of every weight; on load (`saved`: the checkpoint's key -> metadata) etp
+    weights get temporaries and `copies` the copies of their slices, to run after the read."""
     info = _expert_info(model) if mesh.ep > 1 else {}
     for replicas in tp_replicas_needed(model.cfg, mesh.tp):  # collective: every rank, same order
         mesh.tp_device_mesh(replicas)
@@ -114,10 +118,16 @@ def _model_entries(model, mesh) -> dict:
     for name, p in model.named_parameters():
         if id(p) in info:
             offset, _ = info[id(p)]
-            for e in range(p.shape[0]):
-                out[f"model/{name}/expert{offset + e}"] = p.data[e]
+            pieces = [(f"model/{name}/expert{offset + e}", p.data[e], 1) for e in range(p.shape[0])]
         else:
-            out[f"model/{name}"] = tp_entry(p, mesh)
+            pieces = [(f"model/{name}", p.data, 0)]
+        for key, t, lead in pieces:
+            if not dcp_etp.handles(name, p, key, saved):
+                out[key] = t if lead else tp_entry(p, mesh)
+            elif saved is None:
+                out.update(dcp_etp.save_entries(name, p, key, t, lead, mesh))
+            else:
+                out.update(dcp_etp.load_entries(name, p, key, t, lead, mesh, saved, copies))
     for name, b in model.named_buffers():  # aux-loss-free balancing's router bias (replicated, like the router)
         if name.endswith(".mlp.router.expert_bias"):
             out[f"model/{name}"] = b
@@ -135,9 +145,13 @@ def _optim_entries(trainer) -> dict:
             start = _state_index(buf, buf.offsets[i] + lo)
             for kind in KINDS:
                 piece = state[kind][start:start + hi - lo]
-                stem = optim_name(buf.names[i], buf.params[i], trainer.mesh)
+                stem = _optim_stem(buf.names[i], buf.params[i], trainer.mesh)
                 out[f"optim/{stem}/{kind}/{_global_offset(buf.params[i], info) + lo}"] = piece.clone()
     return out
+
+
+def _optim_stem(name: str, p, mesh) -> str:
+    return dcp_etp.optim_name(name, p, mesh, optim_name(name, p, mesh))
 
 
 def _state_index(buf, buffer_pos: int) -> int:
@@ -181,6 +195,7 @@ def save(root: str | Path, trainer) -> Path:
                 "adam_step": trainer.optimizer.adam_state(0)["step"] if trainer.optimizer.buffers else 0.0,
                 "sampler": trainer.sampler.state_dict() if trainer.sampler else None,
                 "layout": {"pp": trainer.mesh.pp, "dp": trainer.mesh.dp, "ep": trainer.mesh.ep, "tp": trainer.mesh.tp,
+                           "etp": trainer.mesh.etp,
                            "virtual_stages": p.virtual_stages, "zero_stage": p.zero_stage},
                 "config": trainer.cfg.to_dict()}
         try:
@@ -268,7 +283,9 @@ def _load_step(step_dir: Path, trainer) -> dict:
     saved = _saved_pieces(metadata)
     has_state = meta.get("adam_step", 0) > 0
     check_tp_layout(meta, trainer.mesh, has_state, step_dir)
-    request = _model_entries(trainer.model, trainer.mesh)
+    dcp_etp.check_etp_layout(meta, trainer.mesh, has_state, step_dir)
+    copies: list = []
+    request = _model_entries(trainer.model, trainer.mesh, metadata.state_dict_metadata, copies)
     missing = [k for k in request if k not in metadata.state_dict_metadata]
     if missing:
         raise ckpt.CheckpointError(f"{step_dir} lacks {len(missing)} parameter(s), e.g. {missing[:3]}; it was "
@@ -282,7 +299,7 @@ def _load_step(step_dir: Path, trainer) -> dict:
     plans = []  # (buffer k, kind, dst in flat state, key, src in saved piece, numel)
     for k, buf in enumerate(opt.buffers):
         for i, lo, hi, state_pos in buf.pieces():
-            name, goff = optim_name(buf.names[i], buf.params[i], trainer.mesh), _global_offset(buf.params[i], info)
+            name, goff = _optim_stem(buf.names[i], buf.params[i], trainer.mesh), _global_offset(buf.params[i], info)
             for kind in KINDS if has_state else ():
                 for off, numel, key in saved.get((name, kind), []):
                     a, b = max(goff + lo, off), min(goff + hi, off + numel)
@@ -292,6 +309,9 @@ def _load_step(step_dir: Path, trainer) -> dict:
                                                        else torch.float32)
                         plans.append((k, kind, state_pos + a - goff - lo, key, a - off, b - a))
     _read_shards(request, step_dir, no_dist=not _is_dist())
+    with torch.no_grad():
+        for copy in copies:  # etp slices out of the global tensors read
+            copy()
     if rng_key in request:
         torch.set_rng_state(request[rng_key])
     for k, buf in enumerate(opt.buffers):
@@ -340,13 +360,12 @@ def read_full_model_state(step_dir: Path, meta: dict, expected: Optional[dict] =
     metadata = SafeFileSystemReader(str(step_dir)).read_metadata()
     declared = {key: md for key, md in metadata.state_dict_metadata.items() if key.startswith("model/")}
     if expected is not None:
-        check_declared_shapes(declared, model_key_shapes(declared, expected), step_dir)
+        check_declared_shapes(declared, dcp_etp.key_shapes(declared, expected), step_dir)
     check_declared_bytes(metadata, step_dir, declared)
     state = {key: torch.empty(tuple(md.size), dtype=md.properties.dtype) for key, md in declared.items()}
     _read_shards(state, step_dir, no_dist=True)
     full, experts = {}, {}
-    for key, tensor in state.items():
-        name = key[len("model/"):]
+    for name, tensor in dcp_etp.merge_halves({key[len("model/"):]: t for key, t in state.items()}).items():
         m = re.match(r"^(?P<name>.+)/expert(?P<e>\d+)$", name)
         if m:
             experts.setdefault(m["name"], {})[int(m["e"])] = tensor

@@ -252,13 +252,7 @@ class Trainer(TrainingStep):
         (`training/dist_checkpoint.py`). Refused, with the last checkpoint kept, when the weights
         are not finite."""
         self.refuse_nonfinite_save(root)
-        self._refuse_etp_checkpoint(root)
         return dcp_ckpt.save(root, self)
-
-    def _refuse_etp_checkpoint(self, path: str) -> None:
-        if self.mesh.etp > 1:
-            raise ckpt.CheckpointError(f"{path}: DCP checkpoints of expert-tensor-parallel shards (parallel.etp="
-                                       f"{self.mesh.etp}) are not implemented yet; train with parallel.etp=1 to save")
 
     def refuse_nonfinite_save(self, root: str) -> None:
         self.require_finite_weights(f"refusing to save step {self.step} to {root}: the weights are not finite",
@@ -268,7 +262,6 @@ class Trainer(TrainingStep):
         """Resume a DCP checkpoint (a step dir, or a root: its newest intact step), written by any
         layout. One without optimizer state (`tools/convert_checkpoint.py from-hf`, or `upgrade` of
         a checkpoint of the former single-file format) starts with fresh Adam moments."""
-        self._refuse_etp_checkpoint(path)
         dcp_ckpt.load(path, self)
         self.refuse_nonfinite_load(path)
         return self.step

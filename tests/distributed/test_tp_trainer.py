@@ -56,9 +56,12 @@ def layout_cfg(spec: dict):
     spec.pop("loss", None)
     kv_heads, layers = spec.pop("kv_heads", None), spec.pop("layers", 2)
     scope, fmt = spec.pop("scope", "experts"), spec.pop("format", "nvfp4")
+    model = {k: spec.pop(k) for k in ("recompute", "recompute_modules") if k in spec}  # model.* fields
     cfg = tiny_cfg(fp4=True, **spec)
     cfg.fp4.scope, cfg.fp4.format = scope, fmt
     m = cfg.model
+    for key, value in model.items():
+        setattr(m, key, value)
     m.num_layers, m.num_shared_experts = layers, 1
     if kv_heads is not None:
         m.num_kv_heads = kv_heads

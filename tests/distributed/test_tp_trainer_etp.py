@@ -46,26 +46,13 @@ def test_tp2_etp2_matches_single_process(results_4, name):
     (dict(moe_tp_tokens="local"), "parallel.moe_tp_tokens='local': expert tensor parallel (parallel.etp=2) with"),
     (dict(expert_dispatcher="gcmoe"), "parallel.expert_dispatcher='gcmoe': expert tensor parallel"),
     (dict(moe_ffn=48), "model.moe_ffn_hidden_size=48: over parallel.etp=2 leaves 24 ffn features per rank"),
-    (dict(checkpoint="/tmp/x"), "checkpoint.dir='/tmp/x': DCP checkpoints of expert-tensor-parallel shards"),
 ])
 def test_etp_layout_errors_name_the_field(fields, words):
     cfg = tiny_cfg(fp4=True, tp=2, ep=2, etp=2)
     fields = dict(fields)
     cfg.model.moe_ffn_hidden_size = fields.pop("moe_ffn", cfg.model.moe_ffn_hidden_size)
-    cfg.checkpoint.dir = fields.pop("checkpoint", None)
     for key, value in fields.items():
         setattr(cfg.parallel, key, value)
     with pytest.raises(ConfigError, match=words.replace(".", r"\.").replace("(", r"\(").replace(")", r"\)")):
         ParallelDims.from_config(cfg, 4)
 
-
-def test_etp_checkpoint_is_refused_not_wrong():
-    """A DCP save/load would carry expert slices as whole experts: refused."""
-    from types import SimpleNamespace
-
-    from megatron_fp4.training.checkpoint import CheckpointError
-    from megatron_fp4.training.trainer import Trainer
-
-    mesh = SimpleNamespace(etp=2, tp=2, world_size=4)
-    with pytest.raises(CheckpointError, match=r"parallel\.etp=2\) are not implemented yet"):
-        Trainer._refuse_etp_checkpoint(SimpleNamespace(mesh=mesh), "/ckpt")
