@@ -154,7 +154,7 @@ def test_inflight_microbatches():
 
 @pytest.mark.parametrize("args, words", [
     (["--world-size", "4", "--set", "parallel.ep=3"], "parallel.ep=3"),
-    (["--world-size", "2", "--set", "parallel.tp=2"], "parallel.tp=2"),
+    (["--world-size", "3", "--set", "parallel.tp=3"], "model.num_heads=4"),
     (["--world-size", "2", "--set", "parallel.etp=2"], "parallel.etp"),
     (["--world-size", "8", "--set", "parallel.pp=8"], "model.num_layers=4"),
     (["--world-size", "4", "--set", "parallel.pp=2", "parallel.virtual_stages=2", "parallel.schedule=zbv"], "zbv"),
