@@ -184,7 +184,9 @@ def layer_activation_bytes(cfg: Config, is_moe: bool, tokens: int, routed_rows: 
     nkv = m.num_kv_heads // tp if m.num_kv_heads % tp == 0 else 1
     rows = tokens // sp  # the norms' and residuals' rows
     norm = lambda n, dim: n * dim * (w + a) + n * w  # noqa: E731  RMSNorm: upcast input, rsqrt, x·rsqrt
-    b = norm(rows, H) + tokens * H * a  # input norm, its output (gathered under SP: the q/k/v linears' input)
+    # input norm, its output: the q/k/v linears' input; under SP all-gathered along the sequence into
+    # a non-contiguous [B, T, H] (`tp_comm._gather`), which each of the three linears copies to save
+    b = norm(rows, H) + tokens * H * a * (3 if sp > 1 else 1)
     b += norm(tokens * nh, d) + norm(tokens * nkv, d)  # q_norm, k_norm
     b += 2 * tokens * d * a  # rope cos, sin
     b += 4 * tokens * nh * d * a + tokens * nh * w  # SDPA: q, k and v (repeated to nh heads), out; logsumexp
@@ -195,6 +197,7 @@ def layer_activation_bytes(cfg: Config, is_moe: bool, tokens: int, routed_rows: 
     # the MLP's linears save their input: the norm's output, all-gathered under SP (dense, whole MoE
     # tokens) or by the local-token shared expert; the router its fp32 upcast of the MoE's input
     mlp_in = tokens * H * a if not is_moe or shared else 0
+    mlp_in *= 2 if sp > 1 and not is_moe else 1  # gate and up each copy the non-contiguous gathered input
     router_in = moe_tokens * H * w if is_moe else 0
     same = a == w and (local == 1 or not shared)  # one tensor: the shared expert's input is the router's
     b += max(mlp_in, router_in) if same else mlp_in + router_in
@@ -211,8 +214,9 @@ def layer_activation_bytes(cfg: Config, is_moe: bool, tokens: int, routed_rows: 
         b += local_experts * 4
     if m.router_aux_loss_coef or m.router_z_loss_coef:  # the aux losses' graph, kept by AuxLossAutoScaler
         b += tokens * E * w + E * 4 + tokens * w + w  # logits (z-loss), token fractions, logsumexp, the loss
-    if shared:  # cut like a dense MLP under tp, on every token
-        b += 4 * tokens * local * m.shared_expert_ffn_hidden_size * m.num_shared_experts // tp * a
+        b += tokens * w + w if local > 1 else 0  # tp-shared statistics (`MoELayer.token_sum`): token weights, count
+    if shared:  # whole MoE tokens: uncut; local: cut like a dense MLP, on every token (`_shared_expert`)
+        b += 4 * tokens * local * m.shared_expert_ffn_hidden_size * m.num_shared_experts // local * a
     return b
 
 
@@ -233,10 +237,10 @@ def chunk_activation_bytes(cfg: Config, model: MoETransformer, layers, is_first:
         b += layer_activation_bytes(cfg, layer.is_moe, tokens, rows, experts.num_experts if experts else 0, grouped)
     if is_last and tp == 1:  # final norm, LM-head input, log-softmax output (fp32), loss scalar
         b += tokens * m.hidden_size * (w + 2 * a) + tokens * w + tokens * m.vocab_size * w + w
-    elif is_last:  # final norm (S/tp under SP), the gathered head input; vocab-parallel CE's exp, sum, ids, mask
-        rows = tokens // sp
+    elif is_last:  # final norm (S/tp under SP), the gathered head input; `vocab_parallel_cross_entropy`:
+        rows = tokens // sp  # exp, sum of exp, local ids, in-slice mask; the label mask (wide), its count
         b += rows * m.hidden_size * (w + a) + rows * w + tokens * m.hidden_size * a
-        b += tokens * m.vocab_size // tp * w + tokens * (w + _INDEX_BYTES + 1) + w
+        b += tokens * m.vocab_size // tp * w + tokens * (w + _INDEX_BYTES + 1) + tokens * w + _INDEX_BYTES
     return b
 
 
