@@ -3,11 +3,12 @@
 
 - **Parameters**: each pipeline rank's model is built on the meta device and cut exactly as the
   trainer cuts it (`expert_parallel.local_expert_range` / `_local_experts`, then
-  `pipeline.build_chunks` → `strip_to_local`), so the parameter list is the trainer's.
+  `pipeline.build_chunks` → `strip_to_local`, then `GroupedExperts.shard_ffn` for etp and
+  `parallelize_tp` itself for tp, without a process group), so the parameter list is the trainer's.
 - **Gradients and optimizer**: every mesh (one process included: a dp group of size 1) uses
   `ZeroAdamW` (parallel/zero.py): params and grads live in flat buffers per (dtype, reduction axis,
-  weight decay), laid out by its own pure `plan_buckets` (padded to the axis' group size: dp,
-  edp = dp/ep for experts, embed); fp32 masters and both Adam moments cover the owned slices at
+  weight decay), laid out by its own pure `plan_buckets` (padded to the axis' group size: dp of
+  one tp coordinate, edp = dp·tp/(ep·etp) for experts, embed); fp32 masters and both Adam moments cover the owned slices at
   stages 1/2, the whole buffer at stage 0 (where an fp32 buffer is its own master, as in a group of
   one); stage 2 adds the reduced-grad shard. Every torch AdamW param (one per buffer) also holds a 4-byte ``step``.
 - **Activations**: the bytes autograd saves for one micro-batch of a chunk (`layer_activation_bytes`,
