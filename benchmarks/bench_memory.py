@@ -76,9 +76,11 @@ def init_rank(rank: int, world: int, port: int, spec: dict, overrides: list):
     from megatron_fp4.model import MoETransformer
     from megatron_fp4.parallel.mesh import ParallelMesh
 
-    cfg = load_config(default_config_path(), overrides + [f"parallel.pp={spec['pp']}", f"parallel.ep={spec['ep']}"])
+    tp = spec.get("tp", 1)  # (bench_memory_plan's tp layouts)
+    cfg = load_config(default_config_path(), overrides + [f"parallel.pp={spec['pp']}", f"parallel.ep={spec['ep']}",
+                                                          f"parallel.tp={tp}"])
     dist.init_process_group("gloo", rank=rank, world_size=world)
-    mesh = ParallelMesh.build(spec["pp"], world // spec["pp"], spec["ep"], device=torch.device("cpu"))
+    mesh = ParallelMesh.build(spec["pp"], world // (spec["pp"] * tp), spec["ep"], tp=tp, device=torch.device("cpu"))
     # The first construction on the meta device imports torch's meta kernels (sympy, ~150 MB RSS,
     # once per process, whatever the model size): paid before the baseline, by a 1-layer model.
     warm = load_config(default_config_path(), ["model.num_layers=1"])

@@ -1,5 +1,5 @@
 """Planned vs measured memory per rank: tools/memory_plan.py's total against the peak-RSS growth of
-building the trainer and running two steps, at pp1, pp2 and ep2 (gloo on CPU).
+building the trainer and running two steps, at pp1, pp2, ep2 and tp2 (sequence parallel; gloo on CPU).
 
     OMP_NUM_THREADS=1 python benchmarks/bench_memory_plan.py
     python benchmarks/bench_memory_plan.py --layouts pp1 --set model.num_layers=2
@@ -23,6 +23,7 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_memory import DEFAULTS, LAYOUTS, _peak_mb, init_rank, spawn_layout  # noqa: E402  (the same measurement)
 
+PLAN_LAYOUTS = dict(LAYOUTS, tp2=dict(pp=1, ep=1, tp=2, world=2))
 PLAN_DEFAULTS = DEFAULTS + ["schedule.global_batch_size=8", "schedule.micro_batch_size=2", "schedule.seq_len=128"]
 STEPS = 2
 
@@ -50,7 +51,7 @@ def run_layout(spec: dict, overrides: list) -> list[dict]:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--set", dest="overrides", action="append", default=[])
-    parser.add_argument("--layouts", default="pp1,pp2,ep2")
+    parser.add_argument("--layouts", default="pp1,pp2,ep2,tp2")
     args = parser.parse_args(argv)
     from megatron_fp4.config import default_config_path, load_config
     from megatron_fp4.training.memory_plan import plan_memory
@@ -59,9 +60,9 @@ def main(argv=None) -> int:
           f"{'measured MB':>11} {'measured/planned':>16}")
     worst = 0.0
     for name in args.layouts.split(","):
-        spec = LAYOUTS[name]
-        cfg = load_config(default_config_path(), PLAN_DEFAULTS + args.overrides + [f"parallel.pp={spec['pp']}",
-                                                                                   f"parallel.ep={spec['ep']}"])
+        spec = PLAN_LAYOUTS[name]
+        cfg = load_config(default_config_path(), PLAN_DEFAULTS + args.overrides + [
+            f"parallel.pp={spec['pp']}", f"parallel.ep={spec['ep']}", f"parallel.tp={spec.get('tp', 1)}"])
         plans = plan_memory(cfg, spec["world"])  # ZeroAdamW at every size
         for rank, r in enumerate(run_layout(spec, args.overrides)):
             plan = plans[r["pp_rank"]]

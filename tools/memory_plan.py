@@ -7,7 +7,7 @@
 The numbers come from the project's own code (megatron_fp4/training/memory_plan.py: the meta-device
 model cut as the trainer cuts it, ZeroAdamW's buffer layout, the saved-tensor terms of the forward);
 docs/memory.md ("Planning") says what each row holds and how it was checked. One row per pipeline
-rank: its dp and ep peers hold the same bytes. A bad config or layout: one line, exit status 2.
+rank: its dp, ep and tp peers hold the same bytes. A bad config or layout: one line, exit status 2.
 """
 from __future__ import annotations
 

@@ -98,19 +98,20 @@ class GroupedExperts(nn.Module):
         out.numerics = self.numerics  # the model's fp4.Numerics
         return out
 
-    def shard_ffn(self, parts: int, index: int) -> "GroupedExperts":
+    def shard_ffn(self, parts: int, index: int, *, shapes_only: bool = False) -> "GroupedExperts":
         """A new module holding slice `index` of `parts` of every expert's ffn dim (expert-tensor
         parallel): gate and up rows ``[index·F/parts, (index+1)·F/parts)`` of w13 (column cut), those
         columns of w2 (row cut); parameters keep their attributes and remember the slice
-        (``etp_shard = (dim, index)`` of the stacked tensor). The FP4 cuts are the caller's."""
+        (``etp_shard = (dim, index)`` of the stacked tensor). The FP4 cuts are the caller's.
+        ``shapes_only``: a meta model's cut (the memory planner: shapes, no values)."""
         f = self.ffn // parts
         if f * parts != self.ffn or not 0 <= index < parts:
             raise ValueError(f"GroupedExperts.shard_ffn: ffn={self.ffn} does not split into {parts} parts "
                              f"(model.moe_ffn_hidden_size must be a multiple of parallel.etp), or index {index}")
-        if self.w13.is_meta:  # the per-expert init draws whole matrices: cut materialised weights
+        if self.w13.is_meta and not shapes_only:  # the per-expert init draws whole matrices: cut materialised weights
             raise ValueError("GroupedExperts.shard_ffn: the experts are still on the meta device; materialise the "
                              "model (model.materialize) before cutting it for expert-tensor parallel")
-        cols = torch.arange(index * f, (index + 1) * f, device=self.w13.device)
+        cols = torch.arange(index * f, (index + 1) * f)
         rows = torch.cat([cols, cols + self.ffn])
         with torch.device(self.w13.device):
             out = GroupedExperts(self.num_global_experts, self.hidden, f, self.recipe, expert_offset=self.expert_offset,
@@ -118,10 +119,10 @@ class GroupedExperts(nn.Module):
         for name, dim, index_ in (("w13", 1, rows), ("w2", 2, cols)):
             old, new = getattr(self, name), getattr(out, name)
             with torch.no_grad():
-                new.copy_(old.index_select(dim, index_))
+                new.copy_(old.index_select(dim, index_.to(old.device)))
             new.requires_grad_(old.requires_grad)
             new.__dict__.update(old.__dict__)
-            new.etp_shard = (dim, index_.cpu())
+            new.etp_shard = (dim, index_)
         out.quant_name, out.numerics = self.quant_name, self.numerics
         return out
 

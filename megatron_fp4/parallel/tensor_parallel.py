@@ -120,12 +120,15 @@ def _cut_fp4(linears: dict, kind: str, plan: TPPlan) -> None:
             linear.tp_cut = cut
 
 
-def parallelize_tp(model: nn.Module, group, sequence_parallel: bool = False, *, moe_tokens: str = "whole") -> TPPlan:
+def parallelize_tp(model: nn.Module, group, sequence_parallel: bool = False, *, moe_tokens: str = "whole",
+                   size_rank: Optional[tuple] = None) -> TPPlan:
     """Cut `model` (a `MoETransformer`, whole or a pipeline stage's layers) for tensor parallelism
-    over `group` and return the plan (see the module docstring; ``moe_tokens``: `parallel/tp_moe.py`)."""
+    over `group` and return the plan (see the module docstring; ``moe_tokens``: `parallel/tp_moe.py`).
+    ``size_rank=(tp, rank)`` with ``group=None``: the same cut without a process group (the memory
+    planner's meta model, `training/memory_plan.py`; its hooks must never run)."""
     if moe_tokens not in MOE_TOKENS:
         raise ValueError(f"parallelize_tp: moe_tokens={moe_tokens!r} is not one of {MOE_TOKENS}")
-    tp, rank = dist.get_world_size(group), dist.get_rank(group)
+    tp, rank = size_rank if size_rank is not None else (dist.get_world_size(group), dist.get_rank(group))
     cfg = model.cfg
     plan = TPPlan(group, rank, tp, sequence_parallel)
     problems = []

@@ -3,11 +3,12 @@
 
 - **Parameters**: each pipeline rank's model is built on the meta device and cut exactly as the
   trainer cuts it (`expert_parallel.local_expert_range` / `_local_experts`, then
-  `pipeline.build_chunks` → `strip_to_local`), so the parameter list is the trainer's.
+  `pipeline.build_chunks` → `strip_to_local`, then `GroupedExperts.shard_ffn` for etp and
+  `parallelize_tp` itself for tp, without a process group), so the parameter list is the trainer's.
 - **Gradients and optimizer**: every mesh (one process included: a dp group of size 1) uses
   `ZeroAdamW` (parallel/zero.py): params and grads live in flat buffers per (dtype, reduction axis,
-  weight decay), laid out by its own pure `plan_buckets` (padded to the axis' group size: dp,
-  edp = dp/ep for experts, embed); fp32 masters and both Adam moments cover the owned slices at
+  weight decay), laid out by its own pure `plan_buckets` (padded to the axis' group size: dp of
+  one tp coordinate, edp = dp·tp/(ep·etp) for experts, embed); fp32 masters and both Adam moments cover the owned slices at
   stages 1/2, the whole buffer at stage 0 (where an fp32 buffer is its own master, as in a group of
   one); stage 2 adds the reduced-grad shard. Every torch AdamW param (one per buffer) also holds a 4-byte ``step``.
 - **Activations**: the bytes autograd saves for one micro-batch of a chunk (`layer_activation_bytes`,
@@ -32,6 +33,7 @@ from megatron_fp4.model.specs import no_weight_decay
 from megatron_fp4.parallel import expert_parallel as ep_mod
 from megatron_fp4.parallel.dims import ParallelDims
 from megatron_fp4.parallel.pipeline import PLACEMENT, build_chunks, rank_chunks, split_layers
+from megatron_fp4.parallel.tensor_parallel import parallelize_tp
 from megatron_fp4.parallel.zero import owned_ranges, plan_buckets
 
 PLANNED_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
@@ -86,18 +88,25 @@ def activation_dtype(cfg: Config) -> torch.dtype:
     return torch.bfloat16 if cfg.dtype == "bf16" else param_dtype(cfg)
 
 
-def local_meta_model(cfg: Config, pp_rank: int, ep_rank: int) -> MoETransformer:
+def local_meta_model(cfg: Config, pp_rank: int, ep_rank: int, tp_rank: int = 0) -> MoETransformer:
     """This rank's model on the meta device, cut as `Trainer._build_model` cuts it (experts, then
-    pipeline chunks). The ep cut is `apply_expert_parallel`'s without its collective agreement
-    check and dispatcher (neither owns a parameter)."""
+    pipeline chunks, then etp and tp). The ep cut is `apply_expert_parallel`'s without its collective
+    agreement check and dispatcher (neither owns a parameter); the etp cut is
+    `apply_expert_tensor_parallel`'s `GroupedExperts.shard_ffn`; the tp cut is `parallelize_tp` itself
+    without a process group (``size_rank``; its hooks never run here)."""
     p = cfg.parallel
     with torch.device("meta"):
         model = MoETransformer(cfg.model, cfg.fp4)
-    if p.ep > 1:  # as the trainer: `apply_expert_parallel` only when ep > 1 (at ep 1 experts stay dp params)
+    if p.ep > 1 or p.etp > 1:  # as the trainer: `apply_expert_parallel` only then (else experts stay dp params)
         for moe in model.moe_layers():
             ep_mod.shard_experts(moe, p.ep, ep_rank)
     if p.pp > 1:
         build_chunks(model, p.pp, pp_rank, p.virtual_stages, PLACEMENT.get(p.schedule, "loop"))
+    if p.etp > 1:
+        for moe in model.moe_layers():
+            moe.set_experts(moe.experts.shard_ffn(p.etp, tp_rank, shapes_only=True))
+    if p.tp > 1:
+        parallelize_tp(model, None, p.sequence_parallel, moe_tokens=p.moe_tp_tokens, size_rank=(p.tp, tp_rank))
     model.to(param_dtype(cfg))
     model.set_fp4_mode(cfg.fp4.train_mode)
     return model
@@ -115,8 +124,10 @@ def _axis(p) -> str:
     return getattr(p, "grad_axis", None) or (getattr(p, "expert_group", "edp") if getattr(p, "is_expert", False) else "dp")
 
 
-def _group_size(axis: str, pp: int, dp: int, ep: int) -> int:
-    return {"dp": dp, "edp": dp // ep, "embed": 2 * dp if pp > 1 else dp}[axis]
+def _group_size(axis: str, p, dp: int) -> int:
+    """The ranks of a reduction axis (parallel/dims.py): dp and embed are one tp coordinate's, edp
+    refolds a stage's dp×tp ranks as edp×ep×etp."""
+    return {"dp": dp, "edp": dp * p.tp // (p.ep * p.etp), "embed": 2 * dp if p.pp > 1 else dp}[axis]
 
 
 def zero_bytes(named_params, cfg: Config, dp: int) -> dict:
@@ -129,7 +140,7 @@ def zero_bytes(named_params, cfg: Config, dp: int) -> dict:
             groups.setdefault((t.dtype, _axis(t), wd), []).append(t)
     out = dict(params=0, grads=0, masters=0, moments=0, steps=0, step_transient=0)
     for (dtype, axis, _), items in groups.items():
-        size = _group_size(axis, p.pp, dp, p.ep)
+        size = _group_size(axis, p, dp)
         bucket_numel = max(1, int(p.bucket_size_mb * 2**20 / torch.finfo(dtype).bits * 8))
         _, spans = plan_buckets([t.numel() for t in items[::-1]], bucket_numel, size)
         numel, elem, wide = spans[-1][1], dtype.itemsize, wide_dtype(dtype).itemsize
@@ -149,28 +160,52 @@ def zero_bytes(named_params, cfg: Config, dp: int) -> dict:
 
 
 # -- activations ----------------------------------------------------------------------------------
+def _tp_layout(cfg: Config) -> tuple:
+    """(tp, rows of the norms/residuals, rows each MoE layer routes) per micro-batch token: sequence
+    parallel cuts the norms' rows 1/tp; ``moe_tp_tokens=local`` routes 1/tp of the tokens."""
+    p = cfg.parallel
+    if p.tp == 1:
+        return 1, 1, 1
+    return p.tp, p.tp if p.sequence_parallel else 1, p.tp if p.moe_tp_tokens == "local" else 1
+
+
 def layer_activation_bytes(cfg: Config, is_moe: bool, tokens: int, routed_rows: int, local_experts: int = 0,
                            grouped_experts: bool = False) -> int:
     """Bytes autograd saves in one decoder layer for `tokens` = batch × seq tokens (``routed_rows``:
     rows this rank's experts receive). Terms follow the forward (layers.py, moe.py, moeresq.py);
-    ``a`` is the activation dtype, ``w`` the wide (norm/router) one. Excludes Q(W) (`fp4_weight_bytes`)."""
+    ``a`` is the activation dtype, ``w`` the wide (norm/router) one. Excludes Q(W) (`fp4_weight_bytes`).
+    Tensor parallel (`parallel/tensor_parallel.py`): the attention and dense-MLP regions see every
+    token (all-gathered in under sequence parallel) with this rank's heads / ffn slice; the norms see
+    ``tokens / tp`` rows under sequence parallel; MoE layers route every token or ``tokens / tp``."""
     m, a = cfg.model, activation_dtype(cfg).itemsize
     w = wide_dtype(activation_dtype(cfg)).itemsize
-    H, nh, nkv, d, k = m.hidden_size, m.num_heads, m.num_kv_heads, m.head_dim, m.top_k
-    norm = lambda rows, dim: rows * dim * (w + a) + rows * w  # noqa: E731  RMSNorm: upcast input, rsqrt, x·rsqrt
-    b = norm(tokens, H) + tokens * H * a  # input norm, its output (q/k/v linears' input)
+    tp, sp, local = _tp_layout(cfg)
+    H, d, k = m.hidden_size, m.head_dim, m.top_k
+    nh = m.num_heads // tp
+    nkv = m.num_kv_heads // tp if m.num_kv_heads % tp == 0 else 1
+    rows = tokens // sp  # the norms' and residuals' rows
+    norm = lambda n, dim: n * dim * (w + a) + n * w  # noqa: E731  RMSNorm: upcast input, rsqrt, x·rsqrt
+    # input norm, its output: the q/k/v linears' input; under SP all-gathered along the sequence into
+    # a non-contiguous [B, T, H] (`tp_comm._gather`), which each of the three linears copies to save
+    b = norm(rows, H) + tokens * H * a * (3 if sp > 1 else 1)
     b += norm(tokens * nh, d) + norm(tokens * nkv, d)  # q_norm, k_norm
     b += 2 * tokens * d * a  # rope cos, sin
     b += 4 * tokens * nh * d * a + tokens * nh * w  # SDPA: q, k and v (repeated to nh heads), out; logsumexp
     b += tokens * nh * d * a  # o_proj input (contiguous copy)
-    b += norm(tokens, H)  # post-attention norm
+    b += norm(rows, H)  # post-attention norm
     shared = is_moe and m.num_shared_experts > 0
-    mlp_in = tokens * H * a if not is_moe or shared else 0  # the norm's output, saved by the MLP's linears
-    router_in = tokens * H * w if is_moe else 0  # its fp32 upcast, saved by the router (the same tensor when a == w)
-    b += max(mlp_in, router_in) if a == w else mlp_in + router_in
+    moe_tokens = tokens // local
+    # the MLP's linears save their input: the norm's output, all-gathered under SP (dense, whole MoE
+    # tokens) or by the local-token shared expert; the router its fp32 upcast of the MoE's input
+    mlp_in = tokens * H * a if not is_moe or shared else 0
+    mlp_in *= 2 if sp > 1 and not is_moe else 1  # gate and up each copy the non-contiguous gathered input
+    router_in = moe_tokens * H * w if is_moe else 0
+    same = a == w and (local == 1 or not shared)  # one tensor: the shared expert's input is the router's
+    b += max(mlp_in, router_in) if same else mlp_in + router_in
     if not is_moe:
-        return b + 4 * tokens * m.dense_ffn_hidden_size * a  # gate, up, silu, product
-    E, F = m.num_experts, m.moe_ffn_hidden_size
+        return b + 4 * tokens * m.dense_ffn_hidden_size // tp * a  # gate, up, silu, product
+    tokens = moe_tokens
+    E, F = m.num_experts, m.moe_ffn_hidden_size // cfg.parallel.etp
     b += 0 if param_dtype(cfg) == wide_dtype(param_dtype(cfg)) else E * H * w  # the router weight's fp32 upcast
     b += tokens * E * w + tokens * w + tokens * k * 2 * w  # probs; top-k sum, raw/normalized weights
     b += 4 * tokens * k * _INDEX_BYTES  # top-k ids, token_of_row, two un-permute orders
@@ -180,8 +215,9 @@ def layer_activation_bytes(cfg: Config, is_moe: bool, tokens: int, routed_rows: 
         b += local_experts * 4
     if m.router_aux_loss_coef or m.router_z_loss_coef:  # the aux losses' graph, kept by AuxLossAutoScaler
         b += tokens * E * w + E * 4 + tokens * w + w  # logits (z-loss), token fractions, logsumexp, the loss
-    if shared:
-        b += 4 * tokens * m.shared_expert_ffn_hidden_size * m.num_shared_experts * a
+        b += tokens * w + w if local > 1 else 0  # tp-shared statistics (`MoELayer.token_sum`): token weights, count
+    if shared:  # whole MoE tokens: uncut; local: cut like a dense MLP, on every token (`_shared_expert`)
+        b += 4 * tokens * local * m.shared_expert_ffn_hidden_size * m.num_shared_experts // local * a
     return b
 
 
@@ -190,16 +226,22 @@ def chunk_activation_bytes(cfg: Config, model: MoETransformer, layers, is_first:
     """Saved bytes of one micro-batch through one chunk (`layers`, the embedding, the head)."""
     tokens, m = batch * seq, cfg.model
     a, w = activation_dtype(cfg).itemsize, wide_dtype(activation_dtype(cfg)).itemsize
-    b = tokens * _INDEX_BYTES if is_first else 0  # the embedding's token ids
+    tp, sp, local = _tp_layout(cfg)
+    b = tokens * _INDEX_BYTES if is_first else 0  # the embedding's token ids (tp: its local ids)
+    b += tokens * a if is_first and tp > 1 else 0  # tp: the mask of this rank's vocabulary slice
     for i in layers:
         layer = model.layers[i]
         experts = layer.mlp.experts if layer.is_moe else None
-        rows = tokens * m.top_k
+        rows = tokens // local * m.top_k
         grouped = experts is not None and experts.recipe.mode == "bf16" and param_dtype(cfg) != torch.float64 \
             and rows <= GroupedExperts.max_group_rows * experts.num_experts
         b += layer_activation_bytes(cfg, layer.is_moe, tokens, rows, experts.num_experts if experts else 0, grouped)
-    if is_last:  # final norm, LM-head input, log-softmax output (fp32), loss scalar
+    if is_last and tp == 1:  # final norm, LM-head input, log-softmax output (fp32), loss scalar
         b += tokens * m.hidden_size * (w + 2 * a) + tokens * w + tokens * m.vocab_size * w + w
+    elif is_last:  # final norm (S/tp under SP), the gathered head input; `vocab_parallel_cross_entropy`:
+        rows = tokens // sp  # exp, sum of exp, local ids, in-slice mask; the label mask (wide), its count
+        b += rows * m.hidden_size * (w + a) + rows * w + tokens * m.hidden_size * a
+        b += tokens * m.vocab_size // tp * w + tokens * (w + _INDEX_BYTES + 1) + tokens * w + _INDEX_BYTES
     return b
 
 
@@ -237,15 +279,12 @@ def inflight_microbatches(schedule: str, pp: int, pp_rank: int, virtual_stages: 
 
 # -- the plan -------------------------------------------------------------------------------------
 def plan_memory(cfg: Config, world_size: int, weight_cache: bool = True) -> list[RankPlan]:
-    """One `RankPlan` per pipeline rank (its dp/ep peers hold the same bytes). Raises `ConfigError`
+    """One `RankPlan` per pipeline rank (its dp/ep/tp peers hold the same bytes: tp cuts evenly). Raises `ConfigError`
     (or ValueError from the layout functions) with a one-line message for a bad config or layout.
     `weight_cache`: Q(W) once per step (the trainer's default) rather than per micro-batch in flight."""
     cfg.validate()
     p, s = cfg.parallel, cfg.schedule
     dp = ParallelDims.from_config(cfg, world_size).dp  # every layout check
-    if p.tp > 1:
-        raise ConfigError(f"parallel.tp={p.tp}: the memory planner does not model tensor parallelism yet; "
-                          f"plan the layout with parallel.tp=1")
     num_mb = s.global_batch_size // (s.micro_batch_size * dp)
     ranges = split_layers(cfg.model.num_layers, p.pp, p.virtual_stages)
     style = PLACEMENT.get(p.schedule, "loop")
@@ -267,8 +306,8 @@ def plan_memory(cfg: Config, world_size: int, weight_cache: bool = True) -> list
         is_last = len(ranges) - 1 in chunks
         tokens = s.micro_batch_size * s.seq_len
         a, w = activation_dtype(cfg).itemsize, wide_dtype(activation_dtype(cfg)).itemsize
-        head = tokens * cfg.model.vocab_size * (a + w) if is_last else 0
-        ranks = [r for r in range(world_size) if r // dp == pp_rank]
+        head = tokens * cfg.model.vocab_size // p.tp * (a + w) if is_last else 0  # V/tp logits under tp
+        ranks = [r for r in range(world_size) if r // (dp * p.tp) == pp_rank]
         plans.append(RankPlan(f"pp{pp_rank}", ranks, activations=acts, fp4_weights=qw, head_transient=head,
                               inflight=inflight, param_numel=sum(t.numel() for _, t in named), **state))
     return plans

@@ -28,10 +28,13 @@ TINY = ["schedule.global_batch_size=8", "schedule.micro_batch_size=2", "schedule
         "logging.tensorboard_dir=null", "checkpoint.dir=null", "logging.progress=false", "device=cpu"]
 
 
-def _saved_bytes(cfg, tokens):
-    """Unique non-parameter storages autograd saves in one training forward + loss, and the routing."""
+def _saved_bytes(cfg, tokens, cut=None):
+    """Unique non-parameter storages autograd saves in one training forward + loss, and the routing.
+    ``cut(model)``: cuts the model in place (tensor parallel) and returns its loss function."""
     torch.manual_seed(0)
-    model = build_model(cfg).to(param_dtype(cfg))
+    model = build_model(cfg)
+    loss_fn = cut(model) if cut is not None else lm_loss
+    model.to(param_dtype(cfg))
     model.set_fp4_mode(cfg.fp4.train_mode)
     model.train()
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
@@ -44,7 +47,7 @@ def _saved_bytes(cfg, tokens):
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         out = model(tokens, return_routing=True)
-        loss = lm_loss(out.logits, tokens)
+        loss = loss_fn(out.logits, tokens)
     routing = out.routing
     del out
     live = {}  # storages still held by the graph of `loss`, each once
@@ -154,7 +157,7 @@ def test_inflight_microbatches():
 
 @pytest.mark.parametrize("args, words", [
     (["--world-size", "4", "--set", "parallel.ep=3"], "parallel.ep=3"),
-    (["--world-size", "2", "--set", "parallel.tp=2"], "parallel.tp=2"),
+    (["--world-size", "3", "--set", "parallel.tp=3"], "model.num_heads=4"),
     (["--world-size", "2", "--set", "parallel.etp=2"], "parallel.etp"),
     (["--world-size", "8", "--set", "parallel.pp=8"], "model.num_layers=4"),
     (["--world-size", "4", "--set", "parallel.pp=2", "parallel.virtual_stages=2", "parallel.schedule=zbv"], "zbv"),
