@@ -401,4 +401,3 @@ def _install() -> None:
 
 
 _install()
-from megatron_fp4.fp4.fused_resq import resq_nvfp4_fused  # noqa: E402,F401  (registers its kind)

@@ -62,7 +62,7 @@ def _make(key) -> ResqVariant:
     return ResqVariant(key, _resq_nvfp4, _unused, (key[1],), key[-1])
 
 
-fused.KINDS[KIND] = _make
+fused.KINDS[KIND] = _make  # registered by fp4/__init__ importing this module (fused.py never imports it)
 
 
 def key_of(scale: str, dtype: torch.dtype) -> tuple:
@@ -100,3 +100,6 @@ def prepare(scale: str, dtype: torch.dtype, inference: bool = False, width: int 
         with torch.inference_mode(inference):
             variant.build(fused._samples((4, max(2, width // 16), 16), dtype), loud=False)
     return variant.state == "ready"
+
+
+fused.resq_nvfp4_fused = resq_nvfp4_fused  # resq.py reaches it as nvfp4.fused.resq_nvfp4_fused
