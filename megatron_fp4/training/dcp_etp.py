@@ -20,6 +20,7 @@ import torch
 
 from megatron_fp4.training import checkpoint as ckpt
 from megatron_fp4.training.dcp_checks import model_key_shapes
+from megatron_fp4.training.dcp_tp import check_tp_layout
 
 HALVES = ("gate", "up")
 
@@ -123,10 +124,4 @@ def optim_name(name: str, p, mesh, stem: str) -> str:
 
 def check_etp_layout(meta: dict, mesh, has_state: bool, where) -> None:
     """Weights reshard across etp; the AdamW state of etp shards does not: refuse that mismatch."""
-    saved = int((meta.get("layout") or {}).get("etp", 1) or 1)
-    if has_state and saved != mesh.etp:
-        raise ckpt.CheckpointError(
-            f"checkpoint {where} was saved at parallel.etp={saved} with optimizer state, this run has "
-            f"parallel.etp={mesh.etp}: the AdamW state of expert-tensor-parallel weights does not reshard "
-            f"across etp; resume with parallel.etp={saved} (the weights alone reshard: "
-            f"tools/convert_checkpoint.py reads them at any size)")
+    check_tp_layout(meta, mesh, has_state, where, "etp", "expert-tensor-parallel")

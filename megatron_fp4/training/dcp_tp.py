@@ -53,12 +53,14 @@ def optim_name(name: str, p, mesh) -> str:
     return name if getattr(p, "tp_shard", None) is None else f"{name}/tp{shard_index(p, mesh.coord('tp'))}"
 
 
-def check_tp_layout(meta: dict, mesh, has_state: bool, where) -> None:
-    """Weights reshard across tp; AdamW state of cut weights does not: refuse that mismatch clearly."""
-    saved = int((meta.get("layout") or {}).get("tp", 1) or 1)
-    if has_state and saved != mesh.tp:
+def check_tp_layout(meta: dict, mesh, has_state: bool, where, axis: str = "tp",
+                    what: str = "tensor-parallel") -> None:
+    """Weights reshard across `axis` (tp, or etp: `dcp_etp`); the AdamW state of weights cut along
+    it does not: refuse that mismatch clearly."""
+    saved, here = int((meta.get("layout") or {}).get(axis, 1) or 1), getattr(mesh, axis)
+    if has_state and saved != here:
         raise ckpt.CheckpointError(
-            f"checkpoint {where} was saved at parallel.tp={saved} with optimizer state, this run has "
-            f"parallel.tp={mesh.tp}: the AdamW state of tensor-parallel weights does not reshard across tp; "
-            f"resume with parallel.tp={saved} (the weights alone reshard: tools/convert_checkpoint.py "
+            f"checkpoint {where} was saved at parallel.{axis}={saved} with optimizer state, this run has "
+            f"parallel.{axis}={here}: the AdamW state of {what} weights does not reshard across {axis}; "
+            f"resume with parallel.{axis}={saved} (the weights alone reshard: tools/convert_checkpoint.py "
             f"reads them at any size)")
