@@ -97,7 +97,8 @@ def _train(rank, world_size, layouts):
     return out
 
 
-def _reference(spec: dict):
+def single_process(spec: dict, steps: int = STEPS):
+    """The single-process run of a layout's spec: (cfg, trainer after `steps` steps, step results)."""
     from megatron_fp4.training.trainer import Trainer
 
     cfg = layout_cfg(spec)
@@ -105,7 +106,12 @@ def _reference(spec: dict):
     p.pp, p.tp, p.ep, p.etp, p.virtual_stages, p.schedule = 1, 1, 1, 1, 1, "1f1b"
     with single_thread():
         trainer = Trainer(cfg)
-        steps = [trainer.train_step() for _ in range(STEPS)]
+        results = [trainer.train_step() for _ in range(steps)]
+    return cfg, trainer, results
+
+
+def _reference(spec: dict):
+    _, trainer, steps = single_process(spec)
     return [r["loss"] for r in steps], [r["grad_norm"] for r in steps], \
         {n: q.detach() for n, q in trainer.model.named_parameters()}
 

@@ -16,8 +16,8 @@ import torch
 
 from megatron_fp4.training.checkpoint import CheckpointError
 from tests.distributed.launch import run_distributed
-from tests.distributed.test_tp_trainer import layout_cfg
-from tests.numerics import FP64_REL, rel, single_thread
+from tests.distributed.test_tp_trainer import layout_cfg, single_process
+from tests.numerics import FP64_REL, rel
 
 pytestmark = pytest.mark.distributed
 
@@ -56,14 +56,7 @@ def test_tp2_resume_is_bitwise(saved):
 
 
 def _single(steps: int):
-    from megatron_fp4.training.trainer import Trainer
-
-    cfg = layout_cfg(dict(kv_heads=1))
-    cfg.parallel.pp = cfg.parallel.tp = 1
-    with single_thread():
-        trainer = Trainer(cfg)
-        for _ in range(steps):
-            trainer.train_step()
+    cfg, trainer, _ = single_process(dict(kv_heads=1), steps)
     return cfg, trainer
 
 

@@ -20,8 +20,8 @@ import torch
 
 from megatron_fp4.training.checkpoint import CheckpointError
 from tests.distributed.launch import run_distributed
-from tests.distributed.test_tp_trainer import layout_cfg
-from tests.numerics import FP64_REL, rel, single_thread
+from tests.distributed.test_tp_trainer import layout_cfg, single_process
+from tests.numerics import FP64_REL, rel
 
 pytestmark = pytest.mark.distributed
 ETP2, ETP1 = dict(tp=2, etp=2), dict(tp=2)
@@ -132,13 +132,7 @@ def test_etp2_ep2_resume_is_bitwise_and_holds_the_global_weights(saved_ep, name)
 
 
 def _single(steps: int):
-    from megatron_fp4.training.trainer import Trainer
-
-    cfg = layout_cfg({})
-    with single_thread():
-        trainer = Trainer(cfg)
-        for _ in range(steps):
-            trainer.train_step()
+    cfg, trainer, _ = single_process({}, steps)
     return cfg, trainer
 
 
