@@ -154,21 +154,13 @@ class FakeRoutedExperts(torch.nn.Module):
         self.routed_scaling_factor, self.e_score_correction_bias, self.apply_router_weight_on_input = 1.0, None, False
 
 
-@needs_vllm
-@pytest.mark.parametrize("batch_invariant", [False, True])
-@pytest.mark.parametrize("mode,fmt", [("fp4_resq", "nvfp4"), ("fp4", "mxfp4"), ("bf16", "nvfp4")])
-def test_moe_block_equals_the_trainers_bitwise(vllm_ctx, mode, fmt, batch_invariant):
+def plugin_moe(qc, ref, E: int, k: int, H: int, F: int):
+    """The trainer's MoE layer `ref` as vLLM holds it through the plugin's methods, weights loaded by
+    vLLM's loaders: (router gate method, gate layer, routed experts, MoE method)."""
     from vllm.model_executor.model_loader.weight_utils import default_weight_loader
 
     from megatron_fp4.integrations.vllm.quant import MoEResQMoEMethod, RouterGateMethod
 
-    cfg = tiny_cfg("experts", format=fmt, rollout_mode=mode)
-    E, k, H, F = 8, 2, 64, 32
-    ref = MoELayer(H, E, k, F, recipe_from_config(cfg.fp4, mode), norm_topk_prob=True).eval()
-    init_moe_params(ref, 0.1, 0.1, torch.Generator().manual_seed(1))
-    apply_numerics(ref, Numerics(batch_invariant=batch_invariant))  # the trainer's numerics in the mode
-    x = torch.randn(37, H, generator=torch.Generator().manual_seed(2))
-    qc = plugin_config(cfg, batch_invariant)
     gate_method = RouterGateMethod(qc)
     gate = linear_layer(gate_method, [E], H, ref.router.weight.detach())
     experts = FakeRoutedExperts(E, k, True)
@@ -176,7 +168,21 @@ def test_moe_block_equals_the_trainers_bitwise(vllm_ctx, mode, fmt, batch_invari
     moe.create_weights(experts, E, H, F, torch.float32, weight_loader=default_weight_loader)
     experts.w13_weight.weight_loader(experts.w13_weight, ref.experts.w13.detach())
     experts.w2_weight.weight_loader(experts.w2_weight, ref.experts.w2.detach())
-    moe.process_weights_after_loading(experts)
+    moe.process_weights_after_loading(experts)  # load (the standard-kernel ResQ compiles here unless off)
+    return gate_method, gate, experts, moe
+
+
+@needs_vllm
+@pytest.mark.parametrize("batch_invariant", [False, True])
+@pytest.mark.parametrize("mode,fmt", [("fp4_resq", "nvfp4"), ("fp4", "mxfp4"), ("bf16", "nvfp4")])
+def test_moe_block_equals_the_trainers_bitwise(vllm_ctx, mode, fmt, batch_invariant):
+    cfg = tiny_cfg("experts", format=fmt, rollout_mode=mode)
+    E, k, H, F = 8, 2, 64, 32
+    ref = MoELayer(H, E, k, F, recipe_from_config(cfg.fp4, mode), norm_topk_prob=True).eval()
+    init_moe_params(ref, 0.1, 0.1, torch.Generator().manual_seed(1))
+    apply_numerics(ref, Numerics(batch_invariant=batch_invariant))  # the trainer's numerics in the mode
+    x = torch.randn(37, H, generator=torch.Generator().manual_seed(2))
+    gate_method, gate, experts, moe = plugin_moe(plugin_config(cfg, batch_invariant), ref, E, k, H, F)
     with torch.no_grad():
         want = ref(x)
     with torch.inference_mode():  # as vLLM runs its forward

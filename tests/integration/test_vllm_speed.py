@@ -14,7 +14,7 @@ import torch
 from megatron_fp4.fp4 import Numerics, apply_numerics, fused_resq
 from megatron_fp4.model.moe import MoELayer, init_moe_params
 from megatron_fp4.model.specs import recipe_from_config
-from tests.integration.test_vllm_plugin import VLLM, FakeRoutedExperts, linear_layer, plugin_config, tiny_cfg
+from tests.integration.test_vllm_plugin import VLLM, plugin_config, plugin_moe, tiny_cfg
 from tests.unit.test_fp4_fused import compiled, needs_inductor  # noqa: F401  (fixture)
 
 
@@ -39,10 +39,6 @@ def vllm_ctx():
 @pytest.mark.parametrize("compile_mode", ["auto", "on", "off"])
 def test_standard_kernel_moe_block_serves_the_compiled_resq_with_the_eager_bits(vllm_ctx, compiled, monkeypatch,
                                                                                 compile_mode):
-    from vllm.model_executor.model_loader.weight_utils import default_weight_loader
-
-    from megatron_fp4.integrations.vllm.quant import MoEResQMoEMethod, RouterGateMethod
-
     served = []
     run = fused_resq.ResqVariant.run
     monkeypatch.setattr(fused_resq.ResqVariant, "run",
@@ -55,14 +51,7 @@ def test_standard_kernel_moe_block_serves_the_compiled_resq_with_the_eager_bits(
     apply_numerics(ref, Numerics(batch_invariant=False))
     qc = plugin_config(cfg, batch_invariant=False)
     assert qc.recipe.compile == compile_mode
-    gate_method = RouterGateMethod(qc)
-    gate = linear_layer(gate_method, [E], H, ref.router.weight.detach())
-    experts = FakeRoutedExperts(E, k, True)
-    moe = MoEResQMoEMethod(None, qc, "model.layers.1.mlp.experts")
-    moe.create_weights(experts, E, H, F, torch.float32, weight_loader=default_weight_loader)
-    experts.w13_weight.weight_loader(experts.w13_weight, ref.experts.w13.detach())
-    experts.w2_weight.weight_loader(experts.w2_weight, ref.experts.w2.detach())
-    moe.process_weights_after_loading(experts)  # load: compiles the ResQ here unless compile is off
+    gate_method, gate, experts, moe = plugin_moe(qc, ref, E, k, H, F)  # load: compiles the ResQ unless off
     for seed, tokens in ((2, 37), (3, 5), (4, 1)):
         g = torch.Generator().manual_seed(seed)
         x = torch.randn(tokens, H, generator=g) * torch.logspace(-4, 4, H)
