@@ -157,3 +157,40 @@ def test_grpo_two_steps_with_a_vllm_serve_rollout(tmp_path):
           f"{history[1]['consistency/mean_abs_diff']:.3g} max {history[1]['consistency/max_abs_diff']:.3g}")
     assert d.median() <= TOL and (d <= TOL).double().mean() >= MIN_WITHIN, d.tolist()
     assert history[1]["consistency/mean_abs_diff"] <= 1e-3, history[1]  # FP4 code flips only (test_vllm_plugin)
+
+
+def test_client_reads_a_whole_completions_reply_and_bounds_control_replies(monkeypatch):
+    """A completions reply over the control routes' 1 MiB bound is read whole (it used to be cut at
+    1 MiB and then fail to parse); a control route's reply over its bound is one clear error."""
+    import http.server
+    import json
+    import threading
+
+    from megatron_fp4.integrations.vllm import serve
+
+    big = json.dumps({"choices": [{"text": "x" * (serve.MAX_REPLY_BYTES + 10)}]}).encode()
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_POST(self):  # noqa: N802  (http.server's name)
+            self.rfile.read(int(self.headers.get("Content-Length", 0)))
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(big)))
+            self.end_headers()
+            self.wfile.write(big)
+
+        def log_message(self, *args):
+            pass
+
+    httpd = http.server.HTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    try:
+        client = serve.VLLMServerClient(f"http://127.0.0.1:{httpd.server_address[1]}", timeout_s=30)
+        assert len(client.request("v1/completions", {})["choices"][0]["text"]) == serve.MAX_REPLY_BYTES + 10
+        with pytest.raises(ServerError, match="reply longer than"):
+            client.request("update_weights", {})
+        monkeypatch.setattr(serve, "MAX_COMPLETION_BYTES", 1 << 10)
+        with pytest.raises(ServerError, match="reply longer than 1024 bytes"):
+            client.request("v1/completions", {})
+    finally:
+        httpd.shutdown()
+        httpd.server_close()

@@ -38,6 +38,7 @@ from megatron_fp4.rollout.weight_sync import WeightSyncError
 from megatron_fp4.rollout.weight_sync_dist import DistributedTransport
 
 MAX_REPLY_BYTES = 1 << 20  # a control-route reply is a short JSON message
+MAX_COMPLETION_BYTES = 256 << 20  # a completions reply (v1/ routes): tokens and log-probs of a whole batch
 FAIL_GRACE_S = 10.0  # after a failed /update_weights: how long the byte exchange may take to end too
 
 
@@ -57,16 +58,17 @@ class VLLMServerClient:
             headers["Authorization"] = f"Bearer {self.api_key}"
         data = None if body is None else json.dumps(body).encode()
         req = urllib.request.Request(f"{self.url}/{route.lstrip('/')}", data=data, headers=headers, method=method)
+        limit = MAX_COMPLETION_BYTES if route.lstrip("/").startswith("v1/") else MAX_REPLY_BYTES
         try:
             with urllib.request.urlopen(req, timeout=timeout or self.timeout_s) as reply:
-                text = reply.read(MAX_REPLY_BYTES + 1)
+                text = reply.read(limit + 1)
         except urllib.error.HTTPError as err:
             detail = err.read(4096).decode(errors="replace")
             raise ServerError(f"{method} {self.url}/{route}: HTTP {err.code} {detail}") from None
         except (urllib.error.URLError, OSError) as err:
             raise ServerError(f"{method} {self.url}/{route}: {err}") from None
-        if len(text) > MAX_REPLY_BYTES and not route.startswith("v1/"):
-            raise ServerError(f"{method} {self.url}/{route}: reply longer than {MAX_REPLY_BYTES} bytes")
+        if len(text) > limit:
+            raise ServerError(f"{method} {self.url}/{route}: reply longer than {limit} bytes")
         return json.loads(text) if text else None
 
     def ready(self) -> bool:
