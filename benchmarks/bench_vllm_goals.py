@@ -12,7 +12,10 @@ scoring, as `tools/consistency_report.py --rollout vllm` scores):
   exported with MoEResQ on scope experts and experts+attention (plus FP4 off: the floor); vLLM +
   plugin samples `--prompts` × `--tokens` (temperature 1, EOS ignored, so every position counts),
   the trainer re-scores: max |Δ log-prob| and expert agreement over every MoE layer and position;
-- bf16: the same with `dtype="bfloat16"` (router gate weight and logits fp32) vs the fp32 trainer;
+- bf16: vLLM + plugin and stock vLLM in bf16 side by side (FP4 off, `--bf16-prompts`), each vs the
+  fp32 trainer and vs the trainer on the weights that engine holds, plus both in fp32 on the
+  bf16-rounded weights (which splits the gap; bench_vllm_bf16.py); MoEResQ experts in bf16 vs the
+  fp32 trainer;
 - throughput: greedy tokens/s of the plugin (MoEResQ, both scopes) vs stock vLLM (no
   quantization_config) on one model and batch (bench_vllm_engine's runner), calls alternating;
 - update: an engine on weights A, run (Q(W) cached), updated in place to B (`live.update_weights`)
@@ -125,125 +128,12 @@ def logprob_rows(args, work: Path) -> list:
     return rows
 
 
-def stock_copy(export: Path, out: Path) -> Path:
-    """`export` (an `export_for_vllm` directory) without its quantization_config: stock vLLM serves it."""
-    import json
-    import shutil
-
-    shutil.rmtree(out, ignore_errors=True)
-    shutil.copytree(export, out)
-    hf = json.loads((out / "config.json").read_text())
-    hf.pop("quantization_config")
-    (out / "config.json").write_text(json.dumps(hf, indent=2))
-    return out
-
-
-def gate_topk_hooks(model, top_k: int, store: dict, dtypes: dict) -> bool:
-    """Record every MoE gate's top-k experts per forward under its layer prefix, as stock vLLM's CPU
-    router picks them (`torch.topk` of the gate's logits, `fused_moe.router.cpu_router._softmax_topk`),
-    and the gate weight's dtype (what vLLM holds)."""
-    import torch
-
-    for name, mod in model.named_modules():
-        if name.endswith("mlp.gate"):
-            dtypes[name] = mod.weight.dtype
-
-            def hook(_m, _inp, out, name=name):
-                logits = out[0] if isinstance(out, tuple) else out
-                store.setdefault(name, []).append(torch.topk(logits, top_k, dim=-1, sorted=False)[1].clone())
-            mod.register_forward_hook(hook)
-    return True
-
-
-def engine_rollout(export: Path, ps: list, seeds: list, tokens: int, dtype: str) -> tuple:
-    """(flat rollout for `rescore`, {HF name of each MoE gate: the dtype vLLM holds it in}, the plugin's
-    parameters read back under HF names in fp32 or None for stock) of one in-process vLLM engine on
-    `export`, one request per `generate` call; experts: the plugin's recorded routes, or stock vLLM's
-    gate top-k (`gate_topk_hooks`)."""
-    import json
-
-    import torch
-
-    from megatron_fp4.integrations.vllm.readback import hf_tensors_of
-    from megatron_fp4.integrations.vllm.worker import build_llm, generate, stack_routing
-
-    hf = json.loads((export / "config.json").read_text())
-    plugin = "quantization_config" in hf
-    spec = {"max_tokens": tokens, "temperature": 1.0, "ignore_eos": True, "dtype": dtype, "distributions": True,
-            "routing": plugin}
-    llm, vocab = build_llm(str(export), spec)
-    store, gate_dtypes = {}, {}
-    llm.apply_model(lambda m: gate_topk_hooks(m, hf["num_experts_per_tok"], store, gate_dtypes))
-    flat = {"response_ids": [], "log_probs": [], "routing": [], "distributions": []}
-    for p, s in zip(ps, seeds):
-        store.clear()
-        res, t = generate(llm, vocab, {**spec, "prompts": [p], "seeds": [s]})
-        flat["response_ids"].append(res["tokens"][0])
-        flat["log_probs"].append(torch.tensor(res["logprobs"][0], dtype=torch.float32))
-        flat["distributions"].append(t["dist.0"])
-        flat["routing"].append(t["routing.0"] if plugin else
-                               stack_routing({n: torch.cat(v) for n, v in store.items()}, len(p)))
-    held = {f"{n}.weight": d for n, d in gate_dtypes.items()}  # vLLM's prefixes are the HF names
-    # the plugin keeps plain parameters: read them back (stock prepacks its CPU weights away)
-    readback = llm.apply_model(lambda m: {n: t.float().clone() for n, t in hf_tensors_of(m, hf).items()})[0] \
-        if plugin else None
-    del llm
-    return flat, held, readback
-
-
-def held_weights(ckpt: dict, gate_dtypes: dict, dtype) -> dict:
-    """The checkpoint as vLLM holds it: every tensor rounded to the model `dtype`, each MoE gate to
-    the dtype vLLM's gate weight has (fp32 with the plugin), back in fp32."""
-    return {n: t.to(gate_dtypes.get(n, dtype)).float() for n, t in ckpt.items()}
-
-
-def bf16_side_by_side(args, work: Path) -> dict:
-    """{engine: {"fp32": metrics vs the fp32 trainer, "held": metrics vs the trainer on the weights that
-    engine holds}} for the plugin and stock vLLM in bf16, FP4 off, on one model and prompt set."""
-    import torch
-
-    from megatron_fp4.integrations.hf import load_hf_checkpoint
-    from megatron_fp4.integrations.hf.qwen3_moe import from_hf_state_dict
-    from megatron_fp4.integrations.vllm import export_for_vllm
-    from megatron_fp4.model import build_model
-    from megatron_fp4.training.data import ArithmeticTokenizer
-
-    prompts, train_side = consistency()
-    tok = ArithmeticTokenizer()
-    n = args.bf16_prompts or args.prompts
-    ps, seeds = prompts(n, 0, tok), [i for i in range(n)]
-    cfg = tiny_config("none", "bf16", "bf16")
-    model = build_model(cfg, seed=0)
-    plugin = export_for_vllm(model, cfg, work / "bf16_plugin", dtype=None, overwrite=True)
-    ckpt = load_hf_checkpoint(plugin)[1]
-    out = {}
-    for name, export in (("plugin", plugin), ("stock", stock_copy(plugin, work / "bf16_stock"))):
-        log(f"bf16: {name} vLLM, {n} prompts x {args.tokens} tokens")
-        flat, gate_dtypes, readback = engine_rollout(export, ps, seeds, args.tokens, "bfloat16")
-        weights = held_weights(ckpt, gate_dtypes, torch.bfloat16)
-        if readback is not None and (set(readback) != set(weights) or
-                                     not all(torch.equal(readback[k], weights[k]) for k in weights)):
-            raise RuntimeError("bf16: the plugin's parameters are not the checkpoint rounded to the dtypes vLLM holds")
-        held = copy.deepcopy(model)
-        from_hf_state_dict(held, weights)
-        flat["prompt_ids"] = ps
-        out[name] = {ref: {**train_side(m, flat, tok, "bf16", True, 6),
-                           "positions": sum(len(t) for t in flat["response_ids"]),
-                           "layers": int(flat["routing"][0].shape[1])}
-                     for ref, m in (("fp32", model), ("held", held))}
-    return out
-
-
 def bf16_rows(args, work: Path) -> list:
-    m = bf16_side_by_side(args, work)
-    p, s = m["plugin"], m["stock"]
-    pairs = f"{p['fp32']['layers']} MoE layers × {p['fp32']['positions']} (stock {s['fp32']['positions']}) positions"
-    refs = {"fp32": "the fp32 trainer (fp32 weights: the precision gap)",
-            "held": "the trainer on the weights vLLM holds (bf16-rounded; the plugin's gate fp32: the engine gap)"}
-    rows = [row(f"bf16 vLLM + plugin expert agreement vs {what}, FP4 off, {pairs}; stock bf16 vLLM beside "
-                f"(max \\|Δ\\| plugin {p[ref]['max_abs_diff']:.1e}, stock {s[ref]['max_abs_diff']:.1e})",
-                f"{p[ref]['expert_agreement']:.2%} (stock {s[ref]['expert_agreement']:.2%})", "≥ 99.9 %",
-                p[ref]["expert_agreement"] >= 0.999) for ref, what in refs.items()]
+    """bench_vllm_bf16's side-by-side rows (plugin and stock bf16 vLLM, two trainer references, the
+    split of the precision gap), then the plugin with MoEResQ experts vs the fp32 trainer."""
+    from bench_vllm_bf16 import bf16_rows as side_by_side_rows
+
+    rows = side_by_side_rows(args, work, consistency, tiny_config, row, log)
     log("bf16: MoEResQ experts through the worker, vs the fp32 trainer")
     e = rollout_vs_trainer([("experts", "experts", MOERESQ, 0)], work / "bf16", args.prompts, args.tokens, 0,
                            "bfloat16")["experts"]
@@ -453,7 +343,8 @@ def main(argv=None) -> list:
     p.add_argument("--only", help=f"comma-separated subset of {','.join(ROWS)}")
     p.add_argument("--prompts", type=int, default=64)
     p.add_argument("--tokens", type=int, default=16)
-    p.add_argument("--bf16-prompts", type=int, help="prompts of the bf16 rows (default: --prompts)")
+    p.add_argument("--bf16-prompts", type=int, default=128,
+                   help="prompts of the bf16 side-by-side rows (× --tokens positions; 1 flip = 0.012 %% there)")
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--repeats", type=int, default=3)
@@ -471,7 +362,7 @@ def main(argv=None) -> list:
         p.error(f"--only: unknown row in {args.only!r}; rows are {', '.join(ROWS)}")
     if args.quick:
         args.prompts, args.tokens, args.repeats = 16, 16, 2
-        args.kl_prompts, args.new_tokens = 16, 32
+        args.kl_prompts, args.new_tokens, args.bf16_prompts = 16, 32, 16
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # apply_model reaches the model in this process
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # the progress lines and the table, not vLLM's log
