@@ -157,7 +157,8 @@ def bf16_rows(args, work: Path, consistency, tiny_config, row, log) -> list:
     bf, act = ("plugin", "stock"), ("plugin fp32 act", "stock fp32 act")
     return [
         row(f"bf16 vLLM + plugin expert agreement vs the fp32 trainer (the precision gap), {pairs}; stock bf16 vLLM "
-            f"beside ({delta(*bf, 'fp32')})", cell(*bf, "fp32"), "≥ 99.9 %", m["plugin"]["fp32"]["expert_agreement"] >= 0.999),
+            f"beside ({delta(*bf, 'fp32')})", cell(*bf, "fp32"), "≥ 99.9 %",
+            m["plugin"]["fp32"]["expert_agreement"] >= 0.999),
         row(f"bf16 vLLM + plugin expert agreement vs the trainer on the weights vLLM holds (bf16-rounded, the plugin's "
             f"gates fp32: the engine gap), {pairs}; stock beside ({delta(*bf, 'held')})", cell(*bf, "held"),
             "≥ 99.9 %", m["plugin"]["held"]["expert_agreement"] >= 0.999),

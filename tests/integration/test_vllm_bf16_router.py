@@ -12,7 +12,7 @@ of 128 products, bounded by 2^-22 · Σ|x·w|).
 """
 from __future__ import annotations
 
-import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -49,8 +49,8 @@ def probe(model_dir: str, out_dir: str) -> None:
             norm.register_forward_hook(lambda m, i, o, n=layer: keep(f"{n}.norm_out", o[0]))
             mod.gate.register_forward_pre_hook(lambda m, i, n=layer: keep(f"{n}.gate_in", i[0]))
             mod.gate.register_forward_hook(lambda m, i, o, n=layer: keep(f"{n}.logits", o[0]))
-            mod.experts.register_forward_pre_hook(lambda m, a, kw, n=layer: keep(f"{n}.experts_in", kw["hidden_states"]),
-                                                  with_kwargs=True)
+            mod.experts.register_forward_pre_hook(
+                lambda m, a, kw, n=layer: keep(f"{n}.experts_in", kw["hidden_states"]), with_kwargs=True)
             rec[f"{layer}.gate_weight"] = mod.gate.weight.detach().clone()
         return True
 
@@ -65,6 +65,7 @@ def run_probe(model_dir: Path, tmp_path: Path) -> dict:
 
     env = {"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin",
            "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "HOME": str(tmp_path), "VLLM_LOGGING_LEVEL": "ERROR"}
+    env.update({k: os.environ[k] for k in ("ATEN_CPU_CAPABILITY", "MKL_CBWR") if k in os.environ})  # kernel choice
     run = subprocess.run([sys.executable, __file__, str(model_dir), str(tmp_path)], env=env, capture_output=True,
                          text=True, timeout=900, cwd=str(ROOT))
     assert run.returncode == 0, run.stderr[-4000:]

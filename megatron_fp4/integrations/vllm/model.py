@@ -13,8 +13,13 @@ built with the plugin's config in the batch-invariant mode it replaces, per deco
 
 and in a bf16/fp16 model (any numerics mode) every decoder norm keeps an fp32 residual: the
 residual stream (vLLM passes it from norm to norm) is kept in fp32, as in the fp32 trainer, and only
-each norm's output is rounded to the model dtype. So a bf16 rollout's router input carries one bf16
-rounding instead of the accumulated rounding of a bf16 residual (the bf16 expert-agreement goal).
+each norm's output is rounded to the model dtype, except before an MoE block: its gate (fp32
+weight, fp32 logits) reads the norm's fp32 output, as the trainer's router does, and only the
+experts get it rounded (`route_in_fp32`). What a bf16 rollout still rounds is its weights and the
+activations between ops (GEMM and norm outputs, the KV cache); on the tiny random model those flip
+about 1 % of near-tied expert choices for the plugin and stock vLLM alike, and the weights' rounding
+alone about 0.8 % (vLLM in fp32 on the bf16-rounded weights; the same engine matches the trainer
+on those weights at 100 %): `benchmarks/bench_vllm_goals.py --only bf16`.
 
 Why a model class and not an attention backend registered under `AttentionBackendEnum.CUSTOM`:
 RoPE runs in the model, before the attention layer, and vLLM's rotary module is shared process
