@@ -101,5 +101,17 @@ def test_bf16_router_reads_the_fp32_norm_output(tmp_path, scope):
         assert logits.dtype == torch.float32 and bool(((logits.double() - want).abs() <= bound).all()), layer
 
 
+@needs_vllm
+def test_a_block_the_plugin_cannot_route_from_fp32_is_named():
+    from torch import nn
+
+    from megatron_fp4.integrations.vllm.model import route_in_fp32
+
+    block = nn.Module()
+    block.gate, block.experts = nn.Linear(4, 2), nn.Module()  # the runner does not hold the gate
+    with pytest.raises(ValueError, match=r"model\.layers\.3\.mlp is not a plain Qwen3-MoE block.*dtype='float32'"):
+        route_in_fp32(block, torch.bfloat16, "model.layers.3.mlp")
+
+
 if __name__ == "__main__":
     probe(sys.argv[1], sys.argv[2])

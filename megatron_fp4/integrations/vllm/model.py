@@ -72,7 +72,8 @@ def route_in_fp32(block: nn.Module, dtype: torch.dtype, prefix: str) -> None:
     if gate is None or getattr(runner, "gate", None) is not gate or getattr(block, "is_sequence_parallel", False) \
             or getattr(block, "shared_expert", None) is not None:
         raise ValueError(f"megatron_fp4: {prefix} is not a plain Qwen3-MoE block (one gate held by the experts' "
-                         f"runner, no shared expert, no sequence parallelism); the plugin cannot route it in fp32")
+                         f"runner, no shared expert, no sequence parallelism), so the plugin cannot route it from "
+                         f"fp32 in a {dtype} model; serve it with dtype='float32'")
     runner.gate = None  # the block's `gate` stays registered (its weight's name is unchanged)
 
     def forward(h: torch.Tensor) -> torch.Tensor:
