@@ -12,7 +12,10 @@ scoring, as `tools/consistency_report.py --rollout vllm` scores):
   exported with MoEResQ on scope experts and experts+attention (plus FP4 off: the floor); vLLM +
   plugin samples `--prompts` × `--tokens` (temperature 1, EOS ignored, so every position counts),
   the trainer re-scores: max |Δ log-prob| and expert agreement over every MoE layer and position;
-- bf16: the same with `dtype="bfloat16"` (router gate weight and logits fp32) vs the fp32 trainer;
+- bf16: vLLM + plugin and stock vLLM in bf16 side by side (FP4 off, `--bf16-prompts`), each vs the
+  fp32 trainer and vs the trainer on the weights that engine holds, plus both in fp32 on the
+  bf16-rounded weights (which splits the gap; bench_vllm_bf16.py); MoEResQ experts in bf16 vs the
+  fp32 trainer;
 - throughput: greedy tokens/s of the plugin (MoEResQ, both scopes) vs stock vLLM (no
   quantization_config) on one model and batch (bench_vllm_engine's runner), calls alternating;
 - update: an engine on weights A, run (Q(W) cached), updated in place to B (`live.update_weights`)
@@ -126,14 +129,17 @@ def logprob_rows(args, work: Path) -> list:
 
 
 def bf16_rows(args, work: Path) -> list:
-    jobs = [("none", "none", ("bf16", "bf16"), 0), ("experts", "experts", MOERESQ, 0)]
-    log(f"bf16: 2 exports, {args.prompts} prompts x {args.tokens} tokens, vLLM bf16 vs fp32 trainer")
-    m = rollout_vs_trainer(jobs, work / "bf16", args.prompts, args.tokens, 0, "bfloat16")
-    return [row(f"bf16 vLLM + plugin expert agreement, FP4 off, {m['none']['positions']} positions "
-                f"(max \\|Δ\\| {m['none']['max_abs_diff']:.1e})", f"{m['none']['expert_agreement']:.2%}",
-                "≥ 99.9 %", m["none"]["expert_agreement"] >= 0.999),
-            row(f"bf16 vLLM + plugin expert agreement, MoEResQ experts (max \\|Δ\\| {m['experts']['max_abs_diff']:.1e})",
-                f"{m['experts']['expert_agreement']:.2%}", "(FP4 on)", "—")]
+    """bench_vllm_bf16's side-by-side rows (plugin and stock bf16 vLLM, two trainer references, the
+    split of the precision gap), then the plugin with MoEResQ experts vs the fp32 trainer."""
+    from bench_vllm_bf16 import bf16_rows as side_by_side_rows
+
+    rows = side_by_side_rows(args, work, consistency, tiny_config, row, log)
+    log("bf16: MoEResQ experts through the worker, vs the fp32 trainer")
+    e = rollout_vs_trainer([("experts", "experts", MOERESQ, 0)], work / "bf16", args.prompts, args.tokens, 0,
+                           "bfloat16")["experts"]
+    rows.append(row(f"bf16 vLLM + plugin expert agreement, MoEResQ experts (max \\|Δ\\| {e['max_abs_diff']:.1e})",
+                    f"{e['expert_agreement']:.2%}", "(FP4 on)", "—"))
+    return rows
 
 
 def throughput_rows(args, work: Path) -> list:
@@ -337,6 +343,8 @@ def main(argv=None) -> list:
     p.add_argument("--only", help=f"comma-separated subset of {','.join(ROWS)}")
     p.add_argument("--prompts", type=int, default=64)
     p.add_argument("--tokens", type=int, default=16)
+    p.add_argument("--bf16-prompts", type=int, default=128,
+                   help="prompts of the bf16 side-by-side rows (× --tokens positions; 1 flip = 0.012 %% there)")
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--repeats", type=int, default=3)
@@ -354,7 +362,7 @@ def main(argv=None) -> list:
         p.error(f"--only: unknown row in {args.only!r}; rows are {', '.join(ROWS)}")
     if args.quick:
         args.prompts, args.tokens, args.repeats = 16, 16, 2
-        args.kl_prompts, args.new_tokens = 16, 32
+        args.kl_prompts, args.new_tokens, args.bf16_prompts = 16, 32, 16
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # apply_model reaches the model in this process
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # the progress lines and the table, not vLLM's log

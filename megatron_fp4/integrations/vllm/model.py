@@ -13,8 +13,13 @@ built with the plugin's config in the batch-invariant mode it replaces, per deco
 
 and in a bf16/fp16 model (any numerics mode) every decoder norm keeps an fp32 residual: the
 residual stream (vLLM passes it from norm to norm) is kept in fp32, as in the fp32 trainer, and only
-each norm's output is rounded to the model dtype. So a bf16 rollout's router input carries one bf16
-rounding instead of the accumulated rounding of a bf16 residual (the bf16 expert-agreement goal).
+each norm's output is rounded to the model dtype, except before an MoE block: its gate (fp32
+weight, fp32 logits) reads the norm's fp32 output, as the trainer's router does, and only the
+experts get it rounded (`route_in_fp32`). What a bf16 rollout still rounds is its weights and the
+activations between ops (GEMM and norm outputs, the KV cache); on the tiny random model those flip
+about 1 % of near-tied expert choices for the plugin and stock vLLM alike, and the weights' rounding
+alone about 0.8 % (vLLM in fp32 on the bf16-rounded weights; the same engine matches the trainer
+on those weights at 100 %): `benchmarks/bench_vllm_goals.py --only bf16`.
 
 Why a model class and not an attention backend registered under `AttentionBackendEnum.CUSTOM`:
 RoPE runs in the model, before the attention layer, and vLLM's rotary module is shared process
@@ -42,18 +47,40 @@ def _check_rope(rope, head_dim: int, prefix: str) -> float:
     return float(rope.base)
 
 
-def keep_fp32_residual(norm: nn.Module) -> None:
+def keep_fp32_residual(norm: nn.Module, fp32_output: bool = False) -> None:
     """Make a decoder norm (vLLM's ``norm(x)`` / fused ``norm(x, residual)``) keep an fp32 residual:
     ``residual + x`` summed in fp32, normed in fp32 (its own forward: the plugin's
-    `ops.TrainerRMSNorm`), the output in ``x``'s dtype. The module and its weight's name stay."""
+    `ops.TrainerRMSNorm`), the output in ``x``'s dtype (in fp32 with `fp32_output`: the norm before
+    an MoE block whose router reads it, `route_in_fp32`). The module and its weight's name stay."""
     inner = norm.forward
 
     def forward(x: torch.Tensor, residual=None):
         h = x.float() if residual is None else residual.float() + x.float()
-        out = inner(h).to(x.dtype)
+        out = inner(h)
+        out = out if fp32_output else out.to(x.dtype)
         return out if residual is None else (out, h)
 
     norm.forward = forward
+
+
+def route_in_fp32(block: nn.Module, dtype: torch.dtype, prefix: str) -> None:
+    """Make vLLM's MoE block (gate + experts runner) route from its fp32 input, as the trainer's
+    router does: the gate (`quant.RouterGateMethod`, fp32 weight and logits) reads the fp32 norm
+    output, the experts get it rounded to the model `dtype`. vLLM's runner would apply the gate to
+    the experts' (rounded) input; here the block computes the logits and hands them to the runner."""
+    runner, gate = getattr(block, "experts", None), getattr(block, "gate", None)
+    if gate is None or getattr(runner, "gate", None) is not gate or getattr(block, "is_sequence_parallel", False) \
+            or getattr(block, "shared_expert", None) is not None:
+        raise ValueError(f"megatron_fp4: {prefix} is not a plain Qwen3-MoE block (one gate held by the experts' "
+                         f"runner, no shared expert, no sequence parallelism), so the plugin cannot route it from "
+                         f"fp32 in a {dtype} model; serve it with dtype='float32'")
+    runner.gate = None  # the block's `gate` stays registered (its weight's name is unchanged)
+
+    def forward(h: torch.Tensor) -> torch.Tensor:
+        logits, _ = gate(h)
+        return runner(hidden_states=h.to(dtype), router_logits=logits)
+
+    block.forward = forward
 
 
 class MegatronFP4Qwen3MoeForCausalLM(Qwen3MoeForCausalLM):
@@ -65,12 +92,16 @@ class MegatronFP4Qwen3MoeForCausalLM(Qwen3MoeForCausalLM):
         qc = vllm_config.quant_config
         if not isinstance(qc, MegatronFP4Config):
             return
-        if vllm_config.model_config.dtype in (torch.bfloat16, torch.float16):
+        dtype = vllm_config.model_config.dtype
+        if dtype in (torch.bfloat16, torch.float16):
             keep_fp32_residual(self.model.norm)
-            for layer in self.model.layers:
+            for i, layer in enumerate(self.model.layers):
                 if hasattr(layer, "input_layernorm"):
+                    moe = hasattr(getattr(layer, "mlp", None), "experts")
                     keep_fp32_residual(layer.input_layernorm)
-                    keep_fp32_residual(layer.post_attention_layernorm)
+                    keep_fp32_residual(layer.post_attention_layernorm, fp32_output=moe)
+                    if moe:
+                        route_in_fp32(layer.mlp, dtype, f"model.layers.{i}.mlp")
         if not qc.batch_invariant:
             return
         for i, layer in enumerate(self.model.layers):
