@@ -102,15 +102,17 @@ def test_bf16_router_reads_the_fp32_norm_output(tmp_path, scope):
 
 
 @needs_vllm
-def test_a_block_the_plugin_cannot_route_from_fp32_is_named():
+def test_a_block_the_plugin_cannot_route_from_fp32_is_named_and_kept():
     from torch import nn
 
     from megatron_fp4.integrations.vllm.model import route_in_fp32
 
     block = nn.Module()
     block.gate, block.experts = nn.Linear(4, 2), nn.Module()  # the runner does not hold the gate
-    with pytest.raises(ValueError, match=r"model\.layers\.3\.mlp is not a plain Qwen3-MoE block.*dtype='float32'"):
-        route_in_fp32(block, torch.bfloat16, "model.layers.3.mlp")
+    forward = block.forward
+    with pytest.warns(RuntimeWarning, match=r"model\.layers\.3\.mlp is not a plain Qwen3-MoE block.*dtype='float32'"):
+        assert route_in_fp32(block, torch.bfloat16, "model.layers.3.mlp") is False
+    assert block.forward == forward  # vLLM's own routing stays
 
 
 if __name__ == "__main__":

@@ -29,6 +29,8 @@ its own layers. With another quantization config it is stock vLLM.
 """
 from __future__ import annotations
 
+import warnings
+
 import torch
 from torch import nn
 from vllm.model_executor.models.qwen3_moe import Qwen3MoeForCausalLM
@@ -63,17 +65,20 @@ def keep_fp32_residual(norm: nn.Module, fp32_output: bool = False) -> None:
     norm.forward = forward
 
 
-def route_in_fp32(block: nn.Module, dtype: torch.dtype, prefix: str) -> None:
+def route_in_fp32(block: nn.Module, dtype: torch.dtype, prefix: str) -> bool:
     """Make vLLM's MoE block (gate + experts runner) route from its fp32 input, as the trainer's
     router does: the gate (`quant.RouterGateMethod`, fp32 weight and logits) reads the fp32 norm
     output, the experts get it rounded to the model `dtype`. vLLM's runner would apply the gate to
-    the experts' (rounded) input; here the block computes the logits and hands them to the runner."""
+    the experts' (rounded) input; here the block computes the logits and hands them to the runner.
+    A block of another shape (a shared expert, sequence parallelism) keeps vLLM's routing from the
+    rounded input, with a warning naming it (returns False)."""
     runner, gate = getattr(block, "experts", None), getattr(block, "gate", None)
     if gate is None or getattr(runner, "gate", None) is not gate or getattr(block, "is_sequence_parallel", False) \
             or getattr(block, "shared_expert", None) is not None:
-        raise ValueError(f"megatron_fp4: {prefix} is not a plain Qwen3-MoE block (one gate held by the experts' "
-                         f"runner, no shared expert, no sequence parallelism), so the plugin cannot route it from "
-                         f"fp32 in a {dtype} model; serve it with dtype='float32'")
+        warnings.warn(f"megatron_fp4: {prefix} is not a plain Qwen3-MoE block (one gate held by the experts' runner, "
+                      f"no shared expert, no sequence parallelism): its router reads the {dtype} input; serve with "
+                      f"dtype='float32' for the trainer's routing", RuntimeWarning, stacklevel=2)
+        return False
     runner.gate = None  # the block's `gate` stays registered (its weight's name is unchanged)
 
     def forward(h: torch.Tensor) -> torch.Tensor:
@@ -81,6 +86,7 @@ def route_in_fp32(block: nn.Module, dtype: torch.dtype, prefix: str) -> None:
         return runner(hidden_states=h.to(dtype), router_logits=logits)
 
     block.forward = forward
+    return True
 
 
 class MegatronFP4Qwen3MoeForCausalLM(Qwen3MoeForCausalLM):
@@ -97,11 +103,10 @@ class MegatronFP4Qwen3MoeForCausalLM(Qwen3MoeForCausalLM):
             keep_fp32_residual(self.model.norm)
             for i, layer in enumerate(self.model.layers):
                 if hasattr(layer, "input_layernorm"):
-                    moe = hasattr(getattr(layer, "mlp", None), "experts")
+                    moe = hasattr(getattr(layer, "mlp", None), "experts") and \
+                        route_in_fp32(layer.mlp, dtype, f"model.layers.{i}.mlp")
                     keep_fp32_residual(layer.input_layernorm)
                     keep_fp32_residual(layer.post_attention_layernorm, fp32_output=moe)
-                    if moe:
-                        route_in_fp32(layer.mlp, dtype, f"model.layers.{i}.mlp")
         if not qc.batch_invariant:
             return
         for i, layer in enumerate(self.model.layers):
