@@ -62,6 +62,7 @@ def _tiny_checkpoint(out_dir: Path) -> str:
     from megatron_fp4.config import Config
     from megatron_fp4.integrations.hf import save_hf_checkpoint
     from megatron_fp4.model import build_model
+    from megatron_fp4.parallel.mesh import shutdown_process_groups
     from megatron_fp4.training.data import ArithmeticTokenizer
 
     cfg = Config()
@@ -177,6 +178,7 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--steps", type=int, default=1)
     parser.add_argument("--out", help="write the metrics (a JSON list) here")
     args = parser.parse_args(argv)
+    from megatron_fp4.parallel.mesh import shutdown_process_groups
     from megatron_fp4.training.data import ArithmeticTokenizer
 
     require_cpu_platform()
@@ -191,6 +193,8 @@ def main(argv=None) -> list[dict]:
         for step in range(args.steps):
             results.append(grpo_step(worker, config, step, tokenizer))
             print(json.dumps(results[-1], sort_keys=True), flush=True)
+        del worker  # it holds the groups: freed first, then destroyed with every rank here (train.py's exit path)
+        shutdown_process_groups()
     if args.out:
         Path(args.out).write_text(json.dumps(results, indent=1))
     return results
