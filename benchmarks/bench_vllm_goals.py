@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import json
 import os
 import statistics
 import sys
@@ -248,21 +249,43 @@ def update_time_rows(args, work: Path) -> list:
                 f"{s:.2f} s", "≤ 2 s", s <= 2.0)]
 
 
+def kl_verdict(m: dict, names: list, resamples: int, seed: int) -> tuple:
+    """(KL per setting, its bootstrap standard error, the pairwise order of neighbouring settings
+    ('<', '>' or '?' = within the noise, `consistency.kl_order`), verdict) for one (seed, scope):
+    'yes' when every '<' is resolved, 'no' when any pair is resolved the other way, else 'unresolved'."""
+    from megatron_fp4.rollout.consistency import kl_bootstrap, kl_order
+
+    reps = kl_bootstrap([m[n]["kl_per_request"] for n in names], [m[n]["tokens_per_request"] for n in names],
+                        resamples, seed)
+    order = kl_order(reps)
+    verdict = "no" if ">" in order else "unresolved" if "?" in order else "yes"
+    return [m[n]["kl"] for n in names], reps.std(0).tolist(), order, verdict
+
+
 def kl_rows(args, work: Path) -> list:
     settings = {"MoEResQ": MOERESQ, "FP4 plain": PLAIN, "rollout-only": ROLLOUT_ONLY}
-    rows, held = [], []
+    scopes = args.kl_scopes.split(",")
+    rows, verdicts = [], []
     for seed in range(args.seeds):
-        jobs = [(f"{s}/{name}", s, modes, seed) for s in args.kl_scopes.split(",") for name, modes in settings.items()]
+        jobs = [(f"{s}/{name}", s, modes, seed) for s in scopes for name, modes in settings.items()]
         log(f"kl: seed {seed}, {len(jobs)} exports, {args.kl_prompts} prompts x {args.kl_tokens} tokens, "
             f"vLLM {args.kl_dtype}")
         m = rollout_vs_trainer(jobs, work / f"kl_{seed}", args.kl_prompts, args.kl_tokens, seed, args.kl_dtype)
-        for s in args.kl_scopes.split(","):
-            kl = [m[f"{s}/{name}"]["kl"] for name in settings]
-            held.append(kl[0] < kl[1] < kl[2])
-            rows.append(row(f"KL, {s}, seed {seed}: MoEResQ / plain FP4 / rollout-only (vLLM {args.kl_dtype})",
-                            " / ".join(f"{k:.1e}" for k in kl), "increasing", held[-1]))
-    rows.append(row(f"the paper's KL ordering with vLLM rollouts ({args.kl_dtype}), {args.seeds} seeds",
-                    f"{sum(held)}/{len(held)} hold", "holds on 3 seeds", all(held) and args.seeds >= 3))
+        (work / f"kl_{seed}" / "kl.json").write_text(json.dumps(
+            {j[0]: {k: m[j[0]][k] for k in ("kl", "kl_per_request", "tokens_per_request")} for j in jobs}))
+        for s in scopes:
+            kl, se, order, verdict = kl_verdict(m, [f"{s}/{n}" for n in settings], args.kl_resamples, seed)
+            verdicts.append(verdict)
+            log(f"kl: seed {seed} {s}: " + " / ".join(f"{k:.3e} ± {e:.1e}" for k, e in zip(kl, se)) + f" ({order})")
+            rows.append(row(f"KL ± bootstrap s.e. ({args.kl_prompts} requests), {s}, seed {seed}: MoEResQ / plain "
+                            f"FP4 / rollout-only (vLLM {args.kl_dtype}); order at 95 %",
+                            " / ".join(f"{k:.2e} ± {e:.1e}" for k, e in zip(kl, se)) + f" ({' '.join(order)})",
+                            "increasing", verdict))
+    n = {v: verdicts.count(v) for v in ("yes", "no", "unresolved")}
+    met = "yes" if n["yes"] == len(verdicts) and args.seeds >= 3 else "no" if n["no"] else "unresolved"
+    rows.append(row(f"the paper's KL ordering with vLLM rollouts ({args.kl_dtype}), {args.seeds} seeds × "
+                    f"{len(scopes)} scopes, resolved beyond the noise (95 %)",
+                    f"{n['yes']} hold, {n['no']} fail, {n['unresolved']} unresolved", "holds on 3 seeds", met))
     return rows
 
 
@@ -347,6 +370,7 @@ def main(argv=None) -> list:
     p.add_argument("--kl-tokens", type=int, default=8)
     p.add_argument("--kl-dtype", choices=["bfloat16", "float32"], default="bfloat16")
     p.add_argument("--kl-scopes", default="experts,experts+attention")
+    p.add_argument("--kl-resamples", type=int, default=2000, help="bootstrap resamples of the requests per KL row")
     p.add_argument("--work", help="directory for the exports (default: a temporary one)")
     args = p.parse_args(argv)
     only = args.only.split(",") if args.only else list(ROWS)
