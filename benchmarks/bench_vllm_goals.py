@@ -23,7 +23,11 @@ scoring, as `tools/consistency_report.py --rollout vllm` scores):
 - kl: the paper's ordering KL(MoEResQ) < KL(FP4 both, no compensation) < KL(rollout-only
   compensation) per seed (model init, prompts and sampling seeds), `--kl-dtype` vLLM (default bf16:
   the realistic engine gap; with fp32 on both sides plain FP4 and MoEResQ both sit at the
-  fp32-rounding floor, see docs/vllm.md).
+  fp32-rounding floor, see docs/vllm.md). Each KL with its standard error from `--kl-resamples`
+  bootstrap resamples of the `--kl-prompts` requests (paired: the settings ran the same prompts and
+  sampling seeds; `rollout.consistency.kl_bootstrap`); a (seed, scope) holds only when both steps of
+  the order are resolved at 95 %, fails when one is resolved the other way, else is unresolved
+  (`kl_order`); the per-request KLs go to WORK/kl_SEED/kl.json (`--work`).
 
 Prints progress to stderr and last a markdown table: measure | value | goal | met?
 (history: docs/benchmarks.md).

@@ -118,3 +118,18 @@ def test_bench_verdict_needs_the_order_resolved_beyond_the_noise():
     assert se[2] > se[0]
     assert kl_verdict(_metrics([base, base + 4e-3, base + 8e-3]), names, 2000, 0)[2:] == (["<", "<"], "yes")
     assert kl_verdict(_metrics([base, base + 8e-3, base + 4e-3]), names, 2000, 0)[2:] == (["<", ">"], "no")
+
+
+def test_consistency_report_table_gives_the_kl_with_its_standard_error():
+    from tools.consistency_report import COLUMNS, markdown
+
+    x = RNG.exponential(1e-3, size=400)
+    row = {"gap": "g", "scope": "experts", "setting": "s", "train_mode": "fp4", "rollout_mode": "fp4", "num_tokens": 400,
+           **{c: 0.5 for c in COLUMNS}, "kl": float(x.mean()), "kl_per_request": x.tolist(),
+           "tokens_per_request": [1] * 400}
+    line = [ln for ln in markdown([row]).splitlines() if ln.startswith("| experts")][0]
+    kl_cell = line.split("|")[1 + 4 + COLUMNS.index("kl")].strip()
+    value, se = kl_cell.split(" ± ")
+    assert float(value) == pytest.approx(x.mean(), rel=5e-3)
+    assert float(se) == pytest.approx(x.std() / np.sqrt(400), rel=0.1)
+    assert " ± " not in markdown([{k: v for k, v in row.items() if k != "kl_per_request"}])
