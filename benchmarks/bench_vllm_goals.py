@@ -360,7 +360,7 @@ def markdown(rows: list) -> str:
 
 def main(argv=None) -> list:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--quick", action="store_true", help="small run: 16x16 positions, 2 rounds")
+    p.add_argument("--quick", action="store_true", help="small run: 16x16 positions, 2 rounds, 32 KL requests")
     p.add_argument("--only", help=f"comma-separated subset of {','.join(ROWS)}")
     p.add_argument("--prompts", type=int, default=64)
     p.add_argument("--tokens", type=int, default=16)
@@ -370,7 +370,8 @@ def main(argv=None) -> list:
     p.add_argument("--tp-hidden", type=int, default=128, help="throughput model's hidden size (ffn: twice it)")
     p.add_argument("--update-mb", type=float, default=300.0)
     p.add_argument("--seeds", type=int, default=3)
-    p.add_argument("--kl-prompts", type=int, default=32)
+    p.add_argument("--kl-prompts", type=int, default=256,
+                   help="requests per KL row (32: the plain-vs-rollout-only step of experts+attention within s.e.)")
     p.add_argument("--kl-tokens", type=int, default=8)
     p.add_argument("--kl-dtype", choices=["bfloat16", "float32"], default="bfloat16")
     p.add_argument("--kl-scopes", default="experts,experts+attention")
@@ -380,9 +381,12 @@ def main(argv=None) -> list:
     only = args.only.split(",") if args.only else list(ROWS)
     if any(o not in ROWS for o in only):
         p.error(f"--only: unknown row in {args.only!r}; rows are {', '.join(ROWS)}")
+    if args.kl_prompts < 2 or args.kl_resamples < 1:
+        p.error(f"--kl-prompts must be >= 2 (the KL's s.e. resamples requests) and --kl-resamples >= 1, got "
+                f"{args.kl_prompts} / {args.kl_resamples}")
     if args.quick:
         args.prompts, args.tokens, args.repeats = 16, 16, 2
-        args.kl_prompts, args.new_tokens = 16, 32
+        args.kl_prompts, args.new_tokens = 32, 32
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # apply_model reaches the model in this process
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # the progress lines and the table, not vLLM's log

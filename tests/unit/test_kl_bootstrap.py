@@ -133,3 +133,10 @@ def test_consistency_report_table_gives_the_kl_with_its_standard_error():
     assert float(value) == pytest.approx(x.mean(), rel=5e-3)
     assert float(se) == pytest.approx(x.std() / np.sqrt(400), rel=0.1)
     assert " ± " not in markdown([{k: v for k, v in row.items() if k != "kl_per_request"}])
+
+
+@pytest.mark.parametrize("flags", [["--kl-prompts", "1"], ["--kl-resamples", "0"]])
+def test_bench_rejects_kl_samples_too_small_for_an_error(flags, capsys):
+    with pytest.raises(SystemExit) as e:
+        _bench().main(["--only", "kl", *flags])
+    assert e.value.code == 2 and "--kl-prompts must be >= 2" in capsys.readouterr().err
