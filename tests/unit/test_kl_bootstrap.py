@@ -113,11 +113,12 @@ def test_bench_verdict_needs_the_order_resolved_beyond_the_noise():
     noise = 5e-3 * np.where(np.arange(n) % 2 == 0, 1.0, -1.0)
     noisy = base + 4e-3 + noise + 1e-4  # point estimate above base + 4e-3, paired difference within the noise
     names = ["s0", "s1", "s2"]
-    kl, se, order, verdict = kl_verdict(_metrics([base, base + 4e-3, noisy]), names, 2000, 0)
+    kl, se, step_se, order, verdict = kl_verdict(_metrics([base, base + 4e-3, noisy]), names, 2000, 0)
     assert kl[0] < kl[1] < kl[2] and order == ["<", "?"] and verdict == "unresolved"
-    assert se[2] > se[0]
-    assert kl_verdict(_metrics([base, base + 4e-3, base + 8e-3]), names, 2000, 0)[2:] == (["<", "<"], "yes")
-    assert kl_verdict(_metrics([base, base + 8e-3, base + 4e-3]), names, 2000, 0)[2:] == (["<", ">"], "no")
+    assert se[2] > se[0] and step_se[0] == pytest.approx(0, abs=1e-12)  # a constant paired step has no noise
+    assert step_se[1] == pytest.approx(5e-3 / np.sqrt(n), rel=0.1)  # the ±5e-3 paired differences
+    assert kl_verdict(_metrics([base, base + 4e-3, base + 8e-3]), names, 2000, 0)[3:] == (["<", "<"], "yes")
+    assert kl_verdict(_metrics([base, base + 8e-3, base + 4e-3]), names, 2000, 0)[3:] == (["<", ">"], "no")
 
 
 def test_consistency_report_table_gives_the_kl_with_its_standard_error():
