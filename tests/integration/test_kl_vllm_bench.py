@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[2]
 VLLM = vllm_available()
 
 
-@pytest.mark.skipif(not VLLM, reason=f"{VLLM.reason}; the benchmark runs vLLM in its own process: run this test in "
+@pytest.mark.skipif(not VLLM, reason=f"{VLLM.reason}; the benchmark runs vLLM in this process: run this test in "
                                      "the vLLM environment (tools/vllm_env.sh)")
 @pytest.mark.slow
 def test_kl_rows_report_kl_with_error_from_the_saved_requests(tmp_path):
