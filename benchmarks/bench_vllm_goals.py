@@ -26,7 +26,11 @@ scoring, as `tools/consistency_report.py --rollout vllm` scores):
 - kl: the paper's ordering KL(MoEResQ) < KL(FP4 both, no compensation) < KL(rollout-only
   compensation) per seed (model init, prompts and sampling seeds), `--kl-dtype` vLLM (default bf16:
   the realistic engine gap; with fp32 on both sides plain FP4 and MoEResQ both sit at the
-  fp32-rounding floor, see docs/vllm.md).
+  fp32-rounding floor, see docs/vllm.md). Each KL with its standard error from `--kl-resamples`
+  bootstrap resamples of the `--kl-prompts` requests (paired: the settings ran the same prompts and
+  sampling seeds; `rollout.consistency.kl_bootstrap`); a (seed, scope) holds only when both steps of
+  the order are resolved at 95 %, fails when one is resolved the other way, else is unresolved
+  (`kl_order`); the per-request KLs go to WORK/kl_SEED/kl.json (`--work`).
 
 Prints progress to stderr and last a markdown table: measure | value | goal | met?
 (history: docs/benchmarks.md).
@@ -35,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import json
 import os
 import statistics
 import sys
@@ -254,21 +259,46 @@ def update_time_rows(args, work: Path) -> list:
                 f"{s:.2f} s", "≤ 2 s", s <= 2.0)]
 
 
+def kl_verdict(m: dict, names: list, resamples: int, seed: int) -> tuple:
+    """(KL per setting, its bootstrap standard error, the s.e. of each paired step KL(s+1) - KL(s),
+    the order of each step ('<', '>' or '?' = within the noise, `consistency.kl_order`), verdict)
+    for one (seed, scope): 'yes' when every step is a resolved '<', 'no' when one is resolved the
+    other way, else 'unresolved'."""
+    from megatron_fp4.rollout.consistency import kl_bootstrap, kl_order
+
+    reps = kl_bootstrap([m[n]["kl_per_request"] for n in names], [m[n]["tokens_per_request"] for n in names],
+                        resamples, seed)
+    order = kl_order(reps)
+    verdict = "no" if ">" in order else "unresolved" if "?" in order else "yes"
+    steps = (reps[:, 1:] - reps[:, :-1]).std(0).tolist()
+    return [m[n]["kl"] for n in names], reps.std(0).tolist(), steps, order, verdict
+
+
 def kl_rows(args, work: Path) -> list:
     settings = {"MoEResQ": MOERESQ, "FP4 plain": PLAIN, "rollout-only": ROLLOUT_ONLY}
-    rows, held = [], []
+    scopes = args.kl_scopes.split(",")
+    rows, verdicts = [], []
     for seed in range(args.seeds):
-        jobs = [(f"{s}/{name}", s, modes, seed) for s in args.kl_scopes.split(",") for name, modes in settings.items()]
+        jobs = [(f"{s}/{name}", s, modes, seed) for s in scopes for name, modes in settings.items()]
         log(f"kl: seed {seed}, {len(jobs)} exports, {args.kl_prompts} prompts x {args.kl_tokens} tokens, "
             f"vLLM {args.kl_dtype}")
         m = rollout_vs_trainer(jobs, work / f"kl_{seed}", args.kl_prompts, args.kl_tokens, seed, args.kl_dtype)
-        for s in args.kl_scopes.split(","):
-            kl = [m[f"{s}/{name}"]["kl"] for name in settings]
-            held.append(kl[0] < kl[1] < kl[2])
-            rows.append(row(f"KL, {s}, seed {seed}: MoEResQ / plain FP4 / rollout-only (vLLM {args.kl_dtype})",
-                            " / ".join(f"{k:.1e}" for k in kl), "increasing", held[-1]))
-    rows.append(row(f"the paper's KL ordering with vLLM rollouts ({args.kl_dtype}), {args.seeds} seeds",
-                    f"{sum(held)}/{len(held)} hold", "holds on 3 seeds", all(held) and args.seeds >= 3))
+        (work / f"kl_{seed}" / "kl.json").write_text(json.dumps(
+            {j[0]: {k: m[j[0]][k] for k in ("kl", "kl_per_request", "tokens_per_request")} for j in jobs}))
+        for s in scopes:
+            kl, se, step_se, order, verdict = kl_verdict(m, [f"{s}/{n}" for n in settings], args.kl_resamples, seed)
+            verdicts.append(verdict)
+            steps = ", ".join(f"{b - a:+.1e} ± {e:.1e} ({o})" for a, b, e, o in zip(kl, kl[1:], step_se, order))
+            log(f"kl: seed {seed} {s}: " + " / ".join(f"{k:.3e} ± {e:.1e}" for k, e in zip(kl, se)) + f"; steps {steps}")
+            rows.append(row(f"KL ± bootstrap s.e. ({args.kl_prompts} requests), {s}, seed {seed}: MoEResQ / plain "
+                            f"FP4 / rollout-only (vLLM {args.kl_dtype}); paired steps, order at 95 %",
+                            " / ".join(f"{k:.2e} ± {e:.1e}" for k, e in zip(kl, se)) + f"; {steps}",
+                            "increasing", verdict))
+    n = {v: verdicts.count(v) for v in ("yes", "no", "unresolved")}
+    met = "no" if n["no"] or args.seeds < 3 else "yes" if n["yes"] == len(verdicts) else "unresolved"
+    rows.append(row(f"the paper's KL ordering with vLLM rollouts ({args.kl_dtype}), {args.seeds} seeds × "
+                    f"{len(scopes)} scopes, resolved beyond the noise (95 %)",
+                    f"{n['yes']} hold, {n['no']} fail, {n['unresolved']} unresolved", "holds on 3 seeds", met))
     return rows
 
 
@@ -339,7 +369,7 @@ def markdown(rows: list) -> str:
 
 def main(argv=None) -> list:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--quick", action="store_true", help="small run: 16x16 positions, 2 rounds")
+    p.add_argument("--quick", action="store_true", help="small run: 16x16 positions, 2 rounds, 32 KL requests")
     p.add_argument("--only", help=f"comma-separated subset of {','.join(ROWS)}")
     p.add_argument("--prompts", type=int, default=64)
     p.add_argument("--tokens", type=int, default=16)
@@ -351,18 +381,23 @@ def main(argv=None) -> list:
     p.add_argument("--tp-hidden", type=int, default=128, help="throughput model's hidden size (ffn: twice it)")
     p.add_argument("--update-mb", type=float, default=300.0)
     p.add_argument("--seeds", type=int, default=3)
-    p.add_argument("--kl-prompts", type=int, default=32)
+    p.add_argument("--kl-prompts", type=int, default=256,
+                   help="requests per KL row (32: the plain-vs-rollout-only step of experts+attention within s.e.)")
     p.add_argument("--kl-tokens", type=int, default=8)
     p.add_argument("--kl-dtype", choices=["bfloat16", "float32"], default="bfloat16")
     p.add_argument("--kl-scopes", default="experts,experts+attention")
+    p.add_argument("--kl-resamples", type=int, default=2000, help="bootstrap resamples of the requests per KL row")
     p.add_argument("--work", help="directory for the exports (default: a temporary one)")
     args = p.parse_args(argv)
     only = args.only.split(",") if args.only else list(ROWS)
     if any(o not in ROWS for o in only):
         p.error(f"--only: unknown row in {args.only!r}; rows are {', '.join(ROWS)}")
+    if args.kl_prompts < 2 or args.kl_resamples < 1:
+        p.error(f"--kl-prompts must be >= 2 (the KL's s.e. resamples requests) and --kl-resamples >= 1, got "
+                f"{args.kl_prompts} / {args.kl_resamples}")
     if args.quick:
         args.prompts, args.tokens, args.repeats = 16, 16, 2
-        args.kl_prompts, args.new_tokens, args.bf16_prompts = 16, 32, 16
+        args.kl_prompts, args.new_tokens, args.bf16_prompts = 32, 32, 16
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # apply_model reaches the model in this process
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # the progress lines and the table, not vLLM's log

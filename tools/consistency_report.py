@@ -56,7 +56,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from megatron_fp4.config import default_config_path, load_config  # noqa: E402
 from megatron_fp4.model import Router, build_model  # noqa: E402
 from megatron_fp4.rollout import RolloutEngine, SamplingParams  # noqa: E402
-from megatron_fp4.rollout.consistency import add_engine_noise, rescore, router_margins  # noqa: E402
+from megatron_fp4.rollout.consistency import add_engine_noise, kl_bootstrap, rescore, router_margins  # noqa: E402
 from megatron_fp4.training.data import ArithmeticTokenizer, make_problem  # noqa: E402
 
 SETTINGS = [("BF16 both", "bf16", "bf16"), ("FP4 both, no compensation", "fp4", "fp4"),
@@ -220,14 +220,23 @@ def routing_sharpness(cfg, weights, tok, num: int = 64, seed: int = 0) -> dict:
     return router_margins(torch.cat(probs), cfg.model.top_k)  # rows [tokens * layers, E]
 
 
+def _se(row: dict, column: str) -> str:
+    """' ± s.e.' of the KL (`consistency.kl_bootstrap` over the row's requests), else ''."""
+    if column != "kl" or len(row.get("kl_per_request") or ()) < 2:
+        return ""
+    return f" ± {float(kl_bootstrap([row['kl_per_request']], [row['tokens_per_request']]).std()):.1e}"
+
+
 def markdown(rows) -> str:
-    """Markdown tables, one per engine gap (in order of appearance)."""
+    """Markdown tables, one per engine gap (in order of appearance); the KL with its standard error
+    over requests."""
     out = []
     for gap in dict.fromkeys(r["gap"] for r in rows):
         out += [f"### {gap}", "", "| scope | setting | train | rollout | " + " | ".join(COLUMNS) + " | tokens |",
                 "|" + "---|" * (len(COLUMNS) + 5)]
         for r in (r for r in rows if r["gap"] == gap):
-            vals = " | ".join(f"{r[c]:.6f}" if c in ("pearson", "expert_agreement") else f"{r[c]:.2e}" for c in COLUMNS)
+            vals = " | ".join(f"{r[c]:.6f}" if c in ("pearson", "expert_agreement") else f"{r[c]:.2e}{_se(r, c)}"
+                              for c in COLUMNS)
             out.append(f"| {r['scope']} | {r['setting']} | {r['train_mode']} | {r['rollout_mode']} | {vals} "
                        f"| {r['num_tokens']} |")
         out.append("")

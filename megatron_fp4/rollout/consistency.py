@@ -9,6 +9,9 @@ training side recomputes for the same tokens:
 - kl: mean over tokens of KL(rollout || train) of the next-token distributions; exact when both
   full distributions are given, else the unbiased k3 estimator E[r - 1 - log r], r = p_train/p_roll
   on the rollout's own tokens (Schulman's estimator; the tokens were sampled from the rollout).
+  `rescore` also returns it per request (``kl_per_request``: each request's summed per-token KL,
+  ``tokens_per_request``), for the standard error of the KL by resampling requests
+  (`kl_bootstrap`) and an ordering of settings decided beyond that noise (`kl_order`).
 
 All statistics are computed in float64 from flattened per-token values. `rescore` (the trainer
 re-scores a rollout's tokens, batched its own way) and `compare_generation` give them for a
@@ -27,7 +30,7 @@ import torch
 from megatron_fp4.rollout.scoring import ScoreOutput, compute_log_probs, score
 
 __all__ = ["consistency_metrics", "compare_generation", "rescore", "router_margins", "add_engine_noise",
-           "compute_log_probs", "score", "ScoreOutput", "pearson"]
+           "compute_log_probs", "score", "ScoreOutput", "pearson", "kl_tokens", "kl_bootstrap", "kl_order"]
 
 
 def pearson(x: torch.Tensor, y: torch.Tensor) -> float:
@@ -49,14 +52,50 @@ def expert_agreement(routing_a: torch.Tensor, routing_b: torch.Tensor) -> float:
 
 def kl_exact(rollout_dist: torch.Tensor, train_dist: torch.Tensor) -> float:
     """Mean over tokens of KL(p_rollout || p_train); inputs are log-prob rows [N, V]."""
-    p = rollout_dist.double()
-    return float((p.exp() * (p - train_dist.double())).sum(-1).mean())
+    return float(kl_tokens(None, None, rollout_dist, train_dist).mean())
 
 
 def kl_k3(rollout_lp: torch.Tensor, train_lp: torch.Tensor) -> float:
     """k3 estimate of KL(rollout || train) from token log-probs sampled under the rollout."""
+    return float(kl_tokens(rollout_lp, train_lp).mean())
+
+
+def kl_tokens(rollout_lp: Optional[torch.Tensor], train_lp: Optional[torch.Tensor],
+              rollout_dist: Optional[torch.Tensor] = None, train_dist: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Per-token KL(rollout || train) [N], float64: exact from the log-prob rows [N, V] when both
+    distributions are given, else the k3 term r - 1 - log r of each sampled token's log-probs [N]."""
+    if rollout_dist is not None and train_dist is not None:
+        p = rollout_dist.double()
+        return (p.exp() * (p - train_dist.double())).sum(-1)
     log_r = train_lp.double() - rollout_lp.double()
-    return float((log_r.exp() - 1.0 - log_r).mean())
+    return log_r.exp() - 1.0 - log_r
+
+
+def kl_bootstrap(kl_sums: Sequence[Sequence[float]], tokens: Sequence[Sequence[int]], resamples: int = 2000,
+                 seed: int = 0) -> torch.Tensor:
+    """[resamples, settings] bootstrap replicates of each setting's KL (summed KL / tokens over the
+    requests), resampling whole requests (their tokens are not independent: a diverged prefix
+    carries on) with the same request indices for every setting: the settings ran the same prompts
+    and sampling seeds, so differences between them are paired. `kl_sums[s][i]`, `tokens[s][i]`:
+    setting s, request i (`rescore`'s ``kl_per_request`` / ``tokens_per_request``)."""
+    sums = torch.tensor(kl_sums, dtype=torch.float64)
+    counts = torch.tensor(tokens, dtype=torch.float64)
+    if sums.dim() != 2 or sums.shape != counts.shape or sums.shape[1] < 2 or resamples < 1:
+        raise ValueError(f"kl_bootstrap: want [settings, requests >= 2] sums and token counts of one shape and "
+                         f"resamples >= 1, got {tuple(sums.shape)} / {tuple(counts.shape)}, {resamples}")
+    gen = torch.Generator().manual_seed(seed)
+    idx = torch.randint(0, sums.shape[1], (resamples, sums.shape[1]), generator=gen)
+    return (sums[:, idx].sum(-1) / counts[:, idx].sum(-1).clamp_min(1)).T
+
+
+def kl_order(replicates: torch.Tensor, level: float = 0.95) -> list:
+    """For each neighbouring pair (s, s+1) of settings in `kl_bootstrap`'s replicates: '<' when the
+    central `level` percentile interval of the paired difference KL(s+1) - KL(s) lies above 0, '>'
+    when it lies below, '?' (unresolved: the difference is within the sampling noise) otherwise."""
+    diff = replicates[:, 1:] - replicates[:, :-1]
+    tail = (1.0 - level) / 2
+    lo, hi = torch.quantile(diff, tail, dim=0), torch.quantile(diff, 1.0 - tail, dim=0)
+    return ["<" if a > 0 else ">" if b < 0 else "?" for a, b in zip(lo.tolist(), hi.tolist())]
 
 
 def consistency_metrics(rollout_lp: torch.Tensor, train_lp: torch.Tensor,
@@ -71,10 +110,9 @@ def consistency_metrics(rollout_lp: torch.Tensor, train_lp: torch.Tensor,
            "mean_abs_diff": float(diff.mean()), "max_abs_diff": float(diff.max())}
     if rollout_routing is not None and train_routing is not None:
         out["expert_agreement"] = expert_agreement(rollout_routing, train_routing)
-    if rollout_dist is not None and train_dist is not None:
-        out["kl"], out["kl_method"] = kl_exact(rollout_dist, train_dist), "exact"
-    else:
-        out["kl"], out["kl_method"] = kl_k3(rollout_lp, train_lp), "k3"
+    exact = rollout_dist is not None and train_dist is not None
+    out["kl"] = float(kl_tokens(rollout_lp, train_lp, rollout_dist, train_dist).mean())
+    out["kl_method"] = "exact" if exact else "k3"
     return out
 
 
@@ -100,9 +138,13 @@ def rescore(model, rollout: dict, pad_id: int, mode: Optional[str] = None, batch
         for j, i in enumerate(idx):
             for k in train:
                 train[k][i] = out[k][j]
-    return consistency_metrics(_cat(rollout["log_probs"]), _cat(train["log_probs"]),
-                               _cat(rollout["routing"]) if want_routing else None, _cat(train["routing"]),
-                               _cat(rollout["distributions"]) if want_dist else None, _cat(train["distributions"]))
+    out = consistency_metrics(_cat(rollout["log_probs"]), _cat(train["log_probs"]),
+                              _cat(rollout["routing"]) if want_routing else None, _cat(train["routing"]),
+                              _cat(rollout["distributions"]) if want_dist else None, _cat(train["distributions"]))
+    per = [kl_tokens(rollout["log_probs"][i], train["log_probs"][i], *((rollout["distributions"][i],
+                     train["distributions"][i]) if want_dist else ())) for i in range(n)]
+    out["kl_per_request"], out["tokens_per_request"] = [float(k.sum()) for k in per], [int(k.numel()) for k in per]
+    return out
 
 
 def compare_generation(generation, model, pad_id: int = 0, mode: Optional[str] = None) -> dict:
