@@ -8,8 +8,10 @@ bound derived from the GEMMs (``γ_K = K·u / (1 − K·u)`` times ``|Q̃(X)|·|
 GEMM; the MoE's second GEMM adds its own on the first one's rounding carried through the SiLU and
 Q̃, which a flipped FP4 code could exceed: checked on inputs where it does not, and stated).
 They also pin that the path serves exactly where it should (standard mode, no autograd) and never
-in the batch-invariant mode, and that a weight written by vLLM's loader is what it computes with
-next (its fused/stacked Q(W) is dropped with the plugin's store). Runs in the vLLM environment.
+in the batch-invariant mode, that a weight written by vLLM's loader is what it computes with next
+(its fused/stacked Q(W) is dropped with the plugin's store), and that the compiled ResQ the plugin
+prepares at load is served without dynamo's per-call guards with the eager bits. Runs in the vLLM
+environment.
 """
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ from megatron_fp4.model.moe import MoELayer, init_moe_params
 from megatron_fp4.model.specs import recipe_from_config
 from tests.integration.test_vllm_plugin import linear_layer, plugin_config, plugin_moe, tiny_cfg
 from tests.integration.test_vllm_speed import vllm_ctx  # noqa: F401  (fixture: skips without vLLM)
+from tests.unit.test_fp4_fused import compiled, needs_inductor  # noqa: F401  (fixture)
 
 U = 2.0 ** -24
 
@@ -145,3 +148,29 @@ def test_the_batch_invariant_mode_never_takes_the_standard_path(vllm_ctx, monkey
         assert torch.equal(moe.apply_monolithic(experts, x, gate_method.apply(gate, x)), want)  # bitwise, the mode
         method.apply(layer, x)
     assert moe.standard is None and linears == [] and moes == []
+
+
+@needs_inductor
+def test_the_plugins_compiled_resq_is_served_without_dynamo_with_the_eager_bits(vllm_ctx, compiled):
+    """`fused_resq.prepare(inference=True)` (the plugin at load) serves the checked ResQ body as an
+    inductor artifact called without dynamo's guards; on any size it gives the eager path's bits."""
+    from megatron_fp4.fp4 import fused, fused_resq
+    from megatron_fp4.fp4.recipe import OperandFormat
+    from megatron_fp4.fp4.resq import portable_resq_quantize
+
+    key = fused_resq.key_of("row", torch.float32)
+    fused._variants.pop(key, None)  # a fresh variant: this process's earlier tests may have built one
+    try:
+        assert fused_resq.prepare("row", torch.float32, inference=True)
+        variant = fused.variant_of(key)
+        assert not hasattr(variant.fns[0], "_torchdynamo_orig_callable")  # not a torch.compile wrapper
+        fmt = OperandFormat(format="nvfp4", scale="row", block="1d", rounding="nearest")
+        g = torch.Generator().manual_seed(7)
+        for rows, cols in ((16, 128), (2, 32), (37, 1024), (5, 272)):
+            x = torch.randn(rows, cols, generator=g) * torch.logspace(-6, 6, cols)
+            with torch.inference_mode():
+                got = fused_resq.resq_nvfp4_fused(x, "row", "x")
+                want = portable_resq_quantize(x, fmt, True, compile="off")
+            assert got is not None and torch.equal(got.view(torch.int32), want.view(torch.int32)), (rows, cols)
+    finally:
+        fused._variants.pop(key, None)  # later tests build their own
