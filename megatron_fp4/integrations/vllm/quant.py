@@ -25,7 +25,10 @@ Every layer computes with the config's one `fp4.Numerics` (`MegatronFP4Config.va
 explicitly. Q(W) is computed once per weight version: its weight cache is one store per model,
 cleared by every weight load into a plugin-owned parameter (the weight loaders
 are wrapped) and by `process_weights_after_loading`. `batch_invariant` in the block runs the
-plugin's layers in the project's batch-invariant mode (exact FP4 GEMMs), as the trainer scores.
+plugin's layers in the project's batch-invariant mode (exact FP4 GEMMs), as the trainer scores,
+with the trainer's bits. Without it (standard kernels) fused linears and the routed experts take
+`standard.py`'s fewer, larger calls on the same operands: the trainer's numerics up to fp32 GEMM
+rounding.
 Supported layout: one process (no tensor or expert parallelism: the per-tensor weight scale is a
 whole-tensor amax, which a TP shard does not see).
 """
