@@ -148,6 +148,14 @@ def bf16_rows(args, work: Path) -> list:
 
 
 def throughput_rows(args, work: Path) -> list:
+    """The throughput rows at ``--tp-hidden`` and, beside them, at ``--tp-wide`` (0: not measured)."""
+    rows = []
+    for hidden in [args.tp_hidden] + ([args.tp_wide] if args.tp_wide else []):
+        rows += _throughput_at(args, work / f"tp{hidden}", hidden)
+    return rows
+
+
+def _throughput_at(args, work: Path, hidden: int) -> list:
     import torch
     from bench_rollout import timed_rounds
     from bench_vllm_engine import build, vllm_runner
@@ -155,7 +163,7 @@ def throughput_rows(args, work: Path) -> list:
     from megatron_fp4.integrations.hf import save_hf_checkpoint
     from megatron_fp4.integrations.vllm import export_for_vllm
 
-    targs = argparse.Namespace(vocab=2048, hidden=args.tp_hidden, layers=4, experts=8, ffn=2 * args.tp_hidden,
+    targs = argparse.Namespace(vocab=2048, hidden=hidden, layers=4, experts=8, ffn=2 * hidden,
                                prompt_len=32, new_tokens=args.new_tokens, batch=args.batch)
     cfg, model = build(targs)
     torch.manual_seed(0)
@@ -170,9 +178,10 @@ def throughput_rows(args, work: Path) -> list:
         c.numerics.batch_invariant = batch_invariant
         d = export_for_vllm(model, c, work / f"tp_{len(runners)}", dtype=None, overwrite=True)
         runners[name] = vllm_runner(str(d), prompts, targs)
-    log(f"throughput: stock vs plugin ({len(plugins)} variants), hidden {targs.hidden}, batch {targs.batch}, "
-        f"32+{targs.new_tokens} tokens, {args.repeats} rounds")
+    log(f"throughput: stock vs plugin ({len(plugins)} variants), hidden {targs.hidden}, ffn {targs.ffn}, "
+        f"batch {targs.batch}, 32+{targs.new_tokens} tokens, {args.repeats} rounds")
     t, outs = timed_rounds(runners, args.repeats)
+    del runners  # the engines (and their KV caches) before the next width's
     tokens = targs.batch * targs.new_tokens
     rows = []
     for name in plugins:
@@ -379,6 +388,8 @@ def main(argv=None) -> list:
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--tp-hidden", type=int, default=128, help="throughput model's hidden size (ffn: twice it)")
+    p.add_argument("--tp-wide", type=int, default=512,
+                   help="a second, wider throughput model's hidden size, measured beside the first (0: none)")
     p.add_argument("--update-mb", type=float, default=300.0)
     p.add_argument("--seeds", type=int, default=3)
     p.add_argument("--kl-prompts", type=int, default=256,

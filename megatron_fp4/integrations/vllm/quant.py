@@ -25,7 +25,10 @@ Every layer computes with the config's one `fp4.Numerics` (`MegatronFP4Config.va
 explicitly. Q(W) is computed once per weight version: its weight cache is one store per model,
 cleared by every weight load into a plugin-owned parameter (the weight loaders
 are wrapped) and by `process_weights_after_loading`. `batch_invariant` in the block runs the
-plugin's layers in the project's batch-invariant mode (exact FP4 GEMMs), as the trainer scores.
+plugin's layers in the project's batch-invariant mode (exact FP4 GEMMs), as the trainer scores,
+with the trainer's bits. Without it (standard kernels) fused linears and the routed experts take
+`standard.py`'s fewer, larger calls on the same operands: the trainer's numerics up to fp32 GEMM
+rounding.
 Supported layout: one process (no tensor or expert parallelism: the per-tensor weight scale is a
 whole-tensor amax, which a TP shard does not see).
 """
@@ -48,6 +51,7 @@ from vllm.model_executor.utils import set_weight_attrs
 from megatron_fp4.fp4 import STANDARD, Numerics, Recipe, fused_resq, invariant, moeresq_linear
 from megatron_fp4.fp4.exact_experts import can_share_input, shared_input_linear
 from megatron_fp4.integrations.vllm.sidecar import QUANT_METHOD, recipe_from_sidecar
+from megatron_fp4.integrations.vllm.standard import StandardExperts, experts_ok, linear_ok, standard_linear
 from megatron_fp4.model.moe import GroupedExperts, LocalDispatcher, route_from_logits, router_logits
 
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.(.+)$")
@@ -200,8 +204,12 @@ class MoEResQLinearMethod(UnquantizedLinearMethod):
         self.config.prepare_compiled(self.recipe, layer.weight.dtype)
 
     def apply(self, layer, x: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+        nx = self.config.values
+        if not self.config.batch_invariant and linear_ok(self.recipe, x, layer.weight, nx):
+            return standard_linear(x, layer.weight, bias, layer.mfp4_shards, layer.mfp4_names, self.recipe, nx,
+                                   self.group)
         return fused_moeresq_linear(x, layer.weight, bias, layer.mfp4_shards, layer.mfp4_names,
-                                    self.recipe, self.config.values, self.group)
+                                    self.recipe, nx, self.group)
 
 
 class HeadMethod(UnquantizedEmbeddingMethod):
@@ -254,6 +262,7 @@ class MoEResQMoEMethod(FusedMoEMethodBase):
         self.config, self.prefix = config, prefix
         self.recipe = config.recipe if config.scope != "none" else Recipe(mode="bf16")
         self.experts: Optional[GroupedExperts] = None
+        self.standard: Optional[StandardExperts] = None  # the standard-kernel path (standard.py)
         self.dispatcher = LocalDispatcher()
 
     @property
@@ -288,6 +297,8 @@ class MoEResQMoEMethod(FusedMoEMethodBase):
         self.config.prepare_compiled(self.recipe, layer.w13_weight.dtype)
         self.experts = grouped_experts_over(layer.w13_weight, layer.w2_weight, self.recipe,
                                             trainer_name(self.prefix), self.config.values)
+        if not self.config.batch_invariant:
+            self.standard = StandardExperts(self.experts)
 
     def apply_monolithic(self, layer, x: torch.Tensor, router_logits: torch.Tensor,
                          input_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -297,6 +308,8 @@ class MoEResQMoEMethod(FusedMoEMethodBase):
                                                 numerics=self.config.values)
         if self.config.routing_store is not None:
             self.config.routing_store.setdefault(self.prefix, []).append(topk_idx.clone())
+        if self.standard is not None and experts_ok(self.experts, x):
+            return self.standard(x, topk_idx, topk_w)
         return self.dispatcher(x, topk_idx, topk_w, self.experts)
 
     def apply(self, *args, **kwargs):
