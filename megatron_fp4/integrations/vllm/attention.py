@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from megatron_fp4.fp4 import invariant
+from megatron_fp4.integrations.vllm import opaque
 from megatron_fp4.model.layers import apply_rope, rope_cos_sin, upcast
 
 
@@ -34,6 +35,11 @@ class TrainerRotary(nn.Module):
     def __init__(self, head_dim: int, theta: float):
         super().__init__()
         self.head_dim, self.theta = int(head_dim), float(theta)
+        self.mfp4_key = None  # set by the plugin's model class: one opaque op (opaque.py), not re-fused
+
+    def mfp4_opaque(self):
+        """(eager function, shape function) for `opaque.make_layers_opaque`."""
+        return self._forward, lambda p, q, k: [opaque.like(q), opaque.like(k)]
 
     def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         T = x.shape[0]
@@ -41,6 +47,12 @@ class TrainerRotary(nn.Module):
         return apply_rope(heads, cos, sin)[0].transpose(0, 1).reshape(x.shape)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
+        if self.mfp4_key is None:
+            return self._forward(positions, q, k)
+        q, k = opaque.call(self.mfp4_key, positions, q, k)
+        return q, k
+
+    def _forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         cos, sin = rope_cos_sin(positions.reshape(1, -1), self.head_dim, self.theta, q.dtype)  # [1, T, D]
         return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
 

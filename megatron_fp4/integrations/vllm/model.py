@@ -29,6 +29,7 @@ from torch import nn
 from vllm.model_executor.models.qwen3_moe import Qwen3MoeForCausalLM
 
 from megatron_fp4.integrations.vllm.attention import TrainerAttentionImpl, TrainerRotary
+from megatron_fp4.integrations.vllm.opaque import make_layers_opaque
 from megatron_fp4.integrations.vllm.quant import MegatronFP4Config
 
 
@@ -71,8 +72,11 @@ class MegatronFP4Qwen3MoeForCausalLM(Qwen3MoeForCausalLM):
                 if hasattr(layer, "input_layernorm"):
                     keep_fp32_residual(layer.input_layernorm)
                     keep_fp32_residual(layer.post_attention_layernorm)
-        if not qc.batch_invariant:
-            return
+        if qc.batch_invariant:
+            self._trainer_attention(qc)
+        make_layers_opaque(self, vllm_config)  # each plugin piece one op under vLLM's torch.compile (opaque.py)
+
+    def _trainer_attention(self, qc: MegatronFP4Config) -> None:
         for i, layer in enumerate(self.model.layers):
             attn = getattr(layer, "self_attn", None)
             if attn is None:  # a pipeline stage's missing layer

@@ -22,6 +22,7 @@ import torch
 from vllm.model_executor.custom_op import CustomOp
 from vllm.model_executor.layers.layernorm import RMSNorm
 
+from megatron_fp4.integrations.vllm import opaque
 from megatron_fp4.model.layers import RMSNorm as _Trainer
 
 
@@ -41,14 +42,26 @@ class TrainerRMSNorm(RMSNorm):
         super().__init__(*args, **kwargs)
         own = self.has_weight and self.variance_size_override is None
         self.mfp4_config = _plugin_config() if own else None
+        self.mfp4_key = None  # set by the plugin's model class: the norm is then one opaque op (opaque.py)
+
+    def mfp4_opaque(self):
+        """(eager function, shape function) of the norm for `opaque.make_layers_opaque` (None: vLLM's)."""
+        if self.mfp4_config is None:
+            return None
+        return self._norm, lambda x: [opaque.like(x, dtype=torch.promote_types(x.dtype, self.weight.dtype))]
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.compiler.is_compiling():
+            raise NotImplementedError(opaque.OUTSIDE_MODEL.format(what="an RMSNorm"))
+        # the trainer's forward on vLLM's weight in the plugin's numerics (one numeric definition)
+        return _Trainer.forward(SimpleNamespace(eps=self.variance_epsilon, weight=self.weight,
+                                                numerics=self.mfp4_config.values), x)
 
     def _trainer(self, x: torch.Tensor, residual: Optional[torch.Tensor]):
         if residual is not None:  # vLLM's fused add: the trainer's h = h + f(h), then the norm of h
             x = residual + x
             residual = x
-        # the trainer's forward on vLLM's weight in the plugin's numerics (one numeric definition)
-        out = _Trainer.forward(SimpleNamespace(eps=self.variance_epsilon, weight=self.weight,
-                                               numerics=self.mfp4_config.values), x)
+        out = self._norm(x) if self.mfp4_key is None else opaque.call(self.mfp4_key, x)[0]
         return out if residual is None else (out, residual)
 
     def forward_native(self, x, residual=None):
