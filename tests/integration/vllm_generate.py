@@ -80,7 +80,8 @@ def main(model_dir: str, request_file: str, out_file: str) -> None:
     seconds = time.perf_counter() - start
     with open(out_file, "w") as f:
         json.dump({"results": results, "seconds": seconds,
-                   "plugin": bool(llm.apply_model(lambda m: bool(_plugin_configs(m)))[0])}, f)
+                   "plugin": bool(llm.apply_model(lambda m: bool(_plugin_configs(m)))[0]),
+                   "compiled": llm.llm_engine.vllm_config.compilation_config.mode.name != "NONE"}, f)
 
 
 if __name__ == "__main__":

@@ -57,11 +57,22 @@ def keep_fp32_residual(norm: nn.Module) -> None:
     norm.forward = forward
 
 
+def keep_kernel(vllm_config, op: str) -> None:
+    """Run vLLM's own kernel of the custom op ``op`` under vLLM's torch.compile too (vLLM's default
+    there is inductor's code for its `forward_native`, which may round unlike the eager engine's
+    kernel), unless the user chose; set before the model's layers are built."""
+    ops = vllm_config.compilation_config.custom_ops
+    if f"+{op}" not in ops and f"-{op}" not in ops:
+        ops.append(f"+{op}")
+
+
 class MegatronFP4Qwen3MoeForCausalLM(Qwen3MoeForCausalLM):
     """vLLM's Qwen3MoeForCausalLM; with the `megatron_fp4` config in the batch-invariant mode its
     RoPE and attention are the trainer's; in bf16/fp16 its residual stream is fp32."""
 
     def __init__(self, *, vllm_config, prefix: str = ""):
+        if isinstance(vllm_config.quant_config, MegatronFP4Config):
+            keep_kernel(vllm_config, "rotary_embedding")  # vLLM's RoPE (standard kernels): eager's under compile
         super().__init__(vllm_config=vllm_config, prefix=prefix)
         qc = vllm_config.quant_config
         if not isinstance(qc, MegatronFP4Config):

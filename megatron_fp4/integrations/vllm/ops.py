@@ -20,8 +20,10 @@ from typing import Optional
 import torch
 
 from vllm.model_executor.custom_op import CustomOp
+from vllm.model_executor.layers.activation import SiluAndMul
 from vllm.model_executor.layers.layernorm import RMSNorm
 
+from megatron_fp4.fp4 import invariant
 from megatron_fp4.integrations.vllm import opaque
 from megatron_fp4.model.layers import RMSNorm as _Trainer
 
@@ -77,9 +79,49 @@ class TrainerRMSNorm(RMSNorm):
         return super().forward_xpu(x, residual) if self.mfp4_config is None else self._trainer(x, residual)
 
 
+class TrainerSiluAndMul(SiluAndMul):
+    """vLLM's SiluAndMul (the dense and shared-expert MLPs); in a model served with the plugin the
+    trainer's SwiGLU activation ``invariant.silu(gate) * up`` in the plugin's numerics mode, one
+    opaque op: under vLLM's torch.compile vLLM's own would be inductor's code, not ATen's."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.mfp4_config = _plugin_config()
+        self.mfp4_key = None  # set by the plugin's model class (opaque.py)
+
+    def mfp4_opaque(self):
+        if self.mfp4_config is None:
+            return None
+        return self._trainer, lambda x: [opaque.like(x, x.shape[-1] // 2)]
+
+    def _trainer(self, x: torch.Tensor) -> torch.Tensor:
+        d = x.shape[-1] // 2
+        return invariant.silu(x[..., :d], self.mfp4_config.values) * x[..., d:]
+
+    def forward_native(self, x):
+        if self.mfp4_config is None:
+            return SiluAndMul.forward_native(x)
+        if self.mfp4_key is None:
+            if torch.compiler.is_compiling():
+                raise NotImplementedError(opaque.OUTSIDE_MODEL.format(what="a SiluAndMul"))
+            return self._trainer(x)
+        return opaque.call(self.mfp4_key, x)[0]
+
+    def forward_cpu(self, x):
+        return super().forward_cpu(x) if self.mfp4_config is None else self.forward_native(x)
+
+    def forward_cuda(self, x):
+        return super().forward_cuda(x) if self.mfp4_config is None else self.forward_native(x)
+
+    def forward_xpu(self, x):
+        return super().forward_xpu(x) if self.mfp4_config is None else self.forward_native(x)
+
+
 def register_ops() -> None:
     """Register the plugin's out-of-tree ops once per process (idempotent)."""
     from vllm.model_executor.custom_op import op_registry_oot
 
-    if op_registry_oot.get("RMSNorm") is not TrainerRMSNorm:
-        CustomOp.register_oot(TrainerRMSNorm, name="RMSNorm")
+    for op in (TrainerRMSNorm, TrainerSiluAndMul):
+        name = op.__mro__[1].__name__
+        if op_registry_oot.get(name) is not op:
+            CustomOp.register_oot(op, name=name)
