@@ -61,3 +61,73 @@ def test_live_update_of_a_compiled_engine_serves_a_fresh_engines_bits(tmp_path):
     assert tokens(updated) == tokens(fresh)
     assert logprobs(updated) == logprobs(fresh)
     assert routing(updated) == routing(fresh)
+
+
+# -- fast: the plugin's pieces under torch.compile(fullgraph=True), no engine ---------------------------
+@pytest.fixture(scope="module")
+def vllm_group():
+    """A one-process gloo group for vLLM's parameters (as test_vllm_plugin.vllm_ctx), torn down after."""
+    import tempfile
+
+    from vllm.config import VllmConfig, set_current_vllm_config
+    from vllm.distributed import parallel_state as ps
+
+    with set_current_vllm_config(VllmConfig()):
+        ps.init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
+                                        distributed_init_method=f"file://{tempfile.mktemp(prefix='vllm-dist-')}")
+        ps.initialize_model_parallel(1, 1)
+        yield
+    ps.destroy_model_parallel()
+    ps.destroy_distributed_environment()
+
+
+@needs_vllm
+@pytest.mark.parametrize("batch_invariant", [True, False])
+def test_plugin_pieces_compile_as_opaque_ops_reading_weights_at_call_time(vllm_group, batch_invariant):
+    """RMSNorm, RoPE, a fused qkv linear, SiLU-and-mul and the router gate of the plugin, traced in one
+    graph: Dynamo sees one op per piece (fullgraph: no break), inductor's result is the eager
+    pieces' bit for bit, and a weight written in place after compiling is what the graph computes with."""
+    import torch
+    from vllm.config import VllmConfig, set_current_vllm_config
+    from vllm.model_executor.layers.activation import SiluAndMul
+    from vllm.model_executor.layers.layernorm import RMSNorm
+
+    from megatron_fp4.integrations.vllm.attention import TrainerRotary
+    from megatron_fp4.integrations.vllm.opaque import make_layers_opaque
+    from megatron_fp4.integrations.vllm.plugin import register
+    from megatron_fp4.integrations.vllm.quant import MoEResQLinearMethod, RouterGateMethod
+    from tests.integration.test_vllm_plugin import linear_layer, plugin_config
+
+    register()
+    qc = plugin_config(tiny_cfg("experts+attention"), batch_invariant)
+    gen = torch.Generator().manual_seed(7)
+    config = VllmConfig(quant_config=qc)
+    with set_current_vllm_config(config):
+        pieces = torch.nn.Module()
+        pieces.norm, pieces.act, pieces.rope = RMSNorm(128, eps=1e-6), SiluAndMul(), TrainerRotary(64, 1e4)
+        qkv, gate = MoEResQLinearMethod(qc, "model.layers.0.self_attn.qkv_proj"), RouterGateMethod(qc)
+        pieces.qkv = linear_layer(qkv, [128, 64, 64], 128, torch.randn(256, 128, generator=gen) * 0.1)
+        pieces.gate = linear_layer(gate, [8], 128, torch.randn(8, 128, generator=gen) * 0.1)
+    for layer, method in ((pieces.qkv, qkv), (pieces.gate, gate)):
+        layer.quant_method = method  # as vLLM's linear layers hold their method
+    assert make_layers_opaque(pieces, config) == 5
+
+    def forward(x, positions):
+        h = pieces.norm(x)
+        qkv = pieces.qkv.quant_method.apply(pieces.qkv, h)
+        q, k = pieces.rope(positions, qkv[:, :128], qkv[:, 128:192])
+        return q, k, pieces.act(qkv), pieces.gate.quant_method.apply(pieces.gate, h)
+
+    x, positions = torch.randn(11, 128, generator=gen), torch.arange(3, 14)
+    compiled = torch.compile(forward, fullgraph=True, backend="inductor")
+    with torch.inference_mode():
+        for step in range(2):
+            want, got = forward(x, positions), compiled(x, positions)
+            assert all(torch.equal(a, b) for a, b in zip(got, want)), step
+            assert got[3].dtype == torch.float32 and got[2].shape == (11, 128)
+            w = pieces.qkv.weight
+            w.weight_loader(w, -2 * w.detach().clone())  # vLLM's loader: an in-place copy, Q(W) cache cleared
+        with set_current_vllm_config(config):
+            loose = RMSNorm(128, eps=1e-6)  # a plugin norm outside the plugin's model class
+        with pytest.raises(Exception, match="enforce_eager=True"):
+            torch.compile(loose, fullgraph=True, backend="eager")(x)
