@@ -5,27 +5,32 @@ with inductor. The plugin's layers are Python over the project's own code (`fp4`
 `model.layers`): Dynamo cannot trace parts of it (a `SimpleNamespace` built per call, the Q(W)
 cache dicts, the routing record, the compiled-ResQ kernel of `fp4.fused_resq`), and what it can
 trace inductor would re-fuse, so the bits would no longer be the trainer's (the batch-invariant
-mode's point) nor the eager engine's. So every plugin layer computes through one custom op,
-``torch.ops.megatron_fp4.call(tensors, key)``: ``key`` names a registered Python function (the
-layer's own eager code, `register`), the graph holds only the call, and the function runs eagerly
-at call time, reading the layer's weights and Q(W) cache then (a live weight update is seen by the
-next step, as in eager mode). Its fake (meta) implementation gives the output's shape and dtype from
-the registered `shape` function, which the real call checks.
+mode's point) nor the eager engine's. So every numeric piece of the plugin computes through one custom op,
+``torch.ops.megatron_fp4.call(tensors, key)`` (`make_layers_opaque`, when the plugin's model class
+is built): ``key`` is the module's name in the model, registered in the engine's
+`static_forward_context` (where vLLM's own opaque ops find their layers by name, so a graph that
+vLLM's compile cache hands to another engine of the same model calls that engine's layers); the
+graph holds only the call, and the piece's own eager code runs at call time, reading the layer's
+weights and Q(W) cache then (a live weight update is seen by the next step, as in eager mode). The
+op's fake (meta) implementation gives each output's shape and dtype from the registered shape
+function, which the real call checks. So the compiled engine computes the eager engine's bits.
 
 vLLM's own attention and KV-cache update are already such ops (`vllm.unified_attention_with_output`),
 so the plugin's attention impl (attention.py) runs eagerly inside them.
 """
 from __future__ import annotations
 
-from typing import Callable, Optional, Sequence
+import weakref
+from typing import Callable, Sequence
 
 import torch
 
 _LIB = torch.library.Library("megatron_fp4", "FRAGMENT")  # the op's lifetime: this module's
 _PREFIX = "megatron_fp4:"
-OUTSIDE_MODEL = ("megatron_fp4: {what} of the plugin is traced by vLLM's torch.compile outside the plugin's model class "
-                 "(Qwen3MoeForCausalLM), so it cannot run compiled: serve with enforce_eager=True")
-_OUTSIDE: dict[str, "Entry"] = {}  # entries by key, for calls outside a vLLM forward (the last one built)
+OUTSIDE_MODEL = ("megatron_fp4: {what} of the plugin is traced by vLLM's torch.compile outside the plugin's model "
+                 "class (Qwen3MoeForCausalLM), so it cannot run compiled: serve with enforce_eager=True")
+# entries by key for calls outside a vLLM forward (the last one built; held by its engine's config only)
+_OUTSIDE: "weakref.WeakValueDictionary[str, Entry]" = weakref.WeakValueDictionary()
 
 
 class Entry:
@@ -56,7 +61,7 @@ def _call(tensors: list[torch.Tensor], key: str) -> list[torch.Tensor]:
     storages = {t.untyped_storage().data_ptr() for t in tensors}
     for i, (out, (size, dtype)) in enumerate(zip(outs, want)):
         assert tuple(out.shape) == tuple(size) and out.dtype == dtype, \
-            f"megatron_fp4 op {key}: output {i} is {tuple(out.shape)} {out.dtype}, its shape function says {size} {dtype}"
+            f"megatron_fp4 op {key}: output {i} is {tuple(out.shape)} {out.dtype}, its shape function: {size} {dtype}"
         if out.untyped_storage().data_ptr() in storages:  # an op's output must not alias its inputs
             outs[i] = out.clone()
     return outs
@@ -85,7 +90,7 @@ def register(name: str, fn: Callable, shape: Callable, vllm_config=None) -> str:
     return key
 
 
-def call(key: Optional[str], *tensors: torch.Tensor) -> list[torch.Tensor]:
+def call(key: str, *tensors: torch.Tensor) -> list[torch.Tensor]:
     """The function registered under ``key`` on ``tensors``, as one op Dynamo does not look into."""
     return torch.ops.megatron_fp4.call(list(tensors), key)
 
@@ -100,33 +105,32 @@ def _out_dtype(x: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
     return torch.promote_types(x.dtype, weight.dtype)  # the router gate's fp32 weight: fp32 logits
 
 
-def _opaque_linear(name: str, layer: torch.nn.Module, method, vllm_config) -> None:
+def _opaque_linear(name: str, owner: torch.nn.Module, method, vllm_config) -> None:
     """``method.apply(layer, x, bias)`` (a plugin linear, the router gate, the LM head) through the op."""
     inner = method.apply
 
     def fn(x, *bias):
-        return inner(layer, x, bias[0] if bias else None)
+        return inner(owner, x, bias[0] if bias else None)
 
     def shape(x, *bias):
-        return [like(x, layer.weight.shape[0], _out_dtype(x, layer.weight))]
+        return [like(x, owner.weight.shape[0], _out_dtype(x, owner.weight))]
 
     key = register(name, fn, shape, vllm_config)
 
-    def apply(layer_, x, bias=None):
-        assert layer_ is layer, f"megatron_fp4: {name}'s method applied to another layer"
+    def apply(layer, x, bias=None):
+        assert layer is owner, f"megatron_fp4: {name}'s method applied to another layer"
         return call(key, x, *(() if bias is None else (bias,)))[0]
 
     method.apply = apply
 
 
-def _opaque_moe(name: str, layer: torch.nn.Module, method, vllm_config) -> None:
+def _opaque_moe(name: str, owner: torch.nn.Module, method, vllm_config) -> None:
     """``method.apply_monolithic(layer, x, router_logits)`` (the plugin's MoE method) through the op."""
     inner = method.apply_monolithic
-    key = register(name, lambda x, logits: inner(layer, x, logits), lambda x, logits: [like(x)], vllm_config)
+    key = register(name, lambda x, logits: inner(owner, x, logits), lambda x, logits: [like(x)], vllm_config)
 
-    def apply_monolithic(layer_=None, x=None, router_logits=None, input_ids=None, **named):
-        layer_ = named.pop("layer", layer_)
-        assert layer_ is layer and not named, f"megatron_fp4: {name}'s MoE method applied to another layer"
+    def apply_monolithic(layer, x, router_logits, input_ids=None):
+        assert layer is owner, f"megatron_fp4: {name}'s MoE method applied to another layer"
         return call(key, x, router_logits)[0]
 
     method.apply_monolithic = apply_monolithic
@@ -135,7 +139,7 @@ def _opaque_moe(name: str, layer: torch.nn.Module, method, vllm_config) -> None:
 def make_layers_opaque(model: torch.nn.Module, vllm_config) -> int:
     """Route every numeric piece of the plugin in ``model`` through the op, keyed by module name: the
     plugin's quantization methods (their `apply` / `apply_monolithic`) and the modules that name their
-    own eager code (``mfp4_opaque() -> (fn, shape)``: the trainer's RMSNorm, RoPE). Returns how many.
+    own eager code (``mfp4_opaque() -> (fn, shape)``: the trainer's RMSNorm, SiLU, RoPE). Returns how many.
     Called once, when the plugin's model class is built."""
     from megatron_fp4.integrations.vllm.quant import MegatronFP4Config, MoEResQMoEMethod
 
