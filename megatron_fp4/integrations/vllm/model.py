@@ -16,6 +16,11 @@ residual stream (vLLM passes it from norm to norm) is kept in fp32, as in the fp
 each norm's output is rounded to the model dtype. So a bf16 rollout's router input carries one bf16
 rounding instead of the accumulated rounding of a bf16 residual (the bf16 expert-agreement goal).
 
+Under vLLM's torch.compile (no `enforce_eager`) every numeric piece of the plugin in this class is one
+opaque op (opaque.py, keyed by module name), and with the standard kernels vLLM's RoPE keeps its own
+kernel (`keep_kernel`), so the compiled engine gives the eager engine's tokens and log-probs bitwise
+(tests/integration/test_vllm_compiled.py).
+
 Why a model class and not an attention backend registered under `AttentionBackendEnum.CUSTOM`:
 RoPE runs in the model, before the attention layer, and vLLM's rotary module is shared process
 wide; a backend is chosen per process (`attention_backend=`), not per model, so it would need the

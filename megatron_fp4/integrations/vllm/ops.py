@@ -1,4 +1,4 @@
-"""Out-of-tree vLLM custom ops of the `megatron_fp4` plugin: vLLM's decoder norms as the trainer's.
+"""Out-of-tree vLLM custom ops of the `megatron_fp4` plugin: vLLM's norms and SiLU as the trainer's.
 
 `register_ops()` (from `plugin.register`, in every vLLM process) registers `TrainerRMSNorm` for
 vLLM's `RMSNorm` (`CustomOp.register_oot`): every RMSNorm vLLM builds from then on is this class.
@@ -10,7 +10,9 @@ mean square when the recipe block asks for it), and vLLM's fused residual add as
 from the trainer's (q_norm, ~5e-7 in fp32). RoPE and attention are not ops here: `get_rope` shares
 one rotary instance between all models of a process with equal parameters, so a build-time switch
 like this one would leak into stock models; the plugin's model class (model.py) replaces them per
-layer instead.
+layer instead. `TrainerSiluAndMul` likewise makes vLLM's `SiluAndMul` (dense and shared-expert MLPs)
+the trainer's SwiGLU activation in plugin models. In the plugin's model class each is one opaque op
+under vLLM's torch.compile (opaque.py), so the compiled engine computes the eager engine's bits.
 """
 from __future__ import annotations
 
