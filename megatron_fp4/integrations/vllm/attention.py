@@ -20,6 +20,8 @@ Found by `benchmarks/bench_vllm_goals.py --only layers`: with RMSNorm already th
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 from torch import nn
 
@@ -32,10 +34,11 @@ class TrainerRotary(nn.Module):
     """vLLM's `rotary_emb(positions, q, k)` computed as the trainer's RoPE (full rotary dim, HF's
     rotate-half layout, base ``theta``)."""
 
-    def __init__(self, head_dim: int, theta: float):
+    def __init__(self, head_dim: int, theta: float, name: Optional[str] = None):
         super().__init__()
         self.head_dim, self.theta = int(head_dim), float(theta)
-        self.mfp4_key = None  # set by the plugin's model class: one opaque op (opaque.py), not re-fused
+        # named (the plugin's model class): one opaque op (opaque.py) that inductor does not re-fuse
+        self.mfp4_key = None if name is None else opaque.register(name, *self.mfp4_opaque())
 
     def mfp4_opaque(self):
         """(eager function, shape function) for `opaque.make_layers_opaque`."""

@@ -16,16 +16,16 @@ residual stream (vLLM passes it from norm to norm) is kept in fp32, as in the fp
 each norm's output is rounded to the model dtype. So a bf16 rollout's router input carries one bf16
 rounding instead of the accumulated rounding of a bf16 residual (the bf16 expert-agreement goal).
 
-Under vLLM's torch.compile (no `enforce_eager`) every numeric piece of the plugin in this class is one
-opaque op (opaque.py, keyed by module name), and with the standard kernels vLLM's RoPE keeps its own
-kernel (`keep_kernel`), so the compiled engine gives the eager engine's tokens and log-probs bitwise
-(tests/integration/test_vllm_compiled.py).
-
 Why a model class and not an attention backend registered under `AttentionBackendEnum.CUSTOM`:
 RoPE runs in the model, before the attention layer, and vLLM's rotary module is shared process
 wide; a backend is chosen per process (`attention_backend=`), not per model, so it would need the
 user to ask for it. The model class is chosen by the export's quantization config and changes only
 its own layers. With another quantization config it is stock vLLM.
+
+Under vLLM's torch.compile (no `enforce_eager`) every numeric piece of the plugin in this class is one
+opaque op (opaque.py, keyed by module name), and with the standard kernels vLLM's RoPE keeps its own
+kernel (`opaque.keep_kernel`), so the compiled engine gives the eager engine's tokens and log-probs
+bitwise (tests/integration/test_vllm_compiled.py).
 """
 from __future__ import annotations
 
@@ -34,7 +34,7 @@ from torch import nn
 from vllm.model_executor.models.qwen3_moe import Qwen3MoeForCausalLM
 
 from megatron_fp4.integrations.vllm.attention import TrainerAttentionImpl, TrainerRotary
-from megatron_fp4.integrations.vllm.opaque import make_layers_opaque
+from megatron_fp4.integrations.vllm.opaque import keep_kernel, make_layers_opaque
 from megatron_fp4.integrations.vllm.quant import MegatronFP4Config
 
 
@@ -62,15 +62,6 @@ def keep_fp32_residual(norm: nn.Module) -> None:
     norm.forward = forward
 
 
-def keep_kernel(vllm_config, op: str) -> None:
-    """Run vLLM's own kernel of the custom op ``op`` under vLLM's torch.compile too (vLLM's default
-    there is inductor's code for its `forward_native`, which may round unlike the eager engine's
-    kernel), unless the user chose; set before the model's layers are built."""
-    ops = vllm_config.compilation_config.custom_ops
-    if f"+{op}" not in ops and f"-{op}" not in ops:
-        ops.append(f"+{op}")
-
-
 class MegatronFP4Qwen3MoeForCausalLM(Qwen3MoeForCausalLM):
     """vLLM's Qwen3MoeForCausalLM; with the `megatron_fp4` config in the batch-invariant mode its
     RoPE and attention are the trainer's; in bf16/fp16 its residual stream is fp32."""
@@ -79,6 +70,7 @@ class MegatronFP4Qwen3MoeForCausalLM(Qwen3MoeForCausalLM):
         if isinstance(vllm_config.quant_config, MegatronFP4Config):
             keep_kernel(vllm_config, "rotary_embedding")  # vLLM's RoPE (standard kernels): eager's under compile
         super().__init__(vllm_config=vllm_config, prefix=prefix)
+        make_layers_opaque(self, vllm_config)  # each plugin piece one op under vLLM's torch.compile (opaque.py)
         qc = vllm_config.quant_config
         if not isinstance(qc, MegatronFP4Config):
             return
@@ -88,17 +80,14 @@ class MegatronFP4Qwen3MoeForCausalLM(Qwen3MoeForCausalLM):
                 if hasattr(layer, "input_layernorm"):
                     keep_fp32_residual(layer.input_layernorm)
                     keep_fp32_residual(layer.post_attention_layernorm)
-        if qc.batch_invariant:
-            self._trainer_attention(qc)
-        make_layers_opaque(self, vllm_config)  # each plugin piece one op under vLLM's torch.compile (opaque.py)
-
-    def _trainer_attention(self, qc: MegatronFP4Config) -> None:
+        if not qc.batch_invariant:
+            return
         for i, layer in enumerate(self.model.layers):
             attn = getattr(layer, "self_attn", None)
             if attn is None:  # a pipeline stage's missing layer
                 continue
             theta = _check_rope(attn.rotary_emb, attn.head_dim, f"model.layers.{i}.self_attn")
-            attn.rotary_emb = TrainerRotary(attn.head_dim, theta)
+            attn.rotary_emb = TrainerRotary(attn.head_dim, theta, f"model.layers.{i}.self_attn.rotary_emb")
             inner = attn.attn
             if inner.sliding_window is not None:
                 raise ValueError(f"megatron_fp4: model.layers.{i} has a sliding window; the trainer's attention "

@@ -136,6 +136,15 @@ def _opaque_moe(name: str, owner: torch.nn.Module, method, vllm_config) -> None:
     method.apply_monolithic = apply_monolithic
 
 
+def keep_kernel(vllm_config, op: str) -> None:
+    """Run vLLM's own kernel of the custom op ``op`` under vLLM's torch.compile too (vLLM's default
+    there is inductor's code for its `forward_native`, which may round unlike the eager engine's
+    kernel), unless the user chose; set before the model's layers are built."""
+    ops = vllm_config.compilation_config.custom_ops
+    if f"+{op}" not in ops and f"-{op}" not in ops:
+        ops.append(f"+{op}")
+
+
 def make_layers_opaque(model: torch.nn.Module, vllm_config) -> int:
     """Route every numeric piece of the plugin in ``model`` through the op, keyed by module name: the
     plugin's quantization methods (their `apply` / `apply_monolithic`) and the modules that name their
@@ -147,7 +156,7 @@ def make_layers_opaque(model: torch.nn.Module, vllm_config) -> int:
     for name, module in model.named_modules():
         method = getattr(module, "quant_method", None)
         if hasattr(module, "mfp4_opaque"):
-            fn_shape = module.mfp4_opaque()
+            fn_shape = module.mfp4_opaque() if module.mfp4_key is None else None
             if fn_shape is not None:
                 module.mfp4_key = register(name, *fn_shape, vllm_config)
                 count += 1
