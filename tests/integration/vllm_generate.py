@@ -5,7 +5,8 @@ vLLM's log-prob of each, and (with the plugin) the experts its MoE layers picked
     python tests/integration/vllm_generate.py MODEL_DIR REQUEST.json OUT.json
 
 REQUEST.json: {"prompts": [[ids...], ...], "max_tokens": N, "routing": true|false, "dtype": "float32",
-"update_from": HF_DIR (optional)}. Requests run one at a time when routing is asked for, so each
+"update_from": HF_DIR (optional), "enforce_eager": false (optional: vLLM's
+torch.compile of the model, tests/integration/test_vllm_compiled.py)}. Requests run one at a time when routing is asked for, so each
 forward step belongs to one request. With "update_from", the engine first generates on MODEL_DIR's
 weights (filling the plugin's Q(W) cache), then takes HF_DIR's weights by a live update
 (`integrations.vllm.live.update_weights`) and generates what is recorded.
@@ -48,7 +49,8 @@ def main(model_dir: str, request_file: str, out_file: str) -> None:
 
     req = json.loads(open(request_file).read())
     routing = bool(req.get("routing"))
-    llm = LLM(model=model_dir, skip_tokenizer_init=True, dtype=req.get("dtype", "float32"), enforce_eager=True,
+    llm = LLM(model=model_dir, skip_tokenizer_init=True, dtype=req.get("dtype", "float32"),
+              enforce_eager=bool(req.get("enforce_eager", True)),
               enable_prefix_caching=False, max_model_len=256, max_num_seqs=max(len(req["prompts"]), 1), seed=0,
               kv_cache_memory_bytes=64 << 20)  # a fixed small KV cache: the CPU is shared
     params = SamplingParams(max_tokens=int(req["max_tokens"]), temperature=0.0, logprobs=0, detokenize=False,
@@ -78,7 +80,8 @@ def main(model_dir: str, request_file: str, out_file: str) -> None:
     seconds = time.perf_counter() - start
     with open(out_file, "w") as f:
         json.dump({"results": results, "seconds": seconds,
-                   "plugin": bool(llm.apply_model(lambda m: bool(_plugin_configs(m)))[0])}, f)
+                   "plugin": bool(llm.apply_model(lambda m: bool(_plugin_configs(m)))[0]),
+                   "compiled": llm.llm_engine.vllm_config.compilation_config.mode.name != "NONE"}, f)
 
 
 if __name__ == "__main__":

@@ -20,10 +20,13 @@ Found by `benchmarks/bench_vllm_goals.py --only layers`: with RMSNorm already th
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 from torch import nn
 
 from megatron_fp4.fp4 import invariant
+from megatron_fp4.integrations.vllm import opaque
 from megatron_fp4.model.layers import apply_rope, rope_cos_sin, upcast
 
 
@@ -31,9 +34,15 @@ class TrainerRotary(nn.Module):
     """vLLM's `rotary_emb(positions, q, k)` computed as the trainer's RoPE (full rotary dim, HF's
     rotate-half layout, base ``theta``)."""
 
-    def __init__(self, head_dim: int, theta: float):
+    def __init__(self, head_dim: int, theta: float, name: Optional[str] = None):
         super().__init__()
         self.head_dim, self.theta = int(head_dim), float(theta)
+        # named (the plugin's model class): one opaque op (opaque.py) that inductor does not re-fuse
+        self.mfp4_key = None if name is None else opaque.register(name, *self.mfp4_opaque())
+
+    def mfp4_opaque(self):
+        """(eager function, shape function) for `opaque.make_layers_opaque`."""
+        return self._forward, lambda p, q, k: [opaque.like(q), opaque.like(k)]
 
     def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         T = x.shape[0]
@@ -41,6 +50,12 @@ class TrainerRotary(nn.Module):
         return apply_rope(heads, cos, sin)[0].transpose(0, 1).reshape(x.shape)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
+        if self.mfp4_key is None:
+            return self._forward(positions, q, k)
+        q, k = opaque.call(self.mfp4_key, positions, q, k)
+        return q, k
+
+    def _forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         cos, sin = rope_cos_sin(positions.reshape(1, -1), self.head_dim, self.theta, q.dtype)  # [1, T, D]
         return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
 

@@ -26,6 +26,11 @@ RoPE runs in the model, before the attention layer, and vLLM's rotary module is 
 wide; a backend is chosen per process (`attention_backend=`), not per model, so it would need the
 user to ask for it. The model class is chosen by the export's quantization config and changes only
 its own layers. With another quantization config it is stock vLLM.
+
+Under vLLM's torch.compile (no `enforce_eager`) every numeric piece of the plugin in this class is one
+opaque op (opaque.py, keyed by module name), and with the standard kernels vLLM's RoPE keeps its own
+kernel (`opaque.keep_kernel`), so the compiled engine gives the eager engine's tokens and log-probs
+bitwise (tests/integration/test_vllm_compiled.py).
 """
 from __future__ import annotations
 
@@ -36,6 +41,7 @@ from torch import nn
 from vllm.model_executor.models.qwen3_moe import Qwen3MoeForCausalLM
 
 from megatron_fp4.integrations.vllm.attention import TrainerAttentionImpl, TrainerRotary
+from megatron_fp4.integrations.vllm.opaque import keep_kernel, make_layers_opaque
 from megatron_fp4.integrations.vllm.quant import MegatronFP4Config
 
 
@@ -94,7 +100,10 @@ class MegatronFP4Qwen3MoeForCausalLM(Qwen3MoeForCausalLM):
     RoPE and attention are the trainer's; in bf16/fp16 its residual stream is fp32."""
 
     def __init__(self, *, vllm_config, prefix: str = ""):
+        if isinstance(vllm_config.quant_config, MegatronFP4Config):
+            keep_kernel(vllm_config, "rotary_embedding")  # vLLM's RoPE (standard kernels): eager's under compile
         super().__init__(vllm_config=vllm_config, prefix=prefix)
+        make_layers_opaque(self, vllm_config)  # each plugin piece one op under vLLM's torch.compile (opaque.py)
         qc = vllm_config.quant_config
         if not isinstance(qc, MegatronFP4Config):
             return
@@ -114,7 +123,7 @@ class MegatronFP4Qwen3MoeForCausalLM(Qwen3MoeForCausalLM):
             if attn is None:  # a pipeline stage's missing layer
                 continue
             theta = _check_rope(attn.rotary_emb, attn.head_dim, f"model.layers.{i}.self_attn")
-            attn.rotary_emb = TrainerRotary(attn.head_dim, theta)
+            attn.rotary_emb = TrainerRotary(attn.head_dim, theta, f"model.layers.{i}.self_attn.rotary_emb")
             inner = attn.attn
             if inner.sliding_window is not None:
                 raise ValueError(f"megatron_fp4: model.layers.{i} has a sliding window; the trainer's attention "
