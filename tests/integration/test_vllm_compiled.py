@@ -66,19 +66,11 @@ def test_live_update_of_a_compiled_engine_serves_a_fresh_engines_bits(tmp_path):
 # -- fast: the plugin's pieces under torch.compile(fullgraph=True), no engine ---------------------------
 @pytest.fixture(scope="module")
 def vllm_group():
-    """A one-process gloo group for vLLM's parameters (as test_vllm_plugin.vllm_ctx), torn down after."""
-    import tempfile
+    """A one-process gloo group for vLLM's parameters (test_vllm_plugin.one_process_group), torn down after."""
+    from tests.integration.test_vllm_plugin import one_process_group
 
-    from vllm.config import VllmConfig, set_current_vllm_config
-    from vllm.distributed import parallel_state as ps
-
-    with set_current_vllm_config(VllmConfig()):
-        ps.init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
-                                        distributed_init_method=f"file://{tempfile.mktemp(prefix='vllm-dist-')}")
-        ps.initialize_model_parallel(1, 1)
+    with one_process_group():
         yield
-    ps.destroy_model_parallel()
-    ps.destroy_distributed_environment()
 
 
 @needs_vllm

@@ -15,6 +15,8 @@ everywhere.
 """
 from __future__ import annotations
 
+import contextlib
+
 import json
 import subprocess
 import sys
@@ -110,18 +112,34 @@ def test_live_update_refuses_bad_tensors_before_writing():
 
 
 # -- unit: plugin layers == trainer modules ---------------------------------------------------------
-@pytest.fixture(scope="module")
-def vllm_ctx():
-    """vLLM's config context and a one-process gloo group (what its layers and parameters ask for)."""
-    if not VLLM:
-        pytest.skip(f"{VLLM.reason}; run in the vLLM environment: tools/vllm_env.sh")
+@contextlib.contextmanager
+def one_process_group():
+    """vLLM's config context and a one-process gloo group (what its layers and parameters ask for),
+    made here unless a group exists already, and then torn down here (so test modules combine in
+    any order)."""
     from vllm.config import VllmConfig, set_current_vllm_config
-    from vllm.distributed import init_distributed_environment, initialize_model_parallel
+    from vllm.distributed import parallel_state as ps
 
     with set_current_vllm_config(VllmConfig()):
-        init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
-                                     distributed_init_method=f"file://{tempfile.mktemp(prefix='vllm-dist-')}")
-        initialize_model_parallel(1, 1)
+        own = not ps.model_parallel_is_initialized()
+        if own:
+            ps.init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
+                                            distributed_init_method=f"file://{tempfile.mktemp(prefix='vllm-dist-')}")
+            ps.initialize_model_parallel(1, 1)
+        try:
+            yield
+        finally:
+            if own:
+                ps.destroy_model_parallel()
+                ps.destroy_distributed_environment()
+
+
+@pytest.fixture(scope="module")
+def vllm_ctx():
+    """`one_process_group` for a test module (skips without vLLM)."""
+    if not VLLM:
+        pytest.skip(f"{VLLM.reason}; run in the vLLM environment: tools/vllm_env.sh")
+    with one_process_group():
         yield
 
 

@@ -6,7 +6,6 @@ block keeps the plugin eager. Runs in the vLLM environment (skips elsewhere with
 from __future__ import annotations
 
 import dataclasses
-import tempfile
 
 import pytest
 import torch
@@ -14,25 +13,8 @@ import torch
 from megatron_fp4.fp4 import Numerics, apply_numerics, fused_resq
 from megatron_fp4.model.moe import MoELayer, init_moe_params
 from megatron_fp4.model.specs import recipe_from_config
-from tests.integration.test_vllm_plugin import VLLM, plugin_config, plugin_moe, tiny_cfg
+from tests.integration.test_vllm_plugin import plugin_config, plugin_moe, tiny_cfg, vllm_ctx  # noqa: F401  (fixture)
 from tests.unit.test_fp4_fused import compiled, needs_inductor  # noqa: F401  (fixture)
-
-
-@pytest.fixture(scope="module")
-def vllm_ctx():
-    """test_vllm_plugin's context; the one-process group only if no module of this session made it."""
-    if not VLLM:
-        pytest.skip(f"{VLLM.reason}; run in the vLLM environment: tools/vllm_env.sh")
-    from vllm.config import VllmConfig, set_current_vllm_config
-    from vllm.distributed import init_distributed_environment, initialize_model_parallel
-    from vllm.distributed.parallel_state import model_parallel_is_initialized
-
-    with set_current_vllm_config(VllmConfig()):
-        if not model_parallel_is_initialized():
-            init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
-                                         distributed_init_method=f"file://{tempfile.mktemp(prefix='vllm-dist-')}")
-            initialize_model_parallel(1, 1)
-        yield
 
 
 @needs_inductor
