@@ -60,16 +60,22 @@ def _single(steps: int):
     return cfg, trainer
 
 
+def assert_global_weights(full: dict, ref) -> dict:
+    """A checkpoint's whole model state ``full`` is the single-process trainer ``ref``'s weights:
+    the same names and shapes, values within FP64_REL. Returns ``ref``'s parameters by name."""
+    want = dict(ref.model.named_parameters())
+    assert set(full) == set(want)
+    for name, value in full.items():
+        assert value.shape == want[name].shape and rel(value, want[name].detach()) <= FP64_REL, name
+    return want
+
+
 def test_tp2_checkpoint_holds_the_global_weights(saved):
     from megatron_fp4.training.dist_checkpoint import load_full_model_state
 
     root, _ = saved
     _, ref = _single(2)
-    full = load_full_model_state(root / "trained")
-    want = dict(ref.model.named_parameters())
-    assert set(full) == set(want)
-    for name, value in full.items():
-        assert value.shape == want[name].shape and rel(value, want[name].detach()) <= FP64_REL, name
+    assert_global_weights(load_full_model_state(root / "trained"), ref)
 
 
 def test_weights_reshard_tp2_to_tp1_and_optimizer_state_is_refused(saved):
