@@ -246,14 +246,20 @@ class GroupedExperts(nn.Module):
         gate, up = h.split(self.ffn, dim=-1)
         return self._fp4_grouped_linear(invariant.silu(gate, self.numerics) * up, self.w2, offs, "w2")
 
-    def _fp4_grouped_linear(self, x: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor, which: str):
-        r, nx = self.recipe, self.numerics
-        name, first = f"{self.quant_name}.<grouped>.{which}", self.expert_offset
-        wq = cached_for_weight(nx.weight_cache, weight, ("grouped Q(W)", r.weight), lambda: torch.stack([
+    def stacked_qw(self, weight: torch.Tensor, which: str) -> torch.Tensor:
+        """``Q(W_e)`` of every expert of ``weight`` (``self.w13`` / ``self.w2``, named ``which``)
+        stacked [E, out, in] in fp32, each quantized as `moeresq_linear` does under its trainer name,
+        once per weight version inside `Numerics.cached_weights` (also the vLLM plugin's standard path)."""
+        r, nx, first = self.recipe, self.numerics, self.expert_offset
+        return cached_for_weight(nx.weight_cache, weight, ("grouped Q(W)", r.weight), lambda: torch.stack([
             resq_quantize(w, r.weight, compensated=False, name=f"{self.quant_name}.{first + e}.{which}:weight",
                           compile=r.compile, triton=nx.triton) for e, w in enumerate(weight.detach().unbind(0))]))
+
+    def _fp4_grouped_linear(self, x: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor, which: str):
+        r, nx = self.recipe, self.numerics
+        name = f"{self.quant_name}.<grouped>.{which}"
         xq = resq_quantize(x, r.input, r.compensated, name=f"{name}:input", compile=r.compile, triton=nx.triton)
-        return _GROUPED_MM(xq, wq.transpose(1, 2), offs=offs).to(x.dtype)
+        return _GROUPED_MM(xq, self.stacked_qw(weight, which).transpose(1, 2), offs=offs).to(x.dtype)
 
 
 def can_group_fp4(recipe: Recipe, x: torch.Tensor, weights, numerics: Numerics = STANDARD) -> bool:

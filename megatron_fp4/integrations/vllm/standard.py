@@ -31,9 +31,7 @@ import torch.nn.functional as F
 from megatron_fp4.fp4 import Numerics, Recipe, invariant, resq_quantize
 from megatron_fp4.fp4.exact_gemm import cached_for_weight
 from megatron_fp4.fp4.recipe import row_local
-from megatron_fp4.model.experts import GroupedExperts
-
-_GROUPED_MM = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
+from megatron_fp4.model.experts import _GROUPED_MM, GroupedExperts
 
 
 def _plain(x: torch.Tensor, numerics: Numerics, *weights) -> bool:
@@ -96,20 +94,12 @@ class StandardExperts:
 
     def __init__(self, experts: GroupedExperts):
         self.experts = e = experts
-        self.names = {w: [f"{e.quant_name}.{e.expert_offset + i}.{w}:weight" for i in range(e.num_experts)]
-                      for w in ("w13", "w2")}
         self.input_names = {w: f"{e.quant_name}.<grouped>.{w}:input" for w in ("w13", "w2")}
 
     def stacked_qw(self, which: str) -> torch.Tensor:
-        """``Q(W_e)`` of every expert stacked and transposed for ``grouped_mm`` ([E, in, out] view)."""
-        e, r = self.experts, self.experts.recipe
-        weight = getattr(e, which)
-
-        def compute():
-            return torch.stack([resq_quantize(w, r.weight, compensated=False, name=n, compile=r.compile,
-                                              triton=e.numerics.triton)
-                                for w, n in zip(weight.detach().unbind(0), self.names[which])])
-        return cached_for_weight(e.numerics.weight_cache, weight, ("grouped Q(W)", r.weight), compute).transpose(1, 2)
+        """``Q(W_e)`` of every expert stacked and transposed for ``grouped_mm`` ([E, in, out] view):
+        the trainer's own grouped ``Q(W)`` (`GroupedExperts.stacked_qw`, the same cache entry)."""
+        return self.experts.stacked_qw(getattr(self.experts, which), which).transpose(1, 2)
 
     def _q(self, x: torch.Tensor, which: str) -> torch.Tensor:
         r = self.experts.recipe
