@@ -13,7 +13,7 @@ import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional, get_type_hints
+from typing import Any, Optional, Union, get_args, get_origin, get_type_hints
 
 from megatron_fp4.config_choices import ConfigError, apply_env_overrides, choice_for_bool
 from megatron_fp4.config_validate import validate_config
@@ -202,6 +202,12 @@ def _is_optional(hint: Any) -> bool:
     return "Optional" in str(hint) or "None" in str(hint)
 
 
+def _non_optional(hint: Any) -> Any:
+    """X of Optional[X] (its value is converted like an X field's), else `hint`."""
+    args = [a for a in get_args(hint) if a is not type(None)]
+    return args[0] if get_origin(hint) is Union and len(args) == 1 else hint
+
+
 def _coerce(value: Any, hint: Any, where: str) -> Any:
     """Convert a YAML/CLI value to the annotated type, with an error naming the field. A `Plain`
     YAML scalar gives its text to a str field (``off``, ``0755``, ``12:30`` stay as written) and
@@ -210,7 +216,7 @@ def _coerce(value: Any, hint: Any, where: str) -> Any:
         if not isinstance(value, dict):
             raise ConfigError(f"{where}: expected a mapping of fields, got {show(value)}")
         return _from_dict(hint, value, where)
-    base = str if "Optional[str]" in str(hint) else hint
+    base = _non_optional(hint)
     yaml_value = value.value if isinstance(value, Plain) else value
     if yaml_value is None:
         if _is_optional(hint):
@@ -236,7 +242,8 @@ def _coerce(value: Any, hint: Any, where: str) -> Any:
                 raise TypeError
             return list(plain_value(yaml_value))
     except (TypeError, ValueError, OverflowError):
-        raise ConfigError(f"{where}={show(value)}: expected {getattr(base, '__name__', hint)}") from None
+        either = " or null" if base is not hint else ""
+        raise ConfigError(f"{where}={show(value)}: expected {getattr(base, '__name__', hint)}{either}") from None
     return plain_value(value)
 
 

@@ -31,6 +31,12 @@ _LIMITS = {
 }
 
 
+# Floats that become a time or a size: bounded, so a typo (1e300) is an error here, not an
+# OverflowError in timedelta or an allocation on every rank.
+MAX_TIMEOUT_S = 7 * 24 * 3600
+MAX_BUCKET_MB = 1 << 20  # 1 TiB
+
+
 def _get(cfg, dotted: str):
     node = cfg
     for part in dotted.split("."):
@@ -88,12 +94,14 @@ def validate_config(cfg) -> None:
                  f"entries must be layer indices in [0, {m.num_layers})")
     require(m.router_aux_loss_coef >= 0, "model.router_aux_loss_coef", m.router_aux_loss_coef, "must be >= 0")
     require(m.router_z_loss_coef >= 0, "model.router_z_loss_coef", m.router_z_loss_coef, "must be >= 0")
-    require(m.moe_router_bias_update_rate >= 0, "model.moe_router_bias_update_rate", m.moe_router_bias_update_rate,
-             "must be >= 0 (0 = no aux-loss-free bias)")
+    require(0 <= m.moe_router_bias_update_rate <= 1, "model.moe_router_bias_update_rate", m.moe_router_bias_update_rate,
+            "must be in [0, 1]: the per-step move of a router score bias (DeepSeek-V3 uses 0.001; 0 = no "
+            "aux-loss-free bias)")
     require(m.moe_aux_loss_type in ("global", "seq"), "model.moe_aux_loss_type", m.moe_aux_loss_type,
              "must be 'global' or 'seq'")
-    require(m.moe_capacity_factor is None or m.moe_capacity_factor > 0, "model.moe_capacity_factor",
-            m.moe_capacity_factor, "must be > 0 (e.g. 1.25), or null for no capacity (nothing dropped)")
+    require(m.moe_capacity_factor is None or 0 < m.moe_capacity_factor <= m.num_experts, "model.moe_capacity_factor",
+            m.moe_capacity_factor, f"must be in (0, model.num_experts={m.num_experts}] (e.g. 1.25; from "
+            f"num_experts/top_k on nothing is dropped), or null for no capacity")
     require(m.moe_token_drop_policy in ("probs", "position"), "model.moe_token_drop_policy", m.moe_token_drop_policy,
             "must be 'probs' (drop the lowest combine weights) or 'position' (drop the latest tokens)")
     require(m.init_std > 0, "model.init_std", m.init_std, "must be > 0 (the std of the initial weights, e.g. 0.02)")
@@ -170,6 +178,8 @@ def _validate_fp4_shapes(cfg) -> None:
 def _validate_parallel(cfg) -> None:
     """The parallel section's fields that are no layout (the layout: `parallel.dims.ParallelDims`)."""
     p = cfg.parallel
-    require(p.timeout_s > 0, "parallel.timeout_s", p.timeout_s,
-            "must be > 0 seconds (how long a collective waits for a hung peer before the job ends)")
-    require(p.bucket_size_mb > 0, "parallel.bucket_size_mb", p.bucket_size_mb, "must be > 0")
+    require(0 < p.timeout_s <= MAX_TIMEOUT_S, "parallel.timeout_s", p.timeout_s,
+            f"must be in (0, {MAX_TIMEOUT_S}] seconds (how long a collective waits for a hung peer before the "
+            f"job ends; {MAX_TIMEOUT_S} is a week)")
+    require(0 < p.bucket_size_mb <= MAX_BUCKET_MB, "parallel.bucket_size_mb", p.bucket_size_mb,
+            f"must be in (0, {MAX_BUCKET_MB}] MiB (the gradient all-reduce bucket, e.g. 4)")

@@ -115,4 +115,6 @@ def show(value: Any) -> str:
     """A bounded repr for error messages (a value may be huge); a `Plain` shows its text."""
     if isinstance(value, Plain):
         value = value.text
+    elif isinstance(value, (list, dict)):  # the values as YAML gives them, not Plain(...) wrappers
+        value = plain_value(value)
     return _REPR.repr(value)

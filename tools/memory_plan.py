@@ -22,7 +22,9 @@ ROWS = ("params", "grads", "masters", "moments", "steps", "activations", "fp4_we
 
 def _plan_dict(plan) -> dict:
     out = {name: getattr(plan, name) for name in ROWS}
-    out.update(role=plan.role, ranks=plan.ranks, optimizer=plan.optimizer, param_numel=plan.param_numel,
+    # the first and last rank, not a list of them (a world of 1e9 ranks is a valid layout to plan)
+    out.update(role=plan.role, first_rank=plan.ranks[0], last_rank=plan.ranks[-1], optimizer=plan.optimizer,
+               param_numel=plan.param_numel,
                inflight_microbatches={str(c): n for c, n in plan.inflight.items()})
     return out
 

@@ -112,6 +112,26 @@ def check_tensor_parallel(model, tp: int, seq_len: int, sequence_parallel: bool)
                 f"change seq_len or set parallel.sequence_parallel=false")
 
 
+def check_fp4_tensor_cut(cfg, tp: int) -> None:
+    """The FP4 linears' blocks inside every tp rank's slice, kv heads enough for FP4 attention: what
+    `parallelize_tp` checks while it cuts, run here on a meta-device model (no memory, no process
+    group), so a layout it would refuse on every rank is one ConfigError before any group exists."""
+    if cfg.fp4.scope == "none":
+        return
+    import torch
+
+    from megatron_fp4.model import MoETransformer
+    from megatron_fp4.parallel.tensor_parallel import parallelize_tp
+
+    with torch.device("meta"):
+        model = MoETransformer(cfg.model, cfg.fp4)  # as the trainer builds it before its tp cut
+    try:
+        parallelize_tp(model, None, cfg.parallel.sequence_parallel, moe_tokens=cfg.parallel.moe_tp_tokens,
+                       size_rank=(tp, 0))
+    except ValueError as err:
+        raise ConfigError(f"parallel.tp={tp} cannot cut this model's FP4 layers: {err}") from None
+
+
 def check_moe_local_tokens(cfg, dims: "ParallelDims") -> None:
     """``parallel.moe_tp_tokens=local``: each tp rank routes its 1/tp of the sequence
     (`parallel/tp_moe.py`). FP4 experts quantize their weight gradient along a micro-batch's tokens
@@ -245,6 +265,7 @@ class ParallelDims:
                 "model chunks are pipeline stages: virtual_stages > 1 needs parallel.pp > 1 (or set it to 1)")
         if self.tp > 1:
             check_tensor_parallel(m, self.tp, s.seq_len, getattr(p, "sequence_parallel", False))
+            check_fp4_tensor_cut(cfg, self.tp)
         check_gcmoe(self.ep if p.expert_dispatcher == "gcmoe" else 1, p.gcmoe_chunk_tokens, p.gcmoe_ring_slots,
                     p.gcmoe_transfer_sms)
 

@@ -43,10 +43,10 @@ _INDEX_BYTES = 8  # int64 indices (top-k ids, permutations)
 
 @dataclass
 class RankPlan:
-    """Bytes held by one rank (all ranks of `ranks` hold the same)."""
+    """Bytes held by one rank (all ranks of `ranks`, a contiguous range, hold the same)."""
 
     role: str
-    ranks: list
+    ranks: range
     params: int
     grads: int
     masters: int
@@ -307,7 +307,7 @@ def plan_memory(cfg: Config, world_size: int, weight_cache: bool = True) -> list
         tokens = s.micro_batch_size * s.seq_len
         a, w = activation_dtype(cfg).itemsize, wide_dtype(activation_dtype(cfg)).itemsize
         head = tokens * cfg.model.vocab_size // p.tp * (a + w) if is_last else 0  # V/tp logits under tp
-        ranks = [r for r in range(world_size) if r // (dp * p.tp) == pp_rank]
+        ranks = range(pp_rank * dp * p.tp, (pp_rank + 1) * dp * p.tp)  # a stage's ranks are contiguous; no list of them
         plans.append(RankPlan(f"pp{pp_rank}", ranks, activations=acts, fp4_weights=qw, head_transient=head,
                               inflight=inflight, param_numel=sum(t.numel() for _, t in named), **state))
     return plans

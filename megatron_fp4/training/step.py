@@ -171,11 +171,14 @@ class TrainingStep:
         else:
             self.optimizer.step(lr, clip_coefficient(grad_norm, self.cfg.optimizer.clip_grad))
             self.consecutive_skips = 0
-            self.require_finite_weights(f"step {self.step}: the optimizer update (lr={lr:g}) made weights "
-                                        f"non-finite", "the run stops; nothing was saved and the last checkpoint "
-                                        "is intact. Lower optimizer.lr or raise optimizer.eps")
         # aux-loss-free MoE balancing: the router biases move outside the gradient (model/moe.py)
         update_expert_bias(self.model, applied=not bad_ranks, group=self.mesh.group("dp") if self.mesh.dp > 1 else None)
+        if not bad_ranks:  # after the bias update: the check covers the buffers it moves too
+            self.require_finite_weights(f"step {self.step}: the optimizer update (lr={lr:g}) or the router "
+                                        f"bias update made weights non-finite",
+                                        "the run stops; nothing was saved and the last checkpoint is intact. Lower "
+                                        "optimizer.lr or raise optimizer.eps (an expert_bias: lower "
+                                        "model.moe_router_bias_update_rate)")
         self.step += 1
         elapsed = time.perf_counter() - step["start"]
         result["tokens_per_s"] = step["tokens"] / elapsed if elapsed > 0 else float("nan")
@@ -237,7 +240,16 @@ class TrainingStep:
 
     def require_finite_weights(self, what: str, consequence: str, error=NonFiniteError) -> None:
         """Raise `error` on every rank unless every rank's weights are finite (a mesh-wide vote)."""
-        bad = self.mesh.ranks_with(not all_finite(p.detach() for p in self.model.parameters()))
+        tensors = finite_checked_state(self.model)
+        bad = self.mesh.ranks_with(not all_finite(tensors.values()))
         if bad:
             ranks = f" on rank(s) {bad}" if self.mesh.world_size > 1 else ""
-            raise error(f"{what}{ranks}; {consequence}")
+            first = next((n for n, t in tensors.items() if not all_finite([t])), None)
+            here = f" (here: {first})" if first else ""
+            raise error(f"{what}{ranks}{here}; {consequence}")
+
+
+def finite_checked_state(model) -> dict:
+    """name -> tensor of what the NaN guard checks: every parameter and every floating-point buffer
+    that is saved (the router's expert_bias moves outside the optimizer and is checkpointed too)."""
+    return {name: t.detach() for name, t in model.state_dict(keep_vars=True).items() if t.is_floating_point()}

@@ -121,6 +121,8 @@ def test_the_servers_init_info_is_checked():
 
     FP4InitInfo(addr="127.0.0.1", port=5000)
     for bad, match in (({"port": 0}, "port"), ({"port": "5000"}, "port"), ({"timeout_s": float("inf")}, "timeout_s"),
+                       ({"timeout_s": 1e300}, r"timeout_s=1e\+300 must be .* \(0, 604800\]"),
+                       ({"timeout_s": True}, "timeout_s"),
                        ({"addr": ""}, "addr"), ({"bind_addr": 7}, "bind_addr")):
         with pytest.raises(ValueError, match=match):
             FP4InitInfo(**{"addr": "127.0.0.1", "port": 5000, **bad})

@@ -174,5 +174,29 @@ def test_cli_json_matches_plan(capsys):
                      "--format", "json"]) == 0
     rows = json.loads(capsys.readouterr().out)
     plans = plan_memory(load_config(default_config_path(), ["parallel.pp=2", "parallel.ep=2"]), 4)
-    assert [r["ranks"] for r in rows] == [[0, 1], [2, 3]]
+    assert [(r["first_rank"], r["last_rank"]) for r in rows] == [(0, 1), (2, 3)]
     assert [r["total"] for r in rows] == [p.total for p in plans]
+
+
+def test_a_billion_ranks_are_planned_without_a_list_of_them():
+    """Issue 36: `--world-size 1000000000` (a valid layout) used to build a list over every rank
+    (MemoryError). Run under a 3 GiB address-space limit and a timeout, so the old code fails fast."""
+    import os
+    import resource
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[2]
+
+    def limit():
+        resource.setrlimit(resource.RLIMIT_AS, (3 << 30, 3 << 30))
+
+    env = {**os.environ, "PYTHONPATH": str(repo)}
+    proc = subprocess.run([sys.executable, str(repo / "tools" / "memory_plan.py"), str(default_config_path()),
+                           "--world-size", "1000000000", "--set", "schedule.global_batch_size=4000000000",
+                           "--format", "json"], env=env, capture_output=True, text=True, timeout=120,
+                          preexec_fn=limit)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    (row,) = json.loads(proc.stdout)
+    assert (row["first_rank"], row["last_rank"]) == (0, 999_999_999)

@@ -147,3 +147,32 @@ def test_single_process_mesh_is_all_ones():
     assert {axis: mesh.coord(axis) for axis in ("pp", "dp", "tp", "ep", "edp", "etp")} == dict.fromkeys(
         ("pp", "dp", "tp", "ep", "edp", "etp"), 0)
     assert mesh.device == torch.device("cpu")
+
+
+@pytest.mark.parametrize("fields, needles", [
+    ({"model__num_kv_heads": 1}, ("parallel.tp=2 cannot cut", "model.num_kv_heads=1 >= tp")),
+    ({"model__num_heads": 4, "model__head_dim": 8, "model__num_kv_heads": 2},
+     ("parallel.tp=2 cannot cut", "self_attn.k_proj", "8 output features per rank", "block (16)")),
+])
+def test_fp4_attention_the_tp_ranks_cannot_split_is_refused_before_any_group(fields, needles):
+    """Issue 36: these used to pass validation and end in a ValueError traceback from
+    `parallelize_tp` on every rank, after the process groups were made."""
+    cfg = cfg_with(fp4__scope="experts+attention", parallel__tp=2, **fields)
+    message = refused(cfg, 2)
+    assert all(n in message for n in needles), message
+    cfg.fp4.scope = "experts"  # the same model with FP4 experts only splits
+    assert ParallelDims.from_config(cfg, 2).tp == 2
+
+
+def test_cli_refuses_an_fp4_attention_tp_layout_in_one_line():
+    import os
+    import subprocess
+    import sys
+
+    from tests.faults.test_bad_input_config import REPO, SMALL, _assert_one_line
+
+    env = {**os.environ, "PYTHONPATH": str(REPO), "WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0"}
+    proc = subprocess.run([sys.executable, "-m", "megatron_fp4.train", *SMALL, "--set", "parallel.tp=2", "--set",
+                           "fp4.scope=experts+attention", "--set", "model.num_kv_heads=1"], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=300)
+    _assert_one_line(proc, "config error", "parallel.tp=2 cannot cut", "model.num_kv_heads=1 >= tp")

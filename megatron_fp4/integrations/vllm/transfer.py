@@ -30,7 +30,6 @@ keeps none of the checks above. Not run here (no GPU).
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Optional
 
@@ -38,6 +37,7 @@ import torch
 from vllm.distributed.weight_transfer.base import (WeightTransferEngine, WeightTransferInitInfo,
                                                    WeightTransferUpdateInfo)
 
+from megatron_fp4.config_validate import MAX_TIMEOUT_S
 from megatron_fp4.integrations.vllm.live import check_manifest, check_update, checkpoint_shapes, load_into, plugin_layers
 from megatron_fp4.rollout.buckets import unpack_buckets
 from megatron_fp4.rollout.peer_group import PeerGroup, sync_token_from_env
@@ -63,8 +63,10 @@ class FP4InitInfo(WeightTransferInitInfo):
                              f"{self.name!r})")
         if type(self.port) is not int or not 0 < self.port < 65536:
             raise ValueError(f"init_info: port={self.port!r} must be an integer in 1..65535")
-        if not isinstance(self.timeout_s, (int, float)) or not 0 < self.timeout_s < math.inf:
-            raise ValueError(f"init_info: timeout_s={self.timeout_s!r} must be a positive number of seconds")
+        if (isinstance(self.timeout_s, bool) or not isinstance(self.timeout_s, (int, float))
+                or not 0 < self.timeout_s <= MAX_TIMEOUT_S):  # bounded: it becomes a timedelta
+            raise ValueError(f"init_info: timeout_s={self.timeout_s!r} must be a number of seconds in (0, "
+                             f"{MAX_TIMEOUT_S}] (a week)")
         if self.bind_addr is not None and not isinstance(self.bind_addr, str):
             raise ValueError(f"init_info: bind_addr={self.bind_addr!r} must be an address or null")
 
