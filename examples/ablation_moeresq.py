@@ -60,6 +60,7 @@ from megatron_fp4.config import default_config_path, load_config  # noqa: E402
 from megatron_fp4.rl import sft_step  # noqa: E402
 from megatron_fp4.rl.data import carry_task, math_task  # noqa: E402
 from megatron_fp4.rl.data.rl_dataset import RLDataset  # noqa: E402
+from megatron_fp4.rl.flags import check_ranges  # noqa: E402
 from megatron_fp4.rl.loop import EngineCopyRollout, GRPOSettings, run_grpo  # noqa: E402
 from megatron_fp4.rl.rollout_correction import (add_correction_args, check_correction_args,  # noqa: E402
                                                 correction_from_args)
@@ -372,8 +373,11 @@ def parse_args(argv=None):
     ap.add_argument("--eval-every", type=int, default=5)
     args = ap.parse_args(argv)
     check_correction_args(ap, args)
-    if args.jobs < 1:
-        ap.error(f"--jobs {args.jobs} must be >= 1")
+    check_ranges(ap, args, ints=dict(jobs=1, num_digits=1, num_train=1, num_test=1, max_operand=1, eval_size=1,
+                                     max_prompt_length=1, max_seq_len=2, sft_steps=0, sft_batch=1, steps=1,
+                                     num_prompts=1, group_size=1, max_new_tokens=1, micro_batch_size=1, eval_every=0),
+                 positive=("sft_lr", "lr", "clip_eps", "tis_cap"), nonnegative=("temperature",),
+                 fractions=("drop_carry",))
     try:
         variants_of(args)
     except ValueError as err:
