@@ -27,6 +27,8 @@ from __future__ import annotations
 
 import torch
 
+from megatron_fp4.model.router import check_route_dtype
+
 MODES = ("off", "r2", "r3")
 
 
@@ -52,6 +54,7 @@ def rollout_routes(gen, batch: dict) -> torch.Tensor:
         if routes.shape[0] != len(resp) or routes.shape[1:] != first.shape[1:]:
             raise ValueError(f"rollout routes of request {i} have shape {tuple(routes.shape)} for {len(resp)} "
                              f"generated tokens; expected [{len(resp)}, {first.shape[1]}, {first.shape[2]}]")
+        check_route_dtype(routes, f"rollout routes of request {i}")
         out[i, P - 1:P - 1 + len(resp)] = routes.to(torch.long)
     return out
 
