@@ -208,13 +208,17 @@ def sft_state_for(args, tok, train, seed: int, out: Path) -> dict:
     path = out / "sft" / f"seed{seed}.safetensors"
     fp = getattr(args, "sft_fingerprint", None) or json.dumps(report.fingerprint(args, SFT_FLAGS), sort_keys=True)
     if path.is_file():
-        from safetensors import safe_open
+        from safetensors import SafetensorError, safe_open
 
-        with safe_open(str(path), "pt") as f:
-            theirs = (f.metadata() or {}).get("fingerprint")
+        try:
+            with safe_open(str(path), "pt") as f:
+                theirs = (f.metadata() or {}).get("fingerprint")
+            state = load_file(str(path)) if theirs == fp else None
+        except (SafetensorError, OSError, ValueError) as err:  # cut short, or not a safetensors file
+            raise ValueError(f"{path}: not a readable SFT checkpoint ({err}); delete it to redo SFT") from None
         if theirs != fp:
             raise ValueError(f"{path} was made with other SFT flags ({theirs} vs {fp}); delete it to redo SFT")
-        return load_file(str(path))
+        return state
     state = sft(args, tok, train, seed)
     report.write_atomic(path, lambda tmp: save_file({k: v.contiguous() for k, v in state.items()}, str(tmp),
                                               metadata={"fingerprint": fp}))
@@ -293,7 +297,7 @@ def run(args) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     variants, fp = variants_of(args), report.fingerprint(args, exclude=NOT_IN_FINGERPRINT)
     args.run_fingerprint, args.sft_fingerprint = fp, json.dumps(report.fingerprint(args, SFT_FLAGS), sort_keys=True)
-    done = lambda v, s: report.load_run(report.run_path(out, v["variant"], s), fp)  # noqa: E731
+    done = lambda v, s: report.load_run(report.run_path(out, v["variant"], s), fp, v["variant"], s)  # noqa: E731
     todo = [(v, s) for s in args.seeds for v in variants if done(v, s) is None]
     if todo and not args.report_only:
         prepare_data(args)  # writes the generated tokenizer and data once; workers read them
