@@ -75,6 +75,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from megatron_fp4.config import default_config_path, load_config  # noqa: E402
 from megatron_fp4.rl import make_rollout, sft_step, switch_to_rl  # noqa: E402
 from megatron_fp4.rl.flags import check_ranges  # noqa: E402
+from megatron_fp4.rollout.peer_group import check_advertised_address  # noqa: E402
 from megatron_fp4.rl.loop import GRPOSettings, micro_batch_for, run_grpo  # noqa: E402
 from megatron_fp4.rl.rollout_correction import (add_correction_args, check_correction_args,  # noqa: E402
                                                 correction_from_args)
@@ -338,6 +339,10 @@ def check_flags(ap, args) -> None:
                                      eval_every=0, bucket_mb=1),
                  positive=("sft_lr", "lr", "clip_eps", "tis_cap"),
                  nonnegative=("temperature", "kl_coef", "rl_aux_coef", "rl_weight_decay"), fractions=("drop_carry",))
+    try:
+        check_advertised_address(args.rollout_addr, "--rollout-addr")
+    except ValueError as err:
+        ap.error(str(err))
     rows = args.num_prompts * args.group_size
     if args.minibatches > rows:
         ap.error(f"--minibatches {args.minibatches} is more than the {rows} rows of a rollout batch "

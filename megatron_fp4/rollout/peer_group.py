@@ -24,6 +24,7 @@ never pickle.
 from __future__ import annotations
 
 import datetime
+import ipaddress
 import os
 import secrets
 import socket
@@ -48,11 +49,36 @@ def host_address() -> str:
     return "127.0.0.1"
 
 
-def reserve_port(addr: str, port: int = 0) -> socket.socket:
+def _wildcard_error(field: str, addr) -> ValueError:
+    return ValueError(f"{field}={addr!r} is a wildcard address: a listener there binds every interface (SECURITY.md: "
+                      "listeners bind the address they advertise) and peers cannot connect to it; give the address "
+                      "peers reach this host at (127.0.0.1 on one host, this node's own IP across nodes)")
+
+
+def _is_unspecified(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host.strip("[]").split("%", 1)[0]).is_unspecified
+    except ValueError:  # a host name: reserve_port checks what it resolves to
+        return False
+
+
+def check_advertised_address(addr, field: str = "addr") -> str:
+    """`addr` when it can be advertised to peers, else a ValueError naming `field`: not empty and not a
+    wildcard (the IPv4 or IPv6 unspecified address), which would bind every interface. The one check
+    for every listener's address (`reserve_port`, verl's master_addr, the vLLM server's host)."""
+    if not isinstance(addr, str) or not addr.strip() or _is_unspecified(addr):
+        raise _wildcard_error(field, addr)
+    return addr
+
+
+def reserve_port(addr: str, port: int = 0, field: str = "addr") -> socket.socket:
     """A socket listening on exactly `addr` (the address rank 0 advertises; `port` 0: a free one), handed
     to rank 0's rendezvous store (no window for another process to take the port between `prepare()` and
-    `init_process_group`)."""
-    family = socket.getaddrinfo(addr, port, type=socket.SOCK_STREAM)[0][0]
+    `init_process_group`). A wildcard `addr`, or a name resolving to one, is a ValueError naming `field`."""
+    check_advertised_address(addr, field)
+    family, _, _, _, sockaddr = socket.getaddrinfo(addr, port, type=socket.SOCK_STREAM)[0]
+    if _is_unspecified(sockaddr[0]):  # e.g. "0", a name for the wildcard
+        raise _wildcard_error(field, addr)
     return socket.create_server((addr, port), family=family)
 
 

@@ -32,7 +32,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from megatron_fp4.rollout.peer_group import PeerGroup, reserve_port, sync_token_from_env
+from megatron_fp4.rollout.peer_group import PeerGroup, check_advertised_address, reserve_port, sync_token_from_env
 from megatron_fp4.rollout.peer_store import TOKEN_ENV
 from megatron_fp4.rollout.weight_sync import WeightSyncError
 from megatron_fp4.rollout.weight_sync_dist import DistributedTransport
@@ -113,7 +113,7 @@ class VLLMServerTransport:
                              "in its environment): pass token= or set it here too")
         self.name, self.pause_mode = name, pause_mode
         self.client = VLLMServerClient(url, timeout_s, api_key)
-        sock = reserve_port(addr)
+        sock = reserve_port(addr)  # refuses a wildcard addr (it would bind every interface)
         init = {"addr": addr, "port": sock.getsockname()[1], "name": name, "timeout_s": float(timeout_s)}
         with ThreadPoolExecutor(max_workers=1) as pool:
             joined = pool.submit(self.client.request, "init_weight_transfer_engine", {"init_info": init})
@@ -227,6 +227,7 @@ def start_vllm_server(model_dir, python: str, token: str, host: str = "127.0.0.1
     sync token in its environment; with `wait`, return once `/health` answers."""
     from megatron_fp4.integrations.vllm.remote import worker_env
 
+    check_advertised_address(host, "host")  # vLLM's HTTP server (pause, weight updates) binds exactly it
     port = port or free_port(host)
     run_env = {**worker_env(), **(env or {}), TOKEN_ENV: token, "VLLM_SERVER_DEV_MODE": "1"}
     run_env.pop("VLLM_ENABLE_V1_MULTIPROCESSING")  # a server: vLLM's engine core in its own process
