@@ -28,6 +28,7 @@ import ipaddress
 import os
 import secrets
 import socket
+import threading
 from typing import Optional
 
 import torch
@@ -103,11 +104,13 @@ class PeerGroup:
     `addr`/`port`: what rank 0 advertises; rank 0 serves the store on `listen_socket` (bound to
     `addr` by `reserve_port`; made here when not given). `token`: the shared secret checked on join.
     `bind_addr`: the address this rank's gloo connections bind (rank 0: `addr`; others: this host's).
+    `abandon` (rank 0): set it to stop waiting for the other ranks at once (ConnectionAbortedError),
+    e.g. when the request that asks them to join has failed.
     """
 
     def __init__(self, addr: str, port: int, rank: int, world_size: int, device: torch.device,
                  timeout_s: float = 600.0, listen_socket: Optional[socket.socket] = None, *, token: str,
-                 bind_addr: Optional[str] = None):
+                 bind_addr: Optional[str] = None, abandon: Optional[threading.Event] = None):
         if not isinstance(token, str) or not token:
             raise ValueError(f"PeerGroup needs the shared token ({TOKEN_ENV}, or the one the publisher "
                              "generated in prepare()); got none")
@@ -122,7 +125,7 @@ class PeerGroup:
                 self._store.set_timeout(timeout)
                 self._server = StoreServer(listen_socket or reserve_port(addr, port), self._store, token,
                                            world_size, group_nonce).start()
-                refused = self._server.wait_joined(timeout_s)
+                refused = self._server.wait_joined(timeout_s, abandon)
                 if refused:
                     raise PermissionError(f"{self.name}: refused rank(s) {refused}: they do not hold this "
                                           f"publisher's {TOKEN_ENV}; nothing they sent was used. Fix: {MISMATCH}")
