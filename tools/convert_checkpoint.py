@@ -121,14 +121,13 @@ def cmd_to_hf(args) -> int:
     from megatron_fp4.integrations.hf import save_hf_checkpoint
     from megatron_fp4.integrations.hf.checkpoint import check_out_dir
 
-    check_out_dir(args.out, args.overwrite, flag="--overwrite", inputs=(args.checkpoint,))
+    check_out_dir(args.out, args.overwrite, flag="--overwrite")
     state, meta, step_dir = load_model_state(args.checkpoint)
     cfg = saved_run_config(meta, step_dir)
     model = build_model(cfg)
     model.load_state_dict(state)  # names and shapes were checked against this config by load_model_state
     out = save_hf_checkpoint(model, cfg, args.out, dtype=DTYPES[args.dtype], overwrite=args.overwrite,
-                             quantization_config=vllm_quant_config(cfg, not args.no_quant_config),
-                             inputs=(args.checkpoint,))
+                             quantization_config=vllm_quant_config(cfg, not args.no_quant_config))
     print(f"wrote {out} (config.json + model.safetensors, {args.dtype})")
     return 0
 
@@ -136,7 +135,6 @@ def cmd_to_hf(args) -> int:
 def cmd_from_hf(args) -> int:
     from megatron_fp4.integrations.hf import from_hf_state_dict, load_hf_checkpoint
 
-    check_new_checkpoint_dir(args.out, args.hf)
     if (Path(args.out) / ckpt.step_dir_name(0)).exists():
         raise ValueError(f"{Path(args.out) / ckpt.step_dir_name(0)} already exists; from-hf never overwrites a "
                          f"checkpoint: choose a new output directory or remove that one")
@@ -152,7 +150,6 @@ def cmd_from_hf(args) -> int:
 
 
 def cmd_upgrade(args) -> int:
-    check_new_checkpoint_dir(args.out, args.checkpoint)
     if Path(args.out).exists() and any(Path(args.out).iterdir()):
         raise ValueError(f"{args.out} is not empty; upgrade writes a new checkpoint directory: choose a new one")
     state, meta = ckpt.with_fallback(args.checkpoint, legacy_state)
@@ -161,15 +158,6 @@ def cmd_upgrade(args) -> int:
     out = write_dcp(trainer, args.out)
     print(f"wrote {out} (DCP, step {trainer.step}); resume with --set checkpoint.load={args.out}")
     return 0
-
-
-def check_new_checkpoint_dir(out: str, source: str) -> None:
-    """`out` may become a checkpoint root: a directory or nothing yet, and not the input or touching it."""
-    ckpt.check_not_input(out, (source,))
-    path = Path(out)
-    if path.exists() and not path.is_dir():
-        raise ValueError(f"{out!r} exists and is not a directory; the checkpoint is written as a directory: "
-                         f"choose a new output path")
 
 
 def load_legacy_into(trainer, state: dict, meta: dict) -> None:
@@ -268,7 +256,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     try:
         return args.fn(args)
-    except (ValueError, OSError) as err:  # OSError: e.g. a parent of the output is a file or not writable
+    except (ValueError, FileNotFoundError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
 

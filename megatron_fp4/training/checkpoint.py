@@ -60,51 +60,17 @@ def step_dir_name(step: int) -> str:
     return f"step_{step:08d}"
 
 
-# Files in a directory that mark it as a checkpoint (ours or DCP's): an export never replaces it.
-_CHECKPOINT_MARKERS = (META_FILE, LATEST_FILE, STATE_FILE, ".metadata")
-
-
-def check_not_input(out, inputs, flag: str = "the output") -> None:
-    """Refuse an output path that is one of `inputs`, holds one of them or lies inside one: writing
-    or replacing it would destroy or corrupt what is being read."""
-    out_path = Path(os.path.realpath(out))
-    for source in inputs:
-        src = Path(os.path.realpath(source))
-        if out_path == src or out_path in src.parents or src in out_path.parents:
-            relation = ("is" if out_path == src else "contains" if out_path in src.parents else "is inside")
-            raise ValueError(f"{flag} {str(out)!r} {relation} the input {str(source)!r}; a tool never writes over "
-                             f"its own input: choose an output directory outside it")
-
-
-def replace_dir(src: Path, dst: Path, inputs=()) -> None:
+def replace_dir(src: Path, dst: Path) -> None:
     """Put the completely written directory `src` at `dst` (an export the user asked to overwrite).
-    An existing `dst` is first renamed aside. Only an export is replaced: `dst` may not be or touch
-    one of `inputs` (what the export was made from) and may not hold a subdirectory or a checkpoint
-    file (an export is flat files), so a mistyped path (the run directory, a home directory) is
-    refused instead of deleted. Step directories never go through here: see `commit_step_dir`."""
-    check_not_input(dst, inputs)
+    An existing `dst` is first renamed aside. Step directories never go through here: see
+    `commit_step_dir`."""
     old = None
-    if dst.exists() or dst.is_symlink():
-        check_replaceable_export(dst)
+    if dst.exists():
         old = dst.parent / f".{dst.name}.old-{uuid.uuid4().hex[:8]}"
         os.replace(dst, old)
     os.replace(src, dst)
     if old is not None:
         shutil.rmtree(old) if old.is_dir() else old.unlink()
-
-
-def check_replaceable_export(dst) -> None:
-    """Refuse replacing `dst` unless it is a directory of plain files none of which marks a checkpoint."""
-    dst = Path(dst)
-    if dst.is_symlink() or not dst.is_dir():
-        raise ValueError(f"{str(dst)!r} exists and is not a directory; an export replaces only a former export: "
-                         f"remove it yourself or choose another output directory")
-    for entry in dst.iterdir():
-        if entry.is_dir() or entry.is_symlink() or entry.name in _CHECKPOINT_MARKERS or entry.suffix == ".distcp":
-            what = "a checkpoint file" if entry.is_file() and not entry.is_symlink() else "a subdirectory or link"
-            raise ValueError(f"{str(dst)!r} holds {entry.name!r} ({what}), so it is not a former export; "
-                             f"overwriting replaces only a directory of exported files: remove it yourself "
-                             f"or choose another output directory")
 
 
 # -- meta.json ------------------------------------------------------------------------------------

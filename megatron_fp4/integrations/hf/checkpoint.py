@@ -22,7 +22,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from megatron_fp4.training.checkpoint import check_not_input, check_replaceable_export, replace_dir
+from megatron_fp4.training.checkpoint import replace_dir
 from megatron_fp4.config import Config, FP4Config, ModelConfig
 from megatron_fp4.integrations.hf.qwen3_moe import (check_hf_state_dict, from_hf_state_dict, hf_config_from_ours,
                                                     ours_config_from_hf, to_hf_state_dict)
@@ -41,30 +41,25 @@ def _model_config(cfg) -> ModelConfig:
     raise ValueError(f"cfg must be a megatron_fp4 Config or ModelConfig, got {type(cfg).__name__}")
 
 
-def check_out_dir(out_dir, overwrite: bool, flag: str = "overwrite=True", inputs=()) -> None:
-    """Refuse an existing non-empty `out_dir` unless `overwrite`, one that is not a former export
-    even then, and one that is, holds or lies inside one of `inputs` (the paths the export is made
-    from); `flag` is how the caller's interface spells the option (``--overwrite`` on the command line)."""
+def check_out_dir(out_dir, overwrite: bool, flag: str = "overwrite=True") -> None:
+    """Refuse an existing non-empty `out_dir` unless `overwrite`; `flag` is how the caller's
+    interface spells the option (``--overwrite`` on the command line)."""
     out_dir = Path(out_dir)
-    check_not_input(out_dir, inputs)
-    if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
-        if not overwrite:
-            raise ValueError(f"{str(out_dir)!r} already exists and is not an empty directory; pass {flag} "
-                             f"to replace it or choose a new output directory")
-        check_replaceable_export(out_dir)
+    if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())) and not overwrite:
+        raise ValueError(f"{str(out_dir)!r} already exists and is not an empty directory; pass {flag} "
+                         f"to replace it or choose a new output directory")
 
 
 def save_hf_checkpoint(model, cfg, out_dir, dtype: Optional[torch.dtype] = None, overwrite: bool = False,
-                       quantization_config: Optional[dict] = None, inputs=()) -> Path:
+                       quantization_config: Optional[dict] = None) -> Path:
     """Write `model` as a Hugging Face Qwen3-MoE checkpoint (`config.json` + `model.safetensors`,
     per-expert layout) to `out_dir`, atomically. `cfg` is our Config or ModelConfig; `dtype`
     casts the tensors (default: as they are). An existing non-empty `out_dir` is replaced only
     with overwrite=True. `quantization_config` goes into config.json as that block (the vLLM
-    plugin's FP4 recipe, `integrations.vllm.hf_quantization_config`). `inputs`: paths the model was
-    read from, which `out_dir` may not be, hold or lie inside. Returns the directory."""
+    plugin's FP4 recipe, `integrations.vllm.hf_quantization_config`). Returns the directory."""
     model_cfg = _model_config(cfg)
     out_dir = Path(out_dir)
-    check_out_dir(out_dir, overwrite, inputs=inputs)
+    check_out_dir(out_dir, overwrite)
     hf_cfg = hf_config_from_ours(model_cfg)
     tensors = {}
     for key, t in to_hf_state_dict(model).items():
@@ -82,7 +77,7 @@ def save_hf_checkpoint(model, cfg, out_dir, dtype: Optional[torch.dtype] = None,
     try:
         save_file(tensors, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
         (tmp / CONFIG_FILE).write_text(json.dumps(hf_cfg, indent=2, sort_keys=True) + "\n")
-        replace_dir(tmp, out_dir, inputs)
+        replace_dir(tmp, out_dir)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
