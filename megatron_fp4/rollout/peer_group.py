@@ -114,6 +114,10 @@ class PeerGroup:
         if not isinstance(token, str) or not token:
             raise ValueError(f"PeerGroup needs the shared token ({TOKEN_ENV}, or the one the publisher "
                              "generated in prepare()); got none")
+        if rank == 0:  # gloo's listener binds it (and the store's, when reserved here)
+            check_advertised_address(addr, "addr")
+        if bind_addr is not None:
+            check_advertised_address(bind_addr, "bind_addr")
         self._rank, self._size, self.device = rank, world_size, device
         self.name = f"megatron_fp4-ce@{addr}:{port}"
         self._server = self._store = self.pg = None

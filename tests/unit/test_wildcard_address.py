@@ -8,7 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from megatron_fp4.rollout.peer_group import check_advertised_address, reserve_port
+import torch
+
+from megatron_fp4.rollout.peer_group import PeerGroup, check_advertised_address, reserve_port
 
 ROOT = Path(__file__).resolve().parents[2]
 WILDCARDS = ["0.0.0.0", "::", "[::]", "0:0:0:0:0:0:0:0", "", "  ", None]
@@ -28,6 +30,20 @@ def test_reserve_port_binds_exactly_the_advertised_address():
     finally:
         sock.close()
     assert check_advertised_address("localhost") == "localhost"
+
+
+@pytest.mark.parametrize("addr", ["0.0.0.0", "::"])
+def test_peer_group_refuses_a_wildcard_for_what_gloo_binds(addr):
+    """Rank 0's gloo listener binds `addr` even with a socket reserved elsewhere; any rank's binds
+    `bind_addr`: neither may be a wildcard (refused before any socket or thread)."""
+    sock = reserve_port("127.0.0.1")
+    try:
+        with pytest.raises(ValueError, match=f"addr={addr!r} is a wildcard address"):
+            PeerGroup(addr, sock.getsockname()[1], 0, 2, torch.device("cpu"), 5, sock, token="t" * 64)
+    finally:
+        sock.close()
+    with pytest.raises(ValueError, match=f"bind_addr={addr!r} is a wildcard address"):
+        PeerGroup("127.0.0.1", 1, 1, 2, torch.device("cpu"), 5, token="t" * 64, bind_addr=addr)
 
 
 @pytest.mark.parametrize("addr", ["0.0.0.0", "::", ""])
