@@ -13,11 +13,11 @@ def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
-def range_error(args, ints: dict = {}, positive=(), nonnegative=(), fractions=()) -> str | None:  # noqa: B006
+def range_error(args, ints: dict | None = None, positive=(), nonnegative=(), fractions=()) -> str | None:
     """The first problem among `args`' flags, or None. ints: {name: minimum}; positive: finite floats
     > 0; nonnegative: finite floats >= 0; fractions: floats in [0, 1]. A None value (an optional flag
     left unset) is not checked."""
-    for name, low in ints.items():
+    for name, low in (ints or {}).items():
         value = getattr(args, name)
         if value is not None and value < low:
             return f"{_flag(name)} {value} must be >= {low}"
