@@ -121,7 +121,8 @@ def test_bad_routes_fail_with_one_clear_error():
 
 
 @pytest.mark.parametrize("routes", [torch.tensor([[0.9, 1.9]] * 4), torch.full((4, 2), float("nan")),
-                                    torch.tensor([[0, 1]] * 4, dtype=torch.float64), torch.ones(4, 2, dtype=torch.bool)])
+                                    torch.tensor([[0, 1]] * 4, dtype=torch.float64),
+                                    torch.ones(4, 2, dtype=torch.bool)])
 def test_routes_that_are_not_integer_ids_are_refused(routes):
     """A float route was truncated ([0.9, 1.9] replayed as [0, 1]) and an all-NaN row routed live;
     even integral floats are refused (where they came from, a cast has already happened)."""
