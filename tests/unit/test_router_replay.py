@@ -144,3 +144,19 @@ def test_rollout_routes_refuse_float_routes():
         rollout_routes(gen, batch)
     gen.routing = [torch.tensor([[[0, 1]], [[2, 3]]], dtype=torch.int32)]
     assert rollout_routes(gen, batch)[0, 1:3].tolist() == [[[0, 1]], [[2, 3]]]
+
+
+def test_verl_routed_experts_must_be_integer_ids():
+    """verl hands routes over as a nested int16 tensor; a float one was cast with .to(long) (truncated)."""
+    pytest.importorskip("verl")
+    from megatron_fp4.integrations.verl.batches import replay_routes
+    rows = [torch.tensor([[[0, 1]], [[2, 3]]]), torch.tensor([[[1, 2]]])]
+    mb = {"input_ids": torch.zeros(2, 2, dtype=torch.long)}
+    for dtype, ok in ((torch.int16, True), (torch.float32, False)):
+        mb["routed_experts"] = torch.nested.as_nested_tensor([r.to(dtype) for r in rows], layout=torch.jagged)
+        if ok:
+            out = replay_routes(mb, "r2", (2, 2))
+            assert out[0].tolist() == [[[0, 1]], [[2, 3]]] and out[1].tolist() == [[[1, 2]], [[-1, -1]]]
+        else:
+            with pytest.raises(ValueError, match="routed_experts: routes of dtype torch.float32 must be integer"):
+                replay_routes(mb, "r2", (2, 2))
