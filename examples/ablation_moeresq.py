@@ -60,6 +60,7 @@ from megatron_fp4.config import default_config_path, load_config  # noqa: E402
 from megatron_fp4.rl import sft_step  # noqa: E402
 from megatron_fp4.rl.data import carry_task, math_task  # noqa: E402
 from megatron_fp4.rl.data.rl_dataset import RLDataset  # noqa: E402
+from megatron_fp4.rl.flags import check_ranges  # noqa: E402
 from megatron_fp4.rl.loop import EngineCopyRollout, GRPOSettings, run_grpo  # noqa: E402
 from megatron_fp4.rl.rollout_correction import (add_correction_args, check_correction_args,  # noqa: E402
                                                 correction_from_args)
@@ -207,13 +208,17 @@ def sft_state_for(args, tok, train, seed: int, out: Path) -> dict:
     path = out / "sft" / f"seed{seed}.safetensors"
     fp = getattr(args, "sft_fingerprint", None) or json.dumps(report.fingerprint(args, SFT_FLAGS), sort_keys=True)
     if path.is_file():
-        from safetensors import safe_open
+        from safetensors import SafetensorError, safe_open
 
-        with safe_open(str(path), "pt") as f:
-            theirs = (f.metadata() or {}).get("fingerprint")
+        try:
+            with safe_open(str(path), "pt") as f:
+                theirs = (f.metadata() or {}).get("fingerprint")
+            state = load_file(str(path)) if theirs == fp else None
+        except (SafetensorError, OSError, ValueError) as err:  # cut short, or not a safetensors file
+            raise ValueError(f"{path}: not a readable SFT checkpoint ({err}); delete it to redo SFT") from None
         if theirs != fp:
             raise ValueError(f"{path} was made with other SFT flags ({theirs} vs {fp}); delete it to redo SFT")
-        return load_file(str(path))
+        return state
     state = sft(args, tok, train, seed)
     report.write_atomic(path, lambda tmp: save_file({k: v.contiguous() for k, v in state.items()}, str(tmp),
                                               metadata={"fingerprint": fp}))
@@ -292,7 +297,7 @@ def run(args) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     variants, fp = variants_of(args), report.fingerprint(args, exclude=NOT_IN_FINGERPRINT)
     args.run_fingerprint, args.sft_fingerprint = fp, json.dumps(report.fingerprint(args, SFT_FLAGS), sort_keys=True)
-    done = lambda v, s: report.load_run(report.run_path(out, v["variant"], s), fp)  # noqa: E731
+    done = lambda v, s: report.load_run(report.run_path(out, v["variant"], s), fp, v["variant"], s)  # noqa: E731
     todo = [(v, s) for s in args.seeds for v in variants if done(v, s) is None]
     if todo and not args.report_only:
         prepare_data(args)  # writes the generated tokenizer and data once; workers read them
@@ -372,8 +377,11 @@ def parse_args(argv=None):
     ap.add_argument("--eval-every", type=int, default=5)
     args = ap.parse_args(argv)
     check_correction_args(ap, args)
-    if args.jobs < 1:
-        ap.error(f"--jobs {args.jobs} must be >= 1")
+    check_ranges(ap, args, ints=dict(jobs=1, num_digits=1, num_train=1, num_test=1, max_operand=1, eval_size=1,
+                                     max_prompt_length=1, max_seq_len=2, sft_steps=0, sft_batch=1, steps=1,
+                                     num_prompts=1, group_size=1, max_new_tokens=1, micro_batch_size=1, eval_every=0),
+                 positive=("sft_lr", "lr", "clip_eps", "tis_cap"), nonnegative=("temperature",),
+                 fractions=("drop_carry",))
     try:
         variants_of(args)
     except ValueError as err:

@@ -43,21 +43,67 @@ def write_atomic(path: Path, write) -> None:
     os.replace(tmp, path)
 
 
-def load_run(path: Path, fp: dict):
-    """A finished run's record, or None when there is none; a file from other flags is refused."""
+def load_run(path: Path, fp: dict, variant: str | None = None, seed: int | None = None):
+    """A finished run's record, or None when there is none. A file from other flags, one that holds
+    another (variant, seed) than its name says (it would be counted twice and hide a missing run), or
+    one that is not a whole run record is refused: a ValueError naming the file and the fix."""
     if not path.is_file():
         return None
     try:
         rec = json.loads(path.read_text())
-        theirs = rec["fingerprint"]
-    except (ValueError, KeyError, TypeError) as err:
-        raise ValueError(f"{path}: not a run record of this example ({err}); delete it to rerun") from None
+        problem = record_problem(rec, variant, seed)
+    except (ValueError, UnicodeDecodeError) as err:
+        problem = f"not JSON ({err})"
+    if problem is not None:
+        raise ValueError(f"{path}: not a run record of this example ({problem}); delete it to rerun")
+    theirs = rec["fingerprint"]
     diff = sorted(k for k in set(fp) | set(theirs) if fp.get(k) != theirs.get(k))
     if diff:
         k = diff[0]
         raise ValueError(f"{path} was made with --{k.replace('_', '-')}={theirs.get(k)!r}, this run has "
                          f"{fp.get(k)!r}: use another --out or delete {path.parent} to rerun")
     return rec
+
+
+def _number(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def _fraction(x) -> bool:
+    return _number(x) and 0 <= x <= 1
+
+
+def record_problem(rec, variant: str | None = None, seed: int | None = None) -> str | None:
+    """What is wrong with a run record (None: nothing): the keys the table reads, each of its form —
+    accuracies are fractions in [0, 1], every step has its numbers, the evals start at step 0."""
+    if not isinstance(rec, dict):
+        return f"a JSON {type(rec).__name__}, not an object"
+    if not isinstance(rec.get("fingerprint"), dict):
+        return f"fingerprint {rec.get('fingerprint')!r} is not an object of flags"
+    if variant is not None and rec.get("variant") != variant:
+        return f"it holds variant {rec.get('variant')!r}, not {variant!r}"
+    if seed is not None and (not isinstance(rec.get("seed"), int) or rec.get("seed") != seed):
+        return f"it holds seed {rec.get('seed')!r}, not {seed}"
+    history, evals = rec.get("history"), rec.get("evals")
+    if not isinstance(history, list) or not history:
+        return "no history (one entry per GRPO step)"
+    for h in history:
+        bad = [k for k in ("step", "reward", "loss", *CONSISTENCY) if not isinstance(h, dict) or not _number(h.get(k))]
+        if bad:
+            return f"history entry {h!r:.80} lacks a number for {bad[0]!r}"
+    if not isinstance(evals, list) or not evals:
+        return "no evals ([step, accuracy] pairs)"
+    for e in evals:
+        if not (isinstance(e, list) and len(e) == 2 and isinstance(e[0], int) and _fraction(e[1])):
+            return f"eval {e!r:.80} is not [step, accuracy in [0, 1]]"
+    if evals[0][0] != 0:
+        return f"the first eval is at step {evals[0][0]}, not 0 (the policy before RL)"
+    groups = rec.get("eval_groups", [])
+    if not isinstance(groups, list) or not all(
+            isinstance(g, list) and len(g) == 2 and isinstance(g[1], dict) and all(map(_fraction, g[1].values()))
+            for g in groups):
+        return "eval_groups is not a list of [step, {group: accuracy in [0, 1]}]"
+    return None
 
 
 def t_cdf(x: float, df: int, intervals: int = 4000) -> float:

@@ -74,6 +74,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from megatron_fp4.config import default_config_path, load_config  # noqa: E402
 from megatron_fp4.rl import make_rollout, sft_step, switch_to_rl  # noqa: E402
+from megatron_fp4.rl.flags import check_ranges  # noqa: E402
+from megatron_fp4.rollout.peer_group import check_advertised_address  # noqa: E402
 from megatron_fp4.rl.loop import GRPOSettings, micro_batch_for, run_grpo  # noqa: E402
 from megatron_fp4.rl.rollout_correction import (add_correction_args, check_correction_args,  # noqa: E402
                                                 correction_from_args)
@@ -325,7 +327,26 @@ def parse_args(argv=None):
     for key, value in TASK_DEFAULTS[args.task].items():
         if getattr(args, key) is None:
             setattr(args, key, value)
+    check_flags(ap, args)
     return args
+
+
+def check_flags(ap, args) -> None:
+    """Every number of the command line in range before any work (the SFT warm-up takes minutes)."""
+    check_ranges(ap, args, ints=dict(steps=1, sft_steps=0, sft_batch=1, num_digits=1, num_train=1, num_test=1,
+                                     max_operand=1, max_prompt_length=1, num_prompts=1, group_size=1,
+                                     max_new_tokens=1, micro_batch_size=1, ppo_epochs=1, minibatches=1, eval_size=1,
+                                     eval_every=0, bucket_mb=1),
+                 positive=("sft_lr", "lr", "clip_eps", "tis_cap"),
+                 nonnegative=("temperature", "kl_coef", "rl_aux_coef", "rl_weight_decay"), fractions=("drop_carry",))
+    try:
+        check_advertised_address(args.rollout_addr, "--rollout-addr")
+    except ValueError as err:
+        ap.error(str(err))
+    rows = args.num_prompts * args.group_size
+    if args.minibatches > rows:
+        ap.error(f"--minibatches {args.minibatches} is more than the {rows} rows of a rollout batch "
+                 "(--num-prompts x --group-size): each minibatch needs at least one row")
 
 
 if __name__ == "__main__":

@@ -67,6 +67,15 @@ def route_from_logits(logits: torch.Tensor, top_k: int, norm_topk_prob: bool,
     return probs, topk_idx, topk_w
 
 
+def check_route_dtype(routes: torch.Tensor, where: str) -> None:
+    """Routes are expert ids: an integer tensor, else a ValueError. A float route would be cast with
+    truncation ([0.9, 1.9] replays as [0, 1]) and a NaN to an arbitrary integer (an all-NaN row
+    became negative and routed live), so neither is guessed at."""
+    if routes.dtype.is_floating_point or routes.dtype.is_complex or routes.dtype == torch.bool:
+        raise ValueError(f"{where}: routes of dtype {routes.dtype} must be integer expert ids (torch.long; -1: route "
+                         "live); round or convert them where they are recorded, not here")
+
+
 def replay_topk(probs: torch.Tensor, topk_idx: torch.Tensor, topk_w: torch.Tensor, replay: torch.Tensor,
                 num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The router's (ids, weights) with the rows of `replay` [T, k] that hold ids (>= 0) replaced by
@@ -74,6 +83,7 @@ def replay_topk(probs: torch.Tensor, topk_idx: torch.Tensor, topk_w: torch.Tenso
     if replay.shape != topk_idx.shape:
         raise ValueError(f"router replay: routes of shape {tuple(replay.shape)} for {tuple(topk_idx.shape)} "
                          "(tokens, top_k) router picks; give one row of top_k expert ids per token")
+    check_route_dtype(replay, "router replay")
     replay = replay.to(device=topk_idx.device, dtype=topk_idx.dtype)
     replayed = (replay >= 0).all(-1, keepdim=True)
     ordered = replay.sort(-1).values

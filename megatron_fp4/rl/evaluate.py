@@ -15,6 +15,8 @@ from megatron_fp4.rollout.sampling import SamplingParams
 def greedy_eval(rollout, task, min_version: int = 0) -> tuple[float, dict]:
     """(fraction of the eval items answered right, {group: fraction} over `task.eval_groups()`)."""
     items = task.eval_items()
+    if not items:  # an accuracy over no problems would read as 0.000
+        raise ValueError(f"greedy eval: the task has no eval problems ({task.description}); set an eval size >= 1")
     params = SamplingParams(max_new_tokens=task.eval_tokens, temperature=0.0, stop_token_ids=task.stop_token_ids)
     gen = rollout.generate([ids for ids, _, _ in items], [params] * len(items), min_version=min_version)
     right = [task.reward(it, task.tok.decode(r, stop_at_eos=True)) > 0 for it, r in zip(items, gen.response_ids)]

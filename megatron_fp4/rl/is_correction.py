@@ -324,6 +324,12 @@ def resolve_correction(tis_cap: Optional[float],
     return RolloutCorrection.tis(tis_cap) if tis_cap is not None else correction
 
 
+def check_clip_eps(clip_eps) -> float:
+    """`clip_eps` if it is a finite number > 0: the ratio is clamped to [1 - eps, 1 + eps], and an
+    eps <= 0 turns that into another objective (eps = -1 clamps to [2, 0]) without an error."""
+    return _positive("clip_eps (the PPO clip range)", clip_eps)
+
+
 def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     mask = mask.to(x.dtype)
     return (x * mask).sum() / mask.sum().clamp(min=1.0)
@@ -337,6 +343,7 @@ def policy_loss(log_probs: torch.Tensor, old_log_probs: torch.Tensor, advantages
     and rejected tokens leave the mask, as in verl's `compute_policy_loss_vanilla`.
     All tensors [B, T]; advantages broadcast per token. Returns (loss, metrics dict)."""
     correction = resolve_correction(tis_cap, correction)
+    check_clip_eps(clip_eps)
     ratio = torch.exp((log_probs - old_log_probs.detach()).clamp(-20.0, 20.0))
     surrogate = torch.maximum(-advantages * ratio, -advantages * ratio.clamp(1 - clip_eps, 1 + clip_eps))
     metrics, loss_mask = {}, response_mask

@@ -21,6 +21,7 @@ TIS of ``tis_cap``; the loss applies its weights and mask, and each step logs ve
 from __future__ import annotations
 
 import copy
+import math
 import random
 import time
 from dataclasses import dataclass, field
@@ -67,6 +68,12 @@ class GRPOSettings:
                 raise ValueError(f"GRPOSettings.{name}={getattr(self, name)} must be >= 1")
         if self.eval_every < 0:
             raise ValueError(f"GRPOSettings.eval_every={self.eval_every} must be >= 0 (0: only after the last step)")
+        if self.minibatches > self.num_prompts * self.group_size:
+            raise ValueError(f"GRPOSettings.minibatches={self.minibatches} is more than the "
+                             f"{self.num_prompts * self.group_size} rows of a rollout batch (num_prompts x group_size)")
+        if not 0 <= self.temperature < math.inf:
+            raise ValueError(f"GRPOSettings.temperature={self.temperature} must be a finite number >= 0 (0: greedy)")
+        policy_loss_for(self)  # clip_eps, tis_cap, kl_coef and the correction: refused now, not at the first update
 
 
 @dataclass

@@ -17,7 +17,8 @@ from typing import Optional
 
 import torch
 
-from megatron_fp4.rl.is_correction import RolloutCorrection, policy_loss, resolve_correction, rollout_correction
+from megatron_fp4.rl.is_correction import (RolloutCorrection, check_clip_eps, policy_loss, resolve_correction,
+                                          rollout_correction)
 from megatron_fp4.rollout.engine import positions_from_mask
 from megatron_fp4.rollout.scoring import log_probs_from_logits
 from megatron_fp4.training.step_loss import StepLoss
@@ -42,6 +43,9 @@ class PolicyLoss(StepLoss):
 
     def __post_init__(self):
         resolve_correction(self.tis_cap, self.correction)  # both set, or a bad cap: a ValueError here
+        check_clip_eps(self.clip_eps)
+        if not 0 <= self.kl_coef < float("inf"):
+            raise ValueError(f"PolicyLoss.kl_coef={self.kl_coef!r} must be a finite number >= 0 (0: no KL term)")
 
     @property
     def batch_keys(self) -> tuple:

@@ -14,7 +14,8 @@ Routes travel in the batch as ``replay_routing`` [B, T, num_moe_layers, k], alig
 that of position t-1. R3 covers the positions that produced a response token — the last prompt
 position (the engine's prefill route for it) and every response position but the last; the other
 prompt positions route live (the engine records no prefill routes for them), and so do padding
-and the last response position (it produces no scored token). Rows with -1 route live.
+and the last response position (it produces no scored token). Rows with -1 route live. Routes are
+integer tensors (any integer dtype); float routes are refused, not rounded or truncated.
 
 Auxiliary losses under replay (when their coefficients are set; RL usually runs with them off) are
 computed as Megatron-Core does: the load-balancing fractions f_e from the experts actually used
@@ -26,6 +27,8 @@ receive the replayed ids from the router like any others.
 from __future__ import annotations
 
 import torch
+
+from megatron_fp4.model.router import check_route_dtype
 
 MODES = ("off", "r2", "r3")
 
@@ -52,6 +55,7 @@ def rollout_routes(gen, batch: dict) -> torch.Tensor:
         if routes.shape[0] != len(resp) or routes.shape[1:] != first.shape[1:]:
             raise ValueError(f"rollout routes of request {i} have shape {tuple(routes.shape)} for {len(resp)} "
                              f"generated tokens; expected [{len(resp)}, {first.shape[1]}, {first.shape[2]}]")
+        check_route_dtype(routes, f"rollout routes of request {i}")
         out[i, P - 1:P - 1 + len(resp)] = routes.to(torch.long)
     return out
 

@@ -46,7 +46,11 @@ def from_verl_config(cfg) -> RolloutCorrection:
     level = get("rollout_is", None)
     upper, lower = _pair("rollout_is_threshold", get("rollout_is_threshold", 2.0))
     rules = ()
-    options = [o.strip() for o in (get("rollout_rs", None) or "").split(",") if o.strip()]
+    rs = get("rollout_rs", None)
+    if rs is not None and not isinstance(rs, str):
+        raise ValueError(f"rollout_correction.rollout_rs={rs!r} must be None or a string of comma-separated options "
+                         f"(e.g. 'token_k1,seq_max_k2'; one of {', '.join(REJECTIONS)})")
+    options = [o.strip() for o in (rs or "").split(",") if o.strip()]
     if options:
         spec = get("rollout_rs_threshold", None)
         if spec is None:

@@ -40,10 +40,18 @@ def eval_problems(num: int, max_operand: int, ops: str) -> list[tuple[str, str]]
     return list(seen.items())
 
 
+def _check_eval_size(eval_size: int) -> None:
+    # RLDataset reads max_samples <= 0 as "every row", and an empty eval set has no accuracy
+    if isinstance(eval_size, bool) or not isinstance(eval_size, int) or eval_size < 1:
+        raise ValueError(f"eval_size={eval_size!r} must be an integer >= 1 (--eval-size: the held-out greedy-eval "
+                         "problems)")
+
+
 class ArithmeticTask:
     """The embedded task: `a+b=` prompts, reward `check_answer`, a fixed held-out greedy-eval set."""
 
     def __init__(self, eval_size: int, max_operand: int, ops: str, seed: int):
+        _check_eval_size(eval_size)
         self.tok = ArithmeticTokenizer()
         self.max_operand, self.ops = max_operand, ops
         self.stop_token_ids = (self.tok.eos_id,)
@@ -93,6 +101,7 @@ class DatasetTask:
                    seed: int, eval_tokens: int) -> "DatasetTask":
         """`test_data`'s first `eval_size` rows as the eval set, or (without it) the first `eval_size`
         rows of `train_data`, then never RL prompts."""
+        _check_eval_size(eval_size)
         kw = dict(max_prompt_length=max_prompt_length)
         train = RLDataset(train_data, tok, **kw)
         if test_data:

@@ -158,10 +158,10 @@ class VLLMServeRollout:
         body = {"model": self.server.model, "prompt": list(map(int, prompt)), "max_tokens": int(p.max_new_tokens),
                 "temperature": float(p.temperature), "seed": p.seed, "stop_token_ids": list(p.stop_token_ids),
                 "logprobs": 0, "return_tokens_as_token_ids": True}
-        from megatron_fp4.integrations.vllm.serve import parse_choice
-
-        toks, lp, reason = parse_choice(self.server.client.request("v1/completions", body, timeout=self.timeout_s)
-                                        ["choices"][0])
+        choices = self.server.client.choices(body, timeout=self.timeout_s)
+        if len(choices) != 1:
+            raise RuntimeError(f"{self.server.url}/v1/completions answered one prompt with {len(choices)} choices")
+        toks, lp, reason = choices[0]
         return toks, torch.tensor(lp, dtype=torch.float32), "stop" if reason == "stop" else "length"
 
     def _generate(self, prompts, params, min_version: int):

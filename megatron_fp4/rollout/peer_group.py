@@ -24,9 +24,11 @@ never pickle.
 from __future__ import annotations
 
 import datetime
+import ipaddress
 import os
 import secrets
 import socket
+import threading
 from typing import Optional
 
 import torch
@@ -48,11 +50,36 @@ def host_address() -> str:
     return "127.0.0.1"
 
 
-def reserve_port(addr: str, port: int = 0) -> socket.socket:
+def _wildcard_error(field: str, addr) -> ValueError:
+    return ValueError(f"{field}={addr!r} is a wildcard address: a listener there binds every interface (SECURITY.md: "
+                      "listeners bind the address they advertise) and peers cannot connect to it; give the address "
+                      "peers reach this host at (127.0.0.1 on one host, this node's own IP across nodes)")
+
+
+def _is_unspecified(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host.strip("[]").split("%", 1)[0]).is_unspecified
+    except ValueError:  # a host name: reserve_port checks what it resolves to
+        return False
+
+
+def check_advertised_address(addr, field: str = "addr") -> str:
+    """`addr` when it can be advertised to peers, else a ValueError naming `field`: not empty and not a
+    wildcard (the IPv4 or IPv6 unspecified address), which would bind every interface. The one check
+    for every listener's address (`reserve_port`, verl's master_addr, the vLLM server's host)."""
+    if not isinstance(addr, str) or not addr.strip() or _is_unspecified(addr):
+        raise _wildcard_error(field, addr)
+    return addr
+
+
+def reserve_port(addr: str, port: int = 0, field: str = "addr") -> socket.socket:
     """A socket listening on exactly `addr` (the address rank 0 advertises; `port` 0: a free one), handed
     to rank 0's rendezvous store (no window for another process to take the port between `prepare()` and
-    `init_process_group`)."""
-    family = socket.getaddrinfo(addr, port, type=socket.SOCK_STREAM)[0][0]
+    `init_process_group`). A wildcard `addr`, or a name resolving to one, is a ValueError naming `field`."""
+    check_advertised_address(addr, field)
+    family, _, _, _, sockaddr = socket.getaddrinfo(addr, port, type=socket.SOCK_STREAM)[0]
+    if _is_unspecified(sockaddr[0]):  # e.g. "0", a name for the wildcard
+        raise _wildcard_error(field, addr)
     return socket.create_server((addr, port), family=family)
 
 
@@ -77,14 +104,20 @@ class PeerGroup:
     `addr`/`port`: what rank 0 advertises; rank 0 serves the store on `listen_socket` (bound to
     `addr` by `reserve_port`; made here when not given). `token`: the shared secret checked on join.
     `bind_addr`: the address this rank's gloo connections bind (rank 0: `addr`; others: this host's).
+    `abandon` (rank 0): set it to stop waiting for the other ranks at once (ConnectionAbortedError),
+    e.g. when the request that asks them to join has failed.
     """
 
     def __init__(self, addr: str, port: int, rank: int, world_size: int, device: torch.device,
                  timeout_s: float = 600.0, listen_socket: Optional[socket.socket] = None, *, token: str,
-                 bind_addr: Optional[str] = None):
+                 bind_addr: Optional[str] = None, abandon: Optional[threading.Event] = None):
         if not isinstance(token, str) or not token:
             raise ValueError(f"PeerGroup needs the shared token ({TOKEN_ENV}, or the one the publisher "
                              "generated in prepare()); got none")
+        if rank == 0:  # gloo's listener binds it (and the store's, when reserved here)
+            check_advertised_address(addr, "addr")
+        if bind_addr is not None:
+            check_advertised_address(bind_addr, "bind_addr")
         self._rank, self._size, self.device = rank, world_size, device
         self.name = f"megatron_fp4-ce@{addr}:{port}"
         self._server = self._store = self.pg = None
@@ -96,7 +129,7 @@ class PeerGroup:
                 self._store.set_timeout(timeout)
                 self._server = StoreServer(listen_socket or reserve_port(addr, port), self._store, token,
                                            world_size, group_nonce).start()
-                refused = self._server.wait_joined(timeout_s)
+                refused = self._server.wait_joined(timeout_s, abandon)
                 if refused:
                     raise PermissionError(f"{self.name}: refused rank(s) {refused}: they do not hold this "
                                           f"publisher's {TOKEN_ENV}; nothing they sent was used. Fix: {MISMATCH}")

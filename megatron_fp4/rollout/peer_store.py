@@ -21,6 +21,7 @@ import datetime
 import hashlib
 import hmac
 import json
+import math
 import secrets
 import socket
 import struct
@@ -222,16 +223,23 @@ class StoreServer:
             return b.num_keys()
         raise Refused(f"unknown store op {op!r}")
 
-    def wait_joined(self, timeout_s: float) -> list:
+    def wait_joined(self, timeout_s: float, abandon: Optional[threading.Event] = None) -> list:
         """Until every rank joined (-> []) or one was refused (-> the refused ranks); stops accepting
-        new connections. Raises TimeoutError naming the ranks that never joined."""
+        new connections. Raises TimeoutError naming the ranks that never joined, or ConnectionAbortedError
+        as soon as `abandon` is set (the caller learnt that they never will, e.g. the peer's join request
+        failed)."""
         deadline = time.monotonic() + timeout_s
+        settled = lambda: self.refused or len(self.joined) == self.world_size - 1  # noqa: E731
         with self._cond:
-            done = self._cond.wait_for(lambda: self.refused or len(self.joined) == self.world_size - 1,
-                                       max(0.0, deadline - time.monotonic()))
+            while not settled() and time.monotonic() < deadline and not (abandon is not None and abandon.is_set()):
+                # in slices when there is an `abandon` to look at: it is set from another object's thread
+                self._cond.wait(max(0.0, min(deadline - time.monotonic(), 0.05 if abandon is not None else math.inf)))
+            done = bool(settled())
             missing = sorted(set(range(1, self.world_size)) - set(self.joined))
             refused = sorted(set(self.refused))
         self._close_listen()
+        if not done and abandon is not None and abandon.is_set():
+            raise ConnectionAbortedError(f"the join of rank(s) {missing} was abandoned before the timeout")
         if not done:
             raise TimeoutError(f"rank(s) {missing} did not join within {timeout_s}s ({self.dropped} connection(s) "
                                "that did not speak the protocol were dropped)")

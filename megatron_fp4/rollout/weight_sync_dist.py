@@ -12,7 +12,8 @@ its group ranks, e.g. verl's `integrations.verl.topology.PeerGroup`, which check
 join):
   1. broadcast the header: version, manifest {name: (shape, dtype)}, bucket layout (metas, bytes)
   2. gather every rollout's verdict on the manifest; broadcast go / no-go. A mismatch stops the
-     update here: no bucket is sent and nothing is overwritten.
+     update here: no bucket is sent and nothing is overwritten. (A publisher that says go anyway
+     finds the refusing rollout still in step: it drops the buckets and repeats its refusal.)
   3. broadcast the buckets one by one into fresh receive buffers (the rollout's staging copy)
   4. every rollout swaps them in (engine write lock) and the verdicts are gathered again.
 A `null` header tells the receivers to stop.
@@ -158,9 +159,11 @@ class DistributedReceiver:
                 verdict = f"{type(err).__name__}: {err}"
         self._verdict(verdict)
         go = _broadcast_json(None, self.src, self.group, self.device)
-        if not isinstance(go, bool) or (go and layout is None):
+        if not isinstance(go, bool):
             raise ProtocolError(f"the publisher's go/no-go for version {version} is {go!r} after this rollout's "
                                 f"verdict {verdict!r}")
+        if go and verdict is not None:  # a go after this rollout refused: the publisher broke the protocol
+            return self._refuse_go(version, verdict, layout)
         if not go:
             self.errors.append((version, verdict or "another rollout rejected the manifest"))
             return True
@@ -181,6 +184,30 @@ class DistributedReceiver:
             verdict = f"{type(err).__name__}: {err}"
             self.errors.append((version, verdict))
         self._verdict(verdict)
+        return True
+
+    def _refuse_go(self, version, verdict: str, layout) -> bool:
+        """The publisher said go although this rollout refused the update. Nothing is loaded (the
+        previous version keeps serving) and the receiver stays in step for later updates: with a
+        layout it could read, the announced buckets are received into one scratch buffer of the
+        largest bucket and dropped, and the final verdict repeats the refusal (the publisher gets a
+        `WeightSyncError` naming this rollout). Without one (the header itself was refused) the
+        sizes that would follow are unknown, so the go counts as the no-go it should have been and
+        the next message must be a header."""
+        error = f"refused version {version} ({verdict}), but the publisher sent go: nothing was loaded"
+        self.errors.append((version, error))
+        if layout is None:
+            return True
+        largest = max([0] + [nbytes for _, nbytes in layout])
+        try:
+            scratch = torch.empty(largest, dtype=torch.uint8, device=self.device)
+        except RuntimeError as err:  # cannot take the bytes: the exchange cannot go on in step
+            raise ProtocolError(f"{error}; its {largest}-byte buckets cannot be received and dropped either "
+                                f"({str(err).splitlines()[0]})") from None
+        for _, nbytes in layout:
+            if nbytes:
+                broadcast_tensor(scratch[:nbytes], self.src, self.group)
+        self._verdict(error)
         return True
 
     def _allocate(self, layout: list) -> tuple:

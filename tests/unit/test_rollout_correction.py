@@ -261,7 +261,11 @@ def test_bad_loss_and_verl_config_values():
                           (dict(rollout_rs="seq_sum_k9", rollout_rs_threshold=1.0), "rollout_rs option"),
                           (dict(rollout_rs="token_k1"), "rollout_rs_threshold"),
                           (dict(rollout_rs="token_k1,token_k3", rollout_rs_threshold="2,1,1"), "rollout_rs_threshold"),
-                          (dict(rollout_is="tokens"), "RolloutCorrection.level")]:
+                          (dict(rollout_is="tokens"), "RolloutCorrection.level"),
+                          # not strings: an AttributeError from str.split before (verl's helper: ValueError)
+                          (dict(rollout_rs=5, rollout_rs_threshold=1.0), "rollout_rs=5 must be None or a string"),
+                          (dict(rollout_rs=["token_k1"], rollout_rs_threshold=1.0), "rollout_rs=\\['token_k1'\\]"),
+                          (dict(rollout_rs="token_k1", rollout_rs_threshold=[1.0]), "rollout_rs_threshold")]:
         with pytest.raises(ValueError, match=match):
             from_verl_config(fields)
     with pytest.raises(ValueError, match="must match"):

@@ -118,3 +118,45 @@ def test_bad_routes_fail_with_one_clear_error():
     tokens, mask = _tokens(model)
     with pytest.raises(ValueError, match="routing_in of shape"):
         compute_log_probs(model, tokens, mask, routing_in=torch.zeros(3, 9, 1, 2, dtype=torch.long))
+
+
+@pytest.mark.parametrize("routes", [torch.tensor([[0.9, 1.9]] * 4), torch.full((4, 2), float("nan")),
+                                    torch.tensor([[0, 1]] * 4, dtype=torch.float64),
+                                    torch.ones(4, 2, dtype=torch.bool)])
+def test_routes_that_are_not_integer_ids_are_refused(routes):
+    """A float route was truncated ([0.9, 1.9] replayed as [0, 1]) and an all-NaN row routed live;
+    even integral floats are refused (where they came from, a cast has already happened)."""
+    layer = _moe(True)
+    x = torch.randn(4, 8, dtype=torch.float64)
+    with pytest.raises(ValueError, match=f"routes of dtype {routes.dtype} must be integer expert ids"):
+        layer(x, routing_in=routes)
+    for dtype in (torch.int32, torch.int16, torch.uint8):  # any integer type is ids
+        layer(x, routing_in=torch.tensor([[0, 1]] * 4, dtype=dtype))
+
+
+def test_rollout_routes_refuse_float_routes():
+    from types import SimpleNamespace
+
+    from megatron_fp4.rl.replay import rollout_routes
+    batch = {"input_ids": torch.zeros(1, 5, dtype=torch.long), "prompt_len": 2}
+    gen = SimpleNamespace(routing=[torch.tensor([[[0.9, 1.9]], [[2.0, 3.0]]])], response_ids=[[4, 5]])
+    with pytest.raises(ValueError, match="rollout routes of request 0: routes of dtype torch.float32"):
+        rollout_routes(gen, batch)
+    gen.routing = [torch.tensor([[[0, 1]], [[2, 3]]], dtype=torch.int32)]
+    assert rollout_routes(gen, batch)[0, 1:3].tolist() == [[[0, 1]], [[2, 3]]]
+
+
+def test_verl_routed_experts_must_be_integer_ids():
+    """verl hands routes over as a nested int16 tensor; a float one was cast with .to(long) (truncated)."""
+    pytest.importorskip("verl")
+    from megatron_fp4.integrations.verl.batches import replay_routes
+    rows = [torch.tensor([[[0, 1]], [[2, 3]]]), torch.tensor([[[1, 2]]])]
+    mb = {"input_ids": torch.zeros(2, 2, dtype=torch.long)}
+    for dtype, ok in ((torch.int16, True), (torch.float32, False)):
+        mb["routed_experts"] = torch.nested.as_nested_tensor([r.to(dtype) for r in rows], layout=torch.jagged)
+        if ok:
+            out = replay_routes(mb, "r2", (2, 2))
+            assert out[0].tolist() == [[[0, 1]], [[2, 3]]] and out[1].tolist() == [[[1, 2]], [[-1, -1]]]
+        else:
+            with pytest.raises(ValueError, match="routed_experts: routes of dtype torch.float32 must be integer"):
+                replay_routes(mb, "r2", (2, 2))

@@ -18,6 +18,7 @@ from typing import Optional
 
 import torch
 
+from megatron_fp4.model.router import check_route_dtype
 from megatron_fp4.rollout.logprobs import next_token_log_probs
 from megatron_fp4.rollout.scoring import compute_log_probs
 
@@ -121,6 +122,7 @@ def replay_routes(mb, replay: str, shape) -> torch.Tensor:
     ids, routes = mb["input_ids"], mb["routed_experts"]
     if not routes.is_nested:
         raise ValueError("router_replay: routed_experts must be a jagged nested tensor [B, j1, layers, k]")
+    check_route_dtype(routes, "router_replay: routed_experts")  # verl's are int16; a float would be truncated
     keep = None
     if replay == "r3":
         routes = align_r3_router_replay_data(routes, ids)

@@ -35,6 +35,7 @@ from megatron_fp4.integrations.verl.streams import Channel, DistStream, PendingS
 from megatron_fp4.integrations.verl.topology import (TOKEN_ENV, PeerGroup, assign_ranks, host_address, new_sync_token,
                                                      process_id, reserve_port, sync_token_from_env)
 from megatron_fp4.parallel.mesh import resolve_device
+from megatron_fp4.rollout.peer_group import check_advertised_address
 from megatron_fp4.rollout.buckets import manifest_of, pack_buckets
 from megatron_fp4.rollout.weight_sync import PublishHandle, WeightSyncError
 from megatron_fp4.rollout.weight_sync_dist import DistributedTransport
@@ -64,6 +65,8 @@ class MegatronFP4CheckpointEngine(CheckpointEngine):
                  on_snapshot: Optional[Callable[[PublishHandle], None]] = None):
         self.bucket_size, self.is_master = int(bucket_size), is_master
         self.channel_name, self.timeout_s, self.rollout_name = channel, timeout_s, rollout_name
+        if master_addr is not None:  # a wildcard would bind every interface: refused at construction
+            check_advertised_address(master_addr, "master_addr")
         self.master_addr, self.device = master_addr, resolve_device(device)
         self.validator, self.on_snapshot = validator, on_snapshot
         self._channel: Optional[Channel] = None

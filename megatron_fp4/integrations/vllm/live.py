@@ -23,6 +23,11 @@ from megatron_fp4.integrations.hf.checkpoint import SafetensorsTensors, _weight_
 from megatron_fp4.training.nonfinite import all_finite
 
 
+# what an update may hold: floating types that are cast to the parameter's on load and that the
+# finiteness check can sum (torch has no CPU sum for the float8 types: refused here, not by torch)
+UPDATE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+
+
 def checkpoint_shapes(model_dir) -> dict[str, tuple]:
     """{HF name: shape} of the safetensors checkpoint in `model_dir` (read from its headers)."""
     tensors = SafetensorsTensors(_weight_files(Path(model_dir)))
@@ -36,17 +41,17 @@ def served_shapes(llm) -> dict[str, tuple]:
 
 def check_manifest(served: Mapping[str, tuple], manifest: Mapping[str, tuple]) -> None:
     """ValueError naming the first entry of `manifest` ({HF name: (shape, dtype)}) that the served
-    checkpoint lacks or holds in another shape, or whose dtype is not floating point (any floating
-    type is cast to the parameter's on load)."""
+    checkpoint lacks or holds in another shape, or whose dtype is not one of `UPDATE_DTYPES` (each is
+    cast to the parameter's on load)."""
     if not manifest:
         raise ValueError("update_weights: no tensors given")
     for name, (shape, dtype) in manifest.items():
         if name not in served:
             raise ValueError(f"update_weights: {name!r} is not a tensor of the served checkpoint (HF names, e.g. "
                              f"{next(iter(served))!r}); nothing was loaded")
-        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
-            raise ValueError(f"update_weights: {name!r} must be a floating-point tensor, got {dtype}; nothing was "
-                             "loaded")
+        if dtype not in UPDATE_DTYPES:
+            raise ValueError(f"update_weights: {name!r} is {dtype}; an update holds floating-point tensors of "
+                             f"{', '.join(map(str, UPDATE_DTYPES))} (cast it before publishing); nothing was loaded")
         if tuple(shape) != tuple(served[name]):
             raise ValueError(f"update_weights: {name!r} has shape {tuple(shape)}, the served checkpoint "
                              f"{tuple(served[name])}; nothing was loaded")

@@ -32,7 +32,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from megatron_fp4.rollout.peer_group import PeerGroup, reserve_port, sync_token_from_env
+from megatron_fp4.rollout.peer_group import PeerGroup, check_advertised_address, reserve_port, sync_token_from_env
 from megatron_fp4.rollout.peer_store import TOKEN_ENV
 from megatron_fp4.rollout.weight_sync import WeightSyncError
 from megatron_fp4.rollout.weight_sync_dist import DistributedTransport
@@ -43,7 +43,11 @@ FAIL_GRACE_S = 10.0  # after a failed /update_weights: how long the byte exchang
 
 
 class ServerError(RuntimeError):
-    """A vLLM HTTP route answered with an error status (or not at all)."""
+    """A vLLM HTTP route answered with an error status (`status`), not at all, or not in its form."""
+
+    def __init__(self, message: str, status: Optional[int] = None):
+        super().__init__(message)
+        self.status = status
 
 
 class VLLMServerClient:
@@ -64,12 +68,24 @@ class VLLMServerClient:
                 text = reply.read(limit + 1)
         except urllib.error.HTTPError as err:
             detail = err.read(4096).decode(errors="replace")
-            raise ServerError(f"{method} {self.url}/{route}: HTTP {err.code} {detail}") from None
+            raise ServerError(f"{method} {self.url}/{route}: HTTP {err.code} {detail}", err.code) from None
         except (urllib.error.URLError, OSError) as err:
             raise ServerError(f"{method} {self.url}/{route}: {err}") from None
         if len(text) > limit:
             raise ServerError(f"{method} {self.url}/{route}: reply longer than {limit} bytes")
-        return json.loads(text) if text else None
+        try:
+            return json.loads(text) if text else None
+        except (UnicodeDecodeError, ValueError):  # an HTML error page, a proxy's answer, another service
+            raise ServerError(f"{method} {self.url}/{route}: the reply is not JSON ({_shown(text)}); is {self.url} "
+                              "a `vllm serve` server?") from None
+
+    def field(self, route: str, key: str, body: Optional[dict] = None, method: str = "POST",
+              timeout: Optional[float] = None):
+        """`key` of the JSON object `route` answers, or a ServerError naming the route and the reply."""
+        reply = self.request(route, body, method, timeout)
+        if not isinstance(reply, dict) or key not in reply:
+            raise ServerError(f"{method} {self.url}/{route}: expected a JSON object with {key!r}, got {_shown(reply)}")
+        return reply[key]
 
     def ready(self) -> bool:
         try:
@@ -79,22 +95,58 @@ class VLLMServerClient:
             return False
 
     def weight_version(self) -> Optional[str]:
-        return self.request("weight_info", method="GET")["weight_version"]
+        version = self.field("weight_info", "weight_version", method="GET")
+        if version is not None and not isinstance(version, str):
+            raise ServerError(f"GET {self.url}/weight_info: weight_version {_shown(version)} is not a string or null")
+        return version
+
+    def choices(self, body: dict, timeout: Optional[float] = None) -> list:
+        """The parsed choices of `/v1/completions` for `body` ([(token ids, log-probs, finish reason)]
+        in prompt order), or a ServerError naming the route and what came back."""
+        where = f"POST {self.url}/v1/completions"
+        choices = self.field("v1/completions", "choices", body, timeout=timeout)
+        if not isinstance(choices, list) or not all(isinstance(c, dict) and type(c.get("index")) is int
+                                                    for c in choices):
+            raise ServerError(f"{where}: 'choices' is not a list of objects with an integer 'index': {_shown(choices)}")
+        return [parse_choice(c, where) for c in sorted(choices, key=lambda c: c["index"])]
 
     def completions(self, prompts: Sequence[Sequence[int]], max_tokens: int, model: str, **params) -> list:
         """Greedy (by default) completions of token-id prompts: [(token ids, their log-probs)] per prompt."""
         body = {"model": model, "prompt": [list(map(int, p)) for p in prompts], "max_tokens": int(max_tokens),
                 "temperature": 0.0, "logprobs": 0, "return_tokens_as_token_ids": True, **params}
-        choices = sorted(self.request("v1/completions", body)["choices"], key=lambda c: c["index"])
-        return [parse_choice(c)[:2] for c in choices]
+        return [c[:2] for c in self.choices(body)]
 
 
-def parse_choice(choice: dict) -> tuple:
+def _shown(reply, limit: int = 200) -> str:
+    """A reply as an error message shows it: its start, repr'd."""
+    text = reply.decode("utf-8", errors="replace") if isinstance(reply, bytes) else json.dumps(reply)
+    return repr(text[:limit] + ("..." if len(text) > limit else ""))
+
+
+def _token_id(token) -> int:
+    if not isinstance(token, str) or not token.startswith("token_id:"):
+        raise ValueError(f"token {token!r} is not 'token_id:N' (was the request sent with return_tokens_as_token_ids?)")
+    return int(token[len("token_id:"):])
+
+
+def parse_choice(choice: dict, where: str = "v1/completions") -> tuple:
     """(token ids, their log-probs, finish reason) of one completions-API choice asked with
-    `logprobs: 0, return_tokens_as_token_ids: true` (tokens come as "token_id:N")."""
-    lp = choice["logprobs"]
-    toks = [int(t.removeprefix("token_id:")) for t in lp["tokens"]]
-    return toks, [float(x) for x in lp["token_logprobs"]], choice["finish_reason"]
+    `logprobs: 0, return_tokens_as_token_ids: true` (tokens come as "token_id:N"); a choice of
+    another form is a ServerError naming `where` (the route) and the choice."""
+    try:
+        lp = choice["logprobs"]
+        toks = [_token_id(t) for t in lp["tokens"]]
+        logprobs = lp["token_logprobs"]
+        if not isinstance(logprobs, list) or len(logprobs) != len(toks) or not all(
+                isinstance(x, (int, float)) and not isinstance(x, bool) for x in logprobs):
+            raise ValueError(f"token_logprobs is not {len(toks)} numbers")
+        reason = choice["finish_reason"]
+        if reason is not None and not isinstance(reason, str):
+            raise ValueError(f"finish_reason {reason!r} is not a string")
+    except (KeyError, TypeError, ValueError) as err:
+        raise ServerError(f"{where}: a choice of an unexpected form ({type(err).__name__}: {err}): "
+                          f"{_shown(choice)}") from None
+    return toks, [float(x) for x in logprobs], reason
 
 
 class VLLMServerTransport:
@@ -113,13 +165,19 @@ class VLLMServerTransport:
                              "in its environment): pass token= or set it here too")
         self.name, self.pause_mode = name, pause_mode
         self.client = VLLMServerClient(url, timeout_s, api_key)
-        sock = reserve_port(addr)
+        sock = reserve_port(addr)  # refuses a wildcard addr (it would bind every interface)
         init = {"addr": addr, "port": sock.getsockname()[1], "name": name, "timeout_s": float(timeout_s)}
+        failed = threading.Event()  # the init route failed: the server will not join, stop waiting for it
         with ThreadPoolExecutor(max_workers=1) as pool:
             joined = pool.submit(self.client.request, "init_weight_transfer_engine", {"init_info": init})
+            joined.add_done_callback(lambda f: f.exception() is not None and failed.set())
             try:
-                self.group = PeerGroup(addr, init["port"], 0, 2, torch.device("cpu"), timeout_s, sock, token=token)
+                self.group = PeerGroup(addr, init["port"], 0, 2, torch.device("cpu"), timeout_s, sock, token=token,
+                                       abandon=failed)
             except BaseException as err:
+                if failed.is_set():  # the server's own answer is the error (at once, not after timeout_s)
+                    raise ServerError(f"{url}: the server refused to join the weight transfer: {_first_error(joined)}"
+                                      f"{_DEV_MODE_HINT if _is_404(joined) else ''}") from None
                 raise ServerError(f"{url}: the server did not join the weight transfer ({err}); "
                                   f"{_first_error(joined)}") from err
             joined.result()
@@ -178,6 +236,15 @@ class VLLMServerTransport:
             self.group.close()
 
 
+_DEV_MODE_HINT = (" (vLLM mounts /init_weight_transfer_engine and the other weight-update routes only with "
+                  "VLLM_SERVER_DEV_MODE=1 in the server's environment, and the backend with --weight-transfer-config "
+                  "'{\"backend\": \"megatron_fp4\"}': start the server with both)")
+
+
+def _is_404(future) -> bool:
+    return isinstance(future.exception(), ServerError) and future.exception().status == 404
+
+
 def _first_error(future) -> str:
     try:
         future.result()
@@ -227,6 +294,7 @@ def start_vllm_server(model_dir, python: str, token: str, host: str = "127.0.0.1
     sync token in its environment; with `wait`, return once `/health` answers."""
     from megatron_fp4.integrations.vllm.remote import worker_env
 
+    check_advertised_address(host, "host")  # vLLM's HTTP server (pause, weight updates) binds exactly it
     port = port or free_port(host)
     run_env = {**worker_env(), **(env or {}), TOKEN_ENV: token, "VLLM_SERVER_DEV_MODE": "1"}
     run_env.pop("VLLM_ENABLE_V1_MULTIPROCESSING")  # a server: vLLM's engine core in its own process
