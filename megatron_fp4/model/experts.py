@@ -283,7 +283,7 @@ def can_group_exact(recipe: Recipe, x: torch.Tensor, weights, numerics: Numerics
     loop carries the backward); FP4 also as `exact_experts.can_group_exact_fp4` says."""
     if recipe.mode != "bf16":
         return can_group_exact_fp4(recipe, x, weights, numerics)
-    if not invariant.enabled(numerics, x):
+    if not invariant.exact(numerics, x):
         return False
     return not (torch.is_grad_enabled() and (x.requires_grad or any(w.requires_grad for w in weights)))
 
