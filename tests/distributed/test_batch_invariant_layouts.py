@@ -38,7 +38,7 @@ def _score_rows(model, rows, prompt_ids, response_ids, mode, forward=None):
     if forward is None:
         sc = score(model, [prompt_ids[i] for i in rows], [response_ids[i] for i in rows], mode=mode, return_routing=True)
         return {i: (sc["log_probs"][j], sc["routing"][j]) for j, i in enumerate(rows)}
-    with model.numerics.invariant():
+    with model.numerics.invariant("exact"):
         return forward(rows)
 
 
@@ -75,7 +75,7 @@ def _pp_worker(rank, world, rollouts):
         batch = pad_prompt_response(prompt_ids, response_ids, ArithmeticTokenizer().pad_id)
         tokens, mask = batch["input_ids"], batch["attention_mask"]
         positions = positions_from_mask(mask)
-        with torch.no_grad(), fp4_mode(model, mode), model.numerics.invariant():
+        with torch.no_grad(), fp4_mode(model, mode), model.numerics.invariant("exact"):
             if rank == 0:
                 h = model.run_layers(model.embed(tokens), positions, mask, chunk.layer_range)
                 dist.send(h.contiguous(), dst=1)
