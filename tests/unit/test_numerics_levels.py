@@ -140,3 +140,25 @@ def test_block_attention_decode_equals_full_forward_bitwise(threads):
             assert torch.equal(bits(step[0, :, 0]), bits(full[b, :, t])), (b, t)
     alone = block_attention(q[1:2], k[1:2], v[1:2], positions[1:2], pad[1:2])
     assert torch.equal(bits(alone[0]), bits(full[1]))
+
+
+@pytest.mark.parametrize("mode,scope", [("bf16", "experts"), ("fp4_resq", "experts+attention"), ("fp4", "experts")])
+def test_batch_level_training_forward_equals_no_grad_scoring_bitwise(mode, scope):
+    """The training forward (autograd: experts one by one, MoEResQ's autograd Functions) gives the
+    no-grad scoring forward's bits (grouped experts) at the batch level, in another batch too."""
+    from megatron_fp4.config import Config
+    from megatron_fp4.model import build_model
+
+    cfg = Config()
+    cfg.model.num_layers, cfg.fp4.scope = 2, scope
+    model = build_model(cfg, seed=7)
+    model.set_fp4_mode(mode)
+    tokens = torch.randint(1, cfg.model.vocab_size, (5, 19), generator=torch.Generator().manual_seed(3))
+    with model.numerics.invariant("batch"):
+        with torch.no_grad():
+            scored = model(tokens).logits
+            alone = model(tokens[2:3]).logits
+        trained = model(tokens).logits
+        trained.float().square().mean().backward()  # a real training forward: the graph is used
+    assert torch.equal(bits(trained.detach()), bits(scored))
+    assert torch.equal(bits(alone[0]), bits(scored[2]))
