@@ -111,11 +111,28 @@ def grouped_linear(x: torch.Tensor, weights, counts, numerics=None) -> torch.Ten
     return exact_grouped_linear(x, weights, counts, numerics.weight_cache)
 
 
+class _Silu(torch.autograd.Function):
+    """Forward ``x / (1 + exp(−x))``; backward SiLU's derivative from ``sigmoid`` (autograd through
+    the forward formula gives inf/inf = NaN where exp(−x) overflows, x < −88 in fp32)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return x / (1.0 + torch.exp(-x))
+
+    @staticmethod
+    def backward(ctx, dy):
+        (x,) = ctx.saved_tensors
+        s = torch.sigmoid(x)
+        return dy * (s * (1.0 + x * (1.0 - s)))
+
+
 def silu(x: torch.Tensor, numerics=None) -> torch.Tensor:
-    """SiLU; in the mode ``x / (1 + exp(−x))`` (position-independent bits, see the module doc)."""
+    """SiLU; at a row-invariant level ``x / (1 + exp(−x))`` (position-independent bits, see the
+    module doc)."""
     if not enabled(numerics, x):
         return F.silu(x)
-    return x / (1.0 + torch.exp(-x))
+    return _Silu.apply(x)
 
 
 def softmax(x: torch.Tensor, numerics=None) -> torch.Tensor:
