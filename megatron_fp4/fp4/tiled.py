@@ -81,10 +81,11 @@ def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions
         k, v = k[rows, :, idx].transpose(1, 2), v[rows, :, idx].transpose(1, 2)  # [B, KV, n_keys, D]
     else:
         k, v = k[:, :, :n_keys], v[:, :, :n_keys]
-    # Query tiles: [B, KV, rep·nQ, ROW_TILE, D]; padding queries get position 0 (key 0 only: finite).
-    qt = _tiles(q.reshape(B, KV, rep, Tq, D), 3, ROW_TILE).flatten(2, 3)
-    pos = _tiles(positions, 1, ROW_TILE)  # [B, nQ, ROW_TILE]; padded queries at position 0
-    pos = pos[:, None, None].expand(B, KV, rep, *pos.shape[1:]).reshape(B, KV, -1, ROW_TILE)
+    # Query rows: the rep query heads of a kv head times the queries, in tiles [B, KV, nT, ROW_TILE, D]
+    # (a decode step's rep rows share one tile); padding rows get position 0 (key 0 only: finite).
+    qt = _tiles(q.reshape(B, KV, rep * Tq, D), 2, ROW_TILE)
+    pos = _tiles(positions[:, None, :].expand(B, rep, Tq).reshape(B, rep * Tq), 1, ROW_TILE)  # [B, nT, ROW_TILE]
+    pos = pos[:, None].expand(B, KV, *pos.shape[1:])
     # A ones column on the values: the weighted-value product also gives the softmax denominator
     # (the same fixed-shape call sums the block's weights).
     v = torch.cat([v, v.new_ones(*v.shape[:-1], 1)], -1)
@@ -110,6 +111,5 @@ def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions
             corr = torch.exp(m - m_new)
             l, acc = l * corr + ps, acc * corr[..., None] + pv
         m = m_new
-    out = acc / l[..., None]  # [B, KV, rep·nQ, ROW_TILE, D]
-    out = out.reshape(B, KV, rep, -1, D)[:, :, :, :Tq]
+    out = (acc / l[..., None]).reshape(B, KV, -1, D)[:, :, :rep * Tq]  # [B, KV, rep·Tq, D]
     return out.reshape(B, H, Tq, D)
