@@ -39,7 +39,11 @@ def _padded_rows(x2: torch.Tensor, multiple: int) -> torch.Tensor:
 
 def tiled_mm(x2: torch.Tensor, wt: torch.Tensor) -> torch.Tensor:
     """``x2`` [M, K] @ ``wt`` [K, N] with one [ROW_TILE, K] · [K, N] call per row tile (autograd
-    flows through ``mm``/``cat`` as usual; the backward is not tiled: it is not batch invariant)."""
+    flows through ``mm``/``cat`` as usual; the backward is not tiled: it is not batch invariant).
+    The operands' memory layouts are made canonical (row-major tiles, ``wt`` the transpose of a
+    row-major [N, K]): a GEMM kernel is chosen by layout as well as shape, and picks other bits."""
+    if not wt.t().is_contiguous():
+        wt = wt.t().contiguous().t()
     M = x2.shape[0]
     xp = _padded_rows(x2, ROW_TILE)
     out = torch.cat([torch.mm(t, wt) for t in xp.split(ROW_TILE)]) if xp.shape[0] > ROW_TILE else torch.mm(xp, wt)
@@ -64,7 +68,7 @@ def _tiles(t: torch.Tensor, dim: int, size: int) -> torch.Tensor:
     full = max(1, -(-n // size)) * size
     if full > n:
         t = F.pad(t.movedim(dim, -1), (0, full - n)).movedim(-1, dim)
-    return t.reshape(*t.shape[:dim], full // size, size, *t.shape[dim + 1:])
+    return t.contiguous().reshape(*t.shape[:dim], full // size, size, *t.shape[dim + 1:])
 
 
 def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
@@ -91,19 +95,21 @@ def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions
     v = torch.cat([v, v.new_ones(*v.shape[:-1], 1)], -1)
     kb, vb = _tiles(k, 2, KEY_BLOCK), _tiles(v, 2, KEY_BLOCK)  # [B, KV, nK, KEY_BLOCK, D (+1)]
     nT = qt.shape[2]
-    flat_q = qt.reshape(-1, ROW_TILE, D)
+    # Every batched product's operands row-major (a kernel is chosen by layout as well as shape: a
+    # decode step's expanded key block would otherwise be a transposed view, and get other bits).
+    flat_q = qt.reshape(-1, ROW_TILE, D).contiguous()
     scale = D ** -0.5
     m = l = acc = None
     for j in range(kb.shape[2]):
         key_pos = torch.arange(j * KEY_BLOCK, (j + 1) * KEY_BLOCK, device=q.device)
-        kj = kb[:, :, j, None].expand(B, KV, nT, KEY_BLOCK, D).reshape(-1, KEY_BLOCK, D)
+        kj = kb[:, :, j, None].expand(B, KV, nT, KEY_BLOCK, D).reshape(-1, KEY_BLOCK, D).contiguous()
         s = torch.bmm(flat_q, kj.transpose(1, 2)).view(B, KV, nT, ROW_TILE, KEY_BLOCK) * scale
         s = s.masked_fill(key_pos > pos[..., None], float("-inf"))
         blk_max = s.amax(-1)
         m_new = blk_max if m is None else torch.maximum(m, blk_max)
         p = torch.exp(s - m_new[..., None])
-        vj = vb[:, :, j, None].expand(B, KV, nT, KEY_BLOCK, D + 1).reshape(-1, KEY_BLOCK, D + 1)
-        pv = torch.bmm(p.reshape(-1, ROW_TILE, KEY_BLOCK), vj).view(B, KV, nT, ROW_TILE, D + 1)
+        vj = vb[:, :, j, None].expand(B, KV, nT, KEY_BLOCK, D + 1).reshape(-1, KEY_BLOCK, D + 1).contiguous()
+        pv = torch.bmm(p.reshape(-1, ROW_TILE, KEY_BLOCK).contiguous(), vj).view(B, KV, nT, ROW_TILE, D + 1)
         pv, ps = pv[..., :D], pv[..., D]
         if m is None:
             l, acc = ps, pv
