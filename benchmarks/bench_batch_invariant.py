@@ -1,16 +1,16 @@
-"""Cost of the batch-invariant numerics mode (``fp4/invariant.py``), on vs off, side by side.
+"""Cost of the row-invariant numerics levels (``fp4/invariant.py``) vs the standard kernels, side by side.
 
     python benchmarks/bench_batch_invariant.py                 # tiny_moe, fp4_resq
     python benchmarks/bench_batch_invariant.py --mode bf16 --set model.hidden_size=128
 
-Measures, interleaved round-robin (off, on, off, on, ...) so machine noise hits both alike:
+Measures, interleaved round-robin (standard, batch, exact, standard, ...) so machine noise hits all alike:
 
 - rollout: ``RolloutEngine.generate`` on ``--prompts`` arithmetic prompts, ``--new-tokens`` each
   (KV-cache decode), generated tokens/s;
 - scoring: ``rollout.scoring.score`` of those sequences (the trainer's no-grad log-prob pass);
-- train step: ``Trainer.train_step`` with the training forward opted into the mode vs not.
+- train step: ``Trainer.train_step`` with the training forward at each level.
 
-Prints medians and the on/off cost ratio (> 1: the mode is slower). Never asserted in tests.
+Prints medians and each level's time ÷ the standard kernels' (> 1: slower). Never asserted in tests.
 """
 from __future__ import annotations
 
@@ -23,6 +23,7 @@ import time
 import torch
 
 from megatron_fp4.config import default_config_path, load_config
+from megatron_fp4.config_choices import INVARIANCE_LEVELS
 from megatron_fp4.rollout import RolloutEngine, SamplingParams, score
 from megatron_fp4.training.data import ArithmeticTokenizer
 from megatron_fp4.training.trainer import Trainer
@@ -33,11 +34,16 @@ def main(argv=None):
     parser.add_argument("--config", default=str(default_config_path()))
     parser.add_argument("--set", dest="overrides", action="append", default=[])
     parser.add_argument("--mode", default="fp4_resq", choices=("bf16", "fp4", "fp4_resq"))
+    parser.add_argument("--levels", default="batch,exact", help="levels compared with the standard kernels")
     parser.add_argument("--prompts", type=int, default=16)
     parser.add_argument("--new-tokens", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--train-steps", type=int, default=3)
     args = parser.parse_args(argv)
+    levels = ["standard"] + [lv for lv in args.levels.split(",") if lv != "standard"]
+    for lv in levels:
+        if lv not in INVARIANCE_LEVELS:
+            parser.error(f"--levels: {lv!r} is not one of {INVARIANCE_LEVELS}")
     cfg = load_config(args.config, args.overrides + [f"fp4.train_mode={args.mode}", f"fp4.rollout_mode={args.mode}",
                                                      "logging.tensorboard_dir=null", "checkpoint.dir=null",
                                                      "logging.progress=false"])
@@ -47,39 +53,40 @@ def main(argv=None):
     prompts = [tok.encode(f"{rng.randint(0, 999)}{rng.choice('+-*')}{rng.randint(0, 99)}=", add_eos=False)
                for _ in range(args.prompts)]
     params = SamplingParams(max_new_tokens=args.new_tokens, temperature=1.0, seed=0)
-    engines = {on: RolloutEngine(copy.deepcopy(trainer.model), mode=args.mode, pad_id=tok.pad_id, batch_invariant=on)
-               for on in (False, True)}
-    times = {(what, on): [] for what in ("rollout", "scoring", "train step") for on in (False, True)}
+    engines = {lv: RolloutEngine(copy.deepcopy(trainer.model), mode=args.mode, pad_id=tok.pad_id, invariance=lv)
+               for lv in levels}
+    times = {(what, lv): [] for what in ("rollout", "scoring", "train step") for lv in levels}
     generated = {}
     for i in range(args.repeats + 1):  # the first round warms up
-        for on, engine in engines.items():
+        for lv, engine in engines.items():
             start = time.perf_counter()
             out = engine.generate(prompts, params)
             if i:
-                times[("rollout", on)].append(time.perf_counter() - start)
-            generated[on] = out
+                times[("rollout", lv)].append(time.perf_counter() - start)
+            generated[lv] = out
             start = time.perf_counter()
-            score(engine.model, out.prompt_ids, out.response_ids, tok.pad_id, args.mode, batch_invariant=on)
+            score(engine.model, out.prompt_ids, out.response_ids, tok.pad_id, args.mode, invariance=lv)
             if i:
-                times[("scoring", on)].append(time.perf_counter() - start)
+                times[("scoring", lv)].append(time.perf_counter() - start)
     for i in range(args.train_steps + 1):
-        for on in (False, True):
+        for lv in levels:
             start = time.perf_counter()
-            with trainer.model.numerics.invariant(on):
+            with trainer.model.numerics.invariant(lv):
                 trainer.train_step()
             if i:
-                times[("train step", on)].append(time.perf_counter() - start)
-    new_tokens = {on: sum(len(r) for r in generated[on].response_ids) for on in (False, True)}
-    scored = {on: sum(len(p) + len(r) for p, r in zip(generated[on].prompt_ids, generated[on].response_ids))
-              for on in (False, True)}
+                times[("train step", lv)].append(time.perf_counter() - start)
+    new_tokens = {lv: sum(len(r) for r in generated[lv].response_ids) for lv in levels}
+    scored = {lv: sum(len(p) + len(r) for p, r in zip(generated[lv].prompt_ids, generated[lv].response_ids))
+              for lv in levels}
     step_tokens = cfg.schedule.global_batch_size * cfg.schedule.seq_len
     print(f"threads={torch.get_num_threads()} mode={args.mode} scope={cfg.fp4.scope} format={cfg.fp4.format} "
           f"prompts={args.prompts} new_tokens={args.new_tokens}")
-    print(f"{'':<11} {'off tokens/s':>13} {'on tokens/s':>12} {'cost (on/off)':>14}")
-    for what, counts in (("rollout", new_tokens), ("scoring", scored), ("train step", {False: step_tokens,
-                                                                                        True: step_tokens})):
-        off, on = (statistics.median(times[(what, o)]) for o in (False, True))
-        print(f"{what:<11} {counts[False] / off:>13.0f} {counts[True] / on:>12.0f} {on / off:>13.2f}x")
+    print(f"{'':<11} " + " ".join(f"{lv + ' tok/s':>14}" for lv in levels)
+          + " ".join(f" {lv + ' / standard':>18}" for lv in levels[1:]))
+    for what, counts in (("rollout", new_tokens), ("scoring", scored), ("train step", {lv: step_tokens for lv in levels})):
+        med = {lv: statistics.median(times[(what, lv)]) for lv in levels}
+        print(f"{what:<11} " + " ".join(f"{counts[lv] / med[lv]:>14.0f}" for lv in levels)
+              + " ".join(f" {med[lv] / med['standard']:>17.2f}x" for lv in levels[1:]))
 
 
 if __name__ == "__main__":

@@ -9,8 +9,8 @@ project's `build_model` and written with the project's HF exporter (`save_hf_che
 ``quantization_config=None``: stock vLLM loads it as a plain Qwen3-MoE, no plugin). The same
 prompts (one batch, no padding), greedy, exactly `--new-tokens` new tokens go to
 
-- ``engine``: `RolloutEngine(mode="bf16", batch_invariant=False)`, the standard kernels;
-- ``engine-bi``: the engine's default, batch-invariant mode;
+- ``engine``: `RolloutEngine(mode="bf16", invariance="standard")`, the standard kernels;
+- ``engine-bi``: the engine at the ``exact`` level (the plugin's row-invariant path);
 - ``vLLM``: `vllm.LLM(dir, dtype="float32", enforce_eager=True, skip_tokenizer_init=True)`.
 
 Timed calls alternate (order reversed every round, round 0 warms up), medians. Prints tokens/s,
@@ -88,7 +88,7 @@ def main(argv=None):
         runners = {"vLLM": vllm_runner(str(model_dir), prompts, args)}
         import copy
         for name, bi in (("engine", False), ("engine-bi", True)):
-            eng = RolloutEngine(copy.deepcopy(model), mode="bf16", batch_invariant=bi)
+            eng = RolloutEngine(copy.deepcopy(model), mode="bf16", invariance="exact" if bi else "standard")
             runners[name] = lambda eng=eng: eng.generate(prompts, params).response_ids
         t, outs = timed_rounds(runners, args.repeats)
     tokens = args.batch * args.new_tokens

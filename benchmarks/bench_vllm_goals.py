@@ -66,8 +66,8 @@ def consistency():
     import tools.consistency_report as report
     from megatron_fp4.rollout.consistency import rescore
 
-    def train_side(model, flat, tok, train_mode, batch_invariant, train_batch):
-        return rescore(model, flat, tok.pad_id, train_mode, batch_invariant, train_batch, reverse=True)
+    def train_side(model, flat, tok, train_mode, invariance, train_batch):
+        return rescore(model, flat, tok.pad_id, train_mode, invariance, train_batch, reverse=True)
     return report.prompts, train_side
 
 
@@ -76,7 +76,7 @@ def tiny_config(scope: str, train_mode: str, rollout_mode: str):
 
     cfg = load_config(default_config_path(), list(MODEL))
     cfg.fp4.scope, cfg.fp4.train_mode, cfg.fp4.rollout_mode = scope, train_mode, rollout_mode
-    cfg.numerics.batch_invariant = True
+    cfg.numerics.invariance = "exact"  # the plugin's row-invariant path is the exact level
     return cfg
 
 
@@ -172,10 +172,10 @@ def _throughput_at(args, work: Path, hidden: int) -> list:
     runners = {"stock": vllm_runner(str(stock), prompts, targs)}
     plugins = {"experts": ("experts", True), "experts+attention": ("experts+attention", True),
                "experts+attention, standard kernels": ("experts+attention", False)}
-    for name, (scope, batch_invariant) in plugins.items():
+    for name, (scope, row_invariant) in plugins.items():
         c = copy.deepcopy(cfg)
         c.fp4.scope, c.fp4.train_mode, c.fp4.rollout_mode = scope, *MOERESQ
-        c.numerics.batch_invariant = batch_invariant
+        c.numerics.invariance = "exact" if row_invariant else "standard"
         d = export_for_vllm(model, c, work / f"tp_{len(runners)}", dtype=None, overwrite=True)
         runners[name] = vllm_runner(str(d), prompts, targs)
     log(f"throughput: stock vs plugin ({len(plugins)} variants), hidden {targs.hidden}, ffn {targs.ffn}, "

@@ -27,7 +27,7 @@ engine gap of real stacks, docs/consistency.md) samples, and one `rl.loop.run_gr
 Each GRPO step logs rollout-vs-trainer consistency (Pearson, KL, expert agreement on the sampled
 tokens); held-out greedy accuracy (test split, never an RL prompt) is measured before RL and every
 ``--eval-every`` steps. Numerics: the engine is a bf16 copy (``--rollout-dtype``) and
-batch-invariant mode is off (``--batch-invariant`` turns it on), as in real stacks.
+numerics are the standard kernels (``--invariance batch|exact`` picks a row-invariant level), as in real stacks.
 
 Every (variant, seed) writes ``<out>/runs/<variant>.seed<N>.json`` when it finishes (atomically):
 a cut run resumes where it stopped, and ``--report-only`` tables whatever is there. ``--jobs N``
@@ -56,6 +56,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import ablation_report as report  # noqa: E402
 
+from megatron_fp4.config_choices import INVARIANCE_LEVELS  # noqa: E402
 from megatron_fp4.config import default_config_path, load_config  # noqa: E402
 from megatron_fp4.rl import sft_step  # noqa: E402
 from megatron_fp4.rl.data import carry_task, math_task  # noqa: E402
@@ -136,13 +137,13 @@ def sft(args, tok, train, seed: int) -> dict:
 
 
 def settings_of(args, seed: int, tis: bool = True) -> GRPOSettings:
-    """One policy step per rollout batch, no KL term; the scoring batch-invariant only with --batch-invariant.
+    """One policy step per rollout batch, no KL term; the scoring at --invariance.
     `tis` False: no IS weights at all (neither --tis-cap nor --rollout-is/--rollout-rs)."""
     return GRPOSettings(steps=args.steps, num_prompts=args.num_prompts, group_size=args.group_size,
                         max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=seed,
                         micro_batch_size=args.micro_batch_size, clip_eps=args.clip_eps,
                         tis_cap=args.tis_cap if tis else None, correction=correction_from_args(args) if tis else None,
-                        eval_every=args.eval_every, batch_invariant=args.batch_invariant)
+                        eval_every=args.eval_every, invariance=args.invariance)
 
 
 def _progress(name: str, seed: int, steps: int):
@@ -167,7 +168,7 @@ def run_setting(args, tok, train, test, sft_state, seed: int, setting, tis: bool
     trainer = Trainer(cfg, build_data=False)
     trainer.model.load_state_dict(sft_state)
     dtype = torch.bfloat16 if args.rollout_dtype == "bf16" else None
-    rollout = EngineCopyRollout(trainer, tok.pad_id, rollout_mode, dtype, args.batch_invariant)
+    rollout = EngineCopyRollout(trainer, tok.pad_id, rollout_mode, dtype, args.invariance)
     # the same prompts in every setting: RL draws from the whole train split, the eval is the test split
     task = DatasetTask(tok, train, test, range(len(test)), range(len(train)), random.Random(f"ablation-rl:{seed}"),
                        args.max_new_tokens, args.test_data)
@@ -352,8 +353,8 @@ def parse_args(argv=None):
     ap.add_argument("--scope", default="experts+attention", help="fp4.scope: experts | experts+attention")
     ap.add_argument("--rollout-dtype", default="bf16", choices=["bf16", "fp32"],
                     help="the rollout engine's copy (bf16: the engine gap; fp32: the same numerics as the trainer)")
-    ap.add_argument("--batch-invariant", action="store_true",
-                    help="batch-invariant numerics in the engine and the trainer's scoring (default off, as real stacks)")
+    ap.add_argument("--invariance", choices=INVARIANCE_LEVELS, default="standard",
+                    help="numerics level of the engine and the trainer's scoring (default standard, as real stacks)")
     ap.add_argument("--settings", nargs="*", help="setting names (default: all six), or '<setting>, no TIS'")
     ap.add_argument("--tis", default="both", choices=["on", "off", "both"],
                     help="the bare setting names of --settings run with TIS, without, or both")

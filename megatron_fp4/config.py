@@ -154,11 +154,12 @@ class LoggingConfig:
 
 @dataclass
 class NumericsConfig:
-    # Batch-invariant numerics (megatron_fp4/fp4/invariant.py) in the rollout engine and the trainer's
-    # no-grad log-prob scoring: a token's log-prob and experts do not depend on the batch, padding or KV
-    # cache, so rollout and trainer agree bit for bit (KL exactly 0). FP4 GEMMs are summed exactly.
-    # Cost: see benchmarks/bench_batch_invariant.py. false: the standard (faster, batch-variant) kernels.
-    batch_invariant: bool = True
+    # The numerics level (megatron_fp4/fp4/invariant.py, docs/numerics.md) of the rollout engine and the
+    # trainer's no-grad log-prob scoring. "batch": fixed-shape kernel calls, a token's log-prob and experts
+    # do not depend on the batch, padding or KV cache (rollout and trainer at the same tp agree bit for
+    # bit). "exact": FP4 GEMMs summed exactly, bits independent of the layout too (a rollout at another
+    # tp than the trainer). "standard": the fastest, batch-variant kernels. Cost: benchmarks/bench_batch_invariant.py.
+    invariance: str = "batch"
 
 
 @dataclass
@@ -281,6 +282,10 @@ def _from_dict(cls, data: dict, prefix: str = ""):
     hints = get_type_hints(cls)
     names = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(data) - names)
+    if prefix == "numerics" and "batch_invariant" in unknown:
+        raise ConfigError("numerics.batch_invariant was replaced by numerics.invariance: write "
+                          "'invariance: exact' for the old true (layout-invariant bits), 'batch' for the faster "
+                          "batch-invariant default, 'standard' for the old false")
     if unknown:
         where = f"{prefix}." if prefix else ""
         raise ConfigError(

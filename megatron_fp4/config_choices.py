@@ -9,7 +9,11 @@ class ConfigError(ValueError):
     """A user-facing configuration mistake; the message names the field and the fix."""
 
 
+# Numerics levels (fp4/numerics.py, fp4/invariant.py): the one definition, kept here, torch-free.
+INVARIANCE_LEVELS = ("standard", "batch", "exact")
+
 _CHOICES = {
+    "numerics.invariance": INVARIANCE_LEVELS,
     "model.recompute": ("none", "full", "selective"),
     "fp4.scope": ("experts", "experts+attention", "none"),
     "fp4.format": ("nvfp4", "mxfp4"),

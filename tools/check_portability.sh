@@ -15,9 +15,9 @@ if [ "$#" -eq 0 ]; then
   # The native kernel set with MKL's default is the README's test run itself, so it is skipped here.
   set -- tests/distributed/test_parallel_training.py tests/distributed/test_expert_parallel.py \
          tests/unit/test_model.py tests/unit/test_fp4_moeresq.py tests/unit/test_batch_invariant.py \
-         tests/unit/test_fp4_exact_gemm.py tests/distributed/test_batch_invariant_layouts.py \
+         tests/unit/test_fp4_exact_gemm.py tests/distributed/test_batch_invariant_layouts.py tests/unit/test_numerics_levels.py \
          tests/unit/test_attention_causal.py tests/unit/test_moe_grouped.py -q -p no:cacheprovider \
-         -k "fp32_layout or ep2_matches or kv_cache or batch_invariant or float64 or bitwise or same_bits or fp32_bound or moeresq_loop"
+         -k "fp32_layout or ep2_matches or kv_cache or batch_invariant or float64 or bitwise or same_bits or fp32_bound or moeresq_loop or batch_level or tiled or block_attention"
   SKIP_NATIVE_DEFAULT=1
 fi
 status=0

@@ -73,12 +73,12 @@ class Gap:
     rollout_dtype: str = "bf16"
     noise: float = 0.0
     bf16_weights: bool = False  # both sides start from bf16-rounded weights (same FP4 weight codes)
-    batch_invariant: bool = True  # the numerics mode of both sides (fp4/invariant.py)
+    invariance: str = "batch"  # the numerics level of both sides (fp4/invariant.py)
 
     @property
     def label(self) -> str:
         weights = "; bf16 weights on both sides" if self.bf16_weights else ""
-        kernels = "" if self.batch_invariant else "; standard kernels (batch-invariant mode off)"
+        kernels = "" if self.invariance != "standard" else "; standard kernels (no row-invariant level)"
         if self.rollout_dtype == "fp32" and self.noise == 0:
             return f"no engine gap (fp32 rollout, fp32 trainer{weights}{kernels})"
         noise = f" + hidden-state noise {self.noise:g}" if self.noise else ""
@@ -127,7 +127,7 @@ def measure(cfg, weights, scope, train_mode, rollout_mode, tok, gap: Gap = NO_GA
     train_model.load_state_dict(weights)
     dtype = DTYPES[gap.rollout_dtype]
     engine = RolloutEngine(copy.deepcopy(train_model), mode=rollout_mode, pad_id=tok.pad_id,
-                           dtype=None if dtype == torch.float32 else dtype, batch_invariant=gap.batch_invariant)
+                           dtype=None if dtype == torch.float32 else dtype, invariance=gap.invariance)
     hooks = add_engine_noise(engine.model, gap.noise, seed) if gap.noise else []
     ps = prompts(num_prompts, seed, tok)
     params = [SamplingParams(max_new_tokens=max_new_tokens, temperature=1.0, seed=seed * 100_003 + i,
@@ -140,7 +140,7 @@ def measure(cfg, weights, scope, train_mode, rollout_mode, tok, gap: Gap = NO_GA
         h.remove()
     flat = {k: [x for g in gens for x in getattr(g, k)] for k in
             ("prompt_ids", "response_ids", "log_probs", "routing", "distributions")}
-    return rescore(train_model, flat, tok.pad_id, train_mode, gap.batch_invariant, train_batch, reverse=True)
+    return rescore(train_model, flat, tok.pad_id, train_mode, gap.invariance, train_batch, reverse=True)
 
 
 def ablation(cfg, weights, tok, gap: Gap = NO_GAP, scopes=SCOPES, settings=SETTINGS, **kwargs) -> list:
@@ -150,7 +150,7 @@ def ablation(cfg, weights, tok, gap: Gap = NO_GAP, scopes=SCOPES, settings=SETTI
         for name, train_mode, rollout_mode in settings:
             m = measure(cfg, weights, scope, train_mode, rollout_mode, tok, gap, **kwargs)
             rows.append({"gap": gap.label, "rollout_dtype": gap.rollout_dtype, "engine_noise": gap.noise,
-                         "bf16_weights": gap.bf16_weights, "batch_invariant": gap.batch_invariant,
+                         "bf16_weights": gap.bf16_weights, "invariance": gap.invariance,
                          "scope": scope, "setting": name, "train_mode": train_mode, "rollout_mode": rollout_mode, **m})
     return rows
 
@@ -175,7 +175,7 @@ def vllm_ablation(cfg, weights, tok, work_dir, python=None, scopes=SCOPES, setti
         for name, train_mode, rollout_mode in settings:
             c = copy.deepcopy(cfg)
             c.fp4.scope, c.fp4.train_mode, c.fp4.rollout_mode = scope, train_mode, rollout_mode
-            c.numerics.batch_invariant = True
+            c.numerics.invariance = "batch"
             model = build_model(c)
             model.load_state_dict(weights)
             key = f"{scope}/{name}"
@@ -195,7 +195,7 @@ def vllm_ablation(cfg, weights, tok, work_dir, python=None, scopes=SCOPES, setti
                     "routing": g["routing"], "distributions": g["dist"]}
             m = rescore(models[key], flat, tok.pad_id, train_mode, True, train_batch, reverse=True)
             rows.append({"gap": VLLM_GAP, "rollout": "vllm", "rollout_dtype": "fp32", "engine_noise": 0.0,
-                         "bf16_weights": False, "batch_invariant": True, "scope": scope, "setting": name,
+                         "bf16_weights": False, "invariance": "batch", "scope": scope, "setting": name,
                          "train_mode": train_mode, "rollout_mode": rollout_mode, **m})
     return rows
 
@@ -370,7 +370,7 @@ def main(argv=None) -> list:
     if not args.no_baseline and gaps[0] != baseline:
         gaps.append(baseline)
     if not args.no_baseline:  # the same without the batch-invariant mode: what it removes
-        gaps.append(Gap("fp32", 0.0, args.bf16_weights, batch_invariant=False))
+        gaps.append(Gap("fp32", 0.0, args.bf16_weights, invariance="standard"))
     kw = dict(num_prompts=args.num_prompts, max_new_tokens=args.max_new_tokens, rollout_batch=args.rollout_batch,
               train_batch=args.train_batch, seed=args.seed)
     out = Path(args.out)

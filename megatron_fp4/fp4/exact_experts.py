@@ -29,7 +29,7 @@ from megatron_fp4.fp4.recipe import Recipe, row_local
 
 
 def can_group_exact_fp4(recipe: Recipe, x: torch.Tensor, weights, numerics: Numerics = STANDARD) -> bool:
-    if recipe.mode not in ("fp4", "fp4_resq") or not invariant.enabled(numerics):
+    if recipe.mode not in ("fp4", "fp4_resq") or not invariant.exact(numerics):
         return False
     if torch.is_grad_enabled() and (x.requires_grad or any(w.requires_grad for w in weights)):
         return False
@@ -107,7 +107,7 @@ def shared_input_linear(x: torch.Tensor, weight: torch.Tensor, bias, shards: Seq
     weights = weight.split(list(shards), 0)
     sites = [_Site.at(r, n, numerics, x.device, defer=False) for n in names]
     shared = _Site.at(r, group_name, numerics, x.device, defer=False)
-    if invariant.enabled(numerics):
+    if invariant.exact(numerics):
         x_terms = shared.split(x2, r.input, "input", r.compensated)
 
         def concatenated():  # each shard quantized as its own tensor (its own per-tensor scale)

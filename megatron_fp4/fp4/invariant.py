@@ -1,12 +1,15 @@
-"""Batch-invariant numerics: every row's result depends only on that row (and its prefix).
+"""Row-invariant numerics: every row's result depends only on that row (and its prefix).
 
-    with model.numerics.invariant():  # what the rollout engine and the log-prob scoring run under
-        out = model(tokens, ...)
+The ``numerics`` argument's ``invariance`` level (``numerics.py``: the model's value, passed to
+every op here as an explicit argument) picks the ops:
 
-With ``numerics.batch_invariant`` on (``numerics.py``: the model's value, passed to every op here
-as an explicit argument) the model's ops switch to versions whose reduction order per row is fixed by
-construction, independent of the batch size, the row's position in the batch, padding, micro-batch
-split, KV cache vs full forward, or layout:
+- ``standard``: the plain kernels (a row's bits may depend on its batch).
+- ``batch``: fixed-shape kernel calls (``tiled.py``): GEMMs over fixed row tiles, attention over
+  fixed key blocks combined in block order, and the row-local norms, softmax and SiLU below. A row's
+  bits do not depend on its batch size or position, padding, micro-batch split, or KV cache vs
+  full forward — at one tensor-parallel layout, on one machine and build.
+- ``exact``: as ``batch`` for the row-local ops, but every GEMM's sum is exact (no order), and
+  attention's reductions are fixed trees: the bits are independent of the layout too:
 
 - GEMMs: FP4 ones are summed exactly (``exact_gemm.exact_fp4_gemm``), the others (``linear``:
   attention projections, router, LM head, bf16-mode experts) by exact float64 GEMMs on 24-bit
@@ -26,7 +29,7 @@ split, KV cache vs full forward, or layout:
   ``silu``/``sigmoid`` do not (a scalar tail loop rounds differently on AVX2/AVX-512), so
   :func:`silu` is ``x / (1 + exp(−x))``. ``tests/unit/test_batch_invariant.py`` checks all of them.
 
-The mode is the ``numerics`` argument's ``batch_invariant`` (None: off). float64 models (the
+The level is the ``numerics`` argument's ``invariance`` (None: standard). float64 models (the
 verification mode) keep the standard kernels: the fixed-point GEMM would round their inputs.
 Training through the mode works (every op here is differentiable; ``linear``'s backward is the
 plain one) but is slower; see ``benchmarks/bench_batch_invariant.py`` for the cost.
@@ -39,10 +42,23 @@ import torch
 import torch.nn.functional as F
 
 from megatron_fp4.fp4.exact_gemm import exact_grouped_linear, exact_linear
+from megatron_fp4.fp4.tiled import block_attention, tiled_grouped_linear, tiled_linear
+
 
 def enabled(numerics, x: Optional[torch.Tensor] = None) -> bool:
-    """Whether ``numerics`` (a ``Numerics`` or None) runs the mode (for ``x``'s dtype: never float64)."""
+    """Whether ``numerics`` (a ``Numerics`` or None) runs a row-invariant level, ``batch`` or
+    ``exact`` (for ``x``'s dtype: never float64): the row-local norms, softmax and SiLU here."""
     return numerics is not None and numerics.invariant_for(x)
+
+
+def exact(numerics, x: Optional[torch.Tensor] = None) -> bool:
+    """Whether ``numerics`` runs the ``exact`` level (exact GEMM sums, tree attention)."""
+    return numerics is not None and numerics.exact_for(x)
+
+
+def tiled(numerics, x: Optional[torch.Tensor] = None) -> bool:
+    """Whether ``numerics`` runs the ``batch`` level (fixed-shape GEMM tiles, blocked attention: ``tiled.py``)."""
+    return numerics is not None and numerics.tiled_for(x)
 
 
 def tree_sum(t: torch.Tensor, dim: int = -1, keepdim: bool = False) -> torch.Tensor:
@@ -77,8 +93,10 @@ class _ExactLinear(torch.autograd.Function):
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None, numerics=None) -> torch.Tensor:
-    """``F.linear``, batch invariant when ``numerics`` runs the mode."""
-    if not enabled(numerics, x):
+    """``F.linear``: exact at the ``exact`` level, row-tiled at ``batch``."""
+    if tiled(numerics, x):
+        return tiled_linear(x, weight, bias)
+    if not exact(numerics, x):
         return F.linear(x, weight, bias)
     return _ExactLinear.apply(x, weight, bias, numerics.weight_cache)
 
@@ -86,16 +104,35 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] =
 def grouped_linear(x: torch.Tensor, weights, counts, numerics=None) -> torch.Tensor:
     """Consecutive runs of ``counts[e]`` rows of ``x`` times ``weights[e]ᵀ``, without autograd: in
     the mode each row's bits are those of :func:`linear` on that run alone (``exact_grouped_linear``)."""
-    if not enabled(numerics, x):
+    if tiled(numerics, x):
+        return tiled_grouped_linear(x, weights, counts)
+    if not exact(numerics, x):
         return torch.cat([F.linear(r, w) for r, w, n in zip(x.split(list(counts)), weights, counts) if n])
     return exact_grouped_linear(x, weights, counts, numerics.weight_cache)
 
 
+class _Silu(torch.autograd.Function):
+    """Forward ``x / (1 + exp(−x))``; backward SiLU's derivative from ``sigmoid`` (autograd through
+    the forward formula gives inf/inf = NaN where exp(−x) overflows, x < −88 in fp32)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return x / (1.0 + torch.exp(-x))
+
+    @staticmethod
+    def backward(ctx, dy):
+        (x,) = ctx.saved_tensors
+        s = torch.sigmoid(x)
+        return dy * (s * (1.0 + x * (1.0 - s)))
+
+
 def silu(x: torch.Tensor, numerics=None) -> torch.Tensor:
-    """SiLU; in the mode ``x / (1 + exp(−x))`` (position-independent bits, see the module doc)."""
+    """SiLU; at a row-invariant level ``x / (1 + exp(−x))`` (position-independent bits, see the
+    module doc)."""
     if not enabled(numerics, x):
         return F.silu(x)
-    return x / (1.0 + torch.exp(-x))
+    return _Silu.apply(x)
 
 
 def softmax(x: torch.Tensor, numerics=None) -> torch.Tensor:
@@ -162,7 +199,17 @@ ATTENTION_CHUNK = 1 << 20  # elements of one query chunk's product tensor (bound
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
-              pad: torch.Tensor) -> torch.Tensor:
+              pad: torch.Tensor, numerics=None) -> torch.Tensor:
+    """Causal attention by position (the contract below): at the ``batch`` level of ``numerics``
+    over fixed key blocks (``tiled.block_attention``), otherwise (``exact``, or no ``numerics``)
+    by :func:`tree_attention`."""
+    if tiled(numerics, q):
+        return block_attention(q, k, v, positions, pad)
+    return tree_attention(q, k, v, positions, pad)
+
+
+def tree_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
+                   pad: torch.Tensor) -> torch.Tensor:
     """Causal attention by position. q [B, H, Tq, D]; k, v [B, KV, Tk, D] (KV divides H: query
     head h reads kv head h // (H / KV)) in slot order with ``pad[b]`` padding slots before row b's
     first real key; positions [B, Tq] of the queries.

@@ -40,7 +40,9 @@ Notation: ``Q`` is quantize-then-dequantize in the operand's format (fp32 result
   (the straight-through gradient of the quantized forward).
 - ``bf16`` mode is exactly ``F.linear(x, weight, bias)`` (``invariant.linear`` in the
   batch-invariant mode).
-- Batch-invariant mode (``numerics.batch_invariant``): the forward GEMM is formed exactly from
+- ``batch`` level (``numerics.invariance``): the same fp32 GEMM over fixed row tiles
+  (``tiled.py``): a row's bits depend on nothing but the row and ``W`` at one layout and build.
+- ``exact`` level: the forward GEMM is formed exactly from
   the same quantized operands, ``Q(x)·Q(W)ᵀ`` and ``Q(x − Q(x))·Q(W)ᵀ`` as two exact sums with
   the global scales factored out, then rounded once (``exact_gemm.py`` states the bound). Its bits
   then depend on nothing but the row and ``W``. Backward is unchanged. Off (the default), the bits
@@ -66,6 +68,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megatron_fp4.fp4 import invariant, triton_fp4
+from megatron_fp4.fp4.tiled import tiled_linear
 from megatron_fp4.fp4.context import sr_seed
 from megatron_fp4.fp4.exact_gemm import cached_for_weight, exact_fp4_gemm, split_fp4
 from megatron_fp4.fp4.nonfinite import FlagTee, NonFiniteFlags
@@ -204,10 +207,12 @@ def _accumulate_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 @_no_autocast
-def _gemm(xq, wq, bias32, out_shape, out_dtype) -> torch.Tensor:
+def _gemm(xq, wq, bias32, out_shape, out_dtype, tile: bool = False) -> torch.Tensor:
+    """``Q̃(X)·Q(W)ᵀ (+ b)`` accumulated in fp32; ``tile``: over fixed row tiles (the ``batch`` level)."""
     acc = _accumulate_dtype(out_dtype)
     bias = None if bias32 is None else bias32.to(acc)
-    return F.linear(xq.to(acc), wq.to(acc), bias).to(out_dtype).reshape(out_shape)
+    linear = tiled_linear if tile else F.linear
+    return linear(xq.to(acc), wq.to(acc), bias).to(out_dtype).reshape(out_shape)
 
 
 def _rows32(dy: torch.Tensor) -> torch.Tensor:
@@ -341,7 +346,7 @@ def moeresq_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
         return invariant.linear(x, weight, bias, numerics)
     if x.numel() == 0:  # no rows (an expert that received no tokens): nothing to quantize, zero grads
         return F.linear(x, weight.to(x.dtype), None if bias is None else bias.to(x.dtype))
-    if cut is not None and invariant.enabled(numerics, x):
+    if cut is not None and invariant.exact(numerics, x):
         raise ValueError(f"moeresq_linear {name!r}: the batch-invariant exact FP4 GEMM on a tensor-parallel slice "
                          "is not supported (its partial sums are rounded before the group adds them)")
     site = _Site.at(recipe, name, numerics, x.device, runs, cut=cut)
@@ -349,7 +354,7 @@ def moeresq_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     x2 = x.reshape(-1, x.shape[-1])
     bias32 = None if bias is None else bias.detach().to(_accumulate_dtype(x.dtype))
     with torch.no_grad():
-        if invariant.enabled(numerics):
+        if invariant.exact(numerics):
             r = recipe
             x_terms = site.split(x2, r.input, "input", r.compensated)
             w_split = _cached_weight(site, weight, True, lambda at: at.split(
@@ -362,8 +367,10 @@ def moeresq_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
         else:
             xq, wq = _forward_operands(site, x2, weight)
 
+            tile = invariant.tiled(numerics, x)
+
             def gemm():
-                return _gemm(xq, wq, bias32, out_shape, x.dtype)
+                return _gemm(xq, wq, bias32, out_shape, x.dtype, tile)
     if not (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weight, bias))):
         return gemm()
     if numerics.one_node:

@@ -34,6 +34,7 @@ from typing import Optional, Sequence
 import torch
 
 from megatron_fp4.fp4 import invariant, triton_fp4
+from megatron_fp4.fp4.tiled import tiled_mm
 from megatron_fp4.fp4.moeresq import (
     _ForwardGemm, _Site, _accumulate_dtype, _cached_weight, _col_quantize, _link, _no_autocast,
     _rows32, _runs,
@@ -64,9 +65,10 @@ def _buckets(pads: list) -> list:
 
 def can_group_resq(recipe: Recipe, x: torch.Tensor, numerics: Numerics = STANDARD) -> bool:
     """Whether `grouped_moeresq_linear` gives the loop's bits for ``x``: FP4 modes, outside the
-    batch-invariant mode (exact GEMMs), the one-node layout (a benchmark's "before") and the Triton
-    kernels (their own columnwise path)."""
-    return (recipe.mode in ("fp4", "fp4_resq") and not invariant.enabled(numerics, x) and not numerics.one_node
+    ``exact`` level (exact GEMMs; at the ``batch`` level each expert's GEMM runs over fixed row
+    tiles, as the loop's), the one-node layout (a benchmark's "before") and the Triton kernels
+    (their own columnwise path)."""
+    return (recipe.mode in ("fp4", "fp4_resq") and not invariant.exact(numerics, x) and not numerics.one_node
             and not triton_fp4.use_triton(x, numerics.triton) and x.shape[0] > 0)
 
 
@@ -84,6 +86,7 @@ class _Group:
             start += n
         self.active = [e for e, n in enumerate(self.counts) if n]
         self.whole = _Site.at(recipe, name, numerics, device, cut=cut)  # names all-rows calls
+        self.tiled = invariant.tiled(numerics)  # the batch level: forward GEMMs over fixed row tiles
 
     def rows(self, t: torch.Tensor, e: int) -> torch.Tensor:
         a, b = self.ranges[e]
@@ -139,7 +142,10 @@ def _forward(g: _Group, x2: torch.Tensor, weight: torch.Tensor):
     acc = _accumulate_dtype(x2.dtype)
     out = torch.empty(x2.shape[0], weight.shape[1], dtype=acc, device=x2.device)  # every row is an expert's
     for e in g.active:
-        torch.mm(g.rows(xq, e).to(acc), wqs[e].to(acc).t(), out=g.rows(out, e))
+        if g.tiled:
+            g.rows(out, e).copy_(tiled_mm(g.rows(xq, e).to(acc), wqs[e].to(acc).t()))
+        else:
+            torch.mm(g.rows(xq, e).to(acc), wqs[e].to(acc).t(), out=g.rows(out, e))
     return out.to(x2.dtype), wqs
 
 

@@ -11,7 +11,9 @@ models in one process run their own numerics (``tests/unit/test_numerics_value.p
 What it holds (the per-layer FP4 ``Recipe`` — format, mode, rounding, ``compile`` — is the
 other build-time value, set on each FP4 module by the model's specs):
 
-- ``batch_invariant``: the batch-invariant ops (``invariant.py``) instead of the standard kernels.
+- ``invariance``: one of :data:`INVARIANCE_LEVELS` (``invariant.py``): ``standard`` (the fastest
+  kernels), ``batch`` (fixed-shape kernel calls: a row's bits do not depend on its batch; the
+  default of the config) or ``exact`` (FP4 GEMMs summed exactly: bits independent of the layout too).
 - ``triton``: ``auto`` | ``off`` | ``interpret``, where the Triton quantizers serve (``triton_fp4.py``).
 - ``one_node``: MoEResQ graphs as one autograd node (a benchmark's "before"; same bits).
 - ``weight_cache``: a dict where derived weight operands (``Q(W)``, exact-GEMM splits, limbs) are
@@ -41,6 +43,7 @@ from typing import Iterator, Optional
 
 import torch
 
+from megatron_fp4.config_choices import INVARIANCE_LEVELS  # torch-free constants: the one list of levels
 from megatron_fp4.fp4.context import QuantStep
 from megatron_fp4.fp4.nonfinite import NonFiniteFlags
 
@@ -50,15 +53,16 @@ TRITON_MODES = ("auto", "off", "interpret")
 class Numerics:
     """The numerics of one model (see the module docstring)."""
 
-    STATE = ("batch_invariant", "triton", "one_node", "weight_cache", "position")  # what a block may change
+    STATE = ("invariance", "triton", "one_node", "weight_cache", "position")  # what a block may change
 
-    def __init__(self, *, batch_invariant: bool = False, triton: str = "auto", mode: str = "train"):
+    def __init__(self, *, invariance: str = "standard", triton: str = "auto", mode: str = "train"):
+        _check_level(invariance)
         if triton not in TRITON_MODES:
             raise ValueError(f"Numerics: triton={triton!r} is not one of {TRITON_MODES}")
         if mode not in ("train", "rollout"):
             raise ValueError(f"Numerics: mode={mode!r} is not 'train' or 'rollout'")
         self.mode = mode
-        self.batch_invariant = bool(batch_invariant)
+        self.invariance = invariance
         self.triton = triton
         self.one_node = False
         self.weight_cache: Optional[dict] = None
@@ -77,12 +81,21 @@ class Numerics:
         return super().__reduce_ex__(protocol)
 
     def __repr__(self) -> str:
-        return (f"Numerics(mode={self.mode!r}, batch_invariant={self.batch_invariant}, triton={self.triton!r}, "
+        return (f"Numerics(mode={self.mode!r}, invariance={self.invariance!r}, triton={self.triton!r}, "
                 f"step={self.position.step}, micro_batch={self.position.micro_batch})")
 
     def invariant_for(self, x: Optional[torch.Tensor] = None) -> bool:
-        """Whether the batch-invariant ops apply (to ``x``'s dtype: never to float64)."""
-        return self.batch_invariant and (x is None or x.dtype != torch.float64)
+        """Whether a row-invariant level (``batch`` or ``exact``) applies (to ``x``'s dtype: never
+        to float64, the verification mode, whose standard kernels agree to ~1e-16 anyway)."""
+        return self.invariance != "standard" and (x is None or x.dtype != torch.float64)
+
+    def exact_for(self, x: Optional[torch.Tensor] = None) -> bool:
+        """Whether the ``exact`` level applies (exact GEMM sums) to ``x``'s dtype."""
+        return self.invariance == "exact" and self.invariant_for(x)
+
+    def tiled_for(self, x: Optional[torch.Tensor] = None) -> bool:
+        """Whether the ``batch`` level applies (fixed-shape kernel calls) to ``x``'s dtype."""
+        return self.invariance == "batch" and self.invariant_for(x)
 
     def _set(self, value=None, **changes):
         if self._frozen:
@@ -118,9 +131,10 @@ class Numerics:
         now = self.position
         return self._set(position=replace(now, micro_batch=now.first_micro_batch + local_index))
 
-    def invariant(self, on: bool = True):
-        """The block with the batch-invariant ops on (or, ``on=False``, off)."""
-        return self._set(batch_invariant=bool(on))
+    def invariant(self, level: str):
+        """The block at invariance ``level`` (one of :data:`INVARIANCE_LEVELS`)."""
+        _check_level(level)
+        return self._set(invariance=level)
 
     def cached_weights(self, store: Optional[dict] = None):
         """Reuse what GEMMs derive from a weight alone inside the block (``exact_gemm.cached_for_weight``);
@@ -144,6 +158,12 @@ class Numerics:
         """The block under an earlier :meth:`state` (activation recompute re-runs a forward in its
         numerics: the same step position, mode and cache)."""
         return nullcontext() if self._frozen else self._set(**state)
+
+
+def _check_level(level) -> None:
+    if not isinstance(level, str) or level not in INVARIANCE_LEVELS:
+        raise ValueError(f"Numerics: invariance={level!r} is not one of {INVARIANCE_LEVELS} "
+                         "(the old boolean batch_invariant: true is 'exact' or the faster 'batch')")
 
 
 STANDARD = Numerics()

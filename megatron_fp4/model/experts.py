@@ -21,6 +21,7 @@ from megatron_fp4.fp4.exact_experts import can_group_exact_fp4, exact_grouped_fp
 from megatron_fp4.fp4.exact_gemm import cached_for_weight
 from megatron_fp4.fp4.moeresq_grouped import can_group_resq, grouped_moeresq_linear
 from megatron_fp4.fp4.recipe import row_local
+from megatron_fp4.fp4.tiled import tiled_grouped_linear
 
 
 class GroupedExperts(nn.Module):
@@ -259,15 +260,21 @@ class GroupedExperts(nn.Module):
         r, nx = self.recipe, self.numerics
         name = f"{self.quant_name}.<grouped>.{which}"
         xq = resq_quantize(x, r.input, r.compensated, name=f"{name}:input", compile=r.compile, triton=nx.triton)
+        if invariant.tiled(nx, x):  # the batch level: each expert's rows in fixed row tiles
+            counts = torch.diff(offs, prepend=offs.new_zeros(1)).tolist()
+            return tiled_grouped_linear(xq, self.stacked_qw(weight, which).unbind(0), counts).to(x.dtype)
         return _GROUPED_MM(xq, self.stacked_qw(weight, which).transpose(1, 2), offs=offs).to(x.dtype)
 
 
 def can_group_fp4(recipe: Recipe, x: torch.Tensor, weights, numerics: Numerics = STANDARD) -> bool:
     """Whether FP4 experts may run `GroupedExperts.grouped_fp4_forward`: no autograd (the backward's
-    columnwise blocks run along each expert's tokens), outside the batch-invariant mode (exact
-    GEMMs), nearest rounding (stochastic streams are keyed by expert), row-local input quantization,
-    eager non-finite checks, fp32/bf16 on CPU (fp32 GEMM operands, which CPU `grouped_mm` takes)."""
-    if _GROUPED_MM is None or recipe.mode not in ("fp4", "fp4_resq") or invariant.enabled(numerics, x):
+    columnwise blocks run along each expert's tokens), outside the ``exact`` level (exact GEMMs; at
+    the ``batch`` level each expert's GEMM runs over fixed row tiles instead of `grouped_mm`),
+    nearest rounding (stochastic streams are keyed by expert), row-local input quantization (a
+    row's codes do not depend on the other rows), eager non-finite checks, fp32/bf16 on CPU."""
+    if recipe.mode not in ("fp4", "fp4_resq") or invariant.exact(numerics, x):
+        return False
+    if _GROUPED_MM is None and not invariant.tiled(numerics, x):
         return False
     if torch.is_grad_enabled() and (x.requires_grad or any(w.requires_grad for w in weights)):
         return False
@@ -279,11 +286,12 @@ def can_group_fp4(recipe: Recipe, x: torch.Tensor, weights, numerics: Numerics =
 
 
 def can_group_exact(recipe: Recipe, x: torch.Tensor, weights, numerics: Numerics = STANDARD) -> bool:
-    """Whether experts in the batch-invariant mode may run `grouped_exact_forward`: no autograd (the
-    loop carries the backward); FP4 also as `exact_experts.can_group_exact_fp4` says."""
+    """Whether experts at a row-invariant level may run `grouped_exact_forward`: no autograd (the
+    loop carries the backward); FP4 only at the ``exact`` level, as `exact_experts.can_group_exact_fp4`
+    says (FP4 at the ``batch`` level: `can_group_fp4`)."""
     if recipe.mode != "bf16":
         return can_group_exact_fp4(recipe, x, weights, numerics)
-    if not invariant.enabled(numerics, x):
+    if not invariant.enabled(numerics, x):  # bf16 at the batch level: `invariant.grouped_linear` tiles each run
         return False
     return not (torch.is_grad_enabled() and (x.requires_grad or any(w.requires_grad for w in weights)))
 

@@ -116,7 +116,7 @@ class KVCache:
 
 
 class Linear(nn.Linear):
-    """``nn.Linear`` that is batch invariant under ``numerics.batch_invariant`` (same state dict)."""
+    """``nn.Linear`` that is batch invariant at a row-invariant ``numerics.invariance`` level (same state dict)."""
 
     numerics = STANDARD
 
@@ -165,7 +165,8 @@ class Attention(nn.Module):
         T_total = k.shape[2]
         rep = self.num_heads // self.num_kv_heads
         if invariant.enabled(self.numerics, q):  # keys by position, fixed reduction trees, kv heads shared
-            out = invariant.attention(q, k, v, positions, invariant.leading_pad(attention_mask, B, x.device))
+            out = invariant.attention(q, k, v, positions, invariant.leading_pad(attention_mask, B, x.device),
+                                      self.numerics)
             return self.o_proj(out.transpose(1, 2).reshape(B, T, self.num_heads * self.head_dim))
         # Decoding: SDPA maps query heads to their kv head itself (enable_gqa) instead of copying
         # the whole cache rep times per step; each head attends to the same values either way.

@@ -31,10 +31,10 @@ def attention_recipe(fp4_cfg, mode: Optional[str] = None) -> Optional[Recipe]:
 
 def numerics_from_config(cfg, mode: str = "train") -> Numerics:
     """The `Numerics` of a model in `mode` ("train": the trainer's forward, standard kernels unless
-    a caller switches the mode on; "rollout": the engine's, `numerics.batch_invariant`) under `cfg`
+    a caller switches the level; "rollout": the engine's, `numerics.invariance`) under `cfg`
     (a `Config`; its environment overrides were applied when it loaded)."""
-    invariant = bool(cfg.numerics.batch_invariant) if mode == "rollout" else False
-    return Numerics(batch_invariant=invariant, triton=cfg.fp4.triton, mode=mode)
+    level = cfg.numerics.invariance if mode == "rollout" else "standard"
+    return Numerics(invariance=level, triton=cfg.fp4.triton, mode=mode)
 
 
 def no_weight_decay(name: str, param) -> bool:

@@ -59,7 +59,7 @@ class GRPOSettings:
     correction: Optional[RolloutCorrection] = None
     eval_every: int = 5  # 0: only after the last step
     check_sync: bool = False  # after every publish: wait for the load, compare the served weights' digests
-    batch_invariant: Optional[bool] = None  # the trainer's scoring; None: numerics.batch_invariant
+    invariance: Optional[str] = None  # the trainer's scoring level; None: numerics.invariance
 
     def __post_init__(self):
         for name in ("steps", "num_prompts", "group_size", "max_new_tokens", "micro_batch_size", "ppo_epochs",
@@ -92,12 +92,12 @@ class GRPORun:
 class EngineCopyRollout(InProcessRollout):
     """`InProcessRollout` with the engine's numerics chosen here, not by the config: ``mode``, a
     ``dtype`` copy of the model (bf16: the engine gap of real stacks, docs/consistency.md) and
-    ``batch_invariant`` (the ablation's rollout)."""
+    ``invariance`` (the ablation's rollout: "standard" kernels by default)."""
 
     def __init__(self, trainer, pad_id: int, mode: str, dtype: Optional[torch.dtype] = None,
-                 batch_invariant: bool = False, bucket_bytes: int = 1 << 20, name: str = "rollout0"):
+                 invariance: str = "standard", bucket_bytes: int = 1 << 20, name: str = "rollout0"):
         self.engine = RolloutEngine(copy.deepcopy(trainer.model), mode=mode, pad_id=pad_id, dtype=dtype, name=name,
-                                    batch_invariant=batch_invariant)
+                                    invariance=invariance)
         self.publisher = WeightPublisher(trainer.model, [InProcessTransport(WeightReceiver(self.engine))], bucket_bytes)
 
 
@@ -172,7 +172,7 @@ def run_grpo(trainer, task, rollout, settings: GRPOSettings, say: Callable = _qu
     start = time.perf_counter()
     if scorer is None:
         scorer = PolicyScorer(trainer, settings.micro_batch_size, keep_reference=bool(settings.kl_coef),
-                              batch_invariant=settings.batch_invariant)
+                              invariance=settings.invariance)
     loss = policy_loss_for(settings)
     run = GRPORun()
     rollout.publish(0).wait_loaded()

@@ -81,7 +81,7 @@ def build_engine(cfg, pad_id: int, name: str) -> RolloutEngine:
         model.to(torch.float64)
     model.set_fp4_mode(cfg.fp4.train_mode)
     return RolloutEngine(model, mode=cfg.fp4.rollout_mode, pad_id=pad_id, name=name,
-                         batch_invariant=cfg.numerics.batch_invariant)
+                         invariance=cfg.numerics.invariance)
 
 
 def parse_spec(text: str) -> dict:

@@ -103,15 +103,15 @@ class PolicyScorer:
     """`score(batch)` -> old log-probs [B, T] and routing [B, T, num_moe_layers, k] (+ the reference
     policy's log-probs when `keep_reference`), the same on every rank. `micro_batch_size`: rows per
     pipeline micro-batch (each dp replica's share of the rows must be a multiple of it).
-    `batch_invariant`: the numerics of a forward without a pipeline (`compute_log_probs`' argument;
-    None: on, as the rollout engine decodes by default); the pipeline always scores in it."""
+    `invariance`: the numerics level it scores at (None: the config's `numerics.invariance`, the level
+    the rollout engine decodes at), with or without a pipeline."""
 
-    def __init__(self, trainer, micro_batch_size: int, keep_reference: bool, batch_invariant: Optional[bool] = None):
+    def __init__(self, trainer, micro_batch_size: int, keep_reference: bool, invariance: Optional[str] = None):
         if trainer.mesh.tp > 1:  # its forward would read this rank's vocabulary slice as the whole
             raise ValueError(f"RL scoring (old/reference log-probs) with parallel.tp={trainer.mesh.tp} is not "
                              "implemented yet: the logits are split along the vocabulary; use parallel.tp=1 for RL")
         self.trainer, self.micro_batch_size = trainer, int(micro_batch_size)
-        self.batch_invariant = batch_invariant
+        self.invariance = trainer.cfg.numerics.invariance if invariance is None else invariance
         self.reference = ({n: p.detach().clone() for n, p in trainer.model.named_parameters()}
                           if keep_reference else None)
 
@@ -132,7 +132,7 @@ class PolicyScorer:
         ids, am, rm = (batch[k].to(t.device) for k in ("input_ids", "attention_mask", "response_mask"))
         replay = None if replay is None else replay.to(t.device)
         if t.pipeline is None:
-            res = compute_log_probs(t.model, ids, am, rm, return_routing=routing, batch_invariant=self.batch_invariant,
+            res = compute_log_probs(t.model, ids, am, rm, return_routing=routing, invariance=self.invariance,
                                     routing_in=replay)
             return res.log_probs.cpu(), None if res.routing is None else res.routing.cpu()
         share, mbs = self._split(ids.shape[0])
@@ -146,7 +146,7 @@ class PolicyScorer:
             if routing else None
         try:
             numerics = numerics_of(t.model)
-            with numerics.invariant(True):  # as compute_log_probs without autograd
+            with numerics.invariant(self.invariance):  # as compute_log_probs
                 t.pipeline.run(micro, _CaptureLogProbs(full, numerics), forward_only=True)
         finally:
             if routes is not None:

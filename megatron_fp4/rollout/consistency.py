@@ -120,7 +120,7 @@ def _cat(xs: Sequence) -> Optional[torch.Tensor]:
     return torch.cat([x.float() if x.is_floating_point() else x for x in xs]) if xs and xs[0] is not None else None
 
 
-def rescore(model, rollout: dict, pad_id: int, mode: Optional[str] = None, batch_invariant: bool = True,
+def rescore(model, rollout: dict, pad_id: int, mode: Optional[str] = None, invariance: str = "batch",
             batch_size: Optional[int] = None, reverse: bool = False) -> dict:
     """`consistency_metrics` of a rollout (`rollout`: per request ``prompt_ids``, ``response_ids``,
     ``log_probs`` and optionally ``routing``, ``distributions``) against `model` re-scoring its
@@ -134,7 +134,7 @@ def rescore(model, rollout: dict, pad_id: int, mode: Optional[str] = None, batch
     for s in range(0, n, step):
         idx = order[s:s + step]
         out = score(model, [rollout["prompt_ids"][i] for i in idx], [rollout["response_ids"][i] for i in idx], pad_id,
-                    mode, return_routing=want_routing, return_distributions=want_dist, batch_invariant=batch_invariant)
+                    mode, return_routing=want_routing, return_distributions=want_dist, invariance=invariance)
         for j, i in enumerate(idx):
             for k in train:
                 train[k][i] = out[k][j]

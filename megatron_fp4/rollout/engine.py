@@ -13,9 +13,9 @@ router computes in fp32 either way, `model.moe.Router`); `load_weights` then acc
 fp32 tensors and rounds them on copy. The default (None) keeps the model's own dtype.
 
 Numerics: by default the engine decodes in the batch-invariant mode (``fp4/invariant.py``,
-``numerics.batch_invariant`` in the config): a token's log-prob and experts then do not depend on
+``numerics.invariance`` in the config): a token's log-prob and experts then do not depend on
 the batch, its padding or the KV cache, and equal bit for bit what ``rollout.scoring`` computes
-for the same tokens in a full forward. ``batch_invariant=False`` runs the standard kernels.
+for the same tokens in a full forward. ``invariance="standard"`` runs the standard kernels.
 
 Weights change only through `load_weights`, which swaps a fully staged set under the write side of
 a reader/writer lock; `generate` holds the read side, so a request sees one version, whole. Waits
@@ -31,6 +31,7 @@ from typing import Optional, Sequence, Union
 
 import torch
 
+from megatron_fp4.config_choices import INVARIANCE_LEVELS
 from megatron_fp4.fp4 import numerics_of
 from megatron_fp4.model import KVCache, Router
 from megatron_fp4.model.capacity import refuse_for_rollout
@@ -137,8 +138,8 @@ class RolloutEngine:
     it through `load_weights`, normally driven by `weight_sync.WeightReceiver`). With `dtype`
     given, the model is cast in place by `cast_for_inference` (see the module docstring).
     `lock_timeout_s` bounds every wait for the weights lock (`RWLock`): a swap blocked that long by
-    a request fails with `LockTimeout` and the engine keeps its weights. `batch_invariant` (default
-    True, the config's `numerics.batch_invariant`) decodes in the batch-invariant numerics mode.
+    a request fails with `LockTimeout` and the engine keeps its weights. `invariance` (default
+    "batch", the config's `numerics.invariance`) is the numerics level it decodes at (`fp4/invariant.py`).
     `cache_quantized_weights` (default True) derives each weight's quantization / exact-GEMM split
     once per weight version instead of at every decode step (`Numerics.cached_weights` with a
     store kept across `generate` calls and emptied by `load_weights`; the same bits): a write into
@@ -150,13 +151,15 @@ class RolloutEngine:
 
     def __init__(self, model, mode: Optional[str] = None, pad_id: int = 0, seed: int = 0, name: str = "rollout0",
                  dtype: Optional[torch.dtype] = None, lock_timeout_s: Optional[float] = 600.0,
-                 batch_invariant: bool = True, cache_quantized_weights: bool = True):
+                 invariance: str = "batch", cache_quantized_weights: bool = True):
         refuse_for_rollout(getattr(getattr(model, "cfg", None), "moe_capacity_factor", None))
         if lock_timeout_s is not None and not (0 < lock_timeout_s < float("inf")):
             raise ValueError(f"lock_timeout_s={lock_timeout_s!r} must be a positive number of seconds (or None to "
                              "wait forever): how long a weight swap or a request may wait for the engine's lock")
         self.dtype = dtype
-        self.batch_invariant = bool(batch_invariant)
+        if invariance not in INVARIANCE_LEVELS:
+            raise ValueError(f"RolloutEngine: invariance={invariance!r} is not one of {INVARIANCE_LEVELS}")
+        self.invariance = invariance
         self.cache_quantized_weights = bool(cache_quantized_weights)
         if dtype is not None:
             cast_for_inference(model, dtype)
@@ -230,7 +233,7 @@ class RolloutEngine:
         numerics = numerics_of(self.model)  # the model's fp4.Numerics, in the engine's mode while it decodes
         cache = numerics.cached_weights(self._weight_cache) if self.cache_quantized_weights else contextlib.nullcontext()
         with self.lock.read(), torch.no_grad(), fp4_mode(self.model, self.mode), \
-                numerics.invariant(self.batch_invariant), cache:
+                numerics.invariant(self.invariance), cache:
             version = self.version
             out = self._decode(prompts, params, gens, max_new, return_routing, return_distributions)
         return GenerationOutput(version=version, prompt_ids=[list(p) for p in prompts], **out)

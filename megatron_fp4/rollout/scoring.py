@@ -4,10 +4,10 @@ Shared by the RL example, the verl training engine and the consistency report, s
 side always scores exactly the way the rollout engine's numbers are compared against; the token
 log-probs themselves come from `rollout.logprobs`, the definition the engine's decode uses too.
 
-Scoring (no autograd) runs in the batch-invariant numerics mode by default (``fp4/invariant.py``),
+Scoring (no autograd) runs at the ``batch`` numerics level by default (``fp4/invariant.py``),
 like the rollout engine: a token's log-prob then has the same bits as the engine's KV-cache
 decode gave it, in any batch, padding or split. A differentiable call (the training forward) runs
-the standard kernels unless it opts in with ``batch_invariant=True``.
+the standard kernels unless it asks for a level (``invariance="batch"``).
 """
 from __future__ import annotations
 
@@ -38,18 +38,18 @@ class ScoreOutput:
 def compute_log_probs(model, tokens: torch.Tensor, attention_mask: torch.Tensor,
                       response_mask: Optional[torch.Tensor] = None, mode: Optional[str] = None,
                       return_routing: bool = False, return_distributions: bool = False,
-                      batch_invariant: Optional[bool] = None, routing_in: Optional[torch.Tensor] = None) -> ScoreOutput:
+                      invariance: Optional[str] = None, routing_in: Optional[torch.Tensor] = None) -> ScoreOutput:
     """Score `tokens` [B, T] (verl layout: left-padded prompt, right-padded response) in one
     forward, in FP4 `mode` (default: the model's current mode, i.e. the training-side one).
     Differentiable: call under torch.no_grad() when only the numbers are needed.
-    `batch_invariant`: the numerics mode (None: on without autograd, off with it; module doc).
+    `invariance`: the numerics level (None: "batch" without autograd, "standard" with it; module doc).
     `routing_in`: routes to replay (`MoETransformer.run_layers`; position-aligned, not shifted)."""
     if tokens.shape != attention_mask.shape:
         raise ValueError(f"tokens {tuple(tokens.shape)} and attention_mask {tuple(attention_mask.shape)} "
                          "must have the same [batch, seq] shape")
-    on = not torch.is_grad_enabled() if batch_invariant is None else batch_invariant
+    level = ("standard" if torch.is_grad_enabled() else "batch") if invariance is None else invariance
     numerics = numerics_of(model)
-    with fp4_mode(model, mode), numerics.invariant(on):
+    with fp4_mode(model, mode), numerics.invariant(level):
         replay = {} if routing_in is None else {"routing_in": routing_in}
         out = model(tokens, positions_from_mask(attention_mask), attention_mask, return_routing=return_routing,
                     **replay)
@@ -65,7 +65,7 @@ def compute_log_probs(model, tokens: torch.Tensor, attention_mask: torch.Tensor,
 
 
 def score(model, prompts, responses, pad_id: int = 0, mode: Optional[str] = None,
-          return_routing: bool = False, return_distributions: bool = False, batch_invariant: bool = True):
+          return_routing: bool = False, return_distributions: bool = False, invariance: str = "batch"):
     """Convenience over `compute_log_probs` for token-id lists: returns per-request tensors
     (log_probs [L], routing [L, num_moe_layers, k], distributions [L, V]) in the engine's format."""
     from megatron_fp4.rollout.engine import pad_prompt_response
@@ -73,7 +73,7 @@ def score(model, prompts, responses, pad_id: int = 0, mode: Optional[str] = None
     batch = pad_prompt_response(prompts, responses, pad_id)
     with torch.no_grad():
         out = compute_log_probs(model, batch["input_ids"], batch["attention_mask"], batch["response_mask"], mode,
-                                return_routing, return_distributions, batch_invariant)
+                                return_routing, return_distributions, invariance)
     P = batch["prompt_len"]
     per = {"log_probs": [], "routing": [], "distributions": []}
     for i, r in enumerate(responses):

@@ -4,7 +4,8 @@ ep2 (all-to-all and GC-MoE dispatch) or pp2 (the pipeline chunks' own forward pi
 identical expert choices.
 
 Why bitwise holds by construction (see tests/unit/test_batch_invariant.py and fp4/invariant.py):
-in the mode every row's reduction order is fixed (exact FP4 GEMMs, fixed per-row trees), so it does
+at the ``batch`` level (fixed-shape GEMM tiles and key blocks) and the ``exact`` level (exact FP4
+GEMMs, fixed per-row trees) every row's reduction order is fixed, so it does
 not matter that under ep an expert's GEMM runs on the tokens of both ranks in arrival order, or that
 under pp the layers run in two processes with the hidden state sent between them. Each rank scores
 another subset of the rows (other batch, other padding) than the engine generated together.
@@ -19,26 +20,29 @@ from tests.distributed.launch import run_distributed
 from tests.unit.test_batch_invariant import bits, prompts, tiny_model
 
 SEED = 3
-MODES = ("bf16", "fp4_resq")
+MODES = (("batch", "bf16"), ("batch", "fp4_resq"), ("exact", "fp4_resq"))  # (numerics level, FP4 mode)
 
 
-def _rollouts(mode: str):
+def _rollouts(case):
     from megatron_fp4.rollout import RolloutEngine, SamplingParams
 
+    level, mode = case
     model = tiny_model(SEED, "experts+attention")
-    out = RolloutEngine(model, mode=mode).generate(prompts(SEED, 6), SamplingParams(max_new_tokens=5, temperature=1.0,
+    out = RolloutEngine(model, mode=mode, invariance=level).generate(prompts(SEED, 6), SamplingParams(max_new_tokens=5, temperature=1.0,
                                                                                    seed=SEED), return_routing=True)
     return out.prompt_ids, out.response_ids, out.log_probs, out.routing
 
 
-def _score_rows(model, rows, prompt_ids, response_ids, mode, forward=None):
+def _score_rows(model, rows, prompt_ids, response_ids, case, forward=None):
     """Score `rows` in one batch (this rank's subset) -> {row: (log_probs, routing)}."""
     from megatron_fp4.rollout import score
 
+    level, mode = case
     if forward is None:
-        sc = score(model, [prompt_ids[i] for i in rows], [response_ids[i] for i in rows], mode=mode, return_routing=True)
+        sc = score(model, [prompt_ids[i] for i in rows], [response_ids[i] for i in rows], mode=mode, return_routing=True,
+                   invariance=level)
         return {i: (sc["log_probs"][j], sc["routing"][j]) for j, i in enumerate(rows)}
-    with model.numerics.invariant():
+    with model.numerics.invariant(level):
         return forward(rows)
 
 
@@ -49,13 +53,13 @@ def _worker(rank, world, rollouts):
     torch.set_num_threads(1)
     out = {}
     mesh = ParallelMesh.build(pp=1, dp=world, ep=world)
-    for mode in MODES:
-        prompt_ids, response_ids, _, _ = rollouts[mode]
+    for case in MODES:
+        prompt_ids, response_ids, _, _ = rollouts[case]
         rows = list(range(rank, len(prompt_ids), world))[::-1]  # another subset, order and padding
         for dispatcher in ("alltoall", "gcmoe"):
             model = tiny_model(SEED, "experts+attention")
             apply_expert_parallel(model, mesh, dispatcher, chunk_tokens=4, ring_slots=2)
-            out[(mode, dispatcher)] = _score_rows(model, rows, prompt_ids, response_ids, mode)
+            out[(case, dispatcher)] = _score_rows(model, rows, prompt_ids, response_ids, case)
     return out
 
 
@@ -68,14 +72,14 @@ def _pp_worker(rank, world, rollouts):
 
     torch.set_num_threads(1)
     out = {}
-    for mode in MODES:
-        prompt_ids, response_ids, _, _ = rollouts[mode]
+    for case in MODES:
+        (level, mode), (prompt_ids, response_ids, _, _) = case, rollouts[case]
         model = tiny_model(SEED, "experts+attention")
         [(_, chunk)] = build_chunks(model, pp=2, pp_rank=rank)
         batch = pad_prompt_response(prompt_ids, response_ids, ArithmeticTokenizer().pad_id)
         tokens, mask = batch["input_ids"], batch["attention_mask"]
         positions = positions_from_mask(mask)
-        with torch.no_grad(), fp4_mode(model, mode), model.numerics.invariant():
+        with torch.no_grad(), fp4_mode(model, mode), model.numerics.invariant(level):
             if rank == 0:
                 h = model.run_layers(model.embed(tokens), positions, mask, chunk.layer_range)
                 dist.send(h.contiguous(), dst=1)
@@ -85,7 +89,7 @@ def _pp_worker(rank, world, rollouts):
                 h = model.run_layers(h, positions, mask, chunk.layer_range)
                 log_probs, _ = log_probs_from_logits(model.head(h), tokens, batch["response_mask"], model.numerics)
                 P = batch["prompt_len"]
-                out[mode] = [log_probs[i, P:P + len(r)] for i, r in enumerate(response_ids)]
+                out[case] = [log_probs[i, P:P + len(r)] for i, r in enumerate(response_ids)]
     return out
 
 
@@ -104,7 +108,7 @@ def test_ep2_alltoall_and_gcmoe_scores_equal_rollout_bitwise(rollouts):
                 assert torch.equal(bits(lp), bits(log_probs[i])), (mode, dispatcher, i, lp, log_probs[i])
                 assert torch.equal(rt.sort(-1).values, routing[i].sort(-1).values), (mode, dispatcher, i)
                 seen.add((mode, dispatcher, i))
-    assert len(seen) == len(MODES) * 2 * len(rollouts["bf16"][0])
+    assert len(seen) == len(MODES) * 2 * len(rollouts[MODES[0]][0])
 
 
 def test_pp2_scores_equal_rollout_bitwise(rollouts):

@@ -137,7 +137,7 @@ def _batch_invariant_static(rank, world, mesh, E):
     dec = apply_expert_parallel(make_layer(E, 2, seed=4), mesh, "gcmoe_decode", decode_tokens=MAX_T)
     dec.dispatcher.static = True
     diffs = []
-    apply_numerics(base, Numerics(batch_invariant=True))  # the experts both dispatchers run
+    apply_numerics(base, Numerics(invariance="exact"))  # the experts both dispatchers run
     for seed in range(4):
         tokens, idx, w, x, _ = routing(100 + seed, world, E)
         lo = sum(tokens[:rank])

@@ -96,7 +96,7 @@ def test_grpo_example_mechanics(tmp_path, monkeypatch):
     assert [h["rollout_version"] for h in history] == [0, 1, 2]
     assert [h["published_version"] for h in history] == [1, 2, 3] and history[-1]["final_rollout_version"] == 3
     # At every step the rollout serves the weights the trainer then scores with, and both run the
-    # batch-invariant numerics (numerics.batch_invariant, the default): the same bits, the same experts.
+    # batch-invariant numerics (numerics.invariance: batch, the default): the same bits, the same experts.
     assert history[0]["lp_diffs"].numel() > 0 and torch.equal(history[0]["lp_diffs"],
                                                                torch.zeros_like(history[0]["lp_diffs"]))
     for h in history:

@@ -96,7 +96,7 @@ def test_no_padding_batches_give_verl_layout_log_probs_and_entropy(hf_dir):
     mask = b["response_mask"].bool()
     assert lp.shape == padded.shape
     # same tokens, same weights; the batches differ only in where the padding sits, and the no-grad
-    # scoring is batch-invariant (numerics.batch_invariant): the same bits
+    # scoring is batch-invariant (numerics.invariance: batch): the same bits
     assert mask.any() and torch.equal(lp[mask], padded[mask])
     assert torch.all(ent[mask] > 0) and torch.all(ent[mask] <= torch.log(torch.tensor(float(TOK.vocab_size))) + 1e-5)
 

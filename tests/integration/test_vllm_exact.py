@@ -38,7 +38,7 @@ def trainer_attention(mode: str) -> Attention:
     cfg = tiny_cfg("experts+attention", rollout_mode=mode)
     torch.manual_seed(5)
     attn = Attention(HIDDEN, HEADS, KV_HEADS, HEAD_DIM, 1e-6, THETA, recipe_from_config(cfg.fp4, mode))
-    apply_numerics(attn, Numerics(batch_invariant=True, mode="rollout"))
+    apply_numerics(attn, Numerics(invariance="exact", mode="rollout"))
     return attn.eval()
 
 
@@ -127,12 +127,12 @@ def test_the_rope_is_the_trainers():
 
 
 def test_the_attention_refuses_another_cache_layout_and_scale():
-    impl = TrainerAttentionImpl(HEADS, KV_HEADS, HEAD_DIM, HEAD_DIM ** -0.5, Numerics(batch_invariant=True))
+    impl = TrainerAttentionImpl(HEADS, KV_HEADS, HEAD_DIM, HEAD_DIM ** -0.5, Numerics(invariance="exact"))
     with pytest.raises(NotImplementedError, match="CPU KV-cache layout"):
         impl.do_kv_cache_update(None, torch.zeros(1, KV_HEADS, HEAD_DIM), torch.zeros(1, KV_HEADS, HEAD_DIM),
                                 torch.zeros(2, 8, 4, KV_HEADS, HEAD_DIM), torch.zeros(1, dtype=torch.long))
     with pytest.raises(ValueError, match="head_dim"):
-        TrainerAttentionImpl(HEADS, KV_HEADS, HEAD_DIM, 1.0, Numerics(batch_invariant=True))
+        TrainerAttentionImpl(HEADS, KV_HEADS, HEAD_DIM, 1.0, Numerics(invariance="exact"))
 
 
 @needs_vllm

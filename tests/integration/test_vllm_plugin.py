@@ -198,7 +198,7 @@ def test_moe_block_equals_the_trainers_bitwise(vllm_ctx, mode, fmt, batch_invari
     E, k, H, F = 8, 2, 64, 32
     ref = MoELayer(H, E, k, F, recipe_from_config(cfg.fp4, mode), norm_topk_prob=True).eval()
     init_moe_params(ref, 0.1, 0.1, torch.Generator().manual_seed(1))
-    apply_numerics(ref, Numerics(batch_invariant=batch_invariant))  # the trainer's numerics in the mode
+    apply_numerics(ref, Numerics(invariance="exact" if batch_invariant else "standard"))  # the trainer's numerics in the mode
     x = torch.randn(37, H, generator=torch.Generator().manual_seed(2))
     gate_method, gate, experts, moe = plugin_moe(plugin_config(cfg, batch_invariant), ref, E, k, H, F)
     with torch.no_grad():
@@ -233,7 +233,7 @@ def test_attention_and_dense_projections_equal_the_trainers_bitwise(vllm_ctx, mo
     mlp = SwiGLU(128, 96, recipe)
     with torch.no_grad():
         attn.k_proj.weight.mul_(8.0)  # unlike amaxes: one shared per-tensor scale would change q's codes
-    numerics = Numerics(batch_invariant=batch_invariant)  # the trainer's numerics in the mode
+    numerics = Numerics(invariance="exact" if batch_invariant else "standard")  # the trainer's numerics in the mode
     apply_numerics(attn, numerics)
     apply_numerics(mlp, numerics)
     qc = plugin_config(cfg, batch_invariant)
@@ -303,7 +303,7 @@ def test_rmsnorm_is_the_trainers_in_a_plugin_model_and_vllms_elsewhere(vllm_ctx,
         with set_current_vllm_config(VllmConfig(quant_config=qc)):
             norms[name] = RMSNorm(128, eps=ref.eps)
         norms[name].weight.data.copy_(ref.weight.detach())
-    apply_numerics(ref, Numerics(batch_invariant=batch_invariant))  # the mode the block asks for
+    apply_numerics(ref, Numerics(invariance="exact" if batch_invariant else "standard"))  # the mode the block asks for
     with torch.no_grad():
         want, want_h = ref(x), ref(h + x)
     with torch.inference_mode():
@@ -356,7 +356,9 @@ def trainer_scores(model_dir, cfg, tokens):
     from megatron_fp4.rollout.scoring import score
 
     model = build_model_from_hf(model_dir, cfg.fp4).eval()
-    return score(model, PROMPTS, tokens, mode=cfg.fp4.rollout_mode, return_routing=True)
+    # the plugin's row-invariant path is the exact level (its batch kernels are not built yet)
+    level = "standard" if cfg.numerics.invariance == "standard" else "exact"
+    return score(model, PROMPTS, tokens, mode=cfg.fp4.rollout_mode, return_routing=True, invariance=level)
 
 
 def compare(vllm_out, scored):

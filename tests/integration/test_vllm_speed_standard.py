@@ -56,8 +56,8 @@ def test_fused_projections_are_one_gemm_within_fp32_rounding_of_the_trainers(vll
     attn, mlp = Attention(128, 2, 1, 64, 1e-6, 1e4, recipe), SwiGLU(128, 96, recipe)
     with torch.no_grad():
         attn.k_proj.weight.mul_(8.0)  # unlike amaxes: one per-tensor scale over the fused weight would differ
-    apply_numerics(attn, Numerics(batch_invariant=False))
-    apply_numerics(mlp, Numerics(batch_invariant=False))
+    apply_numerics(attn, Numerics(invariance="standard"))
+    apply_numerics(mlp, Numerics(invariance="standard"))
     qc = plugin_config(cfg, batch_invariant=False)
     x = torch.randn(9, 128, generator=torch.Generator().manual_seed(4)) * torch.logspace(-2, 2, 128)
     for name, mods in (("self_attn.qkv_proj", [attn.q_proj, attn.k_proj, attn.v_proj]),
@@ -100,7 +100,7 @@ def test_standard_moe_block_is_the_trainers_within_fp32_rounding_and_follows_wei
     E, k, H, F = 8, 2, 64, 32
     ref = MoELayer(H, E, k, F, recipe_from_config(cfg.fp4, mode), norm_topk_prob=True).eval()
     init_moe_params(ref, 0.1, 0.1, torch.Generator().manual_seed(1))
-    apply_numerics(ref, Numerics(batch_invariant=False))
+    apply_numerics(ref, Numerics(invariance="standard"))
     gate_method, gate, experts, moe = plugin_moe(plugin_config(cfg, batch_invariant=False), ref, E, k, H, F)
     for seed, tokens in ((2, 37), (3, 16), (4, 1)):
         x = torch.randn(tokens, H, generator=torch.Generator().manual_seed(seed))
@@ -136,7 +136,7 @@ def test_the_batch_invariant_mode_never_takes_the_standard_path(vllm_ctx, monkey
     E, k, H, F = 8, 2, 64, 32
     ref = MoELayer(H, E, k, F, recipe_from_config(cfg.fp4, "fp4_resq"), norm_topk_prob=True).eval()
     init_moe_params(ref, 0.1, 0.1, torch.Generator().manual_seed(1))
-    apply_numerics(ref, Numerics(batch_invariant=True))
+    apply_numerics(ref, Numerics(invariance="exact"))
     qc = plugin_config(cfg, batch_invariant=True)
     gate_method, gate, experts, moe = plugin_moe(qc, ref, E, k, H, F)
     method = MoEResQLinearMethod(qc, "model.layers.0.self_attn.qkv_proj")

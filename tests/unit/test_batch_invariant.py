@@ -1,11 +1,12 @@
-"""Batch-invariant numerics (``fp4/invariant.py``): rollout log-probs == trainer log-probs, bitwise.
+"""Row-invariant numerics (``fp4/invariant.py``): rollout log-probs == trainer log-probs, bitwise.
 
 The rollout engine decodes with a KV cache in one left-padded batch; ``rollout.scoring.score``
 re-scores the same tokens in full forwards, in other batches (shuffled, of other sizes, so other
-padding). With the mode on, every op on the path has a per-row reduction order fixed by
-construction (exact GEMMs, index-anchored reduction trees, position-indexed attention), so the
-claim is *zero* differing bits and identical expert choices: on any CPU and kernel set (these
-tests run under ``tools/check_portability.sh``), not a measured tolerance. Without the mode the
+padding). At the ``batch`` and ``exact`` levels every op on the path has a per-row reduction
+order fixed by construction (``batch``: fixed-shape GEMM tiles and key blocks; ``exact``: exact
+GEMMs, index-anchored reduction trees), so the claim is *zero* differing bits and identical
+expert choices: on any CPU and kernel set (these tests run under ``tools/check_portability.sh``),
+not a measured tolerance. Without the mode the
 same comparison differs in the last bits of ~20-30 % of tokens (measured here; not asserted, it is
 machine dependent).
 """
@@ -45,28 +46,42 @@ def bits(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().view(torch.int32)
 
 
-@pytest.mark.parametrize("mode,scope,fmt,seed", [
-    ("bf16", "experts", "nvfp4", 0), ("bf16", "experts", "nvfp4", 1),
-    ("fp4_resq", "experts", "nvfp4", 0), ("fp4_resq", "experts", "nvfp4", 1), ("fp4_resq", "experts", "nvfp4", 2),
-    ("fp4_resq", "experts+attention", "nvfp4", 3), ("fp4_resq", "experts", "mxfp4", 4),
+@pytest.mark.parametrize("level,mode,scope,fmt,seed", [
+    ("batch", "bf16", "experts", "nvfp4", 0), ("batch", "bf16", "experts", "nvfp4", 1),
+    ("batch", "fp4", "experts", "nvfp4", 5),
+    ("batch", "fp4_resq", "experts", "nvfp4", 0), ("batch", "fp4_resq", "experts", "nvfp4", 1),
+    ("batch", "fp4_resq", "experts+attention", "nvfp4", 3), ("batch", "fp4_resq", "experts", "mxfp4", 4),
+    ("exact", "bf16", "experts", "nvfp4", 0), ("exact", "fp4_resq", "experts", "nvfp4", 2),
+    ("exact", "fp4_resq", "experts+attention", "nvfp4", 3), ("exact", "fp4_resq", "experts", "mxfp4", 4),
 ])
-def test_batch_invariant_rollout_equals_scoring_bitwise(mode, scope, fmt, seed):
+def test_batch_invariant_rollout_equals_scoring_bitwise(level, mode, scope, fmt, seed):
     # One intra-op thread only for speed on a shared machine (tiny ops, OpenMP spin under load); the
-    # bits do not depend on it (exact GEMM sums, elementwise reduction trees).
+    # bits do not depend on it (each kernel call has one shape; exact sums; elementwise trees).
     with single_thread():
-        check_rollout_equals_scoring(mode, scope, fmt, seed)
+        check_rollout_equals_scoring(mode, scope, fmt, seed, level)
 
 
-def check_rollout_equals_scoring(mode, scope, fmt, seed):
+def test_batch_level_rollout_equals_scoring_bitwise_with_two_threads():
+    """The ``batch`` level's fixed shapes hold with several intra-op threads too (a lone tile and
+    a batch of tiles would split a GEMM differently were they one batched call)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        check_rollout_equals_scoring("fp4_resq", "experts+attention", "nvfp4", 6, "batch")
+    finally:
+        torch.set_num_threads(before)
+
+
+def check_rollout_equals_scoring(mode, scope, fmt, seed, level="batch"):
     model = tiny_model(seed, scope, fmt)
-    engine = RolloutEngine(model, mode=mode)
+    engine = RolloutEngine(model, mode=mode, invariance=level)
     ps = prompts(seed, 7)
     out = engine.generate(ps, SamplingParams(max_new_tokens=6, temperature=1.0, seed=seed), return_routing=True)
     order = list(range(len(ps)))
     random.Random(seed).shuffle(order)
     for batch in (order[:3], order[3:4], order[4:]):  # other batch sizes, other padding, other order
         sc = score(model, [out.prompt_ids[i] for i in batch], [out.response_ids[i] for i in batch], mode=mode,
-                   return_routing=True)
+                   return_routing=True, invariance=level)
         for j, i in enumerate(batch):
             assert torch.equal(bits(sc["log_probs"][j]), bits(out.log_probs[i])), (i, sc["log_probs"][j], out.log_probs[i])
             assert torch.equal(sc["routing"][j].sort(-1).values, out.routing[i].sort(-1).values)
@@ -75,7 +90,8 @@ def check_rollout_equals_scoring(mode, scope, fmt, seed):
     assert torch.equal(bits(alone.log_probs[0]), bits(out.log_probs[order[0]]))  # ... from the same bits
 
 
-def test_batch_invariant_kv_cache_logits_equal_full_forward_bitwise():
+@pytest.mark.parametrize("level", ["batch", "exact"])
+def test_batch_invariant_kv_cache_logits_equal_full_forward_bitwise(level):
     """Raw logits: a 5-token prefill then one token at a time == the full causal forward, for
     rows of a batch with left padding (FP4 attention, so FP4 operands sit on both paths)."""
     model = tiny_model(5, "experts+attention").eval()
@@ -84,7 +100,7 @@ def test_batch_invariant_kv_cache_logits_equal_full_forward_bitwise():
     mask = torch.ones_like(tokens)
     mask[0, :3] = 0  # row 0 left-padded by 3
     pos = (mask.cumsum(-1) - 1).clamp(min=0)
-    with torch.no_grad(), model.numerics.invariant(), single_thread():
+    with torch.no_grad(), model.numerics.invariant(level), single_thread():
         full = model(tokens, pos, mask).logits
         cache = KVCache.empty(len(model.layers))
         steps = [model(tokens[:, :5], pos[:, :5], mask[:, :5], cache).logits]
@@ -99,7 +115,7 @@ def test_batch_invariant_transcendentals_do_not_depend_on_position():
     vector CPUs (checked only where it occurs: not asserted)."""
     x = torch.randn(4099, generator=torch.Generator().manual_seed(0)) * 4
     num = Numerics()
-    with num.invariant():
+    with num.invariant("batch"):
         fns = {"exp": torch.exp, "log": lambda t: torch.log(t.abs() + 1e-3), "cos": torch.cos, "sin": torch.sin,
                "rsqrt": lambda t: torch.rsqrt(t.abs() + 1e-3), "silu": lambda t: invariant.silu(t, num)}
         for name, f in fns.items():
@@ -126,19 +142,26 @@ def test_batch_invariant_tree_sum_ignores_trailing_zeros_and_matches_sum():
 def test_batch_invariant_mode_is_off_by_default_and_off_for_float64():
     x, num = torch.randn(3, 32), Numerics()
     assert not invariant.enabled(num, x) and not invariant.enabled(None, x)
-    with num.invariant():
-        assert invariant.enabled(num, x) and not invariant.enabled(num, x.double())
-        with num.invariant(False):
-            assert not invariant.enabled(num, x)
+    for level in ("batch", "exact"):
+        with num.invariant(level):
+            assert invariant.enabled(num, x) and not invariant.enabled(num, x.double())
+            assert invariant.exact(num, x) == (level == "exact") and invariant.tiled(num, x) == (level == "batch")
+            with num.invariant("standard"):
+                assert not invariant.enabled(num, x)
+    with pytest.raises(ValueError, match="invariance"):
+        num.invariant(True)
     w = torch.randn(8, 32)
     assert torch.equal(invariant.linear(x, w), F.linear(x, w))
     assert torch.equal(invariant.linear(x, w, None, num), F.linear(x, w))
 
 
-def test_batch_invariant_config_field_defaults_on_and_overrides():
+def test_invariance_config_field_defaults_to_batch_and_overrides():
     from megatron_fp4.config import ConfigError, load_config
 
-    assert Config().numerics.batch_invariant is True
-    assert load_config(overrides=["numerics.batch_invariant=false"]).validate().numerics.batch_invariant is False
-    with pytest.raises(ConfigError, match="numerics.batch_invariant"):
-        load_config(overrides=["numerics.batch_invariant=maybe"])
+    assert Config().numerics.invariance == "batch"
+    for level in ("standard", "exact"):
+        assert load_config(overrides=[f"numerics.invariance={level}"]).validate().numerics.invariance == level
+    with pytest.raises(ConfigError, match="numerics.invariance"):
+        load_config(overrides=["numerics.invariance=maybe"]).validate()
+    with pytest.raises(ConfigError, match="numerics.batch_invariant was replaced by numerics.invariance"):
+        load_config(overrides=["numerics.batch_invariant=true"])

@@ -26,7 +26,7 @@ def test_hf_peer_computes_our_function_and_generates_our_greedy_tokens():
         ours, theirs = model(tokens).logits, hf(input_ids=tokens).logits
     # fp32 summation-order differences only (tests/integration/test_hf_parity.py's 1e-5 argument)
     assert ((ours - theirs).abs().max() / theirs.abs().max()).item() <= 1e-5
-    out = RolloutEngine(model, mode="bf16", batch_invariant=False).generate(
+    out = RolloutEngine(model, mode="bf16", invariance="standard").generate(
         tokens.tolist(), SamplingParams(temperature=0.0, max_new_tokens=6))
     step = hf_peer.HFTrainStep(hf, cfg.optimizer)
     step([{"tokens": tokens, "labels": tokens}])  # one AdamW step moves HF's weights away from ours

@@ -27,7 +27,7 @@ from megatron_fp4.fp4.moeresq import moeresq_linear
 from megatron_fp4.fp4.nonfinite import NonFiniteFlags
 from megatron_fp4.fp4.numerics import Numerics
 
-INV = Numerics(batch_invariant=True)
+INV = Numerics(invariance="exact")
 NV_ROW, NV_TILE = OperandFormat(), OperandFormat(scale="tensor", block="2d")
 NV_TENSOR = OperandFormat(scale="tensor")
 MX = OperandFormat(format="mxfp4", scale="tensor")
@@ -216,7 +216,7 @@ def test_shared_input_linear_bits_equal_per_shard(mode, fmt_x, fmt_w, invariant_
         x = _input(6, 64, 5, kind).reshape(2, 3, 64)
         for dtype, b in ((torch.float32, bias), (torch.bfloat16, None)):
             for cache in (None, {}):
-                numerics = Numerics(batch_invariant=invariant_on)
+                numerics = Numerics(invariance="exact" if invariant_on else "standard")
                 numerics.weight_cache = cache
                 xd = x.to(dtype)
                 want = _per_shard(xd, weight, b, shards, names, recipe, numerics)
@@ -235,7 +235,7 @@ def test_shared_input_linear_quantizes_the_input_once(monkeypatch, invariant_on)
         real = getattr(moeresq._Site, meth)
         monkeypatch.setattr(moeresq._Site, meth, lambda self, a, fmt, op, *r, real=real, **k:
                             seen.append(op) or real(self, a, fmt, op, *r, **k))
-    numerics = Numerics(batch_invariant=invariant_on)
+    numerics = Numerics(invariance="exact" if invariant_on else "standard")
     numerics.weight_cache = {}
     recipe = Recipe(mode="fp4_resq")
     x, weight = torch.randn(4, 32), torch.randn(48, 32)

@@ -21,7 +21,7 @@ from megatron_fp4.fp4.exact_gemm import exact_fp4_gemm, exact_linear, split_fp4
 from megatron_fp4.fp4.formats import block_scales_fp32
 from megatron_fp4.fp4.numerics import Numerics
 
-INV = Numerics(batch_invariant=True)  # the batch-invariant numerics, passed to the calls that run them
+INV = Numerics(invariance="exact")  # the batch-invariant numerics, passed to the calls that run them
 
 NV_IN, NV_W = OperandFormat(), OperandFormat(scale="tensor", block="2d")
 MX = OperandFormat(format="mxfp4", scale="tensor")

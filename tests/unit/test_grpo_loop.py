@@ -146,7 +146,7 @@ def test_the_example_and_the_ablation_run_the_one_loop(tmp_path, monkeypatch):
     cfg.model.router_aux_loss_coef = cfg.model.router_z_loss_coef = 0.0
     trainer = Trainer(cfg, build_data=False)
     trainer.model.load_state_dict(state)
-    rollout = loop.EngineCopyRollout(trainer, tok.pad_id, setting[2], torch.bfloat16, False)
+    rollout = loop.EngineCopyRollout(trainer, tok.pad_id, setting[2], torch.bfloat16, "standard")
     task = type(task)(tok, train, test, range(len(test)), range(len(train)), random.Random("ablation-rl:0"),
                       args.max_new_tokens)
     try:

@@ -1,4 +1,4 @@
-"""The fast batch-invariant kernels give the bits of the first implementation (issue 27).
+"""The fast ``exact``-level kernels give the bits of the first implementation (issue 27).
 
 ``_Reference`` keeps that implementation verbatim (before the Karatsuba ``bmm`` limb GEMM, the
 position-chunked causal attention without the B·H·T·T·D products, and the halving reduction
@@ -99,7 +99,7 @@ class _Reference:
         monkeypatch.setattr(invariant, "grouped_linear", cls.grouped_linear)
         monkeypatch.setattr(experts, "can_group_exact", lambda *a: False)  # experts one by one, as before
         monkeypatch.setattr(invariant, "tree_sum", cls.tree_sum)
-        monkeypatch.setattr(invariant, "attention", cls.attention)
+        monkeypatch.setattr(invariant, "tree_attention", cls.attention)
 
 
 def bits(t):
@@ -125,7 +125,7 @@ def test_grouped_linear_bits_equal_reference_loop(counts):
     g = torch.Generator().manual_seed(sum(counts))
     x = torch.randn(sum(counts), 24, generator=g)
     weights = torch.randn(len(counts), 10, 24, generator=g).unbind(0)
-    got = invariant.grouped_linear(x, weights, counts, Numerics(batch_invariant=True))
+    got = invariant.grouped_linear(x, weights, counts, Numerics(invariance="exact"))
     assert torch.equal(bits(got), bits(_Reference.grouped_linear(x, weights, counts)))
 
 
@@ -178,8 +178,10 @@ def test_generate_and_score_bits_equal_reference(monkeypatch, mode, scope, fmt):
                 if reference:
                     _Reference.patch(mp)
                 model = _tiny(scope, 1, fmt)
-                out = RolloutEngine(model, mode=mode).generate(prompts, params, return_distributions=True)
-                sc = score(model, out.prompt_ids, out.response_ids, mode=mode, return_distributions=True)
+                out = RolloutEngine(model, mode=mode, invariance="exact").generate(prompts, params,
+                                                                                 return_distributions=True)
+                sc = score(model, out.prompt_ids, out.response_ids, mode=mode, return_distributions=True,
+                           invariance="exact")
                 runs.append((out, sc))
     (new, new_sc), (ref, ref_sc) = runs
     assert new.response_ids == ref.response_ids
@@ -197,7 +199,7 @@ def test_engine_derives_weight_terms_once_per_version(monkeypatch):
     monkeypatch.setattr(exact_gemm, "_weight_limbs", lambda w: calls.append(1) or limbs(w))
     prompts, params = [[3, 5, 7], [9]], SamplingParams(max_new_tokens=3, temperature=0.0)
     with single_thread():
-        engine = RolloutEngine(_tiny("experts", 2), mode="bf16")
+        engine = RolloutEngine(_tiny("experts", 2), mode="bf16", invariance="exact")
         first = engine.generate(prompts, params, return_distributions=True)
         per_call = len(calls)
         again = engine.generate(prompts, params, return_distributions=True)
@@ -206,6 +208,7 @@ def test_engine_derives_weight_terms_once_per_version(monkeypatch):
         new_weights = _tiny("experts", 3).state_dict()
         engine.load_weights(new_weights, version=1)
         after = engine.generate(prompts, params, return_distributions=True)
-        fresh = RolloutEngine(_tiny("experts", 3), mode="bf16").generate(prompts, params, return_distributions=True)
+        fresh = RolloutEngine(_tiny("experts", 3), mode="bf16", invariance="exact").generate(
+            prompts, params, return_distributions=True)
     assert all(torch.equal(bits(a), bits(b)) for a, b in zip(after.distributions, fresh.distributions))
     assert not torch.equal(after.distributions[0], first.distributions[0])

@@ -101,7 +101,7 @@ def test_grouped_path_runs_only_where_it_keeps_the_numerics():
     assert not can_group(Recipe(mode="fp4_resq"), x)  # per-expert MoEResQ (SR streams keyed by expert)
     assert not can_group(Recipe(mode="fp4"), x)
     assert not can_group(Recipe(mode="bf16"), x.double())  # the fp64 verification mode keeps the loop
-    assert not can_group(Recipe(mode="bf16"), x, Numerics(batch_invariant=True))  # per-row exact GEMMs, per expert
+    assert not can_group(Recipe(mode="bf16"), x, Numerics(invariance="exact"))  # per-row exact GEMMs, per expert
     with torch.autocast("cpu", dtype=torch.bfloat16):
         assert not can_group(Recipe(mode="bf16"), x)
 
@@ -235,7 +235,7 @@ def test_grouped_fp4_path_only_where_rows_quantize_alone_and_nothing_needs_gradi
         assert not can_group_fp4(sr, x, w)  # SR streams are keyed by expert
         tensor_scale = replace(ex.recipe, input=replace(ex.recipe.input, scale="tensor"))
         assert not can_group_fp4(tensor_scale, x, w)  # one amax over every expert's rows
-        assert not can_group_fp4(ex.recipe, x, w, Numerics(batch_invariant=True))  # exact GEMMs per expert
+        assert not can_group_fp4(ex.recipe, x, w, Numerics(invariance="exact"))  # exact GEMMs per expert
 
 
 def test_many_rows_per_expert_keep_the_loop_where_it_is_as_fast():

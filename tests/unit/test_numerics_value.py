@@ -88,16 +88,16 @@ def test_two_models_compute_their_own_batch_invariance():
     """Same weights, different Numerics: each model computes its own (a process-global mode would
     give both the same bits)."""
     a, b = build_model(_cfg(), seed=1).eval(), build_model(_cfg(), seed=1).eval()
-    apply_numerics(a, Numerics(batch_invariant=True))
+    apply_numerics(a, Numerics(invariance="exact"))
     tokens = _tokens()
     with torch.no_grad():
         ya, yb = a(tokens).logits, b(tokens).logits
         assert not torch.equal(ya, yb)  # the exact GEMMs round differently from the standard ones
-        with b.numerics.invariant():  # b alone switched: a is untouched
+        with b.numerics.invariant("exact"):  # b alone switched: a is untouched
             assert torch.equal(b(tokens).logits, ya)
             assert torch.equal(a(tokens).logits, ya)
         assert torch.equal(b(tokens).logits, yb)
-        with a.numerics.invariant(False):
+        with a.numerics.invariant("standard"):
             assert torch.equal(a(tokens).logits, yb) and torch.equal(b(tokens).logits, yb)
 
 
@@ -126,10 +126,10 @@ def test_two_models_draw_their_own_stochastic_rounding_streams():
 
 def test_standard_numerics_cannot_change_and_every_layer_shares_the_models():
     with pytest.raises(ValueError, match="STANDARD numerics cannot be changed"):
-        STANDARD.invariant()
+        STANDARD.invariant("batch")
     with pytest.raises(ValueError, match="STANDARD numerics cannot be changed"):
-        STANDARD.batch_invariant = True
-    assert copy.deepcopy(STANDARD) is STANDARD and not STANDARD.batch_invariant
+        STANDARD.invariance = "batch"
+    assert copy.deepcopy(STANDARD) is STANDARD and STANDARD.invariance == "standard"
     model = build_model(_cfg(), seed=0)
     holders = [m for m in model.modules() if hasattr(m, "numerics")]
     assert len(holders) > 10 and all(m.numerics is model.numerics for m in holders)
@@ -145,7 +145,7 @@ def test_trainer_and_rollout_numerics_come_from_the_config():
     cfg.schedule.global_batch_size, cfg.schedule.micro_batch_size, cfg.schedule.seq_len = 2, 2, 8
     cfg.data.num_samples, cfg.logging.tensorboard_dir, cfg.logging.progress = 8, None, False
     numerics = Trainer(cfg).model.numerics
-    assert (numerics.mode, numerics.triton, numerics.batch_invariant) == ("train", "off", False)
+    assert (numerics.mode, numerics.triton, numerics.invariance) == ("train", "off", "standard")
     assert build_model(cfg, seed=0).numerics.triton == "off"  # any build honours the config's backend
     rollout = numerics_from_config(cfg, "rollout")
-    assert (rollout.mode, rollout.batch_invariant) == ("rollout", cfg.numerics.batch_invariant)
+    assert (rollout.mode, rollout.invariance) == ("rollout", cfg.numerics.invariance)

@@ -6,7 +6,7 @@ mask re-concatenated every step, and every row sampled on its own by `sampling_l
 In the batch-invariant mode (the engine's default) the two must agree bit for bit by construction:
 attention copies the cached keys (`repeat_interleave`) and reads them by position, so a static
 buffer's views and a concatenated tensor give the same values, and every other op sees the same
-inputs. Standard kernels (`batch_invariant=False`) decode with SDPA mapping query heads to kv
+inputs. Standard kernels (`invariance="standard"`) decode with SDPA mapping query heads to kv
 heads itself (`enable_gqa`) instead of repeating the cache, a kernel choice that may round
 differently. Those cases run a float64 model: the two paths' logits then differ by a reordering of
 float64 sums (<= FP64_REL relative, tests/numerics.py), both cast them to fp32 (<= u relative each)
@@ -77,11 +77,11 @@ def test_engine_decode_equals_reference_loop(mode, scope, bi):
     cfg = Config()
     cfg.model.vocab_size, cfg.model.num_layers, cfg.model.init_std, cfg.fp4.scope = 64, 2, 0.1, scope
     model = build_model(cfg, seed=1) if bi else build_model(cfg, seed=1).double()
-    engine = RolloutEngine(model, mode=mode, batch_invariant=bi)
+    engine = RolloutEngine(model, mode=mode, invariance="exact" if bi else "standard")
     with single_thread():
         out = engine.generate(PROMPTS, PARAMS, return_distributions=True)
         model.set_fp4_mode(mode)
-        with torch.no_grad(), model.numerics.invariant(bi):
+        with torch.no_grad(), model.numerics.invariant("exact" if bi else "standard"):
             ref = reference_decode(model.eval(), PROMPTS, PARAMS)
     assert out.finish_reasons == [r["reason"] for r in ref]
     assert "stop" in out.finish_reasons and "length" in out.finish_reasons  # both endings exercised

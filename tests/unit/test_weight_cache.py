@@ -33,7 +33,7 @@ def test_weight_derived_terms_computed_once_and_refreshed_after_in_place_update(
     recipe = Recipe(mode="fp4_resq")
     fp4_calls = _count(monkeypatch, moeresq, "split_fp4" if invariant_on else "resq_quantize")
     limb_calls = _count(monkeypatch, exact_gemm, "_fixed_point_limbs")
-    num = Numerics(batch_invariant=invariant_on)
+    num = Numerics(invariance="exact" if invariant_on else "standard")
 
     def lin(weight):  # exact_linear with the numerics' weight cache, as invariant.linear calls it
         return exact_gemm.exact_linear(x, weight, None, num.weight_cache)
@@ -68,7 +68,7 @@ def test_rollout_generation_bitwise_equal_with_and_without_cache(mode, scope, bi
     cfg.model.vocab_size, cfg.model.num_layers, cfg.fp4.scope = 40, 2, scope
     prompts = [[1, 5, 7, 9], [2, 3], [4, 4, 4, 8, 30]]
     params = SamplingParams(temperature=1.0, max_new_tokens=6, seed=3)
-    outs = [RolloutEngine(build_model(cfg, seed=1), mode=mode, batch_invariant=bi, cache_quantized_weights=c)
+    outs = [RolloutEngine(build_model(cfg, seed=1), mode=mode, invariance="exact" if bi else "standard", cache_quantized_weights=c)
             .generate(prompts, params, return_distributions=True) for c in (False, True)]
     assert outs[0].response_ids == outs[1].response_ids
     for a, b in zip(outs[0].distributions, outs[1].distributions):

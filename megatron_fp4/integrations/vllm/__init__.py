@@ -95,9 +95,9 @@ def quant_sidecar(cfg: Config) -> dict:
         "router_dtype": "float32",
         "weights": "high precision in model.safetensors; quantized at run time by the recipe",
         "formula": "y = Q(x)·Q(W)^T + Q(x - Q(x))·Q(W)^T when mode == 'fp4_resq'; Q(x)·Q(W)^T when 'fp4'",
-        # The plugin's layers run in the batch-invariant numerics mode (exact FP4 GEMMs), like the
-        # trainer's no-grad scoring, when the config asks for it.
-        "batch_invariant": bool(cfg.numerics.batch_invariant),
+        # The plugin's layers run the `exact` numerics level (exact FP4 GEMMs) when the config asks
+        # for a row-invariant level (`batch` or `exact`); its own `batch` kernels are not built yet.
+        "batch_invariant": cfg.numerics.invariance != "standard",
     }
 
 

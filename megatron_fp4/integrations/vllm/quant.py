@@ -90,7 +90,8 @@ class MegatronFP4Config(QuantizationConfig):
         self.batch_invariant = bool(self.block.get("batch_invariant", False))
         self.qw_store: dict = {}  # Q(W) (and exact-GEMM splits) per weight, see invalidate()
         # what every plugin layer computes with: the block's numerics mode, Q(W) reused from qw_store
-        self.values = Numerics(batch_invariant=self.batch_invariant, mode="rollout")
+        # The plugin's invariant path is the `exact` level (its `batch` kernels are not built yet).
+        self.values = Numerics(invariance="exact" if self.batch_invariant else "standard", mode="rollout")
         self.values.weight_cache = self.qw_store
         self.routing_store: Optional[dict] = None  # layer -> [T, k] expert ids of the last forward
 

@@ -1,0 +1,121 @@
+"""The ``batch`` numerics level's kernels: every call has a fixed shape, so a row's bits depend only
+on that row (and, for attention, its prefix), not on its batch, padding, micro-batch or KV cache.
+
+- GEMMs (:func:`tiled_mm`): the rows cut into tiles of :data:`ROW_TILE` rows (the last one
+  zero-padded), one ``torch.mm`` per tile. Every call the kernel sees is [ROW_TILE, K] · [K, N]
+  whatever the row count, so it blocks and (with several threads) splits the K reduction the same
+  way for each tile; a row's position inside its tile does not change its bits (a GEMM reduces
+  each output element over K in an order that depends on the shape, not the row index; checked on
+  the default, AVX2 and native kernels in ``tests/unit/test_numerics_levels.py``). One batched call
+  over all tiles is *not* used: with two threads MKL splits a lone tile's K across the threads but
+  not a batch's (different bits for the same row, measured).
+- Attention (:func:`block_attention`): queries in tiles of ROW_TILE, keys indexed by position in
+  blocks of :data:`KEY_BLOCK`; each (query tile, key block) pair is one fixed-shape batched product
+  for the scores and one for the weighted values, and the blocks are combined in block order by
+  the online softmax (running max, rescaled sums). A query at position p reads blocks 0..p // KEY_BLOCK
+  in a KV-cache decode step and in a causal full forward alike; a block wholly in its future adds
+  exact zeros (its weights are exp(−inf) = 0 and its rescale factor exp(0) = 1).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+ROW_TILE = 16
+KEY_BLOCK = 64
+
+
+def _padded_rows(x2: torch.Tensor, multiple: int) -> torch.Tensor:
+    """``x2`` [M, K] with zero rows appended to a multiple of ``multiple`` rows, in a fresh
+    contiguous buffer (every tile then starts at the same alignment relative to the allocation)."""
+    M = x2.shape[0]
+    tiles = max(1, -(-M // multiple))
+    if tiles * multiple == M and x2.is_contiguous():
+        return x2
+    return torch.cat([x2, x2.new_zeros(tiles * multiple - M, x2.shape[1])]) if tiles * multiple > M else x2.contiguous()
+
+
+def tiled_mm(x2: torch.Tensor, wt: torch.Tensor) -> torch.Tensor:
+    """``x2`` [M, K] @ ``wt`` [K, N] with one [ROW_TILE, K] · [K, N] call per row tile (autograd
+    flows through ``mm``/``cat`` as usual; the backward is not tiled: it is not batch invariant).
+    The operands' memory layouts are made canonical (row-major tiles, ``wt`` the transpose of a
+    row-major [N, K]): a GEMM kernel is chosen by layout as well as shape, and picks other bits."""
+    if not wt.t().is_contiguous():
+        wt = wt.t().contiguous().t()
+    M = x2.shape[0]
+    xp = _padded_rows(x2, ROW_TILE)
+    out = torch.cat([torch.mm(t, wt) for t in xp.split(ROW_TILE)]) if xp.shape[0] > ROW_TILE else torch.mm(xp, wt)
+    return out[:M] if out.shape[0] != M else out
+
+
+def tiled_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``F.linear`` by :func:`tiled_mm` (the bias added after, elementwise)."""
+    out = tiled_mm(x.reshape(-1, x.shape[-1]), weight.t()).reshape(*x.shape[:-1], weight.shape[0])
+    return out if bias is None else out + bias
+
+
+def tiled_grouped_linear(x: torch.Tensor, weights, counts) -> torch.Tensor:
+    """Consecutive runs of ``counts[e]`` rows of ``x`` times ``weights[e]ᵀ``, each run tiled alone."""
+    outs = [tiled_mm(r, w.t()) for r, w, n in zip(x.split(list(counts)), weights, counts) if n]
+    return torch.cat(outs) if outs else x.new_zeros(0, weights[0].shape[0])
+
+
+def _tiles(t: torch.Tensor, dim: int, size: int) -> torch.Tensor:
+    """``t`` zero-padded along ``dim`` to a multiple of ``size`` and split there into [n, size]."""
+    n = t.shape[dim]
+    full = max(1, -(-n // size)) * size
+    if full > n:
+        t = F.pad(t.movedim(dim, -1), (0, full - n)).movedim(-1, dim)
+    return t.contiguous().reshape(*t.shape[:dim], full // size, size, *t.shape[dim + 1:])
+
+
+def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
+                    pad: torch.Tensor) -> torch.Tensor:
+    """Causal attention by position (the contract of ``invariant.attention``): q [B, H, Tq, D];
+    k, v [B, KV, Tk, D] with ``pad[b]`` padding slots before row b's first key; positions [B, Tq]."""
+    B, H, Tq, D = q.shape
+    KV, Tk = k.shape[1], k.shape[2]
+    rep = H // KV
+    n_keys = int(positions.max()) + 1 if positions.numel() else 1
+    if bool(pad.any()):  # row b's key j sits in slot pad[b] + j (clamped: past the end is future anyway)
+        idx = (pad[:, None] + torch.arange(n_keys, device=k.device)[None, :]).clamp(max=Tk - 1)
+        rows = torch.arange(B, device=k.device)[:, None]
+        k, v = k[rows, :, idx].transpose(1, 2), v[rows, :, idx].transpose(1, 2)  # [B, KV, n_keys, D]
+    else:
+        k, v = k[:, :, :n_keys], v[:, :, :n_keys]
+    # Query rows: the rep query heads of a kv head times the queries, in tiles [B, KV, nT, ROW_TILE, D]
+    # (a decode step's rep rows share one tile); padding rows get position 0 (key 0 only: finite).
+    qt = _tiles(q.reshape(B, KV, rep * Tq, D), 2, ROW_TILE)
+    pos = _tiles(positions[:, None, :].expand(B, rep, Tq).reshape(B, rep * Tq), 1, ROW_TILE)  # [B, nT, ROW_TILE]
+    pos = pos[:, None].expand(B, KV, *pos.shape[1:])
+    # A ones column on the values: the weighted-value product also gives the softmax denominator
+    # (the same fixed-shape call sums the block's weights).
+    v = torch.cat([v, v.new_ones(*v.shape[:-1], 1)], -1)
+    kb, vb = _tiles(k, 2, KEY_BLOCK), _tiles(v, 2, KEY_BLOCK)  # [B, KV, nK, KEY_BLOCK, D (+1)]
+    nT = qt.shape[2]
+    # Every batched product's operands row-major (a kernel is chosen by layout as well as shape: a
+    # decode step's expanded key block would otherwise be a transposed view, and get other bits).
+    flat_q = qt.reshape(-1, ROW_TILE, D).contiguous()
+    scale = D ** -0.5
+    m = l = acc = None
+    for j in range(kb.shape[2]):
+        key_pos = torch.arange(j * KEY_BLOCK, (j + 1) * KEY_BLOCK, device=q.device)
+        kj = kb[:, :, j, None].expand(B, KV, nT, KEY_BLOCK, D).reshape(-1, KEY_BLOCK, D).contiguous()
+        s = torch.bmm(flat_q, kj.transpose(1, 2)).view(B, KV, nT, ROW_TILE, KEY_BLOCK) * scale
+        s = s.masked_fill(key_pos > pos[..., None], float("-inf"))
+        blk_max = s.amax(-1)
+        m_new = blk_max if m is None else torch.maximum(m, blk_max)
+        p = torch.exp(s - m_new[..., None])
+        vj = vb[:, :, j, None].expand(B, KV, nT, KEY_BLOCK, D + 1).reshape(-1, KEY_BLOCK, D + 1).contiguous()
+        pv = torch.bmm(p.reshape(-1, ROW_TILE, KEY_BLOCK).contiguous(), vj).view(B, KV, nT, ROW_TILE, D + 1)
+        pv, ps = pv[..., :D], pv[..., D]
+        if m is None:
+            l, acc = ps, pv
+        else:
+            corr = torch.exp(m - m_new)
+            l, acc = l * corr + ps, acc * corr[..., None] + pv
+        m = m_new
+    out = (acc / l[..., None]).reshape(B, KV, -1, D)[:, :, :rep * Tq]  # [B, KV, rep·Tq, D]
+    return out.reshape(B, H, Tq, D)

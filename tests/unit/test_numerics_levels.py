@@ -1,0 +1,176 @@
+"""The ``batch`` level's kernels (``fp4/tiled.py``): a row's bits do not depend on its batch.
+
+Bitwise claims hold by construction (every kernel call has one shape whatever the row count, see the
+module doc), so they are asserted exactly, with one and two intra-op threads; run them under
+``ATEN_CPU_CAPABILITY=default|avx2`` and ``MKL_CBWR`` variations too (``tools/check_portability.sh``).
+Accuracy is checked against float64 references within bounds derived from the fp32 rounding unit.
+"""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from megatron_fp4.fp4 import Numerics, invariant
+from megatron_fp4.fp4.exact_gemm import exact_linear
+from megatron_fp4.fp4.tiled import KEY_BLOCK, ROW_TILE, block_attention, tiled_grouped_linear, tiled_linear
+
+U = 2.0 ** -24  # fp32 unit roundoff
+
+
+def gamma(n: int) -> float:
+    return n * U / (1 - n * U)
+
+
+def bits(t):
+    return t.contiguous().view(torch.int32)
+
+
+@pytest.fixture(params=[1, 2], ids=["1thread", "2threads"])
+def threads(request):
+    before = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    yield request.param
+    torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("k,n", [(64, 96), (1000, 77), (2048, 256)])
+def test_tiled_linear_row_bits_do_not_depend_on_the_batch(threads, k, n):
+    g = torch.Generator().manual_seed(k + n)
+    x, w = torch.randn(300, k, generator=g), torch.randn(n, k, generator=g) / math.sqrt(k)
+    full = tiled_linear(x, w)
+    perm = torch.randperm(300, generator=g)
+    shuffled = tiled_linear(x[perm], w)
+    for i in (0, 1, ROW_TILE - 1, ROW_TILE, 101, 299):
+        assert torch.equal(bits(tiled_linear(x[i:i + 1], w)[0]), bits(full[i]))  # alone
+        assert torch.equal(bits(tiled_linear(x[max(0, i - 5):i + 1], w)[-1]), bits(full[i]))  # other tile slot
+    assert torch.equal(bits(shuffled), bits(full[perm]))  # other tiles, other neighbours
+    # one fp32 dot product of k terms per element: |err| <= gamma_k * sum |x||w|
+    ref = x.double() @ w.double().t()
+    assert ((full.double() - ref).abs() <= gamma(k) * (x.double().abs() @ w.double().abs().t()) + 1e-30).all()
+
+
+def test_tiled_linear_bias_leading_dims_and_grad():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 21, 32, generator=g, requires_grad=True)
+    w = torch.randn(8, 32, generator=g, requires_grad=True)
+    b = torch.randn(8, generator=g, requires_grad=True)
+    y = tiled_linear(x, w, b)
+    assert y.shape == (2, 21, 8)
+    assert torch.equal(bits(y), bits(tiled_linear(x.reshape(42, 32), w, b).reshape(2, 21, 8)))
+    y.square().sum().backward()
+    x2, w2, b2 = (t.detach().clone().double().requires_grad_() for t in (x, w, b))
+    F.linear(x2, w2, b2).square().sum().backward()
+    for got, ref in ((x.grad, x2.grad), (w.grad, w2.grad), (b.grad, b2.grad)):
+        torch.testing.assert_close(got.double(), ref, rtol=1e-4, atol=1e-4)  # fp32 chain vs fp64, O(K u) relative
+
+
+def test_tiled_grouped_linear_is_each_run_alone():
+    g = torch.Generator().manual_seed(1)
+    counts = [5, 0, 19, 1]
+    weights = [torch.randn(12, 40, generator=g) for _ in counts]
+    x = torch.randn(sum(counts), 40, generator=g)
+    got = tiled_grouped_linear(x, weights, counts)
+    runs = [tiled_linear(r, w) for r, w, n in zip(x.split(counts), weights, counts) if n]
+    assert torch.equal(bits(got), bits(torch.cat(runs)))
+
+
+def test_invariant_linear_dispatches_by_level():
+    g = torch.Generator().manual_seed(2)
+    x, w = torch.randn(3, 32, generator=g), torch.randn(8, 32, generator=g)
+    assert torch.equal(invariant.linear(x, w, None, Numerics(invariance="batch")), tiled_linear(x, w))
+    assert torch.equal(invariant.linear(x, w, None, Numerics(invariance="standard")), F.linear(x, w))
+    assert torch.equal(invariant.linear(x, w, None, Numerics(invariance="exact")), exact_linear(x, w))
+    with pytest.raises(ValueError, match="invariance='fast'"):
+        Numerics(invariance="fast")
+
+
+def _reference_attention(q, k, v, positions, pad):
+    """float64 causal attention by position (keys shifted past the padding), GQA by repetition."""
+    B, H, Tq, D = q.shape
+    rep = H // k.shape[1]
+    k, v = k.double().repeat_interleave(rep, 1), v.double().repeat_interleave(rep, 1)
+    out = torch.zeros(B, H, Tq, D, dtype=torch.float64)
+    for b in range(B):
+        kb, vb = k[b, :, pad[b]:], v[b, :, pad[b]:]
+        for t in range(Tq):
+            p = int(positions[b, t])
+            s = (q[b, :, t].double()[:, None, :] * kb[:, :p + 1]).sum(-1) / math.sqrt(D)
+            out[b, :, t] = (torch.softmax(s, -1)[..., None] * vb[:, :p + 1]).sum(1)
+    return out
+
+
+def _case(seed, B=3, H=4, KV=2, T=150, D=32):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, H, T, D, generator=g)
+    k, v = torch.randn(B, KV, T, D, generator=g), torch.randn(B, KV, T, D, generator=g)
+    pad = torch.tensor([0, 7, 70])[:B]
+    positions = (torch.arange(T)[None, :] - pad[:, None]).clamp(min=0)
+    return q, k, v, positions, pad
+
+
+def test_block_attention_matches_float64_within_bound():
+    q, k, v, positions, pad = _case(0)
+    got = block_attention(q, k, v, positions, pad)
+    ref = _reference_attention(q, k, v, positions, pad)
+    D, T = q.shape[-1], k.shape[2]
+    # scores: |err| <= gamma_D·Σ|q||k|/sqrt(D) (+ exp's few ulp); a convex combination of values with
+    # weights of relative error ≲ 2·(score err) + gamma_{T+D+4}, blocks rescaled ≤ T/KEY_BLOCK times
+    s_abs = (q.abs().double() @ k.abs().double().repeat_interleave(2, 1).transpose(-1, -2)).amax() / math.sqrt(D)
+    rel = 2 * (gamma(D) * float(s_abs) + 4 * U) + gamma(T + D + 4 + 2 * math.ceil(T / KEY_BLOCK))
+    bound = 2 * rel * float(v.abs().amax())
+    real = positions >= 0
+    err = (got.double() - ref).abs().amax(-1).amax(1)[real]
+    assert float(err.max()) <= bound, (float(err.max()), bound)
+
+
+def test_block_attention_decode_equals_full_forward_bitwise(threads):
+    """Each query alone over its cache prefix (a decode step), and in other batches, == the causal
+    full forward of the batch, bitwise, whatever the padding."""
+    q, k, v, positions, pad = _case(1)
+    full = block_attention(q, k, v, positions, pad)
+    for b in range(q.shape[0]):
+        for t in (int(pad[b]), int(pad[b]) + 1, 63 + int(pad[b]), 64 + int(pad[b]), q.shape[2] - 1):
+            if t >= q.shape[2]:
+                continue
+            step = block_attention(q[b:b + 1, :, t:t + 1], k[b:b + 1, :, :t + 1], v[b:b + 1, :, :t + 1],
+                                   positions[b:b + 1, t:t + 1], pad[b:b + 1])
+            assert torch.equal(bits(step[0, :, 0]), bits(full[b, :, t])), (b, t)
+    alone = block_attention(q[1:2], k[1:2], v[1:2], positions[1:2], pad[1:2])
+    assert torch.equal(bits(alone[0]), bits(full[1]))
+
+
+@pytest.mark.parametrize("mode,scope", [("bf16", "experts"), ("fp4_resq", "experts+attention"), ("fp4", "experts")])
+def test_batch_level_training_forward_equals_no_grad_scoring_bitwise(mode, scope):
+    """The training forward (autograd: experts one by one, MoEResQ's autograd Functions) gives the
+    no-grad scoring forward's bits (grouped experts) at the batch level, in another batch too."""
+    from megatron_fp4.config import Config
+    from megatron_fp4.model import build_model
+
+    cfg = Config()
+    cfg.model.num_layers, cfg.fp4.scope = 2, scope
+    model = build_model(cfg, seed=7)
+    model.set_fp4_mode(mode)
+    tokens = torch.randint(1, cfg.model.vocab_size, (5, 19), generator=torch.Generator().manual_seed(3))
+    with model.numerics.invariant("batch"):
+        with torch.no_grad():
+            scored = model(tokens).logits
+            alone = model(tokens[2:3]).logits
+        trained = model(tokens).logits
+        trained.float().square().mean().backward()  # a real training forward: the graph is used
+    assert torch.equal(bits(trained.detach()), bits(scored))
+    assert torch.equal(bits(alone[0]), bits(scored[2]))
+
+
+def test_invariant_silu_gradient_is_finite_and_silus():
+    """The row-invariant SiLU's gradient is SiLU's derivative, finite where exp(−x) overflows
+    (autograd through x / (1 + exp(−x)) gave NaN for x < −88)."""
+    x = torch.tensor([-200.0, -90.0, -20.0, -1.0, 0.0, 0.5, 3.0, 100.0], requires_grad=True)
+    invariant.silu(x, Numerics(invariance="batch")).sum().backward()
+    ref = x.detach().double().requires_grad_()
+    F.silu(ref).sum().backward()
+    assert torch.isfinite(x.grad).all()
+    # a few fp32 operations on the derivative's O(1) terms: within 8 ulp of 1 + |x|·u·8
+    assert ((x.grad.double() - ref.grad).abs() <= 8 * U * (1 + x.detach().double().abs())).all()
