@@ -40,7 +40,7 @@ from megatron_fp4.training.trainer import Trainer  # noqa: E402
 REALISTIC = ["model.vocab_size=8192", "model.hidden_size=1024", "model.num_layers=2", "model.num_heads=16",
              "model.num_kv_heads=4", "model.head_dim=64", "model.num_experts=64", "model.top_k=8",
              "model.moe_ffn_hidden_size=384", "schedule.global_batch_size=2", "schedule.micro_batch_size=2",
-             "schedule.seq_len=256", "data.num_samples=200"]
+             "schedule.seq_len=256", "model.max_seq_len=256", "data.num_samples=200"]
 SHAPES = {
     "tiny": ["model.vocab_size=2048", "model.hidden_size=256", "model.num_layers=4", "model.num_heads=4",
              "model.num_kv_heads=2", "model.head_dim=64", "model.num_experts=8", "model.top_k=2",
@@ -77,6 +77,8 @@ def build_runners(args, overrides: list[str], ckpt_dir: str) -> tuple[dict, dict
         load_hf_shard(t.model, ckpt_dir)  # in place: the params stay views of the optimizer's flat buffers
         trainers[name] = t
     first = trainers[args.modes[0]]
+    if args.profile:
+        return {}, trainers
     hf = transformers.Qwen3MoeForCausalLM.from_pretrained(ckpt_dir, dtype=torch.float32)
     runners = {"hf": HFTrainStep(hf, first.cfg.optimizer)}
     for name, t in trainers.items():
@@ -92,9 +94,9 @@ def run_shape(args, shape: str) -> dict:
         write_random_hf_checkpoint(probe.model, ckpt_dir, probe.schedule.seed)
         runners, trainers = build_runners(args, overrides, ckpt_dir)
     first = trainers[args.modes[0]]
-    sync = lambda: runners["hf"].load_from(first.model)  # noqa: E731 - the same routing on both sides
     if args.profile:
         return profile_trainer(args, first)
+    sync = lambda: runners["hf"].load_from(first.model)  # noqa: E731 - the same routing on both sides
     med = timed_rounds(runners, first.next_micro_batches, args.warmup, args.steps, sync)
     cfg = first.cfg
     m, s = cfg.model, cfg.schedule
