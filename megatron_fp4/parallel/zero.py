@@ -56,7 +56,7 @@ from megatron_fp4.model.specs import no_weight_decay
 # a few MB, so a piece's clipped gradient is still in cache when AdamW reads it and no
 # parameter-sized temporary is allocated. A multiple of every SIMD width (64 elements), so cutting
 # a tensor into pieces never moves the fused kernel's vector/scalar split: the bits of one call.
-_CHUNK = 1 << 20
+CHUNK_NUMEL = 1 << 20  # (the memory planner reads it)
 
 
 def _reduce_scatter(out, inp, group, async_op):
@@ -111,11 +111,11 @@ def sum_of_squares(flat: torch.Tensor, wide: torch.dtype) -> torch.Tensor:
     as accurate as ``flat.to(wide).pow(2).sum()`` (error ~ log2(n)·u·Σx², not the n·u of a running sum)."""
     if flat.numel() == 0:
         return torch.zeros((), dtype=wide, device=flat.device)
-    scratch = torch.empty(min(_CHUNK, flat.numel()), dtype=wide, device=flat.device)
+    scratch = torch.empty(min(CHUNK_NUMEL, flat.numel()), dtype=wide, device=flat.device)
     parts = []
-    for lo in range(0, flat.numel(), _CHUNK):
-        piece = scratch[:min(_CHUNK, flat.numel() - lo)]
-        piece.copy_(flat[lo:lo + _CHUNK])
+    for lo in range(0, flat.numel(), CHUNK_NUMEL):
+        piece = scratch[:min(CHUNK_NUMEL, flat.numel() - lo)]
+        piece.copy_(flat[lo:lo + CHUNK_NUMEL])
         parts.append(piece.mul_(piece).sum())
     return torch.stack(parts).sum()
 
@@ -397,10 +397,10 @@ class ZeroAdamW:
             state["exp_avg_sq"] = torch.zeros_like(master, memory_format=torch.preserve_format)
         state["step"] += 1
         copy = clip_coef != 1.0 or grad.dtype != master.dtype
-        scratch = torch.empty(min(_CHUNK, master.numel()), dtype=master.dtype, device=master.device) if copy else None
+        scratch = torch.empty(min(CHUNK_NUMEL, master.numel()), dtype=master.dtype, device=master.device) if copy else None
         beta1, beta2 = group["betas"]
-        for lo in range(0, master.numel(), _CHUNK):
-            hi = min(lo + _CHUNK, master.numel())
+        for lo in range(0, master.numel(), CHUNK_NUMEL):
+            hi = min(lo + CHUNK_NUMEL, master.numel())
             g = grad[lo:hi]
             if scratch is not None:
                 g = scratch[:hi - lo].copy_(g)

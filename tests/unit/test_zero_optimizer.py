@@ -97,7 +97,7 @@ def test_zero_adamw_matches_float64_adamw(zero_stage, bucket_mb):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
 @pytest.mark.parametrize("clip_coef", [1.0, 0.37])
 def test_step_is_torch_fused_adamw_on_the_whole_master(dtype, clip_coef):
-    """The step feeds torch's fused AdamW the clipped gradient piece by piece (`_CHUNK` elements):
+    """The step feeds torch's fused AdamW the clipped gradient piece by piece (`CHUNK_NUMEL` elements):
     the same bits as one ``torch.optim.AdamW(fused=True)`` step on the whole master with
     ``grad.to(master dtype) * clip_coef`` (pieces are multiples of the SIMD width, so the kernel's
     vector/scalar split does not move). A buffer of several pieces and a ragged tail; a bf16 param
@@ -105,7 +105,7 @@ def test_step_is_torch_fused_adamw_on_the_whole_master(dtype, clip_coef):
     from megatron_fp4.config import OptimizerConfig
     from megatron_fp4.parallel import zero
 
-    shape = ((2 * zero._CHUNK + 12345) // 3, 3)  # 2-D: weight-decayed; several pieces and a ragged tail
+    shape = ((2 * zero.CHUNK_NUMEL + 12345) // 3, 3)  # 2-D: weight-decayed; several pieces and a ragged tail
     g = torch.Generator().manual_seed(0)
     weight = torch.nn.Parameter((torch.randn(shape, generator=g) * 0.05).to(dtype))
     o = OptimizerConfig()
