@@ -114,9 +114,12 @@ def sum_of_squares(flat: torch.Tensor, wide: torch.dtype) -> torch.Tensor:
     scratch = torch.empty(min(CHUNK_NUMEL, flat.numel()), dtype=wide, device=flat.device)
     parts = []
     for lo in range(0, flat.numel(), CHUNK_NUMEL):
-        piece = scratch[:min(CHUNK_NUMEL, flat.numel() - lo)]
-        piece.copy_(flat[lo:lo + CHUNK_NUMEL])
-        parts.append(piece.mul_(piece).sum())
+        x, piece = flat[lo:lo + CHUNK_NUMEL], scratch[:min(CHUNK_NUMEL, flat.numel() - lo)]
+        if x.dtype == wide:
+            torch.mul(x, x, out=piece)
+        else:
+            piece.copy_(x).mul_(piece)
+        parts.append(piece.sum())
     return torch.stack(parts).sum()
 
 
@@ -402,7 +405,9 @@ class ZeroAdamW:
         for lo in range(0, master.numel(), CHUNK_NUMEL):
             hi = min(lo + CHUNK_NUMEL, master.numel())
             g = grad[lo:hi]
-            if scratch is not None:
+            if g.dtype == master.dtype and scratch is not None:
+                g = torch.mul(g, clip_coef, out=scratch[:hi - lo])
+            elif scratch is not None:  # cast, then clip in the master's dtype
                 g = scratch[:hi - lo].copy_(g)
                 if clip_coef != 1.0:
                     g.mul_(clip_coef)
