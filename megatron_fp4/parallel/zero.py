@@ -177,6 +177,15 @@ class FlatBuffer:
         return out
 
 
+def _all_finite(flat: torch.Tensor, piece_sums: list) -> bool:
+    """Whether `flat` (whose pieces sum to `piece_sums`) is all finite: a sum is non-finite whenever
+    a term is (NaN propagates, an infinity stays or meets its opposite as NaN), so finite sums prove
+    it; a finite tensor whose sum overflows gets the exact scan (`training.nonfinite.all_finite`'s rule)."""
+    if bool(torch.isfinite(torch.stack(piece_sums).to(torch.float32)).all()):
+        return True
+    return bool(torch.isfinite(flat).all())
+
+
 def _fused_adamw_on(device: torch.device) -> bool:
     """Whether torch has its fused AdamW kernel for `device` (CPU and CUDA do)."""
     from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
@@ -374,25 +383,36 @@ class ZeroAdamW:
         return split + whole
 
     @torch.no_grad()
-    def step(self, lr: float, clip_coef: float = 1.0) -> None:
+    def step(self, lr: float, clip_coef: float = 1.0) -> bool:
+        """One AdamW update of every buffer; returns whether this rank's parameters are all finite
+        after it (the trainer's post-update check, taken here while each piece is still in cache
+        where the param buffer is the master: no extra pass over the weights)."""
+        finite = True
         for k, (buf, master, opt) in enumerate(zip(self.buffers, self.masters, self.optimizers)):
             for group in opt.param_groups:
                 group["lr"] = lr
+            sums = []
             if opt.defaults["fused"]:
-                self._fused_step(opt, master, self._local_grad(k), clip_coef)
+                sums = self._fused_step(opt, master, self._local_grad(k), clip_coef)
             else:  # a device without torch's fused AdamW: the library's step on a clipped copy
                 grad = self._local_grad(k).to(master.dtype)
                 master.grad = grad * clip_coef if clip_coef != 1.0 else grad
                 opt.step()
                 master.grad = None
             self._write_back(buf, master)
+            if master.data_ptr() != buf.data.data_ptr() or not sums:  # the params are a cast or a gather
+                sums = [buf.data[lo:lo + CHUNK_NUMEL].sum() for lo in range(0, buf.numel, CHUNK_NUMEL)]
+            finite = finite and _all_finite(buf.data, sums)
+        return finite
 
     @staticmethod
-    def _fused_step(opt: torch.optim.AdamW, master: torch.Tensor, grad: torch.Tensor, clip_coef: float) -> None:
+    def _fused_step(opt: torch.optim.AdamW, master: torch.Tensor, grad: torch.Tensor, clip_coef: float) -> list:
         """`opt.step()` (torch's fused AdamW: one pass reading and writing master, grad, exp_avg and
         exp_avg_sq) with the gradient cast and clipped out of place, piece by piece into a small
         buffer (p.grad keeps the reduced, unclipped gradient). The same bits as ``opt.step()`` on the
-        whole master with ``master.grad = grad.to(master.dtype) * clip_coef`` (tested)."""
+        whole master with ``master.grad = grad.to(master.dtype) * clip_coef`` (tested). Returns the
+        sum of every updated piece (for `_all_finite`)."""
+        sums = []
         group, state = opt.param_groups[0], opt.state[master]
         if not state:  # as torch.optim.AdamW(fused=True) initialises it
             state["step"] = torch.zeros((), dtype=torch.float32, device=master.device)
@@ -414,6 +434,8 @@ class ZeroAdamW:
             torch._fused_adamw_([master[lo:hi]], [g], [state["exp_avg"][lo:hi]], [state["exp_avg_sq"][lo:hi]], [],
                                 [state["step"]], lr=group["lr"], beta1=beta1, beta2=beta2,
                                 weight_decay=group["weight_decay"], eps=group["eps"], amsgrad=False, maximize=False)
+            sums.append(master[lo:hi].sum())
+        return sums
 
     def _write_back(self, buf: FlatBuffer, master: torch.Tensor) -> None:
         """Copy updated masters into the param buffer and all-gather the owned slices."""

@@ -169,11 +169,11 @@ class TrainingStep:
             self.optimizer.zero_grad()
             result.update(skipped=True, message=self._refuse_step(bad_ranks, loss, grad_norm))
         else:
-            self.optimizer.step(lr, clip_coefficient(grad_norm, self.cfg.optimizer.clip_grad))
+            finite = self.optimizer.step(lr, clip_coefficient(grad_norm, self.cfg.optimizer.clip_grad))
             self.consecutive_skips = 0
             self.require_finite_weights(f"step {self.step}: the optimizer update (lr={lr:g}) made weights "
                                         f"non-finite", "the run stops; nothing was saved and the last checkpoint "
-                                        "is intact. Lower optimizer.lr or raise optimizer.eps")
+                                        "is intact. Lower optimizer.lr or raise optimizer.eps", local_finite=finite)
         # aux-loss-free MoE balancing: the router biases move outside the gradient (model/moe.py)
         update_expert_bias(self.model, applied=not bad_ranks, group=self.mesh.group("dp") if self.mesh.dp > 1 else None)
         self.step += 1
@@ -235,9 +235,14 @@ class TrainingStep:
                                  f"are those before the skipped steps. Last one: {message}")
         return message
 
-    def require_finite_weights(self, what: str, consequence: str, error=NonFiniteError) -> None:
-        """Raise `error` on every rank unless every rank's weights are finite (a mesh-wide vote)."""
-        bad = self.mesh.ranks_with(not all_finite(p.detach() for p in self.model.parameters()))
+    def require_finite_weights(self, what: str, consequence: str, error=NonFiniteError,
+                               local_finite: Optional[bool] = None) -> None:
+        """Raise `error` on every rank unless every rank's weights are finite (a mesh-wide vote).
+        `local_finite`: this rank's answer when already known (the update checks what it wrote,
+        `ZeroAdamW.step`: the weights it did not touch were checked when loaded or before)."""
+        if local_finite is None:
+            local_finite = all_finite(p.detach() for p in self.model.parameters())
+        bad = self.mesh.ranks_with(not local_finite)
         if bad:
             ranks = f" on rank(s) {bad}" if self.mesh.world_size > 1 else ""
             raise error(f"{what}{ranks}; {consequence}")

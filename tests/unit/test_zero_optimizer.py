@@ -165,3 +165,29 @@ def test_one_process_fp32_keeps_no_master_copy(zero_stage):
     bf16 = ZeroAdamW(build_model(cfg).to(torch.bfloat16).named_parameters(), cfg.optimizer, ParallelMesh.single(),
                      zero_stage)
     assert all(m.dtype == torch.float32 and m.data_ptr() != b.data.data_ptr() for m, b in zip(bf16.masters, bf16.buffers))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_step_reports_whether_the_updated_weights_are_finite(dtype):
+    """`step` returns the trainer's post-update check (no extra pass where the param buffer is the
+    master): an infinite lr makes weights non-finite; finite weights whose sum overflows float32
+    are finite (the exact scan decides); a bf16 param is checked as written (a finite fp32 master
+    above bf16's range is an infinite bf16 weight)."""
+    from megatron_fp4.config import OptimizerConfig
+
+    def one_step(values, lr, master_value=None):
+        weight = torch.nn.Parameter(values.to(dtype))
+        opt = ZeroAdamW([("w", weight)], OptimizerConfig(weight_decay=0.0), ParallelMesh.single(), zero_stage=1)
+        if master_value is not None:
+            opt.masters[0].data.fill_(master_value)
+        weight.grad.fill_(1e-3)
+        opt.finish_grad_sync()
+        return opt.step(lr)
+
+    rows = torch.ones(4, 3)
+    assert one_step(rows, 1e-2) is True
+    assert one_step(rows, float("inf")) is False
+    if dtype == torch.float32:
+        assert one_step(torch.full((4, 3), 3e38), 0.0) is True  # Σ overflows, every value finite
+    else:
+        assert one_step(rows, 0.0, master_value=3.3999e38) is False  # rounds to inf in bf16
