@@ -34,7 +34,7 @@ from megatron_fp4.parallel import expert_parallel as ep_mod
 from megatron_fp4.parallel.dims import ParallelDims
 from megatron_fp4.parallel.pipeline import PLACEMENT, build_chunks, rank_chunks, split_layers
 from megatron_fp4.parallel.tensor_parallel import parallelize_tp
-from megatron_fp4.parallel.zero import CHUNK_NUMEL, owned_ranges, plan_buckets
+from megatron_fp4.parallel.flat_buffer import CHUNK_NUMEL, owned_ranges, plan_buckets
 
 PLANNED_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
 _STEP_BYTES = 4  # torch AdamW's per-param ``step`` scalar (float32)

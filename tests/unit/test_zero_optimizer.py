@@ -7,8 +7,9 @@ import torch
 
 from megatron_fp4.config import Config
 from megatron_fp4.model import build_model
+from megatron_fp4.parallel.flat_buffer import CHUNK_NUMEL, merge_ranges, owned_ranges, plan_buckets, sum_of_squares
 from megatron_fp4.parallel.mesh import ParallelMesh
-from megatron_fp4.parallel.zero import ZeroAdamW, merge_ranges, owned_ranges, plan_buckets, sum_of_squares
+from megatron_fp4.parallel.zero import ZeroAdamW
 
 
 def test_plan_buckets_pads_to_group_size_and_never_splits_a_param():
@@ -103,9 +104,8 @@ def test_step_is_torch_fused_adamw_on_the_whole_master(dtype, clip_coef):
     vector/scalar split does not move). A buffer of several pieces and a ragged tail; a bf16 param
     keeps an fp32 master. The unclipped gradient stays in p.grad."""
     from megatron_fp4.config import OptimizerConfig
-    from megatron_fp4.parallel import zero
 
-    shape = ((2 * zero.CHUNK_NUMEL + 12345) // 3, 3)  # 2-D: weight-decayed; several pieces and a ragged tail
+    shape = ((2 * CHUNK_NUMEL + 12345) // 3, 3)  # 2-D: weight-decayed; several pieces and a ragged tail
     g = torch.Generator().manual_seed(0)
     weight = torch.nn.Parameter((torch.randn(shape, generator=g) * 0.05).to(dtype))
     o = OptimizerConfig()
