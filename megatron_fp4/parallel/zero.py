@@ -3,7 +3,7 @@
 Megatron-Core's distributed optimizer needs CUDA (its buffers, streams and NCCL calls), so it cannot
 run on the CPU/gloo path this project is developed on; this is a small portable equivalent. It is
 the trainer's one optimizer at every size: a single process (no process group) is a group of size 1,
-where nothing is padded or reduced and the update is `torch.optim.AdamW`'s, bit for bit.
+where nothing is padded or reduced and the update is `torch.optim.AdamW(fused=True)`'s, bit for bit.
 
 Layout. Parameters are grouped by (dtype, reduction axis, weight decay). Each group is one
 `FlatBuffer`: the params' data and ``.grad`` are views into two contiguous flat tensors, laid out in
@@ -23,8 +23,11 @@ Sharding. Rank r of a buffer's group *owns* the r-th slice of every bucket. ZeRO
   As in Megatron the full-size grad buffer stays, as the accumulation target of the micro-batches.
 
 After the step the owned master slices are all-gathered back into the param buffer. Adam itself is
-`torch.optim.AdamW` on the flat master shard (one param per buffer, uniform weight decay), so its
-math is the library's, element for element.
+`torch.optim.AdamW` with torch's fused kernel (CPU and CUDA; elsewhere its default step) on the flat
+master shard (one param per buffer, uniform weight decay), so its math is the library's, element for
+element. At 100M+ parameters every pass over them counts (issue 37): the step makes one pass (the
+fused kernel, fed the clipped gradient piece by piece from a small buffer), the norm one (squares
+summed piece by piece), and a rank's contiguous ranges are views, never copies.
 
 Overlap. ``prepare_grad_sync(num_microbatches)`` arms post-accumulate-grad hooks: when every param of
 a bucket has accumulated its last micro-batch's gradient, the bucket's collective starts
@@ -38,8 +41,6 @@ over tp first and the parameters every tp rank holds whole counted once.
 """
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
@@ -48,6 +49,11 @@ from torch import nn
 
 from megatron_fp4.model.layers import wide_dtype
 from megatron_fp4.model.specs import no_weight_decay
+from megatron_fp4.parallel.flat_buffer import (CHUNK_NUMEL, Bucket, FlatBuffer, all_finite_pieces, merge_ranges,
+                                               owned_ranges, plan_buckets, sum_of_squares)
+
+__all__ = ["ZeroAdamW", "mark_tp_replicas", "CHUNK_NUMEL", "merge_ranges", "owned_ranges", "plan_buckets",
+           "sum_of_squares"]
 
 
 def _reduce_scatter(out, inp, group, async_op):
@@ -60,80 +66,10 @@ def _all_gather(out, inp, group, async_op):
     return fn(out, inp, group=group, async_op=async_op)
 
 
-def plan_buckets(numels: list[int], bucket_numel: int, group_size: int) -> tuple[list[int], list[tuple[int, int]]]:
-    """Pure: (offset of every param, [(start, end)] of every bucket) for params laid out in order.
-
-    A bucket closes once it holds >= bucket_numel elements; its end is padded to a multiple of
-    group_size so every rank owns an equal slice."""
-    offsets, buckets, start, pos = [], [], 0, 0
-    for i, n in enumerate(numels):
-        offsets.append(pos)
-        pos += n
-        if pos - start >= bucket_numel or i == len(numels) - 1:
-            pos = start + math.ceil((pos - start) / group_size) * group_size
-            buckets.append((start, pos))
-            start = pos
-    return offsets, buckets
-
-
-def owned_ranges(buckets: list[tuple[int, int]], group_size: int, group_rank: int) -> list[tuple[int, int]]:
-    """Pure: the buffer ranges rank `group_rank` owns (its slice of every bucket)."""
-    out = []
-    for start, end in buckets:
-        size = (end - start) // group_size
-        out.append((start + group_rank * size, start + (group_rank + 1) * size))
-    return out
-
-
-@dataclass
-class Bucket:
-    start: int
-    end: int
-    params: list
-    pending: int = 0
-    work: Optional[object] = None
-
-
-@dataclass
-class FlatBuffer:
-    """Params of one (dtype, axis, weight decay) group with their grad buffer, buckets and shard."""
-
-    axis: str
-    group: Optional[object]
-    group_size: int
-    group_rank: int
-    weight_decay: float
-    names: list
-    params: list
-    offsets: list
-    buckets: list
-    data: torch.Tensor
-    grad: torch.Tensor
-    owned: list  # [(lo, hi)] buffer ranges this rank owns
-    state_ranges: list = field(default_factory=list)  # buffer ranges this rank keeps Adam state for
-
-    @property
-    def numel(self) -> int:
-        return self.data.numel()
-
-    def param_view(self, i: int, flat: torch.Tensor) -> torch.Tensor:
-        p = self.params[i]
-        return flat[self.offsets[i]:self.offsets[i] + p.numel()].view_as(p)
-
-    def gather_ranges(self, flat: torch.Tensor, ranges) -> torch.Tensor:
-        return torch.cat([flat[lo:hi] for lo, hi in ranges]) if len(ranges) > 1 else flat[ranges[0][0]:ranges[0][1]]
-
-    def pieces(self, ranges=None):
-        """(param index, param element lo, hi, offset in the concatenated ranges) of every param part
-        inside `ranges` (default: the ranges this rank keeps Adam state for)."""
-        out, state_pos = [], 0
-        for lo, hi in self.state_ranges if ranges is None else ranges:
-            for i, p in enumerate(self.params):
-                a, b = max(lo, self.offsets[i]), min(hi, self.offsets[i] + p.numel())
-                if a < b:
-                    out.append((i, a - self.offsets[i], b - self.offsets[i], state_pos + a - lo))
-            state_pos += hi - lo
-        return out
+def _fused_adamw_on(device: torch.device) -> bool:
+    """Whether torch has its fused AdamW kernel for `device` (CPU and CUDA do)."""
+    from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
+    return device.type in _get_fused_kernels_supported_devices()
 
 
 def mark_tp_replicas(plan) -> None:
@@ -177,7 +113,8 @@ class ZeroAdamW:
             self.grad_shards.append(torch.zeros(master.numel(), dtype=buf.data.dtype, device=buf.data.device)
                                     if zero_stage == 2 else None)
             self.optimizers.append(torch.optim.AdamW([master], lr=opt_cfg.lr, betas=(opt_cfg.beta1, opt_cfg.beta2),
-                                                     eps=opt_cfg.eps, weight_decay=buf.weight_decay))
+                                                     eps=opt_cfg.eps, weight_decay=buf.weight_decay,
+                                                     fused=_fused_adamw_on(master.device)))
         self._hooks = []
         self._armed = False
         for buf in self.buffers:
@@ -295,10 +232,10 @@ class ZeroAdamW:
             sq = self._tp_sq_sum(wide)
         for k, buf in enumerate(self.buffers if self.mesh.tp == 1 else ()):
             if self.zero_stage == 2:
-                sq += self.grad_shards[k].to(wide).pow(2).sum()
+                sq += sum_of_squares(self.grad_shards[k], wide)
             else:
-                for lo, hi in buf.owned:
-                    sq += buf.grad[lo:hi].to(wide).pow(2).sum()
+                for lo, hi in merge_ranges(buf.owned):
+                    sq += sum_of_squares(buf.grad[lo:hi], wide)
         if self.mesh.world_size > 1:
             for axis in ("dp", "pp"):
                 if self.mesh.size(axis) > 1:
@@ -314,7 +251,7 @@ class ZeroAdamW:
         for k, buf in enumerate(self.buffers):
             flat = self.grad_shards[k] if self.zero_stage == 2 else buf.gather_ranges(buf.grad, buf.owned)
             if buf.axis == "edp":  # a stage's dp×tp ranks refolded as edp×ep: every owned slice distinct
-                split += flat.to(wide).pow(2).sum()
+                split += sum_of_squares(flat, wide)
                 continue
             for i, lo, hi, pos in buf.pieces(buf.owned):
                 p, piece = buf.params[i], flat[pos:pos + hi - lo].to(wide).pow(2).sum()
@@ -326,17 +263,60 @@ class ZeroAdamW:
         return split + whole
 
     @torch.no_grad()
-    def step(self, lr: float, clip_coef: float = 1.0) -> None:
+    def step(self, lr: float, clip_coef: float = 1.0) -> bool:
+        """One AdamW update of every buffer; returns whether this rank's parameters are all finite
+        after it (the trainer's post-update check, taken here while each piece is still in cache
+        where the param buffer is the master: no extra pass over the weights)."""
+        finite = True
         for k, (buf, master, opt) in enumerate(zip(self.buffers, self.masters, self.optimizers)):
-            grad = self._local_grad(k).to(master.dtype)
-            if clip_coef != 1.0:  # out of place: p.grad keeps the reduced, unclipped gradient
-                grad = grad * clip_coef
-            master.grad = grad
             for group in opt.param_groups:
                 group["lr"] = lr
-            opt.step()
-            master.grad = None
+            sums = []
+            if opt.defaults["fused"]:
+                sums = self._fused_step(opt, master, self._local_grad(k), clip_coef)
+            else:  # a device without torch's fused AdamW: the library's step on a clipped copy
+                grad = self._local_grad(k).to(master.dtype)
+                master.grad = grad * clip_coef if clip_coef != 1.0 else grad
+                opt.step()
+                master.grad = None
             self._write_back(buf, master)
+            if master.data_ptr() != buf.data.data_ptr() or not sums:  # the params are a cast or a gather
+                sums = [buf.data[lo:lo + CHUNK_NUMEL].sum() for lo in range(0, buf.numel, CHUNK_NUMEL)]
+            finite = finite and all_finite_pieces(buf.data, sums)
+        return finite
+
+    @staticmethod
+    def _fused_step(opt: torch.optim.AdamW, master: torch.Tensor, grad: torch.Tensor, clip_coef: float) -> list:
+        """`opt.step()` (torch's fused AdamW: one pass reading and writing master, grad, exp_avg and
+        exp_avg_sq) with the gradient cast and clipped out of place, piece by piece into a small
+        buffer (p.grad keeps the reduced, unclipped gradient). The same bits as ``opt.step()`` on the
+        whole master with ``master.grad = grad.to(master.dtype) * clip_coef`` (tested). Returns the
+        sum of every updated piece (for `all_finite_pieces`)."""
+        sums = []
+        group, state = opt.param_groups[0], opt.state[master]
+        if not state:  # as torch.optim.AdamW(fused=True) initialises it
+            state["step"] = torch.zeros((), dtype=torch.float32, device=master.device)
+            state["exp_avg"] = torch.zeros_like(master, memory_format=torch.preserve_format)
+            state["exp_avg_sq"] = torch.zeros_like(master, memory_format=torch.preserve_format)
+        state["step"] += 1
+        copy = clip_coef != 1.0 or grad.dtype != master.dtype
+        scratch = (torch.empty(min(CHUNK_NUMEL, master.numel()), dtype=master.dtype, device=master.device)
+                   if copy else None)
+        beta1, beta2 = group["betas"]
+        for lo in range(0, master.numel(), CHUNK_NUMEL):
+            hi = min(lo + CHUNK_NUMEL, master.numel())
+            g = grad[lo:hi]
+            if g.dtype == master.dtype and scratch is not None:
+                g = torch.mul(g, clip_coef, out=scratch[:hi - lo])
+            elif scratch is not None:  # cast, then clip in the master's dtype
+                g = scratch[:hi - lo].copy_(g)
+                if clip_coef != 1.0:
+                    g.mul_(clip_coef)
+            torch._fused_adamw_([master[lo:hi]], [g], [state["exp_avg"][lo:hi]], [state["exp_avg_sq"][lo:hi]], [],
+                                [state["step"]], lr=group["lr"], beta1=beta1, beta2=beta2,
+                                weight_decay=group["weight_decay"], eps=group["eps"], amsgrad=False, maximize=False)
+            sums.append(master[lo:hi].sum())
+        return sums
 
     def _write_back(self, buf: FlatBuffer, master: torch.Tensor) -> None:
         """Copy updated masters into the param buffer and all-gather the owned slices."""
@@ -379,8 +359,11 @@ class ZeroAdamW:
         buf, m, opt = self.buffers[k], self.masters[k], self.optimizers[k]
         with torch.no_grad():
             m.copy_(master)
-            if step > 0:
-                opt.state[m] = {"step": torch.tensor(float(step)), "exp_avg": exp_avg.clone().to(m.dtype),
+            if step > 0:  # the fused kernel reads `step` on the master's device (torch's own layout)
+                fused = opt.defaults["fused"]
+                step_t = (torch.tensor(float(step), dtype=torch.float32, device=m.device) if fused
+                          else torch.tensor(float(step)))
+                opt.state[m] = {"step": step_t, "exp_avg": exp_avg.clone().to(m.dtype),
                                 "exp_avg_sq": exp_avg_sq.clone().to(m.dtype)}
             else:
                 opt.state.pop(m, None)

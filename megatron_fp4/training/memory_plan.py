@@ -34,7 +34,7 @@ from megatron_fp4.parallel import expert_parallel as ep_mod
 from megatron_fp4.parallel.dims import ParallelDims
 from megatron_fp4.parallel.pipeline import PLACEMENT, build_chunks, rank_chunks, split_layers
 from megatron_fp4.parallel.tensor_parallel import parallelize_tp
-from megatron_fp4.parallel.zero import owned_ranges, plan_buckets
+from megatron_fp4.parallel.flat_buffer import CHUNK_NUMEL, owned_ranges, plan_buckets
 
 PLANNED_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
 _STEP_BYTES = 4  # torch AdamW's per-param ``step`` scalar (float32)
@@ -113,12 +113,6 @@ def local_meta_model(cfg: Config, pp_rank: int, ep_rank: int, tp_rank: int = 0) 
 
 
 # -- gradients and optimizer ----------------------------------------------------------------------
-def adam_temporaries(cfg: Config) -> int:
-    """Param-sized temporaries of one torch AdamW update: its CPU single-tensor loop forms sqrt(v)
-    and the denominator as two new tensors; on CUDA the foreach kernels form sqrt(v) and update in place."""
-    return 2 if cfg.device == "cpu" else 1
-
-
 def _axis(p) -> str:
     """ZeroAdamW's reduction axis of a param."""
     return getattr(p, "grad_axis", None) or (getattr(p, "expert_group", "edp") if getattr(p, "is_expert", False) else "dp")
@@ -152,10 +146,11 @@ def zero_bytes(named_params, cfg: Config, dp: int) -> dict:
         out["masters"] += 0 if shares else state * wide
         out["moments"] += 2 * state * wide
         out["steps"] += _STEP_BYTES
-        # `step`: the buffer's reduced grad as one wide tensor (cat of the owned slices, the cast,
-        # clipping out of place) while AdamW holds its temporaries of the same size (buffers step
-        # one after another: the largest one counts).
-        out["step_transient"] = max(out["step_transient"], (1 + adam_temporaries(cfg)) * state * wide)
+        # `step` (torch's fused AdamW, CPU and CUDA): the reduced grad is a view of the buffer unless
+        # a rank's owned slices lie apart (ZeRO-1, several buckets: one cat); cast and clipping go
+        # piece by piece through one `CHUNK_NUMEL` buffer (buffers step one after another: the largest counts).
+        gathered = state * elem if p.zero_stage == 1 and size > 1 and len(spans) > 1 else 0
+        out["step_transient"] = max(out["step_transient"], gathered + min(CHUNK_NUMEL, state) * wide)
     return out
 
 

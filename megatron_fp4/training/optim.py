@@ -1,7 +1,7 @@
 """The warmup + cosine LR schedule and global grad-norm clipping of the one optimizer.
 
 The optimizer itself is `parallel.zero.ZeroAdamW` at every size (a single process is a dp group of
-size 1: no padding, no collectives, the same `torch.optim.AdamW` math element for element).
+size 1: no padding, no collectives, the same `torch.optim.AdamW(fused=True)` math element for element).
 """
 from __future__ import annotations
 

@@ -169,7 +169,7 @@ class TrainingStep:
             self.optimizer.zero_grad()
             result.update(skipped=True, message=self._refuse_step(bad_ranks, loss, grad_norm))
         else:
-            self.optimizer.step(lr, clip_coefficient(grad_norm, self.cfg.optimizer.clip_grad))
+            finite = self.optimizer.step(lr, clip_coefficient(grad_norm, self.cfg.optimizer.clip_grad))
             self.consecutive_skips = 0
         # aux-loss-free MoE balancing: the router biases move outside the gradient (model/moe.py)
         update_expert_bias(self.model, applied=not bad_ranks, group=self.mesh.group("dp") if self.mesh.dp > 1 else None)
@@ -178,7 +178,7 @@ class TrainingStep:
                                         f"bias update made weights non-finite",
                                         "the run stops; nothing was saved and the last checkpoint is intact. Lower "
                                         "optimizer.lr or raise optimizer.eps (an expert_bias: lower "
-                                        "model.moe_router_bias_update_rate)")
+                                        "model.moe_router_bias_update_rate)", params_finite=finite)
         self.step += 1
         elapsed = time.perf_counter() - step["start"]
         result["tokens_per_s"] = step["tokens"] / elapsed if elapsed > 0 else float("nan")
@@ -238,12 +238,20 @@ class TrainingStep:
                                  f"are those before the skipped steps. Last one: {message}")
         return message
 
-    def require_finite_weights(self, what: str, consequence: str, error=NonFiniteError) -> None:
-        """Raise `error` on every rank unless every rank's weights are finite (a mesh-wide vote)."""
-        tensors = finite_checked_state(self.model)
-        bad = self.mesh.ranks_with(not all_finite(tensors.values()))
+    def require_finite_weights(self, what: str, consequence: str, error=NonFiniteError,
+                               params_finite: Optional[bool] = None) -> None:
+        """Raise `error` on every rank unless every rank's weights are finite (a mesh-wide vote): the
+        parameters and every saved floating-point buffer. `params_finite`: this rank's answer for the
+        parameters when already known (the update checks what it wrote, `ZeroAdamW.step`; the weights
+        it did not touch were checked when loaded or before); the buffers are always checked."""
+        if params_finite is None:
+            local_finite = all_finite(finite_checked_state(self.model).values())
+        else:
+            local_finite = params_finite and all_finite(finite_checked_buffers(self.model).values())
+        bad = self.mesh.ranks_with(not local_finite)
         if bad:
             ranks = f" on rank(s) {bad}" if self.mesh.world_size > 1 else ""
+            tensors = finite_checked_state(self.model)
             first = next((n for n, t in tensors.items() if not all_finite([t])), None)
             here = f" (here: {first})" if first else ""
             raise error(f"{what}{ranks}{here}; {consequence}")
@@ -253,3 +261,9 @@ def finite_checked_state(model) -> dict:
     """name -> tensor of what the NaN guard checks: every parameter and every floating-point buffer
     that is saved (the router's expert_bias moves outside the optimizer and is checkpointed too)."""
     return {name: t.detach() for name, t in model.state_dict(keep_vars=True).items() if t.is_floating_point()}
+
+
+def finite_checked_buffers(model) -> dict:
+    """The floating-point buffers of `finite_checked_state` (what the optimizer does not write)."""
+    params = {id(p) for p in model.parameters()}
+    return {n: t for n, t in finite_checked_state(model).items() if id(t) not in params}

@@ -1,0 +1,168 @@
+"""The Trainer step's overhead over the bare model step, and both against HF, at realistic widths.
+
+    OMP_NUM_THREADS=1 python benchmarks/bench_step_overhead.py            # tiny + realistic shapes
+    OMP_NUM_THREADS=1 python benchmarks/bench_step_overhead.py --shapes realistic,experts128
+    python benchmarks/bench_step_overhead.py --quick                      # a smoke run (tests)
+    python benchmarks/bench_step_overhead.py --shapes realistic --profile # cProfile of the Trainer step
+
+Per shape a random Qwen3-MoE checkpoint is written with transformers (``save_pretrained``, random
+init, nothing downloaded) and loaded by both sides: HF's `Qwen3MoeForCausalLM.from_pretrained` +
+`torch.optim.AdamW` (`hf_peer.HFTrainStep`) and the project's `Trainer` (`load_hf_shard`), FP4 off
+and fp4_resq; beside each Trainer its bare model step (`bench_train.BareStep`: the same model's
+forward + `lm_loss` + backward + clipping + `torch.optim.AdamW`, no trainer around it). Every round
+feeds all runners the same micro-batches in alternating order (`bench_train.timed_rounds`), HF
+reloaded from the FP4-off Trainer first so both route tokens alike; medians of the timed rounds.
+Prints tokens/s, the ratio to HF and the Trainer's overhead over its bare step (same mode, same
+micro-batches, same weights).
+
+Shapes (fp32): ``tiny`` hidden 256, 4 layers, 8 experts top-2, vocab 2048, micro-batch 4 x 64;
+``realistic`` hidden 1024, 2 layers, 64 experts top-8, moe_ffn 384, 16/4 heads of 64, vocab 8192,
+micro-batch 2 x 256; ``experts128`` the realistic shape with 128 experts.
+"""
+from __future__ import annotations
+
+import argparse
+import cProfile
+import os
+import pstats
+import sys
+import tempfile
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_train import QUIET, BareStep, timed_rounds  # noqa: E402
+from megatron_fp4.config import default_config_path, load_config  # noqa: E402
+from megatron_fp4.integrations.hf import hf_config_from_ours  # noqa: E402
+from megatron_fp4.integrations.hf.checkpoint import load_hf_shard  # noqa: E402
+from megatron_fp4.training.trainer import Trainer  # noqa: E402
+
+REALISTIC = ["model.vocab_size=8192", "model.hidden_size=1024", "model.num_layers=2", "model.num_heads=16",
+             "model.num_kv_heads=4", "model.head_dim=64", "model.num_experts=64", "model.top_k=8",
+             "model.moe_ffn_hidden_size=384", "schedule.global_batch_size=2", "schedule.micro_batch_size=2",
+             "schedule.seq_len=256", "model.max_seq_len=256", "data.num_samples=200"]
+SHAPES = {
+    "tiny": ["model.vocab_size=2048", "model.hidden_size=256", "model.num_layers=4", "model.num_heads=4",
+             "model.num_kv_heads=2", "model.head_dim=64", "model.num_experts=8", "model.top_k=2",
+             "model.moe_ffn_hidden_size=256", "schedule.global_batch_size=4", "schedule.micro_batch_size=4",
+             "schedule.seq_len=64", "data.num_samples=200"],
+    "realistic": REALISTIC,
+    "experts128": REALISTIC + ["model.num_experts=128"],
+    # --quick: the code path of the others at toy size, for tests
+    "quick": ["model.vocab_size=256", "model.hidden_size=64", "model.num_layers=2", "model.num_heads=4",
+              "model.num_kv_heads=2", "model.head_dim=16", "model.num_experts=4", "model.top_k=2",
+              "model.moe_ffn_hidden_size=64", "schedule.global_batch_size=2", "schedule.micro_batch_size=2",
+              "schedule.seq_len=16", "data.num_samples=50"],
+}
+MODES = {"off": "bf16", "fp4_resq": "fp4_resq"}  # fp4.train_mode "bf16" is FP4 off (fp32 here: dtype)
+
+
+def write_random_hf_checkpoint(model_cfg, out_dir: str, seed: int) -> None:
+    """A Qwen3-MoE checkpoint of our model's shape with transformers' own random init."""
+    import transformers
+
+    torch.manual_seed(seed)
+    hf = transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(**hf_config_from_ours(model_cfg)))
+    hf.save_pretrained(out_dir)
+
+
+def build_runners(args, overrides: list[str], ckpt_dir: str) -> tuple[dict, dict]:
+    """{name: step(micro_batches)} and the trainers, every model holding the checkpoint's weights."""
+    import transformers
+    from hf_peer import HFTrainStep
+
+    trainers = {}
+    for name in args.modes:
+        t = Trainer(load_config(args.config, overrides + args.overrides + [f"fp4.train_mode={MODES[name]}"] + QUIET))
+        load_hf_shard(t.model, ckpt_dir)  # in place: the params stay views of the optimizer's flat buffers
+        trainers[name] = t
+    first = trainers[args.modes[0]]
+    if args.profile:
+        return {}, trainers
+    hf = transformers.Qwen3MoeForCausalLM.from_pretrained(ckpt_dir, dtype=torch.float32)
+    runners = {"hf": HFTrainStep(hf, first.cfg.optimizer)}
+    for name, t in trainers.items():
+        runners[f"trainer {name}"] = lambda mbs, t=t: t.train_step_with_loss(mbs)
+        runners[f"bare {name}"] = BareStep(t)
+    return runners, trainers
+
+
+def run_shape(args, shape: str) -> dict:
+    overrides = SHAPES[shape]
+    with tempfile.TemporaryDirectory(prefix="bench_step_overhead_") as ckpt_dir:
+        probe = load_config(args.config, overrides + args.overrides + QUIET)
+        write_random_hf_checkpoint(probe.model, ckpt_dir, probe.schedule.seed)
+        runners, trainers = build_runners(args, overrides, ckpt_dir)
+    first = trainers[args.modes[0]]
+    if args.profile:
+        return profile_trainer(args, first)
+    sync = lambda: runners["hf"].load_from(first.model)  # noqa: E731 - the same routing on both sides
+    med = timed_rounds(runners, first.next_micro_batches, args.warmup, args.steps, sync)
+    cfg = first.cfg
+    m, s = cfg.model, cfg.schedule
+    tokens = s.global_batch_size * s.seq_len
+    params = sum(p.numel() for p in first.model.parameters())
+    print(f"\n[{shape}] threads={torch.get_num_threads()} hidden={m.hidden_size} layers={m.num_layers} "
+          f"experts={m.num_experts} top_k={m.top_k} vocab={m.vocab_size} params={params / 1e6:.1f}M "
+          f"tokens/step={tokens} (micro-batch {s.micro_batch_size} x {s.seq_len}) steps={args.steps}")
+    print(f"{'runner':<18} {'median s/step':>14} {'tokens/s':>10} {'vs HF':>7} {'trainer / bare':>15}")
+    for name, t in med.items():
+        over = f"{t / med['bare ' + name.split()[1]] - 1:>+14.1%}" if name.startswith("trainer") else ""
+        print(f"{name:<18} {t:>14.4f} {tokens / t:>10.0f} {med['hf'] / t:>6.2f}x {over:>15}")
+    return med
+
+
+def profile_trainer(args, trainer) -> dict:
+    """cProfile of `--steps` Trainer steps after `--warmup` (the top of the cumulative list)."""
+    for _ in range(args.warmup):
+        trainer.train_step_with_loss(trainer.next_micro_batches())
+    prof = cProfile.Profile()
+    batches = [trainer.next_micro_batches() for _ in range(args.steps)]
+    prof.enable()
+    for mbs in batches:
+        trainer.train_step_with_loss(mbs)
+    prof.disable()
+    pstats.Stats(prof).sort_stats("tottime").print_stats(25)
+    return {}
+
+
+def print_summary(results: dict) -> None:
+    """The issue's ratios, last (higher is faster; medians of interleaved steps in this run)."""
+    print("\nratios (medians of interleaved steps in this run):")
+    for shape, med in results.items():
+        for mode in ("off", "fp4_resq"):
+            if f"trainer {mode}" in med:
+                print(f"  [{shape}] Trainer step / bare model step, {mode}: "
+                      f"{med[f'trainer {mode}'] / med[f'bare {mode}'] - 1:+.1%} (goal <= +5%)")
+                goal = "1.4x" if mode == "off" else "1.0x"
+                print(f"  [{shape}] Trainer step {mode} vs HF: {med['hf'] / med[f'trainer {mode}']:.2f}x "
+                      f"(goal >= {goal} at the realistic shape); bare {mode} vs HF: "
+                      f"{med['hf'] / med[f'bare {mode}']:.2f}x")
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", default=str(default_config_path()))
+    parser.add_argument("--set", dest="overrides", action="append", default=[])
+    parser.add_argument("--shapes", default="tiny,realistic", help=f"comma-separated, of {', '.join(SHAPES)}")
+    parser.add_argument("--modes", default="off,fp4_resq", help="comma-separated Trainer modes: off, fp4_resq")
+    parser.add_argument("--steps", type=int, default=3, help="timed rounds per shape (median)")
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--quick", action="store_true", help="the quick shape, one warm-up and one timed round")
+    parser.add_argument("--profile", action="store_true", help="cProfile the first mode's Trainer step instead")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.shapes, args.steps, args.warmup = "quick", 1, 1
+    shapes, args.modes = args.shapes.split(","), args.modes.split(",")
+    bad = [s for s in shapes if s not in SHAPES] + [m for m in args.modes if m not in MODES]
+    if bad or args.steps < 1 or args.warmup < 0:
+        parser.error(f"unknown shape/mode {bad} (shapes: {', '.join(SHAPES)}; modes: {', '.join(MODES)}) "
+                     f"or --steps < 1 / --warmup < 0")
+    results = {shape: run_shape(args, shape) for shape in shapes}
+    if not args.profile:
+        print_summary(results)
+    return results
+
+
+if __name__ == "__main__":
+    main()
