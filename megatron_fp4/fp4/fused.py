@@ -46,6 +46,8 @@ Bit-exactness notes (each pinned by ``tests/unit/test_fp4_fused.py`` against the
   ``c * (1 / t)`` and ``t / c`` into ``t * (1 / c)``, each a second rounding.
 - The E2M1 grid step is chosen by compares (``round_e2m1_select``): inductor lowers a float↔int32
   bit view to a scalar loop, compares vectorize.
+- A NaN/Inf input is served by the eager path (``finite_only``): inductor's vector code may write
+  NaNs with another sign or payload than ATen's, so the kernels are checked and used on finite inputs.
 - The compiled C++ keeps IEEE semantics that matter here (``-ffp-contract=off``, no unsafe math);
   reductions are maxima, exact in any order.
 
@@ -231,7 +233,9 @@ class _Variant:
                 self.start_warmup(blocks)
             return None
         if self.state in ("new", "warming") and mode == "on":  # compile here, in the caller (seconds)
-            own = [_blocked(x, shape)] if min(blocks) >= 2 else []  # a size-1 dim would specialize the kernel
+            # The caller's input joins the check unless a size-1 dim would specialize the kernel, or it
+            # holds a NaN/Inf (served eager: ``finite_only``), whose NaN bits would refuse a good kernel.
+            own = [_blocked(x, shape)] if min(blocks) >= 2 and bool(torch.isfinite(x).all()) else []
             self.build(_samples(blocks, x.dtype) + own, loud=True)
         if self.state != "ready" or min(blocks) < 2:
             return None
@@ -377,20 +381,31 @@ def _mark_static_elements(xb: torch.Tensor) -> torch.Tensor:
     return xb
 
 
+def finite_only(res, shape):
+    """``res`` (output, all-finite flag) of a compiled call with the output viewed as ``shape``, or
+    None when it is None or ``x`` held a NaN/Inf: the caller then runs the eager path, which reports
+    (or records) with its own message and writes its own bits. Inductor's vectorized code may give
+    NaN another sign or payload than ATen's (``0xFFFFFFFF`` for ``0x7FC00000``), and which one ATen
+    writes depends on the machine, so only eager can give eager's bits there. A CPU flag: no device
+    sync; a non-finite input is an error or a skipped step, so the extra pass costs nothing that matters."""
+    if res is None or not bool(res[1].all()):
+        return None
+    return res[0].view(shape), res[1]
+
+
 def fake_quantize_nvfp4_fused(x: torch.Tensor, scale: str, block: str, out_dtype: torch.dtype,
                               mode: str | None = None):
     """Compiled ``fake_quantize_nvfp4`` of a validated ``x``: (output, all-finite flag), or None
-    (not compiled yet / not for this input: the caller runs eager)."""
+    (not compiled yet / not for this input / a non-finite input: the caller runs eager)."""
     n = x.shape[-1]
     shape = (-1, n // 16, 16) if block == "1d" else (-1, 16, n // 16, 16)  # 2d: row tiles of all batches in dim 0
-    res = variant_of(("nvfp4", scale, block, x.dtype, out_dtype))(x, shape, resolve_compile(mode))
-    return None if res is None else (res[0].view(x.shape), res[1])
+    return finite_only(variant_of(("nvfp4", scale, block, x.dtype, out_dtype))(x, shape, resolve_compile(mode)), x.shape)
 
 
 def fake_quantize_mxfp4_fused(x: torch.Tensor, scale_mode: str, out_dtype: torch.dtype, mode: str | None = None):
-    """Compiled ``fake_quantize_mxfp4`` of a validated ``x``: (output, all-finite flag) or None."""
+    """Compiled ``fake_quantize_mxfp4`` of a validated ``x``: (output, all-finite flag) or None (as nvfp4)."""
     res = variant_of(("mxfp4", scale_mode, x.dtype, out_dtype))(x, (-1, x.shape[-1] // 32, 32), resolve_compile(mode))
-    return None if res is None else (res[0].view(x.shape), res[1])
+    return finite_only(res, x.shape)
 
 
 def _install() -> None:

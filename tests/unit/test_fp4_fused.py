@@ -123,6 +123,79 @@ def test_compiled_kernels_match_the_definition_reference(compiled):
         assert fake_quantize_mxfp4(x, scale_mode=mode, compile="on").tolist() == want
 
 
+def _non_finite_inputs(dtype):
+    """NaN, +Inf and −Inf each alone, all three in one tensor (other blocks finite), and all NaN."""
+    g = torch.Generator().manual_seed(2)
+    for bad in ([float("nan")], [float("inf")], [float("-inf")], [float("nan"), float("inf"), float("-inf")]):
+        x = torch.randn(32, 64, generator=g)
+        for i, v in enumerate(bad):
+            x[5 * i + 1, 17 * i + 3] = v
+        yield x.to(dtype)
+    yield torch.full((32, 64), float("nan")).to(dtype)
+
+
+# (function, options): every kernel the compiled fake-quant path serves (both formats, scale kinds,
+# block layouts, input and output dtypes).
+FAKE_QUANT_KERNELS = [
+    (fake_quantize_nvfp4, dict(scale="row")),
+    (fake_quantize_nvfp4, dict(scale="tensor")),
+    (fake_quantize_nvfp4, dict(scale="tensor", block="2d")),
+    (fake_quantize_nvfp4, dict(scale="row", dtype=torch.float32)),
+    (fake_quantize_mxfp4, dict(scale_mode="floor")),
+    (fake_quantize_mxfp4, dict(scale_mode="rceil", dtype=torch.float32)),
+]
+
+
+@needs_inductor
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kernel", range(len(FAKE_QUANT_KERNELS)))
+def test_non_finite_input_gives_the_eager_bits_and_report(compiled, monkeypatch, dtype, kernel):
+    """A NaN/Inf input: the compiled path's output has the eager path's bits (its NaNs included),
+    records the same deferred flags and raises the same error. The compiled kernels run on each
+    input (counted), so a path that never compiled cannot pass vacuously."""
+    from megatron_fp4.fp4.formats import NonFiniteInputError
+    from megatron_fp4.fp4.nonfinite import NonFiniteFlags
+
+    fn, kw = FAKE_QUANT_KERNELS[kernel]
+    ran = []
+    run = fused._Variant.run
+    monkeypatch.setattr(fused._Variant, "run",
+                        lambda self, fns, xb: (ran.append(fns is self.fns), run(self, fns, xb))[1])
+    _same_both_ways(fn, torch.randn(32, 64).to(dtype), **kw)  # compiles (and checks) the variant
+    if not any(ran):  # refused: not bit-exact on a kernel set forced below the machine's own
+        assert os.environ.get("ATEN_CPU_CAPABILITY")
+        return
+    for x in _non_finite_inputs(dtype):
+        records, outs = [], []
+        for mode in ("off", "on"):
+            flags = NonFiniteFlags()
+            del ran[:]
+            outs.append(fn(x, compile=mode, nonfinite=flags, **kw))
+            records.append({k: bool(v) for k, v in flags._flags.items()})
+            with pytest.raises(NonFiniteInputError) as err:
+                fn(x, compile=mode, name="act", **kw)
+            records.append(str(err.value))
+        assert any(ran), "the compiled kernels did not run"
+        assert records[0] == records[2] and records[1] == records[3] and list(records[0].values()) == [True]  # (flagged bad)
+        assert torch.equal(_bits(outs[1]), _bits(outs[0])), (x.dtype, kw)
+
+
+@needs_inductor
+def test_a_non_finite_first_input_does_not_refuse_the_kernel(compiled, monkeypatch):
+    """``on`` checks a new variant on the caller's first input too; a NaN there (whose bits the
+    kernel need not match: such inputs run eager) must not refuse a good kernel for the process."""
+    from megatron_fp4.fp4.nonfinite import NonFiniteFlags
+
+    monkeypatch.setattr(fused, "_variants", {})
+    x = torch.randn(32, 64)
+    x[3, 5] = float("nan")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        fake_quantize_nvfp4(x, compile="on", nonfinite=NonFiniteFlags())
+    (variant,) = fused._variants.values()
+    assert variant.state == "ready" or os.environ.get("ATEN_CPU_CAPABILITY")
+
+
 def test_errors_and_fallbacks_do_not_compile(compiled):
     """Bad input fails before compiling; stochastic rounding, grad-recording inputs and ``off`` stay eager."""
     with pytest.raises(ValueError, match="not a multiple of 16"):
