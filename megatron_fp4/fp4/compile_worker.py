@@ -45,8 +45,8 @@ def main(spec_json: str) -> int:
     variant.build(fused._samples(tuple(spec["blocks"]), key[-2]), loud=False)
     if variant.state == "ready":
         return 0
-    if fused._broken["reason"] is not None:
-        print(fused._broken["reason"].strip().replace("\n", " "), file=sys.stderr, flush=True)
+    if variant.store.broken is not None:
+        print(variant.store.broken.strip().replace("\n", " "), file=sys.stderr, flush=True)
         return fused.WORKER_BROKEN
     return fused.WORKER_NOT_EXACT
 

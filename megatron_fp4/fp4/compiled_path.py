@@ -13,7 +13,7 @@ class _NoCompiledPath:
     """Before ``fused.py`` is installed: every call runs the eager reference."""
 
     @staticmethod
-    def use_fused(x, rounding: str, mode: str | None = None) -> bool:
+    def use_fused(x, rounding: str, mode: str | None = None, kernels=None) -> bool:
         return False
 
 

@@ -22,6 +22,11 @@ the ``compile`` setting: the FP4 recipe's ``compile`` field (config ``fp4.compil
 - ``on``: compile on the first call of each variant, in the caller (seconds).
 - ``off``: always eager.
 
+Whose kernels: a :class:`CompiledKernels` holds the variants, the ``auto`` warm-ups and a backend
+failure of one owner. The Trainer gives its model's ``Numerics`` its own (``Numerics.kernels``) and
+adopts it between its steps, so two jobs (or tests) in one process never share compiled state;
+calls that name none use :data:`PROCESS` (bare calls, benchmarks, the vLLM plugin).
+
 Every variant is checked before use: the compiled kernels and the uncompiled bodies run on hard
 probe inputs (E2M1 ties, saturation, subnormal values and scales) and on a random tensor (and, with
 ``on``, on the caller's first input) and must give the same bits; the C++ inductor generates
@@ -46,6 +51,8 @@ Bit-exactness notes (each pinned by ``tests/unit/test_fp4_fused.py`` against the
   ``c * (1 / t)`` and ``t / c`` into ``t * (1 / c)``, each a second rounding.
 - The E2M1 grid step is chosen by compares (``round_e2m1_select``): inductor lowers a float↔int32
   bit view to a scalar loop, compares vectorize.
+- A NaN/Inf input is served by the eager path (``finite_only``): inductor's vector code may write
+  NaNs with another sign or payload than ATen's, so the kernels are checked and used on finite inputs.
 - The compiled C++ keeps IEEE semantics that matter here (``-ffp-contract=off``, no unsafe math);
   reductions are maxima, exact in any order.
 
@@ -64,6 +71,7 @@ import tempfile
 import threading
 import types
 import warnings
+import weakref
 
 import torch
 
@@ -72,12 +80,6 @@ COMPILE_MODES = ("auto", "on", "off")
 # 4096x1024 activation): by then the job has shown it is long enough to repay a compile of seconds.
 AUTO_MIN_ELEMENTS = 1 << 28
 
-# What this process learnt about its compiler, never a numerics choice (a variant serves only once
-# checked bit-exact against the eager path): a backend failure, the variants and their kernels.
-_broken: dict = {"reason": None}  # a backend failure (no compiler, ...): no variant compiles any more
-_variants: dict = {}
-_lock = threading.Lock()
-_warmups: list = []  # (variant, child process, its output file): auto warm-ups not adopted yet
 KINDS: dict = {}  # key[0] -> the factory of its variants, for kinds defined elsewhere (fused_resq.py)
 # Exit codes of compile_worker.py besides 0 (ready): not bit-exact on this CPU, backend failure.
 WORKER_NOT_EXACT, WORKER_BROKEN = 3, 4
@@ -91,9 +93,10 @@ def resolve_compile(mode: str | None) -> str:
     return mode
 
 
-def use_fused(x: torch.Tensor, rounding: str, mode: str | None = None) -> bool:
-    """Whether ``x`` may take the compiled path at all (the variant decides if it is ready)."""
-    return (x.device.type == "cpu" and rounding == "nearest" and _broken["reason"] is None
+def use_fused(x: torch.Tensor, rounding: str, mode: str | None = None, kernels=None) -> bool:
+    """Whether ``x`` may take the compiled path of ``kernels`` (a :class:`CompiledKernels`; None: the
+    process's, :data:`PROCESS`) at all (the variant decides if it is ready)."""
+    return (x.device.type == "cpu" and rounding == "nearest" and (kernels or PROCESS).broken is None
             and not (torch.is_grad_enabled() and x.requires_grad) and not torch.compiler.is_compiling()
             and resolve_compile(mode) != "off")
 
@@ -189,6 +192,7 @@ class _Variant:
         self.blocks = None
         self.seen = 0
         self.fns = None
+        self.store = None  # the CompiledKernels holding it (variant_of sets it)
 
     def run(self, fns, xb):
         scales, apply = fns
@@ -216,9 +220,9 @@ class _Variant:
                         return
         except Exception as err:  # a backend failure, never an input error: inputs are validated first
             self.state = "refused"
-            _broken["reason"] = f"{type(err).__name__}: {err}"
+            self.store.broken = f"{type(err).__name__}: {err}"
             if loud:
-                _warn(_broken["reason"])
+                _warn(self.store.broken)
             return
         self.fns, self.state = fns, "ready"
 
@@ -231,7 +235,9 @@ class _Variant:
                 self.start_warmup(blocks)
             return None
         if self.state in ("new", "warming") and mode == "on":  # compile here, in the caller (seconds)
-            own = [_blocked(x, shape)] if min(blocks) >= 2 else []  # a size-1 dim would specialize the kernel
+            # The caller's input joins the check unless a size-1 dim would specialize the kernel, or it
+            # holds a NaN/Inf (served eager: ``finite_only``), whose NaN bits would refuse a good kernel.
+            own = [_blocked(x, shape)] if min(blocks) >= 2 and bool(torch.isfinite(x).all()) else []
             self.build(_samples(blocks, x.dtype) + own, loud=True)
         if self.state != "ready" or min(blocks) < 2:
             return None
@@ -255,8 +261,8 @@ class _Variant:
             log.close()
             self.state = "refused"
             return
-        _owner["pid"] = os.getpid()
-        _warmups.append((self, proc, log))
+        self.store.owner_pid = os.getpid()
+        self.store.warmups.append((self, proc, log))
 
     def finish_warmup(self, rc: int, log) -> None:
         """The child is done: on success compile here from the warm cache (checked again), else refuse."""
@@ -267,7 +273,7 @@ class _Variant:
         if rc == WORKER_BROKEN:  # the backend cannot compile: nothing compiles in this process either
             log.seek(0)
             lines = log.read()[-2000:].decode(errors="replace").strip().splitlines()
-            _broken["reason"] = lines[-1] if lines else "the compile worker failed"
+            self.store.broken = lines[-1] if lines else "the compile worker failed"
 
 
 def _dtype_name(k):
@@ -288,73 +294,117 @@ def _worker_command(spec: str) -> list:
 
 
 _PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-_owner = {"pid": None}  # the process that started the warm-ups (a forked copy must not touch them)
+class CompiledKernels:
+    """The compiled kernels of one owner: its variants (each checked bit-exact against the eager
+    path before it serves), its ``auto`` warm-ups not adopted yet, and a backend failure it met.
 
+    Whoever builds a model owns one (the Trainer: ``Numerics.kernels``) and adopts its warm-ups at
+    its own quiet points, so one job's (or test's) compiles and refusals never change what another
+    runs. Calls without one use :data:`PROCESS`. What it holds is what this process learnt about its
+    compiler, never a numerics choice: a copy (deepcopy, pickle) starts empty."""
 
-def variant_of(key) -> _Variant:
-    """The (one) variant of ``key``: ("nvfp4", scale, block, dtype, out_dtype) or ("mxfp4", scale_mode, dtype, out_dtype)."""
-    v = _variants.get(key)
-    if v is None:
-        if key[0] in KINDS:  # another kind of compiled body (fused_resq.py)
-            with _lock:
-                return _variants.setdefault(key, KINDS[key[0]](key))
-        if key[0] == "nvfp4":
-            args = (_nvfp4_scales, _apply2, (key[1], key[2] == "2d"), key[-1])
-        else:
-            args = (_mxfp4_scales, _apply1, (key[1],), key[-1])
-        with _lock:
-            v = _variants.setdefault(key, _Variant(key, *args))
-    return v
+    def __init__(self):
+        self.variants: dict = {}
+        self.warmups: list = []  # (variant, child process, its output file): auto warm-ups not adopted yet
+        self.broken = None  # a backend failure (no compiler, ...): no variant of this store compiles any more
+        self.owner_pid = None  # the process that started the warm-ups (a forked copy must not touch them)
+        self._lock = threading.Lock()
+        _STORES.add(self)
 
+    def __reduce__(self):
+        return CompiledKernels, ()
 
-def adopt_ready() -> None:
-    """Switch every variant whose warm-up child has finished to its compiled kernels (or refuse it).
+    def __deepcopy__(self, memo):
+        return CompiledKernels()
 
-    Call it at a quiet point (the trainer: between steps) on the thread that runs the FP4 layers,
-    with no other thread running torch ops: the compile here changes process-global torch state
-    while it runs. A warm-up still running is left alone; nothing waits."""
-    for entry in (list(_warmups) if _owner["pid"] == os.getpid() else []):
-        variant, proc, log = entry
-        rc = proc.poll()
-        if rc is None:
-            continue
-        _warmups.remove(entry)
-        try:
-            if variant.state == "warming":
-                variant.finish_warmup(rc, log)
-        finally:
-            log.close()
+    def variant_of(self, key) -> _Variant:
+        """The (one) variant of ``key``: ("nvfp4", scale, block, dtype, out_dtype) or ("mxfp4", scale_mode,
+        dtype, out_dtype), or a kind registered in :data:`KINDS`."""
+        v = self.variants.get(key)
+        if v is None:
+            if key[0] in KINDS:  # another kind of compiled body (fused_resq.py)
+                made = KINDS[key[0]](key)
+            elif key[0] == "nvfp4":
+                made = _Variant(key, _nvfp4_scales, _apply2, (key[1], key[2] == "2d"), key[-1])
+            else:
+                made = _Variant(key, _mxfp4_scales, _apply1, (key[1],), key[-1])
+            made.store = self
+            with self._lock:
+                v = self.variants.setdefault(key, made)
+        return v
 
+    def adopt_ready(self) -> None:
+        """Switch every variant whose warm-up child has finished to its compiled kernels (or refuse it).
 
-def wait_compiled(timeout: float | None = None) -> None:
-    """Wait (up to ``timeout`` s each) for the warm-ups started so far, then adopt them (benchmarks, tests)."""
-    for _, proc, _ in list(_warmups):
-        try:
-            proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            pass
-    adopt_ready()
-
-
-def compiled_ready(fmt: str) -> bool:
-    """Whether some variant of ``fmt`` ("nvfp4" / "mxfp4") has compiled kernels in use."""
-    return any(v.state == "ready" for k, v in list(_variants.items()) if k[0] == fmt)
-
-
-def _stop_warmups() -> None:
-    """At exit: kill the warm-ups still running, never wait for a compile this process will not use."""
-    for _, proc, log in (list(_warmups) if _owner["pid"] == os.getpid() else []):
-        if proc.poll() is None:
-            proc.kill()
+        Call it at a quiet point (the trainer: between steps) on the thread that runs the FP4 layers,
+        with no other thread running torch ops: the compile here changes process-global torch state
+        while it runs. A warm-up still running is left alone; nothing waits."""
+        for entry in (list(self.warmups) if self.owner_pid == os.getpid() else []):
+            variant, proc, log = entry
+            rc = proc.poll()
+            if rc is None:
+                continue
+            self.warmups.remove(entry)
             try:
-                proc.wait(5)
+                if variant.state == "warming":
+                    variant.finish_warmup(rc, log)
+            finally:
+                log.close()
+
+    def wait_compiled(self, timeout: float | None = None) -> None:
+        """Wait (up to ``timeout`` s each) for the warm-ups started so far, then adopt them (benchmarks, tests)."""
+        for _, proc, _ in list(self.warmups):
+            try:
+                proc.wait(timeout)
             except subprocess.TimeoutExpired:
                 pass
-        log.close()
-    _warmups.clear()
+        self.adopt_ready()
+
+    def compiled_ready(self, fmt: str) -> bool:
+        """Whether some variant of ``fmt`` ("nvfp4" / "mxfp4" / "resq_nvfp4") has compiled kernels in use."""
+        return any(v.state == "ready" for k, v in list(self.variants.items()) if k[0] == fmt)
+
+    def stop_warmups(self) -> None:
+        """Kill the warm-ups still running (at exit: never wait for a compile this process will not use)."""
+        for _, proc, log in (list(self.warmups) if self.owner_pid == os.getpid() else []):
+            if proc.poll() is None:
+                proc.kill()
+                try:
+                    proc.wait(5)
+                except subprocess.TimeoutExpired:
+                    pass
+            log.close()
+        self.warmups.clear()
 
 
-atexit.register(_stop_warmups)
+_STORES: "weakref.WeakSet[CompiledKernels]" = weakref.WeakSet()
+PROCESS = CompiledKernels()  # the kernels of calls that name none (bare calls, benchmarks, the vLLM plugin)
+
+
+def variant_of(key, kernels: CompiledKernels | None = None) -> _Variant:
+    """``kernels.variant_of(key)`` (None: :data:`PROCESS`)."""
+    return (kernels or PROCESS).variant_of(key)
+
+
+def adopt_ready(kernels: CompiledKernels | None = None) -> None:
+    """``kernels.adopt_ready()`` (None: :data:`PROCESS`)."""
+    (kernels or PROCESS).adopt_ready()
+
+
+def wait_compiled(timeout: float | None = None, kernels: CompiledKernels | None = None) -> None:
+    """``kernels.wait_compiled(timeout)`` (None: :data:`PROCESS`)."""
+    (kernels or PROCESS).wait_compiled(timeout)
+
+
+def compiled_ready(fmt: str, kernels: CompiledKernels | None = None) -> bool:
+    """``kernels.compiled_ready(fmt)`` (None: :data:`PROCESS`)."""
+    return (kernels or PROCESS).compiled_ready(fmt)
+
+
+@atexit.register
+def _stop_warmups() -> None:
+    for store in list(_STORES):
+        store.stop_warmups()
 
 
 def _blocked(x: torch.Tensor, shape) -> torch.Tensor:
@@ -377,20 +427,34 @@ def _mark_static_elements(xb: torch.Tensor) -> torch.Tensor:
     return xb
 
 
+def finite_only(res, shape):
+    """``res`` (output, all-finite flag) of a compiled call with the output viewed as ``shape``, or
+    None when it is None or ``x`` held a NaN/Inf: the caller then runs the eager path, which reports
+    (or records) with its own message and writes its own bits. Inductor's vectorized code may give
+    NaN another sign or payload than ATen's (``0xFFFFFFFF`` for ``0x7FC00000``), and which one ATen
+    writes depends on the machine, so only eager can give eager's bits there. A CPU flag: no device
+    sync; a non-finite input is an error or a skipped step, so the extra pass costs nothing that matters."""
+    if res is None or not bool(res[1].all()):
+        return None
+    return res[0].view(shape), res[1]
+
+
 def fake_quantize_nvfp4_fused(x: torch.Tensor, scale: str, block: str, out_dtype: torch.dtype,
-                              mode: str | None = None):
+                              mode: str | None = None, kernels: CompiledKernels | None = None):
     """Compiled ``fake_quantize_nvfp4`` of a validated ``x``: (output, all-finite flag), or None
-    (not compiled yet / not for this input: the caller runs eager)."""
+    (not compiled yet / not for this input / a non-finite input: the caller runs eager)."""
     n = x.shape[-1]
     shape = (-1, n // 16, 16) if block == "1d" else (-1, 16, n // 16, 16)  # 2d: row tiles of all batches in dim 0
-    res = variant_of(("nvfp4", scale, block, x.dtype, out_dtype))(x, shape, resolve_compile(mode))
-    return None if res is None else (res[0].view(x.shape), res[1])
+    variant = variant_of(("nvfp4", scale, block, x.dtype, out_dtype), kernels)
+    return finite_only(variant(x, shape, resolve_compile(mode)), x.shape)
 
 
-def fake_quantize_mxfp4_fused(x: torch.Tensor, scale_mode: str, out_dtype: torch.dtype, mode: str | None = None):
-    """Compiled ``fake_quantize_mxfp4`` of a validated ``x``: (output, all-finite flag) or None."""
-    res = variant_of(("mxfp4", scale_mode, x.dtype, out_dtype))(x, (-1, x.shape[-1] // 32, 32), resolve_compile(mode))
-    return None if res is None else (res[0].view(x.shape), res[1])
+def fake_quantize_mxfp4_fused(x: torch.Tensor, scale_mode: str, out_dtype: torch.dtype, mode: str | None = None,
+                              kernels: CompiledKernels | None = None):
+    """Compiled ``fake_quantize_mxfp4`` of a validated ``x``: (output, all-finite flag) or None (as nvfp4)."""
+    variant = variant_of(("mxfp4", scale_mode, x.dtype, out_dtype), kernels)
+    res = variant(x, (-1, x.shape[-1] // 32, 32), resolve_compile(mode))
+    return finite_only(res, x.shape)
 
 
 def _install() -> None:

@@ -72,13 +72,15 @@ def key_of(scale: str, dtype: torch.dtype) -> tuple:
     return (KIND, scale, "1d", dtype, torch.float32)
 
 
-def resq_nvfp4_fused(x: torch.Tensor, scale: str, name: str, nonfinite=None, mode: str | None = None):
-    """Compiled ``portable_resq_quantize(x, nvfp4 1d nearest scale)`` (fp32), or None: not compiled
-    (yet) for this input, or a non-finite input or residual (the eager path then reports it)."""
+def resq_nvfp4_fused(x: torch.Tensor, scale: str, name: str, nonfinite=None, mode: str | None = None,
+                     kernels: fused.CompiledKernels | None = None):
+    """Compiled ``portable_resq_quantize(x, nvfp4 1d nearest scale)`` (fp32) from ``kernels`` (None:
+    ``fused.PROCESS``), or None: not compiled (yet) for this input, or a non-finite input or
+    residual (the eager path then reports it)."""
     n = x.shape[-1] if x.dim() else 0
     if n == 0 or n % 16 or x.numel() == 0 or scale not in ("row", "tensor"):
         return None  # the eager path validates (and raises)
-    res = fused.variant_of(key_of(scale, x.dtype))(x, (-1, n // 16, 16), fused.resolve_compile(mode))
+    res = fused.variant_of(key_of(scale, x.dtype), kernels)(x, (-1, n // 16, 16), fused.resolve_compile(mode))
     if res is None:
         return None
     out, flags = res
@@ -90,7 +92,8 @@ def resq_nvfp4_fused(x: torch.Tensor, scale: str, name: str, nonfinite=None, mod
     return out.view(x.shape)
 
 
-def prepare(scale: str, dtype: torch.dtype, inference: bool = False, width: int = 64) -> bool:
+def prepare(scale: str, dtype: torch.dtype, inference: bool = False, width: int = 64,
+            kernels: fused.CompiledKernels | None = None) -> bool:
     """Compile and check the ResQ variant of (``scale``, ``dtype``) now, in this thread (seconds;
     a warm inductor cache makes it quick). Returns whether it serves (False: not bit-exact here,
     or no compiler: the eager path serves, quietly). Call it where no other thread runs torch ops.
@@ -98,8 +101,8 @@ def prepare(scale: str, dtype: torch.dtype, inference: bool = False, width: int 
     ``inference``: for callers in ``torch.inference_mode`` (vLLM's forward): the kernels are
     compiled for inference tensors, whose guards differ (another mode would need a recompile,
     which the caller's calls never do: they run eager)."""
-    variant = fused.variant_of(key_of(scale, dtype))
-    if variant.state in ("new", "warming") and fused._broken["reason"] is None:
+    variant = fused.variant_of(key_of(scale, dtype), kernels)
+    if variant.state in ("new", "warming") and variant.store.broken is None:
         samples = fused._samples((4, max(2, width // 16), 16), dtype)
         with torch.inference_mode(inference):
             variant.build(samples, loud=False)

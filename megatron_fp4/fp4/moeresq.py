@@ -80,16 +80,18 @@ from megatron_fp4.fp4.resq import _fq32, _no_autocast, fake_quantize, portable_r
 
 def resq_quantize(x: torch.Tensor, fmt: OperandFormat, compensated: bool = True, generator=None,
                   name: str = "x", nonfinite=None, compile: str | None = None, scratch: bool = False,
-                  triton: str = "auto", amax_reduce=None) -> torch.Tensor:
+                  triton: str = "auto", amax_reduce=None, kernels=None) -> torch.Tensor:
     """``Q(x) + Q(x − Q(x))`` (or ``Q(x)`` when not compensated) in fp32: the Triton kernels where
     they serve under ``triton`` (``Numerics.triton``; CUDA: same bits, one pass), else the portable
     quantizer (`resq.portable_resq_quantize`, whose ``scratch`` and ``amax_reduce`` see; the
-    kernels do not take a reduction)."""
+    kernels do not take a reduction). ``kernels``: the compiled kernels of the caller's numerics
+    (``Numerics.kernels``; None: the process's)."""
     out = None if amax_reduce is not None else triton_fp4.dispatch(x, fmt, compensated, generator, name, nonfinite,
                                                                     mode=triton)
     if out is not None:
         return out
-    return portable_resq_quantize(x, fmt, compensated, generator, name, nonfinite, compile, scratch, amax_reduce)
+    return portable_resq_quantize(x, fmt, compensated, generator, name, nonfinite, compile, scratch, amax_reduce,
+                                  kernels)
 
 
 @dataclass(frozen=True)
@@ -106,6 +108,7 @@ class _Site:
     triton: str = "auto"  # Numerics.triton
     cache: Optional[dict] = field(default=None, compare=False)  # Numerics.weight_cache
     cut: Optional[TensorCut] = None  # a tensor-parallel slice of the linear (tensor_cut.py)
+    kernels: object = field(default=None, compare=False)  # Numerics.kernels (fused.CompiledKernels)
 
     @classmethod
     def at(cls, recipe: Recipe, layer: str, numerics: Numerics, device, segments=None, defer: bool = True,
@@ -113,7 +116,7 @@ class _Site:
         """The site of a call now under ``numerics`` (``defer=False``: eager non-finite checks)."""
         now = numerics.position
         return cls(recipe, layer, now.step, now.micro_batch, now.nonfinite_flags_for(device) if defer else None,
-                   segments, numerics.triton, numerics.weight_cache, cut)
+                   segments, numerics.triton, numerics.weight_cache, cut, numerics.kernels)
 
     def reducer(self, fmt: OperandFormat, operand: str):
         """The amax reduction of ``operand`` over a tensor-parallel cut (None: none needed)."""
@@ -132,7 +135,7 @@ class _Site:
         """Q̃ of one operand on its own stochastic-rounding stream (none for nearest rounding)."""
         gen, name = self._stream(a, fmt, operand)
         return resq_quantize(a, fmt, compensated, gen, name, self.nonfinite, self.recipe.compile, scratch, self.triton,
-                             self.reducer(fmt, operand))
+                             self.reducer(fmt, operand), self.kernels)
 
     def split(self, a: torch.Tensor, fmt: OperandFormat, operand: str, compensated: bool) -> list:
         """The terms of Q̃ as exact-GEMM splits (same codes and draws as :meth:`quantize`)."""

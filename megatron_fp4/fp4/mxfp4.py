@@ -96,19 +96,21 @@ def fake_quantize_mxfp4(
     dtype: torch.dtype | None = None,
     nonfinite=None,
     compile: str | None = None,
+    kernels=None,
 ) -> torch.Tensor:
     """``quantize_mxfp4(x).dequantize()`` without building codes (same bits).
 
     ``compile``: ``auto`` (None), ``on`` or ``off``, when nearest rounding runs as compiled kernels
     (``fused.py``; the config's ``fp4.compile``, which ``MEGATRON_FP4_COMPILE`` overrides at load).
     ``nonfinite``: a ``NonFiniteFlags`` to record the NaN/Inf check in (no host sync) instead of raising.
+    ``kernels``: whose compiled kernels serve (as ``fake_quantize_nvfp4``).
     """
-    if fused.use_fused(x, rounding, compile):
+    if fused.use_fused(x, rounding, compile, kernels):
         what = "quantize_mxfp4"
         _check_options(scale_mode, rounding)
         check_multiple(x, -1, MX_BLOCK, name, what)
         check_input(x, name)
-        res = fused.fake_quantize_mxfp4_fused(x, scale_mode, dtype or x.dtype, compile)
+        res = fused.fake_quantize_mxfp4_fused(x, scale_mode, dtype or x.dtype, compile, kernels)
         if res is not None:
             out, finite = res
             check_finite_flag(x, finite, name, what, nonfinite)

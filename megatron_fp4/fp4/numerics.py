@@ -18,6 +18,10 @@ other build-time value, set on each FP4 module by the model's specs):
 - ``one_node``: MoEResQ graphs as one autograd node (a benchmark's "before"; same bits).
 - ``weight_cache``: a dict where derived weight operands (``Q(W)``, exact-GEMM splits, limbs) are
   reused (``exact_gemm.cached_for_weight``), or None.
+- ``kernels``: the compiled fake-quant/ResQ kernels this model's FP4 ops use where ``compile`` lets
+  them (a ``fused.CompiledKernels``, owned and adopted between steps by whoever builds the model: the
+  Trainer), or None: the process's (``fused.PROCESS``). Kernels are checked bit-exact against the
+  eager path before they serve; owning them keeps one job's compiles and refusals out of another's.
 - ``position``: the step state (:class:`~megatron_fp4.fp4.context.QuantStep`: optimizer step,
   micro-batch, deferred non-finite flags) that keys stochastic-rounding streams; the owner
   advances it explicitly:
@@ -66,6 +70,7 @@ class Numerics:
         self.triton = triton
         self.one_node = False
         self.weight_cache: Optional[dict] = None
+        self.kernels = None  # a fused.CompiledKernels, or None: the process's
         self.position = QuantStep()
         self._frozen = False
 

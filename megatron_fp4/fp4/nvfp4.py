@@ -152,17 +152,20 @@ def fake_quantize_nvfp4(
     nonfinite=None,
     compile: str | None = None,
     amax_reduce=None,
+    kernels=None,
 ) -> torch.Tensor:
     """``quantize_nvfp4(x).dequantize()`` without building codes (same bits, fewer passes).
 
     ``compile``: ``auto`` (None), ``on`` or ``off``, when nearest rounding runs as compiled kernels
     (``fused.py``; the config's ``fp4.compile``, which ``MEGATRON_FP4_COMPILE`` overrides at load).
     ``nonfinite``: a ``NonFiniteFlags`` to record the NaN/Inf check in (no host sync) instead of raising.
+    ``kernels``: whose compiled kernels serve (``fused.CompiledKernels``, a model's ``Numerics.kernels``;
+    None: the process's).
     """
-    if amax_reduce is None and fused.use_fused(x, rounding, compile):
+    if amax_reduce is None and fused.use_fused(x, rounding, compile, kernels):
         _check_options(scale, block, rounding)
         _check_input(x, block, name)
-        res = fused.fake_quantize_nvfp4_fused(x, scale, block, dtype or x.dtype, compile)
+        res = fused.fake_quantize_nvfp4_fused(x, scale, block, dtype or x.dtype, compile, kernels)
         if res is not None:
             out, finite = res
             check_finite_flag(x, finite, name, "quantize_nvfp4", nonfinite)

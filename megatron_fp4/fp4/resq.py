@@ -31,14 +31,15 @@ def _no_autocast(fn):
 
 
 def _fq32(x, fmt: OperandFormat, generator=None, name: str = "x", nonfinite=None, compile=None,
-          amax_reduce=None) -> torch.Tensor:
-    """``amax_reduce``: NVFP4's global amax reduced over a tensor-parallel cut (MXFP4 has none)."""
+          amax_reduce=None, kernels=None) -> torch.Tensor:
+    """``amax_reduce``: NVFP4's global amax reduced over a tensor-parallel cut (MXFP4 has none);
+    ``kernels``: the caller's compiled kernels (``Numerics.kernels``; None: the process's)."""
     if fmt.format == "nvfp4":
         return fake_quantize_nvfp4(x, scale=fmt.scale, block=fmt.block, rounding=fmt.rounding, generator=generator,
                                    name=name, dtype=torch.float32, nonfinite=nonfinite, compile=compile,
-                                   amax_reduce=amax_reduce)
+                                   amax_reduce=amax_reduce, kernels=kernels)
     return fake_quantize_mxfp4(x, scale_mode=fmt.mx_scale_mode, rounding=fmt.rounding, generator=generator,
-                               name=name, dtype=torch.float32, nonfinite=nonfinite, compile=compile)
+                               name=name, dtype=torch.float32, nonfinite=nonfinite, compile=compile, kernels=kernels)
 
 
 def fake_quantize(x: torch.Tensor, fmt: OperandFormat, generator=None, name: str = "x",
@@ -49,7 +50,7 @@ def fake_quantize(x: torch.Tensor, fmt: OperandFormat, generator=None, name: str
 
 def portable_resq_quantize(x: torch.Tensor, fmt: OperandFormat, compensated: bool = True, generator=None,
                            name: str = "x", nonfinite=None, compile: str | None = None,
-                           scratch: bool = False, amax_reduce=None) -> torch.Tensor:
+                           scratch: bool = False, amax_reduce=None, kernels=None) -> torch.Tensor:
     """``Q(x) + Q(x − Q(x))`` (or ``Q(x)`` when not compensated) in fp32, on the portable quantizers.
 
     ``scratch``: the caller hands over ``x`` (a buffer of its own, unused afterwards), which may then
@@ -57,19 +58,19 @@ def portable_resq_quantize(x: torch.Tensor, fmt: OperandFormat, compensated: boo
     ``amax_reduce``: a tensor-parallel slice's global amax reduction (``tensor_cut.py``), applied to
     ``x`` and to its residual, each of which spans the cut."""
     if compensated and amax_reduce is None and fmt.format == "nvfp4" and fmt.block == "1d" \
-            and _nvfp4.fused.use_fused(x, fmt.rounding, compile):  # one compiled call (fused_resq.py)
-        out = _nvfp4.fused.resq_nvfp4_fused(x, fmt.scale, name, nonfinite, compile)
+            and _nvfp4.fused.use_fused(x, fmt.rounding, compile, kernels):  # one compiled call (fused_resq.py)
+        out = _nvfp4.fused.resq_nvfp4_fused(x, fmt.scale, name, nonfinite, compile, kernels)
         if out is not None:
             return out
     xf = x.to(torch.float32)
-    q = _fq32(xf, fmt, generator, name, nonfinite, compile, amax_reduce)
+    q = _fq32(xf, fmt, generator, name, nonfinite, compile, amax_reduce, kernels)
     if not compensated:
         return q
     if q.requires_grad or xf.requires_grad:  # in-place ops below would break autograd's saved tensors
-        return q + _fq32(xf - q, fmt, generator, name + " residual", nonfinite, compile, amax_reduce)
+        return q + _fq32(xf - q, fmt, generator, name + " residual", nonfinite, compile, amax_reduce, kernels)
     reuse = (xf is not x or scratch) and xf.is_contiguous()
     r = torch.sub(xf, q, out=xf) if reuse else xf - q
-    return q.add_(_fq32(r, fmt, generator, name + " residual", nonfinite, compile, amax_reduce))
+    return q.add_(_fq32(r, fmt, generator, name + " residual", nonfinite, compile, amax_reduce, kernels))
 
 
 def sqnr_db(x: torch.Tensor, fmt: OperandFormat) -> float:

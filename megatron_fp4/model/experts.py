@@ -254,12 +254,14 @@ class GroupedExperts(nn.Module):
         r, nx, first = self.recipe, self.numerics, self.expert_offset
         return cached_for_weight(nx.weight_cache, weight, ("grouped Q(W)", r.weight), lambda: torch.stack([
             resq_quantize(w, r.weight, compensated=False, name=f"{self.quant_name}.{first + e}.{which}:weight",
-                          compile=r.compile, triton=nx.triton) for e, w in enumerate(weight.detach().unbind(0))]))
+                          compile=r.compile, triton=nx.triton, kernels=nx.kernels)
+            for e, w in enumerate(weight.detach().unbind(0))]))
 
     def _fp4_grouped_linear(self, x: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor, which: str):
         r, nx = self.recipe, self.numerics
         name = f"{self.quant_name}.<grouped>.{which}"
-        xq = resq_quantize(x, r.input, r.compensated, name=f"{name}:input", compile=r.compile, triton=nx.triton)
+        xq = resq_quantize(x, r.input, r.compensated, name=f"{name}:input", compile=r.compile, triton=nx.triton,
+                           kernels=nx.kernels)
         if invariant.tiled(nx, x):  # the batch level: each expert's rows in fixed row tiles
             counts = torch.diff(offs, prepend=offs.new_zeros(1)).tolist()
             return tiled_grouped_linear(xq, self.stacked_qw(weight, which).unbind(0), counts).to(x.dtype)

@@ -184,7 +184,7 @@ class TrainingStep:
         result["tokens_per_s"] = step["tokens"] / elapsed if elapsed > 0 else float("nan")
         # Between steps, nothing else running: the one point where compiled fake-quant kernels whose
         # warm-up finished (fp4.compile=auto) are switched in (same bits; fp4/fused.py).
-        adopt_compiled_fp4()
+        adopt_compiled_fp4(self.model.numerics.kernels)
         return result
 
     def _grads_changed_after_backward(self) -> list:

@@ -36,6 +36,7 @@ from typing import Optional
 import torch
 
 from megatron_fp4.config import Config, ConfigError
+from megatron_fp4.fp4.fused import CompiledKernels
 from megatron_fp4.model import MoETransformer, materialize
 from megatron_fp4.model.specs import numerics_from_config
 from megatron_fp4.parallel.expert_parallel import apply_expert_parallel
@@ -110,8 +111,10 @@ class Trainer(TrainingStep):
         shards are the single process's slices by construction. Then the dtype of the config and
         the training-side FP4 mode."""
         cfg, mesh, p = self.cfg, self.mesh, self.cfg.parallel
+        numerics = numerics_from_config(cfg, "train")
+        numerics.kernels = CompiledKernels()  # this trainer's compiled FP4 kernels, adopted between its steps
         with torch.device("meta"):
-            model = MoETransformer(cfg.model, cfg.fp4, numerics_from_config(cfg, "train"))
+            model = MoETransformer(cfg.model, cfg.fp4, numerics)
         if mesh.ep > 1 or mesh.etp > 1:  # (ep 1: only marks the experts edp params) moe_tp_tokens=local with ep holding whole tp groups: the dispatcher folds tp
             fold = mesh.tp if self._moe_tokens() == "local" and mesh.ep % mesh.tp == 0 else 1
             apply_expert_parallel(model, mesh, dispatcher=p.expert_dispatcher, chunk_tokens=p.gcmoe_chunk_tokens,

@@ -65,16 +65,17 @@ def trainer(compile):
 # are the reference, computed by this process's own kernels (the machine's, whatever it picked).
 trainers = [trainer(args["compile"])] + ([trainer("off")] if args["twin"] else [])
 losses, ready_at = [[] for _ in trainers], None
+kernels = trainers[0].model.numerics.kernels  # the job's compiled kernels (the trainer owns them)
 while trainers[0].step < args["max_steps"]:
     if trainers[0].step == args["force_at"] and ready_at is None:
-        fused.wait_compiled()  # a slow machine: switch here at the latest, still between steps
+        kernels.wait_compiled()  # a slow machine: switch here at the latest, still between steps
     for t, out in zip(trainers, losses):
         out.append(t.train_step()["loss"].hex())
-    if ready_at is None and fused.compiled_ready("nvfp4"):
+    if ready_at is None and kernels.compiled_ready("nvfp4"):
         ready_at = trainers[0].step
     if args["after_ready"] and ready_at is not None and trainers[0].step >= ready_at + args["after_ready"]:
         break
-children = [p.pid for _, p, _ in getattr(fused, "_warmups", [])]
+children = [p.pid for _, p, _ in kernels.warmups]
 print(json.dumps({"losses": losses[0], "twin": losses[1] if args["twin"] else None, "ready_at": ready_at,
                   "compiled_calls": compiled_calls[0], "children": children}), flush=True)
 if args.get("die"):

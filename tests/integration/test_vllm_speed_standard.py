@@ -159,7 +159,7 @@ def test_the_plugins_compiled_resq_is_served_without_dynamo_with_the_eager_bits(
     from megatron_fp4.fp4.resq import portable_resq_quantize
 
     key = fused_resq.key_of("row", torch.float32)
-    fused._variants.pop(key, None)  # a fresh variant: this process's earlier tests may have built one
+    fused.PROCESS.variants.pop(key, None)  # a fresh variant: this process's earlier tests may have built one
     try:
         assert fused_resq.prepare("row", torch.float32, inference=True)
         variant = fused.variant_of(key)
@@ -173,4 +173,4 @@ def test_the_plugins_compiled_resq_is_served_without_dynamo_with_the_eager_bits(
                 want = portable_resq_quantize(x, fmt, True, compile="off")
             assert got is not None and torch.equal(got.view(torch.int32), want.view(torch.int32)), (rows, cols)
     finally:
-        fused._variants.pop(key, None)  # later tests build their own
+        fused.PROCESS.variants.pop(key, None)  # later tests build their own

@@ -49,11 +49,9 @@ needs_inductor = pytest.mark.skipif(_PROBLEM is not None, reason=str(_PROBLEM))
 
 @pytest.fixture
 def compiled():
-    """A working backend for the test (an earlier refusal is per process), restored afterwards."""
-    before = dict(fused._broken)
-    fused._broken["reason"] = None
-    yield
-    fused._broken.update(before)
+    """The test's compiled kernels (``fused.PROCESS``: a fresh store for every test, tests/conftest.py)."""
+    assert not fused.PROCESS.variants and fused.PROCESS.broken is None
+    yield fused.PROCESS
 
 
 def _same_both_ways(fn, x, **kw):
@@ -123,6 +121,79 @@ def test_compiled_kernels_match_the_definition_reference(compiled):
         assert fake_quantize_mxfp4(x, scale_mode=mode, compile="on").tolist() == want
 
 
+def _non_finite_inputs(dtype):
+    """NaN, +Inf and −Inf each alone, all three in one tensor (other blocks finite), and all NaN."""
+    g = torch.Generator().manual_seed(2)
+    for bad in ([float("nan")], [float("inf")], [float("-inf")], [float("nan"), float("inf"), float("-inf")]):
+        x = torch.randn(32, 64, generator=g)
+        for i, v in enumerate(bad):
+            x[5 * i + 1, 17 * i + 3] = v
+        yield x.to(dtype)
+    yield torch.full((32, 64), float("nan")).to(dtype)
+
+
+# (function, options): every kernel the compiled fake-quant path serves (both formats, scale kinds,
+# block layouts, input and output dtypes).
+FAKE_QUANT_KERNELS = [
+    (fake_quantize_nvfp4, dict(scale="row")),
+    (fake_quantize_nvfp4, dict(scale="tensor")),
+    (fake_quantize_nvfp4, dict(scale="tensor", block="2d")),
+    (fake_quantize_nvfp4, dict(scale="row", dtype=torch.float32)),
+    (fake_quantize_mxfp4, dict(scale_mode="floor")),
+    (fake_quantize_mxfp4, dict(scale_mode="rceil", dtype=torch.float32)),
+]
+
+
+@needs_inductor
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kernel", range(len(FAKE_QUANT_KERNELS)))
+def test_non_finite_input_gives_the_eager_bits_and_report(compiled, monkeypatch, dtype, kernel):
+    """A NaN/Inf input: the compiled path's output has the eager path's bits (its NaNs included),
+    records the same deferred flags and raises the same error. The compiled kernels run on each
+    input (counted), so a path that never compiled cannot pass vacuously."""
+    from megatron_fp4.fp4.formats import NonFiniteInputError
+    from megatron_fp4.fp4.nonfinite import NonFiniteFlags
+
+    fn, kw = FAKE_QUANT_KERNELS[kernel]
+    ran = []
+    run = fused._Variant.run
+    monkeypatch.setattr(fused._Variant, "run",
+                        lambda self, fns, xb: (ran.append(fns is self.fns), run(self, fns, xb))[1])
+    _same_both_ways(fn, torch.randn(32, 64).to(dtype), **kw)  # compiles (and checks) the variant
+    if not any(ran):  # refused: not bit-exact on a kernel set forced below the machine's own
+        assert os.environ.get("ATEN_CPU_CAPABILITY")
+        return
+    for x in _non_finite_inputs(dtype):
+        records, outs = [], []
+        for mode in ("off", "on"):
+            flags = NonFiniteFlags()
+            del ran[:]
+            outs.append(fn(x, compile=mode, nonfinite=flags, **kw))
+            records.append({k: bool(v) for k, v in flags._flags.items()})
+            with pytest.raises(NonFiniteInputError) as err:
+                fn(x, compile=mode, name="act", **kw)
+            records.append(str(err.value))
+        assert any(ran), "the compiled kernels did not run"
+        assert records[0] == records[2] and records[1] == records[3]
+        assert list(records[0].values()) == [True]  # flagged non-finite
+        assert torch.equal(_bits(outs[1]), _bits(outs[0])), (x.dtype, kw)
+
+
+@needs_inductor
+def test_a_non_finite_first_input_does_not_refuse_the_kernel(compiled, monkeypatch):
+    """``on`` checks a new variant on the caller's first input too; a NaN there (whose bits the
+    kernel need not match: such inputs run eager) must not refuse a good kernel for the process."""
+    from megatron_fp4.fp4.nonfinite import NonFiniteFlags
+
+    x = torch.randn(32, 64)
+    x[3, 5] = float("nan")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        fake_quantize_nvfp4(x, compile="on", nonfinite=NonFiniteFlags())
+    (variant,) = fused.PROCESS.variants.values()
+    assert variant.state == "ready" or os.environ.get("ATEN_CPU_CAPABILITY")
+
+
 def test_errors_and_fallbacks_do_not_compile(compiled):
     """Bad input fails before compiling; stochastic rounding, grad-recording inputs and ``off`` stay eager."""
     with pytest.raises(ValueError, match="not a multiple of 16"):
@@ -158,13 +229,11 @@ def test_compile_setting_recipe_field_and_env_override(monkeypatch):
 def test_auto_stays_eager_below_the_threshold(monkeypatch, compiled):
     """``auto`` never compiles for a small job: no warm-up process, no compiled kernels, eager's bits."""
     monkeypatch.delenv("MEGATRON_FP4_COMPILE", raising=False)
-    monkeypatch.setattr(fused, "_variants", {})
-    monkeypatch.setattr(fused, "_warmups", [])
     x = torch.randn(64, 128)
     out = fake_quantize_nvfp4(x)
     assert torch.equal(_bits(out), _bits(fake_quantize_nvfp4(x, compile="off")))
-    (variant,) = fused._variants.values()
-    assert variant.state == "new" and variant.seen == x.numel() and not fused._warmups
+    (variant,) = fused.PROCESS.variants.values()
+    assert variant.state == "new" and variant.seen == x.numel() and not fused.PROCESS.warmups
 
 
 @needs_inductor
@@ -174,18 +243,16 @@ def test_auto_compiles_in_a_child_then_switches_when_adopted(monkeypatch, compil
     checked kernels (counted) with the same bits, and a call that would recompile in the caller (a
     size-1 dim) runs eager."""
     monkeypatch.delenv("MEGATRON_FP4_COMPILE", raising=False)
-    monkeypatch.setattr(fused, "_variants", {})
-    monkeypatch.setattr(fused, "_warmups", [])
     monkeypatch.setattr(fused, "AUTO_MIN_ELEMENTS", 1000)
     x = torch.randn(48, 64) * torch.logspace(-3, 3, 64)
     ref = fake_quantize_mxfp4(x, compile="off")
     assert torch.equal(_bits(fake_quantize_mxfp4(x)), _bits(ref))  # eager while the compile runs
-    ((_, proc, _),) = fused._warmups
+    ((_, proc, _),) = fused.PROCESS.warmups
     proc.wait()
-    (variant,) = fused._variants.values()
+    (variant,) = fused.PROCESS.variants.values()
     assert torch.equal(_bits(fake_quantize_mxfp4(x)), _bits(ref)) and variant.state == "warming"
     fused.adopt_ready()
-    (variant,) = fused._variants.values()
+    (variant,) = fused.PROCESS.variants.values()
     if variant.state == "refused":  # not bit-exact on a kernel set forced below the machine's own
         assert os.environ.get("ATEN_CPU_CAPABILITY")
         assert torch.equal(_bits(fake_quantize_mxfp4(x)), _bits(ref))
@@ -199,7 +266,7 @@ def test_auto_compiles_in_a_child_then_switches_when_adopted(monkeypatch, compil
     assert torch.equal(_bits(fake_quantize_mxfp4(one)), _bits(fake_quantize_mxfp4(one, compile="off")))
     with torch.autocast("cpu", dtype=torch.bfloat16):  # other global state: the guard fails, eager runs
         assert torch.equal(_bits(fake_quantize_mxfp4(x)), _bits(ref))
-    assert not fused._warmups and variant.state == "ready"
+    assert not fused.PROCESS.warmups and variant.state == "ready"
 
 
 def test_a_kernel_that_is_not_bit_exact_is_refused(monkeypatch, compiled):
@@ -211,12 +278,11 @@ def test_a_kernel_that_is_not_bit_exact_is_refused(monkeypatch, compiled):
     def wrong_apply(xb, enc, s1, s2, out_dtype):
         return xb.to(torch.float32).to(out_dtype)
 
-    monkeypatch.setattr(fused, "_variants", {})
     monkeypatch.setattr(fused, "_compiled_copy", lambda body, tag: wrong_apply if body is fused._apply2 else body)
     with pytest.warns(RuntimeWarning, match="not bit-exact"):
         out = fake_quantize_nvfp4(x, compile="on")
     assert torch.equal(_bits(out), _bits(ref))
-    (variant,) = fused._variants.values()
+    (variant,) = fused.PROCESS.variants.values()
     assert variant.state == "refused" and not fused.compiled_ready("nvfp4")
 
 
@@ -263,8 +329,6 @@ def test_a_failed_warm_up_leaves_auto_eager(monkeypatch, compiled, rc):
     """A warm-up whose kernels are not bit-exact, whose backend failed, or that was killed: the
     variant stays eager (same bits); only a backend failure stops compiles in this process."""
     monkeypatch.delenv("MEGATRON_FP4_COMPILE", raising=False)
-    monkeypatch.setattr(fused, "_variants", {})
-    monkeypatch.setattr(fused, "_warmups", [])
     monkeypatch.setattr(fused, "AUTO_MIN_ELEMENTS", 1)
     code = "import os, sys; print('no compiler here', file=sys.stderr, flush=True); " + (
         f"sys.exit({rc})" if rc > 0 else "import signal; os.kill(os.getpid(), signal.SIGKILL)")
@@ -273,7 +337,65 @@ def test_a_failed_warm_up_leaves_auto_eager(monkeypatch, compiled, rc):
     ref = fake_quantize_nvfp4(x, compile="off")
     assert torch.equal(_bits(fake_quantize_nvfp4(x)), _bits(ref))
     fused.wait_compiled()
-    (variant,) = fused._variants.values()
-    assert variant.state == "refused" and not fused._warmups
-    assert fused._broken["reason"] == ("no compiler here" if rc == fused.WORKER_BROKEN else None)
+    (variant,) = fused.PROCESS.variants.values()
+    assert variant.state == "refused" and not fused.PROCESS.warmups
+    assert fused.PROCESS.broken == ("no compiler here" if rc == fused.WORKER_BROKEN else None)
     assert torch.equal(_bits(fake_quantize_nvfp4(x)), _bits(ref))
+
+
+def test_each_owner_has_its_own_kernels(monkeypatch):
+    """Two owners' stores (two models' ``Numerics.kernels``, or a test's and the next test's) share
+    nothing: what one compiles, counts towards ``auto``, leaves warming or refuses is not the other's;
+    a call that names a store uses it, one that names none the process's; a copy starts empty."""
+    import copy
+    import pickle
+
+    from megatron_fp4.fp4 import Numerics, fused_resq
+    from megatron_fp4.fp4.resq import portable_resq_quantize
+    from megatron_fp4.fp4.recipe import OperandFormat
+
+    monkeypatch.setattr(fused, "AUTO_MIN_ELEMENTS", 1 << 40)  # count, never start a warm-up
+    a, b = fused.CompiledKernels(), fused.CompiledKernels()
+    x = torch.randn(8, 64)
+    fake_quantize_nvfp4(x, kernels=a)
+    fake_quantize_mxfp4(x, kernels=a)
+    portable_resq_quantize(x, OperandFormat(format="nvfp4", scale="row", block="1d", rounding="nearest"), True,
+                           kernels=a)
+    key = ("nvfp4", "row", "1d", torch.float32, torch.float32)
+    assert set(a.variants) == {key, ("mxfp4", "floor", torch.float32, torch.float32),
+                               fused_resq.key_of("row", torch.float32)}
+    assert a.variants[key].seen == 3 * x.numel()  # the input, and the ResQ's eager Q(x) and Q(residual)
+    assert not b.variants and not fused.PROCESS.variants
+    a.broken = "no compiler (a's)"
+    assert not fused.use_fused(x, "nearest", "on", a) and fused.use_fused(x, "nearest", "on", b)
+    fake_quantize_nvfp4(x)
+    assert list(fused.PROCESS.variants) == [key] and fused.PROCESS.variants[key].seen == x.numel()
+    n = Numerics()
+    n.kernels = a
+    for twin in (copy.deepcopy(n).kernels, pickle.loads(pickle.dumps(n)).kernels, copy.deepcopy(a)):
+        assert isinstance(twin, fused.CompiledKernels) and twin is not a and not twin.variants and twin.broken is None
+
+
+def test_the_trainer_owns_its_kernels_and_adopts_them(monkeypatch):
+    """A Trainer's model quantizes through the trainer's own store (not the process's, not another
+    trainer's), whose finished warm-ups its step adopts between steps (here: warm-ups that report
+    "not bit-exact", so the variants end refused without a compile)."""
+    from megatron_fp4.config import load_config
+    from megatron_fp4.training.trainer import Trainer
+
+    monkeypatch.setattr(fused, "AUTO_MIN_ELEMENTS", 1)
+    code = f"import sys; sys.exit({fused.WORKER_NOT_EXACT})"
+    monkeypatch.setattr(fused, "_worker_command", lambda spec: [sys.executable, "-c", code, spec])
+    cfg = load_config(overrides=["checkpoint.dir=null", "logging.tensorboard_dir=null", "logging.progress=false",
+                                 "fp4.compile=auto", "schedule.warmup_steps=0", "schedule.train_steps=2"])
+    trainers = [Trainer(cfg), Trainer(cfg)]
+    stores = [t.model.numerics.kernels for t in trainers]
+    assert all(isinstance(s, fused.CompiledKernels) for s in stores) and stores[0] is not stores[1]
+    trainers[0].train_step()  # starts the warm-ups (threshold 1); its end adopts those already done
+    assert stores[0].variants and not stores[1].variants and not fused.PROCESS.variants
+    for _, proc, _ in stores[0].warmups:
+        proc.wait()
+    trainers[0].train_step()  # adopts the rest: every warm-up (not bit-exact) ends refused
+    assert not stores[0].warmups and all(v.state == "refused" for v in stores[0].variants.values())
+    assert all(v.store is stores[0] for v in stores[0].variants.values())
+    assert not stores[1].variants and not fused.PROCESS.variants

@@ -6,6 +6,9 @@ subtraction, an addition). Every comparison is bitwise and also asserts the comp
 """
 from __future__ import annotations
 
+import os
+import warnings
+
 import pytest
 import torch
 
@@ -13,7 +16,7 @@ from megatron_fp4.fp4 import OperandFormat, fused, fused_resq
 from megatron_fp4.fp4.formats import NonFiniteInputError
 from megatron_fp4.fp4.nonfinite import NonFiniteFlags
 from megatron_fp4.fp4.resq import portable_resq_quantize
-from tests.unit.test_fp4_fused import _bits, _inputs, compiled, needs_inductor  # noqa: F401  (fixture)
+from tests.unit.test_fp4_fused import _bits, _inputs, _non_finite_inputs, compiled, needs_inductor  # noqa: F401  (fixture)
 
 
 def _fmt(scale: str) -> OperandFormat:
@@ -90,6 +93,28 @@ def test_non_finite_input_reports_like_the_eager_path(compiled, served):
             flags[mode] = ({k: bool(v) for k, v in f._flags.items()}, out)
         assert flags["auto"][0] == flags["off"][0] and len(flags["off"][0]) == 2
         assert torch.equal(_bits(flags["auto"][1]), _bits(flags["off"][1]))
+
+
+@needs_inductor
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("scale", ["row", "tensor"])
+def test_non_finite_input_gives_the_eager_bits_in_any_order(compiled, served, dtype, scale):
+    """With every compiled kernel in use (``on``: the one-call ResQ and, under its eager fallback,
+    the fake-quant kernels), a NaN/Inf input gives the eager path's bits, NaNs included, and its
+    flags: whatever an earlier caller compiled (the order-dependent failure of issue 38)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # (a refusal's warning, checked below)
+        portable_resq_quantize(torch.randn(8, 64).to(dtype), _fmt(scale), True, compile="on")
+    if not served:  # refused: not bit-exact on a kernel set forced below the machine's own (the bits still must match)
+        assert os.environ.get("ATEN_CPU_CAPABILITY") and fused.variant_of(fused_resq.key_of(scale, dtype)).state == "refused"
+    for x in _non_finite_inputs(dtype):
+        outs, records = [], []
+        for mode in ("off", "on"):
+            f = NonFiniteFlags()
+            outs.append(portable_resq_quantize(x, _fmt(scale), True, name="h", nonfinite=f, compile=mode))
+            records.append({k: bool(v) for k, v in f._flags.items()})
+        assert records[0] == records[1] and len(records[0]) == 2
+        assert outs[0].isnan().any() and torch.equal(_bits(outs[1]), _bits(outs[0])), (dtype, scale)
 
 
 def test_off_and_invalid_inputs_stay_eager(served):

@@ -18,7 +18,8 @@ from megatron_fp4.rollout.scoring import log_probs_from_logits
 
 
 def verl_helper():
-    return pytest.importorskip("verl.trainer.ppo.rollout_corr_helper")
+    from verl.trainer.ppo import rollout_corr_helper  # the [test] extra installs verl: never a skip
+    return rollout_corr_helper
 
 
 def tensors(seed, dtype=torch.float32, spread=0.4, extreme=False):
@@ -181,7 +182,7 @@ class _ActorCfg:
 def test_policy_loss_applies_the_weights_as_verl(cfg, spec):
     """Through the GRPO step loss (`PolicyLoss.loss`, logits in): loss and logits gradient equal to
     verl's vanilla PPO loss fed verl's rollout-IS weights and rejected mask."""
-    core_algos = pytest.importorskip("verl.trainer.ppo.core_algos")
+    from verl.trainer.ppo import core_algos
     g = torch.Generator().manual_seed(6)
     _, roll, mask = tensors(6, spread=0.3)
     B, T, V = mask.shape[0], mask.shape[1], 11

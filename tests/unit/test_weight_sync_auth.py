@@ -72,7 +72,6 @@ def _free_port() -> int:
 
 
 def _engine():
-    pytest.importorskip("verl")
     from megatron_fp4.integrations.verl import MegatronFP4CheckpointEngine
     return MegatronFP4CheckpointEngine
 
