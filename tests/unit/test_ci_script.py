@@ -31,7 +31,7 @@ def test_ci_runs_the_readme_test_commands_as_written():
         assert any(run.split(None, 2)[2] in (command, command + shuffle) for run in runs), command
     shuffled = [run for run in runs if "--random-order-seed" in run]
     assert len(shuffled) == 1 and "tests/unit" in shuffled[0] and re.search(r'echo "shuffled unit run, seed \$seed', ci)
-    assert re.search(r'"\$@" -rs --junitxml=', ci) and "python tools/check_skips.py" in ci
+    assert re.search(r'"\$@" -rEfs --junitxml=', ci) and "python tools/check_skips.py" in ci
 
 
 def test_the_test_extra_installs_the_references_and_the_shuffler():
