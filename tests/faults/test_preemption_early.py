@@ -20,7 +20,7 @@ def cfg_for(root, *extra):
     return load_config(None, [
         "model.num_layers=2", "schedule.seq_len=16", "schedule.global_batch_size=4", "schedule.micro_batch_size=2",
         f"schedule.train_steps={STEPS}", "schedule.warmup_steps=1", "data.num_samples=64", "logging.progress=false",
-        "logging.tensorboard_dir=null", "logging.log_interval=2", "numerics.batch_invariant=false", "fp4.compile=off",
+        "logging.tensorboard_dir=null", "logging.log_interval=2", "numerics.invariance=standard", "fp4.compile=off",
         f"checkpoint.dir={root}", "checkpoint.save_interval=0", "checkpoint.keep_last=0", "checkpoint.load=auto",
         *extra])
 
