@@ -31,7 +31,7 @@ import torch
 from megatron_fp4.config import ConfigError, NumericsConfig, apply_overrides, config_from_dict
 from megatron_fp4.config_validate import check_model_limits
 from megatron_fp4.model import build_model
-from megatron_fp4.model.registry import get_family
+from megatron_fp4.model.registry import numerics_level_for
 from megatron_fp4.training import checkpoint as ckpt
 from megatron_fp4.training import checkpoint_files as files
 
@@ -147,9 +147,7 @@ def cmd_from_hf(args) -> int:
                          f"checkpoint: choose a new output directory or remove that one")
     model_cfg, hf_state = load_hf_checkpoint(args.hf)
     data = {"model": {k: getattr(model_cfg, k) for k in model_cfg.__dataclass_fields__}}
-    levels = get_family(model_cfg.family).numerics  # a family's first level when the default is not its own
-    if NumericsConfig().invariance not in levels:
-        data["numerics"] = {"invariance": levels[0]}
+    data["numerics"] = {"invariance": numerics_level_for(model_cfg.family, NumericsConfig().invariance)}
     cfg = config_from_dict(apply_overrides(data, args.overrides))
     trainer = one_process_trainer(cfg)
     from_hf_state_dict(trainer.model, hf_state)

@@ -39,3 +39,10 @@ def get_family(name: str) -> Family:
         raise ValueError(f"model.family={name!r:.80} is not a model family; the families are {list(FAMILIES)} "
                          "(docs/families.md)")
     return FAMILIES[name]
+
+
+def numerics_level_for(family: str, wanted: str) -> str:
+    """`wanted` (a ``numerics.invariance`` level) when the family runs it, else the family's first
+    level: what a config built from a checkpoint alone (``from-hf``, verl) starts with."""
+    levels = get_family(family).numerics
+    return wanted if wanted in levels else levels[0]
