@@ -28,7 +28,7 @@ from torch import nn
 from megatron_fp4.fp4 import MoEResQLinear, Recipe, invariant, moeresq_linear
 from megatron_fp4.model.decoder import DecoderLayer
 from megatron_fp4.model.experts import GroupedExperts
-from megatron_fp4.model.layers import Attention, LayerCache, Linear, RMSNorm, upcast
+from megatron_fp4.model.layers import Attention, LayerCache, Linear, RMSNorm, upcast, with_cache
 from megatron_fp4.model.moe import MoELayer
 from megatron_fp4.model.router import Router, replay_topk
 from megatron_fp4.model.specs import attention_recipe, expert_recipe
@@ -115,10 +115,7 @@ class GptOssAttention(Attention):
         inv_freq, factor = yarn_inv_freq(self.head_dim, self.rope_theta, self.rope_scaling, x.device)
         cos, sin = rope_half_tables(positions, inv_freq, factor, q.dtype)
         q, k = apply_half_rope(q, cos, sin), apply_half_rope(k, cos, sin)
-        past = 0
-        if cache is not None:
-            past = cache.length
-            k, v = cache.append(k, v)
+        k, v, past = with_cache(cache, k, v)
         T_total = k.shape[2]
         rep = self.num_heads // self.num_kv_heads
         k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
