@@ -59,3 +59,14 @@ def test_registry_names_every_family():
     assert sorted(FAMILIES) == ["gpt_oss", "qwen3_moe"]
     with pytest.raises(ValueError, match=r"\['qwen3_moe', 'gpt_oss'\]"):
         get_family("deepseek_v3")
+
+
+def test_megatron_core_mapping_refuses_another_family():
+    from megatron_fp4.integrations.megatron_core.checkpoint import to_mcore_state_dict
+    from megatron_fp4.integrations.megatron_core.config import to_megatron_transformer_config
+
+    c = cfg()
+    with pytest.raises(ValueError, match="covers qwen3_moe only"):
+        to_megatron_transformer_config(c)
+    with pytest.raises(ValueError, match="covers qwen3_moe only"):
+        to_mcore_state_dict({}, c.model)
