@@ -128,3 +128,21 @@ def test_header_sizes_are_checked_before_reading(tmp_path):
     tensors.rows = tensors.__getitem__ = None  # any read would fail: only the header may be consulted
     with pytest.raises(ValueError, match=r"uint8 \[4, 128, 2, 16\]"):
         read(tensors, "model.layers.0.mlp.experts.gate_up_proj", (E, 2 * 2 * F, H), (0, E))
+
+
+def test_load_hf_shard_gives_an_ep_rank_its_experts_rows(tmp_path):
+    """An expert-parallel rank's model (experts 2..3 of 4) loads from the packed checkpoint exactly the
+    rows of the full model's experts, with the biases."""
+    from megatron_fp4.integrations.hf import load_hf_shard
+    from megatron_fp4.parallel.expert_parallel import shard_experts
+
+    packed_checkpoint(tmp_path / "hf")
+    full = build_model_from_hf(tmp_path / "hf", FP4Config(scope="none"))
+    rank = MoETransformer(full.cfg, FP4Config(scope="none"))
+    for moe in rank.moe_layers():
+        shard_experts(moe, 2, 1)
+    load_hf_shard(rank, tmp_path / "hf")
+    params = dict(full.named_parameters())
+    for name, p in rank.named_parameters():
+        want = params[name][2:4] if ".experts." in name else params[name]
+        assert torch.equal(p, want), name

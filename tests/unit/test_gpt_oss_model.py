@@ -70,3 +70,15 @@ def test_megatron_core_mapping_refuses_another_family():
         to_megatron_transformer_config(c)
     with pytest.raises(ValueError, match="covers qwen3_moe only"):
         to_mcore_state_dict({}, c.model)
+
+
+@pytest.mark.parametrize("level", ["batch", "exact"])
+def test_invariant_levels_are_refused_at_run_time_too(level):
+    """A model given a row-invariant `Numerics` directly (not through the validated config) refuses to run."""
+    from megatron_fp4.fp4 import Numerics
+    from megatron_fp4.model import MoETransformer
+
+    c = cfg()
+    model = MoETransformer(c.model, c.fp4, Numerics(invariance=level))
+    with pytest.raises(ValueError, match="numerics.invariance=standard"):
+        model(torch.zeros(1, 4, dtype=torch.long))
