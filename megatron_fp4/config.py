@@ -22,6 +22,8 @@ from megatron_fp4.config_yaml import MAX_BYTES, Plain, parse_yaml, plain_value, 
 
 @dataclass
 class ModelConfig:
+    # The model family (megatron_fp4/model/registry.py, docs/families.md): qwen3_moe | gpt_oss
+    family: str = "qwen3_moe"
     vocab_size: int = 32
     hidden_size: int = 64
     num_layers: int = 4
@@ -30,6 +32,13 @@ class ModelConfig:
     head_dim: int = 16
     max_seq_len: int = 256
     rope_theta: float = 10000.0
+    # RoPE scaling: null (plain RoPE) or YaRN, {rope_type: yarn, factor, original_max_position_embeddings,
+    # beta_fast (32), beta_slow (1), truncate (true)} as in the HF config (GPT-OSS)
+    rope_scaling: Optional[dict] = None
+    # Per layer "full_attention" | "sliding_attention" (empty: all full); sliding layers see the last
+    # sliding_window keys (GPT-OSS alternates them)
+    layer_types: list = field(default_factory=list)
+    sliding_window: int = 0
     norm_eps: float = 1e-6
     # MoE
     num_experts: int = 8

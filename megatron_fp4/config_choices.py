@@ -12,7 +12,11 @@ class ConfigError(ValueError):
 # Numerics levels (fp4/numerics.py, fp4/invariant.py): the one definition, kept here, torch-free.
 INVARIANCE_LEVELS = ("standard", "batch", "exact")
 
+# Model families (megatron_fp4/model/registry.py holds their builders; a test pins the two together).
+MODEL_FAMILIES = ("qwen3_moe", "gpt_oss")
+
 _CHOICES = {
+    "model.family": MODEL_FAMILIES,
     "numerics.invariance": INVARIANCE_LEVELS,
     "model.recompute": ("none", "full", "selective"),
     "fp4.scope": ("experts", "experts+attention", "none"),

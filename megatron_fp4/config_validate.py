@@ -13,6 +13,7 @@ import dataclasses
 import math
 
 from megatron_fp4.config_choices import _CHOICES, ConfigError
+from megatron_fp4.config_family import validate_family
 from megatron_fp4.config_yaml import show
 
 ARITHMETIC_VOCAB_SIZE = 18  # pad, bos, eos, 0-9, + - * = and space
@@ -139,6 +140,7 @@ def validate_config(cfg) -> None:
     require(o.weight_decay >= 0, "optimizer.weight_decay", o.weight_decay, "must be >= 0 (0 disables decay)")
 
     _validate_parallel(cfg)
+    validate_family(cfg)
 
     d = cfg.data
     if d.kind == "arithmetic":

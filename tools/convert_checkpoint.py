@@ -1,9 +1,13 @@
-"""Checkpoint conversion: ours <-> Hugging Face Qwen3-MoE safetensors, and inspection.
+"""Checkpoint conversion: ours <-> Hugging Face safetensors (every model family: Qwen3-MoE, GPT-OSS,
+chosen by config.json's model_type / the checkpoint's model.family), and inspection.
 
     python tools/convert_checkpoint.py inspect outputs/tiny_moe/checkpoints
     python tools/convert_checkpoint.py to-hf   outputs/tiny_moe/checkpoints  hf_out/ [--dtype bf16] [--no-quant-config]
     python tools/convert_checkpoint.py from-hf hf_out/  converted/           [--set fp4.scope=experts ...]
     python tools/convert_checkpoint.py upgrade old_ckpt/step_00000100 new_ckpt/
+
+An unknown model_type (or any other bad input) is one error line and exit status 2. `to-hf
+--mxfp4-experts` (GPT-OSS) writes the expert weights packed in MXFP4 as OpenAI's checkpoints do.
 
 `to-hf` reads a DCP checkpoint (any parallel layout, one process included; expert and pipeline
 shards are gathered) or one of the former single-file format ("single"/"weights": ``state.pt``,
@@ -24,9 +28,10 @@ from pathlib import Path
 
 import torch
 
-from megatron_fp4.config import ConfigError, apply_overrides, config_from_dict
+from megatron_fp4.config import ConfigError, NumericsConfig, apply_overrides, config_from_dict
 from megatron_fp4.config_validate import check_model_limits
 from megatron_fp4.model import build_model
+from megatron_fp4.model.registry import numerics_level_for
 from megatron_fp4.training import checkpoint as ckpt
 from megatron_fp4.training import checkpoint_files as files
 
@@ -100,7 +105,7 @@ def cmd_inspect(args) -> int:
     model = cfg["model"]
     print(f"checkpoint: {step_dir}")
     print(f"kind: {meta.get('kind')}  step: {meta.get('step')}  format: {meta.get('format_version')}")
-    print(f"model: {model.get('num_layers', '?')} layers, hidden {model.get('hidden_size', '?')}, "
+    print(f"model: {model.get('family', 'qwen3_moe')}, {model.get('num_layers', '?')} layers, hidden {model.get('hidden_size', '?')}, "
           f"{model.get('num_experts', '?')} experts top-{model.get('top_k', '?')}; fp4: {cfg.get('fp4', '?')}")
     print(f"parallel layout it was saved from: {cfg.get('parallel', '?')}")
     total = sum(t.numel() for t in state.values())
@@ -128,7 +133,7 @@ def cmd_to_hf(args) -> int:
     model.load_state_dict(state)  # names and shapes were checked against this config by load_model_state
     out = save_hf_checkpoint(model, cfg, args.out, dtype=DTYPES[args.dtype], overwrite=args.overwrite,
                              quantization_config=vllm_quant_config(cfg, not args.no_quant_config),
-                             inputs=(args.checkpoint,))
+                             inputs=(args.checkpoint,), mxfp4_experts=args.mxfp4_experts)
     print(f"wrote {out} (config.json + model.safetensors, {args.dtype})")
     return 0
 
@@ -142,6 +147,7 @@ def cmd_from_hf(args) -> int:
                          f"checkpoint: choose a new output directory or remove that one")
     model_cfg, hf_state = load_hf_checkpoint(args.hf)
     data = {"model": {k: getattr(model_cfg, k) for k in model_cfg.__dataclass_fields__}}
+    data["numerics"] = {"invariance": numerics_level_for(model_cfg.family, NumericsConfig().invariance)}
     cfg = config_from_dict(apply_overrides(data, args.overrides))
     trainer = one_process_trainer(cfg)
     from_hf_state_dict(trainer.model, hf_state)
@@ -248,15 +254,19 @@ def main(argv=None) -> int:
     p = sub.add_parser("inspect", help="print what a checkpoint holds")
     p.add_argument("checkpoint")
     p.set_defaults(fn=cmd_inspect)
-    p = sub.add_parser("to-hf", help="our checkpoint -> HF Qwen3-MoE safetensors")
+    p = sub.add_parser("to-hf", help="our checkpoint -> HF safetensors of its model family")
     p.add_argument("checkpoint")
     p.add_argument("out")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
     p.add_argument("--overwrite", action="store_true")
     p.add_argument("--no-quant-config", action="store_true",
                    help="leave the FP4 recipe (quantization_config for the vLLM plugin) out of config.json")
+    p.add_argument("--mxfp4-experts", action="store_true",
+                   help="GPT-OSS: write the expert weights packed in MXFP4 (*_blocks/*_scales) as OpenAI's checkpoints "
+                        "hold them; they must lie on the MXFP4 grid")
     p.set_defaults(fn=cmd_to_hf)
-    p = sub.add_parser("from-hf", help="HF Qwen3-MoE safetensors -> our weights-only checkpoint")
+    p = sub.add_parser("from-hf", help="HF safetensors (Qwen3-MoE, GPT-OSS: by config.json's model_type) -> our "
+                                       "weights-only checkpoint")
     p.add_argument("hf")
     p.add_argument("out")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")

@@ -86,9 +86,9 @@ class GroupedExperts(nn.Module):
             held = f"[{self.expert_offset}, {self.expert_offset + self.num_local_experts})"
             raise ValueError(f"GroupedExperts.shard: experts [{expert_offset}, {expert_offset + num_local_experts}) "
                              f"are not held here ({held})")
-        with torch.device(self.w13.device):
-            out = GroupedExperts(self.num_global_experts, self.hidden, self.ffn, self.recipe,
-                                 expert_offset=expert_offset, num_local_experts=num_local_experts).to(self.w13.dtype)
+        with torch.device(self.w13.device):  # type(self): a family's experts (gpt_oss.py) shard as themselves
+            out = type(self)(self.num_global_experts, self.hidden, self.ffn, self.recipe,
+                             expert_offset=expert_offset, num_local_experts=num_local_experts).to(self.w13.dtype)
         if not self.w13.is_meta:
             with torch.no_grad():
                 out.w13.copy_(self.w13[lo:lo + num_local_experts])

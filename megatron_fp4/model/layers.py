@@ -115,6 +115,14 @@ class KVCache:
         return self.layers[0].length if self.layers else 0
 
 
+def with_cache(cache: Optional[LayerCache], k: torch.Tensor, v: torch.Tensor):
+    """(keys, values, cached length before them): `k`/`v` appended to `cache` (None: as they are)."""
+    if cache is None:
+        return k, v, 0
+    past = cache.length
+    return (*cache.append(k, v), past)
+
+
 class Linear(nn.Linear):
     """``nn.Linear`` that is batch invariant at a row-invariant ``numerics.invariance`` level (same state dict)."""
 
@@ -158,10 +166,7 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
         cos, sin = rope_cos_sin(positions, self.head_dim, self.rope_theta, q.dtype)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        past = 0
-        if cache is not None:
-            past = cache.length
-            k, v = cache.append(k, v)
+        k, v, past = with_cache(cache, k, v)
         T_total = k.shape[2]
         rep = self.num_heads // self.num_kv_heads
         if invariant.enabled(self.numerics, q):  # keys by position, fixed reduction trees, kv heads shared

@@ -1,4 +1,7 @@
-"""The Qwen3-MoE-family decoder: embedding → N × (attention, MoE or dense MLP) → norm → LM head.
+"""The decoder of every model family: embedding → N × decoder layer → norm → LM head.
+
+The layers are the family's (`model.registry`, chosen by ``model.family``: Qwen3-MoE's in
+`model/decoder.py`, GPT-OSS's in `model/gpt_oss.py`); embedding, norm and head are shared.
 
 The forward is three pieces, `embed` / `run_layers` / `head`, and `forward` is nothing but them in
 a row: `parallel/pipeline.py` runs the same pieces on its stages (the first stage embeds, every
@@ -15,44 +18,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from megatron_fp4.fp4 import MoEResQLinear, Numerics, Recipe, apply_numerics, invariant, name_quant_sites
+from megatron_fp4.fp4 import MoEResQLinear, Numerics, apply_numerics, invariant, name_quant_sites
 from megatron_fp4.model import recompute
-from megatron_fp4.model.layers import Attention, KVCache, LayerCache, RMSNorm, SwiGLU, upcast
+from megatron_fp4.model.decoder import DecoderLayer  # noqa: F401 (its old home: importers keep working)
+from megatron_fp4.model.layers import Attention, KVCache, LayerCache, RMSNorm, SwiGLU, upcast  # noqa: F401
 from megatron_fp4.model.moe import GroupedExperts, MoELayer
-from megatron_fp4.model.specs import attention_recipe, expert_recipe
-
-
-class DecoderLayer(nn.Module):
-    def __init__(self, cfg, fp4_cfg, layer_idx: int):
-        super().__init__()
-        self.layer_idx = layer_idx
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
-        self.self_attn = Attention(cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.norm_eps,
-                                   cfg.rope_theta, attention_recipe(fp4_cfg))
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
-        self.is_moe = layer_idx not in cfg.dense_layers
-        recipe = expert_recipe(fp4_cfg)
-        if self.is_moe:
-            self.mlp = MoELayer(cfg.hidden_size, cfg.num_experts, cfg.top_k, cfg.moe_ffn_hidden_size,
-                                recipe or Recipe(mode="bf16"), cfg.norm_topk_prob, cfg.router_aux_loss_coef,
-                                cfg.router_z_loss_coef, cfg.num_shared_experts, cfg.shared_expert_ffn_hidden_size,
-                                cfg.moe_router_bias_update_rate, cfg.moe_aux_loss_type,
-                                capacity_factor=cfg.moe_capacity_factor, drop_policy=cfg.moe_token_drop_policy)
-        else:
-            self.mlp = SwiGLU(cfg.hidden_size, cfg.dense_ffn_hidden_size, recipe)
-
-    def forward(self, h: torch.Tensor, positions: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
-                cache: Optional[LayerCache] = None, routing_out: Optional[list] = None,
-                routing_in: Optional[torch.Tensor] = None) -> torch.Tensor:
-        past = cache.length if cache is not None else 0
-        h = h + self.self_attn(self.input_layernorm(h), positions, attention_mask, cache)
-        x = self.post_attention_layernorm(h)
-        if self.is_moe:  # the MoE auxiliary losses count only the real tokens of this step
-            valid = None if attention_mask is None else attention_mask[:, past:past + h.shape[1]]
-            return h + self.mlp(x, routing_out, routing_in, valid)
-        if routing_out is not None:
-            routing_out.append(None)
-        return h + self.mlp(x)
+from megatron_fp4.model.registry import get_family
 
 
 # model.recompute_modules names -> (module class, indices of its side-effect output arguments)
@@ -74,7 +45,8 @@ class MoETransformer(nn.Module):
         super().__init__()
         self.cfg, self.fp4_cfg = cfg, fp4_cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList([DecoderLayer(cfg, fp4_cfg, i) for i in range(cfg.num_layers)])
+        layer = get_family(getattr(cfg, "family", "qwen3_moe")).decoder_layer
+        self.layers = nn.ModuleList([layer(cfg, fp4_cfg, i) for i in range(cfg.num_layers)])
         self.norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
         self.lm_head = None if cfg.tie_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         name_quant_sites(self)  # global names for FP4 SR streams and errors, kept by pp/ep splitting

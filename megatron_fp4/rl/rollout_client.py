@@ -32,7 +32,7 @@ from typing import Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from megatron_fp4.integrations.hf.qwen3_moe import to_hf_state_dict
+from megatron_fp4.integrations.hf.families import to_hf_state_dict  # the model family's HF names
 from megatron_fp4.integrations.hf.sharded import local_hf_state_dict
 from megatron_fp4.parallel.wire import broadcast_json
 from megatron_fp4.rl.rollout_worker import HFWeightReceiver

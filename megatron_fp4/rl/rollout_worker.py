@@ -26,7 +26,7 @@ import time
 import torch
 
 from megatron_fp4.config import config_from_dict
-from megatron_fp4.integrations.hf.qwen3_moe import ours_from_hf_state_dict, to_hf_state_dict
+from megatron_fp4.integrations.hf.families import ours_from_hf_state_dict, to_hf_state_dict
 from megatron_fp4.model import build_model
 from megatron_fp4.parallel.wire import ProtocolError, broadcast_json
 from megatron_fp4.rl.wire import broadcast_generation, params_from_json

@@ -1,8 +1,9 @@
-"""Weight sync publishes under HF Qwen3-MoE names everywhere: the in-process rollout's publisher too
+"""Weight sync publishes under the model family's HF names (Qwen3-MoE, GPT-OSS) everywhere: the in-process rollout's publisher too
 (it used to publish our own parameter names while the remote, vLLM and verl ones sent HF names);
 its receiver maps them back and the engine ends up with the trainer's weights, bitwise."""
 import types
 
+import pytest
 import torch
 
 from megatron_fp4.config import Config
@@ -11,9 +12,14 @@ from megatron_fp4.model import build_model
 from megatron_fp4.rl.rollout_client import InProcessRollout
 
 
-def test_in_process_publisher_sends_hf_names():
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
+def test_in_process_publisher_sends_hf_names(family):
     cfg = Config()
-    cfg.model.num_layers, cfg.model.vocab_size, cfg.model.dense_layers = 2, 32, [0]
+    cfg.model.num_layers, cfg.model.vocab_size = 2, 32
+    if family == "qwen3_moe":
+        cfg.model.dense_layers = [0]
+    else:
+        cfg.model.family, cfg.numerics.invariance = "gpt_oss", "standard"
     trainer = types.SimpleNamespace(cfg=cfg, model=build_model(cfg, seed=1))
     rollout = InProcessRollout(trainer, pad_id=0, bucket_bytes=1 << 12)
     receiver = rollout.publisher.transports[0].receiver

@@ -1,4 +1,6 @@
-"""Hugging Face Qwen3-MoE checkpoints on disk: `config.json` + safetensors.
+"""Hugging Face checkpoints on disk (every family of `families.py`): `config.json` + safetensors.
+
+The family is the config.json's ``model_type`` when reading and ``model.family`` when writing.
 
     save_hf_checkpoint(model, cfg, "out/qwen3_moe_hf")       # loadable by Qwen3MoeForCausalLM.from_pretrained
     model_cfg, sd = load_hf_checkpoint("out/qwen3_moe_hf")   # our ModelConfig + HF tensors
@@ -24,8 +26,8 @@ from safetensors.torch import save_file
 
 from megatron_fp4.training.checkpoint import check_not_input, check_replaceable_export, replace_dir
 from megatron_fp4.config import Config, FP4Config, ModelConfig
-from megatron_fp4.integrations.hf.qwen3_moe import (check_hf_state_dict, from_hf_state_dict, hf_config_from_ours,
-                                                    ours_config_from_hf, to_hf_state_dict)
+from megatron_fp4.integrations.hf.families import (check_hf_state_dict, from_hf_state_dict, hf_config_from_ours,
+                                                   ours_config_from_hf, to_hf_state_dict)
 from megatron_fp4.integrations.hf.safetensors_header import TensorInfo, read_header
 
 CONFIG_FILE = "config.json"
@@ -55,25 +57,30 @@ def check_out_dir(out_dir, overwrite: bool, flag: str = "overwrite=True", inputs
 
 
 def save_hf_checkpoint(model, cfg, out_dir, dtype: Optional[torch.dtype] = None, overwrite: bool = False,
-                       quantization_config: Optional[dict] = None, inputs=()) -> Path:
-    """Write `model` as a Hugging Face Qwen3-MoE checkpoint (`config.json` + `model.safetensors`,
+                       quantization_config: Optional[dict] = None, inputs=(), mxfp4_experts: bool = False) -> Path:
+    """Write `model` as a Hugging Face checkpoint of its family (`config.json` + `model.safetensors`,
     per-expert layout) to `out_dir`, atomically. `cfg` is our Config or ModelConfig; `dtype`
     casts the tensors (default: as they are). An existing non-empty `out_dir` is replaced only
     with overwrite=True. `quantization_config` goes into config.json as that block (the vLLM
     plugin's FP4 recipe, `integrations.vllm.hf_quantization_config`). `inputs`: paths the model was
-    read from, which `out_dir` may not be, hold or lie inside. Returns the directory."""
+    read from, which `out_dir` may not be, hold or lie inside. `mxfp4_experts` (GPT-OSS): the expert
+    weights packed in MXFP4 as OpenAI's checkpoints hold them (they must lie on the MXFP4 grid).
+    Returns the directory."""
     model_cfg = _model_config(cfg)
     out_dir = Path(out_dir)
     check_out_dir(out_dir, overwrite, inputs=inputs)
     hf_cfg = hf_config_from_ours(model_cfg)
     tensors = {}
-    for key, t in to_hf_state_dict(model).items():
-        t = t.to(dtype) if dtype is not None else t
+    for key, t in to_hf_state_dict(model, mxfp4_experts=mxfp4_experts).items():
+        t = t.to(dtype) if dtype is not None and t.is_floating_point() else t
         # Per-expert tensors are views into w13/w2; safetensors needs separate contiguous storage.
         tensors[key] = t.detach().to("cpu").contiguous().clone()
-    saved_dtypes = {t.dtype for t in tensors.values()}
+    saved_dtypes = {t.dtype for t in tensors.values() if t.is_floating_point()}
     if len(saved_dtypes) == 1:
         hf_cfg["dtype"] = hf_cfg["torch_dtype"] = str(saved_dtypes.pop()).replace("torch.", "")
+    if mxfp4_experts:  # what transformers reads OpenAI's packed experts by
+        quantization_config = {"quant_method": "mxfp4", "modules_to_not_convert": [
+            "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
     if quantization_config is not None:
         hf_cfg["quantization_config"] = quantization_config
 
@@ -213,7 +220,7 @@ def load_hf_shard(model, path) -> None:
     The checkpoint's config must match ``model.cfg`` (the fields that shape the weights)."""
     path = Path(path)
     theirs = read_hf_config(path)
-    fields = ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim", "num_experts",
+    fields = ("family", "vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim", "num_experts",
               "moe_ffn_hidden_size", "dense_layers", "tie_embeddings") + (("dense_ffn_hidden_size",)
                                                                           if model.cfg.dense_layers else ())
     differ = [f"model.{f}: ours {getattr(model.cfg, f)!r}, checkpoint {getattr(theirs, f)!r}"
@@ -225,7 +232,7 @@ def load_hf_shard(model, path) -> None:
 
 
 def load_hf_checkpoint(path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
-    """Read a Qwen3-MoE checkpoint directory: (our ModelConfig, HF-named CPU tensors). Accepts a
+    """Read a checkpoint directory of any supported family: (our ModelConfig, HF-named CPU tensors). Accepts a
     single `model.safetensors` or Hub-style shards with `model.safetensors.index.json`. The tensors
     must be those of the config's model (names, shapes, float dtypes: checked on the headers before
     any tensor is read)."""

@@ -1,4 +1,4 @@
-"""HF Qwen3-MoE names of one rank's shard (pipeline chunk, local experts), for publishing from a
+"""HF names (of the model's family) of one rank's shard (pipeline chunk, local experts), for publishing from a
 sharded trainer: the names are global (a stage's layers keep their indices; a local expert e of an
 expert-parallel rank is published as expert ``expert_offset + e``), so the shards of all ranks
 together are exactly `to_hf_state_dict` of the single-process model."""
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from megatron_fp4.integrations.hf.qwen3_moe import to_hf_state_dict
+from megatron_fp4.integrations.hf.families import for_model, to_hf_state_dict
 from megatron_fp4.model.experts import GroupedExperts
 
 
@@ -16,6 +16,10 @@ def local_hf_state_dict(model, layout: str = "checkpoint") -> dict[str, torch.Te
                if isinstance(module, GroupedExperts) and module.expert_offset}
     if not offsets:
         return out
+    if for_model(model).HF_MODEL_TYPE != "qwen3_moe":  # GPT-OSS: experts are fused tensors, a rank holds rows
+        raise ValueError(f"publishing the HF weights of an expert-parallel {model.cfg.family} shard is not supported "
+                         "(its HF expert tensors are fused over experts, which this rank holds only rows of); "
+                         "publish from parallel.ep=1")
     if layout == "fused":
         raise ValueError("layout='fused' publishes each layer's experts as one tensor, which an expert-parallel "
                          "rank holds only part of; use layout='checkpoint' (per-expert tensors)")

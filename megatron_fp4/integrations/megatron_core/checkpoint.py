@@ -66,6 +66,14 @@ def split_qkv(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: in
     return q.reshape(-1, hidden), k.reshape(-1, hidden), v.reshape(-1, hidden)
 
 
+def check_family(model_cfg) -> None:
+    """The Megatron-Core mapping is Qwen3-MoE's: another family's weights are refused, not renamed wrongly."""
+    family = getattr(model_cfg, "family", "qwen3_moe")
+    if family != "qwen3_moe":
+        raise ValueError(f"model.family={family!r}: the Megatron-Core name/config mapping covers qwen3_moe only "
+                         "(docs/families.md); convert through Hugging Face (tools/convert_checkpoint.py to-hf)")
+
+
 def _check(spec: str, experts: str) -> None:
     if spec not in SPECS:
         raise ValueError(f"spec={spec!r}: must be one of {SPECS} ('te' = TE layer specs with the input norm fused "
@@ -93,6 +101,7 @@ def to_mcore_state_dict(state_dict: Mapping[str, torch.Tensor], model_cfg, spec:
                         experts: str = "sequential") -> dict[str, torch.Tensor]:
     """Megatron-Core names for our `state_dict` (as from `MoETransformer.state_dict()`).
     Concatenated tensors (qkv, fc1 of dense/shared MLPs) are new; the rest are the same tensors."""
+    check_family(model_cfg)
     _check(spec, experts)
     m = model_cfg
     sd = dict(state_dict)
@@ -143,6 +152,7 @@ def from_mcore_state_dict(mcore_sd: Mapping[str, torch.Tensor], model_cfg, spec:
                           experts: str = "sequential") -> dict[str, torch.Tensor]:
     """Our state dict from Megatron-Core names (strict: a missing or unexpected weight raises;
     `_extra_state` entries are skipped). Experts are stacked into w13/w2 (new tensors)."""
+    check_family(model_cfg)
     _check(spec, experts)
     m = model_cfg
     sd = {k: v for k, v in mcore_sd.items() if not k.endswith("._extra_state")}

@@ -40,6 +40,7 @@ import torch
 import torch.nn.functional as F
 
 from megatron_fp4.config import Config, FP4Config, ModelConfig
+from megatron_fp4.integrations.megatron_core.checkpoint import check_family
 
 GPT_MODEL_KEYS = ("vocab_size", "max_sequence_length", "position_embedding_type", "rotary_base", "rotary_percent",
                   "share_embeddings_and_output_weights")
@@ -68,6 +69,7 @@ def to_megatron_transformer_config(cfg: Config, fp4_backend: str = "moeresq") ->
         raise ValueError(f"cfg must be a megatron_fp4 Config, got {type(cfg).__name__}")
     if fp4_backend not in FP4_BACKENDS:
         raise ValueError(f"fp4_backend={fp4_backend!r} is not one of {FP4_BACKENDS}")
+    check_family(cfg.model)
     m, p = cfg.model, cfg.parallel
     theta = float(m.rope_theta)
     fp4 = _te_fp4_fields(cfg) if fp4_backend == "te_nvfp4" else {"fp4": None}

@@ -18,7 +18,8 @@ from verl.workers.config.engine import EngineConfig
 
 from megatron_fp4.config import Config, FP4Config, _from_dict
 from megatron_fp4.integrations.hf.checkpoint import CONFIG_FILE
-from megatron_fp4.integrations.hf.qwen3_moe import ours_config_from_hf
+from megatron_fp4.integrations.hf.families import ours_config_from_hf
+from megatron_fp4.model.registry import numerics_level_for
 from megatron_fp4.parallel.mesh import ParallelMesh, resolve_device
 
 SIDECAR_FP4_FIELDS = ("scope", "format", "train_mode", "rollout_mode")
@@ -86,6 +87,7 @@ def config_from_verl(model_config, engine_config=None, optimizer_config=None) ->
     """Our Config for verl's (model_config, engine_config, optimizer_config)."""
     path = model_dir(model_config)
     cfg = Config(model=ours_config_from_hf(json.loads((path / CONFIG_FILE).read_text())))
+    cfg.numerics.invariance = numerics_level_for(cfg.model.family, cfg.numerics.invariance)  # GPT-OSS: standard
     cfg.fp4 = fp4_config_for(path, engine_config)
     # The gradient is verl's loss_function's alone, as in verl's FSDP/Megatron engines (HF Qwen3-MoE adds
     # its router aux loss only to its own LM loss). A per-micro-batch aux term would also make the

@@ -17,7 +17,7 @@ import torch
 from verl import DataProto
 from verl.workers.rollout.base import _ROLLOUT_REGISTRY, BaseRollout
 
-from megatron_fp4.integrations.hf.qwen3_moe import ours_from_hf_state_dict
+from megatron_fp4.integrations.hf.families import ours_from_hf_state_dict
 from megatron_fp4.rollout.engine import RolloutEngine, positions_from_mask
 from megatron_fp4.rollout.sampling import SamplingParams
 

@@ -1,0 +1,87 @@
+"""The model-family fields of a config (``model.family``, ``layer_types``, ``sliding_window``,
+``rope_scaling``) and what each family supports, checked before anything is built.
+
+Torch-free and below config.py like config_validate.py, which calls `validate_family`. The families'
+builders live in `megatron_fp4.model.registry`; the names are `config_choices.MODEL_FAMILIES`.
+"""
+from __future__ import annotations
+
+import math
+
+from megatron_fp4.config_choices import MODEL_FAMILIES, ConfigError
+from megatron_fp4.config_yaml import show
+
+LAYER_TYPES = ("full_attention", "sliding_attention")
+YARN_KEYS = {"rope_type", "factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "truncate"}
+
+
+def _require(cond: bool, field: str, value, fix: str) -> None:
+    if not cond:
+        raise ConfigError(f"{field}={show(value)}: {fix}")
+
+
+def _number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def validate_rope_scaling(rs, max_seq_len: int) -> None:
+    """``model.rope_scaling``: null or a YaRN mapping with a positive factor and original length."""
+    if rs is None:
+        return
+    field = "model.rope_scaling"
+    _require(isinstance(rs, dict), field, rs, "must be null or a mapping {rope_type: yarn, factor: ..., "
+             "original_max_position_embeddings: ...}")
+    _require(rs.get("rope_type") == "yarn", field + ".rope_type", rs.get("rope_type"),
+             "only 'yarn' RoPE scaling is implemented (null: plain RoPE)")
+    unknown = sorted(set(rs) - YARN_KEYS)
+    _require(not unknown, field, rs, f"unknown key(s) {unknown}; YaRN takes {sorted(YARN_KEYS)}")
+    _require(_number(rs.get("factor")) and rs["factor"] >= 1, field + ".factor", rs.get("factor"),
+             "must be a number >= 1 (the context extension factor, e.g. 32)")
+    orig = rs.get("original_max_position_embeddings")
+    _require(isinstance(orig, int) and not isinstance(orig, bool) and 0 < orig <= max(max_seq_len, 1 << 24),
+             field + ".original_max_position_embeddings", orig, "must be a positive integer (the pretraining "
+             "context, e.g. 4096)")
+    for key in ("beta_fast", "beta_slow"):
+        if rs.get(key) is not None:
+            _require(_number(rs[key]) and rs[key] > 0, f"{field}.{key}", rs[key], "must be a number > 0")
+    if rs.get("truncate") is not None:
+        _require(isinstance(rs["truncate"], bool), field + ".truncate", rs["truncate"], "must be true or false")
+
+
+def validate_family(cfg) -> None:
+    """The family fields, and the features and layouts the chosen family does not implement."""
+    m, p = cfg.model, cfg.parallel
+    _require(m.family in MODEL_FAMILIES, "model.family", m.family, f"must be one of {list(MODEL_FAMILIES)} (the "
+             "model families megatron_fp4.model.registry builds; docs/families.md)")
+    _require(isinstance(m.layer_types, list) and all(t in LAYER_TYPES for t in m.layer_types), "model.layer_types",
+             m.layer_types, f"entries must be among {list(LAYER_TYPES)}")
+    _require(not m.layer_types or len(m.layer_types) == m.num_layers, "model.layer_types", m.layer_types,
+             f"must name all model.num_layers={m.num_layers} layers, or be empty (every layer full attention)")
+    _require(isinstance(m.sliding_window, int) and m.sliding_window >= 0, "model.sliding_window", m.sliding_window,
+             "must be an integer >= 0")
+    sliding = "sliding_attention" in m.layer_types
+    _require(not sliding or m.sliding_window > 0, "model.sliding_window", m.sliding_window,
+             "must be > 0 when model.layer_types has sliding_attention layers (the keys each one sees)")
+    validate_rope_scaling(m.rope_scaling, m.max_seq_len)
+    if m.family == "qwen3_moe":
+        for name, bad in (("layer_types", sliding), ("rope_scaling", m.rope_scaling is not None)):
+            _require(not bad, f"model.{name}", getattr(m, name), "the qwen3_moe family has full attention and "
+                     "plain RoPE only; set model.family=gpt_oss for sliding-window layers and YaRN, or drop it")
+        return
+    # gpt_oss: what its layers do not implement (yet), each refused with the reason
+    why = "the gpt_oss family"
+    _require(not m.dense_layers, "model.dense_layers", m.dense_layers, f"{why} has MoE in every layer; set []")
+    _require(m.num_shared_experts == 0, "model.num_shared_experts", m.num_shared_experts,
+             f"{why} has no shared expert; set 0")
+    _require(m.moe_router_bias_update_rate == 0, "model.moe_router_bias_update_rate", m.moe_router_bias_update_rate,
+             f"{why} has a learned router bias (trained by its gradient), so aux-loss-free balancing's "
+             "expert bias is not used: set 0")
+    _require(m.moe_capacity_factor is None, "model.moe_capacity_factor", m.moe_capacity_factor,
+             f"{why} runs without expert capacity; set null")
+    _require(cfg.numerics.invariance == "standard", "numerics.invariance", cfg.numerics.invariance,
+             f"{why} has attention sinks and expert biases, which the batch/exact levels' invariant kernels do "
+             "not implement yet: set numerics.invariance=standard")
+    for name in ("tp", "etp"):
+        _require(getattr(p, name) == 1, f"parallel.{name}", getattr(p, name),
+                 f"{why} is not split by tensor parallel yet (its biases and sinks have no tp plan): set 1 and "
+                 "use pp/ep/dp")
