@@ -92,14 +92,14 @@ def layout_cfg(spec: dict) -> Config:
 
 def _train_layouts(rank, world_size, layouts):
     from megatron_fp4.parallel.mesh import ParallelMesh
-    from megatron_fp4.training.parallel_trainer import ParallelTrainer
+    from megatron_fp4.training.trainer import Trainer
     from megatron_fp4.training.trainer import lm_loss_fn
 
     out = {}
     for name, spec in layouts.items():
         cfg = layout_cfg(spec)
         mesh = ParallelMesh.build(cfg.parallel.pp, world_size // cfg.parallel.pp, 1)
-        trainer = ParallelTrainer(cfg, mesh)
+        trainer = Trainer(cfg, mesh)
         # First step's gradients (the aux loss of every stage must reach the routers).
         trainer.model.train()
         trainer.optimizer.zero_grad()

@@ -28,14 +28,14 @@ LAYOUTS_2 = {"fp4_ep2": (dict(ep=2, zero_stage=1, fp4=True), FP4_STEPS),
 
 def _run(rank, world_size, layouts):
     from megatron_fp4.parallel.mesh import ParallelMesh
-    from megatron_fp4.training.parallel_trainer import ParallelTrainer
+    from megatron_fp4.training.trainer import Trainer
     from megatron_fp4.training.trainer import lm_loss_fn
 
     out = {}
     for name, (spec, steps) in layouts.items():
         cfg = layout_cfg(spec)
         pp = cfg.parallel.pp
-        t = ParallelTrainer(cfg, ParallelMesh.build(pp, world_size // pp, cfg.parallel.ep))
+        t = Trainer(cfg, ParallelMesh.build(pp, world_size // pp, cfg.parallel.ep))
         t.model.train()
         t.optimizer.zero_grad()
         t.forward_backward(t.next_micro_batches(), lm_loss_fn)
