@@ -215,7 +215,7 @@ class ParallelDims:
         require(self.world_size >= 1, "world size", self.world_size, "must be >= 1")
         if self.world_size == 1 and (self.pp > 1 or self.ep > 1):
             raise ConfigError(f"parallel.pp={self.pp}, parallel.ep={self.ep}: pp/ep > 1 need several processes: "
-                              f"launch with torchrun (see the README) or set them to 1")
+                              f"launch with torchrun (see docs/usage.md) or set them to 1")
         require(self.world_size > 1 or self.tp == 1, "parallel.tp", self.tp,
                 "tensor parallelism needs several processes: launch with torchrun (see docs/parallel.md) or set tp=1")
         dims = self if self.dp != -1 else dataclasses.replace(self, dp=self._inferred_dp())
