@@ -14,7 +14,7 @@ GC-MoE with FP4 gives the all-to-all dispatcher's bits (same batches, same segme
 import pytest
 
 import megatron_fp4.parallel.expert_parallel  # noqa: F401 - an ImportError fails the suite, never skips it
-from tests.distributed.launch import run_distributed
+from tests.distributed.conftest import layout_results
 from tests.distributed.test_parallel_training import STEPS, _reference, layout_cfg
 from tests.numerics import FP64_REL, rel
 
@@ -79,14 +79,8 @@ def _check(name, spec, steps, results):
     assert seen == set(ref_params), f"{name}: parameters missing on every rank: {set(ref_params) - seen}"
 
 
-@pytest.fixture(scope="module")
-def results_4():
-    return run_distributed(_run, 4, (LAYOUTS_4,), timeout_s=600)
-
-
-@pytest.fixture(scope="module")
-def results_2():
-    return run_distributed(_run, 2, (LAYOUTS_2,), timeout_s=600)
+results_4 = layout_results(_run, 4, LAYOUTS_4)
+results_2 = layout_results(_run, 2, LAYOUTS_2)
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS_4))
