@@ -15,7 +15,7 @@ round); medians. Prints generated tokens/s, the ratio to HF, and the share of to
 HF's (FP4 off: the same function, so 100% unless fp32 rounding flips a near tie); then the time of
 scoring HF's sequences (`rollout.scoring.score`, the trainer's no-grad log-prob pass) with each
 engine's numerics, and last the ratios: each level's generation vs HF and vs the standard
-kernels, its scoring vs standard (history: docs/benchmarks.md).
+kernels, its scoring vs standard (current numbers: docs/benchmarks.md, history: docs/changelog.md).
 
 ``--cache-ablation``: per FP4 mode, the weight-derived GEMM terms cached per `generate` call
 (`Numerics.cached_weights`, the default) vs re-derived every decode step; outputs checked

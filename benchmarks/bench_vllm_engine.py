@@ -14,7 +14,8 @@ prompts (one batch, no padding), greedy, exactly `--new-tokens` new tokens go to
 - ``vLLM``: `vllm.LLM(dir, dtype="float32", enforce_eager=True, skip_tokenizer_init=True)`.
 
 Timed calls alternate (order reversed every round, round 0 warms up), medians. Prints tokens/s,
-the share of tokens equal to vLLM's, and last the ratios (history: docs/benchmarks.md).
+the share of tokens equal to vLLM's, and last the ratios (current numbers: docs/benchmarks.md,
+history: docs/changelog.md).
 """
 from __future__ import annotations
 

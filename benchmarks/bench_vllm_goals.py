@@ -33,7 +33,7 @@ scoring, as `tools/consistency_report.py --rollout vllm` scores):
   (`kl_order`); the per-request KLs go to WORK/kl_SEED/kl.json (`--work`).
 
 Prints progress to stderr and last a markdown table: measure | value | goal | met?
-(history: docs/benchmarks.md).
+(current numbers: docs/benchmarks.md, history: docs/changelog.md).
 """
 from __future__ import annotations
 

@@ -81,7 +81,7 @@ from megatron_fp4.rl.rollout_correction import (add_correction_args, check_corre
                                                 correction_from_args)
 from megatron_fp4.rl.tasks import ArithmeticTask, CarryTask, DatasetTask, check_same_on_every_rank  # noqa: E402
 from megatron_fp4.training.data import ArithmeticDataset, ResumableSampler  # noqa: E402
-from megatron_fp4.training.parallel_trainer import build_trainer  # noqa: E402
+from megatron_fp4.training.trainer import Trainer  # noqa: E402
 
 
 def make_task(args):
@@ -133,7 +133,7 @@ def build(args):
     o, s = cfg.optimizer, cfg.schedule
     o.lr, o.min_lr = args.sft_lr, args.sft_lr / 10
     s.train_steps, s.warmup_steps = max(args.sft_steps, 1), min(s.warmup_steps, args.sft_steps)
-    trainer = build_trainer(cfg, build_data=False)
+    trainer = Trainer(cfg, build_data=False)
     check_same_on_every_rank(trainer.mesh, task.fingerprint)
     if args.micro_batch_size is None:
         args.micro_batch_size = micro_batch_for(args.num_prompts * args.group_size // args.minibatches, trainer.mesh)

@@ -11,6 +11,15 @@ class ConfigError(ValueError):
 
 # Numerics levels (fp4/numerics.py, fp4/invariant.py): the one definition, kept here, torch-free.
 INVARIANCE_LEVELS = ("standard", "batch", "exact")
+# The allowed values of fields that code below the config checks too (fp4/, model/, parallel/
+# import them from here: one definition each).
+FP4_MODES = ("bf16", "fp4", "fp4_resq")
+FP4_FORMATS = ("nvfp4", "mxfp4")
+COMPILE_MODES = ("auto", "on", "off")
+TRITON_MODES = ("auto", "off", "interpret")
+RECOMPUTE_MODES = ("none", "full", "selective")
+RECOMPUTE_MODULES = ("attention", "experts", "mlp", "moe")
+MOE_TP_TOKENS = ("whole", "local")
 
 # Model families (megatron_fp4/model/registry.py holds their builders; a test pins the two together).
 MODEL_FAMILIES = ("qwen3_moe", "gpt_oss")
@@ -18,18 +27,18 @@ MODEL_FAMILIES = ("qwen3_moe", "gpt_oss")
 _CHOICES = {
     "model.family": MODEL_FAMILIES,
     "numerics.invariance": INVARIANCE_LEVELS,
-    "model.recompute": ("none", "full", "selective"),
+    "model.recompute": RECOMPUTE_MODES,
     "fp4.scope": ("experts", "experts+attention", "none"),
-    "fp4.format": ("nvfp4", "mxfp4"),
-    "fp4.train_mode": ("bf16", "fp4", "fp4_resq"),
-    "fp4.rollout_mode": ("bf16", "fp4", "fp4_resq"),
+    "fp4.format": FP4_FORMATS,
+    "fp4.train_mode": FP4_MODES,
+    "fp4.rollout_mode": FP4_MODES,
     "fp4.grad_rounding": ("nearest", "stochastic"),
-    "fp4.compile": ("auto", "on", "off"),
-    "fp4.triton": ("auto", "off", "interpret"),
+    "fp4.compile": COMPILE_MODES,
+    "fp4.triton": TRITON_MODES,
     "parallel.schedule": ("gpipe", "1f1b", "interleaved_1f1b", "interleaved_zero_bubble", "zbv"),
     "parallel.zero_stage": (0, 1, 2),
     "parallel.expert_dispatcher": ("alltoall", "gcmoe"),
-    "parallel.moe_tp_tokens": ("whole", "local"),
+    "parallel.moe_tp_tokens": MOE_TP_TOKENS,
     "schedule.nan_policy": ("stop", "skip"),
     "data.kind": ("arithmetic", "megatron", "numpy"),
     "device": ("auto", "cpu", "cuda"),

@@ -12,12 +12,11 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from megatron_fp4.config_choices import _CHOICES, ConfigError
+from megatron_fp4.config_choices import _CHOICES, RECOMPUTE_MODULES, ConfigError
 from megatron_fp4.config_family import validate_family
 from megatron_fp4.config_yaml import show
 
 ARITHMETIC_VOCAB_SIZE = 18  # pad, bos, eos, 0-9, + - * = and space
-RECOMPUTE_MODULES = ("attention", "experts", "mlp", "moe")  # model/recompute.py MODULES (a test pins them)
 
 
 # Sanity limits, checked before anything is built: far above any real model (Qwen3-235B: vocab 151936,

@@ -6,7 +6,7 @@ import argparse
 import torch
 
 from megatron_fp4.fp4.moeresq import fake_quantize, moeresq_linear, sqnr_db
-from megatron_fp4.fp4.recipe import MODES, Recipe
+from megatron_fp4.fp4.recipe import FORMATS, MODES, Recipe
 
 
 def main(argv=None) -> None:
@@ -14,7 +14,7 @@ def main(argv=None) -> None:
     parser.add_argument("--tokens", type=int, default=256)
     parser.add_argument("--in-features", type=int, default=1024)
     parser.add_argument("--out-features", type=int, default=2816)
-    parser.add_argument("--format", choices=("nvfp4", "mxfp4"), default="nvfp4")
+    parser.add_argument("--format", choices=FORMATS, default="nvfp4")
     args = parser.parse_args(argv)
     g = torch.Generator().manual_seed(0)
     x = torch.randn(args.tokens, args.in_features, generator=g)

@@ -47,11 +47,9 @@ from typing import Iterator, Optional
 
 import torch
 
-from megatron_fp4.config_choices import INVARIANCE_LEVELS  # torch-free constants: the one list of levels
+from megatron_fp4.config_choices import INVARIANCE_LEVELS, TRITON_MODES  # torch-free constants, one definition each
 from megatron_fp4.fp4.context import QuantStep
 from megatron_fp4.fp4.nonfinite import NonFiniteFlags
-
-TRITON_MODES = ("auto", "off", "interpret")
 
 
 class Numerics:

@@ -12,9 +12,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-MODES = ("bf16", "fp4", "fp4_resq")
-COMPILE_MODES = ("auto", "on", "off")  # the same tuple as fused.COMPILE_MODES (checked by a test)
-FORMATS = ("nvfp4", "mxfp4")
+from megatron_fp4.config_choices import COMPILE_MODES  # the one definition of each
+from megatron_fp4.config_choices import FP4_FORMATS as FORMATS
+from megatron_fp4.config_choices import FP4_MODES as MODES
 
 
 @dataclass(frozen=True)

@@ -30,10 +30,10 @@ import warnings
 import torch
 
 from megatron_fp4.fp4.formats import check_finite_flag, check_input, check_multiple
+from megatron_fp4.fp4.numerics import TRITON_MODES
 from megatron_fp4.fp4.recipe import OperandFormat
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
-MODES = ("auto", "off", "interpret")  # the same tuple as numerics.TRITON_MODES (checked by a test)
 
 # What this process learnt about the device, never a numerics choice (each variant is verified to
 # give the portable path's bits before it serves): a launch failure, verified / rejected variants.
@@ -52,8 +52,8 @@ def triton_importable() -> tuple[bool, str]:
 
 def use_triton(x: torch.Tensor, mode: str = "auto") -> bool:
     """Whether the quantizer entry points hand ``x`` to the Triton kernels under ``mode`` (module docstring)."""
-    if mode not in MODES:
-        raise ValueError(f"triton mode={mode!r} is not one of {MODES}")
+    if mode not in TRITON_MODES:
+        raise ValueError(f"triton mode={mode!r} is not one of {TRITON_MODES}")
     if mode == "off" or _state["broken"] is not None:
         return False
     if x.device.type != "cuda" and not (mode == "interpret" and x.device.type == "cpu" and interpreting()):

@@ -13,20 +13,22 @@ Megatron's parallel folding: one pipeline stage's ranks are laid out twice over 
   ``ep`` ranks hold different experts of a layer (all-to-all partners), ``edp`` ranks the same
   experts (their data-parallel group), ``etp`` ranks split each expert's matrices.
 
-With ``etp = 1`` (all that is implemented: expert tensor parallelism is refused with a clear error)
-the expert grid is the stage's dp×tp ranks as ``edp × ep`` with ep fastest: the MoE layers run whole
-on every tp rank (`parallel/tensor_parallel.py`), so an ep group may hold tp peers, which dispatch
-the same tokens; ZeRO scales expert gradients by 1/(dp·tp) accordingly (`parallel/zero.py`), and ep
-must divide dp. With ``parallel.moe_tp_tokens=local`` each tp rank routes its own 1/tp of the sequence
-(`parallel/tp_moe.py`): ep may be any divisor of dp·tp (FP4 experts: a multiple of tp, so an ep group
-holds whole tp groups, which the all-to-all dispatcher folds) and expert gradients are scaled 1/dp
-(`check_moe_local_tokens`). The ``embed`` axis (pp > 1)
+With ``etp = 1`` the expert grid is the stage's dp×tp ranks as ``edp × ep`` with ep fastest: the MoE
+layers run whole on every tp rank (`parallel/tensor_parallel.py`), so an ep group may hold tp peers,
+which dispatch the same tokens; ZeRO scales expert gradients by 1/(dp·tp) accordingly
+(`parallel/zero.py`), and ep must divide dp. With ``etp = tp`` (the one other value: the etp group is
+the tp group) every expert's ffn dim is cut over the tp ranks (`parallel/expert_tensor_parallel.py`;
+`check_expert_tensor_parallel`: moe_tp_tokens=whole, the all-to-all dispatcher, FP4 blocks inside a
+rank's slice). With ``parallel.moe_tp_tokens=local`` (etp = 1) each tp rank routes its own 1/tp of
+the sequence (`parallel/tp_moe.py`): ep may be any divisor of dp·tp (FP4 experts: a multiple of tp,
+so an ep group holds whole tp groups, which the all-to-all dispatcher folds) and expert gradients
+are scaled 1/dp (`check_moe_local_tokens`). The ``embed`` axis (pp > 1)
 joins the first and the last stage's ranks of one tp coordinate: they hold the two copies of tied
 embeddings (Megatron's embedding group).
 
 The checks that also stand alone (`check_chunks`, `check_v_placement`, `check_schedule_chunks`,
-`check_expert_split`, `check_gcmoe`, `check_tensor_parallel`) are what the pipeline split, the expert placement and the
-GC-MoE dispatcher call on their own arguments, so no check is written twice.
+`check_expert_split`, `check_gcmoe`, `check_tensor_parallel`) are what the pipeline split, the
+expert placement and the GC-MoE dispatcher call on their own arguments, so no check is written twice.
 """
 from __future__ import annotations
 
@@ -154,7 +156,8 @@ def check_moe_local_tokens(cfg, dims: "ParallelDims") -> None:
 def check_expert_tensor_parallel(cfg, dims: "ParallelDims") -> None:
     """``parallel.etp`` (= tp, MoE layers whole on every tp rank: the etp ranks hold the same rows,
     `parallel/expert_tensor_parallel.py` ``replicated``): every expert's ffn dim splits evenly, FP4
-    blocks stay inside a rank's slice, the all-to-all dispatcher, and no DCP checkpoint yet."""
+    blocks stay inside a rank's slice, and the all-to-all dispatcher (DCP of the etp shards:
+    `training/dcp_etp.py`)."""
     p, m, f = cfg.parallel, cfg.model, cfg.fp4
     require(p.moe_tp_tokens == "whole", "parallel.moe_tp_tokens", p.moe_tp_tokens,
             f"expert tensor parallel (parallel.etp={dims.etp}) with moe_tp_tokens=local is not implemented yet; "
@@ -212,7 +215,7 @@ class ParallelDims:
         require(self.world_size >= 1, "world size", self.world_size, "must be >= 1")
         if self.world_size == 1 and (self.pp > 1 or self.ep > 1):
             raise ConfigError(f"parallel.pp={self.pp}, parallel.ep={self.ep}: pp/ep > 1 need several processes: "
-                              f"launch with torchrun (see the README) or set them to 1")
+                              f"launch with torchrun (see docs/usage.md) or set them to 1")
         require(self.world_size > 1 or self.tp == 1, "parallel.tp", self.tp,
                 "tensor parallelism needs several processes: launch with torchrun (see docs/parallel.md) or set tp=1")
         dims = self if self.dp != -1 else dataclasses.replace(self, dp=self._inferred_dp())

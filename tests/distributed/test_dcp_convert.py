@@ -9,10 +9,10 @@ from tests.distributed.test_parallel_training import tiny_cfg
 
 def _train_and_save(rank, world_size, root):
     from megatron_fp4.parallel.mesh import ParallelMesh
-    from megatron_fp4.training.parallel_trainer import ParallelTrainer
+    from megatron_fp4.training.trainer import Trainer
 
     cfg = tiny_cfg(ep=2, zero_stage=2)
-    t = ParallelTrainer(cfg, ParallelMesh.build(1, 2, 2))
+    t = Trainer(cfg, ParallelMesh.build(1, 2, 2))
     t.train_step()
     t.save_checkpoint(root)
     out = {}

@@ -47,13 +47,13 @@ def _record(make_trainer) -> set:
 
 def _layouts(rank, world_size):
     from megatron_fp4.parallel.mesh import ParallelMesh
-    from megatron_fp4.training.parallel_trainer import ParallelTrainer
+    from megatron_fp4.training.trainer import Trainer
 
     out = {}
     for name, spec in LAYOUTS.items():
         cfg = sr_cfg(**spec)
         mesh = ParallelMesh.build(cfg.parallel.pp, world_size // cfg.parallel.pp, 1)
-        out[name] = _record(lambda: ParallelTrainer(cfg, mesh))
+        out[name] = _record(lambda: Trainer(cfg, mesh))
     return out
 
 

@@ -30,7 +30,7 @@ import pytest
 import torch
 
 from megatron_fp4.config import Config
-from tests.distributed.launch import run_distributed
+from tests.distributed.conftest import layout_results
 from tests.numerics import FP64_REL, rel, single_thread, sum_order_bound
 
 STEPS = 3
@@ -92,14 +92,14 @@ def layout_cfg(spec: dict) -> Config:
 
 def _train_layouts(rank, world_size, layouts):
     from megatron_fp4.parallel.mesh import ParallelMesh
-    from megatron_fp4.training.parallel_trainer import ParallelTrainer
+    from megatron_fp4.training.trainer import Trainer
     from megatron_fp4.training.trainer import lm_loss_fn
 
     out = {}
     for name, spec in layouts.items():
         cfg = layout_cfg(spec)
         mesh = ParallelMesh.build(cfg.parallel.pp, world_size // cfg.parallel.pp, 1)
-        trainer = ParallelTrainer(cfg, mesh)
+        trainer = Trainer(cfg, mesh)
         # First step's gradients (the aux loss of every stage must reach the routers).
         trainer.model.train()
         trainer.optimizer.zero_grad()
@@ -184,14 +184,8 @@ def check_layout(name, spec, results):
     assert seen == set(ref_params), f"{name}: parameters missing on every rank: {set(ref_params) - seen}"
 
 
-@pytest.fixture(scope="module")
-def results_2():
-    return run_distributed(_train_layouts, 2, (LAYOUTS_2,), timeout_s=600)
-
-
-@pytest.fixture(scope="module")
-def results_4():
-    return run_distributed(_train_layouts, 4, (LAYOUTS_4,), timeout_s=600)
+results_2 = layout_results(_train_layouts, 2, LAYOUTS_2)
+results_4 = layout_results(_train_layouts, 4, LAYOUTS_4)
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS_2))
@@ -199,9 +193,7 @@ def test_two_process_layout_matches_single_process(results_2, name):
     check_layout(name, LAYOUTS_2[name], results_2)
 
 
-@pytest.fixture(scope="module")
-def results_2_fp32():
-    return run_distributed(_train_layouts, 2, (LAYOUTS_2_FP32,), timeout_s=600)
+results_2_fp32 = layout_results(_train_layouts, 2, LAYOUTS_2_FP32)
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS_2_FP32))

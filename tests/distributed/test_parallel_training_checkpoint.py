@@ -16,12 +16,12 @@ from tests.numerics import FP64_REL, rel
 
 def _trainer(world_size, **parallel):
     from megatron_fp4.parallel.mesh import ParallelMesh
-    from megatron_fp4.training.parallel_trainer import ParallelTrainer
+    from megatron_fp4.training.trainer import Trainer
 
     cfg = tiny_cfg(**parallel)
     cfg.schedule.train_steps = 4
     mesh = ParallelMesh.build(cfg.parallel.pp, world_size // cfg.parallel.pp, 1)
-    return ParallelTrainer(cfg, mesh)
+    return Trainer(cfg, mesh)
 
 
 def _params(trainer):

@@ -14,7 +14,7 @@ GC-MoE with FP4 gives the all-to-all dispatcher's bits (same batches, same segme
 import pytest
 
 import megatron_fp4.parallel.expert_parallel  # noqa: F401 - an ImportError fails the suite, never skips it
-from tests.distributed.launch import run_distributed
+from tests.distributed.conftest import layout_results
 from tests.distributed.test_parallel_training import STEPS, _reference, layout_cfg
 from tests.numerics import FP64_REL, rel
 
@@ -28,14 +28,14 @@ LAYOUTS_2 = {"fp4_ep2": (dict(ep=2, zero_stage=1, fp4=True), FP4_STEPS),
 
 def _run(rank, world_size, layouts):
     from megatron_fp4.parallel.mesh import ParallelMesh
-    from megatron_fp4.training.parallel_trainer import ParallelTrainer
+    from megatron_fp4.training.trainer import Trainer
     from megatron_fp4.training.trainer import lm_loss_fn
 
     out = {}
     for name, (spec, steps) in layouts.items():
         cfg = layout_cfg(spec)
         pp = cfg.parallel.pp
-        t = ParallelTrainer(cfg, ParallelMesh.build(pp, world_size // pp, cfg.parallel.ep))
+        t = Trainer(cfg, ParallelMesh.build(pp, world_size // pp, cfg.parallel.ep))
         t.model.train()
         t.optimizer.zero_grad()
         t.forward_backward(t.next_micro_batches(), lm_loss_fn)
@@ -79,14 +79,8 @@ def _check(name, spec, steps, results):
     assert seen == set(ref_params), f"{name}: parameters missing on every rank: {set(ref_params) - seen}"
 
 
-@pytest.fixture(scope="module")
-def results_4():
-    return run_distributed(_run, 4, (LAYOUTS_4,), timeout_s=600)
-
-
-@pytest.fixture(scope="module")
-def results_2():
-    return run_distributed(_run, 2, (LAYOUTS_2,), timeout_s=600)
+results_4 = layout_results(_run, 4, LAYOUTS_4)
+results_2 = layout_results(_run, 2, LAYOUTS_2)
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS_4))

@@ -17,12 +17,12 @@ GCMOE = dict(expert_dispatcher="gcmoe", gcmoe_chunk_tokens=8, gcmoe_ring_slots=2
 
 def _run(rank, world_size):
     from megatron_fp4.parallel.mesh import ParallelMesh
-    from megatron_fp4.training.parallel_trainer import ParallelTrainer
+    from megatron_fp4.training.trainer import Trainer
 
     out = {}
     for name, extra in [("alltoall", {}), ("gcmoe", GCMOE)]:
         cfg = tiny_cfg(**SPEC, **extra)
-        t = ParallelTrainer(cfg, ParallelMesh.build(2, 2, 2))
+        t = Trainer(cfg, ParallelMesh.build(2, 2, 2))
         losses = [t.train_step()["loss"] for _ in range(STEPS)]
         params = {}
         for moe in t.model.moe_layers():

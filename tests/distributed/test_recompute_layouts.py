@@ -36,7 +36,7 @@ def layout_cfg(parallel: dict, model: dict) -> Config:
 def _grads(rank, world_size):
     import megatron_fp4.model.recompute as recompute
     from megatron_fp4.parallel.mesh import ParallelMesh
-    from megatron_fp4.training.parallel_trainer import ParallelTrainer
+    from megatron_fp4.training.trainer import Trainer
     from megatron_fp4.training.trainer import lm_loss_fn
 
     regions, original = [0], recompute.checkpoint
@@ -52,7 +52,7 @@ def _grads(rank, world_size):
             for mode, model in modes.items():
                 cfg = layout_cfg(parallel, model)
                 pp = cfg.parallel.pp
-                trainer = ParallelTrainer(cfg, ParallelMesh.build(pp, world_size // pp, cfg.parallel.ep))
+                trainer = Trainer(cfg, ParallelMesh.build(pp, world_size // pp, cfg.parallel.ep))
                 trainer.model.train()
                 trainer.optimizer.zero_grad()
                 regions[0] = 0

@@ -65,12 +65,12 @@ def _rl_run(trainer, mode: str) -> dict:
 
 def _layouts(rank, world_size):
     from megatron_fp4.parallel.mesh import ParallelMesh
-    from megatron_fp4.training.parallel_trainer import ParallelTrainer
+    from megatron_fp4.training.trainer import Trainer
 
     out = {}
     for name, (mode, spec) in LAYOUTS.items():
         cfg = layout_cfg(spec)
-        trainer = ParallelTrainer(cfg, ParallelMesh.build(cfg.parallel.pp, world_size // cfg.parallel.pp,
+        trainer = Trainer(cfg, ParallelMesh.build(cfg.parallel.pp, world_size // cfg.parallel.pp,
                                                           cfg.parallel.ep), build_data=False)
         out[name] = _rl_run(trainer, mode)
         trainer.optimizer.remove_hooks()

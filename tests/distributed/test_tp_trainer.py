@@ -22,6 +22,7 @@ from megatron_fp4.config import ConfigError
 from megatron_fp4.model import lm_loss
 from megatron_fp4.parallel.dims import ParallelDims
 from megatron_fp4.training.step_loss import StepLoss, lm_loss_fn
+from tests.distributed.conftest import layout_results
 from tests.distributed.launch import run_distributed
 from tests.distributed.test_parallel_training import STEPS, tiny_cfg
 from tests.numerics import FP64_REL, rel, single_thread
@@ -140,19 +141,9 @@ def check_layout(name, spec, results):
     assert any("q_proj" in n for n in cut) and any("lm_head" in n for n in cut), cut  # really cut
 
 
-@pytest.fixture(scope="module")
-def results_2():
-    return run_distributed(_train, 2, (LAYOUTS_2,), timeout_s=900)
-
-
-@pytest.fixture(scope="module")
-def results_4():
-    return run_distributed(_train, 4, (LAYOUTS_4,), timeout_s=900)
-
-
-@pytest.fixture(scope="module")
-def results_8():
-    return run_distributed(_train, 8, (LAYOUTS_8,), timeout_s=900)
+results_2 = layout_results(_train, 2, LAYOUTS_2, timeout_s=900)
+results_4 = layout_results(_train, 4, LAYOUTS_4, timeout_s=900)
+results_8 = layout_results(_train, 8, LAYOUTS_8, timeout_s=900)
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS_8))

@@ -1,7 +1,7 @@
-"""The README's tp2×pp2×ep2 command (`tools/launchers/train.sh 8 --set parallel.tp=2 --set
-parallel.pp=2 --set parallel.ep=2`, 8 processes, dp = 2) trains at tiny size: every step's loss
-reaches the last stage's log, the loss falls, and a checkpoint is written. (Its numerics against
-the single process: ``test_tp_trainer.py``'s ``tp2_pp2_ep2``.)"""
+"""The tp2×pp2×ep2 command of docs/usage.md and docs/parallel.md (8 processes, `--set parallel.tp=2
+--set parallel.pp=2 --set parallel.ep=2`, dp = 2; here through `tools/launchers/train.sh 8`) trains at
+tiny size: every step's loss reaches the last stage's log, the loss falls, and a checkpoint is
+written. (Its numerics against the single process: ``test_tp_trainer.py``'s ``tp2_pp2_ep2``.)"""
 from __future__ import annotations
 
 import pytest

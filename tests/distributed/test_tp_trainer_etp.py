@@ -17,7 +17,7 @@ import pytest
 
 from megatron_fp4.config import ConfigError
 from megatron_fp4.parallel.dims import ParallelDims
-from tests.distributed.launch import run_distributed
+from tests.distributed.conftest import layout_results
 from tests.distributed.test_parallel_training import tiny_cfg
 from tests.distributed.test_tp_trainer import _train, check_layout
 
@@ -30,9 +30,7 @@ LAYOUTS_4 = {
 }
 
 
-@pytest.fixture(scope="module")
-def results_4():
-    return run_distributed(_train, 4, (LAYOUTS_4,), timeout_s=900)
+results_4 = layout_results(_train, 4, LAYOUTS_4, timeout_s=900)
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS_4))

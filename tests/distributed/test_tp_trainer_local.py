@@ -14,7 +14,7 @@ import pytest
 
 from megatron_fp4.config import ConfigError
 from megatron_fp4.parallel.dims import ParallelDims
-from tests.distributed.launch import run_distributed
+from tests.distributed.conftest import layout_results
 from tests.distributed.test_parallel_training import tiny_cfg
 from tests.distributed.test_tp_trainer import _train, check_layout
 
@@ -32,14 +32,8 @@ LAYOUTS_4 = {
 }
 
 
-@pytest.fixture(scope="module")
-def results_2():
-    return run_distributed(_train, 2, (LAYOUTS_2,), timeout_s=900)
-
-
-@pytest.fixture(scope="module")
-def results_4():
-    return run_distributed(_train, 4, (LAYOUTS_4,), timeout_s=900)
+results_2 = layout_results(_train, 2, LAYOUTS_2, timeout_s=900)
+results_4 = layout_results(_train, 4, LAYOUTS_4, timeout_s=900)
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS_2))

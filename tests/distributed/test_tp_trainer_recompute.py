@@ -16,7 +16,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.distributed.launch import run_distributed
+from tests.distributed.conftest import layout_results
 from tests.distributed.test_tp_trainer import _train, check_layout
 
 pytestmark = pytest.mark.distributed
@@ -53,14 +53,8 @@ def _train_counting(rank, world_size, layouts):
     return out
 
 
-@pytest.fixture(scope="module")
-def results_2():
-    return run_distributed(_train_counting, 2, (LAYOUTS_2,), timeout_s=900)
-
-
-@pytest.fixture(scope="module")
-def results_4():
-    return run_distributed(_train_counting, 4, (LAYOUTS_4,), timeout_s=900)
+results_2 = layout_results(_train_counting, 2, LAYOUTS_2, timeout_s=900)
+results_4 = layout_results(_train_counting, 4, LAYOUTS_4, timeout_s=900)
 
 
 def check_equal_to_none(results, base, mode):

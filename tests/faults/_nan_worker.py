@@ -85,7 +85,7 @@ def one_step(trainer, victim: int, mode: str) -> dict:
 
 def nan_guard_worker(rank, world_size, pp, victim, max_skips, parallel=None):
     from megatron_fp4.parallel.mesh import ParallelMesh
-    from megatron_fp4.training.parallel_trainer import ParallelTrainer
+    from megatron_fp4.training.trainer import Trainer
 
     cfg = tiny_cfg(pp)
     for key, value in (parallel or {}).items():
@@ -93,7 +93,7 @@ def nan_guard_worker(rank, world_size, pp, victim, max_skips, parallel=None):
     cfg.model.num_layers = max(2, cfg.parallel.pp * cfg.parallel.virtual_stages)  # a layer per chunk
     cfg.schedule.max_consecutive_skips = max_skips
     mesh = ParallelMesh.build(pp, world_size // pp, 1, timeout_s=cfg.parallel.timeout_s)
-    trainer = ParallelTrainer(cfg, mesh)
+    trainer = Trainer(cfg, mesh)
     out = {"first": trainer.train_step()["loss"], "cases": {}}
     for policy in ("skip", "stop"):
         cfg.schedule.nan_policy = policy

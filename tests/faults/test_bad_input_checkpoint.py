@@ -240,10 +240,10 @@ def _dcp_meta_claims_another_model(rank, world_size, root):
     import torch.distributed as dist
 
     from megatron_fp4.parallel.mesh import ParallelMesh
-    from megatron_fp4.training.parallel_trainer import ParallelTrainer
+    from megatron_fp4.training.trainer import Trainer
     from tests.distributed.test_parallel_training import tiny_cfg
 
-    t = ParallelTrainer(tiny_cfg(), ParallelMesh.build(1, world_size, 1))
+    t = Trainer(tiny_cfg(), ParallelMesh.build(1, world_size, 1))
     t.save_checkpoint(root)
     t.optimizer.remove_hooks()
     if rank == 0:
@@ -251,7 +251,7 @@ def _dcp_meta_claims_another_model(rank, world_size, root):
     dist.barrier()
     cfg = tiny_cfg()
     cfg.model.moe_ffn_hidden_size = 32  # what the edited meta.json claims
-    r = ParallelTrainer(cfg, ParallelMesh.build(1, world_size, 1))
+    r = Trainer(cfg, ParallelMesh.build(1, world_size, 1))
     try:
         r.load_checkpoint(root)
         return None

@@ -1,7 +1,8 @@
-"""CI (`.ci/run`) runs the README's test commands as written (the quick subset shuffled, its seed printed), and
-fails on a skip that is not "needs a GPU" / "runs in the vLLM venv" (`tools/check_skips.py`)."""
+"""CI (`.ci/run`) installs and tests as the README and docs/usage.md show (the quick subset shuffled, its seed
+printed), and fails on a skip that is not "needs a GPU" / "runs in the vLLM venv" (`tools/check_skips.py`)."""
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
@@ -20,18 +21,45 @@ def _report(tmp_path, reasons) -> str:
     return str(path)
 
 
-def test_ci_runs_the_readme_test_commands_as_written():
-    readme, ci = (ROOT / "README.md").read_text(), (ROOT / ".ci" / "run").read_text()
-    commands = set(re.findall(r"python -m pytest [^\n`&]*?(?=\s*(?:\n|`|&&|$))", readme))
-    assert 'python -m pytest tests/unit -q -m "not slow and not distributed"' in commands
-    assert "python -m pytest tests -q" in commands
-    runs = [line.strip() for line in ci.splitlines() if line.startswith("run_pytest ")]
-    shuffle = ' --random-order-bucket=module --random-order-seed="$seed"'
-    for command in commands:  # as written; the quick subset may carry the shuffle flags after it
-        assert any(run.split(None, 2)[2] in (command, command + shuffle) for run in runs), command
-    shuffled = [run for run in runs if "--random-order-seed" in run]
+SHOWN = ["README.md", "docs/usage.md"]  # the pages that show test commands
+SHUFFLE = re.compile(r"\s+--random-order-bucket=module\s+--random-order-seed=\S+")
+
+
+def _shown_pytest_commands() -> set[str]:
+    """Every `python -m pytest ...` the docs show (shuffle flags dropped: any seed replays a run)."""
+    text = "\n".join((ROOT / page).read_text() for page in SHOWN)
+    found = re.findall(r"python -m pytest [^\n`&#]*?(?=\s*(?:\n|`|&&|#|$))", text)
+    return {SHUFFLE.sub("", command) for command in found}
+
+
+def test_ci_runs_every_test_command_the_docs_show():
+    ci = (ROOT / ".ci" / "run").read_text()
+    runs = [SHUFFLE.sub("", line.strip()).split(None, 2)[2] for line in ci.splitlines() if line.startswith("run_pytest ")]
+    shown = _shown_pytest_commands()
+    assert shown, "README.md / docs/usage.md show no test command"
+    assert not shown - set(runs), f"the docs show test commands CI does not run: {shown - set(runs)}"
+    shuffled = [line for line in ci.splitlines() if line.startswith("run_pytest ") and "--random-order-seed" in line]
     assert len(shuffled) == 1 and "tests/unit" in shuffled[0] and re.search(r'echo "shuffled unit run, seed \$seed', ci)
     assert re.search(r'"\$@" -rEfs --junitxml=', ci) and "python tools/check_skips.py" in ci
+
+
+def test_ci_installs_as_the_readme_says():
+    """The README's test command at the top is what CI runs on a fresh machine: its installs, then
+    the pytest commands checked above."""
+    readme, ci = (ROOT / "README.md").read_text(), (ROOT / ".ci" / "run").read_text()
+    first_block = readme[readme.index("```bash") + 7:readme.index("```", readme.index("```bash") + 7)]
+    line = next((line for line in first_block.splitlines() if "python -m pytest" in line), None)
+    assert line, "README.md's first code block has no test command"
+    installs = [step.strip() for step in line.split("&&") if step.strip().startswith("pip install")]
+    ci_installs = [line.strip().replace("python -m pip", "pip", 1) for line in ci.splitlines()
+                   if line.startswith("python -m pip install")]
+    assert installs and installs == ci_installs, (installs, ci_installs)
+
+
+def test_the_shown_tools_exist():
+    for tool in ("tools/check_portability.sh", "tools/check_skips.py", ".ci/run"):
+        assert (ROOT / tool).is_file(), tool
+    assert os.access(ROOT / "tools" / "check_portability.sh", os.X_OK) and os.access(ROOT / ".ci" / "run", os.X_OK)
 
 
 def test_the_test_extra_installs_the_references_and_the_shuffler():

@@ -1,5 +1,5 @@
-"""Every launch command shown in the README and in the launchers' own comments trains a layout
-that validates at the world size the command starts (issue 17 row 5: the multi-node examples
+"""Every launch command shown in the README, docs/usage.md, docs/parallel.md and the launchers' own
+comments trains a layout that validates at the world size the command starts (issue 17 row 5: the multi-node examples
 used to ask for dp 8 with a global batch that 4×8 does not divide)."""
 import re
 import shlex
@@ -12,7 +12,7 @@ from megatron_fp4.parallel.dims import ParallelDims
 from megatron_fp4.train import parse_args
 
 REPO = Path(__file__).resolve().parents[2]
-SOURCES = ["README.md", "docs/parallel.md", "tools/launchers/train.sh", "tools/launchers/slurm_train.sbatch"]
+SOURCES = ["README.md", "docs/usage.md", "docs/parallel.md", "tools/launchers/train.sh", "tools/launchers/slurm_train.sbatch"]
 LAUNCHERS = ("torchrun", "tools/launchers/train.sh", "sbatch", "megatron-fp4-train")
 
 

@@ -4,71 +4,15 @@ environment variable read after config load decides it, so two models in one pro
 their own numerics."""
 from __future__ import annotations
 
-import ast
 import copy
-from pathlib import Path
 
 import pytest
 import torch
 
-import megatron_fp4
 from megatron_fp4.config import Config
 from megatron_fp4.fp4 import STANDARD, Numerics, apply_numerics
 from megatron_fp4.model import build_model
 from megatron_fp4.model.specs import numerics_from_config
-
-PACKAGE = Path(megatron_fp4.__file__).parent
-# The one ContextVar left: whether code runs inside a recompute region, which decides what is
-# saved for backward, never what an op computes.
-CONTEXTVAR_ALLOWED = {"model/recompute.py"}
-# Triton's own switch (TRITON_INTERPRET, read by Triton itself on triton >= 3.4), not a setting of ours.
-ENVIRON_ALLOWED_IN_FP4 = {("triton_fp4.py", "interpreting")}
-
-
-def _modules(root: Path):
-    for path in sorted(root.rglob("*.py")):
-        yield path.relative_to(PACKAGE).as_posix(), ast.parse(path.read_text(encoding="utf-8"))
-
-
-def _functions_of(tree):
-    """{node: name of the function it is in ('' at module level)}."""
-    owner = {}
-    for fn in ast.walk(tree):
-        if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
-            for node in ast.walk(fn):
-                owner.setdefault(node, fn.name)
-    return owner
-
-
-def test_no_contextvar_anywhere_but_the_recompute_region():
-    found = []
-    for name, tree in _modules(PACKAGE):
-        for node in ast.walk(tree):
-            hit = (isinstance(node, ast.Import) and any(a.name == "contextvars" for a in node.names)) or \
-                (isinstance(node, ast.ImportFrom) and node.module == "contextvars") or \
-                (isinstance(node, ast.Attribute) and node.attr == "ContextVar")
-            if hit and name not in CONTEXTVAR_ALLOWED:
-                found.append(f"{name}:{node.lineno}")
-    assert not found, f"ContextVar state (numerics must be the model's Numerics value): {found}"
-
-
-def test_fp4_reads_no_environment_variable():
-    found = []
-    for name, tree in _modules(PACKAGE / "fp4"):
-        owner = _functions_of(tree)
-        for node in ast.walk(tree):
-            reads = (isinstance(node, ast.Attribute) and node.attr in ("environ", "getenv", "environb")
-                     and isinstance(node.value, ast.Name) and node.value.id == "os")
-            if reads and (name.split("/")[-1], owner.get(node, "")) not in ENVIRON_ALLOWED_IN_FP4:
-                found.append(f"{name}:{node.lineno}")
-    assert not found, f"fp4/ reads the environment (read it while loading the config instead): {found}"
-
-
-def test_the_fp4_environment_variables_are_read_only_while_loading_the_config():
-    names = ("MEGATRON_FP4_COMPILE", "MEGATRON_FP4_TRITON")
-    readers = sorted(name for name, tree in _modules(PACKAGE) for node in ast.walk(tree)
-                     if isinstance(node, ast.Constant) and node.value in names)
-    assert set(readers) == {"config_choices.py"}, readers
 
 
 def _cfg(**fp4):
