@@ -69,13 +69,13 @@ def _train(trainer) -> dict:
 
 def _run(rank, world_size):
     from megatron_fp4.parallel.mesh import ParallelMesh
-    from megatron_fp4.training.parallel_trainer import ParallelTrainer
+    from megatron_fp4.training.trainer import Trainer
 
     out = {}
     for name, spec in LAYOUTS.items():
         cfg = gpt_oss_cfg(spec)
         pp = cfg.parallel.pp
-        out[name] = _train(ParallelTrainer(cfg, ParallelMesh.build(pp, world_size // pp, cfg.parallel.ep)))
+        out[name] = _train(Trainer(cfg, ParallelMesh.build(pp, world_size // pp, cfg.parallel.ep)))
     return out
 
 
