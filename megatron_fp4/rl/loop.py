@@ -259,7 +259,7 @@ def _overlapped_steps(trainer, task, rollout, scorer, loss, settings: GRPOSettin
     counter = StalenessCounter(k, policy)
     run.staleness_histogram = counter.histogram
     pending: deque = deque()
-    launched = [0]
+    launched, handle = [0], None
 
     def launch() -> None:
         index = launched[0]
@@ -281,6 +281,12 @@ def _overlapped_steps(trainer, task, rollout, scorer, loss, settings: GRPOSettin
                 gen = gens.collect(batch)
                 if counter.accept(step, gen.version):
                     break
+                if counter.dropped - dropped > k + 1:  # the k + 1 in flight, then a fresh one after the load
+                    raise RuntimeError(f"step {step}: {counter.dropped - dropped} batches dropped in a row, the last "
+                                       f"sampled with version {gen.version} after version {step} was loaded: the "
+                                       "rollout does not serve the versions it loads")
+                if not pending and handle is not None:  # the replacement samples the newest version (bounds the drops)
+                    handle.wait_loaded()
                 launch()  # a fresh batch for the dropped one
             waited = time.perf_counter() - t0
             record = update_on(trainer, task, scorer, loss, settings, step, shuffle_rng, batch.items, gen)
