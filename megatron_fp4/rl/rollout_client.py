@@ -176,7 +176,12 @@ class RemoteRollout:
         return {"version": status["version"], "digests": status["digests"]}
 
     def close(self) -> None:
-        """Wait for the last update, stop the rollout process (collective)."""
+        """Wait for the last update, stop the rollout process (collective). A rollout process that
+        already died is not waited for: one RuntimeError with its exit code."""
+        if self.is_source and self.proc.poll() is not None:
+            self.weights.close()
+            self.control.close()
+            raise RuntimeError(f"the rollout process had exited with code {self.proc.returncode} before close()")
         self.publisher.wait()
         if not self.is_source:
             return
