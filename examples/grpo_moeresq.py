@@ -4,6 +4,7 @@
     python examples/grpo_moeresq.py --task arithmetic       # the embedded one-digit arithmetic corpus
     torchrun --nproc-per-node 4 examples/grpo_moeresq.py --set parallel.pp=2 --set parallel.ep=2
     python examples/grpo_moeresq.py --tokenizer DIR --train-data train.parquet --max-new-tokens 64
+    python examples/grpo_moeresq.py --rollout engine-process --max-staleness 1   # rollout overlapped (rl/overlap.py)
 
 This is a thin CLI over `megatron_fp4.rl` (as `megatron_fp4.train` is for pretraining): the task
 (`rl.tasks`), the SFT warm-up (`rl.sft`) and the GRPO loop (`rl.loop.run_grpo`, the loop the

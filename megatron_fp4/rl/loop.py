@@ -17,6 +17,12 @@ Rollout correction: ``settings.correction`` (a `RolloutCorrection`, e.g. from ve
 `rollout_correction.from_verl_config`: token/sequence TIS, MIS, rejection) replaces the plain token
 TIS of ``tis_cap``; the loss applies its weights and mask, and each step logs verl's batch metrics
 (`correct_batch`, ``rollout_corr/...``).
+
+Overlap (``trainer.cfg.rl.max_staleness`` = k > 0, `rl.overlap`): the step is `sample_requests`
+(on the rollout's thread: generation with version max(0, m - k)) and `update_on` (the trainer),
+the rollout generating the batches of steps n+1..n+k while step n trains; each record adds
+``sample_index``, ``async/staleness``, ``async/wait_s`` (the trainer idle, waiting for the rollout),
+``async/dropped`` and ``async/rollout_busy_s``; `GRPORun.sample_versions` lists who sampled what.
 """
 from __future__ import annotations
 
