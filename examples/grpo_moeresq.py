@@ -237,7 +237,7 @@ def write_logs(history: list, eval_before: float, logdir: Path) -> None:
     writer.add_scalar("grpo/eval_acc", eval_before, -1)
     for r in history:
         for key, v in r.items():
-            if isinstance(v, float) and key not in ("step", "temperature"):
+            if (isinstance(v, float) or key.startswith("async/")) and key not in ("step", "temperature"):
                 writer.add_scalar(key if "/" in key else f"grpo/{key}", v, r["step"])
     writer.close()
     png = logdir / "reward_curve.png"
