@@ -71,6 +71,10 @@ class Generations:
     def __init__(self, rollout, timeout_s: float):
         self.rollout, self.timeout_s = rollout, float(timeout_s)
         self.sharded = hasattr(rollout, "fetch") and hasattr(rollout, "share")
+        mesh = getattr(rollout, "mesh", None)
+        if not self.sharded and mesh is not None and mesh.is_distributed:  # its generate is a collective
+            raise ValueError(f"rl.max_staleness > 0 under torchrun needs a rollout with fetch/share (RemoteRollout, "
+                             f"VLLMRollout); {type(rollout).__name__} generates collectively: set rl.max_staleness=0")
         self.source = getattr(rollout, "is_source", True)
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rollout-generate")
         self._lock = threading.Lock()

@@ -1,6 +1,6 @@
 """The overlapped GRPO loop with the rollout engine in a process of its own (``--rollout
 engine-process``, `rl.RemoteRollout` for a single-process trainer): the same bits as the engine in
-process (float.hex of the losses, the completions, the versions), and a rollout process that dies
+process (float.hex of the losses, the completions, the versions; ``--check-sync`` too), and a rollout process that dies
 with batches in flight gives the trainer one clear RuntimeError within the sync timeout, no hang."""
 import time
 
@@ -12,17 +12,20 @@ from tests.unit.test_async_rl import STEPS, hexes, settings, tiny
 TIMEOUT_S = 30  # parallel.timeout_s of the killed run: the error must come well before a hang
 
 
-def run(process: bool):
+def run(process: bool, check_sync: bool = False):
     trainer, task = tiny("rl.max_staleness=1")
     rollout = make_rollout(trainer, task.tok.pad_id, 1 << 20, process=process)
     try:
-        return loop.run_grpo(trainer, task, rollout, settings())
+        return loop.run_grpo(trainer, task, rollout, settings(check_sync=check_sync))
     finally:
         rollout.close()
 
 
 def test_engine_process_equals_in_process():
-    remote, local = run(True), run(False)
+    """Also with ``check_sync`` (wait for each load, compare the served weights' SHA-256): every
+    published version is the trainer's, bit for bit, and the history does not change."""
+    remote, local = run(True, check_sync=True), run(False)
+    assert all(h["weight_sync/served_sha"] for h in remote.history)
     assert hexes(remote) == hexes(local)
     assert [h["completions"] for h in remote.history] == [h["completions"] for h in local.history]
     assert remote.sample_versions == local.sample_versions == [0, 0, 1, 2][:STEPS]
