@@ -115,7 +115,8 @@ def main(argv=None) -> None:
     for k in own.staleness[1:]:
         ratios = [b["s_per_step"] / r["s_per_step"] for b, r in zip(results[base], results[k])]
         print(f"steps/s, staleness {k} / staleness {base}: " + " ".join(f"{x:.2f}" for x in ratios)
-              + f" (per seed), mean {statistics.fmean(ratios):.2f}x")
+              + f" (per seed), mean {statistics.fmean(ratios):.2f}x, median {statistics.median(ratios):.2f}x "
+              "(on a loaded machine the median is the steadier number)")
 
 
 if __name__ == "__main__":
