@@ -4,6 +4,7 @@
     python examples/grpo_moeresq.py --task arithmetic       # the embedded one-digit arithmetic corpus
     torchrun --nproc-per-node 4 examples/grpo_moeresq.py --set parallel.pp=2 --set parallel.ep=2
     python examples/grpo_moeresq.py --tokenizer DIR --train-data train.parquet --max-new-tokens 64
+    python examples/grpo_moeresq.py --rollout engine-process --max-staleness 1   # rollout overlapped (rl/overlap.py)
 
 This is a thin CLI over `megatron_fp4.rl` (as `megatron_fp4.train` is for pretraining): the task
 (`rl.tasks`), the SFT warm-up (`rl.sft`) and the GRPO loop (`rl.loop.run_grpo`, the loop the
@@ -128,7 +129,8 @@ def build(args):
     task = make_task(args)
     overrides = ["logging.tensorboard_dir=null", "checkpoint.dir=null", f"schedule.seed={args.seed}",
                  f"model.vocab_size={task.tok.vocab_size}"]  # no unused ids the decoder could not print
-    cfg = load_config(args.config, overrides + TASK_OVERRIDES.get(args.task, []) + list(args.override or []))
+    cfg = load_config(args.config, overrides + TASK_OVERRIDES.get(args.task, []) + staleness_overrides(args)
+                      + list(args.override or []))
     # SFT: warm-up then cosine from --sft-lr; RL: constant --lr (switch_to_rl, a fresh Adam).
     o, s = cfg.optimizer, cfg.schedule
     o.lr, o.min_lr = args.sft_lr, args.sft_lr / 10
@@ -140,6 +142,13 @@ def build(args):
     task.sft_losses = sft_warmup(trainer, args, task)
     switch_to_rl(trainer, args.lr, args.rl_weight_decay, args.rl_aux_coef)
     return trainer, task
+
+
+def staleness_overrides(args) -> list:
+    """--max-staleness / --staleness-policy as config overrides (rl.max_staleness, rl.staleness_policy;
+    a --set of the same field, given later, wins)."""
+    out = [f"rl.max_staleness={args.max_staleness}"] if args.max_staleness is not None else []
+    return out + ([f"rl.staleness_policy={args.staleness_policy}"] if args.staleness_policy else [])
 
 
 def settings_of(args, correction) -> GRPOSettings:
@@ -172,7 +181,8 @@ def run(args) -> list:
                                    work_dir=Path(args.logdir or tempfile.mkdtemp(prefix="grpo-vllm-")) / "vllm",
                                    addr=args.rollout_addr)
     else:
-        rollout = make_rollout(trainer, task.tok.pad_id, args.bucket_mb << 20, addr=args.rollout_addr)
+        rollout = make_rollout(trainer, task.tok.pad_id, args.bucket_mb << 20, process=args.rollout == "engine-process",
+                               addr=args.rollout_addr)
     try:
         result = run_grpo(trainer, task, rollout, settings, say)
         served = rollout.served_version()
@@ -227,7 +237,7 @@ def write_logs(history: list, eval_before: float, logdir: Path) -> None:
     writer.add_scalar("grpo/eval_acc", eval_before, -1)
     for r in history:
         for key, v in r.items():
-            if isinstance(v, float) and key not in ("step", "temperature"):
+            if (isinstance(v, float) or key.startswith("async/")) and key not in ("step", "temperature"):
                 writer.add_scalar(key if "/" in key else f"grpo/{key}", v, r["step"])
     writer.close()
     png = logdir / "reward_curve.png"
@@ -305,8 +315,15 @@ def parse_args(argv=None):
     ap.add_argument("--bucket-mb", type=int, default=1)
     ap.add_argument("--rollout-addr", default="127.0.0.1",
                     help="under torchrun: the address trainer rank 0 serves the rollout process's channels on")
-    ap.add_argument("--rollout", choices=["engine", "vllm", "vllm-serve"], default="engine",
-                    help="rollout engine: this project's (in process, or its own process under torchrun) or vLLM + "
+    ap.add_argument("--max-staleness", type=int,
+                    help="rl.max_staleness: 0 (the config's default) = rollout and training in turn; k >= 1: the "
+                         "rollout samples the batches of steps n+1..n+k while step n trains (rl/overlap.py)")
+    ap.add_argument("--staleness-policy", choices=["wait", "drop"],
+                    help="rl.staleness_policy: wait (deterministic) or drop (batches more than k versions old are "
+                         "dropped and counted; not deterministic)")
+    ap.add_argument("--rollout", choices=["engine", "engine-process", "vllm", "vllm-serve"], default="engine",
+                    help="rollout engine: this project's (in process, or its own process under torchrun; "
+                         "engine-process: its own process for a single-process trainer too) or vLLM + "
                          "the megatron_fp4 plugin in its own process, weights synced every step (docs/vllm.md); "
                          "vllm-serve: a `vllm serve` process, weights through vLLM's weight-transfer API, "
                          "generations through its completions API (no routed experts: not with r3)")
@@ -336,9 +353,16 @@ def check_flags(ap, args) -> None:
     check_ranges(ap, args, ints=dict(steps=1, sft_steps=0, sft_batch=1, num_digits=1, num_train=1, num_test=1,
                                      max_operand=1, max_prompt_length=1, num_prompts=1, group_size=1,
                                      max_new_tokens=1, micro_batch_size=1, ppo_epochs=1, minibatches=1, eval_size=1,
-                                     eval_every=0, bucket_mb=1),
+                                     eval_every=0, bucket_mb=1, max_staleness=0),
                  positive=("sft_lr", "lr", "clip_eps", "tis_cap"),
                  nonnegative=("temperature", "kl_coef", "rl_aux_coef", "rl_weight_decay"), fractions=("drop_carry",))
+    from megatron_fp4.config import MAX_STALENESS
+
+    if args.max_staleness is not None and args.max_staleness > MAX_STALENESS:
+        ap.error(f"--max-staleness {args.max_staleness} must be <= {MAX_STALENESS} (batches in flight)")
+    if args.staleness_policy == "drop" and args.check_sync:
+        ap.error("--check-sync with --staleness-policy drop: the rollout generates while a version is published, "
+                 "so its weights cannot be compared; use --staleness-policy wait")
     try:
         check_advertised_address(args.rollout_addr, "--rollout-addr")
     except ValueError as err:

@@ -171,13 +171,28 @@ class NumericsConfig:
     invariance: str = "batch"
 
 
+MAX_STALENESS = 64  # rl.max_staleness's bound: each batch in flight holds its samples in memory
+
+
 @dataclass
 class RLConfig:
     router_replay: str = "off"  # off | r2 | r3 (megatron_fp4/rl/replay.py)
+    # Off-policy overlap (megatron_fp4/rl/overlap.py): batch m is sampled with policy version
+    # max(0, m - max_staleness) while the trainer updates on earlier batches; 0 = the synchronous loop.
+    max_staleness: int = 0
+    staleness_policy: str = "wait"  # wait (deterministic) | drop (stale batches dropped, not deterministic)
 
     def __post_init__(self):
         if self.router_replay not in ("off", "r2", "r3"):
             raise ConfigError(f"rl.router_replay={self.router_replay!r} must be one of off | r2 | r3")
+        if isinstance(self.max_staleness, bool) or not isinstance(self.max_staleness, int) \
+                or not 0 <= self.max_staleness <= MAX_STALENESS:
+            raise ConfigError(f"rl.max_staleness={self.max_staleness!r} must be an integer in 0..{MAX_STALENESS} "
+                              "(0: the synchronous loop; k: a batch is trained on at most k versions after the one "
+                              "that sampled it)")
+        if self.staleness_policy not in ("wait", "drop"):
+            raise ConfigError(f"rl.staleness_policy={self.staleness_policy!r} must be wait (deterministic: the "
+                              "rollout waits for the version a batch needs) or drop (stale batches are dropped)")
 
 
 @dataclass

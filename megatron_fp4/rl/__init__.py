@@ -2,6 +2,7 @@
 the HF/vLLM integrations: it joins them). Everything RL lives here.
 
 - `loop`: the GRPO loop (`GRPOSettings`, `run_grpo`: the GRPO example and the ablation run it);
+  `overlap`: rollout and training overlapped with bounded staleness (``rl.max_staleness``);
   `evaluate`: the greedy held-out eval, the weight-sync check; `tasks`: the RL tasks
 - `policy_loss`: `PolicyLoss` (the clipped policy loss as a training step's loss); `is_correction`:
   the rollout correction math (verl's TIS/MIS, rejection, mismatch metrics) and `policy_loss`;

@@ -17,6 +17,12 @@ Rollout correction: ``settings.correction`` (a `RolloutCorrection`, e.g. from ve
 `rollout_correction.from_verl_config`: token/sequence TIS, MIS, rejection) replaces the plain token
 TIS of ``tis_cap``; the loss applies its weights and mask, and each step logs verl's batch metrics
 (`correct_batch`, ``rollout_corr/...``).
+
+Overlap (``trainer.cfg.rl.max_staleness`` = k > 0, `rl.overlap`): the step is `sample_requests`
+(on the rollout's thread: generation with version max(0, m - k)) and `update_on` (the trainer),
+the rollout generating the batches of steps n+1..n+k while step n trains; each record adds
+``sample_index``, ``async/staleness``, ``async/wait_s`` (the trainer idle, waiting for the rollout),
+``async/dropped`` and ``async/rollout_busy_s``; `GRPORun.sample_versions` lists who sampled what.
 """
 from __future__ import annotations
 
@@ -24,6 +30,7 @@ import copy
 import math
 import random
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
@@ -32,6 +39,7 @@ import torch
 from megatron_fp4.model.capacity import refuse_for_rollout
 from megatron_fp4.rl.evaluate import check_sync, greedy_eval
 from megatron_fp4.rl.grpo import build_rl_batch, consistency, ppo_updates
+from megatron_fp4.rl.overlap import Generations, StalenessCounter, sample_version, staleness
 from megatron_fp4.rl.policy_loss import PolicyLoss
 from megatron_fp4.rl.rollout_client import InProcessRollout
 from megatron_fp4.rl.rollout_correction import RolloutCorrection, correct_batch
@@ -81,6 +89,13 @@ class GRPORun:
     history: list = field(default_factory=list)  # one record per step (see `grpo_step`)
     eval_before: float = float("nan")  # greedy accuracy of the starting policy
     eval_before_groups: dict = field(default_factory=dict)
+    staleness_histogram: dict = field(default_factory=dict)  # {versions behind: batches} (rl.max_staleness > 0)
+    dropped: int = 0  # batches dropped as too stale (rl.staleness_policy=drop)
+
+    @property
+    def sample_versions(self) -> list:
+        """The policy version that generated each step's batch."""
+        return [h["rollout_version"] for h in self.history]
 
     @property
     def evals(self) -> list:
@@ -125,12 +140,17 @@ def sampling_params(settings: GRPOSettings, step: int, num: int, stop_token_ids)
             for i in range(num)]
 
 
-def grpo_step(trainer, task, rollout, scorer, loss, settings: GRPOSettings, step: int, shuffle_rng) -> dict:
-    """Sample, reward, build the batch, update, publish version ``step + 1``; the step's record
-    (``handle``: the publish, not waited for unless ``check_sync``)."""
+def sample_requests(task, settings: GRPOSettings, index: int) -> tuple[list, list]:
+    """Batch `index`'s requests: ``group_size`` copies of each of ``num_prompts`` task items (drawn
+    in batch order), one seeded `SamplingParams` each."""
     items = [it for it in task.sample(settings.num_prompts) for _ in range(settings.group_size)]
-    params = sampling_params(settings, step, len(items), task.stop_token_ids)
-    gen = rollout.generate([ids for ids, _, _ in items], params, return_routing=True, min_version=step)
+    return items, sampling_params(settings, index, len(items), task.stop_token_ids)
+
+
+def update_on(trainer, task, scorer, loss, settings: GRPOSettings, step: int, shuffle_rng, items: list, gen) -> dict:
+    """Reward `gen` (the generations of `items`), build the batch (the trainer's log-probs now: the
+    proximal policy; the rollout's: the behaviour policy, version ``gen.version``), update; the
+    step's record without the publish."""
     completions = [task.tok.decode(r, stop_at_eos=True) for r in gen.response_ids]
     rewards = torch.tensor([task.reward(it, c) for it, c in zip(items, completions)])
     batch = build_rl_batch(gen, rewards, settings.group_size, scorer, task.tok.pad_id,
@@ -139,24 +159,39 @@ def grpo_step(trainer, task, rollout, scorer, loss, settings: GRPOSettings, step
     corrected = correct_batch(batch, settings.correction) if settings.correction is not None else {}
     result = ppo_updates(trainer, batch, loss, settings.micro_batch_size, settings.ppo_epochs, settings.minibatches,
                          shuffle_rng)
-    handle = rollout.publish(step + 1)  # returns at snapshot: training could go on right now
-    served = None
-    if settings.check_sync:  # costs the overlap: wait for the load, compare what the rollout serves
-        handle.wait_loaded()
-        served = check_sync(trainer, rollout, step + 1)
-    record = {"step": step, "rollout_version": gen.version, "published_version": handle.version,
+    record = {"step": step, "rollout_version": gen.version,
               "reward": float(rewards.mean()), "loss": result["loss"], "grad_norm": result["grad_norm"],
               "kl": result["kl"], "num_updates": result["num_updates"], "temperature": settings.temperature,
-              "weight_sync/snapshot_s": handle.snapshot_s, "weight_sync/served_sha": served,
               "texts": [it[1] for it in items], "completions": completions, "rewards": rewards.tolist(),
               "references": [it[2] for it in items],
-              **{f"consistency/{k}": v for k, v in cons.items() if k != "kl_method"}, **corrected,
-              "handle": handle}
-    if step == 0 or settings.check_sync:  # rollout vs trainer log-probs of the same weights
+              **{f"consistency/{k}": v for k, v in cons.items() if k != "kl_method"}, **corrected}
+    if gen.version == step and (step == 0 or settings.check_sync):  # rollout vs trainer log-probs, same weights
         P = batch["prompt_len"]
         record["lp_diffs"] = torch.cat([(batch["old_log_probs"][i, P:P + len(r)] - gen.log_probs[i]).abs()
                                         for i, r in enumerate(gen.response_ids)])
     return record
+
+
+def grpo_step(trainer, task, rollout, scorer, loss, settings: GRPOSettings, step: int, shuffle_rng) -> dict:
+    """The synchronous step: sample with version ``step``, update, publish version ``step + 1``; the
+    step's record (``handle``: the publish, not waited for unless ``check_sync``)."""
+    items, params = sample_requests(task, settings, step)
+    gen = rollout.generate([ids for ids, _, _ in items], params, return_routing=True, min_version=step)
+    record = update_on(trainer, task, scorer, loss, settings, step, shuffle_rng, items, gen)
+    return {**record, **publish_record(trainer, rollout, settings, step, wait=False)}
+
+
+def publish_record(trainer, rollout, settings: GRPOSettings, step: int, wait: bool) -> dict:
+    """Publish version ``step + 1`` (returns at the snapshot; `wait`: also waits for the load);
+    with ``check_sync`` wait for the load and compare what the rollout serves (costs the overlap)."""
+    handle = rollout.publish(step + 1)
+    served = None
+    if wait or settings.check_sync:
+        handle.wait_loaded()
+    if settings.check_sync:
+        served = check_sync(trainer, rollout, step + 1)
+    return {"published_version": handle.version, "weight_sync/snapshot_s": handle.snapshot_s,
+            "weight_sync/served_sha": served, "handle": handle}
 
 
 def _quiet(*_a, **_k) -> None:
@@ -167,8 +202,13 @@ def run_grpo(trainer, task, rollout, settings: GRPOSettings, say: Callable = _qu
              scorer: Optional[PolicyScorer] = None) -> GRPORun:
     """`settings.steps` GRPO steps from the trainer's current weights (version 0 is published first).
     `scorer`: the trainer-side log-probs (default: a new `PolicyScorer`, keeping the starting policy
-    as the KL reference when ``kl_coef`` is set). `say`: progress lines (rank 0 of a sharded run)."""
+    as the KL reference when ``kl_coef`` is set). `say`: progress lines (rank 0 of a sharded run).
+    ``rl.max_staleness`` > 0: rollout and training overlapped (`rl.overlap`)."""
     refuse_for_rollout(trainer.cfg.model.moe_capacity_factor)  # any rollout: vLLM drops nothing either
+    rl = trainer.cfg.rl
+    if rl.max_staleness and rl.staleness_policy == "drop" and settings.check_sync:
+        raise ValueError("check_sync with rl.staleness_policy=drop: the rollout is generating when a version is "
+                         "published, so its weights cannot be compared then; use staleness_policy=wait")
     start = time.perf_counter()
     if scorer is None:
         scorer = PolicyScorer(trainer, settings.micro_batch_size, keep_reference=bool(settings.kl_coef),
@@ -179,24 +219,96 @@ def run_grpo(trainer, task, rollout, settings: GRPOSettings, say: Callable = _qu
     if settings.check_sync:
         check_sync(trainer, rollout, 0)
     run.eval_before, run.eval_before_groups = greedy_eval(rollout, task, 0)
-    say(f"greedy eval accuracy {run.eval_before:.3f} on {task.description}; rollout: {type(rollout).__name__}",
-        flush=True)
+    say(f"greedy eval accuracy {run.eval_before:.3f} on {task.description}; rollout: {type(rollout).__name__}"
+        + (f"; max staleness {rl.max_staleness} ({rl.staleness_policy})" if rl.max_staleness else ""), flush=True)
     shuffle_rng = random.Random(f"grpo-minibatches:{settings.seed}")
+    say(f"{'step':>4} {'reward':>7} {'eval':>6} {'pearson':>9} {'experts':>8} {'sync ms':>8} {'loss':>8}"
+        + (f" {'version':>7} {'wait s':>6}" if rl.max_staleness else ""), flush=True)
+    steps = _overlapped_steps(trainer, task, rollout, scorer, loss, settings, shuffle_rng, run) if rl.max_staleness \
+        else _synchronous_steps(trainer, task, rollout, scorer, loss, settings, shuffle_rng)
+    for record, handle in steps:
+        run.history.append(record)
+        say(f"{record['step']:>4} {record['reward']:>7.3f} {record.get('eval_acc', float('nan')):>6.3f} "
+            f"{record['consistency/pearson']:>9.6f} {record.get('consistency/expert_agreement', float('nan')):>8.4f} "
+            f"{handle.snapshot_s * 1e3:>8.1f} {record['loss']:>+8.4f}"
+            + (f" {record['rollout_version']:>7} {record['async/wait_s']:>6.2f}" if rl.max_staleness else ""),
+            flush=True)
+    handle.wait_loaded()
+    say(f"{settings.steps} GRPO steps in {time.perf_counter() - start:.0f} s", flush=True)
+    return run
+
+
+def _evaluate_after(record: dict, handle, rollout, task, settings: GRPOSettings, step: int) -> None:
+    if step == settings.steps - 1 or (settings.eval_every and (step + 1) % settings.eval_every == 0):
+        handle.wait_loaded()  # evaluate the policy this step produced
+        record["eval_acc"], record["eval_groups"] = greedy_eval(rollout, task, step + 1)
+
+
+def _synchronous_steps(trainer, task, rollout, scorer, loss, settings: GRPOSettings, shuffle_rng):
+    """Today's loop (``rl.max_staleness = 0``): (record, publish handle) per step."""
     handle = None
-    say(f"{'step':>4} {'reward':>7} {'eval':>6} {'pearson':>9} {'experts':>8} {'sync ms':>8} {'loss':>8}", flush=True)
     for step in range(settings.steps):
         if handle is not None:
             handle.wait_loaded()  # the rollout must serve the newest policy (raises WeightSyncError)
         record = grpo_step(trainer, task, rollout, scorer, loss, settings, step, shuffle_rng)
         handle = record.pop("handle")
-        last = step == settings.steps - 1
-        if last or (settings.eval_every and (step + 1) % settings.eval_every == 0):
-            handle.wait_loaded()  # evaluate the policy this step produced
-            record["eval_acc"], record["eval_groups"] = greedy_eval(rollout, task, step + 1)
-        run.history.append(record)
-        say(f"{step:>4} {record['reward']:>7.3f} {record.get('eval_acc', float('nan')):>6.3f} "
-            f"{record['consistency/pearson']:>9.6f} {record.get('consistency/expert_agreement', float('nan')):>8.4f} "
-            f"{handle.snapshot_s * 1e3:>8.1f} {record['loss']:>+8.4f}", flush=True)
-    handle.wait_loaded()
-    say(f"{settings.steps} GRPO steps in {time.perf_counter() - start:.0f} s", flush=True)
-    return run
+        _evaluate_after(record, handle, rollout, task, settings, step)
+        yield record, handle
+
+
+def _overlapped_steps(trainer, task, rollout, scorer, loss, settings: GRPOSettings, shuffle_rng, run: GRPORun):
+    """``rl.max_staleness = k`` > 0 (`rl.overlap`): batch m is generated on the rollout's thread with
+    version max(0, m - k) (``wait``) or whatever it serves (``drop``) while the trainer updates on
+    earlier batches; (record, publish handle) per step, with ``async/*`` metrics."""
+    k, policy = trainer.cfg.rl.max_staleness, trainer.cfg.rl.staleness_policy
+    gens = Generations(rollout, trainer.cfg.parallel.timeout_s)
+    counter = StalenessCounter(k, policy)
+    run.staleness_histogram = counter.histogram
+    pending: deque = deque()
+    launched, handle = [0], None
+
+    def launch() -> None:
+        index = launched[0]
+        launched[0] += 1
+        items, params = sample_requests(task, settings, index)
+        version = sample_version(index, k) if policy == "wait" else None
+        pending.append(gens.submit(index, items, [ids for ids, _, _ in items], params, version))
+
+    try:
+        for step in range(settings.steps):
+            # wait: the rollout serves version `step` now; every batch it samples is launched.
+            # drop: k + 1 batches in flight, no more than the run still needs.
+            while (launched[0] <= min(step + k, settings.steps - 1)) if policy == "wait" else \
+                    (len(pending) <= k and launched[0] - counter.dropped < settings.steps):
+                launch()
+            t0, dropped = time.perf_counter(), counter.dropped
+            while True:
+                batch = pending.popleft()
+                gen = gens.collect(batch)
+                if counter.accept(step, gen.version):
+                    break
+                if counter.dropped - dropped > k + 1:  # the k + 1 in flight, then a fresh one after the load
+                    raise RuntimeError(f"step {step}: {counter.dropped - dropped} batches dropped in a row, the last "
+                                       f"sampled with version {gen.version} after version {step} was loaded: the "
+                                       "rollout does not serve the versions it loads")
+                if not pending and handle is not None:  # the replacement samples the newest version (bounds the drops)
+                    handle.wait_loaded()
+                launch()  # a fresh batch for the dropped one
+            waited = time.perf_counter() - t0
+            record = update_on(trainer, task, scorer, loss, settings, step, shuffle_rng, batch.items, gen)
+            t0 = time.perf_counter()
+            if policy == "wait":  # version step + 1 only once the batches of version <= step are generated
+                for inflight in pending:
+                    gens.wait(inflight)
+            waited += time.perf_counter() - t0
+            record.update(publish_record(trainer, rollout, settings, step, wait=policy == "wait"))
+            handle = record.pop("handle")
+            record.update({"sample_index": batch.index, "async/staleness": staleness(step, gen.version),
+                           "async/wait_s": waited, "async/dropped": counter.dropped - dropped,
+                           "async/rollout_busy_s": gens.busy_s})
+            _evaluate_after(record, handle, gens, task, settings, step)
+            yield record, handle
+        assert not pending, f"batches {[b.index for b in pending]} were generated and never trained on"
+    finally:
+        run.dropped = counter.dropped
+        gens.close()

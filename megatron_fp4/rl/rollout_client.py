@@ -101,8 +101,7 @@ class RemoteRollout:
                 PeerGroup(addr, spec["control_port"], 0, 2, self._device, self.timeout_s, control_socket, token=token)))
             self.transport = DistributedTransport(self.weights, src=0, name=name)
             transports = [self.transport]
-        self.publisher = ShardedWeightPublisher(lambda: local_hf_state_dict(trainer.model), self.mesh, transports,
-                                                bucket_bytes, self.timeout_s, model=trainer.model)
+        self.publisher = hf_publisher(trainer, self.mesh, transports, bucket_bytes, self.timeout_s)
 
     def _join(self, build):
         """`build()` (the groups' join, which blocks until the rollout process joins), failing fast
@@ -137,23 +136,39 @@ class RemoteRollout:
             raise RuntimeError(f"the rollout process failed {request['op']!r}: {str(error)[:2000]}")
         return status
 
+    def fetch(self, prompts: Sequence, params: Sequence, return_routing: bool = False, min_version: int = 0):
+        """Rank 0 only: the rollout process's generation (not yet shared with the other ranks; the
+        overlapped loop runs this on a thread of its own while the trainer works)."""
+        expect = expected_generation(prompts, params, return_routing, self.model_cfg)
+        self._request({"op": "generate", "prompts": expect["prompt_ids"],
+                       "params": [params_to_json(p) for p in params], "return_routing": bool(return_routing),
+                       "min_version": int(min_version)})
+        return broadcast_generation(None, 1, self.control, expect=expect)
+
+    def share(self, gen, prompts: Sequence, params: Sequence, return_routing: bool = False):
+        """Collective over the trainer mesh: rank 0's `gen` (from `fetch`) on every rank."""
+        if not self.mesh.is_distributed:
+            return gen
+        expect = expected_generation(prompts, params, return_routing, self.model_cfg)
+        return broadcast_generation(gen, 0, self.mesh.group("world"), self.mesh.device, expect=expect)
+
     def generate(self, prompts: Sequence, params: Sequence, return_routing: bool = False, min_version: int = 0):
         """Collective over the trainer mesh: rank 0 asks the rollout process, every rank gets the result."""
-        gen = None
-        expect = expected_generation(prompts, params, return_routing, self.model_cfg)
-        if self.is_source:
-            self._request({"op": "generate", "prompts": expect["prompt_ids"],
-                           "params": [params_to_json(p) for p in params], "return_routing": bool(return_routing),
-                           "min_version": int(min_version)})
-            gen = broadcast_generation(None, 1, self.control, expect=expect)
-        return broadcast_generation(gen, 0, self.mesh.group("world"), self.mesh.device, expect=expect)
+        gen = self.fetch(prompts, params, return_routing, min_version) if self.is_source else None
+        return self.share(gen, prompts, params, return_routing)
 
     def served_version(self) -> int:
         """The version the rollout process serves now (collective: asked by rank 0, sent to all)."""
+        if not self.mesh.is_distributed:
+            return int(self._request({"op": "version"})["version"])
         version = torch.tensor([self._request({"op": "version"})["version"] if self.is_source else 0],
                                device=self.mesh.device)
         dist.broadcast(version, src=0, group=self.mesh.group("world"))
         return int(version)
+
+    def exit_code(self) -> Optional[int]:
+        """The rollout process's exit code if it has died (rank 0), else None."""
+        return None if self.proc is None else self.proc.poll()
 
     def digests(self) -> dict:
         """Rank 0 only: {"version", "digests": HF name -> SHA-256} of the weights the rollout serves."""
@@ -161,7 +176,12 @@ class RemoteRollout:
         return {"version": status["version"], "digests": status["digests"]}
 
     def close(self) -> None:
-        """Wait for the last update, stop the rollout process (collective)."""
+        """Wait for the last update, stop the rollout process (collective). A rollout process that
+        already died is not waited for: one RuntimeError with its exit code."""
+        if self.is_source and self.proc.poll() is not None:
+            self.weights.close()
+            self.control.close()
+            raise RuntimeError(f"the rollout process had exited with code {self.proc.returncode} before close()")
         self.publisher.wait()
         if not self.is_source:
             return
@@ -187,9 +207,19 @@ def _worker_env(token: str) -> dict:
     return env
 
 
-def make_rollout(trainer, pad_id: int, bucket_bytes: int, **remote_kwargs):
-    """`InProcessRollout` for a single-process trainer, `RemoteRollout` for a sharded one
-    (`remote_kwargs`: addr, name, timeout_s, threads)."""
-    if trainer.mesh.is_distributed:
+def hf_publisher(trainer, mesh, transports: list, bucket_bytes: int, timeout_s: float):
+    """The trainer's weights under HF names: a sharded trainer's every rank (`ShardedWeightPublisher`),
+    else one `WeightPublisher`; `transports` on rank 0 only."""
+    named = lambda: local_hf_state_dict(trainer.model)  # noqa: E731
+    if mesh.is_distributed:
+        return ShardedWeightPublisher(named, mesh, transports, bucket_bytes, timeout_s, model=trainer.model)
+    return WeightPublisher(lambda: named().items(), transports, bucket_bytes, timeout_s)
+
+
+def make_rollout(trainer, pad_id: int, bucket_bytes: int, process: bool = False, **remote_kwargs):
+    """`InProcessRollout` for a single-process trainer, `RemoteRollout` for a sharded one or with
+    `process` (the engine in a process of its own, generating while this one trains: ``--rollout
+    engine-process``; `remote_kwargs`: addr, name, timeout_s, threads)."""
+    if trainer.mesh.is_distributed or process:
         return RemoteRollout(trainer, pad_id, bucket_bytes, **remote_kwargs)
     return InProcessRollout(trainer, pad_id, bucket_bytes)

@@ -24,12 +24,9 @@ from typing import Optional
 
 import torch
 
-from megatron_fp4.integrations.hf.sharded import local_hf_state_dict
-from megatron_fp4.rl.rollout_client import RemoteRollout, _worker_env
+from megatron_fp4.rl.rollout_client import RemoteRollout, _worker_env, hf_publisher
 from megatron_fp4.rollout.peer_group import PeerGroup, new_sync_token, reserve_port, sync_token_from_env
-from megatron_fp4.rollout.weight_sync import WeightPublisher
 from megatron_fp4.rollout.weight_sync_dist import DistributedTransport
-from megatron_fp4.rollout.weight_sync_sharded import ShardedWeightPublisher
 
 DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
 
@@ -47,15 +44,6 @@ def resolve_python(python: Optional[str]) -> str:
         raise RuntimeError(f"--rollout vllm: {cap.reason}; pass --vllm-python or set {ENV_PYTHON} to the vLLM venv's "
                            "python (tools/vllm_env.sh creates one)")
     return sys.executable
-
-
-def hf_publisher(trainer, mesh, transports: list, bucket_bytes: int, timeout_s: float):
-    """The trainer's weights under HF names: a sharded trainer's every rank (`ShardedWeightPublisher`),
-    else one `WeightPublisher`; `transports` on rank 0 only."""
-    named = lambda: local_hf_state_dict(trainer.model)  # noqa: E731
-    if mesh.is_distributed:
-        return ShardedWeightPublisher(named, mesh, transports, bucket_bytes, timeout_s, model=trainer.model)
-    return WeightPublisher(lambda: named().items(), transports, bucket_bytes, timeout_s)
 
 
 def vllm_template(cfg, work_dir) -> Path:
@@ -99,21 +87,6 @@ class VLLMRollout(RemoteRollout):
             self.transport = DistributedTransport(self.weights, src=0, name=name)
             transports = [self.transport]
         self.publisher = hf_publisher(trainer, self.mesh, transports, bucket_bytes, self.timeout_s)
-
-    def generate(self, prompts, params, return_routing: bool = False, min_version: int = 0):
-        if self.mesh.is_distributed:
-            return super().generate(prompts, params, return_routing, min_version)
-        from megatron_fp4.rl.wire import broadcast_generation, expected_generation, params_to_json
-
-        expect = expected_generation(prompts, params, return_routing, self.model_cfg)
-        self._request({"op": "generate", "prompts": expect["prompt_ids"], "params": [params_to_json(p) for p in params],
-                       "return_routing": bool(return_routing), "min_version": int(min_version)})
-        return broadcast_generation(None, 1, self.control, expect=expect)
-
-    def served_version(self) -> int:
-        if self.mesh.is_distributed:
-            return super().served_version()
-        return int(self._request({"op": "version"})["version"])
 
 
 class VLLMServeRollout:

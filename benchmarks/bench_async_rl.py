@@ -1,0 +1,123 @@
+"""Rollout and training overlapped (``rl.max_staleness``) against the synchronous loop, side by side.
+
+    OMP_NUM_THREADS=1 python benchmarks/bench_async_rl.py --seeds 0 1 2 3      # the README's GRPO recipe
+    OMP_NUM_THREADS=1 python benchmarks/bench_async_rl.py --seeds 0 1 --sft-steps 200 --steps 10   # quicker
+    python benchmarks/bench_async_rl.py --quick                                 # a smoke run (tests)
+
+Per seed: the GRPO example's carry task and SFT warm-up once (examples/grpo_moeresq.py `build`),
+then from that same SFT state each staleness (default 0 and 1, ``wait``: deterministic) runs
+``--steps`` GRPO steps with the rollout engine in a process of its own (``--rollout
+engine-process``: rollout and trainer processes on the machine's cores), alternating the order of
+the settings from seed to seed. Printed per setting: seconds per GRPO step (steps 0 .. n-2:
+the rollout process's start, the evals and the last step with the final eval are left out), the rollout's and the
+trainer's share of it, and the held-out greedy accuracy after RL with a 95 % t-interval over the
+seeds; then the speed ratio staleness k ÷ staleness 0 per seed and its mean. Timings depend on the
+machine's load: the ratio is measured side by side, never asserted by a test.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import importlib.util
+import math
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from megatron_fp4.rl import make_rollout, switch_to_rl  # noqa: E402
+from megatron_fp4.rl.loop import run_grpo  # noqa: E402
+
+# Two-sided 95 % Student t quantiles by degrees of freedom (n - 1 seeds); beyond 10: the normal's.
+T95 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228}
+
+
+def load_example():
+    spec = importlib.util.spec_from_file_location("grpo_moeresq", ROOT / "examples" / "grpo_moeresq.py")
+    ex = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ex)
+    return ex
+
+
+def interval(values: list) -> str:
+    """mean ± the 95 % t half-width (one seed: the value alone)."""
+    mean = statistics.fmean(values)
+    if len(values) < 2:
+        return f"{mean:.3f}"
+    half = T95.get(len(values) - 1, 1.96) * statistics.stdev(values) / math.sqrt(len(values))
+    return f"{mean:.3f} ± {half:.3f}"
+
+
+def one_setting(ex, args, trainer, task, sft_state: dict, staleness: int) -> dict:
+    """GRPO from the SFT state with ``rl.max_staleness = staleness``: s/step, accuracy, busy times."""
+    trainer.model.load_state_dict(sft_state)
+    switch_to_rl(trainer, args.lr, args.rl_weight_decay, args.rl_aux_coef)  # a fresh Adam for each setting
+    trainer.cfg.rl.max_staleness, trainer.cfg.rl.staleness_policy = staleness, "wait"
+    settings = ex.settings_of(args, None)
+    rollout = make_rollout(trainer, task.tok.pad_id, args.bucket_mb << 20, process=True)
+    marks = []  # the progress lines' times: the header, then one after each step (the last one: after the eval)
+    try:
+        run = run_grpo(trainer, task, rollout, settings, say=lambda *a, **k: marks.append(time.perf_counter()))
+        wall = marks[-3] - marks[1]  # the header to step steps - 2's line: no eval, process start or final wait
+    finally:
+        rollout.close()
+    busy = run.history[-2].get("async/rollout_busy_s", float("nan"))
+    return {"s_per_step": wall / (settings.steps - 1), "acc_before": run.eval_before, "acc": run.history[-1]["eval_acc"],
+            "reward": statistics.fmean(h["reward"] for h in run.history), "rollout_busy": busy / wall,
+            "trainer_wait": sum(h.get("async/wait_s", 0.0) for h in run.history[:-1]) / wall,
+            "versions": run.sample_versions}
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3])
+    ap.add_argument("--staleness", type=int, nargs="+", default=[0, 1], help="settings to compare (the first: "
+                                                                              "the baseline of the ratio)")
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--sft-steps", type=int, default=800)
+    ap.add_argument("--quick", action="store_true", help="2 seeds x 3 steps after 20 SFT steps (a smoke run)")
+    own, rest = ap.parse_known_args(argv)
+    if own.steps < 2:
+        ap.error("--steps must be >= 2 (the time per step is measured over all steps but the last, which evaluates)")
+    if own.quick:
+        own.seeds, own.steps, own.sft_steps = own.seeds[:2], 3, 20
+    if any(k < 0 for k in own.staleness) or len(set(own.staleness)) != len(own.staleness):
+        ap.error(f"--staleness {own.staleness}: distinct values >= 0")
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    ex = load_example()
+    results = {k: [] for k in own.staleness}
+    for i, seed in enumerate(own.seeds):
+        args = ex.parse_args(["--seed", str(seed), "--steps", str(own.steps), "--sft-steps", str(own.sft_steps),
+                              "--eval-every", "0", "--logdir", "", *rest])
+        t0 = time.perf_counter()
+        trainer, task = ex.build(args)
+        sft_state = copy.deepcopy(trainer.model.state_dict())
+        print(f"seed {seed}: SFT {args.sft_steps} steps in {time.perf_counter() - t0:.0f} s", flush=True)
+        order = own.staleness if i % 2 == 0 else own.staleness[::-1]  # neither setting always runs first
+        for k in order:
+            r = one_setting(ex, args, trainer, task, sft_state, k)
+            results[k].append(r)
+            print(f"seed {seed} staleness {k}: {r['s_per_step']:.3f} s/step, accuracy {r['acc_before']:.3f} -> "
+                  f"{r['acc']:.3f}, mean reward {r['reward']:.3f}, versions {r['versions']}", flush=True)
+    base = own.staleness[0]
+    print(f"\n{'staleness':>9} {'s/step':>8} {'rollout busy':>12} {'trainer waits':>13} {'held-out accuracy (95% CI)':>27}")
+    for k, rs in results.items():
+        print(f"{k:>9} {statistics.fmean(r['s_per_step'] for r in rs):>8.3f} "
+              f"{statistics.fmean(r['rollout_busy'] for r in rs) if k else float('nan'):>12.2f} "
+              f"{statistics.fmean(r['trainer_wait'] for r in rs) if k else float('nan'):>13.2f} "
+              f"{interval([r['acc'] for r in rs]):>27}")
+    for k in own.staleness[1:]:
+        ratios = [b["s_per_step"] / r["s_per_step"] for b, r in zip(results[base], results[k])]
+        print(f"steps/s, staleness {k} / staleness {base}: " + " ".join(f"{x:.2f}" for x in ratios)
+              + f" (per seed), mean {statistics.fmean(ratios):.2f}x, median {statistics.median(ratios):.2f}x "
+              "(on a loaded machine the median is the steadier number)")
+
+
+if __name__ == "__main__":
+    main()

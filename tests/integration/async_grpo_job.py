@@ -1,0 +1,38 @@
+"""A tiny overlapped GRPO run of examples/grpo_moeresq.py, for tests/integration/test_async_grpo_torchrun.py:
+
+    torchrun --nproc-per-node 2 tests/integration/async_grpo_job.py OUT.json [example flags...]
+    python tests/integration/async_grpo_job.py OUT.json --rollout engine-process [example flags...]
+
+Rank 0 writes each step's loss (float.hex), reward, completions and sampling version as JSON."""
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+# The arithmetic task, from scratch, on a 1-layer fp64 model (float64: layouts agree to FP64_REL).
+FLAGS = ["--task", "arithmetic", "--sft-steps", "0", "--steps", "3", "--num-prompts", "2", "--group-size", "4",
+         "--max-new-tokens", "3", "--eval-size", "4", "--eval-every", "0", "--max-staleness", "1", "--logdir", "",
+         "--set", "model.num_layers=2", "--set", "model.hidden_size=32", "--set", "model.num_heads=2",
+         "--set", "model.num_kv_heads=1", "--set", "model.moe_ffn_hidden_size=32", "--set", "model.num_experts=4",
+         "--set", "dtype=fp64"]
+
+
+def main(out: str, extra: list) -> None:
+    spec = importlib.util.spec_from_file_location("grpo_moeresq", ROOT / "examples" / "grpo_moeresq.py")
+    ex = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ex)
+    # rewards that vary inside every group from scratch (the completion's length), so every step updates
+    ex.ArithmeticTask.reward = lambda self, item, completion: float(len(completion))
+    history = ex.run(ex.parse_args(FLAGS + extra))
+    import torch.distributed as dist
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        Path(out).write_text(json.dumps([{"loss": float.hex(h["loss"]), "reward": h["reward"],
+                                          "completions": h["completions"], "version": h["rollout_version"]}
+                                         for h in history]))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2:])
