@@ -1,0 +1,184 @@
+"""Context parallelism (``parallel.cp``) trains and scores like the single process (gloo, CPU, tiny model).
+
+- **training, float64**: cp 2, cp 2 × ep 2 (the ep group is the cp group: experts all-to-all between
+  the ranks that split a sequence) and cp 2 × dp 2 train 3 AdamW steps; the losses, the first step's
+  reduced gradients and every parameter after the steps are within ``FP64_REL`` = 1e-10 relative
+  of the single process (tests/numerics.py: the layouts only change summation orders — the K/V
+  gather's backward sums dK/dV over the cp ranks, the loss its shares — each an fp64 rounding of
+  a few ulps, far below 1e-10). The aux and z losses are on (their token counts summed over cp).
+- **scoring**: per-token log-probs of a forward at cp 2 vs `rollout.scoring.compute_log_probs` in
+  one process: float64 within 1e-10 at the ``standard`` level; **bitwise** (fp32) at the ``batch``
+  and ``exact`` levels, by construction: their attention reads keys by position with a fixed
+  reduction tree (`fp4/invariant.py`), which the gathered keys in position order feed unchanged,
+  and every other op computes a row on its own.
+"""
+import pytest
+import torch
+
+from megatron_fp4.config import Config
+from tests.distributed.launch import run_distributed
+from tests.numerics import FP64_REL, rel, single_thread
+
+STEPS = 3
+
+
+def cp_cfg(dtype: str = "fp64", **parallel) -> Config:
+    cfg = Config()
+    cfg.dtype = dtype
+    s = cfg.schedule
+    s.global_batch_size, s.micro_batch_size, s.seq_len, s.train_steps, s.warmup_steps = 8, 2, 16, STEPS, 1
+    cfg.data.num_samples = 200
+    cfg.logging.tensorboard_dir, cfg.logging.progress = None, False
+    cfg.fp4.scope, cfg.fp4.train_mode = "none", "bf16"
+    for key, value in parallel.items():
+        setattr(cfg.parallel, key, value)
+    return cfg
+
+
+LAYOUTS_2 = {"cp2": dict(cp=2), "cp2_ep2": dict(cp=2, ep=2)}
+LAYOUTS_4 = {"cp2_dp2": dict(cp=2, dp=2)}
+LEVELS = ("standard", "batch", "exact")
+
+
+def _build(world_size, spec):
+    from megatron_fp4.parallel.dims import ParallelDims
+    from megatron_fp4.parallel.mesh import ParallelMesh
+    from megatron_fp4.training.trainer import Trainer
+
+    cfg = cp_cfg(**spec)
+    return Trainer(cfg, ParallelMesh.from_dims(ParallelDims.from_config(cfg, world_size)))
+
+
+def _train(rank, world_size, layouts):
+    from megatron_fp4.training.trainer import lm_loss_fn
+
+    out = {}
+    for name, spec in layouts.items():
+        t = _build(world_size, spec)
+        t.model.train()
+        t.optimizer.zero_grad()
+        t.forward_backward(t.next_micro_batches(), lm_loss_fn)
+        t.optimizer.finish_grad_sync()
+        grads = {n: p.grad.clone() for n, p in t.model.named_parameters()}
+        t.optimizer.zero_grad()
+        t.sampler.load_state_dict({"epoch": 0, "consumed": 0})
+        losses = [t.train_step()["loss"] for _ in range(STEPS)]
+        offsets = {}  # expert params: offset of this rank's block in the full [E, ...] tensor
+        for moe in t.model.moe_layers():
+            for pname in ("w13", "w2"):
+                p = getattr(moe.experts, pname)
+                offsets[[n for n, q in t.model.named_parameters() if q is p][0]] = moe.experts.expert_offset
+        params = {n: p.detach().clone() for n, p in t.model.named_parameters()}
+        out[name] = dict(losses=losses, grads=grads, params=params, offsets=offsets,
+                         data=t.mesh.coord("data"), cp=t.mesh.coord("cp"))
+        t.optimizer.remove_hooks()
+    return out
+
+
+def _score(rank, world_size):
+    """cp 2 scoring of one micro-batch at every level (fp64 standard, fp32 batch and exact)."""
+    from megatron_fp4.parallel import context
+    from megatron_fp4.rollout.logprobs import log_softmax_rows
+
+    out = {}
+    for dtype, levels in (("fp64", ("standard",)), ("fp32", ("batch", "exact"))):
+        t = _build(world_size, dict(cp=2, dtype=dtype))
+        t.model.eval()
+        tokens = t.next_micro_batches()[0]["tokens"]
+        numerics = t.model.numerics
+        for level in levels:
+            with torch.no_grad(), numerics.invariant(level):
+                positions = torch.arange(tokens.shape[1]).expand(tokens.shape)
+                logits = t.model(context.split_sequence(tokens, t.cp_plan),
+                                 context.split_sequence(positions, t.cp_plan)).logits
+                out[level] = context.token_log_probs(log_softmax_rows(logits, numerics), tokens, t.cp_plan)
+        out[dtype + "_tokens"] = tokens
+        t.optimizer.remove_hooks()
+    return out
+
+
+def _reference(spec):
+    from megatron_fp4.training.trainer import Trainer, lm_loss_fn
+
+    cfg = cp_cfg(**spec)
+    cfg.parallel.cp, cfg.parallel.dp, cfg.parallel.ep = 1, -1, 1
+    with single_thread():
+        t = Trainer(cfg)
+        t.model.train()
+        t.optimizer.zero_grad()
+        t.forward_backward(t.next_micro_batches(), lm_loss_fn)
+        t.optimizer.finish_grad_sync()
+        grads = {n: p.grad.clone() for n, p in t.model.named_parameters()}
+        t.optimizer.zero_grad()
+        t.sampler.load_state_dict({"epoch": 0, "consumed": 0})
+        losses = [t.train_step()["loss"] for _ in range(STEPS)]
+    return losses, grads, {n: p.detach().clone() for n, p in t.model.named_parameters()}
+
+
+def check(name, spec, results):
+    ref_losses, ref_grads, ref_params = _reference(spec)
+    seen = set()
+    for rank, res in enumerate(results):
+        r = res[name]
+        for got, want in zip(r["losses"], ref_losses):
+            assert abs(got - want) <= FP64_REL * abs(want), (name, rank, r["losses"], ref_losses)
+        for kind, got_all, want_all in (("grad", r["grads"], ref_grads), ("param", r["params"], ref_params)):
+            for pname, value in got_all.items():
+                want = want_all[pname].detach()
+                if pname in r["offsets"]:
+                    off = r["offsets"][pname]
+                    want = want[off:off + value.shape[0]]
+                assert rel(value, want) <= FP64_REL, (name, rank, kind, pname, rel(value, want))
+                seen.add(pname)
+    assert seen == set(ref_params), f"{name}: parameters missing on every rank: {set(ref_params) - seen}"
+
+
+@pytest.fixture(scope="module")
+def results_2():
+    return run_distributed(_train, 2, (LAYOUTS_2,), timeout_s=600)
+
+
+@pytest.fixture(scope="module")
+def results_4():
+    return run_distributed(_train, 4, (LAYOUTS_4,), timeout_s=600)
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS_2))
+def test_cp_two_process_layout_matches_single_process(results_2, name):
+    check(name, LAYOUTS_2[name], results_2)
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS_4))
+def test_cp_four_process_layout_matches_single_process(results_4, name):
+    assert [(r[name]["data"], r[name]["cp"]) for r in results_4] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    check(name, LAYOUTS_4[name], results_4)
+
+
+@pytest.fixture(scope="module")
+def scores():
+    return run_distributed(_score, 2, timeout_s=600)
+
+
+def _reference_scores(dtype, tokens, level):
+    from megatron_fp4.rollout.scoring import compute_log_probs
+    from megatron_fp4.training.trainer import Trainer
+
+    cfg = cp_cfg(dtype=dtype)
+    with single_thread(), torch.no_grad():
+        t = Trainer(cfg, build_data=False)
+        t.model.eval()
+        return compute_log_probs(t.model, tokens, torch.ones_like(tokens), invariance=level).log_probs
+
+
+@pytest.mark.parametrize("level", LEVELS)
+def test_cp_scoring_matches_single_process(scores, level):
+    dtype = "fp64" if level == "standard" else "fp32"
+    tokens = scores[0][dtype + "_tokens"]
+    want = _reference_scores(dtype, tokens, level)
+    for rank, res in enumerate(scores):
+        got = res[level]
+        assert got.shape == want.shape and got.dtype == want.dtype
+        if level == "standard":
+            assert rel(got, want) <= FP64_REL, (rank, rel(got, want))
+        else:  # by construction (module doc): the same bits
+            assert torch.equal(got, want), (rank, level, (got - want).abs().max())
