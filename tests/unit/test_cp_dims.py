@@ -2,6 +2,7 @@
 tp-cp-dp-pp order), the data-parallel size excludes cp, and every combination the sequence split
 does not implement is one ConfigError naming the field and the fix."""
 import pytest
+import torch
 
 from megatron_fp4.config import Config, ConfigError
 from megatron_fp4.parallel.dims import ParallelDims
@@ -61,3 +62,53 @@ def test_unsupported_cp_combinations_are_refused(fields, world, start, words):
 def test_cp_below_one_is_refused():
     with pytest.raises(ConfigError, match="parallel.cp=0: must be >= 1"):
         ParallelDims.from_config(cp_cfg(0), 2)
+
+
+# -- the sequence split and the refusals of `parallel/context.py` (no process group) ---------------
+def test_load_balanced_chunks_by_hand():
+    from megatron_fp4.parallel.context import local_positions, natural_order
+
+    # 8 tokens, cp 2: chunks of 2; rank 0 holds chunks 0 and 3, rank 1 chunks 1 and 2
+    assert local_positions(8, 2, 0).tolist() == [0, 1, 6, 7]
+    assert local_positions(8, 2, 1).tolist() == [2, 3, 4, 5]
+    # cp 3, 12 tokens: rank r holds chunks r and 5-r
+    assert [local_positions(12, 3, r).tolist() for r in range(3)] == [[0, 1, 10, 11], [2, 3, 8, 9], [4, 5, 6, 7]]
+    gathered = torch.cat([local_positions(12, 3, r) for r in range(3)])
+    assert gathered[natural_order(12, 3)].tolist() == list(range(12))
+    with pytest.raises(ValueError, match="multiple of 6"):
+        local_positions(10, 3, 0)
+
+
+def test_cp_attention_refuses_a_kv_cache_and_a_padding_mask():
+    from megatron_fp4.model.layers import Attention, KVCache
+
+    attn = Attention(16, 2, 1, 8, 1e-6, 10000.0).double()
+    attn.kv_gather = lambda k, v: (k, v)  # a cp group of one
+    x, pos = torch.randn(1, 4, 16, dtype=torch.float64), torch.arange(4)[None]
+    # a cp group of one is plain causal attention (fp64: an explicit mask vs is_causal, a few ulps)
+    plain = Attention(16, 2, 1, 8, 1e-6, 10000.0).double()
+    plain.load_state_dict(attn.state_dict())
+    torch.testing.assert_close(attn(x, pos), plain(x, pos), rtol=1e-12, atol=1e-12)
+    with pytest.raises(ValueError, match="neither a KV cache nor a padding mask"):
+        attn(x, pos, cache=KVCache.empty(1).layers[0])
+    with pytest.raises(ValueError, match="neither a KV cache nor a padding mask"):
+        attn(x, pos, torch.ones(1, 4))
+
+
+def test_cp_loss_refuses_other_losses():
+    from megatron_fp4.parallel.context import ContextParallelPlan
+    from megatron_fp4.training.step_loss import StepLoss, context_parallel_loss, lm_loss_fn
+
+    plan = ContextParallelPlan(None, 2, 0)
+    assert context_parallel_loss(lm_loss_fn, None) is lm_loss_fn
+
+    class Policy(StepLoss):
+        pass
+
+    with pytest.raises(ValueError, match=r"parallel.cp=2\) trains the LM loss only.*Policy"):
+        context_parallel_loss(Policy(), plan)
+    with pytest.raises(ValueError, match="must be megatron_fp4.training.step_loss.lm_loss_fn"):
+        context_parallel_loss(lambda model, mb: None, plan)
+    # the model reads this rank's tokens at their global positions
+    inputs = context_parallel_loss(lm_loss_fn, plan).model_inputs({"tokens": torch.arange(10, 18)[None]})
+    assert inputs["tokens"].tolist() == [[10, 11, 16, 17]] and inputs["positions"].tolist() == [[0, 1, 6, 7]]
