@@ -77,7 +77,7 @@ class Trainer(TrainingStep):
         self.num_microbatches = s.global_batch_size // (s.micro_batch_size * self.mesh.data_dp)
         self.model, self.pipeline = self._build_model()
         if self.pipeline is not None:
-            self.pipeline.prepare(self.num_microbatches, (s.micro_batch_size, s.seq_len))
+            self.pipeline.prepare(self.num_microbatches, (s.micro_batch_size, s.seq_len // self.mesh.cp))
         self.optimizer = self.build_optimizer()
         self.step = 0
         self.cache_weights_per_step = True  # False: re-derive Q(W) every micro-batch (the benchmark's "before")

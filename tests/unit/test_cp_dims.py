@@ -44,7 +44,7 @@ BAD = [
     (dict(parallel__dp=2), 2, "parallel.dp=2", "dp×cp×pp×tp = 2×2×1×1 must equal the world size 2"),
     (dict(schedule__seq_len=18), 2, "schedule.seq_len=18", "multiple of 2×parallel.cp = 4"),
     (dict(parallel__tp=2), 4, "parallel.tp=2", "with parallel.tp > 1 is not implemented yet"),
-    (dict(parallel__pp=2), 4, "parallel.pp=2", "with parallel.pp > 1 is not implemented yet"),
+    (dict(parallel__etp=2, parallel__tp=2), 4, "parallel.tp=2", "with parallel.tp > 1 is not implemented yet"),
     (dict(model__moe_capacity_factor=1.0), 2, "model.moe_capacity_factor=1.0", "not with parallel.cp=2"),
     (dict(model__moe_aux_loss_type="seq"), 2, "model.moe_aux_loss_type='seq'", "not with parallel.cp=2"),
     (dict(model__recompute="full"), 2, "model.recompute='full'", "not implemented yet"),
