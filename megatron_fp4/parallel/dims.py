@@ -185,10 +185,17 @@ def check_context_parallel(cfg, dims: "ParallelDims") -> None:
     require(s.seq_len % (2 * cp) == 0, "schedule.seq_len", s.seq_len,
             f"must be a multiple of 2×parallel.cp = {2 * cp}: context parallel cuts each sequence into 2·cp "
             f"equal chunks (rank r holds chunks r and 2·cp-1-r); change seq_len or parallel.cp")
-    for axis, size in (("tp", dims.tp), ("etp", dims.etp)):
-        require(size == 1, f"parallel.{axis}", size,
-                f"context parallel (parallel.cp={cp}) with parallel.{axis} > 1 is not implemented yet; set "
-                f"parallel.{axis}=1 or parallel.cp=1 (cp composes with dp, ZeRO, pp and ep)")
+    require(dims.etp == 1, "parallel.etp", dims.etp,
+            f"context parallel (parallel.cp={cp}) with parallel.etp > 1 is not implemented yet; set parallel.etp=1 "
+            f"or parallel.cp=1 (cp composes with dp, ZeRO, pp, ep and tp)")
+    if dims.tp > 1:
+        require(p.moe_tp_tokens == "whole", "parallel.moe_tp_tokens", p.moe_tp_tokens,
+                f"context parallel (parallel.cp={cp}) with moe_tp_tokens=local (token statistics over tp × cp) is "
+                f"not implemented yet; set parallel.moe_tp_tokens=whole or parallel.cp=1")
+        if getattr(p, "sequence_parallel", False):
+            require((s.seq_len // cp) % dims.tp == 0, "schedule.seq_len", s.seq_len,
+                    f"must leave each cp rank a multiple of parallel.tp={dims.tp} tokens (seq_len / cp = "
+                    f"{s.seq_len // cp}): sequence parallel splits a cp rank's tokens over tp")
     require(m.moe_capacity_factor is None, "model.moe_capacity_factor", m.moe_capacity_factor,
             f"expert capacity depends on the whole sequence's tokens: not with parallel.cp={cp}; set it to null "
             f"or parallel.cp=1")

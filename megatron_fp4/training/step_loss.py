@@ -24,7 +24,7 @@ import torch
 
 from megatron_fp4.model import lm_loss
 from megatron_fp4.parallel import context
-from megatron_fp4.parallel.tp_comm import gather_whole
+from megatron_fp4.parallel.tp_comm import gather_whole, reduce_from_tp
 
 
 class StepLoss:
@@ -94,7 +94,8 @@ class ContextParallelLoss(StepLoss):
     tokens' share). Other losses (GRPO/PPO, verl's) are refused: they are not split yet."""
 
     def __init__(self, inner: StepLoss, plan):
-        if type(inner) is not LMLoss:
+        lm = type(inner) is LMLoss or (type(inner) is TensorParallelLoss and type(inner.inner) is LMLoss)
+        if not lm:
             raise ValueError(f"context parallel (parallel.cp={plan.size}) trains the LM loss only (lm_loss_fn); "
                              f"{type(inner).__name__} (the GRPO/PPO policy loss, verl's losses) is not split over "
                              f"the cp ranks yet: set parallel.cp=1")
@@ -109,7 +110,13 @@ class ContextParallelLoss(StepLoss):
         return {"tokens": context.split_sequence(tokens, self.plan), "positions": context.split_sequence(positions, self.plan)}
 
     def loss(self, logits, micro_batch):
-        return context.lm_loss(logits, micro_batch["labels"], self.plan), {}
+        labels = micro_batch["labels"]
+        if type(self.inner) is LMLoss:
+            return context.lm_loss(logits, labels, self.plan), {}
+        # tp: the vocab-parallel mean over this rank's tokens, weighted by their share of the labels
+        local = context.split_sequence(labels, self.plan)
+        share = self.inner.loss(logits, {"labels": local})[0] * ((local != -100).sum() / (labels != -100).sum())
+        return reduce_from_tp(share, self.plan.group), {}
 
 
 def context_parallel_loss(loss_fn: LossFn, plan) -> LossFn:

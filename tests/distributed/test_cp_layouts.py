@@ -36,7 +36,7 @@ def cp_cfg(dtype: str = "fp64", **parallel) -> Config:
 
 
 LAYOUTS_2 = {"cp2": dict(cp=2), "cp2_ep2": dict(cp=2, ep=2)}
-LAYOUTS_4 = {"cp2_dp2": dict(cp=2, dp=2), "cp2_pp2": dict(cp=2, pp=2)}
+LAYOUTS_4 = {"cp2_dp2": dict(cp=2, dp=2), "cp2_pp2": dict(cp=2, pp=2), "cp2_tp2": dict(cp=2, tp=2)}
 LEVELS = ("standard", "batch", "exact")
 
 
@@ -58,6 +58,8 @@ def _train(rank, world_size, layouts):
         t.model.train()
         t.optimizer.zero_grad()
         t.forward_backward(t.next_micro_batches(), lm_loss_fn)
+        if t.tp_plan is not None:  # as apply_update: the partial (sequence-parallel) grads summed over tp first
+            t.tp_plan.finish_grads()
         t.optimizer.finish_grad_sync()
         grads = {n: p.grad.clone() for n, p in t.model.named_parameters()}
         t.optimizer.zero_grad()
@@ -69,7 +71,9 @@ def _train(rank, world_size, layouts):
                 p = getattr(moe.experts, pname)
                 offsets[[n for n, q in t.model.named_parameters() if q is p][0]] = moe.experts.expert_offset
         params = {n: p.detach().clone() for n, p in t.model.named_parameters()}
-        out[name] = dict(losses=losses, grads=grads, params=params, offsets=offsets,
+        # tp: (dim, index) of the single process's tensor each shard holds
+        shards = {n: p.tp_shard for n, p in t.model.named_parameters() if getattr(p, "tp_shard", None) is not None}
+        out[name] = dict(losses=losses, grads=grads, params=params, offsets=offsets, shards=shards,
                          data=t.mesh.coord("data"), cp=t.mesh.coord("cp"))
         t.optimizer.remove_hooks()
     return out
@@ -101,7 +105,7 @@ def _reference(spec):
     from megatron_fp4.training.trainer import Trainer, lm_loss_fn
 
     cfg = cp_cfg(**spec)
-    cfg.parallel.cp, cfg.parallel.dp, cfg.parallel.ep, cfg.parallel.pp = 1, -1, 1, 1
+    cfg.parallel.cp, cfg.parallel.dp, cfg.parallel.ep, cfg.parallel.pp, cfg.parallel.tp = 1, -1, 1, 1, 1
     with single_thread():
         t = Trainer(cfg)
         t.model.train()
@@ -128,6 +132,9 @@ def check(name, spec, results):
                 if pname in r["offsets"]:
                     off = r["offsets"][pname]
                     want = want[off:off + value.shape[0]]
+                if pname in r["shards"]:
+                    dim, index = r["shards"][pname]
+                    want = want.index_select(dim, index)
                 assert rel(value, want) <= FP64_REL, (name, rank, kind, pname, rel(value, want))
                 seen.add(pname)
     assert seen == set(ref_params), f"{name}: parameters missing on every rank: {set(ref_params) - seen}"
