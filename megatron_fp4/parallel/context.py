@@ -22,7 +22,10 @@ the late ones to many, so every rank gets one of each and the same work). What r
 - **gradients**: cp ranks hold the same parameters; ZeRO sums their gradient shares over the dp
   axis, which holds the dp × cp ranks (`parallel/dims.py`), and averages over the dp replicas only.
 
-Scoring (`token_log_probs`) gathers each rank's per-token log-probs back into sequence order.
+Under tensor parallel the attention's K/V are a tp rank's heads (gathered over its cp group, whose
+ranks are tp apart) and the loss is the vocab-parallel mean of the rank's tokens weighted by their
+share of the labels (`training/step_loss.ContextParallelLoss`). Scoring (`token_log_probs`) gathers
+each rank's per-token log-probs back into sequence order.
 """
 from __future__ import annotations
 

@@ -1,7 +1,8 @@
 """Context parallelism (``parallel.cp``) trains and scores like the single process (gloo, CPU, tiny model).
 
 - **training, float64**: cp 2, cp 2 × ep 2 (the ep group is the cp group: experts all-to-all between
-  the ranks that split a sequence) and cp 2 × dp 2 train 3 AdamW steps; the losses, the first step's
+  the ranks that split a sequence), cp 2 × dp 2, cp 2 × pp 2, cp 2 × tp 2 (sequence parallel) and
+  cp 2 × tp 2 × ep 2 train 3 AdamW steps; the losses, the first step's
   reduced gradients and every parameter after the steps are within ``FP64_REL`` = 1e-10 relative
   of the single process (tests/numerics.py: the layouts only change summation orders — the K/V
   gather's backward sums dK/dV over the cp ranks, the loss its shares — each an fp64 rounding of
@@ -19,6 +20,7 @@ from megatron_fp4.config import Config
 from tests.distributed.launch import run_distributed
 from tests.numerics import FP64_REL, rel, single_thread
 
+pytestmark = pytest.mark.distributed
 STEPS = 3
 
 
@@ -36,7 +38,8 @@ def cp_cfg(dtype: str = "fp64", **parallel) -> Config:
 
 
 LAYOUTS_2 = {"cp2": dict(cp=2), "cp2_ep2": dict(cp=2, ep=2)}
-LAYOUTS_4 = {"cp2_dp2": dict(cp=2, dp=2), "cp2_pp2": dict(cp=2, pp=2), "cp2_tp2": dict(cp=2, tp=2)}
+LAYOUTS_4 = {"cp2_dp2": dict(cp=2, dp=2), "cp2_pp2": dict(cp=2, pp=2), "cp2_tp2": dict(cp=2, tp=2),
+             "cp2_tp2_ep2": dict(cp=2, tp=2, ep=2)}
 LEVELS = ("standard", "batch", "exact")
 
 
@@ -60,6 +63,8 @@ def _train(rank, world_size, layouts):
         t.forward_backward(t.next_micro_batches(), lm_loss_fn)
         if t.tp_plan is not None:  # as apply_update: the partial (sequence-parallel) grads summed over tp first
             t.tp_plan.finish_grads()
+            if t.mesh.ep > 1:
+                t._agree_whole_grads_over_tp()
         t.optimizer.finish_grad_sync()
         grads = {n: p.grad.clone() for n, p in t.model.named_parameters()}
         t.optimizer.zero_grad()
