@@ -9,7 +9,7 @@
   a few ulps, far below 1e-10). The aux and z losses are on (their token counts summed over cp).
 - **scoring**: per-token log-probs of a forward at cp 2 vs `rollout.scoring.compute_log_probs` in
   one process: float64 within 1e-10 at the ``standard`` level; **bitwise** (fp32) at the ``batch``
-  and ``exact`` levels, by construction: their attention reads keys by position with a fixed
+  and ``exact`` levels, FP4 off and with FP4 MoEResQ (NVFP4) experts in ``fp4_resq``, by construction: their attention reads keys by position with a fixed
   reduction tree (`fp4/invariant.py`), which the gathered keys in position order feed unchanged,
   and every other op computes a row on its own.
 """
@@ -40,7 +40,7 @@ def cp_cfg(dtype: str = "fp64", **parallel) -> Config:
 LAYOUTS_2 = {"cp2": dict(cp=2), "cp2_ep2": dict(cp=2, ep=2)}
 LAYOUTS_4 = {"cp2_dp2": dict(cp=2, dp=2), "cp2_pp2": dict(cp=2, pp=2), "cp2_tp2": dict(cp=2, tp=2),
              "cp2_tp2_ep2": dict(cp=2, tp=2, ep=2)}
-LEVELS = ("standard", "batch", "exact")
+LEVELS = ("standard", "batch", "exact", "fp4_batch", "fp4_exact")
 
 
 def _build(world_size, spec):
@@ -48,7 +48,11 @@ def _build(world_size, spec):
     from megatron_fp4.parallel.mesh import ParallelMesh
     from megatron_fp4.training.trainer import Trainer
 
+    spec = dict(spec)
+    fp4 = spec.pop("fp4", False)
     cfg = cp_cfg(**spec)
+    if fp4:  # FP4 MoEResQ experts for scoring; training stays bf16 (FP4 training is refused with cp)
+        cfg.fp4.scope = "experts"
     return Trainer(cfg, ParallelMesh.from_dims(ParallelDims.from_config(cfg, world_size)))
 
 
@@ -89,18 +93,21 @@ def _score(rank, world_size):
     from megatron_fp4.parallel import context
     from megatron_fp4.rollout.logprobs import log_softmax_rows
 
+    from megatron_fp4.rollout.engine import fp4_mode
+
     out = {}
-    for dtype, levels in (("fp64", ("standard",)), ("fp32", ("batch", "exact"))):
-        t = _build(world_size, dict(cp=2, dtype=dtype))
+    for dtype, fp4, levels in (("fp64", False, ("standard",)), ("fp32", False, ("batch", "exact")),
+                               ("fp32", True, ("batch", "exact"))):
+        t = _build(world_size, dict(cp=2, dtype=dtype, fp4=fp4))
         t.model.eval()
         tokens = t.next_micro_batches()[0]["tokens"]
         numerics = t.model.numerics
         for level in levels:
-            with torch.no_grad(), numerics.invariant(level):
+            with torch.no_grad(), numerics.invariant(level), fp4_mode(t.model, "fp4_resq" if fp4 else None):
                 positions = torch.arange(tokens.shape[1]).expand(tokens.shape)
                 logits = t.model(context.split_sequence(tokens, t.cp_plan),
                                  context.split_sequence(positions, t.cp_plan)).logits
-                out[level] = context.token_log_probs(log_softmax_rows(logits, numerics), tokens, t.cp_plan)
+                out[("fp4_" if fp4 else "") + level] = context.token_log_probs(log_softmax_rows(logits, numerics), tokens, t.cp_plan)
         out[dtype + "_tokens"] = tokens
         t.optimizer.remove_hooks()
     return out
@@ -177,10 +184,14 @@ def _reference_scores(dtype, tokens, level):
     from megatron_fp4.training.trainer import Trainer
 
     cfg = cp_cfg(dtype=dtype)
+    fp4 = level.startswith("fp4_")
+    if fp4:
+        cfg.fp4.scope = "experts"
     with single_thread(), torch.no_grad():
         t = Trainer(cfg, build_data=False)
         t.model.eval()
-        return compute_log_probs(t.model, tokens, torch.ones_like(tokens), invariance=level).log_probs
+        return compute_log_probs(t.model, tokens, torch.ones_like(tokens), mode="fp4_resq" if fp4 else None,
+                                 invariance=level.removeprefix("fp4_")).log_probs
 
 
 @pytest.mark.parametrize("level", LEVELS)
@@ -195,6 +206,8 @@ def test_cp_scoring_matches_single_process(scores, level):
             assert rel(got, want) <= FP64_REL, (rank, rel(got, want))
         else:  # by construction (module doc): the same bits
             assert torch.equal(got, want), (rank, level, (got - want).abs().max())
+        if level.startswith("fp4_"):  # FP4 really ran: not the unquantized experts' numbers
+            assert not torch.equal(got, res[level.removeprefix("fp4_")])
 
 
 # -- DCP checkpoints reshard across cp: the dp axis holds dp × cp ranks, so cp is a dp layout to DCP --
