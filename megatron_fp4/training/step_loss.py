@@ -107,7 +107,8 @@ class ContextParallelLoss(StepLoss):
         positions = inputs.get("positions")
         if positions is None:
             positions = torch.arange(tokens.shape[1], device=tokens.device).expand(tokens.shape)
-        return {"tokens": context.split_sequence(tokens, self.plan), "positions": context.split_sequence(positions, self.plan)}
+        return {"tokens": context.split_sequence(tokens, self.plan),
+                "positions": context.split_sequence(positions, self.plan)}
 
     def loss(self, logits, micro_batch):
         labels = micro_batch["labels"]
@@ -115,7 +116,8 @@ class ContextParallelLoss(StepLoss):
             return context.lm_loss(logits, labels, self.plan), {}
         # tp: the vocab-parallel mean over this rank's tokens, weighted by their share of the labels
         local = context.split_sequence(labels, self.plan)
-        share = self.inner.loss(logits, {"labels": local})[0] * ((local != -100).sum() / (labels != -100).sum())
+        mean = self.inner.loss(logits, {"labels": local})[0]
+        share = mean * (local != -100).sum().to(mean.dtype) / (labels != -100).sum().to(mean.dtype)
         return reduce_from_tp(share, self.plan.group), {}
 
 

@@ -15,7 +15,8 @@ last stage. Every rank builds only its part of the model (on the meta device, th
 parameter and expert drawn from its own seeded stream, so every layout starts from the
 single-process weights. Each dp rank reads its contiguous part of the same global
 batch (the ``parallel.cp`` ranks of one dp replica read the same micro-batches and split each
-sequence, `parallel/context.py`), and the reported loss and metrics are the means over all micro-batches of all dp ranks.
+sequence, `parallel/context.py`), and the reported loss and metrics are the means over all
+micro-batches of all dp ranks.
 
 `forward_backward(micro_batches, loss_fn)` + `apply_update()` (`training/step.py`) is the one step
 every caller goes through (the CLI's LM objective through `train_step_with_loss`, GRPO's policy loss,

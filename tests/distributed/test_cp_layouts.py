@@ -9,9 +9,10 @@
   a few ulps, far below 1e-10). The aux and z losses are on (their token counts summed over cp).
 - **scoring**: per-token log-probs of a forward at cp 2 vs `rollout.scoring.compute_log_probs` in
   one process: float64 within 1e-10 at the ``standard`` level; **bitwise** (fp32) at the ``batch``
-  and ``exact`` levels, FP4 off and with FP4 MoEResQ (NVFP4) experts in ``fp4_resq``, by construction: their attention reads keys by position with a fixed
-  reduction tree (`fp4/invariant.py`), which the gathered keys in position order feed unchanged,
-  and every other op computes a row on its own.
+  and ``exact`` levels, FP4 off and with FP4 MoEResQ (NVFP4) experts in ``fp4_resq``, by
+  construction: their attention reads keys by position with a fixed reduction tree
+  (`fp4/invariant.py`), which the gathered keys in position order feed unchanged, and every other
+  op computes a row on its own.
 """
 import pytest
 import torch
@@ -107,7 +108,8 @@ def _score(rank, world_size):
                 positions = torch.arange(tokens.shape[1]).expand(tokens.shape)
                 logits = t.model(context.split_sequence(tokens, t.cp_plan),
                                  context.split_sequence(positions, t.cp_plan)).logits
-                out[("fp4_" if fp4 else "") + level] = context.token_log_probs(log_softmax_rows(logits, numerics), tokens, t.cp_plan)
+                rows = log_softmax_rows(logits, numerics)
+                out[("fp4_" if fp4 else "") + level] = context.token_log_probs(rows, tokens, t.cp_plan)
         out[dtype + "_tokens"] = tokens
         t.optimizer.remove_hooks()
     return out

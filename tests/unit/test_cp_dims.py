@@ -49,7 +49,8 @@ BAD = [
     (dict(model__moe_capacity_factor=1.0), 2, "model.moe_capacity_factor=1.0", "not with parallel.cp=2"),
     (dict(model__moe_aux_loss_type="seq"), 2, "model.moe_aux_loss_type='seq'", "not with parallel.cp=2"),
     (dict(model__recompute="full"), 2, "model.recompute='full'", "not implemented yet"),
-    (dict(fp4__scope="experts", fp4__train_mode="fp4_resq"), 2, "fp4.scope='experts'", "FP4 training with parallel.cp=2"),
+    (dict(fp4__scope="experts", fp4__train_mode="fp4_resq"), 2, "fp4.scope='experts'",
+     "FP4 training with parallel.cp=2"),
 ]
 
 

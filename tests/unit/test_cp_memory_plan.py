@@ -28,7 +28,8 @@ def _emulate_cp(cp):
 
 @pytest.mark.parametrize("cp, extra", [(2, []), (4, ["model.num_kv_heads=1", "dtype=bf16"])])
 def test_cp_activation_bytes_match_saved_tensors(cp, extra):
-    cfg = load_config(default_config_path(), TINY + ["fp4.scope=none", "fp4.train_mode=bf16", f"parallel.cp={cp}"] + extra)
+    overrides = TINY + ["fp4.scope=none", "fp4.train_mode=bf16", f"parallel.cp={cp}"] + extra
+    cfg = load_config(default_config_path(), overrides)
     s, m = cfg.schedule, cfg.model
     local = torch.randint(0, m.vocab_size, (s.micro_batch_size, s.seq_len // cp),
                           generator=torch.Generator().manual_seed(1))
