@@ -2,7 +2,8 @@
 
 - **training, float64**: cp 2, cp 2 × ep 2 (the ep group is the cp group: experts all-to-all between
   the ranks that split a sequence), cp 2 × dp 2, cp 2 × pp 2, cp 2 × tp 2 (sequence parallel) and
-  cp 2 × tp 2 × ep 2 train 3 AdamW steps; the losses, the first step's
+  cp 2 × tp 2 × ep 2 train 3 AdamW steps (two of them with prompt labels masked, so the cp ranks
+  hold unequal shares of the loss's labels); the losses, the first step's
   reduced gradients and every parameter after the steps are within ``FP64_REL`` = 1e-10 relative
   of the single process (tests/numerics.py: the layouts only change summation orders — the K/V
   gather's backward sums dK/dV over the cp ranks, the loss its shares — each an fp64 rounding of
@@ -38,8 +39,12 @@ def cp_cfg(dtype: str = "fp64", **parallel) -> Config:
     return cfg
 
 
-LAYOUTS_2 = {"cp2": dict(cp=2), "cp2_ep2": dict(cp=2, ep=2)}
-LAYOUTS_4 = {"cp2_dp2": dict(cp=2, dp=2), "cp2_pp2": dict(cp=2, pp=2), "cp2_tp2": dict(cp=2, tp=2),
+# masked: the first MASKED labels of every row are -100 (a prompt), so the cp ranks hold unequal
+# shares of the loss's labels (rank 0 of cp 2 at seq 16 holds positions 0-3 and 12-15)
+MASKED = 5
+LAYOUTS_2 = {"cp2": dict(cp=2), "cp2_ep2_masked": dict(cp=2, ep=2, masked=True)}
+LAYOUTS_4 = {"cp2_dp2": dict(cp=2, dp=2), "cp2_pp2": dict(cp=2, pp=2),
+             "cp2_tp2_masked": dict(cp=2, tp=2, masked=True),
              "cp2_tp2_ep2": dict(cp=2, tp=2, ep=2)}
 LEVELS = ("standard", "batch", "exact", "fp4_batch", "fp4_exact")
 
@@ -57,15 +62,32 @@ def _build(world_size, spec):
     return Trainer(cfg, ParallelMesh.from_dims(ParallelDims.from_config(cfg, world_size)))
 
 
+def _batches(t, masked: bool) -> list:
+    micro_batches = t.next_micro_batches()
+    for mb in micro_batches if masked else ():
+        mb["labels"] = mb["labels"].clone()
+        mb["labels"][:, :MASKED] = -100
+    return micro_batches
+
+
+def _steps(t, masked: bool) -> list:
+    from megatron_fp4.training.trainer import lm_loss_fn
+
+    t.sampler.load_state_dict({"epoch": 0, "consumed": 0})
+    return [t.train_step_with_loss(_batches(t, masked), lm_loss_fn)["loss"] for _ in range(STEPS)]
+
+
 def _train(rank, world_size, layouts):
     from megatron_fp4.training.trainer import lm_loss_fn
 
     out = {}
     for name, spec in layouts.items():
+        spec = dict(spec)
+        masked = spec.pop("masked", False)
         t = _build(world_size, spec)
         t.model.train()
         t.optimizer.zero_grad()
-        t.forward_backward(t.next_micro_batches(), lm_loss_fn)
+        t.forward_backward(_batches(t, masked), lm_loss_fn)
         if t.tp_plan is not None:  # as apply_update: the partial (sequence-parallel) grads summed over tp first
             t.tp_plan.finish_grads()
             if t.mesh.ep > 1:
@@ -73,8 +95,7 @@ def _train(rank, world_size, layouts):
         t.optimizer.finish_grad_sync()
         grads = {n: p.grad.clone() for n, p in t.model.named_parameters()}
         t.optimizer.zero_grad()
-        t.sampler.load_state_dict({"epoch": 0, "consumed": 0})
-        losses = [t.train_step()["loss"] for _ in range(STEPS)]
+        losses = _steps(t, masked)
         offsets = {}  # expert params: offset of this rank's block in the full [E, ...] tensor
         for moe in t.model.moe_layers():
             for pname in ("w13", "w2"):
@@ -118,18 +139,19 @@ def _score(rank, world_size):
 def _reference(spec):
     from megatron_fp4.training.trainer import Trainer, lm_loss_fn
 
+    spec = dict(spec)
+    masked = spec.pop("masked", False)
     cfg = cp_cfg(**spec)
     cfg.parallel.cp, cfg.parallel.dp, cfg.parallel.ep, cfg.parallel.pp, cfg.parallel.tp = 1, -1, 1, 1, 1
     with single_thread():
         t = Trainer(cfg)
         t.model.train()
         t.optimizer.zero_grad()
-        t.forward_backward(t.next_micro_batches(), lm_loss_fn)
+        t.forward_backward(_batches(t, masked), lm_loss_fn)
         t.optimizer.finish_grad_sync()
         grads = {n: p.grad.clone() for n, p in t.model.named_parameters()}
         t.optimizer.zero_grad()
-        t.sampler.load_state_dict({"epoch": 0, "consumed": 0})
-        losses = [t.train_step()["loss"] for _ in range(STEPS)]
+        losses = _steps(t, masked)
     return losses, grads, {n: p.detach().clone() for n, p in t.model.named_parameters()}
 
 
@@ -171,7 +193,7 @@ def test_cp_two_process_layout_matches_single_process(results_2, name):
 
 @pytest.mark.parametrize("name", list(LAYOUTS_4))
 def test_cp_four_process_layout_matches_single_process(results_4, name):
-    if name == "cp2_dp2":
+    if name == "cp2_dp2":  # data replica, cp rank: cp fastest
         assert [(r[name]["data"], r[name]["cp"]) for r in results_4] == [(0, 0), (0, 1), (1, 0), (1, 1)]
     check(name, LAYOUTS_4[name], results_4)
 
