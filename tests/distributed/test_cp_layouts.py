@@ -42,7 +42,8 @@ def cp_cfg(dtype: str = "fp64", **parallel) -> Config:
 # masked: the first MASKED labels of every row are -100 (a prompt), so the cp ranks hold unequal
 # shares of the loss's labels (rank 0 of cp 2 at seq 16 holds positions 0-3 and 12-15)
 MASKED = 5
-LAYOUTS_2 = {"cp2": dict(cp=2), "cp2_ep2_masked": dict(cp=2, ep=2, masked=True)}
+# bias: aux-loss-free balancing on (the router bias moves by the sign of the load summed over dp × cp)
+LAYOUTS_2 = {"cp2_bias": dict(cp=2, bias=True), "cp2_ep2_masked": dict(cp=2, ep=2, masked=True)}
 LAYOUTS_4 = {"cp2_dp2": dict(cp=2, dp=2), "cp2_pp2": dict(cp=2, pp=2),
              "cp2_tp2_masked": dict(cp=2, tp=2, masked=True),
              "cp2_tp2_ep2": dict(cp=2, tp=2, ep=2)}
@@ -55,8 +56,10 @@ def _build(world_size, spec):
     from megatron_fp4.training.trainer import Trainer
 
     spec = dict(spec)
-    fp4 = spec.pop("fp4", False)
+    fp4, bias = spec.pop("fp4", False), spec.pop("bias", False)
     cfg = cp_cfg(**spec)
+    if bias:
+        cfg.model.moe_router_bias_update_rate = 1e-3
     if fp4:  # FP4 MoEResQ experts for scoring; training stays bf16 (FP4 training is refused with cp)
         cfg.fp4.scope = "experts"
     return Trainer(cfg, ParallelMesh.from_dims(ParallelDims.from_config(cfg, world_size)))
@@ -101,7 +104,7 @@ def _train(rank, world_size, layouts):
             for pname in ("w13", "w2"):
                 p = getattr(moe.experts, pname)
                 offsets[[n for n, q in t.model.named_parameters() if q is p][0]] = moe.experts.expert_offset
-        params = {n: p.detach().clone() for n, p in t.model.named_parameters()}
+        params = _weights(t)
         # tp: (dim, index) of the single process's tensor each shard holds
         shards = {n: p.tp_shard for n, p in t.model.named_parameters() if getattr(p, "tp_shard", None) is not None}
         out[name] = dict(losses=losses, grads=grads, params=params, offsets=offsets, shards=shards,
@@ -113,9 +116,8 @@ def _train(rank, world_size, layouts):
 def _score(rank, world_size):
     """cp 2 scoring of one micro-batch at every level (fp64 standard, fp32 batch and exact)."""
     from megatron_fp4.parallel import context
-    from megatron_fp4.rollout.logprobs import log_softmax_rows
-
     from megatron_fp4.rollout.engine import fp4_mode
+    from megatron_fp4.rollout.logprobs import log_softmax_rows
 
     out = {}
     for dtype, fp4, levels in (("fp64", False, ("standard",)), ("fp32", False, ("batch", "exact")),
@@ -136,12 +138,21 @@ def _score(rank, world_size):
     return out
 
 
+def _weights(t) -> dict:
+    """Every parameter and the routers' expert_bias buffers (moved outside the optimizer)."""
+    out = {n: p.detach().clone() for n, p in t.model.named_parameters()}
+    out.update({n: b.clone() for n, b in t.model.named_buffers() if n.endswith("expert_bias")})
+    return out
+
+
 def _reference(spec):
     from megatron_fp4.training.trainer import Trainer, lm_loss_fn
 
     spec = dict(spec)
-    masked = spec.pop("masked", False)
+    masked, bias = spec.pop("masked", False), spec.pop("bias", False)
     cfg = cp_cfg(**spec)
+    if bias:
+        cfg.model.moe_router_bias_update_rate = 1e-3
     cfg.parallel.cp, cfg.parallel.dp, cfg.parallel.ep, cfg.parallel.pp, cfg.parallel.tp = 1, -1, 1, 1, 1
     with single_thread():
         t = Trainer(cfg)
@@ -152,7 +163,7 @@ def _reference(spec):
         grads = {n: p.grad.clone() for n, p in t.model.named_parameters()}
         t.optimizer.zero_grad()
         losses = _steps(t, masked)
-    return losses, grads, {n: p.detach().clone() for n, p in t.model.named_parameters()}
+    return losses, grads, _weights(t)
 
 
 def check(name, spec, results):
@@ -174,6 +185,8 @@ def check(name, spec, results):
                 assert rel(value, want) <= FP64_REL, (name, rank, kind, pname, rel(value, want))
                 seen.add(pname)
     assert seen == set(ref_params), f"{name}: parameters missing on every rank: {set(ref_params) - seen}"
+    if spec.get("bias"):  # the balancing really moved the biases
+        assert any(v.abs().sum() > 0 for n, v in ref_params.items() if n.endswith("expert_bias"))
 
 
 @pytest.fixture(scope="module")
