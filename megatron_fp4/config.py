@@ -100,6 +100,9 @@ class ParallelConfig:
     # the stage's dp×tp ranks; FP4 experts need ep a multiple of tp and the alltoall dispatcher)
     moe_tp_tokens: str = "whole"
     etp: int = 1  # expert tensor parallel (a stage's dp×tp ranks refolded as edp×ep×etp): 1, or = tp (MoE whole)
+    # context parallel (docs/parallel.md): each sequence split over cp ranks in 2·cp load-balanced chunks,
+    # attention by an all-gather of K/V; world = pp × dp × cp × tp (dp counts data replicas)
+    cp: int = 1
     virtual_stages: int = 1
     # gpipe | 1f1b | interleaved_1f1b | interleaved_zero_bubble (ZB1P, virtual_stages >= 2) | zbv (ZB-V,
     # virtual_stages = 2, V placement); the zero-bubble ones split backward into input- and weight-grad

@@ -140,9 +140,14 @@ def _linear(in_f: int, out_f: int, recipe: Optional[Recipe]) -> nn.Module:
 
 
 class Attention(nn.Module):
-    """Grouped-query attention with per-head RMSNorm on q and k (Qwen3), rotary positions."""
+    """Grouped-query attention with per-head RMSNorm on q and k (Qwen3), rotary positions.
+
+    `kv_gather` (None, or set by `parallel/context.py`): context parallelism's hook, ``(k, v) ->
+    (k, v)`` of the whole sequence in position order; the queries then sit at their global
+    `positions` and attend to the keys at positions <= theirs."""
 
     numerics = STANDARD
+    kv_gather = None
 
     def __init__(self, hidden: int, num_heads: int, num_kv_heads: int, head_dim: int, eps: float,
                  rope_theta: float, recipe: Optional[Recipe] = None):
@@ -166,6 +171,11 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
         cos, sin = rope_cos_sin(positions, self.head_dim, self.rope_theta, q.dtype)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if self.kv_gather is not None:
+            if cache is not None or attention_mask is not None:
+                raise ValueError("context-parallel attention (parallel.cp > 1) takes neither a KV cache nor a padding "
+                                 "mask: generate and score padded batches with a model built without cp")
+            k, v = self.kv_gather(k, v)
         k, v, past = with_cache(cache, k, v)
         T_total = k.shape[2]
         rep = self.num_heads // self.num_kv_heads
@@ -178,7 +188,10 @@ class Attention(nn.Module):
         gqa = cache is not None and rep > 1
         if not gqa:
             k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-        if attention_mask is None and past == 0:
+        if self.kv_gather is not None:  # context parallel: queries at their global positions
+            mask = torch.arange(T_total, device=x.device) <= positions[:, None, :, None]
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        elif attention_mask is None and past == 0:
             # Plain causal attention (training, unpadded prefill), as HF passes it: SDPA's flash
             # kernel then skips the key blocks above the diagonal instead of reading an explicit
             # mask over all of them. A masked key adds exactly zero in either form, and the bits

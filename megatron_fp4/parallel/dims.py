@@ -26,6 +26,13 @@ are scaled 1/dp (`check_moe_local_tokens`). The ``embed`` axis (pp > 1)
 joins the first and the last stage's ranks of one tp coordinate: they hold the two copies of tied
 embeddings (Megatron's embedding group).
 
+Context parallelism (``parallel.cp``, `parallel/context.py`) adds no axis to the grids: the ``dp``
+axis of ``ParallelDims`` and of the mesh holds ``parallel.dp × cp`` ranks, all of which hold the
+same parameters (Megatron-Core's ``dp_cp`` group: gradients, ZeRO shards and checkpoints span it),
+and each ``cp`` group is ``cp`` consecutive dp coordinates that share one sequence, so
+``rank = ((pp_rank·dp_data + data_rank)·cp + cp_rank)·tp + tp_rank`` (Megatron-Core's order
+tp-cp-dp-pp). ``data`` is the data-parallel coordinate (``dp // cp`` replicas read different data).
+
 The checks that also stand alone (`check_chunks`, `check_v_placement`, `check_schedule_chunks`,
 `check_expert_split`, `check_gcmoe`, `check_tensor_parallel`) are what the pipeline split, the
 expert placement and the GC-MoE dispatcher call on their own arguments, so no check is written twice.
@@ -173,6 +180,40 @@ def check_expert_tensor_parallel(cfg, dims: "ParallelDims") -> None:
             f"expert tensor parallel (parallel.etp={dims.etp}) runs a rank's experts at once: use alltoall")
 
 
+def check_context_parallel(cfg, dims: "ParallelDims") -> None:
+    """``parallel.cp > 1``: what the sequence split (`parallel/context.py`) implements and what it
+    refuses, each with the combination named."""
+    p, m, f, s = cfg.parallel, cfg.model, cfg.fp4, cfg.schedule
+    cp = dims.cp
+    require(s.seq_len % (2 * cp) == 0, "schedule.seq_len", s.seq_len,
+            f"must be a multiple of 2×parallel.cp = {2 * cp}: context parallel cuts each sequence into 2·cp "
+            f"equal chunks (rank r holds chunks r and 2·cp-1-r); change seq_len or parallel.cp")
+    require(dims.etp == 1, "parallel.etp", dims.etp,
+            f"context parallel (parallel.cp={cp}) with parallel.etp > 1 is not implemented yet; set parallel.etp=1 "
+            f"or parallel.cp=1 (cp composes with dp, ZeRO, pp, ep and tp)")
+    if dims.tp > 1:
+        require(p.moe_tp_tokens == "whole", "parallel.moe_tp_tokens", p.moe_tp_tokens,
+                f"context parallel (parallel.cp={cp}) with moe_tp_tokens=local (token statistics over tp × cp) is "
+                f"not implemented yet; set parallel.moe_tp_tokens=whole or parallel.cp=1")
+        if getattr(p, "sequence_parallel", False):
+            require((s.seq_len // cp) % dims.tp == 0, "schedule.seq_len", s.seq_len,
+                    f"must leave each cp rank a multiple of parallel.tp={dims.tp} tokens (seq_len / cp = "
+                    f"{s.seq_len // cp}): sequence parallel splits a cp rank's tokens over tp")
+    require(m.moe_capacity_factor is None, "model.moe_capacity_factor", m.moe_capacity_factor,
+            f"expert capacity depends on the whole sequence's tokens: not with parallel.cp={cp}; set it to null "
+            f"or parallel.cp=1")
+    require(m.moe_aux_loss_type == "global", "model.moe_aux_loss_type", m.moe_aux_loss_type,
+            f"the per-sequence aux loss needs the whole sequence on one rank: not with parallel.cp={cp}; use "
+            f"global or parallel.cp=1")
+    require(m.recompute == "none", "model.recompute", m.recompute,
+            f"recomputation with parallel.cp={cp} (the K/V all-gather inside a recomputed block) is not "
+            f"implemented yet; set model.recompute=none or parallel.cp=1")
+    require(f.scope == "none" or f.train_mode == "bf16", "fp4.scope", f.scope,
+            f"FP4 training with parallel.cp={cp} is not implemented yet (FP4 scales and the weight gradient's "
+            f"blocks run along a micro-batch's tokens, which cp splits); set fp4.scope=none or "
+            f"fp4.train_mode=bf16, or parallel.cp=1")
+
+
 def resolve_dp(cfg, world_size: int) -> int:
     """Data-parallel size: explicit, or what the world leaves after pp and tp."""
     return ParallelDims.from_parallel(cfg.parallel, world_size).dp
@@ -189,11 +230,16 @@ class ParallelDims:
     tp: int = 1
     ep: int = 1
     etp: int = 1
+    cp: int = 1  # context parallel: cp consecutive dp coordinates share one sequence (dp counts them)
 
     @classmethod
     def from_parallel(cls, parallel, world_size: int) -> "ParallelDims":
-        """The validated axes of a ``parallel:`` config section on `world_size` processes."""
-        return cls(world_size, parallel.pp, parallel.dp, parallel.tp, parallel.ep, parallel.etp).validate()
+        """The validated axes of a ``parallel:`` config section on `world_size` processes
+        (``parallel.dp`` counts data replicas: the dp axis here holds dp × cp ranks)."""
+        cp = getattr(parallel, "cp", 1)
+        require(cp >= 1, "parallel.cp", cp, "must be >= 1 (1: no context parallelism)")
+        dp = parallel.dp * cp if parallel.dp >= 1 else parallel.dp
+        return cls(world_size, parallel.pp, dp, parallel.tp, parallel.ep, parallel.etp, cp).validate()
 
     @classmethod
     def from_config(cls, cfg, world_size: int) -> "ParallelDims":
@@ -205,7 +251,7 @@ class ParallelDims:
     def validate(self, cfg=None) -> "ParallelDims":
         """Every layout check; returns these dims with dp resolved. With `cfg`, also what the layout
         demands of the model (experts, layers), the batch and the pipeline schedule."""
-        for axis in ("pp", "tp", "ep", "etp"):
+        for axis in ("pp", "tp", "ep", "etp", "cp"):
             require(getattr(self, axis) >= 1, f"parallel.{axis}", getattr(self, axis), "must be >= 1")
         require(self.etp == 1 or self.etp == self.tp, "parallel.etp", self.etp,
                 f"expert tensor parallelism is implemented with the etp group = the tp group: set etp=1 or "
@@ -218,10 +264,18 @@ class ParallelDims:
                               f"launch with torchrun (see docs/usage.md) or set them to 1")
         require(self.world_size > 1 or self.tp == 1, "parallel.tp", self.tp,
                 "tensor parallelism needs several processes: launch with torchrun (see docs/parallel.md) or set tp=1")
+        require(self.world_size > 1 or self.cp == 1, "parallel.cp", self.cp,
+                "context parallelism needs several processes: launch with torchrun (see docs/parallel.md) or set cp=1")
         dims = self if self.dp != -1 else dataclasses.replace(self, dp=self._inferred_dp())
-        require(dims.pp * dims.dp * dims.tp == self.world_size, "parallel.dp", self.dp,
+        require(dims.pp * dims.dp * dims.tp == self.world_size, "parallel.dp", self.dp // self.cp,
+                f"dp×cp×pp×tp = {dims.dp // self.cp}×{self.cp}×{dims.pp}×{dims.tp} must equal the world size "
+                f"{self.world_size}; set parallel.dp=-1 to infer it, or launch pp×dp×cp×tp processes"
+                if self.cp > 1 else
                 f"dp×pp×tp = {dims.dp}×{dims.pp}×{dims.tp} must equal the world size {self.world_size}; "
                 f"set parallel.dp=-1 to infer it, or launch pp×dp×tp processes")
+        require(dims.dp % self.cp == 0, "parallel.cp", self.cp,
+                f"the world size {self.world_size} leaves {dims.dp} ranks per pp×tp coordinate, not a multiple "
+                f"of parallel.cp; launch pp×dp×cp×tp processes")
         if dims.tp == 1:  # with tp, parallel.moe_tp_tokens decides (`_validate_against`)
             require(dims.dp % dims.ep == 0, "parallel.ep", dims.ep,
                     f"expert parallel groups are carved out of the data-parallel ranks: ep must divide dp={dims.dp}")
@@ -251,9 +305,10 @@ class ParallelDims:
                     f"(or, with parallel.tp > 1, set parallel.moe_tp_tokens=local to fold tp into ep)")
         check_chunks(m.num_layers, self.pp, p.virtual_stages)
         require(s.micro_batch_size >= 1, "schedule.micro_batch_size", s.micro_batch_size, "must be a positive integer")
-        require(s.global_batch_size % (s.micro_batch_size * self.dp) == 0, "schedule.global_batch_size",
-                s.global_batch_size, f"must be a multiple of micro_batch_size×dp = {s.micro_batch_size}×{self.dp}")
-        num_microbatches = s.global_batch_size // (s.micro_batch_size * self.dp)
+        data = self.data_dp  # the cp ranks of one data replica read the same micro-batches
+        require(s.global_batch_size % (s.micro_batch_size * data) == 0, "schedule.global_batch_size",
+                s.global_batch_size, f"must be a multiple of micro_batch_size×dp = {s.micro_batch_size}×{data}")
+        num_microbatches = s.global_batch_size // (s.micro_batch_size * data)
         check_schedule_chunks(p.schedule, p.virtual_stages)
         if p.schedule == "1f1b" and self.pp > 1:  # torch's Schedule1F1B: every stage busy in the steady state
             require(num_microbatches >= self.pp, "schedule.global_batch_size", s.global_batch_size,
@@ -269,6 +324,8 @@ class ParallelDims:
         if self.tp > 1:
             check_tensor_parallel(m, self.tp, s.seq_len, getattr(p, "sequence_parallel", False))
             check_fp4_tensor_cut(cfg, self.tp)
+        if self.cp > 1:
+            check_context_parallel(cfg, self)
         check_gcmoe(self.ep if p.expert_dispatcher == "gcmoe" else 1, p.gcmoe_chunk_tokens, p.gcmoe_ring_slots,
                     p.gcmoe_transfer_sms)
 
@@ -277,9 +334,15 @@ class ParallelDims:
     def edp(self) -> int:
         return self.dp * self.tp // (self.ep * self.etp)
 
+    @property
+    def data_dp(self) -> int:
+        """Data-parallel replicas: ranks that read different data (``parallel.dp``; dp / cp)."""
+        return self.dp // self.cp
+
     def size(self, axis: str) -> int:
         return {"pp": self.pp, "dp": self.dp, "tp": self.tp, "ep": self.ep, "etp": self.etp, "edp": self.edp,
-                "embed": 2 * self.dp if self.pp > 1 else self.dp, "world": self.world_size}[axis]
+                "embed": 2 * self.dp if self.pp > 1 else self.dp, "world": self.world_size, "cp": self.cp,
+                "data": self.data_dp}[axis]
 
     def shape(self, axes: tuple[str, ...]) -> tuple[int, ...]:
         return tuple(self.size(axis) for axis in axes)
@@ -288,12 +351,16 @@ class ParallelDims:
         """This rank's coordinate on every axis (dense and expert grids)."""
         dense = _unravel(rank, self.shape(DENSE_AXES))
         expert = _unravel(rank, self.shape(EXPERT_AXES))
-        return {**dict(zip(DENSE_AXES, dense)), **dict(zip(EXPERT_AXES, expert))}
+        coords = {**dict(zip(DENSE_AXES, dense)), **dict(zip(EXPERT_AXES, expert))}
+        return {**coords, "cp": coords["dp"] % self.cp, "data": coords["dp"] // self.cp}
 
     def groups(self, axis: str) -> list[list[int]]:
         """Every group of `axis` as ascending lists of global ranks (what DeviceMesh builds)."""
         if axis == "world":
             return [list(range(self.world_size))]
+        if axis == "cp":  # cp consecutive dp coordinates of one (pp, tp) coordinate
+            return sorted([self._rank({"pp": p, "dp": d * self.cp + c, "tp": t}, DENSE_AXES) for c in range(self.cp)]
+                          for p in range(self.pp) for d in range(self.data_dp) for t in range(self.tp))
         if axis == "embed":
             if self.pp == 1:
                 return []

@@ -118,13 +118,19 @@ class ParallelMesh:
     ranks: dict = field(default_factory=dict)  # axis -> list of global ranks in this rank's group
     timeout_s: float = 300.0  # of every group above
     etp: int = 1
+    cp: int = 1  # context parallel: the dp axis holds dp_data × cp ranks (dims.py); groups["cp"] one sequence's
     device_mesh: Optional[object] = None  # DeviceMesh over DENSE_AXES (None when single process)
     expert_mesh: Optional[object] = None  # DeviceMesh over this stage's edp × ep × etp
     tp_meshes: dict = field(default_factory=dict)  # replicas -> the tp axis as a DeviceMesh (`tp_device_mesh`)
 
     @property
     def dims(self) -> ParallelDims:
-        return ParallelDims(self.world_size, self.pp, self.dp, self.tp, self.ep, self.etp)
+        return ParallelDims(self.world_size, self.pp, self.dp, self.tp, self.ep, self.etp, self.cp)
+
+    @property
+    def data_dp(self) -> int:
+        """Data-parallel replicas (ranks reading different data): dp / cp."""
+        return self.dp // self.cp
 
     @property
     def backend(self) -> str:
@@ -171,11 +177,12 @@ class ParallelMesh:
 
     @classmethod
     def build(cls, pp: int, dp: int, ep: int = 1, tp: int = 1, device: Optional[torch.device] = None,
-              timeout_s: float = 300.0, etp: int = 1) -> "ParallelMesh":
+              timeout_s: float = 300.0, etp: int = 1, cp: int = 1) -> "ParallelMesh":
         """Create (or join) the default process group and this rank's group on every axis of the
-        layout ``pp × dp × tp`` (experts: ``edp × ep × etp``), checked against the world size."""
+        layout ``pp × dp × tp`` (experts: ``edp × ep × etp``), checked against the world size.
+        `dp` counts every rank holding the same parameters: data replicas × `cp`."""
         world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
-        return cls.from_dims(ParallelDims(world, pp, dp, tp, ep, etp), device, timeout_s)
+        return cls.from_dims(ParallelDims(world, pp, dp, tp, ep, etp, cp), device, timeout_s)
 
     @classmethod
     def from_dims(cls, dims: ParallelDims, device: Optional[torch.device] = None,
@@ -195,7 +202,7 @@ class ParallelMesh:
                 dist.init_process_group(backend_for(device), timeout=timedelta(seconds=timeout_s), store=store,
                                         rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
         dims = dataclasses.replace(dims, world_size=dist.get_world_size()).validate()
-        mesh = cls(pp=dims.pp, dp=dims.dp, ep=dims.ep, tp=dims.tp, etp=dims.etp, rank=dist.get_rank(),
+        mesh = cls(pp=dims.pp, dp=dims.dp, ep=dims.ep, tp=dims.tp, etp=dims.etp, cp=dims.cp, rank=dist.get_rank(),
                    world_size=dims.world_size, device=device, timeout_s=timeout_s)
         mesh._build_groups(dims)
         return mesh
@@ -222,10 +229,11 @@ class ParallelMesh:
                 raise RuntimeError(f"DeviceMesh built the {axis} group {dist.get_process_group_ranks(group)}, "
                                    f"expected {ranks}")
             self.groups[axis], self.ranks[axis] = group, ranks
-        for ranks in dims.groups("embed"):  # two non-adjacent stages: no DeviceMesh slice
-            group = self.new_group(ranks)
-            if self.rank in ranks:
-                self.groups["embed"], self.ranks["embed"] = group, ranks
+        for axis in ("embed", "cp") if dims.cp > 1 else ("embed",):  # embed: two non-adjacent stages
+            for ranks in dims.groups(axis):
+                group = self.new_group(ranks)
+                if self.rank in ranks:
+                    self.groups[axis], self.ranks[axis] = group, ranks
 
     def tp_device_mesh(self, replicas: int = 1):
         """The tp axis as a DeviceMesh (DTensor views of tp shards, e.g. in checkpoints); with

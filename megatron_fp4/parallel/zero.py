@@ -200,7 +200,9 @@ class ZeroAdamW:
             # Tensor parallel: the MoE layers run whole on every tp rank with the same tokens, so an
             # expert buffer reduced over edp (a stage's dp×tp ranks / ep) holds tp copies of each
             # dp rank's contribution: 1/(dp·tp) for it (``expert_token_copies``; local tokens: 1/dp).
-            num_replicas = self.mesh.dp if self.mesh.world_size > 1 else 1
+            # Context parallel: the dp axis holds dp × cp ranks; a cp group's ranks hold shares of one
+            # micro-batch's loss (`parallel/context.py`), summed here, so the mean is over dp / cp.
+            num_replicas = self.mesh.dp // getattr(self.mesh, "cp", 1) if self.mesh.world_size > 1 else 1
             if buf.axis == "edp" and self.mesh.world_size > 1:
                 num_replicas *= self.expert_token_copies
             if num_replicas > 1:

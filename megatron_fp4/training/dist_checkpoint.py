@@ -195,7 +195,7 @@ def save(root: str | Path, trainer) -> Path:
                 "adam_step": trainer.optimizer.adam_state(0)["step"] if trainer.optimizer.buffers else 0.0,
                 "sampler": trainer.sampler.state_dict() if trainer.sampler else None,
                 "layout": {"pp": trainer.mesh.pp, "dp": trainer.mesh.dp, "ep": trainer.mesh.ep, "tp": trainer.mesh.tp,
-                           "etp": trainer.mesh.etp,
+                           "etp": trainer.mesh.etp, "cp": trainer.mesh.cp,
                            "virtual_stages": p.virtual_stages, "zero_stage": p.zero_stage},
                 "config": trainer.cfg.to_dict()}
         try:

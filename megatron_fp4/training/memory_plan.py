@@ -216,10 +216,26 @@ def layer_activation_bytes(cfg: Config, is_moe: bool, tokens: int, routed_rows: 
     return b
 
 
+def cp_attention_bytes(cfg: Config, batch: int, seq: int) -> int:
+    """What one attention layer saves beyond `layer_activation_bytes` of its 1/cp of the tokens under
+    context parallel (`parallel/context.py`): SDPA's K and V (repeated to every query head) cover
+    the whole gathered sequence, and its mask [B, 1, T/cp, T] from the global positions (SDPA keeps
+    the boolean mask converted to the activations' dtype)."""
+    cp = getattr(cfg.parallel, "cp", 1)
+    if cp == 1:
+        return 0
+    m, a = cfg.model, activation_dtype(cfg).itemsize
+    local = batch * seq // cp
+    return 2 * (batch * seq - local) * m.num_heads * m.head_dim * a + local * seq * a
+
+
 def chunk_activation_bytes(cfg: Config, model: MoETransformer, layers, is_first: bool, is_last: bool,
                            batch: int, seq: int) -> int:
-    """Saved bytes of one micro-batch through one chunk (`layers`, the embedding, the head)."""
-    tokens, m = batch * seq, cfg.model
+    """Saved bytes of one micro-batch through one chunk (`layers`, the embedding, the head). Context
+    parallel (``parallel.cp``): a rank's 1/cp of the sequence, plus what its attention saves of the
+    whole sequence (`cp_attention_bytes`)."""
+    cp = getattr(cfg.parallel, "cp", 1)
+    tokens, m = batch * seq // cp, cfg.model
     a, w = activation_dtype(cfg).itemsize, wide_dtype(activation_dtype(cfg)).itemsize
     tp, sp, local = _tp_layout(cfg)
     b = tokens * _INDEX_BYTES if is_first else 0  # the embedding's token ids (tp: its local ids)
@@ -231,6 +247,7 @@ def chunk_activation_bytes(cfg: Config, model: MoETransformer, layers, is_first:
         grouped = experts is not None and experts.recipe.mode == "bf16" and param_dtype(cfg) != torch.float64 \
             and rows <= GroupedExperts.max_group_rows * experts.num_experts
         b += layer_activation_bytes(cfg, layer.is_moe, tokens, rows, experts.num_experts if experts else 0, grouped)
+        b += cp_attention_bytes(cfg, batch, seq)
     if is_last and tp == 1:  # final norm, LM-head input, log-softmax output (fp32), loss scalar
         b += tokens * m.hidden_size * (w + 2 * a) + tokens * w + tokens * m.vocab_size * w + w
     elif is_last:  # final norm (S/tp under SP), the gathered head input; `vocab_parallel_cross_entropy`:
@@ -280,7 +297,7 @@ def plan_memory(cfg: Config, world_size: int, weight_cache: bool = True) -> list
     cfg.validate()
     p, s = cfg.parallel, cfg.schedule
     dp = ParallelDims.from_config(cfg, world_size).dp  # every layout check
-    num_mb = s.global_batch_size // (s.micro_batch_size * dp)
+    num_mb = s.global_batch_size // (s.micro_batch_size * (dp // p.cp))  # dp holds dp × cp ranks
     ranges = split_layers(cfg.model.num_layers, p.pp, p.virtual_stages)
     style = PLACEMENT.get(p.schedule, "loop")
     schedule = p.schedule if p.pp > 1 else "1f1b"
@@ -299,7 +316,7 @@ def plan_memory(cfg: Config, world_size: int, weight_cache: bool = True) -> list
         stochastic_w = cfg.fp4.scope != "none" and _weight_rounding(model) == "stochastic"
         qw = fp4_weight_bytes(model) * (1 if weight_cache and not stochastic_w else max(sum(counts), 1))
         is_last = len(ranges) - 1 in chunks
-        tokens = s.micro_batch_size * s.seq_len
+        tokens = s.micro_batch_size * s.seq_len // p.cp
         a, w = activation_dtype(cfg).itemsize, wide_dtype(activation_dtype(cfg)).itemsize
         head = tokens * cfg.model.vocab_size // p.tp * (a + w) if is_last else 0  # V/tp logits under tp
         ranks = range(pp_rank * dp * p.tp, (pp_rank + 1) * dp * p.tp)  # a stage's ranks are contiguous; no list of them

@@ -121,7 +121,8 @@ def start_banner(cfg, mesh) -> str:
     return "\n".join([
         f"megatron-fp4: model {_count(params)} parameters ({m.num_layers} layers, {m.num_experts} experts top-{m.top_k}, "
         f"hidden {m.hidden_size}); {fp4}",
-        f"megatron-fp4: world {mesh.world_size} = pp {mesh.pp} × dp {mesh.dp}"
+        f"megatron-fp4: world {mesh.world_size} = pp {mesh.pp} × dp {mesh.dp // getattr(mesh, 'cp', 1)}"
+        + (f" × cp {mesh.cp}" if getattr(mesh, "cp", 1) > 1 else "")
         + (f" × tp {mesh.tp}{' (sequence parallel)' if p.sequence_parallel else ''}" if mesh.tp > 1 else "")
         + f" (ep {mesh.ep}, ZeRO-{p.zero_stage}"
         f"{schedule}) on {mesh.device.type}/{mesh.backend}, {cfg.dtype}; {s.train_steps} steps × {s.global_batch_size} "

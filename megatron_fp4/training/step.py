@@ -29,7 +29,8 @@ from megatron_fp4.fp4.fused import adopt_ready as adopt_compiled_fp4
 from megatron_fp4.model.moe import update_expert_bias
 from megatron_fp4.training.nonfinite import NonFiniteError, all_finite
 from megatron_fp4.training.optim import clip_coefficient, lr_at
-from megatron_fp4.training.step_loss import LossFn, lm_loss_fn, require_step_loss, tensor_parallel_loss
+from megatron_fp4.training.step_loss import (LossFn, context_parallel_loss, lm_loss_fn, require_step_loss,
+                                             tensor_parallel_loss)
 
 
 class TrainingStep:
@@ -37,6 +38,7 @@ class TrainingStep:
 
     _open_step: Optional[dict] = None  # what the forward_backward calls of the open step accumulated
     tp_plan = None  # the model's `TPPlan` under tensor parallelism (parallel/tensor_parallel.py)
+    cp_plan = None  # its `ContextParallelPlan` under context parallelism (parallel/context.py)
 
     def train_step_with_loss(self, micro_batches: list[dict], loss_fn: LossFn = lm_loss_fn) -> dict:
         """`forward_backward` over the micro-batches, then `apply_update`."""
@@ -66,7 +68,7 @@ class TrainingStep:
         n = len(micro_batches)
         if n == 0:
             raise ValueError("forward_backward: no micro-batches")
-        loss_fn = tensor_parallel_loss(loss_fn, self.tp_plan)
+        loss_fn = context_parallel_loss(tensor_parallel_loss(loss_fn, self.tp_plan), self.cp_plan)
         if weights is not None and (len(weights) != n or self.pipeline is not None):
             raise ValueError(f"forward_backward: weights ({len(weights)}) need one per micro-batch ({n}) and "
                              f"parallel.pp=1 (the pipeline weights its micro-batches 1/n)")
@@ -76,8 +78,9 @@ class TrainingStep:
                                "start": time.perf_counter()}
         done = 0 if self._open_step is None else self._open_step["micro_batches"]
         # The global index of this rank's first micro-batch: the step's earlier calls on every dp
-        # rank, then the dp ranks before this one (each reads a contiguous share of the batch).
-        first = done * self.mesh.dp + self.mesh.coord("dp") * n
+        # rank, then the dp ranks before this one (each reads a contiguous share of the batch; the cp
+        # ranks of one dp replica share its micro-batches).
+        first = done * self.mesh.data_dp + self.mesh.coord("data") * n
         if forward_only:
             if self.pipeline is not None:
                 raise ValueError("forward_backward(forward_only=True) runs the whole model: not with parallel.pp > 1")

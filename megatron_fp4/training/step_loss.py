@@ -23,7 +23,8 @@ from typing import Callable, Union
 import torch
 
 from megatron_fp4.model import lm_loss
-from megatron_fp4.parallel.tp_comm import gather_whole
+from megatron_fp4.parallel import context
+from megatron_fp4.parallel.tp_comm import gather_whole, reduce_from_tp
 
 
 class StepLoss:
@@ -84,3 +85,47 @@ def tensor_parallel_loss(loss_fn: LossFn, plan) -> LossFn:
                          f"be a megatron_fp4.training.step_loss.StepLoss (model_inputs(mb) and loss(logits, mb)), "
                          f"not {type(loss_fn).__name__}; see lm_loss_fn and rl.policy_loss.PolicyLoss")
     return TensorParallelLoss(loss_fn, plan)
+
+
+class ContextParallelLoss(StepLoss):
+    """The LM loss under context parallelism (`ContextParallelPlan`): the model reads this rank's
+    tokens at their global positions (`context.split_sequence`), the loss is the micro-batch's
+    (`context.lm_loss`: every cp rank gets the single process's value, its gradient is its own
+    tokens' share). Other losses (GRPO/PPO, verl's) are refused: they are not split yet."""
+
+    def __init__(self, inner: StepLoss, plan):
+        lm = type(inner) is LMLoss or (type(inner) is TensorParallelLoss and type(inner.inner) is LMLoss)
+        if not lm:
+            raise ValueError(f"context parallel (parallel.cp={plan.size}) trains the LM loss only (lm_loss_fn); "
+                             f"{type(inner).__name__} (the GRPO/PPO policy loss, verl's losses) is not split over "
+                             f"the cp ranks yet: set parallel.cp=1")
+        self.inner, self.plan = inner, plan
+
+    def model_inputs(self, micro_batch):
+        inputs = self.inner.model_inputs(micro_batch)
+        tokens = inputs["tokens"]
+        positions = inputs.get("positions")
+        if positions is None:
+            positions = torch.arange(tokens.shape[1], device=tokens.device).expand(tokens.shape)
+        return {"tokens": context.split_sequence(tokens, self.plan),
+                "positions": context.split_sequence(positions, self.plan)}
+
+    def loss(self, logits, micro_batch):
+        labels = micro_batch["labels"]
+        if type(self.inner) is LMLoss:
+            return context.lm_loss(logits, labels, self.plan), {}
+        # tp: the vocab-parallel mean over this rank's tokens, weighted by their share of the labels
+        local = context.split_sequence(labels, self.plan)
+        mean = self.inner.loss(logits, {"labels": local})[0]
+        share = mean * (local != -100).sum().to(mean.dtype) / (labels != -100).sum().to(mean.dtype)
+        return reduce_from_tp(share, self.plan.group), {}
+
+
+def context_parallel_loss(loss_fn: LossFn, plan) -> LossFn:
+    """`loss_fn` for a context-parallel model (`plan`: its `ContextParallelPlan`; None: `loss_fn` itself)."""
+    if plan is None:
+        return loss_fn
+    if not isinstance(loss_fn, StepLoss):
+        raise ValueError(f"with parallel.cp > 1 the model reads a share of each sequence, so the loss must be "
+                         f"megatron_fp4.training.step_loss.lm_loss_fn, not {type(loss_fn).__name__}")
+    return ContextParallelLoss(loss_fn, plan)

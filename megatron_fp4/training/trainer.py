@@ -14,7 +14,9 @@ and what one forward/backward is: with
 last stage. Every rank builds only its part of the model (on the meta device, then materialised), each
 parameter and expert drawn from its own seeded stream, so every layout starts from the
 single-process weights. Each dp rank reads its contiguous part of the same global
-batch, and the reported loss and metrics are the means over all micro-batches of all dp ranks.
+batch (the ``parallel.cp`` ranks of one dp replica read the same micro-batches and split each
+sequence, `parallel/context.py`), and the reported loss and metrics are the means over all
+micro-batches of all dp ranks.
 
 `forward_backward(micro_batches, loss_fn)` + `apply_update()` (`training/step.py`) is the one step
 every caller goes through (the CLI's LM objective through `train_step_with_loss`, GRPO's policy loss,
@@ -39,6 +41,7 @@ from megatron_fp4.config import Config, ConfigError
 from megatron_fp4.fp4.fused import CompiledKernels
 from megatron_fp4.model import MoETransformer, materialize
 from megatron_fp4.model.specs import numerics_from_config
+from megatron_fp4.parallel.context import parallelize_cp
 from megatron_fp4.parallel.expert_parallel import apply_expert_parallel
 from megatron_fp4.parallel.expert_tensor_parallel import apply_expert_tensor_parallel
 from megatron_fp4.parallel.mesh import ParallelDims, ParallelMesh, world_size_from_env
@@ -72,10 +75,10 @@ class Trainer(TrainingStep):
         self.device = self.mesh.device
         s = cfg.schedule
         torch.manual_seed(s.seed)
-        self.num_microbatches = s.global_batch_size // (s.micro_batch_size * self.mesh.dp)
+        self.num_microbatches = s.global_batch_size // (s.micro_batch_size * self.mesh.data_dp)
         self.model, self.pipeline = self._build_model()
         if self.pipeline is not None:
-            self.pipeline.prepare(self.num_microbatches, (s.micro_batch_size, s.seq_len))
+            self.pipeline.prepare(self.num_microbatches, (s.micro_batch_size, s.seq_len // self.mesh.cp))
         self.optimizer = self.build_optimizer()
         self.step = 0
         self.cache_weights_per_step = True  # False: re-derive Q(W) every micro-batch (the benchmark's "before")
@@ -135,6 +138,8 @@ class Trainer(TrainingStep):
         elif cfg.dtype == "fp64":  # FP4 operands are still quantized from fp32, as defined
             model.to(torch.float64)
         model.set_fp4_mode(cfg.fp4.train_mode)
+        # context parallel: the cp ranks of one data replica split its sequences (parallel/context.py)
+        self.cp_plan = parallelize_cp(model, mesh.group("cp")) if mesh.cp > 1 else None
         return model, pipeline
 
     def _build_data(self, build_data: bool) -> None:
@@ -144,7 +149,7 @@ class Trainer(TrainingStep):
             s = self.cfg.schedule
             self.dataset = build_dataset(self.cfg.data, s.seq_len, s.seed, self.cfg.model.vocab_size)
             self.sampler = ResumableSampler(len(self.dataset), s.global_batch_size, s.seed,
-                                            dp_rank=self.mesh.coord("dp"), dp_size=self.mesh.dp)
+                                            dp_rank=self.mesh.coord("data"), dp_size=self.mesh.data_dp)
 
     # -- data -------------------------------------------------------------------------------------
     def next_micro_batches(self) -> list[dict]:
