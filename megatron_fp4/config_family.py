@@ -85,3 +85,6 @@ def validate_family(cfg) -> None:
         _require(getattr(p, name) == 1, f"parallel.{name}", getattr(p, name),
                  f"{why} is not split by tensor parallel yet (its biases and sinks have no tp plan): set 1 and "
                  "use pp/ep/dp")
+    _require(getattr(p, "cp", 1) == 1, "parallel.cp", getattr(p, "cp", 1),
+             f"{why}'s attention (sinks, sliding window) has no context-parallel K/V gather yet: set 1 and use "
+             "pp/ep/dp")
