@@ -136,7 +136,7 @@ def side_by_side(args, work: Path, consistency, tiny_config, log) -> dict:
             raise RuntimeError(f"bf16: {name}'s parameters are not its checkpoint rounded to the dtypes vLLM holds")
         held = copy.deepcopy(model)
         from_hf_state_dict(held, weights)
-        out[name] = {ref: {**train_side(m, flat, tok, "bf16", True, 6),
+        out[name] = {ref: {**train_side(m, flat, tok, "bf16", "exact", 6),
                            "positions": sum(len(t) for t in flat["response_ids"]),
                            "layers": int(flat["routing"][0].shape[1])}
                      for ref, m in (("fp32", model), ("held", held))}

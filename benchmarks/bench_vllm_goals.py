@@ -106,7 +106,7 @@ def rollout_vs_trainer(jobs: list, work: Path, n: int, tokens: int, seed: int, d
         g = gens[name]
         flat = {"prompt_ids": ps, "response_ids": g["tokens"], "log_probs": g["logprobs"], "routing": g["routing"],
                 "distributions": g["dist"]}
-        out[name] = train_side(model, flat, tok, train_mode, True, 6)
+        out[name] = train_side(model, flat, tok, train_mode, "exact", 6)
         out[name]["positions"] = sum(len(t) for t in g["tokens"])
         out[name]["layers"] = int(g["routing"][0].shape[1])
     return out
@@ -353,7 +353,7 @@ def layer_rows(args, work: Path) -> list:
     tnames = [n.removeprefix("model.") for n in names if "qkv" not in n]
     _hooks(model, tnames + [n.removeprefix("model.").replace("qkv_proj", p) for n in names if "qkv" in n
                             for p in ("q_proj", "k_proj", "v_proj")], trainer)
-    with torch.no_grad(), model.numerics.invariant(True):
+    with torch.no_grad(), model.numerics.invariant("exact"):
         model(torch.tensor([prompt]))
     rows, first = [], None
     for n in names:

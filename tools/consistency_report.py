@@ -193,9 +193,9 @@ def vllm_ablation(cfg, weights, tok, work_dir, python=None, scopes=SCOPES, setti
             g = gens[key]
             flat = {"prompt_ids": ps, "response_ids": g["tokens"], "log_probs": g["logprobs"],
                     "routing": g["routing"], "distributions": g["dist"]}
-            m = rescore(models[key], flat, tok.pad_id, train_mode, True, train_batch, reverse=True)
+            m = rescore(models[key], flat, tok.pad_id, train_mode, "exact", train_batch, reverse=True)
             rows.append({"gap": VLLM_GAP, "rollout": "vllm", "rollout_dtype": "fp32", "engine_noise": 0.0,
-                         "bf16_weights": False, "invariance": "batch", "scope": scope, "setting": name,
+                         "bf16_weights": False, "invariance": "exact", "scope": scope, "setting": name,
                          "train_mode": train_mode, "rollout_mode": rollout_mode, **m})
     return rows
 
