@@ -128,7 +128,8 @@ def ours_config_from_hf(hf_cfg) -> ModelConfig:
                                                           "v_head_dim")}
     return ModelConfig(
         family=HF_MODEL_TYPE, vocab_size=int_field(d, "vocab_size"), hidden_size=int_field(d, "hidden_size"),
-        num_layers=num_layers, num_heads=num_heads, num_kv_heads=num_heads, head_dim=dims["qk_rope_head_dim"],
+        num_layers=num_layers, num_heads=num_heads, num_kv_heads=num_heads,
+        head_dim=dims["qk_nope_head_dim"] + dims["qk_rope_head_dim"],  # the planner's activation estimate only
         max_seq_len=int_field(d, "max_position_embeddings", _HF_DEFAULTS["max_position_embeddings"]),
         rope_theta=_rope_theta(d), norm_eps=float_field(d, "rms_norm_eps", _HF_DEFAULTS["rms_norm_eps"], positive=True),
         q_lora_rank=0 if q_lora is None else int_field(d, "q_lora_rank"), **dims,
