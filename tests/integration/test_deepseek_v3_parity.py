@@ -12,6 +12,7 @@ fp64 verification mode keeps fp64, so for that comparison the reference's norm r
 formula in the model dtype (`_fp64_reference_norm`), and so do its router logits (HF casts them to
 fp32). RoPE is fp32 on both sides (HF's rotary forces it).
 """
+import json
 import sys
 import warnings
 
@@ -167,3 +168,31 @@ def test_unsupported_hf_settings_are_refused():
                        ("rope_parameters", {"rope_type": "yarn", "factor": 40.0, "rope_theta": 10000.0})):
         with pytest.raises(ValueError, match=key.split("_")[0]):
             ours_config_from_hf({**cfg, key: value})
+
+
+def test_left_padded_batch_equals_unpadded_rows():
+    model = ours_from(tiny_hf(torch.float64))
+    row = TOKENS[:1, :10]
+    padded = torch.cat([torch.zeros(1, 3, dtype=row.dtype), row], dim=1)
+    mask = torch.cat([torch.zeros(1, 3), torch.ones(1, 10)], dim=1).long()
+    positions = (mask.cumsum(-1) - 1).clamp_min(0)
+    out = logits(model, padded, positions=positions, attention_mask=mask)
+    assert rel_err(out[:, 3:], logits(model, row)) <= 1e-10
+
+
+def test_convert_checkpoint_cli_round_trip_is_bitwise(tmp_path, capsys):
+    """transformers-written checkpoint -> from-hf (our DCP, the family from config.json) -> to-hf: the
+    same tensors, bit for bit, and inspect names the family."""
+    from safetensors.torch import load_file
+
+    from tools.convert_checkpoint import main as convert_main
+
+    tiny_hf().save_pretrained(tmp_path / "hf")
+    assert convert_main(["from-hf", str(tmp_path / "hf"), str(tmp_path / "ours")]) == 0
+    assert convert_main(["inspect", str(tmp_path / "ours")]) == 0
+    assert "model: deepseek_v3" in capsys.readouterr().out
+    assert convert_main(["to-hf", str(tmp_path / "ours"), str(tmp_path / "back")]) == 0
+    src, back = load_file(tmp_path / "hf" / "model.safetensors"), load_file(tmp_path / "back" / "model.safetensors")
+    assert sorted(src) == sorted(back)
+    assert all(torch.equal(src[k], back[k]) for k in src)
+    assert json.loads((tmp_path / "back" / "config.json").read_text())["model_type"] == "deepseek_v3"
