@@ -13,6 +13,7 @@ from megatron_fp4.config_yaml import show
 
 LAYER_TYPES = ("full_attention", "sliding_attention")
 YARN_KEYS = {"rope_type", "factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "truncate"}
+MSCALE_KEYS = {"mscale", "mscale_all_dim"}  # DeepSeek-V3's YaRN attention-scale terms (deepseek_v3 only)
 
 
 def _require(cond: bool, field: str, value, fix: str) -> None:
@@ -33,7 +34,7 @@ def validate_rope_scaling(rs, max_seq_len: int) -> None:
              "original_max_position_embeddings: ...}")
     _require(rs.get("rope_type") == "yarn", field + ".rope_type", rs.get("rope_type"),
              "only 'yarn' RoPE scaling is implemented (null: plain RoPE)")
-    unknown = sorted(set(rs) - YARN_KEYS)
+    unknown = sorted(set(rs) - YARN_KEYS - MSCALE_KEYS)
     _require(not unknown, field, rs, f"unknown key(s) {unknown}; YaRN takes {sorted(YARN_KEYS)}")
     _require(_number(rs.get("factor")) and rs["factor"] >= 1, field + ".factor", rs.get("factor"),
              "must be a number >= 1 (the context extension factor, e.g. 32)")
@@ -44,6 +45,8 @@ def validate_rope_scaling(rs, max_seq_len: int) -> None:
     for key in ("beta_fast", "beta_slow"):
         if rs.get(key) is not None:
             _require(_number(rs[key]) and rs[key] > 0, f"{field}.{key}", rs[key], "must be a number > 0")
+    for key in sorted(MSCALE_KEYS & set(rs)):
+        _require(_number(rs[key]) and rs[key] >= 0, f"{field}.{key}", rs[key], "must be a number >= 0")
     if rs.get("truncate") is not None:
         _require(isinstance(rs["truncate"], bool), field + ".truncate", rs["truncate"], "must be true or false")
 
@@ -69,8 +72,6 @@ def validate_deepseek_v3(m, cfg) -> None:
              f"must equal model.num_heads={m.num_heads}: latent attention gives every head its own keys and values")
     _require(not m.layer_types or set(m.layer_types) == {"full_attention"}, "model.layer_types", m.layer_types,
              f"{why} has full causal attention only; set []")
-    _require(m.rope_scaling is None, "model.rope_scaling", m.rope_scaling,
-             f"{why}'s YaRN (with its mscale softmax correction) is not implemented yet; set null (plain RoPE)")
     E, groups, topk_group = m.num_experts, m.moe_n_group, m.moe_topk_group
     _require(_int(groups) and groups >= 1 and E % groups == 0 and E // groups >= 2, "model.moe_n_group", groups,
              f"must divide model.num_experts={E} into groups of at least 2 experts (a group is scored by its best two)")
@@ -109,6 +110,9 @@ def validate_family(cfg) -> None:
              "must be > 0 when model.layer_types has sliding_attention layers (the keys each one sees)")
     validate_rope_scaling(m.rope_scaling, m.max_seq_len)
     if m.family != "deepseek_v3":
+        mscale = sorted(MSCALE_KEYS & set(m.rope_scaling or {}))
+        _require(not mscale, "model.rope_scaling", m.rope_scaling, f"{mscale} are DeepSeek-V3's YaRN terms; only "
+                 "model.family=deepseek_v3 reads them")
         for name in MLA_FIELDS + GROUP_FIELDS:
             default = 1 if name in GROUP_FIELDS else 0
             _require(getattr(m, name) == default, f"model.{name}", getattr(m, name), f"only the deepseek_v3 family "

@@ -8,9 +8,10 @@ What differs from Qwen3-MoE, each as transformers 5.10 computes it:
   [qk_rope_head_dim] shared by all heads, the compressed kv through RMSNorm and ``kv_b_proj`` into
   per-head non-rotary keys [qk_nope_head_dim] and values [v_head_dim]. RoPE (fp32, as HF's rotary)
   on the rotary part only, with HF's interleave convention (the pair (2i, 2i+1) rotated as
-  (i, i + d/2)); softmax scale ``(qk_nope + qk_rope)^-0.5``. The low-rank norms use eps 1e-6 (HF
-  builds them with its default eps, not ``rms_norm_eps``). YaRN RoPE scaling is not implemented
-  (`config_family.validate_family` refuses ``model.rope_scaling``).
+  (i, i + d/2)); softmax scale ``(qk_nope + qk_rope)^-0.5``, times ``mscale(factor, mscale_all_dim)²``
+  under YaRN (``model.rope_scaling`` with DeepSeek's ``mscale`` / ``mscale_all_dim``; the inverse
+  frequencies are GPT-OSS's `yarn_inv_freq`). The low-rank norms use eps 1e-6 (HF builds them with
+  its default eps, not ``rms_norm_eps``).
 - the KV cache holds the full per-head keys and values (the simplest correct form; caching the
   compressed latent instead, DeepSeek's memory saving, is not done here);
 - the router: sigmoid scores in fp32; the per-expert ``e_score_correction_bias`` (our
@@ -26,6 +27,7 @@ dispatchers); the router stays in fp32. Standard numerics only.
 """
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import torch
@@ -34,6 +36,7 @@ from torch import nn
 
 from megatron_fp4.fp4 import Recipe, invariant
 from megatron_fp4.model.decoder import DecoderLayer
+from megatron_fp4.model.gpt_oss import yarn_inv_freq
 from megatron_fp4.model.layers import Attention, LayerCache, RMSNorm, SwiGLU, _linear, apply_rope, with_cache
 from megatron_fp4.model.moe import MoELayer
 from megatron_fp4.model.router import Router, replay_topk, router_logits
@@ -49,13 +52,27 @@ def _refuse_invariant(numerics, x: torch.Tensor, what: str) -> None:
                          "numerics.invariance=standard")
 
 
-def rope_tables_fp32(positions: torch.Tensor, dim: int, theta: float, dtype: torch.dtype):
-    """cos/sin [B, T, dim] (rotate-half layout) computed in fp32 as HF's rotary does, cast to dtype."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.int64, device=positions.device)
-                                .to(torch.float32) / dim))
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """DeepSeek's YaRN magnitude term (HF ``yarn_get_mscale``)."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def rope_tables_fp32(positions: torch.Tensor, dim: int, theta: float, scaling: Optional[dict], dtype: torch.dtype):
+    """cos/sin [B, T, dim] (rotate-half layout) computed in fp32 as HF's rotary does, cast to dtype:
+    plain RoPE (`scaling` None) or YaRN, whose cos/sin carry the attention factor
+    ``mscale(factor, mscale) / mscale(factor, mscale_all_dim)`` when both are given (HF
+    ``_compute_yarn_parameters``; DeepSeek-V3's 1.0 / 1.0 make it 1)."""
+    if scaling is None:
+        inv_freq, factor = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.int64, device=positions.device)
+                                           .to(torch.float32) / dim)), 1.0
+    else:
+        inv_freq, factor = yarn_inv_freq(dim, theta, scaling, positions.device)
+        if scaling.get("mscale") and scaling.get("mscale_all_dim"):
+            factor = yarn_mscale(scaling["factor"], scaling["mscale"]) / yarn_mscale(scaling["factor"],
+                                                                                     scaling["mscale_all_dim"])
     freqs = positions.to(torch.float32)[..., None] * inv_freq
     emb = torch.cat((freqs, freqs), dim=-1)
-    return emb.cos().to(dtype), emb.sin().to(dtype)
+    return (emb.cos() * factor).to(dtype), (emb.sin() * factor).to(dtype)
 
 
 def deinterleave(x: torch.Tensor) -> torch.Tensor:
@@ -77,7 +94,10 @@ class MLAttention(Attention):
         self.qk_dim = self.head_dim = self.nope_dim + self.rope_dim
         self.kv_lora_rank, self.q_lora_rank = cfg.kv_lora_rank, cfg.q_lora_rank
         self.rope_theta = cfg.rope_theta
+        self.rope_scaling = cfg.rope_scaling
         self.scale = self.qk_dim ** -0.5
+        if self.rope_scaling and self.rope_scaling.get("mscale_all_dim"):  # YaRN's softmax correction (HF)
+            self.scale *= yarn_mscale(self.rope_scaling["factor"], self.rope_scaling["mscale_all_dim"]) ** 2
         if self.q_lora_rank:
             self.q_a_proj = _linear(hidden, self.q_lora_rank, recipe)
             self.q_a_layernorm = RMSNorm(self.q_lora_rank, LORA_NORM_EPS)
@@ -100,7 +120,7 @@ class MLAttention(Attention):
         kv_a, k_rot = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.rope_dim], dim=-1)
         kv = self.kv_b_proj(self.kv_a_layernorm(kv_a)).view(B, T, H, self.nope_dim + self.v_dim).transpose(1, 2)
         k_pass, v = kv.split([self.nope_dim, self.v_dim], dim=-1)
-        cos, sin = rope_tables_fp32(positions, self.rope_dim, self.rope_theta, q.dtype)
+        cos, sin = rope_tables_fp32(positions, self.rope_dim, self.rope_theta, self.rope_scaling, q.dtype)
         q_rot = apply_rope(deinterleave(q_rot), cos, sin)
         k_rot = apply_rope(deinterleave(k_rot.view(B, 1, T, self.rope_dim)), cos, sin)
         q = torch.cat((q_pass, q_rot), dim=-1)

@@ -115,7 +115,8 @@ def test_trainer_step_is_deterministic():
 
 @pytest.mark.parametrize("field,value,match", [
     ("numerics", "batch", "numerics.invariance"), ("tp", 2, "parallel.tp"), ("etp", 2, "parallel.etp"),
-    ("rope_scaling", {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8}, "rope_scaling"),
+    ("rope_scaling", {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8, "mscale": -1},
+     "rope_scaling.mscale"),
     ("moe_n_group", 3, "moe_n_group"), ("moe_topk_group", 5, "moe_topk_group"), ("num_kv_heads", 2, "num_kv_heads"),
     ("kv_lora_rank", 0, "kv_lora_rank"), ("qk_rope_head_dim", 3, "qk_rope_head_dim"),
 ])
@@ -135,6 +136,11 @@ def test_latent_attention_fields_refused_for_other_families():
     c = Config()
     c.model.kv_lora_rank = 16
     with pytest.raises(ConfigError, match="model.kv_lora_rank.*deepseek_v3"):
+        c.validate()
+    c = Config()
+    c.model.family, c.numerics.invariance = "gpt_oss", "standard"
+    c.model.rope_scaling = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8, "mscale": 1.0}
+    with pytest.raises(ConfigError, match="mscale"):
         c.validate()
 
 

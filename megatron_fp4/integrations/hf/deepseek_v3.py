@@ -67,26 +67,38 @@ def hf_config_from_ours(m: ModelConfig) -> dict:
         "q_lora_rank": m.q_lora_rank or None, "kv_lora_rank": m.kv_lora_rank, "qk_nope_head_dim": m.qk_nope_head_dim,
         "qk_rope_head_dim": m.qk_rope_head_dim, "v_head_dim": m.v_head_dim, "hidden_act": "silu",
         "rms_norm_eps": float(m.norm_eps), "rope_theta": float(m.rope_theta),
-        "rope_parameters": {"rope_type": "default", "rope_theta": float(m.rope_theta)}, "rope_interleave": True,
+        "rope_parameters": {"rope_theta": float(m.rope_theta), **(m.rope_scaling or {"rope_type": "default"})},
+        "rope_interleave": True,
         "max_position_embeddings": m.max_seq_len, "tie_word_embeddings": bool(m.tie_embeddings),
         "attention_bias": False, "attention_dropout": 0.0, "initializer_range": float(m.init_std),
     }
 
 
-def _rope_theta(d: Mapping[str, Any]) -> float:
-    """rope_theta from transformers-5 ``rope_parameters`` or the Hub's ``rope_theta``; YaRN refused."""
+_YARN_KEYS = ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "mscale", "mscale_all_dim",
+              "truncate")
+
+
+def _rope(d: Mapping[str, Any]) -> tuple[float, dict | None]:
+    """(rope_theta, our rope_scaling) from transformers-5 ``rope_parameters`` or the Hub's
+    ``rope_theta`` + ``rope_scaling``: plain RoPE or YaRN with DeepSeek's mscale terms."""
     theta = float_field(d, "rope_theta", _HF_DEFAULTS["rope_theta"], positive=True)
     params = d.get("rope_parameters") or d.get("rope_scaling")
     if params is None:
-        return theta
+        return theta, None
     if not isinstance(params, Mapping):
         raise ValueError(f"HF config rope_parameters={params!r:.80}: expected a mapping")
+    theta = float_field(params, "rope_theta", theta, positive=True)
     kind = params.get("rope_type", params.get("type", "default"))
-    if kind != "default":
-        raise ValueError(f"HF config rope_type={kind!r:.80}: DeepSeek-V3's YaRN RoPE scaling (with its mscale "
-                         "softmax correction) is not implemented here; only plain RoPE ('default') is read. Drop "
-                         "rope_scaling from config.json to run at the pretraining context length")
-    return float_field(params, "rope_theta", theta, positive=True)
+    if kind == "default":
+        return theta, None
+    if kind != "yarn" or params.get("attention_factor") is not None:
+        raise ValueError(f"HF config rope_parameters={dict(params)!r:.160}: DeepSeek-V3 RoPE is 'default' or 'yarn' "
+                         "(without an explicit attention_factor) here")
+    scaling = {k: params[k] for k in _YARN_KEYS if params.get(k) is not None}
+    if "factor" not in scaling or "original_max_position_embeddings" not in scaling:
+        raise ValueError(f"HF config rope_parameters={dict(params)!r:.160}: YaRN needs factor and "
+                         "original_max_position_embeddings")
+    return theta, {"rope_type": "yarn", **scaling}
 
 
 def ours_config_from_hf(hf_cfg) -> ModelConfig:
@@ -123,6 +135,7 @@ def ours_config_from_hf(hf_cfg) -> ModelConfig:
     if first_dense > num_layers:
         raise ValueError(f"HF config first_k_dense_replace={first_dense} > num_hidden_layers={num_layers}")
     q_lora = d.get("q_lora_rank", _HF_DEFAULTS["q_lora_rank"])
+    theta, scaling = _rope(d)
     moe_ffn = int_field(d, "moe_intermediate_size")
     dims = {k: int_field(d, k, _HF_DEFAULTS[k]) for k in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
                                                           "v_head_dim")}
@@ -131,7 +144,7 @@ def ours_config_from_hf(hf_cfg) -> ModelConfig:
         num_layers=num_layers, num_heads=num_heads, num_kv_heads=num_heads,
         head_dim=dims["qk_nope_head_dim"] + dims["qk_rope_head_dim"],  # the planner's activation estimate only
         max_seq_len=int_field(d, "max_position_embeddings", _HF_DEFAULTS["max_position_embeddings"]),
-        rope_theta=_rope_theta(d), norm_eps=float_field(d, "rms_norm_eps", _HF_DEFAULTS["rms_norm_eps"], positive=True),
+        rope_theta=theta, rope_scaling=scaling, norm_eps=float_field(d, "rms_norm_eps", _HF_DEFAULTS["rms_norm_eps"], positive=True),
         q_lora_rank=0 if q_lora is None else int_field(d, "q_lora_rank"), **dims,
         num_experts=int_field(d, "n_routed_experts"),
         top_k=int_field(d, "num_experts_per_tok", _HF_DEFAULTS["num_experts_per_tok"]), moe_ffn_hidden_size=moe_ffn,
