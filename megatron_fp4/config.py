@@ -22,7 +22,7 @@ from megatron_fp4.config_yaml import MAX_BYTES, Plain, parse_yaml, plain_value, 
 
 @dataclass
 class ModelConfig:
-    # The model family (megatron_fp4/model/registry.py, docs/families.md): qwen3_moe | gpt_oss
+    # The model family (megatron_fp4/model/registry.py, docs/families.md): qwen3_moe | gpt_oss | deepseek_v3
     family: str = "qwen3_moe"
     vocab_size: int = 32
     hidden_size: int = 64
@@ -40,6 +40,18 @@ class ModelConfig:
     layer_types: list = field(default_factory=list)
     sliding_window: int = 0
     norm_eps: float = 1e-6
+    # DeepSeek-V3 multi-head latent attention (model.family=deepseek_v3; 0 elsewhere): q low rank (0:
+    # one q_proj), kv low rank, per-head non-rotary / rotary query-key dims and value dim
+    q_lora_rank: int = 0
+    kv_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
+    # DeepSeek-V3 routing: sigmoid scores, top-k within the moe_topk_group best of moe_n_group expert
+    # groups, combine weights times moe_routed_scaling_factor
+    moe_n_group: int = 1
+    moe_topk_group: int = 1
+    moe_routed_scaling_factor: float = 1.0
     # MoE
     num_experts: int = 8
     top_k: int = 2

@@ -22,7 +22,7 @@ RECOMPUTE_MODULES = ("attention", "experts", "mlp", "moe")
 MOE_TP_TOKENS = ("whole", "local")
 
 # Model families (megatron_fp4/model/registry.py holds their builders; a test pins the two together).
-MODEL_FAMILIES = ("qwen3_moe", "gpt_oss")
+MODEL_FAMILIES = ("qwen3_moe", "gpt_oss", "deepseek_v3")
 
 _CHOICES = {
     "model.family": MODEL_FAMILIES,

@@ -88,7 +88,7 @@ class LayerCache:
         if self.k is None:
             B, H, _, D = k.shape
             self.k = k.new_empty(B, H, self.capacity, D)
-            self.v = v.new_empty(B, H, self.capacity, D)
+            self.v = v.new_empty(B, H, self.capacity, v.shape[-1])  # v's dim may differ (DeepSeek-V3 MLA)
         self.k[:, :, self.filled:end] = k
         self.v[:, :, self.filled:end] = v
         self.filled = end

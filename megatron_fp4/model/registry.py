@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from megatron_fp4.config_choices import MODEL_FAMILIES
 from megatron_fp4.model.decoder import DecoderLayer
+from megatron_fp4.model.deepseek_v3 import DeepseekV3DecoderLayer
 from megatron_fp4.model.gpt_oss import GptOssDecoderLayer
 
 
@@ -29,6 +30,7 @@ class Family:
 FAMILIES = {
     "qwen3_moe": Family("qwen3_moe", DecoderLayer, "qwen3_moe", ("standard", "batch", "exact"), True, True),
     "gpt_oss": Family("gpt_oss", GptOssDecoderLayer, "gpt_oss", ("standard",), False, False),
+    "deepseek_v3": Family("deepseek_v3", DeepseekV3DecoderLayer, "deepseek_v3", ("standard",), False, True),
 }
 assert tuple(FAMILIES) == MODEL_FAMILIES, "config_choices.MODEL_FAMILIES must list the registry's families"
 

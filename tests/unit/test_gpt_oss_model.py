@@ -56,9 +56,9 @@ def test_yarn_inv_freq_against_the_formula():
 
 
 def test_registry_names_every_family():
-    assert sorted(FAMILIES) == ["gpt_oss", "qwen3_moe"]
-    with pytest.raises(ValueError, match=r"\['qwen3_moe', 'gpt_oss'\]"):
-        get_family("deepseek_v3")
+    assert sorted(FAMILIES) == ["deepseek_v3", "gpt_oss", "qwen3_moe"]
+    with pytest.raises(ValueError, match=r"\['qwen3_moe', 'gpt_oss', 'deepseek_v3'\]"):
+        get_family("kimi_k2")
 
 
 def test_megatron_core_mapping_refuses_another_family():

@@ -1,6 +1,6 @@
 """The HF side of the model registry: a checkpoint's family is its config.json's ``model_type``.
 
-Each family's module (`qwen3_moe.py`, `gpt_oss.py`) maps the config fields and the weight names;
+Each family's module (`qwen3_moe.py`, `gpt_oss.py`, `deepseek_v3.py`) maps the config fields and the weight names;
 the functions here pick the module — from the HF config when reading, from ``model.cfg.family``
 when writing — so `build_model_from_hf`, `tools/convert_checkpoint.py` and the RL weight sync need
 nothing else to be told. The model side of a family is `megatron_fp4.model.registry`.
@@ -12,11 +12,12 @@ from typing import Mapping
 import torch
 
 from megatron_fp4.config import ModelConfig
-from megatron_fp4.integrations.hf import gpt_oss, qwen3_moe
+from megatron_fp4.integrations.hf import deepseek_v3, gpt_oss, qwen3_moe
 
-BY_MODEL_TYPE = {qwen3_moe.HF_MODEL_TYPE: qwen3_moe, gpt_oss.HF_MODEL_TYPE: gpt_oss}
+BY_MODEL_TYPE = {qwen3_moe.HF_MODEL_TYPE: qwen3_moe, gpt_oss.HF_MODEL_TYPE: gpt_oss,
+                 deepseek_v3.HF_MODEL_TYPE: deepseek_v3}
 # model.family -> HF module (each family's name is its HF model_type)
-BY_FAMILY = {"qwen3_moe": qwen3_moe, "gpt_oss": gpt_oss}
+BY_FAMILY = {"qwen3_moe": qwen3_moe, "gpt_oss": gpt_oss, "deepseek_v3": deepseek_v3}
 
 
 def for_hf_config(hf_cfg):

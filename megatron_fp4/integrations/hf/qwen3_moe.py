@@ -22,7 +22,7 @@ loader concatenates gate then up per expert, exactly our w13. `to_hf_state_dict`
 """
 from __future__ import annotations
 
-from typing import Any, Mapping, Optional
+from typing import Any, Callable, Mapping, Optional
 
 import torch
 
@@ -218,8 +218,19 @@ def to_hf_state_dict(model, layout: str = "checkpoint") -> dict[str, torch.Tenso
     """HF Qwen3-MoE tensors of `model` (detached; they may be views of our parameters, so clone
     before modifying them). `layout` "checkpoint" (default) gives per-expert tensors as in Hub
     safetensors files; "fused" gives `Qwen3MoeForCausalLM.state_dict()` names of transformers 5.x."""
-    _check_layout(layout)
     _check_no_shared_experts(model)
+    return hf_tensors(model, layout)
+
+
+def _same(name: str) -> str:
+    return name
+
+
+def hf_tensors(model, layout: str = "checkpoint", rename: Callable[[str], str] = _same) -> dict[str, torch.Tensor]:
+    """`to_hf_state_dict` without the Qwen3-MoE check; `rename` maps our other (non-expert, non-router)
+    parameter names to the family's HF names without the ``model.`` prefix (DeepSeek-V3 shares the
+    rest of this layout)."""
+    _check_layout(layout)
     out: dict[str, torch.Tensor] = {}
     for name, param in _weights(model):
         t = param.detach()
@@ -245,7 +256,7 @@ def to_hf_state_dict(model, layout: str = "checkpoint") -> dict[str, torch.Tenso
                 for e in range(t.shape[0]):
                     out[f"{base}{e}.down_proj.weight"] = t[e]
         else:
-            out["model." + name] = t
+            out["model." + rename(name)] = t
     return out
 
 
@@ -305,7 +316,8 @@ def _expert_offsets(model) -> dict[str, int]:
     return {f"{name}.": m.expert_offset for name, m in model.named_modules() if isinstance(m, GroupedExperts)}
 
 
-def _collect(model, sd: Mapping[str, torch.Tensor], headers_only: bool = False) -> tuple[dict, _Collector]:
+def _collect(model, sd: Mapping[str, torch.Tensor], headers_only: bool = False,
+             rename: Callable[[str], str] = _same) -> tuple[dict, _Collector]:
     """Our parameter name -> checkpoint tensor (in our layout), plus the bookkeeping. `model` may be
     one rank's shard (pipeline chunks, local experts): only its parameters are read."""
     col, found = _Collector(sd, headers_only), {}
@@ -332,7 +344,7 @@ def _collect(model, sd: Mapping[str, torch.Tensor], headers_only: bool = False) 
         elif name == "lm_head.weight":
             t = col.take(name, shape)
         else:
-            t = col.take("model." + name, shape)
+            t = col.take("model." + rename(name), shape)
         if t is not None:
             found[name] = t
     embed = found.get("embed_tokens.weight")
@@ -380,7 +392,15 @@ def check_hf_state_dict(model, sd: Mapping[str, torch.Tensor], shard: bool = Fal
 
 def _checked(model, sd: Mapping[str, torch.Tensor], shard: bool, headers_only: bool) -> dict[str, torch.Tensor]:
     _check_no_shared_experts(model)
-    found, col = _collect(model, sd, headers_only)
+    return checked_tensors(model, sd, shard, headers_only)
+
+
+def checked_tensors(model, sd: Mapping[str, torch.Tensor], shard: bool, headers_only: bool,
+                    rename: Callable[[str], str] = _same, family: str = "Qwen3-MoE",
+                    hf_class: str = HF_ARCHITECTURE) -> dict[str, torch.Tensor]:
+    """`ours_from_hf_state_dict`'s checks and tensors for any family sharing this layout (`rename`
+    as in `hf_tensors`); `family` and `hf_class` name it in the error."""
+    found, col = _collect(model, sd, headers_only, rename)
     unexpected = [] if shard else sorted(set(sd) - col.used)
     if col.missing or unexpected or col.bad_shape or col.bad_dtype:
         problems = []
@@ -393,7 +413,7 @@ def _checked(model, sd: Mapping[str, torch.Tensor], shard: bool, headers_only: b
         if col.bad_dtype:
             problems.append(f"non-float tensors where the model has float weights ({len(col.bad_dtype)}): "
                             f"{_listed(col.bad_dtype)}")
-        raise ValueError("HF Qwen3-MoE state dict does not match the model: " + "; ".join(problems)
+        raise ValueError(f"HF {family} state dict does not match the model: " + "; ".join(problems)
                          + ". Build the model from the checkpoint's own config (ours_config_from_hf) and pass "
-                           "a Qwen3MoeForCausalLM state dict (keys start with 'model.' or 'lm_head.').")
+                           f"a {hf_class} state dict (keys start with 'model.' or 'lm_head.').")
     return found
