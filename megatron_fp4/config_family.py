@@ -92,6 +92,8 @@ def validate_deepseek_v3(m, cfg) -> None:
         _require(getattr(cfg.parallel, name) == 1, f"parallel.{name}", getattr(cfg.parallel, name),
                  f"{why} is not split by tensor parallel yet (latent attention has no tp plan): set 1 and use "
                  "pp/ep/dp")
+    _require(getattr(cfg.parallel, "cp", 1) == 1, "parallel.cp", getattr(cfg.parallel, "cp", 1),
+             f"{why}'s latent attention has no context-parallel K/V gather yet: set 1 and use pp/ep/dp")
 
 
 def validate_family(cfg) -> None:
