@@ -7,6 +7,8 @@
   log-probs, every step's loss and metrics, and (tp) every parameter after the steps, a cut weight
   against the same slice of the single process's; the routes the trainer picked are equal ids.
 - every rank returns the same bits for the scores (each row written by one rank, summed over the mesh).
+- ``pp2_exact`` (float32, ``numerics.invariance: exact``): the old and reference log-probs are the single
+  process's bits (a row's bits depend on the row only, whatever the layout).
 """
 from __future__ import annotations
 
@@ -20,7 +22,10 @@ from tests.numerics import FP64_REL, rel, single_thread
 pytestmark = pytest.mark.distributed
 
 LAYOUTS = {"tp2": (dict(tp=2), 2), "tp2_no_sp": (dict(tp=2, sequence_parallel=False), 2),
-           "pp2": (dict(pp=2), 1), "pp2_interleaved": (dict(pp=2, virtual_stages=2, schedule="interleaved_1f1b", layers=4), 1)}
+           "pp2": (dict(pp=2), 1), "pp2_interleaved": (dict(pp=2, virtual_stages=2, schedule="interleaved_1f1b", layers=4), 1),
+           # fp32 at numerics.invariance=exact: the scores are the single process's bits (not at tp: the
+           # cut linears' partial sums are rounded before the tp group adds them; exact FP4 on a slice is refused)
+           "pp2_exact": (dict(pp=2, exact=True), 1)}
 KEYS = ("loss", "grad_norm", "pg_loss", "kl", "clipfrac")
 ROWS, GROUP = 8, 2
 
@@ -64,13 +69,22 @@ def _params(trainer) -> dict:
     return out
 
 
+def cfg_for(spec: dict):
+    spec = dict(spec)
+    exact = spec.pop("exact", False)
+    cfg = layout_cfg(spec)
+    if exact:
+        cfg.dtype, cfg.numerics.invariance = "fp32", "exact"
+    return cfg
+
+
 def _layouts(rank, world_size):
     from megatron_fp4.parallel.mesh import ParallelMesh
     from megatron_fp4.training.trainer import Trainer
 
     out = {}
     for name, (spec, steps) in LAYOUTS.items():
-        cfg = layout_cfg(spec)
+        cfg = cfg_for(spec)
         p = cfg.parallel
         trainer = Trainer(cfg, ParallelMesh.build(p.pp, world_size // (p.pp * p.tp), p.ep, tp=p.tp), build_data=False)
         out[name] = grpo(trainer, steps)
@@ -82,7 +96,7 @@ def _layouts(rank, world_size):
 def _reference(spec: dict, steps: int) -> dict:
     from megatron_fp4.training.trainer import Trainer
 
-    cfg = layout_cfg(spec)
+    cfg = cfg_for(spec)
     p = cfg.parallel
     p.pp, p.tp, p.virtual_stages, p.schedule = 1, 1, 1, "1f1b"
     with single_thread():
@@ -106,11 +120,15 @@ def test_scoring_and_grpo_match_single_process(results, name):
         assert len(got["scores"]) == steps
         for g, w in zip(got["scores"], want["scores"]):
             for key in ("old_log_probs", "ref_log_probs"):
+                if spec.get("exact"):
+                    assert torch.equal(g[key], w[key]), (name, rank, key, rel(g[key], w[key]))
                 assert rel(g[key], w[key]) <= FP64_REL, (name, rank, key, rel(g[key], w[key]))
             assert torch.equal(g["train_routing"], w["train_routing"]), (name, rank)
         for g, w in zip(got["scores"], results[0][name]["scores"]):  # the same bits on every rank
             assert all(torch.equal(g[k], w[k]) for k in g), (name, rank)
         assert len(got["results"]) == len(want["results"]) == steps
+        if spec.get("exact"):
+            continue  # the fp32 update: tests/distributed/test_tp_trainer*.py, test_parallel_training.py
         for g, w in zip(got["results"], want["results"]):
             for key in KEYS:
                 assert abs(g[key] - w[key]) <= FP64_REL * abs(w[key]), (name, rank, key, g[key], w[key])
