@@ -19,8 +19,9 @@ import torch
 from megatron_fp4.fp4 import numerics_of
 from megatron_fp4.rollout.engine import fp4_mode, positions_from_mask
 from megatron_fp4.rollout.logprobs import log_probs_from_logits, to_token_positions
+from megatron_fp4.training.forward_only import RowLoss
 
-__all__ = ["ScoreOutput", "compute_log_probs", "log_probs_from_logits", "score"]
+__all__ = ["ScoreOutput", "TokenLogProbs", "compute_log_probs", "log_probs_from_logits", "score"]
 
 
 @dataclass
@@ -33,6 +34,26 @@ class ScoreOutput:
     log_probs: torch.Tensor
     routing: Optional[torch.Tensor] = None
     distributions: Optional[torch.Tensor] = None
+
+
+def model_inputs(tokens: torch.Tensor, attention_mask: torch.Tensor, routing_in: Optional[torch.Tensor] = None) -> dict:
+    """The model's inputs for a scored batch (verl layout): positions from the mask, routes to replay."""
+    return {"tokens": tokens, "positions": positions_from_mask(attention_mask), "attention_mask": attention_mask,
+            "routing_in": routing_in}
+
+
+class TokenLogProbs(RowLoss):
+    """The rows of `Trainer.forward_rows` for scoring: each token's log-prob ([b, T] as `compute_log_probs`)
+    of a micro-batch {input_ids, attention_mask, response_mask, replay_routing (optional)}; any layout."""
+
+    def __init__(self, numerics=None):
+        self.numerics = numerics
+
+    def model_inputs(self, mb: dict) -> dict:
+        return model_inputs(mb["input_ids"], mb["attention_mask"], mb.get("replay_routing"))
+
+    def rows(self, logits: torch.Tensor, mb: dict) -> torch.Tensor:
+        return log_probs_from_logits(logits, mb["input_ids"], mb["response_mask"], self.numerics)[0]
 
 
 def compute_log_probs(model, tokens: torch.Tensor, attention_mask: torch.Tensor,
@@ -50,9 +71,10 @@ def compute_log_probs(model, tokens: torch.Tensor, attention_mask: torch.Tensor,
     level = ("standard" if torch.is_grad_enabled() else "batch") if invariance is None else invariance
     numerics = numerics_of(model)
     with fp4_mode(model, mode), numerics.invariant(level):
-        replay = {} if routing_in is None else {"routing_in": routing_in}
-        out = model(tokens, positions_from_mask(attention_mask), attention_mask, return_routing=return_routing,
-                    **replay)
+        inputs = model_inputs(tokens, attention_mask, routing_in)
+        if routing_in is None:
+            del inputs["routing_in"]
+        out = model(**inputs, return_routing=return_routing)
         log_probs, logp_all = log_probs_from_logits(out.logits, tokens, attention_mask if response_mask is None
                                                     else response_mask, numerics)
     routing = dists = None

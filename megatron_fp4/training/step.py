@@ -27,6 +27,7 @@ import torch.distributed as dist
 from megatron_fp4.fp4 import NonFiniteInputError
 from megatron_fp4.fp4.fused import adopt_ready as adopt_compiled_fp4
 from megatron_fp4.model.moe import update_expert_bias
+from megatron_fp4.training.forward_only import forward_rows
 from megatron_fp4.training.nonfinite import NonFiniteError, all_finite
 from megatron_fp4.training.optim import clip_coefficient, lr_at
 from megatron_fp4.training.step_loss import (LossFn, context_parallel_loss, lm_loss_fn, require_step_loss,
@@ -81,11 +82,11 @@ class TrainingStep:
         # rank, then the dp ranks before this one (each reads a contiguous share of the batch; the cp
         # ranks of one dp replica share its micro-batches).
         first = done * self.mesh.data_dp + self.mesh.coord("data") * n
-        if forward_only:
-            if self.pipeline is not None:
-                raise ValueError("forward_backward(forward_only=True) runs the whole model: not with parallel.pp > 1")
+        if forward_only:  # every layout: with pp > 1 the schedule's forward-only mode (`forward_rows`)
             with torch.no_grad(), self.model.numerics.training_step(self.step, first_micro_batch=first), \
                     self._weight_cache():
+                if self.pipeline is not None:
+                    return self.pipeline.run(micro_batches, require_step_loss(loss_fn), forward_only=True)
                 return self._local_forward_backward(micro_batches, loss_fn, weights, backward=False)
         self.model.set_aux_loss_scale(1.0 / n)
         if not accumulate and done == 0:
@@ -124,6 +125,11 @@ class TrainingStep:
             step["metrics"][key] = step["metrics"].get(key, 0.0) + value
         step["tokens"] += sum(mb["tokens"].numel() for mb in micro_batches if "tokens" in mb)
         return loss, metrics
+
+    def forward_rows(self, batch: dict, row_loss, micro_batch_size: int, capture_routing: bool = False):
+        """Forward-only per-row outputs of `batch` on any layout, the same on every rank: (rows [B, T],
+        routes [B, T, num_moe_layers, k] or None); `training/forward_only.py`."""
+        return forward_rows(self, batch, row_loss, micro_batch_size, capture_routing)
 
     def _local_forward_backward(self, micro_batches: list[dict], loss_fn: LossFn,
                                 weights: Optional[Sequence[float]], backward: bool = True) -> tuple[float, dict]:

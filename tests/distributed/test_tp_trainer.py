@@ -23,7 +23,6 @@ from megatron_fp4.model import lm_loss
 from megatron_fp4.parallel.dims import ParallelDims
 from megatron_fp4.training.step_loss import StepLoss, lm_loss_fn
 from tests.distributed.conftest import layout_results
-from tests.distributed.launch import run_distributed
 from tests.distributed.test_parallel_training import STEPS, tiny_cfg
 from tests.numerics import FP64_REL, rel, single_thread
 
@@ -183,21 +182,3 @@ def test_tp_is_accepted_and_etp_only_as_the_tp_group():
     cfg.parallel.etp = 4
     with pytest.raises(ConfigError, match="parallel.etp=4: expert tensor parallelism is implemented with the etp"):
         ParallelDims.from_config(cfg, 8)
-
-
-def _scorer_refusal(rank, world_size):
-    from megatron_fp4.parallel.mesh import ParallelMesh
-    from megatron_fp4.rl.scorer import PolicyScorer
-    from megatron_fp4.training.trainer import Trainer
-
-    trainer = Trainer(layout_cfg(dict(tp=2)), ParallelMesh.build(1, 1, 1, tp=2))
-    try:
-        PolicyScorer(trainer, 2, keep_reference=False)
-    except ValueError as err:
-        return str(err)
-    return None
-
-
-def test_rl_scoring_under_tp_is_refused_not_wrong():
-    for message in run_distributed(_scorer_refusal, 2, timeout_s=300):
-        assert message is not None and "parallel.tp=2 is not implemented yet" in message, message

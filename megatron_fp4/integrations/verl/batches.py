@@ -14,13 +14,15 @@ temperature-scaled numbers come from the model's log-softmax rows.
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
+from megatron_fp4.fp4 import numerics_of
 from megatron_fp4.model.router import check_route_dtype
-from megatron_fp4.rollout.logprobs import next_token_log_probs
-from megatron_fp4.rollout.scoring import compute_log_probs
+from megatron_fp4.rollout.logprobs import log_probs_from_logits, next_token_log_probs, to_token_positions
+from megatron_fp4.rollout.scoring import model_inputs
+from megatron_fp4.training.step_loss import StepLoss
 
 
 def _temperature(data) -> float:
@@ -37,42 +39,99 @@ def _temperature(data) -> float:
     return t
 
 
-def score_padded_tokens(model, tokens: torch.Tensor, mask: torch.Tensor, temperature: float = 1.0,
-                        entropy: bool = False, routing_in: Optional[torch.Tensor] = None, routes: Optional[list] = None
-                        ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """(log_probs [B, T], entropy [B, T] or None): position t is about token t (0 at t = 0 and
-    where `mask` is 0), logits divided by `temperature`. `routing_in`: routes to replay (the
-    model's argument, [B, T, num_moe_layers, k] at the positions); `routes`: a list that gets the
-    routes used ([B, T, num_moe_layers, k], row t: position t-1's, as `compute_log_probs`)."""
-    want = routes is not None
-    rows_needed = entropy or temperature != 1.0
-    res = compute_log_probs(model, tokens, mask, return_distributions=rows_needed, routing_in=routing_in,
-                            return_routing=want)
-    if want:
-        routes.append(res.routing)
-    if not rows_needed:
-        return res.log_probs, None
-    lp, dists = res.log_probs, res.distributions  # [B, T], [B, T, V] (row 0 zero)
+class RouteRecorder:
+    """The experts every MoE router of `model` picks, call by call (R2's old-log-prob pass records
+    them): `take(shape)` -> [B, T, num_moe_layers, k] of the micro-batch just run, row t position
+    t-1's (as `compute_log_probs`)."""
+
+    def __init__(self, model):
+        self.picks, self.hooks = [], [m.router.register_forward_hook(lambda _m, _a, out: self.picks.append(out[2]))
+                                      for m in model.moe_layers()]
+
+    def take(self, shape) -> torch.Tensor:
+        picks, self.picks = self.picks, []
+        return to_token_positions(torch.stack([p.view(*shape, -1) for p in picks], dim=2))
+
+    def remove(self) -> None:
+        for h in self.hooks:
+            h.remove()
+
+
+def padded_outputs(logits: torch.Tensor, tokens: torch.Tensor, mask: torch.Tensor, temperature: float = 1.0,
+                   entropy: bool = False, numerics=None) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """(log_probs [B, T], entropy [B, T] or None) of `tokens` [B, T] under `logits` [B, T, V]: position
+    t is about token t (0 at t = 0 and where `mask` is 0), logits divided by `temperature`."""
+    lp, rows = log_probs_from_logits(logits, tokens, mask, numerics)  # rows [B, T-1, V]
+    if not (entropy or temperature != 1.0):
+        return lp, None
     if temperature != 1.0:
-        rows = torch.log_softmax(dists[:, 1:] / temperature, dim=-1)
+        rows = torch.log_softmax(rows / temperature, dim=-1)
         lp = next_token_log_probs(rows, tokens, mask)
-        dists = torch.cat([torch.zeros_like(dists[:, :1]), rows], dim=1)
     ent = None
     if entropy:
-        ent = -(dists.exp() * dists).sum(-1) * mask.to(dists.dtype)
-        ent = torch.cat([torch.zeros_like(ent[:, :1]), ent[:, 1:]], dim=1)
+        ent = -(rows.exp() * rows).sum(-1)
+        ent = torch.cat([torch.zeros_like(ent[:, :1]), ent], dim=1) * mask.to(ent.dtype)
     return lp, ent
+
+
+class VerlScore(StepLoss):
+    """verl's model outputs of a micro-batch as a `StepLoss` (so `Trainer.forward_backward` runs them
+    on any layout: under tp the logits arrive gathered over the vocabulary): `model_inputs` reads the
+    micro-batch's tokens (padded or nested layout, `nested`), `outputs(logits, mb)` gives verl's dict
+    ({"log_probs", "entropy"}, "routed_experts" when `recorder` records the routes); `loss` hands it to
+    `loss_fn(outputs, mb)` -> (loss, metrics)."""
+
+    def __init__(self, nested: bool, entropy: bool, replay: str = "off", recorder: Optional[RouteRecorder] = None,
+                 numerics=None, loss_fn: Optional[Callable] = None):
+        self.nested, self.entropy, self.replay, self.recorder = nested, entropy, replay, recorder
+        self.numerics, self.loss_fn = numerics, loss_fn
+
+    def _tokens(self, mb):
+        if self.nested:
+            return nested_to_padded(mb["input_ids"])
+        return mb["input_ids"], mb["attention_mask"], None
+
+    def model_inputs(self, mb) -> dict:
+        tokens, mask, _ = self._tokens(mb)
+        routing_in = replay_routes(mb, self.replay, tokens.shape) if self.replay != "off" else None
+        return model_inputs(tokens, mask, routing_in)
+
+    def outputs(self, logits: torch.Tensor, mb) -> dict:
+        tokens, mask, lengths = self._tokens(mb)
+        lp, ent = padded_outputs(logits, tokens, mask, _temperature(mb), self.entropy, self.numerics)
+        if not self.nested:
+            R = mb["responses"].shape[1]
+            keep = mb["response_mask"].to(lp.dtype) if "response_mask" in mb.keys() else 1.0
+            out = {"log_probs": lp[:, -R:] * keep}
+            if ent is not None:
+                out["entropy"] = ent[:, -R:] * keep
+            return out
+        out = {"log_probs": to_shifted_nested(lp, lengths)}
+        if ent is not None:
+            out["entropy"] = to_shifted_nested(ent, lengths)
+        if self.recorder is not None:  # row t holds position t-1's route: position t's is row t+1; each final one: -1 (live)
+            used = self.recorder.take(tokens.shape)
+            rows = [torch.cat([used[i, 1:int(n)], torch.full_like(used[i, :1], -1)])
+                    for i, n in enumerate(lengths.tolist())]
+            out["routed_experts"] = torch.nested.as_nested_tensor(rows, layout=torch.jagged)
+        return out
+
+    def loss(self, logits, mb):
+        return self.loss_fn(self.outputs(logits, mb), mb)
+
+
+def _score(model, mb, score: VerlScore) -> dict:
+    """`score`'s outputs of one micro-batch by a bare model (no Trainer: verl's checks, one replica)."""
+    level = "batch" if not torch.is_grad_enabled() else "standard"  # as compute_log_probs
+    numerics = numerics_of(model)
+    score.numerics = numerics
+    with numerics.invariant(level):
+        return score.outputs(model(**score.model_inputs(mb)).logits, mb)
 
 
 def score_padded(model, mb, entropy: bool = False) -> dict:
     """Outputs of a padded-layout micro-batch: {"log_probs": [B, R], "entropy": [B, R]}."""
-    R = mb["responses"].shape[1]
-    lp, ent = score_padded_tokens(model, mb["input_ids"], mb["attention_mask"], _temperature(mb), entropy)
-    keep = mb["response_mask"].to(lp.dtype) if "response_mask" in mb.keys() else 1.0
-    out = {"log_probs": lp[:, -R:] * keep}
-    if ent is not None:
-        out["entropy"] = ent[:, -R:] * keep
-    return out
+    return _score(model, mb, VerlScore(False, entropy))
 
 
 def nested_to_padded(ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -98,18 +157,12 @@ def score_nested(model, mb, entropy: bool = False, replay: str = "off", record: 
     with "r3" (the rollout's routes, one row short: none for the final token) aligned and masked by
     verl's own `align_r3_router_replay_data` / `build_r3_replay_mask` (every row but the final one).
     `record` (R2's old-log-prob pass): the routes used, in the same layout, as "routed_experts"."""
-    tokens, mask, lengths = nested_to_padded(mb["input_ids"])
-    routing_in = replay_routes(mb, replay, tokens.shape) if replay != "off" else None
-    used = [] if record else None
-    lp, ent = score_padded_tokens(model, tokens, mask, _temperature(mb), entropy, routing_in, used)
-    out = {"log_probs": to_shifted_nested(lp, lengths)}
-    if ent is not None:
-        out["entropy"] = to_shifted_nested(ent, lengths)
-    if record:  # row t holds position t-1's route: position t's is row t+1; each final one: -1 (live)
-        rows = [torch.cat([used[0][i, 1:int(n)], torch.full_like(used[0][i, :1], -1)])
-                for i, n in enumerate(lengths.tolist())]
-        out["routed_experts"] = torch.nested.as_nested_tensor(rows, layout=torch.jagged)
-    return out
+    recorder = RouteRecorder(model) if record else None
+    try:
+        return _score(model, mb, VerlScore(True, entropy, replay, recorder))
+    finally:
+        if recorder is not None:
+            recorder.remove()
 
 
 def replay_routes(mb, replay: str, shape) -> torch.Tensor:

@@ -16,7 +16,7 @@ model output handed to `loss_function(model_output, data, dp_group)` is {"log_pr
 `ppo_loss` and its `Metric` objects work unchanged (no-padding batches go through verl's
 `prepare_micro_batches` / `postprocess_batch_func`, as verl's FSDP engine does). verl's router replay
 (``engine_config.router_replay.mode`` R2 / R3 with the batch's ``enable_routing_replay``) records and
-replays ``routed_experts`` as verl's Megatron engine does (`_router_replay`, `batches.score_nested`).
+replays ``routed_experts`` as verl's Megatron engine does (`_router_replay`, `batches.VerlScore`).
 
 The step is the trainer's (`training/step.py`): `forward_backward_batch` runs its micro-batches
 through `Trainer.forward_backward` (FP4 step context keyed by optimizer step and micro-batch, also
@@ -38,7 +38,7 @@ from verl.utils.metric import Metric
 from verl.utils.py_functional import append_to_dict
 
 from megatron_fp4.config import Config
-from megatron_fp4.integrations.verl.batches import score_nested, score_padded
+from megatron_fp4.integrations.verl.batches import RouteRecorder, VerlScore, score_padded
 from megatron_fp4.integrations.verl.construct import config_from_verl, data_parallel_mesh, model_dir, router_replay_mode
 from megatron_fp4.parallel.mesh import ParallelMesh
 from megatron_fp4.training.checkpoint_files import write_durable_text
@@ -163,16 +163,16 @@ class MegatronFP4Engine(BaseEngine):
             return self._forward_backward_no_padding(data, loss_function, forward_only)
         return self._forward_backward_padded(data, loss_function, forward_only)
 
-    def _run(self, micro_batches: list, score: Callable, loss_function, forward_only: bool,
+    def _run(self, micro_batches: list, score: VerlScore, loss_function, forward_only: bool,
              weights: list[float]) -> list[tuple]:
-        """The micro-batches through `Trainer.forward_backward`: the model output of each (`score`),
-        verl's `loss_function(model_output, data, dp_group)` on it, backward of weight × loss
-        (verl's losses are normalised already: weight 1 on no-padding batches, rows/B on padded ones).
-        Returns (model output, loss, metrics) per micro-batch."""
+        """The micro-batches through `Trainer.forward_backward` (any layout: `score` is a `StepLoss`):
+        the model output of each (`score.outputs`), verl's `loss_function(model_output, data, dp_group)`
+        on it, backward of weight × loss (verl's losses are normalised already: weight 1 on no-padding
+        batches, rows/B on padded ones). Numerics level as `compute_log_probs`: ``batch`` forward-only,
+        ``standard`` with gradients. Returns (model output, loss, metrics) per micro-batch."""
         group, records = self.get_data_parallel_group(), []
 
-        def loss_fn(model, mb):
-            out = score(model, mb)
+        def loss_fn(out, mb):
             if loss_function is None:
                 loss, metrics = torch.zeros((), device=self.trainer.device), {}
             else:
@@ -180,8 +180,15 @@ class MegatronFP4Engine(BaseEngine):
             records.append(({k: v.detach() for k, v in out.items()}, float(loss.detach()), metrics))
             return loss, {}
 
-        self.trainer.forward_backward(micro_batches, loss_fn, weights=weights, accumulate=True,
-                                      forward_only=forward_only)
+        numerics = self.trainer.model.numerics
+        score.numerics, score.loss_fn = numerics, loss_fn
+        try:
+            with numerics.invariant("batch" if forward_only else "standard"):
+                self.trainer.forward_backward(micro_batches, score, weights=weights, accumulate=True,
+                                              forward_only=forward_only)
+        finally:
+            if score.recorder is not None:
+                score.recorder.remove()
         return records
 
     def _router_replay(self, data, forward_only: bool) -> tuple[str, bool]:
@@ -204,8 +211,8 @@ class MegatronFP4Engine(BaseEngine):
         mbs = self.micro_batch_size or B
         entropy = bool(_non_tensor(data, "calculate_entropy", False))
         micro_batches = [data[start:start + mbs] for start in range(0, B, mbs)]
-        records = self._run(micro_batches, lambda model, mb: score_padded(model, mb, entropy), loss_function,
-                            forward_only, [mb["input_ids"].shape[0] / B for mb in micro_batches])
+        records = self._run(micro_batches, VerlScore(False, entropy), loss_function, forward_only,
+                            [mb["input_ids"].shape[0] / B for mb in micro_batches])
         outputs, metrics = {}, {}
         for out, _, extra in records:
             for k, v in out.items():
@@ -232,8 +239,8 @@ class MegatronFP4Engine(BaseEngine):
         replay, record = self._router_replay(data, forward_only)
         micro_batches, indices = prepare_micro_batches(data=data, dp_group=group, same_micro_num_in_dp=True)
         micro_batches = list(micro_batches)
-        records = self._run(micro_batches, lambda model, mb: score_nested(model, mb, entropy, replay, record),
-                            loss_function, forward_only, [1.0] * len(micro_batches))
+        score = VerlScore(True, entropy, replay, RouteRecorder(self.trainer.model) if record else None)
+        records = self._run(micro_batches, score, loss_function, forward_only, [1.0] * len(micro_batches))
         output_lst = [{"model_output": out, "loss": loss, "metrics": metrics} for out, loss, metrics in records]
         return postprocess_batch_func(output_lst=output_lst, indices=indices, data=data)
 
