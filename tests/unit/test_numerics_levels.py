@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from megatron_fp4.fp4 import Numerics, invariant
 from megatron_fp4.fp4.exact_gemm import exact_linear
-from megatron_fp4.fp4.tiled import KEY_BLOCK, ROW_TILE, block_attention, tiled_grouped_linear, tiled_linear
+from megatron_fp4.fp4.tiled import KEY_BLOCK, ROW_TILE, block_attention, row_sum, tiled_grouped_linear, tiled_linear
 
 U = 2.0 ** -24  # fp32 unit roundoff
 
@@ -59,12 +59,31 @@ def test_tiled_linear_bias_leading_dims_and_grad():
     b = torch.randn(8, generator=g, requires_grad=True)
     y = tiled_linear(x, w, b)
     assert y.shape == (2, 21, 8)
+    with torch.no_grad():  # the autograd Function's forward is the tiles' (same bits)
+        assert torch.equal(bits(y.detach()), bits(tiled_linear(x, w, b)))
     assert torch.equal(bits(y), bits(tiled_linear(x.reshape(42, 32), w, b).reshape(2, 21, 8)))
     y.square().sum().backward()
     x2, w2, b2 = (t.detach().clone().double().requires_grad_() for t in (x, w, b))
     F.linear(x2, w2, b2).square().sum().backward()
     for got, ref in ((x.grad, x2.grad), (w.grad, w2.grad), (b.grad, b2.grad)):
         torch.testing.assert_close(got.double(), ref, rtol=1e-4, atol=1e-4)  # fp32 chain vs fp64, O(K u) relative
+
+
+@pytest.mark.parametrize("n", [7, 300, 40000])
+def test_row_sum_row_bits_do_not_depend_on_the_batch(threads, n):
+    """A row summed alone (a lone row: ATen would split it across threads; 40000 > its grain) or
+    among others, shuffled, non-contiguous: the same bits; within gamma_n of the float64 sum."""
+    g = torch.Generator().manual_seed(n)
+    x = torch.randn(9, n, generator=g)
+    full = row_sum(x)
+    perm = torch.randperm(9, generator=g)
+    assert torch.equal(bits(row_sum(x[perm])), bits(full[perm]))
+    assert torch.equal(bits(row_sum(x.t().contiguous().t())), bits(full))  # a column-major copy
+    for i in (1, 4, 8):
+        assert torch.equal(bits(row_sum(x[i], keepdim=True)), bits(full[i:i + 1]))  # alone
+        assert torch.equal(bits(row_sum(x[i - 1:i + 1].reshape(2, 1, n))[-1, 0]), bits(full[i]))  # with another
+    ref = x.double().sum(-1)
+    assert ((full.double() - ref).abs() <= gamma(n) * x.double().abs().sum(-1)).all()
 
 
 def test_tiled_grouped_linear_is_each_run_alone():
