@@ -6,7 +6,7 @@ every op here as an explicit argument) picks the ops:
 - ``standard``: the plain kernels (a row's bits may depend on its batch).
 - ``batch``: fixed-shape kernel calls (``tiled.py``): GEMMs over fixed row tiles, attention over
   fixed key blocks combined in block order, row sums by ATen's ``sum`` on each row alone
-  (:func:`last_dim_sum`) and the row-local SiLU below. A row's bits do not depend on its batch size or position, padding, micro-batch split, or KV cache vs
+  (:func:`last_dim_sum`), ATen's softmax / log-softmax (row-local kernels) and the SiLU below. A row's bits do not depend on its batch size or position, padding, micro-batch split, or KV cache vs
   full forward — at one tensor-parallel layout, on one machine and build.
 - ``exact``: every GEMM's sum is exact (no order), and the row sums and attention's reductions
   are fixed trees: the bits are independent of the layout (and of the vector width) too:
@@ -143,19 +143,24 @@ def silu(x: torch.Tensor, numerics=None) -> torch.Tensor:
 
 
 def softmax(x: torch.Tensor, numerics=None) -> torch.Tensor:
-    """Softmax over the last dim (in x's dtype); at a row-invariant level with a :func:`last_dim_sum` denominator."""
-    if not enabled(numerics, x):
+    """Softmax over the last dim (in x's dtype). At ``batch``: ATen's own kernel, which reduces each
+    row alone (threads take whole rows; a row's max, sum and log run over that row, the per-row
+    results of a chunk through the same vector function, its tail included) — checked like the
+    other row kernels in ``tests/unit/test_numerics_levels.py``. At ``exact``: a :func:`tree_sum`
+    denominator (an order fixed by the index alone, whatever the vector width)."""
+    if not enabled(numerics, x) or tiled(numerics, x):
         return torch.softmax(x, dim=-1, dtype=x.dtype)
     e = torch.exp(x - x.amax(-1, keepdim=True))
-    return e / last_dim_sum(e, numerics)
+    return e / tree_sum(e, -1, keepdim=True)
 
 
 def log_softmax(x: torch.Tensor, numerics=None) -> torch.Tensor:
-    """Log-softmax over the last dim; at a row-invariant level ``(x − max) − log(last_dim_sum(exp(x − max)))``."""
-    if not enabled(numerics, x):
+    """Log-softmax over the last dim: ATen's kernel at ``batch`` (row-local, see :func:`softmax`);
+    at ``exact`` ``(x − max) − log(tree_sum(exp(x − max)))``."""
+    if not enabled(numerics, x) or tiled(numerics, x):
         return torch.log_softmax(x, dim=-1)
     shifted = x - x.amax(-1, keepdim=True)
-    return shifted - torch.log(last_dim_sum(torch.exp(shifted), numerics))
+    return shifted - torch.log(tree_sum(torch.exp(shifted), -1, keepdim=True))
 
 
 def mean_square(x: torch.Tensor, numerics=None) -> torch.Tensor:

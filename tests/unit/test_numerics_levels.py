@@ -86,6 +86,30 @@ def test_row_sum_row_bits_do_not_depend_on_the_batch(threads, n):
     assert ((full.double() - ref).abs() <= gamma(n) * x.double().abs().sum(-1)).all()
 
 
+@pytest.mark.parametrize("n", [7, 2048, 40000])
+def test_batch_level_softmax_row_bits_do_not_depend_on_the_batch(threads, n):
+    """The batch level's softmax / log-softmax (ATen's row-local kernels): a row alone, among others,
+    at another position in a longer batch: the same bits; within a few ulp of float64."""
+    nx = Numerics(invariance="batch")
+    g = torch.Generator().manual_seed(n)
+    x = torch.randn(9, n, generator=g) * 5
+    for f, ref_f in ((invariant.softmax, torch.softmax), (invariant.log_softmax, torch.log_softmax)):
+        full = f(x, nx)
+        perm = torch.randperm(9, generator=g)
+        assert torch.equal(bits(f(x[perm], nx)), bits(full[perm]))
+        assert torch.equal(bits(f(torch.cat([x[:4], x]), nx)[4:]), bits(full))
+        for i in (0, 5, 8):
+            assert torch.equal(bits(f(x[i:i + 1], nx)[0]), bits(full[i]))
+        ref = ref_f(x.double(), -1)
+        # x − max rounds by u·|x − max| (≤ u·S, S the row's largest shift), which exp turns into a
+        # relative error, plus a few ulp of exp itself; the sum adds gamma_n: each probability is
+        # within 2·(S + 8)·u + gamma_n relative, a log-probability within that (absolute) + 2u·|log p|
+        shift = (x - x.amax(-1, keepdim=True)).abs().amax(-1, keepdim=True).double()
+        rel = 2 * (shift + 8) * U + gamma(n)
+        bound = rel * ref.abs() if f is invariant.softmax else rel + 2 * U * ref.abs()
+        assert ((full.double() - ref).abs() <= bound).all()
+
+
 def test_tiled_grouped_linear_is_each_run_alone():
     g = torch.Generator().manual_seed(1)
     counts = [5, 0, 19, 1]
