@@ -108,13 +108,21 @@ def tiled_grouped_linear(x: torch.Tensor, weights, counts) -> torch.Tensor:
     return torch.cat(outs) if outs else x.new_zeros(0, weights[0].shape[0])
 
 
-def _tiles(t: torch.Tensor, dim: int, size: int) -> torch.Tensor:
-    """``t`` zero-padded along ``dim`` to a multiple of ``size`` and split there into [n, size]."""
+def _zero_padded(t: torch.Tensor, dim: int, size: int, extra: int = 0) -> torch.Tensor:
+    """``t`` in a fresh contiguous buffer zero-padded along ``dim`` to a multiple of ``size`` (at
+    least one), and ``extra`` more last-dim columns of ones (the values' denominator column)."""
     n = t.shape[dim]
     full = max(1, -(-n // size)) * size
-    if full > n:
-        t = F.pad(t.movedim(dim, -1), (0, full - n)).movedim(-1, dim)
-    return t.contiguous().reshape(*t.shape[:dim], full // size, size, *t.shape[dim + 1:])
+    shape = list(t.shape)
+    shape[-1] += extra
+    shape[dim] = full
+    if full == n and not extra:
+        return t.contiguous()
+    out = t.new_zeros(shape)
+    if extra:
+        out[..., t.shape[-1]:] = 1.0
+    out.narrow(dim, 0, n).narrow(-1, 0, t.shape[-1]).copy_(t)
+    return out
 
 
 def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
@@ -131,28 +139,25 @@ def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions
         k, v = k[rows, :, idx].transpose(1, 2), v[rows, :, idx].transpose(1, 2)  # [B, KV, n_keys, D]
     else:
         k, v = k[:, :, :n_keys], v[:, :, :n_keys]
-    # Query rows: the rep query heads of a kv head times the queries, in tiles [B, KV, nT, ROW_TILE, D]
+    # Query rows: the rep query heads of a kv head times the queries, in tiles [B·KV·nT, ROW_TILE, D]
     # (a decode step's rep rows share one tile); padding rows get position 0 (key 0 only: finite).
-    qt = _tiles(q.reshape(B, KV, rep * Tq, D), 2, ROW_TILE)
-    pos = _tiles(positions[:, None, :].expand(B, rep, Tq).reshape(B, rep * Tq), 1, ROW_TILE)  # [B, nT, ROW_TILE]
-    pos = pos[:, None].expand(B, KV, *pos.shape[1:])
-    # A ones column on the values: the weighted-value product also gives the softmax denominator
-    # (the same fixed-shape call sums the block's weights).
-    v = torch.cat([v, v.new_ones(*v.shape[:-1], 1)], -1)
-    kb, vb = _tiles(k, 2, KEY_BLOCK), _tiles(v, 2, KEY_BLOCK)  # [B, KV, nK, KEY_BLOCK, D (+1)]
-    nT = qt.shape[2]
     # Every batched product's operands row-major (a kernel is chosen by layout as well as shape: a
     # decode step's expanded key block would otherwise be a transposed view, and get other bits).
-    flat_q = qt.reshape(-1, ROW_TILE, D).contiguous()  # [N = B·KV·nT, ROW_TILE, D]
-    flat_pos = pos.reshape(-1, ROW_TILE)
-    owner = torch.arange(B * KV, device=q.device).repeat_interleave(nT)  # tile -> its (b, kv) key row
-    last = flat_pos.amax(-1)  # a tile reads key blocks 0..last // KEY_BLOCK
-    kb, vb = kb.reshape(B * KV, -1, KEY_BLOCK, D), vb.reshape(B * KV, -1, KEY_BLOCK, D + 1)
+    flat_q = _zero_padded(q.reshape(B, KV, rep * Tq, D), 2, ROW_TILE).view(-1, ROW_TILE, D)
+    nT = flat_q.shape[0] // (B * KV)
+    pos = _zero_padded(positions[:, None, :].expand(B, rep, Tq).reshape(B, rep * Tq), 1, ROW_TILE)
+    flat_pos = pos.view(B, 1, nT, ROW_TILE).expand(B, KV, nT, ROW_TILE).reshape(-1, ROW_TILE)
+    # A ones column on the values: the weighted-value product also gives the softmax denominator
+    # (the same fixed-shape call sums the block's weights).
+    kb = _zero_padded(k, 2, KEY_BLOCK).view(B * KV, -1, KEY_BLOCK, D)  # [B·KV, nK, KEY_BLOCK, D]
+    vb = _zero_padded(v, 2, KEY_BLOCK, extra=1).view(B * KV, -1, KEY_BLOCK, D + 1)
+    nK = kb.shape[1]
+    owner = torch.arange(B * KV, device=q.device).repeat_interleave(nT) if nT > 1 or nK > 1 else None
+    last = flat_pos.amax(-1) if nK > 1 else None  # a tile reads key blocks 0..last // KEY_BLOCK
     scale = D ** -0.5
     m = l = acc = None
     inplace = not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad))
-    for j in range(kb.shape[1]):
-        key_pos = torch.arange(j * KEY_BLOCK, (j + 1) * KEY_BLOCK, device=q.device)
+    for j in range(nK):
         # Only the tiles with a query at or past the block's first key (sel; None: every tile): for
         # the others the block is wholly in the future (it would add exact zeros, rescaled by 1).
         sel = None
@@ -165,14 +170,15 @@ def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions
                 sel = active.nonzero().squeeze(1)
         qj, pj, oj = (flat_q, flat_pos, owner) if sel is None else \
             (flat_q.index_select(0, sel), flat_pos.index_select(0, sel), owner.index_select(0, sel))
-        kj = kb[:, j].index_select(0, oj)  # [n, KEY_BLOCK, D], contiguous
+        # [n, KEY_BLOCK, D (+1)] row-major: a tile's key block (a view where each (b, kv) has one tile and block)
+        kj, vj = (kb[:, j], vb[:, j]) if oj is None else (kb[:, j].index_select(0, oj), vb[:, j].index_select(0, oj))
         s = torch.bmm(qj, kj.transpose(1, 2)) * scale
+        key_pos = torch.arange(j * KEY_BLOCK, (j + 1) * KEY_BLOCK, device=q.device)
         s = s.masked_fill(key_pos > pj[..., None], float("-inf"))
         blk_max = s.amax(-1)
         m_old = None if not j else m if sel is None else m.index_select(0, sel)
         m_new = blk_max if m_old is None else torch.maximum(m_old, blk_max)
-        p = torch.exp(s - m_new[..., None])
-        pv = torch.bmm(p, vb[:, j].index_select(0, oj))  # [n, ROW_TILE, D + 1]
+        pv = torch.bmm(torch.exp(s - m_new[..., None]), vj)  # [n, ROW_TILE, D + 1]
         pv, ps = pv[..., :D], pv[..., D]
         if m_old is None:
             m, l, acc = m_new, ps, pv
@@ -188,5 +194,5 @@ def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions
             acc.index_copy_(0, sel, acc_new)
         else:  # autograd: the earlier states stay as they were (amax saved its result)
             m, l, acc = m.index_copy(0, sel, m_new), l.index_copy(0, sel, l_new), acc.index_copy(0, sel, acc_new)
-    out = (acc / l[..., None]).reshape(B, KV, -1, D)[:, :, :rep * Tq]  # [B, KV, rep·Tq, D]
+    out = (acc / l[..., None]).view(B, KV, nT * ROW_TILE, D)[:, :, :rep * Tq]  # [B, KV, rep·Tq, D]
     return out.reshape(B, H, Tq, D)
