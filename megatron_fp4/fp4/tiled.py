@@ -135,8 +135,8 @@ def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions
     n_keys = int(positions.max()) + 1 if positions.numel() else 1
     if bool(pad.any()):  # row b's key j sits in slot pad[b] + j (clamped: past the end is future anyway)
         idx = (pad[:, None] + torch.arange(n_keys, device=k.device)[None, :]).clamp(max=Tk - 1)
-        rows = torch.arange(B, device=k.device)[:, None]
-        k, v = k[rows, :, idx].transpose(1, 2), v[rows, :, idx].transpose(1, 2)  # [B, KV, n_keys, D]
+        idx = idx[:, None, :, None].expand(B, KV, n_keys, D)  # gather: a plain copy (advanced indexing was 10× slower)
+        k, v = k.gather(2, idx), v.gather(2, idx)  # [B, KV, n_keys, D]
     else:
         k, v = k[:, :, :n_keys], v[:, :, :n_keys]
     # Query rows: the rep query heads of a kv head times the queries, in tiles [B·KV·nT, ROW_TILE, D]
@@ -173,12 +173,14 @@ def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions
         # [n, KEY_BLOCK, D (+1)] row-major: a tile's key block (a view where each (b, kv) has one tile and block)
         kj, vj = (kb[:, j], vb[:, j]) if oj is None else (kb[:, j].index_select(0, oj), vb[:, j].index_select(0, oj))
         s = torch.bmm(qj, kj.transpose(1, 2)) * scale
-        key_pos = torch.arange(j * KEY_BLOCK, (j + 1) * KEY_BLOCK, device=q.device)
-        s = s.masked_fill(key_pos > pj[..., None], float("-inf"))
-        blk_max = s.amax(-1)
+        future = torch.arange(j * KEY_BLOCK, (j + 1) * KEY_BLOCK, device=q.device) > pj[..., None]
+        blk_max = s.masked_fill(future, float("-inf")).amax(-1)
         m_old = None if not j else m if sel is None else m.index_select(0, sel)
         m_new = blk_max if m_old is None else torch.maximum(m_old, blk_max)
-        pv = torch.bmm(torch.exp(s - m_new[..., None]), vj)  # [n, ROW_TILE, D + 1]
+        # The future keys' weights zeroed after exp, not exp(−inf): ATen's vector exp takes a slow
+        # path for every lane that underflows (10× here); the other weights are the same bits.
+        p = torch.exp(s - m_new[..., None]).masked_fill(future, 0.0)
+        pv = torch.bmm(p, vj)  # [n, ROW_TILE, D + 1]
         pv, ps = pv[..., :D], pv[..., D]
         if m_old is None:
             m, l, acc = m_new, ps, pv
