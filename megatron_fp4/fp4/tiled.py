@@ -103,9 +103,38 @@ def tiled_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Ten
 
 
 def tiled_grouped_linear(x: torch.Tensor, weights, counts) -> torch.Tensor:
-    """Consecutive runs of ``counts[e]`` rows of ``x`` times ``weights[e]ᵀ``, each run tiled alone."""
+    """Consecutive runs of ``counts[e]`` rows of ``x`` times ``weights[e]ᵀ``, each run tiled alone.
+    ``weights``: a list, or a stacked [E, out, in] tensor (with autograd: :class:`_TiledGroupedLinear`)."""
+    if isinstance(weights, torch.Tensor) and torch.is_grad_enabled() and (x.requires_grad or weights.requires_grad):
+        return _TiledGroupedLinear.apply(x, weights, tuple(int(n) for n in counts))
     outs = [tiled_mm(r, w.t()) for r, w, n in zip(x.split(list(counts)), weights, counts) if n]
     return torch.cat(outs) if outs else x.new_zeros(0, weights[0].shape[0])
+
+
+class _TiledGroupedLinear(torch.autograd.Function):
+    """Forward: :func:`tiled_grouped_linear`'s tiles (the no-grad bits); backward: per expert one
+    GEMM per gradient (not batch invariant, as in :class:`_TiledMM`)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, counts):
+        ctx.save_for_backward(x, weight)
+        ctx.counts = counts
+        return tiled_grouped_linear(x, weight.unbind(0), counts)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight = ctx.saved_tensors
+        rows = list(ctx.counts)
+        dx = x.new_zeros(x.shape) if ctx.needs_input_grad[0] else None
+        dw = torch.zeros_like(weight) if ctx.needs_input_grad[1] else None
+        for e, (xs, dys, n) in enumerate(zip(x.split(rows), dy.split(rows), rows)):
+            if not n:
+                continue
+            if dx is not None:
+                torch.mm(dys, weight[e], out=dx.narrow(0, sum(rows[:e]), n))
+            if dw is not None:
+                torch.mm(dys.t(), xs, out=dw[e])
+        return dx, dw, None
 
 
 def _zero_padded(t: torch.Tensor, dim: int, size: int, extra: int = 0) -> torch.Tensor:
