@@ -6,8 +6,9 @@ every op here as an explicit argument) picks the ops:
 - ``standard``: the plain kernels (a row's bits may depend on its batch).
 - ``batch``: fixed-shape kernel calls (``tiled.py``): GEMMs over fixed row tiles, attention over
   fixed key blocks combined in block order, row sums by ATen's ``sum`` on each row alone
-  (:func:`last_dim_sum`), ATen's softmax / log-softmax (row-local kernels) and the SiLU below. A row's bits do not depend on its batch size or position, padding, micro-batch split, or KV cache vs
-  full forward — at one tensor-parallel layout, on one machine and build.
+  (:func:`last_dim_sum`), ATen's softmax / log-softmax (row-local kernels) and the SiLU below. A
+  row's bits do not depend on its batch size or position, padding, micro-batch split, or KV cache
+  vs full forward — at one tensor-parallel layout, on one machine and build.
 - ``exact``: every GEMM's sum is exact (no order), and the row sums and attention's reductions
   are fixed trees: the bits are independent of the layout (and of the vector width) too:
 
@@ -16,9 +17,10 @@ every op here as an explicit argument) picks the ops:
   fixed-point limbs (``exact_gemm.exact_linear``; experts without autograd in one call over all
   their rows, :func:`grouped_linear`). Exact sums have no order.
 - Row reductions (RMSNorm's mean square, softmax/log-softmax sums, attention's dot products and
-  its sums over keys) are :func:`tree_sum` (at ``exact``; ``batch`` sums rows with ATen): an adjacent-pair tree over absolute indices built from
-  elementwise IEEE additions, so its order depends only on the index, and trailing zeros
-  (masked keys, a longer padded row) do not change a nonzero result.
+  its sums over keys) are :func:`tree_sum` at ``exact`` (``batch`` sums rows with ATen): an
+  adjacent-pair tree over absolute indices built from elementwise IEEE additions, so its order
+  depends only on the index, and trailing zeros (masked keys, a longer padded row) do not change a
+  nonzero result.
 - Attention (:func:`attention`) indexes keys by *position* (each row's keys shifted left past its
   padding), so a query at position p sums the same keys in the same tree in a KV-cache decode step
   and in a causal full forward, whatever the batch's padding. It runs the same trees laid out with

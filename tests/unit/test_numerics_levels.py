@@ -137,7 +137,8 @@ def test_tiled_grouped_linear_autograd_forward_bits_and_gradients():
     # one fp32 dot product per element: |err| <= gamma_n · Σ|a||b| (n = 12 for dx, an expert's rows for dw)
     ad, ax, aw = dy.double().abs(), x.detach().double().abs(), w.detach().double().abs()
     dx_bound = torch.cat([a @ we for a, we in zip(ad.split(counts), aw.unbind(0))]) * gamma(12)
-    dw_bound = torch.stack([a.t() @ b * gamma(max(n, 1)) for a, b, n in zip(ad.split(counts), ax.split(counts), counts)])
+    dw_bound = torch.stack([a.t() @ b * gamma(max(n, 1))
+                            for a, b, n in zip(ad.split(counts), ax.split(counts), counts)])
     assert ((x.grad.double() - x2.grad).abs() <= dx_bound).all()
     assert ((w.grad.double() - w2.grad).abs() <= dw_bound).all()
     assert torch.equal(w.grad[1], torch.zeros_like(w.grad[1]))  # an expert without rows
