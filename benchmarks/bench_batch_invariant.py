@@ -11,6 +11,9 @@ Measures, interleaved round-robin (standard, batch, exact, standard, ...) so mac
 - train step: ``Trainer.train_step`` with the training forward at each level.
 
 Prints medians and each level's time ÷ the standard kernels' (> 1: slower). Never asserted in tests.
+``--clock cpu`` measures this process's CPU time (``time.process_time``) instead of wall time: on a
+shared machine another job's load stretches wall time but not the CPU time this process spends
+(run it with ``OMP_NUM_THREADS=1``: with more threads CPU time also counts the threads' spinning).
 """
 from __future__ import annotations
 
@@ -39,7 +42,10 @@ def main(argv=None):
     parser.add_argument("--new-tokens", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--train-steps", type=int, default=3)
+    parser.add_argument("--clock", default="wall", choices=("wall", "cpu"),
+                        help="wall: time.perf_counter; cpu: this process's CPU time (time.process_time)")
     args = parser.parse_args(argv)
+    clock = time.perf_counter if args.clock == "wall" else time.process_time
     levels = ["standard"] + [lv for lv in args.levels.split(",") if lv != "standard"]
     for lv in levels:
         if lv not in INVARIANCE_LEVELS:
@@ -59,28 +65,28 @@ def main(argv=None):
     generated = {}
     for i in range(args.repeats + 1):  # the first round warms up
         for lv, engine in engines.items():
-            start = time.perf_counter()
+            start = clock()
             out = engine.generate(prompts, params)
             if i:
-                times[("rollout", lv)].append(time.perf_counter() - start)
+                times[("rollout", lv)].append(clock() - start)
             generated[lv] = out
-            start = time.perf_counter()
+            start = clock()
             score(engine.model, out.prompt_ids, out.response_ids, tok.pad_id, args.mode, invariance=lv)
             if i:
-                times[("scoring", lv)].append(time.perf_counter() - start)
+                times[("scoring", lv)].append(clock() - start)
     for i in range(args.train_steps + 1):
         for lv in levels:
-            start = time.perf_counter()
+            start = clock()
             with trainer.model.numerics.invariant(lv):
                 trainer.train_step()
             if i:
-                times[("train step", lv)].append(time.perf_counter() - start)
+                times[("train step", lv)].append(clock() - start)
     new_tokens = {lv: sum(len(r) for r in generated[lv].response_ids) for lv in levels}
     scored = {lv: sum(len(p) + len(r) for p, r in zip(generated[lv].prompt_ids, generated[lv].response_ids))
               for lv in levels}
     step_tokens = cfg.schedule.global_batch_size * cfg.schedule.seq_len
     print(f"threads={torch.get_num_threads()} mode={args.mode} scope={cfg.fp4.scope} format={cfg.fp4.format} "
-          f"prompts={args.prompts} new_tokens={args.new_tokens}")
+          f"prompts={args.prompts} new_tokens={args.new_tokens} clock={args.clock}")
     print(f"{'':<11} " + " ".join(f"{lv + ' tok/s':>14}" for lv in levels)
           + " ".join(f" {lv + ' / standard':>18}" for lv in levels[1:]))
     for what, counts in (("rollout", new_tokens), ("scoring", scored), ("train step", {lv: step_tokens for lv in levels})):

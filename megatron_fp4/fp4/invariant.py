@@ -5,20 +5,22 @@ every op here as an explicit argument) picks the ops:
 
 - ``standard``: the plain kernels (a row's bits may depend on its batch).
 - ``batch``: fixed-shape kernel calls (``tiled.py``): GEMMs over fixed row tiles, attention over
-  fixed key blocks combined in block order, and the row-local norms, softmax and SiLU below. A row's
-  bits do not depend on its batch size or position, padding, micro-batch split, or KV cache vs
-  full forward — at one tensor-parallel layout, on one machine and build.
-- ``exact``: as ``batch`` for the row-local ops, but every GEMM's sum is exact (no order), and
-  attention's reductions are fixed trees: the bits are independent of the layout too:
+  fixed key blocks combined in block order, row sums by ATen's ``sum`` on each row alone
+  (:func:`last_dim_sum`), ATen's softmax / log-softmax (row-local kernels) and the SiLU below. A
+  row's bits do not depend on its batch size or position, padding, micro-batch split, or KV cache
+  vs full forward — at one tensor-parallel layout, on one machine and build.
+- ``exact``: every GEMM's sum is exact (no order), and the row sums and attention's reductions
+  are fixed trees: the bits are independent of the layout (and of the vector width) too:
 
 - GEMMs: FP4 ones are summed exactly (``exact_gemm.exact_fp4_gemm``), the others (``linear``:
   attention projections, router, LM head, bf16-mode experts) by exact float64 GEMMs on 24-bit
   fixed-point limbs (``exact_gemm.exact_linear``; experts without autograd in one call over all
   their rows, :func:`grouped_linear`). Exact sums have no order.
 - Row reductions (RMSNorm's mean square, softmax/log-softmax sums, attention's dot products and
-  its sums over keys) are :func:`tree_sum`: an adjacent-pair tree over absolute indices built from
-  elementwise IEEE additions, so its order depends only on the index, and trailing zeros
-  (masked keys, a longer padded row) do not change a nonzero result.
+  its sums over keys) are :func:`tree_sum` at ``exact`` (``batch`` sums rows with ATen): an
+  adjacent-pair tree over absolute indices built from elementwise IEEE additions, so its order
+  depends only on the index, and trailing zeros (masked keys, a longer padded row) do not change a
+  nonzero result.
 - Attention (:func:`attention`) indexes keys by *position* (each row's keys shifted left past its
   padding), so a query at position p sums the same keys in the same tree in a KV-cache decode step
   and in a causal full forward, whatever the batch's padding. It runs the same trees laid out with
@@ -42,7 +44,7 @@ import torch
 import torch.nn.functional as F
 
 from megatron_fp4.fp4.exact_gemm import exact_grouped_linear, exact_linear
-from megatron_fp4.fp4.tiled import block_attention, tiled_grouped_linear, tiled_linear
+from megatron_fp4.fp4.tiled import block_attention, row_sum, tiled_grouped_linear, tiled_linear
 
 
 def enabled(numerics, x: Optional[torch.Tensor] = None) -> bool:
@@ -72,6 +74,13 @@ def tree_sum(t: torch.Tensor, dim: int = -1, keepdim: bool = False) -> torch.Ten
         t = t[..., 0::2] + t[..., 1::2]
     out = t.squeeze(-1) + 0.0 if t.shape[-1] == 1 else t.new_zeros(t.shape[:-1])
     return out.unsqueeze(dim) if keepdim else out
+
+
+def last_dim_sum(t: torch.Tensor, numerics=None) -> torch.Tensor:
+    """A row-invariant sum over the last dim (keepdim): at the ``batch`` level ATen's ``sum`` on each
+    row alone (``tiled.row_sum``), at ``exact`` the :func:`tree_sum` (an order fixed by the index
+    alone, whatever the machine's vector width)."""
+    return row_sum(t, keepdim=True) if tiled(numerics, t) else tree_sum(t, -1, keepdim=True)
 
 
 class _ExactLinear(torch.autograd.Function):
@@ -136,26 +145,31 @@ def silu(x: torch.Tensor, numerics=None) -> torch.Tensor:
 
 
 def softmax(x: torch.Tensor, numerics=None) -> torch.Tensor:
-    """Softmax over the last dim (in x's dtype); in the mode with a :func:`tree_sum` denominator."""
-    if not enabled(numerics, x):
+    """Softmax over the last dim (in x's dtype). At ``batch``: ATen's own kernel, which reduces each
+    row alone (threads take whole rows; a row's max, sum and log run over that row, the per-row
+    results of a chunk through the same vector function, its tail included) — checked like the
+    other row kernels in ``tests/unit/test_numerics_levels.py``. At ``exact``: a :func:`tree_sum`
+    denominator (an order fixed by the index alone, whatever the vector width)."""
+    if not enabled(numerics, x) or tiled(numerics, x):
         return torch.softmax(x, dim=-1, dtype=x.dtype)
     e = torch.exp(x - x.amax(-1, keepdim=True))
     return e / tree_sum(e, -1, keepdim=True)
 
 
 def log_softmax(x: torch.Tensor, numerics=None) -> torch.Tensor:
-    """Log-softmax over the last dim; in the mode ``(x − max) − log(tree_sum(exp(x − max)))``."""
-    if not enabled(numerics, x):
+    """Log-softmax over the last dim: ATen's kernel at ``batch`` (row-local, see :func:`softmax`);
+    at ``exact`` ``(x − max) − log(tree_sum(exp(x − max)))``."""
+    if not enabled(numerics, x) or tiled(numerics, x):
         return torch.log_softmax(x, dim=-1)
     shifted = x - x.amax(-1, keepdim=True)
     return shifted - torch.log(tree_sum(torch.exp(shifted), -1, keepdim=True))
 
 
 def mean_square(x: torch.Tensor, numerics=None) -> torch.Tensor:
-    """``x.pow(2).mean(-1, keepdim=True)``; in the mode a :func:`tree_sum` divided by the size."""
+    """``x.pow(2).mean(-1, keepdim=True)``; at a row-invariant level a :func:`last_dim_sum` divided by the size."""
     if not enabled(numerics, x):
         return x.pow(2).mean(-1, keepdim=True)
-    return tree_sum(x * x, -1, keepdim=True) / x.shape[-1]
+    return last_dim_sum(x * x, numerics) / x.shape[-1]
 
 
 def leading_pad(attention_mask: Optional[torch.Tensor], batch: int, device) -> torch.Tensor:

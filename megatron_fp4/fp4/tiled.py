@@ -13,8 +13,16 @@ on that row (and, for attention, its prefix), not on its batch, padding, micro-b
   blocks of :data:`KEY_BLOCK`; each (query tile, key block) pair is one fixed-shape batched product
   for the scores and one for the weighted values, and the blocks are combined in block order by
   the online softmax (running max, rescaled sums). A query at position p reads blocks 0..p // KEY_BLOCK
-  in a KV-cache decode step and in a causal full forward alike; a block wholly in its future adds
-  exact zeros (its weights are exp(−inf) = 0 and its rescale factor exp(0) = 1).
+  in a KV-cache decode step and in a causal full forward alike. A block wholly in the future of
+  every query of a tile is skipped for that tile (it would add exact zeros: its weights are
+  exp(−inf) = 0 and its rescale factor exp(0) = 1), so a causal forward does about half the work;
+  the tiles that read a block are gathered (``index_select``) into one batched call.
+- The backward of a tiled GEMM is one plain GEMM per gradient (:class:`_TiledMM`): gradients sum
+  over the batch, so no tiling makes them batch invariant, and autograd through every tile cost
+  as many small ops as the forward.
+- Row sums (:func:`row_sum`: RMSNorm's mean square, softmax denominators) are ATen's ``sum`` on
+  contiguous rows, a lone row beside a zero row, so each row is reduced alone by one thread in
+  the same kernel whatever the row count.
 """
 from __future__ import annotations
 
@@ -37,17 +45,55 @@ def _padded_rows(x2: torch.Tensor, multiple: int) -> torch.Tensor:
     return torch.cat([x2, x2.new_zeros(tiles * multiple - M, x2.shape[1])]) if tiles * multiple > M else x2.contiguous()
 
 
-def tiled_mm(x2: torch.Tensor, wt: torch.Tensor) -> torch.Tensor:
-    """``x2`` [M, K] @ ``wt`` [K, N] with one [ROW_TILE, K] · [K, N] call per row tile (autograd
-    flows through ``mm``/``cat`` as usual; the backward is not tiled: it is not batch invariant).
-    The operands' memory layouts are made canonical (row-major tiles, ``wt`` the transpose of a
-    row-major [N, K]): a GEMM kernel is chosen by layout as well as shape, and picks other bits."""
-    if not wt.t().is_contiguous():
-        wt = wt.t().contiguous().t()
+def _tiled_forward(x2: torch.Tensor, wt: torch.Tensor) -> torch.Tensor:
+    """The forward of :func:`tiled_mm` (no autograd)."""
     M = x2.shape[0]
     xp = _padded_rows(x2, ROW_TILE)
     out = torch.cat([torch.mm(t, wt) for t in xp.split(ROW_TILE)]) if xp.shape[0] > ROW_TILE else torch.mm(xp, wt)
     return out[:M] if out.shape[0] != M else out
+
+
+class _TiledMM(torch.autograd.Function):
+    """Forward: one [ROW_TILE, K] · [K, N] call per tile; backward: one GEMM per gradient (the
+    gradients sum over the batch anyway, so their bits are not batch invariant at any tiling)."""
+
+    @staticmethod
+    def forward(ctx, x2, wt):
+        ctx.save_for_backward(x2, wt)
+        return _tiled_forward(x2, wt)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x2, wt = ctx.saved_tensors
+        dx = torch.mm(dy, wt.t()) if ctx.needs_input_grad[0] else None
+        dwt = torch.mm(x2.t(), dy) if ctx.needs_input_grad[1] else None
+        return dx, dwt
+
+
+def tiled_mm(x2: torch.Tensor, wt: torch.Tensor) -> torch.Tensor:
+    """``x2`` [M, K] @ ``wt`` [K, N] with one [ROW_TILE, K] · [K, N] call per row tile (the
+    backward is one plain GEMM per gradient, :class:`_TiledMM`: it is not batch invariant).
+    The operands' memory layouts are made canonical (row-major tiles, ``wt`` the transpose of a
+    row-major [N, K]): a GEMM kernel is chosen by layout as well as shape, and picks other bits."""
+    if not wt.t().is_contiguous():
+        wt = wt.t().contiguous().t()
+    if torch.is_grad_enabled() and (x2.requires_grad or wt.requires_grad):
+        return _TiledMM.apply(x2, wt)
+    return _tiled_forward(x2, wt)
+
+
+def row_sum(t: torch.Tensor, keepdim: bool = False) -> torch.Tensor:
+    """Sum over the last dim by ATen's ``sum`` on rows [R, N], each row reduced alone: with two or
+    more output elements ATen splits a reduction over its outputs (threads take whole rows), with one
+    it splits the row itself across threads, so a lone row is summed beside a zero row (the same
+    kernel path for 1 row and many). A row's bits then depend only on the row (and N, the build)."""
+    rows = t.reshape(-1, t.shape[-1]).contiguous()
+    if rows.shape[0] == 1:
+        out = torch.cat([rows, rows.new_zeros(1, rows.shape[1])]).sum(-1)[:1]
+    else:
+        out = rows.sum(-1)
+    out = out.reshape(t.shape[:-1])
+    return out.unsqueeze(-1) if keepdim else out
 
 
 def tiled_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -57,18 +103,55 @@ def tiled_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Ten
 
 
 def tiled_grouped_linear(x: torch.Tensor, weights, counts) -> torch.Tensor:
-    """Consecutive runs of ``counts[e]`` rows of ``x`` times ``weights[e]ᵀ``, each run tiled alone."""
+    """Consecutive runs of ``counts[e]`` rows of ``x`` times ``weights[e]ᵀ``, each run tiled alone.
+    ``weights``: a list, or a stacked [E, out, in] tensor (with autograd: :class:`_TiledGroupedLinear`)."""
+    if isinstance(weights, torch.Tensor) and torch.is_grad_enabled() and (x.requires_grad or weights.requires_grad):
+        return _TiledGroupedLinear.apply(x, weights, tuple(int(n) for n in counts))
     outs = [tiled_mm(r, w.t()) for r, w, n in zip(x.split(list(counts)), weights, counts) if n]
     return torch.cat(outs) if outs else x.new_zeros(0, weights[0].shape[0])
 
 
-def _tiles(t: torch.Tensor, dim: int, size: int) -> torch.Tensor:
-    """``t`` zero-padded along ``dim`` to a multiple of ``size`` and split there into [n, size]."""
+class _TiledGroupedLinear(torch.autograd.Function):
+    """Forward: :func:`tiled_grouped_linear`'s tiles (the no-grad bits); backward: per expert one
+    GEMM per gradient (not batch invariant, as in :class:`_TiledMM`)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, counts):
+        ctx.save_for_backward(x, weight)
+        ctx.counts = counts
+        return tiled_grouped_linear(x, weight.unbind(0), counts)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight = ctx.saved_tensors
+        rows = list(ctx.counts)
+        dx = x.new_zeros(x.shape) if ctx.needs_input_grad[0] else None
+        dw = torch.zeros_like(weight) if ctx.needs_input_grad[1] else None
+        for e, (xs, dys, n) in enumerate(zip(x.split(rows), dy.split(rows), rows)):
+            if not n:
+                continue
+            if dx is not None:
+                torch.mm(dys, weight[e], out=dx.narrow(0, sum(rows[:e]), n))
+            if dw is not None:
+                torch.mm(dys.t(), xs, out=dw[e])
+        return dx, dw, None
+
+
+def _zero_padded(t: torch.Tensor, dim: int, size: int, extra: int = 0) -> torch.Tensor:
+    """``t`` in a fresh contiguous buffer zero-padded along ``dim`` to a multiple of ``size`` (at
+    least one), and ``extra`` more last-dim columns of ones (the values' denominator column)."""
     n = t.shape[dim]
     full = max(1, -(-n // size)) * size
-    if full > n:
-        t = F.pad(t.movedim(dim, -1), (0, full - n)).movedim(-1, dim)
-    return t.contiguous().reshape(*t.shape[:dim], full // size, size, *t.shape[dim + 1:])
+    shape = list(t.shape)
+    shape[-1] += extra
+    shape[dim] = full
+    if full == n and not extra:
+        return t.contiguous()
+    out = t.new_zeros(shape)
+    if extra:
+        out[..., t.shape[-1]:] = 1.0
+    out.narrow(dim, 0, n).narrow(-1, 0, t.shape[-1]).copy_(t)
+    return out
 
 
 def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
@@ -81,41 +164,66 @@ def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions
     n_keys = int(positions.max()) + 1 if positions.numel() else 1
     if bool(pad.any()):  # row b's key j sits in slot pad[b] + j (clamped: past the end is future anyway)
         idx = (pad[:, None] + torch.arange(n_keys, device=k.device)[None, :]).clamp(max=Tk - 1)
-        rows = torch.arange(B, device=k.device)[:, None]
-        k, v = k[rows, :, idx].transpose(1, 2), v[rows, :, idx].transpose(1, 2)  # [B, KV, n_keys, D]
+        idx = idx[:, None, :, None].expand(B, KV, n_keys, D)  # gather: a plain copy (advanced indexing was 10× slower)
+        k, v = k.gather(2, idx), v.gather(2, idx)  # [B, KV, n_keys, D]
     else:
         k, v = k[:, :, :n_keys], v[:, :, :n_keys]
-    # Query rows: the rep query heads of a kv head times the queries, in tiles [B, KV, nT, ROW_TILE, D]
+    # Query rows: the rep query heads of a kv head times the queries, in tiles [B·KV·nT, ROW_TILE, D]
     # (a decode step's rep rows share one tile); padding rows get position 0 (key 0 only: finite).
-    qt = _tiles(q.reshape(B, KV, rep * Tq, D), 2, ROW_TILE)
-    pos = _tiles(positions[:, None, :].expand(B, rep, Tq).reshape(B, rep * Tq), 1, ROW_TILE)  # [B, nT, ROW_TILE]
-    pos = pos[:, None].expand(B, KV, *pos.shape[1:])
-    # A ones column on the values: the weighted-value product also gives the softmax denominator
-    # (the same fixed-shape call sums the block's weights).
-    v = torch.cat([v, v.new_ones(*v.shape[:-1], 1)], -1)
-    kb, vb = _tiles(k, 2, KEY_BLOCK), _tiles(v, 2, KEY_BLOCK)  # [B, KV, nK, KEY_BLOCK, D (+1)]
-    nT = qt.shape[2]
     # Every batched product's operands row-major (a kernel is chosen by layout as well as shape: a
     # decode step's expanded key block would otherwise be a transposed view, and get other bits).
-    flat_q = qt.reshape(-1, ROW_TILE, D).contiguous()
+    flat_q = _zero_padded(q.reshape(B, KV, rep * Tq, D), 2, ROW_TILE).view(-1, ROW_TILE, D)
+    nT = flat_q.shape[0] // (B * KV)
+    pos = _zero_padded(positions[:, None, :].expand(B, rep, Tq).reshape(B, rep * Tq), 1, ROW_TILE)
+    flat_pos = pos.view(B, 1, nT, ROW_TILE).expand(B, KV, nT, ROW_TILE).reshape(-1, ROW_TILE)
+    # A ones column on the values: the weighted-value product also gives the softmax denominator
+    # (the same fixed-shape call sums the block's weights).
+    kb = _zero_padded(k, 2, KEY_BLOCK).view(B * KV, -1, KEY_BLOCK, D)  # [B·KV, nK, KEY_BLOCK, D]
+    vb = _zero_padded(v, 2, KEY_BLOCK, extra=1).view(B * KV, -1, KEY_BLOCK, D + 1)
+    nK = kb.shape[1]
+    owner = torch.arange(B * KV, device=q.device).repeat_interleave(nT) if nT > 1 or nK > 1 else None
+    last = flat_pos.amax(-1) if nK > 1 else None  # a tile reads key blocks 0..last // KEY_BLOCK
     scale = D ** -0.5
     m = l = acc = None
-    for j in range(kb.shape[2]):
-        key_pos = torch.arange(j * KEY_BLOCK, (j + 1) * KEY_BLOCK, device=q.device)
-        kj = kb[:, :, j, None].expand(B, KV, nT, KEY_BLOCK, D).reshape(-1, KEY_BLOCK, D).contiguous()
-        s = torch.bmm(flat_q, kj.transpose(1, 2)).view(B, KV, nT, ROW_TILE, KEY_BLOCK) * scale
-        s = s.masked_fill(key_pos > pos[..., None], float("-inf"))
-        blk_max = s.amax(-1)
-        m_new = blk_max if m is None else torch.maximum(m, blk_max)
-        p = torch.exp(s - m_new[..., None])
-        vj = vb[:, :, j, None].expand(B, KV, nT, KEY_BLOCK, D + 1).reshape(-1, KEY_BLOCK, D + 1).contiguous()
-        pv = torch.bmm(p.reshape(-1, ROW_TILE, KEY_BLOCK).contiguous(), vj).view(B, KV, nT, ROW_TILE, D + 1)
+    inplace = not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad))
+    for j in range(nK):
+        # Only the tiles with a query at or past the block's first key (sel; None: every tile): for
+        # the others the block is wholly in the future (it would add exact zeros, rescaled by 1).
+        sel = None
+        if j:
+            active = last >= j * KEY_BLOCK
+            n = int(active.sum())
+            if n == 0:
+                break
+            if n < active.numel():
+                sel = active.nonzero().squeeze(1)
+        qj, pj, oj = (flat_q, flat_pos, owner) if sel is None else \
+            (flat_q.index_select(0, sel), flat_pos.index_select(0, sel), owner.index_select(0, sel))
+        # [n, KEY_BLOCK, D (+1)] row-major: a tile's key block (a view where each (b, kv) has one tile and block)
+        kj, vj = (kb[:, j], vb[:, j]) if oj is None else (kb[:, j].index_select(0, oj), vb[:, j].index_select(0, oj))
+        s = torch.bmm(qj, kj.transpose(1, 2)) * scale
+        future = torch.arange(j * KEY_BLOCK, (j + 1) * KEY_BLOCK, device=q.device) > pj[..., None]
+        blk_max = s.masked_fill(future, float("-inf")).amax(-1)
+        m_old = None if not j else m if sel is None else m.index_select(0, sel)
+        m_new = blk_max if m_old is None else torch.maximum(m_old, blk_max)
+        # The future keys' weights zeroed after exp, not exp(−inf): ATen's vector exp takes a slow
+        # path for every lane that underflows (10× here); the other weights are the same bits.
+        p = torch.exp(s - m_new[..., None]).masked_fill(future, 0.0)
+        pv = torch.bmm(p, vj)  # [n, ROW_TILE, D + 1]
         pv, ps = pv[..., :D], pv[..., D]
-        if m is None:
-            l, acc = ps, pv
-        else:
-            corr = torch.exp(m - m_new)
-            l, acc = l * corr + ps, acc * corr[..., None] + pv
-        m = m_new
-    out = (acc / l[..., None]).reshape(B, KV, -1, D)[:, :, :rep * Tq]  # [B, KV, rep·Tq, D]
+        if m_old is None:
+            m, l, acc = m_new, ps, pv
+            continue
+        corr = torch.exp(m_old - m_new)
+        if sel is None:
+            m, l, acc = m_new, l * corr + ps, acc * corr[..., None] + pv
+            continue
+        l_new, acc_new = l.index_select(0, sel) * corr + ps, acc.index_select(0, sel) * corr[..., None] + pv
+        if inplace:
+            m.index_copy_(0, sel, m_new)
+            l.index_copy_(0, sel, l_new)
+            acc.index_copy_(0, sel, acc_new)
+        else:  # autograd: the earlier states stay as they were (amax saved its result)
+            m, l, acc = m.index_copy(0, sel, m_new), l.index_copy(0, sel, l_new), acc.index_copy(0, sel, acc_new)
+    out = (acc / l[..., None]).view(B, KV, nT * ROW_TILE, D)[:, :, :rep * Tq]  # [B, KV, rep·Tq, D]
     return out.reshape(B, H, Tq, D)

@@ -180,6 +180,9 @@ class GroupedExperts(nn.Module):
                 return self.grouped_exact_forward(x_sorted, counts)
             if can_group_resq(self.recipe, x_sorted, nx):
                 return self.grouped_resq_forward(x_sorted, counts, segments)
+            if whole and self.recipe.mode == "bf16" and invariant.tiled(nx, x_sorted) \
+                    and not torch.is_autocast_enabled(x_sorted.device.type):
+                return self.grouped_tiled_forward(x_sorted, counts)
         if self.select_per_expert:
             w13s = w2s = [None] * self.num_experts
         else:
@@ -198,6 +201,13 @@ class GroupedExperts(nn.Module):
         h = _grouped_linear(x_sorted, self.w13, offs)
         gate, up = h.split(self.ffn, dim=-1)
         return _grouped_linear(invariant.silu(gate, self.numerics) * up, self.w2, offs)
+
+    def grouped_tiled_forward(self, x_sorted: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """FP4 off at the ``batch`` level with autograd: each expert's rows in fixed row tiles (the
+        bits of the no-grad `grouped_exact_forward`, which tiles the same runs), one SiLU over all
+        rows (position-independent bits), the backward one GEMM per expert and gradient."""
+        gate, up = tiled_grouped_linear(x_sorted, self.w13, counts).split(self.ffn, dim=-1)
+        return tiled_grouped_linear(invariant.silu(gate, self.numerics) * up, self.w2, counts)
 
     def grouped_exact_forward(self, x_sorted: torch.Tensor, counts: list[int]) -> torch.Tensor:
         """The batch-invariant mode without autograd (`can_group_exact`): the loop's exact GEMMs with

@@ -61,7 +61,7 @@ def route_from_logits(logits: torch.Tensor, top_k: int, norm_topk_prob: bool,
     if replay is not None:
         topk_idx, topk_w = replay_topk(probs, topk_idx, topk_w, replay, logits.shape[-1])
     if norm_topk_prob:
-        denom = invariant.tree_sum(topk_w, -1, keepdim=True) if invariant.enabled(numerics, topk_w) else \
+        denom = invariant.last_dim_sum(topk_w, numerics) if invariant.enabled(numerics, topk_w) else \
             topk_w.sum(dim=-1, keepdim=True)
         topk_w = topk_w / denom
     return probs, topk_idx, topk_w

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from megatron_fp4.fp4 import Numerics, invariant
 from megatron_fp4.fp4.exact_gemm import exact_linear
-from megatron_fp4.fp4.tiled import KEY_BLOCK, ROW_TILE, block_attention, tiled_grouped_linear, tiled_linear
+from megatron_fp4.fp4.tiled import KEY_BLOCK, ROW_TILE, block_attention, row_sum, tiled_grouped_linear, tiled_linear
 
 U = 2.0 ** -24  # fp32 unit roundoff
 
@@ -59,12 +59,55 @@ def test_tiled_linear_bias_leading_dims_and_grad():
     b = torch.randn(8, generator=g, requires_grad=True)
     y = tiled_linear(x, w, b)
     assert y.shape == (2, 21, 8)
+    with torch.no_grad():  # the autograd Function's forward is the tiles' (same bits)
+        assert torch.equal(bits(y.detach()), bits(tiled_linear(x, w, b)))
     assert torch.equal(bits(y), bits(tiled_linear(x.reshape(42, 32), w, b).reshape(2, 21, 8)))
     y.square().sum().backward()
     x2, w2, b2 = (t.detach().clone().double().requires_grad_() for t in (x, w, b))
     F.linear(x2, w2, b2).square().sum().backward()
     for got, ref in ((x.grad, x2.grad), (w.grad, w2.grad), (b.grad, b2.grad)):
         torch.testing.assert_close(got.double(), ref, rtol=1e-4, atol=1e-4)  # fp32 chain vs fp64, O(K u) relative
+
+
+@pytest.mark.parametrize("n", [7, 300, 40000])
+def test_row_sum_row_bits_do_not_depend_on_the_batch(threads, n):
+    """A row summed alone (a lone row: ATen would split it across threads; 40000 > its grain) or
+    among others, shuffled, non-contiguous: the same bits; within gamma_n of the float64 sum."""
+    g = torch.Generator().manual_seed(n)
+    x = torch.randn(9, n, generator=g)
+    full = row_sum(x)
+    perm = torch.randperm(9, generator=g)
+    assert torch.equal(bits(row_sum(x[perm])), bits(full[perm]))
+    assert torch.equal(bits(row_sum(x.t().contiguous().t())), bits(full))  # a column-major copy
+    for i in (1, 4, 8):
+        assert torch.equal(bits(row_sum(x[i], keepdim=True)), bits(full[i:i + 1]))  # alone
+        assert torch.equal(bits(row_sum(x[i - 1:i + 1].reshape(2, 1, n))[-1, 0]), bits(full[i]))  # with another
+    ref = x.double().sum(-1)
+    assert ((full.double() - ref).abs() <= gamma(n) * x.double().abs().sum(-1)).all()
+
+
+@pytest.mark.parametrize("n", [7, 2048, 40000])
+def test_batch_level_softmax_row_bits_do_not_depend_on_the_batch(threads, n):
+    """The batch level's softmax / log-softmax (ATen's row-local kernels): a row alone, among others,
+    at another position in a longer batch: the same bits; within a few ulp of float64."""
+    nx = Numerics(invariance="batch")
+    g = torch.Generator().manual_seed(n)
+    x = torch.randn(9, n, generator=g) * 5
+    for f, ref_f in ((invariant.softmax, torch.softmax), (invariant.log_softmax, torch.log_softmax)):
+        full = f(x, nx)
+        perm = torch.randperm(9, generator=g)
+        assert torch.equal(bits(f(x[perm], nx)), bits(full[perm]))
+        assert torch.equal(bits(f(torch.cat([x[:4], x]), nx)[4:]), bits(full))
+        for i in (0, 5, 8):
+            assert torch.equal(bits(f(x[i:i + 1], nx)[0]), bits(full[i]))
+        ref = ref_f(x.double(), -1)
+        # x − max rounds by u·|x − max| (≤ u·S, S the row's largest shift), which exp turns into a
+        # relative error, plus a few ulp of exp itself; the sum adds gamma_n: each probability is
+        # within 2·(S + 8)·u + gamma_n relative, a log-probability within that (absolute) + 2u·|log p|
+        shift = (x - x.amax(-1, keepdim=True)).abs().amax(-1, keepdim=True).double()
+        rel = 2 * (shift + 8) * U + gamma(n)
+        bound = rel * ref.abs() if f is invariant.softmax else rel + 2 * U * ref.abs()
+        assert ((full.double() - ref).abs() <= bound).all()
 
 
 def test_tiled_grouped_linear_is_each_run_alone():
@@ -75,6 +118,30 @@ def test_tiled_grouped_linear_is_each_run_alone():
     got = tiled_grouped_linear(x, weights, counts)
     runs = [tiled_linear(r, w) for r, w, n in zip(x.split(counts), weights, counts) if n]
     assert torch.equal(bits(got), bits(torch.cat(runs)))
+
+
+def test_tiled_grouped_linear_autograd_forward_bits_and_gradients():
+    """Stacked weights with autograd: the forward is the no-grad tiles' bits, the gradients those of
+    the per-run ``F.linear`` in float64 within fp32 rounding (dx sums 12 products, dw up to 19)."""
+    g = torch.Generator().manual_seed(4)
+    counts = [5, 0, 19, 1]
+    w = torch.randn(4, 12, 40, generator=g, requires_grad=True)
+    x = torch.randn(sum(counts), 40, generator=g, requires_grad=True)
+    y = tiled_grouped_linear(x, w, counts)
+    with torch.no_grad():
+        assert torch.equal(bits(y), bits(tiled_grouped_linear(x, list(w.unbind(0)), counts)))
+    dy = torch.randn(y.shape, generator=g)
+    y.backward(dy)
+    x2, w2 = x.detach().double().requires_grad_(), w.detach().double().requires_grad_()
+    torch.cat([F.linear(r, we) for r, we in zip(x2.split(counts), w2.unbind(0))]).backward(dy.double())
+    # one fp32 dot product per element: |err| <= gamma_n · Σ|a||b| (n = 12 for dx, an expert's rows for dw)
+    ad, ax, aw = dy.double().abs(), x.detach().double().abs(), w.detach().double().abs()
+    dx_bound = torch.cat([a @ we for a, we in zip(ad.split(counts), aw.unbind(0))]) * gamma(12)
+    dw_bound = torch.stack([a.t() @ b * gamma(max(n, 1))
+                            for a, b, n in zip(ad.split(counts), ax.split(counts), counts)])
+    assert ((x.grad.double() - x2.grad).abs() <= dx_bound).all()
+    assert ((w.grad.double() - w2.grad).abs() <= dw_bound).all()
+    assert torch.equal(w.grad[1], torch.zeros_like(w.grad[1]))  # an expert without rows
 
 
 def test_invariant_linear_dispatches_by_level():
