@@ -19,6 +19,19 @@ LIMITS = {
 }
 
 
+def config_dict(hf_cfg, family: str = "", required=()) -> dict:
+    """A config.json dict (or a `PretrainedConfig`) as a plain dict, refused unless it is a JSON
+    object holding every `required` field (`family` names the expected family in the errors)."""
+    d = hf_cfg.to_dict() if hasattr(hf_cfg, "to_dict") else hf_cfg
+    what = f" of {family} fields" if family else ""
+    if not isinstance(d, Mapping):
+        raise ValueError(f"HF config is a {type(d).__name__}, not a JSON object{what}")
+    missing = [k for k in required if d.get(k) is None]
+    if missing:
+        raise ValueError(f"HF config lacks required field(s) {missing}; pass a complete {family} config.json")
+    return dict(d)
+
+
 def int_field(d: Mapping[str, Any], key: str, default=None, alias: str | None = None) -> int:
     """``d[key]`` (or ``d[alias]``, else `default`) as an integer in [1, LIMITS[key]]."""
     hi = LIMITS.get(key, 1 << 30)

@@ -24,7 +24,7 @@ import torch
 
 from megatron_fp4.config import ModelConfig
 from megatron_fp4.integrations.hf import qwen3_moe
-from megatron_fp4.integrations.hf.config_fields import bool_field, float_field, int_field
+from megatron_fp4.integrations.hf.config_fields import bool_field, config_dict, float_field, int_field
 
 HF_MODEL_TYPE = "deepseek_v3"
 HF_ARCHITECTURE = "DeepseekV3ForCausalLM"
@@ -105,13 +105,7 @@ def ours_config_from_hf(hf_cfg) -> ModelConfig:
     """Our DeepSeek-V3 `ModelConfig` from a config.json dict (or a `DeepseekV3Config`); optional
     fields take DeepseekV3Config's defaults, features our layers do not implement raise ValueError
     naming the field."""
-    d = hf_cfg.to_dict() if hasattr(hf_cfg, "to_dict") else hf_cfg
-    if not isinstance(d, Mapping):
-        raise ValueError(f"HF config is a {type(d).__name__}, not a JSON object of DeepSeek-V3 fields")
-    d = dict(d)
-    missing = [k for k in _REQUIRED if d.get(k) is None]
-    if missing:
-        raise ValueError(f"HF config lacks required field(s) {missing}; pass a complete DeepSeek-V3 config.json")
+    d = config_dict(hf_cfg, "DeepSeek-V3", _REQUIRED)
     unsupported = {
         "attention_bias": (d.get("attention_bias", False) is not False, "our latent attention has no biases"),
         "rope_interleave": (d.get("rope_interleave", True) is not True, "only HF's interleaved rotary layout "

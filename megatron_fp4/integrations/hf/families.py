@@ -7,12 +7,11 @@ nothing else to be told. The model side of a family is `megatron_fp4.model.regis
 """
 from __future__ import annotations
 
-from typing import Mapping
-
 import torch
 
 from megatron_fp4.config import ModelConfig
 from megatron_fp4.integrations.hf import deepseek_v3, gpt_oss, qwen3_moe
+from megatron_fp4.integrations.hf.config_fields import config_dict
 
 BY_MODEL_TYPE = {qwen3_moe.HF_MODEL_TYPE: qwen3_moe, gpt_oss.HF_MODEL_TYPE: gpt_oss,
                  deepseek_v3.HF_MODEL_TYPE: deepseek_v3}
@@ -23,9 +22,7 @@ BY_FAMILY = {"qwen3_moe": qwen3_moe, "gpt_oss": gpt_oss, "deepseek_v3": deepseek
 def for_hf_config(hf_cfg):
     """The family module of a config.json dict (or `PretrainedConfig`); absent model_type: Qwen3-MoE
     (the configs this project wrote before families existed)."""
-    d = hf_cfg.to_dict() if hasattr(hf_cfg, "to_dict") else hf_cfg
-    if not isinstance(d, Mapping):
-        raise ValueError(f"HF config is a {type(d).__name__}, not a JSON object")
+    d = config_dict(hf_cfg)
     model_type = d.get("model_type", qwen3_moe.HF_MODEL_TYPE)
     if model_type not in BY_MODEL_TYPE:
         raise ValueError(f"HF config model_type={model_type!r:.80} is not a supported model family; supported: "

@@ -25,7 +25,7 @@ import torch
 
 from megatron_fp4.config import ModelConfig
 from megatron_fp4.integrations.hf import mxfp4_experts
-from megatron_fp4.integrations.hf.config_fields import bool_field, float_field, int_field, string_list
+from megatron_fp4.integrations.hf.config_fields import bool_field, config_dict, float_field, int_field, string_list
 from megatron_fp4.integrations.hf.qwen3_moe import _Collector, _expert_offsets, _listed
 
 HF_MODEL_TYPE = "gpt_oss"
@@ -134,13 +134,7 @@ def _rope(d: Mapping[str, Any]) -> tuple[float, dict | None]:
 def ours_config_from_hf(hf_cfg) -> ModelConfig:
     """Our GPT-OSS `ModelConfig` from a config.json dict (or a `GptOssConfig`); optional fields take
     GptOssConfig's defaults, features our layers do not implement raise ValueError naming the field."""
-    d = hf_cfg.to_dict() if hasattr(hf_cfg, "to_dict") else hf_cfg
-    if not isinstance(d, Mapping):
-        raise ValueError(f"HF config is a {type(d).__name__}, not a JSON object of GPT-OSS fields")
-    d = dict(d)
-    missing = [k for k in _REQUIRED if d.get(k) is None]
-    if missing:
-        raise ValueError(f"HF config lacks required field(s) {missing}; pass a complete GPT-OSS config.json")
+    d = config_dict(hf_cfg, "GPT-OSS", _REQUIRED)
     if d.get("attention_bias", True) is not True:
         raise ValueError("HF config attention_bias=false is not supported: GPT-OSS layers have q/k/v/o biases")
     limit = d.get("swiglu_limit", 7.0)

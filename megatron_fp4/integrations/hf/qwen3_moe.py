@@ -27,7 +27,8 @@ from typing import Any, Callable, Mapping, Optional
 import torch
 
 from megatron_fp4.config import ModelConfig
-from megatron_fp4.integrations.hf.config_fields import bool_field, float_field, int_field, layer_list, string_list
+from megatron_fp4.integrations.hf.config_fields import (bool_field, config_dict, float_field, int_field, layer_list,
+                                                       string_list)
 from megatron_fp4.integrations.hf.safetensors_header import FLOAT_DTYPES
 from megatron_fp4.model.experts import GroupedExperts
 
@@ -127,16 +128,11 @@ def ours_config_from_hf(hf_cfg) -> ModelConfig:
     (router_z_loss_coef, num_shared_experts=0) keep our defaults. Features our decoder does not
     implement raise ValueError naming the field.
     """
-    d = hf_cfg.to_dict() if hasattr(hf_cfg, "to_dict") else hf_cfg
-    if not isinstance(d, Mapping):
-        raise ValueError(f"HF config is a {type(d).__name__}, not a JSON object of Qwen3-MoE fields")
-    d = dict(d)
+    d = config_dict(hf_cfg, "Qwen3-MoE")
     model_type = d.get("model_type", HF_MODEL_TYPE)
     if model_type != HF_MODEL_TYPE:
         raise ValueError(f"HF config model_type={model_type!r:.80}: only {HF_MODEL_TYPE!r} (Qwen3-MoE) is supported")
-    missing = [k for k in _REQUIRED if d.get(k) is None]
-    if missing:
-        raise ValueError(f"HF config lacks required field(s) {missing}; pass a complete Qwen3-MoE config.json")
+    config_dict(d, "Qwen3-MoE", _REQUIRED)
     unsupported = {
         "attention_bias": (bool(d.get("attention_bias")), "our q/k/v/o projections have no bias"),
         "use_sliding_window": (bool(d.get("use_sliding_window")), "our attention is full causal attention"),

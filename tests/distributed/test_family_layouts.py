@@ -1,24 +1,27 @@
-"""DeepSeek-V3 (`model/deepseek_v3.py`) on the parallel layouts matches the single-process run: pp2
+"""The model families beside Qwen3-MoE on the parallel layouts match the single-process run: pp2
 (1F1B), ep2 with the all-to-all and the GC-MoE dispatchers, FP4 off, and ep2 with FP4 MoEResQ
-experts (2 gloo processes each, a tiny model with latent attention, a dense first layer, a shared
-expert, group-limited sigmoid routing and aux-loss-free bias updates between the steps).
+experts; 2 gloo processes, tiny models:
+
+- GPT-OSS (`model/gpt_oss.py`): sliding-window and full layers, YaRN, sinks, biases;
+- DeepSeek-V3 (`model/deepseek_v3.py`): latent attention, a dense first layer, a shared expert,
+  group-limited sigmoid routing and aux-loss-free bias updates between the steps.
 
 Float64, as tests/distributed/test_parallel_training_ep.py: losses, the first step's gradients and
 the parameters after the steps within ``FP64_REL`` (1e-10) relative per tensor. Under EP an
 expert's GEMM runs on both dp ranks' tokens at once and the dp gradient sum runs in another order,
 both fp64 rounding (~1e-16) effects; with FP4 the expert's weight gradient is quantized per source
-micro-batch (`DispatchPlan.expert_segments`), so the same holds. Expert tensors (w13, w2, b13, b2)
-are compared with the rows of the full tensor this rank holds; the router biases after the steps
-(moved by the data-parallel sum of the expert loads) must be equal.
+micro-batch (`DispatchPlan.expert_segments`), so the same holds. Expert tensors (w13, w2 and
+GPT-OSS's b13, b2) are compared with the rows of the full tensor this rank holds; the router biases
+after the steps (DeepSeek-V3's, moved by the data-parallel sum of the expert loads) must be equal.
 """
 import pytest
 
 from megatron_fp4.config import Config
-from tests.distributed.launch import run_distributed
+from tests.distributed.conftest import layout_results
 from tests.numerics import FP64_REL, rel, single_thread
 
 STEPS = 2
-LAYOUTS = {
+PARALLEL = {
     "pp2": dict(pp=2),
     "ep2": dict(ep=2),
     "ep2_gcmoe": dict(ep=2, expert_dispatcher="gcmoe", gcmoe_chunk_tokens=8, gcmoe_ring_slots=2),
@@ -26,17 +29,30 @@ LAYOUTS = {
 }
 
 
-def deepseek_cfg(spec: dict) -> Config:
-    spec = dict(spec)
-    fp4 = spec.pop("fp4", False)
-    cfg = Config()
-    cfg.dtype = "fp64"
-    m = cfg.model
+def _gpt_oss(m) -> None:
+    m.family, m.num_layers, m.vocab_size = "gpt_oss", 4, 32
+    m.layer_types, m.sliding_window = ["sliding_attention", "full_attention"] * 2, 4
+    m.rope_scaling = {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 8}
+
+
+def _deepseek_v3(m) -> None:
     m.family, m.num_layers, m.vocab_size, m.num_kv_heads = "deepseek_v3", 4, 32, 4
     m.q_lora_rank, m.kv_lora_rank, m.qk_nope_head_dim, m.qk_rope_head_dim, m.v_head_dim = 16, 16, 8, 4, 12
     m.num_experts, m.top_k, m.moe_n_group, m.moe_topk_group, m.moe_routed_scaling_factor = 8, 3, 4, 2, 2.5
     m.num_shared_experts, m.shared_expert_ffn_hidden_size, m.dense_layers = 1, m.moe_ffn_hidden_size, [0]
     m.moe_router_bias_update_rate = 1e-3
+
+
+FAMILIES = {"gpt_oss": _gpt_oss, "deepseek_v3": _deepseek_v3}
+LAYOUTS = {f"{family}/{name}": (family, spec) for family in FAMILIES for name, spec in PARALLEL.items()}
+
+
+def family_cfg(family: str, spec: dict) -> Config:
+    spec = dict(spec)
+    fp4 = spec.pop("fp4", False)
+    cfg = Config()
+    cfg.dtype = "fp64"
+    FAMILIES[family](cfg.model)
     cfg.numerics.invariance = "standard"
     s = cfg.schedule
     s.global_batch_size, s.micro_batch_size, s.seq_len, s.train_steps, s.warmup_steps = 8, 2, 16, STEPS, 1
@@ -60,11 +76,9 @@ def _train(trainer) -> dict:
     grads = {n: p.grad.clone() for n, p in trainer.model.named_parameters()}
     trainer.sampler.load_state_dict({"epoch": 0, "consumed": 0})
     losses = [trainer.train_step()["loss"] for _ in range(STEPS)]
-    offsets = {}
-    for moe in trainer.model.moe_layers():
-        for pname in ("w13", "w2"):
-            p = getattr(moe.experts, pname)
-            offsets[[n for n, q in trainer.model.named_parameters() if q is p][0]] = moe.experts.expert_offset
+    names = {p: n for n, p in trainer.model.named_parameters()}
+    offsets = {names[p]: moe.experts.expert_offset for moe in trainer.model.moe_layers()
+               for p in (getattr(moe.experts, a, None) for a in ("w13", "w2", "b13", "b2")) if p is not None}
     params = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
     params.update({n: b.clone() for n, b in trainer.model.named_buffers() if n.endswith("router.expert_bias")})
     dispatchers = {type(m.dispatcher).__name__ for m in trainer.model.moe_layers()}
@@ -72,13 +86,13 @@ def _train(trainer) -> dict:
     return dict(losses=losses, grads=grads, params=params, offsets=offsets, dispatchers=dispatchers)
 
 
-def _run(rank, world_size):
+def _run(rank, world_size, layouts):
     from megatron_fp4.parallel.mesh import ParallelMesh
     from megatron_fp4.training.trainer import Trainer
 
     out = {}
-    for name, spec in LAYOUTS.items():
-        cfg = deepseek_cfg(spec)
+    for name, (family, spec) in layouts.items():
+        cfg = family_cfg(family, spec)
         pp = cfg.parallel.pp
         out[name] = _train(Trainer(cfg, ParallelMesh.build(pp, world_size // pp, cfg.parallel.ep)))
     return out
@@ -87,14 +101,12 @@ def _run(rank, world_size):
 def _reference(name: str) -> dict:
     from megatron_fp4.training.trainer import Trainer
 
-    cfg = deepseek_cfg({k: v for k, v in LAYOUTS[name].items() if k == "fp4"})
+    family, spec = LAYOUTS[name]
     with single_thread():
-        return _train(Trainer(cfg))
+        return _train(Trainer(family_cfg(family, {k: v for k, v in spec.items() if k == "fp4"})))
 
 
-@pytest.fixture(scope="module")
-def results():
-    return run_distributed(_run, 2, timeout_s=900)
+results = layout_results(_run, 2, LAYOUTS, timeout_s=900)
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
