@@ -12,7 +12,6 @@ fp64 verification mode keeps fp64, so for that comparison the reference's norm r
 formula in the model dtype (`_fp64_reference_norm`), and so do its router logits (HF casts them to
 fp32). RoPE is fp32 on both sides (HF's rotary forces it).
 """
-import json
 import sys
 import warnings
 
@@ -22,10 +21,13 @@ import torch
 import transformers
 
 from megatron_fp4.config import FP4Config
-from megatron_fp4.integrations.hf import (build_model_from_hf, from_hf_state_dict, ours_config_from_hf,
-                                          save_hf_checkpoint, to_hf_state_dict)
-from megatron_fp4.model import KVCache, MoETransformer, deepseek_v3
+from megatron_fp4.integrations.hf import (build_model_from_hf, ours_config_from_hf, save_hf_checkpoint,
+                                          to_hf_state_dict)
+from megatron_fp4.model import KVCache, deepseek_v3
 
+from tests.integration.hf_family_parity import logits as family_logits
+from tests.integration.hf_family_parity import (cli_round_trip_is_bitwise, norm_in_model_dtype, ours_from,
+                                                random_hf, rel_err)
 TOKENS = torch.randint(0, 64, (3, 20), generator=torch.Generator().manual_seed(7))
 YARN = dict(rope_type="yarn", rope_theta=10000.0, factor=8.0, original_max_position_embeddings=8, beta_fast=32.0,
             beta_slow=1.0, mscale=0.7, mscale_all_dim=1.0)
@@ -47,50 +49,23 @@ def tiny_hf(dtype=torch.float32, seed=0, **overrides):
                   norm_topk_prob=True, max_position_embeddings=256, rms_norm_eps=1e-5,
                   rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
     kwargs.update(overrides)
-    torch.manual_seed(seed)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        model = transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(**kwargs))
-    model.config._experts_implementation = "eager"  # HF's grouped_mm path has no fp64
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():  # norms away from 1, a peaked router and a nonzero selection bias all matter
-        for name, p in model.named_parameters():
-            noise = torch.randn(p.shape, generator=g)
-            p.copy_(1 + 0.1 * noise if "norm" in name else 0.3 * noise)
-        for name, b in model.named_buffers():
-            if name.endswith("e_score_correction_bias"):
-                b.copy_(0.2 * torch.randn(b.shape, generator=g))
-    return model.to(dtype).eval()
+    return random_hf(transformers.DeepseekV3ForCausalLM, transformers.DeepseekV3Config(**kwargs), dtype, seed, buffers=("e_score_correction_bias",))
 
-
-def ours_from(hf, fp4_cfg=None):
-    model = MoETransformer(ours_config_from_hf(hf.config), fp4_cfg or FP4Config(scope="none"))
-    model = model.to(next(hf.parameters()).dtype)
-    from_hf_state_dict(model, hf.state_dict())
-    return model.eval()
-
-
-def rel_err(ours, ref) -> float:
-    return ((ours - ref).abs().max() / ref.abs().max()).item()
 
 
 def logits(model, tokens=TOKENS, **kw):
-    with torch.no_grad():
-        return model(tokens, **kw).logits if isinstance(model, MoETransformer) else model(input_ids=tokens).logits
+    return family_logits(model, tokens, **kw)
 
 
 @pytest.fixture
 def _fp64_reference_norm(monkeypatch):
     mod = sys.modules[transformers.DeepseekV3ForCausalLM.__module__]
 
-    def forward(self, h):  # HF's formula, in the model's dtype (see the module docstring)
-        return self.weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.variance_epsilon))
-
     def router(self, h):  # HF's router logits are fp32 whatever the model dtype; ours keep fp64 too
         h = h.view(-1, self.config.hidden_size)
         return torch.nn.functional.linear(h, self.weight.to(h.dtype))
 
-    monkeypatch.setattr(mod.DeepseekV3RMSNorm, "forward", forward)
+    norm_in_model_dtype(monkeypatch, mod.DeepseekV3RMSNorm)
     monkeypatch.setattr(mod.DeepseekV3TopkRouter, "forward", router)
 
 
@@ -184,18 +159,4 @@ def test_left_padded_batch_equals_unpadded_rows():
 
 
 def test_convert_checkpoint_cli_round_trip_is_bitwise(tmp_path, capsys):
-    """transformers-written checkpoint -> from-hf (our DCP, the family from config.json) -> to-hf: the
-    same tensors, bit for bit, and inspect names the family."""
-    from safetensors.torch import load_file
-
-    from tools.convert_checkpoint import main as convert_main
-
-    tiny_hf().save_pretrained(tmp_path / "hf")
-    assert convert_main(["from-hf", str(tmp_path / "hf"), str(tmp_path / "ours")]) == 0
-    assert convert_main(["inspect", str(tmp_path / "ours")]) == 0
-    assert "model: deepseek_v3" in capsys.readouterr().out
-    assert convert_main(["to-hf", str(tmp_path / "ours"), str(tmp_path / "back")]) == 0
-    src, back = load_file(tmp_path / "hf" / "model.safetensors"), load_file(tmp_path / "back" / "model.safetensors")
-    assert sorted(src) == sorted(back)
-    assert all(torch.equal(src[k], back[k]) for k in src)
-    assert json.loads((tmp_path / "back" / "config.json").read_text())["model_type"] == "deepseek_v3"
+    cli_round_trip_is_bitwise(tiny_hf(), tmp_path, capsys, "deepseek_v3")

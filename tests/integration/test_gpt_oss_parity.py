@@ -20,13 +20,15 @@ import torch
 import transformers
 
 from megatron_fp4.config import Config, ConfigError, FP4Config
-from megatron_fp4.integrations.hf import (build_model_from_hf, from_hf_state_dict, ours_config_from_hf,
-                                          save_hf_checkpoint, to_hf_state_dict)
-from megatron_fp4.model import KVCache, MoETransformer
+from megatron_fp4.integrations.hf import build_model_from_hf, save_hf_checkpoint, to_hf_state_dict
+from megatron_fp4.model import KVCache
 from megatron_fp4.parallel.mesh import ParallelMesh
 from megatron_fp4.training.trainer import Trainer
 from tools.convert_checkpoint import main as convert_main
 
+from tests.integration.hf_family_parity import logits as family_logits
+from tests.integration.hf_family_parity import (cli_round_trip_is_bitwise, norm_in_model_dtype, ours_from,
+                                                random_hf, rel_err)
 TOKENS = torch.randint(0, 64, (3, 24), generator=torch.Generator().manual_seed(7))
 YARN = dict(rope_type="yarn", rope_theta=150000.0, factor=32.0, beta_fast=32.0, beta_slow=1.0, truncate=False,
             original_max_position_embeddings=16)
@@ -45,43 +47,19 @@ def tiny_hf(dtype=torch.float32, seed=0, **overrides):
                   num_key_value_heads=2, head_dim=16, num_local_experts=8, num_experts_per_tok=2,
                   max_position_embeddings=256, sliding_window=5, rope_parameters=YARN)
     kwargs.update(overrides)
-    torch.manual_seed(seed)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        model = transformers.GptOssForCausalLM(transformers.GptOssConfig(**kwargs))
-    model.config._experts_implementation = "eager"  # HF's grouped_mm path has no fp64
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():  # norms away from 1, sinks, biases and a peaked router all matter
-        for name, p in model.named_parameters():
-            noise = torch.randn(p.shape, generator=g)
-            p.copy_(1 + 0.1 * noise if "norm" in name else 0.3 * noise)
-    return model.to(dtype).eval()
+    return random_hf(transformers.GptOssForCausalLM, transformers.GptOssConfig(**kwargs), dtype, seed)
 
-
-def ours_from(hf, fp4_cfg=None):
-    model = MoETransformer(ours_config_from_hf(hf.config), fp4_cfg or FP4Config(scope="none"))
-    model = model.to(next(hf.parameters()).dtype)
-    from_hf_state_dict(model, hf.state_dict())
-    return model.eval()
-
-
-def rel_err(ours, ref) -> float:
-    return ((ours - ref).abs().max() / ref.abs().max()).item()
 
 
 def logits(model, tokens=TOKENS, **kw):
-    with torch.no_grad():
-        return model(tokens, **kw).logits if isinstance(model, MoETransformer) else model(input_ids=tokens).logits
+    return family_logits(model, tokens, **kw)
 
 
 @pytest.fixture
 def _fp64_reference_norm(monkeypatch):
     mod = sys.modules[transformers.GptOssForCausalLM.__module__]
 
-    def forward(self, h):  # HF's formula, in the model's dtype (see the module docstring)
-        return self.weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.variance_epsilon))
-
-    monkeypatch.setattr(mod.GptOssRMSNorm, "forward", forward)
+    norm_in_model_dtype(monkeypatch, mod.GptOssRMSNorm)
 
 
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
@@ -230,16 +208,4 @@ def test_unknown_model_type_is_one_clear_error(tmp_path, capsys):
 
 
 def test_convert_checkpoint_cli_round_trip_is_bitwise(tmp_path, capsys):
-    """transformers-written checkpoint -> from-hf (our DCP, the family from config.json) -> to-hf: the
-    same tensors, bit for bit, and inspect names the family."""
-    from safetensors.torch import load_file
-
-    tiny_hf().save_pretrained(tmp_path / "hf")
-    assert convert_main(["from-hf", str(tmp_path / "hf"), str(tmp_path / "ours")]) == 0
-    assert convert_main(["inspect", str(tmp_path / "ours")]) == 0
-    assert "model: gpt_oss" in capsys.readouterr().out
-    assert convert_main(["to-hf", str(tmp_path / "ours"), str(tmp_path / "back")]) == 0
-    src, back = load_file(tmp_path / "hf" / "model.safetensors"), load_file(tmp_path / "back" / "model.safetensors")
-    assert sorted(src) == sorted(back)
-    assert all(torch.equal(src[k], back[k]) for k in src)
-    assert json.loads((tmp_path / "back" / "config.json").read_text())["model_type"] == "gpt_oss"
+    cli_round_trip_is_bitwise(tiny_hf(), tmp_path, capsys, "gpt_oss")
