@@ -144,16 +144,6 @@ def test_latent_attention_fields_refused_for_other_families():
         c.validate()
 
 
-@pytest.mark.parametrize("level", ["batch", "exact"])
-def test_invariant_levels_are_refused_at_run_time_too(level):
-    from megatron_fp4.fp4 import Numerics
-    from megatron_fp4.model import MoETransformer
-
-    c = cfg()
-    model = MoETransformer(c.model, c.fp4, Numerics(invariance=level))
-    with pytest.raises(ValueError, match="numerics.invariance=standard"):
-        model(torch.zeros(1, 4, dtype=torch.long))
-
 
 def test_brute_force_reference_is_itself_checked():
     """The reference above on a hand-made case: group 1 (best two 0.9+0.8) and group 3 (0.95+0.1)
