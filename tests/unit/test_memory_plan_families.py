@@ -39,3 +39,20 @@ def test_layouts_plan(name, world, overrides):
     assert plans and all(p.total > 0 for p in plans)
     single = plan_memory(load_config(CONFIGS / f"{name}.yaml"), 1)[0]
     assert max(p.params for p in plans) < single.params  # experts (and stages) are split
+
+
+def qwen3_moe_params(m) -> int:
+    """Qwen3-MoE (HF's Qwen3MoeForCausalLM, untied): q/k/v/o, q/k norms, two norms, router, experts."""
+    H, q, kv, E, F = m.hidden_size, m.num_heads * m.head_dim, m.num_kv_heads * m.head_dim, m.num_experts, \
+        m.moe_ffn_hidden_size
+    attention = 2 * H * q + 2 * H * kv + 2 * m.head_dim + 2 * H
+    return m.num_layers * (attention + E * H + 3 * E * F * H) + 2 * m.vocab_size * H + H
+
+
+@pytest.mark.parametrize("name,total_b", [("qwen3_30b_a3b", 30.53), ("qwen3_235b_a22b", 235.09)])
+def test_qwen3_configs_plan_the_published_count(name, total_b):
+    cfg = load_config(CONFIGS / f"{name}.yaml")
+    n = qwen3_moe_params(cfg.model)
+    assert abs(n / 1e9 - total_b) < 0.01
+    (plan,) = plan_memory(cfg, 1)
+    assert plan.params == n * torch.empty(0, dtype=param_dtype(cfg)).element_size()
