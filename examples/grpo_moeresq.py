@@ -81,7 +81,7 @@ from megatron_fp4.rl.loop import GRPOSettings, micro_batch_for, run_grpo  # noqa
 from megatron_fp4.rl.rollout_correction import (add_correction_args, check_correction_args,  # noqa: E402
                                                 correction_from_args)
 from megatron_fp4.rl.tasks import ArithmeticTask, CarryTask, DatasetTask, check_same_on_every_rank  # noqa: E402
-from megatron_fp4.training.data import ArithmeticDataset, ResumableSampler  # noqa: E402
+from megatron_fp4.training.data import ArithmeticDataset  # noqa: E402
 from megatron_fp4.training.trainer import Trainer  # noqa: E402
 
 
@@ -113,10 +113,8 @@ def sft_warmup(trainer, args, task) -> list:
                   for _ in range(args.sft_steps)]
         trainer.model.set_fp4_mode(cfg.fp4.train_mode)
         return losses
-    trainer.dataset = ArithmeticDataset(cfg.data.num_samples, cfg.schedule.seq_len, cfg.schedule.seed,
-                                        args.max_operand, args.ops)
-    trainer.sampler = ResumableSampler(len(trainer.dataset), cfg.schedule.global_batch_size, cfg.schedule.seed,
-                                       dp_rank=trainer.mesh.coord("dp"), dp_size=trainer.mesh.dp)
+    trainer.set_dataset(ArithmeticDataset(cfg.data.num_samples, cfg.schedule.seq_len, cfg.schedule.seed,
+                                          args.max_operand, args.ops))
     return [trainer.train_step()["loss"] for _ in range(args.sft_steps)]
 
 

@@ -122,9 +122,6 @@ def switch_to_rl(trainer, lr: float, weight_decay: float, aux_coef: float) -> No
     o.weight_decay = weight_decay
     # A fresh Adam for RL: SFT's momentum would otherwise keep pushing the LM direction for the
     # first RL steps (measured: greedy accuracy drifts down even with all advantages zeroed).
-    remove_hooks = getattr(trainer.optimizer, "remove_hooks", None)
-    if remove_hooks is not None:  # ZeRO's gradient hooks belong to the optimizer being replaced
-        remove_hooks()
-    trainer.optimizer = trainer.build_optimizer()
+    trainer.reset_optimizer()
     for moe in trainer.model.moe_layers():
         moe.aux_loss_coef, moe.z_loss_coef = aux_coef, aux_coef * 0.1

@@ -92,6 +92,12 @@ class Trainer(TrainingStep):
         return ZeroAdamW(self.model.named_parameters(), self.cfg.optimizer, self.mesh, p.zero_stage, p.bucket_size_mb,
                          expert_token_copies=self.mesh.tp // self.mesh.etp if self._moe_tokens() == "whole" else 1)
 
+    def reset_optimizer(self) -> None:
+        """Replace the optimizer by a fresh one (no moments, step 0) built from the current
+        ``cfg.optimizer``; the old one's gradient hooks are removed first (ZeRO's hooks belong to it)."""
+        self.optimizer.remove_hooks()
+        self.optimizer = self.build_optimizer()
+
     def _moe_tokens(self) -> str:
         """The tokens a tp rank's MoE layers route (``parallel.moe_tp_tokens``; "whole" without tp)."""
         return self.cfg.parallel.moe_tp_tokens if self.mesh.tp > 1 else "whole"
@@ -147,9 +153,15 @@ class Trainer(TrainingStep):
         self.dataset = self.sampler = None
         if build_data:
             s = self.cfg.schedule
-            self.dataset = build_dataset(self.cfg.data, s.seq_len, s.seed, self.cfg.model.vocab_size)
-            self.sampler = ResumableSampler(len(self.dataset), s.global_batch_size, s.seed,
-                                            dp_rank=self.mesh.coord("data"), dp_size=self.mesh.data_dp)
+            self.set_dataset(build_dataset(self.cfg.data, s.seq_len, s.seed, self.cfg.model.vocab_size))
+
+    def set_dataset(self, dataset) -> None:
+        """Train on `dataset` (``len`` and ``[i] -> (tokens, labels)``) from its start: this data
+        replica's share of every global batch (``schedule.global_batch_size``, ``schedule.seed``)."""
+        s = self.cfg.schedule
+        self.dataset = dataset
+        self.sampler = ResumableSampler(len(dataset), s.global_batch_size, s.seed,
+                                        dp_rank=self.mesh.coord("data"), dp_size=self.mesh.data_dp)
 
     # -- data -------------------------------------------------------------------------------------
     def next_micro_batches(self) -> list[dict]:

@@ -98,10 +98,7 @@ class MegatronFP4Engine(BaseEngine):
                                  "supported yet; the verl engine runs data-parallel ranks (each a full replica)")
             _, sd = load_hf_checkpoint(model_dir(self.model_config))  # every dp rank: the same full weights
             from_hf_state_dict(self.trainer.model, sd)
-            remove_hooks = getattr(self.trainer.optimizer, "remove_hooks", None)  # ZeRO's grad-sync hooks
-            if remove_hooks is not None:
-                remove_hooks()
-            self.trainer.optimizer = self.trainer.build_optimizer()  # masters from the loaded weights
+            self.trainer.reset_optimizer()  # masters from the loaded weights
         return self
 
     @property
