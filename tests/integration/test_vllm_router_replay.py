@@ -44,19 +44,23 @@ def test_r3_replays_vllm_routes_in_every_trainer_forward(monkeypatch):
     steps, run_grpo, build_rl_batch = [], grpo.run_grpo, loop.build_rl_batch
     held = {}
 
+    def router_hook(module, args, output):  # the experts the router's caller uses (replayed or live)
+        held["used"] = output[2].detach().clone()
+
     def hook(slot):
         def record(module, args, kwargs, output):
-            routing_out = args[1] if len(args) > 1 else kwargs.get("routing_out")
             routing_in = args[2] if len(args) > 2 else kwargs.get("routing_in")
+            used = held.pop("used")
             steps[-1]["forwards"].append({"slot": slot, "grad": torch.is_grad_enabled(),
                                           "routing_in": None if routing_in is None else routing_in.detach().clone(),
-                                          "used": None if routing_out is None else routing_out[-1].detach().clone()})
+                                          "used": used.view(*args[0].shape[:-1], -1)})
         return record
 
     def capturing_run_grpo(trainer, task, rollout, settings, *a, **k):
         held["trainer"] = trainer
         for slot, moe in enumerate(trainer.model.moe_layers()):
             moe.register_forward_hook(hook(slot), with_kwargs=True)
+            moe.router.register_forward_hook(router_hook)
         return run_grpo(trainer, task, rollout, settings, *a, **k)
 
     def capturing_build_rl_batch(gen, *a, **k):
@@ -93,7 +97,12 @@ def test_r3_replays_vllm_routes_in_every_trainer_forward(monkeypatch):
     agree = {}
     for name, step in (("r3", r3), ("off", off)):
         gen, P = step["gen"], step["batch"]["prompt_len"]
-        used = torch.stack([f["used"] for f in step["forwards"] if f["used"] is not None], dim=2)  # [B, T, M, k]
+        # the old-log-prob pass: the first no-grad forward of each MoE layer
+        first = {}
+        for f in step["forwards"]:
+            if not f["grad"]:
+                first.setdefault(f["slot"], f["used"])
+        used = torch.stack([first[slot] for slot in sorted(first)], dim=2)  # [B, T, M, k]
         trainer_routes = torch.cat([used[i, P - 1:P - 1 + len(r)] for i, r in enumerate(gen.response_ids)])
         vllm_routes = torch.cat(gen.routing).long()
         same = trainer_routes.sort(-1).values == vllm_routes.sort(-1).values

@@ -31,7 +31,8 @@ def _rank0():
     rr = RemoteRollout.__new__(RemoteRollout)
     rr.is_source, rr.model_cfg, rr._device = True, _cfg().model, torch.device("cpu")
     rr.control = Loopback(0, control)
-    rr.mesh = types.SimpleNamespace(group=lambda axis: Loopback(0, world), device=torch.device("cpu"))
+    rr.mesh = types.SimpleNamespace(group=lambda axis: Loopback(0, world), device=torch.device("cpu"),
+                                    is_distributed=True)
     rr._request = lambda request: {"error": None}
     return rr, Loopback(1, control), world
 
