@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from tests.distributed.launch import run_distributed
+from tests.numerics import single_thread
 from tests.unit.test_batch_invariant import bits, prompts, tiny_model
 
 SEED = 3
@@ -95,7 +96,11 @@ def _pp_worker(rank, world, rollouts):
 
 @pytest.fixture(scope="module")
 def rollouts():
-    return {mode: _rollouts(mode) for mode in MODES}
+    # One intra-op thread, as the scoring ranks run: the batch level fixes the GEMM shapes, not the
+    # BLAS's threading (MKL_CBWR=COMPATIBLE on an AMD EPYC gave a 16-row tile other bits at 2 threads
+    # than at 1; docs/numerics.md). The exact level's limb GEMMs do not depend on it.
+    with single_thread():
+        return {mode: _rollouts(mode) for mode in MODES}
 
 
 def test_ep2_alltoall_and_gcmoe_scores_equal_rollout_bitwise(rollouts):
