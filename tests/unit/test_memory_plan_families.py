@@ -1,7 +1,8 @@
 """The memory planner on the GPT-OSS example configs (real shapes): they plan without error, and the
 planned parameter bytes equal a closed-form count of GPT-OSS's parameters (HF's GptOssForCausalLM
 layout: q/k/v/o with biases, sinks, two norms, a biased router, experts with biases), which for
-gpt-oss-20b / 120b is OpenAI's published 20.91B / 116.83B total."""
+gpt-oss-20b / 120b is OpenAI's published 20.91B / 116.83B total; likewise the Qwen3-MoE configs
+(30.53B / 235.09B)."""
 from pathlib import Path
 
 import pytest
