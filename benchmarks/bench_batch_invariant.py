@@ -26,7 +26,7 @@ import time
 import torch
 
 from megatron_fp4.config import default_config_path, load_config
-from megatron_fp4.config_choices import INVARIANCE_LEVELS
+from megatron_fp4.config.choices import INVARIANCE_LEVELS
 from megatron_fp4.rollout import RolloutEngine, SamplingParams, score
 from megatron_fp4.training.data import ArithmeticTokenizer
 from megatron_fp4.training.trainer import Trainer

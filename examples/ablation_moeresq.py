@@ -56,7 +56,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import ablation_report as report  # noqa: E402
 
-from megatron_fp4.config_choices import INVARIANCE_LEVELS  # noqa: E402
+from megatron_fp4.config.choices import INVARIANCE_LEVELS  # noqa: E402
 from megatron_fp4.config import default_config_path, load_config  # noqa: E402
 from megatron_fp4.rl import sft_step  # noqa: E402
 from megatron_fp4.rl.data import carry_task, math_task  # noqa: E402

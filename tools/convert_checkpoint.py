@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 from megatron_fp4.config import ConfigError, NumericsConfig, apply_overrides, config_from_dict
-from megatron_fp4.config_validate import check_model_limits
+from megatron_fp4.config.validate import check_model_limits
 from megatron_fp4.model import build_model
 from megatron_fp4.model.registry import numerics_level_for
 from megatron_fp4.training import checkpoint as ckpt

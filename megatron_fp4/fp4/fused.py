@@ -75,7 +75,7 @@ import weakref
 
 import torch
 
-from megatron_fp4.config_choices import COMPILE_MODES
+from megatron_fp4.config.choices import COMPILE_MODES
 # In ``auto``, a variant is compiled once it has quantized this many elements eagerly (~100 calls of a
 # 4096x1024 activation): by then the job has shown it is long enough to repay a compile of seconds.
 AUTO_MIN_ELEMENTS = 1 << 28

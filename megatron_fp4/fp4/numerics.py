@@ -5,7 +5,7 @@ engine; ``model.specs.numerics_from_config``) and handed to the model at build t
 that computes numerics holds the same object (``apply_numerics(model, numerics)``; a model builds
 its own by default), and passes it to the ``fp4`` functions as an explicit argument. Nothing in
 ``fp4/`` reads a ContextVar, a process-global mode or an environment variable to decide what a
-GEMM computes (environment overrides are applied while loading the config: ``config.py``), so two
+GEMM computes (environment overrides are applied while loading the config: ``config/schema.py``), so two
 models in one process run their own numerics (``tests/unit/test_numerics_value.py``).
 
 What it holds (the per-layer FP4 ``Recipe`` — format, mode, rounding, ``compile`` — is the
@@ -47,7 +47,7 @@ from typing import Iterator, Optional
 
 import torch
 
-from megatron_fp4.config_choices import INVARIANCE_LEVELS, TRITON_MODES  # torch-free constants, one definition each
+from megatron_fp4.config.choices import INVARIANCE_LEVELS, TRITON_MODES  # torch-free constants, one definition each
 from megatron_fp4.fp4.context import QuantStep
 from megatron_fp4.fp4.nonfinite import NonFiniteFlags
 

@@ -12,9 +12,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from megatron_fp4.config_choices import COMPILE_MODES  # the one definition of each
-from megatron_fp4.config_choices import FP4_FORMATS as FORMATS
-from megatron_fp4.config_choices import FP4_MODES as MODES
+from megatron_fp4.config.choices import COMPILE_MODES  # the one definition of each
+from megatron_fp4.config.choices import FP4_FORMATS as FORMATS
+from megatron_fp4.config.choices import FP4_MODES as MODES
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,7 @@ What differs from Qwen3-MoE, each as transformers 5.10 computes it:
 
 Every GEMM is still an FP4 MoEResQ linear where the FP4 scope says so (experts; attention with
 ``experts+attention``); the router stays in fp32. Standard numerics only: the batch/exact levels'
-invariant kernels have no sinks or expert biases (`config_family.validate_family` refuses them).
+invariant kernels have no sinks or expert biases (`config.family.validate_family` refuses them).
 """
 from __future__ import annotations
 

@@ -39,8 +39,8 @@ from typing import Callable, Sequence
 import torch
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-from megatron_fp4.config_choices import RECOMPUTE_MODES as RECOMPUTE
-from megatron_fp4.config_choices import RECOMPUTE_MODULES as MODULES
+from megatron_fp4.config.choices import RECOMPUTE_MODES as RECOMPUTE
+from megatron_fp4.config.choices import RECOMPUTE_MODULES as MODULES
 
 _aten = torch.ops.aten
 # GEMMs whose outputs selective recompute keeps (the expensive part; everything else is re-run).

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from megatron_fp4.config_choices import MODEL_FAMILIES
+from megatron_fp4.config.choices import MODEL_FAMILIES
 from megatron_fp4.model.decoder import DecoderLayer
 from megatron_fp4.model.deepseek_v3 import DeepseekV3DecoderLayer
 from megatron_fp4.model.gpt_oss import GptOssDecoderLayer
@@ -32,7 +32,7 @@ FAMILIES = {
     "gpt_oss": Family("gpt_oss", GptOssDecoderLayer, "gpt_oss", ("standard",), False, False),
     "deepseek_v3": Family("deepseek_v3", DeepseekV3DecoderLayer, "deepseek_v3", ("standard",), False, True),
 }
-assert tuple(FAMILIES) == MODEL_FAMILIES, "config_choices.MODEL_FAMILIES must list the registry's families"
+assert tuple(FAMILIES) == MODEL_FAMILIES, "config.choices.MODEL_FAMILIES must list the registry's families"
 
 
 def get_family(name: str) -> Family:

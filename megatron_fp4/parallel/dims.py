@@ -42,8 +42,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from megatron_fp4.config_choices import ConfigError
-from megatron_fp4.config_validate import require
+from megatron_fp4.config.choices import ConfigError
+from megatron_fp4.config.validate import require
 
 DENSE_AXES = ("pp", "dp", "tp")
 EXPERT_AXES = ("pp", "edp", "ep", "etp")

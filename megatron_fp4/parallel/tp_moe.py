@@ -35,7 +35,7 @@ import functools
 
 import torch
 
-from megatron_fp4.config_choices import MOE_TP_TOKENS as MOE_TOKENS
+from megatron_fp4.config.choices import MOE_TP_TOKENS as MOE_TOKENS
 from megatron_fp4.fp4 import MoEResQLinear
 from megatron_fp4.model.moe import MoELayer
 from megatron_fp4.parallel.tp_comm import _all_reduce, gather_whole, split_whole

@@ -31,7 +31,7 @@ from typing import Optional, Sequence, Union
 
 import torch
 
-from megatron_fp4.config_choices import INVARIANCE_LEVELS
+from megatron_fp4.config.choices import INVARIANCE_LEVELS
 from megatron_fp4.fp4 import numerics_of
 from megatron_fp4.model import KVCache, Router
 from megatron_fp4.model.capacity import refuse_for_rollout

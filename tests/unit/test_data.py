@@ -397,6 +397,6 @@ def test_get_batch_shifts_and_masks_padding():
 
 
 def test_config_knows_the_arithmetic_vocab_size():
-    from megatron_fp4.config_validate import ARITHMETIC_VOCAB_SIZE
+    from megatron_fp4.config.validate import ARITHMETIC_VOCAB_SIZE
 
     assert ArithmeticTokenizer().vocab_size == ARITHMETIC_VOCAB_SIZE

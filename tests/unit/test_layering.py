@@ -11,10 +11,9 @@ import ast
 import pathlib
 
 ROOT = pathlib.Path(__file__).resolve().parents[2] / "megatron_fp4"
-ORDER = ["config", "config_validate", "fp4", "model", "parallel", "training", "rollout", "integrations", "rl",
+ORDER = ["config", "fp4", "model", "parallel", "training", "rollout", "integrations", "rl",
          "integrations.verl"]
 RANK = {name: i for i, name in enumerate(ORDER)}
-RANK["config_validate"] = RANK["config_choices"] = RANK["config"]
 
 
 def _layer(module: str) -> str:

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from megatron_fp4.config import Config, ConfigError
-from megatron_fp4.config_validate import validate_config
+from megatron_fp4.config.validate import validate_config
 from megatron_fp4.fp4 import Recipe
 from megatron_fp4.model.moe import MoELayer, Router, seq_balance_loss, update_expert_bias
 from megatron_fp4.rollout import InProcessTransport, RolloutEngine, WeightPublisher, WeightReceiver

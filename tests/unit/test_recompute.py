@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from megatron_fp4.config import Config, ConfigError
-from megatron_fp4.config_choices import RECOMPUTE_MODULES
+from megatron_fp4.config.choices import RECOMPUTE_MODULES
 from megatron_fp4.fp4 import Recipe
 from megatron_fp4.model import recompute
 from megatron_fp4.model.layers import KVCache

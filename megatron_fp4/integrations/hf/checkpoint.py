@@ -247,7 +247,7 @@ def build_model_from_hf(path, fp4_cfg: Optional[FP4Config] = None):
     """Our `MoETransformer` (fp32 parameters, on CPU) built from the checkpoint's config and
     loaded with its weights (strict). `fp4_cfg` None means the project default `FP4Config()`
     (experts in FP4, MoEResQ); pass `FP4Config(scope="none")` for the exact HF numerics."""
-    from megatron_fp4.config_validate import _validate_fp4_shapes
+    from megatron_fp4.config.validate import _validate_fp4_shapes
     from megatron_fp4.model import MoETransformer
 
     path = Path(path)

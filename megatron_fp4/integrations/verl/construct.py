@@ -16,7 +16,8 @@ from typing import Optional
 import torch.distributed as dist
 from verl.workers.config.engine import EngineConfig
 
-from megatron_fp4.config import Config, FP4Config, _from_dict
+from megatron_fp4.config import Config, FP4Config
+from megatron_fp4.config.schema import _from_dict
 from megatron_fp4.integrations.hf.checkpoint import CONFIG_FILE
 from megatron_fp4.integrations.hf.families import ours_config_from_hf
 from megatron_fp4.model.registry import numerics_level_for

@@ -37,7 +37,7 @@ import torch
 from vllm.distributed.weight_transfer.base import (WeightTransferEngine, WeightTransferInitInfo,
                                                    WeightTransferUpdateInfo)
 
-from megatron_fp4.config_validate import MAX_TIMEOUT_S
+from megatron_fp4.config.validate import MAX_TIMEOUT_S
 from megatron_fp4.integrations.vllm.live import check_manifest, check_update, checkpoint_shapes, load_into, plugin_layers
 from megatron_fp4.rollout.buckets import unpack_buckets
 from megatron_fp4.rollout.peer_group import PeerGroup, sync_token_from_env

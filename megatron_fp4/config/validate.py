@@ -1,7 +1,7 @@
 """`Config.validate()`: every check of a config's own fields, before a process group or tensor exists.
 
-Its functions take a `megatron_fp4.config.Config`; this module imports nothing of config.py (config.py
-imports it), so the two are no import circle. The parallel layout (pp, dp, tp, ep, etp, virtual
+Its functions take a `megatron_fp4.config.schema.Config`; this module imports nothing of `schema`
+(`schema` imports it), so the two are no import circle. The parallel layout (pp, dp, tp, ep, etp, virtual
 stages, schedule, GC-MoE's ring) is checked against the world size by
 `megatron_fp4.parallel.dims.ParallelDims.from_config`, next to the mesh: the trainer runs both.
 
@@ -12,9 +12,9 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from megatron_fp4.config_choices import _CHOICES, RECOMPUTE_MODULES, ConfigError
-from megatron_fp4.config_family import validate_family
-from megatron_fp4.config_yaml import show
+from megatron_fp4.config.choices import _CHOICES, RECOMPUTE_MODULES, ConfigError
+from megatron_fp4.config.family import validate_family
+from megatron_fp4.config.yaml_io import show
 
 ARITHMETIC_VOCAB_SIZE = 18  # pad, bos, eos, 0-9, + - * = and space
 

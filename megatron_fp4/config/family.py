@@ -1,15 +1,15 @@
 """The model-family fields of a config (``model.family``, ``layer_types``, ``sliding_window``,
 ``rope_scaling``) and what each family supports, checked before anything is built.
 
-Torch-free and below config.py like config_validate.py, which calls `validate_family`. The families'
-builders live in `megatron_fp4.model.registry`; the names are `config_choices.MODEL_FAMILIES`.
+Torch-free and below `schema` like `validate`, which calls `validate_family`. The families'
+builders live in `megatron_fp4.model.registry`; the names are `config.choices.MODEL_FAMILIES`.
 """
 from __future__ import annotations
 
 import math
 
-from megatron_fp4.config_choices import MODEL_FAMILIES, ConfigError
-from megatron_fp4.config_yaml import show
+from megatron_fp4.config.choices import MODEL_FAMILIES, ConfigError
+from megatron_fp4.config.yaml_io import show
 
 LAYER_TYPES = ("full_attention", "sliding_attention")
 YARN_KEYS = {"rope_type", "factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "truncate"}

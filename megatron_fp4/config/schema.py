@@ -15,9 +15,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Union, get_args, get_origin, get_type_hints
 
-from megatron_fp4.config_choices import ConfigError, apply_env_overrides, choice_for_bool
-from megatron_fp4.config_validate import validate_config
-from megatron_fp4.config_yaml import MAX_BYTES, Plain, parse_yaml, plain_value, show
+from megatron_fp4.config.choices import ConfigError, apply_env_overrides, choice_for_bool
+from megatron_fp4.config.validate import validate_config
+from megatron_fp4.config.yaml_io import MAX_BYTES, Plain, parse_yaml, plain_value, show
 
 
 @dataclass
@@ -383,4 +383,4 @@ def load_config(path: Optional[str | Path] = None, overrides: Optional[list[str]
 
 def default_config_path() -> Path:
     """The embedded default: the tiny FP4 MoE that trains on a laptop in minutes."""
-    return Path(__file__).parent / "configs" / "tiny_moe.yaml"
+    return Path(__file__).parent.parent / "configs" / "tiny_moe.yaml"

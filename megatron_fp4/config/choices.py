@@ -1,6 +1,5 @@
-"""What config.py and config_validate.py share: the error type and the fields' allowed choices.
-
-config.py imports config_validate.py (for `Config.validate`), so these live here, below both.
+"""Every allowed value of a choice field, defined once, and `ConfigError`: what `schema`, `validate`
+and `family` share (the dataclasses, their checks and the family rules all name these values).
 """
 from __future__ import annotations
 
