@@ -86,7 +86,7 @@ def _resume_and_train(cfg, trainer, rank: int, handler: PreemptionHandler) -> li
         print(start_banner(cfg, trainer.mesh), flush=True)
     if cfg.checkpoint.load:
         path = cfg.checkpoint.dir if cfg.checkpoint.load == "auto" else cfg.checkpoint.load
-        from megatron_fp4.training.checkpoint import latest_step
+        from megatron_fp4.training.checkpoint.directory import latest_step
 
         if cfg.checkpoint.load != "auto" or latest_step(path) is not None:
             step = trainer.load_checkpoint(path)
@@ -126,7 +126,7 @@ def lock_checkpoint_dir(root: str):
     import fcntl
     import warnings
 
-    from megatron_fp4.training.checkpoint import CheckpointError
+    from megatron_fp4.training.checkpoint.directory import CheckpointError
 
     try:
         os.makedirs(root, exist_ok=True)
@@ -215,7 +215,7 @@ def main(argv=None) -> int:
 
 
 def _train_to_exit_code(cfg) -> int:
-    from megatron_fp4.training.checkpoint import CheckpointError
+    from megatron_fp4.training.checkpoint.directory import CheckpointError
     from megatron_fp4.training.data import DataError
     from megatron_fp4.training.trainer import NonFiniteError
 

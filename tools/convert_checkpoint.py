@@ -32,8 +32,8 @@ from megatron_fp4.config import ConfigError, NumericsConfig, apply_overrides, co
 from megatron_fp4.config.validate import check_model_limits
 from megatron_fp4.model import build_model
 from megatron_fp4.model.registry import numerics_level_for
-from megatron_fp4.training import checkpoint as ckpt
-from megatron_fp4.training import checkpoint_files as files
+from megatron_fp4.training.checkpoint import directory as ckpt
+from megatron_fp4.training.checkpoint import files
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -48,7 +48,7 @@ def load_model_state(path: str) -> tuple[dict, dict, Path]:
             state, meta = legacy_state(step_dir)
             return state["model"], meta, step_dir
         if kind == "dcp":
-            from megatron_fp4.training.dist_checkpoint import read_full_model_state
+            from megatron_fp4.training.checkpoint.dcp import read_full_model_state
 
             shapes = model_shapes(meta, step_dir)
             state = read_full_model_state(step_dir, meta, shapes)

@@ -164,7 +164,7 @@ def check_expert_tensor_parallel(cfg, dims: "ParallelDims") -> None:
     """``parallel.etp`` (= tp, MoE layers whole on every tp rank: the etp ranks hold the same rows,
     `parallel/expert_tensor_parallel.py` ``replicated``): every expert's ffn dim splits evenly, FP4
     blocks stay inside a rank's slice, and the all-to-all dispatcher (DCP of the etp shards:
-    `training/dcp_etp.py`)."""
+    `training/checkpoint/dcp_etp.py`)."""
     p, m, f = cfg.parallel, cfg.model, cfg.fp4
     require(p.moe_tp_tokens == "whole", "parallel.moe_tp_tokens", p.moe_tp_tokens,
             f"expert tensor parallel (parallel.etp={dims.etp}) with moe_tp_tokens=local is not implemented yet; "

@@ -1,6 +1,6 @@
 """The one trainer, for every layout: micro-batched forward/backward (or the pipeline schedule),
 NaN guard, clipping, AdamW (`ZeroAdamW`, sharded over dp; one process is dp = 1), LR schedule,
-logging, checkpoints (DCP at every size, `training/dist_checkpoint.py`).
+logging, checkpoints (DCP at every size, `training/checkpoint/dcp.py`).
 
     trainer = Trainer(load_config("megatron_fp4/configs/tiny_moe.yaml"))          # one process
     trainer = Trainer(cfg, ParallelMesh.build(pp, dp, ep))                     # under torchrun
@@ -48,8 +48,8 @@ from megatron_fp4.parallel.mesh import ParallelDims, ParallelMesh, world_size_fr
 from megatron_fp4.parallel.pipeline import PipelineRunner
 from megatron_fp4.parallel.tensor_parallel import parallelize_tp
 from megatron_fp4.parallel.zero import ZeroAdamW, mark_tp_replicas
-from megatron_fp4.training import checkpoint as ckpt
-from megatron_fp4.training import dist_checkpoint as dcp_ckpt
+from megatron_fp4.training.checkpoint import directory as ckpt
+from megatron_fp4.training.checkpoint import dcp as dcp_ckpt
 from megatron_fp4.training.data import ResumableSampler, build_dataset, get_batch
 from megatron_fp4.training.metrics import MetricsLogger
 from megatron_fp4.training.nonfinite import LayerGate, NonFiniteError
@@ -269,7 +269,7 @@ class Trainer(TrainingStep):
     # -- checkpoints ------------------------------------------------------------------------------
     def save_checkpoint(self, root: str):
         """Collective: DCP at every size (one process included), reshardable across dp and pp
-        (`training/dist_checkpoint.py`). Refused, with the last checkpoint kept, when the weights
+        (`training/checkpoint/dcp.py`). Refused, with the last checkpoint kept, when the weights
         are not finite."""
         self.refuse_nonfinite_save(root)
         return dcp_ckpt.save(root, self)

@@ -26,7 +26,7 @@ def _train_and_save(rank, world_size, root):
 
 
 def test_dcp_checkpoint_reads_back_whole_and_converts(tmp_path):
-    from megatron_fp4.training.dist_checkpoint import load_full_model_state
+    from megatron_fp4.training.checkpoint.dcp import load_full_model_state
     from tools.convert_checkpoint import main
 
     results = run_distributed(_train_and_save, 2, args=(str(tmp_path / "ckpt"),))

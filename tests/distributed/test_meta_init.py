@@ -279,7 +279,7 @@ def _slice_equal(local: dict, full: dict, where) -> int:
 
 def test_ranks_load_only_their_shards_from_hf_and_dcp(results_2, hf_dirs, dcp_root):
     from megatron_fp4.integrations.hf import build_model_from_hf
-    from megatron_fp4.training.dist_checkpoint import load_full_model_state
+    from megatron_fp4.training.checkpoint.dcp import load_full_model_state
 
     cfg = _cfg(dict(dtype="fp32"))
     reference = dict(build_model_from_hf(hf_dirs["checkpoint"], cfg.fp4).named_parameters())  # single process

@@ -1,4 +1,4 @@
-"""DCP checkpoints of a tensor-parallel trainer (tp2 on 2 gloo ranks, fp64; dcp_tp.py).
+"""DCP checkpoints of a tensor-parallel trainer (tp2 on 2 gloo ranks, fp64; checkpoint/dcp_tp.py).
 
 - resume at tp2: the loss and every weight of the step after the save are the same bits as the
   uninterrupted run's (the same kernels on the same shards, the same optimizer state);
@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_fp4.training.checkpoint import CheckpointError
+from megatron_fp4.training.checkpoint.directory import CheckpointError
 from tests.distributed.launch import run_distributed
 from tests.distributed.test_tp_trainer import layout_cfg, single_process
 from tests.numerics import FP64_REL, rel
@@ -71,7 +71,7 @@ def assert_global_weights(full: dict, ref) -> dict:
 
 
 def test_tp2_checkpoint_holds_the_global_weights(saved):
-    from megatron_fp4.training.dist_checkpoint import load_full_model_state
+    from megatron_fp4.training.checkpoint.dcp import load_full_model_state
 
     root, _ = saved
     _, ref = _single(2)

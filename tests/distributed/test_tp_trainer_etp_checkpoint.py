@@ -1,4 +1,4 @@
-"""DCP checkpoints of an expert-tensor-parallel trainer (tp2 = etp2 on 2 gloo ranks, fp64; dcp_etp.py).
+"""DCP checkpoints of an expert-tensor-parallel trainer (tp2 = etp2 on 2 gloo ranks, fp64; checkpoint/dcp_etp.py).
 
 - resume at tp2 etp2: the loss and every weight of the step after the save are the same bits as
   the uninterrupted run's (the same kernels on the same shards, the same optimizer state);
@@ -18,7 +18,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_fp4.training.checkpoint import CheckpointError
+from megatron_fp4.training.checkpoint.directory import CheckpointError
 from tests.distributed.launch import run_distributed
 from tests.distributed.test_tp_trainer import layout_cfg, single_process
 from tests.distributed.test_tp_trainer_checkpoint import assert_global_weights
@@ -115,8 +115,8 @@ def saved_ep(tmp_path_factory):
 
 @pytest.mark.parametrize("name", list(LAYOUTS_4))
 def test_etp2_ep2_resume_is_bitwise_and_holds_the_global_weights(saved_ep, name):
-    from megatron_fp4.training.checkpoint import read_meta
-    from megatron_fp4.training.dist_checkpoint import load_full_model_state, read_full_model_state
+    from megatron_fp4.training.checkpoint.directory import read_meta
+    from megatron_fp4.training.checkpoint.dcp import load_full_model_state, read_full_model_state
 
     root, results = saved_ep
     for r in results:
@@ -135,7 +135,7 @@ def _single(steps: int):
 
 
 def test_etp2_checkpoint_holds_the_global_weights(saved):
-    from megatron_fp4.training.dist_checkpoint import load_full_model_state
+    from megatron_fp4.training.checkpoint.dcp import load_full_model_state
 
     root, _ = saved
     _, ref = _single(2)

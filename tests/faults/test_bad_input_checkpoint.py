@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from megatron_fp4.config import load_config
-from megatron_fp4.training import checkpoint as ckpt
-from megatron_fp4.training import checkpoint_files as files
+from megatron_fp4.training.checkpoint import directory as ckpt
+from megatron_fp4.training.checkpoint import files
 from tests.faults.test_bad_input_config import REPO, _assert_one_line, _run
 
 pytestmark = pytest.mark.faults
@@ -226,7 +226,7 @@ def _dcp_checkpoint(root: Path, huge: bool) -> Path:
 
 @pytest.mark.filterwarnings("ignore::UserWarning")
 def test_dcp_metadata_sizes_are_checked_before_allocating(tmp_path):
-    from megatron_fp4.training.dist_checkpoint import read_full_model_state
+    from megatron_fp4.training.checkpoint.dcp import read_full_model_state
 
     good = _dcp_checkpoint(tmp_path / "good", huge=False)
     assert "parameters" in _convert("inspect", good).stdout

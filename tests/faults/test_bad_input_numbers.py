@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from megatron_fp4.config import ConfigError, load_config
-from megatron_fp4.training import checkpoint as ckpt
+from megatron_fp4.training.checkpoint import directory as ckpt
 from megatron_fp4.training.trainer import NonFiniteError, Trainer
 from tests.faults.test_bad_input_config import SMALL, _assert_one_line, _run
 from tests.faults.test_nan_guard_single import tiny

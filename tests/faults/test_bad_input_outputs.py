@@ -8,7 +8,7 @@ import shutil
 import pytest
 
 from megatron_fp4.integrations.hf import save_hf_checkpoint
-from megatron_fp4.training import checkpoint as ckpt
+from megatron_fp4.training.checkpoint import directory as ckpt
 from tests.faults.test_bad_input_checkpoint import _convert, _tiny_cfg, saved_root  # noqa: F401 (fixture)
 from tests.faults.test_bad_input_config import _assert_one_line
 

@@ -88,7 +88,7 @@ def test_a_save_killed_at_every_point_leaves_an_intact_step(tmp_path, monkeypatc
 CHILD = textwrap.dedent("""
     import sys
     from tests.unit.test_checkpoint_safety import save
-    from megatron_fp4.training import checkpoint as ckpt
+    from megatron_fp4.training.checkpoint import directory as ckpt
     root = sys.argv[1]
     step = (ckpt.latest_step(root) or 0) + 1
     print("start", step, flush=True)

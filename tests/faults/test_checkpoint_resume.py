@@ -6,7 +6,7 @@ import warnings
 import pytest
 
 from megatron_fp4.train import run
-from megatron_fp4.training.checkpoint import CheckpointError
+from megatron_fp4.training.checkpoint.directory import CheckpointError
 from tests.integration.test_train import small_cfg
 
 
@@ -55,8 +55,8 @@ def test_crafted_checkpoint_given_to_the_trainer_executes_nothing(tmp_path):
     allow-listed reader stops it), and one of the former format (never unpickled by the trainer)."""
     import pickle
 
-    from megatron_fp4.training import checkpoint as ckpt
-    from megatron_fp4.training import checkpoint_files as files
+    from megatron_fp4.training.checkpoint import directory as ckpt
+    from megatron_fp4.training.checkpoint import files
     from tests.unit.test_checkpoint_safety import RunsCode, legacy_save
 
     marker = tmp_path / "pwned"

@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from megatron_fp4.config import load_config
-from megatron_fp4.training import checkpoint as ckpt
-from megatron_fp4.training import dist_checkpoint as dcp_ckpt
+from megatron_fp4.training.checkpoint import directory as ckpt
+from megatron_fp4.training.checkpoint import dcp as dcp_ckpt
 from megatron_fp4.training.trainer import NonFiniteError, Trainer
 
 pytestmark = pytest.mark.faults

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from megatron_fp4.config import load_config
-from megatron_fp4.training import checkpoint as ckpt
+from megatron_fp4.training.checkpoint import directory as ckpt
 from megatron_fp4.training.trainer import Trainer
 from tests.integration.test_train import small_cfg
 from tools.convert_checkpoint import main
@@ -56,7 +56,7 @@ def test_crafted_checkpoints_are_refused_by_inspect(tmp_path, capsys):
 
 
 def test_meta_without_model_section_is_a_clear_error(tmp_path, capsys):
-    from megatron_fp4.training import checkpoint as ckpt
+    from megatron_fp4.training.checkpoint import directory as ckpt
     from tests.unit.test_checkpoint_safety import save
 
     step_dir = save(tmp_path, 1)

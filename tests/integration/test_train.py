@@ -6,7 +6,7 @@ import torch
 
 from megatron_fp4.config import default_config_path, load_config
 from megatron_fp4.train import main
-from megatron_fp4.training.checkpoint import CheckpointError
+from megatron_fp4.training.checkpoint.directory import CheckpointError
 from megatron_fp4.training.trainer import NonFiniteError, Trainer
 
 

@@ -16,10 +16,10 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from megatron_fp4.config import ConfigError, default_config_path, load_config
-from megatron_fp4.training import checkpoint as ckpt
-from megatron_fp4.training import checkpoint_files as files
-from megatron_fp4.training.dcp_metadata import SafeFileSystemReader, load_metadata_file
-from megatron_fp4.training.dist_checkpoint import load_full_model_state, read_full_model_state
+from megatron_fp4.training.checkpoint import directory as ckpt
+from megatron_fp4.training.checkpoint import files
+from megatron_fp4.training.checkpoint.dcp_metadata import SafeFileSystemReader, load_metadata_file
+from megatron_fp4.training.checkpoint.dcp import load_full_model_state, read_full_model_state
 
 
 class RunsCode:

@@ -1,4 +1,4 @@
-"""`training/dcp_etp.py`'s pure pieces: w13's gate / up halves merged back (and a lone half refused),
+"""`training/checkpoint/dcp_etp.py`'s pure pieces: w13's gate / up halves merged back (and a lone half refused),
 their declared shapes, and the etp refusal of optimizer state."""
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from megatron_fp4.training.checkpoint import CheckpointError
-from megatron_fp4.training.dcp_etp import check_etp_layout, key_shapes, merge_halves
+from megatron_fp4.training.checkpoint.directory import CheckpointError
+from megatron_fp4.training.checkpoint.dcp_etp import check_etp_layout, key_shapes, merge_halves
 
 
 def test_halves_merge_back_into_w13_rows_gate_then_up():

@@ -27,11 +27,11 @@ OBJECT_COLLECTIVES = {"broadcast_object_list", "all_gather_object", "gather_obje
                       "send_object_list", "recv_object_list"}
 EXEC_BUILTINS = {"eval", "exec", "compile", "__import__"}
 SAFE_YAML_LOADERS = {"SafeLoader", "CSafeLoader", "BaseLoader", "CBaseLoader"}
-# The only pickle uses, and why they are safe: checkpoint.py catches the exception torch.load
-# (weights_only=True) raises for a file that holds more than tensors; dcp_metadata.py is the
+# The only pickle uses, and why they are safe: checkpoint/directory.py catches the exception torch.load
+# (weights_only=True) raises for a file that holds more than tensors; checkpoint/dcp_metadata.py is the
 # allow-list unpickler for DCP's `.metadata` (torch writes it as a pickle; tests/unit/test_checkpoint_safety.py).
-PICKLE_ALLOWED = {"megatron_fp4/training/checkpoint.py": {"UnpicklingError"},
-                  "megatron_fp4/training/dcp_metadata.py": {"Unpickler", "UnpicklingError"}}
+PICKLE_ALLOWED = {"megatron_fp4/training/checkpoint/directory.py": {"UnpicklingError"},
+                  "megatron_fp4/training/checkpoint/dcp_metadata.py": {"Unpickler", "UnpicklingError"}}
 
 
 def _dotted(node) -> str:
@@ -151,6 +151,6 @@ def test_checker_accepts_the_safe_forms_and_the_listed_exceptions():
             "torch.compile(m)\n__import__('os')\ndef f():\n    '''never bind 0.0.0.0'''\n    return '127.0.0.1'\n")
     assert violations(safe) == []
     uses = "import pickle\ntry:\n    pass\nexcept pickle.UnpicklingError:\n    pass\n"
-    assert violations(uses, "megatron_fp4/training/checkpoint.py") == []
-    assert violations(uses + "pickle.loads(b'')", "megatron_fp4/training/checkpoint.py")  # only what is listed
+    assert violations(uses, "megatron_fp4/training/checkpoint/directory.py") == []
+    assert violations(uses + "pickle.loads(b'')", "megatron_fp4/training/checkpoint/directory.py")  # only what is listed
     assert violations(uses, "megatron_fp4/rollout/wire.py")  # and only where it is listed

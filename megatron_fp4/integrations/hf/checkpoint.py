@@ -24,7 +24,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from megatron_fp4.training.checkpoint import check_not_input, check_replaceable_export, replace_dir
+from megatron_fp4.training.checkpoint.directory import check_not_input, check_replaceable_export, replace_dir
 from megatron_fp4.config import Config, FP4Config, ModelConfig
 from megatron_fp4.integrations.hf.families import (check_hf_state_dict, from_hf_state_dict, hf_config_from_ours,
                                                    ours_config_from_hf, to_hf_state_dict)

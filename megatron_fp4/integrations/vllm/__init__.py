@@ -27,7 +27,7 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from megatron_fp4.training.checkpoint import replace_dir
+from megatron_fp4.training.checkpoint.directory import replace_dir
 from megatron_fp4.config import Config
 from megatron_fp4.fp4 import Recipe
 from megatron_fp4.integrations.vllm.sidecar import (QUANT_METHOD, SIDECAR_FILE, SIDECAR_VERSION, load_quant_sidecar,

@@ -1,4 +1,4 @@
-"""Expert-tensor-parallel shards in DCP checkpoints (`dist_checkpoint.py`).
+"""Expert-tensor-parallel shards in DCP checkpoints (`checkpoint/dcp.py`).
 
 Under ``parallel.etp`` an etp rank holds slice ``i`` of every expert's ffn dim
 (`GroupedExperts.shard_ffn`, ``param.etp_shard = (dim, index)``): of w2 [E, H, F] a contiguous
@@ -18,9 +18,9 @@ from __future__ import annotations
 
 import torch
 
-from megatron_fp4.training import checkpoint as ckpt
-from megatron_fp4.training.dcp_checks import model_key_shapes
-from megatron_fp4.training.dcp_tp import check_tp_layout
+from megatron_fp4.training.checkpoint import directory as ckpt
+from megatron_fp4.training.checkpoint.dcp_checks import model_key_shapes
+from megatron_fp4.training.checkpoint.dcp_tp import check_tp_layout
 
 HALVES = ("gate", "up")
 

@@ -1,6 +1,6 @@
-"""Sizes in DCP's `.metadata` checked before anything is allocated for them (`dist_checkpoint.py`).
+"""Sizes in DCP's `.metadata` checked before anything is allocated for them (`checkpoint/dcp.py`).
 
-`.metadata` is read as data (`dcp_metadata.py`) but its sizes are still claims: a crafted or
+`.metadata` is read as data (`checkpoint/dcp_metadata.py`) but its sizes are still claims: a crafted or
 damaged one (its checksum made consistent) could size a tensor at terabytes. Every stored chunk
 must lie inside its shard file, each tensor must have its bytes really stored, and where the
 model is known (resume; `tools/convert_checkpoint.py` builds it from meta.json's config on the
@@ -13,8 +13,8 @@ from pathlib import Path
 
 import torch
 
-from megatron_fp4.training import checkpoint as ckpt
-from megatron_fp4.training.dcp_metadata import METADATA_FILE
+from megatron_fp4.training.checkpoint import directory as ckpt
+from megatron_fp4.training.checkpoint.dcp_metadata import METADATA_FILE
 
 
 def _tensor_bytes(md) -> int:

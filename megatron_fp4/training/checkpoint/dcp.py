@@ -1,13 +1,13 @@
 """Sharded checkpoints of the parallel trainer with torch.distributed.checkpoint (DCP), reshardable.
 
-Same directory layout and atomicity as `training/checkpoint.py` (temp dir, rename, ``latest``;
+Same directory layout and atomicity as `training/checkpoint/directory.py` (temp dir, rename, ``latest``;
 ``meta.json`` with ``kind: "dcp"``). What DCP stores, all by *global* names, so a checkpoint loads
 into any pp / dp (and ZeRO stage) layout:
 
 - ``model/<param name>``: the full parameter (replicated across dp; DCP writes it once). Expert
   weights under expert parallelism are stored per global expert, ``model/<name>/expert<e>``;
-  tensor-parallel shards as DTensor chunks of the global weight (`dcp_tp.py`: they reshard across tp),
-  expert-tensor-parallel ones too, w13 as its gate and up halves (`dcp_etp.py`: they reshard across etp);
+  tensor-parallel shards as DTensor chunks of the global weight (`checkpoint/dcp_tp.py`: they reshard across tp),
+  expert-tensor-parallel ones too, w13 as its gate and up halves (`checkpoint/dcp_etp.py`: they reshard across etp);
 - ``optim/<param name>/<master|exp_avg|exp_avg_sq>/<offset>``: the part of that parameter's
   (flattened, fp32) AdamW state a rank holds, starting at element ``offset`` of the *global*
   parameter. Each rank writes only its own ZeRO shard — nothing is gathered on save — and on load
@@ -33,12 +33,12 @@ from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 
 from megatron_fp4.parallel.wire import broadcast_json
-from megatron_fp4.training import checkpoint as ckpt
-from megatron_fp4.training import checkpoint_files as files
-from megatron_fp4.training import dcp_etp
-from megatron_fp4.training.dcp_checks import check_declared_bytes, check_declared_shapes
-from megatron_fp4.training.dcp_metadata import METADATA_FILE, SafeFileSystemReader
-from megatron_fp4.training.dcp_tp import check_tp_layout, optim_name, tp_entry, tp_replicas_needed
+from megatron_fp4.training.checkpoint import directory as ckpt
+from megatron_fp4.training.checkpoint import files
+from megatron_fp4.training.checkpoint import dcp_etp
+from megatron_fp4.training.checkpoint.dcp_checks import check_declared_bytes, check_declared_shapes
+from megatron_fp4.training.checkpoint.dcp_metadata import METADATA_FILE, SafeFileSystemReader
+from megatron_fp4.training.checkpoint.dcp_tp import check_tp_layout, optim_name, tp_entry, tp_replicas_needed
 
 KINDS = ("master", "exp_avg", "exp_avg_sq")
 _OPTIM_KEY = re.compile(r"^optim/(?P<name>.+)/(?P<kind>master|exp_avg|exp_avg_sq)/(?P<offset>\d+)$")

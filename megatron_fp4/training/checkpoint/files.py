@@ -1,5 +1,5 @@
 """The file-level rules that make a checkpoint directory crash-safe (used by checkpoint.py and
-dist_checkpoint.py; one writer per checkpoint directory).
+checkpoint/dcp.py; one writer per checkpoint directory).
 
 - A ``step_*`` directory appears only by one rename of a complete temp directory whose files and
   directory entry were fsynced first, so every ``step_*`` holding ``meta.json`` is complete; the

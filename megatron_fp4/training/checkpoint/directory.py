@@ -1,6 +1,6 @@
 """The checkpoint directory format shared by every layout: atomic, checksummed, loaded as data only.
 
-Layout (the tensors are written by `dist_checkpoint.py` with torch.distributed.checkpoint, DCP, at
+Layout (the tensors are written by `checkpoint/dcp.py` with torch.distributed.checkpoint, DCP, at
 every size: one process is a mesh of size 1)::
 
     <dir>/step_00000100/.metadata, *.distcp  DCP's files: model, AdamW shards, RNG (by global names)
@@ -8,7 +8,7 @@ every size: one process is a mesh of size 1)::
     <dir>/latest                             name of the newest complete step directory (a hint)
 
 The crash-safety rules (temp dir + fsync + one rename, never replacing a complete step, stale temp
-cleanup, `checkpoint.keep_last` retention) live in `checkpoint_files.py`. Loading a root directory
+cleanup, `checkpoint.keep_last` retention) live in `checkpoint/files.py`. Loading a root directory
 (`checkpoint.load=auto` or the `checkpoint.dir`) takes the newest step that is complete and passes
 its checksums, warning about every step it skips; an explicitly named step directory must be
 intact.
@@ -34,7 +34,7 @@ from typing import Callable, Optional, TypeVar
 
 import torch
 
-from megatron_fp4.training import checkpoint_files as files
+from megatron_fp4.training.checkpoint import files
 
 FORMAT_VERSION = 1
 STATE_FILE, META_FILE, LATEST_FILE, CONFIG_FILE = "state.pt", "meta.json", "latest", "config.yaml"

@@ -1,4 +1,4 @@
-"""Tensor-parallel shards in DCP checkpoints (`dist_checkpoint.py`).
+"""Tensor-parallel shards in DCP checkpoints (`checkpoint/dcp.py`).
 
 A weight `parallel/tensor_parallel.py` cut (``param.tp_shard = (dim, index)``: a contiguous block
 of `dim`, the tp rank's in rank order) is stored as what it is, a chunk of the *global* tensor: a
@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from megatron_fp4.training import checkpoint as ckpt
+from megatron_fp4.training.checkpoint import directory as ckpt
 
 
 def tp_replicas_needed(model_cfg, tp: int) -> list[int]:

@@ -14,7 +14,7 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint import filesystem as dcp_filesystem
 from torch.distributed.checkpoint import metadata as dcp_md
 
-from megatron_fp4.training.checkpoint import CheckpointError, CorruptCheckpointError
+from megatron_fp4.training.checkpoint.directory import CheckpointError, CorruptCheckpointError
 
 METADATA_FILE = ".metadata"
 
