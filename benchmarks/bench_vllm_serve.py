@@ -23,8 +23,8 @@ def update_time_serve_rows(args, work: Path, update_config, row, log) -> list:
     from megatron_fp4.integrations.vllm import export_for_vllm
     from megatron_fp4.integrations.vllm.serve import VLLMServerTransport, start_vllm_server
     from megatron_fp4.model import build_model
-    from megatron_fp4.rollout.peer_group import new_sync_token
-    from megatron_fp4.rollout.weight_sync import WeightPublisher
+    from megatron_fp4.rollout.weight_sync.peer_group import new_sync_token
+    from megatron_fp4.rollout.weight_sync.publisher import WeightPublisher
 
     cfg = update_config(args.update_mb)
     d = export_for_vllm(build_model(cfg, seed=0), cfg, work / "upd_serve", dtype=None, overwrite=True)

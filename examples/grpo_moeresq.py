@@ -76,7 +76,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from megatron_fp4.config import default_config_path, load_config  # noqa: E402
 from megatron_fp4.rl import make_rollout, sft_step, switch_to_rl  # noqa: E402
 from megatron_fp4.rl.flags import check_ranges  # noqa: E402
-from megatron_fp4.rollout.peer_group import check_advertised_address  # noqa: E402
+from megatron_fp4.rollout.weight_sync.peer_group import check_advertised_address  # noqa: E402
 from megatron_fp4.rl.loop import GRPOSettings, micro_batch_for, run_grpo  # noqa: E402
 from megatron_fp4.rl.rollout_correction import (add_correction_args, check_correction_args,  # noqa: E402
                                                 correction_from_args)

@@ -16,7 +16,7 @@ and results):
 `group` is always given: a `torch.distributed` process group (None: the default group; `src` is
 then a global rank, as torch.distributed takes it) or a group of its own outside torch.distributed's
 registry — any object with ``rank()``, ``size()``, ``broadcast(tensor, src)`` and
-``all_gather(tensor) -> list`` (e.g. `rollout.peer_group.PeerGroup`; `src` is a group rank).
+``all_gather(tensor) -> list`` (e.g. `rollout.weight_sync.peer_group.PeerGroup`; `src` is a group rank).
 `ProtocolError` is a message the framing refuses; `MalformedMessage` one that arrived whole but is
 not JSON (the exchange can go on).
 """

@@ -46,7 +46,7 @@ from megatron_fp4.rl.rollout_correction import RolloutCorrection, correct_batch
 from megatron_fp4.rl.scorer import PolicyScorer
 from megatron_fp4.rollout.engine import RolloutEngine
 from megatron_fp4.rollout.sampling import SamplingParams
-from megatron_fp4.rollout.weight_sync import InProcessTransport, WeightPublisher, WeightReceiver
+from megatron_fp4.rollout.weight_sync.publisher import InProcessTransport, WeightPublisher, WeightReceiver
 
 
 @dataclass

@@ -38,10 +38,10 @@ from megatron_fp4.parallel.wire import broadcast_json
 from megatron_fp4.rl.rollout_worker import HFWeightReceiver
 from megatron_fp4.rl.wire import broadcast_generation, expected_generation, params_to_json
 from megatron_fp4.rollout.engine import RolloutEngine
-from megatron_fp4.rollout.peer_group import TOKEN_ENV, PeerGroup, new_sync_token, reserve_port, sync_token_from_env
-from megatron_fp4.rollout.weight_sync import InProcessTransport, WeightPublisher
-from megatron_fp4.rollout.weight_sync_dist import DistributedTransport
-from megatron_fp4.rollout.weight_sync_sharded import ShardedWeightPublisher
+from megatron_fp4.rollout.weight_sync.peer_group import TOKEN_ENV, PeerGroup, new_sync_token, reserve_port, sync_token_from_env
+from megatron_fp4.rollout.weight_sync.publisher import InProcessTransport, WeightPublisher
+from megatron_fp4.rollout.weight_sync.distributed import DistributedTransport
+from megatron_fp4.rollout.weight_sync.sharded import ShardedWeightPublisher
 
 # torchrun's variables: the rollout process is not a rank of the trainer's job.
 _TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK", "ROLE_WORLD_SIZE",

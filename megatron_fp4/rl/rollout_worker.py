@@ -4,9 +4,9 @@ asked for generations by trainer rank 0 (`rl.remote.RemoteRollout` starts it).
     python -m megatron_fp4.rl.rollout_worker '<JSON spec>'     # MEGATRON_FP4_SYNC_TOKEN in the env
 
 Nothing here unpickles anything: the spec is JSON (the config as a dict), the two channels to the
-trainer are token-authenticated `PeerGroup`s (`rollout.peer_group`: the trainer's rank 0
+trainer are token-authenticated `PeerGroup`s (`rollout.weight_sync.peer_group`: the trainer's rank 0
 serves each store on the address it advertises, both sides prove they hold the token before any
-process group exists), weights arrive through `rollout.weight_sync_dist`'s JSON-header protocol
+process group exists), weights arrive through `rollout.weight_sync.distributed`'s JSON-header protocol
 under HF Qwen3-MoE names, and requests/results are JSON plus tensors (`parallel.wire`, `rl.wire`).
 
 - *weights* channel: a `DistributedReceiver` serves updates on a background thread, so the
@@ -30,11 +30,11 @@ from megatron_fp4.integrations.hf.families import ours_from_hf_state_dict, to_hf
 from megatron_fp4.model import build_model
 from megatron_fp4.parallel.wire import ProtocolError, broadcast_json
 from megatron_fp4.rl.wire import broadcast_generation, params_from_json
-from megatron_fp4.rollout.buckets import manifest_of
+from megatron_fp4.rollout.weight_sync.buckets import manifest_of
 from megatron_fp4.rollout.engine import RolloutEngine
-from megatron_fp4.rollout.peer_group import PeerGroup, sync_token_from_env
-from megatron_fp4.rollout.weight_sync import WeightReceiver
-from megatron_fp4.rollout.weight_sync_dist import DistributedReceiver
+from megatron_fp4.rollout.weight_sync.peer_group import PeerGroup, sync_token_from_env
+from megatron_fp4.rollout.weight_sync.publisher import WeightReceiver
+from megatron_fp4.rollout.weight_sync.distributed import DistributedReceiver
 
 SPEC_KEYS = {"config", "pad_id", "addr", "weights_port", "control_port", "name", "timeout_s", "threads"}
 

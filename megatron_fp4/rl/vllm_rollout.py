@@ -25,8 +25,8 @@ from typing import Optional
 import torch
 
 from megatron_fp4.rl.rollout_client import RemoteRollout, _worker_env, hf_publisher
-from megatron_fp4.rollout.peer_group import PeerGroup, new_sync_token, reserve_port, sync_token_from_env
-from megatron_fp4.rollout.weight_sync_dist import DistributedTransport
+from megatron_fp4.rollout.weight_sync.peer_group import PeerGroup, new_sync_token, reserve_port, sync_token_from_env
+from megatron_fp4.rollout.weight_sync.distributed import DistributedTransport
 
 DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
 

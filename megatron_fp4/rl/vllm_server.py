@@ -5,7 +5,7 @@
 
 Started by `rl.vllm_rollout.VLLMRollout`. The transport and the control loop are the
 project's own rollout process (`rl.rollout_worker.serve`): two token-authenticated `PeerGroup`s,
-weights under HF names through `weight_sync_dist`'s JSON-header protocol (a `DistributedReceiver`
+weights under HF names through `weight_sync.distributed`'s JSON-header protocol (a `DistributedReceiver`
 on a background thread), requests and generations as JSON + tensors (`rl.wire`); nothing is
 unpickled. Only the engine differs: `VLLMEngine` checks a manifest against the served checkpoint
 (names, shapes; every tensor of it, a whole version at a time) and loads it through the plugin's live
@@ -105,8 +105,8 @@ def vllm_params(p):
 def main(argv=None) -> None:
     from megatron_fp4.integrations.vllm.worker import build_llm
     from megatron_fp4.rl.rollout_worker import serve
-    from megatron_fp4.rollout.peer_group import sync_token_from_env
-    from megatron_fp4.rollout.weight_sync import WeightReceiver
+    from megatron_fp4.rollout.weight_sync.peer_group import sync_token_from_env
+    from megatron_fp4.rollout.weight_sync.publisher import WeightReceiver
 
     argv = sys.argv[1:] if argv is None else argv
     token = sync_token_from_env()

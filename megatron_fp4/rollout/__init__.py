@@ -2,9 +2,9 @@
 
 - `engine`: `RolloutEngine`, `GenerationOutput`, padding helpers; `sampling`: `SamplingParams`
 - `scoring`: `compute_log_probs`, `score` (trainer-side recomputation)
-- `weight_sync`: `WeightPublisher`, `WeightReceiver`, `InProcessTransport`, `PublishHandle`,
-  `WeightSyncError`; `weight_sync_dist`: `DistributedTransport`, `DistributedReceiver`;
-  `buckets`: the (name, shape, dtype, bytes) wire format
+- `weight_sync/`: the two-completion-point protocol (`WeightPublisher`, `WeightReceiver`,
+  `InProcessTransport`, `PublishHandle`, `WeightSyncError`), across processes, from sharded
+  trainers, its wire format and its authenticated process group
 - `consistency`: `consistency_metrics`, `compare_generation`
 
 The rollout correction and the policy losses that apply it are RL: `megatron_fp4.rl.is_correction`.
@@ -13,7 +13,7 @@ from megatron_fp4.rollout.consistency import compare_generation, consistency_met
 from megatron_fp4.rollout.engine import GenerationOutput, RolloutEngine, pad_prompt_response
 from megatron_fp4.rollout.sampling import SamplingParams
 from megatron_fp4.rollout.scoring import compute_log_probs, score
-from megatron_fp4.rollout.weight_sync import (InProcessTransport, PublishHandle, WeightPublisher, WeightReceiver,
+from megatron_fp4.rollout.weight_sync.publisher import (InProcessTransport, PublishHandle, WeightPublisher, WeightReceiver,
                                               WeightSyncError)
 
 __all__ = [

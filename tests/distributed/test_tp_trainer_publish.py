@@ -27,8 +27,8 @@ def cfg_for(**parallel):
 def _publish(rank, world_size, etp=1):
     from megatron_fp4.integrations.hf.sharded import local_hf_state_dict
     from megatron_fp4.parallel.mesh import ParallelMesh
-    from megatron_fp4.rollout.weight_sync import InProcessTransport
-    from megatron_fp4.rollout.weight_sync_sharded import ShardedWeightPublisher
+    from megatron_fp4.rollout.weight_sync.publisher import InProcessTransport
+    from megatron_fp4.rollout.weight_sync.sharded import ShardedWeightPublisher
     from megatron_fp4.training.trainer import Trainer
 
     trainer = Trainer(cfg_for(tp=2, pp=2, etp=etp), ParallelMesh.build(2, 1, 1, tp=2, etp=etp))

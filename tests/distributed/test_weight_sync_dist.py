@@ -28,7 +28,7 @@ def _checksum(model):
 
 def _worker(rank, world_size):
     from megatron_fp4.rollout import RolloutEngine, SamplingParams, WeightPublisher, WeightReceiver, WeightSyncError
-    from megatron_fp4.rollout.weight_sync_dist import DistributedReceiver, DistributedTransport
+    from megatron_fp4.rollout.weight_sync.distributed import DistributedReceiver, DistributedTransport
 
     group = dist.new_group([0, 1], backend="gloo")  # dedicated: never mixes with training traffic
     if rank == 0:

@@ -14,7 +14,7 @@ pytestmark = pytest.mark.distributed
 
 def _worker(rank, world_size):
     from megatron_fp4.rollout import RolloutEngine, WeightPublisher, WeightReceiver, WeightSyncError
-    from megatron_fp4.rollout.weight_sync_dist import DistributedReceiver, DistributedTransport
+    from megatron_fp4.rollout.weight_sync.distributed import DistributedReceiver, DistributedTransport
 
     group = dist.new_group([0, 1], backend="gloo", timeout=__import__("datetime").timedelta(seconds=60))
     if rank == 0:

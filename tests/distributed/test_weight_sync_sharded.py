@@ -29,7 +29,7 @@ class Recorder:
         self.got = {}
 
     def submit(self, version, manifest, buckets):
-        from megatron_fp4.rollout.buckets import manifest_of, unpack_buckets
+        from megatron_fp4.rollout.weight_sync.buckets import manifest_of, unpack_buckets
 
         future = concurrent.futures.Future()
         staged = unpack_buckets(buckets)
@@ -42,8 +42,8 @@ class Recorder:
 def _publish(rank, world_size):
     from megatron_fp4.integrations.hf.sharded import local_hf_state_dict
     from megatron_fp4.parallel.mesh import ParallelMesh
-    from megatron_fp4.rollout.weight_sync import InProcessTransport
-    from megatron_fp4.rollout.weight_sync_sharded import ShardedWeightPublisher
+    from megatron_fp4.rollout.weight_sync.publisher import InProcessTransport
+    from megatron_fp4.rollout.weight_sync.sharded import ShardedWeightPublisher
     from megatron_fp4.training.trainer import Trainer
 
     cfg = tiny_cfg(pp=2, ep=2)

@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from megatron_fp4.rollout import WeightPublisher, WeightSyncError
-from megatron_fp4.rollout.buckets import BucketError, TensorMeta, check_layout, pack_buckets, plan_buckets
-from megatron_fp4.rollout.peer_group import PeerGroup, reserve_port
-from megatron_fp4.rollout.weight_sync_dist import DistributedReceiver, DistributedTransport
+from megatron_fp4.rollout.weight_sync.buckets import BucketError, TensorMeta, check_layout, pack_buckets, plan_buckets
+from megatron_fp4.rollout.weight_sync.peer_group import PeerGroup, reserve_port
+from megatron_fp4.rollout.weight_sync.distributed import DistributedReceiver, DistributedTransport
 
 pytestmark = pytest.mark.faults
 ADDR = "127.0.0.1"

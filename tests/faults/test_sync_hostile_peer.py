@@ -29,7 +29,7 @@ class _WritesMarker:
 
 
 def _group(port, rank):
-    from megatron_fp4.rollout.peer_group import PeerGroup  # what verl's checkpoint engine and RemoteRollout use
+    from megatron_fp4.rollout.weight_sync.peer_group import PeerGroup  # what verl's checkpoint engine and RemoteRollout use
     return PeerGroup("127.0.0.1", port, rank, 2, torch.device("cpu"), timeout_s=30, token=TOKEN)
 
 
@@ -58,14 +58,14 @@ def _contribute(group, data: bytes) -> None:  # a verdict: allgather of lengths,
 
 
 def _announce_oversized(group) -> None:  # claims a 1 TiB verdict, then sends what fits the others
-    from megatron_fp4.rollout.weight_sync_dist import MAX_VERDICT_BYTES
+    from megatron_fp4.rollout.weight_sync.distributed import MAX_VERDICT_BYTES
     lengths = [int(n) for n in group.all_gather(torch.tensor([1 << 40], dtype=torch.int64))]
     group.all_gather(torch.zeros(max([1] + [n for n in lengths if 0 < n <= MAX_VERDICT_BYTES]), dtype=torch.uint8))
 
 
 def _worker(rank, world_size, ports, marker):
     from megatron_fp4.rollout import WeightPublisher, WeightSyncError
-    from megatron_fp4.rollout.weight_sync_dist import DistributedReceiver, DistributedTransport
+    from megatron_fp4.rollout.weight_sync.distributed import DistributedReceiver, DistributedTransport
     payload = pickle.dumps(_WritesMarker(marker))
     out = {}
     group = _group(ports[0], rank)  # A: hostile rollout

@@ -18,7 +18,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megatron_fp4.rollout.peer_group import PeerGroup, reserve_port
+from megatron_fp4.rollout.weight_sync.peer_group import PeerGroup, reserve_port
 
 pytestmark = pytest.mark.faults
 ADDR = "127.0.0.1"

@@ -22,8 +22,8 @@ from megatron_fp4.integrations.hf import load_hf_checkpoint
 from megatron_fp4.integrations.vllm import vllm_available
 from megatron_fp4.integrations.vllm.remote import ENV_PYTHON, vllm_python
 from megatron_fp4.integrations.vllm.serve import ServerError, VLLMServerTransport, start_vllm_server, wait_ready
-from megatron_fp4.rollout.peer_group import new_sync_token
-from megatron_fp4.rollout.weight_sync import WeightPublisher, WeightSyncError
+from megatron_fp4.rollout.weight_sync.peer_group import new_sync_token
+from megatron_fp4.rollout.weight_sync.publisher import WeightPublisher, WeightSyncError
 from tests.integration.test_vllm_plugin import tiny_cfg, write_hf
 
 VLLM = vllm_available()

@@ -93,7 +93,7 @@ def test_sampling_params_round_trip_and_refusal():
 def test_hf_receiver_checks_everything_before_loading(engine):
     from megatron_fp4.integrations.hf import to_hf_state_dict
     from megatron_fp4.rl.rollout_worker import HFWeightReceiver, weight_digests
-    from megatron_fp4.rollout.buckets import manifest_of, pack_buckets
+    from megatron_fp4.rollout.weight_sync.buckets import manifest_of, pack_buckets
 
     receiver = HFWeightReceiver(engine)
     before = {n: t.clone() for n, t in engine.model.state_dict().items()}

@@ -118,7 +118,7 @@ def violations(source: str, rel: str = "<snippet>") -> list[str]:
 
 def package_files() -> list[Path]:
     files = sorted(p for d in SCANNED for p in (ROOT / d).rglob("*.py"))
-    assert len(files) > 100 and ROOT / "megatron_fp4" / "rollout" / "peer_group.py" in files
+    assert len(files) > 100 and ROOT / "megatron_fp4" / "rollout" / "weight_sync" / "peer_group.py" in files
     return files
 
 

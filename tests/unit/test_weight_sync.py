@@ -12,7 +12,7 @@ from megatron_fp4.config import Config
 from megatron_fp4.model import build_model
 from megatron_fp4.rollout import (InProcessTransport, RolloutEngine, SamplingParams, WeightPublisher, WeightReceiver,
                                   WeightSyncError)
-from megatron_fp4.rollout.buckets import pack_buckets, unpack_buckets
+from megatron_fp4.rollout.weight_sync.buckets import pack_buckets, unpack_buckets
 
 
 def models():
@@ -47,7 +47,7 @@ def test_buckets_roundtrip_and_respect_size(bucket_bytes):
 def test_two_completion_points_and_snapshot_is_immutable(monkeypatch):
     """... and the handle's timings are the publisher's clock at its two completion points: a fake
     clock that the snapshot advances by 0.25 s and the held load by 2 s gives exactly those."""
-    from megatron_fp4.rollout import weight_sync
+    from megatron_fp4.rollout.weight_sync import publisher as weight_sync
     clock = [100.0]
     monkeypatch.setattr(weight_sync, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
     trainer, rollout = models()
@@ -174,7 +174,7 @@ def test_publisher_validates_arguments():
 
 def _damaged_buckets(kind):
     """Buckets of one 64-byte tensor in 16-byte pieces, damaged the way `kind` says."""
-    from megatron_fp4.rollout.buckets import Bucket, TensorMeta
+    from megatron_fp4.rollout.weight_sync.buckets import Bucket, TensorMeta
     buckets = pack_buckets([("w", torch.arange(16, dtype=torch.float32))], 16)
     if kind == "out_of_order":
         return [buckets[1], buckets[0]] + buckets[2:]
@@ -187,7 +187,7 @@ def _damaged_buckets(kind):
 @pytest.mark.parametrize("kind,needle", [("out_of_order", "out of order"), ("incomplete", "incomplete"),
                                          ("overflow", "bucket")])
 def test_damaged_buckets_raise_clear_errors(kind, needle):
-    from megatron_fp4.rollout.buckets import BucketError
+    from megatron_fp4.rollout.weight_sync.buckets import BucketError
     with pytest.raises(BucketError, match=needle):
         unpack_buckets(_damaged_buckets(kind))
 
@@ -198,7 +198,7 @@ def test_bucket_checks_survive_python_O():
     import subprocess
     import sys
     code = ("from tests.unit.test_weight_sync import _damaged_buckets\n"
-            "from megatron_fp4.rollout.buckets import unpack_buckets\n"
+            "from megatron_fp4.rollout.weight_sync.buckets import unpack_buckets\n"
             "assert False, 'asserts must be stripped in this run'\n"
             "for kind in ('out_of_order', 'incomplete', 'overflow'):\n"
             "    try:\n"
@@ -216,7 +216,7 @@ def test_bucket_checks_survive_python_O():
 
 
 def test_json_header_roundtrip_and_refusals():
-    from megatron_fp4.rollout.buckets import (BucketError, bucket_layout, layout_from_json, layout_to_json,
+    from megatron_fp4.rollout.weight_sync.buckets import (BucketError, bucket_layout, layout_from_json, layout_to_json,
                                               manifest_from_json, manifest_of, manifest_to_json)
     named = [("a", torch.randn(7, 5)), ("h", torch.randn(4, 3).to(torch.bfloat16)), ("e", torch.empty(0))]
     buckets = pack_buckets(named, 50)

@@ -12,8 +12,8 @@ import threading
 import pytest
 import torch
 
-from megatron_fp4.rollout.peer_group import TOKEN_ENV, PeerGroup, reserve_port
-from megatron_fp4.rollout.peer_store import HELLO_LIMIT, PROTOCOL, recv_msg, send_msg
+from megatron_fp4.rollout.weight_sync.peer_group import TOKEN_ENV, PeerGroup, reserve_port
+from megatron_fp4.rollout.weight_sync.peer_store import HELLO_LIMIT, PROTOCOL, recv_msg, send_msg
 
 ADDR = "127.0.0.1"
 TOKEN = "a" * 64
@@ -217,7 +217,7 @@ def test_an_authenticated_peer_writes_within_bounds_only():
 
     import torch.distributed as dist
 
-    from megatron_fp4.rollout.peer_store import MAX_TOTAL_BYTES, MAX_VALUE_BYTES, RemoteStore, StoreServer
+    from megatron_fp4.rollout.weight_sync.peer_store import MAX_TOTAL_BYTES, MAX_VALUE_BYTES, RemoteStore, StoreServer
     backend = dist.HashStore()
     backend.set_timeout(datetime.timedelta(seconds=10))
     listen = reserve_port(ADDR)

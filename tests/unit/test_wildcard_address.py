@@ -10,7 +10,7 @@ import pytest
 
 import torch
 
-from megatron_fp4.rollout.peer_group import PeerGroup, check_advertised_address, reserve_port
+from megatron_fp4.rollout.weight_sync.peer_group import PeerGroup, check_advertised_address, reserve_port
 
 ROOT = Path(__file__).resolve().parents[2]
 WILDCARDS = ["0.0.0.0", "::", "[::]", "0:0:0:0:0:0:0:0", "", "  ", None]

@@ -1,7 +1,7 @@
 """verl checkpoint-engine backend "megatron_fp4": our bucket format and two completion points.
 
 The actor side (`send_weights`) snapshots the weights into (name, shape, dtype, bytes) buckets
-(`rollout.buckets`); `publish` returns at the first completion point (the immutable snapshot
+(`rollout.weight_sync.buckets`); `publish` returns at the first completion point (the immutable snapshot
 exists: the trainer may change its weights; `on_snapshot` is called and `last_handle` is set
 then), `send_weights` also waits for the second (every rollout loaded, else `WeightSyncError`
 naming the rollout and the version). Version n+1 is not published before version n is loaded.
@@ -17,7 +17,7 @@ their generator; rollout workers are ranks 1..N. Workers that all live in one pr
 in-process channel; otherwise (verl's deployment) `init_process_group` builds a dedicated
 token-authenticated store + ProcessGroupGloo/NCCL group (`PeerGroup`, never the default group; listening only on
 the advertised address, joined only with the shared token, see SECURITY.md) and the buckets
-travel by `rollout.weight_sync_dist`'s protocol (header, go/no-go, bucket broadcasts, load
+travel by `rollout.weight_sync.distributed`'s protocol (header, go/no-go, bucket broadcasts, load
 verdicts). verl rebuilds the group for every update (prepare → init_process_group → send/receive
 → finalize), so `finalize` waits for the in-flight version and tears the group down.
 """
@@ -35,10 +35,10 @@ from megatron_fp4.integrations.verl.streams import Channel, DistStream, PendingS
 from megatron_fp4.integrations.verl.topology import (TOKEN_ENV, PeerGroup, assign_ranks, host_address, new_sync_token,
                                                      process_id, reserve_port, sync_token_from_env)
 from megatron_fp4.parallel.mesh import resolve_device
-from megatron_fp4.rollout.peer_group import check_advertised_address
-from megatron_fp4.rollout.buckets import manifest_of, pack_buckets
-from megatron_fp4.rollout.weight_sync import PublishHandle, WeightSyncError
-from megatron_fp4.rollout.weight_sync_dist import DistributedTransport
+from megatron_fp4.rollout.weight_sync.peer_group import check_advertised_address
+from megatron_fp4.rollout.weight_sync.buckets import manifest_of, pack_buckets
+from megatron_fp4.rollout.weight_sync.publisher import PublishHandle, WeightSyncError
+from megatron_fp4.rollout.weight_sync.distributed import DistributedTransport
 
 __all__ = ["MegatronFP4CheckpointEngine", "WeightStream"]
 

@@ -2,7 +2,7 @@
 (name, tensor) with an explicit acknowledgement (`checkpoint_engine.py` documents the protocol).
 
 `PendingStream` takes the version from an in-process channel; `DistStream` bridges the
-weight-sync protocol (`rollout.weight_sync_dist.DistributedReceiver`, serving on a background
+weight-sync protocol (`rollout.weight_sync.distributed.DistributedReceiver`, serving on a background
 thread) to the consumer, whose ack becomes the rollout's load verdict.
 """
 from __future__ import annotations
@@ -12,9 +12,9 @@ import queue
 import threading
 from typing import Optional
 
-from megatron_fp4.rollout.buckets import unpack_buckets
-from megatron_fp4.rollout.weight_sync import WeightSyncError
-from megatron_fp4.rollout.weight_sync_dist import DistributedReceiver
+from megatron_fp4.rollout.weight_sync.buckets import unpack_buckets
+from megatron_fp4.rollout.weight_sync.publisher import WeightSyncError
+from megatron_fp4.rollout.weight_sync.distributed import DistributedReceiver
 
 _CHANNELS: dict = {}
 _CHANNELS_LOCK = threading.Lock()

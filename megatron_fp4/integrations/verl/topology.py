@@ -22,8 +22,8 @@ socket `reserve_port` binds is the one the store serves), and gloo's connections
 served only after it proved, and rank 0 proved back, that it holds the shared token
 (`MEGATRON_FP4_SYNC_TOKEN` from the launcher's environment, else one the publisher generated in
 `prepare()` and verl's controller handed over with the master's metadata): an HMAC-SHA256 over
-fresh nonces (`rollout.peer_store`); the group's connections are confirmed the same way before it
-is used (`rollout.peer_group`). The messages that follow are JSON (`rollout.weight_sync_dist`),
+fresh nonces (`rollout.weight_sync.peer_store`); the group's connections are confirmed the same way before it
+is used (`rollout.weight_sync.peer_group`). The messages that follow are JSON (`rollout.weight_sync.distributed`),
 never pickle.
 """
 from __future__ import annotations
@@ -31,9 +31,9 @@ from __future__ import annotations
 import os
 import socket
 
-# The group itself is not verl's: it lives in rollout/peer_group.py (the GRPO rollout process uses
+# The group itself is not verl's: it lives in rollout/weight_sync/peer_group.py (the GRPO rollout process uses
 # it too); its names stay importable from here.
-from megatron_fp4.rollout.peer_group import (TOKEN_ENV, PeerGroup, host_address, new_sync_token,  # noqa: F401
+from megatron_fp4.rollout.weight_sync.peer_group import (TOKEN_ENV, PeerGroup, host_address, new_sync_token,  # noqa: F401
                                              reserve_port, sync_token_from_env)
 
 

@@ -10,7 +10,7 @@ trainer's environment needs none.
 
 `VLLMServerTransport.send` is one update as vLLM's API has it: `POST /pause?mode=wait` (requests in
 flight finish on the old version; the prefix cache is cleared), `/start_weight_update`,
-`/update_weights {"version": n}` while the buckets go over the `PeerGroup` (`weight_sync_dist`: JSON
+`/update_weights {"version": n}` while the buckets go over the `PeerGroup` (`weight_sync.distributed`: JSON
 header, the server's verdict on names/shapes/dtypes before any byte, raw buckets, its verdict on
 finiteness), `/finish_weight_update {"weight_version": "n"}` (the load), `/resume`. A refused update
 raises `WeightSyncError` naming the tensor and leaves the previous version serving. It is a
@@ -32,10 +32,10 @@ from typing import Optional, Sequence
 
 import torch
 
-from megatron_fp4.rollout.peer_group import PeerGroup, check_advertised_address, reserve_port, sync_token_from_env
-from megatron_fp4.rollout.peer_store import TOKEN_ENV
-from megatron_fp4.rollout.weight_sync import WeightSyncError
-from megatron_fp4.rollout.weight_sync_dist import DistributedTransport
+from megatron_fp4.rollout.weight_sync.peer_group import PeerGroup, check_advertised_address, reserve_port, sync_token_from_env
+from megatron_fp4.rollout.weight_sync.peer_store import TOKEN_ENV
+from megatron_fp4.rollout.weight_sync.publisher import WeightSyncError
+from megatron_fp4.rollout.weight_sync.distributed import DistributedTransport
 
 MAX_REPLY_BYTES = 1 << 20  # a control-route reply is a short JSON message
 MAX_COMPLETION_BYTES = 256 << 20  # a completions reply (v1/ routes): tokens and log-probs of a whole batch

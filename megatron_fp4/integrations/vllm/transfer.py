@@ -15,7 +15,7 @@ reach it through `collective_rpc`. This module runs in vLLM's worker process and
   (rank 1 of 2, gloo) with the token of this process's environment (`MEGATRON_FP4_SYNC_TOKEN`): the
   token never travels over the HTTP API, and a peer without it is refused before anything is read.
 - start: drops anything staged.
-- update `{"version": n}`: one `weight_sync_dist` exchange (JSON header + raw byte buckets, nothing
+- update `{"version": n}`: one `weight_sync.distributed` exchange (JSON header + raw byte buckets, nothing
   unpickled): the manifest's names, shapes and dtypes are checked against the served checkpoint's
   safetensors headers before any receive buffer is allocated (so sizes are bounded by the served
   model), then the buckets arrive into fresh buffers and every tensor is checked finite. The tensors
@@ -39,10 +39,10 @@ from vllm.distributed.weight_transfer.base import (WeightTransferEngine, WeightT
 
 from megatron_fp4.config.validate import MAX_TIMEOUT_S
 from megatron_fp4.integrations.vllm.live import check_manifest, check_update, checkpoint_shapes, load_into, plugin_layers
-from megatron_fp4.rollout.buckets import unpack_buckets
-from megatron_fp4.rollout.peer_group import PeerGroup, sync_token_from_env
-from megatron_fp4.rollout.peer_store import TOKEN_ENV
-from megatron_fp4.rollout.weight_sync_dist import DistributedReceiver
+from megatron_fp4.rollout.weight_sync.buckets import unpack_buckets
+from megatron_fp4.rollout.weight_sync.peer_group import PeerGroup, sync_token_from_env
+from megatron_fp4.rollout.weight_sync.peer_store import TOKEN_ENV
+from megatron_fp4.rollout.weight_sync.distributed import DistributedReceiver
 
 BACKEND = "megatron_fp4"
 

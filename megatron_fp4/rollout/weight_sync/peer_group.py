@@ -3,12 +3,12 @@
 `PeerGroup`: rank 0 serves the group's rendezvous store on the socket it reserved (`reserve_port`:
 bound to exactly the address it advertises), and a ProcessGroupGloo (CPU) or ProcessGroupNCCL
 (CUDA) is built on it. It is never registered with torch.distributed, needs no default group and
-cannot collide with one. Ranks are group ranks. `rollout.weight_sync_dist` takes it wherever it
+cannot collide with one. Ranks are group ranks. `rollout.weight_sync.distributed` takes it wherever it
 takes a torch.distributed group. Users: verl's checkpoint engine (`integrations.verl.topology`)
 and the GRPO rollout process (`rl.rollout_client`).
 
 Exposure (see SECURITY.md): the store is not torch's TCPStore (which any TCP client can list, read
-and write, and from which gloo takes every rank's address) but `rollout.peer_store`: every
+and write, and from which gloo takes every rank's address) but `rollout.weight_sync.peer_store`: every
 connection first proves it holds the shared token (`MEGATRON_FP4_SYNC_TOKEN` from the launcher's
 environment, or one the publisher generated and handed over) and rank 0 proves it back, an
 HMAC-SHA256 over fresh nonces compared with `hmac.compare_digest`; before that a connection can
@@ -34,9 +34,9 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from megatron_fp4.rollout.peer_store import MISMATCH, TOKEN_ENV, RemoteStore, StoreServer, mac, same
+from megatron_fp4.rollout.weight_sync.peer_store import MISMATCH, TOKEN_ENV, RemoteStore, StoreServer, mac, same
 
-from megatron_fp4.rollout.peer_store import MIN_TOKEN_CHARS as _MIN_TOKEN_CHARS
+from megatron_fp4.rollout.weight_sync.peer_store import MIN_TOKEN_CHARS as _MIN_TOKEN_CHARS
 
 
 def host_address() -> str:
@@ -99,7 +99,7 @@ def new_sync_token() -> str:
 
 class PeerGroup:
     """A dedicated process group (see the module doc) with the few collectives the weight sync uses
-    (`rollout.weight_sync_dist` takes it wherever it takes a torch.distributed group).
+    (`rollout.weight_sync.distributed` takes it wherever it takes a torch.distributed group).
 
     `addr`/`port`: what rank 0 advertises; rank 0 serves the store on `listen_socket` (bound to
     `addr` by `reserve_port`; made here when not given). `token`: the shared secret checked on join.

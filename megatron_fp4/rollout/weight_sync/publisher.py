@@ -27,7 +27,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
 
-from megatron_fp4.rollout.buckets import bucket_layout, manifest_of, pack_buckets, unpack_buckets
+from megatron_fp4.rollout.weight_sync.buckets import bucket_layout, manifest_of, pack_buckets, unpack_buckets
 
 
 class WeightSyncError(RuntimeError):
