@@ -27,7 +27,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from megatron_fp4.fp4 import Recipe  # noqa: E402
 from megatron_fp4.model.moe import MoELayer, init_moe_params  # noqa: E402
-from megatron_fp4.parallel.expert_parallel import apply_expert_parallel  # noqa: E402
+from megatron_fp4.parallel.moe.expert_parallel import apply_expert_parallel  # noqa: E402
 from megatron_fp4.parallel.mesh import ParallelMesh  # noqa: E402
 from bench_moe_dispatch import init_rank, run_ep_ranks  # noqa: E402
 

@@ -54,7 +54,7 @@ def _free_port() -> int:
 def _full_then_cut(cfg, mesh):
     """The build before meta construction: the whole model on every rank, then cut."""
     from megatron_fp4.model import build_model
-    from megatron_fp4.parallel.expert_parallel import apply_expert_parallel
+    from megatron_fp4.parallel.moe.expert_parallel import apply_expert_parallel
     from megatron_fp4.parallel.pipeline import PipelineRunner
 
     model = build_model(cfg)

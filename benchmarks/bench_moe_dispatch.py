@@ -34,8 +34,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron_fp4.fp4 import Recipe  # noqa: E402
 from megatron_fp4.model.moe import MoELayer, init_moe_params  # noqa: E402
-from megatron_fp4.parallel.ep_alltoall import DispatchPlan, all_to_all_rows  # noqa: E402
-from megatron_fp4.parallel.expert_parallel import apply_expert_parallel  # noqa: E402
+from megatron_fp4.parallel.moe.alltoall import DispatchPlan, all_to_all_rows  # noqa: E402
+from megatron_fp4.parallel.moe.expert_parallel import apply_expert_parallel  # noqa: E402
 from megatron_fp4.parallel.mesh import ParallelMesh  # noqa: E402
 
 

@@ -165,7 +165,7 @@ def check_green_context(dev: torch.device) -> None:
     if dev.type != "cuda":
         record("gcmoe green-context SM split", "SKIP", "needs CUDA")
         return
-    from megatron_fp4.parallel.gcmoe_transfer import _green_streams
+    from megatron_fp4.parallel.moe.gcmoe_transfer import _green_streams
 
     split = _green_streams(dev, 20)
     if split is None:

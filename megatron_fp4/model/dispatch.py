@@ -10,7 +10,7 @@ A dispatcher moves each token's k (token, expert) rows to the experts and the ou
 overlaps transfer with expert compute (GC-MoE) overrides `run`, using only the experts' public
 compute API (``experts(tokens, counts, segments)``, ``experts.expert(e, tokens)``,
 ``experts.parameters()``, ``experts.num_local_experts``). The model holds no process group: the
-expert-parallel dispatchers (`parallel/ep_alltoall.py`, `parallel/gcmoe*.py`) implement this
+expert-parallel dispatchers (`parallel/moe/alltoall.py`, `parallel/gcmoe*.py`) implement this
 interface and are handed to the layer with `MoELayer.set_dispatcher`.
 
 Every dispatcher ends with `combine_expert_outputs`, which sums a token's k expert outputs in
@@ -96,7 +96,7 @@ class LocalDispatcher(Dispatcher):
         if experts.num_local_experts != experts.num_global_experts:
             raise ValueError(f"LocalDispatcher: the experts hold {experts.num_local_experts} of "
                              f"{experts.num_global_experts} experts; an expert-parallel layer needs its "
-                             "expert-parallel dispatcher (parallel.expert_parallel.apply_expert_parallel)")
+                             "expert-parallel dispatcher (parallel.moe.expert_parallel.apply_expert_parallel)")
 
     def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_w: torch.Tensor) -> Dispatched:
         if self.num_experts is None:

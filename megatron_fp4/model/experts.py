@@ -66,7 +66,7 @@ class GroupedExperts(nn.Module):
         self.w13 = nn.Parameter(torch.empty(local, 2 * ffn, hidden))
         self.w2 = nn.Parameter(torch.empty(local, hidden, ffn))
         self.quant_name = ""  # global module name (fp4 `name_quant_sites`); keys SR streams per expert
-        # Expert-tensor parallel (`parallel/expert_tensor_parallel.py`): the FP4 cuts of w13 (column)
+        # Expert-tensor parallel (`parallel/moe/expert_tensor_parallel.py`): the FP4 cuts of w13 (column)
         # and w2 (row) and the object that brings every etp rank's rows in and the outputs back out.
         self.w13_cut = self.w2_cut = None
         self.token_exchange = None

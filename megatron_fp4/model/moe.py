@@ -2,7 +2,7 @@
 
 The router lives in `model/router.py`, the experts in `model/experts.py` and token movement in
 `model/dispatch.py` (re-exported here). Token movement is delegated to a `Dispatcher` given to the
-layer (`LocalDispatcher` by default; `parallel/expert_parallel.py` supplies the expert-parallel
+layer (`LocalDispatcher` by default; `parallel/moe/expert_parallel.py` supplies the expert-parallel
 ones through `MoELayer.set_dispatcher`), so the model knows nothing about process groups.
 """
 from __future__ import annotations
@@ -74,7 +74,7 @@ class MoELayer(nn.Module):
         self.aux_loss_scale = 1.0
         self.stats: list[dict] = []  # appended each training forward; drained by the trainer
         self.record_stats = False
-        # Tensor parallel with local MoE tokens (`parallel/tp_moe.py`): sums a tensor over the ranks
+        # Tensor parallel with local MoE tokens (`parallel/moe/tp_moe.py`): sums a tensor over the ranks
         # holding this micro-batch's other tokens (no gradient); None: this call's tokens are all.
         self.token_sum = None
 

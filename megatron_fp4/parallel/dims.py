@@ -17,10 +17,10 @@ With ``etp = 1`` the expert grid is the stage's dp×tp ranks as ``edp × ep`` wi
 layers run whole on every tp rank (`parallel/tensor_parallel.py`), so an ep group may hold tp peers,
 which dispatch the same tokens; ZeRO scales expert gradients by 1/(dp·tp) accordingly
 (`parallel/zero.py`), and ep must divide dp. With ``etp = tp`` (the one other value: the etp group is
-the tp group) every expert's ffn dim is cut over the tp ranks (`parallel/expert_tensor_parallel.py`;
+the tp group) every expert's ffn dim is cut over the tp ranks (`parallel/moe/expert_tensor_parallel.py`;
 `check_expert_tensor_parallel`: moe_tp_tokens=whole, the all-to-all dispatcher, FP4 blocks inside a
 rank's slice). With ``parallel.moe_tp_tokens=local`` (etp = 1) each tp rank routes its own 1/tp of
-the sequence (`parallel/tp_moe.py`): ep may be any divisor of dp·tp (FP4 experts: a multiple of tp,
+the sequence (`parallel/moe/tp_moe.py`): ep may be any divisor of dp·tp (FP4 experts: a multiple of tp,
 so an ep group holds whole tp groups, which the all-to-all dispatcher folds) and expert gradients
 are scaled 1/dp (`check_moe_local_tokens`). The ``embed`` axis (pp > 1)
 joins the first and the last stage's ranks of one tp coordinate: they hold the two copies of tied
@@ -143,7 +143,7 @@ def check_fp4_tensor_cut(cfg, tp: int) -> None:
 
 def check_moe_local_tokens(cfg, dims: "ParallelDims") -> None:
     """``parallel.moe_tp_tokens=local``: each tp rank routes its 1/tp of the sequence
-    (`parallel/tp_moe.py`). FP4 experts quantize their weight gradient along a micro-batch's tokens
+    (`parallel/moe/tp_moe.py`). FP4 experts quantize their weight gradient along a micro-batch's tokens
     in single-process order, which the all-to-all dispatcher restores when the ep group holds whole tp
     groups (ep a multiple of tp, etp = 1); the capacity factor and the sequence-level aux loss
     depend on the whole call's tokens."""
@@ -162,7 +162,7 @@ def check_moe_local_tokens(cfg, dims: "ParallelDims") -> None:
 
 def check_expert_tensor_parallel(cfg, dims: "ParallelDims") -> None:
     """``parallel.etp`` (= tp, MoE layers whole on every tp rank: the etp ranks hold the same rows,
-    `parallel/expert_tensor_parallel.py` ``replicated``): every expert's ffn dim splits evenly, FP4
+    `parallel/moe/expert_tensor_parallel.py` ``replicated``): every expert's ffn dim splits evenly, FP4
     blocks stay inside a rank's slice, and the all-to-all dispatcher (DCP of the etp shards:
     `training/checkpoint/dcp_etp.py`)."""
     p, m, f = cfg.parallel, cfg.model, cfg.fp4

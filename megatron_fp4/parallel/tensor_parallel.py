@@ -11,7 +11,7 @@ hooks for the collectives, in the spirit of torchtitan's ``parallelize_module``:
 - Dense MLP layers: gate/up column-parallel, down row-parallel.
 - Embedding and LM head: split along the vocabulary; the loss is `vocab_parallel_cross_entropy`
   on the local logits (`TPPlan.loss`), `TPPlan.gather_logits` gives full logits (scoring).
-- MoE layers (router, routed and shared experts) are not cut (`parallel/tp_moe.py`): with
+- MoE layers (router, routed and shared experts) are not cut (`parallel/moe/tp_moe.py`): with
   ``moe_tokens='whole'`` (default) they route every token of the sequence on every rank, also under
   sequence parallel (all-gathered in, the rank's chunk out); with ``moe_tokens='local'`` each rank
   routes its own 1/tp chunk of the sequence (Megatron's parallel folding: the ep group may refold
@@ -46,7 +46,7 @@ from megatron_fp4.model.layers import Attention, SwiGLU
 from megatron_fp4.model.moe import MoELayer
 from megatron_fp4.parallel.tp_comm import (_all_reduce, _gather, amax_reducer, copy_to_tp, gather_seq, reduce_from_tp,
                                            scatter_seq, vocab_parallel_cross_entropy)
-from megatron_fp4.parallel.tp_moe import MOE_TOKENS, moe_local_tokens, moe_whole_tokens
+from megatron_fp4.parallel.moe.tp_moe import MOE_TOKENS, moe_local_tokens, moe_whole_tokens
 
 
 @dataclass
@@ -123,7 +123,7 @@ def _cut_fp4(linears: dict, kind: str, plan: TPPlan) -> None:
 def parallelize_tp(model: nn.Module, group, sequence_parallel: bool = False, *, moe_tokens: str = "whole",
                    size_rank: Optional[tuple] = None) -> TPPlan:
     """Cut `model` (a `MoETransformer`, whole or a pipeline stage's layers) for tensor parallelism
-    over `group` and return the plan (see the module docstring; ``moe_tokens``: `parallel/tp_moe.py`).
+    over `group` and return the plan (see the module docstring; ``moe_tokens``: `parallel/moe/tp_moe.py`).
     ``size_rank=(tp, rank)`` with ``group=None``: the same cut without a process group (the memory
     planner's meta model, `training/memory_plan.py`; its hooks must never run)."""
     if moe_tokens not in MOE_TOKENS:

@@ -30,7 +30,7 @@ from megatron_fp4.model import MoETransformer
 from megatron_fp4.model.layers import wide_dtype
 from megatron_fp4.model.moe import GroupedExperts
 from megatron_fp4.model.specs import no_weight_decay
-from megatron_fp4.parallel import expert_parallel as ep_mod
+from megatron_fp4.parallel.moe import expert_parallel as ep_mod
 from megatron_fp4.parallel.dims import ParallelDims
 from megatron_fp4.parallel.pipeline import PLACEMENT, build_chunks, rank_chunks, split_layers
 from megatron_fp4.parallel.tensor_parallel import parallelize_tp

@@ -42,8 +42,8 @@ from megatron_fp4.fp4.fused import CompiledKernels
 from megatron_fp4.model import MoETransformer, materialize
 from megatron_fp4.model.specs import numerics_from_config
 from megatron_fp4.parallel.context import parallelize_cp
-from megatron_fp4.parallel.expert_parallel import apply_expert_parallel
-from megatron_fp4.parallel.expert_tensor_parallel import apply_expert_tensor_parallel
+from megatron_fp4.parallel.moe.expert_parallel import apply_expert_parallel
+from megatron_fp4.parallel.moe.expert_tensor_parallel import apply_expert_tensor_parallel
 from megatron_fp4.parallel.mesh import ParallelDims, ParallelMesh, world_size_from_env
 from megatron_fp4.parallel.pipeline import PipelineRunner
 from megatron_fp4.parallel.tensor_parallel import parallelize_tp

@@ -48,7 +48,7 @@ def _score_rows(model, rows, prompt_ids, response_ids, case, forward=None):
 
 
 def _worker(rank, world, rollouts):
-    from megatron_fp4.parallel.expert_parallel import apply_expert_parallel
+    from megatron_fp4.parallel.moe.expert_parallel import apply_expert_parallel
     from megatron_fp4.parallel.mesh import ParallelMesh
 
     torch.set_num_threads(1)

@@ -3,7 +3,7 @@
 Every rank holds a micro-batch of its own; the reference runs them one after the other (gradients
 accumulated), as the dp tests define FP4 layouts (wgrad quantizes along a micro-batch's tokens,
 and the etp exchange keeps each (etp rank, source) run a segment of its own). Each expert's w13
-is column-cut and its w2 row-cut over the etp group (`parallel/expert_tensor_parallel.py`), the
+is column-cut and its w2 row-cut over the etp group (`parallel/moe/expert_tensor_parallel.py`), the
 FP4 amaxes spanning the cut max-reduced over it. Outputs, input gradients, the router gradient
 (summed over all ranks here, as the dp reduction would) and every expert slice's gradient (whole
 on each etp rank: edp is one rank in these layouts) must agree within FP64_REL of their scale
@@ -54,9 +54,9 @@ def _rank(rank, world, ep, fmt, reduce, replicated=False):
     import torch.distributed as dist
 
     from megatron_fp4.fp4.tensor_cut import TensorCut
-    from megatron_fp4.parallel.ep_alltoall import AllToAllDispatcher
-    from megatron_fp4.parallel.expert_parallel import shard_experts
-    from megatron_fp4.parallel.expert_tensor_parallel import apply_expert_tensor_parallel
+    from megatron_fp4.parallel.moe.alltoall import AllToAllDispatcher
+    from megatron_fp4.parallel.moe.expert_parallel import shard_experts
+    from megatron_fp4.parallel.moe.expert_tensor_parallel import apply_expert_tensor_parallel
     etp = world // ep
     groups = {}
     for name, members in (("etp", [list(range(s, s + etp)) for s in range(0, world, etp)]),

@@ -24,7 +24,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megatron_fp4.parallel.expert_parallel import apply_expert_parallel
+from megatron_fp4.parallel.moe.expert_parallel import apply_expert_parallel
 from megatron_fp4.parallel.mesh import ParallelMesh
 from tests.distributed.launch import run_distributed
 from tests.distributed.test_expert_parallel import make_batch, make_layer, max_diff, run_layer

@@ -1,4 +1,4 @@
-"""GC-MoE decode dispatcher (parallel/gcmoe_decode.py) against the all-to-all dispatcher and the
+"""GC-MoE decode dispatcher (parallel/moe/gcmoe_decode.py) against the all-to-all dispatcher and the
 single-process layer, at ep2 and ep4, 1–8 tokens per rank, many seeds, random delays and shuffled
 peer order, both transports: the fixed-split all-to-all (a collective: no tags) and the pair
 protocol with every p2p tag forced to 0 (`TagZero`: NCCL's ordered matching on gloo; both ends of
@@ -24,8 +24,8 @@ import pytest
 import torch
 
 from megatron_fp4.fp4 import Numerics, apply_numerics
-from megatron_fp4.parallel.expert_parallel import apply_expert_parallel
-from megatron_fp4.parallel.gcmoe_decode import pair_capacity
+from megatron_fp4.parallel.moe.expert_parallel import apply_expert_parallel
+from megatron_fp4.parallel.moe.gcmoe_decode import pair_capacity
 from megatron_fp4.parallel.mesh import ParallelMesh
 from tests.distributed.launch import run_distributed
 from tests.distributed.test_expert_parallel import HIDDEN, make_layer

@@ -16,7 +16,7 @@ import torch
 from megatron_fp4.config import Config
 from megatron_fp4.model import build_model
 from megatron_fp4.model.dispatch import Dispatcher
-from megatron_fp4.parallel.expert_parallel import apply_expert_parallel
+from megatron_fp4.parallel.moe.expert_parallel import apply_expert_parallel
 from megatron_fp4.parallel.mesh import ParallelMesh
 from megatron_fp4.rollout import RolloutEngine, SamplingParams
 from megatron_fp4.training.data import ArithmeticTokenizer

@@ -11,7 +11,7 @@ import torch
 
 from megatron_fp4.fp4 import Recipe
 from megatron_fp4.model.moe import MoELayer, init_moe_params
-from megatron_fp4.parallel.expert_parallel import apply_expert_parallel
+from megatron_fp4.parallel.moe.expert_parallel import apply_expert_parallel
 from megatron_fp4.parallel.mesh import ParallelMesh
 from tests.distributed.launch import run_distributed
 from tests.numerics import FP64_REL

@@ -13,7 +13,7 @@ GC-MoE with FP4 gives the all-to-all dispatcher's bits (same batches, same segme
 """
 import pytest
 
-import megatron_fp4.parallel.expert_parallel  # noqa: F401 - an ImportError fails the suite, never skips it
+import megatron_fp4.parallel.moe.expert_parallel  # noqa: F401 - an ImportError fails the suite, never skips it
 from tests.distributed.conftest import layout_results
 from tests.distributed.test_parallel_training import STEPS, _reference, layout_cfg
 from tests.numerics import FP64_REL, rel

@@ -1,6 +1,6 @@
 """MoE layers under tensor parallel with local tokens (parallel folding), against the single process, fp64.
 
-Each tp rank routes only its chunk of the sequence (`parallel/tp_moe.py`, ``moe_tokens='local'``),
+Each tp rank routes only its chunk of the sequence (`parallel/moe/tp_moe.py`, ``moe_tokens='local'``),
 with sequence parallel (the rank is given its chunk) and without (the layer cuts the chunk and
 all-gathers its outputs). The experts are FP4 MoEResQ (NVFP4, and MXFP4 in one case) held by an
 expert-parallel group folded onto the tp ranks (``AllToAllDispatcher(fold=tp)``):
@@ -67,10 +67,10 @@ def reference(dp: int, padded: bool, fmt: str):
 def _rank(rank, world, tp, ep, sp, padded, fmt):
     import torch.distributed as dist
 
-    from megatron_fp4.parallel.ep_alltoall import AllToAllDispatcher
-    from megatron_fp4.parallel.expert_parallel import shard_experts
+    from megatron_fp4.parallel.moe.alltoall import AllToAllDispatcher
+    from megatron_fp4.parallel.moe.expert_parallel import shard_experts
     from megatron_fp4.parallel.tensor_parallel import TPPlan
-    from megatron_fp4.parallel.tp_moe import moe_local_tokens
+    from megatron_fp4.parallel.moe.tp_moe import moe_local_tokens
     dp = world // tp
     groups = {}  # every rank creates every group, in the same order
     for name, members in (("tp", [[d * tp + t for t in range(tp)] for d in range(dp)]),
@@ -135,8 +135,8 @@ def _model_rank(rank, sp, padded):
     import torch.distributed as dist
 
     from megatron_fp4.model.transformer import build_model
-    from megatron_fp4.parallel.ep_alltoall import AllToAllDispatcher
-    from megatron_fp4.parallel.expert_parallel import shard_experts
+    from megatron_fp4.parallel.moe.alltoall import AllToAllDispatcher
+    from megatron_fp4.parallel.moe.expert_parallel import shard_experts
     from megatron_fp4.parallel.tensor_parallel import parallelize_tp
     from tests.distributed.test_tensor_parallel import make_cfg, run_tp
     cfg = make_cfg(MODEL_CASE)
@@ -159,7 +159,7 @@ def _refused(rank):
     import torch.distributed as dist
 
     from megatron_fp4.parallel.tensor_parallel import TPPlan
-    from megatron_fp4.parallel.tp_moe import moe_local_tokens
+    from megatron_fp4.parallel.moe.tp_moe import moe_local_tokens
     layer = make_layer()
     moe_local_tokens(layer, TPPlan(dist.group.WORLD, rank, 2, True))
     try:

@@ -2,7 +2,7 @@
 
 The MoE layers run whole on every tp rank (``moe_tp_tokens=whole``), so the etp ranks hold the
 same rows and each runs its slice of every local expert's ffn dim (w1/w3 column cut, w2 row cut,
-`parallel/expert_tensor_parallel.py` ``replicated``); FP4 MoEResQ (NVFP4) experts get their amaxes
+`parallel/moe/expert_tensor_parallel.py` ``replicated``); FP4 MoEResQ (NVFP4) experts get their amaxes
 max-reduced over the etp group (`fp4/tensor_cut.py`). The ep groups then join the same tp
 coordinate of other dp ranks (no token dispatched twice: expert gradients 1/dp), ZeRO shards each
 etp slice over its edp group, and the gradient norm counts every slice once. Each layout must

@@ -9,7 +9,7 @@ the same products summed in another order, see that module) — NVFP4 (block 16,
 MXFP4 (block 32, no global amax).
 
 Under tp × ep with ``moe_tokens='whole'`` the tp peers of an ep group dispatch the same tokens: an
-expert receives each source's rows as a segment of its own (`ep_alltoall`), so its FP4 weight
+expert receives each source's rows as a segment of its own (`parallel/moe/alltoall.py`), so its FP4 weight
 gradient is quantized along each segment exactly as the single process quantizes that micro-batch
 (the duplicate segment is the same bits), summed over the tp copies and scaled by 1/(dp·tp):
 `tp2_dp2_ep2_attn` checks it.

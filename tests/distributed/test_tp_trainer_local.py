@@ -1,6 +1,6 @@
 """``parallel.moe_tp_tokens=local`` (Megatron's parallel folding) in the trainer (gloo, fp64).
 
-Each tp rank's MoE layers route only its 1/tp of the sequence (`parallel/tp_moe.py`): the ep group
+Each tp rank's MoE layers route only its 1/tp of the sequence (`parallel/moe/tp_moe.py`): the ep group
 may span tp peers and dp ranks alike (ep up to dp·tp, not only divisors of dp), the all-to-all
 dispatcher folds the tp ranks (``tp_fold``) so that an FP4 expert's weight gradient is quantized
 along a micro-batch's tokens in single-process order, and expert gradients are scaled 1/dp (no tp

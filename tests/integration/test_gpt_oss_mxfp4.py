@@ -134,7 +134,7 @@ def test_load_hf_shard_gives_an_ep_rank_its_experts_rows(tmp_path):
     """An expert-parallel rank's model (experts 2..3 of 4) loads from the packed checkpoint exactly the
     rows of the full model's experts, with the biases."""
     from megatron_fp4.integrations.hf import load_hf_shard
-    from megatron_fp4.parallel.expert_parallel import shard_experts
+    from megatron_fp4.parallel.moe.expert_parallel import shard_experts
 
     packed_checkpoint(tmp_path / "hf")
     full = build_model_from_hf(tmp_path / "hf", FP4Config(scope="none"))

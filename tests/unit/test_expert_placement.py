@@ -1,9 +1,9 @@
 import pytest
 import torch
 
-from megatron_fp4.parallel.ep_alltoall import grouping_permutation
-from megatron_fp4.parallel.expert_parallel import expert_owner, expert_placement, local_expert_range
-from megatron_fp4.parallel.gcmoe import chunk_bounds, exchange_step
+from megatron_fp4.parallel.moe.alltoall import grouping_permutation
+from megatron_fp4.parallel.moe.expert_parallel import expert_owner, expert_placement, local_expert_range
+from megatron_fp4.parallel.moe.gcmoe import chunk_bounds, exchange_step
 
 
 def test_contiguous_blocks():

@@ -5,9 +5,9 @@ import types
 import pytest
 import torch
 
-from megatron_fp4.parallel import gcmoe_transfer
-from megatron_fp4.parallel.gcmoe import GCMoEDispatcher
-from megatron_fp4.parallel.gcmoe_transfer import compute_sms_split
+from megatron_fp4.parallel.moe import gcmoe_transfer
+from megatron_fp4.parallel.moe.gcmoe import GCMoEDispatcher
+from megatron_fp4.parallel.moe.gcmoe_transfer import compute_sms_split
 
 
 def test_ring_needs_one_slot_per_peer():
@@ -94,7 +94,7 @@ def _meta_decode(mode, static):
     bool() or copy to the host raises), the peer exchange replaced by a local copy."""
     from megatron_fp4.fp4 import Numerics, Recipe
     from megatron_fp4.model.moe import GroupedExperts
-    from megatron_fp4.parallel.gcmoe_decode import DecodeBuffers, GCMoEDecodeDispatcher
+    from megatron_fp4.parallel.moe.gcmoe_decode import DecodeBuffers, GCMoEDecodeDispatcher
     H, E, T = 32, 4, 3
     experts = GroupedExperts(E // 2, H, H, Recipe(mode=mode)).to("meta")
     experts.numerics = Numerics()
@@ -117,7 +117,7 @@ def test_decode_static_path_has_no_host_reads(mode):
 
 
 def test_decode_buffers_header_and_rows_do_not_overlap():
-    from megatron_fp4.parallel.gcmoe_decode import DecodeBuffers, header_ints
+    from megatron_fp4.parallel.moe.gcmoe_decode import DecodeBuffers, header_ints
     B = DecodeBuffers(4)
     with torch.inference_mode():  # first call under inference mode, later ones under no_grad
         sets = B.get(ep=2, cap=8, num_local=5, hidden=3, dtype=torch.float64, device="cpu")

@@ -43,7 +43,7 @@ def test_state_bytes_tp_exact(world, overrides):
 def _rank_saved(rank, world, overrides):
     import torch.distributed as dist
 
-    from megatron_fp4.parallel.expert_tensor_parallel import apply_expert_tensor_parallel
+    from megatron_fp4.parallel.moe.expert_tensor_parallel import apply_expert_tensor_parallel
     from megatron_fp4.parallel.tensor_parallel import parallelize_tp
 
     cfg = load_config(default_config_path(), TINY + overrides)

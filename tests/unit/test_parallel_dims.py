@@ -83,9 +83,9 @@ def test_good_layouts_resolve_dp():
 def test_the_pieces_call_the_same_checks():
     """The pipeline split, the V placement, the runner, the expert placement and the GC-MoE
     dispatchers refuse bad arguments with the layout's message (they call `dims` checks)."""
-    from megatron_fp4.parallel.expert_parallel import apply_expert_parallel, expert_placement
-    from megatron_fp4.parallel.gcmoe import GCMoEDispatcher
-    from megatron_fp4.parallel.gcmoe_decode import GCMoEDecodeDispatcher
+    from megatron_fp4.parallel.moe.expert_parallel import apply_expert_parallel, expert_placement
+    from megatron_fp4.parallel.moe.gcmoe import GCMoEDispatcher
+    from megatron_fp4.parallel.moe.gcmoe_decode import GCMoEDecodeDispatcher
     from megatron_fp4.parallel.pipeline import PipelineRunner, rank_chunks, split_layers
 
     cases = [

@@ -1,6 +1,6 @@
 """The grouped order of an expert-parallel layer with tensor parallel folded into ep (pure parts).
 
-`ep_alltoall.grouping_permutation(recv_counts, fold, positions)`: rows received src-major (then
+`parallel.moe.alltoall.grouping_permutation(recv_counts, fold, positions)`: rows received src-major (then
 local expert) regroup by local expert, then micro-batch (a block of `fold` sources), then the
 rows' positions in the micro-batch; `DispatchPlan.expert_segments` gives one run per micro-batch.
 Checked against a sort written out row by row.
@@ -12,7 +12,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from megatron_fp4.parallel.ep_alltoall import DispatchPlan, grouping_permutation
+from megatron_fp4.parallel.moe.alltoall import DispatchPlan, grouping_permutation
 
 
 def test_grouped_order_is_expert_then_micro_batch_then_position():
@@ -31,8 +31,8 @@ def test_grouped_order_is_expert_then_micro_batch_then_position():
 
 
 def test_fold_needs_the_all_to_all_and_a_divisor_of_ep():
-    from megatron_fp4.parallel.ep_alltoall import AllToAllDispatcher
-    from megatron_fp4.parallel.expert_parallel import apply_expert_parallel
+    from megatron_fp4.parallel.moe.alltoall import AllToAllDispatcher
+    from megatron_fp4.parallel.moe.expert_parallel import apply_expert_parallel
     with pytest.raises(ValueError, match="fold=3 .* must divide ep=4"):
         AllToAllDispatcher(None, 4, 8, fold=3)
     with pytest.raises(ValueError, match="tp_fold=2 .* needs parallel.expert_dispatcher=alltoall"):

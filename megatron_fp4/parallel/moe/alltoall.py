@@ -14,7 +14,7 @@ Row orders, for one MoE layer call on ep rank r (E experts, El = E / ep per rank
   runs each source's micro-batch on its own, though: FP4 wgrad, which quantizes along tokens, is
   therefore computed per source run (`DispatchPlan.expert_segments`) and summed.
 
-Tensor parallel folded into ep (``fold`` = tp > 1, `parallel/tp_moe.py`): each block of ``fold``
+Tensor parallel folded into ep (``fold`` = tp > 1, `parallel/moe/tp_moe.py`): each block of ``fold``
 consecutive ep ranks holds the sequence chunks of one micro-batch. The grouped order is then by
 local expert, then micro-batch (source block), then the token's position in the single process's
 micro-batch (`DispatchPlan.exchange(positions=)`, exchanged with the rows), and a segment is one
@@ -152,7 +152,7 @@ class AllToAllDispatcher(Dispatcher):
             raise ValueError(f"AllToAllDispatcher: fold={fold} (tensor-parallel ranks folded into ep) must divide "
                              f"ep={ep}")
         self.group, self.ep, self.num_experts, self.fold = group, ep, num_experts, fold
-        self.token_positions = None  # fold > 1: the next call's token positions (set by parallel/tp_moe.py)
+        self.token_positions = None  # fold > 1: the next call's token positions (set by parallel/moe/tp_moe.py)
 
     def check_experts(self, experts) -> None:
         check_share(self, experts)

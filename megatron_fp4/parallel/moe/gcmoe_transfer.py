@@ -42,7 +42,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from megatron_fp4.parallel.gcmoe_round import RecvRing, Round  # noqa: F401 (re-exported)
+from megatron_fp4.parallel.moe.gcmoe_round import RecvRing, Round  # noqa: F401 (re-exported)
 
 COMPUTE_GRANULARITIES = ("expert", "chunk")
 

@@ -35,7 +35,7 @@ from torch import nn
 
 from megatron_fp4.fp4.tensor_cut import TensorCut
 from megatron_fp4.model.moe import MoELayer
-from megatron_fp4.parallel.ep_alltoall import grouping_permutation, scatter_rows
+from megatron_fp4.parallel.moe.alltoall import grouping_permutation, scatter_rows
 from megatron_fp4.parallel.tp_comm import _Region, amax_reducer, copy_to_tp, reduce_from_tp
 
 

@@ -70,8 +70,8 @@ import torch.distributed as dist
 
 from megatron_fp4.model.dispatch import Dispatched, Dispatcher, combine_expert_outputs
 from megatron_fp4.parallel.dims import check_expert_split
-from megatron_fp4.parallel.ep_alltoall import check_share, scatter_rows
-from megatron_fp4.parallel.gcmoe_transfer import exchange_step, issue_step
+from megatron_fp4.parallel.moe.alltoall import check_share, scatter_rows
+from megatron_fp4.parallel.moe.gcmoe_transfer import exchange_step, issue_step
 
 # header (int32): sequence number, rows used, more rounds follow, reserved, then rows per local expert
 SEQ, ROWS, MORE, FIXED_INTS = 0, 1, 2, 4

@@ -31,10 +31,10 @@ from torch import nn
 from megatron_fp4.model.experts import GroupedExperts
 from megatron_fp4.model.moe import MoELayer
 from megatron_fp4.parallel.dims import check_expert_split, check_gcmoe
-from megatron_fp4.parallel.ep_alltoall import AllToAll, AllToAllDispatcher, DispatchPlan
-from megatron_fp4.parallel.gcmoe import GCMoEDispatcher, TransferChannel
-from megatron_fp4.parallel.gcmoe_decode import DecodeBuffers, GCMoEDecodeDispatcher
-from megatron_fp4.parallel.gcmoe_transfer import transfer_group
+from megatron_fp4.parallel.moe.alltoall import AllToAll, AllToAllDispatcher, DispatchPlan
+from megatron_fp4.parallel.moe.gcmoe import GCMoEDispatcher, TransferChannel
+from megatron_fp4.parallel.moe.gcmoe_decode import DecodeBuffers, GCMoEDecodeDispatcher
+from megatron_fp4.parallel.moe.gcmoe_transfer import transfer_group
 from megatron_fp4.parallel.mesh import ParallelMesh
 
 __all__ = [
@@ -134,7 +134,7 @@ def apply_expert_parallel(model: nn.Module, mesh: ParallelMesh, dispatcher: str 
     ring_slots=cfg.parallel.gcmoe_ring_slots)``. "gcmoe_decode" (inference only, gcmoe_decode.py)
     carries up to `decode_tokens` tokens per rank per round in fixed-size messages. `tp_fold`: the
     tensor-parallel size when the ep group holds the tp ranks as blocks of `tp_fold` consecutive ep
-    ranks and the layers route local tokens (`parallelize_tp(moe_tokens='local')`, `parallel/tp_moe.py`;
+    ranks and the layers route local tokens (`parallelize_tp(moe_tokens='local')`, `parallel/moe/tp_moe.py`;
     all-to-all only).
     """
     if tp_fold != 1 and (dispatcher != "alltoall" or mesh.ep % tp_fold):
