@@ -18,7 +18,7 @@ EXTRAS = {
     "verl": ["verl>=0.5", "fastapi", "uvicorn"],
     "megatron": ["megatron-core>=0.16"],
     # HF tokenizer directories, chat templates and verl-format parquet data (training/data); math-verify
-    # judges answer equivalence in rl/rewards.py (a plain normalized comparison without it).
+    # judges answer equivalence in rl/tasks/rewards.py (a plain normalized comparison without it).
     "rl": ["tokenizers>=0.19", "jinja2>=3.1", "pyarrow>=14", "math-verify>=0.7"],
     # vLLM's CPU build (it pins torch 2.13.0+cpu); GPU users install their own `vllm`. Keep it out of an
     # environment holding verl (transformers ranges clash): tools/vllm_env.sh builds a separate one.

@@ -5,11 +5,11 @@ checkpoint per seed in six FP4/replay settings, each with and without truncated 
     python examples/ablation_moeresq.py --tokenizer DIR --train-data train.parquet --test-data test.parquet
 
 Data: verl-format parquet (`RLDataset`: chat prompt rendered by the tokenizer's template), rewards
-from the data_source registry (`rl.rewards`), an HF tokenizer directory (`HFTokenizer`: pad,
+from the data_source registry (`rl.tasks.rewards`), an HF tokenizer directory (`HFTokenizer`: pad,
 eos and stop ids from it). Without paths, a task and a BPE tokenizer are generated under --out
 (nothing is downloaded): ``--task carry`` (default), column addition with explicit carries whose
 SFT target comes from a teacher that forgets each carry with probability ``--drop-carry``
-(`rl/data/carry_task.py`: the SFT policy samples the carry sometimes but greedy decoding
+(`rl/tasks/carry_task.py`: the SFT policy samples the carry sometimes but greedy decoding
 drops it, so GRPO has a rule to learn that carries over to held-out problems), or ``--task word``,
 GSM8K-style word problems (`math_task.py`).
 
@@ -59,13 +59,13 @@ import ablation_report as report  # noqa: E402
 from megatron_fp4.config.choices import INVARIANCE_LEVELS  # noqa: E402
 from megatron_fp4.config import default_config_path, load_config  # noqa: E402
 from megatron_fp4.rl import sft_step  # noqa: E402
-from megatron_fp4.rl.data import carry_task, math_task  # noqa: E402
-from megatron_fp4.rl.data.rl_dataset import RLDataset  # noqa: E402
+from megatron_fp4.rl.tasks import carry_task, math_task  # noqa: E402
+from megatron_fp4.rl.tasks.rl_dataset import RLDataset  # noqa: E402
 from megatron_fp4.rl.flags import check_ranges  # noqa: E402
 from megatron_fp4.rl.loop import EngineCopyRollout, GRPOSettings, run_grpo  # noqa: E402
-from megatron_fp4.rl.rollout_correction import (add_correction_args, check_correction_args,  # noqa: E402
-                                                correction_from_args)
-from megatron_fp4.rl.tasks import DatasetTask  # noqa: E402
+from megatron_fp4.rl.algo.rollout_correction import (add_correction_args, check_correction_args,  # noqa: E402
+                                                     correction_from_args)
+from megatron_fp4.rl.tasks.catalog import DatasetTask  # noqa: E402
 from megatron_fp4.training.data.tokenizer import HFTokenizer  # noqa: E402
 from megatron_fp4.training.trainer import Trainer  # noqa: E402
 

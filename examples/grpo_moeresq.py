@@ -7,22 +7,22 @@
     python examples/grpo_moeresq.py --rollout engine-process --max-staleness 1   # rollout overlapped (rl/overlap.py)
 
 This is a thin CLI over `megatron_fp4.rl` (as `megatron_fp4.train` is for pretraining): the task
-(`rl.tasks`), the SFT warm-up (`rl.sft`) and the GRPO loop (`rl.loop.run_grpo`, the loop the
+(`rl.tasks.catalog`), the SFT warm-up (`rl.algo.sft`) and the GRPO loop (`rl.loop.run_grpo`, the loop the
 ablation runs too) on the one `Trainer`. A single process keeps the rollout engine in
 process (as always); under torchrun the trainer is sharded (pipeline stages, expert shards, ZeRO)
 and trainer rank 0 starts the rollout engine as a process of its own (`rl.RemoteRollout`: weights
 gathered from every shard under HF names through a token-authenticated channel, generations
 broadcast to every trainer rank), and the SFT and policy losses run through the pipeline schedule.
 With `--rollout vllm` the rollout is vLLM + the `megatron_fp4` plugin in a process (and venv) of
-its own, fed the same way every step (`rl.vllm_rollout`, docs/vllm.md); with `--rollout vllm-serve`
+its own, fed the same way every step (`rl.rollouts.vllm`, docs/vllm.md); with `--rollout vllm-serve`
 it is a `vllm serve` process fed through vLLM's own weight-transfer API. With `--train-data`
 (verl-format parquet, prompts rendered by `--tokenizer`'s chat template) the rewards come from the
-data_source registry (`rl.rewards`) instead of the generated task.
+data_source registry (`rl.tasks.rewards`) instead of the generated task.
 
-The default task (`--task carry`, `rl/data/carry_task.py`, docs/ablation.md) is two-digit
+The default task (`--task carry`, `rl/tasks/carry_task.py`, docs/ablation.md) is two-digit
 column addition with the carry written out, answer after ``####``. Its train and test problems
 are disjoint; the tokenizer is a BPE trained on generated problems (nothing is downloaded). The
-warm-up (`rl.sft`, high precision) is response-only NLL on a *sloppy teacher* that forgets each
+warm-up (`rl.algo.sft`, high precision) is response-only NLL on a *sloppy teacher* that forgets each
 carry with probability 0.6: the SFT policy then samples the carry sometimes, but greedy decoding
 drops it and solves only the carry-free problems. GRPO (rewarded on the final answer only) has to
 learn to carry after a two-digit column sum, a rule that holds on the held-out problems too.
@@ -78,9 +78,9 @@ from megatron_fp4.rl import make_rollout, sft_step, switch_to_rl  # noqa: E402
 from megatron_fp4.rl.flags import check_ranges  # noqa: E402
 from megatron_fp4.rollout.weight_sync.peer_group import check_advertised_address  # noqa: E402
 from megatron_fp4.rl.loop import GRPOSettings, micro_batch_for, run_grpo  # noqa: E402
-from megatron_fp4.rl.rollout_correction import (add_correction_args, check_correction_args,  # noqa: E402
-                                                correction_from_args)
-from megatron_fp4.rl.tasks import ArithmeticTask, CarryTask, DatasetTask, check_same_on_every_rank  # noqa: E402
+from megatron_fp4.rl.algo.rollout_correction import (add_correction_args, check_correction_args,  # noqa: E402
+                                                     correction_from_args)
+from megatron_fp4.rl.tasks.catalog import ArithmeticTask, CarryTask, DatasetTask, check_same_on_every_rank  # noqa: E402
 from megatron_fp4.training.data import ArithmeticDataset  # noqa: E402
 from megatron_fp4.training.trainer import Trainer  # noqa: E402
 
@@ -169,12 +169,12 @@ def run(args) -> list:
     say = print if main else (lambda *a, **k: None)
     say(f"SFT: {args.sft_steps} steps in {time.perf_counter() - start:.0f} s", flush=True)
     if args.rollout == "vllm":  # vLLM + the plugin in its own process (docs/vllm.md)
-        from megatron_fp4.rl.vllm_rollout import VLLMRollout
+        from megatron_fp4.rl.rollouts.vllm import VLLMRollout
         rollout = VLLMRollout(trainer, task.tok.pad_id, args.bucket_mb << 20, python=args.vllm_python,
                               work_dir=Path(args.logdir or tempfile.mkdtemp(prefix="grpo-vllm-")) / "vllm",
                               addr=args.rollout_addr)
     elif args.rollout == "vllm-serve":  # a `vllm serve` process fed through vLLM's weight-transfer API
-        from megatron_fp4.rl.vllm_rollout import VLLMServeRollout
+        from megatron_fp4.rl.rollouts.vllm import VLLMServeRollout
         rollout = VLLMServeRollout(trainer, task.tok.pad_id, args.bucket_mb << 20, python=args.vllm_python,
                                    work_dir=Path(args.logdir or tempfile.mkdtemp(prefix="grpo-vllm-")) / "vllm",
                                    addr=args.rollout_addr)

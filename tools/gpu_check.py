@@ -216,7 +216,7 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 from megatron_fp4.config import Config
 from megatron_fp4.integrations.megatron_core import (build_transformer_config, get_moeresq_layer_spec,
-    name_moeresq_linears, split_megatron_kwargs, to_megatron_transformer_config)
+                                                     name_moeresq_linears, split_megatron_kwargs, to_megatron_transformer_config)
 res = {}
 for mode in ("fp4_resq", "bf16"):
     cfg = Config(); cfg.model.num_layers, cfg.model.dense_layers = 3, [0]; cfg.fp4.train_mode = mode

@@ -191,7 +191,7 @@ MAX_STALENESS = 64  # rl.max_staleness's bound: each batch in flight holds its s
 
 @dataclass
 class RLConfig:
-    router_replay: str = "off"  # off | r2 | r3 (megatron_fp4/rl/replay.py)
+    router_replay: str = "off"  # off | r2 | r3 (megatron_fp4/rl/algo/replay.py)
     # Off-policy overlap (megatron_fp4/rl/overlap.py): batch m is sampled with policy version
     # max(0, m - max_staleness) while the trainer updates on earlier batches; 0 = the synchronous loop.
     max_staleness: int = 0

@@ -6,8 +6,8 @@ from megatron_fp4.fp4 import fused  # noqa: F401  (installs the compiled fake-qu
 from megatron_fp4.fp4 import fused_resq  # noqa: F401  (registers its compiled kind with fused.py)
 from megatron_fp4.fp4.formats import FP4Tensor, NonFiniteInputError
 from megatron_fp4.fp4.moeresq import (
-    MoEResQLinear, fake_quantize, moeresq_linear, resq_quantize, sqnr_db,
-)
+                                      MoEResQLinear, fake_quantize, moeresq_linear, resq_quantize, sqnr_db,
+                                      )
 from megatron_fp4.fp4.nonfinite import NonFiniteFlags
 from megatron_fp4.fp4.numerics import STANDARD, Numerics, apply_numerics, numerics_of
 from megatron_fp4.fp4.mxfp4 import fake_quantize_mxfp4, quantize_mxfp4

@@ -21,7 +21,7 @@ import torch
 
 from megatron_fp4.fp4 import invariant
 from megatron_fp4.fp4.exact_gemm import (CHUNK, Split, cached_for_weight, exact_fp4_gemm, exact_fp4_terms,
-                                          exact_sum_products, pair_bound)
+                                         exact_sum_products, pair_bound)
 from megatron_fp4.fp4.moeresq import _accumulate_dtype, _cached_weight, _gemm, _no_autocast, _Site
 from megatron_fp4.fp4.numerics import STANDARD, Numerics
 from megatron_fp4.fp4.recipe import Recipe, row_local

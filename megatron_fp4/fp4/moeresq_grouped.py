@@ -36,9 +36,9 @@ import torch
 from megatron_fp4.fp4 import invariant, triton_fp4
 from megatron_fp4.fp4.tiled import tiled_mm
 from megatron_fp4.fp4.moeresq import (
-    _ForwardGemm, _Site, _accumulate_dtype, _cached_weight, _col_quantize, _link, _no_autocast,
-    _rows32, _runs,
-)
+                                      _ForwardGemm, _Site, _accumulate_dtype, _cached_weight, _col_quantize, _link, _no_autocast,
+                                      _rows32, _runs,
+                                      )
 from megatron_fp4.fp4.numerics import STANDARD, Numerics
 from megatron_fp4.fp4.recipe import OperandFormat, Recipe, row_local
 from megatron_fp4.fp4.tensor_cut import TensorCut

@@ -26,9 +26,9 @@ import torch
 from megatron_fp4.fp4.compiled_path import NONE as fused  # fused.py installs itself here
 from megatron_fp4.fp4.e2m1 import round_e2m1_, stochastic_round_e2m1, values_to_codes
 from megatron_fp4.fp4.formats import (
-    FLT_MAX, FP4Tensor, abs_block_max, check_finite, check_input, check_multiple, check_finite_flag, reduced_amax,
-    to_fp32_rows,
-)
+                                      FLT_MAX, FP4Tensor, abs_block_max, check_finite, check_input, check_multiple, check_finite_flag, reduced_amax,
+                                      to_fp32_rows,
+                                      )
 
 E4M3_MAX = 448.0
 _ONE_SIXTH_F32 = torch.tensor(1.0 / 6.0, dtype=torch.float32)

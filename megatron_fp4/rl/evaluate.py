@@ -30,7 +30,7 @@ def greedy_eval(rollout, task, min_version: int = 0) -> tuple[float, dict]:
 def check_sync(trainer, rollout, version: int) -> str:
     """The rollout serves `version` and its weights equal the trainer's (SHA-256 per HF name), or a
     RuntimeError naming the first that differ; returns one SHA-256 over them all."""
-    from megatron_fp4.rl.rollout_worker import weight_digests
+    from megatron_fp4.rl.rollouts.worker import weight_digests
 
     served, ours = rollout.digests(), weight_digests(trainer.model)
     differ = sorted(n for n in set(ours) | set(served["digests"]) if ours.get(n) != served["digests"].get(n))

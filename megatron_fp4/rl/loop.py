@@ -4,8 +4,8 @@ layout, any rollout) and examples/ablation_moeresq.py (one call per setting and 
     settings = GRPOSettings(steps=20, num_prompts=8, group_size=8, ...)
     run = run_grpo(trainer, task, rollout, settings)   # run.history: one record per step
 
-Each step: the rollout (``publish``/``generate``: `rl.rollout_client`, `rl.vllm_rollout` or any
-object with that interface) samples ``group_size`` answers per prompt of ``task.sample`` (`rl.tasks`);
+Each step: the rollout (``publish``/``generate``: `rl.rollouts.client`, `rl.rollouts.vllm` or any
+object with that interface) samples ``group_size`` answers per prompt of ``task.sample`` (`rl.tasks.catalog`);
 the task rewards them; `build_rl_batch` recomputes the old log-probs on the trainer (router replay:
 ``trainer.cfg.rl.router_replay``) and normalises the rewards per group; the rollout/trainer
 consistency (KL, Pearson, expert agreement) is logged; ``ppo_epochs`` x ``minibatches`` clipped
@@ -38,12 +38,12 @@ import torch
 
 from megatron_fp4.model.capacity import refuse_for_rollout
 from megatron_fp4.rl.evaluate import check_sync, greedy_eval
-from megatron_fp4.rl.grpo import build_rl_batch, consistency, ppo_updates
+from megatron_fp4.rl.algo.grpo import build_rl_batch, consistency, ppo_updates
 from megatron_fp4.rl.overlap import Generations, StalenessCounter, sample_version, staleness
-from megatron_fp4.rl.policy_loss import PolicyLoss
-from megatron_fp4.rl.rollout_client import InProcessRollout
-from megatron_fp4.rl.rollout_correction import RolloutCorrection, correct_batch
-from megatron_fp4.rl.scorer import PolicyScorer
+from megatron_fp4.rl.algo.policy_loss import PolicyLoss
+from megatron_fp4.rl.rollouts.client import InProcessRollout
+from megatron_fp4.rl.algo.rollout_correction import RolloutCorrection, correct_batch
+from megatron_fp4.rl.algo.scorer import PolicyScorer
 from megatron_fp4.rollout.engine import RolloutEngine
 from megatron_fp4.rollout.sampling import SamplingParams
 from megatron_fp4.rollout.weight_sync.publisher import InProcessTransport, WeightPublisher, WeightReceiver

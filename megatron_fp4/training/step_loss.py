@@ -11,7 +11,7 @@ Without a pipeline the trainer calls ``loss(model(**model_inputs(mb)).logits, mb
 what calling the object as ``loss_fn(model, mb)`` does); with one, the first stage embeds the tokens,
 every stage runs its layers with the micro-batch's positions and mask, and `loss` runs on the last
 stage with the whole micro-batch dict (labels, masks, advantages, old log-probs...). The LM loss is
-`lm_loss_fn`; the GRPO/PPO policy loss is `megatron_fp4.rl.policy_loss.PolicyLoss`.
+`lm_loss_fn`; the GRPO/PPO policy loss is `megatron_fp4.rl.algo.policy_loss.PolicyLoss`.
 
 A plain callable ``loss_fn(model, mb) -> (loss, metrics)`` still works without a pipeline: it runs
 the model itself, which a pipeline stage cannot do.
@@ -54,7 +54,7 @@ def require_step_loss(loss_fn: LossFn) -> StepLoss:
     if not isinstance(loss_fn, StepLoss):
         raise ValueError(f"with parallel.pp > 1 the loss runs on the last pipeline stage, so it must be a "
                          f"megatron_fp4.training.step_loss.StepLoss (model_inputs(mb) and loss(logits, mb)), not "
-                         f"{type(loss_fn).__name__}; see lm_loss_fn and rl.policy_loss.PolicyLoss")
+                         f"{type(loss_fn).__name__}; see lm_loss_fn and rl.algo.policy_loss.PolicyLoss")
     return loss_fn
 
 
@@ -83,7 +83,7 @@ def tensor_parallel_loss(loss_fn: LossFn, plan) -> LossFn:
     if not isinstance(loss_fn, StepLoss):
         raise ValueError(f"with parallel.tp > 1 the model's logits are split along the vocabulary, so the loss must "
                          f"be a megatron_fp4.training.step_loss.StepLoss (model_inputs(mb) and loss(logits, mb)), "
-                         f"not {type(loss_fn).__name__}; see lm_loss_fn and rl.policy_loss.PolicyLoss")
+                         f"not {type(loss_fn).__name__}; see lm_loss_fn and rl.algo.policy_loss.PolicyLoss")
     return TensorParallelLoss(loss_fn, plan)
 
 

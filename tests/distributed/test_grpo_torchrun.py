@@ -56,7 +56,7 @@ def token_reward(response_ids) -> float:
 def grpo_step(trainer, rollout) -> dict:
     """Publish v0, roll out, one PPO pass (2 minibatches), publish v1, roll out again on v1."""
     from megatron_fp4.rl import PolicyScorer, build_rl_batch, ppo_updates
-    from megatron_fp4.rl.policy_loss import PolicyLoss
+    from megatron_fp4.rl.algo.policy_loss import PolicyLoss
 
     scorer = PolicyScorer(trainer, MICRO, keep_reference=True)
     rollout.publish(0).wait_loaded()

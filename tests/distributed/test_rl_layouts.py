@@ -66,7 +66,7 @@ def micro_batches(batch: dict, size: int = 2) -> list[dict]:
 
 def run_steps(trainer, mbs: list[dict]) -> dict:
     """First step's gradients (forward_backward only), then STEPS optimizer steps from the start."""
-    from megatron_fp4.rl.policy_loss import PolicyLoss
+    from megatron_fp4.rl.algo.policy_loss import PolicyLoss
 
     loss = PolicyLoss(**LOSS)
     trainer.model.train()

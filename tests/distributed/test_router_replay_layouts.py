@@ -41,8 +41,8 @@ class _Generation:
 
 def _rl_run(trainer, mode: str) -> dict:
     from megatron_fp4.rl import PolicyScorer, build_rl_batch, policy_update
-    from megatron_fp4.rl.grpo import switch_to_rl
-    from megatron_fp4.rl.policy_loss import PolicyLoss
+    from megatron_fp4.rl.algo.grpo import switch_to_rl
+    from megatron_fp4.rl.algo.policy_loss import PolicyLoss
 
     switch_to_rl(trainer, lr=1e-3, weight_decay=0.0, aux_coef=1.0)
     gen = _Generation(trainer.cfg)

@@ -46,7 +46,7 @@ class _Generation:
 
 def grpo(trainer, steps: int) -> dict:
     from megatron_fp4.rl import PolicyScorer, build_rl_batch, policy_update, switch_to_rl
-    from megatron_fp4.rl.policy_loss import PolicyLoss
+    from megatron_fp4.rl.algo.policy_loss import PolicyLoss
 
     switch_to_rl(trainer, lr=1e-3, weight_decay=0.0, aux_coef=0.0)
     scorer = PolicyScorer(trainer, micro_batch_size=2, keep_reference=True)

@@ -332,7 +332,7 @@ def _rl_row(content):
 
 
 def test_non_text_message_content_in_the_rl_dataset(tmp_path):
-    from megatron_fp4.rl.data.rl_dataset import RLDataset, write_parquet
+    from megatron_fp4.rl.tasks.rl_dataset import RLDataset, write_parquet
 
     tok = _tokenizer(tmp_path)
     one = tmp_path / "one.jsonl"

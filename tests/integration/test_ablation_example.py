@@ -14,7 +14,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
 
 import ablation_moeresq as ablation  # noqa: E402
 
-from megatron_fp4.rl.data.rl_dataset import read_rows  # noqa: E402
+from megatron_fp4.rl.tasks.rl_dataset import read_rows  # noqa: E402
 
 
 def test_ablation_runs_and_sides_use_their_own_modes(tmp_path):

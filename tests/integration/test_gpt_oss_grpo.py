@@ -5,7 +5,7 @@ import math
 
 from megatron_fp4.config import default_config_path, load_config
 from megatron_fp4.rl import loop, make_rollout, switch_to_rl
-from megatron_fp4.rl.tasks import ArithmeticTask
+from megatron_fp4.rl.tasks.catalog import ArithmeticTask
 from megatron_fp4.training.trainer import Trainer
 
 GPT_OSS = ["logging.tensorboard_dir=null", "checkpoint.dir=null", "model.family=gpt_oss", "model.num_layers=2",

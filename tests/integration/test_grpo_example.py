@@ -52,7 +52,7 @@ def spy_evals(ex, monkeypatch) -> tuple:
 def expected_accuracies(evals) -> list:
     """The greedy accuracy of each recorded eval, recomputed: check_answer (arithmetic) or the
     data_source scorer (rows with a reference) of the decoded greedy completions."""
-    from megatron_fp4.rl import rewards
+    from megatron_fp4.rl.tasks import rewards
     items, gens = evals
     assert len(items) == len(gens)
     out = []
@@ -138,10 +138,10 @@ def assert_k3_matches_float64(lp, ref, mask, kl):
 
 def test_grpo_example_on_verl_parquet_with_an_hf_tokenizer(tmp_path, monkeypatch):
     """--tokenizer DIR --train-data FILE.parquet: prompts rendered by the tokenizer's chat template,
-    rewards by data_source (rl.rewards), the first --eval-size rows held out of RL."""
-    from megatron_fp4.rl import rewards
-    from megatron_fp4.rl.data.math_task import build_math_tokenizer, write_math_dataset
-    from megatron_fp4.rl.data.rl_dataset import RLDataset
+    rewards by data_source (rl.tasks.rewards), the first --eval-size rows held out of RL."""
+    from megatron_fp4.rl.tasks import rewards
+    from megatron_fp4.rl.tasks.math_task import build_math_tokenizer, write_math_dataset
+    from megatron_fp4.rl.tasks.rl_dataset import RLDataset
 
     tok = build_math_tokenizer(tmp_path / "tok", max_operand=5)
     paths = write_math_dataset(tmp_path / "data", num_train=12, num_test=2, max_operand=5)
@@ -177,8 +177,8 @@ def carry_args(ex, *extra):
 def test_carry_task_is_the_default_and_runs_end_to_end(monkeypatch):
     """`--task carry` (the default): SFT on the sloppy teacher in high precision, GRPO steps with
     the carry scorer's rewards on train prompts only, held-out greedy accuracy before and after."""
-    from megatron_fp4.rl import rewards
-    from megatron_fp4.rl.data import carry_task
+    from megatron_fp4.rl.tasks import rewards
+    from megatron_fp4.rl.tasks import carry_task
 
     ex = load_example()
     defaults = ex.parse_args([])

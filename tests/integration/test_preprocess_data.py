@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from megatron_fp4.config import default_config_path, load_config
-from megatron_fp4.rl.data.rl_dataset import write_parquet
+from megatron_fp4.rl.tasks.rl_dataset import write_parquet
 from megatron_fp4.training.data import IndexedDataset
 from megatron_fp4.training.data.tokenizer import build_bpe_tokenizer
 from megatron_fp4.training.trainer import Trainer

@@ -7,9 +7,9 @@ cases (several answers, commas, no answer, ``Answer:`` lines, nested braces, unc
 """
 import pytest
 
-from megatron_fp4.rl import rewards
-from megatron_fp4.rl.data.math_task import build_math_tokenizer, write_math_dataset
-from megatron_fp4.rl.data.rl_dataset import RLDataset, write_parquet
+from megatron_fp4.rl.tasks import rewards
+from megatron_fp4.rl.tasks.math_task import build_math_tokenizer, write_math_dataset
+from megatron_fp4.rl.tasks.rl_dataset import RLDataset, write_parquet
 
 import verl.utils.dataset.rl_dataset as verl_dataset  # the test extra installs it: a missing package fails, never skips
 from omegaconf import OmegaConf  # noqa: E402  (a verl dependency)

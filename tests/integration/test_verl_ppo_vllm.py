@@ -29,7 +29,7 @@ import pytest
 pytest.importorskip("verl", reason="verl is not installed: pip install -e '.[verl]' (main environment) or run "
                     "tools/vllm_env.sh (the vLLM venv gets verl without its dependencies)")
 from megatron_fp4.integrations.verl.ppo_vllm import CHECKS, main, missing_for_ppo  # noqa: E402
-from megatron_fp4.rl.rewards import digit_match_score as compute_score  # noqa: E402
+from megatron_fp4.rl.tasks.rewards import digit_match_score as compute_score  # noqa: E402
 from tests.integration.test_vllm_plugin import MIN_WITHIN, TOL  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -103,14 +103,14 @@ def test_grpo_two_steps_with_vllm_rollout(tmp_path):
 
 
 def test_served_weights_read_back_under_hf_names():
-    """`rl.vllm_server.hf_tensors_of` splits vLLM's fused parameters (q/k/v rows, gate/up halves,
+    """`rl.rollouts.vllm_server.hf_tensors_of` splits vLLM's fused parameters (q/k/v rows, gate/up halves,
     [E, 2F, H] w13 and [E, H, F] w2 per expert, vocabulary rows padded to 64) back into exactly the
     HF checkpoint's tensors, so the digests compare like with like (no vLLM needed: vLLM's layout
     built here from the HF tensors)."""
     from megatron_fp4.config import Config, ModelConfig
     from megatron_fp4.integrations.hf.qwen3_moe import hf_config_from_ours, to_hf_state_dict
     from megatron_fp4.model import build_model
-    from megatron_fp4.rl.vllm_server import hf_tensors_of
+    from megatron_fp4.rl.rollouts.vllm_server import hf_tensors_of
 
     cfg = Config()
     cfg.model = ModelConfig(vocab_size=40, hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1, head_dim=16,

@@ -12,7 +12,7 @@ import torch
 from megatron_fp4.config import ConfigError, default_config_path, load_config
 from megatron_fp4.rl import loop, make_rollout, switch_to_rl
 from megatron_fp4.rl.overlap import StalenessCounter, sample_version
-from megatron_fp4.rl.tasks import ArithmeticTask
+from megatron_fp4.rl.tasks.catalog import ArithmeticTask
 from megatron_fp4.rollout.engine import RolloutEngine
 from megatron_fp4.training.trainer import Trainer
 

@@ -1,13 +1,13 @@
-"""The carry-addition RL task (rl/data/carry_task.py): deterministic by seed, disjoint splits,
+"""The carry-addition RL task (rl/tasks/carry_task.py): deterministic by seed, disjoint splits,
 working checked line by line against Python integers, the sloppy teacher's rate, rewards."""
 import random
 import re
 
 import pytest
 
-from megatron_fp4.rl import rewards
-from megatron_fp4.rl.data import carry_task
-from megatron_fp4.rl.data.rl_dataset import RLDataset, read_rows
+from megatron_fp4.rl.tasks import rewards
+from megatron_fp4.rl.tasks import carry_task
+from megatron_fp4.rl.tasks.rl_dataset import RLDataset, read_rows
 
 LINE = re.compile(r"^(\d)\+(\d)(\+1)?=(\d+)$")
 

@@ -8,20 +8,20 @@ import pytest
 import torch
 
 from megatron_fp4.training.data import (
-    IGNORE_INDEX,
-    INDEX_MAGIC,
-    ArithmeticDataset,
-    ArithmeticTokenizer,
-    IndexedDataset,
-    IndexedDatasetWriter,
-    NumpyTokenDataset,
-    ResumableSampler,
-    TokenSequenceDataset,
-    build_dataset,
-    check_answer,
-    get_batch,
-    make_problem,
-)
+                                        IGNORE_INDEX,
+                                        INDEX_MAGIC,
+                                        ArithmeticDataset,
+                                        ArithmeticTokenizer,
+                                        IndexedDataset,
+                                        IndexedDatasetWriter,
+                                        NumpyTokenDataset,
+                                        ResumableSampler,
+                                        TokenSequenceDataset,
+                                        build_dataset,
+                                        check_answer,
+                                        get_batch,
+                                        make_problem,
+                                        )
 
 
 # ---------------------------------------------------------------- tokenizer and arithmetic task

@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from megatron_fp4.fp4 import (
-    FP4Tensor, fake_quantize_mxfp4, fake_quantize_nvfp4, pack_codes, quantize_mxfp4, quantize_nvfp4, unpack_fp4,
-)
+                              FP4Tensor, fake_quantize_mxfp4, fake_quantize_nvfp4, pack_codes, quantize_mxfp4, quantize_nvfp4, unpack_fp4,
+                              )
 
 FLT_MAX = 3.4028234663852886e38
 E2M1 = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]

@@ -10,8 +10,8 @@ import torch
 
 from megatron_fp4.config import default_config_path, load_config
 from megatron_fp4.rl import loop, make_rollout, switch_to_rl
-from megatron_fp4.rl.rollout_correction import correct_batch, correction_from_args, from_verl_config
-from megatron_fp4.rl.tasks import ArithmeticTask
+from megatron_fp4.rl.algo.rollout_correction import correct_batch, correction_from_args, from_verl_config
+from megatron_fp4.rl.tasks.catalog import ArithmeticTask
 from megatron_fp4.rollout.scoring import log_probs_from_logits
 from megatron_fp4.training.trainer import Trainer
 from tests.numerics import gamma

@@ -38,7 +38,7 @@ def pair():
 @pytest.fixture(scope="module")
 def engine():
     from megatron_fp4.config import Config
-    from megatron_fp4.rl.rollout_worker import build_engine
+    from megatron_fp4.rl.rollouts.worker import build_engine
 
     cfg = Config()
     cfg.model.num_layers, cfg.model.vocab_size = 2, 32
@@ -46,7 +46,7 @@ def engine():
 
 
 def test_generation_round_trip_is_exact(engine):
-    from megatron_fp4.rl.wire import broadcast_generation
+    from megatron_fp4.rl.rollouts.wire import broadcast_generation
 
     params = [SamplingParams(max_new_tokens=4, seed=i, stop_token_ids=(3,)) for i in range(3)]
     gen = engine.generate([[1, 5, 7], [2], [4, 4, 4, 4]], params, return_routing=True)
@@ -72,7 +72,7 @@ def test_generation_round_trip_is_exact(engine):
      "routing must be"),
 ])
 def test_malformed_generation_is_refused(header, words):
-    from megatron_fp4.rl.wire import broadcast_generation
+    from megatron_fp4.rl.rollouts.wire import broadcast_generation
     from megatron_fp4.parallel.wire import broadcast_message
 
     src, dst = pair()
@@ -82,7 +82,7 @@ def test_malformed_generation_is_refused(header, words):
 
 
 def test_sampling_params_round_trip_and_refusal():
-    from megatron_fp4.rl.wire import params_from_json, params_to_json
+    from megatron_fp4.rl.rollouts.wire import params_from_json, params_to_json
 
     p = SamplingParams(max_new_tokens=7, temperature=0.5, top_k=3, top_p=0.9, stop_token_ids=(2, 5), seed=11)
     assert params_from_json(params_to_json(p)) == p
@@ -92,7 +92,7 @@ def test_sampling_params_round_trip_and_refusal():
 
 def test_hf_receiver_checks_everything_before_loading(engine):
     from megatron_fp4.integrations.hf import to_hf_state_dict
-    from megatron_fp4.rl.rollout_worker import HFWeightReceiver, weight_digests
+    from megatron_fp4.rl.rollouts.worker import HFWeightReceiver, weight_digests
     from megatron_fp4.rollout.weight_sync.buckets import manifest_of, pack_buckets
 
     receiver = HFWeightReceiver(engine)
@@ -112,7 +112,7 @@ def test_hf_receiver_checks_everything_before_loading(engine):
 
 
 def test_worker_requests(engine):
-    from megatron_fp4.rl.rollout_worker import handle, parse_spec
+    from megatron_fp4.rl.rollouts.worker import handle, parse_spec
 
     with pytest.raises(ProtocolError, match="unknown op"):
         handle(engine, {"op": "exec"})
@@ -147,7 +147,7 @@ def test_a_pickled_message_is_refused_and_never_unpickled(receive):
     import pickle
 
     from megatron_fp4.parallel.wire import broadcast_json
-    from megatron_fp4.rl.wire import broadcast_generation
+    from megatron_fp4.rl.rollouts.wire import broadcast_generation
 
     blob = pickle.dumps(_Payload())
     pickle.loads(blob)
@@ -166,8 +166,8 @@ def test_trainer_fails_fast_when_the_rollout_process_dies(monkeypatch):
     import sys
     import time
 
-    from megatron_fp4.rl.rollout_client import RemoteRollout
-    from megatron_fp4.rl.rollout_worker import main
+    from megatron_fp4.rl.rollouts.client import RemoteRollout
+    from megatron_fp4.rl.rollouts.worker import main
 
     client = RemoteRollout.__new__(RemoteRollout)
     client.proc = subprocess.Popen([sys.executable, "-c", "raise SystemExit(3)"])

@@ -28,8 +28,8 @@ _SCRIPT = textwrap.dedent("""
     from megatron_fp4.config import Config
     from megatron_fp4.fp4.moeresq import moeresq_linear
     from megatron_fp4.integrations.megatron_core import (build_transformer_config, fp4_module_names,
-        get_moeresq_layer_spec, is_fp4_parameter, name_moeresq_linears, split_megatron_kwargs,
-        to_megatron_transformer_config)
+                                                         get_moeresq_layer_spec, is_fp4_parameter, name_moeresq_linears, split_megatron_kwargs,
+                                                         to_megatron_transformer_config)
 
     # megatron-core moves the router weights and rotary frequencies to
     # torch.cuda.current_device() even for CPU tensors (the causal mask is passed explicitly); on this CPU-only build point it at the CPU.

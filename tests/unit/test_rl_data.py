@@ -5,10 +5,10 @@ import threading
 
 import pytest
 
-from megatron_fp4.rl import rewards
-from megatron_fp4.rl.data.math_task import (DATA_SOURCE, build_math_tokenizer, math_rows, sft_text,
-                                                  write_math_dataset)
-from megatron_fp4.rl.data.rl_dataset import RLDataset, read_rows, write_parquet
+from megatron_fp4.rl.tasks import rewards
+from megatron_fp4.rl.tasks.math_task import (DATA_SOURCE, build_math_tokenizer, math_rows, sft_text,
+                                             write_math_dataset)
+from megatron_fp4.rl.tasks.rl_dataset import RLDataset, read_rows, write_parquet
 
 
 @pytest.fixture(scope="module")

@@ -12,9 +12,9 @@ import torch
 
 from megatron_fp4.rl import loop
 from megatron_fp4.rl.evaluate import greedy_eval
-from megatron_fp4.rl.is_correction import policy_loss
-from megatron_fp4.rl.policy_loss import PolicyLoss
-from megatron_fp4.rl.tasks import ArithmeticTask
+from megatron_fp4.rl.algo.is_correction import policy_loss
+from megatron_fp4.rl.algo.policy_loss import PolicyLoss
+from megatron_fp4.rl.tasks.catalog import ArithmeticTask
 
 ROOT = Path(__file__).resolve().parents[2]
 

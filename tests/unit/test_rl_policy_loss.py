@@ -9,8 +9,8 @@ import torch
 from megatron_fp4.config import default_config_path, load_config
 from megatron_fp4.model.transformer import ModelOutput
 from megatron_fp4.rl import PolicyScorer, build_rl_batch, policy_update, switch_to_rl
-from megatron_fp4.rl.is_correction import policy_loss
-from megatron_fp4.rl.policy_loss import PolicyLoss
+from megatron_fp4.rl.algo.is_correction import policy_loss
+from megatron_fp4.rl.algo.policy_loss import PolicyLoss
 from megatron_fp4.rollout import compute_log_probs, pad_prompt_response
 from megatron_fp4.training.data import ArithmeticTokenizer, make_problem
 from megatron_fp4.training.trainer import Trainer

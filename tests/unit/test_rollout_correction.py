@@ -10,10 +10,10 @@ import math
 import pytest
 import torch
 
-from megatron_fp4.rl.is_correction import (REJECTIONS, Rejection, RolloutCorrection, policy_loss,
+from megatron_fp4.rl.algo.is_correction import (REJECTIONS, Rejection, RolloutCorrection, policy_loss,
                                                 rollout_correction, truncated_is_weights)
-from megatron_fp4.rl.policy_loss import PolicyLoss
-from megatron_fp4.rl.rollout_correction import correct_batch, from_verl_config
+from megatron_fp4.rl.algo.policy_loss import PolicyLoss
+from megatron_fp4.rl.algo.rollout_correction import correct_batch, from_verl_config
 from megatron_fp4.rollout.scoring import log_probs_from_logits
 
 
@@ -275,7 +275,7 @@ def test_bad_loss_and_verl_config_values():
 
 def test_kl_penalty_skips_rejected_tokens():
     """With a rejection rule the reference-KL term, like verl's, averages over the loss mask only."""
-    from megatron_fp4.rl.policy_loss import kl_k3
+    from megatron_fp4.rl.algo.policy_loss import kl_k3
     g = torch.Generator().manual_seed(8)
     _, _, mask = tensors(8)
     B, T, V = mask.shape[0], mask.shape[1], 7

@@ -1,4 +1,4 @@
-"""Router replay (rl/replay.py, `Router.forward(replay=)`, the model's ``routing_in``).
+"""Router replay (rl/algo/replay.py, `Router.forward(replay=)`, the model's ``routing_in``).
 
 - Replaying the routes the model picked itself gives the same bits as routing live (forward and
   every gradient): `torch.topk`'s values are the probabilities at its ids, so gathering there is
@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from megatron_fp4.config import ConfigError, config_from_dict
 from megatron_fp4.fp4 import Recipe
 from megatron_fp4.model.moe import MoELayer, init_moe_params
-from megatron_fp4.rl.replay import check_mode, from_log_prob_alignment
+from megatron_fp4.rl.algo.replay import check_mode, from_log_prob_alignment
 from megatron_fp4.rollout import compute_log_probs
 from tests.numerics import FP64_REL, rel
 from tests.unit.test_rl_policy_loss import tiny_trainer
@@ -137,7 +137,7 @@ def test_routes_that_are_not_integer_ids_are_refused(routes):
 def test_rollout_routes_refuse_float_routes():
     from types import SimpleNamespace
 
-    from megatron_fp4.rl.replay import rollout_routes
+    from megatron_fp4.rl.algo.replay import rollout_routes
     batch = {"input_ids": torch.zeros(1, 5, dtype=torch.long), "prompt_len": 2}
     gen = SimpleNamespace(routing=[torch.tensor([[[0.9, 1.9]], [[2.0, 3.0]]])], response_ids=[[4, 5]])
     with pytest.raises(ValueError, match="rollout routes of request 0: routes of dtype torch.float32"):

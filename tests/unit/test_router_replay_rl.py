@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from megatron_fp4.rl import PolicyScorer, build_rl_batch, consistency, policy_update
-from megatron_fp4.rl.policy_loss import PolicyLoss
+from megatron_fp4.rl.algo.policy_loss import PolicyLoss
 from megatron_fp4.rollout import RolloutEngine, SamplingParams
 from megatron_fp4.training.data import ArithmeticTokenizer, make_problem
 from tests.unit.test_rl_policy_loss import tiny_trainer

@@ -217,7 +217,7 @@ def test_bucket_checks_survive_python_O():
 
 def test_json_header_roundtrip_and_refusals():
     from megatron_fp4.rollout.weight_sync.buckets import (BucketError, bucket_layout, layout_from_json, layout_to_json,
-                                              manifest_from_json, manifest_of, manifest_to_json)
+                                                          manifest_from_json, manifest_of, manifest_to_json)
     named = [("a", torch.randn(7, 5)), ("h", torch.randn(4, 3).to(torch.bfloat16)), ("e", torch.empty(0))]
     buckets = pack_buckets(named, 50)
     layout = bucket_layout(buckets)

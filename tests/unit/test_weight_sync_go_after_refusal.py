@@ -14,7 +14,7 @@ from megatron_fp4.rollout.weight_sync.buckets import manifest_of, pack_buckets
 from megatron_fp4.rollout.weight_sync.peer_group import PeerGroup, reserve_port
 from megatron_fp4.rollout.weight_sync.publisher import WeightSyncError
 from megatron_fp4.rollout.weight_sync.distributed import (DistributedReceiver, DistributedTransport, _broadcast_json,
-                                                   _gather_json)
+                                                          _gather_json)
 from tests.distributed.launch import free_port
 
 TOKEN = "c" * 64

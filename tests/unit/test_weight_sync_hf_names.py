@@ -9,7 +9,7 @@ import torch
 from megatron_fp4.config import Config
 from megatron_fp4.integrations.hf import to_hf_state_dict
 from megatron_fp4.model import build_model
-from megatron_fp4.rl.rollout_client import InProcessRollout
+from megatron_fp4.rl.rollouts.client import InProcessRollout
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from megatron_fp4.config import Config
-from megatron_fp4.rl.rollout_client import RemoteRollout
-from megatron_fp4.rl.rollout_worker import build_engine
+from megatron_fp4.rl.rollouts.client import RemoteRollout
+from megatron_fp4.rl.rollouts.worker import build_engine
 from megatron_fp4.rollout import SamplingParams
 from megatron_fp4.parallel.wire import ProtocolError, broadcast_message
 from tests.unit.test_grpo_wire import Loopback
@@ -46,7 +46,7 @@ def _header(**changes):
 def test_a_real_generation_passes():
     rr, rollout, world = _rank0()
     gen = build_engine(_cfg(), pad_id=0, name="r").generate(PROMPTS, PARAMS, return_routing=True)
-    from megatron_fp4.rl.wire import broadcast_generation
+    from megatron_fp4.rl.rollouts.wire import broadcast_generation
     broadcast_generation(gen, 1, rollout)
     got = rr.generate(PROMPTS, PARAMS, return_routing=True)
     assert got.response_ids == gen.response_ids and all(torch.equal(a, b) for a, b in zip(got.routing, gen.routing))
@@ -79,7 +79,7 @@ def test_routing_not_asked_for_is_refused():
 
 
 def test_tensors_of_the_wrong_dtype_or_shape_are_refused():
-    from megatron_fp4.rl.wire import broadcast_generation
+    from megatron_fp4.rl.rollouts.wire import broadcast_generation
 
     n = 4  # tokens in _header()'s responses
     for tensors in ([torch.zeros(n, dtype=torch.float64), torch.zeros(n)],  # log-probs as float64
@@ -96,7 +96,7 @@ def test_without_a_request_the_payload_is_still_bounded():
     """A receiver that does not know the request (every trainer rank gets rank 0's copy with it, but
     `broadcast_generation` also serves callers without one) still refuses a routing of
     [65535, 65535] for one token from the header: 34 GB is never allocated."""
-    from megatron_fp4.rl.wire import broadcast_generation
+    from megatron_fp4.rl.rollouts.wire import broadcast_generation
 
     from megatron_fp4.parallel.wire import broadcast_json
 

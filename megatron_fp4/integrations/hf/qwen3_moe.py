@@ -28,7 +28,7 @@ import torch
 
 from megatron_fp4.config import ModelConfig
 from megatron_fp4.integrations.hf.config_fields import (bool_field, config_dict, float_field, int_field, layer_list,
-                                                       string_list)
+                                                        string_list)
 from megatron_fp4.integrations.hf.safetensors_header import FLOAT_DTYPES
 from megatron_fp4.model.experts import GroupedExperts
 

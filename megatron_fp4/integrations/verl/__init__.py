@@ -27,7 +27,7 @@ from megatron_fp4.integrations.verl.engine import MegatronFP4Engine
 from megatron_fp4.integrations.verl.losses import make_policy_loss_fn
 from megatron_fp4.integrations.verl.rollout import MegatronFP4Rollout
 from megatron_fp4.integrations.verl.replica import MegatronFP4Replica, MegatronFP4Server
-from megatron_fp4.rl.is_correction import policy_loss, truncated_is_weights
+from megatron_fp4.rl.algo.is_correction import policy_loss, truncated_is_weights
 
 BACKEND = "megatron_fp4"
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from megatron_fp4.rl.is_correction import policy_loss
+from megatron_fp4.rl.algo.is_correction import policy_loss
 
 
 def make_policy_loss_fn(clip_eps: float = 0.2, tis_cap: Optional[float] = 2.0):

@@ -29,7 +29,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from megatron_fp4.rl import rewards
+from megatron_fp4.rl.tasks import rewards
 
 PROMPTS = [("What is 2+3?", "5"), ("What is 4+4?", "8"), ("What is 9-7?", "2"), ("What is 3*3?", "9")]
 CHECKS = "checks.jsonl"

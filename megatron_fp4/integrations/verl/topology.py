@@ -34,7 +34,7 @@ import socket
 # The group itself is not verl's: it lives in rollout/weight_sync/peer_group.py (the GRPO rollout process uses
 # it too); its names stay importable from here.
 from megatron_fp4.rollout.weight_sync.peer_group import (TOKEN_ENV, PeerGroup, host_address, new_sync_token,  # noqa: F401
-                                             reserve_port, sync_token_from_env)
+                                                         reserve_port, sync_token_from_env)
 
 
 def process_id() -> str:

@@ -1,6 +1,6 @@
 """The weights a vLLM Qwen3-MoE serves, read back from its parameters under HF names (fused q/k/v,
 gate/up and expert tensors split back; vLLM's padded vocabulary rows cut), and their SHA-256 digests
-(the format `rl.rollout_worker.weight_digests` gives for the trainer), so a trainer can compare what
+(the format `rl.rollouts.worker.weight_digests` gives for the trainer), so a trainer can compare what
 vLLM serves bit for bit. Plain torch: no vllm import."""
 from __future__ import annotations
 
@@ -39,6 +39,6 @@ def hf_tensors_of(model, hf_cfg: dict) -> dict:
 
 
 def digests_of(named: dict) -> dict:
-    """SHA-256 of each tensor's bytes (the format `rl.rollout_worker.weight_digests` gives)."""
+    """SHA-256 of each tensor's bytes (the format `rl.rollouts.worker.weight_digests` gives)."""
     return {n: hashlib.sha256(t.contiguous().view(torch.uint8).numpy().tobytes() if t.numel() else b"").hexdigest()
             for n, t in named.items()}

@@ -93,9 +93,9 @@ import torch
 from megatron_fp4.model.experts import GroupedExperts
 from megatron_fp4.parallel.dims import check_gcmoe
 from megatron_fp4.parallel.moe.alltoall import (AllToAllDispatcher, DispatchPlan, all_to_all_rows, finish_combine,
-                                               scatter_rows)
+                                                scatter_rows)
 from megatron_fp4.parallel.moe.gcmoe_transfer import (COMPUTE_GRANULARITIES, RecvRing,  # noqa: F401
-                                                  Round, TransferChannel, chunk_bounds, exchange_step)
+                                                      Round, TransferChannel, chunk_bounds, exchange_step)
 
 
 

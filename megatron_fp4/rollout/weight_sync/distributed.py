@@ -34,7 +34,7 @@ import torch.distributed as dist
 from megatron_fp4.parallel.wire import (MalformedMessage, ProtocolError, all_gather_json, broadcast_json,
                                         broadcast_tensor, group_rank, is_peer_group, is_src)
 from megatron_fp4.rollout.weight_sync.buckets import (Bucket, BucketError, bucket_layout, check_layout, layout_from_json,
-                                          layout_to_json, manifest_from_json, manifest_to_json)
+                                                      layout_to_json, manifest_from_json, manifest_to_json)
 from megatron_fp4.rollout.weight_sync.publisher import WeightSyncError
 
 MAX_HEADER_BYTES = 1 << 30  # a manifest + layout of ~10^6 chunks; more is not a header

@@ -33,7 +33,7 @@ import torch.distributed as dist
 
 from megatron_fp4.parallel.wire import all_gather_json
 from megatron_fp4.rollout.weight_sync.buckets import (Bucket, _bytes_of, manifest_from_json, manifest_of, manifest_to_json,
-                                          plan_buckets)
+                                                      plan_buckets)
 from megatron_fp4.rollout.weight_sync.publisher import PublishHandle, WeightPublisher
 
 

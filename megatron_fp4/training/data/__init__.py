@@ -11,20 +11,20 @@
 RL data (verl-format datasets, the generated carry and math tasks) and rewards are in `megatron_fp4.rl`.
 """
 from megatron_fp4.training.data.arithmetic import (
-    ArithmeticDataset,
-    ArithmeticTokenizer,
-    check_answer,
-    make_problem,
-)
+                                                   ArithmeticDataset,
+                                                   ArithmeticTokenizer,
+                                                   check_answer,
+                                                   make_problem,
+                                                   )
 from megatron_fp4.training.data.indexed import INDEX_MAGIC, IndexedDataset, IndexedDatasetWriter
 from megatron_fp4.training.data.sampler import IGNORE_INDEX, ResumableSampler, get_batch
 from megatron_fp4.training.data.token_datasets import (
-    DATA_KINDS,
-    DataError,
-    NumpyTokenDataset,
-    TokenSequenceDataset,
-    build_dataset,
-)
+                                                       DATA_KINDS,
+                                                       DataError,
+                                                       NumpyTokenDataset,
+                                                       TokenSequenceDataset,
+                                                       build_dataset,
+                                                       )
 
 __all__ = [
     "ArithmeticDataset",

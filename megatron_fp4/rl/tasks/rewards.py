@@ -153,7 +153,7 @@ def compute_score(data_source: str, solution: str, ground_truth, extra_info: Opt
         scorer = boxed_score
     if scorer is None:
         raise ValueError(f"no reward function for data_source={data_source!r}; known: {registered_sources()} "
-                         "(and aime*). Register one with megatron_fp4.rl.rewards.register")
+                         "(and aime*). Register one with megatron_fp4.rl.tasks.rewards.register")
     return float(scorer(solution, str(ground_truth)))
 
 

@@ -55,7 +55,7 @@ class PolicyScorer:
 
     def score(self, batch: dict, replay: Optional[torch.Tensor] = None) -> dict:
         """`replay` [B, T, num_moe_layers, k]: routes the old-log-prob and the reference passes replay
-        (R3, `rl/replay.py`); None: both route live (and the routing returned is the old pass's own)."""
+        (R3, `rl/algo/replay.py`); None: both route live (and the routing returned is the old pass's own)."""
         out = {}
         with torch.no_grad():
             out["old_log_probs"], out["train_routing"] = self._log_probs(batch, True, replay)

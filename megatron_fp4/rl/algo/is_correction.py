@@ -14,7 +14,7 @@ pi_old (the training-side recomputation). With log r = log pi_old - log pi_rollo
 
 Every formula is verl 0.9.1's `trainer/ppo/rollout_corr_helper.py`, op for op (so float32 inputs give
 verl's bits; tests/unit/test_rollout_correction.py runs both). The policy losses that apply it are
-`rl.policy_loss.PolicyLoss` and the verl adapter's loss; `megatron_fp4.rl.rollout_correction` adds the
+`rl.algo.policy_loss.PolicyLoss` and the verl adapter's loss; `megatron_fp4.rl.algo.rollout_correction` adds the
 batch-level step and verl's config fields.
 """
 from __future__ import annotations

@@ -2,14 +2,14 @@
 `RolloutCorrection`, and the batch-level step (weights, rejection and the mismatch metrics of a whole
 RL batch, verl's `compute_rollout_correction_and_add_to_batch`).
 
-The math is `megatron_fp4.rl.is_correction` (one implementation); the GRPO loss takes the config as `PolicyLoss(tis_cap=None, correction=cfg)`.
+The math is `megatron_fp4.rl.algo.is_correction` (one implementation); the GRPO loss takes the config as `PolicyLoss(tis_cap=None, correction=cfg)`.
 """
 from __future__ import annotations
 
 import re
 from typing import Optional
 
-from megatron_fp4.rl.is_correction import (REJECTIONS, Rejection, RolloutCorrection, mismatch_metrics,
+from megatron_fp4.rl.algo.is_correction import (REJECTIONS, Rejection, RolloutCorrection, mismatch_metrics,
                                                 rollout_correction)
 
 __all__ = ["RolloutCorrection", "Rejection", "rollout_correction", "mismatch_metrics", "from_verl_config",

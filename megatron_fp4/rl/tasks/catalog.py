@@ -11,7 +11,7 @@ A task has ``tok`` (``encode``/``decode``/``pad_id``/``vocab_size``), ``stop_tok
 - ``reward(item, completion)``: the scalar reward of a decoded completion
 
 Tasks: `ArithmeticTask` (the embedded one-digit corpus, `check_answer`), `DatasetTask` (verl-format
-rows, rewards by data_source: `rl.rewards`), `CarryTask` (the generated carry task of
+rows, rewards by data_source: `rl.tasks.rewards`), `CarryTask` (the generated carry task of
 docs/ablation.md, with its BPE tokenizer and the rows for the SFT warm-up).
 """
 from __future__ import annotations
@@ -24,9 +24,9 @@ from typing import Optional, Sequence
 
 import torch
 
-from megatron_fp4.rl import rewards
-from megatron_fp4.rl.data import carry_task
-from megatron_fp4.rl.data.rl_dataset import RLDataset
+from megatron_fp4.rl.tasks import rewards
+from megatron_fp4.rl.tasks import carry_task
+from megatron_fp4.rl.tasks.rl_dataset import RLDataset
 from megatron_fp4.training.data.arithmetic import ArithmeticTokenizer, check_answer, make_problem
 
 
@@ -81,7 +81,7 @@ class ArithmeticTask:
 
 
 class DatasetTask:
-    """verl-format prompts (`RLDataset`) and rewards by data_source (`rl.rewards`). RL prompts are
+    """verl-format prompts (`RLDataset`) and rewards by data_source (`rl.tasks.rewards`). RL prompts are
     drawn (``rng.choice``) from the rows `pool` of `train`; the greedy eval decodes `eval_rows` of
     `test`. Eval groups: carry / no carry where rows carry ``extra_info.carries`` (the carry task)."""
 
@@ -137,10 +137,10 @@ class DatasetTask:
 
 
 class CarryTask(DatasetTask):
-    """Column addition with carries (`rl.data.carry_task`): generated verl-format problems and their
+    """Column addition with carries (`rl.tasks.carry_task`): generated verl-format problems and their
     BPE tokenizer (deterministic: every process builds the same; `fingerprint` lets a sharded trainer
     check that), held-out greedy eval on the test split (never RL prompts), and `sft_rows` (the train
-    split) for the sloppy teacher's warm-up (`rl.sft`)."""
+    split) for the sloppy teacher's warm-up (`rl.algo.sft`)."""
 
     def __init__(self, num_digits: int, num_train: int, num_test: int, eval_size: int, max_prompt_length: int,
                  seed: int, eval_tokens: int):

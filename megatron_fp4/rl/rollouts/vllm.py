@@ -4,10 +4,10 @@
                           python="/path/to/venv-vllm/bin/python")     # or env MEGATRON_FP4_VLLM_PYTHON
     rollout.publish(step).wait_loaded(); gen = rollout.generate(prompts, params, return_routing=True)
 
-The same interface and channels as `rl.rollout_client.RemoteRollout` (it is one): trainer rank 0
+The same interface and channels as `rl.rollouts.client.RemoteRollout` (it is one): trainer rank 0
 writes a shape template of the model (`export_for_vllm`: config.json with the plugin's
 `quantization_config`, weights of a fresh init, replaced by the first publish), starts
-`python -m megatron_fp4.rl.vllm_server` on it (the vLLM python: `python=`, env
+`python -m megatron_fp4.rl.rollouts.vllm_server` on it (the vLLM python: `python=`, env
 MEGATRON_FP4_VLLM_PYTHON, else this interpreter when vllm imports here) and serves the two
 token-authenticated `PeerGroup`s. Weights go under HF names: a single-process trainer through a
 `WeightPublisher`, a sharded one through the `ShardedWeightPublisher` (every rank's shard).
@@ -24,7 +24,7 @@ from typing import Optional
 
 import torch
 
-from megatron_fp4.rl.rollout_client import RemoteRollout, _worker_env, hf_publisher
+from megatron_fp4.rl.rollouts.client import RemoteRollout, _worker_env, hf_publisher
 from megatron_fp4.rollout.weight_sync.peer_group import PeerGroup, new_sync_token, reserve_port, sync_token_from_env
 from megatron_fp4.rollout.weight_sync.distributed import DistributedTransport
 
@@ -79,7 +79,7 @@ class VLLMRollout(RemoteRollout):
                     "name": name, "timeout_s": self.timeout_s, "threads": int(threads)}
             env = _worker_env(token)
             env.update({"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "HF_HUB_OFFLINE": "1"})
-            self.proc = subprocess.Popen([python, "-m", "megatron_fp4.rl.vllm_server", json.dumps(spec)],
+            self.proc = subprocess.Popen([python, "-m", "megatron_fp4.rl.rollouts.vllm_server", json.dumps(spec)],
                                          env=env)
             self.weights, self.control = self._join(lambda: (
                 PeerGroup(addr, spec["weights_port"], 0, 2, self._device, self.timeout_s, weights_socket, token=token),
@@ -140,7 +140,7 @@ class VLLMServeRollout:
     def _generate(self, prompts, params, min_version: int):
         from concurrent.futures import ThreadPoolExecutor
 
-        from megatron_fp4.rl.vllm_server import check_params
+        from megatron_fp4.rl.rollouts.vllm_server import check_params
         from megatron_fp4.rollout.engine import GenerationOutput
 
         for p in params:
@@ -157,7 +157,7 @@ class VLLMServeRollout:
 
     def generate(self, prompts, params, return_routing: bool = False, min_version: int = 0):
         """Collective: rank 0 asks the server, every rank gets the result (`routing` None, see the class doc)."""
-        from megatron_fp4.rl.wire import broadcast_generation, expected_generation
+        from megatron_fp4.rl.rollouts.wire import broadcast_generation, expected_generation
 
         gen = self._generate(prompts, params, min_version) if self.is_source else None
         if not self.mesh.is_distributed:

@@ -1,12 +1,12 @@
 """The vLLM rollout process of the GRPO example (`--rollout vllm`): a `vllm.LLM` with the
 `megatron_fp4` plugin, fed weights by the trainer's publisher, asked for generations by trainer rank 0.
 
-    VENV/bin/python -m megatron_fp4.rl.vllm_server '<JSON spec>'   # MEGATRON_FP4_SYNC_TOKEN set
+    VENV/bin/python -m megatron_fp4.rl.rollouts.vllm_server '<JSON spec>'   # MEGATRON_FP4_SYNC_TOKEN set
 
-Started by `rl.vllm_rollout.VLLMRollout`. The transport and the control loop are the
-project's own rollout process (`rl.rollout_worker.serve`): two token-authenticated `PeerGroup`s,
+Started by `rl.rollouts.vllm.VLLMRollout`. The transport and the control loop are the
+project's own rollout process (`rl.rollouts.worker.serve`): two token-authenticated `PeerGroup`s,
 weights under HF names through `weight_sync.distributed`'s JSON-header protocol (a `DistributedReceiver`
-on a background thread), requests and generations as JSON + tensors (`rl.wire`); nothing is
+on a background thread), requests and generations as JSON + tensors (`rl.rollouts.wire`); nothing is
 unpickled. Only the engine differs: `VLLMEngine` checks a manifest against the served checkpoint
 (names, shapes; every tensor of it, a whole version at a time) and loads it through the plugin's live
 update path (`live.update_weights`) under a lock that generation takes too, so a request sees one
@@ -29,7 +29,7 @@ SPEC_KEYS = {"model", "dtype", "addr", "weights_port", "control_port", "name", "
 
 
 class VLLMEngine:
-    """What `rl.rollout_worker.serve` and `WeightReceiver` ask of an engine, over a `vllm.LLM`."""
+    """What `rl.rollouts.worker.serve` and `WeightReceiver` ask of an engine, over a `vllm.LLM`."""
 
     def __init__(self, llm, name: str, pad_id: int):
         from megatron_fp4.integrations.vllm.live import served_shapes
@@ -104,15 +104,15 @@ def vllm_params(p):
 
 def main(argv=None) -> None:
     from megatron_fp4.integrations.vllm.worker import build_llm
-    from megatron_fp4.rl.rollout_worker import serve
+    from megatron_fp4.rl.rollouts.worker import serve
     from megatron_fp4.rollout.weight_sync.peer_group import sync_token_from_env
     from megatron_fp4.rollout.weight_sync.publisher import WeightReceiver
 
     argv = sys.argv[1:] if argv is None else argv
     token = sync_token_from_env()
     if len(argv) != 1 or token is None:
-        raise SystemExit("usage: MEGATRON_FP4_SYNC_TOKEN=... python -m megatron_fp4.rl.vllm_server "
-                         "'<JSON spec>' (started by rl.vllm_rollout.VLLMRollout)")
+        raise SystemExit("usage: MEGATRON_FP4_SYNC_TOKEN=... python -m megatron_fp4.rl.rollouts.vllm_server "
+                         "'<JSON spec>' (started by rl.rollouts.vllm.VLLMRollout)")
     spec = json.loads(argv[0])
     if not isinstance(spec, dict) or set(spec) != SPEC_KEYS:
         raise SystemExit(f"the vLLM rollout server's spec must be a JSON object with keys {sorted(SPEC_KEYS)}")

@@ -17,8 +17,8 @@ from typing import Optional
 
 import torch
 
-from megatron_fp4.rl.is_correction import (RolloutCorrection, check_clip_eps, policy_loss, resolve_correction,
-                                          rollout_correction)
+from megatron_fp4.rl.algo.is_correction import (RolloutCorrection, check_clip_eps, policy_loss, resolve_correction,
+                                                rollout_correction)
 from megatron_fp4.rollout.engine import positions_from_mask
 from megatron_fp4.rollout.scoring import log_probs_from_logits
 from megatron_fp4.training.step_loss import StepLoss
@@ -55,7 +55,7 @@ class PolicyLoss(StepLoss):
     def model_inputs(self, mb: dict) -> dict:
         am = mb["attention_mask"]
         inputs = {"tokens": mb["input_ids"], "positions": positions_from_mask(am), "attention_mask": am}
-        if mb.get("replay_routing") is not None:  # router replay (rl/replay.py): the routes to use
+        if mb.get("replay_routing") is not None:  # router replay (rl/algo/replay.py): the routes to use
             inputs["routing_in"] = mb["replay_routing"]
         return inputs
 

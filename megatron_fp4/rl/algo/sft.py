@@ -2,7 +2,7 @@
 verl-format rows, through the same data-parallel split and micro-batching as the policy updates
 (`grpo.policy_update`), so the pipeline schedule runs it when there is one.
 
-For the carry task (`rl.data.carry_task`) the target is the *sloppy teacher*'s solution,
+For the carry task (`rl.tasks.carry_task`) the target is the *sloppy teacher*'s solution,
 which forgets each carry with probability `drop_carry`: the SFT policy then samples the carry
 sometimes but greedy decoding drops it, which is what gives GRPO a rule to learn.
 """
@@ -12,8 +12,8 @@ import random
 
 import torch
 
-from megatron_fp4.rl.data import carry_task, math_task
-from megatron_fp4.rl.grpo import policy_update
+from megatron_fp4.rl.tasks import carry_task, math_task
+from megatron_fp4.rl.algo.grpo import policy_update
 from megatron_fp4.rollout.engine import pad_prompt_response, positions_from_mask
 from megatron_fp4.rollout.scoring import log_probs_from_logits
 from megatron_fp4.training.step_loss import StepLoss

@@ -2,7 +2,7 @@
 
 A problem is ``"Add 47 and 38."``; the reference solution adds the columns from the right and
 writes the carry explicitly, then the answer after ``####`` (the GSM8K convention, so the
-``#### <number>`` scorer of `rl.rewards` checks it)::
+``#### <number>`` scorer of `rl.tasks.rewards` checks it)::
 
     7+8=15
     4+3+1=8
@@ -26,8 +26,8 @@ from __future__ import annotations
 import random
 from pathlib import Path
 
-from megatron_fp4.rl.data.math_task import disjoint_splits, verl_row
-from megatron_fp4.rl.data.rl_dataset import write_parquet
+from megatron_fp4.rl.tasks.math_task import disjoint_splits, verl_row
+from megatron_fp4.rl.tasks.rl_dataset import write_parquet
 
 __all__ = ["DATA_SOURCE", "INSTRUCTION", "make_carry_problem", "column_solution", "teacher_solution",
            "carry_rows", "write_carry_dataset", "build_carry_tokenizer", "num_carries"]

@@ -1,13 +1,13 @@
 """The rollout process: a `RolloutEngine` of its own, fed weights by the trainer's publisher and
 asked for generations by trainer rank 0 (`rl.remote.RemoteRollout` starts it).
 
-    python -m megatron_fp4.rl.rollout_worker '<JSON spec>'     # MEGATRON_FP4_SYNC_TOKEN in the env
+    python -m megatron_fp4.rl.rollouts.worker '<JSON spec>'     # MEGATRON_FP4_SYNC_TOKEN in the env
 
 Nothing here unpickles anything: the spec is JSON (the config as a dict), the two channels to the
 trainer are token-authenticated `PeerGroup`s (`rollout.weight_sync.peer_group`: the trainer's rank 0
 serves each store on the address it advertises, both sides prove they hold the token before any
 process group exists), weights arrive through `rollout.weight_sync.distributed`'s JSON-header protocol
-under HF Qwen3-MoE names, and requests/results are JSON plus tensors (`parallel.wire`, `rl.wire`).
+under HF Qwen3-MoE names, and requests/results are JSON plus tensors (`parallel.wire`, `rl.rollouts.wire`).
 
 - *weights* channel: a `DistributedReceiver` serves updates on a background thread, so the
   engine keeps generating while a version is staged; the swap takes the engine's write lock.
@@ -29,7 +29,7 @@ from megatron_fp4.config import config_from_dict
 from megatron_fp4.integrations.hf.families import ours_from_hf_state_dict, to_hf_state_dict
 from megatron_fp4.model import build_model
 from megatron_fp4.parallel.wire import ProtocolError, broadcast_json
-from megatron_fp4.rl.wire import broadcast_generation, params_from_json
+from megatron_fp4.rl.rollouts.wire import broadcast_generation, params_from_json
 from megatron_fp4.rollout.weight_sync.buckets import manifest_of
 from megatron_fp4.rollout.engine import RolloutEngine
 from megatron_fp4.rollout.weight_sync.peer_group import PeerGroup, sync_token_from_env
@@ -148,7 +148,7 @@ def serve(spec: dict, token: str, engine=None, receiver=None) -> None:
 def main(argv=None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     if len(argv) != 1:
-        raise SystemExit("usage: python -m megatron_fp4.rl.rollout_worker '<JSON spec>' (started by RemoteRollout)")
+        raise SystemExit("usage: python -m megatron_fp4.rl.rollouts.worker '<JSON spec>' (started by RemoteRollout)")
     token = sync_token_from_env()
     if token is None:
         raise SystemExit("the rollout worker needs MEGATRON_FP4_SYNC_TOKEN in its environment (its trainer sets it)")

@@ -9,12 +9,12 @@
   copy of the model, fed by a `WeightPublisher` through an `InProcessTransport`, under HF names
   (mapped back by `rollout_worker.HFWeightReceiver`) like every other publisher.
 - `RemoteRollout` (a sharded trainer under torchrun): trainer rank 0 starts the rollout process
-  (`python -m megatron_fp4.rl.rollout_worker`, spec as JSON on its command line, the shared token
+  (`python -m megatron_fp4.rl.rollouts.worker`, spec as JSON on its command line, the shared token
   in its environment, never pickle) and serves two token-authenticated `PeerGroup`s on the
   address it advertises: *weights* (a `ShardedWeightPublisher` over the whole mesh gathers pipeline
   stages and expert shards bucket by bucket and sends them under HF names through a
   `DistributedTransport`) and *control* (generation requests as JSON, results as JSON + tensors).
-  Rank 0 then broadcasts each generation to every trainer rank (`rl.wire`), so all ranks build
+  Rank 0 then broadcasts each generation to every trainer rank (`rl.rollouts.wire`), so all ranks build
   the same RL batch. Two completion points as everywhere: `publish` returns on every rank once
   its own shard is snapshotted; `wait_loaded` on rank 0 returns once the rollout has loaded it.
 """
@@ -35,8 +35,8 @@ import torch.distributed as dist
 from megatron_fp4.integrations.hf.families import to_hf_state_dict  # the model family's HF names
 from megatron_fp4.integrations.hf.sharded import local_hf_state_dict
 from megatron_fp4.parallel.wire import broadcast_json
-from megatron_fp4.rl.rollout_worker import HFWeightReceiver
-from megatron_fp4.rl.wire import broadcast_generation, expected_generation, params_to_json
+from megatron_fp4.rl.rollouts.worker import HFWeightReceiver
+from megatron_fp4.rl.rollouts.wire import broadcast_generation, expected_generation, params_to_json
 from megatron_fp4.rollout.engine import RolloutEngine
 from megatron_fp4.rollout.weight_sync.peer_group import TOKEN_ENV, PeerGroup, new_sync_token, reserve_port, sync_token_from_env
 from megatron_fp4.rollout.weight_sync.publisher import InProcessTransport, WeightPublisher
@@ -94,7 +94,7 @@ class RemoteRollout:
             spec = {"config": trainer.cfg.to_dict(), "pad_id": int(pad_id), "addr": addr,
                     "weights_port": weights_socket.getsockname()[1], "control_port": control_socket.getsockname()[1],
                     "name": name, "timeout_s": self.timeout_s, "threads": int(threads)}
-            self.proc = subprocess.Popen([sys.executable, "-m", "megatron_fp4.rl.rollout_worker", json.dumps(spec)],
+            self.proc = subprocess.Popen([sys.executable, "-m", "megatron_fp4.rl.rollouts.worker", json.dumps(spec)],
                                          env=_worker_env(token))
             self.weights, self.control = self._join(lambda: (
                 PeerGroup(addr, spec["weights_port"], 0, 2, self._device, self.timeout_s, weights_socket, token=token),

@@ -14,8 +14,8 @@ import random
 
 import torch
 
-from megatron_fp4.rl import replay
-from megatron_fp4.rl.policy_loss import PolicyLoss
+from megatron_fp4.rl.algo import replay
+from megatron_fp4.rl.algo.policy_loss import PolicyLoss
 from megatron_fp4.rollout.consistency import consistency_metrics
 from megatron_fp4.rollout.engine import pad_prompt_response
 
@@ -33,7 +33,7 @@ def build_rl_batch(gen, rewards: torch.Tensor, group_size: int, scorer, pad_id: 
     """Padded training batch of a `GenerationOutput`: tokens and masks (verl's layout), old log-probs
     (and the reference policy's) recomputed by the trainer (`scorer.score`), the rollout's
     log-probs at the response positions, and group-normalised advantages. `router_replay`
-    (``rl.router_replay``, `rl/replay.py`): r3 replays the rollout's routes in the scoring and puts
+    (``rl.router_replay``, `rl/algo/replay.py`): r3 replays the rollout's routes in the scoring and puts
     them in the batch as ``replay_routing`` for the updates; r2 puts the old-log-prob pass's there."""
     replay.check_mode(router_replay)
     batch = pad_prompt_response(gen.prompt_ids, gen.response_ids, pad_id)

@@ -16,7 +16,7 @@ from __future__ import annotations
 import random
 from pathlib import Path
 
-from megatron_fp4.rl.data.rl_dataset import write_parquet
+from megatron_fp4.rl.tasks.rl_dataset import write_parquet
 
 __all__ = ["DATA_SOURCE", "INSTRUCTION", "make_math_problem", "math_rows", "write_math_dataset",
            "build_math_tokenizer", "sft_text", "disjoint_splits"]

@@ -1,0 +1,8 @@
+"""The rollout side of the GRPO loop: where generations come from.
+
+- `client`: `InProcessRollout`, `RemoteRollout` (a separate rollout process fed by the sharded
+  publisher), `make_rollout`
+- `worker`: the rollout process (`python -m megatron_fp4.rl.rollouts.worker`)
+- `vllm`: `VLLMRollout` (vLLM with the plugin in a process of its own); `vllm_server`: that process
+- `wire`: generations as JSON headers + tensors between processes, never pickle
+"""
