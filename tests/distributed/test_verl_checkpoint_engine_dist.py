@@ -56,7 +56,7 @@ def _join(engine, rank, num_rollouts):
 
 
 def _actor(rank, cycles, num_rollouts, drop_default_group):
-    from megatron_fp4.integrations.verl import MegatronFP4CheckpointEngine
+    from megatron_fp4.verl import MegatronFP4CheckpointEngine
     from megatron_fp4.rollout import WeightSyncError
 
     model = _model(1)
@@ -102,7 +102,7 @@ def _actor(rank, cycles, num_rollouts, drop_default_group):
 
 
 def _rollout(rank, cycles, num_rollouts, drop_default_group, validate):
-    from megatron_fp4.integrations.verl import MegatronFP4CheckpointEngine, MegatronFP4Rollout
+    from megatron_fp4.verl import MegatronFP4CheckpointEngine, MegatronFP4Rollout
     from megatron_fp4.rollout import RolloutEngine, SamplingParams, WeightSyncError
 
     engine = RolloutEngine(_model(2), mode="fp4_resq", name=f"engine-rank{rank}")
@@ -196,7 +196,7 @@ def test_three_processes_one_actor_two_rollouts_without_default_group():
 
 
 def test_build_topology_single_sender_and_mode():
-    from megatron_fp4.integrations.verl import MegatronFP4CheckpointEngine as CE
+    from megatron_fp4.verl import MegatronFP4CheckpointEngine as CE
     meta = [{"process": f"h:{i}", "channel": "c", "addr": "a", "port": 1} for i in range(5)]
     actor, rollout = CE.build_topology(2, 3, meta)
     assert actor["rank"] == [0, -1] and rollout["rank"] == [1, 2, 3]

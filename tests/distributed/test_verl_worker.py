@@ -65,7 +65,7 @@ def _training_worker(path):
     from verl.workers.config import HFModelConfig, OptimizerConfig, TrainingWorkerConfig
     from verl.workers.engine_workers import TrainingWorker
 
-    from megatron_fp4.integrations.verl.construct import MegatronFP4EngineConfig
+    from megatron_fp4.verl.construct import MegatronFP4EngineConfig
 
     engine = MegatronFP4EngineConfig(dtype="float64", use_dynamic_bsz=False, micro_batch_size_per_gpu=MICRO,
                                      infer_micro_batch_size_per_gpu=MICRO)
@@ -86,7 +86,7 @@ def _dispatch(worker, td, world_size):
 def _run(rank, world_size, path, batch):
     # before anything imports verl's engine modules: they resolve the platform when imported
     os.environ["VERL_PLATFORM"] = "cpu"
-    import megatron_fp4.integrations.verl  # noqa: F401  registers the platform, engine and rollout
+    import megatron_fp4.verl  # noqa: F401  registers the platform, engine and rollout
 
     from functools import partial
 
@@ -96,7 +96,7 @@ def _run(rank, world_size, path, batch):
     from verl.workers.utils.losses import ppo_loss
     from verl.workers.utils.padding import left_right_2_no_padding, no_padding_2_padding
 
-    from megatron_fp4.integrations.verl import MegatronFP4Engine
+    from megatron_fp4.verl import MegatronFP4Engine
 
     worker = _training_worker(path)
     assert isinstance(worker.engine, MegatronFP4Engine)
@@ -140,7 +140,7 @@ def _reference(path, batch):
     from verl.workers.utils.losses import ppo_loss
     from verl.workers.utils.padding import left_right_2_no_padding, no_padding_2_padding
 
-    from megatron_fp4.integrations.verl.construct import MegatronFP4EngineConfig
+    from megatron_fp4.verl.construct import MegatronFP4EngineConfig
 
     engine = EngineRegistry.new(model_type="language_model", backend="megatron_fp4",
                                 model_config=HFModelConfig(path=path, load_tokenizer=False),

@@ -21,7 +21,7 @@ import verl  # noqa: F401 - the test extra installs it: a missing package fails,
 from tensordict import TensorDict
 
 from megatron_fp4.config import Config
-from megatron_fp4.integrations.verl import MegatronFP4Engine
+from megatron_fp4.verl import MegatronFP4Engine
 from megatron_fp4.rollout.scoring import compute_log_probs
 from megatron_fp4.training.nonfinite import NonFiniteError
 from megatron_fp4.training.trainer import Trainer

@@ -14,8 +14,8 @@ from verl.checkpoint_engine.base import CheckpointEngineRegistry  # noqa: E402
 from verl.workers.engine.base import EngineRegistry  # noqa: E402
 
 from megatron_fp4.config import Config  # noqa: E402
-from megatron_fp4.integrations.verl import (MegatronFP4CheckpointEngine, MegatronFP4Engine,  # noqa: E402
-                                            MegatronFP4Rollout, make_policy_loss_fn, truncated_is_weights)
+from megatron_fp4.verl import (MegatronFP4CheckpointEngine, MegatronFP4Engine,  # noqa: E402
+                               MegatronFP4Rollout, make_policy_loss_fn, truncated_is_weights)
 from megatron_fp4.model import build_model  # noqa: E402
 from megatron_fp4.rollout import RolloutEngine, WeightSyncError  # noqa: E402
 from megatron_fp4.rollout.engine import left_pad  # noqa: E402

@@ -18,7 +18,7 @@ def test_cpu_step_runs_verls_worker_and_trainer_code(tmp_path):
     env = {**os.environ, "VERL_PLATFORM": "cpu", "OMP_NUM_THREADS": "1"}
     env.pop("RANK", None)
     env.pop("WORLD_SIZE", None)
-    proc = subprocess.run([sys.executable, "-m", "megatron_fp4.integrations.verl.cpu_step", "--steps", "2",
+    proc = subprocess.run([sys.executable, "-m", "megatron_fp4.verl.cpu_step", "--steps", "2",
                            "--out", str(out)], env=env, capture_output=True, text=True, timeout=800)
     assert proc.returncode == 0, proc.stderr[-4000:]
     steps = json.loads(out.read_text())
@@ -36,7 +36,7 @@ def test_cpu_step_runs_verls_worker_and_trainer_code(tmp_path):
 def test_cpu_step_asks_for_the_platform_switch():
     from verl.utils.device import get_device_name
 
-    from megatron_fp4.integrations.verl.cpu_step import require_cpu_platform
+    from megatron_fp4.verl.cpu_step import require_cpu_platform
 
     if get_device_name() != "cpu":
         with pytest.raises(SystemExit, match="VERL_PLATFORM=cpu"):  # verl fell back to (or found) CUDA here
@@ -45,7 +45,7 @@ def test_cpu_step_asks_for_the_platform_switch():
     # this process already runs on verl's cpu platform (VERL_PLATFORM=cpu in the environment): ask a
     # fresh process without it
     env = {k: v for k, v in os.environ.items() if k != "VERL_PLATFORM"}
-    proc = subprocess.run([sys.executable, "-c", "from megatron_fp4.integrations.verl.cpu_step import "
+    proc = subprocess.run([sys.executable, "-c", "from megatron_fp4.verl.cpu_step import "
                            "require_cpu_platform; require_cpu_platform()"], env=env, capture_output=True, text=True,
                           timeout=300)
     assert proc.returncode == 1 and "VERL_PLATFORM=cpu" in proc.stderr, (proc.returncode, proc.stderr[-2000:])
@@ -62,7 +62,7 @@ def test_verl_imports_the_adapters_itself_from_its_environment_switch():
             "print(get_device_name(), EngineRegistry.get_engine_cls('language_model', 'megatron_fp4').__name__,\n"
             "      get_rollout_class('megatron_fp4', 'async').__name__, get_rollout_replica_class('megatron_fp4').__name__,\n"
             "      CheckpointEngineRegistry.get('megatron_fp4').__name__)\n")
-    env = {**os.environ, "VERL_PLATFORM": "cpu", "VERL_USE_EXTERNAL_MODULES": "megatron_fp4.integrations.verl"}
+    env = {**os.environ, "VERL_PLATFORM": "cpu", "VERL_USE_EXTERNAL_MODULES": "megatron_fp4.verl"}
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.split() == ["cpu", "MegatronFP4Engine", "MegatronFP4Rollout", "MegatronFP4Replica",

@@ -22,8 +22,8 @@ from verl.workers.utils.padding import left_right_2_no_padding, no_padding_2_pad
 
 from megatron_fp4.config import Config  # noqa: E402
 from megatron_fp4.integrations.hf import save_hf_checkpoint, to_hf_state_dict  # noqa: E402
-from megatron_fp4.integrations.verl import MegatronFP4Engine, MegatronFP4Rollout  # noqa: E402
-from megatron_fp4.integrations.verl.construct import MegatronFP4EngineConfig  # noqa: E402
+from megatron_fp4.verl import MegatronFP4Engine, MegatronFP4Rollout  # noqa: E402
+from megatron_fp4.verl.construct import MegatronFP4EngineConfig  # noqa: E402
 from megatron_fp4.model import build_model  # noqa: E402
 from megatron_fp4.rollout import RolloutEngine  # noqa: E402
 from megatron_fp4.rollout.engine import left_pad  # noqa: E402
@@ -169,7 +169,7 @@ def test_receive_weights_returns_at_once_and_the_stream_awaits_the_version(hf_di
     """verl's rollout worker calls `receive_weights` without awaiting and hands the stream to the
     rollout's async `update_weights`, on the same event loop as everything else: the call must not
     block until the actor publishes."""
-    from megatron_fp4.integrations.verl import MegatronFP4CheckpointEngine
+    from megatron_fp4.verl import MegatronFP4CheckpointEngine
 
     engine = verl_engine(hf_dir[0])
     actor_ce = MegatronFP4CheckpointEngine(bucket_size=4096, channel="test-async", timeout_s=5)
@@ -198,7 +198,7 @@ def test_verls_default_actor_tree_configures_the_engine(hf_dir):
     from verl.utils.torch_functional import get_constant_schedule_with_warmup, get_cosine_schedule_with_warmup
     from verl.workers.config import FSDPEngineConfig, FSDPOptimizerConfig
 
-    from megatron_fp4.integrations.verl import config_from_verl
+    from megatron_fp4.verl import config_from_verl
     from megatron_fp4.training.optim import lr_at
 
     def actor(dtype="bfloat16", **optim):

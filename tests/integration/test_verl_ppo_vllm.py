@@ -1,7 +1,7 @@
 """verl's own PPO trainer (`main_ppo.run_ppo`, `RayPPOTrainer.fit`, a local Ray on CPU) for 2 steps with
 the megatron_fp4 engine as the actor and verl's vLLM rollout (`rollout.name=vllm`, its async server)
 serving with the megatron_fp4 plugin (MoEResQ FP4 experts): `python -m
-megatron_fp4.integrations.verl.ppo_vllm`, run as a user runs it.
+megatron_fp4.verl.ppo_vllm`, run as a user runs it.
 
 Checked: every sync (before the first rollout and after each update) leaves the weights vLLM serves
 (read back from its parameters) equal to the actor's, SHA-256 per tensor; the updates changed the
@@ -28,7 +28,7 @@ import pytest
 
 pytest.importorskip("verl", reason="verl is not installed: pip install -e '.[verl]' (main environment) or run "
                     "tools/vllm_env.sh (the vLLM venv gets verl without its dependencies)")
-from megatron_fp4.integrations.verl.ppo_vllm import CHECKS, main, missing_for_ppo  # noqa: E402
+from megatron_fp4.verl.ppo_vllm import CHECKS, main, missing_for_ppo  # noqa: E402
 from megatron_fp4.rl.tasks.rewards import digit_match_score as compute_score  # noqa: E402
 from tests.integration.test_vllm_plugin import MIN_WITHIN, TOL  # noqa: E402
 
@@ -59,7 +59,7 @@ def test_refuses_bad_arguments(tmp_path, capsys):
 def test_verl_ppo_with_vllm_rollout(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1",
            "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
-    r = subprocess.run([sys.executable, "-m", "megatron_fp4.integrations.verl.ppo_vllm", "--steps", "2",
+    r = subprocess.run([sys.executable, "-m", "megatron_fp4.verl.ppo_vllm", "--steps", "2",
                         "--out", str(tmp_path)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=1500)
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
     records = [json.loads(line) for line in (tmp_path / CHECKS).read_text().splitlines()]

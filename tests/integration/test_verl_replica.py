@@ -18,7 +18,7 @@ from verl.workers.rollout.replica import TokenOutput, get_rollout_replica_class 
 
 from megatron_fp4.config import Config  # noqa: E402
 from megatron_fp4.integrations.hf import save_hf_checkpoint  # noqa: E402
-from megatron_fp4.integrations.verl import MegatronFP4Replica, MegatronFP4Server  # noqa: E402
+from megatron_fp4.verl import MegatronFP4Replica, MegatronFP4Server  # noqa: E402
 from megatron_fp4.model import build_model  # noqa: E402
 from megatron_fp4.training.data import ArithmeticTokenizer  # noqa: E402
 

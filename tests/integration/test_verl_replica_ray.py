@@ -21,7 +21,7 @@ TREE = str(Path(__file__).resolve().parents[2])  # workers import this checkout,
 
 class _RolloutWorker:
     def __init__(self, path):
-        import megatron_fp4.integrations.verl  # noqa: F401
+        import megatron_fp4.verl  # noqa: F401
         from verl.workers.config import HFModelConfig, RolloutConfig
         from verl.workers.rollout.base import get_rollout_class
 
@@ -43,7 +43,7 @@ def test_replica_launches_its_server_and_serves_verls_requests(tmp_path):
     from verl.workers.config import HFModelConfig, RolloutConfig
     from verl.workers.rollout.replica import get_rollout_replica_class
 
-    import megatron_fp4.integrations.verl  # noqa: F401  (a verl run: VERL_USE_EXTERNAL_MODULES)
+    import megatron_fp4.verl  # noqa: F401  (a verl run: VERL_USE_EXTERNAL_MODULES)
     from megatron_fp4.config import Config
     from megatron_fp4.integrations.hf import save_hf_checkpoint
     from megatron_fp4.model import build_model

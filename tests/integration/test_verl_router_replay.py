@@ -15,7 +15,7 @@ from verl.workers.config.engine import EngineRouterReplayConfig
 from verl.workers.utils.losses import ppo_loss
 from verl.workers.utils.padding import left_right_2_no_padding
 
-from megatron_fp4.integrations.verl import MegatronFP4Rollout
+from megatron_fp4.verl import MegatronFP4Rollout
 from megatron_fp4.rollout import RolloutEngine
 from megatron_fp4.rollout.engine import left_pad
 from tests.integration.test_verl_paths import TOK, hf_dir, rollout_batch, verl_engine  # noqa: F401 - fixture

@@ -1,25 +1,22 @@
 """DESIGN.md's layer rule: a module imports only from layers above it, never from below.
 
 Order (top first): config → fp4 → model → parallel → training → rollout → integrations → rl →
-integrations.verl. `rl` owns RL (losses, IS correction, the GRPO loop, rewards, tasks, RL datasets)
-and joins training, rollout and the HF/vLLM integrations; the verl adapters put verl's trainer on
-top of `rl` (its policy loss and rollout correction), so `integrations.verl` is a layer below `rl`
-and nothing else imports it. `fp4` imports nothing of ours; the CLI (`megatron_fp4/train.py`) sits
-on top of everything.
+verl, each a top-level package (or module) of `megatron_fp4`, with no exceptions. `rl` owns RL
+(losses, IS correction, the GRPO loop, rewards, tasks, RL datasets) and joins training, rollout and
+the HF/vLLM integrations; the verl adapters put verl's trainer on top of `rl` (its policy loss and
+rollout correction), so `verl` is the lowest layer and nothing else imports it. `fp4` imports
+nothing of ours; the CLI (`megatron_fp4/train.py`) sits on top of everything.
 """
 import ast
 import pathlib
 
 ROOT = pathlib.Path(__file__).resolve().parents[2] / "megatron_fp4"
-ORDER = ["config", "fp4", "model", "parallel", "training", "rollout", "integrations", "rl",
-         "integrations.verl"]
+ORDER = ["config", "fp4", "model", "parallel", "training", "rollout", "integrations", "rl", "verl"]
 RANK = {name: i for i, name in enumerate(ORDER)}
 
 
 def _layer(module: str) -> str:
     parts = module.split(".")
-    if parts[1:3] == ["integrations", "verl"]:
-        return "integrations.verl"
     return parts[1] if len(parts) > 1 else module
 
 
@@ -36,8 +33,6 @@ def test_no_module_imports_from_a_layer_below_it():
     for path in ROOT.rglob("*.py"):
         rel = path.relative_to(ROOT)
         own = rel.parts[0].removesuffix(".py")
-        if rel.parts[:2] == ("integrations", "verl"):
-            own = "integrations.verl"
         if own not in RANK:
             continue  # __init__.py, train.py (the CLI on top)
         for module in _imports(path):

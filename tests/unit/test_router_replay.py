@@ -149,7 +149,7 @@ def test_rollout_routes_refuse_float_routes():
 def test_verl_routed_experts_must_be_integer_ids():
     """verl hands routes over as a nested int16 tensor; a float one was cast with .to(long) (truncated)."""
     pytest.importorskip("verl")
-    from megatron_fp4.integrations.verl.batches import replay_routes
+    from megatron_fp4.verl.batches import replay_routes
     rows = [torch.tensor([[[0, 1]], [[2, 3]]]), torch.tensor([[[1, 2]]])]
     mb = {"input_ids": torch.zeros(2, 2, dtype=torch.long)}
     for dtype, ok in ((torch.int16, True), (torch.float32, False)):

@@ -72,7 +72,7 @@ def _free_port() -> int:
 
 
 def _engine():
-    from megatron_fp4.integrations.verl import MegatronFP4CheckpointEngine
+    from megatron_fp4.verl import MegatronFP4CheckpointEngine
     return MegatronFP4CheckpointEngine
 
 

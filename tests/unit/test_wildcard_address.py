@@ -49,7 +49,7 @@ def test_peer_group_refuses_a_wildcard_for_what_gloo_binds(addr):
 @pytest.mark.parametrize("addr", ["0.0.0.0", "::", ""])
 def test_verl_master_addr_is_refused_at_construction(addr):
     pytest.importorskip("verl")
-    from megatron_fp4.integrations.verl import MegatronFP4CheckpointEngine
+    from megatron_fp4.verl import MegatronFP4CheckpointEngine
     with pytest.raises(ValueError, match=f"master_addr={addr!r} is a wildcard address"):
         MegatronFP4CheckpointEngine(master_addr=addr)
 

@@ -8,7 +8,7 @@
 One update, all on `group` (created by the caller with `dist.new_group`, so it never collides with
 training collectives; or any object with `rank()`, `size()`, `broadcast(tensor, src)` and
 `all_gather(tensor) -> list` — a group of its own outside torch.distributed's registry, ranks being
-its group ranks, e.g. verl's `integrations.verl.topology.PeerGroup`, which checks a shared token on
+its group ranks, e.g. verl's `verl.topology.PeerGroup`, which checks a shared token on
 join):
   1. broadcast the header: version, manifest {name: (shape, dtype)}, bucket layout (metas, bytes)
   2. gather every rollout's verdict on the manifest; broadcast go / no-go. A mismatch stops the

@@ -4,7 +4,7 @@
 bound to exactly the address it advertises), and a ProcessGroupGloo (CPU) or ProcessGroupNCCL
 (CUDA) is built on it. It is never registered with torch.distributed, needs no default group and
 cannot collide with one. Ranks are group ranks. `rollout.weight_sync.distributed` takes it wherever it
-takes a torch.distributed group. Users: verl's checkpoint engine (`integrations.verl.topology`)
+takes a torch.distributed group. Users: verl's checkpoint engine (`verl.topology`)
 and the GRPO rollout process (`rl.rollouts.client`).
 
 Exposure (see SECURITY.md): the store is not torch's TCPStore (which any TCP client can list, read

@@ -38,8 +38,8 @@ from verl.utils.metric import Metric
 from verl.utils.py_functional import append_to_dict
 
 from megatron_fp4.config import Config
-from megatron_fp4.integrations.verl.batches import RouteRecorder, VerlScore, score_padded
-from megatron_fp4.integrations.verl.construct import config_from_verl, data_parallel_mesh, model_dir, router_replay_mode
+from megatron_fp4.verl.batches import RouteRecorder, VerlScore, score_padded
+from megatron_fp4.verl.construct import config_from_verl, data_parallel_mesh, model_dir, router_replay_mode
 from megatron_fp4.parallel.mesh import ParallelMesh
 from megatron_fp4.training.checkpoint.files import write_durable_text
 

@@ -51,7 +51,7 @@ class MegatronFP4Rollout(BaseRollout):
 
     def _engine_from_model_config(self, pad_id) -> RolloutEngine:
         from megatron_fp4.integrations.hf import build_model_from_hf
-        from megatron_fp4.integrations.verl.construct import fp4_config_for, model_dir
+        from megatron_fp4.verl.construct import fp4_config_for, model_dir
 
         if self.model_config is None:
             raise ValueError("MegatronFP4Rollout needs model_config (verl's HFModelConfig of a Qwen3-MoE checkpoint) "
@@ -113,7 +113,7 @@ class MegatronFP4Rollout(BaseRollout):
         (`MegatronFP4Server.generate`): verl's sampling dict in, verl's `TokenOutput` out."""
         from verl.workers.rollout.replica import TokenOutput
 
-        from megatron_fp4.integrations.verl.sampling import sampling_from_verl
+        from megatron_fp4.verl.sampling import sampling_from_verl
 
         if "weights" not in self.resident:
             raise RuntimeError("weights are released; call resume(['weights']) before generating")

@@ -26,7 +26,7 @@ NAME = "megatron_fp4"
 def find_rollout(worker):
     """The MegatronFP4Rollout a verl worker instance holds (hybrid worker, checkpoint-engine worker, or
     either inside verl's fused/colocated worker dict)."""
-    from megatron_fp4.integrations.verl.rollout import MegatronFP4Rollout
+    from megatron_fp4.verl.rollout import MegatronFP4Rollout
 
     candidates = [getattr(worker, "rollout", None), getattr(worker, "server_adapter", None)]
     for inner in list(getattr(worker, "worker_dict", {}).values()) + list(getattr(worker, "fused_worker_dict", {}).values()):

@@ -45,7 +45,7 @@ class _CPUDeviceModule(types.ModuleType):
     """torch.cpu with the torch.cuda-style extras verl calls on whatever `get_torch_device()` is."""
 
     def __init__(self):
-        super().__init__("megatron_fp4.integrations.verl.platform.cpu_device")
+        super().__init__("megatron_fp4.verl.platform.cpu_device")
         extras = {
             "memory_allocated": lambda device=None: _rss(),
             "memory_reserved": lambda device=None: _rss(),

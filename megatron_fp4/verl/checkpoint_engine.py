@@ -31,9 +31,9 @@ from typing import Any, Callable, Optional
 
 from verl.checkpoint_engine.base import CheckpointEngine, CheckpointEngineRegistry
 
-from megatron_fp4.integrations.verl.streams import Channel, DistStream, PendingStream, WeightStream, channel_named
-from megatron_fp4.integrations.verl.topology import (TOKEN_ENV, PeerGroup, assign_ranks, host_address, new_sync_token,
-                                                     process_id, reserve_port, sync_token_from_env)
+from megatron_fp4.verl.streams import Channel, DistStream, PendingStream, WeightStream, channel_named
+from megatron_fp4.verl.topology import (TOKEN_ENV, PeerGroup, assign_ranks, host_address, new_sync_token,
+                                        process_id, reserve_port, sync_token_from_env)
 from megatron_fp4.parallel.mesh import resolve_device
 from megatron_fp4.rollout.weight_sync.peer_group import check_advertised_address
 from megatron_fp4.rollout.weight_sync.buckets import manifest_of, pack_buckets

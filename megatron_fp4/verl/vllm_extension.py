@@ -1,6 +1,6 @@
 """verl's vLLM worker extension plus a read-back of the served weights, for `ppo_vllm`'s sync check.
 
-    rollout.engine_kwargs.vllm.worker_extension_cls=megatron_fp4.integrations.verl.vllm_extension.DigestExtension
+    rollout.engine_kwargs.vllm.worker_extension_cls=megatron_fp4.verl.vllm_extension.DigestExtension
 
 `DigestExtension` is verl's `vLLMColocateWorkerExtension` (weight updates from the actor, everything
 verl's vLLM server asks of its workers) with one method more, `megatron_fp4_weight_digests(path)`,

@@ -1,7 +1,7 @@
 """verl's own PPO trainer on CPU: the megatron_fp4 engine as the actor, vLLM + the megatron_fp4 plugin
 (MoEResQ FP4) as the rollout.
 
-    python -m megatron_fp4.integrations.verl.ppo_vllm --steps 2 [--out DIR]     # in the vLLM venv
+    python -m megatron_fp4.verl.ppo_vllm --steps 2 [--out DIR]     # in the vLLM venv
 
 What runs is verl's: `main_ppo.run_ppo` (a local Ray on CPU, verl's runtime env), a task runner built
 from verl's `BaseTaskRunner` (the actor/rollout worker group, resource pools, `create_rl_dataset` over
@@ -107,7 +107,7 @@ def overrides(model: Path, train: str, val: str, steps: int, out: Path) -> list[
         f"{rollout}.enable_prefix_caching=False", f"{rollout}.agent.num_workers=1",
         f"{rollout}.checkpoint_engine.backend=naive", f"{rollout}.calculate_log_probs=True",
         f"+{rollout}.engine_kwargs.vllm.quantization=megatron_fp4",
-        f"+{rollout}.engine_kwargs.vllm.worker_extension_cls=megatron_fp4.integrations.verl.vllm_extension.DigestExtension",
+        f"+{rollout}.engine_kwargs.vllm.worker_extension_cls=megatron_fp4.verl.vllm_extension.DigestExtension",
         "algorithm.adv_estimator=grpo", "algorithm.use_kl_in_reward=False",
         f"reward.custom_reward_function.path={Path(rewards.__file__).resolve()}",
         "reward.custom_reward_function.name=digit_match_score",
@@ -144,14 +144,14 @@ def main(argv=None) -> int:
         print(f"ppo_vllm: {missing}", file=sys.stderr)
         return 2
     os.environ.setdefault("VERL_PLATFORM", "cpu")
-    os.environ.setdefault("VERL_USE_EXTERNAL_MODULES", "megatron_fp4.integrations.verl")
+    os.environ.setdefault("VERL_USE_EXTERNAL_MODULES", "megatron_fp4.verl")
     os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; vLLM's CPU default (4) is more than needed
     out = args.out or Path(tempfile.mkdtemp(prefix="verl_ppo_vllm."))
     out.mkdir(parents=True, exist_ok=True)
     from verl.trainer.main_ppo import run_ppo
 
-    from megatron_fp4.integrations.verl.ppo_checks import ENV_CHECKS, CheckedTaskRunner
+    from megatron_fp4.verl.ppo_checks import ENV_CHECKS, CheckedTaskRunner
 
     os.environ[ENV_CHECKS] = str(out / CHECKS)  # the task runner (a Ray actor) inherits it
     model = write_model(out)

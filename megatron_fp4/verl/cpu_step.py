@@ -1,6 +1,6 @@
 """One verl GRPO step with the megatron_fp4 engine and rollout, on CPU, through verl's own worker code.
 
-    VERL_PLATFORM=cpu python -m megatron_fp4.integrations.verl.cpu_step [--model-path DIR] [--steps N] [--out F]
+    VERL_PLATFORM=cpu python -m megatron_fp4.verl.cpu_step [--model-path DIR] [--steps N] [--out F]
 
 verl's trainer (`RayPPOTrainer.fit`) needs Ray and its rollout servers (the agent loop talks to
 server actors), so this runs the narrowest verl-driven flow that works without them, in one process:
@@ -164,7 +164,7 @@ def _number(value):
 
 
 def require_cpu_platform() -> None:
-    import megatron_fp4.integrations.verl  # noqa: F401  registers platform, engine, rollout, checkpoint engine
+    import megatron_fp4.verl  # noqa: F401  registers platform, engine, rollout, checkpoint engine
     from verl.utils.device import get_device_name
 
     if get_device_name() != "cpu":
