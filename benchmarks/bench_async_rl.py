@@ -60,7 +60,7 @@ def one_setting(ex, args, trainer, task, sft_state: dict, staleness: int) -> dic
     switch_to_rl(trainer, args.lr, args.rl_weight_decay, args.rl_aux_coef)  # a fresh Adam for each setting
     trainer.cfg.rl.max_staleness, trainer.cfg.rl.staleness_policy = staleness, "wait"
     settings = ex.settings_of(args, None)
-    rollout = make_rollout(trainer, task.tok.pad_id, args.bucket_mb << 20, process=True)
+    rollout = make_rollout("engine-process", trainer, task.tok.pad_id, args.bucket_mb << 20)
     marks = []  # the progress lines' times: the header, then one after each step (the last one: after the eval)
     try:
         run = run_grpo(trainer, task, rollout, settings, say=lambda *a, **k: marks.append(time.perf_counter()))

@@ -74,7 +74,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from megatron_fp4.config import default_config_path, load_config  # noqa: E402
-from megatron_fp4.rl import make_rollout, sft_step, switch_to_rl  # noqa: E402
+from megatron_fp4.rl import ROLLOUT_KINDS, make_rollout, sft_step, switch_to_rl  # noqa: E402
 from megatron_fp4.rl.flags import check_ranges  # noqa: E402
 from megatron_fp4.rollout.weight_sync.peer_group import check_advertised_address  # noqa: E402
 from megatron_fp4.rl.loop import GRPOSettings, micro_batch_for, run_grpo  # noqa: E402
@@ -168,19 +168,11 @@ def run(args) -> list:
     main = trainer.mesh.rank == 0
     say = print if main else (lambda *a, **k: None)
     say(f"SFT: {args.sft_steps} steps in {time.perf_counter() - start:.0f} s", flush=True)
-    if args.rollout == "vllm":  # vLLM + the plugin in its own process (docs/vllm.md)
-        from megatron_fp4.rl.rollouts.vllm import VLLMRollout
-        rollout = VLLMRollout(trainer, task.tok.pad_id, args.bucket_mb << 20, python=args.vllm_python,
-                              work_dir=Path(args.logdir or tempfile.mkdtemp(prefix="grpo-vllm-")) / "vllm",
-                              addr=args.rollout_addr)
-    elif args.rollout == "vllm-serve":  # a `vllm serve` process fed through vLLM's weight-transfer API
-        from megatron_fp4.rl.rollouts.vllm import VLLMServeRollout
-        rollout = VLLMServeRollout(trainer, task.tok.pad_id, args.bucket_mb << 20, python=args.vllm_python,
-                                   work_dir=Path(args.logdir or tempfile.mkdtemp(prefix="grpo-vllm-")) / "vllm",
-                                   addr=args.rollout_addr)
-    else:
-        rollout = make_rollout(trainer, task.tok.pad_id, args.bucket_mb << 20, process=args.rollout == "engine-process",
-                               addr=args.rollout_addr)
+    options = {"addr": args.rollout_addr}
+    if args.rollout in ("vllm", "vllm-serve"):  # vLLM + the plugin in a process of its own (docs/vllm.md)
+        options.update(python=args.vllm_python,
+                       work_dir=Path(args.logdir or tempfile.mkdtemp(prefix="grpo-vllm-")) / "vllm")
+    rollout = make_rollout(args.rollout, trainer, task.tok.pad_id, args.bucket_mb << 20, **options)
     try:
         result = run_grpo(trainer, task, rollout, settings, say)
         served = rollout.served_version()
@@ -319,7 +311,7 @@ def parse_args(argv=None):
     ap.add_argument("--staleness-policy", choices=["wait", "drop"],
                     help="rl.staleness_policy: wait (deterministic) or drop (batches more than k versions old are "
                          "dropped and counted; not deterministic)")
-    ap.add_argument("--rollout", choices=["engine", "engine-process", "vllm", "vllm-serve"], default="engine",
+    ap.add_argument("--rollout", choices=ROLLOUT_KINDS, default="engine",
                     help="rollout engine: this project's (in process, or its own process under torchrun; "
                          "engine-process: its own process for a single-process trainer too) or vLLM + "
                          "the megatron_fp4 plugin in its own process, weights synced every step (docs/vllm.md); "

@@ -72,11 +72,8 @@ def _build_and_train(cfg, rank: int, handler: PreemptionHandler) -> list[dict]:
     from megatron_fp4.training.trainer import Trainer
 
     check_tensorboard_dir(cfg.logging.tensorboard_dir)  # every rank, before the model is built
-    trainer = Trainer(cfg)  # validates cfg (once) and builds this process's mesh (ParallelMesh.from_env)
-    try:
+    with Trainer(cfg) as trainer:  # validates cfg (once) and builds this process's mesh (ParallelMesh.from_env)
         return _resume_and_train(cfg, trainer, rank, handler)
-    finally:
-        release(trainer)
 
 
 def _resume_and_train(cfg, trainer, rank: int, handler: PreemptionHandler) -> list[dict]:
@@ -105,15 +102,6 @@ def _resume_and_train(cfg, trainer, rank: int, handler: PreemptionHandler) -> li
             print(f"trained {len(history)} steps: loss {first:.4f} (first {n} avg) -> {last:.4f} (last {n} avg)")
         print(outputs_pointer(cfg), flush=True)
     return history
-
-
-def release(trainer) -> None:
-    """Let the finished trainer be freed, and with it the process groups it holds (`run` destroys
-    them): ZeRO's grad-sync hooks sit on the parameters and hold the optimizer, which holds the
-    mesh, a cycle through the tensors' C++ side that Python's collector cannot see."""
-    remove_hooks = getattr(trainer.optimizer, "remove_hooks", None)
-    if remove_hooks is not None:
-        remove_hooks()
 
 
 def lock_checkpoint_dir(root: str):

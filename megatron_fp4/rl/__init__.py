@@ -13,11 +13,12 @@ from megatron_fp4.rl.algo.grpo import (build_rl_batch, consistency, grpo_advanta
 from megatron_fp4.rl.algo.is_correction import Rejection, RolloutCorrection, policy_loss, truncated_is_weights
 from megatron_fp4.rl.loop import GRPORun, GRPOSettings, run_grpo
 from megatron_fp4.rl.algo.policy_loss import PolicyLoss
-from megatron_fp4.rl.rollouts.client import InProcessRollout, RemoteRollout, make_rollout
+from megatron_fp4.rl.rollouts.client import InProcessRollout, RemoteRollout
+from megatron_fp4.rl.rollouts.factory import ROLLOUT_KINDS, make_rollout
 from megatron_fp4.rl.algo.scorer import PolicyScorer
 from megatron_fp4.rl.algo.sft import ResponseNLL, sft_pair, sft_step
 
 __all__ = ["grpo_advantages", "build_rl_batch", "consistency", "policy_update", "ppo_updates", "response_values",
-           "switch_to_rl", "PolicyScorer", "InProcessRollout", "RemoteRollout", "make_rollout",
+           "switch_to_rl", "PolicyScorer", "InProcessRollout", "RemoteRollout", "make_rollout", "ROLLOUT_KINDS",
            "ResponseNLL", "sft_pair", "sft_step", "GRPOSettings", "GRPORun", "run_grpo", "PolicyLoss", "policy_loss",
            "RolloutCorrection", "Rejection", "truncated_is_weights"]

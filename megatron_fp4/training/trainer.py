@@ -98,6 +98,23 @@ class Trainer(TrainingStep):
         self.optimizer.remove_hooks()
         self.optimizer = self.build_optimizer()
 
+    def close(self) -> None:
+        """Done with this trainer: its optimizer's gradient hooks are removed, so the trainer (and
+        the process groups its mesh holds) can be freed — ZeRO's hooks sit on the parameters and hold
+        the optimizer, which holds the mesh, a cycle through the tensors' C++ side that Python's
+        collector cannot see. The groups themselves belong to whoever initialized torch.distributed
+        (`megatron_fp4.train.run` destroys the ones it created). Idempotent; a closed trainer takes
+        no more steps."""
+        if self.optimizer is not None:
+            self.optimizer.remove_hooks()
+            self.optimizer = None
+
+    def __enter__(self) -> "Trainer":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
     def _moe_tokens(self) -> str:
         """The tokens a tp rank's MoE layers route (``parallel.moe_tp_tokens``; "whole" without tp)."""
         return self.cfg.parallel.moe_tp_tokens if self.mesh.tp > 1 else "whole"

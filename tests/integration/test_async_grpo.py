@@ -14,7 +14,7 @@ TIMEOUT_S = 30  # parallel.timeout_s of the killed run: the error must come well
 
 def run(process: bool, check_sync: bool = False):
     trainer, task = tiny("rl.max_staleness=1")
-    rollout = make_rollout(trainer, task.tok.pad_id, 1 << 20, process=process)
+    rollout = make_rollout("engine-process" if process else "engine", trainer, task.tok.pad_id, 1 << 20)
     try:
         return loop.run_grpo(trainer, task, rollout, settings(check_sync=check_sync))
     finally:
@@ -34,7 +34,7 @@ def test_engine_process_equals_in_process():
 def test_rollout_process_death_is_one_clear_error(monkeypatch):
     """The process is killed as batch 2 is requested, while the trainer updates on batch 1."""
     trainer, task = tiny("rl.max_staleness=1", f"parallel.timeout_s={TIMEOUT_S}")
-    rollout = make_rollout(trainer, task.tok.pad_id, 1 << 20, process=True)
+    rollout = make_rollout("engine-process", trainer, task.tok.pad_id, 1 << 20)
     real = rollout.fetch
 
     def fetch(prompts, params, *a):  # the rollout's thread, asking for batch 2 (seed 0): the process dies

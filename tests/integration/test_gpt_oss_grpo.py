@@ -28,7 +28,7 @@ def run_once():
     switch_to_rl(trainer, 1e-2, 0.0, 0.0)
     settings = loop.GRPOSettings(steps=2, num_prompts=2, group_size=4, max_new_tokens=4, micro_batch_size=8,
                                  eval_every=0)
-    rollout = make_rollout(trainer, task.tok.pad_id, 1 << 20)
+    rollout = make_rollout("engine", trainer, task.tok.pad_id, 1 << 20)
     try:
         run = loop.run_grpo(trainer, task, rollout, settings)
     finally:

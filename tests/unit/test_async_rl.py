@@ -43,7 +43,7 @@ def tiny(*overrides):
 
 def run(*overrides, wrap=None, keep=None):
     trainer, task = tiny(*overrides)
-    rollout = make_rollout(trainer, task.tok.pad_id, 1 << 20)
+    rollout = make_rollout("engine", trainer, task.tok.pad_id, 1 << 20)
     if keep is not None:  # the weights of every published version, to check who sampled what
         real = rollout.publish
         rollout.publish = lambda v: (keep.__setitem__(v, copy.deepcopy(trainer.model.state_dict())), real(v))[1]
@@ -146,7 +146,7 @@ def test_a_refused_publish_stops_the_loop_and_the_old_version_keeps_serving():
     from megatron_fp4.rollout.weight_sync.publisher import WeightSyncError
 
     trainer, task = tiny("rl.max_staleness=1")
-    rollout = make_rollout(trainer, task.tok.pad_id, 1 << 20)
+    rollout = make_rollout("engine", trainer, task.tok.pad_id, 1 << 20)
     real = rollout.engine.load_weights
 
     def load_weights(named, version):

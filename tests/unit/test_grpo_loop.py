@@ -50,7 +50,7 @@ def tiny_run(correction, monkeypatch):
     # two epochs: the second update's policy has moved (ratio != 1), so the surrogate is not 0
     settings = loop.GRPOSettings(steps=2, num_prompts=2, group_size=4, max_new_tokens=4, micro_batch_size=8,
                                  ppo_epochs=2, eval_every=0, correction=correction)
-    rollout = make_rollout(trainer, task.tok.pad_id, 1 << 20)
+    rollout = make_rollout("engine", trainer, task.tok.pad_id, 1 << 20)
     try:
         run = loop.run_grpo(trainer, task, rollout, settings)
     finally:

@@ -1,13 +1,13 @@
 """The trainer's view of its rollout engine: `publish(version)` and `generate(...)`, whatever the layout.
 
-    rollout = make_rollout(trainer, pad_id, bucket_bytes)    # collective under torchrun
+    rollout = make_rollout("engine", trainer, pad_id, bucket_bytes)    # collective under torchrun
     handle = rollout.publish(step)                           # returns at the snapshot
     handle.wait_loaded()                                     # the next rollout waits for the load
     gen = rollout.generate(prompts, params)                  # the same GenerationOutput on every rank
 
 - `InProcessRollout` (a single process, as the GRPO example always ran): the engine holds its own
-  copy of the model, fed by a `WeightPublisher` through an `InProcessTransport`, under HF names
-  (mapped back by `rollout_worker.HFWeightReceiver`) like every other publisher.
+  copy of the model, fed by a `WeightPublisher` through an `InProcessTransport` under the model's
+  own names (HF names are for crossing a process boundary).
 - `RemoteRollout` (a sharded trainer under torchrun): trainer rank 0 starts the rollout process
   (`python -m megatron_fp4.rl.rollouts.worker`, spec as JSON on its command line, the shared token
   in its environment, never pickle) and serves two token-authenticated `PeerGroup`s on the
@@ -32,14 +32,13 @@ from typing import Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from megatron_fp4.integrations.hf.families import to_hf_state_dict  # the model family's HF names
 from megatron_fp4.integrations.hf.sharded import local_hf_state_dict
 from megatron_fp4.parallel.wire import broadcast_json
-from megatron_fp4.rl.rollouts.worker import HFWeightReceiver
+from megatron_fp4.rl.rollouts.worker import weight_digests
 from megatron_fp4.rl.rollouts.wire import broadcast_generation, expected_generation, params_to_json
 from megatron_fp4.rollout.engine import RolloutEngine
 from megatron_fp4.rollout.weight_sync.peer_group import TOKEN_ENV, PeerGroup, new_sync_token, reserve_port, sync_token_from_env
-from megatron_fp4.rollout.weight_sync.publisher import InProcessTransport, WeightPublisher
+from megatron_fp4.rollout.weight_sync.publisher import InProcessTransport, WeightPublisher, WeightReceiver
 from megatron_fp4.rollout.weight_sync.distributed import DistributedTransport
 from megatron_fp4.rollout.weight_sync.sharded import ShardedWeightPublisher
 
@@ -49,15 +48,16 @@ _TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_
 
 
 class InProcessRollout:
-    """The engine in this process (a single-process trainer)."""
+    """The engine in this process (a single-process trainer): its own copy of the model, fed by a
+    `WeightPublisher` through an `InProcessTransport` under the model's own names (nothing crosses a
+    process boundary, so nothing is renamed)."""
 
     def __init__(self, trainer, pad_id: int, bucket_bytes: int = 1 << 20, name: str = "rollout0"):
         cfg = trainer.cfg
         self.engine = RolloutEngine(copy.deepcopy(trainer.model), mode=cfg.fp4.rollout_mode, pad_id=pad_id, name=name,
                                     invariance=cfg.numerics.invariance)
-        # Under HF Qwen3-MoE names, as every publisher (RemoteRollout's, vLLM's, verl's) sends them.
-        self.publisher = WeightPublisher(lambda: to_hf_state_dict(trainer.model).items(),
-                                         [InProcessTransport(HFWeightReceiver(self.engine))], bucket_bytes)
+        self.publisher = WeightPublisher(lambda: trainer.model.state_dict().items(),
+                                         [InProcessTransport(WeightReceiver(self.engine))], bucket_bytes)
 
     @property
     def is_source(self) -> bool:
@@ -72,6 +72,9 @@ class InProcessRollout:
     def served_version(self) -> int:
         return self.engine.version
 
+    def digests(self) -> dict:
+        return {"version": self.engine.version, "digests": weight_digests(self.engine.model)}
+
     def close(self) -> None:
         self.publisher.wait()
 
@@ -82,6 +85,13 @@ class RemoteRollout:
 
     def __init__(self, trainer, pad_id: int, bucket_bytes: int = 4 << 20, addr: str = "127.0.0.1",
                  name: str = "rollout0", timeout_s: Optional[float] = None, threads: int = 1):
+        self._start(trainer, bucket_bytes, addr, name, timeout_s, lambda: (
+            sys.executable, "megatron_fp4.rl.rollouts.worker",
+            {"config": trainer.cfg.to_dict(), "pad_id": int(pad_id), "threads": int(threads)}, {}))
+
+    def _start(self, trainer, bucket_bytes: int, addr: str, name: str, timeout_s: Optional[float], launch) -> None:
+        """Rank 0 starts the rollout process (``launch()`` → python, module, spec, extra env: called on
+        rank 0 only) and joins its weights and control groups; every rank builds the publisher."""
         self.mesh, self.model_cfg = trainer.mesh, trainer.cfg.model
         self.timeout_s = float(timeout_s or trainer.cfg.parallel.timeout_s)
         self.is_source = self.mesh.rank == 0
@@ -89,13 +99,14 @@ class RemoteRollout:
         self._device = torch.device("cpu")
         transports = []
         if self.is_source:
+            python, module, spec, extra_env = launch()
             token = sync_token_from_env() or new_sync_token()
             weights_socket, control_socket = reserve_port(addr), reserve_port(addr)
-            spec = {"config": trainer.cfg.to_dict(), "pad_id": int(pad_id), "addr": addr,
-                    "weights_port": weights_socket.getsockname()[1], "control_port": control_socket.getsockname()[1],
-                    "name": name, "timeout_s": self.timeout_s, "threads": int(threads)}
-            self.proc = subprocess.Popen([sys.executable, "-m", "megatron_fp4.rl.rollouts.worker", json.dumps(spec)],
-                                         env=_worker_env(token))
+            spec = dict(spec, addr=addr, name=name, timeout_s=self.timeout_s,
+                        weights_port=weights_socket.getsockname()[1], control_port=control_socket.getsockname()[1])
+            env = _worker_env(token)
+            env.update(extra_env)
+            self.proc = subprocess.Popen([python, "-m", module, json.dumps(spec)], env=env)
             self.weights, self.control = self._join(lambda: (
                 PeerGroup(addr, spec["weights_port"], 0, 2, self._device, self.timeout_s, weights_socket, token=token),
                 PeerGroup(addr, spec["control_port"], 0, 2, self._device, self.timeout_s, control_socket, token=token)))
@@ -214,12 +225,3 @@ def hf_publisher(trainer, mesh, transports: list, bucket_bytes: int, timeout_s: 
     if mesh.is_distributed:
         return ShardedWeightPublisher(named, mesh, transports, bucket_bytes, timeout_s, model=trainer.model)
     return WeightPublisher(lambda: named().items(), transports, bucket_bytes, timeout_s)
-
-
-def make_rollout(trainer, pad_id: int, bucket_bytes: int, process: bool = False, **remote_kwargs):
-    """`InProcessRollout` for a single-process trainer, `RemoteRollout` for a sharded one or with
-    `process` (the engine in a process of its own, generating while this one trains: ``--rollout
-    engine-process``; `remote_kwargs`: addr, name, timeout_s, threads)."""
-    if trainer.mesh.is_distributed or process:
-        return RemoteRollout(trainer, pad_id, bucket_bytes, **remote_kwargs)
-    return InProcessRollout(trainer, pad_id, bucket_bytes)

@@ -16,17 +16,14 @@ has loaded the version (`live.update_weights`: checked whole before anything is 
 """
 from __future__ import annotations
 
-import json
-import subprocess
 import sys
 from pathlib import Path
 from typing import Optional
 
 import torch
 
-from megatron_fp4.rl.rollouts.client import RemoteRollout, _worker_env, hf_publisher
-from megatron_fp4.rollout.weight_sync.peer_group import PeerGroup, new_sync_token, reserve_port, sync_token_from_env
-from megatron_fp4.rollout.weight_sync.distributed import DistributedTransport
+from megatron_fp4.rl.rollouts.client import RemoteRollout, hf_publisher
+from megatron_fp4.rollout.weight_sync.peer_group import new_sync_token, sync_token_from_env
 
 DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
 
@@ -63,30 +60,13 @@ class VLLMRollout(RemoteRollout):
         cfg = trainer.cfg
         if cfg.dtype not in DTYPES:
             raise ValueError(f"--rollout vllm: dtype {cfg.dtype!r} is not served (fp32 or bf16)")
-        self.mesh, self.model_cfg = trainer.mesh, cfg.model
-        self.timeout_s = float(timeout_s or cfg.parallel.timeout_s)
-        self.is_source = self.mesh.rank == 0
-        self.proc = self.control = self.weights = None
-        self._device = torch.device("cpu")
-        transports = []
-        if self.is_source:
-            python = resolve_python(python)
-            template = vllm_template(cfg, work_dir)
-            token = sync_token_from_env() or new_sync_token()
-            weights_socket, control_socket = reserve_port(addr), reserve_port(addr)
-            spec = {"model": str(template), "dtype": DTYPES[cfg.dtype], "addr": addr, "pad_id": int(pad_id),
-                    "weights_port": weights_socket.getsockname()[1], "control_port": control_socket.getsockname()[1],
-                    "name": name, "timeout_s": self.timeout_s, "threads": int(threads)}
-            env = _worker_env(token)
-            env.update({"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "HF_HUB_OFFLINE": "1"})
-            self.proc = subprocess.Popen([python, "-m", "megatron_fp4.rl.rollouts.vllm_server", json.dumps(spec)],
-                                         env=env)
-            self.weights, self.control = self._join(lambda: (
-                PeerGroup(addr, spec["weights_port"], 0, 2, self._device, self.timeout_s, weights_socket, token=token),
-                PeerGroup(addr, spec["control_port"], 0, 2, self._device, self.timeout_s, control_socket, token=token)))
-            self.transport = DistributedTransport(self.weights, src=0, name=name)
-            transports = [self.transport]
-        self.publisher = hf_publisher(trainer, self.mesh, transports, bucket_bytes, self.timeout_s)
+
+        def launch():
+            spec = {"model": str(vllm_template(cfg, work_dir)), "dtype": DTYPES[cfg.dtype], "pad_id": int(pad_id),
+                    "threads": int(threads)}
+            return (resolve_python(python), "megatron_fp4.rl.rollouts.vllm_server", spec,
+                    {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "HF_HUB_OFFLINE": "1"})
+        self._start(trainer, bucket_bytes, addr, name, timeout_s, launch)
 
 
 class VLLMServeRollout:
