@@ -214,19 +214,22 @@ def test_batch_level_training_forward_equals_no_grad_scoring_bitwise(mode, scope
     """The training forward (autograd: experts one by one, MoEResQ's autograd Functions) gives the
     no-grad scoring forward's bits (grouped experts) at the batch level, in another batch too."""
     from megatron_fp4.config import Config
+    from megatron_fp4.fp4 import apply_numerics
     from megatron_fp4.model import build_model
+    from megatron_fp4.model.specs import numerics_from_config
 
     cfg = Config()
     cfg.model.num_layers, cfg.fp4.scope = 2, scope
+    cfg.numerics.invariance = "batch"
     model = build_model(cfg, seed=7)
+    apply_numerics(model, numerics_from_config(cfg, "train"))  # as the Trainer builds its model
     model.set_fp4_mode(mode)
     tokens = torch.randint(1, cfg.model.vocab_size, (5, 19), generator=torch.Generator().manual_seed(3))
-    with model.numerics.invariant("batch"):
-        with torch.no_grad():
-            scored = model(tokens).logits
-            alone = model(tokens[2:3]).logits
-        trained = model(tokens).logits
-        trained.float().square().mean().backward()  # a real training forward: the graph is used
+    with torch.no_grad():
+        scored = model(tokens).logits
+        alone = model(tokens[2:3]).logits
+    trained = model(tokens).logits
+    trained.float().square().mean().backward()  # a real training forward: the graph is used
     assert torch.equal(bits(trained.detach()), bits(scored))
     assert torch.equal(bits(alone[0]), bits(scored[2]))
 
