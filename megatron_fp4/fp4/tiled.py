@@ -57,7 +57,7 @@ def _padded_rows(x2: torch.Tensor, multiple: int) -> torch.Tensor:
     tiles = max(1, -(-M // multiple))
     if tiles * multiple == M and x2.is_contiguous():
         return x2
-    return torch.cat([x2, x2.new_zeros(tiles * multiple - M, x2.shape[1])]) if tiles * multiple > M else x2.contiguous()
+    return F.pad(x2, (0, 0, 0, tiles * multiple - M)) if tiles * multiple > M else x2.contiguous()
 
 
 def _tiled_forward(x2: torch.Tensor, wt: torch.Tensor) -> torch.Tensor:
