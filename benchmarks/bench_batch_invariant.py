@@ -8,7 +8,7 @@ Measures, interleaved round-robin (standard, batch, exact, standard, ...) so mac
 - rollout: ``RolloutEngine.generate`` on ``--prompts`` arithmetic prompts, ``--new-tokens`` each
   (KV-cache decode), generated tokens/s;
 - scoring: ``rollout.scoring.score`` of those sequences (the trainer's no-grad log-prob pass);
-- train step: ``Trainer.train_step`` with the training forward at each level.
+- train step: ``Trainer.train_step`` of a trainer built at each level (its training forward at it).
 
 Prints medians and each level's time ÷ the standard kernels' (> 1: slower). Never asserted in tests.
 ``--clock cpu`` measures this process's CPU time (``time.process_time``) instead of wall time: on a
@@ -53,7 +53,12 @@ def main(argv=None):
     cfg = load_config(args.config, args.overrides + [f"fp4.train_mode={args.mode}", f"fp4.rollout_mode={args.mode}",
                                                      "logging.tensorboard_dir=null", "checkpoint.dir=null",
                                                      "logging.progress=false"])
-    trainer = Trainer(cfg)
+    trainers = {}  # one per level: the level is fixed when the trainer builds its model (same seed, same data)
+    for lv in levels:
+        cfg_lv = copy.deepcopy(cfg)
+        cfg_lv.numerics.invariance = lv
+        trainers[lv] = Trainer(cfg_lv)
+    trainer = trainers["standard"]
     tok = ArithmeticTokenizer()
     rng = random.Random(0)
     prompts = [tok.encode(f"{rng.randint(0, 999)}{rng.choice('+-*')}{rng.randint(0, 99)}=", add_eos=False)
@@ -77,8 +82,7 @@ def main(argv=None):
     for i in range(args.train_steps + 1):
         for lv in levels:
             start = clock()
-            with trainer.model.numerics.invariant(lv):
-                trainer.train_step()
+            trainers[lv].train_step()
             if i:
                 times[("train step", lv)].append(clock() - start)
     new_tokens = {lv: sum(len(r) for r in generated[lv].response_ids) for lv in levels}

@@ -86,7 +86,9 @@ def rollout_vs_trainer(jobs: list, work: Path, n: int, tokens: int, seed: int, d
     fp32 trainer re-scoring vLLM's tokens."""
     from megatron_fp4.integrations.vllm import export_for_vllm
     from megatron_fp4.integrations.vllm.remote import run_vllm_rollout
+    from megatron_fp4.fp4 import apply_numerics
     from megatron_fp4.model import build_model
+    from megatron_fp4.model.specs import numerics_from_config
     from megatron_fp4.training.data import ArithmeticTokenizer
 
     prompts, train_side = consistency()
@@ -96,6 +98,7 @@ def rollout_vs_trainer(jobs: list, work: Path, n: int, tokens: int, seed: int, d
     for name, scope, (train_mode, rollout_mode), model_seed in jobs:
         cfg = tiny_config(scope, train_mode, rollout_mode)
         models[name] = (build_model(cfg, seed=model_seed), train_mode)
+        apply_numerics(models[name][0], numerics_from_config(cfg, "train"))  # re-scores at "exact", fixed at build
         out = export_for_vllm(models[name][0], cfg, work / f"hf_{len(spec_jobs)}", dtype=None, overwrite=True)
         spec_jobs.append({"name": name, "model": str(out)})
     spec = {"jobs": spec_jobs, "prompts": ps, "max_tokens": tokens, "temperature": 1.0, "ignore_eos": True,
@@ -330,6 +333,7 @@ def layer_rows(args, work: Path) -> list:
     MoEResQ experts+attention, every decoder sub-module's output side by side (max |Δ|)."""
     import torch
 
+    from megatron_fp4.fp4 import Numerics, apply_numerics
     from megatron_fp4.integrations.hf import build_model_from_hf
     from megatron_fp4.integrations.vllm import export_for_vllm
     from megatron_fp4.integrations.vllm.worker import build_llm
@@ -350,10 +354,11 @@ def layer_rows(args, work: Path) -> list:
     trainer: dict = {}
     model = build_model_from_hf(d, cfg.fp4).eval()
     model.set_fp4_mode(cfg.fp4.rollout_mode)
+    apply_numerics(model, Numerics(invariance="exact"))  # the trainer side at the exact level, built so
     tnames = [n.removeprefix("model.") for n in names if "qkv" not in n]
     _hooks(model, tnames + [n.removeprefix("model.").replace("qkv_proj", p) for n in names if "qkv" in n
                             for p in ("q_proj", "k_proj", "v_proj")], trainer)
-    with torch.no_grad(), model.numerics.invariant("exact"):
+    with torch.no_grad():
         model(torch.tensor([prompt]))
     rows, first = [], None
     for n in names:

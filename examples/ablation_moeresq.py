@@ -118,7 +118,8 @@ def make_config(args, tok, seed: int, train_mode: str, rollout_mode: str, lr: fl
     overrides = ["logging.tensorboard_dir=null", "checkpoint.dir=null", f"schedule.seed={seed}",
                  f"model.vocab_size={tok.vocab_size}", f"model.max_seq_len={args.max_seq_len}",
                  f"fp4.scope={args.scope}", f"fp4.train_mode={train_mode}", f"fp4.rollout_mode={rollout_mode}",
-                 f"optimizer.lr={lr}", f"schedule.train_steps={max(steps, 1)}"]
+                 f"optimizer.lr={lr}", f"schedule.train_steps={max(steps, 1)}",
+                 f"numerics.invariance={args.invariance}"]  # the trainer's model is built at it (scoring too)
     overrides += [f"rl.router_replay={router_replay}"] if router_replay is not None else []
     cfg = load_config(args.config, overrides + list(args.override or []))
     cfg.schedule.warmup_steps = min(cfg.schedule.warmup_steps, steps)

@@ -54,7 +54,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from megatron_fp4.config import default_config_path, load_config  # noqa: E402
+from megatron_fp4.fp4 import Numerics, apply_numerics  # noqa: E402
 from megatron_fp4.model import Router, build_model  # noqa: E402
+from megatron_fp4.model.specs import numerics_from_config  # noqa: E402
 from megatron_fp4.rollout import RolloutEngine, SamplingParams  # noqa: E402
 from megatron_fp4.rollout.consistency import add_engine_noise, kl_bootstrap, rescore, router_margins  # noqa: E402
 from megatron_fp4.training.data import ArithmeticTokenizer, make_problem  # noqa: E402
@@ -121,7 +123,11 @@ def measure(cfg, weights, scope, train_mode, rollout_mode, tok, gap: Gap = NO_GA
     """Rollout (engine with `gap`) generates, the fp32 trainer re-scores; metrics over all tokens."""
     cfg = copy.deepcopy(cfg)
     cfg.fp4.scope = scope
+    cfg.numerics.invariance = gap.invariance  # the trainer's model re-scores at the rollout's level, fixed at build
     train_model = build_model(cfg)
+    apply_numerics(train_model, numerics_from_config(cfg, "train"))
+    if train_model.fp4_mode is not None:
+        train_model.set_fp4_mode(train_mode)  # its training-side mode, at build (rescore checks it)
     if gap.bf16_weights:
         weights = {k: v.to(torch.bfloat16).to(v.dtype) if v.is_floating_point() else v for k, v in weights.items()}
     train_model.load_state_dict(weights)
@@ -178,6 +184,7 @@ def vllm_ablation(cfg, weights, tok, work_dir, python=None, scopes=SCOPES, setti
             c.numerics.invariance = "batch"
             model = build_model(c)
             model.load_state_dict(weights)
+            apply_numerics(model, Numerics(invariance="exact"))  # the trainer side re-scores exactly (built so)
             key = f"{scope}/{name}"
             out = export_for_vllm(model, c, work_dir / f"hf_{len(jobs)}", dtype=None, overwrite=True)
             models[key] = model

@@ -14,6 +14,9 @@ other build-time value, set on each FP4 module by the model's specs):
 - ``invariance``: one of :data:`INVARIANCE_LEVELS` (``invariant.py``): ``standard`` (the fastest
   kernels), ``batch`` (fixed-shape kernel calls: a row's bits do not depend on its batch; the
   default of the config) or ``exact`` (FP4 GEMMs summed exactly: bits independent of the layout too).
+  Fixed when the object is built (setting it again raises): a model computes at one level, its
+  training forward, scoring and decode alike; a caller that wants another level builds a model
+  (a copy) with other numerics, as the rollout engine does for its own copy.
 - ``triton``: ``auto`` | ``off`` | ``interpret``, where the Triton quantizers serve (``triton_fp4.py``).
 - ``one_node``: MoEResQ graphs as one autograd node (a benchmark's "before"; same bits).
 - ``weight_cache``: a dict where derived weight operands (``Q(W)``, exact-GEMM splits, limbs) are
@@ -32,9 +35,8 @@ other build-time value, set on each FP4 module by the model's specs):
                   loss = model(mb); loss.backward()
       err = fp4_step.nonfinite_error()
 
-Each change is a ``with`` block on the object (restored on exit): per object, not per thread, so
-threads that run one model at the same time must not run it in different modes (as with
-``set_fp4_mode``). An FP4 Function captures the
+The step position, the weight cache and the backend are changed by ``with`` blocks on the object
+(restored on exit; none of them changes a GEMM's bits): per object, not per thread. An FP4 Function captures the
 position and backend in forward (its backward may run later, on another thread). :data:`STANDARD`
 (the standard kernels, step 0, no cache) is what a bare function call without ``numerics`` gets;
 it cannot be changed.
@@ -55,7 +57,7 @@ from megatron_fp4.fp4.nonfinite import NonFiniteFlags
 class Numerics:
     """The numerics of one model (see the module docstring)."""
 
-    STATE = ("invariance", "triton", "one_node", "weight_cache", "position")  # what a block may change
+    STATE = ("triton", "one_node", "weight_cache", "position")  # what a block may change (never the level)
 
     def __init__(self, *, invariance: str = "standard", triton: str = "auto", mode: str = "train"):
         _check_level(invariance)
@@ -73,6 +75,10 @@ class Numerics:
         self._frozen = False
 
     def __setattr__(self, name, value):
+        if name == "invariance" and "invariance" in self.__dict__:
+            raise ValueError(f"Numerics.invariance is fixed when the numerics are built (it is {self.invariance!r}): "
+                             "build the model with the level it computes at (model.specs.numerics_from_config, "
+                             "or fp4.apply_numerics(model, Numerics(invariance=...)))")
         if getattr(self, "_frozen", False):
             raise ValueError(f"the STANDARD numerics cannot be changed (Numerics.{name}): give the model its own "
                              "(fp4.apply_numerics(model, Numerics(...)))")
@@ -134,11 +140,6 @@ class Numerics:
         now = self.position
         return self._set(position=replace(now, micro_batch=now.first_micro_batch + local_index))
 
-    def invariant(self, level: str):
-        """The block at invariance ``level`` (one of :data:`INVARIANCE_LEVELS`)."""
-        _check_level(level)
-        return self._set(invariance=level)
-
     def cached_weights(self, store: Optional[dict] = None):
         """Reuse what GEMMs derive from a weight alone inside the block (``exact_gemm.cached_for_weight``);
         ``store``: a dict the caller keeps across blocks (default: dropped at the end)."""
@@ -189,3 +190,13 @@ def numerics_of(model) -> Numerics:
     around the module (the scoring log-softmax)."""
     found = getattr(model, "numerics", None)
     return found if isinstance(found, Numerics) and found is not STANDARD else Numerics()
+
+
+def rollout_numerics(base: Numerics, invariance: str) -> Numerics:
+    """New rollout-side numerics at ``invariance`` for a model that had ``base`` (its backend and
+    compiled kernels kept): what an inference engine gives the model copy it owns, once, at build."""
+    if not isinstance(base, Numerics):
+        raise ValueError(f"rollout_numerics: expected a Numerics, got {type(base).__name__}")
+    built = Numerics(invariance=invariance, triton=base.triton, mode="rollout")
+    built.kernels = base.kernels
+    return built

@@ -1,10 +1,13 @@
 """The ``batch`` numerics level's kernels: every call has a fixed shape, so a row's bits depend only
 on that row (and, for attention, its prefix), not on its batch, padding, micro-batch or KV cache.
 
-- GEMMs (:func:`tiled_mm`): the rows cut into tiles of :data:`ROW_TILE` rows (the last one
-  zero-padded), one ``torch.mm`` per tile. Every call the kernel sees is [ROW_TILE, K] · [K, N]
-  whatever the row count, so it blocks and (with several threads) splits the K reduction the same
-  way for each tile; a row's position inside its tile does not change its bits (a GEMM reduces
+- GEMMs (:func:`tiled_mm`): the rows cut into tiles of :func:`row_tile` ``(K, N)`` rows (the last
+  one zero-padded), one ``torch.mm`` per tile. The tile is a function of the weight's shape alone,
+  so one call site (one weight) always uses one tile: :data:`ROW_TILE` rows for wide layers, up to
+  :data:`MAX_ROW_TILE` for narrow ones, where a call's fixed cost outweighs its arithmetic (a
+  tile aims at :data:`TILE_WORK` multiply-adds: 16× fewer calls at width 64 than 16-row tiles).
+  Every call the kernel sees is [T, K] · [K, N] whatever the row count, so it blocks and (with
+  several threads) splits the K reduction the same way for each tile; a row's position inside its tile does not change its bits (a GEMM reduces
   each output element over K in an order that depends on the shape, not the row index; checked on
   the default, AVX2 and native kernels in ``tests/unit/test_numerics_levels.py``). One batched call
   over all tiles is *not* used: with two threads MKL splits a lone tile's K across the threads but
@@ -31,8 +34,20 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-ROW_TILE = 16
+ROW_TILE = 16  # the smallest GEMM row tile, and attention's query tile
+MAX_ROW_TILE = 128
+TILE_WORK = 1 << 18  # multiply-adds a GEMM tile aims at (a narrow layer's tile grows to reach it)
 KEY_BLOCK = 64
+
+
+def row_tile(k: int, n: int) -> int:
+    """The row tile of a [M, k] · [k, n] GEMM: ROW_TILE doubled while a tile does fewer than
+    TILE_WORK multiply-adds, at most MAX_ROW_TILE. A function of the weight's shape alone (never of
+    M), so every call through one weight has one tile shape: the bits of a row stay the row's own."""
+    tile = ROW_TILE
+    while tile < MAX_ROW_TILE and tile * k * n < TILE_WORK:
+        tile *= 2
+    return tile
 
 
 def _padded_rows(x2: torch.Tensor, multiple: int) -> torch.Tensor:
@@ -42,19 +57,20 @@ def _padded_rows(x2: torch.Tensor, multiple: int) -> torch.Tensor:
     tiles = max(1, -(-M // multiple))
     if tiles * multiple == M and x2.is_contiguous():
         return x2
-    return torch.cat([x2, x2.new_zeros(tiles * multiple - M, x2.shape[1])]) if tiles * multiple > M else x2.contiguous()
+    return F.pad(x2, (0, 0, 0, tiles * multiple - M)) if tiles * multiple > M else x2.contiguous()
 
 
 def _tiled_forward(x2: torch.Tensor, wt: torch.Tensor) -> torch.Tensor:
     """The forward of :func:`tiled_mm` (no autograd)."""
     M = x2.shape[0]
-    xp = _padded_rows(x2, ROW_TILE)
-    out = torch.cat([torch.mm(t, wt) for t in xp.split(ROW_TILE)]) if xp.shape[0] > ROW_TILE else torch.mm(xp, wt)
+    tile = row_tile(*wt.shape)
+    xp = _padded_rows(x2, tile)
+    out = torch.cat([torch.mm(t, wt) for t in xp.split(tile)]) if xp.shape[0] > tile else torch.mm(xp, wt)
     return out[:M] if out.shape[0] != M else out
 
 
 class _TiledMM(torch.autograd.Function):
-    """Forward: one [ROW_TILE, K] · [K, N] call per tile; backward: one GEMM per gradient (the
+    """Forward: one [T, K] · [K, N] call per row tile; backward: one GEMM per gradient (the
     gradients sum over the batch anyway, so their bits are not batch invariant at any tiling)."""
 
     @staticmethod
@@ -71,7 +87,7 @@ class _TiledMM(torch.autograd.Function):
 
 
 def tiled_mm(x2: torch.Tensor, wt: torch.Tensor) -> torch.Tensor:
-    """``x2`` [M, K] @ ``wt`` [K, N] with one [ROW_TILE, K] · [K, N] call per row tile (the
+    """``x2`` [M, K] @ ``wt`` [K, N] with one [T, K] · [K, N] call per row tile (T = :func:`row_tile`; the
     backward is one plain GEMM per gradient, :class:`_TiledMM`: it is not batch invariant).
     The operands' memory layouts are made canonical (row-major tiles, ``wt`` the transpose of a
     row-major [N, K]): a GEMM kernel is chosen by layout as well as shape, and picks other bits."""
@@ -137,21 +153,14 @@ class _TiledGroupedLinear(torch.autograd.Function):
         return dx, dw, None
 
 
-def _zero_padded(t: torch.Tensor, dim: int, size: int, extra: int = 0) -> torch.Tensor:
+def _zero_padded(t: torch.Tensor, dim: int, size: int) -> torch.Tensor:
     """``t`` in a fresh contiguous buffer zero-padded along ``dim`` to a multiple of ``size`` (at
-    least one), and ``extra`` more last-dim columns of ones (the values' denominator column)."""
-    n = t.shape[dim]
+    least one): one ``F.pad`` call."""
+    n, dim = t.shape[dim], dim % t.dim()
     full = max(1, -(-n // size)) * size
-    shape = list(t.shape)
-    shape[-1] += extra
-    shape[dim] = full
-    if full == n and not extra:
+    if full == n:
         return t.contiguous()
-    out = t.new_zeros(shape)
-    if extra:
-        out[..., t.shape[-1]:] = 1.0
-    out.narrow(dim, 0, n).narrow(-1, 0, t.shape[-1]).copy_(t)
-    return out
+    return F.pad(t, [0, 0] * (t.dim() - 1 - dim) + [0, full - n])
 
 
 def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
@@ -162,28 +171,29 @@ def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions
     KV, Tk = k.shape[1], k.shape[2]
     rep = H // KV
     n_keys = int(positions.max()) + 1 if positions.numel() else 1
-    if bool(pad.any()):  # row b's key j sits in slot pad[b] + j (clamped: past the end is future anyway)
-        idx = (pad[:, None] + torch.arange(n_keys, device=k.device)[None, :]).clamp(max=Tk - 1)
-        idx = idx[:, None, :, None].expand(B, KV, n_keys, D)  # gather: a plain copy (advanced indexing was 10× slower)
-        k, v = k.gather(2, idx), v.gather(2, idx)  # [B, KV, n_keys, D]
-    else:
-        k, v = k[:, :, :n_keys], v[:, :, :n_keys]
+    nK = -(-n_keys // KEY_BLOCK)
+    # Keys and values by position, in one row copy each (index_select of whole key rows: a gather
+    # with an expanded index was 10× slower) into a fresh row-major [B·KV, nK, KEY_BLOCK, ·] buffer:
+    # row b's key j sits in slot pad[b] + j (clamped; the slots past n_keys are in every query's
+    # future: their scores are masked and their weights exactly 0, so whatever key they copy adds
+    # exact zeros). A ones column on the values: the weighted-value product also gives the softmax
+    # denominator (the same fixed-shape call sums the block's weights).
+    width = nK * KEY_BLOCK
+    slot = (pad[:, None] + torch.arange(width, device=k.device)[None, :]).clamp(max=Tk - 1)  # [B, width]
+    rows = (torch.arange(B * KV, device=k.device).view(B, KV, 1) * Tk + slot[:, None, :]).reshape(-1)
+    kb = k.reshape(B * KV * Tk, D).index_select(0, rows).view(B * KV, nK, KEY_BLOCK, D)
+    vb = torch.cat([v.reshape(B * KV * Tk, D).index_select(0, rows), v.new_ones(rows.shape[0], 1)], 1)
+    vb = vb.view(B * KV, nK, KEY_BLOCK, D + 1)
     # Query rows: the rep query heads of a kv head times the queries, in tiles [B·KV·nT, ROW_TILE, D]
-    # (a decode step's rep rows share one tile); padding rows get position 0 (key 0 only: finite).
-    # Every batched product's operands row-major (a kernel is chosen by layout as well as shape: a
-    # decode step's expanded key block would otherwise be a transposed view, and get other bits).
-    flat_q = _zero_padded(q.reshape(B, KV, rep * Tq, D), 2, ROW_TILE).view(-1, ROW_TILE, D)
+    # (a decode step's rep rows share one tile), pre-scaled; padding rows get position 0 (key 0
+    # only: finite). Every batched product's operands row-major (a kernel is chosen by layout as
+    # well as shape: a decode step's expanded key block would otherwise be a transposed view).
+    flat_q = _zero_padded(q.reshape(B, KV, rep * Tq, D) * D ** -0.5, 2, ROW_TILE).view(-1, ROW_TILE, D)
     nT = flat_q.shape[0] // (B * KV)
     pos = _zero_padded(positions[:, None, :].expand(B, rep, Tq).reshape(B, rep * Tq), 1, ROW_TILE)
     flat_pos = pos.view(B, 1, nT, ROW_TILE).expand(B, KV, nT, ROW_TILE).reshape(-1, ROW_TILE)
-    # A ones column on the values: the weighted-value product also gives the softmax denominator
-    # (the same fixed-shape call sums the block's weights).
-    kb = _zero_padded(k, 2, KEY_BLOCK).view(B * KV, -1, KEY_BLOCK, D)  # [B·KV, nK, KEY_BLOCK, D]
-    vb = _zero_padded(v, 2, KEY_BLOCK, extra=1).view(B * KV, -1, KEY_BLOCK, D + 1)
-    nK = kb.shape[1]
     owner = torch.arange(B * KV, device=q.device).repeat_interleave(nT) if nT > 1 or nK > 1 else None
     last = flat_pos.amax(-1) if nK > 1 else None  # a tile reads key blocks 0..last // KEY_BLOCK
-    scale = D ** -0.5
     m = l = acc = None
     inplace = not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad))
     for j in range(nK):
@@ -201,7 +211,7 @@ def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions
             (flat_q.index_select(0, sel), flat_pos.index_select(0, sel), owner.index_select(0, sel))
         # [n, KEY_BLOCK, D (+1)] row-major: a tile's key block (a view where each (b, kv) has one tile and block)
         kj, vj = (kb[:, j], vb[:, j]) if oj is None else (kb[:, j].index_select(0, oj), vb[:, j].index_select(0, oj))
-        s = torch.bmm(qj, kj.transpose(1, 2)) * scale
+        s = torch.bmm(qj, kj.transpose(1, 2))
         future = torch.arange(j * KEY_BLOCK, (j + 1) * KEY_BLOCK, device=q.device) > pj[..., None]
         blk_max = s.masked_fill(future, float("-inf")).amax(-1)
         m_old = None if not j else m if sel is None else m.index_select(0, sel)

@@ -30,11 +30,11 @@ def attention_recipe(fp4_cfg, mode: Optional[str] = None) -> Optional[Recipe]:
 
 
 def numerics_from_config(cfg, mode: str = "train") -> Numerics:
-    """The `Numerics` of a model in `mode` ("train": the trainer's forward, standard kernels unless
-    a caller switches the level; "rollout": the engine's, `numerics.invariance`) under `cfg`
-    (a `Config`; its environment overrides were applied when it loaded)."""
-    level = cfg.numerics.invariance if mode == "rollout" else "standard"
-    return Numerics(invariance=level, triton=cfg.fp4.triton, mode=mode)
+    """The `Numerics` of a model in `mode` ("train": the trainer's model, its training forward and
+    scoring; "rollout": an engine's copy) under `cfg` (a `Config`; its environment overrides were
+    applied when it loaded): both at `numerics.invariance`, fixed for the model's life, so the
+    trainer's scoring and training forward compute a row the way the rollout decodes it."""
+    return Numerics(invariance=cfg.numerics.invariance, triton=cfg.fp4.triton, mode=mode)
 
 
 def no_weight_decay(name: str, param) -> bool:

@@ -32,7 +32,7 @@ from typing import Optional, Sequence, Union
 import torch
 
 from megatron_fp4.config.choices import INVARIANCE_LEVELS
-from megatron_fp4.fp4 import numerics_of
+from megatron_fp4.fp4 import apply_numerics, numerics_of, rollout_numerics
 from megatron_fp4.model import KVCache, Router
 from megatron_fp4.model.capacity import refuse_for_rollout
 from megatron_fp4.rollout.logprobs import log_softmax_rows, pick
@@ -108,17 +108,18 @@ def pad_prompt_response(prompts: Sequence[Sequence[int]], responses: Sequence[Se
             "response_mask": response_mask, "prompt_len": p_tok.shape[1]}
 
 
-@contextlib.contextmanager
-def fp4_mode(model, mode: Optional[str]):
-    """Run `model` in FP4 `mode` and restore its previous mode afterwards (None: leave as is)."""
-    previous = model.fp4_mode
-    if mode is not None and previous is not None:
-        model.set_fp4_mode(mode)
-    try:
-        yield
-    finally:
-        if mode is not None and previous is not None:
-            model.set_fp4_mode(previous)
+def check_built_numerics(model, mode: Optional[str] = None, invariance: Optional[str] = None) -> None:
+    """Raise ValueError when a caller asks `model` for an FP4 `mode` or numerics level `invariance`
+    (None: whatever it has) other than the ones it was built with: both are fixed at build."""
+    if mode is not None and model.fp4_mode is not None and mode != model.fp4_mode:
+        raise ValueError(f"the model computes in FP4 mode {model.fp4_mode!r} (fixed when it was built), not {mode!r}: "
+                         "score with a model built in that mode (model.set_fp4_mode at build; a RolloutEngine's "
+                         "model is in the engine's mode)")
+    level = numerics_of(model).invariance
+    if invariance is not None and invariance != level:
+        raise ValueError(f"the model computes at numerics.invariance={level!r} (fixed when it was built), not "
+                         f"{invariance!r}: build the model with that level (numerics_from_config, or "
+                         "fp4.apply_numerics(model, Numerics(invariance=...)) on a copy)")
 
 
 def cast_for_inference(model, dtype: torch.dtype):
@@ -140,6 +141,8 @@ class RolloutEngine:
     `lock_timeout_s` bounds every wait for the weights lock (`RWLock`): a swap blocked that long by
     a request fails with `LockTimeout` and the engine keeps its weights. `invariance` (default
     "batch", the config's `numerics.invariance`) is the numerics level it decodes at (`fp4/invariant.py`).
+    Mode and level are fixed here, when the engine builds its model: the model gets the FP4 `mode`
+    and a rollout `Numerics` of its own at `invariance` (design rule 6; nothing switches them per call).
     `cache_quantized_weights` (default True) derives each weight's quantization / exact-GEMM split
     once per weight version instead of at every decode step (`Numerics.cached_weights` with a
     store kept across `generate` calls and emptied by `load_weights`; the same bits): a write into
@@ -165,6 +168,10 @@ class RolloutEngine:
             cast_for_inference(model, dtype)
         self.model = model.eval()
         self.mode = mode if mode is not None else getattr(model.fp4_cfg, "rollout_mode", None)
+        self._weight_cache: dict = {}  # weight-derived GEMM terms, kept across generate calls (per version)
+        if self.mode is not None and model.fp4_mode is not None:
+            model.set_fp4_mode(self.mode)
+        apply_numerics(model, rollout_numerics(numerics_of(model), invariance))
         self.pad_id = int(pad_id)
         self.name = name
         self.version = 0
@@ -172,7 +179,6 @@ class RolloutEngine:
         self._seed_stream = torch.Generator().manual_seed(seed)
         self._seed_lock = threading.Lock()
         self._moe_layer_ids = [i for i, layer in enumerate(model.layers) if layer.is_moe]
-        self._weight_cache: dict = {}  # weight-derived GEMM terms, kept across generate calls (per version)
 
     # -- weights --------------------------------------------------------------------------------
     def weight_meta(self) -> dict:
@@ -230,10 +236,9 @@ class RolloutEngine:
             raise ValueError(f"prompt length + max_new_tokens exceeds model.max_seq_len={limit}; "
                              "shorten the prompt or lower max_new_tokens")
         gens = [torch.Generator().manual_seed(p.seed if p.seed is not None else self._next_seed()) for p in params]
-        numerics = numerics_of(self.model)  # the model's fp4.Numerics, in the engine's mode while it decodes
+        numerics = numerics_of(self.model)  # built with the model (__init__); the cache changes no bits
         cache = numerics.cached_weights(self._weight_cache) if self.cache_quantized_weights else contextlib.nullcontext()
-        with self.lock.read(), torch.no_grad(), fp4_mode(self.model, self.mode), \
-                numerics.invariant(self.invariance), cache:
+        with self.lock.read(), torch.no_grad(), cache:
             version = self.version
             out = self._decode(prompts, params, gens, max_new, return_routing, return_distributions)
         return GenerationOutput(version=version, prompt_ids=[list(p) for p in prompts], **out)

@@ -4,10 +4,11 @@ Shared by the RL example, the verl training engine and the consistency report, s
 side always scores exactly the way the rollout engine's numbers are compared against; the token
 log-probs themselves come from `rollout.logprobs`, the definition the engine's decode uses too.
 
-Scoring (no autograd) runs at the ``batch`` numerics level by default (``fp4/invariant.py``),
-like the rollout engine: a token's log-prob then has the same bits as the engine's KV-cache
-decode gave it, in any batch, padding or split. A differentiable call (the training forward) runs
-the standard kernels unless it asks for a level (``invariance="batch"``).
+Scoring runs at the numerics level and FP4 mode the model was built with (``numerics.invariance``,
+default ``batch``, ``fp4/invariant.py``; design rule 6), with or without autograd: at ``batch``, as
+in the rollout engine, a token's log-prob has the same bits as the engine's KV-cache decode gave
+it, in any batch, padding or split. ``mode`` / ``invariance`` arguments only check that the model
+was built that way (a clear error otherwise); nothing switches the model's numerics per call.
 """
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from typing import Optional
 import torch
 
 from megatron_fp4.fp4 import numerics_of
-from megatron_fp4.rollout.engine import fp4_mode, positions_from_mask
+from megatron_fp4.rollout.engine import check_built_numerics, positions_from_mask
 from megatron_fp4.rollout.logprobs import log_probs_from_logits, to_token_positions
 from megatron_fp4.training.forward_only import RowLoss
 
@@ -61,22 +62,20 @@ def compute_log_probs(model, tokens: torch.Tensor, attention_mask: torch.Tensor,
                       return_routing: bool = False, return_distributions: bool = False,
                       invariance: Optional[str] = None, routing_in: Optional[torch.Tensor] = None) -> ScoreOutput:
     """Score `tokens` [B, T] (verl layout: left-padded prompt, right-padded response) in one
-    forward, in FP4 `mode` (default: the model's current mode, i.e. the training-side one).
+    forward, in the FP4 mode and numerics level the model was built with (`mode`, `invariance`:
+    None, or the ones it was built with: anything else is a ValueError; module doc).
     Differentiable: call under torch.no_grad() when only the numbers are needed.
-    `invariance`: the numerics level (None: "batch" without autograd, "standard" with it; module doc).
     `routing_in`: routes to replay (`MoETransformer.run_layers`; position-aligned, not shifted)."""
     if tokens.shape != attention_mask.shape:
         raise ValueError(f"tokens {tuple(tokens.shape)} and attention_mask {tuple(attention_mask.shape)} "
                          "must have the same [batch, seq] shape")
-    level = ("standard" if torch.is_grad_enabled() else "batch") if invariance is None else invariance
-    numerics = numerics_of(model)
-    with fp4_mode(model, mode), numerics.invariant(level):
-        inputs = model_inputs(tokens, attention_mask, routing_in)
-        if routing_in is None:
-            del inputs["routing_in"]
-        out = model(**inputs, return_routing=return_routing)
-        log_probs, logp_all = log_probs_from_logits(out.logits, tokens, attention_mask if response_mask is None
-                                                    else response_mask, numerics)
+    check_built_numerics(model, mode, invariance)
+    inputs = model_inputs(tokens, attention_mask, routing_in)
+    if routing_in is None:
+        del inputs["routing_in"]
+    out = model(**inputs, return_routing=return_routing)
+    log_probs, logp_all = log_probs_from_logits(out.logits, tokens, attention_mask if response_mask is None
+                                                else response_mask, numerics_of(model))
     routing = dists = None
     if return_routing:
         moe = [r for r in out.routing if r is not None]
@@ -87,7 +86,7 @@ def compute_log_probs(model, tokens: torch.Tensor, attention_mask: torch.Tensor,
 
 
 def score(model, prompts, responses, pad_id: int = 0, mode: Optional[str] = None,
-          return_routing: bool = False, return_distributions: bool = False, invariance: str = "batch"):
+          return_routing: bool = False, return_distributions: bool = False, invariance: Optional[str] = None):
     """Convenience over `compute_log_probs` for token-id lists: returns per-request tensors
     (log_probs [L], routing [L, num_moe_layers, k], distributions [L, V]) in the engine's format."""
     from megatron_fp4.rollout.engine import pad_prompt_response

@@ -122,11 +122,8 @@ class VerlScore(StepLoss):
 
 def _score(model, mb, score: VerlScore) -> dict:
     """`score`'s outputs of one micro-batch by a bare model (no Trainer: verl's checks, one replica)."""
-    level = "batch" if not torch.is_grad_enabled() else "standard"  # as compute_log_probs
-    numerics = numerics_of(model)
-    score.numerics = numerics
-    with numerics.invariant(level):
-        return score.outputs(model(**score.model_inputs(mb)).logits, mb)
+    score.numerics = numerics_of(model)  # the level the model was built with, with or without autograd
+    return score.outputs(model(**score.model_inputs(mb)).logits, mb)
 
 
 def score_padded(model, mb, entropy: bool = False) -> dict:

@@ -180,9 +180,8 @@ class MegatronFP4Engine(BaseEngine):
         numerics = self.trainer.model.numerics
         score.numerics, score.loss_fn = numerics, loss_fn
         try:
-            with numerics.invariant("batch" if forward_only else "standard"):
-                self.trainer.forward_backward(micro_batches, score, weights=weights, accumulate=True,
-                                              forward_only=forward_only)
+            self.trainer.forward_backward(micro_batches, score, weights=weights, accumulate=True,
+                                          forward_only=forward_only)  # at the model's built level, both passes
         finally:
             if score.recorder is not None:
                 score.recorder.remove()

@@ -34,17 +34,14 @@ def _rollouts(case):
     return out.prompt_ids, out.response_ids, out.log_probs, out.routing
 
 
-def _score_rows(model, rows, prompt_ids, response_ids, case, forward=None):
+def _score_rows(model, rows, prompt_ids, response_ids, case):
     """Score `rows` in one batch (this rank's subset) -> {row: (log_probs, routing)}."""
     from megatron_fp4.rollout import score
 
     level, mode = case
-    if forward is None:
-        sc = score(model, [prompt_ids[i] for i in rows], [response_ids[i] for i in rows], mode=mode, return_routing=True,
-                   invariance=level)
-        return {i: (sc["log_probs"][j], sc["routing"][j]) for j, i in enumerate(rows)}
-    with model.numerics.invariant(level):
-        return forward(rows)
+    sc = score(model, [prompt_ids[i] for i in rows], [response_ids[i] for i in rows], mode=mode, return_routing=True,
+               invariance=level)
+    return {i: (sc["log_probs"][j], sc["routing"][j]) for j, i in enumerate(rows)}
 
 
 def _worker(rank, world, rollouts):
@@ -58,7 +55,7 @@ def _worker(rank, world, rollouts):
         prompt_ids, response_ids, _, _ = rollouts[case]
         rows = list(range(rank, len(prompt_ids), world))[::-1]  # another subset, order and padding
         for dispatcher in ("alltoall", "gcmoe"):
-            model = tiny_model(SEED, "experts+attention")
+            model = tiny_model(SEED, "experts+attention", level=case[0], mode=case[1])  # built at the case's numerics
             apply_expert_parallel(model, mesh, dispatcher, chunk_tokens=4, ring_slots=2)
             out[(case, dispatcher)] = _score_rows(model, rows, prompt_ids, response_ids, case)
     return out
@@ -67,7 +64,7 @@ def _worker(rank, world, rollouts):
 def _pp_worker(rank, world, rollouts):
     """pp2: rank 0 runs embed + its layers, sends the hidden state; rank 1 runs the rest + head."""
     from megatron_fp4.parallel.pipeline import build_chunks
-    from megatron_fp4.rollout.engine import fp4_mode, pad_prompt_response, positions_from_mask
+    from megatron_fp4.rollout.engine import pad_prompt_response, positions_from_mask
     from megatron_fp4.rollout.scoring import log_probs_from_logits
     from megatron_fp4.training.data import ArithmeticTokenizer
 
@@ -75,12 +72,12 @@ def _pp_worker(rank, world, rollouts):
     out = {}
     for case in MODES:
         (level, mode), (prompt_ids, response_ids, _, _) = case, rollouts[case]
-        model = tiny_model(SEED, "experts+attention")
+        model = tiny_model(SEED, "experts+attention", level=level, mode=mode)
         [(_, chunk)] = build_chunks(model, pp=2, pp_rank=rank)
         batch = pad_prompt_response(prompt_ids, response_ids, ArithmeticTokenizer().pad_id)
         tokens, mask = batch["input_ids"], batch["attention_mask"]
         positions = positions_from_mask(mask)
-        with torch.no_grad(), fp4_mode(model, mode), model.numerics.invariant(level):
+        with torch.no_grad():
             if rank == 0:
                 h = model.run_layers(model.embed(tokens), positions, mask, chunk.layer_range)
                 dist.send(h.contiguous(), dst=1)

@@ -56,8 +56,10 @@ def _build(world_size, spec):
     from megatron_fp4.training.trainer import Trainer
 
     spec = dict(spec)
-    fp4, bias = spec.pop("fp4", False), spec.pop("bias", False)
+    fp4, bias, level = spec.pop("fp4", False), spec.pop("bias", False), spec.pop("level", None)
     cfg = cp_cfg(**spec)
+    if level is not None:
+        cfg.numerics.invariance = level
     if bias:
         cfg.model.moe_router_bias_update_rate = 1e-3
     if fp4:  # FP4 MoEResQ experts for scoring; training stays bf16 (FP4 training is refused with cp)
@@ -116,25 +118,25 @@ def _train(rank, world_size, layouts):
 def _score(rank, world_size):
     """cp 2 scoring of one micro-batch at every level (fp64 standard, fp32 batch and exact)."""
     from megatron_fp4.parallel import context
-    from megatron_fp4.rollout.engine import fp4_mode
     from megatron_fp4.rollout.logprobs import log_softmax_rows
 
     out = {}
     for dtype, fp4, levels in (("fp64", False, ("standard",)), ("fp32", False, ("batch", "exact")),
                                ("fp32", True, ("batch", "exact"))):
-        t = _build(world_size, dict(cp=2, dtype=dtype, fp4=fp4))
-        t.model.eval()
-        tokens = t.next_micro_batches()[0]["tokens"]
-        numerics = t.model.numerics
-        for level in levels:
-            with torch.no_grad(), numerics.invariant(level), fp4_mode(t.model, "fp4_resq" if fp4 else None):
+        for level in levels:  # a trainer built at each level (the level is fixed at build), scoring in fp4_resq
+            t = _build(world_size, dict(cp=2, dtype=dtype, fp4=fp4, level=level))
+            if fp4:
+                t.model.set_fp4_mode("fp4_resq")
+            t.model.eval()
+            tokens = t.next_micro_batches()[0]["tokens"]
+            with torch.no_grad():
                 positions = torch.arange(tokens.shape[1]).expand(tokens.shape)
                 logits = t.model(context.split_sequence(tokens, t.cp_plan),
                                  context.split_sequence(positions, t.cp_plan)).logits
-                rows = log_softmax_rows(logits, numerics)
+                rows = log_softmax_rows(logits, t.model.numerics)
                 out[("fp4_" if fp4 else "") + level] = context.token_log_probs(rows, tokens, t.cp_plan)
-        out[dtype + "_tokens"] = tokens
-        t.optimizer.remove_hooks()
+            out[dtype + "_tokens"] = tokens
+            t.optimizer.remove_hooks()
     return out
 
 
@@ -222,13 +224,15 @@ def _reference_scores(dtype, tokens, level):
 
     cfg = cp_cfg(dtype=dtype)
     fp4 = level.startswith("fp4_")
+    cfg.numerics.invariance = level.removeprefix("fp4_")  # the trainer's model is built at the level
     if fp4:
         cfg.fp4.scope = "experts"
     with single_thread(), torch.no_grad():
         t = Trainer(cfg, build_data=False)
+        if fp4:
+            t.model.set_fp4_mode("fp4_resq")
         t.model.eval()
-        return compute_log_probs(t.model, tokens, torch.ones_like(tokens), mode="fp4_resq" if fp4 else None,
-                                 invariance=level.removeprefix("fp4_")).log_probs
+        return compute_log_probs(t.model, tokens, torch.ones_like(tokens)).log_probs
 
 
 @pytest.mark.parametrize("level", LEVELS)

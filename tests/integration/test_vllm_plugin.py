@@ -358,7 +358,9 @@ def trainer_scores(model_dir, cfg, tokens):
     model = build_model_from_hf(model_dir, cfg.fp4).eval()
     # the plugin's row-invariant path is the exact level (its batch kernels are not built yet)
     level = "standard" if cfg.numerics.invariance == "standard" else "exact"
-    return score(model, PROMPTS, tokens, mode=cfg.fp4.rollout_mode, return_routing=True, invariance=level)
+    model.set_fp4_mode(cfg.fp4.rollout_mode)  # mode and level fixed when the trainer side's model is built
+    apply_numerics(model, Numerics(invariance=level))
+    return score(model, PROMPTS, tokens, return_routing=True)
 
 
 def compare(vllm_out, scored):

@@ -13,13 +13,14 @@ machine dependent).
 from __future__ import annotations
 
 import random
+from typing import Optional
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 from megatron_fp4.config import Config
-from megatron_fp4.fp4 import Numerics, invariant
+from megatron_fp4.fp4 import Numerics, apply_numerics, invariant
 from megatron_fp4.model import KVCache, build_model
 from megatron_fp4.rollout import RolloutEngine, SamplingParams, score
 from megatron_fp4.training.data import ArithmeticTokenizer
@@ -28,12 +29,19 @@ from tests.numerics import single_thread
 TOK = ArithmeticTokenizer()
 
 
-def tiny_model(seed: int, scope: str = "experts", fmt: str = "nvfp4"):
+def tiny_model(seed: int, scope: str = "experts", fmt: str = "nvfp4", level: Optional[str] = None,
+               mode: Optional[str] = None):
+    """The test model; with `level` / `mode` built at that numerics level / FP4 mode (fixed at build)."""
     cfg = Config()
     cfg.model.vocab_size = TOK.vocab_size
     cfg.model.num_layers = 2
     cfg.fp4.scope, cfg.fp4.format = scope, fmt
-    return build_model(cfg, seed=seed)
+    model = build_model(cfg, seed=seed)
+    if mode is not None:
+        model.set_fp4_mode(mode)
+    if level is not None:
+        apply_numerics(model, Numerics(invariance=level))
+    return model
 
 
 def prompts(seed: int, n: int):
@@ -94,13 +102,12 @@ def check_rollout_equals_scoring(mode, scope, fmt, seed, level="batch"):
 def test_batch_invariant_kv_cache_logits_equal_full_forward_bitwise(level):
     """Raw logits: a 5-token prefill then one token at a time == the full causal forward, for
     rows of a batch with left padding (FP4 attention, so FP4 operands sit on both paths)."""
-    model = tiny_model(5, "experts+attention").eval()
-    model.set_fp4_mode("fp4_resq")
+    model = tiny_model(5, "experts+attention", level=level, mode="fp4_resq").eval()
     tokens = torch.randint(1, TOK.vocab_size, (3, 12), generator=torch.Generator().manual_seed(0))
     mask = torch.ones_like(tokens)
     mask[0, :3] = 0  # row 0 left-padded by 3
     pos = (mask.cumsum(-1) - 1).clamp(min=0)
-    with torch.no_grad(), model.numerics.invariant(level), single_thread():
+    with torch.no_grad(), single_thread():
         full = model(tokens, pos, mask).logits
         cache = KVCache.empty(len(model.layers))
         steps = [model(tokens[:, :5], pos[:, :5], mask[:, :5], cache).logits]
@@ -114,16 +121,15 @@ def test_batch_invariant_transcendentals_do_not_depend_on_position():
     of a tensor (vector body or tail) and alone; F.silu is the counterexample the mode avoids on
     vector CPUs (checked only where it occurs: not asserted)."""
     x = torch.randn(4099, generator=torch.Generator().manual_seed(0)) * 4
-    num = Numerics()
-    with num.invariant("batch"):
-        fns = {"exp": torch.exp, "log": lambda t: torch.log(t.abs() + 1e-3), "cos": torch.cos, "sin": torch.sin,
-               "rsqrt": lambda t: torch.rsqrt(t.abs() + 1e-3), "silu": lambda t: invariant.silu(t, num)}
-        for name, f in fns.items():
-            full = f(x)
-            for off in (1, 5, 17, 33):
-                assert torch.equal(bits(f(x[off:off + 45].clone())), bits(full[off:off + 45])), name
-            alone = torch.cat([f(x[i:i + 1].clone()) for i in range(200)])
-            assert torch.equal(bits(alone), bits(full[:200])), name
+    num = Numerics(invariance="batch")
+    fns = {"exp": torch.exp, "log": lambda t: torch.log(t.abs() + 1e-3), "cos": torch.cos, "sin": torch.sin,
+           "rsqrt": lambda t: torch.rsqrt(t.abs() + 1e-3), "silu": lambda t: invariant.silu(t, num)}
+    for name, f in fns.items():
+        full = f(x)
+        for off in (1, 5, 17, 33):
+            assert torch.equal(bits(f(x[off:off + 45].clone())), bits(full[off:off + 45])), name
+        alone = torch.cat([f(x[i:i + 1].clone()) for i in range(200)])
+        assert torch.equal(bits(alone), bits(full[:200])), name
     torch.testing.assert_close(invariant.silu(x), F.silu(x), rtol=4e-7, atol=1e-30)  # same function, ~1 ulp
 
 
@@ -143,13 +149,12 @@ def test_batch_invariant_mode_is_off_by_default_and_off_for_float64():
     x, num = torch.randn(3, 32), Numerics()
     assert not invariant.enabled(num, x) and not invariant.enabled(None, x)
     for level in ("batch", "exact"):
-        with num.invariant(level):
-            assert invariant.enabled(num, x) and not invariant.enabled(num, x.double())
-            assert invariant.exact(num, x) == (level == "exact") and invariant.tiled(num, x) == (level == "batch")
-            with num.invariant("standard"):
-                assert not invariant.enabled(num, x)
+        at = Numerics(invariance=level)
+        assert invariant.enabled(at, x) and not invariant.enabled(at, x.double())
+        assert invariant.exact(at, x) == (level == "exact") and invariant.tiled(at, x) == (level == "batch")
+    assert not invariant.enabled(Numerics(invariance="standard"), x)
     with pytest.raises(ValueError, match="invariance"):
-        num.invariant(True)
+        Numerics(invariance=True)
     w = torch.randn(8, 32)
     assert torch.equal(invariant.linear(x, w), F.linear(x, w))
     assert torch.equal(invariant.linear(x, w, None, num), F.linear(x, w))

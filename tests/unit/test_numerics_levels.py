@@ -15,7 +15,8 @@ import torch.nn.functional as F
 
 from megatron_fp4.fp4 import Numerics, invariant
 from megatron_fp4.fp4.exact_gemm import exact_linear
-from megatron_fp4.fp4.tiled import KEY_BLOCK, ROW_TILE, block_attention, row_sum, tiled_grouped_linear, tiled_linear
+from megatron_fp4.fp4.tiled import (KEY_BLOCK, MAX_ROW_TILE, ROW_TILE, block_attention, row_sum, row_tile,
+                                    tiled_grouped_linear, tiled_linear)
 
 U = 2.0 ** -24  # fp32 unit roundoff
 
@@ -36,20 +37,30 @@ def threads(request):
     torch.set_num_threads(before)
 
 
-@pytest.mark.parametrize("k,n", [(64, 96), (1000, 77), (2048, 256)])
+# tiles of 16 (wide), 32, 64 and 128 rows (narrow: row_tile grows the tile of a small K·N)
+@pytest.mark.parametrize("k,n", [(64, 96), (1000, 77), (2048, 256), (64, 64), (16, 48)])
 def test_tiled_linear_row_bits_do_not_depend_on_the_batch(threads, k, n):
     g = torch.Generator().manual_seed(k + n)
     x, w = torch.randn(300, k, generator=g), torch.randn(n, k, generator=g) / math.sqrt(k)
     full = tiled_linear(x, w)
     perm = torch.randperm(300, generator=g)
     shuffled = tiled_linear(x[perm], w)
-    for i in (0, 1, ROW_TILE - 1, ROW_TILE, 101, 299):
+    tile = row_tile(k, n)
+    for i in (0, 1, tile - 1, tile, 101, 299):
         assert torch.equal(bits(tiled_linear(x[i:i + 1], w)[0]), bits(full[i]))  # alone
         assert torch.equal(bits(tiled_linear(x[max(0, i - 5):i + 1], w)[-1]), bits(full[i]))  # other tile slot
+        assert torch.equal(bits(tiled_linear(x[i:i + tile + 3], w)[0]), bits(full[i]))  # first of two tiles
     assert torch.equal(bits(shuffled), bits(full[perm]))  # other tiles, other neighbours
     # one fp32 dot product of k terms per element: |err| <= gamma_k * sum |x||w|
     ref = x.double() @ w.double().t()
     assert ((full.double() - ref).abs() <= gamma(k) * (x.double().abs() @ w.double().abs().t()) + 1e-30).all()
+
+
+def test_row_tile_depends_on_the_weight_shape_alone():
+    """Wide layers keep the 16-row tile; narrow ones grow it (fewer calls) up to MAX_ROW_TILE."""
+    assert row_tile(1024, 1024) == row_tile(2048, 256) == ROW_TILE == 16
+    assert (row_tile(64, 128), row_tile(64, 64), row_tile(16, 48)) == (32, 64, MAX_ROW_TILE)
+    assert all(row_tile(k, n) in (16, 32, 64, 128) for k in (1, 7, 64, 1000) for n in (1, 77, 4096))
 
 
 def test_tiled_linear_bias_leading_dims_and_grad():
@@ -214,19 +225,22 @@ def test_batch_level_training_forward_equals_no_grad_scoring_bitwise(mode, scope
     """The training forward (autograd: experts one by one, MoEResQ's autograd Functions) gives the
     no-grad scoring forward's bits (grouped experts) at the batch level, in another batch too."""
     from megatron_fp4.config import Config
+    from megatron_fp4.fp4 import apply_numerics
     from megatron_fp4.model import build_model
+    from megatron_fp4.model.specs import numerics_from_config
 
     cfg = Config()
     cfg.model.num_layers, cfg.fp4.scope = 2, scope
+    cfg.numerics.invariance = "batch"
     model = build_model(cfg, seed=7)
+    apply_numerics(model, numerics_from_config(cfg, "train"))  # as the Trainer builds its model
     model.set_fp4_mode(mode)
     tokens = torch.randint(1, cfg.model.vocab_size, (5, 19), generator=torch.Generator().manual_seed(3))
-    with model.numerics.invariant("batch"):
-        with torch.no_grad():
-            scored = model(tokens).logits
-            alone = model(tokens[2:3]).logits
-        trained = model(tokens).logits
-        trained.float().square().mean().backward()  # a real training forward: the graph is used
+    with torch.no_grad():
+        scored = model(tokens).logits
+        alone = model(tokens[2:3]).logits
+    trained = model(tokens).logits
+    trained.float().square().mean().backward()  # a real training forward: the graph is used
     assert torch.equal(bits(trained.detach()), bits(scored))
     assert torch.equal(bits(alone[0]), bits(scored[2]))
 

@@ -37,12 +37,21 @@ def test_two_models_compute_their_own_batch_invariance():
     with torch.no_grad():
         ya, yb = a(tokens).logits, b(tokens).logits
         assert not torch.equal(ya, yb)  # the exact GEMMs round differently from the standard ones
-        with b.numerics.invariant("exact"):  # b alone switched: a is untouched
-            assert torch.equal(b(tokens).logits, ya)
-            assert torch.equal(a(tokens).logits, ya)
-        assert torch.equal(b(tokens).logits, yb)
-        with a.numerics.invariant("standard"):
-            assert torch.equal(a(tokens).logits, yb) and torch.equal(b(tokens).logits, yb)
+        apply_numerics(b, Numerics(invariance="exact"))  # b alone rebuilt at exact: a is untouched
+        assert torch.equal(b(tokens).logits, ya)
+        assert torch.equal(a(tokens).logits, ya)
+        apply_numerics(a, Numerics(invariance="standard"))
+        assert torch.equal(a(tokens).logits, yb) and not torch.equal(b(tokens).logits, yb)
+
+
+def test_the_level_is_fixed_when_the_numerics_are_built():
+    """No block or assignment switches a model's level (design rule 6): it is set once, at build."""
+    numerics = Numerics(invariance="batch")
+    with pytest.raises(ValueError, match="fixed when the numerics are built"):
+        numerics.invariance = "standard"
+    assert numerics.invariance == "batch" and not hasattr(numerics, "invariant")
+    with numerics.cached_weights(), numerics.portable():  # the changes that keep the bits still open blocks
+        assert numerics.invariance == "batch" and numerics.triton == "off"
 
 
 def test_two_models_draw_their_own_stochastic_rounding_streams():
@@ -70,8 +79,8 @@ def test_two_models_draw_their_own_stochastic_rounding_streams():
 
 def test_standard_numerics_cannot_change_and_every_layer_shares_the_models():
     with pytest.raises(ValueError, match="STANDARD numerics cannot be changed"):
-        STANDARD.invariant("batch")
-    with pytest.raises(ValueError, match="STANDARD numerics cannot be changed"):
+        STANDARD.portable()
+    with pytest.raises(ValueError, match="fixed when the numerics are built"):
         STANDARD.invariance = "batch"
     assert copy.deepcopy(STANDARD) is STANDARD and STANDARD.invariance == "standard"
     model = build_model(_cfg(), seed=0)
@@ -89,7 +98,9 @@ def test_trainer_and_rollout_numerics_come_from_the_config():
     cfg.schedule.global_batch_size, cfg.schedule.micro_batch_size, cfg.schedule.seq_len = 2, 2, 8
     cfg.data.num_samples, cfg.logging.tensorboard_dir, cfg.logging.progress = 8, None, False
     numerics = Trainer(cfg).model.numerics
-    assert (numerics.mode, numerics.triton, numerics.invariance) == ("train", "off", "standard")
+    # the trainer's model at the config's level (default batch): its scoring and training forward alike
+    assert (numerics.mode, numerics.triton, numerics.invariance) == ("train", "off", cfg.numerics.invariance)
+    assert cfg.numerics.invariance == "batch"
     assert build_model(cfg, seed=0).numerics.triton == "off"  # any build honours the config's backend
     rollout = numerics_from_config(cfg, "rollout")
     assert (rollout.mode, rollout.invariance) == ("rollout", cfg.numerics.invariance)

@@ -31,7 +31,7 @@ def _tokens(model, B=3, T=9):
 
 def _loss_and_grads(model, tokens, mask, routing_in=None):
     model.zero_grad()
-    out = compute_log_probs(model, tokens, mask, routing_in=routing_in, invariance="standard")
+    out = compute_log_probs(model, tokens, mask, routing_in=routing_in)
     loss = (out.log_probs * torch.linspace(0.5, 1.5, tokens.shape[1])).sum()
     loss.backward()
     return out.log_probs.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
@@ -41,7 +41,7 @@ def test_replaying_own_routes_is_bitwise_live_routing():
     model = tiny_trainer().model.train()
     tokens, mask = _tokens(model)
     with torch.no_grad():
-        own = compute_log_probs(model, tokens, mask, return_routing=True, invariance="standard").routing
+        own = compute_log_probs(model, tokens, mask, return_routing=True).routing
     routes = from_log_prob_alignment(own)  # the positions' own routes; the last position live
     lp_live, g_live = _loss_and_grads(model, tokens, mask)
     lp_rep, g_rep = _loss_and_grads(model, tokens, mask, routes)

@@ -20,6 +20,7 @@ from typing import Optional
 import torch
 
 from megatron_fp4.fp4 import numerics_of
+from megatron_fp4.rollout.engine import check_built_numerics
 from megatron_fp4.rollout.logprobs import to_token_positions
 from megatron_fp4.rollout.scoring import TokenLogProbs
 
@@ -44,12 +45,13 @@ class PolicyScorer:
     """`score(batch)` -> old log-probs [B, T] and routing [B, T, num_moe_layers, k] (+ the reference
     policy's log-probs when `keep_reference`), the same on every rank. `micro_batch_size`: rows per
     pipeline micro-batch (each dp replica's share of the rows must be a multiple of it).
-    `invariance`: the numerics level it scores at (None: the config's `numerics.invariance`, the level
-    the rollout engine decodes at), with or without a pipeline."""
+    It scores at the level the trainer's model was built with (the config's `numerics.invariance`,
+    the level the rollout engine decodes at), with or without a pipeline; `invariance`: None, or that
+    level (another is a ValueError: the level is fixed at build)."""
 
     def __init__(self, trainer, micro_batch_size: int, keep_reference: bool, invariance: Optional[str] = None):
         self.trainer, self.micro_batch_size = trainer, int(micro_batch_size)
-        self.invariance = trainer.cfg.numerics.invariance if invariance is None else invariance
+        check_built_numerics(trainer.model, invariance=invariance)
         self.reference = ({n: p.detach().clone() for n, p in trainer.model.named_parameters()}
                           if keep_reference else None)
 
@@ -69,8 +71,6 @@ class PolicyScorer:
         t = self.trainer
         rows = {k: batch[k] for k in ("input_ids", "attention_mask", "response_mask")}
         rows["replay_routing"] = replay
-        numerics = numerics_of(t.model)
-        with numerics.invariant(self.invariance):  # the level the rollout engine decodes at
-            log_probs, routes = t.forward_rows(rows, TokenLogProbs(numerics), self.micro_batch_size, routing)
+        log_probs, routes = t.forward_rows(rows, TokenLogProbs(numerics_of(t.model)), self.micro_batch_size, routing)
         # compute_log_probs' alignment: row t holds the routing of position t-1 (which predicts token t)
         return log_probs.cpu(), None if routes is None else to_token_positions(routes).cpu()
