@@ -68,7 +68,7 @@ def hf_config_from_ours(m: ModelConfig) -> dict:
         "qk_rope_head_dim": m.qk_rope_head_dim, "v_head_dim": m.v_head_dim, "hidden_act": "silu",
         "rms_norm_eps": float(m.norm_eps), "rope_theta": float(m.rope_theta),
         "rope_parameters": {"rope_theta": float(m.rope_theta), **(m.rope_scaling or {"rope_type": "default"})},
-        "rope_interleave": True,
+        "rope_interleave": True, "topk_method": "noaux_tc", "scoring_func": "sigmoid",  # vLLM reads both
         "max_position_embeddings": m.max_seq_len, "tie_word_embeddings": bool(m.tie_embeddings),
         "attention_bias": False, "attention_dropout": 0.0, "initializer_range": float(m.init_std),
     }

@@ -38,6 +38,8 @@ import warnings
 
 import torch
 from torch import nn
+from vllm.model_executor.models.deepseek_v2 import DeepseekV3ForCausalLM
+from vllm.model_executor.models.gpt_oss import GptOssForCausalLM
 from vllm.model_executor.models.qwen3_moe import Qwen3MoeForCausalLM
 
 from megatron_fp4.integrations.vllm.attention import TrainerAttentionImpl, TrainerRotary
@@ -95,12 +97,28 @@ def route_in_fp32(block: nn.Module, dtype: torch.dtype, prefix: str) -> bool:
     return True
 
 
+def _plugin_family(vllm_config) -> str:
+    """The family of the served checkpoint (its config.json ``model_type``, the registry's key), set on
+    the plugin's config before vLLM builds the layers (the quantization methods read it)."""
+    from megatron_fp4.model.registry import get_family
+
+    qc = vllm_config.quant_config
+    family = getattr(vllm_config.model_config.hf_config, "model_type", "qwen3_moe")
+    get_family(family)  # a ValueError naming the families otherwise
+    if qc.batch_invariant and "exact" not in get_family(family).numerics:
+        raise ValueError(f"megatron_fp4: quantization_config.batch_invariant is true but {family} runs the standard "
+                         f"numerics level only (docs/families.md); export it with numerics.invariance=standard")
+    qc.family = family
+    return family
+
+
 class MegatronFP4Qwen3MoeForCausalLM(Qwen3MoeForCausalLM):
     """vLLM's Qwen3MoeForCausalLM; with the `megatron_fp4` config in the batch-invariant mode its
     RoPE and attention are the trainer's; in bf16/fp16 its residual stream is fp32."""
 
     def __init__(self, *, vllm_config, prefix: str = ""):
         if isinstance(vllm_config.quant_config, MegatronFP4Config):
+            _plugin_family(vllm_config)
             keep_kernel(vllm_config, "rotary_embedding")  # vLLM's RoPE (standard kernels): eager's under compile
         super().__init__(vllm_config=vllm_config, prefix=prefix)
         make_layers_opaque(self, vllm_config)  # each plugin piece one op under vLLM's torch.compile (opaque.py)
@@ -130,3 +148,132 @@ class MegatronFP4Qwen3MoeForCausalLM(Qwen3MoeForCausalLM):
                                  f"is full causal attention")
             inner.impl = TrainerAttentionImpl(inner.num_heads, inner.num_kv_heads, inner.head_size,
                                               attn.scaling, qc.values)
+
+
+# -- GPT-OSS and DeepSeek-V3 ----------------------------------------------------------------------------
+def _own_gate(gate: nn.Module, qc: MegatronFP4Config) -> None:
+    """vLLM builds these families' gates without the quantization config: give the gate the plugin's
+    method (`quant.RouterGateMethod`: an fp32 weight holding the checkpoint's values, no CPU prepacking,
+    Q(W) cache cleared on load), its weight re-created before anything is loaded."""
+    from megatron_fp4.integrations.vllm.quant import RouterGateMethod
+
+    loader = gate.weight.weight_loader
+    del gate.weight
+    gate.quant_method = RouterGateMethod(qc)
+    gate.quant_method.create_weights(gate, gate.input_size, [gate.output_size], gate.input_size, gate.output_size,
+                                     torch.float32, weight_loader=loader)
+
+
+def _trainer_moe(vllm_config):
+    """(our `ModelConfig` of the served HF config, the trainer's MoE class of its family): the
+    registry's HF mapping reads config.json as `build_model_from_hf` does (refusing what the
+    trainer does not model, with the field named)."""
+    from megatron_fp4.integrations.hf.families import ours_config_from_hf
+
+    return ours_config_from_hf(vllm_config.model_config.hf_config)
+
+
+def _check_dtype(vllm_config, family: str) -> None:
+    if vllm_config.model_config.dtype != torch.float32:
+        warnings.warn(f"megatron_fp4: {family} is served in {vllm_config.model_config.dtype}: the plugin keeps the "
+                      f"trainer's fp32 residual stream for Qwen3-MoE only; serve with dtype='float32' for the "
+                      f"trainer's numerics", RuntimeWarning, stacklevel=3)
+
+
+class MegatronFP4GptOssForCausalLM(GptOssForCausalLM):
+    """vLLM's GptOssForCausalLM; with the `megatron_fp4` config each MoE block routes with the trainer's
+    `GptOssRouter` (fp32 logits with the bias, top-k of the logits, softmax over the selected) over
+    vLLM's router parameters and computes the trainer's `GptOssExperts` with MoEResQ (quant.py).
+    Attention (sinks, sliding window), YaRN RoPE and the norms are vLLM's CPU kernels (RMSNorm: the
+    trainer's, ops.py)."""
+
+    def __init__(self, *, vllm_config, prefix: str = ""):
+        qc = vllm_config.quant_config
+        if isinstance(qc, MegatronFP4Config):
+            _plugin_family(vllm_config)
+        super().__init__(vllm_config=vllm_config, prefix=prefix)
+        if not isinstance(qc, MegatronFP4Config):
+            return
+        from megatron_fp4.model.gpt_oss import GptOssRouter
+
+        cfg = _trainer_moe(vllm_config)
+        _check_dtype(vllm_config, "gpt_oss")
+        for i, layer in enumerate(self.model.layers):
+            block = getattr(layer, "mlp", None)
+            if block is None:  # a pipeline stage's missing layer
+                continue
+            _own_gate(block.router, qc)
+            with torch.device("meta"):
+                router = GptOssRouter(cfg.hidden_size, cfg.num_experts, cfg.top_k)
+            router.weight, router.bias = block.router.weight, block.router.bias  # vLLM's, shared
+            router.numerics = qc.values
+            block.experts.quant_method.router = router
+            _route_from_input(block, f"model.layers.{i}.mlp", gpt_oss=True)
+        make_layers_opaque(self, vllm_config)
+
+
+class MegatronFP4DeepseekV3ForCausalLM(DeepseekV3ForCausalLM):
+    """vLLM's DeepseekV3ForCausalLM; with the `megatron_fp4` config each MoE block routes with the
+    trainer's `DeepseekV3Router` (sigmoid scores, ``e_score_correction_bias`` for the selection,
+    group-limited top-k, renormalised weights × ``routed_scaling_factor``, all in fp32) over vLLM's gate
+    parameters and computes the trainer's `GroupedExperts` with MoEResQ; the shared experts and the
+    dense layers are vLLM's MLPs through the plugin's linear method. Multi-head latent attention is
+    vLLM's CPU MLA backend (scope ``experts`` only: it folds ``kv_b_proj`` into its decode kernel, so
+    no Q(W) can be applied there)."""
+
+    def __init__(self, *, vllm_config, prefix: str = ""):
+        qc = vllm_config.quant_config
+        if isinstance(qc, MegatronFP4Config):
+            _plugin_family(vllm_config)
+            if qc.scope == "experts+attention":
+                raise ValueError("megatron_fp4: DeepSeek-V3 is served with quantization_config.scope 'experts' or "
+                                 "'none': vLLM's multi-head latent attention absorbs kv_b_proj into its decode "
+                                 "kernel (W_UK / W_UV), so MoEResQ cannot be applied to the attention projections")
+        super().__init__(vllm_config=vllm_config, prefix=prefix)
+        if not isinstance(qc, MegatronFP4Config):
+            return
+        from megatron_fp4.model.deepseek_v3 import DeepseekV3Router
+
+        cfg = _trainer_moe(vllm_config)
+        _check_dtype(vllm_config, "deepseek_v3")
+        for i, layer in enumerate(self.model.layers):
+            block = getattr(layer, "mlp", None)
+            if block is None or not hasattr(block, "experts"):  # a missing or dense layer
+                continue
+            gate, bias = block.gate, block.gate.e_score_correction_bias
+            _own_gate(gate, qc)
+            with torch.device("meta"):
+                router = DeepseekV3Router(cfg)
+            router.weight = gate.weight  # vLLM's, shared (loaded later)
+            router.expert_bias = bias
+            router.numerics = qc.values
+            block.experts.quant_method.router = router
+            _route_from_input(block, f"model.layers.{i}.mlp", gpt_oss=False)
+            # vLLM scales the routed output by routed_scaling_factor after the combine; the trainer's
+            # router scales the combine weights (other roundings): the scale is the router's alone
+            _set_runner_scale(block.experts, 1.0)
+        make_layers_opaque(self, vllm_config)
+
+
+def _route_from_input(block: nn.Module, prefix: str, gpt_oss: bool) -> None:
+    """The MoE block hands its input to the experts' runner, which routes from it (the trainer's
+    router in the MoE method) without computing vLLM's gate logits first."""
+    runner = block.experts
+    if getattr(block, "is_sequence_parallel", False):
+        raise ValueError(f"megatron_fp4: {prefix} runs sequence-parallel MoE; the plugin serves one process")
+    if gpt_oss:
+        hidden = block.hidden_size
+
+        def forward(x: torch.Tensor) -> torch.Tensor:
+            return runner(hidden_states=x, router_logits=x)[:, :hidden]
+
+        block.forward = forward
+    else:
+        runner.gate = None  # DeepseekV2MoE.forward passes router_logits=hidden_states already
+
+
+def _set_runner_scale(runner: nn.Module, scale: float) -> None:
+    inner = getattr(runner, "runner", runner)
+    for obj in (runner, inner):
+        if hasattr(obj, "routed_scaling_factor"):
+            obj.routed_scaling_factor = scale

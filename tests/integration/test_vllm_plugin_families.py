@@ -1,0 +1,168 @@
+"""The `megatron_fp4` vLLM plugin serves GPT-OSS and DeepSeek-V3 with MoEResQ, against the trainer.
+
+- unit (vLLM importable): the plugin's MoE method for each family — the trainer's router module over
+  vLLM's gate parameters, the trainer's experts over vLLM's expert tensors as vLLM's loaders write
+  them (GPT-OSS: gate/up interleaved as in HF, with biases) — gives the trainer's MoE layer's bits
+  (`GptOssMoE`, `DeepseekV3MoE` without its shared expert, which vLLM runs as its own MLP through
+  the plugin's linear method, tests/integration/test_vllm_plugin.py); a weight written through the
+  loader afterwards is what the next forward uses.
+- end to end (one engine per family, as `test_vllm_plugin.py` does for Qwen3-MoE): a tiny random
+  transformers checkpoint of the family, written by `save_hf_checkpoint` with the plugin's
+  `quantization_config` (FP4 fp4_resq, MoEResQ experts, standard numerics: the level these families
+  run at), served by plain `vllm.LLM(model=dir)`; the trainer's scoring (`rollout.scoring.score`,
+  `build_model_from_hf`) of vLLM's greedy tokens against vLLM's log-probs and the experts its MoE
+  layers picked.
+
+Shapes: vLLM's CPU attention needs head_dim >= 32 (64 here); its CPU MLA backend (DeepSeek-V3)
+compiles its decode kernel for the latent cache of the real model only, kv_lora_rank 512 +
+qk_rope_head_dim 64 (`CPUMLABackend.get_supported_head_sizes() == [576]`), so the tiny DeepSeek-V3
+keeps those two widths.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megatron_fp4.config import Config, FP4Config
+from megatron_fp4.fp4 import Numerics, apply_numerics
+from megatron_fp4.integrations.hf import save_hf_checkpoint
+from megatron_fp4.integrations.vllm import hf_quantization_config
+from megatron_fp4.rollout.engine import fp4_mode
+from tests.integration.hf_family_parity import ours_from, random_hf
+from tests.integration.test_vllm_plugin import (MAX_TOKENS, PROMPTS, compare, needs_vllm, plugin_config,
+                                                trainer_scores, vllm_ctx, vllm_generate)
+
+__all__ = ["vllm_ctx"]  # the fixture, imported for this module's tests
+
+YARN = dict(rope_type="yarn", rope_theta=150000.0, factor=32.0, beta_fast=32.0, beta_slow=1.0, truncate=False,
+            original_max_position_embeddings=16)
+
+
+def tiny_hf(family: str, seed: int = 0):
+    """A random transformers model of `family` (fp32): hidden 128, vocab 128, 8 experts."""
+    import transformers
+
+    if family == "gpt_oss":  # sliding window (8) shorter than the sequences, YaRN, sinks, biases
+        cfg = transformers.GptOssConfig(vocab_size=128, hidden_size=128, intermediate_size=64, num_hidden_layers=4,
+                                        num_attention_heads=2, num_key_value_heads=1, head_dim=64,
+                                        num_local_experts=8, num_experts_per_tok=2, max_position_embeddings=256,
+                                        sliding_window=8, rope_parameters=YARN)
+        return random_hf(transformers.GptOssForCausalLM, cfg, torch.float32, seed)
+    cfg = transformers.DeepseekV3Config(vocab_size=128, hidden_size=128, intermediate_size=96, moe_intermediate_size=32,
+                                        num_hidden_layers=3, num_attention_heads=2, num_key_value_heads=2,
+                                        n_shared_experts=1, n_routed_experts=8, routed_scaling_factor=2.5,
+                                        kv_lora_rank=512, q_lora_rank=48, qk_rope_head_dim=64, v_head_dim=32,
+                                        qk_nope_head_dim=32, n_group=4, topk_group=2, num_experts_per_tok=3,
+                                        first_k_dense_replace=1, norm_topk_prob=True, max_position_embeddings=256,
+                                        rms_norm_eps=1e-5, rope_parameters={"rope_type": "default",
+                                                                            "rope_theta": 10000.0})
+    return random_hf(transformers.DeepseekV3ForCausalLM, cfg, torch.float32, seed, buffers=("e_score_correction_bias",))
+
+
+def family_cfg(model, scope="experts", mode="fp4_resq") -> Config:
+    cfg = Config()
+    cfg.model = model.cfg
+    cfg.fp4 = FP4Config(scope=scope, rollout_mode=mode)
+    cfg.numerics.invariance = "standard"
+    return cfg
+
+
+def write_family(tmp_path, family: str, scope="experts"):
+    """(HF directory with the plugin's block, our Config) of a random `family` model."""
+    model = ours_from(tiny_hf(family))
+    cfg = family_cfg(model, scope)
+    out = save_hf_checkpoint(model, cfg, tmp_path / family, quantization_config=hf_quantization_config(cfg))
+    return out, cfg
+
+
+# -- unit: the plugin's MoE method == the trainer's MoE layer ---------------------------------------------
+class FamilyRoutedExperts(torch.nn.Module):
+    """The attributes of vLLM's `RoutedExperts` the MoE method reads, as vLLM builds them per family."""
+
+    def __init__(self, family, num_experts, top_k):
+        super().__init__()
+        from types import SimpleNamespace
+
+        self.moe_config = SimpleNamespace(num_experts=num_experts, moe_parallel_config=SimpleNamespace(use_ep=False))
+        self.top_k, self.renormalize = top_k, True
+        ds = family == "deepseek_v3"
+        self.scoring_func, self.use_grouped_topk = ("sigmoid", True) if ds else ("softmax", False)
+        self.custom_routing_function, self.routed_scaling_factor = None, 1.0
+        self.e_score_correction_bias = torch.zeros(num_experts) if ds else None
+        self.apply_router_weight_on_input = False
+
+
+def interleave_rows(t: torch.Tensor) -> torch.Tensor:
+    """The trainer's gate-then-up rows [E, 2F, ...] in HF's interleaved layout (vLLM's w13)."""
+    F = t.shape[1] // 2
+    return torch.stack([t[:, :F], t[:, F:]], dim=2).reshape(t.shape)
+
+
+@needs_vllm
+@pytest.mark.parametrize("family", ["gpt_oss", "deepseek_v3"])
+@pytest.mark.parametrize("mode", ["fp4_resq", "bf16"])
+def test_moe_method_equals_the_trainers_moe_bitwise(vllm_ctx, family, mode):
+    from types import SimpleNamespace
+
+    from vllm.model_executor.model_loader.weight_utils import default_weight_loader
+
+    from megatron_fp4.integrations.vllm.quant import MoEResQMoEMethod
+
+    trainer = ours_from(tiny_hf(family, seed=1), FP4Config(scope="experts", rollout_mode=mode))
+    layer_idx = 1
+    ref = trainer.layers[layer_idx].mlp
+    ref.shared_expert = None  # vLLM runs it as its own MLP (the plugin's linear method)
+    apply_numerics(ref, Numerics(invariance="standard", mode="rollout"))
+    cfg = family_cfg(trainer, "experts", mode)
+    qc = plugin_config(cfg, False)
+    qc.family = family
+    E, k = trainer.cfg.num_experts, trainer.cfg.top_k
+    H, F = trainer.cfg.hidden_size, trainer.cfg.moe_ffn_hidden_size
+    layer = FamilyRoutedExperts(family, E, k)
+    method = MoEResQMoEMethod(SimpleNamespace(has_bias=family == "gpt_oss"), qc, f"model.layers.{layer_idx}.mlp.experts")
+    method.create_weights(layer, E, H, F, torch.float32, weight_loader=default_weight_loader)
+    gpt = family == "gpt_oss"
+
+    def load(w13, w2):
+        layer.w13_weight.weight_loader(layer.w13_weight, interleave_rows(w13) if gpt else w13)
+        layer.w2_weight.weight_loader(layer.w2_weight, w2)
+        if gpt:
+            layer.w13_bias.weight_loader(layer.w13_bias, interleave_rows(ref.experts.b13.detach()))
+            layer.w2_bias.weight_loader(layer.w2_bias, ref.experts.b2.detach())
+
+    load(ref.experts.w13.detach(), ref.experts.w2.detach())
+    method.process_weights_after_loading(layer)
+    method.router = ref.router  # what the plugin's model class builds over vLLM's gate parameters
+    x = torch.randn(37, H, generator=torch.Generator().manual_seed(2))
+    with torch.no_grad(), fp4_mode(trainer, mode):  # the rollout-side recipe, as the trainer scores
+        want = ref(x)
+    with torch.inference_mode():
+        got = method.apply_monolithic(layer, x, x)
+    assert torch.equal(got, want)
+    with torch.no_grad():  # a new weight through vLLM's loader is what the next forward uses
+        ref.experts.w13.mul_(-0.5)
+    load(ref.experts.w13.detach(), ref.experts.w2.detach())
+    with torch.no_grad(), fp4_mode(trainer, mode):
+        want = ref(x)
+    with torch.inference_mode():
+        assert torch.equal(method.apply_monolithic(layer, x, x), want)
+
+
+# -- end to end: one engine per family vs the trainer's scoring ------------------------------------------
+TOL = 1e-5
+
+
+@needs_vllm
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["gpt_oss", "deepseek_v3"])
+def test_vllm_serves_the_family_with_moeresq_like_the_trainer_scores(tmp_path, family):
+    hf, cfg = write_family(tmp_path, family)
+    out = vllm_generate(hf, tmp_path)
+    assert out["plugin"] and all(len(r["tokens"]) == MAX_TOKENS for r in out["results"])
+    delta, agree, total = compare(out, trainer_scores(hf, cfg, [r["tokens"] for r in out["results"]]))
+    moe_layers = cfg.model.num_layers - len(cfg.model.dense_layers)
+    within = (delta <= TOL).double().mean().item()
+    print(f"{family}: plugin vs trainer |dlogp| max {delta.max():.3g} median {delta.median():.3g}, {within:.1%} "
+          f"within {TOL}; experts {agree}/{total}; {out['seconds']:.1f} s generate")
+    assert total == len(PROMPTS) * MAX_TOKENS * moe_layers
+    assert agree == total and float(delta.max()) <= TOL, (delta.tolist(), agree, total)
