@@ -68,7 +68,7 @@ def hf_config_from_ours(m: ModelConfig) -> dict:
         "qk_rope_head_dim": m.qk_rope_head_dim, "v_head_dim": m.v_head_dim, "hidden_act": "silu",
         "rms_norm_eps": float(m.norm_eps), "rope_theta": float(m.rope_theta),
         "rope_parameters": {"rope_theta": float(m.rope_theta), **(m.rope_scaling or {"rope_type": "default"})},
-        "rope_interleave": True,
+        "rope_interleave": True, "topk_method": "noaux_tc", "scoring_func": "sigmoid",  # vLLM reads both
         "max_position_embeddings": m.max_seq_len, "tie_word_embeddings": bool(m.tie_embeddings),
         "attention_bias": False, "attention_dropout": 0.0, "initializer_range": float(m.init_std),
     }
@@ -114,8 +114,10 @@ def ours_config_from_hf(hf_cfg) -> ModelConfig:
         "scoring_func": (d.get("scoring_func", "sigmoid") != "sigmoid", "DeepSeek-V3 routes by sigmoid scores"),
         "topk_method": (d.get("topk_method", "noaux_tc") != "noaux_tc", "only group-limited top-k with the "
                         "e_score_correction_bias ('noaux_tc') is implemented"),
-        "quantization_config": (bool(d.get("quantization_config")), "only full-precision (bf16/fp32) weights are "
-                                "read; dequantize the FP8 release first"),
+        "quantization_config": (bool(d.get("quantization_config"))  # our FP4 recipe block: high-precision weights
+                                and not (isinstance(d["quantization_config"], Mapping)
+                                         and d["quantization_config"].get("quant_method") == "megatron_fp4"),
+                                "only full-precision (bf16/fp32) weights are read; dequantize the FP8 release first"),
     }
     bad = [f"{k}={d.get(k)!r:.60} ({why})" for k, (is_bad, why) in unsupported.items() if is_bad]
     if bad:

