@@ -19,7 +19,7 @@ import torch
 
 from megatron_fp4.rl.is_correction import (RolloutCorrection, check_clip_eps, policy_loss, resolve_correction,
                                           rollout_correction)
-from megatron_fp4.rollout.engine import positions_from_mask
+from megatron_fp4.model.packing import segment_positions
 from megatron_fp4.rollout.scoring import log_probs_from_logits
 from megatron_fp4.training.step_loss import StepLoss
 
@@ -54,7 +54,7 @@ class PolicyLoss(StepLoss):
 
     def model_inputs(self, mb: dict) -> dict:
         am = mb["attention_mask"]
-        inputs = {"tokens": mb["input_ids"], "positions": positions_from_mask(am), "attention_mask": am}
+        inputs = {"tokens": mb["input_ids"], "positions": segment_positions(am), "attention_mask": am}
         if mb.get("replay_routing") is not None:  # router replay (rl/replay.py): the routes to use
             inputs["routing_in"] = mb["replay_routing"]
         return inputs
