@@ -224,15 +224,17 @@ class Attention(nn.Module):
         """Attention of packed rows (q [B, H, T, D], k/v [B, KV, T, D] -> [B, T, H, D]): each sequence
         unpacked into a row of its own, right-padded (`model/packing.py`), through the padded
         batch's attention at this numerics level, and packed back."""
-        qs, ks, vs = (layout.unpack(t.transpose(1, 2)).transpose(1, 2) for t in (q, k, v))  # [N, heads, L, D]
-        N = qs.shape[0]
-        if invariant.enabled(self.numerics, q):  # keys by position (= slot: no leading padding)
-            out = invariant.attention(qs, ks, vs, layout.positions, torch.zeros(N, dtype=torch.long, device=q.device),
-                                      self.numerics)
-        else:  # right padding only: a real query's keys are all real, SDPA's plain causal kernel
-            out = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True,
-                                                 enable_gqa=self.num_heads != self.num_kv_heads)
-        return layout.repack(out.transpose(1, 2))
+        out = None
+        for group in layout.by_length():  # rows of similar length (a row's result depends on the row alone)
+            qs, ks, vs = (group.unpack(t.transpose(1, 2)).transpose(1, 2) for t in (q, k, v))  # [N, heads, L, D]
+            if invariant.enabled(self.numerics, q):  # keys by position (= slot: no leading padding)
+                pad = torch.zeros(qs.shape[0], dtype=torch.long, device=q.device)
+                o = invariant.attention(qs, ks, vs, group.positions, pad, self.numerics)
+            else:  # right padding only: a real query's keys are all real, SDPA's plain causal kernel
+                o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True,
+                                                   enable_gqa=self.num_heads != self.num_kv_heads)
+            out = group.repack(o.transpose(1, 2), out)
+        return out
 
 
 class SwiGLU(nn.Module):

@@ -8,8 +8,9 @@ position restarts at 0 with its sequence (`segment_positions`: RoPE sees each se
 and it attends only to the earlier tokens of its own sequence.
 
 Attention on a packed batch runs on the sequences unpacked into rows of their own (`SequenceLayout`:
-[N, L], right-padded, sequence order), through the same attention a padded batch uses at every
-numerics level, and the outputs are packed back. At the ``batch`` and ``exact`` levels a query's
+[N, L], right-padded; by length class, `by_length`, so the rows hold at most twice the real
+tokens), through the same attention a padded batch uses at every numerics level, and the outputs
+are packed back. At the ``batch`` and ``exact`` levels a query's
 bits then equal those of the padded batch (the attention's contract: a row's result depends only
 on its keys by position, not on its batch, padding or tile), and every other op is per token, so
 a packed forward gives each token the padded forward's bits (tests/unit/test_packed_batches.py).
@@ -87,13 +88,29 @@ class SequenceLayout:
         keep = self.valid.view(*self.valid.shape, *(1,) * (x.dim() - 2))
         return torch.where(keep, rows, torch.zeros((), dtype=x.dtype, device=x.device))
 
-    def repack(self, y: torch.Tensor) -> torch.Tensor:
-        """y [N, L, ...] -> [B, T, ...]: each sequence's slots back in place, zeros at the padding."""
+    def repack(self, y: torch.Tensor, into: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """y [N, L, ...] -> [B, T, ...]: each sequence's slots back in place, zeros at the padding
+        (`into` [B, T, ...]: written into a copy of it instead of zeros)."""
         B, T = self.shape
         sel = self.valid.reshape(-1).nonzero().squeeze(1)
         src = y.reshape(-1, *y.shape[2:]).index_select(0, sel)
-        out = y.new_zeros(B * T, *y.shape[2:]).index_copy(0, self.index.reshape(-1).index_select(0, sel), src)
+        base = y.new_zeros(B * T, *y.shape[2:]) if into is None else into.reshape(B * T, *y.shape[2:])
+        out = base.index_copy(0, self.index.reshape(-1).index_select(0, sel), src)
         return out.view(B, T, *y.shape[2:])
+
+    def by_length(self) -> list["SequenceLayout"]:
+        """The sequences in length classes (lengths in (2^(c-1), 2^c]), each class padded only to its
+        longest: the unpacked rows hold at most twice the real tokens (one long sequence beside many
+        short ones would otherwise pad them all to its length)."""
+        lengths = self.valid.sum(1)
+        classes = torch.ceil(torch.log2(lengths.double())).long()
+        out = []
+        for c in torch.unique(classes).tolist():
+            rows = (classes == c).nonzero().squeeze(1)
+            L = int(lengths.index_select(0, rows).max())
+            out.append(SequenceLayout(self.index.index_select(0, rows)[:, :L], self.valid.index_select(0, rows)[:, :L],
+                                      self.shape))
+        return out
 
 
 def refuse_packed(attention_mask: Optional[torch.Tensor], family: str) -> None:

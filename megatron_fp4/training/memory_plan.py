@@ -11,9 +11,9 @@
   one tp coordinate, edp = dp·tp/(ep·etp) for experts, embed); fp32 masters and both Adam moments cover the owned slices at
   stages 1/2, the whole buffer at stage 0 (where an fp32 buffer is its own master, as in a group of
   one); stage 2 adds the reduced-grad shard. Every torch AdamW param (one per buffer) also holds a 4-byte ``step``.
-- **Activations**: the bytes autograd saves for one micro-batch of a chunk (`layer_activation_bytes`,
-  checked term by term against ``saved_tensors_hooks`` in tests/unit/test_memory_plan.py), times
-  the micro-batches in flight of the schedule, plus the FP4 ``Q(W)`` each MoEResQ linear saves
+- **Activations**: the bytes autograd saves for one micro-batch of a chunk (the larger of the LM
+  step's and a packed RL one, `micro_batch_shape`; `layer_activation_bytes`, checked term by term
+  against ``saved_tensors_hooks`` in tests/unit/test_memory_plan.py), times the micro-batches in flight of the schedule, plus the FP4 ``Q(W)`` each MoEResQ linear saves
   (fp32, `_DgradHalf`; once per step under the trainer's per-step weight cache).
 
 Expert rows per rank assume balanced routing (each rank's experts get ``tokens × top_k`` rows per
@@ -290,6 +290,15 @@ def inflight_microbatches(schedule: str, pp: int, pp_rank: int, virtual_stages: 
 
 
 # -- the plan -------------------------------------------------------------------------------------
+def micro_batch_shape(cfg: Config) -> tuple[int, int]:
+    """[batch, seq] of the largest micro-batch the trainer runs: the LM step's ``micro_batch_size`` ×
+    ``seq_len``, or a packed RL micro-batch, one row of up to ``rl.max_tokens_per_micro_batch``
+    tokens (`training/packing.py`), when that holds more tokens."""
+    s = cfg.schedule
+    budget = cfg.rl.max_tokens_per_micro_batch or 0
+    return (1, budget) if budget > s.micro_batch_size * s.seq_len else (s.micro_batch_size, s.seq_len)
+
+
 def plan_memory(cfg: Config, world_size: int, weight_cache: bool = True) -> list[RankPlan]:
     """One `RankPlan` per pipeline rank (its dp/ep/tp peers hold the same bytes: tp cuts evenly). Raises `ConfigError`
     (or ValueError from the layout functions) with a one-line message for a bad config or layout.
@@ -302,6 +311,7 @@ def plan_memory(cfg: Config, world_size: int, weight_cache: bool = True) -> list
     style = PLACEMENT.get(p.schedule, "loop")
     schedule = p.schedule if p.pp > 1 else "1f1b"
     plans = []
+    batch, seq = micro_batch_shape(cfg)
     for pp_rank in range(p.pp):
         model = local_meta_model(cfg, pp_rank, 0)
         named = list(model.named_parameters())
@@ -310,13 +320,12 @@ def plan_memory(cfg: Config, world_size: int, weight_cache: bool = True) -> list
         counts = inflight_microbatches(schedule, p.pp, pp_rank, p.virtual_stages, num_mb)
         acts, inflight = 0, {}
         for c, n in zip(chunks, counts):
-            acts += n * chunk_activation_bytes(cfg, model, ranges[c], c == 0, c == len(ranges) - 1,
-                                               s.micro_batch_size, s.seq_len)
+            acts += n * chunk_activation_bytes(cfg, model, ranges[c], c == 0, c == len(ranges) - 1, batch, seq)
             inflight[c] = n
         stochastic_w = cfg.fp4.scope != "none" and _weight_rounding(model) == "stochastic"
         qw = fp4_weight_bytes(model) * (1 if weight_cache and not stochastic_w else max(sum(counts), 1))
         is_last = len(ranges) - 1 in chunks
-        tokens = s.micro_batch_size * s.seq_len // p.cp
+        tokens = batch * seq // p.cp
         a, w = activation_dtype(cfg).itemsize, wide_dtype(activation_dtype(cfg)).itemsize
         head = tokens * cfg.model.vocab_size // p.tp * (a + w) if is_last else 0  # V/tp logits under tp
         ranks = range(pp_rank * dp * p.tp, (pp_rank + 1) * dp * p.tp)  # a stage's ranks are contiguous; no list of them

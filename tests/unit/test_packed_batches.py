@@ -160,3 +160,17 @@ def test_pack_rows_layout():
     assert mb["advantages"].tolist() == [[0.5] * 5 + [-1.0] * 2 + [0.0] * 2]
     T = batch["input_ids"].shape[1]
     assert mb["token_slots"].tolist() == [[0, 1, 2, 3, 4, T + 1, T + 2, -1, -1]]
+
+
+def test_length_classes_cover_every_token_once_within_twice_the_tokens():
+    mask = torch.tensor([[1] * 40 + [2] + [3, 3] + [4] * 5 + [5] * 3 + [6] * 17 + [0] * 4])
+    layout = model_packing.SequenceLayout.of(mask)
+    groups = layout.by_length()
+    slots = torch.cat([g.index[g.valid] for g in groups])
+    assert sorted(slots.tolist()) == list(range(68))  # each real token once
+    assert sum(g.index.numel() for g in groups) <= 2 * 68 < layout.index.numel()
+    x = torch.randn(1, mask.shape[1], 3)
+    out = None
+    for g in groups:
+        out = g.repack(g.unpack(x), out)
+    assert torch.equal(out[0, :68], x[0, :68]) and (out[0, 68:] == 0).all()
