@@ -33,6 +33,9 @@ from megatron_fp4.rl.policy_loss import PolicyLoss
 from megatron_fp4.training.trainer import Trainer
 
 
+CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
+
+
 def generation(rows: int, prompt_len: tuple, response_len: tuple, vocab: int, seed: int):
     """The `GenerationOutput` fields `build_rl_batch` reads, at uniform random lengths."""
     rng = random.Random(seed)
@@ -60,12 +63,12 @@ def main(argv=None) -> None:
     parser.add_argument("--response-len", type=span, default=(4, 128))
     parser.add_argument("--micro-batch-size", type=int, default=8, help="padded: rows per micro-batch")
     parser.add_argument("--budget", type=int, default=1024, help="packed: tokens per micro-batch")
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--clock", default="wall", choices=("wall", "cpu"),
+    parser.add_argument("--clock", default="wall", choices=CLOCKS,
                         help="wall: time.perf_counter; cpu: this process's CPU time (time.process_time)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args(argv)
-    clock = time.perf_counter if args.clock == "wall" else time.process_time
+    clock = CLOCKS[args.clock]
     cfg = load_config(args.config, ["logging.tensorboard_dir=null", "checkpoint.dir=null", "logging.progress=false"]
                       + args.overrides)
     trainer = Trainer(cfg, build_data=False)

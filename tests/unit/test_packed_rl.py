@@ -109,23 +109,29 @@ def test_packed_update_weighting_matters():
 
 
 class LengthTask(ArithmeticTask):
+    """Rewards that vary inside every group (the completion's length), so advantages are not 0."""
+
     def reward(self, item, completion: str) -> float:
         return float(len(completion))
 
 
-def grpo_run(budget: int):
+def tiny_grpo(overrides: list, max_new_tokens: int):
+    """Two steps of the GRPO loop (2 prompts × 4) on a tiny model with `overrides`: (run, trainer)."""
     task = LengthTask(eval_size=4, max_operand=9, ops="+", seed=0)
-    cfg = load_config(str(default_config_path()), TINY[:-1] + [f"model.vocab_size={task.tok.vocab_size}",
-                                                              f"rl.max_tokens_per_micro_batch={budget}"])
+    cfg = load_config(str(default_config_path()), overrides + [f"model.vocab_size={task.tok.vocab_size}"])
     trainer = Trainer(cfg, build_data=False)
     switch_to_rl(trainer, 1e-2, 0.0, 0.0)
-    settings = loop.GRPOSettings(steps=2, num_prompts=2, group_size=4, max_new_tokens=6, micro_batch_size=8,
-                                 eval_every=0)
+    settings = loop.GRPOSettings(steps=2, num_prompts=2, group_size=4, max_new_tokens=max_new_tokens,
+                                 micro_batch_size=8, eval_every=0)
     rollout = make_rollout(trainer, task.tok.pad_id, 1 << 20)
     try:
-        run = loop.run_grpo(trainer, task, rollout, settings)
+        return loop.run_grpo(trainer, task, rollout, settings), trainer
     finally:
         rollout.close()
+
+
+def grpo_run(budget: int):
+    run, trainer = tiny_grpo(TINY[:-1] + [f"rl.max_tokens_per_micro_batch={budget}"], 6)
     digest = hashlib.sha256(b"".join(p.detach().numpy().tobytes() for p in trainer.model.parameters())).hexdigest()
     return [float(h["loss"]).hex() for h in run.history], digest
 
