@@ -174,3 +174,21 @@ def test_length_classes_cover_every_token_once_within_twice_the_tokens():
     for g in groups:
         out = g.repack(g.unpack(x), out)
     assert torch.equal(out[0, :68], x[0, :68]) and (out[0, 68:] == 0).all()
+
+
+def test_packing_refused_where_it_cannot_run():
+    from megatron_fp4.config import ConfigError, load_config
+    from megatron_fp4.model import KVCache
+
+    with pytest.raises(ConfigError, match="rl.max_tokens_per_micro_batch.*parallel.cp=2"):
+        load_config(overrides=["rl.max_tokens_per_micro_batch=64", "parallel.cp=2"]).validate()
+    with pytest.raises(ConfigError, match="rl.max_tokens_per_micro_batch.*gpt_oss"):
+        load_config(overrides=["rl.max_tokens_per_micro_batch=64", "model.family=gpt_oss",
+                                "numerics.invariance=standard"]).validate()
+    with pytest.raises(ConfigError, match="rl.max_tokens_per_micro_batch"):
+        load_config(overrides=["rl.max_tokens_per_micro_batch=-1"])
+    model = tiny_model()
+    mask = torch.tensor([[1, 1, 2, 2]])
+    with pytest.raises(ValueError, match="not with a KV cache nor context parallelism"):
+        model(torch.tensor([[3, 4, 5, 6]]), model_packing.segment_positions(mask), mask,
+              kv_cache=KVCache.empty(len(model.layers)))
