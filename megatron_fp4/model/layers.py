@@ -173,7 +173,7 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
         cos, sin = rope_cos_sin(positions, self.head_dim, self.rope_theta, q.dtype)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        if is_packed(attention_mask):
+        if (cache is None or cache.length == 0) and is_packed(attention_mask):  # decode steps skip the check (a sync)
             if cache is not None or self.kv_gather is not None:
                 raise ValueError("packed sequences (an attention_mask with values > 1) are for full-sequence "
                                  "forwards: not with a KV cache nor context parallelism (parallel.cp > 1); set "
