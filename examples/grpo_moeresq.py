@@ -129,6 +129,7 @@ def build(args):
                  f"model.vocab_size={task.tok.vocab_size}"]  # no unused ids the decoder could not print
     cfg = load_config(args.config, overrides + TASK_OVERRIDES.get(args.task, []) + staleness_overrides(args)
                       + list(args.override or []))
+    packing_default(cfg, args)
     # SFT: warm-up then cosine from --sft-lr; RL: constant --lr (switch_to_rl, a fresh Adam).
     o, s = cfg.optimizer, cfg.schedule
     o.lr, o.min_lr = args.sft_lr, args.sft_lr / 10
@@ -140,6 +141,18 @@ def build(args):
     task.sft_losses = sft_warmup(trainer, args, task)
     switch_to_rl(trainer, args.lr, args.rl_weight_decay, args.rl_aux_coef)
     return trainer, task
+
+
+def packing_default(cfg, args) -> None:
+    """GRPO scores and updates in packed micro-batches by default (``rl.max_tokens_per_micro_batch``,
+    docs/rl.md): 1024 tokens, or the longest prompt + response if more; ``--set
+    rl.max_tokens_per_micro_batch=0`` keeps the padded micro-batches (so does a family or layout
+    packing does not support: GPT-OSS, DeepSeek-V3, context parallelism)."""
+    if any(o.startswith("rl.max_tokens_per_micro_batch=") for o in args.override or []):
+        return
+    if getattr(cfg.model, "family", "qwen3_moe") != "qwen3_moe" or getattr(cfg.parallel, "cp", 1) > 1:
+        return
+    cfg.rl.max_tokens_per_micro_batch = max(1024, args.max_prompt_length + (args.max_new_tokens or 0))
 
 
 def staleness_overrides(args) -> list:

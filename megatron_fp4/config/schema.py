@@ -196,8 +196,17 @@ class RLConfig:
     # max(0, m - max_staleness) while the trainer updates on earlier batches; 0 = the synchronous loop.
     max_staleness: int = 0
     staleness_policy: str = "wait"  # wait (deterministic) | drop (stale batches dropped, not deterministic)
+    # Packed micro-batches (megatron_fp4/training/packing.py): GRPO scoring and updates lay prompts +
+    # responses back to back, no padding, at most this many tokens per micro-batch; 0 (or null): the
+    # padded micro-batches of micro_batch_size rows.
+    max_tokens_per_micro_batch: Optional[int] = 0
 
     def __post_init__(self):
+        budget = self.max_tokens_per_micro_batch
+        if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int) or budget < 0):
+            raise ConfigError(f"rl.max_tokens_per_micro_batch={budget!r} must be an integer >= 0 (0: padded "
+                              "micro-batches of micro_batch_size rows; N: micro-batches packed to at most N tokens, "
+                              "at least the longest prompt + response)")
         if self.router_replay not in ("off", "r2", "r3"):
             raise ConfigError(f"rl.router_replay={self.router_replay!r} must be one of off | r2 | r3")
         if isinstance(self.max_staleness, bool) or not isinstance(self.max_staleness, int) \

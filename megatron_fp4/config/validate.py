@@ -140,6 +140,7 @@ def validate_config(cfg) -> None:
 
     _validate_parallel(cfg)
     validate_family(cfg)
+    _validate_packing(cfg)
 
     d = cfg.data
     if d.kind == "arithmetic":
@@ -184,3 +185,17 @@ def _validate_parallel(cfg) -> None:
             f"job ends; {MAX_TIMEOUT_S} is a week)")
     require(0 < p.bucket_size_mb <= MAX_BUCKET_MB, "parallel.bucket_size_mb", p.bucket_size_mb,
             f"must be in (0, {MAX_BUCKET_MB}] MiB (the gradient all-reduce bucket, e.g. 4)")
+
+
+def _validate_packing(cfg) -> None:
+    """Packed RL micro-batches (``rl.max_tokens_per_micro_batch`` > 0) need the Qwen3-MoE attention and
+    full sequences on each rank."""
+    if not cfg.rl.max_tokens_per_micro_batch:
+        return
+    family = getattr(cfg.model, "family", "qwen3_moe")
+    require(family == "qwen3_moe", "rl.max_tokens_per_micro_batch", cfg.rl.max_tokens_per_micro_batch,
+            f"needs model.family=qwen3_moe (packed attention); the {family} attention takes padded micro-batches: "
+            "set it to 0")
+    require(getattr(cfg.parallel, "cp", 1) == 1, "rl.max_tokens_per_micro_batch", cfg.rl.max_tokens_per_micro_batch,
+            f"is not supported with parallel.cp={cfg.parallel.cp} (context parallelism splits one sequence, packing "
+            "joins several): set it to 0 or parallel.cp=1")

@@ -41,7 +41,7 @@ class DecoderLayer(nn.Module):
         h = h + self.self_attn(self.input_layernorm(h), positions, attention_mask, cache)
         x = self.post_attention_layernorm(h)
         if self.is_moe:  # the MoE auxiliary losses count only the real tokens of this step
-            valid = None if attention_mask is None else attention_mask[:, past:past + h.shape[1]]
+            valid = None if attention_mask is None else attention_mask[:, past:past + h.shape[1]] != 0  # packed: ids
             return h + self.mlp(x, routing_out, routing_in, valid)
         if routing_out is not None:
             routing_out.append(None)

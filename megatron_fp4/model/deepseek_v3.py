@@ -39,6 +39,7 @@ from megatron_fp4.model.decoder import DecoderLayer
 from megatron_fp4.model.gpt_oss import yarn_inv_freq
 from megatron_fp4.model.layers import Attention, LayerCache, RMSNorm, SwiGLU, _linear, apply_rope, with_cache
 from megatron_fp4.model.moe import MoELayer
+from megatron_fp4.model.packing import refuse_packed
 from megatron_fp4.model.router import Router, replay_topk, router_logits
 from megatron_fp4.model.specs import attention_recipe, expert_recipe
 
@@ -113,6 +114,7 @@ class MLAttention(Attention):
                 cache: Optional[LayerCache] = None) -> torch.Tensor:
         """As `Attention.forward`: x [B, T, hidden]; positions [B, T]; attention_mask [B, T_total]."""
         _refuse_invariant(self.numerics, x, "attention")
+        refuse_packed(attention_mask, "deepseek_v3")
         B, T, _ = x.shape
         H = self.num_heads
         q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))) if self.q_lora_rank else self.q_proj(x)

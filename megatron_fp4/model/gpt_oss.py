@@ -30,6 +30,7 @@ from megatron_fp4.model.decoder import DecoderLayer
 from megatron_fp4.model.experts import GroupedExperts
 from megatron_fp4.model.layers import Attention, LayerCache, Linear, RMSNorm, upcast, with_cache
 from megatron_fp4.model.moe import MoELayer
+from megatron_fp4.model.packing import refuse_packed
 from megatron_fp4.model.router import Router, replay_topk
 from megatron_fp4.model.specs import attention_recipe, expert_recipe
 
@@ -108,6 +109,7 @@ class GptOssAttention(Attention):
                 cache: Optional[LayerCache] = None) -> torch.Tensor:
         """As `Attention.forward`: x [B, T, H]; positions [B, T]; attention_mask [B, T_total]."""
         _refuse_invariant(self.numerics, x, "attention")
+        refuse_packed(attention_mask, "gpt_oss")
         B, T, _ = x.shape
         q = self.q_proj(x).view(B, T, self.num_heads, self.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)

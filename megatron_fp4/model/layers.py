@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megatron_fp4.fp4 import STANDARD, MoEResQLinear, Recipe, invariant
+from megatron_fp4.model.packing import SequenceLayout, is_packed
 # The precision of norms, router, loss and optimizer masters is the FP4 GEMMs' accumulation dtype:
 # fp32, or fp64 for an fp64 model (``dtype: fp64``, the verification mode). One definition, in fp4.
 from megatron_fp4.fp4.moeresq import _accumulate_dtype as wide_dtype
@@ -164,13 +165,21 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, positions: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
                 cache: Optional[LayerCache] = None) -> torch.Tensor:
         """x [B, T, H]; positions [B, T]; attention_mask [B, T_total] (1 = real token, 0 = padding)
-        covering cached + new tokens; cache is appended to in place."""
+        covering cached + new tokens, or packed rows (values > 1: `model/packing.py`; positions then
+        restart with each sequence); cache is appended to in place."""
         B, T, _ = x.shape
         q = self.q_norm(self.q_proj(x).view(B, T, self.num_heads, self.head_dim)).transpose(1, 2)
         k = self.k_norm(self.k_proj(x).view(B, T, self.num_kv_heads, self.head_dim)).transpose(1, 2)
         v = self.v_proj(x).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
         cos, sin = rope_cos_sin(positions, self.head_dim, self.rope_theta, q.dtype)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if (cache is None or cache.length == 0) and is_packed(attention_mask):  # decode steps skip the check (a sync)
+            if cache is not None or self.kv_gather is not None:
+                raise ValueError("packed sequences (an attention_mask with values > 1) are for full-sequence "
+                                 "forwards: not with a KV cache nor context parallelism (parallel.cp > 1); set "
+                                 "rl.max_tokens_per_micro_batch=0 for padded micro-batches there")
+            out = self._packed_attention(q, k, v, SequenceLayout.of(attention_mask))
+            return self.o_proj(out.reshape(B, T, self.num_heads * self.head_dim))
         if self.kv_gather is not None:
             if cache is not None or attention_mask is not None:
                 raise ValueError("context-parallel attention (parallel.cp > 1) takes neither a KV cache nor a padding "
@@ -209,6 +218,23 @@ class Attention(nn.Module):
         # A fully masked row (a padding query) gives NaN in SDPA; zero it, it is never read.
         out = torch.nan_to_num(out, nan=0.0)
         return self.o_proj(out.transpose(1, 2).reshape(B, T, self.num_heads * self.head_dim))
+
+    def _packed_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                          layout: SequenceLayout) -> torch.Tensor:
+        """Attention of packed rows (q [B, H, T, D], k/v [B, KV, T, D] -> [B, T, H, D]): each sequence
+        unpacked into a row of its own, right-padded (`model/packing.py`), through the padded
+        batch's attention at this numerics level, and packed back."""
+        out = None
+        for group in layout.by_length():  # rows of similar length (a row's result depends on the row alone)
+            qs, ks, vs = (group.unpack(t.transpose(1, 2)).transpose(1, 2) for t in (q, k, v))  # [N, heads, L, D]
+            if invariant.enabled(self.numerics, q):  # keys by position (= slot: no leading padding)
+                pad = torch.zeros(qs.shape[0], dtype=torch.long, device=q.device)
+                o = invariant.attention(qs, ks, vs, group.positions, pad, self.numerics)
+            else:  # right padding only: a real query's keys are all real, SDPA's plain causal kernel
+                o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True,
+                                                   enable_gqa=self.num_heads != self.num_kv_heads)
+            out = group.repack(o.transpose(1, 2), out)
+        return out
 
 
 class SwiGLU(nn.Module):

@@ -158,7 +158,7 @@ def update_on(trainer, task, scorer, loss, settings: GRPOSettings, step: int, sh
     cons = consistency(gen, batch)
     corrected = correct_batch(batch, settings.correction) if settings.correction is not None else {}
     result = ppo_updates(trainer, batch, loss, settings.micro_batch_size, settings.ppo_epochs, settings.minibatches,
-                         shuffle_rng)
+                         shuffle_rng, getattr(scorer, "max_tokens", 0))  # rl.max_tokens_per_micro_batch: packed
     record = {"step": step, "rollout_version": gen.version,
               "reward": float(rewards.mean()), "loss": result["loss"], "grad_norm": result["grad_norm"],
               "kl": result["kl"], "num_updates": result["num_updates"], "temperature": settings.temperature,

@@ -18,7 +18,8 @@ from typing import Optional
 import torch
 
 from megatron_fp4.fp4 import numerics_of
-from megatron_fp4.rollout.engine import check_built_numerics, positions_from_mask
+from megatron_fp4.model.packing import segment_positions
+from megatron_fp4.rollout.engine import check_built_numerics
 from megatron_fp4.rollout.logprobs import log_probs_from_logits, to_token_positions
 from megatron_fp4.training.forward_only import RowLoss
 
@@ -38,8 +39,9 @@ class ScoreOutput:
 
 
 def model_inputs(tokens: torch.Tensor, attention_mask: torch.Tensor, routing_in: Optional[torch.Tensor] = None) -> dict:
-    """The model's inputs for a scored batch (verl layout): positions from the mask, routes to replay."""
-    return {"tokens": tokens, "positions": positions_from_mask(attention_mask), "attention_mask": attention_mask,
+    """The model's inputs for a scored batch (verl layout, or packed rows: `model/packing.py`): positions
+    from the mask, routes to replay."""
+    return {"tokens": tokens, "positions": segment_positions(attention_mask), "attention_mask": attention_mask,
             "routing_in": routing_in}
 
 

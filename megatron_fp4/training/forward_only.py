@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_fp4.model.layers import wide_dtype
+from megatron_fp4.training.packing import balanced_bins, pack_rows, real_lengths, unpack_rows
 from megatron_fp4.training.step_loss import StepLoss
 
 
@@ -35,8 +36,11 @@ class RowLoss(StepLoss):
     def loss(self, logits, micro_batch):
         r = self.rows(logits, micro_batch)
         if self.out is not None:
-            start = int(micro_batch["row_start"])
-            self.out[start:start + r.shape[0]] = r
+            if "token_slots" in micro_batch:  # a packed micro-batch (`training/packing.py`): per token
+                unpack_rows(r, micro_batch["token_slots"], self.out)
+            else:
+                start = int(micro_batch["row_start"])
+                self.out[start:start + r.shape[0]] = r
         return r.new_zeros(()), {}
 
 
@@ -47,10 +51,13 @@ class RoutingCapture:
     summed over the mesh with `keep` False on the tp ranks but the first, every entry is written once)."""
 
     def __init__(self, model, shape, row_starts: list, rows_per_micro_batch: int, device: torch.device,
-                 keep: bool = True):
+                 keep: bool = True, token_slots: Optional[list] = None):
+        """`token_slots`: packed micro-batches (`training/packing.py`), each's slots in the batch
+        (then `row_starts` only counts them)."""
         moe_ids = [i for i in range(len(model.layers)) if i not in model.cfg.dense_layers]
         self.out = torch.zeros(*shape, len(moe_ids), model.cfg.top_k, dtype=torch.int64, device=device)
         self.row_starts, self.rows, self.keep = row_starts, rows_per_micro_batch, keep
+        self.token_slots = token_slots
         self.seen, self.hooks = {}, []
         for i, layer in enumerate(model.layers):
             if getattr(layer, "is_moe", False):  # layers of other stages are absent here
@@ -64,10 +71,16 @@ class RoutingCapture:
             n = self.seen[layer]
             assert n < len(self.row_starts), (layer, n)
             picks = output[2]
-            if picks.numel() != self.rows * self.out.shape[1] * self.out.shape[-1]:
+            slots = None if self.token_slots is None else self.token_slots[n]
+            tokens = self.rows * self.out.shape[1] if slots is None else slots.numel()
+            if picks.numel() != tokens * self.out.shape[-1]:
                 raise ValueError("routing capture: the router saw a chunk of the sequence (parallel.moe_tp_tokens="
                                  "local under tensor parallelism); capture the routes with moe_tp_tokens=whole")
-            if self.keep:
+            if self.keep and slots is not None:
+                dest = slots.reshape(-1)
+                real = (dest >= 0).nonzero().squeeze(1)
+                self.out.view(-1, *self.out.shape[2:])[dest[real], slot] = picks.reshape(tokens, -1)[real]
+            elif self.keep:
                 start = self.row_starts[n]
                 self.out[start:start + self.rows, :, slot] = picks.view(self.rows, self.out.shape[1], -1)
             self.seen[layer] = n + 1
@@ -95,27 +108,49 @@ def split_rows(num_rows: int, dp: int, pp: int, micro_batch_size: int) -> tuple[
     return share, max(d for d in range(1, bound + 1) if share % d == 0)
 
 
+def packed_micro_batches(batch: dict, max_tokens: int, mesh, device) -> list[dict]:
+    """This rank's packed micro-batches of a padded `batch`: its dp share's rows in bins of at most
+    `max_tokens` tokens, as many on every dp rank (at least pp; `training/packing.balanced_bins`), with
+    a pipeline all padded to the longest one (its p2p buffers are static)."""
+    per_share = balanced_bins(real_lengths(batch["attention_mask"]), max_tokens, mesh.dp, mesh.pp)
+    pad_to = None
+    if mesh.pp > 1:
+        lengths = real_lengths(batch["attention_mask"])
+        pad_to = max(sum(lengths[i] for i in rows) for bins in per_share for rows in bins)
+    return [{k: v.to(device) for k, v in pack_rows(batch, rows, pad_to).items()}
+            for rows in per_share[mesh.coord("dp")]]
+
+
 def forward_rows(trainer, batch: dict, row_loss: RowLoss, micro_batch_size: int,
-                 capture_routing: bool = False) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+                 capture_routing: bool = False, max_tokens: int = 0) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """(rows [B, T] in the model's wide dtype, routes [B, T, num_moe_layers, k] or None) of `batch`
     (a dict of [B, ...] tensors, every key cut by rows; ``input_ids`` gives B and T), the same bits
-    on every rank (module docstring). No gradients; the batch may sit on any device."""
+    on every rank (module docstring). No gradients; the batch may sit on any device. `max_tokens` > 0:
+    packed micro-batches of at most that many tokens (`packed_micro_batches`) instead of
+    `micro_batch_size` rows; the rows come back in the padded layout all the same."""
     mesh = trainer.mesh
     if getattr(mesh, "cp", 1) > 1:
         raise ValueError(f"forward_rows (RL and verl scoring) splits rows, not sequences: not with parallel.cp="
                          f"{mesh.cp} > 1; score with a trainer built at parallel.cp=1 (context parallel trains the "
                          "LM loss only, docs/parallel.md)")
     ids = batch["input_ids"]
-    share, mbs = split_rows(ids.shape[0], mesh.dp, mesh.pp, micro_batch_size)
-    first = mesh.coord("dp") * share
-    micro = [{**{k: (None if v is None else v[s:s + mbs].to(trainer.device)) for k, v in batch.items()},
-              "row_start": s} for s in range(first, first + share, mbs)]
+    if max_tokens:  # packed micro-batches of at most max_tokens tokens (`training/packing.py`)
+        micro = packed_micro_batches(batch, max_tokens, mesh, trainer.device)
+        mbs, slots = 1, [mb["token_slots"] for mb in micro]
+        for i, mb in enumerate(micro):
+            mb["row_start"] = i
+    else:
+        share, mbs = split_rows(ids.shape[0], mesh.dp, mesh.pp, micro_batch_size)
+        first = mesh.coord("dp") * share
+        micro = [{**{k: (None if v is None else v[s:s + mbs].to(trainer.device)) for k, v in batch.items()},
+                  "row_start": s} for s in range(first, first + share, mbs)]
+        slots = None
     keep = mesh.coord("tp") == 0  # the tp ranks compute the same rows: one of them writes
     dtype = wide_dtype(next(trainer.model.parameters()).dtype)
     full = torch.zeros(ids.shape, dtype=dtype, device=trainer.device)
     row_loss.out = full if keep else None
     routes = RoutingCapture(trainer.model, ids.shape, [mb["row_start"] for mb in micro], mbs, trainer.device,
-                            keep) if capture_routing else None
+                            keep, slots) if capture_routing else None
     try:
         trainer.forward_backward(micro, row_loss, forward_only=True)
     finally:

@@ -11,9 +11,9 @@
   one tp coordinate, edp = dp·tp/(ep·etp) for experts, embed); fp32 masters and both Adam moments cover the owned slices at
   stages 1/2, the whole buffer at stage 0 (where an fp32 buffer is its own master, as in a group of
   one); stage 2 adds the reduced-grad shard. Every torch AdamW param (one per buffer) also holds a 4-byte ``step``.
-- **Activations**: the bytes autograd saves for one micro-batch of a chunk (`layer_activation_bytes`,
-  checked term by term against ``saved_tensors_hooks`` in tests/unit/test_memory_plan.py), times
-  the micro-batches in flight of the schedule, plus the FP4 ``Q(W)`` each MoEResQ linear saves
+- **Activations**: the bytes autograd saves for one micro-batch of a chunk (the larger of the LM
+  step's and a packed RL one, `micro_batch_shape`; `layer_activation_bytes`, checked term by term
+  against ``saved_tensors_hooks`` in tests/unit/test_memory_plan.py), times the micro-batches in flight of the schedule, plus the FP4 ``Q(W)`` each MoEResQ linear saves
   (fp32, `_DgradHalf`; once per step under the trainer's per-step weight cache).
 
 Expert rows per rank assume balanced routing (each rank's experts get ``tokens × top_k`` rows per
@@ -229,11 +229,20 @@ def cp_attention_bytes(cfg: Config, batch: int, seq: int) -> int:
     return 2 * (batch * seq - local) * m.num_heads * m.head_dim * a + local * seq * a
 
 
+def packed_attention_bytes(cfg: Config, tokens: int) -> int:
+    """A bound on what one attention layer saves beyond `layer_activation_bytes` for a packed
+    micro-batch of `tokens` tokens (`model/packing.py`): its sequences unpacked by length class hold
+    at most 2 × tokens slots, so SDPA's q, k, v and output cover at most `tokens` padding slots more
+    (an upper bound: the padding depends on the lengths)."""
+    m, a = cfg.model, activation_dtype(cfg).itemsize
+    return 4 * tokens * m.num_heads * m.head_dim * a
+
+
 def chunk_activation_bytes(cfg: Config, model: MoETransformer, layers, is_first: bool, is_last: bool,
-                           batch: int, seq: int) -> int:
+                           batch: int, seq: int, packed: bool = False) -> int:
     """Saved bytes of one micro-batch through one chunk (`layers`, the embedding, the head). Context
     parallel (``parallel.cp``): a rank's 1/cp of the sequence, plus what its attention saves of the
-    whole sequence (`cp_attention_bytes`)."""
+    whole sequence (`cp_attention_bytes`). `packed`: one packed row (`packed_attention_bytes`)."""
     cp = getattr(cfg.parallel, "cp", 1)
     tokens, m = batch * seq // cp, cfg.model
     a, w = activation_dtype(cfg).itemsize, wide_dtype(activation_dtype(cfg)).itemsize
@@ -247,7 +256,7 @@ def chunk_activation_bytes(cfg: Config, model: MoETransformer, layers, is_first:
         grouped = experts is not None and experts.recipe.mode == "bf16" and param_dtype(cfg) != torch.float64 \
             and rows <= GroupedExperts.max_group_rows * experts.num_experts
         b += layer_activation_bytes(cfg, layer.is_moe, tokens, rows, experts.num_experts if experts else 0, grouped)
-        b += cp_attention_bytes(cfg, batch, seq)
+        b += cp_attention_bytes(cfg, batch, seq) + (packed_attention_bytes(cfg, tokens) if packed else 0)
     if is_last and tp == 1:  # final norm, LM-head input, log-softmax output (fp32), loss scalar
         b += tokens * m.hidden_size * (w + 2 * a) + tokens * w + tokens * m.vocab_size * w + w
     elif is_last:  # final norm (S/tp under SP), the gathered head input; `vocab_parallel_cross_entropy`:
@@ -290,6 +299,15 @@ def inflight_microbatches(schedule: str, pp: int, pp_rank: int, virtual_stages: 
 
 
 # -- the plan -------------------------------------------------------------------------------------
+def micro_batch_shape(cfg: Config) -> tuple[int, int, bool]:
+    """([batch, seq], packed) of the largest micro-batch the trainer runs: the LM step's
+    ``micro_batch_size`` × ``seq_len``, or a packed RL micro-batch, one row of up to
+    ``rl.max_tokens_per_micro_batch`` tokens (`training/packing.py`), when that holds more tokens."""
+    s = cfg.schedule
+    budget = cfg.rl.max_tokens_per_micro_batch or 0
+    return (1, budget, True) if budget > s.micro_batch_size * s.seq_len else (s.micro_batch_size, s.seq_len, False)
+
+
 def plan_memory(cfg: Config, world_size: int, weight_cache: bool = True) -> list[RankPlan]:
     """One `RankPlan` per pipeline rank (its dp/ep/tp peers hold the same bytes: tp cuts evenly). Raises `ConfigError`
     (or ValueError from the layout functions) with a one-line message for a bad config or layout.
@@ -302,6 +320,7 @@ def plan_memory(cfg: Config, world_size: int, weight_cache: bool = True) -> list
     style = PLACEMENT.get(p.schedule, "loop")
     schedule = p.schedule if p.pp > 1 else "1f1b"
     plans = []
+    batch, seq, packed = micro_batch_shape(cfg)
     for pp_rank in range(p.pp):
         model = local_meta_model(cfg, pp_rank, 0)
         named = list(model.named_parameters())
@@ -310,13 +329,13 @@ def plan_memory(cfg: Config, world_size: int, weight_cache: bool = True) -> list
         counts = inflight_microbatches(schedule, p.pp, pp_rank, p.virtual_stages, num_mb)
         acts, inflight = 0, {}
         for c, n in zip(chunks, counts):
-            acts += n * chunk_activation_bytes(cfg, model, ranges[c], c == 0, c == len(ranges) - 1,
-                                               s.micro_batch_size, s.seq_len)
+            acts += n * chunk_activation_bytes(cfg, model, ranges[c], c == 0, c == len(ranges) - 1, batch, seq,
+                                               packed)
             inflight[c] = n
         stochastic_w = cfg.fp4.scope != "none" and _weight_rounding(model) == "stochastic"
         qw = fp4_weight_bytes(model) * (1 if weight_cache and not stochastic_w else max(sum(counts), 1))
         is_last = len(ranges) - 1 in chunks
-        tokens = s.micro_batch_size * s.seq_len // p.cp
+        tokens = batch * seq // p.cp
         a, w = activation_dtype(cfg).itemsize, wide_dtype(activation_dtype(cfg)).itemsize
         head = tokens * cfg.model.vocab_size // p.tp * (a + w) if is_last else 0  # V/tp logits under tp
         ranks = range(pp_rank * dp * p.tp, (pp_rank + 1) * dp * p.tp)  # a stage's ranks are contiguous; no list of them

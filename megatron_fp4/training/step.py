@@ -126,10 +126,12 @@ class TrainingStep:
         step["tokens"] += sum(mb["tokens"].numel() for mb in micro_batches if "tokens" in mb)
         return loss, metrics
 
-    def forward_rows(self, batch: dict, row_loss, micro_batch_size: int, capture_routing: bool = False):
+    def forward_rows(self, batch: dict, row_loss, micro_batch_size: int, capture_routing: bool = False,
+                     max_tokens: int = 0):
         """Forward-only per-row outputs of `batch` on any layout, the same on every rank: (rows [B, T],
-        routes [B, T, num_moe_layers, k] or None); `training/forward_only.py`."""
-        return forward_rows(self, batch, row_loss, micro_batch_size, capture_routing)
+        routes [B, T, num_moe_layers, k] or None); `training/forward_only.py` (`max_tokens` > 0: packed
+        micro-batches of at most that many tokens)."""
+        return forward_rows(self, batch, row_loss, micro_batch_size, capture_routing, max_tokens)
 
     def _local_forward_backward(self, micro_batches: list[dict], loss_fn: LossFn,
                                 weights: Optional[Sequence[float]], backward: bool = True) -> tuple[float, dict]:

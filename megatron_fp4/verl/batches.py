@@ -4,9 +4,10 @@ Padded (DataProto.batch): `input_ids`/`attention_mask` [B, P+R] (left-padded pro
 responses), `responses` [B, R]: outputs are [B, R] (position j = log p(response token j)).
 
 No-padding (after verl's `left_right_2_no_padding`): `input_ids` a jagged nested tensor [B, j1] of
-each sequence's real tokens: outputs are nested [B, j1] in verl's left-shifted convention (position
-t of a sequence = log p(token t+1 | tokens <= t), 0 at its last token), which verl's
-`no_padding_2_padding` slices back to [B, R] for its losses.
+each sequence's real tokens, scored as one packed row (`nested_to_packed`: the nested tensor's
+values back to back, `model/packing.py`; no re-padding): outputs are nested [B, j1] in verl's
+left-shifted convention (position t of a sequence = log p(token t+1 | tokens <= t), 0 at its last
+token), which verl's `no_padding_2_padding` slices back to [B, R] for its losses.
 
 `entropy` (when asked) is the entropy of the same next-token distributions, same layout. verl's
 `temperature` divides the logits: log_softmax(z / T) = log_softmax(log_softmax(z) / T), so the
@@ -19,6 +20,7 @@ from typing import Callable, Optional
 import torch
 
 from megatron_fp4.fp4 import numerics_of
+from megatron_fp4.model.packing import run_starts
 from megatron_fp4.model.router import check_route_dtype
 from megatron_fp4.rollout.logprobs import log_probs_from_logits, next_token_log_probs, to_token_positions
 from megatron_fp4.rollout.scoring import model_inputs
@@ -88,16 +90,18 @@ class VerlScore(StepLoss):
 
     def _tokens(self, mb):
         if self.nested:
-            return nested_to_padded(mb["input_ids"])
+            return nested_to_packed(mb["input_ids"])
         return mb["input_ids"], mb["attention_mask"], None
 
     def model_inputs(self, mb) -> dict:
         tokens, mask, _ = self._tokens(mb)
-        routing_in = replay_routes(mb, self.replay, tokens.shape) if self.replay != "off" else None
+        routing_in = replay_routes(mb, self.replay, tokens.shape, self.nested) if self.replay != "off" else None
         return model_inputs(tokens, mask, routing_in)
 
     def outputs(self, logits: torch.Tensor, mb) -> dict:
         tokens, mask, lengths = self._tokens(mb)
+        if self.nested:  # packed: a sequence's first token has no prediction (it would read the previous sequence's)
+            mask = (mask != 0) & ~run_starts(mask)
         lp, ent = padded_outputs(logits, tokens, mask, _temperature(mb), self.entropy, self.numerics)
         if not self.nested:
             R = mb["responses"].shape[1]
@@ -110,9 +114,10 @@ class VerlScore(StepLoss):
         if ent is not None:
             out["entropy"] = to_shifted_nested(ent, lengths)
         if self.recorder is not None:  # row t holds position t-1's route: position t's is row t+1; each final one: -1 (live)
-            used = self.recorder.take(tokens.shape)
-            rows = [torch.cat([used[i, 1:int(n)], torch.full_like(used[i, :1], -1)])
-                    for i, n in enumerate(lengths.tolist())]
+            used = self.recorder.take(tokens.shape)[0]
+            starts = [0] + lengths.cumsum(0).tolist()[:-1]
+            rows = [torch.cat([used[o + 1:o + int(n)], torch.full_like(used[:1], -1)])
+                    for o, n in zip(starts, lengths.tolist())]
             out["routed_experts"] = torch.nested.as_nested_tensor(rows, layout=torch.jagged)
         return out
 
@@ -131,19 +136,20 @@ def score_padded(model, mb, entropy: bool = False) -> dict:
     return _score(model, mb, VerlScore(False, entropy))
 
 
-def nested_to_padded(ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(tokens [B, L] right-padded with 0, mask [B, L], lengths [B]) of a jagged nested [B, j1]."""
+def nested_to_packed(ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(tokens [1, N], mask [1, N] numbering the sequences 1..B, lengths [B]) of a jagged nested [B, j1]:
+    its values back to back in one packed row (`model/packing.py`)."""
     lengths = ids.offsets().diff()
-    tokens = ids.to_padded_tensor(0)
-    mask = (torch.arange(tokens.shape[1], device=tokens.device)[None] < lengths[:, None].to(tokens.device)).long()
-    return tokens, mask, lengths
+    tokens = ids.values()[None]
+    number = torch.arange(1, lengths.numel() + 1, device=tokens.device)
+    return tokens, torch.repeat_interleave(number, lengths.to(tokens.device))[None], lengths
 
 
 def to_shifted_nested(per_token: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
-    """[B, L] (position t about token t) -> jagged nested [B, j1] (position t about token t+1, 0 last)."""
-    shifted = torch.cat([per_token[:, 1:], torch.zeros_like(per_token[:, :1])], dim=1)
-    rows = [shifted[i, :int(n)] for i, n in enumerate(lengths.tolist())]
-    return torch.nested.as_nested_tensor(rows, layout=torch.jagged)
+    """Packed [1, N] (position t about token t; 0 at each sequence's first) -> jagged nested [B, j1]
+    (position t about token t+1, 0 last)."""
+    shifted = torch.cat([per_token[0, 1:], torch.zeros_like(per_token[0, :1])])
+    return torch.nested.as_nested_tensor(list(shifted.split(lengths.tolist())), layout=torch.jagged)
 
 
 def score_nested(model, mb, entropy: bool = False, replay: str = "off", record: bool = False) -> dict:
@@ -162,8 +168,9 @@ def score_nested(model, mb, entropy: bool = False, replay: str = "off", record: 
             recorder.remove()
 
 
-def replay_routes(mb, replay: str, shape) -> torch.Tensor:
-    """The model's ``routing_in`` [B, L, num_moe_layers, k] from ``mb["routed_experts"]`` (-1: live)."""
+def replay_routes(mb, replay: str, shape, packed: bool = False) -> torch.Tensor:
+    """The model's ``routing_in`` [B, L, num_moe_layers, k] from ``mb["routed_experts"]`` (-1: live);
+    `packed`: [1, N, ...] of the sequences back to back (`nested_to_packed`)."""
     from verl.utils.megatron.router_replay_utils import align_r3_router_replay_data, build_r3_replay_mask
 
     if "routed_experts" not in mb.keys() or mb["routed_experts"] is None:
@@ -177,11 +184,12 @@ def replay_routes(mb, replay: str, shape) -> torch.Tensor:
     if replay == "r3":
         routes = align_r3_router_replay_data(routes, ids)
         keep = build_r3_replay_mask(ids, mb["response_mask"])
-    rows = routes.unbind()
+    rows = [r.to(torch.long) for r in routes.unbind()]
+    if keep is not None:
+        rows = [torch.where(k.to(torch.bool)[:, None, None], r, -1) for r, k in zip(rows, keep.unbind())]
+    if packed:
+        return torch.cat(rows)[None].to(ids.device)
     out = torch.full((shape[0], shape[1], *rows[0].shape[1:]), -1, dtype=torch.long)
     for i, r in enumerate(rows):
-        r = r.to(torch.long)
-        if keep is not None:
-            r = torch.where(keep.unbind()[i].to(torch.bool)[:, None, None], r, -1)
         out[i, :r.shape[0]] = r
     return out.to(ids.device)

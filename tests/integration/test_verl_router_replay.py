@@ -51,8 +51,11 @@ def _flat(nested) -> torch.Tensor:
 
 
 def _real(td, used) -> torch.Tensor:
-    """The routes used (router calls: [B*L, k] per layer, stacked [B*L, M, k]) at the real tokens."""
+    """The routes used (router calls: [tokens, k] per layer, stacked [tokens, M, k]) at the real tokens:
+    a no-padding batch runs packed (its sequences back to back), a padded one [B*L]."""
     lengths = td["input_ids"].offsets().diff().tolist()
+    if used.shape[0] == sum(lengths):
+        return used
     B = len(lengths)
     used = used.view(B, -1, *used.shape[1:])  # [B*L, M, k] -> [B, L, M, k]
     return torch.cat([used[i, :n] for i, n in enumerate(lengths)])

@@ -28,7 +28,6 @@ from megatron_fp4.config import Config, FP4Config
 from megatron_fp4.fp4 import Numerics, apply_numerics
 from megatron_fp4.integrations.hf import save_hf_checkpoint
 from megatron_fp4.integrations.vllm import hf_quantization_config
-from megatron_fp4.rollout.engine import fp4_mode
 from tests.integration.hf_family_parity import ours_from, random_hf
 from tests.integration.test_vllm_plugin import (MAX_TOKENS, MIN_EXPERTS, PROMPTS, compare, needs_vllm,
                                                 plugin_config, trainer_scores, vllm_ctx, vllm_generate)
@@ -135,7 +134,8 @@ def test_moe_method_equals_the_trainers_moe_bitwise(vllm_ctx, family, mode):
     method.process_weights_after_loading(layer)
     method.router = ref.router  # what the plugin's model class builds over vLLM's gate parameters
     x = torch.randn(37, H, generator=torch.Generator().manual_seed(2))
-    with torch.no_grad(), fp4_mode(trainer, mode):  # the rollout-side recipe, as the trainer scores
+    trainer.set_fp4_mode(mode)  # the rollout-side recipe, fixed as the model is built (as the trainer scores)
+    with torch.no_grad():
         want = ref(x)
     with torch.inference_mode():
         got = method.apply_monolithic(layer, x, x)
@@ -143,7 +143,7 @@ def test_moe_method_equals_the_trainers_moe_bitwise(vllm_ctx, family, mode):
     with torch.no_grad():  # a new weight through vLLM's loader is what the next forward uses
         ref.experts.w13.mul_(-0.5)
     load(ref.experts.w13.detach(), ref.experts.w2.detach())
-    with torch.no_grad(), fp4_mode(trainer, mode):
+    with torch.no_grad():
         want = ref(x)
     with torch.inference_mode():
         assert torch.equal(method.apply_monolithic(layer, x, x), want)

@@ -18,9 +18,10 @@ import torch
 
 from megatron_fp4.config import default_config_path, load_config
 from megatron_fp4.model import build_model
+from megatron_fp4.model.packing import segment_positions
 from megatron_fp4.model.transformer import lm_loss
 from megatron_fp4.training.memory_plan import (chunk_activation_bytes, fp4_weight_bytes, inflight_microbatches,
-                                               local_meta_model, param_dtype, plan_memory)
+                                               local_meta_model, packed_attention_bytes, param_dtype, plan_memory)
 from tests.distributed.launch import run_distributed
 from tools import memory_plan as cli
 
@@ -28,9 +29,10 @@ TINY = ["schedule.global_batch_size=8", "schedule.micro_batch_size=2", "schedule
         "logging.tensorboard_dir=null", "checkpoint.dir=null", "logging.progress=false", "device=cpu"]
 
 
-def _saved_bytes(cfg, tokens, cut=None):
+def _saved_bytes(cfg, tokens, cut=None, attention_mask=None):
     """Unique non-parameter storages autograd saves in one training forward + loss, and the routing.
-    ``cut(model)``: cuts the model in place (tensor parallel) and returns its loss function."""
+    ``cut(model)``: cuts the model in place (tensor parallel) and returns its loss function;
+    ``attention_mask``: packed rows (`model/packing.py`), positions restarting per sequence."""
     torch.manual_seed(0)
     model = build_model(cfg)
     loss_fn = cut(model) if cut is not None else lm_loss
@@ -46,7 +48,8 @@ def _saved_bytes(cfg, tokens, cut=None):
         return alias
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = model(tokens, return_routing=True)
+        positions = None if attention_mask is None else segment_positions(attention_mask)
+        out = model(tokens, positions, attention_mask, return_routing=True)
         loss = loss_fn(out.logits, tokens)
     routing = out.routing
     del out
@@ -76,6 +79,27 @@ def test_activation_bytes_match_saved_tensors(extra):
     per_expert_qw = (3 * m.moe_ffn_hidden_size * m.hidden_size * 4) if cfg.fp4.scope != "none" else 0
     empty = sum(m.num_experts - len(torch.unique(r)) for r in routing if r is not None)
     assert 0 <= planned - measured <= empty * per_expert_qw, (planned, measured, empty)
+
+
+def test_packed_micro_batch_activation_bytes_bound_saved_tensors():
+    """A packed micro-batch (``rl.max_tokens_per_micro_batch``): the plan of one row of the budget's
+    tokens, plus `packed_attention_bytes` per layer (the unpacked rows' padding, bounded by the
+    tokens), is at least what autograd saves and at most that plus the bound and the empty experts' Q(W)."""
+    cfg = load_config(default_config_path(), TINY + ["rl.max_tokens_per_micro_batch=256"])
+    m = cfg.model
+    lengths = [100, 60, 40, 30, 26]
+    mask = torch.cat([torch.full((n,), i + 1) for i, n in enumerate(lengths)]).unsqueeze(0)
+    tokens = torch.randint(0, m.vocab_size, (1, 256), generator=torch.Generator().manual_seed(2))
+    measured, routing = _saved_bytes(cfg, tokens, attention_mask=mask)
+    meta = local_meta_model(cfg, 0, 0)
+    planned = chunk_activation_bytes(cfg, meta, range(m.num_layers), True, True, 1, 256, packed=True)
+    planned += fp4_weight_bytes(meta)
+    per_expert_qw = 3 * m.moe_ffn_hidden_size * m.hidden_size * 4
+    empty = sum(m.num_experts - len(torch.unique(r)) for r in routing if r is not None)
+    slack = m.num_layers * packed_attention_bytes(cfg, 256) + empty * per_expert_qw
+    assert 0 <= planned - measured <= slack, (planned, measured, slack)
+    plan = plan_memory(cfg, 1)[0]  # the planner takes the packed micro-batch: it holds more tokens than 2 × 32
+    assert plan.activations == chunk_activation_bytes(cfg, meta, range(m.num_layers), True, True, 1, 256, packed=True)
 
 
 def _real_state_bytes(trainer) -> dict:

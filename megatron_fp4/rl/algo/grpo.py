@@ -18,6 +18,7 @@ from megatron_fp4.rl.algo import replay
 from megatron_fp4.rl.algo.policy_loss import PolicyLoss
 from megatron_fp4.rollout.consistency import consistency_metrics
 from megatron_fp4.rollout.engine import pad_prompt_response
+from megatron_fp4.training.forward_only import packed_micro_batches
 
 
 def grpo_advantages(rewards: torch.Tensor, group_size: int, eps: float = 1e-6) -> torch.Tensor:
@@ -78,8 +79,27 @@ def dp_share(trainer, num_rows: int) -> slice:
     return slice(trainer.mesh.coord("dp") * share, (trainer.mesh.coord("dp") + 1) * share)
 
 
-def policy_update(trainer, batch: dict, loss: PolicyLoss, micro_batch_size: int) -> dict:
-    """One optimizer step on the policy loss over `batch` (every rank passes the whole minibatch)."""
+def packed_updates(trainer, batch: dict, loss: PolicyLoss, max_tokens: int) -> list[dict]:
+    """This rank's packed micro-batches of a minibatch (`training.forward_only.packed_micro_batches`:
+    at most `max_tokens` tokens each, as many on every dp rank), each with its rollout correction per
+    token and ``token_weight`` = its loss tokens · micro-batches · dp / the minibatch's loss tokens: the
+    trainer's mean over micro-batches and dp ranks of the weighted token-means is then the token-mean
+    over the whole minibatch (the padded path's, when its minibatch is one micro-batch)."""
+    keys = loss.batch_keys + ("attention_mask",) + (("replay_routing",) if "replay_routing" in batch else ())
+    padded = {**{k: batch[k] for k in keys}, **loss.corrections(batch)}
+    micro = packed_micro_batches(padded, max_tokens, trainer.mesh, trainer.device)
+    total = max(float(padded["loss_mask"].sum()), 1.0)
+    scale = len(micro) * trainer.mesh.dp / total
+    for mb in micro:
+        mb["token_weight"] = float(mb["loss_mask"].sum()) * scale
+    return micro
+
+
+def policy_update(trainer, batch: dict, loss: PolicyLoss, micro_batch_size: int, max_tokens: int = 0) -> dict:
+    """One optimizer step on the policy loss over `batch` (every rank passes the whole minibatch);
+    `max_tokens` > 0: in packed micro-batches of at most that many tokens (`packed_updates`)."""
+    if max_tokens:
+        return trainer.train_step_with_loss(packed_updates(trainer, batch, loss, max_tokens), loss)
     rows = dp_share(trainer, batch["input_ids"].shape[0])
     start, stop = rows.start, rows.stop
     share = stop - start
@@ -95,9 +115,10 @@ def policy_update(trainer, batch: dict, loss: PolicyLoss, micro_batch_size: int)
 
 
 def ppo_updates(trainer, batch: dict, loss: PolicyLoss, micro_batch_size: int, ppo_epochs: int, minibatches: int,
-                rng: random.Random) -> dict:
+                rng: random.Random, max_tokens: int = 0) -> dict:
     """`ppo_epochs` passes over the rollout batch, each cut into `minibatches` shuffled minibatches
     (one optimizer step each); the ratio to the old log-probs is what the clip then bounds.
+    `max_tokens` > 0: packed micro-batches (`policy_update`).
     Returns the first step's result (loss of the policy that sampled) with the last step's kl."""
     B = batch["input_ids"].shape[0]
     per_sample = [k for k, v in batch.items() if torch.is_tensor(v) and v.shape[:1] == (B,)]
@@ -108,7 +129,7 @@ def ppo_updates(trainer, batch: dict, loss: PolicyLoss, micro_batch_size: int, p
         for chunk in (order[i::minibatches] for i in range(minibatches)):
             idx = torch.tensor(sorted(chunk))
             mini = {k: batch[k][idx] for k in per_sample}
-            results.append(policy_update(trainer, mini, loss, micro_batch_size))
+            results.append(policy_update(trainer, mini, loss, micro_batch_size, max_tokens))
     return {**results[0], "kl": results[-1].get("kl", 0.0), "num_updates": len(results)}
 
 

@@ -337,21 +337,25 @@ def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 
 def policy_loss(log_probs: torch.Tensor, old_log_probs: torch.Tensor, advantages: torch.Tensor,
                 response_mask: torch.Tensor, clip_eps: float = 0.2, rollout_log_probs: Optional[torch.Tensor] = None,
-                tis_cap: Optional[float] = None, correction: Optional[RolloutCorrection] = None) -> tuple:
+                tis_cap: Optional[float] = None, correction: Optional[RolloutCorrection] = None,
+                corrected: Optional[tuple] = None) -> tuple:
     """PPO/GRPO clipped surrogate, token-mean over the loss mask, optionally corrected for the rollout
     (`correction`, or `tis_cap` for token TIS): the surrogate is multiplied per token by the IS weights
     and rejected tokens leave the mask, as in verl's `compute_policy_loss_vanilla`.
-    All tensors [B, T]; advantages broadcast per token. Returns (loss, metrics dict)."""
+    All tensors [B, T]; advantages broadcast per token. `corrected`: (IS weights or None, loss mask)
+    already computed by `rollout_correction` (packed rows: the sequence-level statistics were taken
+    on the padded rows, one sequence each). Returns (loss, metrics dict)."""
     correction = resolve_correction(tis_cap, correction)
     check_clip_eps(clip_eps)
     ratio = torch.exp((log_probs - old_log_probs.detach()).clamp(-20.0, 20.0))
     surrogate = torch.maximum(-advantages * ratio, -advantages * ratio.clamp(1 - clip_eps, 1 + clip_eps))
-    metrics, loss_mask = {}, response_mask
+    metrics, loss_mask = {}, response_mask if corrected is None else corrected[1]
     if correction is not None:
-        if rollout_log_probs is None:
+        if rollout_log_probs is None and corrected is None:
             raise ValueError("a rollout correction (tis_cap or correction) is set but rollout_log_probs is None; "
                              "pass the rollout's log-probs or tis_cap=None, correction=None")
-        weights, loss_mask, _ = rollout_correction(old_log_probs, rollout_log_probs, response_mask, correction)
+        weights, loss_mask = corrected if corrected is not None else \
+            rollout_correction(old_log_probs, rollout_log_probs, response_mask, correction)[:2]
         if weights is not None:
             surrogate = surrogate * weights
             metrics["tis_weight_mean"] = float(masked_mean(weights, loss_mask))

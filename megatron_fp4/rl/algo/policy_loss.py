@@ -19,7 +19,7 @@ import torch
 
 from megatron_fp4.rl.algo.is_correction import (RolloutCorrection, check_clip_eps, policy_loss, resolve_correction,
                                                 rollout_correction)
-from megatron_fp4.rollout.engine import positions_from_mask
+from megatron_fp4.model.packing import segment_positions
 from megatron_fp4.rollout.scoring import log_probs_from_logits
 from megatron_fp4.training.step_loss import StepLoss
 
@@ -54,19 +54,41 @@ class PolicyLoss(StepLoss):
 
     def model_inputs(self, mb: dict) -> dict:
         am = mb["attention_mask"]
-        inputs = {"tokens": mb["input_ids"], "positions": positions_from_mask(am), "attention_mask": am}
+        inputs = {"tokens": mb["input_ids"], "positions": segment_positions(am), "attention_mask": am}
         if mb.get("replay_routing") is not None:  # router replay (rl/algo/replay.py): the routes to use
             inputs["routing_in"] = mb["replay_routing"]
         return inputs
 
+    def corrections(self, batch: dict) -> dict:
+        """The rollout correction of a padded batch as per-token tensors (``loss_mask``, ``is_weights``
+        when the correction weights), for packed micro-batches: sequence-level statistics need one
+        sequence per row."""
+        correction = resolve_correction(self.tis_cap, self.correction)
+        if correction is None:
+            return {"loss_mask": batch["response_mask"]}
+        weights, mask, _ = rollout_correction(batch["old_log_probs"], batch["rollout_log_probs"],
+                                              batch["response_mask"], correction)
+        return {"loss_mask": mask} if weights is None else {"loss_mask": mask, "is_weights": weights}
+
     def loss(self, logits: torch.Tensor, mb: dict) -> tuple[torch.Tensor, dict]:
+        """A padded micro-batch: its token-mean. A packed one (``token_slots``, `rl.algo.grpo.packed_updates`):
+        per-token advantages and corrections, and its token-mean times ``token_weight`` (its share of
+        the minibatch's loss tokens), so the step's loss is the token-mean over the whole minibatch."""
         lp, _ = log_probs_from_logits(logits, mb["input_ids"], mb["response_mask"])
-        loss, metrics = policy_loss(lp, mb["old_log_probs"], mb["advantages"][:, None], mb["response_mask"],
-                                    self.clip_eps, mb["rollout_log_probs"], self.tis_cap, self.correction)
+        packed = "token_slots" in mb
+        advantages = mb["advantages"] if packed else mb["advantages"][:, None]
+        corrected = (mb.get("is_weights"), mb["loss_mask"]) if packed else None
+        loss, metrics = policy_loss(lp, mb["old_log_probs"], advantages, mb["response_mask"],
+                                    self.clip_eps, mb["rollout_log_probs"], self.tis_cap, self.correction, corrected)
         if self.kl_coef:
             mask = mb["response_mask"]
-            if self.correction is not None and self.correction.rejection:
+            if packed:
+                mask = mb["loss_mask"]
+            elif self.correction is not None and self.correction.rejection:
                 mask = rollout_correction(mb["old_log_probs"], mb["rollout_log_probs"], mask, self.correction)[1]
             kl = kl_k3(lp, mb["ref_log_probs"], mask)
             loss, metrics = loss + self.kl_coef * kl, {**metrics, "kl": float(kl.detach())}
+        if packed:
+            weight = mb["token_weight"]
+            loss, metrics = loss * weight, {k: v * weight for k, v in metrics.items()}
         return loss, metrics

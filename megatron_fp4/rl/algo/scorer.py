@@ -23,6 +23,7 @@ from megatron_fp4.fp4 import numerics_of
 from megatron_fp4.rollout.engine import check_built_numerics
 from megatron_fp4.rollout.logprobs import to_token_positions
 from megatron_fp4.rollout.scoring import TokenLogProbs
+from megatron_fp4.training.packing import check_budget
 
 
 @contextlib.contextmanager
@@ -44,14 +45,18 @@ def swapped_parameters(model, values: dict):
 class PolicyScorer:
     """`score(batch)` -> old log-probs [B, T] and routing [B, T, num_moe_layers, k] (+ the reference
     policy's log-probs when `keep_reference`), the same on every rank. `micro_batch_size`: rows per
-    pipeline micro-batch (each dp replica's share of the rows must be a multiple of it).
+    pipeline micro-batch (each dp replica's share of the rows must be a multiple of it); `max_tokens`
+    (default ``rl.max_tokens_per_micro_batch``) > 0: packed micro-batches of at most that many tokens instead.
     It scores at the level the trainer's model was built with (the config's `numerics.invariance`,
     the level the rollout engine decodes at), with or without a pipeline; `invariance`: None, or that
     level (another is a ValueError: the level is fixed at build)."""
 
-    def __init__(self, trainer, micro_batch_size: int, keep_reference: bool, invariance: Optional[str] = None):
+    def __init__(self, trainer, micro_batch_size: int, keep_reference: bool, invariance: Optional[str] = None,
+                 max_tokens: Optional[int] = None):
         self.trainer, self.micro_batch_size = trainer, int(micro_batch_size)
         check_built_numerics(trainer.model, invariance=invariance)
+        # packed micro-batches of at most this many tokens (None: rl.max_tokens_per_micro_batch; 0: padded)
+        self.max_tokens = check_budget(trainer.cfg.rl.max_tokens_per_micro_batch if max_tokens is None else max_tokens)
         self.reference = ({n: p.detach().clone() for n, p in trainer.model.named_parameters()}
                           if keep_reference else None)
 
@@ -71,6 +76,7 @@ class PolicyScorer:
         t = self.trainer
         rows = {k: batch[k] for k in ("input_ids", "attention_mask", "response_mask")}
         rows["replay_routing"] = replay
-        log_probs, routes = t.forward_rows(rows, TokenLogProbs(numerics_of(t.model)), self.micro_batch_size, routing)
+        log_probs, routes = t.forward_rows(rows, TokenLogProbs(numerics_of(t.model)), self.micro_batch_size, routing,
+                                           self.max_tokens)
         # compute_log_probs' alignment: row t holds the routing of position t-1 (which predicts token t)
         return log_probs.cpu(), None if routes is None else to_token_positions(routes).cpu()
