@@ -88,12 +88,10 @@ def validate_deepseek_v3(m, cfg) -> None:
     _require(cfg.numerics.invariance == "standard", "numerics.invariance", cfg.numerics.invariance,
              f"{why}'s latent attention and sigmoid group routing have no batch/exact invariant kernels yet: set "
              "numerics.invariance=standard")
-    for name in ("tp", "etp"):
-        _require(getattr(cfg.parallel, name) == 1, f"parallel.{name}", getattr(cfg.parallel, name),
-                 f"{why} is not split by tensor parallel yet (latent attention has no tp plan): set 1 and use "
-                 "pp/ep/dp")
     _require(getattr(cfg.parallel, "cp", 1) == 1, "parallel.cp", getattr(cfg.parallel, "cp", 1),
-             f"{why}'s latent attention has no context-parallel K/V gather yet: set 1 and use pp/ep/dp")
+             f"{why}'s latent attention has no context-parallel K/V gather yet (its keys are built from the "
+             "latent per head and share one rotary part, which parallel/context.py's GQA K/V gather does not "
+             "cover): set 1 and use pp/ep/tp/dp")
 
 
 def validate_family(cfg) -> None:
@@ -139,10 +137,9 @@ def validate_family(cfg) -> None:
     _require(cfg.numerics.invariance == "standard", "numerics.invariance", cfg.numerics.invariance,
              f"{why} has attention sinks and expert biases, which the batch/exact levels' invariant kernels do "
              "not implement yet: set numerics.invariance=standard")
-    for name in ("tp", "etp"):
-        _require(getattr(p, name) == 1, f"parallel.{name}", getattr(p, name),
-                 f"{why} is not split by tensor parallel yet (its biases and sinks have no tp plan): set 1 and "
-                 "use pp/ep/dp")
+    _require(p.etp == 1, "parallel.etp", p.etp,
+             f"{why}'s expert biases have no expert-tensor-parallel plan yet (b2 of a row-cut w2 must be added "
+             "once after the etp reduction): set 1 and use tp/ep")
     _require(getattr(p, "cp", 1) == 1, "parallel.cp", getattr(p, "cp", 1),
-             f"{why}'s attention (sinks, sliding window) has no context-parallel K/V gather yet: set 1 and use "
-             "pp/ep/dp")
+             f"{why}'s attention (sinks, sliding window) has no context-parallel K/V gather yet (the window "
+             "and the sink logit would need the cp ring's masks): set 1 and use pp/ep/tp/dp")
