@@ -137,9 +137,9 @@ def validate_family(cfg) -> None:
     _require(cfg.numerics.invariance == "standard", "numerics.invariance", cfg.numerics.invariance,
              f"{why} has attention sinks and expert biases, which the batch/exact levels' invariant kernels do "
              "not implement yet: set numerics.invariance=standard")
-    _require(p.etp == 1, "parallel.etp", p.etp,
-             f"{why}'s expert biases have no expert-tensor-parallel plan yet (b2 of a row-cut w2 must be added "
-             "once after the etp reduction): set 1 and use tp/ep")
+    _require(m.hidden_size % p.etp == 0, "model.hidden_size", m.hidden_size,
+             f"must be a multiple of parallel.etp={p.etp} for {why}: expert tensor parallel cuts the experts' "
+             "output bias b2 along it; choose etp dividing hidden_size")
     _require(getattr(p, "cp", 1) == 1, "parallel.cp", getattr(p, "cp", 1),
              f"{why}'s attention (sinks, sliding window) has no context-parallel K/V gather yet (the window "
              "and the sink logit would need the cp ring's masks): set 1 and use pp/ep/tp/dp")

@@ -177,6 +177,7 @@ class GptOssExperts(GroupedExperts):
                          num_local_experts=num_local_experts)
         self.b13 = nn.Parameter(torch.empty(self.num_local_experts, 2 * ffn))
         self.b2 = nn.Parameter(torch.empty(self.num_local_experts, hidden))
+        self.b2_cols = None  # expert-tensor parallel: the hidden columns of b2 this rank holds (`shard_ffn`)
 
     def shard(self, expert_offset: int, num_local_experts: int) -> "GptOssExperts":
         out = super().shard(expert_offset, num_local_experts)
@@ -189,9 +190,32 @@ class GptOssExperts(GroupedExperts):
             new.requires_grad_(old.requires_grad)
         return out
 
-    def shard_ffn(self, parts: int, index: int, *, shapes_only: bool = False):
-        raise ValueError("GPT-OSS experts are not split by expert-tensor parallel (their biases have no etp "
-                         "plan yet): set parallel.etp=1")
+    def shard_ffn(self, parts: int, index: int, *, shapes_only: bool = False) -> "GptOssExperts":
+        """`GroupedExperts.shard_ffn` with the biases: b13 cut with w13's gate and up rows; b2 (w2
+        is row-cut, its partial outputs summed over the etp group) cut along the hidden dim, each
+        rank adding its columns to its partial output, so the sum holds every column's bias once
+        and each rank's b2 gradient is complete for its columns."""
+        if self.hidden % parts:
+            raise ValueError(f"GptOssExperts.shard_ffn: model.hidden_size={self.hidden} is not a multiple of "
+                             f"parallel.etp={parts} (the expert output bias b2 is cut along it)")
+        base = super().shard_ffn(parts, index, shapes_only=shapes_only)  # w13/w2 cut, a GroupedExperts
+        with torch.device(self.w13.device):
+            out = GptOssExperts(self.num_global_experts, self.hidden, base.ffn, self.recipe,
+                                expert_offset=self.expert_offset, num_local_experts=self.num_local_experts)
+        out.to(self.w13.dtype)
+        out.w13, out.w2 = base.w13, base.w2
+        cols = torch.arange(index * base.ffn, (index + 1) * base.ffn)
+        h = self.hidden // parts
+        out.b2_cols = torch.arange(index * h, (index + 1) * h)
+        for name, index_ in (("b13", torch.cat([cols, cols + self.ffn])), ("b2", out.b2_cols)):
+            old = getattr(self, name)
+            new = nn.Parameter(old.detach().index_select(1, index_.to(old.device)).clone(),
+                               requires_grad=old.requires_grad)
+            new.__dict__.update(old.__dict__)
+            new.etp_shard = (1, index_)
+            setattr(out, name, new)
+        out.quant_name, out.numerics = self.quant_name, self.numerics
+        return out
 
     def expert_forward(self, e: int, x: torch.Tensor, w13: Optional[torch.Tensor] = None,
                        w2: Optional[torch.Tensor] = None, segments: Optional[list[int]] = None) -> torch.Tensor:
@@ -201,10 +225,13 @@ class GptOssExperts(GroupedExperts):
         w2 = self.w2[e] if w2 is None else w2
         nx = self.numerics
         h = moeresq_linear(x, w13, self.b13[e], recipe=self.recipe, name=name + ".w13", segments=segments,
-                           numerics=nx)
+                           numerics=nx, cut=self.w13_cut)
         gate, up = h.split(self.ffn, dim=-1)
-        return moeresq_linear(clamped_swiglu(gate, up), w2, self.b2[e], recipe=self.recipe, name=name + ".w2",
-                              segments=segments, numerics=nx)
+        b2 = self.b2[e]
+        if self.b2_cols is not None:  # etp: this rank's columns of the bias, the others' added by them
+            b2 = b2.new_zeros(self.hidden).index_copy(0, self.b2_cols.to(b2.device), b2)
+        return moeresq_linear(clamped_swiglu(gate, up), w2, b2, recipe=self.recipe, name=name + ".w2",
+                              segments=segments, numerics=nx, cut=self.w2_cut)
 
     def _forward_local(self, x_sorted: torch.Tensor, counts: list[int], segments=None) -> torch.Tensor:
         if not x_sorted.shape[0]:  # no tokens: keep every parameter in the graph (zero gradients)

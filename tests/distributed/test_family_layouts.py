@@ -1,8 +1,8 @@
 """The model families beside Qwen3-MoE on the parallel layouts match the single-process run: pp2
 (1F1B), ep2 with the all-to-all and the GC-MoE dispatchers, FP4 off, and ep2 with FP4 MoEResQ
 experts, tp2 with and without sequence parallel (2 gloo processes); tp2×dp2×ep2, pp2×tp2, FP4
-experts routing each tp rank's own tokens (moe_tp_tokens=local, ep folding tp) and DeepSeek-V3's
-expert tensor parallel etp2 (4 processes); tiny models:
+experts routing each tp rank's own tokens (moe_tp_tokens=local, ep folding tp) and expert tensor
+parallel etp2 (4 processes); tiny models:
 
 - GPT-OSS (`model/gpt_oss.py`): sliding-window and full layers, YaRN, sinks, biases;
 - DeepSeek-V3 (`model/deepseek_v3.py`): latent attention, a dense first layer, a shared expert,
@@ -39,7 +39,7 @@ PARALLEL_4 = {  # 4 processes
     "tp2_pp2": dict(tp=2, pp=2),
     "fp4_tp2_dp2_ep2_local": dict(tp=2, ep=2, moe_tp_tokens="local", fp4=True),
 }
-ETP_4 = {"deepseek_v3": {"tp2_dp2_ep2_etp2": dict(tp=2, ep=2, etp=2), "fp4_tp2_etp2": dict(tp=2, etp=2, fp4=True)}}
+ETP_4 = {"tp2_dp2_ep2_etp2": dict(tp=2, ep=2, etp=2), "fp4_tp2_etp2": dict(tp=2, etp=2, fp4=True)}
 
 
 def _gpt_oss(m) -> None:
@@ -59,7 +59,7 @@ def _deepseek_v3(m) -> None:
 FAMILIES = {"gpt_oss": _gpt_oss, "deepseek_v3": _deepseek_v3}
 LAYOUTS = {f"{family}/{name}": (family, spec) for family in FAMILIES for name, spec in PARALLEL.items()}
 LAYOUTS_4 = {f"{family}/{name}": (family, spec) for family in FAMILIES
-             for name, spec in {**PARALLEL_4, **ETP_4.get(family, {})}.items()}
+             for name, spec in {**PARALLEL_4, **ETP_4}.items()}
 
 
 def family_cfg(family: str, spec: dict) -> Config:
@@ -156,7 +156,9 @@ def check_layout(name: str, family: str, spec: dict, results: list) -> None:
                                                                                                  else 0)}
         attn = {"gpt_oss": ("q_proj.bias", "sinks", "o_proj.weight"),
                 "deepseek_v3": ("q_b_proj.weight", "kv_b_proj.weight", "o_proj.weight")}[family]
-        for part in attn + ("lm_head",) + (("experts.w13", "experts.w2") if spec.get("etp", 1) > 1 else ()):
+        experts = {"gpt_oss": ("experts.w13", "experts.w2", "experts.b13", "experts.b2"),
+                   "deepseek_v3": ("experts.w13", "experts.w2")}[family]
+        for part in attn + ("lm_head",) + (experts if spec.get("etp", 1) > 1 else ()):
             assert any(part in n for n in cut), (name, part, sorted(cut))
 
 

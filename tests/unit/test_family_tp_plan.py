@@ -16,7 +16,9 @@ def test_fp4_latent_attention_under_tp_is_refused_before_any_group():
     assert ParallelDims.from_config(cfg, 2).tp == 2
 
 
-def test_gpt_oss_etp_is_refused_naming_the_field():
+def test_gpt_oss_etp_needs_hidden_divisible():
     cfg = family_cfg("gpt_oss", dict(tp=2, etp=2))
-    with pytest.raises(ConfigError, match=r"parallel\.etp=2: the gpt_oss family's expert biases"):
+    cfg.validate()
+    cfg.parallel.tp, cfg.parallel.etp = 3, 3
+    with pytest.raises(ConfigError, match=r"model\.hidden_size=.*parallel\.etp=3 for the gpt_oss family"):
         cfg.validate()
