@@ -33,6 +33,7 @@ import torch.nn.functional as F
 
 ROW_TILE = 16
 KEY_BLOCK = 64
+MIN_VALUE_COLUMNS = 16  # the weighted-value GEMM's width at least (`block_attention`)
 
 
 def _padded_rows(x2: torch.Tensor, multiple: int) -> torch.Tensor:
@@ -155,17 +156,19 @@ def _zero_padded(t: torch.Tensor, dim: int, size: int, extra: int = 0) -> torch.
 
 
 def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
-                    pad: torch.Tensor) -> torch.Tensor:
+                    pad: torch.Tensor, scale: Optional[float] = None, window: int = 0,
+                    sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Causal attention by position (the contract of ``invariant.attention``): q [B, H, Tq, D];
-    k, v [B, KV, Tk, D] with ``pad[b]`` padding slots before row b's first key; positions [B, Tq]."""
+    k [B, KV, Tk, D], v [B, KV, Tk, Dv] with ``pad[b]`` padding slots before row b's first key;
+    positions [B, Tq]; ``scale`` (default D^-0.5), ``window`` and ``sinks`` as there."""
     B, H, Tq, D = q.shape
-    KV, Tk = k.shape[1], k.shape[2]
+    KV, Tk, Dv = k.shape[1], k.shape[2], v.shape[-1]
     rep = H // KV
     n_keys = int(positions.max()) + 1 if positions.numel() else 1
     if bool(pad.any()):  # row b's key j sits in slot pad[b] + j (clamped: past the end is future anyway)
         idx = (pad[:, None] + torch.arange(n_keys, device=k.device)[None, :]).clamp(max=Tk - 1)
         idx = idx[:, None, :, None].expand(B, KV, n_keys, D)  # gather: a plain copy (advanced indexing was 10× slower)
-        k, v = k.gather(2, idx), v.gather(2, idx)  # [B, KV, n_keys, D]
+        k, v = k.gather(2, idx), v.gather(2, idx[..., :1].expand(B, KV, n_keys, Dv))  # [B, KV, n_keys, D / Dv]
     else:
         k, v = k[:, :, :n_keys], v[:, :, :n_keys]
     # Query rows: the rep query heads of a kv head times the queries, in tiles [B·KV·nT, ROW_TILE, D]
@@ -179,11 +182,15 @@ def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions
     # A ones column on the values: the weighted-value product also gives the softmax denominator
     # (the same fixed-shape call sums the block's weights).
     kb = _zero_padded(k, 2, KEY_BLOCK).view(B * KV, -1, KEY_BLOCK, D)  # [B·KV, nK, KEY_BLOCK, D]
-    vb = _zero_padded(v, 2, KEY_BLOCK, extra=1).view(B * KV, -1, KEY_BLOCK, D + 1)
+    # At least MIN_VALUE_COLUMNS columns (zeros): with fewer the CPU GEMM's narrow-N kernel rounded a
+    # row by its place in the tile (measured: 9-11 columns, a padded row then differed in its last bit)
+    Dw = max(Dv, MIN_VALUE_COLUMNS - 1)
+    vb = _zero_padded(F.pad(v, (0, Dw - Dv)) if Dw > Dv else v, 2, KEY_BLOCK, extra=1).view(B * KV, -1, KEY_BLOCK,
+                                                                                          Dw + 1)
     nK = kb.shape[1]
     owner = torch.arange(B * KV, device=q.device).repeat_interleave(nT) if nT > 1 or nK > 1 else None
     last = flat_pos.amax(-1) if nK > 1 else None  # a tile reads key blocks 0..last // KEY_BLOCK
-    scale = D ** -0.5
+    scale = D ** -0.5 if scale is None else scale
     m = l = acc = None
     inplace = not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad))
     for j in range(nK):
@@ -202,7 +209,10 @@ def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions
         # [n, KEY_BLOCK, D (+1)] row-major: a tile's key block (a view where each (b, kv) has one tile and block)
         kj, vj = (kb[:, j], vb[:, j]) if oj is None else (kb[:, j].index_select(0, oj), vb[:, j].index_select(0, oj))
         s = torch.bmm(qj, kj.transpose(1, 2)) * scale
-        future = torch.arange(j * KEY_BLOCK, (j + 1) * KEY_BLOCK, device=q.device) > pj[..., None]
+        key_pos = torch.arange(j * KEY_BLOCK, (j + 1) * KEY_BLOCK, device=q.device)
+        future = key_pos > pj[..., None]
+        if window:  # a sliding window: also the keys at or before position − window are out of sight
+            future = future | (key_pos <= pj[..., None] - window)
         blk_max = s.masked_fill(future, float("-inf")).amax(-1)
         m_old = None if not j else m if sel is None else m.index_select(0, sel)
         m_new = blk_max if m_old is None else torch.maximum(m_old, blk_max)
@@ -210,7 +220,7 @@ def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions
         # path for every lane that underflows (10× here); the other weights are the same bits.
         p = torch.exp(s - m_new[..., None]).masked_fill(future, 0.0)
         pv = torch.bmm(p, vj)  # [n, ROW_TILE, D + 1]
-        pv, ps = pv[..., :D], pv[..., D]
+        pv, ps = pv[..., :Dv], pv[..., Dw]
         if m_old is None:
             m, l, acc = m_new, ps, pv
             continue
@@ -225,5 +235,11 @@ def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions
             acc.index_copy_(0, sel, acc_new)
         else:  # autograd: the earlier states stay as they were (amax saved its result)
             m, l, acc = m.index_copy(0, sel, m_new), l.index_copy(0, sel, l_new), acc.index_copy(0, sel, acc_new)
-    out = (acc / l[..., None]).view(B, KV, nT * ROW_TILE, D)[:, :, :rep * Tq]  # [B, KV, rep·Tq, D]
-    return out.reshape(B, H, Tq, D)
+    if sinks is not None:  # a per-head logit in every row's softmax, dropped after it (no value)
+        sink = sinks.to(m.dtype).view(1, KV, rep, 1).expand(B, KV, rep, Tq).reshape(B, KV, rep * Tq)
+        sink = _zero_padded(sink, 2, ROW_TILE).view(-1, ROW_TILE)
+        m_all = torch.maximum(m, sink)
+        corr = torch.exp(m - m_all)
+        l, acc = l * corr + torch.exp(sink - m_all), acc * corr[..., None]
+    out = (acc / l[..., None]).view(B, KV, nT * ROW_TILE, Dv)[:, :, :rep * Tq]  # [B, KV, rep·Tq, Dv]
+    return out.reshape(B, H, Tq, Dv)

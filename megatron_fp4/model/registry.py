@@ -30,8 +30,8 @@ class Family:
 
 FAMILIES = {
     "qwen3_moe": Family("qwen3_moe", DecoderLayer, "qwen3_moe", ("standard", "batch", "exact"), True, True, True),
-    "gpt_oss": Family("gpt_oss", GptOssDecoderLayer, "gpt_oss", ("standard",), True, True, False),
-    "deepseek_v3": Family("deepseek_v3", DeepseekV3DecoderLayer, "deepseek_v3", ("standard",), True, True, True),
+    "gpt_oss": Family("gpt_oss", GptOssDecoderLayer, "gpt_oss", ("standard", "batch", "exact"), True, True, False),
+    "deepseek_v3": Family("deepseek_v3", DeepseekV3DecoderLayer, "deepseek_v3", ("standard", "batch", "exact"), True, True, True),
 }
 assert tuple(FAMILIES) == MODEL_FAMILIES, "config_choices.MODEL_FAMILIES must list the registry's families"
 
