@@ -60,13 +60,3 @@ def test_registry_names_every_family():
     with pytest.raises(ValueError, match=r"\['qwen3_moe', 'gpt_oss', 'deepseek_v3'\]"):
         get_family("kimi_k2")
 
-
-def test_megatron_core_mapping_refuses_another_family():
-    from megatron_fp4.integrations.megatron_core.checkpoint import to_mcore_state_dict
-    from megatron_fp4.integrations.megatron_core.config import to_megatron_transformer_config
-
-    c = cfg()
-    with pytest.raises(ValueError, match="covers qwen3_moe only"):
-        to_megatron_transformer_config(c)
-    with pytest.raises(ValueError, match="covers qwen3_moe only"):
-        to_mcore_state_dict({}, c.model)
