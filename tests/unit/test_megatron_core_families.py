@@ -12,13 +12,13 @@ tests/unit/test_integration_megatron_core.py): one name map read in both directi
 from __future__ import annotations
 
 import dataclasses
-import textwrap
 
 import pytest
 import torch
 import torch.nn.functional as F
 import megatron.core  # noqa: F401 - the test extra installs megatron-core: a missing package fails, never skips
 
+from megatron_fp4.config import Config
 from megatron_fp4.integrations.megatron_core import (build_transformer_config, from_mcore_state_dict,
                                                      from_megatron_transformer_config, to_mcore_state_dict,
                                                      to_megatron_transformer_config)
@@ -26,7 +26,7 @@ from megatron_fp4.integrations.megatron_core.checkpoint import name_map
 from megatron_fp4.model import build_model
 from megatron_fp4.model.gpt_oss import clamped_swiglu
 from tests.distributed.test_family_layouts import family_cfg
-from tests.unit.test_integration_megatron_core import run_result_script
+from tests.unit.test_integration_megatron_core import _GPT_SCRIPT, run_result_script
 
 
 def _cfg(family: str, q_lora_rank=None):
@@ -95,9 +95,7 @@ def test_one_table_for_both_directions():
     """Every entry names each of its keys once across the table (so the two directions are inverse
     renamings), and the table of a config is what both functions read."""
     for family in ("qwen3_moe", "gpt_oss", "deepseek_v3"):
-        cfg = _cfg(family) if family != "qwen3_moe" else family_cfg("gpt_oss", {})
-        if family == "qwen3_moe":
-            cfg = type(cfg)()
+        cfg = Config() if family == "qwen3_moe" else _cfg(family)
         entries = name_map(cfg.model, "te", "te_grouped")
         ours = [k for e in entries for k in e.ours]
         mcore = [k for e in entries for k in e.mcore]
@@ -105,44 +103,10 @@ def test_one_table_for_both_directions():
         assert set(ours) == set(build_model(cfg, seed=0).state_dict()), family
 
 
-_GPT_OSS_SCRIPT = textwrap.dedent("""
-    import json, os, sys, warnings
-    warnings.filterwarnings("ignore")
-    import torch, torch.distributed as dist
-    os.environ["MASTER_ADDR"] = "127.0.0.1"; os.environ["MASTER_PORT"] = sys.argv[1]
-    dist.init_process_group("gloo", rank=0, world_size=1)
-    # Megatron-Core creates the sinks (softmax_offset) and YaRN tables on the current CUDA device
-    torch.cuda.current_device = lambda: "cpu"
-    from megatron.core import parallel_state
-    parallel_state.initialize_model_parallel()
-    from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
-    from megatron_fp4.integrations.megatron_core import (build_transformer_config, from_mcore_state_dict,
-                                                         split_megatron_kwargs, to_mcore_state_dict,
-                                                         to_megatron_transformer_config)
-    from megatron_fp4.model import build_model
-    from tests.unit.test_megatron_core_families import _cfg
-    cfg = _cfg("gpt_oss")
-    tc = build_transformer_config(cfg, use_cpu_initialization=True, moe_token_dispatcher_type="allgather")
-    _, gpt_kwargs = split_megatron_kwargs(to_megatron_transformer_config(cfg))
-    gpt = GPTModel(config=tc, transformer_layer_spec=get_gpt_decoder_block_spec(tc, use_transformer_engine=False),
-                   **gpt_kwargs)
-    ours = build_model(cfg, seed=7)
-    mc = to_mcore_state_dict(ours.state_dict(), cfg.model, spec="local")
-    ref = {k: v for k, v in gpt.state_dict().items() if not k.endswith("_extra_state")}
-    r = {"missing": sorted(set(ref) - set(mc)), "unexpected": sorted(set(mc) - set(ref)),
-         "shape_mismatch": sorted(k for k in ref if k in mc and tuple(ref[k].shape) != tuple(mc[k].shape))}
-    incompatible = gpt.load_state_dict(mc, strict=False)
-    r["load_missing"] = [k for k in incompatible.missing_keys if not k.endswith("_extra_state")]
-    back = from_mcore_state_dict(gpt.state_dict(), cfg.model, spec="local")
-    src = ours.state_dict()
-    r["bitwise"] = all(torch.equal(back[k], src[k]) for k in src) and set(back) == set(src)
-    print("RESULT " + json.dumps(r))
-""")
-
-
 def test_gpt_oss_names_match_a_real_megatron_gpt_model(tmp_path):
-    result = run_result_script(tmp_path / "build_gpt_oss.py", _GPT_OSS_SCRIPT, base_port=29900)
+    """Megatron-Core's GPTModel of the GPT-OSS config (local spec) on CPU: our names and shapes are
+    exactly its state dict, it loads them strictly, and its state dict reads back bitwise."""
+    result = run_result_script(tmp_path / "build_gpt_oss.py", _GPT_SCRIPT, base_port=29900, args=("gpt_oss",))
     assert result == {"missing": [], "unexpected": [], "shape_mismatch": [], "load_missing": [], "bitwise": True}
 
 

@@ -18,6 +18,33 @@
     norm.weight                              decoder.final_layernorm.weight
     lm_head.weight                           output_layer.weight (absent when embeddings are tied)
 
+GPT-OSS (as Megatron-Core's GPT-OSS layers name them):
+
+    layers.{i}.self_attn.{q,k,v}_proj.bias   ...self_attention.linear_qkv.bias     (interleaved like the weight)
+    layers.{i}.self_attn.o_proj.bias         ...self_attention.linear_proj.bias
+    layers.{i}.self_attn.sinks               ...self_attention.core_attention.softmax_offset  (softmax_type learnable)
+    layers.{i}.mlp.router.bias               ...mlp.router.bias
+    layers.{i}.mlp.experts.b13[e] / b2[e]    the experts' linear_fc1 / linear_fc2 .bias (sequential) or .bias{e} (te_grouped)
+    (no q/k norms)
+
+DeepSeek-V3 (MLASelfAttention; its TE spec fuses the latent norms into the up-projections):
+
+    layers.{i}.self_attn.q_a_proj            ...self_attention.linear_q_down_proj.weight   (q_lora_rank > 0)
+    layers.{i}.self_attn.q_a_layernorm       ...linear_q_up_proj.layer_norm_weight ('te') / q_layernorm.weight ('local')
+    layers.{i}.self_attn.q_b_proj            ...linear_q_up_proj.weight
+    layers.{i}.self_attn.q_proj              ...linear_q_proj.weight                        (q_lora_rank = 0)
+    layers.{i}.self_attn.kv_a_proj_with_mqa  ...linear_kv_down_proj.weight
+    layers.{i}.self_attn.kv_a_layernorm      ...linear_kv_up_proj.layer_norm_weight ('te') / kv_layernorm.weight ('local')
+    layers.{i}.self_attn.kv_b_proj           ...linear_kv_up_proj.weight
+    layers.{i}.input_layernorm               decoder.layers.{i}.input_layernorm.weight    (both specs)
+    layers.{i}.mlp.router.expert_bias        ...mlp.router.expert_bias (HF's e_score_correction_bias)
+
+The rows keep HF's order on both sides (per head [nope; rope] for q, [nope; v] for kv_b, the
+rotary part interleaved: Megatron-Core's MLA de-interleaves it as our layers do).
+
+One table (`name_map`: a list of `Entry`, each our keys, Megatron-Core's keys and the transform
+each way) serves both `to_mcore_state_dict` and `from_mcore_state_dict`.
+
 fc1 is gate rows then up rows: Megatron's gated MLP does ``chunk(fc1(x), 2)`` and activates the
 first half, the same order as our w13.
 
