@@ -85,15 +85,10 @@ def validate_deepseek_v3(m, cfg) -> None:
              "model.shared_expert_ffn_hidden_size", m.shared_expert_ffn_hidden_size,
              f"must equal model.moe_ffn_hidden_size={m.moe_ffn_hidden_size} (DeepSeek-V3's shared experts are "
              "num_shared_experts experts of the routed experts' width)")
-    _require(cfg.numerics.invariance == "standard", "numerics.invariance", cfg.numerics.invariance,
-             f"{why}'s latent attention and sigmoid group routing have no batch/exact invariant kernels yet: set "
-             "numerics.invariance=standard")
-    for name in ("tp", "etp"):
-        _require(getattr(cfg.parallel, name) == 1, f"parallel.{name}", getattr(cfg.parallel, name),
-                 f"{why} is not split by tensor parallel yet (latent attention has no tp plan): set 1 and use "
-                 "pp/ep/dp")
     _require(getattr(cfg.parallel, "cp", 1) == 1, "parallel.cp", getattr(cfg.parallel, "cp", 1),
-             f"{why}'s latent attention has no context-parallel K/V gather yet: set 1 and use pp/ep/dp")
+             f"{why}'s latent attention has no context-parallel K/V gather yet (its keys are built from the "
+             "latent per head and share one rotary part, which parallel/context.py's GQA K/V gather does not "
+             "cover): set 1 and use pp/ep/tp/dp")
 
 
 def validate_family(cfg) -> None:
@@ -136,13 +131,9 @@ def validate_family(cfg) -> None:
              "expert bias is not used: set 0")
     _require(m.moe_capacity_factor is None, "model.moe_capacity_factor", m.moe_capacity_factor,
              f"{why} runs without expert capacity; set null")
-    _require(cfg.numerics.invariance == "standard", "numerics.invariance", cfg.numerics.invariance,
-             f"{why} has attention sinks and expert biases, which the batch/exact levels' invariant kernels do "
-             "not implement yet: set numerics.invariance=standard")
-    for name in ("tp", "etp"):
-        _require(getattr(p, name) == 1, f"parallel.{name}", getattr(p, name),
-                 f"{why} is not split by tensor parallel yet (its biases and sinks have no tp plan): set 1 and "
-                 "use pp/ep/dp")
+    _require(m.hidden_size % p.etp == 0, "model.hidden_size", m.hidden_size,
+             f"must be a multiple of parallel.etp={p.etp} for {why}: expert tensor parallel cuts the experts' "
+             "output bias b2 along it; choose etp dividing hidden_size")
     _require(getattr(p, "cp", 1) == 1, "parallel.cp", getattr(p, "cp", 1),
-             f"{why}'s attention (sinks, sliding window) has no context-parallel K/V gather yet: set 1 and use "
-             "pp/ep/dp")
+             f"{why}'s attention (sinks, sliding window) has no context-parallel K/V gather yet (the window "
+             "and the sink logit would need the cp ring's masks): set 1 and use pp/ep/tp/dp")

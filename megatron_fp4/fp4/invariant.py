@@ -213,20 +213,28 @@ ATTENTION_CHUNK = 1 << 20  # elements of one query chunk's product tensor (bound
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
-              pad: torch.Tensor, numerics=None) -> torch.Tensor:
+              pad: torch.Tensor, numerics=None, *, scale: Optional[float] = None, window: int = 0,
+              sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Causal attention by position (the contract below): at the ``batch`` level of ``numerics``
     over fixed key blocks (``tiled.block_attention``), otherwise (``exact``, or no ``numerics``)
-    by :func:`tree_attention`."""
+    by :func:`tree_attention`. The families' variants (`model/gpt_oss.py`, `model/deepseek_v3.py`):
+    ``scale`` the softmax scale (default D^-0.5), ``window`` > 0 a sliding window (a query at p sees
+    keys p − window < j ≤ p), ``sinks`` [H] a per-head logit joining every row's softmax and
+    dropped after it; the values' dim may differ from the keys'."""
+    variant = {key: value for key, value in (("scale", scale), ("window", window or None), ("sinks", sinks))
+               if value is not None}  # only the variant's arguments (the plain call is Qwen3-MoE's)
     if tiled(numerics, q):
-        return block_attention(q, k, v, positions, pad)
-    return tree_attention(q, k, v, positions, pad)
+        return block_attention(q, k, v, positions, pad, **variant)
+    return tree_attention(q, k, v, positions, pad, **variant)
 
 
 def tree_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
-                   pad: torch.Tensor) -> torch.Tensor:
-    """Causal attention by position. q [B, H, Tq, D]; k, v [B, KV, Tk, D] (KV divides H: query
-    head h reads kv head h // (H / KV)) in slot order with ``pad[b]`` padding slots before row b's
-    first real key; positions [B, Tq] of the queries.
+                   pad: torch.Tensor, scale: Optional[float] = None, window: int = 0,
+                   sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Causal attention by position. q [B, H, Tq, D]; k [B, KV, Tk, D], v [B, KV, Tk, Dv] (KV
+    divides H: query head h reads kv head h // (H / KV)) in slot order with ``pad[b]`` padding
+    slots before row b's first real key; positions [B, Tq] of the queries (`attention`: scale,
+    window, sinks; a sink joins the softmax's max and, as one more term, its denominator).
 
     Keys are shifted left by ``pad`` so key index = position; a query at position p attends to
     indices ≤ p. Scores (over D), the softmax denominator and the weighted sum of values (over key
@@ -236,8 +244,9 @@ def tree_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions:
     :func:`tree_sum` may drop), so a causal forward forms about half the B·H·T·T·D products, a
     chunk at a time. Both trees run over dim 0 in bit-reversed order (:func:`_halving_tree`)."""
     B, H, Tq, D = q.shape
-    KV, Tk = k.shape[1], k.shape[2]
+    KV, Tk, Dv = k.shape[1], k.shape[2], v.shape[-1]
     rep = H // KV
+    scale = D ** -0.5 if scale is None else scale
     n_keys = int(positions.max()) + 1 if positions.numel() else 1
     if bool(pad.any()):  # row b's key j sits in slot pad[b] + j (clamped: past the end is future anyway)
         idx = (pad[:, None] + torch.arange(n_keys, device=k.device)[None, :]).clamp(max=Tk - 1)  # [B, n_keys]
@@ -254,13 +263,23 @@ def tree_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions:
     for t0 in range(0, Tq, step):
         pos = positions[:, t0:t0 + step]
         nk = int(pos.max()) + 1
-        scores = _halving_tree(qt[:, :, :, :, t0:t0 + step] * kt[..., :nk]) * (D ** -0.5)  # [B, KV, rep, tq, nk]
-        future = torch.arange(nk, device=k.device)[None, None, None, None, :] > pos[:, None, None, :, None]
+        scores = _halving_tree(qt[:, :, :, :, t0:t0 + step] * kt[..., :nk]) * scale  # [B, KV, rep, tq, nk]
+        key_pos = torch.arange(nk, device=k.device)[None, None, None, None, :]
+        future = key_pos > pos[:, None, None, :, None]
+        if window:
+            future = future | (key_pos <= pos[:, None, None, :, None] - window)
         scores = scores.masked_fill(future, float("-inf"))
-        e = torch.exp(scores - scores.amax(-1, keepdim=True))
+        top = scores.amax(-1, keepdim=True)
+        if sinks is not None:
+            sink = sinks.to(scores.dtype).view(1, KV, rep, 1, 1)
+            top = torch.maximum(top, sink)
+        e = torch.exp(scores - top)
         Kp = _pow2_at_least(nk)
         et = _bits_first(e, -1, Kp)[..., None]  # [Kp, B, KV, rep, tq, 1]
-        vt = _bits_first(v[:, :, :nk], 2, Kp)[:, :, :, None, None, :]  # [Kp, B, KV, 1, 1, D]
-        outs.append(_halving_tree(et * vt) / _halving_tree(et))
+        vt = _bits_first(v[:, :, :nk], 2, Kp)[:, :, :, None, None, :]  # [Kp, B, KV, 1, 1, Dv]
+        denominator = _halving_tree(et)
+        if sinks is not None:
+            denominator = denominator + torch.exp(sink - top)
+        outs.append(_halving_tree(et * vt) / denominator)
     out = outs[0] if len(outs) == 1 else torch.cat(outs, 3)
-    return out.reshape(B, H, Tq, D)
+    return out.reshape(B, H, Tq, Dv)

@@ -38,6 +38,7 @@ ROW_TILE = 16  # the smallest GEMM row tile, and attention's query tile
 MAX_ROW_TILE = 128
 TILE_WORK = 1 << 18  # multiply-adds a GEMM tile aims at (a narrow layer's tile grows to reach it)
 KEY_BLOCK = 64
+MIN_VALUE_COLUMNS = 16  # the weighted-value GEMM's width at least (`block_attention`)
 
 
 def row_tile(k: int, n: int) -> int:
@@ -164,11 +165,13 @@ def _zero_padded(t: torch.Tensor, dim: int, size: int) -> torch.Tensor:
 
 
 def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
-                    pad: torch.Tensor) -> torch.Tensor:
+                    pad: torch.Tensor, scale: Optional[float] = None, window: int = 0,
+                    sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Causal attention by position (the contract of ``invariant.attention``): q [B, H, Tq, D];
-    k, v [B, KV, Tk, D] with ``pad[b]`` padding slots before row b's first key; positions [B, Tq]."""
+    k [B, KV, Tk, D], v [B, KV, Tk, Dv] with ``pad[b]`` padding slots before row b's first key;
+    positions [B, Tq]; ``scale`` (default D^-0.5), ``window`` and ``sinks`` as there."""
     B, H, Tq, D = q.shape
-    KV, Tk = k.shape[1], k.shape[2]
+    KV, Tk, Dv = k.shape[1], k.shape[2], v.shape[-1]
     rep = H // KV
     n_keys = int(positions.max()) + 1 if positions.numel() else 1
     nK = -(-n_keys // KEY_BLOCK)
@@ -177,18 +180,23 @@ def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions
     # row b's key j sits in slot pad[b] + j (clamped; the slots past n_keys are in every query's
     # future: their scores are masked and their weights exactly 0, so whatever key they copy adds
     # exact zeros). A ones column on the values: the weighted-value product also gives the softmax
-    # denominator (the same fixed-shape call sums the block's weights).
+    # denominator (the same fixed-shape call sums the block's weights). The values are at least
+    # MIN_VALUE_COLUMNS columns wide (zeros): with fewer the CPU GEMM's narrow-N kernel rounded a row
+    # by its place in the tile (measured: 9-11 columns, a padded row then differed in its last bit).
     width = nK * KEY_BLOCK
     slot = (pad[:, None] + torch.arange(width, device=k.device)[None, :]).clamp(max=Tk - 1)  # [B, width]
     rows = (torch.arange(B * KV, device=k.device).view(B, KV, 1) * Tk + slot[:, None, :]).reshape(-1)
     kb = k.reshape(B * KV * Tk, D).index_select(0, rows).view(B * KV, nK, KEY_BLOCK, D)
-    vb = torch.cat([v.reshape(B * KV * Tk, D).index_select(0, rows), v.new_ones(rows.shape[0], 1)], 1)
-    vb = vb.view(B * KV, nK, KEY_BLOCK, D + 1)
+    Dw = max(Dv, MIN_VALUE_COLUMNS - 1)
+    vr = v.reshape(B * KV * Tk, Dv).index_select(0, rows)
+    zeros = [vr.new_zeros(rows.shape[0], Dw - Dv)] if Dw > Dv else []
+    vb = torch.cat([vr] + zeros + [vr.new_ones(rows.shape[0], 1)], 1).view(B * KV, nK, KEY_BLOCK, Dw + 1)
     # Query rows: the rep query heads of a kv head times the queries, in tiles [B·KV·nT, ROW_TILE, D]
     # (a decode step's rep rows share one tile), pre-scaled; padding rows get position 0 (key 0
     # only: finite). Every batched product's operands row-major (a kernel is chosen by layout as
     # well as shape: a decode step's expanded key block would otherwise be a transposed view).
-    flat_q = _zero_padded(q.reshape(B, KV, rep * Tq, D) * D ** -0.5, 2, ROW_TILE).view(-1, ROW_TILE, D)
+    scale = D ** -0.5 if scale is None else scale
+    flat_q = _zero_padded(q.reshape(B, KV, rep * Tq, D) * scale, 2, ROW_TILE).view(-1, ROW_TILE, D)
     nT = flat_q.shape[0] // (B * KV)
     pos = _zero_padded(positions[:, None, :].expand(B, rep, Tq).reshape(B, rep * Tq), 1, ROW_TILE)
     flat_pos = pos.view(B, 1, nT, ROW_TILE).expand(B, KV, nT, ROW_TILE).reshape(-1, ROW_TILE)
@@ -212,15 +220,18 @@ def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions
         # [n, KEY_BLOCK, D (+1)] row-major: a tile's key block (a view where each (b, kv) has one tile and block)
         kj, vj = (kb[:, j], vb[:, j]) if oj is None else (kb[:, j].index_select(0, oj), vb[:, j].index_select(0, oj))
         s = torch.bmm(qj, kj.transpose(1, 2))
-        future = torch.arange(j * KEY_BLOCK, (j + 1) * KEY_BLOCK, device=q.device) > pj[..., None]
+        key_pos = torch.arange(j * KEY_BLOCK, (j + 1) * KEY_BLOCK, device=q.device)
+        future = key_pos > pj[..., None]
+        if window:  # a sliding window: also the keys at or before position − window are out of sight
+            future = future | (key_pos <= pj[..., None] - window)
         blk_max = s.masked_fill(future, float("-inf")).amax(-1)
         m_old = None if not j else m if sel is None else m.index_select(0, sel)
         m_new = blk_max if m_old is None else torch.maximum(m_old, blk_max)
         # The future keys' weights zeroed after exp, not exp(−inf): ATen's vector exp takes a slow
         # path for every lane that underflows (10× here); the other weights are the same bits.
         p = torch.exp(s - m_new[..., None]).masked_fill(future, 0.0)
-        pv = torch.bmm(p, vj)  # [n, ROW_TILE, D + 1]
-        pv, ps = pv[..., :D], pv[..., D]
+        pv = torch.bmm(p, vj)  # [n, ROW_TILE, Dw + 1]
+        pv, ps = pv[..., :Dv], pv[..., Dw]
         if m_old is None:
             m, l, acc = m_new, ps, pv
             continue
@@ -235,5 +246,11 @@ def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions
             acc.index_copy_(0, sel, acc_new)
         else:  # autograd: the earlier states stay as they were (amax saved its result)
             m, l, acc = m.index_copy(0, sel, m_new), l.index_copy(0, sel, l_new), acc.index_copy(0, sel, acc_new)
-    out = (acc / l[..., None]).view(B, KV, nT * ROW_TILE, D)[:, :, :rep * Tq]  # [B, KV, rep·Tq, D]
-    return out.reshape(B, H, Tq, D)
+    if sinks is not None:  # a per-head logit in every row's softmax, dropped after it (no value)
+        sink = sinks.to(m.dtype).view(1, KV, rep, 1).expand(B, KV, rep, Tq).reshape(B, KV, rep * Tq)
+        sink = _zero_padded(sink, 2, ROW_TILE).view(-1, ROW_TILE)
+        m_all = torch.maximum(m, sink)
+        corr = torch.exp(m - m_all)
+        l, acc = l * corr + torch.exp(sink - m_all), acc * corr[..., None]
+    out = (acc / l[..., None]).view(B, KV, nT * ROW_TILE, Dv)[:, :, :rep * Tq]  # [B, KV, rep·Tq, Dv]
+    return out.reshape(B, H, Tq, Dv)

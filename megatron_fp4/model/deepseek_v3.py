@@ -23,7 +23,9 @@ What differs from Qwen3-MoE, each as transformers 5.10 computes it:
   layers (``model.dense_layers``, HF's ``first_k_dense_replace``), both as in Qwen3-MoE's decoder.
 
 The routed experts are the shared `GroupedExperts` (FP4 MoEResQ GEMMs, expert parallel, both
-dispatchers); the router stays in fp32. Standard numerics only.
+dispatchers); the router stays in fp32. At the batch/exact levels every op goes through the level's
+kernels (`fp4/invariant.py`): the low-rank projections' tiled/exact GEMMs, their row-local norms,
+the blocked/tree attention with its own scale and value dim, the sigmoid by ``exp``, row sums.
 """
 from __future__ import annotations
 
@@ -36,7 +38,7 @@ from torch import nn
 
 from megatron_fp4.fp4 import Recipe, invariant
 from megatron_fp4.model.decoder import DecoderLayer
-from megatron_fp4.model.gpt_oss import yarn_inv_freq
+from megatron_fp4.model.gpt_oss import sigmoid, yarn_inv_freq
 from megatron_fp4.model.layers import Attention, LayerCache, RMSNorm, SwiGLU, _linear, apply_rope, with_cache
 from megatron_fp4.model.moe import MoELayer
 from megatron_fp4.model.packing import refuse_packed
@@ -44,13 +46,6 @@ from megatron_fp4.model.router import Router, replay_topk, router_logits
 from megatron_fp4.model.specs import attention_recipe, expert_recipe
 
 LORA_NORM_EPS = 1e-6  # DeepseekV3RMSNorm's default eps, which HF's q_a_layernorm / kv_a_layernorm use
-
-
-def _refuse_invariant(numerics, x: torch.Tensor, what: str) -> None:
-    if invariant.enabled(numerics, x):
-        raise ValueError(f"DeepSeek-V3 {what} runs at numerics level 'standard' only (the batch/exact levels' "
-                         "invariant kernels have no latent attention or sigmoid group routing yet); set "
-                         "numerics.invariance=standard")
 
 
 def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
@@ -113,7 +108,6 @@ class MLAttention(Attention):
     def forward(self, x: torch.Tensor, positions: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
                 cache: Optional[LayerCache] = None) -> torch.Tensor:
         """As `Attention.forward`: x [B, T, hidden]; positions [B, T]; attention_mask [B, T_total]."""
-        _refuse_invariant(self.numerics, x, "attention")
         refuse_packed(attention_mask, "deepseek_v3")
         B, T, _ = x.shape
         H = self.num_heads
@@ -128,7 +122,10 @@ class MLAttention(Attention):
         q = torch.cat((q_pass, q_rot), dim=-1)
         k = torch.cat((k_pass, k_rot.expand(B, H, T, self.rope_dim)), dim=-1)
         k, v, past = with_cache(cache, k, v)  # the full per-head keys and values (not the latent)
-        if attention_mask is None and past == 0:
+        if invariant.enabled(self.numerics, q):  # keys by position, fixed blocks / trees (values of their own dim)
+            out = invariant.attention(q, k, v, positions, invariant.leading_pad(attention_mask, B, x.device),
+                                      self.numerics, scale=self.scale)
+        elif attention_mask is None and past == 0:
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale)
         else:
             T_total = k.shape[2]
@@ -137,7 +134,7 @@ class MLAttention(Attention):
             if attention_mask is not None:
                 mask = mask & attention_mask[:, None, None, :T_total].bool()
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale)
-        out = torch.nan_to_num(out, nan=0.0)  # a fully masked (padding) query row; never read
+            out = torch.nan_to_num(out, nan=0.0)  # a fully masked (padding) query row; never read
         return self.o_proj(out.transpose(1, 2).reshape(B, T, H * self.v_dim))
 
 
@@ -153,6 +150,11 @@ def group_limited_topk(choice: torch.Tensor, top_k: int, n_group: int, topk_grou
     return torch.topk(choice.masked_fill(~keep, float("-inf")), k=top_k, dim=-1).indices
 
 
+def _row_sum(t: torch.Tensor, numerics) -> torch.Tensor:
+    """``t.sum(-1, keepdim=True)``; the level's row-invariant sum at batch/exact."""
+    return invariant.last_dim_sum(t, numerics) if invariant.enabled(numerics, t) else t.sum(dim=-1, keepdim=True)
+
+
 class DeepseekV3Router(Router):
     """Sigmoid scores, group-limited top-k of ``scores + expert_bias``, combine weights from the
     unbiased scores (renormalised when `norm_topk_prob`) times `routed_scaling_factor`. The bias is
@@ -166,17 +168,17 @@ class DeepseekV3Router(Router):
         self.routed_scaling_factor = cfg.moe_routed_scaling_factor
 
     def forward(self, x: torch.Tensor, replay: Optional[torch.Tensor] = None):
-        _refuse_invariant(self.numerics, x, "routing")
-        logits = router_logits(x, self.weight, self.numerics)
-        scores = torch.sigmoid(logits)
+        nx = self.numerics
+        logits = router_logits(x, self.weight, nx)
+        scores = sigmoid(logits, nx)
         topk_idx = group_limited_topk(scores + self.expert_bias.to(scores.dtype), self.top_k, self.n_group,
                                       self.topk_group)
         topk_w = scores.gather(1, topk_idx)
         if replay is not None:  # router replay: the replayed ids' own scores (validated as for Qwen3-MoE)
             topk_idx, topk_w = replay_topk(scores, topk_idx, topk_w, replay, self.num_experts)
         if self.norm_topk_prob:
-            topk_w = topk_w / (topk_w.sum(dim=-1, keepdim=True) + 1e-20)
-        probs = scores / scores.sum(dim=-1, keepdim=True)
+            topk_w = topk_w / (_row_sum(topk_w, nx) + 1e-20)
+        probs = scores / _row_sum(scores, nx)
         return logits, probs, topk_idx, topk_w * self.routed_scaling_factor
 
 

@@ -14,8 +14,9 @@ What differs from Qwen3-MoE, each as transformers 5.10 computes it:
   then up rows (HF interleaves them; `integrations/hf/gpt_oss.py` converts).
 
 Every GEMM is still an FP4 MoEResQ linear where the FP4 scope says so (experts; attention with
-``experts+attention``); the router stays in fp32. Standard numerics only: the batch/exact levels'
-invariant kernels have no sinks or expert biases (`config.family.validate_family` refuses them).
+``experts+attention``); the router stays in fp32. At the batch/exact levels every op goes through
+the level's kernels (`fp4/invariant.py`): biased tiled/exact GEMMs, the blocked/tree attention
+with the sliding window and the sinks, row-local softmaxes, the sigmoid by ``exp``.
 """
 from __future__ import annotations
 
@@ -35,12 +36,6 @@ from megatron_fp4.model.router import Router, replay_topk
 from megatron_fp4.model.specs import attention_recipe, expert_recipe
 
 SWIGLU_ALPHA, SWIGLU_LIMIT = 1.702, 7.0  # GptOssExperts' constants (transformers 5.10)
-
-
-def _refuse_invariant(numerics, x: torch.Tensor, what: str) -> None:
-    if invariant.enabled(numerics, x):
-        raise ValueError(f"GPT-OSS {what} runs at numerics level 'standard' only (the batch/exact levels' invariant "
-                         "kernels have no attention sinks or expert biases); set numerics.invariance=standard")
 
 
 # -- YaRN rotary embeddings ---------------------------------------------------------------------
@@ -108,7 +103,6 @@ class GptOssAttention(Attention):
     def forward(self, x: torch.Tensor, positions: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
                 cache: Optional[LayerCache] = None) -> torch.Tensor:
         """As `Attention.forward`: x [B, T, H]; positions [B, T]; attention_mask [B, T_total]."""
-        _refuse_invariant(self.numerics, x, "attention")
         refuse_packed(attention_mask, "gpt_oss")
         B, T, _ = x.shape
         q = self.q_proj(x).view(B, T, self.num_heads, self.head_dim).transpose(1, 2)
@@ -118,6 +112,11 @@ class GptOssAttention(Attention):
         cos, sin = rope_half_tables(positions, inv_freq, factor, q.dtype)
         q, k = apply_half_rope(q, cos, sin), apply_half_rope(k, cos, sin)
         k, v, past = with_cache(cache, k, v)
+        if invariant.enabled(self.numerics, q):  # keys by position, fixed blocks / trees, the sink a logit of its own
+            out = invariant.attention(q, k, v, positions, invariant.leading_pad(attention_mask, B, x.device),
+                                      self.numerics, scale=self.head_dim ** -0.5, window=self.sliding_window,
+                                      sinks=self.sinks)
+            return self.o_proj(out.transpose(1, 2).reshape(B, T, self.num_heads * self.head_dim))
         T_total = k.shape[2]
         rep = self.num_heads // self.num_kv_heads
         k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
@@ -151,20 +150,28 @@ class GptOssRouter(Router):
         self.bias = nn.Parameter(torch.empty(num_experts))
 
     def forward(self, x: torch.Tensor, replay: Optional[torch.Tensor] = None):
-        logits = invariant.linear(upcast(x), upcast(self.weight), upcast(self.bias), self.numerics)
-        probs = torch.softmax(logits, dim=-1, dtype=logits.dtype)
+        nx = self.numerics
+        logits = invariant.linear(upcast(x), upcast(self.weight), upcast(self.bias), nx)
+        probs = invariant.softmax(logits, nx)
         top_logits, topk_idx = torch.topk(logits, self.top_k, dim=-1)
         if replay is not None:  # router replay: the replayed ids' own logits (validated as for Qwen3-MoE)
             topk_idx, _ = replay_topk(probs, topk_idx, top_logits, replay, self.num_experts)
             top_logits = logits.gather(1, topk_idx)
-        return logits, probs, topk_idx, torch.softmax(top_logits, dim=-1, dtype=top_logits.dtype)
+        return logits, probs, topk_idx, invariant.softmax(top_logits, nx)
 
 
-def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """GPT-OSS's activation, as ``GptOssExperts._apply_gate`` computes it."""
+def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, numerics=None) -> torch.Tensor:
+    """GPT-OSS's activation, as ``GptOssExperts._apply_gate`` computes it; at a row-invariant level
+    the sigmoid as ``1 / (1 + exp(−z))`` (ATen's sigmoid rounds a vector tail differently, see
+    `fp4/invariant.py`)."""
     gate = gate.clamp(min=None, max=SWIGLU_LIMIT)
     up = up.clamp(min=-SWIGLU_LIMIT, max=SWIGLU_LIMIT)
-    return (up + 1) * (gate * torch.sigmoid(gate * SWIGLU_ALPHA))
+    return (up + 1) * (gate * sigmoid(gate * SWIGLU_ALPHA, numerics))
+
+
+def sigmoid(z: torch.Tensor, numerics=None) -> torch.Tensor:
+    """``torch.sigmoid``; ``1 / (1 + exp(−z))`` at a row-invariant level (position-independent bits)."""
+    return 1 / (1 + torch.exp(-z)) if invariant.enabled(numerics, z) else torch.sigmoid(z)
 
 
 class GptOssExperts(GroupedExperts):
@@ -179,6 +186,7 @@ class GptOssExperts(GroupedExperts):
                          num_local_experts=num_local_experts)
         self.b13 = nn.Parameter(torch.empty(self.num_local_experts, 2 * ffn))
         self.b2 = nn.Parameter(torch.empty(self.num_local_experts, hidden))
+        self.b2_cols = None  # expert-tensor parallel: the hidden columns of b2 this rank holds (`shard_ffn`)
 
     def shard(self, expert_offset: int, num_local_experts: int) -> "GptOssExperts":
         out = super().shard(expert_offset, num_local_experts)
@@ -191,22 +199,47 @@ class GptOssExperts(GroupedExperts):
             new.requires_grad_(old.requires_grad)
         return out
 
-    def shard_ffn(self, parts: int, index: int, *, shapes_only: bool = False):
-        raise ValueError("GPT-OSS experts are not split by expert-tensor parallel (their biases have no etp "
-                         "plan yet): set parallel.etp=1")
+    def shard_ffn(self, parts: int, index: int, *, shapes_only: bool = False) -> "GptOssExperts":
+        """`GroupedExperts.shard_ffn` with the biases: b13 cut with w13's gate and up rows; b2 (w2
+        is row-cut, its partial outputs summed over the etp group) cut along the hidden dim, each
+        rank adding its columns to its partial output, so the sum holds every column's bias once
+        and each rank's b2 gradient is complete for its columns."""
+        if self.hidden % parts:
+            raise ValueError(f"GptOssExperts.shard_ffn: model.hidden_size={self.hidden} is not a multiple of "
+                             f"parallel.etp={parts} (the expert output bias b2 is cut along it)")
+        base = super().shard_ffn(parts, index, shapes_only=shapes_only)  # w13/w2 cut, a GroupedExperts
+        with torch.device(self.w13.device):
+            out = GptOssExperts(self.num_global_experts, self.hidden, base.ffn, self.recipe,
+                                expert_offset=self.expert_offset, num_local_experts=self.num_local_experts)
+        out.to(self.w13.dtype)
+        out.w13, out.w2 = base.w13, base.w2
+        cols = torch.arange(index * base.ffn, (index + 1) * base.ffn)
+        h = self.hidden // parts
+        out.b2_cols = torch.arange(index * h, (index + 1) * h)
+        for name, index_ in (("b13", torch.cat([cols, cols + self.ffn])), ("b2", out.b2_cols)):
+            old = getattr(self, name)
+            new = nn.Parameter(old.detach().index_select(1, index_.to(old.device)).clone(),
+                               requires_grad=old.requires_grad)
+            new.__dict__.update(old.__dict__)
+            new.etp_shard = (1, index_)
+            setattr(out, name, new)
+        out.quant_name, out.numerics = self.quant_name, self.numerics
+        return out
 
     def expert_forward(self, e: int, x: torch.Tensor, w13: Optional[torch.Tensor] = None,
                        w2: Optional[torch.Tensor] = None, segments: Optional[list[int]] = None) -> torch.Tensor:
-        _refuse_invariant(self.numerics, x, "experts")
         name = f"{self.quant_name}.{self.expert_offset + e}"
         w13 = self.w13[e] if w13 is None else w13
         w2 = self.w2[e] if w2 is None else w2
         nx = self.numerics
         h = moeresq_linear(x, w13, self.b13[e], recipe=self.recipe, name=name + ".w13", segments=segments,
-                           numerics=nx)
+                           numerics=nx, cut=self.w13_cut)
         gate, up = h.split(self.ffn, dim=-1)
-        return moeresq_linear(clamped_swiglu(gate, up), w2, self.b2[e], recipe=self.recipe, name=name + ".w2",
-                              segments=segments, numerics=nx)
+        b2 = self.b2[e]
+        if self.b2_cols is not None:  # etp: this rank's columns of the bias, the others' added by them
+            b2 = b2.new_zeros(self.hidden).index_copy(0, self.b2_cols.to(b2.device), b2)
+        return moeresq_linear(clamped_swiglu(gate, up, nx), w2, b2, recipe=self.recipe, name=name + ".w2",
+                              segments=segments, numerics=nx, cut=self.w2_cut)
 
     def _forward_local(self, x_sorted: torch.Tensor, counts: list[int], segments=None) -> torch.Tensor:
         if not x_sorted.shape[0]:  # no tokens: keep every parameter in the graph (zero gradients)

@@ -23,14 +23,15 @@ class Family:
     decoder_layer: type      # (model_cfg, fp4_cfg, layer_idx) -> nn.Module with DecoderLayer's forward
     hf_model_type: str       # config.json's model_type
     numerics: tuple          # numerics.invariance levels it runs at
-    tensor_parallel: bool    # whether parallel.tp / etp > 1 are implemented for it
+    tensor_parallel: bool    # whether parallel.tp > 1 is implemented for it (parallel/tensor_parallel.py)
+    expert_tensor_parallel: bool  # whether parallel.etp > 1 is (parallel/moe/expert_tensor_parallel.py)
     router_bias_update: bool  # aux-loss-free balancing (model.moe_router_bias_update_rate > 0)
 
 
 FAMILIES = {
-    "qwen3_moe": Family("qwen3_moe", DecoderLayer, "qwen3_moe", ("standard", "batch", "exact"), True, True),
-    "gpt_oss": Family("gpt_oss", GptOssDecoderLayer, "gpt_oss", ("standard",), False, False),
-    "deepseek_v3": Family("deepseek_v3", DeepseekV3DecoderLayer, "deepseek_v3", ("standard",), False, True),
+    "qwen3_moe": Family("qwen3_moe", DecoderLayer, "qwen3_moe", ("standard", "batch", "exact"), True, True, True),
+    "gpt_oss": Family("gpt_oss", GptOssDecoderLayer, "gpt_oss", ("standard", "batch", "exact"), True, True, False),
+    "deepseek_v3": Family("deepseek_v3", DeepseekV3DecoderLayer, "deepseek_v3", ("standard", "batch", "exact"), True, True, True),
 }
 assert tuple(FAMILIES) == MODEL_FAMILIES, "config.choices.MODEL_FAMILIES must list the registry's families"
 

@@ -8,6 +8,10 @@ hooks for the collectives, in the spirit of torchtitan's ``parallelize_module``:
   ``num_kv_heads % tp == 0``; with fewer kv heads than ranks (``tp % num_kv_heads == 0``) each rank
   holds the kv head its query heads read, replicated as Megatron-Core does, and the ranks sharing
   one sum its gradient (`TPPlan.finish_grads`).
+  GPT-OSS (`model/gpt_oss.py`): the q/k/v biases and the per-head sinks cut by head, o_proj's
+  bias added once after the reduction (`_row_bias`). DeepSeek-V3's latent attention (`_mla`):
+  q_b_proj (or q_proj) and kv_b_proj by head, o_proj row-parallel, the down-projections
+  q_a_proj / kv_a_proj_with_mqa and their norms replicated with partial gradients.
 - Dense MLP layers: gate/up column-parallel, down row-parallel.
 - Embedding and LM head: split along the vocabulary; the loss is `vocab_parallel_cross_entropy`
   on the local logits (`TPPlan.loss`), `TPPlan.gather_logits` gives full logits (scoring).
@@ -33,6 +37,7 @@ parallel; KV-cache decoding.
 """
 from __future__ import annotations
 
+import types
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -40,8 +45,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from megatron_fp4.fp4 import MoEResQLinear
+from megatron_fp4.fp4 import MoEResQLinear, invariant, moeresq_linear
 from megatron_fp4.fp4.tensor_cut import TensorCut
+from megatron_fp4.model.deepseek_v3 import MLAttention
 from megatron_fp4.model.layers import Attention, SwiGLU
 from megatron_fp4.model.moe import MoELayer
 from megatron_fp4.parallel.tp_comm import (_all_reduce, _gather, amax_reducer, copy_to_tp, gather_seq, reduce_from_tp,
@@ -143,7 +149,9 @@ def parallelize_tp(model: nn.Module, group, sequence_parallel: bool = False, *, 
     if problems:
         raise ValueError("tensor parallel layout: " + "; ".join(problems))
     for module in model.modules():
-        if isinstance(module, Attention):
+        if isinstance(module, MLAttention):
+            _mla(module, plan)
+        elif isinstance(module, Attention):
             if tp > cfg.num_kv_heads and _fp4(module.k_proj):
                 raise ValueError(f"parallel.tp={tp} with FP4 attention (fp4.scope=experts+attention) needs "
                                  f"model.num_kv_heads={cfg.num_kv_heads} >= tp: replicated kv heads would quantize "
@@ -183,22 +191,78 @@ def _region(module: nn.Module, plan: TPPlan, dim: int = 1) -> None:
     module.register_forward_hook(lambda m, args, out: _leave(out, plan, dim))
 
 
+def _column(proj: nn.Module, index: torch.Tensor) -> list:
+    """Cut `proj`'s output rows (and its bias, if any) to `index`; the new parameters."""
+    return [_cut(proj, name, 0, index) for name in ("weight", "bias") if getattr(proj, name, None) is not None]
+
+
 def _attention(attn: Attention, plan: TPPlan) -> None:
+    """Qwen3's and GPT-OSS's GQA attention: q/k/v by head (with their biases), o by its input
+    columns; GPT-OSS's sinks by head, its o bias added once after the reduction (`_row_bias`)."""
     tp, r, hd = plan.size, plan.rank, attn.head_dim
     nh, nkv = attn.num_heads // tp, attn.num_kv_heads
-    _cut(attn.q_proj, "weight", 0, _rows(r * nh, (r + 1) * nh, hd))
+    _column(attn.q_proj, _rows(r * nh, (r + 1) * nh, hd))
     _cut(attn.o_proj, "weight", 1, _rows(r * nh, (r + 1) * nh, hd))
     if nkv % tp == 0:
         kv = nkv // tp
         for proj in (attn.k_proj, attn.v_proj):
-            _cut(proj, "weight", 0, _rows(r * kv, (r + 1) * kv, hd))
+            _column(proj, _rows(r * kv, (r + 1) * kv, hd))
     else:  # fewer kv heads than ranks: the one kv head this rank's query heads read, replicated
         kv, head = 1, r * nkv // tp
         for proj in (attn.k_proj, attn.v_proj):
-            p = _cut(proj, "weight", 0, _rows(head, head + 1, hd))
-            plan.kv_slots.append((p, nkv * hd, slice(head * hd, (head + 1) * hd)))
+            for p in _column(proj, _rows(head, head + 1, hd)):
+                plan.kv_slots.append((p, nkv * hd, slice(head * hd, (head + 1) * hd)))
     attn.num_heads, attn.num_kv_heads = nh, kv
-    plan.partial_grads += [attn.q_norm.weight, attn.k_norm.weight]  # shared by every head
+    if isinstance(getattr(attn, "sinks", None), nn.Parameter):  # GPT-OSS: one sink logit per query head
+        _cut(attn, "sinks", 0, _rows(r * nh, (r + 1) * nh))
+    if hasattr(attn, "q_norm"):
+        plan.partial_grads += [attn.q_norm.weight, attn.k_norm.weight]  # shared by every head
+    _region(attn, plan)
+    _row_bias(attn, attn.o_proj, plan)
+
+
+def _row_bias(region: nn.Module, proj: nn.Module, plan: TPPlan) -> None:
+    """A row-parallel linear's bias added once: `proj` computes without it on every rank and the
+    region's output (after the reduction over the group) adds it. Under sequence parallel each rank
+    adds it to its chunk of the sequence, so its gradient is partial."""
+    bias = getattr(proj, "bias", None)
+    if bias is None:
+        return
+    proj.forward = types.MethodType(_without_bias, proj)  # a bound method: a deepcopy rebinds it
+    region.register_forward_hook(lambda m, args, out: out + bias.to(out.dtype))
+    if plan.sequence_parallel:
+        plan.partial_grads.append(bias)
+
+
+def _without_bias(proj: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """`proj`'s forward with its bias left out (`_row_bias` adds it after the reduction)."""
+    if isinstance(proj, MoEResQLinear):
+        return moeresq_linear(x, proj.weight, None, recipe=proj.recipe, name=proj.quant_name,
+                              numerics=proj.numerics, cut=proj.tp_cut)
+    return invariant.linear(x, proj.weight, None, proj.numerics)
+
+
+def _mla(attn: MLAttention, plan: TPPlan) -> None:
+    """DeepSeek-V3's latent attention (Megatron-Core's MLA cut): the query up-projection (q_b_proj,
+    or q_proj without a q low rank) and kv_b_proj by head, o_proj by its input columns; the
+    down-projections q_a_proj / kv_a_proj_with_mqa (the shared rotary key part with them) and their
+    norms replicated, each rank applying them for its own heads: their gradients are partial."""
+    tp, r = plan.size, plan.rank
+    low_rank = [attn.kv_a_proj_with_mqa] + ([attn.q_a_proj] if attn.q_lora_rank else [])
+    if any(_fp4(p) for p in low_rank):
+        raise ValueError(f"parallel.tp={tp} with FP4 latent attention (fp4.scope=experts+attention) is not "
+                         "implemented: the replicated down-projections would quantize their partial output "
+                         "gradients per rank before the ranks sum them; use fp4.scope=experts")
+    if attn.num_heads % tp:
+        raise ValueError(f"tensor parallel layout: model.num_heads={attn.num_heads} is not a multiple of "
+                         f"parallel.tp={tp}")
+    nh = attn.num_heads // tp
+    _cut(attn.q_b_proj if attn.q_lora_rank else attn.q_proj, "weight", 0, _rows(r * nh, (r + 1) * nh, attn.qk_dim))
+    _cut(attn.kv_b_proj, "weight", 0, _rows(r * nh, (r + 1) * nh, attn.nope_dim + attn.v_dim))
+    _cut(attn.o_proj, "weight", 1, _rows(r * nh, (r + 1) * nh, attn.v_dim))
+    attn.num_heads = attn.num_kv_heads = nh
+    norms = [attn.kv_a_layernorm] + ([attn.q_a_layernorm] if attn.q_lora_rank else [])
+    plan.partial_grads += [p for m in low_rank + norms for p in m.parameters()]
     _region(attn, plan)
 
 

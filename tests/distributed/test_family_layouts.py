@@ -1,6 +1,8 @@
 """The model families beside Qwen3-MoE on the parallel layouts match the single-process run: pp2
 (1F1B), ep2 with the all-to-all and the GC-MoE dispatchers, FP4 off, and ep2 with FP4 MoEResQ
-experts; 2 gloo processes, tiny models:
+experts, tp2 with and without sequence parallel (2 gloo processes); tp2×dp2×ep2, pp2×tp2, FP4
+experts routing each tp rank's own tokens (moe_tp_tokens=local, ep folding tp) and expert tensor
+parallel etp2 (4 processes); tiny models:
 
 - GPT-OSS (`model/gpt_oss.py`): sliding-window and full layers, YaRN, sinks, biases;
 - DeepSeek-V3 (`model/deepseek_v3.py`): latent attention, a dense first layer, a shared expert,
@@ -10,11 +12,14 @@ Float64, as tests/distributed/test_parallel_training_ep.py: losses, the first st
 the parameters after the steps within ``FP64_REL`` (1e-10) relative per tensor. Under EP an
 expert's GEMM runs on both dp ranks' tokens at once and the dp gradient sum runs in another order,
 both fp64 rounding (~1e-16) effects; with FP4 the expert's weight gradient is quantized per source
-micro-batch (`DispatchPlan.expert_segments`), so the same holds. Expert tensors (w13, w2 and
-GPT-OSS's b13, b2) are compared with the rows of the full tensor this rank holds; the router biases
+micro-batch (`DispatchPlan.expert_segments`), so the same holds. Under tp the ranks add the
+same products in another order (partial sums over the heads, the vocab-parallel softmax), the same
+fp64 rounding effects (derivation: tests/distributed/test_tp_trainer.py). Expert tensors (w13, w2 and
+GPT-OSS's b13, b2) and tp/etp-cut tensors are compared with the slice of the full tensor this rank holds; the router biases
 after the steps (DeepSeek-V3's, moved by the data-parallel sum of the expert loads) must be equal.
 """
 import pytest
+import torch
 
 from megatron_fp4.config import Config
 from tests.distributed.conftest import layout_results
@@ -26,7 +31,15 @@ PARALLEL = {
     "ep2": dict(ep=2),
     "ep2_gcmoe": dict(ep=2, expert_dispatcher="gcmoe", gcmoe_chunk_tokens=8, gcmoe_ring_slots=2),
     "fp4_ep2": dict(ep=2, fp4=True),
+    "tp2_sp": dict(tp=2),
+    "tp2_no_sp": dict(tp=2, sequence_parallel=False),
 }
+PARALLEL_4 = {  # 4 processes
+    "tp2_dp2_ep2": dict(tp=2, ep=2),
+    "tp2_pp2": dict(tp=2, pp=2),
+    "fp4_tp2_dp2_ep2_local": dict(tp=2, ep=2, moe_tp_tokens="local", fp4=True),
+}
+ETP_4 = {"tp2_dp2_ep2_etp2": dict(tp=2, ep=2, etp=2), "fp4_tp2_etp2": dict(tp=2, etp=2, fp4=True)}
 
 
 def _gpt_oss(m) -> None:
@@ -45,6 +58,8 @@ def _deepseek_v3(m) -> None:
 
 FAMILIES = {"gpt_oss": _gpt_oss, "deepseek_v3": _deepseek_v3}
 LAYOUTS = {f"{family}/{name}": (family, spec) for family in FAMILIES for name, spec in PARALLEL.items()}
+LAYOUTS_4 = {f"{family}/{name}": (family, spec) for family in FAMILIES
+             for name, spec in {**PARALLEL_4, **ETP_4}.items()}
 
 
 def family_cfg(family: str, spec: dict) -> Config:
@@ -72,18 +87,30 @@ def _train(trainer) -> dict:
     trainer.model.train()
     trainer.optimizer.zero_grad()
     trainer.forward_backward(trainer.next_micro_batches(), lm_loss_fn)
+    if trainer.tp_plan is not None:  # as `apply_update` does before the dp reduction
+        trainer.tp_plan.finish_grads()
+        if trainer.mesh.ep > 1:
+            trainer._agree_whole_grads_over_tp()
     trainer.optimizer.finish_grad_sync()
     grads = {n: p.grad.clone() for n, p in trainer.model.named_parameters()}
     trainer.sampler.load_state_dict({"epoch": 0, "consumed": 0})
     losses = [trainer.train_step()["loss"] for _ in range(STEPS)]
     names = {p: n for n, p in trainer.model.named_parameters()}
-    offsets = {names[p]: moe.experts.expert_offset for moe in trainer.model.moe_layers()
-               for p in (getattr(moe.experts, a, None) for a in ("w13", "w2", "b13", "b2")) if p is not None}
+    shards = {}  # name -> [(dim, index)]: the slice of the single process's tensor this rank holds
+    for moe in trainer.model.moe_layers():
+        for p in (getattr(moe.experts, a, None) for a in ("w13", "w2", "b13", "b2")):
+            if p is not None:
+                off = moe.experts.expert_offset
+                shards[names[p]] = [(0, torch.arange(off, off + p.shape[0]))]
+    for n, p in trainer.model.named_parameters():
+        for attr in ("tp_shard", "etp_shard"):
+            if getattr(p, attr, None) is not None:
+                shards.setdefault(n, []).append(getattr(p, attr))
     params = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
     params.update({n: b.clone() for n, b in trainer.model.named_buffers() if n.endswith("router.expert_bias")})
     dispatchers = {type(m.dispatcher).__name__ for m in trainer.model.moe_layers()}
     trainer.optimizer.remove_hooks()
-    return dict(losses=losses, grads=grads, params=params, offsets=offsets, dispatchers=dispatchers)
+    return dict(losses=losses, grads=grads, params=params, shards=shards, dispatchers=dispatchers)
 
 
 def _run(rank, world_size, layouts):
@@ -93,25 +120,21 @@ def _run(rank, world_size, layouts):
     out = {}
     for name, (family, spec) in layouts.items():
         cfg = family_cfg(family, spec)
-        pp = cfg.parallel.pp
-        out[name] = _train(Trainer(cfg, ParallelMesh.build(pp, world_size // pp, cfg.parallel.ep)))
+        p = cfg.parallel
+        mesh = ParallelMesh.build(p.pp, world_size // (p.pp * p.tp), p.ep, tp=p.tp, etp=p.etp)
+        out[name] = _train(Trainer(cfg, mesh))
     return out
 
 
-def _reference(name: str) -> dict:
+def _reference(family: str, spec: dict) -> dict:
     from megatron_fp4.training.trainer import Trainer
 
-    family, spec = LAYOUTS[name]
     with single_thread():
         return _train(Trainer(family_cfg(family, {k: v for k, v in spec.items() if k == "fp4"})))
 
 
-results = layout_results(_run, 2, LAYOUTS, timeout_s=900)
-
-
-@pytest.mark.parametrize("name", list(LAYOUTS))
-def test_layout_matches_single_process(results, name):
-    ref = _reference(name)
+def check_layout(name: str, family: str, spec: dict, results: list) -> None:
+    ref = _reference(family, spec)
     seen = set()
     for rank, res in enumerate(results):
         r = res[name]
@@ -120,11 +143,34 @@ def test_layout_matches_single_process(results, name):
         for kind in ("grads", "params"):
             for pname, value in r[kind].items():
                 want = ref[kind][pname].detach()
-                if pname in r["offsets"]:
-                    off = r["offsets"][pname]
-                    want = want[off:off + value.shape[0]]
+                for dim, index in r["shards"].get(pname, ()):
+                    want = want.index_select(dim, index)
+                assert value.shape == want.shape, (name, rank, kind, pname, value.shape, want.shape)
                 assert rel(value, want) <= FP64_REL, (name, rank, kind, pname, rel(value, want))
                 seen.add(pname)
     assert seen == set(ref["params"]), f"{name}: held by no rank: {set(ref['params']) - seen}"
     if "gcmoe" in name:
         assert all(res[name]["dispatchers"] == {"GCMoEDispatcher"} for res in results)
+    if spec.get("tp", 1) > 1:  # really cut: the attention by head, the vocabulary, and etp the experts' ffn
+        cut = {n for res in results for n, shard in res[name]["shards"].items() if len(shard) > (1 if "experts" in n
+                                                                                                 else 0)}
+        attn = {"gpt_oss": ("q_proj.bias", "sinks", "o_proj.weight"),
+                "deepseek_v3": ("q_b_proj.weight", "kv_b_proj.weight", "o_proj.weight")}[family]
+        experts = {"gpt_oss": ("experts.w13", "experts.w2", "experts.b13", "experts.b2"),
+                   "deepseek_v3": ("experts.w13", "experts.w2")}[family]
+        for part in attn + ("lm_head",) + (experts if spec.get("etp", 1) > 1 else ()):
+            assert any(part in n for n in cut), (name, part, sorted(cut))
+
+
+results = layout_results(_run, 2, LAYOUTS, timeout_s=900)
+results_4 = layout_results(_run, 4, LAYOUTS_4, timeout_s=900)
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_layout_matches_single_process(results, name):
+    check_layout(name, *LAYOUTS[name], results)
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS_4))
+def test_layout_4_matches_single_process(results_4, name):
+    check_layout(name, *LAYOUTS_4[name], results_4)

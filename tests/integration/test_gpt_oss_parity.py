@@ -167,8 +167,7 @@ def test_trainer_step_is_finite_and_deterministic():
 
 
 @pytest.mark.parametrize("field,value,named", [
-    ("numerics.invariance", "batch", "numerics.invariance"), ("parallel.tp", 2, "parallel.tp"),
-    ("parallel.etp", 2, "parallel.etp"), ("model.moe_router_bias_update_rate", 0.001, "learned router bias"),
+    ("model.moe_router_bias_update_rate", 0.001, "learned router bias"),
     ("model.dense_layers", [0], "model.dense_layers"), ("parallel.cp", 2, "parallel.cp")])
 def test_unsupported_features_are_refused(field, value, named):
     cfg = _trainer_cfg()

@@ -80,8 +80,10 @@ def test_batch_level_rollout_equals_scoring_bitwise_with_two_threads():
         torch.set_num_threads(before)
 
 
-def check_rollout_equals_scoring(mode, scope, fmt, seed, level="batch"):
-    model = tiny_model(seed, scope, fmt)
+def check_rollout_equals_scoring(mode, scope, fmt, seed, level="batch", model=None):
+    """`model` (default: the tiny Qwen3-MoE of scope/fmt; tests/unit/test_family_numerics_levels.py
+    passes the other families')."""
+    model = tiny_model(seed, scope, fmt) if model is None else model
     engine = RolloutEngine(model, mode=mode, invariance=level)
     ps = prompts(seed, 7)
     out = engine.generate(ps, SamplingParams(max_new_tokens=6, temperature=1.0, seed=seed), return_routing=True)

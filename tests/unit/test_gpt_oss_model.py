@@ -60,28 +60,3 @@ def test_registry_names_every_family():
     with pytest.raises(ValueError, match=r"\['qwen3_moe', 'gpt_oss', 'deepseek_v3'\]"):
         get_family("kimi_k2")
 
-
-def test_megatron_core_mapping_refuses_another_family():
-    from megatron_fp4.integrations.megatron_core.checkpoint import to_mcore_state_dict
-    from megatron_fp4.integrations.megatron_core.config import to_megatron_transformer_config
-
-    c = cfg()
-    with pytest.raises(ValueError, match="covers qwen3_moe only"):
-        to_megatron_transformer_config(c)
-    with pytest.raises(ValueError, match="covers qwen3_moe only"):
-        to_mcore_state_dict({}, c.model)
-
-
-@pytest.mark.parametrize("family", ["gpt_oss", "deepseek_v3"])
-@pytest.mark.parametrize("level", ["batch", "exact"])
-def test_invariant_levels_are_refused_at_run_time_too(level, family):
-    """A model of a standard-only family given a row-invariant `Numerics` directly (not through the
-    validated config) refuses to run."""
-    from megatron_fp4.fp4 import Numerics
-    from megatron_fp4.model import MoETransformer
-    from tests.unit.test_deepseek_v3_model import cfg as deepseek_v3_cfg
-
-    c = cfg() if family == "gpt_oss" else deepseek_v3_cfg()
-    model = MoETransformer(c.model, c.fp4, Numerics(invariance=level))
-    with pytest.raises(ValueError, match="numerics.invariance=standard"):
-        model(torch.zeros(1, 4, dtype=torch.long))

@@ -256,8 +256,15 @@ _GPT_SCRIPT = textwrap.dedent("""
                                                          split_megatron_kwargs, to_mcore_state_dict,
                                                          to_megatron_transformer_config)
     from megatron_fp4.model import build_model
-    cfg = Config()
-    cfg.model.num_layers, cfg.model.dense_layers, cfg.model.num_shared_experts = 3, [0], 1
+    family = sys.argv[2] if len(sys.argv) > 2 else "qwen3_moe"
+    if family == "qwen3_moe":
+        cfg = Config()
+        cfg.model.num_layers, cfg.model.dense_layers, cfg.model.num_shared_experts = 3, [0], 1
+    else:  # tests/unit/test_megatron_core_families.py's configs
+        from tests.unit.test_megatron_core_families import _cfg
+        cfg = _cfg(family)
+        # Megatron-Core creates the sinks (softmax_offset) and YaRN tables on the current CUDA device
+        torch.cuda.current_device = lambda: "cpu"
     # allgather: the alltoall dispatcher allocates CUDA streams at construction
     tc = build_transformer_config(cfg, use_cpu_initialization=True, moe_token_dispatcher_type="allgather")
     _, gpt_kwargs = split_megatron_kwargs(to_megatron_transformer_config(cfg))
@@ -277,14 +284,15 @@ _GPT_SCRIPT = textwrap.dedent("""
 """)
 
 
-def run_result_script(path, source: str, base_port: int) -> dict:
+def run_result_script(path, source: str, base_port: int, args: tuple = ()) -> dict:
     """Run `source` as a fresh CPU-only Python process (megatron-core initialises torch.distributed
-    and CUDA state globally) with a master port argument; return the JSON of its last RESULT line."""
+    and CUDA state globally) with a master port argument (then `args`); return the JSON of its last
+    RESULT line."""
     path.write_text(source)
     env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""),
                CUDA_VISIBLE_DEVICES="")
     port = str(base_port + os.getpid() % 500)
-    proc = subprocess.run([sys.executable, str(path), port], capture_output=True, text=True, timeout=300, env=env)
+    proc = subprocess.run([sys.executable, str(path), port, *args], capture_output=True, text=True, timeout=300, env=env)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
     assert proc.returncode == 0 and lines, proc.stderr[-3000:]
     return json.loads(lines[-1][len("RESULT "):])

@@ -41,6 +41,7 @@ import torch.nn.functional as F
 
 from megatron_fp4.config import Config, FP4Config, ModelConfig
 from megatron_fp4.integrations.megatron_core.checkpoint import check_family
+from megatron_fp4.model.gpt_oss import SWIGLU_LIMIT
 
 GPT_MODEL_KEYS = ("vocab_size", "max_sequence_length", "position_embedding_type", "rotary_base", "rotary_percent",
                   "share_embeddings_and_output_weights")
@@ -122,11 +123,72 @@ def to_megatron_transformer_config(cfg: Config, fp4_backend: str = "moeresq") ->
         "rotary_percent": 1.0,
         "share_embeddings_and_output_weights": bool(m.tie_embeddings),
     }
+    family = check_family(m)
+    if family == "gpt_oss":
+        out.update(_gpt_oss_fields(m))
+    elif family == "deepseek_v3":
+        out.update(_deepseek_v3_fields(m))
+    return out
+
+
+def quick_gelu(x: torch.Tensor) -> torch.Tensor:
+    """``x·σ(1.702·x)``: Megatron-Core's ``quick_gelu`` (GPT-OSS's gate activation, alpha 1.702)."""
+    return x * torch.sigmoid(1.702 * x)
+
+
+def _gpt_oss_fields(m: ModelConfig) -> dict:
+    """GPT-OSS (Megatron-Core's own GPT-OSS settings): biases on every linear, the sinks as a
+    learnable softmax offset, sliding-window layers (``window_size=(window − 1, 0)``: a query sees
+    itself and the ``window − 1`` keys before it, as HF's mask; ``window_attn_skip_freq`` 1 = a
+    sliding layer), the clamped SwiGLU as ``quick_gelu`` with ``glu_linear_offset=1`` and clamp 7,
+    top-k over the router logits then softmax over the k, YaRN (``yarn_*``: attributes GPTModel
+    reads from the config, set by `build_transformer_config`)."""
+    sliding = "sliding_attention" in m.layer_types
+    out = {"add_bias_linear": True, "add_qkv_bias": True, "qk_layernorm": False, "softmax_type": "learnable",
+           "window_size": (m.sliding_window - 1, 0) if sliding else None,
+           "window_attn_skip_freq": [int(t == "sliding_attention") for t in m.layer_types] if sliding else None,
+           "activation_func": quick_gelu, "glu_linear_offset": 1.0, "activation_func_clamp_value": SWIGLU_LIMIT,
+           "moe_router_pre_softmax": False}
+    rs = m.rope_scaling
+    if rs is not None:
+        out.update({"position_embedding_type": "yarn", "yarn_rotary_scaling_factor": float(rs["factor"]),
+                    "yarn_original_max_position_embeddings": int(rs["original_max_position_embeddings"]),
+                    "yarn_beta_fast": float(rs.get("beta_fast") or 32), "yarn_beta_slow": float(rs.get("beta_slow") or 1),
+                    "yarn_mscale": 1.0, "yarn_mscale_all_dim": 0.0,
+                    "yarn_correction_range_round_to_int": bool(rs.get("truncate", True))})
+    return out
+
+
+def _deepseek_v3_fields(m: ModelConfig) -> dict:
+    """DeepSeek-V3 (`MLATransformerConfig`): latent attention with its low ranks (``q_lora_rank``
+    None: one q projection) and head dims, the latent norms (``qk_layernorm``), RoPE on the rotary
+    part in HF's interleaved layout (Megatron-Core's MLA de-interleaves it as our layers do: the
+    weights are renamed, not permuted), plain or YaRN with mscale; sigmoid router with the expert bias, group-limited top-k and the scaling factor
+    (Megatron-Core renormalises sigmoid top-k weights: ``norm_topk_prob`` must be true)."""
+    if not m.norm_topk_prob:
+        raise ValueError("model.norm_topk_prob=false: Megatron-Core's sigmoid router always renormalises the top-k "
+                         "weights; the DeepSeek-V3 mapping needs norm_topk_prob=true")
+    rs = m.rope_scaling or {}
+    out = {"multi_latent_attention": True, "q_lora_rank": m.q_lora_rank or None, "kv_lora_rank": m.kv_lora_rank,
+           "qk_head_dim": m.qk_nope_head_dim, "qk_pos_emb_head_dim": m.qk_rope_head_dim, "v_head_dim": m.v_head_dim,
+           "num_query_groups": m.num_heads, "kv_channels": m.qk_nope_head_dim + m.qk_rope_head_dim,
+           "qk_layernorm": True, "apply_rope_fusion": False,
+           "rope_type": "yarn" if rs else "rope",
+           "moe_router_score_function": "sigmoid", "moe_router_enable_expert_bias": True,
+           "moe_router_bias_update_rate": float(m.moe_router_bias_update_rate),
+           "moe_router_num_groups": m.moe_n_group, "moe_router_group_topk": m.moe_topk_group,
+           "moe_router_topk_scaling_factor": float(m.moe_routed_scaling_factor), "moe_router_pre_softmax": False}
+    if rs:
+        out.update({"rotary_scaling_factor": float(rs["factor"]),
+                    "original_max_position_embeddings": int(rs["original_max_position_embeddings"]),
+                    "beta_fast": float(rs.get("beta_fast") or 32), "beta_slow": float(rs.get("beta_slow") or 1),
+                    "mscale": float(rs.get("mscale", 1.0)), "mscale_all_dim": float(rs.get("mscale_all_dim", 0.0))})
     return out
 
 
 def split_megatron_kwargs(kw: Mapping[str, Any]) -> tuple[dict, dict]:
-    """(TransformerConfig kwargs, GPTModel kwargs) of a flat dict."""
+    """(TransformerConfig kwargs, GPTModel kwargs) of a flat dict (the ``yarn_*`` entries stay with
+    the config: attributes GPTModel reads from it, not fields; `build_transformer_config` sets them)."""
     return ({k: v for k, v in kw.items() if k not in GPT_MODEL_KEYS},
             {k: v for k, v in kw.items() if k in GPT_MODEL_KEYS})
 
@@ -134,12 +196,19 @@ def split_megatron_kwargs(kw: Mapping[str, Any]) -> tuple[dict, dict]:
 def build_transformer_config(cfg: Config, fp4_backend: str = "moeresq", **overrides):
     """A real `megatron.core.transformer.TransformerConfig` (needs megatron-core; runs on CPU)."""
     try:
-        from megatron.core.transformer import TransformerConfig
+        from megatron.core.activations import quick_gelu as mcore_quick_gelu
+        from megatron.core.transformer import MLATransformerConfig, TransformerConfig
     except ImportError as e:
         raise RuntimeError("build_transformer_config needs megatron-core: pip install 'megatron-fp4[megatron]'") from e
     tc_kwargs, _ = split_megatron_kwargs(to_megatron_transformer_config(cfg, fp4_backend))
     tc_kwargs.update(overrides)
-    return TransformerConfig(**tc_kwargs)
+    if tc_kwargs.get("activation_func") is quick_gelu:
+        tc_kwargs["activation_func"] = mcore_quick_gelu  # the same function; Megatron-Core fuses its own
+    attributes = {k: tc_kwargs.pop(k) for k in list(tc_kwargs) if k.startswith("yarn_")}
+    config = (MLATransformerConfig if tc_kwargs.get("multi_latent_attention") else TransformerConfig)(**tc_kwargs)
+    for key, value in attributes.items():
+        setattr(config, key, value)
+    return config
 
 
 # ---------------------------------------------------------------------------------------------
@@ -157,8 +226,56 @@ def _is_silu(fn) -> bool:
     return fn is None or fn is F.silu or fn == "silu" or getattr(fn, "__name__", "") == "silu"
 
 
-def _unsupported(d: dict) -> list[tuple[str, Any, str]]:
-    """(field, value, why) for each feature of `d` our decoder does not implement."""
+def _family_of(d: dict) -> str:
+    """The model family a Megatron-Core config describes: MLA is DeepSeek-V3, a learnable softmax
+    offset (attention sinks) GPT-OSS, anything else Qwen3-MoE."""
+    if d.get("multi_latent_attention"):
+        return "deepseek_v3"
+    return "gpt_oss" if d.get("softmax_type") == "learnable" else "qwen3_moe"
+
+
+# the fields each family reads differently from Qwen3-MoE's checks below (its own checks: _FAMILY_CHECKS)
+_FAMILY_FIELDS = {
+    "gpt_oss": {"add_bias_linear", "add_qkv_bias", "qk_layernorm", "activation_func", "position_embedding_type"},
+    "deepseek_v3": {"multi_latent_attention", "moe_router_score_function", "moe_router_enable_expert_bias",
+                    "moe_router_topk_scaling_factor", "moe_router_num_groups"},
+}
+
+
+def _family_checks(d: dict, family: str) -> list:
+    def get(key, default=None):
+        return d.get(key, default)
+
+    if family == "gpt_oss":
+        return [
+            ("add_bias_linear", not get("add_bias_linear", True), "GPT-OSS's linears have biases; set True"),
+            ("add_qkv_bias", not get("add_qkv_bias", False), "GPT-OSS's q/k/v have biases; set True"),
+            ("qk_layernorm", bool(get("qk_layernorm", False)), "GPT-OSS has no q/k norm; set False"),
+            ("activation_func", getattr(get("activation_func"), "__name__", "") != "quick_gelu",
+             "GPT-OSS's gate activation is quick_gelu (x·σ(1.702x))"),
+            ("glu_linear_offset", float(get("glu_linear_offset", 0.0) or 0.0) != 1.0, "GPT-OSS's SwiGLU is (up + 1)·…"),
+            ("activation_func_clamp_value", get("activation_func_clamp_value") != SWIGLU_LIMIT,
+             f"GPT-OSS clamps at {SWIGLU_LIMIT}"),
+            ("moe_router_pre_softmax", bool(get("moe_router_pre_softmax", False)),
+             "GPT-OSS takes the top-k logits, then the softmax over them"),
+            ("position_embedding_type", get("position_embedding_type", "rope") not in ("rope", "yarn"),
+             "GPT-OSS uses RoPE or YaRN"),
+        ]
+    if family == "deepseek_v3":
+        return [
+            ("moe_router_score_function", get("moe_router_score_function") != "sigmoid",
+             "DeepSeek-V3 routes by sigmoid scores"),
+            ("moe_router_enable_expert_bias", not get("moe_router_enable_expert_bias", False),
+             "DeepSeek-V3's router carries the expert bias (e_score_correction_bias); set True"),
+            ("qk_layernorm", not get("qk_layernorm", False), "DeepSeek-V3 normalises the q and kv latents; set True"),
+            ("rope_type", get("rope_type", "yarn") not in ("rope", "yarn"), "RoPE or YaRN"),
+        ] + [(name, get(name) is None, "latent attention needs it (an MLATransformerConfig field)")
+             for name in ("kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim")]
+    return []
+
+
+def _unsupported(d: dict, family: str = "qwen3_moe") -> list[tuple[str, Any, str]]:
+    """(field, value, why) for each feature of `d` our decoder (of `family`) does not implement."""
     def get(key, default=None):
         return d.get(key, default)
 
@@ -201,7 +318,43 @@ def _unsupported(d: dict) -> list[tuple[str, Any, str]]:
         ("first_last_layers_bf16", get("fp4") is not None and bool(get("first_last_layers_bf16", False)),
          "per-layer FP4 exclusion is not expressible in our scopes"),
     ]
+    skip = _FAMILY_FIELDS.get(family, set())
+    checks = [c for c in checks if c[0] not in skip] + _family_checks(d, family)
     return [(name, d.get(name), why) for name, bad, why in checks if bad]
+
+
+def _gpt_oss_model(d: dict, num_layers: int) -> dict:
+    """The GPT-OSS `ModelConfig` fields of a Megatron-Core config (`_gpt_oss_fields` reversed)."""
+    skip, window = d.get("window_attn_skip_freq"), d.get("window_size")
+    if window is not None and (not isinstance(skip, (list, tuple)) or len(skip) != num_layers):
+        raise ValueError(f"window_attn_skip_freq={skip!r}: GPT-OSS's layers are read from a per-layer list of "
+                         f"num_layers={num_layers} entries (1 = sliding window)")
+    out = {"layer_types": [] if window is None else ["sliding_attention" if v else "full_attention" for v in skip],
+           "sliding_window": 0 if window is None else int(window[0]) + 1, "rope_scaling": None}
+    if d.get("position_embedding_type") == "yarn":
+        out["rope_scaling"] = {"rope_type": "yarn", "factor": float(d["yarn_rotary_scaling_factor"]),
+                               "original_max_position_embeddings": int(d["yarn_original_max_position_embeddings"]),
+                               "beta_fast": float(d.get("yarn_beta_fast", 32)), "beta_slow": float(d.get("yarn_beta_slow", 1)),
+                               "truncate": bool(d.get("yarn_correction_range_round_to_int", True))}
+    return out
+
+
+def _deepseek_v3_model(d: dict) -> dict:
+    """The DeepSeek-V3 `ModelConfig` fields of an `MLATransformerConfig` (`_deepseek_v3_fields` reversed)."""
+    out = {"q_lora_rank": int(d.get("q_lora_rank") or 0), "kv_lora_rank": int(d["kv_lora_rank"]),
+           "qk_nope_head_dim": int(d["qk_head_dim"]), "qk_rope_head_dim": int(d["qk_pos_emb_head_dim"]),
+           "v_head_dim": int(d["v_head_dim"]), "num_kv_heads": int(d["num_attention_heads"]),
+           "head_dim": int(d["qk_head_dim"]) + int(d["qk_pos_emb_head_dim"]),
+           "moe_n_group": int(d.get("moe_router_num_groups") or 1), "moe_topk_group": int(d.get("moe_router_group_topk") or 1),
+           "moe_routed_scaling_factor": float(d.get("moe_router_topk_scaling_factor") or 1.0),
+           "moe_router_bias_update_rate": float(d.get("moe_router_bias_update_rate") or 0.0),
+           "norm_topk_prob": True, "rope_scaling": None}
+    if d.get("rope_type", "yarn") == "yarn":
+        out["rope_scaling"] = {"rope_type": "yarn", "factor": float(d.get("rotary_scaling_factor", 40)),
+                               "original_max_position_embeddings": int(d.get("original_max_position_embeddings", 4096)),
+                               "beta_fast": float(d.get("beta_fast", 32)), "beta_slow": float(d.get("beta_slow", 1)),
+                               "mscale": float(d.get("mscale", 1.0)), "mscale_all_dim": float(d.get("mscale_all_dim", 0.0))}
+    return out
 
 
 def _dense_layers(freq, num_layers: int) -> list[int]:
@@ -230,10 +383,13 @@ def from_megatron_transformer_config(config, gpt_model_kwargs: Optional[Mapping[
     if missing:
         raise ValueError(f"Megatron config lacks {missing}; vocab_size is a GPTModel argument: pass it in "
                          f"gpt_model_kwargs or in the same dict")
-    bad = _unsupported(d)
+    family = _family_of(d)
+    bad = _unsupported(d, family)
     if bad:
         lines = "; ".join(f"{name}={value!r} ({why})" for name, value, why in bad)
-        raise ValueError(f"Megatron config uses features megatron-fp4 does not support: {lines}")
+        read_as = {"deepseek_v3": " (read as model.family=deepseek_v3: multi_latent_attention=True)",
+                   "gpt_oss": " (read as model.family=gpt_oss: softmax_type='learnable', the sinks)"}.get(family, "")
+        raise ValueError(f"Megatron config{read_as} uses features megatron-fp4 does not support: {lines}")
     num_layers, hidden, heads = int(d["num_layers"]), int(d["hidden_size"]), int(d["num_attention_heads"])
     ffn = int(d.get("ffn_hidden_size") or 4 * hidden)
     shared = d.get("moe_shared_expert_intermediate_size")
@@ -256,6 +412,9 @@ def from_megatron_transformer_config(config, gpt_model_kwargs: Optional[Mapping[
         tie_embeddings=bool(d.get("share_embeddings_and_output_weights", False)),
         init_std=float(d.get("init_method_std", 0.02)),
     )
+    if family != "qwen3_moe":
+        model = dataclasses.replace(model, family=family, **(_gpt_oss_model(d, num_layers) if family == "gpt_oss"
+                                                            else _deepseek_v3_model(d)))
     if fp4_cfg is None:
         if d.get("fp4") == "e2m1":
             fp4_cfg = FP4Config(scope="experts+attention", format="nvfp4", train_mode="fp4", rollout_mode="fp4")
@@ -279,4 +438,4 @@ def from_megatron_transformer_config(config, gpt_model_kwargs: Optional[Mapping[
 
 
 __all__ = ["GPT_MODEL_KEYS", "FP4_BACKENDS", "to_megatron_transformer_config", "split_megatron_kwargs",
-           "build_transformer_config", "from_megatron_transformer_config"]
+           "build_transformer_config", "from_megatron_transformer_config", "quick_gelu"]

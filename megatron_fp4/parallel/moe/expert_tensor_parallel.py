@@ -2,7 +2,9 @@
 
 `apply_expert_tensor_parallel(model, group)` (after `apply_expert_parallel`, on the ep shard) gives
 each MoE layer's experts this etp rank's slice of the ffn dim (`GroupedExperts.shard_ffn`): w1/w3
-(the gate and up rows of w13) column-cut, w2 row-cut, as Megatron-Core's expert tensor parallel.
+(the gate and up rows of w13) column-cut, w2 row-cut, as Megatron-Core's expert tensor parallel
+(GPT-OSS's experts also cut their biases: b13 with w13's rows, b2 along the hidden dim, each rank
+adding its columns once to its partial output; `model/gpt_oss.py`).
 Every etp rank of an expert block received its own tokens from its dispatcher (all-to-all over
 ep, or the local one); `EtpExchange`, the experts' ``token_exchange``, then
 
