@@ -235,7 +235,9 @@ def write_logs(history: list, eval_before: float, logdir: Path) -> None:
     writer.add_scalar("grpo/eval_acc", eval_before, -1)
     for r in history:
         for key, v in r.items():
-            if (isinstance(v, float) or key.startswith("async/")) and key not in ("step", "temperature"):
+            if key == "token_staleness_histogram":  # {versions behind: tokens}
+                writer.add_scalars("async/token_staleness", {str(lag): n for lag, n in v.items()}, r["step"])
+            elif (isinstance(v, float) or key.startswith("async/")) and key not in ("step", "temperature"):
                 writer.add_scalar(key if "/" in key else f"grpo/{key}", v, r["step"])
     writer.close()
     png = logdir / "reward_curve.png"

@@ -90,6 +90,7 @@ class GRPORun:
     eval_before: float = float("nan")  # greedy accuracy of the starting policy
     eval_before_groups: dict = field(default_factory=dict)
     staleness_histogram: dict = field(default_factory=dict)  # {versions behind: batches} (rl.max_staleness > 0)
+    token_staleness_histogram: dict = field(default_factory=dict)  # {versions behind: generated tokens}
     dropped: int = 0  # batches dropped as too stale (rl.staleness_policy=drop)
 
     @property
@@ -256,6 +257,25 @@ def _synchronous_steps(trainer, task, rollout, scorer, loss, settings: GRPOSetti
         yield record, handle
 
 
+def version_metrics(gen, step: int, counter: StalenessCounter) -> dict:
+    """Versions per token of the batch trained at `step`: the span (newest - oldest version) per
+    sample (mean, max), the staleness of every token (a histogram {versions behind: tokens}, also
+    summed over the run in `counter`), and the behaviour vs proximal mismatch (the k3 KL and the
+    expert agreement of `consistency`, under their async names)."""
+    spans, lags = [], []
+    for i in range(len(gen.response_ids)):
+        v = gen.versions_of(i)
+        if len(v):
+            spans.append(int(v.max() - v.min()))
+            lags.append(step - v)
+    lag = torch.cat(lags) if lags else torch.zeros(0, dtype=torch.long)
+    hist = {int(n): int(c) for n, c in zip(*torch.unique(lag, return_counts=True))}
+    counter.count_tokens(hist)
+    return {"async/version_span_mean": sum(spans) / max(len(spans), 1), "async/version_span_max": max(spans, default=0),
+            "async/token_staleness_mean": float(lag.double().mean()) if lag.numel() else 0.0,
+            "async/token_staleness_max": int(lag.max()) if lag.numel() else 0, "token_staleness_histogram": hist}
+
+
 def _overlapped_steps(trainer, task, rollout, scorer, loss, settings: GRPOSettings, shuffle_rng, run: GRPORun):
     """``rl.max_staleness = k`` > 0 (`rl.overlap`): batch m is generated on the rollout's thread with
     version max(0, m - k) (``wait``) or whatever it serves (``drop``) while the trainer updates on
@@ -263,7 +283,7 @@ def _overlapped_steps(trainer, task, rollout, scorer, loss, settings: GRPOSettin
     k, policy = trainer.cfg.rl.max_staleness, trainer.cfg.rl.staleness_policy
     gens = Generations(rollout, trainer.cfg.parallel.timeout_s)
     counter = StalenessCounter(k, policy)
-    run.staleness_histogram = counter.histogram
+    run.staleness_histogram, run.token_staleness_histogram = counter.histogram, counter.token_histogram
     pending: deque = deque()
     launched, handle = [0], None
 
@@ -285,7 +305,7 @@ def _overlapped_steps(trainer, task, rollout, scorer, loss, settings: GRPOSettin
             while True:
                 batch = pending.popleft()
                 gen = gens.collect(batch)
-                if counter.accept(step, gen.version):
+                if counter.accept(step, gen.version_range()[0]):  # the oldest token's version
                     break
                 if counter.dropped - dropped > k + 1:  # the k + 1 in flight, then a fresh one after the load
                     raise RuntimeError(f"step {step}: {counter.dropped - dropped} batches dropped in a row, the last "
@@ -305,7 +325,10 @@ def _overlapped_steps(trainer, task, rollout, scorer, loss, settings: GRPOSettin
             handle = record.pop("handle")
             record.update({"sample_index": batch.index, "async/staleness": staleness(step, gen.version),
                            "async/wait_s": waited, "async/dropped": counter.dropped - dropped,
-                           "async/rollout_busy_s": gens.busy_s})
+                           "async/rollout_busy_s": gens.busy_s, **version_metrics(gen, step, counter),
+                           # behaviour (the rollout, version gen.version) vs proximal (the trainer at `step`)
+                           "async/mismatch_kl": record["consistency/kl"],
+                           "async/mismatch_expert_agreement": record.get("consistency/expert_agreement", math.nan)})
             _evaluate_after(record, handle, gens, task, settings, step)
             yield record, handle
         assert not pending, f"batches {[b.index for b in pending]} were generated and never trained on"

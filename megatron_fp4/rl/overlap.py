@@ -149,7 +149,15 @@ class StalenessCounter:
     def __init__(self, max_staleness: int, policy: str):
         self.max_staleness, self.policy = max_staleness, policy
         self.histogram: dict = {}
+        self.token_histogram: dict = {}  # {versions behind: tokens trained on}, versions per token
         self.dropped = 0
+
+    def count_tokens(self, histogram: dict) -> None:
+        """Add one trained batch's per-token staleness histogram; a token beyond the bound is a bug."""
+        assert max(histogram, default=0) <= self.max_staleness, \
+            f"tokens {histogram} trained beyond max_staleness={self.max_staleness}"
+        for lag, n in histogram.items():
+            self.token_histogram[lag] = self.token_histogram.get(lag, 0) + n
 
     def accept(self, trained_at: int, version: int) -> bool:
         """Whether a batch of `version` may be trained on at `trained_at`: within the bound, or

@@ -130,7 +130,7 @@ def test_drop_never_trains_beyond_the_bound_and_counts():
         def generate(prompts, params, **k):
             gen = real(prompts, params, **k)
             if params[0].temperature > 0 and params[0].seed // 10_007 == 2:  # batch 2 (seed 0)
-                gen.version = 0
+                gen.version, gen.token_versions = 0, [torch.zeros_like(v) for v in gen.token_versions]
             return gen
         rollout.generate = generate
     result = run("rl.max_staleness=1", "rl.staleness_policy=drop", wrap=lagging)
@@ -159,3 +159,50 @@ def test_a_refused_publish_stops_the_loop_and_the_old_version_keeps_serving():
     assert rollout.served_version() == 1
     items, params = loop.sample_requests(task, settings(), 0)
     assert rollout.generate([ids for ids, _, _ in items], params).version == 1
+
+
+def test_drop_with_inflight_updates_bounds_every_token():
+    """``rl.inflight_updates``: a request may pick up a newer version between tokens (whether it
+    does depends on the timing); every trained token is within the bound, the per-token histogram
+    counts every trained token, and the version span per sample is what the tokens say."""
+    result = run("rl.max_staleness=1", "rl.staleness_policy=drop", "rl.inflight_updates=true", wrap=slow_rollout)
+    tokens = sum(h["consistency/num_tokens"] for h in result.history)
+    assert sum(result.token_staleness_histogram.values()) == tokens
+    assert max(result.token_staleness_histogram) <= 1
+    for h in result.history:
+        assert 0 <= h["async/token_staleness_mean"] <= h["async/token_staleness_max"] <= 1
+        assert 0 <= h["async/version_span_mean"] <= h["async/version_span_max"] <= 1
+        assert sum(h["token_staleness_histogram"].values()) == h["consistency/num_tokens"]
+        assert h["async/mismatch_kl"] == h["consistency/kl"] >= 0
+
+
+def test_r3_replays_the_generating_versions_routes():
+    """Router replay R3 at k = 1: the routes the trainer replays for batch m are the rollout's,
+    i.e. those of version m - 1 (an engine of its own holding that version's weights regenerates
+    them); the behaviour vs proximal KL is logged."""
+    seen = []
+    real = loop.build_rl_batch
+
+    def build(gen, *a, **k):
+        batch = real(gen, *a, **k)
+        seen.append((gen, batch))
+        return batch
+    keep = {}
+    loop.build_rl_batch = build
+    try:
+        result = run("rl.max_staleness=1", "rl.router_replay=r3", keep=keep)
+    finally:
+        loop.build_rl_batch = real
+    trainer, task = tiny()
+    for m, (gen, batch) in enumerate(seen):
+        assert gen.version == sample_version(m, 1)
+        P = batch["prompt_len"]
+        model = copy.deepcopy(trainer.model)
+        model.load_state_dict(keep[gen.version])
+        engine = RolloutEngine(model, mode=trainer.cfg.fp4.rollout_mode, pad_id=task.tok.pad_id,
+                               invariance=trainer.cfg.numerics.invariance)
+        items, params = loop.sample_requests(task, settings(), m)
+        again = engine.generate([ids for ids, _, _ in items], params, return_routing=True)
+        for i, routes in enumerate(again.routing):
+            assert torch.equal(batch["replay_routing"][i, P - 1:P - 1 + len(routes)], routes)
+        assert result.history[m]["async/mismatch_kl"] >= 0
