@@ -99,6 +99,15 @@ class Generations:
         batch.future = self._pool.submit(self._run, batch)
         return batch
 
+    def restore(self, index: int, items: list, prompts: list, params: list, version: Optional[int],
+                gen) -> InFlight:
+        """A batch generated before a resume (`rl.resume`), as if it had come back from the rollout
+        (rank 0 holds the generation, the other ranks get it from `collect`, as always)."""
+        batch = InFlight(index, items, list(prompts), list(params), version)
+        batch.future = Future()
+        batch.future.set_result(gen if self.source else None)
+        return batch
+
     def done(self, batch: InFlight) -> bool:
         return batch.future.done()
 

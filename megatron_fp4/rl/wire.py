@@ -127,20 +127,41 @@ def broadcast_generation(gen: Optional[GenerationOutput], src: int, group, devic
             _check_against_request(prompts, responses, reasons, routing, expect)
         return _specs(n, routing, header.get("token_versions", False))
 
-    tensors = None
-    if gen is not None:
-        n = sum(len(r) for r in gen.response_ids)
-        tensors = [torch.cat([torch.as_tensor(x, dtype=torch.float32).reshape(-1) for x in getattr(gen, key)])
-                   if n else torch.empty(0, dtype=torch.float32) for key in ("log_probs", "sampled_log_probs")]
-        if gen.routing is not None:
-            shape = _header(gen)["routing"]
-            tensors.append(torch.cat(gen.routing).to(torch.int64) if n else torch.empty(0, *shape, dtype=torch.int64))
-        if gen.token_versions is not None:
-            tensors.append(torch.cat([torch.as_tensor(v, dtype=torch.int64).reshape(-1) for v in gen.token_versions])
-                           if n else torch.empty(0, dtype=torch.int64))
-    header, tensors = broadcast_message(None if gen is None else _header(gen), tensors, src, group, device,
+    header, tensors = generation_message(gen) if gen is not None else (None, None)
+    header, tensors = broadcast_message(header, tensors, src, group, device,
                                         expect=tensors_for, max_payload_bytes=MAX_PAYLOAD_BYTES)
-    prompts, responses, reasons, routing, _ = checked["header"]
+    return _generation(header, tensors, checked["header"])
+
+
+def generation_message(gen: GenerationOutput) -> tuple[dict, list]:
+    """(JSON header, flat tensors) of a generation: what travels, or is saved (`rl.resume`)."""
+    n = sum(len(r) for r in gen.response_ids)
+    tensors = [torch.cat([torch.as_tensor(x, dtype=torch.float32).reshape(-1) for x in getattr(gen, key)])
+               if n else torch.empty(0, dtype=torch.float32) for key in ("log_probs", "sampled_log_probs")]
+    if gen.routing is not None:
+        shape = _header(gen)["routing"]
+        tensors.append(torch.cat(gen.routing).to(torch.int64) if n else torch.empty(0, *shape, dtype=torch.int64))
+    if gen.token_versions is not None:
+        tensors.append(torch.cat([torch.as_tensor(v, dtype=torch.int64).reshape(-1) for v in gen.token_versions])
+                       if n else torch.empty(0, dtype=torch.int64))
+    return _header(gen), tensors
+
+
+def generation_from_message(header, tensors: list, expect: Optional[dict] = None) -> GenerationOutput:
+    """The inverse of `generation_message`, with every check `broadcast_generation` makes."""
+    checked = _check_header(header)
+    if expect is not None:
+        _check_against_request(*checked[:4], expect)
+    specs = _specs(checked[4], checked[3], header.get("token_versions", False))
+    if len(tensors) != len(specs) or any((tuple(t.shape), t.dtype) != (tuple(shape), dtype)
+                                         for t, (shape, dtype) in zip(tensors, specs)):
+        raise ProtocolError(f"a generation's tensors {[(tuple(t.shape), t.dtype) for t in tensors]} are not the "
+                            f"{specs} its header describes")
+    return _generation(header, tensors, checked)
+
+
+def _generation(header: dict, tensors: list, checked: tuple) -> GenerationOutput:
+    prompts, responses, reasons, routing, _ = checked
     lengths = [len(r) for r in responses]
     flat = [list(t.cpu().split(lengths)) for t in tensors]
     versions = flat[-1] if header.get("token_versions", False) else None
