@@ -13,6 +13,11 @@ the rollout process's start, the evals and the last step with the final eval are
 trainer's share of it, and the held-out greedy accuracy after RL with a 95 % t-interval over the
 seeds; then the speed ratio staleness k ÷ staleness 0 per seed and its mean. Timings depend on the
 machine's load: the ratio is measured side by side, never asserted by a test.
+
+Process CPU time (``--clock``-free, steadier on a shared machine): over the same steps the
+trainer process's and the rollout process's CPU seconds per step (`/proc/<pid>/stat`), each
+side's idle share (1 - CPU / wall) and the speed-up the CPU seconds allow on two free cores:
+(trainer + rollout) ÷ max(trainer, rollout) — what the overlap gains when nothing else competes.
 """
 from __future__ import annotations
 
@@ -54,6 +59,12 @@ def interval(values: list) -> str:
     return f"{mean:.3f} ± {half:.3f}"
 
 
+def process_cpu_s(pid: int) -> float:
+    """CPU seconds (user + system) of process `pid` so far (Linux /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def one_setting(ex, args, trainer, task, sft_state: dict, staleness: int) -> dict:
     """GRPO from the SFT state with ``rl.max_staleness = staleness``: s/step, accuracy, busy times."""
     trainer.model.load_state_dict(sft_state)
@@ -61,14 +72,19 @@ def one_setting(ex, args, trainer, task, sft_state: dict, staleness: int) -> dic
     trainer.cfg.rl.max_staleness, trainer.cfg.rl.staleness_policy = staleness, "wait"
     settings = ex.settings_of(args, None)
     rollout = make_rollout(trainer, task.tok.pad_id, args.bucket_mb << 20, process=True)
-    marks = []  # the progress lines' times: the header, then one after each step (the last one: after the eval)
+    marks = []  # the progress lines' (wall, trainer CPU, rollout CPU): the header, then one after each step
     try:
-        run = run_grpo(trainer, task, rollout, settings, say=lambda *a, **k: marks.append(time.perf_counter()))
-        wall = marks[-3] - marks[1]  # the header to step steps - 2's line: no eval, process start or final wait
+        run = run_grpo(trainer, task, rollout, settings,
+                       say=lambda *a, **k: marks.append((time.perf_counter(), time.process_time(),
+                                                         process_cpu_s(rollout.proc.pid))))
+        # the header to step steps - 2's line: no eval, process start or final wait
+        wall, trainer_cpu, rollout_cpu = (marks[-3][i] - marks[1][i] for i in range(3))
     finally:
         rollout.close()
     busy = run.history[-2].get("async/rollout_busy_s", float("nan"))
-    return {"s_per_step": wall / (settings.steps - 1), "acc_before": run.eval_before, "acc": run.history[-1]["eval_acc"],
+    n = settings.steps - 1
+    return {"s_per_step": wall / n, "trainer_cpu": trainer_cpu / n, "rollout_cpu": rollout_cpu / n,
+            "acc_before": run.eval_before, "acc": run.history[-1]["eval_acc"],
             "reward": statistics.fmean(h["reward"] for h in run.history), "rollout_busy": busy / wall,
             "trainer_wait": sum(h.get("async/wait_s", 0.0) for h in run.history[:-1]) / wall,
             "versions": run.sample_versions}
@@ -112,6 +128,11 @@ def main(argv=None) -> None:
               f"{statistics.fmean(r['rollout_busy'] for r in rs) if k else float('nan'):>12.2f} "
               f"{statistics.fmean(r['trainer_wait'] for r in rs) if k else float('nan'):>13.2f} "
               f"{interval([r['acc'] for r in rs]):>27}")
+    print(f"\n{'staleness':>9} {'trainer CPU s/step':>18} {'rollout CPU s/step':>18} {'trainer idle':>12} "
+          f"{'rollout idle':>12} {'2 free cores: speed-up bound':>28}")
+    for k, rs in results.items():
+        t, r, w = (statistics.fmean(x[key] for x in rs) for key in ("trainer_cpu", "rollout_cpu", "s_per_step"))
+        print(f"{k:>9} {t:>18.3f} {r:>18.3f} {1 - t / w:>12.2f} {1 - r / w:>12.2f} {(t + r) / max(t, r):>27.2f}x")
     for k in own.staleness[1:]:
         ratios = [b["s_per_step"] / r["s_per_step"] for b, r in zip(results[base], results[k])]
         print(f"steps/s, staleness {k} / staleness {base}: " + " ".join(f"{x:.2f}" for x in ratios)
