@@ -14,10 +14,12 @@ trainer's share of it, and the held-out greedy accuracy after RL with a 95 % t-i
 seeds; then the speed ratio staleness k ÷ staleness 0 per seed and its mean. Timings depend on the
 machine's load: the ratio is measured side by side, never asserted by a test.
 
-Process CPU time (``--clock``-free, steadier on a shared machine): over the same steps the
-trainer process's and the rollout process's CPU seconds per step (`/proc/<pid>/stat`), each
-side's idle share (1 - CPU / wall) and the speed-up the CPU seconds allow on two free cores:
-(trainer + rollout) ÷ max(trainer, rollout) — what the overlap gains when nothing else competes.
+Process CPU time (steadier on a shared machine): over the same steps the trainer process's and
+the rollout process's CPU seconds per step (`/proc/<pid>/stat`); for each side's main thread (the
+trainer's updates, the rollout's generations) its run-queue wait (`/proc/<pid>/schedstat`:
+runnable but not running — the machine's load, not the protocol) and its blocked share
+(1 - (CPU + run-queue wait) / wall: waiting for the other side, what the overlap removes); and the
+speed-up the CPU seconds allow on two free cores, (trainer + rollout) ÷ max(trainer, rollout).
 """
 from __future__ import annotations
 
@@ -60,9 +62,21 @@ def interval(values: list) -> str:
 
 
 def process_cpu_s(pid: int) -> float:
-    """CPU seconds (user + system) of process `pid` so far (Linux /proc)."""
+    """CPU seconds (user + system) of process `pid` so far, all its threads (Linux /proc)."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def main_thread_s(pid: int) -> tuple:
+    """(CPU s, run-queue wait s) of process `pid`'s main thread so far (/proc/<pid>/schedstat)."""
+    cpu_ns, wait_ns = Path(f"/proc/{pid}/schedstat").read_text().split()[:2]
+    return int(cpu_ns) / 1e9, int(wait_ns) / 1e9
+
+
+def sample(rollout_pid: int) -> tuple:
+    """(wall, trainer CPU, rollout CPU, trainer main CPU, trainer main wait, rollout main CPU, rollout main wait)."""
+    return (time.perf_counter(), time.process_time(), process_cpu_s(rollout_pid), *main_thread_s(os.getpid()),
+            *main_thread_s(rollout_pid))
 
 
 def one_setting(ex, args, trainer, task, sft_state: dict, staleness: int) -> dict:
@@ -72,18 +86,18 @@ def one_setting(ex, args, trainer, task, sft_state: dict, staleness: int) -> dic
     trainer.cfg.rl.max_staleness, trainer.cfg.rl.staleness_policy = staleness, "wait"
     settings = ex.settings_of(args, None)
     rollout = make_rollout(trainer, task.tok.pad_id, args.bucket_mb << 20, process=True)
-    marks = []  # the progress lines' (wall, trainer CPU, rollout CPU): the header, then one after each step
+    marks = []  # the progress lines' `sample`s: the header, then one after each step
     try:
-        run = run_grpo(trainer, task, rollout, settings,
-                       say=lambda *a, **k: marks.append((time.perf_counter(), time.process_time(),
-                                                         process_cpu_s(rollout.proc.pid))))
+        run = run_grpo(trainer, task, rollout, settings, say=lambda *a, **k: marks.append(sample(rollout.proc.pid)))
         # the header to step steps - 2's line: no eval, process start or final wait
-        wall, trainer_cpu, rollout_cpu = (marks[-3][i] - marks[1][i] for i in range(3))
+        wall, trainer_cpu, rollout_cpu, t_cpu, t_wait, r_cpu, r_wait = (marks[-3][i] - marks[1][i] for i in range(7))
     finally:
         rollout.close()
     busy = run.history[-2].get("async/rollout_busy_s", float("nan"))
     n = settings.steps - 1
     return {"s_per_step": wall / n, "trainer_cpu": trainer_cpu / n, "rollout_cpu": rollout_cpu / n,
+            "trainer_runq": t_wait / n, "rollout_runq": r_wait / n, "trainer_blocked": 1 - (t_cpu + t_wait) / wall,
+            "rollout_blocked": 1 - (r_cpu + r_wait) / wall,
             "acc_before": run.eval_before, "acc": run.history[-1]["eval_acc"],
             "reward": statistics.fmean(h["reward"] for h in run.history), "rollout_busy": busy / wall,
             "trainer_wait": sum(h.get("async/wait_s", 0.0) for h in run.history[:-1]) / wall,
@@ -128,11 +142,14 @@ def main(argv=None) -> None:
               f"{statistics.fmean(r['rollout_busy'] for r in rs) if k else float('nan'):>12.2f} "
               f"{statistics.fmean(r['trainer_wait'] for r in rs) if k else float('nan'):>13.2f} "
               f"{interval([r['acc'] for r in rs]):>27}")
-    print(f"\n{'staleness':>9} {'trainer CPU s/step':>18} {'rollout CPU s/step':>18} {'trainer idle':>12} "
-          f"{'rollout idle':>12} {'2 free cores: speed-up bound':>28}")
+    print(f"\n{'staleness':>9} {'CPU s/step: trainer':>19} {'rollout':>7} {'run-queue s/step: trainer':>25} "
+          f"{'rollout':>7} {'blocked: trainer':>16} {'rollout':>7} {'2 free cores: bound':>19}")
     for k, rs in results.items():
-        t, r, w = (statistics.fmean(x[key] for x in rs) for key in ("trainer_cpu", "rollout_cpu", "s_per_step"))
-        print(f"{k:>9} {t:>18.3f} {r:>18.3f} {1 - t / w:>12.2f} {1 - r / w:>12.2f} {(t + r) / max(t, r):>27.2f}x")
+        m = {key: statistics.fmean(x[key] for x in rs) for key in ("trainer_cpu", "rollout_cpu", "trainer_runq",
+                                                                   "rollout_runq", "trainer_blocked", "rollout_blocked")}
+        t, r = m["trainer_cpu"], m["rollout_cpu"]
+        print(f"{k:>9} {t:>19.3f} {r:>7.3f} {m['trainer_runq']:>25.3f} {m['rollout_runq']:>7.3f} "
+              f"{m['trainer_blocked']:>16.2f} {m['rollout_blocked']:>7.2f} {(t + r) / max(t, r):>18.2f}x")
     for k in own.staleness[1:]:
         ratios = [b["s_per_step"] / r["s_per_step"] for b, r in zip(results[base], results[k])]
         print(f"steps/s, staleness {k} / staleness {base}: " + " ".join(f"{x:.2f}" for x in ratios)
