@@ -145,8 +145,8 @@ def main(argv=None) -> None:
     print(f"\n{'staleness':>9} {'CPU s/step: trainer':>19} {'rollout':>7} {'run-queue s/step: trainer':>25} "
           f"{'rollout':>7} {'blocked: trainer':>16} {'rollout':>7} {'2 free cores: bound':>19}")
     for k, rs in results.items():
-        m = {key: statistics.fmean(x[key] for x in rs) for key in ("trainer_cpu", "rollout_cpu", "trainer_runq",
-                                                                   "rollout_runq", "trainer_blocked", "rollout_blocked")}
+        keys = ("trainer_cpu", "rollout_cpu", "trainer_runq", "rollout_runq", "trainer_blocked", "rollout_blocked")
+        m = {key: statistics.fmean(x[key] for x in rs) for key in keys}
         t, r = m["trainer_cpu"], m["rollout_cpu"]
         print(f"{k:>9} {t:>19.3f} {r:>7.3f} {m['trainer_runq']:>25.3f} {m['rollout_runq']:>7.3f} "
               f"{m['trainer_blocked']:>16.2f} {m['rollout_blocked']:>7.2f} {(t + r) / max(t, r):>18.2f}x")

@@ -357,7 +357,8 @@ def parse_args(argv=None):
 def check_flags(ap, args) -> None:
     """Every number of the command line in range before any work (the SFT warm-up takes minutes)."""
     check_ranges(ap, args, ints=dict(steps=1, sft_steps=0, sft_batch=1, num_digits=1, num_train=1, num_test=1,
-                                     checkpoint_every=0, max_operand=1, max_prompt_length=1, num_prompts=1, group_size=1,
+                                     checkpoint_every=0, max_operand=1, max_prompt_length=1, num_prompts=1,
+                                     group_size=1,
                                      max_new_tokens=1, micro_batch_size=1, ppo_epochs=1, minibatches=1, eval_size=1,
                                      eval_every=0, bucket_mb=1, max_staleness=0),
                  positive=("sft_lr", "lr", "clip_eps", "tis_cap"),

@@ -309,8 +309,7 @@ def _synchronous_steps(trainer, task, rollout, scorer, loss, settings: GRPOSetti
 def version_metrics(gen, step: int, counter: StalenessCounter) -> dict:
     """Versions per token of the batch trained at `step`: the span (newest - oldest version) per
     sample (mean, max), the staleness of every token (a histogram {versions behind: tokens}, also
-    summed over the run in `counter`), and the behaviour vs proximal mismatch (the k3 KL and the
-    expert agreement of `consistency`, under their async names)."""
+    summed over the run in `counter`; a token beyond the bound raises)."""
     spans, lags = [], []
     for i in range(len(gen.response_ids)):
         v = gen.versions_of(i)

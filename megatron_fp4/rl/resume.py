@@ -106,7 +106,8 @@ def load_state(root, trainer_step: int) -> tuple[dict, list]:
             if not (isinstance(b, dict) and set(b) == {"index", "items", "generation"} and type(b["index"]) is int
                     and isinstance(b["items"], list)
                     and all(isinstance(it, list) and len(it) == 3 for it in b["items"])):
-                raise ProtocolError(f"{path}: batch {n} must be {{index, items (each [ids, text, reference]), generation}}")
+                raise ProtocolError(f"{path}: batch {n} must be {{index, items (each [ids, text, reference]), "
+                                    "generation}")
             keys = sorted((k for k in names if k.startswith(f"batch{n}.")), key=lambda k: int(k.split(".")[1]))
             gen = generation_from_message(b["generation"], [f.get_tensor(k) for k in keys])
             if len(b["items"]) != len(gen.prompt_ids):

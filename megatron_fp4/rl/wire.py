@@ -3,8 +3,8 @@
 A `GenerationOutput` travels as one `parallel.wire` message: a JSON header (version, token ids,
 finish reasons, routing shape, whether versions per token follow) and flat tensors (log-probs as
 float32, what the engine produces, routing as int64 and the weight version behind each token as
-int64: checked to be >= the header's version and non-decreasing along each response), so the receiver parses data and checks its form; nothing it receives can
-execute. The same codec carries a generation from the rollout process to trainer rank 0 (a
+int64: checked to be >= the header's version and non-decreasing along each response), so the
+receiver parses data and checks its form; nothing it receives can execute. The same codec carries a generation from the rollout process to trainer rank 0 (a
 `PeerGroup`) and from rank 0 to every trainer rank (the trainer's world group).
 
 A receiver that knows the request (`expected_generation`: the prompts, each one's max_new_tokens,
