@@ -19,7 +19,9 @@ the rollout process's CPU seconds per step (`/proc/<pid>/stat`); for each side's
 trainer's updates, the rollout's generations) its run-queue wait (`/proc/<pid>/schedstat`:
 runnable but not running — the machine's load, not the protocol) and its blocked share
 (1 - (CPU + run-queue wait) / wall: waiting for the other side, what the overlap removes); and the
-speed-up the CPU seconds allow on two free cores, (trainer + rollout) ÷ max(trainer, rollout).
+speed-up the CPU seconds allow on two free cores, (trainer + rollout) ÷ max(trainer, rollout), per
+setting and across them (the synchronous loop's CPU seconds per step over the overlapped one's
+busier side: an upper bound of the steps/s ratio, reached when neither side ever waits).
 """
 from __future__ import annotations
 
@@ -150,6 +152,12 @@ def main(argv=None) -> None:
         t, r = m["trainer_cpu"], m["rollout_cpu"]
         print(f"{k:>9} {t:>19.3f} {r:>7.3f} {m['trainer_runq']:>25.3f} {m['rollout_runq']:>7.3f} "
               f"{m['trainer_blocked']:>16.2f} {m['rollout_blocked']:>7.2f} {(t + r) / max(t, r):>18.2f}x")
+    for k in own.staleness[1:]:  # the synchronous loop runs the two sides in turn, the overlap at once
+        bound = [(b["trainer_cpu"] + b["rollout_cpu"]) / max(r["trainer_cpu"], r["rollout_cpu"])
+                 for b, r in zip(results[base], results[k])]
+        print(f"CPU-time bound of steps/s, staleness {k} / staleness {base} on two free cores, (trainer + rollout "
+              f"CPU at {base}) / max(trainer, rollout CPU at {k}): " + " ".join(f"{x:.2f}" for x in bound)
+              + f" (per seed), mean {statistics.fmean(bound):.2f}x")
     for k in own.staleness[1:]:
         ratios = [b["s_per_step"] / r["s_per_step"] for b, r in zip(results[base], results[k])]
         print(f"steps/s, staleness {k} / staleness {base}: " + " ".join(f"{x:.2f}" for x in ratios)

@@ -238,7 +238,7 @@ def run_grpo(trainer, task, rollout, settings: GRPOSettings, say: Callable = _qu
     say(f"greedy eval accuracy {run.eval_before:.3f} on {task.description}; rollout: {type(rollout).__name__}"
         + (f"; max staleness {rl.max_staleness} ({rl.staleness_policy})" if rl.max_staleness else ""), flush=True)
     say(f"{'step':>4} {'reward':>7} {'eval':>6} {'pearson':>9} {'experts':>8} {'sync ms':>8} {'loss':>8}"
-        + (f" {'version':>7} {'wait s':>6}" if rl.max_staleness else ""), flush=True)
+        + (f" {'version':>7} {'span':>4} {'wait s':>6} {'kl b|p':>8}" if rl.max_staleness else ""), flush=True)
     steps = _overlapped_steps(trainer, task, rollout, scorer, loss, settings, shuffle_rng, run, resumed) \
         if rl.max_staleness else _synchronous_steps(trainer, task, rollout, scorer, loss, settings, shuffle_rng, run,
                                                     first)
@@ -247,7 +247,8 @@ def run_grpo(trainer, task, rollout, settings: GRPOSettings, say: Callable = _qu
         say(f"{record['step']:>4} {record['reward']:>7.3f} {record.get('eval_acc', float('nan')):>6.3f} "
             f"{record['consistency/pearson']:>9.6f} {record.get('consistency/expert_agreement', float('nan')):>8.4f} "
             f"{handle.snapshot_s * 1e3:>8.1f} {record['loss']:>+8.4f}"
-            + (f" {record['rollout_version']:>7} {record['async/wait_s']:>6.2f}" if rl.max_staleness else ""),
+            + (f" {record['rollout_version']:>7} {record['async/version_span_max']:>4} {record['async/wait_s']:>6.2f}"
+               f" {record['async/mismatch_kl']:>8.2e}" if rl.max_staleness else ""),
             flush=True)
     handle.wait_loaded()
     say(f"{settings.steps} GRPO steps in {time.perf_counter() - start:.0f} s", flush=True)
