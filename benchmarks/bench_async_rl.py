@@ -13,6 +13,15 @@ the rollout process's start, the evals and the last step with the final eval are
 trainer's share of it, and the held-out greedy accuracy after RL with a 95 % t-interval over the
 seeds; then the speed ratio staleness k ÷ staleness 0 per seed and its mean. Timings depend on the
 machine's load: the ratio is measured side by side, never asserted by a test.
+
+Process CPU time (steadier on a shared machine): over the same steps the trainer process's and
+the rollout process's CPU seconds per step (`/proc/<pid>/stat`); for each side's main thread (the
+trainer's updates, the rollout's generations) its run-queue wait (`/proc/<pid>/schedstat`:
+runnable but not running — the machine's load, not the protocol) and its blocked share
+(1 - (CPU + run-queue wait) / wall: waiting for the other side, what the overlap removes); and the
+speed-up the CPU seconds allow on two free cores, (trainer + rollout) ÷ max(trainer, rollout), per
+setting and across them (the synchronous loop's CPU seconds per step over the overlapped one's
+busier side: an upper bound of the steps/s ratio, reached when neither side ever waits).
 """
 from __future__ import annotations
 
@@ -54,6 +63,24 @@ def interval(values: list) -> str:
     return f"{mean:.3f} ± {half:.3f}"
 
 
+def process_cpu_s(pid: int) -> float:
+    """CPU seconds (user + system) of process `pid` so far, all its threads (Linux /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def main_thread_s(pid: int) -> tuple:
+    """(CPU s, run-queue wait s) of process `pid`'s main thread so far (/proc/<pid>/schedstat)."""
+    cpu_ns, wait_ns = Path(f"/proc/{pid}/schedstat").read_text().split()[:2]
+    return int(cpu_ns) / 1e9, int(wait_ns) / 1e9
+
+
+def sample(rollout_pid: int) -> tuple:
+    """(wall, trainer CPU, rollout CPU, trainer main CPU, trainer main wait, rollout main CPU, rollout main wait)."""
+    return (time.perf_counter(), time.process_time(), process_cpu_s(rollout_pid), *main_thread_s(os.getpid()),
+            *main_thread_s(rollout_pid))
+
+
 def one_setting(ex, args, trainer, task, sft_state: dict, staleness: int) -> dict:
     """GRPO from the SFT state with ``rl.max_staleness = staleness``: s/step, accuracy, busy times."""
     trainer.model.load_state_dict(sft_state)
@@ -61,14 +88,19 @@ def one_setting(ex, args, trainer, task, sft_state: dict, staleness: int) -> dic
     trainer.cfg.rl.max_staleness, trainer.cfg.rl.staleness_policy = staleness, "wait"
     settings = ex.settings_of(args, None)
     rollout = make_rollout("engine-process", trainer, task.tok.pad_id, args.bucket_mb << 20)
-    marks = []  # the progress lines' times: the header, then one after each step (the last one: after the eval)
+    marks = []  # the progress lines' `sample`s: the header, then one after each step
     try:
-        run = run_grpo(trainer, task, rollout, settings, say=lambda *a, **k: marks.append(time.perf_counter()))
-        wall = marks[-3] - marks[1]  # the header to step steps - 2's line: no eval, process start or final wait
+        run = run_grpo(trainer, task, rollout, settings, say=lambda *a, **k: marks.append(sample(rollout.proc.pid)))
+        # the header to step steps - 2's line: no eval, process start or final wait
+        wall, trainer_cpu, rollout_cpu, t_cpu, t_wait, r_cpu, r_wait = (marks[-3][i] - marks[1][i] for i in range(7))
     finally:
         rollout.close()
     busy = run.history[-2].get("async/rollout_busy_s", float("nan"))
-    return {"s_per_step": wall / (settings.steps - 1), "acc_before": run.eval_before, "acc": run.history[-1]["eval_acc"],
+    n = settings.steps - 1
+    return {"s_per_step": wall / n, "trainer_cpu": trainer_cpu / n, "rollout_cpu": rollout_cpu / n,
+            "trainer_runq": t_wait / n, "rollout_runq": r_wait / n, "trainer_blocked": 1 - (t_cpu + t_wait) / wall,
+            "rollout_blocked": 1 - (r_cpu + r_wait) / wall,
+            "acc_before": run.eval_before, "acc": run.history[-1]["eval_acc"],
             "reward": statistics.fmean(h["reward"] for h in run.history), "rollout_busy": busy / wall,
             "trainer_wait": sum(h.get("async/wait_s", 0.0) for h in run.history[:-1]) / wall,
             "versions": run.sample_versions}
@@ -112,6 +144,20 @@ def main(argv=None) -> None:
               f"{statistics.fmean(r['rollout_busy'] for r in rs) if k else float('nan'):>12.2f} "
               f"{statistics.fmean(r['trainer_wait'] for r in rs) if k else float('nan'):>13.2f} "
               f"{interval([r['acc'] for r in rs]):>27}")
+    print(f"\n{'staleness':>9} {'CPU s/step: trainer':>19} {'rollout':>7} {'run-queue s/step: trainer':>25} "
+          f"{'rollout':>7} {'blocked: trainer':>16} {'rollout':>7} {'2 free cores: bound':>19}")
+    for k, rs in results.items():
+        keys = ("trainer_cpu", "rollout_cpu", "trainer_runq", "rollout_runq", "trainer_blocked", "rollout_blocked")
+        m = {key: statistics.fmean(x[key] for x in rs) for key in keys}
+        t, r = m["trainer_cpu"], m["rollout_cpu"]
+        print(f"{k:>9} {t:>19.3f} {r:>7.3f} {m['trainer_runq']:>25.3f} {m['rollout_runq']:>7.3f} "
+              f"{m['trainer_blocked']:>16.2f} {m['rollout_blocked']:>7.2f} {(t + r) / max(t, r):>18.2f}x")
+    for k in own.staleness[1:]:  # the synchronous loop runs the two sides in turn, the overlap at once
+        bound = [(b["trainer_cpu"] + b["rollout_cpu"]) / max(r["trainer_cpu"], r["rollout_cpu"])
+                 for b, r in zip(results[base], results[k])]
+        print(f"CPU-time bound of steps/s, staleness {k} / staleness {base} on two free cores, (trainer + rollout "
+              f"CPU at {base}) / max(trainer, rollout CPU at {k}): " + " ".join(f"{x:.2f}" for x in bound)
+              + f" (per seed), mean {statistics.fmean(bound):.2f}x")
     for k in own.staleness[1:]:
         ratios = [b["s_per_step"] / r["s_per_step"] for b, r in zip(results[base], results[k])]
         print(f"steps/s, staleness {k} / staleness {base}: " + " ".join(f"{x:.2f}" for x in ratios)

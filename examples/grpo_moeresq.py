@@ -169,7 +169,7 @@ def settings_of(args, correction) -> GRPOSettings:
                         micro_batch_size=args.micro_batch_size, ppo_epochs=args.ppo_epochs,
                         minibatches=args.minibatches, clip_eps=args.clip_eps, tis_cap=args.tis_cap,
                         kl_coef=args.kl_coef, correction=correction, eval_every=args.eval_every,
-                        check_sync=args.check_sync)
+                        check_sync=args.check_sync, checkpoint_every=args.checkpoint_every, resume=args.resume)
 
 
 def run(args) -> list:
@@ -240,7 +240,9 @@ def write_logs(history: list, eval_before: float, logdir: Path) -> None:
     writer.add_scalar("grpo/eval_acc", eval_before, -1)
     for r in history:
         for key, v in r.items():
-            if (isinstance(v, float) or key.startswith("async/")) and key not in ("step", "temperature"):
+            if key == "token_staleness_histogram":  # {versions behind: tokens}
+                writer.add_scalars("async/token_staleness", {str(lag): n for lag, n in v.items()}, r["step"])
+            elif (isinstance(v, float) or key.startswith("async/")) and key not in ("step", "temperature"):
                 writer.add_scalar(key if "/" in key else f"grpo/{key}", v, r["step"])
     writer.close()
     png = logdir / "reward_curve.png"
@@ -321,6 +323,12 @@ def parse_args(argv=None):
     ap.add_argument("--max-staleness", type=int,
                     help="rl.max_staleness: 0 (the config's default) = rollout and training in turn; k >= 1: the "
                          "rollout samples the batches of steps n+1..n+k while step n trains (rl/overlap.py)")
+    ap.add_argument("--checkpoint-every", type=int, default=0,
+                    help="GRPO steps between checkpoints to --set checkpoint.dir=DIR, with the loop's state and the "
+                         "batches in flight (rl/resume.py); 0: none")
+    ap.add_argument("--resume", action="store_true",
+                    help="continue from the newest checkpoint in checkpoint.dir and the loop state saved with it "
+                         "(the SFT warm-up's result is replaced by it: pass --sft-steps 0)")
     ap.add_argument("--staleness-policy", choices=["wait", "drop"],
                     help="rl.staleness_policy: wait (deterministic) or drop (batches more than k versions old are "
                          "dropped and counted; not deterministic)")
@@ -354,7 +362,8 @@ def parse_args(argv=None):
 def check_flags(ap, args) -> None:
     """Every number of the command line in range before any work (the SFT warm-up takes minutes)."""
     check_ranges(ap, args, ints=dict(steps=1, sft_steps=0, sft_batch=1, num_digits=1, num_train=1, num_test=1,
-                                     max_operand=1, max_prompt_length=1, num_prompts=1, group_size=1,
+                                     checkpoint_every=0, max_operand=1, max_prompt_length=1, num_prompts=1,
+                                     group_size=1,
                                      max_new_tokens=1, micro_batch_size=1, ppo_epochs=1, minibatches=1, eval_size=1,
                                      eval_every=0, bucket_mb=1, max_staleness=0),
                  positive=("sft_lr", "lr", "clip_eps", "tis_cap"),

@@ -200,6 +200,10 @@ class RLConfig:
     # responses back to back, no padding, at most this many tokens per micro-batch; 0 (or null): the
     # padded micro-batches of micro_batch_size rows.
     max_tokens_per_micro_batch: Optional[int] = 0
+    # PipelineRL's in-flight weight updates: a request picks up a newly loaded version between decode
+    # steps (KV cache kept); needs max_staleness >= 1 and staleness_policy=drop (under wait no
+    # version is published while a batch it may affect is generating).
+    inflight_updates: bool = False
 
     def __post_init__(self):
         budget = self.max_tokens_per_micro_batch
@@ -217,6 +221,12 @@ class RLConfig:
         if self.staleness_policy not in ("wait", "drop"):
             raise ConfigError(f"rl.staleness_policy={self.staleness_policy!r} must be wait (deterministic: the "
                               "rollout waits for the version a batch needs) or drop (stale batches are dropped)")
+        if not isinstance(self.inflight_updates, bool):
+            raise ConfigError(f"rl.inflight_updates={self.inflight_updates!r} must be true or false")
+        if self.inflight_updates and (self.max_staleness == 0 or self.staleness_policy != "drop"):
+            raise ConfigError("rl.inflight_updates=true needs rl.max_staleness >= 1 and rl.staleness_policy=drop: "
+                              "otherwise no version is published while a request is generating, so nothing would "
+                              "change; set both, or rl.inflight_updates=false")
 
 
 @dataclass

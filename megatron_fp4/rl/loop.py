@@ -41,6 +41,7 @@ from megatron_fp4.rl.evaluate import check_sync, greedy_eval
 from megatron_fp4.rl.algo.grpo import build_rl_batch, consistency, ppo_updates
 from megatron_fp4.rl.overlap import Generations, StalenessCounter, sample_version, staleness
 from megatron_fp4.rl.algo.policy_loss import PolicyLoss
+from megatron_fp4.rl.resume import load_state, rng_state, save_state, set_rng_state
 from megatron_fp4.rl.rollouts.client import InProcessRollout
 from megatron_fp4.rl.algo.rollout_correction import RolloutCorrection, correct_batch
 from megatron_fp4.rl.algo.scorer import PolicyScorer
@@ -68,12 +69,16 @@ class GRPOSettings:
     eval_every: int = 5  # 0: only after the last step
     check_sync: bool = False  # after every publish: wait for the load, compare the served weights' digests
     invariance: Optional[str] = None  # the trainer's scoring level; None: numerics.invariance
+    checkpoint_every: int = 0  # steps between checkpoints to checkpoint.dir with the loop's state (rl.resume); 0: none
+    resume: bool = False  # start from the newest checkpoint in checkpoint.dir and its loop state
 
     def __post_init__(self):
         for name in ("steps", "num_prompts", "group_size", "max_new_tokens", "micro_batch_size", "ppo_epochs",
                      "minibatches"):
             if int(getattr(self, name)) < 1:
                 raise ValueError(f"GRPOSettings.{name}={getattr(self, name)} must be >= 1")
+        if self.checkpoint_every < 0:
+            raise ValueError(f"GRPOSettings.checkpoint_every={self.checkpoint_every} must be >= 0 (0: no checkpoints)")
         if self.eval_every < 0:
             raise ValueError(f"GRPOSettings.eval_every={self.eval_every} must be >= 0 (0: only after the last step)")
         if self.minibatches > self.num_prompts * self.group_size:
@@ -90,6 +95,7 @@ class GRPORun:
     eval_before: float = float("nan")  # greedy accuracy of the starting policy
     eval_before_groups: dict = field(default_factory=dict)
     staleness_histogram: dict = field(default_factory=dict)  # {versions behind: batches} (rl.max_staleness > 0)
+    token_staleness_histogram: dict = field(default_factory=dict)  # {versions behind: generated tokens}
     dropped: int = 0  # batches dropped as too stale (rl.staleness_policy=drop)
 
     @property
@@ -206,6 +212,12 @@ def run_grpo(trainer, task, rollout, settings: GRPOSettings, say: Callable = _qu
     ``rl.max_staleness`` > 0: rollout and training overlapped (`rl.overlap`)."""
     refuse_for_rollout(trainer.cfg.model.moe_capacity_factor)  # any rollout: vLLM drops nothing either
     rl = trainer.cfg.rl
+    if (settings.checkpoint_every or settings.resume) and not trainer.cfg.checkpoint.dir:
+        raise ValueError("GRPOSettings.checkpoint_every / resume need checkpoint.dir (where the trainer's checkpoints "
+                         "and the loop's state go)")
+    if settings.resume and settings.kl_coef:
+        raise ValueError("GRPOSettings.resume with kl_coef > 0: the KL reference (the starting policy) is not in the "
+                         "checkpoint; resume with kl_coef=0")
     if rl.max_staleness and rl.staleness_policy == "drop" and settings.check_sync:
         raise ValueError("check_sync with rl.staleness_policy=drop: the rollout is generating when a version is "
                          "published, so its weights cannot be compared then; use staleness_policy=wait")
@@ -215,23 +227,28 @@ def run_grpo(trainer, task, rollout, settings: GRPOSettings, say: Callable = _qu
                               invariance=settings.invariance)
     loss = policy_loss_for(settings)
     run = GRPORun()
-    rollout.publish(0).wait_loaded()
+    shuffle_rng = random.Random(f"grpo-minibatches:{settings.seed}")
+    resumed = resume_loop(trainer, task, shuffle_rng, run, say) if settings.resume else None
+    first = resumed[0]["step"] if resumed else 0  # the version the trainer's weights are now
+    rollout.publish(first).wait_loaded()
     if settings.check_sync:
-        check_sync(trainer, rollout, 0)
-    run.eval_before, run.eval_before_groups = greedy_eval(rollout, task, 0)
+        check_sync(trainer, rollout, first)
+    if resumed is None:
+        run.eval_before, run.eval_before_groups = greedy_eval(rollout, task, 0)
     say(f"greedy eval accuracy {run.eval_before:.3f} on {task.description}; rollout: {type(rollout).__name__}"
         + (f"; max staleness {rl.max_staleness} ({rl.staleness_policy})" if rl.max_staleness else ""), flush=True)
-    shuffle_rng = random.Random(f"grpo-minibatches:{settings.seed}")
     say(f"{'step':>4} {'reward':>7} {'eval':>6} {'pearson':>9} {'experts':>8} {'sync ms':>8} {'loss':>8}"
-        + (f" {'version':>7} {'wait s':>6}" if rl.max_staleness else ""), flush=True)
-    steps = _overlapped_steps(trainer, task, rollout, scorer, loss, settings, shuffle_rng, run) if rl.max_staleness \
-        else _synchronous_steps(trainer, task, rollout, scorer, loss, settings, shuffle_rng)
+        + (f" {'version':>7} {'span':>4} {'wait s':>6} {'kl b|p':>8}" if rl.max_staleness else ""), flush=True)
+    steps = _overlapped_steps(trainer, task, rollout, scorer, loss, settings, shuffle_rng, run, resumed) \
+        if rl.max_staleness else _synchronous_steps(trainer, task, rollout, scorer, loss, settings, shuffle_rng, run,
+                                                    first)
     for record, handle in steps:
         run.history.append(record)
         say(f"{record['step']:>4} {record['reward']:>7.3f} {record.get('eval_acc', float('nan')):>6.3f} "
             f"{record['consistency/pearson']:>9.6f} {record.get('consistency/expert_agreement', float('nan')):>8.4f} "
             f"{handle.snapshot_s * 1e3:>8.1f} {record['loss']:>+8.4f}"
-            + (f" {record['rollout_version']:>7} {record['async/wait_s']:>6.2f}" if rl.max_staleness else ""),
+            + (f" {record['rollout_version']:>7} {record['async/version_span_max']:>4} {record['async/wait_s']:>6.2f}"
+               f" {record['async/mismatch_kl']:>8.2e}" if rl.max_staleness else ""),
             flush=True)
     handle.wait_loaded()
     say(f"{settings.steps} GRPO steps in {time.perf_counter() - start:.0f} s", flush=True)
@@ -244,28 +261,91 @@ def _evaluate_after(record: dict, handle, rollout, task, settings: GRPOSettings,
         record["eval_acc"], record["eval_groups"] = greedy_eval(rollout, task, step + 1)
 
 
-def _synchronous_steps(trainer, task, rollout, scorer, loss, settings: GRPOSettings, shuffle_rng):
-    """Today's loop (``rl.max_staleness = 0``): (record, publish handle) per step."""
+def resume_loop(trainer, task, shuffle_rng, run: GRPORun, say: Callable) -> tuple[dict, list]:
+    """Load the newest checkpoint of checkpoint.dir and the loop's state saved with it (`rl.resume`):
+    the RNGs and ``run``'s accounting restored; (state, [(index, items, generation)] in flight)."""
+    root = trainer.cfg.checkpoint.dir
+    trainer.load_checkpoint(root)
+    state, pending = load_state(root, trainer.step)
+    set_rng_state(task.rng, state["sampler_rng"], "task sampler")
+    set_rng_state(shuffle_rng, state["shuffle_rng"], "minibatch shuffle")
+    run.eval_before, run.eval_before_groups = state["eval_before"], state["eval_before_groups"]
+    run.dropped = state["dropped"]
+    say(f"resumed GRPO at step {state['step']} (trainer step {trainer.step}) with batches "
+        f"{[index for index, _, _ in pending]} in flight", flush=True)
+    return state, pending
+
+
+def save_loop(trainer, task, settings: GRPOSettings, step: int, shuffle_rng, run: GRPORun, launched: int,
+              counter: Optional[StalenessCounter], pending: list) -> None:
+    """After `step`, every ``checkpoint_every`` steps: the loop's state (`rl.resume`; rank 0 writes it),
+    then the trainer's checkpoint (collective). `pending`: [(index, items, generation)] in flight."""
+    if not settings.checkpoint_every or (step + 1) % settings.checkpoint_every:
+        return
+    root = trainer.cfg.checkpoint.dir
+    if trainer.mesh.rank == 0:
+        state = {"step": step + 1, "launched": launched, "trainer_step": trainer.step,
+                 "sampler_rng": rng_state(task.rng), "shuffle_rng": rng_state(shuffle_rng),
+                 "dropped": counter.dropped if counter else 0, "histogram": counter.histogram if counter else {},
+                 "token_histogram": counter.token_histogram if counter else {}, "eval_before": run.eval_before,
+                 "eval_before_groups": run.eval_before_groups}
+        save_state(root, trainer.step, state, pending)
+    trainer.save_checkpoint(root)
+
+
+def _synchronous_steps(trainer, task, rollout, scorer, loss, settings: GRPOSettings, shuffle_rng, run: GRPORun,
+                       first: int = 0):
+    """Today's loop (``rl.max_staleness = 0``): (record, publish handle) per step from step `first`."""
     handle = None
-    for step in range(settings.steps):
+    for step in range(first, settings.steps):
         if handle is not None:
             handle.wait_loaded()  # the rollout must serve the newest policy (raises WeightSyncError)
         record = grpo_step(trainer, task, rollout, scorer, loss, settings, step, shuffle_rng)
         handle = record.pop("handle")
         _evaluate_after(record, handle, rollout, task, settings, step)
+        save_loop(trainer, task, settings, step, shuffle_rng, run, step + 1, None, [])
         yield record, handle
 
 
-def _overlapped_steps(trainer, task, rollout, scorer, loss, settings: GRPOSettings, shuffle_rng, run: GRPORun):
+def version_metrics(gen, step: int, counter: StalenessCounter) -> dict:
+    """Versions per token of the batch trained at `step`: the span (newest - oldest version) per
+    sample (mean, max), the staleness of every token (a histogram {versions behind: tokens}, also
+    summed over the run in `counter`; a token beyond the bound raises)."""
+    spans, lags = [], []
+    for i in range(len(gen.response_ids)):
+        v = gen.versions_of(i)
+        if len(v):
+            spans.append(int(v.max() - v.min()))
+            lags.append(step - v)
+    lag = torch.cat(lags) if lags else torch.zeros(0, dtype=torch.long)
+    hist = {int(n): int(c) for n, c in zip(*torch.unique(lag, return_counts=True))}
+    counter.count_tokens(hist)
+    return {"async/version_span_mean": sum(spans) / max(len(spans), 1), "async/version_span_max": max(spans, default=0),
+            "async/token_staleness_mean": float(lag.double().mean()) if lag.numel() else 0.0,
+            "async/token_staleness_max": int(lag.max()) if lag.numel() else 0, "token_staleness_histogram": hist}
+
+
+def _overlapped_steps(trainer, task, rollout, scorer, loss, settings: GRPOSettings, shuffle_rng, run: GRPORun,
+                      resumed: Optional[tuple] = None):
     """``rl.max_staleness = k`` > 0 (`rl.overlap`): batch m is generated on the rollout's thread with
     version max(0, m - k) (``wait``) or whatever it serves (``drop``) while the trainer updates on
-    earlier batches; (record, publish handle) per step, with ``async/*`` metrics."""
+    earlier batches; (record, publish handle) per step, with ``async/*`` metrics. `resumed`:
+    (state, batches in flight) of `resume_loop`, taken as generated batches."""
     k, policy = trainer.cfg.rl.max_staleness, trainer.cfg.rl.staleness_policy
     gens = Generations(rollout, trainer.cfg.parallel.timeout_s)
     counter = StalenessCounter(k, policy)
-    run.staleness_histogram = counter.histogram
+    run.staleness_histogram, run.token_staleness_histogram = counter.histogram, counter.token_histogram
     pending: deque = deque()
-    launched, handle = [0], None
+    launched, handle, first = [0], None, 0
+    if resumed is not None:
+        state, batches = resumed
+        first, launched[0], counter.dropped = state["step"], state["launched"], state["dropped"]
+        counter.histogram.update(state["histogram"])
+        counter.token_histogram.update(state["token_histogram"])
+        for index, items, gen in batches:
+            pending.append(gens.restore(index, items, [ids for ids, _, _ in items],
+                                        sampling_params(settings, index, len(items), task.stop_token_ids),
+                                        sample_version(index, k) if policy == "wait" else None, gen))
 
     def launch() -> None:
         index = launched[0]
@@ -275,7 +355,7 @@ def _overlapped_steps(trainer, task, rollout, scorer, loss, settings: GRPOSettin
         pending.append(gens.submit(index, items, [ids for ids, _, _ in items], params, version))
 
     try:
-        for step in range(settings.steps):
+        for step in range(first, settings.steps):
             # wait: the rollout serves version `step` now; every batch it samples is launched.
             # drop: k + 1 batches in flight, no more than the run still needs.
             while (launched[0] <= min(step + k, settings.steps - 1)) if policy == "wait" else \
@@ -285,7 +365,7 @@ def _overlapped_steps(trainer, task, rollout, scorer, loss, settings: GRPOSettin
             while True:
                 batch = pending.popleft()
                 gen = gens.collect(batch)
-                if counter.accept(step, gen.version):
+                if counter.accept(step, gen.version_range()[0]):  # the oldest token's version
                     break
                 if counter.dropped - dropped > k + 1:  # the k + 1 in flight, then a fresh one after the load
                     raise RuntimeError(f"step {step}: {counter.dropped - dropped} batches dropped in a row, the last "
@@ -305,8 +385,14 @@ def _overlapped_steps(trainer, task, rollout, scorer, loss, settings: GRPOSettin
             handle = record.pop("handle")
             record.update({"sample_index": batch.index, "async/staleness": staleness(step, gen.version),
                            "async/wait_s": waited, "async/dropped": counter.dropped - dropped,
-                           "async/rollout_busy_s": gens.busy_s})
+                           "async/rollout_busy_s": gens.busy_s, **version_metrics(gen, step, counter),
+                           # behaviour (the rollout, version gen.version) vs proximal (the trainer at `step`)
+                           "async/mismatch_kl": record["consistency/kl"],
+                           "async/mismatch_expert_agreement": record.get("consistency/expert_agreement", math.nan)})
             _evaluate_after(record, handle, gens, task, settings, step)
+            if settings.checkpoint_every and (step + 1) % settings.checkpoint_every == 0:
+                save_loop(trainer, task, settings, step, shuffle_rng, run, launched[0], counter,
+                          [(b.index, b.items, gens.wait(b)) for b in pending])
             yield record, handle
         assert not pending, f"batches {[b.index for b in pending]} were generated and never trained on"
     finally:

@@ -99,6 +99,15 @@ class Generations:
         batch.future = self._pool.submit(self._run, batch)
         return batch
 
+    def restore(self, index: int, items: list, prompts: list, params: list, version: Optional[int],
+                gen) -> InFlight:
+        """A batch generated before a resume (`rl.resume`), as if it had come back from the rollout
+        (rank 0 holds the generation, the other ranks get it from `collect`, as always)."""
+        batch = InFlight(index, items, list(prompts), list(params), version)
+        batch.future = Future()
+        batch.future.set_result(gen if self.source else None)
+        return batch
+
     def done(self, batch: InFlight) -> bool:
         return batch.future.done()
 
@@ -149,7 +158,15 @@ class StalenessCounter:
     def __init__(self, max_staleness: int, policy: str):
         self.max_staleness, self.policy = max_staleness, policy
         self.histogram: dict = {}
+        self.token_histogram: dict = {}  # {versions behind: tokens trained on}, versions per token
         self.dropped = 0
+
+    def count_tokens(self, histogram: dict) -> None:
+        """Add one trained batch's per-token staleness histogram; a token beyond the bound is a bug."""
+        assert max(histogram, default=0) <= self.max_staleness, \
+            f"tokens {histogram} trained beyond max_staleness={self.max_staleness}"
+        for lag, n in histogram.items():
+            self.token_histogram[lag] = self.token_histogram.get(lag, 0) + n
 
     def accept(self, trained_at: int, version: int) -> bool:
         """Whether a batch of `version` may be trained on at `trained_at`: within the bound, or

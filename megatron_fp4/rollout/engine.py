@@ -21,6 +21,14 @@ Weights change only through `load_weights`, which swaps a fully staged set under
 a reader/writer lock; `generate` holds the read side, so a request sees one version, whole. Waits
 for the lock are bounded (`lock_timeout_s`): a request that never returns fails the swap with
 `LockTimeout` instead of stalling every update and every request queued behind it.
+
+Versions per token: `GenerationOutput.token_versions[i][t]` is the weight version whose forward
+produced token t of request i. By default a version change waits for the requests in flight, so
+the versions are constant per request. With ``inflight_updates=True`` (PipelineRL's in-flight
+weight updates, ``rl.inflight_updates``) a request lets a waiting swap in between two decode steps
+and goes on with the new weights: the KV cache of the tokens so far is kept, computed with the old
+weights (as PipelineRL does), so a token after the swap is the new version's forward over the old
+version's keys and values — its log-prob is the behaviour policy's, not any one version's full forward.
 """
 from __future__ import annotations
 
@@ -60,6 +68,21 @@ class GenerationOutput:
     version: int
     routing: Optional[list] = None
     distributions: Optional[list] = None
+    token_versions: Optional[list] = None  # [L] int64 per request: the version behind each token (None: `version`)
+
+    def versions_of(self, i: int) -> torch.Tensor:
+        """The weight version behind each generated token of request `i` ([L] int64)."""
+        if self.token_versions is not None:
+            return self.token_versions[i]
+        return torch.full((len(self.response_ids[i]),), int(self.version), dtype=torch.long)
+
+    def version_range(self) -> tuple[int, int]:
+        """(oldest, newest) version behind any generated token (``(version, version)`` without tokens)."""
+        spans = [self.versions_of(i) for i in range(len(self.response_ids)) if len(self.response_ids[i])]
+        if not spans:
+            return int(self.version), int(self.version)
+        flat = torch.cat(spans)
+        return int(flat.min()), int(flat.max())
 
 
 def check_token_ids(prompts: Sequence[Sequence[int]], vocab_size: int) -> None:
@@ -149,12 +172,13 @@ class RolloutEngine:
     the model that bypasses the version counter (``p.data.copy_``, e.g. a ZeRO optimizer on a
     shared model) is not seen, which is one more reason to give the engine its own copy.
     Decoding allocates its KV cache (static, prompt + max_new_tokens positions) and attention mask
-    once per call and keeps the per-row state as tensors (`_StepState`).
+    once per call and keeps the per-row state as tensors (`_StepState`). `inflight_updates`: a
+    request lets a waiting weight swap in between decode steps (module doc).
     """
 
     def __init__(self, model, mode: Optional[str] = None, pad_id: int = 0, seed: int = 0, name: str = "rollout0",
                  dtype: Optional[torch.dtype] = None, lock_timeout_s: Optional[float] = 600.0,
-                 invariance: str = "batch", cache_quantized_weights: bool = True):
+                 invariance: str = "batch", cache_quantized_weights: bool = True, inflight_updates: bool = False):
         refuse_for_rollout(getattr(getattr(model, "cfg", None), "moe_capacity_factor", None))
         if lock_timeout_s is not None and not (0 < lock_timeout_s < float("inf")):
             raise ValueError(f"lock_timeout_s={lock_timeout_s!r} must be a positive number of seconds (or None to "
@@ -164,6 +188,7 @@ class RolloutEngine:
             raise ValueError(f"RolloutEngine: invariance={invariance!r} is not one of {INVARIANCE_LEVELS}")
         self.invariance = invariance
         self.cache_quantized_weights = bool(cache_quantized_weights)
+        self.inflight_updates = bool(inflight_updates)
         if dtype is not None:
             cast_for_inference(model, dtype)
         self.model = model.eval()
@@ -240,13 +265,14 @@ class RolloutEngine:
         cache = numerics.cached_weights(self._weight_cache) if self.cache_quantized_weights else contextlib.nullcontext()
         with self.lock.read(), torch.no_grad(), cache:
             version = self.version
-            out = self._decode(prompts, params, gens, max_new, return_routing, return_distributions)
+            out = self._decode(prompts, params, gens, max_new, return_routing, return_distributions, version)
         return GenerationOutput(version=version, prompt_ids=[list(p) for p in prompts], **out)
 
-    def _decode(self, prompts, params, gens, max_new, return_routing, return_distributions) -> dict:
+    def _decode(self, prompts, params, gens, max_new, return_routing, return_distributions, version: int) -> dict:
         """Prefill, then one batched decode step per new token over a static KV cache and a
         preallocated attention mask. Per step the bookkeeping is batched (`_StepState`); only rows
-        that sample (temperature > 0) visit Python, each with its own generator."""
+        that sample (temperature > 0) visit Python, each with its own generator. `version`: the
+        weights' version at the start; with `inflight_updates` a swap may come in before a step."""
         B = len(prompts)
         tokens, prompt_mask = left_pad(prompts, self.pad_id)
         P = tokens.shape[1]
@@ -262,7 +288,7 @@ class RolloutEngine:
             logits = out.logits[:, -1].float()
             raw = log_softmax_rows(logits, numerics_of(self.model))
             toks = state.choose(logits, gens)
-            state.record(step, toks, raw)
+            state.record(step, toks, raw, version)
             if return_routing:
                 routes.append(self._last_routing(out.routing))
             if return_distributions:
@@ -272,6 +298,8 @@ class RolloutEngine:
             # Finished rows keep feeding a token (masked out) so the batch stays rectangular; their
             # outputs are never read and, being separate rows, cannot affect the others.
             mask[:, P + step] = state.active
+            if self.inflight_updates and self.lock.let_writers_in():
+                version = self.version  # the next tokens: the new weights over the cache kept so far
             out = self.model(state.feed[:, None], next_pos, mask[:, :P + step + 1], cache,
                              return_routing=return_routing)
             next_pos = next_pos + 1
@@ -301,6 +329,7 @@ class _StepState:
         self.ids = torch.full((B, max_new), pad_id, dtype=torch.long)
         self.log_probs = torch.zeros((B, max_new), dtype=torch.float32)
         self.sampled_log_probs = torch.zeros((B, max_new), dtype=torch.float32)
+        self.versions = torch.zeros((B, max_new), dtype=torch.long)
         self.lengths = torch.zeros(B, dtype=torch.long)
         self.active = torch.ones(B, dtype=torch.long)
         self.stopped = torch.zeros(B, dtype=torch.bool)
@@ -317,8 +346,9 @@ class _StepState:
                 toks[i], self._slp[i] = tok, slp[tok]
         return toks
 
-    def record(self, step: int, toks: torch.Tensor, raw: torch.Tensor) -> None:
+    def record(self, step: int, toks: torch.Tensor, raw: torch.Tensor, version: int) -> None:
         run = self.active.bool()
+        self.versions[:, step] = version
         self.ids[:, step] = torch.where(run, toks, self.ids[:, step])
         self.log_probs[:, step] = torch.where(run, pick(raw, toks), self.log_probs[:, step])
         self.sampled_log_probs[:, step] = torch.where(run, self._slp, self.sampled_log_probs[:, step])
@@ -336,7 +366,8 @@ class _StepState:
         res = {"response_ids": [self.ids[i, :n].tolist() for i, n in enumerate(lengths)],
                "log_probs": [self.log_probs[i, :n].clone() for i, n in enumerate(lengths)],
                "sampled_log_probs": [self.sampled_log_probs[i, :n].clone() for i, n in enumerate(lengths)],
-               "finish_reasons": ["stop" if s else "length" for s in self.stopped.tolist()]}
+               "finish_reasons": ["stop" if s else "length" for s in self.stopped.tolist()],
+               "token_versions": [self.versions[i, :n].clone() for i, n in enumerate(lengths)]}
         if routes is not None:
             stacked = torch.stack(routes, dim=1)  # [B, steps, L_moe, k]
             res["routing"] = [stacked[i, :n] for i, n in enumerate(lengths)]

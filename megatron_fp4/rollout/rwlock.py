@@ -49,6 +49,28 @@ class RWLock:
                 self._readers -= 1
                 self._cond.notify_all()
 
+    def let_writers_in(self) -> bool:
+        """Called by a thread that holds the read side (inside `read`): if a writer is waiting,
+        release the read side, let the writer(s) go, take it back (bounded like `read`). Whether
+        a writer was waiting. A request decoding in steps calls it between steps to pick up a
+        weight swap in flight (`RolloutEngine(inflight_updates=True)`)."""
+        with self._cond:
+            if not self._writers_waiting:
+                return False
+            self._readers -= 1
+            self._cond.notify_all()
+            deadline = None if self.timeout_s is None else time.monotonic() + self.timeout_s
+            try:
+                while self._writer or self._writers_waiting:
+                    left = None if deadline is None else deadline - time.monotonic()
+                    if left is not None and left <= 0:
+                        raise LockTimeout(f"{self.owner}: a request waited longer than {self.timeout_s}s "
+                                          f"({self.setting}) to resume after a weight swap in flight")
+                    self._cond.wait(left)
+            finally:
+                self._readers += 1  # `read`'s exit releases it, also after a timeout
+            return True
+
     @contextlib.contextmanager
     def write(self):
         with self._cond:

@@ -3,9 +3,11 @@
     torchrun --nproc-per-node 2 tests/integration/async_grpo_job.py OUT.json [example flags...]
     python tests/integration/async_grpo_job.py OUT.json --rollout engine-process [example flags...]
 
-Rank 0 writes each step's loss (float.hex), reward, completions and sampling version as JSON."""
+Rank 0 writes each step's loss (float.hex), reward, completions, sampling version and step as JSON.
+ASYNC_GRPO_JOB_KILL_AT_STEP=n in the environment: the trainer dies in step n's update (a resume test)."""
 import importlib.util
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -26,11 +28,22 @@ def main(out: str, extra: list) -> None:
     spec.loader.exec_module(ex)
     # rewards that vary inside every group from scratch (the completion's length), so every step updates
     ex.ArithmeticTask.reward = lambda self, item, completion: float(len(completion))
+    kill_at = os.environ.get("ASYNC_GRPO_JOB_KILL_AT_STEP")  # the trainer dies in that step's update
+    if kill_at is not None:
+        from megatron_fp4.rl import loop
+        real = loop.update_on
+
+        def update_on(trainer, task, scorer, loss, settings, step, *a):
+            if step == int(kill_at):
+                raise SystemExit(f"killed in step {step}")
+            return real(trainer, task, scorer, loss, settings, step, *a)
+        loop.update_on = update_on
     history = ex.run(ex.parse_args(FLAGS + extra))
     import torch.distributed as dist
     if not dist.is_initialized() or dist.get_rank() == 0:
         Path(out).write_text(json.dumps([{"loss": float.hex(h["loss"]), "reward": h["reward"],
-                                          "completions": h["completions"], "version": h["rollout_version"]}
+                                          "completions": h["completions"], "version": h["rollout_version"],
+                                          "step": h["step"]}
                                          for h in history]))
 
 

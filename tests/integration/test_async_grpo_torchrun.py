@@ -8,7 +8,10 @@ version-0 batches 0 and 1 are the same completions (the same weights reach the s
 publisher only moves bytes). Step 0 starts from the same weights on the same batch: its loss
 agrees to ``FP64_REL`` (float64; only the order of sums differs between layouts, tests/numerics.py).
 Later steps are not compared numerically: after the first updates the two layouts' weights differ
-by what Adam's first steps make of last-bit gradient differences, at staleness 0 as well."""
+by what Adam's first steps make of last-bit gradient differences, at staleness 0 as well.
+
+Resume (dp=2): a run killed with a batch in flight and resumed from its checkpoint (`rl.resume`)
+equals the run never stopped, bit for bit (the same layout on both sides)."""
 import json
 import os
 import subprocess
@@ -22,12 +25,35 @@ ROOT = Path(__file__).resolve().parents[2]
 JOB = ROOT / "tests" / "integration" / "async_grpo_job.py"
 
 
-def job(out: Path, *launcher_and_flags: str) -> list:
+def job(out: Path, *launcher_and_flags: str, kill_at=None) -> list:
     env = dict(os.environ, OMP_NUM_THREADS="1")
+    if kill_at is not None:
+        env["ASYNC_GRPO_JOB_KILL_AT_STEP"] = str(kill_at)
     done = subprocess.run([*launcher_and_flags[:-1], str(JOB), str(out), *launcher_and_flags[-1].split()], cwd=ROOT,
-                          env=env, capture_output=True, text=True, timeout=300)
+                          env=env, capture_output=True, text=True, timeout=600)
+    if kill_at is not None:
+        assert done.returncode != 0 and f"killed in step {kill_at}" in done.stderr, done.stderr[-3000:]
+        return []
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     return json.loads(out.read_text())
+
+
+def torchrun() -> list:
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port())]
+
+
+def test_dp2_trainer_resumes_with_batches_in_flight(tmp_path):
+    """dp=2 under torchrun, k = 1, checkpoints every 2 steps: killed in step 2's update (batch 3 in
+    flight), resumed from the checkpoint after step 1 (batch 2 saved in flight): steps 2 and 3 train
+    the same (batch, version)s with the same losses (float.hex) as the run never stopped."""
+    flags = ("--steps 4 --kl-coef 0 --checkpoint-every 2 --set parallel.dp=2 --set parallel.timeout_s=120 "
+             "--set checkpoint.dir=")
+    whole = job(tmp_path / "whole.json", *torchrun(), flags + str(tmp_path / "whole"))
+    job(tmp_path / "killed.json", *torchrun(), flags + str(tmp_path / "killed"), kill_at=2)
+    resumed = job(tmp_path / "resumed.json", *torchrun(), flags + str(tmp_path / "killed") + " --resume")
+    assert [s["version"] for s in whole] == [0, 0, 1, 2]
+    assert [s["step"] for s in resumed] == [2, 3]
+    assert resumed == whole[2:]  # losses (float.hex), completions, versions
 
 
 def test_pp2_trainer_overlaps_like_the_single_process_one(tmp_path):

@@ -196,3 +196,34 @@ def test_client_reads_a_whole_completions_reply_and_bounds_control_replies(monke
     finally:
         httpd.shutdown()
         httpd.server_close()
+
+
+@needs_vllm
+@pytest.mark.slow
+def test_overlapped_grpo_under_torchrun_with_a_vllm_serve_rollout(tmp_path):
+    """``--max-staleness 1`` with ``--rollout vllm-serve`` on a 2-process gloo trainer (dp=2): rank 0
+    asks the server for the next batch on the rollout's thread while both ranks train, the batch is
+    broadcast to both on the main thread (`VLLMServeRollout.fetch`/`share`). Batch m is sampled by
+    version max(0, m - 1) (``wait``: exactly; vLLM's /weight_info reports it), every step updates."""
+    import json
+    import os
+    import subprocess
+
+    from pathlib import Path
+
+    from tests.distributed.launch import free_port
+    from tests.integration.test_vllm_rollout import MODEL
+
+    root = Path(__file__).resolve().parents[2]
+
+    out = tmp_path / "serve.json"
+    flags = ["--rollout", "vllm-serve", "--vllm-python", PYTHON, "--set", "dtype=fp32",
+             *[a for o in MODEL for a in ("--set", o)]]
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
+                           str(free_port()), str(root / "tests" / "integration" / "async_grpo_job.py"), str(out),
+                           *flags], cwd=root, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True,
+                          text=True, timeout=900)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    steps = json.loads(out.read_text())
+    assert [s["version"] for s in steps] == [0, 0, 1]
+    assert all(float.fromhex(s["loss"]) == float.fromhex(s["loss"]) for s in steps)  # finite, not NaN

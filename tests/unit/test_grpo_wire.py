@@ -57,9 +57,35 @@ def test_generation_round_trip_is_exact(engine):
     for out in (sent, got):
         assert (out.prompt_ids, out.response_ids, out.finish_reasons, out.version) == \
             (gen.prompt_ids, gen.response_ids, gen.finish_reasons, gen.version)
-        for a, b in zip(out.log_probs + out.sampled_log_probs + out.routing,
-                        gen.log_probs + gen.sampled_log_probs + gen.routing, strict=True):
+        for a, b in zip(out.log_probs + out.sampled_log_probs + out.routing + out.token_versions,
+                        gen.log_probs + gen.sampled_log_probs + gen.routing + gen.token_versions, strict=True):
             assert a.dtype == b.dtype and torch.equal(a, b)
+
+
+def test_token_versions_travel_and_are_checked(engine):
+    """Versions per token come back exactly; a version below the generation's, or one that goes
+    back along a response, is refused (by every rank); a generation without them reads as constant."""
+    from megatron_fp4.rl.rollouts.wire import broadcast_generation
+
+    params = [SamplingParams(max_new_tokens=4, seed=i) for i in range(2)]  # no stop ids: 4 tokens each
+    gen = engine.generate([[1, 5], [2]], params)
+    assert [v.tolist() for v in gen.token_versions] == [[0] * 4, [0] * 4]  # whole-request versions
+    gen.version, gen.token_versions = 3, [torch.tensor([3, 3, 4, 5]), torch.tensor([3, 4, 4, 4])]
+    src, dst = pair()
+    broadcast_generation(gen, 0, src)
+    got = broadcast_generation(None, 0, dst)
+    assert [v.tolist() for v in got.token_versions] == [[3, 3, 4, 5], [3, 4, 4, 4]]
+    assert got.version_range() == (3, 5)
+    for bad in ([2, 3, 3, 3], [3, 5, 4, 5]):
+        gen.token_versions = [torch.tensor(bad), torch.tensor([3] * 4)]
+        for end in (src, dst):
+            with pytest.raises(ProtocolError, match="token versions"):
+                broadcast_generation(gen if end is src else None, 0, end)
+    gen.token_versions = None
+    broadcast_generation(gen, 0, src)
+    plain = broadcast_generation(None, 0, dst)
+    assert plain.token_versions is None and plain.versions_of(0).tolist() == [3] * 4
+    assert plain.version_range() == (3, 3)
 
 
 @pytest.mark.parametrize("header, words", [

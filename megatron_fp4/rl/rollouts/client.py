@@ -55,7 +55,7 @@ class InProcessRollout:
     def __init__(self, trainer, pad_id: int, bucket_bytes: int = 1 << 20, name: str = "rollout0"):
         cfg = trainer.cfg
         self.engine = RolloutEngine(copy.deepcopy(trainer.model), mode=cfg.fp4.rollout_mode, pad_id=pad_id, name=name,
-                                    invariance=cfg.numerics.invariance)
+                                    invariance=cfg.numerics.invariance, inflight_updates=cfg.rl.inflight_updates)
         self.publisher = WeightPublisher(lambda: trainer.model.state_dict().items(),
                                          [InProcessTransport(WeightReceiver(self.engine))], bucket_bytes)
 

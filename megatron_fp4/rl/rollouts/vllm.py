@@ -74,7 +74,12 @@ class VLLMServeRollout:
     weights pushed through vLLM's weight-transfer API (`integrations.vllm.serve.VLLMServerTransport`:
     start / update / finish over HTTP, the bytes over the token-authenticated PeerGroup), generations
     from its completions API. Same interface as `VLLMRollout` (collective); vLLM's HTTP API does not
-    return routed experts on CPU, so `generate` returns `routing=None` (R3 needs `--rollout vllm`)."""
+    return routed experts on CPU, so `generate` returns `routing=None` (R3 needs `--rollout vllm`).
+    Overlapped (``rl.max_staleness`` > 0, also under torchrun): `fetch` on rank 0's rollout thread,
+    `share` on every rank. Versions: the version served when the request starts (/weight_info), for
+    every token. Under ``wait`` no version is published while a batch generates, so that is exact;
+    under ``drop`` a load may land during a request and vLLM's HTTP API does not say which tokens the
+    new weights produced: the start version is then a lower bound, so the staleness bound still holds."""
 
     def __init__(self, trainer, pad_id: int, bucket_bytes: int = 4 << 20, work_dir="outputs/vllm_serve",
                  python: Optional[str] = None, addr: str = "127.0.0.1", name: str = "vllm-serve",
@@ -135,15 +140,27 @@ class VLLMServeRollout:
                                 sampled_log_probs=[torch.zeros_like(d[1]) if p.temperature == 0 else d[1].clone()
                                                    for d, p in zip(done, params)], version=version, routing=None)
 
-    def generate(self, prompts, params, return_routing: bool = False, min_version: int = 0):
-        """Collective: rank 0 asks the server, every rank gets the result (`routing` None, see the class doc)."""
+    def fetch(self, prompts, params, return_routing: bool = False, min_version: int = 0):
+        """Rank 0 only: the server's generation, not yet shared (the overlapped loop's rollout thread)."""
+        return self._generate(prompts, params, min_version)
+
+    def share(self, gen, prompts, params, return_routing: bool = False):
+        """Collective over the trainer mesh: rank 0's `gen` on every rank (`routing` None)."""
         from megatron_fp4.rl.rollouts.wire import broadcast_generation, expected_generation
 
-        gen = self._generate(prompts, params, min_version) if self.is_source else None
         if not self.mesh.is_distributed:
             return gen
         expect = expected_generation(prompts, params, False, self.model_cfg)
         return broadcast_generation(gen, 0, self.mesh.group("world"), self.mesh.device, expect=expect)
+
+    def generate(self, prompts, params, return_routing: bool = False, min_version: int = 0):
+        """Collective: rank 0 asks the server, every rank gets the result (`routing` None, see the class doc)."""
+        return self.share(self.fetch(prompts, params, return_routing, min_version) if self.is_source else None,
+                          prompts, params, return_routing)
+
+    def exit_code(self):
+        """The server process's exit code if it has died (rank 0), else None."""
+        return None if self.server is None else self.server.proc.poll()
 
     def _served(self) -> int:
         version = self.server.client.weight_version()

@@ -1,9 +1,10 @@
 """Rollout requests and results between processes: JSON headers and plain tensors, never pickle.
 
 A `GenerationOutput` travels as one `parallel.wire` message: a JSON header (version, token ids,
-finish reasons, routing shape) and flat tensors (log-probs as float32, what the engine produces,
-and routing as int64), so the receiver parses data and checks its form; nothing it receives can
-execute. The same codec carries a generation from the rollout process to trainer rank 0 (a
+finish reasons, routing shape, whether versions per token follow) and flat tensors (log-probs as
+float32, what the engine produces, routing as int64 and the weight version behind each token as
+int64: checked to be >= the header's version and non-decreasing along each response), so the
+receiver parses data and checks its form; nothing it receives can execute. The same codec carries a generation from the rollout process to trainer rank 0 (a
 `PeerGroup`) and from rank 0 to every trainer rank (the trainer's world group).
 
 A receiver that knows the request (`expected_generation`: the prompts, each one's max_new_tokens,
@@ -23,6 +24,7 @@ from megatron_fp4.rollout.sampling import SamplingParams
 
 MAX_TOKENS = 1 << 28  # generated tokens in one result; more is not a rollout batch
 MAX_PAYLOAD_BYTES = 1 << 32  # its log-probs and routing together
+HEADER_KEYS = {"version", "prompt_ids", "response_ids", "finish_reasons", "routing"}  # + optional token_versions
 SAMPLING_FIELDS = ("max_new_tokens", "temperature", "top_k", "top_p", "stop_token_ids", "seed")
 
 
@@ -75,13 +77,15 @@ def _header(gen: GenerationOutput) -> dict:
     routing = None if gen.routing is None else list(gen.routing[0].shape[1:]) if gen.routing else [0, 0]
     return {"version": int(gen.version), "prompt_ids": [list(map(int, p)) for p in gen.prompt_ids],
             "response_ids": [list(map(int, r)) for r in gen.response_ids],
-            "finish_reasons": list(gen.finish_reasons), "routing": routing}
+            "finish_reasons": list(gen.finish_reasons), "routing": routing,
+            "token_versions": gen.token_versions is not None}
 
 
 def _check_header(h) -> tuple:
-    if not isinstance(h, dict) or set(h) != {"version", "prompt_ids", "response_ids", "finish_reasons", "routing"} \
-            or type(h["version"]) is not int:
-        raise ProtocolError("a generation header must be {version, prompt_ids, response_ids, finish_reasons, routing}")
+    if not isinstance(h, dict) or set(h) - {"token_versions"} != HEADER_KEYS or type(h["version"]) is not int \
+            or type(h.get("token_versions", False)) is not bool:
+        raise ProtocolError("a generation header must be {version, prompt_ids, response_ids, finish_reasons, routing} "
+                            "and optionally token_versions (a bool)")
     prompts, responses = _int_lists(h["prompt_ids"], "prompt_ids"), _int_lists(h["response_ids"], "response_ids")
     reasons, routing = h["finish_reasons"], h["routing"]
     if len(prompts) != len(responses) or not isinstance(reasons, list) or len(reasons) != len(responses):
@@ -95,9 +99,18 @@ def _check_header(h) -> tuple:
     return prompts, responses, reasons, routing, n
 
 
-def _specs(n: int, routing: Optional[list]) -> list:
-    """The tensors of a generation of `n` tokens: log-probs and sampled log-probs (float32), routing."""
-    return [((n,), torch.float32)] * 2 + ([] if routing is None else [((n, *routing), torch.int64)])
+def _specs(n: int, routing: Optional[list], token_versions: bool) -> list:
+    """The tensors of a generation of `n` tokens: log-probs and sampled log-probs (float32), routing,
+    versions per token (int64)."""
+    return [((n,), torch.float32)] * 2 + ([] if routing is None else [((n, *routing), torch.int64)]) \
+        + ([((n,), torch.int64)] if token_versions else [])
+
+
+def _check_versions(per_request: list, version: int) -> None:
+    for i, v in enumerate(per_request):
+        if len(v) and (int(v[0]) < version or bool((v[1:] < v[:-1]).any())):
+            raise ProtocolError(f"response {i}: token versions must start at >= the generation's version {version} "
+                                "and never decrease (a weight swap only moves forward)")
 
 
 def broadcast_generation(gen: Optional[GenerationOutput], src: int, group, device=None,
@@ -112,21 +125,48 @@ def broadcast_generation(gen: Optional[GenerationOutput], src: int, group, devic
         checked["header"] = prompts, responses, reasons, routing, n = _check_header(header)
         if expect is not None:
             _check_against_request(prompts, responses, reasons, routing, expect)
-        return _specs(n, routing)
+        return _specs(n, routing, header.get("token_versions", False))
 
-    tensors = None
-    if gen is not None:
-        n = sum(len(r) for r in gen.response_ids)
-        tensors = [torch.cat([torch.as_tensor(x, dtype=torch.float32).reshape(-1) for x in getattr(gen, key)])
-                   if n else torch.empty(0, dtype=torch.float32) for key in ("log_probs", "sampled_log_probs")]
-        if gen.routing is not None:
-            shape = _header(gen)["routing"]
-            tensors.append(torch.cat(gen.routing).to(torch.int64) if n else torch.empty(0, *shape, dtype=torch.int64))
-    header, tensors = broadcast_message(None if gen is None else _header(gen), tensors, src, group, device,
+    header, tensors = generation_message(gen) if gen is not None else (None, None)
+    header, tensors = broadcast_message(header, tensors, src, group, device,
                                         expect=tensors_for, max_payload_bytes=MAX_PAYLOAD_BYTES)
-    prompts, responses, reasons, routing, _ = checked["header"]
+    return _generation(header, tensors, checked["header"])
+
+
+def generation_message(gen: GenerationOutput) -> tuple[dict, list]:
+    """(JSON header, flat tensors) of a generation: what travels, or is saved (`rl.resume`)."""
+    n = sum(len(r) for r in gen.response_ids)
+    tensors = [torch.cat([torch.as_tensor(x, dtype=torch.float32).reshape(-1) for x in getattr(gen, key)])
+               if n else torch.empty(0, dtype=torch.float32) for key in ("log_probs", "sampled_log_probs")]
+    if gen.routing is not None:
+        shape = _header(gen)["routing"]
+        tensors.append(torch.cat(gen.routing).to(torch.int64) if n else torch.empty(0, *shape, dtype=torch.int64))
+    if gen.token_versions is not None:
+        tensors.append(torch.cat([torch.as_tensor(v, dtype=torch.int64).reshape(-1) for v in gen.token_versions])
+                       if n else torch.empty(0, dtype=torch.int64))
+    return _header(gen), tensors
+
+
+def generation_from_message(header, tensors: list, expect: Optional[dict] = None) -> GenerationOutput:
+    """The inverse of `generation_message`, with every check `broadcast_generation` makes."""
+    checked = _check_header(header)
+    if expect is not None:
+        _check_against_request(*checked[:4], expect)
+    specs = _specs(checked[4], checked[3], header.get("token_versions", False))
+    if len(tensors) != len(specs) or any((tuple(t.shape), t.dtype) != (tuple(shape), dtype)
+                                         for t, (shape, dtype) in zip(tensors, specs)):
+        raise ProtocolError(f"a generation's tensors {[(tuple(t.shape), t.dtype) for t in tensors]} are not the "
+                            f"{specs} its header describes")
+    return _generation(header, tensors, checked)
+
+
+def _generation(header: dict, tensors: list, checked: tuple) -> GenerationOutput:
+    prompts, responses, reasons, routing, _ = checked
     lengths = [len(r) for r in responses]
     flat = [list(t.cpu().split(lengths)) for t in tensors]
+    versions = flat[-1] if header.get("token_versions", False) else None
+    if versions is not None:
+        _check_versions(versions, header["version"])
     return GenerationOutput(prompt_ids=prompts, response_ids=responses, log_probs=flat[0], sampled_log_probs=flat[1],
                             finish_reasons=reasons, version=header["version"],
-                            routing=flat[2] if routing is not None else None)
+                            routing=flat[2] if routing is not None else None, token_versions=versions)

@@ -81,7 +81,7 @@ def build_engine(cfg, pad_id: int, name: str) -> RolloutEngine:
         model.to(torch.float64)
     model.set_fp4_mode(cfg.fp4.train_mode)
     return RolloutEngine(model, mode=cfg.fp4.rollout_mode, pad_id=pad_id, name=name,
-                         invariance=cfg.numerics.invariance)
+                         invariance=cfg.numerics.invariance, inflight_updates=cfg.rl.inflight_updates)
 
 
 def parse_spec(text: str) -> dict:
