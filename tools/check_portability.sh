@@ -17,7 +17,8 @@ if [ "$#" -eq 0 ]; then
          tests/unit/test_model.py tests/unit/test_fp4_moeresq.py tests/unit/test_batch_invariant.py \
          tests/unit/test_fp4_exact_gemm.py tests/distributed/test_batch_invariant_layouts.py tests/unit/test_numerics_levels.py \
          tests/unit/test_attention_causal.py tests/unit/test_moe_grouped.py \
-         tests/integration/test_gpt_oss_parity.py tests/integration/test_deepseek_v3_parity.py -q -p no:cacheprovider \
+         tests/integration/test_gpt_oss_parity.py tests/integration/test_deepseek_v3_parity.py \
+         tests/unit/test_family_numerics_levels.py tests/unit/test_packed_batches.py -q -p no:cacheprovider \
          -k "fp32_layout or ep2_matches or kv_cache or batch_invariant or float64 or bitwise or same_bits or fp32_bound or moeresq_loop or batch_level or tiled or block_attention or logits_match"
   SKIP_NATIVE_DEFAULT=1
 fi
