@@ -75,3 +75,30 @@ def string_list(d: Mapping[str, Any], key: str) -> list:
     if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
         raise ValueError(f"HF config {key}={value!r:.80}: must be a list of strings")
     return value
+
+
+def rope_fields(d: Mapping[str, Any], default_theta: float, family: str, yarn_keys: tuple, absent=None,
+                strict_yarn: bool = False) -> tuple[float, dict | None]:
+    """(rope_theta, our rope_scaling) from transformers-5 ``rope_parameters`` or the Hub's
+    ``rope_theta`` + ``rope_scaling``: plain RoPE (None) or YaRN with the family's `yarn_keys`;
+    `absent`: the family's scaling when the config names none. `strict_yarn`: an explicit
+    ``attention_factor`` is refused and ``factor`` / ``original_max_position_embeddings`` required."""
+    theta = float_field(d, "rope_theta", default_theta, positive=True)
+    params = d.get("rope_parameters") or d.get("rope_scaling")
+    if params is None:
+        return theta, None if absent is None else dict(absent)
+    if not isinstance(params, Mapping):
+        raise ValueError(f"HF config rope_parameters={params!r:.80}: expected a mapping"
+                         + (f" like {absent}" if absent else ""))
+    theta = float_field(params, "rope_theta", theta, positive=True)
+    kind = params.get("rope_type", params.get("type", "default"))
+    if kind == "default":
+        return theta, None
+    if kind != "yarn" or (strict_yarn and params.get("attention_factor") is not None):
+        raise ValueError(f"HF config rope_parameters={dict(params)!r:.160}: {family} RoPE is 'default' or 'yarn'"
+                         + (" (without an explicit attention_factor)" if strict_yarn else "") + " here")
+    scaling = {k: params[k] for k in yarn_keys if params.get(k) is not None}
+    if strict_yarn and ("factor" not in scaling or "original_max_position_embeddings" not in scaling):
+        raise ValueError(f"HF config rope_parameters={dict(params)!r:.160}: YaRN needs factor and "
+                         "original_max_position_embeddings")
+    return theta, {"rope_type": "yarn", **scaling}

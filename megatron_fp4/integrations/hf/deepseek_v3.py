@@ -18,13 +18,13 @@ also ignores) is not read: convert a checkpoint without it.
 """
 from __future__ import annotations
 
-from typing import Any, Mapping
+from typing import Mapping
 
 import torch
 
 from megatron_fp4.config import ModelConfig
 from megatron_fp4.integrations.hf import qwen3_moe
-from megatron_fp4.integrations.hf.config_fields import bool_field, config_dict, float_field, int_field
+from megatron_fp4.integrations.hf.config_fields import bool_field, config_dict, float_field, int_field, rope_fields
 
 HF_MODEL_TYPE = "deepseek_v3"
 HF_ARCHITECTURE = "DeepseekV3ForCausalLM"
@@ -78,29 +78,6 @@ _YARN_KEYS = ("factor", "original_max_position_embeddings", "beta_fast", "beta_s
               "truncate")
 
 
-def _rope(d: Mapping[str, Any]) -> tuple[float, dict | None]:
-    """(rope_theta, our rope_scaling) from transformers-5 ``rope_parameters`` or the Hub's
-    ``rope_theta`` + ``rope_scaling``: plain RoPE or YaRN with DeepSeek's mscale terms."""
-    theta = float_field(d, "rope_theta", _HF_DEFAULTS["rope_theta"], positive=True)
-    params = d.get("rope_parameters") or d.get("rope_scaling")
-    if params is None:
-        return theta, None
-    if not isinstance(params, Mapping):
-        raise ValueError(f"HF config rope_parameters={params!r:.80}: expected a mapping")
-    theta = float_field(params, "rope_theta", theta, positive=True)
-    kind = params.get("rope_type", params.get("type", "default"))
-    if kind == "default":
-        return theta, None
-    if kind != "yarn" or params.get("attention_factor") is not None:
-        raise ValueError(f"HF config rope_parameters={dict(params)!r:.160}: DeepSeek-V3 RoPE is 'default' or 'yarn' "
-                         "(without an explicit attention_factor) here")
-    scaling = {k: params[k] for k in _YARN_KEYS if params.get(k) is not None}
-    if "factor" not in scaling or "original_max_position_embeddings" not in scaling:
-        raise ValueError(f"HF config rope_parameters={dict(params)!r:.160}: YaRN needs factor and "
-                         "original_max_position_embeddings")
-    return theta, {"rope_type": "yarn", **scaling}
-
-
 def ours_config_from_hf(hf_cfg) -> ModelConfig:
     """Our DeepSeek-V3 `ModelConfig` from a config.json dict (or a `DeepseekV3Config`); optional
     fields take DeepseekV3Config's defaults, features our layers do not implement raise ValueError
@@ -131,7 +108,7 @@ def ours_config_from_hf(hf_cfg) -> ModelConfig:
     if first_dense > num_layers:
         raise ValueError(f"HF config first_k_dense_replace={first_dense} > num_hidden_layers={num_layers}")
     q_lora = d.get("q_lora_rank", _HF_DEFAULTS["q_lora_rank"])
-    theta, scaling = _rope(d)
+    theta, scaling = rope_fields(d, _HF_DEFAULTS["rope_theta"], "DeepSeek-V3", _YARN_KEYS, strict_yarn=True)
     moe_ffn = int_field(d, "moe_intermediate_size")
     dims = {k: int_field(d, k, _HF_DEFAULTS[k]) for k in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
                                                           "v_head_dim")}

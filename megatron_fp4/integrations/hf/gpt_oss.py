@@ -19,13 +19,14 @@ read by `mxfp4_experts` (an ep rank reads only its experts' rows) and written ba
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Mapping, NamedTuple
+from typing import Callable, Mapping, NamedTuple
 
 import torch
 
 from megatron_fp4.config import ModelConfig
 from megatron_fp4.integrations.hf import mxfp4_experts
-from megatron_fp4.integrations.hf.config_fields import bool_field, config_dict, float_field, int_field, string_list
+from megatron_fp4.integrations.hf.config_fields import (bool_field, config_dict, float_field, int_field, rope_fields,
+                                                        string_list)
 from megatron_fp4.integrations.hf.qwen3_moe import _Collector, _expert_offsets, _listed
 
 HF_MODEL_TYPE = "gpt_oss"
@@ -110,25 +111,7 @@ def hf_config_from_ours(m: ModelConfig) -> dict:
     }
 
 
-def _rope(d: Mapping[str, Any]) -> tuple[float, dict | None]:
-    """(rope_theta, our rope_scaling) from transformers-5 ``rope_parameters`` or the Hub's
-    ``rope_theta`` + ``rope_scaling``; absent: GptOssConfig's YaRN default."""
-    theta = float_field(d, "rope_theta", _HF_DEFAULTS["rope_theta"], positive=True)
-    params = d.get("rope_parameters") or d.get("rope_scaling")
-    if params is None:
-        return theta, dict(_YARN_DEFAULT)
-    if not isinstance(params, Mapping):
-        raise ValueError(f"HF config rope_parameters={params!r:.80}: expected a mapping like {_YARN_DEFAULT}")
-    theta = float_field(params, "rope_theta", theta, positive=True)
-    kind = params.get("rope_type", params.get("type", "default"))
-    if kind == "default":
-        return theta, None
-    if kind != "yarn":
-        raise ValueError(f"HF config rope_type={kind!r:.80}: GPT-OSS RoPE is 'yarn' or 'default' here")
-    scaling = {k: params[k] for k in ("rope_type", "factor", "original_max_position_embeddings", "beta_fast",
-                                      "beta_slow", "truncate") if params.get(k) is not None}
-    scaling["rope_type"] = "yarn"
-    return theta, scaling
+_YARN_KEYS = ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "truncate")
 
 
 def ours_config_from_hf(hf_cfg) -> ModelConfig:
@@ -161,7 +144,7 @@ def ours_config_from_hf(hf_cfg) -> ModelConfig:
     head_dim = int_field(d, "head_dim", max(hidden // num_heads, 1))
     if head_dim % 2:
         raise ValueError(f"HF config head_dim={head_dim} must be even (rotary embeddings rotate pairs)")
-    theta, scaling = _rope(d)
+    theta, scaling = rope_fields(d, _HF_DEFAULTS["rope_theta"], "GPT-OSS", _YARN_KEYS, absent=_YARN_DEFAULT)
     sliding = "sliding_attention" in layer_types
     return ModelConfig(
         family=HF_MODEL_TYPE, vocab_size=int_field(d, "vocab_size"), hidden_size=hidden, num_layers=num_layers,
