@@ -30,10 +30,9 @@ from megatron_fp4.model import MoETransformer
 from megatron_fp4.model.layers import wide_dtype
 from megatron_fp4.model.moe import GroupedExperts
 from megatron_fp4.model.specs import no_weight_decay
-from megatron_fp4.parallel.moe import expert_parallel as ep_mod
 from megatron_fp4.parallel.dims import ParallelDims
-from megatron_fp4.parallel.pipeline import PLACEMENT, build_chunks, rank_chunks, split_layers
-from megatron_fp4.parallel.tensor_parallel import parallelize_tp
+from megatron_fp4.parallel.pipeline import PLACEMENT, rank_chunks, split_layers
+from megatron_fp4.training.model_cut import RankCoords, cut_model
 from megatron_fp4.parallel.flat_buffer import CHUNK_NUMEL, owned_ranges, plan_buckets
 
 PLANNED_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
@@ -89,24 +88,11 @@ def activation_dtype(cfg: Config) -> torch.dtype:
 
 
 def local_meta_model(cfg: Config, pp_rank: int, ep_rank: int, tp_rank: int = 0) -> MoETransformer:
-    """This rank's model on the meta device, cut as `Trainer._build_model` cuts it (experts, then
-    pipeline chunks, then etp and tp). The ep cut is `apply_expert_parallel`'s without its collective
-    agreement check and dispatcher (neither owns a parameter); the etp cut is
-    `apply_expert_tensor_parallel`'s `GroupedExperts.shard_ffn`; the tp cut is `parallelize_tp` itself
-    without a process group (``size_rank``; its hooks never run here)."""
-    p = cfg.parallel
+    """This rank's model on the meta device, cut by the trainer's own sequence (`model_cut.cut_model`
+    by shape: experts, pipeline chunks, etp, tp), in the trainer's dtype and FP4 mode."""
     with torch.device("meta"):
         model = MoETransformer(cfg.model, cfg.fp4)
-    if p.ep > 1 or p.etp > 1:  # as the trainer: `apply_expert_parallel` only then (else experts stay dp params)
-        for moe in model.moe_layers():
-            ep_mod.shard_experts(moe, p.ep, ep_rank)
-    if p.pp > 1:
-        build_chunks(model, p.pp, pp_rank, p.virtual_stages, PLACEMENT.get(p.schedule, "loop"))
-    if p.etp > 1:
-        for moe in model.moe_layers():
-            moe.set_experts(moe.experts.shard_ffn(p.etp, tp_rank, shapes_only=True))
-    if p.tp > 1:
-        parallelize_tp(model, None, p.sequence_parallel, moe_tokens=p.moe_tp_tokens, size_rank=(p.tp, tp_rank))
+    cut_model(model, cfg, ranks=RankCoords(pp=pp_rank, ep=ep_rank, tp=tp_rank))
     model.to(param_dtype(cfg))
     model.set_fp4_mode(cfg.fp4.train_mode)
     return model

@@ -42,16 +42,13 @@ from megatron_fp4.fp4.fused import CompiledKernels
 from megatron_fp4.model import MoETransformer, materialize
 from megatron_fp4.model.specs import numerics_from_config
 from megatron_fp4.parallel.context import parallelize_cp
-from megatron_fp4.parallel.moe.expert_parallel import apply_expert_parallel
-from megatron_fp4.parallel.moe.expert_tensor_parallel import apply_expert_tensor_parallel
 from megatron_fp4.parallel.mesh import ParallelDims, ParallelMesh, world_size_from_env
-from megatron_fp4.parallel.pipeline import PipelineRunner
-from megatron_fp4.parallel.tensor_parallel import parallelize_tp
 from megatron_fp4.parallel.zero import ZeroAdamW, mark_tp_replicas
 from megatron_fp4.training.checkpoint import directory as ckpt
 from megatron_fp4.training.checkpoint import dcp as dcp_ckpt
 from megatron_fp4.training.data import ResumableSampler, build_dataset, get_batch
 from megatron_fp4.training.metrics import MetricsLogger
+from megatron_fp4.training.model_cut import cut_model, moe_tokens
 from megatron_fp4.training.nonfinite import LayerGate, NonFiniteError
 from megatron_fp4.training.preemption import PreemptionHandler, stop_if_requested
 from megatron_fp4.training.step import TrainingStep
@@ -117,7 +114,7 @@ class Trainer(TrainingStep):
 
     def _moe_tokens(self) -> str:
         """The tokens a tp rank's MoE layers route (``parallel.moe_tp_tokens``; "whole" without tp)."""
-        return self.cfg.parallel.moe_tp_tokens if self.mesh.tp > 1 else "whole"
+        return moe_tokens(self.cfg, self.mesh.tp)
 
     def _init_guard(self) -> None:
         self._sqnr = None
@@ -141,18 +138,9 @@ class Trainer(TrainingStep):
         numerics.kernels = CompiledKernels()  # this trainer's compiled FP4 kernels, adopted between its steps
         with torch.device("meta"):
             model = MoETransformer(cfg.model, cfg.fp4, numerics)
-        if mesh.ep > 1 or mesh.etp > 1:  # (ep 1: only marks the experts edp params) moe_tp_tokens=local with ep holding whole tp groups: the dispatcher folds tp
-            fold = mesh.tp if self._moe_tokens() == "local" and mesh.ep % mesh.tp == 0 else 1
-            apply_expert_parallel(model, mesh, dispatcher=p.expert_dispatcher, chunk_tokens=p.gcmoe_chunk_tokens,
-                                  transfer_sms=p.gcmoe_transfer_sms, ring_slots=p.gcmoe_ring_slots, tp_fold=fold)
-        pipeline = PipelineRunner(model, mesh, p.schedule, p.virtual_stages) if mesh.pp > 1 else None
-        materialize(model, self.device, cfg.schedule.seed)
-        if mesh.etp > 1:  # cut materialised experts (their init draws whole matrices); etp group = tp group
-            apply_expert_tensor_parallel(model, mesh.group("etp"), replicated=True)
-        self.tp_plan = None
-        if mesh.tp > 1:  # cut after init: each shard is then the single process's slice by construction
-            self.tp_plan = parallelize_tp(model, mesh.group("tp"), sequence_parallel=p.sequence_parallel,
-                                          moe_tokens=p.moe_tp_tokens)
+        pipeline, self.tp_plan = cut_model(model, cfg, mesh=mesh,
+                                           materialize=lambda m: materialize(m, self.device, cfg.schedule.seed))
+        if self.tp_plan is not None:
             mark_tp_replicas(self.tp_plan)
             if pipeline is not None:
                 pipeline.set_tensor_parallel(mesh.tp, p.sequence_parallel)
