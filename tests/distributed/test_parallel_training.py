@@ -87,7 +87,11 @@ def is_bitwise(spec: dict) -> bool:
 
 def layout_cfg(spec: dict) -> Config:
     spec = dict(spec)
-    return tiny_cfg(spec.pop("fp4", False), spec.pop("dtype", "fp64"), **spec)
+    invariance = spec.pop("invariance", None)
+    cfg = tiny_cfg(spec.pop("fp4", False), spec.pop("dtype", "fp64"), **spec)
+    if invariance is not None:
+        cfg.numerics.invariance = invariance
+    return cfg
 
 
 def _train_layouts(rank, world_size, layouts):

@@ -9,7 +9,11 @@ bounded as in tests/numerics.py. With FP4 (``fp4_resq``, backward quantized) tha
 expert's weight gradient quantizes the rows of each source rank (= each single-process micro-batch)
 along their own tokens (`DispatchPlan.expert_segments`); quantizing the received rows as one batch
 mixes micro-batches in one block and one amax, a ~1e-6 relative change of the expert gradients.
-GC-MoE with FP4 gives the all-to-all dispatcher's bits (same batches, same segments).
+GC-MoE with FP4 gives the all-to-all dispatcher's bits (same batches, same segments) at the
+`standard` numerics level; at `batch` (the default since the training forward runs the level's
+kernels) the FP4 backward of GC-MoE's chunked exchange differs from the all-to-all's in the last
+bits (2e-16 relative in float64, measured), so this bitwise comparison runs at `standard`; FP4 off,
+GC-MoE equals the all-to-all bitwise at the default level too (test_parallel_training_gcmoe.py).
 """
 import pytest
 
@@ -21,8 +25,8 @@ from tests.numerics import FP64_REL, rel
 SPEC = dict(pp=2, ep=2, zero_stage=1)
 FP4_STEPS = 2
 LAYOUTS_4 = {"pp2_ep2": (SPEC, STEPS), "fp4_pp2_ep2": (dict(SPEC, fp4=True), FP4_STEPS)}
-LAYOUTS_2 = {"fp4_ep2": (dict(ep=2, zero_stage=1, fp4=True), FP4_STEPS),
-             "fp4_ep2_gcmoe": (dict(ep=2, zero_stage=1, fp4=True, expert_dispatcher="gcmoe",
+LAYOUTS_2 = {"fp4_ep2": (dict(ep=2, zero_stage=1, fp4=True, invariance="standard"), FP4_STEPS),
+             "fp4_ep2_gcmoe": (dict(ep=2, zero_stage=1, fp4=True, expert_dispatcher="gcmoe", invariance="standard",
                                     gcmoe_chunk_tokens=8, gcmoe_ring_slots=2), FP4_STEPS)}
 
 
