@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import gc
 import os
 import pstats
 import sys
@@ -105,11 +106,14 @@ def measure(args, overrides: list[str], bare: bool = True) -> tuple[dict, object
         runners, trainers = build_runners(args, overrides, ckpt_dir, bare)
     first = trainers[args.modes[0]]
     if args.profile:
-        return profile_trainer(args, first), first.cfg
+        return profile_trainer(args, first), (first.cfg, 0)
     sync = lambda: runners["hf"].load_from(first.model)  # noqa: E731 - the same routing on both sides
     med = timed_rounds(runners, first.next_micro_batches, args.warmup, args.steps, sync, clock=args.clock)
     params = sum(p.numel() for p in first.model.parameters())
-    return med, (first.cfg, params)
+    cfg = first.cfg
+    del runners, trainers, first, sync
+    gc.collect()  # the next shape's models: a Trainer's hooks hold cycles
+    return med, (cfg, params)
 
 
 def run_shape(args, shape: str) -> dict:
