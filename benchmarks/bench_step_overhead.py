@@ -12,7 +12,9 @@ init, nothing downloaded) and loaded by both sides: HF's `Qwen3MoeForCausalLM.fr
 and fp4_resq; beside each Trainer its bare model step (`bench_train.BareStep`: the same model's
 forward + `lm_loss` + backward + clipping + `torch.optim.AdamW`, no trainer around it). Every round
 feeds all runners the same micro-batches in alternating order (`bench_train.timed_rounds`), HF
-reloaded from the FP4-off Trainer first so both route tokens alike; medians of the timed rounds.
+reloaded from the FP4-off Trainer first and each Trainer and its bare step started from the same
+weights (restored, untimed), so all route tokens alike and do the same work; medians of the timed
+rounds.
 Prints tokens/s, the ratio to HF and the Trainer's overhead over its bare step (same mode, same
 micro-batches, same weights).
 
@@ -107,11 +109,26 @@ def measure(args, overrides: list[str], bare: bool = True) -> tuple[dict, object
     first = trainers[args.modes[0]]
     if args.profile:
         return profile_trainer(args, first), (first.cfg, 0)
-    sync = lambda: runners["hf"].load_from(first.model)  # noqa: E731 - the same routing on both sides
-    med = timed_rounds(runners, first.next_micro_batches, args.warmup, args.steps, sync, clock=args.clock)
+    snapshots = {}
+
+    def sync():  # every runner of a round starts from the same weights: the same routing, the same work
+        runners["hf"].load_from(first.model)
+        if bare:  # a Trainer and its bare step share a model: each starts from the round's weights
+            for mode, t in trainers.items():
+                snapshots[mode] = [p.detach().clone() for p in t.model.parameters()]
+
+    def restore(name):
+        mode = name.split()[-1]
+        if name != "hf" and mode in snapshots:
+            with torch.no_grad():
+                for p, saved in zip(trainers[mode].model.parameters(), snapshots[mode]):
+                    p.copy_(saved)
+
+    med = timed_rounds(runners, first.next_micro_batches, args.warmup, args.steps, sync, clock=args.clock,
+                       before_runner=restore)
     params = sum(p.numel() for p in first.model.parameters())
     cfg = first.cfg
-    del runners, trainers, first, sync
+    del runners, trainers, first, sync, restore, snapshots
     gc.collect()  # the next shape's models: a Trainer's hooks hold cycles
     return med, (cfg, params)
 

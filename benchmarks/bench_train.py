@@ -95,11 +95,13 @@ class BareStep:
 CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}  # cpu: this process's CPU time (a loaded machine)
 
 
-def timed_rounds(runners: dict, batches, warmup: int, steps: int, before_round=None, clock: str = "wall") -> dict:
+def timed_rounds(runners: dict, batches, warmup: int, steps: int, before_round=None, clock: str = "wall",
+                 before_runner=None) -> dict:
     """Median seconds per step of each runner; every round gives all runners the same batches and
     alternates the order (forward, then reversed) so slow spells of the machine hit all alike.
-    `before_round` (untimed) runs first in every round. `clock`: "wall" (time.perf_counter) or "cpu"
-    (time.process_time: this process's CPU time, which other jobs on the machine do not inflate)."""
+    `before_round` (untimed) runs first in every round, `before_runner(name)` (untimed) before each
+    runner. `clock`: "wall" (time.perf_counter) or "cpu" (time.process_time: this process's CPU
+    time, which other jobs on the machine do not inflate)."""
     times = {k: [] for k in runners}
     names = list(runners)
     now = CLOCKS[clock]
@@ -108,6 +110,8 @@ def timed_rounds(runners: dict, batches, warmup: int, steps: int, before_round=N
             before_round()
         mbs = batches()
         for name in (names if i % 2 == 0 else names[::-1]):
+            if before_runner is not None:
+                before_runner(name)
             start = now()
             runners[name](mbs)
             if i >= warmup:
