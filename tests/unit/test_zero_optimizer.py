@@ -191,3 +191,53 @@ def test_step_reports_whether_the_updated_weights_are_finite(dtype):
         assert one_step(torch.full((4, 3), 3e38), 0.0) is True  # Σ overflows, every value finite
     else:
         assert one_step(rows, 0.0, master_value=3.3999e38) is False  # rounds to inf in bf16
+
+
+class _ThreeParams(torch.nn.Module):
+    """A weight with ordinary gradients, one whose gradient is exactly -0.0, one never used."""
+
+    def __init__(self):
+        super().__init__()
+        g = torch.Generator().manual_seed(0)
+        self.weight = torch.nn.Parameter(torch.randn(64, 32, generator=g))
+        self.signed_zero = torch.nn.Parameter(torch.randn(16, generator=g))
+        self.unused = torch.nn.Parameter(torch.randn(8, generator=g))
+
+    def loss(self, x):
+        return (x @ self.weight.t()).pow(2).mean() + (self.signed_zero * -0.0).sum()
+
+
+@pytest.mark.parametrize("zero_stage", [0, 1, 2])
+def test_lazy_zero_grad_gives_the_bits_of_zeroing_the_buffer(zero_stage):
+    """`zero_grad(lazy=True)` (the Trainer's) skips the zeroing pass: each param's first gradient is
+    written into its buffer view by the grad hook (``g + 0.0``). Two micro-batches of backward, a
+    gradient of exactly −0.0 (a plain copy would keep the sign; accumulating into zeros gives +0.0)
+    and a param that gets no gradient: the grads, the norm and the updated weights are the bits of
+    `zero_grad()` (zeros, then autograd's accumulation), every .grad a view of the flat buffer after
+    `finish_grad_sync`; two steps, so the second starts from the first step's reduced buffer."""
+    cfg = Config()
+    models = [_ThreeParams(), _ThreeParams()]
+    opts = [ZeroAdamW(m.named_parameters(), cfg.optimizer, ParallelMesh.single(), zero_stage, 1e-3) for m in models]
+    x = torch.randn(4, 2, 32, generator=torch.Generator().manual_seed(1))
+    for step in range(2):
+        out = []
+        for lazy, model, opt in zip((False, True), models, opts):
+            opt.zero_grad(lazy=lazy)
+            assert all((p.grad is None) == lazy for p in model.parameters())
+            opt.prepare_grad_sync(2)
+            for mb in range(2):
+                model.loss(x[step * 2 + mb]).backward()
+            opt.finish_grad_sync()
+            for buf in opt.buffers:
+                for i, p in enumerate(buf.params):
+                    assert p.grad.data_ptr() == buf.param_view(i, buf.grad).data_ptr()
+            out.append(([p.grad.clone() for p in model.parameters()], opt.grad_norm()))
+            opt.step(1e-2, 0.5)
+        (ga, na), (gb, nb) = out
+        assert float(na).hex() == float(nb).hex()
+        assert torch.equal(gb[1].view(torch.int32), torch.zeros(16, dtype=torch.int32))  # +0.0, not -0.0
+        assert torch.equal(gb[2], torch.zeros(8))
+        for a, b in zip(ga, gb):
+            assert torch.equal(a.view(torch.int32), b.view(torch.int32))
+        for a, b in zip(*[m.parameters() for m in models]):
+            assert torch.equal(a.detach().view(torch.int32), b.detach().view(torch.int32))
