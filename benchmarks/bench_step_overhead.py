@@ -152,23 +152,23 @@ def run_shape(args, shape: str) -> dict:
 
 def run_experts(args, counts: list[int]) -> dict:
     """The realistic shape (`--quick`: the quick one) at each expert count, top-8 (top-k capped at
-    the count): HF and the Trainers, one table of tokens/s and ratios to HF."""
+    the count): HF and the Trainers, a table of tokens/s and ratios to HF, each row printed as soon
+    as it is measured."""
     base = SHAPES["quick" if args.quick else "realistic"]
+    modes = [f"trainer {mode}" for mode in args.modes]
     results = {}
     for n in counts:
-        top_k = min(8, n)
-        med, (cfg, _) = measure(args, base + [f"model.num_experts={n}", f"model.top_k={top_k}"], bare=False)
-        s = cfg.schedule
-        results[n] = {name: s.global_batch_size * s.seq_len / t for name, t in med.items()}  # tokens/s
-    m = cfg.model
-    print(f"\n[experts] hidden={m.hidden_size} layers={m.num_layers} moe_ffn={m.moe_ffn_hidden_size} "
-          f"vocab={m.vocab_size} top_k={min(8, max(counts))} tokens/step={s.global_batch_size * s.seq_len} "
-          f"steps={args.steps} clock={args.clock}: tokens/s (vs HF)")
-    modes = [f"trainer {mode}" for mode in args.modes]
-    print(f"{'experts':>7} {'hf':>8} " + " ".join(f"{name:>22}" for name in modes))
-    for n, tps in results.items():
+        med, (cfg, _) = measure(args, base + [f"model.num_experts={n}", f"model.top_k={min(8, n)}"], bare=False)
+        m, s = cfg.model, cfg.schedule
+        tokens = s.global_batch_size * s.seq_len
+        results[n] = tps = {name: tokens / t for name, t in med.items()}
+        if len(results) == 1:
+            print(f"\n[experts] hidden={m.hidden_size} layers={m.num_layers} moe_ffn={m.moe_ffn_hidden_size} "
+                  f"vocab={m.vocab_size} top_k=min(8, experts) tokens/step={tokens} steps={args.steps} "
+                  f"clock={args.clock}: tokens/s (vs HF)")
+            print(f"{'experts':>7} {'hf':>8} " + " ".join(f"{name:>22}" for name in modes))
         cells = " ".join(f"{tps[name]:>14.0f} ({tps[name] / tps['hf']:.2f}x)" for name in modes)
-        print(f"{n:>7} {tps['hf']:>8.0f} {cells}")
+        print(f"{n:>7} {tps['hf']:>8.0f} {cells}", flush=True)
     return results
 
 
