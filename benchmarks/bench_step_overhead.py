@@ -26,7 +26,9 @@ tokens/s and the ratio to HF per expert count. ``--profile`` profiles with the s
 
 Shapes (fp32): ``tiny`` hidden 256, 4 layers, 8 experts top-2, vocab 2048, micro-batch 4 x 64;
 ``realistic`` hidden 1024, 2 layers, 64 experts top-8, moe_ffn 384, 16/4 heads of 64, vocab 8192,
-micro-batch 2 x 256; ``experts128`` the realistic shape with 128 experts.
+micro-batch 2 x 256; ``experts128`` the realistic shape with 128 experts. Memory: the realistic
+shape with both modes and their bare steps peaks at ~14.5 GB, ``experts128`` at ~25 GB; one
+``--modes`` per process, or ``--experts`` (no bare steps), needs about half.
 """
 from __future__ import annotations
 
