@@ -27,9 +27,7 @@ After the step the owned master slices are all-gathered back into the param buff
 master shard (one param per buffer, uniform weight decay), so its math is the library's, element for
 element. At 100M+ parameters every pass over them counts (issue 37): the step makes one pass (the
 fused kernel, fed the clipped gradient piece by piece from a small buffer), the norm one (squares
-summed piece by piece), a rank's contiguous ranges are views, never copies, and the Trainer's
-``zero_grad(lazy=True)`` zeroes nothing: each param's first gradient of the step is written into the
-buffer as backward produces it (one pass, the bits of accumulating it into zeros).
+summed piece by piece), and a rank's contiguous ranges are views, never copies.
 
 Overlap. ``prepare_grad_sync(num_microbatches)`` arms post-accumulate-grad hooks: when every param of
 a bucket has accumulated its last micro-batch's gradient, the bucket's collective starts
