@@ -150,8 +150,8 @@ class ZeroAdamW:
         view = buf.param_view(i, buf.grad)
 
         def hook(param):
-            if self._grads_unset and param.grad.data_ptr() != view.data_ptr():  # after zero_grad(lazy=True):
-                self._move_grad(param, view)  # the step's first gradient, autograd's own tensor
+            if param.grad.data_ptr() != view.data_ptr():  # the step's first gradient: autograd's own tensor
+                self._move_grad(param, view)
             if not self._armed or bucket.pending < 0:  # held: reduced in finish_grad_sync
                 return
             bucket.pending -= 1
