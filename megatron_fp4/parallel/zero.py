@@ -117,12 +117,10 @@ class ZeroAdamW:
                                                      fused=_fused_adamw_on(master.device)))
         self._hooks = []
         self._armed = False
-        self._grads_unset = False  # zero_grad ran: params may hold no .grad (or autograd's own) until settled
         for buf in self.buffers:
-            index = {id(p): i for i, p in enumerate(buf.params)}
             for b in buf.buckets:
                 for p in b.params:
-                    self._hooks.append(p.register_post_accumulate_grad_hook(self._make_hook(buf, b, index[id(p)])))
+                    self._hooks.append(p.register_post_accumulate_grad_hook(self._make_hook(buf, b)))
 
     def _make_buffer(self, dtype, axis, wd, items, bucket_numel) -> FlatBuffer:
         group = self.mesh.group(axis) if self.mesh.world_size > 1 else None
@@ -146,12 +144,8 @@ class ZeroAdamW:
         return buf
 
     # -- gradient synchronisation -------------------------------------------------------------------
-    def _make_hook(self, buf: FlatBuffer, bucket: Bucket, i: int):
-        view = buf.param_view(i, buf.grad)
-
+    def _make_hook(self, buf: FlatBuffer, bucket: Bucket):
         def hook(param):
-            if param.grad.data_ptr() != view.data_ptr():  # the step's first gradient: autograd's own tensor
-                self._move_grad(param, view)
             if not self._armed or bucket.pending < 0:  # held: reduced in finish_grad_sync
                 return
             bucket.pending -= 1
@@ -190,33 +184,8 @@ class ZeroAdamW:
         else:
             bucket.work = dist.all_reduce(chunk, group=buf.group, async_op=True)
 
-    @staticmethod
-    def _move_grad(param, view: torch.Tensor) -> None:
-        """Write autograd's gradient of `param` into its view of the flat grad buffer and point
-        ``param.grad`` there. ``g + 0.0`` is the bits of accumulating ``g`` into a zeroed buffer (what
-        autograd does to a defined ``.grad``; a −0.0 becomes +0.0 both ways), one pass instead of the
-        zeroing pass and the read-add-write pass."""
-        torch.add(param.grad, 0.0, out=view)
-        param.grad = view
-
-    def settle_grads(self) -> None:
-        """After `zero_grad` and backward: every param's ``.grad`` its view of the flat buffer again,
-        zeros for a param that got no gradient (the hooks moved the others in as they arrived)."""
-        if not self._grads_unset:
-            return
-        for buf in self.buffers:
-            for i, p in enumerate(buf.params):
-                view = buf.param_view(i, buf.grad)
-                if p.grad is None:
-                    view.zero_()
-                    p.grad = view
-                elif p.grad.data_ptr() != view.data_ptr():  # set by hand, or no hook (removed)
-                    self._move_grad(p, view)
-        self._grads_unset = False
-
     def finish_grad_sync(self) -> None:
         """Wait for (or start) every bucket's reduction and average over the group."""
-        self.settle_grads()
         for k, buf in enumerate(self.buffers):
             for b in buf.buckets:
                 if b.work is None:
@@ -247,27 +216,18 @@ class ZeroAdamW:
             return self.grad_shards[k]
         return buf.gather_ranges(buf.grad, buf.state_ranges)
 
-    def zero_grad(self, lazy: bool = False) -> None:
-        """Zero the step's gradients: every param's ``.grad`` a zeroed view of the flat buffer.
-        ``lazy``: no pass zeroing the whole buffer; the ``.grad`` become None and each param's first
-        gradient is written into the buffer as it arrives (`_move_grad`, in the grad hooks), one
-        pass instead of the zeroing and the read-add-write passes; `settle_grads` (run by
-        `finish_grad_sync`, `grad_norm`, `step` and the trainer's `forward_backward`) then points
-        every ``.grad`` at the buffer again, zeros for a param that got no gradient."""
+    def zero_grad(self) -> None:
         for k, buf in enumerate(self.buffers):
-            if not lazy:
-                buf.grad.zero_()
+            buf.grad.zero_()
             if self.grad_shards[k] is not None:
                 self.grad_shards[k].zero_()
             for i, p in enumerate(buf.params):
-                p.grad = None if lazy else buf.param_view(i, buf.grad)
-        self._grads_unset = lazy
+                p.grad = buf.param_view(i, buf.grad)
         self._armed = False
 
     # -- norm and step -----------------------------------------------------------------------------
     def grad_norm(self) -> float:
         """Global L2 norm over every shard and every pipeline stage; inf/nan propagate."""
-        self.settle_grads()
         wide = max((wide_dtype(b.data.dtype) for b in self.buffers), key=lambda d: d.itemsize, default=torch.float32)
         sq = torch.zeros((), dtype=wide, device=self.mesh.device)
         if self.mesh.tp > 1:
@@ -309,7 +269,6 @@ class ZeroAdamW:
         """One AdamW update of every buffer; returns whether this rank's parameters are all finite
         after it (the trainer's post-update check, taken here while each piece is still in cache
         where the param buffer is the master: no extra pass over the weights)."""
-        self.settle_grads()
         finite = True
         for k, (buf, master, opt) in enumerate(zip(self.buffers, self.masters, self.optimizers)):
             for group in opt.param_groups:

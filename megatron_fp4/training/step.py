@@ -49,10 +49,9 @@ class TrainingStep:
         return self.apply_update()
 
     def zero_grad(self) -> None:
-        """Start a fresh step: what `forward_backward` accumulated since the last `apply_update` (if
-        anything) is dropped. The params' ``.grad`` are None until `forward_backward` gives the step's
-        gradients (views of the optimizer's flat buffer again; `ZeroAdamW.zero_grad(lazy=True)`)."""
-        self.optimizer.zero_grad(lazy=True)  # filled as backward produces them: no zeroing pass
+        """Start a fresh step: zero gradients; what `forward_backward` accumulated since the last
+        `apply_update` (if anything) is dropped."""
+        self.optimizer.zero_grad()
         self._open_step = None
 
     def train_step(self) -> dict:
@@ -108,7 +107,6 @@ class TrainingStep:
                 self.gate.trip(f"an FP4 operand ({err})")
                 loss, metrics = math.nan, {}
             deferred = fp4_step.nonfinite_error()  # the call's deferred FP4 NaN/Inf flags: one sync
-        self.optimizer.settle_grads()  # every .grad a view of the optimizer's flat buffer again (callers read them)
         if deferred is not None:  # read after the call: name the tensor also when the gate tripped first
             where = self.gate.where
             self.gate.reset()
