@@ -58,43 +58,64 @@ def build_trainer(args, mode: str, extra=()) -> Trainer:
 class BareStep:
     """The model's own forward + `lm_loss` + backward + clip + `torch.optim.AdamW`, nothing else.
     It steps the trainer's own model (its own optimizer state), so both run on the same weights and
-    route tokens alike: separate copies drift apart and load their experts differently."""
+    route tokens alike: separate copies drift apart and load their experts differently.
+
+    The fastest the model runs without the Trainer around it, so the Trainer's overhead over it is
+    what the Trainer adds: torch's fused AdamW where the device has it (the Trainer's kernel too),
+    `clip_grad_norm_` (foreach), and the model's own numerics step (`Numerics.training_step` with
+    deferred non-finite flags, never read here, and `cached_weights` as the Trainer uses them: the
+    same FP4 work). What it leaves out is the Trainer's: the flat buffers, the NaN vote and guards,
+    the metrics, the lr schedule."""
 
     def __init__(self, trainer: Trainer):
-        self.model = trainer.model
+        from megatron_fp4.parallel.zero import _fused_adamw_on
+
+        self.model, self.trainer = trainer.model, trainer
         o = trainer.cfg.optimizer
         self.clip = o.clip_grad
-        self.opt = torch.optim.AdamW(self.model.parameters(), lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps,
-                                     weight_decay=o.weight_decay)
+        params = list(self.model.parameters())
+        self.opt = torch.optim.AdamW(params, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps,
+                                     weight_decay=o.weight_decay, fused=_fused_adamw_on(params[0].device))
 
     def __call__(self, micro_batches) -> float:
         self.opt.zero_grad(set_to_none=True)
-        total = 0.0
-        for mb in micro_batches:
-            loss = lm_loss(self.model(mb["tokens"]).logits, mb["labels"])
-            (loss / len(micro_batches)).backward()
-            total += loss.item() / len(micro_batches)
+        total, nx = 0.0, self.model.numerics
+        with nx.training_step(self.trainer.step, defer_nonfinite=True), self.trainer._weight_cache():
+            for i, mb in enumerate(micro_batches):
+                with nx.micro_batch(i):
+                    loss = lm_loss(self.model(mb["tokens"]).logits, mb["labels"])
+                (loss / len(micro_batches)).backward()
+                total += loss.item() / len(micro_batches)
         if self.clip:
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.clip)
         self.opt.step()
         return total
 
 
-def timed_rounds(runners: dict, batches, warmup: int, steps: int, before_round=None) -> dict:
+CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}  # cpu: this process's CPU time (a loaded machine)
+
+
+def timed_rounds(runners: dict, batches, warmup: int, steps: int, before_round=None, clock: str = "wall",
+                 before_runner=None) -> dict:
     """Median seconds per step of each runner; every round gives all runners the same batches and
     alternates the order (forward, then reversed) so slow spells of the machine hit all alike.
-    `before_round` (untimed) runs first in every round."""
+    `before_round` (untimed) runs first in every round, `before_runner(name)` (untimed) before each
+    runner. `clock`: "wall" (time.perf_counter) or "cpu" (time.process_time: this process's CPU
+    time, which other jobs on the machine do not inflate)."""
     times = {k: [] for k in runners}
     names = list(runners)
+    now = CLOCKS[clock]
     for i in range(warmup + steps):
         if before_round is not None:
             before_round()
         mbs = batches()
         for name in (names if i % 2 == 0 else names[::-1]):
-            start = time.perf_counter()
+            if before_runner is not None:
+                before_runner(name)
+            start = now()
             runners[name](mbs)
             if i >= warmup:
-                times[name].append(time.perf_counter() - start)
+                times[name].append(now() - start)
     return {k: statistics.median(v) for k, v in times.items()}
 
 

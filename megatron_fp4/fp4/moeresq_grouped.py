@@ -176,7 +176,11 @@ def _wgrad(g: _Group, dy: torch.Tensor, x2: torch.Tensor, w_shape, w_dtype) -> t
     dyt = g.quantize_cols(dy2, r.grad_output, "grad_output")
     xt = g.quantize_cols(x2, r.input, "input")
     for e in g.active:
-        dw[e] = (dyt[e].to(dy2.dtype) @ xt[e].t().to(dy2.dtype)).to(w_dtype)
+        a, b = dyt[e].to(dy2.dtype), xt[e].t().to(dy2.dtype)
+        if w_dtype == dy2.dtype:  # the GEMM writes the stacked gradient: no per-expert temporary and copy
+            torch.mm(a, b, out=dw[e])
+        else:
+            dw[e] = (a @ b).to(w_dtype)
     return dw
 
 

@@ -37,3 +37,13 @@ def test_quick_run_prints_every_runner(capsys):
     assert set(results["quick"]) == rows and all(t > 0 for t in results["quick"].values())
     out = capsys.readouterr().out
     assert all(row in out for row in rows) and "Trainer step / bare model step, off" in out
+
+
+def test_quick_experts_table_prints_a_row_per_count(capsys):
+    """--experts: per expert count HF and each Trainer mode, tokens/s and the ratio to HF (top-k
+    capped at the count), in one table; --clock cpu times in process CPU time."""
+    results = bench.main(["--quick", "--experts", "2,4", "--modes", "off", "--clock", "cpu"])
+    assert set(results["experts"]) == {2, 4}
+    assert all(set(r) == {"hf", "trainer off"} and all(v > 0 for v in r.values()) for r in results["experts"].values())
+    out = capsys.readouterr().out
+    assert "[experts]" in out and "[2 experts] tokens/s, trainer off vs HF" in out
