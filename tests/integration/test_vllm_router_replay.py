@@ -72,8 +72,9 @@ def test_r3_replays_vllm_routes_in_every_trainer_forward(monkeypatch):
 
     monkeypatch.setattr(grpo, "run_grpo", capturing_run_grpo)
     monkeypatch.setattr(loop, "build_rl_batch", capturing_build_rl_batch)
+    # padded micro-batches (the example packs by default): the routes compared per [row, position]
     overrides = MODEL + ["rl.router_replay=r3", "fp4.train_mode=fp4", "fp4.rollout_mode=fp4_resq",
-                         "fp4.scope=experts+attention", "model.init_std=0.08"]
+                         "fp4.scope=experts+attention", "model.init_std=0.08", "rl.max_tokens_per_micro_batch=0"]
     args = grpo.parse_args(["--rollout", "vllm", *PYTHON_ARGS, "--task", "arithmetic", "--steps", "2",
                             "--sft-steps", "2", "--eval-size", "4", "--num-prompts", "4", "--group-size", "4",
                             "--ppo-epochs", "1", "--minibatches", "1", "--kl-coef", "0.1", "--micro-batch-size", "16",
