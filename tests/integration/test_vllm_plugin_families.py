@@ -194,7 +194,7 @@ def test_the_plugin_refuses_deepseek_v3_with_the_reason(vllm_ctx):
 
     from vllm import ModelRegistry
 
-    from megatron_fp4.integrations.vllm.model import MegatronFP4DeepseekV3ForCausalLM
+    from megatron_fp4.integrations.vllm.model_families import MegatronFP4DeepseekV3ForCausalLM
     from megatron_fp4.integrations.vllm.plugin import register
 
     register()
@@ -212,7 +212,7 @@ def test_stock_vllm_deepseek_v3_disagrees_with_the_trainer_fp4_off(tmp_path):
     DeepSeek-V3 FP4 off, and the trainer (FP4 off, bitwise transformers' DeepseekV3ForCausalLM on
     this checkpoint) scores its tokens far from vLLM's log-probs (measured max 13, median 4.3: not
     rounding, which is ~1e-6). When this fails, vLLM computes the family correctly: lift the refusal
-    (`model.DEEPSEEK_V3_REFUSAL`)."""
+    (`model_families.DEEPSEEK_V3_REFUSAL`)."""
     model = ours_from(tiny_hf("deepseek_v3"))
     cfg = family_cfg(model, "none", "bf16")
     hf = save_hf_checkpoint(model, cfg, tmp_path / "deepseek_v3")

