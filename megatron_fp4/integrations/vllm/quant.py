@@ -346,7 +346,9 @@ class MoEResQMoEMethod(FusedMoEMethodBase):
 
     def apply_monolithic(self, layer, x: torch.Tensor, router_logits: torch.Tensor,
                          input_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
-        if self.experts is None or (self.family == "gpt_oss" and self.built != self.config.generation):
+        if self.experts is None:  # weights never processed (a dummy load): what vLLM's processing does
+            self.process_weights_after_loading(layer)
+        elif self.family == "gpt_oss" and self.built != self.config.generation:
             self._build(layer)  # GPT-OSS's de-interleaved copies follow a weight update
         if self.router is not None:  # the family's trainer router on the block's input
             _, _, topk_idx, topk_w = self.router(x)
