@@ -62,6 +62,7 @@ def test_rescore_maps_each_batch_back_to_its_requests():
     import copy
 
     from megatron_fp4.config import Config
+    from megatron_fp4.fp4 import Numerics, apply_numerics
     from megatron_fp4.model import build_model
     from megatron_fp4.rollout import RolloutEngine, SamplingParams
     from megatron_fp4.rollout.consistency import compare_generation, rescore
@@ -71,6 +72,8 @@ def test_rescore_maps_each_batch_back_to_its_requests():
     cfg.model.num_heads, cfg.model.num_kv_heads, cfg.model.moe_ffn_hidden_size = 2, 1, 16
     model = build_model(cfg)
     engine = RolloutEngine(copy.deepcopy(model), mode="fp4", pad_id=0, dtype=torch.bfloat16)
+    model.set_fp4_mode("fp4")  # the scoring side: its mode and level fixed at build, as a trainer's
+    apply_numerics(model, Numerics(invariance="batch"))
     gen = engine.generate([[1, 5, 6], [1, 7], [2, 3, 4, 5], [9]], SamplingParams(max_new_tokens=4, temperature=1.0, seed=3),
                           return_routing=True, return_distributions=True)
     flat = {k: getattr(gen, k) for k in ("prompt_ids", "response_ids", "log_probs", "routing", "distributions")}

@@ -24,6 +24,7 @@ def test_rescore_reports_each_requests_kl_summed_over_its_tokens():
     """`kl_per_request[i]` is request i's exact KL summed over its tokens (numpy float64 reference
     from the two sides' distributions), and the token-weighted mean of them is the reported KL."""
     from megatron_fp4.config import Config
+    from megatron_fp4.fp4 import Numerics, apply_numerics
     from megatron_fp4.model import build_model
     from megatron_fp4.rollout import RolloutEngine, SamplingParams
     from megatron_fp4.rollout.consistency import rescore, score
@@ -33,6 +34,8 @@ def test_rescore_reports_each_requests_kl_summed_over_its_tokens():
     cfg.model.num_heads, cfg.model.num_kv_heads, cfg.model.moe_ffn_hidden_size = 2, 1, 16
     model = build_model(cfg)
     engine = RolloutEngine(copy.deepcopy(model), mode="fp4", pad_id=0, dtype=torch.bfloat16)
+    model.set_fp4_mode("fp4")  # the scoring side: its mode and level fixed at build, as a trainer's
+    apply_numerics(model, Numerics(invariance="batch"))
     prompts = [[1, 5, 6], [1, 7], [2, 3, 4, 5], [9]]
     gen = engine.generate(prompts, SamplingParams(max_new_tokens=4, temperature=1.0, seed=3),
                           return_distributions=True)
