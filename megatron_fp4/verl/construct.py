@@ -71,6 +71,18 @@ def fp4_config_for(path: Path, engine_config=None) -> FP4Config:
     return _from_dict(FP4Config, fields, "engine_config.fp4")
 
 
+def checkpoint_numerics_level(path: Path, family: str) -> str:
+    """The numerics level (`numerics.invariance`) the actor and the project's own rollout compute at
+    for the checkpoint at `path`: the level the vLLM plugin serves its `quantization_config` block at
+    (`integrations.vllm.sidecar.served_level`), so an actor scoring what vLLM rolled out agrees with
+    it; the project default without a block. A family that lacks the level runs its first one."""
+    from megatron_fp4.integrations.vllm.sidecar import QUANT_METHOD, served_level
+
+    block = json.loads((path / CONFIG_FILE).read_text()).get("quantization_config") or {}
+    wanted = served_level(block) if block.get("quant_method") == QUANT_METHOD else Config().numerics.invariance
+    return numerics_level_for(family, wanted)
+
+
 # verl's EngineRouterReplayConfig.mode (engine_config.router_replay, e.g. actor.megatron.router_replay.mode)
 # -> our rl.router_replay
 _ROUTER_REPLAY = {"disabled": "off", "R2": "r2", "R3": "r3"}
@@ -88,7 +100,7 @@ def config_from_verl(model_config, engine_config=None, optimizer_config=None) ->
     """Our Config for verl's (model_config, engine_config, optimizer_config)."""
     path = model_dir(model_config)
     cfg = Config(model=ours_config_from_hf(json.loads((path / CONFIG_FILE).read_text())))
-    cfg.numerics.invariance = numerics_level_for(cfg.model.family, cfg.numerics.invariance)  # GPT-OSS: standard
+    cfg.numerics.invariance = checkpoint_numerics_level(path, cfg.model.family)  # what its vLLM plugin serves
     cfg.fp4 = fp4_config_for(path, engine_config)
     # The gradient is verl's loss_function's alone, as in verl's FSDP/Megatron engines (HF Qwen3-MoE adds
     # its router aux loss only to its own LM loss). A per-micro-batch aux term would also make the

@@ -51,15 +51,17 @@ class MegatronFP4Rollout(BaseRollout):
 
     def _engine_from_model_config(self, pad_id) -> RolloutEngine:
         from megatron_fp4.integrations.hf import build_model_from_hf
-        from megatron_fp4.verl.construct import fp4_config_for, model_dir
+        from megatron_fp4.verl.construct import checkpoint_numerics_level, fp4_config_for, model_dir
 
         if self.model_config is None:
             raise ValueError("MegatronFP4Rollout needs model_config (verl's HFModelConfig of a Qwen3-MoE checkpoint) "
                              "or engine=RolloutEngine(...)")
         path = model_dir(self.model_config)
         fp4 = fp4_config_for(path)
-        return RolloutEngine(build_model_from_hf(path, fp4), mode=fp4.rollout_mode, pad_id=int(pad_id or 0),
-                             seed=int(getattr(self.config, "seed", 0) or 0))
+        model = build_model_from_hf(path, fp4)
+        return RolloutEngine(model, mode=fp4.rollout_mode, pad_id=int(pad_id or 0),
+                             seed=int(getattr(self.config, "seed", 0) or 0),
+                             invariance=checkpoint_numerics_level(path, model.cfg.family))
 
     def _sampling(self, meta: dict, key: str, default):
         value = meta.get(key, None)

@@ -59,7 +59,7 @@ from vllm.model_executor.utils import set_weight_attrs
 
 from megatron_fp4.fp4 import STANDARD, Numerics, Recipe, fused_resq, invariant, moeresq_linear
 from megatron_fp4.fp4.exact_experts import can_share_input, shared_input_linear
-from megatron_fp4.integrations.vllm.sidecar import QUANT_METHOD, recipe_from_sidecar
+from megatron_fp4.integrations.vllm.sidecar import QUANT_METHOD, recipe_from_sidecar, served_level
 from megatron_fp4.integrations.vllm.standard import StandardExperts, experts_ok, linear_ok, standard_linear
 from megatron_fp4.model.moe import GroupedExperts, LocalDispatcher, route_from_logits, router_logits
 
@@ -105,8 +105,7 @@ class MegatronFP4Config(QuantizationConfig):
         self.batch_invariant = bool(self.block.get("batch_invariant", False))
         self.qw_store: dict = {}  # Q(W) (and exact-GEMM splits) per weight, see invalidate()
         # what every plugin layer computes with: the block's numerics mode, Q(W) reused from qw_store
-        # The plugin's invariant path is the `exact` level (its `batch` kernels are not built yet).
-        self.values = Numerics(invariance="exact" if self.batch_invariant else "standard", mode="rollout")
+        self.values = Numerics(invariance=served_level(self.block), mode="rollout")
         self.values.weight_cache = self.qw_store
         self.routing_store: Optional[dict] = None  # layer -> [T, k] expert ids of the last forward
         self.family = "qwen3_moe"  # set by the plugin's model class from the checkpoint's model_type

@@ -29,6 +29,14 @@ def recipe_from_sidecar(sidecar: dict, which: str = "rollout") -> Recipe:
     return Recipe(**r)
 
 
+def served_level(block: dict) -> str:
+    """The numerics level (`numerics.invariance`) the vLLM plugin serves a recipe block at: `exact`
+    when the block asks for a row-invariant level (`batch_invariant`; the plugin's own `batch`
+    kernels are not built yet), else `standard`. A trainer or verl actor that scores what the plugin
+    rolled out computes at this level to agree with it (tests/integration/test_verl_ppo_vllm.py)."""
+    return "exact" if block.get("batch_invariant", False) else "standard"
+
+
 def load_quant_sidecar(path) -> dict:
     """Read `megatron_fp4_quant.json` from an export directory (or the file itself)."""
     path = Path(path)
