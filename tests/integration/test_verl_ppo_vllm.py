@@ -1,7 +1,7 @@
 """verl's own PPO trainer (`main_ppo.run_ppo`, `RayPPOTrainer.fit`, a local Ray on CPU) for 2 steps with
 the megatron_fp4 engine as the actor and verl's vLLM rollout (`rollout.name=vllm`, its async server)
-serving with the megatron_fp4 plugin (MoEResQ FP4 experts): `python -m
-megatron_fp4.verl.ppo_vllm`, run as a user runs it.
+serving with the megatron_fp4 plugin (MoEResQ FP4 experts): `python
+examples/verl/ppo_vllm.py`, run as a user runs it.
 
 Checked: every sync (before the first rollout and after each update) leaves the weights vLLM serves
 (read back from its parameters) equal to the actor's, SHA-256 per tensor; the updates changed the
@@ -29,11 +29,14 @@ import pytest
 
 pytest.importorskip("verl", reason="verl is not installed: pip install -e '.[verl]' (main environment) or run "
                     "tools/vllm_env.sh (the vLLM venv gets verl without its dependencies)")
-from megatron_fp4.verl.ppo_vllm import CHECKS, main, missing_for_ppo  # noqa: E402
+ROOT = Path(__file__).resolve().parents[2]
+HARNESS = ROOT / "examples" / "verl"
+sys.path.insert(0, str(HARNESS))
+
+from ppo_vllm import CHECKS, main, missing_for_ppo, ray_runtime_env  # noqa: E402
 from megatron_fp4.rl.tasks.rewards import digit_match_score as compute_score  # noqa: E402
 from tests.integration.test_vllm_exact import TOL  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[2]
 MISSING = missing_for_ppo()
 
 
@@ -53,13 +56,28 @@ def test_refuses_bad_arguments(tmp_path, capsys):
     assert e.value.code == 2 and "must be a new or empty directory" in capsys.readouterr().err
 
 
+def test_ray_workers_import_the_harness_modules():
+    """Ray's workers import `ppo_checks` and vLLM's `vllm_extension` by name: the job's runtime env puts
+    their folder first on PYTHONPATH and keeps what the driver had (megatron_fp4 may come from there)."""
+    path = ray_runtime_env({"PYTHONPATH": "/src:/other"})["env_vars"]["PYTHONPATH"].split(os.pathsep)
+    assert path == [str(HARNESS), "/src", "/other"]
+    assert ray_runtime_env({})["env_vars"]["PYTHONPATH"] == str(HARNESS)
+    code = "import ppo_checks, vllm_extension; print(ppo_checks.CheckedTaskRunner.__module__)"
+    env = {**os.environ, **ray_runtime_env()["env_vars"]}
+    r = subprocess.run([sys.executable, "-c", code], cwd="/", env=env, capture_output=True, text=True, timeout=300)
+    if MISSING:  # vllm_extension needs vLLM: without it, the harness folder is still found
+        assert "No module named 'ppo_checks'" not in r.stderr, r.stderr[-2000:]
+        return
+    assert r.returncode == 0 and r.stdout.split()[-1] == "ppo_checks", r.stderr[-2000:]
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(1500)  # ~4 min on an idle 2-core box; Ray + vLLM + verl start slowly under load
 @pytest.mark.skipif(bool(MISSING), reason=MISSING or "ok")
 def test_verl_ppo_with_vllm_rollout(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1",
            "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
-    r = subprocess.run([sys.executable, "-m", "megatron_fp4.verl.ppo_vllm", "--steps", "2",
+    r = subprocess.run([sys.executable, str(HARNESS / "ppo_vllm.py"), "--steps", "2",
                         "--out", str(tmp_path)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=1500)
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
     records = [json.loads(line) for line in (tmp_path / CHECKS).read_text().splitlines()]

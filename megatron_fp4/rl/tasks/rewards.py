@@ -166,7 +166,7 @@ for _source in ("lighteval/MATH", "DigitalLearningGmbH/MATH-lighteval", "Hugging
 
 def digit_match_score(data_source, solution_str, ground_truth, extra_info=None) -> float:
     """A rule reward for smoke runs of verl's trainer (its `custom_reward_function`,
-    `verl/ppo_vllm.py`): 1 if the response's digits are the ground truth, else 0.1 x the fraction of its characters that are letters, digits or spaces (a random tiny model
+    `examples/verl/ppo_vllm.py`): 1 if the response's digits are the ground truth, else 0.1 x the fraction of its characters that are letters, digits or spaces (a random tiny model
     almost never answers right; this keeps a group's rewards apart, so GRPO has an advantage and the
     update moves the weights that the sync check then compares)."""
     digits = "".join(c for c in solution_str if c.isdigit())

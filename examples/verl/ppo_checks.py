@@ -11,7 +11,8 @@ the resource pool, verl's `create_rl_dataset` reads the parquet files, and `Chec
 - at every step's old-log-prob pass: max |old_log_probs (actor) - rollout_log_probs (vLLM)| over the
   response tokens.
 
-Records go as JSON lines to the file named by MEGATRON_FP4_PPO_CHECKS (and stdout).
+Records go as JSON lines to the file named by MEGATRON_FP4_PPO_CHECKS (and stdout). Ray's workers
+import this module by name (`ppo_vllm` puts this folder on their PYTHONPATH).
 """
 from __future__ import annotations
 
