@@ -16,9 +16,7 @@ trainer in bf16 mode (FP4 off) and in fp4_resq; the same model as a *bare* step 
 every round so its experts are loaded alike) doing forward + backward + AdamW. Every round feeds
 all of them the same micro-batches, in alternating order. Prints tokens/s, the ratio to
 HF (FP4 off) and the trainer's overhead over the bare step of its mode. The trainer derives each
-expert's Q(W) once per step (`Numerics.cached_weights`); ``--per-micro-batch-weights`` adds a
-fp4_resq trainer that re-derives it every micro-batch (``trainer fp4_resq/mb``, the old path);
-``--loop-experts`` adds a fp4_resq trainer running its FP4 experts as the per-expert loop
+expert's Q(W) once per step (`Numerics.cached_weights`). ``--loop-experts`` adds a fp4_resq trainer running its FP4 experts as the per-expert loop
 (``trainer fp4_resq/loop``: one MoEResQ call per expert, the layout before the grouped MoEResQ
 backward; the same bits, so both trainers stay on the same weights). The issue's ratios (and the
 grouped/loop speedup) are printed last.
@@ -140,10 +138,6 @@ def compare_hf(args):
     for mode, t in trainers.items():
         runners[f"trainer {mode}"] = lambda mbs, t=t: t.train_step_with_loss(mbs)
         runners[f"bare {mode}"] = BareStep(t)
-    if args.per_micro_batch_weights:  # the same trainer deriving Q(W) every micro-batch (the old path)
-        t = build_trainer(args, "fp4_resq", HF_SIZE)
-        t.cache_weights_per_step = False
-        runners["trainer fp4_resq/mb"] = lambda mbs: t.train_step_with_loss(mbs)
     if args.loop_experts:  # the per-expert MoEResQ loop (the layout before the grouped call)
         loop = build_trainer(args, "fp4_resq", HF_SIZE)
         for module in loop.model.modules():
@@ -183,8 +177,6 @@ def main(argv=None):
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--hf", action="store_true", help="compare with HF Qwen3MoeForCausalLM and the bare model")
-    parser.add_argument("--per-micro-batch-weights", action="store_true",
-                        help="--hf: also a fp4_resq trainer re-deriving Q(W) every micro-batch (no per-step cache)")
     parser.add_argument("--loop-experts", action="store_true",
                         help="--hf: also a fp4_resq trainer running its FP4 experts as the per-expert loop")
     add_sweep_args(parser)

@@ -102,3 +102,15 @@ def all_finite(tensors) -> bool:
     if bool(torch.isfinite(torch.stack([t.sum().to(torch.float32) for t in tensors])).all()):
         return True
     return bool(torch.stack([torch.isfinite(t).all() for t in tensors]).all())
+
+
+def finite_checked_state(model) -> dict:
+    """name -> tensor of what the NaN guard checks: every parameter and every floating-point buffer
+    that is saved (the router's expert_bias moves outside the optimizer and is checkpointed too)."""
+    return {name: t.detach() for name, t in model.state_dict(keep_vars=True).items() if t.is_floating_point()}
+
+
+def finite_checked_buffers(model) -> dict:
+    """The floating-point buffers of `finite_checked_state` (what the optimizer does not write)."""
+    params = {id(p) for p in model.parameters()}
+    return {n: t for n, t in finite_checked_state(model).items() if id(t) not in params}

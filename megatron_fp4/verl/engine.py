@@ -18,7 +18,7 @@ model output handed to `loss_function(model_output, data, dp_group)` is {"log_pr
 (``engine_config.router_replay.mode`` R2 / R3 with the batch's ``enable_routing_replay``) records and
 replays ``routed_experts`` as verl's Megatron engine does (`_router_replay`, `batches.VerlScore`).
 
-The step is the trainer's (`training/step.py`): `forward_backward_batch` runs its micro-batches
+The step is the trainer's (`training/trainer.py`): `forward_backward_batch` runs its micro-batches
 through `Trainer.forward_backward` (FP4 step context keyed by optimizer step and micro-batch, also
 across several calls of one step; layer gate; aux-loss scale), `optimizer_step` is
 `Trainer.apply_update` (mesh-wide non-finite vote, clip, AdamW) at verl's lr-schedule position,

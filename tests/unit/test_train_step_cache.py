@@ -5,6 +5,7 @@ micro-batch, so it is still drawn per micro-batch). Also the fast `all_finite` o
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import math
 
@@ -41,12 +42,14 @@ def _stochastic_weights(model: torch.nn.Module) -> None:
 
 def _run(cache: bool, sr: bool, scope: str, monkeypatch, force: bool = False):
     """Two steps; returns (results, grads, params, per-step weight quantization counts by layer).
+    ``cache`` False: the reference, each Q(W) derived at every micro-batch (no cache around the step);
     ``force``: the cache even for stochastic weights (which the trainer skips: no reuse)."""
     trainer = Trainer(_cfg(scope))
-    trainer.cache_weights_per_step = cache
     if sr:
         _stochastic_weights(trainer.model)
-    if force:
+    if not cache:
+        monkeypatch.setattr(trainer, "_weight_cache", contextlib.nullcontext)
+    elif force:
         monkeypatch.setattr(trainer, "_weight_cache", trainer.model.numerics.cached_weights)
     counts = []
     real = moeresq._Site.quantize
@@ -112,18 +115,18 @@ def test_all_finite_matches_isfinite(dtype):
         assert all_finite(iter(tensors)) is expect
 
 
-def test_bench_train_hf_runs_every_runner_with_the_per_micro_batch_trainer(capsys):
-    """`bench_train.py --hf --per-micro-batch-weights` on a tiny model: every runner timed, table printed."""
+def test_bench_train_hf_runs_every_runner_with_the_per_expert_loop_trainer(capsys):
+    """`bench_train.py --hf --loop-experts` on a tiny model: every runner timed, table printed."""
     import os
     import sys
 
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks"))
     import bench_train
 
-    med = bench_train.main(["--hf", "--steps", "1", "--warmup", "0", "--per-micro-batch-weights",
+    med = bench_train.main(["--hf", "--steps", "1", "--warmup", "0", "--loop-experts",
                             "--set", "model.num_layers=1", "--set", "model.hidden_size=64",
                             "--set", "model.moe_ffn_hidden_size=64", "--set", "schedule.seq_len=16",
                             "--set", "model.vocab_size=128", "--set", "data.num_samples=40"])
-    assert set(med) == {"hf", "trainer bf16", "bare bf16", "trainer fp4_resq", "bare fp4_resq", "trainer fp4_resq/mb"}
+    assert set(med) == {"hf", "trainer bf16", "bare bf16", "trainer fp4_resq", "bare fp4_resq", "trainer fp4_resq/loop"}
     assert all(t > 0 for t in med.values())
-    assert "trainer fp4_resq/mb" in capsys.readouterr().out
+    assert "trainer fp4_resq/loop" in capsys.readouterr().out
