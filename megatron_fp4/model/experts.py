@@ -29,9 +29,9 @@ class GroupedExperts(nn.Module):
     and w2 [E, H, F]. Each expert GEMM is the MoEResQ linear with `recipe`.
 
     `forward` takes the experts' weights as `unbind` views: backward then writes every expert's
-    gradient into one stacked buffer per weight. Indexing `w13[e]` per expert (`select_per_expert`,
-    kept only as the benchmark's "before") makes each expert's backward allocate a zeroed
-    full-size [E, ...] gradient that autograd then sums: the same values, E times the memory traffic.
+    gradient into one stacked buffer per weight. Indexing `w13[e]` per expert (`expert_forward`'s
+    default) would make each expert's backward allocate a zeroed full-size [E, ...] gradient that
+    autograd then sums: the same values, E times the memory traffic.
 
     With FP4 off, outside the batch-invariant mode, the experts run as two grouped GEMMs over all
     local experts (`grouped_forward`, `can_group`) instead of the loop: per expert the same GEMM on
@@ -44,7 +44,6 @@ class GroupedExperts(nn.Module):
     `segments` kept) and the SwiGLU per expert slice, with per expert the loop's bits.
     """
 
-    select_per_expert = False
     numerics = STANDARD  # the model's (`fp4.apply_numerics`), passed to every FP4 / invariant op
     grouped = True  # one grouped GEMM over all experts where `can_group` allows; False: the loop
     # FP4 off: above this many rows per expert on average the loop is as fast (its per-expert SiLU
@@ -169,7 +168,7 @@ class GroupedExperts(nn.Module):
                                      or any(sum(s) != n for s, n in zip(segments, counts))):
             raise ValueError(f"GroupedExperts: segments={segments} must hold, per local expert, row counts "
                              f"summing to that expert's count in counts={counts}")
-        if self.grouped and not self.select_per_expert and x_sorted.shape[0]:
+        if self.grouped and x_sorted.shape[0]:
             nx = self.numerics
             if can_group(self.recipe, x_sorted, nx) and x_sorted.shape[0] <= self.max_group_rows * self.num_experts:
                 return self.grouped_forward(x_sorted, counts)
@@ -183,10 +182,7 @@ class GroupedExperts(nn.Module):
             if whole and self.recipe.mode == "bf16" and invariant.tiled(nx, x_sorted) \
                     and not torch.is_autocast_enabled(x_sorted.device.type):
                 return self.grouped_tiled_forward(x_sorted, counts)
-        if self.select_per_expert:
-            w13s = w2s = [None] * self.num_experts
-        else:
-            w13s, w2s = self.w13.unbind(0), self.w2.unbind(0)
+        w13s, w2s = self.w13.unbind(0), self.w2.unbind(0)
         segs = segments or [None] * self.num_experts
         outs = [self.expert_forward(e, chunk, w13s[e], w2s[e], segs[e])
                 for e, chunk in enumerate(x_sorted.split(counts)) if chunk.shape[0]]

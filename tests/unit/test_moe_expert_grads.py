@@ -1,6 +1,7 @@
 """Grouped experts' weight gradients: produced once through `unbind` views (one stacked buffer per
-weight) with the values of per-expert indexing (`select_per_expert`, the layout before). Both run
-the per-expert loop (`grouped = False`); the grouped GEMM path is `test_moe_grouped.py`."""
+weight) with the values of per-expert indexing (`expert_forward(e, x)`, which indexes `w13[e]`,
+called expert by expert: the reference). The forward runs the per-expert loop (`grouped = False`);
+the grouped GEMM path is `test_moe_grouped.py`."""
 import pytest
 import torch
 
@@ -18,11 +19,15 @@ def _make(mode):
     return ex
 
 
-def _grads(ex, x, counts, select):
-    ex.select_per_expert = select
+def _grads(ex, x, counts, indexed):
+    """Output and gradients through `forward` (unbind views) or, `indexed`, through `expert_forward`
+    per expert with its default `w13[e]` / `w2[e]` indexing."""
     ex.zero_grad(set_to_none=True)
     x = x.clone().requires_grad_(True)
-    y = ex(x, counts)
+    if indexed:
+        y = torch.cat([ex.expert_forward(e, chunk) for e, chunk in enumerate(x.split(counts)) if chunk.shape[0]])
+    else:
+        y = ex(x, counts)
     y.backward(torch.linspace(-1, 1, y.numel()).reshape(y.shape))
     return y, x.grad, ex.w13.grad, ex.w2.grad
 
