@@ -19,7 +19,6 @@ from typing import Callable, Optional
 
 import torch
 
-from megatron_fp4.fp4 import numerics_of
 from megatron_fp4.model.packing import run_starts
 from megatron_fp4.model.router import check_route_dtype
 from megatron_fp4.rollout.logprobs import log_probs_from_logits, next_token_log_probs, to_token_positions
@@ -125,17 +124,6 @@ class VerlScore(StepLoss):
         return self.loss_fn(self.outputs(logits, mb), mb)
 
 
-def _score(model, mb, score: VerlScore) -> dict:
-    """`score`'s outputs of one micro-batch by a bare model (no Trainer: verl's checks, one replica)."""
-    score.numerics = numerics_of(model)  # the level the model was built with, with or without autograd
-    return score.outputs(model(**score.model_inputs(mb)).logits, mb)
-
-
-def score_padded(model, mb, entropy: bool = False) -> dict:
-    """Outputs of a padded-layout micro-batch: {"log_probs": [B, R], "entropy": [B, R]}."""
-    return _score(model, mb, VerlScore(False, entropy))
-
-
 def nested_to_packed(ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(tokens [1, N], mask [1, N] numbering the sequences 1..B, lengths [B]) of a jagged nested [B, j1]:
     its values back to back in one packed row (`model/packing.py`)."""
@@ -150,22 +138,6 @@ def to_shifted_nested(per_token: torch.Tensor, lengths: torch.Tensor) -> torch.T
     (position t about token t+1, 0 last)."""
     shifted = torch.cat([per_token[0, 1:], torch.zeros_like(per_token[0, :1])])
     return torch.nested.as_nested_tensor(list(shifted.split(lengths.tolist())), layout=torch.jagged)
-
-
-def score_nested(model, mb, entropy: bool = False, replay: str = "off", record: bool = False) -> dict:
-    """Outputs of a no-padding micro-batch: {"log_probs": nested [B, j1], "entropy": nested [B, j1]}.
-
-    Router replay (verl's ``router_replay.mode``, here "r2" | "r3"): the micro-batch's
-    ``routed_experts`` (nested [B, j1, num_moe_layers, k], each input position's route) are replayed;
-    with "r3" (the rollout's routes, one row short: none for the final token) aligned and masked by
-    verl's own `align_r3_router_replay_data` / `build_r3_replay_mask` (every row but the final one).
-    `record` (R2's old-log-prob pass): the routes used, in the same layout, as "routed_experts"."""
-    recorder = RouteRecorder(model) if record else None
-    try:
-        return _score(model, mb, VerlScore(True, entropy, replay, recorder))
-    finally:
-        if recorder is not None:
-            recorder.remove()
 
 
 def replay_routes(mb, replay: str, shape, packed: bool = False) -> torch.Tensor:

@@ -38,7 +38,7 @@ from verl.utils.metric import Metric
 from verl.utils.py_functional import append_to_dict
 
 from megatron_fp4.config import Config
-from megatron_fp4.verl.batches import RouteRecorder, VerlScore, score_padded
+from megatron_fp4.verl.batches import RouteRecorder, VerlScore
 from megatron_fp4.verl.construct import config_from_verl, data_parallel_mesh, model_dir, router_replay_mode
 from megatron_fp4.parallel.mesh import ParallelMesh
 from megatron_fp4.training.checkpoint.files import write_durable_text
@@ -149,10 +149,6 @@ class MegatronFP4Engine(BaseEngine):
         return lr_at(self.lr_steps, self.cfg.optimizer, self.cfg.schedule)
 
     # -- forward / backward ------------------------------------------------------------------------
-    def response_log_probs(self, micro_batch) -> torch.Tensor:
-        """[B, R] response log-probs of a padded-layout micro-batch (0 where response_mask is 0)."""
-        return score_padded(self.model, micro_batch)["log_probs"]
-
     def forward_backward_batch(self, data, loss_function: Optional[Callable], forward_only=False) -> dict:
         if loss_function is None and not forward_only:
             raise ValueError("loss_function is required unless forward_only=True")
