@@ -91,7 +91,7 @@ def test_plugin_pieces_compile_as_opaque_ops_reading_weights_at_call_time(vllm_g
     from tests.integration.test_vllm_plugin import linear_layer, plugin_config
 
     register()
-    qc = plugin_config(tiny_cfg("experts+attention"), batch_invariant)
+    qc = plugin_config(tiny_cfg("experts+attention"), "exact" if batch_invariant else "standard")
     gen = torch.Generator().manual_seed(7)
     config = VllmConfig(quant_config=qc)
     with set_current_vllm_config(config):

@@ -6,11 +6,12 @@
 - `TrainerAttentionImpl` replaces the layer's `Attention.impl` (vLLM's CPU backend keeps building the
   metadata and allocating the cache): keys and values go into the cache with plain indexing (this
   impl reads them back, so it owns the layout inside each block), and every request's queries
-  attend with the trainer's batch-invariant `fp4.invariant.attention` over its keys gathered from
-  its block table, by position. That op sums in fixed trees indexed by key position, so a query
-  gets the same bits in a vLLM decode step, a chunked prefill, any batch, and the trainer's full
-  causal forward (ground rule 7); the KV-cache path of the project's rollout engine relies on the
-  same property. In a bf16/fp16 model the attention runs in fp32 (`model.layers.upcast`, the
+  attend with the trainer's row-invariant `fp4.invariant.attention` at the served level over its
+  keys gathered from its block table, by position. At `batch` that op reduces fixed key blocks by
+  position combined in block order (`fp4.tiled.block_attention`), at `exact` fixed trees indexed by
+  key position, so a query gets the same bits in a vLLM decode step, a chunked prefill, any batch,
+  and the trainer's full causal forward (ground rule 7); the KV-cache path of the project's rollout
+  engine relies on the same property. In a bf16/fp16 model the attention runs in fp32 (`model.layers.upcast`, the
   precision of the fp32 trainer the rollout is scored by; the cache keeps the model dtype): with
   the fp32 residual stream (model.py) the bf16 rollout's only roundings are its GEMMs' and weights'.
 
@@ -118,7 +119,7 @@ class TrainerAttentionImpl:
             q = upcast(query[q0:q1].transpose(0, 1)[None])  # [1, H, Tq, D]; bf16/fp16: in fp32
             k, v = upcast(k), upcast(v)
             positions = torch.arange(seq_len - (q1 - q0), seq_len, device=q.device)[None]
-            assert invariant.enabled(self.numerics, q), "the plugin's attention runs the batch-invariant mode"
-            out = invariant.attention(q, k[None], v[None], positions, torch.zeros(1, dtype=torch.long))
+            assert invariant.enabled(self.numerics, q), "the plugin's attention runs a row-invariant level"
+            out = invariant.attention(q, k[None], v[None], positions, torch.zeros(1, dtype=torch.long), self.numerics)
             output[q0:q1] = out[0].transpose(0, 1).to(output.dtype)
         return output
