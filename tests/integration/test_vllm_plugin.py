@@ -384,7 +384,12 @@ def compare(vllm_out, scored):
 @needs_vllm
 @pytest.mark.slow
 def test_vllm_serves_moeresq_like_the_trainer_scores(tmp_path):
+    """At the default `batch` level every op of the plugin's model is the trainer's at that level
+    (test_vllm_exact: why the log-probs are the same bits), so every token's log-prob and every
+    position's experts are the trainer's: max |Δ| 0, experts 100 % (TOL / MIN_WITHIN above are for
+    the paths that keep a vLLM kernel: the standard level, GPT-OSS's attention)."""
     cfg = tiny_cfg("experts+attention")
+    assert cfg.numerics.invariance == "batch"
     hf = write_hf(tmp_path, cfg)
     out = vllm_generate(hf, tmp_path)
     assert out["plugin"] and all(len(r["tokens"]) == MAX_TOKENS for r in out["results"])
@@ -393,7 +398,7 @@ def test_vllm_serves_moeresq_like_the_trainer_scores(tmp_path):
     print(f"plugin vs trainer: |dlogp| max {delta.max():.3g} median {delta.median():.3g}, {within:.1%} within {TOL}; "
           f"experts {agree}/{total}")
     assert total == len(PROMPTS) * MAX_TOKENS * 3  # every response position of the 3 MoE layers
-    assert agree >= MIN_EXPERTS * total and within >= MIN_WITHIN and delta.median() <= TOL, (delta.tolist(), agree, total)
+    assert agree == total and delta.max() == 0, (delta.tolist(), agree, total)
 
 
 @needs_vllm
