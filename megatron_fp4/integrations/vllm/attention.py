@@ -105,7 +105,9 @@ class TrainerAttentionImpl:
         if not getattr(attn_metadata, "causal", True):
             raise NotImplementedError("megatron_fp4: the plugin's attention is causal decoder attention")
         assert invariant.enabled(self.numerics, query), "the plugin's attention runs a row-invariant level"
-        keys, values = _cpu_layout(kv_cache, self.num_kv_heads, self.head_size)
+        keys, _ = _cpu_layout(kv_cache, self.num_kv_heads, self.head_size)
+        # the cache's rows [blocks·KV·2·size, D] (per block and kv head: its keys, then its values)
+        flat, size = kv_cache.view(-1, self.head_size), keys.shape[2]
         starts = attn_metadata.query_start_loc.tolist()
         lengths = attn_metadata.seq_lens.tolist()
         groups: dict = {}  # requests by their number of queries this step (all decodes: one call)
@@ -113,26 +115,30 @@ class TrainerAttentionImpl:
             if starts[i + 1] > starts[i]:
                 groups.setdefault(starts[i + 1] - starts[i], []).append(i)
         for n, reqs in groups.items():
-            self._attend(query, keys, values, attn_metadata.block_table, starts, lengths, reqs, n, output)
+            self._attend(query, flat, size, attn_metadata.block_table, starts, lengths, reqs, n, output)
         return output
 
-    def _attend(self, query, keys, values, table, starts, lengths, reqs, n: int, output) -> None:
+    def _attend(self, query, flat, size: int, table, starts, lengths, reqs, n: int, output) -> None:
         """The ``n`` queries of each request in ``reqs`` (the last ``n`` positions of its sequence) in
         one `invariant.attention` call: B = len(reqs) rows, no padding. A request's keys are gathered
         from its block table by position; the slots past its sequence (a longer request's) hold its
         last key again: in every one of its queries' future, so they weigh exactly 0 (and are
         finite, unlike unwritten cache slots). The op's contract (a query's bits depend only on its
         keys up to its position) makes the result each request's alone: the trainer's."""
-        size, device = keys.shape[2], query.device
+        device, KV = query.device, self.num_kv_heads
         idx = torch.tensor(reqs, device=device)
         seq = torch.tensor([lengths[i] for i in reqs], device=device)
         j = torch.minimum(torch.arange(int(seq.max()), device=device)[None], seq[:, None] - 1)  # [B, Tk]
         blocks = table.index_select(0, idx).long().gather(1, j // size)
-        k = upcast(keys[blocks, :, j % size].transpose(1, 2))  # [B, KV, Tk, D]; bf16/fp16: in fp32
-        v = upcast(values[blocks, :, j % size].transpose(1, 2))
-        rows = torch.cat([torch.arange(starts[i], starts[i] + n, device=device) for i in reqs])
-        q = upcast(query.index_select(0, rows).view(len(reqs), n, self.num_heads, self.head_size).transpose(1, 2))
+        # one row gather each for keys and values, straight into [B, KV, Tk, D]
+        rows = ((blocks[:, None, :] * KV + torch.arange(KV, device=device)[None, :, None]) * (2 * size)
+                + (j % size)[:, None, :]).reshape(-1)
+        shape = (len(reqs), KV, j.shape[1], self.head_size)
+        k = upcast(flat.index_select(0, rows).view(shape))  # bf16/fp16: in fp32
+        v = upcast(flat.index_select(0, rows + size).view(shape))
+        qrows = torch.cat([torch.arange(starts[i], starts[i] + n, device=device) for i in reqs])
+        q = upcast(query.index_select(0, qrows).view(len(reqs), n, self.num_heads, self.head_size).transpose(1, 2))
         positions = seq[:, None] - n + torch.arange(n, device=device)[None]
         out = invariant.attention(q, k, v, positions, torch.zeros(len(reqs), dtype=torch.long, device=device),
                                   self.numerics)  # [B, H, n, D]
-        output[rows] = out.transpose(1, 2).reshape(len(reqs) * n, self.num_heads, self.head_size).to(output.dtype)
+        output[qrows] = out.transpose(1, 2).reshape(len(reqs) * n, self.num_heads, self.head_size).to(output.dtype)
