@@ -55,10 +55,10 @@ def engine_for(model, spec: str) -> RolloutEngine:
     return RolloutEngine(copy.deepcopy(model), mode=mode, invariance=level or "standard")
 
 
-def run(fn):
-    start = time.perf_counter()
+def run(fn, clock=time.perf_counter):
+    start = clock()
     out = fn()
-    return time.perf_counter() - start, out
+    return clock() - start, out
 
 
 def same(a, b) -> bool:
@@ -78,15 +78,16 @@ def add_model_args(p):
     p.add_argument("--scope", default="experts")
 
 
-def timed_rounds(runners: dict, repeats: int):
+def timed_rounds(runners: dict, repeats: int, clock=time.perf_counter):
     """Median seconds per runner (calls alternate, order reversed every round; round 0 warms up)
-    and each runner's last output."""
+    and each runner's last output. ``clock``: wall time, or ``time.process_time`` (this process's
+    CPU time: a shared machine's other load does not count)."""
     times = {k: [] for k in runners}
     outs = {}
     names = list(runners)
     for i in range(repeats + 1):
         for name in (names if i % 2 == 0 else names[::-1]):
-            dt, outs[name] = run(runners[name])
+            dt, outs[name] = run(runners[name], clock)
             if i:
                 times[name].append(dt)
     return {k: statistics.median(v) for k, v in times.items()}, outs

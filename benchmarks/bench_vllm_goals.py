@@ -76,7 +76,7 @@ def tiny_config(scope: str, train_mode: str, rollout_mode: str):
 
     cfg = load_config(default_config_path(), list(MODEL))
     cfg.fp4.scope, cfg.fp4.train_mode, cfg.fp4.rollout_mode = scope, train_mode, rollout_mode
-    cfg.numerics.invariance = "exact"  # the plugin's row-invariant path is the exact level
+    cfg.numerics.invariance = "batch"  # the default level: the plugin serves it with the trainer's kernels
     return cfg
 
 
@@ -97,19 +97,19 @@ def rollout_vs_trainer(jobs: list, work: Path, n: int, tokens: int, seed: int, d
     models, spec_jobs = {}, []
     for name, scope, (train_mode, rollout_mode), model_seed in jobs:
         cfg = tiny_config(scope, train_mode, rollout_mode)
-        models[name] = (build_model(cfg, seed=model_seed), train_mode)
-        apply_numerics(models[name][0], numerics_from_config(cfg, "train"))  # re-scores at "exact", fixed at build
+        models[name] = (build_model(cfg, seed=model_seed), train_mode, cfg.numerics.invariance)
+        apply_numerics(models[name][0], numerics_from_config(cfg, "train"))  # re-scores at cfg's level, fixed at build
         out = export_for_vllm(models[name][0], cfg, work / f"hf_{len(spec_jobs)}", dtype=None, overwrite=True)
         spec_jobs.append({"name": name, "model": str(out)})
     spec = {"jobs": spec_jobs, "prompts": ps, "max_tokens": tokens, "temperature": 1.0, "ignore_eos": True,
             "seeds": [seed * 100_003 + i for i in range(n)], "dtype": dtype, "routing": True, "distributions": True}
     gens = run_vllm_rollout(spec, work)
     out = {}
-    for name, (model, train_mode) in models.items():
+    for name, (model, train_mode, level) in models.items():
         g = gens[name]
         flat = {"prompt_ids": ps, "response_ids": g["tokens"], "log_probs": g["logprobs"], "routing": g["routing"],
                 "distributions": g["dist"]}
-        out[name] = train_side(model, flat, tok, train_mode, "exact", 6)
+        out[name] = train_side(model, flat, tok, train_mode, level, 6)
         out[name]["positions"] = sum(len(t) for t in g["tokens"])
         out[name]["layers"] = int(g["routing"][0].shape[1])
     return out
@@ -173,25 +173,27 @@ def _throughput_at(args, work: Path, hidden: int) -> list:
     prompts = torch.randint(1, targs.vocab, (targs.batch, targs.prompt_len)).tolist()
     stock = save_hf_checkpoint(model, cfg, work / "tp_stock", dtype=torch.float32, quantization_config=None)
     runners = {"stock": vllm_runner(str(stock), prompts, targs)}
-    plugins = {"experts": ("experts", True), "experts+attention": ("experts+attention", True),
-               "experts+attention, standard kernels": ("experts+attention", False)}
-    for name, (scope, row_invariant) in plugins.items():
+    # the plugin at each numerics level it serves (the export's numerics.invariance; batch: the default)
+    plugins = {"experts, batch": ("experts", "batch"), "experts+attention, batch": ("experts+attention", "batch"),
+               "experts+attention, exact": ("experts+attention", "exact"),
+               "experts+attention, standard kernels": ("experts+attention", "standard")}
+    for name, (scope, level) in plugins.items():
         c = copy.deepcopy(cfg)
         c.fp4.scope, c.fp4.train_mode, c.fp4.rollout_mode = scope, *MOERESQ
-        c.numerics.invariance = "exact" if row_invariant else "standard"
+        c.numerics.invariance = level
         d = export_for_vllm(model, c, work / f"tp_{len(runners)}", dtype=None, overwrite=True)
         runners[name] = vllm_runner(str(d), prompts, targs)
     log(f"throughput: stock vs plugin ({len(plugins)} variants), hidden {targs.hidden}, ffn {targs.ffn}, "
-        f"batch {targs.batch}, 32+{targs.new_tokens} tokens, {args.repeats} rounds")
-    t, outs = timed_rounds(runners, args.repeats)
+        f"batch {targs.batch}, 32+{targs.new_tokens} tokens, {args.repeats} rounds, clock {args.clock}")
+    t, outs = timed_rounds(runners, args.repeats, time.process_time if args.clock == "cpu" else time.perf_counter)
     del runners  # the engines (and their KV caches) before the next width's
     tokens = targs.batch * targs.new_tokens
     rows = []
-    for name in plugins:
-        ratio = t["stock"] / t[name]
+    for name, (_, level) in plugins.items():
+        ratio, goal = t["stock"] / t[name], 0.8 if level == "standard" else 0.7  # issue 32: batch ≥ 0.7×
         rows.append(row(f"plugin tokens/s ÷ stock vLLM, MoEResQ {name} ({tokens / t[name]:.0f} vs "
-                        f"{tokens / t['stock']:.0f} tokens/s; hidden {targs.hidden}, batch {targs.batch})",
-                        f"{ratio:.2f}×", "≥ 0.8×", ratio >= 0.8))
+                        f"{tokens / t['stock']:.0f} tokens/s; hidden {targs.hidden}, batch {targs.batch}, "
+                        f"{args.clock} time)", f"{ratio:.2f}×", f"≥ {goal}×", ratio >= goal))
     return rows
 
 
@@ -354,7 +356,7 @@ def layer_rows(args, work: Path) -> list:
     trainer: dict = {}
     model = build_model_from_hf(d, cfg.fp4).eval()
     model.set_fp4_mode(cfg.fp4.rollout_mode)
-    apply_numerics(model, Numerics(invariance="exact"))  # the trainer side at the exact level, built so
+    apply_numerics(model, Numerics(invariance=cfg.numerics.invariance))  # the trainer side at the served level, built so
     tnames = [n.removeprefix("model.") for n in names if "qkv" not in n]
     _hooks(model, tnames + [n.removeprefix("model.").replace("qkv_proj", p) for n in names if "qkv" in n
                             for p in ("q_proj", "k_proj", "v_proj")], trainer)
@@ -395,6 +397,8 @@ def main(argv=None) -> list:
     p.add_argument("--tp-hidden", type=int, default=128, help="throughput model's hidden size (ffn: twice it)")
     p.add_argument("--tp-wide", type=int, default=512,
                    help="a second, wider throughput model's hidden size, measured beside the first (0: none)")
+    p.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                   help="throughput rows: wall time, or this process's CPU time (vLLM runs in-process; a shared machine)")
     p.add_argument("--update-mb", type=float, default=300.0)
     p.add_argument("--seeds", type=int, default=3)
     p.add_argument("--kl-prompts", type=int, default=256,

@@ -184,7 +184,7 @@ def vllm_ablation(cfg, weights, tok, work_dir, python=None, scopes=SCOPES, setti
             c.numerics.invariance = "batch"
             model = build_model(c)
             model.load_state_dict(weights)
-            apply_numerics(model, Numerics(invariance="exact"))  # the trainer side re-scores exactly (built so)
+            apply_numerics(model, Numerics(invariance=c.numerics.invariance))  # at the level the plugin serves (built so)
             key = f"{scope}/{name}"
             out = export_for_vllm(model, c, work_dir / f"hf_{len(jobs)}", dtype=None, overwrite=True)
             models[key] = model
@@ -200,9 +200,9 @@ def vllm_ablation(cfg, weights, tok, work_dir, python=None, scopes=SCOPES, setti
             g = gens[key]
             flat = {"prompt_ids": ps, "response_ids": g["tokens"], "log_probs": g["logprobs"],
                     "routing": g["routing"], "distributions": g["dist"]}
-            m = rescore(models[key], flat, tok.pad_id, train_mode, "exact", train_batch, reverse=True)
+            m = rescore(models[key], flat, tok.pad_id, train_mode, "batch", train_batch, reverse=True)
             rows.append({"gap": VLLM_GAP, "rollout": "vllm", "rollout_dtype": "fp32", "engine_noise": 0.0,
-                         "bf16_weights": False, "invariance": "exact", "scope": scope, "setting": name,
+                         "bf16_weights": False, "invariance": "batch", "scope": scope, "setting": name,
                          "train_mode": train_mode, "rollout_mode": rollout_mode, **m})
     return rows
 

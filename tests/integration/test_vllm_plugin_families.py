@@ -114,7 +114,7 @@ def test_moe_method_equals_the_trainers_moe_bitwise(vllm_ctx, family, mode):
     ref.shared_expert = None  # vLLM runs it as its own MLP (the plugin's linear method)
     apply_numerics(ref, Numerics(invariance="standard", mode="rollout"))
     cfg = family_cfg(trainer, "experts", mode)
-    qc = plugin_config(cfg, False)
+    qc = plugin_config(cfg, "standard")
     qc.family = family
     E, k = trainer.cfg.num_experts, trainer.cfg.top_k
     H, F = trainer.cfg.hidden_size, trainer.cfg.moe_ffn_hidden_size
@@ -200,7 +200,7 @@ def test_the_plugin_refuses_deepseek_v3_with_the_reason(vllm_ctx):
     register()
     assert ModelRegistry._try_load_model_cls("DeepseekV3ForCausalLM") is MegatronFP4DeepseekV3ForCausalLM
     model = ours_from(tiny_hf("deepseek_v3"))
-    qc = plugin_config(family_cfg(model), False)
+    qc = plugin_config(family_cfg(model), "standard")
     with pytest.raises(ValueError, match="does not serve DeepSeek-V3.*disagrees with transformers"):
         MegatronFP4DeepseekV3ForCausalLM(vllm_config=SimpleNamespace(quant_config=qc))
 

@@ -31,7 +31,7 @@ def test_standard_kernel_moe_block_serves_the_compiled_resq_with_the_eager_bits(
     ref = MoELayer(H, E, k, F, eager, norm_topk_prob=True).eval()
     init_moe_params(ref, 0.1, 0.1, torch.Generator().manual_seed(1))
     apply_numerics(ref, Numerics(invariance="standard"))
-    qc = plugin_config(cfg, batch_invariant=False)
+    qc = plugin_config(cfg, "standard")
     assert qc.recipe.compile == compile_mode
     gate_method, gate, experts, moe = plugin_moe(qc, ref, E, k, H, F)  # load: compiles the ResQ unless off
     for seed, tokens in ((2, 37), (3, 5), (4, 1)):

@@ -58,7 +58,7 @@ def test_fused_projections_are_one_gemm_within_fp32_rounding_of_the_trainers(vll
         attn.k_proj.weight.mul_(8.0)  # unlike amaxes: one per-tensor scale over the fused weight would differ
     apply_numerics(attn, Numerics(invariance="standard"))
     apply_numerics(mlp, Numerics(invariance="standard"))
-    qc = plugin_config(cfg, batch_invariant=False)
+    qc = plugin_config(cfg, "standard")
     x = torch.randn(9, 128, generator=torch.Generator().manual_seed(4)) * torch.logspace(-2, 2, 128)
     for name, mods in (("self_attn.qkv_proj", [attn.q_proj, attn.k_proj, attn.v_proj]),
                        ("mlp.gate_up_proj", [mlp.gate_proj, mlp.up_proj])):
@@ -101,7 +101,7 @@ def test_standard_moe_block_is_the_trainers_within_fp32_rounding_and_follows_wei
     ref = MoELayer(H, E, k, F, recipe_from_config(cfg.fp4, mode), norm_topk_prob=True).eval()
     init_moe_params(ref, 0.1, 0.1, torch.Generator().manual_seed(1))
     apply_numerics(ref, Numerics(invariance="standard"))
-    gate_method, gate, experts, moe = plugin_moe(plugin_config(cfg, batch_invariant=False), ref, E, k, H, F)
+    gate_method, gate, experts, moe = plugin_moe(plugin_config(cfg, "standard"), ref, E, k, H, F)
     for seed, tokens in ((2, 37), (3, 16), (4, 1)):
         x = torch.randn(tokens, H, generator=torch.Generator().manual_seed(seed))
         with torch.no_grad():
@@ -126,7 +126,8 @@ def test_standard_moe_block_is_the_trainers_within_fp32_rounding_and_follows_wei
     assert (got - want).abs().max() <= 1e-5 * want.abs().max()
 
 
-def test_the_batch_invariant_mode_never_takes_the_standard_path(vllm_ctx, monkeypatch):
+@pytest.mark.parametrize("level", ["batch", "exact"])
+def test_the_row_invariant_levels_never_take_the_standard_path(vllm_ctx, monkeypatch, level):
     from megatron_fp4.integrations.vllm import quant, standard
     from megatron_fp4.integrations.vllm.quant import MoEResQLinearMethod
 
@@ -136,8 +137,8 @@ def test_the_batch_invariant_mode_never_takes_the_standard_path(vllm_ctx, monkey
     E, k, H, F = 8, 2, 64, 32
     ref = MoELayer(H, E, k, F, recipe_from_config(cfg.fp4, "fp4_resq"), norm_topk_prob=True).eval()
     init_moe_params(ref, 0.1, 0.1, torch.Generator().manual_seed(1))
-    apply_numerics(ref, Numerics(invariance="exact"))
-    qc = plugin_config(cfg, batch_invariant=True)
+    apply_numerics(ref, Numerics(invariance=level))
+    qc = plugin_config(cfg, level)
     gate_method, gate, experts, moe = plugin_moe(qc, ref, E, k, H, F)
     method = MoEResQLinearMethod(qc, "model.layers.0.self_attn.qkv_proj")
     layer = linear_layer(method, [64, 32, 32], H, torch.randn(128, H))
@@ -145,7 +146,7 @@ def test_the_batch_invariant_mode_never_takes_the_standard_path(vllm_ctx, monkey
     with torch.no_grad():
         want = ref(x)
     with torch.inference_mode():
-        assert torch.equal(moe.apply_monolithic(experts, x, gate_method.apply(gate, x)), want)  # bitwise, the mode
+        assert torch.equal(moe.apply_monolithic(experts, x, gate_method.apply(gate, x)), want)  # bitwise, the level
         method.apply(layer, x)
     assert moe.standard is None and linears == [] and moes == []
 

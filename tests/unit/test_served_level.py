@@ -18,14 +18,27 @@ pytest.importorskip("verl", reason="verl is not installed: pip install -e '.[ver
 from megatron_fp4.verl.construct import checkpoint_numerics_level  # noqa: E402
 
 
-@pytest.mark.parametrize("level,served", [("standard", "standard"), ("batch", "exact"), ("exact", "exact")])
-def test_the_actor_computes_at_the_level_the_plugin_serves(tmp_path, level, served):
+@pytest.mark.parametrize("level", ["standard", "batch", "exact"])
+def test_the_actor_computes_at_the_level_the_plugin_serves(tmp_path, level):
     cfg = Config()
     cfg.numerics.invariance = level
     block = quant_sidecar(cfg)
-    assert served_level(block) == served
+    assert block["numerics_level"] == level and served_level(block) == level  # the plugin serves every level
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen3_moe", "quantization_config": block}))
-    assert checkpoint_numerics_level(tmp_path, "qwen3_moe") == served
+    assert checkpoint_numerics_level(tmp_path, "qwen3_moe") == level
+
+
+@pytest.mark.parametrize("flag,served", [(True, "exact"), (False, "standard")])
+def test_a_block_written_before_the_levels_is_served_as_it_was(flag, served):
+    """Older exports record only `batch_invariant`: true was served at `exact`, false at `standard`."""
+    block = quant_sidecar(Config())
+    del block["numerics_level"]
+    assert served_level({**block, "batch_invariant": flag}) == served
+
+
+def test_an_unknown_level_is_refused_with_the_fix():
+    with pytest.raises(ValueError, match="numerics_level='fast' is not one of .*re-export"):
+        served_level({**quant_sidecar(Config()), "numerics_level": "fast"})
 
 
 def test_a_checkpoint_without_the_plugins_block_gets_the_project_default(tmp_path):

@@ -95,8 +95,9 @@ def quant_sidecar(cfg: Config) -> dict:
         "router_dtype": "float32",
         "weights": "high precision in model.safetensors; quantized at run time by the recipe",
         "formula": "y = Q(x)·Q(W)^T + Q(x - Q(x))·Q(W)^T when mode == 'fp4_resq'; Q(x)·Q(W)^T when 'fp4'",
-        # The plugin's layers run the `exact` numerics level (exact FP4 GEMMs) when the config asks
-        # for a row-invariant level (`batch` or `exact`); its own `batch` kernels are not built yet.
+        # The level the plugin's layers compute at (`sidecar.served_level`): the trainer's.
+        # `batch_invariant` is kept for readers of blocks written before the levels were recorded.
+        "numerics_level": cfg.numerics.invariance,
         "batch_invariant": cfg.numerics.invariance != "standard",
     }
 

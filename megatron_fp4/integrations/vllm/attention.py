@@ -6,11 +6,12 @@
 - `TrainerAttentionImpl` replaces the layer's `Attention.impl` (vLLM's CPU backend keeps building the
   metadata and allocating the cache): keys and values go into the cache with plain indexing (this
   impl reads them back, so it owns the layout inside each block), and every request's queries
-  attend with the trainer's batch-invariant `fp4.invariant.attention` over its keys gathered from
-  its block table, by position. That op sums in fixed trees indexed by key position, so a query
-  gets the same bits in a vLLM decode step, a chunked prefill, any batch, and the trainer's full
-  causal forward (ground rule 7); the KV-cache path of the project's rollout engine relies on the
-  same property. In a bf16/fp16 model the attention runs in fp32 (`model.layers.upcast`, the
+  attend with the trainer's row-invariant `fp4.invariant.attention` at the served level over its
+  keys gathered from its block table, by position. At `batch` that op reduces fixed key blocks by
+  position combined in block order (`fp4.tiled.block_attention`), at `exact` fixed trees indexed by
+  key position, so a query gets the same bits in a vLLM decode step, a chunked prefill, any batch,
+  and the trainer's full causal forward (ground rule 7); the KV-cache path of the project's rollout
+  engine relies on the same property. In a bf16/fp16 model the attention runs in fp32 (`model.layers.upcast`, the
   precision of the fp32 trainer the rollout is scored by; the cache keeps the model dtype): with
   the fp32 residual stream (model.py) the bf16 rollout's only roundings are its GEMMs' and weights'.
 
@@ -103,22 +104,41 @@ class TrainerAttentionImpl:
             return output
         if not getattr(attn_metadata, "causal", True):
             raise NotImplementedError("megatron_fp4: the plugin's attention is causal decoder attention")
-        keys, values = _cpu_layout(kv_cache, self.num_kv_heads, self.head_size)
-        size = keys.shape[2]
+        assert invariant.enabled(self.numerics, query), "the plugin's attention runs a row-invariant level"
+        keys, _ = _cpu_layout(kv_cache, self.num_kv_heads, self.head_size)
+        # the cache's rows [blocks·KV·2·size, D] (per block and kv head: its keys, then its values)
+        flat, size = kv_cache.view(-1, self.head_size), keys.shape[2]
         starts = attn_metadata.query_start_loc.tolist()
         lengths = attn_metadata.seq_lens.tolist()
-        table = attn_metadata.block_table
-        for i, seq_len in enumerate(lengths):
-            q0, q1 = starts[i], starts[i + 1]
-            if q1 == q0:
-                continue
-            blocks = table[i, :-(-seq_len // size)].long()
-            k = keys[blocks].transpose(0, 1).reshape(self.num_kv_heads, -1, self.head_size)[:, :seq_len]
-            v = values[blocks].transpose(0, 1).reshape(self.num_kv_heads, -1, self.head_size)[:, :seq_len]
-            q = upcast(query[q0:q1].transpose(0, 1)[None])  # [1, H, Tq, D]; bf16/fp16: in fp32
-            k, v = upcast(k), upcast(v)
-            positions = torch.arange(seq_len - (q1 - q0), seq_len, device=q.device)[None]
-            assert invariant.enabled(self.numerics, q), "the plugin's attention runs the batch-invariant mode"
-            out = invariant.attention(q, k[None], v[None], positions, torch.zeros(1, dtype=torch.long))
-            output[q0:q1] = out[0].transpose(0, 1).to(output.dtype)
+        groups: dict = {}  # requests by their number of queries this step (all decodes: one call)
+        for i in range(len(lengths)):
+            if starts[i + 1] > starts[i]:
+                groups.setdefault(starts[i + 1] - starts[i], []).append(i)
+        for n, reqs in groups.items():
+            self._attend(query, flat, size, attn_metadata.block_table, starts, lengths, reqs, n, output)
         return output
+
+    def _attend(self, query, flat, size: int, table, starts, lengths, reqs, n: int, output) -> None:
+        """The ``n`` queries of each request in ``reqs`` (the last ``n`` positions of its sequence) in
+        one `invariant.attention` call: B = len(reqs) rows, no padding. A request's keys are gathered
+        from its block table by position; the slots past its sequence (a longer request's) hold its
+        last key again: in every one of its queries' future, so they weigh exactly 0 (and are
+        finite, unlike unwritten cache slots). The op's contract (a query's bits depend only on its
+        keys up to its position) makes the result each request's alone: the trainer's."""
+        device, KV = query.device, self.num_kv_heads
+        idx = torch.tensor(reqs, device=device)
+        seq = torch.tensor([lengths[i] for i in reqs], device=device)
+        j = torch.minimum(torch.arange(int(seq.max()), device=device)[None], seq[:, None] - 1)  # [B, Tk]
+        blocks = table.index_select(0, idx).long().gather(1, j // size)
+        # one row gather each for keys and values, straight into [B, KV, Tk, D]
+        rows = ((blocks[:, None, :] * KV + torch.arange(KV, device=device)[None, :, None]) * (2 * size)
+                + (j % size)[:, None, :]).reshape(-1)
+        shape = (len(reqs), KV, j.shape[1], self.head_size)
+        k = upcast(flat.index_select(0, rows).view(shape))  # bf16/fp16: in fp32
+        v = upcast(flat.index_select(0, rows + size).view(shape))
+        qrows = torch.cat([torch.arange(starts[i], starts[i] + n, device=device) for i in reqs])
+        q = upcast(query.index_select(0, qrows).view(len(reqs), n, self.num_heads, self.head_size).transpose(1, 2))
+        positions = seq[:, None] - n + torch.arange(n, device=device)[None]
+        out = invariant.attention(q, k, v, positions, torch.zeros(len(reqs), dtype=torch.long, device=device),
+                                  self.numerics)  # [B, H, n, D]
+        output[qrows] = out.transpose(1, 2).reshape(len(reqs) * n, self.num_heads, self.head_size).to(output.dtype)

@@ -103,9 +103,10 @@ def _plugin_family(vllm_config) -> str:
     qc = vllm_config.quant_config
     family = getattr(vllm_config.model_config.hf_config, "model_type", "qwen3_moe")
     get_family(family)  # a ValueError naming the families otherwise
-    if qc.batch_invariant and "exact" not in get_family(family).numerics:
-        raise ValueError(f"megatron_fp4: quantization_config.batch_invariant is true but {family} runs the standard "
-                         f"numerics level only (docs/families.md); export it with numerics.invariance=standard")
+    if qc.level not in get_family(family).numerics:
+        raise ValueError(f"megatron_fp4: quantization_config asks for the {qc.level!r} numerics level but {family} "
+                         f"runs {list(get_family(family).numerics)} (docs/families.md); export it with one of those "
+                         f"(numerics.invariance)")
     qc.family = family
     return family
 

@@ -24,11 +24,12 @@ modules and functions, so the numbers are the trainer's by construction (ground 
 Every layer computes with the config's one `fp4.Numerics` (`MegatronFP4Config.values`), passed
 explicitly. Q(W) is computed once per weight version: its weight cache is one store per model,
 cleared by every weight load into a plugin-owned parameter (the weight loaders
-are wrapped) and by `process_weights_after_loading`. `batch_invariant` in the block runs the
-plugin's layers in the project's batch-invariant mode (exact FP4 GEMMs), as the trainer scores,
-with the trainer's bits. Without it (standard kernels) fused linears and the routed experts take
-`standard.py`'s fewer, larger calls on the same operands: the trainer's numerics up to fp32 GEMM
-rounding.
+are wrapped) and by `process_weights_after_loading`. The block's `numerics_level`
+(`sidecar.served_level`: the export's `numerics.invariance`) is the level every layer computes at
+with the trainer's kernels of that level: `batch` (the default: fixed row tiles per weight shape,
+`fp4.tiled`) and `exact` (exact FP4 GEMMs) give the trainer's bits. At `standard` fused linears
+and the routed experts take `standard.py`'s fewer, larger calls on the same operands: the
+trainer's numerics up to fp32 GEMM rounding.
 Supported layout: one process (no tensor or expert parallelism: the per-tensor weight scale is a
 whole-tensor amax, which a TP shard does not see).
 
@@ -102,10 +103,11 @@ class MegatronFP4Config(QuantizationConfig):
         if self.scope not in ("none", "experts", "experts+attention"):
             raise ValueError(f"quantization_config.scope={self.scope!r}: must be 'none', 'experts' or "
                              f"'experts+attention'")
-        self.batch_invariant = bool(self.block.get("batch_invariant", False))
+        self.level = served_level(self.block)  # standard | batch | exact: the trainer's kernels of that level
+        self.batch_invariant = self.level != "standard"  # a row-invariant level: the trainer's attention and RoPE
         self.qw_store: dict = {}  # Q(W) (and exact-GEMM splits) per weight, see invalidate()
-        # what every plugin layer computes with: the block's numerics mode, Q(W) reused from qw_store
-        self.values = Numerics(invariance=served_level(self.block), mode="rollout")
+        # what every plugin layer computes with: the block's numerics level, Q(W) reused from qw_store
+        self.values = Numerics(invariance=self.level, mode="rollout")
         self.values.weight_cache = self.qw_store
         self.routing_store: Optional[dict] = None  # layer -> [T, k] expert ids of the last forward
         self.family = "qwen3_moe"  # set by the plugin's model class from the checkpoint's model_type
@@ -156,9 +158,9 @@ class MegatronFP4Config(QuantizationConfig):
         when the recipe's `compile` is not `off` and its input is compensated NVFP4 1D nearest. In
         `auto` too: the trainer switches between steps, a server here, before its first request,
         at a fixed point; the bits are the eager path's either way (a variant that is not bit-exact
-        on this CPU is not used). Batch-invariant layers quantize through exact-GEMM splits instead."""
+        on this CPU is not used). The `exact` level quantizes through exact-GEMM splits instead."""
         f = recipe.input
-        if (recipe.mode == "fp4_resq" and recipe.compensated and recipe.compile != "off" and not self.batch_invariant
+        if (recipe.mode == "fp4_resq" and recipe.compensated and recipe.compile != "off" and self.level != "exact"
                 and f.format == "nvfp4" and f.block == "1d" and f.rounding == "nearest"):
             fused_resq.prepare(f.scale, dtype, inference=True)  # vLLM runs the model in inference mode
 
@@ -254,13 +256,14 @@ def fused_moeresq_linear(x, weight, bias, shards, names, recipe: Recipe, numeric
     """``x · weight.T (+ bias)`` where ``weight`` is the row-wise concatenation of ``shards`` logical
     weights, each computed by `moeresq_linear` as its own tensor; outputs concatenated.
 
-    The same bits with less work where it is the same computation: in the batch-invariant mode a
-    plain linear is one exact GEMM over the fused weight (each output element is formed from its
-    row and column alone), and FP4 shards quantize their shared input once
+    The same bits with less work where it is the same computation: at the `exact` level a plain
+    linear is one exact GEMM over the fused weight (each output element is formed from its row and
+    column alone; at `batch` a shard's row tile and GEMM shape are its own weight's, so it is one
+    tiled call per shard, as the trainer's), and FP4 shards quantize their shared input once
     (`fp4.exact_experts.shared_input_linear`; ``group`` names that quantization in errors)."""
     no_grad = not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad
                                                  or (bias is not None and bias.requires_grad)))
-    if no_grad and recipe.mode == "bf16" and invariant.enabled(numerics, x):
+    if no_grad and recipe.mode == "bf16" and invariant.exact(numerics, x):
         return invariant.linear(x, weight, bias, numerics)
     if no_grad and len(shards) > 1 and can_share_input(recipe, x, weight, numerics):
         return shared_input_linear(x, weight, bias, shards, names, recipe, group or "+".join(names), numerics)

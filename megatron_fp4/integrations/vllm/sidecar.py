@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from megatron_fp4.config.choices import INVARIANCE_LEVELS
 from megatron_fp4.fp4 import OperandFormat, Recipe
 
 SIDECAR_FILE = "megatron_fp4_quant.json"
@@ -30,11 +31,19 @@ def recipe_from_sidecar(sidecar: dict, which: str = "rollout") -> Recipe:
 
 
 def served_level(block: dict) -> str:
-    """The numerics level (`numerics.invariance`) the vLLM plugin serves a recipe block at: `exact`
-    when the block asks for a row-invariant level (`batch_invariant`; the plugin's own `batch`
-    kernels are not built yet), else `standard`. A trainer or verl actor that scores what the plugin
-    rolled out computes at this level to agree with it (tests/integration/test_verl_ppo_vllm.py)."""
-    return "exact" if block.get("batch_invariant", False) else "standard"
+    """The numerics level (`numerics.invariance`) the vLLM plugin serves a recipe block at: the
+    block's ``numerics_level`` (the export's ``numerics.invariance``: ``standard``, ``batch`` or
+    ``exact``, each computed with the trainer's kernels of that level). A block written before the
+    levels were recorded has only ``batch_invariant``: true was served ``exact``, false
+    ``standard``. A trainer or verl actor that scores what the plugin rolled out computes at this
+    level to agree with it (tests/integration/test_verl_ppo_vllm.py)."""
+    level = block.get("numerics_level")
+    if level is None:
+        return "exact" if block.get("batch_invariant", False) else "standard"
+    if level not in INVARIANCE_LEVELS:
+        raise ValueError(f"quantization_config.numerics_level={level!r:.40} is not one of {INVARIANCE_LEVELS}: "
+                         "re-export the checkpoint (tools/convert_checkpoint.py to-hf)")
+    return level
 
 
 def load_quant_sidecar(path) -> dict:
