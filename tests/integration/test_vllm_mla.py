@@ -3,8 +3,8 @@
 No vLLM needed (mla.py imports none): `TrainerMLARotary` and `TrainerMLAImpl` driven the way vLLM's
 non-MLA `DeepseekV2Attention.forward` drives them — the trainer's projections and low-rank norms,
 the rotary part of q and of the shared key roped, keys and zero-padded values written into a paged
-cache [blocks, heads, block_size, 2·qk_dim] through a slot mapping, a batched prefill of two
-requests of different lengths then decode steps over scattered blocks, the first v_head_dim of each
+cache [blocks, heads, block_size, 2·qk_dim] through a slot mapping, a chunked and a batched
+prefill of two requests of different lengths then decode steps over scattered blocks, the first v_head_dim of each
 head's output read — give every token the bits of the trainer's `MLAttention` run as one left-padded
 full forward (how the trainer scores), at the batch-invariant levels; at the standard level (SDPA
 over each request's keys vs the trainer's SDPA over the batch) within rounding. YaRN with
@@ -73,21 +73,21 @@ def test_plugin_mla_over_the_paged_cache_equals_the_trainers_full_forward(level)
     impl = TrainerMLAImpl(HEADS, QK, V, attn.scale, attn.numerics)
     rope = TrainerMLARotary(ROPE, attn.rope_theta, attn.rope_scaling)
     assert attn.scale != QK ** -0.5  # YaRN's mscale² is in the scale
-    prompt, new = [5, 9], 3
-    lengths = [p + new for p in prompt]
+    # per vLLM step, the tokens each request runs: request 1's prompt as a chunked prefill (4 then 5),
+    # request 0's prefill batched with the second chunk, then decode steps in changing batches
+    schedule = [{1: 4}, {0: 5, 1: 5}, {1: 1}, {0: 1, 1: 1}, {0: 1, 1: 1}, {0: 1}]
+    lengths = [sum(step.get(r, 0) for step in schedule) for r in (0, 1)]
     xs = [torch.randn(n, HIDDEN, generator=torch.Generator().manual_seed(10 + i)) for i, n in enumerate(lengths)]
     table = [[5, 2], [0, 6, 3, 1]]
     cache = torch.full((8, HEADS, BLOCK, 2 * QK), float("nan"))  # unwritten slots must never be read
-    got = [[], []]
+    got, done = [[], []], [0, 0]
     with torch.no_grad():
-        steps = [[(0, 0, xs[0][:prompt[0]]), (1, 0, xs[1][:prompt[1]])],
-                 [(1, prompt[1], xs[1][prompt[1]:prompt[1] + 1])]]
-        steps += [[(0, prompt[0] + s, xs[0][prompt[0] + s:prompt[0] + s + 1]),
-                   (1, prompt[1] + s + 1, xs[1][prompt[1] + s + 1:prompt[1] + s + 2])] for s in range(new - 1)]
-        steps.append([(0, lengths[0] - 1, xs[0][-1:])])
-        for chunks in steps:
+        for step in schedule:
+            chunks = [(r, done[r], xs[r][done[r]:done[r] + n]) for r, n in step.items()]
             for (r, _, _), y in zip(chunks, vllm_step(attn, impl, rope, cache, table, chunks)):
                 got[r].append(y)
+            for r, n in step.items():
+                done[r] += n
         T = max(lengths)
         x, mask = torch.zeros(2, T, HIDDEN), torch.zeros(2, T, dtype=torch.long)
         for i, n in enumerate(lengths):
