@@ -340,7 +340,8 @@ MIN_WITHIN = 0.75
 MIN_EXPERTS = 0.98
 
 
-def vllm_generate(model_dir, tmp_path, routing=True, update_from=None, dtype="float32", enforce_eager=True):
+def vllm_generate(model_dir, tmp_path, routing=True, update_from=None, dtype="float32", enforce_eager=True,
+                  extra_env=None):
     req = tmp_path / "request.json"
     req.write_text(json.dumps({"prompts": PROMPTS, "max_tokens": MAX_TOKENS, "routing": routing, "dtype": dtype,
                                "update_from": str(update_from) if update_from else None,
@@ -348,7 +349,7 @@ def vllm_generate(model_dir, tmp_path, routing=True, update_from=None, dtype="fl
     out = tmp_path / (f"vllm_{model_dir.name}_{'updated' if update_from else 'fresh'}"
                       f"{'' if enforce_eager else '_compiled'}.json")
     env = {"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin",
-           "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "HOME": str(tmp_path)}
+           "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "HOME": str(tmp_path), **(extra_env or {})}
     run = subprocess.run([sys.executable, str(ROOT / "tests/integration/vllm_generate.py"), str(model_dir), str(req),
                           str(out)], env=env, capture_output=True, text=True, timeout=900)
     assert run.returncode == 0, run.stderr[-4000:]

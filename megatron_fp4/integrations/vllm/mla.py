@@ -1,0 +1,132 @@
+"""DeepSeek-V3's attention in the plugin: the trainer's multi-head latent attention (`model.deepseek_v3.
+MLAttention`) over vLLM's standard (non-MLA) paged KV cache.
+
+vLLM builds DeepSeek-V3's layers with its MLA attention (`DeepseekV2MLAAttention`: the latent cache,
+the CPU_MLA backend) whenever `ModelConfig.use_mla` is true, which it is for every ``deepseek_v3``
+config unless the environment sets ``VLLM_MLA_DISABLE=1``; then it builds `DeepseekV2Attention`:
+the same projections (``q_a_proj`` → ``q_a_layernorm`` → ``q_b_proj``, ``kv_a_proj_with_mqa`` →
+``kv_a_layernorm`` → ``kv_b_proj``, ``o_proj``: the plugin's linear method, quant.py), the per-head
+keys [qk_nope + qk_rope] and values (zero-padded to the key width) in a plain `Attention` layer's
+paged cache, the same order of operations as the trainer's `MLAttention.forward`. The plugin then
+replaces what vLLM computes unlike the trainer, per layer (`serve_trainer_mla`):
+
+- `TrainerMLARotary` for ``rotary_emb``: the trainer's RoPE of the decoupled rotary part (HF's
+  interleaved pairs de-interleaved, then rotate-half RoPE with the fp32 tables of
+  `deepseek_v3.rope_tables_fp32`, YaRN included), which leaves the rotary part in the trainer's
+  (de-interleaved) order: the keys' dot products then sum in the trainer's order;
+- the low-rank norms' eps: 1e-6, HF's and the trainer's (vLLM uses ``rms_norm_eps``);
+- `TrainerMLAImpl` for the attention layer's ``impl``: the trainer's attention (`invariant.attention`
+  at the batch-invariant levels, ``F.scaled_dot_product_attention`` at the standard one) with the
+  trainer's softmax scale (YaRN's ``mscale²`` included) and values of their own width
+  ``v_head_dim``, every request over its keys gathered from its block table, by position.
+
+The cache holds the expanded per-head keys and values, as the trainer's own KV cache does
+(`MLAttention`): the latent cache, DeepSeek's memory saving, is vLLM's MLA path, which the plugin
+does not serve.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megatron_fp4.fp4 import invariant
+from megatron_fp4.integrations.vllm import opaque
+from megatron_fp4.integrations.vllm.attention import TrainerAttentionImpl, _cpu_layout
+from megatron_fp4.model.deepseek_v3 import LORA_NORM_EPS, MLAttention, deinterleave, rope_tables_fp32
+from megatron_fp4.model.layers import apply_rope, upcast
+
+MLA_DISABLE_HINT = ("set VLLM_MLA_DISABLE=1 in the environment of the process that builds the engine (vLLM then builds "
+                    "DeepseekV2Attention over its standard paged cache, whose attention the plugin replaces by the "
+                    "trainer's)")
+
+
+class TrainerMLARotary(nn.Module):
+    """vLLM's ``rotary_emb(positions, q_pe [T, H, r], k_pe [T, 1, r])`` as the trainer's MLA RoPE:
+    de-interleave, rotate-half RoPE with fp32 tables (plain or YaRN). Elementwise per token."""
+
+    def __init__(self, rope_dim: int, theta: float, scaling: Optional[dict]):
+        super().__init__()
+        self.rope_dim, self.theta, self.scaling = int(rope_dim), float(theta), scaling
+        self.mfp4_key = None  # set by `opaque.make_layers_opaque`: one op under vLLM's torch.compile
+
+    def mfp4_opaque(self):
+        return self._forward, lambda p, q, k: [opaque.like(q), opaque.like(k)]
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
+        if self.mfp4_key is None:
+            return self._forward(positions, q, k)
+        q, k = opaque.call(self.mfp4_key, positions, q, k)
+        return q, k
+
+    def _forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
+        cos, sin = rope_tables_fp32(positions.reshape(1, -1), self.rope_dim, self.theta, self.scaling, q.dtype)
+
+        def rotate(x):  # [T, heads, r] -> the trainer's [1, heads, T, r] and back
+            return apply_rope(deinterleave(x.transpose(0, 1)[None]), cos, sin)[0].transpose(0, 1)
+
+        return rotate(q).reshape(q.shape), rotate(k).reshape(k.shape)
+
+
+class TrainerMLAImpl(TrainerAttentionImpl):
+    """`TrainerAttentionImpl` for MLA's heads: keys [qk_dim], values [v_dim] (vLLM hands them padded
+    to qk_dim and reads the first v_dim of each head's output), the trainer's ``scale``."""
+
+    def __init__(self, num_heads: int, qk_dim: int, v_dim: int, scale: float, numerics):
+        super().__init__(num_heads, num_heads, qk_dim, qk_dim ** -0.5, numerics)
+        self.v_dim, self.scale = int(v_dim), float(scale)
+
+    def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, output_scale=None,
+                output_block_scale=None):
+        if output_scale is not None or output_block_scale is not None:
+            raise NotImplementedError("megatron_fp4: fused output quantization is not supported")
+        if attn_metadata is None:  # vLLM's warm-up / profile run
+            return output
+        if not getattr(attn_metadata, "causal", True):
+            raise NotImplementedError("megatron_fp4: the plugin's attention is causal decoder attention")
+        H, D = self.num_heads, self.head_size
+        keys, values = _cpu_layout(kv_cache, H, D)
+        size = keys.shape[2]
+        starts, lengths = attn_metadata.query_start_loc.tolist(), attn_metadata.seq_lens.tolist()
+        out_heads = output.view(-1, H, D)
+        for i, seq_len in enumerate(lengths):
+            q0, q1 = starts[i], starts[i + 1]
+            if q1 == q0:
+                continue
+            blocks = attn_metadata.block_table[i, :-(-seq_len // size)].long()
+            k = upcast(keys[blocks].transpose(0, 1).reshape(H, -1, D)[None, :, :seq_len])
+            v = upcast(values[blocks].transpose(0, 1).reshape(H, -1, D)[None, :, :seq_len, :self.v_dim])
+            q = upcast(query[q0:q1].view(-1, H, D).transpose(0, 1)[None])  # [1, H, Tq, qk_dim]
+            positions = torch.arange(seq_len - (q1 - q0), seq_len, device=q.device)[None]
+            if invariant.enabled(self.numerics, q):
+                out = invariant.attention(q, k, v, positions, torch.zeros(1, dtype=torch.long), self.numerics,
+                                          scale=self.scale)
+            else:  # the trainer's standard path (its cached decode: SDPA under a causal mask)
+                mask = torch.arange(seq_len, device=q.device)[None, :] <= positions[0, :, None]
+                out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[None, None], scale=self.scale)
+            out_heads[q0:q1, :, :self.v_dim] = out[0].transpose(0, 1).to(output.dtype)
+            out_heads[q0:q1, :, self.v_dim:] = 0
+        return output
+
+
+def serve_trainer_mla(attn: nn.Module, cfg, numerics, prefix: str) -> None:
+    """Make vLLM's `DeepseekV2Attention` ``attn`` (one decoder layer's) compute the trainer's MLA of
+    our `ModelConfig` ``cfg`` (module docstring)."""
+    if type(attn).__name__ != "DeepseekV2Attention":
+        raise ValueError(f"megatron_fp4: {prefix} is vLLM's {type(attn).__name__}, not DeepseekV2Attention (the "
+                         f"non-MLA path the plugin serves DeepSeek-V3 on): {MLA_DISABLE_HINT}")
+    with torch.device("meta"):
+        ref = MLAttention(cfg, None)  # the trainer's dims, scale and RoPE parameters (no weights)
+    if (attn.num_local_heads, attn.qk_nope_head_dim, attn.qk_rope_head_dim, attn.v_head_dim) != \
+            (ref.num_heads, ref.nope_dim, ref.rope_dim, ref.v_dim):
+        raise ValueError(f"megatron_fp4: {prefix} has (heads, qk_nope, qk_rope, v) = ({attn.num_local_heads}, "
+                         f"{attn.qk_nope_head_dim}, {attn.qk_rope_head_dim}, {attn.v_head_dim}), the trainer's "
+                         f"({ref.num_heads}, {ref.nope_dim}, {ref.rope_dim}, {ref.v_dim}): the plugin serves one "
+                         f"process (tensor_parallel_size=1)")
+    for norm in (getattr(attn, "q_a_layernorm", None), attn.kv_a_layernorm):
+        if norm is not None:
+            norm.variance_epsilon = LORA_NORM_EPS
+    attn.rotary_emb = TrainerMLARotary(ref.rope_dim, ref.rope_theta, ref.rope_scaling)
+    attn.attn.impl = TrainerMLAImpl(ref.num_heads, ref.qk_dim, ref.v_dim, ref.scale, numerics)
