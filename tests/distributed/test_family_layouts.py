@@ -1,8 +1,9 @@
 """The model families beside Qwen3-MoE on the parallel layouts match the single-process run: pp2
 (1F1B), ep2 with the all-to-all and the GC-MoE dispatchers, FP4 off, and ep2 with FP4 MoEResQ
 experts, tp2 with and without sequence parallel (2 gloo processes); tp2×dp2×ep2, pp2×tp2, FP4
-experts routing each tp rank's own tokens (moe_tp_tokens=local, ep folding tp) and expert tensor
-parallel etp2 (4 processes); tiny models:
+experts routing each tp rank's own tokens (moe_tp_tokens=local, ep folding tp), pp2×dp2×ep2,
+pp2×tp2×ep2 (all three axes in one run: the ep group folds the tp ranks, moe_tp_tokens=local; FP4
+off and with FP4 experts) and expert tensor parallel etp2 (4 processes); tiny models:
 
 - GPT-OSS (`model/gpt_oss.py`): sliding-window and full layers, YaRN, sinks, biases;
 - DeepSeek-V3 (`model/deepseek_v3.py`): latent attention, a dense first layer, a shared expert,
@@ -38,6 +39,10 @@ PARALLEL_4 = {  # 4 processes
     "tp2_dp2_ep2": dict(tp=2, ep=2),
     "tp2_pp2": dict(tp=2, pp=2),
     "fp4_tp2_dp2_ep2_local": dict(tp=2, ep=2, moe_tp_tokens="local", fp4=True),
+    "pp2_dp2_ep2": dict(pp=2, ep=2),
+    # pp × tp × ep in one run: the ep group folds the tp ranks (each routes its own tokens)
+    "pp2_tp2_ep2_local": dict(pp=2, tp=2, ep=2, moe_tp_tokens="local"),
+    "fp4_pp2_tp2_ep2_local": dict(pp=2, tp=2, ep=2, moe_tp_tokens="local", fp4=True),
 }
 ETP_4 = {"tp2_dp2_ep2_etp2": dict(tp=2, ep=2, etp=2), "fp4_tp2_etp2": dict(tp=2, etp=2, fp4=True)}
 
