@@ -100,8 +100,17 @@ def _train(trainer) -> dict:
     grads = {n: p.grad.clone() for n, p in trainer.model.named_parameters()}
     trainer.sampler.load_state_dict({"epoch": 0, "consumed": 0})
     losses = [trainer.train_step()["loss"] for _ in range(STEPS)]
+    dispatchers = {type(m.dispatcher).__name__ for m in trainer.model.moe_layers()}
+    trainer.optimizer.remove_hooks()
+    return dict(losses=losses, grads=grads, params=held_params(trainer), shards=held_slices(trainer),
+                dispatchers=dispatchers)
+
+
+def held_slices(trainer) -> dict:
+    """name -> [(dim, index)]: the slice of the single process's tensor this rank holds (expert
+    parallel's experts, then the tp / etp cut)."""
     names = {p: n for n, p in trainer.model.named_parameters()}
-    shards = {}  # name -> [(dim, index)]: the slice of the single process's tensor this rank holds
+    shards = {}
     for moe in trainer.model.moe_layers():
         for p in (getattr(moe.experts, a, None) for a in ("w13", "w2", "b13", "b2")):
             if p is not None:
@@ -111,11 +120,21 @@ def _train(trainer) -> dict:
         for attr in ("tp_shard", "etp_shard"):
             if getattr(p, attr, None) is not None:
                 shards.setdefault(n, []).append(getattr(p, attr))
+    return shards
+
+
+def held_params(trainer) -> dict:
+    """Every parameter this rank holds and the routers' expert_bias buffers (moved outside the optimizer)."""
     params = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
     params.update({n: b.clone() for n, b in trainer.model.named_buffers() if n.endswith("router.expert_bias")})
-    dispatchers = {type(m.dispatcher).__name__ for m in trainer.model.moe_layers()}
-    trainer.optimizer.remove_hooks()
-    return dict(losses=losses, grads=grads, params=params, shards=shards, dispatchers=dispatchers)
+    return params
+
+
+def slice_of(full: torch.Tensor, shards: list) -> torch.Tensor:
+    """The part of the single process's tensor `full` that a rank holding `shards` has."""
+    for dim, index in shards:
+        full = full.index_select(dim, index)
+    return full
 
 
 def _run(rank, world_size, layouts):
@@ -147,9 +166,7 @@ def check_layout(name: str, family: str, spec: dict, results: list) -> None:
             assert abs(got - want) <= FP64_REL * abs(want), (name, rank, r["losses"], ref["losses"])
         for kind in ("grads", "params"):
             for pname, value in r[kind].items():
-                want = ref[kind][pname].detach()
-                for dim, index in r["shards"].get(pname, ()):
-                    want = want.index_select(dim, index)
+                want = slice_of(ref[kind][pname].detach(), r["shards"].get(pname, ()))
                 assert value.shape == want.shape, (name, rank, kind, pname, value.shape, want.shape)
                 assert rel(value, want) <= FP64_REL, (name, rank, kind, pname, rel(value, want))
                 seen.add(pname)
