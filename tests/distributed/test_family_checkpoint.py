@@ -15,8 +15,10 @@ Tensor parallel (2 processes, tp2): the tp-cut tensors (MLA's q_b / kv_b / o pro
 sinks, the attention and expert biases) are stored as chunks of the global tensors, so the trained
 tp2 checkpoint read in one process (`load_full_model_state`) equals the single process after the
 same steps (1e-10), a weights-only tp2 checkpoint (step 0) loads into a tp1 trainer as the single
-process's init bit for bit, and resuming at tp2 is bitwise. AdamW state of tp-cut weights loads only
-at the tp it was saved with (`checkpoint/dcp_tp.py`; one clear error otherwise, not retested here).
+process's init bit for bit, and resuming at tp2 is bitwise. AdamW state of tp-cut weights loads
+only at the tp it was saved with (`checkpoint/dcp_tp.py`; one clear error otherwise, not retested
+here). Expert parallel from one process: the single process's checkpoint (ep 1, every expert in
+one tensor) resumes at dp2 × ep2 within 1e-10 of the uninterrupted run.
 """
 import pytest
 import torch
@@ -126,6 +128,11 @@ def test_checkpoint_reshards_over_pp_ep_dp_cp(resumed, family):
 def _tp2(rank, world_size, root):
     out = {}
     for family in FAMILIES:
+        # an ep 1 checkpoint (the single process's, step 2) into dp2 × ep2: every expert's tensor
+        # read whole, each rank keeps its experts, AdamW state by global offsets
+        r = _trainer(world_size, _cfg(family, dict(ep=2)))
+        assert r.load_checkpoint(f"{root}/{family}/single") == 2
+        out[family, "ep2_from_single"] = _state(r, [r.train_step()["loss"] for _ in range(2)])
         t = _trainer(world_size, _cfg(family, dict(tp=2)))
         t.save_checkpoint(f"{root}/{family}/fresh")  # step 0: weights only
         for _ in range(2):
@@ -146,8 +153,24 @@ def _tp2(rank, world_size, root):
 
 @pytest.fixture(scope="module")
 def tp2_saved(tmp_path_factory):
+    from megatron_fp4.training.trainer import Trainer
+
     root = tmp_path_factory.mktemp("family_tp_ckpt")
+    for family in FAMILIES:
+        with single_thread():
+            t = Trainer(_cfg(family, {}))
+            for _ in range(2):
+                t.train_step()
+            t.save_checkpoint(str(root / family / "single"))
     return root, run_distributed(_tp2, 2, (str(root),), timeout_s=900)
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_single_process_checkpoint_resumes_at_ep2(tp2_saved, family):
+    _, results = tp2_saved
+    ref_losses, ref_params, _ = _reference(family)
+    _check([(r[family, "ep2_from_single"], rank) for rank, r in enumerate(results)], ref_losses[2:], ref_params,
+           "ep2 from the single process")
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
@@ -162,12 +185,11 @@ def test_tp2_checkpoint_holds_global_tensors_and_resumes_bitwise(tp2_saved, fami
     parts = {"deepseek_v3": ("q_b_proj.weight", "kv_b_proj.weight", "o_proj.weight"),
              "gpt_oss": ("sinks", "q_proj.bias", "k_proj.bias", "o_proj.weight")}[family]
     assert all(any(part in n for n in cut) for part in parts), (parts, cut)  # really cut by tp
-    _, ref_params, trained = _reference(family, steps=2)
+    _, ref_params, _ = _reference(family, steps=2)
     full = load_full_model_state(root / family / "trained")
-    want = dict(trained.model.named_parameters())
-    assert set(full) == set(want)
+    assert set(full) == set(ref_params)  # the parameters and DeepSeek-V3's router biases
     for name, value in full.items():
-        assert value.shape == want[name].shape and rel(value, want[name].detach()) <= FP64_REL, name
+        assert value.shape == ref_params[name].shape and rel(value, ref_params[name]) <= FP64_REL, name
     with single_thread():
         init = Trainer(_cfg(family, {}))
         tp1 = Trainer(_cfg(family, {}))
