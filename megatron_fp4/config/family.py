@@ -59,7 +59,7 @@ def _int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def validate_deepseek_v3(m, cfg) -> None:
+def validate_deepseek_v3(m) -> None:
     """DeepSeek-V3's latent attention dims and group routing, and what its layers do not implement."""
     why = "the deepseek_v3 family"
     for name in MLA_FIELDS:
@@ -85,10 +85,6 @@ def validate_deepseek_v3(m, cfg) -> None:
              "model.shared_expert_ffn_hidden_size", m.shared_expert_ffn_hidden_size,
              f"must equal model.moe_ffn_hidden_size={m.moe_ffn_hidden_size} (DeepSeek-V3's shared experts are "
              "num_shared_experts experts of the routed experts' width)")
-    _require(getattr(cfg.parallel, "cp", 1) == 1, "parallel.cp", getattr(cfg.parallel, "cp", 1),
-             f"{why}'s latent attention has no context-parallel K/V gather yet (its keys are built from the "
-             "latent per head and share one rotary part, which parallel/context.py's GQA K/V gather does not "
-             "cover): set 1 and use pp/ep/tp/dp")
 
 
 def validate_family(cfg) -> None:
@@ -115,7 +111,7 @@ def validate_family(cfg) -> None:
             _require(getattr(m, name) == default, f"model.{name}", getattr(m, name), f"only the deepseek_v3 family "
                      f"has latent attention and group-limited routing; set model.family=deepseek_v3 or {default}")
     else:
-        return validate_deepseek_v3(m, cfg)
+        return validate_deepseek_v3(m)
     if m.family == "qwen3_moe":
         for name, bad in (("layer_types", sliding), ("rope_scaling", m.rope_scaling is not None)):
             _require(not bad, f"model.{name}", getattr(m, name), "the qwen3_moe family has full attention and "
@@ -134,6 +130,3 @@ def validate_family(cfg) -> None:
     _require(m.hidden_size % p.etp == 0, "model.hidden_size", m.hidden_size,
              f"must be a multiple of parallel.etp={p.etp} for {why}: expert tensor parallel cuts the experts' "
              "output bias b2 along it; choose etp dividing hidden_size")
-    _require(getattr(p, "cp", 1) == 1, "parallel.cp", getattr(p, "cp", 1),
-             f"{why}'s attention (sinks, sliding window) has no context-parallel K/V gather yet (the window "
-             "and the sink logit would need the cp ring's masks): set 1 and use pp/ep/tp/dp")

@@ -39,7 +39,8 @@ from torch import nn
 from megatron_fp4.fp4 import Recipe, invariant
 from megatron_fp4.model.decoder import DecoderLayer
 from megatron_fp4.model.gpt_oss import sigmoid, yarn_inv_freq
-from megatron_fp4.model.layers import Attention, LayerCache, RMSNorm, SwiGLU, _linear, apply_rope, with_cache
+from megatron_fp4.model.layers import (Attention, LayerCache, RMSNorm, SwiGLU, _linear, apply_rope, refuse_cp_extras,
+                                       with_cache)
 from megatron_fp4.model.moe import MoELayer
 from megatron_fp4.model.packing import refuse_packed
 from megatron_fp4.model.router import Router, replay_topk, router_logits
@@ -120,11 +121,19 @@ class MLAttention(Attention):
         q_rot = apply_rope(deinterleave(q_rot), cos, sin)
         k_rot = apply_rope(deinterleave(k_rot.view(B, 1, T, self.rope_dim)), cos, sin)
         q = torch.cat((q_pass, q_rot), dim=-1)
-        k = torch.cat((k_pass, k_rot.expand(B, H, T, self.rope_dim)), dim=-1)
+        if self.kv_gather is not None:  # context parallel: the whole sequence's keys and values, by position
+            refuse_cp_extras(cache, attention_mask)
+            # one gather of the per-head [k_pass | v] and the shared rotary part (not expanded over the heads)
+            kv_all, k_rot = self.kv_gather(torch.cat((k_pass, v), dim=-1), k_rot)
+            k_pass, v = kv_all.split([self.nope_dim, self.v_dim], dim=-1)
+        k = torch.cat((k_pass, k_rot.expand(B, H, k_pass.shape[2], self.rope_dim)), dim=-1)
         k, v, past = with_cache(cache, k, v)  # the full per-head keys and values (not the latent)
         if invariant.enabled(self.numerics, q):  # keys by position, fixed blocks / trees (values of their own dim)
             out = invariant.attention(q, k, v, positions, invariant.leading_pad(attention_mask, B, x.device),
                                       self.numerics, scale=self.scale)
+        elif self.kv_gather is not None:  # context parallel: queries at their global positions
+            mask = torch.arange(k.shape[2], device=x.device) <= positions[:, None, :, None]
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale)
         elif attention_mask is None and past == 0:
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale)
         else:

@@ -29,7 +29,7 @@ from torch import nn
 from megatron_fp4.fp4 import MoEResQLinear, Recipe, invariant, moeresq_linear
 from megatron_fp4.model.decoder import DecoderLayer
 from megatron_fp4.model.experts import GroupedExperts
-from megatron_fp4.model.layers import Attention, LayerCache, Linear, RMSNorm, upcast, with_cache
+from megatron_fp4.model.layers import Attention, LayerCache, Linear, RMSNorm, refuse_cp_extras, upcast, with_cache
 from megatron_fp4.model.moe import MoELayer
 from megatron_fp4.model.packing import refuse_packed
 from megatron_fp4.model.router import Router, replay_topk
@@ -111,6 +111,9 @@ class GptOssAttention(Attention):
         inv_freq, factor = yarn_inv_freq(self.head_dim, self.rope_theta, self.rope_scaling, x.device)
         cos, sin = rope_half_tables(positions, inv_freq, factor, q.dtype)
         q, k = apply_half_rope(q, cos, sin), apply_half_rope(k, cos, sin)
+        if self.kv_gather is not None:  # context parallel: the whole sequence's keys, queries at their positions
+            refuse_cp_extras(cache, attention_mask)
+            k, v = self.kv_gather(k, v)
         k, v, past = with_cache(cache, k, v)
         if invariant.enabled(self.numerics, q):  # keys by position, fixed blocks / trees, the sink a logit of its own
             out = invariant.attention(q, k, v, positions, invariant.leading_pad(attention_mask, B, x.device),
@@ -121,12 +124,14 @@ class GptOssAttention(Attention):
         rep = self.num_heads // self.num_kv_heads
         k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
         scores = torch.matmul(q, k.transpose(2, 3)) * self.head_dim ** -0.5
-        q_idx = torch.arange(past, past + T, device=x.device)[:, None]
-        k_idx = torch.arange(T_total, device=x.device)[None, :]
+        if self.kv_gather is not None:  # [B, 1, T, 1]: each query's global position
+            q_idx = positions[:, None, :, None]
+        else:
+            q_idx = torch.arange(past, past + T, device=x.device)[None, None, :, None]
+        k_idx = torch.arange(T_total, device=x.device)
         visible = k_idx <= q_idx
         if self.sliding_window:
             visible = visible & (k_idx > q_idx - self.sliding_window)
-        visible = visible[None, None]
         if attention_mask is not None:
             visible = visible & attention_mask[:, None, None, :T_total].bool()
         scores = scores.masked_fill(~visible, float("-inf"))

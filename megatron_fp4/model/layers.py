@@ -140,6 +140,13 @@ def _linear(in_f: int, out_f: int, recipe: Optional[Recipe]) -> nn.Module:
     return MoEResQLinear(in_f, out_f, bias=False, recipe=recipe)
 
 
+def refuse_cp_extras(cache: Optional[LayerCache], attention_mask: Optional[torch.Tensor]) -> None:
+    """Context-parallel attention (a `kv_gather` set) runs whole unpadded sequences only."""
+    if cache is not None or attention_mask is not None:
+        raise ValueError("context-parallel attention (parallel.cp > 1) takes neither a KV cache nor a padding "
+                         "mask: generate and score padded batches with a model built without cp")
+
+
 class Attention(nn.Module):
     """Grouped-query attention with per-head RMSNorm on q and k (Qwen3), rotary positions.
 
@@ -181,9 +188,7 @@ class Attention(nn.Module):
             out = self._packed_attention(q, k, v, SequenceLayout.of(attention_mask))
             return self.o_proj(out.reshape(B, T, self.num_heads * self.head_dim))
         if self.kv_gather is not None:
-            if cache is not None or attention_mask is not None:
-                raise ValueError("context-parallel attention (parallel.cp > 1) takes neither a KV cache nor a padding "
-                                 "mask: generate and score padded batches with a model built without cp")
+            refuse_cp_extras(cache, attention_mask)
             k, v = self.kv_gather(k, v)
         k, v, past = with_cache(cache, k, v)
         T_total = k.shape[2]

@@ -101,10 +101,21 @@ def gather_sequence(x: torch.Tensor, plan: ContextParallelPlan, dim: int = 1) ->
 
 
 def gather_kv(k: torch.Tensor, v: torch.Tensor, plan: ContextParallelPlan) -> tuple[torch.Tensor, torch.Tensor]:
-    """k, v [B, KV, T_local, D] of this rank -> the whole sequence's [B, KV, T, D] in position order
-    (one all-gather for both)."""
-    kv = gather_sequence(torch.cat([k, v], dim=1), plan, dim=2)
-    return kv.split([k.shape[1], v.shape[1]], dim=1)
+    """k [B, KV, T_local, D], v [B, KV', T_local, D'] of this rank -> the whole sequence's
+    [B, KV, T, D], [B, KV', T, D'] in position order (one all-gather for both). Same last dim (GQA,
+    GPT-OSS): joined along the heads. Otherwise (DeepSeek-V3's latent attention passes its per-head
+    [non-rotary key | value] and the one rotary key part all heads share) each is flattened per
+    token and joined along the features."""
+    if k.shape[-1] == v.shape[-1]:
+        kv = gather_sequence(torch.cat([k, v], dim=1), plan, dim=2)
+        return kv.split([k.shape[1], v.shape[1]], dim=1)
+    B, T = k.shape[0], k.shape[2]
+    flat = [t.transpose(1, 2).reshape(B, T, -1) for t in (k, v)]
+    whole = gather_sequence(torch.cat(flat, dim=-1), plan, dim=1)
+    T_all = whole.shape[1]
+    k_all, v_all = whole.split([flat[0].shape[-1], flat[1].shape[-1]], dim=-1)
+    return (k_all.reshape(B, T_all, k.shape[1], k.shape[3]).transpose(1, 2),
+            v_all.reshape(B, T_all, v.shape[1], v.shape[3]).transpose(1, 2))
 
 
 def parallelize_cp(model: torch.nn.Module, group) -> ContextParallelPlan:

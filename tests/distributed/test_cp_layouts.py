@@ -117,9 +117,6 @@ def _train(rank, world_size, layouts):
 
 def _score(rank, world_size):
     """cp 2 scoring of one micro-batch at every level (fp64 standard, fp32 batch and exact)."""
-    from megatron_fp4.parallel import context
-    from megatron_fp4.rollout.logprobs import log_softmax_rows
-
     out = {}
     for dtype, fp4, levels in (("fp64", False, ("standard",)), ("fp32", False, ("batch", "exact")),
                                ("fp32", True, ("batch", "exact"))):
@@ -127,17 +124,25 @@ def _score(rank, world_size):
             t = _build(world_size, dict(cp=2, dtype=dtype, fp4=fp4, level=level))
             if fp4:
                 t.model.set_fp4_mode("fp4_resq")
-            t.model.eval()
-            tokens = t.next_micro_batches()[0]["tokens"]
-            with torch.no_grad():
-                positions = torch.arange(tokens.shape[1]).expand(tokens.shape)
-                logits = t.model(context.split_sequence(tokens, t.cp_plan),
-                                 context.split_sequence(positions, t.cp_plan)).logits
-                rows = log_softmax_rows(logits, t.model.numerics)
-                out[("fp4_" if fp4 else "") + level] = context.token_log_probs(rows, tokens, t.cp_plan)
+            tokens, out[("fp4_" if fp4 else "") + level] = cp_token_log_probs(t)
             out[dtype + "_tokens"] = tokens
             t.optimizer.remove_hooks()
     return out
+
+
+def cp_token_log_probs(t) -> tuple:
+    """(tokens [B, T] of the trainer's next micro-batch, their per-token log-probs [B, T] from a
+    forward of `t`'s model in eval mode, each cp rank its chunks, gathered back in sequence order)."""
+    from megatron_fp4.parallel import context
+    from megatron_fp4.rollout.logprobs import log_softmax_rows
+
+    t.model.eval()
+    tokens = t.next_micro_batches()[0]["tokens"]
+    with torch.no_grad():
+        positions = torch.arange(tokens.shape[1]).expand(tokens.shape)
+        logits = t.model(context.split_sequence(tokens, t.cp_plan), context.split_sequence(positions, t.cp_plan)).logits
+        rows = log_softmax_rows(logits, t.model.numerics)
+        return tokens, context.token_log_probs(rows, tokens, t.cp_plan)
 
 
 def _weights(t) -> dict:

@@ -1,12 +1,18 @@
 """The model families beside Qwen3-MoE on the parallel layouts match the single-process run: pp2
 (1F1B), ep2 with the all-to-all and the GC-MoE dispatchers, FP4 off, and ep2 with FP4 MoEResQ
-experts, tp2 with and without sequence parallel (2 gloo processes); tp2×dp2×ep2, pp2×tp2, FP4
-experts routing each tp rank's own tokens (moe_tp_tokens=local, ep folding tp) and expert tensor
-parallel etp2 (4 processes); tiny models:
+experts, tp2 with and without sequence parallel, context parallel cp2 and cp2×ep2 (2 gloo
+processes); tp2×dp2×ep2, pp2×tp2, FP4 experts routing each tp rank's own tokens
+(moe_tp_tokens=local, ep folding tp), pp2×dp2×ep2, pp2×tp2×ep2 (all three axes in one run: the ep
+group folds the tp ranks, moe_tp_tokens=local; FP4 off and with FP4 experts), expert tensor
+parallel etp2, cp2×tp2 and cp2×pp2×ep2 (4 processes); tiny models:
 
-- GPT-OSS (`model/gpt_oss.py`): sliding-window and full layers, YaRN, sinks, biases;
+- GPT-OSS (`model/gpt_oss.py`): sliding-window and full layers, YaRN, sinks, biases; under cp the
+  window (4 keys, crossing the cp chunks of 4 tokens) and the sinks masked by the queries' global
+  positions;
 - DeepSeek-V3 (`model/deepseek_v3.py`): latent attention, a dense first layer, a shared expert,
-  group-limited sigmoid routing and aux-loss-free bias updates between the steps.
+  group-limited sigmoid routing and aux-loss-free bias updates between the steps (the expert loads
+  summed over dp × cp); under cp the per-head non-rotary keys and values and the one rotary key part
+  all heads share (decoupled RoPE, rotated at the global positions) gathered in one all-gather.
 
 Float64, as tests/distributed/test_parallel_training_ep.py: losses, the first step's gradients and
 the parameters after the steps within ``FP64_REL`` (1e-10) relative per tensor. Under EP an
@@ -14,7 +20,8 @@ expert's GEMM runs on both dp ranks' tokens at once and the dp gradient sum runs
 both fp64 rounding (~1e-16) effects; with FP4 the expert's weight gradient is quantized per source
 micro-batch (`DispatchPlan.expert_segments`), so the same holds. Under tp the ranks add the
 same products in another order (partial sums over the heads, the vocab-parallel softmax), the same
-fp64 rounding effects (derivation: tests/distributed/test_tp_trainer.py). Expert tensors (w13, w2 and
+fp64 rounding effects (derivation: tests/distributed/test_tp_trainer.py); under cp the K/V
+gather's backward and the loss shares sum in another order (tests/distributed/test_cp_layouts.py). Expert tensors (w13, w2 and
 GPT-OSS's b13, b2) and tp/etp-cut tensors are compared with the slice of the full tensor this rank holds; the router biases
 after the steps (DeepSeek-V3's, moved by the data-parallel sum of the expert loads) must be equal.
 """
@@ -33,11 +40,19 @@ PARALLEL = {
     "fp4_ep2": dict(ep=2, fp4=True),
     "tp2_sp": dict(tp=2),
     "tp2_no_sp": dict(tp=2, sequence_parallel=False),
+    "cp2": dict(cp=2),
+    "cp2_ep2": dict(cp=2, ep=2),
 }
 PARALLEL_4 = {  # 4 processes
     "tp2_dp2_ep2": dict(tp=2, ep=2),
     "tp2_pp2": dict(tp=2, pp=2),
     "fp4_tp2_dp2_ep2_local": dict(tp=2, ep=2, moe_tp_tokens="local", fp4=True),
+    "pp2_dp2_ep2": dict(pp=2, ep=2),
+    # pp × tp × ep in one run: the ep group folds the tp ranks (each routes its own tokens)
+    "pp2_tp2_ep2_local": dict(pp=2, tp=2, ep=2, moe_tp_tokens="local"),
+    "fp4_pp2_tp2_ep2_local": dict(pp=2, tp=2, ep=2, moe_tp_tokens="local", fp4=True),
+    "cp2_tp2": dict(cp=2, tp=2),
+    "cp2_pp2_ep2": dict(cp=2, pp=2, ep=2),
 }
 ETP_4 = {"tp2_dp2_ep2_etp2": dict(tp=2, ep=2, etp=2), "fp4_tp2_etp2": dict(tp=2, etp=2, fp4=True)}
 
@@ -95,8 +110,17 @@ def _train(trainer) -> dict:
     grads = {n: p.grad.clone() for n, p in trainer.model.named_parameters()}
     trainer.sampler.load_state_dict({"epoch": 0, "consumed": 0})
     losses = [trainer.train_step()["loss"] for _ in range(STEPS)]
+    dispatchers = {type(m.dispatcher).__name__ for m in trainer.model.moe_layers()}
+    trainer.optimizer.remove_hooks()
+    return dict(losses=losses, grads=grads, params=held_params(trainer), shards=held_slices(trainer),
+                dispatchers=dispatchers)
+
+
+def held_slices(trainer) -> dict:
+    """name -> [(dim, index)]: the slice of the single process's tensor this rank holds (expert
+    parallel's experts, then the tp / etp cut)."""
     names = {p: n for n, p in trainer.model.named_parameters()}
-    shards = {}  # name -> [(dim, index)]: the slice of the single process's tensor this rank holds
+    shards = {}
     for moe in trainer.model.moe_layers():
         for p in (getattr(moe.experts, a, None) for a in ("w13", "w2", "b13", "b2")):
             if p is not None:
@@ -106,14 +130,25 @@ def _train(trainer) -> dict:
         for attr in ("tp_shard", "etp_shard"):
             if getattr(p, attr, None) is not None:
                 shards.setdefault(n, []).append(getattr(p, attr))
+    return shards
+
+
+def held_params(trainer) -> dict:
+    """Every parameter this rank holds and the routers' expert_bias buffers (moved outside the optimizer)."""
     params = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
     params.update({n: b.clone() for n, b in trainer.model.named_buffers() if n.endswith("router.expert_bias")})
-    dispatchers = {type(m.dispatcher).__name__ for m in trainer.model.moe_layers()}
-    trainer.optimizer.remove_hooks()
-    return dict(losses=losses, grads=grads, params=params, shards=shards, dispatchers=dispatchers)
+    return params
+
+
+def slice_of(full: torch.Tensor, shards: list) -> torch.Tensor:
+    """The part of the single process's tensor `full` that a rank holding `shards` has."""
+    for dim, index in shards:
+        full = full.index_select(dim, index)
+    return full
 
 
 def _run(rank, world_size, layouts):
+    from megatron_fp4.parallel.dims import ParallelDims
     from megatron_fp4.parallel.mesh import ParallelMesh
     from megatron_fp4.training.trainer import Trainer
 
@@ -121,8 +156,13 @@ def _run(rank, world_size, layouts):
     for name, (family, spec) in layouts.items():
         cfg = family_cfg(family, spec)
         p = cfg.parallel
-        mesh = ParallelMesh.build(p.pp, world_size // (p.pp * p.tp), p.ep, tp=p.tp, etp=p.etp)
-        out[name] = _train(Trainer(cfg, mesh))
+        if p.cp > 1:
+            mesh = ParallelMesh.from_dims(ParallelDims.from_config(cfg, world_size))
+        else:
+            mesh = ParallelMesh.build(p.pp, world_size // (p.pp * p.tp), p.ep, tp=p.tp, etp=p.etp)
+        trainer = Trainer(cfg, mesh)
+        assert (trainer.cp_plan is not None) == (p.cp > 1)
+        out[name] = _train(trainer)
     return out
 
 
@@ -142,9 +182,7 @@ def check_layout(name: str, family: str, spec: dict, results: list) -> None:
             assert abs(got - want) <= FP64_REL * abs(want), (name, rank, r["losses"], ref["losses"])
         for kind in ("grads", "params"):
             for pname, value in r[kind].items():
-                want = ref[kind][pname].detach()
-                for dim, index in r["shards"].get(pname, ()):
-                    want = want.index_select(dim, index)
+                want = slice_of(ref[kind][pname].detach(), r["shards"].get(pname, ()))
                 assert value.shape == want.shape, (name, rank, kind, pname, value.shape, want.shape)
                 assert rel(value, want) <= FP64_REL, (name, rank, kind, pname, rel(value, want))
                 seen.add(pname)

@@ -114,7 +114,7 @@ def test_trainer_step_is_deterministic():
 
 
 @pytest.mark.parametrize("field,value,match", [
-    ("cp", 2, "parallel.cp"), ("rope_scaling", {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8, "mscale": -1},
+    ("rope_scaling", {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8, "mscale": -1},
      "rope_scaling.mscale"),
     ("moe_n_group", 3, "moe_n_group"), ("moe_topk_group", 5, "moe_topk_group"), ("num_kv_heads", 2, "num_kv_heads"),
     ("kv_lora_rank", 0, "kv_lora_rank"), ("qk_rope_head_dim", 3, "qk_rope_head_dim"),

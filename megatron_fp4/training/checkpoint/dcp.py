@@ -5,7 +5,9 @@ Same directory layout and atomicity as `training/checkpoint/directory.py` (temp 
 into any pp / dp (and ZeRO stage) layout:
 
 - ``model/<param name>``: the full parameter (replicated across dp; DCP writes it once). Expert
-  weights under expert parallelism are stored per global expert, ``model/<name>/expert<e>``;
+  weights under expert parallelism are stored per global expert, ``model/<name>/expert<e>``
+  (they reshard across ep: an ep 1 rank reads every expert's key, an ep rank of an ep 1
+  checkpoint the whole tensor into a temporary and keeps its experts);
   tensor-parallel shards as DTensor chunks of the global weight (`checkpoint/dcp_tp.py`: they reshard across tp),
   expert-tensor-parallel ones too, w13 as its gate and up halves (`checkpoint/dcp_etp.py`: they reshard across etp);
 - ``optim/<param name>/<master|exp_avg|exp_avg_sq>/<offset>``: the part of that parameter's
@@ -109,16 +111,22 @@ def _global_offset(param, info: dict) -> int:
 
 
 def _model_entries(model, mesh, saved: Optional[dict] = None, copies: Optional[list] = None) -> dict:
-    """DCP key -> tensor of every weight; on load (`saved`: the checkpoint's key -> metadata) etp
-    weights get temporaries and `copies` the copies of their slices, to run after the read."""
-    info = _expert_info(model) if mesh.ep > 1 else {}
+    """DCP key -> tensor of every weight; on load (`saved`: the checkpoint's key -> metadata) expert
+    weights take the form the checkpoint has (per global expert or whole, whatever the ep), etp
+    weights and experts of a whole tensor get temporaries, and `copies` the copies of their slices,
+    to run after the read."""
+    info = _expert_info(model)
     for replicas in tp_replicas_needed(model.cfg, mesh.tp):  # collective: every rank, same order
         mesh.tp_device_mesh(replicas)
     out = {}
     for name, p in model.named_parameters():
-        if id(p) in info:
+        per_expert = id(p) in info and (mesh.ep > 1 if saved is None else _saved_per_expert(name, saved))
+        if per_expert:
             offset, _ = info[id(p)]
             pieces = [(f"model/{name}/expert{offset + e}", p.data[e], 1) for e in range(p.shape[0])]
+        elif id(p) in info and mesh.ep > 1 and getattr(p, "etp_shard", None) is None:
+            out[f"model/{name}"] = _expert_slice_from_whole(p, info[id(p)][0], model.cfg.num_experts, copies)
+            continue
         else:
             pieces = [(f"model/{name}", p.data, 0)]
         for key, t, lead in pieces:
@@ -132,6 +140,21 @@ def _model_entries(model, mesh, saved: Optional[dict] = None, copies: Optional[l
         if name.endswith(".mlp.router.expert_bias"):
             out[f"model/{name}"] = b
     return out
+
+
+def _saved_per_expert(name: str, saved: dict) -> bool:
+    """Whether the checkpoint stores expert weight `name` per global expert (saved under ep > 1)."""
+    return f"model/{name}/expert0" in saved or f"model/{name}/expert0/gate" in saved
+
+
+def _expert_slice_from_whole(p, offset: int, num_experts: int, copies: list) -> torch.Tensor:
+    """An expert weight this ep rank holds experts ``offset..`` of, from a checkpoint saved at ep 1
+    (one tensor of every expert): read into a temporary of the global shape (a checkpoint of
+    another shape is refused by `check_declared_shapes` before the read), the rank's experts copied
+    into `p` after it."""
+    whole = torch.empty((num_experts, *p.shape[1:]), dtype=p.dtype)
+    copies.append(lambda: p.data.copy_(whole[offset:offset + p.shape[0]]))
+    return whole
 
 
 def _optim_entries(trainer) -> dict:
