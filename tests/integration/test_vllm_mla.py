@@ -1,9 +1,9 @@
 """The plugin's DeepSeek-V3 attention pieces (integrations/vllm/mla.py) against the trainer's MLA.
 
-No vLLM needed (mla.py imports none): `TrainerMLARotary` and `TrainerMLAImpl` driven the way vLLM's
-non-MLA `DeepseekV2Attention.forward` drives them — the trainer's projections and low-rank norms,
-the rotary part of q and of the shared key roped, keys and zero-padded values written into a paged
-cache [blocks, heads, block_size, 2·qk_dim] through a slot mapping, a chunked and a batched
+No vLLM needed (mla.py imports none): the plugin's forward of vLLM's non-MLA `DeepseekV2Attention`
+(`mla._mla_forward`, with `TrainerMLARotary` and `TrainerMLAImpl`) over the trainer's projections
+and low-rank norms, keys and zero-padded values written into a paged cache
+[blocks, heads, block_size, 2·qk_dim] through a slot mapping, a chunked and a batched
 prefill of two requests of different lengths then decode steps over scattered blocks, the first v_head_dim of each
 head's output read — give every token the bits of the trainer's `MLAttention` run as one left-padded
 full forward (how the trainer scores), at the batch-invariant levels; at the standard level (SDPA
@@ -17,7 +17,7 @@ import torch
 
 from megatron_fp4.config import ModelConfig
 from megatron_fp4.fp4 import Numerics, apply_numerics
-from megatron_fp4.integrations.vllm.mla import TrainerMLAImpl, TrainerMLARotary
+from megatron_fp4.integrations.vllm.mla import TrainerMLAImpl, TrainerMLARotary, _mla_forward
 from megatron_fp4.model.deepseek_v3 import MLAttention
 
 HEADS, NOPE, ROPE, V, HIDDEN, BLOCK = 2, 16, 16, 8, 64, 4
@@ -40,31 +40,41 @@ def trainer_mla(level: str) -> MLAttention:
     return attn.eval()
 
 
-def vllm_step(attn, impl, rope, cache, table, chunks):
-    """One vLLM forward over `chunks` [(request, first position, rows of x)] (DeepseekV2Attention.forward)."""
+class VllmMLA(torch.nn.Module):
+    """The attributes of vLLM's non-MLA `DeepseekV2Attention` that `mla._mla_forward` reads, over the
+    trainer module's weights: vLLM's linears return (output, bias), its `Attention` layer writes the
+    keys and values into the paged cache (slot mapping) and runs the impl with the step's metadata."""
+
+    def __init__(self, attn, impl, rope, cache, table):
+        super().__init__()
+        for name in ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"):
+            setattr(self, name, (lambda m: lambda x: (m(x), None))(getattr(attn, name)))
+        self.q_a_layernorm, self.kv_a_layernorm, self.rotary_emb = attn.q_a_layernorm, attn.kv_a_layernorm, rope
+        self.q_lora_rank, self.kv_lora_rank, self.num_local_heads = attn.q_lora_rank, attn.kv_lora_rank, HEADS
+        self.qk_nope_head_dim, self.qk_rope_head_dim, self.v_head_dim = NOPE, ROPE, V
+        self.impl, self.cache, self.table, self.chunks = impl, cache, table, None
+
+    def attn(self, q, k, v):
+        chunks, T = self.chunks, q.shape[0]
+        slots = torch.tensor([self.table[r][p // BLOCK] * BLOCK + p % BLOCK for r, p0, xs in chunks
+                              for p in range(p0, p0 + len(xs))])
+        self.impl.do_kv_cache_update(None, k.view(T, HEADS, QK), v.view(T, HEADS, QK), self.cache, slots)
+        meta = type("Meta", (), {})()
+        meta.causal = True
+        meta.query_start_loc = torch.tensor([0] + torch.tensor([len(xs) for _, _, xs in chunks]).cumsum(0).tolist())
+        meta.seq_lens = torch.tensor([p0 + len(xs) for _, p0, xs in chunks])
+        width = max(map(len, self.table))
+        meta.block_table = torch.tensor([self.table[r] + [0] * (width - len(self.table[r])) for r, _, _ in chunks])
+        out = torch.full((T, HEADS * QK), float("nan"))
+        return self.impl.forward(None, q, None, None, self.cache, meta, out)
+
+
+def vllm_step(layer: VllmMLA, chunks):
+    """One vLLM forward over `chunks` [(request, first position, rows of x)]: the plugin's forward."""
+    layer.chunks = chunks
     rows = torch.cat([xs for _, _, xs in chunks])
     positions = torch.cat([torch.arange(p0, p0 + len(xs)) for _, p0, xs in chunks])
-    T = rows.shape[0]
-    q = attn.q_b_proj(attn.q_a_layernorm(attn.q_a_proj(rows))).view(T, HEADS, QK)
-    latent = attn.kv_a_proj_with_mqa(rows)
-    kv = attn.kv_b_proj(attn.kv_a_layernorm(latent[:, :attn.kv_lora_rank])).view(T, HEADS, NOPE + V)
-    q_pe, k_pe = rope(positions, q[..., NOPE:], latent[:, None, attn.kv_lora_rank:])
-    q[..., NOPE:] = q_pe
-    k = torch.empty_like(q)
-    k[..., :NOPE], k[..., NOPE:] = kv[..., :NOPE], k_pe
-    v = torch.nn.functional.pad(kv[..., NOPE:], [0, QK - V])
-    slots = torch.tensor([table[r][p // BLOCK] * BLOCK + p % BLOCK for r, p0, xs in chunks
-                          for p in range(p0, p0 + len(xs))])
-    impl.do_kv_cache_update(None, k, v, cache, slots)
-    meta = type("Meta", (), {})()
-    meta.causal = True
-    meta.query_start_loc = torch.tensor([0] + torch.tensor([len(xs) for _, _, xs in chunks]).cumsum(0).tolist())
-    meta.seq_lens = torch.tensor([p0 + len(xs) for _, p0, xs in chunks])
-    width = max(map(len, table))
-    meta.block_table = torch.tensor([table[r] + [0] * (width - len(table[r])) for r, _, _ in chunks])
-    out = torch.full((T, HEADS * QK), float("nan"))
-    impl.forward(None, q.view(T, -1), None, None, cache, meta, out)
-    return attn.o_proj(out.view(T, HEADS, QK)[..., :V].reshape(T, -1)).split([len(xs) for _, _, xs in chunks])
+    return _mla_forward(layer, positions, rows).split([len(xs) for _, _, xs in chunks])
 
 
 @pytest.mark.parametrize("level", ["exact", "batch", "standard"])
@@ -80,11 +90,12 @@ def test_plugin_mla_over_the_paged_cache_equals_the_trainers_full_forward(level)
     xs = [torch.randn(n, HIDDEN, generator=torch.Generator().manual_seed(10 + i)) for i, n in enumerate(lengths)]
     table = [[5, 2], [0, 6, 3, 1]]
     cache = torch.full((8, HEADS, BLOCK, 2 * QK), float("nan"))  # unwritten slots must never be read
+    layer = VllmMLA(attn, impl, rope, cache, table)
     got, done = [[], []], [0, 0]
     with torch.no_grad():
         for step in schedule:
             chunks = [(r, done[r], xs[r][done[r]:done[r] + n]) for r, n in step.items()]
-            for (r, _, _), y in zip(chunks, vllm_step(attn, impl, rope, cache, table, chunks)):
+            for (r, _, _), y in zip(chunks, vllm_step(layer, chunks)):
                 got[r].append(y)
             for r, n in step.items():
                 done[r] += n
@@ -109,6 +120,7 @@ def test_the_mla_rope_is_the_trainers_deinterleaved_rope():
     got_q, got_k = rope(torch.tensor([0, 5, 0]), q, k)
     perm = torch.cat([torch.arange(0, ROPE, 2), torch.arange(1, ROPE, 2)])
     assert torch.equal(got_q[0], q[0][:, perm]) and torch.equal(got_k[2], k[2][:, perm])
+    assert got_q.is_contiguous() and got_k.is_contiguous()  # its opaque op's promise (inductor reads it dense)
     assert not torch.allclose(got_q[1], q[1][:, perm])
     norms = lambda t: (t[..., :ROPE // 2] ** 2 + t[..., ROPE // 2:] ** 2)  # noqa: E731
     torch.testing.assert_close(norms(got_q[1]), norms(q[1][:, perm]))  # YaRN mscale ratio 1 here

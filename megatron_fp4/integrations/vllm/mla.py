@@ -64,10 +64,11 @@ class TrainerMLARotary(nn.Module):
     def _forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         cos, sin = rope_tables_fp32(positions.reshape(1, -1), self.rope_dim, self.theta, self.scaling, q.dtype)
 
-        def rotate(x):  # [T, heads, r] -> the trainer's [1, heads, T, r] and back
-            return apply_rope(deinterleave(x.transpose(0, 1)[None]), cos, sin)[0].transpose(0, 1)
+        def rotate(x):  # [T, heads, r] -> the trainer's [1, heads, T, r] and back, contiguous (the opaque
+            # op's shape function promises a dense output: inductor reads it so)
+            return apply_rope(deinterleave(x.transpose(0, 1)[None]), cos, sin)[0].transpose(0, 1).contiguous()
 
-        return rotate(q).reshape(q.shape), rotate(k).reshape(k.shape)
+        return rotate(q), rotate(k)
 
 
 class TrainerMLAImpl(TrainerAttentionImpl):
@@ -130,3 +131,27 @@ def serve_trainer_mla(attn: nn.Module, cfg, numerics, prefix: str) -> None:
             norm.variance_epsilon = LORA_NORM_EPS
     attn.rotary_emb = TrainerMLARotary(ref.rope_dim, ref.rope_theta, ref.rope_scaling)
     attn.attn.impl = TrainerMLAImpl(ref.num_heads, ref.qk_dim, ref.v_dim, ref.scale, numerics)
+    attn.forward = _mla_forward.__get__(attn)
+
+
+def _mla_forward(self, positions: torch.Tensor, hidden_states: torch.Tensor, llama_4_scaling=None) -> torch.Tensor:
+    """vLLM's `DeepseekV2Attention.forward` without its in-place writes (q and k built by `torch.cat`),
+    in the trainer's `MLAttention.forward` order."""
+    if llama_4_scaling is not None:
+        raise ValueError("megatron_fp4: llama-4 attention scaling is not the trainer's DeepSeek-V3")
+    T, H, nope, rope, v_dim = hidden_states.shape[0], self.num_local_heads, self.qk_nope_head_dim, \
+        self.qk_rope_head_dim, self.v_head_dim
+    if self.q_lora_rank is not None:
+        q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(hidden_states)[0]))[0]
+    else:
+        q = self.q_proj(hidden_states)[0]
+    q_nope, q_pe = q.view(T, H, nope + rope).split([nope, rope], dim=-1)
+    kv_a, k_pe = self.kv_a_proj_with_mqa(hidden_states)[0].split([self.kv_lora_rank, rope], dim=-1)
+    kv = self.kv_b_proj(self.kv_a_layernorm(kv_a))[0].view(T, H, nope + v_dim)
+    k_nope, v = kv.split([nope, v_dim], dim=-1)
+    q_pe, k_pe = self.rotary_emb(positions, q_pe, k_pe.reshape(T, 1, rope))
+    q = torch.cat((q_nope, q_pe), dim=-1)
+    k = torch.cat((k_nope, k_pe.expand(T, H, rope)), dim=-1)
+    v = F.pad(v, [0, nope + rope - v_dim])  # the standard cache's width; the impl reads the first v_dim
+    out = self.attn(q.reshape(T, -1), k.reshape(T, -1), v.reshape(T, -1))
+    return self.o_proj(out.view(T, H, nope + rope)[..., :v_dim].reshape(T, H * v_dim))[0]
