@@ -21,7 +21,9 @@ contribution of the kernel's own can follow in the same sum:
   counts uses whose backward has not run yet): several uses in one graph (chunked expert calls,
   a pipeline's micro-batches in flight, recompute) take the ordinary path, whose summation order
   the fused write would change;
-- the parameter's ``.grad`` is still the buffer's view (someone may have set it to ``None``).
+- the parameter's ``.grad`` is still the buffer's view (someone may have set it to ``None``);
+- the running backward accumulates into ``.grad`` (``torch.autograd.grad`` returns gradients: the
+  zero-bubble schedules' split input/weight passes take the ordinary path).
 
 A granted claim fires none of the optimizer's bucket hooks: the optimizer grants claims only for
 buffers it reduces in a group of one (nothing to overlap), and reduces every bucket whose hooks did
@@ -69,10 +71,33 @@ class FusedGrad:
             self.uses = 0
         param = self.param_ref()
         if not (sole and self.is_zero) or param is None or param.grad is None \
-                or param.grad.data_ptr() != self.view.data_ptr() or param.grad.shape != self.view.shape:
+                or param.grad.data_ptr() != self.view.data_ptr() or param.grad.shape != self.view.shape \
+                or not _accumulates(param):
             return None
         self.is_zero = False
         return self.view
+
+
+def _accumulates(param: torch.Tensor) -> bool:
+    """Whether the running backward accumulates into ``param.grad`` (``.backward()``, also with
+    ``inputs`` naming it), not ``torch.autograd.grad`` returning gradients (zero-bubble pipeline
+    schedules' input and weight passes) or a ``.backward(inputs=...)`` without it."""
+    will_execute = getattr(torch._C, "_will_engine_execute_node", None)
+    if will_execute is None:
+        return False
+    with torch.enable_grad():
+        node = param.view_as(param).grad_fn.next_functions[0][0]  # its AccumulateGrad
+    try:
+        return bool(will_execute(node))
+    except RuntimeError:  # autograd.grad() with the leaf as an input: returned, not accumulated
+        return False
+
+
+def claim_fused(ctx) -> Optional[torch.Tensor]:
+    """In a fused kernel's backward: `FusedGrad.claim` of the `fused_grad_of` its forward stored as
+    ``ctx.fused``, once per forward (a retained graph's second backward takes the ordinary path)."""
+    fused, ctx.fused = getattr(ctx, "fused", None), None
+    return fused.claim() if fused is not None else None
 
 
 def fused_grad_of(weight: torch.Tensor, needs_grad: bool) -> Optional[FusedGrad]:

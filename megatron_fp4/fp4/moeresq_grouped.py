@@ -34,7 +34,7 @@ from typing import Optional, Sequence
 import torch
 
 from megatron_fp4.fp4 import invariant, triton_fp4
-from megatron_fp4.fp4.grad_fusion import finish_fused, fused_grad_of
+from megatron_fp4.fp4.grad_fusion import claim_fused, finish_fused, fused_grad_of
 from megatron_fp4.fp4.tiled import tiled_mm
 from megatron_fp4.fp4.moeresq import (
                                       _ForwardGemm, _Site, _accumulate_dtype, _cached_weight, _col_quantize, _link, _no_autocast,
@@ -221,7 +221,7 @@ class _GroupedWgradHalf(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         (x2,) = ctx.saved_tensors
-        dest = ctx.fused.claim() if ctx.fused is not None else None
+        dest = claim_fused(ctx)
         dw = _wgrad(ctx.g, dy, x2, *ctx.w_meta, dest=dest)
         return (None if dest is not None else dw), None, None, None, None
 

@@ -34,7 +34,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from megatron_fp4.fp4.grad_fusion import finish_fused, fused_grad_of
+from megatron_fp4.fp4.grad_fusion import claim_fused, finish_fused, fused_grad_of
 
 ROW_TILE = 16  # the smallest GEMM row tile, and attention's query tile
 MAX_ROW_TILE = 128
@@ -149,7 +149,7 @@ class _TiledGroupedLinear(torch.autograd.Function):
         # without rows zeros. Into the optimizer's zeroed gradient buffer when it grants the claim
         # (`fp4/grad_fusion.py`: no weight-sized temporary, no accumulation pass), else a new tensor.
         dx = torch.empty(x.shape, dtype=x.dtype, device=x.device) if ctx.needs_input_grad[0] else None
-        dest = ctx.fused.claim() if ctx.fused is not None else None
+        dest = claim_fused(ctx)
         dw = None
         if ctx.needs_input_grad[1]:
             dw = dest if dest is not None else torch.empty(weight.shape, dtype=weight.dtype, device=weight.device)
