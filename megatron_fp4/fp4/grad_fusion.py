@@ -31,6 +31,7 @@ not all fire when the step is applied, so correctness never depends on them.
 """
 from __future__ import annotations
 
+import weakref
 from typing import Optional
 
 import torch
@@ -43,8 +44,6 @@ class FusedGrad:
     __slots__ = ("param_ref", "view", "is_zero", "in_flight", "uses")
 
     def __init__(self, param: torch.Tensor, view: torch.Tensor):
-        import weakref
-
         self.param_ref, self.view = weakref.ref(param), view
         self.reset(zeroed=False)
 
