@@ -34,6 +34,7 @@ from typing import Optional, Sequence
 import torch
 
 from megatron_fp4.fp4 import invariant, triton_fp4
+from megatron_fp4.fp4.grad_fusion import claim_fused, finish_fused, fused_grad_of
 from megatron_fp4.fp4.tiled import tiled_mm
 from megatron_fp4.fp4.moeresq import (
                                       _ForwardGemm, _Site, _accumulate_dtype, _cached_weight, _col_quantize, _link, _no_autocast,
@@ -163,15 +164,23 @@ def _dgrad(g: _Group, dy: torch.Tensor, wqs: dict, x_shape, x_dtype) -> torch.Te
 
 
 @_no_autocast
-def _wgrad(g: _Group, dy: torch.Tensor, x2: torch.Tensor, w_shape, w_dtype) -> torch.Tensor:
+def _wgrad(g: _Group, dy: torch.Tensor, x2: torch.Tensor, w_shape, w_dtype,
+           dest: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """The stacked weight gradient [E, out, in]; into ``dest`` (the optimizer's zeroed gradient
+    buffer, granted by `fp4/grad_fusion.py`) when given, with the bits of accumulating into it."""
     dy2, r = _rows32(dy), g.recipe
-    dw = torch.empty(w_shape, dtype=w_dtype, device=dy.device)
-    for e in range(w_shape[0]):
-        if not g.counts[e]:
-            dw[e].zero_()
+    if dest is None:
+        dw = torch.empty(w_shape, dtype=w_dtype, device=dy.device)
+        for e in range(w_shape[0]):
+            if not g.counts[e]:
+                dw[e].zero_()
+    else:  # zero already
+        dw = dest
     if not r.quantize_backward:
         for e in g.active:
             dw[e] = (g.rows(dy2, e).t() @ g.rows(x2, e).to(dy2.dtype)).to(w_dtype)
+            if dest is not None:
+                finish_fused(dw[e])
         return dw
     dyt = g.quantize_cols(dy2, r.grad_output, "grad_output")
     xt = g.quantize_cols(x2, r.input, "input")
@@ -181,6 +190,8 @@ def _wgrad(g: _Group, dy: torch.Tensor, x2: torch.Tensor, w_shape, w_dtype) -> t
             torch.mm(a, b, out=dw[e])
         else:
             dw[e] = (a @ b).to(w_dtype)
+        if dest is not None:
+            finish_fused(dw[e])
     return dw
 
 
@@ -204,12 +215,15 @@ class _GroupedWgradHalf(torch.autograd.Function):
     def forward(ctx, weight, x2, g: _Group, out_shape, out_dtype):
         ctx.save_for_backward(x2)
         ctx.g, ctx.w_meta = g, (weight.shape, weight.dtype)
+        ctx.fused = fused_grad_of(weight, ctx.needs_input_grad[0])
         return _link(out_shape, out_dtype, x2.device)
 
     @staticmethod
     def backward(ctx, dy):
         (x2,) = ctx.saved_tensors
-        return _wgrad(ctx.g, dy, x2, *ctx.w_meta), None, None, None, None
+        dest = claim_fused(ctx)
+        dw = _wgrad(ctx.g, dy, x2, *ctx.w_meta, dest=dest)
+        return (None if dest is not None else dw), None, None, None, None
 
 
 def grouped_moeresq_linear(x: torch.Tensor, weight: torch.Tensor, counts: Sequence[int], *, recipe: Recipe,

@@ -34,6 +34,8 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from megatron_fp4.fp4.grad_fusion import claim_fused, finish_fused, fused_grad_of
+
 ROW_TILE = 16  # the smallest GEMM row tile, and attention's query tile
 MAX_ROW_TILE = 128
 TILE_WORK = 1 << 18  # multiply-adds a GEMM tile aims at (a narrow layer's tile grows to reach it)
@@ -136,22 +138,33 @@ class _TiledGroupedLinear(torch.autograd.Function):
     def forward(ctx, x, weight, counts):
         ctx.save_for_backward(x, weight)
         ctx.counts = counts
+        ctx.fused = fused_grad_of(weight, ctx.needs_input_grad[1])
         return tiled_grouped_linear(x, weight.unbind(0), counts)
 
     @staticmethod
     def backward(ctx, dy):
         x, weight = ctx.saved_tensors
         rows = list(ctx.counts)
-        dx = x.new_zeros(x.shape) if ctx.needs_input_grad[0] else None
-        dw = torch.zeros_like(weight) if ctx.needs_input_grad[1] else None
+        # Every row belongs to one expert, so dx is written whole; dw: each expert's GEMM, an expert
+        # without rows zeros. Into the optimizer's zeroed gradient buffer when it grants the claim
+        # (`fp4/grad_fusion.py`: no weight-sized temporary, no accumulation pass), else a new tensor.
+        dx = torch.empty(x.shape, dtype=x.dtype, device=x.device) if ctx.needs_input_grad[0] else None
+        dest = claim_fused(ctx)
+        dw = None
+        if ctx.needs_input_grad[1]:
+            dw = dest if dest is not None else torch.empty(weight.shape, dtype=weight.dtype, device=weight.device)
         for e, (xs, dys, n) in enumerate(zip(x.split(rows), dy.split(rows), rows)):
             if not n:
+                if dw is not None and dest is None:
+                    dw[e].zero_()
                 continue
             if dx is not None:
                 torch.mm(dys, weight[e], out=dx.narrow(0, sum(rows[:e]), n))
             if dw is not None:
                 torch.mm(dys.t(), xs, out=dw[e])
-        return dx, dw, None
+                if dest is not None:
+                    finish_fused(dw[e])
+        return dx, (None if dest is not None else dw), None
 
 
 def _zero_padded(t: torch.Tensor, dim: int, size: int) -> torch.Tensor:

@@ -47,6 +47,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from megatron_fp4.fp4.grad_fusion import FusedGrad
 from megatron_fp4.model.layers import wide_dtype
 from megatron_fp4.model.specs import no_weight_decay
 from megatron_fp4.parallel.flat_buffer import (CHUNK_NUMEL, Bucket, FlatBuffer, all_finite_pieces, merge_ranges,
@@ -117,6 +118,15 @@ class ZeroAdamW:
                                                      fused=_fused_adamw_on(master.device)))
         self._hooks = []
         self._armed = False
+        # Gradient-accumulation fusion (`fp4/grad_fusion.py`): the grouped expert kernels write their
+        # weight gradients straight into a buffer zeroed for the step, where nothing is reduced
+        # across ranks (a group of one: no bucket collective to overlap with backward).
+        self._fused: list = []
+        for buf in self.buffers:
+            if buf.group is None or buf.group_size == 1:
+                for i, p in enumerate(buf.params):
+                    p.fused_grad = FusedGrad(p, buf.param_view(i, buf.grad))
+                    self._fused.append((p, p.fused_grad))
         for buf in self.buffers:
             for b in buf.buckets:
                 for p in b.params:
@@ -146,6 +156,9 @@ class ZeroAdamW:
     # -- gradient synchronisation -------------------------------------------------------------------
     def _make_hook(self, buf: FlatBuffer, bucket: Bucket):
         def hook(param):
+            fused = getattr(param, "fused_grad", None)
+            if fused is not None:  # the buffer holds an ordinary accumulation: no fused write may overwrite it
+                fused.accumulated()
             if not self._armed or bucket.pending < 0:  # held: reduced in finish_grad_sync
                 return
             bucket.pending -= 1
@@ -223,6 +236,8 @@ class ZeroAdamW:
                 self.grad_shards[k].zero_()
             for i, p in enumerate(buf.params):
                 p.grad = buf.param_view(i, buf.grad)
+        for _, fused in self._fused:
+            fused.reset(zeroed=True)
         self._armed = False
 
     # -- norm and step -----------------------------------------------------------------------------
@@ -385,3 +400,7 @@ class ZeroAdamW:
         for h in self._hooks:
             h.remove()
         self._hooks = []
+        for p, fused in self._fused:
+            if p.__dict__.get("fused_grad") is fused:  # not a later optimizer's
+                del p.fused_grad
+        self._fused = []
