@@ -29,6 +29,7 @@ on that row (and, for attention, its prefix), not on its batch, padding, micro-b
 """
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import torch
@@ -41,6 +42,7 @@ KEY_BLOCK = 64
 MIN_VALUE_COLUMNS = 16  # the weighted-value GEMM's width at least (`block_attention`)
 
 
+@functools.lru_cache(maxsize=None)
 def row_tile(k: int, n: int) -> int:
     """The row tile of a [M, k] · [k, n] GEMM: ROW_TILE doubled while a tile does fewer than
     TILE_WORK multiply-adds, at most MAX_ROW_TILE. A function of the weight's shape alone (never of
@@ -66,7 +68,12 @@ def _tiled_forward(x2: torch.Tensor, wt: torch.Tensor) -> torch.Tensor:
     M = x2.shape[0]
     tile = row_tile(*wt.shape)
     xp = _padded_rows(x2, tile)
-    out = torch.cat([torch.mm(t, wt) for t in xp.split(tile)]) if xp.shape[0] > tile else torch.mm(xp, wt)
+    if xp.shape[0] == tile:
+        out = torch.mm(xp, wt)
+    else:  # each tile's product written in place into one output (no concatenating copy)
+        out = xp.new_empty(xp.shape[0], wt.shape[1])
+        for i in range(0, xp.shape[0], tile):
+            torch.mm(xp[i:i + tile], wt, out=out[i:i + tile])
     return out[:M] if out.shape[0] != M else out
 
 
