@@ -19,7 +19,9 @@ on that row (and, for attention, its prefix), not on its batch, padding, micro-b
   in a KV-cache decode step and in a causal full forward alike. A block wholly in the future of
   every query of a tile is skipped for that tile (it would add exact zeros: its weights are
   exp(−inf) = 0 and its rescale factor exp(0) = 1), so a causal forward does about half the work;
-  the tiles that read a block are gathered (``index_select``) into one batched call.
+  the tiles that read a block are gathered (``index_select``) into one batched call. A block's mask
+  is gathered from constant tables (an additive −inf bias, a 0/1 factor after the clamped exp:
+  :func:`_block_mask`), and without autograd the block-sized buffers are reused across blocks.
 - The backward of a tiled GEMM is one plain GEMM per gradient (:class:`_TiledMM`): gradients sum
   over the batch, so no tiling makes them batch invariant, and autograd through every tile cost
   as many small ops as the forward.
@@ -180,10 +182,11 @@ def _masks(hidden: torch.Tensor, dtype: torch.dtype) -> tuple:
         (~hidden).to(dtype)
 
 
-def _mask_tables(dtype: torch.dtype, device) -> tuple:
+@functools.lru_cache(maxsize=None)
+def _mask_tables(dtype: torch.dtype, device: torch.device) -> tuple:
     """(bias, keep) [KEY_BLOCK + 1, KEY_BLOCK]: row r + 1 masks the keys of a block past offset r
     (column c > r), row 0 the whole block: a gather of rows replaces a compare and two masked_fills
-    over each block's scores."""
+    over each block's scores. Constants (only read), built once per dtype and device."""
     r = torch.arange(-1, KEY_BLOCK, device=device)[:, None]
     return _masks(torch.arange(KEY_BLOCK, device=device)[None, :] > r, dtype)
 
@@ -203,6 +206,18 @@ def _block_mask(pj: torch.Tensor, j: int, window: int, tables, dtype: torch.dtyp
         return tuple(t.index_select(0, row).view(shape) for t in tables)
     return tuple(torch.index_select(t, 0, row, out=o.view(-1, KEY_BLOCK)[:row.shape[0]]).view(shape)
                  for t, o in zip(tables, out))
+
+
+def _key_rows(t: torch.Tensor) -> tuple:
+    """(rows, per_head): ``t`` [B, KV, T, D] as a [R, D] matrix of its key rows, (b, kv)'s slot j at
+    row (b·KV + kv)·per_head + j. A KV cache's filled prefix (a view of a [B, KV, capacity, D] buffer)
+    is read in place, with per_head = capacity: no copy of the whole cache before the gather."""
+    B, KV, T, D = t.shape
+    s = t.stride()
+    if s[3] == 1 and s[2] == D and s[1] % D == 0 and s[0] == KV * s[1] and B * KV > 0:
+        per_head = s[1] // D
+        return t.as_strided(((B * KV - 1) * per_head + T, D), (D, 1)), per_head
+    return t.reshape(B * KV * T, D), T
 
 
 def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
@@ -226,10 +241,13 @@ def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions
     # by its place in the tile (measured: 9-11 columns, a padded row then differed in its last bit).
     width = nK * KEY_BLOCK
     slot = (pad[:, None] + torch.arange(width, device=k.device)[None, :]).clamp(max=Tk - 1)  # [B, width]
-    rows = (torch.arange(B * KV, device=k.device).view(B, KV, 1) * Tk + slot[:, None, :]).reshape(-1)
-    kb = k.reshape(B * KV * Tk, D).index_select(0, rows).view(B * KV, nK, KEY_BLOCK, D)
+    kr, k_rows = _key_rows(k)
+    vr, v_rows = _key_rows(v)
+    head = torch.arange(B * KV, device=k.device).view(B, KV, 1)
+    rows = (head * k_rows + slot[:, None, :]).reshape(-1)
+    kb = kr.index_select(0, rows).view(B * KV, nK, KEY_BLOCK, D)
     Dw = max(Dv, MIN_VALUE_COLUMNS - 1)
-    vr = v.reshape(B * KV * Tk, Dv).index_select(0, rows)
+    vr = vr.index_select(0, rows if v_rows == k_rows else (head * v_rows + slot[:, None, :]).reshape(-1))
     zeros = [vr.new_zeros(rows.shape[0], Dw - Dv)] if Dw > Dv else []
     vb = torch.cat([vr] + zeros + [vr.new_ones(rows.shape[0], 1)], 1).view(B * KV, nK, KEY_BLOCK, Dw + 1)
     # Query rows: the rep query heads of a kv head times the queries, in tiles [B·KV·nT, ROW_TILE, D]
