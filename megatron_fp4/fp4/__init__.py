@@ -2,8 +2,7 @@
 from megatron_fp4.fp4.context import QuantStep, name_quant_sites, sr_seed
 from megatron_fp4.fp4.e2m1 import E2M1_VALUES, pack_codes, unpack_fp4
 from megatron_fp4.fp4 import invariant
-from megatron_fp4.fp4 import fused  # noqa: F401  (installs the compiled fake-quant path in nvfp4/mxfp4)
-from megatron_fp4.fp4 import fused_resq  # noqa: F401  (registers its compiled kind with fused.py)
+from megatron_fp4.fp4 import fused, fused_resq  # noqa: F401  (the compiled fake-quant / ResQ paths, a Numerics' kernels)
 from megatron_fp4.fp4.formats import FP4Tensor, NonFiniteInputError
 from megatron_fp4.fp4.moeresq import (
                                       MoEResQLinear, fake_quantize, moeresq_linear, resq_quantize, sqnr_db,

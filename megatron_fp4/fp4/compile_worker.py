@@ -36,12 +36,12 @@ def main(spec_json: str) -> int:
     exit_with_parent(spec_json)
     import torch
 
-    from megatron_fp4.fp4 import fused
+    from megatron_fp4.fp4 import fused, fused_resq
 
     torch.set_num_threads(1)  # the parent's job keeps the cores; the compile is not in a hurry
     spec = json.loads(spec_json)
     key = tuple(getattr(torch, k) if isinstance(getattr(torch, k, None), torch.dtype) else k for k in spec["key"])
-    variant = fused.variant_of(key)
+    variant = fused.variant_of(key, make=fused_resq.make_variant if key[0] == fused_resq.KIND else None)
     variant.build(fused._samples(tuple(spec["blocks"]), key[-2]), loud=False)
     if variant.state == "ready":
         return 0

@@ -25,7 +25,10 @@ the ``compile`` setting: the FP4 recipe's ``compile`` field (config ``fp4.compil
 Whose kernels: a :class:`CompiledKernels` holds the variants, the ``auto`` warm-ups and a backend
 failure of one owner. The Trainer gives its model's ``Numerics`` its own (``Numerics.kernels``) and
 adopts it between its steps, so two jobs (or tests) in one process never share compiled state;
-calls that name none use :data:`PROCESS` (bare calls, benchmarks, the vLLM plugin).
+calls through ``resq.py`` that name none use :data:`PROCESS` (benchmarks, the vLLM plugin). The
+store is the backend the reference quantizers are handed (their ``kernels`` argument: ``nvfp4.py``
+and ``mxfp4.py`` never import this module, and nothing here installs itself into them); a bare
+``fake_quantize_nvfp4`` / ``fake_quantize_mxfp4`` call without one is the eager reference.
 
 Every variant is checked before use: the compiled kernels and the uncompiled bodies run on hard
 probe inputs (E2M1 ties, saturation, subnormal values and scales) and on a random tensor (and, with
@@ -80,7 +83,6 @@ from megatron_fp4.config.choices import COMPILE_MODES
 # 4096x1024 activation): by then the job has shown it is long enough to repay a compile of seconds.
 AUTO_MIN_ELEMENTS = 1 << 28
 
-KINDS: dict = {}  # key[0] -> the factory of its variants, for kinds defined elsewhere (fused_resq.py)
 # Exit codes of compile_worker.py besides 0 (ready): not bit-exact on this CPU, backend failure.
 WORKER_NOT_EXACT, WORKER_BROKEN = 3, 4
 
@@ -317,15 +319,30 @@ class CompiledKernels:
     def __deepcopy__(self, memo):
         return CompiledKernels()
 
-    def variant_of(self, key) -> _Variant:
-        """The (one) variant of ``key``: ("nvfp4", scale, block, dtype, out_dtype) or ("mxfp4", scale_mode,
-        dtype, out_dtype), or a kind registered in :data:`KINDS`."""
+    # The backend interface the reference quantizers call (``nvfp4.py``/``mxfp4.py`` take the store as
+    # their ``kernels`` argument; they never import this module).
+    def use_fused(self, x: torch.Tensor, rounding: str, mode: str | None = None) -> bool:
+        return use_fused(x, rounding, mode, self)
+
+    def fake_quantize_nvfp4(self, x, scale: str, block: str, out_dtype, mode: str | None = None):
+        return fake_quantize_nvfp4_fused(x, scale, block, out_dtype, mode, self)
+
+    def fake_quantize_mxfp4(self, x, scale_mode: str, out_dtype, mode: str | None = None):
+        return fake_quantize_mxfp4_fused(x, scale_mode, out_dtype, mode, self)
+
+    def variant_of(self, key, make=None) -> _Variant:
+        """The (one) variant of ``key``: ("nvfp4", scale, block, dtype, out_dtype), ("mxfp4", scale_mode,
+        dtype, out_dtype), or another kind's built by ``make(key)`` (``fused_resq.make_variant``: that
+        module builds on this one, so it names its own factory)."""
         v = self.variants.get(key)
         if v is None:
-            if key[0] in KINDS:  # another kind of compiled body (fused_resq.py)
-                made = KINDS[key[0]](key)
+            if make is not None:
+                made = make(key)
             elif key[0] == "nvfp4":
                 made = _Variant(key, _nvfp4_scales, _apply2, (key[1], key[2] == "2d"), key[-1])
+            elif key[0] != "mxfp4":
+                raise ValueError(f"compiled kernels: no factory for the kind {key[0]!r}; pass make= "
+                                 "(the ResQ kind: fused_resq.variant_of)")
             else:
                 made = _Variant(key, _mxfp4_scales, _apply1, (key[1],), key[-1])
             made.store = self
@@ -381,9 +398,9 @@ _STORES: "weakref.WeakSet[CompiledKernels]" = weakref.WeakSet()
 PROCESS = CompiledKernels()  # the kernels of calls that name none (bare calls, benchmarks, the vLLM plugin)
 
 
-def variant_of(key, kernels: CompiledKernels | None = None) -> _Variant:
-    """``kernels.variant_of(key)`` (None: :data:`PROCESS`)."""
-    return (kernels or PROCESS).variant_of(key)
+def variant_of(key, kernels: CompiledKernels | None = None, make=None) -> _Variant:
+    """``kernels.variant_of(key, make)`` (None: :data:`PROCESS`)."""
+    return (kernels or PROCESS).variant_of(key, make)
 
 
 def adopt_ready(kernels: CompiledKernels | None = None) -> None:
@@ -455,13 +472,3 @@ def fake_quantize_mxfp4_fused(x: torch.Tensor, scale_mode: str, out_dtype: torch
     variant = variant_of(("mxfp4", scale_mode, x.dtype, out_dtype), kernels)
     res = variant(x, (-1, x.shape[-1] // 32, 32), resolve_compile(mode))
     return finite_only(res, x.shape)
-
-
-def _install() -> None:
-    """Serve the reference quantizers' nearest-rounding fake quant from here (``compiled_path.py``)."""
-    from megatron_fp4.fp4 import mxfp4, nvfp4
-
-    nvfp4.fused = mxfp4.fused = sys.modules[__name__]
-
-
-_install()

@@ -61,11 +61,14 @@ class ResqVariant(fused._Variant):
             super().build(samples, loud)
 
 
-def _make(key) -> ResqVariant:
+def make_variant(key) -> ResqVariant:
+    """A new variant of ``key`` (``key_of``): the factory ``fused.CompiledKernels.variant_of`` is given."""
     return ResqVariant(key, _resq_nvfp4, _unused, (key[1],), key[-1])
 
 
-fused.KINDS[KIND] = _make  # registered by fp4/__init__ importing this module (fused.py never imports it)
+def variant_of(key, kernels: fused.CompiledKernels | None = None) -> ResqVariant:
+    """The (one) ResQ variant of ``key`` in ``kernels`` (None: ``fused.PROCESS``)."""
+    return fused.variant_of(key, kernels, make_variant)
 
 
 def key_of(scale: str, dtype: torch.dtype) -> tuple:
@@ -80,7 +83,7 @@ def resq_nvfp4_fused(x: torch.Tensor, scale: str, name: str, nonfinite=None, mod
     n = x.shape[-1] if x.dim() else 0
     if n == 0 or n % 16 or x.numel() == 0 or scale not in ("row", "tensor"):
         return None  # the eager path validates (and raises)
-    res = fused.variant_of(key_of(scale, x.dtype), kernels)(x, (-1, n // 16, 16), fused.resolve_compile(mode))
+    res = variant_of(key_of(scale, x.dtype), kernels)(x, (-1, n // 16, 16), fused.resolve_compile(mode))
     if res is None:
         return None
     out, flags = res
@@ -101,7 +104,7 @@ def prepare(scale: str, dtype: torch.dtype, inference: bool = False, width: int 
     ``inference``: for callers in ``torch.inference_mode`` (vLLM's forward): the kernels are
     compiled for inference tensors, whose guards differ (another mode would need a recompile,
     which the caller's calls never do: they run eager)."""
-    variant = fused.variant_of(key_of(scale, dtype), kernels)
+    variant = variant_of(key_of(scale, dtype), kernels)
     if variant.state in ("new", "warming") and variant.store.broken is None:
         samples = fused._samples((4, max(2, width // 16), 16), dtype)
         with torch.inference_mode(inference):
@@ -151,4 +154,3 @@ def _unguarded(variant: ResqVariant, samples) -> None:
     variant.fns = (lambda xb, *_: art(xb), variant.fns[1])
 
 
-fused.resq_nvfp4_fused = resq_nvfp4_fused  # resq.py reaches it as nvfp4.fused.resq_nvfp4_fused

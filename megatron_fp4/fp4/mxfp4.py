@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import torch
 
-from megatron_fp4.fp4.compiled_path import NONE as fused  # fused.py installs itself here
 from megatron_fp4.fp4.e2m1 import round_e2m1_, stochastic_round_e2m1, values_to_codes
 from megatron_fp4.fp4.formats import (
                                       FP4Tensor, abs_block_max, check_finite, check_input, check_multiple, pow2_fp32, check_finite_flag,
@@ -105,12 +104,12 @@ def fake_quantize_mxfp4(
     ``nonfinite``: a ``NonFiniteFlags`` to record the NaN/Inf check in (no host sync) instead of raising.
     ``kernels``: whose compiled kernels serve (as ``fake_quantize_nvfp4``).
     """
-    if fused.use_fused(x, rounding, compile, kernels):
+    if kernels is not None and kernels.use_fused(x, rounding, compile):
         what = "quantize_mxfp4"
         _check_options(scale_mode, rounding)
         check_multiple(x, -1, MX_BLOCK, name, what)
         check_input(x, name)
-        res = fused.fake_quantize_mxfp4_fused(x, scale_mode, dtype or x.dtype, compile, kernels)
+        res = kernels.fake_quantize_mxfp4(x, scale_mode, dtype or x.dtype, compile)
         if res is not None:
             out, finite = res
             check_finite_flag(x, finite, name, what, nonfinite)

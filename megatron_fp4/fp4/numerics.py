@@ -21,10 +21,13 @@ other build-time value, set on each FP4 module by the model's specs):
 - ``one_node``: MoEResQ graphs as one autograd node (a benchmark's "before"; same bits).
 - ``weight_cache``: a dict where derived weight operands (``Q(W)``, exact-GEMM splits, limbs) are
   reused (``exact_gemm.cached_for_weight``), or None.
-- ``kernels``: the compiled fake-quant/ResQ kernels this model's FP4 ops use where ``compile`` lets
-  them (a ``fused.CompiledKernels``, owned and adopted between steps by whoever builds the model: the
-  Trainer), or None: the process's (``fused.PROCESS``). Kernels are checked bit-exact against the
-  eager path before they serve; owning them keeps one job's compiles and refusals out of another's.
+- ``kernels``: the compiled fake-quant/ResQ backend this model's FP4 ops use where ``compile`` lets
+  them (a ``fused.CompiledKernels``, given when the numerics are built — ``Numerics(kernels=...)``,
+  ``rollout_numerics`` keeps the base's — and adopted between steps by its owner: the Trainer), or
+  None: the process's (``fused.PROCESS``). The quantizers take it as an argument (``nvfp4.py`` and
+  ``mxfp4.py`` import the compiled path; nothing installs itself into them). Kernels are checked
+  bit-exact against the eager path before they serve; owning them keeps one job's compiles and
+  refusals out of another's.
 - ``position``: the step state (:class:`~megatron_fp4.fp4.context.QuantStep`: optimizer step,
   micro-batch, deferred non-finite flags) that keys stochastic-rounding streams; the owner
   advances it explicitly:
@@ -59,7 +62,7 @@ class Numerics:
 
     STATE = ("triton", "one_node", "weight_cache", "position")  # what a block may change (never the level)
 
-    def __init__(self, *, invariance: str = "standard", triton: str = "auto", mode: str = "train"):
+    def __init__(self, *, invariance: str = "standard", triton: str = "auto", mode: str = "train", kernels=None):
         _check_level(invariance)
         if triton not in TRITON_MODES:
             raise ValueError(f"Numerics: triton={triton!r} is not one of {TRITON_MODES}")
@@ -70,7 +73,7 @@ class Numerics:
         self.triton = triton
         self.one_node = False
         self.weight_cache: Optional[dict] = None
-        self.kernels = None  # a fused.CompiledKernels, or None: the process's
+        self.kernels = kernels  # a fused.CompiledKernels, or None: the process's
         self.position = QuantStep()
         self._frozen = False
 
@@ -197,6 +200,4 @@ def rollout_numerics(base: Numerics, invariance: str) -> Numerics:
     compiled kernels kept): what an inference engine gives the model copy it owns, once, at build."""
     if not isinstance(base, Numerics):
         raise ValueError(f"rollout_numerics: expected a Numerics, got {type(base).__name__}")
-    built = Numerics(invariance=invariance, triton=base.triton, mode="rollout")
-    built.kernels = base.kernels
-    return built
+    return Numerics(invariance=invariance, triton=base.triton, mode="rollout", kernels=base.kernels)

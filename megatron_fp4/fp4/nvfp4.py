@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import torch
 
-from megatron_fp4.fp4.compiled_path import NONE as fused  # fused.py installs itself here
 from megatron_fp4.fp4.e2m1 import round_e2m1_, stochastic_round_e2m1, values_to_codes
 from megatron_fp4.fp4.formats import (
                                       FLT_MAX, FP4Tensor, abs_block_max, check_finite, check_input, check_multiple, check_finite_flag, reduced_amax,
@@ -159,13 +158,15 @@ def fake_quantize_nvfp4(
     ``compile``: ``auto`` (None), ``on`` or ``off``, when nearest rounding runs as compiled kernels
     (``fused.py``; the config's ``fp4.compile``, which ``MEGATRON_FP4_COMPILE`` overrides at load).
     ``nonfinite``: a ``NonFiniteFlags`` to record the NaN/Inf check in (no host sync) instead of raising.
-    ``kernels``: whose compiled kernels serve (``fused.CompiledKernels``, a model's ``Numerics.kernels``;
-    None: the process's).
+    ``kernels``: the compiled backend that may serve (a ``fused.CompiledKernels``: a model's
+    ``Numerics.kernels``, or ``fused.PROCESS``, which ``resq.py`` passes for a caller that names
+    none), or None: this eager reference alone. An argument, never a module attribute: this module
+    does not import the compiled path (``fused.py`` builds on it).
     """
-    if amax_reduce is None and fused.use_fused(x, rounding, compile, kernels):
+    if amax_reduce is None and kernels is not None and kernels.use_fused(x, rounding, compile):
         _check_options(scale, block, rounding)
         _check_input(x, block, name)
-        res = fused.fake_quantize_nvfp4_fused(x, scale, block, dtype or x.dtype, compile, kernels)
+        res = kernels.fake_quantize_nvfp4(x, scale, block, dtype or x.dtype, compile)
         if res is not None:
             out, finite = res
             check_finite_flag(x, finite, name, "quantize_nvfp4", nonfinite)

@@ -12,7 +12,7 @@ from contextlib import ExitStack
 
 import torch
 
-from megatron_fp4.fp4 import nvfp4 as _nvfp4  # its `fused`: the compiled path once fused.py installed it
+from megatron_fp4.fp4 import fused, fused_resq  # the compiled paths (the caller's `kernels`)
 from megatron_fp4.fp4.mxfp4 import fake_quantize_mxfp4
 from megatron_fp4.fp4.nvfp4 import fake_quantize_nvfp4
 from megatron_fp4.fp4.recipe import OperandFormat
@@ -33,7 +33,8 @@ def _no_autocast(fn):
 def _fq32(x, fmt: OperandFormat, generator=None, name: str = "x", nonfinite=None, compile=None,
           amax_reduce=None, kernels=None) -> torch.Tensor:
     """``amax_reduce``: NVFP4's global amax reduced over a tensor-parallel cut (MXFP4 has none);
-    ``kernels``: the caller's compiled kernels (``Numerics.kernels``; None: the process's)."""
+    ``kernels``: the caller's compiled kernels (``Numerics.kernels``; None: the process's, ``fused.PROCESS``)."""
+    kernels = fused.PROCESS if kernels is None else kernels
     if fmt.format == "nvfp4":
         return fake_quantize_nvfp4(x, scale=fmt.scale, block=fmt.block, rounding=fmt.rounding, generator=generator,
                                    name=name, dtype=torch.float32, nonfinite=nonfinite, compile=compile,
@@ -58,8 +59,8 @@ def portable_resq_quantize(x: torch.Tensor, fmt: OperandFormat, compensated: boo
     ``amax_reduce``: a tensor-parallel slice's global amax reduction (``tensor_cut.py``), applied to
     ``x`` and to its residual, each of which spans the cut."""
     if compensated and amax_reduce is None and fmt.format == "nvfp4" and fmt.block == "1d" \
-            and _nvfp4.fused.use_fused(x, fmt.rounding, compile, kernels):  # one compiled call (fused_resq.py)
-        out = _nvfp4.fused.resq_nvfp4_fused(x, fmt.scale, name, nonfinite, compile, kernels)
+            and fused.use_fused(x, fmt.rounding, compile, kernels):  # one compiled call (fused_resq.py)
+        out = fused_resq.resq_nvfp4_fused(x, fmt.scale, name, nonfinite, compile, kernels)
         if out is not None:
             return out
     xf = x.to(torch.float32)

@@ -19,7 +19,9 @@ on that row (and, for attention, its prefix), not on its batch, padding, micro-b
   in a KV-cache decode step and in a causal full forward alike. A block wholly in the future of
   every query of a tile is skipped for that tile (it would add exact zeros: its weights are
   exp(−inf) = 0 and its rescale factor exp(0) = 1), so a causal forward does about half the work;
-  the tiles that read a block are gathered (``index_select``) into one batched call.
+  the tiles that read a block are gathered (``index_select``) into one batched call. A block's mask
+  is gathered from constant tables (an additive −inf bias, a 0/1 factor after the clamped exp:
+  :func:`_block_mask`), and without autograd the block-sized buffers are reused across blocks.
 - The backward of a tiled GEMM is one plain GEMM per gradient (:class:`_TiledMM`): gradients sum
   over the batch, so no tiling makes them batch invariant, and autograd through every tile cost
   as many small ops as the forward.
@@ -29,6 +31,7 @@ on that row (and, for attention, its prefix), not on its batch, padding, micro-b
 """
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import torch
@@ -43,6 +46,7 @@ KEY_BLOCK = 64
 MIN_VALUE_COLUMNS = 16  # the weighted-value GEMM's width at least (`block_attention`)
 
 
+@functools.lru_cache(maxsize=None)
 def row_tile(k: int, n: int) -> int:
     """The row tile of a [M, k] · [k, n] GEMM: ROW_TILE doubled while a tile does fewer than
     TILE_WORK multiply-adds, at most MAX_ROW_TILE. A function of the weight's shape alone (never of
@@ -68,7 +72,12 @@ def _tiled_forward(x2: torch.Tensor, wt: torch.Tensor) -> torch.Tensor:
     M = x2.shape[0]
     tile = row_tile(*wt.shape)
     xp = _padded_rows(x2, tile)
-    out = torch.cat([torch.mm(t, wt) for t in xp.split(tile)]) if xp.shape[0] > tile else torch.mm(xp, wt)
+    if xp.shape[0] == tile:
+        out = torch.mm(xp, wt)
+    else:  # each tile's product written in place into one output (no concatenating copy)
+        out = xp.new_empty(xp.shape[0], wt.shape[1])
+        for i in range(0, xp.shape[0], tile):
+            torch.mm(xp[i:i + tile], wt, out=out[i:i + tile])
     return out[:M] if out.shape[0] != M else out
 
 
@@ -177,6 +186,53 @@ def _zero_padded(t: torch.Tensor, dim: int, size: int) -> torch.Tensor:
     return F.pad(t, [0, 0] * (t.dim() - 1 - dim) + [0, full - n])
 
 
+EXP_FLOOR = -87.0  # exp's argument floor in block attention: exp(−87) ≈ 1.6e-38 is a normal fp32 number
+
+
+def _masks(hidden: torch.Tensor, dtype: torch.dtype) -> tuple:
+    """(bias, keep) of a bool mask of hidden keys: −inf / 0 where hidden, 0 / 1 elsewhere."""
+    return torch.zeros(hidden.shape, dtype=dtype, device=hidden.device).masked_fill(hidden, float("-inf")), \
+        (~hidden).to(dtype)
+
+
+@functools.lru_cache(maxsize=None)
+def _mask_tables(dtype: torch.dtype, device: torch.device) -> tuple:
+    """(bias, keep) [KEY_BLOCK + 1, KEY_BLOCK]: row r + 1 masks the keys of a block past offset r
+    (column c > r), row 0 the whole block: a gather of rows replaces a compare and two masked_fills
+    over each block's scores. Constants (only read), built once per dtype and device."""
+    r = torch.arange(-1, KEY_BLOCK, device=device)[:, None]
+    return _masks(torch.arange(KEY_BLOCK, device=device)[None, :] > r, dtype)
+
+
+def _block_mask(pj: torch.Tensor, j: int, window: int, tables, dtype: torch.dtype, out=None) -> tuple:
+    """(bias, keep) [n, ROW_TILE, KEY_BLOCK] of key block ``j`` for the tiles' query positions ``pj``
+    [n, ROW_TILE]: bias −inf and keep 0 on the keys a query does not see (its future; with a
+    ``window`` also those at or before position − window), 0 and 1 on the others. ``out``: two
+    buffers of at least n tiles to write them into."""
+    if tables is None:  # a sliding window: two bounds per query
+        key_pos = torch.arange(j * KEY_BLOCK, (j + 1) * KEY_BLOCK, device=pj.device)
+        hidden = (key_pos > pj[..., None]) | (key_pos <= pj[..., None] - window)
+        return _masks(hidden, dtype)
+    row = (pj - (j * KEY_BLOCK - 1)).clamp_(0, KEY_BLOCK).reshape(-1)  # offset in the block + 1
+    shape = (*pj.shape, KEY_BLOCK)
+    if out is None:
+        return tuple(t.index_select(0, row).view(shape) for t in tables)
+    return tuple(torch.index_select(t, 0, row, out=o.view(-1, KEY_BLOCK)[:row.shape[0]]).view(shape)
+                 for t, o in zip(tables, out))
+
+
+def _key_rows(t: torch.Tensor) -> tuple:
+    """(rows, per_head): ``t`` [B, KV, T, D] as a [R, D] matrix of its key rows, (b, kv)'s slot j at
+    row (b·KV + kv)·per_head + j. A KV cache's filled prefix (a view of a [B, KV, capacity, D] buffer)
+    is read in place, with per_head = capacity: no copy of the whole cache before the gather."""
+    B, KV, T, D = t.shape
+    s = t.stride()
+    if s[3] == 1 and s[2] == D and s[1] % D == 0 and s[0] == KV * s[1] and B * KV > 0:
+        per_head = s[1] // D
+        return t.as_strided(((B * KV - 1) * per_head + T, D), (D, 1)), per_head
+    return t.reshape(B * KV * T, D), T
+
+
 def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
                     pad: torch.Tensor, scale: Optional[float] = None, window: int = 0,
                     sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -198,10 +254,13 @@ def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions
     # by its place in the tile (measured: 9-11 columns, a padded row then differed in its last bit).
     width = nK * KEY_BLOCK
     slot = (pad[:, None] + torch.arange(width, device=k.device)[None, :]).clamp(max=Tk - 1)  # [B, width]
-    rows = (torch.arange(B * KV, device=k.device).view(B, KV, 1) * Tk + slot[:, None, :]).reshape(-1)
-    kb = k.reshape(B * KV * Tk, D).index_select(0, rows).view(B * KV, nK, KEY_BLOCK, D)
+    kr, k_rows = _key_rows(k)
+    vr, v_rows = _key_rows(v)
+    head = torch.arange(B * KV, device=k.device).view(B, KV, 1)
+    rows = (head * k_rows + slot[:, None, :]).reshape(-1)
+    kb = kr.index_select(0, rows).view(B * KV, nK, KEY_BLOCK, D)
     Dw = max(Dv, MIN_VALUE_COLUMNS - 1)
-    vr = v.reshape(B * KV * Tk, Dv).index_select(0, rows)
+    vr = vr.index_select(0, rows if v_rows == k_rows else (head * v_rows + slot[:, None, :]).reshape(-1))
     zeros = [vr.new_zeros(rows.shape[0], Dw - Dv)] if Dw > Dv else []
     vb = torch.cat([vr] + zeros + [vr.new_ones(rows.shape[0], 1)], 1).view(B * KV, nK, KEY_BLOCK, Dw + 1)
     # Query rows: the rep query heads of a kv head times the queries, in tiles [B·KV·nT, ROW_TILE, D]
@@ -217,6 +276,8 @@ def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions
     last = flat_pos.amax(-1) if nK > 1 else None  # a tile reads key blocks 0..last // KEY_BLOCK
     m = l = acc = None
     inplace = not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad))
+    tables = None if window else _mask_tables(q.dtype, q.device)
+    buffers = None
     for j in range(nK):
         # Only the tiles with a query at or past the block's first key (sel; None: every tile): for
         # the others the block is wholly in the future (it would add exact zeros, rescaled by 1).
@@ -232,17 +293,27 @@ def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions
             (flat_q.index_select(0, sel), flat_pos.index_select(0, sel), owner.index_select(0, sel))
         # [n, KEY_BLOCK, D (+1)] row-major: a tile's key block (a view where each (b, kv) has one tile and block)
         kj, vj = (kb[:, j], vb[:, j]) if oj is None else (kb[:, j].index_select(0, oj), vb[:, j].index_select(0, oj))
-        s = torch.bmm(qj, kj.transpose(1, 2))
-        key_pos = torch.arange(j * KEY_BLOCK, (j + 1) * KEY_BLOCK, device=q.device)
-        future = key_pos > pj[..., None]
-        if window:  # a sliding window: also the keys at or before position − window are out of sight
-            future = future | (key_pos <= pj[..., None] - window)
-        blk_max = s.masked_fill(future, float("-inf")).amax(-1)
+        # Without autograd the block-sized buffers (scores, masks) are allocated once for the first
+        # block (every tile) and reused: a fresh buffer per block cost more in page faults (glibc
+        # hands big freed buffers back to the system) than the arithmetic in it.
+        s = torch.bmm(qj, kj.transpose(1, 2), out=buffers[0][:qj.shape[0]]) if buffers else torch.bmm(qj, kj.transpose(1, 2))
+        bias, keep = _block_mask(pj, j, window, tables, q.dtype, buffers[1:] if buffers else None)
+        if inplace and not buffers:
+            buffers = [s, bias, keep]
+        # the future keys (and those out of the window) −inf, the others + 0 (their bits)
+        s = s.add_(bias) if inplace else s + bias
+        blk_max = s.amax(-1)
         m_old = None if not j else m if sel is None else m.index_select(0, sel)
         m_new = blk_max if m_old is None else torch.maximum(m_old, blk_max)
-        # The future keys' weights zeroed after exp, not exp(−inf): ATen's vector exp takes a slow
-        # path for every lane that underflows (10× here); the other weights are the same bits.
-        p = torch.exp(s - m_new[..., None]).masked_fill(future, 0.0)
+        # exp of an argument clamped at EXP_FLOOR, times keep (0 for the masked keys: exact zeros,
+        # whatever the cached slots past a row's end hold): ATen's vector exp takes a slow path for
+        # every lane that underflows (−inf included; 10× here), and masked_fill was as slow as exp.
+        # A visible key below the floor gets exp(EXP_FLOOR) ≈ 1.6e-38 instead of ~0: negligible
+        # beside the block's largest weight 1, and the same in a decode step and a full forward.
+        if inplace:
+            p = s.sub_(m_new[..., None]).clamp_(min=EXP_FLOOR).exp_().mul_(keep)
+        else:
+            p = torch.exp((s - m_new[..., None]).clamp(min=EXP_FLOOR)) * keep
         pv = torch.bmm(p, vj)  # [n, ROW_TILE, Dw + 1]
         pv, ps = pv[..., :Dv], pv[..., Dw]
         if m_old is None:

@@ -163,7 +163,7 @@ def test_the_plugins_compiled_resq_is_served_without_dynamo_with_the_eager_bits(
     fused.PROCESS.variants.pop(key, None)  # a fresh variant: this process's earlier tests may have built one
     try:
         assert fused_resq.prepare("row", torch.float32, inference=True)
-        variant = fused.variant_of(key)
+        variant = fused_resq.variant_of(key)
         assert not hasattr(variant.fns[0], "_torchdynamo_orig_callable")  # not a torch.compile wrapper
         fmt = OperandFormat(format="nvfp4", scale="row", block="1d", rounding="nearest")
         g = torch.Generator().manual_seed(7)

@@ -10,11 +10,23 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_fp4.fp4 import fake_quantize_mxfp4, fake_quantize_nvfp4, fused
+from megatron_fp4.fp4 import fused
+from megatron_fp4.fp4 import mxfp4, nvfp4
+
 from megatron_fp4.fp4.e2m1 import E2M1_VALUES, round_e2m1
 
 from tests.unit.test_fp4_formats import tricky_rows
 from tests.unit.test_fp4_fused import _bits, compiled, needs_inductor  # noqa: F401 (fixture)
+
+
+# The quantizers take their compiled backend as an argument (None: the eager reference alone); these
+# tests hand them the process's store (tests/conftest.py makes it fresh for every test) unless they name one.
+def fake_quantize_nvfp4(x, **kw):
+    return nvfp4.fake_quantize_nvfp4(x, **{"kernels": fused.PROCESS, **kw})
+
+
+def fake_quantize_mxfp4(x, **kw):
+    return mxfp4.fake_quantize_mxfp4(x, **{"kernels": fused.PROCESS, **kw})
 
 _CASES = [
     (fake_quantize_nvfp4, {}),

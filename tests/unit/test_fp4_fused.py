@@ -16,10 +16,21 @@ import warnings
 import pytest
 import torch
 
-from megatron_fp4.fp4 import Recipe, fake_quantize_mxfp4, fake_quantize_nvfp4, fused
+from megatron_fp4.fp4 import Recipe, fused
+from megatron_fp4.fp4 import mxfp4, nvfp4
 from megatron_fp4.fp4.e2m1 import E2M1_VALUES, round_e2m1, round_e2m1_select
 
 from tests.unit.test_fp4_formats import f32, ref_mxfp4, ref_nvfp4, tricky_rows, E2M1
+
+
+# The quantizers take their compiled backend as an argument (None: the eager reference alone); these
+# tests hand them the process's store (tests/conftest.py makes it fresh for every test) unless they name one.
+def fake_quantize_nvfp4(x, **kw):
+    return nvfp4.fake_quantize_nvfp4(x, **{"kernels": fused.PROCESS, **kw})
+
+
+def fake_quantize_mxfp4(x, **kw):
+    return mxfp4.fake_quantize_mxfp4(x, **{"kernels": fused.PROCESS, **kw})
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:

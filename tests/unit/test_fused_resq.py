@@ -106,7 +106,7 @@ def test_non_finite_input_gives_the_eager_bits_in_any_order(compiled, served, dt
         warnings.simplefilter("ignore", RuntimeWarning)  # (a refusal's warning, checked below)
         portable_resq_quantize(torch.randn(8, 64).to(dtype), _fmt(scale), True, compile="on")
     if not served:  # refused: not bit-exact on a kernel set forced below the machine's own (the bits still must match)
-        assert os.environ.get("ATEN_CPU_CAPABILITY") and fused.variant_of(fused_resq.key_of(scale, dtype)).state == "refused"
+        assert os.environ.get("ATEN_CPU_CAPABILITY") and fused_resq.variant_of(fused_resq.key_of(scale, dtype)).state == "refused"
     for x in _non_finite_inputs(dtype):
         outs, records = [], []
         for mode in ("off", "on"):
@@ -124,7 +124,7 @@ def test_off_and_invalid_inputs_stay_eager(served):
     portable_resq_quantize(torch.randn(4, 64), _fmt("row"), True, compile="off")
     assert not served
     key = fused_resq.key_of("row", torch.float32)
-    assert fused.variant_of(key) is fused.variant_of(key) and isinstance(fused.variant_of(key), fused_resq.ResqVariant)
+    assert fused_resq.variant_of(key) is fused_resq.variant_of(key) and isinstance(fused_resq.variant_of(key), fused_resq.ResqVariant)
 
 
 @needs_inductor

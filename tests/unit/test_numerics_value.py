@@ -54,6 +54,27 @@ def test_the_level_is_fixed_when_the_numerics_are_built():
         assert numerics.invariance == "batch" and numerics.triton == "off"
 
 
+
+def test_the_compiled_backend_is_a_field_of_the_numerics(monkeypatch):
+    """The compiled fake-quant backend is the model's ``Numerics.kernels``, given at build (and kept
+    by the rollout copy's numerics): a model's FP4 ops count their work towards its own store only,
+    and a bare quantizer call, which names none, is the eager reference (nothing installed decides)."""
+    from megatron_fp4.fp4 import fused, nvfp4, rollout_numerics
+
+    monkeypatch.setattr(fused, "AUTO_MIN_ELEMENTS", 1 << 40)  # auto: count the eager work, never compile
+    own = fused.CompiledKernels()
+    model = build_model(_cfg(), seed=1).eval()
+    numerics = apply_numerics(model, Numerics(kernels=own))
+    assert rollout_numerics(numerics, "batch").kernels is own
+    with torch.no_grad():
+        model(_tokens())
+    assert own.variants and all(v.seen > 0 for v in own.variants.values())
+    assert not fused.PROCESS.variants  # the process's store saw none of it
+    x = torch.randn(8, 64)
+    bare = nvfp4.fake_quantize_nvfp4(x, compile="on")
+    assert torch.equal(bare, nvfp4.fake_quantize_nvfp4(x, compile="off")) and not fused.PROCESS.variants
+
+
 def test_two_models_draw_their_own_stochastic_rounding_streams():
     """Each model's step position keys its SR streams: a step opened on one model does not move the
     other's (a process-global step context, the innermost winning, would)."""
