@@ -177,6 +177,7 @@ def _throughput_at(args, work: Path, hidden: int) -> list:
     plugins = {"experts, batch": ("experts", "batch"), "experts+attention, batch": ("experts+attention", "batch"),
                "experts+attention, exact": ("experts+attention", "exact"),
                "experts+attention, standard kernels": ("experts+attention", "standard")}
+    plugins = {k: v for k, v in plugins.items() if v[1] in args.tp_levels.split(",")}
     for name, (scope, level) in plugins.items():
         c = copy.deepcopy(cfg)
         c.fp4.scope, c.fp4.train_mode, c.fp4.rollout_mode = scope, *MOERESQ
@@ -397,6 +398,8 @@ def main(argv=None) -> list:
     p.add_argument("--tp-hidden", type=int, default=128, help="throughput model's hidden size (ffn: twice it)")
     p.add_argument("--tp-wide", type=int, default=512,
                    help="a second, wider throughput model's hidden size, measured beside the first (0: none)")
+    p.add_argument("--tp-levels", default="batch,exact,standard",
+                   help="throughput rows: the plugin's numerics levels measured (exact at hidden 1024 needs a lot of memory)")
     p.add_argument("--clock", choices=("wall", "cpu"), default="wall",
                    help="throughput rows: wall time, or this process's CPU time (vLLM runs in-process; a shared machine)")
     p.add_argument("--update-mb", type=float, default=300.0)
