@@ -31,7 +31,24 @@ from megatron_fp4.integrations.vllm import opaque
 from megatron_fp4.model.layers import apply_rope, rope_cos_sin, upcast
 
 
-class TrainerRotary(nn.Module):
+class OpaqueRotary(nn.Module):
+    """vLLM's ``rotary_emb(positions, q, k)`` whose ``_forward`` runs as one opaque op (opaque.py)
+    once ``mfp4_key`` is set, so that inductor does not re-fuse it."""
+
+    mfp4_key = None
+
+    def mfp4_opaque(self):
+        """(eager function, shape function) for `opaque.make_layers_opaque`."""
+        return self._forward, lambda p, q, k: [opaque.like(q), opaque.like(k)]
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
+        if self.mfp4_key is None:
+            return self._forward(positions, q, k)
+        q, k = opaque.call(self.mfp4_key, positions, q, k)
+        return q, k
+
+
+class TrainerRotary(OpaqueRotary):
     """vLLM's `rotary_emb(positions, q, k)` computed as the trainer's RoPE (full rotary dim, HF's
     rotate-half layout, base ``theta``)."""
 
@@ -41,20 +58,10 @@ class TrainerRotary(nn.Module):
         # named (the plugin's model class): one opaque op (opaque.py) that inductor does not re-fuse
         self.mfp4_key = None if name is None else opaque.register(name, *self.mfp4_opaque())
 
-    def mfp4_opaque(self):
-        """(eager function, shape function) for `opaque.make_layers_opaque`."""
-        return self._forward, lambda p, q, k: [opaque.like(q), opaque.like(k)]
-
     def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         T = x.shape[0]
         heads = x.reshape(T, -1, self.head_dim).transpose(0, 1)[None]  # [1, heads, T, D]
         return apply_rope(heads, cos, sin)[0].transpose(0, 1).reshape(x.shape)
-
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        if self.mfp4_key is None:
-            return self._forward(positions, q, k)
-        q, k = opaque.call(self.mfp4_key, positions, q, k)
-        return q, k
 
     def _forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         cos, sin = rope_cos_sin(positions.reshape(1, -1), self.head_dim, self.theta, q.dtype)  # [1, T, D]
@@ -70,6 +77,18 @@ def _cpu_layout(kv_cache: torch.Tensor, num_kv_heads: int, head_dim: int):
                                   f"(another attention backend): serve with vLLM's CPU build")
     blocks, kv, size, _ = kv_cache.shape
     return kv_cache.view(blocks, kv, 2 * size, head_dim).chunk(2, dim=2)
+
+
+def attention_step(attn_metadata, output_scale, output_block_scale) -> bool:
+    """Whether vLLM's attention call computes something (no metadata: its warm-up / profile run);
+    refuses what the plugin's attention does not do (fused output quantization, non-causal)."""
+    if output_scale is not None or output_block_scale is not None:
+        raise NotImplementedError("megatron_fp4: fused output quantization is not supported")
+    if attn_metadata is None:
+        return False
+    if not getattr(attn_metadata, "causal", True):
+        raise NotImplementedError("megatron_fp4: the plugin's attention is causal decoder attention")
+    return True
 
 
 class TrainerAttentionImpl:
@@ -98,12 +117,8 @@ class TrainerAttentionImpl:
 
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, output_scale=None,
                 output_block_scale=None):
-        if output_scale is not None or output_block_scale is not None:
-            raise NotImplementedError("megatron_fp4: fused output quantization is not supported")
-        if attn_metadata is None:  # vLLM's warm-up / profile run
+        if not attention_step(attn_metadata, output_scale, output_block_scale):  # vLLM's warm-up / profile run
             return output
-        if not getattr(attn_metadata, "causal", True):
-            raise NotImplementedError("megatron_fp4: the plugin's attention is causal decoder attention")
         assert invariant.enabled(self.numerics, query), "the plugin's attention runs a row-invariant level"
         keys, _ = _cpu_layout(kv_cache, self.num_kv_heads, self.head_size)
         # the cache's rows [blocks·KV·2·size, D] (per block and kv head: its keys, then its values)

@@ -33,8 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megatron_fp4.fp4 import invariant
-from megatron_fp4.integrations.vllm import opaque
-from megatron_fp4.integrations.vllm.attention import TrainerAttentionImpl, _cpu_layout
+from megatron_fp4.integrations.vllm.attention import OpaqueRotary, TrainerAttentionImpl, _cpu_layout, attention_step
 from megatron_fp4.model.deepseek_v3 import LORA_NORM_EPS, MLAttention, deinterleave, rope_tables_fp32
 from megatron_fp4.model.layers import apply_rope, upcast
 
@@ -43,7 +42,7 @@ MLA_DISABLE_HINT = ("set VLLM_MLA_DISABLE=1 in the environment of the process th
                     "trainer's)")
 
 
-class TrainerMLARotary(nn.Module):
+class TrainerMLARotary(OpaqueRotary):
     """vLLM's ``rotary_emb(positions, q_pe [T, H, r], k_pe [T, 1, r])`` as the trainer's MLA RoPE:
     de-interleave, rotate-half RoPE with fp32 tables (plain or YaRN). Elementwise per token."""
 
@@ -51,15 +50,6 @@ class TrainerMLARotary(nn.Module):
         super().__init__()
         self.rope_dim, self.theta, self.scaling = int(rope_dim), float(theta), scaling
         self.mfp4_key = None  # set by `opaque.make_layers_opaque`: one op under vLLM's torch.compile
-
-    def mfp4_opaque(self):
-        return self._forward, lambda p, q, k: [opaque.like(q), opaque.like(k)]
-
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        if self.mfp4_key is None:
-            return self._forward(positions, q, k)
-        q, k = opaque.call(self.mfp4_key, positions, q, k)
-        return q, k
 
     def _forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         cos, sin = rope_tables_fp32(positions.reshape(1, -1), self.rope_dim, self.theta, self.scaling, q.dtype)
@@ -81,12 +71,8 @@ class TrainerMLAImpl(TrainerAttentionImpl):
 
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, output_scale=None,
                 output_block_scale=None):
-        if output_scale is not None or output_block_scale is not None:
-            raise NotImplementedError("megatron_fp4: fused output quantization is not supported")
-        if attn_metadata is None:  # vLLM's warm-up / profile run
+        if not attention_step(attn_metadata, output_scale, output_block_scale):  # vLLM's warm-up / profile run
             return output
-        if not getattr(attn_metadata, "causal", True):
-            raise NotImplementedError("megatron_fp4: the plugin's attention is causal decoder attention")
         H, D = self.num_heads, self.head_size
         keys, values = _cpu_layout(kv_cache, H, D)
         size = keys.shape[2]
