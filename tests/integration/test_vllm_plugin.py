@@ -360,8 +360,10 @@ def trainer_scores(model_dir, cfg, tokens):
     from megatron_fp4.rollout.scoring import score
 
     model = build_model_from_hf(model_dir, cfg.fp4).eval()
-    # the level the plugin serves the export at (its block's numerics_level: cfg's)
-    level = served_level(json.loads((Path(model_dir) / "config.json").read_text())["quantization_config"])
+    # the level the plugin serves the export at (its block's numerics_level: cfg's); without the block
+    # (--no-quant-config: stock vLLM) the trainer still scores at cfg's level
+    block = json.loads((Path(model_dir) / "config.json").read_text()).get("quantization_config")
+    level = served_level(block) if block else cfg.numerics.invariance
     model.set_fp4_mode(cfg.fp4.rollout_mode)  # mode and level fixed when the trainer side's model is built
     apply_numerics(model, Numerics(invariance=level))
     return score(model, PROMPTS, tokens, return_routing=True)
