@@ -20,6 +20,7 @@ from megatron_fp4.config import ModelConfig
 from megatron_fp4.fp4 import Numerics, apply_numerics
 from megatron_fp4.integrations.vllm.gpt_oss import TrainerSinkAttentionImpl, TrainerYarnRotary
 from megatron_fp4.model.gpt_oss import GptOssAttention
+from tests.integration.paged_attention_step import paged_step
 
 HEADS, KV, D, HIDDEN, BLOCK, WINDOW, NULL = 4, 2, 16, 32, 4, 3, 7
 YARN = dict(rope_type="yarn", factor=32.0, beta_fast=32.0, beta_slow=1.0, truncate=False,
@@ -52,18 +53,10 @@ class VllmOAIAttention(torch.nn.Module):
         self.rotary_emb, self.impl, self.cache, self.table, self.chunks = rope, impl, cache, table, None
 
     def attn(self, q, k, v):
-        chunks, T = self.chunks, q.shape[0]
-        slots = torch.tensor([self.table[r][p // BLOCK] * BLOCK + p % BLOCK for r, p0, xs in chunks
-                              for p in range(p0, p0 + len(xs))])
-        self.impl.do_kv_cache_update(None, k.view(T, KV, D), v.view(T, KV, D), self.cache, slots)
-        meta = type("Meta", (), {})()
-        meta.causal = True
-        meta.query_start_loc = torch.tensor([0] + torch.tensor([len(xs) for _, _, xs in chunks]).cumsum(0).tolist())
-        meta.seq_lens = torch.tensor([p0 + len(xs) for _, p0, xs in chunks])
-        width = max(map(len, self.table))
-        meta.block_table = torch.tensor([self.table[r] + [0] * (width - len(self.table[r])) for r, _, _ in chunks])
-        out = torch.full((T, HEADS, D), float("nan"))
-        return self.impl.forward(None, q.view(T, HEADS, D), None, None, self.cache, meta, out).view(T, HEADS * D)
+        T = q.shape[0]
+        out = paged_step(self.impl, self.cache, self.table, self.chunks, BLOCK, q.view(T, HEADS, D), k.view(T, KV, D),
+                         v.view(T, KV, D), torch.full((T, HEADS, D), float("nan")))
+        return out.view(T, HEADS * D)
 
     def forward(self, hidden_states, positions):  # vLLM's OAIAttention.forward
         qkv, _ = self.qkv_proj(hidden_states)
