@@ -121,9 +121,6 @@ class GptOssAttention(Attention):
                                       sinks=self.sinks)
             return self.o_proj(out.transpose(1, 2).reshape(B, T, self.num_heads * self.head_dim))
         T_total = k.shape[2]
-        rep = self.num_heads // self.num_kv_heads
-        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-        scores = torch.matmul(q, k.transpose(2, 3)) * self.head_dim ** -0.5
         if self.kv_gather is not None:  # [B, 1, T, 1]: each query's global position
             q_idx = positions[:, None, :, None]
         else:
@@ -134,15 +131,25 @@ class GptOssAttention(Attention):
             visible = visible & (k_idx > q_idx - self.sliding_window)
         if attention_mask is not None:
             visible = visible & attention_mask[:, None, None, :T_total].bool()
-        scores = scores.masked_fill(~visible, float("-inf"))
-        # The sink joins each row's softmax and is dropped after it: a padding row (all keys masked)
-        # puts all its mass on the sink and attends to nothing (zeros, no NaN).
-        sinks = self.sinks.to(scores.dtype).reshape(1, -1, 1, 1).expand(B, -1, T, 1)
-        logits = torch.cat([scores, sinks], dim=-1)
-        logits = logits - logits.max(dim=-1, keepdim=True).values
-        probs = torch.softmax(logits, dim=-1, dtype=logits.dtype)[..., :-1]
-        out = torch.matmul(probs.to(v.dtype), v)
+        out = sink_attention(q, k, v, visible, self.sinks, self.head_dim ** -0.5)
         return self.o_proj(out.transpose(1, 2).reshape(B, T, self.num_heads * self.head_dim))
+
+
+def sink_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor, sinks: torch.Tensor,
+                   scale: float) -> torch.Tensor:
+    """GPT-OSS's attention at the standard level (HF's eager order): q [B, H, T, D], k/v [B, KV, Tk, D],
+    ``visible`` [B|1, 1, T, Tk] (causal, window, padding), ``sinks`` [H]; returns [B, H, T, D]. The
+    sink joins each row's softmax and is dropped after it: a padding row (all keys masked) puts all
+    its mass on the sink and attends to nothing (zeros, no NaN)."""
+    B, H, T, _ = q.shape
+    rep = H // k.shape[1]
+    k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+    scores = torch.matmul(q, k.transpose(2, 3)) * scale
+    scores = scores.masked_fill(~visible, float("-inf"))
+    logits = torch.cat([scores, sinks.to(scores.dtype).reshape(1, -1, 1, 1).expand(B, -1, T, 1)], dim=-1)
+    logits = logits - logits.max(dim=-1, keepdim=True).values
+    probs = torch.softmax(logits, dim=-1, dtype=logits.dtype)[..., :-1]
+    return torch.matmul(probs.to(v.dtype), v)
 
 
 # -- router and experts -------------------------------------------------------------------------

@@ -19,6 +19,7 @@ from megatron_fp4.config import ModelConfig
 from megatron_fp4.fp4 import Numerics, apply_numerics
 from megatron_fp4.integrations.vllm.mla import TrainerMLAImpl, TrainerMLARotary, _mla_forward
 from megatron_fp4.model.deepseek_v3 import MLAttention
+from tests.integration.paged_attention_step import paged_step
 
 HEADS, NOPE, ROPE, V, HIDDEN, BLOCK = 2, 16, 16, 8, 64, 4
 QK = NOPE + ROPE
@@ -55,18 +56,9 @@ class VllmMLA(torch.nn.Module):
         self.impl, self.cache, self.table, self.chunks = impl, cache, table, None
 
     def attn(self, q, k, v):
-        chunks, T = self.chunks, q.shape[0]
-        slots = torch.tensor([self.table[r][p // BLOCK] * BLOCK + p % BLOCK for r, p0, xs in chunks
-                              for p in range(p0, p0 + len(xs))])
-        self.impl.do_kv_cache_update(None, k.view(T, HEADS, QK), v.view(T, HEADS, QK), self.cache, slots)
-        meta = type("Meta", (), {})()
-        meta.causal = True
-        meta.query_start_loc = torch.tensor([0] + torch.tensor([len(xs) for _, _, xs in chunks]).cumsum(0).tolist())
-        meta.seq_lens = torch.tensor([p0 + len(xs) for _, p0, xs in chunks])
-        width = max(map(len, self.table))
-        meta.block_table = torch.tensor([self.table[r] + [0] * (width - len(self.table[r])) for r, _, _ in chunks])
-        out = torch.full((T, HEADS * QK), float("nan"))
-        return self.impl.forward(None, q, None, None, self.cache, meta, out)
+        T = q.shape[0]
+        return paged_step(self.impl, self.cache, self.table, self.chunks, BLOCK, q, k.view(T, HEADS, QK),
+                          v.view(T, HEADS, QK), torch.full((T, HEADS * QK), float("nan")))
 
 
 def vllm_step(layer: VllmMLA, chunks):

@@ -8,9 +8,11 @@
   loader afterwards is what the next forward uses.
 - end to end (as `test_vllm_plugin.py` does for Qwen3-MoE): a tiny random transformers checkpoint
   of the family, written by `save_hf_checkpoint` with the plugin's `quantization_config` (FP4
-  fp4_resq, MoEResQ experts; GPT-OSS at the standard numerics level, the only one it runs), served by plain
-  `vllm.LLM(model=dir)`; the trainer's scoring (`rollout.scoring.score`, `build_model_from_hf`) of
-  vLLM's greedy tokens against vLLM's log-probs and the experts its MoE layers picked.
+  fp4_resq, MoEResQ experts), served by plain `vllm.LLM(model=dir)`; the trainer's scoring
+  (`rollout.scoring.score`, `build_model_from_hf`) of vLLM's greedy tokens against vLLM's log-probs
+  and the experts its MoE layers picked. GPT-OSS is served with the trainer's attention (sinks,
+  sliding window, YaRN RoPE; integrations/vllm/gpt_oss.py): the trainer's log-probs exactly and every
+  expert at the batch level; at the standard level a measured bound (GPT_OSS_MIN_WITHIN).
   DeepSeek-V3 is served with the trainer's latent attention over vLLM's standard paged cache
   (integrations/vllm/mla.py; the engine started with VLLM_MLA_DISABLE=1): Qwen3-MoE's bounds at the
   standard level, test_vllm_exact's TOL and every expert at the row-invariant one, and FP4 off
@@ -155,16 +157,6 @@ def test_moe_method_equals_the_trainers_moe_bitwise(vllm_ctx, family, mode):
 
 
 # -- end to end: one engine per check, vs the trainer's scoring --------------------------------------------
-# GPT-OSS runs the standard numerics level only (the trainer has no batch-invariant attention with
-# sinks yet), so vLLM's own attention (sinks, sliding window) and YaRN RoPE kernels round unlike the
-# trainer's: FP4 off, stock vLLM vs the trainer measured max |Δ| 1.1e-4, median 2.4e-6, 87.5 % of
-# positions within TOL (the plugin with scope none: max 1.9e-4, median 5.8e-6, 67 %). With MoEResQ such a
-# difference sometimes moves an FP4 code across a rounding boundary (max 8.4e-2; 59 % within TOL, median
-# 5.1e-6, experts 511/512 measured). The bounds sit below those measurements; TOL everywhere and 100 %
-# experts (the Qwen3-MoE bound, which its batch-invariant attention buys) are not met (docs/families.md).
-GPT_OSS_MIN_WITHIN = 0.45
-
-
 def served_vs_trainer(hf, cfg, tmp_path, routing=True, extra_env=None) -> dict:
     """Serve `hf` with plain vLLM (test_vllm_plugin.vllm_generate) and score its greedy tokens with the
     trainer: vLLM's output, |Δ log-prob| per response position, equal expert sets of (position, layer)."""
@@ -175,18 +167,52 @@ def served_vs_trainer(hf, cfg, tmp_path, routing=True, extra_env=None) -> dict:
             "within": (delta <= TOL).double().mean().item()}
 
 
+def served_family(tmp_path, family: str, invariance: str) -> dict:
+    """A tiny `family` model (YaRN) with the plugin's block (MoEResQ experts at `invariance`) served by
+    vLLM and scored by the trainer (`served_vs_trainer`), its numbers printed."""
+    model = ours_from(tiny_hf(family))
+    cfg = family_cfg(model)
+    cfg.numerics.invariance = invariance
+    hf = save_hf_checkpoint(model, cfg, tmp_path / f"{family}_{invariance}",
+                            quantization_config=hf_quantization_config(cfg))
+    r = served_vs_trainer(hf, cfg, tmp_path, extra_env=MLA_OFF if family == "deepseek_v3" else None)
+    d = r["delta"]
+    print(f"{family} ({invariance}): plugin vs trainer |dlogp| max {d.max():.3g} median {d.median():.3g}, "
+          f"{r['within']:.1%} within {TOL}; experts {r['agree']}/{r['total']}; {r['out']['seconds']:.1f} s generate")
+    assert r["out"]["plugin"]
+    assert r["total"] == len(PROMPTS) * MAX_TOKENS * (cfg.model.num_layers - len(cfg.model.dense_layers))
+    return r
+
+
 @needs_vllm
 @pytest.mark.slow
-def test_vllm_serves_gpt_oss_with_moeresq_like_the_trainer_scores(tmp_path):
-    hf, cfg = write_family(tmp_path, "gpt_oss")
-    r = served_vs_trainer(hf, cfg, tmp_path)
-    d = r["delta"]
-    print(f"gpt_oss: plugin vs trainer |dlogp| max {d.max():.3g} median {d.median():.3g}, {r['within']:.1%} within "
-          f"{TOL}; experts {r['agree']}/{r['total']}; {r['out']['seconds']:.1f} s generate")
-    assert r["out"]["plugin"]
-    assert r["total"] == len(PROMPTS) * MAX_TOKENS * cfg.model.num_layers  # every response position, every layer
-    assert r["agree"] >= MIN_EXPERTS * r["total"] and r["within"] >= GPT_OSS_MIN_WITHIN and d.median() <= TOL, \
-        (d.tolist(), r["agree"], r["total"])
+def test_vllm_serves_gpt_oss_row_invariant_like_the_trainer_scores(tmp_path):
+    """GPT-OSS at the batch level: vLLM with the trainer's attention (sinks, sliding window, YaRN RoPE;
+    integrations/vllm/gpt_oss.py), norms, router and MoEResQ experts gives the trainer's log-probs
+    exactly (both sides' log-softmax is ATen's row-local one) and its experts everywhere."""
+    r = served_family(tmp_path, "gpt_oss", "batch")
+    assert r["delta"].max() == 0 and r["agree"] == r["total"], (r["delta"].tolist(), r["agree"])
+
+
+# GPT-OSS at the standard level: the trainer's standard attention is HF's eager order (`sink_attention`:
+# batched matmuls, which on CPU round a decode step's [1, Tk] scores unlike a full forward's [T, Tk]),
+# so even the trainer's own KV-cache decode (rollout engine, standard, FP4 off) vs its scoring of the
+# same tokens is 74.2 % within TOL (max 7.5e-5; DeepSeek-V3's SDPA: 99.2 %) on this model, under
+# Qwen3-MoE's MIN_WITHIN. The plugin serving it with the trainer's attention measured FP4 off max
+# 1.4e-4, 61.7 % within TOL, experts 512/512; with MoEResQ (FP4 codes flipped by that rounding) max
+# 6.2e-2, median 8.9e-6, 53.9 % within TOL, experts 511/512. The bound sits below those; Qwen3-MoE's
+# (MIN_WITHIN) is not met at standard — the batch level above gives the trainer's bits.
+GPT_OSS_MIN_WITHIN = 0.45
+
+
+@needs_vllm
+@pytest.mark.slow
+def test_vllm_serves_gpt_oss_standard_like_the_trainer_scores(tmp_path):
+    """GPT-OSS at the standard level (the trainer's `sink_attention` over each request's keys vs over the
+    left-padded batch): Qwen3-MoE's expert bound (MIN_EXPERTS), GPT_OSS_MIN_WITHIN of positions within TOL."""
+    r = served_family(tmp_path, "gpt_oss", "standard")
+    assert r["within"] >= GPT_OSS_MIN_WITHIN and r["agree"] >= MIN_EXPERTS * r["total"], \
+        (r["delta"].tolist(), r["agree"])
 
 
 MLA_OFF = {"VLLM_MLA_DISABLE": "1"}  # vLLM's non-MLA DeepSeek attention, which the plugin serves (mla.py)
@@ -211,30 +237,13 @@ def test_the_plugin_refuses_vllms_mla_path_with_the_fix(vllm_ctx):
         MegatronFP4DeepseekV3ForCausalLM(vllm_config=SimpleNamespace(quant_config=qc, model_config=model_config))
 
 
-def served_deepseek(tmp_path, invariance: str) -> dict:
-    """A tiny DeepSeek-V3 (YaRN) with the plugin's block (MoEResQ experts at `invariance`) served by
-    vLLM and scored by the trainer (`served_vs_trainer`), its numbers printed."""
-    model = ours_from(tiny_hf("deepseek_v3"))
-    cfg = family_cfg(model)
-    cfg.numerics.invariance = invariance
-    hf = save_hf_checkpoint(model, cfg, tmp_path / f"deepseek_v3_{invariance}",
-                            quantization_config=hf_quantization_config(cfg))
-    r = served_vs_trainer(hf, cfg, tmp_path, extra_env=MLA_OFF)
-    d = r["delta"]
-    print(f"deepseek_v3 ({invariance}): plugin vs trainer |dlogp| max {d.max():.3g} median {d.median():.3g}, "
-          f"{r['within']:.1%} within {TOL}; experts {r['agree']}/{r['total']}; {r['out']['seconds']:.1f} s generate")
-    assert r["out"]["plugin"]
-    assert r["total"] == len(PROMPTS) * MAX_TOKENS * (cfg.model.num_layers - len(cfg.model.dense_layers))
-    return r
-
-
 @needs_vllm
 @pytest.mark.slow
 def test_vllm_serves_deepseek_v3_row_invariant_like_the_trainer_scores(tmp_path):
     """The batch-invariant block (served at the exact level, sidecar.served_level): vLLM with the
     trainer's latent attention, RoPE, norms, router and MoEResQ experts gives the trainer's bits up to
     the sampler's log-softmax (test_vllm_exact's TOL at every position) and its experts everywhere."""
-    r = served_deepseek(tmp_path, "batch")
+    r = served_family(tmp_path, "deepseek_v3", "batch")
     assert r["delta"].max() <= EXACT_TOL and r["agree"] == r["total"], (r["delta"].tolist(), r["agree"])
 
 
@@ -243,23 +252,25 @@ def test_vllm_serves_deepseek_v3_row_invariant_like_the_trainer_scores(tmp_path)
 def test_vllm_serves_deepseek_v3_standard_like_the_trainer_scores(tmp_path):
     """The standard level (SDPA over each request's keys vs the trainer's SDPA over the batch):
     Qwen3-MoE's bounds (test_vllm_plugin's TOL / MIN_WITHIN / MIN_EXPERTS)."""
-    r = served_deepseek(tmp_path, "standard")
+    r = served_family(tmp_path, "deepseek_v3", "standard")
     assert r["within"] >= MIN_WITHIN and r["agree"] >= MIN_EXPERTS * r["total"], (r["delta"].tolist(), r["agree"])
 
 
 @needs_vllm
 @pytest.mark.slow
-def test_compiled_engine_serves_deepseek_v3_with_the_eager_engines_bits(tmp_path):
-    """vLLM's torch.compile (no enforce_eager) of the plugin's DeepSeek-V3: the eager engine's tokens,
-    log-probs and experts bitwise (as test_vllm_compiled checks for Qwen3-MoE). Found by it: the MLA
-    RoPE's opaque op returned a transposed (non-dense) tensor where inductor reads a dense one,
+@pytest.mark.parametrize("family", ["deepseek_v3", "gpt_oss"])
+def test_compiled_engine_serves_the_family_with_the_eager_engines_bits(tmp_path, family):
+    """vLLM's torch.compile (no enforce_eager) of the plugin's DeepSeek-V3 / GPT-OSS: the eager engine's
+    tokens, log-probs and experts bitwise (as test_vllm_compiled checks for Qwen3-MoE). Found by it: the
+    MLA RoPE's opaque op returned a transposed (non-dense) tensor where inductor reads a dense one,
     max |dlogp| 1.5 at the first token."""
-    model = ours_from(tiny_hf("deepseek_v3"))
+    model = ours_from(tiny_hf(family))
     cfg = family_cfg(model)
     cfg.numerics.invariance = "batch"
-    hf = save_hf_checkpoint(model, cfg, tmp_path / "deepseek_v3", quantization_config=hf_quantization_config(cfg))
-    eager = vllm_generate(hf, tmp_path, extra_env=MLA_OFF)
-    compiled = vllm_generate(hf, tmp_path, enforce_eager=False, extra_env=MLA_OFF)
+    hf = save_hf_checkpoint(model, cfg, tmp_path / family, quantization_config=hf_quantization_config(cfg))
+    env = MLA_OFF if family == "deepseek_v3" else None
+    eager = vllm_generate(hf, tmp_path, extra_env=env)
+    compiled = vllm_generate(hf, tmp_path, enforce_eager=False, extra_env=env)
     assert compiled["plugin"] and compiled["compiled"] and not eager["compiled"]
     for key in ("tokens", "logprobs", "routing"):
         assert [r[key] for r in compiled["results"]] == [r[key] for r in eager["results"]], key

@@ -46,11 +46,12 @@ def _check_dtype(vllm_config, family: str) -> None:
 
 
 class MegatronFP4GptOssForCausalLM(GptOssForCausalLM):
-    """vLLM's GptOssForCausalLM; with the `megatron_fp4` config each MoE block routes with the trainer's
+    """vLLM's GptOssForCausalLM; with the `megatron_fp4` config every decoder layer computes the trainer's:
+    its attention the trainer's (sinks, the layer's sliding window, YaRN RoPE; integrations/vllm/gpt_oss.py)
+    over vLLM's paged KV cache at the served level, each MoE block routed by the trainer's
     `GptOssRouter` (fp32 logits with the bias, top-k of the logits, softmax over the selected) over
-    vLLM's router parameters and computes the trainer's `GptOssExperts` with MoEResQ (quant.py).
-    Attention (sinks, sliding window), YaRN RoPE and the norms are vLLM's CPU kernels (RMSNorm: the
-    trainer's, ops.py)."""
+    vLLM's router parameters and computed by the trainer's `GptOssExperts` with MoEResQ (quant.py), the
+    norms the trainer's (ops.py)."""
 
     def __init__(self, *, vllm_config, prefix: str = ""):
         qc = vllm_config.quant_config
@@ -59,6 +60,7 @@ class MegatronFP4GptOssForCausalLM(GptOssForCausalLM):
         super().__init__(vllm_config=vllm_config, prefix=prefix)
         if not isinstance(qc, MegatronFP4Config):
             return
+        from megatron_fp4.integrations.vllm.gpt_oss import serve_trainer_gpt_oss_attention
         from megatron_fp4.model.gpt_oss import GptOssRouter
 
         cfg = _trainer_model_config(vllm_config)
@@ -67,6 +69,7 @@ class MegatronFP4GptOssForCausalLM(GptOssForCausalLM):
             block = getattr(layer, "mlp", None)
             if block is None:  # a pipeline stage's missing layer
                 continue
+            serve_trainer_gpt_oss_attention(layer.attn, cfg, i, qc.values, f"model.layers.{i}.attn")
             _own_gate(block.router, qc)
             with torch.device("meta"):
                 router = GptOssRouter(cfg.hidden_size, cfg.num_experts, cfg.top_k)
