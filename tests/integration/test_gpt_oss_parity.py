@@ -168,7 +168,7 @@ def test_trainer_step_is_finite_and_deterministic():
 
 @pytest.mark.parametrize("field,value,named", [
     ("model.moe_router_bias_update_rate", 0.001, "learned router bias"),
-    ("model.dense_layers", [0], "model.dense_layers"), ("parallel.cp", 2, "parallel.cp")])
+    ("model.dense_layers", [0], "model.dense_layers")])  # cp: tests/distributed/test_family_cp.py
 def test_unsupported_features_are_refused(field, value, named):
     cfg = _trainer_cfg()
     section, key = field.split(".")
