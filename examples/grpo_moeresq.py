@@ -191,6 +191,7 @@ def run(args) -> list:
         served = rollout.served_version()
     finally:
         rollout.close()
+        trainer.close()
     history, eval_before = result.history, result.eval_before
     for record, h in zip(history, rollout.publisher.history[1:]):
         record["weight_sync/load_s"] = h.load_s
@@ -386,4 +387,7 @@ def check_flags(ap, args) -> None:
 
 
 if __name__ == "__main__":
+    from megatron_fp4.parallel.mesh import shutdown_process_groups
+
     run(parse_args())
+    shutdown_process_groups()  # the Trainer initialized them under torchrun: destroyed while Python is alive

@@ -45,6 +45,9 @@ def main(out: str, extra: list) -> None:
                                           "completions": h["completions"], "version": h["rollout_version"],
                                           "step": h["step"]}
                                          for h in history]))
+    from megatron_fp4.parallel.mesh import shutdown_process_groups
+
+    shutdown_process_groups()  # parallel/mesh.py: why not at the interpreter's exit (a rare SIGABRT under load)
 
 
 if __name__ == "__main__":
