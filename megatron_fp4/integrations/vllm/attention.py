@@ -91,6 +91,30 @@ def attention_step(attn_metadata, output_scale, output_block_scale) -> bool:
     return True
 
 
+def requests_qkv(query, kv_cache, attn_metadata, num_heads: int, num_kv_heads: int, head_dim: int, window: int = 0):
+    """Per request with queries in this step: (q0, q1, q [1, H, Tq, D], k, v [1, KV, seq_len, D],
+    positions [1, Tq]), in fp32 — its queries (the last Tq positions of its sequence) and its keys and
+    values gathered from its block table by position. With a sliding ``window``, keys before the
+    earliest query's window are read as its first visible key: blocks vLLM freed for a sliding layer
+    (its null block) are never read, and the masked slots are finite, so they weigh exactly 0."""
+    keys, values = _cpu_layout(kv_cache, num_kv_heads, head_dim)
+    size = keys.shape[2]
+    starts, lengths = attn_metadata.query_start_loc.tolist(), attn_metadata.seq_lens.tolist()
+    q_heads = query.view(-1, num_heads, head_dim)
+    for i, seq_len in enumerate(lengths):
+        q0, q1 = starts[i], starts[i + 1]
+        if q1 == q0:
+            continue
+        first = seq_len - (q1 - q0)  # the earliest query's position
+        lo = max(0, first - window + 1) if window else 0  # its first visible key
+        j = torch.arange(seq_len, device=query.device).clamp(min=lo)
+        blocks = attn_metadata.block_table[i].long()[j // size]
+        k = upcast(keys[blocks, :, j % size].transpose(0, 1)[None])
+        v = upcast(values[blocks, :, j % size].transpose(0, 1)[None])
+        q = upcast(q_heads[q0:q1].transpose(0, 1)[None])
+        yield q0, q1, q, k, v, torch.arange(first, seq_len, device=q.device)[None]
+
+
 class TrainerAttentionImpl:
     """An `AttentionImpl` (vLLM calls `do_kv_cache_update` then `forward`) computing causal decoder
     attention with the trainer's `invariant.attention`, one request at a time."""

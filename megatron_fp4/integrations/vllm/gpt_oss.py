@@ -15,8 +15,8 @@ vLLM computes unlike the trainer, per layer (`serve_trainer_gpt_oss_attention`):
   bits as the trainer's full forward, ground rule 7), `gpt_oss.sink_attention` (the trainer's
   standard path) at the standard one.
 
-Keys a request's queries cannot see (before the earliest query's window; past its sequence) are
-read as its first visible / last key: a sliding layer's freed blocks (vLLM's null block) are never
+Keys a request's queries cannot see (before the earliest query's window) are read as its first
+visible key (`attention.requests_qkv`): a sliding layer's freed blocks (vLLM's null block) are never
 read, and the masked slots are finite, so they weigh exactly 0.
 """
 from __future__ import annotations
@@ -25,10 +25,9 @@ import torch
 from torch import nn
 
 from megatron_fp4.fp4 import invariant
-from megatron_fp4.integrations.vllm.attention import OpaqueRotary, TrainerAttentionImpl, _cpu_layout, attention_step
+from megatron_fp4.integrations.vllm.attention import OpaqueRotary, TrainerAttentionImpl, attention_step, requests_qkv
 from megatron_fp4.model.gpt_oss import GptOssAttention, apply_half_rope, rope_half_tables, sink_attention, \
     yarn_inv_freq
-from megatron_fp4.model.layers import upcast
 
 
 class TrainerYarnRotary(OpaqueRotary):
@@ -65,22 +64,9 @@ class TrainerSinkAttentionImpl(TrainerAttentionImpl):
         if not attention_step(attn_metadata, output_scale, output_block_scale):  # vLLM's warm-up / profile run
             return output
         H, KV, D = self.num_heads, self.num_kv_heads, self.head_size
-        keys, values = _cpu_layout(kv_cache, KV, D)
-        size = keys.shape[2]
-        starts, lengths = attn_metadata.query_start_loc.tolist(), attn_metadata.seq_lens.tolist()
-        out_heads, q_heads = output.view(-1, H, D), query.view(-1, H, D)
-        for i, seq_len in enumerate(lengths):
-            q0, q1 = starts[i], starts[i + 1]
-            if q1 == q0:
-                continue
-            first = seq_len - (q1 - q0)  # the earliest query's position
-            lo = max(0, first - self.window + 1) if self.window else 0  # its first visible key
-            j = torch.arange(seq_len, device=query.device).clamp(min=lo)
-            blocks = attn_metadata.block_table[i].long()[j // size]
-            k = upcast(keys[blocks, :, j % size].transpose(0, 1)[None])  # [1, KV, seq_len, D]
-            v = upcast(values[blocks, :, j % size].transpose(0, 1)[None])
-            q = upcast(q_heads[q0:q1].transpose(0, 1)[None])  # [1, H, Tq, D]
-            positions = torch.arange(first, seq_len, device=q.device)[None]
+        out_heads = output.view(-1, H, D)
+        for q0, q1, q, k, v, positions in requests_qkv(query, kv_cache, attn_metadata, H, KV, D, self.window):
+            seq_len = k.shape[2]
             if invariant.enabled(self.numerics, q):
                 out = invariant.attention(q, k, v, positions, torch.zeros(1, dtype=torch.long), self.numerics,
                                           scale=D ** -0.5, window=self.window, sinks=self.sinks)

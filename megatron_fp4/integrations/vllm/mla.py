@@ -33,9 +33,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from megatron_fp4.fp4 import invariant
-from megatron_fp4.integrations.vllm.attention import OpaqueRotary, TrainerAttentionImpl, _cpu_layout, attention_step
+from megatron_fp4.integrations.vllm.attention import OpaqueRotary, TrainerAttentionImpl, attention_step, requests_qkv
 from megatron_fp4.model.deepseek_v3 import LORA_NORM_EPS, MLAttention, deinterleave, rope_tables_fp32
-from megatron_fp4.model.layers import apply_rope, upcast
+from megatron_fp4.model.layers import apply_rope
 
 MLA_DISABLE_HINT = ("set VLLM_MLA_DISABLE=1 in the environment of the process that builds the engine (vLLM then builds "
                     "DeepseekV2Attention over its standard paged cache, whose attention the plugin replaces by the "
@@ -74,19 +74,9 @@ class TrainerMLAImpl(TrainerAttentionImpl):
         if not attention_step(attn_metadata, output_scale, output_block_scale):  # vLLM's warm-up / profile run
             return output
         H, D = self.num_heads, self.head_size
-        keys, values = _cpu_layout(kv_cache, H, D)
-        size = keys.shape[2]
-        starts, lengths = attn_metadata.query_start_loc.tolist(), attn_metadata.seq_lens.tolist()
         out_heads = output.view(-1, H, D)
-        for i, seq_len in enumerate(lengths):
-            q0, q1 = starts[i], starts[i + 1]
-            if q1 == q0:
-                continue
-            blocks = attn_metadata.block_table[i, :-(-seq_len // size)].long()
-            k = upcast(keys[blocks].transpose(0, 1).reshape(H, -1, D)[None, :, :seq_len])
-            v = upcast(values[blocks].transpose(0, 1).reshape(H, -1, D)[None, :, :seq_len, :self.v_dim])
-            q = upcast(query[q0:q1].view(-1, H, D).transpose(0, 1)[None])  # [1, H, Tq, qk_dim]
-            positions = torch.arange(seq_len - (q1 - q0), seq_len, device=q.device)[None]
+        for q0, q1, q, k, v, positions in requests_qkv(query, kv_cache, attn_metadata, H, H, D):
+            seq_len, v = k.shape[2], v[..., :self.v_dim]  # [1, H, Tq, qk_dim] queries; values of their own width
             if invariant.enabled(self.numerics, q):
                 out = invariant.attention(q, k, v, positions, torch.zeros(1, dtype=torch.long), self.numerics,
                                           scale=self.scale)
