@@ -26,8 +26,8 @@ def test_rescore_reports_each_requests_kl_summed_over_its_tokens():
     from megatron_fp4.config import Config
     from megatron_fp4.fp4 import Numerics, apply_numerics
     from megatron_fp4.model import build_model
-    from megatron_fp4.rollout import RolloutEngine, SamplingParams
-    from megatron_fp4.rollout.consistency import rescore, score
+    from megatron_fp4.rollout import RolloutEngine, SamplingParams, score
+    from megatron_fp4.rollout.consistency import rescore
 
     cfg = Config()
     cfg.model.vocab_size, cfg.model.hidden_size, cfg.model.num_layers, cfg.model.num_experts = 32, 32, 2, 4
