@@ -37,6 +37,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from megatron_fp4.config.choices import check_choice
 from megatron_fp4.parallel.dims import DENSE_AXES, EXPERT_AXES, ParallelDims, resolve_dp
 
 __all__ = ["ParallelMesh", "ParallelDims", "resolve_dp", "resolve_device", "backend_for", "PeerFailureError",
@@ -45,8 +46,7 @@ __all__ = ["ParallelMesh", "ParallelDims", "resolve_dp", "resolve_device", "back
 
 def resolve_device(preference: str = "auto") -> torch.device:
     """`auto` → CUDA (this process's LOCAL_RANK) when available, else CPU."""
-    if preference not in ("auto", "cpu", "cuda"):
-        raise ValueError(f"device={preference!r} must be one of auto, cpu, cuda")
+    check_choice("device", preference, ("auto", "cpu", "cuda"))
     if preference == "cuda" and not torch.cuda.is_available():
         raise ValueError("device='cuda' but no CUDA device is visible; use device=auto or cpu")
     if preference != "cpu" and torch.cuda.is_available():
