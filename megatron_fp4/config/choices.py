@@ -8,6 +8,13 @@ class ConfigError(ValueError):
     """A user-facing configuration mistake; the message names the field and the fix."""
 
 
+def check_choice(what: str, value, choices, hint: str = "") -> None:
+    """ValueError ``what=value: must be one of choices (hint)`` unless `value` is one of `choices`:
+    the one way an argument that takes a fixed set of values refuses another."""
+    if value not in choices:
+        raise ValueError(f"{what}={value!r}: must be one of {tuple(choices)}" + (f" ({hint})" if hint else ""))
+
+
 # Numerics levels (fp4/numerics.py, fp4/invariant.py): the one definition, kept here, torch-free.
 INVARIANCE_LEVELS = ("standard", "batch", "exact")
 # The allowed values of fields that code below the config checks too (fp4/, model/, parallel/

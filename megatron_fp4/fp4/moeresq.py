@@ -50,11 +50,12 @@ Notation: ``Q`` is quantize-then-dequantize in the operand's format (fp32 result
 
 Autograd layout (why three Functions): zero-bubble pipeline schedules run backward as an
 input-grad pass (``torch.autograd.grad`` w.r.t. the stage inputs) and a later weight-grad pass
-started from the node where the two paths meet. With one node holding both GEMMs each pass re-ran
-its whole backward (dgrad and wgrad twice). Here ``_ForwardGemm`` (the forward GEMM) only hands
+started from the node where the two paths meet. With one node holding both GEMMs each pass would
+re-run its whole backward (dgrad and wgrad twice). Here ``_ForwardGemm`` (the forward GEMM) only hands
 ``dY`` to two halves, ``_DgradHalf`` (edge to ``x``; holds ``Q(W)``) and ``_WgradHalf`` (edges to
 ``weight``/``bias``; holds ``X``), so the input pass runs only dgrad and the weight pass only
-wgrad, each once; a plain ``backward()`` runs both, with the same bits as one node.
+wgrad, each once; a plain ``backward()`` runs both (``_dgrad``, ``_wgrad``, ``_bgrad``: the formulas
+``tests/unit/test_fp4_split_backward.py`` writes out).
 """
 from __future__ import annotations
 
@@ -172,7 +173,7 @@ def _col_quantize_run(site: _Site, a: torch.Tensor, fmt: OperandFormat, stream: 
     return site.quantize(at, fmt, stream, site.recipe.compensated, scratch=own)
 
 
-# -- the GEMMs, shared by the split and the one-node layout -------------------------------------------
+# -- the GEMMs of the three nodes below -----------------------------------------------------------------
 def _cached_weight(site: _Site, weight: torch.Tensor, exact: bool, compute):
     """``compute(site)`` (``Q(W)``, or its exact-GEMM split when ``exact``), reused through the site's
     weight cache (``Numerics.cached_weights``). While non-finite flags are deferred, the entry keeps
@@ -297,26 +298,6 @@ class _WgradHalf(torch.autograd.Function):
         return dw, db, None, None, None, None
 
 
-# -- one-node layout: the pre-split graph, kept as the benchmark's "before" ---------------------------
-class _OneNode(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, weight, bias, gemm, wq, x2, site: _Site):
-        ctx.save_for_backward(x2, wq)
-        ctx.site = site
-        ctx.meta = (x.shape, x.dtype, weight.dtype, None if bias is None else bias.dtype)
-        return gemm()
-
-    @staticmethod
-    def backward(ctx, dy):
-        x2, wq = ctx.saved_tensors
-        x_shape, x_dtype, w_dtype, b_dtype = ctx.meta
-        need_dx, need_dw, need_db = ctx.needs_input_grad[:3]
-        dx = _dgrad(ctx.site, dy, wq, x_shape, x_dtype) if need_dx else None
-        dw = _wgrad(ctx.site, dy, x2, w_dtype) if need_dw else None
-        db = _bgrad(dy, b_dtype) if need_db and b_dtype is not None else None
-        return dx, dw, db, None, None, None, None
-
-
 def _runs(segments, rows: int) -> tuple | None:
     """``segments`` checked against the row count; None unless ≥ 2 runs are non-empty."""
     if segments is None:
@@ -376,8 +357,6 @@ def moeresq_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
                 return _gemm(xq, wq, bias32, out_shape, x.dtype, tile)
     if not (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weight, bias))):
         return gemm()
-    if numerics.one_node:
-        return _OneNode.apply(x, weight, bias, gemm, wq, x2.detach(), site)
     dgrad_link = _DgradHalf.apply(x, wq, site, out_shape)
     wgrad_link = _WgradHalf.apply(weight, bias, x2.detach(), site, out_shape, x.dtype)
     return _ForwardGemm.apply(dgrad_link, wgrad_link, gemm)

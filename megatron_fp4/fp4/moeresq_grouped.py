@@ -67,9 +67,9 @@ def _buckets(pads: list) -> list:
 def can_group_resq(recipe: Recipe, x: torch.Tensor, numerics: Numerics = STANDARD) -> bool:
     """Whether `grouped_moeresq_linear` gives the loop's bits for ``x``: FP4 modes, outside the
     ``exact`` level (exact GEMMs; at the ``batch`` level each expert's GEMM runs over fixed row
-    tiles, as the loop's), the one-node layout (a benchmark's "before") and the Triton kernels
+    tiles, as the loop's) and the Triton kernels
     (their own columnwise path)."""
-    return (recipe.mode in ("fp4", "fp4_resq") and not invariant.exact(numerics, x) and not numerics.one_node
+    return (recipe.mode in ("fp4", "fp4_resq") and not invariant.exact(numerics, x)
             and not triton_fp4.use_triton(x, numerics.triton) and x.shape[0] > 0)
 
 

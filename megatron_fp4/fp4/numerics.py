@@ -18,7 +18,6 @@ other build-time value, set on each FP4 module by the model's specs):
   training forward, scoring and decode alike; a caller that wants another level builds a model
   (a copy) with other numerics, as the rollout engine does for its own copy.
 - ``triton``: ``auto`` | ``off`` | ``interpret``, where the Triton quantizers serve (``triton_fp4.py``).
-- ``one_node``: MoEResQ graphs as one autograd node (a benchmark's "before"; same bits).
 - ``weight_cache``: a dict where derived weight operands (``Q(W)``, exact-GEMM splits, limbs) are
   reused (``exact_gemm.cached_for_weight``), or None.
 - ``kernels``: the compiled fake-quant/ResQ backend this model's FP4 ops use where ``compile`` lets
@@ -60,7 +59,7 @@ from megatron_fp4.fp4.nonfinite import NonFiniteFlags
 class Numerics:
     """The numerics of one model (see the module docstring)."""
 
-    STATE = ("triton", "one_node", "weight_cache", "position")  # what a block may change (never the level)
+    STATE = ("triton", "weight_cache", "position")  # what a block may change (never the level)
 
     def __init__(self, *, invariance: str = "standard", triton: str = "auto", mode: str = "train", kernels=None):
         _check_level(invariance)
@@ -71,7 +70,6 @@ class Numerics:
         self.mode = mode
         self.invariance = invariance
         self.triton = triton
-        self.one_node = False
         self.weight_cache: Optional[dict] = None
         self.kernels = kernels  # a fused.CompiledKernels, or None: the process's
         self.position = QuantStep()
@@ -147,11 +145,6 @@ class Numerics:
         """Reuse what GEMMs derive from a weight alone inside the block (``exact_gemm.cached_for_weight``);
         ``store``: a dict the caller keeps across blocks (default: dropped at the end)."""
         return self._set(weight_cache={} if store is None else store)
-
-    def one_node_backward(self):
-        """Build MoEResQ graphs as one autograd node (the layout before the dgrad/wgrad split;
-        same bits; only for measuring what the split saves)."""
-        return self._set(one_node=True)
 
     def portable(self):
         """The portable quantizers inside the block, even where Triton would serve."""

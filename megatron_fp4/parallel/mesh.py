@@ -37,6 +37,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from megatron_fp4.config.choices import check_choice
 from megatron_fp4.parallel.dims import DENSE_AXES, EXPERT_AXES, ParallelDims, resolve_dp
 
 __all__ = ["ParallelMesh", "ParallelDims", "resolve_dp", "resolve_device", "backend_for", "PeerFailureError",
@@ -45,8 +46,7 @@ __all__ = ["ParallelMesh", "ParallelDims", "resolve_dp", "resolve_device", "back
 
 def resolve_device(preference: str = "auto") -> torch.device:
     """`auto` → CUDA (this process's LOCAL_RANK) when available, else CPU."""
-    if preference not in ("auto", "cpu", "cuda"):
-        raise ValueError(f"device={preference!r} must be one of auto, cpu, cuda")
+    check_choice("device", preference, ("auto", "cpu", "cuda"))
     if preference == "cuda" and not torch.cuda.is_available():
         raise ValueError("device='cuda' but no CUDA device is visible; use device=auto or cpu")
     if preference != "cpu" and torch.cuda.is_available():
@@ -105,27 +105,26 @@ def _restart_store(timeout_s: float):
     return dist.PrefixStore(f"megatron_fp4/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
 
 
+def _size(axis: str) -> property:
+    return property(lambda mesh: getattr(mesh.dims, axis), doc=f"``dims.{axis}``")
+
+
 @dataclass
 class ParallelMesh:
-    pp: int = 1
-    dp: int = 1
-    ep: int = 1
-    tp: int = 1
+    """This rank's place in a layout: the layout's sizes (`dims`), its rank, device and process groups."""
+
+    dims: ParallelDims = field(default_factory=ParallelDims)  # the sizes of every axis (validated by the builders)
     rank: int = 0
-    world_size: int = 1
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     groups: dict = field(default_factory=dict)  # axis -> ProcessGroup (None when single process)
     ranks: dict = field(default_factory=dict)  # axis -> list of global ranks in this rank's group
     timeout_s: float = 300.0  # of every group above
-    etp: int = 1
-    cp: int = 1  # context parallel: the dp axis holds dp_data × cp ranks (dims.py); groups["cp"] one sequence's
     device_mesh: Optional[object] = None  # DeviceMesh over DENSE_AXES (None when single process)
     expert_mesh: Optional[object] = None  # DeviceMesh over this stage's edp × ep × etp
     tp_meshes: dict = field(default_factory=dict)  # replicas -> the tp axis as a DeviceMesh (`tp_device_mesh`)
 
-    @property
-    def dims(self) -> ParallelDims:
-        return ParallelDims(self.world_size, self.pp, self.dp, self.tp, self.ep, self.etp, self.cp)
+    # the sizes, read from `dims` (cp: the dp axis holds dp_data × cp ranks, dims.py; groups["cp"] one sequence's)
+    world_size, pp, dp, tp, ep, etp, cp = map(_size, ("world_size", "pp", "dp", "tp", "ep", "etp", "cp"))
 
     @property
     def data_dp(self) -> int:
@@ -202,8 +201,7 @@ class ParallelMesh:
                 dist.init_process_group(backend_for(device), timeout=timedelta(seconds=timeout_s), store=store,
                                         rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
         dims = dataclasses.replace(dims, world_size=dist.get_world_size()).validate()
-        mesh = cls(pp=dims.pp, dp=dims.dp, ep=dims.ep, tp=dims.tp, etp=dims.etp, cp=dims.cp, rank=dist.get_rank(),
-                   world_size=dims.world_size, device=device, timeout_s=timeout_s)
+        mesh = cls(dims, rank=dist.get_rank(), device=device, timeout_s=timeout_s)
         mesh._build_groups(dims)
         return mesh
 

@@ -40,6 +40,7 @@ import torch
 from torch import nn
 from torch.distributed.pipelining import PipelineStage
 
+from megatron_fp4.config.choices import check_choice
 from megatron_fp4.fp4 import numerics_of
 from megatron_fp4.parallel.dims import (MULTI_CHUNK_SCHEDULES, check_chunks, check_schedule_chunks,
                                         check_v_placement)
@@ -229,8 +230,7 @@ def schedule_class(name: str):
 
     classes = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved_1f1b": ScheduleInterleaved1F1B,
                "interleaved_zero_bubble": ScheduleInterleavedZeroBubble, "zbv": ScheduleZBVZeroBubble}
-    if name not in classes:
-        raise ValueError(f"parallel.schedule={name!r} must be one of {list(classes)}")
+    check_choice("parallel.schedule", name, classes)
     return classes[name]
 
 

@@ -45,6 +45,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from megatron_fp4.config.choices import check_choice
 from megatron_fp4.fp4 import MoEResQLinear, invariant, moeresq_linear
 from megatron_fp4.fp4.tensor_cut import TensorCut
 from megatron_fp4.model.deepseek_v3 import MLAttention
@@ -132,8 +133,7 @@ def parallelize_tp(model: nn.Module, group, sequence_parallel: bool = False, *, 
     over `group` and return the plan (see the module docstring; ``moe_tokens``: `parallel/moe/tp_moe.py`).
     ``size_rank=(tp, rank)`` with ``group=None``: the same cut without a process group (the memory
     planner's meta model, `training/memory_plan.py`; its hooks must never run)."""
-    if moe_tokens not in MOE_TOKENS:
-        raise ValueError(f"parallelize_tp: moe_tokens={moe_tokens!r} is not one of {MOE_TOKENS}")
+    check_choice("parallelize_tp: moe_tokens", moe_tokens, MOE_TOKENS)
     tp, rank = size_rank if size_rank is not None else (dist.get_world_size(group), dist.get_rank(group))
     cfg = model.cfg
     plan = TPPlan(group, rank, tp, sequence_parallel)

@@ -1,7 +1,8 @@
 """Rollout: KV-cache generation with the training numerics, weight sync, consistency metrics.
 
 - `engine`: `RolloutEngine`, `GenerationOutput`, padding helpers; `sampling`: `SamplingParams`
-- `scoring`: `compute_log_probs`, `score` (trainer-side recomputation)
+- `scoring`: `TokenLogProbs` (the one per-micro-batch scoring: the Trainer's on a layout), `compute_log_probs`,
+  `score` (it on a bare single-process model)
 - `weight_sync/`: the two-completion-point protocol (`WeightPublisher`, `WeightReceiver`,
   `InProcessTransport`, `PublishHandle`, `WeightSyncError`), across processes, from sharded
   trainers, its wire format and its authenticated process group

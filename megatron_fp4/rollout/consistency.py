@@ -18,8 +18,8 @@ re-scores a rollout's tokens, batched its own way) and `compare_generation` give
 generation; `router_margins` measures how close the routers' choices are to flipping;
 `add_engine_noise` models an engine gap (tools/consistency_report.py).
 
-`compute_log_probs`/`score` (the trainer-side recomputation) live in `rollout.scoring` and are
-re-exported here.
+The trainer-side recomputation is `rollout.scoring.score` (a bare model: `TokenLogProbs` on one
+micro-batch); on a parallel layout the Trainer scores (`rl.algo.scorer.PolicyScorer`).
 """
 from __future__ import annotations
 
@@ -27,10 +27,10 @@ from typing import Optional, Sequence
 
 import torch
 
-from megatron_fp4.rollout.scoring import ScoreOutput, compute_log_probs, score
+from megatron_fp4.rollout.scoring import score
 
 __all__ = ["consistency_metrics", "compare_generation", "rescore", "router_margins", "add_engine_noise",
-           "compute_log_probs", "score", "ScoreOutput", "pearson", "kl_tokens", "kl_bootstrap", "kl_order"]
+           "pearson", "kl_tokens", "kl_bootstrap", "kl_order"]
 
 
 def pearson(x: torch.Tensor, y: torch.Tensor) -> float:

@@ -34,10 +34,14 @@ def next_token_log_probs(rows: torch.Tensor, tokens: torch.Tensor, keep: torch.T
     return log_probs * keep.to(log_probs.dtype)
 
 
-def log_probs_from_logits(logits: torch.Tensor, tokens: torch.Tensor, keep: torch.Tensor, numerics=None) -> tuple:
+def log_probs_from_logits(logits: torch.Tensor, tokens: torch.Tensor, keep: torch.Tensor, numerics=None,
+                          temperature: float = 1.0) -> tuple:
     """(log_probs [B, T] as `next_token_log_probs`, log-softmax rows [B, T-1, V]) of `tokens` under
-    `logits` [B, T, V] (`numerics`: as `log_softmax_rows`)."""
+    `logits` [B, T, V] (`numerics`: as `log_softmax_rows`) divided by `temperature` (verl's):
+    log_softmax(z / T) = log_softmax(log_softmax(z) / T), so the rows at T = 1 are the model's own."""
     rows = log_softmax_rows(logits[:, :-1], numerics)
+    if temperature != 1.0:
+        rows = torch.log_softmax(rows / temperature, dim=-1)
     return next_token_log_probs(rows, tokens, keep), rows
 
 

@@ -1,8 +1,11 @@
 """Trainer-side recomputation of token log-probs and routing: one full-sequence forward.
 
-Shared by the RL example, the verl training engine and the consistency report, so the training
-side always scores exactly the way the rollout engine's numbers are compared against; the token
-log-probs themselves come from `rollout.logprobs`, the definition the engine's decode uses too.
+One way to score: `TokenLogProbs` is the model-level computation of a micro-batch's token
+log-probs (its model inputs, and the log-probs of its logits: `rollout.logprobs`, the definition
+the engine's decode uses too). On a layout it runs through the Trainer, per micro-batch
+(`Trainer.forward_rows` -> `forward_backward(forward_only=True)`: `rl.algo.scorer.PolicyScorer`);
+on a bare single-process model (the rollout engine's copy: consistency tools, benchmarks, tests)
+`compute_log_probs` runs it on the whole batch as one micro-batch; `score` is that for token-id lists.
 
 Scoring runs at the numerics level and FP4 mode the model was built with (``numerics.invariance``,
 default ``batch``, ``fp4/invariant.py``; design rule 6), with or without autograd: at ``batch``, as
@@ -40,14 +43,16 @@ class ScoreOutput:
 
 def model_inputs(tokens: torch.Tensor, attention_mask: torch.Tensor, routing_in: Optional[torch.Tensor] = None) -> dict:
     """The model's inputs for a scored batch (verl layout, or packed rows: `model/packing.py`): positions
-    from the mask, routes to replay."""
-    return {"tokens": tokens, "positions": segment_positions(attention_mask), "attention_mask": attention_mask,
-            "routing_in": routing_in}
+    from the mask, routes to replay (only when given: a bare model need not take ``routing_in``)."""
+    inputs = {"tokens": tokens, "positions": segment_positions(attention_mask), "attention_mask": attention_mask}
+    return inputs if routing_in is None else {**inputs, "routing_in": routing_in}
 
 
 class TokenLogProbs(RowLoss):
-    """The rows of `Trainer.forward_rows` for scoring: each token's log-prob ([b, T] as `compute_log_probs`)
-    of a micro-batch {input_ids, attention_mask, response_mask, replay_routing (optional)}; any layout."""
+    """The token log-probs of a micro-batch {input_ids, attention_mask, response_mask, replay_routing
+    (optional)}: `model_inputs(mb)` and `scored(logits, mb)` (log-probs [b, T] as `compute_log_probs`,
+    log-softmax rows [b, T-1, V]). The Trainer runs it per micro-batch on any layout (`rows`: the
+    rows of `Trainer.forward_rows`), `compute_log_probs` on a bare model; `numerics`: the model's."""
 
     def __init__(self, numerics=None):
         self.numerics = numerics
@@ -55,29 +60,32 @@ class TokenLogProbs(RowLoss):
     def model_inputs(self, mb: dict) -> dict:
         return model_inputs(mb["input_ids"], mb["attention_mask"], mb.get("replay_routing"))
 
+    def scored(self, logits: torch.Tensor, mb: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        return log_probs_from_logits(logits, mb["input_ids"], mb["response_mask"], self.numerics)
+
     def rows(self, logits: torch.Tensor, mb: dict) -> torch.Tensor:
-        return log_probs_from_logits(logits, mb["input_ids"], mb["response_mask"], self.numerics)[0]
+        return self.scored(logits, mb)[0]
 
 
 def compute_log_probs(model, tokens: torch.Tensor, attention_mask: torch.Tensor,
                       response_mask: Optional[torch.Tensor] = None, mode: Optional[str] = None,
                       return_routing: bool = False, return_distributions: bool = False,
                       invariance: Optional[str] = None, routing_in: Optional[torch.Tensor] = None) -> ScoreOutput:
-    """Score `tokens` [B, T] (verl layout: left-padded prompt, right-padded response) in one
-    forward, in the FP4 mode and numerics level the model was built with (`mode`, `invariance`:
-    None, or the ones it was built with: anything else is a ValueError; module doc).
-    Differentiable: call under torch.no_grad() when only the numbers are needed.
+    """Score `tokens` [B, T] (verl layout: left-padded prompt, right-padded response) with a bare
+    single-process `model` as one `TokenLogProbs` micro-batch, in one forward, in the FP4 mode and
+    numerics level the model was built with (`mode`, `invariance`: None, or the ones it was built
+    with: anything else is a ValueError; module doc). `response_mask`: the tokens scored (default:
+    the attention mask). Differentiable: call under torch.no_grad() when only the numbers are needed.
     `routing_in`: routes to replay (`MoETransformer.run_layers`; position-aligned, not shifted)."""
     if tokens.shape != attention_mask.shape:
         raise ValueError(f"tokens {tuple(tokens.shape)} and attention_mask {tuple(attention_mask.shape)} "
                          "must have the same [batch, seq] shape")
     check_built_numerics(model, mode, invariance)
-    inputs = model_inputs(tokens, attention_mask, routing_in)
-    if routing_in is None:
-        del inputs["routing_in"]
-    out = model(**inputs, return_routing=return_routing)
-    log_probs, logp_all = log_probs_from_logits(out.logits, tokens, attention_mask if response_mask is None
-                                                else response_mask, numerics_of(model))
+    mb = {"input_ids": tokens, "attention_mask": attention_mask,
+          "response_mask": attention_mask if response_mask is None else response_mask, "replay_routing": routing_in}
+    scoring = TokenLogProbs(numerics_of(model))
+    out = model(**scoring.model_inputs(mb), return_routing=return_routing)
+    log_probs, logp_all = scoring.scored(out.logits, mb)
     routing = dists = None
     if return_routing:
         moe = [r for r in out.routing if r is not None]

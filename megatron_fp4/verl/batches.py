@@ -10,8 +10,8 @@ left-shifted convention (position t of a sequence = log p(token t+1 | tokens <= 
 token), which verl's `no_padding_2_padding` slices back to [B, R] for its losses.
 
 `entropy` (when asked) is the entropy of the same next-token distributions, same layout. verl's
-`temperature` divides the logits: log_softmax(z / T) = log_softmax(log_softmax(z) / T), so the
-temperature-scaled numbers come from the model's log-softmax rows.
+`temperature` divides the logits (`rollout.logprobs.log_probs_from_logits`: the temperature-scaled
+numbers come from the model's log-softmax rows).
 """
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ import torch
 
 from megatron_fp4.model.packing import run_starts
 from megatron_fp4.model.router import check_route_dtype
-from megatron_fp4.rollout.logprobs import log_probs_from_logits, next_token_log_probs, to_token_positions
+from megatron_fp4.rollout.logprobs import log_probs_from_logits, to_token_positions
 from megatron_fp4.rollout.scoring import model_inputs
 from megatron_fp4.training.step_loss import StepLoss
 
@@ -62,17 +62,11 @@ def padded_outputs(logits: torch.Tensor, tokens: torch.Tensor, mask: torch.Tenso
                    entropy: bool = False, numerics=None) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """(log_probs [B, T], entropy [B, T] or None) of `tokens` [B, T] under `logits` [B, T, V]: position
     t is about token t (0 at t = 0 and where `mask` is 0), logits divided by `temperature`."""
-    lp, rows = log_probs_from_logits(logits, tokens, mask, numerics)  # rows [B, T-1, V]
-    if not (entropy or temperature != 1.0):
+    lp, rows = log_probs_from_logits(logits, tokens, mask, numerics, temperature)  # rows [B, T-1, V]
+    if not entropy:
         return lp, None
-    if temperature != 1.0:
-        rows = torch.log_softmax(rows / temperature, dim=-1)
-        lp = next_token_log_probs(rows, tokens, mask)
-    ent = None
-    if entropy:
-        ent = -(rows.exp() * rows).sum(-1)
-        ent = torch.cat([torch.zeros_like(ent[:, :1]), ent], dim=1) * mask.to(ent.dtype)
-    return lp, ent
+    ent = -(rows.exp() * rows).sum(-1)
+    return lp, torch.cat([torch.zeros_like(ent[:, :1]), ent], dim=1) * mask.to(ent.dtype)
 
 
 class VerlScore(StepLoss):

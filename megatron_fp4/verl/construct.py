@@ -17,6 +17,7 @@ import torch.distributed as dist
 from verl.workers.config.engine import EngineConfig
 
 from megatron_fp4.config import Config, FP4Config
+from megatron_fp4.config.choices import check_choice
 from megatron_fp4.config.schema import _from_dict
 from megatron_fp4.integrations.hf.checkpoint import CONFIG_FILE
 from megatron_fp4.integrations.hf.families import ours_config_from_hf
@@ -91,8 +92,7 @@ _ROUTER_REPLAY = {"disabled": "off", "R2": "r2", "R3": "r3"}
 def router_replay_mode(engine_config) -> str:
     """``rl.router_replay`` for verl's ``engine_config.router_replay.mode`` (absent: off)."""
     mode = getattr(getattr(engine_config, "router_replay", None), "mode", "disabled")
-    if mode not in _ROUTER_REPLAY:
-        raise ValueError(f"router_replay.mode={mode!r} must be one of {sorted(_ROUTER_REPLAY)} (verl's modes)")
+    check_choice("router_replay.mode", mode, sorted(_ROUTER_REPLAY), "verl's modes")
     return _ROUTER_REPLAY[mode]
 
 

@@ -56,16 +56,18 @@ def test_metrics_with_routing_and_distributions_and_shape_errors():
         consistency_metrics(picked, picked[:3])
 
 
-def test_rescore_maps_each_batch_back_to_its_requests():
-    """`rescore` in reversed batches of 2 gives the one-forward metrics bit for bit (batch-invariant
-    scoring does not depend on batch composition), so every re-scored token sits at its own request."""
+PROMPTS = [[1, 5, 6], [1, 7], [2, 3, 4, 5], [9]]
+
+
+def bf16_rollout_and_fp4_scorer(return_routing: bool):
+    """A tiny model's bf16 rollout engine's generation of `PROMPTS` (with distributions, and routes
+    when `return_routing`) and the model itself as the scoring side (fp4, `batch` level, fixed at build)."""
     import copy
 
     from megatron_fp4.config import Config
     from megatron_fp4.fp4 import Numerics, apply_numerics
     from megatron_fp4.model import build_model
     from megatron_fp4.rollout import RolloutEngine, SamplingParams
-    from megatron_fp4.rollout.consistency import compare_generation, rescore
 
     cfg = Config()
     cfg.model.vocab_size, cfg.model.hidden_size, cfg.model.num_layers, cfg.model.num_experts = 32, 32, 2, 4
@@ -74,8 +76,17 @@ def test_rescore_maps_each_batch_back_to_its_requests():
     engine = RolloutEngine(copy.deepcopy(model), mode="fp4", pad_id=0, dtype=torch.bfloat16)
     model.set_fp4_mode("fp4")  # the scoring side: its mode and level fixed at build, as a trainer's
     apply_numerics(model, Numerics(invariance="batch"))
-    gen = engine.generate([[1, 5, 6], [1, 7], [2, 3, 4, 5], [9]], SamplingParams(max_new_tokens=4, temperature=1.0, seed=3),
-                          return_routing=True, return_distributions=True)
+    gen = engine.generate(PROMPTS, SamplingParams(max_new_tokens=4, temperature=1.0, seed=3),
+                          return_routing=return_routing, return_distributions=True)
+    return gen, model
+
+
+def test_rescore_maps_each_batch_back_to_its_requests():
+    """`rescore` in reversed batches of 2 gives the one-forward metrics bit for bit (batch-invariant
+    scoring does not depend on batch composition), so every re-scored token sits at its own request."""
+    from megatron_fp4.rollout.consistency import compare_generation, rescore
+
+    gen, model = bf16_rollout_and_fp4_scorer(return_routing=True)
     flat = {k: getattr(gen, k) for k in ("prompt_ids", "response_ids", "log_probs", "routing", "distributions")}
     whole = compare_generation(gen, model, 0, "fp4")
     assert rescore(model, flat, 0, "fp4", batch_size=2, reverse=True) == whole

@@ -11,9 +11,10 @@ run by run (expert parallelism: the rows from each source rank = each single-pro
 """
 import pytest
 import torch
+import torch.nn.functional as F
 
 import megatron_fp4.fp4.moeresq as moeresq
-from megatron_fp4.fp4 import Numerics, OperandFormat, Recipe, moeresq_linear
+from megatron_fp4.fp4 import Numerics, OperandFormat, Recipe, moeresq_linear, resq_quantize
 from megatron_fp4.model.moe import GroupedExperts
 from tests.numerics import FP64_REL, rel
 
@@ -62,11 +63,21 @@ def test_one_nonempty_run_is_the_plain_call_bitwise():
         assert all(torch.equal(a, b) for a, b in zip(_call(x, w, dy, Recipe(), segments), plain))
 
 
-def test_one_node_layout_gives_the_split_layouts_bits():
+def _col(a, fmt, comp):
+    """One run's wgrad operand written out: tokens padded to the block, transposed, Q̃."""
+    pad = (-a.shape[0]) % fmt.block_size
+    return resq_quantize((F.pad(a.t(), (0, pad)) if pad else a.t()).contiguous(), fmt, comp)
+
+
+def test_segmented_wgrad_is_the_per_run_operands_side_by_side_bitwise():
+    """fp32, bitwise: dW = [Q̃_col(dY_r)]ᵀ·[Q̃_col(X_r)] with each run padded and quantized alone."""
     x, w, dy = _data(torch.float32)
-    split = _call(x, w, dy, Recipe(), RUNS)
-    with NUM.one_node_backward():
-        assert all(torch.equal(a, b) for a, b in zip(_call(x, w, dy, Recipe(), RUNS), split))
+    r = Recipe()
+    _, _, dw = _call(x, w, dy, r, RUNS)
+    runs = [(xs, dys) for xs, dys in zip(x.split(RUNS), dy.split(RUNS)) if xs.shape[0]]
+    dyt = torch.cat([_col(dys, r.grad_output, r.compensated) for _, dys in runs], dim=1)
+    xt = torch.cat([_col(xs, r.input, r.compensated) for xs, _ in runs], dim=1)
+    assert torch.equal(dw, dyt @ xt.t())
 
 
 def test_without_backward_quantization_segments_change_nothing():

@@ -55,8 +55,9 @@ class _FakeNCCL:
 def _mesh(device):
     """Rank 3 of a dp4 × ep2 mesh (ep groups [0, 1], [2, 3]) that believes it is distributed; the
     groups it creates come from the patched `dist.new_group`."""
+    from megatron_fp4.parallel.dims import ParallelDims
     from megatron_fp4.parallel.mesh import ParallelMesh
-    return ParallelMesh(pp=1, dp=4, ep=2, rank=3, world_size=4, device=torch.device(device),
+    return ParallelMesh(ParallelDims(world_size=4, dp=4, ep=2), rank=3, device=torch.device(device),
                         groups={"world": object()}, timeout_s=42.0)
 
 

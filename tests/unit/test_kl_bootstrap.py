@@ -1,7 +1,6 @@
 """The KL's sampling noise: per-request KL from `rescore`, the paired request bootstrap
 (`kl_bootstrap`), the ordering decided beyond the noise (`kl_order`) and the vLLM goal benchmark's
 verdict per (seed, scope) (`bench_vllm_goals.kl_verdict`), against float64 (numpy) references."""
-import copy
 import sys
 from pathlib import Path
 
@@ -23,22 +22,12 @@ def _bench():
 def test_rescore_reports_each_requests_kl_summed_over_its_tokens():
     """`kl_per_request[i]` is request i's exact KL summed over its tokens (numpy float64 reference
     from the two sides' distributions), and the token-weighted mean of them is the reported KL."""
-    from megatron_fp4.config import Config
-    from megatron_fp4.fp4 import Numerics, apply_numerics
-    from megatron_fp4.model import build_model
-    from megatron_fp4.rollout import RolloutEngine, SamplingParams
-    from megatron_fp4.rollout.consistency import rescore, score
+    from megatron_fp4.rollout import score
+    from megatron_fp4.rollout.consistency import rescore
+    from tests.unit.test_consistency_metrics import PROMPTS as prompts
+    from tests.unit.test_consistency_metrics import bf16_rollout_and_fp4_scorer
 
-    cfg = Config()
-    cfg.model.vocab_size, cfg.model.hidden_size, cfg.model.num_layers, cfg.model.num_experts = 32, 32, 2, 4
-    cfg.model.num_heads, cfg.model.num_kv_heads, cfg.model.moe_ffn_hidden_size = 2, 1, 16
-    model = build_model(cfg)
-    engine = RolloutEngine(copy.deepcopy(model), mode="fp4", pad_id=0, dtype=torch.bfloat16)
-    model.set_fp4_mode("fp4")  # the scoring side: its mode and level fixed at build, as a trainer's
-    apply_numerics(model, Numerics(invariance="batch"))
-    prompts = [[1, 5, 6], [1, 7], [2, 3, 4, 5], [9]]
-    gen = engine.generate(prompts, SamplingParams(max_new_tokens=4, temperature=1.0, seed=3),
-                          return_distributions=True)
+    gen, model = bf16_rollout_and_fp4_scorer(return_routing=False)
     flat = {k: getattr(gen, k) for k in ("prompt_ids", "response_ids", "log_probs", "distributions")}
     m = rescore(model, flat, 0, "fp4", batch_size=2, reverse=True)
     train = score(model, prompts, gen.response_ids, 0, "fp4", return_distributions=True)

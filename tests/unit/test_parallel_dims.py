@@ -92,7 +92,7 @@ def test_the_pieces_call_the_same_checks():
         (lambda: split_layers(3, 2, 2), "parallel.virtual_stages=2: pp×virtual_stages=4 model chunks"),
         (lambda: split_layers(4, 0, 1), "parallel.pp=0"),
         (lambda: rank_chunks(0, 2, 3, "v"), "parallel.virtual_stages=3: schedule zbv places exactly 2"),
-        (lambda: PipelineRunner(nn.Module(), ParallelMesh(pp=2, world_size=2), "1f1b", 2),
+        (lambda: PipelineRunner(nn.Module(), ParallelMesh(ParallelDims(world_size=2, pp=2)), "1f1b", 2),
          "parallel.schedule='1f1b': virtual_stages=2 needs a multi-chunk schedule"),
         (lambda: expert_placement(8, 3), "parallel.ep=3: model.num_experts=8 is not divisible"),
         (lambda: GCMoEDispatcher(None, 4, 8, channel=None, ring_slots=2), "parallel.gcmoe_ring_slots=2 must be"),
@@ -108,7 +108,7 @@ def test_the_pieces_call_the_same_checks():
 def test_trainer_refuses_a_mesh_of_another_layout():
     from megatron_fp4.training.trainer import Trainer
 
-    mesh = ParallelMesh(pp=1, dp=2, ep=2, world_size=2)  # the config says ep=1
+    mesh = ParallelMesh(ParallelDims(world_size=2, dp=2, ep=2))  # the config says ep=1
     with pytest.raises(ConfigError, match="the mesh passed to the Trainer has .*ep=2.* cfg.parallel gives .*ep=1"):
         Trainer(Config(), mesh, build_data=False)
 

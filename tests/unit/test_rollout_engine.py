@@ -22,6 +22,7 @@ import torch
 from megatron_fp4.config import Config
 from megatron_fp4.model import build_model
 from megatron_fp4.rollout import RolloutEngine, SamplingParams, compute_log_probs, pad_prompt_response, score
+from megatron_fp4.rollout.logprobs import log_probs_from_logits
 from megatron_fp4.rollout.sampling import sampling_log_probs
 from megatron_fp4.training.data import ArithmeticTokenizer
 from tests.numerics import FP64_REL, log_softmax_bound, rel
@@ -133,6 +134,27 @@ def test_greedy_and_sampling_log_probs():
     tol = 2 * u * m + log_softmax_bound(m, int(keep.sum()))
     assert torch.equal(lp[~keep], ref[~keep].float())
     assert (lp[keep].double() - ref[keep]).abs().max() <= tol, (lp, ref, tol)
+
+
+def test_temperature_log_probs_against_float64():
+    """verl's temperature: log p_T(token) = log_softmax(z / T) at the token, from the model's fp32
+    log-softmax rows (log_softmax(log_softmax(z) / T)), against the float64 formula on z itself."""
+    g = torch.Generator().manual_seed(0)
+    logits, tokens = torch.randn(2, 7, 11, generator=g) * 4, torch.randint(0, 11, (2, 7), generator=g)
+    keep = torch.ones(2, 7, dtype=torch.long)
+    keep[0, 5:] = 0
+    T, u = 0.7, torch.finfo(torch.float32).eps / 2
+    lp, rows = log_probs_from_logits(logits, tokens, keep, temperature=T)
+    exact = torch.log_softmax(logits.double()[:, :-1] / T, -1).gather(-1, tokens[:, 1:, None])[..., 0]
+    ref = torch.cat([exact.new_zeros(2, 1), exact], dim=1) * keep
+    # first log-softmax (fp32, on z), / T rounding, second log-softmax (2-Lipschitz in its input, tests/numerics.py)
+    m, m2 = float(logits.abs().max()), float(rows.abs().max())
+    tol = 2 * (log_softmax_bound(m, 11) / T + u * m2) + log_softmax_bound(m2, 11)
+    assert torch.equal(lp[keep == 0], torch.zeros(int((keep == 0).sum())))
+    assert (lp.double() - ref).abs().max() <= tol, ((lp.double() - ref).abs().max(), tol)
+    assert (log_probs_from_logits(logits, tokens, keep)[0].double() - ref).abs().max() > 100 * tol  # T matters
+    assert torch.equal(log_probs_from_logits(logits, tokens, keep, temperature=1.0)[0],
+                       log_probs_from_logits(logits, tokens, keep)[0])
 
 
 def test_compute_log_probs_respects_masks():

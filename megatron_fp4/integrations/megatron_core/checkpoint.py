@@ -65,6 +65,8 @@ from typing import Callable, Mapping
 
 import torch
 
+from megatron_fp4.config.choices import check_choice
+
 SPECS = ("local", "te")
 EXPERT_LAYOUTS = ("sequential", "te_grouped")
 
@@ -107,12 +109,10 @@ def check_family(model_cfg) -> str:
 
 
 def _check(spec: str, experts: str) -> None:
-    if spec not in SPECS:
-        raise ValueError(f"spec={spec!r}: must be one of {SPECS} ('te' = TE layer specs with the input norm fused "
-                         f"into linear_qkv, 'local' = Megatron-Core's own modules)")
-    if experts not in EXPERT_LAYOUTS:
-        raise ValueError(f"experts={experts!r}: must be one of {EXPERT_LAYOUTS} ('sequential' = SequentialMLP "
-                         f"local_experts.{{e}}, 'te_grouped' = TEGroupedMLP weight{{e}})")
+    check_choice("spec", spec, SPECS, "'te' = TE layer specs with the input norm fused into linear_qkv, "
+                 "'local' = Megatron-Core's own modules")
+    check_choice("experts", experts, EXPERT_LAYOUTS, "'sequential' = SequentialMLP local_experts.{e}, "
+                 "'te_grouped' = TEGroupedMLP weight{e}")
 
 
 def _expert_key(prefix: str, fc: str, e: int, experts: str, kind: str = "weight") -> str:

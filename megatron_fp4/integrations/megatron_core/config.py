@@ -40,6 +40,7 @@ import torch
 import torch.nn.functional as F
 
 from megatron_fp4.config import Config, FP4Config, ModelConfig
+from megatron_fp4.config.choices import check_choice
 from megatron_fp4.integrations.megatron_core.checkpoint import check_family
 from megatron_fp4.model.gpt_oss import SWIGLU_LIMIT
 
@@ -68,8 +69,7 @@ def to_megatron_transformer_config(cfg: Config, fp4_backend: str = "moeresq") ->
     """Flat dict of Megatron-Core TransformerConfig fields + GPTModel arguments for `cfg`."""
     if not isinstance(cfg, Config):
         raise ValueError(f"cfg must be a megatron_fp4 Config, got {type(cfg).__name__}")
-    if fp4_backend not in FP4_BACKENDS:
-        raise ValueError(f"fp4_backend={fp4_backend!r} is not one of {FP4_BACKENDS}")
+    check_choice("fp4_backend", fp4_backend, FP4_BACKENDS)
     check_family(cfg.model)
     m, p = cfg.model, cfg.parallel
     theta = float(m.rope_theta)

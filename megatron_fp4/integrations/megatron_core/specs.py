@@ -23,6 +23,7 @@ from __future__ import annotations
 import re
 from typing import Optional
 
+from megatron_fp4.config.choices import check_choice
 from megatron_fp4.fp4 import Recipe
 from megatron_fp4.model.specs import recipe_from_config
 
@@ -37,8 +38,7 @@ NEVER_FP4 = ("mlp.router", "input_layernorm", "pre_mlp_layernorm", "self_attenti
 
 def fp4_submodules(scope: str, is_moe: bool = True, shared_experts: bool = False) -> tuple[str, ...]:
     """Megatron-Core submodule paths (relative to a TransformerLayer) that are FP4 under `scope`."""
-    if scope not in SCOPES:
-        raise ValueError(f"fp4 scope={scope!r} is not one of {SCOPES}")
+    check_choice("fp4 scope", scope, SCOPES)
     if scope == "none":
         return ()
     if is_moe:

@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from megatron_fp4.config.choices import check_choice
 from megatron_fp4.model.experts import GroupedExperts
 from megatron_fp4.model.moe import MoELayer
 from megatron_fp4.parallel.dims import check_expert_split, check_gcmoe
@@ -140,8 +141,7 @@ def apply_expert_parallel(model: nn.Module, mesh: ParallelMesh, dispatcher: str 
     if tp_fold != 1 and (dispatcher != "alltoall" or mesh.ep % tp_fold):
         raise ValueError(f"apply_expert_parallel: tp_fold={tp_fold} (tensor parallel folded into ep) needs "
                          f"parallel.expert_dispatcher=alltoall and ep={mesh.ep} a multiple of it")
-    if dispatcher not in DISPATCHERS:
-        raise ValueError(f"parallel.expert_dispatcher={dispatcher!r} must be one of {DISPATCHERS}")
+    check_choice("parallel.expert_dispatcher", dispatcher, DISPATCHERS)
     check_gcmoe(1, chunk_tokens, ring_slots, transfer_sms)  # the ring against ep: after the agreement check
     if decode_tokens < 1:
         raise ValueError(f"decode_tokens={decode_tokens} must be >= 1 (tokens per rank per decode round)")

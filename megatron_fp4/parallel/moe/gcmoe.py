@@ -90,6 +90,7 @@ import collections
 
 import torch
 
+from megatron_fp4.config.choices import check_choice
 from megatron_fp4.model.experts import GroupedExperts
 from megatron_fp4.parallel.dims import check_gcmoe
 from megatron_fp4.parallel.moe.alltoall import (AllToAllDispatcher, DispatchPlan, all_to_all_rows, finish_combine,
@@ -128,8 +129,7 @@ class GCMoEDispatcher(AllToAllDispatcher):
     def __init__(self, group, ep: int, num_experts: int, channel: TransferChannel, chunk_tokens: int = 64,
                  compute: str = "expert", ring_slots: int = 8):
         check_gcmoe(ep, chunk_tokens, ring_slots)
-        if compute not in COMPUTE_GRANULARITIES:
-            raise ValueError(f"GCMoEDispatcher compute={compute!r} must be one of {COMPUTE_GRANULARITIES}")
+        check_choice("GCMoEDispatcher compute", compute, COMPUTE_GRANULARITIES)
         super().__init__(group, ep, num_experts)
         self.channel, self.chunk_tokens, self.compute = channel, chunk_tokens, compute
         self.ring_slots = ring_slots

@@ -68,6 +68,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from megatron_fp4.config.choices import check_choice
 from megatron_fp4.model.dispatch import Dispatched, Dispatcher, combine_expert_outputs
 from megatron_fp4.parallel.dims import check_expert_split
 from megatron_fp4.parallel.moe.alltoall import check_share, scatter_rows
@@ -139,8 +140,7 @@ class GCMoEDecodeDispatcher(Dispatcher):
     def __init__(self, group, ep: int, num_experts: int, ep_rank: int, ep_ranks: list[int],
                  buffers: DecodeBuffers, static: bool = False, transport: str = "alltoall"):
         check_expert_split(num_experts, ep)
-        if transport not in self.TRANSPORTS:
-            raise ValueError(f"GC-MoE decode transport={transport!r} must be one of {self.TRANSPORTS}")
+        check_choice("GC-MoE decode transport", transport, self.TRANSPORTS)
         self.transport = transport
         self.group, self.ep, self.num_experts = group, ep, num_experts
         self.ep_rank, self.ep_ranks, self.buffers, self.static = ep_rank, list(ep_ranks), buffers, static

@@ -13,6 +13,7 @@ from collections.abc import Mapping
 import numpy as np
 import torch
 
+from megatron_fp4.config.choices import check_choice
 from megatron_fp4.training.data.arithmetic import DEFAULT_OPS, ArithmeticDataset, sample_index
 from megatron_fp4.training.data.indexed import IndexedDataset, split_prefix
 
@@ -129,8 +130,7 @@ def build_dataset(data_cfg, seq_len: int, seed: int, vocab_size: int | None = No
             max_operand=_field(data_cfg, "max_operand", 99),
             ops=_field(data_cfg, "ops", DEFAULT_OPS) or DEFAULT_OPS,
         )
-    if kind not in DATA_KINDS:
-        raise ValueError(f"data.kind={kind!r} is not one of {DATA_KINDS}")
+    check_choice("data.kind", kind, DATA_KINDS)
     path = _field(data_cfg, "path")
     if not path:
         raise ValueError(f"data.kind={kind!r} reads a file, but data.path is not set; set data.path")
