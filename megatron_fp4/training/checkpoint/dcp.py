@@ -37,7 +37,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from megatron_fp4.parallel.wire import broadcast_json
 from megatron_fp4.training.checkpoint import directory as ckpt
 from megatron_fp4.training.checkpoint import files
-from megatron_fp4.training.checkpoint import dcp_etp
+from megatron_fp4.training.checkpoint import dcp_etp, dcp_state
 from megatron_fp4.training.checkpoint.dcp_checks import check_declared_bytes, check_declared_shapes
 from megatron_fp4.training.checkpoint.dcp_metadata import METADATA_FILE, SafeFileSystemReader
 from megatron_fp4.training.checkpoint.dcp_tp import check_tp_layout, optim_name, tp_entry, tp_replicas_needed
@@ -159,18 +159,28 @@ def _expert_slice_from_whole(p, offset: int, num_experts: int, copies: list) -> 
 
 def _optim_entries(trainer) -> dict:
     """This rank's owned pieces of every parameter's AdamW state (disjoint across ranks, also under
-    ZeRO-0 where every rank holds everything)."""
+    ZeRO-0 where every rank holds everything): of a whole weight flat pieces of the global one, of a
+    tp / etp cut weight rectangles of its global 2-D state tensor (`dcp_state`)."""
     opt, info = trainer.optimizer, _expert_info(trainer.model)
     out = {}
     for k, buf in enumerate(opt.buffers):
         state = opt.adam_state(k)
         for i, lo, hi, _ in buf.pieces(buf.owned):
-            start = _state_index(buf, buf.offsets[i] + lo)
+            start, name = _state_index(buf, buf.offsets[i] + lo), buf.names[i]
+            f = _fold(buf.params[i], trainer, info)
             for kind in KINDS:
-                piece = state[kind][start:start + hi - lo]
-                stem = _optim_stem(buf.names[i], buf.params[i], trainer.mesh)
-                out[f"optim/{stem}/{kind}/{_global_offset(buf.params[i], info) + lo}"] = piece.clone()
+                if f is None:
+                    piece = state[kind][start:start + hi - lo]
+                    out[f"optim/{name}/{kind}/{_global_offset(buf.params[i], info) + lo}"] = piece.clone()
+                    continue
+                chunks = out.setdefault(f"optim/{name}/{kind}", dcp_state.StateChunks(f.shape, state[kind].dtype))
+                for offsets, size, pos in dcp_state.rectangles(f, lo, hi):
+                    chunks.add(offsets, dcp_state.region(state[kind], f, size, pos, start - lo).clone())
     return out
+
+
+def _fold(p, trainer, info: dict):
+    return dcp_state.fold(p, trainer.mesh, info.get(id(p)), trainer.model.cfg.num_experts)
 
 
 def _optim_stem(name: str, p, mesh) -> str:
@@ -206,7 +216,8 @@ def save(root: str | Path, trainer) -> Path:
     state = {**_model_entries(trainer.model, trainer.mesh), **({} if fresh else _optim_entries(trainer)),
              f"rng/{_rank()}": torch.get_rng_state()}
     try:
-        dcp.save(state, storage_writer=_Writer(str(tmp)), no_dist=not _is_dist())
+        dcp.save(state, storage_writer=_Writer(str(tmp)), planner=dcp_state.SavePlanner(),
+                 no_dist=not _is_dist())
     except (Exception, CheckpointException) as err:  # every rank gets DCP's verdict of the write
         raise _save_failed(root, tmp, trainer.step, err, sync=True, group=group) from None
     _barrier(group)
@@ -277,7 +288,8 @@ def _read_shards(state: dict, step_dir: Path, no_dist: bool) -> None:
     """dcp.load into `state` through the safe reader; a failure to read a shard is a damaged step."""
     try:
         with torch.no_grad():
-            dcp.load(state, storage_reader=SafeFileSystemReader(str(step_dir)), no_dist=no_dist)
+            dcp.load(state, storage_reader=SafeFileSystemReader(str(step_dir)), planner=dcp_state.LoadPlanner(),
+                     no_dist=no_dist)
     except ckpt.CheckpointError:
         raise
     except (Exception, CheckpointException) as err:  # DCP wraps per-rank failures (a truncated shard...)
@@ -305,8 +317,10 @@ def _load_step(step_dir: Path, trainer) -> dict:
     check_declared_bytes(metadata, step_dir)  # before allocating the saved pieces
     saved = _saved_pieces(metadata)
     has_state = meta.get("adam_step", 0) > 0
-    check_tp_layout(meta, trainer.mesh, has_state, step_dir)
-    dcp_etp.check_etp_layout(meta, trainer.mesh, has_state, step_dir)
+    legacy = has_state and _legacy_cut_state(metadata)
+    if legacy:  # pieces of the local shards (before session 13): only at the tp / etp they were saved with
+        check_tp_layout(meta, trainer.mesh, has_state, step_dir)
+        dcp_etp.check_etp_layout(meta, trainer.mesh, has_state, step_dir)
     copies: list = []
     request = _model_entries(trainer.model, trainer.mesh, metadata.state_dict_metadata, copies)
     missing = [k for k in request if k not in metadata.state_dict_metadata]
@@ -320,17 +334,34 @@ def _load_step(step_dir: Path, trainer) -> dict:
         request[rng_key] = torch.empty_like(torch.get_rng_state())
     opt, info = trainer.optimizer, _expert_info(trainer.model)
     plans = []  # (buffer k, kind, dst in flat state, key, src in saved piece, numel)
+    folds = _state_folds(trainer, info, metadata, step_dir) if has_state and not legacy else {}
+    rects = []  # (buffer k, kind, fold, size, local position, state base, global offsets, key)
     for k, buf in enumerate(opt.buffers):
+        dtype = buf.data.dtype if buf.data.dtype == torch.float64 else torch.float32
         for i, lo, hi, state_pos in buf.pieces():
-            name, goff = _optim_stem(buf.names[i], buf.params[i], trainer.mesh), _global_offset(buf.params[i], info)
+            f, two_d = folds.get(buf.names[i]), f"optim/{buf.names[i]}/master" in metadata.state_dict_metadata
+            for kind in KINDS if f is not None and two_d else ():  # rectangles of the global 2-D state
+                key = f"optim/{buf.names[i]}/{kind}"
+                chunks = request.setdefault(key, dcp_state.StateChunks(f.shape, dtype))
+                for offsets, size, pos in dcp_state.rectangles(f, lo, hi):
+                    chunks.add(offsets, torch.empty(size, dtype=dtype))
+                    rects.append((k, kind, f, size, pos, state_pos - lo, offsets, key))
+            if f is not None and two_d:
+                continue
+            name = _optim_stem(buf.names[i], buf.params[i], trainer.mesh) if legacy else buf.names[i]
+            goff = _global_offset(buf.params[i], info)
+            # flat ranges [global start, local start, numel): the piece, or each row of a cut one's rectangles
+            spans = ([(goff + lo, lo, hi - lo)] if f is None else
+                     [((r + j) * f.shape[1] + c, pos + j * f.local_cols, n)
+                      for (r, c), (rows, n), pos in dcp_state.rectangles(f, lo, hi) for j in range(rows)])
             for kind in KINDS if has_state else ():
                 for off, numel, key in saved.get((name, kind), []):
-                    a, b = max(goff + lo, off), min(goff + hi, off + numel)
-                    if a < b:
-                        if key not in request:
-                            request[key] = torch.empty(numel, dtype=buf.data.dtype if buf.data.dtype == torch.float64
-                                                       else torch.float32)
-                        plans.append((k, kind, state_pos + a - goff - lo, key, a - off, b - a))
+                    for g, local, n in spans:
+                        a, b = max(g, off), min(g + n, off + numel)
+                        if a < b:
+                            if key not in request:
+                                request[key] = torch.empty(numel, dtype=dtype)
+                            plans.append((k, kind, state_pos - lo + local + a - g, key, a - off, b - a))
     _read_shards(request, step_dir, no_dist=not _is_dist())
     with torch.no_grad():
         for copy in copies:  # etp slices out of the global tensors read
@@ -348,6 +379,12 @@ def _load_step(step_dir: Path, trainer) -> dict:
                 flats[kind][dst:dst + n] = request[key][src:src + n]
                 if kind == "master":
                     filled[dst:dst + n] += 1
+        for kk, kind, f, size, pos, base, offsets, key in rects:
+            if kk == k:
+                dcp_state.region(flats[kind], f, size, pos, base).copy_(request[key].chunks[torch.Size(offsets)])
+                if kind == "master":  # how many saved chunks cover each element (`_check_filled`: exactly one)
+                    dcp_state.count_coverage(dcp_state.region(filled, f, size, pos, base), offsets,
+                                             metadata.state_dict_metadata[key])
         if has_state:
             _check_filled(buf, filled, step_dir)
         opt.set_adam_state(k, flats["master"], flats["exp_avg"], flats["exp_avg_sq"], meta.get("adam_step", 0))
@@ -366,6 +403,49 @@ def _check_filled(buf, filled: torch.Tensor, where) -> None:
     if not torch.equal(filled, need):
         raise ckpt.CheckpointError(f"{where}: the saved optimizer state does not cover this rank's shard "
                                    f"({int((filled != need).sum())} elements differ); the checkpoint is incomplete")
+
+
+def _legacy_cut_state(metadata) -> bool:
+    """Whether the checkpoint keeps cut weights' AdamW state as pieces of the local shards
+    (``optim/<name>/tp<i>/...``, ``.../etp<i>/...``: written before session 13)."""
+    return any(re.match(r"^optim/.+/e?tp\d+/(master|exp_avg|exp_avg_sq)/\d+$", key)
+               for key in metadata.state_dict_metadata)
+
+
+def _state_folds(trainer, info: dict, metadata, step_dir: Path) -> dict:
+    """name -> `dcp_state.Fold` of every weight whose AdamW state is read as rectangles of a 2-D
+    state tensor: a weight the checkpoint stores so (saved cut), or one this layout cuts. The
+    declared shapes (and chunks) are checked against the weight's before anything is allocated; a
+    problem on any rank is a CheckpointError on every rank (none is left waiting in the read)."""
+    folds, problems, declared = {}, [], metadata.state_dict_metadata
+    for buf in trainer.optimizer.buffers:
+        for name, p in zip(buf.names, buf.params):
+            f = _fold(p, trainer, info)
+            keys = [f"optim/{name}/{kind}" for kind in KINDS]
+            if not any(key in declared for key in keys):
+                if f is not None:  # saved whole (flat pieces of the global tensor): read row by row
+                    folds[name] = f
+                continue
+            expert = info.get(id(p))
+            numel = p.numel() // expert[1] * trainer.model.cfg.num_experts if expert else p.numel()
+            for key in keys:
+                problem = (f"{key} is missing" if key not in declared else
+                           dcp_state.check_declared(declared[key], key, f.shape if f else None, numel))
+                problems += [problem] if problem else []
+            if f is None and not problems:
+                f = dcp_state.whole(tuple(declared[keys[0]].size), _global_offset(p, info))
+            folds[name] = f
+    bad = torch.tensor([len(problems)], dtype=torch.int64, device=trainer.mesh.device)
+    if _is_dist():
+        dist.all_reduce(bad, group=trainer.mesh.group("world"))
+    if int(bad) and problems:
+        raise ckpt.CheckpointError(f"checkpoint {step_dir} does not hold this model's optimizer state "
+                                   f"({len(problems)} problem(s), e.g. {'; '.join(problems[:2])}); it was "
+                                   f"written for a different model or its .metadata is damaged")
+    if int(bad):
+        raise ckpt.CheckpointError(f"checkpoint {step_dir}: another rank found its optimizer state not matching "
+                                   f"this model (see that rank's error)")
+    return folds
 
 
 def load_full_model_state(path: str | Path) -> dict:
