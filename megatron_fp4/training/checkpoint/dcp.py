@@ -427,10 +427,11 @@ def _state_folds(trainer, info: dict, metadata, step_dir: Path) -> dict:
                     folds[name] = f
                 continue
             expert = info.get(id(p))
-            numel = p.numel() // expert[1] * trainer.model.cfg.num_experts if expert else p.numel()
+            shape = (trainer.model.cfg.num_experts, *p.shape[1:]) if expert else tuple(p.shape)
+            shapes = [f.shape] if f is not None else dcp_state.folds_of(shape)
             for key in keys:
                 problem = (f"{key} is missing" if key not in declared else
-                           dcp_state.check_declared(declared[key], key, f.shape if f else None, numel))
+                           dcp_state.check_declared(declared[key], key, shapes))
                 problems += [problem] if problem else []
             if f is None and not problems:
                 f = dcp_state.whole(tuple(declared[keys[0]].size), _global_offset(p, info))

@@ -152,23 +152,28 @@ class LoadPlanner(DefaultLoadPlanner):
         return obj.__get_tensor_shard__(index) if isinstance(obj, StateChunks) else super().lookup_tensor(index)
 
 
-def check_declared(md, key: str, shape: tuple | None, numel: int) -> str:
-    """'' if `.metadata`'s entry `md` for state tensor `key` is a floating 2-D tensor of the weight's
-    global view `shape` (None: any 2-D view of `numel` elements, for a weight this layout does not
-    cut) with every chunk inside it, else the problem (before anything is allocated)."""
+def folds_of(shape: tuple) -> list:
+    """Every 2-D view a layout's cut can store a weight of global `shape` as: folded at one of its
+    dims (the dims before it the rows), all the weight's global tensor reshaped."""
+    return [(math.prod(shape[:d]), math.prod(shape[d:])) for d in range(len(shape))]
+
+
+def check_declared(md, key: str, shapes: list) -> str:
+    """'' if `.metadata`'s entry `md` for state tensor `key` is a floating tensor of one of the
+    weight's global 2-D views `shapes` with every chunk inside it, else the problem (checked before
+    anything is allocated for it)."""
     if not isinstance(md, TensorStorageMetadata):
         return f"{key} is not a tensor"
-    if shape is None and len(md.size) == 2 and md.size.numel() == numel:
-        shape = tuple(md.size)
-    if tuple(md.size) != tuple(shape or ()):
-        want = tuple(shape) if shape else f"a 2-D view of its {numel} elements"
-        return (f"{key} has the global shape {tuple(md.size)}, the weight's optimizer state has {want} "
-                f"(its weight's global shape folded at the cut dim)")
+    shape = tuple(md.size)
+    if shape not in [tuple(s) for s in shapes]:
+        return (f"{key} has the global shape {shape}, the weight's optimizer state has "
+                f"{' or '.join(str(tuple(s)) for s in shapes)} (its weight's global shape folded at the cut dim)")
     if not md.properties.dtype.is_floating_point:
         return f"{key} is stored as {md.properties.dtype}, not a floating dtype"
     for c in md.chunks:
-        if len(c.offsets) != 2 or len(c.sizes) != 2 or any(o < 0 or s < 0 or o + s > n for o, s, n in zip(c.offsets, c.sizes, shape)):
-            return f"{key} has a chunk at {tuple(c.offsets)} of {tuple(c.sizes)} outside its shape {tuple(shape)}"
+        if len(c.offsets) != 2 or len(c.sizes) != 2 or any(o < 0 or n < 0 or o + n > d for o, n, d in
+                                                            zip(c.offsets, c.sizes, shape)):
+            return f"{key} has a chunk at {tuple(c.offsets)} of {tuple(c.sizes)} outside its shape {shape}"
     return ""
 
 
