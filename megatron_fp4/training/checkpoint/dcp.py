@@ -10,11 +10,15 @@ into any pp / dp (and ZeRO stage) layout:
   checkpoint the whole tensor into a temporary and keeps its experts);
   tensor-parallel shards as DTensor chunks of the global weight (`checkpoint/dcp_tp.py`: they reshard across tp),
   expert-tensor-parallel ones too, w13 as its gate and up halves (`checkpoint/dcp_etp.py`: they reshard across etp);
-- ``optim/<param name>/<master|exp_avg|exp_avg_sq>/<offset>``: the part of that parameter's
-  (flattened, fp32) AdamW state a rank holds, starting at element ``offset`` of the *global*
-  parameter. Each rank writes only its own ZeRO shard — nothing is gathered on save — and on load
-  each rank reads the saved pieces overlapping its new shard and copies the overlaps. Plain 1-D
-  tensors under unique keys, so DCP's default planner does all of it (no DTensor needed);
+- ``optim/<param name>/<master|exp_avg|exp_avg_sq>/<offset>``: the part of a whole (uncut)
+  parameter's (flattened, fp32) AdamW state a rank holds, starting at element ``offset`` of the
+  *global* parameter. Each rank writes only its own ZeRO shard — nothing is gathered on save — and
+  on load each rank reads the saved pieces overlapping its new shard and copies the overlaps. Plain
+  1-D tensors under unique keys;
+- ``optim/<param name>/<kind>`` of a tp / etp-cut parameter: one global 2-D tensor (the weight
+  folded at its cut dim), each rank's ZeRO ranges of its shard written as rectangles of it (DCP
+  chunks, `checkpoint/dcp_state.py`), read back by any layout's rectangles, or row by row by a
+  layout that cuts a weight saved whole; a whole weight reads a cut one's rectangles likewise;
 - ``rng/<rank>``: each rank's torch RNG state (restored where the rank exists in the new layout).
 
 Step, sampler position (counted in global samples) and the Adam step count live in meta.json,
