@@ -56,23 +56,23 @@ def local_states(trainer) -> dict:
 def _legacy_optim_entries(trainer) -> dict:
     """The optimizer pieces as `dcp.save` wrote them before session 13: a cut weight's under
     ``optim/<name>/tp<i>/<kind>/<offset>``, flat pieces of the local shard."""
-    from megatron_fp4.training.checkpoint import dcp
+    from megatron_fp4.training.checkpoint import dcp_optim
 
-    opt, info, out = trainer.optimizer, dcp._expert_info(trainer.model), {}
+    opt, info, out = trainer.optimizer, dcp_optim.expert_info(trainer.model), {}
     for k, buf in enumerate(opt.buffers):
         state = opt.adam_state(k)
         for i, lo, hi, _ in buf.pieces(buf.owned):
-            start = dcp._state_index(buf, buf.offsets[i] + lo)
-            stem = dcp._optim_stem(buf.names[i], buf.params[i], trainer.mesh)
+            start = dcp_optim._state_index(buf, buf.offsets[i] + lo)
+            stem = dcp_optim._optim_stem(buf.names[i], buf.params[i], trainer.mesh)
             for kind in KINDS:
-                out[f"optim/{stem}/{kind}/{dcp._global_offset(buf.params[i], info) + lo}"] = \
+                out[f"optim/{stem}/{kind}/{dcp_optim.global_offset(buf.params[i], info) + lo}"] = \
                     state[kind][start:start + hi - lo].clone()
     return out
 
 
 def _worker(rank, world_size, root):
     from megatron_fp4.parallel.mesh import ParallelMesh
-    from megatron_fp4.training.checkpoint import dcp
+    from megatron_fp4.training.checkpoint import dcp_optim
     from megatron_fp4.training.trainer import Trainer
 
     tp2, etp2 = ParallelMesh.build(1, 1, 1, tp=2), ParallelMesh.build(1, 1, 1, tp=2, etp=2)
@@ -87,15 +87,15 @@ def _worker(rank, world_size, root):
         trainer.load_checkpoint(f"{root}/{source}")
         loss = trainer.train_step()["loss"]
         out[name] = dict(loss=loss, states=local_states(trainer))
-    new_writer = dcp._optim_entries
-    dcp._optim_entries = _legacy_optim_entries
+    new_writer = dcp_optim.optim_entries
+    dcp_optim.optim_entries = _legacy_optim_entries
     try:
         trainer = Trainer(layout_cfg(TP2), tp2)
         for _ in range(2):
             trainer.train_step()
         trainer.save_checkpoint(f"{root}/legacy")
     finally:
-        dcp._optim_entries = new_writer
+        dcp_optim.optim_entries = new_writer
     after = trainer.train_step()["loss"]
     params = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
     resumed = Trainer(layout_cfg(TP2), tp2)

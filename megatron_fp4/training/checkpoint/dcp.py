@@ -10,15 +10,10 @@ into any pp / dp (and ZeRO stage) layout:
   checkpoint the whole tensor into a temporary and keeps its experts);
   tensor-parallel shards as DTensor chunks of the global weight (`checkpoint/dcp_tp.py`: they reshard across tp),
   expert-tensor-parallel ones too, w13 as its gate and up halves (`checkpoint/dcp_etp.py`: they reshard across etp);
-- ``optim/<param name>/<master|exp_avg|exp_avg_sq>/<offset>``: the part of a whole (uncut)
-  parameter's (flattened, fp32) AdamW state a rank holds, starting at element ``offset`` of the
-  *global* parameter. Each rank writes only its own ZeRO shard — nothing is gathered on save — and
-  on load each rank reads the saved pieces overlapping its new shard and copies the overlaps. Plain
-  1-D tensors under unique keys;
-- ``optim/<param name>/<kind>`` of a tp / etp-cut parameter: one global 2-D tensor (the weight
-  folded at its cut dim), each rank's ZeRO ranges of its shard written as rectangles of it (DCP
-  chunks, `checkpoint/dcp_state.py`), read back by any layout's rectangles, or row by row by a
-  layout that cuts a weight saved whole; a whole weight reads a cut one's rectangles likewise;
+- ``optim/...``: each rank's ZeRO ranges of every parameter's AdamW state (fp32 master and
+  moments), keyed by the *global* parameter so that any layout's ranks find their own ranges in
+  them (`checkpoint/dcp_optim.py`; tp / etp-cut weights' as chunks of a global 2-D tensor,
+  `checkpoint/dcp_state.py`). Nothing is gathered on save;
 - ``rng/<rank>``: each rank's torch RNG state (restored where the rank exists in the new layout).
 
 Step, sampler position (counted in global samples) and the Adam step count live in meta.json,
@@ -41,13 +36,11 @@ from torch.distributed.checkpoint.api import CheckpointException
 from megatron_fp4.parallel.wire import broadcast_json
 from megatron_fp4.training.checkpoint import directory as ckpt
 from megatron_fp4.training.checkpoint import files
-from megatron_fp4.training.checkpoint import dcp_etp, dcp_state
+from megatron_fp4.training.checkpoint import dcp_etp, dcp_optim, dcp_state
 from megatron_fp4.training.checkpoint.dcp_checks import check_declared_bytes, check_declared_shapes
 from megatron_fp4.training.checkpoint.dcp_metadata import METADATA_FILE, SafeFileSystemReader
-from megatron_fp4.training.checkpoint.dcp_tp import check_tp_layout, optim_name, tp_entry, tp_replicas_needed
+from megatron_fp4.training.checkpoint.dcp_tp import check_tp_layout, tp_entry, tp_replicas_needed
 
-KINDS = ("master", "exp_avg", "exp_avg_sq")
-_OPTIM_KEY = re.compile(r"^optim/(?P<name>.+)/(?P<kind>master|exp_avg|exp_avg_sq)/(?P<offset>\d+)$")
 
 
 def _is_dist() -> bool:
@@ -98,28 +91,12 @@ def _verify_shared(step_dir: Path, meta: dict, group, device) -> None:
                                           f"(damaged or truncated)")
 
 
-def _expert_info(model) -> dict:
-    """id(param) -> (expert_offset, num_local_experts) for expert weights."""
-    info = {}
-    for moe in model.moe_layers():
-        experts = moe.experts
-        for p in experts.parameters():
-            info[id(p)] = (experts.expert_offset, p.shape[0])
-    return info
-
-
-def _global_offset(param, info: dict) -> int:
-    """Element offset of this rank's copy of `param` inside the global (all experts) parameter."""
-    offset, local = info.get(id(param), (0, None))
-    return offset * (param.numel() // local) if local else 0
-
-
 def _model_entries(model, mesh, saved: Optional[dict] = None, copies: Optional[list] = None) -> dict:
     """DCP key -> tensor of every weight; on load (`saved`: the checkpoint's key -> metadata) expert
     weights take the form the checkpoint has (per global expert or whole, whatever the ep), etp
     weights and experts of a whole tensor get temporaries, and `copies` the copies of their slices,
     to run after the read."""
-    info = _expert_info(model)
+    info = dcp_optim.expert_info(model)
     for replicas in tp_replicas_needed(model.cfg, mesh.tp):  # collective: every rank, same order
         mesh.tp_device_mesh(replicas)
     out = {}
@@ -161,46 +138,6 @@ def _expert_slice_from_whole(p, offset: int, num_experts: int, copies: list) -> 
     return whole
 
 
-def _optim_entries(trainer) -> dict:
-    """This rank's owned pieces of every parameter's AdamW state (disjoint across ranks, also under
-    ZeRO-0 where every rank holds everything): of a whole weight flat pieces of the global one, of a
-    tp / etp cut weight rectangles of its global 2-D state tensor (`dcp_state`)."""
-    opt, info = trainer.optimizer, _expert_info(trainer.model)
-    out = {}
-    for k, buf in enumerate(opt.buffers):
-        state = opt.adam_state(k)
-        for i, lo, hi, _ in buf.pieces(buf.owned):
-            start, name = _state_index(buf, buf.offsets[i] + lo), buf.names[i]
-            f = _fold(buf.params[i], trainer, info)
-            for kind in KINDS:
-                if f is None:
-                    piece = state[kind][start:start + hi - lo]
-                    out[f"optim/{name}/{kind}/{_global_offset(buf.params[i], info) + lo}"] = piece.clone()
-                    continue
-                chunks = out.setdefault(f"optim/{name}/{kind}", dcp_state.StateChunks(f.shape, state[kind].dtype))
-                for offsets, size, pos in dcp_state.rectangles(f, lo, hi):
-                    chunks.add(offsets, dcp_state.region(state[kind], f, size, pos, start - lo).clone())
-    return out
-
-
-def _fold(p, trainer, info: dict):
-    return dcp_state.fold(p, trainer.mesh, info.get(id(p)), trainer.model.cfg.num_experts)
-
-
-def _optim_stem(name: str, p, mesh) -> str:
-    return dcp_etp.optim_name(name, p, mesh, optim_name(name, p, mesh))
-
-
-def _state_index(buf, buffer_pos: int) -> int:
-    """Position in the flat state (master/moments) of buffer element `buffer_pos`."""
-    pos = 0
-    for lo, hi in buf.state_ranges:
-        if lo <= buffer_pos < hi:
-            return pos + buffer_pos - lo
-        pos += hi - lo
-    raise AssertionError(f"buffer element {buffer_pos} is not in this rank's state")
-
-
 def save(root: str | Path, trainer) -> Path:
     """Collective: every rank writes its shard of step `trainer.step` under `root`, atomically."""
     root, device, group = Path(root), trainer.mesh.device, trainer.mesh.group("world")
@@ -217,7 +154,7 @@ def save(root: str | Path, trainer) -> Path:
     tmp = root / tmp_name
     _barrier(group)
     fresh = not trainer.optimizer.buffers or trainer.optimizer.adam_state(0)["step"] == 0  # masters == params
-    state = {**_model_entries(trainer.model, trainer.mesh), **({} if fresh else _optim_entries(trainer)),
+    state = {**_model_entries(trainer.model, trainer.mesh), **({} if fresh else dcp_optim.optim_entries(trainer)),
              f"rng/{_rank()}": torch.get_rng_state()}
     try:
         dcp.save(state, storage_writer=_Writer(str(tmp)), planner=dcp_state.SavePlanner(),
@@ -276,18 +213,6 @@ def _save_failed(root: Path, tmp: Path, step: int, err: BaseException, sync: boo
     return ckpt.save_failed(root, step, os_error) if os_error is not None else err
 
 
-def _saved_pieces(metadata) -> dict:
-    """(name, kind) -> sorted [(offset, numel, key)] of the optimizer pieces in a checkpoint."""
-    pieces: dict = {}
-    for key, md in metadata.state_dict_metadata.items():
-        m = _OPTIM_KEY.match(key)
-        if m:
-            pieces.setdefault((m["name"], m["kind"]), []).append((int(m["offset"]), md.size.numel(), key))
-    for v in pieces.values():
-        v.sort()
-    return pieces
-
-
 def _read_shards(state: dict, step_dir: Path, no_dist: bool) -> None:
     """dcp.load into `state` through the safe reader; a failure to read a shard is a damaged step."""
     try:
@@ -319,9 +244,8 @@ def _load_step(step_dir: Path, trainer) -> dict:
     _verify_shared(step_dir, meta, group, trainer.mesh.device)
     metadata = SafeFileSystemReader(str(step_dir)).read_metadata()
     check_declared_bytes(metadata, step_dir)  # before allocating the saved pieces
-    saved = _saved_pieces(metadata)
     has_state = meta.get("adam_step", 0) > 0
-    legacy = has_state and _legacy_cut_state(metadata)
+    legacy = has_state and dcp_optim.legacy_cut_state(metadata)
     if legacy:  # pieces of the local shards (before session 13): only at the tp / etp they were saved with
         check_tp_layout(meta, trainer.mesh, has_state, step_dir)
         dcp_etp.check_etp_layout(meta, trainer.mesh, has_state, step_dir)
@@ -336,121 +260,19 @@ def _load_step(step_dir: Path, trainer) -> dict:
     rng_key = f"rng/{_rank()}"
     if rng_key in metadata.state_dict_metadata:
         request[rng_key] = torch.empty_like(torch.get_rng_state())
-    opt, info = trainer.optimizer, _expert_info(trainer.model)
-    plans = []  # (buffer k, kind, dst in flat state, key, src in saved piece, numel)
-    folds = _state_folds(trainer, info, metadata, step_dir) if has_state and not legacy else {}
-    rects = []  # (buffer k, kind, fold, size, local position, state base, global offsets, key)
-    for k, buf in enumerate(opt.buffers):
-        dtype = buf.data.dtype if buf.data.dtype == torch.float64 else torch.float32
-        for i, lo, hi, state_pos in buf.pieces():
-            f, two_d = folds.get(buf.names[i]), f"optim/{buf.names[i]}/master" in metadata.state_dict_metadata
-            for kind in KINDS if f is not None and two_d else ():  # rectangles of the global 2-D state
-                key = f"optim/{buf.names[i]}/{kind}"
-                chunks = request.setdefault(key, dcp_state.StateChunks(f.shape, dtype))
-                for offsets, size, pos in dcp_state.rectangles(f, lo, hi):
-                    chunks.add(offsets, torch.empty(size, dtype=dtype))
-                    rects.append((k, kind, f, size, pos, state_pos - lo, offsets, key))
-            if f is not None and two_d:
-                continue
-            name = _optim_stem(buf.names[i], buf.params[i], trainer.mesh) if legacy else buf.names[i]
-            goff = _global_offset(buf.params[i], info)
-            # flat ranges [global start, local start, numel): the piece, or each row of a cut one's rectangles
-            spans = ([(goff + lo, lo, hi - lo)] if f is None else
-                     [((r + j) * f.shape[1] + c, pos + j * f.local_cols, n)
-                      for (r, c), (rows, n), pos in dcp_state.rectangles(f, lo, hi) for j in range(rows)])
-            for kind in KINDS if has_state else ():
-                for off, numel, key in saved.get((name, kind), []):
-                    for g, local, n in spans:
-                        a, b = max(g, off), min(g + n, off + numel)
-                        if a < b:
-                            if key not in request:
-                                request[key] = torch.empty(numel, dtype=dtype)
-                            plans.append((k, kind, state_pos - lo + local + a - g, key, a - off, b - a))
+    reads = dcp_optim.plan_reads(trainer, metadata, request, has_state, legacy, step_dir)
     _read_shards(request, step_dir, no_dist=not _is_dist())
     with torch.no_grad():
         for copy in copies:  # etp slices out of the global tensors read
             copy()
     if rng_key in request:
         torch.set_rng_state(request[rng_key])
-    for k, buf in enumerate(opt.buffers):
-        current = opt.adam_state(k)
-        flats = {kind: torch.zeros_like(current["master"]) for kind in KINDS}
-        if not has_state:  # masters start from the loaded params
-            flats["master"] = buf.gather_ranges(buf.data, buf.state_ranges).to(current["master"].dtype).clone()
-        filled = torch.zeros(flats["master"].numel(), dtype=torch.int32)
-        for kk, kind, dst, key, src, n in plans:
-            if kk == k:
-                flats[kind][dst:dst + n] = request[key][src:src + n]
-                if kind == "master":
-                    filled[dst:dst + n] += 1
-        for kk, kind, f, size, pos, base, offsets, key in rects:
-            if kk == k:
-                dcp_state.region(flats[kind], f, size, pos, base).copy_(request[key].chunks[torch.Size(offsets)])
-                if kind == "master":  # how many saved chunks cover each element (`_check_filled`: exactly one)
-                    dcp_state.count_coverage(dcp_state.region(filled, f, size, pos, base), offsets,
-                                             metadata.state_dict_metadata[key])
-        if has_state:
-            _check_filled(buf, filled, step_dir)
-        opt.set_adam_state(k, flats["master"], flats["exp_avg"], flats["exp_avg_sq"], meta.get("adam_step", 0))
+    dcp_optim.apply_reads(trainer, request, reads, metadata, has_state, meta.get("adam_step", 0), step_dir)
     trainer.step = meta["step"]
     if trainer.sampler is not None and meta.get("sampler") is not None:
         trainer.sampler.load_state_dict(meta["sampler"])
     _barrier(group)
     return meta
-
-
-def _check_filled(buf, filled: torch.Tensor, where) -> None:
-    """Every real (non-padding) element of this rank's state must come from exactly one saved piece."""
-    need = torch.zeros_like(filled)
-    for _, plo, phi, state_pos in buf.pieces():
-        need[state_pos:state_pos + phi - plo] = 1
-    if not torch.equal(filled, need):
-        raise ckpt.CheckpointError(f"{where}: the saved optimizer state does not cover this rank's shard "
-                                   f"({int((filled != need).sum())} elements differ); the checkpoint is incomplete")
-
-
-def _legacy_cut_state(metadata) -> bool:
-    """Whether the checkpoint keeps cut weights' AdamW state as pieces of the local shards
-    (``optim/<name>/tp<i>/...``, ``.../etp<i>/...``: written before session 13)."""
-    return any(re.match(r"^optim/.+/e?tp\d+/(master|exp_avg|exp_avg_sq)/\d+$", key)
-               for key in metadata.state_dict_metadata)
-
-
-def _state_folds(trainer, info: dict, metadata, step_dir: Path) -> dict:
-    """name -> `dcp_state.Fold` of every weight whose AdamW state is read as rectangles of a 2-D
-    state tensor: a weight the checkpoint stores so (saved cut), or one this layout cuts. The
-    declared shapes (and chunks) are checked against the weight's before anything is allocated; a
-    problem on any rank is a CheckpointError on every rank (none is left waiting in the read)."""
-    folds, problems, declared = {}, [], metadata.state_dict_metadata
-    for buf in trainer.optimizer.buffers:
-        for name, p in zip(buf.names, buf.params):
-            f = _fold(p, trainer, info)
-            keys = [f"optim/{name}/{kind}" for kind in KINDS]
-            if not any(key in declared for key in keys):
-                if f is not None:  # saved whole (flat pieces of the global tensor): read row by row
-                    folds[name] = f
-                continue
-            expert = info.get(id(p))
-            shape = (trainer.model.cfg.num_experts, *p.shape[1:]) if expert else tuple(p.shape)
-            shapes = [f.shape] if f is not None else dcp_state.folds_of(shape)
-            for key in keys:
-                problem = (f"{key} is missing" if key not in declared else
-                           dcp_state.check_declared(declared[key], key, shapes))
-                problems += [problem] if problem else []
-            if f is None and not problems:
-                f = dcp_state.whole(tuple(declared[keys[0]].size), _global_offset(p, info))
-            folds[name] = f
-    bad = torch.tensor([len(problems)], dtype=torch.int64, device=trainer.mesh.device)
-    if _is_dist():
-        dist.all_reduce(bad, group=trainer.mesh.group("world"))
-    if int(bad) and problems:
-        raise ckpt.CheckpointError(f"checkpoint {step_dir} does not hold this model's optimizer state "
-                                   f"({len(problems)} problem(s), e.g. {'; '.join(problems[:2])}); it was "
-                                   f"written for a different model or its .metadata is damaged")
-    if int(bad):
-        raise ckpt.CheckpointError(f"checkpoint {step_dir}: another rank found its optimizer state not matching "
-                                   f"this model (see that rank's error)")
-    return folds
 
 
 def load_full_model_state(path: str | Path) -> dict:
