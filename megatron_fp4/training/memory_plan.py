@@ -204,15 +204,34 @@ def layer_activation_bytes(cfg: Config, is_moe: bool, tokens: int, routed_rows: 
 
 def cp_attention_bytes(cfg: Config, batch: int, seq: int) -> int:
     """What one attention layer saves beyond `layer_activation_bytes` of its 1/cp of the tokens under
-    context parallel (`parallel/context.py`): SDPA's K and V (repeated to every query head) cover
-    the whole gathered sequence, and its mask [B, 1, T/cp, T] from the global positions (SDPA keeps
-    the boolean mask converted to the activations' dtype)."""
+    context parallel (`parallel/context.py`): against the same layer on its ``L = T/cp`` local tokens
+    alone, the keys and values it attends to cover the whole gathered sequence, and its mask is
+    [B, 1, L, T] from the global positions. By family (measured per module in
+    tests/unit/test_cp_memory_plan_families.py):
+
+    - GQA (qwen3_moe): SDPA saves K and V repeated to every query head, and the boolean mask
+      converted to the activations' dtype;
+    - MLA (deepseek_v3): SDPA saves the per-head keys (nope + the shared rotary key, expanded to
+      every head: ``qk_nope + qk_rope`` wide) and the values, a view of the whole gathered buffer
+      (`context.gather_kv`: per token the per-head ``[k_nope | v]`` and the one rotary key), plus
+      the mask as GQA's;
+    - GPT-OSS (eager sink attention, any sliding window: the mask has the same shape): the keys and
+      values repeated to every head, the softmax over ``T + 1`` logits instead of ``L + 1``, and the
+      boolean masked-fill mask [B, 1, L, T] (1 byte) instead of the shared causal [1, 1, L, L]."""
     cp = getattr(cfg.parallel, "cp", 1)
     if cp == 1:
         return 0
     m, a = cfg.model, activation_dtype(cfg).itemsize
-    local = batch * seq // cp
-    return 2 * (batch * seq - local) * m.num_heads * m.head_dim * a + local * seq * a
+    local = seq // cp
+    extra_keys = batch * (seq - local)  # key positions attended beyond the local ones
+    family = getattr(m, "family", "qwen3_moe")
+    if family == "deepseek_v3":
+        width = 2 * m.qk_nope_head_dim + m.qk_rope_head_dim + m.v_head_dim
+        return extra_keys * m.num_heads * width * a + batch * seq * m.qk_rope_head_dim * a + batch * local * seq * a
+    if family == "gpt_oss":
+        return (2 * extra_keys * m.num_heads * m.head_dim * a + batch * m.num_heads * local * (seq - local) * a
+                + batch * local * seq - local * local)
+    return 2 * extra_keys * m.num_heads * m.head_dim * a + batch * local * seq * a
 
 
 def packed_attention_bytes(cfg: Config, tokens: int) -> int:

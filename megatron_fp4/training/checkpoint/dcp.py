@@ -10,11 +10,10 @@ into any pp / dp (and ZeRO stage) layout:
   checkpoint the whole tensor into a temporary and keeps its experts);
   tensor-parallel shards as DTensor chunks of the global weight (`checkpoint/dcp_tp.py`: they reshard across tp),
   expert-tensor-parallel ones too, w13 as its gate and up halves (`checkpoint/dcp_etp.py`: they reshard across etp);
-- ``optim/<param name>/<master|exp_avg|exp_avg_sq>/<offset>``: the part of that parameter's
-  (flattened, fp32) AdamW state a rank holds, starting at element ``offset`` of the *global*
-  parameter. Each rank writes only its own ZeRO shard — nothing is gathered on save — and on load
-  each rank reads the saved pieces overlapping its new shard and copies the overlaps. Plain 1-D
-  tensors under unique keys, so DCP's default planner does all of it (no DTensor needed);
+- ``optim/...``: each rank's ZeRO ranges of every parameter's AdamW state (fp32 master and
+  moments), keyed by the *global* parameter so that any layout's ranks find their own ranges in
+  them (`checkpoint/dcp_optim.py`; tp / etp-cut weights' as chunks of a global 2-D tensor,
+  `checkpoint/dcp_state.py`). Nothing is gathered on save;
 - ``rng/<rank>``: each rank's torch RNG state (restored where the rank exists in the new layout).
 
 Step, sampler position (counted in global samples) and the Adam step count live in meta.json,
@@ -37,13 +36,11 @@ from torch.distributed.checkpoint.api import CheckpointException
 from megatron_fp4.parallel.wire import broadcast_json
 from megatron_fp4.training.checkpoint import directory as ckpt
 from megatron_fp4.training.checkpoint import files
-from megatron_fp4.training.checkpoint import dcp_etp
+from megatron_fp4.training.checkpoint import dcp_etp, dcp_optim, dcp_state
 from megatron_fp4.training.checkpoint.dcp_checks import check_declared_bytes, check_declared_shapes
 from megatron_fp4.training.checkpoint.dcp_metadata import METADATA_FILE, SafeFileSystemReader
-from megatron_fp4.training.checkpoint.dcp_tp import check_tp_layout, optim_name, tp_entry, tp_replicas_needed
+from megatron_fp4.training.checkpoint.dcp_tp import check_tp_layout, tp_entry, tp_replicas_needed
 
-KINDS = ("master", "exp_avg", "exp_avg_sq")
-_OPTIM_KEY = re.compile(r"^optim/(?P<name>.+)/(?P<kind>master|exp_avg|exp_avg_sq)/(?P<offset>\d+)$")
 
 
 def _is_dist() -> bool:
@@ -94,28 +91,12 @@ def _verify_shared(step_dir: Path, meta: dict, group, device) -> None:
                                           f"(damaged or truncated)")
 
 
-def _expert_info(model) -> dict:
-    """id(param) -> (expert_offset, num_local_experts) for expert weights."""
-    info = {}
-    for moe in model.moe_layers():
-        experts = moe.experts
-        for p in experts.parameters():
-            info[id(p)] = (experts.expert_offset, p.shape[0])
-    return info
-
-
-def _global_offset(param, info: dict) -> int:
-    """Element offset of this rank's copy of `param` inside the global (all experts) parameter."""
-    offset, local = info.get(id(param), (0, None))
-    return offset * (param.numel() // local) if local else 0
-
-
 def _model_entries(model, mesh, saved: Optional[dict] = None, copies: Optional[list] = None) -> dict:
     """DCP key -> tensor of every weight; on load (`saved`: the checkpoint's key -> metadata) expert
     weights take the form the checkpoint has (per global expert or whole, whatever the ep), etp
     weights and experts of a whole tensor get temporaries, and `copies` the copies of their slices,
     to run after the read."""
-    info = _expert_info(model)
+    info = dcp_optim.expert_info(model)
     for replicas in tp_replicas_needed(model.cfg, mesh.tp):  # collective: every rank, same order
         mesh.tp_device_mesh(replicas)
     out = {}
@@ -157,36 +138,6 @@ def _expert_slice_from_whole(p, offset: int, num_experts: int, copies: list) -> 
     return whole
 
 
-def _optim_entries(trainer) -> dict:
-    """This rank's owned pieces of every parameter's AdamW state (disjoint across ranks, also under
-    ZeRO-0 where every rank holds everything)."""
-    opt, info = trainer.optimizer, _expert_info(trainer.model)
-    out = {}
-    for k, buf in enumerate(opt.buffers):
-        state = opt.adam_state(k)
-        for i, lo, hi, _ in buf.pieces(buf.owned):
-            start = _state_index(buf, buf.offsets[i] + lo)
-            for kind in KINDS:
-                piece = state[kind][start:start + hi - lo]
-                stem = _optim_stem(buf.names[i], buf.params[i], trainer.mesh)
-                out[f"optim/{stem}/{kind}/{_global_offset(buf.params[i], info) + lo}"] = piece.clone()
-    return out
-
-
-def _optim_stem(name: str, p, mesh) -> str:
-    return dcp_etp.optim_name(name, p, mesh, optim_name(name, p, mesh))
-
-
-def _state_index(buf, buffer_pos: int) -> int:
-    """Position in the flat state (master/moments) of buffer element `buffer_pos`."""
-    pos = 0
-    for lo, hi in buf.state_ranges:
-        if lo <= buffer_pos < hi:
-            return pos + buffer_pos - lo
-        pos += hi - lo
-    raise AssertionError(f"buffer element {buffer_pos} is not in this rank's state")
-
-
 def save(root: str | Path, trainer) -> Path:
     """Collective: every rank writes its shard of step `trainer.step` under `root`, atomically."""
     root, device, group = Path(root), trainer.mesh.device, trainer.mesh.group("world")
@@ -203,10 +154,11 @@ def save(root: str | Path, trainer) -> Path:
     tmp = root / tmp_name
     _barrier(group)
     fresh = not trainer.optimizer.buffers or trainer.optimizer.adam_state(0)["step"] == 0  # masters == params
-    state = {**_model_entries(trainer.model, trainer.mesh), **({} if fresh else _optim_entries(trainer)),
+    state = {**_model_entries(trainer.model, trainer.mesh), **({} if fresh else dcp_optim.optim_entries(trainer)),
              f"rng/{_rank()}": torch.get_rng_state()}
     try:
-        dcp.save(state, storage_writer=_Writer(str(tmp)), no_dist=not _is_dist())
+        dcp.save(state, storage_writer=_Writer(str(tmp)), planner=dcp_state.SavePlanner(),
+                 no_dist=not _is_dist())
     except (Exception, CheckpointException) as err:  # every rank gets DCP's verdict of the write
         raise _save_failed(root, tmp, trainer.step, err, sync=True, group=group) from None
     _barrier(group)
@@ -261,23 +213,12 @@ def _save_failed(root: Path, tmp: Path, step: int, err: BaseException, sync: boo
     return ckpt.save_failed(root, step, os_error) if os_error is not None else err
 
 
-def _saved_pieces(metadata) -> dict:
-    """(name, kind) -> sorted [(offset, numel, key)] of the optimizer pieces in a checkpoint."""
-    pieces: dict = {}
-    for key, md in metadata.state_dict_metadata.items():
-        m = _OPTIM_KEY.match(key)
-        if m:
-            pieces.setdefault((m["name"], m["kind"]), []).append((int(m["offset"]), md.size.numel(), key))
-    for v in pieces.values():
-        v.sort()
-    return pieces
-
-
 def _read_shards(state: dict, step_dir: Path, no_dist: bool) -> None:
     """dcp.load into `state` through the safe reader; a failure to read a shard is a damaged step."""
     try:
         with torch.no_grad():
-            dcp.load(state, storage_reader=SafeFileSystemReader(str(step_dir)), no_dist=no_dist)
+            dcp.load(state, storage_reader=SafeFileSystemReader(str(step_dir)), planner=dcp_state.LoadPlanner(),
+                     no_dist=no_dist)
     except ckpt.CheckpointError:
         raise
     except (Exception, CheckpointException) as err:  # DCP wraps per-rank failures (a truncated shard...)
@@ -303,10 +244,11 @@ def _load_step(step_dir: Path, trainer) -> dict:
     _verify_shared(step_dir, meta, group, trainer.mesh.device)
     metadata = SafeFileSystemReader(str(step_dir)).read_metadata()
     check_declared_bytes(metadata, step_dir)  # before allocating the saved pieces
-    saved = _saved_pieces(metadata)
     has_state = meta.get("adam_step", 0) > 0
-    check_tp_layout(meta, trainer.mesh, has_state, step_dir)
-    dcp_etp.check_etp_layout(meta, trainer.mesh, has_state, step_dir)
+    legacy = has_state and dcp_optim.legacy_cut_state(metadata)
+    if legacy:  # pieces of the local shards (before session 13): only at the tp / etp they were saved with
+        check_tp_layout(meta, trainer.mesh, has_state, step_dir)
+        dcp_etp.check_etp_layout(meta, trainer.mesh, has_state, step_dir)
     copies: list = []
     request = _model_entries(trainer.model, trainer.mesh, metadata.state_dict_metadata, copies)
     missing = [k for k in request if k not in metadata.state_dict_metadata]
@@ -318,54 +260,19 @@ def _load_step(step_dir: Path, trainer) -> dict:
     rng_key = f"rng/{_rank()}"
     if rng_key in metadata.state_dict_metadata:
         request[rng_key] = torch.empty_like(torch.get_rng_state())
-    opt, info = trainer.optimizer, _expert_info(trainer.model)
-    plans = []  # (buffer k, kind, dst in flat state, key, src in saved piece, numel)
-    for k, buf in enumerate(opt.buffers):
-        for i, lo, hi, state_pos in buf.pieces():
-            name, goff = _optim_stem(buf.names[i], buf.params[i], trainer.mesh), _global_offset(buf.params[i], info)
-            for kind in KINDS if has_state else ():
-                for off, numel, key in saved.get((name, kind), []):
-                    a, b = max(goff + lo, off), min(goff + hi, off + numel)
-                    if a < b:
-                        if key not in request:
-                            request[key] = torch.empty(numel, dtype=buf.data.dtype if buf.data.dtype == torch.float64
-                                                       else torch.float32)
-                        plans.append((k, kind, state_pos + a - goff - lo, key, a - off, b - a))
+    reads = dcp_optim.plan_reads(trainer, metadata, request, has_state, legacy, step_dir)
     _read_shards(request, step_dir, no_dist=not _is_dist())
     with torch.no_grad():
         for copy in copies:  # etp slices out of the global tensors read
             copy()
     if rng_key in request:
         torch.set_rng_state(request[rng_key])
-    for k, buf in enumerate(opt.buffers):
-        current = opt.adam_state(k)
-        flats = {kind: torch.zeros_like(current["master"]) for kind in KINDS}
-        if not has_state:  # masters start from the loaded params
-            flats["master"] = buf.gather_ranges(buf.data, buf.state_ranges).to(current["master"].dtype).clone()
-        filled = torch.zeros(flats["master"].numel(), dtype=torch.int32)
-        for kk, kind, dst, key, src, n in plans:
-            if kk == k:
-                flats[kind][dst:dst + n] = request[key][src:src + n]
-                if kind == "master":
-                    filled[dst:dst + n] += 1
-        if has_state:
-            _check_filled(buf, filled, step_dir)
-        opt.set_adam_state(k, flats["master"], flats["exp_avg"], flats["exp_avg_sq"], meta.get("adam_step", 0))
+    dcp_optim.apply_reads(trainer, request, reads, metadata, has_state, meta.get("adam_step", 0), step_dir)
     trainer.step = meta["step"]
     if trainer.sampler is not None and meta.get("sampler") is not None:
         trainer.sampler.load_state_dict(meta["sampler"])
     _barrier(group)
     return meta
-
-
-def _check_filled(buf, filled: torch.Tensor, where) -> None:
-    """Every real (non-padding) element of this rank's state must come from exactly one saved piece."""
-    need = torch.zeros_like(filled)
-    for _, plo, phi, state_pos in buf.pieces():
-        need[state_pos:state_pos + phi - plo] = 1
-    if not torch.equal(filled, need):
-        raise ckpt.CheckpointError(f"{where}: the saved optimizer state does not cover this rank's shard "
-                                   f"({int((filled != need).sum())} elements differ); the checkpoint is incomplete")
 
 
 def load_full_model_state(path: str | Path) -> dict:

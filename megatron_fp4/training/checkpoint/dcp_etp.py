@@ -11,8 +11,10 @@ records the chunks' global offsets, so the weights reshard across etp (etp2 → 
 with a whole w13 (saved at etp 1) loads into etp ranks too (`load_entries`: reads into
 temporaries, copied into the parameters after the read).
 
-The AdamW state of an etp shard is keyed by it (``optim/<name>/etp<i>/...``) and loads only at the
-etp size it was saved with (`check_etp_layout`), as tp's.
+The AdamW state of an etp shard reshards as tp's (`checkpoint/dcp_state.py`: w13's gate and up rows
+are two column blocks of its 2-D fold); in a checkpoint written before session 13 it is keyed by
+the shard (``optim/<name>/etp<i>/...``) and loads only at the etp size it was saved with
+(`check_etp_layout`).
 """
 from __future__ import annotations
 
@@ -118,10 +120,11 @@ def key_shapes(keys, full: dict) -> dict:
 
 
 def optim_name(name: str, p, mesh, stem: str) -> str:
-    """`stem` (the key stem of `p`'s optimizer pieces), plus its etp shard when it has one."""
+    """`stem` (the key stem of `p`'s optimizer pieces before session 13), plus its etp shard when it has one."""
     return stem if getattr(p, "etp_shard", None) is None else f"{stem}/etp{mesh.coord('tp')}"
 
 
 def check_etp_layout(meta: dict, mesh, has_state: bool, where) -> None:
-    """Weights reshard across etp; the AdamW state of etp shards does not: refuse that mismatch."""
+    """Weights reshard across etp; the AdamW state of etp shards in a checkpoint written before
+    session 13 does not: refuse that mismatch."""
     check_tp_layout(meta, mesh, has_state, where, "etp", "expert-tensor-parallel")

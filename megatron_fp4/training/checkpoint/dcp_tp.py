@@ -7,9 +7,10 @@ ranks share: ``Shard(dim), Replicate()`` over the tp axis unflattened as heads Ã
 records every chunk's global offsets, so the weights load into any tp size (tp2 â†’ tp1 or back,
 also `read_full_model_state` without a process group) and dp / pp replicas are written once.
 
-The AdamW state of a cut weight is a flat ZeRO range of the *local* shard, not a contiguous range
-of the global tensor (a column cut's rows are strided), so it is keyed by the shard
-(``optim/<name>/tp<i>/...``) and loads only at the tp size it was saved with (`check_tp_layout`).
+The AdamW state of a cut weight reshards too (`checkpoint/dcp_state.py`). Checkpoints written
+before session 13 keyed it by the shard (``optim/<name>/tp<i>/...``, flat ranges of the local
+shard, which a column cut's strided rows keep from being placed in the global tensor): those load
+only at the tp size they were saved with (`check_tp_layout`).
 """
 from __future__ import annotations
 
@@ -49,14 +50,15 @@ def tp_entry(p, mesh) -> torch.Tensor:
 
 
 def optim_name(name: str, p, mesh) -> str:
-    """The key stem of `p`'s optimizer pieces: its name, plus its shard under tensor parallelism."""
+    """The key stem of `p`'s optimizer pieces in a checkpoint written before session 13: its name,
+    plus its shard under tensor parallelism."""
     return name if getattr(p, "tp_shard", None) is None else f"{name}/tp{shard_index(p, mesh.coord('tp'))}"
 
 
 def check_tp_layout(meta: dict, mesh, has_state: bool, where, axis: str = "tp",
                     what: str = "tensor-parallel") -> None:
     """Weights reshard across `axis` (tp, or etp: `dcp_etp`); the AdamW state of weights cut along
-    it does not: refuse that mismatch clearly."""
+    it in a checkpoint written before session 13 does not: refuse that mismatch clearly."""
     saved, here = int((meta.get("layout") or {}).get(axis, 1) or 1), getattr(mesh, axis)
     if has_state and saved != here:
         raise ckpt.CheckpointError(
