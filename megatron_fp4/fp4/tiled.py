@@ -135,8 +135,42 @@ def tiled_grouped_linear(x: torch.Tensor, weights, counts) -> torch.Tensor:
     ``weights``: a list, or a stacked [E, out, in] tensor (with autograd: :class:`_TiledGroupedLinear`)."""
     if isinstance(weights, torch.Tensor) and torch.is_grad_enabled() and (x.requires_grad or weights.requires_grad):
         return _TiledGroupedLinear.apply(x, weights, tuple(int(n) for n in counts))
-    outs = [tiled_mm(r, w.t()) for r, w, n in zip(x.split(list(counts)), weights, counts) if n]
-    return torch.cat(outs) if outs else x.new_zeros(0, weights[0].shape[0])
+    return _grouped_tiles(x, weights, [int(n) for n in counts])
+
+
+def _grouped_tiles(x: torch.Tensor, weights, counts: list) -> torch.Tensor:
+    """The forward of :func:`tiled_grouped_linear`: every run's rows copied once into one zeroed
+    buffer where each run starts on a tile boundary, one [T, K] · [K, N] call per tile into one
+    output, the runs' rows gathered back (instead of a pad, an output and a concatenation per run).
+    Each tile call sees what :func:`tiled_mm` of the run alone gives it: the same shape, row-major
+    tiles at 64-byte-aligned offsets (a tile is T·K floats, T a multiple of 16), the weight the
+    transpose of a row-major [N, K] — so a row's bits are those of its run alone."""
+    n_out = weights[0].shape[0]
+    if not any(counts):
+        return x.new_zeros(0, n_out)
+    tile = row_tile(x.shape[1], n_out)
+    starts, tiles, at = [], [], 0
+    for e, n in enumerate(counts):
+        starts.append(at)
+        if n:
+            tiles.extend((i, e) for i in range(at, at + n, tile))
+            at += -(-n // tile) * tile
+    xp = x.new_zeros(at, x.shape[1])
+    rows = None
+    if at != x.shape[0]:  # padding rows between the runs: scatter each run to its tile-aligned start
+        rows = torch.cat([torch.arange(s, s + n, device=x.device) for s, n in zip(starts, counts) if n])
+        xp.index_copy_(0, rows, x)
+    else:
+        xp.copy_(x)
+    out = x.new_empty(at, n_out)
+    wts = {}
+    for i, e in tiles:
+        wt = wts.get(e)
+        if wt is None:
+            w = weights[e]
+            wt = wts[e] = (w if w.is_contiguous() else w.contiguous()).t()
+        torch.mm(xp[i:i + tile], wt, out=out[i:i + tile])
+    return out if rows is None else out.index_select(0, rows)
 
 
 class _TiledGroupedLinear(torch.autograd.Function):
