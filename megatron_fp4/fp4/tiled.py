@@ -103,8 +103,9 @@ def tiled_mm(x2: torch.Tensor, wt: torch.Tensor) -> torch.Tensor:
     backward is one plain GEMM per gradient, :class:`_TiledMM`: it is not batch invariant).
     The operands' memory layouts are made canonical (row-major tiles, ``wt`` the transpose of a
     row-major [N, K]): a GEMM kernel is chosen by layout as well as shape, and picks other bits."""
-    if not wt.t().is_contiguous():
-        wt = wt.t().contiguous().t()
+    w = wt.t()
+    if not w.is_contiguous():
+        wt = w.contiguous().t()
     if torch.is_grad_enabled() and (x2.requires_grad or wt.requires_grad):
         return _TiledMM.apply(x2, wt)
     return _tiled_forward(x2, wt)
@@ -120,13 +121,21 @@ def row_sum(t: torch.Tensor, keepdim: bool = False) -> torch.Tensor:
         out = torch.cat([rows, rows.new_zeros(1, rows.shape[1])]).sum(-1)[:1]
     else:
         out = rows.sum(-1)
-    out = out.reshape(t.shape[:-1])
-    return out.unsqueeze(-1) if keepdim else out
+    return out.view(*t.shape[:-1], 1) if keepdim else out.view(t.shape[:-1])
 
 
 def tiled_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``F.linear`` by :func:`tiled_mm` (the bias added after, elementwise)."""
-    out = tiled_mm(x.reshape(-1, x.shape[-1]), weight.t()).reshape(*x.shape[:-1], weight.shape[0])
+    x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
+    if not weight.is_contiguous():
+        weight = weight.contiguous()
+    wt = weight.t()
+    if torch.is_grad_enabled() and (x2.requires_grad or wt.requires_grad):
+        out = _TiledMM.apply(x2, wt)
+    else:
+        out = _tiled_forward(x2, wt)
+    if x.dim() != 2:
+        out = out.view(*x.shape[:-1], weight.shape[0])
     return out if bias is None else out + bias
 
 
