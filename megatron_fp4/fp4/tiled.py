@@ -147,17 +147,18 @@ def tiled_grouped_linear(x: torch.Tensor, weights, counts) -> torch.Tensor:
     return _grouped_tiles(x, weights, [int(n) for n in counts])
 
 
-def _grouped_tiles(x: torch.Tensor, weights, counts: list) -> torch.Tensor:
+def _grouped_tiles(x: torch.Tensor, weights, counts: list, tile: Optional[int] = None) -> torch.Tensor:
     """The forward of :func:`tiled_grouped_linear`: every run's rows copied once into one zeroed
     buffer where each run starts on a tile boundary, one [T, K] · [K, N] call per tile into one
     output, the runs' rows gathered back (instead of a pad, an output and a concatenation per run).
     Each tile call sees what :func:`tiled_mm` of the run alone gives it: the same shape, row-major
     tiles at 64-byte-aligned offsets (a tile is T·K floats, T a multiple of 16), the weight the
-    transpose of a row-major [N, K] — so a row's bits are those of its run alone."""
+    transpose of a row-major [N, K] — so a row's bits are those of its run alone. ``tile``: another
+    row tile than :func:`row_tile`'s (only for measuring one: ``bench_batch_invariant.py --expert-tiles``)."""
     n_out = weights[0].shape[0]
     if not any(counts):
         return x.new_zeros(0, n_out)
-    tile = row_tile(x.shape[1], n_out)
+    tile = row_tile(x.shape[1], n_out) if tile is None else tile
     starts, tiles, at = [], [], 0
     for e, n in enumerate(counts):
         starts.append(at)
