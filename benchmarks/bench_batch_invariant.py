@@ -11,6 +11,12 @@ Measures, interleaved round-robin (standard, batch, exact, standard, ...) so mac
 - train step: ``Trainer.train_step`` of a trainer built at each level (its training forward at it).
 
 Prints medians and each level's time ÷ the standard kernels' (> 1: slower). Never asserted in tests.
+
+``--expert-tiles 4,8,16,32`` instead measures the routed experts' two GEMMs alone (w13 [2F, H], w2
+[H, F], FP4 off, random top-k routing of the config's shape) at a decode step (``--prompts`` tokens),
+a prefill and a scoring pass (``--prompts`` × 6 and × 21 tokens): ``grouped_mm`` (the standard
+kernels) against the ``batch`` level's fixed row tiles at each tile size, time ÷ ``grouped_mm``:
+what a per-site expert tile would trade between decode and scoring.
 ``--clock cpu`` measures this process's CPU time (``time.process_time``) instead of wall time: on a
 shared machine another job's load stretches wall time but not the CPU time this process spends
 (run it with ``OMP_NUM_THREADS=1``: with more threads CPU time also counts the threads' spinning).
@@ -44,8 +50,12 @@ def main(argv=None):
     parser.add_argument("--train-steps", type=int, default=3)
     parser.add_argument("--clock", default="wall", choices=("wall", "cpu"),
                         help="wall: time.perf_counter; cpu: this process's CPU time (time.process_time)")
+    parser.add_argument("--expert-tiles", default="", help="e.g. 4,8,16,32: the experts' GEMMs per row tile (doc)")
     args = parser.parse_args(argv)
     clock = time.perf_counter if args.clock == "wall" else time.process_time
+    if args.expert_tiles:
+        cfg = load_config(args.config, args.overrides)
+        return expert_tiles(cfg.model, [int(t) for t in args.expert_tiles.split(",")], args.prompts, args.repeats, clock)
     levels = ["standard"] + [lv for lv in args.levels.split(",") if lv != "standard"]
     for lv in levels:
         if lv not in INVARIANCE_LEVELS:
@@ -97,6 +107,39 @@ def main(argv=None):
         med = {lv: statistics.median(times[(what, lv)]) for lv in levels}
         print(f"{what:<11} " + " ".join(f"{counts[lv] / med[lv]:>14.0f}" for lv in levels)
               + " ".join(f" {med[lv] / med['standard']:>17.2f}x" for lv in levels[1:]))
+
+
+def expert_tiles(model_cfg, tiles, prompts: int, repeats: int, clock) -> None:
+    """The routed experts' GEMMs, ``grouped_mm`` vs fixed row tiles of each size (``--expert-tiles``)."""
+    import torch.nn.functional as F
+
+    from megatron_fp4.fp4.tiled import _grouped_tiles, row_tile
+
+    E, H, Fh, k = model_cfg.num_experts, model_cfg.hidden_size, model_cfg.moe_ffn_hidden_size, model_cfg.top_k
+    g = torch.Generator().manual_seed(0)
+    w13, w2 = torch.randn(E, 2 * Fh, H, generator=g), torch.randn(E, H, Fh, generator=g)
+    print(f"threads={torch.get_num_threads()} experts={E} top_k={k} hidden={H} moe_ffn={Fh} "
+          f"row_tile(w13)={row_tile(H, 2 * Fh)} row_tile(w2)={row_tile(Fh, H)}")
+    for what, tokens in (("decode", prompts), ("prefill", prompts * 6), ("scoring", prompts * 21)):
+        ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(tokens)]).reshape(-1)
+        counts = torch.bincount(ids, minlength=E).tolist()
+        x1, x2 = torch.randn(sum(counts), H, generator=g), torch.randn(sum(counts), Fh, generator=g)
+        offs = torch.tensor(counts).cumsum(0).to(torch.int32)
+        runs = {"grouped_mm": lambda: (F.grouped_mm(x1, w13.transpose(1, 2), offs=offs),
+                                       F.grouped_mm(x2, w2.transpose(1, 2), offs=offs))}
+        for t in tiles:
+            runs[f"tile {t}"] = (lambda t: lambda: (_grouped_tiles(x1, w13.unbind(0), counts, t),
+                                                     _grouped_tiles(x2, w2.unbind(0), counts, t)))(t)
+        times = {name: [] for name in runs}
+        for i in range(repeats + 1):
+            for name, run in runs.items():
+                start = clock()
+                run()
+                if i:
+                    times[name].append(clock() - start)
+        base = statistics.median(times["grouped_mm"])
+        print(f"{what:<8} {sum(counts) / E:5.1f} rows/expert  grouped_mm {base * 1e3:8.2f} ms  "
+              + "  ".join(f"{name} {statistics.median(ts) / base:.2f}x" for name, ts in times.items() if name != "grouped_mm"))
 
 
 if __name__ == "__main__":

@@ -144,7 +144,10 @@ def silu(x: torch.Tensor, numerics=None) -> torch.Tensor:
     module doc)."""
     if not enabled(numerics, x):
         return F.silu(x)
-    return _Silu.apply(x)
+    if torch.is_grad_enabled() and x.requires_grad:
+        return _Silu.apply(x)
+    t = torch.neg(x).exp_().add_(1.0)  # _Silu's forward (the same ops) without an autograd node
+    return torch.div(x, t, out=t)
 
 
 def softmax(x: torch.Tensor, numerics=None) -> torch.Tensor:

@@ -103,8 +103,9 @@ def tiled_mm(x2: torch.Tensor, wt: torch.Tensor) -> torch.Tensor:
     backward is one plain GEMM per gradient, :class:`_TiledMM`: it is not batch invariant).
     The operands' memory layouts are made canonical (row-major tiles, ``wt`` the transpose of a
     row-major [N, K]): a GEMM kernel is chosen by layout as well as shape, and picks other bits."""
-    if not wt.t().is_contiguous():
-        wt = wt.t().contiguous().t()
+    w = wt.t()
+    if not w.is_contiguous():
+        wt = w.contiguous().t()
     if torch.is_grad_enabled() and (x2.requires_grad or wt.requires_grad):
         return _TiledMM.apply(x2, wt)
     return _tiled_forward(x2, wt)
@@ -120,13 +121,21 @@ def row_sum(t: torch.Tensor, keepdim: bool = False) -> torch.Tensor:
         out = torch.cat([rows, rows.new_zeros(1, rows.shape[1])]).sum(-1)[:1]
     else:
         out = rows.sum(-1)
-    out = out.reshape(t.shape[:-1])
-    return out.unsqueeze(-1) if keepdim else out
+    return out.view(*t.shape[:-1], 1) if keepdim else out.view(t.shape[:-1])
 
 
 def tiled_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``F.linear`` by :func:`tiled_mm` (the bias added after, elementwise)."""
-    out = tiled_mm(x.reshape(-1, x.shape[-1]), weight.t()).reshape(*x.shape[:-1], weight.shape[0])
+    x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
+    if not weight.is_contiguous():
+        weight = weight.contiguous()
+    wt = weight.t()
+    if torch.is_grad_enabled() and (x2.requires_grad or wt.requires_grad):
+        out = _TiledMM.apply(x2, wt)
+    else:
+        out = _tiled_forward(x2, wt)
+    if x.dim() != 2:
+        out = out.view(*x.shape[:-1], weight.shape[0])
     return out if bias is None else out + bias
 
 
@@ -135,8 +144,43 @@ def tiled_grouped_linear(x: torch.Tensor, weights, counts) -> torch.Tensor:
     ``weights``: a list, or a stacked [E, out, in] tensor (with autograd: :class:`_TiledGroupedLinear`)."""
     if isinstance(weights, torch.Tensor) and torch.is_grad_enabled() and (x.requires_grad or weights.requires_grad):
         return _TiledGroupedLinear.apply(x, weights, tuple(int(n) for n in counts))
-    outs = [tiled_mm(r, w.t()) for r, w, n in zip(x.split(list(counts)), weights, counts) if n]
-    return torch.cat(outs) if outs else x.new_zeros(0, weights[0].shape[0])
+    return _grouped_tiles(x, weights, [int(n) for n in counts])
+
+
+def _grouped_tiles(x: torch.Tensor, weights, counts: list, tile: Optional[int] = None) -> torch.Tensor:
+    """The forward of :func:`tiled_grouped_linear`: every run's rows copied once into one zeroed
+    buffer where each run starts on a tile boundary, one [T, K] · [K, N] call per tile into one
+    output, the runs' rows gathered back (instead of a pad, an output and a concatenation per run).
+    Each tile call sees what :func:`tiled_mm` of the run alone gives it: the same shape, row-major
+    tiles at 64-byte-aligned offsets (a tile is T·K floats, T a multiple of 16), the weight the
+    transpose of a row-major [N, K] — so a row's bits are those of its run alone. ``tile``: another
+    row tile than :func:`row_tile`'s (only for measuring one: ``bench_batch_invariant.py --expert-tiles``)."""
+    n_out = weights[0].shape[0]
+    if not any(counts):
+        return x.new_zeros(0, n_out)
+    tile = row_tile(x.shape[1], n_out) if tile is None else tile
+    starts, tiles, at = [], [], 0
+    for e, n in enumerate(counts):
+        starts.append(at)
+        if n:
+            tiles.extend((i, e) for i in range(at, at + n, tile))
+            at += -(-n // tile) * tile
+    xp = x.new_zeros(at, x.shape[1])
+    rows = None
+    if at != x.shape[0]:  # padding rows between the runs: scatter each run to its tile-aligned start
+        rows = torch.cat([torch.arange(s, s + n, device=x.device) for s, n in zip(starts, counts) if n])
+        xp.index_copy_(0, rows, x)
+    else:
+        xp.copy_(x)
+    out = x.new_empty(at, n_out)
+    wts = {}
+    for i, e in tiles:
+        wt = wts.get(e)
+        if wt is None:
+            w = weights[e]
+            wt = wts[e] = (w if w.is_contiguous() else w.contiguous()).t()
+        torch.mm(xp[i:i + tile], wt, out=out[i:i + tile])
+    return out if rows is None else out.index_select(0, rows)
 
 
 class _TiledGroupedLinear(torch.autograd.Function):
@@ -221,6 +265,19 @@ def _block_mask(pj: torch.Tensor, j: int, window: int, tables, dtype: torch.dtyp
                  for t, o in zip(tables, out))
 
 
+@functools.lru_cache(maxsize=64)
+def _arange(n: int, device: torch.device) -> torch.Tensor:
+    """``torch.arange(n)`` on ``device``, built once (a constant: only read)."""
+    return torch.arange(n, device=device)
+
+
+@functools.lru_cache(maxsize=64)
+def _head_rows(batch: int, heads: int, per_head: int, device: torch.device) -> torch.Tensor:
+    """[batch, heads, 1]: the first row of each (b, kv) head in :func:`_key_rows`' matrix, built once
+    per shape (a decode step asks for the same one every step; a constant: only read)."""
+    return (torch.arange(batch * heads, device=device) * per_head).view(batch, heads, 1)
+
+
 def _key_rows(t: torch.Tensor) -> tuple:
     """(rows, per_head): ``t`` [B, KV, T, D] as a [R, D] matrix of its key rows, (b, kv)'s slot j at
     row (b·KV + kv)·per_head + j. A KV cache's filled prefix (a view of a [B, KV, capacity, D] buffer)
@@ -253,29 +310,37 @@ def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions
     # MIN_VALUE_COLUMNS columns wide (zeros): with fewer the CPU GEMM's narrow-N kernel rounded a row
     # by its place in the tile (measured: 9-11 columns, a padded row then differed in its last bit).
     width = nK * KEY_BLOCK
-    slot = (pad[:, None] + torch.arange(width, device=k.device)[None, :]).clamp(max=Tk - 1)  # [B, width]
+    slot = torch.add(pad[:, None], _arange(width, k.device)).clamp_(max=Tk - 1)  # [B, width]
     kr, k_rows = _key_rows(k)
     vr, v_rows = _key_rows(v)
-    head = torch.arange(B * KV, device=k.device).view(B, KV, 1)
-    rows = (head * k_rows + slot[:, None, :]).reshape(-1)
+    rows = torch.add(_head_rows(B, KV, k_rows, k.device), slot[:, None, :]).view(-1)
     kb = kr.index_select(0, rows).view(B * KV, nK, KEY_BLOCK, D)
     Dw = max(Dv, MIN_VALUE_COLUMNS - 1)
-    vr = vr.index_select(0, rows if v_rows == k_rows else (head * v_rows + slot[:, None, :]).reshape(-1))
-    zeros = [vr.new_zeros(rows.shape[0], Dw - Dv)] if Dw > Dv else []
-    vb = torch.cat([vr] + zeros + [vr.new_ones(rows.shape[0], 1)], 1).view(B * KV, nK, KEY_BLOCK, Dw + 1)
+    v_at = rows if v_rows == k_rows else torch.add(_head_rows(B, KV, v_rows, v.device), slot[:, None, :]).view(-1)
+    # the values' rows gathered straight into their columns of the block buffer (zeros, then the ones column)
+    vb = vr.new_zeros(rows.shape[0], Dw + 1) if Dw > Dv else vr.new_empty(rows.shape[0], Dw + 1)
+    vb[:, Dw] = 1.0
+    vb[:, :Dv] = vr.index_select(0, v_at)
+    vb = vb.view(B * KV, nK, KEY_BLOCK, Dw + 1)
     # Query rows: the rep query heads of a kv head times the queries, in tiles [B·KV·nT, ROW_TILE, D]
     # (a decode step's rep rows share one tile), pre-scaled; padding rows get position 0 (key 0
     # only: finite). Every batched product's operands row-major (a kernel is chosen by layout as
     # well as shape: a decode step's expanded key block would otherwise be a transposed view).
     scale = D ** -0.5 if scale is None else scale
-    flat_q = _zero_padded(q.reshape(B, KV, rep * Tq, D) * scale, 2, ROW_TILE).view(-1, ROW_TILE, D)
-    nT = flat_q.shape[0] // (B * KV)
-    pos = _zero_padded(positions[:, None, :].expand(B, rep, Tq).reshape(B, rep * Tq), 1, ROW_TILE)
-    flat_pos = pos.view(B, 1, nT, ROW_TILE).expand(B, KV, nT, ROW_TILE).reshape(-1, ROW_TILE)
+    nT = max(1, -(-rep * Tq // ROW_TILE))
+    inplace = not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad))
+    if inplace:  # written straight into their zero-padded tiles (a scaled copy each, no pad pass)
+        flat_q = q.new_zeros(B * KV, nT * ROW_TILE, D)
+        torch.mul(q.reshape(B * KV, rep * Tq, D), scale, out=flat_q[:, :rep * Tq])
+        flat_q = flat_q.view(-1, ROW_TILE, D)
+    else:
+        flat_q = _zero_padded(q.reshape(B, KV, rep * Tq, D) * scale, 2, ROW_TILE).view(-1, ROW_TILE, D)
+    flat_pos = positions.new_zeros(B, KV, nT * ROW_TILE)
+    flat_pos[:, :, :rep * Tq].view(B, KV, rep, Tq).copy_(positions[:, None, None, :].expand(B, KV, rep, Tq))
+    flat_pos = flat_pos.view(-1, ROW_TILE)
     owner = torch.arange(B * KV, device=q.device).repeat_interleave(nT) if nT > 1 or nK > 1 else None
     last = flat_pos.amax(-1) if nK > 1 else None  # a tile reads key blocks 0..last // KEY_BLOCK
     m = l = acc = None
-    inplace = not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad))
     tables = None if window else _mask_tables(q.dtype, q.device)
     buffers = None
     for j in range(nK):
@@ -336,5 +401,6 @@ def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions
         m_all = torch.maximum(m, sink)
         corr = torch.exp(m - m_all)
         l, acc = l * corr + torch.exp(sink - m_all), acc * corr[..., None]
-    out = (acc / l[..., None]).view(B, KV, nT * ROW_TILE, Dv)[:, :, :rep * Tq]  # [B, KV, rep·Tq, Dv]
+    out = (acc.div_(l[..., None]) if inplace else acc / l[..., None])
+    out = out.view(B, KV, nT * ROW_TILE, Dv)[:, :, :rep * Tq]  # [B, KV, rep·Tq, Dv]
     return out.reshape(B, H, Tq, Dv)

@@ -131,6 +131,30 @@ def test_tiled_grouped_linear_is_each_run_alone():
     assert torch.equal(bits(got), bits(torch.cat(runs)))
 
 
+@pytest.mark.parametrize("k,n", [(64, 128), (1000, 77), (1024, 768)])  # tiles of 32, 16 and 16 rows
+def test_tiled_grouped_linear_rows_are_their_run_alone_whatever_the_batch(threads, k, n):
+    """Runs of several tiles, empty runs, one row: each row of the grouped call (one tile-aligned
+    buffer, one output) has the bits of its run alone, of the row alone and of the runs shuffled."""
+    g = torch.Generator().manual_seed(k + n)
+    tile = row_tile(k, n)
+    counts = [2 * tile + 3, 0, 1, tile, 5]
+    weights = torch.randn(len(counts), n, k, generator=g) / math.sqrt(k)
+    x = torch.randn(sum(counts), k, generator=g)
+    got = tiled_grouped_linear(x, weights.unbind(0), counts)
+    runs = x.split(counts)
+    for e, (r, w) in enumerate(zip(runs, weights)):
+        if not counts[e]:
+            continue
+        own = got[sum(counts[:e]):sum(counts[:e + 1])]
+        assert torch.equal(bits(own), bits(tiled_linear(r, w)))
+        assert torch.equal(bits(own[-1]), bits(tiled_linear(r[-1:], w)[0]))  # the run's last row alone
+    order = [4, 3, 2, 1, 0]
+    shuffled = tiled_grouped_linear(torch.cat([runs[e] for e in order]), [weights[e] for e in order],
+                                    [counts[e] for e in order])
+    assert torch.equal(bits(shuffled), bits(torch.cat([got.split(counts)[e] for e in order])))
+    assert tiled_grouped_linear(x[:0], weights.unbind(0), [0] * len(counts)).shape == (0, n)
+
+
 def test_tiled_grouped_linear_autograd_forward_bits_and_gradients():
     """Stacked weights with autograd: the forward is the no-grad tiles' bits, the gradients those of
     the per-run ``F.linear`` in float64 within fp32 rounding (dx sums 12 products, dw up to 19)."""
@@ -218,6 +242,36 @@ def test_block_attention_decode_equals_full_forward_bitwise(threads):
             assert torch.equal(bits(step[0, :, 0]), bits(full[b, :, t])), (b, t)
     alone = block_attention(q[1:2], k[1:2], v[1:2], positions[1:2], pad[1:2])
     assert torch.equal(bits(alone[0]), bits(full[1]))
+
+
+@pytest.mark.parametrize("dv", [4, 15, 40])  # values narrower than MIN_VALUE_COLUMNS (zero columns), as wide, wider
+def test_block_attention_value_widths_decode_equals_full_and_float64(threads, dv):
+    """Values of another width than the keys (DeepSeek-V3's MLA): a decode step over a KV cache's
+    filled prefix (a view of a larger buffer) == the full forward, bitwise; within the bound of
+    `test_block_attention_matches_float64_within_bound` of float64."""
+    q, k, _, positions, pad = _case(2, T=80)
+    v = torch.randn(*k.shape[:3], dv, generator=torch.Generator().manual_seed(dv))
+    full = block_attention(q, k, v, positions, pad)
+    assert full.shape == (*q.shape[:3], dv)
+    cache_k, cache_v = torch.zeros(3, 2, 96, 32), torch.zeros(3, 2, 96, dv)  # static cache buffers
+    cache_k[:, :, :80], cache_v[:, :, :80] = k, v
+    for t in (70, 71, 79):
+        step = block_attention(q[:, :, t:t + 1], cache_k[:, :, :t + 1], cache_v[:, :, :t + 1],
+                               positions[:, t:t + 1], pad)
+        assert torch.equal(bits(step[:, :, 0]), bits(full[:, :, t])), t
+    rep = q.shape[1] // k.shape[1]
+    ref = torch.zeros(*q.shape[:3], dv, dtype=torch.float64)
+    for b in range(3):
+        kb = k[b, :, pad[b]:].double().repeat_interleave(rep, 0)
+        vb = v[b, :, pad[b]:].double().repeat_interleave(rep, 0)
+        for t in range(q.shape[2]):
+            p = int(positions[b, t])
+            s = (q[b, :, t].double()[:, None, :] * kb[:, :p + 1]).sum(-1) / math.sqrt(q.shape[-1])
+            ref[b, :, t] = (torch.softmax(s, -1)[..., None] * vb[:, :p + 1]).sum(1)
+    D, T = q.shape[-1], k.shape[2]
+    s_abs = (q.abs().double() @ k.abs().double().repeat_interleave(rep, 1).transpose(-1, -2)).amax() / math.sqrt(D)
+    rel = 2 * (gamma(D) * float(s_abs) + 4 * U) + gamma(T + D + 4 + 2 * math.ceil(T / KEY_BLOCK))
+    assert float((full.double() - ref).abs().max()) <= 2 * rel * float(v.abs().amax())
 
 
 @pytest.mark.parametrize("mode,scope", [("bf16", "experts"), ("fp4_resq", "experts+attention"), ("fp4", "experts")])
