@@ -246,10 +246,12 @@ def test_a_deepseek_v3_export_starts_through_the_launcher_without_the_user_setti
     environment (and the caller's, after) without it, the plugin serves the export."""
     import sys
 
+    from megatron_fp4.integrations.vllm import export_for_vllm
     from megatron_fp4.integrations.vllm.remote import MLA_DISABLE, run_vllm_rollout
 
     monkeypatch.delenv(MLA_DISABLE, raising=False)
-    hf, _ = write_family(tmp_path, "deepseek_v3")
+    model = ours_from(tiny_hf("deepseek_v3"))
+    hf = export_for_vllm(model, family_cfg(model), tmp_path / "deepseek_v3", dtype=None)
     spec = {"jobs": [{"name": "ds", "model": str(hf)}], "prompts": PROMPTS[:2], "max_tokens": 3, "temperature": 0.0,
             "routing": True, "distributions": False, "ignore_eos": True}
     got = run_vllm_rollout(spec, tmp_path / "work", python=sys.executable)["ds"]

@@ -69,9 +69,9 @@ def run_vllm_rollout(spec: dict, work_dir, python: Optional[str] = None, timeout
     work_dir.mkdir(parents=True, exist_ok=True)
     if python:
         (work_dir / "vllm_spec.json").write_text(json.dumps(spec))
+        env = worker_env(*(job["model"] for job in spec["jobs"]))  # what the exports' families need (family_env)
         run = subprocess.run([python, "-m", "megatron_fp4.integrations.vllm.worker", str(work_dir / "vllm_spec.json"),
-                              str(out_dir)], env=worker_env(*(job["model"] for job in spec["jobs"])), cwd=str(ROOT), capture_output=True, text=True,
-                             timeout=timeout)
+                              str(out_dir)], env=env, cwd=str(ROOT), capture_output=True, text=True, timeout=timeout)
         if run.returncode != 0:
             raise RuntimeError(f"vLLM worker ({python}) failed with exit {run.returncode}:\n{run.stderr[-3000:]}")
     else:
