@@ -229,6 +229,9 @@ def family_model(cfg, family: str):
         m.layer_types = ["sliding_attention", "full_attention"] * (m.num_layers // 2) + \
             ["sliding_attention"] * (m.num_layers % 2)
         m.norm_topk_prob = False
+        m.rope_theta = 150000.0  # YaRN: vLLM's GPT-OSS reads its factor (plain RoPE does not build)
+        m.rope_scaling = dict(rope_type="yarn", factor=32.0, beta_fast=32.0, beta_slow=1.0, truncate=False,
+                              original_max_position_embeddings=16)
     elif family == "deepseek_v3":
         m.num_kv_heads, m.q_lora_rank, m.kv_lora_rank = m.num_heads, 64, 64
         m.qk_nope_head_dim, m.qk_rope_head_dim, m.v_head_dim = 32, 32, 32
