@@ -216,9 +216,9 @@ def _throughput_at(args, work: Path, hidden: int) -> list:
 
 def family_model(cfg, family: str):
     """(config, model) of ``family`` at the throughput model's sizes (``cfg``: its Qwen3-MoE):
-    GPT-OSS with a sliding window of 16 on every other layer (from layer 0, as vLLM slides), sinks
-    and biases; DeepSeek-V3 with latent attention (q/kv ranks 64, qk 32 + 32, v 32), a shared
-    expert and a dense first layer. Plain RoPE (YaRN changes no op count)."""
+    GPT-OSS with a sliding window of 16 on every other layer (from layer 0, as vLLM slides), sinks,
+    biases and YaRN RoPE (vLLM's GPT-OSS needs it); DeepSeek-V3 with latent attention (q/kv ranks
+    64, qk 32 + 32, v 32, plain RoPE), a shared expert and a dense first layer."""
     from megatron_fp4.model import build_model
 
     cfg = copy.deepcopy(cfg)
