@@ -8,30 +8,32 @@
 
 Per seed: the GRPO example's carry task and SFT warm-up once (examples/grpo_moeresq.py `build`),
 then from that same SFT state each staleness (default 0 and 1, ``wait``: deterministic) runs
-``--steps`` GRPO steps with the rollout in a process of its own (``--rollout engine-process``, the default:
-the own engine; ``vllm``: vLLM + the plugin, `rl.rollouts.vllm.VLLMRollout`; ``vllm-serve``: a `vllm
-serve` process, `VLLMServeRollout`; the vLLM kinds need the vLLM environment: this interpreter when
-vllm imports here, else ``--vllm-python`` / MEGATRON_FP4_VLLM_PYTHON, and run the model with
-head_dim 64, 2 heads, 1 kv head: vLLM's CPU attention rejects head_dim 16), rollout and trainer processes
-on the machine's cores, alternating the order of the settings from seed to seed. Printed per setting: seconds per GRPO step (steps 0 .. n-2:
-the rollout process's start, the evals and the last step with the final eval are left out), the rollout's and the
-trainer's share of it, and the held-out greedy accuracy after RL with a 95 % t-interval over the
-seeds, and the train/rollout mismatch (the mean over the steps of ``consistency/kl``, the KL of the
-rollout's log-probs against the trainer's recomputed ones, = ``async/mismatch_kl`` when overlapped,
-and of ``consistency/expert_agreement``, the share of routed experts the two sides agree on: NaN
-where the rollout returns no routes, vllm-serve); then the speed ratio staleness k ÷ staleness 0 per
-seed and its mean. Timings depend on the
-machine's load: the ratio is measured side by side, never asserted by a test.
+``--steps`` GRPO steps with the rollout in a process of its own (``--rollout engine-process``, the
+default: the own engine; ``vllm``: vLLM + the plugin, `rl.rollouts.vllm.VLLMRollout`;
+``vllm-serve``: a `vllm serve` process, `VLLMServeRollout`; the vLLM kinds need the vLLM
+environment: this interpreter when vllm imports here, else ``--vllm-python`` /
+MEGATRON_FP4_VLLM_PYTHON, and run the model with head_dim 64, 2 heads, 1 kv head: vLLM's CPU
+attention rejects head_dim 16), rollout and trainer processes on the machine's cores, alternating
+the order of the settings from seed to seed. Printed per setting: seconds per GRPO step (steps 0 ..
+n-2: the rollout process's start, the evals and the last step with the final eval are left out), the
+rollout's and the trainer's share of it, and the held-out greedy accuracy after RL with a 95 %
+t-interval over the seeds, and the train/rollout mismatch (the mean over the steps of
+``consistency/kl``, the KL of the rollout's log-probs against the trainer's recomputed ones, =
+``async/mismatch_kl`` when overlapped, and of ``consistency/expert_agreement``, the share of routed
+experts the two sides agree on: NaN where the rollout returns no routes, vllm-serve); then the speed
+ratio staleness k ÷ staleness 0 per seed and its mean. Timings depend on the machine's load: the
+ratio is measured side by side, never asserted by a test.
 
-Process CPU time (steadier on a shared machine): over the same steps the trainer process's and
-the rollout's CPU seconds per step (`/proc/<pid>/stat`, the rollout process and its children: vllm
+Process CPU time (steadier on a shared machine): over the same steps the trainer process's and the
+rollout's CPU seconds per step (`/proc/<pid>/stat`, the rollout process and its children: vllm
 serve's engine core); for each side's main thread (the trainer's updates, the rollout's generations:
-for vllm-serve, the main thread of the rollout's busiest process, its engine core) its run-queue wait (`/proc/<pid>/schedstat`:
-runnable but not running — the machine's load, not the protocol) and its blocked share
-(1 - (CPU + run-queue wait) / wall: waiting for the other side, what the overlap removes); and the
-speed-up the CPU seconds allow on two free cores, (trainer + rollout) ÷ max(trainer, rollout), per
-setting and across them (the synchronous loop's CPU seconds per step over the overlapped one's
-busier side: an upper bound of the steps/s ratio, reached when neither side ever waits).
+for vllm-serve, the main thread of the rollout's busiest process, its engine core) its run-queue
+wait (`/proc/<pid>/schedstat`: runnable but not running — the machine's load, not the protocol) and
+its blocked share (1 - (CPU + run-queue wait) / wall: waiting for the other side, what the overlap
+removes); and the speed-up the CPU seconds allow on two free cores, (trainer + rollout) ÷
+max(trainer, rollout), per setting and across them (the synchronous loop's CPU seconds per step over
+the overlapped one's busier side: an upper bound of the steps/s ratio, reached when neither side
+ever waits).
 """
 from __future__ import annotations
 
@@ -53,11 +55,11 @@ sys.path.insert(0, str(ROOT))
 from megatron_fp4.rl import make_rollout, switch_to_rl  # noqa: E402
 from megatron_fp4.rl.loop import run_grpo  # noqa: E402
 
-# Two-sided 95 % Student t quantiles by degrees of freedom (n - 1 seeds); beyond 10: the normal's.
 BENCH_ROLLOUTS = ("engine-process", "vllm", "vllm-serve")  # a rollout in a process of its own
 # vLLM's CPU attention backend rejects the example model's head_dim 16 (docs/vllm.md): the vLLM kinds
 # run the model with head_dim 64 (2 heads, 1 kv head) unless a --set of these fields follows
 VLLM_MODEL = ("model.head_dim=64", "model.num_heads=2", "model.num_kv_heads=1")
+# Two-sided 95 % Student t quantiles by degrees of freedom (n - 1 seeds); beyond 10: the normal's.
 T95 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228}
 
 
@@ -221,12 +223,12 @@ def main(argv=None) -> None:
             r = one_setting(ex, args, own, trainer, task, sft_state, k)
             results[k].append(r)
             print(f"seed {seed} staleness {k}: {r['s_per_step']:.3f} s/step, accuracy {r['acc_before']:.3f} -> "
-                  f"{r['acc']:.3f}, mean reward {r['reward']:.3f}, mismatch KL {r['mismatch_kl']:.2e}, expert agreement "
-                  f"{r['expert_agreement']:.4f}, versions {r['versions']}", flush=True)
+                  f"{r['acc']:.3f}, mean reward {r['reward']:.3f}, mismatch KL {r['mismatch_kl']:.2e}, "
+                  f"expert agreement {r['expert_agreement']:.4f}, versions {r['versions']}", flush=True)
     base = own.staleness[0]
     print(f"\nrollout: {own.rollout}")
-    print(f"{'staleness':>9} {'s/step':>8} {'rollout busy':>12} {'trainer waits':>13} {'held-out accuracy (95% CI)':>27} "
-          f"{'mismatch KL':>11} {'expert agreement':>16}")
+    print(f"{'staleness':>9} {'s/step':>8} {'rollout busy':>12} {'trainer waits':>13} "
+          f"{'held-out accuracy (95% CI)':>27} {'mismatch KL':>11} {'expert agreement':>16}")
     for k, rs in results.items():
         print(f"{k:>9} {statistics.fmean(r['s_per_step'] for r in rs):>8.3f} "
               f"{statistics.fmean(r['rollout_busy'] for r in rs) if k else float('nan'):>12.2f} "

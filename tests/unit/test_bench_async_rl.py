@@ -36,7 +36,8 @@ def test_the_rollout_process_tree_is_measured():
     """`RolloutProcess`: the started process and its children's CPU (vllm serve's engine core), the
     main thread of the busiest one."""
     b = bench()
-    code = "import subprocess, sys, time; c = subprocess.Popen([sys.executable, '-c', 'while True: pass']); time.sleep(60)"
+    code = ("import subprocess, sys, time; c = subprocess.Popen([sys.executable, '-c', 'while True: pass']); "
+            "time.sleep(60)")
     parent = subprocess.Popen([sys.executable, "-c", code])
     try:
         rollout = type("R", (), {"server": type("S", (), {"proc": parent})()})()  # vllm-serve's shape

@@ -42,7 +42,8 @@ def no_user_setting(monkeypatch):
 
 def test_family_env_names_mla_disable_for_deepseek_v3_only(tmp_path):
     ds, qwen = export_dir(tmp_path, "deepseek_v3"), export_dir(tmp_path, "qwen3_moe")
-    assert family_env(ds) == {MLA_DISABLE: "1"} and family_env(qwen) == {} and family_env(qwen, ds) == {MLA_DISABLE: "1"}
+    assert family_env(ds) == {MLA_DISABLE: "1"} and family_env(qwen) == {}
+    assert family_env(qwen, ds) == {MLA_DISABLE: "1"}
     assert worker_env(ds)[MLA_DISABLE] == "1" and MLA_DISABLE not in worker_env(qwen)
     assert MLA_DISABLE not in os.environ  # the caller's environment is left as it is
     big = export_dir(tmp_path, "x")
