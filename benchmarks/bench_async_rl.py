@@ -105,15 +105,17 @@ def process_tree(pid: int) -> list:
     return out
 
 
+def cpu_or_0(pid: int) -> float:
+    """`process_cpu_s`, 0 for a process that ended meanwhile."""
+    try:
+        return process_cpu_s(pid)
+    except OSError:
+        return 0.0
+
+
 def tree_cpu_s(pid: int) -> float:
     """CPU seconds of `pid` and its descendants alive now."""
-    total = 0.0
-    for p in process_tree(pid):
-        try:
-            total += process_cpu_s(p)
-        except OSError:
-            pass
-    return total
+    return sum(cpu_or_0(p) for p in process_tree(pid))
 
 
 class RolloutProcess:
@@ -129,7 +131,7 @@ class RolloutProcess:
 
     def sample(self) -> tuple:
         if self.main is None:
-            self.main = max(process_tree(self.pid), key=process_cpu_s)
+            self.main = max(process_tree(self.pid), key=cpu_or_0)
         return (tree_cpu_s(self.pid), *main_thread_s(self.main))
 
 
