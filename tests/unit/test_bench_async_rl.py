@@ -3,7 +3,7 @@ once (before the SFT warm-up) with an error naming it; the rollout's processes a
 CPU-time rows. The benchmark's vLLM run itself takes minutes (docs/rl.md has its numbers)."""
 from __future__ import annotations
 
-import importlib.util
+import importlib
 import os
 import subprocess
 import sys
@@ -14,17 +14,15 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def bench():
-    spec = importlib.util.spec_from_file_location("bench_async_rl", ROOT / "benchmarks" / "bench_async_rl.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+def bench(monkeypatch):
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    return importlib.import_module("bench_async_rl")
 
 
 @pytest.mark.parametrize("kind", ["vllm", "vllm-serve"])
 def test_a_vllm_rollout_without_the_vllm_environment_is_a_clear_error(kind, monkeypatch, capsys, tmp_path):
     monkeypatch.delenv("MEGATRON_FP4_VLLM_PYTHON", raising=False)
-    b = bench()
+    b = bench(monkeypatch)
     monkeypatch.setattr(b, "load_example", lambda: pytest.fail("the error must come before any work"))
     with pytest.raises(SystemExit):
         b.main(["--rollout", kind, "--vllm-python", str(tmp_path / "no-python"), "--quick"])
@@ -32,10 +30,10 @@ def test_a_vllm_rollout_without_the_vllm_environment_is_a_clear_error(kind, monk
     assert f"--rollout {kind} needs the vLLM environment" in err and "no-python" in err
 
 
-def test_the_rollout_process_tree_is_measured():
+def test_the_rollout_process_tree_is_measured(monkeypatch):
     """`RolloutProcess`: the started process and its children's CPU (vllm serve's engine core), the
     main thread of the busiest one."""
-    b = bench()
+    b = bench(monkeypatch)
     code = ("import subprocess, sys, time; c = subprocess.Popen([sys.executable, '-c', 'while True: pass']); "
             "time.sleep(60)")
     parent = subprocess.Popen([sys.executable, "-c", code])
