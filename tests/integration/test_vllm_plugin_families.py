@@ -238,6 +238,30 @@ def test_the_plugin_refuses_vllms_mla_path_with_the_fix(vllm_ctx):
 
 @needs_vllm
 @pytest.mark.slow
+def test_a_deepseek_v3_export_starts_through_the_launcher_without_the_user_setting_mla_disable(tmp_path,
+                                                                                                monkeypatch):
+    """The project's vLLM worker launcher (`remote.run_vllm_rollout`, in a process of its own) puts
+    VLLM_MLA_DISABLE=1 into that process's environment for a deepseek_v3 export (`remote.family_env`;
+    the same for vllm serve and `--rollout vllm`: tests/unit/test_vllm_launch_env.py): with the user's
+    environment (and the caller's, after) without it, the plugin serves the export."""
+    import sys
+
+    from megatron_fp4.integrations.vllm import export_for_vllm
+    from megatron_fp4.integrations.vllm.remote import MLA_DISABLE, run_vllm_rollout
+
+    monkeypatch.delenv(MLA_DISABLE, raising=False)
+    model = ours_from(tiny_hf("deepseek_v3"))
+    hf = export_for_vllm(model, family_cfg(model), tmp_path / "deepseek_v3", dtype=None)
+    spec = {"jobs": [{"name": "ds", "model": str(hf)}], "prompts": PROMPTS[:2], "max_tokens": 3, "temperature": 0.0,
+            "routing": True, "distributions": False, "ignore_eos": True}
+    got = run_vllm_rollout(spec, tmp_path / "work", python=sys.executable)["ds"]
+    assert got["plugin"] and [len(t) for t in got["tokens"]] == [3, 3]
+    assert got["routing"][0].shape[0] == 3  # the plugin's MoE layers recorded their experts
+    assert MLA_DISABLE not in __import__("os").environ
+
+
+@needs_vllm
+@pytest.mark.slow
 def test_vllm_serves_deepseek_v3_row_invariant_like_the_trainer_scores(tmp_path):
     """The `batch` block (served at `batch`, sidecar.served_level): vLLM with the trainer's latent
     attention, RoPE, norms, router and MoEResQ experts gives the trainer's bits — at `batch` vLLM's

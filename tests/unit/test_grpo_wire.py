@@ -194,7 +194,7 @@ def test_trainer_fails_fast_when_the_rollout_process_dies(monkeypatch):
     import time
 
     from megatron_fp4.rl.rollouts.client import RemoteRollout
-    from megatron_fp4.rl.rollouts.worker import main
+    from megatron_fp4.rl.rollouts.worker_main import main
 
     client = RemoteRollout.__new__(RemoteRollout)
     client.proc = subprocess.Popen([sys.executable, "-c", "raise SystemExit(3)"])
@@ -205,3 +205,36 @@ def test_trainer_fails_fast_when_the_rollout_process_dies(monkeypatch):
     monkeypatch.delenv("MEGATRON_FP4_SYNC_TOKEN", raising=False)
     with pytest.raises(SystemExit, match="MEGATRON_FP4_SYNC_TOKEN"):
         main(["{}"])
+
+
+def _launched_module(monkeypatch) -> tuple:
+    """(python, module) that `RemoteRollout` starts its rollout process with (its launch, not run)."""
+    from megatron_fp4.rl.rollouts.client import RemoteRollout
+
+    seen = {}
+    monkeypatch.setattr(RemoteRollout, "_start", lambda self, *a: seen.setdefault("launch", a[-1]))
+    trainer = type("T", (), {"cfg": type("C", (), {"to_dict": lambda self: {}})()})()
+    RemoteRollout(trainer, pad_id=0)
+    python, module, _, _ = seen["launch"]()
+    return python, module
+
+
+@pytest.mark.parametrize("which", ["engine", "vllm"])
+def test_rollout_process_entry_runs_without_runtime_warning(monkeypatch, which):
+    """`python -m` of the rollout process's entry module prints no RuntimeWarning ('found in
+    sys.modules after import of package ... prior to execution': the package imported the module it
+    runs). The processes get a bad spec and stop at its check, after every import."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    python, module = _launched_module(monkeypatch) if which == "engine" else \
+        (sys.executable, "megatron_fp4.rl.rollouts.vllm_server")
+    root = str(Path(__file__).resolve().parents[2])
+    env = {**os.environ, "MEGATRON_FP4_SYNC_TOKEN": "0123456789abcdef" * 2, "PYTHONPATH": root,
+           "PYTHONWARNINGS": "default"}
+    run = subprocess.run([python, "-m", module, "[]"], env=env, capture_output=True, text=True, timeout=120)
+    assert run.returncode != 0  # the bad spec is refused ...
+    assert "spec must be a JSON object" in run.stderr, run.stderr[-2000:]  # ... by the module's own check
+    assert "RuntimeWarning" not in run.stderr, run.stderr[-2000:]

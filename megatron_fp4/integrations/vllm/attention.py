@@ -91,33 +91,58 @@ def attention_step(attn_metadata, output_scale, output_block_scale) -> bool:
     return True
 
 
-def requests_qkv(query, kv_cache, attn_metadata, num_heads: int, num_kv_heads: int, head_dim: int, window: int = 0):
-    """Per request with queries in this step: (q0, q1, q [1, H, Tq, D], k, v [1, KV, seq_len, D],
-    positions [1, Tq]), in fp32 — its queries (the last Tq positions of its sequence) and its keys and
-    values gathered from its block table by position. With a sliding ``window``, keys before the
-    earliest query's window are read as its first visible key: blocks vLLM freed for a sliding layer
-    (its null block) are never read, and the masked slots are finite, so they weigh exactly 0."""
-    keys, values = _cpu_layout(kv_cache, num_kv_heads, head_dim)
-    size = keys.shape[2]
+def query_groups(attn_metadata) -> dict:
+    """{query count n: [requests with n queries in this step]} (all decodes: one group)."""
+    starts = attn_metadata.query_start_loc.tolist()
+    groups: dict = {}
+    for i in range(len(starts) - 1):
+        if starts[i + 1] > starts[i]:
+            groups.setdefault(starts[i + 1] - starts[i], []).append(i)
+    return groups
+
+
+def grouped_qkv(query, kv_cache, attn_metadata, num_heads: int, num_kv_heads: int, head_dim: int, window: int = 0):
+    """Per group of requests with the same number ``n`` of queries in this step (`query_groups`):
+    (rows of ``query`` [B·n], q [B, H, n, D], k, v [B, KV, Tk, D], positions [B, n]), in fp32 — each
+    request's queries (the last n positions of its sequence) and its keys and values gathered from
+    its block table by position (key index = position), Tk the group's longest sequence. Slots a
+    request's queries cannot see hold one of its visible keys, so they weigh exactly 0 and are
+    finite (unlike unwritten cache slots): past its sequence (a longer request's), its last key;
+    with a sliding ``window``, before the earliest query's window, its first visible key (blocks vLLM
+    freed for a sliding layer, its null block, are never read). The attention op's contract (a
+    query's bits depend only on its keys up to its position, by position) makes each request's
+    result its own alone: the trainer's."""
+    keys, _ = _cpu_layout(kv_cache, num_kv_heads, head_dim)
+    # the cache's rows [blocks·KV·2·size, D] (per block and kv head: its keys, then its values)
+    flat, size, KV, device = kv_cache.view(-1, head_dim), keys.shape[2], num_kv_heads, query.device
     starts, lengths = attn_metadata.query_start_loc.tolist(), attn_metadata.seq_lens.tolist()
-    q_heads = query.view(-1, num_heads, head_dim)
-    for i, seq_len in enumerate(lengths):
-        q0, q1 = starts[i], starts[i + 1]
-        if q1 == q0:
-            continue
-        first = seq_len - (q1 - q0)  # the earliest query's position
-        lo = max(0, first - window + 1) if window else 0  # its first visible key
-        j = torch.arange(seq_len, device=query.device).clamp(min=lo)
-        blocks = attn_metadata.block_table[i].long()[j // size]
-        k = upcast(keys[blocks, :, j % size].transpose(0, 1)[None])
-        v = upcast(values[blocks, :, j % size].transpose(0, 1)[None])
-        q = upcast(q_heads[q0:q1].transpose(0, 1)[None])
-        yield q0, q1, q, k, v, torch.arange(first, seq_len, device=q.device)[None]
+    for n, reqs in query_groups(attn_metadata).items():
+        idx = torch.tensor(reqs, device=device)
+        seq = torch.tensor([lengths[i] for i in reqs], device=device)
+        j = torch.minimum(torch.arange(int(seq.max()), device=device)[None], seq[:, None] - 1)  # [B, Tk]
+        if window:  # the earliest query's first visible key
+            j = torch.maximum(j, (seq[:, None] - n - window + 1).clamp(min=0))
+        blocks = attn_metadata.block_table.index_select(0, idx).long().gather(1, j // size)
+        # one row gather each for keys and values, straight into [B, KV, Tk, D]
+        rows = ((blocks[:, None, :] * KV + torch.arange(KV, device=device)[None, :, None]) * (2 * size)
+                + (j % size)[:, None, :]).reshape(-1)
+        shape = (len(reqs), KV, j.shape[1], head_dim)
+        k = upcast(flat.index_select(0, rows).view(shape))  # bf16/fp16: in fp32
+        v = upcast(flat.index_select(0, rows + size).view(shape))
+        qrows = torch.cat([torch.arange(starts[i], starts[i] + n, device=device) for i in reqs])
+        q = upcast(query.view(-1, num_heads, head_dim).index_select(0, qrows).view(len(reqs), n, num_heads, head_dim)
+                   .transpose(1, 2))
+        yield qrows, q, k, v, seq[:, None] - n + torch.arange(n, device=device)[None]
 
 
 class TrainerAttentionImpl:
     """An `AttentionImpl` (vLLM calls `do_kv_cache_update` then `forward`) computing causal decoder
-    attention with the trainer's `invariant.attention`, one request at a time."""
+    attention with the trainer's `invariant.attention`, the requests with the same number of
+    queries in one call (`grouped_qkv`: B rows, no padding). The families' impls (mla.py,
+    gpt_oss.py) override `attend` (and ``window``, ``v_dim``)."""
+
+    window = 0  # a sliding window (gpt_oss.py)
+    v_dim = None  # the values' width when below head_dim (mla.py: vLLM pads them to it)
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, numerics):
         if abs(scale - head_dim ** -0.5) > 0:
@@ -143,41 +168,19 @@ class TrainerAttentionImpl:
                 output_block_scale=None):
         if not attention_step(attn_metadata, output_scale, output_block_scale):  # vLLM's warm-up / profile run
             return output
-        assert invariant.enabled(self.numerics, query), "the plugin's attention runs a row-invariant level"
-        keys, _ = _cpu_layout(kv_cache, self.num_kv_heads, self.head_size)
-        # the cache's rows [blocks·KV·2·size, D] (per block and kv head: its keys, then its values)
-        flat, size = kv_cache.view(-1, self.head_size), keys.shape[2]
-        starts = attn_metadata.query_start_loc.tolist()
-        lengths = attn_metadata.seq_lens.tolist()
-        groups: dict = {}  # requests by their number of queries this step (all decodes: one call)
-        for i in range(len(lengths)):
-            if starts[i + 1] > starts[i]:
-                groups.setdefault(starts[i + 1] - starts[i], []).append(i)
-        for n, reqs in groups.items():
-            self._attend(query, flat, size, attn_metadata.block_table, starts, lengths, reqs, n, output)
+        H, D = self.num_heads, self.head_size
+        Dv = self.v_dim or D
+        out_heads = output.view(-1, H, D)
+        for qrows, q, k, v, positions in grouped_qkv(query, kv_cache, attn_metadata, H, self.num_kv_heads, D,
+                                                     self.window):
+            out = self.attend(q, k, v[..., :Dv], positions)  # [B, H, n, Dv]
+            out_heads[qrows, :, :Dv] = out.transpose(1, 2).reshape(-1, H, Dv).to(output.dtype)
+            if Dv < D:
+                out_heads[qrows, :, Dv:] = 0
         return output
 
-    def _attend(self, query, flat, size: int, table, starts, lengths, reqs, n: int, output) -> None:
-        """The ``n`` queries of each request in ``reqs`` (the last ``n`` positions of its sequence) in
-        one `invariant.attention` call: B = len(reqs) rows, no padding. A request's keys are gathered
-        from its block table by position; the slots past its sequence (a longer request's) hold its
-        last key again: in every one of its queries' future, so they weigh exactly 0 (and are
-        finite, unlike unwritten cache slots). The op's contract (a query's bits depend only on its
-        keys up to its position) makes the result each request's alone: the trainer's."""
-        device, KV = query.device, self.num_kv_heads
-        idx = torch.tensor(reqs, device=device)
-        seq = torch.tensor([lengths[i] for i in reqs], device=device)
-        j = torch.minimum(torch.arange(int(seq.max()), device=device)[None], seq[:, None] - 1)  # [B, Tk]
-        blocks = table.index_select(0, idx).long().gather(1, j // size)
-        # one row gather each for keys and values, straight into [B, KV, Tk, D]
-        rows = ((blocks[:, None, :] * KV + torch.arange(KV, device=device)[None, :, None]) * (2 * size)
-                + (j % size)[:, None, :]).reshape(-1)
-        shape = (len(reqs), KV, j.shape[1], self.head_size)
-        k = upcast(flat.index_select(0, rows).view(shape))  # bf16/fp16: in fp32
-        v = upcast(flat.index_select(0, rows + size).view(shape))
-        qrows = torch.cat([torch.arange(starts[i], starts[i] + n, device=device) for i in reqs])
-        q = upcast(query.index_select(0, qrows).view(len(reqs), n, self.num_heads, self.head_size).transpose(1, 2))
-        positions = seq[:, None] - n + torch.arange(n, device=device)[None]
-        out = invariant.attention(q, k, v, positions, torch.zeros(len(reqs), dtype=torch.long, device=device),
-                                  self.numerics)  # [B, H, n, D]
-        output[qrows] = out.transpose(1, 2).reshape(len(reqs) * n, self.num_heads, self.head_size).to(output.dtype)
+    def attend(self, q, k, v, positions) -> torch.Tensor:
+        """q [B, H, n, D] at ``positions`` [B, n] over keys and values by position: [B, H, n, Dv]."""
+        assert invariant.enabled(self.numerics, q), "the plugin's attention runs a row-invariant level"
+        return invariant.attention(q, k, v, positions, torch.zeros(q.shape[0], dtype=torch.long, device=q.device),
+                                   self.numerics)

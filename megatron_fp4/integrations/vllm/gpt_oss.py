@@ -11,12 +11,13 @@ vLLM computes unlike the trainer, per layer (`serve_trainer_gpt_oss_attention`):
   layer's sinks (vLLM's parameter, shared: loads and live updates reach it) and its sliding window
   (the trainer's ``layer_types``; vLLM's per-layer window must be the same, since its KV-cache
   manager frees the blocks a sliding layer no longer reads), every request over its keys gathered
-  from its block table by position: `invariant.attention` at the row-invariant levels (the same
+  from its block table by position, the requests with the same number of queries in one call
+  (`attention.grouped_qkv`): `invariant.attention` at the row-invariant levels (the same
   bits as the trainer's full forward, ground rule 7), `gpt_oss.sink_attention` (the trainer's
   standard path) at the standard one.
 
 Keys a request's queries cannot see (before the earliest query's window) are read as its first
-visible key (`attention.requests_qkv`): a sliding layer's freed blocks (vLLM's null block) are never
+visible key (`attention.grouped_qkv`): a sliding layer's freed blocks (vLLM's null block) are never
 read, and the masked slots are finite, so they weigh exactly 0.
 """
 from __future__ import annotations
@@ -25,7 +26,7 @@ import torch
 from torch import nn
 
 from megatron_fp4.fp4 import invariant
-from megatron_fp4.integrations.vllm.attention import OpaqueRotary, TrainerAttentionImpl, attention_step, requests_qkv
+from megatron_fp4.integrations.vllm.attention import OpaqueRotary, TrainerAttentionImpl
 from megatron_fp4.model.gpt_oss import GptOssAttention, apply_half_rope, rope_half_tables, sink_attention, \
     yarn_inv_freq
 
@@ -59,25 +60,17 @@ class TrainerSinkAttentionImpl(TrainerAttentionImpl):
         super().__init__(num_heads, num_kv_heads, head_dim, head_dim ** -0.5, numerics)
         self.sinks, self.window = sinks, int(window)
 
-    def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, output_scale=None,
-                output_block_scale=None):
-        if not attention_step(attn_metadata, output_scale, output_block_scale):  # vLLM's warm-up / profile run
-            return output
-        H, KV, D = self.num_heads, self.num_kv_heads, self.head_size
-        out_heads = output.view(-1, H, D)
-        for q0, q1, q, k, v, positions in requests_qkv(query, kv_cache, attn_metadata, H, KV, D, self.window):
-            seq_len = k.shape[2]
-            if invariant.enabled(self.numerics, q):
-                out = invariant.attention(q, k, v, positions, torch.zeros(1, dtype=torch.long), self.numerics,
-                                          scale=D ** -0.5, window=self.window, sinks=self.sinks)
-            else:  # the trainer's standard path (its cached decode: keys by index = position)
-                k_idx = torch.arange(seq_len, device=q.device)[None, :]
-                visible = k_idx <= positions[0, :, None]
-                if self.window:
-                    visible = visible & (k_idx > positions[0, :, None] - self.window)
-                out = sink_attention(q, k, v, visible[None, None], self.sinks, D ** -0.5)
-            out_heads[q0:q1] = out[0].transpose(0, 1).to(output.dtype)
-        return output
+    def attend(self, q, k, v, positions) -> torch.Tensor:
+        D = self.head_size
+        if invariant.enabled(self.numerics, q):
+            return invariant.attention(q, k, v, positions, torch.zeros(q.shape[0], dtype=torch.long, device=q.device),
+                                       self.numerics, scale=D ** -0.5, window=self.window, sinks=self.sinks)
+        # the trainer's standard path (its cached decode: keys by index = position)
+        k_idx = torch.arange(k.shape[2], device=q.device)[None, None, :]
+        visible = k_idx <= positions[:, :, None]  # [B, n, Tk]
+        if self.window:
+            visible = visible & (k_idx > positions[:, :, None] - self.window)
+        return sink_attention(q, k, v, visible[:, None], self.sinks, D ** -0.5)
 
 
 def serve_trainer_gpt_oss_attention(attn: nn.Module, cfg, layer_idx: int, numerics, prefix: str) -> None:

@@ -18,7 +18,8 @@ replaces what vLLM computes unlike the trainer, per layer (`serve_trainer_mla`):
 - `TrainerMLAImpl` for the attention layer's ``impl``: the trainer's attention (`invariant.attention`
   at the batch-invariant levels, ``F.scaled_dot_product_attention`` at the standard one) with the
   trainer's softmax scale (YaRN's ``mscale²`` included) and values of their own width
-  ``v_head_dim``, every request over its keys gathered from its block table, by position.
+  ``v_head_dim``, the requests with the same number of queries in one call over their keys gathered
+  from their block tables, by position (`attention.grouped_qkv`).
 
 The cache holds the expanded per-head keys and values, as the trainer's own KV cache does
 (`MLAttention`): the latent cache, DeepSeek's memory saving, is vLLM's MLA path, which the plugin
@@ -33,7 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megatron_fp4.fp4 import invariant
-from megatron_fp4.integrations.vllm.attention import OpaqueRotary, TrainerAttentionImpl, attention_step, requests_qkv
+from megatron_fp4.integrations.vllm.attention import OpaqueRotary, TrainerAttentionImpl
 from megatron_fp4.model.deepseek_v3 import LORA_NORM_EPS, MLAttention, deinterleave, rope_tables_fp32
 from megatron_fp4.model.layers import apply_rope
 
@@ -69,23 +70,13 @@ class TrainerMLAImpl(TrainerAttentionImpl):
         super().__init__(num_heads, num_heads, qk_dim, qk_dim ** -0.5, numerics)
         self.v_dim, self.scale = int(v_dim), float(scale)
 
-    def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, output_scale=None,
-                output_block_scale=None):
-        if not attention_step(attn_metadata, output_scale, output_block_scale):  # vLLM's warm-up / profile run
-            return output
-        H, D = self.num_heads, self.head_size
-        out_heads = output.view(-1, H, D)
-        for q0, q1, q, k, v, positions in requests_qkv(query, kv_cache, attn_metadata, H, H, D):
-            seq_len, v = k.shape[2], v[..., :self.v_dim]  # [1, H, Tq, qk_dim] queries; values of their own width
-            if invariant.enabled(self.numerics, q):
-                out = invariant.attention(q, k, v, positions, torch.zeros(1, dtype=torch.long), self.numerics,
-                                          scale=self.scale)
-            else:  # the trainer's standard path (its cached decode: SDPA under a causal mask)
-                mask = torch.arange(seq_len, device=q.device)[None, :] <= positions[0, :, None]
-                out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[None, None], scale=self.scale)
-            out_heads[q0:q1, :, :self.v_dim] = out[0].transpose(0, 1).to(output.dtype)
-            out_heads[q0:q1, :, self.v_dim:] = 0
-        return output
+    def attend(self, q, k, v, positions) -> torch.Tensor:
+        pad = torch.zeros(q.shape[0], dtype=torch.long, device=q.device)
+        if invariant.enabled(self.numerics, q):
+            return invariant.attention(q, k, v, positions, pad, self.numerics, scale=self.scale)
+        # the trainer's standard path (its cached decode: SDPA under a causal mask, keys by index = position)
+        mask = torch.arange(k.shape[2], device=q.device)[None, None, :] <= positions[:, :, None]  # [B, n, Tk]
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None], scale=self.scale)
 
 
 def serve_trainer_mla(attn: nn.Module, cfg, numerics, prefix: str) -> None:

@@ -31,10 +31,31 @@ def vllm_python(explicit: Optional[str] = None) -> Optional[str]:
     return path
 
 
-def worker_env() -> dict:
+MLA_DISABLE = "VLLM_MLA_DISABLE"
+MAX_CONFIG_BYTES = 1 << 20  # an export's config.json is a few KB
+
+
+def family_env(*model_dirs) -> dict:
+    """What a vLLM process serving these exports needs in its environment before vLLM builds its
+    config: ``VLLM_MLA_DISABLE=1`` when one is DeepSeek-V3 (``model_type`` deepseek_v3 in its
+    config.json: vLLM's non-MLA attention over the standard paged cache, the one the plugin serves,
+    mla.py); {} otherwise. For the launchers to put in their child's environment, never this one's."""
+    for d in model_dirs:
+        path = Path(d) / "config.json"
+        if path.stat().st_size > MAX_CONFIG_BYTES:
+            raise ValueError(f"{path} is {path.stat().st_size} bytes, not an HF config.json (at most "
+                             f"{MAX_CONFIG_BYTES}): point the launcher at an export_for_vllm directory")
+        if json.loads(path.read_text()).get("model_type") == "deepseek_v3":
+            return {MLA_DISABLE: "1"}
+    return {}
+
+
+def worker_env(*model_dirs) -> dict:
+    """The environment of a vLLM process this project starts (a copy of this one's, which is left
+    as it is), serving the exports ``model_dirs`` (`family_env`)."""
     env = dict(os.environ)
     env.update({"PYTHONPATH": str(ROOT), "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "HF_HUB_OFFLINE": "1",
-                "OMP_NUM_THREADS": env.get("OMP_NUM_THREADS", "1")})
+                "OMP_NUM_THREADS": env.get("OMP_NUM_THREADS", "1"), **family_env(*model_dirs)})
     return env
 
 
@@ -48,9 +69,9 @@ def run_vllm_rollout(spec: dict, work_dir, python: Optional[str] = None, timeout
     work_dir.mkdir(parents=True, exist_ok=True)
     if python:
         (work_dir / "vllm_spec.json").write_text(json.dumps(spec))
+        env = worker_env(*(job["model"] for job in spec["jobs"]))  # what the exports' families need (family_env)
         run = subprocess.run([python, "-m", "megatron_fp4.integrations.vllm.worker", str(work_dir / "vllm_spec.json"),
-                              str(out_dir)], env=worker_env(), cwd=str(ROOT), capture_output=True, text=True,
-                             timeout=timeout)
+                              str(out_dir)], env=env, cwd=str(ROOT), capture_output=True, text=True, timeout=timeout)
         if run.returncode != 0:
             raise RuntimeError(f"vLLM worker ({python}) failed with exit {run.returncode}:\n{run.stderr[-3000:]}")
     else:
@@ -82,4 +103,4 @@ def load_results(out_dir, num_prompts: int) -> dict:
     return out
 
 
-__all__ = ["ENV_PYTHON", "vllm_python", "run_vllm_rollout", "load_results", "worker_env"]
+__all__ = ["ENV_PYTHON", "vllm_python", "run_vllm_rollout", "load_results", "worker_env", "family_env"]

@@ -291,12 +291,13 @@ def start_vllm_server(model_dir, python: str, token: str, host: str = "127.0.0.1
                       dtype: str = "float32", extra: Sequence[str] = (), log=None, env: Optional[dict] = None,
                       timeout_s: float = 600.0, wait: bool = True) -> VLLMServer:
     """Start `vllm serve model_dir` (the vLLM environment's `python`) with the RL routes on and the
-    sync token in its environment; with `wait`, return once `/health` answers."""
+    sync token in its environment (and what the export's family needs there: `remote.family_env`,
+    VLLM_MLA_DISABLE=1 for DeepSeek-V3); with `wait`, return once `/health` answers."""
     from megatron_fp4.integrations.vllm.remote import worker_env
 
     check_advertised_address(host, "host")  # vLLM's HTTP server (pause, weight updates) binds exactly it
     port = port or free_port(host)
-    run_env = {**worker_env(), **(env or {}), TOKEN_ENV: token, "VLLM_SERVER_DEV_MODE": "1"}
+    run_env = {**worker_env(model_dir), **(env or {}), TOKEN_ENV: token, "VLLM_SERVER_DEV_MODE": "1"}
     run_env.pop("VLLM_ENABLE_V1_MULTIPROCESSING")  # a server: vLLM's engine core in its own process
     log = Path(log) if log else Path(model_dir).parent / f"vllm_serve_{port}.log"
     with open(log, "wb") as out:

@@ -9,7 +9,7 @@
   copy of the model, fed by a `WeightPublisher` through an `InProcessTransport` under the model's
   own names (HF names are for crossing a process boundary).
 - `RemoteRollout` (a sharded trainer under torchrun): trainer rank 0 starts the rollout process
-  (`python -m megatron_fp4.rl.rollouts.worker`, spec as JSON on its command line, the shared token
+  (`python -m megatron_fp4.rl.rollouts.worker_main`, spec as JSON on its command line, the shared token
   in its environment, never pickle) and serves two token-authenticated `PeerGroup`s on the
   address it advertises: *weights* (a `ShardedWeightPublisher` over the whole mesh gathers pipeline
   stages and expert shards bucket by bucket and sends them under HF names through a
@@ -86,7 +86,7 @@ class RemoteRollout:
     def __init__(self, trainer, pad_id: int, bucket_bytes: int = 4 << 20, addr: str = "127.0.0.1",
                  name: str = "rollout0", timeout_s: Optional[float] = None, threads: int = 1):
         self._start(trainer, bucket_bytes, addr, name, timeout_s, lambda: (
-            sys.executable, "megatron_fp4.rl.rollouts.worker",
+            sys.executable, "megatron_fp4.rl.rollouts.worker_main",
             {"config": trainer.cfg.to_dict(), "pad_id": int(pad_id), "threads": int(threads)}, {}))
 
     def _start(self, trainer, bucket_bytes: int, addr: str, name: str, timeout_s: Optional[float], launch) -> None:

@@ -8,7 +8,8 @@ The same interface and channels as `rl.rollouts.client.RemoteRollout` (it is one
 writes a shape template of the model (`export_for_vllm`: config.json with the plugin's
 `quantization_config`, weights of a fresh init, replaced by the first publish), starts
 `python -m megatron_fp4.rl.rollouts.vllm_server` on it (the vLLM python: `python=`, env
-MEGATRON_FP4_VLLM_PYTHON, else this interpreter when vllm imports here) and serves the two
+MEGATRON_FP4_VLLM_PYTHON, else this interpreter when vllm imports here; VLLM_MLA_DISABLE=1 in its
+environment for DeepSeek-V3, `integrations.vllm.remote.family_env`) and serves the two
 token-authenticated `PeerGroup`s. Weights go under HF names: a single-process trainer through a
 `WeightPublisher`, a sharded one through the `ShardedWeightPublisher` (every rank's shard).
 Two completion points as everywhere: `publish` returns at the snapshot, `wait_loaded` once vLLM
@@ -62,10 +63,12 @@ class VLLMRollout(RemoteRollout):
             raise ValueError(f"--rollout vllm: dtype {cfg.dtype!r} is not served (fp32 or bf16)")
 
         def launch():
-            spec = {"model": str(vllm_template(cfg, work_dir)), "dtype": DTYPES[cfg.dtype], "pad_id": int(pad_id),
-                    "threads": int(threads)}
+            from megatron_fp4.integrations.vllm.remote import family_env
+
+            template = vllm_template(cfg, work_dir)
+            spec = {"model": str(template), "dtype": DTYPES[cfg.dtype], "pad_id": int(pad_id), "threads": int(threads)}
             return (resolve_python(python), "megatron_fp4.rl.rollouts.vllm_server", spec,
-                    {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "HF_HUB_OFFLINE": "1"})
+                    {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "HF_HUB_OFFLINE": "1", **family_env(template)})
         self._start(trainer, bucket_bytes, addr, name, timeout_s, launch)
 
 

@@ -1,7 +1,10 @@
 """The rollout process: a `RolloutEngine` of its own, fed weights by the trainer's publisher and
 asked for generations by trainer rank 0 (`rl.remote.RemoteRollout` starts it).
 
-    python -m megatron_fp4.rl.rollouts.worker '<JSON spec>'     # MEGATRON_FP4_SYNC_TOKEN in the env
+    python -m megatron_fp4.rl.rollouts.worker_main '<JSON spec>'     # MEGATRON_FP4_SYNC_TOKEN in the env
+
+(`worker_main` is the entry: this module is imported by the package (`client`), and a module run
+with ``-m`` must not be, or Python warns that it was found in sys.modules before execution.)
 
 Nothing here unpickles anything: the spec is JSON (the config as a dict), the two channels to the
 trainer are token-authenticated `PeerGroup`s (`rollout.weight_sync.peer_group`: the trainer's rank 0
@@ -20,8 +23,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import sys
-import time
 
 import torch
 
@@ -32,7 +33,7 @@ from megatron_fp4.parallel.wire import ProtocolError, broadcast_json
 from megatron_fp4.rl.rollouts.wire import broadcast_generation, params_from_json
 from megatron_fp4.rollout.weight_sync.buckets import manifest_of
 from megatron_fp4.rollout.engine import RolloutEngine
-from megatron_fp4.rollout.weight_sync.peer_group import PeerGroup, sync_token_from_env
+from megatron_fp4.rollout.weight_sync.peer_group import PeerGroup
 from megatron_fp4.rollout.weight_sync.publisher import WeightReceiver
 from megatron_fp4.rollout.weight_sync.distributed import DistributedReceiver
 
@@ -143,19 +144,3 @@ def serve(spec: dict, token: str, engine=None, receiver=None) -> None:
     receiver.join(timeout=spec["timeout_s"])  # the publisher's close() stops it
     weights.close()
     control.close()
-
-
-def main(argv=None) -> None:
-    argv = sys.argv[1:] if argv is None else argv
-    if len(argv) != 1:
-        raise SystemExit("usage: python -m megatron_fp4.rl.rollouts.worker '<JSON spec>' (started by RemoteRollout)")
-    token = sync_token_from_env()
-    if token is None:
-        raise SystemExit("the rollout worker needs MEGATRON_FP4_SYNC_TOKEN in its environment (its trainer sets it)")
-    start = time.perf_counter()
-    serve(parse_spec(argv[0]), token)
-    print(f"rollout worker: done after {time.perf_counter() - start:.0f} s", file=sys.stderr, flush=True)
-
-
-if __name__ == "__main__":
-    main()
