@@ -100,10 +100,19 @@ def rollouts():
         return {mode: _rollouts(mode) for mode in MODES}
 
 
-def test_ep2_alltoall_and_gcmoe_scores_equal_rollout_bitwise(rollouts):
-    results = run_distributed(_worker, 2, (rollouts,), timeout_s=600)
+def _both(rank, world, rollouts):
+    """The ep2 scoring, then the pp2 scoring: one spawn of 2 processes for the module's two tests."""
+    return {"ep2": _worker(rank, world, rollouts), "pp2": _pp_worker(rank, world, rollouts)}
+
+
+@pytest.fixture(scope="module")
+def scored(rollouts):
+    return run_distributed(_both, 2, (rollouts,), timeout_s=900)
+
+
+def test_ep2_alltoall_and_gcmoe_scores_equal_rollout_bitwise(rollouts, scored):
     seen = set()
-    for res in results:
+    for res in (r["ep2"] for r in scored):
         for (mode, dispatcher), rows in res.items():
             _, _, log_probs, routing = rollouts[mode]
             for i, (lp, rt) in rows.items():
@@ -113,8 +122,8 @@ def test_ep2_alltoall_and_gcmoe_scores_equal_rollout_bitwise(rollouts):
     assert len(seen) == len(MODES) * 2 * len(rollouts[MODES[0]][0])
 
 
-def test_pp2_scores_equal_rollout_bitwise(rollouts):
-    last = run_distributed(_pp_worker, 2, (rollouts,), timeout_s=600)[1]
+def test_pp2_scores_equal_rollout_bitwise(rollouts, scored):
+    last = scored[1]["pp2"]
     for mode in MODES:
         for i, lp in enumerate(last[mode]):
             assert torch.equal(bits(lp), bits(rollouts[mode][2][i])), (mode, i, lp, rollouts[mode][2][i])

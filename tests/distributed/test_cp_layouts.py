@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from megatron_fp4.config import Config
+from tests.distributed.conftest import layout_results
 from tests.distributed.launch import run_distributed
 from tests.numerics import FP64_REL, rel, single_thread
 
@@ -48,6 +49,7 @@ LAYOUTS_4 = {"cp2_dp2": dict(cp=2, dp=2), "cp2_pp2": dict(cp=2, pp=2),
              "cp2_tp2_masked": dict(cp=2, tp=2, masked=True),
              "cp2_tp2_ep2": dict(cp=2, tp=2, ep=2)}
 LEVELS = ("standard", "batch", "exact", "fp4_batch", "fp4_exact")
+SCORING = "scoring"  # a key of the 2-process spawn's layouts: the cp 2 scoring runs in the same spawn
 
 
 def _build(world_size, spec):
@@ -112,6 +114,16 @@ def _train(rank, world_size, layouts):
         out[name] = dict(losses=losses, grads=grads, params=params, offsets=offsets, shards=shards,
                          data=t.mesh.coord("data"), cp=t.mesh.coord("cp"))
         t.optimizer.remove_hooks()
+    return out
+
+
+def _run(rank, world_size, layouts):
+    """The training layouts of `layouts`, then (key ``SCORING``) the cp 2 scoring: one spawn for both."""
+    layouts = dict(layouts)
+    scoring = layouts.pop(SCORING, False)
+    out = _train(rank, world_size, layouts)
+    if scoring:
+        out[SCORING] = _score(rank, world_size)
     return out
 
 
@@ -196,14 +208,8 @@ def check(name, spec, results):
         assert any(v.abs().sum() > 0 for n, v in ref_params.items() if n.endswith("expert_bias"))
 
 
-@pytest.fixture(scope="module")
-def results_2():
-    return run_distributed(_train, 2, (LAYOUTS_2,), timeout_s=600)
-
-
-@pytest.fixture(scope="module")
-def results_4():
-    return run_distributed(_train, 4, (LAYOUTS_4,), timeout_s=600)
+results_2 = layout_results(_run, 2, {**LAYOUTS_2, SCORING: True}, timeout_s=900)
+results_4 = layout_results(_train, 4, LAYOUTS_4, timeout_s=600)
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS_2))
@@ -219,8 +225,8 @@ def test_cp_four_process_layout_matches_single_process(results_4, name):
 
 
 @pytest.fixture(scope="module")
-def scores():
-    return run_distributed(_score, 2, timeout_s=600)
+def scores(results_2):
+    return [r[SCORING] for r in results_2]
 
 
 def _reference_scores(dtype, tokens, level):

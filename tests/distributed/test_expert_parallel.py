@@ -19,6 +19,7 @@ Without FP4 both references give the same expert grads up to sum order.
 """
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -152,9 +153,20 @@ def _assert_cases(cases, results):
             assert diffs["router_excess"] <= 0, msg
 
 
-def test_ep2_matches_single_process():
+def _worker_ep2(rank, world, cases):
+    """The module's 2-process runs in one spawn: the cases against the single process, then the surgery."""
+    return {"cases": _worker_vs_single(rank, world, cases), "surgery": _worker_surgery(rank, world)}
+
+
+@pytest.fixture(scope="module")
+def ep2_results():
     cases = _cases(2, ["alltoall", "gcmoe"])
-    _assert_cases(cases, run_distributed(_worker_vs_single, 2, (cases,)))
+    return cases, run_distributed(_worker_ep2, 2, (cases,))
+
+
+def test_ep2_matches_single_process(ep2_results):
+    cases, results = ep2_results
+    _assert_cases(cases, [r["cases"] for r in results])
 
 
 def test_ep4_matches_single_process():
@@ -177,8 +189,8 @@ def _worker_surgery(rank, world):
     }
 
 
-def test_apply_marks_params_and_gather_restores_full_weights():
-    results = run_distributed(_worker_surgery, 2)
+def test_apply_marks_params_and_gather_restores_full_weights(ep2_results):
+    results = [r["surgery"] for r in ep2_results[1]]
     for rank, r in enumerate(results):
         assert r["marked"] == ["experts.w13", "experts.w2"] and r["groups"] == {"edp"}
         assert r["local"] == 2 and r["offset"] == 2 * rank and not r["router_marked"]

@@ -136,8 +136,8 @@ def _check(results, num_seeds):
         assert r["chunks"] == {0, 1, 2}
 
 
-def test_gcmoe_bitwise_equal_to_alltoall_ep2_many_seeds():
-    _check(run_distributed(_worker_many_seeds, 2, (20,)), 20)
+def test_gcmoe_bitwise_equal_to_alltoall_ep2_many_seeds(ep2_results):
+    _check([r["many_seeds"] for r in ep2_results], 20)
 
 
 def test_gcmoe_bitwise_equal_to_alltoall_ep4():
@@ -173,9 +173,19 @@ def _worker_small_ring(rank, world, num_seeds):
     return out
 
 
+def _worker_ep2(rank, world):
+    """The ep2 runs of the module in one spawn: many seeds, then the small ring (and the mismatches)."""
+    return {"many_seeds": _worker_many_seeds(rank, world, 20), "small_ring": _worker_small_ring(rank, world, 3)}
+
+
 @pytest.fixture(scope="module")
-def small_ring_results():
-    return run_distributed(_worker_small_ring, 2, (3,))
+def ep2_results():
+    return run_distributed(_worker_ep2, 2)
+
+
+@pytest.fixture(scope="module")
+def small_ring_results(ep2_results):
+    return [r["small_ring"] for r in ep2_results]
 
 
 def test_small_ring_many_chunks_bitwise_and_bounded(small_ring_results):

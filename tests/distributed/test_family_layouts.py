@@ -166,11 +166,19 @@ def _run(rank, world_size, layouts):
     return out
 
 
+_REFERENCES: dict = {}  # (family, fp4) -> the single-process run (the checks only read it)
+
+
 def _reference(family: str, spec: dict) -> dict:
+    """The single-process run for a layout: it depends on the family and on FP4 only (the parallel
+    fields are the layout's), so it runs once per (family, fp4) pair for the module's 36 layouts."""
     from megatron_fp4.training.trainer import Trainer
 
-    with single_thread():
-        return _train(Trainer(family_cfg(family, {k: v for k, v in spec.items() if k == "fp4"})))
+    key = (family, bool(spec.get("fp4", False)))
+    if key not in _REFERENCES:
+        with single_thread():
+            _REFERENCES[key] = _train(Trainer(family_cfg(family, {"fp4": key[1]})))
+    return _REFERENCES[key]
 
 
 def check_layout(name: str, family: str, spec: dict, results: list) -> None:

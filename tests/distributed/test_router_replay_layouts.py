@@ -12,7 +12,7 @@ order of fp64 sums differs between layouts); the routes used are equal ids.
 import pytest
 import torch
 
-from tests.distributed.launch import run_distributed
+from tests.distributed.conftest import layout_results
 from tests.distributed.test_parallel_training import layout_cfg
 from tests.distributed.test_parallel_training_ep import SPEC
 from tests.numerics import FP64_REL, rel, single_thread
@@ -63,12 +63,12 @@ def _rl_run(trainer, mode: str) -> dict:
                 dispatchers={type(m.dispatcher).__name__ for m in trainer.model.moe_layers()})
 
 
-def _layouts(rank, world_size):
+def _layouts(rank, world_size, layouts):
     from megatron_fp4.parallel.mesh import ParallelMesh
     from megatron_fp4.training.trainer import Trainer
 
     out = {}
-    for name, (mode, spec) in LAYOUTS.items():
+    for name, (mode, spec) in layouts.items():
         cfg = layout_cfg(spec)
         trainer = Trainer(cfg, ParallelMesh.build(cfg.parallel.pp, world_size // cfg.parallel.pp,
                                                           cfg.parallel.ep), build_data=False)
@@ -88,9 +88,7 @@ def reference():
     return out
 
 
-@pytest.fixture(scope="module")
-def results():
-    return run_distributed(_layouts, 4, (), timeout_s=600)
+results = layout_results(_layouts, 4, LAYOUTS, timeout_s=600)
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))

@@ -15,7 +15,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.distributed.launch import run_distributed
+from tests.distributed.conftest import layout_results
 from tests.distributed.test_tp_trainer import layout_cfg
 from tests.numerics import FP64_REL, rel, single_thread
 
@@ -78,12 +78,12 @@ def cfg_for(spec: dict):
     return cfg
 
 
-def _layouts(rank, world_size):
+def _layouts(rank, world_size, layouts):
     from megatron_fp4.parallel.mesh import ParallelMesh
     from megatron_fp4.training.trainer import Trainer
 
     out = {}
-    for name, (spec, steps) in LAYOUTS.items():
+    for name, (spec, steps) in layouts.items():
         cfg = cfg_for(spec)
         p = cfg.parallel
         trainer = Trainer(cfg, ParallelMesh.build(p.pp, world_size // (p.pp * p.tp), p.ep, tp=p.tp), build_data=False)
@@ -106,9 +106,7 @@ def _reference(spec: dict, steps: int) -> dict:
     return out
 
 
-@pytest.fixture(scope="module")
-def results():
-    return run_distributed(_layouts, 2, (), timeout_s=600)
+results = layout_results(_layouts, 2, LAYOUTS, timeout_s=600)
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))

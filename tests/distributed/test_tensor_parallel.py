@@ -86,12 +86,15 @@ KEYS = [(name, padded) for name in CASES for padded in (False, True)]
 
 
 def _all_cases(rank, world):
-    return {key: tp_rank(rank, world, CASES[key[0]], key[1]) for key in KEYS}
+    """Every case, then the refused layouts (key "refusals")."""
+    out = {key: tp_rank(rank, world, CASES[key[0]], key[1]) for key in KEYS}
+    out["refusals"] = _refusals(rank, world)
+    return out
 
 
 @pytest.fixture(scope="module")
 def tp_results():
-    """Every case on one pair of processes (one spawn for the whole file's comparisons)."""
+    """Every case on one pair of processes (one spawn for the whole file: comparisons and refusals)."""
     return run_distributed(_all_cases, 2, timeout_s=600)
 
 
@@ -124,9 +127,9 @@ def check_equal(case: dict, padded: bool, results: list, ref=None) -> None:
     assert not set(q0.tolist()) & set(q1.tolist())
 
 
-def test_bad_tp_layouts_are_refused():
+def test_bad_tp_layouts_are_refused(tp_results):
     from megatron_fp4.parallel import tensor_parallel as tpm
-    results = run_distributed(_refusals, 2, timeout_s=120)
+    results = [r["refusals"] for r in tp_results]
     for messages in results:
         assert any("num_heads=3 is not a multiple of parallel.tp=2" in m for m in messages), messages
         assert any("FP4 attention (fp4.scope=experts+attention) needs model.num_kv_heads=1 >= tp" in m

@@ -32,9 +32,19 @@ def _shown_pytest_commands() -> set[str]:
     return {SHUFFLE.sub("", command) for command in found}
 
 
+# The whole suite as CI runs it, each test once: the quick subset, the rest of tests/unit (the
+# complement of the quick subset's marker expression) and every other directory.
+WHOLE_SUITE = "python -m pytest tests -q"
+PARTITION = ('python -m pytest tests/unit -q -m "not slow and not distributed"',
+             'python -m pytest tests/unit -q -m "slow or distributed"',
+             "python -m pytest tests -q --ignore=tests/unit")
+
+
 def test_ci_runs_every_test_command_the_docs_show():
     ci = (ROOT / ".ci" / "run").read_text()
     runs = [SHUFFLE.sub("", line.strip()).split(None, 2)[2] for line in ci.splitlines() if line.startswith("run_pytest ")]
+    if set(PARTITION) <= set(runs):
+        runs.append(WHOLE_SUITE)
     shown = _shown_pytest_commands()
     assert shown, "README.md / docs/usage.md show no test command"
     assert not shown - set(runs), f"the docs show test commands CI does not run: {shown - set(runs)}"
