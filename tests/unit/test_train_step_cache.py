@@ -14,7 +14,7 @@ import torch
 
 import megatron_fp4.fp4.moeresq as moeresq
 from megatron_fp4.fp4 import Recipe
-from megatron_fp4.training.nonfinite import all_finite
+from megatron_fp4.training.nonfinite import all_finite, finite_checked_buffers, finite_checked_state
 from megatron_fp4.training.trainer import Trainer
 
 
@@ -130,3 +130,15 @@ def test_bench_train_hf_runs_every_runner_with_the_per_expert_loop_trainer(capsy
     assert set(med) == {"hf", "trainer bf16", "bare bf16", "trainer fp4_resq", "bare fp4_resq", "trainer fp4_resq/loop"}
     assert all(t > 0 for t in med.values())
     assert "trainer fp4_resq/loop" in capsys.readouterr().out
+
+
+def test_finite_checked_buffers_are_the_buffers_alone():
+    """The post-update check re-reads only what the optimizer did not write (its own pass covered the
+    parameters): every floating-point buffer of `finite_checked_state`, no parameter."""
+    layer = torch.nn.BatchNorm1d(4)  # float buffers (running stats) beside parameters, an int buffer
+    layer.register_buffer("expert_bias", torch.zeros(3))
+    buffers = finite_checked_buffers(layer)
+    assert set(buffers) == {"running_mean", "running_var", "expert_bias"}
+    assert set(finite_checked_state(layer)) == set(buffers) | {"weight", "bias"}
+    layer.expert_bias[1] = math.nan  # what the check is for: a NaN in a buffer is seen
+    assert not all_finite(finite_checked_buffers(layer).values())
