@@ -67,10 +67,21 @@ def combine_expert_outputs(y_slots: torch.Tensor, topk_idx: torch.Tensor, topk_w
     the k terms in ascending expert index order (a fixed order, whatever the arrival order)."""
     order = torch.argsort(topk_idx, dim=1, stable=True)
     y = torch.gather(y_slots, 1, order[..., None].expand_as(y_slots))
-    w = torch.gather(topk_w, 1, order).to(y_slots.dtype)
-    out = y[:, 0] * w[:, 0, None]
-    for j in range(1, y.shape[1]):
-        out = out + y[:, j] * w[:, j, None]
+    return weighted_sum_of_slots(y, torch.gather(topk_w, 1, order))
+
+
+def weighted_sum_of_slots(y: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """Σ_j y[:, j] · w[:, j] for y [T, k, H], w [T, k], added left to right (j = 0, 1, ...).
+
+    The slots are taken by ``unbind``, not by indexing ``y[:, j]``: an index's backward writes its
+    gradient into a zeroed [T, k, H] tensor and autograd then adds the k of them (k fills and k − 1
+    adds of the whole tensor a layer, issue 37); ``unbind``'s backward stacks the k gradients once.
+    The values are the same (each element has one non-zero term; a −0.0 there becomes +0.0 in the
+    gather's or index's backward either way, which adds into zeros)."""
+    ys, ws = y.unbind(1), w.to(y.dtype).unbind(1)
+    out = ys[0] * ws[0][:, None]
+    for j in range(1, len(ys)):
+        out = out + ys[j] * ws[j][:, None]
     return out
 
 
@@ -105,8 +116,15 @@ class LocalDispatcher(Dispatcher):
         return Dispatched(x[token_of_row], counts.tolist(), None, (order, topk_idx, topk_w))
 
     def combine(self, expert_out: torch.Tensor, handle: Any) -> torch.Tensor:
+        """`combine_expert_outputs` of the slots `dispatch` sent, with its two permutations (rows
+        back to slots, slots into expert order) composed into one index: one ``index_select`` of the
+        expert outputs (the same values; its backward one ``index_add`` into zeros) instead of a
+        scatter into slots and a gather, forward and backward."""
         order, topk_idx, topk_w = handle
         T, k = topk_idx.shape
-        y_slots = torch.empty(T * k, expert_out.shape[-1], dtype=expert_out.dtype, device=expert_out.device)
-        y_slots = y_slots.index_copy(0, order, expert_out)
-        return combine_expert_outputs(y_slots.view(T, k, -1), topk_idx, topk_w)
+        row_of_slot = torch.empty_like(order)
+        row_of_slot[order] = torch.arange(order.numel(), device=order.device)  # the inverse permutation
+        by_expert = torch.argsort(topk_idx, dim=1, stable=True)
+        rows = row_of_slot.view(T, k).gather(1, by_expert).reshape(-1)
+        y = expert_out.index_select(0, rows).view(T, k, -1)
+        return weighted_sum_of_slots(y, torch.gather(topk_w, 1, by_expert))

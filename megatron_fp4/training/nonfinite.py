@@ -111,6 +111,11 @@ def finite_checked_state(model) -> dict:
 
 
 def finite_checked_buffers(model) -> dict:
-    """The floating-point buffers of `finite_checked_state` (what the optimizer does not write)."""
+    """The floating-point buffers of `finite_checked_state` (what the optimizer does not write).
+
+    Parameters are told apart by identity before `finite_checked_state`'s ``detach`` (a detached
+    view is a new tensor object: comparing its id let every parameter through, an extra pass over
+    all weights after each update)."""
     params = {id(p) for p in model.parameters()}
-    return {n: t for n, t in finite_checked_state(model).items() if id(t) not in params}
+    return {name: t.detach() for name, t in model.state_dict(keep_vars=True).items()
+            if t.is_floating_point() and id(t) not in params}

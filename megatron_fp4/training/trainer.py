@@ -386,12 +386,19 @@ class Trainer:
     def _weight_cache(self):
         """The model's `Numerics.cached_weights` around one step's forward/backward (weights are
         constant until the optimizer step), unless a weight rounds stochastically: its draws are keyed
-        by micro-batch, so the cache would only hold every micro-batch's Q(W) until the step ends."""
+        by micro-batch, so the cache would only hold every micro-batch's Q(W) until the step ends.
+
+        The store belongs to the open step (every `forward_backward` call of one step, and the
+        `forward_only` calls inside it, share it: a step of several calls, as GRPO's and verl's
+        mini-batches make, derives each Q(W) once, not once per call) and goes with it at
+        `apply_update` / `zero_grad`. It must: the optimizer writes the weights through its flat
+        master, which does not bump the parameters' version counters that guard the entries."""
         if any(
                 getattr(getattr(m, "recipe", None), "weight", None) is not None
                 and m.recipe.weight.rounding == "stochastic" for m in self.model.modules()):
             return nullcontext()
-        return self.model.numerics.cached_weights()
+        store = None if self._open_step is None else self._open_step.setdefault("weight_cache", {})
+        return self.model.numerics.cached_weights(store)
 
     def _refuse_step(self, bad_ranks: list[int], loss: float, grad_norm: float) -> str:
         """The message of a refused step; raises `NonFiniteError` when the policy says stop."""
@@ -534,6 +541,8 @@ class Trainer:
         """Resume a DCP checkpoint (a step dir, or a root: its newest intact step), written by any
         layout. One without optimizer state (`tools/convert_checkpoint.py from-hf`, or `upgrade` of
         a checkpoint of the former single-file format) starts with fresh Adam moments."""
+        if self._open_step is not None:  # new weights: the open step's Q(W) store no longer holds
+            self._open_step.pop("weight_cache", None)
         dcp_ckpt.load(path, self)
         self.refuse_nonfinite_load(path)
         return self.step

@@ -63,6 +63,59 @@ def test_combine_is_independent_of_slot_order():
     assert torch.allclose(out, (y * w[..., None]).sum(1), atol=1e-6)
 
 
+def _combine_by_index(y_slots, topk_idx, topk_w):
+    """The combine before issue 37: each slot by indexing ``y[:, j]`` (a zeroed [T, k, H] gradient per
+    slot in backward)."""
+    order = torch.argsort(topk_idx, dim=1, stable=True)
+    y = torch.gather(y_slots, 1, order[..., None].expand_as(y_slots))
+    w = torch.gather(topk_w, 1, order).to(y_slots.dtype)
+    out = y[:, 0] * w[:, 0, None]
+    for j in range(1, y.shape[1]):
+        out = out + y[:, j] * w[:, j, None]
+    return out
+
+
+def _local_combine_by_slots(expert_out, handle):
+    """LocalDispatcher.combine before issue 37: the rows scattered back into slots, then combined."""
+    order, topk_idx, topk_w = handle
+    T, k = topk_idx.shape
+    y_slots = torch.empty(T * k, expert_out.shape[-1], dtype=expert_out.dtype).index_copy(0, order, expert_out)
+    return _combine_by_index(y_slots.view(T, k, -1), topk_idx, topk_w)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_combine_same_bits_as_indexing_slots_forward_and_backward(dtype):
+    """The unbind-based combine and LocalDispatcher's composed index give the bits of the former
+    index/scatter/gather path: outputs, expert-output gradients and combine-weight gradients, with
+    zero and negative terms (−0.0 products) in the mix."""
+    from megatron_fp4.model.dispatch import LocalDispatcher
+
+    torch.manual_seed(3)
+    T, k, H, E = 37, 4, 24, 9
+    idx = torch.stack([torch.randperm(E)[:k] for _ in range(T)])
+    w = torch.randn(T, k)
+    w[::5, 1] = 0.0
+    x = torch.randn(T, H).to(dtype)
+    x[3] = 0.0
+    dout = torch.randn(T, H).to(dtype)
+    dout[::4, ::3] = -0.0
+    d = LocalDispatcher(E).dispatch(x, idx, w)
+    results = []
+    for combine in (lambda e, wt: _local_combine_by_slots(e, (d.handle[0], idx, wt)),
+                    lambda e, wt: LocalDispatcher(E).combine(e, (d.handle[0], idx, wt)),
+                    lambda e, wt: _combine_by_index(e.view(T, k, H), idx, wt),
+                    lambda e, wt: combine_expert_outputs(e.view(T, k, H), idx, wt)):
+        rows = (d.tokens * 1.5).detach().requires_grad_()
+        wt = w.clone().requires_grad_()
+        out = combine(rows, wt)
+        out.backward(dout)
+        results.append([out.detach(), rows.grad, wt.grad])
+    for a, b in ((0, 1), (2, 3)):  # bitwise, signs of zeros included
+        for ta, tb in zip(results[a], results[b]):
+            assert torch.equal(ta.view(torch.int16 if dtype == torch.bfloat16 else torch.int32),
+                               tb.view(torch.int16 if dtype == torch.bfloat16 else torch.int32))
+
+
 def test_aux_losses_match_formula_and_reach_router_grads():
     torch.manual_seed(2)
     layer = MoELayer(16, 4, 2, 16, Recipe(mode="bf16"), aux_loss_coef=0.1, z_loss_coef=0.01)

@@ -14,7 +14,7 @@ import torch
 
 import megatron_fp4.fp4.moeresq as moeresq
 from megatron_fp4.fp4 import Recipe
-from megatron_fp4.training.nonfinite import all_finite
+from megatron_fp4.training.nonfinite import all_finite, finite_checked_buffers, finite_checked_state
 from megatron_fp4.training.trainer import Trainer
 
 
@@ -130,3 +130,75 @@ def test_bench_train_hf_runs_every_runner_with_the_per_expert_loop_trainer(capsy
     assert set(med) == {"hf", "trainer bf16", "bare bf16", "trainer fp4_resq", "bare fp4_resq", "trainer fp4_resq/loop"}
     assert all(t > 0 for t in med.values())
     assert "trainer fp4_resq/loop" in capsys.readouterr().out
+
+
+def test_finite_checked_buffers_are_the_buffers_alone():
+    """The post-update check re-reads only what the optimizer did not write (its own pass covered the
+    parameters): every floating-point buffer of `finite_checked_state`, no parameter."""
+    layer = torch.nn.BatchNorm1d(4)  # float buffers (running stats) beside parameters, an int buffer
+    layer.register_buffer("expert_bias", torch.zeros(3))
+    buffers = finite_checked_buffers(layer)
+    assert set(buffers) == {"running_mean", "running_var", "expert_bias"}
+    assert set(finite_checked_state(layer)) == set(buffers) | {"weight", "bias"}
+    layer.expert_bias[1] = math.nan  # what the check is for: a NaN in a buffer is seen
+    assert not all_finite(finite_checked_buffers(layer).values())
+
+
+def _accumulated_steps(trainer, monkeypatch, per_call: bool, stale: bool = False):
+    """Two steps of two `forward_backward` calls each (accumulate) on fixed micro-batches; returns
+    (results, last grads, params, per-step weight quantization counts). ``per_call``: the reference, a
+    fresh Q(W) store per call (the layout before the store belonged to the open step); ``stale``: a
+    store kept across the optimizer step (what the trainer must not do)."""
+    from megatron_fp4.training.step_loss import lm_loss_fn
+
+    kept = {}
+    if per_call:
+        monkeypatch.setattr(trainer, "_weight_cache", trainer.model.numerics.cached_weights)
+    elif stale:
+        monkeypatch.setattr(trainer, "_weight_cache", lambda: trainer.model.numerics.cached_weights(kept))
+    counts, real = [], moeresq._Site.quantize
+
+    def counted(site, a, fmt, operand, *args, **kwargs):
+        if operand == "weight":
+            counts[-1][site.layer] += 1
+        return real(site, a, fmt, operand, *args, **kwargs)
+
+    monkeypatch.setattr(moeresq._Site, "quantize", counted)
+    torch.manual_seed(5)
+    batches = [[{"tokens": torch.randint(0, 64, (2, 16)), "labels": torch.randint(0, 64, (2, 16))}] for _ in range(2)]
+    results = []
+    for _ in range(2):
+        counts.append(collections.Counter())
+        trainer.zero_grad()
+        for mbs in batches:
+            trainer.forward_backward(mbs, lm_loss_fn, weights=[0.5], accumulate=True)
+        results.append(trainer.apply_update())
+    monkeypatch.setattr(moeresq._Site, "quantize", real)
+    grads = {n: p.grad.clone() for n, p in trainer.model.named_parameters() if p.grad is not None}
+    return results, grads, {n: p.detach().clone() for n, p in trainer.model.named_parameters()}, counts
+
+
+def test_a_steps_calls_share_one_weight_store_dropped_by_the_optimizer_step(monkeypatch):
+    """The open step's Q(W) store serves every `forward_backward` call of the step (each weight
+    quantized once a step, not once a call) with the bits of a store per call; the optimizer step
+    drops it. It must: the update writes the weights through the flat master without bumping the
+    parameters' version counters (checked here), so a store kept across it serves stale Q(W), which
+    changes the second step's loss (the control below: this test can fail)."""
+    ref = _accumulated_steps(Trainer(_cfg("experts")), monkeypatch, per_call=True)
+    trainer = Trainer(_cfg("experts"))
+    w13 = trainer.model.layers[0].mlp.experts.w13
+    version, before = w13._version, w13.detach().clone()
+    got = _accumulated_steps(trainer, monkeypatch, per_call=False)
+    assert not torch.equal(w13.detach(), before) and w13._version == version  # changed, counter not bumped
+    for r0, r1 in zip(ref[0], got[0]):
+        assert not r0["skipped"] and math.isfinite(r0["loss"])
+        assert {k: v for k, v in r0.items() if k != "tokens_per_s"} == {k: v for k, v in r1.items()
+                                                                        if k != "tokens_per_s"}
+    for i in (1, 2):
+        assert ref[i].keys() == got[i].keys() and ref[i]
+        assert all(_same_bits(ref[i][n], got[i][n]) for n in ref[i])
+    for c_ref, c_got in zip(ref[3], got[3]):
+        assert c_ref.keys() == c_got.keys() and c_ref
+        assert set(c_ref.values()) == {2} and set(c_got.values()) == {1}  # two calls a step: once, not twice
+    stale = _accumulated_steps(Trainer(_cfg("experts")), monkeypatch, per_call=False, stale=True)
+    assert stale[0][0]["loss"] == ref[0][0]["loss"] and stale[0][1]["loss"] != ref[0][1]["loss"]
