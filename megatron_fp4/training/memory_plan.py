@@ -191,7 +191,8 @@ def layer_activation_bytes(cfg: Config, is_moe: bool, tokens: int, routed_rows: 
     b += tokens * E * w + tokens * w + tokens * k * 2 * w  # probs; top-k sum, raw/normalized weights
     b += 4 * tokens * k * _INDEX_BYTES  # top-k ids, token_of_row, two un-permute orders
     b += routed_rows * H * a + 4 * routed_rows * F * a  # x_sorted; per expert w13 out (2F), silu, product
-    b += 3 * tokens * k * H * a + tokens * k * a  # combine: un-permuted rows, gathered rows; gathered weights
+    # combine: the slots in expert order (one tensor: `weighted_sum_of_slots` takes them by unbind), their weights
+    b += tokens * k * H * a + tokens * k * a
     if grouped_experts:  # FP4 off: one grouped GEMM (moe.can_group) saves its int32 group offsets
         b += local_experts * 4
     if m.router_aux_loss_coef or m.router_z_loss_coef:  # the aux losses' graph, kept by AuxLossAutoScaler
