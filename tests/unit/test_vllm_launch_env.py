@@ -89,3 +89,16 @@ def test_vllm_rollout_launcher_sets_it_in_the_rollout_servers_environment(tmp_pa
     assert module == "megatron_fp4.rl.rollouts.vllm_server" and env[MLA_DISABLE] == "1"
     assert json.loads((tmp_path / "vllm" / "hf" / "config.json").read_text())["model_type"] == "deepseek_v3"
     assert MLA_DISABLE not in os.environ
+
+
+@pytest.mark.parametrize("kind", ["vllm", "vllm-serve"])
+def test_a_dtype_vllm_does_not_serve_is_refused_before_anything_starts(kind):
+    from types import SimpleNamespace
+
+    from megatron_fp4.rl.rollouts.vllm import VLLMRollout, VLLMServeRollout, served_dtype
+
+    trainer = SimpleNamespace(cfg=SimpleNamespace(dtype="fp64"))
+    cls = VLLMRollout if kind == "vllm" else VLLMServeRollout
+    with pytest.raises(ValueError, match=f"--rollout {kind}: dtype 'fp64' is not served"):
+        cls(trainer, pad_id=0)
+    assert served_dtype(SimpleNamespace(dtype="bf16"), kind) == "bfloat16"

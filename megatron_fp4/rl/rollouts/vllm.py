@@ -29,6 +29,13 @@ from megatron_fp4.rollout.weight_sync.peer_group import new_sync_token, sync_tok
 DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
 
 
+def served_dtype(cfg, kind: str) -> str:
+    """vLLM's name of the trainer's dtype; ValueError for one vLLM does not serve here."""
+    if cfg.dtype not in DTYPES:
+        raise ValueError(f"--rollout {kind}: dtype {cfg.dtype!r} is not served (fp32 or bf16)")
+    return DTYPES[cfg.dtype]
+
+
 def resolve_python(python: Optional[str]) -> str:
     """The vLLM environment's python (remote.vllm_python), else this one if vllm imports here."""
     from megatron_fp4.integrations.vllm import vllm_available
@@ -59,14 +66,13 @@ class VLLMRollout(RemoteRollout):
                  python: Optional[str] = None, addr: str = "127.0.0.1", name: str = "vllm0",
                  timeout_s: Optional[float] = None, threads: int = 1):
         cfg = trainer.cfg
-        if cfg.dtype not in DTYPES:
-            raise ValueError(f"--rollout vllm: dtype {cfg.dtype!r} is not served (fp32 or bf16)")
+        dtype = served_dtype(cfg, "vllm")
 
         def launch():
             from megatron_fp4.integrations.vllm.remote import family_env
 
             template = vllm_template(cfg, work_dir)
-            spec = {"model": str(template), "dtype": DTYPES[cfg.dtype], "pad_id": int(pad_id), "threads": int(threads)}
+            spec = {"model": str(template), "dtype": dtype, "pad_id": int(pad_id), "threads": int(threads)}
             return (resolve_python(python), "megatron_fp4.rl.rollouts.vllm_server", spec,
                     {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "HF_HUB_OFFLINE": "1", **family_env(template)})
         self._start(trainer, bucket_bytes, addr, name, timeout_s, launch)
@@ -90,8 +96,7 @@ class VLLMServeRollout:
         from megatron_fp4.integrations.vllm.serve import VLLMServerTransport, start_vllm_server
 
         cfg = trainer.cfg
-        if cfg.dtype not in DTYPES:
-            raise ValueError(f"--rollout vllm-serve: dtype {cfg.dtype!r} is not served (fp32 or bf16)")
+        dtype = served_dtype(cfg, "vllm-serve")
         self.mesh, self.model_cfg, self.pad_id = trainer.mesh, cfg.model, int(pad_id)
         self.timeout_s = float(timeout_s or cfg.parallel.timeout_s)
         self.is_source = self.mesh.rank == 0
@@ -102,7 +107,7 @@ class VLLMServeRollout:
             token = sync_token_from_env() or new_sync_token()
             extra = ["--max-model-len", str(cfg.model.max_seq_len), "--max-num-seqs", str(int(max_num_seqs)),
                      "--kv-cache-memory-bytes", str(256 << 20)]
-            self.server = start_vllm_server(template, python, token, host=addr, dtype=DTYPES[cfg.dtype], extra=extra,
+            self.server = start_vllm_server(template, python, token, host=addr, dtype=dtype, extra=extra,
                                             log=Path(work_dir) / "vllm_serve.log", timeout_s=self.timeout_s)
             try:
                 self.transport = VLLMServerTransport(self.server.url, addr, name, self.timeout_s, token)
