@@ -56,7 +56,7 @@ def main(argv=None) -> int:
     from megatron_fp4.config import default_config_path, load_config
     from megatron_fp4.training.memory_plan import plan_memory
 
-    print(f"{'layout':7} {'rank':>4} {'state MB':>9} {'act MB':>8} {'step tmp MB':>11} {'planned MB':>10} "
+    print(f"{'layout':7} {'rank':>4} {'state MB':>9} {'act MB':>8} {'step tmp MB':>11} {'grad tmp MB':>11} {'planned MB':>10} "
           f"{'measured MB':>11} {'measured/planned':>16}")
     worst = 0.0
     for name in args.layouts.split(","):
@@ -71,7 +71,7 @@ def main(argv=None) -> int:
             state = (plan.params + plan.grads + plan.optimizer) / mb
             ratio = r["growth"] / (plan.total / mb)
             worst = max(worst, abs(ratio - 1))
-            print(f"{name:7} {rank:>4} {state:>9.1f} {act:>8.1f} {plan.step_transient / mb:>11.1f} "
+            print(f"{name:7} {rank:>4} {state:>9.1f} {act:>8.1f} {plan.step_transient / mb:>11.1f} {plan.grad_transient / mb:>11.1f} "
                   f"{plan.total / mb:>10.1f} {r['growth']:>11.1f} {ratio:>16.3f}", flush=True)
     print(f"worst |measured/planned - 1| = {worst:.3f} (goal <= 0.10)")
     return 0 if worst <= 0.10 else 1

@@ -55,6 +55,7 @@ class RankPlan:
     fp4_weights: int  # Q(W) saved by the MoEResQ linears (fp32)
     head_transient: int  # last stage: logits and their gradient during the loss' backward
     step_transient: int = 0  # optimizer step: grad copies and AdamW's sqrt/denominator temporaries
+    grad_transient: int = 0  # backward: one module's weight gradients before autograd adds them to the buffer
     inflight: dict = field(default_factory=dict)  # chunk -> micro-batches in flight
     param_numel: int = 0
 
@@ -69,7 +70,7 @@ class RankPlan:
         for these mostly sub-32 MB tensors, CUDA's caching allocator), so the update's P-sized
         temporaries come on top (measured: benchmarks/bench_memory_plan.py)."""
         return (self.params + self.grads + self.optimizer + self.activations + self.fp4_weights
-                + self.head_transient + self.step_transient)
+                + self.head_transient + self.step_transient + self.grad_transient)
 
 
 def param_dtype(cfg: Config) -> torch.dtype:
@@ -138,6 +139,25 @@ def zero_bytes(named_params, cfg: Config, dp: int) -> dict:
         gathered = state * elem if p.zero_stage == 1 and size > 1 and len(spans) > 1 else 0
         out["step_transient"] = max(out["step_transient"], gathered + min(CHUNK_NUMEL, state) * wide)
     return out
+
+
+def weight_grad_transient(model: MoETransformer, cfg: Config, dp: int, num_microbatches: int) -> int:
+    """Bytes of the weight gradients one module's backward returns before autograd's accumulation adds
+    them into the flat buffer's views (`ZeroAdamW`: ``param.grad`` is a view; the returned gradient is
+    a fresh tensor of the weight's size, in its dtype). The largest module's own parameters count: a
+    `GroupedExperts`' w13 and w2 gradients are both held at once (measured: the step's peak RSS rises
+    by both, not by the larger; benchmarks/bench_memory_plan.py, docs/memory.md). Gradient fusion
+    (`fp4/grad_fusion.py`) writes a grouped expert kernel's gradient straight into the buffer instead,
+    but only for the step's first micro-batch in a group of one: with several micro-batches per
+    step the later ones take the ordinary path, so fused experts are exempt only at one micro-batch."""
+    p, largest = cfg.parallel, 0
+    for module in model.modules():
+        own = [t for t in module.parameters(recurse=False) if t.requires_grad]
+        fused = num_microbatches == 1 and isinstance(module, GroupedExperts) \
+            and all(_group_size(_axis(t), p, dp) == 1 for t in own)
+        if own and not fused:
+            largest = max(largest, sum(t.numel() * t.element_size() for t in own))
+    return largest
 
 
 # -- activations ----------------------------------------------------------------------------------
@@ -345,7 +365,9 @@ def plan_memory(cfg: Config, world_size: int, weight_cache: bool = True) -> list
         a, w = activation_dtype(cfg).itemsize, wide_dtype(activation_dtype(cfg)).itemsize
         head = tokens * cfg.model.vocab_size // p.tp * (a + w) if is_last else 0  # V/tp logits under tp
         ranks = range(pp_rank * dp * p.tp, (pp_rank + 1) * dp * p.tp)  # a stage's ranks are contiguous; no list of them
+        grad_tmp = weight_grad_transient(model, cfg, dp, num_mb)
         plans.append(RankPlan(f"pp{pp_rank}", ranks, activations=acts, fp4_weights=qw, head_transient=head,
+                              grad_transient=grad_tmp,
                               inflight=inflight, param_numel=sum(t.numel() for _, t in named), **state))
     return plans
 
