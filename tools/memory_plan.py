@@ -16,7 +16,8 @@ import json
 import sys
 
 GB = 1e9
-ROWS = ("params", "grads", "masters", "moments", "steps", "activations", "fp4_weights", "head_transient", "step_transient",
+ROWS = ("params", "grads", "masters", "moments", "steps", "activations", "fp4_weights", "head_transient", "grad_transient",
+        "step_transient",
         "total")
 
 
