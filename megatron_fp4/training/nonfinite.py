@@ -104,18 +104,16 @@ def all_finite(tensors) -> bool:
     return bool(torch.stack([torch.isfinite(t).all() for t in tensors]).all())
 
 
-def finite_checked_state(model) -> dict:
+def finite_checked_state(model, buffers_only: bool = False) -> dict:
     """name -> tensor of what the NaN guard checks: every parameter and every floating-point buffer
-    that is saved (the router's expert_bias moves outside the optimizer and is checkpointed too)."""
-    return {name: t.detach() for name, t in model.state_dict(keep_vars=True).items() if t.is_floating_point()}
+    that is saved (the router's expert_bias moves outside the optimizer and is checkpointed too).
+    ``buffers_only``: the buffers alone (what the optimizer does not write), parameters told apart by
+    identity before the ``detach`` (a detached view is a new tensor object)."""
+    params = {id(p) for p in model.parameters()} if buffers_only else set()
+    return {name: t.detach() for name, t in model.state_dict(keep_vars=True).items()
+            if t.is_floating_point() and id(t) not in params}
 
 
 def finite_checked_buffers(model) -> dict:
-    """The floating-point buffers of `finite_checked_state` (what the optimizer does not write).
-
-    Parameters are told apart by identity before `finite_checked_state`'s ``detach`` (a detached
-    view is a new tensor object: comparing its id let every parameter through, an extra pass over
-    all weights after each update)."""
-    params = {id(p) for p in model.parameters()}
-    return {name: t.detach() for name, t in model.state_dict(keep_vars=True).items()
-            if t.is_floating_point() and id(t) not in params}
+    """The floating-point buffers of `finite_checked_state` (what the optimizer does not write)."""
+    return finite_checked_state(model, buffers_only=True)
