@@ -127,13 +127,7 @@ def row_sum(t: torch.Tensor, keepdim: bool = False) -> torch.Tensor:
 def tiled_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``F.linear`` by :func:`tiled_mm` (the bias added after, elementwise)."""
     x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
-    if not weight.is_contiguous():
-        weight = weight.contiguous()
-    wt = weight.t()
-    if torch.is_grad_enabled() and (x2.requires_grad or wt.requires_grad):
-        out = _TiledMM.apply(x2, wt)
-    else:
-        out = _tiled_forward(x2, wt)
+    out = tiled_mm(x2, weight.t())
     if x.dim() != 2:
         out = out.view(*x.shape[:-1], weight.shape[0])
     return out if bias is None else out + bias
