@@ -29,10 +29,6 @@ KINDS = ("master", "exp_avg", "exp_avg_sq")
 _OPTIM_KEY = re.compile(r"^optim/(?P<name>.+)/(?P<kind>master|exp_avg|exp_avg_sq)/(?P<offset>\d+)$")
 
 
-def _is_dist() -> bool:
-    return dist.is_available() and dist.is_initialized()
-
-
 def expert_info(model) -> dict:
     """id(param) -> (expert_offset, num_local_experts) for expert weights."""
     info = {}
@@ -133,7 +129,7 @@ def _state_folds(trainer, info: dict, metadata, step_dir: Path) -> dict:
                 f = dcp_state.whole(tuple(declared[keys[0]].size), global_offset(p, info))
             folds[name] = f
     bad = torch.tensor([len(problems)], dtype=torch.int64, device=trainer.mesh.device)
-    if _is_dist():
+    if trainer.mesh.is_distributed:
         dist.all_reduce(bad, group=trainer.mesh.group("world"))
     if int(bad) and problems:
         raise ckpt.CheckpointError(f"checkpoint {step_dir} does not hold this model's optimizer state "
