@@ -144,7 +144,7 @@ def settings_of(args, seed: int, tis: bool = True) -> GRPOSettings:
                         max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=seed,
                         micro_batch_size=args.micro_batch_size, clip_eps=args.clip_eps,
                         tis_cap=args.tis_cap if tis else None, correction=correction_from_args(args) if tis else None,
-                        eval_every=args.eval_every, invariance=args.invariance)
+                        eval_every=args.eval_every)
 
 
 def _progress(name: str, seed: int, steps: int):

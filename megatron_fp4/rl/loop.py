@@ -52,7 +52,9 @@ from megatron_fp4.rollout.weight_sync.publisher import InProcessTransport, Weigh
 
 @dataclass
 class GRPOSettings:
-    """Everything the loop reads besides the trainer's config (defaults: the carry recipe)."""
+    """Everything the loop reads besides the trainer's config (defaults: the carry recipe). The config
+    holds the rest, each in one place: the scoring level (``numerics.invariance``), where checkpoints go
+    and whether to resume (``checkpoint.dir``, ``checkpoint.load``), staleness and packing (``rl.*``)."""
     steps: int = 20
     num_prompts: int = 8
     group_size: int = 8
@@ -68,9 +70,9 @@ class GRPOSettings:
     correction: Optional[RolloutCorrection] = None
     eval_every: int = 5  # 0: only after the last step
     check_sync: bool = False  # after every publish: wait for the load, compare the served weights' digests
-    invariance: Optional[str] = None  # the trainer's scoring level; None: numerics.invariance
-    checkpoint_every: int = 0  # steps between checkpoints to checkpoint.dir with the loop's state (rl.resume); 0: none
-    resume: bool = False  # start from the newest checkpoint in checkpoint.dir and its loop state
+    # GRPO steps (each ppo_epochs x minibatches trainer steps, so not checkpoint.save_interval's unit) between
+    # checkpoints to checkpoint.dir with the loop's state (rl.resume); 0: none
+    checkpoint_every: int = 0
 
     def __post_init__(self):
         for name in ("steps", "num_prompts", "group_size", "max_new_tokens", "micro_batch_size", "ppo_epochs",
@@ -211,24 +213,26 @@ def run_grpo(trainer, task, rollout, settings: GRPOSettings, say: Callable = _qu
     as the KL reference when ``kl_coef`` is set). `say`: progress lines (rank 0 of a sharded run).
     ``rl.max_staleness`` > 0: rollout and training overlapped (`rl.overlap`)."""
     refuse_for_rollout(trainer.cfg.model.moe_capacity_factor)  # any rollout: vLLM drops nothing either
-    rl = trainer.cfg.rl
-    if (settings.checkpoint_every or settings.resume) and not trainer.cfg.checkpoint.dir:
-        raise ValueError("GRPOSettings.checkpoint_every / resume need checkpoint.dir (where the trainer's checkpoints "
-                         "and the loop's state go)")
-    if settings.resume and settings.kl_coef:
-        raise ValueError("GRPOSettings.resume with kl_coef > 0: the KL reference (the starting policy) is not in the "
-                         "checkpoint; resume with kl_coef=0")
+    rl, ckpt = trainer.cfg.rl, trainer.cfg.checkpoint
+    if settings.checkpoint_every and not ckpt.dir:
+        raise ValueError("GRPOSettings.checkpoint_every needs checkpoint.dir (where the trainer's checkpoints and the "
+                         "loop's state go)")
+    if ckpt.load == "auto" and not ckpt.dir:
+        raise ValueError("checkpoint.load=auto resumes from the newest checkpoint in checkpoint.dir: set checkpoint.dir "
+                         "too, or checkpoint.load=DIR")
+    if ckpt.load and settings.kl_coef:
+        raise ValueError("resuming GRPO (checkpoint.load) with kl_coef > 0: the KL reference (the starting policy) is "
+                         "not in the checkpoint; resume with kl_coef=0")
     if rl.max_staleness and rl.staleness_policy == "drop" and settings.check_sync:
         raise ValueError("check_sync with rl.staleness_policy=drop: the rollout is generating when a version is "
                          "published, so its weights cannot be compared then; use staleness_policy=wait")
     start = time.perf_counter()
     if scorer is None:
-        scorer = PolicyScorer(trainer, settings.micro_batch_size, keep_reference=bool(settings.kl_coef),
-                              invariance=settings.invariance)
+        scorer = PolicyScorer(trainer, settings.micro_batch_size, keep_reference=bool(settings.kl_coef))
     loss = policy_loss_for(settings)
     run = GRPORun()
     shuffle_rng = random.Random(f"grpo-minibatches:{settings.seed}")
-    resumed = resume_loop(trainer, task, shuffle_rng, run, say) if settings.resume else None
+    resumed = resume_loop(trainer, task, shuffle_rng, run, say) if ckpt.load else None
     first = resumed[0]["step"] if resumed else 0  # the version the trainer's weights are now
     rollout.publish(first).wait_loaded()
     if settings.check_sync:
@@ -262,9 +266,11 @@ def _evaluate_after(record: dict, handle, rollout, task, settings: GRPOSettings,
 
 
 def resume_loop(trainer, task, shuffle_rng, run: GRPORun, say: Callable) -> tuple[dict, list]:
-    """Load the newest checkpoint of checkpoint.dir and the loop's state saved with it (`rl.resume`):
-    the RNGs and ``run``'s accounting restored; (state, [(index, items, generation)] in flight)."""
-    root = trainer.cfg.checkpoint.dir
+    """Load the newest checkpoint of ``checkpoint.load`` (``auto``: of checkpoint.dir, as the CLI does) and the
+    loop's state saved with it (`rl.resume`): the RNGs and ``run``'s accounting restored; (state, [(index, items,
+    generation)] in flight)."""
+    ckpt = trainer.cfg.checkpoint
+    root = ckpt.dir if ckpt.load == "auto" else ckpt.load
     trainer.load_checkpoint(root)
     state, pending = load_state(root, trainer.step)
     set_rng_state(task.rng, state["sampler_rng"], "task sampler")

@@ -249,7 +249,7 @@ def test_resume_with_batches_in_flight_trains_every_batch_once(tmp_path, monkeyp
     finally:
         rollout.close()
     monkeypatch.setattr(loop, "update_on", real)
-    resumed = run(staleness, f"checkpoint.dir={tmp_path / 'killed'}", checkpoint_every=2, resume=True)
+    resumed = run(staleness, f"checkpoint.dir={tmp_path / 'killed'}", "checkpoint.load=auto", checkpoint_every=2)
     assert [h["step"] for h in resumed.history] == [2, 3]
     trained = lambda hs: [(h.get("sample_index", h["step"]), h["rollout_version"]) for h in hs]  # noqa: E731
     assert trained(whole.history[:2]) + trained(resumed.history) == trained(whole.history)
