@@ -166,7 +166,7 @@ def staleness_overrides(args) -> list:
 def settings_of(args, correction) -> GRPOSettings:
     """The loop's settings from the command line (`correction`: --rollout-is/--rollout-rs, verl's)."""
     return GRPOSettings(steps=args.steps, num_prompts=args.num_prompts, group_size=args.group_size,
-                        max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=args.seed,
+                        max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                         micro_batch_size=args.micro_batch_size, ppo_epochs=args.ppo_epochs,
                         minibatches=args.minibatches, clip_eps=args.clip_eps, tis_cap=args.tis_cap,
                         kl_coef=args.kl_coef, correction=correction, eval_every=args.eval_every,
@@ -345,7 +345,8 @@ def parse_args(argv=None):
     ap.add_argument("--check-sync", action="store_true",
                     help="after every publish wait for the load and check that the rollout's weights equal the "
                          "trainer's (digests; a separate-process rollout: vllm or torchrun)")
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--seed", type=int, default=0,
+                    help="schedule.seed: the weights' initialisation, the GRPO sampling and minibatch shuffle")
     ap.add_argument("--logdir", default="outputs/grpo/tensorboard")
     args = ap.parse_args(argv)
     check_correction_args(ap, args)

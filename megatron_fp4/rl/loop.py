@@ -53,15 +53,15 @@ from megatron_fp4.rollout.weight_sync.publisher import InProcessTransport, Weigh
 @dataclass
 class GRPOSettings:
     """Everything the loop reads besides the trainer's config (defaults: the carry recipe). The config
-    holds the rest, each in one place: the scoring level (``numerics.invariance``), where checkpoints go
-    and whether to resume (``checkpoint.dir``, ``checkpoint.load``), staleness and packing (``rl.*``)."""
-    steps: int = 20
+    holds the rest, each in one place: the seed of the sampling and minibatch shuffle (``schedule.seed``),
+    the scoring level (``numerics.invariance``), where checkpoints go and whether to resume (``checkpoint.dir``,
+    ``checkpoint.load``), staleness and packing (``rl.*``)."""
+    steps: int = 20  # GRPO steps (a rollout batch each, ppo_epochs x minibatches optimizer steps: not train_steps)
     num_prompts: int = 8
     group_size: int = 8
     max_new_tokens: int = 24
     temperature: float = 1.0
-    seed: int = 0
-    micro_batch_size: int = 32
+    micro_batch_size: int = 32  # rows per scoring/update micro-batch of a rollout batch (rl.max_tokens_*: packed)
     ppo_epochs: int = 1
     minibatches: int = 1
     clip_eps: float = 0.2
@@ -141,18 +141,19 @@ def policy_loss_for(settings: GRPOSettings) -> PolicyLoss:
     return PolicyLoss(settings.clip_eps, settings.tis_cap, settings.kl_coef)
 
 
-def sampling_params(settings: GRPOSettings, step: int, num: int, stop_token_ids) -> list:
-    """One `SamplingParams` per request, seeded by (seed, step, request): the same draws on any layout."""
+def sampling_params(settings: GRPOSettings, seed: int, step: int, num: int, stop_token_ids) -> list:
+    """One `SamplingParams` per request, seeded by (the run's ``schedule.seed``, step, request): the same
+    draws on any layout."""
     return [SamplingParams(max_new_tokens=settings.max_new_tokens, temperature=settings.temperature,
-                           stop_token_ids=stop_token_ids, seed=settings.seed * 1_000_003 + step * 10_007 + i)
+                           stop_token_ids=stop_token_ids, seed=seed * 1_000_003 + step * 10_007 + i)
             for i in range(num)]
 
 
-def sample_requests(task, settings: GRPOSettings, index: int) -> tuple[list, list]:
+def sample_requests(task, settings: GRPOSettings, seed: int, index: int) -> tuple[list, list]:
     """Batch `index`'s requests: ``group_size`` copies of each of ``num_prompts`` task items (drawn
-    in batch order), one seeded `SamplingParams` each."""
+    in batch order), one seeded `SamplingParams` each (`sampling_params`)."""
     items = [it for it in task.sample(settings.num_prompts) for _ in range(settings.group_size)]
-    return items, sampling_params(settings, index, len(items), task.stop_token_ids)
+    return items, sampling_params(settings, seed, index, len(items), task.stop_token_ids)
 
 
 def update_on(trainer, task, scorer, loss, settings: GRPOSettings, step: int, shuffle_rng, items: list, gen) -> dict:
@@ -183,7 +184,7 @@ def update_on(trainer, task, scorer, loss, settings: GRPOSettings, step: int, sh
 def grpo_step(trainer, task, rollout, scorer, loss, settings: GRPOSettings, step: int, shuffle_rng) -> dict:
     """The synchronous step: sample with version ``step``, update, publish version ``step + 1``; the
     step's record (``handle``: the publish, not waited for unless ``check_sync``)."""
-    items, params = sample_requests(task, settings, step)
+    items, params = sample_requests(task, settings, trainer.cfg.schedule.seed, step)
     gen = rollout.generate([ids for ids, _, _ in items], params, return_routing=True, min_version=step)
     record = update_on(trainer, task, scorer, loss, settings, step, shuffle_rng, items, gen)
     return {**record, **publish_record(trainer, rollout, settings, step, wait=False)}
@@ -217,9 +218,6 @@ def run_grpo(trainer, task, rollout, settings: GRPOSettings, say: Callable = _qu
     if settings.checkpoint_every and not ckpt.dir:
         raise ValueError("GRPOSettings.checkpoint_every needs checkpoint.dir (where the trainer's checkpoints and the "
                          "loop's state go)")
-    if ckpt.load == "auto" and not ckpt.dir:
-        raise ValueError("checkpoint.load=auto resumes from the newest checkpoint in checkpoint.dir: set checkpoint.dir "
-                         "too, or checkpoint.load=DIR")
     if ckpt.load and settings.kl_coef:
         raise ValueError("resuming GRPO (checkpoint.load) with kl_coef > 0: the KL reference (the starting policy) is "
                          "not in the checkpoint; resume with kl_coef=0")
@@ -231,7 +229,7 @@ def run_grpo(trainer, task, rollout, settings: GRPOSettings, say: Callable = _qu
         scorer = PolicyScorer(trainer, settings.micro_batch_size, keep_reference=bool(settings.kl_coef))
     loss = policy_loss_for(settings)
     run = GRPORun()
-    shuffle_rng = random.Random(f"grpo-minibatches:{settings.seed}")
+    shuffle_rng = random.Random(f"grpo-minibatches:{trainer.cfg.schedule.seed}")
     resumed = resume_loop(trainer, task, shuffle_rng, run, say) if ckpt.load else None
     first = resumed[0]["step"] if resumed else 0  # the version the trainer's weights are now
     rollout.publish(first).wait_loaded()
@@ -337,7 +335,7 @@ def _overlapped_steps(trainer, task, rollout, scorer, loss, settings: GRPOSettin
     version max(0, m - k) (``wait``) or whatever it serves (``drop``) while the trainer updates on
     earlier batches; (record, publish handle) per step, with ``async/*`` metrics. `resumed`:
     (state, batches in flight) of `resume_loop`, taken as generated batches."""
-    k, policy = trainer.cfg.rl.max_staleness, trainer.cfg.rl.staleness_policy
+    k, policy, seed = trainer.cfg.rl.max_staleness, trainer.cfg.rl.staleness_policy, trainer.cfg.schedule.seed
     gens = Generations(rollout, trainer.cfg.parallel.timeout_s)
     counter = StalenessCounter(k, policy)
     run.staleness_histogram, run.token_staleness_histogram = counter.histogram, counter.token_histogram
@@ -350,13 +348,13 @@ def _overlapped_steps(trainer, task, rollout, scorer, loss, settings: GRPOSettin
         counter.token_histogram.update(state["token_histogram"])
         for index, items, gen in batches:
             pending.append(gens.restore(index, items, [ids for ids, _, _ in items],
-                                        sampling_params(settings, index, len(items), task.stop_token_ids),
+                                        sampling_params(settings, seed, index, len(items), task.stop_token_ids),
                                         sample_version(index, k) if policy == "wait" else None, gen))
 
     def launch() -> None:
         index = launched[0]
         launched[0] += 1
-        items, params = sample_requests(task, settings, index)
+        items, params = sample_requests(task, settings, seed, index)
         version = sample_version(index, k) if policy == "wait" else None
         pending.append(gens.submit(index, items, [ids for ids, _, _ in items], params, version))
 
