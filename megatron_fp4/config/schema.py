@@ -156,9 +156,10 @@ class ScheduleConfig:
     # global_batch_size / (micro_batch_size × dp) micro-batches per step.
     micro_batch_size: int = 4
     # Tokens per training sequence (<= model.max_seq_len). With tp > 1 and sequence_parallel: a multiple of tp;
-    # with cp > 1: a multiple of 2·cp (and seq_len / cp of tp).
+    # with cp > 1: a multiple of 2·cp (and with both, seq_len / cp a multiple of tp).
     seq_len: int = 64
-    # Seeds the weight initialisation and the data sampler (its order is resumable): the same seed, the same bits.
+    # Seeds the weight initialisation, the data sampler (its order is resumable) and the GRPO loop's sampling and
+    # minibatch shuffle: the same seed, the same bits.
     seed: int = 1234
     # A step in which any rank saw a non-finite activation, loss or gradient: stop (NonFiniteError on every rank,
     # the weights unchanged) | skip (the step's update dropped on every rank; the run goes on).

@@ -61,7 +61,8 @@ class GRPOSettings:
     group_size: int = 8
     max_new_tokens: int = 24
     temperature: float = 1.0
-    micro_batch_size: int = 32  # rows per scoring/update micro-batch of a rollout batch (rl.max_tokens_*: packed)
+    # rows per scoring/update micro-batch of a rollout batch (rl.max_tokens_per_micro_batch > 0: packed instead)
+    micro_batch_size: int = 32
     ppo_epochs: int = 1
     minibatches: int = 1
     clip_eps: float = 0.2
