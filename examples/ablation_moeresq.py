@@ -137,14 +137,15 @@ def sft(args, tok, train, seed: int) -> dict:
     return {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
 
 
-def settings_of(args, seed: int, tis: bool = True) -> GRPOSettings:
-    """One policy step per rollout batch, no KL term; the scoring at --invariance.
+def settings_of(args, tis: bool = True) -> GRPOSettings:
+    """One policy step per rollout batch, no KL term; the scoring at --invariance, the sampling seeded by
+    schedule.seed (`make_config`).
     `tis` False: no IS weights at all (neither --tis-cap nor --rollout-is/--rollout-rs)."""
     return GRPOSettings(steps=args.steps, num_prompts=args.num_prompts, group_size=args.group_size,
-                        max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=seed,
+                        max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                         micro_batch_size=args.micro_batch_size, clip_eps=args.clip_eps,
                         tis_cap=args.tis_cap if tis else None, correction=correction_from_args(args) if tis else None,
-                        eval_every=args.eval_every, invariance=args.invariance)
+                        eval_every=args.eval_every)
 
 
 def _progress(name: str, seed: int, steps: int):
@@ -174,7 +175,7 @@ def run_setting(args, tok, train, test, sft_state, seed: int, setting, tis: bool
     task = DatasetTask(tok, train, test, range(len(test)), range(len(train)), random.Random(f"ablation-rl:{seed}"),
                        args.max_new_tokens, args.test_data)
     try:
-        run = run_grpo(trainer, task, rollout, settings_of(args, seed, tis), say=_progress(variant, seed, args.steps))
+        run = run_grpo(trainer, task, rollout, settings_of(args, tis), say=_progress(variant, seed, args.steps))
     finally:
         rollout.close()
     history = [{"step": h["step"], "reward": h["reward"], "loss": h["loss"],

@@ -127,6 +127,7 @@ def build(args):
     task = make_task(args)
     overrides = ["logging.tensorboard_dir=null", "checkpoint.dir=null", f"schedule.seed={args.seed}",
                  f"model.vocab_size={task.tok.vocab_size}"]  # no unused ids the decoder could not print
+    overrides += ["checkpoint.load=auto"] if args.resume else []  # a --set checkpoint.load=DIR, given later, wins
     cfg = load_config(args.config, overrides + TASK_OVERRIDES.get(args.task, []) + staleness_overrides(args)
                       + list(args.override or []))
     packing_default(cfg, args)
@@ -165,11 +166,11 @@ def staleness_overrides(args) -> list:
 def settings_of(args, correction) -> GRPOSettings:
     """The loop's settings from the command line (`correction`: --rollout-is/--rollout-rs, verl's)."""
     return GRPOSettings(steps=args.steps, num_prompts=args.num_prompts, group_size=args.group_size,
-                        max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=args.seed,
+                        max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                         micro_batch_size=args.micro_batch_size, ppo_epochs=args.ppo_epochs,
                         minibatches=args.minibatches, clip_eps=args.clip_eps, tis_cap=args.tis_cap,
                         kl_coef=args.kl_coef, correction=correction, eval_every=args.eval_every,
-                        check_sync=args.check_sync, checkpoint_every=args.checkpoint_every, resume=args.resume)
+                        check_sync=args.check_sync, checkpoint_every=args.checkpoint_every)
 
 
 def run(args) -> list:
@@ -328,8 +329,8 @@ def parse_args(argv=None):
                     help="GRPO steps between checkpoints to --set checkpoint.dir=DIR, with the loop's state and the "
                          "batches in flight (rl/resume.py); 0: none")
     ap.add_argument("--resume", action="store_true",
-                    help="continue from the newest checkpoint in checkpoint.dir and the loop state saved with it "
-                         "(the SFT warm-up's result is replaced by it: pass --sft-steps 0)")
+                    help="checkpoint.load=auto: continue from the newest checkpoint in checkpoint.dir and the loop "
+                         "state saved with it (the SFT warm-up's result is replaced by it: pass --sft-steps 0)")
     ap.add_argument("--staleness-policy", choices=["wait", "drop"],
                     help="rl.staleness_policy: wait (deterministic) or drop (batches more than k versions old are "
                          "dropped and counted; not deterministic)")
@@ -344,7 +345,8 @@ def parse_args(argv=None):
     ap.add_argument("--check-sync", action="store_true",
                     help="after every publish wait for the load and check that the rollout's weights equal the "
                          "trainer's (digests; a separate-process rollout: vllm or torchrun)")
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--seed", type=int, default=0,
+                    help="schedule.seed: the weights' initialisation, the GRPO sampling and minibatch shuffle")
     ap.add_argument("--logdir", default="outputs/grpo/tensorboard")
     args = ap.parse_args(argv)
     check_correction_args(ap, args)

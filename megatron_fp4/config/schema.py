@@ -143,14 +143,28 @@ class OptimizerConfig:
 
 @dataclass
 class ScheduleConfig:
+    # Optimizer steps of the run (>= 1): `Trainer.train` stops there and the learning rate reaches
+    # optimizer.min_lr there (training/optim.py: linear warm-up, then cosine decay).
     train_steps: int = 200
+    # Steps of the linear warm-up from 0 to optimizer.lr, in [0, train_steps].
     warmup_steps: int = 20
+    # Sequences per optimizer step over all data replicas; a multiple of micro_batch_size × the data-parallel
+    # size (parallel.dp; the cp ranks of a replica share its sequences). With pp > 1: at least pp micro-batches
+    # per step (1f1b), a multiple of pp (interleaved schedules).
     global_batch_size: int = 16
+    # Sequences per micro-batch (one forward/backward pass of a replica; >= 1). Gradients are accumulated over
+    # global_batch_size / (micro_batch_size × dp) micro-batches per step.
     micro_batch_size: int = 4
+    # Tokens per training sequence (<= model.max_seq_len). With tp > 1 and sequence_parallel: a multiple of tp;
+    # with cp > 1: a multiple of 2·cp (and with both, seq_len / cp a multiple of tp).
     seq_len: int = 64
+    # Seeds the weight initialisation, the data sampler (its order is resumable) and the GRPO loop's sampling and
+    # minibatch shuffle: the same seed, the same bits.
     seed: int = 1234
-    nan_policy: str = "stop"  # stop | skip
-    max_consecutive_skips: int = 10  # with nan_policy=skip: stop after this many non-finite steps in a row
+    # A step in which any rank saw a non-finite activation, loss or gradient: stop (NonFiniteError on every rank,
+    # the weights unchanged) | skip (the step's update dropped on every rank; the run goes on).
+    nan_policy: str = "stop"
+    max_consecutive_skips: int = 10  # with nan_policy=skip: stop after this many non-finite steps in a row (>= 1)
 
 
 @dataclass

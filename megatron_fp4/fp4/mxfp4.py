@@ -70,14 +70,8 @@ def mxfp4_core(x: torch.Tensor, scale_mode: str, rounding: str, generator, name:
     return q, e
 
 
-def quantize_mxfp4(
-    x: torch.Tensor,
-    *,
-    scale_mode: str = "floor",
-    rounding: str = "nearest",
-    generator: torch.Generator | None = None,
-    name: str = "x",
-) -> FP4Tensor:
+def quantize_mxfp4(x: torch.Tensor, *, scale_mode: str = "floor", rounding: str = "nearest",
+                   generator: torch.Generator | None = None, name: str = "x") -> FP4Tensor:
     """Quantize ``x`` (fp32/bf16/fp16, any shape, any strides) to MXFP4; see the module docstring."""
     q, e = mxfp4_core(x, scale_mode, rounding, generator, name)
     codes = values_to_codes(q).reshape(x.shape)
@@ -85,18 +79,9 @@ def quantize_mxfp4(
     return FP4Tensor(codes, biased.view(torch.float8_e8m0fnu), None, "mxfp4", "1d")
 
 
-def fake_quantize_mxfp4(
-    x: torch.Tensor,
-    *,
-    scale_mode: str = "floor",
-    rounding: str = "nearest",
-    generator: torch.Generator | None = None,
-    name: str = "x",
-    dtype: torch.dtype | None = None,
-    nonfinite=None,
-    compile: str | None = None,
-    kernels=None,
-) -> torch.Tensor:
+def fake_quantize_mxfp4(x: torch.Tensor, *, scale_mode: str = "floor", rounding: str = "nearest",
+                        generator: torch.Generator | None = None, name: str = "x", dtype: torch.dtype | None = None,
+                        nonfinite=None, compile: str | None = None, kernels=None) -> torch.Tensor:
     """``quantize_mxfp4(x).dequantize()`` without building codes (same bits).
 
     ``compile``: ``auto`` (None), ``on`` or ``off``, when nearest rounding runs as compiled kernels

@@ -118,16 +118,8 @@ def nvfp4_core(x: torch.Tensor, scale: str, block: str, rounding: str, generator
     return q, s_blk, s_blk32, s_dec
 
 
-def quantize_nvfp4(
-    x: torch.Tensor,
-    *,
-    scale: str = "row",
-    block: str = "1d",
-    rounding: str = "nearest",
-    generator: torch.Generator | None = None,
-    name: str = "x",
-    amax_reduce=None,
-) -> FP4Tensor:
+def quantize_nvfp4(x: torch.Tensor, *, scale: str = "row", block: str = "1d", rounding: str = "nearest",
+                   generator: torch.Generator | None = None, name: str = "x", amax_reduce=None) -> FP4Tensor:
     """Quantize ``x`` (fp32/bf16/fp16, any shape, any strides) to NVFP4; see the module docstring."""
     q, s_blk, _, s_dec = nvfp4_core(x, scale, block, rounding, generator, name, amax_reduce=amax_reduce)
     codes = values_to_codes(q).reshape(x.shape)
@@ -139,20 +131,9 @@ def quantize_nvfp4(
     return FP4Tensor(codes, block_scales, global_scale, "nvfp4", block)
 
 
-def fake_quantize_nvfp4(
-    x: torch.Tensor,
-    *,
-    scale: str = "row",
-    block: str = "1d",
-    rounding: str = "nearest",
-    generator: torch.Generator | None = None,
-    name: str = "x",
-    dtype: torch.dtype | None = None,
-    nonfinite=None,
-    compile: str | None = None,
-    amax_reduce=None,
-    kernels=None,
-) -> torch.Tensor:
+def fake_quantize_nvfp4(x: torch.Tensor, *, scale: str = "row", block: str = "1d", rounding: str = "nearest",
+                        generator: torch.Generator | None = None, name: str = "x", dtype: torch.dtype | None = None,
+                        nonfinite=None, compile: str | None = None, amax_reduce=None, kernels=None) -> torch.Tensor:
     """``quantize_nvfp4(x).dequantize()`` without building codes (same bits, fewer passes).
 
     ``compile``: ``auto`` (None), ``on`` or ``off``, when nearest rounding runs as compiled kernels

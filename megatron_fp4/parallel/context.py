@@ -24,8 +24,9 @@ the late ones to many, so every rank gets one of each and the same work). What r
 
 Under tensor parallel the attention's K/V are a tp rank's heads (gathered over its cp group, whose
 ranks are tp apart) and the loss is the vocab-parallel mean of the rank's tokens weighted by their
-share of the labels (`training/step_loss.ContextParallelLoss`). Scoring (`token_log_probs`) gathers
-each rank's per-token log-probs back into sequence order.
+share of the labels (`training/step_loss.ContextParallelLoss`). Scoring
+(`rollout.logprobs.context_parallel_log_probs`) gathers each rank's per-token log-probs back into
+sequence order (`gather_sequence`).
 """
 from __future__ import annotations
 
@@ -38,10 +39,10 @@ import torch.nn.functional as F
 
 from megatron_fp4.model.layers import Attention, upcast
 from megatron_fp4.model.moe import MoELayer
-from megatron_fp4.parallel.tp_comm import _all_reduce, _gather, gather_seq, reduce_from_tp
+from megatron_fp4.parallel.tp_comm import _all_reduce, gather_seq, reduce_from_tp
 
 __all__ = ["ContextParallelPlan", "parallelize_cp", "local_positions", "split_sequence", "gather_sequence",
-           "lm_loss", "token_log_probs"]
+           "lm_loss"]
 
 
 def chunk_slots(cp: int) -> list[int]:
@@ -140,18 +141,3 @@ def lm_loss(logits: torch.Tensor, labels: torch.Tensor, plan: ContextParallelPla
     share = F.cross_entropy(upcast(logits).reshape(-1, logits.shape[-1]), local.reshape(-1), ignore_index=-100,
                             reduction="sum") / total
     return reduce_from_tp(share, plan.group)
-
-
-def token_log_probs(local_rows: torch.Tensor, tokens: torch.Tensor, plan: ContextParallelPlan) -> torch.Tensor:
-    """`rollout.logprobs.next_token_log_probs` (every position kept) under cp: `local_rows`
-    [B, T_local, V] are this rank's log-softmax rows, `tokens` [B, T] the whole sequence. Each row
-    picks the token after its position (the last position none) and the picks are all-gathered
-    into sequence order: [B, T], position t holds log p(tokens[:, t] | tokens[:, :t]), 0 at t=0.
-    Scoring only: no gradient flows through the gather."""
-    B, T = tokens.shape
-    pos = plan.positions(T, tokens.device)
-    after = tokens[:, (pos + 1).clamp(max=T - 1)]
-    picked = local_rows.gather(-1, after[..., None]).squeeze(-1)
-    whole = _gather(picked.detach(), plan.group, 1)
-    per_position = whole.index_select(1, plan.order(T, tokens.device))  # [B, T]: row t scores token t+1
-    return torch.cat([per_position.new_zeros(B, 1), per_position[:, :-1]], dim=1)

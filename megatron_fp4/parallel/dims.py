@@ -222,15 +222,27 @@ def resolve_dp(cfg, world_size: int) -> int:
 # -- the layout ------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class ParallelDims:
-    """Sizes of every axis of one job's layout. ``dp = -1`` until `validate` resolves it."""
+    """Sizes of every axis of one job's layout (each >= 1; world_size = pp × dp × tp). ``dp = -1`` until
+    `validate` resolves it. The dense grid is pp × dp × tp, the experts' refolds each stage's dp·tp ranks
+    as edp × ep × etp (the module docstring)."""
 
+    # Processes in the job (torchrun's WORLD_SIZE); a single process is a layout of all ones.
     world_size: int = 1
+    # Pipeline stages: the model's layers cut into pp consecutive pieces (× parallel.virtual_stages chunks each).
     pp: int = 1
+    # Ranks of a stage that hold the same parameters: parallel.dp data replicas × cp; gradients and the ZeRO
+    # shards span them. -1: what world_size leaves after pp and tp.
     dp: int = 1
+    # Tensor parallel: ranks that split each attention/dense-MLP/embedding matrix (parallel/tensor_parallel.py).
     tp: int = 1
+    # Expert parallel: ranks that hold different experts of a layer (all-to-all partners); divides the experts,
+    # and dp (or dp·tp with parallel.moe_tp_tokens=local).
     ep: int = 1
+    # Expert tensor parallel: ranks that split each expert's matrices; 1 or tp (the etp group is the tp group).
     etp: int = 1
-    cp: int = 1  # context parallel: cp consecutive dp coordinates share one sequence (dp counts them)
+    # Context parallel: cp consecutive dp coordinates share one sequence, each holding 2 of its 2·cp chunks
+    # (dp counts them).
+    cp: int = 1
 
     @classmethod
     def from_parallel(cls, parallel, world_size: int) -> "ParallelDims":

@@ -52,13 +52,16 @@ from megatron_fp4.rollout.weight_sync.publisher import InProcessTransport, Weigh
 
 @dataclass
 class GRPOSettings:
-    """Everything the loop reads besides the trainer's config (defaults: the carry recipe)."""
-    steps: int = 20
+    """Everything the loop reads besides the trainer's config (defaults: the carry recipe). The config
+    holds the rest, each in one place: the seed of the sampling and minibatch shuffle (``schedule.seed``),
+    the scoring level (``numerics.invariance``), where checkpoints go and whether to resume (``checkpoint.dir``,
+    ``checkpoint.load``), staleness and packing (``rl.*``)."""
+    steps: int = 20  # GRPO steps (a rollout batch each, ppo_epochs x minibatches optimizer steps: not train_steps)
     num_prompts: int = 8
     group_size: int = 8
     max_new_tokens: int = 24
     temperature: float = 1.0
-    seed: int = 0
+    # rows per scoring/update micro-batch of a rollout batch (rl.max_tokens_per_micro_batch > 0: packed instead)
     micro_batch_size: int = 32
     ppo_epochs: int = 1
     minibatches: int = 1
@@ -68,9 +71,9 @@ class GRPOSettings:
     correction: Optional[RolloutCorrection] = None
     eval_every: int = 5  # 0: only after the last step
     check_sync: bool = False  # after every publish: wait for the load, compare the served weights' digests
-    invariance: Optional[str] = None  # the trainer's scoring level; None: numerics.invariance
-    checkpoint_every: int = 0  # steps between checkpoints to checkpoint.dir with the loop's state (rl.resume); 0: none
-    resume: bool = False  # start from the newest checkpoint in checkpoint.dir and its loop state
+    # GRPO steps (each ppo_epochs x minibatches trainer steps, so not checkpoint.save_interval's unit) between
+    # checkpoints to checkpoint.dir with the loop's state (rl.resume); 0: none
+    checkpoint_every: int = 0
 
     def __post_init__(self):
         for name in ("steps", "num_prompts", "group_size", "max_new_tokens", "micro_batch_size", "ppo_epochs",
@@ -139,18 +142,19 @@ def policy_loss_for(settings: GRPOSettings) -> PolicyLoss:
     return PolicyLoss(settings.clip_eps, settings.tis_cap, settings.kl_coef)
 
 
-def sampling_params(settings: GRPOSettings, step: int, num: int, stop_token_ids) -> list:
-    """One `SamplingParams` per request, seeded by (seed, step, request): the same draws on any layout."""
+def sampling_params(settings: GRPOSettings, seed: int, step: int, num: int, stop_token_ids) -> list:
+    """One `SamplingParams` per request, seeded by (the run's ``schedule.seed``, step, request): the same
+    draws on any layout."""
     return [SamplingParams(max_new_tokens=settings.max_new_tokens, temperature=settings.temperature,
-                           stop_token_ids=stop_token_ids, seed=settings.seed * 1_000_003 + step * 10_007 + i)
+                           stop_token_ids=stop_token_ids, seed=seed * 1_000_003 + step * 10_007 + i)
             for i in range(num)]
 
 
-def sample_requests(task, settings: GRPOSettings, index: int) -> tuple[list, list]:
+def sample_requests(task, settings: GRPOSettings, seed: int, index: int) -> tuple[list, list]:
     """Batch `index`'s requests: ``group_size`` copies of each of ``num_prompts`` task items (drawn
-    in batch order), one seeded `SamplingParams` each."""
+    in batch order), one seeded `SamplingParams` each (`sampling_params`)."""
     items = [it for it in task.sample(settings.num_prompts) for _ in range(settings.group_size)]
-    return items, sampling_params(settings, index, len(items), task.stop_token_ids)
+    return items, sampling_params(settings, seed, index, len(items), task.stop_token_ids)
 
 
 def update_on(trainer, task, scorer, loss, settings: GRPOSettings, step: int, shuffle_rng, items: list, gen) -> dict:
@@ -181,7 +185,7 @@ def update_on(trainer, task, scorer, loss, settings: GRPOSettings, step: int, sh
 def grpo_step(trainer, task, rollout, scorer, loss, settings: GRPOSettings, step: int, shuffle_rng) -> dict:
     """The synchronous step: sample with version ``step``, update, publish version ``step + 1``; the
     step's record (``handle``: the publish, not waited for unless ``check_sync``)."""
-    items, params = sample_requests(task, settings, step)
+    items, params = sample_requests(task, settings, trainer.cfg.schedule.seed, step)
     gen = rollout.generate([ids for ids, _, _ in items], params, return_routing=True, min_version=step)
     record = update_on(trainer, task, scorer, loss, settings, step, shuffle_rng, items, gen)
     return {**record, **publish_record(trainer, rollout, settings, step, wait=False)}
@@ -211,24 +215,23 @@ def run_grpo(trainer, task, rollout, settings: GRPOSettings, say: Callable = _qu
     as the KL reference when ``kl_coef`` is set). `say`: progress lines (rank 0 of a sharded run).
     ``rl.max_staleness`` > 0: rollout and training overlapped (`rl.overlap`)."""
     refuse_for_rollout(trainer.cfg.model.moe_capacity_factor)  # any rollout: vLLM drops nothing either
-    rl = trainer.cfg.rl
-    if (settings.checkpoint_every or settings.resume) and not trainer.cfg.checkpoint.dir:
-        raise ValueError("GRPOSettings.checkpoint_every / resume need checkpoint.dir (where the trainer's checkpoints "
-                         "and the loop's state go)")
-    if settings.resume and settings.kl_coef:
-        raise ValueError("GRPOSettings.resume with kl_coef > 0: the KL reference (the starting policy) is not in the "
-                         "checkpoint; resume with kl_coef=0")
+    rl, ckpt = trainer.cfg.rl, trainer.cfg.checkpoint
+    if settings.checkpoint_every and not ckpt.dir:
+        raise ValueError("GRPOSettings.checkpoint_every needs checkpoint.dir (where the trainer's checkpoints and the "
+                         "loop's state go)")
+    if ckpt.load and settings.kl_coef:
+        raise ValueError("resuming GRPO (checkpoint.load) with kl_coef > 0: the KL reference (the starting policy) is "
+                         "not in the checkpoint; resume with kl_coef=0")
     if rl.max_staleness and rl.staleness_policy == "drop" and settings.check_sync:
         raise ValueError("check_sync with rl.staleness_policy=drop: the rollout is generating when a version is "
                          "published, so its weights cannot be compared then; use staleness_policy=wait")
     start = time.perf_counter()
     if scorer is None:
-        scorer = PolicyScorer(trainer, settings.micro_batch_size, keep_reference=bool(settings.kl_coef),
-                              invariance=settings.invariance)
+        scorer = PolicyScorer(trainer, settings.micro_batch_size, keep_reference=bool(settings.kl_coef))
     loss = policy_loss_for(settings)
     run = GRPORun()
-    shuffle_rng = random.Random(f"grpo-minibatches:{settings.seed}")
-    resumed = resume_loop(trainer, task, shuffle_rng, run, say) if settings.resume else None
+    shuffle_rng = random.Random(f"grpo-minibatches:{trainer.cfg.schedule.seed}")
+    resumed = resume_loop(trainer, task, shuffle_rng, run, say) if ckpt.load else None
     first = resumed[0]["step"] if resumed else 0  # the version the trainer's weights are now
     rollout.publish(first).wait_loaded()
     if settings.check_sync:
@@ -262,9 +265,11 @@ def _evaluate_after(record: dict, handle, rollout, task, settings: GRPOSettings,
 
 
 def resume_loop(trainer, task, shuffle_rng, run: GRPORun, say: Callable) -> tuple[dict, list]:
-    """Load the newest checkpoint of checkpoint.dir and the loop's state saved with it (`rl.resume`):
-    the RNGs and ``run``'s accounting restored; (state, [(index, items, generation)] in flight)."""
-    root = trainer.cfg.checkpoint.dir
+    """Load the newest checkpoint of ``checkpoint.load`` (``auto``: of checkpoint.dir, as the CLI does) and the
+    loop's state saved with it (`rl.resume`): the RNGs and ``run``'s accounting restored; (state, [(index, items,
+    generation)] in flight)."""
+    ckpt = trainer.cfg.checkpoint
+    root = ckpt.dir if ckpt.load == "auto" else ckpt.load
     trainer.load_checkpoint(root)
     state, pending = load_state(root, trainer.step)
     set_rng_state(task.rng, state["sampler_rng"], "task sampler")
@@ -331,7 +336,7 @@ def _overlapped_steps(trainer, task, rollout, scorer, loss, settings: GRPOSettin
     version max(0, m - k) (``wait``) or whatever it serves (``drop``) while the trainer updates on
     earlier batches; (record, publish handle) per step, with ``async/*`` metrics. `resumed`:
     (state, batches in flight) of `resume_loop`, taken as generated batches."""
-    k, policy = trainer.cfg.rl.max_staleness, trainer.cfg.rl.staleness_policy
+    k, policy, seed = trainer.cfg.rl.max_staleness, trainer.cfg.rl.staleness_policy, trainer.cfg.schedule.seed
     gens = Generations(rollout, trainer.cfg.parallel.timeout_s)
     counter = StalenessCounter(k, policy)
     run.staleness_histogram, run.token_staleness_histogram = counter.histogram, counter.token_histogram
@@ -344,13 +349,13 @@ def _overlapped_steps(trainer, task, rollout, scorer, loss, settings: GRPOSettin
         counter.token_histogram.update(state["token_histogram"])
         for index, items, gen in batches:
             pending.append(gens.restore(index, items, [ids for ids, _, _ in items],
-                                        sampling_params(settings, index, len(items), task.stop_token_ids),
+                                        sampling_params(settings, seed, index, len(items), task.stop_token_ids),
                                         sample_version(index, k) if policy == "wait" else None, gen))
 
     def launch() -> None:
         index = launched[0]
         launched[0] += 1
-        items, params = sample_requests(task, settings, index)
+        items, params = sample_requests(task, settings, seed, index)
         version = sample_version(index, k) if policy == "wait" else None
         pending.append(gens.submit(index, items, [ids for ids, _, _ in items], params, version))
 

@@ -13,6 +13,7 @@ import torch
 
 from megatron_fp4.fp4 import invariant
 from megatron_fp4.model.layers import upcast
+from megatron_fp4.parallel.context import gather_sequence
 
 
 def log_softmax_rows(logits: torch.Tensor, numerics=None) -> torch.Tensor:
@@ -49,3 +50,14 @@ def to_token_positions(per_position: torch.Tensor) -> torch.Tensor:
     """[B, T, ...] about positions -> about the tokens they predict: row t holds position t-1's
     (the one whose output scores token t), row 0 zero. The routing behind `next_token_log_probs`."""
     return torch.cat([torch.zeros_like(per_position[:, :1]), per_position[:, :-1]], dim=1)
+
+
+def context_parallel_log_probs(local_rows: torch.Tensor, tokens: torch.Tensor, plan) -> torch.Tensor:
+    """`next_token_log_probs` (every position kept) under context parallelism (`parallel/context.py`,
+    `plan` its `ContextParallelPlan`): `local_rows` [B, T_local, V] are this rank's log-softmax rows,
+    `tokens` [B, T] the whole sequence. Each row `pick`s the token after its position (the last
+    position a placeholder), the picks are all-gathered into sequence order and moved to the token
+    they score (`to_token_positions`): [B, T], the single process's bits. Scoring only: detached."""
+    T = tokens.shape[1]
+    picked = pick(local_rows, tokens[:, (plan.positions(T, tokens.device) + 1).clamp(max=T - 1)])
+    return to_token_positions(gather_sequence(picked.detach(), plan))

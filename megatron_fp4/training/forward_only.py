@@ -94,6 +94,16 @@ class RoutingCapture:
         assert all(n == len(self.row_starts) for n in self.seen.values()), self.seen
         return self.out
 
+    def micro_batch(self, n: int) -> torch.Tensor:
+        """Micro-batch `n`'s routes once its forward has run (a loss reading them, one stage holding
+        every layer): [rows, T, num_moe_layers, k], or [1, tokens, ...] of a packed one (no padding slots)."""
+        assert len(self.seen) == self.out.shape[2] and all(m > n for m in self.seen.values()), (n, self.seen)
+        if self.token_slots is None:
+            return self.out[self.row_starts[n]:self.row_starts[n] + self.rows]
+        dest = self.token_slots[n].reshape(-1)
+        assert bool((dest >= 0).all()), "padding slots hold no route"
+        return self.out.view(-1, *self.out.shape[2:])[dest][None]
+
 
 def split_rows(num_rows: int, dp: int, pp: int, micro_batch_size: int) -> tuple[int, int]:
     """(rows per dp replica, rows per micro-batch): at most `micro_batch_size`, dividing the share,

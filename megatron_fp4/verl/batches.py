@@ -21,8 +21,9 @@ import torch
 
 from megatron_fp4.model.packing import run_starts
 from megatron_fp4.model.router import check_route_dtype
-from megatron_fp4.rollout.logprobs import log_probs_from_logits, to_token_positions
+from megatron_fp4.rollout.logprobs import log_probs_from_logits
 from megatron_fp4.rollout.scoring import model_inputs
+from megatron_fp4.training.forward_only import RoutingCapture
 from megatron_fp4.training.step_loss import StepLoss
 
 
@@ -40,22 +41,14 @@ def _temperature(data) -> float:
     return t
 
 
-class RouteRecorder:
-    """The experts every MoE router of `model` picks, call by call (R2's old-log-prob pass records
-    them): `take(shape)` -> [B, T, num_moe_layers, k] of the micro-batch just run, row t position
-    t-1's (as `compute_log_probs`)."""
-
-    def __init__(self, model):
-        self.picks, self.hooks = [], [m.router.register_forward_hook(lambda _m, _a, out: self.picks.append(out[2]))
-                                      for m in model.moe_layers()]
-
-    def take(self, shape) -> torch.Tensor:
-        picks, self.picks = self.picks, []
-        return to_token_positions(torch.stack([p.view(*shape, -1) for p in picks], dim=2))
-
-    def remove(self) -> None:
-        for h in self.hooks:
-            h.remove()
+def packed_route_capture(model, micro_batches: list, device) -> RoutingCapture:
+    """The Trainer's `RoutingCapture` for nested micro-batches scored as packed rows (R2's old-log-prob
+    pass records the routes): micro-batch n's tokens at their own slots of one row [1, ΣN], so
+    `micro_batch(n)` is its [1, N, num_moe_layers, k], position t's route at row t."""
+    sizes = [int(mb["input_ids"].offsets()[-1]) for mb in micro_batches]
+    starts = [sum(sizes[:n]) for n in range(len(sizes))]
+    slots = [torch.arange(s, s + n, device=device)[None] for s, n in zip(starts, sizes)]
+    return RoutingCapture(model, (1, sum(sizes)), starts, 1, device, token_slots=slots)
 
 
 def padded_outputs(logits: torch.Tensor, tokens: torch.Tensor, mask: torch.Tensor, temperature: float = 1.0,
@@ -73,13 +66,14 @@ class VerlScore(StepLoss):
     """verl's model outputs of a micro-batch as a `StepLoss` (so `Trainer.forward_backward` runs them
     on any layout: under tp the logits arrive gathered over the vocabulary): `model_inputs` reads the
     micro-batch's tokens (padded or nested layout, `nested`), `outputs(logits, mb)` gives verl's dict
-    ({"log_probs", "entropy"}, "routed_experts" when `recorder` records the routes); `loss` hands it to
-    `loss_fn(outputs, mb)` -> (loss, metrics)."""
+    ({"log_probs", "entropy"}, "routed_experts" when `recorder`, a `packed_route_capture` of the same
+    micro-batches, records the routes); `loss` hands it to `loss_fn(outputs, mb)` -> (loss, metrics)."""
 
-    def __init__(self, nested: bool, entropy: bool, replay: str = "off", recorder: Optional[RouteRecorder] = None,
+    def __init__(self, nested: bool, entropy: bool, replay: str = "off", recorder: Optional[RoutingCapture] = None,
                  numerics=None, loss_fn: Optional[Callable] = None):
         self.nested, self.entropy, self.replay, self.recorder = nested, entropy, replay, recorder
         self.numerics, self.loss_fn = numerics, loss_fn
+        self.scored = 0  # micro-batches whose outputs were taken (the recorder's micro-batch index)
 
     def _tokens(self, mb):
         if self.nested:
@@ -106,12 +100,13 @@ class VerlScore(StepLoss):
         out = {"log_probs": to_shifted_nested(lp, lengths)}
         if ent is not None:
             out["entropy"] = to_shifted_nested(ent, lengths)
-        if self.recorder is not None:  # row t holds position t-1's route: position t's is row t+1; each final one: -1 (live)
-            used = self.recorder.take(tokens.shape)[0]
+        if self.recorder is not None:  # verl's shifted layout: position t's route at t, each final one -1 (live)
+            used = self.recorder.micro_batch(self.scored)[0]
             starts = [0] + lengths.cumsum(0).tolist()[:-1]
-            rows = [torch.cat([used[o + 1:o + int(n)], torch.full_like(used[:1], -1)])
+            rows = [torch.cat([used[o:o + int(n) - 1], torch.full_like(used[:1], -1)])
                     for o, n in zip(starts, lengths.tolist())]
             out["routed_experts"] = torch.nested.as_nested_tensor(rows, layout=torch.jagged)
+        self.scored += 1
         return out
 
     def loss(self, logits, mb):

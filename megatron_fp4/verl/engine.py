@@ -38,7 +38,7 @@ from verl.utils.metric import Metric
 from verl.utils.py_functional import append_to_dict
 
 from megatron_fp4.config import Config
-from megatron_fp4.verl.batches import RouteRecorder, VerlScore
+from megatron_fp4.verl.batches import VerlScore, packed_route_capture
 from megatron_fp4.verl.construct import config_from_verl, data_parallel_mesh, model_dir, router_replay_mode
 from megatron_fp4.parallel.mesh import ParallelMesh
 from megatron_fp4.training.checkpoint.files import write_durable_text
@@ -231,7 +231,12 @@ class MegatronFP4Engine(BaseEngine):
         replay, record = self._router_replay(data, forward_only)
         micro_batches, indices = prepare_micro_batches(data=data, dp_group=group, same_micro_num_in_dp=True)
         micro_batches = list(micro_batches)
-        score = VerlScore(True, entropy, replay, RouteRecorder(self.trainer.model) if record else None)
+        if record and self.trainer.mesh.pp > 1:
+            raise ValueError(f"router_replay=r2 records the routes in the old-log-prob pass, where the last stage's "
+                             f"loss reads every layer's: not with parallel.pp={self.trainer.mesh.pp} > 1; use pp=1 "
+                             "or r3 (the rollout's routes)")
+        recorder = packed_route_capture(self.trainer.model, micro_batches, self.trainer.device) if record else None
+        score = VerlScore(True, entropy, replay, recorder)
         records = self._run(micro_batches, score, loss_function, forward_only, [1.0] * len(micro_batches))
         output_lst = [{"model_output": out, "loss": loss, "metrics": metrics} for out, loss, metrics in records]
         return postprocess_batch_func(output_lst=output_lst, indices=indices, data=data)

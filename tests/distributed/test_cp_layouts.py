@@ -146,7 +146,7 @@ def cp_token_log_probs(t) -> tuple:
     """(tokens [B, T] of the trainer's next micro-batch, their per-token log-probs [B, T] from a
     forward of `t`'s model in eval mode, each cp rank its chunks, gathered back in sequence order)."""
     from megatron_fp4.parallel import context
-    from megatron_fp4.rollout.logprobs import log_softmax_rows
+    from megatron_fp4.rollout.logprobs import context_parallel_log_probs, log_softmax_rows
 
     t.model.eval()
     tokens = t.next_micro_batches()[0]["tokens"]
@@ -154,7 +154,7 @@ def cp_token_log_probs(t) -> tuple:
         positions = torch.arange(tokens.shape[1]).expand(tokens.shape)
         logits = t.model(context.split_sequence(tokens, t.cp_plan), context.split_sequence(positions, t.cp_plan)).logits
         rows = log_softmax_rows(logits, t.model.numerics)
-        return tokens, context.token_log_probs(rows, tokens, t.cp_plan)
+        return tokens, context_parallel_log_probs(rows, tokens, t.cp_plan)
 
 
 def _weights(t) -> dict:

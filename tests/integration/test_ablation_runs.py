@@ -52,7 +52,7 @@ def test_a_run_gives_the_same_bits_alone_again_and_beside_another_process(tmp_pa
 def test_runs_resume_per_result_file_and_refuse_other_flags(tmp_path, monkeypatch):
     first = ablation.run(parse(tmp_path, "--settings", "BF16", "--tis", "both"))
     assert sorted((r["variant"], r["tis"]) for r in first["runs"]) == [("BF16", True), ("BF16, no TIS", False)]
-    assert ablation.settings_of(parse(tmp_path), 0, tis=False).tis_cap is None
+    assert ablation.settings_of(parse(tmp_path), tis=False).tis_cap is None
     files = sorted((tmp_path / "runs").glob("*.json"))
     before = {f: f.read_bytes() for f in files}
     calls, sfts = [], []

@@ -116,7 +116,7 @@ def assert_generated_by(result, keep: dict, k: int) -> None:
     """An engine of its own holding version max(0, m - k)'s weights regenerates batch m's completions."""
     trainer, task = tiny()
     for m in range(STEPS):
-        items, params = loop.sample_requests(task, settings(), m)
+        items, params = loop.sample_requests(task, settings(), trainer.cfg.schedule.seed, m)
         model = copy.deepcopy(trainer.model)
         model.load_state_dict(keep[sample_version(m, k)])
         engine = RolloutEngine(model, mode=trainer.cfg.fp4.rollout_mode, pad_id=task.tok.pad_id,
@@ -171,7 +171,7 @@ def test_a_refused_publish_stops_the_loop_and_the_old_version_keeps_serving():
     with pytest.raises(WeightSyncError, match="refused: version 2"):
         loop.run_grpo(trainer, task, rollout, settings())
     assert rollout.served_version() == 1
-    items, params = loop.sample_requests(task, settings(), 0)
+    items, params = loop.sample_requests(task, settings(), trainer.cfg.schedule.seed, 0)
     assert rollout.generate([ids for ids, _, _ in items], params).version == 1
 
 
@@ -215,7 +215,7 @@ def test_r3_replays_the_generating_versions_routes():
         model.load_state_dict(keep[gen.version])
         engine = RolloutEngine(model, mode=trainer.cfg.fp4.rollout_mode, pad_id=task.tok.pad_id,
                                invariance=trainer.cfg.numerics.invariance)
-        items, params = loop.sample_requests(task, settings(), m)
+        items, params = loop.sample_requests(task, settings(), trainer.cfg.schedule.seed, m)
         again = engine.generate([ids for ids, _, _ in items], params, return_routing=True)
         for i, routes in enumerate(again.routing):
             assert torch.equal(batch["replay_routing"][i, P - 1:P - 1 + len(routes)], routes)
@@ -249,7 +249,7 @@ def test_resume_with_batches_in_flight_trains_every_batch_once(tmp_path, monkeyp
     finally:
         rollout.close()
     monkeypatch.setattr(loop, "update_on", real)
-    resumed = run(staleness, f"checkpoint.dir={tmp_path / 'killed'}", checkpoint_every=2, resume=True)
+    resumed = run(staleness, f"checkpoint.dir={tmp_path / 'killed'}", "checkpoint.load=auto", checkpoint_every=2)
     assert [h["step"] for h in resumed.history] == [2, 3]
     trained = lambda hs: [(h.get("sample_index", h["step"]), h["rollout_version"]) for h in hs]  # noqa: E731
     assert trained(whole.history[:2]) + trained(resumed.history) == trained(whole.history)
@@ -273,3 +273,17 @@ def test_resume_refuses_a_missing_or_damaged_state(tmp_path):
     path.write_bytes(safetensors.torch.save({}, metadata={"grpo_state": '{"step": 1}'}))
     with pytest.raises(ProtocolError, match="GRPO state header must be an object"):
         load_state(tmp_path, 7)
+
+
+@pytest.mark.parametrize("overrides, kw, message", [
+    (["checkpoint.dir=/nonexistent", "checkpoint.load=auto"], {"kl_coef": 0.1}, "resuming GRPO .* kl_coef=0"),
+    ([], {"checkpoint_every": 2}, "checkpoint_every needs checkpoint.dir"),
+])
+def test_resume_and_checkpoints_are_refused_before_any_work(overrides, kw, message):
+    """Resuming is the config's checkpoint.load (as the CLI's): its conflicts fail at the start."""
+    trainer, task = tiny(*overrides)
+    published = []
+    rollout = type("Rollout", (), {"publish": lambda self, v: published.append(v)})()
+    with pytest.raises(ValueError, match=message):
+        loop.run_grpo(trainer, task, rollout, settings(**kw))
+    assert published == []

@@ -138,7 +138,7 @@ def test_the_example_and_the_ablation_run_the_one_loop(tmp_path, monkeypatch):
     setting = ablation.SETTINGS[3]  # MoEResQ both sides
     out = ablation.run_setting(args, tok, train, test, state, 0, setting)
     (trainer, task, rollout, settings), = calls
-    assert settings == ablation.settings_of(args, 0) and settings.seed == 0
+    assert settings == ablation.settings_of(args) and trainer.cfg.schedule.seed == 0
 
     # the same run by hand: a fresh trainer from the SFT state, the setting's rollout and task
     cfg = ablation.make_config(args, tok, 0, setting[1], setting[2], args.lr, args.steps)

@@ -3,7 +3,8 @@
 ``_Reference`` keeps that implementation verbatim (before the Karatsuba ``bmm`` limb GEMM, the
 position-chunked causal attention without the B·H·T·T·D products, and the halving reduction
 trees): an independent derivation of the same numbers, so these tests fail if a speed-up changes
-one bit. Why the bits agree *by construction* (so the claim holds on any CPU and kernel set):
+one bit. Its ``tree_sum`` is the tree's top-down definition (a node = its left half + its right
+half), not a copy of the level-by-level code under test. Why the bits agree *by construction* (so the claim holds on any CPU and kernel set):
 
 - ``exact_linear``: the old and new code form the same exact integers ``hh``, ``ll`` and ``cross``
   (integer-valued float64 sums below 2^53 are exact in any order and split; ``cross`` is now an
@@ -20,6 +21,7 @@ skipped now); the model checks finiteness elsewhere.
 """
 from __future__ import annotations
 
+import math
 import random
 
 import pytest
@@ -62,15 +64,26 @@ class _Reference:
             y = y + bias.double()
         return y.to(x.dtype).reshape(*x.shape[:-1], weight.shape[0])
 
-    @staticmethod
-    def tree_sum(t, dim=-1, keepdim=False):
+    @classmethod
+    def tree_sum(cls, t, dim=-1, keepdim=False):
+        """The tree by its definition, top down: the root covers [0, 2^L) ⊇ [0, n) and a node's sum is
+        its left half's plus its right half's (indices ≥ n are +0 leaves). Adding +0 twice equals adding
+        it once, so this gives the bits of any tree with those nodes, however its levels are padded."""
         t = t.movedim(dim, -1)
-        while t.shape[-1] > 1:
-            if t.shape[-1] % 2:
-                t = F.pad(t, (0, 1))
-            t = t[..., 0::2] + t[..., 1::2]
-        out = t.squeeze(-1) + 0.0 if t.shape[-1] == 1 else t.new_zeros(t.shape[:-1])
+        n = t.shape[-1]
+        if n == 0:
+            out = t.new_zeros(t.shape[:-1])
+        else:
+            width = 1 << (n - 1).bit_length()  # the smallest power of two >= n
+            out = cls._node(F.pad(t, (0, width - n)), 0, width) + 0.0
         return out.unsqueeze(dim) if keepdim else out
+
+    @classmethod
+    def _node(cls, t, lo, width):
+        if width == 1:
+            return t[..., lo]
+        half = width // 2
+        return cls._node(t, lo, half) + cls._node(t, lo + half, half)
 
     @classmethod
     def attention(cls, q, k, v, positions, pad):
@@ -136,6 +149,28 @@ def test_tree_sum_bits_equal_reference(shape, dim):
     for keepdim in (False, True):
         got = invariant.tree_sum(x, dim, keepdim)
         assert torch.equal(bits(got), bits(_Reference.tree_sum(x, dim, keepdim)))
+
+
+def _strided_tree_sum(t, dim=-1):
+    """A wrong order: level by level ``t[i] + t[i + half]`` (the same pairs only for n ≤ 2)."""
+    t = t.movedim(dim, -1)
+    while t.shape[-1] > 1:
+        half = (t.shape[-1] + 1) // 2
+        t = F.pad(t, (0, 2 * half - t.shape[-1]))
+        t = t[..., :half] + t[..., half:]
+    return t.squeeze(-1) + 0.0
+
+
+@pytest.mark.parametrize("n", [3, 7, 64, 2049])
+def test_tree_sum_reference_tells_orders_apart(n):
+    """The reference is not order-blind: the inputs of the test above, summed in another pair order,
+    differ from it in some bits (float addition is not associative), so a changed order fails."""
+    x = torch.randn(64, n, generator=torch.Generator().manual_seed(n)) * torch.logspace(-3, 3, n)
+    assert not torch.equal(bits(_strided_tree_sum(x)), bits(_Reference.tree_sum(x)))
+    # and it is a sum: within pairwise summation's bound ⌈log2 n⌉·u·Σ|x| (u = 2^-24) of the exact one
+    exact = torch.tensor([math.fsum(row) for row in x.double().tolist()])
+    bound = (n - 1).bit_length() * 2.0 ** -24 * x.double().abs().sum(-1)
+    assert ((_Reference.tree_sum(x).double() - exact).abs() <= bound).all()
 
 
 @pytest.mark.parametrize("B,H,KV,Tq,Tk,D", [(3, 4, 2, 9, 9, 16), (2, 4, 4, 1, 13, 8), (4, 6, 2, 40, 40, 12),
