@@ -70,6 +70,140 @@ def stack_routing(layers: dict, prompt_len: int):
     return torch.stack([layers[n][prompt_len - 1:] for n in names], dim=1).long()
 
 
+ROUTE_TAG = "megatron_fp4_route_slot"  # SamplingParams.extra_args key: the request's slot in its batch
+MAX_ROUTED_FORWARDS = 1 << 20  # forwards one recording may hold (a batch's steps: far fewer)
+
+
+def route_params(params, slot: int):
+    """A copy of vLLM `SamplingParams` `params` tagged with `slot` (`extra_args`), so the recorder
+    (`start_routes`) knows which request of a batch each scheduled row belongs to."""
+    import copy
+
+    tagged = copy.copy(params)
+    tagged.extra_args = {**(params.extra_args or {}), ROUTE_TAG: int(slot)}
+    return tagged
+
+
+def start_routes(worker) -> bool:
+    """`llm.collective_rpc(start_routes)`: record every forward's router picks with vLLM's per-step
+    request layout, the stores emptied. A forward pre-hook on the runner's model reads, before each
+    forward, the model runner's input batch (request ids in row order, `query_start_loc`: each
+    request's rows) and the forward's `positions`, and marks where the forward's picks begin in each
+    MoE layer's store; `take_routes` hands both back and `split_routes` cuts them by request."""
+    import torch
+
+    model, runner = worker.get_model(), worker.model_runner
+    stop_routes(worker)
+    set_routing(model, True)
+    log = {"forwards": [], "handle": None}
+
+    def before_forward(module, args, kwargs):
+        if len(log["forwards"]) >= MAX_ROUTED_FORWARDS:
+            raise RuntimeError(f"route recorder: over {MAX_ROUTED_FORWARDS} forwards recorded without take_routes")
+        n = int(runner.input_batch.num_reqs)
+        qsl = runner.query_start_loc.cpu[:n + 1].tolist()
+        positions = kwargs["positions"] if "positions" in kwargs else args[1]
+        slots = []
+        for rid in runner.input_batch.req_ids[:n]:
+            sp = runner.requests[rid].sampling_params
+            slots.append(int(((sp.extra_args if sp is not None else None) or {}).get(ROUTE_TAG, -1)))
+        marks = {prefix: len(steps) for cfg in _configs(module).values() for prefix, steps in cfg.routing_store.items()}
+        log["forwards"].append({"slots": slots, "query_start_loc": qsl, "marks": marks,
+                                "positions": positions[:qsl[-1] if qsl else 0].detach().to("cpu", torch.long).clone()})
+
+    log["handle"] = model.register_forward_pre_hook(before_forward, with_kwargs=True)
+    model._megatron_fp4_routes = log
+    return True
+
+
+def stop_routes(worker) -> bool:
+    """`llm.collective_rpc(stop_routes)`: the recorder off (hook removed, stores dropped)."""
+    model = worker.get_model()
+    log = getattr(model, "_megatron_fp4_routes", None)
+    if log is not None:
+        log["handle"].remove()
+        model._megatron_fp4_routes = None
+    set_routing(model, False)
+    return True
+
+
+def take_routes(worker) -> dict:
+    """`llm.collective_rpc(take_routes)`: {"forwards": [layout per forward], "layers": {prefix: [picks
+    per MoE call]}} recorded since `start_routes` or the last take; the recording restarts empty."""
+    model = worker.get_model()
+    log = getattr(model, "_megatron_fp4_routes", None)
+    if log is None:
+        raise RuntimeError("take_routes: the recorder is off (call start_routes first)")
+    layers = {}
+    for cfg in _configs(model).values():
+        layers.update({prefix: list(steps) for prefix, steps in cfg.routing_store.items()})
+        cfg.routing_store.clear()
+    forwards, log["forwards"] = log["forwards"], []
+    return {"forwards": forwards, "layers": layers}
+
+
+def split_routes(recorded: dict, lengths, max_len: int) -> list:
+    """Per request i of a batch (`lengths[i]` = (prompt_len P, response_len N), its slot i), its
+    [N, L_moe, k] experts of the positions P-1 .. P+N-2 that predict its response tokens, MoE layers
+    in model order, cut out of `take_routes`' recording: forward f's picks in layer L are its store
+    entries from f's mark to the next forward's, rows in vLLM's input-batch order; request j of the
+    forward owns rows query_start_loc[j] .. query_start_loc[j+1], whose positions run consecutively
+    from its first. A prefill in chunks, requests joining and finishing at different steps and a
+    recomputed (preempted) request all land by position; rows past the scheduled ones (padding) are
+    dropped. ValueError for a layout that does not add up (everything read is bounded: `max_len`
+    positions per request, the slots of `lengths`)."""
+    import torch
+
+    forwards, layers = recorded["forwards"], recorded["layers"]
+    names = sorted(layers, key=_layer_index)
+    if not names:
+        raise ValueError("split_routes: no MoE layer recorded a route (is the plugin serving the model?)")
+    k = layers[names[0]][0].shape[-1] if layers[names[0]] else 0
+    need = [P + N - 1 for P, N in lengths]
+    if any(P < 1 or N < 0 or n > max_len for (P, N), n in zip(lengths, need)):
+        raise ValueError(f"split_routes: lengths {list(lengths)[:4]}... outside 1 <= prompt, prompt + response - 1 "
+                         f"<= {max_len}")
+    routes = [torch.full((max(n, 0), len(names), k), -1, dtype=torch.long) for n in need]
+    for f, fw in enumerate(forwards):
+        slots, qsl, pos = fw["slots"], fw["query_start_loc"], fw["positions"]
+        if len(qsl) != len(slots) + 1 or qsl[0] != 0 or any(b < a for a, b in zip(qsl, qsl[1:]))                 or pos.shape != (qsl[-1],):
+            raise ValueError(f"split_routes: forward {f}'s layout is inconsistent ({len(slots)} requests, "
+                             f"query_start_loc {qsl[:8]}, {tuple(pos.shape)} positions)")
+        for li, name in enumerate(names):
+            steps = layers[name]
+            lo = fw["marks"].get(name, 0)
+            hi = forwards[f + 1]["marks"].get(name, 0) if f + 1 < len(forwards) else len(steps)
+            if not 0 <= lo < hi <= len(steps):
+                raise ValueError(f"split_routes: {name} recorded no picks for forward {f} (marks {lo}..{hi} of "
+                                 f"{len(steps)})")
+            rows = torch.cat(steps[lo:hi])
+            if rows.shape[0] < qsl[-1] or rows.shape[-1] != k:
+                raise ValueError(f"split_routes: {name} holds {tuple(rows.shape)} picks in forward {f}, which "
+                                 f"scheduled {qsl[-1]} tokens of top-{k}")
+            for j, slot in enumerate(slots):
+                a, b = qsl[j], qsl[j + 1]
+                if not 0 <= slot < len(lengths):
+                    raise ValueError(f"split_routes: forward {f} ran a request of slot {slot}, not one of this "
+                                     f"batch's {len(lengths)} (another caller's request in the engine?)")
+                if b == a:
+                    continue
+                p0 = int(pos[a])
+                if not torch.equal(pos[a:b], torch.arange(p0, p0 + b - a)) or p0 + b - a > max_len:
+                    raise ValueError(f"split_routes: forward {f}, request {slot}: positions {pos[a:b][:8].tolist()} "
+                                     f"are not consecutive below {max_len}")
+                hi_pos = min(p0 + b - a, need[slot])  # positions past P+N-2 (none in vLLM's steps) dropped
+                if hi_pos > p0:
+                    routes[slot][p0:hi_pos, li] = rows[a:a + hi_pos - p0].long()
+    out = []
+    for i, ((P, N), r) in enumerate(zip(lengths, routes)):
+        missing = (r < 0).any(-1).any(-1).nonzero().flatten()
+        if missing.numel():
+            raise ValueError(f"split_routes: request {i} has no route at positions {missing[:8].tolist()} of "
+                             f"0..{P + N - 2} (a forward of it was not recorded)")
+        out.append(r[P - 1:])
+    return out
+
+
 def build_llm(model_dir: str, spec: dict):
     from megatron_fp4.integrations.vllm import build_vllm_llm
 
@@ -77,8 +211,10 @@ def build_llm(model_dir: str, spec: dict):
     vocab = hf["vocab_size"]
     return build_vllm_llm(model_dir, skip_tokenizer_init=True, dtype=spec.get("dtype", "float32"),
                           enforce_eager=True, enable_prefix_caching=False,
-                          max_model_len=int(spec.get("max_model_len", hf["max_position_embeddings"])), max_num_seqs=1,
-                          seed=0,
+                          max_model_len=int(spec.get("max_model_len", hf["max_position_embeddings"])),
+                          max_num_seqs=int(spec.get("max_num_seqs", 1)), seed=0,
+                          **({"max_num_batched_tokens": int(spec["max_num_batched_tokens"])}
+                             if spec.get("max_num_batched_tokens") else {}),
                           max_logprobs=vocab, kv_cache_memory_bytes=64 << 20), vocab
 
 
