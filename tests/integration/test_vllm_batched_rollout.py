@@ -100,8 +100,9 @@ def test_split_routes_refuses_layouts_that_do_not_add_up():
 
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory):
-    """A `VLLMEngine` over a tiny MoE (the plugin at the `batch` level), 8 requests a step and 24
-    tokens a step (so the longer prompts prefill in chunks, alone or beside others)."""
+    """A `VLLMEngine` over a tiny MoE (the plugin at the `batch` level) as the rollout server builds it
+    (whole prefills), 8 requests and 64 tokens a step: the batch's prompts prefill over several
+    steps, beside the decodes of those that started earlier."""
     from megatron_fp4.integrations.vllm import export_for_vllm
     from megatron_fp4.integrations.vllm.worker import build_llm
     from megatron_fp4.model import build_model
@@ -110,8 +111,10 @@ def engine(tmp_path_factory):
 
     cfg = tiny_cfg("experts+attention")
     hf = export_for_vllm(build_model(cfg, seed=0), cfg, tmp_path_factory.mktemp("batched") / "hf", dtype=None)
-    llm, _ = build_llm(str(hf), {"dtype": "float32", "max_num_seqs": 8, "max_num_batched_tokens": 24,
-                                 "max_model_len": 96})
+    with pytest.MonkeyPatch.context() as mp:  # the engine core in this process (the server's setting)
+        mp.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        llm, _ = build_llm(str(hf), {"dtype": "float32", "max_num_seqs": 8, "max_model_len": 64,
+                                     "chunked_prefill": False, "max_num_batched_tokens": 64})
     yield VLLMEngine(llm, "batched", pad_id=0), cfg, hf
     del llm
 
@@ -120,11 +123,11 @@ def _requests():
     from megatron_fp4.rollout.engine import SamplingParams
 
     g = torch.Generator().manual_seed(0)
-    lengths = [3, 40, 11, 1, 29, 7]
+    lengths = [3, 40, 11, 1, 29, 7, 33]
     prompts = [torch.randint(1, 128, (n,), generator=g).tolist() for n in lengths]
     params = [SamplingParams(max_new_tokens=m, temperature=t, seed=s)
               for m, t, s in ((6, 0.0, None), (9, 1.0, 11), (3, 1.0, 12), (12, 0.0, None), (1, 0.0, None),
-                              (7, 1.0, 13))]
+                              (7, 1.0, 13), (5, 1.0, 14))]
     return prompts, params
 
 
@@ -134,14 +137,23 @@ def _hex(t) -> list:
 
 @needs_vllm
 @pytest.mark.slow
-def test_batched_generation_equals_one_request_per_call_and_the_trainer(engine):
+def test_batched_generation_equals_one_request_per_call_and_the_trainer(engine, monkeypatch):
     from megatron_fp4.fp4 import Numerics, apply_numerics
     from megatron_fp4.integrations.hf import build_model_from_hf
+    from megatron_fp4.integrations.vllm import worker
     from megatron_fp4.rollout.scoring import score
 
     eng, cfg, hf = engine
     prompts, params = _requests()
+    taken, take = [], worker.take_routes
+    monkeypatch.setattr(worker, "take_routes", lambda w: taken.append(take(w)) or taken[-1])
     batched = eng.generate(prompts, params, return_routing=True)
+    # the batch ran together: forwards of several requests, prefills beside decodes, rows in an order
+    # other than the batch's (vLLM's input batch moves a request into a finished one's row)
+    layouts = [(fw["slots"], fw["query_start_loc"]) for fw in taken[0]["forwards"]]
+    assert max(len(slots) for slots, _ in layouts) >= 5 and any(s != sorted(s) for s, _ in layouts), layouts
+    assert any(len(slots) > 1 and max(b - a for a, b in zip(q, q[1:])) > 1 and min(b - a for a, b in zip(q, q[1:]))
+               == 1 for slots, q in layouts), layouts
     plain = eng.generate(prompts, params)  # no routes asked: just the batch
     single = [eng.generate([q], [p], return_routing=True) for q, p in zip(prompts, params)]
     assert plain.routing is None

