@@ -114,7 +114,7 @@ def engine(tmp_path_factory):
     with pytest.MonkeyPatch.context() as mp:  # the engine core in this process (the server's setting)
         mp.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         llm, _ = build_llm(str(hf), {"dtype": "float32", "max_num_seqs": 8, "max_model_len": 64,
-                                     "chunked_prefill": False, "max_num_batched_tokens": 64})
+                                     "max_num_batched_tokens": 64})
     yield VLLMEngine(llm, "batched", pad_id=0), cfg, hf
     del llm
 

