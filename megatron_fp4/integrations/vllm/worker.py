@@ -230,33 +230,44 @@ def generate(llm, vocab: int, spec: dict) -> tuple:
                              seed=seed, logprobs=vocab if dists else 0, detokenize=False,
                              stop_token_ids=list(spec.get("stop_token_ids", [])),
                              ignore_eos=bool(spec.get("ignore_eos", False))) for seed in seeds]
-    if routing:
-        params = [route_params(sp, i) for i, sp in enumerate(params)]
-        llm.collective_rpc(start_routes)
-    try:
-        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False) if prompts else []
-        recorded = llm.collective_rpc(take_routes)[0] if routing else None
-    finally:
-        if routing:
-            llm.collective_rpc(stop_routes)
-    if [list(o.prompt_token_ids) for o in outs] != prompts:
-        raise RuntimeError("vLLM answered the requests out of order")
+    completions, routes = generate_batch(llm, prompts, params, routing)
     out = {"tokens": [], "logprobs": [], "plugin": plugin}
     tensors = {}
-    for i, o in enumerate(outs):
-        c = o.outputs[0]
+    for i, c in enumerate(completions):
         toks = list(c.token_ids)
         out["tokens"].append(toks)
         out["logprobs"].append([lp[t].logprob for t, lp in zip(toks, c.logprobs)])
         if dists:
             tensors[f"dist.{i}"] = torch.tensor([[lp[v].logprob for v in range(vocab)] for lp in c.logprobs],
                                                 dtype=torch.float32).reshape(len(toks), vocab)
-    if routing:
-        lengths = [(len(p), len(t)) for p, t in zip(prompts, out["tokens"])]
-        max_len = int(llm.llm_engine.model_config.max_model_len)
-        for i, r in enumerate(split_routes(recorded, lengths, max_len)):
-            tensors[f"routing.{i}"] = r
+        if routing:
+            tensors[f"routing.{i}"] = routes[i]
     return out, tensors
+
+
+def generate_batch(llm, prompts, params, routing: bool) -> tuple:
+    """(each prompt's vLLM completion, its [N, L_moe, k] routes or None): every prompt in one
+    `llm.generate` call with its vLLM `SamplingParams`, the routes recorded by `start_routes` and cut
+    per request by `split_routes` when `routing`."""
+    prompts = [list(map(int, q)) for q in prompts]
+    if len(params) != len(prompts):
+        raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
+    if routing:
+        params = [route_params(sp, i) for i, sp in enumerate(params)]
+        llm.collective_rpc(start_routes)
+    try:
+        outs = llm.generate([{"prompt_token_ids": q} for q in prompts], params, use_tqdm=False) if prompts else []
+        recorded = llm.collective_rpc(take_routes)[0] if routing else None
+    finally:
+        if routing:
+            llm.collective_rpc(stop_routes)
+    if [list(o.prompt_token_ids) for o in outs] != prompts:
+        raise RuntimeError("vLLM answered the batch's requests out of order")
+    completions = [o.outputs[0] for o in outs]
+    if not routing:
+        return completions, None
+    lengths = [(len(q), len(c.token_ids)) for q, c in zip(prompts, completions)]
+    return completions, split_routes(recorded, lengths, int(llm.llm_engine.model_config.max_model_len))
 
 
 def run_spec(spec: dict, out_dir) -> dict:

@@ -38,7 +38,6 @@ class VLLMEngine:
         self.llm, self.name, self.pad_id, self.version = llm, name, pad_id, 0
         self.hf_cfg = json.loads((Path(llm.llm_engine.model_config.model) / "config.json").read_text())
         self.served = served_shapes(llm)
-        self.max_model_len = int(llm.llm_engine.model_config.max_model_len)
         self.lock = threading.Lock()
 
     def check_weights(self, manifest: dict) -> None:
@@ -65,47 +64,27 @@ class VLLMEngine:
             return self.llm.apply_model(lambda m: digests_of(hf_tensors_of(m, self.hf_cfg)))[0]
 
     def generate(self, prompts, params, return_routing: bool = False):
-        """One `llm.generate` of the whole batch (vLLM schedules the requests together). With routes
-        (R3), the worker's recorder logs every forward's router picks with vLLM's per-step request
-        layout and `split_routes` cuts them per request: [N, L_moe, k] each, the positions that
-        predict its response tokens."""
-        from megatron_fp4.integrations.vllm.worker import route_params, split_routes, start_routes, stop_routes, \
-            take_routes
+        """One `llm.generate` of the whole batch (vLLM schedules the requests together) under the
+        weights lock (one version for the batch). With routes (R3), the worker's recorder logs every
+        forward's router picks with vLLM's per-step request layout and cuts them per request
+        (`worker.generate_batch`): [N, L_moe, k] each, the positions that predict its response tokens."""
+        from megatron_fp4.integrations.vllm.worker import generate_batch
         from megatron_fp4.rollout.engine import GenerationOutput
 
-        if len(prompts) != len(params):
-            raise ValueError(f"vLLM rollout: {len(prompts)} prompts but {len(params)} sampling params")
-        requests = [{"prompt_token_ids": list(map(int, q))} for q in prompts]
         sampling = [vllm_params(p) for p in params]
-        if return_routing:
-            sampling = [route_params(sp, i) for i, sp in enumerate(sampling)]
         with self.lock:
-            if return_routing:
-                self.llm.collective_rpc(start_routes)
-            try:
-                outs = self.llm.generate(requests, sampling, use_tqdm=False) if requests else []
-                recorded = self.llm.collective_rpc(take_routes)[0] if return_routing else None
-            finally:
-                if return_routing:
-                    self.llm.collective_rpc(stop_routes)
+            completions, routing = generate_batch(self.llm, prompts, sampling, return_routing)
             version = self.version
-        if [list(o.prompt_token_ids) for o in outs] != [r["prompt_token_ids"] for r in requests]:
-            raise RuntimeError("vLLM rollout: vLLM answered the batch's requests out of order")
         out = {"response_ids": [], "log_probs": [], "sampled_log_probs": [], "finish_reasons": []}
-        for o, p in zip(outs, params):
-            c = o.outputs[0]
+        for c, p in zip(completions, params):
             toks = list(c.token_ids)
             lp = torch.tensor([d[t].logprob for t, d in zip(toks, c.logprobs)], dtype=torch.float32)
             out["response_ids"].append(toks)
             out["log_probs"].append(lp)
             out["sampled_log_probs"].append(torch.zeros_like(lp) if p.temperature == 0 else lp.clone())
             out["finish_reasons"].append("stop" if c.finish_reason == "stop" else "length")
-        routing = None
-        if return_routing:
-            routing = split_routes(recorded, [(len(r["prompt_token_ids"]), len(t)) for r, t in
-                                              zip(requests, out["response_ids"])], self.max_model_len)
-        return GenerationOutput(prompt_ids=[r["prompt_token_ids"] for r in requests], version=version,
-                                routing=routing, **out)
+        return GenerationOutput(prompt_ids=[list(map(int, q)) for q in prompts], version=version, routing=routing,
+                                **out)
 
 
 def check_params(p) -> None:
