@@ -84,6 +84,7 @@ def start_routes(worker) -> bool:
     model, runner = worker.get_model(), worker.model_runner
     stop_routes(worker)
     set_routing(model, True)
+    configs = list(_configs(model).values())
     log = {"forwards": [], "handle": None}
 
     def before_forward(module, args, kwargs):
@@ -96,7 +97,7 @@ def start_routes(worker) -> bool:
         for rid in runner.input_batch.req_ids[:n]:
             sp = runner.requests[rid].sampling_params
             slots.append(int(((sp.extra_args if sp is not None else None) or {}).get(ROUTE_TAG, -1)))
-        marks = {prefix: len(steps) for cfg in _configs(module).values() for prefix, steps in cfg.routing_store.items()}
+        marks = {prefix: len(steps) for cfg in configs for prefix, steps in cfg.routing_store.items()}
         log["forwards"].append({"slots": slots, "query_start_loc": qsl, "marks": marks,
                                 "positions": positions[:qsl[-1] if qsl else 0].detach().to("cpu", torch.long).clone()})
 
