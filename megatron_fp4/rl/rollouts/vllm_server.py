@@ -9,9 +9,11 @@ weights under HF names through `weight_sync.distributed`'s JSON-header protocol 
 on a background thread), requests and generations as JSON + tensors (`rl.rollouts.wire`); nothing is
 unpickled. Only the engine differs: `VLLMEngine` checks a manifest against the served checkpoint
 (names, shapes; every tensor of it, a whole version at a time) and loads it through the plugin's live
-update path (`live.update_weights`) under a lock that generation takes too, so a request sees one
+update path (`live.update_weights`) under a lock that generation takes too, so a batch sees one
 version. `digests` reads the weights back from vLLM's own parameters (fused q/k/v, gate/up and
 expert tensors split back into HF names), so the trainer can compare what vLLM serves bit for bit.
+A request batch is one `llm.generate` call (`integrations.vllm.worker.generate_batch`), routes for
+R3 split per request from vLLM's per-step layout.
 """
 from __future__ import annotations
 
