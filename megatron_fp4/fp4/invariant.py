@@ -178,11 +178,25 @@ def mean_square(x: torch.Tensor, numerics=None) -> torch.Tensor:
     return last_dim_sum(x * x, numerics) / x.shape[-1]
 
 
+_last_pad: tuple = ()  # (attention_mask, its version, batch, pad, its version) of the last call: the next layer's is the same
+
+
 def leading_pad(attention_mask: Optional[torch.Tensor], batch: int, device) -> torch.Tensor:
-    """Number of padding slots before each row's first real token (0 without a mask)."""
+    """Number of padding slots before each row's first real token (0 without a mask). Every layer
+    of a forward asks with the same mask: the last answer is kept (with a reference to the mask, so
+    the object cannot be another one; a write into the mask or its base moves the version) and
+    returned as it is (also the key of ``tiled.block_attention``'s per-forward plan). Only read."""
+    global _last_pad
+    last = _last_pad
+    if last and last[0] is attention_mask and last[2] == batch and last[4] == last[3]._version and (
+            attention_mask is None or last[1] == attention_mask._version) and last[3].device == torch.device(device):
+        return last[3]
     if attention_mask is None:
-        return torch.zeros(batch, dtype=torch.long, device=device)
-    return (attention_mask.long().cumsum(-1) == 0).sum(-1)
+        pad = torch.zeros(batch, dtype=torch.long, device=device)
+    else:
+        pad = (attention_mask.long().cumsum(-1) == 0).sum(-1)
+    _last_pad = (attention_mask, None if attention_mask is None else attention_mask._version, batch, pad, pad._version)
+    return pad
 
 
 def _pow2_at_least(n: int) -> int:

@@ -357,13 +357,15 @@ class _Plan:
 def _plan(positions, pad, *shape) -> _Plan:
     """The :class:`_Plan` of these positions, padding and shapes: a remembered one when the same
     ``positions`` tensor (the same object, unmodified: the layers of one forward share it) comes
-    with equal padding and shapes, else a new one (remembered: at most PLANS_KEPT)."""
+    with equal padding (the same object or equal values, either unmodified since: versions are
+    compared) and shapes, else a new one (remembered: at most PLANS_KEPT)."""
     global _plans
     for key, plan in _plans:
-        if key[0] is positions and key[1] == positions._version and key[3] == shape and torch.equal(key[2], pad):
+        if key[0] is positions and key[1] == positions._version and key[3] == shape and key[2]._version == key[4] \
+                and (key[2] is pad or torch.equal(key[2], pad)):
             return plan
     plan = _Plan(positions, pad, *shape)
-    _plans = [((positions, positions._version, pad.clone(), shape), plan)] + _plans[:PLANS_KEPT - 1]
+    _plans = [((positions, positions._version, pad, shape, pad._version), plan)] + _plans[:PLANS_KEPT - 1]
     return plan
 
 
@@ -397,8 +399,8 @@ def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions
     scale = D ** -0.5 if scale is None else scale
     inplace = not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad))
     if inplace:  # written straight into their zero-padded tiles (a scaled copy each, no pad pass)
-        flat_q = q.new_zeros(B * KV, nT * ROW_TILE, D)
-        torch.mul(q.reshape(B * KV, R, D), scale, out=flat_q[:, :R])
+        flat_q = q.new_zeros(B, KV, nT * ROW_TILE, D)
+        torch.mul(q.view(B, KV, rep, Tq, D), scale, out=flat_q[:, :, :R].view(B, KV, rep, Tq, D))
         flat_q = flat_q.view(-1, ROW_TILE, D)
     else:
         flat_q = _zero_padded(q.reshape(B, KV, R, D) * scale, 2, ROW_TILE).view(-1, ROW_TILE, D)

@@ -332,6 +332,22 @@ def test_block_attention_plan_is_not_reused_for_other_padding_or_changed_positio
     assert torch.equal(bits(got), bits(fresh(q, k, v, positions, pad)))
 
 
+def test_leading_pad_follows_writes_into_the_mask_and_its_base():
+    """`invariant.leading_pad` keeps its last answer for the next layer's call with the same mask;
+    a write into the mask's base buffer (the engine's per-step mask is a view of one) or another
+    mask, batch or a None mask gives the new count."""
+    base = torch.ones(3, 8, dtype=torch.long)
+    base[1, :2] = 0
+    view = base[:, :6]
+    first = invariant.leading_pad(view, 3, "cpu")
+    assert first.tolist() == [0, 2, 0] and invariant.leading_pad(view, 3, "cpu") is first
+    base[2, :3] = 0
+    assert invariant.leading_pad(view, 3, "cpu").tolist() == [0, 2, 3]
+    assert invariant.leading_pad(base[:2], 2, "cpu").tolist() == [0, 2]
+    assert invariant.leading_pad(None, 2, "cpu").tolist() == [0, 0]
+    assert invariant.leading_pad(None, 3, "cpu").tolist() == [0, 0, 0]
+
+
 @pytest.mark.parametrize("mode,scope", [("bf16", "experts"), ("fp4_resq", "experts+attention"), ("fp4", "experts")])
 def test_batch_level_training_forward_equals_no_grad_scoring_bitwise(mode, scope):
     """The training forward (autograd: experts one by one, MoEResQ's autograd Functions) gives the
