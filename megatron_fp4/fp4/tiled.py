@@ -354,16 +354,34 @@ class _Plan:
                 b.masks = _block_mask(b.pj, j, window, dtype, b.cols)
 
 
+def stamp(t: torch.Tensor) -> tuple:
+    """What :func:`same_values` compares ``t`` by later: the tensor and its version (an inference
+    tensor has none: a copy of it instead)."""
+    return (t.clone(), None) if t.is_inference() else (t, t._version)
+
+
+def same_values(mark: tuple, t: torch.Tensor) -> bool:
+    """Whether ``t`` holds the values :func:`stamp` saw: the same object not written since (its
+    version), or equal values in a saved tensor itself unwritten since (or a saved copy)."""
+    saved, version = mark
+    if version is not None and saved._version != version:
+        return False
+    if saved is t and version is not None:
+        return True
+    return saved.shape == t.shape and saved.device == t.device and bool(torch.equal(saved, t))
+
+
 def _plan(positions, pad, *shape) -> _Plan:
-    """The :class:`_Plan` of these positions, padding and shapes: a remembered one when the same
-    ``positions`` tensor (the same object, unmodified: the layers of one forward share it) comes
-    with equal padding (the same object or equal values, either unmodified since: versions are
-    compared) and shapes, else a new one (remembered: at most PLANS_KEPT)."""
+    """The :class:`_Plan` of these positions, padding and shapes: a remembered one when positions
+    and padding hold the values it was built for (:func:`same_values`: the layers of one forward
+    pass the same objects) and the shapes are equal, else a new one (remembered: at most PLANS_KEPT)."""
     global _plans
     for key, plan in _plans:
-        if key[0] is positions and key[1] == positions._version and key[3] == shape and key[2]._version == key[4] \
-                and (key[2] is pad or torch.equal(key[2], pad)):
+        if key[2] == shape and same_values(key[0], positions) and same_values(key[1], pad):
             return plan
+    plan = _Plan(positions, pad, *shape)
+    _plans = [((stamp(positions), stamp(pad), shape), plan)] + _plans[:PLANS_KEPT - 1]
+    return plan
     plan = _Plan(positions, pad, *shape)
     _plans = [((positions, positions._version, pad, shape, pad._version), plan)] + _plans[:PLANS_KEPT - 1]
     return plan

@@ -310,12 +310,17 @@ def test_block_attention_window_past_whole_blocks_is_finite_decodes_and_matches_
         assert torch.equal(bits(step[:, :, 0]), bits(full[:, :, t])), t
 
 
-def test_block_attention_plan_is_not_reused_for_other_padding_or_changed_positions():
+@pytest.mark.parametrize("inference", [False, True], ids=["no_grad", "inference_mode"])
+def test_block_attention_plan_is_not_reused_for_other_padding_or_changed_positions(inference):
     """The per-forward plan (`tiled._plan`, kept for the next layer's call with the same positions
     tensor) is rebuilt when the padding or the shapes differ, or the positions were changed in
-    place: every call equals a call with fresh tensors."""
-    q, k, v, positions, pad = _case(4, T=70, D=16)
+    place: every call equals a call with fresh tensors (inference tensors, as vLLM passes them,
+    have no version counter: compared by value)."""
+    with torch.inference_mode(inference), torch.no_grad():
+        _plan_cases(*_case(4, T=70, D=16))
 
+
+def _plan_cases(q, k, v, positions, pad):
     def fresh(q, k, v, positions, pad):
         return block_attention(q, k, v, positions.clone(), pad.clone())
 
@@ -332,11 +337,16 @@ def test_block_attention_plan_is_not_reused_for_other_padding_or_changed_positio
     assert torch.equal(bits(got), bits(fresh(q, k, v, positions, pad)))
 
 
-def test_leading_pad_follows_writes_into_the_mask_and_its_base():
+@pytest.mark.parametrize("inference", [False, True], ids=["no_grad", "inference_mode"])
+def test_leading_pad_follows_writes_into_the_mask_and_its_base(inference):
     """`invariant.leading_pad` keeps its last answer for the next layer's call with the same mask;
     a write into the mask's base buffer (the engine's per-step mask is a view of one) or another
     mask, batch or a None mask gives the new count."""
-    base = torch.ones(3, 8, dtype=torch.long)
+    with torch.inference_mode(inference):
+        _leading_pad_cases(torch.ones(3, 8, dtype=torch.long))
+
+
+def _leading_pad_cases(base):
     base[1, :2] = 0
     view = base[:, :6]
     first = invariant.leading_pad(view, 3, "cpu")
