@@ -22,6 +22,9 @@ on that row (and, for attention, its prefix), not on its batch, padding, micro-b
   the tiles that read a block are gathered (``index_select``) into one batched call. A block's mask
   is gathered from constant tables (an additive −inf bias, a 0/1 factor after the clamped exp:
   :func:`_block_mask`), and without autograd the block-sized buffers are reused across blocks.
+  The softmax's elementwise work runs only on a tile's live rows (a decode step's rep rows) and the
+  block's visible key columns; everything derived from positions and padding alone is a plan built
+  once per forward and reused by the layers (:func:`_plan`).
 - The backward of a tiled GEMM is one plain GEMM per gradient (:class:`_TiledMM`): gradients sum
   over the batch, so no tiling makes them batch invariant, and autograd through every tile cost
   as many small ops as the forward.
