@@ -44,7 +44,7 @@ import torch
 import torch.nn.functional as F
 
 from megatron_fp4.fp4.exact_gemm import exact_grouped_linear, exact_linear
-from megatron_fp4.fp4.tiled import block_attention, row_sum, tiled_grouped_linear, tiled_linear
+from megatron_fp4.fp4.tiled import block_attention, row_sum, same_values, stamp, tiled_grouped_linear, tiled_linear
 
 
 def enabled(numerics, x: Optional[torch.Tensor] = None) -> bool:
@@ -178,11 +178,26 @@ def mean_square(x: torch.Tensor, numerics=None) -> torch.Tensor:
     return last_dim_sum(x * x, numerics) / x.shape[-1]
 
 
+_last_pad: tuple = ()  # (stamp of the attention_mask, batch, device, pad, stamp of pad) of the last call
+
+
 def leading_pad(attention_mask: Optional[torch.Tensor], batch: int, device) -> torch.Tensor:
-    """Number of padding slots before each row's first real token (0 without a mask)."""
+    """Number of padding slots before each row's first real token (0 without a mask). Every layer
+    of a forward asks with the same mask: the last answer is kept and returned as it is while the
+    mask holds the same values (``tiled.same_values``: the same object unwritten, its base included,
+    or equal values) — the next layers' calls then find ``tiled.block_attention``'s per-forward plan
+    by the pad's identity. Only read."""
+    global _last_pad
+    last, device = _last_pad, torch.device(device)
+    if last and last[1] == batch and last[2] == device and same_values(last[4], last[3]) and (
+            last[0] is None if attention_mask is None else last[0] is not None and same_values(last[0], attention_mask)):
+        return last[3]
     if attention_mask is None:
-        return torch.zeros(batch, dtype=torch.long, device=device)
-    return (attention_mask.long().cumsum(-1) == 0).sum(-1)
+        pad = torch.zeros(batch, dtype=torch.long, device=device)
+    else:
+        pad = (attention_mask.long().cumsum(-1) == 0).sum(-1)
+    _last_pad = (None if attention_mask is None else stamp(attention_mask), batch, device, pad, stamp(pad))
+    return pad
 
 
 def _pow2_at_least(n: int) -> int:

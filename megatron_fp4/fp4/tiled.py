@@ -22,6 +22,9 @@ on that row (and, for attention, its prefix), not on its batch, padding, micro-b
   the tiles that read a block are gathered (``index_select``) into one batched call. A block's mask
   is gathered from constant tables (an additive −inf bias, a 0/1 factor after the clamped exp:
   :func:`_block_mask`), and without autograd the block-sized buffers are reused across blocks.
+  The softmax's elementwise work runs only on a tile's live rows (a decode step's rep rows) and the
+  block's visible key columns; everything derived from positions and padding alone is a plan built
+  once per forward and reused by the layers (:func:`_plan`).
 - The backward of a tiled GEMM is one plain GEMM per gradient (:class:`_TiledMM`): gradients sum
   over the batch, so no tiling makes them batch invariant, and autograd through every tile cost
   as many small ops as the forward.
@@ -234,29 +237,32 @@ def _masks(hidden: torch.Tensor, dtype: torch.dtype) -> tuple:
 
 
 @functools.lru_cache(maxsize=None)
-def _mask_tables(dtype: torch.dtype, device: torch.device) -> tuple:
-    """(bias, keep) [KEY_BLOCK + 1, KEY_BLOCK]: row r + 1 masks the keys of a block past offset r
+def _mask_tables(dtype: torch.dtype, device: torch.device, cols: int = KEY_BLOCK) -> tuple:
+    """(bias, keep) [KEY_BLOCK + 1, cols]: row r + 1 masks the keys of a block past offset r
     (column c > r), row 0 the whole block: a gather of rows replaces a compare and two masked_fills
-    over each block's scores. Constants (only read), built once per dtype and device."""
+    over each block's scores. ``cols``: the block's first columns only (contiguous: the keys some
+    query can see, `block_attention`). Constants (only read), built once per dtype, device and width."""
     r = torch.arange(-1, KEY_BLOCK, device=device)[:, None]
-    return _masks(torch.arange(KEY_BLOCK, device=device)[None, :] > r, dtype)
+    return _masks(torch.arange(cols, device=device)[None, :] > r, dtype)
 
 
-def _block_mask(pj: torch.Tensor, j: int, window: int, tables, dtype: torch.dtype, out=None) -> tuple:
-    """(bias, keep) [n, ROW_TILE, KEY_BLOCK] of key block ``j`` for the tiles' query positions ``pj``
-    [n, ROW_TILE]: bias −inf and keep 0 on the keys a query does not see (its future; with a
-    ``window`` also those at or before position − window), 0 and 1 on the others. ``out``: two
-    buffers of at least n tiles to write them into."""
-    if tables is None:  # a sliding window: two bounds per query
-        key_pos = torch.arange(j * KEY_BLOCK, (j + 1) * KEY_BLOCK, device=pj.device)
+def _block_mask(pj: torch.Tensor, j: int, window: int, dtype: torch.dtype, cols: int = KEY_BLOCK,
+                out=None) -> tuple:
+    """(bias, keep) [n, rows, cols] of the first ``cols`` keys of key block ``j`` for the query
+    positions ``pj`` [n, rows]: bias −inf and keep 0 on the keys a query does not see (its future;
+    with a ``window`` also those at or before position − window), 0 and 1 on the others. ``out``:
+    two flat buffers of at least n·rows·cols elements to write them into."""
+    if window:  # a sliding window: two bounds per query
+        key_pos = torch.arange(j * KEY_BLOCK, j * KEY_BLOCK + cols, device=pj.device)
         hidden = (key_pos > pj[..., None]) | (key_pos <= pj[..., None] - window)
         return _masks(hidden, dtype)
+    tables = _mask_tables(dtype, pj.device, cols)
     row = (pj - (j * KEY_BLOCK - 1)).clamp_(0, KEY_BLOCK).reshape(-1)  # offset in the block + 1
-    shape = (*pj.shape, KEY_BLOCK)
+    shape = (*pj.shape, cols)
     if out is None:
         return tuple(t.index_select(0, row).view(shape) for t in tables)
-    return tuple(torch.index_select(t, 0, row, out=o.view(-1, KEY_BLOCK)[:row.shape[0]]).view(shape)
-                 for t, o in zip(tables, out))
+    n = row.shape[0] * cols
+    return tuple(torch.index_select(t, 0, row, out=o[:n].view(-1, cols)).view(shape) for t, o in zip(tables, out))
 
 
 @functools.lru_cache(maxsize=64)
@@ -284,6 +290,106 @@ def _key_rows(t: torch.Tensor) -> tuple:
     return t.reshape(B * KV * T, D), T
 
 
+MASK_CACHE_ELEMENTS = 1 << 20  # a plan keeps its blocks' masks up to this size (elements each), else builds them per call
+PLANS_KEPT = 4  # plans remembered (layers of one forward with a window and without, a few concurrent callers)
+_plans: list = []  # [(key, plan)], newest first; replaced whole, never mutated (threads may read it)
+
+
+class _Block:
+    """One key block of a plan: the tiles that read it (``sel``; None: every tile), their query
+    positions ``pj`` [n, live] and (b, kv) heads ``oj``, the block's visible width ``cols`` and,
+    when the plan keeps them, its masks (`_block_mask`)."""
+
+    __slots__ = ("sel", "pj", "oj", "cols", "masks")
+
+    def __init__(self, sel, pj, oj, cols):
+        self.sel, self.pj, self.oj, self.cols, self.masks = sel, pj, oj, cols, None
+
+
+class _Plan:
+    """What :func:`block_attention` derives from the positions and padding alone (the gathers'
+    row indices, the query tiles' positions, which tiles read which key block, their masks): the
+    same for every layer of a forward, so it is built once per forward (:func:`_plan`). Only read."""
+
+    def __init__(self, positions, pad, B, KV, rep, Tq, Tk, k_rows, v_rows, Dv, dtype, vdtype, window):
+        device = positions.device
+        self.n_keys = n_keys = int(positions.max()) + 1 if positions.numel() else 1
+        self.nK = nK = -(-n_keys // KEY_BLOCK)
+        width = nK * KEY_BLOCK
+        slot = torch.add(pad[:, None], _arange(width, device)).clamp_(max=Tk - 1)  # [B, width]
+        self.rows = torch.add(_head_rows(B, KV, k_rows, device), slot[:, None, :]).view(-1)
+        self.v_at = self.rows if v_rows == k_rows else \
+            torch.add(_head_rows(B, KV, v_rows, device), slot[:, None, :]).view(-1)
+        self.Dw = Dw = max(Dv, MIN_VALUE_COLUMNS - 1)
+        self.tail = torch.zeros(self.rows.shape[0], Dw + 1 - Dv, dtype=vdtype, device=device)  # zeros, ones column
+        self.tail[:, -1] = 1.0
+        self.R = R = rep * Tq  # query rows of a (b, kv) head
+        self.nT = nT = max(1, -(-R // ROW_TILE))
+        # The products run on whole fixed-shape tiles; the elementwise softmax work only on the
+        # `live` leading rows of a tile (a decode step's rep rows, not its 16: the other rows are
+        # zero padding, whose results are dropped) and on the key columns some query can see
+        # (`cols`: the slots past the last position are in every query's future). The rest of the
+        # weight tile is exact zeros, as the masks made it before, so every kept row gets the bits
+        # of the whole-tile form: a GEMM row's result depends on that row of its left operand alone.
+        self.live = live = R if nT == 1 else ROW_TILE
+        flat_pos = positions.new_zeros(B, KV, nT * live)  # padding rows: position 0 (key 0 only: finite)
+        flat_pos[:, :, :R].view(B, KV, rep, Tq).copy_(positions[:, None, None, :].expand(B, KV, rep, Tq))
+        flat_pos = flat_pos.view(-1, live)
+        owner = torch.arange(B * KV, device=device).repeat_interleave(nT) if nT > 1 or nK > 1 else None
+        last = flat_pos.amax(-1) if nK > 1 else None  # a tile reads key blocks 0..last // KEY_BLOCK
+        self.blocks = []
+        for j in range(nK):
+            # Only the tiles with a query at or past the block's first key (sel; None: every tile): for
+            # the others the block is wholly in the future (it would add exact zeros, rescaled by 1).
+            sel = None
+            if j:
+                active = last >= j * KEY_BLOCK
+                n = int(active.sum())
+                if n == 0:
+                    break
+                if n < active.numel():
+                    sel = active.nonzero().squeeze(1)
+            self.blocks.append(_Block(sel, *((flat_pos, owner) if sel is None else
+                                             (flat_pos.index_select(0, sel), owner.index_select(0, sel))),
+                                      min(KEY_BLOCK, n_keys - j * KEY_BLOCK)))
+        if sum(b.pj.numel() * b.cols for b in self.blocks) <= MASK_CACHE_ELEMENTS:
+            for j, b in enumerate(self.blocks):
+                b.masks = _block_mask(b.pj, j, window, dtype, b.cols)
+
+
+def stamp(t: torch.Tensor) -> tuple:
+    """What :func:`same_values` compares ``t`` by later: the tensor and its version (an inference
+    tensor has none: a copy of it instead)."""
+    return (t.clone(), None) if t.is_inference() else (t, t._version)
+
+
+def same_values(mark: tuple, t: torch.Tensor) -> bool:
+    """Whether ``t`` holds the values :func:`stamp` saw: the same object not written since (its
+    version), or equal values in a saved tensor itself unwritten since (or a saved copy)."""
+    saved, version = mark
+    if version is not None and saved._version != version:
+        return False
+    if saved is t and version is not None:
+        return True
+    return saved.shape == t.shape and saved.device == t.device and bool(torch.equal(saved, t))
+
+
+def _plan(positions, pad, *shape) -> _Plan:
+    """The :class:`_Plan` of these positions, padding and shapes: a remembered one when positions
+    and padding hold the values it was built for (:func:`same_values`: the layers of one forward
+    pass the same objects) and the shapes are equal, else a new one (remembered: at most PLANS_KEPT)."""
+    global _plans
+    for key, plan in _plans:
+        if key[2] == shape and same_values(key[0], positions) and same_values(key[1], pad):
+            return plan
+    plan = _Plan(positions, pad, *shape)
+    _plans = [((stamp(positions), stamp(pad), shape), plan)] + _plans[:PLANS_KEPT - 1]
+    return plan
+    plan = _Plan(positions, pad, *shape)
+    _plans = [((positions, positions._version, pad, shape, pad._version), plan)] + _plans[:PLANS_KEPT - 1]
+    return plan
+
+
 def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
                     pad: torch.Tensor, scale: Optional[float] = None, window: int = 0,
                     sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -293,8 +399,10 @@ def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions
     B, H, Tq, D = q.shape
     KV, Tk, Dv = k.shape[1], k.shape[2], v.shape[-1]
     rep = H // KV
-    n_keys = int(positions.max()) + 1 if positions.numel() else 1
-    nK = -(-n_keys // KEY_BLOCK)
+    kr, k_rows = _key_rows(k)
+    vr, v_rows = _key_rows(v)
+    plan = _plan(positions, pad, B, KV, rep, Tq, Tk, k_rows, v_rows, Dv, q.dtype, v.dtype, window)
+    nK, R, nT, live, Dw = plan.nK, plan.R, plan.nT, plan.live, plan.Dw
     # Keys and values by position, in one row copy each (index_select of whole key rows: a gather
     # with an expanded index was 10× slower) into a fresh row-major [B·KV, nK, KEY_BLOCK, ·] buffer:
     # row b's key j sits in slot pad[b] + j (clamped; the slots past n_keys are in every query's
@@ -303,82 +411,67 @@ def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions
     # denominator (the same fixed-shape call sums the block's weights). The values are at least
     # MIN_VALUE_COLUMNS columns wide (zeros): with fewer the CPU GEMM's narrow-N kernel rounded a row
     # by its place in the tile (measured: 9-11 columns, a padded row then differed in its last bit).
-    width = nK * KEY_BLOCK
-    slot = torch.add(pad[:, None], _arange(width, k.device)).clamp_(max=Tk - 1)  # [B, width]
-    kr, k_rows = _key_rows(k)
-    vr, v_rows = _key_rows(v)
-    rows = torch.add(_head_rows(B, KV, k_rows, k.device), slot[:, None, :]).view(-1)
-    kb = kr.index_select(0, rows).view(B * KV, nK, KEY_BLOCK, D)
-    Dw = max(Dv, MIN_VALUE_COLUMNS - 1)
-    v_at = rows if v_rows == k_rows else torch.add(_head_rows(B, KV, v_rows, v.device), slot[:, None, :]).view(-1)
-    # the values' rows gathered straight into their columns of the block buffer (zeros, then the ones column)
-    vb = vr.new_zeros(rows.shape[0], Dw + 1) if Dw > Dv else vr.new_empty(rows.shape[0], Dw + 1)
-    vb[:, Dw] = 1.0
-    vb[:, :Dv] = vr.index_select(0, v_at)
-    vb = vb.view(B * KV, nK, KEY_BLOCK, Dw + 1)
+    kb = kr.index_select(0, plan.rows).view(B * KV, nK, KEY_BLOCK, D)
+    vb = torch.cat([vr.index_select(0, plan.v_at), plan.tail], 1).view(B * KV, nK, KEY_BLOCK, Dw + 1)
     # Query rows: the rep query heads of a kv head times the queries, in tiles [B·KV·nT, ROW_TILE, D]
-    # (a decode step's rep rows share one tile), pre-scaled; padding rows get position 0 (key 0
-    # only: finite). Every batched product's operands row-major (a kernel is chosen by layout as
-    # well as shape: a decode step's expanded key block would otherwise be a transposed view).
+    # (a decode step's rep rows share one tile), pre-scaled. Every batched product's operands
+    # row-major (a kernel is chosen by layout as well as shape: a decode step's expanded key block
+    # would otherwise be a transposed view).
     scale = D ** -0.5 if scale is None else scale
-    nT = max(1, -(-rep * Tq // ROW_TILE))
     inplace = not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad))
     if inplace:  # written straight into their zero-padded tiles (a scaled copy each, no pad pass)
-        flat_q = q.new_zeros(B * KV, nT * ROW_TILE, D)
-        torch.mul(q.reshape(B * KV, rep * Tq, D), scale, out=flat_q[:, :rep * Tq])
+        flat_q = q.new_zeros(B, KV, nT * ROW_TILE, D)
+        torch.mul(q.view(B, KV, rep, Tq, D), scale, out=flat_q[:, :, :R].view(B, KV, rep, Tq, D))
         flat_q = flat_q.view(-1, ROW_TILE, D)
     else:
-        flat_q = _zero_padded(q.reshape(B, KV, rep * Tq, D) * scale, 2, ROW_TILE).view(-1, ROW_TILE, D)
-    flat_pos = positions.new_zeros(B, KV, nT * ROW_TILE)
-    flat_pos[:, :, :rep * Tq].view(B, KV, rep, Tq).copy_(positions[:, None, None, :].expand(B, KV, rep, Tq))
-    flat_pos = flat_pos.view(-1, ROW_TILE)
-    owner = torch.arange(B * KV, device=q.device).repeat_interleave(nT) if nT > 1 or nK > 1 else None
-    last = flat_pos.amax(-1) if nK > 1 else None  # a tile reads key blocks 0..last // KEY_BLOCK
+        flat_q = _zero_padded(q.reshape(B, KV, R, D) * scale, 2, ROW_TILE).view(-1, ROW_TILE, D)
     m = l = acc = None
-    tables = None if window else _mask_tables(q.dtype, q.device)
     buffers = None
-    for j in range(nK):
-        # Only the tiles with a query at or past the block's first key (sel; None: every tile): for
-        # the others the block is wholly in the future (it would add exact zeros, rescaled by 1).
-        sel = None
-        if j:
-            active = last >= j * KEY_BLOCK
-            n = int(active.sum())
-            if n == 0:
-                break
-            if n < active.numel():
-                sel = active.nonzero().squeeze(1)
-        qj, pj, oj = (flat_q, flat_pos, owner) if sel is None else \
-            (flat_q.index_select(0, sel), flat_pos.index_select(0, sel), owner.index_select(0, sel))
+    for j, blk in enumerate(plan.blocks):
+        sel, cols = blk.sel, blk.cols
+        qj = flat_q if sel is None else flat_q.index_select(0, sel)
         # [n, KEY_BLOCK, D (+1)] row-major: a tile's key block (a view where each (b, kv) has one tile and block)
-        kj, vj = (kb[:, j], vb[:, j]) if oj is None else (kb[:, j].index_select(0, oj), vb[:, j].index_select(0, oj))
+        kj, vj = (kb[:, j], vb[:, j]) if blk.oj is None else \
+            (kb[:, j].index_select(0, blk.oj), vb[:, j].index_select(0, blk.oj))
         # Without autograd the block-sized buffers (scores, masks) are allocated once for the first
-        # block (every tile) and reused: a fresh buffer per block cost more in page faults (glibc
-        # hands big freed buffers back to the system) than the arithmetic in it.
-        s = torch.bmm(qj, kj.transpose(1, 2), out=buffers[0][:qj.shape[0]]) if buffers else torch.bmm(qj, kj.transpose(1, 2))
-        bias, keep = _block_mask(pj, j, window, tables, q.dtype, buffers[1:] if buffers else None)
+        # block (every tile, the widest cols) and reused: a fresh buffer per block cost more in page
+        # faults (glibc hands big freed buffers back to the system) than the arithmetic in it.
+        s_tile = torch.bmm(qj, kj.transpose(1, 2), out=buffers[0][:qj.shape[0]]) if buffers else \
+            torch.bmm(qj, kj.transpose(1, 2))
+        s = s_tile[:, :live, :cols]
+        if blk.masks is not None:
+            bias, keep = blk.masks
+        else:
+            bias, keep = _block_mask(blk.pj, j, window, q.dtype, cols, buffers[1:] if buffers else None)
         if inplace and not buffers:
-            buffers = [s, bias, keep]
+            buffers = [s_tile] + ([] if blk.masks is not None else [bias.view(-1), keep.view(-1)])
         # the future keys (and those out of the window) −inf, the others + 0 (their bits)
         s = s.add_(bias) if inplace else s + bias
         blk_max = s.amax(-1)
         m_old = None if not j else m if sel is None else m.index_select(0, sel)
         m_new = blk_max if m_old is None else torch.maximum(m_old, blk_max)
+        # With a window a row may have seen no key yet (its blocks so far wholly before the window:
+        # max −inf): its weights and rescale factor then come from 0 instead (exact zeros, not NaN).
+        m_ref = m_new.nan_to_num(neginf=0.0) if window else m_new
         # exp of an argument clamped at EXP_FLOOR, times keep (0 for the masked keys: exact zeros,
         # whatever the cached slots past a row's end hold): ATen's vector exp takes a slow path for
         # every lane that underflows (−inf included; 10× here), and masked_fill was as slow as exp.
         # A visible key below the floor gets exp(EXP_FLOOR) ≈ 1.6e-38 instead of ~0: negligible
         # beside the block's largest weight 1, and the same in a decode step and a full forward.
-        if inplace:
-            p = s.sub_(m_new[..., None]).clamp_(min=EXP_FLOOR).exp_().mul_(keep)
+        if inplace:  # in the score tile: its columns past cols zeroed (rows past live: padding queries)
+            s.sub_(m_ref[..., None]).clamp_(min=EXP_FLOOR).exp_().mul_(keep)
+            if cols < KEY_BLOCK:
+                s_tile[:, :live, cols:].zero_()
+            p = s_tile
         else:
-            p = torch.exp((s - m_new[..., None]).clamp(min=EXP_FLOOR)) * keep
-        pv = torch.bmm(p, vj)  # [n, ROW_TILE, Dw + 1]
+            p = torch.exp((s - m_ref[..., None]).clamp(min=EXP_FLOOR)) * keep
+            p = F.pad(p, (0, KEY_BLOCK - cols, 0, ROW_TILE - live)) if cols < KEY_BLOCK or live < ROW_TILE else p
+        pv = torch.bmm(p, vj)[:, :live]  # [n, live, Dw + 1]
         pv, ps = pv[..., :Dv], pv[..., Dw]
         if m_old is None:
             m, l, acc = m_new, ps, pv
             continue
-        corr = torch.exp(m_old - m_new)
+        corr = torch.exp(m_old - m_ref)
         if sel is None:
             m, l, acc = m_new, l * corr + ps, acc * corr[..., None] + pv
             continue
@@ -390,11 +483,11 @@ def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions
         else:  # autograd: the earlier states stay as they were (amax saved its result)
             m, l, acc = m.index_copy(0, sel, m_new), l.index_copy(0, sel, l_new), acc.index_copy(0, sel, acc_new)
     if sinks is not None:  # a per-head logit in every row's softmax, dropped after it (no value)
-        sink = sinks.to(m.dtype).view(1, KV, rep, 1).expand(B, KV, rep, Tq).reshape(B, KV, rep * Tq)
-        sink = _zero_padded(sink, 2, ROW_TILE).view(-1, ROW_TILE)
+        sink = sinks.to(m.dtype).view(1, KV, rep, 1).expand(B, KV, rep, Tq).reshape(B, KV, R)
+        sink = _zero_padded(sink, 2, live).view(-1, live)
         m_all = torch.maximum(m, sink)
         corr = torch.exp(m - m_all)
         l, acc = l * corr + torch.exp(sink - m_all), acc * corr[..., None]
     out = (acc.div_(l[..., None]) if inplace else acc / l[..., None])
-    out = out.view(B, KV, nT * ROW_TILE, Dv)[:, :, :rep * Tq]  # [B, KV, rep·Tq, Dv]
+    out = out.view(B, KV, nT * live, Dv)[:, :, :R]  # [B, KV, rep·Tq, Dv]
     return out.reshape(B, H, Tq, Dv)

@@ -274,6 +274,90 @@ def test_block_attention_value_widths_decode_equals_full_and_float64(threads, dv
     assert float((full.double() - ref).abs().max()) <= 2 * rel * float(v.abs().amax())
 
 
+def test_block_attention_window_past_whole_blocks_is_finite_decodes_and_matches_float64(threads):
+    """A sliding window shorter than a query's distance to the end of key block 0 (its first blocks
+    wholly before the window: no key seen yet) gives finite outputs within the float64 bound (it
+    gave NaN), with and without autograd, and a decode step over a static cache equals the full
+    forward bitwise."""
+    q, k, v, positions, pad = _case(3, B=2, T=150, D=16)
+    pad, positions = pad[:2], positions[:2]
+    window = 20
+    full = block_attention(q, k, v, positions, pad, window=window)
+    qg = q.clone().requires_grad_(True)
+    graded = block_attention(qg, k, v, positions, pad, window=window)
+    graded.square().sum().backward()
+    assert torch.isfinite(qg.grad).all() and torch.equal(bits(graded.detach()), bits(full))
+    rep = q.shape[1] // k.shape[1]
+    ref = torch.zeros(q.shape, dtype=torch.float64)
+    for b in range(2):
+        kb = k[b, :, pad[b]:].double().repeat_interleave(rep, 0)
+        vb = v[b, :, pad[b]:].double().repeat_interleave(rep, 0)
+        for t in range(q.shape[2]):
+            p = int(positions[b, t])
+            lo = max(0, p - window + 1)
+            s = (q[b, :, t].double()[:, None, :] * kb[:, lo:p + 1]).sum(-1) / math.sqrt(q.shape[-1])
+            ref[b, :, t] = (torch.softmax(s, -1)[..., None] * vb[:, lo:p + 1]).sum(1)
+    D = q.shape[-1]
+    s_abs = (q.abs().double() @ k.abs().double().repeat_interleave(rep, 1).transpose(-1, -2)).amax() / math.sqrt(D)
+    rel = 2 * (gamma(D) * float(s_abs) + 4 * U) + gamma(window + D + 4 + 2 * math.ceil(150 / KEY_BLOCK))
+    assert torch.isfinite(full).all()
+    assert float((full.double() - ref).abs().max()) <= 2 * rel * float(v.abs().amax())
+    cache_k, cache_v = torch.zeros(2, 2, 160, 16), torch.zeros(2, 2, 160, 16)
+    cache_k[:, :, :150], cache_v[:, :, :150] = k, v
+    for t in (100, 149):
+        step = block_attention(q[:, :, t:t + 1], cache_k[:, :, :t + 1], cache_v[:, :, :t + 1], positions[:, t:t + 1],
+                               pad, window=window)
+        assert torch.equal(bits(step[:, :, 0]), bits(full[:, :, t])), t
+
+
+@pytest.mark.parametrize("inference", [False, True], ids=["no_grad", "inference_mode"])
+def test_block_attention_plan_is_not_reused_for_other_padding_or_changed_positions(inference):
+    """The per-forward plan (`tiled._plan`, kept for the next layer's call with the same positions
+    tensor) is rebuilt when the padding or the shapes differ, or the positions were changed in
+    place: every call equals a call with fresh tensors (inference tensors, as vLLM passes them,
+    have no version counter: compared by value)."""
+    with torch.inference_mode(inference), torch.no_grad():
+        _plan_cases(*_case(4, T=70, D=16))
+
+
+def _plan_cases(q, k, v, positions, pad):
+    def fresh(q, k, v, positions, pad):
+        return block_attention(q, k, v, positions.clone(), pad.clone())
+
+    first = block_attention(q, k, v, positions, pad)
+    assert torch.equal(bits(first), bits(fresh(q, k, v, positions, pad)))
+    other_pad = torch.tensor([1, 0, 3])
+    got = block_attention(q, k, v, positions, other_pad)  # the same positions object, other padding
+    assert torch.equal(bits(got), bits(fresh(q, k, v, positions, other_pad)))
+    assert not torch.equal(bits(got), bits(first))
+    got = block_attention(q[:, :, :40], k[:, :, :40], v[:, :, :40], positions[:, :40], pad)  # another shape
+    assert torch.equal(bits(got), bits(fresh(q[:, :, :40], k[:, :, :40], v[:, :, :40], positions[:, :40], pad)))
+    positions[0] = torch.arange(70).flip(0)  # changed in place (its version moves)
+    got = block_attention(q, k, v, positions, pad)
+    assert torch.equal(bits(got), bits(fresh(q, k, v, positions, pad)))
+
+
+@pytest.mark.parametrize("inference", [False, True], ids=["no_grad", "inference_mode"])
+def test_leading_pad_follows_writes_into_the_mask_and_its_base(inference):
+    """`invariant.leading_pad` keeps its last answer for the next layer's call with the same mask;
+    a write into the mask's base buffer (the engine's per-step mask is a view of one) or another
+    mask, batch or a None mask gives the new count."""
+    with torch.inference_mode(inference):
+        _leading_pad_cases(torch.ones(3, 8, dtype=torch.long))
+
+
+def _leading_pad_cases(base):
+    base[1, :2] = 0
+    view = base[:, :6]
+    first = invariant.leading_pad(view, 3, "cpu")
+    assert first.tolist() == [0, 2, 0] and invariant.leading_pad(view, 3, "cpu") is first
+    base[2, :3] = 0
+    assert invariant.leading_pad(view, 3, "cpu").tolist() == [0, 2, 3]
+    assert invariant.leading_pad(base[:2], 2, "cpu").tolist() == [0, 2]
+    assert invariant.leading_pad(None, 2, "cpu").tolist() == [0, 0]
+    assert invariant.leading_pad(None, 3, "cpu").tolist() == [0, 0, 0]
+
+
 @pytest.mark.parametrize("mode,scope", [("bf16", "experts"), ("fp4_resq", "experts+attention"), ("fp4", "experts")])
 def test_batch_level_training_forward_equals_no_grad_scoring_bitwise(mode, scope):
     """The training forward (autograd: experts one by one, MoEResQ's autograd Functions) gives the
