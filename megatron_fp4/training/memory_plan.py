@@ -170,8 +170,67 @@ def _tp_layout(cfg: Config) -> tuple:
     return p.tp, p.tp if p.sequence_parallel else 1, p.tp if p.moe_tp_tokens == "local" else 1
 
 
+def _norm_bytes(rows: int, dim: int, a: int, w: int) -> int:
+    """RMSNorm of `rows` × `dim` (layers.py): its upcast input, ``x·rsqrt`` (saved by the gain's
+    product, in the activations' dtype) and the per-row rsqrt."""
+    return rows * dim * (w + a) + rows * w
+
+
+def _input_linears(m) -> int:
+    """The linears reading the attention's input: q, k, v (GQA, GPT-OSS); q_a (or q) and kv_a (MLA)."""
+    return 2 if getattr(m, "family", "qwen3_moe") == "deepseek_v3" else 3
+
+
+def attention_activation_bytes(cfg: Config, tokens: int, batch: int = 0) -> int:
+    """Bytes one attention layer's autograd graph saves for `tokens` = batch × seq tokens beyond its
+    input (counted by the caller), at the standard numerics level, by family (each term the forward's
+    own tensor; tests/unit/test_memory_plan_families_activations.py checks them against the saved
+    tensors and a hand count). ``a`` the activation dtype, ``w`` the wide one; tensor parallel cuts
+    the heads. `batch` (GPT-OSS only, whose eager softmax spans the sequence): the micro-batch's
+    rows (default one row of `tokens`).
+
+    - GQA (qwen3_moe): q_norm/k_norm, RoPE's cos and sin, SDPA's q, k and v (repeated to every
+      query head), output and logsumexp, o_proj's input;
+    - MLA (deepseek_v3): the q low-rank path (q_a's output normed, q_b's input) or nothing more
+      (``q_lora_rank`` 0: q_proj reads the input); kv_a's whole output (its latent part upcast by
+      the norm: a view of it unless the activations are narrower) and its norm, kv_b's input; cos and
+      sin of the rotary dims; SDPA's q and k (``qk_nope + qk_rope`` per head), v (a view of kv_b's
+      whole output: ``qk_nope + v`` per head), its output (``v_head_dim``) and logsumexp; o_proj's input;
+    - GPT-OSS (eager sink attention): cos and sin of half the head dim; q, k and v repeated to every
+      head; the boolean mask [1, 1, T, T] of the causal (and sliding-window) keys; the row max's
+      int64 indices; the softmax over ``T + 1`` logits (the sink); o_proj's input."""
+    m, a = cfg.model, activation_dtype(cfg).itemsize
+    w = wide_dtype(activation_dtype(cfg)).itemsize
+    tp = _tp_layout(cfg)[0]
+    nh, family = m.num_heads // tp, getattr(m, "family", "qwen3_moe")
+    if family == "deepseek_v3":
+        qk, rope, kvr, qr = m.qk_nope_head_dim + m.qk_rope_head_dim, m.qk_rope_head_dim, m.kv_lora_rank, m.q_lora_rank
+        b = _norm_bytes(tokens, qr, a, w) + tokens * qr * a if qr else 0  # q_a's output normed; q_b's input
+        # kv_a's output [kvr | rope]: the norm's upcast of its latent part is a view of the whole output
+        # when the activations are wide already, else a wide copy of the latent part
+        b += tokens * (kvr + rope) * a if a == w else tokens * kvr * w
+        b += tokens * w + 2 * tokens * kvr * a  # the norm's rsqrt and x·rsqrt; kv_b's input
+        b += 2 * tokens * rope * a  # cos, sin
+        b += 2 * tokens * nh * qk * a + tokens * nh * (m.qk_nope_head_dim + m.v_head_dim) * a  # q, k; v's storage
+        return b + 2 * tokens * nh * m.v_head_dim * a + tokens * nh * w  # SDPA's output, o_proj's input; logsumexp
+    d = m.head_dim
+    if family == "gpt_oss":
+        batch = batch or 1
+        seq = tokens // batch
+        b = tokens * d * a  # cos, sin: half the head dim each
+        b += 3 * tokens * nh * d * a  # q; k and v repeated to every head
+        b += seq * seq + tokens * nh * _INDEX_BYTES  # the visible-keys mask (bool); the row max's indices
+        b += tokens * nh * (seq + 1) * a  # the softmax over the keys and the sink
+        return b + tokens * nh * d * a  # o_proj's input
+    nkv = m.num_kv_heads // tp if m.num_kv_heads % tp == 0 else 1
+    b = _norm_bytes(tokens * nh, d, a, w) + _norm_bytes(tokens * nkv, d, a, w)  # q_norm, k_norm
+    b += 2 * tokens * d * a  # rope cos, sin
+    b += 4 * tokens * nh * d * a + tokens * nh * w  # SDPA: q, k and v (repeated to nh heads), out; logsumexp
+    return b + tokens * nh * d * a  # o_proj input (contiguous copy)
+
+
 def layer_activation_bytes(cfg: Config, is_moe: bool, tokens: int, routed_rows: int, local_experts: int = 0,
-                           grouped_experts: bool = False) -> int:
+                           grouped_experts: bool = False, batch: int = 0) -> int:
     """Bytes autograd saves in one decoder layer for `tokens` = batch × seq tokens (``routed_rows``:
     rows this rank's experts receive). Terms follow the forward (layers.py, moe.py, moeresq.py);
     ``a`` is the activation dtype, ``w`` the wide (norm/router) one. Excludes Q(W) (`fp4_weight_bytes`).
@@ -181,18 +240,13 @@ def layer_activation_bytes(cfg: Config, is_moe: bool, tokens: int, routed_rows: 
     m, a = cfg.model, activation_dtype(cfg).itemsize
     w = wide_dtype(activation_dtype(cfg)).itemsize
     tp, sp, local = _tp_layout(cfg)
-    H, d, k = m.hidden_size, m.head_dim, m.top_k
-    nh = m.num_heads // tp
-    nkv = m.num_kv_heads // tp if m.num_kv_heads % tp == 0 else 1
+    H, k = m.hidden_size, m.top_k
     rows = tokens // sp  # the norms' and residuals' rows
-    norm = lambda n, dim: n * dim * (w + a) + n * w  # noqa: E731  RMSNorm: upcast input, rsqrt, x·rsqrt
-    # input norm, its output: the q/k/v linears' input; under SP all-gathered along the sequence into
-    # a non-contiguous [B, T, H] (`tp_comm._gather`), which each of the three linears copies to save
-    b = norm(rows, H) + tokens * H * a * (3 if sp > 1 else 1)
-    b += norm(tokens * nh, d) + norm(tokens * nkv, d)  # q_norm, k_norm
-    b += 2 * tokens * d * a  # rope cos, sin
-    b += 4 * tokens * nh * d * a + tokens * nh * w  # SDPA: q, k and v (repeated to nh heads), out; logsumexp
-    b += tokens * nh * d * a  # o_proj input (contiguous copy)
+    norm = lambda n, dim: _norm_bytes(n, dim, a, w)  # noqa: E731
+    # input norm, its output: the attention's input linears' input; under SP all-gathered along the
+    # sequence into a non-contiguous [B, T, H] (`tp_comm._gather`), which each of them copies to save
+    b = norm(rows, H) + tokens * H * a * (_input_linears(m) if sp > 1 else 1)
+    b += attention_activation_bytes(cfg, tokens, batch)
     b += norm(rows, H)  # post-attention norm
     shared = is_moe and m.num_shared_experts > 0
     moe_tokens = tokens // local
@@ -218,6 +272,8 @@ def layer_activation_bytes(cfg: Config, is_moe: bool, tokens: int, routed_rows: 
     if m.router_aux_loss_coef or m.router_z_loss_coef:  # the aux losses' graph, kept by AuxLossAutoScaler
         b += tokens * E * w + E * 4 + tokens * w + w  # logits (z-loss), token fractions, logsumexp, the loss
         b += tokens * w + w if local > 1 else 0  # tp-shared statistics (`MoELayer.token_sum`): token weights, count
+        # DeepSeek-V3's router: the aux losses' probs are its sigmoid scores over their row sum (saved)
+        b += tokens * w if getattr(m, "family", "qwen3_moe") == "deepseek_v3" and m.router_aux_loss_coef else 0
     if shared:  # whole MoE tokens: uncut; local: cut like a dense MLP, on every token (`_shared_expert`)
         b += 4 * tokens * local * m.shared_expert_ffn_hidden_size * m.num_shared_experts // local * a
     return b
@@ -281,7 +337,8 @@ def chunk_activation_bytes(cfg: Config, model: MoETransformer, layers, is_first:
         rows = tokens // local * m.top_k
         grouped = experts is not None and experts.recipe.mode == "bf16" and param_dtype(cfg) != torch.float64 \
             and rows <= GroupedExperts.max_group_rows * experts.num_experts
-        b += layer_activation_bytes(cfg, layer.is_moe, tokens, rows, experts.num_experts if experts else 0, grouped)
+        b += layer_activation_bytes(cfg, layer.is_moe, tokens, rows, experts.num_experts if experts else 0, grouped,
+                                    batch)
         b += cp_attention_bytes(cfg, batch, seq) + (packed_attention_bytes(cfg, tokens) if packed else 0)
     if is_last and tp == 1:  # final norm, LM-head input, log-softmax output (fp32), loss scalar
         b += tokens * m.hidden_size * (w + 2 * a) + tokens * w + tokens * m.vocab_size * w + w

@@ -1,0 +1,93 @@
+"""The planner's per-layer activations by model family (`attention_activation_bytes`,
+`chunk_activation_bytes`) against what autograd saves (the method of tests/unit/test_memory_plan.py:
+unique non-parameter storages held by the graph) and against a hand count of one layer.
+
+- one attention layer of each family (GQA qwen3_moe, MLA deepseek_v3 with and without the q
+  low-rank path, GPT-OSS's sink attention on a sliding-window and a full layer), fp32 and bf16:
+  planned == saved, exactly;
+- the same for one MLA and one GPT-OSS layer written out tensor by tensor with their shapes (an
+  independent reference for the formula);
+- the whole tiny DeepSeek-V3 and GPT-OSS (tests/distributed/test_family_layouts.py's configs):
+  ``0 <= planned - measured <= Q(W) of the experts the router left empty`` (an empty expert saves
+  no Q(W)), the tolerance of test_memory_plan.py's Qwen3-MoE check.
+"""
+import pytest
+import torch
+
+from megatron_fp4.config import default_config_path, load_config
+from megatron_fp4.model import build_model
+from megatron_fp4.training.memory_plan import (attention_activation_bytes, chunk_activation_bytes, fp4_weight_bytes,
+                                               local_meta_model, param_dtype)
+from tests.distributed.test_family_layouts import FAMILIES
+from tests.unit.test_cp_memory_plan_families import _cfg, _saved
+from tests.unit.test_memory_plan import TINY, _saved_bytes
+
+B, T = 2, 16
+
+
+def _attention_saved(cfg, layer: int) -> int:
+    """Bytes one attention layer saves beyond its input x [B, T, hidden]."""
+    torch.manual_seed(0)
+    attn = build_model(cfg).to(param_dtype(cfg)).layers[layer].self_attn
+    x = torch.randn(B, T, cfg.model.hidden_size, dtype=param_dtype(cfg), requires_grad=True)
+    return _saved(attn, x, torch.arange(T).expand(B, T), set()) - x.numel() * x.element_size()
+
+
+@pytest.mark.parametrize("family, layer, q_lora", [("qwen3_moe", 0, 0), ("deepseek_v3", 0, 16), ("deepseek_v3", 0, 0),
+                                                   ("gpt_oss", 0, 0), ("gpt_oss", 1, 0)])
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_attention_bytes_match_saved_tensors(family, layer, q_lora, dtype):
+    cfg = _cfg(family, dtype)
+    if family == "deepseek_v3":
+        cfg.model.q_lora_rank = q_lora
+    assert attention_activation_bytes(cfg, B * T, B) == _attention_saved(cfg, layer)
+
+
+def test_mla_layer_hand_count():
+    """The tiny MLA layer (hidden 64, 4 heads, q/kv ranks 16, nope 8, rope 4, v 12), fp32, 32 tokens."""
+    cfg = _cfg("deepseek_v3", "fp32")
+    t, heads, f32 = 32, 4, 4
+    q_path = t * 16 * f32 + t * f32 + t * 16 * f32 + t * 16 * f32  # q_a out (= its upcast), rsqrt, x·rsqrt, q_b in
+    kv_path = t * (16 + 4) * f32 + t * f32 + t * 16 * f32 + t * 16 * f32  # kv_a out (whole), rsqrt, x·rsqrt, kv_b in
+    rope = 2 * t * 4 * f32  # cos, sin
+    sdpa = t * heads * 12 * f32 * 2 + t * heads * (8 + 12) * f32 + t * heads * 12 * f32 + t * heads * f32  # q, k, v, out, lse
+    o_in = t * heads * 12 * f32
+    hand = q_path + kv_path + rope + sdpa + o_in
+    assert hand == 49408
+    assert attention_activation_bytes(cfg, t, B) == hand == _attention_saved(cfg, 0)
+
+
+def test_gpt_oss_layer_hand_count():
+    """The tiny GPT-OSS layer (hidden 64, 4 heads of 16, 2 kv heads, window 4), fp32, 2 rows of 16."""
+    cfg = _cfg("gpt_oss", "fp32")
+    t, heads, d, f32 = 32, 4, 16, 4
+    rope = 2 * t * (d // 2) * f32
+    qkv = 3 * t * heads * d * f32  # q; k and v repeated to the 4 heads
+    mask, max_idx = T * T, t * heads * 8
+    probs = t * heads * (T + 1) * f32  # softmax over 16 keys and the sink
+    o_in = t * heads * d * f32
+    hand = rope + qkv + mask + max_idx + probs + o_in
+    assert hand == 44800
+    for layer in (0, 1):  # sliding window, full: the same tensors
+        assert attention_activation_bytes(cfg, t, B) == hand == _attention_saved(cfg, layer)
+
+
+def _whole_model(family, extra):
+    cfg = load_config(default_config_path(), TINY + extra)
+    FAMILIES[family](cfg.model)
+    cfg.validate()
+    s, m = cfg.schedule, cfg.model
+    tokens = torch.randint(0, m.vocab_size, (s.micro_batch_size, s.seq_len), generator=torch.Generator().manual_seed(1))
+    measured, routing = _saved_bytes(cfg, tokens)
+    meta = local_meta_model(cfg, 0, 0)
+    planned = chunk_activation_bytes(cfg, meta, range(m.num_layers), True, True, s.micro_batch_size, s.seq_len)
+    planned += fp4_weight_bytes(meta)
+    per_expert_qw = (3 * m.moe_ffn_hidden_size * m.hidden_size * 4) if cfg.fp4.scope != "none" else 0
+    empty = sum(m.num_experts - len(torch.unique(r)) for r in routing if r is not None)
+    return planned, measured, empty * per_expert_qw
+
+
+@pytest.mark.parametrize("extra", [[], ["fp4.scope=none"], ["dtype=bf16"]])
+def test_deepseek_v3_model_activation_bytes_match_saved_tensors(extra):
+    planned, measured, slack = _whole_model("deepseek_v3", extra)
+    assert 0 <= planned - measured <= slack, (planned, measured, slack)
