@@ -262,9 +262,15 @@ def layer_activation_bytes(cfg: Config, is_moe: bool, tokens: int, routed_rows: 
     tokens = moe_tokens
     E, F = m.num_experts, m.moe_ffn_hidden_size // cfg.parallel.etp
     b += 0 if param_dtype(cfg) == wide_dtype(param_dtype(cfg)) else E * H * w  # the router weight's fp32 upcast
-    b += tokens * E * w + tokens * w + tokens * k * 2 * w  # probs; top-k sum, raw/normalized weights
+    gpt_oss = getattr(m, "family", "qwen3_moe") == "gpt_oss"
+    if gpt_oss:  # top-k of the logits, softmax over the chosen ones; the softmax over all only for the aux loss
+        b += tokens * k * w + (tokens * E * w if m.router_aux_loss_coef else 0)
+    else:  # softmax (Qwen3) or sigmoid (DeepSeek-V3) scores; top-k sum, raw/normalized weights
+        b += tokens * E * w + tokens * w + tokens * k * 2 * w
     b += 4 * tokens * k * _INDEX_BYTES  # top-k ids, token_of_row, two un-permute orders
     b += routed_rows * H * a + 4 * routed_rows * F * a  # x_sorted; per expert w13 out (2F), silu, product
+    # GPT-OSS's clamped SwiGLU: the clamped gate, the sigmoid, clamp(up) + 1 (the product's other factor)
+    b += 3 * routed_rows * F * a if gpt_oss else 0
     # combine: the slots in expert order (one tensor: `weighted_sum_of_slots` takes them by unbind), their weights
     b += tokens * k * H * a + tokens * k * a
     if grouped_experts:  # FP4 off: one grouped GEMM (moe.can_group) saves its int32 group offsets
@@ -335,7 +341,8 @@ def chunk_activation_bytes(cfg: Config, model: MoETransformer, layers, is_first:
         layer = model.layers[i]
         experts = layer.mlp.experts if layer.is_moe else None
         rows = tokens // local * m.top_k
-        grouped = experts is not None and experts.recipe.mode == "bf16" and param_dtype(cfg) != torch.float64 \
+        grouped = experts is not None and experts.grouped and experts.recipe.mode == "bf16" \
+            and param_dtype(cfg) != torch.float64 \
             and rows <= GroupedExperts.max_group_rows * experts.num_experts
         b += layer_activation_bytes(cfg, layer.is_moe, tokens, rows, experts.num_experts if experts else 0, grouped,
                                     batch)

@@ -7,7 +7,7 @@ unique non-parameter storages held by the graph) and against a hand count of one
   planned == saved, exactly;
 - the same for one MLA and one GPT-OSS layer written out tensor by tensor with their shapes (an
   independent reference for the formula);
-- the whole tiny DeepSeek-V3 and GPT-OSS (tests/distributed/test_family_layouts.py's configs):
+- the whole tiny DeepSeek-V3 and GPT-OSS (tests/distributed/test_family_layouts.py's configs; fp32, bf16, FP4 on and off):
   ``0 <= planned - measured <= Q(W) of the experts the router left empty`` (an empty expert saves
   no Q(W)), the tolerance of test_memory_plan.py's Qwen3-MoE check.
 """
@@ -90,4 +90,13 @@ def _whole_model(family, extra):
 @pytest.mark.parametrize("extra", [[], ["fp4.scope=none"], ["dtype=bf16"]])
 def test_deepseek_v3_model_activation_bytes_match_saved_tensors(extra):
     planned, measured, slack = _whole_model("deepseek_v3", extra)
+    assert 0 <= planned - measured <= slack, (planned, measured, slack)
+
+
+@pytest.mark.parametrize("extra", [[], ["fp4.scope=none"], ["dtype=bf16"], ["fp4.scope=experts+attention"],
+                                   ["fp4.scope=none", "model.router_aux_loss_coef=0", "model.router_z_loss_coef=0"]])
+def test_gpt_oss_model_activation_bytes_match_saved_tensors(extra):
+    """GPT-OSS's MoE: the router's softmax over the top-k logits (over all experts only for the aux
+    loss), the clamped SwiGLU's three more per-row tensors, the per-expert loop (no grouped offsets)."""
+    planned, measured, slack = _whole_model("gpt_oss", extra)
     assert 0 <= planned - measured <= slack, (planned, measured, slack)
