@@ -2,7 +2,7 @@
 trainer and running two steps holds at its peak, at pp1, pp2, ep2 and tp2 (sequence parallel; gloo on CPU).
 
     OMP_NUM_THREADS=1 python benchmarks/bench_memory_plan.py
-    OMP_NUM_THREADS=1 python benchmarks/bench_memory_plan.py --set model.hidden_size=256 model.moe_ffn_hidden_size=384
+    OMP_NUM_THREADS=1 python benchmarks/bench_memory_plan.py --set model.hidden_size=256 --set model.moe_ffn_hidden_size=384
     python benchmarks/bench_memory_plan.py --layouts pp1 --set model.num_layers=2
 
 Two measures per rank, both over a baseline taken after imports, the process group and torch's
