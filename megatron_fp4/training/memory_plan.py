@@ -21,11 +21,13 @@ micro-batch on average); the real number varies with the router.
 """
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass, field
 
 import torch
 
 from megatron_fp4.config import Config, ConfigError
+from megatron_fp4.fp4.tiled import KEY_BLOCK, MIN_VALUE_COLUMNS, ROW_TILE
 from megatron_fp4.model import MoETransformer
 from megatron_fp4.model.layers import wide_dtype
 from megatron_fp4.model.moe import GroupedExperts
@@ -181,13 +183,77 @@ def _input_linears(m) -> int:
     return 2 if getattr(m, "family", "qwen3_moe") == "deepseek_v3" else 3
 
 
+def block_attention_bytes(groups: int, rep: int, seq: int, d: int, dv: int, a: int) -> int:
+    """Bytes `tiled.block_attention` (the ``batch`` numerics level's attention, the trainer's
+    default) saves for autograd on `groups` = batch × kv heads of `rep` query heads each, `seq`
+    tokens at positions 0..seq-1, key dim `d`, value dim `dv`, in an `a`-byte dtype; term by term
+    its forward's (tests/unit/test_memory_plan_families_activations.py checks it against the saved
+    tensors). Query rows (the rep heads × seq) in tiles of ``ROW_TILE``, keys in blocks of
+    ``KEY_BLOCK``; block j runs the tiles whose last position reaches it (``n_j`` per group).
+
+    - once: the key/value row index (int64, ``KEY_BLOCK`` · blocks per group), the zero-padded scaled
+      queries, the tiles' owner index (int64) — or, with one tile and one block, the key and value
+      block buffers themselves —, the first block's row max, and the final output and denominator
+      (with one block: views of the first block's value product, ``dw + 1`` wide);
+    - per block: the masked scores, their shifted copy (clamp's input), exp, the keep mask and the
+      weights ([n_j, ROW_TILE, KEY_BLOCK] each), the block's keys and values (``dw + 1`` columns:
+      at least ``MIN_VALUE_COLUMNS``, a ones column for the denominator);
+    - per block after the first (the tiles selected): their queries, running output (before and
+      after the update) and six [n_j, ROW_TILE] rows (row max, previous max, the correction, the
+      previous and new denominator, the new max: not on the last block, where nothing reads it),
+      the selection and owner indices (int64)."""
+    blocks = -(-seq // KEY_BLOCK)
+    rows = rep * seq
+    tiles = max(1, -(-rows // ROW_TILE))
+    dw1 = max(dv, MIN_VALUE_COLUMNS - 1) + 1
+    lasts = sorted(_tile_last(i, rows, seq) for i in range(tiles))
+    per, total, t, w = ROW_TILE * KEY_BLOCK, 0, ROW_TILE, _INDEX_BYTES
+    total += blocks * KEY_BLOCK * w + tiles * t * d * a  # key/value row index; padded queries
+    total += tiles * t * (dv + 1) * a if blocks > 1 else tiles * t * dw1 * a  # output, denominator (views, 1 block)
+    total += tiles * t * a  # the first block's row max
+    if tiles > 1 or blocks > 1:
+        total += tiles * w  # the tiles' owner index
+    else:
+        total += blocks * KEY_BLOCK * (d + dw1) * a  # the key and value buffers, saved as they are
+    active = [tiles] + [tiles - bisect.bisect_left(lasts, j * KEY_BLOCK) for j in range(1, blocks)]
+    active = active[:active.index(0)] if 0 in active else active
+    for j, n in enumerate(active):
+        total += 5 * n * per * a
+        total += n * KEY_BLOCK * (d + dw1) * a if (tiles > 1 or blocks > 1) else 0
+        if j:  # the last block's new row max is not read again: its graph is dropped
+            total += n * t * d * a + 2 * n * t * dv * a + (6 if j < len(active) - 1 else 5) * n * t * a + 2 * n * w
+    return groups * total
+
+
+def _tile_last(i: int, rows: int, seq: int) -> int:
+    """The last (largest) position among query tile `i`'s rows (row r at position r mod seq; the
+    padding rows past `rows` at 0)."""
+    lo, hi = i * ROW_TILE, min((i + 1) * ROW_TILE, rows) - 1
+    if hi < lo:
+        return 0
+    if lo // seq != hi // seq:  # the tile crosses a head's end: that head's last position
+        return seq - 1
+    return hi % seq
+
+
+def attention_is_blocked(cfg: Config) -> bool:
+    """Whether the trainer's attention is `tiled.block_attention`, the ``batch`` numerics level's
+    (`fp4/invariant.py`: not for fp64, which runs the standard kernels), on whole unpacked sequences
+    without context parallel (cp and packed rows: the standard level's SDPA terms, not modeled at
+    ``batch`` yet)."""
+    return (cfg.numerics.invariance == "batch" and activation_dtype(cfg) != torch.float64
+            and getattr(cfg.parallel, "cp", 1) == 1 and not (cfg.rl.max_tokens_per_micro_batch or 0))
+
+
 def attention_activation_bytes(cfg: Config, tokens: int, batch: int = 0) -> int:
     """Bytes one attention layer's autograd graph saves for `tokens` = batch × seq tokens beyond its
-    input (counted by the caller), at the standard numerics level, by family (each term the forward's
-    own tensor; tests/unit/test_memory_plan_families_activations.py checks them against the saved
-    tensors and a hand count). ``a`` the activation dtype, ``w`` the wide one; tensor parallel cuts
-    the heads. `batch` (GPT-OSS only, whose eager softmax spans the sequence): the micro-batch's
-    rows (default one row of `tokens`).
+    input (counted by the caller), by family (each term the forward's own tensor;
+    tests/unit/test_memory_plan_families_activations.py checks them against the saved tensors and a
+    hand count). ``a`` the activation dtype, ``w`` the wide one; tensor parallel cuts the heads.
+    `batch`: the micro-batch's rows (default one row of `tokens`). At the ``batch`` numerics level
+    (`attention_is_blocked`) GQA's and MLA's SDPA terms (q, k, v, output, logsumexp) are
+    `block_attention_bytes` instead; GPT-OSS's are its eager attention's at every level (its
+    ``batch``-level block attention with window and sinks is not modeled yet).
 
     - GQA (qwen3_moe): q_norm/k_norm, RoPE's cos and sin, SDPA's q, k and v (repeated to every
       query head), output and logsumexp, o_proj's input;
@@ -203,6 +269,9 @@ def attention_activation_bytes(cfg: Config, tokens: int, batch: int = 0) -> int:
     w = wide_dtype(activation_dtype(cfg)).itemsize
     tp = _tp_layout(cfg)[0]
     nh, family = m.num_heads // tp, getattr(m, "family", "qwen3_moe")
+    rows = batch or 1
+    seq = tokens // rows
+    blocked = attention_is_blocked(cfg) and family != "gpt_oss"
     if family == "deepseek_v3":
         qk, rope, kvr, qr = m.qk_nope_head_dim + m.qk_rope_head_dim, m.qk_rope_head_dim, m.kv_lora_rank, m.q_lora_rank
         b = _norm_bytes(tokens, qr, a, w) + tokens * qr * a if qr else 0  # q_a's output normed; q_b's input
@@ -211,12 +280,12 @@ def attention_activation_bytes(cfg: Config, tokens: int, batch: int = 0) -> int:
         b += tokens * (kvr + rope) * a if a == w else tokens * kvr * w
         b += tokens * w + 2 * tokens * kvr * a  # the norm's rsqrt and x·rsqrt; kv_b's input
         b += 2 * tokens * rope * a  # cos, sin
+        if blocked:  # q and k go to the block attention, which copies them; v's kv_b storage is not kept
+            return b + block_attention_bytes(rows * nh, 1, seq, qk, m.v_head_dim, a) + tokens * nh * m.v_head_dim * a
         b += 2 * tokens * nh * qk * a + tokens * nh * (m.qk_nope_head_dim + m.v_head_dim) * a  # q, k; v's storage
         return b + 2 * tokens * nh * m.v_head_dim * a + tokens * nh * w  # SDPA's output, o_proj's input; logsumexp
     d = m.head_dim
     if family == "gpt_oss":
-        batch = batch or 1
-        seq = tokens // batch
         b = tokens * d * a  # cos, sin: half the head dim each
         b += 3 * tokens * nh * d * a  # q; k and v repeated to every head
         b += seq * seq + tokens * nh * _INDEX_BYTES  # the visible-keys mask (bool); the row max's indices
@@ -225,6 +294,8 @@ def attention_activation_bytes(cfg: Config, tokens: int, batch: int = 0) -> int:
     nkv = m.num_kv_heads // tp if m.num_kv_heads % tp == 0 else 1
     b = _norm_bytes(tokens * nh, d, a, w) + _norm_bytes(tokens * nkv, d, a, w)  # q_norm, k_norm
     b += 2 * tokens * d * a  # rope cos, sin
+    if blocked:  # block attention on the kv heads (no repeat)
+        return b + block_attention_bytes(rows * nkv, nh // nkv, seq, d, d, a) + tokens * nh * d * a
     b += 4 * tokens * nh * d * a + tokens * nh * w  # SDPA: q, k and v (repeated to nh heads), out; logsumexp
     return b + tokens * nh * d * a  # o_proj input (contiguous copy)
 

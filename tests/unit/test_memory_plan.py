@@ -25,19 +25,25 @@ from megatron_fp4.training.memory_plan import (chunk_activation_bytes, fp4_weigh
 from tests.distributed.launch import run_distributed
 from tools import memory_plan as cli
 
+# The standard numerics level: `build_model` (the saved-tensor measurements below) builds with the
+# standard kernels; the batch level's block attention is checked in test_memory_plan_families_activations.py.
 TINY = ["schedule.global_batch_size=8", "schedule.micro_batch_size=2", "schedule.seq_len=32",
-        "logging.tensorboard_dir=null", "checkpoint.dir=null", "logging.progress=false", "device=cpu"]
+        "logging.tensorboard_dir=null", "checkpoint.dir=null", "logging.progress=false", "device=cpu",
+        "numerics.invariance=standard"]
 
 
-def _saved_bytes(cfg, tokens, cut=None, attention_mask=None):
+def _saved_bytes(cfg, tokens, cut=None, attention_mask=None, numerics=None, apply=None):
     """Unique non-parameter storages autograd saves in one training forward + loss, and the routing.
     ``cut(model)``: cuts the model in place (tensor parallel) and returns its loss function;
-    ``attention_mask``: packed rows (`model/packing.py`), positions restarting per sequence."""
+    ``attention_mask``: packed rows (`model/packing.py`), positions restarting per sequence;
+    ``numerics``: a level applied by ``apply`` (default: `build_model`'s standard kernels)."""
     torch.manual_seed(0)
     model = build_model(cfg)
     loss_fn = cut(model) if cut is not None else lm_loss
     model.to(param_dtype(cfg))
     model.set_fp4_mode(cfg.fp4.train_mode)
+    if numerics is not None:  # a numerics level as the trainer's (``apply``: fp4.apply_numerics)
+        apply(model, numerics)
     model.train()
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     packed = []  # weak references: a graph branch nothing keeps (aux losses with coefficients 0) frees its tensors
