@@ -13,7 +13,9 @@
   one); stage 2 adds the reduced-grad shard. Every torch AdamW param (one per buffer) also holds a 4-byte ``step``.
 - **Activations**: the bytes autograd saves for one micro-batch of a chunk (the larger of the LM
   step's and a packed RL one, `micro_batch_shape`; `layer_activation_bytes`, checked term by term
-  against ``saved_tensors_hooks`` in tests/unit/test_memory_plan.py), times the micro-batches in flight of the schedule, plus the FP4 ``Q(W)`` each MoEResQ linear saves
+  against ``saved_tensors_hooks`` in tests/unit/test_memory_plan.py; by family: GQA, MLA, GPT-OSS,
+  `attention_activation_bytes`; at the ``batch`` numerics level the block attention's per-block
+  tensors, `block_attention_bytes`), times the micro-batches in flight of the schedule, plus the FP4 ``Q(W)`` each MoEResQ linear saves
   (fp32, `_DgradHalf`; once per step under the trainer's per-step weight cache).
 
 Expert rows per rank assume balanced routing (each rank's experts get ``tokens × top_k`` rows per

@@ -18,10 +18,10 @@ from megatron_fp4.config import default_config_path, load_config
 from megatron_fp4.model import build_model
 from megatron_fp4.fp4.tiled import block_attention
 from megatron_fp4.training.memory_plan import (attention_activation_bytes, attention_is_blocked, block_attention_bytes,
-                                               chunk_activation_bytes, fp4_weight_bytes, local_meta_model, param_dtype)
+                                               param_dtype)
 from tests.distributed.test_family_layouts import FAMILIES
 from tests.unit.test_cp_memory_plan_families import _cfg, _saved
-from tests.unit.test_memory_plan import TINY, _saved_bytes
+from tests.unit.test_memory_plan import TINY, plan_and_saved
 
 B, T = 2, 16
 
@@ -77,15 +77,7 @@ def _whole_model(family, extra):
     cfg = load_config(default_config_path(), TINY + extra)
     FAMILIES[family](cfg.model)
     cfg.validate()
-    s, m = cfg.schedule, cfg.model
-    tokens = torch.randint(0, m.vocab_size, (s.micro_batch_size, s.seq_len), generator=torch.Generator().manual_seed(1))
-    measured, routing = _saved_bytes(cfg, tokens)
-    meta = local_meta_model(cfg, 0, 0)
-    planned = chunk_activation_bytes(cfg, meta, range(m.num_layers), True, True, s.micro_batch_size, s.seq_len)
-    planned += fp4_weight_bytes(meta)
-    per_expert_qw = (3 * m.moe_ffn_hidden_size * m.hidden_size * 4) if cfg.fp4.scope != "none" else 0
-    empty = sum(m.num_experts - len(torch.unique(r)) for r in routing if r is not None)
-    return planned, measured, empty * per_expert_qw
+    return plan_and_saved(cfg)
 
 
 @pytest.mark.parametrize("extra", [[], ["fp4.scope=none"], ["dtype=bf16"]])
@@ -139,10 +131,5 @@ def test_batch_level_model_activation_bytes(family, extra):
         FAMILIES[family](cfg.model)
     cfg.validate()
     assert attention_is_blocked(cfg)
-    s, m = cfg.schedule, cfg.model
-    tokens = torch.randint(0, m.vocab_size, (s.micro_batch_size, s.seq_len), generator=torch.Generator().manual_seed(1))
-    measured, routing = _saved_bytes(cfg, tokens, numerics=numerics_from_config(cfg, "train"), apply=apply_numerics)
-    meta = local_meta_model(cfg, 0, 0)
-    planned = chunk_activation_bytes(cfg, meta, range(m.num_layers), True, True, s.micro_batch_size, s.seq_len)
-    planned += fp4_weight_bytes(meta)
+    planned, measured, _ = plan_and_saved(cfg, numerics=numerics_from_config(cfg, "train"), apply=apply_numerics)
     assert abs(planned / measured - 1) <= 0.02, (planned, measured)
