@@ -13,8 +13,8 @@ per layout):
   sampled every millisecond): the bytes the tensors hold, what the planner plans (the counterpart
   of ``torch.cuda.max_memory_allocated``). Goal (issues 26, 37): within 10 % of planned;
 - ``RSS``: the peak resident-set growth, which adds the free heap pages glibc keeps for reuse
-  instead of returning them (``RSS-heap``: about 100 MB per process here whatever the layout or
-  size, docs/memory.md "Checked against the trainer"), not a tensor the planner could name.
+  instead of returning them (``RSS-heap``: 45–160 MB per process here, largest at ep2;
+  docs/memory.md "Checked against the code and the machine"), not a tensor the planner could name.
 
 Two steps, so the peak is a steady-state step's: Adam moments exist while the second step's
 activations are saved (what the planner's "total" is). The model is bench_memory's ~76 M
