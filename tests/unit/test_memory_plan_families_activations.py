@@ -7,9 +7,13 @@ unique non-parameter storages held by the graph) and against a hand count of one
   planned == saved, exactly;
 - the same for one MLA and one GPT-OSS layer written out tensor by tensor with their shapes (an
   independent reference for the formula);
-- the whole tiny DeepSeek-V3 and GPT-OSS (tests/distributed/test_family_layouts.py's configs; fp32, bf16, FP4 on and off):
-  ``0 <= planned - measured <= Q(W) of the experts the router left empty`` (an empty expert saves
-  no Q(W)), the tolerance of test_memory_plan.py's Qwen3-MoE check.
+- the whole tiny DeepSeek-V3 and GPT-OSS (tests/distributed/test_family_layouts.py's configs;
+  fp32, bf16, FP4 on and off): ``0 <= planned - measured <= Q(W) of the experts the router left
+  empty`` (an empty expert saves no Q(W)), the tolerance of test_memory_plan.py's Qwen3-MoE check.
+  These run at the standard numerics level (`build_model`'s kernels);
+- the ``batch`` level (the trainer's default): `block_attention_bytes` equals `tiled.block_attention`'s
+  saved tensors exactly on eight shapes, and the whole tiny model with the trainer's numerics
+  applied is within 2 % (the level's norm and GEMM kernels: not modeled).
 """
 import pytest
 import torch
