@@ -45,6 +45,57 @@ def _peak_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: kilobytes
 
 
+class HeapPeak:
+    """The peak of the C heap's live bytes while the ``with`` block runs, over the bytes live when
+    it starts: glibc's ``mallinfo2`` (``uordblks`` bytes in use in the arenas' chunks + ``hblkhd``
+    bytes in mmapped chunks: every ATen CPU tensor's storage, whatever its size), sampled by a
+    thread every `interval` seconds (ATen ops release the GIL). What the process's tensors hold at
+    their peak, the CPU counterpart of ``torch.cuda.max_memory_allocated``; peak RSS adds the
+    allocator's free pages it has not returned to the system (glibc keeps freed heap chunks for
+    reuse). ``peak_mb`` is None where the C library has no ``mallinfo2`` (not glibc ≥ 2.33)."""
+
+    def __init__(self, interval: float = 0.001):
+        import ctypes
+
+        self.interval, self.peak_mb, self._fn = interval, None, None
+        try:
+            fn = ctypes.CDLL(None).mallinfo2
+        except (AttributeError, OSError):
+            return
+        fields = ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks",
+                  "keepcost")
+        fn.restype = type("mallinfo2", (ctypes.Structure,), {"_fields_": [(f, ctypes.c_size_t) for f in fields]})
+        self._fn = fn
+
+    def live(self) -> int:
+        info = self._fn()
+        return info.uordblks + info.hblkhd
+
+    def __enter__(self) -> "HeapPeak":
+        if self._fn is None:
+            return self
+        import threading
+
+        self._base = self._max = self.live()
+        self._stop = threading.Event()
+
+        def sample():
+            while not self._stop.wait(self.interval):
+                self._max = max(self._max, self.live())
+
+        self._thread = threading.Thread(target=sample, daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._fn is None:
+            return
+        self._stop.set()
+        self._thread.join()
+        self._max = max(self._max, self.live())
+        self.peak_mb = (self._max - self._base) / 2**20
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -13,7 +13,9 @@
   one); stage 2 adds the reduced-grad shard. Every torch AdamW param (one per buffer) also holds a 4-byte ``step``.
 - **Activations**: the bytes autograd saves for one micro-batch of a chunk (the larger of the LM
   step's and a packed RL one, `micro_batch_shape`; `layer_activation_bytes`, checked term by term
-  against ``saved_tensors_hooks`` in tests/unit/test_memory_plan.py), times the micro-batches in flight of the schedule, plus the FP4 ``Q(W)`` each MoEResQ linear saves
+  against ``saved_tensors_hooks`` in tests/unit/test_memory_plan.py; by family: GQA, MLA, GPT-OSS,
+  `attention_activation_bytes`; at the ``batch`` numerics level the block attention's per-block
+  tensors, `block_attention_bytes`), times the micro-batches in flight of the schedule, plus the FP4 ``Q(W)`` each MoEResQ linear saves
   (fp32, `_DgradHalf`; once per step under the trainer's per-step weight cache).
 
 Expert rows per rank assume balanced routing (each rank's experts get ``tokens × top_k`` rows per
@@ -21,11 +23,13 @@ micro-batch on average); the real number varies with the router.
 """
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass, field
 
 import torch
 
 from megatron_fp4.config import Config, ConfigError
+from megatron_fp4.fp4.tiled import KEY_BLOCK, MIN_VALUE_COLUMNS, ROW_TILE
 from megatron_fp4.model import MoETransformer
 from megatron_fp4.model.layers import wide_dtype
 from megatron_fp4.model.moe import GroupedExperts
@@ -170,8 +174,136 @@ def _tp_layout(cfg: Config) -> tuple:
     return p.tp, p.tp if p.sequence_parallel else 1, p.tp if p.moe_tp_tokens == "local" else 1
 
 
+def _norm_bytes(rows: int, dim: int, a: int, w: int) -> int:
+    """RMSNorm of `rows` × `dim` (layers.py): its upcast input, ``x·rsqrt`` (saved by the gain's
+    product, in the activations' dtype) and the per-row rsqrt."""
+    return rows * dim * (w + a) + rows * w
+
+
+def _input_linears(m) -> int:
+    """The linears reading the attention's input: q, k, v (GQA, GPT-OSS); q_a (or q) and kv_a (MLA)."""
+    return 2 if getattr(m, "family", "qwen3_moe") == "deepseek_v3" else 3
+
+
+def block_attention_bytes(groups: int, rep: int, seq: int, d: int, dv: int, a: int) -> int:
+    """Bytes `tiled.block_attention` (the ``batch`` numerics level's attention, the trainer's
+    default) saves for autograd on `groups` = batch × kv heads of `rep` query heads each, `seq`
+    tokens at positions 0..seq-1, key dim `d`, value dim `dv`, in an `a`-byte dtype; term by term
+    its forward's (tests/unit/test_memory_plan_families_activations.py checks it against the saved
+    tensors). Query rows (the rep heads × seq) in tiles of ``ROW_TILE``, keys in blocks of
+    ``KEY_BLOCK``; block j runs the tiles whose last position reaches it (``n_j`` per group).
+
+    - once: the key/value row index (int64, ``KEY_BLOCK`` · blocks per group), the zero-padded scaled
+      queries, the tiles' owner index (int64) — or, with one tile and one block, the key and value
+      block buffers themselves —, the first block's row max, and the final output and denominator
+      (with one block: views of the first block's value product, ``dw + 1`` wide);
+    - per block: the masked scores, their shifted copy (clamp's input), exp, the keep mask and the
+      weights ([n_j, ROW_TILE, KEY_BLOCK] each), the block's keys and values (``dw + 1`` columns:
+      at least ``MIN_VALUE_COLUMNS``, a ones column for the denominator);
+    - per block after the first (the tiles selected): their queries, running output (before and
+      after the update) and six [n_j, ROW_TILE] rows (row max, previous max, the correction, the
+      previous and new denominator, the new max: not on the last block, where nothing reads it),
+      the selection and owner indices (int64)."""
+    blocks = -(-seq // KEY_BLOCK)
+    rows = rep * seq
+    tiles = max(1, -(-rows // ROW_TILE))
+    dw1 = max(dv, MIN_VALUE_COLUMNS - 1) + 1
+    lasts = sorted(_tile_last(i, rows, seq) for i in range(tiles))
+    per, total, t, w = ROW_TILE * KEY_BLOCK, 0, ROW_TILE, _INDEX_BYTES
+    total += blocks * KEY_BLOCK * w + tiles * t * d * a  # key/value row index; padded queries
+    total += tiles * t * (dv + 1) * a if blocks > 1 else tiles * t * dw1 * a  # output, denominator (views, 1 block)
+    total += tiles * t * a  # the first block's row max
+    if tiles > 1 or blocks > 1:
+        total += tiles * w  # the tiles' owner index
+    else:
+        total += blocks * KEY_BLOCK * (d + dw1) * a  # the key and value buffers, saved as they are
+    active = [tiles] + [tiles - bisect.bisect_left(lasts, j * KEY_BLOCK) for j in range(1, blocks)]
+    active = active[:active.index(0)] if 0 in active else active
+    for j, n in enumerate(active):
+        total += 5 * n * per * a
+        total += n * KEY_BLOCK * (d + dw1) * a if (tiles > 1 or blocks > 1) else 0
+        if j:  # the last block's new row max is not read again: its graph is dropped
+            total += n * t * d * a + 2 * n * t * dv * a + (6 if j < len(active) - 1 else 5) * n * t * a + 2 * n * w
+    return groups * total
+
+
+def _tile_last(i: int, rows: int, seq: int) -> int:
+    """The last (largest) position among query tile `i`'s rows (row r at position r mod seq; the
+    padding rows past `rows` at 0)."""
+    lo, hi = i * ROW_TILE, min((i + 1) * ROW_TILE, rows) - 1
+    if hi < lo:
+        return 0
+    if lo // seq != hi // seq:  # the tile crosses a head's end: that head's last position
+        return seq - 1
+    return hi % seq
+
+
+def attention_is_blocked(cfg: Config) -> bool:
+    """Whether the trainer's attention is `tiled.block_attention`, the ``batch`` numerics level's
+    (`fp4/invariant.py`: not for fp64, which runs the standard kernels), on whole unpacked sequences
+    without context parallel (cp and packed rows: the standard level's SDPA terms, not modeled at
+    ``batch`` yet)."""
+    return (cfg.numerics.invariance == "batch" and activation_dtype(cfg) != torch.float64
+            and getattr(cfg.parallel, "cp", 1) == 1 and not (cfg.rl.max_tokens_per_micro_batch or 0))
+
+
+def attention_activation_bytes(cfg: Config, tokens: int, batch: int = 0) -> int:
+    """Bytes one attention layer's autograd graph saves for `tokens` = batch × seq tokens beyond its
+    input (counted by the caller), by family (each term the forward's own tensor;
+    tests/unit/test_memory_plan_families_activations.py checks them against the saved tensors and a
+    hand count). ``a`` the activation dtype, ``w`` the wide one; tensor parallel cuts the heads.
+    `batch`: the micro-batch's rows (default one row of `tokens`). At the ``batch`` numerics level
+    (`attention_is_blocked`) GQA's and MLA's SDPA terms (q, k, v, output, logsumexp) are
+    `block_attention_bytes` instead; GPT-OSS's are its eager attention's at every level (its
+    ``batch``-level block attention with window and sinks is not modeled yet).
+
+    - GQA (qwen3_moe): q_norm/k_norm, RoPE's cos and sin, SDPA's q, k and v (repeated to every
+      query head), output and logsumexp, o_proj's input;
+    - MLA (deepseek_v3): the q low-rank path (q_a's output normed, q_b's input) or nothing more
+      (``q_lora_rank`` 0: q_proj reads the input); kv_a's whole output (its latent part upcast by
+      the norm: a view of it unless the activations are narrower) and its norm, kv_b's input; cos and
+      sin of the rotary dims; SDPA's q and k (``qk_nope + qk_rope`` per head), v (a view of kv_b's
+      whole output: ``qk_nope + v`` per head), its output (``v_head_dim``) and logsumexp; o_proj's input;
+    - GPT-OSS (eager sink attention): cos and sin of half the head dim; q, k and v repeated to every
+      head; the boolean mask [1, 1, T, T] of the causal (and sliding-window) keys; the row max's
+      int64 indices; the softmax over ``T + 1`` logits (the sink); o_proj's input."""
+    m, a = cfg.model, activation_dtype(cfg).itemsize
+    w = wide_dtype(activation_dtype(cfg)).itemsize
+    tp = _tp_layout(cfg)[0]
+    nh, family = m.num_heads // tp, getattr(m, "family", "qwen3_moe")
+    rows = batch or 1
+    seq = tokens // rows
+    blocked = attention_is_blocked(cfg) and family != "gpt_oss"
+    if family == "deepseek_v3":
+        qk, rope, kvr, qr = m.qk_nope_head_dim + m.qk_rope_head_dim, m.qk_rope_head_dim, m.kv_lora_rank, m.q_lora_rank
+        b = _norm_bytes(tokens, qr, a, w) + tokens * qr * a if qr else 0  # q_a's output normed; q_b's input
+        # kv_a's output [kvr | rope]: the norm's upcast of its latent part is a view of the whole output
+        # when the activations are wide already, else a wide copy of the latent part
+        b += tokens * (kvr + rope) * a if a == w else tokens * kvr * w
+        b += tokens * w + 2 * tokens * kvr * a  # the norm's rsqrt and x·rsqrt; kv_b's input
+        b += 2 * tokens * rope * a  # cos, sin
+        if blocked:  # q and k go to the block attention, which copies them; v's kv_b storage is not kept
+            return b + block_attention_bytes(rows * nh, 1, seq, qk, m.v_head_dim, a) + tokens * nh * m.v_head_dim * a
+        b += 2 * tokens * nh * qk * a + tokens * nh * (m.qk_nope_head_dim + m.v_head_dim) * a  # q, k; v's storage
+        return b + 2 * tokens * nh * m.v_head_dim * a + tokens * nh * w  # SDPA's output, o_proj's input; logsumexp
+    d = m.head_dim
+    if family == "gpt_oss":
+        b = tokens * d * a  # cos, sin: half the head dim each
+        b += 3 * tokens * nh * d * a  # q; k and v repeated to every head
+        b += seq * seq + tokens * nh * _INDEX_BYTES  # the visible-keys mask (bool); the row max's indices
+        b += tokens * nh * (seq + 1) * a  # the softmax over the keys and the sink
+        return b + tokens * nh * d * a  # o_proj's input
+    nkv = m.num_kv_heads // tp if m.num_kv_heads % tp == 0 else 1
+    b = _norm_bytes(tokens * nh, d, a, w) + _norm_bytes(tokens * nkv, d, a, w)  # q_norm, k_norm
+    b += 2 * tokens * d * a  # rope cos, sin
+    if blocked:  # block attention on the kv heads (no repeat)
+        return b + block_attention_bytes(rows * nkv, nh // nkv, seq, d, d, a) + tokens * nh * d * a
+    b += 4 * tokens * nh * d * a + tokens * nh * w  # SDPA: q, k and v (repeated to nh heads), out; logsumexp
+    return b + tokens * nh * d * a  # o_proj input (contiguous copy)
+
+
 def layer_activation_bytes(cfg: Config, is_moe: bool, tokens: int, routed_rows: int, local_experts: int = 0,
-                           grouped_experts: bool = False) -> int:
+                           grouped_experts: bool = False, batch: int = 0) -> int:
     """Bytes autograd saves in one decoder layer for `tokens` = batch × seq tokens (``routed_rows``:
     rows this rank's experts receive). Terms follow the forward (layers.py, moe.py, moeresq.py);
     ``a`` is the activation dtype, ``w`` the wide (norm/router) one. Excludes Q(W) (`fp4_weight_bytes`).
@@ -181,18 +313,13 @@ def layer_activation_bytes(cfg: Config, is_moe: bool, tokens: int, routed_rows: 
     m, a = cfg.model, activation_dtype(cfg).itemsize
     w = wide_dtype(activation_dtype(cfg)).itemsize
     tp, sp, local = _tp_layout(cfg)
-    H, d, k = m.hidden_size, m.head_dim, m.top_k
-    nh = m.num_heads // tp
-    nkv = m.num_kv_heads // tp if m.num_kv_heads % tp == 0 else 1
+    H, k = m.hidden_size, m.top_k
     rows = tokens // sp  # the norms' and residuals' rows
-    norm = lambda n, dim: n * dim * (w + a) + n * w  # noqa: E731  RMSNorm: upcast input, rsqrt, x·rsqrt
-    # input norm, its output: the q/k/v linears' input; under SP all-gathered along the sequence into
-    # a non-contiguous [B, T, H] (`tp_comm._gather`), which each of the three linears copies to save
-    b = norm(rows, H) + tokens * H * a * (3 if sp > 1 else 1)
-    b += norm(tokens * nh, d) + norm(tokens * nkv, d)  # q_norm, k_norm
-    b += 2 * tokens * d * a  # rope cos, sin
-    b += 4 * tokens * nh * d * a + tokens * nh * w  # SDPA: q, k and v (repeated to nh heads), out; logsumexp
-    b += tokens * nh * d * a  # o_proj input (contiguous copy)
+    norm = lambda n, dim: _norm_bytes(n, dim, a, w)  # noqa: E731
+    # input norm, its output: the attention's input linears' input; under SP all-gathered along the
+    # sequence into a non-contiguous [B, T, H] (`tp_comm._gather`), which each of them copies to save
+    b = norm(rows, H) + tokens * H * a * (_input_linears(m) if sp > 1 else 1)
+    b += attention_activation_bytes(cfg, tokens, batch)
     b += norm(rows, H)  # post-attention norm
     shared = is_moe and m.num_shared_experts > 0
     moe_tokens = tokens // local
@@ -208,9 +335,15 @@ def layer_activation_bytes(cfg: Config, is_moe: bool, tokens: int, routed_rows: 
     tokens = moe_tokens
     E, F = m.num_experts, m.moe_ffn_hidden_size // cfg.parallel.etp
     b += 0 if param_dtype(cfg) == wide_dtype(param_dtype(cfg)) else E * H * w  # the router weight's fp32 upcast
-    b += tokens * E * w + tokens * w + tokens * k * 2 * w  # probs; top-k sum, raw/normalized weights
+    gpt_oss = getattr(m, "family", "qwen3_moe") == "gpt_oss"
+    if gpt_oss:  # top-k of the logits, softmax over the chosen ones; the softmax over all only for the aux loss
+        b += tokens * k * w + (tokens * E * w if m.router_aux_loss_coef else 0)
+    else:  # softmax (Qwen3) or sigmoid (DeepSeek-V3) scores; top-k sum, raw/normalized weights
+        b += tokens * E * w + tokens * w + tokens * k * 2 * w
     b += 4 * tokens * k * _INDEX_BYTES  # top-k ids, token_of_row, two un-permute orders
     b += routed_rows * H * a + 4 * routed_rows * F * a  # x_sorted; per expert w13 out (2F), silu, product
+    # GPT-OSS's clamped SwiGLU: the clamped gate, the sigmoid, clamp(up) + 1 (the product's other factor)
+    b += 3 * routed_rows * F * a if gpt_oss else 0
     # combine: the slots in expert order (one tensor: `weighted_sum_of_slots` takes them by unbind), their weights
     b += tokens * k * H * a + tokens * k * a
     if grouped_experts:  # FP4 off: one grouped GEMM (moe.can_group) saves its int32 group offsets
@@ -218,6 +351,8 @@ def layer_activation_bytes(cfg: Config, is_moe: bool, tokens: int, routed_rows: 
     if m.router_aux_loss_coef or m.router_z_loss_coef:  # the aux losses' graph, kept by AuxLossAutoScaler
         b += tokens * E * w + E * 4 + tokens * w + w  # logits (z-loss), token fractions, logsumexp, the loss
         b += tokens * w + w if local > 1 else 0  # tp-shared statistics (`MoELayer.token_sum`): token weights, count
+        # DeepSeek-V3's router: the aux losses' probs are its sigmoid scores over their row sum (saved)
+        b += tokens * w if getattr(m, "family", "qwen3_moe") == "deepseek_v3" and m.router_aux_loss_coef else 0
     if shared:  # whole MoE tokens: uncut; local: cut like a dense MLP, on every token (`_shared_expert`)
         b += 4 * tokens * local * m.shared_expert_ffn_hidden_size * m.num_shared_experts // local * a
     return b
@@ -279,9 +414,11 @@ def chunk_activation_bytes(cfg: Config, model: MoETransformer, layers, is_first:
         layer = model.layers[i]
         experts = layer.mlp.experts if layer.is_moe else None
         rows = tokens // local * m.top_k
-        grouped = experts is not None and experts.recipe.mode == "bf16" and param_dtype(cfg) != torch.float64 \
+        grouped = experts is not None and experts.grouped and experts.recipe.mode == "bf16" \
+            and param_dtype(cfg) != torch.float64 \
             and rows <= GroupedExperts.max_group_rows * experts.num_experts
-        b += layer_activation_bytes(cfg, layer.is_moe, tokens, rows, experts.num_experts if experts else 0, grouped)
+        b += layer_activation_bytes(cfg, layer.is_moe, tokens, rows, experts.num_experts if experts else 0, grouped,
+                                    batch)
         b += cp_attention_bytes(cfg, batch, seq) + (packed_attention_bytes(cfg, tokens) if packed else 0)
     if is_last and tp == 1:  # final norm, LM-head input, log-softmax output (fp32), loss scalar
         b += tokens * m.hidden_size * (w + 2 * a) + tokens * w + tokens * m.vocab_size * w + w
