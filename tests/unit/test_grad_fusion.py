@@ -167,3 +167,27 @@ def test_autograd_grad_and_a_retained_graph_take_the_ordinary_path(granted):
     ref = x.clone().requires_grad_()
     (tiled_grouped_linear(ref, w, counts) * dy).sum().backward()
     assert _hex(dx) == _hex(ref.grad)
+
+
+def test_dense_tiled_linear_writes_its_weight_gradient_with_the_ordinary_bits(granted):
+    """A dense tiled GEMM (attention projections, LM head): the fused write into the buffer equals the
+    gradient autograd accumulates into it (float.hex), zeros included (an input column of ``-0.0``,
+    an output-gradient column of zeros: ``+0.0`` in both; the ``-0.0`` rule itself:
+    `test_finish_fused_has_the_bits_of_adding_into_zero`); a wide weight (column blocks) and a narrow one."""
+    from megatron_fp4.fp4.tiled import tiled_linear
+
+    for n, k in ((1300, 1024), (6, 8)):
+        g = torch.Generator().manual_seed(n)
+        w, x, dy = torch.randn(n, k, generator=g), torch.randn(21, k, generator=g), torch.randn(21, n, generator=g)
+        x[:, 1] = -0.0
+        dy[:, 0] = 0.0
+        ref = torch.nn.Parameter(w.clone())
+        ref.grad = torch.zeros_like(w)  # the ordinary path: autograd adds the returned gradient into a zeroed .grad
+        (tiled_linear(x, ref) * dy).sum().backward()
+        weight = torch.nn.Parameter(w.clone())
+        _optimizer(weight)
+        before = granted["granted"]
+        (tiled_linear(x, weight) * dy).sum().backward()
+        assert granted["granted"] == before + 1
+        assert _hex(weight.grad) == _hex(ref.grad)
+        assert not torch.signbit(weight.grad[:, 1]).any()
