@@ -345,3 +345,19 @@ def test_invariant_silu_gradient_is_finite_and_silus():
     assert torch.isfinite(x.grad).all()
     # a few fp32 operations on the derivative's O(1) terms: within 8 ulp of 1 + |x|·u·8
     assert ((x.grad.double() - ref.grad).abs() <= 8 * U * (1 + x.detach().double().abs())).all()
+
+
+@pytest.mark.parametrize("mode", ["bf16", "fp4_resq"])
+def test_batch_level_rollout_equals_scoring_bitwise_with_a_column_blocked_lm_head(mode):
+    """A vocabulary wide enough for the LM head to run in column blocks (hidden 64: blocks of 8192,
+    then a tail of 4608): the rollout engine's decode == scoring in other batches, 0 bits, 0 routes."""
+    from megatron_fp4.config import Config
+    from megatron_fp4.model import build_model
+    from tests.numerics import single_thread
+    from tests.unit.test_batch_invariant import check_rollout_equals_scoring
+
+    cfg = Config()
+    cfg.model.vocab_size, cfg.model.num_layers = 12800, 2
+    assert column_blocks(cfg.model.hidden_size, cfg.model.vocab_size) == ((0, 8192), (8192, 4608))
+    with single_thread():
+        check_rollout_equals_scoring(mode, "experts", "nvfp4", 7, "batch", model=build_model(cfg, seed=7))
