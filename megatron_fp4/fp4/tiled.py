@@ -99,20 +99,20 @@ def _tiled_forward(x2: torch.Tensor, wt: torch.Tensor) -> torch.Tensor:
     tile = row_tile(K, N)
     xp = _padded_rows(x2, tile)
     out = xp.new_empty(xp.shape[0], N)
-    _tile_products(xp, wt, out, 0, xp.shape[0], tile)
+    _tile_products(xp, wt, out, tile)
     return out[:M] if out.shape[0] != M else out
 
 
-def _tile_products(xp: torch.Tensor, wt: torch.Tensor, out: torch.Tensor, start: int, end: int,
-                   tile: int) -> None:
-    """``out[start:end] = xp[start:end] @ wt`` by one [tile, K] · [K, Nb] call per row tile and column
-    block (:func:`column_blocks`), each written into its place in ``out`` ([·, N] row-major). The
-    column block is the outer loop: a weight block stays in cache across the row tiles."""
+def _tile_products(xp: torch.Tensor, wt: torch.Tensor, out: torch.Tensor, tile: int) -> None:
+    """``out = xp @ wt`` (``xp`` [R, K], R a multiple of ``tile``; ``out`` [R, N] rows of a row-major
+    [·, N]) by one [tile, K] · [K, Nb] call per row tile and column block (:func:`column_blocks`),
+    each written into its place in ``out``. The column block is the outer loop: a weight block
+    stays in cache across the row tiles (the tiles' views made once, by ``split``)."""
+    tiles = xp.split(tile)
     for j, width in column_blocks(*wt.shape):
         w = wt if width == wt.shape[1] else wt[:, j:j + width]
-        o = out if width == out.shape[1] else out[:, j:j + width]
-        for i in range(start, end, tile):
-            torch.mm(xp[i:i + tile], w, out=o[i:i + tile])
+        for xt, ot in zip(tiles, (out if width == out.shape[1] else out[:, j:j + width]).split(tile)):
+            torch.mm(xt, w, out=ot)
 
 
 class _TiledMM(torch.autograd.Function):
@@ -221,8 +221,8 @@ def _grouped_tiles(x: torch.Tensor, weights, counts: list, tile: Optional[int] =
     for e, (start, n) in enumerate(zip(starts, counts)):
         if n:  # the run's tiles, column block by column block (`_tile_products`, as tiled_mm of the run alone)
             w = weights[e]
-            _tile_products(xp, (w if w.is_contiguous() else w.contiguous()).t(), out, start,
-                           start + -(-n // tile) * tile, tile)
+            end = start + -(-n // tile) * tile
+            _tile_products(xp[start:end], (w if w.is_contiguous() else w.contiguous()).t(), out[start:end], tile)
     return out if rows is None else out.index_select(0, rows)
 
 
