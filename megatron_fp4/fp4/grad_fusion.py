@@ -5,9 +5,10 @@ of returning a weight-sized tensor that autograd then adds into that buffer.
 At 100M+ expert parameters the add is a pass over every expert gradient (read two, write one) and
 the returned tensor a fresh weight-sized allocation each step (issue 37). The optimizer
 (`parallel.zero.ZeroAdamW`) attaches a :class:`FusedGrad` to each parameter whose gradient is a view
-of a buffer it zeroes every step (``param.fused_grad``); the grouped expert kernels
-(``fp4/tiled.py``'s FP4-off tiled GEMMs, ``fp4/moeresq_grouped.py``'s wgrad) ask it for the
-destination with :meth:`FusedGrad.claim` and return no gradient when they get one.
+of a buffer it zeroes every step (``param.fused_grad``); the ``batch`` level's tiled GEMMs
+(``fp4/tiled.py``: the dense ones — attention projections, router, LM head — and the FP4-off grouped
+experts) and ``fp4/moeresq_grouped.py``'s wgrad ask it for the destination with
+:meth:`FusedGrad.claim` and return no gradient when they get one.
 
 The bits are those of autograd's accumulation into the zeroed buffer, ``0 + g``: the kernel writes
 ``g`` and adds ``+0.0`` (a ``-0.0`` becomes ``+0.0``, as in ``0 + g``; nothing else changes). A claim

@@ -2,7 +2,9 @@
 on that row (and, for attention, its prefix), not on its batch, padding, micro-batch or KV cache.
 
 - GEMMs (:func:`tiled_mm`): the rows cut into tiles of :func:`row_tile` ``(K, N)`` rows (the last
-  one zero-padded), one ``torch.mm`` per tile. The tile is a function of the weight's shape alone,
+  one zero-padded), a large weight's columns into blocks of :func:`column_blocks` ``(K, N)`` (a block
+  fits a core's L2: the LM head's 32 MB weight was streamed from memory once per row tile), one
+  ``torch.mm`` per tile and block, column block outer. Tile and blocks are functions of the weight's shape alone,
   so one call site (one weight) always uses one tile: :data:`ROW_TILE` rows for wide layers, up to
   :data:`MAX_ROW_TILE` for narrow ones, where a call's fixed cost outweighs its arithmetic (a
   tile aims at :data:`TILE_WORK` multiply-adds: 16× fewer calls at width 64 than 16-row tiles).
@@ -27,7 +29,8 @@ on that row (and, for attention, its prefix), not on its batch, padding, micro-b
   once per forward and reused by the layers (:func:`_plan`).
 - The backward of a tiled GEMM is one plain GEMM per gradient (:class:`_TiledMM`): gradients sum
   over the batch, so no tiling makes them batch invariant, and autograd through every tile cost
-  as many small ops as the forward.
+  as many small ops as the forward. The weight gradient comes in the weight's layout, written
+  into the optimizer's zeroed gradient buffer where it grants the claim (`fp4/grad_fusion.py`).
 - Row sums (:func:`row_sum`: RMSNorm's mean square, softmax denominators) are ATen's ``sum`` on
   contiguous rows, a lone row beside a zero row, so each row is reduced alone by one thread in
   the same kernel whatever the row count.
@@ -45,6 +48,9 @@ from megatron_fp4.fp4.grad_fusion import claim_fused, finish_fused, fused_grad_o
 ROW_TILE = 16  # the smallest GEMM row tile, and attention's query tile
 MAX_ROW_TILE = 128
 TILE_WORK = 1 << 18  # multiply-adds a GEMM tile aims at (a narrow layer's tile grows to reach it)
+COLUMN_BLOCK_ELEMENTS = 1 << 19  # a GEMM's weight block: 2 MiB in fp32, a core's L2 (`column_blocks`)
+CACHED_WEIGHT_ELEMENTS = 1 << 21  # a weight up to this size is one block (8 MiB in fp32: it stays cached)
+MIN_COLUMN_BLOCK = 256  # columns of a weight block at least
 KEY_BLOCK = 64
 MIN_VALUE_COLUMNS = 16  # the weighted-value GEMM's width at least (`block_attention`)
 
@@ -60,6 +66,28 @@ def row_tile(k: int, n: int) -> int:
     return tile
 
 
+@functools.lru_cache(maxsize=None)
+def column_blocks(k: int, n: int) -> tuple:
+    """The column blocks ``(start, width)`` of a [M, k] · [k, n] GEMM. A weight of at most
+    CACHED_WEIGHT_ELEMENTS (8 MiB in fp32) is one block: it stays in the cache from one row tile to
+    the next (measured: cutting an expert's [768, 1024] or a [1024, 1024] projection cost 0-3 %). A
+    larger one is cut into blocks of COLUMN_BLOCK_ELEMENTS // k columns (a multiple of 64, at least
+    MIN_COLUMN_BLOCK: a block fits a core's L2 cache, 2 MiB in fp32), the last one wider by the
+    remainder where that is under half a block (no narrow tail block: MKL's narrow-N kernels
+    rounded a row by its slot in the tile, ``block_attention``). A function of the weight's shape
+    alone, as the row tile."""
+    width = max(MIN_COLUMN_BLOCK, COLUMN_BLOCK_ELEMENTS // max(k, 1) // 64 * 64)
+    full, rest = divmod(n, width)
+    if k * n <= CACHED_WEIGHT_ELEMENTS or full == 0 or (full == 1 and rest < width // 2):
+        return ((0, n),)
+    blocks = [(j * width, width) for j in range(full)]
+    if rest >= width // 2:
+        blocks.append((full * width, rest))
+    elif rest:
+        blocks[-1] = (blocks[-1][0], width + rest)
+    return tuple(blocks)
+
+
 def _padded_rows(x2: torch.Tensor, multiple: int) -> torch.Tensor:
     """``x2`` [M, K] with zero rows appended to a multiple of ``multiple`` rows, in a fresh
     contiguous buffer (every tile then starts at the same alignment relative to the allocation)."""
@@ -71,47 +99,75 @@ def _padded_rows(x2: torch.Tensor, multiple: int) -> torch.Tensor:
 
 
 def _tiled_forward(x2: torch.Tensor, wt: torch.Tensor) -> torch.Tensor:
-    """The forward of :func:`tiled_mm` (no autograd)."""
+    """The forward of :func:`tiled_mm` (no autograd): ``wt`` [K, N] the transpose of a row-major
+    [N, K]. The tiles' products written in place into one output (no concatenating copy)."""
     M = x2.shape[0]
-    tile = row_tile(*wt.shape)
+    K, N = wt.shape
+    tile = row_tile(K, N)
     xp = _padded_rows(x2, tile)
-    if xp.shape[0] == tile:
-        out = torch.mm(xp, wt)
-    else:  # each tile's product written in place into one output (no concatenating copy)
-        out = xp.new_empty(xp.shape[0], wt.shape[1])
-        for i in range(0, xp.shape[0], tile):
-            torch.mm(xp[i:i + tile], wt, out=out[i:i + tile])
+    out = xp.new_empty(xp.shape[0], N)
+    _tile_products(xp, wt, out, tile)
     return out[:M] if out.shape[0] != M else out
 
 
+def _tile_products(xp: torch.Tensor, wt: torch.Tensor, out: torch.Tensor, tile: int) -> None:
+    """``out = xp @ wt`` (``xp`` [R, K], R a multiple of ``tile``; ``out`` [R, N] rows of a row-major
+    [·, N]) by one [tile, K] · [K, Nb] call per row tile and column block (:func:`column_blocks`),
+    each written into its place in ``out``. The column block is the outer loop: a weight block
+    stays in cache across the row tiles (the tiles' views made once, by ``split``)."""
+    tiles = xp.split(tile)
+    for j, width in column_blocks(*wt.shape):
+        w = wt if width == wt.shape[1] else wt[:, j:j + width]
+        for xt, ot in zip(tiles, (out if width == out.shape[1] else out[:, j:j + width]).split(tile)):
+            torch.mm(xt, w, out=ot)
+
+
 class _TiledMM(torch.autograd.Function):
-    """Forward: one [T, K] · [K, N] call per row tile; backward: one GEMM per gradient (the
-    gradients sum over the batch anyway, so their bits are not batch invariant at any tiling)."""
+    """``x2 @ wᵀ`` (``w`` [N, K] row-major). Forward: one [T, K] · [K, Nb] call per row tile and
+    column block; backward: one GEMM per gradient (the gradients sum over the batch anyway, so their
+    bits are not batch invariant at any tiling). The weight gradient is ``dyᵀ · x`` in ``w``'s own
+    layout (contiguous [N, K]: autograd's accumulation into the parameter's gradient is a contiguous
+    add), written straight into the optimizer's zeroed gradient buffer when it grants the claim
+    (`fp4/grad_fusion.py`), with the bits of that accumulation."""
 
     @staticmethod
-    def forward(ctx, x2, wt):
-        ctx.save_for_backward(x2, wt)
-        return _tiled_forward(x2, wt)
+    def forward(ctx, x2, w):
+        ctx.save_for_backward(x2, w)
+        ctx.fused = fused_grad_of(w, ctx.needs_input_grad[1])
+        return _tiled_forward(x2, w.t())
 
     @staticmethod
     def backward(ctx, dy):
-        x2, wt = ctx.saved_tensors
-        dx = torch.mm(dy, wt.t()) if ctx.needs_input_grad[0] else None
-        dwt = torch.mm(x2.t(), dy) if ctx.needs_input_grad[1] else None
-        return dx, dwt
+        x2, w = ctx.saved_tensors
+        dx = torch.mm(dy, w) if ctx.needs_input_grad[0] else None
+        dest = claim_fused(ctx)
+        dw = None
+        if dest is not None:
+            torch.mm(dy.t(), x2, out=dest)
+            finish_fused(dest)
+        elif ctx.needs_input_grad[1]:
+            dw = torch.mm(dy.t(), x2)
+        return dx, dw
+
+
+def _tiled_linear2d(x2: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """``x2`` [M, K] @ ``w``ᵀ (``w`` [N, K]) by :func:`_tiled_forward`, through :class:`_TiledMM` with
+    autograd. The weight is made row-major first (a GEMM kernel is chosen by layout as well as shape,
+    and picks other bits); the parameter itself reaches :class:`_TiledMM` (its fused gradient)."""
+    if not w.is_contiguous():
+        w = w.contiguous()
+    if torch.is_grad_enabled() and (x2.requires_grad or w.requires_grad):
+        return _TiledMM.apply(x2, w)
+    return _tiled_forward(x2, w.t())
 
 
 def tiled_mm(x2: torch.Tensor, wt: torch.Tensor) -> torch.Tensor:
-    """``x2`` [M, K] @ ``wt`` [K, N] with one [T, K] · [K, N] call per row tile (T = :func:`row_tile`; the
-    backward is one plain GEMM per gradient, :class:`_TiledMM`: it is not batch invariant).
-    The operands' memory layouts are made canonical (row-major tiles, ``wt`` the transpose of a
-    row-major [N, K]): a GEMM kernel is chosen by layout as well as shape, and picks other bits."""
-    w = wt.t()
-    if not w.is_contiguous():
-        wt = w.contiguous().t()
-    if torch.is_grad_enabled() and (x2.requires_grad or wt.requires_grad):
-        return _TiledMM.apply(x2, wt)
-    return _tiled_forward(x2, wt)
+    """``x2`` [M, K] @ ``wt`` [K, N] with one [T, K] · [K, Nb] call per row tile and column block
+    (T = :func:`row_tile`, Nb = :func:`column_blocks`; the backward is one plain GEMM per gradient,
+    :class:`_TiledMM`: it is not batch invariant). The operands' memory layouts are made canonical
+    (row-major tiles, ``wt`` the transpose of a row-major [N, K]): a GEMM kernel is chosen by layout
+    as well as shape, and picks other bits."""
+    return _tiled_linear2d(x2, wt.t())
 
 
 def row_sum(t: torch.Tensor, keepdim: bool = False) -> torch.Tensor:
@@ -130,7 +186,7 @@ def row_sum(t: torch.Tensor, keepdim: bool = False) -> torch.Tensor:
 def tiled_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``F.linear`` by :func:`tiled_mm` (the bias added after, elementwise)."""
     x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
-    out = tiled_mm(x2, weight.t())
+    out = _tiled_linear2d(x2, weight)
     if x.dim() != 2:
         out = out.view(*x.shape[:-1], weight.shape[0])
     return out if bias is None else out + bias
@@ -146,22 +202,21 @@ def tiled_grouped_linear(x: torch.Tensor, weights, counts) -> torch.Tensor:
 
 def _grouped_tiles(x: torch.Tensor, weights, counts: list, tile: Optional[int] = None) -> torch.Tensor:
     """The forward of :func:`tiled_grouped_linear`: every run's rows copied once into one zeroed
-    buffer where each run starts on a tile boundary, one [T, K] · [K, N] call per tile into one
-    output, the runs' rows gathered back (instead of a pad, an output and a concatenation per run).
-    Each tile call sees what :func:`tiled_mm` of the run alone gives it: the same shape, row-major
-    tiles at 64-byte-aligned offsets (a tile is T·K floats, T a multiple of 16), the weight the
-    transpose of a row-major [N, K] — so a row's bits are those of its run alone. ``tile``: another
+    buffer where each run starts on a tile boundary, one [T, K] · [K, Nb] call per tile and column
+    block into one output, the runs' rows gathered back (instead of a pad, an output and a
+    concatenation per run). Each call sees what :func:`tiled_mm` of the run alone gives it: the same
+    shape and output row stride, row-major tiles at 64-byte-aligned offsets (a tile is T·K floats, T
+    a multiple of 16), the weight (block) the transpose of a row-major [Nb, K] — so a row's bits are
+    those of its run alone. ``tile``: another
     row tile than :func:`row_tile`'s (only for measuring one: ``bench_batch_invariant.py --expert-tiles``)."""
     n_out = weights[0].shape[0]
     if not any(counts):
         return x.new_zeros(0, n_out)
     tile = row_tile(x.shape[1], n_out) if tile is None else tile
-    starts, tiles, at = [], [], 0
-    for e, n in enumerate(counts):
+    starts, at = [], 0
+    for n in counts:
         starts.append(at)
-        if n:
-            tiles.extend((i, e) for i in range(at, at + n, tile))
-            at += -(-n // tile) * tile
+        at += -(-n // tile) * tile
     xp = x.new_zeros(at, x.shape[1])
     rows = None
     if at != x.shape[0]:  # padding rows between the runs: scatter each run to its tile-aligned start
@@ -170,13 +225,11 @@ def _grouped_tiles(x: torch.Tensor, weights, counts: list, tile: Optional[int] =
     else:
         xp.copy_(x)
     out = x.new_empty(at, n_out)
-    wts = {}
-    for i, e in tiles:
-        wt = wts.get(e)
-        if wt is None:
+    for e, (start, n) in enumerate(zip(starts, counts)):
+        if n:  # the run's tiles, column block by column block (`_tile_products`, as tiled_mm of the run alone)
             w = weights[e]
-            wt = wts[e] = (w if w.is_contiguous() else w.contiguous()).t()
-        torch.mm(xp[i:i + tile], wt, out=out[i:i + tile])
+            end = start + -(-n // tile) * tile
+            _tile_products(xp[start:end], (w if w.is_contiguous() else w.contiguous()).t(), out[start:end], tile)
     return out if rows is None else out.index_select(0, rows)
 
 

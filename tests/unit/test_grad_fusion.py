@@ -43,12 +43,16 @@ def _hex(t):
     return [float(v).hex() for v in t.detach().reshape(-1).tolist()]
 
 
-@pytest.mark.parametrize("mode", ["bf16", "fp4_resq"])  # bf16: FP4 off (fp32 weights)
-def test_trainer_steps_equal_the_unfused_path_bitwise(mode, granted):
+@pytest.mark.parametrize("mode,tied", [("bf16", False), ("fp4_resq", False), ("bf16", True)])  # bf16: FP4 off
+def test_trainer_steps_equal_the_unfused_path_bitwise(mode, tied, granted):
     """Two steps of two micro-batches each (the second accumulates on the ordinary path): every
     gradient (as float.hex: -0.0 and +0.0 apart), loss, grad norm and weight equals a Trainer whose
-    kernels see no fused destination."""
-    fused, plain = Trainer(_cfg(mode), ParallelMesh.single()), Trainer(_cfg(mode), ParallelMesh.single())
+    kernels see no fused destination. The dense tiled GEMMs (attention projections, router, LM head)
+    write their weight gradients too; tied embeddings: the LM head's fused write, then the
+    embedding's ordinary accumulation into the same buffer."""
+    cfg = _cfg(mode)
+    cfg.model.tie_embeddings = tied
+    fused, plain = Trainer(cfg, ParallelMesh.single()), Trainer(cfg, ParallelMesh.single())
     plain.model.load_state_dict(fused.model.state_dict())
     plain.reset_optimizer()
     fused.reset_optimizer()
@@ -70,8 +74,12 @@ def test_trainer_steps_equal_the_unfused_path_bitwise(mode, granted):
         for (name, p), (_, q) in zip(fused.model.named_parameters(), plain.model.named_parameters()):
             assert torch.equal(p, q), name
     experts = sum(1 for n, _ in fused.model.named_parameters() if n.endswith((".w13", ".w2")))
-    assert granted["granted"] == 2 * experts  # each step's first micro-batch wrote into the buffer
-    assert granted["refused"] >= 2 * experts  # the second accumulated
+    # every other matrix but the embedding goes through a tiled GEMM (FP4 on the experts only; tied:
+    # the LM head's weight is the embedding)
+    dense = sum(1 for n, p in fused.model.named_parameters() if p.dim() == 2 and (tied or n != "embed_tokens.weight"))
+    kernels = experts + dense
+    assert granted["granted"] == 2 * kernels  # each step's first micro-batch wrote into the buffer
+    assert granted["refused"] >= 2 * kernels  # the second accumulated
 
 
 def _optimizer(weight):
@@ -159,3 +167,27 @@ def test_autograd_grad_and_a_retained_graph_take_the_ordinary_path(granted):
     ref = x.clone().requires_grad_()
     (tiled_grouped_linear(ref, w, counts) * dy).sum().backward()
     assert _hex(dx) == _hex(ref.grad)
+
+
+def test_dense_tiled_linear_writes_its_weight_gradient_with_the_ordinary_bits(granted):
+    """A dense tiled GEMM (attention projections, LM head): the fused write into the buffer equals the
+    gradient autograd accumulates into it (float.hex), zeros included (an input column of ``-0.0``,
+    an output-gradient column of zeros: ``+0.0`` in both; the ``-0.0`` rule itself:
+    `test_finish_fused_has_the_bits_of_adding_into_zero`); a wide weight (column blocks) and a narrow one."""
+    from megatron_fp4.fp4.tiled import tiled_linear
+
+    for n, k in ((2900, 1024), (6, 8)):
+        g = torch.Generator().manual_seed(n)
+        w, x, dy = torch.randn(n, k, generator=g), torch.randn(21, k, generator=g), torch.randn(21, n, generator=g)
+        x[:, 1] = -0.0
+        dy[:, 0] = 0.0
+        ref = torch.nn.Parameter(w.clone())
+        ref.grad = torch.zeros_like(w)  # the ordinary path: autograd adds the returned gradient into a zeroed .grad
+        (tiled_linear(x, ref) * dy).sum().backward()
+        weight = torch.nn.Parameter(w.clone())
+        _optimizer(weight)
+        before = granted["granted"]
+        (tiled_linear(x, weight) * dy).sum().backward()
+        assert granted["granted"] == before + 1
+        assert _hex(weight.grad) == _hex(ref.grad)
+        assert not torch.signbit(weight.grad[:, 1]).any()

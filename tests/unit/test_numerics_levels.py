@@ -15,8 +15,8 @@ import torch.nn.functional as F
 
 from megatron_fp4.fp4 import Numerics, invariant
 from megatron_fp4.fp4.exact_gemm import exact_linear
-from megatron_fp4.fp4.tiled import (KEY_BLOCK, MAX_ROW_TILE, ROW_TILE, block_attention, row_sum, row_tile,
-                                    tiled_grouped_linear, tiled_linear)
+from megatron_fp4.fp4.tiled import (KEY_BLOCK, MAX_ROW_TILE, MIN_COLUMN_BLOCK, ROW_TILE, block_attention,
+                                    column_blocks, row_sum, row_tile, tiled_grouped_linear, tiled_linear, tiled_mm)
 
 U = 2.0 ** -24  # fp32 unit roundoff
 
@@ -37,8 +37,10 @@ def threads(request):
     torch.set_num_threads(before)
 
 
-# tiles of 16 (wide), 32, 64 and 128 rows (narrow: row_tile grows the tile of a small K·N)
-@pytest.mark.parametrize("k,n", [(64, 96), (1000, 77), (2048, 256), (64, 64), (16, 48)])
+# tiles of 16 (wide), 32, 64 and 128 rows (narrow: row_tile grows the tile of a small K·N); column
+# blocks (column_blocks): (2048, 256) one block, N smaller than a block; (1024, 2600) blocks of 512,
+# the last of 5 widened by the remainder of 40 (a tail block of its own: the grouped test's (1024, 2900))
+@pytest.mark.parametrize("k,n", [(64, 96), (1000, 77), (2048, 256), (64, 64), (16, 48), (1024, 2600)])
 def test_tiled_linear_row_bits_do_not_depend_on_the_batch(threads, k, n):
     g = torch.Generator().manual_seed(k + n)
     x, w = torch.randn(300, k, generator=g), torch.randn(n, k, generator=g) / math.sqrt(k)
@@ -61,6 +63,41 @@ def test_row_tile_depends_on_the_weight_shape_alone():
     assert row_tile(1024, 1024) == row_tile(2048, 256) == ROW_TILE == 16
     assert (row_tile(64, 128), row_tile(64, 64), row_tile(16, 48)) == (32, 64, MAX_ROW_TILE)
     assert all(row_tile(k, n) in (16, 32, 64, 128) for k in (1, 7, 64, 1000) for n in (1, 77, 4096))
+
+
+def test_column_blocks_depend_on_the_weight_shape_alone():
+    """A weight of at most 2^21 elements is one block; a larger one L2-sized blocks of a multiple of
+    64 columns (at least MIN_COLUMN_BLOCK), covering the weight once, in order, no block narrower
+    than half a block (a remainder under that widens the last)."""
+    assert column_blocks(1024, 8192) == tuple((j, 512) for j in range(0, 8192, 512))  # the LM head
+    assert column_blocks(1024, 768) == ((0, 768),) and column_blocks(1024, 2048) == ((0, 2048),)  # in cache
+    assert column_blocks(1024, 2900) == ((0, 512), (512, 512), (1024, 512), (1536, 512), (2048, 512), (2560, 340))
+    assert column_blocks(1024, 2600)[-1] == (2048, 552) and column_blocks(2048, 1380)[-1] == (1024, 356)
+    assert column_blocks(1 << 16, 1000)[0] == (0, MIN_COLUMN_BLOCK)
+    for k in (1, 64, 384, 1000, 1024, 4096):
+        for n in (1, 77, 600, 1300, 8192, 40000):
+            blocks = column_blocks(k, n)
+            assert [j for j, _ in blocks] == [sum(w for _, w in blocks[:i]) for i in range(len(blocks))]
+            assert sum(w for _, w in blocks) == n
+            assert len(blocks) == 1 or min(w for _, w in blocks) >= blocks[0][1] // 2
+            assert (len(blocks) > 1) == (k * n > 1 << 21 and n >= 1.5 * blocks[0][1])
+
+
+def test_tiled_mm_of_a_transposed_view_and_the_dense_weight_gradient_layout():
+    """``tiled_mm`` of any layout of the same matrix gives the same bits (operands made canonical);
+    with autograd the weight gradient comes in the weight's own layout (contiguous [N, K], not the
+    transpose of a [K, N] product), equal to float64 within fp32 rounding (M = 37 terms)."""
+    g = torch.Generator().manual_seed(5)
+    x, w = torch.randn(37, 1024, generator=g), torch.randn(2900, 1024, generator=g)  # column blocks
+    y = tiled_mm(x, w.t())
+    assert torch.equal(bits(y), bits(tiled_mm(x, w.t().contiguous())))
+    assert torch.equal(bits(y), bits(tiled_linear(x, w)))
+    wp = w.clone().requires_grad_()
+    dy = torch.randn(37, 2900, generator=g)
+    (dw,) = torch.autograd.grad((tiled_linear(x, wp) * dy).sum(), [wp])
+    assert dw.is_contiguous() and dw.shape == w.shape
+    ref = dy.double().t() @ x.double()
+    assert ((dw.double() - ref).abs() <= gamma(37) * (dy.double().abs().t() @ x.double().abs())).all()
 
 
 def test_tiled_linear_bias_leading_dims_and_grad():
@@ -131,7 +168,8 @@ def test_tiled_grouped_linear_is_each_run_alone():
     assert torch.equal(bits(got), bits(torch.cat(runs)))
 
 
-@pytest.mark.parametrize("k,n", [(64, 128), (1000, 77), (1024, 768)])  # tiles of 32, 16 and 16 rows
+# tiles of 32, 16, 16 and 16 rows; (1024, 2900): column blocks of 512 and a tail block of 340
+@pytest.mark.parametrize("k,n", [(64, 128), (1000, 77), (1024, 768), (1024, 2900)])
 def test_tiled_grouped_linear_rows_are_their_run_alone_whatever_the_batch(threads, k, n):
     """Runs of several tiles, empty runs, one row: each row of the grouped call (one tile-aligned
     buffer, one output) has the bits of its run alone, of the row alone and of the runs shuffled."""
@@ -393,3 +431,19 @@ def test_invariant_silu_gradient_is_finite_and_silus():
     assert torch.isfinite(x.grad).all()
     # a few fp32 operations on the derivative's O(1) terms: within 8 ulp of 1 + |x|·u·8
     assert ((x.grad.double() - ref.grad).abs() <= 8 * U * (1 + x.detach().double().abs())).all()
+
+
+@pytest.mark.parametrize("mode", ["bf16", "fp4_resq"])
+def test_batch_level_rollout_equals_scoring_bitwise_with_a_column_blocked_lm_head(mode):
+    """A vocabulary wide enough for the LM head to run in column blocks (hidden 64: 4 blocks of
+    8192, then a tail of 7232): the rollout engine's decode == scoring in other batches, 0 bits, 0 routes."""
+    from megatron_fp4.config import Config
+    from megatron_fp4.model import build_model
+    from tests.numerics import single_thread
+    from tests.unit.test_batch_invariant import check_rollout_equals_scoring
+
+    cfg = Config()
+    cfg.model.vocab_size, cfg.model.num_layers = 40000, 2
+    assert column_blocks(cfg.model.hidden_size, cfg.model.vocab_size)[-2:] == ((24576, 8192), (32768, 7232))
+    with single_thread():
+        check_rollout_equals_scoring(mode, "experts", "nvfp4", 7, "batch", model=build_model(cfg, seed=7))
