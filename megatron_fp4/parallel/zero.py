@@ -118,8 +118,8 @@ class ZeroAdamW:
                                                      fused=_fused_adamw_on(master.device)))
         self._hooks = []
         self._armed = False
-        # Gradient-accumulation fusion (`fp4/grad_fusion.py`): the grouped expert kernels write their
-        # weight gradients straight into a buffer zeroed for the step, where nothing is reduced
+        # Gradient-accumulation fusion (`fp4/grad_fusion.py`): the grouped expert kernels and the `batch`
+        # level's dense tiled GEMMs write their weight gradients straight into a buffer zeroed for the step, where nothing is reduced
         # across ranks (a group of one: no bucket collective to overlap with backward).
         self._fused: list = []
         for buf in self.buffers:
