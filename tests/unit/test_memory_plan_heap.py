@@ -32,7 +32,9 @@ def test_heap_peak_sees_a_known_allocation():
     with HeapPeak() as heap:
         t = torch.ones(64 << 20, dtype=torch.uint8)
         del t
-    assert 64 <= heap.peak_mb <= 68, heap.peak_mb
+    # The peak is counted from the live bytes at entry: memory other threads (or the garbage collector)
+    # free meanwhile lowers it, what they allocate raises it, by far less than the 64 MiB here.
+    assert 62 <= heap.peak_mb <= 68, heap.peak_mb
 
 
 def test_trainer_step_heap_peak_within_10_percent_of_plan():
