@@ -18,8 +18,8 @@ import torch
 
 from megatron_fp4.fp4.e2m1 import round_e2m1_, stochastic_round_e2m1, values_to_codes
 from megatron_fp4.fp4.formats import (
-                                      FP4Tensor, Sweep, abs_block_max, check_finite, check_input, check_multiple, pow2_fp32,
-                                      check_finite_flag, to_fp32_rows,
+                                      FP4Tensor, Sweep, abs_block_max, check_finite, check_input, check_multiple,
+                                      pow2_fp32, check_finite_flag, to_fp32_rows,
                                       )
 
 MX_BLOCK = 32

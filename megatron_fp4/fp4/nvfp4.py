@@ -25,8 +25,8 @@ import torch
 
 from megatron_fp4.fp4.e2m1 import round_e2m1_, stochastic_round_e2m1, values_to_codes
 from megatron_fp4.fp4.formats import (
-                                      FLT_MAX, FP4Tensor, Sweep, abs_block_max, check_finite, check_input, check_multiple, check_finite_flag,
-                                      reduced_amax, to_fp32_rows,
+                                      FLT_MAX, FP4Tensor, Sweep, abs_block_max, check_finite, check_input, check_multiple,
+                                      check_finite_flag, reduced_amax, to_fp32_rows,
                                       )
 
 E4M3_MAX = 448.0
@@ -169,7 +169,8 @@ def _fake_sweep(x: torch.Tensor, scale: str, block: str, dtype):
     """``fake_quantize_nvfp4`` (nearest, nothing to differentiate, CPU) of a finite ``x`` one range of
     rows at a time (``Sweep``): the reference's ops on each element in the same order, so its bits,
     with the passes in cache and the scratch allocated once. Per-row scales take one sweep, a
-    per-tensor scale a sweep for the block maxima, then one for the values. None when ``x`` holds a NaN/Inf: the reference then reports it and writes its bits."""
+    per-tensor scale a sweep for the block maxima, then one for the values. None when ``x`` holds a
+    NaN/Inf: the reference then reports it and writes its bits."""
     n = x.shape[-1]
     x2 = x.reshape(-1, n)
     rows = x2.shape[0]
