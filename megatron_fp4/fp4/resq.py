@@ -86,13 +86,19 @@ def portable_resq_quantize(x: torch.Tensor, fmt: OperandFormat, compensated: boo
 def _sweeps(x: torch.Tensor, fmt: OperandFormat, compile, amax_reduce, kernels) -> bool:
     """Whether the ResQ runs as one eager sweep (``_resq_sweep``): a row-local format (nearest
     rounding), valid CPU input with nothing to differentiate, no tensor-parallel reduction, and no
-    compiled kernels to serve it (those of a ResQ of NVFP4 1-D blocks were tried first; MXFP4's
-    fake-quant kernels are left to their ``auto`` count and warm-up)."""
+    compiled kernels to serve it: those of a ResQ of NVFP4 1-D blocks were tried first, and the
+    fake-quant kernels of the two calls it replaces would not serve (under ``auto`` the two calls
+    are counted towards their warm-up as before, ``fused.eager_serves``)."""
     if not (row_local(fmt) and fmt.rounding == "nearest" and amax_reduce is None and x.device.type == "cpu"
             and x.dim() and x.numel() and x.shape[-1] % fmt.block_size == 0 and x.is_floating_point()
             and x.dtype.itemsize >= 2 and not (torch.is_grad_enabled() and x.requires_grad)):
         return False
-    return fmt.format == "nvfp4" or not fused.use_fused(x, fmt.rounding, compile, kernels)
+    if not fused.use_fused(x, fmt.rounding, compile, kernels):
+        return True
+    n = x.shape[-1]
+    key = (("nvfp4", fmt.scale, fmt.block) if fmt.format == "nvfp4" else ("mxfp4", fmt.mx_scale_mode)) \
+        + (torch.float32, torch.float32)  # the two calls' variant: Q(fp32 x), Q(fp32 residual)
+    return fused.eager_serves(key, x, (-1, n // fmt.block_size, fmt.block_size), compile, 2, kernels)
 
 
 def _resq_sweep(x: torch.Tensor, fmt: OperandFormat):
