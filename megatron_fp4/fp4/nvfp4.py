@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import torch
 
+from megatron_fp4.fp4 import formats
 from megatron_fp4.fp4.e2m1 import round_e2m1_, stochastic_round_e2m1, values_to_codes
 from megatron_fp4.fp4.formats import (
                                       FLT_MAX, FP4Tensor, Sweep, abs_block_max, check_finite, check_input, check_multiple,
@@ -253,7 +254,10 @@ def fake_quantize_nvfp4(
             check_finite_flag(x, finite, name, "quantize_nvfp4", nonfinite)
             return out
     if rounding == "nearest" and amax_reduce is None and x.device.type == "cpu" and x.numel() \
+            and (scale == "row" or x.numel() > 4 * formats.SWEEP_ELEMENTS) \
             and not (torch.is_grad_enabled() and x.requires_grad):  # the eager sweep (finite input)
+        # (a per-tensor scale takes two sweeps: below a few ranges, e.g. one expert's weight, the
+        # tensor is cache-resident anyway and the one-call path is as fast or faster)
         _check_options(scale, block, rounding)
         _check_input(x, block, name)
         out = _fake_sweep(x, scale, block, dtype or x.dtype)

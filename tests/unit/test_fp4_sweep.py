@@ -102,8 +102,10 @@ def test_nvfp4_sweep_bits_equal_reference(small_ranges, dtype, scale, block):
                        bits(ref_nvfp4(b, scale, block)))
 
 
-def test_nvfp4_sweep_many_blocks_uses_emulated_scales():
-    """Past ``_cast_scales``' threshold (8192 blocks) the E4M3 scales are rounded by ``e4m3_rne_``."""
+def test_nvfp4_sweep_many_blocks_uses_emulated_scales(monkeypatch):
+    """Past ``_cast_scales``' threshold (8192 blocks) the E4M3 scales are rounded by ``e4m3_rne_``
+    (ranges of 2^14 elements: the per-tensor scales sweep too, from 4 ranges up)."""
+    monkeypatch.setattr(formats, "SWEEP_ELEMENTS", 1 << 14)
     x = torch.cat([hard(64, 2048, 2), torch.randn(64, 2048) * 1e-30])
     for scale in ("row", "tensor"):
         assert torch.equal(bits(fake_quantize_nvfp4(x, scale=scale, compile="off")), bits(ref_nvfp4(x, scale)))
