@@ -23,13 +23,17 @@ E2M1_MAX = 6.0
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 
 
-def _grid_step(y: torch.Tensor) -> torch.Tensor:
+def _grid_step(y: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """Spacing of the E2M1 grid at fp32 ``y`` with |y| ≤ 6: 0.5 below 2, 1 below 4, else 2.
 
     That is 2^(max(exponent(|y|), 0) − 1): read the exponent bits (sign masked off), clamp them at
     the exponent of 1.0 and subtract one; three integer passes, cheaper than nested ``where``.
+    ``out``: an int32 buffer of ``y``'s shape to write the step's bits into (no fresh tensor).
     """
-    bits = y.contiguous().view(torch.int32) & 0x7F800000
+    if out is None:
+        bits = y.contiguous().view(torch.int32) & 0x7F800000
+    else:
+        bits = torch.bitwise_and(y.view(torch.int32), 0x7F800000, out=out)
     return bits.clamp_(min=127 << 23).sub_(1 << 23).view(torch.float32)
 
 
@@ -38,13 +42,14 @@ def round_e2m1(y: torch.Tensor) -> torch.Tensor:
     return round_e2m1_(y.clone())
 
 
-def round_e2m1_(y: torch.Tensor) -> torch.Tensor:
+def round_e2m1_(y: torch.Tensor, step_buf: torch.Tensor | None = None) -> torch.Tensor:
     """:func:`round_e2m1` in place on contiguous fp32 ``y`` (returns ``y``): six passes, one buffer.
 
     ``y / step`` is exact (step is a power of two), so rounding it with torch's half-to-even
-    ``round`` and scaling back is RNE on the grid; −0 survives (round(−0.2) = −0).
+    ``round`` and scaling back is RNE on the grid; −0 survives (round(−0.2) = −0). ``step_buf``:
+    an int32 scratch of ``y``'s shape for the step (else a fresh tensor).
     """
-    step = _grid_step(y)
+    step = _grid_step(y, step_buf)
     return y.div_(step).round_().mul_(step)
 
 

@@ -444,6 +444,23 @@ def _mark_static_elements(xb: torch.Tensor) -> torch.Tensor:
     return xb
 
 
+def eager_serves(key, x: torch.Tensor, shape, mode: str | None, calls: int,
+                 kernels: CompiledKernels | None = None) -> bool:
+    """Whether ``calls`` fake quantizations of ``x``'s size under the variant ``key`` would run eager
+    (not compiled, and nothing compiles in the caller now: ``auto`` before the variant is ready, or a
+    refused variant); under ``auto`` they are counted towards its warm-up as the calls themselves
+    would be. For a caller that runs the calls' eager ops fused (``resq._resq_sweep``)."""
+    variant = variant_of(key, kernels)
+    mode = resolve_compile(mode)
+    if variant.state == "refused":
+        return True
+    if mode != "auto" or variant.state == "ready":
+        return False
+    for _ in range(calls):
+        variant(x, shape, mode)  # counts only (and may start the warm-up): nothing runs
+    return True
+
+
 def finite_only(res, shape):
     """``res`` (output, all-finite flag) of a compiled call with the output viewed as ``shape``, or
     None when it is None or ``x`` held a NaN/Inf: the caller then runs the eager path, which reports

@@ -112,8 +112,10 @@ class _Group:
         q = [None] * len(runs)
         for bucket in _buckets(pads):
             width = pads[bucket[0]]
-            buf = t.new_zeros(len(bucket), t.shape[1], width, dtype=torch.float32)
+            buf = t.new_empty(len(bucket), t.shape[1], width, dtype=torch.float32)
             for j, i in enumerate(bucket):
+                if runs[i][1].shape[0] < width:  # the padding: zeros (a zero-filled buffer was a pass more)
+                    buf[j, :, runs[i][1].shape[0]:].zero_()
                 # A transposing copy into a strided slice (a run shorter than the bucket's width) is
                 # ATen's element-by-element path, ~4x slower than its blocked transpose into a
                 # contiguous buffer followed by a row copy (issue 37); a run as wide as the bucket

@@ -18,8 +18,8 @@ import torch
 
 from megatron_fp4.fp4.e2m1 import round_e2m1_, stochastic_round_e2m1, values_to_codes
 from megatron_fp4.fp4.formats import (
-                                      FP4Tensor, abs_block_max, check_finite, check_input, check_multiple, pow2_fp32, check_finite_flag,
-                                      to_fp32_rows,
+                                      FP4Tensor, Sweep, abs_block_max, check_finite, check_input, check_multiple,
+                                      pow2_fp32, check_finite_flag, to_fp32_rows,
                                       )
 
 MX_BLOCK = 32
@@ -70,6 +70,31 @@ def mxfp4_core(x: torch.Tensor, scale_mode: str, rounding: str, generator, name:
     return q, e
 
 
+def mxfp4_rows(src: torch.Tensor, dst: torch.Tensor, sw: Sweep, scale_mode: str) -> torch.Tensor:
+    """Fake-quantize a range of fp32 rows ``src`` into ``dst`` (``sw.f32[1]`` too) with
+    ``mxfp4_core``'s ops and the dequantizing multiply (MX scales are per block: every range alone
+    gives its bits in the whole); returns the block maxima for the finite check."""
+    c, n = src.shape
+    shape = (c, n // MX_BLOCK, MX_BLOCK)
+    block_amax = sw.block_amax(src, MX_BLOCK).unsqueeze(-1)
+    e = shared_exponent(block_amax, scale_mode)
+    y = torch.mul(src.view(shape), pow2_fp32(-e), out=sw.f32[1][:c].view(shape)).clamp_(-6.0, 6.0)
+    torch.mul(round_e2m1_(y, sw.i32[:c].view(shape)), pow2_fp32(e), out=dst.view(shape))
+    return block_amax
+
+
+def _fake_sweep(x: torch.Tensor, scale_mode: str, dtype):
+    """``fake_quantize_mxfp4`` (nearest, nothing to differentiate, CPU) of a finite ``x`` one range of
+    rows at a time (``formats.Sweep``, as ``nvfp4._fake_sweep``), or None when ``x`` holds a NaN/Inf
+    (the reference then reports it and writes its bits)."""
+    n = x.shape[-1]
+    x2 = x.reshape(-1, n)
+    out = torch.empty(x2.shape, dtype=dtype, device=x.device)
+    with Sweep(x2.shape[0], n, x.device) as sw:
+        seen = [mxfp4_rows(sw.fp32(x2[a:b]), out[a:b], sw, scale_mode).max() for a, b in sw.spans]
+        return out.view(x.shape) if sw.finite(seen) else None
+
+
 def quantize_mxfp4(x: torch.Tensor, *, scale_mode: str = "floor", rounding: str = "nearest",
                    generator: torch.Generator | None = None, name: str = "x") -> FP4Tensor:
     """Quantize ``x`` (fp32/bf16/fp16, any shape, any strides) to MXFP4; see the module docstring."""
@@ -98,6 +123,15 @@ def fake_quantize_mxfp4(x: torch.Tensor, *, scale_mode: str = "floor", rounding:
         if res is not None:
             out, finite = res
             check_finite_flag(x, finite, name, what, nonfinite)
+            return out
+    if rounding == "nearest" and x.device.type == "cpu" and x.numel() \
+            and not (torch.is_grad_enabled() and x.requires_grad):  # the eager sweep (finite input)
+        _check_options(scale_mode, rounding)
+        check_multiple(x, -1, MX_BLOCK, name, "quantize_mxfp4")
+        check_input(x, name)
+        out = _fake_sweep(x, scale_mode, dtype or x.dtype)
+        if out is not None:
+            check_finite_flag(x, torch.ones((), dtype=torch.bool), name, "quantize_mxfp4", nonfinite)
             return out
     q, e = mxfp4_core(x, scale_mode, rounding, generator, name, nonfinite)
     return q.mul_(pow2_fp32(e)).reshape(x.shape).to(dtype or x.dtype)

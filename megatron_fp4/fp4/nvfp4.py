@@ -23,10 +23,11 @@ from __future__ import annotations
 
 import torch
 
+from megatron_fp4.fp4 import formats
 from megatron_fp4.fp4.e2m1 import round_e2m1_, stochastic_round_e2m1, values_to_codes
 from megatron_fp4.fp4.formats import (
-                                      FLT_MAX, FP4Tensor, abs_block_max, check_finite, check_input, check_multiple, check_finite_flag, reduced_amax,
-                                      to_fp32_rows,
+                                      FLT_MAX, FP4Tensor, Sweep, abs_block_max, check_finite, check_input, check_multiple,
+                                      check_finite_flag, reduced_amax, to_fp32_rows,
                                       )
 
 E4M3_MAX = 448.0
@@ -65,14 +66,31 @@ def _block_view(t: torch.Tensor, block: str) -> torch.Tensor:
     return t.view(-1, m // 16, 16, n // 16, 16)
 
 
+def e4m3_rne_(v: torch.Tensor) -> torch.Tensor:
+    """``v.to(float8_e4m3fn).to(float32)`` in place on contiguous fp32 ``v`` with finite values in
+    [0, 448] (returns ``v``): E4M3's grid step at ``v`` is 2^(max(exponent, −6) − 3) (3 mantissa
+    bits, subnormal below 2^−6), and ``round(v / step) · step`` with torch's half-to-even ``round``
+    is the cast's round-to-nearest-even. Six vectorized passes instead of two scalar-loop casts
+    (fp8 → fp32 is ~15x slower than a multiply on CPU). NaN/Inf are not handled: callers serve
+    only finite inputs (``_fake_sweep``)."""
+    step = (v.view(torch.int32) & 0x7F800000).clamp_(min=121 << 23).sub_(3 << 23).view(torch.float32)
+    return v.div_(step).round_().mul_(step)
+
+
 def nvfp4_scales(block_amax: torch.Tensor, scale: str, amax_reduce=None):
+    """``_scales`` with the block scales rounded by the fp8 cast (see there)."""
+    return _scales(block_amax, scale, amax_reduce, fp8=True)
+
+
+def _scales(block_amax: torch.Tensor, scale: str, amax_reduce=None, fp8: bool = True):
     """(amax, s_blk (e4m3), s_blk as fp32, S_dec, per-block encode scale) from the block amaxes.
 
     ``block_amax`` is in block layout with singleton element dims; the row amax is its max over
     dim −2 (the block index along the last dim), the tensor amax its max over everything (both
     propagate NaN/Inf, so the non-finite check looks at ``amax`` only). Shared by the eager and the
     compiled path; the numerator is a tensor because inductor turns ``scalar / t`` into
-    ``scalar * (1 / t)`` (two roundings). ``amax_reduce``: see the module docstring.
+    ``scalar * (1 / t)`` (two roundings). ``amax_reduce``: see the module docstring. ``fp8=False``
+    (finite block amaxes only): s_blk is None and s_blk32 is rounded by ``e4m3_rne_`` (the same values).
     """
     if scale == "row":
         amax = block_amax.amax(dim=-2, keepdim=True)  # (rows, 1, 1)
@@ -84,8 +102,12 @@ def nvfp4_scales(block_amax: torch.Tensor, scale: str, amax_reduce=None):
                                                                       device=amax.device)
     s_enc = (num / amax).clamp_(max=FLT_MAX).masked_fill_(amax == 0, 1.0)  # amax=0 gives inf→FLT_MAX, then 1
     s_dec = torch.reciprocal(s_enc)  # = 1.0 / s_enc, whose __rdiv__ is reciprocal(·) · 1.0: one kernel less
-    s_blk = (block_amax * (s_enc * _ONE_SIXTH_F32.to(amax.device))).clamp_(max=E4M3_MAX).to(torch.float8_e4m3fn)
-    s_blk32 = s_blk.to(torch.float32)  # one cast (fp8 casts are scalar loops on CPU)
+    s_blk = (block_amax * (s_enc * _ONE_SIXTH_F32.to(amax.device))).clamp_(max=E4M3_MAX)
+    if fp8:
+        s_blk = s_blk.to(torch.float8_e4m3fn)
+        s_blk32 = s_blk.to(torch.float32)  # one cast (fp8 casts are scalar loops on CPU)
+    else:
+        s_blk, s_blk32 = None, e4m3_rne_(s_blk)
     enc_blk = torch.reciprocal(s_blk32 * s_dec).clamp_(max=FLT_MAX)
     return amax, s_blk, s_blk32, s_dec, enc_blk
 
@@ -116,6 +138,66 @@ def nvfp4_core(x: torch.Tensor, scale: str, block: str, rounding: str, generator
         y = torch.mul(xb, enc_blk, out=_block_view(a, block)).clamp_(-6.0, 6.0)
     q = round_e2m1_(y) if rounding == "nearest" else stochastic_round_e2m1(y, generator)
     return q, s_blk, s_blk32, s_dec
+
+
+def _apply(src: torch.Tensor, enc, s_blk32, s_dec, sw: Sweep, dst: torch.Tensor, block: str) -> None:
+    """``dst = round(clamp(src · enc)) · s_blk · S_dec`` for a range of rows (``nvfp4_core``'s ops and
+    the fake quantizer's two multiplies, left to right), ``y`` and the grid step in ``sw``'s scratch."""
+    c, n = src.shape
+    shape = (c, n // 16, 16) if block == "1d" else (c // 16, 16, n // 16, 16)
+    y = torch.mul(src.view(shape), enc, out=sw.f32[1][:c].view(shape)).clamp_(-6.0, 6.0)
+    round_e2m1_(y, sw.i32[:c].view(shape)).mul_(s_blk32)
+    torch.mul(y, s_dec, out=dst.view(shape))
+
+
+def _cast_scales(block_amax: torch.Tensor) -> bool:
+    """Whether the sweep rounds the block scales by the fp8 casts (few blocks: two ops) rather than
+    ``e4m3_rne_`` (many: six vectorized passes beat the casts' scalar loops); the same values."""
+    return block_amax.numel() < 8192
+
+
+def nvfp4_rows(src: torch.Tensor, dst: torch.Tensor, sw: Sweep) -> torch.Tensor:
+    """Fake-quantize a range of rows with per-row scale and 1-D blocks (row-local: a range alone
+    gives its bits in the whole) from fp32 ``src`` into ``dst`` (``sw.f32[1]`` too); returns the
+    rows' block maxima for the finite check (the values are those of finite rows only)."""
+    block_amax = sw.block_amax(src, 16).unsqueeze(-1)
+    _, _, s_blk32, s_dec, enc_blk = _scales(block_amax, "row", fp8=_cast_scales(block_amax))
+    _apply(src, enc_blk, s_blk32, s_dec, sw, dst, "1d")
+    return block_amax
+
+
+def _fake_sweep(x: torch.Tensor, scale: str, block: str, dtype):
+    """``fake_quantize_nvfp4`` (nearest, nothing to differentiate, CPU) of a finite ``x`` one range of
+    rows at a time (``Sweep``): the reference's ops on each element in the same order, so its bits,
+    with the passes in cache and the scratch allocated once. Per-row scales take one sweep, a
+    per-tensor scale a sweep for the block maxima, then one for the values. None when ``x`` holds a
+    NaN/Inf: the reference then reports it and writes its bits."""
+    n = x.shape[-1]
+    x2 = x.reshape(-1, n)
+    rows = x2.shape[0]
+    out = torch.empty(rows, n, dtype=dtype, device=x.device)
+    with Sweep(rows, n, x.device, 16 if block == "2d" else 1) as sw:
+        return _fake_sweep_into(x, x2, out, sw, scale, block)
+
+
+def _fake_sweep_into(x, x2, out, sw: Sweep, scale: str, block: str):
+    n = x.shape[-1]
+    if scale == "row":
+        seen = [nvfp4_rows(sw.fp32(x2[a:b]), out[a:b], sw).max() for a, b in sw.spans]
+        return out.view(x.shape) if sw.finite(seen) else None
+    pooled = [sw.block_amax(sw.fp32(x2[a:b]), 16) for a, b in sw.spans]
+    pooled = torch.cat(pooled) if len(pooled) > 1 else pooled[0]
+    if block == "1d":
+        block_amax = pooled.unsqueeze(-1)
+    else:  # 16x16 tile max = max over 16 rows of the 1x16 maxima
+        block_amax = pooled.view(-1, 16, n // 16).amax(dim=1).view(-1, 1, n // 16, 1)
+    if not sw.finite([block_amax.max()]):
+        return None
+    _, _, s_blk32, s_dec, enc_blk = _scales(block_amax, scale, fp8=_cast_scales(block_amax))
+    for a, b in sw.spans:
+        f = slice(a, b) if block == "1d" else slice(a // 16, b // 16)
+        _apply(sw.fp32(x2[a:b]), enc_blk[f], s_blk32[f], s_dec[a:b] if scale == "row" else s_dec, sw, out[a:b], block)
+    return out.view(x.shape)
 
 
 def quantize_nvfp4(x: torch.Tensor, *, scale: str = "row", block: str = "1d", rounding: str = "nearest",
@@ -151,6 +233,17 @@ def fake_quantize_nvfp4(x: torch.Tensor, *, scale: str = "row", block: str = "1d
         if res is not None:
             out, finite = res
             check_finite_flag(x, finite, name, "quantize_nvfp4", nonfinite)
+            return out
+    if rounding == "nearest" and amax_reduce is None and x.device.type == "cpu" and x.numel() \
+            and (scale == "row" or x.numel() > 4 * formats.SWEEP_ELEMENTS) \
+            and not (torch.is_grad_enabled() and x.requires_grad):  # the eager sweep (finite input)
+        # (a per-tensor scale takes two sweeps: below a few ranges, e.g. one expert's weight, the
+        # tensor is cache-resident anyway and the one-call path is as fast or faster)
+        _check_options(scale, block, rounding)
+        _check_input(x, block, name)
+        out = _fake_sweep(x, scale, block, dtype or x.dtype)
+        if out is not None:
+            check_finite_flag(x, torch.ones((), dtype=torch.bool), name, "quantize_nvfp4", nonfinite)
             return out
     q, _, s_blk32, s_dec = nvfp4_core(x, scale, block, rounding, generator, name, nonfinite, amax_reduce)
     out = q.mul_(s_blk32).mul_(s_dec)  # (code · s_blk) · S_dec, left to right

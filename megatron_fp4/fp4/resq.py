@@ -13,9 +13,10 @@ from contextlib import ExitStack
 import torch
 
 from megatron_fp4.fp4 import fused, fused_resq  # the compiled paths (the caller's `kernels`)
-from megatron_fp4.fp4.mxfp4 import fake_quantize_mxfp4
-from megatron_fp4.fp4.nvfp4 import fake_quantize_nvfp4
-from megatron_fp4.fp4.recipe import OperandFormat
+from megatron_fp4.fp4.formats import Sweep
+from megatron_fp4.fp4.mxfp4 import fake_quantize_mxfp4, mxfp4_rows
+from megatron_fp4.fp4.nvfp4 import fake_quantize_nvfp4, nvfp4_rows
+from megatron_fp4.fp4.recipe import OperandFormat, row_local
 
 
 def _no_autocast(fn):
@@ -63,6 +64,14 @@ def portable_resq_quantize(x: torch.Tensor, fmt: OperandFormat, compensated: boo
         out = fused_resq.resq_nvfp4_fused(x, fmt.scale, name, nonfinite, compile, kernels)
         if out is not None:
             return out
+    if compensated and _sweeps(x, fmt, compile, amax_reduce, kernels):
+        out = _resq_sweep(x, fmt)
+        if out is not None:
+            if nonfinite is not None:  # the records of the two quantizations below, under their names
+                what = "quantize_" + fmt.format
+                nonfinite.record(name, what, torch.ones((), dtype=torch.bool))
+                nonfinite.record(name + " residual", what, torch.ones((), dtype=torch.bool))
+            return out
     xf = x.to(torch.float32)
     q = _fq32(xf, fmt, generator, name, nonfinite, compile, amax_reduce, kernels)
     if not compensated:
@@ -72,6 +81,49 @@ def portable_resq_quantize(x: torch.Tensor, fmt: OperandFormat, compensated: boo
     reuse = (xf is not x or scratch) and xf.is_contiguous()
     r = torch.sub(xf, q, out=xf) if reuse else xf - q
     return q.add_(_fq32(r, fmt, generator, name + " residual", nonfinite, compile, amax_reduce, kernels))
+
+
+def _sweeps(x: torch.Tensor, fmt: OperandFormat, compile, amax_reduce, kernels) -> bool:
+    """Whether the ResQ runs as one eager sweep (``_resq_sweep``): a row-local format (nearest
+    rounding), valid CPU input with nothing to differentiate, no tensor-parallel reduction, and no
+    compiled kernels to serve it: those of a ResQ of NVFP4 1-D blocks were tried first, and the
+    fake-quant kernels of the two calls it replaces would not serve (under ``auto`` the two calls
+    are counted towards their warm-up as before, ``fused.eager_serves``)."""
+    if not (row_local(fmt) and fmt.rounding == "nearest" and amax_reduce is None and x.device.type == "cpu"
+            and x.dim() and x.numel() and x.shape[-1] % fmt.block_size == 0 and x.is_floating_point()
+            and x.dtype.itemsize >= 2 and not (torch.is_grad_enabled() and x.requires_grad)):
+        return False
+    if not fused.use_fused(x, fmt.rounding, compile, kernels):
+        return True
+    n = x.shape[-1]
+    key = (("nvfp4", fmt.scale, fmt.block) if fmt.format == "nvfp4" else ("mxfp4", fmt.mx_scale_mode)) \
+        + (torch.float32, torch.float32)  # the two calls' variant: Q(fp32 x), Q(fp32 residual)
+    return fused.eager_serves(key, x, (-1, n // fmt.block_size, fmt.block_size), compile, 2, kernels)
+
+
+def _resq_sweep(x: torch.Tensor, fmt: OperandFormat):
+    """``Q(x) + Q(x − Q(x))`` (fp32) of a row-local format, one range of rows at a time: per range
+    ``q = Q(x)`` into the output, ``r = x − q`` and ``Q(r)`` in scratch, ``q += Q(r)``: the ops of the
+    two fake quantizations, the subtraction and the addition of ``portable_resq_quantize`` on each
+    element, in its order (so its bits), with the residual never a full-size tensor. None when
+    ``x`` or its residual holds a NaN/Inf: the two-call path then reports it and writes its bits."""
+    n = x.shape[-1]
+    x2 = x.reshape(-1, n)
+    out = torch.empty(x2.shape, dtype=torch.float32, device=x.device)
+    if fmt.format == "nvfp4":
+        rows = nvfp4_rows
+    else:
+        def rows(src, dst, sw):
+            return mxfp4_rows(src, dst, sw, fmt.mx_scale_mode)
+    with Sweep(x2.shape[0], n, x.device) as sw:
+        seen = []
+        for a, b in sw.spans:
+            src, q = sw.fp32(x2[a:b]), out[a:b]
+            seen.append(rows(src, q, sw).max())
+            r = torch.sub(src, q, out=sw.f32[0][:b - a])  # src is x's rows or already this buffer
+            seen.append(rows(r, sw.f32[1][:b - a], sw).max())
+            q.add_(sw.f32[1][:b - a])
+        return out.view(x.shape) if sw.finite(seen) else None
 
 
 def sqnr_db(x: torch.Tensor, fmt: OperandFormat) -> float:
