@@ -496,8 +496,10 @@ def _block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions:
     if with_lse:  # m + log l in a wide dtype, per query row [B, KV, R] (a fresh O(T) tensor)
         wide = torch.promote_types(l.dtype, torch.float32)
         lse = (m.to(wide) + l.to(wide).log()).view(B, KV, nT * live)[:, :, :R].contiguous()
-    out = acc.div_(l[..., None]).view(B, KV, nT * live, Dv)[:, :, :R]  # [B, KV, rep·Tq, Dv]
-    return out.reshape(B, H, Tq, Dv), lse
+    # the live rows divided into a fresh contiguous [B, KV, rep·Tq, Dv] (acc may be a view of the
+    # value product's wider rows: the output autograd saves is then exactly its own size)
+    out = torch.div(acc.view(B, KV, nT * live, Dv)[:, :, :R], l.view(B, KV, nT * live, 1)[:, :, :R])
+    return out.view(B, H, Tq, Dv), lse
 
 
 class _BlockAttention(torch.autograd.Function):
