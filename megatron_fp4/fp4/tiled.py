@@ -495,7 +495,7 @@ def _block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions:
     lse = None
     if with_lse:  # m + log l in a wide dtype, per query row [B, KV, R] (a fresh O(T) tensor)
         wide = torch.promote_types(l.dtype, torch.float32)
-        lse = (m.to(wide) + l.to(wide).log()).view(B, KV, nT * live)[:, :, :R].contiguous()
+        lse = (m.to(wide) + l.to(wide).log()).view(B, KV, nT * live)[:, :, :R].clone()  # its own storage
     # the live rows divided into a fresh contiguous [B, KV, rep·Tq, Dv] (acc may be a view of the
     # value product's wider rows: the output autograd saves is then exactly its own size)
     out = torch.div(acc.view(B, KV, nT * live, Dv)[:, :, :R], l.view(B, KV, nT * live, 1)[:, :, :R])
