@@ -122,8 +122,11 @@ def test_saved_bytes_grow_linearly_in_sequence_length():
     assert 1.9 <= large / small <= 2.1, (small, large)
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3", "gpt_oss"])
-def test_tiny_model_gradients_batch_level_equal_standard_level(family):
+@pytest.mark.parametrize("family, packed", [("qwen3_moe", False), ("qwen3_moe", True), ("deepseek_v3", False),
+                                            ("gpt_oss", False)])
+def test_tiny_model_gradients_batch_level_equal_standard_level(family, packed):
+    """Left-padded rows (the first row's 9 leading slots), or packed rows (sequences of 30, 25 and
+    15 tokens back to back: unpacked into right-padded rows for the attention, `model/packing.py`)."""
     from megatron_fp4.config import Config
     from megatron_fp4.fp4 import apply_numerics
     from megatron_fp4.model import build_model
@@ -140,7 +143,16 @@ def test_tiny_model_gradients_batch_level_equal_standard_level(family):
         model = build_model(cfg, seed=7)
         tokens = torch.randint(1, cfg.model.vocab_size, (3, 70), generator=torch.Generator().manual_seed(3))
         apply_numerics(model, numerics_from_config(cfg, "train"))
-        model(tokens).logits.float().square().mean().backward()
+        if packed:
+            from megatron_fp4.model.packing import segment_positions
+            mask = torch.tensor([1] * 30 + [2] * 25 + [3] * 15).expand(3, 70)
+            logits = model(tokens, positions=segment_positions(mask), attention_mask=mask).logits
+        else:
+            mask = torch.ones(3, 70, dtype=torch.long)
+            mask[0, :9] = 0
+            logits = model(tokens, positions=(torch.arange(70) - 9 * (1 - mask[:, :1])).clamp(min=0),
+                           attention_mask=mask).logits * mask[..., None]
+        logits.float().square().mean().backward()
         grads[level] = torch.cat([p.grad.reshape(-1) for p in model.parameters() if p.grad is not None])
     ref, got = grads["standard"].double(), grads["batch"].double()
     assert got.shape == ref.shape
