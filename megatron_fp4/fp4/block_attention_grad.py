@@ -17,7 +17,8 @@ from typing import Optional
 
 import torch
 
-BACKWARD_CHUNK_ELEMENTS = 1 << 21  # score elements of one chunk of query rows (× a few temporaries)
+BACKWARD_CHUNK_ELEMENTS = 1 << 21  # score elements of one chunk of query positions (× a few temporaries)
+POSITION_CHUNK = 64  # query positions of a chunk at most: a causal chunk reads the keys up to its last one only
 
 
 def attention_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
@@ -25,40 +26,45 @@ def attention_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: t
                        window: int, sinks: Optional[torch.Tensor]) -> tuple:
     """(dq, dk, dv, dsinks or None) of block attention: q [B, H, Tq, D], k [B, KV, Tk, D],
     v [B, KV, Tk, Dv], out and d_out [B, H, Tq, Dv], lse [B, KV, rep·Tq] (query rows of a kv head
-    rep-major, as the forward tiles them), positions [B, Tq], pad [B] (`tiled.block_attention`)."""
+    rep-major, as the forward tiles them), positions [B, Tq], pad [B] (`tiled.block_attention`).
+    Chunks of query positions (all rep heads of a kv head together: one mask for them)."""
     B, H, Tq, D = q.shape
     KV, Tk, Dv = k.shape[1], k.shape[2], v.shape[-1]
-    rep, R = H // KV, H // KV * Tq
+    rep = H // KV
     scale = D ** -0.5 if scale is None else scale
     wide = lse.dtype
-    qf = q.reshape(B, KV, R, D).to(wide)
+    qs = q.reshape(B, KV, rep, Tq, D).to(wide) * scale  # scaled once: dK = dSᵀ (scale · Q)
     kf, vf = k.to(wide), v.to(wide)
-    do = d_out.reshape(B, KV, R, Dv).to(wide)
-    delta = (do * out.reshape(B, KV, R, Dv).to(wide)).sum(-1)  # [B, KV, R]
-    q_pos = positions[:, None, :].expand(B, rep, Tq).reshape(B, 1, R, 1)  # row r of a kv head: query r mod Tq
-    k_pos = (torch.arange(Tk, device=q.device)[None, :] - pad[:, None]).view(B, 1, 1, Tk)  # slot s: key s − pad[b]
-    dq = torch.empty_like(qf)
+    do = d_out.reshape(B, KV, rep, Tq, Dv).to(wide)
+    delta = (do * out.reshape(B, KV, rep, Tq, Dv).to(wide)).sum(-1)  # [B, KV, rep, Tq]
+    lse = lse.view(B, KV, rep, Tq)
+    k_pos = (torch.arange(Tk, device=q.device)[None, :] - pad[:, None]).view(B, 1, 1, 1, Tk)  # slot s: key s − pad[b]
+    dq = torch.empty_like(qs)
     dk, dv = torch.zeros_like(kf), torch.zeros_like(vf)
-    chunk = max(1, BACKWARD_CHUNK_ELEMENTS // max(1, B * KV * Tk))
-    for r0 in range(0, R, chunk):
-        r1 = min(R, r0 + chunk)
-        pos = q_pos[:, :, r0:r1]
+    chunk = max(1, min(POSITION_CHUNK, BACKWARD_CHUNK_ELEMENTS // max(1, B * H * Tk)))
+    for t0 in range(0, Tq, chunk):
+        t1 = min(Tq, t0 + chunk)
+        n = rep * (t1 - t0)
+        pos = positions[:, t0:t1].reshape(B, 1, 1, t1 - t0, 1)
         # the chunk's keys end at the last slot its queries can see (causal: the early chunks read fewer)
-        hi = int((pos.amax(dim=(1, 2, 3)) + pad).clamp(max=Tk - 1).max()) + 1
+        hi = int((pos.amax(dim=(1, 2, 3, 4)) + pad).clamp(max=Tk - 1).max()) + 1
         kp = k_pos[..., :hi]
-        visible = (kp >= 0) & (kp <= pos)
+        visible = (kp >= 0) & (kp <= pos)  # [B, 1, 1, chunk, hi]: the same for every head
         if window:
             visible &= kp > pos - window
-        qc, kc, vc, doc = qf[:, :, r0:r1], kf[:, :, :hi], vf[:, :, :hi], do[:, :, r0:r1]
-        s = torch.matmul(qc, kc.transpose(-1, -2)).mul_(scale)
-        p = torch.where(visible, (s - lse[:, :, r0:r1, None]).exp_(), 0.0)
+        qc = qs[:, :, :, t0:t1].reshape(B, KV, n, D)
+        doc = do[:, :, :, t0:t1].reshape(B, KV, n, Dv)
+        kc, vc = kf[:, :, :hi], vf[:, :, :hi]
+        s = torch.matmul(qc, kc.transpose(-1, -2)).view(B, KV, rep, t1 - t0, hi)
+        p = torch.where(visible, s.sub_(lse[:, :, :, t0:t1, None]).exp_(), 0.0)
+        ds = torch.matmul(doc, vc.transpose(-1, -2)).view(B, KV, rep, t1 - t0, hi)
+        ds = ds.sub_(delta[:, :, :, t0:t1, None]).mul_(p).view(B, KV, n, hi)
+        p = p.view(B, KV, n, hi)
         dv[:, :, :hi] += torch.matmul(p.transpose(-1, -2), doc)
-        ds = torch.matmul(doc, vc.transpose(-1, -2)).sub_(delta[:, :, r0:r1, None]).mul_(p).mul_(scale)
-        dq[:, :, r0:r1] = torch.matmul(ds, kc)
+        dq[:, :, :, t0:t1] = torch.matmul(ds, kc).view(B, KV, rep, t1 - t0, D)
         dk[:, :, :hi] += torch.matmul(ds.transpose(-1, -2), qc)
     dsinks = None
     if sinks is not None:
-        sink = sinks.to(wide).view(1, KV, rep, 1)
-        p_sink = torch.exp(sink - lse.view(B, KV, rep, Tq))
-        dsinks = -(p_sink * delta.view(B, KV, rep, Tq)).sum((0, 3)).reshape(H).to(sinks.dtype)
-    return (dq.view(B, KV, rep, Tq, D).reshape(B, H, Tq, D).to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dsinks)
+        p_sink = torch.exp(sinks.to(wide).view(1, KV, rep, 1) - lse)
+        dsinks = -(p_sink * delta).sum((0, 3)).reshape(H).to(sinks.dtype)
+    return ((dq * scale).view(B, H, Tq, D).to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dsinks)
