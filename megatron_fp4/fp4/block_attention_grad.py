@@ -1,7 +1,7 @@
 """The backward of the ``batch`` level's block attention (`tiled.block_attention`), flash style: the
 forward saved q, k, v, the output O and each query row's log-sum-exp L (m + log l, the sink's term
-included), and this recomputes each chunk of query rows' scores against the keys they can see —
-O(chunk × Tk) at a time, nothing O(T²) kept — with the forward's masks (positions, left padding,
+included), and this recomputes the scores of each chunk of query positions (every query head of a
+kv head) against the keys they can see — O(chunk × Tk) at a time, nothing O(T²) kept — with the forward's masks (positions, left padding,
 causal, sliding window; GQA's rep query heads per kv head; value width ≠ key width):
 
     P = exp(S − L) on the visible keys (0 elsewhere),  δ = rowsum(dO ∘ O),
