@@ -43,6 +43,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from megatron_fp4.fp4.block_attention_grad import attention_backward
 from megatron_fp4.fp4.grad_fusion import claim_fused, finish_fused, fused_grad_of
 
 ROW_TILE = 16  # the smallest GEMM row tile, and attention's query tile
@@ -448,7 +449,20 @@ def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions
                     sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Causal attention by position (the contract of ``invariant.attention``): q [B, H, Tq, D];
     k [B, KV, Tk, D], v [B, KV, Tk, Dv] with ``pad[b]`` padding slots before row b's first key;
-    positions [B, Tq]; ``scale`` (default D^-0.5), ``window`` and ``sinks`` as there."""
+    positions [B, Tq]; ``scale`` (default D^-0.5), ``window`` and ``sinks`` as there. Under autograd
+    (:class:`_BlockAttention`) the forward is the same no-grad pass (the same bits) and saves only
+    q, k, v, the output and each row's log-sum-exp: O(T) per layer, a flash-style backward
+    (`fp4/block_attention_grad.py`) recomputes the scores in chunks."""
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, sinks)):
+        return _BlockAttention.apply(q, k, v, positions, pad, scale, window, sinks)
+    return _block_forward(q, k, v, positions, pad, scale, window, sinks)[0]
+
+
+def _block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
+                   pad: torch.Tensor, scale: Optional[float], window: int, sinks: Optional[torch.Tensor],
+                   with_lse: bool = False) -> tuple:
+    """(output [B, H, Tq, Dv], each query row's log-sum-exp [B, KV, rep·Tq] in float32 or wider —
+    the sink's term included — or None unless ``with_lse``): :func:`block_attention` without autograd."""
     B, H, Tq, D = q.shape
     KV, Tk, Dv = k.shape[1], k.shape[2], v.shape[-1]
     rep = H // KV
@@ -471,13 +485,10 @@ def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions
     # row-major (a kernel is chosen by layout as well as shape: a decode step's expanded key block
     # would otherwise be a transposed view).
     scale = D ** -0.5 if scale is None else scale
-    inplace = not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad))
-    if inplace:  # written straight into their zero-padded tiles (a scaled copy each, no pad pass)
-        flat_q = q.new_zeros(B, KV, nT * ROW_TILE, D)
-        torch.mul(q.view(B, KV, rep, Tq, D), scale, out=flat_q[:, :, :R].view(B, KV, rep, Tq, D))
-        flat_q = flat_q.view(-1, ROW_TILE, D)
-    else:
-        flat_q = _zero_padded(q.reshape(B, KV, R, D) * scale, 2, ROW_TILE).view(-1, ROW_TILE, D)
+    # written straight into their zero-padded tiles (a scaled copy each, no pad pass)
+    flat_q = q.new_zeros(B, KV, nT * ROW_TILE, D)
+    torch.mul(q.view(B, KV, rep, Tq, D), scale, out=flat_q[:, :, :R].view(B, KV, rep, Tq, D))
+    flat_q = flat_q.view(-1, ROW_TILE, D)
     m = l = acc = None
     buffers = None
     for j, blk in enumerate(plan.blocks):
@@ -486,9 +497,9 @@ def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions
         # [n, KEY_BLOCK, D (+1)] row-major: a tile's key block (a view where each (b, kv) has one tile and block)
         kj, vj = (kb[:, j], vb[:, j]) if blk.oj is None else \
             (kb[:, j].index_select(0, blk.oj), vb[:, j].index_select(0, blk.oj))
-        # Without autograd the block-sized buffers (scores, masks) are allocated once for the first
-        # block (every tile, the widest cols) and reused: a fresh buffer per block cost more in page
-        # faults (glibc hands big freed buffers back to the system) than the arithmetic in it.
+        # The block-sized buffers (scores, masks) are allocated once for the first block (every
+        # tile, the widest cols) and reused: a fresh buffer per block cost more in page faults
+        # (glibc hands big freed buffers back to the system) than the arithmetic in it.
         s_tile = torch.bmm(qj, kj.transpose(1, 2), out=buffers[0][:qj.shape[0]]) if buffers else \
             torch.bmm(qj, kj.transpose(1, 2))
         s = s_tile[:, :live, :cols]
@@ -496,10 +507,9 @@ def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions
             bias, keep = blk.masks
         else:
             bias, keep = _block_mask(blk.pj, j, window, q.dtype, cols, buffers[1:] if buffers else None)
-        if inplace and not buffers:
+        if not buffers:
             buffers = [s_tile] + ([] if blk.masks is not None else [bias.view(-1), keep.view(-1)])
-        # the future keys (and those out of the window) −inf, the others + 0 (their bits)
-        s = s.add_(bias) if inplace else s + bias
+        s = s.add_(bias)  # the future keys (and those out of the window) −inf, the others + 0 (their bits)
         blk_max = s.amax(-1)
         m_old = None if not j else m if sel is None else m.index_select(0, sel)
         m_new = blk_max if m_old is None else torch.maximum(m_old, blk_max)
@@ -511,15 +521,12 @@ def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions
         # every lane that underflows (−inf included; 10× here), and masked_fill was as slow as exp.
         # A visible key below the floor gets exp(EXP_FLOOR) ≈ 1.6e-38 instead of ~0: negligible
         # beside the block's largest weight 1, and the same in a decode step and a full forward.
-        if inplace:  # in the score tile: its columns past cols zeroed (rows past live: padding queries)
-            s.sub_(m_ref[..., None]).clamp_(min=EXP_FLOOR).exp_().mul_(keep)
-            if cols < KEY_BLOCK:
-                s_tile[:, :live, cols:].zero_()
-            p = s_tile
-        else:
-            p = torch.exp((s - m_ref[..., None]).clamp(min=EXP_FLOOR)) * keep
-            p = F.pad(p, (0, KEY_BLOCK - cols, 0, ROW_TILE - live)) if cols < KEY_BLOCK or live < ROW_TILE else p
-        pv = torch.bmm(p, vj)[:, :live]  # [n, live, Dw + 1]
+        # In the score tile: its columns past cols zeroed (rows past live: padding queries, whose
+        # products are dropped — a GEMM row's result depends on that row of its left operand alone).
+        s.sub_(m_ref[..., None]).clamp_(min=EXP_FLOOR).exp_().mul_(keep)
+        if cols < KEY_BLOCK:
+            s_tile[:, :live, cols:].zero_()
+        pv = torch.bmm(s_tile, vj)[:, :live]  # [n, live, Dw + 1]
         pv, ps = pv[..., :Dv], pv[..., Dw]
         if m_old is None:
             m, l, acc = m_new, ps, pv
@@ -528,19 +535,42 @@ def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions
         if sel is None:
             m, l, acc = m_new, l * corr + ps, acc * corr[..., None] + pv
             continue
-        l_new, acc_new = l.index_select(0, sel) * corr + ps, acc.index_select(0, sel) * corr[..., None] + pv
-        if inplace:
-            m.index_copy_(0, sel, m_new)
-            l.index_copy_(0, sel, l_new)
-            acc.index_copy_(0, sel, acc_new)
-        else:  # autograd: the earlier states stay as they were (amax saved its result)
-            m, l, acc = m.index_copy(0, sel, m_new), l.index_copy(0, sel, l_new), acc.index_copy(0, sel, acc_new)
+        m.index_copy_(0, sel, m_new)
+        l.index_copy_(0, sel, l.index_select(0, sel) * corr + ps)
+        acc.index_copy_(0, sel, acc.index_select(0, sel) * corr[..., None] + pv)
     if sinks is not None:  # a per-head logit in every row's softmax, dropped after it (no value)
         sink = sinks.to(m.dtype).view(1, KV, rep, 1).expand(B, KV, rep, Tq).reshape(B, KV, R)
         sink = _zero_padded(sink, 2, live).view(-1, live)
         m_all = torch.maximum(m, sink)
         corr = torch.exp(m - m_all)
         l, acc = l * corr + torch.exp(sink - m_all), acc * corr[..., None]
-    out = (acc.div_(l[..., None]) if inplace else acc / l[..., None])
-    out = out.view(B, KV, nT * live, Dv)[:, :, :R]  # [B, KV, rep·Tq, Dv]
-    return out.reshape(B, H, Tq, Dv)
+        m = m_all
+    lse = None
+    if with_lse:  # m + log l in a wide dtype, per query row [B, KV, R] (a fresh O(T) tensor)
+        wide = torch.promote_types(l.dtype, torch.float32)
+        lse = (m.to(wide) + l.to(wide).log()).view(B, KV, nT * live)[:, :, :R].clone()  # its own storage
+    # the live rows divided into a fresh contiguous [B, KV, rep·Tq, Dv] (acc may be a view of the
+    # value product's wider rows: the output autograd saves is then exactly its own size)
+    out = torch.div(acc.view(B, KV, nT * live, Dv)[:, :, :R], l.view(B, KV, nT * live, 1)[:, :, :R])
+    return out.view(B, H, Tq, Dv), lse
+
+
+class _BlockAttention(torch.autograd.Function):
+    """:func:`block_attention` under autograd: the forward is the no-grad pass (its bits) and saves
+    q, k, v, the output and each row's log-sum-exp (positions and padding, the model's inputs shared
+    by every layer, ride on the context); the backward recomputes the scores in chunks of query
+    rows (`block_attention_grad.attention_backward`)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, positions, pad, scale, window, sinks):
+        out, lse = _block_forward(q, k, v, positions, pad, scale, window, sinks, with_lse=True)
+        ctx.save_for_backward(q, k, v, out, lse, sinks)
+        ctx.positions, ctx.pad, ctx.scale, ctx.window = positions, pad, scale, window
+        return out
+
+    @staticmethod
+    def backward(ctx, d_out):
+        q, k, v, out, lse, sinks = ctx.saved_tensors
+        dq, dk, dv, dsinks = attention_backward(q, k, v, out, lse, d_out, ctx.positions, ctx.pad,
+                                                ctx.scale, ctx.window, sinks)
+        return dq, dk, dv, None, None, None, None, dsinks

@@ -14,8 +14,8 @@
 - **Activations**: the bytes autograd saves for one micro-batch of a chunk (the larger of the LM
   step's and a packed RL one, `micro_batch_shape`; `layer_activation_bytes`, checked term by term
   against ``saved_tensors_hooks`` in tests/unit/test_memory_plan.py; by family: GQA, MLA, GPT-OSS,
-  `attention_activation_bytes`; at the ``batch`` numerics level the block attention's per-block
-  tensors, `block_attention_bytes`), times the micro-batches in flight of the schedule, plus the FP4 ``Q(W)`` each MoEResQ linear saves
+  `attention_activation_bytes`; at the ``batch`` numerics level the block attention's q, k, v,
+  output and log-sum-exp, `block_attention_bytes`), times the micro-batches in flight of the schedule, plus the FP4 ``Q(W)`` each MoEResQ linear saves
   (fp32, `_DgradHalf`; once per step under the trainer's per-step weight cache).
 
 Expert rows per rank assume balanced routing (each rank's experts get ``tokens × top_k`` rows per
@@ -23,13 +23,11 @@ micro-batch on average); the real number varies with the router.
 """
 from __future__ import annotations
 
-import bisect
 from dataclasses import dataclass, field
 
 import torch
 
 from megatron_fp4.config import Config, ConfigError
-from megatron_fp4.fp4.tiled import KEY_BLOCK, MIN_VALUE_COLUMNS, ROW_TILE
 from megatron_fp4.model import MoETransformer
 from megatron_fp4.model.layers import wide_dtype
 from megatron_fp4.model.moe import GroupedExperts
@@ -185,57 +183,15 @@ def _input_linears(m) -> int:
     return 2 if getattr(m, "family", "qwen3_moe") == "deepseek_v3" else 3
 
 
-def block_attention_bytes(groups: int, rep: int, seq: int, d: int, dv: int, a: int) -> int:
+def block_attention_bytes(groups: int, rep: int, seq: int, dv: int, a: int) -> int:
     """Bytes `tiled.block_attention` (the ``batch`` numerics level's attention, the trainer's
-    default) saves for autograd on `groups` = batch × kv heads of `rep` query heads each, `seq`
-    tokens at positions 0..seq-1, key dim `d`, value dim `dv`, in an `a`-byte dtype; term by term
-    its forward's (tests/unit/test_memory_plan_families_activations.py checks it against the saved
-    tensors). Query rows (the rep heads × seq) in tiles of ``ROW_TILE``, keys in blocks of
-    ``KEY_BLOCK``; block j runs the tiles whose last position reaches it (``n_j`` per group).
-
-    - once: the key/value row index (int64, ``KEY_BLOCK`` · blocks per group), the zero-padded scaled
-      queries, the tiles' owner index (int64) — or, with one tile and one block, the key and value
-      block buffers themselves —, the first block's row max, and the final output and denominator
-      (with one block: views of the first block's value product, ``dw + 1`` wide);
-    - per block: the masked scores, their shifted copy (clamp's input), exp, the keep mask and the
-      weights ([n_j, ROW_TILE, KEY_BLOCK] each), the block's keys and values (``dw + 1`` columns:
-      at least ``MIN_VALUE_COLUMNS``, a ones column for the denominator);
-    - per block after the first (the tiles selected): their queries, running output (before and
-      after the update) and six [n_j, ROW_TILE] rows (row max, previous max, the correction, the
-      previous and new denominator, the new max: not on the last block, where nothing reads it),
-      the selection and owner indices (int64)."""
-    blocks = -(-seq // KEY_BLOCK)
-    rows = rep * seq
-    tiles = max(1, -(-rows // ROW_TILE))
-    dw1 = max(dv, MIN_VALUE_COLUMNS - 1) + 1
-    lasts = sorted(_tile_last(i, rows, seq) for i in range(tiles))
-    per, total, t, w = ROW_TILE * KEY_BLOCK, 0, ROW_TILE, _INDEX_BYTES
-    total += blocks * KEY_BLOCK * w + tiles * t * d * a  # key/value row index; padded queries
-    total += tiles * t * (dv + 1) * a if blocks > 1 else tiles * t * dw1 * a  # output, denominator (views, 1 block)
-    total += tiles * t * a  # the first block's row max
-    if tiles > 1 or blocks > 1:
-        total += tiles * w  # the tiles' owner index
-    else:
-        total += blocks * KEY_BLOCK * (d + dw1) * a  # the key and value buffers, saved as they are
-    active = [tiles] + [tiles - bisect.bisect_left(lasts, j * KEY_BLOCK) for j in range(1, blocks)]
-    active = active[:active.index(0)] if 0 in active else active
-    for j, n in enumerate(active):
-        total += 5 * n * per * a
-        total += n * KEY_BLOCK * (d + dw1) * a if (tiles > 1 or blocks > 1) else 0
-        if j:  # the last block's new row max is not read again: its graph is dropped
-            total += n * t * d * a + 2 * n * t * dv * a + (6 if j < len(active) - 1 else 5) * n * t * a + 2 * n * w
-    return groups * total
-
-
-def _tile_last(i: int, rows: int, seq: int) -> int:
-    """The last (largest) position among query tile `i`'s rows (row r at position r mod seq; the
-    padding rows past `rows` at 0)."""
-    lo, hi = i * ROW_TILE, min((i + 1) * ROW_TILE, rows) - 1
-    if hi < lo:
-        return 0
-    if lo // seq != hi // seq:  # the tile crosses a head's end: that head's last position
-        return seq - 1
-    return hi % seq
+    default) saves for autograd beyond its q, k and v on `groups` = batch × kv heads of `rep` query
+    heads each, `seq` tokens, value dim `dv`, in an `a`-byte dtype: its output and each query row's
+    log-sum-exp (float32, or float64 for float64 activations) — O(seq), the flash-style backward
+    recomputes the scores (`fp4/block_attention_grad.py`). The callers count q, k and v, which it
+    saves as they are (tests/unit/test_memory_plan_families_activations.py checks it against the
+    saved tensors)."""
+    return groups * rep * seq * (dv * a + max(a, 4))
 
 
 def attention_is_blocked(cfg: Config) -> bool:
@@ -253,9 +209,8 @@ def attention_activation_bytes(cfg: Config, tokens: int, batch: int = 0) -> int:
     tests/unit/test_memory_plan_families_activations.py checks them against the saved tensors and a
     hand count). ``a`` the activation dtype, ``w`` the wide one; tensor parallel cuts the heads.
     `batch`: the micro-batch's rows (default one row of `tokens`). At the ``batch`` numerics level
-    (`attention_is_blocked`) GQA's and MLA's SDPA terms (q, k, v, output, logsumexp) are
-    `block_attention_bytes` instead; GPT-OSS's are its eager attention's at every level (its
-    ``batch``-level block attention with window and sinks is not modeled yet).
+    (`attention_is_blocked`) the attention saves q, k and v as they are (k and v on the kv heads, not
+    repeated; GPT-OSS: no mask, no softmax) and `block_attention_bytes` (output, log-sum-exp).
 
     - GQA (qwen3_moe): q_norm/k_norm, RoPE's cos and sin, SDPA's q, k and v (repeated to every
       query head), output and logsumexp, o_proj's input;
@@ -273,7 +228,7 @@ def attention_activation_bytes(cfg: Config, tokens: int, batch: int = 0) -> int:
     nh, family = m.num_heads // tp, getattr(m, "family", "qwen3_moe")
     rows = batch or 1
     seq = tokens // rows
-    blocked = attention_is_blocked(cfg) and family != "gpt_oss"
+    blocked = attention_is_blocked(cfg)
     if family == "deepseek_v3":
         qk, rope, kvr, qr = m.qk_nope_head_dim + m.qk_rope_head_dim, m.qk_rope_head_dim, m.kv_lora_rank, m.q_lora_rank
         b = _norm_bytes(tokens, qr, a, w) + tokens * qr * a if qr else 0  # q_a's output normed; q_b's input
@@ -282,13 +237,17 @@ def attention_activation_bytes(cfg: Config, tokens: int, batch: int = 0) -> int:
         b += tokens * (kvr + rope) * a if a == w else tokens * kvr * w
         b += tokens * w + 2 * tokens * kvr * a  # the norm's rsqrt and x·rsqrt; kv_b's input
         b += 2 * tokens * rope * a  # cos, sin
-        if blocked:  # q and k go to the block attention, which copies them; v's kv_b storage is not kept
-            return b + block_attention_bytes(rows * nh, 1, seq, qk, m.v_head_dim, a) + tokens * nh * m.v_head_dim * a
         b += 2 * tokens * nh * qk * a + tokens * nh * (m.qk_nope_head_dim + m.v_head_dim) * a  # q, k; v's storage
+        if blocked:  # the block attention's output and log-sum-exp; o_proj's input
+            return b + block_attention_bytes(rows * nh, 1, seq, m.v_head_dim, a) + tokens * nh * m.v_head_dim * a
         return b + 2 * tokens * nh * m.v_head_dim * a + tokens * nh * w  # SDPA's output, o_proj's input; logsumexp
     d = m.head_dim
     if family == "gpt_oss":
         b = tokens * d * a  # cos, sin: half the head dim each
+        if blocked:  # q, k, v (kv heads); the block attention's output and log-sum-exp; o_proj's input
+            nkv = m.num_kv_heads // tp if m.num_kv_heads % tp == 0 else 1
+            b += tokens * (nh + 2 * nkv) * d * a + block_attention_bytes(rows * nkv, nh // nkv, seq, d, a)
+            return b + tokens * nh * d * a
         b += 3 * tokens * nh * d * a  # q; k and v repeated to every head
         b += seq * seq + tokens * nh * _INDEX_BYTES  # the visible-keys mask (bool); the row max's indices
         b += tokens * nh * (seq + 1) * a  # the softmax over the keys and the sink
@@ -296,8 +255,9 @@ def attention_activation_bytes(cfg: Config, tokens: int, batch: int = 0) -> int:
     nkv = m.num_kv_heads // tp if m.num_kv_heads % tp == 0 else 1
     b = _norm_bytes(tokens * nh, d, a, w) + _norm_bytes(tokens * nkv, d, a, w)  # q_norm, k_norm
     b += 2 * tokens * d * a  # rope cos, sin
-    if blocked:  # block attention on the kv heads (no repeat)
-        return b + block_attention_bytes(rows * nkv, nh // nkv, seq, d, d, a) + tokens * nh * d * a
+    if blocked:  # q, k, v (kv heads: no repeat); the block attention's output and log-sum-exp; o_proj's input
+        b += tokens * (nh + 2 * nkv) * d * a
+        return b + block_attention_bytes(rows * nkv, nh // nkv, seq, d, a) + tokens * nh * d * a
     b += 4 * tokens * nh * d * a + tokens * nh * w  # SDPA: q, k and v (repeated to nh heads), out; logsumexp
     return b + tokens * nh * d * a  # o_proj input (contiguous copy)
 
