@@ -555,6 +555,17 @@ def _block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions:
     return out.view(B, H, Tq, Dv), lse
 
 
+def _versions(*tensors) -> tuple:
+    """Version counters of ``tensors`` (None for a tensor without one: an inference tensor)."""
+    out = []
+    for t in tensors:
+        try:
+            out.append(t._version)
+        except RuntimeError:
+            out.append(None)
+    return tuple(out)
+
+
 class _BlockAttention(torch.autograd.Function):
     """:func:`block_attention` under autograd: the forward is the no-grad pass (its bits) and saves
     q, k, v, the output and each row's log-sum-exp (positions and padding, the model's inputs shared
@@ -566,11 +577,16 @@ class _BlockAttention(torch.autograd.Function):
         out, lse = _block_forward(q, k, v, positions, pad, scale, window, sinks, with_lse=True)
         ctx.save_for_backward(q, k, v, out, lse, sinks)
         ctx.positions, ctx.pad, ctx.scale, ctx.window = positions, pad, scale, window
+        ctx.versions = _versions(positions, pad)
         return out
 
     @staticmethod
     def backward(ctx, d_out):
         q, k, v, out, lse, sinks = ctx.saved_tensors
+        if _versions(ctx.positions, ctx.pad) != ctx.versions:
+            raise RuntimeError("block attention's backward: the positions or padding tensor was modified in place "
+                               "after the forward (the backward recomputes the scores from them); pass a fresh "
+                               "tensor instead of writing into the one the forward used")
         dq, dk, dv, dsinks = attention_backward(q, k, v, out, lse, d_out, ctx.positions, ctx.pad,
                                                 ctx.scale, ctx.window, sinks)
         return dq, dk, dv, None, None, None, None, dsinks

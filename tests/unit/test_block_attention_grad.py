@@ -157,3 +157,17 @@ def test_tiny_model_gradients_batch_level_equal_standard_level(family, packed):
     ref, got = grads["standard"].double(), grads["batch"].double()
     assert got.shape == ref.shape
     assert float((got - ref).norm() / ref.norm()) <= 1e-5, float((got - ref).norm() / ref.norm())
+
+
+def test_positions_written_in_place_after_the_forward_are_refused():
+    """The backward recomputes the scores from the forward's positions: a write into them in between
+    would give the gradients of other scores, so it is refused with the fix named."""
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(1, 2, 8, 16, generator=g, requires_grad=True)
+    k = torch.randn(1, 1, 8, 16, generator=g, requires_grad=True)
+    v = torch.randn(1, 1, 8, 16, generator=g, requires_grad=True)
+    positions = torch.arange(8)[None].clone()
+    out = block_attention(q, k, v, positions, torch.zeros(1, dtype=torch.long))
+    positions.add_(1)
+    with pytest.raises(RuntimeError, match="modified in place"):
+        out.sum().backward()
