@@ -172,8 +172,11 @@ class Sweep:
     def __enter__(self) -> "Sweep":
         pool = _POOL.idle
         i = next((i for i, t in enumerate(pool) if t.device == self.device and t.numel() >= 3 * self.size), None)
-        flat = pool.pop(i) if i is not None else torch.empty(3 * max(self.size, SWEEP_ELEMENTS), dtype=torch.float32,
-                                                              device=self.device)
+        if i is not None:
+            flat = pool.pop(i)
+        else:  # a normal tensor even under inference mode (vLLM's forward): the pool serves both modes
+            with torch.inference_mode(False):
+                flat = torch.empty(3 * max(self.size, SWEEP_ELEMENTS), dtype=torch.float32, device=self.device)
         self._flat, c = flat, self.size // max(self.n, 1)
         self.f32 = [flat[k * self.size:(k + 1) * self.size].view(c, self.n) for k in range(2)]
         self.i32 = flat[2 * self.size:3 * self.size].view(torch.int32).view(c, self.n)

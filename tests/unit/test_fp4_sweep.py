@@ -190,3 +190,18 @@ def test_sweeps_in_threads_share_no_scratch(small_ranges):
     for t in threads:
         t.join()
     assert all(torch.equal(bits(a), bits(b)) for a, b in zip(got, want))
+
+
+def test_sweep_scratch_serves_inference_mode_and_autograd_off_alike():
+    """vLLM runs its forward under inference mode, the trainer's scoring beside it in the same process
+    does not: scratch pooled by one must serve the other (an inference tensor refuses in-place writes
+    outside inference mode), with the same bits either way."""
+    x = torch.randn(64, 256, generator=torch.Generator().manual_seed(5))
+    formats._POOL.idle.clear()
+    with torch.inference_mode():
+        first = fake_quantize_nvfp4(x)
+    with torch.no_grad():
+        second = fake_quantize_nvfp4(x)
+    with torch.inference_mode():
+        third = fake_quantize_nvfp4(x)
+    assert torch.equal(first, second) and torch.equal(second, third)
