@@ -31,6 +31,7 @@ from megatron_fp4.config import Config, ConfigError
 from megatron_fp4.model import MoETransformer
 from megatron_fp4.model.layers import wide_dtype
 from megatron_fp4.model.moe import GroupedExperts
+from megatron_fp4.model.router import Router
 from megatron_fp4.model.specs import no_weight_decay
 from megatron_fp4.parallel.dims import ParallelDims
 from megatron_fp4.parallel.pipeline import PLACEMENT, rank_chunks, split_layers
@@ -149,13 +150,17 @@ def weight_grad_transient(model: MoETransformer, cfg: Config, dp: int, num_micro
     a fresh tensor of the weight's size, in its dtype). The largest module's own parameters count: a
     `GroupedExperts`' w13 and w2 gradients are both held at once (measured: the step's peak RSS rises
     by both, not by the larger; benchmarks/bench_memory_plan.py, docs/memory.md). Gradient fusion
-    (`fp4/grad_fusion.py`) writes a grouped expert kernel's gradient straight into the buffer instead,
+    (`fp4/grad_fusion.py`) writes a grouped expert kernel's gradient (and at the ``batch`` level a
+    tiled dense GEMM's: attention, router, LM head) straight into the buffer instead,
     but only for the step's first micro-batch in a group of one: with several micro-batches per
     step the later ones take the ordinary path, so fused experts are exempt only at one micro-batch."""
     p, largest = cfg.parallel, 0
+    # at the batch level the dense GEMMs (attention projections, router, LM head) are tiled and fuse too
+    kinds = (GroupedExperts, torch.nn.Linear, Router) if cfg.numerics.invariance == "batch" \
+        and activation_dtype(cfg) != torch.float64 else (GroupedExperts,)
     for module in model.modules():
         own = [t for t in module.parameters(recurse=False) if t.requires_grad]
-        fused = num_microbatches == 1 and isinstance(module, GroupedExperts) \
+        fused = num_microbatches == 1 and isinstance(module, kinds) \
             and all(_group_size(_axis(t), p, dp) == 1 for t in own)
         if own and not fused:
             largest = max(largest, sum(t.numel() * t.element_size() for t in own))

@@ -47,9 +47,19 @@ def step(lin, x):
     lin(x).backward(torch.ones(x.shape[0], 32))
 
 
+def accelerator_path(monkeypatch) -> None:
+    """Switch off the CPU-only eager sweeps (`formats.Sweep`: they choose between their result and the
+    reference's by the input's finiteness on the host, which on CPU waits for no device; a ResQ sweep
+    checks its two quantizations at once), so every quantization takes the path a GPU tensor takes."""
+    from megatron_fp4.fp4 import mxfp4, nvfp4, resq
+    for module, fn in ((nvfp4, "_fake_sweep"), (mxfp4, "_fake_sweep"), (resq, "_resq_sweep")):
+        monkeypatch.setattr(module, fn, lambda *args, **kwargs: None)
+
+
 def test_deferred_mode_has_no_host_sync_per_quantization(monkeypatch):
     lin, x = layer(), torch.randn(24, 64)
     with training_step(0, defer_nonfinite=True) as fp4_step:
+        accelerator_path(monkeypatch)  # (count_host_syncs undoes every patch when it ends)
         with count_host_syncs(monkeypatch) as calls:
             for i in range(2):
                 with micro_batch(i):
@@ -57,6 +67,7 @@ def test_deferred_mode_has_no_host_sync_per_quantization(monkeypatch):
         assert calls == []  # 2 micro-batches x 7 quantizations, none synced
         assert fp4_step.nonfinite_error() is None
     with training_step(0, defer_nonfinite=False):  # the eager check syncs at every quantization
+        accelerator_path(monkeypatch)
         with count_host_syncs(monkeypatch) as calls:
             step(lin, x)
         assert calls.count("__bool__") >= 7
