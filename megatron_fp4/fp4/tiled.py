@@ -37,6 +37,7 @@ on that row (and, for attention, its prefix), not on its batch, padding, micro-b
 """
 from __future__ import annotations
 
+import contextvars
 import functools
 from typing import Optional
 
@@ -555,6 +556,17 @@ def _block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions:
     return out.view(B, H, Tq, Dv), lse
 
 
+# Set while `_BlockAttention.forward` runs its in-place pass: selective recompute's policy
+# (`model/recompute.py`) keeps no GEMM output from inside it (its buffers are reused and written in
+# place, and its own backward recomputes the scores from q, k, v anyway). A caching policy, not numerics.
+_IN_FORWARD = contextvars.ContextVar("megatron_fp4_block_attention_forward", default=False)
+
+
+def in_block_attention_forward() -> bool:
+    """Whether the ops now running are `_BlockAttention`'s forward pass."""
+    return _IN_FORWARD.get()
+
+
 def _versions(*tensors) -> tuple:
     """Version counters of ``tensors`` (None for a tensor without one: an inference tensor)."""
     out = []
@@ -574,7 +586,11 @@ class _BlockAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, positions, pad, scale, window, sinks):
-        out, lse = _block_forward(q, k, v, positions, pad, scale, window, sinks, with_lse=True)
+        token = _IN_FORWARD.set(True)
+        try:
+            out, lse = _block_forward(q, k, v, positions, pad, scale, window, sinks, with_lse=True)
+        finally:
+            _IN_FORWARD.reset(token)
         ctx.save_for_backward(q, k, v, out, lse, sinks)
         ctx.positions, ctx.pad, ctx.scale, ctx.window = positions, pad, scale, window
         ctx.versions = _versions(positions, pad)
