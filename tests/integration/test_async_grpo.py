@@ -37,8 +37,10 @@ def test_rollout_process_death_is_one_clear_error(monkeypatch):
     rollout = make_rollout("engine-process", trainer, task.tok.pad_id, 1 << 20)
     real = rollout.fetch
 
-    def fetch(prompts, params, *a):  # the rollout's thread, asking for batch 2 (seed 0): the process dies
-        if params[0].temperature > 0 and params[0].seed // 10_007 == 2:
+    base = trainer.cfg.schedule.seed * 1_000_003  # `loop.sampling_params`' seeds: base + step · 10_007 + request
+
+    def fetch(prompts, params, *a):  # the rollout's thread, asking for batch 2: the process dies
+        if params[0].temperature > 0 and (params[0].seed - base) // 10_007 == 2:
             rollout.proc.kill()
             rollout.proc.wait()
         return real(prompts, params, *a)
