@@ -147,7 +147,8 @@ def test_drop_never_trains_beyond_the_bound_and_counts():
                 gen.version, gen.token_versions = 0, [torch.zeros_like(v) for v in gen.token_versions]
             return gen
         rollout.generate = generate
-    result = run("rl.max_staleness=1", "rl.staleness_policy=drop", wrap=lagging)
+    # schedule.seed 0: `loop.sampling_params` seeds batch m's requests m · 10_007 + i
+    result = run("rl.max_staleness=1", "rl.staleness_policy=drop", "schedule.seed=0", wrap=lagging)
     assert result.dropped >= 1 and sum(h["async/dropped"] for h in result.history) == result.dropped
     assert 2 not in [h["sample_index"] for h in result.history]
     assert all(h["step"] - h["rollout_version"] <= 1 for h in result.history)
