@@ -117,13 +117,15 @@ def _out_arg(out: torch.Tensor) -> torch.Tensor:
     return out.view(torch.int16) if _bf16(out) else out
 
 
-def gemm(x2: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """``x2`` [M, K] · ``w`` [N, K]ᵀ by the fixed-tile kernel (no autograd, no fallback)."""
+def gemm(x2: torch.Tensor, w: torch.Tensor, config: Optional[tuple] = None) -> torch.Tensor:
+    """``x2`` [M, K] · ``w`` [N, K]ᵀ by the fixed-tile kernel (no autograd, no fallback). ``config``:
+    another (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) than :data:`GEMM_CONFIG`'s, only for the
+    checks (``tools/gpu_check_triton_batch.py`` shows that a tile chosen from M breaks invariance)."""
     M, K = x2.shape
     N = w.shape[0]
     if w.shape[1] != K:
         raise ValueError(f"triton_batch.gemm: x is [{M}, {K}] but the weight is {list(w.shape)} (needs [N, {K}])")
-    bm, bn, bk, warps, stages = GEMM_CONFIG[x2.dtype]
+    bm, bn, bk, warps, stages = GEMM_CONFIG[x2.dtype] if config is None else config
     out = torch.empty(M, N, dtype=x2.dtype, device=x2.device)
     if M == 0 or N == 0:
         return out
@@ -301,10 +303,11 @@ def grouped_linear(x: torch.Tensor, weights, counts, triton: str = "auto") -> to
     counts = tuple(int(n) for n in counts)
     x = x if x.stride(-1) == 1 else x.contiguous()
     fallback = lambda: tiled.tiled_grouped_linear(x, weights, counts)  # noqa: E731
-    if stacked and _grad(x, weights):
-        return _launch("grouped GEMM", lambda: _TritonGroupedLinear.apply(x, weights, counts), fallback)
-    w = (weights if weights.stride(-1) == 1 else weights.contiguous()) if stacked else torch.stack(list(weights))
-    return _launch("grouped GEMM", lambda: grouped_gemm(x, w.detach() if stacked else w, counts), fallback)
+    w = weights if stacked else torch.stack(list(weights))  # a list: one [E, out, in] copy (differentiable)
+    if _grad(x, w):
+        return _launch("grouped GEMM", lambda: _TritonGroupedLinear.apply(x, w, counts), fallback)
+    w = w if w.stride(-1) == 1 else w.contiguous()
+    return _launch("grouped GEMM", lambda: grouped_gemm(x, w, counts), fallback)
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, pad: torch.Tensor,
