@@ -27,6 +27,7 @@ import json
 import math
 import statistics
 import time
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -328,6 +329,66 @@ def check_attention_autograd(dev: torch.device, record) -> None:
            f"kernel served: {served}; max|Δ|/max|ref| " + json.dumps({k: f"{e:.1e}" for k, e in errs.items()}))
 
 
+# ---- the model ------------------------------------------------------------------------------
+
+def check_model(dev: torch.device, record) -> None:
+    """The tiny Qwen3-MoE (2 layers, FP4 experts + attention) at the batch level with the kernels
+    serving its GEMMs and attention: the KV-cache decode == the full forward (left padding), the
+    rollout engine's log-probs and routes == scoring in other batches, the training forward ==
+    the no-grad forward, all bitwise. (Norms, softmax and SiLU stay ATen's kernels: on a GPU this
+    also checks that they are row-local there.)"""
+    from megatron_fp4.config import Config
+    from megatron_fp4.fp4 import Numerics, apply_numerics
+    from megatron_fp4.model import KVCache, build_model
+    from megatron_fp4.rollout.engine import RolloutEngine
+    from megatron_fp4.rollout.sampling import SamplingParams
+    from megatron_fp4.rollout.scoring import score
+
+    mode_t = "auto" if dev.type == "cuda" else "interpret"
+    for mode in ("bf16", "fp4_resq"):
+        cfg = Config()
+        cfg.model.num_layers, cfg.fp4.scope = 2, "experts+attention"
+        model = build_model(cfg, seed=5)
+        model.set_fp4_mode(mode)
+        apply_numerics(model, Numerics(invariance="batch", triton=mode_t))
+        model.to(dev).eval()
+        V = cfg.model.vocab_size
+        g = torch.Generator().manual_seed(6)
+        tokens = torch.randint(1, V, (3, 12), generator=g).to(dev)
+        mask = torch.ones_like(tokens)
+        mask[0, :3] = 0
+        pos = (mask.cumsum(-1) - 1).clamp(min=0)
+        launched = triton_batch.launches()
+        with torch.no_grad():
+            full = model(tokens, pos, mask).logits
+            cache = KVCache.empty(len(model.layers))
+            steps = [model(tokens[:, :5], pos[:, :5], mask[:, :5], cache).logits]
+            steps += [model(tokens[:, t:t + 1], pos[:, t:t + 1], mask[:, :t + 1], cache).logits for t in range(5, 12)]
+        got = torch.cat(steps, 1)
+        ok = _same(got[0, 3:], full[0, 3:]) and _same(got[1:], full[1:]) and triton_batch.launches() > launched
+        record(f"triton batch model ({mode}): KV-cache decode == full forward", "PASS" if ok else "FAIL",
+               f"bitwise; {triton_batch.launches() - launched} kernel launches" if ok else "logits differ")
+        trained = model(tokens, pos, mask).logits
+        trained.float().square().mean().backward()
+        record(f"triton batch model ({mode}): training forward == no-grad forward", "PASS" if _same(trained.detach(), full)
+               else "FAIL")
+        model.zero_grad(set_to_none=True)
+        prompts = [torch.randint(1, V, (n,), generator=g).tolist() for n in (3, 7, 5, 9)]
+        engine = RolloutEngine(model, mode=mode, invariance="batch")
+        out = engine.generate(prompts, SamplingParams(max_new_tokens=4, temperature=1.0, seed=3), return_routing=True)
+        bad = []
+        for batch in ([2, 0], [3], [1, 2, 3]):
+            sc = score(model, [out.prompt_ids[i] for i in batch], [out.response_ids[i] for i in batch], mode=mode,
+                       return_routing=True, invariance="batch")
+            for j, i in enumerate(batch):
+                if not _same(sc["log_probs"][j], out.log_probs[i]):
+                    bad.append(f"log-probs of request {i} in batch {batch}")
+                if not torch.equal(sc["routing"][j].sort(-1).values.cpu(), out.routing[i].sort(-1).values.cpu()):
+                    bad.append(f"routes of request {i} in batch {batch}")
+        record(f"triton batch model ({mode}): rollout engine == scoring in other batches", "FAIL" if bad else "PASS",
+               f"differs: {bad}" if bad else "log-probs bitwise, routes equal")
+
+
 # ---- speed ----------------------------------------------------------------------------------
 
 def _time_ms(fn, repeats: int, dev: torch.device) -> float:
@@ -404,7 +465,7 @@ def check_speed(dev: torch.device, record, quick: bool) -> None:
             "tiled": lambda: tiled.block_attention(q1, k, v, p1, pad)}, reps, rounds)
 
 
-def run(dev: torch.device, record, quick: bool, speed: bool = True) -> None:
+def run(dev: torch.device, record, quick: bool, speed: bool = True, model: Optional[bool] = None) -> None:
     """Every batch-level Triton check on ``dev`` (skipped with the reason when the kernels cannot run there)."""
     ok, why = triton_fp4.triton_importable()
     if not ok:
@@ -427,6 +488,14 @@ def run(dev: torch.device, record, quick: bool, speed: bool = True) -> None:
             check(dev, record)
         except Exception as err:
             record(f"triton batch {check.__name__}", "FAIL", f"{type(err).__name__}: {err}")
+    if dev.type == "cuda" if model is None else model:
+        try:
+            check_model(dev, record)
+        except Exception as err:
+            record("triton batch check_model", "FAIL", f"{type(err).__name__}: {err}")
+    elif model is None:
+        record("triton batch model checks", "SKIP", "under the interpreter they take ~70 s of CPU: run on CUDA, or "
+               "run(..., model=True)")
     if speed:
         try:
             check_speed(dev, record, quick)
