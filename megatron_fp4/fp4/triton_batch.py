@@ -85,7 +85,7 @@ def _launch(what: str, fn, fallback):
         return fallback()
     try:
         out = fn()
-    except ValueError:
+    except (ValueError, torch.OutOfMemoryError):  # the caller's input, or memory: not the kernels' fault
         raise
     except Exception as err:  # a compiler / driver failure: never again in this process
         _state["broken"] = f"{type(err).__name__}: {err}"
