@@ -26,13 +26,13 @@ from __future__ import annotations
 import json
 import math
 import statistics
-import time
 from typing import Optional
 
 import torch
 import torch.nn.functional as F
 
-from megatron_fp4.fp4 import tiled, triton_batch, triton_fp4
+from megatron_fp4.fp4 import tiled, triton_batch
+from tools.gpu_check_triton import _time_ms, cannot_run  # _time_ms: CUDA events on a GPU, the wall clock elsewhere
 
 U = 2.0 ** -24
 
@@ -391,23 +391,6 @@ def check_model(dev: torch.device, record) -> None:
 
 # ---- speed ----------------------------------------------------------------------------------
 
-def _time_ms(fn, repeats: int, dev: torch.device) -> float:
-    times = []
-    for _ in range(repeats):
-        if dev.type == "cuda":
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            fn()
-            b.record()
-            b.synchronize()
-            times.append(a.elapsed_time(b))
-        else:
-            start = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(times)
-
-
 def _compare(dev, record, label, fns: dict, reps: int, rounds: int) -> None:
     for fn in fns.values():
         fn()  # compile, warm up
@@ -467,13 +450,9 @@ def check_speed(dev: torch.device, record, quick: bool) -> None:
 
 def run(dev: torch.device, record, quick: bool, speed: bool = True, model: Optional[bool] = None) -> None:
     """Every batch-level Triton check on ``dev`` (skipped with the reason when the kernels cannot run there)."""
-    ok, why = triton_fp4.triton_importable()
-    if not ok:
+    why = cannot_run(dev)
+    if why:
         record("triton batch kernels", "SKIP", why)
-        return
-    if dev.type == "cpu" and not triton_fp4.interpreting():
-        record("triton batch kernels", "SKIP", "CPU dry run without the interpreter: set TRITON_INTERPRET=1 before "
-               "starting to run the kernel checks under Triton's interpreter")
         return
     if dev.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = False  # the portable fp32 ops in fp32, as the bounds assume
