@@ -18,7 +18,8 @@ side. The entry points mirror ``tiled.py``'s and take the model's ``Numerics.tri
   the flash-style attention backward from the saved log-sum-exp) — gradients sum over the batch,
   so no tiling makes them batch invariant.
 - Inputs: fp32 or bf16 (both operands the same dtype), accumulation in fp32, the output in the
-  input dtype. Other dtypes (fp16; fp64, the verification mode) take the portable ops.
+  input dtype; under autocast fp32 operands are cast to its dtype first, as ``torch.mm`` would
+  take them. Other dtypes (fp16; fp64, the verification mode) take the portable ops.
 
 A launch failure (a compiler or driver error) warns once and sends every later call of this
 process to the portable ops (``_state``: what the process learnt about the device, as in
@@ -258,6 +259,17 @@ class _TritonAttention(tiled._BlockAttention):
         return out
 
 
+def _autocast(*tensors) -> tuple:
+    """``tensors`` as ``torch.mm`` / ``bmm`` would take them under autocast on their device (the
+    portable ops' behaviour): fp32 operands cast to the autocast dtype (differentiably), the rest as is."""
+    first = tensors[0]
+    device = first.device.type
+    if not torch.is_autocast_enabled(device):
+        return tensors
+    dtype = torch.get_autocast_dtype(device)
+    return tuple(t.to(dtype) if t is not None and t.dtype == torch.float32 else t for t in tensors)
+
+
 def _grad(*tensors) -> bool:
     return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
@@ -278,6 +290,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] =
     :func:`serves` under the mode ``triton``."""
     if not serves(triton, x, weight):
         return tiled.tiled_linear(x, weight, bias)
+    x, weight = _autocast(x, weight)
     x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
     out = _linear2d(x2, weight)
     if x.dim() != 2:
@@ -289,6 +302,7 @@ def mm(x2: torch.Tensor, wt: torch.Tensor, triton: str = "auto") -> torch.Tensor
     """``tiled.tiled_mm`` (``x2`` [M, K] @ ``wt`` [K, N]) by the Triton kernel where it serves."""
     if not serves(triton, x2, wt):
         return tiled.tiled_mm(x2, wt)
+    x2, wt = _autocast(x2, wt)
     return _linear2d(x2, wt.t())
 
 
@@ -301,9 +315,10 @@ def grouped_linear(x: torch.Tensor, weights, counts, triton: str = "auto") -> to
             w.dtype != x.dtype or w.device != x.device for w in weights)):
         return tiled.tiled_grouped_linear(x, weights, counts)
     counts = tuple(int(n) for n in counts)
-    x = x if x.stride(-1) == 1 else x.contiguous()
     fallback = lambda: tiled.tiled_grouped_linear(x, weights, counts)  # noqa: E731
     w = weights if stacked else torch.stack(list(weights))  # a list: one [E, out, in] copy (differentiable)
+    x, w = _autocast(x, w)
+    x = x if x.stride(-1) == 1 else x.contiguous()
     if _grad(x, w):
         return _launch("grouped GEMM", lambda: _TritonGroupedLinear.apply(x, w, counts), fallback)
     w = w if w.stride(-1) == 1 else w.contiguous()
@@ -318,6 +333,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torc
     if not serves(triton, q, k, v):
         return tiled.block_attention(q, k, v, positions, pad, scale, window, sinks)
     fallback = lambda: tiled.block_attention(q, k, v, positions, pad, scale, window, sinks)  # noqa: E731
+    q, k, v = _autocast(q, k, v)
     if _grad(q, k, v, sinks):
         return _launch("attention", lambda: _TritonAttention.apply(q, k, v, positions, pad, scale, window, sinks),
                        fallback)

@@ -73,6 +73,10 @@ n = triton_batch.launches()
 gl = invariant.grouped_linear(x, ws, [7, 0, 13], on)
 record("entry: invariant.grouped_linear serves the kernel", "PASS" if (
     triton_batch.launches() == n + 1 and torch.equal(gl[7:], triton_batch.gemm(x[7:], ws[2]))) else "FAIL")
+with torch.autocast("cpu", dtype=torch.bfloat16):  # as torch.mm under autocast: bf16 operands, bf16 out
+    y_ac = invariant.linear(x, w, None, on)
+record("entry: invariant.linear under autocast takes the autocast dtype", "PASS" if (
+    y_ac.dtype == torch.bfloat16 and torch.equal(y_ac, triton_batch.gemm(x.bfloat16(), w.bfloat16()))) else "FAIL")
 print("RESULTS " + json.dumps(results))
 """
 
@@ -119,7 +123,7 @@ def test_invariance_check_can_fail(interpreted):
 @needs_triton
 def test_autograd_and_entry_points(interpreted):
     _picked(interpreted, r"with autograd", 3)
-    _picked(interpreted, r"^entry: ", 3)
+    _picked(interpreted, r"^entry: ", 4)
     assert not any(v[0] != "PASS" for v in interpreted.values()), {k: v for k, v in interpreted.items() if v[0] != "PASS"}
 
 
