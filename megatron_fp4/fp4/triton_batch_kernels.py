@@ -19,8 +19,9 @@ Thinking Machines' batch-invariant ops):
 Attention keys are indexed by *position* (slot − left padding) and reduced in blocks of BLOCK_N
 positions, block 0 first, by the online softmax. A block wholly in a query's future (or before
 its window) leaves that query's running (max, sum, accumulator) bit-for-bit unchanged: its
-scores are −inf, so its weights are exp(−inf) = 0, its max leaves the running max as it was and
-the rescale factor is exp(0) = 1. So the number of blocks a program loops over (which depends on
+scores are −inf, so its weights are exp(−inf) = +0 (also ``ex2.approx``'s result on a GPU), its max
+leaves the running max as it was, and the rescale factor is then set to exactly 1 (not computed
+as exp(0), whose exactness would rest on the GPU's approximate exp). So the number of blocks a program loops over (which depends on
 the other queries of its tile) does not change a query's bits, and a decode step over a KV cache
 reads the same blocks, in the same order, as the causal prefill of the same sequence.
 """
@@ -168,7 +169,7 @@ def attention_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, pad_ptr, sink_ptr, out_ptr, l
         m_new = tl.maximum(m, tl.max(s, axis=1))
         m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # no key seen yet: weights 0, not NaN
         p = tl.exp(s - m_ref[:, None])
-        corr = tl.exp(m - m_ref)
+        corr = tl.where(m_new == m, 1.0, tl.exp(m - m_ref))  # exactly 1 when the block raised no max
         vt = tl.load(v_base + slot[:, None].to(tl.int64) * svt + dv[None, :],
                      mask=k_ok[:, None] & (dv[None, :] < Dv), other=0.0)
         pv = p.to(vt.dtype)  # the weights in the values' dtype for the product (bf16: tensor cores)
