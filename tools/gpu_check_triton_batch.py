@@ -136,6 +136,21 @@ def check_sensitivity(dev: torch.device, record) -> None:
            "PASS" if bad else "FAIL", f"caught: {bad}" if bad else "not caught: the check cannot fail")
 
 
+def check_attention_sensitivity(dev: torch.device, record) -> None:
+    """The decode == prefill check catches a kernel whose KV split size is chosen from the query
+    count (32-key blocks for a decode step, 64 for a prefill: the anchors' mistake to avoid)."""
+    q, k, v, positions, pad = _attention_inputs(dev, torch.float32, 2, 2, 1, 70, 16, [0, 5], 24, capacity=79)
+    bm, bn, warps, stages = triton_batch.ATTENTION_CONFIG[torch.float32]
+
+    def split_from_tq(q, *args, **kwargs):
+        return triton_batch.attention_forward(q, *args, **kwargs,
+                                              config=(bm, bn // 2 if q.shape[2] == 1 else bn, warps, stages))
+
+    bad = attention_mismatches(q, k, v, positions, pad, {}, [(0, 64)], forward=split_from_tq)
+    record("triton batch attention with the KV split chosen from Tq: the decode == prefill check catches it",
+           "PASS" if bad else "FAIL", f"caught: {bad}" if bad else "not caught: the check cannot fail")
+
+
 def check_grouped(dev: torch.device, record, quick: bool) -> None:
     cuda = dev.type == "cuda"
     K, N = (72, 72) if not cuda else (1024, 1536)
@@ -249,24 +264,25 @@ def _attention_inputs(dev, dtype, B, H, KV, T, D, pads, seed, capacity=None):
     return q, kc[:, :, :T], vc[:, :, :T], positions, pad
 
 
-def attention_mismatches(q, k, v, positions, pad, variant, probes) -> list:
+def attention_mismatches(q, k, v, positions, pad, variant, probes, forward=None) -> list:
     """Where a query's bits differ between the causal prefill of the batch and (a) a decode step
     over the cache up to that query, (b) the same row alone without padding, (c) a decode step of
-    the row alone."""
-    full = triton_batch.attention_forward(q, k, v, positions, pad, **variant)[0]
+    the row alone. ``forward``: another kernel call than ``triton_batch.attention_forward``."""
+    attention = forward or triton_batch.attention_forward
+    full = attention(q, k, v, positions, pad, **variant)[0]
     bad = []
     for b, t in probes:
         p = int(positions[b, t])
-        one = triton_batch.attention_forward(q[:, :, t:t + 1], k[:, :, :t + 1], v[:, :, :t + 1], positions[:, t:t + 1],
+        one = attention(q[:, :, t:t + 1], k[:, :, :t + 1], v[:, :, :t + 1], positions[:, t:t + 1],
                                              pad, **variant)[0]
         if not _same(one[b], full[b, :, t:t + 1]):
             bad.append(f"row {b} position {p}: decode step over the batch's cache")
         lo = int(pad[b])
-        alone = triton_batch.attention_forward(q[b:b + 1, :, lo:t + 1], k[b:b + 1, :, lo:t + 1], v[b:b + 1, :, lo:t + 1],
+        alone = attention(q[b:b + 1, :, lo:t + 1], k[b:b + 1, :, lo:t + 1], v[b:b + 1, :, lo:t + 1],
                                                positions[b:b + 1, lo:t + 1], pad.new_zeros(1), **variant)[0]
         if not _same(alone[0, :, -1:], full[b, :, t:t + 1]):
             bad.append(f"row {b} position {p}: the row's own prefill without padding")
-        step = triton_batch.attention_forward(q[b:b + 1, :, t:t + 1], k[b:b + 1, :, lo:t + 1], v[b:b + 1, :, lo:t + 1],
+        step = attention(q[b:b + 1, :, t:t + 1], k[b:b + 1, :, lo:t + 1], v[b:b + 1, :, lo:t + 1],
                                               positions[b:b + 1, t:t + 1], pad.new_zeros(1), **variant)[0]
         if not _same(step[0], full[b, :, t:t + 1]):
             bad.append(f"row {b} position {p}: a decode step of the row alone")
@@ -470,7 +486,7 @@ def run(dev: torch.device, record, quick: bool, speed: bool = True, model: Optio
             check(dev, record, quick)
         except Exception as err:  # report and go on: one broken check must not hide the rest
             record(f"triton batch {check.__name__}", "FAIL", f"{type(err).__name__}: {err}")
-    for check in (check_sensitivity, check_autograd, check_attention_autograd):
+    for check in (check_sensitivity, check_attention_sensitivity, check_autograd, check_attention_autograd):
         try:
             check(dev, record)
         except Exception as err:

@@ -189,9 +189,11 @@ def _pow2_at_least(n: int, lo: int = 16) -> int:
 
 
 def attention_forward(q, k, v, positions, pad, scale: Optional[float] = None, window: int = 0,
-                      sinks: Optional[torch.Tensor] = None) -> tuple:
+                      sinks: Optional[torch.Tensor] = None, config: Optional[tuple] = None) -> tuple:
     """(out [B, H, Tq, Dv], lse [B, KV, rep·Tq] fp32) of ``tiled.block_attention``'s contract by the
-    fixed-key-block kernel (no autograd, no fallback)."""
+    fixed-key-block kernel (no autograd, no fallback). ``config``: another (BLOCK_M, BLOCK_N, warps,
+    stages) than :data:`ATTENTION_CONFIG`'s, only for the checks (a key block chosen from Tq breaks
+    decode == prefill: ``tools/gpu_check_triton_batch.py``)."""
     B, H, Tq, D = q.shape
     KV, Tk, Dv = k.shape[1], k.shape[2], v.shape[-1]
     if k.shape[0] != B or v.shape[:3] != k.shape[:3] or k.shape[3] != D or KV == 0 or H % KV:
@@ -205,7 +207,7 @@ def attention_forward(q, k, v, positions, pad, scale: Optional[float] = None, wi
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
     positions = positions if positions.stride(-1) == 1 else positions.contiguous()
     pad = pad.contiguous()
-    block_m, block_n, warps, stages = ATTENTION_CONFIG[q.dtype]
+    block_m, block_n, warps, stages = ATTENTION_CONFIG[q.dtype] if config is None else config
     out = torch.empty(B, H, Tq, Dv, dtype=q.dtype, device=q.device)
     lse = torch.empty(B, H, Tq, dtype=torch.float32, device=q.device)
     if out.numel() == 0:

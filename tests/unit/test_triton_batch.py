@@ -12,7 +12,8 @@ plus the model-level entry points, reported as JSON. What they establish:
   dtype, no split-K, keys in fixed position blocks; see triton_batch_kernels.py);
 - agreement with float64 and with the portable ``tiled`` ops within the bounds derived in
   tools/gpu_check_triton_batch.py (fp32 accumulation: γ(K)·Σ|x·w| style);
-- that the invariance check can fail: a kernel whose BLOCK_K is chosen from M is caught;
+- that the checks can fail: a GEMM whose BLOCK_K is chosen from M, and an attention whose KV
+  split size is chosen from the query count, are caught;
 - autograd: the kernels' forward with tiled.py's backward (GEMM gradients bitwise equal).
 
 The compiled GPU code is checked here only for compiling (sm_90, no device needed) with tensor-core
@@ -107,7 +108,7 @@ def test_gemm_rows_are_batch_invariant(interpreted):
 
 @needs_triton
 def test_attention_decode_equals_prefill(interpreted):
-    _picked(interpreted, r"^triton batch attention .*decode == prefill", 3)
+    _picked(interpreted, r"^triton batch attention (float32|bfloat16) .*decode == prefill", 3)
 
 
 @needs_triton
@@ -118,6 +119,7 @@ def test_within_the_derived_bounds(interpreted):
 @needs_triton
 def test_invariance_check_can_fail(interpreted):
     _picked(interpreted, r"chosen from M: the invariance check catches it", 1)
+    _picked(interpreted, r"KV split chosen from Tq: the decode == prefill check catches it", 1)
 
 
 @needs_triton
