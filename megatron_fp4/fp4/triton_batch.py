@@ -9,7 +9,8 @@ side. The entry points mirror ``tiled.py``'s and take the model's ``Numerics.tri
   kernels where :func:`serves` says so — CUDA tensors under ``auto``, also CPU tensors under
   ``interpret`` in a process that runs Triton's interpreter — and ``tiled.py``'s portable ops
   otherwise (``off``, other devices and dtypes, triton not importable). The caller's mode is the
-  only input to that choice besides the tensors (no global decides it): every call site of one
+  only input to that choice besides the tensors and a launch failure (below; no ContextVar or
+  environment variable decides it): every call site of one
   model passes the same ``numerics.triton``, so the paths that must agree bitwise (the trainer's
   autograd forward, the rollout's no-grad forward, a decode step and a prefill) run one kernel set.
 - Kernel configuration: one per input dtype (:data:`GEMM_CONFIG`, :data:`ATTENTION_CONFIG`), never
