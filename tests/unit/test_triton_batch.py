@@ -93,40 +93,32 @@ def interpreted():
     return {r["check"]: (r["status"], r["detail"]) for r in json.loads(lines[-1][8:])}
 
 
-def _picked(results, pattern, count):
-    picked = {k: v for k, v in results.items() if re.search(pattern, k)}
+CHECKS = {  # what each group of the child's checks shows: (a pattern of their names, how many)
+    "GEMM rows are batch invariant": (r"^triton batch gemm (float32|bfloat16) .*do not depend on its batch", 2),
+    "a grouped run is the dense kernel on it alone": (r"^triton batch grouped gemm .*dense kernel on it alone", 2),
+    "attention: decode == prefill == the row alone": (r"^triton batch attention (float32|bfloat16) .*decode == prefill", 3),
+    "within the derived bounds": (r"within (the|twice the) bound", 2 * 2 + 2 + 3 + 2),
+    "a GEMM tile chosen from M is caught": (r"chosen from M: the invariance check catches it", 1),
+    "a KV split chosen from Tq is caught": (r"KV split chosen from Tq: the decode == prefill check catches it", 1),
+    "autograd: kernel forward, tiled backward": (r"with autograd", 3),
+    "the model's entry points serve the kernels": (r"^entry: ", 4),
+}
+
+
+@needs_triton
+@pytest.mark.parametrize("what", list(CHECKS))
+def test_interpreted_checks(interpreted, what):
+    pattern, count = CHECKS[what]
+    picked = {k: v for k, v in interpreted.items() if re.search(pattern, k)}
     assert len(picked) == count, (pattern, sorted(picked))
     bad = {k: v for k, v in picked.items() if v[0] != "PASS"}
     assert not bad, bad
 
 
 @needs_triton
-def test_gemm_rows_are_batch_invariant(interpreted):
-    _picked(interpreted, r"^triton batch gemm (float32|bfloat16) .*do not depend on its batch", 2)
-    _picked(interpreted, r"^triton batch grouped gemm .*dense kernel on it alone", 2)
-
-
-@needs_triton
-def test_attention_decode_equals_prefill(interpreted):
-    _picked(interpreted, r"^triton batch attention (float32|bfloat16) .*decode == prefill", 3)
-
-
-@needs_triton
-def test_within_the_derived_bounds(interpreted):
-    _picked(interpreted, r"within (the|twice the) bound", 2 * 2 + 2 + 3 + 2)
-
-
-@needs_triton
-def test_invariance_check_can_fail(interpreted):
-    _picked(interpreted, r"chosen from M: the invariance check catches it", 1)
-    _picked(interpreted, r"KV split chosen from Tq: the decode == prefill check catches it", 1)
-
-
-@needs_triton
-def test_autograd_and_entry_points(interpreted):
-    _picked(interpreted, r"with autograd", 3)
-    _picked(interpreted, r"^entry: ", 4)
-    assert not any(v[0] != "PASS" for v in interpreted.values()), {k: v for k, v in interpreted.items() if v[0] != "PASS"}
+def test_every_interpreted_check_passed(interpreted):
+    assert not {k: v for k, v in interpreted.items() if v[0] != "PASS"}
+    assert len(interpreted) == sum(count for _, count in CHECKS.values())
 
 
 def test_cpu_tensors_take_the_portable_ops():
