@@ -26,6 +26,13 @@
    bit-equal to the portable path; kernel time vs a copy of the same bytes. With ``--device cpu``
    they run under Triton's interpreter if ``TRITON_INTERPRET=1`` is set, else are skipped. (Sections
    2 and 4 run through the hook too: on CUDA the MoEResQ operands come from the kernels.)
+9. Triton kernels of the ``batch`` numerics level (`fp4/triton_batch.py`, `tools/gpu_check_triton_batch.py`):
+   fixed-tile GEMM (fp32, bf16), grouped GEMM over experts and fixed-key-block attention (causal,
+   GQA, left padding, window + sinks) give a row **the same bits** alone, in any batch, at any place
+   in a tile, and a decode step over the KV cache the bits of the causal prefill; each within its
+   derived fp32 bound of float64 and of the portable `tiled` ops; autograd through them; kernel
+   time vs torch.mm / grouped / SDPA at hidden 1024, 64 experts top-8 (printed, never asserted).
+   ``--device cpu`` runs them under Triton's interpreter with ``TRITON_INTERPRET=1``, as section 8.
 
 Exit status 0 when nothing failed (skips are fine), 1 otherwise; 0 with "no CUDA device" on a
 machine without CUDA. Sized for well under 5 minutes on one H200 (seconds in practice).
@@ -45,6 +52,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from megatron_fp4.fp4 import Recipe, moeresq_linear, quantize_mxfp4, quantize_nvfp4  # noqa: E402
 from megatron_fp4.fp4.moeresq import resq_quantize  # noqa: E402
 from tools.gpu_check_triton import run as check_triton  # noqa: E402
+from tools.gpu_check_triton_batch import run as check_triton_batch  # noqa: E402
 
 RESULTS: list[dict] = []
 
@@ -279,6 +287,7 @@ def main(argv=None) -> int:
     check_quantizers(dev, shapes)
     check_moeresq(dev, *((64, 256, 128) if args.quick else (256, 1024, 512)))
     check_triton(dev, record, args.quick)
+    check_triton_batch(dev, record, args.quick)
     check_te(shapes)
     check_autocast(dev)
     check_green_context(dev)

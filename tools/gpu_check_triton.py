@@ -253,15 +253,22 @@ def check_speed(dev: torch.device, record, quick: bool) -> None:
                     "portable_ms": round(p, 4), "portable/kernel": round(p / k, 1)}))
 
 
-def run(dev: torch.device, record, quick: bool) -> None:
-    """Every Triton check on ``dev`` (skipped with the reason when the kernels cannot run there)."""
+def cannot_run(dev: torch.device):
+    """Why Triton kernels cannot run on ``dev`` here (a sentence), or None when they can."""
     ok, why = triton_fp4.triton_importable()
     if not ok:
-        record("triton FP4 kernels", "SKIP", why)
-        return
+        return why
     if dev.type == "cpu" and not triton_fp4.interpreting():
-        record("triton FP4 kernels", "SKIP", "CPU dry run without the interpreter: set TRITON_INTERPRET=1 before "
-               "starting to run the kernel checks under Triton's interpreter")
+        return ("CPU dry run without the interpreter: set TRITON_INTERPRET=1 before starting to run the kernel "
+                "checks under Triton's interpreter")
+    return None
+
+
+def run(dev: torch.device, record, quick: bool) -> None:
+    """Every Triton check on ``dev`` (skipped with the reason when the kernels cannot run there)."""
+    why = cannot_run(dev)
+    if why:
+        record("triton FP4 kernels", "SKIP", why)
         return
     check_bitwise(dev, record, quick)
     check_contract(dev, record)

@@ -43,8 +43,9 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from megatron_fp4.fp4 import triton_batch
 from megatron_fp4.fp4.exact_gemm import exact_grouped_linear, exact_linear
-from megatron_fp4.fp4.tiled import block_attention, row_sum, same_values, stamp, tiled_grouped_linear, tiled_linear
+from megatron_fp4.fp4.tiled import row_sum, same_values, stamp
 
 
 def enabled(numerics, x: Optional[torch.Tensor] = None) -> bool:
@@ -103,8 +104,8 @@ class _ExactLinear(torch.autograd.Function):
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None, numerics=None) -> torch.Tensor:
     """``F.linear``: exact at the ``exact`` level, row-tiled at ``batch``."""
-    if tiled(numerics, x):
-        return tiled_linear(x, weight, bias)
+    if tiled(numerics, x):  # fixed row tiles: the Triton kernel where numerics.triton serves it, else tiled.py
+        return triton_batch.linear(x, weight, bias, numerics.triton)
     if not exact(numerics, x):
         return F.linear(x, weight, bias)
     return _ExactLinear.apply(x, weight, bias, numerics.weight_cache)
@@ -114,7 +115,7 @@ def grouped_linear(x: torch.Tensor, weights, counts, numerics=None) -> torch.Ten
     """Consecutive runs of ``counts[e]`` rows of ``x`` times ``weights[e]ᵀ``, without autograd: in
     the mode each row's bits are those of :func:`linear` on that run alone (``exact_grouped_linear``)."""
     if tiled(numerics, x):
-        return tiled_grouped_linear(x, weights, counts)
+        return triton_batch.grouped_linear(x, weights, counts, numerics.triton)
     if not exact(numerics, x):
         return torch.cat([F.linear(r, w) for r, w, n in zip(x.split(list(counts)), weights, counts) if n])
     return exact_grouped_linear(x, weights, counts, numerics.weight_cache)
@@ -244,8 +245,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torc
     dropped after it; the values' dim may differ from the keys'."""
     variant = {key: value for key, value in (("scale", scale), ("window", window or None), ("sinks", sinks))
                if value is not None}  # only the variant's arguments (the plain call is Qwen3-MoE's)
-    if tiled(numerics, q):
-        return block_attention(q, k, v, positions, pad, **variant)
+    if tiled(numerics, q):  # fixed key blocks: the Triton kernel where numerics.triton serves it, else tiled.py
+        return triton_batch.attention(q, k, v, positions, pad, numerics.triton, **variant)
     return tree_attention(q, k, v, positions, pad, **variant)
 
 

@@ -68,8 +68,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from megatron_fp4.fp4 import invariant, triton_fp4
-from megatron_fp4.fp4.tiled import tiled_linear
+from megatron_fp4.fp4 import invariant, triton_batch, triton_fp4
 from megatron_fp4.fp4.context import sr_seed
 from megatron_fp4.fp4.exact_gemm import cached_for_weight, exact_fp4_gemm, split_fp4
 from megatron_fp4.fp4.nonfinite import FlagTee, NonFiniteFlags
@@ -211,12 +210,14 @@ def _accumulate_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 @_no_autocast
-def _gemm(xq, wq, bias32, out_shape, out_dtype, tile: bool = False) -> torch.Tensor:
-    """``Q̃(X)·Q(W)ᵀ (+ b)`` accumulated in fp32; ``tile``: over fixed row tiles (the ``batch`` level)."""
+def _gemm(xq, wq, bias32, out_shape, out_dtype, tile: Optional[str] = None) -> torch.Tensor:
+    """``Q̃(X)·Q(W)ᵀ (+ b)`` accumulated in fp32; ``tile``: over fixed row tiles (the ``batch`` level),
+    the value the model's ``Numerics.triton`` (`triton_batch.linear`: the Triton kernel where it serves)."""
     acc = _accumulate_dtype(out_dtype)
     bias = None if bias32 is None else bias32.to(acc)
-    linear = tiled_linear if tile else F.linear
-    return linear(xq.to(acc), wq.to(acc), bias).to(out_dtype).reshape(out_shape)
+    if tile is None:
+        return F.linear(xq.to(acc), wq.to(acc), bias).to(out_dtype).reshape(out_shape)
+    return triton_batch.linear(xq.to(acc), wq.to(acc), bias, tile).to(out_dtype).reshape(out_shape)
 
 
 def _rows32(dy: torch.Tensor) -> torch.Tensor:
@@ -351,7 +352,7 @@ def moeresq_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
         else:
             xq, wq = _forward_operands(site, x2, weight)
 
-            tile = invariant.tiled(numerics, x)
+            tile = numerics.triton if invariant.tiled(numerics, x) else None
 
             def gemm():
                 return _gemm(xq, wq, bias32, out_shape, x.dtype, tile)

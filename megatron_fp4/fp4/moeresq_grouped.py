@@ -33,9 +33,8 @@ from typing import Optional, Sequence
 
 import torch
 
-from megatron_fp4.fp4 import invariant, triton_fp4
+from megatron_fp4.fp4 import invariant, triton_batch, triton_fp4
 from megatron_fp4.fp4.grad_fusion import claim_fused, finish_fused, fused_grad_of
-from megatron_fp4.fp4.tiled import tiled_mm
 from megatron_fp4.fp4.moeresq import (
                                       _ForwardGemm, _Site, _accumulate_dtype, _cached_weight, _col_quantize, _link, _no_autocast,
                                       _rows32, _runs,
@@ -88,6 +87,7 @@ class _Group:
         self.active = [e for e, n in enumerate(self.counts) if n]
         self.whole = _Site.at(recipe, name, numerics, device, cut=cut)  # names all-rows calls
         self.tiled = invariant.tiled(numerics)  # the batch level: forward GEMMs over fixed row tiles
+        self.triton = numerics.triton  # ... by the Triton kernel where it serves (`triton_batch.mm`)
 
     def rows(self, t: torch.Tensor, e: int) -> torch.Tensor:
         a, b = self.ranges[e]
@@ -151,7 +151,7 @@ def _forward(g: _Group, x2: torch.Tensor, weight: torch.Tensor):
     out = torch.empty(x2.shape[0], weight.shape[1], dtype=acc, device=x2.device)  # every row is an expert's
     for e in g.active:
         if g.tiled:
-            g.rows(out, e).copy_(tiled_mm(g.rows(xq, e).to(acc), wqs[e].to(acc).t()))
+            g.rows(out, e).copy_(triton_batch.mm(g.rows(xq, e).to(acc), wqs[e].to(acc).t(), g.triton))
         else:
             torch.mm(g.rows(xq, e).to(acc), wqs[e].to(acc).t(), out=g.rows(out, e))
     return out.to(x2.dtype), wqs

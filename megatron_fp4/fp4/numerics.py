@@ -17,7 +17,8 @@ other build-time value, set on each FP4 module by the model's specs):
   Fixed when the object is built (setting it again raises): a model computes at one level, its
   training forward, scoring and decode alike; a caller that wants another level builds a model
   (a copy) with other numerics, as the rollout engine does for its own copy.
-- ``triton``: ``auto`` | ``off`` | ``interpret``, where the Triton quantizers serve (``triton_fp4.py``).
+- ``triton``: ``auto`` | ``off`` | ``interpret``, where the Triton kernels serve: the FP4 quantizers
+  (``triton_fp4.py``) and the ``batch`` level's GEMMs and attention (``triton_batch.py``).
 - ``weight_cache``: a dict where derived weight operands (``Q(W)``, exact-GEMM splits, limbs) are
   reused (``exact_gemm.cached_for_weight``), or None.
 - ``kernels``: the compiled fake-quant/ResQ backend this model's FP4 ops use where ``compile`` lets
@@ -38,7 +39,8 @@ other build-time value, set on each FP4 module by the model's specs):
       err = fp4_step.nonfinite_error()
 
 The step position, the weight cache and the backend are changed by ``with`` blocks on the object
-(restored on exit; none of them changes a GEMM's bits): per object, not per thread. An FP4 Function captures the
+(restored on exit; none of them changes a GEMM's bits on CPU — on CUDA at the ``batch`` level
+:meth:`portable` also swaps the Triton GEMM / attention kernels for ``tiled.py``'s, other bits): per object, not per thread. An FP4 Function captures the
 position and backend in forward (its backward may run later, on another thread). :data:`STANDARD`
 (the standard kernels, step 0, no cache) is what a bare function call without ``numerics`` gets;
 it cannot be changed.
@@ -147,7 +149,8 @@ class Numerics:
         return self._set(weight_cache={} if store is None else store)
 
     def portable(self):
-        """The portable quantizers inside the block, even where Triton would serve."""
+        """The portable quantizers (and, at the ``batch`` level, ``tiled.py``'s GEMMs and attention)
+        inside the block, even where Triton would serve."""
         return self._set(triton="off")
 
     def state(self) -> dict:

@@ -21,7 +21,7 @@ from megatron_fp4.fp4.exact_experts import can_group_exact_fp4, exact_grouped_fp
 from megatron_fp4.fp4.exact_gemm import cached_for_weight
 from megatron_fp4.fp4.moeresq_grouped import can_group_resq, grouped_moeresq_linear
 from megatron_fp4.fp4.recipe import row_local
-from megatron_fp4.fp4.tiled import tiled_grouped_linear
+from megatron_fp4.fp4 import triton_batch
 
 
 class GroupedExperts(nn.Module):
@@ -202,8 +202,9 @@ class GroupedExperts(nn.Module):
         """FP4 off at the ``batch`` level with autograd: each expert's rows in fixed row tiles (the
         bits of the no-grad `grouped_exact_forward`, which tiles the same runs), one SiLU over all
         rows (position-independent bits), the backward one GEMM per expert and gradient."""
-        gate, up = tiled_grouped_linear(x_sorted, self.w13, counts).split(self.ffn, dim=-1)
-        return tiled_grouped_linear(invariant.silu(gate, self.numerics) * up, self.w2, counts)
+        t = self.numerics.triton  # the Triton kernel where it serves (`fp4/triton_batch.py`), else tiled.py's
+        gate, up = triton_batch.grouped_linear(x_sorted, self.w13, counts, t).split(self.ffn, dim=-1)
+        return triton_batch.grouped_linear(invariant.silu(gate, self.numerics) * up, self.w2, counts, t)
 
     def grouped_exact_forward(self, x_sorted: torch.Tensor, counts: list[int]) -> torch.Tensor:
         """The batch-invariant mode without autograd (`can_group_exact`): the loop's exact GEMMs with
@@ -270,7 +271,7 @@ class GroupedExperts(nn.Module):
                            kernels=nx.kernels)
         if invariant.tiled(nx, x):  # the batch level: each expert's rows in fixed row tiles
             counts = torch.diff(offs, prepend=offs.new_zeros(1)).tolist()
-            return tiled_grouped_linear(xq, self.stacked_qw(weight, which).unbind(0), counts).to(x.dtype)
+            return triton_batch.grouped_linear(xq, self.stacked_qw(weight, which).unbind(0), counts, nx.triton).to(x.dtype)
         return _GROUPED_MM(xq, self.stacked_qw(weight, which).transpose(1, 2), offs=offs).to(x.dtype)
 
 
