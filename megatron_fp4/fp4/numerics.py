@@ -18,7 +18,8 @@ other build-time value, set on each FP4 module by the model's specs):
   training forward, scoring and decode alike; a caller that wants another level builds a model
   (a copy) with other numerics, as the rollout engine does for its own copy.
 - ``triton``: ``auto`` | ``off`` | ``interpret``, where the Triton kernels serve: the FP4 quantizers
-  (``triton_fp4.py``) and the ``batch`` level's GEMMs and attention (``triton_batch.py``).
+  (``triton_fp4.py``) and the ``batch`` level's GEMMs and attention (``triton_batch.py``). Fixed
+  when the object is built, as the level.
 - ``weight_cache``: a dict where derived weight operands (``Q(W)``, exact-GEMM splits, limbs) are
   reused (``exact_gemm.cached_for_weight``), or None.
 - ``kernels``: the compiled fake-quant/ResQ backend this model's FP4 ops use where ``compile`` lets
@@ -38,12 +39,12 @@ other build-time value, set on each FP4 module by the model's specs):
                   loss = model(mb); loss.backward()
       err = fp4_step.nonfinite_error()
 
-The step position, the weight cache and the backend are changed by ``with`` blocks on the object
-(restored on exit; none of them changes a GEMM's bits on CPU — on CUDA at the ``batch`` level
-:meth:`portable` also swaps the Triton GEMM / attention kernels for ``tiled.py``'s, other bits): per object, not per thread. An FP4 Function captures the
-position and backend in forward (its backward may run later, on another thread). :data:`STANDARD`
-(the standard kernels, step 0, no cache) is what a bare function call without ``numerics`` gets;
-it cannot be changed.
+The step position and the weight cache are changed by ``with`` blocks on the object (restored on
+exit; neither changes a GEMM's bits): per object, not per thread. The level and ``triton`` (which
+kernels run: on CUDA the Triton and the ``tiled.py`` kernels give other bits) are fixed when the
+object is built. An FP4 Function captures the position in forward (its backward may run later, on
+another thread). :data:`STANDARD` (the standard kernels, step 0, no cache) is what a bare function
+call without ``numerics`` gets; it cannot be changed.
 """
 from __future__ import annotations
 
@@ -61,7 +62,8 @@ from megatron_fp4.fp4.nonfinite import NonFiniteFlags
 class Numerics:
     """The numerics of one model (see the module docstring)."""
 
-    STATE = ("triton", "weight_cache", "position")  # what a block may change (never the level)
+    STATE = ("weight_cache", "position")  # what a block may change (never the level or the kernels)
+    FIXED = ("invariance", "triton")  # set once, when the numerics are built
 
     def __init__(self, *, invariance: str = "standard", triton: str = "auto", mode: str = "train", kernels=None):
         _check_level(invariance)
@@ -78,10 +80,10 @@ class Numerics:
         self._frozen = False
 
     def __setattr__(self, name, value):
-        if name == "invariance" and "invariance" in self.__dict__:
-            raise ValueError(f"Numerics.invariance is fixed when the numerics are built (it is {self.invariance!r}): "
-                             "build the model with the level it computes at (model.specs.numerics_from_config, "
-                             "or fp4.apply_numerics(model, Numerics(invariance=...)))")
+        if name in self.FIXED and name in self.__dict__:
+            raise ValueError(f"Numerics.{name} is fixed when the numerics are built (it is {getattr(self, name)!r}): "
+                             "build the model with the level and kernels it computes with (model.specs.numerics_from_config, "
+                             f"or fp4.apply_numerics(model, Numerics({name}=...)))")
         if getattr(self, "_frozen", False):
             raise ValueError(f"the STANDARD numerics cannot be changed (Numerics.{name}): give the model its own "
                              "(fp4.apply_numerics(model, Numerics(...)))")
@@ -147,11 +149,6 @@ class Numerics:
         """Reuse what GEMMs derive from a weight alone inside the block (``exact_gemm.cached_for_weight``);
         ``store``: a dict the caller keeps across blocks (default: dropped at the end)."""
         return self._set(weight_cache={} if store is None else store)
-
-    def portable(self):
-        """The portable quantizers (and, at the ``batch`` level, ``tiled.py``'s GEMMs and attention)
-        inside the block, even where Triton would serve."""
-        return self._set(triton="off")
 
     def state(self) -> dict:
         """What the numerics are now (:attr:`STATE`), for :meth:`restored`."""

@@ -11,7 +11,7 @@ Where it runs (:func:`use_triton`) is the caller's ``mode``, the model's ``Numer
 ``fp4.triton``; ``MEGATRON_FP4_TRITON`` overrides it while the config loads):
 
 - ``auto`` (default): CUDA tensors when ``triton`` imports; CPU tensors take the portable path.
-- ``off``: never (also inside ``Numerics.portable()``).
+- ``off``: never (``Numerics(triton="off")``: fixed when the numerics are built).
 - ``interpret``: CUDA and CPU tensors; CPU tensors run under Triton's interpreter (slow: tests), which
   needs ``TRITON_INTERPRET=1`` in the environment before triton is imported.
 

@@ -50,8 +50,11 @@ def test_the_level_is_fixed_when_the_numerics_are_built():
     with pytest.raises(ValueError, match="fixed when the numerics are built"):
         numerics.invariance = "standard"
     assert numerics.invariance == "batch" and not hasattr(numerics, "invariant")
-    with numerics.cached_weights(), numerics.portable():  # the changes that keep the bits still open blocks
-        assert numerics.invariance == "batch" and numerics.triton == "off"
+    with pytest.raises(ValueError, match="Numerics.triton is fixed when the numerics are built"):
+        numerics.triton = "off"  # the kernels decide bits on CUDA: fixed at build as the level
+    with numerics.cached_weights():  # a change that keeps the bits still opens a block
+        assert numerics.invariance == "batch" and numerics.triton == "auto" and numerics.weight_cache == {}
+    assert numerics.weight_cache is None and not hasattr(numerics, "portable")
 
 
 
@@ -100,7 +103,7 @@ def test_two_models_draw_their_own_stochastic_rounding_streams():
 
 def test_standard_numerics_cannot_change_and_every_layer_shares_the_models():
     with pytest.raises(ValueError, match="STANDARD numerics cannot be changed"):
-        STANDARD.portable()
+        STANDARD.cached_weights()
     with pytest.raises(ValueError, match="fixed when the numerics are built"):
         STANDARD.invariance = "batch"
     assert copy.deepcopy(STANDARD) is STANDARD and STANDARD.invariance == "standard"
