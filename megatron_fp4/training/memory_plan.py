@@ -199,6 +199,12 @@ def block_attention_bytes(groups: int, rep: int, seq: int, dv: int, a: int) -> i
     return groups * rep * seq * (dv * a + max(a, 4))
 
 
+def row_invariant(cfg: Config) -> bool:
+    """Whether the trainer's layers run a row-invariant level (``batch`` or ``exact``; never for
+    float64 activations, `invariant.enabled`): its row-local norms, softmax and sigmoid formulas."""
+    return cfg.numerics.invariance in ("batch", "exact") and activation_dtype(cfg) != torch.float64
+
+
 def attention_is_blocked(cfg: Config) -> bool:
     """Whether the trainer's attention is `tiled.block_attention`, the ``batch`` numerics level's
     (`fp4/invariant.py`: not for fp64, which runs the standard kernels), on whole unpacked sequences
@@ -309,6 +315,9 @@ def layer_activation_bytes(cfg: Config, is_moe: bool, tokens: int, routed_rows: 
     b += routed_rows * H * a + 4 * routed_rows * F * a  # x_sorted; per expert w13 out (2F), silu, product
     # GPT-OSS's clamped SwiGLU: the clamped gate, the sigmoid, clamp(up) + 1 (the product's other factor)
     b += 3 * routed_rows * F * a if gpt_oss else 0
+    # at a row-invariant level its sigmoid is ``1 / (1 + exp(−z))`` (`gpt_oss.sigmoid`): exp's output and
+    # the reciprocal are saved too (the sigmoid itself, ``1 × reciprocal``, is the tensor counted above)
+    b += 2 * routed_rows * F * a if gpt_oss and row_invariant(cfg) else 0
     # combine: the slots in expert order (one tensor: `weighted_sum_of_slots` takes them by unbind), their weights
     b += tokens * k * H * a + tokens * k * a
     if grouped_experts:  # FP4 off: one grouped GEMM (moe.can_group) saves its int32 group offsets
