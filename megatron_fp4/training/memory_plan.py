@@ -33,6 +33,7 @@ from megatron_fp4.model.layers import wide_dtype
 from megatron_fp4.model.moe import GroupedExperts
 from megatron_fp4.model.router import Router
 from megatron_fp4.model.specs import no_weight_decay
+from megatron_fp4.fp4.tiled import row_tile
 from megatron_fp4.parallel.dims import ParallelDims
 from megatron_fp4.parallel.pipeline import PLACEMENT, rank_chunks, split_layers
 from megatron_fp4.training.model_cut import RankCoords, cut_model
@@ -205,6 +206,32 @@ def row_invariant(cfg: Config) -> bool:
     return cfg.numerics.invariance in ("batch", "exact") and activation_dtype(cfg) != torch.float64
 
 
+def gemms_are_tiled(cfg: Config) -> bool:
+    """Whether the trainer's GEMMs run over fixed row tiles (`tiled.tiled_mm`: the ``batch`` level)."""
+    return cfg.numerics.invariance == "batch" and activation_dtype(cfg) != torch.float64
+
+
+def quantized_linears(cfg: Config, attention: bool = False) -> bool:
+    """Whether the MLP's (`attention`: the attention's) linears are MoEResQ linears that quantize
+    (``fp4.train_mode`` other than bf16, where `moeresq_linear` is the plain `invariant.linear`)."""
+    scope = cfg.fp4.scope
+    return cfg.fp4.train_mode != "bf16" and scope != "none" and (not attention or scope == "experts+attention")
+
+
+def tiled_rows(cfg: Config, rows: int, k: int, n: int, fp4: bool = False) -> int:
+    """Rows of the storage behind a bias-free linear's [rows, n] output (`k` inputs) that a later op
+    saves: at the ``batch`` level `tiled._tiled_forward` returns the first `rows` of a buffer of whole
+    row tiles (`tiled.row_tile(k, n)`; `tiled._padded_rows`), and a saved view keeps the whole buffer.
+    `fp4`: a quantizing MoEResQ linear's (`quantized_linears`), which is that buffer unless cast from its fp32 accumulation to
+    narrower activations. A bias add, a cast or a gather makes a fresh compact tensor instead (the
+    biased GPT-OSS linears, the experts' grouped tiles: their per-expert padding is a transient of
+    the forward, `tiled._grouped_tiles`, not saved), so the count depends on the token count alone."""
+    if not gemms_are_tiled(cfg) or (fp4 and activation_dtype(cfg).itemsize < 4):
+        return rows
+    tile = row_tile(k, n)
+    return max(1, -(-rows // tile)) * tile
+
+
 def attention_is_blocked(cfg: Config) -> bool:
     """Whether the trainer's attention is `tiled.block_attention`, the ``batch`` numerics level's
     (`fp4/invariant.py`: not for fp64, which runs the standard kernels), on whole unpacked sequences
@@ -240,9 +267,18 @@ def attention_activation_bytes(cfg: Config, tokens: int, batch: int = 0) -> int:
     rows = batch or 1
     seq = tokens // rows
     blocked = attention_is_blocked(cfg)
+    fp4 = quantized_linears(cfg, attention=True)
+
+    def pad(n: int, k: int = m.hidden_size) -> int:  # a bias-free projection's saved output: its tile padding
+        return (tiled_rows(cfg, tokens, k, n, fp4) - tokens) * n * a
+
     if family == "deepseek_v3":
         qk, rope, kvr, qr = m.qk_nope_head_dim + m.qk_rope_head_dim, m.qk_rope_head_dim, m.kv_lora_rank, m.q_lora_rank
         b = _norm_bytes(tokens, qr, a, w) + tokens * qr * a if qr else 0  # q_a's output normed; q_b's input
+        # the outputs saved whole (their tile padding): q_a's and kv_a's by their norms' upcast (a view
+        # when the activations are wide), kv_b's as v's storage
+        b += (pad(qr) if qr else 0) + pad(kvr + rope) if a == w else 0
+        b += pad(nh * (m.qk_nope_head_dim + m.v_head_dim), kvr)
         # kv_a's output [kvr | rope]: the norm's upcast of its latent part is a view of the whole output
         # when the activations are wide already, else a wide copy of the latent part
         b += tokens * (kvr + rope) * a if a == w else tokens * kvr * w
@@ -265,9 +301,10 @@ def attention_activation_bytes(cfg: Config, tokens: int, batch: int = 0) -> int:
         return b + tokens * nh * d * a  # o_proj's input
     nkv = m.num_kv_heads // tp if m.num_kv_heads % tp == 0 else 1
     b = _norm_bytes(tokens * nh, d, a, w) + _norm_bytes(tokens * nkv, d, a, w)  # q_norm, k_norm
+    b += pad(nh * d) + pad(nkv * d) if a == w else 0  # their upcast: q_proj's, k_proj's output (tile padded)
     b += 2 * tokens * d * a  # rope cos, sin
-    if blocked:  # q, k, v (kv heads: no repeat); the block attention's output and log-sum-exp; o_proj's input
-        b += tokens * (nh + 2 * nkv) * d * a
+    if blocked:  # q, k, v (kv heads: no repeat; v is v_proj's padded output); the block attention's output
+        b += tokens * (nh + 2 * nkv) * d * a + pad(nkv * d)  # and log-sum-exp; o_proj's input
         return b + block_attention_bytes(rows * nkv, nh // nkv, seq, d, a) + tokens * nh * d * a
     b += 4 * tokens * nh * d * a + tokens * nh * w  # SDPA: q, k and v (repeated to nh heads), out; logsumexp
     return b + tokens * nh * d * a  # o_proj input (contiguous copy)
@@ -301,8 +338,11 @@ def layer_activation_bytes(cfg: Config, is_moe: bool, tokens: int, routed_rows: 
     router_in = moe_tokens * H * w if is_moe else 0
     same = a == w and (local == 1 or not shared)  # one tensor: the shared expert's input is the router's
     b += max(mlp_in, router_in) if same else mlp_in + router_in
+    def swiglu(rows: int, ffn: int, fp4: bool) -> int:  # gate, up (their outputs, tile padded), silu, product
+        return 2 * (tiled_rows(cfg, rows, H, ffn, fp4) + rows) * ffn * a
+
     if not is_moe:
-        return b + 4 * tokens * m.dense_ffn_hidden_size // tp * a  # gate, up, silu, product
+        return b + swiglu(tokens, m.dense_ffn_hidden_size // tp, quantized_linears(cfg))
     tokens = moe_tokens
     E, F = m.num_experts, m.moe_ffn_hidden_size // cfg.parallel.etp
     b += 0 if param_dtype(cfg) == wide_dtype(param_dtype(cfg)) else E * H * w  # the router weight's fp32 upcast
@@ -311,6 +351,8 @@ def layer_activation_bytes(cfg: Config, is_moe: bool, tokens: int, routed_rows: 
         b += tokens * k * w + (tokens * E * w if m.router_aux_loss_coef else 0)
     else:  # softmax (Qwen3) or sigmoid (DeepSeek-V3) scores; top-k sum, raw/normalized weights
         b += tokens * E * w + tokens * w + tokens * k * 2 * w
+        # DeepSeek-V3's sigmoid at a row-invariant level (`gpt_oss.sigmoid`): exp's output and the reciprocal too
+        b += 2 * tokens * E * w if getattr(m, "family", "qwen3_moe") == "deepseek_v3" and row_invariant(cfg) else 0
     b += 4 * tokens * k * _INDEX_BYTES  # top-k ids, token_of_row, two un-permute orders
     b += routed_rows * H * a + 4 * routed_rows * F * a  # x_sorted; per expert w13 out (2F), silu, product
     # GPT-OSS's clamped SwiGLU: the clamped gate, the sigmoid, clamp(up) + 1 (the product's other factor)
@@ -323,12 +365,14 @@ def layer_activation_bytes(cfg: Config, is_moe: bool, tokens: int, routed_rows: 
     if grouped_experts:  # FP4 off: one grouped GEMM (moe.can_group) saves its int32 group offsets
         b += local_experts * 4
     if m.router_aux_loss_coef or m.router_z_loss_coef:  # the aux losses' graph, kept by AuxLossAutoScaler
-        b += tokens * E * w + E * 4 + tokens * w + w  # logits (z-loss), token fractions, logsumexp, the loss
+        # logits (z-loss: the router GEMM's tile-padded output unless biased), token fractions, logsumexp, the loss
+        b += (tokens if gpt_oss else tiled_rows(cfg, tokens, H, E)) * E * w + E * 4 + tokens * w + w
         b += tokens * w + w if local > 1 else 0  # tp-shared statistics (`MoELayer.token_sum`): token weights, count
         # DeepSeek-V3's router: the aux losses' probs are its sigmoid scores over their row sum (saved)
         b += tokens * w if getattr(m, "family", "qwen3_moe") == "deepseek_v3" and m.router_aux_loss_coef else 0
     if shared:  # whole MoE tokens: uncut; local: cut like a dense MLP, on every token (`_shared_expert`)
-        b += 4 * tokens * local * m.shared_expert_ffn_hidden_size * m.num_shared_experts // local * a
+        b += swiglu(tokens * local, m.shared_expert_ffn_hidden_size * m.num_shared_experts // local,
+                    quantized_linears(cfg))
     return b
 
 
@@ -389,7 +433,7 @@ def chunk_activation_bytes(cfg: Config, model: MoETransformer, layers, is_first:
         experts = layer.mlp.experts if layer.is_moe else None
         rows = tokens // local * m.top_k
         grouped = experts is not None and experts.grouped and experts.recipe.mode == "bf16" \
-            and param_dtype(cfg) != torch.float64 \
+            and param_dtype(cfg) != torch.float64 and not gemms_are_tiled(cfg) \
             and rows <= GroupedExperts.max_group_rows * experts.num_experts
         b += layer_activation_bytes(cfg, layer.is_moe, tokens, rows, experts.num_experts if experts else 0, grouped,
                                     batch)
