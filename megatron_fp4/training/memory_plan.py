@@ -145,27 +145,54 @@ def zero_bytes(named_params, cfg: Config, dp: int) -> dict:
     return out
 
 
+def _fused_weights(module, cfg: Config) -> list:
+    """The own parameters of `module` whose gradient kernel writes into the optimizer's zeroed
+    buffer when granted (`fp4/grad_fusion.py`): a `GroupedExperts`' w13/w2 (the grouped FP4 kernel,
+    `moeresq_grouped`; FP4 off, the tiled grouped GEMM) — not GPT-OSS's per-expert loop, whose
+    GEMMs see one expert's slice of the parameter (a view: no claim); at the ``batch`` level the
+    tiled dense GEMMs' weights (`tiled._TiledMM`): a plain linear's, a `MoEResQLinear`'s only in its
+    bf16 mode (`moeresq_linear` is then `invariant.linear`; a quantizing mode's `_WgradHalf`
+    returns its gradient), the router's when its fp32 upcast is the parameter itself. Biases never
+    (autograd's ``out + bias``)."""
+    from megatron_fp4.fp4.moeresq import MoEResQLinear
+    from megatron_fp4.model.gpt_oss import GptOssExperts
+
+    if isinstance(module, GroupedExperts):
+        return [] if isinstance(module, GptOssExperts) else [module.w13, module.w2]
+    if not gemms_are_tiled(cfg):
+        return []
+    if isinstance(module, torch.nn.Linear) or (isinstance(module, MoEResQLinear) and module.recipe.mode == "bf16"):
+        return [module.weight]
+    if isinstance(module, Router) and module.weight.dtype == wide_dtype(module.weight.dtype):
+        return [module.weight]
+    return []
+
+
+def returned_grad_bytes(model: MoETransformer, cfg: Config, dp: int, num_microbatches: int) -> dict:
+    """Per module (by name) the bytes of the weight gradients its backward returns to autograd's
+    accumulation in one micro-batch (those `_fused_weights` writes into the buffer excepted, which
+    the optimizer grants only at one micro-batch per step, in a reduction group of one)."""
+    p, out = cfg.parallel, {}
+    for name, module in model.named_modules():
+        own = [t for t in module.parameters(recurse=False) if t.requires_grad]
+        fused = {id(t) for t in _fused_weights(module, cfg)} if num_microbatches == 1 else set()
+        returned = sum(t.numel() * t.element_size() for t in own
+                       if id(t) not in fused or _group_size(_axis(t), p, dp) != 1)
+        if returned:
+            out[name] = returned
+    return out
+
+
 def weight_grad_transient(model: MoETransformer, cfg: Config, dp: int, num_microbatches: int) -> int:
     """Bytes of the weight gradients one module's backward returns before autograd's accumulation adds
     them into the flat buffer's views (`ZeroAdamW`: ``param.grad`` is a view; the returned gradient is
     a fresh tensor of the weight's size, in its dtype). The largest module's own parameters count: a
     `GroupedExperts`' w13 and w2 gradients are both held at once (measured: the step's peak RSS rises
     by both, not by the larger; benchmarks/bench_memory_plan.py, docs/memory.md). Gradient fusion
-    (`fp4/grad_fusion.py`) writes a grouped expert kernel's gradient (and at the ``batch`` level a
-    tiled dense GEMM's: attention, router, LM head) straight into the buffer instead,
-    but only for the step's first micro-batch in a group of one: with several micro-batches per
-    step the later ones take the ordinary path, so fused experts are exempt only at one micro-batch."""
-    p, largest = cfg.parallel, 0
-    # at the batch level the dense GEMMs (attention projections, router, LM head) are tiled and fuse too
-    kinds = (GroupedExperts, torch.nn.Linear, Router) if cfg.numerics.invariance == "batch" \
-        and activation_dtype(cfg) != torch.float64 else (GroupedExperts,)
-    for module in model.modules():
-        own = [t for t in module.parameters(recurse=False) if t.requires_grad]
-        fused = num_microbatches == 1 and isinstance(module, kinds) \
-            and all(_group_size(_axis(t), p, dp) == 1 for t in own)
-        if own and not fused:
-            largest = max(largest, sum(t.numel() * t.element_size() for t in own))
-    return largest
+    (`fp4/grad_fusion.py`, `_fused_weights`) writes some kernels' gradients straight into the buffer
+    instead, but only for the step's first micro-batch in a group of one: with several micro-batches
+    per step the later ones take the ordinary path (`returned_grad_bytes`)."""
+    return max(returned_grad_bytes(model, cfg, dp, num_microbatches).values(), default=0)
 
 
 # -- activations ----------------------------------------------------------------------------------
