@@ -261,11 +261,10 @@ def tiled_rows(cfg: Config, rows: int, k: int, n: int, fp4: bool = False) -> int
 
 def attention_is_blocked(cfg: Config) -> bool:
     """Whether the trainer's attention is `tiled.block_attention`, the ``batch`` numerics level's
-    (`fp4/invariant.py`: not for fp64, which runs the standard kernels), on whole unpacked sequences
-    without context parallel (cp and packed rows: the standard level's SDPA terms, not modeled at
-    ``batch`` yet)."""
-    return (cfg.numerics.invariance == "batch" and activation_dtype(cfg) != torch.float64
-            and getattr(cfg.parallel, "cp", 1) == 1 and not (cfg.rl.max_tokens_per_micro_batch or 0))
+    (`fp4/invariant.py`: not for fp64, which runs the standard kernels), on whole sequences, on a cp
+    rank's queries against the gathered keys (`cp_attention_bytes`) and on packed rows unpacked by
+    length (`packed_attention_bytes`)."""
+    return gemms_are_tiled(cfg)
 
 
 def attention_activation_bytes(cfg: Config, tokens: int, batch: int = 0) -> int:
@@ -426,6 +425,8 @@ def cp_attention_bytes(cfg: Config, batch: int, seq: int) -> int:
     local = seq // cp
     extra_keys = batch * (seq - local)  # key positions attended beyond the local ones
     family = getattr(m, "family", "qwen3_moe")
+    if attention_is_blocked(cfg):
+        return _blocked_cp_attention_bytes(cfg, batch, seq, local)
     if family == "deepseek_v3":
         width = 2 * m.qk_nope_head_dim + m.qk_rope_head_dim + m.v_head_dim
         return extra_keys * m.num_heads * width * a + batch * seq * m.qk_rope_head_dim * a + batch * local * seq * a
@@ -433,6 +434,29 @@ def cp_attention_bytes(cfg: Config, batch: int, seq: int) -> int:
         return (2 * extra_keys * m.num_heads * m.head_dim * a + batch * m.num_heads * local * (seq - local) * a
                 + batch * local * seq - local * local)
     return 2 * extra_keys * m.num_heads * m.head_dim * a + batch * local * seq * a
+
+
+def _blocked_cp_attention_bytes(cfg: Config, batch: int, seq: int, local: int) -> int:
+    """`cp_attention_bytes` at the ``batch`` level: the block attention (`tiled.block_attention`:
+    output and log-sum-exp by query, on the local tokens as without cp) saves the gathered K/V of
+    the whole sequence (`context.gather_kv`: one buffer) instead of the local k (RoPE's output) and
+    v (its projection's output, tile padded unless biased: `tiled_rows`), which the gather's
+    concatenation reads without saving. MLA: the buffer holds per token the heads' ``[k_nope | v]``
+    and the one rotary key; its per-head keys (``qk_nope + qk_rope``) are built from it for the
+    whole sequence."""
+    m, a = cfg.model, activation_dtype(cfg).itemsize
+    tp = _tp_layout(cfg)[0]
+    nh, tokens, whole = m.num_heads // tp, batch * local, batch * seq
+    fp4 = quantized_linears(cfg, attention=True)
+    if getattr(m, "family", "qwen3_moe") == "deepseek_v3":
+        per_head = m.qk_nope_head_dim + m.v_head_dim
+        gathered = whole * (nh * per_head + m.qk_rope_head_dim) * a
+        keys = (whole - tokens) * nh * (m.qk_nope_head_dim + m.qk_rope_head_dim) * a
+        return gathered + keys - tiled_rows(cfg, tokens, m.kv_lora_rank, nh * per_head, fp4) * nh * per_head * a
+    nkv = m.num_kv_heads // tp if m.num_kv_heads % tp == 0 else 1
+    kv = nkv * m.head_dim
+    v_rows = tokens if getattr(m, "family", "qwen3_moe") == "gpt_oss" else tiled_rows(cfg, tokens, m.hidden_size, kv, fp4)
+    return 2 * whole * kv * a - (tokens + v_rows) * kv * a
 
 
 def packed_attention_bytes(cfg: Config, tokens: int) -> int:
