@@ -462,10 +462,33 @@ def _blocked_cp_attention_bytes(cfg: Config, batch: int, seq: int, local: int) -
 def packed_attention_bytes(cfg: Config, tokens: int) -> int:
     """A bound on what one attention layer saves beyond `layer_activation_bytes` for a packed
     micro-batch of `tokens` tokens (`model/packing.py`): its sequences unpacked by length class hold
-    at most 2 × tokens slots, so SDPA's q, k, v and output cover at most `tokens` padding slots more
-    (an upper bound: the padding depends on the lengths)."""
+    at most 2 × tokens slots, so the attention's per-slot tensors cover at most `tokens` padding
+    slots more (an upper bound: the padding depends on the lengths). Standard level: SDPA's q, k, v
+    (repeated to every head) and output. ``batch`` level (`_blocked_packed_attention_bytes`): the
+    block attention's q, k, v (kv heads), output and log-sum-exp per slot, plus what the unpacking
+    saves."""
+    if attention_is_blocked(cfg):
+        return _blocked_packed_attention_bytes(cfg, tokens)
     m, a = cfg.model, activation_dtype(cfg).itemsize
     return 4 * tokens * m.num_heads * m.head_dim * a
+
+
+def _blocked_packed_attention_bytes(cfg: Config, tokens: int) -> int:
+    """`packed_attention_bytes` at the ``batch`` level, per layer: the padding slots (at most
+    `tokens`) of the block attention's q, k, v, output and log-sum-exp; `SequenceLayout.repack`'s
+    ``index_copy`` saves its source, the per-slot outputs of the real tokens (``tokens × heads ×
+    head_dim``); the index tensors: `unpack`'s int64 slot indices (at most one copy for each of q, k
+    and v per class: 24 bytes a slot), its boolean mask and `repack`'s two int64 indices of the real
+    tokens. The index and mask terms count ``N × L`` (sequences × the longest) as at most 2 × tokens
+    slots, which holds when every sequence is at least half the longest (their exact size depends on
+    the lengths: many short sequences beside one long one hold more)."""
+    m, a = cfg.model, activation_dtype(cfg).itemsize
+    tp = _tp_layout(cfg)[0]
+    nh = m.num_heads // tp
+    nkv = m.num_kv_heads // tp if m.num_kv_heads % tp == 0 else 1
+    d = m.head_dim
+    slot = (nh + 2 * nkv) * d * a + nh * (d * a + max(a, 4))  # q, k, v, output, log-sum-exp
+    return tokens * (slot + nh * d * a) + 2 * tokens * (3 * _INDEX_BYTES + 1) + 2 * tokens * _INDEX_BYTES
 
 
 def chunk_activation_bytes(cfg: Config, model: MoETransformer, layers, is_first: bool, is_last: bool,

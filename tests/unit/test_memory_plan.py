@@ -94,16 +94,25 @@ def plan_and_saved(cfg, numerics=None, apply=None) -> tuple:
     return planned, measured, empty * per_expert_qw
 
 
-def test_packed_micro_batch_activation_bytes_bound_saved_tensors():
+@pytest.mark.parametrize("level, lengths, extra", [("standard", [100, 60, 40, 30, 26], []),
+                                                   ("batch", [100, 60, 40, 30, 26], []),
+                                                   ("batch", [65, 64, 63, 33, 1, 30], ["dtype=bf16"])])
+def test_packed_micro_batch_activation_bytes_bound_saved_tensors(level, lengths, extra):
     """A packed micro-batch (``rl.max_tokens_per_micro_batch``): the plan of one row of the budget's
     tokens, plus `packed_attention_bytes` per layer (the unpacked rows' padding, bounded by the
-    tokens), is at least what autograd saves and at most that plus the bound and the empty experts' Q(W)."""
-    cfg = load_config(default_config_path(), TINY + ["rl.max_tokens_per_micro_batch=256"])
+    tokens; at the ``batch`` level the block attention's per-slot tensors, repack's saved source and
+    the index tensors), is at least what autograd saves and at most that plus the bound and the
+    empty experts' Q(W). The ``batch`` level runs its kernels as the trainer does."""
+    from megatron_fp4.fp4 import apply_numerics
+    from megatron_fp4.model.specs import numerics_from_config
+
+    cfg = load_config(default_config_path(), TINY + ["rl.max_tokens_per_micro_batch=256",
+                                                     f"numerics.invariance={level}"] + extra)
     m = cfg.model
-    lengths = [100, 60, 40, 30, 26]
     mask = torch.cat([torch.full((n,), i + 1) for i, n in enumerate(lengths)]).unsqueeze(0)
     tokens = torch.randint(0, m.vocab_size, (1, 256), generator=torch.Generator().manual_seed(2))
-    measured, routing = _saved_bytes(cfg, tokens, attention_mask=mask)
+    measured, routing = _saved_bytes(cfg, tokens, attention_mask=mask, numerics=numerics_from_config(cfg, "train"),
+                                     apply=apply_numerics)
     meta = local_meta_model(cfg, 0, 0)
     planned = chunk_activation_bytes(cfg, meta, range(m.num_layers), True, True, 1, 256, packed=True)
     planned += fp4_weight_bytes(meta)
