@@ -69,12 +69,15 @@ class RankPlan:
 
     @property
     def total(self) -> int:
-        """Peak of a step: the state, the saved tensors and the update's temporaries added up. The
-        saved tensors are freed before the update, but the allocator keeps their pages (glibc's heap
-        for these mostly sub-32 MB tensors, CUDA's caching allocator), so the update's P-sized
-        temporaries come on top (measured: benchmarks/bench_memory_plan.py)."""
-        return (self.params + self.grads + self.optimizer + self.activations + self.fp4_weights
-                + self.head_transient + self.step_transient + self.grad_transient)
+        """Peak live bytes of a step (what ``torch.cuda.max_memory_allocated`` reads; on CPU the C
+        heap's in-use bytes): the state and Q(W) (cached from the step's first forward to the
+        update) plus the larger of the backward's peak (the saved tensors, the loss' logits and one
+        module's returned weight gradients) and the update's temporaries: the saved tensors are
+        freed before the update, so the two never coexist (measured: benchmarks/bench_memory_plan.py,
+        whose cp2 layout, with small activations and a large update temporary, told the sum from
+        the larger). The allocator's retained free pages (peak RSS, CUDA's reserved bytes) come on top."""
+        backward = self.activations + self.head_transient + self.grad_transient
+        return self.params + self.grads + self.optimizer + self.fp4_weights + max(backward, self.step_transient)
 
 
 def param_dtype(cfg: Config) -> torch.dtype:
