@@ -21,7 +21,7 @@ import torch
 from megatron_fp4.config import Config
 from megatron_fp4.model import build_model
 from megatron_fp4.parallel import context
-from megatron_fp4.training.memory_plan import cp_attention_bytes, param_dtype
+from megatron_fp4.training.memory_activations import cp_attention_bytes, param_dtype
 
 B, T = 2, 16
 

@@ -20,8 +20,9 @@ from megatron_fp4.config import default_config_path, load_config
 from megatron_fp4.model import build_model
 from megatron_fp4.model.packing import segment_positions
 from megatron_fp4.model.transformer import lm_loss
+from megatron_fp4.training.memory_activations import packed_attention_bytes
 from megatron_fp4.training.memory_plan import (chunk_activation_bytes, fp4_weight_bytes, inflight_microbatches,
-                                               local_meta_model, packed_attention_bytes, param_dtype, plan_memory)
+                                               local_meta_model, param_dtype, plan_memory)
 from tests.distributed.launch import run_distributed
 from tools import memory_plan as cli
 

@@ -22,8 +22,8 @@ import torch
 from megatron_fp4.config import default_config_path, load_config
 from megatron_fp4.model import build_model
 from megatron_fp4.fp4.tiled import block_attention
-from megatron_fp4.training.memory_plan import (attention_activation_bytes, attention_is_blocked, block_attention_bytes,
-                                               param_dtype)
+from megatron_fp4.training.memory_activations import (attention_activation_bytes, attention_is_blocked,
+                                                      block_attention_bytes, param_dtype)
 from tests.distributed.test_family_layouts import FAMILIES
 from tests.unit.test_cp_memory_plan_families import _cfg, _saved
 from tests.unit.test_memory_plan import TINY, plan_and_saved
