@@ -225,6 +225,24 @@ def test_cli_json_matches_plan(capsys):
     assert [r["total"] for r in rows] == [p.total for p in plans]
 
 
+def test_cli_markdown_rows_match_plan(capsys):
+    """``--format markdown`` (docs/memory.md's rows): one row per stage, the label on the first, GB
+    to 2 decimals of the plan's bytes, "fits" each ``--gpu-gb`` size by the total; a bad size: one line, exit 2."""
+    assert cli.main([str(default_config_path()), "--world-size", "4", "--set", "parallel.pp=2", "parallel.ep=2",
+                     "--format", "markdown", "--label", "4: pp2 × ep2", "--gpu-gb", "1e-9,1"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    plans = plan_memory(load_config(default_config_path(), ["parallel.pp=2", "parallel.ep=2"]), 4)
+    assert lines[0].endswith("| total | fits 1e-09 GB | fits 1 GB |") and len(lines) == 2 + len(plans)
+    for line, plan in zip(lines[2:], plans):
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        assert cells[1] == plan.role and float(cells[11]) == round(plan.total / 1e9, 2)
+        assert cells[12:] == ["yes" if plan.total <= 1 else "no", "yes" if plan.total <= 1e9 else "no"]
+    assert [line.split("|")[1].strip() for line in lines[2:]] == ["4: pp2 × ep2", ""]
+    assert cli.main([str(default_config_path()), "--world-size", "1", "--format", "markdown", "--gpu-gb", "80GB"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--gpu-gb" in err
+
+
 def test_a_billion_ranks_are_planned_without_a_list_of_them():
     """Issue 36: `--world-size 1000000000` (a valid layout) used to build a list over every rank
     (MemoryError). Run under a 3 GiB address-space limit and a timeout, so the old code fails fast."""
