@@ -116,6 +116,12 @@ def _full_then_cut(cfg, mesh):
     return model
 
 
+def layout_overrides(spec: dict) -> list:
+    """The config overrides of layout `spec`: its axes and its own settings (``extra``: cp trains with FP4 off)."""
+    return [f"parallel.pp={spec['pp']}", f"parallel.ep={spec['ep']}", f"parallel.tp={spec.get('tp', 1)}",
+            f"parallel.cp={spec.get('cp', 1)}"] + list(spec.get("extra", ()))
+
+
 def init_rank(rank: int, world: int, port: int, spec: dict, overrides: list):
     """(cfg, mesh) of one spawned rank of layout `spec`: its env, one thread, a gloo group (pp1 too is
     a group of one: the same ZeRO optimizer as the other layouts, like for like), and torch's meta
@@ -127,11 +133,11 @@ def init_rank(rank: int, world: int, port: int, spec: dict, overrides: list):
     from megatron_fp4.model import MoETransformer
     from megatron_fp4.parallel.mesh import ParallelMesh
 
-    tp = spec.get("tp", 1)  # (bench_memory_plan's tp layouts)
-    cfg = load_config(default_config_path(), overrides + [f"parallel.pp={spec['pp']}", f"parallel.ep={spec['ep']}",
-                                                          f"parallel.tp={tp}"])
+    tp, cp = spec.get("tp", 1), spec.get("cp", 1)  # (bench_memory_plan's tp and cp layouts)
+    cfg = load_config(default_config_path(), overrides + layout_overrides(spec))
     dist.init_process_group("gloo", rank=rank, world_size=world)
-    mesh = ParallelMesh.build(spec["pp"], world // (spec["pp"] * tp), spec["ep"], tp=tp, device=torch.device("cpu"))
+    mesh = ParallelMesh.build(spec["pp"], world // (spec["pp"] * tp), spec["ep"], tp=tp, device=torch.device("cpu"),
+                              cp=cp)
     # The first construction on the meta device imports torch's meta kernels (sympy, ~150 MB RSS,
     # once per process, whatever the model size): paid before the baseline, by a 1-layer model.
     warm = load_config(default_config_path(), ["model.num_layers=1"])

@@ -1,9 +1,10 @@
 """Planned vs measured memory per rank: tools/memory_plan.py's total against what building the
-trainer and running two steps holds at its peak, at pp1, pp2, ep2 and tp2 (sequence parallel; gloo on CPU).
+trainer and running two steps holds at its peak, at pp1, pp2, ep2, tp2 (sequence parallel) and cp2
+(context parallel, FP4 off; gloo on CPU).
 
     OMP_NUM_THREADS=1 python benchmarks/bench_memory_plan.py
     OMP_NUM_THREADS=1 python benchmarks/bench_memory_plan.py --set model.hidden_size=256 --set model.moe_ffn_hidden_size=384
-    python benchmarks/bench_memory_plan.py --layouts pp1 --set model.num_layers=2
+    python benchmarks/bench_memory_plan.py --layouts pp1,cp2 --set model.num_layers=2
 
 Two measures per rank, both over a baseline taken after imports, the process group and torch's
 one-time meta-kernel import (bench_memory.py's layouts, model and helpers: one fresh process group
@@ -31,9 +32,12 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_memory import DEFAULTS, LAYOUTS, HeapPeak, _peak_mb, init_rank, spawn_layout  # noqa: E402  (the same measurement)
+from bench_memory import (DEFAULTS, LAYOUTS, HeapPeak, _peak_mb, init_rank, layout_overrides,  # noqa: E402
+                          spawn_layout)  # (the same measurement)
 
-PLAN_LAYOUTS = dict(LAYOUTS, tp2=dict(pp=1, ep=1, tp=2, world=2))
+# cp2: one sequence split over 2 ranks (FP4 training is refused with cp: its experts run unquantized)
+PLAN_LAYOUTS = dict(LAYOUTS, tp2=dict(pp=1, ep=1, tp=2, world=2),
+                    cp2=dict(pp=1, ep=1, cp=2, world=2, extra=["fp4.scope=none", "fp4.train_mode=bf16"]))
 PLAN_DEFAULTS = DEFAULTS + ["schedule.global_batch_size=8", "schedule.micro_batch_size=2", "schedule.seq_len=128"]
 STEPS = 2
 
@@ -62,7 +66,7 @@ def run_layout(spec: dict, overrides: list) -> list[dict]:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--set", dest="overrides", action="append", default=[])
-    parser.add_argument("--layouts", default="pp1,pp2,ep2,tp2")
+    parser.add_argument("--layouts", default="pp1,pp2,ep2,tp2,cp2")
     args = parser.parse_args(argv)
     from megatron_fp4.config import default_config_path, load_config
     from megatron_fp4.training.memory_plan import plan_memory
@@ -72,8 +76,7 @@ def main(argv=None) -> int:
     worst, worst_rss = 0.0, 0.0
     for name in args.layouts.split(","):
         spec = PLAN_LAYOUTS[name]
-        cfg = load_config(default_config_path(), PLAN_DEFAULTS + args.overrides + [
-            f"parallel.pp={spec['pp']}", f"parallel.ep={spec['ep']}", f"parallel.tp={spec.get('tp', 1)}"])
+        cfg = load_config(default_config_path(), PLAN_DEFAULTS + args.overrides + layout_overrides(spec))
         plans = plan_memory(cfg, spec["world"])  # ZeroAdamW at every size
         for rank, r in enumerate(run_layout(spec, args.overrides)):
             plan = plans[r["pp_rank"]]

@@ -15,8 +15,12 @@
   step's and a packed RL one, `micro_batch_shape`; `layer_activation_bytes`, checked term by term
   against ``saved_tensors_hooks`` in tests/unit/test_memory_plan.py; by family: GQA, MLA, GPT-OSS,
   `attention_activation_bytes`; at the ``batch`` numerics level the block attention's q, k, v,
-  output and log-sum-exp, `block_attention_bytes`), times the micro-batches in flight of the schedule, plus the FP4 ``Q(W)`` each MoEResQ linear saves
+  output and log-sum-exp, `block_attention_bytes`, the tiled GEMMs' padded rows, `tiled_rows`;
+  context parallel `cp_attention_bytes`, packed rows `packed_attention_bytes`), times the
+  micro-batches in flight of the schedule, plus the FP4 ``Q(W)`` each MoEResQ linear saves
   (fp32, `_DgradHalf`; once per step under the trainer's per-step weight cache).
+- **Transients**: the loss' logits, one module's returned weight gradients (`returned_grad_bytes`)
+  and the update's temporaries; `RankPlan.total` is the peak of live bytes.
 
 Expert rows per rank assume balanced routing (each rank's experts get ``tokens × top_k`` rows per
 micro-batch on average); the real number varies with the router.
@@ -35,12 +39,13 @@ from megatron_fp4.model.router import Router
 from megatron_fp4.model.specs import no_weight_decay
 from megatron_fp4.parallel.dims import ParallelDims
 from megatron_fp4.parallel.pipeline import PLACEMENT, rank_chunks, split_layers
+from megatron_fp4.training.memory_activations import (activation_dtype, chunk_activation_bytes, gemms_are_tiled,
+                                                      param_dtype)
 from megatron_fp4.training.model_cut import RankCoords, cut_model
 from megatron_fp4.parallel.flat_buffer import CHUNK_NUMEL, owned_ranges, plan_buckets
 
 PLANNED_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
 _STEP_BYTES = 4  # torch AdamW's per-param ``step`` scalar (float32)
-_INDEX_BYTES = 8  # int64 indices (top-k ids, permutations)
 
 
 @dataclass
@@ -68,27 +73,15 @@ class RankPlan:
 
     @property
     def total(self) -> int:
-        """Peak of a step: the state, the saved tensors and the update's temporaries added up. The
-        saved tensors are freed before the update, but the allocator keeps their pages (glibc's heap
-        for these mostly sub-32 MB tensors, CUDA's caching allocator), so the update's P-sized
-        temporaries come on top (measured: benchmarks/bench_memory_plan.py)."""
-        return (self.params + self.grads + self.optimizer + self.activations + self.fp4_weights
-                + self.head_transient + self.step_transient + self.grad_transient)
-
-
-def param_dtype(cfg: Config) -> torch.dtype:
-    """The dtype of the trainer's parameters (`Trainer._build_model`): bf16 only on CPU (CUDA autocasts)."""
-    if cfg.dtype == "fp64":
-        return torch.float64
-    if cfg.dtype == "bf16" and cfg.device == "cpu":
-        return torch.bfloat16
-    return torch.float32
-
-
-def activation_dtype(cfg: Config) -> torch.dtype:
-    """The activations' dtype: the params', or bf16 under CUDA autocast (norms and router stay wide:
-    the ``w`` terms)."""
-    return torch.bfloat16 if cfg.dtype == "bf16" else param_dtype(cfg)
+        """Peak live bytes of a step (what ``torch.cuda.max_memory_allocated`` reads; on CPU the C
+        heap's in-use bytes): the state and Q(W) (cached from the step's first forward to the
+        update) plus the larger of the backward's peak (the saved tensors, the loss' logits and one
+        module's returned weight gradients) and the update's temporaries: the saved tensors are
+        freed before the update, so the two never coexist (measured: benchmarks/bench_memory_plan.py,
+        whose cp2 layout, with small activations and a large update temporary, told the sum from
+        the larger). The allocator's retained free pages (peak RSS, CUDA's reserved bytes) come on top."""
+        backward = self.activations + self.head_transient + self.grad_transient
+        return self.params + self.grads + self.optimizer + self.fp4_weights + max(backward, self.step_transient)
 
 
 def local_meta_model(cfg: Config, pp_rank: int, ep_rank: int, tp_rank: int = 0) -> MoETransformer:
@@ -144,254 +137,54 @@ def zero_bytes(named_params, cfg: Config, dp: int) -> dict:
     return out
 
 
+def _fused_weights(module, cfg: Config) -> list:
+    """The own parameters of `module` whose gradient kernel writes into the optimizer's zeroed
+    buffer when granted (`fp4/grad_fusion.py`): a `GroupedExperts`' w13/w2 (the grouped FP4 kernel,
+    `moeresq_grouped`; FP4 off, the tiled grouped GEMM) — not GPT-OSS's per-expert loop, whose
+    GEMMs see one expert's slice of the parameter (a view: no claim); at the ``batch`` level the
+    tiled dense GEMMs' weights (`tiled._TiledMM`): a plain linear's, a `MoEResQLinear`'s only in its
+    bf16 mode (`moeresq_linear` is then `invariant.linear`; a quantizing mode's `_WgradHalf`
+    returns its gradient), the router's when its fp32 upcast is the parameter itself. Biases never
+    (autograd's ``out + bias``)."""
+    from megatron_fp4.fp4.moeresq import MoEResQLinear
+    from megatron_fp4.model.gpt_oss import GptOssExperts
+
+    if isinstance(module, GroupedExperts):
+        return [] if isinstance(module, GptOssExperts) else [module.w13, module.w2]
+    if not gemms_are_tiled(cfg):
+        return []
+    if isinstance(module, torch.nn.Linear) or (isinstance(module, MoEResQLinear) and module.recipe.mode == "bf16"):
+        return [module.weight]
+    if isinstance(module, Router) and module.weight.dtype == wide_dtype(module.weight.dtype):
+        return [module.weight]
+    return []
+
+
+def returned_grad_bytes(model: MoETransformer, cfg: Config, dp: int, num_microbatches: int) -> dict:
+    """Per module (by name) the bytes of the weight gradients its backward returns to autograd's
+    accumulation in one micro-batch (those `_fused_weights` writes into the buffer excepted, which
+    the optimizer grants only at one micro-batch per step, in a reduction group of one)."""
+    p, out = cfg.parallel, {}
+    for name, module in model.named_modules():
+        own = [t for t in module.parameters(recurse=False) if t.requires_grad]
+        fused = {id(t) for t in _fused_weights(module, cfg)} if num_microbatches == 1 else set()
+        returned = sum(t.numel() * t.element_size() for t in own
+                       if id(t) not in fused or _group_size(_axis(t), p, dp) != 1)
+        if returned:
+            out[name] = returned
+    return out
+
+
 def weight_grad_transient(model: MoETransformer, cfg: Config, dp: int, num_microbatches: int) -> int:
     """Bytes of the weight gradients one module's backward returns before autograd's accumulation adds
     them into the flat buffer's views (`ZeroAdamW`: ``param.grad`` is a view; the returned gradient is
     a fresh tensor of the weight's size, in its dtype). The largest module's own parameters count: a
     `GroupedExperts`' w13 and w2 gradients are both held at once (measured: the step's peak RSS rises
     by both, not by the larger; benchmarks/bench_memory_plan.py, docs/memory.md). Gradient fusion
-    (`fp4/grad_fusion.py`) writes a grouped expert kernel's gradient (and at the ``batch`` level a
-    tiled dense GEMM's: attention, router, LM head) straight into the buffer instead,
-    but only for the step's first micro-batch in a group of one: with several micro-batches per
-    step the later ones take the ordinary path, so fused experts are exempt only at one micro-batch."""
-    p, largest = cfg.parallel, 0
-    # at the batch level the dense GEMMs (attention projections, router, LM head) are tiled and fuse too
-    kinds = (GroupedExperts, torch.nn.Linear, Router) if cfg.numerics.invariance == "batch" \
-        and activation_dtype(cfg) != torch.float64 else (GroupedExperts,)
-    for module in model.modules():
-        own = [t for t in module.parameters(recurse=False) if t.requires_grad]
-        fused = num_microbatches == 1 and isinstance(module, kinds) \
-            and all(_group_size(_axis(t), p, dp) == 1 for t in own)
-        if own and not fused:
-            largest = max(largest, sum(t.numel() * t.element_size() for t in own))
-    return largest
-
-
-# -- activations ----------------------------------------------------------------------------------
-def _tp_layout(cfg: Config) -> tuple:
-    """(tp, rows of the norms/residuals, rows each MoE layer routes) per micro-batch token: sequence
-    parallel cuts the norms' rows 1/tp; ``moe_tp_tokens=local`` routes 1/tp of the tokens."""
-    p = cfg.parallel
-    if p.tp == 1:
-        return 1, 1, 1
-    return p.tp, p.tp if p.sequence_parallel else 1, p.tp if p.moe_tp_tokens == "local" else 1
-
-
-def _norm_bytes(rows: int, dim: int, a: int, w: int) -> int:
-    """RMSNorm of `rows` × `dim` (layers.py): its upcast input, ``x·rsqrt`` (saved by the gain's
-    product, in the activations' dtype) and the per-row rsqrt."""
-    return rows * dim * (w + a) + rows * w
-
-
-def _input_linears(m) -> int:
-    """The linears reading the attention's input: q, k, v (GQA, GPT-OSS); q_a (or q) and kv_a (MLA)."""
-    return 2 if getattr(m, "family", "qwen3_moe") == "deepseek_v3" else 3
-
-
-def block_attention_bytes(groups: int, rep: int, seq: int, dv: int, a: int) -> int:
-    """Bytes `tiled.block_attention` (the ``batch`` numerics level's attention, the trainer's
-    default) saves for autograd beyond its q, k and v on `groups` = batch × kv heads of `rep` query
-    heads each, `seq` tokens, value dim `dv`, in an `a`-byte dtype: its output and each query row's
-    log-sum-exp (float32, or float64 for float64 activations) — O(seq), the flash-style backward
-    recomputes the scores (`fp4/block_attention_grad.py`). The callers count q, k and v, which it
-    saves as they are (tests/unit/test_memory_plan_families_activations.py checks it against the
-    saved tensors)."""
-    return groups * rep * seq * (dv * a + max(a, 4))
-
-
-def attention_is_blocked(cfg: Config) -> bool:
-    """Whether the trainer's attention is `tiled.block_attention`, the ``batch`` numerics level's
-    (`fp4/invariant.py`: not for fp64, which runs the standard kernels), on whole unpacked sequences
-    without context parallel (cp and packed rows: the standard level's SDPA terms, not modeled at
-    ``batch`` yet)."""
-    return (cfg.numerics.invariance == "batch" and activation_dtype(cfg) != torch.float64
-            and getattr(cfg.parallel, "cp", 1) == 1 and not (cfg.rl.max_tokens_per_micro_batch or 0))
-
-
-def attention_activation_bytes(cfg: Config, tokens: int, batch: int = 0) -> int:
-    """Bytes one attention layer's autograd graph saves for `tokens` = batch × seq tokens beyond its
-    input (counted by the caller), by family (each term the forward's own tensor;
-    tests/unit/test_memory_plan_families_activations.py checks them against the saved tensors and a
-    hand count). ``a`` the activation dtype, ``w`` the wide one; tensor parallel cuts the heads.
-    `batch`: the micro-batch's rows (default one row of `tokens`). At the ``batch`` numerics level
-    (`attention_is_blocked`) the attention saves q, k and v as they are (k and v on the kv heads, not
-    repeated; GPT-OSS: no mask, no softmax) and `block_attention_bytes` (output, log-sum-exp).
-
-    - GQA (qwen3_moe): q_norm/k_norm, RoPE's cos and sin, SDPA's q, k and v (repeated to every
-      query head), output and logsumexp, o_proj's input;
-    - MLA (deepseek_v3): the q low-rank path (q_a's output normed, q_b's input) or nothing more
-      (``q_lora_rank`` 0: q_proj reads the input); kv_a's whole output (its latent part upcast by
-      the norm: a view of it unless the activations are narrower) and its norm, kv_b's input; cos and
-      sin of the rotary dims; SDPA's q and k (``qk_nope + qk_rope`` per head), v (a view of kv_b's
-      whole output: ``qk_nope + v`` per head), its output (``v_head_dim``) and logsumexp; o_proj's input;
-    - GPT-OSS (eager sink attention): cos and sin of half the head dim; q, k and v repeated to every
-      head; the boolean mask [1, 1, T, T] of the causal (and sliding-window) keys; the row max's
-      int64 indices; the softmax over ``T + 1`` logits (the sink); o_proj's input."""
-    m, a = cfg.model, activation_dtype(cfg).itemsize
-    w = wide_dtype(activation_dtype(cfg)).itemsize
-    tp = _tp_layout(cfg)[0]
-    nh, family = m.num_heads // tp, getattr(m, "family", "qwen3_moe")
-    rows = batch or 1
-    seq = tokens // rows
-    blocked = attention_is_blocked(cfg)
-    if family == "deepseek_v3":
-        qk, rope, kvr, qr = m.qk_nope_head_dim + m.qk_rope_head_dim, m.qk_rope_head_dim, m.kv_lora_rank, m.q_lora_rank
-        b = _norm_bytes(tokens, qr, a, w) + tokens * qr * a if qr else 0  # q_a's output normed; q_b's input
-        # kv_a's output [kvr | rope]: the norm's upcast of its latent part is a view of the whole output
-        # when the activations are wide already, else a wide copy of the latent part
-        b += tokens * (kvr + rope) * a if a == w else tokens * kvr * w
-        b += tokens * w + 2 * tokens * kvr * a  # the norm's rsqrt and x·rsqrt; kv_b's input
-        b += 2 * tokens * rope * a  # cos, sin
-        b += 2 * tokens * nh * qk * a + tokens * nh * (m.qk_nope_head_dim + m.v_head_dim) * a  # q, k; v's storage
-        if blocked:  # the block attention's output and log-sum-exp; o_proj's input
-            return b + block_attention_bytes(rows * nh, 1, seq, m.v_head_dim, a) + tokens * nh * m.v_head_dim * a
-        return b + 2 * tokens * nh * m.v_head_dim * a + tokens * nh * w  # SDPA's output, o_proj's input; logsumexp
-    d = m.head_dim
-    if family == "gpt_oss":
-        b = tokens * d * a  # cos, sin: half the head dim each
-        if blocked:  # q, k, v (kv heads); the block attention's output and log-sum-exp; o_proj's input
-            nkv = m.num_kv_heads // tp if m.num_kv_heads % tp == 0 else 1
-            b += tokens * (nh + 2 * nkv) * d * a + block_attention_bytes(rows * nkv, nh // nkv, seq, d, a)
-            return b + tokens * nh * d * a
-        b += 3 * tokens * nh * d * a  # q; k and v repeated to every head
-        b += seq * seq + tokens * nh * _INDEX_BYTES  # the visible-keys mask (bool); the row max's indices
-        b += tokens * nh * (seq + 1) * a  # the softmax over the keys and the sink
-        return b + tokens * nh * d * a  # o_proj's input
-    nkv = m.num_kv_heads // tp if m.num_kv_heads % tp == 0 else 1
-    b = _norm_bytes(tokens * nh, d, a, w) + _norm_bytes(tokens * nkv, d, a, w)  # q_norm, k_norm
-    b += 2 * tokens * d * a  # rope cos, sin
-    if blocked:  # q, k, v (kv heads: no repeat); the block attention's output and log-sum-exp; o_proj's input
-        b += tokens * (nh + 2 * nkv) * d * a
-        return b + block_attention_bytes(rows * nkv, nh // nkv, seq, d, a) + tokens * nh * d * a
-    b += 4 * tokens * nh * d * a + tokens * nh * w  # SDPA: q, k and v (repeated to nh heads), out; logsumexp
-    return b + tokens * nh * d * a  # o_proj input (contiguous copy)
-
-
-def layer_activation_bytes(cfg: Config, is_moe: bool, tokens: int, routed_rows: int, local_experts: int = 0,
-                           grouped_experts: bool = False, batch: int = 0) -> int:
-    """Bytes autograd saves in one decoder layer for `tokens` = batch × seq tokens (``routed_rows``:
-    rows this rank's experts receive). Terms follow the forward (layers.py, moe.py, moeresq.py);
-    ``a`` is the activation dtype, ``w`` the wide (norm/router) one. Excludes Q(W) (`fp4_weight_bytes`).
-    Tensor parallel (`parallel/tensor_parallel.py`): the attention and dense-MLP regions see every
-    token (all-gathered in under sequence parallel) with this rank's heads / ffn slice; the norms see
-    ``tokens / tp`` rows under sequence parallel; MoE layers route every token or ``tokens / tp``."""
-    m, a = cfg.model, activation_dtype(cfg).itemsize
-    w = wide_dtype(activation_dtype(cfg)).itemsize
-    tp, sp, local = _tp_layout(cfg)
-    H, k = m.hidden_size, m.top_k
-    rows = tokens // sp  # the norms' and residuals' rows
-    norm = lambda n, dim: _norm_bytes(n, dim, a, w)  # noqa: E731
-    # input norm, its output: the attention's input linears' input; under SP all-gathered along the
-    # sequence into a non-contiguous [B, T, H] (`tp_comm._gather`), which each of them copies to save
-    b = norm(rows, H) + tokens * H * a * (_input_linears(m) if sp > 1 else 1)
-    b += attention_activation_bytes(cfg, tokens, batch)
-    b += norm(rows, H)  # post-attention norm
-    shared = is_moe and m.num_shared_experts > 0
-    moe_tokens = tokens // local
-    # the MLP's linears save their input: the norm's output, all-gathered under SP (dense, whole MoE
-    # tokens) or by the local-token shared expert; the router its fp32 upcast of the MoE's input
-    mlp_in = tokens * H * a if not is_moe or shared else 0
-    mlp_in *= 2 if sp > 1 and not is_moe else 1  # gate and up each copy the non-contiguous gathered input
-    router_in = moe_tokens * H * w if is_moe else 0
-    same = a == w and (local == 1 or not shared)  # one tensor: the shared expert's input is the router's
-    b += max(mlp_in, router_in) if same else mlp_in + router_in
-    if not is_moe:
-        return b + 4 * tokens * m.dense_ffn_hidden_size // tp * a  # gate, up, silu, product
-    tokens = moe_tokens
-    E, F = m.num_experts, m.moe_ffn_hidden_size // cfg.parallel.etp
-    b += 0 if param_dtype(cfg) == wide_dtype(param_dtype(cfg)) else E * H * w  # the router weight's fp32 upcast
-    gpt_oss = getattr(m, "family", "qwen3_moe") == "gpt_oss"
-    if gpt_oss:  # top-k of the logits, softmax over the chosen ones; the softmax over all only for the aux loss
-        b += tokens * k * w + (tokens * E * w if m.router_aux_loss_coef else 0)
-    else:  # softmax (Qwen3) or sigmoid (DeepSeek-V3) scores; top-k sum, raw/normalized weights
-        b += tokens * E * w + tokens * w + tokens * k * 2 * w
-    b += 4 * tokens * k * _INDEX_BYTES  # top-k ids, token_of_row, two un-permute orders
-    b += routed_rows * H * a + 4 * routed_rows * F * a  # x_sorted; per expert w13 out (2F), silu, product
-    # GPT-OSS's clamped SwiGLU: the clamped gate, the sigmoid, clamp(up) + 1 (the product's other factor)
-    b += 3 * routed_rows * F * a if gpt_oss else 0
-    # combine: the slots in expert order (one tensor: `weighted_sum_of_slots` takes them by unbind), their weights
-    b += tokens * k * H * a + tokens * k * a
-    if grouped_experts:  # FP4 off: one grouped GEMM (moe.can_group) saves its int32 group offsets
-        b += local_experts * 4
-    if m.router_aux_loss_coef or m.router_z_loss_coef:  # the aux losses' graph, kept by AuxLossAutoScaler
-        b += tokens * E * w + E * 4 + tokens * w + w  # logits (z-loss), token fractions, logsumexp, the loss
-        b += tokens * w + w if local > 1 else 0  # tp-shared statistics (`MoELayer.token_sum`): token weights, count
-        # DeepSeek-V3's router: the aux losses' probs are its sigmoid scores over their row sum (saved)
-        b += tokens * w if getattr(m, "family", "qwen3_moe") == "deepseek_v3" and m.router_aux_loss_coef else 0
-    if shared:  # whole MoE tokens: uncut; local: cut like a dense MLP, on every token (`_shared_expert`)
-        b += 4 * tokens * local * m.shared_expert_ffn_hidden_size * m.num_shared_experts // local * a
-    return b
-
-
-def cp_attention_bytes(cfg: Config, batch: int, seq: int) -> int:
-    """What one attention layer saves beyond `layer_activation_bytes` of its 1/cp of the tokens under
-    context parallel (`parallel/context.py`): against the same layer on its ``L = T/cp`` local tokens
-    alone, the keys and values it attends to cover the whole gathered sequence, and its mask is
-    [B, 1, L, T] from the global positions. By family (measured per module in
-    tests/unit/test_cp_memory_plan_families.py):
-
-    - GQA (qwen3_moe): SDPA saves K and V repeated to every query head, and the boolean mask
-      converted to the activations' dtype;
-    - MLA (deepseek_v3): SDPA saves the per-head keys (nope + the shared rotary key, expanded to
-      every head: ``qk_nope + qk_rope`` wide) and the values, a view of the whole gathered buffer
-      (`context.gather_kv`: per token the per-head ``[k_nope | v]`` and the one rotary key), plus
-      the mask as GQA's;
-    - GPT-OSS (eager sink attention, any sliding window: the mask has the same shape): the keys and
-      values repeated to every head, the softmax over ``T + 1`` logits instead of ``L + 1``, and the
-      boolean masked-fill mask [B, 1, L, T] (1 byte) instead of the shared causal [1, 1, L, L]."""
-    cp = getattr(cfg.parallel, "cp", 1)
-    if cp == 1:
-        return 0
-    m, a = cfg.model, activation_dtype(cfg).itemsize
-    local = seq // cp
-    extra_keys = batch * (seq - local)  # key positions attended beyond the local ones
-    family = getattr(m, "family", "qwen3_moe")
-    if family == "deepseek_v3":
-        width = 2 * m.qk_nope_head_dim + m.qk_rope_head_dim + m.v_head_dim
-        return extra_keys * m.num_heads * width * a + batch * seq * m.qk_rope_head_dim * a + batch * local * seq * a
-    if family == "gpt_oss":
-        return (2 * extra_keys * m.num_heads * m.head_dim * a + batch * m.num_heads * local * (seq - local) * a
-                + batch * local * seq - local * local)
-    return 2 * extra_keys * m.num_heads * m.head_dim * a + batch * local * seq * a
-
-
-def packed_attention_bytes(cfg: Config, tokens: int) -> int:
-    """A bound on what one attention layer saves beyond `layer_activation_bytes` for a packed
-    micro-batch of `tokens` tokens (`model/packing.py`): its sequences unpacked by length class hold
-    at most 2 × tokens slots, so SDPA's q, k, v and output cover at most `tokens` padding slots more
-    (an upper bound: the padding depends on the lengths)."""
-    m, a = cfg.model, activation_dtype(cfg).itemsize
-    return 4 * tokens * m.num_heads * m.head_dim * a
-
-
-def chunk_activation_bytes(cfg: Config, model: MoETransformer, layers, is_first: bool, is_last: bool,
-                           batch: int, seq: int, packed: bool = False) -> int:
-    """Saved bytes of one micro-batch through one chunk (`layers`, the embedding, the head). Context
-    parallel (``parallel.cp``): a rank's 1/cp of the sequence, plus what its attention saves of the
-    whole sequence (`cp_attention_bytes`). `packed`: one packed row (`packed_attention_bytes`)."""
-    cp = getattr(cfg.parallel, "cp", 1)
-    tokens, m = batch * seq // cp, cfg.model
-    a, w = activation_dtype(cfg).itemsize, wide_dtype(activation_dtype(cfg)).itemsize
-    tp, sp, local = _tp_layout(cfg)
-    b = tokens * _INDEX_BYTES if is_first else 0  # the embedding's token ids (tp: its local ids)
-    b += tokens * a if is_first and tp > 1 else 0  # tp: the mask of this rank's vocabulary slice
-    for i in layers:
-        layer = model.layers[i]
-        experts = layer.mlp.experts if layer.is_moe else None
-        rows = tokens // local * m.top_k
-        grouped = experts is not None and experts.grouped and experts.recipe.mode == "bf16" \
-            and param_dtype(cfg) != torch.float64 \
-            and rows <= GroupedExperts.max_group_rows * experts.num_experts
-        b += layer_activation_bytes(cfg, layer.is_moe, tokens, rows, experts.num_experts if experts else 0, grouped,
-                                    batch)
-        b += cp_attention_bytes(cfg, batch, seq) + (packed_attention_bytes(cfg, tokens) if packed else 0)
-    if is_last and tp == 1:  # final norm, LM-head input, log-softmax output (fp32), loss scalar
-        b += tokens * m.hidden_size * (w + 2 * a) + tokens * w + tokens * m.vocab_size * w + w
-    elif is_last:  # final norm (S/tp under SP), the gathered head input; `vocab_parallel_cross_entropy`:
-        rows = tokens // sp  # exp, sum of exp, local ids, in-slice mask; the label mask (wide), its count
-        b += rows * m.hidden_size * (w + a) + rows * w + tokens * m.hidden_size * a
-        b += tokens * m.vocab_size // tp * w + tokens * (w + _INDEX_BYTES + 1) + tokens * w + _INDEX_BYTES
-    return b
+    (`fp4/grad_fusion.py`, `_fused_weights`) writes some kernels' gradients straight into the buffer
+    instead, but only for the step's first micro-batch in a group of one: with several micro-batches
+    per step the later ones take the ordinary path (`returned_grad_bytes`)."""
+    return max(returned_grad_bytes(model, cfg, dp, num_microbatches).values(), default=0)
 
 
 def fp4_weight_bytes(model: MoETransformer) -> int:

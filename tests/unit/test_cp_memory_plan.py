@@ -26,14 +26,22 @@ def _emulate_cp(cp):
     return cut
 
 
-@pytest.mark.parametrize("cp, extra", [(2, []), (4, ["model.num_kv_heads=1", "dtype=bf16"])])
+@pytest.mark.parametrize("cp, extra", [(2, []), (4, ["model.num_kv_heads=1", "dtype=bf16"]),
+                                       (2, ["numerics.invariance=batch", "schedule.seq_len=40"]),
+                                       (4, ["numerics.invariance=batch", "dtype=bf16", "model.num_kv_heads=1"])])
 def test_cp_activation_bytes_match_saved_tensors(cp, extra):
+    """The standard level and the ``batch`` level (the trainer's default: the block attention on
+    the gathered K/V, the level's kernels applied as the trainer does; partial row tiles)."""
+    from megatron_fp4.fp4 import apply_numerics
+    from megatron_fp4.model.specs import numerics_from_config
+
     overrides = TINY + ["fp4.scope=none", "fp4.train_mode=bf16", f"parallel.cp={cp}"] + extra
     cfg = load_config(default_config_path(), overrides)
     s, m = cfg.schedule, cfg.model
     local = torch.randint(0, m.vocab_size, (s.micro_batch_size, s.seq_len // cp),
                           generator=torch.Generator().manual_seed(1))
-    measured, _ = _saved_bytes(cfg, local, _emulate_cp(cp))
+    measured, _ = _saved_bytes(cfg, local, _emulate_cp(cp), numerics=numerics_from_config(cfg, "train"),
+                               apply=apply_numerics)
     planned = chunk_activation_bytes(cfg, local_meta_model(cfg, 0, 0), range(m.num_layers), True, True,
                                      s.micro_batch_size, s.seq_len)
     assert planned == measured, (planned, measured)

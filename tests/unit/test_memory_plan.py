@@ -20,8 +20,9 @@ from megatron_fp4.config import default_config_path, load_config
 from megatron_fp4.model import build_model
 from megatron_fp4.model.packing import segment_positions
 from megatron_fp4.model.transformer import lm_loss
+from megatron_fp4.training.memory_activations import packed_attention_bytes
 from megatron_fp4.training.memory_plan import (chunk_activation_bytes, fp4_weight_bytes, inflight_microbatches,
-                                               local_meta_model, packed_attention_bytes, param_dtype, plan_memory)
+                                               local_meta_model, param_dtype, plan_memory)
 from tests.distributed.launch import run_distributed
 from tools import memory_plan as cli
 
@@ -94,16 +95,25 @@ def plan_and_saved(cfg, numerics=None, apply=None) -> tuple:
     return planned, measured, empty * per_expert_qw
 
 
-def test_packed_micro_batch_activation_bytes_bound_saved_tensors():
+@pytest.mark.parametrize("level, lengths, extra", [("standard", [100, 60, 40, 30, 26], []),
+                                                   ("batch", [100, 60, 40, 30, 26], []),
+                                                   ("batch", [65, 64, 63, 33, 1, 30], ["dtype=bf16"])])
+def test_packed_micro_batch_activation_bytes_bound_saved_tensors(level, lengths, extra):
     """A packed micro-batch (``rl.max_tokens_per_micro_batch``): the plan of one row of the budget's
     tokens, plus `packed_attention_bytes` per layer (the unpacked rows' padding, bounded by the
-    tokens), is at least what autograd saves and at most that plus the bound and the empty experts' Q(W)."""
-    cfg = load_config(default_config_path(), TINY + ["rl.max_tokens_per_micro_batch=256"])
+    tokens; at the ``batch`` level the block attention's per-slot tensors, repack's saved source and
+    the index tensors), is at least what autograd saves and at most that plus the bound and the
+    empty experts' Q(W). The ``batch`` level runs its kernels as the trainer does."""
+    from megatron_fp4.fp4 import apply_numerics
+    from megatron_fp4.model.specs import numerics_from_config
+
+    cfg = load_config(default_config_path(), TINY + ["rl.max_tokens_per_micro_batch=256",
+                                                     f"numerics.invariance={level}"] + extra)
     m = cfg.model
-    lengths = [100, 60, 40, 30, 26]
     mask = torch.cat([torch.full((n,), i + 1) for i, n in enumerate(lengths)]).unsqueeze(0)
     tokens = torch.randint(0, m.vocab_size, (1, 256), generator=torch.Generator().manual_seed(2))
-    measured, routing = _saved_bytes(cfg, tokens, attention_mask=mask)
+    measured, routing = _saved_bytes(cfg, tokens, attention_mask=mask, numerics=numerics_from_config(cfg, "train"),
+                                     apply=apply_numerics)
     meta = local_meta_model(cfg, 0, 0)
     planned = chunk_activation_bytes(cfg, meta, range(m.num_layers), True, True, 1, 256, packed=True)
     planned += fp4_weight_bytes(meta)
@@ -213,6 +223,24 @@ def test_cli_json_matches_plan(capsys):
     plans = plan_memory(load_config(default_config_path(), ["parallel.pp=2", "parallel.ep=2"]), 4)
     assert [(r["first_rank"], r["last_rank"]) for r in rows] == [(0, 1), (2, 3)]
     assert [r["total"] for r in rows] == [p.total for p in plans]
+
+
+def test_cli_markdown_rows_match_plan(capsys):
+    """``--format markdown`` (docs/memory.md's rows): one row per stage, the label on the first, GB
+    to 2 decimals of the plan's bytes, "fits" each ``--gpu-gb`` size by the total; a bad size: one line, exit 2."""
+    assert cli.main([str(default_config_path()), "--world-size", "4", "--set", "parallel.pp=2", "parallel.ep=2",
+                     "--format", "markdown", "--label", "4: pp2 × ep2", "--gpu-gb", "1e-9,1"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    plans = plan_memory(load_config(default_config_path(), ["parallel.pp=2", "parallel.ep=2"]), 4)
+    assert lines[0].endswith("| total | fits 1e-09 GB | fits 1 GB |") and len(lines) == 2 + len(plans)
+    for line, plan in zip(lines[2:], plans):
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        assert cells[1] == plan.role and float(cells[11]) == round(plan.total / 1e9, 2)
+        assert cells[12:] == ["yes" if plan.total <= 1 else "no", "yes" if plan.total <= 1e9 else "no"]
+    assert [line.split("|")[1].strip() for line in lines[2:]] == ["4: pp2 × ep2", ""]
+    assert cli.main([str(default_config_path()), "--world-size", "1", "--format", "markdown", "--gpu-gb", "80GB"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--gpu-gb" in err
 
 
 def test_a_billion_ranks_are_planned_without_a_list_of_them():

@@ -61,3 +61,46 @@ def test_grad_transient_is_the_largest_module_gradient_returned(extra):
     # one micro-batch: the grouped expert kernels write into the zeroed buffer (no gradient returned)
     assert (GroupedExperts.__name__ in kinds) == (trainer.num_microbatches > 1)
     assert plan.grad_transient > 0
+
+
+def _returned_by_module(trainer) -> dict:
+    """Per module name: the weight-gradient bytes its backward returned in one step of one micro-batch."""
+    out: dict = {}
+
+    def hook_for(name):
+        def hook(grad):
+            if grad is not None:
+                out[name] = out.get(name, 0) + grad.numel() * grad.element_size()
+        return hook
+
+    handles = [p.register_hook(hook_for(n)) for n, m in trainer.model.named_modules()
+               for p in m.parameters(recurse=False) if p.requires_grad]
+    s = trainer.cfg.schedule
+    tokens = torch.randint(0, trainer.cfg.model.vocab_size, (s.micro_batch_size, s.seq_len),
+                           generator=torch.Generator().manual_seed(0))
+    from megatron_fp4.training.trainer import lm_loss_fn
+    trainer.train_step_with_loss([{"tokens": tokens, "labels": tokens}], lm_loss_fn)
+    for h in handles:
+        h.remove()
+    return out
+
+
+@pytest.mark.parametrize("family, extra", [
+    ("qwen3_moe", ["fp4.scope=experts+attention"]),  # MoEResQLinear quantizing: _WgradHalf returns its gradient
+    ("qwen3_moe", ["fp4.scope=experts+attention", "fp4.train_mode=bf16"]),  # bf16 mode: the tiled GEMM fuses
+    ("qwen3_moe", ["dtype=bf16"]),  # the router's fp32 upcast is a copy: its gradient is returned
+    ("gpt_oss", []),  # the per-expert loop (views of w13/w2: no claim) and every bias
+])
+def test_returned_grad_bytes_per_module(family, extra):
+    """`returned_grad_bytes` (which weights `_fused_weights` writes into the buffer) equals, module by
+    module, the gradients a real Trainer's backward returns at one micro-batch per step."""
+    from megatron_fp4.training.memory_plan import local_meta_model, returned_grad_bytes
+    from megatron_fp4.training.trainer import Trainer
+    from tests.distributed.test_family_layouts import FAMILIES
+
+    cfg = load_config(default_config_path(), TINY + ["schedule.global_batch_size=2"] + extra)
+    if family != "qwen3_moe":
+        FAMILIES[family](cfg.model)
+    cfg.validate()
+    measured = _returned_by_module(Trainer(cfg, build_data=False))
+    assert returned_grad_bytes(local_meta_model(cfg, 0, 0), cfg, 1, 1) == measured
