@@ -97,6 +97,7 @@ def side_by_side(args, work: Path, consistency, tiny_config, log) -> dict:
     """{engine (ENGINES): {"fp32" | "held": consistency metrics + positions, layers}} (module doc)."""
     import torch
 
+    from megatron_fp4.fp4 import Numerics, apply_numerics
     from megatron_fp4.integrations.hf import load_hf_checkpoint
     from megatron_fp4.integrations.hf.qwen3_moe import from_hf_state_dict
     from megatron_fp4.integrations.vllm import export_for_vllm
@@ -115,6 +116,7 @@ def side_by_side(args, work: Path, consistency, tiny_config, log) -> dict:
                "plugin fp32 act": _rounded_export(model, cfg, ckpt, torch.float32, work, "bf16w_plugin"),
                "stock fp32 act": stock_copy(_rounded_export(model, cfg, ckpt, torch.bfloat16, work, "bf16w"),
                                             work / "bf16w_stock")}
+    apply_numerics(model, Numerics(invariance="exact"))  # the references score at `exact` (fixed at build)
     out = {}
     for name, (plugin, dtype) in ENGINES.items():
         log(f"bf16: {name} vLLM ({dtype}), {n} prompts x {args.tokens} tokens")

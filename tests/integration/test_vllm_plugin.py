@@ -16,7 +16,8 @@ everywhere.
 from __future__ import annotations
 
 import contextlib
-
+import copy
+import hashlib
 import json
 import subprocess
 import sys
@@ -340,8 +341,30 @@ MIN_WITHIN = 0.75
 MIN_EXPERTS = 0.98
 
 
+_SERVED: dict = {}  # {(export bytes, request, environment): output}: an identical engine run, once a session
+
+
+def _digest(model_dir) -> str:
+    """sha256 of every file under `model_dir` (names and bytes): equal for byte-identical exports."""
+    h = hashlib.sha256()
+    for f in sorted(p for p in Path(model_dir).rglob("*") if p.is_file()):
+        h.update(f.relative_to(model_dir).as_posix().encode() + b"\0" + f.read_bytes())
+    return h.hexdigest()
+
+
 def vllm_generate(model_dir, tmp_path, routing=True, update_from=None, dtype="float32", enforce_eager=True,
                   extra_env=None):
+    """PROMPTS served greedily by plain vLLM over `model_dir` (tests/integration/vllm_generate.py in a
+    subprocess; its JSON). Tests that serve a byte-identical export with the same request share one
+    engine run (engine starts are most of the vLLM tests' time): vLLM's greedy run is deterministic."""
+    key = (_digest(model_dir), _digest(update_from) if update_from else None, routing, dtype, enforce_eager,
+           tuple(sorted((extra_env or {}).items())))
+    if key not in _SERVED:
+        _SERVED[key] = _vllm_generate(model_dir, tmp_path, routing, update_from, dtype, enforce_eager, extra_env)
+    return copy.deepcopy(_SERVED[key])
+
+
+def _vllm_generate(model_dir, tmp_path, routing, update_from, dtype, enforce_eager, extra_env):
     req = tmp_path / "request.json"
     req.write_text(json.dumps({"prompts": PROMPTS, "max_tokens": MAX_TOKENS, "routing": routing, "dtype": dtype,
                                "update_from": str(update_from) if update_from else None,
