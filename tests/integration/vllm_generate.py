@@ -11,7 +11,7 @@ torch.compile of the model, tests/integration/test_vllm_compiled.py)}. All promp
 through the rollout's own path (`integrations.vllm.worker.generate_batch`: one `llm.generate`, the
 routes recorded per forward and cut per request: [N, L_moe, k] each, the trainer scoring's
 alignment). With "update_from", the engine first generates on MODEL_DIR's weights (filling the
-plugin's Q(W) cache; written as "before_update"), then takes HF_DIR's weights by a live update
+plugin's Q(W) cache; written as "before_update": what a fresh engine on them serves), then takes HF_DIR's weights by a live update
 (`integrations.vllm.live.update_weights`) and generates what is recorded as "results".
 """
 from __future__ import annotations
@@ -49,7 +49,9 @@ def main(model_dir: str, request_file: str, out_file: str) -> None:
         from megatron_fp4.integrations.hf import load_hf_checkpoint
         from megatron_fp4.integrations.vllm.live import update_weights
 
+        start = time.perf_counter()
         out["before_update"] = _generate(llm, req["prompts"], params, routing)
+        out["before_update_seconds"] = time.perf_counter() - start
         update_weights(llm, load_hf_checkpoint(req["update_from"])[1])
     start = time.perf_counter()
     out["results"] = _generate(llm, req["prompts"], params, routing)
