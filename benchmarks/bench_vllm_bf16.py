@@ -13,9 +13,11 @@ engine gap at fp32 activations, vs the fp32 trainer the weights' rounding alone.
     HF_HUB_OFFLINE=1 OMP_NUM_THREADS=1 PYTHONPATH=$PWD /work/venv-verlvllm/bin/python benchmarks/bench_vllm_goals.py \\
         --only bf16 [--bf16-prompts 128]
 
-Experts: the plugin's recorded routes; stock vLLM records none, so forward hooks on its MoE gates
-take the top-k of the gate's logits as its CPU router does (`torch.topk` of the logits,
-`fused_moe.router.cpu_router._softmax_topk`). Engines in this process, one request per `generate`.
+Engines in this process, each generating all prompts as one batch through the rollout's path
+(`integrations.vllm.worker.generate`: one `llm.generate`, routes cut per request). Experts: the
+plugin's recorded routes; stock vLLM records none, so the worker's recorder takes the top-k of its MoE
+gates' logits as its CPU router does (`gate_top_k`: `torch.topk` of the logits,
+`fused_moe.router.cpu_router._softmax_topk`).
 """
 from __future__ import annotations
 
@@ -39,51 +41,37 @@ def stock_copy(export: Path, out: Path) -> Path:
     return out
 
 
-def gate_topk_hooks(model, top_k: int, store: dict, dtypes: dict) -> bool:
-    """Record every MoE gate's top-k experts per forward under its layer prefix (module doc) and the
-    gate weight's dtype (what vLLM holds) under its HF name."""
-    import torch
-
-    for name, mod in model.named_modules():
-        if name.endswith("mlp.gate"):
-            dtypes[f"{name}.weight"] = mod.weight.dtype  # vLLM's prefixes are the HF names
-
-            def hook(_m, _inp, out, name=name):
-                logits = out[0] if isinstance(out, tuple) else out
-                store.setdefault(name, []).append(torch.topk(logits, top_k, dim=-1, sorted=False)[1].clone())
-            mod.register_forward_hook(hook)
-    return True
+def held_gate_dtypes(model) -> dict:
+    """{HF name of every MoE gate's weight: the dtype vLLM holds it in} (vLLM's prefixes are the HF names)."""
+    return {f"{name}.weight": mod.weight.dtype for name, mod in model.named_modules() if name.endswith("mlp.gate")}
 
 
 def engine_rollout(export: Path, ps: list, seeds: list, tokens: int, dtype: str) -> tuple:
     """(flat rollout for `rescore`, {HF name of each MoE gate: the dtype vLLM holds it in}, the plugin's
     parameters read back under HF names in fp32, or None for stock, which prepacks its CPU weights)
-    of one vLLM engine on `export`; sampling at temperature 1 with one seed per request."""
+    of one vLLM engine on `export`; sampling at temperature 1 with one seed per request, the prompts
+    in one batch."""
     import torch
 
     from megatron_fp4.integrations.vllm.readback import hf_tensors_of
-    from megatron_fp4.integrations.vllm.worker import build_llm, generate, stack_routing
+    from megatron_fp4.integrations.vllm.worker import build_llm, generate
 
     hf = json.loads((export / "config.json").read_text())
     plugin = "quantization_config" in hf
-    spec = {"max_tokens": tokens, "temperature": 1.0, "ignore_eos": True, "dtype": dtype, "distributions": True,
-            "routing": plugin}
+    spec = {"prompts": ps, "seeds": seeds, "max_tokens": tokens, "temperature": 1.0, "ignore_eos": True,
+            "dtype": dtype, "distributions": True, "routing": True,
+            "gate_top_k": 0 if plugin else hf["num_experts_per_tok"], "max_num_seqs": max(1, min(64, len(ps)))}
     llm, vocab = build_llm(str(export), spec)
-    store, gate_dtypes = {}, {}
-    llm.apply_model(lambda m: gate_topk_hooks(m, hf["num_experts_per_tok"], store, gate_dtypes))
-    flat = {"prompt_ids": ps, "response_ids": [], "log_probs": [], "routing": [], "distributions": []}
-    for p, s in zip(ps, seeds):
-        store.clear()
-        res, t = generate(llm, vocab, {**spec, "prompts": [p], "seeds": [s]})
-        flat["response_ids"].append(res["tokens"][0])
-        flat["log_probs"].append(torch.tensor(res["logprobs"][0], dtype=torch.float32))
-        flat["distributions"].append(t["dist.0"])
-        flat["routing"].append(t["routing.0"] if plugin else
-                               stack_routing({n: torch.cat(v) for n, v in store.items()}, len(p)))
+    dtypes = llm.apply_model(held_gate_dtypes)[0]
+    res, tensors = generate(llm, vocab, spec)
+    flat = {"prompt_ids": ps, "response_ids": res["tokens"],
+            "log_probs": [torch.tensor(lp, dtype=torch.float32) for lp in res["logprobs"]],
+            "routing": [tensors[f"routing.{i}"] for i in range(len(ps))],
+            "distributions": [tensors[f"dist.{i}"] for i in range(len(ps))]}
     readback = llm.apply_model(lambda m: {n: t.float().clone() for n, t in hf_tensors_of(m, hf).items()})[0] \
         if plugin else None
     del llm
-    return flat, gate_dtypes, readback
+    return flat, dtypes, readback
 
 
 def held_weights(ckpt: dict, gate_dtypes: dict, dtype) -> dict:
@@ -109,6 +97,7 @@ def side_by_side(args, work: Path, consistency, tiny_config, log) -> dict:
     """{engine (ENGINES): {"fp32" | "held": consistency metrics + positions, layers}} (module doc)."""
     import torch
 
+    from megatron_fp4.fp4 import Numerics, apply_numerics
     from megatron_fp4.integrations.hf import load_hf_checkpoint
     from megatron_fp4.integrations.hf.qwen3_moe import from_hf_state_dict
     from megatron_fp4.integrations.vllm import export_for_vllm
@@ -127,6 +116,7 @@ def side_by_side(args, work: Path, consistency, tiny_config, log) -> dict:
                "plugin fp32 act": _rounded_export(model, cfg, ckpt, torch.float32, work, "bf16w_plugin"),
                "stock fp32 act": stock_copy(_rounded_export(model, cfg, ckpt, torch.bfloat16, work, "bf16w"),
                                             work / "bf16w_stock")}
+    apply_numerics(model, Numerics(invariance="exact"))  # the references score at `exact` (fixed at build)
     out = {}
     for name, (plugin, dtype) in ENGINES.items():
         log(f"bf16: {name} vLLM ({dtype}), {n} prompts x {args.tokens} tokens")

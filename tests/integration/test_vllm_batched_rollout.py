@@ -173,3 +173,20 @@ def test_batched_generation_equals_one_request_per_call_and_the_trainer(engine, 
     for i in range(len(prompts)):
         assert torch.equal(batched.routing[i].sort(-1).values, scored["routing"][i].long().sort(-1).values), i
         assert _hex(batched.log_probs[i]) == _hex(scored["log_probs"][i].float()), i
+
+
+@needs_vllm
+@pytest.mark.slow
+def test_gate_routes_are_refused_where_the_plugin_records_routes(engine):
+    """`gate_top_k` (stock vLLM's gates' top-k, benchmarks/bench_vllm_bf16.py) on an engine the plugin
+    serves would record every MoE layer twice: refused, naming the fix, and the engine still serves."""
+    from vllm import SamplingParams
+
+    from megatron_fp4.integrations.vllm.worker import generate_batch
+
+    eng, cfg, _ = engine
+    params = [SamplingParams(max_tokens=2, temperature=0.0, detokenize=False, logprobs=0)]
+    with pytest.raises(ValueError, match="gate_top_k is for stock vLLM.*leave gate_top_k 0"):
+        generate_batch(eng.llm, [[5, 6, 7]], params, True, gate_top_k=cfg.model.top_k)
+    _, routes = generate_batch(eng.llm, [[5, 6, 7]], params, True)
+    assert routes[0].shape == (2, 3, cfg.model.top_k)

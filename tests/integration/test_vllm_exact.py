@@ -181,7 +181,7 @@ def test_vllm_batch_log_probs_equal_the_trainers_scoring(tmp_path, level):
     cfg.numerics.invariance = level
     hf = write_hf(tmp_path, cfg)
     assert json.loads((hf / "config.json").read_text())["architectures"] == [HF_ARCHITECTURE]  # verl needs one
-    out = vllm_generate(hf, tmp_path, routing=False)  # all 8 requests in one batch
+    out = vllm_generate(hf, tmp_path)  # all 8 requests in one batch (at `batch`: test_vllm_plugin's engine run)
     assert out["plugin"]
     delta, _, _ = compare(out, trainer_scores(hf, cfg, [r["tokens"] for r in out["results"]]))
     print(f"plugin vs trainer ({level}): |dlogp| max {delta.max():.3g} over {delta.numel()} positions")

@@ -8,7 +8,7 @@ or in-process (`run_spec(spec, out_dir)`) where vllm is importable. SPEC.json (J
     {"jobs": [{"name": "experts/MoEResQ", "model": HF_DIR}, ...],      # export_for_vllm directories
      "prompts": [[ids...], ...], "max_tokens": 8, "temperature": 1.0, "seeds": [s0, s1, ...],
      "stop_token_ids": [2], "dtype": "float32", "routing": true, "distributions": true,
-     "ignore_eos": false}
+     "ignore_eos": false, "gate_top_k": 0}
 
 OUT_DIR/results.json: {"jobs": {name: {"tokens": [[...]], "logprobs": [[...]], "plugin": bool,
 "file": "job_K.safetensors"}}}; that safetensors file holds per request i `routing.i` [N, L_moe, k]
@@ -16,7 +16,9 @@ OUT_DIR/results.json: {"jobs": {name: {"tokens": [[...]], "logprobs": [[...]], "
 and `dist.i` [N, V] (float32 log-softmax rows). Nothing is pickled.
 
 Routed experts: the plugin's `MegatronFP4Config.routing_store` (set to `{}`) collects every MoE
-forward's `[tokens, k]` ids under its layer's name, rows in vLLM's input-batch order. The prompts run
+forward's `[tokens, k]` ids under its layer's name, rows in vLLM's input-batch order; for stock vLLM
+(an export without the block) `"gate_top_k": k` records the top-k of each MoE gate's logits instead
+(the Qwen3-MoE router's picks; benchmarks/bench_vllm_bf16.py's stock engines). The prompts run
 as one batch (one `generate` call, prefix caching off); `start_routes` also records each forward's
 request layout (the model runner's request rows, `query_start_loc`, positions) and `split_routes`
 cuts the rows by request and position: per request positions 0..P+N-2, of which P-1.. predict the N
@@ -24,6 +26,7 @@ response tokens. The same recorder serves the GRPO rollout server (`rl.rollouts.
 """
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -51,14 +54,6 @@ def _layer_index(prefix: str) -> int:
     return int(m.group(1)) if m else -1
 
 
-def stack_routing(layers: dict, prompt_len: int):
-    """[N, L_moe, k] experts predicting the response tokens, MoE layers in model order."""
-    import torch
-
-    names = sorted(layers, key=_layer_index)
-    return torch.stack([layers[n][prompt_len - 1:] for n in names], dim=1).long()
-
-
 ROUTE_TAG = "megatron_fp4_route_slot"  # SamplingParams.extra_args key: the request's slot in its batch
 MAX_ROUTED_FORWARDS = 1 << 20  # forwards one recording may hold (a batch's steps: far fewer)
 
@@ -73,19 +68,46 @@ def route_params(params, slot: int):
     return tagged
 
 
-def start_routes(worker) -> bool:
+def gate_topk_hooks(model, top_k: int, store: dict) -> list:
+    """Stock vLLM (no plugin, so nothing records its routes): a forward hook on every MoE gate
+    (`....mlp.gate`) appending the top-k of its logits to `store` under the gate's name, as the
+    Qwen3-MoE CPU router picks (`torch.topk` of the logits, vLLM's
+    `fused_moe.router.cpu_router._softmax_topk`; a family with a biased or grouped router picks
+    otherwise); the hooks' handles."""
+    import torch
+
+    def hook(name, _module, _inputs, out):
+        logits = out[0] if isinstance(out, tuple) else out
+        store.setdefault(name, []).append(torch.topk(logits, top_k, dim=-1, sorted=False)[1])
+
+    return [mod.register_forward_hook(functools.partial(hook, name)) for name, mod in model.named_modules()
+            if name.endswith("mlp.gate")]
+
+
+def start_routes(worker, gate_top_k: int = 0) -> bool:
     """`llm.collective_rpc(start_routes)`: record every forward's router picks with vLLM's per-step
     request layout, the stores emptied. A forward pre-hook on the runner's model reads, before each
     forward, the model runner's input batch (request ids in row order, `query_start_loc`: each
     request's rows) and the forward's `positions`, and marks where the forward's picks begin in each
-    MoE layer's store; `take_routes` hands both back and `split_routes` cuts them by request."""
+    MoE layer's store; `take_routes` hands both back and `split_routes` cuts them by request. The
+    picks are the plugin's (`routing_store`), or with `gate_top_k` (`args=(k,)`; stock vLLM only) the
+    top-k of each MoE gate's logits (`gate_topk_hooks`)."""
     import torch
 
     model, runner = worker.get_model(), worker.model_runner
     stop_routes(worker)
-    set_routing(model, True)
     configs = list(_configs(model).values())
-    log = {"forwards": [], "handle": None}
+    handles = []
+    if gate_top_k:
+        if configs:
+            raise ValueError("start_routes: gate_top_k is for stock vLLM; the megatron_fp4 plugin serving this model "
+                             "records its own routes (leave gate_top_k 0)")
+        stores = [{}]
+        handles = gate_topk_hooks(model, int(gate_top_k), stores[0])
+    else:
+        set_routing(model, True)
+        stores = [cfg.routing_store for cfg in configs]
+    log = {"forwards": [], "handles": handles, "stores": stores}
 
     def before_forward(module, args, kwargs):
         if len(log["forwards"]) >= MAX_ROUTED_FORWARDS:
@@ -97,21 +119,22 @@ def start_routes(worker) -> bool:
         for rid in runner.input_batch.req_ids[:n]:
             sp = runner.requests[rid].sampling_params
             slots.append(int(((sp.extra_args if sp is not None else None) or {}).get(ROUTE_TAG, -1)))
-        marks = {prefix: len(steps) for cfg in configs for prefix, steps in cfg.routing_store.items()}
+        marks = {prefix: len(steps) for store in stores for prefix, steps in store.items()}
         log["forwards"].append({"slots": slots, "query_start_loc": qsl, "marks": marks,
                                 "positions": positions[:qsl[-1] if qsl else 0].detach().to("cpu", torch.long).clone()})
 
-    log["handle"] = model.register_forward_pre_hook(before_forward, with_kwargs=True)
+    handles.append(model.register_forward_pre_hook(before_forward, with_kwargs=True))
     model._megatron_fp4_routes = log
     return True
 
 
 def stop_routes(worker) -> bool:
-    """`llm.collective_rpc(stop_routes)`: the recorder off (hook removed, stores dropped)."""
+    """`llm.collective_rpc(stop_routes)`: the recorder off (hooks removed, stores dropped)."""
     model = worker.get_model()
     log = getattr(model, "_megatron_fp4_routes", None)
     if log is not None:
-        log["handle"].remove()
+        for handle in log["handles"]:
+            handle.remove()
         model._megatron_fp4_routes = None
     set_routing(model, False)
     return True
@@ -125,9 +148,9 @@ def take_routes(worker) -> dict:
     if log is None:
         raise RuntimeError("take_routes: the recorder is off (call start_routes first)")
     layers = {}
-    for cfg in _configs(model).values():
-        layers.update({prefix: list(steps) for prefix, steps in cfg.routing_store.items()})
-        cfg.routing_store.clear()
+    for store in log["stores"]:
+        layers.update({prefix: list(steps) for prefix, steps in store.items()})
+        store.clear()
     forwards, log["forwards"] = log["forwards"], []
     return {"forwards": forwards, "layers": layers}
 
@@ -219,10 +242,11 @@ def generate(llm, vocab: int, spec: dict) -> tuple:
     from vllm import SamplingParams
 
     routing, dists = bool(spec.get("routing", True)), bool(spec.get("distributions", True))
+    gate_top_k = int(spec.get("gate_top_k") or 0)
     plugin = bool(llm.apply_model(lambda m: bool(_configs(m)))[0])
-    if routing and not plugin:
+    if routing and not plugin and not gate_top_k:
         raise ValueError("routing asked for but the export has no megatron_fp4 quantization_config (stock vLLM "
-                         "serves it and records no experts)")
+                         "serves it and records no experts; gate_top_k: k records its gates' top-k)")
     prompts = [list(map(int, p)) for p in spec["prompts"]]
     seeds = spec.get("seeds") or [None] * len(prompts)
     if len(seeds) != len(prompts):
@@ -231,7 +255,7 @@ def generate(llm, vocab: int, spec: dict) -> tuple:
                              seed=seed, logprobs=vocab if dists else 0, detokenize=False,
                              stop_token_ids=list(spec.get("stop_token_ids", [])),
                              ignore_eos=bool(spec.get("ignore_eos", False))) for seed in seeds]
-    completions, routes = generate_batch(llm, prompts, params, routing)
+    completions, routes = generate_batch(llm, prompts, params, routing, gate_top_k)
     out = {"tokens": [], "logprobs": [], "plugin": plugin}
     tensors = {}
     for i, c in enumerate(completions):
@@ -246,16 +270,17 @@ def generate(llm, vocab: int, spec: dict) -> tuple:
     return out, tensors
 
 
-def generate_batch(llm, prompts, params, routing: bool) -> tuple:
+def generate_batch(llm, prompts, params, routing: bool, gate_top_k: int = 0) -> tuple:
     """(each prompt's vLLM completion, its [N, L_moe, k] routes or None): every prompt in one
-    `llm.generate` call with its vLLM `SamplingParams`, the routes recorded by `start_routes` and cut
-    per request by `split_routes` when `routing`."""
+    `llm.generate` call with its vLLM `SamplingParams`, the routes recorded by `start_routes` (the
+    plugin's, or with `gate_top_k` stock vLLM's gates' top-k) and cut per request by `split_routes`
+    when `routing`."""
     prompts = [list(map(int, q)) for q in prompts]
     if len(params) != len(prompts):
         raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
     if routing:
         params = [route_params(sp, i) for i, sp in enumerate(params)]
-        llm.collective_rpc(start_routes)
+        llm.collective_rpc(start_routes, args=(int(gate_top_k),))
     try:
         outs = llm.generate([{"prompt_token_ids": q} for q in prompts], params, use_tqdm=False) if prompts else []
         recorded = llm.collective_rpc(take_routes)[0] if routing else None
