@@ -201,10 +201,11 @@ class GroupedExperts(nn.Module):
     def grouped_tiled_forward(self, x_sorted: torch.Tensor, counts: list[int]) -> torch.Tensor:
         """FP4 off at the ``batch`` level with autograd: each expert's rows in fixed row tiles (the
         bits of the no-grad `grouped_exact_forward`, which tiles the same runs), one SiLU over all
-        rows (position-independent bits), the backward one GEMM per expert and gradient."""
+        rows (position-independent bits; its backward `swiglu`'s one pass per half), the backward
+        one GEMM per expert and gradient."""
         t = self.numerics.triton  # the Triton kernel where it serves (`fp4/triton_batch.py`), else tiled.py's
-        gate, up = triton_batch.grouped_linear(x_sorted, self.w13, counts, t).split(self.ffn, dim=-1)
-        return triton_batch.grouped_linear(invariant.silu(gate, self.numerics) * up, self.w2, counts, t)
+        h = triton_batch.grouped_linear(x_sorted, self.w13, counts, t)
+        return triton_batch.grouped_linear(swiglu(h, self.ffn, self.numerics), self.w2, counts, t)
 
     def grouped_exact_forward(self, x_sorted: torch.Tensor, counts: list[int]) -> torch.Tensor:
         """The batch-invariant mode without autograd (`can_group_exact`): the loop's exact GEMMs with
@@ -322,6 +323,41 @@ def can_group(recipe: Recipe, x: torch.Tensor, numerics: Numerics = STANDARD) ->
     if x.device.type == "cpu":
         return x.dtype in (torch.float32, torch.bfloat16, torch.float16)
     return x.device.type == "cuda" and x.dtype == torch.bfloat16
+
+
+class _SwiGLU(torch.autograd.Function):
+    """``silu(gate) · up`` of ``h = [gate | up]`` [N, 2F] (`invariant.silu`: the forward's bits are
+    those of ``invariant.silu(gate) * up``). The backward writes both halves of dh straight into one
+    [N, 2F] gradient (``dup = dy · silu(gate)``, ``dgate`` by ATen's fused ``silu_backward`` of
+    ``dy · up``): autograd through the split, SiLU and product ran seven elementwise passes over
+    [N, F] and a concatenation (issue 37). ``dgate`` is SiLU's derivative ``s·(1 + x·(1 − s))``
+    (s = sigmoid(x), finite where exp(−x) overflows) times ``dy · up``, rounded in ATen's order."""
+
+    @staticmethod
+    def forward(ctx, h, ffn, numerics):
+        gate, up = h.split(ffn, dim=-1)
+        act = invariant.silu(gate, numerics)  # no autograd in here: `silu`'s own no-grad ops, the same bits
+        ctx.save_for_backward(h, act)
+        ctx.ffn = ffn
+        return act * up
+
+    @staticmethod
+    def backward(ctx, dy):
+        h, act = ctx.saved_tensors
+        gate, up = h.split(ctx.ffn, dim=-1)
+        dh = torch.empty_like(h)
+        torch.mul(dy, act, out=dh[:, ctx.ffn:])
+        torch.ops.aten.silu_backward.grad_input(dy * up, gate, grad_input=dh[:, :ctx.ffn])
+        return dh, None, None
+
+
+def swiglu(h: torch.Tensor, ffn: int, numerics: Numerics = STANDARD) -> torch.Tensor:
+    """``invariant.silu(gate, numerics) * up`` of ``h = [gate | up]`` [N, 2·ffn] (its bits); under
+    autograd with `_SwiGLU`'s backward (one pass per half of dh, no concatenation)."""
+    if torch.is_grad_enabled() and h.requires_grad and h.dim() == 2:
+        return _SwiGLU.apply(h, ffn, numerics)
+    gate, up = h.split(ffn, dim=-1)
+    return invariant.silu(gate, numerics) * up
 
 
 class _ContiguousGrad(torch.autograd.Function):

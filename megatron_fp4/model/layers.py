@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megatron_fp4.fp4 import STANDARD, MoEResQLinear, Recipe, invariant
+from megatron_fp4.fp4.grad_fusion import claim_fused, fused_grad_of
 from megatron_fp4.model.packing import SequenceLayout, is_packed
 # The precision of norms, router, loss and optimizer masters is the FP4 GEMMs' accumulation dtype:
 # fp32, or fp64 for an fp64 model (``dtype: fp64``, the verification mode). One definition, in fp4.
@@ -41,6 +42,50 @@ class RMSNorm(nn.Module):
         x = upcast(x)
         x = x * torch.rsqrt(invariant.mean_square(x, self.numerics) + self.eps)
         return self.weight * x.to(dtype)
+
+
+class Embedding(nn.Embedding):
+    """``nn.Embedding`` (the same module, parameter and hooks) whose weight gradient, in the plain
+    case (no padding_idx, max_norm, scale_grad_by_freq or sparse gradient), goes straight into the
+    optimizer's zeroed gradient buffer where it grants the claim (`fp4/grad_fusion.py`): ATen's
+    backward builds a zeroed vocab-sized gradient that autograd then adds into that buffer (a fill
+    and an add of the whole [vocab, hidden] matrix a step for a few hundred rows, issue 37).
+    ``fuse_weight_grad`` False (tied embeddings: the LM head's tiled GEMM claims the shared buffer,
+    which a second use would refuse to both): the ordinary path, as ``nn.Embedding``."""
+
+    fuse_weight_grad = True
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        if (self.fuse_weight_grad and torch.is_grad_enabled() and self.weight.requires_grad and self.padding_idx is None
+                and self.max_norm is None and not self.scale_grad_by_freq and not self.sparse):
+            return _Embedding.apply(tokens, self.weight)
+        return super().forward(tokens)
+
+
+class _Embedding(torch.autograd.Function):
+    """``F.embedding(tokens, weight)``; backward ``index_add_`` of the rows' gradients in token
+    order, into the claimed buffer or into zeros — ATen's CPU ``embedding_dense_backward`` adds
+    them in that order into zeros, and autograd's accumulation into the zeroed buffer adds that to
+    0 (the same bits either way: ``0 + g_first + ...``)."""
+
+    @staticmethod
+    def forward(ctx, tokens, weight):
+        ctx.save_for_backward(tokens)
+        ctx.weight_shape = weight.shape
+        ctx.fused = fused_grad_of(weight, ctx.needs_input_grad[1])
+        return F.embedding(tokens, weight)
+
+    @staticmethod
+    def backward(ctx, dy):
+        (tokens,) = ctx.saved_tensors
+        rows, grads = tokens.reshape(-1), dy.reshape(-1, dy.shape[-1])
+        dest = claim_fused(ctx)
+        if dest is not None:
+            dest.index_add_(0, rows, grads)
+            return None, None
+        if not ctx.needs_input_grad[1]:
+            return None, None
+        return None, grads.new_zeros(ctx.weight_shape).index_add_(0, rows, grads)
 
 
 def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype):

@@ -21,7 +21,7 @@ from torch import nn
 from megatron_fp4.fp4 import MoEResQLinear, Numerics, apply_numerics, invariant, name_quant_sites
 from megatron_fp4.model import recompute
 from megatron_fp4.model.decoder import DecoderLayer  # noqa: F401 (its old home: importers keep working)
-from megatron_fp4.model.layers import Attention, KVCache, LayerCache, RMSNorm, SwiGLU, upcast  # noqa: F401
+from megatron_fp4.model.layers import Attention, Embedding, KVCache, LayerCache, RMSNorm, SwiGLU, upcast  # noqa: F401
 from megatron_fp4.model.moe import GroupedExperts, MoELayer
 from megatron_fp4.model.registry import get_family
 
@@ -44,7 +44,8 @@ class MoETransformer(nn.Module):
     def __init__(self, cfg, fp4_cfg, numerics: Optional[Numerics] = None):
         super().__init__()
         self.cfg, self.fp4_cfg = cfg, fp4_cfg
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens.fuse_weight_grad = not cfg.tie_embeddings  # tied: the LM head's GEMM claims the buffer
         layer = get_family(getattr(cfg, "family", "qwen3_moe")).decoder_layer
         self.layers = nn.ModuleList([layer(cfg, fp4_cfg, i) for i in range(cfg.num_layers)])
         self.norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)

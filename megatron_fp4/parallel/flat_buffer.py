@@ -53,20 +53,37 @@ def merge_ranges(ranges) -> list[tuple[int, int]]:
     return out
 
 
+NORM_ROW = 1024  # elements of one row of `sum_of_squares`' fused pass (a multiple of every SIMD width)
+
+
 def sum_of_squares(flat: torch.Tensor, wide: torch.dtype) -> torch.Tensor:
-    """Σ flat² in `wide`: squares formed chunk by chunk in one reused buffer (no parameter-sized
-    temporary), each chunk summed by torch's pairwise reduction, the chunk sums summed last, so it is
-    as accurate as ``flat.to(wide).pow(2).sum()`` (error ~ log2(n)·u·Σx², not the n·u of a running sum)."""
+    """Σ flat² in `wide`, as accurate as ``flat.to(wide).pow(2).sum()`` (error ~ log2(n)·u relative, not
+    the n·u of one running sum) and without a parameter-sized temporary.
+
+    A tensor already in `wide` (fp32/fp64 gradients, the common case) is read once: its rows of
+    NORM_ROW elements each reduced by ATen's vectorized L2 norm (fused multiply-adds into one
+    accumulator per SIMD lane: NORM_ROW / lanes terms each, error <= ~80u of the row's sum), the
+    rows' squared norms then summed by torch's pairwise reduction; a pass of squares into a buffer
+    and a second reading them cost ~1.5x that at 100M+ parameters (issue 37). Another dtype
+    (bf16 gradients): each chunk cast into one reused `wide` buffer, squared there and summed."""
     if flat.numel() == 0:
         return torch.zeros((), dtype=wide, device=flat.device)
+    flat = flat.reshape(-1)
+    if flat.dtype == wide:
+        whole = flat.numel() // NORM_ROW * NORM_ROW
+        parts = []
+        if whole:
+            rows = torch.linalg.vector_norm(flat[:whole].view(-1, NORM_ROW), dim=-1)
+            parts.append(rows.mul_(rows).sum())
+        if whole < flat.numel():
+            tail = flat[whole:]
+            parts.append((tail * tail).sum())
+        return parts[0] if len(parts) == 1 else parts[0] + parts[1]
     scratch = torch.empty(min(CHUNK_NUMEL, flat.numel()), dtype=wide, device=flat.device)
     parts = []
     for lo in range(0, flat.numel(), CHUNK_NUMEL):
-        x, piece = flat[lo:lo + CHUNK_NUMEL], scratch[:min(CHUNK_NUMEL, flat.numel() - lo)]
-        if x.dtype == wide:
-            torch.mul(x, x, out=piece)
-        else:
-            piece.copy_(x).mul_(piece)
+        piece = scratch[:min(CHUNK_NUMEL, flat.numel() - lo)]
+        piece.copy_(flat[lo:lo + CHUNK_NUMEL]).mul_(piece)
         parts.append(piece.sum())
     return torch.stack(parts).sum()
 

@@ -145,13 +145,22 @@ def test_gather_ranges_is_a_view_for_contiguous_ranges():
     assert merge_ranges([(0, 2), (2, 4), (6, 8), (8, 9)]) == [(0, 4), (6, 9)]
 
 
-def test_sum_of_squares_matches_float64():
-    """Pieces summed pairwise: error ~ log2(n)·u relative, like one torch sum (a running float32 sum
-    over 3M elements, e.g. a dot product, is off by ~1e-3)."""
-    x = torch.randn(3 * (1 << 20) + 77, generator=torch.Generator().manual_seed(1)) * 0.01
+@pytest.mark.parametrize("dtype,wide", [(torch.float32, torch.float32), (torch.float64, torch.float64),
+                                        (torch.bfloat16, torch.float32)])
+def test_sum_of_squares_matches_float64(dtype, wide):
+    """Rows of `NORM_ROW` squares (a gradient in its wide dtype) or pieces of squares (bf16, cast),
+    summed pairwise: error ~ log2(n)·u relative plus a row's ~NORM_ROW/lanes terms, like one torch sum
+    (a running float32 sum over 3M elements, e.g. a dot product, is off by ~1e-3). A ragged tail
+    past the last whole row; an inf or a NaN anywhere propagates (the trainer's non-finite vote)."""
+    x = (torch.randn(3 * (1 << 20) + 77, generator=torch.Generator().manual_seed(1)) * 0.01).to(dtype)
     ref = float(x.double().pow(2).sum())
-    assert float(sum_of_squares(x, torch.float32)) == pytest.approx(ref, rel=32 * 2.0 ** -24)
-    assert float(sum_of_squares(x[:0], torch.float32)) == 0.0
+    assert float(sum_of_squares(x, wide)) == pytest.approx(ref, rel=32 * torch.finfo(wide).eps / 2)
+    assert float(sum_of_squares(x[:0], wide)) == 0.0
+    for bad, at in ((float("inf"), 5), (float("nan"), 5), (float("nan"), x.numel() - 3)):
+        y = x.clone()
+        y[at] = bad
+        got = float(sum_of_squares(y, wide))
+        assert got == bad if bad == bad else got != got
 
 
 @pytest.mark.parametrize("zero_stage", [0, 1, 2])
