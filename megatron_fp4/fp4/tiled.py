@@ -37,7 +37,6 @@ on that row (and, for attention, its prefix), not on its batch, padding, micro-b
 """
 from __future__ import annotations
 
-import contextvars
 import functools
 from typing import Optional
 
@@ -501,8 +500,13 @@ def _block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions:
         # The block-sized buffers (scores, masks) are allocated once for the first block (every
         # tile, the widest cols) and reused: a fresh buffer per block cost more in page faults
         # (glibc hands big freed buffers back to the system) than the arithmetic in it.
-        s_tile = torch.bmm(qj, kj.transpose(1, 2), out=buffers[0][:qj.shape[0]]) if buffers else \
-            torch.bmm(qj, kj.transpose(1, 2))
+        # Every product written through ``out=`` into a buffer of this forward's own: the in-place
+        # softmax below then mutates no tensor a default-overload GEMM returned (selective
+        # recompute's policy keeps those outputs, `model/recompute.py`, and would hand the mutated
+        # buffer back to the recompute; it keeps no ``out=`` result, and this forward's backward
+        # recomputes the scores anyway).
+        n = qj.shape[0]
+        s_tile = torch.bmm(qj, kj.transpose(1, 2), out=buffers[0][:n] if buffers else qj.new_empty(n, ROW_TILE, KEY_BLOCK))
         s = s_tile[:, :live, :cols]
         if blk.masks is not None:
             bias, keep = blk.masks
@@ -527,7 +531,7 @@ def _block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions:
         s.sub_(m_ref[..., None]).clamp_(min=EXP_FLOOR).exp_().mul_(keep)
         if cols < KEY_BLOCK:
             s_tile[:, :live, cols:].zero_()
-        pv = torch.bmm(s_tile, vj)[:, :live]  # [n, live, Dw + 1]
+        pv = torch.bmm(s_tile, vj, out=vj.new_empty(n, ROW_TILE, Dw + 1))[:, :live]  # [n, live, Dw + 1]
         pv, ps = pv[..., :Dv], pv[..., Dw]
         if m_old is None:
             m, l, acc = m_new, ps, pv
@@ -556,17 +560,6 @@ def _block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions:
     return out.view(B, H, Tq, Dv), lse
 
 
-# Set while `_BlockAttention.forward` runs its in-place pass: selective recompute's policy
-# (`model/recompute.py`) keeps no GEMM output from inside it (its buffers are reused and written in
-# place, and its own backward recomputes the scores from q, k, v anyway). A caching policy, not numerics.
-_IN_FORWARD = contextvars.ContextVar("megatron_fp4_block_attention_forward", default=False)
-
-
-def in_block_attention_forward() -> bool:
-    """Whether the ops now running are `_BlockAttention`'s forward pass."""
-    return _IN_FORWARD.get()
-
-
 def _versions(*tensors) -> tuple:
     """Version counters of ``tensors`` (None for a tensor without one: an inference tensor)."""
     out = []
@@ -586,11 +579,7 @@ class _BlockAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, positions, pad, scale, window, sinks):
-        token = _IN_FORWARD.set(True)
-        try:
-            out, lse = _block_forward(q, k, v, positions, pad, scale, window, sinks, with_lse=True)
-        finally:
-            _IN_FORWARD.reset(token)
+        out, lse = _block_forward(q, k, v, positions, pad, scale, window, sinks, with_lse=True)
         ctx.save_for_backward(q, k, v, out, lse, sinks)
         ctx.positions, ctx.pad, ctx.scale, ctx.window = positions, pad, scale, window
         ctx.versions = _versions(positions, pad)
