@@ -116,8 +116,12 @@ def _tile_products(xp: torch.Tensor, wt: torch.Tensor, out: torch.Tensor, tile: 
     [·, N]) by one [tile, K] · [K, Nb] call per row tile and column block (:func:`column_blocks`),
     each written into its place in ``out``. The column block is the outer loop: a weight block
     stays in cache across the row tiles (the tiles' views made once, by ``split``)."""
+    blocks = column_blocks(*wt.shape)
+    if len(blocks) == 1 and xp.shape[0] == tile:  # one tile, one block (a decode step): one call, no views
+        torch.mm(xp, wt, out=out)
+        return
     tiles = xp.split(tile)
-    for j, width in column_blocks(*wt.shape):
+    for j, width in blocks:
         w = wt if width == wt.shape[1] else wt[:, j:j + width]
         for xt, ot in zip(tiles, (out if width == out.shape[1] else out[:, j:j + width]).split(tile)):
             torch.mm(xt, w, out=ot)
@@ -214,23 +218,36 @@ def _grouped_tiles(x: torch.Tensor, weights, counts: list, tile: Optional[int] =
     if not any(counts):
         return x.new_zeros(0, n_out)
     tile = row_tile(x.shape[1], n_out) if tile is None else tile
-    starts, at = [], 0
-    for n in counts:
-        starts.append(at)
-        at += -(-n // tile) * tile
+    spans = [-(-n // tile) * tile for n in counts]  # each run's rows padded to whole tiles
+    at = sum(spans)
     xp = x.new_zeros(at, x.shape[1])
     rows = None
-    if at != x.shape[0]:  # padding rows between the runs: scatter each run to its tile-aligned start
-        rows = torch.cat([torch.arange(s, s + n, device=x.device) for s, n in zip(starts, counts) if n])
+    if at != x.shape[0]:  # padding rows between the runs: run e's row i goes to its tile-aligned start + i
+        shift, start, first = [], 0, 0
+        for n, span in zip(counts, spans):
+            shift.append(start - first)
+            start, first = start + span, first + n
+        shift_counts = torch.tensor([shift, counts], device=x.device)
+        rows = torch.arange(x.shape[0], device=x.device) + torch.repeat_interleave(
+            shift_counts[0], shift_counts[1], output_size=x.shape[0])
         xp.index_copy_(0, rows, x)
     else:
         xp.copy_(x)
     out = x.new_empty(at, n_out)
-    for e, (start, n) in enumerate(zip(starts, counts)):
-        if n:  # the run's tiles, column block by column block (`_tile_products`, as tiled_mm of the run alone)
-            w = weights[e]
-            end = start + -(-n // tile) * tile
-            _tile_products(xp[start:end], (w if w.is_contiguous() else w.contiguous()).t(), out[start:end], tile)
+    one_block = len(column_blocks(x.shape[1], n_out)) == 1
+    if one_block:  # every tile's views made at once (one call each), then one GEMM call per tile
+        x_tiles, out_tiles = xp.view(-1, tile, x.shape[1]).unbind(0), out.view(-1, tile, n_out).unbind(0)
+    start = 0
+    for w, span in zip(weights, spans):
+        if not span:
+            continue
+        wt = (w if w.is_contiguous() else w.contiguous()).t()
+        if one_block:
+            for i in range(start // tile, (start + span) // tile):
+                torch.mm(x_tiles[i], wt, out=out_tiles[i])
+        else:  # the run's tiles, column block by column block (`_tile_products`, as tiled_mm of the run alone)
+            _tile_products(xp.narrow(0, start, span), wt, out.narrow(0, start, span), tile)
+        start += span
     return out if rows is None else out.index_select(0, rows)
 
 
