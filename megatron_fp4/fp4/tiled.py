@@ -23,7 +23,9 @@ on that row (and, for attention, its prefix), not on its batch, padding, micro-b
   exp(−inf) = 0 and its rescale factor exp(0) = 1), so a causal forward does about half the work;
   the tiles that read a block are gathered (``index_select``) into one batched call. A block's mask
   is gathered from constant tables (an additive −inf bias, a 0/1 factor after the clamped exp:
-  :func:`_block_mask`), and without autograd the block-sized buffers are reused across blocks.
+  :func:`_block_mask`), and the block-sized buffers are reused across blocks. Every product is
+  written through ``out=`` into a buffer the call allocated, and only those are changed in place
+  (selective recompute keeps default-overload GEMM outputs only: `model/recompute.py`).
   The softmax's elementwise work runs only on a tile's live rows (a decode step's rep rows) and the
   block's visible key columns; everything derived from positions and padding alone is a plan built
   once per forward and reused by the layers (:func:`_plan`).
@@ -37,7 +39,6 @@ on that row (and, for attention, its prefix), not on its batch, padding, micro-b
 """
 from __future__ import annotations
 
-import contextvars
 import functools
 from typing import Optional
 
@@ -117,8 +118,12 @@ def _tile_products(xp: torch.Tensor, wt: torch.Tensor, out: torch.Tensor, tile: 
     [·, N]) by one [tile, K] · [K, Nb] call per row tile and column block (:func:`column_blocks`),
     each written into its place in ``out``. The column block is the outer loop: a weight block
     stays in cache across the row tiles (the tiles' views made once, by ``split``)."""
+    blocks = column_blocks(*wt.shape)
+    if len(blocks) == 1 and xp.shape[0] == tile:  # one tile, one block (a decode step): one call, no views
+        torch.mm(xp, wt, out=out)
+        return
     tiles = xp.split(tile)
-    for j, width in column_blocks(*wt.shape):
+    for j, width in blocks:
         w = wt if width == wt.shape[1] else wt[:, j:j + width]
         for xt, ot in zip(tiles, (out if width == out.shape[1] else out[:, j:j + width]).split(tile)):
             torch.mm(xt, w, out=ot)
@@ -177,7 +182,9 @@ def row_sum(t: torch.Tensor, keepdim: bool = False) -> torch.Tensor:
     more output elements ATen splits a reduction over its outputs (threads take whole rows), with one
     it splits the row itself across threads, so a lone row is summed beside a zero row (the same
     kernel path for 1 row and many). A row's bits then depend only on the row (and N, the build)."""
-    rows = t.reshape(-1, t.shape[-1]).contiguous()
+    rows = t.reshape(-1, t.shape[-1])
+    if not rows.is_contiguous():
+        rows = rows.contiguous()
     if rows.shape[0] == 1:
         out = torch.cat([rows, rows.new_zeros(1, rows.shape[1])]).sum(-1)[:1]
     else:
@@ -215,23 +222,36 @@ def _grouped_tiles(x: torch.Tensor, weights, counts: list, tile: Optional[int] =
     if not any(counts):
         return x.new_zeros(0, n_out)
     tile = row_tile(x.shape[1], n_out) if tile is None else tile
-    starts, at = [], 0
-    for n in counts:
-        starts.append(at)
-        at += -(-n // tile) * tile
+    spans = [-(-n // tile) * tile for n in counts]  # each run's rows padded to whole tiles
+    at = sum(spans)
     xp = x.new_zeros(at, x.shape[1])
     rows = None
-    if at != x.shape[0]:  # padding rows between the runs: scatter each run to its tile-aligned start
-        rows = torch.cat([torch.arange(s, s + n, device=x.device) for s, n in zip(starts, counts) if n])
+    if at != x.shape[0]:  # padding rows between the runs: run e's row i goes to its tile-aligned start + i
+        shift, start, first = [], 0, 0
+        for n, span in zip(counts, spans):
+            shift.append(start - first)
+            start, first = start + span, first + n
+        shift_counts = torch.tensor([shift, counts], device=x.device)
+        rows = torch.arange(x.shape[0], device=x.device) + torch.repeat_interleave(
+            shift_counts[0], shift_counts[1], output_size=x.shape[0])
         xp.index_copy_(0, rows, x)
     else:
         xp.copy_(x)
     out = x.new_empty(at, n_out)
-    for e, (start, n) in enumerate(zip(starts, counts)):
-        if n:  # the run's tiles, column block by column block (`_tile_products`, as tiled_mm of the run alone)
-            w = weights[e]
-            end = start + -(-n // tile) * tile
-            _tile_products(xp[start:end], (w if w.is_contiguous() else w.contiguous()).t(), out[start:end], tile)
+    one_block = len(column_blocks(x.shape[1], n_out)) == 1
+    if one_block:  # every tile's views made at once (one call each), then one GEMM call per tile
+        x_tiles, out_tiles = xp.view(-1, tile, x.shape[1]).unbind(0), out.view(-1, tile, n_out).unbind(0)
+    start = 0
+    for w, span in zip(weights, spans):
+        if not span:
+            continue
+        wt = (w if w.is_contiguous() else w.contiguous()).t()
+        if one_block:
+            for i in range(start // tile, (start + span) // tile):
+                torch.mm(x_tiles[i], wt, out=out_tiles[i])
+        else:  # the run's tiles, column block by column block (`_tile_products`, as tiled_mm of the run alone)
+            _tile_products(xp.narrow(0, start, span), wt, out.narrow(0, start, span), tile)
+        start += span
     return out if rows is None else out.index_select(0, rows)
 
 
@@ -440,9 +460,6 @@ def _plan(positions, pad, *shape) -> _Plan:
     plan = _Plan(positions, pad, *shape)
     _plans = [((stamp(positions), stamp(pad), shape), plan)] + _plans[:PLANS_KEPT - 1]
     return plan
-    plan = _Plan(positions, pad, *shape)
-    _plans = [((positions, positions._version, pad, shape, pad._version), plan)] + _plans[:PLANS_KEPT - 1]
-    return plan
 
 
 def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
@@ -479,8 +496,13 @@ def _block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions:
     # denominator (the same fixed-shape call sums the block's weights). The values are at least
     # MIN_VALUE_COLUMNS columns wide (zeros): with fewer the CPU GEMM's narrow-N kernel rounded a row
     # by its place in the tile (measured: 9-11 columns, a padded row then differed in its last bit).
-    kb = kr.index_select(0, plan.rows).view(B * KV, nK, KEY_BLOCK, D)
-    vb = torch.cat([vr.index_select(0, plan.v_at), plan.tail], 1).view(B * KV, nK, KEY_BLOCK, Dw + 1)
+    # (One key block: [B·KV, KEY_BLOCK, ·], the block itself, with the strides of its slice of the 4-d form.)
+    blocked = (B * KV, nK, KEY_BLOCK) if nK > 1 else (B * KV, KEY_BLOCK)
+    kb = kr.index_select(0, plan.rows).view(*blocked, D)
+    vb = vr.new_empty(plan.v_at.shape[0], Dw + 1)  # the values gathered straight into it (no copy for the cat)
+    torch.index_select(vr, 0, plan.v_at, out=vb[:, :Dv])
+    vb[:, Dv:] = plan.tail
+    vb = vb.view(*blocked, Dw + 1)
     # Query rows: the rep query heads of a kv head times the queries, in tiles [B·KV·nT, ROW_TILE, D]
     # (a decode step's rep rows share one tile), pre-scaled. Every batched product's operands
     # row-major (a kernel is chosen by layout as well as shape: a decode step's expanded key block
@@ -496,13 +518,20 @@ def _block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions:
         sel, cols = blk.sel, blk.cols
         qj = flat_q if sel is None else flat_q.index_select(0, sel)
         # [n, KEY_BLOCK, D (+1)] row-major: a tile's key block (a view where each (b, kv) has one tile and block)
-        kj, vj = (kb[:, j], vb[:, j]) if blk.oj is None else \
-            (kb[:, j].index_select(0, blk.oj), vb[:, j].index_select(0, blk.oj))
+        kj, vj = (kb[:, j], vb[:, j]) if nK > 1 else (kb, vb)
+        if blk.oj is not None:
+            kj, vj = kj.index_select(0, blk.oj), vj.index_select(0, blk.oj)
         # The block-sized buffers (scores, masks) are allocated once for the first block (every
         # tile, the widest cols) and reused: a fresh buffer per block cost more in page faults
         # (glibc hands big freed buffers back to the system) than the arithmetic in it.
-        s_tile = torch.bmm(qj, kj.transpose(1, 2), out=buffers[0][:qj.shape[0]]) if buffers else \
-            torch.bmm(qj, kj.transpose(1, 2))
+        # Every product written through ``out=`` into a buffer of this forward's own: the in-place
+        # softmax below then mutates no tensor a default-overload GEMM returned (selective
+        # recompute's policy keeps those outputs, `model/recompute.py`, and would hand the mutated
+        # buffer back to the recompute; it keeps no ``out=`` result, and this forward's backward
+        # recomputes the scores anyway).
+        n = qj.shape[0]
+        s_tile = torch.bmm(qj, kj.transpose(1, 2),
+                           out=buffers[0][:n] if buffers else qj.new_empty(n, ROW_TILE, KEY_BLOCK))
         s = s_tile[:, :live, :cols]
         if blk.masks is not None:
             bias, keep = blk.masks
@@ -511,7 +540,7 @@ def _block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions:
         if not buffers:
             buffers = [s_tile] + ([] if blk.masks is not None else [bias.view(-1), keep.view(-1)])
         s = s.add_(bias)  # the future keys (and those out of the window) −inf, the others + 0 (their bits)
-        blk_max = s.amax(-1)
+        blk_max = s.amax(-1, keepdim=True)  # the row statistics m, l kept [n, live, 1]: they broadcast as they are
         m_old = None if not j else m if sel is None else m.index_select(0, sel)
         m_new = blk_max if m_old is None else torch.maximum(m_old, blk_max)
         # With a window a row may have seen no key yet (its blocks so far wholly before the window:
@@ -524,27 +553,27 @@ def _block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions:
         # beside the block's largest weight 1, and the same in a decode step and a full forward.
         # In the score tile: its columns past cols zeroed (rows past live: padding queries, whose
         # products are dropped — a GEMM row's result depends on that row of its left operand alone).
-        s.sub_(m_ref[..., None]).clamp_(min=EXP_FLOOR).exp_().mul_(keep)
+        s.sub_(m_ref).clamp_(min=EXP_FLOOR).exp_().mul_(keep)
         if cols < KEY_BLOCK:
             s_tile[:, :live, cols:].zero_()
-        pv = torch.bmm(s_tile, vj)[:, :live]  # [n, live, Dw + 1]
-        pv, ps = pv[..., :Dv], pv[..., Dw]
+        pv = torch.bmm(s_tile, vj, out=vj.new_empty(n, ROW_TILE, Dw + 1))[:, :live]  # [n, live, Dw + 1]
+        pv, ps = pv[..., :Dv], pv[..., Dw:]
         if m_old is None:
             m, l, acc = m_new, ps, pv
             continue
         corr = torch.exp(m_old - m_ref)
         if sel is None:
-            m, l, acc = m_new, l * corr + ps, acc * corr[..., None] + pv
+            m, l, acc = m_new, l * corr + ps, acc * corr + pv
             continue
         m.index_copy_(0, sel, m_new)
         l.index_copy_(0, sel, l.index_select(0, sel) * corr + ps)
-        acc.index_copy_(0, sel, acc.index_select(0, sel) * corr[..., None] + pv)
+        acc.index_copy_(0, sel, acc.index_select(0, sel) * corr + pv)
     if sinks is not None:  # a per-head logit in every row's softmax, dropped after it (no value)
         sink = sinks.to(m.dtype).view(1, KV, rep, 1).expand(B, KV, rep, Tq).reshape(B, KV, R)
-        sink = _zero_padded(sink, 2, live).view(-1, live)
+        sink = _zero_padded(sink, 2, live).view(-1, live, 1)
         m_all = torch.maximum(m, sink)
         corr = torch.exp(m - m_all)
-        l, acc = l * corr + torch.exp(sink - m_all), acc * corr[..., None]
+        l, acc = l * corr + torch.exp(sink - m_all), acc * corr
         m = m_all
     lse = None
     if with_lse:  # m + log l in a wide dtype, per query row [B, KV, R] (a fresh O(T) tensor)
@@ -552,19 +581,9 @@ def _block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions:
         lse = (m.to(wide) + l.to(wide).log()).view(B, KV, nT * live)[:, :, :R].clone()  # its own storage
     # the live rows divided into a fresh contiguous [B, KV, rep·Tq, Dv] (acc may be a view of the
     # value product's wider rows: the output autograd saves is then exactly its own size)
-    out = torch.div(acc.view(B, KV, nT * live, Dv)[:, :, :R], l.view(B, KV, nT * live, 1)[:, :, :R])
+    acc, l = acc.view(B, KV, nT * live, Dv), l.view(B, KV, nT * live, 1)
+    out = torch.div(acc, l) if nT * live == R else torch.div(acc[:, :, :R], l[:, :, :R])
     return out.view(B, H, Tq, Dv), lse
-
-
-# Set while `_BlockAttention.forward` runs its in-place pass: selective recompute's policy
-# (`model/recompute.py`) keeps no GEMM output from inside it (its buffers are reused and written in
-# place, and its own backward recomputes the scores from q, k, v anyway). A caching policy, not numerics.
-_IN_FORWARD = contextvars.ContextVar("megatron_fp4_block_attention_forward", default=False)
-
-
-def in_block_attention_forward() -> bool:
-    """Whether the ops now running are `_BlockAttention`'s forward pass."""
-    return _IN_FORWARD.get()
 
 
 def _versions(*tensors) -> tuple:
@@ -586,11 +605,7 @@ class _BlockAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, positions, pad, scale, window, sinks):
-        token = _IN_FORWARD.set(True)
-        try:
-            out, lse = _block_forward(q, k, v, positions, pad, scale, window, sinks, with_lse=True)
-        finally:
-            _IN_FORWARD.reset(token)
+        out, lse = _block_forward(q, k, v, positions, pad, scale, window, sinks, with_lse=True)
         ctx.save_for_backward(q, k, v, out, lse, sinks)
         ctx.positions, ctx.pad, ctx.scale, ctx.window = positions, pad, scale, window
         ctx.versions = _versions(positions, pad)

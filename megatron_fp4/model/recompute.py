@@ -41,7 +41,6 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 
 from megatron_fp4.config.choices import RECOMPUTE_MODES as RECOMPUTE
 from megatron_fp4.config.choices import RECOMPUTE_MODULES as MODULES
-from megatron_fp4.fp4.tiled import in_block_attention_forward
 
 _aten = torch.ops.aten
 # GEMMs whose outputs selective recompute keeps (the expensive part; everything else is re-run).
@@ -52,10 +51,10 @@ _IN_REGION = contextvars.ContextVar("megatron_fp4_recompute_region", default=Fal
 
 
 def save_gemm_outputs(ctx, op, *args, **kwargs) -> CheckpointPolicy:
-    """The selective policy: keep GEMM outputs, recompute every other op (block attention's inner
-    products too: its forward reuses their buffers in place and its backward recomputes them)."""
-    return CheckpointPolicy.MUST_SAVE if op in GEMM_OPS and not in_block_attention_forward() \
-        else CheckpointPolicy.PREFER_RECOMPUTE
+    """The selective policy: keep GEMM outputs, recompute every other op. Only a default overload's
+    output is kept: a GEMM written through ``out=`` into a caller's buffer (the ``batch`` level's
+    tiles, block attention's reused score buffers, which it then mutates in place) is re-run."""
+    return CheckpointPolicy.MUST_SAVE if op in GEMM_OPS else CheckpointPolicy.PREFER_RECOMPUTE
 
 
 class _Replayable:

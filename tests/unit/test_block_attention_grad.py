@@ -95,6 +95,28 @@ def test_forward_under_autograd_is_the_no_grad_forward_bitwise(case):
     assert torch.equal(trained.detach().view(torch.int32), scored.contiguous().view(torch.int32))
 
 
+
+def test_selective_recompute_gives_the_plain_gradients_bitwise():
+    """Under selective recompute (`model/recompute.py`: default-overload GEMM outputs kept, every
+    other op re-run) the gradients are a plain backward's, bit for bit, with no flag telling the
+    policy it runs inside block attention: the forward changes in place only buffers it wrote through
+    ``out=``. (A default-overload score product changed in place is a kept output mutated: torch
+    raises in the recompute.) Three key blocks, the later ones read by some query tiles only; a
+    sliding window and sinks."""
+    from megatron_fp4.model.recompute import checkpointed
+
+    q, k, v, positions, pad, scale, window, sinks = _inputs("gpt_oss_window_sinks", torch.float32)
+    leaves = tuple(t for t in (q, k, v, sinks) if t is not None)
+
+    def attend(q, k, v, *s):
+        return block_attention(q, k, v, positions, pad, scale, window, s[0] if s else None)
+
+    d_out = torch.randn(attend(*leaves).shape, generator=torch.Generator().manual_seed(1))
+    want = torch.autograd.grad(attend(*leaves), leaves, d_out)
+    got = torch.autograd.grad(checkpointed(attend, leaves, (), selective=True), leaves, d_out)
+    for name, a, b in zip("q k v sinks".split(), got, want):
+        assert torch.equal(a.view(torch.int32), b.view(torch.int32)), name
+
 def _saved_bytes(T: int) -> int:
     """Bytes of the unique storages block attention saves for autograd beyond q, k and v, at T tokens."""
     B, H, KV, D = 1, 4, 2, 16
