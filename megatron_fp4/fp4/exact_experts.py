@@ -118,8 +118,8 @@ def shared_input_linear(x: torch.Tensor, weight: torch.Tensor, bias, shards: Seq
         return exact_fp4_gemm(x_terms, w_split, b, x.dtype).reshape(*x.shape[:-1], weight.shape[0])
     xq = shared.quantize(x2, r.input, "input", r.compensated)
     biases = [None] * len(weights) if bias is None else bias.detach().to(_accumulate_dtype(x.dtype)).split(list(shards))
-    outs = []
+    outs, tile = [], numerics.triton if invariant.tiled(numerics, x) else None
     for site, w, b in zip(sites, weights, biases):
         wq = _cached_weight(site, w, False, lambda at, w=w: at.quantize(w, r.weight, "weight", compensated=False))
-        outs.append(_gemm(xq, wq, b, (*x.shape[:-1], w.shape[0]), x.dtype, invariant.tiled(numerics, x)))
+        outs.append(_gemm(xq, wq, b, (*x.shape[:-1], w.shape[0]), x.dtype, tile))
     return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
