@@ -144,13 +144,16 @@ def _fused_weights(module, cfg: Config) -> list:
     GEMMs see one expert's slice of the parameter (a view: no claim); at the ``batch`` level the
     tiled dense GEMMs' weights (`tiled._TiledMM`): a plain linear's, a `MoEResQLinear`'s only in its
     bf16 mode (`moeresq_linear` is then `invariant.linear`; a quantizing mode's `_WgradHalf`
-    returns its gradient), the router's when its fp32 upcast is the parameter itself. Biases never
-    (autograd's ``out + bias``)."""
+    returns its gradient), the router's when its fp32 upcast is the parameter itself; at every
+    level the untied token embedding's (`layers.Embedding`). Biases never (autograd's ``out + bias``)."""
     from megatron_fp4.fp4.moeresq import MoEResQLinear
     from megatron_fp4.model.gpt_oss import GptOssExperts
+    from megatron_fp4.model.layers import Embedding
 
     if isinstance(module, GroupedExperts):
         return [] if isinstance(module, GptOssExperts) else [module.w13, module.w2]
+    if isinstance(module, Embedding) and module.fuse_weight_grad and module.padding_idx is None:
+        return [module.weight]  # every level: its backward's index_add goes into the buffer (tied: the LM head's claim)
     if not gemms_are_tiled(cfg):
         return []
     if isinstance(module, torch.nn.Linear) or (isinstance(module, MoEResQLinear) and module.recipe.mode == "bf16"):
