@@ -47,7 +47,7 @@ def main(argv=None):
     parser.add_argument("--prompts", type=int, default=16)
     parser.add_argument("--new-tokens", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--train-steps", type=int, default=3)
+    parser.add_argument("--train-steps", type=int, default=3, help="timed Trainer steps per level (0: none)")
     parser.add_argument("--clock", default="wall", choices=("wall", "cpu"),
                         help="wall: time.perf_counter; cpu: this process's CPU time (time.process_time)")
     parser.add_argument("--expert-tiles", default="", help="e.g. 4,8,16,32: the experts' GEMMs per row tile (doc)")
@@ -89,7 +89,7 @@ def main(argv=None):
             score(engine.model, out.prompt_ids, out.response_ids, tok.pad_id, args.mode, invariance=lv)
             if i:
                 times[("scoring", lv)].append(clock() - start)
-    for i in range(args.train_steps + 1):
+    for i in range(args.train_steps + 1 if args.train_steps > 0 else 0):  # 0: generation and scoring only
         for lv in levels:
             start = clock()
             trainers[lv].train_step()
@@ -104,6 +104,8 @@ def main(argv=None):
     print(f"{'':<11} " + " ".join(f"{lv + ' tok/s':>14}" for lv in levels)
           + " ".join(f" {lv + ' / standard':>18}" for lv in levels[1:]))
     for what, counts in (("rollout", new_tokens), ("scoring", scored), ("train step", {lv: step_tokens for lv in levels})):
+        if not all(times[(what, lv)] for lv in levels):
+            continue  # not measured (--train-steps 0)
         med = {lv: statistics.median(times[(what, lv)]) for lv in levels}
         print(f"{what:<11} " + " ".join(f"{counts[lv] / med[lv]:>14.0f}" for lv in levels)
               + " ".join(f" {med[lv] / med['standard']:>17.2f}x" for lv in levels[1:]))
