@@ -125,8 +125,7 @@ class LocalDispatcher(Dispatcher):
         `permute_rows`) instead of a scatter into slots and a gather, forward and backward."""
         order, topk_idx, topk_w = handle
         T, k = topk_idx.shape
-        row_of_slot = torch.empty_like(order)
-        row_of_slot[order] = torch.arange(order.numel(), device=order.device)  # the inverse permutation
+        row_of_slot = inverse_permutation(order)
         by_expert = torch.argsort(topk_idx, dim=1, stable=True)
         rows = row_of_slot.view(T, k).gather(1, by_expert).reshape(-1)
         y = permute_rows(expert_out, rows).view(T, k, -1)
@@ -147,9 +146,14 @@ class _PermuteRows(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         (rows,) = ctx.saved_tensors
-        inverse = torch.empty_like(rows)
-        inverse[rows] = torch.arange(rows.numel(), device=rows.device)
-        return dy.index_select(0, inverse), None
+        return dy.index_select(0, inverse_permutation(rows)), None
+
+
+def inverse_permutation(p: torch.Tensor) -> torch.Tensor:
+    """The permutation ``q`` with ``q[p[i]] = i`` (``p`` [N] a permutation of ``range(N)``)."""
+    q = torch.empty_like(p)
+    q[p] = torch.arange(p.numel(), device=p.device)
+    return q
 
 
 def permute_rows(x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
