@@ -38,7 +38,7 @@ import torch
 from megatron_fp4.fp4 import tiled
 from megatron_fp4.fp4.grad_fusion import fused_grad_of
 from megatron_fp4.fp4.numerics import TRITON_MODES
-from megatron_fp4.fp4.triton_fp4 import interpreting, triton_importable
+from megatron_fp4.fp4.triton_fp4 import interpreting, pow2_at_least, triton_importable
 
 # (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) per input dtype: fixed, whatever M, N, K.
 GEMM_CONFIG = {torch.bfloat16: (64, 128, 64, 4, 3), torch.float32: (64, 64, 32, 4, 3)}
@@ -185,10 +185,6 @@ def grouped_gemm(x: torch.Tensor, w: torch.Tensor, counts) -> torch.Tensor:
     return out
 
 
-def _pow2_at_least(n: int, lo: int = 16) -> int:
-    return max(lo, 1 << max(0, (n - 1).bit_length()))
-
-
 def attention_forward(q, k, v, positions, pad, scale: Optional[float] = None, window: int = 0,
                       sinks: Optional[torch.Tensor] = None, config: Optional[tuple] = None) -> tuple:
     """(out [B, H, Tq, Dv], lse [B, KV, rep·Tq] fp32) of ``tiled.block_attention``'s contract by the
@@ -220,7 +216,7 @@ def attention_forward(q, k, v, positions, pad, scale: Optional[float] = None, wi
             q, k, v, positions, pad, sink_arg, _out_arg(out), lse, H, Tq, Tk, D, Dv, scale, int(window),
             q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
             v.stride(0), v.stride(1), v.stride(2), positions.stride(0), out.stride(0), out.stride(1), out.stride(2),
-            REP=H // KV, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=_pow2_at_least(D), BLOCK_DV=_pow2_at_least(Dv),
+            REP=H // KV, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=pow2_at_least(D, 16), BLOCK_DV=pow2_at_least(Dv, 16),
             WINDOW=bool(window), SINKS=sinks is not None, PRECISION="ieee", OUT_BF16=_bf16(out), UPCAST=_upcast(out),
             num_warps=warps, num_stages=stages, enable_fp_fusion=False)
     return out, lse.view(B, KV, (H // KV) * Tq)

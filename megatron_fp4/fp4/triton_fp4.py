@@ -101,7 +101,8 @@ def _draw_shape(shape, fmt: OperandFormat):
     return (numel // (m * n), m // 16, 16, n // 16, 16)
 
 
-def _pow2_at_least(n: int, lo: int) -> int:
+def pow2_at_least(n: int, lo: int) -> int:
+    """The smallest power of two ≥ n, at least ``lo`` (a Triton block size)."""
     return max(lo, 1 << max(0, (n - 1).bit_length()))
 
 
@@ -157,7 +158,7 @@ def _quantize(x_in, fmt, compensated, generator, name, nonfinite, out_dtype, col
         if compensated:
             u2 = torch.rand(_draw_shape(shape, fmt), generator=generator, device=dev, dtype=torch.float32)
     if interpret:  # few, large programs: the interpreter pays per program, not per element
-        block_r, block_c = max(tile_r, min(64, _pow2_at_least(n_rows, 1))), min(256, _pow2_at_least(n_cols, bs))
+        block_r, block_c = max(tile_r, min(64, pow2_at_least(n_rows, 1))), min(256, pow2_at_least(n_cols, bs))
     else:  # fixed tiles: one compiled variant per option set, whatever the shape
         block_r, block_c = 32, 128
     grid_r, grid_c = -(-n_rows // block_r), -(-n_cols // block_c)
