@@ -9,8 +9,8 @@ side. The entry points mirror ``tiled.py``'s and take the model's ``Numerics.tri
   kernels where :func:`serves` says so — CUDA tensors under ``auto``, also CPU tensors under
   ``interpret`` in a process that runs Triton's interpreter — and ``tiled.py``'s portable ops
   otherwise (``off``, other devices and dtypes, triton not importable). The caller's mode is the
-  only input to that choice besides the tensors and a launch failure (below; no ContextVar or
-  environment variable decides it): every call site of one
+  only input to that choice besides the tensors (no ContextVar, global or environment variable
+  decides it; a launch failure raises, below): every call site of one
   model passes the same ``numerics.triton``, so the paths that must agree bitwise (the trainer's
   autograd forward, the rollout's no-grad forward, a decode step and a prefill) run one kernel set.
 - Kernel configuration: one per input dtype (:data:`GEMM_CONFIG`, :data:`ATTENTION_CONFIG`), never
@@ -22,15 +22,17 @@ side. The entry points mirror ``tiled.py``'s and take the model's ``Numerics.tri
   input dtype; under autocast fp32 operands are cast to its dtype first, as ``torch.mm`` would
   take them. Other dtypes (fp16; fp64, the verification mode) take the portable ops.
 
-A launch failure (a compiler or driver error) warns once and sends every later call of this
-process to the portable ops (``_state``: what the process learnt about the device, as in
-``triton_fp4.py``); the bits then change with the kernel set, so a job that needs trainer and
-rollout to agree must run both with the same backend.
+A launch failure (a compiler or driver error) raises :class:`TritonBatchLaunchError`, naming the
+fix (``numerics.triton: off`` for the trainer and every rollout), and never switches this process to
+the portable ops: those give other bits, so a silent switch in one process (the trainer, say) would
+break its agreement with the others (the rollout) that kept the kernels. Unlike the FP4 quantizers
+(``triton_fp4.py``, bit-exact to the portable ones, so their fallback changes no bit), which
+kernels compute a ``batch``-level call is decided by the model's ``Numerics.triton`` and the
+tensors alone.
 """
 from __future__ import annotations
 
 import contextlib
-import warnings
 from typing import Optional
 
 import torch
@@ -47,7 +49,11 @@ GEMM_CONFIG = {torch.bfloat16: (64, 128, 64, 4, 3), torch.float32: (64, 64, 32, 
 ATTENTION_CONFIG = {torch.bfloat16: (64, tiled.KEY_BLOCK, 4, 2), torch.float32: (32, tiled.KEY_BLOCK, 4, 2)}
 DTYPES = tuple(GEMM_CONFIG)
 
-_state = {"broken": None, "launches": 0}
+_state = {"launches": 0}  # a counter only (tests: the kernels did serve); it decides nothing
+
+
+class TritonBatchLaunchError(RuntimeError):
+    """A ``batch``-level Triton kernel failed to compile or launch (see :func:`_launch`)."""
 
 
 def kernels():
@@ -60,7 +66,7 @@ def serves(mode: str, *tensors: torch.Tensor) -> bool:
     """Whether the Triton kernels compute a call on ``tensors`` (floating operands first) under ``mode``."""
     if mode not in TRITON_MODES:
         raise ValueError(f"triton mode={mode!r} is not one of {TRITON_MODES}")
-    if mode == "off" or _state["broken"] is not None or not tensors:
+    if mode == "off" or not tensors:
         return False
     x = tensors[0]
     if x.dtype not in DTYPES or any(t.dtype != x.dtype or t.device != x.device for t in tensors[1:]):
@@ -81,19 +87,22 @@ def launches() -> int:
     return _state["launches"]
 
 
-def _launch(what: str, fn, fallback):
-    """``fn()`` on the tensors' device, or ``fallback()`` after a launch failure (then for good)."""
+def _launch(what: str, fn, portable):
+    """``fn()`` on the tensors' device; ``portable()`` where triton is not importable (a fact of the
+    installation, the same for every call of the process). A compiler or driver failure raises:
+    switching this process to the portable ops would change its bits and not its peers'."""
     if not triton_importable()[0]:
-        return fallback()
+        return portable()
     try:
         out = fn()
     except (ValueError, torch.OutOfMemoryError):  # the caller's input, or memory: not the kernels' fault
         raise
-    except Exception as err:  # a compiler / driver failure: never again in this process
-        _state["broken"] = f"{type(err).__name__}: {err}"
-        warnings.warn(f"megatron_fp4: Triton batch-invariant {what} disabled, using the portable tiled ops "
-                      f"({_state['broken']})", RuntimeWarning, stacklevel=3)
-        return fallback()
+    except Exception as err:
+        raise TritonBatchLaunchError(
+            f"megatron_fp4: the batch-level Triton {what} kernel failed ({type(err).__name__}: {err}). "
+            "Falling back to the portable tiled ops here would give this process other bits than its "
+            "rollout/trainer peers; set numerics.triton: off in the trainer's and every rollout's config "
+            "(the portable tiled ops everywhere) or fix the Triton installation.") from err
     _state["launches"] += 1
     return out
 
@@ -314,14 +323,14 @@ def grouped_linear(x: torch.Tensor, weights, counts, triton: str = "auto") -> to
             w.dtype != x.dtype or w.device != x.device for w in weights)):
         return tiled.tiled_grouped_linear(x, weights, counts)
     counts = tuple(int(n) for n in counts)
-    fallback = lambda: tiled.tiled_grouped_linear(x, weights, counts)  # noqa: E731
+    portable = lambda: tiled.tiled_grouped_linear(x, weights, counts)  # noqa: E731
     w = weights if stacked else torch.stack(list(weights))  # a list: one [E, out, in] copy (differentiable)
     x, w = _autocast(x, w)
     x = x if x.stride(-1) == 1 else x.contiguous()
     if _grad(x, w):
-        return _launch("grouped GEMM", lambda: _TritonGroupedLinear.apply(x, w, counts), fallback)
+        return _launch("grouped GEMM", lambda: _TritonGroupedLinear.apply(x, w, counts), portable)
     w = w if w.stride(-1) == 1 else w.contiguous()
-    return _launch("grouped GEMM", lambda: grouped_gemm(x, w, counts), fallback)
+    return _launch("grouped GEMM", lambda: grouped_gemm(x, w, counts), portable)
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, pad: torch.Tensor,
@@ -331,9 +340,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torc
     kernel where it serves (the kernel's key block is the portable path's ``tiled.KEY_BLOCK``)."""
     if not serves(triton, q, k, v):
         return tiled.block_attention(q, k, v, positions, pad, scale, window, sinks)
-    fallback = lambda: tiled.block_attention(q, k, v, positions, pad, scale, window, sinks)  # noqa: E731
+    portable = lambda: tiled.block_attention(q, k, v, positions, pad, scale, window, sinks)  # noqa: E731
     q, k, v = _autocast(q, k, v)
     if _grad(q, k, v, sinks):
         return _launch("attention", lambda: _TritonAttention.apply(q, k, v, positions, pad, scale, window, sinks),
-                       fallback)
-    return _launch("attention", lambda: attention_forward(q, k, v, positions, pad, scale, window, sinks)[0], fallback)
+                       portable)
+    return _launch("attention", lambda: attention_forward(q, k, v, positions, pad, scale, window, sinks)[0], portable)

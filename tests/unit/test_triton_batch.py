@@ -78,6 +78,24 @@ with torch.autocast("cpu", dtype=torch.bfloat16):  # as torch.mm under autocast:
     y_ac = invariant.linear(x, w, None, on)
 record("entry: invariant.linear under autocast takes the autocast dtype", "PASS" if (
     y_ac.dtype == torch.bfloat16 and torch.equal(y_ac, triton_batch.gemm(x.bfloat16(), w.bfloat16()))) else "FAIL")
+# A failed launch raises (naming numerics.triton: off) and does not switch the process to the
+# portable ops: the next call serves the kernel again (no process-wide state decides a GEMM).
+real_gemm = triton_batch.gemm
+def broken_gemm(*a, **kw):
+    raise RuntimeError("simulated compiler failure")
+triton_batch.gemm = broken_gemm
+try:
+    invariant.linear(x, w, None, on)
+    raised = ""
+except triton_batch.TritonBatchLaunchError as err:
+    raised = str(err)
+finally:
+    triton_batch.gemm = real_gemm
+n = triton_batch.launches()
+y_again = invariant.linear(x, w, None, on)
+record("entry: a failed launch raises, naming the fix, and the next call serves the kernel", "PASS" if (
+    "simulated compiler failure" in raised and "numerics.triton: off" in raised
+    and triton_batch.launches() == n + 1 and torch.equal(y_again, y_on)) else "FAIL", raised[:200])
 print("RESULTS " + json.dumps(results))
 """
 
@@ -101,7 +119,7 @@ CHECKS = {  # what each group of the child's checks shows: (a pattern of their n
     "a GEMM tile chosen from M is caught": (r"chosen from M: the invariance check catches it", 1),
     "a KV split chosen from Tq is caught": (r"KV split chosen from Tq: the decode == prefill check catches it", 1),
     "autograd: kernel forward, tiled backward": (r"with autograd", 3),
-    "the model's entry points serve the kernels": (r"^entry: ", 4),
+    "the model's entry points serve the kernels": (r"^entry: ", 5),
 }
 
 
