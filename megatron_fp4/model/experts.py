@@ -22,6 +22,7 @@ from megatron_fp4.fp4.exact_gemm import cached_for_weight
 from megatron_fp4.fp4.moeresq_grouped import can_group_resq, grouped_moeresq_linear
 from megatron_fp4.fp4.recipe import row_local
 from megatron_fp4.fp4 import triton_batch
+from megatron_fp4.fp4.tiled import tiled_grouped_mlp
 
 
 class GroupedExperts(nn.Module):
@@ -204,6 +205,8 @@ class GroupedExperts(nn.Module):
         rows (position-independent bits; its backward `swiglu`'s one pass per half), the backward
         one GEMM per expert and gradient."""
         t = self.numerics.triton  # the Triton kernel where it serves (`fp4/triton_batch.py`), else tiled.py's
+        if not triton_batch.serves(t, x_sorted, self.w13):  # both GEMMs in one row layout (`tiled_grouped_mlp`)
+            return tiled_grouped_mlp(x_sorted, self.w13, self.w2, counts, lambda h: swiglu(h, self.ffn, self.numerics))
         h = triton_batch.grouped_linear(x_sorted, self.w13, counts, t)
         return triton_batch.grouped_linear(swiglu(h, self.ffn, self.numerics), self.w2, counts, t)
 
@@ -213,6 +216,8 @@ class GroupedExperts(nn.Module):
         the SiLU and the combination done once for all rows (a row's bits depend on that row and
         its expert alone)."""
         w13s, w2s, nx = self.w13.unbind(0), self.w2.unbind(0), self.numerics
+        if self.recipe.mode == "bf16" and invariant.tiled(nx, x_sorted) and not triton_batch.serves(nx.triton, x_sorted, self.w13):
+            return tiled_grouped_mlp(x_sorted, self.w13, self.w2, counts, lambda h: swiglu(h, self.ffn, nx))
         if self.recipe.mode == "bf16":
             gate, up = invariant.grouped_linear(x_sorted, w13s, counts, nx).split(self.ffn, dim=-1)
             return invariant.grouped_linear(invariant.silu(gate, nx) * up, w2s, counts, nx)
