@@ -213,8 +213,8 @@ class GroupedRows:
     """Runs of ``counts[e]`` rows laid out so each run starts on a multiple of ``align`` rows, zero
     rows between (a run padded to whole tiles of any row tile dividing ``align``): ``starts[e]``, the
     padded height ``at``, and ``rows`` (run e's row i sits at ``starts[e]`` + i; None when no run
-    needs padding). :meth:`pad` and :meth:`unpad` (both differentiable) move rows in and out of it,
-    once for both GEMMs of an expert MLP (:func:`tiled_grouped_mlp`) instead of once per GEMM."""
+    needs padding). :meth:`pad` and :meth:`unpad` move rows in and out of it, once for both GEMMs
+    of an expert MLP (:func:`tiled_grouped_mlp`) instead of once per GEMM."""
 
     __slots__ = ("counts", "align", "starts", "at", "rows")
 
@@ -333,41 +333,24 @@ class _TiledGroupedLinear(torch.autograd.Function):
         return dx, _grouped_grads(ctx, dy, x, weight, starts, ctx.counts, dx), None
 
 
-class _PaddedGroupedLinear(torch.autograd.Function):
-    """:func:`_run_tiles` with autograd (``xp`` in a :class:`GroupedRows` layout, ``weight`` stacked
-    [E, out, in]); the backward as :class:`_TiledGroupedLinear`'s, on the runs' rows alone (the
-    padding rows of dx are zeros)."""
-
-    @staticmethod
-    def forward(ctx, xp, weight, layout, tile):
-        ctx.save_for_backward(xp, weight)
-        ctx.layout = layout
-        ctx.fused = fused_grad_of(weight, ctx.needs_input_grad[1])
-        return _run_tiles(xp, weight.unbind(0), layout, tile)
-
-    @staticmethod
-    def backward(ctx, dy):
-        xp, weight = ctx.saved_tensors
-        layout = ctx.layout
-        dx = xp.new_zeros(xp.shape) if ctx.needs_input_grad[0] else None
-        return dx, _grouped_grads(ctx, dy, xp, weight, layout.starts, layout.counts, dx), None, None
-
-
 def tiled_grouped_mlp(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, counts, act) -> torch.Tensor:
-    """An expert MLP over consecutive runs of ``counts[e]`` rows of ``x``: ``act(h) @ w2[e]ᵀ`` with
-    ``h = x @ w13[e]ᵀ`` (``w13`` [E, F2, H], ``w2`` [E, H, F]; ``act`` [·, F2] -> [·, F] row by row,
-    e.g. SwiGLU), each GEMM the bits of :func:`tiled_grouped_linear` (each run's fixed row tiles of
-    its weight's :func:`row_tile`). The rows are laid out once (:class:`GroupedRows`, runs aligned
-    to the larger of the two tiles) for both GEMMs and ``act``, which runs on the padding rows too
-    (zeros, as the second GEMM's padded tiles hold), instead of a pad and a gather per GEMM."""
+    """An expert MLP over consecutive runs of ``counts[e]`` rows of ``x``, without autograd:
+    ``act(h) @ w2[e]ᵀ`` with ``h = x @ w13[e]ᵀ`` (``w13`` [E, F2, H], ``w2`` [E, H, F]; ``act``
+    [·, F2] -> [·, F] row by row, e.g. SwiGLU), each GEMM the bits of :func:`tiled_grouped_linear`
+    (each run's fixed row tiles of its weight's :func:`row_tile`). The rows are laid out once
+    (:class:`GroupedRows`, runs aligned to the larger of the two tiles) for both GEMMs and ``act``,
+    which also runs on the padding rows (zeros in, zeros out: what the second GEMM's padded tiles
+    hold), instead of a pad and a gather per GEMM. Under autograd the saved tensors would hold the
+    padding rows (a count that depends on the routing): use :func:`tiled_grouped_linear` there."""
+    if torch.is_grad_enabled() and (x.requires_grad or w13.requires_grad or w2.requires_grad):
+        raise ValueError("tiled_grouped_mlp runs without autograd (torch.no_grad / inference_mode); "
+                         "with autograd use tiled_grouped_linear for each GEMM")
     if not any(int(n) for n in counts):
-        return x.new_zeros(0, w2.shape[1]) + 0 * (w13.sum() + w2.sum())  # keeps the weights in the graph
+        return x.new_zeros(0, w2.shape[1])
     t13, t2 = row_tile(w13.shape[2], w13.shape[1]), row_tile(w2.shape[2], w2.shape[1])
     layout = GroupedRows(counts, max(t13, t2), x.device)
-    grad = torch.is_grad_enabled() and (x.requires_grad or w13.requires_grad or w2.requires_grad)
-    linear = (lambda xp, w, t: _PaddedGroupedLinear.apply(xp, w, layout, t)) if grad else \
-        (lambda xp, w, t: _run_tiles(xp, w.unbind(0), layout, t))
-    return layout.unpad(linear(act(linear(layout.pad(x), w13, t13)), w2, t2))
+    h = _run_tiles(layout.pad(x), w13.unbind(0), layout, t13)
+    return layout.unpad(_run_tiles(act(h), w2.unbind(0), layout, t2))
 
 
 def _zero_padded(t: torch.Tensor, dim: int, size: int) -> torch.Tensor:

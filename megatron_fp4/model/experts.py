@@ -205,8 +205,6 @@ class GroupedExperts(nn.Module):
         rows (position-independent bits; its backward `swiglu`'s one pass per half), the backward
         one GEMM per expert and gradient."""
         t = self.numerics.triton  # the Triton kernel where it serves (`fp4/triton_batch.py`), else tiled.py's
-        if not triton_batch.serves(t, x_sorted, self.w13):  # both GEMMs in one row layout (`tiled_grouped_mlp`)
-            return tiled_grouped_mlp(x_sorted, self.w13, self.w2, counts, lambda h: swiglu(h, self.ffn, self.numerics))
         h = triton_batch.grouped_linear(x_sorted, self.w13, counts, t)
         return triton_batch.grouped_linear(swiglu(h, self.ffn, self.numerics), self.w2, counts, t)
 
@@ -217,6 +215,9 @@ class GroupedExperts(nn.Module):
         its expert alone)."""
         w13s, w2s, nx = self.w13.unbind(0), self.w2.unbind(0), self.numerics
         if self.recipe.mode == "bf16" and invariant.tiled(nx, x_sorted) and not triton_batch.serves(nx.triton, x_sorted, self.w13):
+            # both GEMMs in one padded row layout (`tiled_grouped_mlp`). Not under autograd
+            # (`grouped_tiled_forward`): its saved tensors would hold the padding rows, which depend
+            # on the routing, where the activation plan counts the routed rows alone.
             return tiled_grouped_mlp(x_sorted, self.w13, self.w2, counts, lambda h: swiglu(h, self.ffn, nx))
         if self.recipe.mode == "bf16":
             gate, up = invariant.grouped_linear(x_sorted, w13s, counts, nx).split(self.ffn, dim=-1)
