@@ -55,8 +55,8 @@ COLUMN_BLOCK_ELEMENTS = 1 << 19  # a GEMM's weight block: 2 MiB in fp32, a core'
 CACHED_WEIGHT_ELEMENTS = 1 << 21  # a weight up to this size is one block (8 MiB in fp32: it stays cached)
 MIN_COLUMN_BLOCK = 256  # columns of a weight block at least
 KEY_BLOCK = 64
-_GROUPED_MM = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)  # the grouped backward's dx
 MIN_VALUE_COLUMNS = 16  # the weighted-value GEMM's width at least (`block_attention`)
+_GROUPED_MM = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)  # the grouped backward's dx
 
 
 @functools.lru_cache(maxsize=None)
@@ -237,10 +237,11 @@ class GroupedRows:
                 shift_counts[0], shift_counts[1], output_size=first)
 
     def pad(self, x: torch.Tensor) -> torch.Tensor:
-        """``x`` [sum(counts), K] in the layout: a fresh zeroed [at, K] buffer (every tile then starts at
-        the same alignment relative to the allocation) with the runs' rows copied in."""
-        xp = x.new_zeros(self.at, x.shape[1])
-        return xp.copy_(x) if self.rows is None else xp.index_copy_(0, self.rows, x)
+        """``x`` [sum(counts), K] in the layout: a fresh [at, K] buffer (every tile then starts at the
+        same alignment relative to the allocation), zero rows between the runs' rows copied in."""
+        if self.rows is None:
+            return x.new_empty(self.at, x.shape[1]).copy_(x)
+        return x.new_zeros(self.at, x.shape[1]).index_copy_(0, self.rows, x)
 
     def unpad(self, yp: torch.Tensor) -> torch.Tensor:
         """The runs' rows of ``yp`` [at, N], gathered back to [sum(counts), N]."""
