@@ -85,7 +85,8 @@ def _plain_causal(q, k, v, lse, positions, pad, window, sinks) -> bool:
     B, _, Tq, D = q.shape
     Tk = k.shape[2]
     if (_FLASH_BACKWARD is None or q.device.type != "cpu" or sinks is not None or window or Tq != Tk
-            or Tk > FLASH_MAX_KEYS or v.shape[-1] != D or not q.dtype == k.dtype == v.dtype == lse.dtype == torch.float32):
+            or Tk > FLASH_MAX_KEYS or v.shape[-1] != D
+            or not q.dtype == k.dtype == v.dtype == lse.dtype == torch.float32):
         return False
     return not bool(pad.any()) and bool(torch.equal(positions, torch.arange(Tq, device=positions.device).expand(B, Tq)))
 

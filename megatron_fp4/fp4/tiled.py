@@ -331,7 +331,8 @@ class _TiledGroupedLinear(torch.autograd.Function):
         for n in ctx.counts[:-1]:
             starts.append(starts[-1] + n)
         if ctx.needs_input_grad[0] and _GROUPED_MM is not None and x.device.type == "cpu" \
-                and x.dtype == weight.dtype == dy.dtype == torch.float32 and weight.shape[1] % 4 == weight.shape[2] % 4 == 0:
+                and x.dtype == weight.dtype == dy.dtype == torch.float32 \
+                and weight.shape[1] % 4 == weight.shape[2] % 4 == 0:
             # dx by one grouped GEMM (the per-expert GEMMs the loop below runs, one call: at an
             # expert's width 64 the loop's calls cost 1.4× its time, measured; its operands' rows
             # 16-byte multiples); dw stays per expert (into the optimizer's buffer when it grants the claim).

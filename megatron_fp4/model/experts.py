@@ -214,7 +214,8 @@ class GroupedExperts(nn.Module):
         the SiLU and the combination done once for all rows (a row's bits depend on that row and
         its expert alone)."""
         w13s, w2s, nx = self.w13.unbind(0), self.w2.unbind(0), self.numerics
-        if self.recipe.mode == "bf16" and invariant.tiled(nx, x_sorted) and not triton_batch.serves(nx.triton, x_sorted, self.w13):
+        if self.recipe.mode == "bf16" and invariant.tiled(nx, x_sorted) \
+                and not triton_batch.serves(nx.triton, x_sorted, self.w13):
             # both GEMMs in one padded row layout (`tiled_grouped_mlp`). Not under autograd
             # (`grouped_tiled_forward`): its saved tensors would hold the padding rows, which depend
             # on the routing, where the activation plan counts the routed rows alone.
