@@ -17,6 +17,7 @@ from typing import Optional
 
 import torch
 
+FLASH_MAX_KEYS = 128  # plain causal rows up to this many keys: ATen's CPU flash backward (`_flash_backward`)
 BACKWARD_CHUNK_ELEMENTS = 1 << 21  # score elements of one chunk of query positions (× a few temporaries)
 POSITION_CHUNK = 64  # query positions of a chunk at most: a causal chunk reads the keys up to its last one only
 
@@ -32,6 +33,8 @@ def attention_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: t
     KV, Tk, Dv = k.shape[1], k.shape[2], v.shape[-1]
     rep = H // KV
     scale = D ** -0.5 if scale is None else scale
+    if _plain_causal(q, k, v, lse, positions, pad, window, sinks):
+        return _flash_backward(q, k, v, out, lse, d_out, scale)
     wide = lse.dtype
     qs = q.reshape(B, KV, rep, Tq, D).to(wide) * scale  # scaled once: dK = dSᵀ (scale · Q)
     kf, vf = k.to(wide), v.to(wide)
@@ -68,3 +71,35 @@ def attention_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: t
         p_sink = torch.exp(sinks.to(wide).view(1, KV, rep, 1) - lse)
         dsinks = -(p_sink * delta).sum((0, 3)).reshape(H).to(sinks.dtype)
     return ((dq * scale).view(B, H, Tq, D).to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dsinks)
+
+
+_FLASH_BACKWARD = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None)
+
+
+def _plain_causal(q, k, v, lse, positions, pad, window, sinks) -> bool:
+    """Whether the backward may be ATen's CPU flash-attention backward (`_flash_backward`): fp32 on
+    the CPU, no sink or window, equal key and value widths, no padding, every row's queries at
+    positions 0..T−1 over its T keys (plain causal), T at most FLASH_MAX_KEYS. Measured (one
+    thread, fp32, causal, GQA): at head dim 16 the flash backward took 0.54-0.75× the chunked one
+    for T = 64-256; at head dim 64 0.83× at T = 64, 1.04× at 128, 1.28-1.37× at 256-512."""
+    B, _, Tq, D = q.shape
+    Tk = k.shape[2]
+    if (_FLASH_BACKWARD is None or q.device.type != "cpu" or sinks is not None or window or Tq != Tk
+            or Tk > FLASH_MAX_KEYS or v.shape[-1] != D
+            or not q.dtype == k.dtype == v.dtype == lse.dtype == torch.float32):
+        return False
+    return not bool(pad.any()) and bool(torch.equal(positions, torch.arange(Tq, device=positions.device).expand(B, Tq)))
+
+
+def _flash_backward(q, k, v, out, lse, d_out, scale) -> tuple:
+    """(dq, dk, dv, None) by ATen's CPU flash-attention backward with ``is_causal`` (the forward's
+    row log-sum-exp L as its logsumexp: it recomputes P = exp(scale · QKᵀ − L)), the kv heads
+    repeated for the rep query heads and their gradients summed back (GQA)."""
+    B, H, T, D = q.shape
+    KV = k.shape[1]
+    rep = H // KV
+    kr, vr = (k, v) if rep == 1 else (k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1))
+    dq, dk, dv = _FLASH_BACKWARD(d_out.contiguous(), q, kr, vr, out, lse.reshape(B, H, T), 0.0, True, scale=scale)
+    if rep > 1:
+        dk, dv = dk.view(B, KV, rep, T, D).sum(2), dv.view(B, KV, rep, T, D).sum(2)
+    return dq, dk, dv, None

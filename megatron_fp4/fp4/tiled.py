@@ -56,6 +56,7 @@ CACHED_WEIGHT_ELEMENTS = 1 << 21  # a weight up to this size is one block (8 MiB
 MIN_COLUMN_BLOCK = 256  # columns of a weight block at least
 KEY_BLOCK = 64
 MIN_VALUE_COLUMNS = 16  # the weighted-value GEMM's width at least (`block_attention`)
+_GROUPED_MM = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)  # the grouped backward's dx
 
 
 @functools.lru_cache(maxsize=None)
@@ -209,50 +210,107 @@ def tiled_grouped_linear(x: torch.Tensor, weights, counts) -> torch.Tensor:
     return _grouped_tiles(x, weights, [int(n) for n in counts])
 
 
+class GroupedRows:
+    """Runs of ``counts[e]`` rows laid out so each run starts on a multiple of ``align`` rows, zero
+    rows between (a run padded to whole tiles of any row tile dividing ``align``): ``starts[e]``, the
+    padded height ``at``, and ``rows`` (run e's row i sits at ``starts[e]`` + i; None when no run
+    needs padding). :meth:`pad` and :meth:`unpad` move rows in and out of it, once for both GEMMs
+    of an expert MLP (:func:`tiled_grouped_mlp`) instead of once per GEMM."""
+
+    __slots__ = ("counts", "align", "starts", "at", "rows")
+
+    def __init__(self, counts, align: int, device):
+        self.counts, self.align = [int(n) for n in counts], align
+        spans = [-(-n // align) * align for n in self.counts]
+        self.starts, at = [], 0
+        for span in spans:
+            self.starts.append(at)
+            at += span
+        self.at, self.rows = at, None
+        if at != sum(self.counts):  # padding rows between the runs: run e's row i goes to its start + i
+            shift, first = [], 0
+            for n, start in zip(self.counts, self.starts):
+                shift.append(start - first)
+                first += n
+            shift_counts = torch.tensor([shift, self.counts], device=device)
+            self.rows = torch.arange(first, device=device) + torch.repeat_interleave(
+                shift_counts[0], shift_counts[1], output_size=first)
+
+    def pad(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` [sum(counts), K] in the layout: a fresh [at, K] buffer (every tile then starts at the
+        same alignment relative to the allocation), zero rows between the runs' rows copied in."""
+        if self.rows is None:
+            return x.new_empty(self.at, x.shape[1]).copy_(x)
+        return x.new_zeros(self.at, x.shape[1]).index_copy_(0, self.rows, x)
+
+    def unpad(self, yp: torch.Tensor) -> torch.Tensor:
+        """The runs' rows of ``yp`` [at, N], gathered back to [sum(counts), N]."""
+        return yp if self.rows is None else yp.index_select(0, self.rows)
+
+
 def _grouped_tiles(x: torch.Tensor, weights, counts: list, tile: Optional[int] = None) -> torch.Tensor:
     """The forward of :func:`tiled_grouped_linear`: every run's rows copied once into one zeroed
-    buffer where each run starts on a tile boundary, one [T, K] · [K, Nb] call per tile and column
-    block into one output, the runs' rows gathered back (instead of a pad, an output and a
-    concatenation per run). Each call sees what :func:`tiled_mm` of the run alone gives it: the same
-    shape and output row stride, row-major tiles at 64-byte-aligned offsets (a tile is T·K floats, T
-    a multiple of 16), the weight (block) the transpose of a row-major [Nb, K] — so a row's bits are
-    those of its run alone. ``tile``: another
-    row tile than :func:`row_tile`'s (only for measuring one: ``bench_batch_invariant.py --expert-tiles``)."""
+    buffer where each run starts on a tile boundary (:class:`GroupedRows`), one [T, K] · [K, Nb] call
+    per tile and column block into one output (:func:`_run_tiles`), the runs' rows gathered back
+    (instead of a pad, an output and a concatenation per run). ``tile``: another row tile than
+    :func:`row_tile`'s (only for measuring one: ``bench_batch_invariant.py --expert-tiles``)."""
     n_out = weights[0].shape[0]
     if not any(counts):
         return x.new_zeros(0, n_out)
     tile = row_tile(x.shape[1], n_out) if tile is None else tile
-    spans = [-(-n // tile) * tile for n in counts]  # each run's rows padded to whole tiles
-    at = sum(spans)
-    xp = x.new_zeros(at, x.shape[1])
-    rows = None
-    if at != x.shape[0]:  # padding rows between the runs: run e's row i goes to its tile-aligned start + i
-        shift, start, first = [], 0, 0
-        for n, span in zip(counts, spans):
-            shift.append(start - first)
-            start, first = start + span, first + n
-        shift_counts = torch.tensor([shift, counts], device=x.device)
-        rows = torch.arange(x.shape[0], device=x.device) + torch.repeat_interleave(
-            shift_counts[0], shift_counts[1], output_size=x.shape[0])
-        xp.index_copy_(0, rows, x)
-    else:
-        xp.copy_(x)
-    out = x.new_empty(at, n_out)
-    one_block = len(column_blocks(x.shape[1], n_out)) == 1
+    layout = GroupedRows(counts, tile, x.device)
+    return layout.unpad(_run_tiles(layout.pad(x), weights, layout, tile))
+
+
+def _run_tiles(xp: torch.Tensor, weights, layout: GroupedRows, tile: int) -> torch.Tensor:
+    """``xp`` [at, K] in ``layout`` times each run's ``weights[e]ᵀ`` -> [at, N]: one [T, K] · [K, Nb]
+    call per tile of T = ``tile`` rows covering the run and per column block. Each call sees what
+    :func:`tiled_mm` of the run alone gives it: the same shape and output row stride, row-major tiles
+    at 64-byte-aligned offsets (a tile is T·K floats, T a multiple of 16), the weight (block) the
+    transpose of a row-major [Nb, K] — so a row's bits are those of its run alone. Rows of a run's
+    span past its last tile (``tile`` < ``layout.align``) are zeros."""
+    n_out, K = weights[0].shape[0], xp.shape[1]
+    out = (xp.new_empty if tile == layout.align else xp.new_zeros)(layout.at, n_out)
+    one_block = len(column_blocks(K, n_out)) == 1
     if one_block:  # every tile's views made at once (one call each), then one GEMM call per tile
-        x_tiles, out_tiles = xp.view(-1, tile, x.shape[1]).unbind(0), out.view(-1, tile, n_out).unbind(0)
-    start = 0
-    for w, span in zip(weights, spans):
-        if not span:
+        x_tiles, out_tiles = xp.view(-1, tile, K).unbind(0), out.view(-1, tile, n_out).unbind(0)
+    for w, start, n in zip(weights, layout.starts, layout.counts):
+        if not n:
             continue
+        span = -(-n // tile) * tile
         wt = (w if w.is_contiguous() else w.contiguous()).t()
         if one_block:
             for i in range(start // tile, (start + span) // tile):
                 torch.mm(x_tiles[i], wt, out=out_tiles[i])
         else:  # the run's tiles, column block by column block (`_tile_products`, as tiled_mm of the run alone)
             _tile_products(xp.narrow(0, start, span), wt, out.narrow(0, start, span), tile)
-        start += span
-    return out if rows is None else out.index_select(0, rows)
+    return out
+
+
+def _grouped_grads(ctx, dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, starts, counts,
+                   dx: Optional[torch.Tensor]):
+    """The backward of a grouped linear: run e (rows ``starts[e]`` .. + ``counts[e]`` of ``x`` and
+    ``dy``) gives ``dx`` its rows (when not None) and ``dw[e]`` (zeros for a run without rows), one
+    GEMM per expert and gradient; into the optimizer's zeroed gradient buffer when it grants the
+    claim (`fp4/grad_fusion.py`: no weight-sized temporary, no accumulation pass). Returns dw, or
+    None where it went to that buffer or is not needed."""
+    dest = claim_fused(ctx)
+    dw = None
+    if ctx.needs_input_grad[1]:
+        dw = dest if dest is not None else torch.empty(weight.shape, dtype=weight.dtype, device=weight.device)
+    for e, (start, n) in enumerate(zip(starts, counts)):
+        if not n:
+            if dw is not None and dest is None:
+                dw[e].zero_()
+            continue
+        dys = dy.narrow(0, start, n)
+        if dx is not None:
+            torch.mm(dys, weight[e], out=dx.narrow(0, start, n))
+        if dw is not None:
+            torch.mm(dys.t(), x.narrow(0, start, n), out=dw[e])
+            if dest is not None:
+                finish_fused(dw[e])
+    return None if dest is not None else dw
 
 
 class _TiledGroupedLinear(torch.autograd.Function):
@@ -269,27 +327,41 @@ class _TiledGroupedLinear(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         x, weight = ctx.saved_tensors
-        rows = list(ctx.counts)
-        # Every row belongs to one expert, so dx is written whole; dw: each expert's GEMM, an expert
-        # without rows zeros. Into the optimizer's zeroed gradient buffer when it grants the claim
-        # (`fp4/grad_fusion.py`: no weight-sized temporary, no accumulation pass), else a new tensor.
+        starts = [0]
+        for n in ctx.counts[:-1]:
+            starts.append(starts[-1] + n)
+        if ctx.needs_input_grad[0] and _GROUPED_MM is not None and x.device.type == "cpu" \
+                and x.dtype == weight.dtype == dy.dtype == torch.float32 \
+                and weight.shape[1] % 4 == weight.shape[2] % 4 == 0:
+            # dx by one grouped GEMM (the per-expert GEMMs the loop below runs, one call: at an
+            # expert's width 64 the loop's calls cost 1.4× its time, measured; its operands' rows
+            # 16-byte multiples); dw stays per expert (into the optimizer's buffer when it grants the claim).
+            offs = torch.tensor(ctx.counts, device=x.device).cumsum(0).to(torch.int32)
+            dx = _GROUPED_MM(dy.contiguous(), weight, offs=offs)
+            return dx, _grouped_grads(ctx, dy, x, weight, starts, ctx.counts, None), None
+        # Every row belongs to one expert, so dx is written whole.
         dx = torch.empty(x.shape, dtype=x.dtype, device=x.device) if ctx.needs_input_grad[0] else None
-        dest = claim_fused(ctx)
-        dw = None
-        if ctx.needs_input_grad[1]:
-            dw = dest if dest is not None else torch.empty(weight.shape, dtype=weight.dtype, device=weight.device)
-        for e, (xs, dys, n) in enumerate(zip(x.split(rows), dy.split(rows), rows)):
-            if not n:
-                if dw is not None and dest is None:
-                    dw[e].zero_()
-                continue
-            if dx is not None:
-                torch.mm(dys, weight[e], out=dx.narrow(0, sum(rows[:e]), n))
-            if dw is not None:
-                torch.mm(dys.t(), xs, out=dw[e])
-                if dest is not None:
-                    finish_fused(dw[e])
-        return dx, (None if dest is not None else dw), None
+        return dx, _grouped_grads(ctx, dy, x, weight, starts, ctx.counts, dx), None
+
+
+def tiled_grouped_mlp(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, counts, act) -> torch.Tensor:
+    """An expert MLP over consecutive runs of ``counts[e]`` rows of ``x``, without autograd:
+    ``act(h) @ w2[e]ᵀ`` with ``h = x @ w13[e]ᵀ`` (``w13`` [E, F2, H], ``w2`` [E, H, F]; ``act``
+    [·, F2] -> [·, F] row by row, e.g. SwiGLU), each GEMM the bits of :func:`tiled_grouped_linear`
+    (each run's fixed row tiles of its weight's :func:`row_tile`). The rows are laid out once
+    (:class:`GroupedRows`, runs aligned to the larger of the two tiles) for both GEMMs and ``act``,
+    which also runs on the padding rows (zeros in, zeros out: what the second GEMM's padded tiles
+    hold), instead of a pad and a gather per GEMM. Under autograd the saved tensors would hold the
+    padding rows (a count that depends on the routing): use :func:`tiled_grouped_linear` there."""
+    if torch.is_grad_enabled() and (x.requires_grad or w13.requires_grad or w2.requires_grad):
+        raise ValueError("tiled_grouped_mlp runs without autograd (torch.no_grad / inference_mode); "
+                         "with autograd use tiled_grouped_linear for each GEMM")
+    if not any(int(n) for n in counts):
+        return x.new_zeros(0, w2.shape[1])
+    t13, t2 = row_tile(w13.shape[2], w13.shape[1]), row_tile(w2.shape[2], w2.shape[1])
+    layout = GroupedRows(counts, max(t13, t2), x.device)
+    h = _run_tiles(layout.pad(x), w13.unbind(0), layout, t13)
+    return layout.unpad(_run_tiles(act(h), w2.unbind(0), layout, t2))
 
 
 def _zero_padded(t: torch.Tensor, dim: int, size: int) -> torch.Tensor:

@@ -22,6 +22,7 @@ from megatron_fp4.fp4.exact_gemm import cached_for_weight
 from megatron_fp4.fp4.moeresq_grouped import can_group_resq, grouped_moeresq_linear
 from megatron_fp4.fp4.recipe import row_local
 from megatron_fp4.fp4 import triton_batch
+from megatron_fp4.fp4.tiled import tiled_grouped_mlp
 
 
 class GroupedExperts(nn.Module):
@@ -213,6 +214,12 @@ class GroupedExperts(nn.Module):
         the SiLU and the combination done once for all rows (a row's bits depend on that row and
         its expert alone)."""
         w13s, w2s, nx = self.w13.unbind(0), self.w2.unbind(0), self.numerics
+        if self.recipe.mode == "bf16" and invariant.tiled(nx, x_sorted) \
+                and not triton_batch.serves(nx.triton, x_sorted, self.w13):
+            # both GEMMs in one padded row layout (`tiled_grouped_mlp`). Not under autograd
+            # (`grouped_tiled_forward`): its saved tensors would hold the padding rows, which depend
+            # on the routing, where the activation plan counts the routed rows alone.
+            return tiled_grouped_mlp(x_sorted, self.w13, self.w2, counts, lambda h: swiglu(h, self.ffn, nx))
         if self.recipe.mode == "bf16":
             gate, up = invariant.grouped_linear(x_sorted, w13s, counts, nx).split(self.ffn, dim=-1)
             return invariant.grouped_linear(invariant.silu(gate, nx) * up, w2s, counts, nx)

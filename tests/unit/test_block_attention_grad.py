@@ -47,6 +47,7 @@ CASES = {  # B, H, KV, Tk, Tq, D, Dv, scale, window, sinks, pads
     "gpt_oss_window_sinks": (2, 4, 2, 140, 140, 16, 16, None, 40, True, [0, 9]),
     "decode_tq_lt_tk": (2, 4, 1, 100, 3, 16, 16, None, 0, False, [0, 11]),
     "decode_window_sinks": (2, 4, 2, 130, 2, 16, 16, None, 70, True, [4, 0]),
+    "plain_causal": (2, 4, 2, 70, 70, 16, 16, None, 0, False, [0, 0]),  # fp32: ATen's flash backward
 }
 
 
@@ -83,6 +84,21 @@ def test_gradients_match_float64_reference(case, chunk, dtype, tol, monkeypatch)
         assert a.dtype == dtype and a.shape == b.shape
         err, size = float((a.double() - b).abs().max()), float(b.abs().max())
         assert err <= tol * size, (name, err, size)
+
+
+def test_plain_causal_rows_take_the_flash_backward_and_agree_with_the_chunked_one(monkeypatch):
+    """fp32 rows without padding at positions 0..T−1 (a training micro-batch) go through ATen's CPU
+    flash backward; its gradients equal the chunked backward's (FLASH_MAX_KEYS = 0 forces it) within
+    fp32 rounding of the same sums: 1e-5 of the largest entry (measured ≤ 1e-6); a padded row does not."""
+    q, k, v, positions, pad, scale, window, sinks = _inputs("plain_causal", torch.float32)
+    assert block_attention_grad._plain_causal(q, k, v, torch.zeros(1), positions, pad, window, sinks)
+    assert not block_attention_grad._plain_causal(q, k, v, torch.zeros(1), positions, pad + 1, window, sinks)
+    d_out = torch.randn(q.shape, generator=torch.Generator().manual_seed(1))
+    flash = torch.autograd.grad(block_attention(q, k, v, positions, pad), (q, k, v), d_out)
+    monkeypatch.setattr(block_attention_grad, "FLASH_MAX_KEYS", 0)
+    chunked = torch.autograd.grad(block_attention(q, k, v, positions, pad), (q, k, v), d_out)
+    for name, a, b in zip("qkv", flash, chunked):
+        assert float((a - b).abs().max()) <= 1e-5 * float(b.abs().max()), name
 
 
 @pytest.mark.parametrize("case", ["qwen3_gqa", "gpt_oss_window_sinks", "decode_tq_lt_tk"])

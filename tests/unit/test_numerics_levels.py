@@ -16,7 +16,8 @@ import torch.nn.functional as F
 from megatron_fp4.fp4 import Numerics, invariant
 from megatron_fp4.fp4.exact_gemm import exact_linear
 from megatron_fp4.fp4.tiled import (KEY_BLOCK, MAX_ROW_TILE, MIN_COLUMN_BLOCK, ROW_TILE, block_attention,
-                                    column_blocks, row_sum, row_tile, tiled_grouped_linear, tiled_linear, tiled_mm)
+                                    column_blocks, row_sum, row_tile, tiled_grouped_linear, tiled_grouped_mlp,
+                                    tiled_linear, tiled_mm)
 
 U = 2.0 ** -24  # fp32 unit roundoff
 
@@ -191,6 +192,32 @@ def test_tiled_grouped_linear_rows_are_their_run_alone_whatever_the_batch(thread
                                     [counts[e] for e in order])
     assert torch.equal(bits(shuffled), bits(torch.cat([got.split(counts)[e] for e in order])))
     assert tiled_grouped_linear(x[:0], weights.unbind(0), [0] * len(counts)).shape == (0, n)
+
+
+@pytest.mark.parametrize("h,f", [(64, 64), (128, 64)])  # w13 tiles of 32 and 16 rows, w2 of 64 and 32
+def test_tiled_grouped_mlp_is_its_two_grouped_linears(threads, h, f):
+    """The no-grad expert MLP in one padded row layout (runs aligned to the larger tile, the SwiGLU
+    run on the padding rows too) gives every row the bits of the two grouped GEMMs with the SwiGLU
+    between them, so those of each run alone; an empty batch is [0, h]; autograd is refused."""
+    g = torch.Generator().manual_seed(h + f)
+    t13, t2 = row_tile(h, 2 * f), row_tile(f, h)
+    assert t13 != t2
+    counts = [max(t13, t2) + 3, 0, 1, min(t13, t2), 2 * min(t13, t2) + 1]
+    w13 = torch.randn(len(counts), 2 * f, h, generator=g) / math.sqrt(h)
+    w2 = torch.randn(len(counts), h, f, generator=g) / math.sqrt(f)
+    x = torch.randn(sum(counts), h, generator=g)
+    nx = Numerics(invariance="batch")
+
+    def act(t):
+        gate, up = t.split(f, dim=-1)
+        return invariant.silu(gate, nx) * up
+
+    got = tiled_grouped_mlp(x, w13, w2, counts, act)
+    want = tiled_grouped_linear(act(tiled_grouped_linear(x, w13.unbind(0), counts)), w2.unbind(0), counts)
+    assert torch.equal(bits(got), bits(want))
+    assert tiled_grouped_mlp(x[:0], w13, w2, [0] * len(counts), act).shape == (0, h)
+    with pytest.raises(ValueError, match="without autograd"):
+        tiled_grouped_mlp(x.requires_grad_(), w13, w2, counts, act)
 
 
 def test_tiled_grouped_linear_autograd_forward_bits_and_gradients():
