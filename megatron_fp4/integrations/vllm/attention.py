@@ -83,9 +83,11 @@ class TrainerRotary(OpaqueRotary):
         self.mfp4_key = None if name is None else opaque.register(name, *self.mfp4_opaque())
 
     def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """The trainer's `apply_rope` on vLLM's [T, heads·D] rows viewed as [T, heads, D] (``cos`` and
+        ``sin`` [1, T, D] broadcast over the heads): elementwise, so each element's bits are those of
+        the trainer's [B, heads, T, D] layout, without its two transposing copies."""
         T = x.shape[0]
-        heads = x.reshape(T, -1, self.head_dim).transpose(0, 1)[None]  # [1, heads, T, D]
-        return apply_rope(heads, cos, sin)[0].transpose(0, 1).reshape(x.shape)
+        return apply_rope(x.reshape(T, -1, self.head_dim), cos[0], sin[0]).reshape(x.shape)
 
     def _forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         # [1, T, D], computed once per forward for all layers (the same positions object, `forward_memo`)
