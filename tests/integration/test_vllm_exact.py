@@ -186,3 +186,58 @@ def test_vllm_batch_log_probs_equal_the_trainers_scoring(tmp_path, level):
     delta, _, _ = compare(out, trainer_scores(hf, cfg, [r["tokens"] for r in out["results"]]))
     print(f"plugin vs trainer ({level}): |dlogp| max {delta.max():.3g} over {delta.numel()} positions")
     assert delta.numel() == len(PROMPTS) * 16 and delta.max() <= (0.0 if level == "batch" else TOL), delta.tolist()
+
+
+@needs_vllm
+def test_the_layers_of_one_vllm_forward_share_its_index_tensors_bitwise():
+    """Inside a vLLM forward (its `ForwardContext`) the plugin's RoPE, KV-cache write and attention
+    derive their index tensors once from the step's positions, slot mapping and metadata
+    (`attention.forward_memo`) and the other layers reuse them: two layers of each forward, over
+    their own caches, give the bits each layer computes alone outside a forward (a prefill of two
+    requests, then decode steps: each forward's metadata its own, recomputed)."""
+    from vllm.config import VllmConfig
+    from vllm.forward_context import create_forward_context, override_forward_context
+
+    from megatron_fp4.integrations.vllm import attention
+
+    numerics = trainer_attention("bf16").numerics
+    impl = TrainerAttentionImpl(HEADS, KV_HEADS, HEAD_DIM, HEAD_DIM ** -0.5, numerics)
+    rope = TrainerRotary(HEAD_DIM, THETA)
+    tables = [[5, 2, 7], [9, 1, 3, 4]]
+    steps = [[(0, 0, 5), (1, 0, 9)], [(0, 5, 1), (1, 9, 1)], [(1, 10, 1)], [(0, 6, 1), (1, 11, 1)]]
+    gen = torch.Generator().manual_seed(11)
+    layers = 2
+    inputs = [[torch.randn(sum(n for _, _, n in chunks), (HEADS + 2 * KV_HEADS) * HEAD_DIM, generator=gen)
+               for _ in range(layers)] for chunks in steps]
+    config = VllmConfig()
+
+    def run(in_forward: bool):
+        caches = [PagedCache(tables).tensor for _ in range(layers)]
+        outs = []
+        for chunks, xs in zip(steps, inputs):
+            positions = torch.cat([torch.arange(p0, p0 + n) for _, p0, n in chunks])
+            slots = torch.tensor([tables[r][p // 4] * 4 + p % 4 for r, p0, n in chunks for p in range(p0, p0 + n)])
+            meta = type("Meta", (), {})()
+            meta.causal = True
+            meta.query_start_loc = torch.tensor([0] + torch.tensor([n for _, _, n in chunks]).cumsum(0).tolist())
+            meta.seq_lens = torch.tensor([p0 + n for _, p0, n in chunks])
+            meta.block_table = torch.tensor([tables[r] + [0] * (4 - len(tables[r])) for r, _, _ in chunks])
+            ctx = create_forward_context({}, config) if in_forward else None
+            with override_forward_context(ctx):
+                for x, cache in zip(xs, caches):
+                    q, k, v = x.split([HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM], -1)
+                    q, k = rope(positions, q, k)
+                    T = x.shape[0]
+                    impl.do_kv_cache_update(None, k.view(T, KV_HEADS, HEAD_DIM), v.reshape(T, KV_HEADS, HEAD_DIM),
+                                            cache, slots)
+                    outs.append(impl.forward(None, q.view(T, HEADS, HEAD_DIM), None, None, cache, meta,
+                                             torch.empty(T, HEADS, HEAD_DIM)))
+                if in_forward:  # one entry each (RoPE, slots, gather) for both layers: the second reused them
+                    assert attention._FORWARD[0] is ctx and len(attention._FORWARD[1]) == 3
+        return outs, caches
+
+    with torch.no_grad():
+        alone, alone_caches = run(False)
+        shared, shared_caches = run(True)
+    assert all(torch.equal(a, b) for a, b in zip(shared, alone))
+    assert all(torch.equal(a.nan_to_num(7.0), b.nan_to_num(7.0)) for a, b in zip(shared_caches, alone_caches))

@@ -30,6 +30,33 @@ from megatron_fp4.fp4 import invariant
 from megatron_fp4.integrations.vllm import opaque
 from megatron_fp4.model.layers import apply_rope, rope_cos_sin, upcast
 
+_FORWARD: list = [None, {}]  # [vLLM's ForwardContext of the forward the memo serves, the memo]
+
+
+def forward_memo(owner, key: tuple, compute):
+    """``compute()``, once per vLLM model forward for ``(owner, *key)``: index tensors derived from
+    what every layer of one forward shares (the attention metadata, the positions), which vLLM
+    does not change within a forward. A forward is vLLM's `ForwardContext` (a new object per model
+    forward: `set_forward_context`); the memo holds it and ``owner`` (the metadata or positions
+    object) strongly, so neither id is reused while it is kept, and forgets it all when the next
+    forward starts. Outside a forward (the tests that drive an impl directly, with or without vLLM
+    installed) nothing is kept. The layers then get the same tensors they would compute themselves,
+    so the same bits."""
+    try:
+        from vllm.forward_context import get_forward_context, is_forward_context_available
+    except ImportError:  # this module's pieces run without vLLM too (tests/integration/test_vllm_exact.py)
+        return compute()
+    if not is_forward_context_available():
+        return compute()
+    ctx = get_forward_context()
+    if _FORWARD[0] is not ctx:
+        _FORWARD[0], _FORWARD[1] = ctx, {}
+    memo = _FORWARD[1]
+    held = memo.get((id(owner), *key))
+    if held is None or held[0] is not owner:
+        held = memo[(id(owner), *key)] = (owner, compute())
+    return held[1]
+
 
 class OpaqueRotary(nn.Module):
     """vLLM's ``rotary_emb(positions, q, k)`` whose ``_forward`` runs as one opaque op (opaque.py)
@@ -59,12 +86,16 @@ class TrainerRotary(OpaqueRotary):
         self.mfp4_key = None if name is None else opaque.register(name, *self.mfp4_opaque())
 
     def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """The trainer's `apply_rope` on vLLM's [T, heads·D] rows viewed as [T, heads, D] (``cos`` and
+        ``sin`` [1, T, D] broadcast over the heads): elementwise, so each element's bits are those of
+        the trainer's [B, heads, T, D] layout, without its two transposing copies."""
         T = x.shape[0]
-        heads = x.reshape(T, -1, self.head_dim).transpose(0, 1)[None]  # [1, heads, T, D]
-        return apply_rope(heads, cos, sin)[0].transpose(0, 1).reshape(x.shape)
+        return apply_rope(x.reshape(T, -1, self.head_dim), cos[0], sin[0]).reshape(x.shape)
 
     def _forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        cos, sin = rope_cos_sin(positions.reshape(1, -1), self.head_dim, self.theta, q.dtype)  # [1, T, D]
+        # [1, T, D], computed once per forward for all layers (the same positions object, `forward_memo`)
+        cos, sin = forward_memo(positions, ("rope", self.head_dim, self.theta, q.dtype), lambda: rope_cos_sin(
+            positions.reshape(1, -1), self.head_dim, self.theta, q.dtype))
         return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
 
 
@@ -114,8 +145,22 @@ def grouped_qkv(query, kv_cache, attn_metadata, num_heads: int, num_kv_heads: in
     result its own alone: the trainer's."""
     keys, _ = _cpu_layout(kv_cache, num_kv_heads, head_dim)
     # the cache's rows [blocks·KV·2·size, D] (per block and kv head: its keys, then its values)
-    flat, size, KV, device = kv_cache.view(-1, head_dim), keys.shape[2], num_kv_heads, query.device
+    flat, size = kv_cache.view(-1, head_dim), keys.shape[2]
+    plan = forward_memo(attn_metadata, ("gather", size, num_kv_heads, window, query.device), lambda: _gather_plan(
+        attn_metadata, size, num_kv_heads, window, query.device))
+    for qrows, n, krows, vrows, (B, _, Tk), positions in plan:
+        k = upcast(flat.index_select(0, krows).view(B, num_kv_heads, Tk, head_dim))  # bf16/fp16: in fp32
+        v = upcast(flat.index_select(0, vrows).view(B, num_kv_heads, Tk, head_dim))
+        q = upcast(query.view(-1, num_heads, head_dim).index_select(0, qrows).view(B, n, num_heads, head_dim)
+                   .transpose(1, 2))
+        yield qrows, q, k, v, positions
+
+
+def _gather_plan(attn_metadata, size: int, KV: int, window: int, device) -> list:
+    """`grouped_qkv`'s index tensors per query group: [(query rows, n, cache rows of the keys, of the
+    values, (B, KV, Tk), positions [B, n])], from the metadata alone (once per forward)."""
     starts, lengths = attn_metadata.query_start_loc.tolist(), attn_metadata.seq_lens.tolist()
+    plan = []
     for n, reqs in query_groups(attn_metadata).items():
         idx = torch.tensor(reqs, device=device)
         seq = torch.tensor([lengths[i] for i in reqs], device=device)
@@ -126,13 +171,25 @@ def grouped_qkv(query, kv_cache, attn_metadata, num_heads: int, num_kv_heads: in
         # one row gather each for keys and values, straight into [B, KV, Tk, D]
         rows = ((blocks[:, None, :] * KV + torch.arange(KV, device=device)[None, :, None]) * (2 * size)
                 + (j % size)[:, None, :]).reshape(-1)
-        shape = (len(reqs), KV, j.shape[1], head_dim)
-        k = upcast(flat.index_select(0, rows).view(shape))  # bf16/fp16: in fp32
-        v = upcast(flat.index_select(0, rows + size).view(shape))
         qrows = torch.cat([torch.arange(starts[i], starts[i] + n, device=device) for i in reqs])
-        q = upcast(query.view(-1, num_heads, head_dim).index_select(0, qrows).view(len(reqs), n, num_heads, head_dim)
-                   .transpose(1, 2))
-        yield qrows, q, k, v, seq[:, None] - n + torch.arange(n, device=device)[None]
+        plan.append((qrows, n, rows, rows + size, (len(reqs), KV, j.shape[1]),
+                     seq[:, None] - n + torch.arange(n, device=device)[None]))
+    return plan
+
+
+def _slot_rows(slot_mapping: torch.Tensor, size: int, KV: int) -> tuple:
+    """(the tokens with a slot, None when all have one; the cache rows of their keys [tokens·KV],
+    token-major then kv head) of ``slot_mapping`` over blocks of ``size`` slots (the values' rows
+    are ``size`` further: each block and kv head holds its keys, then its values)."""
+    slots = slot_mapping.long()
+    real = slots >= 0
+    tokens = None
+    if not bool(real.all()):
+        tokens = real.nonzero().squeeze(1)
+        slots = slots.index_select(0, tokens)
+    rows = ((slots // size)[:, None] * KV + torch.arange(KV, device=slots.device)[None]) * (2 * size) \
+        + (slots % size)[:, None]
+    return tokens, rows.reshape(-1)
 
 
 class TrainerAttentionImpl:
@@ -156,13 +213,19 @@ class TrainerAttentionImpl:
         pass
 
     def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping) -> None:
-        keys, values = _cpu_layout(kv_cache, self.num_kv_heads, self.head_size)
-        n = slot_mapping.shape[0]
-        slots = slot_mapping.long()
-        real = slots >= 0  # padding tokens carry slot -1
-        slots, size = slots[real], keys.shape[2]
-        keys[slots // size, :, slots % size] = key[:n][real].to(keys.dtype)
-        values[slots // size, :, slots % size] = value[:n][real].to(values.dtype)
+        """Each token's keys and values [T, KV, D] into its slot (padding tokens carry slot -1: none),
+        one row copy each into the cache's rows (`grouped_qkv`'s layout), the rows once per forward."""
+        keys, _ = _cpu_layout(kv_cache, self.num_kv_heads, self.head_size)
+        flat, D = kv_cache.view(-1, self.head_size), self.head_size
+        tokens, krows = forward_memo(slot_mapping, ("slots", keys.shape[2], self.num_kv_heads), lambda: _slot_rows(
+            slot_mapping, keys.shape[2], self.num_kv_heads))
+        size = keys.shape[2]
+        k = key[:slot_mapping.shape[0]].reshape(-1, self.num_kv_heads * D)
+        v = value[:slot_mapping.shape[0]].reshape(-1, self.num_kv_heads * D)
+        if tokens is not None:
+            k, v = k.index_select(0, tokens), v.index_select(0, tokens)
+        flat.index_copy_(0, krows, k.reshape(-1, D).to(flat.dtype))
+        flat.index_copy_(0, krows + size, v.reshape(-1, D).to(flat.dtype))
 
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, output_scale=None,
                 output_block_scale=None):
