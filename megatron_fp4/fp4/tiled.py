@@ -40,6 +40,7 @@ on that row (and, for attention, its prefix), not on its batch, padding, micro-b
 from __future__ import annotations
 
 import functools
+import threading
 from typing import Optional
 
 import torch
@@ -462,6 +463,54 @@ def _plan(positions, pad, *shape) -> _Plan:
     return plan
 
 
+class _DecodeBuffers:
+    """A decode step's block-attention buffers of one shape (:func:`_decode_buffers`): the gathered
+    keys and values (the values' zero columns and ones column written once), the zero-padded query
+    tiles (only their first rep rows are ever written), the score tile and one value product per
+    key block. Each belongs to one thread and holds nothing a call returns (its output is a fresh
+    division), so reusing them changes no bits: every op reads what the allocating form read."""
+
+    __slots__ = ("keys", "values", "queries", "scores", "_products")
+
+    def __init__(self, q, k, v, plan):
+        B, KV = k.shape[0], k.shape[1]
+        D, Dv, Dw, n_rows = k.shape[-1], v.shape[-1], plan.Dw, plan.rows.shape[0]
+        self.keys = k.new_empty(n_rows, D)
+        self.values = v.new_empty(n_rows, Dw + 1)
+        self.values[:, Dv:] = plan.tail[:1]
+        self.queries = q.new_zeros(B, KV, ROW_TILE, q.shape[-1])
+        self.scores = q.new_empty(B * KV, ROW_TILE, KEY_BLOCK)
+        self._products = []
+
+    def products(self, j: int, n: int) -> torch.Tensor:
+        """Key block j's value-product buffer [n, ROW_TILE, Dw + 1] (one per block: the running sums
+        of block 0 are views of its own)."""
+        while len(self._products) <= j:
+            self._products.append(self.values.new_empty(self.queries.shape[0] * self.queries.shape[1], ROW_TILE,
+                                                         self.values.shape[1]))
+        return self._products[j][:n]
+
+
+DECODE_SHAPES_KEPT = 4  # decode-step buffer sets a thread keeps (shapes: batch, heads, key blocks, dtypes)
+_workspace = threading.local()  # a thread's {shape key: _DecodeBuffers}, oldest first
+
+
+def _decode_buffers(q, k, v, plan) -> _DecodeBuffers:
+    """The calling thread's :class:`_DecodeBuffers` for this decode step's shapes, dtypes, device
+    and inference mode (made the first time; at most DECODE_SHAPES_KEPT kept, the oldest dropped)."""
+    key = (tuple(q.shape), k.shape[:2], k.shape[-1], v.shape[-1], plan.rows.shape[0], plan.Dw, q.dtype, k.dtype,
+           v.dtype, q.device, torch.is_inference_mode_enabled())
+    kept = getattr(_workspace, "kept", None)
+    if kept is None:
+        kept = _workspace.kept = {}
+    bufs = kept.get(key)
+    if bufs is None:
+        if len(kept) >= DECODE_SHAPES_KEPT:
+            del kept[next(iter(kept))]
+        bufs = kept[key] = _DecodeBuffers(q, k, v, plan)
+    return bufs
+
+
 def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
                     pad: torch.Tensor, scale: Optional[float] = None, window: int = 0,
                     sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -498,22 +547,30 @@ def _block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions:
     # by its place in the tile (measured: 9-11 columns, a padded row then differed in its last bit).
     # (One key block: [B·KV, KEY_BLOCK, ·], the block itself, with the strides of its slice of the 4-d form.)
     blocked = (B * KV, nK, KEY_BLOCK) if nK > 1 else (B * KV, KEY_BLOCK)
-    kb = kr.index_select(0, plan.rows).view(*blocked, D)
-    vb = vr.new_empty(plan.v_at.shape[0], Dw + 1)  # the values gathered straight into it (no copy for the cat)
+    # A decode step (one query per sequence, no autograd) takes its buffers from the thread's
+    # workspace (`_DecodeBuffers`: reused by every layer and step of this shape) instead of
+    # allocating them: the same ops into the same shapes, fewer allocations and fills.
+    ws = _decode_buffers(q, k, v, plan) if Tq == 1 and nT == 1 and not with_lse else None
+    if ws is None:
+        kb = kr.index_select(0, plan.rows)
+        vb = vr.new_empty(plan.v_at.shape[0], Dw + 1)  # the values gathered straight into it (no copy for the cat)
+        vb[:, Dv:] = plan.tail
+    else:
+        kb = torch.index_select(kr, 0, plan.rows, out=ws.keys)
+        vb = ws.values  # its tail columns (zeros, the ones column) written once, when it was made
     torch.index_select(vr, 0, plan.v_at, out=vb[:, :Dv])
-    vb[:, Dv:] = plan.tail
-    vb = vb.view(*blocked, Dw + 1)
+    kb, vb = kb.view(*blocked, D), vb.view(*blocked, Dw + 1)
     # Query rows: the rep query heads of a kv head times the queries, in tiles [B·KV·nT, ROW_TILE, D]
     # (a decode step's rep rows share one tile), pre-scaled. Every batched product's operands
     # row-major (a kernel is chosen by layout as well as shape: a decode step's expanded key block
     # would otherwise be a transposed view).
     scale = D ** -0.5 if scale is None else scale
     # written straight into their zero-padded tiles (a scaled copy each, no pad pass)
-    flat_q = q.new_zeros(B, KV, nT * ROW_TILE, D)
+    flat_q = q.new_zeros(B, KV, nT * ROW_TILE, D) if ws is None else ws.queries  # (a workspace's rows past R stay 0)
     torch.mul(q.view(B, KV, rep, Tq, D), scale, out=flat_q[:, :, :R].view(B, KV, rep, Tq, D))
     flat_q = flat_q.view(-1, ROW_TILE, D)
     m = l = acc = None
-    buffers = None
+    buffers = None if ws is None else [ws.scores]
     for j, blk in enumerate(plan.blocks):
         sel, cols = blk.sel, blk.cols
         qj = flat_q if sel is None else flat_q.index_select(0, sel)
@@ -536,9 +593,11 @@ def _block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions:
         if blk.masks is not None:
             bias, keep = blk.masks
         else:
-            bias, keep = _block_mask(blk.pj, j, window, q.dtype, cols, buffers[1:] if buffers else None)
+            bias, keep = _block_mask(blk.pj, j, window, q.dtype, cols, buffers[1:] if len(buffers or ()) > 1 else None)
+            if len(buffers or ()) < 3:  # the first block's mask buffers: the later blocks' masks go into them
+                buffers = [s_tile, bias.view(-1), keep.view(-1)]
         if not buffers:
-            buffers = [s_tile] + ([] if blk.masks is not None else [bias.view(-1), keep.view(-1)])
+            buffers = [s_tile]
         s = s.add_(bias)  # the future keys (and those out of the window) −inf, the others + 0 (their bits)
         blk_max = s.amax(-1, keepdim=True)  # the row statistics m, l kept [n, live, 1]: they broadcast as they are
         m_old = None if not j else m if sel is None else m.index_select(0, sel)
@@ -556,7 +615,8 @@ def _block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions:
         s.sub_(m_ref).clamp_(min=EXP_FLOOR).exp_().mul_(keep)
         if cols < KEY_BLOCK:
             s_tile[:, :live, cols:].zero_()
-        pv = torch.bmm(s_tile, vj, out=vj.new_empty(n, ROW_TILE, Dw + 1))[:, :live]  # [n, live, Dw + 1]
+        pv = torch.bmm(s_tile, vj, out=vj.new_empty(n, ROW_TILE, Dw + 1) if ws is None else ws.products(j, n))
+        pv = pv[:, :live]  # [n, live, Dw + 1]
         pv, ps = pv[..., :Dv], pv[..., Dw:]
         if m_old is None:
             m, l, acc = m_new, ps, pv
