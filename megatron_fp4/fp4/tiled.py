@@ -393,14 +393,18 @@ class _Plan:
         self.nK = nK = -(-n_keys // KEY_BLOCK)
         width = nK * KEY_BLOCK
         slot = torch.add(pad[:, None], _arange(width, device)).clamp_(max=Tk - 1)  # [B, width]
-        self.rows = torch.add(_head_rows(B, KV, k_rows, device), slot[:, None, :]).view(-1)
-        self.v_at = self.rows if v_rows == k_rows else \
-            torch.add(_head_rows(B, KV, v_rows, device), slot[:, None, :]).view(-1)
+        self.R = R = rep * Tq  # query rows of a (b, kv) head
+        self.nT = nT = max(1, -(-R // ROW_TILE))
+        # A decode step (one query tile per (b, kv) head) gathers its keys block-major, [nK, B·KV,
+        # KEY_BLOCK, ·]: key block j of every head is then one contiguous run, read by its products as
+        # it is (the other layouts copy each block's [B·KV, KEY_BLOCK, ·] out of [B·KV, nK, ...]:
+        # the same values in the same row-major operand, so the same bits).
+        self.block_major = block_major = Tq == 1 and nT == 1 and nK > 1
+        self.rows = self._rows(B, KV, k_rows, slot, block_major)
+        self.v_at = self.rows if v_rows == k_rows else self._rows(B, KV, v_rows, slot, block_major)
         self.Dw = Dw = max(Dv, MIN_VALUE_COLUMNS - 1)
         self.tail = torch.zeros(self.rows.shape[0], Dw + 1 - Dv, dtype=vdtype, device=device)  # zeros, ones column
         self.tail[:, -1] = 1.0
-        self.R = R = rep * Tq  # query rows of a (b, kv) head
-        self.nT = nT = max(1, -(-R // ROW_TILE))
         # The products run on whole fixed-shape tiles; the elementwise softmax work only on the
         # `live` leading rows of a tile (a decode step's rep rows, not its 16: the other rows are
         # zero padding, whose results are dropped) and on the key columns some query can see
@@ -411,7 +415,8 @@ class _Plan:
         flat_pos = positions.new_zeros(B, KV, nT * live)  # padding rows: position 0 (key 0 only: finite)
         flat_pos[:, :, :R].view(B, KV, rep, Tq).copy_(positions[:, None, None, :].expand(B, KV, rep, Tq))
         flat_pos = flat_pos.view(-1, live)
-        owner = torch.arange(B * KV, device=device).repeat_interleave(nT) if nT > 1 or nK > 1 else None
+        owner = torch.arange(B * KV, device=device).repeat_interleave(nT) if (nT > 1 or nK > 1) and not block_major \
+            else None
         last = flat_pos.amax(-1) if nK > 1 else None  # a tile reads key blocks 0..last // KEY_BLOCK
         self.blocks = []
         for j in range(nK):
@@ -425,12 +430,24 @@ class _Plan:
                     break
                 if n < active.numel():
                     sel = active.nonzero().squeeze(1)
-            self.blocks.append(_Block(sel, *((flat_pos, owner) if sel is None else
-                                             (flat_pos.index_select(0, sel), owner.index_select(0, sel))),
+            if block_major:  # block j of the tiles' own heads (tile i is head i): the whole block or sel's rows of it
+                heads = None if sel is None else sel
+            else:
+                heads = owner if sel is None else owner.index_select(0, sel)
+            self.blocks.append(_Block(sel, flat_pos if sel is None else flat_pos.index_select(0, sel), heads,
                                       min(KEY_BLOCK, n_keys - j * KEY_BLOCK)))
         if sum(b.pj.numel() * b.cols for b in self.blocks) <= MASK_CACHE_ELEMENTS:
             for j, b in enumerate(self.blocks):
                 b.masks = _block_mask(b.pj, j, window, dtype, b.cols)
+
+    @staticmethod
+    def _rows(B: int, KV: int, per_head: int, slot: torch.Tensor, block_major: bool) -> torch.Tensor:
+        """The gather's row indices: (b, kv)'s slots ``slot[b]`` in :func:`_key_rows`' matrix, head-major
+        [B·KV, width] or block-major [nK, B·KV, KEY_BLOCK], flat."""
+        rows = torch.add(_head_rows(B, KV, per_head, slot.device), slot[:, None, :])
+        if block_major:
+            rows = rows.view(B * KV, -1, KEY_BLOCK).transpose(0, 1)
+        return rows.reshape(-1)
 
 
 def stamp(t: torch.Tensor) -> tuple:
@@ -546,7 +563,7 @@ def _block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions:
     # MIN_VALUE_COLUMNS columns wide (zeros): with fewer the CPU GEMM's narrow-N kernel rounded a row
     # by its place in the tile (measured: 9-11 columns, a padded row then differed in its last bit).
     # (One key block: [B·KV, KEY_BLOCK, ·], the block itself, with the strides of its slice of the 4-d form.)
-    blocked = (B * KV, nK, KEY_BLOCK) if nK > 1 else (B * KV, KEY_BLOCK)
+    blocked = (nK, B * KV, KEY_BLOCK) if plan.block_major else (B * KV, nK, KEY_BLOCK) if nK > 1 else (B * KV, KEY_BLOCK)
     # A decode step (one query per sequence, no autograd) takes its buffers from the thread's
     # workspace (`_DecodeBuffers`: reused by every layer and step of this shape) instead of
     # allocating them: the same ops into the same shapes, fewer allocations and fills.
@@ -575,7 +592,7 @@ def _block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions:
         sel, cols = blk.sel, blk.cols
         qj = flat_q if sel is None else flat_q.index_select(0, sel)
         # [n, KEY_BLOCK, D (+1)] row-major: a tile's key block (a view where each (b, kv) has one tile and block)
-        kj, vj = (kb[:, j], vb[:, j]) if nK > 1 else (kb, vb)
+        kj, vj = (kb[j], vb[j]) if plan.block_major else (kb[:, j], vb[:, j]) if nK > 1 else (kb, vb)
         if blk.oj is not None:
             kj, vj = kj.index_select(0, blk.oj), vj.index_select(0, blk.oj)
         # The block-sized buffers (scores, masks) are allocated once for the first block (every
