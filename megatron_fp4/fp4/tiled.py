@@ -341,6 +341,15 @@ def _block_mask(pj: torch.Tensor, j: int, window: int, dtype: torch.dtype, cols:
     return tuple(torch.index_select(t, 0, row, out=o[:n].view(-1, cols)).view(shape) for t, o in zip(tables, out))
 
 
+@functools.lru_cache(maxsize=16)
+def _value_tail(rows: int, width: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """[rows, width] zeros with a last column of ones: the columns block attention appends to the
+    gathered values (`_Plan.tail`), built once per shape (a constant: only read)."""
+    tail = torch.zeros(rows, width, dtype=dtype, device=device)
+    tail[:, -1] = 1.0
+    return tail
+
+
 @functools.lru_cache(maxsize=64)
 def _arange(n: int, device: torch.device) -> torch.Tensor:
     """``torch.arange(n)`` on ``device``, built once (a constant: only read)."""
@@ -403,8 +412,7 @@ class _Plan:
         self.rows = self._rows(B, KV, k_rows, slot, block_major)
         self.v_at = self.rows if v_rows == k_rows else self._rows(B, KV, v_rows, slot, block_major)
         self.Dw = Dw = max(Dv, MIN_VALUE_COLUMNS - 1)
-        self.tail = torch.zeros(self.rows.shape[0], Dw + 1 - Dv, dtype=vdtype, device=device)  # zeros, ones column
-        self.tail[:, -1] = 1.0
+        self.tail = _value_tail(self.rows.shape[0], Dw + 1 - Dv, vdtype, device)  # zeros, ones column
         # The products run on whole fixed-shape tiles; the elementwise softmax work only on the
         # `live` leading rows of a tile (a decode step's rep rows, not its 16: the other rows are
         # zero padding, whose results are dropped) and on the key columns some query can see
@@ -412,9 +420,12 @@ class _Plan:
         # weight tile is exact zeros, as the masks made it before, so every kept row gets the bits
         # of the whole-tile form: a GEMM row's result depends on that row of its left operand alone.
         self.live = live = R if nT == 1 else ROW_TILE
-        flat_pos = positions.new_zeros(B, KV, nT * live)  # padding rows: position 0 (key 0 only: finite)
-        flat_pos[:, :, :R].view(B, KV, rep, Tq).copy_(positions[:, None, None, :].expand(B, KV, rep, Tq))
-        flat_pos = flat_pos.view(-1, live)
+        if nT * live == R:  # no padding rows (a decode step's tile: its rep rows): one copy
+            flat_pos = positions[:, None, None, :].expand(B, KV, rep, Tq).reshape(-1, live)
+        else:
+            flat_pos = positions.new_zeros(B, KV, nT * live)  # padding rows: position 0 (key 0 only: finite)
+            flat_pos[:, :, :R].view(B, KV, rep, Tq).copy_(positions[:, None, None, :].expand(B, KV, rep, Tq))
+            flat_pos = flat_pos.view(-1, live)
         owner = torch.arange(B * KV, device=device).repeat_interleave(nT) if (nT > 1 or nK > 1) and not block_major \
             else None
         last = flat_pos.amax(-1) if nK > 1 else None  # a tile reads key blocks 0..last // KEY_BLOCK
