@@ -520,12 +520,20 @@ class _DecodeBuffers:
 
 
 DECODE_SHAPES_KEPT = 4  # decode-step buffer sets a thread keeps (shapes: batch, heads, key blocks, dtypes)
+DECODE_BUFFER_ELEMENTS = 1 << 22  # a set's elements at most (16 MiB in fp32); a larger decode step allocates per call
 _workspace = threading.local()  # a thread's {shape key: _DecodeBuffers}, oldest first
 
 
-def _decode_buffers(q, k, v, plan) -> _DecodeBuffers:
+def _decode_buffers(q, k, v, plan) -> Optional[_DecodeBuffers]:
     """The calling thread's :class:`_DecodeBuffers` for this decode step's shapes, dtypes, device
-    and inference mode (made the first time; at most DECODE_SHAPES_KEPT kept, the oldest dropped)."""
+    and inference mode (made the first time; at most DECODE_SHAPES_KEPT kept, the oldest dropped),
+    or None for a step whose buffers would exceed DECODE_BUFFER_ELEMENTS: kept across calls they
+    would hold memory a long generation's steps of other shapes need (at that size the allocation
+    is a small part of the step), so such a step allocates its own, as a prefill does."""
+    tiles, D, Dw = q.shape[0] * k.shape[1], k.shape[-1], plan.Dw
+    if plan.rows.shape[0] * (D + Dw + 1) + tiles * ROW_TILE * (D + KEY_BLOCK + plan.nK * (Dw + 1)) > \
+            DECODE_BUFFER_ELEMENTS:
+        return None
     key = (tuple(q.shape), k.shape[:2], k.shape[-1], v.shape[-1], plan.rows.shape[0], plan.Dw, q.dtype, k.dtype,
            v.dtype, q.device, torch.is_inference_mode_enabled())
     kept = getattr(_workspace, "kept", None)

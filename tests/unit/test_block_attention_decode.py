@@ -113,3 +113,20 @@ def test_layer_rope_tables_follow_the_positions():
         assert all(torch.equal(x, y) for x, y in zip(layer_rope_cos_sin(p, 16, 1e6, torch.float32),
                                                       rope_cos_sin(p, 16, 1e6, torch.float32)))
         assert not torch.equal(a[0], rope_cos_sin(p, 16, 1e6, torch.float32)[0])
+
+
+def test_decode_steps_over_the_buffer_bound_keep_nothing(monkeypatch):
+    """A decode step whose buffers would exceed DECODE_BUFFER_ELEMENTS allocates per call (as a
+    prefill does) and keeps no set in the thread: a long generation's growing steps do not pile up
+    memory. Its bits are the full forward's all the same."""
+    case = _case(*CASES[1])
+    monkeypatch.setattr(tiled._workspace, "kept", {}, raising=False)  # this thread's sets: none yet
+    monkeypatch.setattr(tiled, "DECODE_BUFFER_ELEMENTS", 0)
+    with torch.no_grad():
+        for t in (70, 89):
+            assert _step_matches(case, t), t
+    assert tiled._workspace.kept == {}
+    monkeypatch.setattr(tiled, "DECODE_BUFFER_ELEMENTS", 1 << 22)  # under the bound: one set kept
+    with torch.no_grad():
+        assert _step_matches(case, 89)
+    assert len(tiled._workspace.kept) == 1
