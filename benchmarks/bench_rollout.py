@@ -4,6 +4,7 @@
     python benchmarks/bench_rollout.py --repeats 5 --engines bf16,bf16-batch,bf16-exact,fp4_resq-batch
     python benchmarks/bench_rollout.py --cache-ablation --modes fp4_resq   # weight cache on vs off
     python benchmarks/bench_rollout.py --sweep          # tokens/s and peak memory vs length / experts / batch
+    OMP_NUM_THREADS=1 python benchmarks/bench_rollout.py --clock cpu --engines bf16,bf16-batch   # process CPU time
 
 One model (fp32, FP4 scope `--scope`) is copied into one `RolloutEngine` per entry of `--engines`
 (``<mode>`` = the standard kernels, ``<mode>-batch`` / ``<mode>-exact`` = that numerics level;
@@ -16,6 +17,10 @@ HF's (FP4 off: the same function, so 100% unless fp32 rounding flips a near tie)
 scoring HF's sequences (`rollout.scoring.score`, the trainer's no-grad log-prob pass) with each
 engine's numerics, and last the ratios: each level's generation vs HF and vs the standard
 kernels, its scoring vs standard (current numbers: docs/benchmarks.md, history: docs/changelog.md).
+``--clock cpu`` times every call by this process's CPU time (``time.process_time``) instead of wall
+time: HF, the engines and the scorers run in this one process, interleaved, so another job's load on a
+shared machine stretches none of them and the ratios stop moving with it (run it with
+``OMP_NUM_THREADS=1``: with more threads CPU time also counts the threads' spinning).
 
 ``--cache-ablation``: per FP4 mode, the weight-derived GEMM terms cached per `generate` call
 (`Numerics.cached_weights`, the default) vs re-derived every decode step; outputs checked
@@ -36,6 +41,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from megatron_fp4.config import Config  # noqa: E402
 from megatron_fp4.model import build_model  # noqa: E402
 from megatron_fp4.rollout import RolloutEngine, SamplingParams, score  # noqa: E402
+from bench_train import CLOCKS  # noqa: E402  (--clock: wall time, or this process's CPU time)
 from sweep import add_sweep_args  # noqa: E402
 
 
@@ -105,12 +111,13 @@ def compare_hf(args):
     engines = {spec: engine_for(model, spec) for spec in args.engines.split(",")}
     for spec, eng in engines.items():
         runners[spec] = lambda eng=eng: eng.generate(prompts.tolist(), params)
-    t_gen, outs = timed_rounds(runners, args.repeats)
+    clock = CLOCKS[args.clock]
+    t_gen, outs = timed_rounds(runners, args.repeats, clock)
     tokens = args.batch * args.new_tokens
     ref = outs["HF generate"].tolist()
     print(f"threads={torch.get_num_threads()} hidden={args.hidden} layers={args.layers} experts={args.experts} "
           f"vocab={args.vocab} batch={args.batch} tokens={args.prompt_len}+{args.new_tokens} scope={args.scope} "
-          f"repeats={args.repeats}")
+          f"repeats={args.repeats} clock={args.clock}")
     print(f"{'runner':<16} {'median s':>9} {'tokens/s':>9} {'vs HF':>7} {'tokens = HF':>12}")
     t_hf = t_gen["HF generate"]
     for name, t in t_gen.items():
@@ -127,7 +134,7 @@ def compare_hf(args):
         mode, _, level = spec.partition("-")
         scorers[spec] = lambda eng=eng, mode=mode, level=level: score(eng.model, prompts.tolist(), responses, 0, mode,
                                                                       invariance=level or "standard")
-    t_score, _ = timed_rounds(scorers, args.repeats)
+    t_score, _ = timed_rounds(scorers, args.repeats, clock)
     scored = args.batch * (args.prompt_len + args.new_tokens)
     print(f"{'scoring':<16} {'median s':>9} {'tokens/s':>9}")
     for name, t in t_score.items():
@@ -161,7 +168,7 @@ def cache_ablation(args):
         for i in range(args.repeats + 1):  # the first round is a warm-up
             outs = {}
             for name, engine in (("uncached", uncached), ("cached", cached)):
-                dt, out = run(lambda: engine.generate(prompts, params))
+                dt, out = run(lambda: engine.generate(prompts, params), CLOCKS[args.clock])
                 if i:
                     times[name].append(dt)
                 outs[name] = out
@@ -175,6 +182,8 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_model_args(p)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--clock", default="wall", choices=tuple(CLOCKS),
+                   help="wall: time.perf_counter; cpu: this process's CPU time (time.process_time), interleaved runs")
     p.add_argument("--engines", default="bf16,bf16-batch,bf16-exact,fp4_resq,fp4_resq-batch,fp4_resq-exact")
     p.add_argument("--cache-ablation", action="store_true")
     p.add_argument("--modes", default="fp4_resq,fp4", help="--cache-ablation: FP4 modes")

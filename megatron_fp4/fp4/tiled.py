@@ -40,6 +40,7 @@ on that row (and, for attention, its prefix), not on its batch, padding, micro-b
 from __future__ import annotations
 
 import functools
+import threading
 from typing import Optional
 
 import torch
@@ -412,6 +413,15 @@ def _block_mask(pj: torch.Tensor, j: int, window: int, dtype: torch.dtype, cols:
     return tuple(torch.index_select(t, 0, row, out=o[:n].view(-1, cols)).view(shape) for t, o in zip(tables, out))
 
 
+@functools.lru_cache(maxsize=16)
+def _value_tail(rows: int, width: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """[rows, width] zeros with a last column of ones: the columns block attention appends to the
+    gathered values (`_Plan.tail`), built once per shape (a constant: only read)."""
+    tail = torch.zeros(rows, width, dtype=dtype, device=device)
+    tail[:, -1] = 1.0
+    return tail
+
+
 @functools.lru_cache(maxsize=64)
 def _arange(n: int, device: torch.device) -> torch.Tensor:
     """``torch.arange(n)`` on ``device``, built once (a constant: only read)."""
@@ -464,14 +474,17 @@ class _Plan:
         self.nK = nK = -(-n_keys // KEY_BLOCK)
         width = nK * KEY_BLOCK
         slot = torch.add(pad[:, None], _arange(width, device)).clamp_(max=Tk - 1)  # [B, width]
-        self.rows = torch.add(_head_rows(B, KV, k_rows, device), slot[:, None, :]).view(-1)
-        self.v_at = self.rows if v_rows == k_rows else \
-            torch.add(_head_rows(B, KV, v_rows, device), slot[:, None, :]).view(-1)
-        self.Dw = Dw = max(Dv, MIN_VALUE_COLUMNS - 1)
-        self.tail = torch.zeros(self.rows.shape[0], Dw + 1 - Dv, dtype=vdtype, device=device)  # zeros, ones column
-        self.tail[:, -1] = 1.0
         self.R = R = rep * Tq  # query rows of a (b, kv) head
         self.nT = nT = max(1, -(-R // ROW_TILE))
+        # A decode step (one query tile per (b, kv) head) gathers its keys block-major, [nK, B·KV,
+        # KEY_BLOCK, ·]: key block j of every head is then one contiguous run, read by its products as
+        # it is (the other layouts copy each block's [B·KV, KEY_BLOCK, ·] out of [B·KV, nK, ...]:
+        # the same values in the same row-major operand, so the same bits).
+        self.block_major = block_major = Tq == 1 and nT == 1 and nK > 1
+        self.rows = self._rows(B, KV, k_rows, slot, block_major)
+        self.v_at = self.rows if v_rows == k_rows else self._rows(B, KV, v_rows, slot, block_major)
+        self.Dw = Dw = max(Dv, MIN_VALUE_COLUMNS - 1)
+        self.tail = _value_tail(self.rows.shape[0], Dw + 1 - Dv, vdtype, device)  # zeros, ones column
         # The products run on whole fixed-shape tiles; the elementwise softmax work only on the
         # `live` leading rows of a tile (a decode step's rep rows, not its 16: the other rows are
         # zero padding, whose results are dropped) and on the key columns some query can see
@@ -479,10 +492,14 @@ class _Plan:
         # weight tile is exact zeros, as the masks made it before, so every kept row gets the bits
         # of the whole-tile form: a GEMM row's result depends on that row of its left operand alone.
         self.live = live = R if nT == 1 else ROW_TILE
-        flat_pos = positions.new_zeros(B, KV, nT * live)  # padding rows: position 0 (key 0 only: finite)
-        flat_pos[:, :, :R].view(B, KV, rep, Tq).copy_(positions[:, None, None, :].expand(B, KV, rep, Tq))
-        flat_pos = flat_pos.view(-1, live)
-        owner = torch.arange(B * KV, device=device).repeat_interleave(nT) if nT > 1 or nK > 1 else None
+        if nT * live == R:  # no padding rows (a decode step's tile: its rep rows): one copy
+            flat_pos = positions[:, None, None, :].expand(B, KV, rep, Tq).reshape(-1, live)
+        else:
+            flat_pos = positions.new_zeros(B, KV, nT * live)  # padding rows: position 0 (key 0 only: finite)
+            flat_pos[:, :, :R].view(B, KV, rep, Tq).copy_(positions[:, None, None, :].expand(B, KV, rep, Tq))
+            flat_pos = flat_pos.view(-1, live)
+        owner = torch.arange(B * KV, device=device).repeat_interleave(nT) if (nT > 1 or nK > 1) and not block_major \
+            else None
         last = flat_pos.amax(-1) if nK > 1 else None  # a tile reads key blocks 0..last // KEY_BLOCK
         self.blocks = []
         for j in range(nK):
@@ -496,12 +513,24 @@ class _Plan:
                     break
                 if n < active.numel():
                     sel = active.nonzero().squeeze(1)
-            self.blocks.append(_Block(sel, *((flat_pos, owner) if sel is None else
-                                             (flat_pos.index_select(0, sel), owner.index_select(0, sel))),
+            if block_major:  # block j of the tiles' own heads (tile i is head i): the whole block or sel's rows of it
+                heads = None if sel is None else sel
+            else:
+                heads = owner if sel is None else owner.index_select(0, sel)
+            self.blocks.append(_Block(sel, flat_pos if sel is None else flat_pos.index_select(0, sel), heads,
                                       min(KEY_BLOCK, n_keys - j * KEY_BLOCK)))
         if sum(b.pj.numel() * b.cols for b in self.blocks) <= MASK_CACHE_ELEMENTS:
             for j, b in enumerate(self.blocks):
                 b.masks = _block_mask(b.pj, j, window, dtype, b.cols)
+
+    @staticmethod
+    def _rows(B: int, KV: int, per_head: int, slot: torch.Tensor, block_major: bool) -> torch.Tensor:
+        """The gather's row indices: (b, kv)'s slots ``slot[b]`` in :func:`_key_rows`' matrix, head-major
+        [B·KV, width] or block-major [nK, B·KV, KEY_BLOCK], flat."""
+        rows = torch.add(_head_rows(B, KV, per_head, slot.device), slot[:, None, :])
+        if block_major:
+            rows = rows.view(B * KV, -1, KEY_BLOCK).transpose(0, 1)
+        return rows.reshape(-1)
 
 
 def stamp(t: torch.Tensor) -> tuple:
@@ -532,6 +561,62 @@ def _plan(positions, pad, *shape) -> _Plan:
     plan = _Plan(positions, pad, *shape)
     _plans = [((stamp(positions), stamp(pad), shape), plan)] + _plans[:PLANS_KEPT - 1]
     return plan
+
+
+class _DecodeBuffers:
+    """A decode step's block-attention buffers of one shape (:func:`_decode_buffers`): the gathered
+    keys and values (the values' zero columns and ones column written once), the zero-padded query
+    tiles (only their first rep rows are ever written), the score tile and one value product per
+    key block. Each belongs to one thread and holds nothing a call returns (its output is a fresh
+    division), so reusing them changes no bits: every op reads what the allocating form read."""
+
+    __slots__ = ("keys", "values", "queries", "scores", "_products")
+
+    def __init__(self, q, k, v, plan):
+        B, KV = k.shape[0], k.shape[1]
+        D, Dv, Dw, n_rows = k.shape[-1], v.shape[-1], plan.Dw, plan.rows.shape[0]
+        self.keys = k.new_empty(n_rows, D)
+        self.values = v.new_empty(n_rows, Dw + 1)
+        self.values[:, Dv:] = plan.tail[:1]
+        self.queries = q.new_zeros(B, KV, ROW_TILE, q.shape[-1])
+        self.scores = q.new_empty(B * KV, ROW_TILE, KEY_BLOCK)
+        self._products = []
+
+    def products(self, j: int, n: int) -> torch.Tensor:
+        """Key block j's value-product buffer [n, ROW_TILE, Dw + 1] (one per block: the running sums
+        of block 0 are views of its own)."""
+        while len(self._products) <= j:
+            self._products.append(self.values.new_empty(self.queries.shape[0] * self.queries.shape[1], ROW_TILE,
+                                                         self.values.shape[1]))
+        return self._products[j][:n]
+
+
+DECODE_SHAPES_KEPT = 4  # decode-step buffer sets a thread keeps (shapes: batch, heads, key blocks, dtypes)
+DECODE_BUFFER_ELEMENTS = 1 << 22  # a set's elements at most (16 MiB in fp32); a larger decode step allocates per call
+_workspace = threading.local()  # a thread's {shape key: _DecodeBuffers}, oldest first
+
+
+def _decode_buffers(q, k, v, plan) -> Optional[_DecodeBuffers]:
+    """The calling thread's :class:`_DecodeBuffers` for this decode step's shapes, dtypes, device
+    and inference mode (made the first time; at most DECODE_SHAPES_KEPT kept, the oldest dropped),
+    or None for a step whose buffers would exceed DECODE_BUFFER_ELEMENTS: kept across calls they
+    would hold memory a long generation's steps of other shapes need (at that size the allocation
+    is a small part of the step), so such a step allocates its own, as a prefill does."""
+    tiles, D, Dw = q.shape[0] * k.shape[1], k.shape[-1], plan.Dw
+    if plan.rows.shape[0] * (D + Dw + 1) + tiles * ROW_TILE * (D + KEY_BLOCK + plan.nK * (Dw + 1)) > \
+            DECODE_BUFFER_ELEMENTS:
+        return None
+    key = (tuple(q.shape), k.shape[:2], k.shape[-1], v.shape[-1], plan.rows.shape[0], plan.Dw, q.dtype, k.dtype,
+           v.dtype, q.device, torch.is_inference_mode_enabled())
+    kept = getattr(_workspace, "kept", None)
+    if kept is None:
+        kept = _workspace.kept = {}
+    bufs = kept.get(key)
+    if bufs is None:
+        if len(kept) >= DECODE_SHAPES_KEPT:
+            del kept[next(iter(kept))]
+        bufs = kept[key] = _DecodeBuffers(q, k, v, plan)
+    return bufs
 
 
 def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
@@ -569,28 +654,36 @@ def _block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions:
     # MIN_VALUE_COLUMNS columns wide (zeros): with fewer the CPU GEMM's narrow-N kernel rounded a row
     # by its place in the tile (measured: 9-11 columns, a padded row then differed in its last bit).
     # (One key block: [B·KV, KEY_BLOCK, ·], the block itself, with the strides of its slice of the 4-d form.)
-    blocked = (B * KV, nK, KEY_BLOCK) if nK > 1 else (B * KV, KEY_BLOCK)
-    kb = kr.index_select(0, plan.rows).view(*blocked, D)
-    vb = vr.new_empty(plan.v_at.shape[0], Dw + 1)  # the values gathered straight into it (no copy for the cat)
+    blocked = (nK, B * KV, KEY_BLOCK) if plan.block_major else (B * KV, nK, KEY_BLOCK) if nK > 1 else (B * KV, KEY_BLOCK)
+    # A decode step (one query per sequence, no autograd) takes its buffers from the thread's
+    # workspace (`_DecodeBuffers`: reused by every layer and step of this shape) instead of
+    # allocating them: the same ops into the same shapes, fewer allocations and fills.
+    ws = _decode_buffers(q, k, v, plan) if Tq == 1 and nT == 1 and not with_lse else None
+    if ws is None:
+        kb = kr.index_select(0, plan.rows)
+        vb = vr.new_empty(plan.v_at.shape[0], Dw + 1)  # the values gathered straight into it (no copy for the cat)
+        vb[:, Dv:] = plan.tail
+    else:
+        kb = torch.index_select(kr, 0, plan.rows, out=ws.keys)
+        vb = ws.values  # its tail columns (zeros, the ones column) written once, when it was made
     torch.index_select(vr, 0, plan.v_at, out=vb[:, :Dv])
-    vb[:, Dv:] = plan.tail
-    vb = vb.view(*blocked, Dw + 1)
+    kb, vb = kb.view(*blocked, D), vb.view(*blocked, Dw + 1)
     # Query rows: the rep query heads of a kv head times the queries, in tiles [B·KV·nT, ROW_TILE, D]
     # (a decode step's rep rows share one tile), pre-scaled. Every batched product's operands
     # row-major (a kernel is chosen by layout as well as shape: a decode step's expanded key block
     # would otherwise be a transposed view).
     scale = D ** -0.5 if scale is None else scale
     # written straight into their zero-padded tiles (a scaled copy each, no pad pass)
-    flat_q = q.new_zeros(B, KV, nT * ROW_TILE, D)
+    flat_q = q.new_zeros(B, KV, nT * ROW_TILE, D) if ws is None else ws.queries  # (a workspace's rows past R stay 0)
     torch.mul(q.view(B, KV, rep, Tq, D), scale, out=flat_q[:, :, :R].view(B, KV, rep, Tq, D))
     flat_q = flat_q.view(-1, ROW_TILE, D)
     m = l = acc = None
-    buffers = None
+    buffers = None if ws is None else [ws.scores]
     for j, blk in enumerate(plan.blocks):
         sel, cols = blk.sel, blk.cols
         qj = flat_q if sel is None else flat_q.index_select(0, sel)
         # [n, KEY_BLOCK, D (+1)] row-major: a tile's key block (a view where each (b, kv) has one tile and block)
-        kj, vj = (kb[:, j], vb[:, j]) if nK > 1 else (kb, vb)
+        kj, vj = (kb[j], vb[j]) if plan.block_major else (kb[:, j], vb[:, j]) if nK > 1 else (kb, vb)
         if blk.oj is not None:
             kj, vj = kj.index_select(0, blk.oj), vj.index_select(0, blk.oj)
         # The block-sized buffers (scores, masks) are allocated once for the first block (every
@@ -608,9 +701,11 @@ def _block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions:
         if blk.masks is not None:
             bias, keep = blk.masks
         else:
-            bias, keep = _block_mask(blk.pj, j, window, q.dtype, cols, buffers[1:] if buffers else None)
+            bias, keep = _block_mask(blk.pj, j, window, q.dtype, cols, buffers[1:] if len(buffers or ()) > 1 else None)
+            if len(buffers or ()) < 3:  # the first block's mask buffers: the later blocks' masks go into them
+                buffers = [s_tile, bias.view(-1), keep.view(-1)]
         if not buffers:
-            buffers = [s_tile] + ([] if blk.masks is not None else [bias.view(-1), keep.view(-1)])
+            buffers = [s_tile]
         s = s.add_(bias)  # the future keys (and those out of the window) −inf, the others + 0 (their bits)
         blk_max = s.amax(-1, keepdim=True)  # the row statistics m, l kept [n, live, 1]: they broadcast as they are
         m_old = None if not j else m if sel is None else m.index_select(0, sel)
@@ -628,7 +723,8 @@ def _block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions:
         s.sub_(m_ref).clamp_(min=EXP_FLOOR).exp_().mul_(keep)
         if cols < KEY_BLOCK:
             s_tile[:, :live, cols:].zero_()
-        pv = torch.bmm(s_tile, vj, out=vj.new_empty(n, ROW_TILE, Dw + 1))[:, :live]  # [n, live, Dw + 1]
+        pv = torch.bmm(s_tile, vj, out=vj.new_empty(n, ROW_TILE, Dw + 1) if ws is None else ws.products(j, n))
+        pv = pv[:, :live]  # [n, live, Dw + 1]
         pv, ps = pv[..., :Dv], pv[..., Dw:]
         if m_old is None:
             m, l, acc = m_new, ps, pv

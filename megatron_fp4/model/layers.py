@@ -16,6 +16,7 @@ from torch import nn
 
 from megatron_fp4.fp4 import STANDARD, MoEResQLinear, Recipe, invariant
 from megatron_fp4.fp4.grad_fusion import claim_fused, fused_grad_of
+from megatron_fp4.fp4.tiled import same_values, stamp
 from megatron_fp4.model.packing import SequenceLayout, is_packed
 # The precision of norms, router, loss and optimizer masters is the FP4 GEMMs' accumulation dtype:
 # fp32, or fp64 for an fp64 model (``dtype: fp64``, the verification mode). One definition, in fp4.
@@ -95,6 +96,24 @@ def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype: to
     freqs = positions.to(wide)[..., None] * inv_freq
     emb = torch.cat((freqs, freqs), dim=-1)
     return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+_last_rope: tuple = ()  # (stamp of the positions, head_dim, theta, dtype, (cos, sin)) of the last call
+
+
+def layer_rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype):
+    """:func:`rope_cos_sin`, the last answer kept: every layer of a forward (and of a decode step)
+    asks with the same positions tensor, so the layers after the first get the first one's tables
+    (the same values: the same function of the same positions) while the positions hold the values
+    they were built from (``tiled.same_values``: the same object unwritten, or equal values). The
+    tables carry no autograd history (positions are integers). Only read."""
+    global _last_rope
+    last = _last_rope
+    if last and last[1:4] == (head_dim, theta, dtype) and same_values(last[0], positions):
+        return last[4]
+    tables = rope_cos_sin(positions, head_dim, theta, dtype)
+    _last_rope = (stamp(positions), head_dim, theta, dtype, tables)
+    return tables
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -223,7 +242,7 @@ class Attention(nn.Module):
         q = self.q_norm(self.q_proj(x).view(B, T, self.num_heads, self.head_dim)).transpose(1, 2)
         k = self.k_norm(self.k_proj(x).view(B, T, self.num_kv_heads, self.head_dim)).transpose(1, 2)
         v = self.v_proj(x).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        cos, sin = rope_cos_sin(positions, self.head_dim, self.rope_theta, q.dtype)
+        cos, sin = layer_rope_cos_sin(positions, self.head_dim, self.rope_theta, q.dtype)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if (cache is None or cache.length == 0) and is_packed(attention_mask):  # decode steps skip the check (a sync)
             if cache is not None or self.kv_gather is not None:

@@ -337,6 +337,8 @@ class _StepState:
 
     def choose(self, logits: torch.Tensor, gens) -> torch.Tensor:
         toks = logits.argmax(-1)
+        if not self.sampled_rows:  # all greedy: their sampled log-probs stay 0 (no per-step work)
+            return toks
         self._slp = torch.zeros(logits.shape[0], dtype=torch.float32)
         running = self.active.tolist()
         for i in self.sampled_rows:
@@ -348,14 +350,17 @@ class _StepState:
 
     def record(self, step: int, toks: torch.Tensor, raw: torch.Tensor, version: int) -> None:
         run = self.active.bool()
+        idle = ~run
+        # Column `step` still holds its initial values (pad id, zeros): a row that no longer runs keeps them.
         self.versions[:, step] = version
-        self.ids[:, step] = torch.where(run, toks, self.ids[:, step])
-        self.log_probs[:, step] = torch.where(run, pick(raw, toks), self.log_probs[:, step])
-        self.sampled_log_probs[:, step] = torch.where(run, self._slp, self.sampled_log_probs[:, step])
-        self.lengths += run.long()
+        self.ids[:, step] = toks.masked_fill(idle, self.pad_id)
+        self.log_probs[:, step] = pick(raw, toks).masked_fill_(idle, 0.0)
+        if self.sampled_rows:  # (greedy rows: 0, as initialized)
+            self.sampled_log_probs[:, step] = self._slp.masked_fill_(idle, 0.0)
+        self.lengths += run
         stop = (toks[:, None] == self.stops).any(1) & run
         self.stopped |= stop
-        self.feed = torch.where(run, toks, torch.full_like(toks, self.pad_id))
+        self.feed = self.ids[:, step]  # the token fed next: the chosen one, the pad id for a row that stopped before
         self.active = (run & ~stop & (self.lengths < self.limit)).long()
 
     def all_finished(self) -> bool:

@@ -1,0 +1,132 @@
+"""The decode step of the ``batch`` level's block attention (`fp4/tiled.py`): its per-thread buffers
+(`_DecodeBuffers`, reused by every layer and step of a shape) and block-major key gathers must give
+every call the bits of the causal full forward (which allocates its own buffers), whatever ran
+before in the thread (other shapes, more shapes than are kept, inference mode) or beside it in
+another thread. Also the attention's shared RoPE tables (`model.layers.layer_rope_cos_sin`)."""
+from __future__ import annotations
+
+import threading
+
+import torch
+
+from megatron_fp4.fp4 import tiled
+from megatron_fp4.fp4.tiled import KEY_BLOCK, block_attention
+from megatron_fp4.model.layers import layer_rope_cos_sin, rope_cos_sin
+
+
+def bits(t):
+    return t.contiguous().view(torch.int32)
+
+
+def _case(seed, B, KV, rep, D, Dv, T, pads):
+    """A batch with leading padding `pads`, its full forward, and static cache buffers (capacity T + 8)."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, KV * rep, T, D, generator=g)
+    k, v = torch.randn(B, KV, T, D, generator=g), torch.randn(B, KV, T, Dv, generator=g)
+    pad = torch.tensor(pads)
+    positions = (torch.arange(T)[None, :] - pad[:, None]).clamp(min=0)
+    full = block_attention(q, k, v, positions, pad)
+    cache_k, cache_v = torch.zeros(B, KV, T + 8, D), torch.zeros(B, KV, T + 8, Dv)
+    cache_k[:, :, :T], cache_v[:, :, :T] = k, v
+    return q, cache_k, cache_v, positions, pad, full
+
+
+def _step_matches(case, t) -> bool:
+    q, cache_k, cache_v, positions, pad, full = case
+    step = block_attention(q[:, :, t:t + 1], cache_k[:, :, :t + 1], cache_v[:, :, :t + 1], positions[:, t:t + 1], pad)
+    real = pad <= t  # the rows whose slot t holds a real token (a padding query's output is never read)
+    return bool(real.any()) and torch.equal(bits(step[real, :, 0]), bits(full[real, :, t]))
+
+
+# (seed, B, KV, rep, D, Dv, T, pads): one key block; rows in one and in two key blocks (the second
+# block read by some tiles only); narrow values (zero columns); three blocks; no GQA, one row
+CASES = [(0, 3, 2, 2, 16, 16, 40, [0, 5, 20]), (1, 3, 2, 2, 32, 32, 90, [0, 7, 60]),
+         (2, 2, 1, 4, 16, 4, 70, [3, 0]), (3, 2, 2, 1, 16, 24, 150, [0, 70]), (4, 1, 2, 2, 8, 8, 20, [0])]
+
+
+def test_decode_steps_reusing_buffers_across_shapes_equal_the_full_forward():
+    """Decode steps of five shapes interleaved (more than DECODE_SHAPES_KEPT: sets are dropped and
+    made again), at steps that cross key blocks: every step == the full forward, bitwise."""
+    cases = [_case(*c) for c in CASES]
+    assert len(cases) > tiled.DECODE_SHAPES_KEPT
+    with torch.no_grad():
+        for t_from_end in (9, 8, 1, 0):
+            for case, spec in zip(cases, CASES):
+                t = spec[6] - 1 - t_from_end
+                assert _step_matches(case, t), (spec, t)
+        for case, spec in zip(cases, CASES):  # the last key block's first key (a new block for some rows)
+            T, pads = spec[6], spec[7]
+            for t in {KEY_BLOCK + p for p in pads if KEY_BLOCK + p < T}:
+                assert _step_matches(case, t), (spec, t)
+
+
+def test_decode_buffers_under_inference_mode_and_no_grad_alternately():
+    """The same shape in inference mode and outside it (an inference tensor cannot be written
+    outside inference mode: each mode keeps its own buffers): both == the full forward."""
+    case = _case(*CASES[1])
+    for mode in (True, False, True, False):
+        with torch.inference_mode(mode), torch.no_grad():
+            for t in (70, 89):
+                assert _step_matches(case, t), (mode, t)
+
+
+def test_decode_buffers_are_per_thread():
+    """Two threads decoding the same shape at once (other values), each == its full forward."""
+    cases = [_case(10 + i, *CASES[1][1:]) for i in range(2)]
+    failures = []
+
+    def run(case):
+        try:
+            with torch.no_grad():
+                for _ in range(20):
+                    for t in (60, 70, 89):
+                        if not _step_matches(case, t):
+                            failures.append(t)
+        except Exception as e:  # noqa: BLE001 - reported below
+            failures.append(e)
+
+    workers = [threading.Thread(target=run, args=(c,)) for c in cases]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join()
+    assert not failures, failures
+
+
+def test_layer_rope_tables_follow_the_positions():
+    """The tables kept for the next layer are the ones `rope_cos_sin` computes for the positions
+    given now: after an in-place write, for an equal fresh tensor, another head dim or dtype."""
+    positions = torch.arange(12).view(2, 6)
+    first = layer_rope_cos_sin(positions, 16, 1e6, torch.float32)
+    assert layer_rope_cos_sin(positions, 16, 1e6, torch.float32) is first  # the next layer's call
+    for args in ((positions.clone(), 16, 1e6, torch.float32), (positions, 8, 1e6, torch.float32),
+                 (positions, 16, 1e4, torch.float32), (positions, 16, 1e6, torch.bfloat16)):
+        got, ref = layer_rope_cos_sin(*args), rope_cos_sin(*args)
+        assert all(torch.equal(a, b) and a.dtype == b.dtype for a, b in zip(got, ref)), args[1:]
+    positions.add_(3)  # written in place: its version moves
+    got, ref = layer_rope_cos_sin(positions, 16, 1e6, torch.float32), rope_cos_sin(positions, 16, 1e6, torch.float32)
+    assert all(torch.equal(a, b) for a, b in zip(got, ref))
+    with torch.inference_mode():  # inference tensors have no version: compared by value
+        p = torch.arange(6).view(1, 6)
+        a = layer_rope_cos_sin(p, 16, 1e6, torch.float32)
+        p.add_(1)
+        assert all(torch.equal(x, y) for x, y in zip(layer_rope_cos_sin(p, 16, 1e6, torch.float32),
+                                                      rope_cos_sin(p, 16, 1e6, torch.float32)))
+        assert not torch.equal(a[0], rope_cos_sin(p, 16, 1e6, torch.float32)[0])
+
+
+def test_decode_steps_over_the_buffer_bound_keep_nothing(monkeypatch):
+    """A decode step whose buffers would exceed DECODE_BUFFER_ELEMENTS allocates per call (as a
+    prefill does) and keeps no set in the thread: a long generation's growing steps do not pile up
+    memory. Its bits are the full forward's all the same."""
+    case = _case(*CASES[1])
+    monkeypatch.setattr(tiled._workspace, "kept", {}, raising=False)  # this thread's sets: none yet
+    monkeypatch.setattr(tiled, "DECODE_BUFFER_ELEMENTS", 0)
+    with torch.no_grad():
+        for t in (70, 89):
+            assert _step_matches(case, t), t
+    assert tiled._workspace.kept == {}
+    monkeypatch.setattr(tiled, "DECODE_BUFFER_ELEMENTS", 1 << 22)  # under the bound: one set kept
+    with torch.no_grad():
+        assert _step_matches(case, 89)
+    assert len(tiled._workspace.kept) == 1
