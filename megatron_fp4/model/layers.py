@@ -242,7 +242,11 @@ class Attention(nn.Module):
         q = self.q_norm(self.q_proj(x).view(B, T, self.num_heads, self.head_dim)).transpose(1, 2)
         k = self.k_norm(self.k_proj(x).view(B, T, self.num_kv_heads, self.head_dim)).transpose(1, 2)
         v = self.v_proj(x).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        cos, sin = layer_rope_cos_sin(positions, self.head_dim, self.rope_theta, q.dtype)
+        # Without autograd (rollout, scoring) the layers share the last tables (`layer_rope_cos_sin`);
+        # under autograd each layer's graph saves its own, as the activation plan counts them
+        # (`training/memory_activations.py`). The same values either way.
+        rope = rope_cos_sin if torch.is_grad_enabled() else layer_rope_cos_sin
+        cos, sin = rope(positions, self.head_dim, self.rope_theta, q.dtype)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if (cache is None or cache.length == 0) and is_packed(attention_mask):  # decode steps skip the check (a sync)
             if cache is not None or self.kv_gather is not None:
