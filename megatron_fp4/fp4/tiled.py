@@ -678,7 +678,8 @@ def _block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions:
     torch.mul(q.view(B, KV, rep, Tq, D), scale, out=flat_q[:, :, :R].view(B, KV, rep, Tq, D))
     flat_q = flat_q.view(-1, ROW_TILE, D)
     m = l = acc = None
-    buffers = None if ws is None else [ws.scores]
+    scores = None if ws is None else ws.scores  # the score tile's buffer: the first block's, reused
+    mask_out = None  # the first block's mask buffers, reused by the later blocks' masks
     for j, blk in enumerate(plan.blocks):
         sel, cols = blk.sel, blk.cols
         qj = flat_q if sel is None else flat_q.index_select(0, sel)
@@ -696,16 +697,16 @@ def _block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions:
         # recomputes the scores anyway).
         n = qj.shape[0]
         s_tile = torch.bmm(qj, kj.transpose(1, 2),
-                           out=buffers[0][:n] if buffers else qj.new_empty(n, ROW_TILE, KEY_BLOCK))
+                           out=scores[:n] if scores is not None else qj.new_empty(n, ROW_TILE, KEY_BLOCK))
+        if scores is None:
+            scores = s_tile
         s = s_tile[:, :live, :cols]
         if blk.masks is not None:
             bias, keep = blk.masks
         else:
-            bias, keep = _block_mask(blk.pj, j, window, q.dtype, cols, buffers[1:] if len(buffers or ()) > 1 else None)
-            if len(buffers or ()) < 3:  # the first block's mask buffers: the later blocks' masks go into them
-                buffers = [s_tile, bias.view(-1), keep.view(-1)]
-        if not buffers:
-            buffers = [s_tile]
+            bias, keep = _block_mask(blk.pj, j, window, q.dtype, cols, mask_out)
+            if mask_out is None:
+                mask_out = (bias.view(-1), keep.view(-1))
         s = s.add_(bias)  # the future keys (and those out of the window) −inf, the others + 0 (their bits)
         blk_max = s.amax(-1, keepdim=True)  # the row statistics m, l kept [n, live, 1]: they broadcast as they are
         m_old = None if not j else m if sel is None else m.index_select(0, sel)
