@@ -169,8 +169,7 @@ def _gather_plan(attn_metadata, size: int, KV: int, window: int, device) -> list
             j = torch.maximum(j, (seq[:, None] - n - window + 1).clamp(min=0))
         blocks = attn_metadata.block_table.index_select(0, idx).long().gather(1, j // size)
         # one row gather each for keys and values, straight into [B, KV, Tk, D]
-        rows = ((blocks[:, None, :] * KV + torch.arange(KV, device=device)[None, :, None]) * (2 * size)
-                + (j % size)[:, None, :]).reshape(-1)
+        rows = _cache_rows(blocks, j % size, KV, size).reshape(-1)
         qrows = torch.cat([torch.arange(starts[i], starts[i] + n, device=device) for i in reqs])
         plan.append((qrows, n, rows, rows + size, (len(reqs), KV, j.shape[1]),
                      seq[:, None] - n + torch.arange(n, device=device)[None]))
@@ -187,9 +186,15 @@ def _slot_rows(slot_mapping: torch.Tensor, size: int, KV: int) -> tuple:
     if not bool(real.all()):
         tokens = real.nonzero().squeeze(1)
         slots = slots.index_select(0, tokens)
-    rows = ((slots // size)[:, None] * KV + torch.arange(KV, device=slots.device)[None]) * (2 * size) \
-        + (slots % size)[:, None]
-    return tokens, rows.reshape(-1)
+    return tokens, _cache_rows(slots // size, slots % size, KV, size).reshape(-1)
+
+
+def _cache_rows(blocks: torch.Tensor, offsets: torch.Tensor, KV: int, size: int) -> torch.Tensor:
+    """The rows of the flat cache [blocks·KV·2·size, D] (`grouped_qkv`: per block and kv head its
+    ``size`` keys, then its values) holding the keys at slot ``offsets`` of cache block ``blocks``
+    (both [N, ...]), one per kv head: [N, KV, ...] (the values' rows are ``size`` further)."""
+    heads = torch.arange(KV, device=blocks.device).view(1, KV, *([1] * (blocks.dim() - 1)))
+    return (blocks.unsqueeze(1) * KV + heads) * (2 * size) + offsets.unsqueeze(1)
 
 
 class TrainerAttentionImpl:
