@@ -15,8 +15,8 @@ Prints medians and each level's time ÷ the standard kernels' (> 1: slower). Nev
 ``--expert-tiles 4,8,16,32`` instead measures the routed experts' two GEMMs alone (w13 [2F, H], w2
 [H, F], FP4 off, random top-k routing of the config's shape) at a decode step (``--prompts`` tokens),
 a prefill and a scoring pass (``--prompts`` × 6 and × 21 tokens): ``grouped_mm`` (the standard
-kernels) against the ``batch`` level's fixed row tiles at each tile size, time ÷ ``grouped_mm``:
-what a per-site expert tile would trade between decode and scoring.
+kernels) against fixed row tiles of each size and the ``batch`` level's own calls (``row plan``: the
+tile's bits in the heights this machine's GEMM gives them, ``fp4/row_calls.py``), time ÷ ``grouped_mm``.
 ``--clock cpu`` measures this process's CPU time (``time.process_time``) instead of wall time: on a
 shared machine another job's load stretches wall time but not the CPU time this process spends
 (run it with ``OMP_NUM_THREADS=1``: with more threads CPU time also counts the threads' spinning).
@@ -115,13 +115,15 @@ def expert_tiles(model_cfg, tiles, prompts: int, repeats: int, clock) -> None:
     """The routed experts' GEMMs, ``grouped_mm`` vs fixed row tiles of each size (``--expert-tiles``)."""
     import torch.nn.functional as F
 
+    from megatron_fp4.fp4.row_calls import RowPlan, row_plan
     from megatron_fp4.fp4.tiled import _grouped_tiles, row_tile
 
     E, H, Fh, k = model_cfg.num_experts, model_cfg.hidden_size, model_cfg.moe_ffn_hidden_size, model_cfg.top_k
     g = torch.Generator().manual_seed(0)
     w13, w2 = torch.randn(E, 2 * Fh, H, generator=g), torch.randn(E, H, Fh, generator=g)
     print(f"threads={torch.get_num_threads()} experts={E} top_k={k} hidden={H} moe_ffn={Fh} "
-          f"row_tile(w13)={row_tile(H, 2 * Fh)} row_tile(w2)={row_tile(Fh, H)}")
+          f"row_tile(w13)={row_tile(H, 2 * Fh)} row_tile(w2)={row_tile(Fh, H)} "
+          f"row_plan(w13)={row_plan(H, 2 * Fh, torch.float32, 'cpu')} row_plan(w2)={row_plan(Fh, H, torch.float32, 'cpu')}")
     for what, tokens in (("decode", prompts), ("prefill", prompts * 6), ("scoring", prompts * 21)):
         ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(tokens)]).reshape(-1)
         counts = torch.bincount(ids, minlength=E).tolist()
@@ -130,8 +132,9 @@ def expert_tiles(model_cfg, tiles, prompts: int, repeats: int, clock) -> None:
         runs = {"grouped_mm": lambda: (F.grouped_mm(x1, w13.transpose(1, 2), offs=offs),
                                        F.grouped_mm(x2, w2.transpose(1, 2), offs=offs))}
         for t in tiles:
-            runs[f"tile {t}"] = (lambda t: lambda: (_grouped_tiles(x1, w13.unbind(0), counts, t),
-                                                     _grouped_tiles(x2, w2.unbind(0), counts, t)))(t)
+            runs[f"tile {t}"] = (lambda p: lambda: (_grouped_tiles(x1, w13.unbind(0), counts, p),
+                                                     _grouped_tiles(x2, w2.unbind(0), counts, p)))(RowPlan(t, t, t))
+        runs["row plan"] = lambda: (_grouped_tiles(x1, w13.unbind(0), counts), _grouped_tiles(x2, w2.unbind(0), counts))
         times = {name: [] for name in runs}
         for i in range(repeats + 1):
             for name, run in runs.items():

@@ -1,15 +1,16 @@
 """The ``batch`` numerics level's kernels: every call has a fixed shape, so a row's bits depend only
 on that row (and, for attention, its prefix), not on its batch, padding, micro-batch or KV cache.
 
-- GEMMs (:func:`tiled_mm`): the rows cut into tiles of :func:`row_tile` ``(K, N)`` rows (the last
-  one zero-padded), a large weight's columns into blocks of :func:`column_blocks` ``(K, N)`` (a block
-  fits a core's L2: the LM head's 32 MB weight was streamed from memory once per row tile), one
-  ``torch.mm`` per tile and block, column block outer. Tile and blocks are functions of the weight's shape alone,
-  so one call site (one weight) always uses one tile: :data:`ROW_TILE` rows for wide layers, up to
-  :data:`MAX_ROW_TILE` for narrow ones, where a call's fixed cost outweighs its arithmetic (a
-  tile aims at :data:`TILE_WORK` multiply-adds: 16× fewer calls at width 64 than 16-row tiles).
-  Every call the kernel sees is [T, K] · [K, N] whatever the row count, so it blocks and (with
-  several threads) splits the K reduction the same way for each tile; a row's position inside its tile does not change its bits (a GEMM reduces
+- GEMMs (:func:`tiled_mm`): a row's bits are those of its weight's fixed row tile, the row computed
+  in a [T, K] · [K, Nb] call, T = ``row_calls.row_tile`` ``(K, N)`` (:data:`ROW_TILE` rows for wide
+  layers, up to :data:`MAX_ROW_TILE` for narrow ones, where a call's fixed cost outweighs its
+  arithmetic), Nb a column block of ``row_calls.column_blocks`` (a large weight's columns cut so a
+  block fits a core's L2: the LM head's 32 MB weight was streamed from memory once per row tile),
+  column block outer. Both are functions of the weight's shape alone. The calls actually made take
+  the heights of the weight's ``row_calls.row_plan``: the heights this machine's GEMM was measured
+  to give every row the tile's bits at (a probe per call shape, dtype and thread count: on MKL a
+  decode step's 2 rows in a 4-row call, a scoring run's 42 in one call), the tile itself where no
+  other height does. A row's position inside its call does not change its bits (a GEMM reduces
   each output element over K in an order that depends on the shape, not the row index; checked on
   the default, AVX2 and native kernels in ``tests/unit/test_numerics_levels.py``). One batched call
   over all tiles is *not* used: with two threads MKL splits a lone tile's K across the threads but
@@ -48,91 +49,56 @@ import torch.nn.functional as F
 
 from megatron_fp4.fp4.block_attention_grad import attention_backward
 from megatron_fp4.fp4.grad_fusion import claim_fused, finish_fused, fused_grad_of
+from megatron_fp4.fp4.row_calls import (MAX_ROW_TILE, ROW_TILE, RowPlan, column_blocks, fixed_plan,  # noqa: F401
+                                        row_plan, row_tile)
 
-ROW_TILE = 16  # the smallest GEMM row tile, and attention's query tile
-MAX_ROW_TILE = 128
-TILE_WORK = 1 << 18  # multiply-adds a GEMM tile aims at (a narrow layer's tile grows to reach it)
-COLUMN_BLOCK_ELEMENTS = 1 << 19  # a GEMM's weight block: 2 MiB in fp32, a core's L2 (`column_blocks`)
-CACHED_WEIGHT_ELEMENTS = 1 << 21  # a weight up to this size is one block (8 MiB in fp32: it stays cached)
-MIN_COLUMN_BLOCK = 256  # columns of a weight block at least
 KEY_BLOCK = 64
 MIN_VALUE_COLUMNS = 16  # the weighted-value GEMM's width at least (`block_attention`)
 _GROUPED_MM = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)  # the grouped backward's dx
 
 
-@functools.lru_cache(maxsize=None)
-def row_tile(k: int, n: int) -> int:
-    """The row tile of a [M, k] · [k, n] GEMM: ROW_TILE doubled while a tile does fewer than
-    TILE_WORK multiply-adds, at most MAX_ROW_TILE. A function of the weight's shape alone (never of
-    M), so every call through one weight has one tile shape: the bits of a row stay the row's own."""
-    tile = ROW_TILE
-    while tile < MAX_ROW_TILE and tile * k * n < TILE_WORK:
-        tile *= 2
-    return tile
-
-
-@functools.lru_cache(maxsize=None)
-def column_blocks(k: int, n: int) -> tuple:
-    """The column blocks ``(start, width)`` of a [M, k] · [k, n] GEMM. A weight of at most
-    CACHED_WEIGHT_ELEMENTS (8 MiB in fp32) is one block: it stays in the cache from one row tile to
-    the next (measured: cutting an expert's [768, 1024] or a [1024, 1024] projection cost 0-3 %). A
-    larger one is cut into blocks of COLUMN_BLOCK_ELEMENTS // k columns (a multiple of 64, at least
-    MIN_COLUMN_BLOCK: a block fits a core's L2 cache, 2 MiB in fp32), the last one wider by the
-    remainder where that is under half a block (no narrow tail block: MKL's narrow-N kernels
-    rounded a row by its slot in the tile, ``block_attention``). A function of the weight's shape
-    alone, as the row tile."""
-    width = max(MIN_COLUMN_BLOCK, COLUMN_BLOCK_ELEMENTS // max(k, 1) // 64 * 64)
-    full, rest = divmod(n, width)
-    if k * n <= CACHED_WEIGHT_ELEMENTS or full == 0 or (full == 1 and rest < width // 2):
-        return ((0, n),)
-    blocks = [(j * width, width) for j in range(full)]
-    if rest >= width // 2:
-        blocks.append((full * width, rest))
-    elif rest:
-        blocks[-1] = (blocks[-1][0], width + rest)
-    return tuple(blocks)
-
-
-def _padded_rows(x2: torch.Tensor, multiple: int) -> torch.Tensor:
-    """``x2`` [M, K] with zero rows appended to a multiple of ``multiple`` rows, in a fresh
-    contiguous buffer (every tile then starts at the same alignment relative to the allocation)."""
+def _padded_rows(x2: torch.Tensor, height: int) -> torch.Tensor:
+    """``x2`` [M, K] with zero rows appended to ``height`` rows (a fresh contiguous buffer), or
+    ``x2`` itself where it has that height and is contiguous."""
     M = x2.shape[0]
-    tiles = max(1, -(-M // multiple))
-    if tiles * multiple == M and x2.is_contiguous():
-        return x2
-    return F.pad(x2, (0, 0, 0, tiles * multiple - M)) if tiles * multiple > M else x2.contiguous()
+    if height == M:
+        return x2 if x2.is_contiguous() else x2.contiguous()
+    return F.pad(x2, (0, 0, 0, height - M))
 
 
 def _tiled_forward(x2: torch.Tensor, wt: torch.Tensor) -> torch.Tensor:
     """The forward of :func:`tiled_mm` (no autograd): ``wt`` [K, N] the transpose of a row-major
-    [N, K]. The tiles' products written in place into one output (no concatenating copy)."""
+    [N, K]. The rows padded to a height of the weight's :func:`row_plan` (the fixed tile's bits in
+    fewer, fuller calls where the machine's GEMM gives them, `row_calls.py`), the calls' products
+    written in place into one output (no concatenating copy)."""
     M = x2.shape[0]
     K, N = wt.shape
-    tile = row_tile(K, N)
-    xp = _padded_rows(x2, tile)
+    plan = row_plan(K, N, x2.dtype, x2.device)
+    xp = _padded_rows(x2, plan.height(M))
     out = xp.new_empty(xp.shape[0], N)
-    _tile_products(xp, wt, out, tile)
+    _row_products(xp, wt, out, plan)
     return out[:M] if out.shape[0] != M else out
 
 
-def _tile_products(xp: torch.Tensor, wt: torch.Tensor, out: torch.Tensor, tile: int) -> None:
-    """``out = xp @ wt`` (``xp`` [R, K], R a multiple of ``tile``; ``out`` [R, N] rows of a row-major
-    [·, N]) by one [tile, K] · [K, Nb] call per row tile and column block (:func:`column_blocks`),
-    each written into its place in ``out``. The column block is the outer loop: a weight block
-    stays in cache across the row tiles (the tiles' views made once, by ``split``)."""
+def _row_products(xp: torch.Tensor, wt: torch.Tensor, out: torch.Tensor, plan: RowPlan) -> None:
+    """``out = xp @ wt`` (``xp`` [R, K], R a height of ``plan``; ``out`` [R, N] rows of a row-major
+    [·, N]) by one [h, K] · [K, Nb] call per call height h of ``plan.calls(R)`` and column block
+    (:func:`column_blocks`), each written into its place in ``out``. The column block is the outer
+    loop: a weight block stays in cache across the row calls (their views made once, by ``split``)."""
     blocks = column_blocks(*wt.shape)
-    if len(blocks) == 1 and xp.shape[0] == tile:  # one tile, one block (a decode step): one call, no views
+    calls = plan.calls(xp.shape[0])
+    if len(blocks) == 1 and len(calls) == 1:  # one call, one block (a decode step): no views
         torch.mm(xp, wt, out=out)
         return
-    tiles = xp.split(tile)
+    rows = xp.split(calls)
     for j, width in blocks:
         w = wt if width == wt.shape[1] else wt[:, j:j + width]
-        for xt, ot in zip(tiles, (out if width == out.shape[1] else out[:, j:j + width]).split(tile)):
+        for xt, ot in zip(rows, (out if width == out.shape[1] else out[:, j:j + width]).split(calls)):
             torch.mm(xt, w, out=ot)
 
 
 class _TiledMM(torch.autograd.Function):
-    """``x2 @ wᵀ`` (``w`` [N, K] row-major). Forward: one [T, K] · [K, Nb] call per row tile and
+    """``x2 @ wᵀ`` (``w`` [N, K] row-major). Forward: the fixed row tiles' bits (:func:`_tiled_forward`) per
     column block; backward: one GEMM per gradient (the gradients sum over the batch anyway, so their
     bits are not batch invariant at any tiling). The weight gradient is ``dyᵀ · x`` in ``w``'s own
     layout (contiguous [N, K]: autograd's accumulation into the parameter's gradient is a contiguous
@@ -171,8 +137,9 @@ def _tiled_linear2d(x2: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 
 def tiled_mm(x2: torch.Tensor, wt: torch.Tensor) -> torch.Tensor:
-    """``x2`` [M, K] @ ``wt`` [K, N] with one [T, K] · [K, Nb] call per row tile and column block
-    (T = :func:`row_tile`, Nb = :func:`column_blocks`; the backward is one plain GEMM per gradient,
+    """``x2`` [M, K] @ ``wt`` [K, N] with the bits of one [T, K] · [K, Nb] call per row tile and column
+    block (T = :func:`row_tile`, Nb = :func:`column_blocks`; calls of the heights of :func:`row_plan`,
+    :func:`_tiled_forward`; the backward is one plain GEMM per gradient,
     :class:`_TiledMM`: it is not batch invariant). The operands' memory layouts are made canonical
     (row-major tiles, ``wt`` the transpose of a row-major [N, K]): a GEMM kernel is chosen by layout
     as well as shape, and picks other bits."""
@@ -212,23 +179,24 @@ def tiled_grouped_linear(x: torch.Tensor, weights, counts) -> torch.Tensor:
 
 
 class GroupedRows:
-    """Runs of ``counts[e]`` rows laid out so each run starts on a multiple of ``align`` rows, zero
-    rows between (a run padded to whole tiles of any row tile dividing ``align``): ``starts[e]``, the
-    padded height ``at``, and ``rows`` (run e's row i sits at ``starts[e]`` + i; None when no run
-    needs padding). :meth:`pad` and :meth:`unpad` move rows in and out of it, once for both GEMMs
-    of an expert MLP (:func:`tiled_grouped_mlp`) instead of once per GEMM."""
+    """Runs of ``counts[e]`` rows laid out one after the other, run e over ``spans[e]`` rows (its
+    height in every GEMM that reads the layout: the largest of their :class:`RowPlan` heights for
+    ``counts[e]`` rows), zero rows after each run's own: ``starts[e]``, the padded height ``at``,
+    and ``rows`` (run e's row i sits at ``starts[e]`` + i; None when no run needs padding).
+    :meth:`pad` and :meth:`unpad` move rows in and out of it, once for both GEMMs of an expert MLP
+    (:func:`tiled_grouped_mlp`) instead of once per GEMM."""
 
-    __slots__ = ("counts", "align", "starts", "at", "rows")
+    __slots__ = ("counts", "spans", "starts", "at", "rows")
 
-    def __init__(self, counts, align: int, device):
-        self.counts, self.align = [int(n) for n in counts], align
-        spans = [-(-n // align) * align for n in self.counts]
+    def __init__(self, counts, plans, device):
+        self.counts = [int(n) for n in counts]
+        self.spans = [max(p.height(n) for p in plans) if n else 0 for n in self.counts]
         self.starts, at = [], 0
-        for span in spans:
+        for span in self.spans:
             self.starts.append(at)
             at += span
         self.at, self.rows = at, None
-        if at != sum(self.counts):  # padding rows between the runs: run e's row i goes to its start + i
+        if at != sum(self.counts):  # padding rows after the runs' rows: run e's row i goes to its start + i
             shift, first = [], 0
             for n, start in zip(self.counts, self.starts):
                 shift.append(start - first)
@@ -238,8 +206,8 @@ class GroupedRows:
                 shift_counts[0], shift_counts[1], output_size=first)
 
     def pad(self, x: torch.Tensor) -> torch.Tensor:
-        """``x`` [sum(counts), K] in the layout: a fresh [at, K] buffer (every tile then starts at the
-        same alignment relative to the allocation), zero rows between the runs' rows copied in."""
+        """``x`` [sum(counts), K] in the layout: a fresh [at, K] buffer, zero rows after each run's
+        rows copied in."""
         if self.rows is None:
             return x.new_empty(self.at, x.shape[1]).copy_(x)
         return x.new_zeros(self.at, x.shape[1]).index_copy_(0, self.rows, x)
@@ -249,42 +217,41 @@ class GroupedRows:
         return yp if self.rows is None else yp.index_select(0, self.rows)
 
 
-def _grouped_tiles(x: torch.Tensor, weights, counts: list, tile: Optional[int] = None) -> torch.Tensor:
+def _grouped_tiles(x: torch.Tensor, weights, counts: list, plan: Optional[RowPlan] = None) -> torch.Tensor:
     """The forward of :func:`tiled_grouped_linear`: every run's rows copied once into one zeroed
-    buffer where each run starts on a tile boundary (:class:`GroupedRows`), one [T, K] · [K, Nb] call
-    per tile and column block into one output (:func:`_run_tiles`), the runs' rows gathered back
-    (instead of a pad, an output and a concatenation per run). ``tile``: another row tile than
-    :func:`row_tile`'s (only for measuring one: ``bench_batch_invariant.py --expert-tiles``)."""
+    buffer, each run padded to its height (:class:`GroupedRows`), the run's calls of the weight's
+    :func:`row_plan` per column block into one output (:func:`_run_tiles`), the runs' rows gathered
+    back (instead of a pad, an output and a concatenation per run). ``plan``: another plan than
+    :func:`row_plan`'s (only for measuring one: ``bench_batch_invariant.py --expert-tiles``)."""
     n_out = weights[0].shape[0]
     if not any(counts):
         return x.new_zeros(0, n_out)
-    tile = row_tile(x.shape[1], n_out) if tile is None else tile
-    layout = GroupedRows(counts, tile, x.device)
-    return layout.unpad(_run_tiles(layout.pad(x), weights, layout, tile))
+    plan = row_plan(x.shape[1], n_out, x.dtype, x.device) if plan is None else plan
+    layout = GroupedRows(counts, (plan,), x.device)
+    return layout.unpad(_run_tiles(layout.pad(x), weights, layout, plan))
 
 
-def _run_tiles(xp: torch.Tensor, weights, layout: GroupedRows, tile: int) -> torch.Tensor:
-    """``xp`` [at, K] in ``layout`` times each run's ``weights[e]ᵀ`` -> [at, N]: one [T, K] · [K, Nb]
-    call per tile of T = ``tile`` rows covering the run and per column block. Each call sees what
-    :func:`tiled_mm` of the run alone gives it: the same shape and output row stride, row-major tiles
-    at 64-byte-aligned offsets (a tile is T·K floats, T a multiple of 16), the weight (block) the
-    transpose of a row-major [Nb, K] — so a row's bits are those of its run alone. Rows of a run's
-    span past its last tile (``tile`` < ``layout.align``) are zeros."""
+def _run_tiles(xp: torch.Tensor, weights, layout: GroupedRows, plan: RowPlan) -> torch.Tensor:
+    """``xp`` [at, K] in ``layout`` times each run's ``weights[e]ᵀ`` -> [at, N]: over the first
+    ``plan.height(counts[e])`` rows of run e's span, the calls :func:`tiled_mm` of the run alone
+    makes (:func:`_row_products`: the same shapes and output row stride, the weight (block) the
+    transpose of a row-major [Nb, K]), so a row's bits are those of its run alone. Rows of a span
+    past that height (another GEMM's plan set the span) are zeros."""
     n_out, K = weights[0].shape[0], xp.shape[1]
-    out = (xp.new_empty if tile == layout.align else xp.new_zeros)(layout.at, n_out)
+    heights = [plan.height(n) if n else 0 for n in layout.counts]
+    out = (xp.new_empty if heights == layout.spans else xp.new_zeros)(layout.at, n_out)
     one_block = len(column_blocks(K, n_out)) == 1
-    if one_block:  # every tile's views made at once (one call each), then one GEMM call per tile
-        x_tiles, out_tiles = xp.view(-1, tile, K).unbind(0), out.view(-1, tile, n_out).unbind(0)
-    for w, start, n in zip(weights, layout.starts, layout.counts):
+    x_runs, out_runs = xp.split(layout.spans), out.split(layout.spans)
+    for w, xr, outr, n, height in zip(weights, x_runs, out_runs, layout.counts, heights):
         if not n:
             continue
-        span = -(-n // tile) * tile
         wt = (w if w.is_contiguous() else w.contiguous()).t()
-        if one_block:
-            for i in range(start // tile, (start + span) // tile):
-                torch.mm(x_tiles[i], wt, out=out_tiles[i])
-        else:  # the run's tiles, column block by column block (`_tile_products`, as tiled_mm of the run alone)
-            _tile_products(xp.narrow(0, start, span), wt, out.narrow(0, start, span), tile)
+        if height != xr.shape[0]:
+            xr, outr = xr[:height], outr[:height]
+        if one_block and height <= plan.cap:  # one call (a decode step's run, a probed plan's run up to its cap)
+            torch.mm(xr, wt, out=outr)
+        else:
+            _row_products(xr, wt, outr, plan)
     return out
 
 
@@ -349,9 +316,9 @@ def tiled_grouped_mlp(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, coun
     """An expert MLP over consecutive runs of ``counts[e]`` rows of ``x``, without autograd:
     ``act(h) @ w2[e]ᵀ`` with ``h = x @ w13[e]ᵀ`` (``w13`` [E, F2, H], ``w2`` [E, H, F]; ``act``
     [·, F2] -> [·, F] row by row, e.g. SwiGLU), each GEMM the bits of :func:`tiled_grouped_linear`
-    (each run's fixed row tiles of its weight's :func:`row_tile`). The rows are laid out once
-    (:class:`GroupedRows`, runs aligned to the larger of the two tiles) for both GEMMs and ``act``,
-    which also runs on the padding rows (zeros in, zeros out: what the second GEMM's padded tiles
+    (each run's calls of its weight's :func:`row_plan`). The rows are laid out once
+    (:class:`GroupedRows`, a run over the larger of its two heights) for both GEMMs and ``act``,
+    which also runs on the padding rows (zeros in, zeros out: what the second GEMM's padded calls
     hold), instead of a pad and a gather per GEMM. Under autograd the saved tensors would hold the
     padding rows (a count that depends on the routing): use :func:`tiled_grouped_linear` there."""
     if torch.is_grad_enabled() and (x.requires_grad or w13.requires_grad or w2.requires_grad):
@@ -359,10 +326,11 @@ def tiled_grouped_mlp(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, coun
                          "with autograd use tiled_grouped_linear for each GEMM")
     if not any(int(n) for n in counts):
         return x.new_zeros(0, w2.shape[1])
-    t13, t2 = row_tile(w13.shape[2], w13.shape[1]), row_tile(w2.shape[2], w2.shape[1])
-    layout = GroupedRows(counts, max(t13, t2), x.device)
-    h = _run_tiles(layout.pad(x), w13.unbind(0), layout, t13)
-    return layout.unpad(_run_tiles(act(h), w2.unbind(0), layout, t2))
+    p13 = row_plan(w13.shape[2], w13.shape[1], x.dtype, x.device)
+    p2 = row_plan(w2.shape[2], w2.shape[1], x.dtype, x.device)
+    layout = GroupedRows(counts, (p13, p2), x.device)
+    h = _run_tiles(layout.pad(x), w13.unbind(0), layout, p13)
+    return layout.unpad(_run_tiles(act(h), w2.unbind(0), layout, p2))
 
 
 def _zero_padded(t: torch.Tensor, dim: int, size: int) -> torch.Tensor:

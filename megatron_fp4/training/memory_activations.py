@@ -7,10 +7,12 @@ tests/unit/test_memory_plan*.py and tests/unit/test_cp_memory_plan*.py.
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 from megatron_fp4.config import Config
-from megatron_fp4.fp4.tiled import row_tile
+from megatron_fp4.fp4.row_calls import row_plan
 from megatron_fp4.model import MoETransformer
 from megatron_fp4.model.layers import wide_dtype
 from megatron_fp4.model.moe import GroupedExperts
@@ -82,18 +84,20 @@ def quantized_linears(cfg: Config, attention: bool = False) -> bool:
     return cfg.fp4.train_mode != "bf16" and scope != "none" and (not attention or scope == "experts+attention")
 
 
-def tiled_rows(cfg: Config, rows: int, k: int, n: int, fp4: bool = False) -> int:
+def tiled_rows(cfg: Config, rows: int, k: int, n: int, fp4: bool = False, dtype: Optional[torch.dtype] = None) -> int:
     """Rows of the storage behind a bias-free linear's [rows, n] output (`k` inputs) that a later op
-    saves: at the ``batch`` level `tiled._tiled_forward` returns the first `rows` of a buffer of whole
-    row tiles (`tiled.row_tile(k, n)`; `tiled._padded_rows`), and a saved view keeps the whole buffer.
+    saves: at the ``batch`` level `tiled._tiled_forward` returns the first `rows` of a buffer padded to
+    a height of the GEMM's row plan (`row_calls.row_plan`: this machine's, at the GEMM's `dtype`, by
+    default the activations', and the current thread count; `tiled._padded_rows`), and a saved view
+    keeps the whole buffer.
     `fp4`: a quantizing MoEResQ linear's (`quantized_linears`), which is that buffer unless cast from its fp32 accumulation to
     narrower activations. A bias add, a cast or a gather makes a fresh compact tensor instead (the
     biased GPT-OSS linears, the experts' grouped tiles: their per-expert padding is a transient of
     the forward, `tiled._grouped_tiles`, not saved), so the count depends on the token count alone."""
     if not gemms_are_tiled(cfg) or (fp4 and activation_dtype(cfg).itemsize < 4):
         return rows
-    tile = row_tile(k, n)
-    return max(1, -(-rows // tile)) * tile
+    on_gpu = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
+    return row_plan(k, n, dtype or activation_dtype(cfg), torch.device("cuda" if on_gpu else "cpu")).height(rows)
 
 
 def attention_is_blocked(cfg: Config) -> bool:
@@ -229,7 +233,8 @@ def layer_activation_bytes(cfg: Config, is_moe: bool, tokens: int, routed_rows: 
         b += local_experts * 4
     if m.router_aux_loss_coef or m.router_z_loss_coef:  # the aux losses' graph, kept by AuxLossAutoScaler
         # logits (z-loss: the router GEMM's tile-padded output unless biased), token fractions, logsumexp, the loss
-        b += (tokens if gpt_oss else tiled_rows(cfg, tokens, H, E)) * E * w + E * 4 + tokens * w + w
+        router_rows = tokens if gpt_oss else tiled_rows(cfg, tokens, H, E, dtype=wide_dtype(activation_dtype(cfg)))
+        b += router_rows * E * w + E * 4 + tokens * w + w
         b += tokens * w + w if local > 1 else 0  # tp-shared statistics (`MoELayer.token_sum`): token weights, count
         # DeepSeek-V3's router: the aux losses' probs are its sigmoid scores over their row sum (saved)
         b += tokens * w if getattr(m, "family", "qwen3_moe") == "deepseek_v3" and m.router_aux_loss_coef else 0

@@ -15,7 +15,8 @@ import torch.nn.functional as F
 
 from megatron_fp4.fp4 import Numerics, invariant
 from megatron_fp4.fp4.exact_gemm import exact_linear
-from megatron_fp4.fp4.tiled import (KEY_BLOCK, MAX_ROW_TILE, MIN_COLUMN_BLOCK, ROW_TILE, block_attention,
+from megatron_fp4.fp4.row_calls import MIN_COLUMN_BLOCK
+from megatron_fp4.fp4.tiled import (KEY_BLOCK, MAX_ROW_TILE, ROW_TILE, block_attention,
                                     column_blocks, row_sum, row_tile, tiled_grouped_linear, tiled_grouped_mlp,
                                     tiled_linear, tiled_mm)
 

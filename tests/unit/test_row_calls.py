@@ -1,0 +1,109 @@
+"""The ``batch`` level's GEMM call heights (``fp4/row_calls.py``): a probed plan's calls give every
+row the bits of the weight's fixed row tile, checked here on other random rows than the probe's, at
+one and two threads (run under ``ATEN_CPU_CAPABILITY`` / ``MKL_CBWR`` variations too:
+``tools/check_portability.sh``); the plan's arithmetic; the probe's choice and fallback."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megatron_fp4.fp4 import row_calls
+from megatron_fp4.fp4.row_calls import RowPlan, column_blocks, fixed_plan, row_plan, row_tile
+from megatron_fp4.fp4.tiled import _row_products, tiled_grouped_linear, tiled_linear
+
+
+def bits(t):
+    return t.contiguous().view(torch.int16 if t.element_size() == 2 else torch.int32)
+
+
+@pytest.fixture(params=[1, 2], ids=["1thread", "2threads"])
+def threads(request):
+    before = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    yield request.param
+    torch.set_num_threads(before)
+
+
+def tiles(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """The definition: ``x @ wᵀ`` in [T, K] · [K, Nb] calls, T the weight's fixed row tile."""
+    plan = fixed_plan(w.shape[1], w.shape[0])
+    height = plan.height(x.shape[0])
+    xp = torch.cat([x, x.new_zeros(height - x.shape[0], x.shape[1])])
+    out = x.new_empty(height, w.shape[0])
+    _row_products(xp, w.t(), out, plan)
+    return out[:x.shape[0]]
+
+
+def test_plan_heights_and_calls():
+    plan = RowPlan(4, 8, 64)
+    assert [plan.height(n) for n in (0, 1, 8, 9, 64, 65, 70, 128, 130)] == [8, 8, 8, 12, 64, 72, 72, 128, 136]
+    assert plan.calls(136) == [64, 64, 8] and plan.calls(8) == [8] and plan.calls(128) == [64, 64]
+    tile = RowPlan(16, 16, 16)
+    assert [tile.height(n) for n in (0, 1, 16, 17)] == [16, 16, 16, 32] and tile.calls(48) == [16, 16, 16]
+    assert fixed_plan(1024, 1024) == RowPlan(16, 16, 16) and fixed_plan(64, 64) == RowPlan(64, 64, 64)
+    for n in range(0, 300):  # every height is covered by calls the plan allows
+        for p in (plan, tile, RowPlan(4, 4, 256)):
+            calls = p.calls(p.height(n))
+            assert sum(calls) >= n and all(c <= p.cap and c >= p.minimum and c % p.quantum == 0 for c in calls)
+
+
+def test_other_devices_keep_the_fixed_tile():
+    assert row_plan(1024, 768, torch.float32, torch.device("cuda")) == fixed_plan(1024, 768)
+
+
+# wide (tile 16, one block), narrow (tiles 32 and 128), column blocks of 512 with a wider last one
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("k,n", [(1024, 768), (64, 128), (16, 48), (1024, 2600), (100, 60)])
+def test_every_height_of_the_plan_gives_the_tiles_bits(threads, k, n, dtype):
+    """Fresh rows (another generator than the probe's) at every height the plan may call, alone and
+    inside longer inputs: one call's rows equal the fixed tiles' bit for bit; and tiled_linear (the
+    production path) equals the tiles at row counts around every call boundary."""
+    plan = row_plan(k, n, dtype, torch.device("cpu"))
+    tile = row_tile(k, n)
+    assert plan.cap % plan.quantum == 0 and plan.minimum <= tile <= plan.cap and plan.minimum % plan.quantum == 0
+    g = torch.Generator().manual_seed(k * n)
+    w = (torch.randn(n, k, generator=g) / k ** 0.5).to(dtype)
+    x = torch.randn(2 * plan.cap + tile, k, generator=g).to(dtype)
+    want = tiles(x, w)
+    blocks = column_blocks(k, n)
+    for h in range(plan.minimum, plan.cap + 1, plan.quantum):
+        out = x.new_empty(h, n)
+        for j, width in blocks:
+            torch.mm(x[:h], w.t()[:, j:j + width], out=out[:, j:j + width])
+        assert torch.equal(bits(out), bits(want[:h])), f"height {h} of {plan}"
+    for rows in sorted({1, 2, 3, plan.minimum - 1, plan.minimum + 1, tile + 1, plan.cap - 1, plan.cap + 1, x.shape[0]}):
+        if rows > 0:
+            assert torch.equal(bits(tiled_linear(x[:rows], w)), bits(want[:rows])), f"{rows} rows"
+    counts = [1, 0, plan.cap + 3, 2, tile]
+    grouped = tiled_grouped_linear(x[:sum(counts)], [w] * len(counts), counts)
+    runs = [tiles(r, w) for r, c in zip(x[:sum(counts)].split(counts), counts) if c]
+    assert torch.equal(bits(grouped), bits(torch.cat(runs)))
+
+
+def test_the_probe_leaves_the_global_generator_alone():
+    row_calls._probe_cached.cache_clear()
+    state = torch.get_rng_state()
+    row_calls._probe(96, 80, 80, row_tile(96, 80), torch.float32)
+    assert torch.equal(torch.get_rng_state(), state)
+
+
+def test_the_probe_keeps_only_heights_that_match_and_falls_back_to_the_tile(monkeypatch):
+    """A GEMM whose heights off a multiple of 8 (or every height but the tile's) round otherwise:
+    the plan takes quantum 8 (or the tile itself)."""
+    real_mm = torch.mm
+
+    def make(bad):
+        def mm(a, b, out=None):
+            r = real_mm(a, b, out=out)
+            if bad(a.shape[0]):
+                r.mul_(1 + 2 ** -20)
+            return r
+        return mm
+
+    tile = row_tile(64, 256)
+    monkeypatch.setattr(row_calls.torch, "mm", make(lambda h: h % 8 != 0))
+    assert row_calls._run_probe(64, 256, 256, tile, torch.float32) == RowPlan(8, 8, tile * row_calls.CAP_TILES)
+    monkeypatch.setattr(row_calls.torch, "mm", make(lambda h: h < 12 or h % 4 != 0))
+    assert row_calls._run_probe(64, 256, 256, tile, torch.float32) == RowPlan(4, 12, tile * row_calls.CAP_TILES)
+    monkeypatch.setattr(row_calls.torch, "mm", make(lambda h: h != tile))
+    assert row_calls._run_probe(64, 256, 256, tile, torch.float32) == RowPlan(tile, tile, tile)
