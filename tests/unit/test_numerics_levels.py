@@ -31,14 +31,6 @@ def bits(t):
     return t.contiguous().view(torch.int32)
 
 
-@pytest.fixture(params=[1, 2], ids=["1thread", "2threads"])
-def threads(request):
-    before = torch.get_num_threads()
-    torch.set_num_threads(request.param)
-    yield request.param
-    torch.set_num_threads(before)
-
-
 # tiles of 16 (wide), 32, 64 and 128 rows (narrow: row_tile grows the tile of a small K·N); column
 # blocks (column_blocks): (2048, 256) one block, N smaller than a block; (1024, 2600) blocks of 512,
 # the last of 5 widened by the remainder of 40 (a tail block of its own: the grouped test's (1024, 2900))

@@ -16,14 +16,6 @@ def bits(t):
     return t.contiguous().view(torch.int16 if t.element_size() == 2 else torch.int32)
 
 
-@pytest.fixture(params=[1, 2], ids=["1thread", "2threads"])
-def threads(request):
-    before = torch.get_num_threads()
-    torch.set_num_threads(request.param)
-    yield request.param
-    torch.set_num_threads(before)
-
-
 def tiles(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """The definition: ``x @ wᵀ`` in [T, K] · [K, Nb] calls, T the weight's fixed row tile."""
     plan = fixed_plan(w.shape[1], w.shape[0])
