@@ -109,25 +109,26 @@ _LOCK = threading.Lock()
 
 def row_plan(k: int, n: int, dtype: torch.dtype, device: torch.device) -> RowPlan:
     """The :class:`RowPlan` of a [·, k] · [k, n] GEMM (the weight the transpose of a row-major
-    [n, k]) at ``dtype`` on ``device`` at the current thread count: probed on CPU once per shape,
-    dtype and thread count (every column block's call shape, :func:`_probe`), the fixed tile elsewhere."""
+    [n, k]) at ``dtype`` on ``device`` at the current thread count and fp32 matmul precision: probed
+    on CPU once per shape, dtype and setting (every column block's call shape, :func:`_run_probe`),
+    the fixed tile elsewhere."""
     if torch.device(device).type != "cpu":
         return fixed_plan(k, n)
-    key = (k, n, dtype, torch.get_num_threads())
+    key = (k, n, dtype, torch.get_num_threads(), torch.get_float32_matmul_precision())
     plan = _PLANS.get(key)
     if plan is None:
-        plan = _combined(k, n, dtype)
+        plan = _combined(k, n, dtype, key[3:])
         with _LOCK:
             _PLANS[key] = plan
     return plan
 
 
-def _combined(k: int, n: int, dtype: torch.dtype) -> RowPlan:
+def _combined(k: int, n: int, dtype: torch.dtype, setting: tuple) -> RowPlan:
     """The plan every column block of the weight accepts: each distinct block width probed (the
     blocks of one width make the same calls: same shape and strides), the coarsest of them kept
     when they agree on nothing smaller (else the fixed tile)."""
     tile = row_tile(k, n)
-    plans = {_probe(k, width, n, tile, dtype) for width in {w for _, w in column_blocks(k, n)}}
+    plans = {_probe_cached(k, width, n, tile, dtype, setting) for width in {w for _, w in column_blocks(k, n)}}
     if len(plans) == 1:
         return plans.pop()
     quantum = max(p.quantum for p in plans)  # QUANTA: each divides the largest
@@ -138,13 +139,10 @@ def _combined(k: int, n: int, dtype: torch.dtype) -> RowPlan:
 
 
 @functools.lru_cache(maxsize=None)
-def _probe_cached(k: int, width: int, stride: int, tile: int, dtype: torch.dtype, threads: int) -> RowPlan:
-    """:func:`_probe` remembered per thread count (the BLAS's choices change with it)."""
+def _probe_cached(k: int, width: int, stride: int, tile: int, dtype: torch.dtype, setting: tuple) -> RowPlan:
+    """:func:`_run_probe` remembered per ``setting`` (the thread count and fp32 matmul precision
+    it ran at: the BLAS's choices change with them)."""
     return _run_probe(k, width, stride, tile, dtype)
-
-
-def _probe(k: int, width: int, stride: int, tile: int, dtype: torch.dtype) -> RowPlan:
-    return _probe_cached(k, width, stride, tile, dtype, torch.get_num_threads())
 
 
 def _run_probe(k: int, width: int, stride: int, tile: int, dtype: torch.dtype) -> RowPlan:
@@ -153,7 +151,7 @@ def _run_probe(k: int, width: int, stride: int, tile: int, dtype: torch.dtype) -
     random rows, the smallest quantum and minimum (at most T: else the tile is as cheap) whose
     heights all passed, confirmed from a misaligned copy of the rows at the minimum and the cap."""
     cap = tile * CAP_TILES
-    with torch.inference_mode():
+    with torch.inference_mode(), torch.autocast("cpu", enabled=False):
         gen = torch.Generator().manual_seed(PROBE_SEED)
         wt = torch.randn(width, k, generator=gen).to(dtype).t()
         x = torch.randn(cap, k, generator=gen).to(dtype)
