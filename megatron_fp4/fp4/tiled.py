@@ -237,21 +237,16 @@ def _run_tiles(xp: torch.Tensor, weights, layout: GroupedRows, plan: RowPlan) ->
     makes (:func:`_row_products`: the same shapes and output row stride, the weight (block) the
     transpose of a row-major [Nb, K]), so a row's bits are those of its run alone. Rows of a span
     past that height (another GEMM's plan set the span) are zeros."""
-    n_out, K = weights[0].shape[0], xp.shape[1]
+    n_out = weights[0].shape[0]
     heights = [plan.height(n) if n else 0 for n in layout.counts]
     out = (xp.new_empty if heights == layout.spans else xp.new_zeros)(layout.at, n_out)
-    one_block = len(column_blocks(K, n_out)) == 1
     x_runs, out_runs = xp.split(layout.spans), out.split(layout.spans)
     for w, xr, outr, n, height in zip(weights, x_runs, out_runs, layout.counts, heights):
         if not n:
             continue
-        wt = (w if w.is_contiguous() else w.contiguous()).t()
         if height != xr.shape[0]:
             xr, outr = xr[:height], outr[:height]
-        if one_block and height <= plan.cap:  # one call (a decode step's run, a probed plan's run up to its cap)
-            torch.mm(xr, wt, out=outr)
-        else:
-            _row_products(xr, wt, outr, plan)
+        _row_products(xr, (w if w.is_contiguous() else w.contiguous()).t(), outr, plan)
     return out
 
 
