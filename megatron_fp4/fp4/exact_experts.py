@@ -121,5 +121,5 @@ def shared_input_linear(x: torch.Tensor, weight: torch.Tensor, bias, shards: Seq
     outs, tile = [], numerics.triton if invariant.tiled(numerics, x) else None
     for site, w, b in zip(sites, weights, biases):
         wq = _cached_weight(site, w, False, lambda at, w=w: at.quantize(w, r.weight, "weight", compensated=False))
-        outs.append(_gemm(xq, wq, b, (*x.shape[:-1], w.shape[0]), x.dtype, tile))
+        outs.append(_gemm(xq, wq, b, (*x.shape[:-1], w.shape[0]), x.dtype, tile, numerics.weight_packs()))
     return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)

@@ -105,7 +105,7 @@ class _ExactLinear(torch.autograd.Function):
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None, numerics=None) -> torch.Tensor:
     """``F.linear``: exact at the ``exact`` level, row-tiled at ``batch``."""
     if tiled(numerics, x):  # fixed row tiles: the Triton kernel where numerics.triton serves it, else tiled.py
-        return triton_batch.linear(x, weight, bias, numerics.triton)
+        return triton_batch.linear(x, weight, bias, numerics.triton, numerics.weight_packs())
     if not exact(numerics, x):
         return F.linear(x, weight, bias)
     return _ExactLinear.apply(x, weight, bias, numerics.weight_cache)
@@ -115,7 +115,7 @@ def grouped_linear(x: torch.Tensor, weights, counts, numerics=None) -> torch.Ten
     """Consecutive runs of ``counts[e]`` rows of ``x`` times ``weights[e]ᵀ``, without autograd: in
     the mode each row's bits are those of :func:`linear` on that run alone (``exact_grouped_linear``)."""
     if tiled(numerics, x):
-        return triton_batch.grouped_linear(x, weights, counts, numerics.triton)
+        return triton_batch.grouped_linear(x, weights, counts, numerics.triton, numerics.weight_packs())
     if not exact(numerics, x):
         return torch.cat([F.linear(r, w) for r, w, n in zip(x.split(list(counts)), weights, counts) if n])
     return exact_grouped_linear(x, weights, counts, numerics.weight_cache)

@@ -109,6 +109,7 @@ class _Site:
     cache: Optional[dict] = field(default=None, compare=False)  # Numerics.weight_cache
     cut: Optional[TensorCut] = None  # a tensor-parallel slice of the linear (tensor_cut.py)
     kernels: object = field(default=None, compare=False)  # Numerics.kernels (fused.CompiledKernels)
+    packs: Optional[dict] = field(default=None, compare=False)  # Numerics.weight_packs()
 
     @classmethod
     def at(cls, recipe: Recipe, layer: str, numerics: Numerics, device, segments=None, defer: bool = True,
@@ -116,7 +117,8 @@ class _Site:
         """The site of a call now under ``numerics`` (``defer=False``: eager non-finite checks)."""
         now = numerics.position
         return cls(recipe, layer, now.step, now.micro_batch, now.nonfinite_flags_for(device) if defer else None,
-                   segments, numerics.triton, numerics.weight_cache, cut, numerics.kernels)
+                   segments, numerics.triton, numerics.weight_cache, cut, numerics.kernels,
+                   numerics.weight_packs())
 
     def reducer(self, fmt: OperandFormat, operand: str):
         """The amax reduction of ``operand`` over a tensor-parallel cut (None: none needed)."""
@@ -210,14 +212,16 @@ def _accumulate_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 @_no_autocast
-def _gemm(xq, wq, bias32, out_shape, out_dtype, tile: Optional[str] = None) -> torch.Tensor:
+def _gemm(xq, wq, bias32, out_shape, out_dtype, tile: Optional[str] = None,
+          packs: Optional[dict] = None) -> torch.Tensor:
     """``Q̃(X)·Q(W)ᵀ (+ b)`` accumulated in fp32; ``tile``: over fixed row tiles (the ``batch`` level),
-    the value the model's ``Numerics.triton`` (`triton_batch.linear`: the Triton kernel where it serves)."""
+    the value the model's ``Numerics.triton`` (`triton_batch.linear`: the Triton kernel where it serves;
+    ``packs``: ``Numerics.weight_packs()``)."""
     acc = _accumulate_dtype(out_dtype)
     bias = None if bias32 is None else bias32.to(acc)
     if tile is None:
         return F.linear(xq.to(acc), wq.to(acc), bias).to(out_dtype).reshape(out_shape)
-    return triton_batch.linear(xq.to(acc), wq.to(acc), bias, tile).to(out_dtype).reshape(out_shape)
+    return triton_batch.linear(xq.to(acc), wq.to(acc), bias, tile, packs).to(out_dtype).reshape(out_shape)
 
 
 def _rows32(dy: torch.Tensor) -> torch.Tensor:
@@ -355,7 +359,7 @@ def moeresq_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
             tile = numerics.triton if invariant.tiled(numerics, x) else None
 
             def gemm():
-                return _gemm(xq, wq, bias32, out_shape, x.dtype, tile)
+                return _gemm(xq, wq, bias32, out_shape, x.dtype, tile, site.packs)
     if not (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weight, bias))):
         return gemm()
     dgrad_link = _DgradHalf.apply(x, wq, site, out_shape)

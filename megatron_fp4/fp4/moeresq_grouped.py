@@ -88,6 +88,7 @@ class _Group:
         self.whole = _Site.at(recipe, name, numerics, device, cut=cut)  # names all-rows calls
         self.tiled = invariant.tiled(numerics)  # the batch level: forward GEMMs over fixed row tiles
         self.triton = numerics.triton  # ... by the Triton kernel where it serves (`triton_batch.mm`)
+        self.packs = numerics.weight_packs()  # where oneDNN's packed weights are kept (`tiled._onednn_weight`)
 
     def rows(self, t: torch.Tensor, e: int) -> torch.Tensor:
         a, b = self.ranges[e]
@@ -151,7 +152,7 @@ def _forward(g: _Group, x2: torch.Tensor, weight: torch.Tensor):
     out = torch.empty(x2.shape[0], weight.shape[1], dtype=acc, device=x2.device)  # every row is an expert's
     for e in g.active:
         if g.tiled:
-            g.rows(out, e).copy_(triton_batch.mm(g.rows(xq, e).to(acc), wqs[e].to(acc).t(), g.triton))
+            g.rows(out, e).copy_(triton_batch.mm(g.rows(xq, e).to(acc), wqs[e].to(acc).t(), g.triton, g.packs))
         else:
             torch.mm(g.rows(xq, e).to(acc), wqs[e].to(acc).t(), out=g.rows(out, e))
     return out.to(x2.dtype), wqs

@@ -21,7 +21,8 @@ other build-time value, set on each FP4 module by the model's specs):
   (``triton_fp4.py``) and the ``batch`` level's GEMMs and attention (``triton_batch.py``). Fixed
   when the object is built, as the level.
 - ``weight_cache``: a dict where derived weight operands (``Q(W)``, exact-GEMM splits, limbs) are
-  reused (``exact_gemm.cached_for_weight``), or None.
+  reused (``exact_gemm.cached_for_weight``), or None. A ``rollout``-mode model also keeps the
+  ``batch`` level's oneDNN packed weights there (:meth:`Numerics.weight_packs`).
 - ``kernels``: the compiled fake-quant/ResQ backend this model's FP4 ops use where ``compile`` lets
   them (a ``fused.CompiledKernels``, given when the numerics are built — ``Numerics(kernels=...)``,
   ``rollout_numerics`` keeps the base's — and adopted between steps by its owner: the Trainer), or
@@ -144,6 +145,14 @@ class Numerics:
             raise ValueError(f"micro_batch: local_index={local_index!r} must be a non-negative int")
         now = self.position
         return self._set(position=replace(now, micro_batch=now.first_micro_batch + local_index))
+
+    def weight_packs(self) -> Optional[dict]:
+        """Where the ``batch`` level's oneDNN GEMMs keep a weight's packed copy (``tiled._onednn_weight``):
+        the weight cache of a ``rollout``-mode model (an engine's or the vLLM plugin's: weights constant
+        from one version to the next, decode steps of a few rows, which read a packed weight ~2.4× faster),
+        None for a trainer's (its weights change every step; a copy of each would cost their memory, and
+        its calls' many rows gain ~5 %). The bits are the same either way (``row_calls.row_plan``)."""
+        return self.weight_cache if self.mode == "rollout" else None
 
     def cached_weights(self, store: Optional[dict] = None):
         """Reuse what GEMMs derive from a weight alone inside the block (``exact_gemm.cached_for_weight``);

@@ -21,6 +21,19 @@ of the plan (a decode step's 2 rows of an expert to 4 instead of 16) and cuts lo
 cap-row calls (a scoring pass's 42 rows of an expert in one call instead of 3 tiles): the tiles'
 bits at a lower price. The plan is a cached fact of the machine, not a mode: the bits are the
 tiles' either way.
+
+The kernel: an fp32 weight of at least :data:`ONEDNN_MIN_ELEMENTS` on a CPU with AVX2 is first probed
+with oneDNN's inner product (``torch.ops.mkldnn._linear_pointwise``, one column block: oneDNN
+blocks the weight itself), where the weight is either the row-major [n, k] tensor or oneDNN's packed
+copy of it (:func:`onednn_pack`): both forms at every height must give the oneDNN tiles' bits. It is
+kept where they do (measured here: every height from 4, 1 and 2 threads, both forms equal), and then
+*its* T-row tiles define the row's bits (the plan's ``kernel``); elsewhere MKL's ``mm`` does. The
+choice is a function of the shape, the machine and the build, as the heights are, so the trainer
+and a rollout on one machine pick the same. What it buys: oneDNN's fp32 kernels read a weight at
+small heights far faster than MKL's sgemm, which packs the transposed weight on every call (4 rows
+times a [4096, 1024] weight: 0.42 ms packed, 1.0 dense, 1.5 ms ``mm``; 64 rows 1.3×); the packed form
+is kept where weights stay constant across calls (a rollout model's weight cache,
+``Numerics.weight_packs``), the trainer computes with the dense form (the same bits, no copy).
 """
 from __future__ import annotations
 
@@ -39,6 +52,8 @@ MIN_COLUMN_BLOCK = 256  # columns of a weight block at least
 CAP_TILES = 4  # a call takes at most this many tiles' rows (a probed plan's cap)
 QUANTA = (4, 8, 16)  # a probed plan's row quantum: the heights it may call are its multiples
 PROBE_SEED = 0x5EED
+ONEDNN_MIN_ELEMENTS = 1 << 18  # weights smaller than this stay on mm (oneDNN's ~12 µs a call loses below it)
+KERNELS = ("mm", "onednn")  # a plan's kernel: MKL's (the BLAS's) GEMM, or oneDNN's inner product
 
 
 @functools.lru_cache(maxsize=None)
@@ -77,11 +92,12 @@ def column_blocks(k: int, n: int) -> tuple:
 @dataclass(frozen=True)
 class RowPlan:
     """The heights one GEMM call may take: the multiples of ``quantum`` from ``minimum`` to ``cap``
-    (the fixed tile T: ``RowPlan(T, T, T)``)."""
+    (the fixed tile T: ``RowPlan(T, T, T)``), each a call of ``kernel`` (:data:`KERNELS`)."""
 
     quantum: int
     minimum: int
     cap: int
+    kernel: str = "mm"
 
     def height(self, rows: int) -> int:
         """Rows ``rows`` are padded to: whole cap-row calls, then the remainder rounded up to a
@@ -110,17 +126,51 @@ _LOCK = threading.Lock()
 def row_plan(k: int, n: int, dtype: torch.dtype, device: torch.device) -> RowPlan:
     """The :class:`RowPlan` of a [·, k] · [k, n] GEMM (the weight the transpose of a row-major
     [n, k]) at ``dtype`` on ``device`` at the current thread count and fp32 matmul precision: probed
-    on CPU once per shape, dtype and setting (every column block's call shape, :func:`_run_probe`),
-    the fixed tile elsewhere."""
+    on CPU once per shape, dtype and setting (oneDNN first where it may serve, :func:`onednn_serves`;
+    else every column block's ``mm`` call shape, :func:`_run_probe`), the fixed tile elsewhere."""
     if torch.device(device).type != "cpu":
         return fixed_plan(k, n)
     key = (k, n, dtype, torch.get_num_threads(), torch.get_float32_matmul_precision())
     plan = _PLANS.get(key)
     if plan is None:
-        plan = _combined(k, n, dtype, key[3:])
+        plan = None
+        if onednn_serves(k, n, dtype):
+            plan = _probe_cached(k, n, n, row_tile(k, n), dtype, key[3:], "onednn")
+            plan = plan if plan.kernel == "onednn" else None  # no height agreed: not trusted, mm's plan
+        plan = plan or _combined(k, n, dtype, key[3:])
         with _LOCK:
             _PLANS[key] = plan
     return plan
+
+
+@functools.lru_cache(maxsize=None)
+def _onednn_usable() -> bool:
+    """oneDNN's fp32 inner product is in this build and the CPU has AVX2 (its kernels for older
+    vector units lose to ``mm`` at every height: measured)."""
+    try:
+        return bool(torch.backends.mkldnn.is_available() and torch.cpu._is_avx2_supported()
+                    and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+                    and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
+    except (AttributeError, RuntimeError):
+        return False
+
+
+def onednn_serves(k: int, n: int, dtype: torch.dtype) -> bool:
+    """Whether a [·, k] · [k, n] GEMM is probed with oneDNN first: fp32, a weight of at least
+    :data:`ONEDNN_MIN_ELEMENTS`, oneDNN usable here."""
+    return dtype == torch.float32 and k * n >= ONEDNN_MIN_ELEMENTS and _onednn_usable()
+
+
+def onednn_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """``x @ wᵀ`` by oneDNN's inner product: ``w`` the row-major [n, k] weight or its
+    :func:`onednn_pack` (the same bits: :func:`row_plan` keeps oneDNN only where they are)."""
+    return torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
+
+
+def onednn_pack(w: torch.Tensor) -> torch.Tensor:
+    """oneDNN's packed (blocked) copy of the row-major [n, k] weight ``w``, for :func:`onednn_linear`:
+    a decode step's few rows read it ~2.4× faster than the dense weight (a copy as large as ``w``)."""
+    return torch.ops.mkldnn._reorder_linear_weight(w, ROW_TILE)
 
 
 def _combined(k: int, n: int, dtype: torch.dtype, setting: tuple) -> RowPlan:
@@ -139,30 +189,43 @@ def _combined(k: int, n: int, dtype: torch.dtype, setting: tuple) -> RowPlan:
 
 
 @functools.lru_cache(maxsize=None)
-def _probe_cached(k: int, width: int, stride: int, tile: int, dtype: torch.dtype, setting: tuple) -> RowPlan:
+def _probe_cached(k: int, width: int, stride: int, tile: int, dtype: torch.dtype, setting: tuple,
+                  kernel: str = "mm") -> RowPlan:
     """:func:`_run_probe` remembered per ``setting`` (the thread count and fp32 matmul precision
     it ran at: the BLAS's choices change with them)."""
-    return _run_probe(k, width, stride, tile, dtype)
+    return _run_probe(k, width, stride, tile, dtype, kernel)
 
 
-def _run_probe(k: int, width: int, stride: int, tile: int, dtype: torch.dtype) -> RowPlan:
-    """Which call heights give a [h, k] · [k, width] call (output row stride ``stride``) the bits
-    of T = ``tile``-row calls in every row: the multiples of 4 up to ``CAP_TILES`` tiles tried on
-    random rows, the smallest quantum and minimum (at most T: else the tile is as cheap) whose
-    heights all passed, confirmed from a misaligned copy of the rows at the minimum and the cap."""
+def _products(kernel: str, wt: torch.Tensor, width: int, stride: int, dtype: torch.dtype) -> list:
+    """The forms of one call of ``kernel`` the probe compares: each ``f(rows) -> [h, width]`` (a view of
+    an output of row stride ``stride``). ``mm``: the one form; ``onednn``: the packed weight, then the
+    dense one (both must give the tiles' bits)."""
+    if kernel == "mm":
+        def mm(rows):
+            out = torch.empty(rows.shape[0], stride, dtype=dtype)[:, :width]
+            return torch.mm(rows, wt, out=out)
+        return [mm]
+    w = wt.t()
+    packed = onednn_pack(w)
+    return [lambda rows: onednn_linear(rows, packed), lambda rows: onednn_linear(rows, w)]
+
+
+def _run_probe(k: int, width: int, stride: int, tile: int, dtype: torch.dtype, kernel: str = "mm") -> RowPlan:
+    """Which call heights give a [h, k] · [k, width] call of ``kernel`` (output row stride ``stride``)
+    the bits of T = ``tile``-row calls in every row: the multiples of 4 up to ``CAP_TILES`` tiles
+    tried on random rows (every form of the call, :func:`_products`), the smallest quantum and
+    minimum (at most T: else the tile is as cheap) whose heights all passed, confirmed from a
+    misaligned copy of the rows at the minimum and the cap. The fixed tile (``mm``'s) where none did."""
     cap = tile * CAP_TILES
     with torch.inference_mode(), torch.autocast("cpu", enabled=False):
         gen = torch.Generator().manual_seed(PROBE_SEED)
         wt = torch.randn(width, k, generator=gen).to(dtype).t()
         x = torch.randn(cap, k, generator=gen).to(dtype)
-        ref = torch.empty(cap, stride, dtype=dtype)[:, :width]
-        for xt, ot in zip(x.split(tile), ref.split(tile)):
-            torch.mm(xt, wt, out=ot)
+        forms = _products(kernel, wt, width, stride, dtype)
+        ref = torch.cat([forms[0](xt) for xt in x.split(tile)])
 
         def same(rows: torch.Tensor) -> bool:
-            out = torch.empty(rows.shape[0], stride, dtype=dtype)[:, :width]
-            torch.mm(rows, wt, out=out)
-            return torch.equal(out, ref[:rows.shape[0]])
+            return all(torch.equal(form(rows), ref[:rows.shape[0]]) for form in forms)
 
         good = {h for h in range(QUANTA[0], cap + 1, QUANTA[0]) if same(x[:h])}
         for quantum in QUANTA:
@@ -171,6 +234,6 @@ def _run_probe(k: int, width: int, stride: int, tile: int, dtype: torch.dtype) -
                     continue
                 shifted = torch.empty(cap * k + 1, dtype=dtype)[1:].view(cap, k).copy_(x)
                 if same(shifted[:minimum]) and same(shifted):
-                    return RowPlan(quantum, minimum, cap)
+                    return RowPlan(quantum, minimum, cap, kernel)
                 return RowPlan(tile, tile, tile)
     return RowPlan(tile, tile, tile)

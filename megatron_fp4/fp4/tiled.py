@@ -49,8 +49,9 @@ import torch.nn.functional as F
 
 from megatron_fp4.fp4.block_attention_grad import attention_backward
 from megatron_fp4.fp4.grad_fusion import claim_fused, finish_fused, fused_grad_of
+from megatron_fp4.fp4.exact_gemm import cached_for_weight
 from megatron_fp4.fp4.row_calls import (MAX_ROW_TILE, ROW_TILE, RowPlan, column_blocks, fixed_plan,  # noqa: F401
-                                        row_plan, row_tile)
+                                        onednn_linear, onednn_pack, row_plan, row_tile)
 
 KEY_BLOCK = 64
 MIN_VALUE_COLUMNS = 16  # the weighted-value GEMM's width at least (`block_attention`)
@@ -66,27 +67,49 @@ def _padded_rows(x2: torch.Tensor, height: int) -> torch.Tensor:
     return F.pad(x2, (0, 0, 0, height - M))
 
 
-def _tiled_forward(x2: torch.Tensor, wt: torch.Tensor) -> torch.Tensor:
+def _tiled_forward(x2: torch.Tensor, wt: torch.Tensor, packs: Optional[dict] = None) -> torch.Tensor:
     """The forward of :func:`tiled_mm` (no autograd): ``wt`` [K, N] the transpose of a row-major
     [N, K]. The rows padded to a height of the weight's :func:`row_plan` (the fixed tile's bits in
     fewer, fuller calls where the machine's GEMM gives them, `row_calls.py`), the calls' products
-    written in place into one output (no concatenating copy)."""
+    written in place into one output (no concatenating copy). ``packs``: where a weight's oneDNN
+    packed copy is kept (:func:`_onednn_weight`)."""
     M = x2.shape[0]
     K, N = wt.shape
     plan = row_plan(K, N, x2.dtype, x2.device)
     xp = _padded_rows(x2, plan.height(M))
-    out = xp.new_empty(xp.shape[0], N)
-    _row_products(xp, wt, out, plan)
+    if plan.kernel == "onednn" and xp.shape[0] <= plan.cap:  # one call: its own output
+        out = onednn_linear(xp, _onednn_weight(wt.t(), packs))
+    else:
+        out = xp.new_empty(xp.shape[0], N)
+        _row_products(xp, wt, out, plan, packs)
     return out[:M] if out.shape[0] != M else out
 
 
-def _row_products(xp: torch.Tensor, wt: torch.Tensor, out: torch.Tensor, plan: RowPlan) -> None:
+def _onednn_weight(w: torch.Tensor, packs: Optional[dict]) -> torch.Tensor:
+    """What a oneDNN call reads for the row-major weight ``w``: its packed copy, made once per weight
+    version and kept in ``packs`` (``Numerics.weight_packs``: a rollout model's weight cache), or
+    ``w`` itself (no store). The same bits either way (`row_calls.row_plan` keeps oneDNN only where
+    both forms agree)."""
+    if packs is None:
+        return w
+    return cached_for_weight(packs, w, "oneDNN pack", lambda: onednn_pack(w))
+
+
+def _row_products(xp: torch.Tensor, wt: torch.Tensor, out: torch.Tensor, plan: RowPlan,
+                  packs: Optional[dict] = None) -> None:
     """``out = xp @ wt`` (``xp`` [R, K], R a height of ``plan``; ``out`` [R, N] rows of a row-major
     [·, N]) by one [h, K] · [K, Nb] call per call height h of ``plan.calls(R)`` and column block
     (:func:`column_blocks`), each written into its place in ``out``. The column block is the outer
-    loop: a weight block stays in cache across the row calls (their views made once, by ``split``)."""
-    blocks = column_blocks(*wt.shape)
+    loop: a weight block stays in cache across the row calls (their views made once, by ``split``).
+    A oneDNN plan makes its calls over the whole weight (oneDNN blocks it itself), each product
+    copied into its rows of ``out``."""
     calls = plan.calls(xp.shape[0])
+    if plan.kernel == "onednn":
+        w = _onednn_weight(wt.t(), packs)
+        for xt, ot in zip(xp.split(calls), out.split(calls)):
+            ot.copy_(onednn_linear(xt, w))
+        return
+    blocks = column_blocks(*wt.shape)
     if len(blocks) == 1 and len(calls) == 1:  # one call, one block (a decode step): no views
         torch.mm(xp, wt, out=out)
         return
@@ -106,10 +129,10 @@ class _TiledMM(torch.autograd.Function):
     (`fp4/grad_fusion.py`), with the bits of that accumulation."""
 
     @staticmethod
-    def forward(ctx, x2, w):
+    def forward(ctx, x2, w, packs):
         ctx.save_for_backward(x2, w)
         ctx.fused = fused_grad_of(w, ctx.needs_input_grad[1])
-        return _tiled_forward(x2, w.t())
+        return _tiled_forward(x2, w.t(), packs)
 
     @staticmethod
     def backward(ctx, dy):
@@ -122,28 +145,29 @@ class _TiledMM(torch.autograd.Function):
             finish_fused(dest)
         elif ctx.needs_input_grad[1]:
             dw = torch.mm(dy.t(), x2)
-        return dx, dw
+        return dx, dw, None
 
 
-def _tiled_linear2d(x2: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+def _tiled_linear2d(x2: torch.Tensor, w: torch.Tensor, packs: Optional[dict] = None) -> torch.Tensor:
     """``x2`` [M, K] @ ``w``ᵀ (``w`` [N, K]) by :func:`_tiled_forward`, through :class:`_TiledMM` with
     autograd. The weight is made row-major first (a GEMM kernel is chosen by layout as well as shape,
     and picks other bits); the parameter itself reaches :class:`_TiledMM` (its fused gradient)."""
     if not w.is_contiguous():
         w = w.contiguous()
     if torch.is_grad_enabled() and (x2.requires_grad or w.requires_grad):
-        return _TiledMM.apply(x2, w)
-    return _tiled_forward(x2, w.t())
+        return _TiledMM.apply(x2, w, packs)
+    return _tiled_forward(x2, w.t(), packs)
 
 
-def tiled_mm(x2: torch.Tensor, wt: torch.Tensor) -> torch.Tensor:
+def tiled_mm(x2: torch.Tensor, wt: torch.Tensor, packs: Optional[dict] = None) -> torch.Tensor:
     """``x2`` [M, K] @ ``wt`` [K, N] with the bits of one [T, K] · [K, Nb] call per row tile and column
     block (T = :func:`row_tile`, Nb = :func:`column_blocks`; calls of the heights of :func:`row_plan`,
     :func:`_tiled_forward`; the backward is one plain GEMM per gradient,
     :class:`_TiledMM`: it is not batch invariant). The operands' memory layouts are made canonical
     (row-major tiles, ``wt`` the transpose of a row-major [N, K]): a GEMM kernel is chosen by layout
-    as well as shape, and picks other bits."""
-    return _tiled_linear2d(x2, wt.t())
+    as well as shape, and picks other bits. ``packs``: where oneDNN's packed weights are kept
+    (``Numerics.weight_packs``; the same bits without)."""
+    return _tiled_linear2d(x2, wt.t(), packs)
 
 
 def row_sum(t: torch.Tensor, keepdim: bool = False) -> torch.Tensor:
@@ -161,21 +185,22 @@ def row_sum(t: torch.Tensor, keepdim: bool = False) -> torch.Tensor:
     return out.view(*t.shape[:-1], 1) if keepdim else out.view(t.shape[:-1])
 
 
-def tiled_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+def tiled_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
+                 packs: Optional[dict] = None) -> torch.Tensor:
     """``F.linear`` by :func:`tiled_mm` (the bias added after, elementwise)."""
     x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
-    out = _tiled_linear2d(x2, weight)
+    out = _tiled_linear2d(x2, weight, packs)
     if x.dim() != 2:
         out = out.view(*x.shape[:-1], weight.shape[0])
     return out if bias is None else out + bias
 
 
-def tiled_grouped_linear(x: torch.Tensor, weights, counts) -> torch.Tensor:
+def tiled_grouped_linear(x: torch.Tensor, weights, counts, packs: Optional[dict] = None) -> torch.Tensor:
     """Consecutive runs of ``counts[e]`` rows of ``x`` times ``weights[e]ᵀ``, each run tiled alone.
     ``weights``: a list, or a stacked [E, out, in] tensor (with autograd: :class:`_TiledGroupedLinear`)."""
     if isinstance(weights, torch.Tensor) and torch.is_grad_enabled() and (x.requires_grad or weights.requires_grad):
-        return _TiledGroupedLinear.apply(x, weights, tuple(int(n) for n in counts))
-    return _grouped_tiles(x, weights, [int(n) for n in counts])
+        return _TiledGroupedLinear.apply(x, weights, tuple(int(n) for n in counts), packs)
+    return _grouped_tiles(x, weights, [int(n) for n in counts], packs=packs)
 
 
 class GroupedRows:
@@ -217,7 +242,8 @@ class GroupedRows:
         return yp if self.rows is None else yp.index_select(0, self.rows)
 
 
-def _grouped_tiles(x: torch.Tensor, weights, counts: list, plan: Optional[RowPlan] = None) -> torch.Tensor:
+def _grouped_tiles(x: torch.Tensor, weights, counts: list, plan: Optional[RowPlan] = None,
+                   packs: Optional[dict] = None) -> torch.Tensor:
     """The forward of :func:`tiled_grouped_linear`: every run's rows copied once into one zeroed
     buffer, each run padded to its height (:class:`GroupedRows`), the run's calls of the weight's
     :func:`row_plan` per column block into one output (:func:`_run_tiles`), the runs' rows gathered
@@ -228,10 +254,11 @@ def _grouped_tiles(x: torch.Tensor, weights, counts: list, plan: Optional[RowPla
         return x.new_zeros(0, n_out)
     plan = row_plan(x.shape[1], n_out, x.dtype, x.device) if plan is None else plan
     layout = GroupedRows(counts, (plan,), x.device)
-    return layout.unpad(_run_tiles(layout.pad(x), weights, layout, plan))
+    return layout.unpad(_run_tiles(layout.pad(x), weights, layout, plan, packs))
 
 
-def _run_tiles(xp: torch.Tensor, weights, layout: GroupedRows, plan: RowPlan) -> torch.Tensor:
+def _run_tiles(xp: torch.Tensor, weights, layout: GroupedRows, plan: RowPlan,
+               packs: Optional[dict] = None) -> torch.Tensor:
     """``xp`` [at, K] in ``layout`` times each run's ``weights[e]ᵀ`` -> [at, N]: over the first
     ``plan.height(counts[e])`` rows of run e's span, the calls :func:`tiled_mm` of the run alone
     makes (:func:`_row_products`: the same shapes and output row stride, the weight (block) the
@@ -246,7 +273,7 @@ def _run_tiles(xp: torch.Tensor, weights, layout: GroupedRows, plan: RowPlan) ->
             continue
         if height != xr.shape[0]:
             xr, outr = xr[:height], outr[:height]
-        _row_products(xr, (w if w.is_contiguous() else w.contiguous()).t(), outr, plan)
+        _row_products(xr, (w if w.is_contiguous() else w.contiguous()).t(), outr, plan, packs)
     return out
 
 
@@ -281,11 +308,11 @@ class _TiledGroupedLinear(torch.autograd.Function):
     GEMM per gradient (not batch invariant, as in :class:`_TiledMM`)."""
 
     @staticmethod
-    def forward(ctx, x, weight, counts):
+    def forward(ctx, x, weight, counts, packs):
         ctx.save_for_backward(x, weight)
         ctx.counts = counts
         ctx.fused = fused_grad_of(weight, ctx.needs_input_grad[1])
-        return tiled_grouped_linear(x, weight.unbind(0), counts)
+        return tiled_grouped_linear(x, weight.unbind(0), counts, packs)
 
     @staticmethod
     def backward(ctx, dy):
@@ -301,13 +328,14 @@ class _TiledGroupedLinear(torch.autograd.Function):
             # 16-byte multiples); dw stays per expert (into the optimizer's buffer when it grants the claim).
             offs = torch.tensor(ctx.counts, device=x.device).cumsum(0).to(torch.int32)
             dx = _GROUPED_MM(dy.contiguous(), weight, offs=offs)
-            return dx, _grouped_grads(ctx, dy, x, weight, starts, ctx.counts, None), None
+            return dx, _grouped_grads(ctx, dy, x, weight, starts, ctx.counts, None), None, None
         # Every row belongs to one expert, so dx is written whole.
         dx = torch.empty(x.shape, dtype=x.dtype, device=x.device) if ctx.needs_input_grad[0] else None
-        return dx, _grouped_grads(ctx, dy, x, weight, starts, ctx.counts, dx), None
+        return dx, _grouped_grads(ctx, dy, x, weight, starts, ctx.counts, dx), None, None
 
 
-def tiled_grouped_mlp(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, counts, act) -> torch.Tensor:
+def tiled_grouped_mlp(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, counts, act,
+                      packs: Optional[dict] = None) -> torch.Tensor:
     """An expert MLP over consecutive runs of ``counts[e]`` rows of ``x``, without autograd:
     ``act(h) @ w2[e]ᵀ`` with ``h = x @ w13[e]ᵀ`` (``w13`` [E, F2, H], ``w2`` [E, H, F]; ``act``
     [·, F2] -> [·, F] row by row, e.g. SwiGLU), each GEMM the bits of :func:`tiled_grouped_linear`
@@ -324,8 +352,8 @@ def tiled_grouped_mlp(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, coun
     p13 = row_plan(w13.shape[2], w13.shape[1], x.dtype, x.device)
     p2 = row_plan(w2.shape[2], w2.shape[1], x.dtype, x.device)
     layout = GroupedRows(counts, (p13, p2), x.device)
-    h = _run_tiles(layout.pad(x), w13.unbind(0), layout, p13)
-    return layout.unpad(_run_tiles(act(h), w2.unbind(0), layout, p2))
+    h = _run_tiles(layout.pad(x), w13.unbind(0), layout, p13, packs)
+    return layout.unpad(_run_tiles(act(h), w2.unbind(0), layout, p2, packs))
 
 
 def _zero_padded(t: torch.Tensor, dim: int, size: int) -> torch.Tensor:

@@ -293,11 +293,11 @@ def _linear2d(x2: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
-           triton: str = "auto") -> torch.Tensor:
+           triton: str = "auto", packs: Optional[dict] = None) -> torch.Tensor:
     """``tiled.tiled_linear`` (``F.linear`` over fixed row tiles) by the Triton kernel where it
-    :func:`serves` under the mode ``triton``."""
+    :func:`serves` under the mode ``triton`` (``packs``: the portable path's, ``Numerics.weight_packs``)."""
     if not serves(triton, x, weight):
-        return tiled.tiled_linear(x, weight, bias)
+        return tiled.tiled_linear(x, weight, bias, packs)
     x, weight = _autocast(x, weight)
     x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
     out = _linear2d(x2, weight)
@@ -306,22 +306,22 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] =
     return out if bias is None else out + bias
 
 
-def mm(x2: torch.Tensor, wt: torch.Tensor, triton: str = "auto") -> torch.Tensor:
+def mm(x2: torch.Tensor, wt: torch.Tensor, triton: str = "auto", packs: Optional[dict] = None) -> torch.Tensor:
     """``tiled.tiled_mm`` (``x2`` [M, K] @ ``wt`` [K, N]) by the Triton kernel where it serves."""
     if not serves(triton, x2, wt):
-        return tiled.tiled_mm(x2, wt)
+        return tiled.tiled_mm(x2, wt, packs)
     x2, wt = _autocast(x2, wt)
     return _linear2d(x2, wt.t())
 
 
-def grouped_linear(x: torch.Tensor, weights, counts, triton: str = "auto") -> torch.Tensor:
+def grouped_linear(x: torch.Tensor, weights, counts, triton: str = "auto", packs: Optional[dict] = None) -> torch.Tensor:
     """``tiled.tiled_grouped_linear`` (runs of ``counts[e]`` rows times ``weights[e]ᵀ``; ``weights`` a
     list or a stacked [E, out, in] tensor) by the grouped Triton kernel where it serves."""
     stacked = isinstance(weights, torch.Tensor)
     first = weights if stacked else (weights[0] if len(weights) else None)
     if first is None or not serves(triton, x, first) or (not stacked and any(
             w.dtype != x.dtype or w.device != x.device for w in weights)):
-        return tiled.tiled_grouped_linear(x, weights, counts)
+        return tiled.tiled_grouped_linear(x, weights, counts, packs)
     counts = tuple(int(n) for n in counts)
     portable = lambda: tiled.tiled_grouped_linear(x, weights, counts)  # noqa: E731
     w = weights if stacked else torch.stack(list(weights))  # a list: one [E, out, in] copy (differentiable)

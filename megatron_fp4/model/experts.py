@@ -204,9 +204,9 @@ class GroupedExperts(nn.Module):
         bits of the no-grad `grouped_exact_forward`, which tiles the same runs), one SiLU over all
         rows (position-independent bits; its backward `swiglu`'s one pass per half), the backward
         one GEMM per expert and gradient."""
-        t = self.numerics.triton  # the Triton kernel where it serves (`fp4/triton_batch.py`), else tiled.py's
-        h = triton_batch.grouped_linear(x_sorted, self.w13, counts, t)
-        return triton_batch.grouped_linear(swiglu(h, self.ffn, self.numerics), self.w2, counts, t)
+        t, packs = self.numerics.triton, self.numerics.weight_packs()  # the Triton kernel where it serves, else tiled.py's
+        h = triton_batch.grouped_linear(x_sorted, self.w13, counts, t, packs)
+        return triton_batch.grouped_linear(swiglu(h, self.ffn, self.numerics), self.w2, counts, t, packs)
 
     def grouped_exact_forward(self, x_sorted: torch.Tensor, counts: list[int]) -> torch.Tensor:
         """The batch-invariant mode without autograd (`can_group_exact`): the loop's exact GEMMs with
@@ -219,7 +219,8 @@ class GroupedExperts(nn.Module):
             # both GEMMs in one padded row layout (`tiled_grouped_mlp`). Not under autograd
             # (`grouped_tiled_forward`): its saved tensors would hold the padding rows, which depend
             # on the routing, where the activation plan counts the routed rows alone.
-            return tiled_grouped_mlp(x_sorted, self.w13, self.w2, counts, lambda h: swiglu(h, self.ffn, nx))
+            return tiled_grouped_mlp(x_sorted, self.w13, self.w2, counts, lambda h: swiglu(h, self.ffn, nx),
+                                     nx.weight_packs())
         if self.recipe.mode == "bf16":
             gate, up = invariant.grouped_linear(x_sorted, w13s, counts, nx).split(self.ffn, dim=-1)
             return invariant.grouped_linear(invariant.silu(gate, nx) * up, w2s, counts, nx)
@@ -279,7 +280,8 @@ class GroupedExperts(nn.Module):
                            kernels=nx.kernels)
         if invariant.tiled(nx, x):  # the batch level: each expert's rows in fixed row tiles
             counts = torch.diff(offs, prepend=offs.new_zeros(1)).tolist()
-            return triton_batch.grouped_linear(xq, self.stacked_qw(weight, which).unbind(0), counts, nx.triton).to(x.dtype)
+            return triton_batch.grouped_linear(xq, self.stacked_qw(weight, which).unbind(0), counts, nx.triton,
+                                               nx.weight_packs()).to(x.dtype)
         return _GROUPED_MM(xq, self.stacked_qw(weight, which).transpose(1, 2), offs=offs).to(x.dtype)
 
 

@@ -4,11 +4,13 @@ one and two threads (run under ``ATEN_CPU_CAPABILITY`` / ``MKL_CBWR`` variations
 ``tools/check_portability.sh``); the plan's arithmetic; the probe's choice and fallback."""
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
 from megatron_fp4.fp4 import row_calls
-from megatron_fp4.fp4.row_calls import RowPlan, column_blocks, fixed_plan, row_plan, row_tile
+from megatron_fp4.fp4.row_calls import RowPlan, column_blocks, fixed_plan, onednn_linear, row_plan, row_tile
 from megatron_fp4.fp4.tiled import _row_products, tiled_grouped_linear, tiled_linear
 
 
@@ -17,8 +19,10 @@ def bits(t):
 
 
 def tiles(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """The definition: ``x @ wᵀ`` in [T, K] · [K, Nb] calls, T the weight's fixed row tile."""
-    plan = fixed_plan(w.shape[1], w.shape[0])
+    """The definition: ``x @ wᵀ`` in [T, K] · [K, Nb] calls of the shape's kernel (oneDNN's or
+    ``mm``, ``row_plan(...).kernel``), T the weight's fixed row tile."""
+    tile = fixed_plan(w.shape[1], w.shape[0]).cap
+    plan = RowPlan(tile, tile, tile, row_plan(w.shape[1], w.shape[0], x.dtype, x.device).kernel)
     height = plan.height(x.shape[0])
     xp = torch.cat([x, x.new_zeros(height - x.shape[0], x.shape[1])])
     out = x.new_empty(height, w.shape[0])
@@ -59,9 +63,12 @@ def test_every_height_of_the_plan_gives_the_tiles_bits(threads, k, n, dtype):
     want = tiles(x, w)
     blocks = column_blocks(k, n)
     for h in range(plan.minimum, plan.cap + 1, plan.quantum):
-        out = x.new_empty(h, n)
-        for j, width in blocks:
-            torch.mm(x[:h], w.t()[:, j:j + width], out=out[:, j:j + width])
+        if plan.kernel == "onednn":
+            out = onednn_linear(x[:h], w)
+        else:
+            out = x.new_empty(h, n)
+            for j, width in blocks:
+                torch.mm(x[:h], w.t()[:, j:j + width], out=out[:, j:j + width])
         assert torch.equal(bits(out), bits(want[:h])), f"height {h} of {plan}"
     for rows in sorted({1, 2, 3, plan.minimum - 1, plan.minimum + 1, tile + 1, plan.cap - 1, plan.cap + 1, x.shape[0]}):
         if rows > 0:
@@ -99,3 +106,69 @@ def test_the_probe_keeps_only_heights_that_match_and_falls_back_to_the_tile(monk
     assert row_calls._run_probe(64, 256, 256, tile, torch.float32) == RowPlan(4, 12, tile * row_calls.CAP_TILES)
     monkeypatch.setattr(row_calls.torch, "mm", make(lambda h: h != tile))
     assert row_calls._run_probe(64, 256, 256, tile, torch.float32) == RowPlan(tile, tile, tile)
+
+
+needs_onednn = pytest.mark.skipif(not row_calls._onednn_usable(), reason="oneDNN's fp32 inner product unusable here")
+
+
+@needs_onednn
+def test_the_onednn_probe_keeps_matching_heights_else_leaves_the_shape_to_mm(monkeypatch):
+    """oneDNN heights off a multiple of 8 (one form only: the dense weight's) round otherwise: quantum
+    8 on oneDNN; every height but the tile's: no oneDNN plan, and row_plan falls back to mm's."""
+    real = row_calls.onednn_linear
+
+    def make(bad):
+        def linear(x, w):
+            r = real(x, w)
+            return r * (1 + 2 ** -20) if bad(x.shape[0], w) else r
+        return linear
+
+    k, n = 512, 512
+    tile = row_tile(k, n)
+    monkeypatch.setattr(row_calls, "onednn_linear", make(lambda h, w: h % 8 != 0 and not w.is_mkldnn))
+    assert row_calls._run_probe(k, n, n, tile, torch.float32, "onednn") == \
+        RowPlan(8, 8, tile * row_calls.CAP_TILES, "onednn")
+    monkeypatch.setattr(row_calls, "onednn_linear", make(lambda h, w: h != tile))
+    assert row_calls._run_probe(k, n, n, tile, torch.float32, "onednn") == RowPlan(tile, tile, tile)
+    monkeypatch.setattr(row_calls, "_PLANS", {})
+    monkeypatch.setattr(row_calls, "_probe_cached", functools.lru_cache(maxsize=None)(row_calls._probe_cached.__wrapped__))
+    assert row_plan(k, n, torch.float32, torch.device("cpu")).kernel == "mm"
+
+
+def test_onednn_serves_wide_fp32_weights_only():
+    assert not row_calls.onednn_serves(64, 64, torch.float32)
+    assert not row_calls.onednn_serves(1024, 1024, torch.bfloat16)
+    assert row_calls.onednn_serves(512, 512, torch.float32) == row_calls._onednn_usable()
+
+
+@needs_onednn
+def test_packed_weights_are_made_once_per_version_and_give_the_dense_bits():
+    """The rollout side's packed copy (kept in a weight cache) and the trainer's dense weight give
+    the same bits; the copy is reused until the weight changes in place, then remade (an inference
+    tensor, which cannot: until the store is cleared); no store: the dense weight."""
+    from megatron_fp4.fp4.tiled import _onednn_weight
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(768, 512, generator=g) / 512 ** 0.5
+    x = torch.randn(37, 512, generator=g)
+    store: dict = {}
+    dense = tiled_linear(x, w)
+    assert torch.equal(bits(tiled_linear(x, w, packs=store)), bits(dense)) and len(store) == 1
+    packed = next(iter(store.values()))[2]
+    assert packed.is_mkldnn and _onednn_weight(w, store) is packed  # reused
+    w.mul_(0.5)  # an in-place update bumps the version: a new copy, the new bits
+    assert torch.equal(bits(tiled_linear(x[:3], w, packs=store)), bits(tiled_linear(x[:3], w)))
+    assert _onednn_weight(w, store) is not packed
+    assert _onednn_weight(w, None) is w
+    with torch.inference_mode():
+        wi = w.clone()
+        assert torch.equal(bits(tiled_linear(x[:5], wi, packs=store)), bits(tiled_linear(x[:5], w)))
+    assert _onednn_weight(wi, store) is _onednn_weight(wi, store) and _onednn_weight(wi, store).is_mkldnn
+
+
+def test_only_a_rollout_model_keeps_packed_weights():
+    from megatron_fp4.fp4 import Numerics
+    for mode, keeps in (("rollout", True), ("train", False)):
+        nx = Numerics(invariance="batch", mode=mode)
+        with nx.cached_weights() as _:
+            assert (nx.weight_packs() is nx.weight_cache) == keeps and nx.weight_cache is not None
+        assert nx.weight_packs() is None
