@@ -9,7 +9,9 @@
 # Kernel sets: ATEN_CPU_CAPABILITY=default (no vector unit), avx2 and the native one (unset);
 # MKL: its default dispatch and MKL_CBWR=COMPATIBLE (reproducible, conservative code path). A mode is
 # CAPABILITY:MKL_CBWR, `native` / `default` meaning "unset". ATen ignores a capability the CPU lacks
-# (it falls back), so every mode is safe on any x86 or ARM.
+# (it falls back), so every mode is safe on any x86 or ARM. oneDNN (the `batch` level's wide fp32
+# GEMMs, fp4/row_calls.py) follows the capability: avx2 sets ONEDNN_MAX_CPU_ISA=AVX2, default SSE41
+# (its oldest x86 kernels; ignored elsewhere).
 #
 # CI's subset runs two modes that each change both factors: default:COMPATIBLE (no vector unit, MKL's
 # reproducible GEMMs) and avx2:COMPATIBLE (the AVX2 ATen kernels where the machine has AVX-512; MKL's
@@ -28,8 +30,9 @@ if [ "$#" -eq 0 ]; then
          tests/unit/test_fp4_exact_gemm.py tests/distributed/test_batch_invariant_layouts.py tests/unit/test_numerics_levels.py \
          tests/unit/test_attention_causal.py tests/unit/test_moe_grouped.py \
          tests/integration/test_gpt_oss_parity.py tests/integration/test_deepseek_v3_parity.py \
-         tests/unit/test_family_numerics_levels.py tests/unit/test_packed_batches.py -q -p no:cacheprovider \
-         -k "fp32_layout or ep2_matches or kv_cache or batch_invariant or float64 or bitwise or same_bits or fp32_bound or moeresq_loop or batch_level or tiled or block_attention or logits_match"
+         tests/unit/test_family_numerics_levels.py tests/unit/test_packed_batches.py tests/unit/test_row_calls.py \
+         -q -p no:cacheprovider \
+         -k "fp32_layout or ep2_matches or kv_cache or batch_invariant or float64 or bitwise or same_bits or fp32_bound or moeresq_loop or batch_level or tiled or block_attention or logits_match or height or packed"
   default_modes="default:COMPATIBLE avx2:COMPATIBLE"  # CI's: each changes both factors (see above)
 fi
 modes="${PORTABILITY_MODES:-$default_modes}"
@@ -44,8 +47,10 @@ status=0
 for mode in $modes; do
   cap="${mode%%:*}"; cbwr="${mode#*:}"
   env_cap=(); [ "$cap" != native ] && env_cap=(ATEN_CPU_CAPABILITY="$cap")
+  [ "$cap" = avx2 ] && env_cap+=(ONEDNN_MAX_CPU_ISA=AVX2)
+  [ "$cap" = default ] && env_cap+=(ONEDNN_MAX_CPU_ISA=SSE41)
   env_mkl=(); [ "$cbwr" != default ] && env_mkl=(MKL_CBWR="$cbwr")
-  echo "=== ATEN_CPU_CAPABILITY=$cap MKL_CBWR=$cbwr ($(env "${env_cap[@]}" "${env_mkl[@]}" python -c "$probe")): pytest $*"
+  echo "=== ATEN_CPU_CAPABILITY=$cap MKL_CBWR=$cbwr ${env_cap[*]:1} ($(env "${env_cap[@]}" "${env_mkl[@]}" python -c "$probe")): pytest $*"
   env "${env_cap[@]}" "${env_mkl[@]}" python -m pytest "$@"
   rc=$?
   # pytest exits 5 when the selection collects nothing: a broken selection, not a pass.

@@ -101,31 +101,30 @@ def check_rollout_equals_scoring(mode, scope, fmt, seed, level="batch", model=No
 
 
 @pytest.mark.parametrize("mode,scope", [("bf16", "none"), ("fp4_resq", "experts+attention")])
-def test_batch_level_at_onednn_widths_rollout_equals_scoring_bitwise(mode, scope):
+def test_batch_level_at_onednn_widths_rollout_equals_scoring_bitwise(threads, mode, scope):
     """Hidden 512 (every projection and expert weight ≥ ``row_calls.ONEDNN_MIN_ELEMENTS``): where
     this machine's oneDNN passed the probe, the engine (a rollout-mode model: its GEMMs read oneDNN's
     packed weights, kept in its weight cache) and ``score`` (a train-mode model: the dense weights)
-    compute every row with oneDNN's tiles' bits, so they agree bit for bit; elsewhere the same
-    test runs on ``mm``."""
+    compute every row with oneDNN's tiles' bits, so they agree bit for bit, at one and two threads
+    (the plans are per thread count); elsewhere the same test runs on ``mm``."""
     from megatron_fp4.fp4 import row_calls
     cfg = Config()
     m = cfg.model
     m.vocab_size, m.num_layers, m.hidden_size, m.num_heads, m.num_kv_heads, m.head_dim = TOK.vocab_size, 1, 512, 8, 8, 64
     m.num_experts, m.top_k, m.moe_ffn_hidden_size = 4, 2, 512
     cfg.fp4.scope = scope
-    with single_thread():
-        model = build_model(cfg, seed=7)
-        if mode != "bf16":
-            model.set_fp4_mode(mode)
-        apply_numerics(model, Numerics(invariance="batch"))
-        kernels = {row_calls.row_plan(512, n, torch.float32, torch.device("cpu")).kernel for n in (512, 1024)}
-        if row_calls._onednn_usable():
-            assert kernels == {"onednn"}, kernels
-        check_rollout_equals_scoring(mode, scope, "nvfp4", 7, "batch", model=model)
-        engine = RolloutEngine(model, mode=mode, invariance="batch")
-        engine.generate(prompts(8, 2), SamplingParams(max_new_tokens=2, temperature=1.0, seed=1))
-        packed = [k for k in engine._weight_cache if k[-1] == "oneDNN pack"]
-        assert bool(packed) == row_calls._onednn_usable()
+    model = build_model(cfg, seed=7)
+    if mode != "bf16":
+        model.set_fp4_mode(mode)
+    apply_numerics(model, Numerics(invariance="batch"))
+    kernels = {row_calls.row_plan(512, n, torch.float32, torch.device("cpu")).kernel for n in (512, 1024)}
+    if row_calls._onednn_usable():
+        assert kernels == {"onednn"}, kernels
+    check_rollout_equals_scoring(mode, scope, "nvfp4", 7, "batch", model=model)
+    engine = RolloutEngine(model, mode=mode, invariance="batch")
+    engine.generate(prompts(8, 2), SamplingParams(max_new_tokens=2, temperature=1.0, seed=1))
+    packed = [k for k in engine._weight_cache if k[-1] == "oneDNN pack"]
+    assert bool(packed) == row_calls._onednn_usable()
 
 
 @pytest.mark.parametrize("level", ["batch", "exact"])
