@@ -112,7 +112,9 @@ def main(argv=None):
 
 
 def expert_tiles(model_cfg, tiles, prompts: int, repeats: int, clock) -> None:
-    """The routed experts' GEMMs, ``grouped_mm`` vs fixed row tiles of each size (``--expert-tiles``)."""
+    """The routed experts' GEMMs, ``grouped_mm`` vs fixed row tiles of each size (``--expert-tiles``),
+    vs the calls of the weights' row plans (the trainer's dense weights; where the plan is oneDNN's,
+    also the rollout's packed copies)."""
     import torch.nn.functional as F
 
     from megatron_fp4.fp4.row_calls import RowPlan, row_plan
@@ -135,6 +137,10 @@ def expert_tiles(model_cfg, tiles, prompts: int, repeats: int, clock) -> None:
             runs[f"tile {t}"] = (lambda p: lambda: (_grouped_tiles(x1, w13.unbind(0), counts, p),
                                                      _grouped_tiles(x2, w2.unbind(0), counts, p)))(RowPlan(t, t, t))
         runs["row plan"] = lambda: (_grouped_tiles(x1, w13.unbind(0), counts), _grouped_tiles(x2, w2.unbind(0), counts))
+        if row_plan(H, 2 * Fh, torch.float32, "cpu").kernel == "onednn":  # a rollout model's form: packed weights
+            packs: dict = {}  # made by the first (untimed) round, reused after: the engine's weight cache
+            runs["row plan, packed"] = lambda: (_grouped_tiles(x1, w13.unbind(0), counts, packs=packs),
+                                                _grouped_tiles(x2, w2.unbind(0), counts, packs=packs))
         times = {name: [] for name in runs}
         for i in range(repeats + 1):
             for name, run in runs.items():
