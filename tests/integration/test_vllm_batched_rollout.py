@@ -190,3 +190,54 @@ def test_gate_routes_are_refused_where_the_plugin_records_routes(engine):
         generate_batch(eng.llm, [[5, 6, 7]], params, True, gate_top_k=cfg.model.top_k)
     _, routes = generate_batch(eng.llm, [[5, 6, 7]], params, True)
     assert routes[0].shape == (2, 3, cfg.model.top_k)
+
+
+@needs_vllm
+@pytest.mark.slow
+@pytest.mark.parametrize("scope", ["none", "experts+attention"])
+def test_plugin_at_onednn_widths_equals_the_trainer_bitwise(tmp_path, scope):
+    """Hidden 512 (the projections and expert weights ≥ ``row_calls.ONEDNN_MIN_ELEMENTS``): where this
+    machine's oneDNN passed the probe, the plugin's `batch` GEMMs read oneDNN's packed copies (of the
+    weights, FP4 off; of the cached ``Q(W)``, MoEResQ), kept in its weight store, and the trainer's
+    scoring the dense weights: the same log-prob bits and routes for a batch of 4 requests."""
+    import copy
+
+    from megatron_fp4.fp4 import Numerics, apply_numerics, row_calls
+    from megatron_fp4.integrations.hf import build_model_from_hf
+    from megatron_fp4.integrations.vllm import export_for_vllm
+    from megatron_fp4.integrations.vllm.worker import _configs as worker_configs
+    from megatron_fp4.integrations.vllm.worker import build_llm
+    from megatron_fp4.model import build_model
+    from megatron_fp4.rl.rollouts.vllm_server import VLLMEngine
+    from megatron_fp4.rollout.engine import SamplingParams
+    from megatron_fp4.rollout.scoring import score
+    from tests.integration.test_vllm_plugin import tiny_cfg
+
+    cfg = copy.deepcopy(tiny_cfg(scope))
+    m = cfg.model
+    m.hidden_size, m.num_layers, m.num_heads, m.num_kv_heads, m.dense_layers = 512, 2, 8, 8, []
+    m.num_experts, m.moe_ffn_hidden_size, m.init_std = 4, 512, 0.03
+    if scope == "none":
+        cfg.fp4.train_mode = cfg.fp4.rollout_mode = "bf16"
+    hf = export_for_vllm(build_model(cfg, seed=0), cfg, tmp_path / "hf", dtype=None)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        llm, _ = build_llm(str(hf), {"dtype": "float32", "max_num_seqs": 4, "max_model_len": 48})
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(1, 128, (n,), generator=g).tolist() for n in (5, 17, 2, 9)]
+    params = [SamplingParams(max_new_tokens=6, temperature=t, seed=s) for t, s in ((0.0, None), (1.0, 3), (1.0, 4),
+                                                                                     (0.0, None))]
+    gen = VLLMEngine(llm, "wide", pad_id=0).generate(prompts, params, return_routing=True)
+    packed = llm.apply_model(lambda model: sum(key[-1] == "oneDNN pack" for c in worker_configs(model).values()
+                                               for key in c.qw_store))[0]
+    assert (packed > 0) == row_calls._onednn_usable(), packed
+    del llm
+    model = build_model_from_hf(hf, cfg.fp4).eval()
+    model.set_fp4_mode(cfg.fp4.rollout_mode)
+    apply_numerics(model, Numerics(invariance=cfg.numerics.invariance))
+    if row_calls._onednn_usable():
+        assert row_calls.row_plan(512, 1024, torch.float32, torch.device("cpu")).kernel == "onednn"
+    scored = score(model, prompts, gen.response_ids, return_routing=True)
+    for i in range(len(prompts)):
+        assert torch.equal(gen.routing[i].sort(-1).values, scored["routing"][i].long().sort(-1).values), i
+        assert _hex(gen.log_probs[i]) == _hex(scored["log_probs"][i].float()), i
