@@ -192,6 +192,22 @@ def test_gate_routes_are_refused_where_the_plugin_records_routes(engine):
     assert routes[0].shape == (2, 3, cfg.model.top_k)
 
 
+def _wide_cfg(scope: str, layers: int = 2):
+    """The plugin's test model at hidden 512 (8 heads of 64, 4 experts of 512): every projection and
+    expert weight at least ``row_calls.ONEDNN_MIN_ELEMENTS``; FP4 off for scope ``none``."""
+    import copy
+
+    from tests.integration.test_vllm_plugin import tiny_cfg
+
+    cfg = copy.deepcopy(tiny_cfg(scope))
+    m = cfg.model
+    m.hidden_size, m.num_layers, m.num_heads, m.num_kv_heads, m.dense_layers = 512, layers, 8, 8, []
+    m.num_experts, m.moe_ffn_hidden_size, m.init_std = 4, 512, 0.03
+    if scope == "none":
+        cfg.fp4.train_mode = cfg.fp4.rollout_mode = "bf16"
+    return cfg
+
+
 @needs_vllm
 @pytest.mark.slow
 @pytest.mark.parametrize("scope", ["none", "experts+attention"])
@@ -200,8 +216,6 @@ def test_plugin_at_onednn_widths_equals_the_trainer_bitwise(tmp_path, scope):
     machine's oneDNN passed the probe, the plugin's `batch` GEMMs read oneDNN's packed copies (of the
     weights, FP4 off; of the cached ``Q(W)``, MoEResQ), kept in its weight store, and the trainer's
     scoring the dense weights: the same log-prob bits and routes for a batch of 4 requests."""
-    import copy
-
     from megatron_fp4.fp4 import Numerics, apply_numerics, row_calls
     from megatron_fp4.integrations.hf import build_model_from_hf
     from megatron_fp4.integrations.vllm import export_for_vllm
@@ -211,14 +225,8 @@ def test_plugin_at_onednn_widths_equals_the_trainer_bitwise(tmp_path, scope):
     from megatron_fp4.rl.rollouts.vllm_server import VLLMEngine
     from megatron_fp4.rollout.engine import SamplingParams
     from megatron_fp4.rollout.scoring import score
-    from tests.integration.test_vllm_plugin import tiny_cfg
 
-    cfg = copy.deepcopy(tiny_cfg(scope))
-    m = cfg.model
-    m.hidden_size, m.num_layers, m.num_heads, m.num_kv_heads, m.dense_layers = 512, 2, 8, 8, []
-    m.num_experts, m.moe_ffn_hidden_size, m.init_std = 4, 512, 0.03
-    if scope == "none":
-        cfg.fp4.train_mode = cfg.fp4.rollout_mode = "bf16"
+    cfg = _wide_cfg(scope)
     hf = export_for_vllm(build_model(cfg, seed=0), cfg, tmp_path / "hf", dtype=None)
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -241,3 +249,38 @@ def test_plugin_at_onednn_widths_equals_the_trainer_bitwise(tmp_path, scope):
     for i in range(len(prompts)):
         assert torch.equal(gen.routing[i].sort(-1).values, scored["routing"][i].long().sort(-1).values), i
         assert _hex(gen.log_probs[i]) == _hex(scored["log_probs"][i].float()), i
+
+
+@needs_vllm
+@pytest.mark.slow
+def test_a_live_update_at_onednn_widths_serves_a_fresh_engines_bits(tmp_path):
+    """FP4 off at hidden 512: the plugin's store holds packed copies of the weights themselves; an
+    engine started on A, run, then updated in place to B (`live.update_weights`) serves B's bits,
+    as an engine started on B does (the copies made from A are not read again)."""
+    from megatron_fp4.integrations.hf import load_hf_checkpoint
+    from megatron_fp4.integrations.vllm import export_for_vllm
+    from megatron_fp4.integrations.vllm.live import update_weights
+    from megatron_fp4.integrations.vllm.worker import build_llm
+    from megatron_fp4.model import build_model
+    from megatron_fp4.rl.rollouts.vllm_server import VLLMEngine
+    from megatron_fp4.rollout.engine import SamplingParams
+
+    cfg = _wide_cfg("none", layers=1)
+    a, b = (export_for_vllm(build_model(cfg, seed=s), cfg, tmp_path / f"hf{s}", dtype=None) for s in (0, 1))
+    prompts = [[3, 9, 27, 81], [5, 25], [7, 49, 100, 13, 2]]
+    params = [SamplingParams(max_new_tokens=5, temperature=1.0, seed=s) for s in range(3)]
+    outs = {}
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        for name, start, update in (("fresh", b, None), ("updated", a, b)):
+            llm, _ = build_llm(str(start), {"dtype": "float32", "max_num_seqs": 3, "max_model_len": 32})
+            eng = VLLMEngine(llm, name, pad_id=0)
+            if update is not None:
+                outs["before"] = eng.generate(prompts, params)
+                update_weights(llm, load_hf_checkpoint(update)[1])
+            outs[name] = eng.generate(prompts, params)
+            del eng, llm
+    for i in range(len(prompts)):
+        assert outs["updated"].response_ids[i] == outs["fresh"].response_ids[i], i
+        assert _hex(outs["updated"].log_probs[i]) == _hex(outs["fresh"].log_probs[i]), i
+    assert any(_hex(outs["before"].log_probs[i]) != _hex(outs["fresh"].log_probs[i]) for i in range(len(prompts)))
