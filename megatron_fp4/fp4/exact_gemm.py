@@ -79,18 +79,15 @@ def cached_for_weight(cache: Optional[dict], weight: torch.Tensor, tag, compute)
     every decode step. Writes through ``.data`` do not bump the counter, so keep a cache only where
     weights cannot change that way (the rollout engine: its ``generate`` calls, under its weights
     lock; ``load_weights`` copies in place and empties the store; the vLLM plugin clears its store
-    on every weight load). An inference tensor has no version counter (and cannot change outside
-    inference mode): its entry stands until the store is dropped or cleared, as those stores are at
-    every weight load (a derived operand made under inference mode, e.g. the plugin's ``Q(W)``)."""
+    on every weight load)."""
     if cache is None:
         return compute()
     key = (weight.data_ptr(), tuple(weight.shape), weight.stride(), weight.dtype, weight.device, tag)
-    version = None if weight.is_inference() else weight._version
     hit = cache.get(key)
-    if hit is not None and hit[1] == version:
+    if hit is not None and hit[1] == weight._version:
         return hit[2]
     value = compute()
-    cache[key] = (weight, version, value)  # holding `weight` keeps its memory from being reused
+    cache[key] = (weight, weight._version, value)  # holding `weight` keeps its memory from being reused
     return value
 
 

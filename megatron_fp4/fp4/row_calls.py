@@ -53,7 +53,6 @@ CAP_TILES = 4  # a call takes at most this many tiles' rows (a probed plan's cap
 QUANTA = (4, 8, 16)  # a probed plan's row quantum: the heights it may call are its multiples
 PROBE_SEED = 0x5EED
 ONEDNN_MIN_ELEMENTS = 1 << 18  # weights smaller than this stay on mm (oneDNN's ~12 µs a call loses below it)
-KERNELS = ("mm", "onednn")  # a plan's kernel: MKL's (the BLAS's) GEMM, or oneDNN's inner product
 
 
 @functools.lru_cache(maxsize=None)
@@ -92,12 +91,12 @@ def column_blocks(k: int, n: int) -> tuple:
 @dataclass(frozen=True)
 class RowPlan:
     """The heights one GEMM call may take: the multiples of ``quantum`` from ``minimum`` to ``cap``
-    (the fixed tile T: ``RowPlan(T, T, T)``), each a call of ``kernel`` (:data:`KERNELS`)."""
+    (the fixed tile T: ``RowPlan(T, T, T)``), each a call of ``kernel``."""
 
     quantum: int
     minimum: int
     cap: int
-    kernel: str = "mm"
+    kernel: str = "mm"  # "mm": the BLAS's GEMM (torch.mm); "onednn": oneDNN's inner product (onednn_linear)
 
     def height(self, rows: int) -> int:
         """Rows ``rows`` are padded to: whole cap-row calls, then the remainder rounded up to a
@@ -133,7 +132,6 @@ def row_plan(k: int, n: int, dtype: torch.dtype, device: torch.device) -> RowPla
     key = (k, n, dtype, torch.get_num_threads(), torch.get_float32_matmul_precision())
     plan = _PLANS.get(key)
     if plan is None:
-        plan = None
         if onednn_serves(k, n, dtype):
             plan = _probe_cached(k, n, n, row_tile(k, n), dtype, key[3:], "onednn")
             plan = plan if plan.kernel == "onednn" else None  # no height agreed: not trusted, mm's plan

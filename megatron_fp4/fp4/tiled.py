@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import functools
 import threading
+import weakref
 from typing import Optional
 
 import torch
@@ -49,7 +50,6 @@ import torch.nn.functional as F
 
 from megatron_fp4.fp4.block_attention_grad import attention_backward
 from megatron_fp4.fp4.grad_fusion import claim_fused, finish_fused, fused_grad_of
-from megatron_fp4.fp4.exact_gemm import cached_for_weight
 from megatron_fp4.fp4.row_calls import (MAX_ROW_TILE, ROW_TILE, RowPlan, column_blocks, fixed_plan,  # noqa: F401
                                         onednn_linear, onednn_pack, row_plan, row_tile)
 
@@ -89,10 +89,31 @@ def _onednn_weight(w: torch.Tensor, packs: Optional[dict]) -> torch.Tensor:
     """What a oneDNN call reads for the row-major weight ``w``: its packed copy, made once per weight
     version and kept in ``packs`` (``Numerics.weight_packs``: a rollout model's weight cache), or
     ``w`` itself (no store). The same bits either way (`row_calls.row_plan` keeps oneDNN only where
-    both forms agree)."""
+    both forms agree).
+
+    An entry is keyed by ``w``'s memory and guarded by its version counter (an inference tensor has
+    none and cannot change outside inference mode: the rollout stores are cleared at every weight
+    load) and by a weak reference to that memory's storage (its Python object lives exactly as long
+    as the memory, whatever views reach it: a weight comes here as a fresh view per call, and views
+    made under inference mode have no ``_base``). When the memory is freed the entry goes with it,
+    so a temporary (a contiguous or converted copy made per call) never piles up in a store kept
+    across calls, and a new tensor at a freed one's address cannot meet its copy."""
     if packs is None:
         return w
-    return cached_for_weight(packs, w, "oneDNN pack", lambda: onednn_pack(w))
+    owner = w.untyped_storage()
+    key = (w.data_ptr(), tuple(w.shape), w.stride(), w.dtype, w.device, "oneDNN pack")
+    version = None if w.is_inference() else w._version
+    hit = packs.get(key)
+    if hit is not None and hit[0]() is owner and hit[1] == version:
+        return hit[2]
+    packed = onednn_pack(w)
+
+    def forget(ref, key=key):
+        if packs.get(key, (None,))[0] is ref:
+            del packs[key]
+
+    packs[key] = (weakref.ref(owner, forget), version, packed)
+    return packed
 
 
 def _row_products(xp: torch.Tensor, wt: torch.Tensor, out: torch.Tensor, plan: RowPlan,

@@ -138,10 +138,7 @@ def _hex(t) -> list:
 @needs_vllm
 @pytest.mark.slow
 def test_batched_generation_equals_one_request_per_call_and_the_trainer(engine, monkeypatch):
-    from megatron_fp4.fp4 import Numerics, apply_numerics
-    from megatron_fp4.integrations.hf import build_model_from_hf
     from megatron_fp4.integrations.vllm import worker
-    from megatron_fp4.rollout.scoring import score
 
     eng, cfg, hf = engine
     prompts, params = _requests()
@@ -165,14 +162,23 @@ def test_batched_generation_equals_one_request_per_call_and_the_trainer(engine, 
             assert gen.finish_reasons[i] == one.finish_reasons[0]
         assert torch.equal(batched.routing[i], one.routing[0]), i
         assert batched.routing[i].shape == (len(batched.response_ids[i]), 3, cfg.model.top_k)
-    # the trainer's own routes and log-probs for the same tokens
+    assert_trainer_scores(hf, cfg, prompts, batched)  # the trainer's own routes and log-probs, same tokens
+
+
+def assert_trainer_scores(hf, cfg, prompts, gen) -> None:
+    """The trainer's model loaded from the checkpoint ``hf`` at the config's rollout mode and level
+    scores ``gen``'s tokens with ``gen``'s routes and log-prob bits, request by request."""
+    from megatron_fp4.fp4 import Numerics, apply_numerics
+    from megatron_fp4.integrations.hf import build_model_from_hf
+    from megatron_fp4.rollout.scoring import score
+
     model = build_model_from_hf(hf, cfg.fp4).eval()
     model.set_fp4_mode(cfg.fp4.rollout_mode)
     apply_numerics(model, Numerics(invariance=cfg.numerics.invariance))
-    scored = score(model, prompts, batched.response_ids, return_routing=True)
+    scored = score(model, prompts, gen.response_ids, return_routing=True)
     for i in range(len(prompts)):
-        assert torch.equal(batched.routing[i].sort(-1).values, scored["routing"][i].long().sort(-1).values), i
-        assert _hex(batched.log_probs[i]) == _hex(scored["log_probs"][i].float()), i
+        assert torch.equal(gen.routing[i].sort(-1).values, scored["routing"][i].long().sort(-1).values), i
+        assert _hex(gen.log_probs[i]) == _hex(scored["log_probs"][i].float()), i
 
 
 @needs_vllm
@@ -216,15 +222,13 @@ def test_plugin_at_onednn_widths_equals_the_trainer_bitwise(tmp_path, scope):
     machine's oneDNN passed the probe, the plugin's `batch` GEMMs read oneDNN's packed copies (of the
     weights, FP4 off; of the cached ``Q(W)``, MoEResQ), kept in its weight store, and the trainer's
     scoring the dense weights: the same log-prob bits and routes for a batch of 4 requests."""
-    from megatron_fp4.fp4 import Numerics, apply_numerics, row_calls
-    from megatron_fp4.integrations.hf import build_model_from_hf
+    from megatron_fp4.fp4 import row_calls
     from megatron_fp4.integrations.vllm import export_for_vllm
     from megatron_fp4.integrations.vllm.worker import _configs as worker_configs
     from megatron_fp4.integrations.vllm.worker import build_llm
     from megatron_fp4.model import build_model
     from megatron_fp4.rl.rollouts.vllm_server import VLLMEngine
     from megatron_fp4.rollout.engine import SamplingParams
-    from megatron_fp4.rollout.scoring import score
 
     cfg = _wide_cfg(scope)
     hf = export_for_vllm(build_model(cfg, seed=0), cfg, tmp_path / "hf", dtype=None)
@@ -240,15 +244,9 @@ def test_plugin_at_onednn_widths_equals_the_trainer_bitwise(tmp_path, scope):
                                                for key in c.qw_store))[0]
     assert (packed > 0) == row_calls._onednn_usable(), packed
     del llm
-    model = build_model_from_hf(hf, cfg.fp4).eval()
-    model.set_fp4_mode(cfg.fp4.rollout_mode)
-    apply_numerics(model, Numerics(invariance=cfg.numerics.invariance))
     if row_calls._onednn_usable():
         assert row_calls.row_plan(512, 1024, torch.float32, torch.device("cpu")).kernel == "onednn"
-    scored = score(model, prompts, gen.response_ids, return_routing=True)
-    for i in range(len(prompts)):
-        assert torch.equal(gen.routing[i].sort(-1).values, scored["routing"][i].long().sort(-1).values), i
-        assert _hex(gen.log_probs[i]) == _hex(scored["log_probs"][i].float()), i
+    assert_trainer_scores(hf, cfg, prompts, gen)
 
 
 @needs_vllm

@@ -145,7 +145,8 @@ def test_onednn_serves_wide_fp32_weights_only():
 def test_packed_weights_are_made_once_per_version_and_give_the_dense_bits():
     """The rollout side's packed copy (kept in a weight cache) and the trainer's dense weight give
     the same bits; the copy is reused until the weight changes in place, then remade (an inference
-    tensor, which cannot: until the store is cleared); no store: the dense weight."""
+    tensor, which cannot: until the store is cleared); a per-call temporary's copy leaves the store
+    with it; no store: the dense weight."""
     from megatron_fp4.fp4.tiled import _onednn_weight
     g = torch.Generator().manual_seed(3)
     w = torch.randn(768, 512, generator=g) / 512 ** 0.5
@@ -159,6 +160,10 @@ def test_packed_weights_are_made_once_per_version_and_give_the_dense_bits():
     assert torch.equal(bits(tiled_linear(x[:3], w, packs=store)), bits(tiled_linear(x[:3], w)))
     assert _onednn_weight(w, store) is not packed
     assert _onednn_weight(w, None) is w
+    kept = len(store)
+    for _ in range(3):  # another layout: a contiguous copy per call, packed and forgotten with it
+        assert torch.equal(bits(tiled_linear(x[:6], w.t().contiguous().t(), packs=store)), bits(tiled_linear(x[:6], w)))
+    assert len(store) == kept
     with torch.inference_mode():
         wi = w.clone()
         assert torch.equal(bits(tiled_linear(x[:5], wi, packs=store)), bits(tiled_linear(x[:5], w)))
