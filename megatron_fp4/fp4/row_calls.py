@@ -53,6 +53,10 @@ CAP_TILES = 4  # a call takes at most this many tiles' rows (a probed plan's cap
 QUANTA = (4, 8, 16)  # a probed plan's row quantum: the heights it may call are its multiples
 PROBE_SEED = 0x5EED
 ONEDNN_MIN_ELEMENTS = 1 << 18  # weights smaller than this stay on mm (oneDNN's ~12 µs a call loses below it)
+# What oneDNN keeps in its primitive cache per (weight shape, call height, weight form) once called:
+# measured 8.6-9.0 MiB for 16 heights of either form, whatever the shape ([1024, 256] to [4096, 1024],
+# 1 and 2 threads; `training.memory_plan` counts it).
+ONEDNN_PRIMITIVE_BYTES = 576 << 10
 
 
 @functools.lru_cache(maxsize=None)
@@ -157,6 +161,14 @@ def onednn_serves(k: int, n: int, dtype: torch.dtype) -> bool:
     """Whether a [·, k] · [k, n] GEMM is probed with oneDNN first: fp32, a weight of at least
     :data:`ONEDNN_MIN_ELEMENTS`, oneDNN usable here."""
     return dtype == torch.float32 and k * n >= ONEDNN_MIN_ELEMENTS and _onednn_usable()
+
+
+def onednn_kernel_bytes(k: int, n: int) -> int:
+    """The bytes oneDNN's primitive cache keeps for a [·, k] · [k, n] GEMM the probe tried with it:
+    one primitive per call height of the probe (the multiples of 4 up to the cap) and weight form
+    (dense, packed), kept for the process's life (its cache holds up to 1024 primitives)."""
+    heights = row_tile(k, n) * CAP_TILES // QUANTA[0]
+    return 2 * heights * ONEDNN_PRIMITIVE_BYTES
 
 
 def onednn_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:

@@ -64,6 +64,7 @@ class RankPlan:
     head_transient: int  # last stage: logits and their gradient during the loss' backward
     step_transient: int = 0  # optimizer step: grad copies and AdamW's sqrt/denominator temporaries
     grad_transient: int = 0  # backward: one module's weight gradients before autograd adds them to the buffer
+    kernel_cache: int = 0  # oneDNN's primitives for the `batch` level's wide fp32 GEMMs (`onednn_kernel_bytes`)
     inflight: dict = field(default_factory=dict)  # chunk -> micro-batches in flight
     param_numel: int = 0
 
@@ -79,9 +80,11 @@ class RankPlan:
         module's returned weight gradients) and the update's temporaries: the saved tensors are
         freed before the update, so the two never coexist (measured: benchmarks/bench_memory_plan.py,
         whose cp2 layout, with small activations and a large update temporary, told the sum from
-        the larger). The allocator's retained free pages (peak RSS, CUDA's reserved bytes) come on top."""
+        the larger). oneDNN's primitive cache (the ``batch`` level's wide GEMMs on CPU) is held from the
+        first forward on. The allocator's retained free pages (peak RSS, CUDA's reserved bytes) come on top."""
         backward = self.activations + self.head_transient + self.grad_transient
-        return self.params + self.grads + self.optimizer + self.fp4_weights + max(backward, self.step_transient)
+        return (self.params + self.grads + self.optimizer + self.fp4_weights + self.kernel_cache
+                + max(backward, self.step_transient))
 
 
 def local_meta_model(cfg: Config, pp_rank: int, ep_rank: int, tp_rank: int = 0) -> MoETransformer:
@@ -265,9 +268,30 @@ def plan_memory(cfg: Config, world_size: int, weight_cache: bool = True) -> list
         ranks = range(pp_rank * dp * p.tp, (pp_rank + 1) * dp * p.tp)  # a stage's ranks are contiguous; no list of them
         grad_tmp = weight_grad_transient(model, cfg, dp, num_mb)
         plans.append(RankPlan(f"pp{pp_rank}", ranks, activations=acts, fp4_weights=qw, head_transient=head,
-                              grad_transient=grad_tmp,
+                              grad_transient=grad_tmp, kernel_cache=onednn_cache_bytes(model, cfg),
                               inflight=inflight, param_numel=sum(t.numel() for _, t in named), **state))
     return plans
+
+
+def onednn_cache_bytes(model: MoETransformer, cfg: Config) -> int:
+    """What oneDNN's primitive cache keeps for this rank's GEMMs (`row_calls.onednn_kernel_bytes`): at the
+    ``batch`` level on a CPU, every distinct [n, k] weight (a linear's, an expert's of a grouped
+    [E, n, k]; embeddings are gathered, not multiplied, unless tied to the head) that oneDNN may
+    serve at the activations' dtype (`row_calls.onednn_serves`: the shape's row plan probed it)."""
+    from megatron_fp4.fp4.row_calls import onednn_kernel_bytes, onednn_serves
+
+    on_gpu = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
+    if on_gpu or not gemms_are_tiled(cfg):
+        return 0
+    dtype = activation_dtype(cfg)
+    shapes = set()
+    for name, p in model.named_parameters():
+        if p.dim() not in (2, 3) or ("embed" in name and not cfg.model.tie_embeddings):
+            continue
+        n, k = p.shape[-2:]
+        if onednn_serves(k, n, dtype):
+            shapes.add((k, n))
+    return sum(onednn_kernel_bytes(k, n) for k, n in shapes)
 
 
 def _weight_rounding(model: MoETransformer) -> str:
