@@ -96,8 +96,14 @@ def tiled_rows(cfg: Config, rows: int, k: int, n: int, fp4: bool = False, dtype:
     the forward, `tiled._grouped_tiles`, not saved), so the count depends on the token count alone."""
     if not gemms_are_tiled(cfg) or (fp4 and activation_dtype(cfg).itemsize < 4):
         return rows
+    return row_plan(k, n, dtype or activation_dtype(cfg), gemm_device(cfg)).height(rows)
+
+
+def gemm_device(cfg: Config) -> torch.device:
+    """The device type the trainer's GEMMs will run on (``cfg.device``; ``auto``: CUDA where this
+    process sees one), without claiming it (a plan may be made for a GPU job on a CPU machine)."""
     on_gpu = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
-    return row_plan(k, n, dtype or activation_dtype(cfg), torch.device("cuda" if on_gpu else "cpu")).height(rows)
+    return torch.device("cuda" if on_gpu else "cpu")
 
 
 def attention_is_blocked(cfg: Config) -> bool:

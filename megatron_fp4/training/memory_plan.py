@@ -39,8 +39,8 @@ from megatron_fp4.model.router import Router
 from megatron_fp4.model.specs import no_weight_decay
 from megatron_fp4.parallel.dims import ParallelDims
 from megatron_fp4.parallel.pipeline import PLACEMENT, rank_chunks, split_layers
-from megatron_fp4.training.memory_activations import (activation_dtype, chunk_activation_bytes, gemms_are_tiled,
-                                                      param_dtype)
+from megatron_fp4.training.memory_activations import (activation_dtype, chunk_activation_bytes, gemm_device,
+                                                      gemms_are_tiled, param_dtype)
 from megatron_fp4.training.model_cut import RankCoords, cut_model
 from megatron_fp4.parallel.flat_buffer import CHUNK_NUMEL, owned_ranges, plan_buckets
 
@@ -280,8 +280,7 @@ def onednn_cache_bytes(model: MoETransformer, cfg: Config) -> int:
     serve at the activations' dtype (`row_calls.onednn_serves`: the shape's row plan probed it)."""
     from megatron_fp4.fp4.row_calls import onednn_kernel_bytes, onednn_serves
 
-    on_gpu = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
-    if on_gpu or not gemms_are_tiled(cfg):
+    if gemm_device(cfg).type != "cpu" or not gemms_are_tiled(cfg):
         return 0
     dtype = activation_dtype(cfg)
     shapes = set()
