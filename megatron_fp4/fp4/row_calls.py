@@ -247,3 +247,49 @@ def _run_probe(k: int, width: int, stride: int, tile: int, dtype: torch.dtype, k
                     return RowPlan(quantum, minimum, cap, kernel)
                 return RowPlan(tile, tile, tile)
     return RowPlan(tile, tile, tile)
+
+
+KEY_BLOCK = 64  # attention's key block (`tiled.block_attention`): the products' key dimension
+QUERY_TILE_BATCHES = (1, 2, 3, 8, 17)  # how many tiles one probed attention product takes (`query_tile`)
+
+
+def query_tile(rows: int, d: int, dv: int, dtype: torch.dtype, device: torch.device) -> int:
+    """The query tile height block attention may call for ``rows`` live query rows (at most ROW_TILE:
+    a decode step's rep query heads of a kv head): the smallest multiple of 4 from ``rows`` up whose
+    two products — scores [n, h, d] · [n, d, KEY_BLOCK] (the keys a row-major [n, KEY_BLOCK, d] read
+    transposed) and values [n, h, KEY_BLOCK] · [n, KEY_BLOCK, dv] — give every row the bits of the
+    ROW_TILE-row tile (:func:`_query_heights`, probed on CPU once per shape, dtype and setting), else
+    ROW_TILE (a GPU's, or where no smaller height matched). A decode step's 2 live rows then take a
+    4-row product instead of 16 (measured: every height from 4 at one and two threads; from 8 for the
+    scores under ``MKL_CBWR=COMPATIBLE``)."""
+    if torch.device(device).type != "cpu" or rows >= ROW_TILE:
+        return ROW_TILE
+    good = _query_heights(d, dv, dtype, (torch.get_num_threads(), torch.get_float32_matmul_precision()))
+    for h in range(-(-max(rows, 1) // QUANTA[0]) * QUANTA[0], ROW_TILE, QUANTA[0]):
+        if h in good:
+            return h
+    return ROW_TILE
+
+
+@functools.lru_cache(maxsize=None)
+def _query_heights(d: int, dv: int, dtype: torch.dtype, setting: tuple) -> frozenset:
+    """The heights h (multiples of 4 below ROW_TILE) at which both attention products (:func:`query_tile`)
+    of 1, 2, 3, 8 and 17 tiles gave every row of every tile its ROW_TILE-row bits (random operands,
+    a private generator; the key and value blocks both contiguous and one block of a [n, 2, ...]
+    tensor, as a block of a head's several is read), at ``setting`` (thread count, matmul precision)."""
+    with torch.inference_mode(), torch.autocast("cpu", enabled=False):
+        gen = torch.Generator().manual_seed(PROBE_SEED + 2)
+        n = max(QUERY_TILE_BATCHES)
+        q = torch.randn(n, ROW_TILE, d, generator=gen).to(dtype)
+        p = torch.randn(n, ROW_TILE, KEY_BLOCK, generator=gen).to(dtype)
+        keys = torch.randn(n, 2, KEY_BLOCK, d, generator=gen).to(dtype)
+        values = torch.randn(n, 2, KEY_BLOCK, dv, generator=gen).to(dtype)
+        blocks = [(keys[:, 0].contiguous(), values[:, 0].contiguous()), (keys[:, 1], values[:, 1])]
+
+        def same(h: int) -> bool:
+            return all(torch.equal(torch.bmm(q[:g, :h].contiguous(), k[:g].transpose(1, 2)),
+                                   torch.bmm(q[:g], k[:g].transpose(1, 2))[:, :h])
+                       and torch.equal(torch.bmm(p[:g, :h].contiguous(), v[:g]), torch.bmm(p[:g], v[:g])[:, :h])
+                       for g in QUERY_TILE_BATCHES for k, v in blocks)
+
+        return frozenset(h for h in range(QUANTA[0], ROW_TILE, QUANTA[0]) if same(h))

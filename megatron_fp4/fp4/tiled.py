@@ -12,7 +12,9 @@ on that row (and, for attention, its prefix), not on its batch, padding, micro-b
   decode step's 2 rows in a 4-row call, a scoring run's 42 in one call), the tile itself where no
   other height does. A row's position inside its call does not change its bits (a GEMM reduces
   each output element over K in an order that depends on the shape, not the row index; checked on
-  the default, AVX2 and native kernels in ``tests/unit/test_numerics_levels.py``). One batched call
+  the default, AVX2 and native kernels in ``tests/unit/test_numerics_levels.py``). A weight of fewer
+  than :data:`MIN_COLUMNS` output columns (a router over 8 experts) is computed as the first columns
+  of its zero-padded copy (MKL's narrowest kernels kept no height but the tile). One batched call
   over all tiles is *not* used: with two threads MKL splits a lone tile's K across the threads but
   not a batch's (different bits for the same row, measured).
 - Attention (:func:`block_attention`): queries in tiles of ROW_TILE, keys indexed by position in
@@ -27,6 +29,9 @@ on that row (and, for attention, its prefix), not on its batch, padding, micro-b
   :func:`_block_mask`), and the block-sized buffers are reused across blocks. Every product is
   written through ``out=`` into a buffer the call allocated, and only those are changed in place
   (selective recompute keeps default-overload GEMM outputs only: `model/recompute.py`).
+  A lone tile (a decode step's rep query heads of a kv head) takes the smallest height from its
+  live rows up whose products give them the ROW_TILE-row bits (``row_calls.query_tile``, probed:
+  4 rows instead of 16 for 2 heads on MKL), the same bits in a quarter of the work.
   The softmax's elementwise work runs only on a tile's live rows (a decode step's rep rows) and the
   block's visible key columns; everything derived from positions and padding alone is a plan built
   once per forward and reused by the layers (:func:`_plan`).
@@ -51,9 +56,9 @@ import torch.nn.functional as F
 from megatron_fp4.fp4.block_attention_grad import attention_backward
 from megatron_fp4.fp4.grad_fusion import claim_fused, finish_fused, fused_grad_of
 from megatron_fp4.fp4.row_calls import (MAX_ROW_TILE, ROW_TILE, RowPlan, column_blocks, fixed_plan,  # noqa: F401
-                                        onednn_linear, onednn_pack, row_plan, row_tile)
+                                        KEY_BLOCK, onednn_linear, onednn_pack, query_tile, row_plan, row_tile)
 
-KEY_BLOCK = 64
+MIN_COLUMNS = 16  # a GEMM's output columns at least (`_tiled_forward`)
 MIN_VALUE_COLUMNS = 16  # the weighted-value GEMM's width at least (`block_attention`)
 _GROUPED_MM = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)  # the grouped backward's dx
 
@@ -72,9 +77,15 @@ def _tiled_forward(x2: torch.Tensor, wt: torch.Tensor, packs: Optional[dict] = N
     [N, K]. The rows padded to a height of the weight's :func:`row_plan` (the fixed tile's bits in
     fewer, fuller calls where the machine's GEMM gives them, `row_calls.py`), the calls' products
     written in place into one output (no concatenating copy). ``packs``: where a weight's oneDNN
-    packed copy is kept (:func:`_onednn_weight`)."""
+    packed copy is kept (:func:`_onednn_weight`). A weight of fewer than MIN_COLUMNS output columns is
+    computed as the first columns of its zero-padded MIN_COLUMNS-column copy: MKL's kernels for a
+    narrower one round a row by its call's height (8 columns: no height but the fixed tile, up to
+    128 rows, gave the tile's bits; 16: every multiple of 4, measured), so a decode step's router
+    call would pad its rows to a 128-row tile."""
     M = x2.shape[0]
     K, N = wt.shape
+    if N < MIN_COLUMNS:  # a narrow weight (a router's few experts): the first N columns of a wider one
+        return _tiled_forward(x2, F.pad(wt.t(), (0, 0, 0, MIN_COLUMNS - N)).t())[:, :N].contiguous()
     plan = row_plan(K, N, x2.dtype, x2.device)
     xp = _padded_rows(x2, plan.height(M))
     if plan.kernel == "onednn" and xp.shape[0] <= plan.cap:  # one call: its own output
@@ -273,6 +284,9 @@ def _grouped_tiles(x: torch.Tensor, weights, counts: list, plan: Optional[RowPla
     n_out = weights[0].shape[0]
     if not any(counts):
         return x.new_zeros(0, n_out)
+    if n_out < MIN_COLUMNS:  # narrow weights: the first columns of their zero-padded copies (`_tiled_forward`)
+        wide = [F.pad(w, (0, 0, 0, MIN_COLUMNS - n_out)) for w in weights]
+        return _grouped_tiles(x, wide, counts, plan, packs)[:, :n_out].contiguous()
     plan = row_plan(x.shape[1], n_out, x.dtype, x.device) if plan is None else plan
     layout = GroupedRows(counts, (plan,), x.device)
     return layout.unpad(_run_tiles(layout.pad(x), weights, layout, plan, packs))
@@ -370,6 +384,10 @@ def tiled_grouped_mlp(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, coun
                          "with autograd use tiled_grouped_linear for each GEMM")
     if not any(int(n) for n in counts):
         return x.new_zeros(0, w2.shape[1])
+    if min(w13.shape[1], w2.shape[1]) < MIN_COLUMNS:  # a narrow weight: its grouped linear pads it
+        counts = [int(n) for n in counts]
+        return _grouped_tiles(act(_grouped_tiles(x, w13.unbind(0), counts, packs=packs)), w2.unbind(0), counts,
+                              packs=packs)
     p13 = row_plan(w13.shape[2], w13.shape[1], x.dtype, x.device)
     p2 = row_plan(w2.shape[2], w2.shape[1], x.dtype, x.device)
     layout = GroupedRows(counts, (p13, p2), x.device)
@@ -480,7 +498,7 @@ class _Plan:
     row indices, the query tiles' positions, which tiles read which key block, their masks): the
     same for every layer of a forward, so it is built once per forward (:func:`_plan`). Only read."""
 
-    def __init__(self, positions, pad, B, KV, rep, Tq, Tk, k_rows, v_rows, Dv, dtype, vdtype, window):
+    def __init__(self, positions, pad, B, KV, rep, Tq, Tk, k_rows, v_rows, D, Dv, dtype, vdtype, window):
         device = positions.device
         self.n_keys = n_keys = int(positions.max()) + 1 if positions.numel() else 1
         self.nK = nK = -(-n_keys // KEY_BLOCK)
@@ -504,6 +522,10 @@ class _Plan:
         # weight tile is exact zeros, as the masks made it before, so every kept row gets the bits
         # of the whole-tile form: a GEMM row's result depends on that row of its left operand alone.
         self.live = live = R if nT == 1 else ROW_TILE
+        # The query tile's height: ROW_TILE, or for a single tile (a decode step's rep rows) the
+        # smallest height from `live` up whose products give its rows the ROW_TILE-row bits (probed,
+        # `row_calls.query_tile`): the same bits in a quarter of a decode step's products.
+        self.qt = query_tile(live, D, Dw + 1, dtype, device) if nT == 1 else ROW_TILE
         if nT * live == R:  # no padding rows (a decode step's tile: its rep rows): one copy
             flat_pos = positions[:, None, None, :].expand(B, KV, rep, Tq).reshape(-1, live)
         else:
@@ -590,15 +612,16 @@ class _DecodeBuffers:
         self.keys = k.new_empty(n_rows, D)
         self.values = v.new_empty(n_rows, Dw + 1)
         self.values[:, Dv:] = plan.tail[:1]
-        self.queries = q.new_zeros(B, KV, ROW_TILE, q.shape[-1])
-        self.scores = q.new_empty(B * KV, ROW_TILE, KEY_BLOCK)
+        self.queries = q.new_zeros(B, KV, plan.qt, q.shape[-1])
+        self.scores = q.new_empty(B * KV, plan.qt, KEY_BLOCK)
         self._products = []
 
     def products(self, j: int, n: int) -> torch.Tensor:
-        """Key block j's value-product buffer [n, ROW_TILE, Dw + 1] (one per block: the running sums
+        """Key block j's value-product buffer [n, qt, Dw + 1] (one per block: the running sums
         of block 0 are views of its own)."""
         while len(self._products) <= j:
-            self._products.append(self.values.new_empty(self.queries.shape[0] * self.queries.shape[1], ROW_TILE,
+            self._products.append(self.values.new_empty(self.queries.shape[0] * self.queries.shape[1],
+                                                         self.queries.shape[2],
                                                          self.values.shape[1]))
         return self._products[j][:n]
 
@@ -615,11 +638,11 @@ def _decode_buffers(q, k, v, plan) -> Optional[_DecodeBuffers]:
     would hold memory a long generation's steps of other shapes need (at that size the allocation
     is a small part of the step), so such a step allocates its own, as a prefill does."""
     tiles, D, Dw = q.shape[0] * k.shape[1], k.shape[-1], plan.Dw
-    if plan.rows.shape[0] * (D + Dw + 1) + tiles * ROW_TILE * (D + KEY_BLOCK + plan.nK * (Dw + 1)) > \
+    if plan.rows.shape[0] * (D + Dw + 1) + tiles * plan.qt * (D + KEY_BLOCK + plan.nK * (Dw + 1)) > \
             DECODE_BUFFER_ELEMENTS:
         return None
-    key = (tuple(q.shape), k.shape[:2], k.shape[-1], v.shape[-1], plan.rows.shape[0], plan.Dw, q.dtype, k.dtype,
-           v.dtype, q.device, torch.is_inference_mode_enabled())
+    key = (tuple(q.shape), k.shape[:2], k.shape[-1], v.shape[-1], plan.rows.shape[0], plan.Dw, plan.qt, q.dtype,
+           k.dtype, v.dtype, q.device, torch.is_inference_mode_enabled())
     kept = getattr(_workspace, "kept", None)
     if kept is None:
         kept = _workspace.kept = {}
@@ -655,8 +678,8 @@ def _block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions:
     rep = H // KV
     kr, k_rows = _key_rows(k)
     vr, v_rows = _key_rows(v)
-    plan = _plan(positions, pad, B, KV, rep, Tq, Tk, k_rows, v_rows, Dv, q.dtype, v.dtype, window)
-    nK, R, nT, live, Dw = plan.nK, plan.R, plan.nT, plan.live, plan.Dw
+    plan = _plan(positions, pad, B, KV, rep, Tq, Tk, k_rows, v_rows, D, Dv, q.dtype, v.dtype, window)
+    nK, R, nT, live, Dw, qt = plan.nK, plan.R, plan.nT, plan.live, plan.Dw, plan.qt
     # Keys and values by position, in one row copy each (index_select of whole key rows: a gather
     # with an expanded index was 10× slower) into a fresh row-major [B·KV, nK, KEY_BLOCK, ·] buffer:
     # row b's key j sits in slot pad[b] + j (clamped; the slots past n_keys are in every query's
@@ -680,15 +703,15 @@ def _block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions:
         vb = ws.values  # its tail columns (zeros, the ones column) written once, when it was made
     torch.index_select(vr, 0, plan.v_at, out=vb[:, :Dv])
     kb, vb = kb.view(*blocked, D), vb.view(*blocked, Dw + 1)
-    # Query rows: the rep query heads of a kv head times the queries, in tiles [B·KV·nT, ROW_TILE, D]
+    # Query rows: the rep query heads of a kv head times the queries, in tiles [B·KV·nT, qt, D]
     # (a decode step's rep rows share one tile), pre-scaled. Every batched product's operands
     # row-major (a kernel is chosen by layout as well as shape: a decode step's expanded key block
     # would otherwise be a transposed view).
     scale = D ** -0.5 if scale is None else scale
     # written straight into their zero-padded tiles (a scaled copy each, no pad pass)
-    flat_q = q.new_zeros(B, KV, nT * ROW_TILE, D) if ws is None else ws.queries  # (a workspace's rows past R stay 0)
+    flat_q = q.new_zeros(B, KV, nT * qt, D) if ws is None else ws.queries  # (a workspace's rows past R stay 0)
     torch.mul(q.view(B, KV, rep, Tq, D), scale, out=flat_q[:, :, :R].view(B, KV, rep, Tq, D))
-    flat_q = flat_q.view(-1, ROW_TILE, D)
+    flat_q = flat_q.view(-1, qt, D)
     m = l = acc = None
     scores = None if ws is None else ws.scores  # the score tile's buffer: the first block's, reused
     mask_out = None  # the first block's mask buffers, reused by the later blocks' masks
@@ -709,7 +732,7 @@ def _block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions:
         # recomputes the scores anyway).
         n = qj.shape[0]
         s_tile = torch.bmm(qj, kj.transpose(1, 2),
-                           out=scores[:n] if scores is not None else qj.new_empty(n, ROW_TILE, KEY_BLOCK))
+                           out=scores[:n] if scores is not None else qj.new_empty(n, qt, KEY_BLOCK))
         if scores is None:
             scores = s_tile
         s = s_tile[:, :live, :cols]
@@ -736,7 +759,7 @@ def _block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions:
         s.sub_(m_ref).clamp_(min=EXP_FLOOR).exp_().mul_(keep)
         if cols < KEY_BLOCK:
             s_tile[:, :live, cols:].zero_()
-        pv = torch.bmm(s_tile, vj, out=vj.new_empty(n, ROW_TILE, Dw + 1) if ws is None else ws.products(j, n))
+        pv = torch.bmm(s_tile, vj, out=vj.new_empty(n, qt, Dw + 1) if ws is None else ws.products(j, n))
         pv = pv[:, :live]  # [n, live, Dw + 1]
         pv, ps = pv[..., :Dv], pv[..., Dw:]
         if m_old is None:

@@ -130,3 +130,42 @@ def test_decode_steps_over_the_buffer_bound_keep_nothing(monkeypatch):
     with torch.no_grad():
         assert _step_matches(case, 89)
     assert len(tiled._workspace.kept) == 1
+
+
+def test_decode_query_tiles_of_every_height_keep_the_full_forwards_bits(threads):
+    """A decode step's query tile takes the probed height for its rep rows (`row_calls.query_tile`:
+    4, 8 or 12 rows instead of 16 where this machine's bmm gives those rows the 16-row bits): rep
+    1..12 query heads per kv head, steps in the first and the second key block, == the full forward."""
+    from megatron_fp4.fp4.row_calls import query_tile
+    with torch.no_grad():
+        for rep in (1, 3, 4, 5, 8, 12):
+            spec = (10 + rep, 2, 2, rep, 32, 32, 80, [0, 9])
+            case = _case(*spec)
+            assert query_tile(rep, 32, 33, torch.float32, torch.device("cpu")) >= rep
+            for t in (30, 70, 79):
+                assert _step_matches(case, t), (spec, t)
+
+
+def test_query_tile_keeps_only_heights_whose_products_match(monkeypatch):
+    """With a bmm whose rows are each computed alone (the same bits at every height, whatever this
+    machine's kernels do) that rounds otherwise below 8 rows, at every height but 16, or at 8: the
+    query tile is the smallest height from the live rows up that matched; on another device it is 16
+    without a probe."""
+    from megatron_fp4.fp4 import row_calls
+    real_bmm = torch.bmm
+
+    def make(bad):
+        def bmm(a, b, out=None):
+            r = torch.cat([real_bmm(a[:, i:i + 1].contiguous(), b) for i in range(a.shape[1])], 1)
+            r = r.mul_(1 + 2 ** -20) if bad(a.shape[1]) else r
+            return r if out is None else out.copy_(r)
+        return bmm
+
+    cpu = torch.device("cpu")
+    for bad, want in ((lambda h: h < 8, [8, 8, 8, 12, 16]), (lambda h: h != 16, [16] * 5),
+                      (lambda h: h == 8, [4, 4, 12, 12, 16]), (lambda h: False, [4, 4, 8, 12, 16])):
+        row_calls._query_heights.cache_clear()
+        monkeypatch.setattr(row_calls.torch, "bmm", make(bad))
+        assert [row_calls.query_tile(r, 24, 25, torch.float32, cpu) for r in (1, 4, 5, 9, 13)] == want
+    row_calls._query_heights.cache_clear()
+    assert row_calls.query_tile(2, 24, 25, torch.float32, torch.device("meta")) == 16

@@ -177,3 +177,24 @@ def test_only_a_rollout_model_keeps_packed_weights():
         with nx.cached_weights() as _:
             assert (nx.weight_packs() is nx.weight_cache) == keeps and nx.weight_cache is not None
         assert nx.weight_packs() is None
+
+
+def test_a_narrow_weight_is_the_first_columns_of_its_zero_padded_copy(threads):
+    """Fewer than MIN_COLUMNS output columns (a router over 8 experts): the bits of the first columns
+    of the weight zero-padded to MIN_COLUMNS (whose plan calls 4-row heights where the 8-column GEMM
+    kept only its 128-row tile), so a row alone, in a decode step's 8 and in a prefill's 300 rows
+    has one result."""
+    from megatron_fp4.fp4.tiled import MIN_COLUMNS
+    g = torch.Generator().manual_seed(7)
+    for n in (1, 8, MIN_COLUMNS - 1):
+        w, x = torch.randn(n, 96, generator=g), torch.randn(300, 96, generator=g)
+        wide = torch.cat([w, w.new_zeros(MIN_COLUMNS - n, 96)])
+        want = tiles(x, wide)[:, :n]
+        for rows in (1, 3, 8, 300):
+            got = tiled_linear(x[:rows], w)
+            assert got.shape == (rows, n) and got.is_contiguous()
+            assert torch.equal(bits(got), bits(want[:rows])), (n, rows)
+        w.requires_grad_(True)  # under autograd: the same forward bits, the gradient of the narrow weight
+        y = tiled_linear(x[:8], w)
+        y.sum().backward()
+        assert torch.equal(bits(y.detach()), bits(want[:8])) and torch.allclose(w.grad, x[:8].sum(0).expand(n, -1))
