@@ -293,3 +293,44 @@ def _query_heights(d: int, dv: int, dtype: torch.dtype, setting: tuple) -> froze
                        for g in QUERY_TILE_BATCHES for k, v in blocks)
 
         return frozenset(h for h in range(QUANTA[0], ROW_TILE, QUANTA[0]) if same(h))
+
+
+TALL_MAX = 256  # the most query rows one tall attention product takes (`tall_rows`)
+TALL_BATCHES = (1, 2, 5)  # how many heads one probed tall product takes
+
+
+def tall_rows(d: int, dv: int, dtype: torch.dtype, device: torch.device) -> int:
+    """The most rows (a multiple of ROW_TILE, at most TALL_MAX; 0: none) one attention product of a
+    head's several query tiles may take, stacked in one [n, h, d] operand, so that at every such
+    height up to it both products — scores [n, h, d] · [n, d, KEY_BLOCK] and values [n, h, KEY_BLOCK]
+    · [n, KEY_BLOCK, dv] — give every row the bits of its own ROW_TILE-row tile (:func:`_tall_cap`,
+    probed on CPU once per shape, dtype and setting; 0 on other devices). A prefill then reads each
+    head's key block in place for all its tiles instead of copying it once per tile (measured: every
+    multiple of 16 up to 512 rows, 1 and 2 threads, also under ``MKL_CBWR=COMPATIBLE``)."""
+    if torch.device(device).type != "cpu":
+        return 0
+    return _tall_cap(d, dv, dtype, (torch.get_num_threads(), torch.get_float32_matmul_precision()))
+
+
+@functools.lru_cache(maxsize=None)
+def _tall_cap(d: int, dv: int, dtype: torch.dtype, setting: tuple) -> int:
+    """:func:`tall_rows`' probe: random operands (a private generator), the query rows a view of a
+    taller buffer past its first tile and the key and value blocks one block of a [n, 2, ...] tensor
+    (the operands' layouts in a prefill), 1, 2 and 5 heads, each height a multiple of ROW_TILE up to
+    TALL_MAX against per-tile products; the largest height below the first mismatch."""
+    with torch.inference_mode(), torch.autocast("cpu", enabled=False):
+        gen = torch.Generator().manual_seed(PROBE_SEED + 3)
+        n = max(TALL_BATCHES)
+        q = torch.randn(n, TALL_MAX + ROW_TILE, d, generator=gen).to(dtype)[:, ROW_TILE:]
+        p = torch.randn(n, TALL_MAX + ROW_TILE, KEY_BLOCK, generator=gen).to(dtype)[:, ROW_TILE:]
+        k = torch.randn(n, 2, KEY_BLOCK, d, generator=gen).to(dtype)[:, 1]
+        v = torch.randn(n, 2, KEY_BLOCK, dv, generator=gen).to(dtype)[:, 1]
+        ref_s = torch.cat([torch.bmm(t.contiguous(), k.transpose(1, 2)) for t in q.split(ROW_TILE, 1)], 1)
+        ref_o = torch.cat([torch.bmm(t.contiguous(), v) for t in p.split(ROW_TILE, 1)], 1)
+        best = 0
+        for h in range(ROW_TILE, TALL_MAX + 1, ROW_TILE):
+            if not all(torch.equal(torch.bmm(q[:g, :h], k[:g].transpose(1, 2)), ref_s[:g, :h])
+                       and torch.equal(torch.bmm(p[:g, :h], v[:g]), ref_o[:g, :h]) for g in TALL_BATCHES):
+                break
+            best = h
+        return best

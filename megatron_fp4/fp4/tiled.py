@@ -56,7 +56,8 @@ import torch.nn.functional as F
 from megatron_fp4.fp4.block_attention_grad import attention_backward
 from megatron_fp4.fp4.grad_fusion import claim_fused, finish_fused, fused_grad_of
 from megatron_fp4.fp4.row_calls import (MAX_ROW_TILE, ROW_TILE, RowPlan, column_blocks, fixed_plan,  # noqa: F401
-                                        KEY_BLOCK, onednn_linear, onednn_pack, query_tile, row_plan, row_tile)
+                                        KEY_BLOCK, onednn_linear, onednn_pack, query_tile, row_plan, row_tile,
+                                        tall_rows)
 
 MIN_COLUMNS = 16  # a GEMM's output columns at least (`_tiled_forward`)
 MIN_VALUE_COLUMNS = 16  # the weighted-value GEMM's width at least (`block_attention`)
@@ -493,6 +494,39 @@ class _Block:
         self.sel, self.pj, self.oj, self.cols, self.masks = sel, pj, oj, cols, None
 
 
+class _Tall:
+    """A plan's rows for :func:`_tall_forward`: every (b, kv) head's query rows position-major (row
+    t·rep + g: query t of its g-th query head), padded to ``rows`` (a multiple of ROW_TILE, the
+    padding rows at the head's last position), their positions ``pos`` [B·KV, rows]; key block j is
+    read by rows ``starts[j]`` on of every head (a multiple of ROW_TILE: the first row of any head
+    that sees the block; the positions rise along the rows, so the rows before it see none of it),
+    over its ``cols`` visible keys; at most ``cap`` rows per product (`row_calls.tall_rows`); the
+    blocks' masks kept when small (``masks``, else None)."""
+
+    __slots__ = ("rows", "cap", "pos", "starts", "cols", "masks")
+
+    @classmethod
+    def of(cls, positions, B, KV, rep, Tq, nT, nK, n_keys, D, Dw, dtype, window) -> Optional["_Tall"]:
+        """The rows of a forward, or None where its products or positions do not allow them."""
+        cap = tall_rows(D, Dw + 1, dtype, positions.device)
+        if cap < ROW_TILE or not bool((positions[:, 1:] >= positions[:, :-1]).all()):
+            return None
+        self = cls()
+        R, rows = rep * Tq, nT * ROW_TILE
+        pos = positions[:, None, :, None].expand(B, KV, Tq, rep).reshape(B * KV, R)
+        if rows > R:
+            pos = torch.cat([pos, pos[:, -1:].expand(B * KV, rows - R)], 1)
+        firsts = (pos[:, :, None] < _arange(nK, pos.device) * KEY_BLOCK).sum(1).amin(0).tolist()
+        self.rows, self.cap, self.pos = rows, cap, pos
+        self.starts = [int(f) // ROW_TILE * ROW_TILE for f in firsts]
+        self.cols = [min(KEY_BLOCK, n_keys - j * KEY_BLOCK) for j in range(nK)]
+        self.masks = None
+        if sum(B * KV * (rows - s) * c for s, c in zip(self.starts, self.cols)) <= MASK_CACHE_ELEMENTS:
+            self.masks = [_block_mask(pos[:, s:], j, window, dtype, c)
+                          for j, (s, c) in enumerate(zip(self.starts, self.cols))]
+        return self
+
+
 class _Plan:
     """What :func:`block_attention` derives from the positions and padding alone (the gathers'
     row indices, the query tiles' positions, which tiles read which key block, their masks): the
@@ -513,7 +547,7 @@ class _Plan:
         self.block_major = block_major = Tq == 1 and nT == 1 and nK > 1
         self.rows = self._rows(B, KV, k_rows, slot, block_major)
         self.v_at = self.rows if v_rows == k_rows else self._rows(B, KV, v_rows, slot, block_major)
-        self.Dw = Dw = max(Dv, MIN_VALUE_COLUMNS - 1)
+        self.Dv, self.Dw = Dv, (Dw := max(Dv, MIN_VALUE_COLUMNS - 1))
         self.tail = _value_tail(self.rows.shape[0], Dw + 1 - Dv, vdtype, device)  # zeros, ones column
         # The products run on whole fixed-shape tiles; the elementwise softmax work only on the
         # `live` leading rows of a tile (a decode step's rep rows, not its 16: the other rows are
@@ -526,6 +560,14 @@ class _Plan:
         # smallest height from `live` up whose products give its rows the ROW_TILE-row bits (probed,
         # `row_calls.query_tile`): the same bits in a quarter of a decode step's products.
         self.qt = query_tile(live, D, Dw + 1, dtype, device) if nT == 1 else ROW_TILE
+        # Several tiles per head (a prefill, a scoring pass): where this machine's products give a
+        # head's stacked tiles their own bits (`row_calls.tall_rows`) and the positions rise along
+        # the queries, the heads' rows are read in place (`_Tall`) instead of by the tiles below.
+        self.tall = _Tall.of(positions, B, KV, rep, Tq, nT, nK, n_keys, D, Dw, dtype, window) \
+            if nT > 1 and not block_major else None
+        if self.tall is not None:
+            self.blocks = []
+            return
         if nT * live == R:  # no padding rows (a decode step's tile: its rep rows): one copy
             flat_pos = positions[:, None, None, :].expand(B, KV, rep, Tq).reshape(-1, live)
         else:
@@ -708,6 +750,8 @@ def _block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions:
     # row-major (a kernel is chosen by layout as well as shape: a decode step's expanded key block
     # would otherwise be a transposed view).
     scale = D ** -0.5 if scale is None else scale
+    if plan.tall is not None:
+        return _tall_forward(q, kb, vb, plan, scale, window, sinks, with_lse)
     # written straight into their zero-padded tiles (a scaled copy each, no pad pass)
     flat_q = q.new_zeros(B, KV, nT * qt, D) if ws is None else ws.queries  # (a workspace's rows past R stay 0)
     torch.mul(q.view(B, KV, rep, Tq, D), scale, out=flat_q[:, :, :R].view(B, KV, rep, Tq, D))
@@ -788,6 +832,75 @@ def _block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions:
     acc, l = acc.view(B, KV, nT * live, Dv), l.view(B, KV, nT * live, 1)
     out = torch.div(acc, l) if nT * live == R else torch.div(acc[:, :, :R], l[:, :, :R])
     return out.view(B, H, Tq, Dv), lse
+
+
+def _tall_forward(q, kb, vb, plan, scale: float, window: int, sinks: Optional[torch.Tensor],
+                  with_lse: bool) -> tuple:
+    """:func:`_block_forward` for a plan with ``tall`` rows: per key block j and run of at most
+    ``cap`` of the rows that read it, one product over every head's rows stacked ([B·KV, h, D], a
+    view of the scaled queries) with the head's key block read in place, then the same online
+    softmax, row by row, as the tiles (each op elementwise or per row; a row's products the bits of
+    its ROW_TILE-row tile, probed): the bits of the tile path, without a copy of a head's key and
+    value blocks per tile or gathers of the tiles and their running sums. The output and the
+    log-sum-exp back in the query-head-major order."""
+    B, H, Tq, D = q.shape
+    n = kb.shape[0]
+    KV, Dv, Dw, t = n // B, plan.Dv, plan.Dw, plan.tall
+    rep = H // KV
+    R, rows, nK = rep * Tq, t.rows, plan.nK
+    flat_q = q.new_zeros(n, rows, D)
+    torch.mul(q.view(B, KV, rep, Tq, D).transpose(2, 3), scale, out=flat_q[:, :R].view(B, KV, Tq, rep, D))
+    m = q.new_empty(n, rows, 1)
+    l = q.new_empty(n, rows, 1)
+    acc = q.new_empty(n, rows, Dv)
+    cap = min(t.cap, rows)
+    s_buf = q.new_empty(n * cap * KEY_BLOCK)
+    p_buf = vb.new_empty(n * cap * (Dw + 1))
+    for j in range(nK):
+        kj, vj = (kb[:, j], vb[:, j]) if nK > 1 else (kb, vb)
+        start, cols = t.starts[j], t.cols[j]
+        for c0 in range(start, rows, cap):
+            c1 = min(c0 + cap, rows)
+            h = c1 - c0
+            s_tile = torch.bmm(flat_q[:, c0:c1], kj.transpose(1, 2),
+                               out=s_buf[:n * h * KEY_BLOCK].view(n, h, KEY_BLOCK))
+            sc = s_tile[:, :, :cols]
+            if t.masks is not None:
+                bias, keep = (mk[:, c0 - start:c1 - start] for mk in t.masks[j])
+            else:
+                bias, keep = _block_mask(t.pos[:, c0:c1], j, window, q.dtype, cols)
+            sc = sc.add_(bias)
+            blk_max = sc.amax(-1, keepdim=True)
+            m_old = m[:, c0:c1] if j else None
+            m_new = blk_max if m_old is None else torch.maximum(m_old, blk_max)
+            m_ref = m_new.nan_to_num(neginf=0.0) if window else m_new
+            sc.sub_(m_ref).clamp_(min=EXP_FLOOR).exp_().mul_(keep)
+            if cols < KEY_BLOCK:
+                s_tile[:, :, cols:].zero_()
+            pv = torch.bmm(s_tile, vj, out=p_buf[:n * h * (Dw + 1)].view(n, h, Dw + 1))
+            pvv, ps = pv[..., :Dv], pv[..., Dw:]
+            if m_old is None:
+                m[:, c0:c1], l[:, c0:c1], acc[:, c0:c1] = m_new, ps, pvv
+                continue
+            corr = torch.exp(m_old - m_ref)
+            l[:, c0:c1] = l[:, c0:c1] * corr + ps
+            acc[:, c0:c1] = acc[:, c0:c1] * corr + pvv
+            m[:, c0:c1] = m_new
+    if sinks is not None:  # a per-head logit in every row's softmax, dropped after it (no value)
+        sink = sinks.to(m.dtype).view(1, KV, 1, rep).expand(B, KV, Tq, rep).reshape(n, R)
+        if rows > R:  # the padding rows' sink: any finite value (their rows are dropped)
+            sink = torch.cat([sink, sink[:, :1].expand(n, rows - R)], 1)
+        sink = sink.view(n, rows, 1)
+        m_all = torch.maximum(m, sink)
+        corr = torch.exp(m - m_all)
+        l, acc = l * corr + torch.exp(sink - m_all), acc * corr
+        m = m_all
+    lse = None
+    if with_lse:  # m + log l in a wide dtype, per query row [B, KV, R] query-head-major (its own storage)
+        wide = torch.promote_types(l.dtype, torch.float32)
+        lse = (m.to(wide) + l.to(wide).log())[:, :R].view(B, KV, Tq, rep).transpose(2, 3).reshape(B, KV, R)
+    out = torch.div(acc[:, :R], l[:, :R]).view(B, KV, Tq, rep, Dv).transpose(2, 3).reshape(B, H, Tq, Dv)
+    return out, lse
 
 
 def _versions(*tensors) -> tuple:
