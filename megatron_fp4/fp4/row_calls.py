@@ -48,6 +48,7 @@ MAX_ROW_TILE = 128
 TILE_WORK = 1 << 18  # multiply-adds a GEMM tile aims at (a narrow layer's tile grows to reach it)
 COLUMN_BLOCK_ELEMENTS = 1 << 19  # a GEMM's weight block: 2 MiB in fp32, a core's L2 (`column_blocks`)
 CACHED_WEIGHT_ELEMENTS = 1 << 21  # a weight up to this size is one block (8 MiB in fp32: it stays cached)
+MIN_COLUMNS = 16  # a GEMM's output columns at least (a narrower weight: zero-padded, `tiled._tiled_forward`)
 MIN_COLUMN_BLOCK = 256  # columns of a weight block at least
 CAP_TILES = 4  # a call takes at most this many tiles' rows (a probed plan's cap)
 QUANTA = (4, 8, 16)  # a probed plan's row quantum: the heights it may call are its multiples

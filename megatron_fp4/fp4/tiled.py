@@ -55,11 +55,10 @@ import torch.nn.functional as F
 
 from megatron_fp4.fp4.block_attention_grad import attention_backward
 from megatron_fp4.fp4.grad_fusion import claim_fused, finish_fused, fused_grad_of
-from megatron_fp4.fp4.row_calls import (MAX_ROW_TILE, ROW_TILE, RowPlan, column_blocks, fixed_plan,  # noqa: F401
+from megatron_fp4.fp4.row_calls import (MAX_ROW_TILE, MIN_COLUMNS, ROW_TILE, RowPlan, column_blocks, fixed_plan,  # noqa: F401
                                         KEY_BLOCK, onednn_linear, onednn_pack, query_tile, row_plan, row_tile,
                                         tall_rows)
 
-MIN_COLUMNS = 16  # a GEMM's output columns at least (`_tiled_forward`)
 MIN_VALUE_COLUMNS = 16  # the weighted-value GEMM's width at least (`block_attention`)
 _GROUPED_MM = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)  # the grouped backward's dx
 
@@ -898,9 +897,12 @@ def _tall_forward(q, kb, vb, plan, scale: float, window: int, sinks: Optional[to
     lse = None
     if with_lse:  # m + log l in a wide dtype, per query row [B, KV, R] query-head-major (its own storage)
         wide = torch.promote_types(l.dtype, torch.float32)
-        lse = (m.to(wide) + l.to(wide).log())[:, :R].view(B, KV, Tq, rep).transpose(2, 3).reshape(B, KV, R)
+        lse = torch.empty(B, KV, R, dtype=wide, device=q.device)  # its own storage, exactly its size
+        lse.view(B, KV, rep, Tq).copy_((m.to(wide) + l.to(wide).log())[:, :R].view(B, KV, Tq, rep).transpose(2, 3))
+    # a fresh contiguous [B, H, Tq, Dv], as the tiles' (a reshape alone is a view in another layout
+    # for one kv head: a later op's saved view of it would then share its storage)
     out = torch.div(acc[:, :R], l[:, :R]).view(B, KV, Tq, rep, Dv).transpose(2, 3).reshape(B, H, Tq, Dv)
-    return out, lse
+    return out.contiguous(), lse
 
 
 def _versions(*tensors) -> tuple:

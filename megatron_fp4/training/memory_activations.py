@@ -12,7 +12,7 @@ from typing import Optional
 import torch
 
 from megatron_fp4.config import Config
-from megatron_fp4.fp4.row_calls import row_plan
+from megatron_fp4.fp4.row_calls import MIN_COLUMNS, row_plan
 from megatron_fp4.model import MoETransformer
 from megatron_fp4.model.layers import wide_dtype
 from megatron_fp4.model.moe import GroupedExperts
@@ -93,8 +93,10 @@ def tiled_rows(cfg: Config, rows: int, k: int, n: int, fp4: bool = False, dtype:
     `fp4`: a quantizing MoEResQ linear's (`quantized_linears`), which is that buffer unless cast from its fp32 accumulation to
     narrower activations. A bias add, a cast or a gather makes a fresh compact tensor instead (the
     biased GPT-OSS linears, the experts' grouped tiles: their per-expert padding is a transient of
-    the forward, `tiled._grouped_tiles`, not saved), so the count depends on the token count alone."""
-    if not gemms_are_tiled(cfg) or (fp4 and activation_dtype(cfg).itemsize < 4):
+    the forward, `tiled._grouped_tiles`, not saved; a weight of fewer than MIN_COLUMNS outputs, whose
+    first columns of a zero-padded copy's product are copied out), so the count depends on the token
+    count alone."""
+    if not gemms_are_tiled(cfg) or (fp4 and activation_dtype(cfg).itemsize < 4) or n < MIN_COLUMNS:
         return rows
     return row_plan(k, n, dtype or activation_dtype(cfg), gemm_device(cfg)).height(rows)
 
