@@ -85,11 +85,16 @@ def _tiled_forward(x2: torch.Tensor, wt: torch.Tensor, packs: Optional[dict] = N
     M = x2.shape[0]
     K, N = wt.shape
     if N < MIN_COLUMNS:  # a narrow weight (a router's few experts): the first N columns of a wider one
-        return _tiled_forward(x2, F.pad(wt.t(), (0, 0, 0, MIN_COLUMNS - N)).t())[:, :N].contiguous()
+        w = wt.t()  # (the padded copy kept in a rollout model's store, made per call elsewhere)
+        pad = functools.partial(_zero_padded_rows, rows=MIN_COLUMNS)
+        wide = pad(w) if packs is None else _kept(w, packs, "zero-padded", pad)
+        return _tiled_forward(x2, wide.t())[:, :N].contiguous()
     plan = row_plan(K, N, x2.dtype, x2.device)
     xp = _padded_rows(x2, plan.height(M))
-    if plan.kernel == "onednn" and xp.shape[0] <= plan.cap:  # one call: its own output
+    if xp.shape[0] <= plan.cap and plan.kernel == "onednn":  # one call: its own output
         out = onednn_linear(xp, _onednn_weight(wt.t(), packs))
+    elif xp.shape[0] <= plan.cap and len(column_blocks(K, N)) == 1:  # one mm call (`_row_products`' first case)
+        out = torch.mm(xp, wt)
     else:
         out = xp.new_empty(xp.shape[0], N)
         _row_products(xp, wt, out, plan, packs)
@@ -100,7 +105,12 @@ def _onednn_weight(w: torch.Tensor, packs: Optional[dict]) -> torch.Tensor:
     """What a oneDNN call reads for the row-major weight ``w``: its packed copy, made once per weight
     version and kept in ``packs`` (``Numerics.weight_packs``: a rollout model's weight cache), or
     ``w`` itself (no store). The same bits either way (`row_calls.row_plan` keeps oneDNN only where
-    both forms agree).
+    both forms agree). Kept as :func:`_kept` keeps it."""
+    return w if packs is None else _kept(w, packs, "oneDNN pack", onednn_pack)
+
+
+def _kept(w: torch.Tensor, packs: dict, tag: str, make) -> torch.Tensor:
+    """``make(w)``, kept in ``packs`` under ``tag`` and made again only when ``w`` changes.
 
     An entry is keyed by ``w``'s memory and guarded by its version counter (an inference tensor has
     none and cannot change outside inference mode: the rollout stores are cleared at every weight
@@ -109,22 +119,25 @@ def _onednn_weight(w: torch.Tensor, packs: Optional[dict]) -> torch.Tensor:
     made under inference mode have no ``_base``). When the memory is freed the entry goes with it,
     so a temporary (a contiguous or converted copy made per call) never piles up in a store kept
     across calls, and a new tensor at a freed one's address cannot meet its copy."""
-    if packs is None:
-        return w
     owner = w.untyped_storage()
-    key = (w.data_ptr(), tuple(w.shape), w.stride(), w.dtype, w.device, "oneDNN pack")
+    key = (w.data_ptr(), tuple(w.shape), w.stride(), w.dtype, w.device, tag)
     version = None if w.is_inference() else w._version
     hit = packs.get(key)
     if hit is not None and hit[0]() is owner and hit[1] == version:
         return hit[2]
-    packed = onednn_pack(w)
+    made = make(w)
 
     def forget(ref, key=key):
         if packs.get(key, (None,))[0] is ref:
             del packs[key]
 
-    packs[key] = (weakref.ref(owner, forget), version, packed)
-    return packed
+    packs[key] = (weakref.ref(owner, forget), version, made)
+    return made
+
+
+def _zero_padded_rows(w: torch.Tensor, rows: int) -> torch.Tensor:
+    """``w`` [n, k] with zero rows appended to ``rows`` rows (a fresh contiguous tensor)."""
+    return torch.cat([w, w.new_zeros(rows - w.shape[0], w.shape[1])])
 
 
 def _row_products(xp: torch.Tensor, wt: torch.Tensor, out: torch.Tensor, plan: RowPlan,
@@ -235,6 +248,9 @@ def tiled_grouped_linear(x: torch.Tensor, weights, counts, packs: Optional[dict]
     return _grouped_tiles(x, weights, [int(n) for n in counts], packs=packs)
 
 
+LAYOUT_LIST_ROWS = 256  # a GroupedRows of at most this many rows builds its index from a Python list
+
+
 class GroupedRows:
     """Runs of ``counts[e]`` rows laid out one after the other, run e over ``spans[e]`` rows (its
     height in every GEMM that reads the layout: the largest of their :class:`RowPlan` heights for
@@ -253,7 +269,11 @@ class GroupedRows:
             self.starts.append(at)
             at += span
         self.at, self.rows = at, None
-        if at != sum(self.counts):  # padding rows after the runs' rows: run e's row i goes to its start + i
+        rows = sum(self.counts)
+        if at != rows and rows <= LAYOUT_LIST_ROWS:  # few rows (a decode step's): one small tensor from a list
+            self.rows = torch.tensor([start + i for n, start in zip(self.counts, self.starts) for i in range(n)],
+                                     device=device)
+        elif at != rows:  # padding rows after the runs' rows: run e's row i goes to its start + i
             shift, first = [], 0
             for n, start in zip(self.counts, self.starts):
                 shift.append(start - first)
@@ -285,7 +305,7 @@ def _grouped_tiles(x: torch.Tensor, weights, counts: list, plan: Optional[RowPla
     if not any(counts):
         return x.new_zeros(0, n_out)
     if n_out < MIN_COLUMNS:  # narrow weights: the first columns of their zero-padded copies (`_tiled_forward`)
-        wide = [F.pad(w, (0, 0, 0, MIN_COLUMNS - n_out)) for w in weights]
+        wide = [_zero_padded_rows(w, MIN_COLUMNS) for w in weights]
         return _grouped_tiles(x, wide, counts, plan, packs)[:, :n_out].contiguous()
     plan = row_plan(x.shape[1], n_out, x.dtype, x.device) if plan is None else plan
     layout = GroupedRows(counts, (plan,), x.device)
@@ -303,12 +323,17 @@ def _run_tiles(xp: torch.Tensor, weights, layout: GroupedRows, plan: RowPlan,
     heights = [plan.height(n) if n else 0 for n in layout.counts]
     out = (xp.new_empty if heights == layout.spans else xp.new_zeros)(layout.at, n_out)
     x_runs, out_runs = xp.split(layout.spans), out.split(layout.spans)
+    one_call = plan.kernel == "mm" and len(column_blocks(xp.shape[1], n_out)) == 1  # a run of ≤ cap rows: one mm
     for w, xr, outr, n, height in zip(weights, x_runs, out_runs, layout.counts, heights):
         if not n:
             continue
         if height != xr.shape[0]:
             xr, outr = xr[:height], outr[:height]
-        _row_products(xr, (w if w.is_contiguous() else w.contiguous()).t(), outr, plan, packs)
+        w = w if w.is_contiguous() else w.contiguous()
+        if one_call and height <= plan.cap:  # `_row_products`' one call, without its bookkeeping
+            torch.mm(xr, w.t(), out=outr)
+        else:
+            _row_products(xr, w.t(), outr, plan, packs)
     return out
 
 
