@@ -33,7 +33,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from megatron_fp4.fp4 import invariant, triton_batch, triton_fp4
+from megatron_fp4.fp4 import invariant, tiled, triton_batch, triton_fp4
 from megatron_fp4.fp4.grad_fusion import claim_fused, finish_fused, fused_grad_of
 from megatron_fp4.fp4.moeresq import (
                                       _ForwardGemm, _Site, _accumulate_dtype, _cached_weight, _col_quantize, _link, _no_autocast,
@@ -149,6 +149,14 @@ def _forward(g: _Group, x2: torch.Tensor, weight: torch.Tensor):
         wqs[e] = _cached_weight(site, w, False, lambda at, w=w: at.quantize(w, r.weight, "weight", False))
     xq = g.quantize_rows(x2, r.input, "input")
     acc = _accumulate_dtype(x2.dtype)
+    if g.tiled and g.active:
+        xa = xq.to(acc)
+        ws = [wqs.get(e, wqs[g.active[0]]).to(acc) for e in range(len(g.counts))]  # (an idle expert's: never read)
+        if not triton_batch.serves(g.triton, xa, ws[0]):
+            # The batch level's portable GEMMs: every expert's rows in one padded layout, each run the
+            # calls `tiled_mm` of its rows alone makes (`tiled.tiled_grouped_linear`: the loop's bits,
+            # one pad and one gather instead of a pad, an output and a copy per expert).
+            return tiled.tiled_grouped_linear(xa, ws, g.counts, g.packs).to(x2.dtype), wqs
     out = torch.empty(x2.shape[0], weight.shape[1], dtype=acc, device=x2.device)  # every row is an expert's
     for e in g.active:
         if g.tiled:
