@@ -87,23 +87,30 @@ def test_the_probe_leaves_the_global_generator_alone():
 
 
 def test_the_probe_keeps_only_heights_that_match_and_falls_back_to_the_tile(monkeypatch):
-    """A GEMM whose heights off a multiple of 8 (or every height but the tile's) round otherwise:
-    the plan takes quantum 8 (or the tile itself)."""
+    """A GEMM whose heights off a multiple of 8 (or below 12, past 100, at 68, or every height but
+    the tile's) round otherwise: the plan takes quantum 8 (minimum 12, cap 100, cap 64, or the tile
+    itself). The GEMM computes each row alone (the same bits at every height whatever this machine's
+    kernels do) before the height decides."""
     real_mm = torch.mm
 
     def make(bad):
         def mm(a, b, out=None):
-            r = real_mm(a, b, out=out)
+            r = torch.cat([real_mm(a[i:i + 1], b) for i in range(a.shape[0])])
             if bad(a.shape[0]):
                 r.mul_(1 + 2 ** -20)
-            return r
+            return r if out is None else out.copy_(r)
         return mm
 
     tile = row_tile(64, 256)
+    longest = row_calls.CAP_ROWS  # mm's heights past the CAP_TILES tiles: the cap raised while each passed
     monkeypatch.setattr(row_calls.torch, "mm", make(lambda h: h % 8 != 0))
-    assert row_calls._run_probe(64, 256, 256, tile, torch.float32) == RowPlan(8, 8, tile * row_calls.CAP_TILES)
+    assert row_calls._run_probe(64, 256, 256, tile, torch.float32) == RowPlan(8, 8, longest)
     monkeypatch.setattr(row_calls.torch, "mm", make(lambda h: h < 12 or h % 4 != 0))
-    assert row_calls._run_probe(64, 256, 256, tile, torch.float32) == RowPlan(4, 12, tile * row_calls.CAP_TILES)
+    assert row_calls._run_probe(64, 256, 256, tile, torch.float32) == RowPlan(4, 12, longest)
+    monkeypatch.setattr(row_calls.torch, "mm", make(lambda h: h > 100))  # the cap stops below the first miss
+    assert row_calls._run_probe(64, 256, 256, tile, torch.float32) == RowPlan(4, 4, 100)
+    monkeypatch.setattr(row_calls.torch, "mm", make(lambda h: h == tile * row_calls.CAP_TILES + 4))
+    assert row_calls._run_probe(64, 256, 256, tile, torch.float32) == RowPlan(4, 4, tile * row_calls.CAP_TILES)
     monkeypatch.setattr(row_calls.torch, "mm", make(lambda h: h != tile))
     assert row_calls._run_probe(64, 256, 256, tile, torch.float32) == RowPlan(tile, tile, tile)
 
