@@ -236,17 +236,20 @@ ATTENTION_CHUNK = 1 << 20  # elements of one query chunk's product tensor (bound
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
               pad: torch.Tensor, numerics=None, *, scale: Optional[float] = None, window: int = 0,
-              sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
+              sinks: Optional[torch.Tensor] = None, kv_blocks=None) -> torch.Tensor:
     """Causal attention by position (the contract below): at the ``batch`` level of ``numerics``
     over fixed key blocks (``tiled.block_attention``), otherwise (``exact``, or no ``numerics``)
     by :func:`tree_attention`. The families' variants (`model/gpt_oss.py`, `model/deepseek_v3.py`):
     ``scale`` the softmax scale (default D^-0.5), ``window`` > 0 a sliding window (a query at p sees
     keys p − window < j ≤ p), ``sinks`` [H] a per-head logit joining every row's softmax and
-    dropped after it; the values' dim may differ from the keys'."""
-    variant = {key: value for key, value in (("scale", scale), ("window", window or None), ("sinks", sinks))
+    dropped after it; the values' dim may differ from the keys'. ``kv_blocks``: at the ``batch``
+    level the KV cache's ``tiled.BlockedKV`` (``tiled.cache_blocks``; the same bits, no gather)."""
+    variant = {key: value for key, value in (("scale", scale), ("window", window or None), ("sinks", sinks),
+                                             ("kv_blocks", kv_blocks))
                if value is not None}  # only the variant's arguments (the plain call is Qwen3-MoE's)
     if tiled(numerics, q):  # fixed key blocks: the Triton kernel where numerics.triton serves it, else tiled.py
         return triton_batch.attention(q, k, v, positions, pad, numerics.triton, **variant)
+    variant.pop("kv_blocks", None)
     return tree_attention(q, k, v, positions, pad, **variant)
 
 

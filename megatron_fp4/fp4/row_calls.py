@@ -18,10 +18,10 @@ plan keeps the smallest quantum q and minimum m for which every multiple of q fr
 the tiles' bits in every row (a :class:`RowPlan`); where none did (another BLAS, a GPU's), the plan
 is the tile itself (q = m = cap = T). The cap is CAP_TILES tiles, raised for ``mm`` while every
 further multiple of q up to CAP_ROWS rows passed too (MKL's sgemm repacks the weight on every call:
-a scoring pass's 192 rows of an expert in one call cost ~8 % less than in three of 64). The ``batch`` level then pads a call's rows to the next height
-of the plan (a decode step's 2 rows of an expert to 4 instead of 16) and cuts longer runs into
-cap-row calls (a scoring pass's 42 rows of an expert in one call instead of 3 tiles): the tiles'
-bits at a lower price. The plan is a cached fact of the machine, not a mode: the bits are the
+a scoring pass's 192 rows of an expert in one call cost ~8 % less than in three of 64). The
+``batch`` level then pads a call's rows to the next height of the plan (a decode step's 2 rows of
+an expert to 4 instead of 16) and cuts longer runs into cap-row calls (a scoring pass's 42 rows of
+an expert in one call instead of 3 tiles): the tiles' bits at a lower price. The plan is a cached fact of the machine, not a mode: the bits are the
 tiles' either way.
 
 The kernel: an fp32 weight of at least :data:`ONEDNN_MIN_ELEMENTS` on a CPU with AVX2 is first probed

@@ -55,9 +55,9 @@ import torch.nn.functional as F
 
 from megatron_fp4.fp4.block_attention_grad import attention_backward
 from megatron_fp4.fp4.grad_fusion import claim_fused, finish_fused, fused_grad_of
-from megatron_fp4.fp4.row_calls import (MAX_ROW_TILE, MIN_COLUMNS, ROW_TILE, RowPlan, column_blocks, fixed_plan,  # noqa: F401
-                                        KEY_BLOCK, onednn_linear, onednn_pack, query_tile, row_plan, row_tile,
-                                        tall_rows)
+from megatron_fp4.fp4.row_calls import (KEY_BLOCK, MAX_ROW_TILE, MIN_COLUMNS, ROW_TILE, RowPlan,  # noqa: F401
+                                        column_blocks, fixed_plan, onednn_linear, onednn_pack, query_tile,
+                                        row_plan, row_tile, tall_rows)
 
 MIN_VALUE_COLUMNS = 16  # the weighted-value GEMM's width at least (`block_attention`)
 _GROUPED_MM = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)  # the grouped backward's dx
@@ -720,23 +720,87 @@ def _decode_buffers(q, k, v, plan) -> Optional[_DecodeBuffers]:
     return bufs
 
 
+class BlockedKV:
+    """A static KV cache's keys and values by key index, in a decode step's block-major layout: keys
+    [nK, B·KV, KEY_BLOCK, D], values [nK, B·KV, KEY_BLOCK, Dw + 1] (their zero columns and ones
+    column, `_Plan.tail`, written once), key j of row b at block j // KEY_BLOCK, slot j % KEY_BLOCK —
+    what a decode step's gather (`_block_forward`) copies out of the cache, kept up to date by
+    :meth:`append` as the cache fills (`cache_blocks`), so a decode step reads it in place instead of
+    copying every cached key of every layer at every step. The slots past a row's last key hold
+    zeros where the gather held copies of other keys: both are masked, their weights exactly 0, so
+    a step's bits are the gather's. Its writes are copies (no arithmetic)."""
+
+    def __init__(self, B: int, KV: int, capacity: int, D: int, Dv: int, kdtype, vdtype, device):
+        self.B, self.KV, self.D, self.Dv = B, KV, D, Dv
+        self.Dw = Dw = max(Dv, MIN_VALUE_COLUMNS - 1)
+        self.nK = nK = -(-capacity // KEY_BLOCK)
+        n = nK * B * KV * KEY_BLOCK  # rows; one more at the end takes the padding slots' writes (never read)
+        self._k = torch.zeros((n + 1) * D, dtype=kdtype, device=device)
+        self._v = torch.zeros((n + 1) * (Dw + 1), dtype=vdtype, device=device)
+        self.keys = self._k[:n * D].view(nK, B * KV, KEY_BLOCK, D)
+        self.values = self._v[:n * (Dw + 1)].view(nK, B * KV, KEY_BLOCK, Dw + 1)
+        self.values[..., Dw] = 1.0
+        self.filled, self.pad = 0, None
+
+    def append(self, k: torch.Tensor, v: torch.Tensor, pad: torch.Tensor, past: int) -> None:
+        """Cache slots ``past`` .. + T (``k`` [B, KV, T, D], ``v`` [B, KV, T, Dv]) of rows with ``pad``
+        leading padding slots: slot s of row b is its key s − pad[b] (a padding slot's write goes to
+        the spare row)."""
+        B, KV, T, D = k.shape
+        n = self.keys.numel() // D
+        j = torch.arange(past, past + T, device=k.device)[None, :] - pad[:, None]  # [B, T] key indices
+        head = torch.arange(B * KV, device=k.device).view(B, KV, 1) * KEY_BLOCK
+        rows = (j // KEY_BLOCK)[:, None, :] * (B * KV * KEY_BLOCK) + head + (j % KEY_BLOCK)[:, None, :]
+        rows = torch.where((j >= 0)[:, None, :], rows, n).reshape(-1)  # [B·KV·T] in (b, kv, t) order
+        self._k.view(-1, D).index_copy_(0, rows, k.reshape(-1, D))
+        self._v.view(-1, self.Dw + 1)[:, :self.Dv].index_copy_(0, rows, v.reshape(-1, self.Dv))
+        self.filled, self.pad = past + T, pad
+
+    def serves(self, k: torch.Tensor, v: torch.Tensor, pad: torch.Tensor, nK: int, Dw: int) -> bool:
+        """Whether a step over ``k``, ``v`` (the cache's filled prefix) with ``pad`` reads these blocks:
+        the same shapes, every cached slot appended, the same padding."""
+        B, KV, Tk, D = k.shape
+        return (B, KV, D, v.shape[-1], Dw) == (self.B, self.KV, self.D, self.Dv, self.Dw) and nK <= self.nK \
+            and Tk == self.filled and k.dtype == self.keys.dtype and v.dtype == self.values.dtype \
+            and (pad is self.pad or bool(torch.equal(pad, self.pad)))
+
+
+def cache_blocks(cache, k: torch.Tensor, v: torch.Tensor, pad: torch.Tensor, past: int) -> Optional[BlockedKV]:
+    """The :class:`BlockedKV` of a static ``cache`` (`model.layers.LayerCache`) after its new slots
+    ``k``, ``v`` (appended at ``past``): made at the cache's first fill, appended to after; None where
+    the cache is not static. A cache refilled from another start or with other padding is rebuilt
+    from its whole filled prefix."""
+    if not cache.capacity or cache.k is None:
+        return None
+    b = cache.blocked
+    if b is None or b.filled != past or (past and not (pad is b.pad or bool(torch.equal(pad, b.pad)))) \
+            or b.keys.dtype != k.dtype or b.values.dtype != v.dtype:
+        B, KV, _, D = cache.k.shape
+        b = cache.blocked = BlockedKV(B, KV, cache.capacity, D, cache.v.shape[-1], k.dtype, v.dtype, k.device)
+        if past:
+            b.append(cache.k[:, :, :past], cache.v[:, :, :past], pad, 0)
+    b.append(k, v, pad, past)
+    return b
+
+
 def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
                     pad: torch.Tensor, scale: Optional[float] = None, window: int = 0,
-                    sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
+                    sinks: Optional[torch.Tensor] = None, kv_blocks: Optional["BlockedKV"] = None) -> torch.Tensor:
     """Causal attention by position (the contract of ``invariant.attention``): q [B, H, Tq, D];
     k [B, KV, Tk, D], v [B, KV, Tk, Dv] with ``pad[b]`` padding slots before row b's first key;
     positions [B, Tq]; ``scale`` (default D^-0.5), ``window`` and ``sinks`` as there. Under autograd
     (:class:`_BlockAttention`) the forward is the same no-grad pass (the same bits) and saves only
     q, k, v, the output and each row's log-sum-exp: O(T) per layer, a flash-style backward
-    (`fp4/block_attention_grad.py`) recomputes the scores in chunks."""
+    (`fp4/block_attention_grad.py`) recomputes the scores in chunks. ``kv_blocks``: the KV cache's
+    :class:`BlockedKV` (a decode step reads its key blocks in place instead of gathering them)."""
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, sinks)):
         return _BlockAttention.apply(q, k, v, positions, pad, scale, window, sinks)
-    return _block_forward(q, k, v, positions, pad, scale, window, sinks)[0]
+    return _block_forward(q, k, v, positions, pad, scale, window, sinks, kv_blocks=kv_blocks)[0]
 
 
 def _block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
                    pad: torch.Tensor, scale: Optional[float], window: int, sinks: Optional[torch.Tensor],
-                   with_lse: bool = False) -> tuple:
+                   with_lse: bool = False, kv_blocks: Optional["BlockedKV"] = None) -> tuple:
     """(output [B, H, Tq, Dv], each query row's log-sum-exp [B, KV, rep·Tq] in float32 or wider —
     the sink's term included — or None unless ``with_lse``): :func:`block_attention` without autograd."""
     B, H, Tq, D = q.shape
@@ -760,14 +824,18 @@ def _block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions:
     # workspace (`_DecodeBuffers`: reused by every layer and step of this shape) instead of
     # allocating them: the same ops into the same shapes, fewer allocations and fills.
     ws = _decode_buffers(q, k, v, plan) if Tq == 1 and nT == 1 and not with_lse else None
-    if ws is None:
+    mirror = kv_blocks is not None and Tq == 1 and nT == 1 and kv_blocks.serves(k, v, pad, nK, Dw)
+    if mirror:  # the cache's own blocks by key index (`BlockedKV`): no gather
+        kb, vb = kv_blocks.keys[:nK], kv_blocks.values[:nK]
+    elif ws is None:
         kb = kr.index_select(0, plan.rows)
         vb = vr.new_empty(plan.v_at.shape[0], Dw + 1)  # the values gathered straight into it (no copy for the cat)
         vb[:, Dv:] = plan.tail
     else:
         kb = torch.index_select(kr, 0, plan.rows, out=ws.keys)
         vb = ws.values  # its tail columns (zeros, the ones column) written once, when it was made
-    torch.index_select(vr, 0, plan.v_at, out=vb[:, :Dv])
+    if not mirror:
+        torch.index_select(vr, 0, plan.v_at, out=vb[:, :Dv])
     kb, vb = kb.view(*blocked, D), vb.view(*blocked, Dw + 1)
     # Query rows: the rep query heads of a kv head times the queries, in tiles [B·KV·nT, qt, D]
     # (a decode step's rep rows share one tile), pre-scaled. Every batched product's operands

@@ -335,11 +335,12 @@ def grouped_linear(x: torch.Tensor, weights, counts, triton: str = "auto", packs
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, pad: torch.Tensor,
               triton: str = "auto", scale: Optional[float] = None, window: int = 0,
-              sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
+              sinks: Optional[torch.Tensor] = None, kv_blocks=None) -> torch.Tensor:
     """``tiled.block_attention`` (causal attention by position over fixed key blocks) by the Triton
-    kernel where it serves (the kernel's key block is the portable path's ``tiled.KEY_BLOCK``)."""
+    kernel where it serves (the kernel's key block is the portable path's ``tiled.KEY_BLOCK``;
+    ``kv_blocks``: the portable path's `tiled.BlockedKV` of the cache, unused by the kernel)."""
     if not serves(triton, q, k, v):
-        return tiled.block_attention(q, k, v, positions, pad, scale, window, sinks)
+        return tiled.block_attention(q, k, v, positions, pad, scale, window, sinks, kv_blocks)
     portable = lambda: tiled.block_attention(q, k, v, positions, pad, scale, window, sinks)  # noqa: E731
     q, k, v = _autocast(q, k, v)
     if _grad(q, k, v, sinks):

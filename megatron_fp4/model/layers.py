@@ -8,13 +8,13 @@ and passes it to the ``invariant`` ops explicitly.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from megatron_fp4.fp4 import STANDARD, MoEResQLinear, Recipe, invariant
+from megatron_fp4.fp4 import STANDARD, MoEResQLinear, Recipe, invariant, tiled
 from megatron_fp4.fp4.grad_fusion import claim_fused, fused_grad_of
 from megatron_fp4.fp4.tiled import same_values, stamp
 from megatron_fp4.model.packing import SequenceLayout, is_packed
@@ -140,6 +140,7 @@ class LayerCache:
     v: Optional[torch.Tensor] = None
     capacity: int = 0
     filled: int = 0
+    blocked: Any = None  # at the batch level: the keys and values by key index (`fp4.tiled.cache_blocks`)
 
     def append(self, k: torch.Tensor, v: torch.Tensor):
         if not self.capacity:
@@ -258,12 +259,17 @@ class Attention(nn.Module):
         if self.kv_gather is not None:
             refuse_cp_extras(cache, attention_mask)
             k, v = self.kv_gather(k, v)
+        k_new, v_new = k, v
         k, v, past = with_cache(cache, k, v)
         T_total = k.shape[2]
         rep = self.num_heads // self.num_kv_heads
         if invariant.enabled(self.numerics, q):  # keys by position, fixed reduction trees, kv heads shared
-            out = invariant.attention(q, k, v, positions, invariant.leading_pad(attention_mask, B, x.device),
-                                      self.numerics)
+            pad = invariant.leading_pad(attention_mask, B, x.device)
+            # A static cache at the batch level keeps its keys by key index too: a decode step reads
+            # them in place (`tiled.BlockedKV`: the same bits as gathering them from the cache).
+            blocks = tiled.cache_blocks(cache, k_new, v_new, pad, past) \
+                if cache is not None and invariant.tiled(self.numerics, q) and not torch.is_grad_enabled() else None
+            out = invariant.attention(q, k, v, positions, pad, self.numerics, kv_blocks=blocks)
             return self.o_proj(out.transpose(1, 2).reshape(B, T, self.num_heads * self.head_dim))
         # Decoding: SDPA maps query heads to their kv head itself (enable_gqa) instead of copying
         # the whole cache rep times per step; each head attends to the same values either way.

@@ -169,3 +169,36 @@ def test_query_tile_keeps_only_heights_whose_products_match(monkeypatch):
         assert [row_calls.query_tile(r, 24, 25, torch.float32, cpu) for r in (1, 4, 5, 9, 13)] == want
     row_calls._query_heights.cache_clear()
     assert row_calls.query_tile(2, 24, 25, torch.float32, torch.device("meta")) == 16
+
+
+def test_decode_steps_read_the_caches_key_blocks_in_place_with_the_gathers_bits(threads):
+    """A static cache at the batch level keeps its keys and values by key index (`tiled.BlockedKV`,
+    `tiled.cache_blocks`): a prefill of left-padded rows then decode steps across a key block, each
+    step read in place == the same step gathered from the cache == the full forward, bitwise; a
+    cache appended from another start, or with other padding, is rebuilt from its filled prefix."""
+    from megatron_fp4.model.layers import LayerCache
+    B, KV, rep, D, Dv, T, P = 3, 2, 2, 16, 16, 90, 50
+    g = torch.Generator().manual_seed(5)
+    q = torch.randn(B, KV * rep, T, D, generator=g)
+    k, v = torch.randn(B, KV, T, D, generator=g), torch.randn(B, KV, T, Dv, generator=g)
+    pad = torch.tensor([0, 7, 33])
+    positions = (torch.arange(T)[None, :] - pad[:, None]).clamp(min=0)
+    with torch.no_grad():
+        full = block_attention(q, k, v, positions, pad)
+        cache = LayerCache(capacity=T)
+        ck, cv = cache.append(k[:, :, :P], v[:, :, :P])
+        blocks = tiled.cache_blocks(cache, k[:, :, :P], v[:, :, :P], pad, 0)
+        read = []
+        for t in range(P, T):
+            ck, cv = cache.append(k[:, :, t:t + 1], v[:, :, t:t + 1])
+            blocks = tiled.cache_blocks(cache, k[:, :, t:t + 1], v[:, :, t:t + 1], pad, t)
+            args = (q[:, :, t:t + 1], ck, cv, positions[:, t:t + 1], pad)
+            read.append(blocks.serves(ck, cv, pad, -(-(t + 1) // KEY_BLOCK), max(Dv, tiled.MIN_VALUE_COLUMNS - 1)))
+            step = block_attention(*args, kv_blocks=blocks)
+            assert torch.equal(bits(step), bits(block_attention(*args))), t
+            assert torch.equal(bits(step[:, :, 0]), bits(full[:, :, t])), t
+        assert all(read)
+        assert not blocks.serves(ck, cv, pad + 1, 2, 15)  # other padding: not these blocks
+        again = tiled.cache_blocks(cache, k[:, :, T - 1:], v[:, :, T - 1:], pad, T - 1)  # appended out of order
+        assert again is not blocks and again.filled == T and torch.equal(again.keys, blocks.keys) \
+            and torch.equal(again.values, blocks.values)
