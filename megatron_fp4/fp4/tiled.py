@@ -747,11 +747,7 @@ class BlockedKV:
         leading padding slots: slot s of row b is its key s − pad[b] (a padding slot's write goes to
         the spare row)."""
         B, KV, T, D = k.shape
-        n = self.keys.numel() // D
-        j = torch.arange(past, past + T, device=k.device)[None, :] - pad[:, None]  # [B, T] key indices
-        head = torch.arange(B * KV, device=k.device).view(B, KV, 1) * KEY_BLOCK
-        rows = (j // KEY_BLOCK)[:, None, :] * (B * KV * KEY_BLOCK) + head + (j % KEY_BLOCK)[:, None, :]
-        rows = torch.where((j >= 0)[:, None, :], rows, n).reshape(-1)  # [B·KV·T] in (b, kv, t) order
+        rows = _mirror_rows(B, KV, T, past, pad, self.keys.numel() // D)
         self._k.view(-1, D).index_copy_(0, rows, k.reshape(-1, D))
         self._v.view(-1, self.Dw + 1)[:, :self.Dv].index_copy_(0, rows, v.reshape(-1, self.Dv))
         self.filled, self.pad = past + T, pad
@@ -763,6 +759,34 @@ class BlockedKV:
         return (B, KV, D, v.shape[-1], Dw) == (self.B, self.KV, self.D, self.Dv, self.Dw) and nK <= self.nK \
             and Tk == self.filled and k.dtype == self.keys.dtype and v.dtype == self.values.dtype \
             and (pad is self.pad or bool(torch.equal(pad, self.pad)))
+
+
+_last_rows: tuple = ()  # (key, rows) of the last `_mirror_rows` call: every layer of a step asks for the same
+
+
+def _mirror_rows(B: int, KV: int, T: int, past: int, pad: torch.Tensor, n: int) -> torch.Tensor:
+    """The rows of a :class:`BlockedKV`'s [n + 1, ·] storage that cache slots ``past`` .. + T of rows
+    with ``pad`` leading padding slots go to, in (b, kv, t) order (row n: a padding slot's). A decode
+    step's (T = 1) from a list, remembered for the next layer's call with the same step and padding."""
+    global _last_rows
+    if T == 1 and B * KV <= 4096:
+        pads = pad.tolist()
+        key = (B, KV, past, n, tuple(pads), pad.device)
+        if _last_rows and _last_rows[0] == key:
+            return _last_rows[1]
+        rows = []
+        for b, p in enumerate(pads):
+            j = past - p
+            for kv in range(KV):
+                rows.append(n if j < 0 else (j // KEY_BLOCK) * (B * KV * KEY_BLOCK) + (b * KV + kv) * KEY_BLOCK
+                            + j % KEY_BLOCK)
+        out = torch.tensor(rows, device=pad.device)
+        _last_rows = (key, out)
+        return out
+    j = torch.arange(past, past + T, device=pad.device)[None, :] - pad[:, None]  # [B, T] key indices
+    head = torch.arange(B * KV, device=pad.device).view(B, KV, 1) * KEY_BLOCK
+    rows = (j // KEY_BLOCK)[:, None, :] * (B * KV * KEY_BLOCK) + head + (j % KEY_BLOCK)[:, None, :]
+    return torch.where((j >= 0)[:, None, :], rows, n).reshape(-1)
 
 
 def cache_blocks(cache, k: torch.Tensor, v: torch.Tensor, pad: torch.Tensor, past: int) -> Optional[BlockedKV]:
