@@ -174,7 +174,9 @@ class RolloutEngine:
     the model that bypasses the version counter (``p.data.copy_``, e.g. a ZeRO optimizer on a
     shared model) is not seen, which is one more reason to give the engine its own copy.
     Decoding allocates its KV cache (static, prompt + max_new_tokens positions) and attention mask
-    once per call and keeps the per-row state as tensors (`_StepState`). `inflight_updates`: a
+    once per call and keeps the per-row state as tensors (`_StepState`); at the `batch` level the
+    cache also keeps its keys and values by key index for the decode steps to read in place
+    (`fp4.tiled.BlockedKV`: one more copy of the KV cache, the same bits). `inflight_updates`: a
     request lets a waiting weight swap in between decode steps (module doc).
     """
 
