@@ -31,6 +31,7 @@ if [ "$#" -eq 0 ]; then
          tests/unit/test_attention_causal.py tests/unit/test_moe_grouped.py \
          tests/integration/test_gpt_oss_parity.py tests/integration/test_deepseek_v3_parity.py \
          tests/unit/test_family_numerics_levels.py tests/unit/test_packed_batches.py tests/unit/test_row_calls.py \
+         tests/unit/test_block_attention_tall.py tests/unit/test_block_attention_decode.py \
          -q -p no:cacheprovider \
          -k "fp32_layout or ep2_matches or kv_cache or batch_invariant or float64 or bitwise or same_bits or fp32_bound or moeresq_loop or batch_level or tiled or block_attention or logits_match or height or packed"
   default_modes="default:COMPATIBLE avx2:COMPATIBLE"  # CI's: each changes both factors (see above)
