@@ -60,6 +60,13 @@ from megatron_fp4.fp4.row_calls import (KEY_BLOCK, MAX_ROW_TILE, MIN_COLUMNS, RO
                                         row_plan, row_tile, tall_rows)
 
 MIN_VALUE_COLUMNS = 16  # the weighted-value GEMM's width at least (`block_attention`)
+
+
+def value_width(dv: int) -> int:
+    """Dw: the value columns block attention's weighted-value product reads (``dv`` values and zero
+    columns to MIN_VALUE_COLUMNS − 1), before the ones column that sums the weights."""
+    return max(dv, MIN_VALUE_COLUMNS - 1)
+
 _GROUPED_MM = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)  # the grouped backward's dx
 
 
@@ -90,14 +97,7 @@ def _tiled_forward(x2: torch.Tensor, wt: torch.Tensor, packs: Optional[dict] = N
         wide = pad(w) if packs is None else _kept(w, packs, "zero-padded", pad)
         return _tiled_forward(x2, wide.t())[:, :N].contiguous()
     plan = row_plan(K, N, x2.dtype, x2.device)
-    xp = _padded_rows(x2, plan.height(M))
-    if xp.shape[0] <= plan.cap and plan.kernel == "onednn":  # one call: its own output
-        out = onednn_linear(xp, _onednn_weight(wt.t(), packs))
-    elif xp.shape[0] <= plan.cap and len(column_blocks(K, N)) == 1:  # one mm call (`_row_products`' first case)
-        out = torch.mm(xp, wt)
-    else:
-        out = xp.new_empty(xp.shape[0], N)
-        _row_products(xp, wt, out, plan, packs)
+    out = _row_products(_padded_rows(x2, plan.height(M)), wt, None, plan, packs)
     return out[:M] if out.shape[0] != M else out
 
 
@@ -140,29 +140,33 @@ def _zero_padded_rows(w: torch.Tensor, rows: int) -> torch.Tensor:
     return torch.cat([w, w.new_zeros(rows - w.shape[0], w.shape[1])])
 
 
-def _row_products(xp: torch.Tensor, wt: torch.Tensor, out: torch.Tensor, plan: RowPlan,
-                  packs: Optional[dict] = None) -> None:
+def _row_products(xp: torch.Tensor, wt: torch.Tensor, out: Optional[torch.Tensor], plan: RowPlan,
+                  packs: Optional[dict] = None) -> torch.Tensor:
     """``out = xp @ wt`` (``xp`` [R, K], R a height of ``plan``; ``out`` [R, N] rows of a row-major
-    [·, N]) by one [h, K] · [K, Nb] call per call height h of ``plan.calls(R)`` and column block
-    (:func:`column_blocks`), each written into its place in ``out``. The column block is the outer
-    loop: a weight block stays in cache across the row calls (their views made once, by ``split``).
-    A oneDNN plan makes its calls over the whole weight (oneDNN blocks it itself), each product
-    copied into its rows of ``out``."""
+    [·, N], or None: a fresh one), returned: one [h, K] · [K, Nb] call per call height h of
+    ``plan.calls(R)`` and column block (:func:`column_blocks`), each written into its place in ``out``.
+    The column block is the outer loop: a weight block stays in cache across the row calls (their
+    views made once, by ``split``). A oneDNN plan makes its calls over the whole weight (oneDNN
+    blocks it itself), each product copied into its rows of ``out``. One call (R within the cap, one
+    block: a decode step's) is made straight, its product the output where none was given."""
+    if xp.shape[0] <= plan.cap and (plan.kernel == "onednn" or len(column_blocks(*wt.shape)) == 1):
+        if plan.kernel == "onednn":
+            y = onednn_linear(xp, _onednn_weight(wt.t(), packs))
+            return y if out is None else out.copy_(y)
+        return torch.mm(xp, wt) if out is None else torch.mm(xp, wt, out=out)
+    out = xp.new_empty(xp.shape[0], wt.shape[1]) if out is None else out
     calls = plan.calls(xp.shape[0])
     if plan.kernel == "onednn":
         w = _onednn_weight(wt.t(), packs)
         for xt, ot in zip(xp.split(calls), out.split(calls)):
             ot.copy_(onednn_linear(xt, w))
-        return
-    blocks = column_blocks(*wt.shape)
-    if len(blocks) == 1 and len(calls) == 1:  # one call, one block (a decode step): no views
-        torch.mm(xp, wt, out=out)
-        return
+        return out
     rows = xp.split(calls)
-    for j, width in blocks:
+    for j, width in column_blocks(*wt.shape):
         w = wt if width == wt.shape[1] else wt[:, j:j + width]
         for xt, ot in zip(rows, (out if width == out.shape[1] else out[:, j:j + width]).split(calls)):
             torch.mm(xt, w, out=ot)
+    return out
 
 
 class _TiledMM(torch.autograd.Function):
@@ -323,17 +327,12 @@ def _run_tiles(xp: torch.Tensor, weights, layout: GroupedRows, plan: RowPlan,
     heights = [plan.height(n) if n else 0 for n in layout.counts]
     out = (xp.new_empty if heights == layout.spans else xp.new_zeros)(layout.at, n_out)
     x_runs, out_runs = xp.split(layout.spans), out.split(layout.spans)
-    one_call = plan.kernel == "mm" and len(column_blocks(xp.shape[1], n_out)) == 1  # a run of ≤ cap rows: one mm
     for w, xr, outr, n, height in zip(weights, x_runs, out_runs, layout.counts, heights):
         if not n:
             continue
         if height != xr.shape[0]:
             xr, outr = xr[:height], outr[:height]
-        w = w if w.is_contiguous() else w.contiguous()
-        if one_call and height <= plan.cap:  # `_row_products`' one call, without its bookkeeping
-            torch.mm(xr, w.t(), out=outr)
-        else:
-            _row_products(xr, w.t(), outr, plan, packs)
+        _row_products(xr, (w if w.is_contiguous() else w.contiguous()).t(), outr, plan, packs)
     return out
 
 
@@ -571,7 +570,8 @@ class _Plan:
         self.block_major = block_major = Tq == 1 and nT == 1 and nK > 1
         self.rows = self._rows(B, KV, k_rows, slot, block_major)
         self.v_at = self.rows if v_rows == k_rows else self._rows(B, KV, v_rows, slot, block_major)
-        self.Dv, self.Dw = Dv, (Dw := max(Dv, MIN_VALUE_COLUMNS - 1))
+        self.Dv = Dv
+        self.Dw = Dw = value_width(Dv)
         self.tail = _value_tail(self.rows.shape[0], Dw + 1 - Dv, vdtype, device)  # zeros, ones column
         # The products run on whole fixed-shape tiles; the elementwise softmax work only on the
         # `live` leading rows of a tile (a decode step's rep rows, not its 16: the other rows are
@@ -730,9 +730,9 @@ class BlockedKV:
     zeros where the gather held copies of other keys: both are masked, their weights exactly 0, so
     a step's bits are the gather's. Its writes are copies (no arithmetic)."""
 
-    def __init__(self, B: int, KV: int, capacity: int, D: int, Dv: int, kdtype, vdtype, device):
+    def __init__(self, B: int, KV: int, capacity: int, D: int, Dv: int, kdtype, vdtype, device, pad: torch.Tensor):
         self.B, self.KV, self.D, self.Dv = B, KV, D, Dv
-        self.Dw = Dw = max(Dv, MIN_VALUE_COLUMNS - 1)
+        self.Dw = Dw = value_width(Dv)
         self.nK = nK = -(-capacity // KEY_BLOCK)
         n = nK * B * KV * KEY_BLOCK  # rows; one more at the end takes the padding slots' writes (never read)
         self._k = torch.zeros((n + 1) * D, dtype=kdtype, device=device)
@@ -740,7 +740,7 @@ class BlockedKV:
         self.keys = self._k[:n * D].view(nK, B * KV, KEY_BLOCK, D)
         self.values = self._v[:n * (Dw + 1)].view(nK, B * KV, KEY_BLOCK, Dw + 1)
         self.values[..., Dw] = 1.0
-        self.filled, self.pad = 0, None
+        self.filled, self.pad = 0, stamp(pad)  # the leading padding its key indices are for (`same_values`)
 
     def append(self, k: torch.Tensor, v: torch.Tensor, pad: torch.Tensor, past: int) -> None:
         """Cache slots ``past`` .. + T (``k`` [B, KV, T, D], ``v`` [B, KV, T, Dv]) of rows with ``pad``
@@ -750,7 +750,7 @@ class BlockedKV:
         rows = _mirror_rows(B, KV, T, past, pad, self.keys.numel() // D)
         self._k.view(-1, D).index_copy_(0, rows, k.reshape(-1, D))
         self._v.view(-1, self.Dw + 1)[:, :self.Dv].index_copy_(0, rows, v.reshape(-1, self.Dv))
-        self.filled, self.pad = past + T, pad
+        self.filled = past + T
 
     def serves(self, k: torch.Tensor, v: torch.Tensor, pad: torch.Tensor, nK: int, Dw: int) -> bool:
         """Whether a step over ``k``, ``v`` (the cache's filled prefix) with ``pad`` reads these blocks:
@@ -758,7 +758,7 @@ class BlockedKV:
         B, KV, Tk, D = k.shape
         return (B, KV, D, v.shape[-1], Dw) == (self.B, self.KV, self.D, self.Dv, self.Dw) and nK <= self.nK \
             and Tk == self.filled and k.dtype == self.keys.dtype and v.dtype == self.values.dtype \
-            and (pad is self.pad or bool(torch.equal(pad, self.pad)))
+            and same_values(self.pad, pad)
 
 
 _last_rows: tuple = ()  # (key, rows) of the last `_mirror_rows` call: every layer of a step asks for the same
@@ -797,10 +797,10 @@ def cache_blocks(cache, k: torch.Tensor, v: torch.Tensor, pad: torch.Tensor, pas
     if not cache.capacity or cache.k is None:
         return None
     b = cache.blocked
-    if b is None or b.filled != past or (past and not (pad is b.pad or bool(torch.equal(pad, b.pad)))) \
+    if b is None or b.filled != past or not same_values(b.pad, pad) \
             or b.keys.dtype != k.dtype or b.values.dtype != v.dtype:
         B, KV, _, D = cache.k.shape
-        b = cache.blocked = BlockedKV(B, KV, cache.capacity, D, cache.v.shape[-1], k.dtype, v.dtype, k.device)
+        b = cache.blocked = BlockedKV(B, KV, cache.capacity, D, cache.v.shape[-1], k.dtype, v.dtype, k.device, pad)
         if past:
             b.append(cache.k[:, :, :past], cache.v[:, :, :past], pad, 0)
     b.append(k, v, pad, past)
