@@ -21,8 +21,8 @@ further multiple of q up to CAP_ROWS rows passed too (MKL's sgemm repacks the we
 a scoring pass's 192 rows of an expert in one call cost ~8 % less than in three of 64). The
 ``batch`` level then pads a call's rows to the next height of the plan (a decode step's 2 rows of
 an expert to 4 instead of 16) and cuts longer runs into cap-row calls (a scoring pass's 42 rows of
-an expert in one call instead of 3 tiles): the tiles' bits at a lower price. The plan is a cached fact of the machine, not a mode: the bits are the
-tiles' either way.
+an expert in one call instead of 3 tiles): the tiles' bits at a lower price. The plan is a cached
+fact of the machine, not a mode: the bits are the tiles' either way.
 
 The kernel: an fp32 weight of at least :data:`ONEDNN_MIN_ELEMENTS` on a CPU with AVX2 is first probed
 with oneDNN's inner product (``torch.ops.mkldnn._linear_pointwise``, one column block: oneDNN
@@ -126,6 +126,12 @@ def fixed_plan(k: int, n: int) -> RowPlan:
     return RowPlan(tile, tile, tile)
 
 
+def _setting() -> tuple:
+    """What a probe's answer depends on besides the shape and dtype: the intra-op thread count and
+    the fp32 matmul precision (the BLAS's kernels and thread split change with them)."""
+    return torch.get_num_threads(), torch.get_float32_matmul_precision()
+
+
 _PLANS: dict = {}
 _LOCK = threading.Lock()
 
@@ -137,7 +143,7 @@ def row_plan(k: int, n: int, dtype: torch.dtype, device: torch.device) -> RowPla
     else every column block's ``mm`` call shape, :func:`_run_probe`), the fixed tile elsewhere."""
     if torch.device(device).type != "cpu":
         return fixed_plan(k, n)
-    key = (k, n, dtype, torch.get_num_threads(), torch.get_float32_matmul_precision())
+    key = (k, n, dtype, *_setting())
     plan = _PLANS.get(key)
     if plan is None:
         if onednn_serves(k, n, dtype):
@@ -272,7 +278,7 @@ def query_tile(rows: int, d: int, dv: int, dtype: torch.dtype, device: torch.dev
     scores under ``MKL_CBWR=COMPATIBLE``)."""
     if torch.device(device).type != "cpu" or rows >= ROW_TILE:
         return ROW_TILE
-    good = _query_heights(d, dv, dtype, (torch.get_num_threads(), torch.get_float32_matmul_precision()))
+    good = _query_heights(d, dv, dtype, _setting())
     for h in range(-(-max(rows, 1) // QUANTA[0]) * QUANTA[0], ROW_TILE, QUANTA[0]):
         if h in good:
             return h
@@ -317,7 +323,7 @@ def tall_rows(d: int, dv: int, dtype: torch.dtype, device: torch.device) -> int:
     multiple of 16 up to 512 rows, 1 and 2 threads, also under ``MKL_CBWR=COMPATIBLE``)."""
     if torch.device(device).type != "cpu":
         return 0
-    return _tall_cap(d, dv, dtype, (torch.get_num_threads(), torch.get_float32_matmul_precision()))
+    return _tall_cap(d, dv, dtype, _setting())
 
 
 @functools.lru_cache(maxsize=None)
