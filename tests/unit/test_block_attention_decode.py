@@ -202,3 +202,43 @@ def test_decode_steps_read_the_caches_key_blocks_in_place_with_the_gathers_bits(
         again = tiled.cache_blocks(cache, k[:, :, T - 1:], v[:, :, T - 1:], pad, T - 1)  # appended out of order
         assert again is not blocks and again.filled == T and torch.equal(again.keys, blocks.keys) \
             and torch.equal(again.values, blocks.values)
+
+
+def test_decode_steps_over_many_key_blocks_with_window_and_sinks_equal_the_full_forward(threads):
+    """A decode step computes every key block of every head in one pair of products and combines
+    them after (`tiled._decode_forward`), a block wholly in a shorter row's future included as exact
+    identities: at every step of a 300-token generation (five key blocks; rows 0, 45 and 130 slots
+    shorter, so they reach their blocks at different steps), plain, with a sliding window shorter
+    than a block and with per-head sinks, read from the cache's blocks in place and gathered ==
+    the full forward, bitwise. The log-sum-exp of a one-query call (`_block_forward(with_lse=True)`,
+    a one-token step under autograd) == the full forward's at that position."""
+    from megatron_fp4.model.layers import LayerCache
+    B, KV, rep, D, Dv, T, P = 3, 2, 3, 16, 24, 300, 20
+    g = torch.Generator().manual_seed(11)
+    q = torch.randn(B, KV * rep, T, D, generator=g)
+    k, v = torch.randn(B, KV, T, D, generator=g), torch.randn(B, KV, T, Dv, generator=g)
+    sinks = torch.randn(KV * rep, generator=g)
+    pad = torch.tensor([0, 45, 130])
+    positions = (torch.arange(T)[None, :] - pad[:, None]).clamp(min=0)
+    real = lambda t: pad <= t  # noqa: E731 (rows whose slot t holds a token)
+    with torch.no_grad():
+        for window, sk in ((0, None), (37, None), (0, sinks), (70, sinks)):
+            full, lse = tiled._block_forward(q, k, v, positions, pad, None, window, sk, with_lse=True)
+            cache = LayerCache(capacity=T)
+            ck, cv = cache.append(k[:, :, :P], v[:, :, :P])
+            blocks = tiled.cache_blocks(cache, k[:, :, :P], v[:, :, :P], pad, 0)
+            for t in range(P, T):
+                ck, cv = cache.append(k[:, :, t:t + 1], v[:, :, t:t + 1])
+                blocks = tiled.cache_blocks(cache, k[:, :, t:t + 1], v[:, :, t:t + 1], pad, t)
+                args = (q[:, :, t:t + 1], ck, cv, positions[:, t:t + 1], pad)
+                step = block_attention(*args, window=window, sinks=sk, kv_blocks=blocks)
+                r = real(t)
+                assert torch.equal(bits(step[r, :, 0]), bits(full[r, :, t])), (window, t)
+                if t % 37 == 0 or t == T - 1:
+                    gathered = block_attention(*args, window=window, sinks=sk)
+                    assert torch.equal(bits(gathered[r]), bits(step[r])), (window, t)
+                    one, one_lse = tiled._block_forward(*args, None, window, sk, with_lse=True)
+                    assert torch.equal(bits(one[r]), bits(step[r]))
+                    # lse [B, KV, rep·Tq] query-head-major: the full forward's row g·T + t
+                    want = lse.view(B, KV, rep, T)[:, :, :, t]
+                    assert torch.equal(bits(one_lse.view(B, KV, rep)[r]), bits(want[r])), (window, t)

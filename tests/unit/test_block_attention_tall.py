@@ -44,7 +44,11 @@ def _both(monkeypatch, case, cap=None):
         monkeypatch.setattr(tiled, "tall_rows", lambda *a: cap)
     with torch.no_grad():
         tall = _block_forward(q, k, v, positions, pad, None, window, sinks, with_lse=True)
-        assert tiled._plan(positions, pad, *_shape(q, k, v, window)).tall is not None
+        # the probed cap may be 0 on a machine whose products keep no stacked height (MKL_CBWR=AVX2 at
+        # two threads): the plan then keeps the tiles, and the comparison below still holds
+        if cap is not None or tiled.tall_rows(q.shape[-1], tiled.value_width(v.shape[-1]) + 1, q.dtype,
+                                              q.device) >= tiled.ROW_TILE:
+            assert tiled._plan(positions, pad, *_shape(q, k, v, window)).tall is not None
         monkeypatch.setattr(tiled._Tall, "of", classmethod(lambda cls, *a: None))
         tiled._plans = []
         tiles = _block_forward(q, k, v, positions, pad, None, window, sinks, with_lse=True)
