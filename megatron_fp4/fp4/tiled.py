@@ -669,24 +669,34 @@ def _plan(positions, pad, *shape) -> _Plan:
 
 
 class _DecodeBuffers:
-    """A decode step's block-attention buffers of one shape (:func:`_decode_buffers`): the gathered
-    keys and values (the values' zero columns and ones column written once), the zero-padded query
-    tiles once per key block [nK, B, KV, qt, D] (only their first rep rows are ever written), the
-    scores and the value products of every block. Each belongs to one thread and holds nothing a
-    call returns (its output is a fresh division), so reusing them changes no bits: every op reads
+    """A decode step's block-attention buffers of one shape (:func:`_decode_buffers`): the zero-padded
+    query tiles once per key block [nK, B, KV, qt, D] (only their first rep rows are ever written),
+    the scores and the value products of every block, and — made at the first step that gathers
+    (one whose cache keeps no blocks of its own, `BlockedKV`) — the gathered keys and values (the
+    values' zero columns and ones column written once). Each belongs to one thread and holds nothing
+    a call returns (its output is a fresh division), so reusing them changes no bits: every op reads
     what the allocating form read."""
 
-    __slots__ = ("keys", "values", "queries", "scores", "products")
+    __slots__ = ("queries", "scores", "products", "_gathered", "_shape")
 
     def __init__(self, q, k, v, plan):
         B, KV = k.shape[0], k.shape[1]
-        D, Dv, Dw, n_rows, nK = k.shape[-1], v.shape[-1], plan.Dw, plan.rows.shape[0], plan.nK
-        self.keys = k.new_empty(n_rows, D)
-        self.values = v.new_empty(n_rows, Dw + 1)
-        self.values[:, Dv:] = plan.tail[:1]
+        D, Dv, Dw, nK = k.shape[-1], v.shape[-1], plan.Dw, plan.nK
         self.queries = q.new_zeros(nK, B, KV, plan.qt, q.shape[-1])
         self.scores = q.new_empty(nK * B * KV, plan.qt, KEY_BLOCK)
         self.products = v.new_empty(nK * B * KV, plan.qt, Dw + 1)
+        # what the gather's buffers are made from (no tensor of the call: the cache stays unreferenced)
+        self._gathered = None
+        self._shape = (plan.rows.shape[0], D, Dv, Dw, k.dtype, v.dtype, k.device, plan.tail[:1].clone())
+
+    def gathered(self) -> tuple:
+        """(keys [rows, D], values [rows, Dw + 1]): the gather's buffers, made the first time."""
+        if self._gathered is None:
+            n_rows, D, Dv, Dw, kdtype, vdtype, device, tail = self._shape
+            values = torch.empty(n_rows, Dw + 1, dtype=vdtype, device=device)
+            values[:, Dv:] = tail
+            self._gathered = (torch.empty(n_rows, D, dtype=kdtype, device=device), values)
+        return self._gathered
 
 
 DECODE_SHAPES_KEPT = 4  # decode-step buffer sets a thread keeps (shapes: batch, heads, key blocks, dtypes)
@@ -854,8 +864,8 @@ def _block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions:
         vb = vr.new_empty(plan.v_at.shape[0], Dw + 1)  # the values gathered straight into it (no copy for the cat)
         vb[:, Dv:] = plan.tail
     else:
-        kb = torch.index_select(kr, 0, plan.rows, out=ws.keys)
-        vb = ws.values  # its tail columns (zeros, the ones column) written once, when it was made
+        keys, vb = ws.gathered()  # the values' tail columns (zeros, the ones column) written once
+        kb = torch.index_select(kr, 0, plan.rows, out=keys)
     if not mirror:
         torch.index_select(vr, 0, plan.v_at, out=vb[:, :Dv])
     kb, vb = kb.view(*blocked, D), vb.view(*blocked, Dw + 1)

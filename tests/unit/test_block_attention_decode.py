@@ -202,6 +202,13 @@ def test_decode_steps_read_the_caches_key_blocks_in_place_with_the_gathers_bits(
         again = tiled.cache_blocks(cache, k[:, :, T - 1:], v[:, :, T - 1:], pad, T - 1)  # appended out of order
         assert again is not blocks and again.filled == T and torch.equal(again.keys, blocks.keys) \
             and torch.equal(again.values, blocks.values)
+        # a step read in place makes no gather buffers in the thread's workspace; a gathering one does
+        tiled._workspace.kept = {}
+        args = (q[:, :, T - 1:], ck, cv, positions[:, T - 1:], pad)
+        in_place = block_attention(*args, kv_blocks=again)
+        assert [ws._gathered for ws in tiled._workspace.kept.values()] == [None]
+        assert torch.equal(bits(block_attention(*args)), bits(in_place))
+        assert all(ws._gathered is not None for ws in tiled._workspace.kept.values())
 
 
 def test_decode_steps_over_many_key_blocks_with_window_and_sinks_equal_the_full_forward(threads):
