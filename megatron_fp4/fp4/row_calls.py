@@ -129,7 +129,11 @@ def fixed_plan(k: int, n: int) -> RowPlan:
 def _setting() -> tuple:
     """What a probe's answer depends on besides the shape and dtype: the intra-op thread count and
     the fp32 matmul precision (the BLAS's kernels and thread split change with them)."""
-    return torch.get_num_threads(), torch.get_float32_matmul_precision()
+    return torch.get_num_threads(), _matmul_precision()
+
+
+# torch's own getter without its Python wrapper (the same value; the wrapper where the binding is absent)
+_matmul_precision = getattr(torch._C, "_get_float32_matmul_precision", torch.get_float32_matmul_precision)
 
 
 _PLANS: dict = {}

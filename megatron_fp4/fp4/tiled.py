@@ -260,6 +260,13 @@ def tiled_grouped_linear(x: torch.Tensor, weights, counts, packs: Optional[dict]
 LAYOUT_LIST_ROWS = 256  # a GroupedRows of at most this many rows builds its index from a Python list
 
 
+@functools.lru_cache(maxsize=256)
+def _span_table(plans: tuple) -> tuple:
+    """The span of a run of n rows under ``plans`` (the largest of their heights; 0 for none), for
+    n = 0 .. the smallest cap: a lookup instead of a height per plan and run on every call."""
+    return (0,) + tuple(max(p.height(n) for p in plans) for n in range(1, min(p.cap for p in plans) + 1))
+
+
 class GroupedRows:
     """Runs of ``counts[e]`` rows laid out one after the other, run e over ``spans[e]`` rows (its
     height in every GEMM that reads the layout: the largest of their :class:`RowPlan` heights for
@@ -272,7 +279,9 @@ class GroupedRows:
 
     def __init__(self, counts, plans, device):
         self.counts = [int(n) for n in counts]
-        self.spans = [max(p.height(n) for p in plans) if n else 0 for n in self.counts]
+        table = _span_table(tuple(plans))
+        top = len(table)
+        self.spans = [table[n] if n < top else max(p.height(n) for p in plans) for n in self.counts]
         self.starts, at = [], 0
         for span in self.spans:
             self.starts.append(at)
@@ -329,15 +338,22 @@ def _run_tiles(xp: torch.Tensor, weights, layout: GroupedRows, plan: RowPlan,
     transpose of a row-major [Nb, K]), so a row's bits are those of its run alone. Rows of a span
     past that height (another GEMM's plan set the span) are zeros."""
     n_out = weights[0].shape[0]
-    heights = [plan.height(n) if n else 0 for n in layout.counts]
+    table = _span_table((plan,))
+    heights = [table[n] if n < len(table) else plan.height(n) for n in layout.counts]
     out = (xp.new_empty if heights == layout.spans else xp.new_zeros)(layout.at, n_out)
     x_runs, out_runs = xp.split(layout.spans), out.split(layout.spans)
+    # a run within the cap of a one-block mm plan is one call: made here (`_row_products`' shortcut)
+    one_call = plan.cap if plan.kernel == "mm" and len(column_blocks(xp.shape[1], n_out)) == 1 else 0
     for w, xr, outr, n, height in zip(weights, x_runs, out_runs, layout.counts, heights):
         if not n:
             continue
         if height != xr.shape[0]:
             xr, outr = xr[:height], outr[:height]
-        _row_products(xr, (w if w.is_contiguous() else w.contiguous()).t(), outr, plan, packs)
+        w = w if w.is_contiguous() else w.contiguous()
+        if height <= one_call:
+            torch.mm(xr, w.t(), out=outr)
+        else:
+            _row_products(xr, w.t(), outr, plan, packs)
     return out
 
 

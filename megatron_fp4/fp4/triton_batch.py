@@ -69,9 +69,10 @@ def serves(mode: str, *tensors: torch.Tensor) -> bool:
     if mode == "off" or not tensors:
         return False
     x = tensors[0]
-    if x.dtype not in DTYPES or any(t.dtype != x.dtype or t.device != x.device for t in tensors[1:]):
-        return False
+    # the device first: on CPU (outside the interpreter) nothing else needs looking at
     if x.device.type != "cuda" and not (mode == "interpret" and x.device.type == "cpu" and _interpreting()):
+        return False
+    if x.dtype not in DTYPES or any(t.dtype != x.dtype or t.device != x.device for t in tensors[1:]):
         return False
     if torch.compiler.is_compiling():
         return False
