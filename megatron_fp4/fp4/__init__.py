@@ -8,7 +8,7 @@ from megatron_fp4.fp4.moeresq import (
                                       MoEResQLinear, fake_quantize, moeresq_linear, resq_quantize, sqnr_db,
                                       )
 from megatron_fp4.fp4.nonfinite import NonFiniteFlags
-from megatron_fp4.fp4.numerics import STANDARD, Numerics, apply_numerics, numerics_of, rollout_numerics
+from megatron_fp4.fp4.numerics import STANDARD, Numerics, WeightStore, apply_numerics, numerics_of, rollout_numerics
 from megatron_fp4.fp4.mxfp4 import fake_quantize_mxfp4, quantize_mxfp4
 from megatron_fp4.fp4.nvfp4 import fake_quantize_nvfp4, quantize_nvfp4
 from megatron_fp4.fp4.recipe import FORMATS, MODES, OperandFormat, Recipe
@@ -16,7 +16,7 @@ from megatron_fp4.fp4.recipe import FORMATS, MODES, OperandFormat, Recipe
 from_packed = FP4Tensor.from_packed
 
 __all__ = [
-    "NonFiniteInputError", "NonFiniteFlags", "invariant", "Numerics", "STANDARD", "apply_numerics", "numerics_of", "rollout_numerics",
+    "NonFiniteInputError", "NonFiniteFlags", "invariant", "Numerics", "STANDARD", "WeightStore", "apply_numerics", "numerics_of", "rollout_numerics",
     "QuantStep", "sr_seed", "name_quant_sites",
     "FORMATS", "MODES", "OperandFormat", "Recipe",
     "MoEResQLinear", "moeresq_linear", "fake_quantize", "resq_quantize", "sqnr_db",

@@ -169,6 +169,16 @@ class Numerics:
         return nullcontext() if self._frozen else self._set(**state)
 
 
+class WeightStore(dict):
+    """A store of weight-derived operands (``Numerics.weight_cache``: ``Q(W)``, exact-GEMM splits,
+    oneDNN packs) that weak references may point at: the packs' clean-up callbacks
+    (``tiled._kept``) then hold the store weakly, so a store dropped without ``clear()`` (an engine
+    or plugin that goes away) is freed at once instead of living on in a reference cycle until
+    the cyclic GC. Otherwise a dict."""
+
+    __slots__ = ("__weakref__",)
+
+
 def _check_level(level) -> None:
     if not isinstance(level, str) or level not in INVARIANCE_LEVELS:
         raise ValueError(f"Numerics: invariance={level!r} is not one of {INVARIANCE_LEVELS} "

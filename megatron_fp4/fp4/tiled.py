@@ -131,10 +131,16 @@ def _kept(w: torch.Tensor, packs: dict, tag: str, make) -> torch.Tensor:
     if hit is not None and hit[0]() is owner and hit[1] == version:
         return hit[2]
     made = make(w)
+    try:  # the store held weakly where it can be (`numerics.WeightStore`): a dropped store goes at once
+        store = weakref.ref(packs)
+    except TypeError:  # a plain dict: the callback holds it (freed by the cyclic GC if dropped uncleared)
+        def store(packs=packs):
+            return packs
 
-    def forget(ref, key=key):
-        if packs.get(key, (None,))[0] is ref:
-            del packs[key]
+    def forget(ref, key=key, store=store):
+        entries = store()
+        if entries is not None and entries.get(key, (None,))[0] is ref:
+            del entries[key]
 
     packs[key] = (weakref.ref(owner, forget), version, made)
     return made

@@ -40,7 +40,7 @@ from typing import Optional, Sequence, Union
 import torch
 
 from megatron_fp4.config.choices import INVARIANCE_LEVELS
-from megatron_fp4.fp4 import apply_numerics, numerics_of, rollout_numerics
+from megatron_fp4.fp4 import WeightStore, apply_numerics, numerics_of, rollout_numerics
 from megatron_fp4.model import KVCache, Router
 from megatron_fp4.model.capacity import refuse_for_rollout
 from megatron_fp4.rollout.logprobs import log_softmax_rows, pick
@@ -197,7 +197,7 @@ class RolloutEngine:
             cast_for_inference(model, dtype)
         self.model = model.eval()
         self.mode = mode if mode is not None else getattr(model.fp4_cfg, "rollout_mode", None)
-        self._weight_cache: dict = {}  # weight-derived GEMM terms, kept across generate calls (per version)
+        self._weight_cache: dict = WeightStore()  # weight-derived GEMM terms, kept across generate calls (per version)
         if self.mode is not None and model.fp4_mode is not None:
             model.set_fp4_mode(self.mode)
         apply_numerics(model, rollout_numerics(numerics_of(model), invariance))

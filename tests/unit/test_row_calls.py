@@ -205,3 +205,39 @@ def test_a_narrow_weight_is_the_first_columns_of_its_zero_padded_copy(threads):
         y = tiled_linear(x[:8], w)
         y.sum().backward()
         assert torch.equal(bits(y.detach()), bits(want[:8])) and torch.allclose(w.grad, x[:8].sum(0).expand(n, -1))
+
+
+def test_a_dropped_weight_store_goes_without_the_cyclic_gc():
+    """A pack kept in a `WeightStore` (an engine's or the plugin's rollout store) holds the store
+    weakly: dropped without `clear()`, the store and its packs are freed at once (with the cyclic
+    GC off), where a plain dict's callback keeps it in a reference cycle; a pack whose weight's
+    memory is freed leaves either store."""
+    import gc
+    import weakref
+
+    from megatron_fp4.fp4 import WeightStore, tiled
+
+    w = torch.randn(16, 8)
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        store = WeightStore()
+        made = tiled._kept(w, store, "copy", lambda t: t.clone())
+        assert tiled._kept(w, store, "copy", lambda t: None) is made and len(store) == 1
+        gone, pack = weakref.ref(store), weakref.ref(made)
+        del store, made
+        assert gone() is None and pack() is None
+        plain = {"marker": torch.zeros(1)}  # (a dict itself takes no weak reference: one of its values does)
+        tiled._kept(w, plain, "copy", lambda t: t.clone())
+        held = weakref.ref(plain["marker"])
+        del plain
+        assert held() is not None  # the cycle: only the cyclic GC frees it
+        for store in (WeightStore(), {}):
+            temp = torch.randn(4, 4)
+            tiled._kept(temp, store, "copy", lambda t: t.clone())
+            del temp
+            assert len(store) == 0
+    finally:
+        if enabled:
+            gc.enable()
+        gc.collect()

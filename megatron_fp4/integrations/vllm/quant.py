@@ -58,7 +58,7 @@ from vllm.model_executor.layers.quantization.base_config import QuantizationConf
 from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, UnquantizedEmbeddingMethod
 from vllm.model_executor.utils import set_weight_attrs
 
-from megatron_fp4.fp4 import STANDARD, Numerics, Recipe, fused_resq, invariant, moeresq_linear
+from megatron_fp4.fp4 import STANDARD, Numerics, Recipe, WeightStore, fused_resq, invariant, moeresq_linear
 from megatron_fp4.fp4.exact_experts import can_share_input, shared_input_linear
 from megatron_fp4.integrations.vllm.sidecar import QUANT_METHOD, recipe_from_sidecar, served_level
 from megatron_fp4.integrations.vllm.standard import StandardExperts, experts_ok, linear_ok, standard_linear
@@ -105,7 +105,7 @@ class MegatronFP4Config(QuantizationConfig):
                              f"'experts+attention'")
         self.level = served_level(self.block)  # standard | batch | exact: the trainer's kernels of that level
         self.batch_invariant = self.level != "standard"  # a row-invariant level: the trainer's attention and RoPE
-        self.qw_store: dict = {}  # Q(W) (and exact-GEMM splits) per weight, see invalidate()
+        self.qw_store: dict = WeightStore()  # Q(W) (and exact-GEMM splits) per weight, see invalidate()
         # what every plugin layer computes with: the block's numerics level, Q(W) reused from qw_store
         self.values = Numerics(invariance=self.level, mode="rollout")
         self.values.weight_cache = self.qw_store
