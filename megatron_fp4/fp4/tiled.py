@@ -967,10 +967,7 @@ def _block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions:
     if sinks is not None:  # a per-head logit in every row's softmax, dropped after it (no value)
         sink = sinks.to(m.dtype).view(1, KV, rep, 1).expand(B, KV, rep, Tq).reshape(B, KV, R)
         sink = _zero_padded(sink, 2, live).view(-1, live, 1)
-        m_all = torch.maximum(m, sink)
-        corr = torch.exp(m - m_all)
-        l, acc = l * corr + torch.exp(sink - m_all), acc * corr
-        m = m_all
+        m, l, acc = _with_sink(m, l, acc, sink)
     lse = None
     if with_lse:  # m + log l in a wide dtype, per query row [B, KV, R] (a fresh O(T) tensor)
         wide = torch.promote_types(l.dtype, torch.float32)
@@ -980,6 +977,15 @@ def _block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions:
     acc, l = acc.view(B, KV, nT * live, Dv), l.view(B, KV, nT * live, 1)
     out = torch.div(acc, l) if nT * live == R else torch.div(acc[:, :, :R], l[:, :, :R])
     return out.view(B, H, Tq, Dv), lse
+
+
+def _with_sink(m: torch.Tensor, l: torch.Tensor, acc: torch.Tensor, sink: torch.Tensor) -> tuple:
+    """(m, l, acc) of an online softmax with one more logit ``sink`` per row (broadcast like ``m``)
+    that carries no value (gpt-oss's attention sinks): the running max, weight sum and weighted
+    values rescaled to max(m, sink), the sink's weight added to the sum."""
+    m_all = torch.maximum(m, sink)
+    corr = torch.exp(m - m_all)
+    return m_all, l * corr + torch.exp(sink - m_all), acc * corr
 
 
 def _decode_masks(positions: torch.Tensor, KV: int, nK: int, window: int, dtype: torch.dtype) -> tuple:
@@ -1040,10 +1046,7 @@ def _decode_forward(q, kb, vb, plan, scale: float, window: int, sinks: Optional[
     l, acc = run[..., Dw:], run[..., :Dv]
     if sinks is not None:  # a per-head logit in every row's softmax, dropped after it (no value)
         sink = sinks.to(m.dtype).view(1, KV, rep).expand(B, KV, rep).reshape(n, live, 1)
-        m_all = torch.maximum(m, sink)
-        corr = torch.exp(m - m_all)
-        l, acc = l * corr + torch.exp(sink - m_all), acc * corr
-        m = m_all
+        m, l, acc = _with_sink(m, l, acc, sink)
     lse = None
     if with_lse:  # m + log l in a wide dtype, per query row [B, KV, rep] (a fresh tensor)
         wide = torch.promote_types(l.dtype, torch.float32)
@@ -1108,10 +1111,7 @@ def _tall_forward(q, kb, vb, plan, scale: float, window: int, sinks: Optional[to
         if rows > R:  # the padding rows' sink: any finite value (their rows are dropped)
             sink = torch.cat([sink, sink[:, :1].expand(n, rows - R)], 1)
         sink = sink.view(n, rows, 1)
-        m_all = torch.maximum(m, sink)
-        corr = torch.exp(m - m_all)
-        l, acc = l * corr + torch.exp(sink - m_all), acc * corr
-        m = m_all
+        m, l, acc = _with_sink(m, l, acc, sink)
     lse = None
     if with_lse:  # m + log l in a wide dtype, per query row [B, KV, R] query-head-major (its own storage)
         wide = torch.promote_types(l.dtype, torch.float32)
