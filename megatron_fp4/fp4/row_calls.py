@@ -75,6 +75,7 @@ def row_tile(k: int, n: int) -> int:
 
 
 @functools.lru_cache(maxsize=None)
+@functools.lru_cache(maxsize=1024)
 def column_blocks(k: int, n: int) -> tuple:
     """The column blocks ``(start, width)`` of a [M, k] · [k, n] GEMM. A weight of at most
     CACHED_WEIGHT_ELEMENTS (8 MiB in fp32) is one block: it stays in the cache from one row tile to
@@ -83,7 +84,7 @@ def column_blocks(k: int, n: int) -> tuple:
     MIN_COLUMN_BLOCK: a block fits a core's L2 cache, 2 MiB in fp32), the last one wider by the
     remainder where that is under half a block (no narrow tail block: MKL's narrow-N kernels
     rounded a row by its slot in the tile, ``block_attention``). A function of the weight's shape
-    alone, as the row tile."""
+    alone, as the row tile (cached: every GEMM call of the ``batch`` level asks)."""
     width = max(MIN_COLUMN_BLOCK, COLUMN_BLOCK_ELEMENTS // max(k, 1) // 64 * 64)
     full, rest = divmod(n, width)
     if k * n <= CACHED_WEIGHT_ELEMENTS or full == 0 or (full == 1 and rest < width // 2):

@@ -348,18 +348,12 @@ def _run_tiles(xp: torch.Tensor, weights, layout: GroupedRows, plan: RowPlan,
     heights = [table[n] if n < len(table) else plan.height(n) for n in layout.counts]
     out = (xp.new_empty if heights == layout.spans else xp.new_zeros)(layout.at, n_out)
     x_runs, out_runs = xp.split(layout.spans), out.split(layout.spans)
-    # a run within the cap of a one-block mm plan is one call: made here (`_row_products`' shortcut)
-    one_call = plan.cap if plan.kernel == "mm" and len(column_blocks(xp.shape[1], n_out)) == 1 else 0
     for w, xr, outr, n, height in zip(weights, x_runs, out_runs, layout.counts, heights):
         if not n:
             continue
         if height != xr.shape[0]:
             xr, outr = xr[:height], outr[:height]
-        w = w if w.is_contiguous() else w.contiguous()
-        if height <= one_call:
-            torch.mm(xr, w.t(), out=outr)
-        else:
-            _row_products(xr, w.t(), outr, plan, packs)
+        _row_products(xr, (w if w.is_contiguous() else w.contiguous()).t(), outr, plan, packs)
     return out
 
 
