@@ -49,8 +49,10 @@ def build(args, scope: str):
     cfg = Config()
     m = cfg.model
     m.vocab_size, m.hidden_size, m.num_layers = args.vocab, args.hidden, args.layers
-    m.num_experts, m.top_k, m.moe_ffn_hidden_size = args.experts, 2, args.ffn
-    m.num_heads, m.num_kv_heads, m.head_dim = 4, 2, args.hidden // 4
+    heads = getattr(args, "heads", 4)
+    m.num_experts, m.top_k, m.moe_ffn_hidden_size = args.experts, getattr(args, "top_k", 2), args.ffn
+    m.num_heads, m.num_kv_heads = heads, getattr(args, "kv_heads", 2)
+    m.head_dim = getattr(args, "head_dim", 0) or args.hidden // heads
     m.max_seq_len = args.prompt_len + args.new_tokens
     cfg.fp4.scope = scope
     return build_model(cfg, seed=0)
@@ -77,6 +79,10 @@ def add_model_args(p):
     p.add_argument("--ffn", type=int, default=256)
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--experts", type=int, default=8)
+    p.add_argument("--top-k", type=int, default=2)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--kv-heads", type=int, default=2)
+    p.add_argument("--head-dim", type=int, default=0, help="0: hidden // heads")
     p.add_argument("--vocab", type=int, default=2048)
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--prompt-len", type=int, default=32)
@@ -116,6 +122,7 @@ def compare_hf(args):
     tokens = args.batch * args.new_tokens
     ref = outs["HF generate"].tolist()
     print(f"threads={torch.get_num_threads()} hidden={args.hidden} layers={args.layers} experts={args.experts} "
+          f"top_k={args.top_k} heads={args.heads}/{args.kv_heads} ffn={args.ffn} "
           f"vocab={args.vocab} batch={args.batch} tokens={args.prompt_len}+{args.new_tokens} scope={args.scope} "
           f"repeats={args.repeats} clock={args.clock}")
     print(f"{'runner':<16} {'median s':>9} {'tokens/s':>9} {'vs HF':>7} {'tokens = HF':>12}")

@@ -481,6 +481,7 @@ def main(argv=None) -> list:
     p.add_argument("--kl-scopes", default="experts,experts+attention")
     p.add_argument("--kl-resamples", type=int, default=2000, help="bootstrap resamples of the requests per KL row")
     p.add_argument("--work", help="directory for the exports (default: a temporary one)")
+    p.add_argument("--json", help="also write the rows to this file (a JSON list of measure/value/goal/met)")
     args = p.parse_args(argv)
     only = args.only.split(",") if args.only else list(ROWS)
     if any(o not in ROWS for o in only):
@@ -517,6 +518,8 @@ def main(argv=None) -> list:
             log(f"{name}: {time.perf_counter() - t0:.0f} s")
     print(f"threads={torch.get_num_threads()} (vLLM {cap.reason}, in-process engines; fp32 unless said)")
     print(markdown(rows))
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=1, ensure_ascii=False))
     return rows
 
 
