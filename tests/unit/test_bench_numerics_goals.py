@@ -31,7 +31,9 @@ def test_goal_table_marks_each_goal():
     value = {measure: v["small"] for measure, v, _, _ in rows}
     off = [k for k in met if k.endswith("FP4 off")]
     resq = [k for k in met if k.endswith("fp4_resq")]
-    assert len(off) == len(resq) == 6
+    context = [k for k in met if k.startswith("(")]
+    assert len(off) == len(resq) == 6 and len(context) == 2 and all(met[k] == "—" for k in context)
+    assert value["(generation, standard kernels vs HF generate(), fp4_resq)"] == "1.11×"
     assert all(met[k] == "yes" for k in off), {k: (value[k], met[k]) for k in off}
     assert all(met[k] == "no" for k in resq), {k: (value[k], met[k]) for k in resq}
     assert value["generation, batch vs HF generate() (speed), fp4_resq"] == "0.79×"
