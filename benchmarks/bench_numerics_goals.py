@@ -119,7 +119,8 @@ def training_steps(shape: str, args, clock) -> dict:
 
 def parity(shape: str, args) -> dict:
     """Per mode: the ``batch`` engine's greedy rollout vs the trainer's model built at ``batch``
-    (scoring pass and training forward): differing log-prob bits, max |Δ|, expert agreement."""
+    (scoring pass and training forward): token log-probs whose bits differ, and the share of
+    tokens whose routes (every MoE layer's top-k) are equal."""
     out = {}
     for mode in MODES.values():
         cfg = config(shape, mode, "batch", PROMPT_LEN + args.new_tokens)
