@@ -75,7 +75,6 @@ def row_tile(k: int, n: int) -> int:
 
 
 @functools.lru_cache(maxsize=None)
-@functools.lru_cache(maxsize=1024)
 def column_blocks(k: int, n: int) -> tuple:
     """The column blocks ``(start, width)`` of a [M, k] · [k, n] GEMM. A weight of at most
     CACHED_WEIGHT_ELEMENTS (8 MiB in fp32) is one block: it stays in the cache from one row tile to
