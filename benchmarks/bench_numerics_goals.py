@@ -43,7 +43,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_rollout import timed_rounds  # noqa: E402
+from bench_rollout import generate_and_score, timed_rounds  # noqa: E402
 from megatron_fp4.config import Config, default_config_path, load_config  # noqa: E402
 from megatron_fp4.fp4 import apply_numerics  # noqa: E402
 from megatron_fp4.model import build_model  # noqa: E402
@@ -85,26 +85,15 @@ def config(shape: str, mode: str, level: str, seq_len: int) -> Config:
 
 def generation_and_scoring(shape: str, args, clock) -> dict:
     """Median seconds: ``("gen", name)`` for HF and each engine, ``("score", name)`` per engine."""
-    from hf_peer import hf_generate, hf_model_like
-
     cfg = config(shape, "bf16", "standard", PROMPT_LEN + args.new_tokens)
     torch.manual_seed(0)
     model = build_model(cfg, seed=0)
     prompts = torch.randint(1, cfg.model.vocab_size, (args.batch, PROMPT_LEN))
-    params = SamplingParams(temperature=0.0, max_new_tokens=args.new_tokens)
     engines = {(m, lv): RolloutEngine(copy.deepcopy(model), mode=m, invariance=lv)
                for m in MODES.values() for lv in ("standard", "batch")}
-    runners = {"HF": (lambda hf=hf_model_like(model): hf_generate(hf, prompts, args.new_tokens))}
-    for key, eng in engines.items():
-        runners[key] = lambda eng=eng: eng.generate(prompts.tolist(), params)
-    log(f"{shape}: generation, HF and {len(engines)} engines, {args.repeats} rounds")
-    t_gen, outs = timed_rounds(runners, args.repeats, clock)
-    responses = [r.tolist() for r in outs["HF"]]
-    scorers = {key: (lambda eng=eng, key=key: score(eng.model, prompts.tolist(), responses, 0, key[0], invariance=key[1]))
-               for key, eng in engines.items()}
-    log(f"{shape}: scoring, {len(scorers)} scorers")
-    t_score, _ = timed_rounds(scorers, args.repeats, clock)
-    out = {("gen", k): v for k, v in t_gen.items()}
+    log(f"{shape}: generation (HF and {len(engines)} engines), then scoring, {args.repeats} rounds each")
+    t_gen, _, t_score = generate_and_score(model, prompts, engines, args.new_tokens, args.repeats, clock)
+    out = {("gen", "HF" if k == "HF generate" else k): v for k, v in t_gen.items()}
     out.update({("score", k): v for k, v in t_score.items()})
     return out
 

@@ -105,20 +105,33 @@ def timed_rounds(runners: dict, repeats: int, clock=time.perf_counter):
     return {k: statistics.median(v) for k, v in times.items()}, outs
 
 
-def compare_hf(args):
+def generate_and_score(model, prompts: torch.Tensor, engines: dict, new_tokens: int, repeats: int, clock) -> tuple:
+    """HF `generate()` on ``model``'s weights (key "HF generate") and each engine, greedy, exactly
+    ``new_tokens`` new tokens, calls interleaved; then the trainer's no-grad scoring of HF's
+    sequences with each engine's model at its mode and level. Returns (median generation seconds,
+    last outputs, median scoring seconds), keyed as ``engines``."""
     from hf_peer import hf_generate, hf_model_like
 
+    params = SamplingParams(temperature=0.0, max_new_tokens=new_tokens)
+    hf = hf_model_like(model)
+    runners = {"HF generate": lambda: hf_generate(hf, prompts, new_tokens)}
+    for key, eng in engines.items():
+        runners[key] = lambda eng=eng: eng.generate(prompts.tolist(), params)
+    t_gen, outs = timed_rounds(runners, repeats, clock)
+    responses = [r.tolist() for r in outs["HF generate"]]
+    scorers = {key: (lambda eng=eng: score(eng.model, prompts.tolist(), responses, 0, eng.mode,
+                                           invariance=eng.invariance)) for key, eng in engines.items()}
+    t_score, _ = timed_rounds(scorers, repeats, clock)
+    return t_gen, outs, t_score
+
+
+def compare_hf(args):
     torch.manual_seed(0)
     model = build(args, args.scope)
     prompts = torch.randint(1, args.vocab, (args.batch, args.prompt_len))
-    params = SamplingParams(temperature=0.0, max_new_tokens=args.new_tokens)
-    hf = hf_model_like(model)
-    runners = {"HF generate": lambda: hf_generate(hf, prompts, args.new_tokens)}
     engines = {spec: engine_for(model, spec) for spec in args.engines.split(",")}
-    for spec, eng in engines.items():
-        runners[spec] = lambda eng=eng: eng.generate(prompts.tolist(), params)
-    clock = CLOCKS[args.clock]
-    t_gen, outs = timed_rounds(runners, args.repeats, clock)
+    t_gen, outs, t_score = generate_and_score(model, prompts, engines, args.new_tokens, args.repeats,
+                                              CLOCKS[args.clock])
     tokens = args.batch * args.new_tokens
     ref = outs["HF generate"].tolist()
     print(f"threads={torch.get_num_threads()} hidden={args.hidden} layers={args.layers} experts={args.experts} "
@@ -134,14 +147,7 @@ def compare_hf(args):
             hits = sum(a == b for r, h in zip(outs[name].response_ids, ref) for a, b in zip(r, h))
             agree = f"{hits / tokens:.0%}"
         print(f"{name:<16} {t:>9.3f} {tokens / t:>9.1f} {t_hf / t:>6.2f}x {agree:>12}")
-    # Scoring (the trainer's no-grad log-prob pass) of the same sequences, per engine's model and numerics.
-    responses = [r.tolist() for r in outs["HF generate"]]
-    scorers = {}
-    for spec, eng in engines.items():
-        mode, _, level = spec.partition("-")
-        scorers[spec] = lambda eng=eng, mode=mode, level=level: score(eng.model, prompts.tolist(), responses, 0, mode,
-                                                                      invariance=level or "standard")
-    t_score, _ = timed_rounds(scorers, args.repeats, clock)
+    # Scoring (the trainer's no-grad log-prob pass) of HF's sequences, per engine's model and numerics.
     scored = args.batch * (args.prompt_len + args.new_tokens)
     print(f"{'scoring':<16} {'median s':>9} {'tokens/s':>9}")
     for name, t in t_score.items():
