@@ -36,6 +36,14 @@ small heights far faster than MKL's sgemm, which packs the transposed weight on 
 times a [4096, 1024] weight: 0.42 ms packed, 1.0 dense, 1.5 ms ``mm``; 64 rows 1.3×); the packed form
 is kept where weights stay constant across calls (a rollout model's weight cache,
 ``Numerics.weight_packs``), the trainer computes with the dense form (the same bits, no copy).
+
+The same holds for ``mm``'s operand: MKL's sgemm packs the weight on every call, from the
+transposed view of the row-major [n, k] weight a strided gather, from a contiguous [k, n] copy a
+row copy. Where the probe finds that copy's calls give the tiles' bits at every height of the plan
+(measured here: every multiple of 4 at one and two threads; under ``MKL_CBWR=COMPATIBLE`` not
+height 4, and at two threads not a 128-column weight's heights past 128), the plan says so (``transposed_copy``) and a rollout model keeps the copy beside
+the weight (decode heights 4-16 of a [512, 256] weight out of cache: 0.62-0.72× the view's time;
+the trainer keeps the view: the same bits, no copy).
 """
 from __future__ import annotations
 
@@ -57,6 +65,9 @@ CAP_ROWS = 256  # ... or, for mm, up to this many rows where every height up to 
 QUANTA = (4, 8, 16)  # a probed plan's row quantum: the heights it may call are its multiples
 PROBE_SEED = 0x5EED
 ONEDNN_MIN_ELEMENTS = 1 << 18  # weights smaller than this stay on mm (oneDNN's ~12 µs a call loses below it)
+# a weight of at least this many elements on mm is probed for its contiguous transposed copy (`RowPlan.transposed_copy`):
+# below it the copy's lookup (~2 µs) costs about what a decode call saves ([128, 64]: 3.1 -> 2.4 µs)
+TRANSPOSED_COPY_MIN_ELEMENTS = 1 << 15
 # What oneDNN keeps in its primitive cache per (weight shape, call height, weight form) once called:
 # measured 8.6-9.0 MiB for 16 heights of either form, whatever the shape ([1024, 256] to [4096, 1024],
 # 1 and 2 threads; `training.memory_plan` counts it).
@@ -99,12 +110,16 @@ def column_blocks(k: int, n: int) -> tuple:
 @dataclass(frozen=True)
 class RowPlan:
     """The heights one GEMM call may take: the multiples of ``quantum`` from ``minimum`` to ``cap``
-    (the fixed tile T: ``RowPlan(T, T, T)``), each a call of ``kernel``."""
+    (the fixed tile T: ``RowPlan(T, T, T)``), each a call of ``kernel`` (``mm``: on the transposed
+    view of the row-major weight, or where ``transposed_copy`` on its contiguous transposed copy)."""
 
     quantum: int
     minimum: int
     cap: int
     kernel: str = "mm"  # "mm": the BLAS's GEMM (torch.mm); "onednn": oneDNN's inner product (onednn_linear)
+    # mm: its calls on the weight's contiguous transposed copy ([k, n]) give the same bits at every
+    # height of the plan (one column block; a rollout model keeps the copy: `tiled._row_products`)
+    transposed_copy: bool = False
 
     def height(self, rows: int) -> int:
         """Rows ``rows`` are padded to: whole cap-row calls, then the remainder rounded up to a
@@ -222,13 +237,17 @@ def _probe_cached(k: int, width: int, stride: int, tile: int, dtype: torch.dtype
 
 def _products(kernel: str, wt: torch.Tensor, width: int, stride: int, dtype: torch.dtype) -> list:
     """The forms of one call of ``kernel`` the probe compares: each ``f(rows) -> [h, width]`` (a view of
-    an output of row stride ``stride``). ``mm``: the one form; ``onednn``: the packed weight, then the
-    dense one (both must give the tiles' bits)."""
+    an output of row stride ``stride``). ``mm``: the transposed view of the row-major weight (the
+    plan's), then — a whole weight (``width == stride``) of at least TRANSPOSED_COPY_MIN_ELEMENTS —
+    its contiguous transposed copy (``RowPlan.transposed_copy`` where it agrees); ``onednn``: the
+    packed weight, then the dense one (both must give the tiles' bits)."""
     if kernel == "mm":
-        def mm(rows):
+        def mm(rows, operand=wt):
             out = torch.empty(rows.shape[0], stride, dtype=dtype)[:, :width]
-            return torch.mm(rows, wt, out=out)
-        return [mm]
+            return torch.mm(rows, operand, out=out)
+        if width != stride or wt.shape[0] * width < TRANSPOSED_COPY_MIN_ELEMENTS:
+            return [mm]
+        return [mm, functools.partial(mm, operand=wt.contiguous())]
     w = wt.t()
     packed = onednn_pack(w)
     return [lambda rows: onednn_linear(rows, packed), lambda rows: onednn_linear(rows, w)]
@@ -237,9 +256,11 @@ def _products(kernel: str, wt: torch.Tensor, width: int, stride: int, dtype: tor
 def _run_probe(k: int, width: int, stride: int, tile: int, dtype: torch.dtype, kernel: str = "mm") -> RowPlan:
     """Which call heights give a [h, k] · [k, width] call of ``kernel`` (output row stride ``stride``)
     the bits of T = ``tile``-row calls in every row: the multiples of 4 up to ``CAP_TILES`` tiles
-    tried on random rows (every form of the call, :func:`_products`), the smallest quantum and
-    minimum (at most T: else the tile is as cheap) whose heights all passed, confirmed from a
-    misaligned copy of the rows at the minimum and the cap. The fixed tile (``mm``'s) where none did."""
+    tried on random rows (every form of a oneDNN call, ``mm``'s transposed view, :func:`_products`),
+    the smallest quantum and minimum (at most T: else the tile is as cheap) whose heights all
+    passed, confirmed from a misaligned copy of the rows at the minimum and the cap. The fixed tile
+    (``mm``'s) where none did. ``mm``'s contiguous transposed copy, where probed, is then tried at
+    every height of that plan and from the misaligned rows (``RowPlan.transposed_copy``)."""
     cap = tile * CAP_TILES
     longest = max(cap, CAP_ROWS) if kernel == "mm" else cap  # heights past the cap tried (mm: its repacking)
     with torch.inference_mode(), torch.autocast("cpu", enabled=False):
@@ -248,11 +269,13 @@ def _run_probe(k: int, width: int, stride: int, tile: int, dtype: torch.dtype, k
         x = torch.randn(longest, k, generator=gen).to(dtype)
         forms = _products(kernel, wt, width, stride, dtype)
         ref = torch.cat([forms[0](xt) for xt in x.split(tile)])
+        # the forms that define the plan: oneDNN's both; mm's view (its copy is only kept where it agrees)
+        needed, extra = (forms, []) if kernel == "onednn" else (forms[:1], forms[1:])
 
-        def same(rows: torch.Tensor) -> bool:
-            return all(torch.equal(form(rows), ref[:rows.shape[0]]) for form in forms)
+        def same(rows: torch.Tensor, fs: list) -> bool:
+            return all(torch.equal(form(rows), ref[:rows.shape[0]]) for form in fs)
 
-        good = {h for h in range(QUANTA[0], longest + 1, QUANTA[0]) if same(x[:h])}
+        good = {h for h in range(QUANTA[0], longest + 1, QUANTA[0]) if same(x[:h], needed)}
         for quantum in QUANTA:
             for minimum in range(quantum, tile + 1, quantum):
                 if not all(h in good for h in range(minimum, cap + 1, quantum)):
@@ -261,9 +284,11 @@ def _run_probe(k: int, width: int, stride: int, tile: int, dtype: torch.dtype, k
                 while top + quantum <= longest and top + quantum in good:
                     top += quantum
                 shifted = torch.empty(top * k + 1, dtype=dtype)[1:].view(top, k).copy_(x[:top])
-                if same(shifted[:minimum]) and same(shifted):
-                    return RowPlan(quantum, minimum, top, kernel)
-                return RowPlan(tile, tile, tile)
+                if not (same(shifted[:minimum], needed) and same(shifted, needed)):
+                    return RowPlan(tile, tile, tile)
+                copy = bool(extra) and all(same(x[:h], extra) for h in range(minimum, top + 1, quantum)) \
+                    and same(shifted[:minimum], extra) and same(shifted, extra)
+                return RowPlan(quantum, minimum, top, kernel, copy)
     return RowPlan(tile, tile, tile)
 
 

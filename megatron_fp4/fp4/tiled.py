@@ -146,6 +146,11 @@ def _kept(w: torch.Tensor, packs: dict, tag: str, make) -> torch.Tensor:
     return made
 
 
+def _transposed(w: torch.Tensor) -> torch.Tensor:
+    """The contiguous transpose of ``w`` [..., n, k]: [..., k, n] (``RowPlan.transposed_copy``'s operand)."""
+    return w.transpose(-1, -2).contiguous()
+
+
 def _zero_padded_rows(w: torch.Tensor, rows: int) -> torch.Tensor:
     """``w`` [n, k] with zero rows appended to ``rows`` rows (a fresh contiguous tensor)."""
     return torch.cat([w, w.new_zeros(rows - w.shape[0], w.shape[1])])
@@ -159,7 +164,11 @@ def _row_products(xp: torch.Tensor, wt: torch.Tensor, out: Optional[torch.Tensor
     The column block is the outer loop: a weight block stays in cache across the row calls (their
     views made once, by ``split``). A oneDNN plan makes its calls over the whole weight (oneDNN
     blocks it itself), each product copied into its rows of ``out``. One call (R within the cap, one
-    block: a decode step's) is made straight, its product the output where none was given."""
+    block: a decode step's) is made straight, its product the output where none was given. An ``mm``
+    plan with ``transposed_copy`` reads, given a store ``packs``, the weight's contiguous transposed
+    copy kept there (:func:`_kept`, :func:`_transposed`; ``wt`` already contiguous: that copy)."""
+    if plan.transposed_copy and packs is not None and not wt.is_contiguous():
+        wt = _kept(wt.t(), packs, "transposed", _transposed)
     if xp.shape[0] <= plan.cap and (plan.kernel == "onednn" or len(column_blocks(*wt.shape)) == 1):
         if plan.kernel == "onednn":
             y = onednn_linear(xp, _onednn_weight(wt.t(), packs))
@@ -348,12 +357,15 @@ def _run_tiles(xp: torch.Tensor, weights, layout: GroupedRows, plan: RowPlan,
     heights = [table[n] if n < len(table) else plan.height(n) for n in layout.counts]
     out = (xp.new_empty if heights == layout.spans else xp.new_zeros)(layout.at, n_out)
     x_runs, out_runs = xp.split(layout.spans), out.split(layout.spans)
-    for w, xr, outr, n, height in zip(weights, x_runs, out_runs, layout.counts, heights):
+    # a stacked [E, n, k] weight on a plan with transposed_copy: its experts' copies in one kept [E, k, n] (one lookup)
+    copies = plan.transposed_copy and packs is not None and isinstance(weights, torch.Tensor)
+    for w, xr, outr, n, height in zip(_kept(weights, packs, "transposed", _transposed) if copies else weights,
+                                      x_runs, out_runs, layout.counts, heights):
         if not n:
             continue
         if height != xr.shape[0]:
             xr, outr = xr[:height], outr[:height]
-        _row_products(xr, (w if w.is_contiguous() else w.contiguous()).t(), outr, plan, packs)
+        _row_products(xr, w if copies else (w if w.is_contiguous() else w.contiguous()).t(), outr, plan, packs)
     return out
 
 
@@ -436,8 +448,8 @@ def tiled_grouped_mlp(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, coun
     p13 = row_plan(w13.shape[2], w13.shape[1], x.dtype, x.device)
     p2 = row_plan(w2.shape[2], w2.shape[1], x.dtype, x.device)
     layout = GroupedRows(counts, (p13, p2), x.device)
-    h = _run_tiles(layout.pad(x), w13.unbind(0), layout, p13, packs)
-    return layout.unpad(_run_tiles(act(h), w2.unbind(0), layout, p2, packs))
+    h = _run_tiles(layout.pad(x), w13, layout, p13, packs)
+    return layout.unpad(_run_tiles(act(h), w2, layout, p2, packs))
 
 
 def _zero_padded(t: torch.Tensor, dim: int, size: int) -> torch.Tensor:

@@ -280,7 +280,7 @@ class GroupedExperts(nn.Module):
                            kernels=nx.kernels)
         if invariant.tiled(nx, x):  # the batch level: each expert's rows in fixed row tiles
             counts = torch.diff(offs, prepend=offs.new_zeros(1)).tolist()
-            return triton_batch.grouped_linear(xq, self.stacked_qw(weight, which).unbind(0), counts, nx.triton,
+            return triton_batch.grouped_linear(xq, self.stacked_qw(weight, which), counts, nx.triton,
                                                nx.weight_packs()).to(x.dtype)
         return _GROUPED_MM(xq, self.stacked_qw(weight, which).transpose(1, 2), offs=offs).to(x.dtype)
 

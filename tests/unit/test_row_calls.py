@@ -49,7 +49,7 @@ def test_other_devices_keep_the_fixed_tile():
 
 # wide (tile 16, one block), narrow (tiles 32 and 128), column blocks of 512 with a wider last one
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("k,n", [(1024, 768), (64, 128), (16, 48), (1024, 2600), (100, 60)])
+@pytest.mark.parametrize("k,n", [(1024, 768), (64, 128), (16, 48), (1024, 2600), (100, 60), (256, 512)])
 def test_every_height_of_the_plan_gives_the_tiles_bits(threads, k, n, dtype):
     """Fresh rows (another generator than the probe's) at every height the plan may call, alone and
     inside longer inputs: one call's rows equal the fixed tiles' bit for bit; and tiled_linear (the
@@ -70,6 +70,8 @@ def test_every_height_of_the_plan_gives_the_tiles_bits(threads, k, n, dtype):
             for j, width in blocks:
                 torch.mm(x[:h], w.t()[:, j:j + width], out=out[:, j:j + width])
         assert torch.equal(bits(out), bits(want[:h])), f"height {h} of {plan}"
+        if plan.transposed_copy:  # the rollout side's operand: the contiguous transposed copy
+            assert len(blocks) == 1 and torch.equal(bits(torch.mm(x[:h], w.t().contiguous())), bits(want[:h])), h
     for rows in sorted({1, 2, 3, plan.minimum - 1, plan.minimum + 1, tile + 1, plan.cap - 1, plan.cap + 1, x.shape[0]}):
         if rows > 0:
             assert torch.equal(bits(tiled_linear(x[:rows], w)), bits(want[:rows])), f"{rows} rows"
@@ -140,6 +142,73 @@ def test_the_onednn_probe_keeps_matching_heights_else_leaves_the_shape_to_mm(mon
     monkeypatch.setattr(row_calls, "_PLANS", {})
     monkeypatch.setattr(row_calls, "_probe_cached", functools.lru_cache(maxsize=None)(row_calls._probe_cached.__wrapped__))
     assert row_plan(k, n, torch.float32, torch.device("cpu")).kernel == "mm"
+
+
+def test_the_transposed_copy_is_kept_only_where_every_height_of_the_plan_agrees(monkeypatch):
+    """mm's contiguous transposed copy: probed for a whole weight of at least
+    TRANSPOSED_COPY_MIN_ELEMENTS; a copy whose calls round otherwise at one height (here 12, or only
+    from a misaligned input) leaves the plan as the view's with ``transposed_copy`` off; a narrower
+    weight is not probed for it."""
+    real_mm = torch.mm
+
+    def make(bad):
+        def mm(a, b, out=None):  # each row alone, on the view: the same bits at every height and for both forms
+            copy = b.is_contiguous()  # (the view is the transpose of a row-major weight)
+            view = b.t().contiguous().t() if copy else b
+            r = torch.cat([real_mm(a[i:i + 1], view) for i in range(a.shape[0])])
+            if copy and bad(a):  # only the copy's calls
+                r.mul_(1 + 2 ** -20)
+            return r if out is None else out.copy_(r)
+        return mm
+
+    k, n = 128, 256
+    tile, longest = row_tile(k, n), row_calls.CAP_ROWS
+    assert k * n >= row_calls.TRANSPOSED_COPY_MIN_ELEMENTS
+    monkeypatch.setattr(row_calls.torch, "mm", make(lambda a: False))
+    assert row_calls._run_probe(k, n, n, tile, torch.float32) == RowPlan(4, 4, longest, "mm", True)
+    assert row_calls._run_probe(k, n, 2 * n, tile, torch.float32) == RowPlan(4, 4, longest)  # a column block: no copy
+    monkeypatch.setattr(row_calls.torch, "mm", make(lambda a: a.shape[0] == 12))
+    assert row_calls._run_probe(k, n, n, tile, torch.float32) == RowPlan(4, 4, longest)
+    monkeypatch.setattr(row_calls.torch, "mm", make(lambda a: a.data_ptr() % 16 != 0))  # misaligned rows
+    assert row_calls._run_probe(k, n, n, tile, torch.float32) == RowPlan(4, 4, longest)
+    monkeypatch.setattr(row_calls.torch, "mm", make(lambda a: False))
+    assert row_calls._run_probe(64, 128, 128, row_tile(64, 128), torch.float32).transposed_copy is False
+
+
+@pytest.mark.parametrize("k,n", [(256, 512), (128, 256)])
+def test_a_rollout_store_keeps_one_transposed_copy_with_the_views_bits(threads, k, n):
+    """Where the plan keeps mm's transposed copy, a rollout store's GEMMs (linear, grouped, the
+    expert MLP) give the trainer's bits (no store: the view) at decode and prefill row counts; the
+    copy is made once per weight version (a stacked expert weight: one [E, k, n] copy) and remade
+    after an in-place update."""
+    from megatron_fp4.fp4.tiled import _transposed, tiled_grouped_mlp
+    plan = row_plan(k, n, torch.float32, torch.device("cpu"))
+    if not plan.transposed_copy:
+        pytest.skip(f"this machine's mm gives the copy other bits at some height of {plan}")
+    g = torch.Generator().manual_seed(k + n)
+    w = torch.randn(n, k, generator=g) / k ** 0.5
+    x = torch.randn(300, k, generator=g)
+    store: dict = {}
+    for rows in (1, 2, 5, 8, 16, 37, 300):
+        assert torch.equal(bits(tiled_linear(x[:rows], w, packs=store)), bits(tiled_linear(x[:rows], w))), rows
+    (copy,) = [entry[2] for entry in store.values()]
+    assert copy.is_contiguous() and torch.equal(copy, w.t())
+    w.mul_(0.5)  # a new version: a new copy, the new bits
+    assert torch.equal(bits(tiled_linear(x[:3], w, packs=store)), bits(tiled_linear(x[:3], w)))
+    assert not any(entry[2] is copy for entry in store.values())
+    E = 4
+    w13, w2 = torch.randn(E, n, k, generator=g) / k ** 0.5, torch.randn(E, k, n // 2, generator=g) / n ** 0.5
+    act = lambda h: torch.nn.functional.silu(h[:, :n // 2]) * h[:, n // 2:]  # noqa: E731
+    for counts in ([2, 0, 1, 3], [40, 7, 0, 90]):
+        stacked: dict = {}
+        xs = x[:sum(counts)]
+        with torch.no_grad():
+            assert torch.equal(bits(tiled_grouped_mlp(xs, w13, w2, counts, act, stacked)),
+                               bits(tiled_grouped_mlp(xs, w13, w2, counts, act)))
+            assert torch.equal(bits(tiled_grouped_linear(xs, w13, counts, stacked)), bits(tiled_grouped_linear(xs, w13, counts)))
+        kept = [entry[2] for entry in stacked.values() if entry[2].dim() == 3]
+        assert len(kept) == (2 if row_plan(n // 2, k, torch.float32, torch.device("cpu")).transposed_copy else 1)
+        assert torch.equal(kept[0], _transposed(w13))
 
 
 def test_onednn_serves_wide_fp32_weights_only():
