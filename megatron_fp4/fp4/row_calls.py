@@ -41,9 +41,10 @@ The same holds for ``mm``'s operand: MKL's sgemm packs the weight on every call,
 transposed view of the row-major [n, k] weight a strided gather, from a contiguous [k, n] copy a
 row copy. Where the probe finds that copy's calls give the tiles' bits at every height of the plan
 (measured here: every multiple of 4 at one and two threads; under ``MKL_CBWR=COMPATIBLE`` not
-height 4, and at two threads not a 128-column weight's heights past 128), the plan says so (``transposed_copy``) and a rollout model keeps the copy beside
-the weight (decode heights 4-16 of a [512, 256] weight out of cache: 0.62-0.72× the view's time;
-the trainer keeps the view: the same bits, no copy).
+height 4, and at two threads not a 128-column weight's heights past 128), the plan says so
+(``transposed_copy``) and a rollout model keeps the copy beside the weight (decode heights 4-16 of
+a [512, 256] weight out of cache: 0.62-0.72× the view's time; the trainer keeps the view: the same
+bits, no copy).
 """
 from __future__ import annotations
 
@@ -65,8 +66,9 @@ CAP_ROWS = 256  # ... or, for mm, up to this many rows where every height up to 
 QUANTA = (4, 8, 16)  # a probed plan's row quantum: the heights it may call are its multiples
 PROBE_SEED = 0x5EED
 ONEDNN_MIN_ELEMENTS = 1 << 18  # weights smaller than this stay on mm (oneDNN's ~12 µs a call loses below it)
-# a weight of at least this many elements on mm is probed for its contiguous transposed copy (`RowPlan.transposed_copy`):
-# below it the copy's lookup (~2 µs) costs about what a decode call saves ([128, 64]: 3.1 -> 2.4 µs)
+# a weight of at least this many elements on mm is probed for its contiguous transposed copy
+# (`RowPlan.transposed_copy`): below it the copy's lookup (~2 µs) costs about what a decode call
+# saves ([128, 64]: 3.1 -> 2.4 µs)
 TRANSPOSED_COPY_MIN_ELEMENTS = 1 << 15
 # What oneDNN keeps in its primitive cache per (weight shape, call height, weight form) once called:
 # measured 8.6-9.0 MiB for 16 heights of either form, whatever the shape ([1024, 256] to [4096, 1024],

@@ -205,7 +205,8 @@ def test_a_rollout_store_keeps_one_transposed_copy_with_the_views_bits(threads, 
         with torch.no_grad():
             assert torch.equal(bits(tiled_grouped_mlp(xs, w13, w2, counts, act, stacked)),
                                bits(tiled_grouped_mlp(xs, w13, w2, counts, act)))
-            assert torch.equal(bits(tiled_grouped_linear(xs, w13, counts, stacked)), bits(tiled_grouped_linear(xs, w13, counts)))
+            assert torch.equal(bits(tiled_grouped_linear(xs, w13, counts, stacked)),
+                               bits(tiled_grouped_linear(xs, w13, counts)))
         kept = [entry[2] for entry in stacked.values() if entry[2].dim() == 3]
         assert len(kept) == (2 if row_plan(n // 2, k, torch.float32, torch.device("cpu")).transposed_copy else 1)
         assert torch.equal(kept[0], _transposed(w13))

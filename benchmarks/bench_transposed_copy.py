@@ -1,0 +1,122 @@
+"""What ``RowPlan.transposed_copy`` buys (``fp4/row_calls.py``): ``mm``'s operand from the weight's
+contiguous transposed copy instead of the transposed view of the row-major weight, at the ``batch``
+level, side by side in one process.
+
+    OMP_NUM_THREADS=1 python benchmarks/bench_transposed_copy.py                 # both parts
+    OMP_NUM_THREADS=1 python benchmarks/bench_transposed_copy.py --only gemm --heights 4,8,16,64
+
+- gemm: one ``torch.mm`` per weight of a set of ``--mib`` MiB (cycled, so each call reads its weight
+  from memory, as a decode step's layers and experts do) at each height, view vs copy, and whether
+  the two give the same bits at that height;
+- generate: the rollout engine's greedy generation (the rollout benchmarks' hidden-256 model, FP4
+  off and fp4_resq at ``batch``) with the probed plans as they are (copy where the probe kept it)
+  and with ``transposed_copy`` turned off in every plan, calls alternating; the same tokens and
+  log-prob bits either way (checked).
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_rollout import add_model_args, build, engine_for, same  # noqa: E402
+
+from megatron_fp4.fp4 import row_calls  # noqa: E402
+from megatron_fp4.rollout import SamplingParams  # noqa: E402
+
+SHAPES = ((512, 256), (256, 256), (128, 256), (512, 128), (256, 128), (128, 64))  # [n, k]: out, in
+
+
+def gemm_rows(heights: list, mib: float, repeats: int) -> list:
+    gen = torch.Generator().manual_seed(0)
+    rows = []
+    for n, k in SHAPES:
+        count = max(4, min(64, int(mib * (1 << 20)) // (n * k * 4)))
+        views = [(torch.randn(n, k, generator=gen) / k ** 0.5) for _ in range(count)]
+        copies = [w.t().contiguous() for w in views]
+        for h in heights:
+            x = torch.randn(h, k, generator=gen)
+            out = torch.empty(h, n)
+            runs = {"view": lambda i: torch.mm(x, views[i].t(), out=out),
+                    "copy": lambda i: torch.mm(x, copies[i], out=out)}
+            best = {}
+            for name, fn in runs.items():
+                for i in range(count):
+                    fn(i)
+            for _ in range(repeats):
+                for name, fn in runs.items():
+                    start = time.perf_counter()
+                    for i in range(count):
+                        fn(i)
+                    best[name] = min(best.get(name, 1e9), (time.perf_counter() - start) / count)
+            bitwise = torch.equal(torch.mm(x, views[0].t()), torch.mm(x, copies[0]))
+            rows.append((f"[{n}, {k}]", h, best["view"] * 1e6, best["copy"] * 1e6, bitwise))
+    return rows
+
+
+def generate_rows(args) -> list:
+    torch.manual_seed(0)
+    model = build(args, args.scope)
+    prompts = torch.randint(1, args.vocab, (args.batch, args.prompt_len)).tolist()
+    params = SamplingParams(temperature=0.0, max_new_tokens=args.new_tokens)
+    rows = []
+    for mode in args.modes.split(","):
+        eng = engine_for(model, f"{mode}-batch")
+        first = eng.generate(prompts, params)  # probes every shape: the plans as the machine gives them
+        kept = dict(row_calls._PLANS)
+        plans = {"copy": kept, "view": {k: dataclasses.replace(p, transposed_copy=False) for k, p in kept.items()}}
+        times: dict = {name: [] for name in plans}
+        try:
+            for _ in range(args.repeats):
+                for name, table in plans.items():
+                    row_calls._PLANS.clear()
+                    row_calls._PLANS.update(table)
+                    start = time.process_time()
+                    out = eng.generate(prompts, params)
+                    times[name].append(time.process_time() - start)
+                    assert same(out, first), f"{mode}: {name} gave other tokens or log-prob bits"
+        finally:
+            row_calls._PLANS.clear()
+            row_calls._PLANS.update(kept)
+        with_copy = sorted(f"[{k[1]}, {k[0]}]" for k, p in kept.items() if p.transposed_copy)
+        rows.append((mode, statistics.median(times["view"]), statistics.median(times["copy"]), with_copy))
+    return rows
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_model_args(p)
+    p.add_argument("--only", choices=("gemm", "generate"), default=None)
+    p.add_argument("--heights", default="4,8,16,64,256")
+    p.add_argument("--mib", type=float, default=16.0, help="the GEMM part's weight set (cycled)")
+    p.add_argument("--modes", default="bf16,fp4_resq")
+    p.add_argument("--repeats", type=int, default=5)
+    args = p.parse_args(argv)
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    print(f"threads={torch.get_num_threads()} MKL_CBWR={os.environ.get('MKL_CBWR', '-')}")
+    with torch.inference_mode():
+        if args.only in (None, "gemm"):
+            print("\n| weight [n, k] | rows | view µs | copy µs | copy ÷ view | same bits |")
+            print("|---|---|---|---|---|---|")
+            heights = [int(h) for h in args.heights.split(",")]
+            for shape, h, view, copy, bitwise in gemm_rows(heights, args.mib, args.repeats):
+                same_bits = "yes" if bitwise else "no"
+                print(f"| {shape} | {h} | {view:.1f} | {copy:.1f} | {copy / view:.2f}× | {same_bits} |")
+    if args.only in (None, "generate"):
+        print(f"\nhidden {args.hidden}, {args.experts} experts top-{args.top_k}, batch {args.batch} × "
+              f"{args.prompt_len}+{args.new_tokens} tokens, {args.repeats} rounds, process CPU time (medians)")
+        print("\n| mode (`batch`) | view ms | copy ms | copy ÷ view | weights with a copy |\n|---|---|---|---|---|")
+        for mode, view, copy, shapes in generate_rows(args):
+            kept = ", ".join(shapes) or "—"
+            print(f"| {mode} | {view * 1e3:.0f} | {copy * 1e3:.0f} | {copy / view:.2f}× | {kept} |")
+
+
+if __name__ == "__main__":
+    main()

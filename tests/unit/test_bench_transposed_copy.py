@@ -1,0 +1,31 @@
+"""bench_transposed_copy.py: its generation part computes with and without the transposed copies
+(the same tokens and log-prob bits: it asserts them) and puts the process's plans back; its GEMM
+part times both operands at every shape and height."""
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks"))
+import bench_transposed_copy as bench  # noqa: E402
+
+from megatron_fp4.fp4 import row_calls  # noqa: E402
+
+
+def test_generation_with_and_without_the_copies_gives_the_same_bits_and_restores_the_plans(capsys):
+    bench.main(["--only", "generate", "--hidden", "128", "--ffn", "256", "--layers", "1", "--vocab", "256",
+                "--batch", "3", "--prompt-len", "5", "--new-tokens", "3", "--repeats", "1", "--modes", "bf16"])
+    (row,) = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| bf16 |")]
+    plans = dict(row_calls._PLANS)  # as the machine's probes gave them again (the view-only table was swapped out)
+    kept = sorted(f"[{k[1]}, {k[0]}]" for k, p in plans.items() if p.transposed_copy)
+    assert row.rstrip(" |").endswith(", ".join(kept) or "—")
+    assert any(k[:2] == (128, 512) for k in plans)  # the model's w13 was planned
+
+
+def test_the_gemm_rows_time_both_operands():
+    with torch.inference_mode():
+        rows = bench.gemm_rows([4, 8], mib=0.5, repeats=1)
+    assert [(shape, h) for shape, h, *_ in rows] == [(f"[{n}, {k}]", h) for n, k in bench.SHAPES for h in (4, 8)]
+    assert all(view > 0 and copy > 0 and isinstance(bitwise, bool) for _, _, view, copy, bitwise in rows)
