@@ -341,8 +341,42 @@ def _grouped_tiles(x: torch.Tensor, weights, counts: list, plan: Optional[RowPla
         wide = [_zero_padded_rows(w, MIN_COLUMNS) for w in weights]
         return _grouped_tiles(x, wide, counts, plan, packs)[:, :n_out].contiguous()
     plan = row_plan(x.shape[1], n_out, x.dtype, x.device) if plan is None else plan
+    if sum(counts) > LAYOUT_LIST_ROWS:
+        return _runs_in_place(x, weights, counts, plan, packs)
     layout = GroupedRows(counts, (plan,), x.device)
     return layout.unpad(_run_tiles(layout.pad(x), weights, layout, plan, packs))
+
+
+def _runs_in_place(x: torch.Tensor, weights, counts: list, plan: RowPlan,
+                   packs: Optional[dict] = None) -> torch.Tensor:
+    """:func:`_grouped_tiles` for many rows (a scoring pass's, a training forward's): each run's rows
+    read and written in place — its whole cap-row calls and the rest cut to a multiple of the plan's
+    quantum, calls of heights of the plan straight on ``x``'s rows into the output's — and only the
+    run's last ``n mod quantum`` rows (or a run shorter than the plan's minimum) copied into a
+    zero-padded call of the plan's height. Every call is one the plan allows, so every row has the
+    bits the padded layout gives it (a row's bits do not depend on the other rows of a call of such a
+    height), without a pad of every row and a gather of every output row (~1.3 ms a grouped GEMM of
+    1536 rows at hidden 256) for one more weight pass per run with a tail."""
+    K, n_out = x.shape[1], weights[0].shape[0]
+    x = x if x.is_contiguous() else x.contiguous()
+    out = x.new_empty(x.shape[0], n_out)
+    copies = plan.transposed_copy and packs is not None and isinstance(weights, torch.Tensor)
+    start = 0
+    for w, n in zip(_kept(weights, packs, "transposed", _transposed) if copies else weights, counts):
+        if not n:
+            continue
+        wt = w if copies else (w if w.is_contiguous() else w.contiguous()).t()
+        full, rest = divmod(n, plan.cap)
+        body = full * plan.cap + (rest - rest % plan.quantum if rest >= plan.minimum else 0)
+        if body:
+            _row_products(x[start:start + body], wt, out[start:start + body], plan, packs)
+        if body < n:
+            tail = n - body
+            xt = x.new_zeros(plan.height(tail), K)
+            xt[:tail] = x[start + body:start + n]
+            out[start + body:start + n] = _row_products(xt, wt, None, plan, packs)[:tail]
+        start += n
+    return out
 
 
 def _run_tiles(xp: torch.Tensor, weights, layout: GroupedRows, plan: RowPlan,

@@ -212,6 +212,29 @@ def test_a_rollout_store_keeps_one_transposed_copy_with_the_views_bits(threads, 
         assert torch.equal(kept[0], _transposed(w13))
 
 
+@pytest.mark.parametrize("k,n", [(256, 512), (64, 128), (100, 60), (1024, 768)])
+def test_many_rows_computed_in_place_have_the_padded_layouts_bits(threads, k, n):
+    """A grouped GEMM of more than LAYOUT_LIST_ROWS rows (`_runs_in_place`: each run's whole calls on
+    its rows in place, only its tail padded) against the padded layout (`GroupedRows`), bit for
+    bit, for runs shorter than the plan's minimum, off and on the quantum, past the cap; with a
+    rollout store too (its copies where the plan keeps them)."""
+    from megatron_fp4.fp4.tiled import LAYOUT_LIST_ROWS, GroupedRows, _run_tiles, _runs_in_place
+    plan = row_plan(k, n, torch.float32, torch.device("cpu"))
+    g = torch.Generator().manual_seed(11 * k + n)
+    q, m, cap = plan.quantum, plan.minimum, plan.cap
+    for counts in ([1, q + 1, 0, m + 3, cap + 1, 2 * cap + q, LAYOUT_LIST_ROWS - 7],
+                   [cap, 0, q, m - 1 if m > 1 else 1, 3, LAYOUT_LIST_ROWS]):
+        weights = torch.randn(len(counts), n, k, generator=g) / k ** 0.5
+        x = torch.randn(sum(counts), k, generator=g)
+        layout = GroupedRows(counts, (plan,), x.device)
+        want = layout.unpad(_run_tiles(layout.pad(x), weights.unbind(0), layout, plan))
+        assert sum(counts) > LAYOUT_LIST_ROWS
+        for store in (None, {}):
+            got = _runs_in_place(x, weights, counts, plan, store)
+            assert torch.equal(bits(got), bits(want)), (counts, store is not None)
+            assert torch.equal(bits(tiled_grouped_linear(x, weights, counts, store)), bits(want))
+
+
 def test_onednn_serves_wide_fp32_weights_only():
     assert not row_calls.onednn_serves(64, 64, torch.float32)
     assert not row_calls.onednn_serves(1024, 1024, torch.bfloat16)
