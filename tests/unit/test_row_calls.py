@@ -176,7 +176,7 @@ def test_the_transposed_copy_is_kept_only_where_every_height_of_the_plan_agrees(
 
 
 @pytest.mark.parametrize("k,n", [(256, 512), (128, 256)])
-def test_a_rollout_store_keeps_one_transposed_copy_with_the_views_bits(threads, k, n):
+def test_a_rollout_stores_transposed_copy_gives_the_views_same_bits(threads, k, n):
     """Where the plan keeps mm's transposed copy, a rollout store's GEMMs (linear, grouped, the
     expert MLP) give the trainer's bits (no store: the view) at decode and prefill row counts; the
     copy is made once per weight version (a stacked expert weight: one [E, k, n] copy) and remade
@@ -213,7 +213,7 @@ def test_a_rollout_store_keeps_one_transposed_copy_with_the_views_bits(threads, 
 
 
 @pytest.mark.parametrize("k,n", [(256, 512), (64, 128), (100, 60), (1024, 768)])
-def test_many_rows_computed_in_place_have_the_padded_layouts_bits(threads, k, n):
+def test_many_rows_in_place_give_the_padded_layouts_same_bits(threads, k, n):
     """A grouped GEMM of more than LAYOUT_LIST_ROWS rows (`_runs_in_place`: each run's whole calls on
     its rows in place, only its tail padded) against the padded layout (`GroupedRows`), bit for
     bit, for runs shorter than the plan's minimum, off and on the quantum, past the cap; with a
