@@ -70,6 +70,11 @@ ONEDNN_MIN_ELEMENTS = 1 << 18  # weights smaller than this stay on mm (oneDNN's 
 # (`RowPlan.transposed_copy`): below it the copy's lookup (~2 µs) costs about what a decode call
 # saves ([128, 64]: 3.1 -> 2.4 µs)
 TRANSPOSED_COPY_MIN_ELEMENTS = 1 << 15
+# runs of one height up to this many rows (a decode step's few rows per expert) are probed for one
+# `bmm` over consecutive experts' stacked weights (`RowPlan.batched`); past it a call's own work
+# outweighs the per-call cost a batched call saves
+BATCHED_MAX_HEIGHT = 16
+BATCHED_PROBE_GROUPS = (2, 5)  # how many weights one probed batched call stacks
 # What oneDNN keeps in its primitive cache per (weight shape, call height, weight form) once called:
 # measured 8.6-9.0 MiB for 16 heights of either form, whatever the shape ([1024, 256] to [4096, 1024],
 # 1 and 2 threads; `training.memory_plan` counts it).
@@ -122,6 +127,11 @@ class RowPlan:
     # mm: its calls on the weight's contiguous transposed copy ([k, n]) give the same bits at every
     # height of the plan (one column block; a rollout model keeps the copy: `tiled._row_products`)
     transposed_copy: bool = False
+    # mm, one column block: runs of one height of the plan up to BATCHED_MAX_HEIGHT, stacked with
+    # their weights (consecutive slices of a stacked [E, n, k], in the form the run's call reads) in
+    # one ``bmm``, give each run its own ``mm`` call's bits (`tiled._run_tiles`: a decode step's
+    # experts in one call per GEMM instead of one per expert)
+    batched: bool = False
 
     def height(self, rows: int) -> int:
         """Rows ``rows`` are padded to: whole cap-row calls, then the remainder rounded up to a
@@ -290,8 +300,34 @@ def _run_probe(k: int, width: int, stride: int, tile: int, dtype: torch.dtype, k
                     return RowPlan(tile, tile, tile)
                 copy = bool(extra) and all(same(x[:h], extra) for h in range(minimum, top + 1, quantum)) \
                     and same(shifted[:minimum], extra) and same(shifted, extra)
-                return RowPlan(quantum, minimum, top, kernel, copy)
+                batched = kernel == "mm" and width == stride and _batched_agrees(
+                    k, width, range(minimum, min(top, BATCHED_MAX_HEIGHT) + 1, quantum), copy, dtype, gen)
+                return RowPlan(quantum, minimum, top, kernel, copy, batched)
     return RowPlan(tile, tile, tile)
+
+
+def _batched_agrees(k: int, n: int, heights: range, copy: bool, dtype: torch.dtype, gen: torch.Generator) -> bool:
+    """Whether one ``bmm`` of G stacked [h, k] row blocks times G weights (G in
+    BATCHED_PROBE_GROUPS; the weights consecutive in a stacked [G, n, k], read as its transposed view
+    and, with ``copy``, as the contiguous [G, k, n] copy) gives each block the bits of its own
+    ``mm`` call on that weight, at every height in ``heights``, from aligned and misaligned rows.
+    False for an empty ``heights`` (no height of the plan is small enough to batch)."""
+    if not len(heights):
+        return False
+    groups = max(BATCHED_PROBE_GROUPS)
+    w = torch.randn(groups, n, k, generator=gen).to(dtype)
+    forms = [w.transpose(1, 2)] + ([w.transpose(1, 2).contiguous()] if copy else [])
+    top = max(heights)
+    x = torch.randn(groups * top * k + 1, generator=gen).to(dtype)
+    for rows in (x[:-1], x[1:]):  # the second misaligned by one element
+        for h in heights:
+            for g in BATCHED_PROBE_GROUPS:
+                xs = rows[:g * h * k].view(g, h, k)
+                for wt in forms:
+                    want = torch.stack([torch.mm(xs[i], wt[i]) for i in range(g)])
+                    if not torch.equal(torch.bmm(xs, wt[:g]), want):
+                        return False
+    return True
 
 
 KEY_BLOCK = 64  # attention's key block (`tiled.block_attention`): the products' key dimension

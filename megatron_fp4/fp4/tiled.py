@@ -60,9 +60,9 @@ import torch.nn.functional as F
 
 from megatron_fp4.fp4.block_attention_grad import attention_backward
 from megatron_fp4.fp4.grad_fusion import claim_fused, finish_fused, fused_grad_of
-from megatron_fp4.fp4.row_calls import (KEY_BLOCK, MAX_ROW_TILE, MIN_COLUMNS, ROW_TILE, RowPlan,  # noqa: F401
-                                        column_blocks, fixed_plan, onednn_linear, onednn_pack, query_tile,
-                                        row_plan, row_tile, tall_rows)
+from megatron_fp4.fp4.row_calls import (BATCHED_MAX_HEIGHT, KEY_BLOCK, MAX_ROW_TILE, MIN_COLUMNS,  # noqa: F401
+                                        ROW_TILE, RowPlan, column_blocks, fixed_plan, onednn_linear, onednn_pack,
+                                        query_tile, row_plan, row_tile, tall_rows)
 
 MIN_VALUE_COLUMNS = 16  # the weighted-value GEMM's width at least (`block_attention`)
 
@@ -390,16 +390,49 @@ def _run_tiles(xp: torch.Tensor, weights, layout: GroupedRows, plan: RowPlan,
     table = _span_table((plan,))
     heights = [table[n] if n < len(table) else plan.height(n) for n in layout.counts]
     out = (xp.new_empty if heights == layout.spans else xp.new_zeros)(layout.at, n_out)
-    x_runs, out_runs = xp.split(layout.spans), out.split(layout.spans)
+    stacked = isinstance(weights, torch.Tensor)
     # a stacked [E, n, k] weight on a plan with transposed_copy: its experts' copies in one kept [E, k, n] (one lookup)
-    copies = plan.transposed_copy and packs is not None and isinstance(weights, torch.Tensor)
-    for w, xr, outr, n, height in zip(_kept(weights, packs, "transposed", _transposed) if copies else weights,
-                                      x_runs, out_runs, layout.counts, heights):
+    copies = plan.transposed_copy and packs is not None and stacked
+    ws = _kept(weights, packs, "transposed", _transposed) if copies else weights
+    if plan.batched and stacked and xp.is_contiguous():
+        return _batched_runs(xp, ws if copies else (ws if ws.is_contiguous() else ws.contiguous()).transpose(1, 2),
+                             out, layout, heights, plan, packs)
+    x_runs, out_runs = xp.split(layout.spans), out.split(layout.spans)
+    for w, xr, outr, n, height in zip(ws, x_runs, out_runs, layout.counts, heights):
         if not n:
             continue
         if height != xr.shape[0]:
             xr, outr = xr[:height], outr[:height]
         _row_products(xr, w if copies else (w if w.is_contiguous() else w.contiguous()).t(), outr, plan, packs)
+    return out
+
+
+def _batched_runs(xp: torch.Tensor, wts: torch.Tensor, out: torch.Tensor, layout: GroupedRows, heights: list,
+                  plan: RowPlan, packs: Optional[dict]) -> torch.Tensor:
+    """:func:`_run_tiles` on a plan with ``batched``: consecutive runs of one height h up to
+    BATCHED_MAX_HEIGHT, each filling its span, computed in one ``bmm`` of their rows [G, h, K] and
+    weights ``wts[e0:e1]`` (the stacked [E, K, N] operand: the transposed copy or the transposed
+    view), which gives each run its own ``mm`` call's bits (the probe's finding); any other run by
+    its own calls. A decode step's experts then cost one call per GEMM instead of one per expert."""
+    K, N = xp.shape[1], out.shape[1]
+    counts, spans, starts = layout.counts, layout.spans, layout.starts
+    E, e = len(counts), 0
+    while e < E:
+        n, h = counts[e], heights[e]
+        if not n:
+            e += 1
+            continue
+        f = e + 1
+        if h == spans[e] and h <= BATCHED_MAX_HEIGHT:
+            while f < E and counts[f] and heights[f] == h and spans[f] == h:
+                f += 1
+        s = starts[e]
+        if f - e > 1:
+            rows = slice(s, s + (f - e) * h)
+            torch.bmm(xp[rows].view(f - e, h, K), wts[e:f], out=out[rows].view(f - e, h, N))
+        else:
+            _row_products(xp[s:s + h], wts[e], out[s:s + h], plan, packs)
+        e = f
     return out
 
 

@@ -105,6 +105,7 @@ def test_the_probe_keeps_only_heights_that_match_and_falls_back_to_the_tile(monk
 
     tile = row_tile(64, 256)
     longest = row_calls.CAP_ROWS  # mm's heights past the CAP_TILES tiles: the cap raised while each passed
+    monkeypatch.setattr(row_calls, "_batched_agrees", lambda *a: False)  # its own test below
     monkeypatch.setattr(row_calls.torch, "mm", make(lambda h: h % 8 != 0))
     assert row_calls._run_probe(64, 256, 256, tile, torch.float32) == RowPlan(8, 8, longest)
     monkeypatch.setattr(row_calls.torch, "mm", make(lambda h: h < 12 or h % 4 != 0))
@@ -164,6 +165,7 @@ def test_the_transposed_copy_is_kept_only_where_every_height_of_the_plan_agrees(
     k, n = 128, 256
     tile, longest = row_tile(k, n), row_calls.CAP_ROWS
     assert k * n >= row_calls.TRANSPOSED_COPY_MIN_ELEMENTS
+    monkeypatch.setattr(row_calls, "_batched_agrees", lambda *a: False)  # its own test below
     monkeypatch.setattr(row_calls.torch, "mm", make(lambda a: False))
     assert row_calls._run_probe(k, n, n, tile, torch.float32) == RowPlan(4, 4, longest, "mm", True)
     assert row_calls._run_probe(k, n, 2 * n, tile, torch.float32) == RowPlan(4, 4, longest)  # a column block: no copy
@@ -233,6 +235,70 @@ def test_many_rows_in_place_give_the_padded_layouts_same_bits(threads, k, n):
             got = _runs_in_place(x, weights, counts, plan, store)
             assert torch.equal(bits(got), bits(want)), (counts, store is not None)
             assert torch.equal(bits(tiled_grouped_linear(x, weights, counts, store)), bits(want))
+
+
+def test_the_batched_call_is_kept_only_where_every_small_height_and_group_agrees(monkeypatch):
+    """``RowPlan.batched``: one bmm of G stacked runs must give each run its own mm call's bits at
+    every height of the plan up to BATCHED_MAX_HEIGHT, for every probed group size, from aligned and
+    misaligned rows, on each operand form the plan reads; a bmm that rounds otherwise at one height,
+    one group size, from misaligned rows only, or on the transposed copy only leaves it off; a
+    column block (not the whole weight) is not batched."""
+    real_mm, real_bmm = torch.mm, torch.bmm
+
+    def mm(a, b, out=None):  # each row alone, on the view: the same bits at every height and for both forms
+        view = b.t().contiguous().t() if b.is_contiguous() else b
+        r = torch.cat([real_mm(a[i:i + 1], view) for i in range(a.shape[0])])
+        return r if out is None else out.copy_(r)
+
+    def make(bad):
+        def bmm(a, b, out=None):  # each matrix as mm computes it, perturbed where bad
+            r = torch.stack([mm(a[i], b[i]) for i in range(a.shape[0])])
+            if bad(a, b):
+                r.mul_(1 + 2 ** -20)
+            return r if out is None else out.copy_(r)
+        return bmm
+
+    k, n = 128, 256
+    tile, longest = row_tile(k, n), row_calls.CAP_ROWS
+    monkeypatch.setattr(row_calls.torch, "mm", mm)
+    monkeypatch.setattr(row_calls.torch, "bmm", make(lambda a, b: False))
+    assert row_calls._run_probe(k, n, n, tile, torch.float32) == RowPlan(4, 4, longest, "mm", True, True)
+    assert row_calls._run_probe(k, n, 2 * n, tile, torch.float32) == RowPlan(4, 4, longest)  # a column block
+    for bad in (lambda a, b: a.shape[1] == 12, lambda a, b: a.shape[0] == max(row_calls.BATCHED_PROBE_GROUPS),
+                lambda a, b: a.data_ptr() % 16 != 0, lambda a, b: b.is_contiguous()):
+        monkeypatch.setattr(row_calls.torch, "bmm", make(bad))
+        assert row_calls._run_probe(k, n, n, tile, torch.float32) == RowPlan(4, 4, longest, "mm", True, False)
+    monkeypatch.setattr(row_calls.torch, "bmm", make(lambda a, b: a.shape[1] == 20))  # past BATCHED_MAX_HEIGHT
+    assert row_calls._run_probe(k, n, n, tile, torch.float32).batched
+
+
+@pytest.mark.parametrize("k,n", [(64, 512), (256, 64), (512, 256), (128, 48)])
+def test_batched_runs_same_bits_as_each_runs_own_calls(threads, k, n, monkeypatch):
+    """A decode step's expert GEMMs (`_run_tiles` on a stacked weight, runs of one height in one bmm
+    where the plan is ``batched``): every run's rows equal its own ``tiled_linear`` call bit for bit,
+    with and without a rollout store, for runs of equal heights, mixed heights, empty experts
+    between them and a run past BATCHED_MAX_HEIGHT; the expert MLP equals its per-expert form. On a
+    machine whose plan is batched the bmm is called (else the runs' own calls are, the same bits)."""
+    from megatron_fp4.fp4.tiled import tiled_grouped_mlp
+    plan = row_plan(k, n, torch.float32, torch.device("cpu"))
+    calls = []
+    real_bmm = torch.bmm
+    monkeypatch.setattr(torch, "bmm", lambda *a, **kw: calls.append(a[0].shape) or real_bmm(*a, **kw))
+    g = torch.Generator().manual_seed(7 * k + n)
+    E = 8
+    w = torch.randn(E, n, k, generator=g) / k ** 0.5
+    w2 = torch.randn(E, k, n // 2, generator=g) / n ** 0.5
+    act = lambda h: torch.nn.functional.silu(h[:, :n // 2]) * h[:, n // 2:]  # noqa: E731
+    for counts in ([2, 2, 1, 3, 4, 2, 1, 1], [1, 0, 3, 0, 2, 2, 6, 7], [20, 2, 2, 0, 5, 9, 3, 3]):
+        x = torch.randn(sum(counts), k, generator=g)
+        with torch.no_grad():
+            own = torch.cat([tiled_linear(xe, w[e]) for e, xe in enumerate(x.split(counts))])
+            h = act(own)
+            mlp = torch.cat([tiled_linear(he, w2[e]) for e, he in enumerate(h.split(counts))])
+            for store in (None, {}):
+                assert torch.equal(bits(tiled_grouped_linear(x, w, counts, store)), bits(own)), (counts, store)
+                assert torch.equal(bits(tiled_grouped_mlp(x, w, w2, counts, act, store)), bits(mlp)), (counts, store)
+    assert bool(calls) == plan.batched, (plan, calls)
 
 
 def test_onednn_serves_wide_fp32_weights_only():
