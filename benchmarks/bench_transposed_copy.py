@@ -1,17 +1,19 @@
 """What ``RowPlan.transposed_copy`` buys (``fp4/row_calls.py``): ``mm``'s operand from the weight's
 contiguous transposed copy instead of the transposed view of the row-major weight, at the ``batch``
-level, side by side in one process.
+level, side by side in one process; and ``--flag batched``: what ``RowPlan.batched`` buys (a decode
+step's expert runs of one height in one ``bmm`` instead of one ``mm`` per expert).
 
     OMP_NUM_THREADS=1 python benchmarks/bench_transposed_copy.py                 # both parts
     OMP_NUM_THREADS=1 python benchmarks/bench_transposed_copy.py --only gemm --heights 4,8,16,64
+    OMP_NUM_THREADS=1 python benchmarks/bench_transposed_copy.py --only generate --flag batched --hidden 64
 
 - gemm: one ``torch.mm`` per weight of a set of ``--mib`` MiB (cycled, so each call reads its weight
   from memory, as a decode step's layers and experts do) at each height, view vs copy, and whether
   the two give the same bits at that height;
 - generate: the rollout engine's greedy generation (the rollout benchmarks' hidden-256 model, FP4
   off and fp4_resq at ``batch``) with the probed plans as they are (copy where the probe kept it)
-  and with ``transposed_copy`` turned off in every plan, calls alternating; the same tokens and
-  log-prob bits either way (checked).
+  and with ``--flag`` (``transposed_copy``, or ``batched``) turned off in every plan, calls
+  alternating; the same tokens and log-prob bits either way (checked).
 """
 from __future__ import annotations
 
@@ -30,6 +32,7 @@ from bench_rollout import add_model_args, build, engine_for, same  # noqa: E402
 from megatron_fp4.fp4 import row_calls  # noqa: E402
 from megatron_fp4.rollout import SamplingParams  # noqa: E402
 
+FLAGS = {"transposed_copy": ("view", "copy"), "batched": ("per run", "batched")}  # plan flag: (off, on) labels
 SHAPES = ((512, 256), (256, 256), (128, 256), (512, 128), (256, 128), (128, 64))  # [n, k]: out, in
 
 
@@ -70,7 +73,8 @@ def generate_rows(args) -> list:
         eng = engine_for(model, f"{mode}-batch")
         first = eng.generate(prompts, params)  # probes every shape: the plans as the machine gives them
         kept = dict(row_calls._PLANS)
-        plans = {"copy": kept, "view": {k: dataclasses.replace(p, transposed_copy=False) for k, p in kept.items()}}
+        off, on = FLAGS[args.flag]
+        plans = {on: kept, off: {k: dataclasses.replace(p, **{args.flag: False}) for k, p in kept.items()}}
         times: dict = {name: [] for name in plans}
         try:
             for _ in range(args.repeats):
@@ -84,8 +88,8 @@ def generate_rows(args) -> list:
         finally:
             row_calls._PLANS.clear()
             row_calls._PLANS.update(kept)
-        with_copy = sorted(f"[{k[1]}, {k[0]}]" for k, p in kept.items() if p.transposed_copy)
-        rows.append((mode, statistics.median(times["view"]), statistics.median(times["copy"]), with_copy))
+        flagged = sorted(f"[{k[1]}, {k[0]}]" for k, p in kept.items() if getattr(p, args.flag))
+        rows.append((mode, statistics.median(times[off]), statistics.median(times[on]), flagged))
     return rows
 
 
@@ -97,6 +101,8 @@ def main(argv=None) -> None:
     p.add_argument("--heights", default="4,8,16,64,256")
     p.add_argument("--mib", type=float, default=16.0, help="the GEMM part's weight set (cycled)")
     p.add_argument("--modes", default="bf16,fp4_resq")
+    p.add_argument("--flag", choices=tuple(FLAGS), default="transposed_copy",
+                   help="the plan flag the generation part turns off (the GEMM part: transposed_copy)")
     p.add_argument("--repeats", type=int, default=5)
     args = p.parse_args(argv)
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
@@ -112,10 +118,12 @@ def main(argv=None) -> None:
     if args.only in (None, "generate"):
         print(f"\nhidden {args.hidden}, {args.experts} experts top-{args.top_k}, batch {args.batch} × "
               f"{args.prompt_len}+{args.new_tokens} tokens, {args.repeats} rounds, process CPU time (medians)")
-        print("\n| mode (`batch`) | view ms | copy ms | copy ÷ view | weights with a copy |\n|---|---|---|---|---|")
-        for mode, view, copy, shapes in generate_rows(args):
+        off, on = FLAGS[args.flag]
+        print(f"\n| mode (`batch`) | {off} ms | {on} ms | {on} ÷ {off} | weights with `{args.flag}` |\n"
+              "|---|---|---|---|---|")
+        for mode, t_off, t_on, shapes in generate_rows(args):
             kept = ", ".join(shapes) or "—"
-            print(f"| {mode} | {view * 1e3:.0f} | {copy * 1e3:.0f} | {copy / view:.2f}× | {kept} |")
+            print(f"| {mode} | {t_off * 1e3:.0f} | {t_on * 1e3:.0f} | {t_on / t_off:.2f}× | {kept} |")
 
 
 if __name__ == "__main__":

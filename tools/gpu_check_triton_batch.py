@@ -23,6 +23,7 @@ inputs):
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import statistics
@@ -472,12 +473,56 @@ def check_speed(dev: torch.device, record, quick: bool) -> None:
             "tiled": lambda: tiled.block_attention(q1, k, v, p1, pad)}, reps, rounds)
 
 
+@contextlib.contextmanager
+def row_invariant_interpreter_dot():
+    """Under Triton's interpreter, ``tl.dot`` as a GPU's MMA computes it for these checks: every
+    output element the same sum whatever its place in the tile — the products (in the accumulator's
+    dtype) added in increasing k, then the accumulator. The interpreter's own ``tl.dot`` is numpy's
+    ``matmul``, i.e. the BLAS numpy was built with, and OpenBLAS's Haswell kernels (a CPU without
+    AVX-512) compute a [64, K] tile's last rows in an edge micro-kernel with another summation
+    order: 34 of 64 rows changed bits when moved within one tile shape (measured, numpy 2.4's
+    OpenBLAS 0.3.31), so a row's bits would depend on its position, a property of that BLAS, not of
+    the kernel's tiling these checks are about. Restores the interpreter's dot on exit; a no-op
+    when the interpreter is not in use."""
+    from megatron_fp4.fp4.triton_fp4 import interpreting
+    if not interpreting():
+        yield
+        return
+    import numpy as np
+    from triton.runtime import interpreter
+
+    builder = interpreter.InterpreterBuilder
+    original = builder.create_dot
+
+    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        if a.dtype.primitive_bitwidth == 8 or b.dtype.primitive_bitwidth == 8:  # fp8: the interpreter's own
+            return original(self, a, b, d, input_precision, max_num_imprecise_acc)
+        acc_dtype = d.data.dtype
+        x, w = a.data.astype(acc_dtype), b.data.astype(acc_dtype)  # [..., M, K], [..., K, N]
+        total = x[..., :, 0, None] * w[..., 0, None, :]
+        for k in range(1, x.shape[-1]):
+            total = total + x[..., :, k, None] * w[..., k, None, :]
+        return interpreter.TensorHandle((total + d.data).astype(acc_dtype, copy=False), d.dtype.scalar)
+
+    builder.create_dot = create_dot
+    try:
+        yield
+    finally:
+        builder.create_dot = original
+
+
 def run(dev: torch.device, record, quick: bool, speed: bool = True, model: Optional[bool] = None) -> None:
-    """Every batch-level Triton check on ``dev`` (skipped with the reason when the kernels cannot run there)."""
+    """Every batch-level Triton check on ``dev`` (skipped with the reason when the kernels cannot run
+    there); under the interpreter with a row-invariant ``tl.dot`` (:func:`row_invariant_interpreter_dot`)."""
     why = cannot_run(dev)
     if why:
         record("triton batch kernels", "SKIP", why)
         return
+    with row_invariant_interpreter_dot():
+        _run(dev, record, quick, speed, model)
+
+
+def _run(dev: torch.device, record, quick: bool, speed: bool, model: Optional[bool]) -> None:
     if dev.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = False  # the portable fp32 ops in fp32, as the bounds assume
     checks = [check_gemm, check_grouped, check_attention]

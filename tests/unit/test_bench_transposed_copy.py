@@ -24,6 +24,17 @@ def test_generation_with_and_without_the_copies_gives_the_same_bits_and_restores
     assert any(k[:2] == (128, 512) for k in plans)  # the model's w13 was planned
 
 
+def test_generation_with_and_without_batched_runs_gives_the_same_bits(capsys):
+    bench.main(["--only", "generate", "--flag", "batched", "--hidden", "64", "--ffn", "128", "--layers", "1",
+                "--vocab", "256", "--batch", "4", "--prompt-len", "5", "--new-tokens", "3", "--repeats", "1",
+                "--modes", "bf16"])
+    out = capsys.readouterr().out
+    assert "| mode (`batch`) | per run ms | batched ms | batched ÷ per run | weights with `batched` |" in out
+    (row,) = [line for line in out.splitlines() if line.startswith("| bf16 |")]
+    kept = sorted(f"[{k[1]}, {k[0]}]" for k, p in row_calls._PLANS.items() if p.batched)
+    assert row.rstrip(" |").endswith(", ".join(kept) or "—")
+
+
 def test_the_gemm_rows_time_both_operands():
     with torch.inference_mode():
         rows = bench.gemm_rows([4, 8], mib=0.5, repeats=1)
