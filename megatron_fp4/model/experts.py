@@ -213,7 +213,7 @@ class GroupedExperts(nn.Module):
         the input's limbs (FP4 off, `invariant.grouped_linear`) or FP4 codes (`exact_grouped_fp4`),
         the SiLU and the combination done once for all rows (a row's bits depend on that row and
         its expert alone)."""
-        w13s, w2s, nx = self.w13.unbind(0), self.w2.unbind(0), self.numerics
+        nx = self.numerics
         if self.recipe.mode == "bf16" and invariant.tiled(nx, x_sorted) \
                 and not triton_batch.serves(nx.triton, x_sorted, self.w13):
             # both GEMMs in one padded row layout (`tiled_grouped_mlp`). Not under autograd
@@ -221,6 +221,7 @@ class GroupedExperts(nn.Module):
             # on the routing, where the activation plan counts the routed rows alone.
             return tiled_grouped_mlp(x_sorted, self.w13, self.w2, counts, lambda h: swiglu(h, self.ffn, nx),
                                      nx.weight_packs())
+        w13s, w2s = self.w13.unbind(0), self.w2.unbind(0)  # the per-expert paths' weights
         if self.recipe.mode == "bf16":
             gate, up = invariant.grouped_linear(x_sorted, w13s, counts, nx).split(self.ffn, dim=-1)
             return invariant.grouped_linear(invariant.silu(gate, nx) * up, w2s, counts, nx)
