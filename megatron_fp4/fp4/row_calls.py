@@ -45,6 +45,11 @@ height 4, and at two threads not a 128-column weight's heights past 128), the pl
 (``transposed_copy``) and a rollout model keeps the copy beside the weight (decode heights 4-16 of
 a [512, 256] weight out of cache: 0.62-0.72× the view's time; the trainer keeps the view: the same
 bits, no copy).
+
+And for a decode step's experts: runs of one small height (up to :data:`BATCHED_MAX_HEIGHT` rows)
+of consecutive experts may go in one ``bmm`` over their slice of the stacked weight where the probe
+finds it gives each run its own ``mm`` call's bits (``RowPlan.batched``; measured here at every
+height 4-16, 1 and 2 threads, also under ``MKL_CBWR=COMPATIBLE`` and ``AVX2``).
 """
 from __future__ import annotations
 
