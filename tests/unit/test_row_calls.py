@@ -179,25 +179,28 @@ def test_the_transposed_copy_is_kept_only_where_every_height_of_the_plan_agrees(
 
 @pytest.mark.parametrize("k,n", [(256, 512), (128, 256)])
 def test_a_rollout_stores_transposed_copy_gives_the_views_same_bits(threads, k, n):
-    """Where the plan keeps mm's transposed copy, a rollout store's GEMMs (linear, grouped, the
-    expert MLP) give the trainer's bits (no store: the view) at decode and prefill row counts; the
-    copy is made once per weight version (a stacked expert weight: one [E, k, n] copy) and remade
-    after an in-place update."""
+    """A rollout store's GEMMs (linear, grouped, the expert MLP) give the trainer's bits (no store:
+    the view) at decode and prefill row counts. Where the plan keeps mm's transposed copy, the copy
+    is made once per weight version (a stacked expert weight: one [E, k, n] copy) and remade after
+    an in-place update; where this machine's probe refused it, the store holds no copy (and no
+    skip: the bits are checked either way)."""
     from megatron_fp4.fp4.tiled import _transposed, tiled_grouped_mlp
     plan = row_plan(k, n, torch.float32, torch.device("cpu"))
-    if not plan.transposed_copy:
-        pytest.skip(f"this machine's mm gives the copy other bits at some height of {plan}")
     g = torch.Generator().manual_seed(k + n)
     w = torch.randn(n, k, generator=g) / k ** 0.5
     x = torch.randn(300, k, generator=g)
     store: dict = {}
     for rows in (1, 2, 5, 8, 16, 37, 300):
         assert torch.equal(bits(tiled_linear(x[:rows], w, packs=store)), bits(tiled_linear(x[:rows], w))), rows
-    (copy,) = [entry[2] for entry in store.values()]
-    assert copy.is_contiguous() and torch.equal(copy, w.t())
+    copies = [entry[2] for entry in store.values()]
+    if plan.transposed_copy:
+        (copy,) = copies
+        assert copy.is_contiguous() and torch.equal(copy, w.t())
+    else:
+        assert not copies, plan
     w.mul_(0.5)  # a new version: a new copy, the new bits
     assert torch.equal(bits(tiled_linear(x[:3], w, packs=store)), bits(tiled_linear(x[:3], w)))
-    assert not any(entry[2] is copy for entry in store.values())
+    assert not any(entry[2] is c for entry in store.values() for c in copies)
     E = 4
     w13, w2 = torch.randn(E, n, k, generator=g) / k ** 0.5, torch.randn(E, k, n // 2, generator=g) / n ** 0.5
     act = lambda h: torch.nn.functional.silu(h[:, :n // 2]) * h[:, n // 2:]  # noqa: E731
@@ -210,8 +213,10 @@ def test_a_rollout_stores_transposed_copy_gives_the_views_same_bits(threads, k, 
             assert torch.equal(bits(tiled_grouped_linear(xs, w13, counts, stacked)),
                                bits(tiled_grouped_linear(xs, w13, counts)))
         kept = [entry[2] for entry in stacked.values() if entry[2].dim() == 3]
-        assert len(kept) == (2 if row_plan(n // 2, k, torch.float32, torch.device("cpu")).transposed_copy else 1)
-        assert torch.equal(kept[0], _transposed(w13))
+        p2 = row_plan(n // 2, k, torch.float32, torch.device("cpu"))
+        assert len(kept) == plan.transposed_copy + p2.transposed_copy
+        if plan.transposed_copy:
+            assert any(torch.equal(c, _transposed(w13)) for c in kept)
 
 
 @pytest.mark.parametrize("k,n", [(256, 512), (64, 128), (100, 60), (1024, 768)])
