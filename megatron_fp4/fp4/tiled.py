@@ -360,12 +360,10 @@ def _runs_in_place(x: torch.Tensor, weights, counts: list, plan: RowPlan,
     K, n_out = x.shape[1], weights[0].shape[0]
     x = x if x.is_contiguous() else x.contiguous()
     out = x.new_empty(x.shape[0], n_out)
-    copies = plan.transposed_copy and packs is not None and isinstance(weights, torch.Tensor)
     start = 0
-    for w, n in zip(_kept(weights, packs, "transposed", _transposed) if copies else weights, counts):
+    for wt, n in zip(_run_operands(weights, plan, packs), counts):
         if not n:
             continue
-        wt = w if copies else (w if w.is_contiguous() else w.contiguous()).t()
         full, rest = divmod(n, plan.cap)
         body = full * plan.cap + (rest - rest % plan.quantum if rest >= plan.minimum else 0)
         if body:
@@ -390,21 +388,30 @@ def _run_tiles(xp: torch.Tensor, weights, layout: GroupedRows, plan: RowPlan,
     table = _span_table((plan,))
     heights = [table[n] if n < len(table) else plan.height(n) for n in layout.counts]
     out = (xp.new_empty if heights == layout.spans else xp.new_zeros)(layout.at, n_out)
-    stacked = isinstance(weights, torch.Tensor)
-    # a stacked [E, n, k] weight on a plan with transposed_copy: its experts' copies in one kept [E, k, n] (one lookup)
-    copies = plan.transposed_copy and packs is not None and stacked
-    ws = _kept(weights, packs, "transposed", _transposed) if copies else weights
-    if plan.batched and stacked and xp.is_contiguous():
-        return _batched_runs(xp, ws if copies else (ws if ws.is_contiguous() else ws.contiguous()).transpose(1, 2),
-                             out, layout, heights, plan, packs)
+    wts = _run_operands(weights, plan, packs)
+    if plan.batched and isinstance(wts, torch.Tensor) and xp.is_contiguous():
+        return _batched_runs(xp, wts, out, layout, heights, plan, packs)
     x_runs, out_runs = xp.split(layout.spans), out.split(layout.spans)
-    for w, xr, outr, n, height in zip(ws, x_runs, out_runs, layout.counts, heights):
+    for wt, xr, outr, n, height in zip(wts, x_runs, out_runs, layout.counts, heights):
         if not n:
             continue
         if height != xr.shape[0]:
             xr, outr = xr[:height], outr[:height]
-        _row_products(xr, w if copies else (w if w.is_contiguous() else w.contiguous()).t(), outr, plan, packs)
+        _row_products(xr, wt, outr, plan, packs)
     return out
+
+
+def _run_operands(weights, plan: RowPlan, packs: Optional[dict]):
+    """Each run's [K, N] operand of ``weights`` (a stacked [E, N, K] tensor or a list of [N, K]), in
+    the form its ``mm`` reads: a stacked weight on a plan with ``transposed_copy`` and a store gives
+    its experts' copies in one kept [E, K, N] (one lookup, :func:`_kept`), any other stacked weight
+    its transposed view [E, K, N] (of a contiguous stack) — both indexable, as :func:`_batched_runs`
+    slices them — and a list its weights' transposed views, made as they are read."""
+    if isinstance(weights, torch.Tensor):
+        if plan.transposed_copy and packs is not None:
+            return _kept(weights, packs, "transposed", _transposed)
+        return (weights if weights.is_contiguous() else weights.contiguous()).transpose(1, 2)
+    return ((w if w.is_contiguous() else w.contiguous()).t() for w in weights)
 
 
 def _batched_runs(xp: torch.Tensor, wts: torch.Tensor, out: torch.Tensor, layout: GroupedRows, heights: list,
