@@ -11,7 +11,7 @@ and fp4_resq (MoEResQ experts), in this one process:
 
 - generation: greedy, ``--batch`` × (32 + ``--new-tokens``) tokens, HF transformers' ``generate()``
   (FP4 off: HF has no FP4) and the own engine at the standard kernels and at ``batch`` (the
-  default), calls interleaved (``bench_rollout.timed_rounds``), medians;
+  default), calls interleaved (``bench_rollout.timed_rounds``);
 - scoring: the trainer's no-grad log-prob pass over those sequences, standard vs ``batch``;
 - training step: ``Trainer.train_step`` of a trainer built at each level (4 × 128 tokens a step);
 - parity: the ``batch`` engine's greedy tokens re-scored by the trainer's model built at ``batch``
@@ -22,6 +22,9 @@ and fp4_resq (MoEResQ experts), in this one process:
 ``--vllm-python``: also the vLLM plugin's rows, in that interpreter (``bench_vllm_goals.py --only
 logprob,throughput``: plugin ÷ stock vLLM tokens/s with FP4 off at ``batch`` at hidden 128 and 1024,
 and the plugin's log-probs vs the trainer at ``batch``).
+
+Each ratio is the median of the rounds' paired ratios (the two runners of a round ran back to back),
+its lowest and highest beside it, and a goal is judged on the median (`paired`).
 
 ``--clock cpu``: this process's CPU time (run with ``OMP_NUM_THREADS=1``: with more threads CPU time
 also counts their spinning); the ratios are what to read, absolute times move with the machine.
@@ -34,6 +37,7 @@ import copy
 import gc
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -84,7 +88,8 @@ def config(shape: str, mode: str, level: str, seq_len: int) -> Config:
 
 
 def generation_and_scoring(shape: str, args, clock) -> dict:
-    """Median seconds: ``("gen", name)`` for HF and each engine, ``("score", name)`` per engine."""
+    """Every timed round's seconds (a list, rounds in order): ``("gen", name)`` for HF and each
+    engine, ``("score", name)`` per engine."""
     cfg = config(shape, "bf16", "standard", PROMPT_LEN + args.new_tokens)
     torch.manual_seed(0)
     model = build_model(cfg, seed=0)
@@ -92,18 +97,20 @@ def generation_and_scoring(shape: str, args, clock) -> dict:
     engines = {(m, lv): RolloutEngine(copy.deepcopy(model), mode=m, invariance=lv)
                for m in MODES.values() for lv in ("standard", "batch")}
     log(f"{shape}: generation (HF and {len(engines)} engines), then scoring, {args.repeats} rounds each")
-    t_gen, _, t_score = generate_and_score(model, prompts, engines, args.new_tokens, args.repeats, clock)
-    out = {("gen", "HF" if k == "HF generate" else k): v for k, v in t_gen.items()}
-    out.update({("score", k): v for k, v in t_score.items()})
+    rounds = {}
+    generate_and_score(model, prompts, engines, args.new_tokens, args.repeats, clock, samples=rounds)
+    out = {("gen", "HF" if k == "HF generate" else k): v for k, v in rounds["gen"].items()}
+    out.update({("score", k): v for k, v in rounds["score"].items()})
     return out
 
 
 def training_steps(shape: str, args, clock) -> dict:
-    """Median seconds of ``Trainer.train_step``: ``("train", (mode, level))``, trainers interleaved."""
+    """Every timed round's seconds of ``Trainer.train_step``: ``("train", (mode, level))``, trainers interleaved."""
     trainers = {(m, lv): Trainer(config(shape, m, lv, 128)) for m in MODES.values() for lv in ("standard", "batch")}
     log(f"{shape}: training steps, {len(trainers)} trainers, {args.train_steps} rounds")
-    t, _ = timed_rounds({k: tr.train_step for k, tr in trainers.items()}, args.train_steps, clock)
-    return {("train", k): v for k, v in t.items()}
+    rounds = {}
+    timed_rounds({k: tr.train_step for k, tr in trainers.items()}, args.train_steps, clock, rounds)
+    return {("train", k): v for k, v in rounds.items()}
 
 
 def parity(shape: str, args) -> dict:
@@ -166,29 +173,51 @@ def vllm_rows(python: str, args) -> list:
         return json.loads(dest.read_text())
 
 
+def paired(num, den) -> tuple:
+    """(median, lowest, highest) of the per-round ratios ``num[i] / den[i]`` (lists of every timed
+    round's seconds; a float is one round). The runners alternate within a round, so a round's two
+    calls ran back to back on the same machine state: the median of the paired ratios follows the
+    machine's drifts less than a ratio of two medians, and the range shows how far a single round
+    strayed (one run's median has straddled a goal run to run on a shared machine)."""
+    num, den = ([v] if isinstance(v, (int, float)) else list(v) for v in (num, den))
+    if len(num) != len(den) or not num:
+        raise ValueError(f"paired: {len(num)} and {len(den)} rounds (the same number, at least one)")
+    r = sorted(a / b for a, b in zip(num, den))
+    return statistics.median(r), r[0], r[-1]
+
+
+def _ratio_text(r: tuple) -> str:
+    med, lo, hi = r
+    return f"{med:.2f}×" if lo == hi else f"{med:.2f}× ({lo:.2f}–{hi:.2f})"
+
+
 def table(shapes: list, t: dict, par: dict) -> list:
     """Rows (measure, value per shape, goal, met per shape); the standard kernels' own speed vs HF
-    beside the goal rows, without a goal (HF has no FP4: fp4_resq vs HF includes MoEResQ's own work)."""
+    beside the goal rows, without a goal (HF has no FP4: fp4_resq vs HF includes MoEResQ's own work).
+    ``t[shape][key]``: every timed round's seconds (or one float); a ratio is the median of the
+    rounds' paired ratios, its range beside it (:func:`paired`), and a goal is judged on the median."""
     rows = []
 
     def add(measure, fn, goal, ok):
         vals = {s: fn(s) for s in shapes}
-        rows.append((measure, {s: (f"{v:.2f}×" if isinstance(v, float) else str(v)) for s, v in vals.items()}, goal,
-                     {s: ("yes" if ok(v) else "no") for s, v in vals.items()}))
+        rows.append((measure, {s: (_ratio_text(v) if isinstance(v, tuple) else str(v)) for s, v in vals.items()},
+                     goal, {s: ("yes" if ok(v[0] if isinstance(v, tuple) else v) else "no") for s, v in vals.items()}))
 
     for label, m in MODES.items():
-        add(f"generation, batch ÷ standard, {label}", lambda s: t[s][("gen", (m, "batch"))] / t[s][("gen", (m, "standard"))],
-            "≤ 1.3×", lambda v: v <= 1.3)
+        add(f"generation, batch ÷ standard, {label}",
+            lambda s: paired(t[s][("gen", (m, "batch"))], t[s][("gen", (m, "standard"))]), "≤ 1.3×", lambda v: v <= 1.3)
         add(f"generation, batch vs HF generate() (speed), {label}",
-            lambda s: t[s][("gen", "HF")] / t[s][("gen", (m, "batch"))], "≥ 0.8×", lambda v: v >= 0.8)
+            lambda s: paired(t[s][("gen", "HF")], t[s][("gen", (m, "batch"))]), "≥ 0.8×", lambda v: v >= 0.8)
         rows.append((f"(generation, standard kernels vs HF generate(), {label})",
-                     {s: f"{t[s][('gen', 'HF')] / t[s][('gen', (m, 'standard'))]:.2f}×" for s in shapes}, "—",
-                     {s: "—" for s in shapes}))
+                     {s: _ratio_text(paired(t[s][("gen", "HF")], t[s][("gen", (m, "standard"))])) for s in shapes},
+                     "—", {s: "—" for s in shapes}))
         add(f"scoring, batch ÷ standard, {label}",
-            lambda s: t[s][("score", (m, "batch"))] / t[s][("score", (m, "standard"))], "≤ 1.15×", lambda v: v <= 1.15)
+            lambda s: paired(t[s][("score", (m, "batch"))], t[s][("score", (m, "standard"))]), "≤ 1.15×",
+            lambda v: v <= 1.15)
         if all(("train", (m, "batch")) in t[s] for s in shapes):
             add(f"training step, batch ÷ standard, {label}",
-                lambda s: t[s][("train", (m, "batch"))] / t[s][("train", (m, "standard"))], "≤ 1.1×", lambda v: v <= 1.1)
+                lambda s: paired(t[s][("train", (m, "batch"))], t[s][("train", (m, "standard"))]), "≤ 1.1×",
+                lambda v: v <= 1.1)
     for label, m in MODES.items():
         add(f"rollout (own engine, batch) vs trainer scoring: log-prob bits differing / tokens, experts equal, {label}",
             lambda s: f"{par[s][m]['score_bits']} / {par[s][m]['tokens']}, {par[s][m]['score_experts']:.0%}",

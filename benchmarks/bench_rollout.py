@@ -90,10 +90,11 @@ def add_model_args(p):
     p.add_argument("--scope", default="experts")
 
 
-def timed_rounds(runners: dict, repeats: int, clock=time.perf_counter):
+def timed_rounds(runners: dict, repeats: int, clock=time.perf_counter, samples: dict = None):
     """Median seconds per runner (calls alternate, order reversed every round; round 0 warms up)
     and each runner's last output. ``clock``: wall time, or ``time.process_time`` (this process's
-    CPU time: a shared machine's other load does not count)."""
+    CPU time: a shared machine's other load does not count). ``samples``: a dict given the seconds
+    of every timed round per runner (round i of two runners ran back to back: their paired ratio)."""
     times = {k: [] for k in runners}
     outs = {}
     names = list(runners)
@@ -102,14 +103,18 @@ def timed_rounds(runners: dict, repeats: int, clock=time.perf_counter):
             dt, outs[name] = run(runners[name], clock)
             if i:
                 times[name].append(dt)
+    if samples is not None:
+        samples.update(times)
     return {k: statistics.median(v) for k, v in times.items()}, outs
 
 
-def generate_and_score(model, prompts: torch.Tensor, engines: dict, new_tokens: int, repeats: int, clock) -> tuple:
+def generate_and_score(model, prompts: torch.Tensor, engines: dict, new_tokens: int, repeats: int, clock,
+                       samples: dict = None) -> tuple:
     """HF `generate()` on ``model``'s weights (key "HF generate") and each engine, greedy, exactly
     ``new_tokens`` new tokens, calls interleaved; then the trainer's no-grad scoring of HF's
     sequences with each engine's model at its mode and level. Returns (median generation seconds,
-    last outputs, median scoring seconds), keyed as ``engines``."""
+    last outputs, median scoring seconds), keyed as ``engines``; ``samples`` (a dict) is given every
+    round's seconds under "gen" and "score" (`timed_rounds`)."""
     from hf_peer import hf_generate, hf_model_like
 
     params = SamplingParams(temperature=0.0, max_new_tokens=new_tokens)
@@ -117,11 +122,14 @@ def generate_and_score(model, prompts: torch.Tensor, engines: dict, new_tokens: 
     runners = {"HF generate": lambda: hf_generate(hf, prompts, new_tokens)}
     for key, eng in engines.items():
         runners[key] = lambda eng=eng: eng.generate(prompts.tolist(), params)
-    t_gen, outs = timed_rounds(runners, repeats, clock)
+    gen, scoring = ({}, {}) if samples is not None else (None, None)
+    t_gen, outs = timed_rounds(runners, repeats, clock, gen)
     responses = [r.tolist() for r in outs["HF generate"]]
     scorers = {key: (lambda eng=eng: score(eng.model, prompts.tolist(), responses, 0, eng.mode,
                                            invariance=eng.invariance)) for key, eng in engines.items()}
-    t_score, _ = timed_rounds(scorers, repeats, clock)
+    t_score, _ = timed_rounds(scorers, repeats, clock, scoring)
+    if samples is not None:
+        samples.update(gen=gen, score=scoring)
     return t_gen, outs, t_score
 
 

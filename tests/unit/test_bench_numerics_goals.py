@@ -39,3 +39,31 @@ def test_goal_table_marks_each_goal():
     assert value["generation, batch vs HF generate() (speed), fp4_resq"] == "0.79×"
     md = goals.markdown(["small"], rows)
     assert md.count("\n") == len(rows) + 1 and "| 1 / 8, 100% | 0, 100 % | no |" in md
+
+
+def test_ratios_are_paired_by_round_with_their_range():
+    assert goals.paired([1.2, 2.4, 1.26], [1.0, 1.0, 1.0]) == (1.26, 1.2, 2.4)
+    # a drift that slows both runners of round 2 alike moves a ratio of medians (1.3), not the paired median
+    assert goals.paired([1.2, 2.4, 1.3], [1.0, 2.0, 1.0]) == (1.2, 1.2, 1.3)
+    assert goals.paired(1.5, 1.0) == (1.5, 1.5, 1.5)
+    for bad in (([1.0], [1.0, 2.0]), ([], [])):
+        try:
+            goals.paired(*bad)
+        except ValueError as err:
+            assert "rounds" in str(err)
+        else:
+            raise AssertionError(f"paired{bad} did not refuse")
+    t = {("gen", "HF"): [1.0, 1.0, 1.0]}
+    for key in ("gen", "score", "train"):
+        for m in ("bf16", "fp4_resq"):
+            t[(key, (m, "standard"))] = [1.0, 2.0, 1.0]
+            t[(key, (m, "batch"))] = [1.25, 2.1, 1.4]  # paired 1.25, 1.05, 1.4: median 1.25
+    par = {m: dict(tokens=8, score_bits=0, train_bits=0, score_experts=1.0, train_experts=1.0)
+           for m in ("bf16", "fp4_resq")}
+    rows = goals.table(["small"], {"small": t}, {"small": par})
+    value = {measure: v["small"] for measure, v, _, _ in rows}
+    met = {measure: m["small"] for measure, _, _, m in rows}
+    assert value["generation, batch ÷ standard, FP4 off"] == "1.25× (1.05–1.40)"
+    assert met["generation, batch ÷ standard, FP4 off"] == "yes"  # the median, not the worst round
+    assert met["scoring, batch ÷ standard, FP4 off"] == "no"
+    assert value["(generation, standard kernels vs HF generate(), FP4 off)"] == "1.00× (0.50–1.00)"
