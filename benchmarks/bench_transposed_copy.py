@@ -1,18 +1,22 @@
 """What ``RowPlan.transposed_copy`` buys (``fp4/row_calls.py``): ``mm``'s operand from the weight's
 contiguous transposed copy instead of the transposed view of the row-major weight, at the ``batch``
-level, side by side in one process; and ``--flag batched``: what ``RowPlan.batched`` buys (a decode
-step's expert runs of one height in one ``bmm`` instead of one ``mm`` per expert).
+level, side by side in one process; ``--flag batched``: what ``RowPlan.batched`` buys (a decode
+step's expert runs of one height in one ``bmm`` instead of one ``mm`` per expert); ``--flag low``:
+what ``RowPlan.low`` buys (oneDNN calls of 2-3 rows made as they are instead of padded to 4: a
+decode step's experts at a realistic width).
 
     OMP_NUM_THREADS=1 python benchmarks/bench_transposed_copy.py                 # both parts
     OMP_NUM_THREADS=1 python benchmarks/bench_transposed_copy.py --only gemm --heights 4,8,16,64
     OMP_NUM_THREADS=1 python benchmarks/bench_transposed_copy.py --only generate --flag batched --hidden 64
+    OMP_NUM_THREADS=1 python benchmarks/bench_transposed_copy.py --only generate --flag low --modes bf16 \
+        --hidden 1024 --layers 2 --experts 64 --top-k 8 --ffn 384 --heads 16 --kv-heads 4 --vocab 8192
 
 - gemm: one ``torch.mm`` per weight of a set of ``--mib`` MiB (cycled, so each call reads its weight
   from memory, as a decode step's layers and experts do) at each height, view vs copy, and whether
   the two give the same bits at that height;
 - generate: the rollout engine's greedy generation (the rollout benchmarks' hidden-256 model, FP4
   off and fp4_resq at ``batch``) with the probed plans as they are (copy where the probe kept it)
-  and with ``--flag`` (``transposed_copy``, or ``batched``) turned off in every plan, calls
+  and with ``--flag`` (``transposed_copy``, ``batched`` or ``low``) turned off in every plan, calls
   alternating; the same tokens and log-prob bits either way (checked).
 """
 from __future__ import annotations
@@ -32,7 +36,8 @@ from bench_rollout import add_model_args, build, engine_for, same  # noqa: E402
 from megatron_fp4.fp4 import row_calls  # noqa: E402
 from megatron_fp4.rollout import SamplingParams  # noqa: E402
 
-FLAGS = {"transposed_copy": ("view", "copy"), "batched": ("per run", "batched")}  # plan flag: (off, on) labels
+FLAGS = {"transposed_copy": ("view", "copy"), "batched": ("per run", "batched"),
+         "low": ("padded to 4", "short calls")}  # plan flag: (off, on) labels
 SHAPES = ((512, 256), (256, 256), (128, 256), (512, 128), (256, 128), (128, 64))  # [n, k]: out, in
 
 

@@ -46,6 +46,16 @@ height 4, and at two threads not a 128-column weight's heights past 128), the pl
 a [512, 256] weight out of cache: 0.62-0.72× the view's time; the trainer keeps the view: the same
 bits, no copy).
 
+Below the minimum: a call of one or two rows (a decode step's share of an expert at a realistic
+width) padded to 4 rows reads the weight as slowly as the 4-row call, which at a decode step is
+memory-bound (64 experts' [768, 1024] weights, one call each: oneDNN packed 4 rows 24-27 ms, 2
+rows 19 ms, 1 row 17 ms, on an AVX2-only EPYC). oneDNN's kernels took the same path at 2 and 3
+rows as at 4 on both weight forms (the dense weight's 1-row call another), so a oneDNN plan keeps
+``low``: the heights from it up to the minimum probed like the others (both forms, aligned and
+misaligned rows), down from the minimum while each agrees; a call of fewer rows is padded only to
+``low`` (measured: a realistic-width generation at `batch` 0.87-0.90× the time with every call
+padded to 4, the same bits). MKL's sgemm takes other kernels at heights 1-3 (not tried).
+
 And for a decode step's experts: runs of one small height (up to :data:`BATCHED_MAX_HEIGHT` rows)
 of consecutive experts may go in one ``bmm`` over their slice of the stacked weight where the probe
 finds it gives each run its own ``mm`` call's bits (``RowPlan.batched``; measured here at every
@@ -137,10 +147,17 @@ class RowPlan:
     # one ``bmm``, give each run its own ``mm`` call's bits (`tiled._run_tiles`: a decode step's
     # experts in one call per GEMM instead of one per expert)
     batched: bool = False
+    # onednn: the heights ``low`` .. minimum − 1 (0: none) also give the tiles' bits, so a call of
+    # so few rows is padded only to ``low`` (a decode step's one or two rows of an expert not to 4:
+    # a memory-bound call then reads the weight at the few-row kernel's rate, `_run_probe`)
+    low: int = 0
 
     def height(self, rows: int) -> int:
         """Rows ``rows`` are padded to: whole cap-row calls, then the remainder rounded up to a
-        height of the plan (at least one call: 0 rows give ``minimum``)."""
+        height of the plan (at least one call: 0 rows give ``minimum``; fewer than ``minimum`` rows
+        at least ``low``, where the plan has short heights)."""
+        if self.low and 0 < rows < self.minimum:
+            return max(rows, self.low)
         full, rest = divmod(rows, self.cap)
         if rest == 0:
             return full * self.cap if full else self.minimum
@@ -213,7 +230,7 @@ def onednn_kernel_bytes(k: int, n: int) -> int:
     """The bytes oneDNN's primitive cache keeps for a [·, k] · [k, n] GEMM the probe tried with it:
     one primitive per call height of the probe (the multiples of 4 up to the cap) and weight form
     (dense, packed), kept for the process's life (its cache holds up to 1024 primitives)."""
-    heights = row_tile(k, n) * CAP_TILES // QUANTA[0]
+    heights = row_tile(k, n) * CAP_TILES // QUANTA[0] + QUANTA[0] - 1  # and the short heights below 4 (`low`)
     return 2 * heights * ONEDNN_PRIMITIVE_BYTES
 
 
@@ -307,7 +324,15 @@ def _run_probe(k: int, width: int, stride: int, tile: int, dtype: torch.dtype, k
                     and same(shifted[:minimum], extra) and same(shifted, extra)
                 batched = kernel == "mm" and width == stride and _batched_agrees(
                     k, width, range(minimum, min(top, BATCHED_MAX_HEIGHT) + 1, quantum), copy, dtype, gen)
-                return RowPlan(quantum, minimum, top, kernel, copy, batched)
+                # oneDNN: the heights below the minimum, down from minimum − 1 while each agrees
+                # (aligned and misaligned rows, both forms: the dense weight's 1-row call took
+                # another kernel here, the packed one's did not); MKL's heights 1-3 take other
+                # kernels (not tried)
+                low = minimum
+                while kernel == "onednn" and low > 1 and same(x[:low - 1], needed) \
+                        and same(shifted[:low - 1], needed):
+                    low -= 1
+                return RowPlan(quantum, minimum, top, kernel, copy, batched, low if low < minimum else 0)
     return RowPlan(tile, tile, tile)
 
 

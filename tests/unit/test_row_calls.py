@@ -37,10 +37,14 @@ def test_plan_heights_and_calls():
     tile = RowPlan(16, 16, 16)
     assert [tile.height(n) for n in (0, 1, 16, 17)] == [16, 16, 16, 32] and tile.calls(48) == [16, 16, 16]
     assert fixed_plan(1024, 1024) == RowPlan(16, 16, 16) and fixed_plan(64, 64) == RowPlan(64, 64, 64)
+    low = RowPlan(4, 4, 64, "onednn", low=2)  # oneDNN's short heights: 2 and 3 rows called as they are
+    assert [low.height(n) for n in (0, 1, 2, 3, 4, 5, 64, 65, 66)] == [4, 2, 2, 3, 4, 8, 64, 68, 68]
+    assert low.calls(2) == [2] and low.calls(3) == [3] and low.calls(68) == [64, 4]
     for n in range(0, 300):  # every height is covered by calls the plan allows
-        for p in (plan, tile, RowPlan(4, 4, 256)):
+        for p in (plan, tile, RowPlan(4, 4, 256), low):
             calls = p.calls(p.height(n))
-            assert sum(calls) >= n and all(c <= p.cap and c >= p.minimum and c % p.quantum == 0 for c in calls)
+            assert sum(calls) >= n and all(c <= p.cap and (c >= p.minimum and c % p.quantum == 0 or
+                                                           p.low and p.low <= c < p.minimum) for c in calls)
 
 
 def test_other_devices_keep_the_fixed_tile():
@@ -72,6 +76,12 @@ def test_every_height_of_the_plan_gives_the_tiles_bits(threads, k, n, dtype):
         assert torch.equal(bits(out), bits(want[:h])), f"height {h} of {plan}"
         if plan.transposed_copy:  # the rollout side's operand: the contiguous transposed copy
             assert len(blocks) == 1 and torch.equal(bits(torch.mm(x[:h], w.t().contiguous())), bits(want[:h])), h
+    if plan.low:  # oneDNN's short heights, both weight forms (the trainer's dense, a rollout's packed)
+        assert plan.kernel == "onednn" and 0 < plan.low < plan.minimum
+        packed = row_calls.onednn_pack(w)
+        for h in range(plan.low, plan.minimum):
+            for form in (w, packed):
+                assert torch.equal(bits(onednn_linear(x[:h], form)), bits(want[:h])), f"short height {h} of {plan}"
     for rows in sorted({1, 2, 3, plan.minimum - 1, plan.minimum + 1, tile + 1, plan.cap - 1, plan.cap + 1, x.shape[0]}):
         if rows > 0:
             assert torch.equal(bits(tiled_linear(x[:rows], w)), bits(want[:rows])), f"{rows} rows"
@@ -126,18 +136,34 @@ def test_the_onednn_probe_keeps_matching_heights_else_leaves_the_shape_to_mm(mon
     """oneDNN heights off a multiple of 8 (one form only: the dense weight's) round otherwise: quantum
     8 on oneDNN; every height but the tile's: no oneDNN plan, and row_plan falls back to mm's."""
     real = row_calls.onednn_linear
+    k, n = 512, 512
+    tile = row_tile(k, n)
+
+    def base(x, w):  # oneDNN in tile-row calls: every height and form gives the tiles' bits here
+        xp = torch.cat([x, x.new_zeros(-x.shape[0] % tile, x.shape[1])])
+        return torch.cat([real(t, w) for t in xp.split(tile)])[:x.shape[0]]
 
     def make(bad):
         def linear(x, w):
-            r = real(x, w)
+            r = base(x, w)
             return r * (1 + 2 ** -20) if bad(x.shape[0], w) else r
         return linear
 
-    k, n = 512, 512
-    tile = row_tile(k, n)
     monkeypatch.setattr(row_calls, "onednn_linear", make(lambda h, w: h % 8 != 0 and not w.is_mkldnn))
     assert row_calls._run_probe(k, n, n, tile, torch.float32, "onednn") == \
         RowPlan(8, 8, tile * row_calls.CAP_TILES, "onednn")
+    # the short heights below the minimum: kept down from minimum - 1 while both forms agree at each
+    for bad, low in ((lambda h, w: False, 1), (lambda h, w: h == 1 and not w.is_mkldnn, 2),
+                     (lambda h, w: h == 2 and w.is_mkldnn, 3), (lambda h, w: h == 3, 0)):
+        monkeypatch.setattr(row_calls, "onednn_linear", make(bad))
+        assert row_calls._run_probe(k, n, n, tile, torch.float32, "onednn") == \
+            RowPlan(4, 4, tile * row_calls.CAP_TILES, "onednn", low=low), low
+
+    def misaligned(x, w):  # 2 rows from the probe's misaligned copy differ: 3 is the lowest
+        r = base(x, w)
+        return r * (1 + 2 ** -20) if x.shape[0] == 2 and x.data_ptr() % 16 else r
+    monkeypatch.setattr(row_calls, "onednn_linear", misaligned)
+    assert row_calls._run_probe(k, n, n, tile, torch.float32, "onednn").low == 3
     monkeypatch.setattr(row_calls, "onednn_linear", make(lambda h, w: h != tile))
     assert row_calls._run_probe(k, n, n, tile, torch.float32, "onednn") == RowPlan(tile, tile, tile)
     monkeypatch.setattr(row_calls, "_PLANS", {})
