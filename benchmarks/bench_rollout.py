@@ -122,7 +122,7 @@ def generate_and_score(model, prompts: torch.Tensor, engines: dict, new_tokens: 
     runners = {"HF generate": lambda: hf_generate(hf, prompts, new_tokens)}
     for key, eng in engines.items():
         runners[key] = lambda eng=eng: eng.generate(prompts.tolist(), params)
-    gen, scoring = ({}, {}) if samples is not None else (None, None)
+    gen, scoring = {}, {}
     t_gen, outs = timed_rounds(runners, repeats, clock, gen)
     responses = [r.tolist() for r in outs["HF generate"]]
     scorers = {key: (lambda eng=eng: score(eng.model, prompts.tolist(), responses, 0, eng.mode,

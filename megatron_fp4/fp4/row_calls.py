@@ -228,9 +228,10 @@ def onednn_serves(k: int, n: int, dtype: torch.dtype) -> bool:
 
 def onednn_kernel_bytes(k: int, n: int) -> int:
     """The bytes oneDNN's primitive cache keeps for a [·, k] · [k, n] GEMM the probe tried with it:
-    one primitive per call height of the probe (the multiples of 4 up to the cap) and weight form
-    (dense, packed), kept for the process's life (its cache holds up to 1024 primitives)."""
-    heights = row_tile(k, n) * CAP_TILES // QUANTA[0] + QUANTA[0] - 1  # and the short heights below 4 (`low`)
+    one primitive per call height of the probe (the multiples of 4 up to the cap, and the short
+    heights 1-3 it tries for ``RowPlan.low``) and weight form (dense, packed), kept for the
+    process's life (its cache holds up to 1024 primitives)."""
+    heights = row_tile(k, n) * CAP_TILES // QUANTA[0] + QUANTA[0] - 1
     return 2 * heights * ONEDNN_PRIMITIVE_BYTES
 
 
