@@ -3,12 +3,16 @@ contiguous transposed copy instead of the transposed view of the row-major weigh
 level, side by side in one process; ``--flag batched``: what ``RowPlan.batched`` buys (a decode
 step's expert runs of one height in one ``bmm`` instead of one ``mm`` per expert); ``--flag low``:
 what ``RowPlan.low`` buys (oneDNN calls of 2-3 rows made as they are instead of padded to 4: a
-decode step's experts at a realistic width).
+decode step's experts at a realistic width); ``--flag tall``: what ``RowPlan.tall`` buys (oneDNN calls
+of 96-256 rows instead of 64-row ones: a scoring pass's experts and LM head at a realistic width),
+timed on the engine's generation and on the trainer's scoring of its sequences.
 
     OMP_NUM_THREADS=1 python benchmarks/bench_transposed_copy.py                 # both parts
     OMP_NUM_THREADS=1 python benchmarks/bench_transposed_copy.py --only gemm --heights 4,8,16,64
     OMP_NUM_THREADS=1 python benchmarks/bench_transposed_copy.py --only generate --flag batched --hidden 64
     OMP_NUM_THREADS=1 python benchmarks/bench_transposed_copy.py --only generate --flag low --modes bf16 \
+        --hidden 1024 --layers 2 --experts 64 --top-k 8 --ffn 384 --heads 16 --kv-heads 4 --vocab 8192
+    OMP_NUM_THREADS=1 python benchmarks/bench_transposed_copy.py --only generate --flag tall \
         --hidden 1024 --layers 2 --experts 64 --top-k 8 --ffn 384 --heads 16 --kv-heads 4 --vocab 8192
 
 - gemm: one ``torch.mm`` per weight of a set of ``--mib`` MiB (cycled, so each call reads its weight
@@ -16,8 +20,10 @@ decode step's experts at a realistic width).
   the two give the same bits at that height;
 - generate: the rollout engine's greedy generation (the rollout benchmarks' hidden-256 model, FP4
   off and fp4_resq at ``batch``) with the probed plans as they are (copy where the probe kept it)
-  and with ``--flag`` (``transposed_copy``, ``batched`` or ``low``) turned off in every plan, calls
-  alternating; the same tokens and log-prob bits either way (checked).
+  and with ``--flag`` (``transposed_copy``, ``batched``, ``low`` or ``tall``) turned off in every
+  plan, calls alternating; the same tokens and log-prob bits either way (checked); with ``tall``
+  also the trainer's no-grad scoring of the generated sequences (`rollout.scoring.score`), the same
+  log-prob bits either way (checked).
 """
 from __future__ import annotations
 
@@ -35,9 +41,17 @@ from bench_rollout import add_model_args, build, engine_for, same  # noqa: E402
 
 from megatron_fp4.fp4 import row_calls  # noqa: E402
 from megatron_fp4.rollout import SamplingParams  # noqa: E402
+from megatron_fp4.rollout.scoring import score  # noqa: E402
 
 FLAGS = {"transposed_copy": ("view", "copy"), "batched": ("per run", "batched"),
-         "low": ("padded to 4", "short calls")}  # plan flag: (off, on) labels
+         "low": ("padded to 4", "short calls"), "tall": ("64-row calls", "tall calls")}  # plan flag: (off, on) labels
+
+
+def flag_off(plan: row_calls.RowPlan, flag: str) -> row_calls.RowPlan:
+    """``plan`` with ``flag`` turned off (``tall``: the plan's dense heights alone)."""
+    if flag == "tall":
+        return dataclasses.replace(plan, cap=plan.dense or plan.cap, dense=0, tall=0)
+    return dataclasses.replace(plan, **{flag: False})
 SHAPES = ((512, 256), (256, 256), (128, 256), (512, 128), (256, 128), (128, 64))  # [n, k]: out, in
 
 
@@ -79,22 +93,34 @@ def generate_rows(args) -> list:
         first = eng.generate(prompts, params)  # probes every shape: the plans as the machine gives them
         kept = dict(row_calls._PLANS)
         off, on = FLAGS[args.flag]
-        plans = {on: kept, off: {k: dataclasses.replace(p, **{args.flag: False}) for k, p in kept.items()}}
-        times: dict = {name: [] for name in plans}
+        plans = {on: kept, off: {k: flag_off(p, args.flag) for k, p in kept.items()}}
+        parts = {"generation": lambda: eng.generate(prompts, params)}
+        if args.flag == "tall":
+            responses = [list(r) for r in first.response_ids]
+            parts["scoring"] = lambda: score(eng.model, prompts, responses, 0, eng.mode, invariance=eng.invariance)
+            scored = parts["scoring"]()
+        times: dict = {(part, name): [] for part in parts for name in plans}
         try:
-            for _ in range(args.repeats):
-                for name, table in plans.items():
-                    row_calls._PLANS.clear()
-                    row_calls._PLANS.update(table)
-                    start = time.process_time()
-                    out = eng.generate(prompts, params)
-                    times[name].append(time.process_time() - start)
-                    assert same(out, first), f"{mode}: {name} gave other tokens or log-prob bits"
+            for i in range(args.repeats):
+                for part, fn in parts.items():
+                    # the order turned every round: neither side always runs first after the other part
+                    for name, table in list(plans.items())[::-1 if i % 2 else 1]:
+                        row_calls._PLANS.clear()
+                        row_calls._PLANS.update(table)
+                        start = time.process_time()
+                        out = fn()
+                        times[part, name].append(time.process_time() - start)
+                        if part == "generation":
+                            assert same(out, first), f"{mode}: {name} gave other tokens or log-prob bits"
+                        else:
+                            assert all(torch.equal(a.view(torch.int32), b.view(torch.int32))
+                                       for a, b in zip(out["log_probs"], scored["log_probs"])), f"{mode}: {name} scoring"
         finally:
             row_calls._PLANS.clear()
             row_calls._PLANS.update(kept)
         flagged = sorted(f"[{k[1]}, {k[0]}]" for k, p in kept.items() if getattr(p, args.flag))
-        rows.append((mode, statistics.median(times[off]), statistics.median(times[on]), flagged))
+        for part in parts:
+            rows.append((mode, part, statistics.median(times[part, off]), statistics.median(times[part, on]), flagged))
     return rows
 
 
@@ -124,11 +150,11 @@ def main(argv=None) -> None:
         print(f"\nhidden {args.hidden}, {args.experts} experts top-{args.top_k}, batch {args.batch} × "
               f"{args.prompt_len}+{args.new_tokens} tokens, {args.repeats} rounds, process CPU time (medians)")
         off, on = FLAGS[args.flag]
-        print(f"\n| mode (`batch`) | {off} ms | {on} ms | {on} ÷ {off} | weights with `{args.flag}` |\n"
-              "|---|---|---|---|---|")
-        for mode, t_off, t_on, shapes in generate_rows(args):
+        print(f"\n| mode (`batch`) | part | {off} ms | {on} ms | {on} ÷ {off} | weights with `{args.flag}` |\n"
+              "|---|---|---|---|---|---|")
+        for mode, part, t_off, t_on, shapes in generate_rows(args):
             kept = ", ".join(shapes) or "—"
-            print(f"| {mode} | {t_off * 1e3:.0f} | {t_on * 1e3:.0f} | {t_on / t_off:.2f}× | {kept} |")
+            print(f"| {mode} | {part} | {t_off * 1e3:.0f} | {t_on * 1e3:.0f} | {t_on / t_off:.2f}× | {kept} |")
 
 
 if __name__ == "__main__":

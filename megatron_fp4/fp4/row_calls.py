@@ -81,6 +81,10 @@ CAP_ROWS = 256  # ... or, for mm, up to this many rows where every height up to 
 QUANTA = (4, 8, 16)  # a probed plan's row quantum: the heights it may call are its multiples
 PROBE_SEED = 0x5EED
 ONEDNN_MIN_ELEMENTS = 1 << 18  # weights smaller than this stay on mm (oneDNN's ~12 µs a call loses below it)
+TALL_STEP = 32  # a oneDNN plan's heights past its CAP_TILES tiles: the multiples of this ...
+TALL_ROWS = 256  # ... up to this many rows, where each passed the probe (`RowPlan.tall`), for a
+# weight of at most CACHED_WEIGHT_ELEMENTS (an LM head's [8192, 1024]: its probe 0.7 -> 1.5 s and
+# ~+48 MiB for ~2 % of a scoring pass; an expert's [768, 1024]: 0.11 -> 0.18 s, ~+10 MiB, measured)
 # a weight of at least this many elements on mm is probed for its contiguous transposed copy
 # (`RowPlan.transposed_copy`): below it the copy's lookup (~2 µs) costs about what a decode call
 # saves ([128, 64]: 3.1 -> 2.4 µs)
@@ -151,22 +155,60 @@ class RowPlan:
     # so few rows is padded only to ``low`` (a decode step's one or two rows of an expert not to 4:
     # a memory-bound call then reads the weight at the few-row kernel's rate, `_run_probe`)
     low: int = 0
+    # onednn: its heights are the multiples of ``quantum`` from ``minimum`` to ``dense`` and the
+    # multiples of ``tall`` past ``dense`` up to ``cap`` (0: every multiple of the quantum up to the
+    # cap). A scoring pass's ~100 rows of an expert, or its 768 rows of the LM head, then go in one
+    # or two taller calls instead of 64-row ones (oneDNN reads rows 10-18 % faster at 96-256 rows
+    # than at 64, measured), at a handful of extra primitives rather than one per multiple of 4
+    dense: int = 0
+    tall: int = 0
 
     def height(self, rows: int) -> int:
         """Rows ``rows`` are padded to: whole cap-row calls, then the remainder rounded up to a
-        height of the plan (at least one call: 0 rows give ``minimum``; fewer than ``minimum`` rows
-        at least ``low``, where the plan has short heights)."""
+        height of the plan, or past ``dense`` its whole ``tall`` steps and the rest rounded up (at
+        least one call: 0 rows give ``minimum``; fewer than ``minimum`` rows at least ``low``, where
+        the plan has short heights)."""
         if self.low and 0 < rows < self.minimum:
             return max(rows, self.low)
         full, rest = divmod(rows, self.cap)
         if rest == 0:
             return full * self.cap if full else self.minimum
-        return full * self.cap + max(self.minimum, -(-rest // self.quantum) * self.quantum)
+        steps = rest // self.tall * self.tall if self.tall and rest > self.dense else 0
+        rest -= steps
+        return full * self.cap + steps + (max(self.minimum, -(-rest // self.quantum) * self.quantum) if rest else 0)
 
     def calls(self, height: int) -> list:
-        """The call heights covering ``height`` rows (a value of :meth:`height`), in order."""
+        """The call heights covering ``height`` rows (a value of :meth:`height`, or any multiple of
+        the quantum from the minimum), in order: whole cap-row calls, then the rest in one call, or
+        past ``dense`` in a ``tall`` multiple and what remains (one step less where that would
+        leave fewer rows than the plan's smallest height)."""
         full, rest = divmod(height, self.cap)
-        return [self.cap] * full + ([rest] if rest else [])
+        out = [self.cap] * full
+        if self.tall and rest > self.dense:
+            steps = rest // self.tall * self.tall
+            rest -= steps
+            if 0 < rest < (self.low or self.minimum):
+                steps, rest = steps - self.tall, rest + self.tall
+            out += [steps] if steps else []
+        return out + ([rest] if rest else [])
+
+    def heights(self) -> list:
+        """Every height one call of the plan may take, ascending (the short ones first)."""
+        short = list(range(self.low, self.minimum)) if self.low else []
+        dense = list(range(self.minimum, (self.dense or self.cap) + 1, self.quantum))
+        return short + dense + (list(range(dense[-1] // self.tall * self.tall + self.tall, self.cap + 1, self.tall))
+                                if self.tall else [])
+
+    def whole(self, rows: int) -> int:
+        """How many of ``rows`` rows go in calls of the plan as they are, with no padding row: the
+        whole cap-row calls and the rest cut to a multiple of the quantum (none of it under the
+        minimum); :meth:`calls` covers them."""
+        full, rest = divmod(rows, self.cap)
+        return full * self.cap + (rest - rest % self.quantum if rest >= self.minimum else 0)
+
+    def one_call(self, height: int) -> bool:
+        """Whether ``height`` rows are one call of the plan (:meth:`calls` gives ``[height]``)."""
+        return height <= self.cap and (not self.tall or height <= self.dense or height % self.tall == 0)
 
 
 def fixed_plan(k: int, n: int) -> RowPlan:
@@ -228,11 +270,12 @@ def onednn_serves(k: int, n: int, dtype: torch.dtype) -> bool:
 
 def onednn_kernel_bytes(k: int, n: int) -> int:
     """The bytes oneDNN's primitive cache keeps for a [·, k] · [k, n] GEMM the probe tried with it:
-    one primitive per call height of the probe (the multiples of 4 up to the cap, and the short
-    heights 1-3 it tries for ``RowPlan.low``) and weight form (dense, packed), kept for the
-    process's life (its cache holds up to 1024 primitives)."""
-    heights = row_tile(k, n) * CAP_TILES // QUANTA[0] + QUANTA[0] - 1
-    return 2 * heights * ONEDNN_PRIMITIVE_BYTES
+    one primitive per call height of the probe (the multiples of 4 up to CAP_TILES tiles, the short
+    heights 1-3 it tries for ``RowPlan.low``, the tall ones it tries for ``RowPlan.tall``) and
+    weight form (dense, packed), kept for the process's life (its cache holds up to 1024 primitives)."""
+    dense = row_tile(k, n) * CAP_TILES
+    tall = max(0, TALL_ROWS // TALL_STEP - dense // TALL_STEP) if k * n <= CACHED_WEIGHT_ELEMENTS else 0
+    return 2 * (dense // QUANTA[0] + QUANTA[0] - 1 + tall) * ONEDNN_PRIMITIVE_BYTES
 
 
 def onednn_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -298,10 +341,11 @@ def _run_probe(k: int, width: int, stride: int, tile: int, dtype: torch.dtype, k
     every height of that plan and from the misaligned rows (``RowPlan.transposed_copy``)."""
     cap = tile * CAP_TILES
     longest = max(cap, CAP_ROWS) if kernel == "mm" else cap  # heights past the cap tried (mm: its repacking)
+    tall = kernel == "onednn" and k * width <= CACHED_WEIGHT_ELEMENTS  # RowPlan.tall's heights tried
     with torch.inference_mode(), torch.autocast("cpu", enabled=False):
         gen = torch.Generator().manual_seed(PROBE_SEED)
         wt = torch.randn(width, k, generator=gen).to(dtype).t()
-        x = torch.randn(longest, k, generator=gen).to(dtype)
+        x = torch.randn(max(longest, TALL_ROWS) if tall else longest, k, generator=gen).to(dtype)
         forms = _products(kernel, wt, width, stride, dtype)
         ref = torch.cat([forms[0](xt) for xt in x.split(tile)])
         # the forms that define the plan: oneDNN's both; mm's view (its copy is only kept where it agrees)
@@ -333,8 +377,31 @@ def _run_probe(k: int, width: int, stride: int, tile: int, dtype: torch.dtype, k
                 while kernel == "onednn" and low > 1 and same(x[:low - 1], needed) \
                         and same(shifted[:low - 1], needed):
                     low -= 1
-                return RowPlan(quantum, minimum, top, kernel, copy, batched, low if low < minimum else 0)
+                tallest = _tall_top(x, top, minimum, needed, same) if tall else top
+                return RowPlan(quantum, minimum, tallest, kernel, copy, batched, low if low < minimum else 0,
+                               *((top, TALL_STEP) if tallest > top else (0, 0)))
     return RowPlan(tile, tile, tile)
+
+
+def _tall_top(x: torch.Tensor, top: int, minimum: int, forms: list, same) -> int:
+    """A oneDNN plan's tallest call (``RowPlan.tall``): the multiples of TALL_STEP past ``top`` (its
+    CAP_TILES tiles) up to TALL_ROWS rows, each of ``forms`` tried on ``x``'s first rows while every
+    one gave the tiles' bits (``same``), the tallest then from a misaligned copy too; ``top`` itself
+    where none did, or where one step past ``top`` could leave a remainder no height of the plan
+    takes (:meth:`RowPlan.calls`: TALL_STEP + ``minimum`` > ``top``)."""
+    if TALL_STEP + minimum > top:
+        return top
+    tall = top
+    for h in range(top // TALL_STEP * TALL_STEP + TALL_STEP, TALL_ROWS + 1, TALL_STEP):
+        if not same(x[:h], forms):
+            break
+        tall = h
+    if tall > top:
+        k = x.shape[1]
+        shifted = torch.empty(tall * k + 1, dtype=x.dtype)[1:].view(tall, k).copy_(x[:tall])
+        if not same(shifted, forms):
+            return top
+    return tall
 
 
 def _batched_agrees(k: int, n: int, heights: range, copy: bool, dtype: torch.dtype, gen: torch.Generator) -> bool:

@@ -169,7 +169,7 @@ def _row_products(xp: torch.Tensor, wt: torch.Tensor, out: Optional[torch.Tensor
     copy kept there (:func:`_kept`, :func:`_transposed`; ``wt`` already contiguous: that copy)."""
     if plan.transposed_copy and packs is not None and not wt.is_contiguous():
         wt = _kept(wt.t(), packs, "transposed", _transposed)
-    if xp.shape[0] <= plan.cap and (plan.kernel == "onednn" or len(column_blocks(*wt.shape)) == 1):
+    if plan.one_call(xp.shape[0]) and (plan.kernel == "onednn" or len(column_blocks(*wt.shape)) == 1):
         if plan.kernel == "onednn":
             y = onednn_linear(xp, _onednn_weight(wt.t(), packs))
             return y if out is None else out.copy_(y)
@@ -364,8 +364,7 @@ def _runs_in_place(x: torch.Tensor, weights, counts: list, plan: RowPlan,
     for wt, n in zip(_run_operands(weights, plan, packs), counts):
         if not n:
             continue
-        full, rest = divmod(n, plan.cap)
-        body = full * plan.cap + (rest - rest % plan.quantum if rest >= plan.minimum else 0)
+        body = plan.whole(n)
         if body:
             _row_products(x[start:start + body], wt, out[start:start + body], plan, packs)
         if body < n:

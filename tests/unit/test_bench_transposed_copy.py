@@ -1,6 +1,7 @@
 """bench_transposed_copy.py: its generation part computes with and without the transposed copies
-(the same tokens and log-prob bits: it asserts them) and puts the process's plans back; its GEMM
-part times both operands at every shape and height."""
+(the same tokens and log-prob bits: it asserts them) and puts the process's plans back, with
+``--flag tall`` also the scoring of the generated sequences; its GEMM part times both operands at
+every shape and height."""
 from __future__ import annotations
 
 import os
@@ -29,10 +30,21 @@ def test_generation_with_and_without_batched_runs_gives_the_same_bits(capsys):
                 "--vocab", "256", "--batch", "4", "--prompt-len", "5", "--new-tokens", "3", "--repeats", "1",
                 "--modes", "bf16"])
     out = capsys.readouterr().out
-    assert "| mode (`batch`) | per run ms | batched ms | batched ÷ per run | weights with `batched` |" in out
+    assert "| mode (`batch`) | part | per run ms | batched ms | batched ÷ per run | weights with `batched` |" in out
     (row,) = [line for line in out.splitlines() if line.startswith("| bf16 |")]
     kept = sorted(f"[{k[1]}, {k[0]}]" for k, p in row_calls._PLANS.items() if p.batched)
     assert row.rstrip(" |").endswith(", ".join(kept) or "—")
+
+
+def test_generation_and_scoring_with_and_without_tall_calls_give_the_same_bits(capsys):
+    bench.main(["--only", "generate", "--flag", "tall", "--hidden", "512", "--ffn", "512", "--layers", "1",
+                "--experts", "4", "--heads", "8", "--kv-heads", "2", "--vocab", "512", "--batch", "3",
+                "--prompt-len", "40", "--new-tokens", "2", "--repeats", "2", "--modes", "bf16"])
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| bf16 |")]
+    assert [row.split("|")[2].strip() for row in rows] == ["generation", "scoring"]
+    kept = sorted(f"[{k[1]}, {k[0]}]" for k, p in row_calls._PLANS.items() if p.tall)
+    assert all(row.rstrip(" |").endswith(", ".join(kept) or "—") for row in rows)
+    assert not row_calls._onednn_usable() or kept  # [512, 512] and wider: oneDNN's plans, tall heights probed
 
 
 def test_the_gemm_rows_time_both_operands():

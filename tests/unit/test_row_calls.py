@@ -40,11 +40,26 @@ def test_plan_heights_and_calls():
     low = RowPlan(4, 4, 64, "onednn", low=2)  # oneDNN's short heights: 2 and 3 rows called as they are
     assert [low.height(n) for n in (0, 1, 2, 3, 4, 5, 64, 65, 66)] == [4, 2, 2, 3, 4, 8, 64, 68, 68]
     assert low.calls(2) == [2] and low.calls(3) == [3] and low.calls(68) == [64, 4]
-    for n in range(0, 300):  # every height is covered by calls the plan allows
-        for p in (plan, tile, RowPlan(4, 4, 256), low):
-            calls = p.calls(p.height(n))
-            assert sum(calls) >= n and all(c <= p.cap and (c >= p.minimum and c % p.quantum == 0 or
-                                                           p.low and p.low <= c < p.minimum) for c in calls)
+    # oneDNN's tall heights: the multiples of 4 to 64, then of 32 to 256 (a remainder under the
+    # minimum after the tall steps is not a height: one step less, the remainder in the dense range)
+    tall = RowPlan(4, 4, 256, "onednn", low=2, dense=64, tall=32)
+    assert tall.heights() == [2, 3] + list(range(4, 65, 4)) + [96, 128, 160, 192, 224, 256]
+    assert low.heights() == [2, 3] + list(range(4, 65, 4)) and RowPlan(8, 16, 64).heights() == [16, 24, 32, 40, 48, 56, 64]
+    assert [tall.height(n) for n in (1, 65, 68, 96, 97, 100, 130, 256, 257, 300)] == \
+        [2, 68, 68, 96, 100, 100, 132, 256, 260, 300]
+    assert tall.calls(100) == [96, 4] and tall.calls(132) == [128, 4] and tall.calls(300) == [256, 44]
+    assert tall.calls(68) == [64, 4] and tall.calls(64) == [64] and tall.calls(96) == [96]
+    assert RowPlan(4, 8, 256, "onednn", dense=64, tall=32).calls(100) == [64, 36]  # 4 rows: under the minimum
+    for n in range(0, 600):  # every height is covered by calls the plan allows
+        for p in (plan, tile, RowPlan(4, 4, 256), low, tall, RowPlan(4, 8, 256, "onednn", dense=64, tall=32)):
+            allowed = set(p.heights())
+            height = p.height(n)
+            calls = p.calls(height)
+            assert sum(calls) == height >= n and set(calls) <= allowed, (p, n, calls)
+            assert p.one_call(height) == (len(calls) == 1), (p, n)
+            body = p.whole(n)  # `_runs_in_place`'s rows called in place, the rest padded
+            assert n - body < max(p.quantum, p.minimum) and (n - body < p.quantum or body == n - n % p.cap), (p, n)
+            assert not body or set(p.calls(body)) <= allowed and sum(p.calls(body)) == body, (p, n)
 
 
 def test_other_devices_keep_the_fixed_tile():
@@ -66,7 +81,7 @@ def test_every_height_of_the_plan_gives_the_tiles_bits(threads, k, n, dtype):
     x = torch.randn(2 * plan.cap + tile, k, generator=g).to(dtype)
     want = tiles(x, w)
     blocks = column_blocks(k, n)
-    for h in range(plan.minimum, plan.cap + 1, plan.quantum):
+    for h in plan.heights()[len(range(plan.low, plan.minimum)) if plan.low else 0:]:
         if plan.kernel == "onednn":
             out = onednn_linear(x[:h], w)
         else:
@@ -149,15 +164,38 @@ def test_the_onednn_probe_keeps_matching_heights_else_leaves_the_shape_to_mm(mon
             return r * (1 + 2 ** -20) if bad(x.shape[0], w) else r
         return linear
 
+    dense = tile * row_calls.CAP_TILES
+    tall = dict(dense=dense, tall=row_calls.TALL_STEP)
+    top = row_calls.TALL_ROWS
     monkeypatch.setattr(row_calls, "onednn_linear", make(lambda h, w: h % 8 != 0 and not w.is_mkldnn))
-    assert row_calls._run_probe(k, n, n, tile, torch.float32, "onednn") == \
-        RowPlan(8, 8, tile * row_calls.CAP_TILES, "onednn")
+    assert row_calls._run_probe(k, n, n, tile, torch.float32, "onednn") == RowPlan(8, 8, top, "onednn", **tall)
     # the short heights below the minimum: kept down from minimum - 1 while both forms agree at each
     for bad, low in ((lambda h, w: False, 1), (lambda h, w: h == 1 and not w.is_mkldnn, 2),
                      (lambda h, w: h == 2 and w.is_mkldnn, 3), (lambda h, w: h == 3, 0)):
         monkeypatch.setattr(row_calls, "onednn_linear", make(bad))
         assert row_calls._run_probe(k, n, n, tile, torch.float32, "onednn") == \
-            RowPlan(4, 4, tile * row_calls.CAP_TILES, "onednn", low=low), low
+            RowPlan(4, 4, top, "onednn", low=low, **tall), low
+    # the tall heights: kept up to the first that differs (one form is enough), the tallest also
+    # from misaligned rows; none where the first one past the dense heights differs
+    for bad, cap in ((lambda h, w: h == 160 and w.is_mkldnn, 128), (lambda h, w: h > 200, 192),
+                     (lambda h, w: h == dense + row_calls.TALL_STEP and not w.is_mkldnn, dense),
+                     (lambda h, w: h == 224, 192)):
+        monkeypatch.setattr(row_calls, "onednn_linear", make(bad))
+        got = row_calls._run_probe(k, n, n, tile, torch.float32, "onednn")
+        assert got == (RowPlan(4, 4, cap, "onednn", low=1, **tall) if cap > dense else
+                       RowPlan(4, 4, dense, "onednn", low=1)), (cap, got)
+
+    monkeypatch.setattr(row_calls, "onednn_linear", make(lambda h, w: False))
+    cached = row_calls.CACHED_WEIGHT_ELEMENTS
+    monkeypatch.setattr(row_calls, "CACHED_WEIGHT_ELEMENTS", k * n - 1)  # a larger weight: no tall heights tried
+    assert row_calls._run_probe(k, n, n, tile, torch.float32, "onednn") == RowPlan(4, 4, dense, "onednn", low=1)
+    monkeypatch.setattr(row_calls, "CACHED_WEIGHT_ELEMENTS", cached)
+
+    def misaligned_tall(x, w):
+        r = base(x, w)
+        return r * (1 + 2 ** -20) if x.shape[0] == top and x.data_ptr() % 16 else r
+    monkeypatch.setattr(row_calls, "onednn_linear", misaligned_tall)
+    assert row_calls._run_probe(k, n, n, tile, torch.float32, "onednn") == RowPlan(4, 4, dense, "onednn", low=1)
 
     def misaligned(x, w):  # 2 rows from the probe's misaligned copy differ: 3 is the lowest
         r = base(x, w)
