@@ -56,6 +56,13 @@ misaligned rows), down from the minimum while each agrees; a call of fewer rows 
 ``low`` (measured: a realistic-width generation at `batch` 0.87-0.90× the time with every call
 padded to 4, the same bits). MKL's sgemm takes other kernels at heights 1-3 (not tried).
 
+Above the cap, for a scoring pass: a oneDNN plan of a weight of at most CACHED_WEIGHT_ELEMENTS also
+keeps ``tall`` heights, the multiples of TALL_STEP up to TALL_ROWS rows that pass the same probe
+(in order; the tallest from misaligned rows too), and a run past the dense heights goes in one tall
+call and a dense remainder (100 rows: 96 + 4): oneDNN reads rows 8-15 % faster at 96-256 rows than at
+64 (an expert's [768, 1024], a [1024, 1024] projection; measured), at six extra primitives a shape
+where every multiple of 4 to 256 took 48 (session 24: ~92 MiB and a 5.4 s LM-head probe).
+
 And for a decode step's experts: runs of one small height (up to :data:`BATCHED_MAX_HEIGHT` rows)
 of consecutive experts may go in one ``bmm`` over their slice of the stacked weight where the probe
 finds it gives each run its own ``mm`` call's bits (``RowPlan.batched``; measured here at every
@@ -157,8 +164,8 @@ class RowPlan:
     low: int = 0
     # onednn: its heights are the multiples of ``quantum`` from ``minimum`` to ``dense`` and the
     # multiples of ``tall`` past ``dense`` up to ``cap`` (0: every multiple of the quantum up to the
-    # cap). A scoring pass's ~100 rows of an expert, or its 768 rows of the LM head, then go in one
-    # or two taller calls instead of 64-row ones (oneDNN reads rows 10-18 % faster at 96-256 rows
+    # cap). A scoring pass's ~100 rows of an expert, or its 768 rows of a projection, then go in
+    # one or two taller calls instead of 64-row ones (oneDNN reads rows 8-15 % faster at 96-256 rows
     # than at 64, measured), at a handful of extra primitives rather than one per multiple of 4
     dense: int = 0
     tall: int = 0
