@@ -4,7 +4,7 @@ level, side by side in one process; ``--flag batched``: what ``RowPlan.batched``
 step's expert runs of one height in one ``bmm`` instead of one ``mm`` per expert); ``--flag low``:
 what ``RowPlan.low`` buys (oneDNN calls of 2-3 rows made as they are instead of padded to 4: a
 decode step's experts at a realistic width); ``--flag tall``: what ``RowPlan.tall`` buys (oneDNN calls
-of 96-256 rows instead of 64-row ones: a scoring pass's experts and LM head at a realistic width),
+of 96-256 rows instead of 64-row ones: a scoring pass's experts and projections at a realistic width),
 timed on the engine's generation and on the trainer's scoring of its sequences.
 
     OMP_NUM_THREADS=1 python benchmarks/bench_transposed_copy.py                 # both parts
@@ -52,6 +52,8 @@ def flag_off(plan: row_calls.RowPlan, flag: str) -> row_calls.RowPlan:
     if flag == "tall":
         return dataclasses.replace(plan, cap=plan.dense or plan.cap, dense=0, tall=0)
     return dataclasses.replace(plan, **{flag: False})
+
+
 SHAPES = ((512, 256), (256, 256), (128, 256), (512, 128), (256, 128), (128, 64))  # [n, k]: out, in
 
 

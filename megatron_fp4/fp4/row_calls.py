@@ -203,7 +203,7 @@ class RowPlan:
         """Every height one call of the plan may take, ascending (the short ones first)."""
         short = list(range(self.low, self.minimum)) if self.low else []
         dense = list(range(self.minimum, (self.dense or self.cap) + 1, self.quantum))
-        return short + dense + (list(range(dense[-1] // self.tall * self.tall + self.tall, self.cap + 1, self.tall))
+        return short + dense + (list(range(self.dense // self.tall * self.tall + self.tall, self.cap + 1, self.tall))
                                 if self.tall else [])
 
     def whole(self, rows: int) -> int:
@@ -281,8 +281,14 @@ def onednn_kernel_bytes(k: int, n: int) -> int:
     heights 1-3 it tries for ``RowPlan.low``, the tall ones it tries for ``RowPlan.tall``) and
     weight form (dense, packed), kept for the process's life (its cache holds up to 1024 primitives)."""
     dense = row_tile(k, n) * CAP_TILES
-    tall = max(0, TALL_ROWS // TALL_STEP - dense // TALL_STEP) if k * n <= CACHED_WEIGHT_ELEMENTS else 0
+    tall = max(0, TALL_ROWS // TALL_STEP - dense // TALL_STEP) if _tall_probed(k, n) else 0
     return 2 * (dense // QUANTA[0] + QUANTA[0] - 1 + tall) * ONEDNN_PRIMITIVE_BYTES
+
+
+def _tall_probed(k: int, n: int) -> bool:
+    """Whether a oneDNN plan of a [·, k] · [k, n] GEMM tries ``RowPlan.tall``'s heights: a weight of
+    at most CACHED_WEIGHT_ELEMENTS (see TALL_ROWS)."""
+    return k * n <= CACHED_WEIGHT_ELEMENTS
 
 
 def onednn_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -348,11 +354,11 @@ def _run_probe(k: int, width: int, stride: int, tile: int, dtype: torch.dtype, k
     every height of that plan and from the misaligned rows (``RowPlan.transposed_copy``)."""
     cap = tile * CAP_TILES
     longest = max(cap, CAP_ROWS) if kernel == "mm" else cap  # heights past the cap tried (mm: its repacking)
-    tall = kernel == "onednn" and k * width <= CACHED_WEIGHT_ELEMENTS  # RowPlan.tall's heights tried
+    try_tall = kernel == "onednn" and _tall_probed(k, width)
     with torch.inference_mode(), torch.autocast("cpu", enabled=False):
         gen = torch.Generator().manual_seed(PROBE_SEED)
         wt = torch.randn(width, k, generator=gen).to(dtype).t()
-        x = torch.randn(max(longest, TALL_ROWS) if tall else longest, k, generator=gen).to(dtype)
+        x = torch.randn(max(longest, TALL_ROWS) if try_tall else longest, k, generator=gen).to(dtype)
         forms = _products(kernel, wt, width, stride, dtype)
         ref = torch.cat([forms[0](xt) for xt in x.split(tile)])
         # the forms that define the plan: oneDNN's both; mm's view (its copy is only kept where it agrees)
@@ -369,7 +375,7 @@ def _run_probe(k: int, width: int, stride: int, tile: int, dtype: torch.dtype, k
                 top = cap  # the cap: CAP_TILES tiles, raised while every further height passed
                 while top + quantum <= longest and top + quantum in good:
                     top += quantum
-                shifted = torch.empty(top * k + 1, dtype=dtype)[1:].view(top, k).copy_(x[:top])
+                shifted = _misaligned(x[:top])
                 if not (same(shifted[:minimum], needed) and same(shifted, needed)):
                     return RowPlan(tile, tile, tile)
                 copy = bool(extra) and all(same(x[:h], extra) for h in range(minimum, top + 1, quantum)) \
@@ -384,7 +390,7 @@ def _run_probe(k: int, width: int, stride: int, tile: int, dtype: torch.dtype, k
                 while kernel == "onednn" and low > 1 and same(x[:low - 1], needed) \
                         and same(shifted[:low - 1], needed):
                     low -= 1
-                tallest = _tall_top(x, top, minimum, needed, same) if tall else top
+                tallest = _tall_top(x, top, minimum, needed, same) if try_tall else top
                 return RowPlan(quantum, minimum, tallest, kernel, copy, batched, low if low < minimum else 0,
                                *((top, TALL_STEP) if tallest > top else (0, 0)))
     return RowPlan(tile, tile, tile)
@@ -403,12 +409,16 @@ def _tall_top(x: torch.Tensor, top: int, minimum: int, forms: list, same) -> int
         if not same(x[:h], forms):
             break
         tall = h
-    if tall > top:
-        k = x.shape[1]
-        shifted = torch.empty(tall * k + 1, dtype=x.dtype)[1:].view(tall, k).copy_(x[:tall])
-        if not same(shifted, forms):
-            return top
+    if tall > top and not same(_misaligned(x[:tall]), forms):
+        return top
     return tall
+
+
+def _misaligned(rows: torch.Tensor) -> torch.Tensor:
+    """A copy of the [h, k] ``rows`` starting one element past an aligned allocation (the probe's
+    misaligned input: a kernel may take another path for it)."""
+    h, k = rows.shape
+    return torch.empty(h * k + 1, dtype=rows.dtype)[1:].view(h, k).copy_(rows)
 
 
 def _batched_agrees(k: int, n: int, heights: range, copy: bool, dtype: torch.dtype, gen: torch.Generator) -> bool:
