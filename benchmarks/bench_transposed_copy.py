@@ -3,9 +3,10 @@ contiguous transposed copy instead of the transposed view of the row-major weigh
 level, side by side in one process; ``--flag batched``: what ``RowPlan.batched`` buys (a decode
 step's expert runs of one height in one ``bmm`` instead of one ``mm`` per expert); ``--flag low``:
 what ``RowPlan.low`` buys (oneDNN calls of 2-3 rows made as they are instead of padded to 4: a
-decode step's experts at a realistic width); ``--flag tall``: what ``RowPlan.tall`` buys (oneDNN calls
-of 96-256 rows instead of 64-row ones: a scoring pass's experts and projections at a realistic width),
-timed on the engine's generation and on the trainer's scoring of its sequences.
+decode step's experts at a realistic width); ``--flag tall``: what a oneDNN plan's heights past its
+probed ones buy (``RowPlan.dense``: calls of up to 256 rows, each height verified at its first call,
+instead of 64-row ones: a scoring pass's experts and projections at a realistic width), timed on the
+engine's generation and on the trainer's scoring of its sequences.
 
     OMP_NUM_THREADS=1 python benchmarks/bench_transposed_copy.py                 # both parts
     OMP_NUM_THREADS=1 python benchmarks/bench_transposed_copy.py --only gemm --heights 4,8,16,64
@@ -48,10 +49,15 @@ FLAGS = {"transposed_copy": ("view", "copy"), "batched": ("per run", "batched"),
 
 
 def flag_off(plan: row_calls.RowPlan, flag: str) -> row_calls.RowPlan:
-    """``plan`` with ``flag`` turned off (``tall``: the plan's dense heights alone)."""
+    """``plan`` with ``flag`` turned off (``tall``: the plan's probed heights alone)."""
     if flag == "tall":
-        return dataclasses.replace(plan, cap=plan.dense or plan.cap, dense=0, tall=0)
+        return dataclasses.replace(plan, cap=plan.dense or plan.cap, dense=0)
     return dataclasses.replace(plan, **{flag: False})
+
+
+def flagged_by(plan: row_calls.RowPlan, flag: str) -> bool:
+    """Whether ``plan`` has ``flag`` on (``tall``: heights past its probed ones, ``RowPlan.dense``)."""
+    return bool(plan.dense if flag == "tall" else getattr(plan, flag))
 
 
 SHAPES = ((512, 256), (256, 256), (128, 256), (512, 128), (256, 128), (128, 64))  # [n, k]: out, in
@@ -120,7 +126,7 @@ def generate_rows(args) -> list:
         finally:
             row_calls._PLANS.clear()
             row_calls._PLANS.update(kept)
-        flagged = sorted(f"[{k[1]}, {k[0]}]" for k, p in kept.items() if getattr(p, args.flag))
+        flagged = sorted(f"[{k[1]}, {k[0]}]" for k, p in kept.items() if flagged_by(p, args.flag))
         for part in parts:
             rows.append((mode, part, statistics.median(times[part, off]), statistics.median(times[part, on]), flagged))
     return rows

@@ -56,12 +56,17 @@ misaligned rows), down from the minimum while each agrees; a call of fewer rows 
 ``low`` (measured: a realistic-width generation at `batch` 0.87-0.90× the time with every call
 padded to 4, the same bits). MKL's sgemm takes other kernels at heights 1-3 (not tried).
 
-Above the cap, for a scoring pass: a oneDNN plan of a weight of at most CACHED_WEIGHT_ELEMENTS also
-keeps ``tall`` heights, the multiples of TALL_STEP up to TALL_ROWS rows that pass the same probe
-(in order; the tallest from misaligned rows too), and a run past the dense heights goes in one tall
-call and a dense remainder (100 rows: 96 + 4): oneDNN reads rows 8-15 % faster at 96-256 rows than at
-64 (an expert's [768, 1024], a [1024, 1024] projection; measured), at six extra primitives a shape
-where every multiple of 4 to 256 took 48 (session 24: ~92 MiB and a 5.4 s LM-head probe).
+Above the cap, for a scoring pass: a oneDNN plan of a weight of at most CACHED_WEIGHT_ELEMENTS
+takes every multiple of its quantum up to TALL_ROWS rows (a scoring pass's ~100-row run of an expert
+in one call of its own height), the heights past the probed ones (``RowPlan.dense``) each verified
+the first time a call takes it (:func:`tall_agrees`: random rows in one call, aligned and
+misaligned, against the tiles; a height that differs is cut into probed ones, :meth:`RowPlan.calls`'
+pieces of :meth:`RowPlan.dense_calls`). So the bits are the tiles' whichever heights a process has
+verified, and a process makes (and oneDNN caches a primitive for) only the heights its calls take.
+Measured (an AVX2-only EPYC, one thread): 64 experts' MLP over a scoring pass's runs of 72-119 rows
+0.96-1.06x ``grouped_mm``'s time in one call per run, 1.13x in calls of 96 or 64 rows and a remainder
+(a remainder's few rows read the whole weight again), 1.25x as well laid out in one padded buffer.
+Probing every height up front took 5.4 s for an LM head and ~92 MiB a shape (session 24).
 
 And for a decode step's experts: runs of one small height (up to :data:`BATCHED_MAX_HEIGHT` rows)
 of consecutive experts may go in one ``bmm`` over their slice of the stacked weight where the probe
@@ -88,10 +93,10 @@ CAP_ROWS = 256  # ... or, for mm, up to this many rows where every height up to 
 QUANTA = (4, 8, 16)  # a probed plan's row quantum: the heights it may call are its multiples
 PROBE_SEED = 0x5EED
 ONEDNN_MIN_ELEMENTS = 1 << 18  # weights smaller than this stay on mm (oneDNN's ~12 µs a call loses below it)
-TALL_STEP = 32  # a oneDNN plan's heights past its CAP_TILES tiles: the multiples of this ...
-TALL_ROWS = 256  # ... up to this many rows, where each passed the probe (`RowPlan.tall`), for a
-# weight of at most CACHED_WEIGHT_ELEMENTS (an LM head's [8192, 1024]: its probe 0.7 -> 1.5 s and
-# ~+48 MiB for ~2 % of a scoring pass; an expert's [768, 1024]: 0.11 -> 0.18 s, ~+10 MiB, measured)
+# a oneDNN plan's calls go up to this many rows, the heights past its CAP_TILES tiles each verified at
+# its first call (`tall_agrees`), for a weight of at most CACHED_WEIGHT_ELEMENTS (an LM head's
+# [8192, 1024] keeps 64-row calls: its verifications would cost ~0.2 s a height for ~2 % of a scoring pass)
+TALL_ROWS = 256
 # a weight of at least this many elements on mm is probed for its contiguous transposed copy
 # (`RowPlan.transposed_copy`): below it the copy's lookup (~2 µs) costs about what a decode call
 # saves ([128, 64]: 3.1 -> 2.4 µs)
@@ -103,8 +108,9 @@ BATCHED_MAX_HEIGHT = 16
 BATCHED_PROBE_GROUPS = (2, 5)  # how many weights one probed batched call stacks
 # What oneDNN keeps in its primitive cache per (weight shape, call height, weight form) once called:
 # measured 8.6-9.0 MiB for 16 heights of either form, whatever the shape ([1024, 256] to [4096, 1024],
-# 1 and 2 threads; `training.memory_plan` counts it).
-ONEDNN_PRIMITIVE_BYTES = 576 << 10
+# 1 and 2 threads), 119-125 MiB for the 192 heights 65-256 ([768, 1024], [1024, 384], either form);
+# `training.memory_plan` counts it.
+ONEDNN_PRIMITIVE_BYTES = 640 << 10
 
 
 @functools.lru_cache(maxsize=None)
@@ -162,49 +168,42 @@ class RowPlan:
     # so few rows is padded only to ``low`` (a decode step's one or two rows of an expert not to 4:
     # a memory-bound call then reads the weight at the few-row kernel's rate, `_run_probe`)
     low: int = 0
-    # onednn: its heights are the multiples of ``quantum`` from ``minimum`` to ``dense`` and the
-    # multiples of ``tall`` past ``dense`` up to ``cap`` (0: every multiple of the quantum up to the
-    # cap). A scoring pass's ~100 rows of an expert, or its 768 rows of a projection, then go in
-    # one or two taller calls instead of 64-row ones (oneDNN reads rows 8-15 % faster at 96-256 rows
-    # than at 64, measured), at a handful of extra primitives rather than one per multiple of 4
+    # onednn: the heights up to ``dense`` were probed with the plan; the multiples of the quantum past
+    # it up to the cap are each verified at their first call (`tall_agrees`), one that differs cut
+    # into probed heights (`dense_calls`). 0: every height of the plan was probed
     dense: int = 0
-    tall: int = 0
 
     def height(self, rows: int) -> int:
-        """Rows ``rows`` are padded to: whole cap-row calls, then the remainder rounded up to a
-        height of the plan, or past ``dense`` its whole ``tall`` steps and the rest rounded up (at
-        least one call: 0 rows give ``minimum``; fewer than ``minimum`` rows at least ``low``, where
-        the plan has short heights)."""
+        """Rows ``rows`` are padded to: whole cap-row calls, then the remainder rounded up to a height
+        of the plan (at least one call: 0 rows give ``minimum``; fewer than ``minimum`` rows at least
+        ``low``, where the plan has short heights)."""
         if self.low and 0 < rows < self.minimum:
             return max(rows, self.low)
         full, rest = divmod(rows, self.cap)
         if rest == 0:
             return full * self.cap if full else self.minimum
-        steps = rest // self.tall * self.tall if self.tall and rest > self.dense else 0
-        rest -= steps
-        return full * self.cap + steps + (max(self.minimum, -(-rest // self.quantum) * self.quantum) if rest else 0)
+        return full * self.cap + max(self.minimum, -(-rest // self.quantum) * self.quantum)
 
     def calls(self, height: int) -> list:
         """The call heights covering ``height`` rows (a value of :meth:`height`, or any multiple of
-        the quantum from the minimum), in order: whole cap-row calls, then the rest in one call, or
-        past ``dense`` in a ``tall`` multiple and what remains (one step less where that would
-        leave fewer rows than the plan's smallest height)."""
+        the quantum from the minimum), in order: whole cap-row calls, then the rest in one call."""
         full, rest = divmod(height, self.cap)
-        out = [self.cap] * full
-        if self.tall and rest > self.dense:
-            steps = rest // self.tall * self.tall
-            rest -= steps
-            if 0 < rest < (self.low or self.minimum):
-                steps, rest = steps - self.tall, rest + self.tall
-            out += [steps] if steps else []
+        return [self.cap] * full + ([rest] if rest else [])
+
+    def dense_calls(self, height: int) -> list:
+        """``height`` rows (a height of the plan past ``dense``) in calls of probed heights: ``dense``
+        rows at a time, one quantum less where the rest would fall under the plan's smallest height."""
+        out, rest, least = [], height, self.low or self.minimum
+        while rest > self.dense:
+            step = self.dense if rest - self.dense >= least else self.dense - self.quantum
+            out.append(step)
+            rest -= step
         return out + ([rest] if rest else [])
 
     def heights(self) -> list:
         """Every height one call of the plan may take, ascending (the short ones first)."""
         short = list(range(self.low, self.minimum)) if self.low else []
-        dense = list(range(self.minimum, (self.dense or self.cap) + 1, self.quantum))
-        return short + dense + (list(range(self.dense // self.tall * self.tall + self.tall, self.cap + 1, self.tall))
-                                if self.tall else [])
+        return short + list(range(self.minimum, self.cap + 1, self.quantum))
 
     def whole(self, rows: int) -> int:
         """How many of ``rows`` rows go in calls of the plan as they are, with no padding row: the
@@ -215,7 +214,7 @@ class RowPlan:
 
     def one_call(self, height: int) -> bool:
         """Whether ``height`` rows are one call of the plan (:meth:`calls` gives ``[height]``)."""
-        return height <= self.cap and (not self.tall or height <= self.dense or height % self.tall == 0)
+        return height <= self.cap
 
 
 def fixed_plan(k: int, n: int) -> RowPlan:
@@ -275,20 +274,76 @@ def onednn_serves(k: int, n: int, dtype: torch.dtype) -> bool:
     return dtype == torch.float32 and k * n >= ONEDNN_MIN_ELEMENTS and _onednn_usable()
 
 
-def onednn_kernel_bytes(k: int, n: int) -> int:
-    """The bytes oneDNN's primitive cache keeps for a [·, k] · [k, n] GEMM the probe tried with it:
-    one primitive per call height of the probe (the multiples of 4 up to CAP_TILES tiles, the short
-    heights 1-3 it tries for ``RowPlan.low``, the tall ones it tries for ``RowPlan.tall``) and
-    weight form (dense, packed), kept for the process's life (its cache holds up to 1024 primitives)."""
-    dense = row_tile(k, n) * CAP_TILES
-    tall = max(0, TALL_ROWS // TALL_STEP - dense // TALL_STEP) if _tall_probed(k, n) else 0
-    return 2 * (dense // QUANTA[0] + QUANTA[0] - 1 + tall) * ONEDNN_PRIMITIVE_BYTES
+def onednn_kernel_bytes(k: int, n: int, tall_forms: int = 1) -> int:
+    """The most bytes oneDNN's primitive cache keeps for a [·, k] · [k, n] GEMM it serves: one
+    primitive per call height and weight form — the probe's heights in both forms (dense, packed:
+    the multiples of 4 up to CAP_TILES tiles, the short heights 1-3 it tries for ``RowPlan.low``)
+    and, for a weight of at most CACHED_WEIGHT_ELEMENTS, the multiples of 4 past them up to
+    TALL_ROWS in ``tall_forms`` forms (a trainer computes with the dense form alone, a rollout
+    model with the packed one), each made when a call first takes it (:func:`tall_agrees`: a
+    process holds the heights its calls took) — kept for the process's life (the cache holds up to
+    1024 primitives)."""
+    return (2 * probed_heights(k, n) + tall_forms * tall_heights(k, n)) * ONEDNN_PRIMITIVE_BYTES
+
+
+def probed_heights(k: int, n: int) -> int:
+    """How many call heights a oneDNN probe of a [·, k] · [k, n] GEMM tries in each weight form."""
+    return row_tile(k, n) * CAP_TILES // QUANTA[0] + QUANTA[0] - 1
+
+
+def tall_heights(k: int, n: int) -> int:
+    """How many heights past the probed ones a oneDNN plan of a [·, k] · [k, n] GEMM may call."""
+    return max(0, TALL_ROWS - row_tile(k, n) * CAP_TILES) // QUANTA[0] if _tall_probed(k, n) else 0
 
 
 def _tall_probed(k: int, n: int) -> bool:
-    """Whether a oneDNN plan of a [·, k] · [k, n] GEMM tries ``RowPlan.tall``'s heights: a weight of
-    at most CACHED_WEIGHT_ELEMENTS (see TALL_ROWS)."""
+    """Whether a oneDNN plan of a [·, k] · [k, n] GEMM takes heights past its probed ones up to
+    TALL_ROWS: a weight of at most CACHED_WEIGHT_ELEMENTS."""
     return k * n <= CACHED_WEIGHT_ELEMENTS
+
+
+_TALL: dict = {}
+_TALL_LOCK = threading.Lock()
+
+
+def tall_agrees(k: int, n: int, dtype: torch.dtype, packed: bool, height: int) -> bool:
+    """Whether a oneDNN call of ``height`` rows (past its plan's ``dense``) on the [n, k] weight's
+    packed or dense form gives every row the tiles' bits: random rows (a private generator) in one
+    call, aligned and misaligned, against oneDNN's T-row tiles of the same form; verified once per
+    shape, dtype, form, height and setting (:func:`_setting`), the first time a call takes it."""
+    key = (k, n, dtype, packed, height, *_setting())
+    agrees = _TALL.get(key)
+    if agrees is None:
+        with _TALL_LOCK:
+            agrees = _TALL.get(key)
+            if agrees is None:
+                agrees = _TALL[key] = _tall_check(k, n, dtype, packed, height)
+    return agrees
+
+
+def _tall_check(k: int, n: int, dtype: torch.dtype, packed: bool, height: int) -> bool:
+    tile = row_tile(k, n)
+    with torch.inference_mode(), torch.autocast("cpu", enabled=False):
+        gen = torch.Generator().manual_seed(PROBE_SEED + height)
+        w = torch.randn(n, k, generator=gen).to(dtype)
+        x = torch.randn(-(-height // tile) * tile, k, generator=gen).to(dtype)
+        form = onednn_pack(w) if packed else w
+        ref = torch.cat([onednn_linear(t, form) for t in x.split(tile)])[:height]
+        rows = x[:height]
+        return torch.equal(onednn_linear(rows, form), ref) and torch.equal(onednn_linear(_misaligned(rows), form), ref)
+
+
+def onednn_calls(plan: RowPlan, k: int, n: int, dtype: torch.dtype, packed: bool, height: int) -> list:
+    """The oneDNN calls covering ``height`` rows of a [·, k] · [k, n] GEMM (a value of
+    :meth:`RowPlan.height`) on the weight's packed or dense form: :meth:`RowPlan.calls`, each past
+    the plan's ``dense`` verified (:func:`tall_agrees`) or else cut into probed heights."""
+    calls = plan.calls(height)
+    if not plan.dense or max(calls) <= plan.dense:
+        return calls
+    out = []
+    for c in calls:
+        out += [c] if c <= plan.dense or tall_agrees(k, n, dtype, packed, c) else plan.dense_calls(c)
+    return out
 
 
 def onednn_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -351,14 +406,15 @@ def _run_probe(k: int, width: int, stride: int, tile: int, dtype: torch.dtype, k
     the smallest quantum and minimum (at most T: else the tile is as cheap) whose heights all
     passed, confirmed from a misaligned copy of the rows at the minimum and the cap. The fixed tile
     (``mm``'s) where none did. ``mm``'s contiguous transposed copy, where probed, is then tried at
-    every height of that plan and from the misaligned rows (``RowPlan.transposed_copy``)."""
+    every height of that plan and from the misaligned rows (``RowPlan.transposed_copy``). A oneDNN
+    plan of a weight of at most CACHED_WEIGHT_ELEMENTS goes on to TALL_ROWS rows, the heights past
+    the probed ones (its ``dense``) verified at their first call (:func:`onednn_calls`)."""
     cap = tile * CAP_TILES
     longest = max(cap, CAP_ROWS) if kernel == "mm" else cap  # heights past the cap tried (mm: its repacking)
-    try_tall = kernel == "onednn" and _tall_probed(k, width)
     with torch.inference_mode(), torch.autocast("cpu", enabled=False):
         gen = torch.Generator().manual_seed(PROBE_SEED)
         wt = torch.randn(width, k, generator=gen).to(dtype).t()
-        x = torch.randn(max(longest, TALL_ROWS) if try_tall else longest, k, generator=gen).to(dtype)
+        x = torch.randn(longest, k, generator=gen).to(dtype)
         forms = _products(kernel, wt, width, stride, dtype)
         ref = torch.cat([forms[0](xt) for xt in x.split(tile)])
         # the forms that define the plan: oneDNN's both; mm's view (its copy is only kept where it agrees)
@@ -390,28 +446,10 @@ def _run_probe(k: int, width: int, stride: int, tile: int, dtype: torch.dtype, k
                 while kernel == "onednn" and low > 1 and same(x[:low - 1], needed) \
                         and same(shifted[:low - 1], needed):
                     low -= 1
-                tallest = _tall_top(x, top, minimum, needed, same) if try_tall else top
-                return RowPlan(quantum, minimum, tallest, kernel, copy, batched, low if low < minimum else 0,
-                               *((top, TALL_STEP) if tallest > top else (0, 0)))
+                tall = kernel == "onednn" and _tall_probed(k, width) and top < TALL_ROWS
+                return RowPlan(quantum, minimum, TALL_ROWS if tall else top, kernel, copy, batched,
+                               low if low < minimum else 0, top if tall else 0)
     return RowPlan(tile, tile, tile)
-
-
-def _tall_top(x: torch.Tensor, top: int, minimum: int, forms: list, same) -> int:
-    """A oneDNN plan's tallest call (``RowPlan.tall``): the multiples of TALL_STEP past ``top`` (its
-    CAP_TILES tiles) up to TALL_ROWS rows, each of ``forms`` tried on ``x``'s first rows while every
-    one gave the tiles' bits (``same``), the tallest then from a misaligned copy too; ``top`` itself
-    where none did, or where one step past ``top`` could leave a remainder no height of the plan
-    takes (:meth:`RowPlan.calls`: TALL_STEP + ``minimum`` > ``top``)."""
-    if TALL_STEP + minimum > top:
-        return top
-    tall = top
-    for h in range(top // TALL_STEP * TALL_STEP + TALL_STEP, TALL_ROWS + 1, TALL_STEP):
-        if not same(x[:h], forms):
-            break
-        tall = h
-    if tall > top and not same(_misaligned(x[:tall]), forms):
-        return top
-    return tall
 
 
 def _misaligned(rows: torch.Tensor) -> torch.Tensor:

@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 import torch
 
 from megatron_fp4.config import Config, ConfigError
+from megatron_fp4.fp4.row_calls import onednn_kernel_bytes, onednn_serves, tall_heights
 from megatron_fp4.model import MoETransformer
 from megatron_fp4.model.layers import wide_dtype
 from megatron_fp4.model.moe import GroupedExperts
@@ -65,6 +66,8 @@ class RankPlan:
     step_transient: int = 0  # optimizer step: grad copies and AdamW's sqrt/denominator temporaries
     grad_transient: int = 0  # backward: one module's weight gradients before autograd adds them to the buffer
     kernel_cache: int = 0  # oneDNN's primitives for the `batch` level's wide fp32 GEMMs (`onednn_kernel_bytes`)
+    # of those, how many are heights past the probed ones: made as calls first take them (a ceiling)
+    kernel_tall: int = 0
     inflight: dict = field(default_factory=dict)  # chunk -> micro-batches in flight
     param_numel: int = 0
 
@@ -269,19 +272,24 @@ def plan_memory(cfg: Config, world_size: int, weight_cache: bool = True) -> list
         grad_tmp = weight_grad_transient(model, cfg, dp, num_mb)
         plans.append(RankPlan(f"pp{pp_rank}", ranks, activations=acts, fp4_weights=qw, head_transient=head,
                               grad_transient=grad_tmp, kernel_cache=onednn_cache_bytes(model, cfg),
+                              kernel_tall=sum(tall_heights(k, n) for k, n in onednn_shapes(model, cfg)),
                               inflight=inflight, param_numel=sum(t.numel() for _, t in named), **state))
     return plans
 
 
 def onednn_cache_bytes(model: MoETransformer, cfg: Config) -> int:
-    """What oneDNN's primitive cache keeps for this rank's GEMMs (`row_calls.onednn_kernel_bytes`): at the
-    ``batch`` level on a CPU, every distinct [n, k] weight (a linear's, an expert's of a grouped
-    [E, n, k]; embeddings are gathered, not multiplied, unless tied to the head) that oneDNN may
-    serve at the activations' dtype (`row_calls.onednn_serves`: the shape's row plan probed it)."""
-    from megatron_fp4.fp4.row_calls import onednn_kernel_bytes, onednn_serves
+    """What oneDNN's primitive cache keeps for this rank's GEMMs at most (`row_calls.onednn_kernel_bytes`:
+    the trainer's dense weight form past the probed heights) over :func:`onednn_shapes`."""
+    return sum(onednn_kernel_bytes(k, n) for k, n in onednn_shapes(model, cfg))
 
+
+def onednn_shapes(model: MoETransformer, cfg: Config) -> set:
+    """The (k, n) of this rank's GEMMs oneDNN serves: at the ``batch`` level on a CPU, every distinct
+    [n, k] weight (a linear's, an expert's of a grouped [E, n, k]; embeddings are gathered, not
+    multiplied, unless tied to the head) that oneDNN may serve at the activations' dtype
+    (`row_calls.onednn_serves`: the shape's row plan probed it)."""
     if gemm_device(cfg).type != "cpu" or not gemms_are_tiled(cfg):
-        return 0
+        return set()
     dtype = activation_dtype(cfg)
     shapes = set()
     for name, p in model.named_parameters():
@@ -290,7 +298,7 @@ def onednn_cache_bytes(model: MoETransformer, cfg: Config) -> int:
         n, k = p.shape[-2:]
         if onednn_serves(k, n, dtype):
             shapes.add((k, n))
-    return sum(onednn_kernel_bytes(k, n) for k, n in shapes)
+    return shapes
 
 
 def _weight_rounding(model: MoETransformer) -> str:

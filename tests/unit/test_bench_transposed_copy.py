@@ -42,9 +42,9 @@ def test_generation_and_scoring_with_and_without_tall_calls_give_the_same_bits(c
                 "--prompt-len", "40", "--new-tokens", "2", "--repeats", "2", "--modes", "bf16"])
     rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| bf16 |")]
     assert [row.split("|")[2].strip() for row in rows] == ["generation", "scoring"]
-    kept = sorted(f"[{k[1]}, {k[0]}]" for k, p in row_calls._PLANS.items() if p.tall)
+    kept = sorted(f"[{k[1]}, {k[0]}]" for k, p in row_calls._PLANS.items() if p.dense)
     assert all(row.rstrip(" |").endswith(", ".join(kept) or "—") for row in rows)
-    assert not row_calls._onednn_usable() or kept  # [512, 512] and wider: oneDNN's plans, tall heights probed
+    assert not row_calls._onednn_usable() or kept  # [512, 512] and wider: oneDNN's plans, heights past the probed ones
 
 
 def test_the_gemm_rows_time_both_operands():

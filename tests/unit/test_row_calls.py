@@ -40,23 +40,30 @@ def test_plan_heights_and_calls():
     low = RowPlan(4, 4, 64, "onednn", low=2)  # oneDNN's short heights: 2 and 3 rows called as they are
     assert [low.height(n) for n in (0, 1, 2, 3, 4, 5, 64, 65, 66)] == [4, 2, 2, 3, 4, 8, 64, 68, 68]
     assert low.calls(2) == [2] and low.calls(3) == [3] and low.calls(68) == [64, 4]
-    # oneDNN's tall heights: the multiples of 4 to 64, then of 32 to 256 (a remainder under the
-    # minimum after the tall steps is not a height: one step less, the remainder in the dense range)
-    tall = RowPlan(4, 4, 256, "onednn", low=2, dense=64, tall=32)
-    assert tall.heights() == [2, 3] + list(range(4, 65, 4)) + [96, 128, 160, 192, 224, 256]
-    assert low.heights() == [2, 3] + list(range(4, 65, 4)) and RowPlan(8, 16, 64).heights() == [16, 24, 32, 40, 48, 56, 64]
+    # a oneDNN plan past its probed heights: every multiple of the quantum to the cap (those past
+    # `dense` verified at their first call); one that differs goes in probed heights (`dense_calls`)
+    tall = RowPlan(4, 4, 256, "onednn", low=2, dense=64)
+    assert tall.heights() == [2, 3] + list(range(4, 257, 4))
+    assert low.heights() == [2, 3] + list(range(4, 65, 4))
+    assert RowPlan(8, 16, 64).heights() == [16, 24, 32, 40, 48, 56, 64]
     assert [tall.height(n) for n in (1, 65, 68, 96, 97, 100, 130, 256, 257, 300)] == \
         [2, 68, 68, 96, 100, 100, 132, 256, 260, 300]
-    assert tall.calls(100) == [96, 4] and tall.calls(132) == [128, 4] and tall.calls(300) == [256, 44]
-    assert tall.calls(68) == [64, 4] and tall.calls(64) == [64] and tall.calls(96) == [96]
-    assert RowPlan(4, 8, 256, "onednn", dense=64, tall=32).calls(100) == [64, 36]  # 4 rows: under the minimum
+    assert tall.calls(100) == [100] and tall.calls(300) == [256, 44] and tall.calls(260) == [256, 4]
+    assert tall.dense_calls(100) == [64, 36] and tall.dense_calls(68) == [64, 4] and tall.dense_calls(256) == [64] * 4
+    assert RowPlan(4, 8, 256, "onednn", dense=64).dense_calls(68) == [60, 8]  # 4 rows: under the minimum
+    assert RowPlan(8, 16, 256, "onednn", dense=64).dense_calls(136) == [64, 56, 16]
     for n in range(0, 600):  # every height is covered by calls the plan allows
-        for p in (plan, tile, RowPlan(4, 4, 256), low, tall, RowPlan(4, 8, 256, "onednn", dense=64, tall=32)):
+        for p in (plan, tile, RowPlan(4, 4, 256), low, tall, RowPlan(4, 8, 256, "onednn", dense=64),
+                  RowPlan(8, 16, 256, "onednn", dense=64)):
             allowed = set(p.heights())
             height = p.height(n)
             calls = p.calls(height)
             assert sum(calls) == height >= n and set(calls) <= allowed, (p, n, calls)
             assert p.one_call(height) == (len(calls) == 1), (p, n)
+            for c in calls:  # a call past the probed heights, cut into them where it is not verified
+                if p.dense and c > p.dense:
+                    pieces = p.dense_calls(c)
+                    assert sum(pieces) == c and set(pieces) <= allowed and max(pieces) <= p.dense, (p, c, pieces)
             body = p.whole(n)  # `_runs_in_place`'s rows called in place, the rest padded
             assert n - body < max(p.quantum, p.minimum) and (n - body < p.quantum or body == n - n % p.cap), (p, n)
             assert not body or set(p.calls(body)) <= allowed and sum(p.calls(body)) == body, (p, n)
@@ -81,8 +88,14 @@ def test_every_height_of_the_plan_gives_the_tiles_bits(threads, k, n, dtype):
     x = torch.randn(2 * plan.cap + tile, k, generator=g).to(dtype)
     want = tiles(x, w)
     blocks = column_blocks(k, n)
+    packed = row_calls.onednn_pack(w) if plan.kernel == "onednn" else None
     for h in plan.heights()[len(range(plan.low, plan.minimum)) if plan.low else 0:]:
-        if plan.kernel == "onednn":
+        if plan.dense and h > plan.dense:  # verified at a first call: where it agreed, on these rows too
+            for form in (w, packed):
+                if row_calls.tall_agrees(k, n, dtype, form.is_mkldnn, h):
+                    assert torch.equal(bits(onednn_linear(x[:h], form)), bits(want[:h])), f"height {h} of {plan}"
+            out = _row_products(x[:h], w.t(), None, plan)  # the production calls (cut where not verified)
+        elif plan.kernel == "onednn":
             out = onednn_linear(x[:h], w)
         else:
             out = x.new_empty(h, n)
@@ -93,7 +106,6 @@ def test_every_height_of_the_plan_gives_the_tiles_bits(threads, k, n, dtype):
             assert len(blocks) == 1 and torch.equal(bits(torch.mm(x[:h], w.t().contiguous())), bits(want[:h])), h
     if plan.low:  # oneDNN's short heights, both weight forms (the trainer's dense, a rollout's packed)
         assert plan.kernel == "onednn" and 0 < plan.low < plan.minimum
-        packed = row_calls.onednn_pack(w)
         for h in range(plan.low, plan.minimum):
             for form in (w, packed):
                 assert torch.equal(bits(onednn_linear(x[:h], form)), bits(want[:h])), f"short height {h} of {plan}"
@@ -146,17 +158,24 @@ def test_the_probe_keeps_only_heights_that_match_and_falls_back_to_the_tile(monk
 needs_onednn = pytest.mark.skipif(not row_calls._onednn_usable(), reason="oneDNN's fp32 inner product unusable here")
 
 
+def onednn_in_tiles(tile: int):
+    """oneDNN's inner product as calls of ``tile`` rows (the real one, before a test patches it):
+    every height and weight form gives the tiles' bits, whatever this machine's kernels do."""
+    real = row_calls.onednn_linear
+
+    def linear(x, w):
+        xp = torch.cat([x, x.new_zeros(-x.shape[0] % tile, x.shape[1])])
+        return torch.cat([real(t, w) for t in xp.split(tile)])[:x.shape[0]]
+    return linear
+
+
 @needs_onednn
 def test_the_onednn_probe_keeps_matching_heights_else_leaves_the_shape_to_mm(monkeypatch):
     """oneDNN heights off a multiple of 8 (one form only: the dense weight's) round otherwise: quantum
     8 on oneDNN; every height but the tile's: no oneDNN plan, and row_plan falls back to mm's."""
-    real = row_calls.onednn_linear
     k, n = 512, 512
     tile = row_tile(k, n)
-
-    def base(x, w):  # oneDNN in tile-row calls: every height and form gives the tiles' bits here
-        xp = torch.cat([x, x.new_zeros(-x.shape[0] % tile, x.shape[1])])
-        return torch.cat([real(t, w) for t in xp.split(tile)])[:x.shape[0]]
+    base = onednn_in_tiles(tile)
 
     def make(bad):
         def linear(x, w):
@@ -165,7 +184,7 @@ def test_the_onednn_probe_keeps_matching_heights_else_leaves_the_shape_to_mm(mon
         return linear
 
     dense = tile * row_calls.CAP_TILES
-    tall = dict(dense=dense, tall=row_calls.TALL_STEP)
+    tall = dict(dense=dense)
     top = row_calls.TALL_ROWS
     monkeypatch.setattr(row_calls, "onednn_linear", make(lambda h, w: h % 8 != 0 and not w.is_mkldnn))
     assert row_calls._run_probe(k, n, n, tile, torch.float32, "onednn") == RowPlan(8, 8, top, "onednn", **tall)
@@ -175,27 +194,12 @@ def test_the_onednn_probe_keeps_matching_heights_else_leaves_the_shape_to_mm(mon
         monkeypatch.setattr(row_calls, "onednn_linear", make(bad))
         assert row_calls._run_probe(k, n, n, tile, torch.float32, "onednn") == \
             RowPlan(4, 4, top, "onednn", low=low, **tall), low
-    # the tall heights: kept up to the first that differs (one form is enough), the tallest also
-    # from misaligned rows; none where the first one past the dense heights differs
-    for bad, cap in ((lambda h, w: h == 160 and w.is_mkldnn, 128), (lambda h, w: h > 200, 192),
-                     (lambda h, w: h == dense + row_calls.TALL_STEP and not w.is_mkldnn, dense),
-                     (lambda h, w: h == 224, 192)):
-        monkeypatch.setattr(row_calls, "onednn_linear", make(bad))
-        got = row_calls._run_probe(k, n, n, tile, torch.float32, "onednn")
-        assert got == (RowPlan(4, 4, cap, "onednn", low=1, **tall) if cap > dense else
-                       RowPlan(4, 4, dense, "onednn", low=1)), (cap, got)
 
     monkeypatch.setattr(row_calls, "onednn_linear", make(lambda h, w: False))
     cached = row_calls.CACHED_WEIGHT_ELEMENTS
-    monkeypatch.setattr(row_calls, "CACHED_WEIGHT_ELEMENTS", k * n - 1)  # a larger weight: no tall heights tried
+    monkeypatch.setattr(row_calls, "CACHED_WEIGHT_ELEMENTS", k * n - 1)  # a larger weight: probed heights only
     assert row_calls._run_probe(k, n, n, tile, torch.float32, "onednn") == RowPlan(4, 4, dense, "onednn", low=1)
     monkeypatch.setattr(row_calls, "CACHED_WEIGHT_ELEMENTS", cached)
-
-    def misaligned_tall(x, w):
-        r = base(x, w)
-        return r * (1 + 2 ** -20) if x.shape[0] == top and x.data_ptr() % 16 else r
-    monkeypatch.setattr(row_calls, "onednn_linear", misaligned_tall)
-    assert row_calls._run_probe(k, n, n, tile, torch.float32, "onednn") == RowPlan(4, 4, dense, "onednn", low=1)
 
     def misaligned(x, w):  # 2 rows from the probe's misaligned copy differ: 3 is the lowest
         r = base(x, w)
@@ -207,6 +211,43 @@ def test_the_onednn_probe_keeps_matching_heights_else_leaves_the_shape_to_mm(mon
     monkeypatch.setattr(row_calls, "_PLANS", {})
     monkeypatch.setattr(row_calls, "_probe_cached", functools.lru_cache(maxsize=None)(row_calls._probe_cached.__wrapped__))
     assert row_plan(k, n, torch.float32, torch.device("cpu")).kernel == "mm"
+
+
+@needs_onednn
+def test_a_height_past_the_probed_ones_is_verified_at_its_first_call_and_cut_where_it_differs(monkeypatch):
+    """A oneDNN plan's heights past ``dense``: each verified once per form at the first call that
+    takes it (aligned and misaligned random rows against the tiles), a call of a height that differs
+    (on that form, or only from misaligned rows) cut into probed heights; the products keep the
+    tiles' bits either way, and the verdict is remembered (no second check)."""
+    k, n = 512, 512
+    base = onednn_in_tiles(row_tile(k, n))
+    calls = []
+
+    def linear(x, w):
+        calls.append((x.shape[0], w.is_mkldnn))
+        r = base(x, w)
+        differs = (x.shape[0] == 100 and not w.is_mkldnn) or (x.shape[0] == 200 and x.data_ptr() % 16 != 0)
+        return r * (1 + 2 ** -20) if differs else r
+
+    monkeypatch.setattr(row_calls, "onednn_linear", linear)
+    monkeypatch.setattr(row_calls, "_TALL", {})
+    plan = RowPlan(4, 4, 256, "onednn", dense=64)
+    args = (k, n, torch.float32)
+    assert row_calls.onednn_calls(plan, *args, True, 100) == [100]  # the packed form agrees at 100
+    assert row_calls.onednn_calls(plan, *args, False, 100) == [64, 36]  # the dense form does not
+    assert row_calls.onednn_calls(plan, *args, False, 200) == [64, 64, 64, 8]  # only misaligned rows differ
+    assert row_calls.onednn_calls(plan, *args, False, 300) == [256, 44]
+    assert row_calls.onednn_calls(plan, *args, False, 64) == [64]
+    assert sorted(key[3:5] for key in row_calls._TALL) == [(False, 100), (False, 200), (False, 256), (True, 100)]
+    calls.clear()
+    assert row_calls.onednn_calls(plan, *args, False, 100) == [64, 36] and not calls  # remembered
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(n, k, generator=g) / k ** 0.5
+    x = torch.randn(300, k, generator=g)
+    monkeypatch.setattr("megatron_fp4.fp4.tiled.onednn_linear", linear)
+    for rows in (100, 200, 300):
+        out = _row_products(x[:rows], w.t(), None, plan)
+        assert torch.equal(bits(out), bits(base(x[:rows], w))), rows
 
 
 def test_the_transposed_copy_is_kept_only_where_every_height_of_the_plan_agrees(monkeypatch):
