@@ -63,10 +63,10 @@ the first time a call takes it (:func:`tall_agrees`: random rows in one call, al
 misaligned, against the tiles; a height that differs is cut into probed ones, :meth:`RowPlan.calls`'
 pieces of :meth:`RowPlan.dense_calls`). So the bits are the tiles' whichever heights a process has
 verified, and a process makes (and oneDNN caches a primitive for) only the heights its calls take.
-Measured (an AVX2-only EPYC, one thread): 64 experts' MLP over a scoring pass's runs of 72-119 rows
-0.96-1.06x ``grouped_mm``'s time in one call per run, 1.13x in calls of 96 or 64 rows and a remainder
-(a remainder's few rows read the whole weight again), 1.25x as well laid out in one padded buffer.
-Probing every height up front took 5.4 s for an LM head and ~92 MiB a shape (session 24).
+Measured (an AVX2-only EPYC, one thread): a realistic scoring pass 0.91x the time of 64-row calls
+(session 25's eager 96-256-row steps: 0.92-0.98x, a run of 100 rows in a 96-row call and a 4-row one
+that reads the whole weight again). Probing every height up front took 5.4 s for an LM head and
+~92 MiB a shape (session 24).
 
 And for a decode step's experts: runs of one small height (up to :data:`BATCHED_MAX_HEIGHT` rows)
 of consecutive experts may go in one ``bmm`` over their slice of the stacked weight where the probe

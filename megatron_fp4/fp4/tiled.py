@@ -527,32 +527,9 @@ def tiled_grouped_mlp(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, coun
                               packs=packs)
     p13 = row_plan(w13.shape[2], w13.shape[1], x.dtype, x.device)
     p2 = row_plan(w2.shape[2], w2.shape[1], x.dtype, x.device)
-    if p13.kernel == p2.kernel == "onednn":
-        return _mlp_per_run(x, w13, w2, [int(n) for n in counts], act, p13, p2, packs)
     layout = GroupedRows(counts, (p13, p2), x.device)
     h = _run_tiles(layout.pad(x), w13, layout, p13, packs)
     return layout.unpad(_run_tiles(act(h), w2, layout, p2, packs))
-
-
-def _mlp_per_run(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, counts: list, act, p13: RowPlan,
-                 p2: RowPlan, packs: Optional[dict]) -> torch.Tensor:
-    """:func:`tiled_grouped_mlp` on two oneDNN plans: run by run, both GEMMs and ``act`` before the
-    next run (its rows stay in cache), each GEMM the calls :func:`_row_products` makes for the run
-    alone (its rows padded to the plan's height where they are not one), the run's rows of the
-    product written into the output. oneDNN writes a fresh output per call whatever the layout, so
-    a padded buffer for every run (:class:`GroupedRows`) only added passes over every row: measured,
-    64 experts' MLP over a scoring pass's runs of 72-119 rows 0.91-1.06× ``grouped_mm``'s time run
-    by run, 1.13-1.25× laid out (an AVX2-only EPYC, one thread)."""
-    out = x.new_empty(x.shape[0], w2.shape[1])
-    start = 0
-    for e, n in enumerate(counts):
-        if not n:
-            continue
-        h = _row_products(_padded_rows(x[start:start + n], p13.height(n)), w13[e].t(), None, p13, packs)
-        z = _row_products(_padded_rows(act(h[:n]), p2.height(n)), w2[e].t(), None, p2, packs)
-        out[start:start + n] = z[:n]
-        start += n
-    return out
 
 
 def _zero_padded(t: torch.Tensor, dim: int, size: int) -> torch.Tensor:
