@@ -274,16 +274,15 @@ def onednn_serves(k: int, n: int, dtype: torch.dtype) -> bool:
     return dtype == torch.float32 and k * n >= ONEDNN_MIN_ELEMENTS and _onednn_usable()
 
 
-def onednn_kernel_bytes(k: int, n: int, tall_forms: int = 1) -> int:
+def onednn_kernel_bytes(k: int, n: int) -> int:
     """The most bytes oneDNN's primitive cache keeps for a [·, k] · [k, n] GEMM it serves: one
     primitive per call height and weight form — the probe's heights in both forms (dense, packed:
     the multiples of 4 up to CAP_TILES tiles, the short heights 1-3 it tries for ``RowPlan.low``)
     and, for a weight of at most CACHED_WEIGHT_ELEMENTS, the multiples of 4 past them up to
-    TALL_ROWS in ``tall_forms`` forms (a trainer computes with the dense form alone, a rollout
-    model with the packed one), each made when a call first takes it (:func:`tall_agrees`: a
-    process holds the heights its calls took) — kept for the process's life (the cache holds up to
-    1024 primitives)."""
-    return (2 * probed_heights(k, n) + tall_forms * tall_heights(k, n)) * ONEDNN_PRIMITIVE_BYTES
+    TALL_ROWS in one form (a trainer computes with the dense form alone, a rollout model with the
+    packed one), each made when a call first takes it (:func:`tall_agrees`: a process holds the
+    heights its calls took) — kept for the process's life (the cache holds up to 1024 primitives)."""
+    return (2 * probed_heights(k, n) + tall_heights(k, n)) * ONEDNN_PRIMITIVE_BYTES
 
 
 def probed_heights(k: int, n: int) -> int:
@@ -322,6 +321,7 @@ def tall_agrees(k: int, n: int, dtype: torch.dtype, packed: bool, height: int) -
 
 
 def _tall_check(k: int, n: int, dtype: torch.dtype, packed: bool, height: int) -> bool:
+    """:func:`tall_agrees`' check itself (uncached)."""
     tile = row_tile(k, n)
     with torch.inference_mode(), torch.autocast("cpu", enabled=False):
         gen = torch.Generator().manual_seed(PROBE_SEED + height)
@@ -337,9 +337,9 @@ def onednn_calls(plan: RowPlan, k: int, n: int, dtype: torch.dtype, packed: bool
     """The oneDNN calls covering ``height`` rows of a [·, k] · [k, n] GEMM (a value of
     :meth:`RowPlan.height`) on the weight's packed or dense form: :meth:`RowPlan.calls`, each past
     the plan's ``dense`` verified (:func:`tall_agrees`) or else cut into probed heights."""
+    if height <= (plan.dense or plan.cap):  # a decode step's few rows: one call of a probed height
+        return [height]
     calls = plan.calls(height)
-    if not plan.dense or max(calls) <= plan.dense:
-        return calls
     out = []
     for c in calls:
         out += [c] if c <= plan.dense or tall_agrees(k, n, dtype, packed, c) else plan.dense_calls(c)

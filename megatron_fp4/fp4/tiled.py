@@ -170,9 +170,7 @@ def _row_products(xp: torch.Tensor, wt: torch.Tensor, out: Optional[torch.Tensor
     copy kept there (:func:`_kept`, :func:`_transposed`; ``wt`` already contiguous: that copy)."""
     if plan.kernel == "onednn":
         w = _onednn_weight(wt.t(), packs)
-        rows = xp.shape[0]  # a decode step's few rows: one call of a probed height
-        calls = [rows] if rows <= (plan.dense or plan.cap) else \
-            onednn_calls(plan, *wt.shape, xp.dtype, w.is_mkldnn, rows)
+        calls = onednn_calls(plan, *wt.shape, xp.dtype, w.is_mkldnn, xp.shape[0])
         if len(calls) == 1:
             y = onednn_linear(xp, w)
             return y if out is None else out.copy_(y)
