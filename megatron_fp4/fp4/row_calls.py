@@ -56,16 +56,19 @@ misaligned rows), down from the minimum while each agrees; a call of fewer rows 
 ``low`` (measured: a realistic-width generation at `batch` 0.87-0.90× the time with every call
 padded to 4, the same bits). MKL's sgemm takes other kernels at heights 1-3 (not tried).
 
-Above the cap, for a scoring pass: a oneDNN plan of a weight of at most CACHED_WEIGHT_ELEMENTS
-takes every multiple of its quantum up to TALL_ROWS rows (a scoring pass's ~100-row run of an expert
-in one call of its own height), the heights past the probed ones (``RowPlan.dense``) each verified
-the first time a call takes it (:func:`tall_agrees`: random rows in one call, aligned and
-misaligned, against the tiles; a height that differs is cut into probed ones, :meth:`RowPlan.calls`'
-pieces of :meth:`RowPlan.dense_calls`). So the bits are the tiles' whichever heights a process has
-verified, and a process makes (and oneDNN caches a primitive for) only the heights its calls take.
-Measured (an AVX2-only EPYC, one thread): a realistic scoring pass 0.91x the time of 64-row calls
-(session 25's eager 96-256-row steps: 0.92-0.98x, a run of 100 rows in a 96-row call and a 4-row one
-that reads the whole weight again). Probing every height up front took 5.4 s for an LM head and
+Above the cap, for a scoring pass: a oneDNN plan takes every multiple of its quantum up to
+TALL_ROWS rows (a scoring pass's ~100-row run of an expert in one call of its own height), the
+heights past the probed ones (``RowPlan.dense``) each verified the first time a call takes it
+(:func:`tall_agrees`: random rows in one call, aligned and misaligned, against the tiles; a height
+that differs is cut into probed ones, :meth:`RowPlan.calls`' pieces of :meth:`RowPlan.dense_calls`).
+A weight of more than CACHED_WEIGHT_ELEMENTS (an LM head's [8192, 1024]: a verification reads it
+~40 times, ~0.2 s) calls past its probed heights only the multiples of ``dense`` (3 heights to verify
+instead of 48), the rest of a call in a probed height (:func:`onednn_calls`). So the bits are the
+tiles' whichever heights a process has verified, and a process makes (and oneDNN caches a primitive
+for) only the heights its calls take. Measured (an AVX2-only EPYC, one thread): a realistic scoring
+pass 0.91x the time of 64-row calls (session 25's eager 96-256-row steps: 0.92-0.98x, a run of 100
+rows in a 96-row call and a 4-row one that reads the whole weight again); the LM head's 256-row
+calls another 0.98x (session 27). Probing every height up front took 5.4 s for an LM head and
 ~92 MiB a shape (session 24).
 
 And for a decode step's experts: runs of one small height (up to :data:`BATCHED_MAX_HEIGHT` rows)
@@ -94,8 +97,8 @@ QUANTA = (4, 8, 16)  # a probed plan's row quantum: the heights it may call are 
 PROBE_SEED = 0x5EED
 ONEDNN_MIN_ELEMENTS = 1 << 18  # weights smaller than this stay on mm (oneDNN's ~12 µs a call loses below it)
 # a oneDNN plan's calls go up to this many rows, the heights past its CAP_TILES tiles each verified at
-# its first call (`tall_agrees`), for a weight of at most CACHED_WEIGHT_ELEMENTS (an LM head's
-# [8192, 1024] keeps 64-row calls: its verifications would cost ~0.2 s a height for ~2 % of a scoring pass)
+# its first call (`tall_agrees`; a weight of more than CACHED_WEIGHT_ELEMENTS: only the multiples of
+# its probed cap, `onednn_calls`)
 TALL_ROWS = 256
 # a weight of at least this many elements on mm is probed for its contiguous transposed copy
 # (`RowPlan.transposed_copy`): below it the copy's lookup (~2 µs) costs about what a decode call
@@ -278,10 +281,10 @@ def onednn_kernel_bytes(k: int, n: int) -> int:
     """The most bytes oneDNN's primitive cache keeps for a [·, k] · [k, n] GEMM it serves: one
     primitive per call height and weight form — the probe's heights in both forms (dense, packed:
     the multiples of 4 up to CAP_TILES tiles, the short heights 1-3 it tries for ``RowPlan.low``)
-    and, for a weight of at most CACHED_WEIGHT_ELEMENTS, the multiples of 4 past them up to
-    TALL_ROWS in one form (a trainer computes with the dense form alone, a rollout model with the
-    packed one), each made when a call first takes it (:func:`tall_agrees`: a process holds the
-    heights its calls took) — kept for the process's life (the cache holds up to 1024 primitives)."""
+    and the heights past them up to TALL_ROWS (:func:`tall_heights`) in one form (a trainer computes
+    with the dense form alone, a rollout model with the packed one), each made when a call first
+    takes it (:func:`tall_agrees`: a process holds the heights its calls took) — kept for the
+    process's life (the cache holds up to 1024 primitives)."""
     return (2 * probed_heights(k, n) + tall_heights(k, n)) * ONEDNN_PRIMITIVE_BYTES
 
 
@@ -291,13 +294,17 @@ def probed_heights(k: int, n: int) -> int:
 
 
 def tall_heights(k: int, n: int) -> int:
-    """How many heights past the probed ones a oneDNN plan of a [·, k] · [k, n] GEMM may call."""
-    return max(0, TALL_ROWS - row_tile(k, n) * CAP_TILES) // QUANTA[0] if _tall_probed(k, n) else 0
+    """How many heights past the probed ones a oneDNN plan of a [·, k] · [k, n] GEMM may call: every
+    multiple of 4 up to TALL_ROWS, only those of the probed cap for a weight of more than
+    CACHED_WEIGHT_ELEMENTS (:func:`onednn_calls`)."""
+    cap = row_tile(k, n) * CAP_TILES
+    return max(0, TALL_ROWS - cap) // (QUANTA[0] if _every_height(k, n) else cap)
 
 
-def _tall_probed(k: int, n: int) -> bool:
-    """Whether a oneDNN plan of a [·, k] · [k, n] GEMM takes heights past its probed ones up to
-    TALL_ROWS: a weight of at most CACHED_WEIGHT_ELEMENTS."""
+def _every_height(k: int, n: int) -> bool:
+    """Whether a oneDNN plan of a [·, k] · [k, n] GEMM calls every multiple of its quantum past its
+    probed heights (each verified at its first call) or only the multiples of its probed cap: a weight
+    of at most CACHED_WEIGHT_ELEMENTS (a larger one's verification reads it ~40 times)."""
     return k * n <= CACHED_WEIGHT_ELEMENTS
 
 
@@ -336,13 +343,27 @@ def _tall_check(k: int, n: int, dtype: torch.dtype, packed: bool, height: int) -
 def onednn_calls(plan: RowPlan, k: int, n: int, dtype: torch.dtype, packed: bool, height: int) -> list:
     """The oneDNN calls covering ``height`` rows of a [·, k] · [k, n] GEMM (a value of
     :meth:`RowPlan.height`) on the weight's packed or dense form: :meth:`RowPlan.calls`, each past
-    the plan's ``dense`` verified (:func:`tall_agrees`) or else cut into probed heights."""
+    the plan's ``dense`` verified (:func:`tall_agrees`) or else cut into probed heights. A weight of
+    more than CACHED_WEIGHT_ELEMENTS calls past ``dense`` only multiples of it: such a call's height
+    is cut into its largest multiple of ``dense`` (verified) and the rest (probed heights)."""
     if height <= (plan.dense or plan.cap):  # a decode step's few rows: one call of a probed height
         return [height]
-    calls = plan.calls(height)
-    out = []
-    for c in calls:
-        out += [c] if c <= plan.dense or tall_agrees(k, n, dtype, packed, c) else plan.dense_calls(c)
+    if not plan.dense:  # every height of the plan probed
+        return plan.calls(height)
+    every, out = _every_height(k, n), []
+    for c in plan.calls(height):
+        if c <= plan.dense:
+            out.append(c)
+            continue
+        whole = c if every else c - c % plan.dense
+        if 0 < c - whole < (plan.low or plan.minimum):  # no rest under the plan's smallest height
+            whole -= plan.dense
+        if whole > plan.dense:
+            out += [whole] if tall_agrees(k, n, dtype, packed, whole) else plan.dense_calls(whole)
+        elif whole:
+            out.append(whole)
+        rest = c - whole
+        out += plan.dense_calls(rest) if rest > plan.dense else [rest] if rest else []
     return out
 
 
@@ -407,8 +428,8 @@ def _run_probe(k: int, width: int, stride: int, tile: int, dtype: torch.dtype, k
     passed, confirmed from a misaligned copy of the rows at the minimum and the cap. The fixed tile
     (``mm``'s) where none did. ``mm``'s contiguous transposed copy, where probed, is then tried at
     every height of that plan and from the misaligned rows (``RowPlan.transposed_copy``). A oneDNN
-    plan of a weight of at most CACHED_WEIGHT_ELEMENTS goes on to TALL_ROWS rows, the heights past
-    the probed ones (its ``dense``) verified at their first call (:func:`onednn_calls`)."""
+    plan goes on to TALL_ROWS rows, the heights past the probed ones (its ``dense``) verified at
+    their first call (:func:`onednn_calls`)."""
     cap = tile * CAP_TILES
     longest = max(cap, CAP_ROWS) if kernel == "mm" else cap  # heights past the cap tried (mm: its repacking)
     with torch.inference_mode(), torch.autocast("cpu", enabled=False):
@@ -446,7 +467,7 @@ def _run_probe(k: int, width: int, stride: int, tile: int, dtype: torch.dtype, k
                 while kernel == "onednn" and low > 1 and same(x[:low - 1], needed) \
                         and same(shifted[:low - 1], needed):
                     low -= 1
-                tall = kernel == "onednn" and _tall_probed(k, width) and top < TALL_ROWS
+                tall = kernel == "onednn" and top < TALL_ROWS
                 return RowPlan(quantum, minimum, TALL_ROWS if tall else top, kernel, copy, batched,
                                low if low < minimum else 0, top if tall else 0)
     return RowPlan(tile, tile, tile)

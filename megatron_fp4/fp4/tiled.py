@@ -359,19 +359,18 @@ def _runs_in_place(x: torch.Tensor, weights, counts: list, plan: RowPlan,
     zero-padded call of the plan's height. Every call is one the plan allows, so every row has the
     bits the padded layout gives it (a row's bits do not depend on the other rows of a call of such a
     height), without a pad of every row and a gather of every output row (~1.3 ms a grouped GEMM of
-    1536 rows at hidden 256) for one more weight pass per run with a tail. On a oneDNN plan (whose
-    products are copied out anyway) the rows past a run's whole cap-row calls, where they are not a
-    height of the plan, go in one padded call instead: a few-row call reads the whole weight again."""
-    K, n_out = x.shape[1], weights[0].shape[0]
+    1536 rows at hidden 256) for one more weight pass per run with a tail. A oneDNN plan reads even
+    the padding rows in place (:func:`_onednn_runs`)."""
     x = x if x.is_contiguous() else x.contiguous()
-    out = x.new_empty(x.shape[0], n_out)
+    out = x.new_empty(x.shape[0], weights[0].shape[0])
+    if plan.kernel == "onednn":
+        return _onednn_runs(x, weights, counts, plan, packs, out)
+    K = x.shape[1]
     start = 0
     for wt, n in zip(_run_operands(weights, plan, packs), counts):
         if not n:
             continue
         body = plan.whole(n)
-        if body < n and plan.kernel == "onednn":  # its product is copied out anyway: the run's last
-            body -= body % plan.cap  # rows in one padded call, not a short one rereading the weight
         if body:
             _row_products(x[start:start + body], wt, out[start:start + body], plan, packs)
         if body < n:
@@ -380,6 +379,33 @@ def _runs_in_place(x: torch.Tensor, weights, counts: list, plan: RowPlan,
             xt[:tail] = x[start + body:start + n]
             out[start + body:start + n] = _row_products(xt, wt, None, plan, packs)[:tail]
         start += n
+    return out
+
+
+def _onednn_runs(x: torch.Tensor, weights, counts: list, plan: RowPlan, packs: Optional[dict],
+                 out: torch.Tensor) -> torch.Tensor:
+    """:func:`_runs_in_place` on a oneDNN plan: each run's calls (the heights its padded layout
+    takes, :func:`row_calls.onednn_calls`) read ``x`` [R, K] (contiguous) from the run's first row
+    on, the rows past the run's own in a call being the next runs' rows instead of zeros, and only
+    the run's rows of each product are copied into ``out`` (oneDNN writes a fresh product anyway).
+    A row's bits do not depend on the other rows of a call of a height the plan allows (the probe and
+    the verification put random rows there, aligned and misaligned), so every row has the padded
+    layout's bits, without a zero-filled copy of every row (a scoring pass's 6144 expert rows at
+    hidden 1024: 25 MiB written, ~4 % of the pass); only a call past ``x``'s last row reads a
+    zero-padded copy of its rows."""
+    K, n_out, total = x.shape[1], out.shape[1], x.shape[0]
+    start = 0
+    for wt, n in zip(_run_operands(weights, plan, packs), counts):
+        if not n:
+            continue
+        w = _onednn_weight(wt.t(), packs)
+        at, end = start, start + n
+        for c in onednn_calls(plan, K, n_out, x.dtype, w.is_mkldnn, plan.height(n)):
+            rows = x[at:at + c] if at + c <= total else _padded_rows(x[at:end], c)
+            keep = min(c, end - at)
+            out[at:at + keep] = onednn_linear(rows, w)[:keep]
+            at += c
+        start = end
     return out
 
 
@@ -527,6 +553,9 @@ def tiled_grouped_mlp(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, coun
                               packs=packs)
     p13 = row_plan(w13.shape[2], w13.shape[1], x.dtype, x.device)
     p2 = row_plan(w2.shape[2], w2.shape[1], x.dtype, x.device)
+    if p13.kernel == p2.kernel == "onednn" and x.shape[0] > LAYOUT_LIST_ROWS:  # a scoring pass's many rows:
+        counts = [int(n) for n in counts]  # each GEMM's calls read their rows in place (`_onednn_runs`)
+        return _runs_in_place(act(_runs_in_place(x, w13, counts, p13, packs)), w2, counts, p2, packs)
     layout = GroupedRows(counts, (p13, p2), x.device)
     h = _run_tiles(layout.pad(x), w13, layout, p13, packs)
     return layout.unpad(_run_tiles(act(h), w2, layout, p2, packs))

@@ -197,8 +197,10 @@ def test_the_onednn_probe_keeps_matching_heights_else_leaves_the_shape_to_mm(mon
 
     monkeypatch.setattr(row_calls, "onednn_linear", make(lambda h, w: False))
     cached = row_calls.CACHED_WEIGHT_ELEMENTS
-    monkeypatch.setattr(row_calls, "CACHED_WEIGHT_ELEMENTS", k * n - 1)  # a larger weight: probed heights only
-    assert row_calls._run_probe(k, n, n, tile, torch.float32, "onednn") == RowPlan(4, 4, dense, "onednn", low=1)
+    monkeypatch.setattr(row_calls, "CACHED_WEIGHT_ELEMENTS", k * n - 1)  # a larger weight: the same plan (its
+    assert row_calls._run_probe(k, n, n, tile, torch.float32, "onednn") == \
+        RowPlan(4, 4, top, "onednn", low=1, **tall)  # calls past `dense` multiples of it: `onednn_calls`)
+    assert row_calls.tall_heights(k, n) == (top - dense) // dense
     monkeypatch.setattr(row_calls, "CACHED_WEIGHT_ELEMENTS", cached)
 
     def misaligned(x, w):  # 2 rows from the probe's misaligned copy differ: 3 is the lowest
@@ -248,6 +250,42 @@ def test_a_height_past_the_probed_ones_is_verified_at_its_first_call_and_cut_whe
     for rows in (100, 200, 300):
         out = _row_products(x[:rows], w.t(), None, plan)
         assert torch.equal(bits(out), bits(base(x[:rows], w))), rows
+
+
+@needs_onednn
+def test_a_weight_past_the_cached_size_calls_only_multiples_of_its_probed_cap(monkeypatch):
+    """A weight of more than CACHED_WEIGHT_ELEMENTS (an LM head): past ``dense`` a call takes the
+    largest multiple of it (verified at its first call, cut into probed heights where it differs) and
+    the rest in a probed height — never a rest under the plan's smallest height — so a process
+    verifies at most ``tall_heights`` heights of it; the products keep the tiles' bits."""
+    k, n = 512, 512
+    base = onednn_in_tiles(row_tile(k, n))
+    checked = []
+
+    def linear(x, w):
+        r = base(x, w)
+        return r * (1 + 2 ** -20) if x.shape[0] == 192 else r  # 192 rows differ
+
+    monkeypatch.setattr(row_calls, "onednn_linear", linear)
+    monkeypatch.setattr(row_calls, "_TALL", {})
+    monkeypatch.setattr(row_calls, "CACHED_WEIGHT_ELEMENTS", k * n - 1)
+    real = row_calls._tall_check
+    monkeypatch.setattr(row_calls, "_tall_check", lambda *a: checked.append(a[-1]) or real(*a))
+    args = (k, n, torch.float32, True)
+    plan = RowPlan(4, 4, 256, "onednn", low=2, dense=64)
+    assert row_calls.onednn_calls(plan, *args, 188) == [128, 60]
+    assert row_calls.onednn_calls(plan, *args, 256 + 132) == [256, 128, 4]
+    assert row_calls.onednn_calls(plan, *args, 200) == [64, 64, 64, 8]  # 192 differs: probed heights
+    assert row_calls.onednn_calls(plan, *args, 100) == [64, 36]
+    assert sorted(checked) == [128, 192, 256] and row_calls.tall_heights(k, n) == 3
+    coarse = RowPlan(8, 16, 256, "onednn", dense=64)  # quantum 8, minimum 16: no 8-row rest
+    assert row_calls.onednn_calls(coarse, *args, 136) == [64, 56, 16]
+    g = torch.Generator().manual_seed(4)
+    w = torch.randn(n, k, generator=g) / k ** 0.5
+    x = torch.randn(400, k, generator=g)
+    monkeypatch.setattr("megatron_fp4.fp4.tiled.onednn_linear", linear)
+    for rows in (188, 200, 388):
+        assert torch.equal(bits(_row_products(x[:rows], w.t(), None, plan)), bits(base(x[:rows], w))), rows
 
 
 def test_the_transposed_copy_is_kept_only_where_every_height_of_the_plan_agrees(monkeypatch):
@@ -345,6 +383,11 @@ def test_many_rows_in_place_give_the_padded_layouts_same_bits(threads, k, n):
             got = _runs_in_place(x, weights, counts, plan, store)
             assert torch.equal(bits(got), bits(want)), (counts, store is not None)
             assert torch.equal(bits(tiled_grouped_linear(x, weights, counts, store)), bits(want))
+        # a oneDNN call reads the next runs' rows in place of padding: never into a run's own rows
+        poisoned = x.clone()
+        poisoned[counts[0] + counts[1]:] = float("nan")
+        first = counts[0] + counts[1]
+        assert torch.equal(bits(_runs_in_place(poisoned, weights, counts, plan)[:first]), bits(want[:first]))
 
 
 def test_the_batched_call_is_kept_only_where_every_small_height_and_group_agrees(monkeypatch):
