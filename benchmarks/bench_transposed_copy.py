@@ -5,8 +5,11 @@ step's expert runs of one height in one ``bmm`` instead of one ``mm`` per expert
 what ``RowPlan.low`` buys (oneDNN calls of 2-3 rows made as they are instead of padded to 4: a
 decode step's experts at a realistic width); ``--flag tall``: what a oneDNN plan's heights past its
 probed ones buy (``RowPlan.dense``: calls of up to 256 rows, each height verified at its first call,
-instead of 64-row ones: a scoring pass's experts and projections at a realistic width), timed on the
-engine's generation and on the trainer's scoring of its sequences.
+instead of 64-row ones: a scoring pass's experts and projections at a realistic width); ``--flag
+in_place``: what reading a oneDNN plan's grouped runs in place buys (``tiled._onednn_runs``: a run's
+calls read the next runs' rows where the padded layout has zeros) against the padded layout
+(``GroupedRows``: a zero-filled copy of every row and a gather back; ``tiled.IN_PLACE_ROWS`` raised
+past any pass), timed on the engine's generation and on the trainer's scoring of its sequences.
 
     OMP_NUM_THREADS=1 python benchmarks/bench_transposed_copy.py                 # both parts
     OMP_NUM_THREADS=1 python benchmarks/bench_transposed_copy.py --only gemm --heights 4,8,16,64
@@ -15,6 +18,8 @@ engine's generation and on the trainer's scoring of its sequences.
         --hidden 1024 --layers 2 --experts 64 --top-k 8 --ffn 384 --heads 16 --kv-heads 4 --vocab 8192
     OMP_NUM_THREADS=1 python benchmarks/bench_transposed_copy.py --only generate --flag tall \
         --hidden 1024 --layers 2 --experts 64 --top-k 8 --ffn 384 --heads 16 --kv-heads 4 --vocab 8192
+    OMP_NUM_THREADS=1 python benchmarks/bench_transposed_copy.py --only generate --flag in_place \
+        --hidden 1024 --layers 2 --experts 64 --top-k 8 --ffn 384 --heads 16 --kv-heads 4 --vocab 8192
 
 - gemm: one ``torch.mm`` per weight of a set of ``--mib`` MiB (cycled, so each call reads its weight
   from memory, as a decode step's layers and experts do) at each height, view vs copy, and whether
@@ -22,9 +27,9 @@ engine's generation and on the trainer's scoring of its sequences.
 - generate: the rollout engine's greedy generation (the rollout benchmarks' hidden-256 model, FP4
   off and fp4_resq at ``batch``) with the probed plans as they are (copy where the probe kept it)
   and with ``--flag`` (``transposed_copy``, ``batched``, ``low`` or ``tall``) turned off in every
-  plan, calls alternating; the same tokens and log-prob bits either way (checked); with ``tall``
-  also the trainer's no-grad scoring of the generated sequences (`rollout.scoring.score`), the same
-  log-prob bits either way (checked).
+  plan (``in_place``: the padded layout instead), calls alternating; the same tokens and log-prob
+  bits either way (checked); with ``tall`` and ``in_place`` also the trainer's no-grad scoring of the
+  generated sequences (`rollout.scoring.score`), the same log-prob bits either way (checked).
 """
 from __future__ import annotations
 
@@ -40,23 +45,31 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_rollout import add_model_args, build, engine_for, same  # noqa: E402
 
-from megatron_fp4.fp4 import row_calls  # noqa: E402
+from megatron_fp4.fp4 import row_calls, tiled  # noqa: E402
 from megatron_fp4.rollout import SamplingParams  # noqa: E402
 from megatron_fp4.rollout.scoring import score  # noqa: E402
 
 FLAGS = {"transposed_copy": ("view", "copy"), "batched": ("per run", "batched"),
-         "low": ("padded to 4", "short calls"), "tall": ("64-row calls", "tall calls")}  # plan flag: (off, on) labels
+         "low": ("padded to 4", "short calls"), "tall": ("64-row calls", "tall calls"),
+         "in_place": ("padded layout", "in place")}  # plan flag (in_place: tiled.IN_PLACE_ROWS): (off, on) labels
+SCORED = ("tall", "in_place")  # the flags whose runs also time the trainer's scoring
 
 
 def flag_off(plan: row_calls.RowPlan, flag: str) -> row_calls.RowPlan:
-    """``plan`` with ``flag`` turned off (``tall``: the plan's probed heights alone)."""
+    """``plan`` with ``flag`` turned off (``tall``: the plan's probed heights alone; ``in_place`` is
+    not the plan's: ``tiled.IN_PLACE_ROWS``, the plan as it is)."""
+    if flag == "in_place":
+        return plan
     if flag == "tall":
         return dataclasses.replace(plan, cap=plan.dense or plan.cap, dense=0)
     return dataclasses.replace(plan, **{flag: False})
 
 
 def flagged_by(plan: row_calls.RowPlan, flag: str) -> bool:
-    """Whether ``plan`` has ``flag`` on (``tall``: heights past its probed ones, ``RowPlan.dense``)."""
+    """Whether ``plan`` has ``flag`` on (``tall``: heights past its probed ones, ``RowPlan.dense``;
+    ``in_place``: a oneDNN plan, whose grouped runs are read in place)."""
+    if flag == "in_place":
+        return plan.kernel == "onednn"
     return bool(plan.dense if flag == "tall" else getattr(plan, flag))
 
 
@@ -103,11 +116,12 @@ def generate_rows(args) -> list:
         off, on = FLAGS[args.flag]
         plans = {on: kept, off: {k: flag_off(p, args.flag) for k, p in kept.items()}}
         parts = {"generation": lambda: eng.generate(prompts, params)}
-        if args.flag == "tall":
+        if args.flag in SCORED:
             responses = [list(r) for r in first.response_ids]
             parts["scoring"] = lambda: score(eng.model, prompts, responses, 0, eng.mode, invariance=eng.invariance)
             scored = parts["scoring"]()
         times: dict = {(part, name): [] for part in parts for name in plans}
+        in_place = tiled.IN_PLACE_ROWS
         try:
             for i in range(args.repeats):
                 for part, fn in parts.items():
@@ -115,6 +129,7 @@ def generate_rows(args) -> list:
                     for name, table in list(plans.items())[::-1 if i % 2 else 1]:
                         row_calls._PLANS.clear()
                         row_calls._PLANS.update(table)
+                        tiled.IN_PLACE_ROWS = sys.maxsize if args.flag == "in_place" and name == off else in_place
                         start = time.process_time()
                         out = fn()
                         times[part, name].append(time.process_time() - start)
@@ -126,6 +141,7 @@ def generate_rows(args) -> list:
         finally:
             row_calls._PLANS.clear()
             row_calls._PLANS.update(kept)
+            tiled.IN_PLACE_ROWS = in_place
         flagged = sorted(f"[{k[1]}, {k[0]}]" for k, p in kept.items() if flagged_by(p, args.flag))
         for part in parts:
             rows.append((mode, part, statistics.median(times[part, off]), statistics.median(times[part, on]), flagged))

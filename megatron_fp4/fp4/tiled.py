@@ -276,6 +276,10 @@ def tiled_grouped_linear(x: torch.Tensor, weights, counts, packs: Optional[dict]
 
 
 LAYOUT_LIST_ROWS = 256  # a GroupedRows of at most this many rows builds its index from a Python list
+# grouped runs of more rows than this (a scoring pass's, a training forward's) are read in place
+# (`_runs_in_place`; both GEMMs of the no-grad expert MLP on oneDNN plans), fewer (a decode step's)
+# laid out padded once (`GroupedRows`: one pad and one gather beat a copy per run there)
+IN_PLACE_ROWS = 256
 
 
 @functools.lru_cache(maxsize=256)
@@ -344,7 +348,7 @@ def _grouped_tiles(x: torch.Tensor, weights, counts: list, plan: Optional[RowPla
         wide = [_zero_padded_rows(w, MIN_COLUMNS) for w in weights]
         return _grouped_tiles(x, wide, counts, plan, packs)[:, :n_out].contiguous()
     plan = row_plan(x.shape[1], n_out, x.dtype, x.device) if plan is None else plan
-    if sum(counts) > LAYOUT_LIST_ROWS:
+    if sum(counts) > IN_PLACE_ROWS:
         return _runs_in_place(x, weights, counts, plan, packs)
     layout = GroupedRows(counts, (plan,), x.device)
     return layout.unpad(_run_tiles(layout.pad(x), weights, layout, plan, packs))
@@ -553,7 +557,7 @@ def tiled_grouped_mlp(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, coun
                               packs=packs)
     p13 = row_plan(w13.shape[2], w13.shape[1], x.dtype, x.device)
     p2 = row_plan(w2.shape[2], w2.shape[1], x.dtype, x.device)
-    if p13.kernel == p2.kernel == "onednn" and x.shape[0] > LAYOUT_LIST_ROWS:  # a scoring pass's many rows:
+    if p13.kernel == p2.kernel == "onednn" and x.shape[0] > IN_PLACE_ROWS:  # a scoring pass's many rows:
         counts = [int(n) for n in counts]  # each GEMM's calls read their rows in place (`_onednn_runs`)
         return _runs_in_place(act(_runs_in_place(x, w13, counts, p13, packs)), w2, counts, p2, packs)
     layout = GroupedRows(counts, (p13, p2), x.device)

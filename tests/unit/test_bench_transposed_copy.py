@@ -47,6 +47,24 @@ def test_generation_and_scoring_with_and_without_tall_calls_give_the_same_bits(c
     assert not row_calls._onednn_usable() or kept  # [512, 512] and wider: oneDNN's plans, heights past the probed ones
 
 
+def test_generation_and_scoring_in_place_and_padded_give_the_same_bits(capsys):
+    """``--flag in_place``: the padded layout (``tiled.IN_PLACE_ROWS`` raised) against grouped runs read
+    in place, generation and a scoring pass of more than IN_PLACE_ROWS expert rows, the same bits
+    (the benchmark asserts them); the threshold is put back."""
+    from megatron_fp4.fp4 import tiled
+    before = tiled.IN_PLACE_ROWS
+    bench.main(["--only", "generate", "--flag", "in_place", "--hidden", "512", "--ffn", "512", "--layers", "1",
+                "--experts", "4", "--heads", "8", "--kv-heads", "2", "--vocab", "512", "--batch", "3",
+                "--prompt-len", "60", "--new-tokens", "2", "--repeats", "2", "--modes", "bf16"])
+    out = capsys.readouterr().out
+    assert "| mode (`batch`) | part | padded layout ms | in place ms | in place ÷ padded layout |" in out
+    rows = [line for line in out.splitlines() if line.startswith("| bf16 |")]
+    assert [row.split("|")[2].strip() for row in rows] == ["generation", "scoring"]
+    kept = sorted(f"[{k[1]}, {k[0]}]" for k, p in row_calls._PLANS.items() if p.kernel == "onednn")
+    assert all(row.rstrip(" |").endswith(", ".join(kept) or "—") for row in rows)
+    assert tiled.IN_PLACE_ROWS == before
+
+
 def test_the_gemm_rows_time_both_operands():
     with torch.inference_mode():
         rows = bench.gemm_rows([4, 8], mib=0.5, repeats=1)
