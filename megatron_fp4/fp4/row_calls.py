@@ -352,18 +352,11 @@ def onednn_calls(plan: RowPlan, k: int, n: int, dtype: torch.dtype, packed: bool
         return plan.calls(height)
     every, out = _every_height(k, n), []
     for c in plan.calls(height):
-        if c <= plan.dense:
-            out.append(c)
-            continue
-        whole = c if every else c - c % plan.dense
+        whole = c if every or c <= plan.dense else c - c % plan.dense
         if 0 < c - whole < (plan.low or plan.minimum):  # no rest under the plan's smallest height
             whole -= plan.dense
-        if whole > plan.dense:
-            out += [whole] if tall_agrees(k, n, dtype, packed, whole) else plan.dense_calls(whole)
-        elif whole:
-            out.append(whole)
-        rest = c - whole
-        out += plan.dense_calls(rest) if rest > plan.dense else [rest] if rest else []
+        verified = whole > plan.dense and tall_agrees(k, n, dtype, packed, whole)
+        out += ([whole] if verified else plan.dense_calls(whole)) + plan.dense_calls(c - whole)
     return out
 
 

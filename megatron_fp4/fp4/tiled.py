@@ -388,27 +388,24 @@ def _runs_in_place(x: torch.Tensor, weights, counts: list, plan: RowPlan,
 
 def _onednn_runs(x: torch.Tensor, weights, counts: list, plan: RowPlan, packs: Optional[dict],
                  out: torch.Tensor) -> torch.Tensor:
-    """:func:`_runs_in_place` on a oneDNN plan: each run's calls (the heights its padded layout
-    takes, :func:`row_calls.onednn_calls`) read ``x`` [R, K] (contiguous) from the run's first row
-    on, the rows past the run's own in a call being the next runs' rows instead of zeros, and only
-    the run's rows of each product are copied into ``out`` (oneDNN writes a fresh product anyway).
-    A row's bits do not depend on the other rows of a call of a height the plan allows (the probe and
-    the verification put random rows there, aligned and misaligned), so every row has the padded
-    layout's bits, without a zero-filled copy of every row (a scoring pass's 6144 expert rows at
-    hidden 1024: 25 MiB written, ~4 % of the pass); only a call past ``x``'s last row reads a
-    zero-padded copy of its rows."""
-    K, n_out, total = x.shape[1], out.shape[1], x.shape[0]
-    start = 0
+    """:func:`_runs_in_place` on a oneDNN plan: each run's calls (:func:`_row_products` at the height
+    its padded layout takes) read ``x`` [R, K] (contiguous) from the run's first row on, the rows past
+    the run's own in a call being the next runs' rows instead of zeros, and write the products into
+    ``out``'s rows from the run's first on (the rows past the run's own are the next runs', which
+    write theirs after it). A row's bits do not depend on the other rows of a call of a height the
+    plan allows (the probe and the verification put random rows there, aligned and misaligned), so
+    every row has the padded layout's bits, without a zero-filled copy of every row (a scoring pass's
+    6144 expert rows at hidden 1024: 25 MiB written, ~4 % of the pass); only a run whose calls would
+    pass ``x``'s last row reads a zero-padded copy of its rows."""
+    total, start = x.shape[0], 0
     for wt, n in zip(_run_operands(weights, plan, packs), counts):
         if not n:
             continue
-        w = _onednn_weight(wt.t(), packs)
-        at, end = start, start + n
-        for c in onednn_calls(plan, K, n_out, x.dtype, w.is_mkldnn, plan.height(n)):
-            rows = x[at:at + c] if at + c <= total else _padded_rows(x[at:end], c)
-            keep = min(c, end - at)
-            out[at:at + keep] = onednn_linear(rows, w)[:keep]
-            at += c
+        height, end = plan.height(n), start + n
+        if start + height <= total:
+            _row_products(x[start:start + height], wt, out[start:start + height], plan, packs)
+        else:
+            out[start:end] = _row_products(_padded_rows(x[start:end], height), wt, None, plan, packs)[:n]
         start = end
     return out
 
