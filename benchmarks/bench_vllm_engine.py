@@ -36,7 +36,7 @@ def build(args):
     cfg = Config()
     m = cfg.model
     m.vocab_size, m.hidden_size, m.num_layers = args.vocab, args.hidden, args.layers
-    m.num_experts, m.top_k, m.moe_ffn_hidden_size = args.experts, 2, args.ffn
+    m.num_experts, m.top_k, m.moe_ffn_hidden_size = args.experts, getattr(args, "top_k", 2), args.ffn
     m.num_heads, m.num_kv_heads, m.head_dim = args.hidden // 64, max(1, args.hidden // 128), 64
     m.max_seq_len = args.prompt_len + args.new_tokens + 16
     cfg.fp4.scope = "none"

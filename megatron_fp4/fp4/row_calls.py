@@ -84,6 +84,8 @@ from dataclasses import dataclass
 
 import torch
 
+from megatron_fp4.fp4 import row_stream
+
 ROW_TILE = 16  # the smallest GEMM row tile, and attention's query tile
 MAX_ROW_TILE = 128
 TILE_WORK = 1 << 18  # multiply-adds a GEMM tile aims at (a narrow layer's tile grows to reach it)
@@ -109,6 +111,9 @@ TRANSPOSED_COPY_MIN_ELEMENTS = 1 << 15
 # outweighs the per-call cost a batched call saves
 BATCHED_MAX_HEIGHT = 16
 BATCHED_PROBE_GROUPS = (2, 5)  # how many weights one probed batched call stacks
+# a oneDNN plan's calls of at most this many rows are probed for the row-streaming kernel
+# (`row_stream.py`, `RowPlan.stream`): 1.25-1.8x oneDNN's speed at 1-16 rows of a realistic expert
+STREAM_MAX_ROWS = 16
 # What oneDNN keeps in its primitive cache per (weight shape, call height, weight form) once called:
 # measured 8.6-9.0 MiB for 16 heights of either form, whatever the shape ([1024, 256] to [4096, 1024],
 # 1 and 2 threads), 119-125 MiB for the 192 heights 65-256 ([768, 1024], [1024, 384], either form);
@@ -175,6 +180,10 @@ class RowPlan:
     # it up to the cap are each verified at their first call (`tall_agrees`), one that differs cut
     # into probed heights (`dense_calls`). 0: every height of the plan was probed
     dense: int = 0
+    # onednn: calls of up to this many rows give the tiles' bits through the row-streaming kernel too
+    # (`row_stream.stream_linear` on its packed weight; probed at every height up to it, aligned and
+    # misaligned, at one thread), which a rollout model's store-backed calls then take (0: none)
+    stream: int = 0
 
     def height(self, rows: int) -> int:
         """Rows ``rows`` are padded to: whole cap-row calls, then the remainder rounded up to a height
@@ -461,9 +470,29 @@ def _run_probe(k: int, width: int, stride: int, tile: int, dtype: torch.dtype, k
                         and same(shifted[:low - 1], needed):
                     low -= 1
                 tall = kernel == "onednn" and top < TALL_ROWS
+                stream = kernel == "onednn" and width == stride and _stream_agrees(wt.t(), x, shifted, ref)
                 return RowPlan(quantum, minimum, TALL_ROWS if tall else top, kernel, copy, batched,
-                               low if low < minimum else 0, top if tall else 0)
+                               low if low < minimum else 0, top if tall else 0, STREAM_MAX_ROWS if stream else 0)
     return RowPlan(tile, tile, tile)
+
+
+def _stream_agrees(w: torch.Tensor, x: torch.Tensor, shifted: torch.Tensor, ref: torch.Tensor) -> bool:
+    """Whether the row-streaming kernel (`row_stream.py`) on the row-major [n, k] weight ``w``'s
+    packed copy gives every row of ``x`` and of its misaligned copy ``shifted`` the bits ``ref`` of
+    the plan's tiles, at every height 1 .. STREAM_MAX_ROWS, into an output of a wider row stride as
+    well: at one intra-op thread only (the kernel runs on one; past it oneDNN's calls use the
+    threads), where the kernel is available here."""
+    if torch.get_num_threads() != 1 or x.dtype != torch.float32 or not row_stream.available():
+        return False
+    n = w.shape[0]
+    packed = row_stream.stream_pack(w)
+    for h in range(1, STREAM_MAX_ROWS + 1):
+        wide = torch.empty(h, n + row_stream.BLOCK)[:, 1:n + 1]
+        for rows in (x[:h], shifted[:h]):
+            if not (torch.equal(row_stream.stream_linear(rows, packed, n), ref[:h])
+                    and torch.equal(row_stream.stream_linear(rows, packed, n, out=wide), ref[:h])):
+                return False
+    return True
 
 
 def _misaligned(rows: torch.Tensor) -> torch.Tensor:

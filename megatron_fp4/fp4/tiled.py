@@ -63,6 +63,7 @@ from megatron_fp4.fp4.grad_fusion import claim_fused, finish_fused, fused_grad_o
 from megatron_fp4.fp4.row_calls import (BATCHED_MAX_HEIGHT, KEY_BLOCK, MAX_ROW_TILE, MIN_COLUMNS,  # noqa: F401
                                         ROW_TILE, RowPlan, column_blocks, fixed_plan, onednn_calls, onednn_linear,
                                         onednn_pack, query_tile, row_plan, row_tile, tall_rows)
+from megatron_fp4.fp4.row_stream import stream_linear, stream_pack
 
 MIN_VALUE_COLUMNS = 16  # the weighted-value GEMM's width at least (`block_attention`)
 
@@ -169,7 +170,12 @@ def _row_products(xp: torch.Tensor, wt: torch.Tensor, out: Optional[torch.Tensor
     plan with ``transposed_copy`` reads, given a store ``packs``, the weight's contiguous transposed
     copy kept there (:func:`_kept`, :func:`_transposed`; ``wt`` already contiguous: that copy)."""
     if plan.kernel == "onednn":
-        w = _onednn_weight(wt.t(), packs)
+        if plan.stream and packs is not None and xp.shape[0] <= plan.stream and xp.stride(-1) == 1 \
+                and (out is None or out.stride(-1) == 1):  # a decode step's few rows: the row-streaming kernel
+            return stream_linear(xp, _kept(wt.t(), packs, "row-stream pack", stream_pack), wt.shape[1], out)
+        # taller calls (a prefill's): oneDNN, on its packed copy where the streaming kernel does not
+        # serve the plan (where it does, the dense weight: the store keeps one copy of a weight, not two)
+        w = _onednn_weight(wt.t(), None if plan.stream else packs)
         calls = onednn_calls(plan, *wt.shape, xp.dtype, w.is_mkldnn, xp.shape[0])
         if len(calls) == 1:
             y = onednn_linear(xp, w)
@@ -1184,7 +1190,9 @@ def _tall_forward(q, kb, vb, plan, scale: float, window: int, sinks: Optional[to
     KV, Dv, Dw, t = n // B, plan.Dv, plan.Dw, plan.tall
     rep = H // KV
     R, rows, nK = rep * Tq, t.rows, plan.nK
-    flat_q = q.new_zeros(n, rows, D)
+    flat_q = q.new_empty(n, rows, D)
+    if rows > R:  # the padding rows' queries: zeros (finite scores, rows dropped at the end)
+        flat_q[:, R:].zero_()
     torch.mul(q.view(B, KV, rep, Tq, D).transpose(2, 3), scale, out=flat_q[:, :R].view(B, KV, Tq, rep, D))
     m = q.new_empty(n, rows, 1)
     l = q.new_empty(n, rows, 1)
