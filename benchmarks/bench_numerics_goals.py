@@ -20,8 +20,9 @@ and fp4_resq (MoEResQ experts), in this one process:
   bits differ, and routes (expert agreement).
 
 ``--vllm-python``: also the vLLM plugin's rows, in that interpreter (``bench_vllm_goals.py --only
-logprob,throughput``: plugin ÷ stock vLLM tokens/s with FP4 off at ``batch`` at hidden 128 and 1024,
-and the plugin's log-probs vs the trainer at ``batch``).
+logprob,throughput``: plugin ÷ stock vLLM tokens/s with FP4 off at ``batch`` at the realistic MoE
+shape — hidden 1024, 64 experts top-8 of width 384, 2 layers; the test sizes are ``bench_vllm_goals.py``'s
+default — and the plugin's log-probs vs the trainer at ``batch``).
 
 Each ratio is the median of the rounds' paired ratios (the two runners of a round ran back to back),
 its lowest and highest beside it, and a goal is judged on the median (`paired`).
@@ -164,7 +165,8 @@ def vllm_rows(python: str, args) -> list:
     with tempfile.TemporaryDirectory(prefix="bench_numerics_goals-") as tmp:
         dest = Path(tmp) / "rows.json"
         cmd = [python, str(Path(__file__).with_name("bench_vllm_goals.py")), "--only", "logprob,throughput",
-               "--clock", args.clock, "--tp-wide", "1024", "--tp-levels", "batch,standard", "--new-tokens", "32",
+               "--clock", args.clock, "--tp-hidden", "1024", "--tp-wide", "0", "--tp-experts", "64", "--tp-top-k", "8",
+               "--tp-ffn", "384", "--tp-layers", "2", "--tp-levels", "batch,standard", "--new-tokens", "32",
                "--repeats", str(args.repeats), "--json", str(dest)]
         log("vLLM: " + " ".join(cmd))
         env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(Path(__file__).parents[1]),

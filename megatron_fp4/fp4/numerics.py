@@ -147,8 +147,10 @@ class Numerics:
         return self._set(position=replace(now, micro_batch=now.first_micro_batch + local_index))
 
     def weight_packs(self) -> Optional[dict]:
-        """Where the ``batch`` level's GEMMs keep a weight's oneDNN packed copy (``tiled._onednn_weight``)
-        or, on ``mm``, its contiguous transposed copy (``RowPlan.transposed_copy``):
+        """Where the ``batch`` level's GEMMs keep a weight's oneDNN packed copy (``tiled._onednn_weight``),
+        its row-streaming kernel's packed copy where the plan has ``RowPlan.stream`` (one copy either
+        way: oneDNN's taller calls then read the dense weight), or, on ``mm``, its contiguous
+        transposed copy (``RowPlan.transposed_copy``):
         the weight cache of a ``rollout``-mode model (an engine's or the vLLM plugin's: weights constant
         from one version to the next, decode steps of a few rows, which read a packed weight ~2.4× faster),
         None for a trainer's (its weights change every step; a copy of each would cost their memory, and

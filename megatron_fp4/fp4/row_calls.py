@@ -75,6 +75,16 @@ And for a decode step's experts: runs of one small height (up to :data:`BATCHED_
 of consecutive experts may go in one ``bmm`` over their slice of the stacked weight where the probe
 finds it gives each run its own ``mm`` call's bits (``RowPlan.batched``; measured here at every
 height 4-16, 1 and 2 threads, also under ``MKL_CBWR=COMPATIBLE`` and ``AVX2``).
+
+And for a decode step's few rows on a oneDNN plan: oneDNN's fp32 inner product at two rows and
+more computes each element as one fused multiply-add per k in order from +0 (measured on AVX2), and
+so does the project's row-streaming kernel (`row_stream.py`, compiled on first use), which reads a
+weight at 1-16 rows 1.25-1.8x faster than oneDNN's calls (a decode step is weight-bandwidth bound).
+The oneDNN probe tries it at every height 1 .. STREAM_MAX_ROWS, aligned and misaligned rows and a
+wider output stride, against the plan's tiles, at one intra-op thread; where every row agrees the
+plan keeps ``stream`` and a rollout model's store-backed calls of so few rows take the kernel on its
+packed weight (`tiled._row_products`), the trainer's dense calls stay on oneDNN: the same bits
+(measured: realistic generation at `batch` 0.75-0.79x the standard kernels' time, was ~1.1x).
 """
 from __future__ import annotations
 

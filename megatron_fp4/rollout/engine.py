@@ -167,7 +167,8 @@ class RolloutEngine:
     Mode and level are fixed here, when the engine builds its model: the model gets the FP4 `mode`
     and a rollout `Numerics` of its own at `invariance` (design rule 6; nothing switches them per call).
     `cache_quantized_weights` (default True) derives each weight's quantization / exact-GEMM split
-    (and, at the `batch` level, oneDNN's packed copy of each fp32 weight it computes with, or
+    (and, at the `batch` level, oneDNN's packed copy of each fp32 weight it computes with — the
+    row-streaming kernel's instead where its plan has one, `fp4/row_stream.py` — or
     where the weight stays on `mm` its contiguous transposed copy: `Numerics.weight_packs`, one
     more copy of those weights' bytes, ~2.4× / 1.3-1.6× faster decode GEMMs)
     once per weight version instead of at every decode step (`Numerics.cached_weights` with a
