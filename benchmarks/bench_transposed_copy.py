@@ -9,7 +9,9 @@ instead of 64-row ones: a scoring pass's experts and projections at a realistic 
 in_place``: what reading a oneDNN plan's grouped runs in place buys (``tiled._onednn_runs``: a run's
 calls read the next runs' rows where the padded layout has zeros) against the padded layout
 (``GroupedRows``: a zero-filled copy of every row and a gather back; ``tiled.IN_PLACE_ROWS`` raised
-past any pass), timed on the engine's generation and on the trainer's scoring of its sequences.
+past any pass), timed on the engine's generation and on the trainer's scoring of its sequences;
+``--flag stream``: what the row-streaming kernel buys (``RowPlan.stream``, ``fp4/row_stream.py``: a
+decode step's calls of at most 16 rows on a oneDNN plan, at one thread) against oneDNN's calls.
 
     OMP_NUM_THREADS=1 python benchmarks/bench_transposed_copy.py                 # both parts
     OMP_NUM_THREADS=1 python benchmarks/bench_transposed_copy.py --only gemm --heights 4,8,16,64
@@ -20,13 +22,15 @@ past any pass), timed on the engine's generation and on the trainer's scoring of
         --hidden 1024 --layers 2 --experts 64 --top-k 8 --ffn 384 --heads 16 --kv-heads 4 --vocab 8192
     OMP_NUM_THREADS=1 python benchmarks/bench_transposed_copy.py --only generate --flag in_place \
         --hidden 1024 --layers 2 --experts 64 --top-k 8 --ffn 384 --heads 16 --kv-heads 4 --vocab 8192
+    OMP_NUM_THREADS=1 python benchmarks/bench_transposed_copy.py --only generate --flag stream \
+        --hidden 1024 --layers 2 --experts 64 --top-k 8 --ffn 384 --heads 16 --kv-heads 4 --vocab 8192
 
 - gemm: one ``torch.mm`` per weight of a set of ``--mib`` MiB (cycled, so each call reads its weight
   from memory, as a decode step's layers and experts do) at each height, view vs copy, and whether
   the two give the same bits at that height;
 - generate: the rollout engine's greedy generation (the rollout benchmarks' hidden-256 model, FP4
   off and fp4_resq at ``batch``) with the probed plans as they are (copy where the probe kept it)
-  and with ``--flag`` (``transposed_copy``, ``batched``, ``low`` or ``tall``) turned off in every
+  and with ``--flag`` (``transposed_copy``, ``batched``, ``low``, ``tall`` or ``stream``) turned off in every
   plan (``in_place``: the padded layout instead), calls alternating; the same tokens and log-prob
   bits either way (checked); with ``tall`` and ``in_place`` also the trainer's no-grad scoring of the
   generated sequences (`rollout.scoring.score`), the same log-prob bits either way (checked).
@@ -51,7 +55,8 @@ from megatron_fp4.rollout.scoring import score  # noqa: E402
 
 FLAGS = {"transposed_copy": ("view", "copy"), "batched": ("per run", "batched"),
          "low": ("padded to 4", "short calls"), "tall": ("64-row calls", "tall calls"),
-         "in_place": ("padded layout", "in place")}  # plan flag (in_place: tiled.IN_PLACE_ROWS): (off, on) labels
+         "in_place": ("padded layout", "in place"),
+         "stream": ("oneDNN calls", "row-streaming")}  # plan flag (in_place: tiled.IN_PLACE_ROWS): (off, on) labels
 SCORED = ("tall", "in_place")  # the flags whose runs also time the trainer's scoring
 
 

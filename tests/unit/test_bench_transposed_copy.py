@@ -65,6 +65,27 @@ def test_generation_and_scoring_in_place_and_padded_give_the_same_bits(capsys):
     assert tiled.IN_PLACE_ROWS == before
 
 
+def test_generation_with_and_without_the_row_streaming_kernel_gives_the_same_bits(capsys):
+    """``--flag stream``: oneDNN's calls against the row-streaming kernel for a decode step's few rows
+    (where this machine's probe kept it, one thread), the same tokens and log-prob bits (asserted by
+    the benchmark); the rows name the weights whose plans have it."""
+    from megatron_fp4.fp4 import row_stream
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        bench.main(["--only", "generate", "--flag", "stream", "--hidden", "512", "--ffn", "512", "--layers", "1",
+                    "--experts", "4", "--heads", "8", "--kv-heads", "2", "--vocab", "512", "--batch", "3",
+                    "--prompt-len", "20", "--new-tokens", "3", "--repeats", "2", "--modes", "bf16"])
+    finally:
+        torch.set_num_threads(before)
+    out = capsys.readouterr().out
+    assert "| mode (`batch`) | part | oneDNN calls ms | row-streaming ms | row-streaming ÷ oneDNN calls |" in out
+    rows = [line for line in out.splitlines() if line.startswith("| bf16 |")]
+    kept = sorted(f"[{k[1]}, {k[0]}]" for k, p in row_calls._PLANS.items() if p.stream)
+    assert len(rows) == 1 and rows[0].rstrip(" |").endswith(", ".join(kept) or "—")
+    assert not kept or (row_calls._onednn_usable() and row_stream.available())  # kept only where the probe agreed
+
+
 def test_the_gemm_rows_time_both_operands():
     with torch.inference_mode():
         rows = bench.gemm_rows([4, 8], mib=0.5, repeats=1)
