@@ -223,6 +223,39 @@ def test_moe_block_equals_the_trainers_bitwise(vllm_ctx, mode, fmt, level):
 
 
 @needs_vllm
+@pytest.mark.parametrize("mode", ["fp4_resq", "bf16"])
+def test_moe_block_at_onednn_widths_equals_the_trainers_bitwise_a_decode_steps_rows_streamed(vllm_ctx, mode):
+    """Hidden 512 (every expert weight oneDNN's, `row_calls.onednn_serves`), one thread, the `batch`
+    level: a decode step's few rows an expert go through the row-streaming kernel on the plugin's
+    side where this machine's probe kept it (`RowPlan.stream`: the plugin's weight store then holds
+    its packed copies), through oneDNN's dense calls on the trainer's, and a prefill's taller runs
+    through oneDNN on both: every output equal bit for bit."""
+    from megatron_fp4.fp4 import row_calls
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        cfg = tiny_cfg("experts", rollout_mode=mode)
+        E, k, H, F = 4, 2, 512, 512
+        ref = MoELayer(H, E, k, F, recipe_from_config(cfg.fp4, mode), norm_topk_prob=True).eval()
+        init_moe_params(ref, 0.05, 0.05, torch.Generator().manual_seed(5))
+        apply_numerics(ref, Numerics(invariance="batch"))
+        gate_method, gate, experts, moe = plugin_moe(plugin_config(cfg, "batch"), ref, E, k, H, F)
+        for rows in (5, 300):  # a decode step's (1-4 rows an expert), a prefill's (~150 an expert)
+            x = torch.randn(rows, H, generator=torch.Generator().manual_seed(rows))
+            with torch.no_grad():
+                want = ref(x)
+            with torch.inference_mode():
+                got = moe.apply_monolithic(experts, x, gate_method.apply(gate, x))
+            assert torch.equal(got, want), rows
+        streamed = row_calls.row_plan(H, 2 * F, torch.float32, torch.device("cpu")).stream
+        tags = {key[-1] for key in moe.experts.numerics.weight_cache if isinstance(key, tuple)}
+        assert ("row-stream pack" in tags) == bool(streamed), (tags, streamed)
+    finally:
+        torch.set_num_threads(before)
+
+
+@needs_vllm
 @pytest.mark.parametrize("level", ["standard", "batch", "exact"])
 @pytest.mark.parametrize("mode", ["fp4_resq", "fp4", "bf16"])
 def test_attention_and_dense_projections_equal_the_trainers_bitwise(vllm_ctx, mode, level):
