@@ -186,6 +186,8 @@ def test_the_onednn_probe_keeps_matching_heights_else_leaves_the_shape_to_mm(mon
     dense = tile * row_calls.CAP_TILES
     tall = dict(dense=dense)
     top = row_calls.TALL_ROWS
+    # the heights alone: the row-streaming kernel's probe (`RowPlan.stream`: test_row_stream.py) left out
+    monkeypatch.setattr(row_calls, "_stream_agrees", lambda *a: False)
     monkeypatch.setattr(row_calls, "onednn_linear", make(lambda h, w: h % 8 != 0 and not w.is_mkldnn))
     assert row_calls._run_probe(k, n, n, tile, torch.float32, "onednn") == RowPlan(8, 8, top, "onednn", **tall)
     # the short heights below the minimum: kept down from minimum - 1 while both forms agree at each
@@ -461,12 +463,17 @@ def test_onednn_serves_wide_fp32_weights_only():
 
 
 @needs_onednn
-def test_packed_weights_are_made_once_per_version_and_give_the_dense_bits():
+def test_packed_weights_are_made_once_per_version_and_give_the_dense_bits(monkeypatch):
     """The rollout side's packed copy (kept in a weight cache) and the trainer's dense weight give
     the same bits; the copy is reused until the weight changes in place, then remade (an inference
     tensor, which cannot: until the store is cleared); a per-call temporary's copy leaves the store
     with it; no store: the dense weight."""
     from megatron_fp4.fp4.tiled import _onednn_weight
+    # oneDNN's packs alone: plans probed without the row-streaming kernel (whose own packed copy
+    # replaces oneDNN's in a store where a plan keeps it: test_row_stream.py)
+    monkeypatch.setattr(row_calls, "_stream_agrees", lambda *a: False)
+    monkeypatch.setattr(row_calls, "_PLANS", {})
+    monkeypatch.setattr(row_calls, "_probe_cached", functools.lru_cache(maxsize=None)(row_calls._probe_cached.__wrapped__))
     g = torch.Generator().manual_seed(3)
     w = torch.randn(768, 512, generator=g) / 512 ** 0.5
     x = torch.randn(37, 512, generator=g)
