@@ -178,13 +178,13 @@ def stream_linear(x: torch.Tensor, wp: torch.Tensor, n: int, out: Optional[torch
     M, K = x.shape
     if fn is None:
         raise RuntimeError("megatron_fp4: the row-streaming GEMM is not available here (row_stream.available())")
-    if x.dtype != torch.float32 or wp.dtype != torch.float32 or x.device.type != "cpu" \
+    if x.dtype != torch.float32 or wp.dtype != torch.float32 or x.device.type != "cpu" or wp.device.type != "cpu" \
             or (K > 1 and x.stride(1) != 1) or not wp.is_contiguous() or wp.shape != (-(-n // BLOCK), K, BLOCK):
         raise ValueError(f"stream_linear: x {tuple(x.shape)} {x.dtype} stride {x.stride()} and a packed weight "
                          f"{tuple(wp.shape)} {wp.dtype} for {n} columns (want fp32 rows with unit stride and "
                          f"[{-(-n // BLOCK)}, {K}, {BLOCK}] from stream_pack)")
     out = x.new_empty(M, n) if out is None else out
-    if out.shape != (M, n) or out.dtype != torch.float32 or (n > 1 and out.stride(1) != 1):
+    if out.shape != (M, n) or out.dtype != torch.float32 or out.device.type != "cpu" or (n > 1 and out.stride(1) != 1):
         raise ValueError(f"stream_linear: out {tuple(out.shape)} {out.dtype} stride {out.stride()} for [{M}, {n}] fp32")
     if M:
         fn(x.data_ptr(), M, K, x.stride(0), wp.data_ptr(), n, out.data_ptr(), out.stride(0))

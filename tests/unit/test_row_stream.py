@@ -64,6 +64,10 @@ def test_stream_linear_refuses_operands_it_cannot_read():
         row_stream.stream_linear(torch.randn(3, 16), packed, 40)  # not the weight it packs
     with pytest.raises(ValueError, match="out"):
         row_stream.stream_linear(torch.randn(3, 16), packed, 32, out=torch.empty(32, 3).t())
+    with pytest.raises(ValueError, match="out"):
+        row_stream.stream_linear(torch.randn(3, 16), packed, 32, out=torch.empty(3, 32, device="meta"))
+    with pytest.raises(ValueError, match="stream_pack"):
+        row_stream.stream_linear(torch.randn(3, 16), packed.to("meta"), 32)
 
 
 @needs_kernel
@@ -81,7 +85,8 @@ def test_where_onednn_serves_the_probe_keeps_the_kernel_only_if_it_gives_the_til
         w = torch.randn(n, k, generator=gen)
         x = torch.randn(row_calls.STREAM_MAX_ROWS, k, generator=gen)
         tile = row_calls.row_tile(k, n)
-        ref = torch.cat([row_calls.onednn_linear(t, w) for t in torch.cat([x, x]).split(tile)])[:x.shape[0]]
+        padded = torch.cat([x, x.new_zeros(-x.shape[0] % tile, k)])  # whole tiles, as the probe's reference
+        ref = torch.cat([row_calls.onednn_linear(t, w) for t in padded.split(tile)])[:x.shape[0]]
         shifted = row_calls._misaligned(x)
         agrees = row_calls._stream_agrees(w, x, shifted, ref)
         assert agrees == torch.equal(row_stream.stream_linear(x, row_stream.stream_pack(w), n), ref)
